@@ -1,0 +1,41 @@
+# Shepherd: the two set-up commands are `make run` and `make test`.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint unit bench venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# Command 1: install and start a mock engine plus one node on embedded defaults.
+run: $(STAMP)
+	$(BIN)/python -m shepherd.node.devrun
+
+# Command 2: everything the tests need, then lint, types and the whole suite.
+test: $(STAMP)
+	$(BIN)/ruff check shepherd tests bench
+	$(BIN)/ruff format --check shepherd tests bench
+	$(BIN)/mypy
+	$(BIN)/pytest tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check shepherd tests bench
+	$(BIN)/ruff format --check shepherd tests bench
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/pytest tests/unit
+
+bench: $(STAMP)
+	$(BIN)/smg-bench all
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

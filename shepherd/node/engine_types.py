@@ -1,0 +1,171 @@
+"""What the node says to an engine and what it hears back, independent of the wire.
+
+Engine clients (gRPC SGLang, gRPC vLLM, a lean HTTP/2 transport, ...) all translate between these
+types and their own protocol, so the request pipeline never sees a protobuf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class EngineError(Exception):
+    """An engine failed a call. ``retryable`` when no output was produced and another worker may try."""
+
+    def __init__(self, message: str, *, code: str = "engine_error", retryable: bool = True) -> None:
+        super().__init__(message)
+        self.code = code
+        self.retryable = retryable
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached (connection refused, reset, DNS...)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="engine_unavailable", retryable=True)
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer within the deadline."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="engine_timeout", retryable=False)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Every field explicit: proto3 zero defaults are not the semantic defaults."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int | None = None
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stream_interval: int | None = None
+    # structured output constraint: at most one of these
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    request_id: str
+    input_ids: Sequence[int]
+    sampling: SamplingParams
+    stream: bool = True
+    logprobs: bool = False
+    top_logprobs: int = 0
+    text: str = ""  # the rendered prompt, for reference only (engines get ids)
+    # PD disaggregation (SGLang bootstrap) and vLLM KV transfer, relayed verbatim
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
+    kv_transfer_params_json: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(slots=True)
+class EngineChunk:
+    """New output tokens of choice ``index`` (streaming)."""
+
+    index: int
+    token_ids: Sequence[int]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: Sequence[TokenLogprob] = ()
+
+
+@dataclass(slots=True)
+class EngineComplete:
+    """Choice ``index`` finished. ``output_ids`` holds all tokens for non-stream calls, else may be empty."""
+
+    index: int
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    output_ids: Sequence[int] = ()
+    matched_token_id: int | None = None
+    matched_stop_str: str | None = None
+    logprobs: Sequence[TokenLogprob] = ()
+    kv_transfer_params_json: str | None = None
+
+
+EngineEvent = EngineChunk | EngineComplete
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    served_model_name: str = ""
+    model_path: str = ""
+    max_context_length: int = 0
+    vocab_size: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    kind: str  # "sglang" | "vllm" | "http"
+    version: str = ""
+    active_requests: int = 0
+    max_total_num_tokens: int = 0
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What the engine reports about its own load (GetLoads), summed over DP ranks."""
+
+    running: int = 0
+    waiting: int = 0
+    used_tokens: int = 0
+    max_total_tokens: int = 0
+    token_usage: float = 0.0
+    waiting_uncached_tokens: int = 0
+    max_running: int = 0
+    cache_hit_rate: float = 0.0
+
+
+class EngineClient(Protocol):
+    """One client per worker, reused; methods are safe to call concurrently."""
+
+    url: str
+    kind: str
+
+    def generate(self, req: GenerateRequest, timeout: float | None = None) -> AsyncIterator[EngineEvent]:
+        """Stream events until every choice has an EngineComplete. Raises EngineError."""
+        ...
+
+    async def abort(self, request_id: str, reason: str = "") -> None: ...
+
+    async def health_check(self, timeout: float = 2.0) -> bool: ...
+
+    async def model_info(self) -> ModelInfo: ...
+
+    async def server_info(self) -> ServerInfo: ...
+
+    async def loads(self) -> EngineLoad: ...
+
+    async def close(self) -> None: ...
