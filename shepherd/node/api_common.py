@@ -1,0 +1,222 @@
+"""Shared HTTP plumbing: the app key, body reading with a size limit, the error middleware, SSE keep-alive
+comments, and the relay to OpenAI HTTP workers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from shepherd.node.engine_http import HttpRelayClient
+from shepherd.node.engine_types import EngineError
+from shepherd.node.openai_protocol import ApiError, parse_json_body
+from shepherd.node.sse import KEEPALIVE
+
+if TYPE_CHECKING:
+    from shepherd.node.gateway import Gateway
+
+log = logging.getLogger("shepherd.api")
+
+GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway")
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict[str, Any]]:
+    if request.content_length is not None and request.content_length > limit:
+        raise ApiError(
+            413, f"The request body is larger than the limit of {limit} bytes.", code="body_too_large"
+        )
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(
+            413, f"The request body is larger than the limit of {limit} bytes.", code="body_too_large"
+        ) from None
+    return raw, parse_json_body(raw)
+
+
+def error_response(err: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=err.status, body=err.body(), content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    gw: Gateway = request.app[GATEWAY]
+    path = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    gw.in_flight += 1
+    gw.metrics.in_flight.inc()
+    status = 500
+    try:
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except ApiError as e:
+        status = e.status
+        gw.metrics.errors.labels(path, e.code or e.type).inc()
+        return error_response(e)
+    except EngineError as e:
+        status = 504 if e.code == "engine_timeout" else 502
+        gw.metrics.errors.labels(path, e.code).inc()
+        return error_response(ApiError(status, str(e), type="server_error", code=e.code))
+    except TimeoutError:
+        status = 504
+        gw.metrics.errors.labels(path, "timeout").inc()
+        return error_response(ApiError(504, "The request timed out.", type="server_error", code="timeout"))
+    except web.HTTPException as e:
+        status = e.status
+        if e.status < 400:
+            raise
+        msg = e.text or e.reason
+        if e.status == 404:
+            msg = f"No route for {request.method} {request.path}."
+        elif e.status == 405:
+            msg = f"Method {request.method} is not allowed on {request.path}."
+        gw.metrics.errors.labels(path, str(e.status)).inc()
+        return error_response(
+            ApiError(e.status, msg, type=_STATUS_TYPES.get(e.status, "invalid_request_error"))
+        )
+    except (asyncio.CancelledError, ConnectionResetError):
+        status = 499
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        gw.metrics.errors.labels(path, "internal").inc()
+        return error_response(
+            ApiError(500, "Internal error in the gateway.", type="internal_error", code="internal")
+        )
+    finally:
+        gw.in_flight -= 1
+        gw.metrics.in_flight.dec()
+        gw.metrics.requests.labels(path, request.get("model", ""), str(status)).inc()
+
+
+class _Entry:
+    __slots__ = ("last", "resp")
+
+    def __init__(self, resp: web.StreamResponse) -> None:
+        self.resp = resp
+        self.last = time.monotonic()
+
+    def touch(self) -> None:
+        self.last = time.monotonic()
+
+
+class KeepAlive:
+    """One ticker for all open SSE streams: a comment line on each stream idle for ``interval`` seconds,
+    so proxies and clients don't time out during long prefills or queueing."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._streams: weakref.WeakKeyDictionary[web.StreamResponse, _Entry] = weakref.WeakKeyDictionary()
+        self._task: asyncio.Task[None] | None = None
+
+    def register(self, resp: web.StreamResponse) -> _Entry:
+        e = _Entry(resp)
+        self._streams[resp] = e
+        return e
+
+    def unregister(self, resp: web.StreamResponse) -> None:
+        self._streams.pop(resp, None)
+
+    def start(self) -> None:
+        if self.interval > 0:
+            self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        tick = max(0.05, min(1.0, self.interval / 2))
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for e in list(self._streams.values()):
+                if now - e.last >= self.interval:
+                    e.touch()
+                    with contextlib.suppress(Exception):
+                        await e.resp.write(KEEPALIVE)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
+async def relay(
+    request: web.Request, gw: Gateway, model: str, raw: bytes, body: dict[str, Any], path: str, stream: bool
+) -> web.StreamResponse:
+    """Pass a request to an OpenAI HTTP worker; SSE flows back as it arrives. Retries another worker when
+    the connection fails before any answer."""
+    tried: set[str] = set()
+    last: EngineError | None = None
+    for _ in range(gw.cfg.max_retries + 1):
+        w = gw.pick(model, tried, [], request.headers.get("x-smg-routing-key"), http=True)
+        if w is None:
+            break
+        client = w.client
+        assert isinstance(client, HttpRelayClient)
+        served = w.info.served_model_name if w.info else ""
+        payload = (
+            raw if not served or served == body.get("model") else orjson.dumps({**body, "model": served})
+        )
+        headers = {"Content-Type": "application/json"}
+        if rid := request.headers.get("x-request-id"):
+            headers["x-request-id"] = rid
+        w.in_flight += 1
+        try:
+            try:
+                upstream = await client.post(path, payload, headers)
+            except EngineError as e:
+                gw.registry.record_result(w, False)
+                tried.add(w.id)
+                last = e
+                continue
+            gw.registry.record_result(w, upstream.status < 500)
+            try:
+                ctype = upstream.headers.get("Content-Type", "application/json")
+                if stream and upstream.status == 200:
+                    resp = web.StreamResponse(
+                        status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
+                    )
+                    await resp.prepare(request)
+                    try:
+                        async for chunk in upstream.content.iter_any():
+                            await resp.write(chunk)
+                    except (aiohttp.ClientError, TimeoutError) as e:
+                        from shepherd.node.sse import DONE, error_event
+
+                        await resp.write(
+                            error_event(f"worker stream failed: {e}", code="engine_error") + DONE
+                        )
+                    return resp
+                data = await upstream.read()
+                return web.Response(status=upstream.status, body=data, headers={"Content-Type": ctype})
+            finally:
+                upstream.release()
+        finally:
+            w.in_flight -= 1
+    if last is not None:
+        raise last
+    raise ApiError(
+        503,
+        f"No healthy worker is available for model '{model}'.",
+        type="service_unavailable",
+        code="no_available_worker",
+    )

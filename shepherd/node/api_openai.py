@@ -1,0 +1,417 @@
+"""OpenAI-compatible generation endpoints: /v1/chat/completions and /v1/completions (stream and not)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from shepherd.node.api_common import GATEWAY, read_json, relay
+from shepherd.node.engine_types import EngineChunk, EngineError, GenerateRequest, SamplingParams, TokenLogprob
+from shepherd.node.gateway import EngineStream, Gateway
+from shepherd.node.logprobs import LogprobFormatter
+from shepherd.node.openai_protocol import ApiError, Sampling, bad, parse_chat, parse_completion
+from shepherd.node.output import ChoiceState
+from shepherd.node.sse import DONE, ChatChunks, CompletionChunks, error_event, usage
+from shepherd.node.tokenizer import ChatTemplateError, Tokenizer
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+
+
+def engine_sampling(s: Sampling, max_new_tokens: int, stream_interval: int | None) -> SamplingParams:
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        repetition_penalty=s.repetition_penalty,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=s.min_tokens,
+        stop_token_ids=s.stop_token_ids,
+        ignore_eos=s.ignore_eos,
+        skip_special_tokens=s.skip_special_tokens,
+        spaces_between_special_tokens=s.spaces_between_special_tokens,
+        n=s.n,
+        seed=s.seed,
+        logit_bias=s.logit_bias,
+        stream_interval=stream_interval,
+    )
+
+
+@dataclass(slots=True)
+class Job:
+    """One engine request of an API call (a completions call with several prompts has several)."""
+
+    ids: list[int]
+    text: str
+    states: list[ChoiceState]
+    index_base: int
+    echo: str = ""
+
+
+@dataclass(slots=True)
+class Totals:
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+
+
+def _request_id(request: web.Request, prefix: str) -> str:
+    rid = request.headers.get("x-request-id")
+    if rid and len(rid) <= 128 and rid.isprintable():
+        return rid
+    return prefix + uuid.uuid4().hex
+
+
+class Generation:
+    """Drives the engine stream(s) of one API call and encodes the answer in its API's shape."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        gw: Gateway,
+        model: str,
+        tok: Tokenizer,
+        sampling: Sampling,
+        *,
+        chat: bool,
+        rid: str,
+        t0: float,
+        logprobs: int | None,
+    ) -> None:
+        self.request = request
+        self.gw = gw
+        self.model = model
+        self.tok = tok
+        self.s = sampling
+        self.chat = chat
+        self.rid = rid
+        self.t0 = t0
+        self.created = int(time.time())
+        self.logprobs = logprobs
+        self.lpfmt = LogprobFormatter(tok) if logprobs is not None else None
+        self.totals = Totals()
+        self.engine_seconds = 0.0
+
+    def _lp(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if self.lpfmt is None or not entries:
+            return None
+        if self.chat:
+            return self.lpfmt.chat(entries, self.logprobs or 0)
+        return self.lpfmt.completion(entries, self.logprobs or 0)
+
+    def _gen_request(self, job: Job, max_new: int, suffix: str, stream: bool) -> GenerateRequest:
+        return GenerateRequest(
+            request_id=self.rid + suffix,
+            input_ids=job.ids,
+            sampling=engine_sampling(self.s, max_new, self.gw.cfg.stream_interval),
+            stream=stream,
+            logprobs=self.logprobs is not None,
+            top_logprobs=self.logprobs or 0,
+            text=job.text,
+        )
+
+    async def _open(self, job: Job, i: int, stream: bool) -> EngineStream:
+        max_new = self.gw.check_context(self.model, len(job.ids), self.s.max_tokens)
+        gen = self._gen_request(job, max_new, "" if i == 0 else f"-p{i}", stream)
+        h = self.request.headers
+        return await self.gw.open_stream(
+            self.model, gen, target=h.get("x-smg-target-worker"), routing_key=h.get("x-smg-routing-key")
+        )
+
+    def check_jobs(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.gw.check_context(self.model, len(job.ids), self.s.max_tokens)
+
+    async def _drive(self, es: EngineStream, job: Job, emit: Callable[[list[bytes]], Any] | None) -> None:
+        """Consume one engine stream into ``job.states``; ``emit`` gets encoded chunks (streaming)."""
+        states = job.states
+        remaining = len(states)
+        engine_open = len(states)
+        seen_chunks = [False] * len(states)
+        enc = self._encoder() if emit is not None else None
+        itl = self.gw.metrics.itl.labels(self.model)
+        last = time.perf_counter()
+        first = True
+        out: list[bytes] = []
+        async for ev in es.events():
+            now = time.perf_counter()
+            if first:
+                self.gw.metrics.ttft.labels(self.model).observe(now - self.t0)
+                first = False
+            if ev.index >= len(states):
+                raise EngineError(f"engine sent choice index {ev.index} for n={len(states)}", retryable=False)
+            st = states[ev.index]
+            idx = job.index_base + ev.index
+            if isinstance(ev, EngineChunk):
+                if ev.token_ids:
+                    itl.observe((now - last) / len(ev.token_ids))
+                seen_chunks[ev.index] = True
+                was_done = st.finished
+                text = st.feed(ev.token_ids, ev.logprobs)
+                if enc is not None and (text or ev.logprobs):
+                    out.append(enc.content(idx, text, self._lp(ev.logprobs)))
+                if st.finished and not was_done:
+                    remaining -= 1
+                    if enc is not None:
+                        out.append(enc.finish(idx, st.finish_reason or "stop", st.matched))
+                self.totals.cached = max(self.totals.cached, ev.cached_tokens)
+            else:
+                engine_open -= 1
+                self.totals.cached = max(self.totals.cached, ev.cached_tokens)
+                if not st.finished:
+                    if not seen_chunks[ev.index] and ev.output_ids:
+                        text = st.feed(ev.output_ids, ev.logprobs)
+                        if enc is not None and text:
+                            out.append(enc.content(idx, text, self._lp(ev.logprobs)))
+                    if not st.finished:
+                        text = st.end(ev.finish_reason)
+                        if enc is not None and text:
+                            out.append(enc.content(idx, text, None))
+                    remaining -= 1
+                    if enc is not None:
+                        out.append(enc.finish(idx, st.finish_reason or "stop", st.matched))
+            last = now
+            if out and emit is not None:
+                await emit(out)
+                out = []
+            if engine_open == 0:
+                es.completed = True
+                break
+            if remaining == 0:
+                break  # every choice ended on a gateway-side stop: the engine request is aborted on close
+        if remaining:
+            raise EngineError("the engine ended the stream before every choice finished", retryable=False)
+
+    def _encoder(self) -> ChatChunks | CompletionChunks:
+        if self.chat:
+            return ChatChunks(self.rid, self.created, self.model)
+        return CompletionChunks(self.rid, self.created, self.model)
+
+    def _account(self, job: Job) -> None:
+        completion = sum(st.tokens for st in job.states)
+        self.totals.prompt += len(job.ids)
+        self.totals.completion += completion
+        m = self.gw.metrics
+        m.tokens.labels(self.model, "prompt").inc(len(job.ids))
+        m.tokens.labels(self.model, "completion").inc(completion)
+
+    def _done(self) -> None:
+        self.request["model"] = self.model
+        self.gw.metrics.e2e.labels(self.model).observe(time.perf_counter() - self.t0)
+
+    # ---- non-streaming ----------------------------------------------------------------------------
+
+    async def respond(self, jobs: list[Job]) -> web.Response:
+        self.check_jobs(jobs)
+        engine_t = 0.0
+        # Without stop strings the engine sends everything in one message; with them we stream so that a
+        # gateway-side stop can abort generation early.
+        engine_stream = bool(self.s.stop)
+        for i, job in enumerate(jobs):
+            t_dispatch = time.perf_counter()
+            es = await self._open(job, i, engine_stream)
+            try:
+                await self._drive(es, job, None)
+            finally:
+                await es.close("stop" if es.completed is False else "done")
+            engine_t += time.perf_counter() - t_dispatch
+            self._account(job)
+        choices = [c for job in jobs for c in self._final_choices(job)]
+        body = {
+            "id": self.rid,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(self.totals.prompt, self.totals.completion, self.totals.cached),
+        }
+        self.engine_seconds = engine_t
+        self._done()
+        return web.Response(body=orjson.dumps(body), content_type="application/json", headers=self._headers())
+
+    def _final_choices(self, job: Job) -> list[dict[str, Any]]:
+        out = []
+        for st in job.states:
+            lp = self._lp(st.logprobs)
+            if self.chat:
+                out.append(
+                    {
+                        "index": job.index_base + st.index,
+                        "message": {"role": "assistant", "content": st.full_text()},
+                        "logprobs": lp,
+                        "finish_reason": st.finish_reason,
+                        "matched_stop": st.matched,
+                    }
+                )
+            else:
+                out.append(
+                    {
+                        "index": job.index_base + st.index,
+                        "text": job.echo + st.full_text(),
+                        "logprobs": lp,
+                        "finish_reason": st.finish_reason,
+                        "matched_stop": st.matched,
+                    }
+                )
+        return out
+
+    def _headers(self) -> dict[str, str]:
+        own = time.perf_counter() - self.t0 - self.engine_seconds
+        return {"x-request-id": self.rid, "x-smg-gateway-ms": f"{own * 1000:.3f}"}
+
+    # ---- streaming -----------------------------------------------------------------------------------
+
+    async def stream(self, jobs: list[Job]) -> web.StreamResponse:
+        self.check_jobs(jobs)
+        es = await self._open(jobs[0], 0, True)  # errors before this point are plain HTTP errors
+        resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, **self._headers()})
+        enc = self._encoder()
+        try:
+            await resp.prepare(self.request)
+            ka = self.gw.keepalive.register(resp)
+
+            async def emit(chunks: list[bytes]) -> None:
+                ka.touch()
+                await resp.write(b"".join(chunks))
+
+            try:
+                for i, job in enumerate(jobs):
+                    if i > 0:
+                        es = await self._open(job, i, True)
+                    if self.chat:
+                        assert isinstance(enc, ChatChunks)
+                        await emit([enc.role(job.index_base + st.index) for st in job.states])
+                    elif job.echo:
+                        await emit([enc.content(job.index_base + st.index, job.echo) for st in job.states])
+                    try:
+                        await self._drive(es, job, emit)
+                    finally:
+                        await es.close("stop")
+                    self._account(job)
+                tail = []
+                if self.s.include_usage:
+                    tail.append(
+                        enc.usage(usage(self.totals.prompt, self.totals.completion, self.totals.cached))
+                    )
+                tail.append(DONE)
+                await resp.write(b"".join(tail))
+                self._done()
+            except (EngineError, ApiError, TimeoutError) as e:
+                # headers are gone: report in-band, then end the stream cleanly
+                msg, code = _describe(e)
+                self.gw.metrics.errors.labels(self.request.path, code).inc()
+                await resp.write(error_event(msg, "server_error", code) + DONE)
+            finally:
+                self.gw.keepalive.unregister(resp)
+        finally:
+            await es.close("cancelled")
+        return resp
+
+
+def _describe(e: BaseException) -> tuple[str, str]:
+    if isinstance(e, ApiError):
+        return e.message, e.code or "error"
+    if isinstance(e, EngineError):
+        return str(e), e.code
+    return "the request timed out", "timeout"
+
+
+# ---- handlers ----------------------------------------------------------------------------------------
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    gw: Gateway = request.app[GATEWAY]
+    t0 = time.perf_counter()
+    raw, d = await read_json(request, gw.cfg.max_body_bytes)
+    req = parse_chat(d)
+    model = gw.resolve_model(req.model)
+    if gw.relay_mode(model):
+        return await relay(request, gw, model, raw, d, "/v1/chat/completions", req.sampling.stream)
+    if req.sampling.n > 1 and req.sampling.temperature == 0 and req.sampling.seed is None:
+        pass  # allowed: identical greedy samples, as engines do
+    tok = gw.tokenizer(model)
+    try:
+        text, ids = await gw.tokenizers.render_and_encode(
+            model,
+            req.messages,
+            req.tools,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.template_kwargs,
+        )
+    except ChatTemplateError as e:
+        raise bad(
+            f"Cannot render the chat template: {e}", param="messages", code="chat_template_error"
+        ) from None
+    states = [ChoiceState(i, tok, req.sampling) for i in range(req.sampling.n)]
+    g = Generation(
+        request,
+        gw,
+        model,
+        tok,
+        req.sampling,
+        chat=True,
+        rid=_request_id(request, "chatcmpl-"),
+        t0=t0,
+        logprobs=req.top_logprobs if req.logprobs else None,
+    )
+    jobs = [Job(ids, text, states, 0)]
+    gw.metrics.overhead.observe(time.perf_counter() - t0)
+    if req.sampling.stream:
+        return await g.stream(jobs)
+    return await g.respond(jobs)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    gw: Gateway = request.app[GATEWAY]
+    t0 = time.perf_counter()
+    raw, d = await read_json(request, gw.cfg.max_body_bytes)
+    req = parse_completion(d)
+    model = gw.resolve_model(req.model)
+    if gw.relay_mode(model):
+        return await relay(request, gw, model, raw, d, "/v1/completions", req.sampling.stream)
+    tok = gw.tokenizer(model)
+    jobs: list[Job] = []
+    vocab = tok.vocab_size
+    for i, p in enumerate(req.prompts):
+        if isinstance(p, str):
+            ids = await gw.tokenizers.encode(model, p)
+            text = p
+        else:
+            if any(t >= vocab for t in p):
+                raise bad(
+                    f"prompt {i} holds a token id outside the vocabulary (size {vocab}).", param="prompt"
+                )
+            ids, text = p, ""
+        if not ids:
+            raise bad(f"prompt {i} is empty.", param="prompt")
+        states = [ChoiceState(j, tok, req.sampling) for j in range(req.sampling.n)]
+        echo = (text or tok.decode(ids, skip_special_tokens=False)) if req.echo else ""
+        jobs.append(Job(ids, text, states, i * req.sampling.n, echo))
+    g = Generation(
+        request,
+        gw,
+        model,
+        tok,
+        req.sampling,
+        chat=False,
+        rid=_request_id(request, "cmpl-"),
+        t0=t0,
+        logprobs=req.logprobs,
+    )
+    gw.metrics.overhead.observe(time.perf_counter() - t0)
+    if req.sampling.stream:
+        return await g.stream(jobs)
+    return await g.respond(jobs)
+
+
+def routes() -> list[web.RouteDef]:
+    return [web.post("/v1/chat/completions", chat_completions), web.post("/v1/completions", completions)]

@@ -1,0 +1,440 @@
+"""Chat templates rendered the way ``transformers.apply_chat_template`` renders them.
+
+A template is compiled once in a jinja2 sandbox configured as transformers configures it
+(``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, a no-op ``{% generation %}`` block) plus the
+``do`` extension, and rendered with the context transformers gives it: ``messages``, ``tools``,
+``documents``, ``add_generation_prompt``, the special-token strings (``bos_token``, ``eos_token``, ...),
+``raise_exception``, ``strftime_now``, a ``tojson`` filter that keeps non-ASCII, and any extra keyword
+arguments (``enable_thinking``, ``reasoning_effort``, ...).
+
+Rendered prompts are kept in a bounded LRU keyed by an order-preserving serialization of the inputs:
+key order matters (``tojson`` and ``items()`` render dict keys in insertion order), so keys are NOT
+sorted.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Final
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import orjson
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
+
+__all__ = [
+    "ChatTemplate",
+    "ChatTemplateError",
+    "make_environment",
+    "normalize_tool_call_arguments",
+    "normalize_tool_call_ids",
+]
+
+Message = Mapping[str, Any]
+
+
+class ChatTemplateError(ValueError):
+    """The prompt could not be rendered: no template, the template refused the input, or bad input."""
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers' AssistantTracker) rendered as its body."""
+
+    tags: Final = {"generation"}  # type: ignore[misc]
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers overrides jinja's tojson (which HTML-escapes) with exactly this
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _TemplateDict:
+    """``dict(...)`` for templates without the type's attributes (transformers' hardening)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """``namespace(...)`` refusing underscore-prefixed attributes (transformers' hardening)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's signature trick: no named self
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _check_namespace_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _check_namespace_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+
+def _check_namespace_name(name: object) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(
+            f"chat templates cannot store underscore-prefixed attributes on a namespace ({name!r})"
+        )
+
+
+def make_environment(*, immutable: bool = True) -> SandboxedEnvironment:
+    """A sandboxed environment configured as transformers configures it (plus ``do``).
+
+    ImmutableSandboxedEnvironment by default, as transformers uses: a template that renders there
+    renders identically here, and a template cannot mutate the caller's messages.
+    bench/tokenizer_bench.py prints its cost next to SandboxedEnvironment's.
+    """
+    cls = ImmutableSandboxedEnvironment if immutable else SandboxedEnvironment
+    env = cls(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, jinja2.ext.loopcontrols, jinja2.ext.do],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+_ENV: SandboxedEnvironment | None = None
+
+
+def _environment() -> SandboxedEnvironment:
+    global _ENV
+    if _ENV is None:
+        _ENV = make_environment()
+    return _ENV
+
+
+class ChatTemplate:
+    """One compiled template plus the special-token strings it is rendered with, and a render cache.
+
+    ``special_tokens`` is transformers' ``special_tokens_map`` (``bos_token``, ``eos_token``,
+    ``pad_token``, ...: strings, absent when unset); template kwargs override it.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        *,
+        name: str = "default",
+        special_tokens: Mapping[str, Any] | None = None,
+        cache_size: int = 1024,
+        env: SandboxedEnvironment | None = None,
+    ) -> None:
+        self.name = name
+        self.source = source
+        self.special_tokens: dict[str, Any] = dict(special_tokens or {})
+        try:
+            self._template = (env or _environment()).from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"chat template {name!r} does not compile: {e}") from e
+        # A template that asks for the clock renders differently over time: never cache those.
+        self.cacheable = "strftime_now" not in source and cache_size > 0
+        self._cache: OrderedDict[bytes, str] = OrderedDict()
+        self._cache_size = cache_size
+        self.hits = 0
+        self.misses = 0
+
+    @classmethod
+    def from_file(
+        cls, path: str | Path, *, name: str = "default", special_tokens: Mapping[str, Any] | None = None
+    ) -> ChatTemplate:
+        return cls(Path(path).read_text(encoding="utf-8"), name=name, special_tokens=special_tokens)
+
+    @staticmethod
+    def serialize(
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool | str,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> bytes | None:
+        """The render inputs as order-preserving JSON: the render-cache key, and what a pool worker
+        receives (None when they are not plain JSON data: such renders are neither cached nor sent).
+
+        Keys are not sorted: dict order shows in renders (``tojson``, ``items()``)."""
+        try:
+            return orjson.dumps(
+                (messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
+            )
+        except TypeError:
+            return None
+
+    def render_serialized(self, payload: bytes) -> str:
+        """Render from ``serialize``'s output (what a pool worker runs)."""
+        messages, tools, add_generation_prompt, continue_final_message, template_kwargs = orjson.loads(
+            payload
+        )
+        return self.render_uncached(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
+
+    def cached(self, key: bytes | None) -> str | None:
+        """The cached render for ``key`` (counts a hit or a miss)."""
+        if key is None or not self.cacheable:
+            self.misses += 1
+            return None
+        text = self._cache.get(key)
+        if text is None:
+            self.misses += 1
+            return None
+        self._cache.move_to_end(key)
+        self.hits += 1
+        return text
+
+    def store(self, key: bytes | None, text: str) -> None:
+        if key is None or not self.cacheable:
+            return
+        self._cache[key] = text
+        self._cache.move_to_end(key)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool | str = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Render through the cache."""
+        key = self.serialize(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
+        text = self.cached(key)
+        if text is None:
+            text = self.render_uncached(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs,
+            )
+            self.store(key, text)
+        return text
+
+    def render_uncached(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool | str = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Render as transformers 5.x ``apply_chat_template(tokenize=False)`` does: message keys whose
+        value is None are dropped, reasoning fields are aliased (``reasoning_content`` / ``thinking``),
+        ``continue_final_message`` (True, or the name of the field to continue) cuts the render at the
+        end of the final message."""
+        chat = _prepare_messages(messages)
+        if tools is not None and (
+            isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence)
+        ):
+            raise ChatTemplateError("tools must be a list of JSON schemas")
+        if tools is not None:
+            for tool in tools:
+                if not isinstance(tool, Mapping):
+                    raise ChatTemplateError("each tool must be a JSON schema object")
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError("continue_final_message and add_generation_prompt are not compatible")
+            _tag_final_message(chat, continue_final_message, self.source)
+        context: dict[str, Any] = dict(self.special_tokens)
+        if template_kwargs:
+            context.update(template_kwargs)
+        context["messages"] = chat
+        context["tools"] = tools
+        context.setdefault("documents", None)
+        context["add_generation_prompt"] = add_generation_prompt
+        try:
+            rendered = self._template.render(context)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template {self.name!r}: {e}") from e
+        except (TypeError, KeyError, AttributeError, IndexError, ValueError) as e:
+            # a template indexing into a message shape it did not expect
+            raise ChatTemplateError(f"chat template {self.name!r} failed on these messages: {e!r}") from e
+        if continue_final_message:
+            rendered = _cut_at_tag(rendered)
+        return rendered
+
+
+_REASONING_FIELDS: Final = ("reasoning_content", "thinking", "reasoning")
+_CONTINUE_TAG: Final = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _prepare_messages(messages: object) -> list[dict[str, Any]]:
+    """Fresh shallow copies: None-valued keys dropped, reasoning aliased (transformers 5.x)."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise ChatTemplateError("messages must be a list of objects")
+    if not messages:
+        raise ChatTemplateError("messages must not be empty")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ChatTemplateError(f"messages[{i}] must be an object, not {type(m).__name__}")
+        msg = {k: v for k, v in m.items() if v is not None}
+        if not isinstance(msg.get("role"), str):
+            raise ChatTemplateError(f"messages[{i}].role must be a string")
+        reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
+        if reasoning is not None:
+            msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+        out.append(msg)
+    return out
+
+
+def _tag_final_message(chat: list[dict[str, Any]], field: bool | str, source: str) -> None:
+    name = field if isinstance(field, str) else "content"
+    last = chat[-1]
+    final = last.get(name)
+    if final is None:
+        raise ChatTemplateError(f"continue_final_message is set but the final message has no {name!r}")
+    fields = [name]
+    if name in _REASONING_FIELDS:
+        fields = [f for f in _REASONING_FIELDS if last.get(f) == final]
+    if not any(f in source for f in fields):
+        raise ChatTemplateError(f"continue_final_message: the chat template does not read {name!r}")
+    if isinstance(final, list | tuple):
+        blocks = list(final)
+        for j in range(len(blocks) - 1, -1, -1):
+            block = blocks[j]
+            if isinstance(block, Mapping) and isinstance(block.get("text"), str):
+                blocks[j] = {**block, "text": block["text"] + _CONTINUE_TAG}
+                last[name] = blocks
+                return
+        raise ChatTemplateError("continue_final_message is set but the final message has no text to continue")
+    if not isinstance(final, str):
+        raise ChatTemplateError(f"continue_final_message: the final message's {name!r} is not text")
+    for f in fields:
+        last[f] = last[f] + _CONTINUE_TAG
+
+
+def _cut_at_tag(rendered: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if tag not in rendered:
+        raise ChatTemplateError(
+            "continue_final_message is set but the final message does not appear in the rendered chat"
+        )
+    loc = rendered.rindex(tag)
+    if rendered[loc : loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:loc]
+    return rendered[:loc].rstrip()
+
+
+def normalize_tool_call_arguments(messages: Sequence[Message], as_string: bool) -> list[dict[str, Any]]:
+    """Copies of ``messages`` whose tool-call ``arguments`` are JSON strings (``as_string``) or objects.
+
+    DeepSeek and Mistral templates concatenate ``arguments`` as a string; Qwen and Llama templates
+    take either (Llama's ``tojson`` of a string double-encodes, so objects are right there).
+    Arguments that are a string but not valid JSON are left as they are when objects are wanted.
+    Messages without tool calls are shallow-copied unchanged.
+    """
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if not calls:
+            out.append(dict(m))
+            continue
+        new_calls: list[Any] = []
+        for call in calls:
+            if not isinstance(call, Mapping):
+                new_calls.append(call)
+                continue
+            call = dict(call)
+            fn = call.get("function")
+            if isinstance(fn, Mapping):
+                fn = dict(fn)
+                fn["arguments"] = _convert_arguments(fn.get("arguments"), as_string)
+                call["function"] = fn
+            elif "arguments" in call:
+                call["arguments"] = _convert_arguments(call["arguments"], as_string)
+            new_calls.append(call)
+        copy = dict(m)
+        copy["tool_calls"] = new_calls
+        out.append(copy)
+    return out
+
+
+def _convert_arguments(args: Any, as_string: bool) -> Any:
+    if as_string:
+        if args is None:
+            return "{}"
+        if isinstance(args, str):
+            return args
+        return json.dumps(args, ensure_ascii=False)
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
+_ID_ALPHABET: Final = string.ascii_letters + string.digits
+
+
+def normalize_tool_call_ids(messages: Sequence[Message], length: int = 9) -> list[dict[str, Any]]:
+    """Copies of ``messages`` whose tool-call ids (and the tool results' ``tool_call_id``) are
+    ``length`` alphanumeric characters, as Mistral templates demand. An id that already fits is kept;
+    others are mapped to a deterministic replacement (same id in → same id out, within this call)."""
+    mapping: dict[str, str] = {}
+
+    def fix(ident: Any) -> Any:
+        if not isinstance(ident, str):
+            return ident
+        if len(ident) == length and ident.isalnum():
+            return ident
+        if ident not in mapping:
+            rng = random.Random(ident)
+            mapping[ident] = "".join(rng.choice(_ID_ALPHABET) for _ in range(length))
+        return mapping[ident]
+
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        copy = dict(m)
+        calls = m.get("tool_calls")
+        if calls:
+            copy["tool_calls"] = [
+                {**c, "id": fix(c["id"])} if isinstance(c, Mapping) and "id" in c else c for c in calls
+            ]
+        if "tool_call_id" in m:
+            copy["tool_call_id"] = fix(m["tool_call_id"])
+        out.append(copy)
+    return out

@@ -1,0 +1,160 @@
+"""Engine client over grpcio (grpc.aio): SGLang scheduler and vLLM engine services.
+
+One channel per worker, reused by every call; keepalive and large windows. The service is chosen by the
+worker URL (``sglang://``, ``vllm://``) or detected from GetServerInfo (``grpc://``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import grpc.aio
+from smg_grpc_proto import sglang_scheduler_pb2 as sg
+from smg_grpc_proto import sglang_scheduler_pb2_grpc as sg_grpc
+from smg_grpc_proto import vllm_engine_pb2 as vl
+from smg_grpc_proto import vllm_engine_pb2_grpc as vl_grpc
+
+from shepherd.node.engine_types import (
+    EngineError,
+    EngineEvent,
+    EngineLoad,
+    EngineTimeout,
+    EngineUnavailable,
+    GenerateRequest,
+    ModelInfo,
+    ServerInfo,
+)
+from shepherd.proto import engine_codec as codec
+
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.http2.lookahead_bytes", 4 * 1024 * 1024),
+    ("grpc.enable_retries", 0),
+]
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
+
+
+def map_rpc_error(err: grpc.aio.AioRpcError) -> EngineError:
+    code = err.code()
+    detail = err.details() or code.name
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return EngineTimeout(f"engine timed out: {detail}")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return EngineUnavailable(f"engine unavailable: {detail}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return EngineError(f"engine rejected the request: {detail}", code="invalid_request", retryable=False)
+    return EngineError(f"engine error ({code.name}): {detail}", retryable=code in _RETRYABLE)
+
+
+class GrpcEngineClient:
+    """EngineClient for ``grpc://``, ``sglang://`` and ``vllm://`` workers."""
+
+    def __init__(self, url: str, target: str, kind: str | None = None) -> None:
+        self.url = url
+        self.target = target
+        self.kind = kind or "unknown"
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._sg = sg_grpc.SglangSchedulerStub(self._channel)
+        self._vl = vl_grpc.VllmEngineStub(self._channel)
+
+    async def detect(self, timeout: float = 5.0) -> str:
+        """Settle ``kind`` by asking GetServerInfo of each service (SGLang first)."""
+        if self.kind in ("sglang", "vllm"):
+            return self.kind
+        try:
+            await self._sg.GetServerInfo(sg.GetServerInfoRequest(), timeout=timeout)
+            self.kind = "sglang"
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise map_rpc_error(e) from None
+            try:
+                await self._vl.GetServerInfo(vl.GetServerInfoRequest(), timeout=timeout)
+            except grpc.aio.AioRpcError as e2:
+                raise map_rpc_error(e2) from None
+            self.kind = "vllm"
+        return self.kind
+
+    def _generate_call(self, req: GenerateRequest, timeout: float | None) -> Any:
+        if self.kind == "vllm":
+            return self._vl.Generate(codec.vllm_generate(req), timeout=timeout)
+        return self._sg.Generate(codec.sglang_generate(req), timeout=timeout)
+
+    async def generate(
+        self, req: GenerateRequest, timeout: float | None = None
+    ) -> AsyncIterator[EngineEvent]:
+        if self.kind == "unknown":
+            await self.detect()
+        call = self._generate_call(req, timeout)
+        decode = codec.decode_response
+        try:
+            async for resp in call:
+                ev = decode(resp)
+                if ev is not None:
+                    yield ev
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e) from None
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def abort(self, request_id: str, reason: str = "") -> None:
+        try:
+            if self.kind == "vllm":
+                await self._vl.Abort(vl.AbortRequest(request_ids=[request_id]), timeout=5.0)
+            else:
+                await self._sg.Abort(sg.AbortRequest(request_id=request_id, reason=reason), timeout=5.0)
+        except grpc.aio.AioRpcError:
+            pass  # best effort: the stream cancellation also frees the request
+
+    async def health_check(self, timeout: float = 2.0) -> bool:
+        try:
+            if self.kind == "unknown":
+                await self.detect(timeout)
+            if self.kind == "vllm":
+                r: Any = await self._vl.HealthCheck(vl.HealthCheckRequest(), timeout=timeout)
+            else:
+                r = await self._sg.HealthCheck(sg.HealthCheckRequest(), timeout=timeout)
+        except (grpc.aio.AioRpcError, EngineError):
+            return False
+        return bool(r.healthy)
+
+    async def model_info(self) -> ModelInfo:
+        try:
+            if self.kind == "vllm":
+                r: Any = await self._vl.GetModelInfo(vl.GetModelInfoRequest(), timeout=5.0)
+            else:
+                r = await self._sg.GetModelInfo(sg.GetModelInfoRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e) from None
+        return codec.decode_model_info(r)
+
+    async def server_info(self) -> ServerInfo:
+        try:
+            if self.kind == "vllm":
+                r: Any = await self._vl.GetServerInfo(vl.GetServerInfoRequest(), timeout=5.0)
+            else:
+                r = await self._sg.GetServerInfo(sg.GetServerInfoRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e) from None
+        return codec.decode_server_info(r, self.kind)
+
+    async def loads(self) -> EngineLoad:
+        try:
+            if self.kind == "vllm":
+                r: Any = await self._vl.GetLoads(vl.GetLoadsRequest(include=["core"]), timeout=5.0)
+            else:
+                r = await self._sg.GetLoads(sg.GetLoadsRequest(include=["core"]), timeout=5.0)
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e) from None
+        return codec.decode_loads(r)
+
+    async def close(self) -> None:
+        await self._channel.close(grace=None)

@@ -1,0 +1,310 @@
+"""The node's request machinery: models and their tokenizers, dispatch to a worker with retry, abort.
+
+The HTTP handlers (api_*.py) parse and encode; this module owns what happens between: the prompt
+becomes ids, a policy picks a worker, an engine stream is opened (retried on another worker when it fails
+before its first token), and an engine request that is no longer wanted is always aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from shepherd.node.api_common import KeepAlive
+from shepherd.node.config import ModelConfig, NodeConfig
+from shepherd.node.engine_http import HttpRelayClient
+from shepherd.node.engine_types import EngineError, EngineEvent, GenerateRequest
+from shepherd.node.metrics import NodeMetrics, counter, gauge
+from shepherd.node.openai_protocol import ApiError
+from shepherd.node.tokenizer import Tokenizer
+from shepherd.node.tokenizer_pool import TokenizerService
+from shepherd.node.workers import Worker, WorkerRegistry
+from shepherd.policies.base import RouteRequest
+from shepherd.policies.simple import make_policy
+
+log = logging.getLogger("shepherd.gateway")
+
+
+def model_not_found(model: str, known: list[str]) -> ApiError:
+    return ApiError(
+        404,
+        f"The model '{model}' does not exist. Available models: {', '.join(known) or 'none'}.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+@dataclass(slots=True)
+class EngineStream:
+    """An open Generate stream on one worker. ``close()`` aborts the engine request unless it completed."""
+
+    gateway: Gateway
+    worker: Worker
+    request_id: str
+    agen: AsyncGenerator[EngineEvent, None]
+    first: EngineEvent
+    completed: bool = False
+    closed: bool = False
+
+    async def events(self) -> AsyncIterator[EngineEvent]:
+        yield self.first
+        async for ev in self.agen:
+            yield ev
+
+    async def close(self, reason: str = "cancelled") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.worker.in_flight -= 1
+        if not self.completed:
+            self.gateway.abort_in_background(self.worker, self.request_id, reason)
+        with contextlib.suppress(Exception):
+            await self.agen.aclose()
+
+
+class Gateway:
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.metrics = NodeMetrics()
+        self.registry = WorkerRegistry(cfg)
+        self.policy = make_policy(cfg.policy)
+        self.models: dict[str, ModelConfig] = {m.name: m for m in cfg.model_configs()}
+        self.tokenizers = TokenizerService(
+            {m.name: Path(m.model_path) for m in self.models.values()},
+            workers=cfg.tokenizer_workers,
+            inline_max_chars=cfg.tokenizer_inline_max_chars,
+            chat_templates={m.name: m.chat_template for m in self.models.values() if m.chat_template},
+        )
+        self.keepalive = KeepAlive(cfg.sse_keepalive_secs)
+        self.draining = False
+        self.in_flight = 0
+        self._background: set[asyncio.Task[Any]] = set()
+        self.started_at = time.time()
+        self.metrics.add_callback(self._collect)
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.tokenizers.start()
+        adds = [self.registry.add(url, m.name) for m in self.models.values() for url in m.worker_urls]
+        await asyncio.gather(*adds)
+        self.registry.start()
+        self.keepalive.start()
+
+    async def close(self) -> None:
+        await self.keepalive.close()
+        await self.registry.close()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.tokenizers.close()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        t = asyncio.create_task(coro)
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    # ---- models --------------------------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        return list(self.models)
+
+    def resolve_model(self, name: str) -> str:
+        if name in self.models:
+            return name
+        if len(self.models) == 1 and name == "default":
+            return next(iter(self.models))
+        raise model_not_found(name, self.model_names())
+
+    def tokenizer(self, model: str) -> Tokenizer:
+        return self.tokenizers.get(model)
+
+    def context_length(self, model: str) -> int:
+        mc = self.models[model]
+        if mc.context_length:
+            return mc.context_length
+        lens = [
+            w.info.max_context_length
+            for w in self.registry.for_model(model)
+            if w.info and w.info.max_context_length
+        ]
+        if lens:
+            return min(lens)
+        return self.tokenizer(model).model_max_length
+
+    def check_context(self, model: str, n_prompt: int, max_tokens: int | None) -> int:
+        """Validate the prompt against the context; returns max_new_tokens to ask the engine for."""
+        ctx = self.context_length(model)
+        if n_prompt >= ctx or (max_tokens is not None and n_prompt + max_tokens > ctx):
+            want = f" plus {max_tokens} output tokens" if max_tokens is not None else ""
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{n_prompt} prompt tokens{want}. Please reduce the length of the messages or completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return max_tokens if max_tokens is not None else ctx - n_prompt
+
+    # ---- dispatch ------------------------------------------------------------------------------------
+
+    def relay_mode(self, model: str) -> bool:
+        """A model whose workers are all OpenAI HTTP workers is relayed, not tokenized."""
+        ws = self.registry.for_model(model)
+        return bool(ws) and all(w.is_http for w in ws)
+
+    def pick(
+        self,
+        model: str,
+        exclude: set[str],
+        input_ids: list[int],
+        routing_key: str | None,
+        *,
+        http: bool = False,
+    ) -> Worker | None:
+        candidates = [w for w in self.registry.routable(model, exclude) if w.is_http == http]
+        if not candidates:
+            return None
+        views = [w.view() for w in candidates]
+        choice = self.policy.pick(
+            views, RouteRequest(model=model, input_ids=input_ids, routing_key=routing_key)
+        )
+        if choice is None:
+            return None
+        w = self.registry.get(choice.id)
+        if w is None or not w.breaker.acquire(self.registry.clock()):
+            return None
+        return w
+
+    async def open_stream(
+        self, model: str, gen: GenerateRequest, *, target: str | None = None, routing_key: str | None = None
+    ) -> EngineStream:
+        """Send ``gen`` to a worker and wait for its first event; retry elsewhere on early failure."""
+        tried: set[str] = set()
+        attempt = 0
+        last_error: EngineError | None = None
+        while True:
+            if target is not None:
+                w = self.registry.find(target)
+                if w is None or w.model != model:
+                    raise ApiError(400, f"x-smg-target-worker {target!r} is not a worker of model {model!r}.")
+            else:
+                w = self.pick(model, tried, list(gen.input_ids), routing_key)
+            if w is None:
+                if last_error is not None:
+                    raise last_error
+                raise ApiError(
+                    503,
+                    f"No healthy worker is available for model '{model}'.",
+                    type="service_unavailable",
+                    code="no_available_worker",
+                )
+            req = gen if attempt == 0 else _with_id(gen, f"{gen.request_id}-r{attempt}")
+            client = w.client
+            if isinstance(client, HttpRelayClient):
+                raise ApiError(500, "internal: HTTP worker on the gRPC path", type="internal_error")
+            w.in_flight += 1
+            agen = cast(
+                AsyncGenerator[EngineEvent, None], client.generate(req, timeout=self.cfg.request_timeout_secs)
+            )
+            try:
+                first = await anext(agen)
+            except StopAsyncIteration:
+                w.in_flight -= 1
+                self.registry.record_result(w, False)
+                last_error = EngineError("engine closed the stream without output")
+            except EngineError as e:
+                w.in_flight -= 1
+                self.registry.record_result(w, False)
+                last_error = e
+                if not e.retryable or target is not None:
+                    raise
+            except BaseException:
+                w.in_flight -= 1
+                self.abort_in_background(w, req.request_id, "cancelled")
+                with contextlib.suppress(Exception):
+                    await agen.aclose()
+                raise
+            else:
+                self.registry.record_result(w, True)
+                return EngineStream(self, w, req.request_id, agen, first)
+            with contextlib.suppress(Exception):
+                await agen.aclose()
+            tried.add(w.id)
+            attempt += 1
+            if attempt > self.cfg.max_retries:
+                raise last_error
+            self.metrics.retries.inc()
+            log.info("retrying request %s on another worker after: %s", gen.request_id, last_error)
+
+    def abort_in_background(self, w: Worker, request_id: str, reason: str) -> None:
+        self.metrics.aborts.labels(reason).inc()
+        client = w.client
+        abort = getattr(client, "abort", None)
+        if abort is not None:
+            self.spawn(abort(request_id, reason))
+
+    # ---- metrics ------------------------------------------------------------------------------------
+
+    def _collect(self) -> list[Any]:
+        ws = list(self.registry.workers.values())
+        stats = self.tokenizers.stats()
+        return [
+            gauge(
+                "smg_worker_healthy",
+                "1 if the worker is healthy",
+                ["worker", "model"],
+                [([w.url, w.model], float(w.health.healthy)) for w in ws],
+            ),
+            gauge(
+                "smg_worker_in_flight",
+                "This node's requests on the worker",
+                ["worker"],
+                [([w.url], float(w.in_flight)) for w in ws],
+            ),
+            gauge(
+                "smg_worker_circuit_open",
+                "1 if the worker's circuit breaker is open",
+                ["worker"],
+                [([w.url], float(w.breaker.state.value != "closed")) for w in ws],
+            ),
+            gauge(
+                "smg_engine_running_requests",
+                "Running requests the engine reports",
+                ["worker"],
+                [([w.url], float(w.load.running)) for w in ws],
+            ),
+            gauge(
+                "smg_engine_waiting_requests",
+                "Waiting requests the engine reports",
+                ["worker"],
+                [([w.url], float(w.load.waiting)) for w in ws],
+            ),
+            counter(
+                "smg_tokenizer_cache",
+                "Tokenizer cache lookups by level and result",
+                ["level", "result"],
+                _cache_rows(stats),
+            ),
+        ]
+
+
+def _cache_rows(stats: dict[str, int]) -> list[tuple[list[str], float]]:
+    rows = []
+    for key, val in stats.items():
+        # keys like "l0_hits", "l1_misses", "render_hits"
+        level, _, result = key.rpartition("_")
+        if level and result in ("hits", "misses"):
+            rows.append(([level, result], float(val)))
+    return rows
+
+
+def _with_id(gen: GenerateRequest, rid: str) -> GenerateRequest:
+    from dataclasses import replace
+
+    return replace(gen, request_id=rid)

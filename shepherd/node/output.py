@@ -1,0 +1,83 @@
+"""Per-choice output state: token ids in, visible text out (detokenizer -> stop matcher), plus logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from shepherd.node.detokenizer import IncrementalDetokenizer
+from shepherd.node.engine_types import TokenLogprob
+from shepherd.node.openai_protocol import Sampling
+from shepherd.node.stop import StopMatcher
+from shepherd.node.tokenizer import Tokenizer
+
+
+class ChoiceState:
+    __slots__ = (
+        "detok",
+        "finish_reason",
+        "finished",
+        "index",
+        "logprobs",
+        "matched",
+        "stop",
+        "text",
+        "tokens",
+    )
+
+    def __init__(self, index: int, tok: Tokenizer, s: Sampling) -> None:
+        self.index = index
+        self.detok = IncrementalDetokenizer(tok.hf, skip_special_tokens=s.skip_special_tokens)
+        self.stop = StopMatcher(
+            stop=s.stop,
+            include_stop_str_in_output=s.include_stop_str_in_output,
+            stop_token_ids=s.stop_token_ids,
+            eos_token_ids=tok.eos_token_ids,
+            ignore_eos=s.ignore_eos,
+        )
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.matched: str | int | None = None
+        self.tokens = 0
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+
+    def feed(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob] = ()) -> str:
+        """New engine tokens -> newly visible text ('' if held back). Marks the choice finished on a stop."""
+        if self.finished:
+            return ""
+        self.tokens += len(ids)
+        if logprobs:
+            self.logprobs.extend(logprobs)
+        res = self.stop.feed(self.detok.step(ids), ids)
+        if res.finished:
+            self.finished = True
+            self.finish_reason = "stop"
+            self.matched = res.matched
+        if res.visible:
+            self.text.append(res.visible)
+        return res.visible
+
+    def end(self, reason: str) -> str:
+        """The engine finished this choice: release held text, settle the finish reason."""
+        if self.finished:
+            return ""
+        self.finished = True
+        tail = self.detok.finish()
+        visible = ""
+        if tail:
+            res = self.stop.feed(tail, ())
+            visible = res.visible
+            if res.finished:
+                self.matched = res.matched
+                self.finish_reason = "stop"
+        if self.finish_reason is None:
+            visible += self.stop.flush()
+            self.finish_reason = (
+                "length" if reason == "length" else ("abort" if reason == "abort" else "stop")
+            )
+        if visible:
+            self.text.append(visible)
+        return visible
+
+    def full_text(self) -> str:
+        return "".join(self.text)

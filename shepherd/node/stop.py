@@ -1,0 +1,262 @@
+"""Stop conditions of one choice: stop strings with a hold-back buffer, stop token ids, EOS.
+
+Pure state machines, no tokenizer: ``StopMatcher`` is fed the detokenizer's text increments and the
+token ids they came from; ``StoppingDecoder`` wires a detokenizer (anything with ``step``/``finish``)
+to a matcher so that the stop-token/text interplay is done in one place.
+
+Semantics (the same for every chunking of the text, and what a non-streaming call returns):
+
+- Generation stops at the first point where the text contains a stop string: for the shortest prefix
+  ``T[:e]`` of the output text that contains one, the match is the one ending at ``e``; when several
+  end there (``"ab"`` and ``"b"``), the earliest-starting (longest) one wins. The output is cut before
+  the match, or right after it with ``include_stop_str_in_output``. Nothing after it is ever emitted.
+  (A stop string that would start earlier but end later than one already complete does not win: the
+  engine is told to stop as soon as a stop string appears, like vLLM, SGLang and OpenAI.)
+- Text that could still become a stop string (a suffix that is a proper prefix of one) is held back,
+  never emitted early; it is released as soon as it cannot match, or by ``flush()`` at the natural end.
+  With ``include_stop_str_in_output`` nothing needs holding (the text is output either way).
+- A stop token id (``stop_token_ids``, and the EOS ids unless ``ignore_eos``) ends the choice; its
+  text is not output (unless ``include_stop_str_in_output``, as vLLM does) and ids after it are ignored.
+  Any held text is released then: no stop string can complete any more.
+- Empty stop strings are ignored; duplicates are merged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["StopMatcher", "StopResult", "StoppingDecoder", "TextDecoder"]
+
+
+@dataclass(frozen=True, slots=True)
+class StopResult:
+    """What one feed produced: ``visible`` text safe to emit now; ``finished`` once a stop condition
+    matched, with ``matched`` the stop string (str) or stop token id (int)."""
+
+    visible: str
+    finished: bool = False
+    matched: str | int | None = None
+
+
+_NOTHING = StopResult("")
+
+
+class StopMatcher:
+    """Streaming matcher for one choice. Feed ``(new_text, new_token_ids)``; call ``flush()`` at the
+    natural end of the output (length limit, engine-side stop) to release held text."""
+
+    __slots__ = (
+        "_by_first",
+        "_context",
+        "_finished",
+        "_held",
+        "_include",
+        "_matched",
+        "_maxlen",
+        "_stop_ids",
+        "_stops",
+    )
+
+    def __init__(
+        self,
+        stop: Iterable[str] = (),
+        *,
+        include_stop_str_in_output: bool = False,
+        stop_token_ids: Iterable[int] = (),
+        eos_token_ids: Iterable[int] = (),
+        ignore_eos: bool = False,
+    ) -> None:
+        stops = tuple(dict.fromkeys(s for s in stop if s))
+        self._stops = stops
+        self._maxlen = max((len(s) for s in stops), default=0)
+        by_first: dict[str, list[str]] = {}
+        for s in stops:
+            by_first.setdefault(s[0], []).append(s)
+        self._by_first = {c: tuple(v) for c, v in by_first.items()}
+        self._include = include_stop_str_in_output
+        ids = set(stop_token_ids)
+        if not ignore_eos:
+            ids.update(eos_token_ids)
+        self._stop_ids = frozenset(ids)
+        self._held = ""  # not yet emitted: could be the start of a stop string (exclude mode only)
+        self._context = ""  # include mode: the last maxlen-1 chars already emitted, to search across chunks
+        self._finished = False
+        self._matched: str | int | None = None
+
+    # -- configuration and state ------------------------------------------------------------------
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return self._stops
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self._stop_ids
+
+    @property
+    def include_stop_str_in_output(self) -> bool:
+        return self._include
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    @property
+    def matched(self) -> str | int | None:
+        return self._matched
+
+    @property
+    def held(self) -> str:
+        """Text fed but not yet emitted (a possible start of a stop string)."""
+        return self._held
+
+    def stop_token_index(self, token_ids: Sequence[int]) -> int:
+        """Index of the first stop token in ``token_ids``, or -1."""
+        stop_ids = self._stop_ids
+        if stop_ids and not stop_ids.isdisjoint(token_ids):
+            for i, t in enumerate(token_ids):
+                if t in stop_ids:
+                    return i
+        return -1
+
+    def text_ids(self, token_ids: Sequence[int]) -> Sequence[int]:
+        """The ids whose text belongs in the output: those before the first stop token (and the stop
+        token itself with ``include_stop_str_in_output``). Detokenize these, then ``feed`` the text
+        with the full ``token_ids``."""
+        i = self.stop_token_index(token_ids)
+        if i < 0:
+            return token_ids
+        return token_ids[: i + 1] if self._include else token_ids[:i]
+
+    # -- feeding ----------------------------------------------------------------------------------
+
+    def feed(self, new_text: str, new_token_ids: Sequence[int] = ()) -> StopResult:
+        """Feed the text of the next ids (as ``text_ids`` selects them) and the ids themselves."""
+        if self._finished:
+            return StopResult("", True, self._matched)
+        if new_text and self._stops:
+            visible = self._include_text(new_text) if self._include else self._exclude_text(new_text)
+            if self.finished:  # (the property: mypy keeps the narrowing of the attribute)
+                return StopResult(visible, True, self._matched)
+        else:
+            visible = new_text
+        stop_ids = self._stop_ids
+        if stop_ids and new_token_ids and not stop_ids.isdisjoint(new_token_ids):
+            self._finished = True
+            self._matched = new_token_ids[self.stop_token_index(new_token_ids)]
+            if self._held:
+                visible, self._held = visible + self._held, ""
+            return StopResult(visible, True, self._matched)
+        if not visible:
+            return _NOTHING
+        return StopResult(visible)
+
+    def flush(self) -> str:
+        """Natural end of the output: release the held text (``""`` once a stop matched)."""
+        held, self._held = self._held, ""
+        return "" if self._finished else held
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _earliest(self, buf: str) -> tuple[int, str] | None:
+        """The first-completed stop string in ``buf`` (ties: earliest start) as (start, stop)."""
+        best: tuple[int, str] | None = None
+        best_end = 0
+        for s in self._stops:
+            i = buf.find(s)
+            if i >= 0:
+                end = i + len(s)
+                if best is None or end < best_end or (end == best_end and i < best[0]):
+                    best, best_end = (i, s), end
+        return best
+
+    def _exclude_text(self, text: str) -> str:
+        held = self._held
+        buf = held + text if held else text
+        hit = self._earliest(buf)
+        if hit is not None:
+            start, stop = hit
+            self._finished, self._matched, self._held = True, stop, ""
+            return buf[:start]
+        cut = self._holdback_start(buf)
+        self._held = buf[cut:]
+        return buf[:cut] if cut < len(buf) else buf
+
+    def _include_text(self, text: str) -> str:
+        context = self._context
+        buf = context + text if context else text
+        hit = self._earliest(buf)
+        if hit is not None:
+            start, stop = hit
+            self._finished, self._matched, self._context = True, stop, ""
+            return buf[len(context) : start + len(stop)]
+        keep = self._maxlen - 1
+        self._context = buf[-keep:] if keep else ""
+        return text
+
+    def _holdback_start(self, buf: str) -> int:
+        """Smallest i such that ``buf[i:]`` is a proper prefix of a stop string, else ``len(buf)``.
+
+        Only the last maxlen-1 positions can qualify; candidate positions are found with ``str.find``
+        on each stop string's first character (C speed), so the common no-candidate case is cheap.
+        """
+        n = len(buf)
+        lo = n - self._maxlen + 1
+        if lo < 0:
+            lo = 0
+        best = n
+        for first, stops in self._by_first.items():
+            i = buf.find(first, lo, best)
+            while i >= 0:
+                suffix = buf[i:]
+                if any(s.startswith(suffix) for s in stops):
+                    best = i
+                    break
+                i = buf.find(first, i + 1, best)
+        return best
+
+
+class TextDecoder(Protocol):
+    """What ``StoppingDecoder`` needs of a detokenizer (``IncrementalDetokenizer`` fits)."""
+
+    def step(self, ids: Sequence[int]) -> str: ...
+
+    def finish(self) -> str: ...
+
+
+class StoppingDecoder:
+    """One choice's output text: detokenize, then apply stop conditions.
+
+    ``feed(ids)`` per engine chunk, ``finish()`` at the natural end (length, engine-side stop); both
+    return a ``StopResult`` whose ``visible`` text is ready for the reasoning/tool parsers. Once
+    ``finished``, ignore further engine output (and abort the engine request).
+    """
+
+    __slots__ = ("decoder", "matcher")
+
+    def __init__(self, decoder: TextDecoder, matcher: StopMatcher) -> None:
+        self.decoder = decoder
+        self.matcher = matcher
+
+    def feed(self, token_ids: Sequence[int]) -> StopResult:
+        matcher = self.matcher
+        if matcher.finished:
+            return StopResult("", True, matcher.matched)
+        i = matcher.stop_token_index(token_ids)
+        if i < 0:
+            return matcher.feed(self.decoder.step(token_ids), token_ids)
+        # a stop token ends the output: render the ids before it (and it, when included), flush
+        text = self.decoder.step(token_ids[: i + 1] if matcher.include_stop_str_in_output else token_ids[:i])
+        return matcher.feed(text + self.decoder.finish(), token_ids)
+
+    def finish(self) -> StopResult:
+        """Natural end: flush the detokenizer through the matcher, then release held text."""
+        matcher = self.matcher
+        if matcher.finished:
+            return StopResult("", True, matcher.matched)
+        result = matcher.feed(self.decoder.finish())
+        if result.finished:
+            return result
+        return StopResult(result.visible + matcher.flush())

@@ -1,0 +1,368 @@
+"""Token-id caches for one tokenizer: L0 exact, L1 per special-token segment.
+
+L0 maps ``(text, add_special_tokens)`` to ids. L1 cuts the text right after every added token the
+tokenizer itself splits out (found leftmost-longest, as its aho-corasick matcher does), caches the
+ids of each such segment and encodes only the segments it has not seen, each with
+``add_special_tokens=False``; the post-processor's own ids (a BOS, ...) are put around the whole once.
+
+Why this is exact: ``tokenizers`` extracts added tokens before normalizing and pre-tokenizing, and
+runs the normalizer, pre-tokenizer and model on each piece between them separately, so a piece's ids
+do not depend on its neighbours. That holds unless a component looks across pieces: added tokens with
+``lstrip``/``rstrip``/``single_word`` (they look at neighbouring characters), a Metaspace
+pre-tokenizer that prepends only to the first piece, ``encode_special_tokens``, or a post-processor
+that is not "fixed ids around the sequence". Such tokenizers get L1 disabled (``segmenting`` is False,
+``segmenting_disabled_reason`` says why) and a self-test on probe strings must also pass at
+construction. The invariant, property-tested: ``cache.encode(t, a) == hf.encode(t, a).ids``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import tokenizers
+
+__all__ = ["CacheLimits", "EncodePlan", "SpecialSplitter", "TokenCache"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLimits:
+    """Bounds of one tokenizer's caches (entries and total ids held, whichever binds first)."""
+
+    exact_entries: int = 4096
+    exact_ids: int = 1 << 20
+    segment_entries: int = 32768
+    segment_ids: int = 1 << 20
+
+
+class _LRU:
+    """An LRU of id lists bounded by entry count and total ids."""
+
+    __slots__ = ("_d", "max_entries", "max_ids", "total_ids")
+
+    def __init__(self, max_entries: int, max_ids: int) -> None:
+        self._d: OrderedDict[object, list[int]] = OrderedDict()
+        self.max_entries = max_entries
+        self.max_ids = max_ids
+        self.total_ids = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def get(self, key: object) -> list[int] | None:
+        ids = self._d.get(key)
+        if ids is not None:
+            self._d.move_to_end(key)
+        return ids
+
+    def put(self, key: object, ids: list[int]) -> None:
+        n = len(ids)
+        if n > self.max_ids or self.max_entries <= 0:
+            return
+        old = self._d.pop(key, None)
+        if old is not None:
+            self.total_ids -= len(old)
+        self._d[key] = ids
+        self.total_ids += n
+        while len(self._d) > self.max_entries or self.total_ids > self.max_ids:
+            _, evicted = self._d.popitem(last=False)
+            self.total_ids -= len(evicted)
+
+    def clear(self) -> None:
+        self._d.clear()
+        self.total_ids = 0
+
+
+def _alternation(tokens: Sequence[str]) -> re.Pattern[str] | None:
+    """A regex matching ``tokens`` leftmost-longest: at one position, Python's ``re`` takes the first
+    alternative that matches, so longer tokens go first."""
+    if not tokens:
+        return None
+    ordered = sorted(set(tokens), key=lambda s: (-len(s), s))
+    return re.compile("|".join(re.escape(t) for t in ordered))
+
+
+class SpecialSplitter:
+    """Cuts text right after each added token, matched the way ``tokenizers`` matches them.
+
+    ``raw`` are the added tokens matched on the raw text (``normalized=False``); ``normalized`` are
+    matched afterwards inside the gaps between raw matches, which is only the same thing on raw text
+    when the normalizer is the identity (the caller passes ``()`` otherwise: they are then simply not
+    used as cut points, which is still exact).
+    """
+
+    def __init__(self, raw: Sequence[str], normalized: Sequence[str] = ()) -> None:
+        self._raw = _alternation(raw)
+        self._norm = _alternation(normalized)
+
+    @property
+    def active(self) -> bool:
+        return self._raw is not None or self._norm is not None
+
+    def cuts(self, text: str) -> list[int]:
+        """Offsets just after each matched token, ascending (never 0; may include len(text))."""
+        ends: list[int] = []
+        raw, norm = self._raw, self._norm
+        if raw is None:
+            if norm is not None:
+                ends.extend(m.end() for m in norm.finditer(text))
+            return ends
+        if norm is None:
+            return [m.end() for m in raw.finditer(text)]
+        gap = 0
+        for m in raw.finditer(text):
+            if m.start() > gap:
+                ends.extend(n.end() for n in norm.finditer(text, gap, m.start()))
+            ends.append(m.end())
+            gap = m.end()
+        if gap < len(text):
+            ends.extend(n.end() for n in norm.finditer(text, gap))
+        return ends
+
+    def split(self, text: str) -> list[str]:
+        """``text`` as consecutive pieces, each but possibly the last ending with an added token."""
+        pieces: list[str] = []
+        start = 0
+        for end in self.cuts(text):
+            pieces.append(text[start:end])
+            start = end
+        if start < len(text) or not pieces:
+            pieces.append(text[start:])
+        return pieces
+
+
+@dataclass(slots=True)
+class EncodePlan:
+    """What an encode still needs after the cache lookups: encode ``pieces[i]`` for ``i in missing``
+    with ``add_special_tokens=piece_add_special`` and hand the results to ``TokenCache.complete``."""
+
+    text: str
+    add_special_tokens: bool
+    pieces: list[str]
+    ids: list[list[int] | None]
+    missing: list[int]
+    missing_chars: int
+    piece_add_special: bool
+    segmented: bool
+    done: list[int] | None = field(default=None)  # set when L0 answered
+
+    def missing_pieces(self) -> list[str]:
+        return [self.pieces[i] for i in self.missing]
+
+
+_PROBE_TEXTS: Final = (
+    "Hello world",
+    " leading space and trailing  ",
+    "naïve café 日本語 🤖 e\u0301",
+    "\n\n  \t",
+    "",
+)
+
+
+class TokenCache:
+    """L0 + L1 caches in front of one ``tokenizers.Tokenizer``. Not thread-safe (one event loop)."""
+
+    def __init__(
+        self,
+        hf: tokenizers.Tokenizer,
+        limits: CacheLimits | None = None,
+        *,
+        segmenting: bool | None = None,
+    ) -> None:
+        self.hf = hf
+        self.limits = limits or CacheLimits()
+        self._exact = _LRU(self.limits.exact_entries, self.limits.exact_ids)
+        self._segments = _LRU(self.limits.segment_entries, self.limits.segment_ids)
+        self.exact_hits = 0
+        self.exact_misses = 0
+        self.segment_hits = 0
+        self.segment_misses = 0
+        self.encoded_chars = 0
+        self._splitter, reason = _splitter_for(hf)
+        self._head: list[int] = []
+        self._tail: list[int] = []
+        self._wrap_known = False
+        if reason is None:
+            reason = self._learn_wrap()
+        if reason is None:
+            reason = self._self_test()
+        if segmenting is False:
+            reason = reason or "disabled by configuration"
+        self.segmenting: bool = reason is None
+        self.segmenting_disabled_reason: str | None = reason
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    def _learn_wrap(self) -> str | None:
+        """Find the fixed ids the post-processor puts around a single sequence."""
+        plain = self.hf.encode("Hello world", add_special_tokens=False).ids
+        full = self.hf.encode("Hello world", add_special_tokens=True).ids
+        for i in range(len(full) - len(plain) + 1):
+            if full[i : i + len(plain)] == plain:
+                self._head, self._tail = full[:i], full[i + len(plain) :]
+                break
+        else:
+            return "the post-processor does not wrap the sequence in fixed ids"
+        self._wrap_known = True
+        return None
+
+    def _self_test(self) -> str | None:
+        tokens = self._probe_tokens()
+        texts = list(_PROBE_TEXTS)
+        for t in tokens:
+            texts += [f"a{t}b", f"{t}{t} x", f" {t}\n\n{t}", f"e{t}\u0301 é", f"{t[:-1]}{t}{t[1:]}"]
+        for text in texts:
+            for add in (False, True):
+                want = self.hf.encode(text, add_special_tokens=add).ids
+                got = self._encode_segmented(text, add, store=False)
+                if got != want:
+                    return f"self-test failed on {text!r} (add_special_tokens={add})"
+        return None
+
+    def _probe_tokens(self) -> list[str]:
+        decoder = self.hf.get_added_tokens_decoder()
+        contents = sorted({tok.content for tok in decoder.values()}, key=lambda s: (-len(s), s))
+        picked = contents[:3] + contents[-3:]
+        return list(dict.fromkeys(t for t in picked if t))
+
+    # ---- the public path ---------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ``text``, identical to ``hf.encode(text, add_special_tokens).ids``."""
+        plan = self.plan(text, add_special_tokens)
+        if plan.done is not None:
+            return plan.done
+        return self.complete(plan, self.encode_pieces(plan.missing_pieces(), plan.piece_add_special))
+
+    def lookup(self, text: str, add_special_tokens: bool = True) -> list[int] | None:
+        """L0 only: a copy of the cached ids, or None (counts a hit or a miss)."""
+        ids = self._exact.get((text, add_special_tokens))
+        if ids is None:
+            self.exact_misses += 1
+            return None
+        self.exact_hits += 1
+        return list(ids)
+
+    def plan(self, text: str, add_special_tokens: bool = True) -> EncodePlan:
+        """Look ``text`` up in L0, then split it and look its segments up in L1."""
+        done = self.lookup(text, add_special_tokens)
+        if done is not None:
+            return EncodePlan(text, add_special_tokens, [], [], [], 0, False, False, done)
+        pieces = self._splitter.split(text) if self.segmenting else [text]
+        if len(pieces) <= 1:
+            # nothing to share with other texts: L0 alone remembers it
+            return EncodePlan(
+                text, add_special_tokens, [text], [None], [0], len(text), add_special_tokens, False
+            )
+        ids: list[list[int] | None] = []
+        missing: list[int] = []
+        missing_chars = 0
+        get = self._segments.get
+        for i, piece in enumerate(pieces):
+            cached = get(piece)
+            ids.append(cached)
+            if cached is None:
+                missing.append(i)
+                missing_chars += len(piece)
+        self.segment_hits += len(pieces) - len(missing)
+        self.segment_misses += len(missing)
+        return EncodePlan(text, add_special_tokens, pieces, ids, missing, missing_chars, False, True)
+
+    def complete(self, plan: EncodePlan, encoded: Sequence[list[int]]) -> list[int]:
+        """Put the ids of the missing pieces (in ``plan.missing`` order) into the caches; the result."""
+        if plan.done is not None:
+            return plan.done
+        if len(encoded) != len(plan.missing):
+            raise ValueError(f"expected ids for {len(plan.missing)} pieces, got {len(encoded)}")
+        if not plan.segmented:
+            ids = list(encoded[0])
+            self._exact.put((plan.text, plan.add_special_tokens), ids)
+            return list(ids)
+        put = self._segments.put
+        for i, piece_ids in zip(plan.missing, encoded, strict=True):
+            piece_ids = list(piece_ids)
+            plan.ids[i] = piece_ids
+            put(plan.pieces[i], piece_ids)
+        out: list[int] = list(self._head) if plan.add_special_tokens else []
+        for got in plan.ids:
+            assert got is not None
+            out += got
+        if plan.add_special_tokens:
+            out += self._tail
+        self._exact.put((plan.text, plan.add_special_tokens), out)
+        return list(out)
+
+    def encode_pieces(self, pieces: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
+        """The plain encoder (what a pool worker runs on the pieces of a plan)."""
+        encode = self.hf.encode
+        self.encoded_chars += sum(map(len, pieces))
+        return [encode(p, add_special_tokens=add_special_tokens).ids for p in pieces]
+
+    # ---- without caches, for the self-test -----------------------------------------------------
+
+    def _encode_segmented(self, text: str, add_special_tokens: bool, *, store: bool) -> list[int]:
+        encode = self.hf.encode
+        out: list[int] = list(self._head) if add_special_tokens else []
+        for piece in self._splitter.split(text):
+            out += encode(piece, add_special_tokens=False).ids
+        if add_special_tokens:
+            out += self._tail
+        return out
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "l0_hits": self.exact_hits,
+            "l0_misses": self.exact_misses,
+            "l0_entries": len(self._exact),
+            "l0_ids": self._exact.total_ids,
+            "l1_hits": self.segment_hits,
+            "l1_misses": self.segment_misses,
+            "l1_entries": len(self._segments),
+            "l1_ids": self._segments.total_ids,
+            "encoded_chars": self.encoded_chars,
+        }
+
+    def clear(self) -> None:
+        self._exact.clear()
+        self._segments.clear()
+
+
+def _splitter_for(hf: tokenizers.Tokenizer) -> tuple[SpecialSplitter, str | None]:
+    """The splitter for ``hf`` and, when segment-wise encoding would not be exact, why."""
+    empty = SpecialSplitter(())
+    if hf.encode_special_tokens:
+        return empty, "encode_special_tokens is set: special tokens are not split out"
+    pre = hf.pre_tokenizer
+    if pre is not None:
+        state = pre.__getstate__()
+        state_s = state.decode() if isinstance(state, bytes) else str(state)
+        if '"prepend_scheme":"first"' in state_s.replace(" ", ""):
+            return empty, "Metaspace pre-tokenizer prepends to the first piece only"
+    raw: list[str] = []
+    normalized: list[str] = []
+    for tok in hf.get_added_tokens_decoder().values():
+        if tok.lstrip or tok.rstrip or tok.single_word:
+            return empty, f"added token {tok.content!r} has lstrip/rstrip/single_word"
+        if not tok.content:
+            continue
+        (normalized if tok.normalized else raw).append(tok.content)
+    if normalized and not _identity_normalizer(hf):
+        normalized = []
+    splitter = SpecialSplitter(raw, normalized)
+    if not splitter.active:
+        return splitter, "the tokenizer has no added tokens"
+    return splitter, None
+
+
+def _identity_normalizer(hf: tokenizers.Tokenizer) -> bool:
+    norm = hf.normalizer
+    if norm is None:
+        return True
+    state = norm.__getstate__()
+    state_s = (state.decode() if isinstance(state, bytes) else str(state)).replace(" ", "")
+    return state_s == '{"type":"Sequence","normalizers":[]}'

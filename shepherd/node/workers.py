@@ -1,0 +1,196 @@
+"""Worker registry: engine clients, health checks with hysteresis, circuit breakers, engine loads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shepherd.node.circuit_breaker import BreakerState, CircuitBreaker, HealthTracker
+from shepherd.node.config import NodeConfig, check_worker_url
+from shepherd.node.engine_grpc import GrpcEngineClient
+from shepherd.node.engine_http import HttpRelayClient
+from shepherd.node.engine_types import EngineClient, EngineError, EngineLoad, ModelInfo
+from shepherd.policies.base import WorkerView
+
+log = logging.getLogger("shepherd.workers")
+
+
+def worker_id(url: str) -> str:
+    return hashlib.sha1(url.encode()).hexdigest()[:12]
+
+
+def make_client(url: str) -> EngineClient | HttpRelayClient:
+    check_worker_url(url)
+    scheme, _, rest = url.partition("://")
+    target = rest.rstrip("/")
+    if scheme in ("http", "https"):
+        return HttpRelayClient(url)
+    kind = {"sglang": "sglang", "vllm": "vllm"}.get(scheme)
+    return GrpcEngineClient(url, target, kind)
+
+
+@dataclass(slots=True)
+class Worker:
+    id: str
+    url: str
+    model: str
+    client: EngineClient | HttpRelayClient
+    health: HealthTracker
+    breaker: CircuitBreaker
+    in_flight: int = 0
+    load: EngineLoad = field(default_factory=EngineLoad)
+    info: ModelInfo | None = None
+    initialized: bool = False
+    requests: int = 0
+    failures: int = 0
+
+    @property
+    def is_http(self) -> bool:
+        return isinstance(self.client, HttpRelayClient)
+
+    def routable(self, now: float) -> bool:
+        return self.health.healthy and self.breaker.allows(now)
+
+    def view(self) -> WorkerView:
+        return WorkerView(
+            id=self.id,
+            url=self.url,
+            in_flight=self.in_flight,
+            running=self.load.running,
+            waiting=self.load.waiting,
+            token_usage=self.load.token_usage,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "model": self.model,
+            "kind": self.client.kind,
+            "healthy": self.health.healthy,
+            "circuit": self.breaker.state.value,
+            "in_flight": self.in_flight,
+            "requests": self.requests,
+            "failures": self.failures,
+            "load": {
+                "running": self.load.running,
+                "waiting": self.load.waiting,
+                "token_usage": self.load.token_usage,
+            },
+            "max_context_length": self.info.max_context_length if self.info else None,
+        }
+
+
+class WorkerRegistry:
+    def __init__(self, cfg: NodeConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.workers: dict[str, Worker] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.on_health_change: Callable[[Worker], None] | None = None
+
+    def get(self, wid: str) -> Worker | None:
+        return self.workers.get(wid)
+
+    def find(self, key: str) -> Worker | None:
+        """By id or by URL."""
+        return self.workers.get(key) or self.workers.get(worker_id(key))
+
+    def for_model(self, model: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.model == model]
+
+    def routable(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
+        now = self.clock()
+        return [
+            w for w in self.workers.values() if w.model == model and w.id not in exclude and w.routable(now)
+        ]
+
+    async def add(self, url: str, model: str) -> Worker:
+        """Register a worker (idempotent by URL) and run its first check at once."""
+        wid = worker_id(url)
+        existing = self.workers.get(wid)
+        if existing is not None:
+            return existing
+        client = make_client(url)
+        w = Worker(
+            id=wid,
+            url=url,
+            model=model,
+            client=client,
+            health=HealthTracker(self.cfg.health_failure_threshold, self.cfg.health_success_threshold),
+            breaker=CircuitBreaker(
+                self.cfg.cb_failure_threshold,
+                self.cfg.cb_success_threshold,
+                self.cfg.cb_timeout_duration_secs,
+            ),
+        )
+        self.workers[wid] = w
+        await self.check(w)
+        return w
+
+    async def remove(self, wid: str) -> Worker | None:
+        w = self.workers.pop(wid, None)
+        if w is not None:
+            await w.client.close()
+        return w
+
+    async def _init(self, w: Worker) -> None:
+        if isinstance(w.client, GrpcEngineClient):
+            await w.client.detect(self.cfg.health_check_timeout_secs)
+        w.info = await w.client.model_info()
+        w.initialized = True
+
+    async def check(self, w: Worker) -> None:
+        ok = False
+        try:
+            if not w.initialized:
+                await asyncio.wait_for(self._init(w), timeout=self.cfg.health_check_timeout_secs + 3)
+            ok = await w.client.health_check(self.cfg.health_check_timeout_secs)
+        except (EngineError, TimeoutError, OSError) as e:
+            log.debug("worker %s check failed: %s", w.url, e)
+        if w.health.observe(ok):
+            log.warning("worker %s is now %s", w.url, "healthy" if w.health.healthy else "unhealthy")
+            if self.on_health_change is not None:
+                self.on_health_change(w)
+
+    async def poll_load(self, w: Worker) -> None:
+        if not w.initialized or not w.health.healthy:
+            return
+        with contextlib.suppress(EngineError, TimeoutError, OSError):
+            w.load = await w.client.loads()
+
+    def record_result(self, w: Worker, ok: bool) -> None:
+        w.requests += 1
+        if ok:
+            w.breaker.record_success()
+        else:
+            w.failures += 1
+            before = w.breaker.state
+            w.breaker.record_failure(self.clock())
+            if w.breaker.state is BreakerState.OPEN and before is not BreakerState.OPEN:
+                log.warning("circuit opened for worker %s", w.url)
+
+    async def _every(self, interval: float, fn: Callable[[Worker], Any]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            ws = list(self.workers.values())
+            if ws:
+                await asyncio.gather(*(fn(w) for w in ws), return_exceptions=True)
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._every(self.cfg.health_check_interval_secs, self.check)))
+        self._tasks.append(asyncio.create_task(self._every(self.cfg.load_poll_interval_secs, self.poll_load)))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for w in list(self.workers.values()):
+            await w.client.close()

@@ -1,0 +1,103 @@
+"""Start a real ``smg-node`` process on loopback for end-to-end tests; always stopped by pid."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def http_status(url: str, timeout: float = 1.0) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            status: int = r.status
+            return status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+@dataclass
+class NodeProc:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+        return self.proc.returncode
+
+
+def start_node(
+    *args: str, port: int | None = None, wait_ready: bool = True, timeout: float = 60.0
+) -> NodeProc:
+    port = port or free_port()
+    fd, log_name = tempfile.mkstemp(prefix="smg-node-", suffix=".log")
+    os.close(fd)
+    log_path = Path(log_name)
+    with log_path.open("wb") as logf:
+        proc = subprocess.Popen(
+            [str(BIN / "smg-node"), "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+        )
+    node = NodeProc(proc, port, log_path)
+    deadline = time.monotonic() + timeout
+    path = "/readiness" if wait_ready else "/liveness"
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"smg-node exited with {proc.returncode}:\n{node.log()}")
+            if http_status(node.url + path) == 200:
+                return node
+            time.sleep(0.1)
+        raise RuntimeError(f"smg-node not ready in {timeout}s:\n{node.log()}")
+    except BaseException:
+        node.stop(signal.SIGKILL)
+        raise
+
+
+@contextlib.contextmanager
+def running_node(*args: str, **kw: object) -> Iterator[NodeProc]:
+    node = start_node(*args, **kw)  # type: ignore[arg-type]
+    try:
+        yield node
+    finally:
+        node.stop()

@@ -1,0 +1,269 @@
+"""End to end: a real mock engine and a real node on loopback, driven by the official openai SDK."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.node_procs import NodeProc, http_status, running_node
+from tests.e2e.procs import MockEngineProc, start_mock_engine
+
+MSGS: list[Any] = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Tell me a story."},
+]
+
+
+def post(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(
+        url, content=data, headers={"content-type": "application/json", **(headers or {})}, timeout=30
+    )
+    return r.status_code, r.json()
+
+
+def mock_stats(engine: MockEngineProc) -> dict[str, Any]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{engine.http_port}/mock/stats", timeout=5) as r:
+        out: dict[str, Any] = json.loads(r.read())
+        return out
+
+
+def mock_post(engine: MockEngineProc, path: str, body: Any) -> None:
+    r = httpx.post(f"http://127.0.0.1:{engine.http_port}{path}", json=body, timeout=5)
+    assert r.status_code < 300, r.text
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[MockEngineProc]:
+    with start_mock_engine("--decode-ms-per-token", "2", "--output-len", "24") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def node(engine: MockEngineProc) -> Iterator[NodeProc]:
+    with running_node("--worker-urls", f"grpc://127.0.0.1:{engine.grpc_port}", "--model-id", "qwen3") as n:
+        yield n
+
+
+@pytest.fixture()
+def client(node: NodeProc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(autouse=True)
+def _clean_mock(engine: MockEngineProc) -> Iterator[None]:
+    yield
+    httpx.delete(f"http://127.0.0.1:{engine.http_port}/mock/responses", timeout=5)
+    mock_post(engine, "/mock/faults", {"error_rate": 0.0, "stall_after_tokens": None, "slow_factor": 1.0})
+
+
+def test_chat_non_stream(client: openai.OpenAI, node: NodeProc) -> None:
+    r = client.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=10, seed=1)
+    assert r.object == "chat.completion" and r.model == "qwen3"
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content
+    assert c.finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 10
+    _, tok = post(node.url + "/v1/tokenize", {"model": "qwen3", "messages": MSGS})
+    assert r.usage.prompt_tokens == tok["count"]
+
+
+def test_stream_equals_non_stream(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=20, seed=3)
+    chunks = list(
+        client.chat.completions.create(
+            model="qwen3",
+            messages=MSGS,
+            max_tokens=20,
+            seed=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_n_choices(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=5, n=3)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    s = client.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=5, n=2, stream=True)
+    seen: dict[int, str] = {}
+    for ch in s:
+        for c in ch.choices:
+            seen[c.index] = seen.get(c.index, "") + (c.delta.content or "")
+    assert sorted(seen) == [0, 1] and all(seen.values())
+
+
+def test_stop_string_scripted(client: openai.OpenAI, engine: MockEngineProc) -> None:
+    for stream in (False, True):
+        mock_post(
+            engine, "/mock/responses", {"text": "Hello world. STOP and more text after", "match": "stopper"}
+        )
+        msgs: Any = [{"role": "user", "content": "stopper"}]
+        if stream:
+            out = "".join(
+                ch.choices[0].delta.content or ""
+                for ch in client.chat.completions.create(
+                    model="qwen3", messages=msgs, stop=["STOP"], stream=True
+                )
+                if ch.choices
+            )
+        else:
+            r = client.chat.completions.create(model="qwen3", messages=msgs, stop=["STOP"])
+            out = r.choices[0].message.content or ""
+            assert r.choices[0].finish_reason == "stop"
+        assert out == "Hello world. "
+
+
+def test_include_stop_str_and_eos(client: openai.OpenAI, engine: MockEngineProc) -> None:
+    mock_post(engine, "/mock/responses", {"text": "abc XYZ tail", "match": "incl"})
+    r = client.chat.completions.create(
+        model="qwen3",
+        messages=[{"role": "user", "content": "incl"}],
+        stop=["XYZ"],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert r.choices[0].message.content == "abc XYZ"
+    mock_post(engine, "/mock/responses", {"text": "short answer", "match": "eos"})
+    r2 = client.chat.completions.create(
+        model="qwen3", messages=[{"role": "user", "content": "eos"}], max_tokens=50
+    )
+    assert r2.choices[0].message.content == "short answer" and r2.choices[0].finish_reason == "stop"
+
+
+def test_completions_api(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="qwen3", prompt="Once upon a time", max_tokens=6, echo=True)
+    assert r.choices[0].text.startswith("Once upon a time") and r.usage and r.usage.completion_tokens == 6
+    r2 = client.completions.create(model="qwen3", prompt=["a", "b"], max_tokens=3, n=2)
+    assert sorted(c.index for c in r2.choices) == [0, 1, 2, 3]
+    parts = list(client.completions.create(model="qwen3", prompt=[1, 2, 3], max_tokens=4, stream=True))
+    assert "".join(p.choices[0].text for p in parts if p.choices)
+
+
+def test_logprobs(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model="qwen3", messages=MSGS, max_tokens=4, logprobs=True, top_logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.content is not None and len(lp.content) == 4
+    assert all(len(t.top_logprobs) == 2 for t in lp.content)
+
+
+def test_models_tokenize_detokenize(node: NodeProc) -> None:
+    with urllib.request.urlopen(node.url + "/v1/models") as r:
+        models = json.loads(r.read())
+    assert [m["id"] for m in models["data"]] == ["qwen3"]
+    _, t = post(node.url + "/v1/tokenize", {"model": "qwen3", "prompt": "hello world"})
+    _, d = post(node.url + "/v1/detokenize", {"model": "qwen3", "tokens": t["tokens"]})
+    assert d["prompt"] == "hello world"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        ({"model": "nope", "messages": MSGS}, 404, "model_not_found"),
+        ({"model": "qwen3", "messages": MSGS, "max_tokens": 0}, 400, "invalid_value"),
+        ({"model": "qwen3", "messages": MSGS, "n": 0}, 400, "invalid_value"),
+        ({"model": "qwen3", "messages": "hi"}, 400, "invalid_type"),
+        (
+            {"model": "qwen3", "messages": [{"role": "user", "content": "x " * 40000}]},
+            400,
+            "context_length_exceeded",
+        ),
+        ({"model": "qwen3", "messages": MSGS, "max_tokens": 10**7}, 400, "context_length_exceeded"),
+    ],
+)
+def test_bad_input_envelopes(node: NodeProc, body: Any, status: int, code: str) -> None:
+    got, env = post(node.url + "/v1/chat/completions", body)
+    assert got == status
+    assert env["error"]["code"] == code and env["error"]["message"]
+
+
+def test_oversized_body_and_unknown_route(node: NodeProc) -> None:
+    big = json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "x" * (17 * 1024 * 1024)}]})
+    got, env = post(node.url + "/v1/chat/completions", big.encode())
+    assert got == 413 and env["error"]["code"] == "body_too_large"
+    got2, env2 = post(node.url + "/v1/nothing", {})
+    assert got2 == 404 and "error" in env2
+    got3, env3 = post(node.url + "/workers", {"url": "ftp://127.0.0.1:1"})
+    assert got3 == 400 and env3["error"]["code"] == "invalid_worker_url"
+
+
+def test_sdk_raises_typed_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="missing", messages=MSGS)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="qwen3", messages=MSGS, temperature=5)
+
+
+def test_client_disconnect_aborts_engine_request(node: NodeProc, engine: MockEngineProc) -> None:
+    rid = f"disconnect-{time.time_ns()}"
+    body = {"model": "qwen3", "messages": MSGS, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream(
+        "POST", node.url + "/v1/chat/completions", json=body, headers={"x-request-id": rid}, timeout=30
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                break
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if any(str(a).startswith(rid) for a in mock_stats(engine)["aborted"]):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the engine never saw an abort for the disconnected request")
+
+
+def test_engine_error_is_enveloped(client: openai.OpenAI, engine: MockEngineProc) -> None:
+    mock_post(engine, "/mock/faults", {"error_rate": 1.0})
+    with pytest.raises(openai.APIStatusError) as ei:
+        client.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=3)
+    assert ei.value.status_code in (502, 503)
+    body = ei.value.response.json()
+    assert body["error"]["message"]
+
+
+def test_metrics_exposed(node: NodeProc, client: openai.OpenAI) -> None:
+    client.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=2)
+    with urllib.request.urlopen(node.url + "/metrics") as r:
+        text = r.read().decode()
+    for name in (
+        "smg_requests_total",
+        "smg_time_to_first_token_seconds",
+        "smg_inter_token_latency_seconds",
+        "smg_tokens",
+        "smg_in_flight_requests",
+        "smg_tokenizer_cache",
+        "smg_worker_healthy",
+    ):
+        assert name in text, name
+
+
+def test_overhead_header(node: NodeProc) -> None:
+    r = httpx.post(
+        node.url + "/v1/chat/completions",
+        json={"model": "qwen3", "messages": MSGS, "max_tokens": 2},
+        timeout=30,
+    )
+    assert r.status_code == 200 and float(r.headers["x-smg-gateway-ms"]) >= 0
+    assert r.headers["x-request-id"]
+
+
+def test_probes(node: NodeProc) -> None:
+    assert http_status(node.url + "/liveness") == 200
+    assert http_status(node.url + "/readiness") == 200
+    assert http_status(node.url + "/health") == 200

@@ -1,0 +1,152 @@
+"""Request validation: every bad input is a 4xx ApiError in the OpenAI envelope, never an exception."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shepherd.node.openai_protocol import ApiError, parse_chat, parse_completion, parse_json_body
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": MSG, **kw}
+
+
+def test_defaults_are_semantic() -> None:
+    r = parse_chat(chat())
+    s = r.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty, s.n) == (
+        1.0,
+        1.0,
+        -1,
+        0.0,
+        1.0,
+        1,
+    )
+    assert s.max_tokens is None and not s.stream and not s.include_usage
+
+
+def test_max_completion_tokens_alias() -> None:
+    assert parse_chat(chat(max_completion_tokens=7)).sampling.max_tokens == 7
+
+
+def test_content_parts_flattened() -> None:
+    r = parse_chat(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+            ],
+        }
+    )
+    assert r.messages[0]["content"] == "a\nb"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (chat(max_tokens=0), "max_tokens"),
+        (chat(n=0), "n"),
+        (chat(temperature=3), "temperature"),
+        (chat(temperature="hot"), "temperature"),
+        (chat(top_p=0), "top_p"),
+        (chat(stop=[1, 2]), "stop"),
+        (chat(stream="yes"), "stream"),
+        (chat(stream_options={"include_usage": True}), "stream_options"),
+        (chat(top_logprobs=3), "top_logprobs"),
+        (chat(logprobs=True, top_logprobs=50), "top_logprobs"),
+        (chat(logit_bias={"x": 1}), "logit_bias"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"model": "m", "messages": [{"role": "user"}]}, "messages.0.content"),
+        ({"messages": MSG}, "model"),
+        (chat(tools=[{"type": "function"}]), "tools.0"),
+        (
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            },
+            "messages.0.content",
+        ),
+    ],
+)
+def test_bad_chat_fields(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as ei:
+        parse_chat(body)
+    assert ei.value.status == 400
+    assert ei.value.param == param
+    env = orjson.loads(ei.value.body())
+    assert set(env["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1,2]", b'"x"', b"\xff\xfe"])
+def test_bad_json(raw: bytes) -> None:
+    with pytest.raises(ApiError) as ei:
+        parse_json_body(raw)
+    assert ei.value.status == 400
+
+
+def test_completion_prompt_forms() -> None:
+    assert parse_completion({"model": "m", "prompt": "a"}).prompts == ["a"]
+    assert parse_completion({"model": "m", "prompt": ["a", "b"]}).prompts == ["a", "b"]
+    assert parse_completion({"model": "m", "prompt": [1, 2]}).prompts == [[1, 2]]
+    assert parse_completion({"model": "m", "prompt": [[1], [2, 3]]}).prompts == [[1], [2, 3]]
+    assert parse_completion({"model": "m", "prompt": "a"}).sampling.max_tokens == 16
+    for bad in (
+        {"model": "m"},
+        {"model": "m", "prompt": []},
+        {"model": "m", "prompt": [1, "a"]},
+        {"model": "m", "prompt": "a", "suffix": "z"},
+        {"model": "m", "prompt": "a", "best_of": 3},
+    ):
+        with pytest.raises(ApiError):
+            parse_completion(bad)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=5),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+    max_leaves=10,
+)
+fields = st.sampled_from(
+    [
+        "model",
+        "messages",
+        "temperature",
+        "top_p",
+        "top_k",
+        "n",
+        "max_tokens",
+        "stop",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "top_logprobs",
+        "seed",
+        "tools",
+        "logit_bias",
+        "chat_template_kwargs",
+        "response_format",
+        "prompt",
+        "min_p",
+        "ignore_eos",
+        "echo",
+        "suffix",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(fields, json_values, max_size=8))
+def test_fuzzed_bodies_never_raise_anything_but_api_error(body: dict[str, Any]) -> None:
+    for parse in (parse_chat, parse_completion):
+        try:
+            parse(body)
+        except ApiError as e:
+            assert 400 <= e.status < 500
