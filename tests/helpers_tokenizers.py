@@ -52,7 +52,9 @@ def special_ids(tok: Tokenizer) -> frozenset[int]:
 def _build_llama2_style() -> Tokenizer:
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
+    )
     tok.train_from_iterator(_CORPUS * 8, trainer)
     spec = json.loads(tok.to_str())
     # Llama-2 layout: <unk> <s> </s>, then the 256 byte-fallback pieces <0x00>..<0xFF>, then the rest.

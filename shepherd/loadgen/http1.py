@@ -144,7 +144,7 @@ class ResponseParser:
                 else:
                     remaining = chunk_size
                     state = _CHUNK_DATA
-            elif state == _CHUNK_DATA or state == _BODY_LENGTH:
+            elif state in (_CHUNK_DATA, _BODY_LENGTH):
                 avail = size - pos
                 if avail <= remaining:
                     pieces.append(buf[pos:] if pos else buf)

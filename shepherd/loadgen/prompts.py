@@ -222,7 +222,14 @@ class ChatShape:
 class ChatRequestSource:
     """Complete HTTP request bytes, one per call: pool repeats or fresh distinct messages."""
 
-    def __init__(self, factory: PromptFactory, template: RequestTemplate, shape: ChatShape) -> None:
+    def __init__(
+        self,
+        factory: PromptFactory,
+        template: RequestTemplate,
+        shape: ChatShape,
+        *,
+        start_index: int | None = None,
+    ) -> None:
         self._factory = factory
         self._template = template
         cfg = factory.config
@@ -244,13 +251,19 @@ class ChatRequestSource:
         self._suffix = b'"}],' + orjson.dumps(tail)[1:]
         self._pool = [self._render(i) for i in range(cfg.pool_size)] if self._ratio > 0 else []
         self._next_pool = 0
-        self._next_fresh = cfg.pool_size  # fresh messages never coincide with pool ones
+        # fresh messages never coincide with pool ones (indices below pool_size)
+        self._next_fresh = max(cfg.pool_size, start_index if start_index is not None else 0)
         self.sent = 0
         self.repeats = 0
 
     def _render(self, index: int) -> bytes:
         body = self._prefix + self._factory.user_message_bytes(index) + self._suffix
         return self._template.render(body)
+
+    @property
+    def next_index(self) -> int:
+        """The index of the next fresh message (to continue the sequence in another source)."""
+        return self._next_fresh
 
     def body_of(self, index: int) -> bytes:
         """The JSON body of message ``index`` (for tests and for checking a target by hand)."""

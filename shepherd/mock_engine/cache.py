@@ -220,18 +220,26 @@ class PrefixCache:
     # ---- allocation for running sequences --------------------------------------------------------
 
     def allocate(self, prompt_ids: Sequence[int], total_tokens: int) -> Allocation | None:
-        """Reserve the blocks a sequence of ``total_tokens`` (prompt + output) will occupy.
+        """Reserve the blocks one sequence of ``total_tokens`` (prompt + output) will occupy.
 
         The cached prefix is locked, the prompt's remaining full blocks are stored (hashed, locked) and
         the rest is reserved as private blocks. Returns None, changing nothing, when the pool cannot
         hold it even after evicting every unreferenced block. Counts toward the hit rate.
         """
+        allocs = self.allocate_group(prompt_ids, (total_tokens,))
+        return None if allocs is None else allocs[0]
+
+    def allocate_group(self, prompt_ids: Sequence[int], totals: Sequence[int]) -> list[Allocation] | None:
+        """``allocate`` for several sequences sharing one prompt (n > 1): the prompt is stored once.
+
+        All or nothing: None, changing nothing, when the pool cannot hold them all.
+        """
         bs = self.block_size
         ids = prompt_ids if isinstance(prompt_ids, tuple) else tuple(prompt_ids)
         matched = self.match_prefix(ids)
         full_prompt_blocks = len(ids) // bs
-        total_blocks = max(blocks_for(total_tokens, bs), full_prompt_blocks)
-        need = total_blocks - len(matched)
+        per_seq = [max(blocks_for(t, bs), full_prompt_blocks) for t in totals]
+        need = (full_prompt_blocks - len(matched)) + sum(b - full_prompt_blocks for b in per_seq)
         # the matched blocks that are evictable now stop being reclaimable once locked
         matched_evictable = sum(1 for h in matched if self._blocks[h].refs == 0)
         if need > self.reclaimable_blocks - matched_evictable:
@@ -239,14 +247,22 @@ class PrefixCache:
         self._lookup_tokens += len(ids)
         self._hit_tokens += len(matched) * bs
         self._lock(matched)
-        chain = list(matched)
-        new_hashed = full_prompt_blocks - len(matched)
         self._make_room(need)
-        if new_hashed:
-            chain, _ = self._extend(ids, chain, private_budget=0)
-        private = total_blocks - len(chain)
-        self._private += private
-        return Allocation(chain=chain, cached_tokens=len(matched) * bs, private_blocks=private)
+        chain = matched
+        if full_prompt_blocks > len(matched):
+            chain, _ = self._extend(ids, list(matched), private_budget=0)
+        allocs = [
+            Allocation(chain=chain, cached_tokens=len(matched) * bs, private_blocks=per_seq[0] - len(chain))
+        ]
+        for blocks in per_seq[1:]:
+            self._lock(chain)
+            allocs.append(
+                Allocation(
+                    chain=list(chain), cached_tokens=len(matched) * bs, private_blocks=blocks - len(chain)
+                )
+            )
+        self._private += sum(a.private_blocks for a in allocs)
+        return allocs
 
     def release(self, alloc: Allocation, final_ids: Sequence[int] | None = None) -> None:
         """Give back a sequence's blocks. With ``final_ids`` (prompt + output) its full blocks are cached.
@@ -329,7 +345,7 @@ class PrefixCache:
             self._next_event_id += 1
 
     def _make_room(self, n: int) -> bool:
-        """Evict LRU blocks until ``n`` blocks are free. False (after evicting what it could) if impossible."""
+        """Evict LRU blocks until ``n`` blocks are free; False (having evicted what it could) if not."""
         short = n - self.free_blocks
         if short <= 0:
             return True

@@ -205,9 +205,6 @@ class OutputModel:
             lp = -0.01 - ((t * 2654435761 + pos * 40503) % 1000) / 1000.0
             top: tuple[tuple[int, float], ...] = ()
             if top_n > 0:
-                alts = [(t, lp)]
-                for j in range(1, top_n):
-                    alts.append(((t + j * 7919) % vocab, lp - 0.5 * j - 0.25))
-                top = tuple(alts)
+                top = ((t, lp), *(((t + j * 7919) % vocab, lp - 0.5 * j - 0.25) for j in range(1, top_n)))
             out.append(TokenLogprob(token_id=t, logprob=lp, top=top))
         return out

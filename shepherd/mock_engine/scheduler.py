@@ -128,7 +128,9 @@ class Scheduler:
         max_total = cache.capacity_blocks * bs
         used = cache.used_blocks * bs
         pending = sum(
-            g.uncached_tokens for g in self._running if g.first_token_at is not None and g.first_token_at > now
+            g.uncached_tokens
+            for g in self._running
+            if g.first_token_at is not None and g.first_token_at > now
         )
         return LoadSnapshot(
             running=self._running_seqs,
@@ -179,16 +181,22 @@ class Scheduler:
         )
         if need > self.cache.capacity_blocks:
             raise AdmissionError(f"request needs {need} KV blocks, the pool has {self.cache.capacity_blocks}")
-        group = SeqGroup(request_id, prompt_t, tuple(output_lens), submitted_at=now, skip_prefill=skip_prefill)
+        group = SeqGroup(
+            request_id, prompt_t, tuple(output_lens), submitted_at=now, skip_prefill=skip_prefill
+        )
         if not self._waiting and self._try_admit(group, now):
             return group
-        group.uncached_tokens = 0 if skip_prefill else len(prompt_t) - self.cache.cached_prefix_tokens(prompt_t)
+        group.uncached_tokens = (
+            0 if skip_prefill else len(prompt_t) - self.cache.cached_prefix_tokens(prompt_t)
+        )
         self._waiting.append(group)
         self._waiting_seqs += group.n
         self._waiting_uncached += group.uncached_tokens
         return group
 
-    def finish(self, group: SeqGroup, now: float, outputs: Sequence[Sequence[int]] | None = None) -> list[SeqGroup]:
+    def finish(
+        self, group: SeqGroup, now: float, outputs: Sequence[Sequence[int]] | None = None
+    ) -> list[SeqGroup]:
         """A running group is done; ``outputs`` (per sample) are cached with the prompt.
 
         Returns the groups admitted from the waiting queue as a result.
@@ -259,7 +267,10 @@ class Scheduler:
         else:
             group.uncached_tokens = plen - cached
             start = max(now, self._lane_free_at)
-            end = start + (cfg.prefill_base_s + group.uncached_tokens * cfg.prefill_s_per_token) * self.slow_factor
+            end = (
+                start
+                + (cfg.prefill_base_s + group.uncached_tokens * cfg.prefill_s_per_token) * self.slow_factor
+            )
             self._lane_free_at = end
             group.first_token_at = end
         self._running.add(group)

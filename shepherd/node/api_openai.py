@@ -14,9 +14,8 @@ from aiohttp import web
 from shepherd.node.api_common import GATEWAY, read_json, relay
 from shepherd.node.engine_types import EngineChunk, EngineError, GenerateRequest, SamplingParams, TokenLogprob
 from shepherd.node.gateway import EngineStream, Gateway
-from shepherd.node.logprobs import LogprobFormatter
 from shepherd.node.openai_protocol import ApiError, Sampling, bad, parse_chat, parse_completion
-from shepherd.node.output import ChoiceState
+from shepherd.node.output import ChoiceState, LogprobFormatter
 from shepherd.node.sse import DONE, ChatChunks, CompletionChunks, error_event, usage
 from shepherd.node.tokenizer import ChatTemplateError, Tokenizer
 
@@ -96,16 +95,16 @@ class Generation:
         self.t0 = t0
         self.created = int(time.time())
         self.logprobs = logprobs
-        self.lpfmt = LogprobFormatter(tok) if logprobs is not None else None
+        self.lpfmt = LogprobFormatter(tok, sampling.skip_special_tokens) if logprobs is not None else None
         self.totals = Totals()
         self.engine_seconds = 0.0
 
-    def _lp(self, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+    def _lp(self, entries: Sequence[TokenLogprob], index: int = 0) -> dict[str, Any] | None:
         if self.lpfmt is None or not entries:
             return None
         if self.chat:
             return self.lpfmt.chat(entries, self.logprobs or 0)
-        return self.lpfmt.completion(entries, self.logprobs or 0)
+        return self.lpfmt.completion(entries, self.logprobs or 0, index)
 
     def _gen_request(self, job: Job, max_new: int, suffix: str, stream: bool) -> GenerateRequest:
         return GenerateRequest(
@@ -157,7 +156,7 @@ class Generation:
                 was_done = st.finished
                 text = st.feed(ev.token_ids, ev.logprobs)
                 if enc is not None and (text or ev.logprobs):
-                    out.append(enc.content(idx, text, self._lp(ev.logprobs)))
+                    out.append(enc.content(idx, text, self._lp(ev.logprobs, idx)))
                 if st.finished and not was_done:
                     remaining -= 1
                     if enc is not None:
@@ -170,7 +169,7 @@ class Generation:
                     if not seen_chunks[ev.index] and ev.output_ids:
                         text = st.feed(ev.output_ids, ev.logprobs)
                         if enc is not None and text:
-                            out.append(enc.content(idx, text, self._lp(ev.logprobs)))
+                            out.append(enc.content(idx, text, self._lp(ev.logprobs, idx)))
                     if not st.finished:
                         text = st.end(ev.finish_reason)
                         if enc is not None and text:
@@ -240,7 +239,10 @@ class Generation:
     def _final_choices(self, job: Job) -> list[dict[str, Any]]:
         out = []
         for st in job.states:
-            lp = self._lp(st.logprobs)
+            idx = job.index_base + st.index
+            if self.lpfmt is not None and job.echo:
+                self.lpfmt.offsets[idx] = len(job.echo)
+            lp = self._lp(st.logprobs, idx)
             if self.chat:
                 out.append(
                     {

@@ -19,9 +19,10 @@ import random
 import string
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import jinja2
 import jinja2.ext
@@ -32,16 +33,26 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
 __all__ = [
     "ChatTemplate",
     "ChatTemplateError",
+    "ToolCallShape",
     "make_environment",
     "normalize_tool_call_arguments",
     "normalize_tool_call_ids",
 ]
 
 Message = Mapping[str, Any]
+ClockReads = tuple[tuple[str, str], ...]  # the strftime_now calls of one render: (format, value)
 
 
 class ChatTemplateError(ValueError):
     """The prompt could not be rendered: no template, the template refused the input, or bad input."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallShape:
+    """What a template accepts in ``tool_calls`` (see ``ChatTemplate.tool_call_shape``)."""
+
+    arguments: Literal["object", "string", "either", "unknown"]
+    id_length: int | None
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -154,17 +165,21 @@ class ChatTemplate:
         special_tokens: Mapping[str, Any] | None = None,
         cache_size: int = 1024,
         env: SandboxedEnvironment | None = None,
+        fix_tool_calls: bool = True,
     ) -> None:
         self.name = name
+        self.fix_tool_calls = fix_tool_calls
+        self._tool_call_shape: ToolCallShape | None = None
         self.source = source
         self.special_tokens: dict[str, Any] = dict(special_tokens or {})
         try:
             self._template = (env or _environment()).from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template {name!r} does not compile: {e}") from e
-        # A template that asks for the clock renders differently over time: never cache those.
-        self.cacheable = "strftime_now" not in source and cache_size > 0
-        self._cache: OrderedDict[bytes, str] = OrderedDict()
+        # A template that reads the clock is cached with what it read, and a hit must read the same.
+        self.uses_clock = "strftime_now" in source
+        self.cacheable = cache_size > 0
+        self._cache: OrderedDict[bytes, tuple[str, ClockReads]] = OrderedDict()
         self._cache_size = cache_size
         self.hits = 0
         self.misses = 0
@@ -194,12 +209,12 @@ class ChatTemplate:
         except TypeError:
             return None
 
-    def render_serialized(self, payload: bytes) -> str:
-        """Render from ``serialize``'s output (what a pool worker runs)."""
+    def render_serialized(self, payload: bytes) -> tuple[str, ClockReads]:
+        """Render from ``serialize``'s output (what a pool worker runs); also the clock reads."""
         messages, tools, add_generation_prompt, continue_final_message, template_kwargs = orjson.loads(
             payload
         )
-        return self.render_uncached(
+        return self.render_recorded(
             messages,
             tools=tools,
             add_generation_prompt=add_generation_prompt,
@@ -212,18 +227,24 @@ class ChatTemplate:
         if key is None or not self.cacheable:
             self.misses += 1
             return None
-        text = self._cache.get(key)
-        if text is None:
+        entry = self._cache.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        text, reads = entry
+        if reads and any(datetime.now().strftime(fmt) != value for fmt, value in reads):
+            del self._cache[key]  # the day (or whatever it printed) has changed
             self.misses += 1
             return None
         self._cache.move_to_end(key)
         self.hits += 1
         return text
 
-    def store(self, key: bytes | None, text: str) -> None:
+    def store(self, key: bytes | None, text: str, clock_reads: ClockReads = ()) -> None:
+        """Remember a render; ``clock_reads`` are the ``strftime_now`` calls it made (format, value)."""
         if key is None or not self.cacheable:
             return
-        self._cache[key] = text
+        self._cache[key] = (text, clock_reads)
         self._cache.move_to_end(key)
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -241,15 +262,54 @@ class ChatTemplate:
         key = self.serialize(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
         text = self.cached(key)
         if text is None:
-            text = self.render_uncached(
+            text, reads = self.render_recorded(
                 messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 template_kwargs=template_kwargs,
             )
-            self.store(key, text)
+            self.store(key, text, reads)
         return text
+
+    def tool_call_shape(self) -> ToolCallShape:
+        """How this template wants tool calls in assistant messages, found once by rendering probes:
+        ``arguments`` "object" (transformers' convention: a string would be double-encoded or crash),
+        "string" (concatenated as text: DeepSeek V3), "either" or "unknown"; ``id_length`` when the
+        template refuses other ids (Mistral: 9)."""
+        if self._tool_call_shape is None:
+            self._tool_call_shape = self._probe_tool_calls()
+        return self._tool_call_shape
+
+    def _probe_tool_calls(self) -> ToolCallShape:
+        def attempt(args: Any, ident: str, content: str | None) -> str | None:
+            call = {"id": ident, "type": "function", "function": {"name": "probe_fn", "arguments": args}}
+            chat: list[dict[str, Any]] = [
+                {"role": "user", "content": "probe"},
+                {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": ident, "content": "probe result"},
+            ]
+            if content is not None:
+                chat[1]["content"] = content
+            try:
+                return self._render(chat, None, False, False, None)[0]
+            except ChatTemplateError:
+                return None
+
+        as_dict, as_str = {"probe_arg": 1}, '{"probe_arg": 1}'
+        for content in ("", None):
+            for ident in ("call_probe0123456789", "Pr0beId42"):
+                d, s = attempt(as_dict, ident, content), attempt(as_str, ident, content)
+                if d is None and s is None:
+                    continue
+                id_length = len(ident) if ident == "Pr0beId42" else None
+                if d is not None and s is None:
+                    return ToolCallShape("object", id_length)
+                if s is not None and d is None:
+                    return ToolCallShape("string", id_length)
+                assert s is not None
+                return ToolCallShape("object" if '\\"probe_arg\\"' in s else "either", id_length)
+        return ToolCallShape("unknown", None)
 
     def render_uncached(
         self,
@@ -260,11 +320,45 @@ class ChatTemplate:
         continue_final_message: bool | str = False,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
+        """The render, without the cache (see ``render_recorded``)."""
+        return self.render_recorded(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )[0]
+
+    def render_recorded(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool | str = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[str, ClockReads]:
         """Render as transformers 5.x ``apply_chat_template(tokenize=False)`` does: message keys whose
         value is None are dropped, reasoning fields are aliased (``reasoning_content`` / ``thinking``),
         ``continue_final_message`` (True, or the name of the field to continue) cuts the render at the
-        end of the final message."""
+        end of the final message. Also returns the ``strftime_now`` calls made (format, value)."""
         chat = _prepare_messages(messages)
+        if self.fix_tool_calls and any("tool_calls" in m for m in chat):
+            shape = self.tool_call_shape()
+            if shape.arguments in ("object", "string"):
+                chat = normalize_tool_call_arguments(chat, as_string=shape.arguments == "string")
+            if shape.id_length is not None:
+                chat = normalize_tool_call_ids(chat, shape.id_length)
+        return self._render(chat, tools, add_generation_prompt, continue_final_message, template_kwargs)
+
+    def _render(
+        self,
+        chat: list[dict[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool | str,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[str, ClockReads]:
         if tools is not None and (
             isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence)
         ):
@@ -284,6 +378,15 @@ class ChatTemplate:
         context["tools"] = tools
         context.setdefault("documents", None)
         context["add_generation_prompt"] = add_generation_prompt
+        reads: list[tuple[str, str]] = []
+        if self.uses_clock:
+
+            def strftime_now(fmt: str) -> str:
+                value = datetime.now().strftime(fmt)
+                reads.append((fmt, value))
+                return value
+
+            context["strftime_now"] = strftime_now
         try:
             rendered = self._template.render(context)
         except jinja2.TemplateError as e:
@@ -293,7 +396,7 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template {self.name!r} failed on these messages: {e!r}") from e
         if continue_final_message:
             rendered = _cut_at_tag(rendered)
-        return rendered
+        return rendered, tuple(reads)
 
 
 _REASONING_FIELDS: Final = ("reasoning_content", "thinking", "reasoning")
@@ -301,7 +404,8 @@ _CONTINUE_TAG: Final = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 def _prepare_messages(messages: object) -> list[dict[str, Any]]:
-    """Fresh shallow copies: None-valued keys dropped, reasoning aliased (transformers 5.x)."""
+    """Fresh shallow copies: None-valued keys dropped but a null ``content`` made "", reasoning
+    aliased (transformers 5.x)."""
     if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
         raise ChatTemplateError("messages must be a list of objects")
     if not messages:
@@ -311,6 +415,10 @@ def _prepare_messages(messages: object) -> list[dict[str, Any]]:
         if not isinstance(m, Mapping):
             raise ChatTemplateError(f"messages[{i}] must be an object, not {type(m).__name__}")
         msg = {k: v for k, v in m.items() if v is not None}
+        if "content" in m and m["content"] is None:
+            # OpenAI clients send null content beside tool_calls; templates index it as text (vLLM
+            # renders it as "", transformers drops the key and Qwen3's template then fails)
+            msg["content"] = ""
         if not isinstance(msg.get("role"), str):
             raise ChatTemplateError(f"messages[{i}].role must be a string")
         reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
@@ -412,8 +520,9 @@ _ID_ALPHABET: Final = string.ascii_letters + string.digits
 
 def normalize_tool_call_ids(messages: Sequence[Message], length: int = 9) -> list[dict[str, Any]]:
     """Copies of ``messages`` whose tool-call ids (and the tool results' ``tool_call_id``) are
-    ``length`` alphanumeric characters, as Mistral templates demand. An id that already fits is kept;
-    others are mapped to a deterministic replacement (same id in → same id out, within this call)."""
+    ``length`` alphanumeric characters, as Mistral templates demand. An id that already fits is kept,
+    a longer one ending in ``length`` alphanumerics is cut to them (as vLLM does), others are mapped
+    to a deterministic replacement (same id in → same id out, in any process)."""
     mapping: dict[str, str] = {}
 
     def fix(ident: Any) -> Any:
@@ -421,6 +530,8 @@ def normalize_tool_call_ids(messages: Sequence[Message], length: int = 9) -> lis
             return ident
         if len(ident) == length and ident.isalnum():
             return ident
+        if len(ident) > length and ident[-length:].isalnum():
+            return ident[-length:]  # what vLLM does for Mistral
         if ident not in mapping:
             rng = random.Random(ident)
             mapping[ident] = "".join(rng.choice(_ID_ALPHABET) for _ in range(length))

@@ -8,9 +8,11 @@ algorithm driven from Python; see bench/detok_bench.py). The wrapper adds what D
   (``"▁Paris"`` after a prompt is ``" Paris"``, as vLLM and SGLang report it);
 - ``finish()``: text held back because it ends in an incomplete UTF-8 sequence is flushed at the end
   (as U+FFFD, exactly as a one-shot ``decode`` renders it);
-- bounded work per step: after ``_MAX_PENDING`` ids without new text (a run of skipped special tokens,
-  or garbage bytes) the held ids are flushed and the stream restarted, so the decode window never grows
-  without bound; a DecodeStream "invalid prefix" error (byte-fallback garbage) is recovered the same way;
+- bounded work per step: skipped special tokens and ids outside the vocabulary (an engine's padded
+  embedding rows) are dropped on input, as they produce no text; after ``_MAX_PENDING`` ids whose text
+  still ends in U+FFFD the text up to the last clean cut is flushed and the stream restarted, so the
+  decode window never grows without bound; a DecodeStream "invalid prefix" error (byte-fallback garbage) is
+  recovered the same way;
 - ``special_ids``: extra ids to drop when ``skip_special_tokens``; ``spaces_between_special_tokens``.
 
 Invariant (for any chunking of ids that decode to valid text): the concatenation of everything ``step``
@@ -27,23 +29,34 @@ from typing import Final
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-__all__ = ["IncrementalDetokenizer", "added_token_contents"]
+__all__ = ["IncrementalDetokenizer"]
 
 REPLACEMENT_CHAR: Final = "\ufffd"
-_CONTEXT_IDS: Final = 6  # ids of left context (prompt tail, or last emitted ids) for priming and flushes
+_CONTEXT_WINDOWS: Final = (6, 12, 24)  # sizes tried for left context (prompt tail or emitted ids)
 _MAX_PENDING: Final = 32  # ids held without new text before a forced flush
-_MAX_PARTIAL_IDS: Final = 4  # a UTF-8 character spans at most 4 bytes, so at most 4 trailing ids
-
-_ADDED: weakref.WeakKeyDictionary[Tokenizer, dict[int, str]] = weakref.WeakKeyDictionary()
+_MAX_PARTIAL_IDS: Final = 4  # a UTF-8 character spans at most 4 bytes, so at most 4 ids
 
 
-def added_token_contents(tokenizer: Tokenizer) -> dict[int, str]:
-    """id -> content of every added token of ``tokenizer`` (special or not); cached per tokenizer."""
-    table = _ADDED.get(tokenizer)
-    if table is None:
-        table = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
-        _ADDED[tokenizer] = table
-    return table
+class _TokenizerInfo:
+    """What the detokenizer needs to know about a tokenizer, computed once per tokenizer object."""
+
+    __slots__ = ("added", "special", "vocab_size")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        decoder = tokenizer.get_added_tokens_decoder()
+        self.added: dict[int, str] = {i: t.content for i, t in decoder.items()}
+        self.special: frozenset[int] = frozenset(i for i, t in decoder.items() if t.special)
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+
+
+_INFO: weakref.WeakKeyDictionary[Tokenizer, _TokenizerInfo] = weakref.WeakKeyDictionary()
+
+
+def _info(tokenizer: Tokenizer) -> _TokenizerInfo:
+    info = _INFO.get(tokenizer)
+    if info is None:
+        info = _INFO[tokenizer] = _TokenizerInfo(tokenizer)
+    return info
 
 
 class IncrementalDetokenizer:
@@ -62,6 +75,7 @@ class IncrementalDetokenizer:
         "_added",
         "_context",
         "_drop",
+        "_drop_extra",
         "_emitted",
         "_finished",
         "_ids",
@@ -70,6 +84,7 @@ class IncrementalDetokenizer:
         "_skip",
         "_stream",
         "_tok",
+        "_vocab",
     )
 
     def __init__(
@@ -83,21 +98,23 @@ class IncrementalDetokenizer:
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._drop: Set[int] = special_ids if (skip_special_tokens and special_ids) else frozenset()
+        info = _info(tokenizer)
+        self._vocab = info.vocab_size
+        # Skipped special tokens are dropped on input: they produce no text, so keeping them out of
+        # the decode window keeps it short and the left context meaningful (same text as decode()).
+        self._drop: frozenset[int] | None = info.special if (skip_special_tokens and info.special) else None
+        self._drop_extra: Set[int] | None = special_ids if (skip_special_tokens and special_ids) else None
         self._added: dict[int, str] | None = None
         if not skip_special_tokens and not spaces_between_special_tokens:
-            self._added = added_token_contents(tokenizer) or None
+            self._added = info.added or None
         self._last_added = False
-        self._ids: list[int] = []  # every output id fed (after dropping ``special_ids``)
+        self._ids: list[int] = []  # output ids fed, less dropped ones (skipped specials, out of vocab)
         self._emitted = 0  # ids[:emitted] have produced all their text
         self._parts: list[str] = []
         self._finished = False
-        context: list[int] = []
-        if prompt_ids:
-            context = [i for i in prompt_ids[-_CONTEXT_IDS:] if i not in self._drop]
-        stream = self._primed(context)
-        self._context = context if stream is not None else []  # left context before the first output
-        self._stream = stream or DecodeStream(skip_special_tokens=skip_special_tokens)
+        context = self._context_from(prompt_ids) if prompt_ids else []
+        self._context = context  # left context before the first output id
+        self._stream = self._primed(context)
 
     # -- public -----------------------------------------------------------------------------------
 
@@ -123,10 +140,17 @@ class IncrementalDetokenizer:
         """Feed the next output ids; return the text that became final (often ``""``)."""
         if self._finished:
             raise RuntimeError("IncrementalDetokenizer.step() after finish()")
-        if self._drop and not self._drop.isdisjoint(ids):
-            ids = [i for i in ids if i not in self._drop]
         if not ids:
             return ""
+        drop, extra = self._drop, self._drop_extra
+        if (
+            (drop is not None and not drop.isdisjoint(ids))
+            or (extra is not None and not extra.isdisjoint(ids))
+            or max(ids) >= self._vocab
+        ):
+            ids = self._kept(ids)
+            if not ids:
+                return ""
         if self._added is not None:
             out = "".join([self._step_added_aware(i) for i in ids])
         else:
@@ -158,13 +182,20 @@ class IncrementalDetokenizer:
         try:
             out = self._stream.step(self._tok, ids[0] if len(ids) == 1 else ids)
         except Exception:  # DecodeStream "invalid prefix" (byte-fallback garbage): restart the stream
-            return self._flush_pending(keep_partial=False)
+            return self._flush_pending()
         if out is None:
             if len(self._ids) - self._emitted > _MAX_PENDING:
-                return self._flush_pending(keep_partial=True)
+                return self._flush_pending()
             return ""
         self._emitted = len(self._ids)
         return out
+
+    def _kept(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` less skipped special tokens and ids outside the vocabulary (they decode to nothing)."""
+        drop = self._drop or frozenset()
+        extra = self._drop_extra or frozenset()
+        vocab = self._vocab
+        return [i for i in ids if i < vocab and i not in drop and i not in extra]
 
     def _step_added_aware(self, token_id: int) -> str:
         assert self._added is not None
@@ -175,9 +206,27 @@ class IncrementalDetokenizer:
         self._last_added = content is not None
         return out
 
-    def _primed(self, context: list[int]) -> DecodeStream | None:
-        """A stream that has seen ``context``; None when the context ends mid-character (unusable:
-        the stream would emit the context's tail with the first output)."""
+    def _context_from(self, ids: Sequence[int]) -> list[int]:
+        """The last few of ``ids`` as left context, or none if ``ids`` end inside a character.
+
+        A window that starts inside a character is harmless for byte-level BPE (a stable leading
+        U+FFFD) but not with byte fallback, where a run of byte pieces that starts mid-character decodes
+        to U+FFFD throughout, its end included: then the window start is moved (a character spans at
+        most 4 byte tokens, so one of 4 neighbouring starts is a boundary).
+        """
+        n = len(ids)
+        for base in _CONTEXT_WINDOWS:
+            for size in range(base, base + _MAX_PARTIAL_IDS):
+                context = self._kept(ids[-size:])
+                if not self._tok.decode(context, skip_special_tokens=self._skip).endswith(REPLACEMENT_CHAR):
+                    return context
+                if size >= n:
+                    return []
+        return []
+
+    def _primed(self, context: list[int]) -> DecodeStream:
+        """A stream that has seen ``context``; a fresh one if the context ends mid-character (the
+        stream would emit the context's tail with the next output)."""
         stream = DecodeStream(skip_special_tokens=self._skip)
         # step() gives None when the context decodes to nothing (fine) or ends mid-character.
         if (
@@ -185,14 +234,17 @@ class IncrementalDetokenizer:
             and stream.step(self._tok, context) is None
             and self._tok.decode(context, skip_special_tokens=self._skip).endswith(REPLACEMENT_CHAR)
         ):
-            return None
+            return DecodeStream(skip_special_tokens=self._skip)
         return stream
 
     def _left_context(self) -> list[int]:
+        """Left context for the ids after ``_emitted``: the prompt's tail, then emitted ids."""
         emitted = self._emitted
-        if emitted >= _CONTEXT_IDS or not self._context:
-            return self._ids[max(0, emitted - _CONTEXT_IDS) : emitted]
-        return (self._context + self._ids[:emitted])[-_CONTEXT_IDS:]
+        span = _CONTEXT_WINDOWS[-1] + _MAX_PARTIAL_IDS
+        tail = self._ids[max(0, emitted - span) : emitted]
+        if len(tail) < span and self._context:
+            tail = (self._context + tail)[-span:]
+        return self._context_from(tail) if tail else []
 
     def _decode_after(self, context: list[int], ids: list[int]) -> str:
         """Text of ``ids`` when they follow ``context`` (keeps metaspace leading spaces)."""
@@ -205,24 +257,28 @@ class IncrementalDetokenizer:
             return full[len(base) :]
         return decode(ids, skip_special_tokens=self._skip)
 
-    def _flush_pending(self, *, keep_partial: bool) -> str:
+    def _flush_pending(self) -> str:
         """Return the held ids' text from a plain decode and restart the stream after them.
 
-        With ``keep_partial``, trailing ids that end in an incomplete character stay held (re-fed to
-        the new stream) unless no cut within the last few ids gives clean text (garbage bytes).
+        Reached after ``_MAX_PENDING`` ids whose text still ends in U+FFFD, or after a DecodeStream
+        error. With byte fallback that happens on valid text too: a run of byte pieces decodes to
+        U+FFFD throughout while its last character is incomplete, so chunks that keep ending
+        mid-character hold the whole run. The text up to the last clean cut (at most 3 ids back) is
+        emitted and the ids after it stay held; with no clean cut (invalid bytes, or literal U+FFFD
+        characters) everything is emitted.
         """
         context = self._left_context()
         pending = self._ids[self._emitted :]
         text = self._decode_after(context, pending)
         keep = 0
-        if keep_partial and text.endswith(REPLACEMENT_CHAR):
-            for k in range(1, min(_MAX_PARTIAL_IDS, len(pending) - 1) + 1):
+        if text.endswith(REPLACEMENT_CHAR):
+            for k in range(1, min(_MAX_PARTIAL_IDS, len(pending))):
                 cut = self._decode_after(context, pending[:-k])
                 if not cut.endswith(REPLACEMENT_CHAR):
                     text, keep = cut, k
                     break
         self._emitted = len(self._ids) - keep
-        self._stream = self._primed(self._left_context()) or DecodeStream(skip_special_tokens=self._skip)
+        self._stream = self._primed(self._left_context())
         if keep:
             kept = self._ids[self._emitted :]
             del self._ids[self._emitted :]

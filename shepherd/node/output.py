@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from shepherd.node.detokenizer import IncrementalDetokenizer
 from shepherd.node.engine_types import TokenLogprob
+from shepherd.node.logprobs import TokenTextCache, chat_logprobs, completion_logprobs
 from shepherd.node.openai_protocol import Sampling
 from shepherd.node.stop import StopMatcher
 from shepherd.node.tokenizer import Tokenizer
@@ -26,7 +28,12 @@ class ChoiceState:
 
     def __init__(self, index: int, tok: Tokenizer, s: Sampling) -> None:
         self.index = index
-        self.detok = IncrementalDetokenizer(tok.hf, skip_special_tokens=s.skip_special_tokens)
+        self.detok = IncrementalDetokenizer(
+            tok.hf,
+            skip_special_tokens=s.skip_special_tokens,
+            spaces_between_special_tokens=s.spaces_between_special_tokens,
+            special_ids=tok.special_token_ids,
+        )
         self.stop = StopMatcher(
             stop=s.stop,
             include_stop_str_in_output=s.include_stop_str_in_output,
@@ -81,3 +88,27 @@ class ChoiceState:
 
     def full_text(self) -> str:
         return "".join(self.text)
+
+
+class LogprobFormatter:
+    """OpenAI logprobs blocks for one response (chat ``content`` lists, legacy completions lists)."""
+
+    __slots__ = ("cache", "offsets", "skip_special")
+
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.cache = TokenTextCache.for_tokenizer(tok.hf)
+        self.skip_special = skip_special_tokens
+        self.offsets: dict[int, int] = {}  # completions: text offset per choice index
+
+    def chat(self, entries: Sequence[TokenLogprob], top: int) -> dict[str, Any]:
+        return chat_logprobs(entries, self.cache, top)
+
+    def completion(self, entries: Sequence[TokenLogprob], top: int, index: int = 0) -> dict[str, Any]:
+        block, self.offsets[index] = completion_logprobs(
+            entries,
+            self.cache,
+            top,
+            text_offset=self.offsets.get(index, 0),
+            skip_special_tokens=self.skip_special,
+        )
+        return block

@@ -277,6 +277,7 @@ class TokenCache:
             return plan.done
         if len(encoded) != len(plan.missing):
             raise ValueError(f"expected ids for {len(plan.missing)} pieces, got {len(encoded)}")
+        self.encoded_chars += plan.missing_chars
         if not plan.segmented:
             ids = list(encoded[0])
             self._exact.put((plan.text, plan.add_special_tokens), ids)
@@ -298,7 +299,6 @@ class TokenCache:
     def encode_pieces(self, pieces: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
         """The plain encoder (what a pool worker runs on the pieces of a plan)."""
         encode = self.hf.encode
-        self.encoded_chars += sum(map(len, pieces))
         return [encode(p, add_special_tokens=add_special_tokens).ids for p in pieces]
 
     # ---- without caches, for the self-test -----------------------------------------------------

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from shepherd.node.chat_template import ChatTemplateError
+import orjson
+
+from shepherd.node.chat_template import ChatTemplateError, ClockReads
 from shepherd.node.token_cache import CacheLimits
 from shepherd.node.tokenizer import Tokenizer
 
@@ -126,10 +128,10 @@ def _handle(
         (ln,) = _U16.unpack_from(payload, 0)
         name = payload[2 : 2 + ln].decode()
         try:
-            text = tok.chat_template(name=name).render_serialized(payload[2 + ln :])
+            text, reads = tok.chat_template(name=name).render_serialized(payload[2 + ln :])
         except ChatTemplateError as e:
             return _TEMPLATE_ERROR, str(e).encode("utf-8", "replace")
-        return _OK, text.encode("utf-8", "surrogatepass")
+        return _OK, orjson.dumps((text, reads))
     if op == _OP_CRASH:
         os._exit(3)
     return _ERROR, f"unknown op {op}".encode()
@@ -306,11 +308,10 @@ class TokenizerPool:
         self._loop.add_reader(resp_r, self._on_readable, w)
 
     def _retire(self, w: _Worker, reason: str, *, kill: bool) -> None:
-        """Take ``w`` out of service: fail its calls, close its pipes, (kill and) reap it."""
+        """Take ``w`` out of service: close its pipes, (kill and reap it,) fail its calls."""
         if not w.alive:
             return
         w.alive = False
-        w.death_reason = reason
         assert self._loop is not None
         self._loop.remove_reader(w.from_fd)
         if w.wbuf:
@@ -321,6 +322,13 @@ class TokenizerPool:
         if kill:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w.pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                _, st = os.waitpid(w.pid, 0)
+                if os.WIFSIGNALED(st):
+                    reason += f" (signal {os.WTERMSIG(st)})"
+                elif os.WIFEXITED(st):
+                    reason += f" (exit status {os.WEXITSTATUS(st)})"
+        w.death_reason = reason
         calls, w.inflight = w.inflight, {}
         if calls:
             self.failures += len(calls)
@@ -332,15 +340,7 @@ class TokenizerPool:
                     call.future.set_exception(err)
 
     def _on_death(self, w: _Worker, reason: str) -> None:
-        status = ""
         self._retire(w, reason, kill=True)
-        with contextlib.suppress(ChildProcessError):
-            _, st = os.waitpid(w.pid, 0)
-            if os.WIFSIGNALED(st):
-                status = f" (killed by signal {os.WTERMSIG(st)})"
-            elif os.WIFEXITED(st):
-                status = f" (exit status {os.WEXITSTATUS(st)})"
-        w.death_reason = reason + status
         if self._closed:
             return
         self.restarts += 1
@@ -491,13 +491,15 @@ class TokenizerPool:
             pos += c
         return result
 
-    async def render(self, model: str, template_name: str, serialized: bytes) -> str:
-        """``ChatTemplate.render_serialized`` in a worker (raises ChatTemplateError as inline does)."""
+    async def render(self, model: str, template_name: str, serialized: bytes) -> tuple[str, ClockReads]:
+        """``ChatTemplate.render_serialized`` in a worker (raises ChatTemplateError as inline does):
+        the text and the clock reads it made."""
         name = template_name.encode()
         out = await self._call(
             _OP_RENDER, 0, self.model_index(model), _U16.pack(len(name)) + name + serialized
         )
-        return out.decode("utf-8", "surrogatepass")
+        text, reads = orjson.loads(out)
+        return text, tuple((fmt, value) for fmt, value in reads)
 
     async def crash_worker_for_test(self) -> None:
         """Make one worker exit mid-call (tests: the call fails with TokenizerWorkerError)."""
@@ -613,23 +615,24 @@ class TokenizerService:
         text = tpl.cached(key)
         if text is not None:
             return text
+        reads: ClockReads = ()
         if self._pool is not None and key is not None and len(key) > self.render_inline_max_bytes:
             try:
-                text = await self._pool.render(model, tpl.name, key)
+                text, reads = await self._pool.render(model, tpl.name, key)
             except TokenizerPoolUnavailable:
                 self.pool_fallbacks += 1
             else:
                 self.pool_renders += 1
         if text is None:
             self.inline_renders += 1
-            text = tpl.render_uncached(
+            text, reads = tpl.render_recorded(
                 messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 template_kwargs=template_kwargs,
             )
-        tpl.store(key, text)
+        tpl.store(key, text, reads)
         return text
 
     async def render_and_encode(

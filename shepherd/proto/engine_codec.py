@@ -144,6 +144,14 @@ def _logprobs(lp: Any) -> list[TokenLogprob]:
     return out
 
 
+def _has(msg: Any, name: str) -> bool:
+    """HasField that answers False for a field the message type does not have (SGLang vs vLLM)."""
+    try:
+        return bool(msg.HasField(name))
+    except ValueError:
+        return False
+
+
 def decode_response(resp: Any) -> EngineEvent | None:
     """A GenerateResponse of either engine -> EngineChunk / EngineComplete (None if empty)."""
     kind = resp.WhichOneof("response")
@@ -160,7 +168,7 @@ def decode_response(resp: Any) -> EngineEvent | None:
     if kind == "complete":
         c = resp.complete
         stop = c.WhichOneof("matched_stop")
-        kv = c.kv_transfer_params_json if c.HasField("kv_transfer_params_json") else None
+        kv = c.kv_transfer_params_json if _has(c, "kv_transfer_params_json") else None
         return EngineComplete(
             index=c.index,
             finish_reason=c.finish_reason or "stop",

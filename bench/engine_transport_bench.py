@@ -1,0 +1,357 @@
+"""CPU per engine request: grpcio (grpc.aio) vs the lean HTTP/2 transport (H2EngineClient).
+
+Starts ``smg-mock-engine --zero-latency`` pinned to core 0, then for each transport variant runs a
+worker process pinned to core 1 (a fresh process per variant: grpcio reads GRPC_EXPERIMENTS once) that
+measures, with ``time.process_time`` (every thread of the process), the client CPU per request for a
+non-stream Generate (one response message) and a 32-token stream (stream_interval 1: one message per
+token), at concurrency 1 and 32. Also context switches per request (getrusage, all threads).
+
+    .venv/bin/python bench/engine_transport_bench.py                 # full table
+    .venv/bin/python bench/engine_transport_bench.py --requests 200 --variants grpcio,h2
+    .venv/bin/python bench/engine_transport_bench.py --micro         # frame parsing: ours vs h2 (hyper)
+
+Prints figures only; no asserts. Machines are shared and noisy: compare within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+READY = re.compile(r"mock engine ready grpc=(\S+):(\d+) http=(\S+):(\d+)")
+
+# grpcio 1.85 accepts these experiment names (checked: an unknown name logs "Unknown experiment")
+NO_EVENT_ENGINE = (
+    "-event_engine_client,-event_engine_listener,-event_engine_callback_cq,-event_engine_for_all_other_endpoints"
+)
+VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
+    "grpcio": ("grpcio", {}),
+    "grpcio-noee": ("grpcio", {"GRPC_EXPERIMENTS": NO_EVENT_ENGINE}),
+    "h2": ("h2", {}),
+}
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+
+def _make_client(transport: str, target: str, kind: str) -> Any:
+    if transport == "grpcio":
+        from shepherd.node.engine_grpc import GrpcEngineClient
+
+        return GrpcEngineClient(f"{kind}://{target}", target, kind)
+    from shepherd.node.engine_h2 import H2EngineClient
+
+    return H2EngineClient(f"{kind}://{target}", target, kind)
+
+
+async def _scenario(client: Any, stream: bool, conc: int, n: int, tokens: int) -> dict[str, float]:
+    from shepherd.node.engine_types import GenerateRequest, SamplingParams
+
+    sampling = SamplingParams(max_new_tokens=tokens, ignore_eos=True, stream_interval=1)
+    ids = list(range(1000, 1250))  # a 250-token prompt
+    counter = 0
+    msgs = 0
+
+    async def one() -> None:
+        nonlocal counter, msgs
+        counter += 1
+        req = GenerateRequest(f"b{counter}", ids, sampling, stream=stream)
+        async for _ev in client.generate(req, timeout=30.0):
+            msgs += 1
+
+    async def worker(count: int) -> None:
+        for _ in range(count):
+            await one()
+
+    async def run(total: int) -> None:
+        per = [total // conc + (1 if i < total % conc else 0) for i in range(conc)]
+        await asyncio.gather(*(worker(c) for c in per if c))
+
+    await run(max(conc * 4, 20))  # warm-up: connection, HPACK tables, protobuf, caches
+    msgs = 0
+    ru0 = resource.getrusage(resource.RUSAGE_SELF)
+    c0 = time.process_time()
+    w0 = time.perf_counter()
+    await run(n)
+    wall = time.perf_counter() - w0
+    cpu = time.process_time() - c0
+    ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    csw = (ru1.ru_nvcsw - ru0.ru_nvcsw) + (ru1.ru_nivcsw - ru0.ru_nivcsw)
+    return {
+        "cpu_us_req": cpu / n * 1e6,
+        "cpu_us_msg": cpu / max(1, msgs) * 1e6,
+        "msgs_req": msgs / n,
+        "csw_req": csw / n,
+        "req_s": n / wall,
+    }
+
+
+async def _worker_main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    client = _make_client(args.transport, args.target, args.kind)
+    out: list[dict[str, Any]] = []
+    try:
+        for stream in (False, True):
+            for conc in args.concurrency:
+                n = args.requests if stream else args.requests * 2
+                r = await _scenario(client, stream, conc, n, args.tokens)
+                out.append({"stream": stream, "conc": conc, "n": n, **r})
+    finally:
+        await client.close()
+    return out
+
+
+def worker(args: argparse.Namespace) -> None:
+    if args.loop == "uvloop":
+        import uvloop
+
+        runner: Callable[..., Any] = uvloop.run
+    else:
+        runner = asyncio.run
+    res = runner(_worker_main(args))
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- driver
+
+
+def _taskset(core: int) -> list[str]:
+    return ["taskset", "-c", str(core)] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
+
+
+def start_engine(kind: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    fd, name = tempfile.mkstemp(prefix="bench-mock-engine-", suffix=".log")
+    os.close(fd)
+    log = Path(name)
+    argv = [
+        *_taskset(0),
+        str(Path(sys.executable).parent / "smg-mock-engine"),
+        "--zero-latency",
+        "--engine",
+        kind,
+        "--grpc-port",
+        "0",
+        "--http-port",
+        "0",
+        "--max-running",
+        "256",
+    ]
+    with log.open("wb") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        m = READY.search(log.read_text(errors="replace"))
+        if m:
+            return proc, f"127.0.0.1:{m.group(2)}", log
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    stop(proc)
+    raise SystemExit(f"mock engine did not start:\n{log.read_text(errors='replace')}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def run_variant(name: str, target: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    transport, extra_env = VARIANTS[name]
+    env = {**os.environ, **extra_env}
+    argv = [
+        *_taskset(1),
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--transport",
+        transport,
+        "--target",
+        target,
+        "--kind",
+        args.kind,
+        "--loop",
+        args.loop,
+        "--requests",
+        str(args.requests),
+        "--tokens",
+        str(args.tokens),
+        "--concurrency",
+        ",".join(str(c) for c in args.concurrency),
+    ]
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=900, check=False)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            rows: list[dict[str, Any]] = json.loads(line[7:])
+            return rows
+    raise SystemExit(f"worker {name} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+
+
+def main_driver(args: argparse.Namespace) -> None:
+    proc, target, log = start_engine(args.kind)
+    rows: list[tuple[str, dict[str, Any]]] = []
+    try:
+        for name in args.variants:
+            rows += [(name, r) for r in run_variant(name, target, args)]
+    finally:
+        stop(proc)
+        log.unlink(missing_ok=True)
+    print(
+        f"\nclient CPU per request, mock engine (--zero-latency, {args.kind}) on core 0, client on core 1, "
+        f"loop={args.loop}, {args.tokens}-token outputs, 250-token prompts"
+    )
+    print(
+        f"{'transport':<12} {'scenario':<14} {'conc':>4} {'reqs':>5} {'CPU µs/req':>11} {'CPU µs/msg':>11} "
+        f"{'msgs/req':>8} {'csw/req':>8} {'req/s':>7}"
+    )
+    for name, r in rows:
+        scen = "stream" if r["stream"] else "non-stream"
+        print(
+            f"{name:<12} {scen:<14} {r['conc']:>4} {r['n']:>5} {r['cpu_us_req']:>11.0f} {r['cpu_us_msg']:>11.1f} "
+            f"{r['msgs_req']:>8.1f} {r['csw_req']:>8.1f} {r['req_s']:>7.0f}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- micro
+
+
+def micro(reps: int) -> None:
+    """Client-side parsing of one 32-message response stream: ours vs the h2 (hyper) state machine."""
+    import hpack
+    from smg_grpc_proto import sglang_scheduler_pb2 as sg
+
+    from shepherd.node import h2_conn as ours
+    from shepherd.node.engine_h2 import GrpcStream, grpc_message
+
+    enc = hpack.Encoder()
+    msgs = [
+        sg.GenerateResponse(
+            request_id="r", chunk=sg.GenerateStreamChunk(token_ids=[i + 100], prompt_tokens=250, completion_tokens=i)
+        ).SerializeToString()
+        for i in range(32)
+    ]
+    hdr = enc.encode([(":status", "200"), ("content-type", "application/grpc")])
+    trl = enc.encode([("grpc-status", "0")])
+    hdr = enc.encode([(":status", "200"), ("content-type", "application/grpc")])  # warm (indexed) form
+    trl = enc.encode([("grpc-status", "0")])
+
+    def server_bytes(sid: int) -> bytes:
+        out = [ours.frame(ours.HEADERS, ours.FLAG_END_HEADERS, sid, hdr)]
+        out += [ours.frame(ours.DATA, 0, sid, grpc_message(m)) for m in msgs]
+        out.append(ours.frame(ours.HEADERS, ours.FLAG_END_HEADERS | ours.FLAG_END_STREAM, sid, trl))
+        return b"".join(out)
+
+    class Listener:
+        def on_settings(self) -> None: ...
+        def on_stream_closed(self) -> None: ...
+        def on_goaway(self) -> None: ...
+        def on_ping_ack(self, payload: bytes) -> None: ...
+        def on_fatal(self, message: str) -> None: ...
+
+    loop = asyncio.new_event_loop()
+    sink: list[bytes] = []
+    conn = ours.H2Connection(sink.append, Listener())
+    conn.start()
+    conn.receive(ours.settings_frame({}))
+    block = ours.RequestHeaders("127.0.0.1:1").block("/x/Generate", 5.0)
+    # one read per message (worst case: a wake-up per token) and one read for the whole stream
+    for label, split in (("one read per frame", True), ("one read per stream", False)):
+        t0 = time.process_time()
+        for _ in range(reps):
+            s = GrpcStream(loop)
+            conn.open_stream(s, block, b"\0\0\0\0\0")
+            data = server_bytes(s.stream_id)
+            if split:
+                off = 0
+                while off < len(data):
+                    ln = int.from_bytes(data[off : off + 3], "big") + 9
+                    conn.receive(data[off : off + ln])
+                    off += ln
+            else:
+                conn.receive(data)
+            s.messages.clear()
+        ours_us = (time.process_time() - t0) / reps * 1e6
+
+        import h2.config
+        import h2.connection
+        import h2.events
+
+        hc = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+        hc.initiate_connection()
+        hc.receive_data(ours.settings_frame({}))
+        hc.data_to_send()
+        t0 = time.process_time()
+        for _ in range(reps):
+            sid = hc.get_next_available_stream_id()
+            hc.send_headers(
+                sid,
+                [(":method", "POST"), (":scheme", "http"), (":path", "/x/Generate"), (":authority", "a")],
+            )
+            hc.send_data(sid, b"\0\0\0\0\0", end_stream=True)
+            data = server_bytes(sid)
+            chunks = []
+            if split:
+                off = 0
+                while off < len(data):
+                    ln = int.from_bytes(data[off : off + 3], "big") + 9
+                    chunks.append(data[off : off + ln])
+                    off += ln
+            else:
+                chunks.append(data)
+            for c in chunks:
+                for ev in hc.receive_data(c):
+                    if isinstance(ev, h2.events.DataReceived):
+                        hc.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+            hc.data_to_send()
+        h2_us = (time.process_time() - t0) / reps * 1e6
+        print(
+            f"{label:<20}: ours {ours_us:7.1f} µs/stream ({ours_us / 32:5.2f}/msg)   "
+            f"h2 {h2_us:7.1f} µs/stream ({h2_us / 32:5.2f}/msg; events only, no gRPC message parsing)"
+        )
+    loop.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--transport", default="h2", help=argparse.SUPPRESS)
+    ap.add_argument("--target", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--kind", default="sglang", choices=("sglang", "vllm"))
+    ap.add_argument("--loop", default="uvloop", choices=("uvloop", "asyncio"))
+    ap.add_argument("--requests", type=int, default=400, help="stream requests per scenario (non-stream: 2x)")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
+    ap.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
+    ap.add_argument("--micro", action="store_true", help="only the frame-parsing micro benchmark")
+    ap.add_argument("--micro-reps", type=int, default=2000)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+    elif args.micro:
+        micro(args.micro_reps)
+    else:
+        main_driver(args)
+
+
+if __name__ == "__main__":
+    main()

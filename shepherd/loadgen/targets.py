@@ -1,0 +1,186 @@
+"""The processes a gateway benchmark runs: the mock engine and the gateways put in front of it.
+
+Each ``*_spec`` function returns a ``ProcSpec`` (argv, CPU pinning, readiness probe); ``Target``
+says where the load goes and which process tree is the gateway's. Peers (the Rust ``smg``, LiteLLM)
+run from their own venvs under ``bench/.peers/`` made by ``bench/peers/setup.sh``.
+"""
+
+from __future__ import annotations
+
+import lzma
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from shepherd.loadgen.procs import ProcSpec
+
+QWEN3_ASSETS = Path(__file__).resolve().parent.parent / "node" / "assets" / "qwen3"
+REPO_ROOT = Path(__file__).resolve().parent.parent.parent
+PEERS_SETUP = REPO_ROOT / "bench" / "peers" / "setup.sh"
+LITELLM_KEY = "sk-smg-bench"
+KNOWN_PEERS = ("smg", "litellm")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a run sends its load. ``gateway_pid`` is None for the direct (engine-only) reference."""
+
+    name: str
+    host: str
+    port: int
+    gateway_pid: int | None
+    headers: tuple[tuple[str, str], ...] = ()
+    path: str = "/v1/chat/completions"
+
+
+def peers_dir() -> Path:
+    import os
+
+    override = os.environ.get("SMG_BENCH_PEERS_DIR")
+    return Path(override) if override else REPO_ROOT / "bench" / ".peers"
+
+
+def console_script(name: str, module: str) -> list[str]:
+    """argv prefix for one of our console scripts: the venv's script, else ``python -m module``."""
+    beside = Path(sys.executable).parent / name
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which(name)
+    if found:
+        return [found]
+    return [sys.executable, "-m", module]
+
+
+def extract_tokenizer(dest: Path, source: Path = QWEN3_ASSETS) -> Path:
+    """Copy a tokenizer dir with ``tokenizer.json`` uncompressed (peers cannot read ``.xz``)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.name.endswith(".json.xz"):
+            (dest / item.name[: -len(".xz")]).write_bytes(lzma.decompress(item.read_bytes()))
+        elif item.is_file():
+            shutil.copyfile(item, dest / item.name)
+    return dest
+
+
+def mock_engine_spec(
+    grpc_port: int,
+    http_port: int,
+    *,
+    cpus: str | None,
+    model: str = "qwen3",
+    tokenizer_dir: Path | None = None,
+) -> ProcSpec:
+    argv = [
+        *console_script("smg-mock-engine", "shepherd.mock_engine.cli"),
+        "--grpc-port",
+        str(grpc_port),
+        "--http-port",
+        str(http_port),
+        "--model",
+        model,
+        "--zero-latency",
+        "--max-running",
+        "4096",  # never the mock's queue: the benchmark measures the gateway
+    ]
+    if tokenizer_dir is not None:
+        argv += ["--tokenizer", str(tokenizer_dir)]
+    return ProcSpec(
+        name="mock-engine",
+        argv=tuple(argv),
+        cpus=cpus,
+        ready_port=http_port,
+        ready_path="/health",
+        ready_timeout_s=60.0,
+    )
+
+
+def node_spec(port: int, grpc_port: int, model_dir: Path, *, cpus: str | None) -> ProcSpec:
+    argv = [
+        *console_script("smg-node", "shepherd.node.cli"),
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        f"grpc://127.0.0.1:{grpc_port}",
+        "--model-path",
+        str(model_dir),
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warning",
+    ]
+    return ProcSpec(
+        name="node",
+        argv=tuple(argv),
+        cpus=cpus,
+        ready_port=port,
+        ready_path="/readiness",
+        ready_timeout_s=90.0,
+    )
+
+
+def smg_spec(port: int, grpc_port: int, model_dir: Path, *, cpus: str | None) -> ProcSpec:
+    exe = peers_dir() / "smg" / "bin" / "smg"
+    argv = [
+        str(exe),
+        "launch",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        f"grpc://127.0.0.1:{grpc_port}",
+        "--model-path",
+        str(model_dir),
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warn",
+    ]
+    return ProcSpec(
+        name="smg",
+        argv=tuple(argv),
+        cpus=cpus,
+        ready_port=port,
+        ready_path="/readiness",
+        ready_timeout_s=90.0,
+    )
+
+
+def litellm_config(http_port: int, model: str = "qwen3") -> str:
+    """A LiteLLM proxy config relaying ``model`` to the mock engine's OpenAI HTTP surface."""
+    return (
+        "model_list:\n"
+        f"  - model_name: {model}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{model}\n"
+        f"      api_base: http://127.0.0.1:{http_port}/v1\n"
+        "      api_key: x\n"
+        "litellm_settings:\n"
+        "  drop_params: false\n"
+        "general_settings:\n"
+        f"  master_key: {LITELLM_KEY}\n"
+    )
+
+
+def litellm_spec(port: int, config_path: Path, *, cpus: str | None) -> ProcSpec:
+    exe = peers_dir() / "litellm" / "bin" / "litellm"
+    argv = [str(exe), "--config", str(config_path), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--num_workers", "1"]
+    return ProcSpec(
+        name="litellm",
+        argv=tuple(argv),
+        cpus=cpus,
+        env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR"},
+        ready_port=port,
+        ready_path="/health/liveliness",
+        ready_timeout_s=180.0,
+    )
+
+
+def peer_installed(name: str) -> bool:
+    exe = {"smg": "smg", "litellm": "litellm"}[name]
+    return (peers_dir() / name / "bin" / exe).exists()

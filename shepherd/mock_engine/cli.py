@@ -1,0 +1,146 @@
+"""``smg-mock-engine``: a stand-in inference engine (SGLang and vLLM gRPC services + OpenAI HTTP).
+
+Prints ``mock engine ready grpc=HOST:PORT http=HOST:PORT pid=PID`` once serving (ports may be given
+as 0 to let the OS pick), and exits cleanly on SIGTERM / SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from aiohttp import web
+
+from shepherd.mock_engine.engine import ROLES, EngineConfig, EngineCore
+from shepherd.mock_engine.faults import ERROR_CODES, Faults
+
+DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "node" / "assets" / "qwen3"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="smg-mock-engine",
+        description="A faithful stand-in for an inference engine: SGLang/vLLM gRPC services and the OpenAI "
+        "HTTP surface over a simulated prefix KV cache and scheduler.",
+    )
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: pick a free one)")
+    p.add_argument("--http-port", type=int, default=18001, help="HTTP port (0: pick a free one)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--model", default="qwen3", help="served model name")
+    p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="tokenizer directory")
+    p.add_argument(
+        "--engine", choices=("sglang", "vllm", "both"), default="both", help="gRPC services to serve"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--cache-blocks", type=int, default=8192, help="KV pool size in blocks")
+    p.add_argument("--max-running", type=int, default=64, help="concurrency limit (running sequences)")
+    p.add_argument("--context-length", type=int, default=32_768)
+    p.add_argument("--prefill-us-per-token", type=float, default=20.0, help="prefill time per uncached token")
+    p.add_argument("--decode-ms-per-token", type=float, default=5.0, help="decode inter-token latency")
+    p.add_argument("--zero-latency", action="store_true", help="no sleeps at all (benchmarks)")
+    p.add_argument("--output-len", type=int, default=32, help="output tokens before EOS when no max is given")
+    p.add_argument(
+        "--stream-interval", type=int, default=1, help="tokens per chunk when the request sets none"
+    )
+    p.add_argument("--role", choices=ROLES, default="both", help="PD disaggregation role")
+    p.add_argument(
+        "--error-rate", type=float, default=0.0, help="fraction of requests failed before any token"
+    )
+    p.add_argument("--error-code", choices=ERROR_CODES, default="UNAVAILABLE")
+    p.add_argument("--stall-after-tokens", type=int, default=None)
+    p.add_argument("--stall-seconds", type=float, default=0.0)
+    p.add_argument("--slow-factor", type=float, default=1.0, help="multiply every latency")
+    p.add_argument("--crash-after-requests", type=int, default=None, help="os._exit when request n+1 arrives")
+    p.add_argument("--hang-before-first-token", action="store_true")
+    p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    faults = Faults(
+        error_rate=args.error_rate,
+        error_code=args.error_code,
+        stall_after_tokens=args.stall_after_tokens,
+        stall_seconds=args.stall_seconds,
+        slow_factor=args.slow_factor,
+        crash_after_requests=args.crash_after_requests,
+        hang_before_first_token=args.hang_before_first_token,
+    )
+    return EngineConfig(
+        model=args.model,
+        tokenizer_path=str(Path(args.tokenizer).resolve()),
+        seed=args.seed,
+        block_size=args.block_size,
+        cache_blocks=args.cache_blocks,
+        max_running=args.max_running,
+        context_length=args.context_length,
+        prefill_us_per_token=args.prefill_us_per_token,
+        decode_ms_per_token=args.decode_ms_per_token,
+        zero_latency=args.zero_latency,
+        output_len=args.output_len,
+        stream_interval=args.stream_interval,
+        role=args.role,
+        host=args.host,
+        engine_id=f"mock-{os.getpid()}",
+        faults=faults,
+    )
+
+
+async def serve(config: EngineConfig, grpc_port: int, http_port: int, engines: Sequence[str]) -> None:
+    from shepherd.mock_engine.grpc_services import start_grpc_server
+    from shepherd.mock_engine.http_api import build_app
+    from shepherd.node.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.load(config.tokenizer_path, name=config.model)
+    core = EngineCore(config, tokenizer)
+    server, bound_grpc = await start_grpc_server(core, config.host, grpc_port, engines)
+    runner = web.AppRunner(build_app(core, tokenizer), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, http_port, reuse_address=True)
+    await site.start()
+    bound_http = http_port
+    for addr in runner.addresses:
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            bound_http = int(addr[1])
+            break
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    host = config.host
+    print(
+        f"mock engine ready grpc={host}:{bound_grpc} http={host}:{bound_http} pid={os.getpid()}", flush=True
+    )
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace=0.5)
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"smg-mock-engine: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+    engines = ("sglang", "vllm") if args.engine == "both" else (args.engine,)
+    if not args.no_uvloop:
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            uvloop.install()
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(config, args.grpc_port, args.http_port, engines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Counters the mock keeps for tests (served as JSON by ``GET /mock/stats``)."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Callable
+
+JsonDict = dict[str, object]
+
+
+class MockStats:
+    """What the engine saw. Lists of ids are bounded (the most recent ``keep``)."""
+
+    def __init__(self, keep: int = 256) -> None:
+        self.requests_received = 0
+        self.completed = 0
+        self.errors_injected = 0
+        self.rejected = 0
+        self._keep = keep
+        self.aborted: deque[str] = deque(maxlen=keep)  # ended early: by an Abort RPC or a cancelled stream
+        self.aborted_by_rpc: deque[str] = deque(maxlen=keep)  # an Abort RPC hit a live request
+        self.cancelled: deque[str] = deque(maxlen=keep)  # the client dropped the stream (or HTTP connection)
+        self.abort_unmatched: deque[str] = deque(maxlen=keep)  # an Abort RPC for no live request
+        self.rpc_calls: Counter[str] = Counter()
+        self.last_request_kind = ""
+        self.last_request_id = ""
+        # converted lazily (a protobuf -> dict conversion per request would cost more than the request)
+        self.last_sampling_params: Callable[[], JsonDict] | None = None
+        self.last_disaggregated_params: Callable[[], JsonDict] | None = None
+        self.last_kv_transfer_params_json: str | None = None
+        self.disaggregated_requests = 0
+
+    def reset(self) -> None:
+        self.__init__(self._keep)  # type: ignore[misc]
+
+    def count_rpc(self, name: str) -> None:
+        self.rpc_calls[name] += 1
+
+    def to_json(self) -> JsonDict:
+        return {
+            "requests_received": self.requests_received,
+            "completed": self.completed,
+            "errors_injected": self.errors_injected,
+            "rejected": self.rejected,
+            "aborted": list(self.aborted),
+            "aborted_by_rpc": list(self.aborted_by_rpc),
+            "cancelled": list(self.cancelled),
+            "abort_unmatched": list(self.abort_unmatched),
+            "rpc_calls": dict(self.rpc_calls),
+            "last_request_kind": self.last_request_kind,
+            "last_request_id": self.last_request_id,
+            "last_sampling_params": None
+            if self.last_sampling_params is None
+            else self.last_sampling_params(),
+            "last_disaggregated_params": (
+                None if self.last_disaggregated_params is None else self.last_disaggregated_params()
+            ),
+            "last_kv_transfer_params_json": self.last_kv_transfer_params_json,
+            "disaggregated_requests": self.disaggregated_requests,
+        }

@@ -1,0 +1,184 @@
+"""End to end: worker behaviour of a node — retry elsewhere, HTTP relay, vLLM detection, worker admin,
+timeouts with engine aborts, mid-stream failures, graceful shutdown."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.node_procs import http_status, running_node, start_node
+from tests.e2e.procs import MockEngineProc, start_mock_engine
+
+MSGS: list[Any] = [{"role": "user", "content": "Say something."}]
+
+
+def stats(engine: MockEngineProc) -> dict[str, Any]:
+    out: dict[str, Any] = httpx.get(engine.http_url + "/mock/stats", timeout=5).json()
+    return out
+
+
+def wait_aborted(engine: MockEngineProc, prefix: str, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(str(a).startswith(prefix) for a in stats(engine)["aborted"]):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+
+
+def test_retry_on_other_worker_and_circuit_breaker() -> None:
+    with (
+        start_mock_engine("--zero-latency", "--error-rate", "1.0") as bad,
+        start_mock_engine("--zero-latency") as good,
+        running_node(
+            "--worker-urls",
+            f"grpc://{bad.grpc_target}",
+            f"grpc://{good.grpc_target}",
+            "--model-id",
+            "qwen3",
+            "--cb-failure-threshold",
+            "2",
+        ) as node,
+    ):
+        c = sdk(node.url)
+        for _ in range(6):
+            r = c.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=3)
+            assert r.choices[0].message.content
+        workers = httpx.get(node.url + "/workers", timeout=5).json()["workers"]
+        by_url = {w["url"]: w for w in workers}
+        assert by_url[f"grpc://{bad.grpc_target}"]["circuit"] == "open"
+        assert stats(good)["requests_received"] >= 6
+        metrics = httpx.get(node.url + "/metrics", timeout=5).text
+        assert "smg_engine_retries_total" in metrics
+
+
+def test_vllm_service_detected_and_http_relay() -> None:
+    with start_mock_engine("--zero-latency", "--engine", "vllm") as engine:
+        with running_node("--worker-urls", f"grpc://{engine.grpc_target}", "--model-id", "qwen3") as node:
+            w = httpx.get(node.url + "/workers", timeout=5).json()["workers"][0]
+            assert w["kind"] == "vllm"
+            r = sdk(node.url).chat.completions.create(model="qwen3", messages=MSGS, max_tokens=4)
+            assert r.usage is not None and r.usage.completion_tokens == 4
+        with running_node("--worker-urls", engine.http_url, "--model-id", "qwen3") as relay:
+            c = sdk(relay.url)
+            r = c.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=4)
+            assert r.choices[0].message.content
+            text = "".join(
+                ch.choices[0].delta.content or ""
+                for ch in c.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=4, stream=True)
+                if ch.choices
+            )
+            assert text
+
+
+def test_worker_admin_lifecycle() -> None:
+    with (
+        start_mock_engine("--zero-latency") as engine,
+        running_node("--model-id", "qwen3", wait_ready=False) as node,
+    ):
+        assert http_status(node.url + "/readiness") == 503  # no worker yet
+        r = httpx.post(node.url + "/workers", json={"url": f"grpc://{engine.grpc_target}"}, timeout=15)
+        assert r.status_code == 201, r.text
+        wid = r.json()["id"]
+        assert http_status(node.url + "/readiness") == 200
+        assert sdk(node.url).chat.completions.create(model="qwen3", messages=MSGS, max_tokens=2).choices
+        assert httpx.get(node.url + f"/workers/{wid}", timeout=5).json()["healthy"] is True
+        assert httpx.delete(node.url + f"/workers/{wid}", timeout=5).status_code == 200
+        assert httpx.get(node.url + "/workers", timeout=5).json()["workers"] == []
+        with pytest.raises(openai.APIStatusError) as ei:
+            sdk(node.url).chat.completions.create(model="qwen3", messages=MSGS, max_tokens=2)
+        assert ei.value.status_code == 503
+
+
+def test_timeout_before_first_token_aborts_engine() -> None:
+    with (
+        start_mock_engine("--zero-latency", "--hang-before-first-token") as engine,
+        running_node(
+            "--worker-urls",
+            f"grpc://{engine.grpc_target}",
+            "--model-id",
+            "qwen3",
+            "--request-timeout-secs",
+            "1",
+        ) as node,
+    ):
+        rid = f"hang-{time.time_ns()}"
+        r = httpx.post(
+            node.url + "/v1/chat/completions",
+            json={"model": "qwen3", "messages": MSGS, "max_tokens": 4},
+            headers={"x-request-id": rid},
+            timeout=30,
+        )
+        assert r.status_code == 504
+        assert r.json()["error"]["code"] == "engine_timeout"
+        assert stats(engine)["active"] == 0 or wait_aborted(engine, rid)
+
+
+def test_mid_stream_failure_is_an_sse_error_event() -> None:
+    with (
+        start_mock_engine("--zero-latency", "--stall-after-tokens", "3", "--stall-seconds", "30") as engine,
+        running_node(
+            "--worker-urls",
+            f"grpc://{engine.grpc_target}",
+            "--model-id",
+            "qwen3",
+            "--request-timeout-secs",
+            "1.5",
+        ) as node,
+    ):
+        body = {"model": "qwen3", "messages": MSGS, "max_tokens": 20, "stream": True}
+        lines = []
+        with httpx.stream("POST", node.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        err = json.loads(lines[-2][6:])
+        assert err["error"]["code"] == "engine_timeout"
+        assert sum('"content"' in ln for ln in lines) >= 2  # the tokens before the stall arrived
+        deadline = time.monotonic() + 10
+        while stats(engine)["active"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats(engine)["active"] == 0  # nothing leaked on the engine
+
+
+def test_graceful_shutdown_drains_in_flight() -> None:
+    with start_mock_engine("--decode-ms-per-token", "20") as engine:
+        node = start_node("--worker-urls", f"grpc://{engine.grpc_target}", "--model-id", "qwen3")
+        try:
+            result: dict[str, Any] = {}
+
+            def long_request() -> None:
+                body = {"model": "qwen3", "messages": MSGS, "max_tokens": 60, "ignore_eos": True}
+                r = httpx.post(node.url + "/v1/chat/completions", json=body, timeout=30)
+                result["status"] = r.status_code
+                result["body"] = r.json()
+
+            t = threading.Thread(target=long_request)
+            t.start()
+            deadline = time.monotonic() + 10
+            while stats(engine)["active"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            node.proc.send_signal(signal.SIGTERM)
+            saw_draining = False
+            while node.proc.poll() is None and time.monotonic() < deadline + 20:
+                if http_status(node.url + "/readiness", timeout=0.5) == 503:
+                    saw_draining = True
+                time.sleep(0.02)
+            t.join(timeout=30)
+            assert saw_draining
+            assert result["status"] == 200
+            assert result["body"]["usage"]["completion_tokens"] == 60
+            assert node.proc.wait(timeout=20) == 0
+        finally:
+            node.stop(signal.SIGKILL)

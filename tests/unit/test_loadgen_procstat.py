@@ -1,0 +1,188 @@
+"""CPU and memory of process trees from /proc, and starting/stopping benchmark processes."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shepherd.loadgen.procs import ManagedProcess, ProcessGroup, ProcSpec, free_port, parse_cpu_list
+from shepherd.loadgen.procstat import (
+    TreeCpuTracker,
+    parse_stat,
+    parse_status_kb,
+    read_stat,
+    tree_pids,
+)
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+
+STAT = (
+    "4242 (my (weird) proc) S 1 4242 4242 0 -1 4194560 1234 0 0 0 "
+    "150 25 7 3 20 0 5 0 987654 123456789 2048 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0"
+)
+
+
+def test_parse_stat_with_parentheses_in_the_name() -> None:
+    st = parse_stat(STAT)
+    assert st.pid == 4242
+    assert st.comm == "my (weird) proc"
+    assert st.state == "S"
+    assert st.ppid == 1
+    assert (st.utime, st.stime, st.cutime, st.cstime) == (150, 25, 7, 3)
+    assert st.num_threads == 5
+    assert st.starttime == 987654
+    assert st.rss_pages == 2048
+
+
+def test_parse_stat_rejects_short_lines() -> None:
+    with pytest.raises(ValueError):
+        parse_stat("1 (x) S 0 1")
+
+
+def test_parse_status_kb() -> None:
+    text = "Name:\tpython\nVmPeak:\t  2000 kB\nVmRSS:\t  1234 kB\n"
+    assert parse_status_kb(text, "VmRSS") == 1234
+    assert parse_status_kb(text, "VmSwap") == 0
+
+
+def test_own_stat_is_readable() -> None:
+    import os
+
+    st = read_stat(os.getpid())
+    assert st is not None
+    assert st.pid == os.getpid()
+    assert read_stat(2**22 + 12345) is None
+
+
+BURN = """
+import os, sys, time
+x = 0
+while time.process_time() < 0.05:  # burn a little CPU, then report ready
+    x += 1
+print(os.getpid(), flush=True)
+sys.stdin.read()
+"""
+
+PARENT = f"""
+import subprocess, sys
+gc = subprocess.Popen([sys.executable, "-c", {BURN!r}], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+print(gc.stdout.readline().decode().strip(), flush=True)
+sys.stdin.readline()           # "stop the grandchild"
+gc.stdin.close()
+gc.wait()
+print("gone", flush=True)
+sys.stdin.read()
+"""
+
+
+def _kill(pid: int) -> None:
+    import os
+    import signal
+
+    st = read_stat(pid)
+    if st is not None and st.state != "Z":
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_tree_cpu_counts_children_and_keeps_exited_ones() -> None:
+    child = subprocess.Popen([sys.executable, "-c", PARENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert child.stdin is not None and child.stdout is not None
+    grandchild = 0
+    try:
+        grandchild = int(child.stdout.readline())
+        tracker = TreeCpuTracker(child.pid)
+        first = tracker.sample()
+        assert child.pid in first.live_pids
+        assert grandchild in first.live_pids
+        assert first.seen_processes >= 2
+        assert first.cpu_seconds > 0
+        assert first.rss_kb > 0
+        assert grandchild in tree_pids(child.pid)
+
+        child.stdin.write(b"stop\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == b"gone"
+        second = tracker.sample()
+        assert grandchild not in second.live_pids
+        # the grandchild's CPU stays counted after it exited
+        assert second.cpu_seconds >= first.cpu_seconds
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        if grandchild:
+            _kill(grandchild)
+
+
+def test_parse_cpu_list_and_free_port() -> None:
+    assert parse_cpu_list("0,2-3, 5") == [0, 2, 3, 5]
+    port = free_port()
+    assert 0 < port < 65536
+
+
+SERVER_WITH_CHILD = """
+import http.server, subprocess, sys
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), http.server.SimpleHTTPRequestHandler).serve_forever()
+"""
+
+
+def test_process_group_waits_for_readiness_and_stops_descendants(tmp_path: Path) -> None:
+    port = free_port()
+    spec = ProcSpec(
+        name="srv",
+        argv=(sys.executable, "-c", SERVER_WITH_CHILD, str(port)),
+        ready_port=port,
+        ready_path="/",
+        ready_timeout_s=30.0,
+        cwd=str(tmp_path),
+    )
+    with ProcessGroup(tmp_path / "logs") as group:
+        proc = group.start(spec)
+        root = proc.pid
+        descendants: list[int] = []
+        for _ in range(200):  # bounded wait for the child to show up
+            descendants = [p for p in tree_pids(root) if p != root]
+            if descendants:
+                break
+            time.sleep(0.05)
+        assert descendants
+    for pid in [root, *descendants]:
+        st = read_stat(pid)
+        assert st is None or st.state == "Z"
+
+
+def test_stop_kills_a_process_that_ignores_sigterm(tmp_path: Path) -> None:
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('up', flush=True); time.sleep(600)"
+    )
+    proc = ManagedProcess(ProcSpec(name="stubborn", argv=(sys.executable, "-c", code)), tmp_path)
+    proc.start()
+    try:
+        for _ in range(200):  # bounded: wait until the handler is installed
+            if "up" in proc.log_tail():
+                break
+            time.sleep(0.05)
+        assert proc.stop(grace_s=0.5) == -9
+        assert not proc.alive()
+    finally:
+        proc.stop(grace_s=0.1)
+
+
+def test_start_failure_is_reported_with_the_log(tmp_path: Path) -> None:
+    from shepherd.loadgen.procs import ProcessFailed
+
+    spec = ProcSpec(
+        name="dies",
+        argv=(sys.executable, "-c", "print('boom'); raise SystemExit(3)"),
+        ready_port=free_port(),
+        ready_timeout_s=30.0,
+    )
+    with ProcessGroup(tmp_path) as group, pytest.raises(ProcessFailed, match="boom"):
+        group.start(spec)

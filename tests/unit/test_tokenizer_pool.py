@@ -1,0 +1,265 @@
+"""The tokenizer pool (forked workers on pipes) and the service façade the node uses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable
+from functools import cache
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from shepherd.node.chat_template import ChatTemplateError
+from shepherd.node.tokenizer import Tokenizer
+from shepherd.node.tokenizer_pool import (
+    TokenizerPool,
+    TokenizerPoolUnavailable,
+    TokenizerService,
+    TokenizerWorkerError,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN3 = ROOT / "shepherd" / "node" / "assets" / "qwen3"
+LLAMA = ROOT / "tests" / "assets" / "tokenizers" / "llama-3.1"
+MISTRAL = ROOT / "tests" / "assets" / "tokenizers" / "mistral-nemo"
+T = TypeVar("T")
+HANG_GUARD = 60.0  # a bound on every await below, so a bug fails the test instead of hanging it
+
+
+@cache
+def qwen3() -> Tokenizer:
+    return Tokenizer.load(QWEN3, "qwen3")
+
+
+@cache
+def llama() -> Tokenizer:
+    return Tokenizer.load(LLAMA, "llama")
+
+
+SAMPLE = (ROOT / "shepherd" / "node" / "tokenizer_pool.py").read_text(encoding="utf-8")
+
+
+def gone(pid: int) -> bool:
+    """Reaped (not our child any more, no zombie left)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return not Path(f"/proc/{pid}").exists() or _not_zombie_of_ours(pid)
+    return False
+
+
+def _not_zombie_of_ours(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return int(stat.rsplit(")", 1)[1].split()[1]) != os.getpid()  # ppid: a recycled pid is someone else's
+
+
+@contextlib.asynccontextmanager
+async def running(pool: TokenizerPool) -> AsyncIterator[TokenizerPool]:
+    await pool.start()
+    pids = pool.pids()
+    try:
+        yield pool
+    finally:
+        await pool.close()
+        for pid in pids + pool.pids():  # belt and braces: nothing of ours survives a failed test
+            with contextlib.suppress(ProcessLookupError, ChildProcessError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+
+
+async def guarded(aw: Awaitable[T]) -> T:
+    return await asyncio.wait_for(aw, HANG_GUARD)
+
+
+async def test_pool_results_equal_inline() -> None:
+    async with running(TokenizerPool([qwen3(), llama()], workers=2)) as pool:
+        for model, tok in (("qwen3", qwen3()), ("llama", llama())):
+            for add in (False, True):
+                text = SAMPLE[:3000] + "<|im_start|><|eot_id|>"
+                got = await guarded(pool.encode(model, text, add))
+                assert got == tok.encode_uncached(text, add)
+            pieces = ["<|im_start|>a", "", "b<|im_end|>", "日本語 🦙"]
+            assert await guarded(pool.encode_pieces(model, pieces, False)) == [
+                tok.encode_uncached(p, False) for p in pieces
+            ]
+        with pytest.raises(KeyError):
+            await pool.encode("nope", "x")
+
+
+async def test_many_calls_in_flight_including_big_ones() -> None:
+    tok = qwen3()
+    texts = [SAMPLE[i : i + 200 + 37 * i] for i in range(0, 6000, 40)]
+    texts.append(SAMPLE * 12)  # ~0.5 MB: bigger than a pipe buffer both ways
+    async with running(TokenizerPool([tok], workers=2)) as pool:
+        results = await guarded(asyncio.gather(*(pool.encode("qwen3", t, False) for t in texts)))
+        assert results == [tok.encode_uncached(t, False) for t in texts]
+        assert pool.calls == len(texts) and pool.failures == 0
+
+
+async def test_a_killed_worker_fails_its_calls_and_the_pool_recovers() -> None:
+    tok = qwen3()
+    async with running(TokenizerPool([tok], workers=1)) as pool:
+        (pid,) = pool.pids()
+        big = SAMPLE * 40  # long enough to still be running when the kill lands
+        calls = [asyncio.ensure_future(pool.encode("qwen3", big, False)) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        outcomes = await guarded(asyncio.gather(*calls, return_exceptions=True))
+        assert all(isinstance(o, TokenizerWorkerError) for o in outcomes), outcomes
+        assert f"pid {pid}" in str(outcomes[0]) and "signal 9" in str(outcomes[0])
+        assert gone(pid)
+        for _ in range(200):  # respawned at once; bounded wait
+            if pool.pids():
+                break
+            await asyncio.sleep(0.01)
+        assert pool.pids() and pool.pids() != [pid] and pool.restarts == 1
+        assert await guarded(pool.encode("qwen3", "after", False)) == tok.encode_uncached("after", False)
+
+
+async def test_a_worker_that_exits_mid_call() -> None:
+    async with running(TokenizerPool([qwen3()], workers=2)) as pool:
+        with pytest.raises(TokenizerWorkerError, match="exit status 3"):
+            await guarded(pool.crash_worker_for_test())
+        assert await guarded(pool.encode("qwen3", "still fine", False)) == qwen3().encode_uncached(
+            "still fine", False
+        )
+
+
+async def test_a_stuck_worker_is_killed_after_the_call_timeout() -> None:
+    async with running(TokenizerPool([qwen3()], workers=1, call_timeout=0.3)) as pool:
+        (pid,) = pool.pids()
+        os.kill(pid, signal.SIGSTOP)  # a worker that never answers
+        with pytest.raises(TokenizerWorkerError, match="ran over"):
+            await guarded(pool.encode("qwen3", "hello", False))
+        assert gone(pid)
+
+
+async def test_close_leaves_no_child_and_refuses_calls() -> None:
+    pool = TokenizerPool([qwen3()], workers=3)
+    async with running(pool):
+        pids = pool.pids()
+        assert len(pids) == 3
+        await guarded(pool.encode("qwen3", "x"))
+    assert all(gone(pid) for pid in pids)
+    assert pool.pids() == []
+    with pytest.raises(TokenizerPoolUnavailable):
+        await pool.encode("qwen3", "x")
+
+
+# ---- the service ---------------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def service(**kw: object) -> AsyncIterator[TokenizerService]:
+    svc = TokenizerService({"qwen3": QWEN3, "llama": LLAMA, "mistral": MISTRAL_WITH_TOKENIZER}, **kw)  # type: ignore[arg-type]
+    await svc.start()
+    pids = svc.pool.pids() if svc.pool else []
+    try:
+        yield svc
+    finally:
+        await svc.close()
+        assert all(gone(pid) for pid in pids)
+
+
+# mistral's template over a real tokenizer that is in the repo (the template only needs bos/eos strings)
+MISTRAL_WITH_TOKENIZER = LLAMA
+
+
+async def test_service_inline_small_pool_big_and_caches_in_the_parent() -> None:
+    async with service(workers=1, inline_max_chars=1000) as svc:
+        assert sorted(svc.models()) == ["llama", "mistral", "qwen3"]
+        tok = svc.get("qwen3")
+        small, big = "hello there", SAMPLE[:5000]
+        assert await guarded(svc.encode("qwen3", small)) == tok.encode_uncached(small)
+        assert svc.stats()["inline_encodes"] == 1 and svc.stats()["pool_calls"] == 0
+        assert await guarded(svc.encode("qwen3", big, False)) == tok.encode_uncached(big, False)
+        s = svc.stats()
+        assert s["pool_encodes"] == 1 and s["pool_calls"] == 1
+        assert await guarded(svc.encode("qwen3", big, False)) == tok.encode_uncached(big, False)
+        s2 = svc.stats()
+        assert s2["pool_calls"] == 1 and s2["l0_hits"] == s["l0_hits"] + 1  # served from the parent's cache
+        with pytest.raises(KeyError, match="unknown model"):
+            svc.get("nope")
+
+
+async def test_service_only_sends_the_new_segments() -> None:
+    async with service(workers=1, inline_max_chars=500) as svc:
+        tok = svc.get("qwen3")
+        system = "<|im_start|>system\n" + SAMPLE[:4000] + "<|im_end|>\n"
+        first = system + "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        assert await guarded(svc.encode("qwen3", first, False)) == tok.encode_uncached(first, False)
+        calls = svc.stats()["pool_calls"]
+        second = system + "<|im_start|>user\nanother short question<|im_end|>\n<|im_start|>assistant\n"
+        assert await guarded(svc.encode("qwen3", second, False)) == tok.encode_uncached(second, False)
+        assert svc.stats()["pool_calls"] == calls  # the long system turn was an L1 hit: inline
+
+
+async def test_render_and_encode_inline_and_in_the_pool_agree() -> None:
+    msgs = [
+        {"role": "system", "content": "You are terse. " * 20},
+        {"role": "user", "content": "Hello! " + SAMPLE[:2000]},
+    ]
+    async with service(workers=1, render_inline_max_bytes=100, inline_max_chars=100) as svc:
+        text, ids = await guarded(
+            svc.render_and_encode("qwen3", msgs, None, True, False, {"enable_thinking": False})
+        )
+        tok = svc.get("qwen3")
+        want = tok.chat_template().render_uncached(msgs, template_kwargs={"enable_thinking": False})
+        assert text == want and ids == tok.encode_uncached(want, add_special_tokens=False)
+        assert svc.stats()["pool_renders"] == 1
+        again = await guarded(
+            svc.render_and_encode("qwen3", msgs, None, True, False, {"enable_thinking": False})
+        )
+        assert again == (text, ids) and svc.stats()["render_hits"] >= 1
+    async with service(workers=0) as svc:
+        assert svc.pool is None
+        got = await guarded(
+            svc.render_and_encode("qwen3", msgs, None, True, False, {"enable_thinking": False})
+        )
+        assert got == (text, ids)
+        assert svc.stats()["pool_calls"] == 0
+
+
+async def test_llama_chat_prompt_has_one_bos() -> None:
+    async with service(workers=1, render_inline_max_bytes=0, inline_max_chars=0) as svc:
+        text, ids = await guarded(svc.render_and_encode("llama", [{"role": "user", "content": "hi"}]))
+        assert text.startswith("<|begin_of_text|>")
+        assert ids.count(128000) == 1 and ids[0] == 128000
+
+
+async def test_template_errors_cross_the_pool_as_chat_template_errors() -> None:
+    mistral_template = (MISTRAL / "chat_template.jinja").read_text()
+    bad = [{"role": "user", "content": "a" * 300}, {"role": "user", "content": "b"}]
+    async with service(
+        workers=1, render_inline_max_bytes=10, chat_templates={"mistral": mistral_template}
+    ) as svc:
+        with pytest.raises(ChatTemplateError, match="alternate"):
+            await guarded(svc.render_and_encode("mistral", bad))
+        assert svc.stats()["pool_renders"] == 0 and svc.stats()["pool_calls"] == 1
+    async with service(workers=0, chat_templates={"mistral": mistral_template}) as svc:
+        with pytest.raises(ChatTemplateError, match="alternate"):
+            await guarded(svc.render_and_encode("mistral", bad))
+
+
+async def test_stats_keys_the_node_exports() -> None:
+    async with service(workers=1) as svc:
+        await guarded(svc.encode("qwen3", "x"))
+        s = svc.stats()
+        for key in (
+            "l0_hits",
+            "l0_misses",
+            "l1_hits",
+            "l1_misses",
+            "render_hits",
+            "render_misses",
+            "pool_calls",
+        ):
+            assert isinstance(s[key], int)
+        assert s["pool_workers_alive"] == 1
