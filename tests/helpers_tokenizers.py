@@ -85,3 +85,17 @@ def _build_t5_style() -> Tokenizer:
     )
     tok.train_from_iterator(_CORPUS * 8, trainer)
     return tok
+
+
+def token_id(tok: Tokenizer, token: str) -> int:
+    """The id of a vocabulary entry (fails loudly if absent)."""
+    i = tok.token_to_id(token)
+    assert i is not None, token
+    return i
+
+
+def piece(tok: Tokenizer, i: int) -> str:
+    """The vocabulary entry of an id (fails loudly if absent)."""
+    p = tok.id_to_token(i)
+    assert p is not None, i
+    return p

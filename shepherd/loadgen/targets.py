@@ -52,14 +52,22 @@ def console_script(name: str, module: str) -> list[str]:
     return [sys.executable, "-m", module]
 
 
+# A real model dir has an HF config.json. smg 1.13.0 looks for it on every request (its multimodal
+# config cache stays cold without one) and then, about once in 30 requests, stalls one for 5 s.
+MODEL_CONFIG = '{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}\n'
+
+
 def extract_tokenizer(dest: Path, source: Path = QWEN3_ASSETS) -> Path:
-    """Copy a tokenizer dir with ``tokenizer.json`` uncompressed (peers cannot read ``.xz``)."""
+    """A model dir for every target: ``tokenizer.json`` uncompressed (peers cannot read ``.xz``),
+    ``tokenizer_config.json``, and a minimal ``config.json`` unless the source has one."""
     dest.mkdir(parents=True, exist_ok=True)
     for item in source.iterdir():
         if item.name.endswith(".json.xz"):
             (dest / item.name[: -len(".xz")]).write_bytes(lzma.decompress(item.read_bytes()))
         elif item.is_file():
             shutil.copyfile(item, dest / item.name)
+    if not (dest / "config.json").exists():
+        (dest / "config.json").write_text(MODEL_CONFIG, encoding="utf-8")
     return dest
 
 
@@ -122,7 +130,7 @@ def node_spec(port: int, grpc_port: int, model_dir: Path, *, cpus: str | None) -
     )
 
 
-def smg_spec(port: int, grpc_port: int, model_dir: Path, *, cpus: str | None) -> ProcSpec:
+def smg_spec(port: int, grpc_port: int, model_dir: Path, *, cpus: str | None, metrics_port: int) -> ProcSpec:
     exe = peers_dir() / "smg" / "bin" / "smg"
     argv = [
         str(exe),
@@ -139,6 +147,11 @@ def smg_spec(port: int, grpc_port: int, model_dir: Path, *, cpus: str | None) ->
         "round_robin",
         "--log-level",
         "warn",
+        # its metrics listener defaults to 0.0.0.0:29000, which a second smg on the host would clash on
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
     ]
     return ProcSpec(
         name="smg",

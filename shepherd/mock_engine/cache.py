@@ -239,11 +239,13 @@ class PrefixCache:
         matched = self.match_prefix(ids)
         full_prompt_blocks = len(ids) // bs
         per_seq = [max(blocks_for(t, bs), full_prompt_blocks) for t in totals]
-        need = (full_prompt_blocks - len(matched)) + sum(b - full_prompt_blocks for b in per_seq)
-        # the matched blocks that are evictable now stop being reclaimable once locked
-        matched_evictable = sum(1 for h in matched if self._blocks[h].refs == 0)
-        if need > self.reclaimable_blocks - matched_evictable:
-            return None
+        need = (full_prompt_blocks - len(matched)) + sum(per_seq) - full_prompt_blocks * len(per_seq)
+        if need > self.free_blocks:
+            # the matched blocks that are evictable now stop being reclaimable once locked
+            pool = self._blocks
+            matched_evictable = sum(1 for h in matched if pool[h].refs == 0)
+            if need > self.reclaimable_blocks - matched_evictable:
+                return None
         self._lookup_tokens += len(ids)
         self._hit_tokens += len(matched) * bs
         self._lock(matched)
@@ -381,8 +383,12 @@ class PrefixCache:
 
     def _lock(self, chain: Sequence[int]) -> None:
         blocks = self._blocks
+        lru = self._lru
         for h in chain:
-            self._lock_one(h, blocks[h])
+            block = blocks[h]
+            if block.refs == 0:
+                del lru[h]
+            block.refs += 1
 
     def _lock_one(self, h: int, block: _Block) -> None:
         if block.refs == 0:

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from shepherd.mock_engine.engine import ROLES, EngineConfig, EngineCore
 from shepherd.mock_engine.faults import ERROR_CODES, Faults
+from shepherd.mock_engine.grpc_services import GRPC_IMPLS
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "node" / "assets" / "qwen3"
 
@@ -59,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slow-factor", type=float, default=1.0, help="multiply every latency")
     p.add_argument("--crash-after-requests", type=int, default=None, help="os._exit when request n+1 arrives")
     p.add_argument("--hang-before-first-token", action="store_true")
+    p.add_argument(
+        "--grpc-server",
+        choices=GRPC_IMPLS,
+        default=os.environ.get("SMG_MOCK_GRPC_SERVER", "auto"),
+        help="gRPC server: grpcio (grpc.aio, as real engines), lean (a light HTTP/2 server, for benchmarks), "
+        "auto (lean with --zero-latency, else grpcio); default from $SMG_MOCK_GRPC_SERVER, else auto",
+    )
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
     return p
 
@@ -93,15 +101,20 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-async def serve(config: EngineConfig, grpc_port: int, http_port: int, engines: Sequence[str]) -> None:
+async def serve(
+    config: EngineConfig, grpc_port: int, http_port: int, engines: Sequence[str], grpc_impl: str = "auto"
+) -> None:
     from shepherd.mock_engine.grpc_services import start_grpc_server
     from shepherd.mock_engine.http_api import build_app
     from shepherd.node.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(config.tokenizer_path, name=config.model)
     core = EngineCore(config, tokenizer)
-    server, bound_grpc = await start_grpc_server(core, config.host, grpc_port, engines)
-    runner = web.AppRunner(build_app(core, tokenizer), access_log=None, handle_signals=False)
+    server, bound_grpc = await start_grpc_server(core, config.host, grpc_port, engines, grpc_impl)
+    # handler_cancellation: a client that disconnects cancels its handler, which frees the request's slot
+    runner = web.AppRunner(
+        build_app(core, tokenizer), access_log=None, handle_signals=False, handler_cancellation=True
+    )
     await runner.setup()
     site = web.TCPSite(runner, config.host, http_port, reuse_address=True)
     await site.start()
@@ -139,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
             uvloop.install()
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(config, args.grpc_port, args.http_port, engines))
+        asyncio.run(serve(config, args.grpc_port, args.http_port, engines, args.grpc_server))
 
 
 if __name__ == "__main__":

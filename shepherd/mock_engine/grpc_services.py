@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from google.protobuf import json_format, struct_pb2, timestamp_pb2
@@ -27,9 +27,11 @@ from smg_grpc_proto.generated import common_pb2
 from shepherd.mock_engine.cache import AllBlocksCleared, BlockRemoved, BlockStored
 from shepherd.mock_engine.engine import EngineCore, MockRequest, MockRpcError, Run
 from shepherd.mock_engine.kv_events import KvBatch
+from shepherd.mock_engine.lean_grpc import LeanGrpcServer
 from shepherd.mock_engine.outputs import OutputSpec
 from shepherd.mock_engine.scheduler import LoadSnapshot
 from shepherd.mock_engine.tokenizer_zip import TokenizerArchive, build_tokenizer_zip
+from shepherd.mock_engine.wire import ChunkWire
 from shepherd.node.engine_types import EngineChunk, EngineComplete, TokenLogprob
 
 KV_HEARTBEAT_S = 1.0
@@ -219,9 +221,17 @@ def _scheduler_load(module: Any, load: LoadSnapshot, include: Sequence[str], rol
 
 
 class SglangService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type: ignore[misc]
-    def __init__(self, core: EngineCore, tokenizers: _Tokenizers) -> None:
+    def __init__(self, core: EngineCore, tokenizers: _Tokenizers, *, raw_chunks: bool = False) -> None:
+        """``raw_chunks``: yield streamed chunks as pre-encoded bytes (servers that pass bytes through)."""
         self._core = core
         self._tokenizers = tokenizers
+        self._raw_chunks = raw_chunks
+
+    def _wire(self, request_id: str, run: Run) -> ChunkWire | None:
+        if not self._raw_chunks or not run.req.stream:
+            return None
+        g = run.group
+        return ChunkWire("sglang", request_id, len(g.prompt), g.cached_tokens)
 
     def _request(self, request: Any) -> MockRequest:
         core = self._core
@@ -267,9 +277,13 @@ class SglangService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type:
         chunk_cls = SGL.GenerateStreamChunk
         complete_cls = SGL.GenerateComplete
         response_cls = SGL.GenerateResponse
+        wire = self._wire(rid, run)
         try:
             async for ev in run.events():
                 if type(ev) is EngineChunk:
+                    if wire is not None and not ev.logprobs:
+                        yield wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
+                        continue
                     chunk = chunk_cls(
                         token_ids=ev.token_ids,
                         prompt_tokens=ev.prompt_tokens,
@@ -413,9 +427,17 @@ class SglangService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type:
 
 
 class VllmService(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[misc]
-    def __init__(self, core: EngineCore, tokenizers: _Tokenizers) -> None:
+    def __init__(self, core: EngineCore, tokenizers: _Tokenizers, *, raw_chunks: bool = False) -> None:
+        """``raw_chunks``: yield streamed chunks as pre-encoded bytes (servers that pass bytes through)."""
         self._core = core
         self._tokenizers = tokenizers
+        self._raw_chunks = raw_chunks
+
+    def _wire(self, request_id: str, run: Run) -> ChunkWire | None:
+        if not self._raw_chunks or not run.req.stream:
+            return None
+        g = run.group
+        return ChunkWire("vllm", request_id, len(g.prompt), g.cached_tokens)
 
     def _request(self, request: Any) -> MockRequest:
         core = self._core
@@ -467,9 +489,13 @@ class VllmService(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[misc
         chunk_cls = VLLM.GenerateStreamChunk
         complete_cls = VLLM.GenerateComplete
         response_cls = VLLM.GenerateResponse
+        wire = self._wire(request.request_id, run)
         try:
             async for ev in run.events():
                 if type(ev) is EngineChunk:
+                    if wire is not None and not ev.logprobs:
+                        yield wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
+                        continue
                     chunk = chunk_cls(
                         token_ids=ev.token_ids,
                         prompt_tokens=ev.prompt_tokens,
@@ -587,18 +613,48 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
+class GrpcServer(Protocol):
+    async def stop(self, grace: float | None) -> None: ...
+
+
+GRPC_IMPLS = ("auto", "grpcio", "lean")
+
+
 async def start_grpc_server(
-    core: EngineCore, host: str, port: int, engines: Sequence[str] = ("sglang", "vllm")
-) -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server with the chosen services; returns it with the bound port (``port`` 0 picks)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    core: EngineCore,
+    host: str,
+    port: int,
+    engines: Sequence[str] = ("sglang", "vllm"),
+    impl: str = "grpcio",
+) -> tuple[GrpcServer, int]:
+    """Serve the chosen services on ``host:port`` (0 picks a port); returns the server and the bound port.
+
+    ``impl``: "grpcio" (grpc.aio, what real engines run), "lean" (the HTTP/2 server of
+    ``lean_grpc``, several times cheaper per call), "auto" (lean in zero-latency mode, else grpcio).
+    """
+    if impl == "auto":
+        impl = "lean" if core.config.zero_latency else "grpcio"
     tokenizers = _Tokenizers(core.config.tokenizer_path)
+    services: list[tuple[Callable[[Any, Any], None], Any]] = []
+    raw = impl == "lean"  # the lean server passes bytes through; grpc.aio serializes protobufs only
     if "sglang" in engines:
-        sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server(
-            SglangService(core, tokenizers), server
-        )
+        sgl = SglangService(core, tokenizers, raw_chunks=raw)
+        services.append((sglang_scheduler_pb2_grpc.add_SglangSchedulerServicer_to_server, sgl))
     if "vllm" in engines:
-        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmService(core, tokenizers), server)
+        vllm = VllmService(core, tokenizers, raw_chunks=raw)
+        services.append((vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server, vllm))
+    if impl == "lean":
+        lean = LeanGrpcServer()
+        for add, servicer in services:
+            lean.add(add, servicer)
+        bound = await lean.start(host, port)
+        core.grpc_port = bound
+        return lean, bound
+    if impl != "grpcio":
+        raise ValueError(f"unknown gRPC server implementation {impl!r}; use one of {GRPC_IMPLS}")
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    for add, servicer in services:
+        add(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:
         raise OSError(f"cannot bind gRPC on {host}:{port}")

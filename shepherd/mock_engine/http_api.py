@@ -1,7 +1,7 @@
 """The mock engine's HTTP surface (aiohttp): what ``vllm serve`` / SGLang expose to OpenAI clients,
 plus the ``/mock/*`` control endpoints. It shares the engine core (scheduler, cache, faults) with the
 gRPC services, and is the "direct-to-engine" reference of the benchmarks, so the hot path is lean:
-orjson, chunk bytes assembled from pre-built pieces, and in zero-latency mode several SSE chunks per
+orjson, chunk bytes assembled from pre-built pieces, and in zero-latency mode up to 64 SSE chunks per
 write.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
@@ -26,7 +26,7 @@ from shepherd.mock_engine.outputs import OutputSpec
 from shepherd.node.engine_types import EngineChunk, EngineComplete, TokenLogprob
 
 MAX_BODY = 32 * 1024 * 1024
-WRITE_BATCH = 8  # SSE chunks per write in zero-latency mode
+WRITE_BATCH = 64  # SSE chunks per write in zero-latency mode
 HTTP_STATUS = {
     "INVALID_ARGUMENT": 400,
     "NOT_FOUND": 404,
@@ -424,11 +424,12 @@ class MockHttpApi:
         if isinstance(prompt, str):
             return [(tuple(tok.encode(prompt)), prompt)]
         if isinstance(prompt, list) and prompt:
-            if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            kinds = set(map(type, prompt))  # C-speed type check (orjson gives exact int/str/list)
+            if kinds == {int}:
                 return [(tuple(prompt), "")]
-            if all(isinstance(p, str) for p in prompt):
+            if kinds == {str}:
                 return [(tuple(tok.encode(p)), p) for p in prompt]
-            if all(isinstance(p, list) and all(isinstance(i, int) for i in p) for p in prompt):
+            if kinds == {list} and all(set(map(type, p)) == {int} for p in prompt):
                 return [(tuple(p), "") for p in prompt]
         raise HttpError(
             400, "prompt must be a string, a list of strings or token ids", "invalid_type", "prompt"
@@ -598,7 +599,9 @@ class MockHttpApi:
                 + self._model_json
                 + b',"choices":[{"index":'
             )
-        batch = WRITE_BATCH if self.core.config.zero_latency else 1
+        # zero latency: nothing is gained by writing chunk by chunk, unless a stall must show a partial stream
+        stalls = self.core.injector.faults.stall_after_tokens is not None
+        batch = WRITE_BATCH if self.core.config.zero_latency and not stalls else 1
         out: list[bytes] = []
         n = params.n
         prompt_tokens = completion_tokens = cached_tokens = 0

@@ -176,9 +176,9 @@ class Scheduler:
                 f"({cfg.context_length})"
             )
         bs = self.cache.block_size
-        need = -(-(len(prompt_t) + longest) // bs) + sum(
-            -(-(len(prompt_t) + o) // bs) - len(prompt_t) // bs for o in output_lens[1:]
-        )
+        need = -(-(len(prompt_t) + longest) // bs)
+        if len(output_lens) > 1:
+            need += sum(-(-(len(prompt_t) + o) // bs) - len(prompt_t) // bs for o in output_lens[1:])
         if need > self.cache.capacity_blocks:
             raise AdmissionError(f"request needs {need} KV blocks, the pool has {self.cache.capacity_blocks}")
         group = SeqGroup(

@@ -353,7 +353,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise bad(
             f"Cannot render the chat template: {e}", param="messages", code="chat_template_error"
         ) from None
-    states = [ChoiceState(i, tok, req.sampling) for i in range(req.sampling.n)]
+    states = [ChoiceState(i, tok, req.sampling, ids) for i in range(req.sampling.n)]
     g = Generation(
         request,
         gw,
@@ -395,7 +395,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             ids, text = p, ""
         if not ids:
             raise bad(f"prompt {i} is empty.", param="prompt")
-        states = [ChoiceState(j, tok, req.sampling) for j in range(req.sampling.n)]
+        states = [ChoiceState(j, tok, req.sampling, ids) for j in range(req.sampling.n)]
         echo = (text or tok.decode(ids, skip_special_tokens=False)) if req.echo else ""
         jobs.append(Job(ids, text, states, i * req.sampling.n, echo))
     g = Generation(

@@ -114,7 +114,6 @@ class GrpcStream(h2.H2Stream):
         "_partial",
         "_waiter",
         "code",
-        "conn",
         "details",
         "done",
         "messages",
@@ -128,7 +127,6 @@ class GrpcStream(h2.H2Stream):
         self.done = False
         self.code = UNKNOWN
         self.details = ""
-        self.conn: h2.H2Connection | None = None
         self.timer: asyncio.TimerHandle | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._headers_seen = False
@@ -260,9 +258,10 @@ class GrpcStream(h2.H2Stream):
             start = mend
         if start < end:
             self._partial = bytearray(buf[start:end])
-        if msgs:
+        if msgs and self._waiter is not None:
             self._wake()
-        self._data_end(end_stream)
+        if end_stream:
+            self._data_end(end_stream)
 
     def _data_end(self, end_stream: bool) -> None:
         if end_stream:
@@ -353,6 +352,7 @@ class H2EngineClient:
         keepalive_timeout_s: float = 20.0,
         window: int = h2.LOCAL_WINDOW,
         backoff: Backoff | None = None,
+        coalesce_writes: bool = True,
     ) -> None:
         self.url = url
         self.target = target
@@ -366,6 +366,7 @@ class H2EngineClient:
         self._keepalive_s = keepalive_s
         self._keepalive_timeout_s = keepalive_timeout_s
         self._window = window
+        self._coalesce = coalesce_writes
         self._backoff = backoff or Backoff()
         self._proto: h2.H2Protocol | None = None
         self._protos: set[h2.H2Protocol] = set()
@@ -410,6 +411,7 @@ class H2EngineClient:
                 local_window=self._window,
                 keepalive_s=self._keepalive_s,
                 keepalive_timeout_s=self._keepalive_timeout_s,
+                coalesce_writes=self._coalesce,
             )
 
         proto: h2.H2Protocol | None = None
@@ -448,7 +450,6 @@ class H2EngineClient:
             c = p.conn
             if c.usable and c.has_slot and not p.has_waiters:
                 c.open_stream(stream, self._headers.block(path, timeout), grpc_message(body))
-                stream.conn = c
                 if timeout is not None:
                     stream.timer = loop.call_later(timeout, stream.expire)
                 return stream
@@ -456,16 +457,17 @@ class H2EngineClient:
             loop = asyncio.get_running_loop()
             stream = GrpcStream(loop)
         deadline = None if timeout is None else loop.time() + timeout
+        waited = False  # once woken in FIFO order it is our turn, whoever else waits
         for _ in range(_MAX_OPEN_ATTEMPTS):
             p = await self._protocol(deadline)
             c = p.conn
-            if c.has_slot and not p.has_waiters:
+            if c.has_slot and (waited or not p.has_waiters):
                 remaining = None if deadline is None else max(0.001, deadline - loop.time())
                 c.open_stream(stream, self._headers.block(path, remaining), grpc_message(body))
-                stream.conn = c
                 if deadline is not None:
                     stream.timer = loop.call_at(deadline, stream.expire)
                 return stream
+            waited = True
             if deadline is None:
                 await p.wait_slot()
             else:

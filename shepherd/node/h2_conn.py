@@ -206,16 +206,20 @@ class RequestHeaders:
         self._head = bytes(
             [0x80 | _IDX_METHOD_POST, 0x80 | (_IDX_SCHEME_HTTPS if scheme == "https" else _IDX_SCHEME_HTTP)]
         )
-        self._blocks: dict[str, bytes] = {}
+        self._blocks: dict[tuple[str, float | None], bytes] = {}
 
     def block(self, path: str, timeout: float | None = None) -> bytes:
-        b = self._blocks.get(path)
+        """The header block of a call; cached per (path, timeout): callers mostly reuse a few timeouts."""
+        key = (path, timeout)
+        b = self._blocks.get(key)
         if b is None:
             b = self._head + hpack_literal(_IDX_PATH, path.encode()) + self._common_tail
-            self._blocks[path] = b
-        if timeout is None:
-            return b
-        return b + hpack_literal(b"grpc-timeout", grpc_timeout_value(timeout))
+            if timeout is not None:
+                b += hpack_literal(b"grpc-timeout", grpc_timeout_value(timeout))
+            if len(self._blocks) >= 256:  # remaining-time timeouts vary: stay bounded
+                self._blocks.clear()
+            self._blocks[key] = b
+        return b
 
 
 # ---------------------------------------------------------------------------------------------- decoding
@@ -262,7 +266,7 @@ def table_neutral(block: bytes) -> bool:
 
 
 class HeaderDecoder:
-    """HPACK decoding (``hpack``) with a cache of table-neutral blocks, valid while the dynamic table stands."""
+    """HPACK decoding (``hpack``), caching table-neutral blocks while the dynamic table stands."""
 
     def __init__(self, max_cached: int = 64) -> None:
         self._dec = hpack.Decoder()
@@ -298,6 +302,7 @@ class H2Stream:
     __slots__ = (
         "_pending",
         "_pending_off",
+        "conn",
         "local_closed",
         "recv_unacked",
         "remote_closed",
@@ -306,6 +311,7 @@ class H2Stream:
     )
 
     def __init__(self) -> None:
+        self.conn: H2Connection | None = None
         self.stream_id = 0
         self.send_window = 0
         self.recv_unacked = 0
@@ -370,7 +376,7 @@ class H2Connection:
         self.goaway_last_stream_id = MAX_STREAM_ID
         self.failed: str | None = None
         self._rbuf = b""
-        self._blocked: collections.deque[H2Stream] = collections.deque()
+        self._blocked: dict[int, H2Stream] = {}  # streams waiting for send window, in order
         # a header block split over CONTINUATION frames: (stream id, end_stream, fragments)
         self._cont: tuple[int, bool, list[bytes]] | None = None
 
@@ -399,6 +405,7 @@ class H2Connection:
         sid = self.next_stream_id
         self.next_stream_id += 2
         stream.stream_id = sid
+        stream.conn = self
         stream.send_window = self.peer_initial_window
         self.streams[sid] = stream
         if not body:
@@ -427,8 +434,7 @@ class H2Connection:
             n = min(total - off, self.peer_max_frame, s.send_window, self.conn_send_window)
             if n <= 0:
                 s._pending_off = off
-                if s not in self._blocked:
-                    self._blocked.append(s)
+                self._blocked[s.stream_id] = s
                 return
             s.send_window -= n
             self.conn_send_window -= n
@@ -444,10 +450,11 @@ class H2Connection:
         if not self._blocked:
             return
         out: list[bytes] = []
-        for _ in range(len(self._blocked)):
-            s = self._blocked.popleft()
+        blocked = self._blocked
+        self._blocked = {}
+        for s in blocked.values():
             if self.streams.get(s.stream_id) is s and not s.local_closed:
-                self._send_pending(s, out)
+                self._send_pending(s, out)  # re-enters self._blocked if still short of window
         if out:
             self._write(b"".join(out))
 
@@ -468,7 +475,9 @@ class H2Connection:
 
     def _close(self, s: H2Stream) -> None:
         del self.streams[s.stream_id]
-        s._pending = b""
+        if s._pending:
+            self._blocked.pop(s.stream_id, None)
+            s._pending = b""
         self._listener.on_stream_closed()
 
     # -- input
@@ -570,11 +579,12 @@ class H2Connection:
 
     def _remote_end(self, s: H2Stream) -> None:
         s.remote_closed = True
+        if self.streams.get(s.stream_id) is not s:
+            return  # the stream's own callback already reset it
         if not s.local_closed and self.failed is None:
             # the server answered before reading our whole request: stop sending it
             self._write(rst_stream_frame(s.stream_id, NO_ERROR))
-        if self.streams.get(s.stream_id) is s:
-            self._close(s)
+        self._close(s)
 
     def _control(self, ftype: int, flags: int, sid: int, payload: bytes) -> None:
         if ftype == SETTINGS:
@@ -698,6 +708,7 @@ class H2Protocol(asyncio.Protocol):
         local_window: int = LOCAL_WINDOW,
         keepalive_s: float = 60.0,
         keepalive_timeout_s: float = 20.0,
+        coalesce_writes: bool = True,
     ) -> None:
         self.loop = loop
         self.transport: asyncio.Transport | None = None
@@ -710,6 +721,8 @@ class H2Protocol(asyncio.Protocol):
         self._keepalive: asyncio.TimerHandle | None = None
         self._rx = False
         self._ping_sent: float | None = None
+        self._coalesce = coalesce_writes
+        self._wbuf: list[bytes] | None = None
 
     # asyncio.Protocol
 
@@ -763,26 +776,43 @@ class H2Protocol(asyncio.Protocol):
 
     def on_fatal(self, message: str) -> None:
         self._wake_all()
+        self._flush()  # the GOAWAY saying why
         self.abort()
 
     # used by the client
 
     def _write(self, data: bytes) -> None:
-        t = self.transport
-        if t is not None:
-            t.write(data)
+        """Frames written during one loop iteration leave in one ``transport.write`` (one syscall)."""
+        if self.transport is None:
+            return
+        if not self._coalesce:
+            self.transport.write(data)
+        elif self._wbuf is None:
+            self._wbuf = [data]
+            self.loop.call_soon(self._flush)
+        else:
+            self._wbuf.append(data)
+
+    def _flush(self) -> None:
+        buf = self._wbuf
+        self._wbuf = None
+        if buf and self.transport is not None:
+            self.transport.write(buf[0] if len(buf) == 1 else b"".join(buf))
 
     async def wait_slot(self) -> None:
-        """Wait until a stream slot frees, the connection becomes unusable or settings change."""
+        """Wait (FIFO) until a stream slot frees, the connection becomes unusable or settings change."""
         fut: asyncio.Future[None] = self.loop.create_future()
         self._slot_waiters.append(fut)
         try:
             await fut
-        finally:
-            if not fut.done():
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._wake_one()  # we were handed a turn we won't use: pass it on
+            else:
                 fut.cancel()
                 with contextlib.suppress(ValueError):
                     self._slot_waiters.remove(fut)
+            raise
 
     @property
     def has_waiters(self) -> bool:
@@ -822,6 +852,7 @@ class H2Protocol(asyncio.Protocol):
         """Graceful: GOAWAY then close the transport (streams still open fail as connection lost)."""
         if self.transport is not None:
             self.conn.close()
+            self._flush()
             self.transport.close()
 
     def abort(self) -> None:

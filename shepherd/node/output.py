@@ -9,38 +9,29 @@ from shepherd.node.detokenizer import IncrementalDetokenizer
 from shepherd.node.engine_types import TokenLogprob
 from shepherd.node.logprobs import TokenTextCache, chat_logprobs, completion_logprobs
 from shepherd.node.openai_protocol import Sampling
-from shepherd.node.stop import StopMatcher
+from shepherd.node.stop import StopMatcher, StoppingDecoder
 from shepherd.node.tokenizer import Tokenizer
 
 
 class ChoiceState:
-    __slots__ = (
-        "detok",
-        "finish_reason",
-        "finished",
-        "index",
-        "logprobs",
-        "matched",
-        "stop",
-        "text",
-        "tokens",
-    )
+    __slots__ = ("dec", "finish_reason", "finished", "index", "logprobs", "matched", "text", "tokens")
 
-    def __init__(self, index: int, tok: Tokenizer, s: Sampling) -> None:
+    def __init__(self, index: int, tok: Tokenizer, s: Sampling, prompt_ids: Sequence[int] = ()) -> None:
         self.index = index
-        self.detok = IncrementalDetokenizer(
+        detok = IncrementalDetokenizer(
             tok.hf,
             skip_special_tokens=s.skip_special_tokens,
             spaces_between_special_tokens=s.spaces_between_special_tokens,
-            special_ids=tok.special_token_ids,
+            prompt_ids=prompt_ids[-24:] or None,
         )
-        self.stop = StopMatcher(
-            stop=s.stop,
+        stop = StopMatcher(
+            s.stop,
             include_stop_str_in_output=s.include_stop_str_in_output,
             stop_token_ids=s.stop_token_ids,
             eos_token_ids=tok.eos_token_ids,
             ignore_eos=s.ignore_eos,
         )
+        self.dec = StoppingDecoder(detok, stop)
         self.finished = False
         self.finish_reason: str | None = None
         self.matched: str | int | None = None
@@ -55,7 +46,7 @@ class ChoiceState:
         self.tokens += len(ids)
         if logprobs:
             self.logprobs.extend(logprobs)
-        res = self.stop.feed(self.detok.step(ids), ids)
+        res = self.dec.feed(ids)
         if res.finished:
             self.finished = True
             self.finish_reason = "stop"
@@ -69,22 +60,15 @@ class ChoiceState:
         if self.finished:
             return ""
         self.finished = True
-        tail = self.detok.finish()
-        visible = ""
-        if tail:
-            res = self.stop.feed(tail, ())
-            visible = res.visible
-            if res.finished:
-                self.matched = res.matched
-                self.finish_reason = "stop"
-        if self.finish_reason is None:
-            visible += self.stop.flush()
-            self.finish_reason = (
-                "length" if reason == "length" else ("abort" if reason == "abort" else "stop")
-            )
-        if visible:
-            self.text.append(visible)
-        return visible
+        res = self.dec.finish()
+        if res.finished:
+            self.finish_reason = "stop"
+            self.matched = res.matched
+        else:
+            self.finish_reason = reason if reason in ("length", "abort") else "stop"
+        if res.visible:
+            self.text.append(res.visible)
+        return res.visible
 
     def full_text(self) -> str:
         return "".join(self.text)

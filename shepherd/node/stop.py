@@ -10,8 +10,8 @@ Semantics (the same for every chunking of the text, and what a non-streaming cal
   ``T[:e]`` of the output text that contains one, the match is the one ending at ``e``; when several
   end there (``"ab"`` and ``"b"``), the earliest-starting (longest) one wins. The output is cut before
   the match, or right after it with ``include_stop_str_in_output``. Nothing after it is ever emitted.
-  (A stop string that would start earlier but end later than one already complete does not win: the
-  engine is told to stop as soon as a stop string appears, like vLLM, SGLang and OpenAI.)
+  (A longer stop string that would start earlier but complete later does not win: generation stops
+  the moment a stop string appears, as in vLLM, SGLang and the OpenAI API.)
 - Text that could still become a stop string (a suffix that is a proper prefix of one) is held back,
   never emitted early; it is released as soon as it cannot match, or by ``flush()`` at the natural end.
   With ``include_stop_str_in_output`` nothing needs holding (the text is output either way).
@@ -24,22 +24,24 @@ Semantics (the same for every chunking of the text, and what a non-streaming cal
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 __all__ = ["StopMatcher", "StopResult", "StoppingDecoder", "TextDecoder"]
 
 
-@dataclass(frozen=True, slots=True)
-class StopResult:
+class StopResult(NamedTuple):
     """What one feed produced: ``visible`` text safe to emit now; ``finished`` once a stop condition
-    matched, with ``matched`` the stop string (str) or stop token id (int)."""
+    matched, with ``matched`` the stop string (str) or stop token id (int).
+
+    A NamedTuple (immutable) rather than a frozen dataclass: one is built per engine chunk, and a
+    frozen dataclass costs 4x more to construct (2 µs vs 0.5 µs here)."""
 
     visible: str
     finished: bool = False
     matched: str | int | None = None
 
 
+_new_result = tuple.__new__  # StopResult(...) without the keyword-handling __new__ wrapper
 _NOTHING = StopResult("")
 
 
@@ -49,14 +51,14 @@ class StopMatcher:
 
     __slots__ = (
         "_by_first",
-        "_context",
         "_finished",
-        "_held",
+        "_firsts",
         "_include",
         "_matched",
         "_maxlen",
         "_stop_ids",
         "_stops",
+        "_tail",
     )
 
     def __init__(
@@ -75,13 +77,15 @@ class StopMatcher:
         for s in stops:
             by_first.setdefault(s[0], []).append(s)
         self._by_first = {c: tuple(v) for c, v in by_first.items()}
+        self._firsts = frozenset(by_first)
         self._include = include_stop_str_in_output
         ids = set(stop_token_ids)
         if not ignore_eos:
             ids.update(eos_token_ids)
         self._stop_ids = frozenset(ids)
-        self._held = ""  # not yet emitted: could be the start of a stop string (exclude mode only)
-        self._context = ""  # include mode: the last maxlen-1 chars already emitted, to search across chunks
+        # The live partial match: the shortest suffix of the text so far that is a proper prefix of a
+        # stop string (a match can only start there). Held back, unless include_stop_str_in_output.
+        self._tail = ""
         self._finished = False
         self._matched: str | int | None = None
 
@@ -110,7 +114,7 @@ class StopMatcher:
     @property
     def held(self) -> str:
         """Text fed but not yet emitted (a possible start of a stop string)."""
-        return self._held
+        return "" if self._include else self._tail
 
     def stop_token_index(self, token_ids: Sequence[int]) -> int:
         """Index of the first stop token in ``token_ids``, or -1."""
@@ -135,68 +139,57 @@ class StopMatcher:
     def feed(self, new_text: str, new_token_ids: Sequence[int] = ()) -> StopResult:
         """Feed the text of the next ids (as ``text_ids`` selects them) and the ids themselves."""
         if self._finished:
-            return StopResult("", True, self._matched)
-        if new_text and self._stops:
-            visible = self._include_text(new_text) if self._include else self._exclude_text(new_text)
+            return _new_result(StopResult, ("", True, self._matched))
+        visible = new_text
+        if new_text and self._stops and (self._tail or not self._firsts.isdisjoint(new_text)):
+            # (fast path above: no partial match pending and no stop string can start in the new
+            # text, so nothing can match or need holding)
+            visible = self._match(new_text)
             if self.finished:  # (the property: mypy keeps the narrowing of the attribute)
-                return StopResult(visible, True, self._matched)
-        else:
-            visible = new_text
+                return _new_result(StopResult, (visible, True, self._matched))
         stop_ids = self._stop_ids
         if stop_ids and new_token_ids and not stop_ids.isdisjoint(new_token_ids):
             self._finished = True
             self._matched = new_token_ids[self.stop_token_index(new_token_ids)]
-            if self._held:
-                visible, self._held = visible + self._held, ""
-            return StopResult(visible, True, self._matched)
+            if self._tail and not self._include:  # no stop string can complete any more
+                visible += self._tail
+            self._tail = ""
+            return _new_result(StopResult, (visible, True, self._matched))
         if not visible:
             return _NOTHING
-        return StopResult(visible)
+        return _new_result(StopResult, (visible, False, None))
 
     def flush(self) -> str:
         """Natural end of the output: release the held text (``""`` once a stop matched)."""
-        held, self._held = self._held, ""
-        return "" if self._finished else held
+        tail, self._tail = self._tail, ""
+        return "" if (self._finished or self._include) else tail
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _earliest(self, buf: str) -> tuple[int, str] | None:
-        """The first-completed stop string in ``buf`` (ties: earliest start) as (start, stop)."""
-        best: tuple[int, str] | None = None
-        best_end = 0
+    def _match(self, text: str) -> str:
+        """Search ``tail + text``; return what becomes visible, update the tail, or finish."""
+        tail = self._tail
+        buf = tail + text if tail else text
+        hit: tuple[int, str] | None = None  # the first-completed stop (ties: earliest start)
+        hit_end = 0
         for s in self._stops:
             i = buf.find(s)
             if i >= 0:
                 end = i + len(s)
-                if best is None or end < best_end or (end == best_end and i < best[0]):
-                    best, best_end = (i, s), end
-        return best
-
-    def _exclude_text(self, text: str) -> str:
-        held = self._held
-        buf = held + text if held else text
-        hit = self._earliest(buf)
+                if hit is None or end < hit_end or (end == hit_end and i < hit[0]):
+                    hit, hit_end = (i, s), end
         if hit is not None:
-            start, stop = hit
-            self._finished, self._matched, self._held = True, stop, ""
-            return buf[:start]
-        cut = self._holdback_start(buf)
-        self._held = buf[cut:]
+            self._finished, self._matched, self._tail = True, hit[1], ""
+            if self._include:
+                return buf[len(tail) : hit_end]  # the tail was already emitted
+            return buf[: hit[0]]
+        cut = self._live_start(buf)
+        self._tail = buf[cut:]
+        if self._include:
+            return text
         return buf[:cut] if cut < len(buf) else buf
 
-    def _include_text(self, text: str) -> str:
-        context = self._context
-        buf = context + text if context else text
-        hit = self._earliest(buf)
-        if hit is not None:
-            start, stop = hit
-            self._finished, self._matched, self._context = True, stop, ""
-            return buf[len(context) : start + len(stop)]
-        keep = self._maxlen - 1
-        self._context = buf[-keep:] if keep else ""
-        return text
-
-    def _holdback_start(self, buf: str) -> int:
+    def _live_start(self, buf: str) -> int:
         """Smallest i such that ``buf[i:]`` is a proper prefix of a stop string, else ``len(buf)``.
 
         Only the last maxlen-1 positions can qualify; candidate positions are found with ``str.find``

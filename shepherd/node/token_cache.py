@@ -30,12 +30,15 @@ __all__ = ["CacheLimits", "EncodePlan", "SpecialSplitter", "TokenCache"]
 
 @dataclass(frozen=True, slots=True)
 class CacheLimits:
-    """Bounds of one tokenizer's caches (entries and total ids held, whichever binds first)."""
+    """Bounds of one tokenizer's caches (entries and total ids held, whichever binds first).
+
+    An id held costs ~36 bytes (a list slot and an int object), plus the key text: the defaults keep
+    one tokenizer's caches under ~50 MB."""
 
     exact_entries: int = 4096
-    exact_ids: int = 1 << 20
+    exact_ids: int = 1 << 19
     segment_entries: int = 32768
-    segment_ids: int = 1 << 20
+    segment_ids: int = 1 << 19
 
 
 class _LRU:

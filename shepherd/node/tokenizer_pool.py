@@ -10,8 +10,9 @@ Not ``ProcessPoolExecutor``: its round trip costs 230-600 µs here against 17-23
 
 ``TokenizerService``: what the node calls. Caches live in the parent (that is where a hit is cheap):
 L0/L1 ids and rendered prompts are looked up inline; what is left to do runs inline when small
-(``inline_max_chars`` characters still to encode, ``render_inline_max_bytes`` bytes of serialized render
-input) and in the pool otherwise, and pool results go into the parent's caches.
+(``inline_max_chars`` characters still to encode; a render of at most ``render_inline_max_messages``
+messages and ``render_inline_max_bytes`` bytes of serialized input) and in the pool otherwise, and
+pool results go into the parent's caches.
 """
 
 from __future__ import annotations
@@ -38,16 +39,19 @@ from shepherd.node.tokenizer import Tokenizer
 __all__ = [
     "DEFAULT_INLINE_MAX_CHARS",
     "DEFAULT_RENDER_INLINE_MAX_BYTES",
+    "DEFAULT_RENDER_INLINE_MAX_MESSAGES",
     "TokenizerPool",
     "TokenizerPoolUnavailable",
     "TokenizerService",
     "TokenizerWorkerError",
 ]
 
-# Measured with bench/tokenizer_bench.py (see its report): below these sizes the pool round trip
-# costs more CPU than the work it moves off the event loop.
-DEFAULT_INLINE_MAX_CHARS: Final = 2048
-DEFAULT_RENDER_INLINE_MAX_BYTES: Final = 8192
+# Measured with bench/tokenizer_bench.py ("inline thresholds"): below these sizes a pool round trip
+# adds more CPU (parent + worker) than the event-loop time it saves.
+DEFAULT_INLINE_MAX_CHARS: Final = 512
+# A render costs ~40-50 µs per message (qwen3): renders past ~1 ms go to the pool.
+DEFAULT_RENDER_INLINE_MAX_MESSAGES: Final = 24
+DEFAULT_RENDER_INLINE_MAX_BYTES: Final = 32768
 
 _OP_ENCODE: Final = 1  # payload: pieces; flag: add_special_tokens → counts + ids
 _OP_RENDER: Final = 2  # payload: name length u16 + template name + ChatTemplate.serialize() → text
@@ -188,11 +192,21 @@ def _reaped(pid: int) -> bool:
     return done != 0
 
 
-def _kill_and_reap(pid: int) -> None:
+def _kill_and_reap(pid: int) -> int | None:
+    """SIGKILL ``pid`` if it is still our unreaped child, reap it; its wait status (None if it was
+    not ours any more: a reaped pid may belong to another process by now, so it is never signalled)."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    if done != 0:
+        return status
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError):
-        os.waitpid(pid, 0)
+    try:
+        return os.waitpid(pid, 0)[1]
+    except ChildProcessError:
+        return None
 
 
 # ---- the parent side ------------------------------------------------------------------------------------
@@ -320,14 +334,11 @@ class TokenizerPool:
             with contextlib.suppress(OSError):
                 os.close(fd)
         if kill:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(w.pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                _, st = os.waitpid(w.pid, 0)
-                if os.WIFSIGNALED(st):
-                    reason += f" (signal {os.WTERMSIG(st)})"
-                elif os.WIFEXITED(st):
-                    reason += f" (exit status {os.WEXITSTATUS(st)})"
+            st = _kill_and_reap(w.pid)
+            if st is not None and os.WIFSIGNALED(st):
+                reason += f" (signal {os.WTERMSIG(st)})"
+            elif st is not None and os.WIFEXITED(st):
+                reason += f" (exit status {os.WEXITSTATUS(st)})"
         w.death_reason = reason
         calls, w.inflight = w.inflight, {}
         if calls:
@@ -509,28 +520,35 @@ class TokenizerPool:
 class TokenizerService:
     """The node's tokenizer façade: caches in this process, big work in the pool.
 
-    ``models`` maps a served model name to its tokenizer directory; ``chat_templates`` optionally
-    overrides a model's template (a ``.jinja`` path, a template name, or template text).
+    ``models`` maps a served model name to its tokenizer directory (or to a loaded ``Tokenizer`` of
+    that name, shared as it is); ``chat_templates`` optionally overrides a model's template (a
+    ``.jinja`` path, a template name, or template text) for the ones loaded here.
     ``workers=0`` runs everything inline (no processes).
     """
 
     def __init__(
         self,
-        models: Mapping[str, str | Path],
+        models: Mapping[str, str | Path | Tokenizer],
         workers: int = 2,
         inline_max_chars: int | None = None,
         *,
         render_inline_max_bytes: int | None = None,
+        render_inline_max_messages: int | None = None,
         chat_templates: Mapping[str, str | Path] | None = None,
         cache_limits: CacheLimits | None = None,
         call_timeout: float | None = 120.0,
     ) -> None:
-        self._paths = {name: Path(p) for name, p in models.items()}
+        self._paths = {name: p if isinstance(p, Tokenizer) else Path(p) for name, p in models.items()}
         self._overrides = dict(chat_templates or {})
         self.workers = workers
         self.inline_max_chars = DEFAULT_INLINE_MAX_CHARS if inline_max_chars is None else inline_max_chars
         self.render_inline_max_bytes = (
             DEFAULT_RENDER_INLINE_MAX_BYTES if render_inline_max_bytes is None else render_inline_max_bytes
+        )
+        self.render_inline_max_messages = (
+            DEFAULT_RENDER_INLINE_MAX_MESSAGES
+            if render_inline_max_messages is None
+            else render_inline_max_messages
         )
         self._cache_limits = cache_limits
         self._call_timeout = call_timeout
@@ -547,7 +565,13 @@ class TokenizerService:
     async def start(self) -> None:
         """Load every tokenizer (here, once), then fork the pool (which inherits them)."""
         for name, path in self._paths.items():
-            if name not in self._tokenizers:
+            if name in self._tokenizers:
+                continue
+            if isinstance(path, Tokenizer):
+                if path.name != name:
+                    raise ValueError(f"tokenizer named {path.name!r} given for model {name!r}")
+                self._tokenizers[name] = path
+            else:
                 self._tokenizers[name] = Tokenizer.load(
                     path, name, chat_template=self._overrides.get(name), cache_limits=self._cache_limits
                 )
@@ -616,7 +640,7 @@ class TokenizerService:
         if text is not None:
             return text
         reads: ClockReads = ()
-        if self._pool is not None and key is not None and len(key) > self.render_inline_max_bytes:
+        if self._pool is not None and key is not None and self._render_is_big(messages, key):
             try:
                 text, reads = await self._pool.render(model, tpl.name, key)
             except TokenizerPoolUnavailable:
@@ -634,6 +658,10 @@ class TokenizerService:
             )
         tpl.store(key, text, reads)
         return text
+
+    def _render_is_big(self, messages: object, key: bytes) -> bool:
+        count = len(messages) if isinstance(messages, Sequence) else 0
+        return count > self.render_inline_max_messages or len(key) > self.render_inline_max_bytes
 
     async def render_and_encode(
         self,

@@ -29,9 +29,11 @@ VLLM = vllm_engine_pb2
 PROMPT = list(range(1000, 1064))  # 64 tokens = 4 blocks
 
 
-@pytest.fixture(scope="module")
-def engine() -> Iterator[MockEngineProc]:
-    with start_mock_engine("--decode-ms-per-token", "2", "--output-len", "12", "--max-running", "8") as e:
+@pytest.fixture(scope="module", params=["grpcio", "lean"])
+def engine(request: pytest.FixtureRequest) -> Iterator[MockEngineProc]:
+    """One engine per gRPC server implementation; every test runs against both."""
+    args = ("--decode-ms-per-token", "2", "--output-len", "12", "--max-running", "8")
+    with start_mock_engine(*args, "--grpc-server", request.param) as e:
         yield e
 
 
@@ -71,6 +73,15 @@ async def control(engine: MockEngineProc, method: str, path: str, body: object =
         return await http.request(method, path, json=body)
 
 
+def vllm_request(rid: str, *, stream: bool = False, **sampling: Any) -> Any:
+    return VLLM.GenerateRequest(
+        request_id=rid,
+        tokenized=VLLM.TokenizedInput(input_ids=PROMPT),
+        sampling_params=VLLM.SamplingParams(**sampling),
+        stream=stream,
+    )
+
+
 def sgl_request(
     rid: str,
     *,
@@ -80,8 +91,15 @@ def sgl_request(
     ignore_eos: bool = False,
     n: int = 1,
 ) -> Any:
-    sp = SGL.SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, n=n,
-                            ignore_eos=ignore_eos, skip_special_tokens=True)  # fmt: skip
+    sp = SGL.SamplingParams(
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        repetition_penalty=1.0,
+        n=n,
+        ignore_eos=ignore_eos,
+        skip_special_tokens=True,
+    )
     if max_new is not None:
         sp.max_new_tokens = max_new
     return SGL.GenerateRequest(
@@ -115,8 +133,9 @@ async def test_sglang_generate_stream_and_non_stream(channel: grpc.aio.Channel) 
 async def test_vllm_generate_stream_non_stream_and_logprobs(channel: grpc.aio.Channel) -> None:
     stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
     sp = VLLM.SamplingParams(temperature=1.0, top_p=1.0, max_tokens=6, n=2, logprobs=2)
-    req = VLLM.GenerateRequest(request_id="v1", tokenized=VLLM.TokenizedInput(input_ids=PROMPT),
-                               sampling_params=sp, stream=True)  # fmt: skip
+    req = VLLM.GenerateRequest(
+        request_id="v1", tokenized=VLLM.TokenizedInput(input_ids=PROMPT), sampling_params=sp, stream=True
+    )
     msgs = [m async for m in stub.Generate(req)]
     by_index: dict[int, list[int]] = {0: [], 1: []}
     for m in msgs:
@@ -127,8 +146,7 @@ async def test_vllm_generate_stream_non_stream_and_logprobs(channel: grpc.aio.Ch
     completes = sorted((m.complete for m in msgs if m.HasField("complete")), key=lambda c: c.index)
     assert [c.index for c in completes] == [0, 1] and all(c.finish_reason == "length" for c in completes)
     assert all(len(v) == 6 for v in by_index.values()) and by_index[0] != by_index[1]
-    req2 = VLLM.GenerateRequest(request_id="v2", tokenized=VLLM.TokenizedInput(input_ids=PROMPT),
-                                sampling_params=VLLM.SamplingParams(max_tokens=4), stream=False)  # fmt: skip
+    req2 = vllm_request("v2", max_tokens=4)
     whole = [m async for m in stub.Generate(req2)]
     assert len(whole) == 1 and len(whole[0].complete.output_ids) == 4
 
@@ -230,8 +248,7 @@ async def test_error_fault_fails_before_first_token(
     r = await control(engine, "POST", "/mock/faults", {"error_rate": 1.0, "error_code": "INTERNAL"})
     assert r.status_code == 200 and r.json()["error_rate"] == 1.0
     stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)
-    req = VLLM.GenerateRequest(request_id="err", tokenized=VLLM.TokenizedInput(input_ids=PROMPT),
-                               sampling_params=VLLM.SamplingParams(max_tokens=3), stream=True)  # fmt: skip
+    req = vllm_request("err", stream=True, max_tokens=3)
     got: list[Any] = []
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         got += [m async for m in stub.Generate(req)]
@@ -273,6 +290,23 @@ async def test_info_rpcs_tokenizer_and_recorded_params(
     assert params["min_p"] == 0.0  # every field is listed, set or not
 
 
+async def test_pd_parameters_are_recorded(channel: grpc.aio.Channel, engine: MockEngineProc) -> None:
+    sgl = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
+    req = sgl_request("pd-sgl", stream=False, max_new=2)
+    req.disaggregated_params.CopyFrom(
+        SGL.DisaggregatedParams(bootstrap_host="10.0.0.1", bootstrap_port=8998, bootstrap_room=7)
+    )
+    [m async for m in sgl.Generate(req)]
+    assert stats(engine)["last_disaggregated_params"]["bootstrap_room"] == 7
+    vllm = vllm_engine_pb2_grpc.VllmEngineStub(channel)
+    kv = json.dumps({"do_remote_prefill": True, "remote_block_ids": [1, 2]})
+    vreq = vllm_request("pd-vllm", max_tokens=2)
+    vreq.kv_transfer_params_json = kv
+    [m async for m in vllm.Generate(vreq)]
+    s = stats(engine)
+    assert s["last_kv_transfer_params_json"] == kv and s["disaggregated_requests"] >= 2
+
+
 async def test_http_surface(engine: MockEngineProc) -> None:
     async with httpx.AsyncClient(base_url=engine.http_url, timeout=10) as http:
         assert (await http.get("/health")).status_code == 200
@@ -288,8 +322,13 @@ async def test_http_surface(engine: MockEngineProc) -> None:
         streamed = ""
         usage = None
         lines = []
-        req = {"model": "qwen3", "messages": msgs, "max_tokens": 8, "stream": True,
-               "stream_options": {"include_usage": True}}  # fmt: skip
+        req = {
+            "model": "qwen3",
+            "messages": msgs,
+            "max_tokens": 8,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         async with http.stream("POST", "/v1/chat/completions", json=req) as resp:
             lines += [line async for line in resp.aiter_lines() if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
@@ -305,6 +344,22 @@ async def test_http_surface(engine: MockEngineProc) -> None:
         assert loads["loads"][0]["max_running_requests"] == 8
         missing = await http.post("/v1/chat/completions", json={"model": "nope", "messages": msgs})
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+async def test_http_client_disconnect_frees_the_slot(engine: MockEngineProc) -> None:
+    body = {"prompt": "go", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    async with httpx.AsyncClient(base_url=engine.http_url, timeout=10) as http:
+        headers = {"x-request-id": "http-gone"}
+        async with http.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    break
+    for _ in range(200):  # bounded: up to ~10 s
+        if "http-gone" in (await control(engine, "GET", "/mock/stats")).json()["cancelled"]:
+            break
+        await asyncio.sleep(0.05)
+    s = (await control(engine, "GET", "/mock/stats")).json()
+    assert "http-gone" in s["cancelled"] and s["active"] == 0
 
 
 def test_crash_fault_exits_the_process() -> None:

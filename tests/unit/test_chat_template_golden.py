@@ -23,6 +23,7 @@ import pytest
 
 from shepherd.node.chat_template import ChatTemplate
 from shepherd.node.tokenizer import Tokenizer, load_chat_templates
+from tests.unit.test_tokenizer_shared import llama, qwen3
 
 ROOT = Path(__file__).resolve().parents[2]
 TOK = ROOT / "tests" / "assets" / "tokenizers"
@@ -168,10 +169,15 @@ def template(family: str) -> ChatTemplate:
 
 @cache
 def tokenizer(family: str) -> Tokenizer | None:
+    directory, name, _ = FAMILIES[family]
+    templates = {"default": load_chat_templates(directory)[name]}
+    shared = {"llama-3.1": llama, "qwen3": qwen3}.get(family)
+    if shared is not None:  # loaded once for the session; fresh caches and this family's template
+        hf = shared().hf
+        return Tokenizer(hf, name=family, path=directory, config=shared().config, templates=templates)
     for d in TOKENIZER_DIRS[family]:
         if (d / "tokenizer.json").is_file() or (d / "tokenizer.json.xz").is_file():
-            directory, name, _ = FAMILIES[family]
-            return Tokenizer.load(d, family, chat_template=load_chat_templates(directory)[name].source)
+            return Tokenizer.load(d, family, chat_template=templates["default"].source)
     return None
 
 
@@ -228,7 +234,7 @@ def test_ids_match_transformers(c: dict[str, Any]) -> None:
 
 
 def _regenerate() -> None:  # pragma: no cover - run by hand with transformers installed
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # type: ignore[import-not-found]
 
     out = []
     for c in CASES:

@@ -41,7 +41,7 @@ CONVO = [
 ]
 
 
-# ---- renders written by hand from the templates ---------------------------------------------------
+# ---- renders written by hand from the templates --------------------------------------------------
 
 
 def test_qwen3_by_hand() -> None:
@@ -82,7 +82,7 @@ def test_mistral_by_hand() -> None:
 
 
 def test_qwen3_tool_call_and_result_by_hand() -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "Weather in Paris?"},
         {
             "role": "assistant",
@@ -106,13 +106,14 @@ def test_qwen3_tool_call_and_result_by_hand() -> None:
     )
     assert got.endswith(
         "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
-        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>assistant\n<tool_call>\n"
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
         "<|im_start|>user\n<tool_response>\n21C\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )
 
 
-# ---- the transformers context ---------------------------------------------------------------------------
+# ---- the transformers context --------------------------------------------------------------------
 
 
 def test_tojson_keeps_non_ascii_and_takes_transformers_kwargs() -> None:
@@ -132,7 +133,8 @@ def test_tojson_keeps_non_ascii_and_takes_transformers_kwargs() -> None:
 
 def test_context_names_and_extensions() -> None:
     t = ChatTemplate(
-        "{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ add_generation_prompt }}|{{ tools }}|{{ documents }}"
+        "{{ bos_token }}|{{ eos_token }}|{{ pad_token }}|{{ add_generation_prompt }}|{{ tools }}"
+        "|{{ documents }}"
         "|{{ strftime_now('%Y') | length }}|{{ custom }}"
         "{% for i in range(5) %}{% if i == 1 %}{% continue %}{% endif %}{% if i == 3 %}{% break %}{% endif %}"
         "{{ i }}{% endfor %}"
@@ -190,7 +192,7 @@ def test_continue_final_message() -> None:
         t.render([CONVO[1], {"role": "assistant"}], add_generation_prompt=False, continue_final_message=True)
 
 
-# ---- errors ------------------------------------------------------------------------------------------------
+# ---- errors --------------------------------------------------------------------------------------
 
 
 def test_raise_exception_becomes_chat_template_error() -> None:
@@ -213,11 +215,16 @@ def test_bad_tools_and_broken_templates() -> None:
         tpl(QWEN3).render(CONVO, tools={"type": "function"})  # type: ignore[arg-type]
     with pytest.raises(ChatTemplateError, match="does not compile"):
         ChatTemplate("{% if %}")
-    with pytest.raises(ChatTemplateError):
-        ChatTemplate("{{ messages[0].content.nope() }}").render([{"role": "user", "content": "x"}])
+    for source in [
+        "{{ messages[0].content.nope() }}",
+        "{{ 1 / 0 }}",
+        "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+    ]:
+        with pytest.raises(ChatTemplateError):
+            ChatTemplate(source).render([{"role": "user", "content": "x"}])
 
 
-# ---- the render cache --------------------------------------------------------------------------------------
+# ---- the render cache ----------------------------------------------------------------------------
 
 
 def test_render_cache_hits_and_key_order_matters() -> None:
@@ -236,7 +243,11 @@ def test_render_cache_is_bounded_and_skips_non_json_inputs() -> None:
     t = ChatTemplate("{{ messages | length }}", cache_size=2)
     for i in range(5):
         t.render([{"role": "user", "content": str(i)}])
-    assert len(t._cache) == 2
+    assert t.cached_count == 2
+    small = ChatTemplate("{{ messages[0].content }}", cache_bytes=1000)
+    for i in range(10):
+        small.render([{"role": "user", "content": str(i) * 200}])
+    assert 1 <= small.cached_count <= 2  # each entry holds ~450 bytes of key and text
     assert t.render([{"role": "user", "content": object()}]) == "1"  # rendered, not cached
     assert t.serialize([{"role": "user", "content": object()}], None, True, False, None) is None
 
@@ -252,7 +263,7 @@ def test_clock_reads_are_checked_on_a_hit() -> None:
     assert t.render(msgs) == today  # the stored day is not today's: a miss, rendered again
 
 
-# ---- tool calls ------------------------------------------------------------------------------------------------
+# ---- tool calls ----------------------------------------------------------------------------------
 
 
 def openai_tool_turns(call_id: str) -> list[dict[str, Any]]:

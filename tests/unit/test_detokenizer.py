@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from shepherd.node.detokenizer import IncrementalDetokenizer
-from tests.helpers_tokenizers import ALL, BYTE_LEVEL, load, special_ids
+from tests.helpers_tokenizers import ALL, BYTE_LEVEL, load, piece, special_ids, token_id
 
 FFFD = "\ufffd"
 
@@ -199,7 +199,7 @@ def test_metaspace_leading_space_comes_from_prompt_context() -> None:
     tok = load("llama2")
     prompt = tok.encode("The quick brown fox", add_special_tokens=False).ids
     out = tok.encode("The quick brown fox jumps over", add_special_tokens=False).ids[len(prompt) :]
-    assert tok.id_to_token(out[0]).startswith("▁")
+    assert piece(tok, out[0]).startswith("▁")
     with_ctx = IncrementalDetokenizer(tok, prompt_ids=prompt)
     assert "".join(with_ctx.step([i]) for i in out) == " jumps over"
     alone = IncrementalDetokenizer(tok)
@@ -222,11 +222,14 @@ def test_skip_special_tokens_drops_special_ids_but_keeps_plain_added_tokens() ->
     assert skipped == "assistant\n<think>hmm</think>Hi 👋"
     rendered = "".join(stream(tok, [[i] for i in ids], skip=False))
     assert rendered == text
+    # passing the tokenizer's own special ids changes nothing
+    same = IncrementalDetokenizer(tok, special_ids=special_ids(tok))
+    assert "".join(same.step([i]) for i in ids) + same.finish() == skipped
 
 
 def test_extra_special_ids_are_dropped_only_when_skipping() -> None:
     tok = load("qwen3")
-    think = tok.token_to_id("<think>")
+    think = token_id(tok, "<think>")
     ids = tok.encode("<think>x", add_special_tokens=False).ids
     extra = special_ids(tok) | {think}
     drop = IncrementalDetokenizer(tok, special_ids=extra)
@@ -271,7 +274,7 @@ def test_long_byte_fallback_run_with_chunks_ending_mid_character(sizes: list[int
     tok = load("llama2")
     text = "000\x80\x80\x800𐀀0👩\u200d👩\u200d👧" * 3 + "🦩" * 12
     ids = tok.encode(text, add_special_tokens=False).ids
-    assert len(ids) > 100 and sum(tok.id_to_token(i).startswith("<0x") for i in ids) > 90
+    assert len(ids) > 100 and sum(piece(tok, i).startswith("<0x") for i in ids) > 90
     check_stream(tok, ids, sizes, skip=True)
     pieces = stream(tok, chunked(ids, sizes))
     assert not any(FFFD in p for p in pieces)

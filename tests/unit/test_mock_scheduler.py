@@ -278,10 +278,16 @@ class CharTokenizer:
 
 
 def core(**kw: object) -> EngineCore:
-    cfg = EngineConfig(zero_latency=True, output_len=10, cache_blocks=64, max_running=2, **kw)  # type: ignore[arg-type]
+    settings: dict[str, object] = {
+        "zero_latency": True,
+        "output_len": 10,
+        "cache_blocks": 64,
+        "max_running": 2,
+    }
+    settings.update(kw)
+    cfg = EngineConfig(**settings)  # type: ignore[arg-type]
     exits: list[int] = []
-    c = EngineCore(cfg, CharTokenizer(), exit_process=exits.append)
-    return c
+    return EngineCore(cfg, CharTokenizer(), exit_process=exits.append)
 
 
 async def collect(run_events: AsyncIterator[EngineEvent]) -> list[EngineEvent]:
@@ -410,3 +416,55 @@ async def test_core_rejects_bad_requests() -> None:
     events = await collect(run.events())
     assert isinstance(events[0], EngineComplete) and len(events[0].output_ids) == 5
     assert events[0].finish_reason == "length"
+
+
+async def test_core_stall_and_hang_faults_hold_until_aborted() -> None:
+    c = core()
+    c.set_faults(Faults(stall_after_tokens=2, stall_seconds=60.0))
+    run = c.start(req("stall", spec=OutputSpec(max_new_tokens=20, ignore_eos=True), stream_interval=1))
+    got: list[EngineEvent] = []
+    blocked = asyncio.Event()
+
+    async def consume() -> None:
+        async for ev in run.events():
+            got.append(ev)
+            if len(got) == 2:
+                blocked.set()
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.wait_for(blocked.wait(), 5)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert len(got) == 2  # stalled after two tokens
+    c.abort("stall")
+    await asyncio.wait_for(task, 5)
+    assert isinstance(got[-1], EngineComplete) and got[-1].finish_reason == "abort"
+    c.set_faults(Faults(hang_before_first_token=True))
+    hung = c.start(req("hang"))
+    task2 = asyncio.ensure_future(collect(hung.events()))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not task2.done() and c.loads().running == 1
+    c.abort("hang")
+    events = await asyncio.wait_for(task2, 5)
+    assert [type(e) for e in events] == [EngineComplete] and c.loads().running == 0
+
+
+async def test_core_pd_roles() -> None:
+    prefill = core(role="prefill")
+    prefill.grpc_port = 50051
+    events = await collect(
+        prefill.start(req("pd", stream=False, spec=OutputSpec(max_new_tokens=50))).events()
+    )
+    done = events[0]
+    assert isinstance(done, EngineComplete) and len(done.output_ids) == 1 and done.finish_reason == "length"
+    assert done.kv_transfer_params_json is not None and '"remote_port": 50051' in done.kv_transfer_params_json
+    decode = core(role="decode", zero_latency=False, prefill_us_per_token=1000.0)
+    run = decode.start(req("pd", n_prompt=64, kv_transfer_params_json=done.kv_transfer_params_json))
+    assert run.group.uncached_tokens == 0 and run.group.first_token_at == run.group.admitted_at
+    run.close()
+    plain = decode.start(MockRequest(request_id="plain", prompt=prompt(5000, 64)))
+    g = plain.group
+    assert g.uncached_tokens == 64 and g.first_token_at is not None and g.admitted_at is not None
+    assert g.first_token_at - g.admitted_at == pytest.approx(64 * 1e-3)  # computed, not measured
+    plain.close()

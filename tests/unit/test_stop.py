@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from shepherd.node.detokenizer import IncrementalDetokenizer
 from shepherd.node.stop import StopMatcher, StoppingDecoder, StopResult
-from tests.helpers_tokenizers import load
+from tests.helpers_tokenizers import load, token_id
 
 
 def reference(text: str, stops: Iterable[str], include: bool) -> tuple[str, str | None]:
@@ -217,7 +217,7 @@ def decoder(name: str, skip: bool = True) -> IncrementalDetokenizer:
 
 def test_eos_text_is_not_emitted_even_when_rendering_special_tokens() -> None:
     tok = load("qwen3")
-    eos = tok.token_to_id("<|im_end|>")
+    eos = token_id(tok, "<|im_end|>")
     ids = tok.encode("Hello there<|im_end|>trailing", add_special_tokens=False).ids
     sd = StoppingDecoder(decoder("qwen3", skip=False), StopMatcher(eos_token_ids=[eos]))
     out = [sd.feed(ids[i : i + 2]) for i in range(0, len(ids), 2)]

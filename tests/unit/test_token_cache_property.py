@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shepherd.node.token_cache import CacheLimits, TokenCache
 from shepherd.node.tokenizer import Tokenizer
-
-ROOT = Path(__file__).resolve().parents[2]
-PATHS = {
-    "qwen3": ROOT / "shepherd" / "node" / "assets" / "qwen3",
-    "llama-3.1": ROOT / "tests" / "assets" / "tokenizers" / "llama-3.1",
-}
+from tests.unit.test_tokenizer_shared import llama, qwen3
 
 
-@cache
 def tok(name: str) -> Tokenizer:
-    return Tokenizer.load(PATHS[name], name)
+    return qwen3() if name == "qwen3" else llama()
 
 
 @cache

@@ -5,27 +5,17 @@ from __future__ import annotations
 import json
 import lzma
 import shutil
-from functools import cache
 from pathlib import Path
 
 import pytest
 
 from shepherd.node.chat_template import ChatTemplateError
 from shepherd.node.tokenizer import VERY_LARGE_INTEGER, Tokenizer
+from tests.unit.test_tokenizer_shared import llama, qwen3
 
 ROOT = Path(__file__).resolve().parents[2]
 TOK = ROOT / "tests" / "assets" / "tokenizers"
 QWEN3 = ROOT / "shepherd" / "node" / "assets" / "qwen3"
-
-
-@cache
-def qwen3() -> Tokenizer:
-    return Tokenizer.load(QWEN3)
-
-
-@cache
-def llama() -> Tokenizer:
-    return Tokenizer.load(TOK / "llama-3.1", "llama")
 
 
 def gpt2_dir(tmp_path: Path, config: dict[str, object] | None = None, *, plain: bool = False) -> Path:

@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable
 from functools import cache
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
 from shepherd.node.chat_template import ChatTemplateError
-from shepherd.node.tokenizer import Tokenizer
+from shepherd.node.tokenizer import Tokenizer, load_chat_templates
 from shepherd.node.tokenizer_pool import (
     TokenizerPool,
     TokenizerPoolUnavailable,
     TokenizerService,
     TokenizerWorkerError,
 )
+from tests.unit.test_tokenizer_shared import llama, qwen3
 
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3 = ROOT / "shepherd" / "node" / "assets" / "qwen3"
@@ -28,16 +30,6 @@ LLAMA = ROOT / "tests" / "assets" / "tokenizers" / "llama-3.1"
 MISTRAL = ROOT / "tests" / "assets" / "tokenizers" / "mistral-nemo"
 T = TypeVar("T")
 HANG_GUARD = 60.0  # a bound on every await below, so a bug fails the test instead of hanging it
-
-
-@cache
-def qwen3() -> Tokenizer:
-    return Tokenizer.load(QWEN3, "qwen3")
-
-
-@cache
-def llama() -> Tokenizer:
-    return Tokenizer.load(LLAMA, "llama")
 
 
 SAMPLE = (ROOT / "shepherd" / "node" / "tokenizer_pool.py").read_text(encoding="utf-8")
@@ -60,6 +52,19 @@ def _not_zombie_of_ours(pid: int) -> bool:
     return int(stat.rsplit(")", 1)[1].split()[1]) != os.getpid()  # ppid: a recycled pid is someone else's
 
 
+def kill_leftovers(pids: list[int]) -> None:
+    """Belt and braces: nothing of ours survives a failed test (only unreaped children of this
+    process are killed: a reaped pid may belong to someone else by now)."""
+    for pid in pids:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue
+        if done == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
 @contextlib.asynccontextmanager
 async def running(pool: TokenizerPool) -> AsyncIterator[TokenizerPool]:
     await pool.start()
@@ -68,10 +73,7 @@ async def running(pool: TokenizerPool) -> AsyncIterator[TokenizerPool]:
         yield pool
     finally:
         await pool.close()
-        for pid in pids + pool.pids():  # belt and braces: nothing of ours survives a failed test
-            with contextlib.suppress(ProcessLookupError, ChildProcessError):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
+        kill_leftovers(pids + pool.pids())
 
 
 async def guarded(aw: Awaitable[T]) -> T:
@@ -95,8 +97,8 @@ async def test_pool_results_equal_inline() -> None:
 
 async def test_many_calls_in_flight_including_big_ones() -> None:
     tok = qwen3()
-    texts = [SAMPLE[i : i + 200 + 37 * i] for i in range(0, 6000, 40)]
-    texts.append(SAMPLE * 12)  # ~0.5 MB: bigger than a pipe buffer both ways
+    texts = [SAMPLE[i : i + 200 + 13 * i] for i in range(0, 6000, 100)]
+    texts.append(SAMPLE * 3)  # ~80 KB, ~20k ids: bigger than a pipe buffer both ways
     async with running(TokenizerPool([tok], workers=2)) as pool:
         results = await guarded(asyncio.gather(*(pool.encode("qwen3", t, False) for t in texts)))
         assert results == [tok.encode_uncached(t, False) for t in texts]
@@ -107,7 +109,7 @@ async def test_a_killed_worker_fails_its_calls_and_the_pool_recovers() -> None:
     tok = qwen3()
     async with running(TokenizerPool([tok], workers=1)) as pool:
         (pid,) = pool.pids()
-        big = SAMPLE * 40  # long enough to still be running when the kill lands
+        big = SAMPLE * 20  # long enough to still be running when the kill lands
         calls = [asyncio.ensure_future(pool.encode("qwen3", big, False)) for _ in range(3)]
         await asyncio.sleep(0.05)
         os.kill(pid, signal.SIGKILL)
@@ -156,9 +158,20 @@ async def test_close_leaves_no_child_and_refuses_calls() -> None:
 # ---- the service ---------------------------------------------------------------------------------------
 
 
+@cache
+def mistral() -> Tokenizer:
+    """Mistral's template and config over llama's vocabulary (the template needs only bos/eos strings)."""
+    cfg = json.loads((MISTRAL / "tokenizer_config.json").read_text())
+    return Tokenizer(
+        llama().hf, name="mistral", path=MISTRAL, config=cfg, templates=load_chat_templates(MISTRAL)
+    )
+
+
 @contextlib.asynccontextmanager
-async def service(**kw: object) -> AsyncIterator[TokenizerService]:
-    svc = TokenizerService({"qwen3": QWEN3, "llama": LLAMA, "mistral": MISTRAL_WITH_TOKENIZER}, **kw)  # type: ignore[arg-type]
+async def service(**kw: Any) -> AsyncIterator[TokenizerService]:
+    """A service over the tokenizers loaded once for this module (their caches persist across tests:
+    each test uses texts of its own and looks at counter deltas)."""
+    svc = TokenizerService({"qwen3": qwen3(), "llama": llama(), "mistral": mistral()}, **kw)
     await svc.start()
     pids = svc.pool.pids() if svc.pool else []
     try:
@@ -168,15 +181,11 @@ async def service(**kw: object) -> AsyncIterator[TokenizerService]:
         assert all(gone(pid) for pid in pids)
 
 
-# mistral's template over a real tokenizer that is in the repo (the template only needs bos/eos strings)
-MISTRAL_WITH_TOKENIZER = LLAMA
-
-
 async def test_service_inline_small_pool_big_and_caches_in_the_parent() -> None:
     async with service(workers=1, inline_max_chars=1000) as svc:
         assert sorted(svc.models()) == ["llama", "mistral", "qwen3"]
         tok = svc.get("qwen3")
-        small, big = "hello there", SAMPLE[:5000]
+        small, big = "hello there, service", SAMPLE[100:5100]
         assert await guarded(svc.encode("qwen3", small)) == tok.encode_uncached(small)
         assert svc.stats()["inline_encodes"] == 1 and svc.stats()["pool_calls"] == 0
         assert await guarded(svc.encode("qwen3", big, False)) == tok.encode_uncached(big, False)
@@ -192,7 +201,7 @@ async def test_service_inline_small_pool_big_and_caches_in_the_parent() -> None:
 async def test_service_only_sends_the_new_segments() -> None:
     async with service(workers=1, inline_max_chars=500) as svc:
         tok = svc.get("qwen3")
-        system = "<|im_start|>system\n" + SAMPLE[:4000] + "<|im_end|>\n"
+        system = "<|im_start|>system\n" + SAMPLE[200:4200] + "<|im_end|>\n"
         first = system + "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
         assert await guarded(svc.encode("qwen3", first, False)) == tok.encode_uncached(first, False)
         calls = svc.stats()["pool_calls"]
@@ -229,7 +238,9 @@ async def test_render_and_encode_inline_and_in_the_pool_agree() -> None:
 
 async def test_llama_chat_prompt_has_one_bos() -> None:
     async with service(workers=1, render_inline_max_bytes=0, inline_max_chars=0) as svc:
-        text, ids = await guarded(svc.render_and_encode("llama", [{"role": "user", "content": "hi"}]))
+        text, ids = await guarded(
+            svc.render_and_encode("llama", [{"role": "user", "content": "hi, one BOS"}])
+        )
         assert text.startswith("<|begin_of_text|>")
         assert ids.count(128000) == 1 and ids[0] == 128000
 

@@ -7,25 +7,21 @@ of ids per string, without BOS: llama.cpp encodes them with add_special=false.
 
 from __future__ import annotations
 
-from functools import cache
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from shepherd.node.tokenizer import Tokenizer
+from tests.unit.test_tokenizer_shared import gpt2, llama, qwen3
 
 ROOT = Path(__file__).resolve().parents[2]
 VECTORS = ROOT / "tests" / "assets" / "tokenizer_vectors"
-PAIRS = {
-    "llama-bpe": ROOT / "tests" / "assets" / "tokenizers" / "llama-3.1",
-    "qwen2": ROOT / "shepherd" / "node" / "assets" / "qwen3",
-    "gpt-2": ROOT / "tests" / "assets" / "tokenizers" / "gpt2",
-}
+PAIRS: dict[str, Callable[[], Tokenizer]] = {"llama-bpe": llama, "qwen2": qwen3, "gpt-2": gpt2}
 
 
-@cache
 def tokenizer(vocab: str) -> Tokenizer:
-    return Tokenizer.load(PAIRS[vocab])
+    return PAIRS[vocab]()
 
 
 def cases(vocab: str) -> list[tuple[str, list[int]]]:

@@ -369,7 +369,10 @@ def _start_all(
 ) -> tuple[list[Target], int]:
     model_dir = extract_tokenizer(tmp / MODEL)
     grpc_port, http_port = free_port(), free_port()
-    engine = group.start(mock_engine_spec(grpc_port, http_port, cpus=settings.engine_cpus, model=MODEL))
+    engine_spec = mock_engine_spec(
+        grpc_port, http_port, cpus=settings.engine_cpus, model=MODEL, tokenizer_dir=model_dir
+    )
+    engine = group.start(engine_spec)
     targets: list[Target] = []
     if "direct" in settings.targets:
         targets.append(Target("direct", "127.0.0.1", http_port, None))
@@ -387,7 +390,8 @@ def _start_all(
 
         def start_smg() -> Target:
             port = free_port()
-            proc = group.start(smg_spec(port, grpc_port, model_dir, cpus=settings.gateway_cpus))
+            spec = smg_spec(port, grpc_port, model_dir, cpus=settings.gateway_cpus, metrics_port=free_port())
+            proc = group.start(spec)
             return Target("smg", "127.0.0.1", port, proc.pid)
 
         starters.append(("smg", start_smg))
