@@ -8,6 +8,7 @@ token), at concurrency 1 and 32. Also context switches per request (getrusage, a
 
     .venv/bin/python bench/engine_transport_bench.py                 # full table
     .venv/bin/python bench/engine_transport_bench.py --requests 200 --variants grpcio,h2
+    .venv/bin/python bench/engine_transport_bench.py --paced 1       # 1 ms per token: a read per message
     .venv/bin/python bench/engine_transport_bench.py --micro         # frame parsing: ours vs h2 (hyper)
 
 Prints figures only; no asserts. Machines are shared and noisy: compare within one run.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import re
@@ -136,14 +138,18 @@ def _taskset(core: int) -> list[str]:
     return ["taskset", "-c", str(core)] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
 
 
-def start_engine(kind: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+def start_engine(kind: str, paced_ms: float | None = None) -> tuple[subprocess.Popen[bytes], str, Path]:
     fd, name = tempfile.mkstemp(prefix="bench-mock-engine-", suffix=".log")
     os.close(fd)
     log = Path(name)
     argv = [
         *_taskset(0),
         str(Path(sys.executable).parent / "smg-mock-engine"),
-        "--zero-latency",
+        *(
+            ["--zero-latency"]
+            if paced_ms is None
+            else ["--decode-ms-per-token", str(paced_ms), "--prefill-us-per-token", "0"]
+        ),
         "--engine",
         kind,
         "--grpc-port",
@@ -209,7 +215,7 @@ def run_variant(name: str, target: str, args: argparse.Namespace) -> list[dict[s
 
 
 def main_driver(args: argparse.Namespace) -> None:
-    proc, target, log = start_engine(args.kind)
+    proc, target, log = start_engine(args.kind, args.paced)
     runs: dict[tuple[str, bool, int], list[dict[str, Any]]] = {}
     try:
         for _ in range(args.rounds):  # variants interleaved, so a noisy spell hits them alike
@@ -219,9 +225,10 @@ def main_driver(args: argparse.Namespace) -> None:
     finally:
         stop(proc)
         log.unlink(missing_ok=True)
+    engine_mode = "--zero-latency" if args.paced is None else f"--decode-ms-per-token {args.paced}"
     print(
         f"\nclient CPU per request (median of {args.rounds} interleaved rounds; range of CPU µs/req), "
-        f"mock engine --zero-latency ({args.kind}) on core 0, client on core 1, loop={args.loop}, "
+        f"mock engine {engine_mode} ({args.kind}) on core 0, client on core 1, loop={args.loop}, "
         f"{args.tokens}-token outputs, 250-token prompts"
     )
     print(
@@ -303,43 +310,54 @@ def micro(reps: int) -> None:
             s.messages.clear()
         ours_us = (time.process_time() - t0) / reps * 1e6
 
-        import h2.config
-        import h2.connection
-        import h2.events
-
-        hc = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
-        hc.initiate_connection()
-        hc.receive_data(ours.settings_frame({}))
-        hc.data_to_send()
-        t0 = time.process_time()
-        for _ in range(reps):
-            sid = hc.get_next_available_stream_id()
-            hc.send_headers(
-                sid,
-                [(":method", "POST"), (":scheme", "http"), (":path", "/x/Generate"), (":authority", "a")],
-            )
-            hc.send_data(sid, b"\0\0\0\0\0", end_stream=True)
-            data = server_bytes(sid)
-            chunks = []
-            if split:
-                off = 0
-                while off < len(data):
-                    ln = int.from_bytes(data[off : off + 3], "big") + 9
-                    chunks.append(data[off : off + ln])
-                    off += ln
-            else:
-                chunks.append(data)
-            for c in chunks:
-                for ev in hc.receive_data(c):
-                    if isinstance(ev, h2.events.DataReceived):
-                        hc.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
-            hc.data_to_send()
-        h2_us = (time.process_time() - t0) / reps * 1e6
-        print(
-            f"{label:<20}: ours {ours_us:7.1f} µs/stream ({ours_us / 32:5.2f}/msg)   "
-            f"h2 {h2_us:7.1f} µs/stream ({h2_us / 32:5.2f}/msg; events only, no gRPC message parsing)"
+        h2_us = _h2_library_us(server_bytes, split, reps)
+        assert conn.failed is None, conn.failed
+        theirs = (
+            "h2 not installed"
+            if h2_us is None
+            else f"h2 {h2_us:7.1f} µs/stream ({h2_us / 32:5.2f}/msg; events only, no gRPC message parsing)"
         )
+        print(f"{label:<20}: ours {ours_us:7.1f} µs/stream ({ours_us / 32:5.2f}/msg)   {theirs}")
     loop.close()
+
+
+def _h2_library_us(server_bytes: Callable[[int], bytes], split: bool, reps: int) -> float | None:
+    """The same response through the ``h2`` package's state machine (optional: not a dependency)."""
+    try:
+        h2config: Any = importlib.import_module("h2.config")
+        h2connection: Any = importlib.import_module("h2.connection")
+        h2events: Any = importlib.import_module("h2.events")
+    except ImportError:
+        return None
+    from shepherd.node import h2_conn as ours
+
+    hc = h2connection.H2Connection(h2config.H2Configuration(client_side=True, header_encoding=None))
+    hc.initiate_connection()
+    hc.receive_data(ours.settings_frame({}))
+    hc.data_to_send()
+    t0 = time.process_time()
+    for _ in range(reps):
+        sid = hc.get_next_available_stream_id()
+        hc.send_headers(
+            sid, [(":method", "POST"), (":scheme", "http"), (":path", "/x/Generate"), (":authority", "a")]
+        )
+        hc.send_data(sid, b"\0\0\0\0\0", end_stream=True)
+        data = server_bytes(sid)
+        chunks = []
+        if split:
+            off = 0
+            while off < len(data):
+                ln = int.from_bytes(data[off : off + 3], "big") + 9
+                chunks.append(data[off : off + ln])
+                off += ln
+        else:
+            chunks.append(data)
+        for c in chunks:
+            for ev in hc.receive_data(c):
+                if isinstance(ev, h2events.DataReceived):
+                    hc.acknowledge_received_data(ev.flow_controlled_length, ev.stream_id)
+        hc.data_to_send()
+    return (time.process_time() - t0) / reps * 1e6
 
 
 def main() -> None:
@@ -353,6 +371,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
     ap.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
+    ap.add_argument(
+        "--paced",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="engine decode time per token instead of --zero-latency (tokens then arrive one read each)",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions (median reported)")
     ap.add_argument("--micro", action="store_true", help="only the frame-parsing micro benchmark")
     ap.add_argument("--micro-reps", type=int, default=2000)

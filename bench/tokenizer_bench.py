@@ -251,12 +251,12 @@ async def pool_renders(tok: Tokenizer) -> tuple[dict[int, float], dict[int, tupl
     costs: dict[int, tuple[float, float]] = {}
     try:
         (pid,) = pool.pids()
-        for words in (2, 40, 150, 400, 1000, 3000):
+        for count in (1, 3, 7, 15, 31, 63):
             msgs = [
                 {"role": "system", "content": "You are a helpful assistant."},
                 *[
-                    {"role": "user" if i % 2 == 0 else "assistant", "content": "word " * words}
-                    for i in range(3)
+                    {"role": "user" if i % 2 == 0 else "assistant", "content": "word " * 40}
+                    for i in range(count)
                 ],
             ]
             key = tpl.serialize(msgs, None, True, False, None)

@@ -20,12 +20,13 @@ them) and end-to-end latency. The generator's own CPU time over the window is me
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from array import array
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 from shepherd.loadgen.http1 import ProtocolError, ResponseParser
 from shepherd.loadgen.sse import SseParser, StreamCheck, check_completion
@@ -446,6 +447,42 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def run_load_sync(spec: LoadSpec, source: RequestSource, hooks: WindowHooks | None = None) -> LoadResult:
-    """``run_load`` on a fresh (uv)loop, for callers without one."""
+    """``run_load`` on a fresh (uv)loop, for callers without one.
+
+    SIGINT and SIGTERM during the run cancel it cleanly (connections closed) and raise
+    ``KeyboardInterrupt`` here, so that the caller's ``with`` blocks stop their processes. Raising from
+    a plain signal handler instead would land inside a protocol callback, where the loop swallows it.
+    """
+    interrupted: list[int] = []
+
+    async def main() -> LoadResult:
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        installed: list[tuple[signal.Signals, Any]] = []
+
+        def stop(signum: int) -> None:
+            interrupted.append(signum)
+            if task is not None:
+                task.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous = signal.getsignal(sig)
+            try:
+                loop.add_signal_handler(sig, stop, sig)
+            except (NotImplementedError, RuntimeError, ValueError):
+                continue  # not the main thread, or no signals here
+            installed.append((sig, previous))
+        try:
+            return await run_load(spec, source, hooks)
+        finally:
+            for sig, previous in installed:
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, previous)
+
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(run_load(spec, source, hooks))
+        try:
+            return runner.run(main())
+        except asyncio.CancelledError:
+            if interrupted:
+                raise KeyboardInterrupt from None
+            raise

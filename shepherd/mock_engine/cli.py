@@ -45,6 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, default=32_768)
     p.add_argument("--prefill-us-per-token", type=float, default=20.0, help="prefill time per uncached token")
     p.add_argument("--decode-ms-per-token", type=float, default=5.0, help="decode inter-token latency")
+    p.add_argument(
+        "--decode-slowdown",
+        type=float,
+        default=0.5,
+        help="with a full batch the inter-token latency is (1 + this) times the base (linear in running)",
+    )
     p.add_argument("--zero-latency", action="store_true", help="no sleeps at all (benchmarks)")
     p.add_argument("--output-len", type=int, default=32, help="output tokens before EOS when no max is given")
     p.add_argument(
@@ -91,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         context_length=args.context_length,
         prefill_us_per_token=args.prefill_us_per_token,
         decode_ms_per_token=args.decode_ms_per_token,
+        decode_slowdown=args.decode_slowdown,
         zero_latency=args.zero_latency,
         output_len=args.output_len,
         stream_interval=args.stream_interval,

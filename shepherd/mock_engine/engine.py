@@ -18,7 +18,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,6 +36,7 @@ from shepherd.mock_engine.outputs import (
     ScriptQueue,
 )
 from shepherd.mock_engine.scheduler import (
+    RUNNING,
     WAITING,
     AdmissionError,
     LoadSnapshot,
@@ -74,6 +75,7 @@ class EngineConfig:
     context_length: int = 32_768
     prefill_us_per_token: float = 20.0
     decode_ms_per_token: float = 5.0
+    decode_slowdown: float = 0.5  # inter-token latency is up to (1 + this) times longer with a full batch
     zero_latency: bool = False
     output_len: int = 32
     stream_interval: int = 1
@@ -88,8 +90,9 @@ class EngineConfig:
         for name in ("block_size", "cache_blocks", "max_running", "context_length", "stream_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.output_len < 0:
-            raise ValueError("output_len must be >= 0")
+        for name in ("output_len", "prefill_us_per_token", "decode_ms_per_token", "decode_slowdown"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
 
     def scheduler_config(self) -> SchedulerConfig:
         zero = self.zero_latency
@@ -98,6 +101,7 @@ class EngineConfig:
             context_length=self.context_length,
             prefill_s_per_token=0.0 if zero else self.prefill_us_per_token * 1e-6,
             decode_s_per_token=0.0 if zero else self.decode_ms_per_token * 1e-3,
+            decode_slowdown=self.decode_slowdown,
         )
 
 
@@ -269,7 +273,21 @@ class Run:
             )
 
     async def _stream(self, zero: bool, stall_at: int | None, stall_s: float) -> AsyncIterator[EngineEvent]:
-        """Chunks in lockstep over the samples, ``stream_interval`` tokens each (the first token alone)."""
+        """Drive ``_stream_steps``, sleeping where it says."""
+        for item in self._stream_steps(zero, stall_at, stall_s):
+            if type(item) is _Until:
+                await self._sleep_until(item.when)
+            elif type(item) is _Pause:
+                await self._sleep(item.seconds)
+            else:
+                yield item  # type: ignore[misc]
+
+    def _stream_steps(
+        self, zero: bool, stall_at: int | None, stall_s: float
+    ) -> Iterator[EngineEvent | _Until | _Pause]:
+        """The stream as a plain generator: chunks in lockstep over the samples, ``stream_interval``
+        tokens each (the first token alone), interleaved with the waits the timing model asks for
+        (``_Until`` a time, ``_Pause`` for a stall); after each wait it checks for an abort."""
         core = self._core
         group = self.group
         req = self.req
@@ -293,7 +311,7 @@ class Run:
         while remaining:
             end = pos + step
             if not zero:
-                await self._sleep_until(due)
+                yield _Until(due)
                 if self._stopped():
                     break
             for i in range(n):
@@ -335,12 +353,41 @@ class Run:
                 due += step * itl()
             if not stalled and pos >= (stall_at or 0):
                 stalled = True
-                await self._sleep(stall_s)
+                yield _Pause(stall_s)
                 if self._stopped():
                     break
         if self._stopped() and not self.finished:
-            for c in self._abort_completes(done):
-                yield c
+            yield from self._abort_completes(done)
+
+    def take_ready(self) -> list[EngineEvent] | None:
+        """Every event of a stream at once, when nothing can make it wait: zero latency, admitted,
+        no hang or stall fault. None otherwise (iterate ``events()``). The run ends here."""
+        core = self._core
+        faults = core.injector.faults
+        if (
+            not core.config.zero_latency
+            or self.group.state != RUNNING
+            or self.finished
+            or faults.hang_before_first_token
+            or faults.stall_after_tokens is not None
+            or not self.req.stream
+        ):
+            return None
+        out: list[EngineEvent] = []
+        for item in self._stream_steps(True, None, 0.0):
+            assert type(item) is EngineChunk or type(item) is EngineComplete
+            out.append(item)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Until:
+    when: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Pause:
+    seconds: float
 
 
 class EngineCore:

@@ -19,6 +19,7 @@ from shepherd.node.engine_http import HttpRelayClient
 from shepherd.node.engine_types import EngineError
 from shepherd.node.openai_protocol import ApiError, parse_json_body
 from shepherd.node.sse import KEEPALIVE
+from shepherd.node.tokenizer_pool import TokenizerPoolUnavailable, TokenizerWorkerError
 
 if TYPE_CHECKING:
     from shepherd.node.gateway import Gateway
@@ -77,6 +78,18 @@ async def error_middleware(
         status = 504 if e.code == "engine_timeout" else 502
         gw.metrics.errors.labels(path, e.code).inc()
         return error_response(ApiError(status, str(e), type="server_error", code=e.code))
+    except (TokenizerWorkerError, TokenizerPoolUnavailable) as e:
+        status = 503
+        gw.metrics.errors.labels(path, "tokenizer").inc()
+        log.warning("tokenizer pool failure on %s: %s", request.path, e)
+        return error_response(
+            ApiError(
+                503,
+                "The tokenizer pool failed this request; retry.",
+                type="service_unavailable",
+                code="tokenizer",
+            )
+        )
     except TimeoutError:
         status = 504
         gw.metrics.errors.labels(path, "timeout").inc()

@@ -49,6 +49,7 @@ class NodeConfig:
     model_id: str | None = None
     chat_template: str | None = None
     policy: str = "round_robin"
+    engine_transport: str = "h2"  # "h2" (lean asyncio HTTP/2 gRPC client) or "grpcio"
     models: tuple[ModelConfig, ...] = ()
     tokenizer_workers: int = 2
     tokenizer_inline_max_chars: int | None = None
@@ -127,6 +128,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         raise ConfigError(str(e)) from None
     if cfg.policy not in ("round_robin", "random"):
         raise ConfigError(f"policy {cfg.policy!r} is not available on this node (round_robin, random)")
+    if cfg.engine_transport not in ("h2", "grpcio"):
+        raise ConfigError(f"engine_transport {cfg.engine_transport!r}: use 'h2' or 'grpcio'")
     if not 0 < cfg.port < 65536:
         raise ConfigError(f"port {cfg.port} out of range")
     if cfg.tokenizer_workers < 0:

@@ -335,7 +335,7 @@ def _path(kind: str, method: str) -> str:
     return f"/{codec.VLLM_SERVICE if kind == 'vllm' else codec.SGLANG_SERVICE}/{method}"
 
 
-_MAX_OPEN_ATTEMPTS = 10_000  # bounded waits for a stream slot or a new connection
+_MAX_WAITS = 10_000  # bound on the wake-ups one call waits for (a slot, a connection, its end)
 
 
 class H2EngineClient:
@@ -458,7 +458,7 @@ class H2EngineClient:
             stream = GrpcStream(loop)
         deadline = None if timeout is None else loop.time() + timeout
         waited = False  # once woken in FIFO order it is our turn, whoever else waits
-        for _ in range(_MAX_OPEN_ATTEMPTS):
+        for _ in range(_MAX_WAITS):
             p = await self._protocol(deadline)
             c = p.conn
             if c.has_slot and (waited or not p.has_waiters):
@@ -485,7 +485,7 @@ class H2EngineClient:
         """One unary call; raises RpcStatus (internal error type) on a non-OK status."""
         stream = await self._start(path, request.SerializeToString(), timeout)
         try:
-            for _ in range(_MAX_OPEN_ATTEMPTS):
+            for _ in range(_MAX_WAITS):
                 if stream.done:
                     break
                 await stream.wait()

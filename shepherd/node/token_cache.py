@@ -187,7 +187,6 @@ class TokenCache:
         self._splitter, reason = _splitter_for(hf)
         self._head: list[int] = []
         self._tail: list[int] = []
-        self._wrap_known = False
         if reason is None:
             reason = self._learn_wrap()
         if reason is None:
@@ -209,7 +208,6 @@ class TokenCache:
                 break
         else:
             return "the post-processor does not wrap the sequence in fixed ids"
-        self._wrap_known = True
         return None
 
     def _self_test(self) -> str | None:
@@ -220,7 +218,7 @@ class TokenCache:
         for text in texts:
             for add in (False, True):
                 want = self.hf.encode(text, add_special_tokens=add).ids
-                got = self._encode_segmented(text, add, store=False)
+                got = self._encode_segmented(text, add)
                 if got != want:
                     return f"self-test failed on {text!r} (add_special_tokens={add})"
         return None
@@ -306,7 +304,7 @@ class TokenCache:
 
     # ---- without caches, for the self-test -----------------------------------------------------
 
-    def _encode_segmented(self, text: str, add_special_tokens: bool, *, store: bool) -> list[int]:
+    def _encode_segmented(self, text: str, add_special_tokens: bool) -> list[int]:
         encode = self.hf.encode
         out: list[int] = list(self._head) if add_special_tokens else []
         for piece in self._splitter.split(text):

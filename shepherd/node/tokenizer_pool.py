@@ -47,11 +47,12 @@ __all__ = [
 ]
 
 # Measured with bench/tokenizer_bench.py ("inline thresholds"): below these sizes a pool round trip
-# adds more CPU (parent + worker) than the event-loop time it saves.
+# adds more CPU (parent + worker) than the event-loop time it saves. Encodes: the break-even was at
+# 200-500 characters still to encode (3 runs); renders (qwen3 template, ~40-70 µs per message): at
+# about 8 messages. Both rounded up, towards less total CPU.
 DEFAULT_INLINE_MAX_CHARS: Final = 512
-# A render costs ~40-50 µs per message (qwen3): renders past ~1 ms go to the pool.
-DEFAULT_RENDER_INLINE_MAX_MESSAGES: Final = 24
-DEFAULT_RENDER_INLINE_MAX_BYTES: Final = 32768
+DEFAULT_RENDER_INLINE_MAX_MESSAGES: Final = 8
+DEFAULT_RENDER_INLINE_MAX_BYTES: Final = 16384
 
 _OP_ENCODE: Final = 1  # payload: pieces; flag: add_special_tokens → counts + ids
 _OP_RENDER: Final = 2  # payload: name length u16 + template name + ChatTemplate.serialize() → text

@@ -14,6 +14,7 @@ from typing import Any
 from shepherd.node.circuit_breaker import BreakerState, CircuitBreaker, HealthTracker
 from shepherd.node.config import NodeConfig, check_worker_url
 from shepherd.node.engine_grpc import GrpcEngineClient
+from shepherd.node.engine_h2 import H2EngineClient
 from shepherd.node.engine_http import HttpRelayClient
 from shepherd.node.engine_types import EngineClient, EngineError, EngineLoad, ModelInfo
 from shepherd.policies.base import WorkerView
@@ -25,14 +26,17 @@ def worker_id(url: str) -> str:
     return hashlib.sha1(url.encode()).hexdigest()[:12]
 
 
-def make_client(url: str) -> EngineClient | HttpRelayClient:
+def make_client(url: str, transport: str = "h2") -> EngineClient | HttpRelayClient:
+    """The client for a worker URL; gRPC engines over the lean HTTP/2 client or grpcio."""
     check_worker_url(url)
     scheme, _, rest = url.partition("://")
     target = rest.rstrip("/")
     if scheme in ("http", "https"):
         return HttpRelayClient(url)
     kind = {"sglang": "sglang", "vllm": "vllm"}.get(scheme)
-    return GrpcEngineClient(url, target, kind)
+    if transport == "grpcio":
+        return GrpcEngineClient(url, target, kind)
+    return H2EngineClient(url, target, kind)
 
 
 @dataclass(slots=True)
@@ -117,7 +121,7 @@ class WorkerRegistry:
         existing = self.workers.get(wid)
         if existing is not None:
             return existing
-        client = make_client(url)
+        client = make_client(url, self.cfg.engine_transport)
         w = Worker(
             id=wid,
             url=url,
@@ -141,7 +145,7 @@ class WorkerRegistry:
         return w
 
     async def _init(self, w: Worker) -> None:
-        if isinstance(w.client, GrpcEngineClient):
+        if isinstance(w.client, GrpcEngineClient | H2EngineClient):
             await w.client.detect(self.cfg.health_check_timeout_secs)
         w.info = await w.client.model_info()
         w.initialized = True

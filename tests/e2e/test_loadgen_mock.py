@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from shepherd.loadgen.client import LoadSpec, run_load
 from shepherd.loadgen.http1 import RequestTemplate
-from shepherd.loadgen.prompts import ChatRequestSource, ChatShape, PromptConfig, PromptFactory
 from shepherd.loadgen.procstat import TreeCpuTracker
+from shepherd.loadgen.prompts import ChatRequestSource, ChatShape, PromptConfig, PromptFactory
 from tests.e2e.procs import start_mock_engine
 
 

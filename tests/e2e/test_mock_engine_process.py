@@ -54,12 +54,14 @@ async def channel(engine: MockEngineProc) -> AsyncIterator[grpc.aio.Channel]:
 
 
 @pytest.fixture(autouse=True)
-def _reset(engine: MockEngineProc) -> Iterator[None]:
+def _reset(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that used the shared engine: no scripted responses, no faults."""
     yield
-    httpx.delete(engine.http_url + "/mock/responses", timeout=5)
-    httpx.post(
-        engine.http_url + "/mock/faults", json={"error_rate": 0.0, "stall_after_tokens": None}, timeout=5
-    )
+    if "engine" in request.fixturenames:
+        engine: MockEngineProc = request.getfixturevalue("engine")
+        httpx.delete(engine.http_url + "/mock/responses", timeout=5)
+        faults = {"error_rate": 0.0, "stall_after_tokens": None}
+        httpx.post(engine.http_url + "/mock/faults", json=faults, timeout=5)
 
 
 def stats(engine: MockEngineProc) -> dict[str, Any]:
@@ -197,13 +199,19 @@ async def test_cancelled_stream_frees_the_slot_and_loads_follow(
 async def test_kv_events_show_stored_blocks(channel: grpc.aio.Channel) -> None:
     stub = sglang_scheduler_pb2_grpc.SglangSchedulerStub(channel)
     fresh = list(range(70_000, 70_048))  # 3 blocks never seen before
-    events = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(start_sequence_number=0))
-    await asyncio.sleep(0.2)  # let the subscription register before the request
+    subscribe = common_pb2.SubscribeKvEventsRequest(
+        start_sequence_number=0, load_records_before_first_batch=True
+    )
+    events = stub.SubscribeKvEvents(subscribe)
+    stream = events.__aiter__()
+    async with asyncio.timeout(10):
+        hello = await stream.__anext__()  # a load record numbered 0: the subscription is registered
+    assert hello.sequence_number == 0 and hello.load.load_only and not hello.events
     [m async for m in stub.Generate(sgl_request("kv", stream=False, prompt=fresh))]
     stored: list[Any] = []
     seqs: list[int] = []
     async with asyncio.timeout(10):
-        async for batch in events:
+        async for batch in stream:
             if batch.load.load_only:
                 continue
             seqs.append(batch.sequence_number)

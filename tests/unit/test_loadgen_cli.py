@@ -1,0 +1,75 @@
+"""The smg-bench command line: the benchmark registry and the gateway benchmark's settings."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from shepherd.loadgen.benchmarks import registry
+from shepherd.loadgen.benchmarks.gateway import settings_from_args
+from shepherd.loadgen.targets import MODEL_CONFIG, extract_tokenizer
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    bench = registry()["gateway"]
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_registry_has_gateway_in_all() -> None:
+    benches = registry()
+    assert "gateway" in benches
+    assert benches["gateway"].in_all
+
+
+def test_gateway_defaults() -> None:
+    s = settings_from_args(parse("--no-pin"))
+    assert s.concurrency == (32, 128)
+    assert s.workloads == ("chat", "stream")
+    assert s.targets == ("direct", "node")
+    assert s.peers == ()
+    assert s.prompt.prompt_tokens == 250
+    assert s.prompt.repeat_ratio == 0.0
+    assert s.max_tokens == 32
+    assert s.engine_cpus is None
+
+
+def test_gateway_flags() -> None:
+    s = settings_from_args(
+        parse(
+            "--concurrency",
+            "4,8",
+            "--peers",
+            "smg",
+            "--workloads",
+            "stream",
+            "--repeat-ratio",
+            "0.5",
+            "--no-pin",
+        )
+    )
+    assert s.concurrency == (4, 8)
+    assert s.peers == ("smg",)
+    assert s.workloads == ("stream",)
+    assert s.prompt.repeat_ratio == 0.5
+
+
+@pytest.mark.parametrize("flag", ["--peers", "--targets", "--workloads"])
+def test_unknown_names_are_refused(flag: str) -> None:
+    with pytest.raises(SystemExit):
+        settings_from_args(parse(flag, "nope", "--no-pin"))
+
+
+def test_bad_concurrency_is_refused() -> None:
+    with pytest.raises(SystemExit):
+        parse("--concurrency", "0")
+
+
+def test_extract_tokenizer_makes_a_model_dir(tmp_path: Path) -> None:
+    out = extract_tokenizer(tmp_path / "qwen3")
+    assert (out / "tokenizer.json").stat().st_size > 1_000_000
+    assert (out / "tokenizer_config.json").exists()
+    assert (out / "config.json").read_text() == MODEL_CONFIG
