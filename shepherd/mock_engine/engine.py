@@ -275,12 +275,12 @@ class Run:
     async def _stream(self, zero: bool, stall_at: int | None, stall_s: float) -> AsyncIterator[EngineEvent]:
         """Drive ``_stream_steps``, sleeping where it says."""
         for item in self._stream_steps(zero, stall_at, stall_s):
-            if type(item) is _Until:
+            if isinstance(item, _Until):
                 await self._sleep_until(item.when)
-            elif type(item) is _Pause:
+            elif isinstance(item, _Pause):
                 await self._sleep(item.seconds)
             else:
-                yield item  # type: ignore[misc]
+                yield item
 
     def _stream_steps(
         self, zero: bool, stall_at: int | None, stall_s: float
@@ -375,7 +375,7 @@ class Run:
             return None
         out: list[EngineEvent] = []
         for item in self._stream_steps(True, None, 0.0):
-            assert type(item) is EngineChunk or type(item) is EngineComplete
+            assert not isinstance(item, _Until | _Pause)  # zero latency and no stall: nothing waits
             out.append(item)
         return out
 

@@ -32,7 +32,7 @@ from shepherd.mock_engine.outputs import OutputSpec
 from shepherd.mock_engine.scheduler import LoadSnapshot
 from shepherd.mock_engine.tokenizer_zip import TokenizerArchive, build_tokenizer_zip
 from shepherd.mock_engine.wire import ChunkWire
-from shepherd.node.engine_types import EngineChunk, EngineComplete, TokenLogprob
+from shepherd.node.engine_types import EngineChunk, EngineEvent, TokenLogprob
 
 KV_HEARTBEAT_S = 1.0
 KV_COALESCE_S = 0.005
@@ -274,43 +274,51 @@ class SglangService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type:
             return
         _close_on_done(context, run)
         rid = request.request_id
-        chunk_cls = SGL.GenerateStreamChunk
-        complete_cls = SGL.GenerateComplete
-        response_cls = SGL.GenerateResponse
         wire = self._wire(rid, run)
         try:
+            if wire is not None:
+                ready = run.take_ready()
+                if ready is not None:  # zero latency: the whole stream at once, as a list of messages
+                    yield [
+                        wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
+                        if type(ev) is EngineChunk and not ev.logprobs
+                        else self._response(rid, ev).SerializeToString()
+                        for ev in ready
+                    ]
+                    return
             async for ev in run.events():
-                if type(ev) is EngineChunk:
-                    if wire is not None and not ev.logprobs:
-                        yield wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
-                        continue
-                    chunk = chunk_cls(
-                        token_ids=ev.token_ids,
-                        prompt_tokens=ev.prompt_tokens,
-                        completion_tokens=ev.completion_tokens,
-                        cached_tokens=ev.cached_tokens,
-                        index=ev.index,
-                    )
-                    if ev.logprobs:
-                        chunk.output_logprobs.CopyFrom(_logprobs_pb(SGL, ev.logprobs))
-                    yield response_cls(request_id=rid, chunk=chunk)
+                if wire is not None and type(ev) is EngineChunk and not ev.logprobs:
+                    yield wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
                 else:
-                    assert isinstance(ev, EngineComplete)
-                    complete = complete_cls(
-                        output_ids=ev.output_ids,
-                        finish_reason=ev.finish_reason,
-                        prompt_tokens=ev.prompt_tokens,
-                        completion_tokens=ev.completion_tokens,
-                        cached_tokens=ev.cached_tokens,
-                        index=ev.index,
-                    )
-                    if ev.matched_token_id is not None:
-                        complete.matched_token_id = ev.matched_token_id
-                    if ev.logprobs:
-                        complete.output_logprobs.CopyFrom(_logprobs_pb(SGL, ev.logprobs))
-                    yield response_cls(request_id=rid, complete=complete)
+                    yield self._response(rid, ev)
         finally:
             run.close()
+
+    def _response(self, rid: str, ev: EngineEvent) -> Any:
+        if isinstance(ev, EngineChunk):
+            chunk = SGL.GenerateStreamChunk(
+                token_ids=ev.token_ids,
+                prompt_tokens=ev.prompt_tokens,
+                completion_tokens=ev.completion_tokens,
+                cached_tokens=ev.cached_tokens,
+                index=ev.index,
+            )
+            if ev.logprobs:
+                chunk.output_logprobs.CopyFrom(_logprobs_pb(SGL, ev.logprobs))
+            return SGL.GenerateResponse(request_id=rid, chunk=chunk)
+        complete = SGL.GenerateComplete(
+            output_ids=ev.output_ids,
+            finish_reason=ev.finish_reason,
+            prompt_tokens=ev.prompt_tokens,
+            completion_tokens=ev.completion_tokens,
+            cached_tokens=ev.cached_tokens,
+            index=ev.index,
+        )
+        if ev.matched_token_id is not None:
+            complete.matched_token_id = ev.matched_token_id
+        if ev.logprobs:
+            complete.output_logprobs.CopyFrom(_logprobs_pb(SGL, ev.logprobs))
+        return SGL.GenerateResponse(request_id=rid, complete=complete)
 
     async def Abort(self, request: Any, context: Any) -> Any:
         self._core.stats.count_rpc("sglang.Abort")
@@ -486,45 +494,54 @@ class VllmService(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[misc
             await context.abort(_status(e.code), e.message)
             return
         _close_on_done(context, run)
-        chunk_cls = VLLM.GenerateStreamChunk
-        complete_cls = VLLM.GenerateComplete
-        response_cls = VLLM.GenerateResponse
-        wire = self._wire(request.request_id, run)
+        rid = request.request_id
+        wire = self._wire(rid, run)
         try:
+            if wire is not None:
+                ready = run.take_ready()
+                if ready is not None:  # zero latency: the whole stream at once, as a list of messages
+                    yield [
+                        wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
+                        if type(ev) is EngineChunk and not ev.logprobs
+                        else self._response(rid, ev).SerializeToString()
+                        for ev in ready
+                    ]
+                    return
             async for ev in run.events():
-                if type(ev) is EngineChunk:
-                    if wire is not None and not ev.logprobs:
-                        yield wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
-                        continue
-                    chunk = chunk_cls(
-                        token_ids=ev.token_ids,
-                        prompt_tokens=ev.prompt_tokens,
-                        completion_tokens=ev.completion_tokens,
-                        cached_tokens=ev.cached_tokens,
-                        index=ev.index,
-                    )
-                    if ev.logprobs:
-                        chunk.output_logprobs.CopyFrom(_logprobs_pb(VLLM, ev.logprobs))
-                    yield response_cls(chunk=chunk)
+                if wire is not None and type(ev) is EngineChunk and not ev.logprobs:
+                    yield wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
                 else:
-                    assert isinstance(ev, EngineComplete)
-                    complete = complete_cls(
-                        output_ids=ev.output_ids,
-                        finish_reason=ev.finish_reason,
-                        prompt_tokens=ev.prompt_tokens,
-                        completion_tokens=ev.completion_tokens,
-                        cached_tokens=ev.cached_tokens,
-                        index=ev.index,
-                    )
-                    if ev.matched_token_id is not None:
-                        complete.matched_token_id = ev.matched_token_id
-                    if ev.kv_transfer_params_json is not None:
-                        complete.kv_transfer_params_json = ev.kv_transfer_params_json
-                    if ev.logprobs:
-                        complete.output_logprobs.CopyFrom(_logprobs_pb(VLLM, ev.logprobs))
-                    yield response_cls(complete=complete)
+                    yield self._response(rid, ev)
         finally:
             run.close()
+
+    def _response(self, rid: str, ev: EngineEvent) -> Any:
+        if isinstance(ev, EngineChunk):
+            chunk = VLLM.GenerateStreamChunk(
+                token_ids=ev.token_ids,
+                prompt_tokens=ev.prompt_tokens,
+                completion_tokens=ev.completion_tokens,
+                cached_tokens=ev.cached_tokens,
+                index=ev.index,
+            )
+            if ev.logprobs:
+                chunk.output_logprobs.CopyFrom(_logprobs_pb(VLLM, ev.logprobs))
+            return VLLM.GenerateResponse(chunk=chunk)
+        complete = VLLM.GenerateComplete(
+            output_ids=ev.output_ids,
+            finish_reason=ev.finish_reason,
+            prompt_tokens=ev.prompt_tokens,
+            completion_tokens=ev.completion_tokens,
+            cached_tokens=ev.cached_tokens,
+            index=ev.index,
+        )
+        if ev.matched_token_id is not None:
+            complete.matched_token_id = ev.matched_token_id
+            if ev.kv_transfer_params_json is not None:
+                complete.kv_transfer_params_json = ev.kv_transfer_params_json
+        if ev.logprobs:
+            complete.output_logprobs.CopyFrom(_logprobs_pb(VLLM, ev.logprobs))
+        return VLLM.GenerateResponse(complete=complete)
 
     async def Abort(self, request: Any, context: Any) -> Any:
         self._core.stats.count_rpc("vllm.Abort")

@@ -130,53 +130,62 @@ class Generation:
             self.gw.check_context(self.model, len(job.ids), self.s.max_tokens)
 
     async def _drive(self, es: EngineStream, job: Job, emit: Callable[[list[bytes]], Any] | None) -> None:
-        """Consume one engine stream into ``job.states``; ``emit`` gets encoded chunks (streaming)."""
+        """Consume one engine stream into ``job.states``; ``emit`` gets the encoded chunks of each batch
+        of engine events (streaming), so one network read from the engine is one write to the client."""
         states = job.states
-        remaining = len(states)
-        engine_open = len(states)
-        seen_chunks = [False] * len(states)
+        n = len(states)
+        remaining = n
+        engine_open = n
+        seen_chunks = [False] * n
         enc = self._encoder() if emit is not None else None
         itl = self.gw.metrics.itl.labels(self.model)
         last = time.perf_counter()
         first = True
         out: list[bytes] = []
-        async for ev in es.events():
+        cached = self.totals.cached
+        async for batch in es.batches():
             now = time.perf_counter()
             if first:
                 self.gw.metrics.ttft.labels(self.model).observe(now - self.t0)
                 first = False
-            if ev.index >= len(states):
-                raise EngineError(f"engine sent choice index {ev.index} for n={len(states)}", retryable=False)
-            st = states[ev.index]
-            idx = job.index_base + ev.index
-            if isinstance(ev, EngineChunk):
-                if ev.token_ids:
-                    itl.observe((now - last) / len(ev.token_ids))
-                seen_chunks[ev.index] = True
-                was_done = st.finished
-                text = st.feed(ev.token_ids, ev.logprobs)
-                if enc is not None and (text or ev.logprobs):
-                    out.append(enc.content(idx, text, self._lp(ev.logprobs, idx)))
-                if st.finished and not was_done:
-                    remaining -= 1
-                    if enc is not None:
-                        out.append(enc.finish(idx, st.finish_reason or "stop", st.matched))
-                self.totals.cached = max(self.totals.cached, ev.cached_tokens)
-            else:
+            ntok = 0
+            for ev in batch:
+                i = ev.index
+                if i >= n:
+                    raise EngineError(f"engine sent choice index {i} for n={n}", retryable=False)
+                st = states[i]
+                idx = job.index_base + i
+                if ev.cached_tokens > cached:
+                    cached = ev.cached_tokens
+                if isinstance(ev, EngineChunk):
+                    ntok += len(ev.token_ids)
+                    seen_chunks[i] = True
+                    if st.done():
+                        continue
+                    text = st.feed(ev.token_ids, ev.logprobs)
+                    if enc is not None and (text or ev.logprobs):
+                        out.append(enc.content(idx, text, self._lp(ev.logprobs, idx)))
+                    if st.finished:
+                        remaining -= 1
+                        if enc is not None:
+                            out.append(enc.finish(idx, st.finish_reason or "stop", st.matched))
+                    continue
                 engine_open -= 1
-                self.totals.cached = max(self.totals.cached, ev.cached_tokens)
+                if st.finished:
+                    continue
+                if not seen_chunks[i] and ev.output_ids:
+                    text = st.feed(ev.output_ids, ev.logprobs)
+                    if enc is not None and text:
+                        out.append(enc.content(idx, text, self._lp(ev.logprobs, idx)))
                 if not st.finished:
-                    if not seen_chunks[ev.index] and ev.output_ids:
-                        text = st.feed(ev.output_ids, ev.logprobs)
-                        if enc is not None and text:
-                            out.append(enc.content(idx, text, self._lp(ev.logprobs, idx)))
-                    if not st.finished:
-                        text = st.end(ev.finish_reason)
-                        if enc is not None and text:
-                            out.append(enc.content(idx, text, None))
-                    remaining -= 1
-                    if enc is not None:
-                        out.append(enc.finish(idx, st.finish_reason or "stop", st.matched))
+                    text = st.end(ev.finish_reason)
+                    if enc is not None and text:
+                        out.append(enc.content(idx, text, None))
+                remaining -= 1
+                if enc is not None:
+                    out.append(enc.finish(idx, st.finish_reason or "stop", st.matched))
+            if ntok:
+                itl.observe((now - last) / ntok)
             last = now
             if out and emit is not None:
                 await emit(out)
@@ -186,6 +195,7 @@ class Generation:
                 break
             if remaining == 0:
                 break  # every choice ended on a gateway-side stop: the engine request is aborted on close
+        self.totals.cached = cached
         if remaining:
             raise EngineError("the engine ended the stream before every choice finished", retryable=False)
 

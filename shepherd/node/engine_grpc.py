@@ -105,6 +105,13 @@ class GrpcEngineClient:
             if not call.done():
                 call.cancel()
 
+    async def generate_batches(
+        self, req: GenerateRequest, timeout: float | None = None
+    ) -> AsyncIterator[list[EngineEvent]]:
+        """grpc.aio hands over one message at a time: batches of one."""
+        async for ev in self.generate(req, timeout):
+            yield [ev]
+
     async def abort(self, request_id: str, reason: str = "") -> None:
         try:
             if self.kind == "vllm":

@@ -558,6 +558,15 @@ class H2EngineClient:
     async def generate(
         self, req: GenerateRequest, timeout: float | None = None
     ) -> AsyncIterator[EngineEvent]:
+        async for batch in self.generate_batches(req, timeout):
+            for ev in batch:
+                yield ev
+
+    async def generate_batches(
+        self, req: GenerateRequest, timeout: float | None = None
+    ) -> AsyncIterator[list[EngineEvent]]:
+        """Like ``generate``, but yields every event that is already here at once: a network read that
+        carried many messages costs the consumer one wake-up and one downstream write."""
         if self.kind == "unknown":
             await self.detect()
         parse: Callable[[bytes], Any]
@@ -577,10 +586,15 @@ class H2EngineClient:
         msgs = stream.messages
         try:
             while True:
-                while msgs:
-                    ev = decode(parse(msgs.popleft()))
-                    if ev is not None:
-                        yield ev
+                if msgs:
+                    batch = []
+                    while msgs:
+                        ev = decode(parse(msgs.popleft()))
+                        if ev is not None:
+                            batch.append(ev)
+                    if batch:
+                        yield batch
+                    continue
                 if stream.done:
                     break
                 await stream.wait()

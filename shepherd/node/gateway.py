@@ -47,15 +47,15 @@ class EngineStream:
     gateway: Gateway
     worker: Worker
     request_id: str
-    agen: AsyncGenerator[EngineEvent, None]
-    first: EngineEvent
+    agen: AsyncGenerator[list[EngineEvent], None]
+    first: list[EngineEvent]
     completed: bool = False
     closed: bool = False
 
-    async def events(self) -> AsyncIterator[EngineEvent]:
+    async def batches(self) -> AsyncIterator[list[EngineEvent]]:
         yield self.first
-        async for ev in self.agen:
-            yield ev
+        async for batch in self.agen:
+            yield batch
 
     async def close(self, reason: str = "cancelled") -> None:
         if self.closed:
@@ -210,7 +210,8 @@ class Gateway:
                 raise ApiError(500, "internal: HTTP worker on the gRPC path", type="internal_error")
             w.in_flight += 1
             agen = cast(
-                AsyncGenerator[EngineEvent, None], client.generate(req, timeout=self.cfg.request_timeout_secs)
+                AsyncGenerator[list[EngineEvent], None],
+                client.generate_batches(req, timeout=self.cfg.request_timeout_secs),
             )
             try:
                 first = await anext(agen)

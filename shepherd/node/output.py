@@ -70,6 +70,9 @@ class ChoiceState:
             self.text.append(res.visible)
         return res.visible
 
+    def done(self) -> bool:
+        return self.finished
+
     def full_text(self) -> str:
         return "".join(self.text)
 

@@ -370,6 +370,27 @@ async def test_http_client_disconnect_frees_the_slot(engine: MockEngineProc) -> 
     assert "http-gone" in s["cancelled"] and s["active"] == 0
 
 
+async def test_zero_latency_lean_streams_whole_requests_at_once() -> None:
+    with start_mock_engine("--zero-latency", "--output-len", "7") as e:  # auto: the lean server
+        async with grpc.aio.insecure_channel(e.grpc_target) as ch:
+            sgl = sglang_scheduler_pb2_grpc.SglangSchedulerStub(ch)
+            req = sgl_request("z1", stream=True, n=2)
+            req.sampling_params.stream_interval = 3
+            msgs = [m async for m in sgl.Generate(req)]
+            sizes = [len(m.chunk.token_ids) for m in msgs if m.HasField("chunk") and m.chunk.index == 0]
+            assert sizes == [1, 3, 3, 1]  # 7 tokens + EOS, the first token alone
+            completes = [m.complete for m in msgs if m.HasField("complete")]
+            assert sorted(c.index for c in completes) == [0, 1] and all(
+                c.finish_reason == "stop" for c in completes
+            )
+            vllm = vllm_engine_pb2_grpc.VllmEngineStub(ch)
+            vmsgs = [
+                m async for m in vllm.Generate(vllm_request("z2", stream=True, max_tokens=5, logprobs=1))
+            ]
+            assert [len(m.chunk.output_logprobs.token_ids) for m in vmsgs if m.HasField("chunk")] == [1] * 5
+            assert vmsgs[-1].complete.finish_reason == "length"
+
+
 def test_crash_fault_exits_the_process() -> None:
     with start_mock_engine("--zero-latency", "--crash-after-requests", "1") as e:
         url = e.http_url + "/v1/completions"

@@ -468,3 +468,16 @@ async def test_core_pd_roles() -> None:
     assert g.uncached_tokens == 64 and g.first_token_at is not None and g.admitted_at is not None
     assert g.first_token_at - g.admitted_at == pytest.approx(64 * 1e-3)  # computed, not measured
     plain.close()
+
+
+async def test_core_take_ready_equals_the_event_stream() -> None:
+    spec = OutputSpec(max_new_tokens=9)
+    streamed = await collect(core().start(req("a", n=2, stream_interval=4, spec=spec)).events())
+    c = core()
+    run = c.start(req("a", n=2, stream_interval=4, spec=spec))
+    ready = run.take_ready()
+    assert ready == streamed and run.finished and c.loads().running == 0
+    c.set_faults(Faults(stall_after_tokens=3, stall_seconds=1.0))
+    stalling = c.start(req("b", spec=spec))
+    assert stalling.take_ready() is None  # a stall must wait: use events()
+    stalling.close()
