@@ -103,7 +103,9 @@ def mock_engine_spec(
     )
 
 
-def node_spec(port: int, grpc_port: int, model_dir: Path, *, cpus: str | None) -> ProcSpec:
+def node_spec(
+    port: int, grpc_port: int, model_dir: Path, *, cpus: str | None, extra: tuple[str, ...] = ()
+) -> ProcSpec:
     argv = [
         *console_script("smg-node", "shepherd.node.cli"),
         "serve",
@@ -119,6 +121,7 @@ def node_spec(port: int, grpc_port: int, model_dir: Path, *, cpus: str | None) -
         "round_robin",
         "--log-level",
         "warning",
+        *extra,
     ]
     return ProcSpec(
         name="node",

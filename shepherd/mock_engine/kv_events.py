@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shepherd.mock_engine.cache import KvEvent
+from shepherd.mock_engine.cache import BlockStored, KvEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +68,18 @@ class KvSubscription:
             self._log.unsubscribe(self)
 
 
+def _blocks_in(batch: KvBatch) -> int:
+    return sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored))
+
+
 class KvEventLog:
-    def __init__(self, history: int = 10_000, max_pending: int = 100_000) -> None:
-        self._history: deque[KvBatch] = deque(maxlen=history)
+    """History bounded by batches and by stored blocks held (token ids are what costs memory)."""
+
+    def __init__(self, history: int = 4096, history_blocks: int = 65_536, max_pending: int = 100_000) -> None:
+        self._history: deque[KvBatch] = deque()
+        self._history_limit = history
+        self._history_blocks_limit = history_blocks
+        self._history_blocks = 0
         self._next_seq = 1
         self._subscribers: set[KvSubscription] = set()
         self._max_pending = max_pending
@@ -88,7 +97,13 @@ class KvEventLog:
             return None
         batch = KvBatch(self._next_seq, timestamp, tuple(events))
         self._next_seq += 1
-        self._history.append(batch)
+        history = self._history
+        history.append(batch)
+        self._history_blocks += _blocks_in(batch)
+        while len(history) > 1 and (
+            len(history) > self._history_limit or self._history_blocks > self._history_blocks_limit
+        ):
+            self._history_blocks -= _blocks_in(history.popleft())
         for sub in self._subscribers:
             sub.push(batch)
         return batch

@@ -199,3 +199,27 @@ def test_events_replay_to_the_cache_state_and_invariants_hold(
     for alloc, _ in held:
         c.release(alloc)
     assert c.used_blocks == 0
+
+
+def test_kv_event_log_numbers_batches_replays_and_bounds_history() -> None:
+    from shepherd.mock_engine.kv_events import KvEventLog
+
+    log = KvEventLog(history=3, history_blocks=100)
+    live = log.subscribe(0)
+    for i in range(5):
+        log.publish([BlockRemoved(event_id=i + 1, block_hashes=(i,))], timestamp=float(i))
+    assert log.publish([], 9.0) is None  # no events, no batch
+    assert [b.sequence_number for b in live.take()] == [1, 2, 3, 4, 5]
+    assert [b.sequence_number for b in log.replay_from(4)] == [4, 5]
+    assert [b.sequence_number for b in log.replay_from(1)] == [3, 4, 5]  # older batches are gone
+    late = log.subscribe(5)
+    assert [b.sequence_number for b in late.take()] == [5]
+    big = BlockStored(
+        event_id=9, block_hashes=tuple(range(80)), parent_hash=None, token_ids=((0,) * 4,) * 80, block_size=4
+    )
+    log.publish([big], 10.0)
+    log.publish([big], 11.0)  # 160 blocks held > 100: the older big batch goes
+    assert [b.sequence_number for b in log.replay_from(1)] == [7]
+    live.close()
+    late.close()
+    assert log.subscriber_count == 0

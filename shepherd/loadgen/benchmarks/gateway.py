@@ -11,6 +11,7 @@ figure is the gateway's CPU per request: all of its processes, from /proc, over 
 from __future__ import annotations
 
 import argparse
+import shlex
 import http.client
 import json
 import math
@@ -92,6 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout in seconds")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the rows and settings to this file")
+    p.add_argument("--node-args", default="", help="extra smg-node serve flags (one string, shell-split)")
     p.add_argument("--log-dir", type=Path, help="keep process logs here (default: a removed temp dir)")
 
 
@@ -109,6 +111,7 @@ class Settings:
     engine_cpus: str | None
     gateway_cpus: str | None
     timeout_s: float
+    node_args: tuple[str, ...] = ()
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -142,6 +145,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         peers=peers,
         engine_cpus=engine_cpus,
         gateway_cpus=gateway_cpus,
+        node_args=tuple(shlex.split(args.node_args)),
         timeout_s=args.timeout,
     )
 
@@ -382,7 +386,15 @@ def _start_all(
 
         def start_node() -> Target:
             port = free_port()
-            proc = group.start(node_spec(port, grpc_port, model_dir, cpus=settings.gateway_cpus))
+            proc = group.start(
+                node_spec(
+                    port,
+                    grpc_port,
+                    model_dir,
+                    cpus=settings.gateway_cpus,
+                    extra=settings.node_args,
+                )
+            )
             return Target("node", "127.0.0.1", port, proc.pid)
 
         starters.append(("node", start_node))

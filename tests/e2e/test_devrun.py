@@ -1,0 +1,48 @@
+"""README command 1 (`make run` -> shepherd.node.devrun): a mock engine and a node on embedded defaults."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.e2e.node_procs import free_port, http_status
+
+
+def test_devrun_serves_a_chat_and_stops_both_processes() -> None:
+    port, grpc_port, http_port = free_port(), free_port(), free_port()
+    env = {
+        **os.environ,
+        "SMG_PORT": str(port),
+        "SMG_ENGINE_GRPC_PORT": str(grpc_port),
+        "SMG_ENGINE_HTTP_PORT": str(http_port),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shepherd.node.devrun"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while http_status(f"http://127.0.0.1:{port}/readiness") != 200:
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert time.monotonic() < deadline, "node never became ready"
+            time.sleep(0.2)
+        body = {"model": "qwen3", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    # both children went with it
+    assert http_status(f"http://127.0.0.1:{port}/liveness") == 0
+    assert http_status(f"http://127.0.0.1:{http_port}/health") == 0
