@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-import uuid
+import itertools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,11 +63,15 @@ class Totals:
     cached: int = 0
 
 
+_ID_PREFIX = os.urandom(6).hex()  # unique per process; a counter makes ids unique within it
+_ID_COUNTER = itertools.count(1)
+
+
 def _request_id(request: web.Request, prefix: str) -> str:
     rid = request.headers.get("x-request-id")
     if rid and len(rid) <= 128 and rid.isprintable():
         return rid
-    return prefix + uuid.uuid4().hex
+    return f"{prefix}{_ID_PREFIX}{next(_ID_COUNTER):x}"
 
 
 class Generation:
@@ -114,7 +119,6 @@ class Generation:
             stream=stream,
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
-            text=job.text,
         )
 
     async def _open(self, job: Job, i: int, stream: bool) -> EngineStream:
