@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import time
 import itertools
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
