@@ -133,7 +133,9 @@ class OutputModel:
         self.context_length = context_length
 
     def start_offset(self, prompt: tuple[int, ...], index: int, spec: OutputSpec) -> int:
-        h = hash((self.seed, spec.seed, 0 if spec.greedy else index, prompt))
+        # ints only: the hash of a tuple of ints is the same in every process (hash(None) is not, in 3.11)
+        request_seed = -1 if spec.seed is None else spec.seed
+        h = hash((self.seed, request_seed, 0 if spec.greedy else index, prompt))
         return h % len(self._corpus)
 
     def plan(

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -139,16 +138,16 @@ class KeepAlive:
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
-        self._streams: weakref.WeakKeyDictionary[web.StreamResponse, _Entry] = weakref.WeakKeyDictionary()
+        self._streams: dict[int, _Entry] = {}  # id(resp): every register has its unregister in a finally
         self._task: asyncio.Task[None] | None = None
 
     def register(self, resp: web.StreamResponse) -> _Entry:
         e = _Entry(resp)
-        self._streams[resp] = e
+        self._streams[id(resp)] = e
         return e
 
     def unregister(self, resp: web.StreamResponse) -> None:
-        self._streams.pop(resp, None)
+        self._streams.pop(id(resp), None)
 
     def start(self) -> None:
         if self.interval > 0:

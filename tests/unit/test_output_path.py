@@ -1,0 +1,79 @@
+"""The node's per-choice output path: engine chunks (coalesced or not) -> visible text and finish."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shepherd.node.api_openai import coalesce
+from shepherd.node.engine_types import EngineChunk, EngineComplete, EngineEvent
+from shepherd.node.openai_protocol import parse_chat
+from shepherd.node.output import ChoiceState
+from tests.unit.test_tokenizer_shared import qwen3
+
+
+def sampling(**kw: object) -> object:
+    return parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], **kw}).sampling
+
+
+def run(events: list[EngineEvent], n: int, **kw: object) -> list[tuple[str, str | None]]:
+    tok = qwen3()
+    s = sampling(**kw)
+    states = [ChoiceState(i, tok, s) for i in range(n)]  # type: ignore[arg-type]
+    for ev in events:
+        stt = states[ev.index]
+        if isinstance(ev, EngineChunk):
+            stt.feed(ev.token_ids)
+        else:
+            stt.end(ev.finish_reason)
+    return [(x.full_text(), x.finish_reason) for x in states]
+
+
+def test_coalesce_merges_runs_per_choice_only() -> None:
+    evs: list[EngineEvent] = [
+        EngineChunk(0, [1]),
+        EngineChunk(0, [2], cached_tokens=16),
+        EngineChunk(1, [3]),
+        EngineChunk(0, [4]),
+        EngineComplete(0, "stop"),
+        EngineChunk(0, [5]),
+    ]
+    out = coalesce(evs)
+    assert [(type(e).__name__, e.index) for e in out] == [
+        ("EngineChunk", 0),
+        ("EngineChunk", 1),
+        ("EngineChunk", 0),
+        ("EngineComplete", 0),
+        ("EngineChunk", 0),
+    ]
+    first = out[0]
+    assert isinstance(first, EngineChunk) and list(first.token_ids) == [1, 2] and first.cached_tokens == 16
+    e0 = evs[0]
+    assert isinstance(e0, EngineChunk) and list(e0.token_ids) == [1]  # the input events are not modified
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.text(alphabet=st.sampled_from(list("ab cSTOP.é中🙂\n")), min_size=1, max_size=60),
+    st.lists(st.integers(min_value=1, max_value=5), min_size=1, max_size=30),
+    st.booleans(),
+)
+def test_coalesced_and_single_chunks_give_the_same_output(text: str, cuts: list[int], two: bool) -> None:
+    ids = qwen3().encode(text, add_special_tokens=False)
+    n = 2 if two else 1
+    events: list[EngineEvent] = []
+    i = 0
+    k = 0
+    while i < len(ids):
+        step = cuts[k % len(cuts)]
+        for c in range(n):
+            events.append(EngineChunk(c, ids[i : i + step]))
+        i += step
+        k += 1
+    events += [EngineComplete(c, "length") for c in range(n)]
+    plain = run(events, n, stop=["STOP"])
+    assert run(coalesce(events), n, stop=["STOP"]) == plain
+    full = qwen3().decode(ids)
+    expect = full.split("STOP")[0]
+    assert plain[0][0] == expect
+    assert plain[0][1] == ("stop" if "STOP" in full else "length")
