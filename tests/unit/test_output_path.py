@@ -66,8 +66,7 @@ def test_coalesced_and_single_chunks_give_the_same_output(text: str, cuts: list[
     k = 0
     while i < len(ids):
         step = cuts[k % len(cuts)]
-        for c in range(n):
-            events.append(EngineChunk(c, ids[i : i + step]))
+        events.extend(EngineChunk(c, ids[i : i + step]) for c in range(n))
         i += step
         k += 1
     events += [EngineComplete(c, "length") for c in range(n)]
