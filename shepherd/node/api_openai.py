@@ -215,10 +215,10 @@ class Generation:
                 if st.finished:
                     continue
                 if not seen_chunks[i] and ev.output_ids:
-                    text = st.feed(ev.output_ids, ev.logprobs)
+                    text = st.whole(ev.output_ids, ev.logprobs, ev.finish_reason)
                     if enc is not None and text:
                         out.append(enc.content(idx, text, self._lp(ev.logprobs, idx)))
-                if not st.finished:
+                else:
                     text = st.end(ev.finish_reason)
                     if enc is not None and text:
                         out.append(enc.content(idx, text, None))

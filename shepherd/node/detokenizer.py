@@ -162,6 +162,13 @@ class IncrementalDetokenizer:
     # -- public -----------------------------------------------------------------------------------
 
     @property
+    def one_shot_equivalent(self) -> bool:
+        """True when ``tokenizer.decode(ids)`` of a whole output equals what this detokenizer would
+        return for it (no prompt context and no added-token spacing in play): callers holding the whole
+        output at once may decode it in one call."""
+        return not self._context and self._added is None and not self._ids
+
+    @property
     def text(self) -> str:
         """Everything returned so far by ``step`` and ``finish``."""
         parts = self._parts

@@ -155,8 +155,7 @@ class Gateway:
 
     def relay_mode(self, model: str) -> bool:
         """A model whose workers are all OpenAI HTTP workers is relayed, not tokenized."""
-        ws = self.registry.for_model(model)
-        return bool(ws) and all(w.is_http for w in ws)
+        return self.registry.http_only(model)
 
     def pick(
         self,

@@ -14,7 +14,18 @@ from shepherd.node.tokenizer import Tokenizer
 
 
 class ChoiceState:
-    __slots__ = ("dec", "finish_reason", "finished", "index", "logprobs", "matched", "text", "tokens")
+    __slots__ = (
+        "dec",
+        "finish_reason",
+        "finished",
+        "index",
+        "logprobs",
+        "matched",
+        "skip_special",
+        "text",
+        "tok",
+        "tokens",
+    )
 
     def __init__(self, index: int, tok: Tokenizer, s: Sampling, prompt_ids: Sequence[int] = ()) -> None:
         self.index = index
@@ -32,6 +43,8 @@ class ChoiceState:
             ignore_eos=s.ignore_eos,
         )
         self.dec = StoppingDecoder(detok, stop)
+        self.tok = tok
+        self.skip_special = s.skip_special_tokens
         self.finished = False
         self.finish_reason: str | None = None
         self.matched: str | int | None = None
@@ -54,6 +67,31 @@ class ChoiceState:
         if res.visible:
             self.text.append(res.visible)
         return res.visible
+
+    def whole(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob], reason: str) -> str:
+        """The complete output at once (a non-streamed engine answer): one decode call instead of a
+        detokenizer step per token, when that gives the same text; else the incremental path."""
+        if self.finished:
+            return ""
+        detok = self.dec.decoder
+        if not (isinstance(detok, IncrementalDetokenizer) and detok.one_shot_equivalent):
+            return self.feed(ids, logprobs) + self.end(reason)
+        self.finished = True
+        self.tokens += len(ids)
+        if logprobs:
+            self.logprobs.extend(logprobs)
+        stop = self.dec.matcher
+        res = stop.feed(self.tok.decode(stop.text_ids(ids), skip_special_tokens=self.skip_special), ids)
+        visible = res.visible
+        if res.finished:
+            self.finish_reason = "stop"
+            self.matched = res.matched
+        else:
+            visible += stop.flush()
+            self.finish_reason = reason if reason in ("length", "abort") else "stop"
+        if visible:
+            self.text.append(visible)
+        return visible
 
     def end(self, reason: str) -> str:
         """The engine finished this choice: release held text, settle the finish reason."""

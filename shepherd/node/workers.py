@@ -98,6 +98,15 @@ class WorkerRegistry:
         self.workers: dict[str, Worker] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.on_health_change: Callable[[Worker], None] | None = None
+        self._http_only: dict[str, bool] = {}  # per model, recomputed when workers change
+
+    def http_only(self, model: str) -> bool:
+        """Every worker of ``model`` is an OpenAI HTTP worker (and there is at least one)."""
+        flag = self._http_only.get(model)
+        if flag is None:
+            ws = self.for_model(model)
+            flag = self._http_only[model] = bool(ws) and all(w.is_http for w in ws)
+        return flag
 
     def get(self, wid: str) -> Worker | None:
         return self.workers.get(wid)
@@ -135,11 +144,13 @@ class WorkerRegistry:
             ),
         )
         self.workers[wid] = w
+        self._http_only.clear()
         await self.check(w)
         return w
 
     async def remove(self, wid: str) -> Worker | None:
         w = self.workers.pop(wid, None)
+        self._http_only.clear()
         if w is not None:
             await w.client.close()
         return w

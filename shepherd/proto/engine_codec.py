@@ -6,6 +6,7 @@ Both the grpcio client and any other transport share this module, so the wire ma
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,9 @@ SGLANG_SERVICE = "sglang.grpc.scheduler.SglangScheduler"
 VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
 
 
+@functools.lru_cache(maxsize=4096)
 def sglang_sampling(p: SamplingParams) -> sg.SamplingParams:
+    """Cached per distinct parameters (frozen, hashable); callers copy it into their request."""
     sp = sg.SamplingParams(
         temperature=p.temperature,
         top_p=p.top_p,
@@ -81,7 +84,9 @@ def sglang_generate(req: GenerateRequest) -> sg.GenerateRequest:
     return msg
 
 
+@functools.lru_cache(maxsize=4096)
 def vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.SamplingParams:
+    """Cached per distinct parameters (frozen, hashable); callers copy it into their request."""
     sp = vl.SamplingParams(
         temperature=p.temperature,
         top_p=p.top_p,

@@ -76,3 +76,20 @@ def test_coalesced_and_single_chunks_give_the_same_output(text: str, cuts: list[
     expect = full.split("STOP")[0]
     assert plain[0][0] == expect
     assert plain[0][1] == ("stop" if "STOP" in full else "length")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.text(alphabet=st.sampled_from(list("ab cSTOP.é中🙂\n")), min_size=0, max_size=60),
+    st.booleans(),
+    st.sampled_from(["stop", "length"]),
+)
+def test_whole_output_equals_incremental(text: str, include: bool, reason: str) -> None:
+    tok = qwen3()
+    ids = [*tok.encode(text, add_special_tokens=False), *tok.eos_token_ids]
+    s = sampling(stop=["STOP"], include_stop_str_in_output=include)
+    a = ChoiceState(0, tok, s)  # type: ignore[arg-type]
+    b = ChoiceState(0, tok, s)  # type: ignore[arg-type]
+    whole = a.whole(ids, (), reason)
+    incremental = b.feed(ids) + b.end(reason)
+    assert (whole, a.finish_reason, a.matched) == (incremental, b.finish_reason, b.matched)
