@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,7 +168,9 @@ class Generation:
         for job in jobs:
             self.gw.check_context(self.model, len(job.ids), self.s.max_tokens)
 
-    async def _drive(self, es: EngineStream, job: Job, emit: Callable[[list[bytes]], Any] | None) -> None:
+    async def _drive(
+        self, es: EngineStream, job: Job, emit: Callable[[list[bytes], bool], Awaitable[None]] | None
+    ) -> None:
         """Consume one engine stream into ``job.states``; ``emit`` gets the encoded chunks of each batch
         of engine events (streaming), so one network read from the engine is one write to the client."""
         states = job.states
@@ -229,7 +231,7 @@ class Generation:
                 itl.observe((now - last) / ntok)
             last = now
             if out and emit is not None:
-                await emit(out)
+                await emit(out, engine_open == 0 or remaining == 0)
                 out = []
             if engine_open == 0:
                 es.completed = True
@@ -331,9 +333,16 @@ class Generation:
             await resp.prepare(self.request)
             ka = self.gw.keepalive.register(resp)
 
-            async def emit(chunks: list[bytes]) -> None:
-                ka.touch()
-                await resp.write(b"".join(chunks))
+            pending: list[bytes] = []
+
+            async def emit(chunks: list[bytes], last: bool = False) -> None:
+                # the role chunk rides with the first batch, the last batch with usage and [DONE]:
+                # a stream whose tokens arrive together is one write
+                pending.extend(chunks)
+                if not last:
+                    ka.touch()
+                    await resp.write(b"".join(pending))
+                    pending.clear()
 
             try:
                 for i, job in enumerate(jobs):
@@ -341,15 +350,15 @@ class Generation:
                         es = await self._open(job, i, True)
                     if self.chat:
                         assert isinstance(enc, ChatChunks)
-                        await emit([enc.role(job.index_base + st.index) for st in job.states])
+                        pending.extend(enc.role(job.index_base + st.index) for st in job.states)
                     elif job.echo:
-                        await emit([enc.content(job.index_base + st.index, job.echo) for st in job.states])
+                        pending.extend(enc.content(job.index_base + st.index, job.echo) for st in job.states)
                     try:
                         await self._drive(es, job, emit)
                     finally:
                         await es.close("stop")
                     self._account(job)
-                tail = []
+                tail = pending
                 if self.s.include_usage:
                     tail.append(
                         enc.usage(usage(self.totals.prompt, self.totals.completion, self.totals.cached))
@@ -361,7 +370,7 @@ class Generation:
                 # headers are gone: report in-band, then end the stream cleanly
                 msg, code = _describe(e)
                 self.gw.metrics.errors.labels(self.request.path, code).inc()
-                await resp.write(error_event(msg, "server_error", code) + DONE)
+                await resp.write(b"".join(pending) + error_event(msg, "server_error", code) + DONE)
             finally:
                 self.gw.keepalive.unregister(resp)
         finally:
