@@ -16,7 +16,6 @@ from shepherd.node.api_common import GATEWAY, read_json, relay
 from shepherd.node.engine_types import (
     EngineChunk,
     EngineError,
-    EngineEvent,
     GenerateRequest,
     SamplingParams,
     TokenLogprob,
@@ -50,34 +49,6 @@ def engine_sampling(s: Sampling, max_new_tokens: int, stream_interval: int | Non
         logit_bias=s.logit_bias,
         stream_interval=stream_interval,
     )
-
-
-def coalesce(batch: list[EngineEvent]) -> list[EngineEvent]:
-    """Merge runs of chunks of the same choice that arrived together: one detokenizer step, one stop
-    check and one SSE event for them, instead of one per engine message (no latency is added: they are
-    all here already)."""
-    out: list[EngineEvent] = []
-    run: EngineChunk | None = None
-    ids: list[int] = []
-    for ev in batch:
-        if isinstance(ev, EngineChunk):
-            if run is not None and run.index == ev.index:
-                if run.token_ids is not ids:  # first merge: own the list (the input stays untouched)
-                    ids = list(run.token_ids)
-                    run.token_ids = ids
-                ids.extend(ev.token_ids)
-                if ev.logprobs:
-                    run.logprobs = [*run.logprobs, *ev.logprobs]
-                run.cached_tokens = max(run.cached_tokens, ev.cached_tokens)
-                continue
-            run = EngineChunk(
-                ev.index, ev.token_ids, ev.prompt_tokens, ev.completion_tokens, ev.cached_tokens, ev.logprobs
-            )
-            out.append(run)
-        else:
-            run = None
-            out.append(ev)
-    return out
 
 
 @dataclass(slots=True)
@@ -185,8 +156,6 @@ class Generation:
         out: list[bytes] = []
         cached = self.totals.cached
         async for batch in es.batches():
-            if len(batch) > 1:
-                batch = coalesce(batch)
             now = time.perf_counter()
             if first:
                 self.gw.metrics.ttft.labels(self.model).observe(now - self.t0)

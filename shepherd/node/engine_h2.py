@@ -582,16 +582,14 @@ class H2EngineClient:
             stream = await self._start(path, body, timeout)
         except RpcStatus as e:
             raise e.engine_error() from None
-        decode = codec.decode_response
+        decode_batch = codec.decode_batch
         msgs = stream.messages
         try:
             while True:
                 if msgs:
-                    batch = []
-                    while msgs:
-                        ev = decode(parse(msgs.popleft()))
-                        if ev is not None:
-                            batch.append(ev)
+                    raws = list(msgs)
+                    msgs.clear()
+                    batch = decode_batch(raws, parse)
                     if batch:
                         yield batch
                     continue

@@ -7,7 +7,7 @@ Both the grpcio client and any other transport share this module, so the wire ma
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from google.protobuf import json_format
@@ -187,6 +187,43 @@ def decode_response(resp: Any) -> EngineEvent | None:
             kv_transfer_params_json=kv,
         )
     return None
+
+
+def decode_batch(raws: Iterable[bytes], parse: Callable[[bytes], Any]) -> list[EngineEvent]:
+    """Several serialized GenerateResponses that arrived together -> events, with consecutive chunks of
+    the same choice merged into one (one id list, logprobs concatenated, latest counts): the consumer
+    then detokenizes, stop-checks and encodes them once."""
+    out: list[EngineEvent] = []
+    run: EngineChunk | None = None
+    ids: list[int] = []
+    for raw in raws:
+        resp = parse(raw)
+        if resp.WhichOneof("response") == "chunk":
+            c = resp.chunk
+            if run is not None and run.index == c.index:
+                ids.extend(c.token_ids)
+                run.completion_tokens = c.completion_tokens
+                if c.cached_tokens > run.cached_tokens:
+                    run.cached_tokens = c.cached_tokens
+                if c.HasField("output_logprobs"):
+                    run.logprobs = [*run.logprobs, *_logprobs(c.output_logprobs)]
+                continue
+            ids = list(c.token_ids)
+            run = EngineChunk(
+                c.index,
+                ids,
+                c.prompt_tokens,
+                c.completion_tokens,
+                c.cached_tokens,
+                _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else (),
+            )
+            out.append(run)
+            continue
+        run = None
+        ev = decode_response(resp)
+        if ev is not None:
+            out.append(ev)
+    return out
 
 
 def decode_model_info(resp: Any) -> ModelInfo:

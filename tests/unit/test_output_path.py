@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from smg_grpc_proto import sglang_scheduler_pb2 as sg
 
-from shepherd.node.api_openai import coalesce
 from shepherd.node.engine_types import EngineChunk, EngineComplete, EngineEvent
 from shepherd.node.openai_protocol import parse_chat
 from shepherd.node.output import ChoiceState
+from shepherd.proto.engine_codec import decode_batch, decode_response
 from tests.unit.test_tokenizer_shared import qwen3
 
 
@@ -29,7 +30,19 @@ def run(events: list[EngineEvent], n: int, **kw: object) -> list[tuple[str, str 
     return [(x.full_text(), x.finish_reason) for x in states]
 
 
-def test_coalesce_merges_runs_per_choice_only() -> None:
+def wire(ev: EngineEvent) -> bytes:
+    if isinstance(ev, EngineChunk):
+        c = sg.GenerateStreamChunk(token_ids=ev.token_ids, index=ev.index, cached_tokens=ev.cached_tokens)
+        return bytes(sg.GenerateResponse(chunk=c).SerializeToString())
+    done = sg.GenerateComplete(index=ev.index, finish_reason=ev.finish_reason)
+    return bytes(sg.GenerateResponse(complete=done).SerializeToString())
+
+
+def coalesce(events: list[EngineEvent]) -> list[EngineEvent]:
+    return decode_batch([wire(e) for e in events], sg.GenerateResponse.FromString)
+
+
+def test_decode_batch_merges_runs_per_choice_only() -> None:
     evs: list[EngineEvent] = [
         EngineChunk(0, [1]),
         EngineChunk(0, [2], cached_tokens=16),
@@ -48,8 +61,8 @@ def test_coalesce_merges_runs_per_choice_only() -> None:
     ]
     first = out[0]
     assert isinstance(first, EngineChunk) and list(first.token_ids) == [1, 2] and first.cached_tokens == 16
-    e0 = evs[0]
-    assert isinstance(e0, EngineChunk) and list(e0.token_ids) == [1]  # the input events are not modified
+    single = [decode_response(sg.GenerateResponse.FromString(wire(e))) for e in evs]
+    assert [list(e.token_ids) for e in single if isinstance(e, EngineChunk)] == [[1], [2], [3], [4], [5]]
 
 
 @settings(max_examples=60, deadline=None)
