@@ -63,7 +63,6 @@ async def error_middleware(
     gw: Gateway = request.app[GATEWAY]
     path = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
     gw.in_flight += 1
-    gw.metrics.in_flight.inc()
     status = 500
     try:
         resp = await handler(request)
@@ -117,8 +116,7 @@ async def error_middleware(
         )
     finally:
         gw.in_flight -= 1
-        gw.metrics.in_flight.dec()
-        gw.metrics.requests.labels(path, request.get("model", ""), str(status)).inc()
+        gw.metrics.count_request(path, request.get("model", ""), status)
 
 
 class _Entry:

@@ -87,6 +87,7 @@ class Gateway:
         self._background: set[asyncio.Task[Any]] = set()
         self.started_at = time.time()
         self.metrics.add_callback(self._collect)
+        self.metrics.track_in_flight(lambda: float(self.in_flight))
 
     # ---- lifecycle ---------------------------------------------------------------------------------
 

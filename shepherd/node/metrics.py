@@ -59,10 +59,22 @@ class NodeMetrics:
         )
         self.tokens = Counter("smg_tokens", "Tokens processed", ["model", "kind"], registry=r)
         self.in_flight = Gauge("smg_in_flight_requests", "Requests in flight on this node", registry=r)
+        self._request_children: dict[tuple[str, str, int], Counter] = {}
         self.retries = Counter("smg_engine_retries", "Engine calls retried on another worker", registry=r)
         self.aborts = Counter(
             "smg_engine_aborts", "Engine requests aborted by the gateway", ["reason"], registry=r
         )
+
+    def count_request(self, route: str, model: str, status: int) -> None:
+        key = (route, model, status)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(route, model, str(status))
+        child.inc()
+
+    def track_in_flight(self, read: Callable[[], float]) -> None:
+        """The in-flight gauge reads the node's own counter when scraped (no work per request)."""
+        self.in_flight.set_function(read)
 
     def add_callback(self, fn: Callable[[], Iterable[Metric]]) -> None:
         self.registry.register(_Callback(fn))
