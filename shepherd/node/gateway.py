@@ -168,18 +168,18 @@ class Gateway:
         http: bool = False,
     ) -> Worker | None:
         candidates = [w for w in self.registry.routable(model, exclude) if w.is_http == http]
-        if not candidates:
-            return None
-        views = [w.view() for w in candidates]
-        choice = self.policy.pick(
-            views, RouteRequest(model=model, input_ids=input_ids, routing_key=routing_key)
-        )
-        if choice is None:
-            return None
-        w = self.registry.get(choice.id)
-        if w is None or not w.breaker.acquire(self.registry.clock()):
-            return None
-        return w
+        route = RouteRequest(model=model, input_ids=input_ids, routing_key=routing_key)
+        now = self.registry.clock()
+        while candidates:  # bounded: each turn removes one candidate
+            choice = self.policy.pick([w.view() for w in candidates], route)
+            if choice is None:
+                return None
+            w = self.registry.get(choice.id)
+            if w is not None and w.breaker.acquire(now):
+                return w
+            # a half-open worker whose single trial request is already out: let the policy choose again
+            candidates = [c for c in candidates if c.id != choice.id]
+        return None
 
     async def open_stream(
         self, model: str, gen: GenerateRequest, *, target: str | None = None, routing_key: str | None = None
