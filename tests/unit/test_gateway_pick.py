@@ -37,7 +37,7 @@ def gateway_with(n: int) -> tuple[Gateway, list[Worker], Clock]:
 
 
 def test_skips_unhealthy_and_open() -> None:
-    gw, (a, b, c), clock = gateway_with(3)
+    gw, (_a, b, c), clock = gateway_with(3)
     b.health.healthy = False
     c.breaker.record_failure(clock.now)
     picks = {gw.pick("qwen3", set(), [], None, http=True).id for _ in range(6)}  # type: ignore[union-attr]
@@ -46,7 +46,7 @@ def test_skips_unhealthy_and_open() -> None:
 
 
 def test_half_open_trial_then_others() -> None:
-    gw, (a, b), clock = gateway_with(2)
+    gw, (a, _b), clock = gateway_with(2)
     a.breaker.record_failure(clock.now)
     clock.now += 11  # cool-down over: a may take one trial
     got = [gw.pick("qwen3", set(), [], None, http=True) for _ in range(4)]
