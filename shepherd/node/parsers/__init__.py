@@ -1,0 +1,54 @@
+"""Streaming reasoning and tool-call parsers: pure state machines, one fresh instance per request.
+
+Use ``get_reasoning_parser`` then ``get_tool_parser`` (in that order on the text path: the tool
+parser is fed the reasoning parser's content; ``OutputParsers`` chains them), and
+``default_parsers_for_model`` to pick families.
+"""
+
+from shepherd.node.parsers.collect import (
+    CollectedCall,
+    CollectedTools,
+    collect_tool_events,
+    run_reasoning,
+    run_tools,
+)
+from shepherd.node.parsers.events import (
+    ReasoningParser,
+    TextDelta,
+    ToolCallArgs,
+    ToolCallStart,
+    ToolEvent,
+    ToolParser,
+)
+from shepherd.node.parsers.pipeline import OutputParsers
+from shepherd.node.parsers.registry import (
+    REASONING_FAMILIES,
+    TOOL_FAMILIES,
+    default_parsers_for_model,
+    get_reasoning_parser,
+    get_tool_parser,
+    prompt_opens_think,
+    thinking_enabled,
+)
+
+__all__ = [
+    "REASONING_FAMILIES",
+    "TOOL_FAMILIES",
+    "CollectedCall",
+    "CollectedTools",
+    "OutputParsers",
+    "ReasoningParser",
+    "TextDelta",
+    "ToolCallArgs",
+    "ToolCallStart",
+    "ToolEvent",
+    "ToolParser",
+    "collect_tool_events",
+    "default_parsers_for_model",
+    "get_reasoning_parser",
+    "get_tool_parser",
+    "prompt_opens_think",
+    "run_reasoning",
+    "run_tools",
+    "thinking_enabled",
+]

@@ -1,0 +1,223 @@
+"""Reasoning parsers: realistic outputs per family, and chunking invariance (every split of an output
+gives what one feed gives)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shepherd.node.parsers import get_reasoning_parser, run_reasoning
+
+# (family, parser kwargs, model output, expected reasoning, expected content)
+CASES: list[tuple[str, dict[str, bool], str, str, str]] = [
+    # DeepSeek-R1-0528 writes <think>; R1 / R1-distill get it from the prompt and only close it
+    (
+        "deepseek_r1",
+        {},
+        "<think>\nThe user wants 2+2. That is 4.\n</think>\n\nThe answer is **4**.",
+        "The user wants 2+2. That is 4.\n",
+        "The answer is **4**.",
+    ),
+    ("deepseek_r1", {}, "Okay, 2+2=4.\n</think>\n\n4", "Okay, 2+2=4.\n", "4"),
+    ("deepseek_r1", {}, "Still thinking when max_tokens hit", "Still thinking when max_tokens hit", ""),
+    (
+        "qwen3",
+        {},
+        "<think>\nGreeting.\n</think>\n\nHello! How can I help?",
+        "Greeting.\n",
+        "Hello! How can I help?",
+    ),
+    ("qwen3", {"thinking_enabled": False}, "Hello! How can I help?", "", "Hello! How can I help?"),
+    ("qwen3", {}, "Plain answer, no <think> block.", "", "Plain answer, no <think> block."),
+    # Qwen3 sometimes opens a tool call without closing the think block
+    (
+        "qwen3",
+        {},
+        '<think>\nNeed weather.\n<tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>',
+        "Need weather.\n",
+        '<tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>',
+    ),
+    ("qwen3", {"prompt_opened_think": True}, "Thinking.\n</think>\n\nDone.", "Thinking.\n", "Done."),
+    ("qwen3_thinking", {}, "Let me see.\n</think>\n\nParis.", "Let me see.\n", "Paris."),
+    ("qwen3_thinking", {}, "<think>\nLet me see.\n</think>\n\nParis.", "Let me see.\n", "Paris."),
+    ("kimi", {}, "◁think▷The user greets me.◁/think▷Hi there!", "The user greets me.", "Hi there!"),
+    ("kimi", {}, "Hi there!", "", "Hi there!"),
+    (
+        "kimi_k2",
+        {},
+        "<think>use tool</think><|tool_calls_section_begin|>",
+        "use tool",
+        "<|tool_calls_section_begin|>",
+    ),
+    ("glm45", {}, "<think>Simple.</think>\nThe capital is Paris.", "Simple.", "The capital is Paris."),
+    ("glm45", {"prompt_opened_think": True}, "Simple.</think>Paris.", "Simple.", "Paris."),
+    (
+        "gpt_oss",
+        {},
+        "<|channel|>analysis<|message|>User asks capital of France. Answer: Paris.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>The capital of France is Paris.<|return|>",
+        "User asks capital of France. Answer: Paris.",
+        "The capital of France is Paris.",
+    ),
+    (
+        "gpt_oss",
+        {},
+        "<|channel|>analysis<|message|>Need weather; call tool.<|end|>"
+        "<|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"location":"Tokyo"}<|call|>',
+        "Need weather; call tool.",
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"location":"Tokyo"}<|call|>',
+    ),
+    ("gpt_oss", {}, "no harmony markers at all", "", "no harmony markers at all"),
+    ("gpt_oss", {}, "<|channel|>analysis<|message|>cut off here", "cut off here", ""),
+    ("deepseek_v3", {"prompt_opened_think": True}, "Think.</think>Answer.", "Think.", "Answer."),
+    ("deepseek_v3", {"thinking_enabled": False}, "Answer.", "", "Answer."),
+    ("minimax", {}, "Reasoning here.\n</think>\n\nAnswer here.", "Reasoning here.\n", "Answer here."),
+    ("step3", {}, "Hmm.</think>Ok.", "Hmm.", "Ok."),
+    (
+        "cohere",
+        {"prompt_opened_think": True},
+        "The user says hi.<|END_THINKING|><|START_TEXT|>Hello there!<|END_TEXT|>",
+        "The user says hi.",
+        "Hello there!",
+    ),
+    (
+        "cohere",
+        {},
+        "<|START_THINKING|>Call a tool.<|END_THINKING|><|START_ACTION|>[...]<|END_ACTION|>",
+        "Call a tool.",
+        "<|START_ACTION|>[...]<|END_ACTION|>",
+    ),
+    ("cohere", {}, "<|START_TEXT|>Direct answer.<|END_TEXT|>", "", "Direct answer."),
+    ("nemotron", {"prompt_opened_think": True}, "Plan.\n</think>\nResult.", "Plan.\n", "Result."),
+    ("nemotron", {}, "<think></think>Result.", "", "Result."),
+]
+
+IDS = [f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+
+
+@pytest.mark.parametrize(("family", "kwargs", "text", "reasoning", "content"), CASES, ids=IDS)
+def test_one_feed(family: str, kwargs: dict[str, bool], text: str, reasoning: str, content: str) -> None:
+    assert run_reasoning(get_reasoning_parser(family, **kwargs), [text]) == (reasoning, content)
+
+
+@pytest.mark.parametrize(("family", "kwargs", "text", "reasoning", "content"), CASES, ids=IDS)
+def test_every_single_split_and_char_by_char(
+    family: str, kwargs: dict[str, bool], text: str, reasoning: str, content: str
+) -> None:
+    expected = (reasoning, content)
+    for cut in range(len(text) + 1):
+        got = run_reasoning(get_reasoning_parser(family, **kwargs), [text[:cut], text[cut:]])
+        assert got == expected, cut
+    assert run_reasoning(get_reasoning_parser(family, **kwargs), list(text)) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(case=st.sampled_from(CASES), data=st.data())
+def test_any_chunking_matches_one_feed(
+    case: tuple[str, dict[str, bool], str, str, str], data: st.DataObject
+) -> None:
+    family, kwargs, text, reasoning, content = case
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=12)))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    assert run_reasoning(get_reasoning_parser(family, **kwargs), chunks) == (reasoning, content)
+
+
+_ALPHABET = st.sampled_from(
+    ["<think>", "</think>", "<", "/", "think", ">", "a", " ", "\n", "<tool_call>", "x"]
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    family=st.sampled_from(
+        ["deepseek_r1", "qwen3", "qwen3_thinking", "glm45", "nemotron", "cohere", "gpt_oss"]
+    ),
+    opened=st.booleans(),
+    pieces=st.lists(_ALPHABET, max_size=25),
+    data=st.data(),
+)
+def test_arbitrary_text_is_chunking_invariant_and_loses_nothing(
+    family: str, opened: bool, pieces: list[str], data: st.DataObject
+) -> None:
+    text = "".join(pieces)
+    whole = run_reasoning(get_reasoning_parser(family, prompt_opened_think=opened), [text])
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=10)))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    assert run_reasoning(get_reasoning_parser(family, prompt_opened_think=opened), chunks) == whole
+    if family != "gpt_oss":  # markers and some whitespace are removed, nothing else
+        r, c = whole
+        squeeze = "".join(text.split()).replace("<think>", "").replace("</think>", "")
+        assert "".join((r + c).split()).replace("<think>", "").replace("</think>", "") == squeeze
+
+
+_HARMONY = st.sampled_from(
+    [
+        "<|channel|>",
+        "analysis",
+        "final",
+        "commentary",
+        "<|message|>",
+        "<|end|>",
+        "<|start|>",
+        "assistant",
+        " to=functions.f",
+        "<|constrain|>json",
+        "<|call|>",
+        "<|return|>",
+        "x y",
+        "<|",
+        "{}",
+    ]
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(_HARMONY, max_size=25), data=st.data())
+def test_harmony_arbitrary_text_is_chunking_invariant(pieces: list[str], data: st.DataObject) -> None:
+    text = "".join(pieces)
+    whole = run_reasoning(get_reasoning_parser("gpt_oss"), [text])
+    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=10)))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    assert run_reasoning(get_reasoning_parser("gpt_oss"), chunks) == whole
+    assert run_reasoning(get_reasoning_parser("gpt_oss"), list(text)) == whole
+
+
+def test_harmony_recipient_before_channel_is_a_tool_call() -> None:
+    text = (
+        "<|channel|>analysis<|message|>call it<|end|>"
+        '<|start|>assistant to=functions.lookup<|channel|>commentary json<|message|>{"q": 1}<|call|>'
+    )
+    reasoning, content = run_reasoning(get_reasoning_parser("gpt_oss"), [text])
+    assert reasoning == "call it"
+    assert (
+        content
+        == '<|start|>assistant to=functions.lookup<|channel|>commentary json<|message|>{"q": 1}<|call|>'
+    )
+
+
+def test_partial_marker_is_held_then_released() -> None:
+    p = get_reasoning_parser("qwen3")
+    assert p.feed("<thi") == ("", "")
+    assert p.feed("nk>ab") == ("ab", "")
+    assert p.feed("c</thi") == ("c", "")
+    assert p.feed("nk>\n\nDone") == ("", "Done")
+    q = get_reasoning_parser("deepseek_r1")
+    assert q.feed("x </thin") == ("x ", "")
+    assert q.finish() == ("</thin", "")  # cut off: the held text is reasoning after all
+
+
+def test_fresh_parser_per_request_shares_nothing() -> None:
+    a = get_reasoning_parser("qwen3")
+    b = get_reasoning_parser("qwen3")
+    assert a is not b
+    assert a.feed("<think>secret") == ("secret", "")
+    assert b.feed("Hello") == ("", "Hello")
+    assert a.feed(" more") == (" more", "")
+
+
+def test_unknown_family_raises() -> None:
+    with pytest.raises(ValueError, match="unknown reasoning parser"):
+        get_reasoning_parser("no-such-family")
