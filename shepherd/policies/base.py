@@ -26,6 +26,23 @@ class RouteRequest:
     routing_key: str | None = None
 
 
+def worker_load(w: WorkerView) -> int:
+    """A worker's load in requests: what its engine reports (running + waiting, mesh-wide since the
+    engine serves every node) or this node's own in-flight count if that is higher (the report is
+    periodic, in-flight is current). Not the sum: the engine's count includes this node's requests."""
+    engine = w.running + w.waiting
+    return engine if engine >= w.in_flight else w.in_flight
+
+
+def load_key(w: WorkerView) -> tuple[int, float, str]:
+    """Sort key for "least loaded": load, then KV token usage, then id (deterministic ties)."""
+    return (worker_load(w), w.token_usage, w.id)
+
+
+def least_loaded(workers: Sequence[WorkerView]) -> WorkerView:
+    return min(workers, key=load_key)
+
+
 class Policy(Protocol):
     name: str
 

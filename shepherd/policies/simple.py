@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from shepherd.policies.base import RouteRequest, WorkerView
+from shepherd.policies.base import Policy, RouteRequest, WorkerView
 
 
 class RoundRobin:
@@ -37,9 +37,45 @@ class RandomPolicy:
         return workers[self._rng.randrange(len(workers))]
 
 
-def make_policy(name: str) -> RoundRobin | RandomPolicy:
+POLICY_NAMES = (
+    "random",
+    "round_robin",
+    "power_of_two",
+    "least_load",
+    "cache_aware",
+    "prefix_hash",
+    "consistent_hashing",
+    "manual",
+    "bucket",
+)
+
+
+def make_policy(name: str, *, seed: int | None = None, clock: Callable[[], float] | None = None) -> Policy:
+    """A policy by its SGLang/SMG name, with the defaults users know. ``seed`` fixes the random
+    choices (random, power_of_two, manual); ``clock`` is cache_aware's time source (default time.time)."""
+    # imported here: those modules import this package's base, and this module stays import-light
+    from shepherd.policies.bucket import Bucket
+    from shepherd.policies.cache_aware import CacheAware
+    from shepherd.policies.hashing import ConsistentHashing, PrefixHash
+    from shepherd.policies.load import LeastLoad, PowerOfTwo
+    from shepherd.policies.manual import Manual
+
     if name == "round_robin":
         return RoundRobin()
     if name == "random":
-        return RandomPolicy()
-    raise ValueError(f"unknown policy {name!r}")
+        return RandomPolicy(seed)
+    if name == "power_of_two":
+        return PowerOfTwo(seed)
+    if name == "least_load":
+        return LeastLoad()
+    if name == "cache_aware":
+        return CacheAware() if clock is None else CacheAware(clock=clock)
+    if name == "prefix_hash":
+        return PrefixHash()
+    if name == "consistent_hashing":
+        return ConsistentHashing()
+    if name == "manual":
+        return Manual(seed=seed)
+    if name == "bucket":
+        return Bucket()
+    raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICY_NAMES)})")

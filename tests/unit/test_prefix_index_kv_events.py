@@ -1,0 +1,63 @@
+"""KV events (stored / removed / cleared) with opaque engine hashes, applied to the prefix index."""
+
+from __future__ import annotations
+
+import pytest
+
+from shepherd.policies.kv_events import KvEventApplier
+from shepherd.policies.prefix_index import PrefixIndex, block_hashes
+
+IDS = list(range(500, 596))  # 6 blocks of 16
+
+
+def test_stored_events_chain_through_engine_parents() -> None:
+    ix = PrefixIndex()
+    kv = KvEventApplier(ix, "w")
+    assert kv.stored([901, 902], None, IDS[:32], now=1.0)
+    assert kv.stored([903, 904, 905], 902, IDS[32:80], now=2.0)
+    assert ix.match(IDS) == {"w": 80}
+    # the names are the ones routing decisions use: a routed insert of the same prompt is the same entry
+    assert set(ix.export()) == {(h, "w") for h in block_hashes(IDS[:80])}
+
+
+def test_unknown_parent_is_not_applied() -> None:
+    ix = PrefixIndex()
+    kv = KvEventApplier(ix, "w")
+    assert not kv.stored([7], 12345, IDS[:16], now=1.0)
+    assert ix.live_blocks == 0
+
+
+def test_removed_and_cleared() -> None:
+    ix = PrefixIndex()
+    kv = KvEventApplier(ix, "w")
+    kv.stored([1, 2, 3], None, IDS[:48], now=1.0)
+    kv.removed([3, 99])  # 99: never stored
+    assert ix.match(IDS) == {"w": 32}
+    assert len(kv) == 2
+    kv.cleared()
+    assert ix.match(IDS) == {}
+    assert len(kv) == 0
+
+
+def test_engine_blocks_of_32_tokens() -> None:
+    ix = PrefixIndex()
+    kv = KvEventApplier(ix, "w", block_size=32)
+    kv.stored([1, 2], None, IDS[:64], now=1.0)
+    kv.stored([3], 2, IDS[64:96], now=1.0)
+    assert ix.match(IDS) == {"w": 96}
+    kv.removed([3])
+    assert ix.match(IDS) == {"w": 64}
+    with pytest.raises(ValueError):
+        KvEventApplier(ix, "w", block_size=24)
+
+
+def test_short_event_and_bounded_map() -> None:
+    ix = PrefixIndex()
+    kv = KvEventApplier(ix, "w", max_blocks=3)
+    kv.stored([1, 2], None, IDS[:20], now=1.0)  # tokens for one block only: block 2 is not mapped
+    assert len(kv) == 1
+    kv.stored([3, 4, 5], 1, IDS[16:64], now=2.0)
+    assert len(kv) == 3  # the oldest (1) dropped from the map
+    assert not kv.stored([6], 1, IDS[64:80], now=3.0)
+    assert kv.stored([6], 5, IDS[64:80], now=3.0)
+    assert ix.match(IDS) == {"w": 80}

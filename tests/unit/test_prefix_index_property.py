@@ -1,0 +1,134 @@
+"""Prefix index invariants (hypothesis): matching against a reference, and the max-merge semilattice."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, block_hashes, merge_entries
+
+WORKERS = ["a", "b", "c"]
+
+# prompts built from a few shared pieces, so that prefixes overlap often
+pieces = st.lists(st.sampled_from([tuple(range(i * 10, i * 10 + 16)) for i in range(4)]), max_size=6)
+prompts = pieces.map(lambda ps: [t for p in ps for t in p])
+ops = st.lists(st.tuples(prompts, st.sampled_from(WORKERS), st.integers(0, 50)), max_size=25)
+
+entry_keys = st.tuples(st.integers(0, 6), st.sampled_from(WORKERS))
+states = st.dictionaries(entry_keys, st.floats(0, 100, allow_nan=False), max_size=12)
+
+
+def reference_match(held: dict[str, set[int]], prompt: list[int]) -> dict[str, int]:
+    out = {}
+    hs = block_hashes(prompt)
+    for w, blocks in held.items():
+        n = 0
+        while n < len(hs) and hs[n] in blocks:
+            n += 1
+        if n:
+            out[w] = n * 16
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, prompts)
+def test_match_agrees_with_a_reference(inserts: list[tuple[list[int], str, int]], probe: list[int]) -> None:
+    ix = PrefixIndex()
+    held: dict[str, set[int]] = {}
+    for prompt, w, t in inserts:
+        ix.insert(prompt, w, float(t))
+        held.setdefault(w, set()).update(block_hashes(prompt))
+    for prompt in [probe] + [p for p, _, _ in inserts]:
+        assert ix.match(list(prompt)) == reference_match(held, prompt)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops, st.integers(1, 6))
+def test_capacity_bounds_and_invariants(inserts: list[tuple[list[int], str, int]], cap: int) -> None:
+    ix = PrefixIndex(PrefixIndexConfig(capacity_blocks=cap))
+    now = 0.0
+    for prompt, w, _ in inserts:
+        now += 1.0
+        ix.insert(prompt, w, now)
+        assert ix.worker_blocks(w) <= cap
+        # the worker just chosen keeps the newest prompt's leading blocks
+        assert ix.match(prompt).get(w, 0) == min(cap, len(prompt) // 16) * 16
+    # masks and per-worker maps agree: every exported entry is a holder, and the live count matches
+    exported = ix.export()
+    assert {b for b, _ in exported} == {b for b, _ in exported if ix.holders(b)}
+    assert ix.live_blocks == len({b for b, _ in exported})
+    for b, w in exported:
+        assert w in ix.holders(b)
+
+
+@settings(max_examples=200, deadline=None)
+@given(states, states, states)
+def test_merge_is_commutative_associative_idempotent(
+    a: dict[tuple[int, str], float], b: dict[tuple[int, str], float], c: dict[tuple[int, str], float]
+) -> None:
+    assert merge_entries(a, b) == merge_entries(b, a)
+    assert merge_entries(merge_entries(a, b), c) == merge_entries(a, merge_entries(b, c))
+    assert merge_entries(a, a) == a
+    assert merge_entries(merge_entries(a, b), b) == merge_entries(a, b)
+
+
+@settings(max_examples=100, deadline=None)
+@given(states, states)
+def test_index_merge_converges_in_any_order(
+    a: dict[tuple[int, str], float], b: dict[tuple[int, str], float]
+) -> None:
+    x, y = PrefixIndex(), PrefixIndex()
+    x.merge(a)
+    x.merge(b)
+    y.merge(b)
+    y.merge(a)
+    y.merge(b)
+    assert x.export() == y.export() == merge_entries(a, b)
+
+
+block_lists = st.lists(st.integers(0, 5), max_size=4)
+actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), prompts, st.sampled_from(WORKERS)),
+        st.tuples(st.just("remove"), block_lists, st.sampled_from(WORKERS)),
+        st.tuples(st.just("clear"), st.just([]), st.sampled_from(WORKERS)),
+        st.tuples(st.just("expire"), st.just([]), st.just("")),
+        st.tuples(st.just("capacity"), st.integers(1, 5).map(lambda n: [n]), st.sampled_from(WORKERS)),
+        st.tuples(st.just("merge"), st.integers(0, 3).map(lambda n: [n]), st.sampled_from(WORKERS)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(actions, st.integers(1, 8))
+def test_any_sequence_of_updates_keeps_the_index_consistent(
+    acts: list[tuple[str, list[int], str]], cap: int
+) -> None:
+    ix = PrefixIndex(PrefixIndexConfig(capacity_blocks=cap, max_age_s=5.0))
+    peer = PrefixIndex()
+    peer.insert(list(range(64)), "c", 3.0)
+    now = 0.0
+    seen: list[int] = []  # block names met so far, for removals
+    for kind, arg, w in acts:
+        now += 1.0
+        if kind == "insert":
+            ix.insert(list(arg), w, now)
+            seen += block_hashes(arg)
+        elif kind == "remove":
+            ix.remove_blocks([seen[i % len(seen)] for i in arg] if seen else [], w)
+        elif kind == "clear":
+            ix.clear_worker(w)
+        elif kind == "expire":
+            ix.expire(now, budget=3)
+        elif kind == "capacity":
+            ix.set_capacity(w, arg[0])
+        else:
+            ix.merge({(b, w): now - arg[0] for b in block_hashes(list(range(16 * (arg[0] + 1))))})
+            ix.merge(peer.export())
+        exported = ix.export()
+        for wk in ix.workers:
+            assert ix.worker_blocks(wk) <= ix.capacity(wk)
+        assert ix.live_blocks == len({b for b, _ in exported})
+        assert all(wk in ix.holders(b) for b, wk in exported)
+        assert sum(len(ix.holders(b)) for b in {b for b, _ in exported}) == len(exported)
