@@ -23,7 +23,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="URL",
         help="engines: grpc://h:p (SGLang or vLLM, detected), sglang://h:p, vllm://h:p, http://h:p (relay)",
     )
-    s.add_argument("--policy", choices=["round_robin", "random"])
+    s.add_argument(
+        "--policy", help="round_robin (default), random, power_of_two, least_load, cache_aware, ..."
+    )
     s.add_argument(
         "--model-path", help="dir with tokenizer.json(.xz) + tokenizer_config.json (default: embedded qwen3)"
     )

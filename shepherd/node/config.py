@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from shepherd.policies.simple import POLICY_NAMES
+
 EMBEDDED_MODEL_DIR = Path(__file__).parent / "assets" / "qwen3"
 
 WORKER_SCHEMES = ("grpc", "sglang", "vllm", "http", "https")
@@ -126,8 +128,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         cfg = NodeConfig(**values)
     except TypeError as e:
         raise ConfigError(str(e)) from None
-    if cfg.policy not in ("round_robin", "random"):
-        raise ConfigError(f"policy {cfg.policy!r} is not available on this node (round_robin, random)")
+    if cfg.policy not in POLICY_NAMES:
+        raise ConfigError(f"policy {cfg.policy!r} is unknown (one of {', '.join(POLICY_NAMES)})")
     if cfg.engine_transport not in ("h2", "grpcio"):
         raise ConfigError(f"engine_transport {cfg.engine_transport!r}: use 'h2' or 'grpcio'")
     if not 0 < cfg.port < 65536:

@@ -182,3 +182,33 @@ def test_graceful_shutdown_drains_in_flight() -> None:
             assert node.proc.wait(timeout=20) == 0
         finally:
             node.stop(signal.SIGKILL)
+
+
+def test_cache_aware_policy_keeps_a_conversation_on_its_engine() -> None:
+    with (
+        start_mock_engine("--zero-latency") as e1,
+        start_mock_engine("--zero-latency") as e2,
+        running_node(
+            "--worker-urls",
+            f"grpc://{e1.grpc_target}",
+            f"grpc://{e2.grpc_target}",
+            "--model-id",
+            "qwen3",
+            "--policy",
+            "cache_aware",
+        ) as node,
+    ):
+        c = sdk(node.url)
+        long_system = "You are a meticulous assistant who answers in full sentences. " * 20
+        msgs: list[Any] = [
+            {"role": "system", "content": long_system},
+            {"role": "user", "content": "First question?"},
+        ]
+        for turn in range(4):
+            r = c.chat.completions.create(model="qwen3", messages=msgs, max_tokens=4)
+            msgs += [
+                {"role": "assistant", "content": r.choices[0].message.content},
+                {"role": "user", "content": f"Follow-up {turn}?"},
+            ]
+        counts = sorted([stats(e1)["requests_received"], stats(e2)["requests_received"]])
+        assert counts == [0, 4]
