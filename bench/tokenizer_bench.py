@@ -1,19 +1,30 @@
 """Where the tokenizer layer's CPU goes: prints µs per operation, no asserts.
 
     .venv/bin/python bench/tokenizer_bench.py [--quick] [--asyncio] [--no-pin]
+    .venv/bin/python bench/tokenizer_bench.py --fast-bpe [--quick] [--no-pin]   # only FastBPE sections
+    .venv/bin/python bench/tokenizer_bench.py --fast-bpe-verify [family...]      # slow exhaustive checks
 
 By default the process (and the pool workers it forks) is pinned to one CPU, so that CPU times of
 the parent and of a worker are comparable (the two vCPUs here are not equally loaded by neighbours);
 ``--no-pin`` lets them spread, which adds the cross-CPU wake-up to the wall times.
 
-Sections: inline encode by size; pool round trip by size (wall, parent CPU, worker CPU, one call in
-flight and many); cache hits (L0, L1 with only the last turn new); chat template renders (sandbox
-flavours, cache hit); the service's render_and_encode; and the inline threshold that follows.
+Sections: FastBPE against tokenizers (µs per encode of 150/1,500/8,000-token texts; with --fast-bpe
+also which tokenizers get it and why, with identical ids on a corpus); inline encode by size; pool
+round trip by size (wall, parent CPU, worker CPU, one call in flight and many); cache hits (L0, L1
+with only the last turn new); chat template renders (sandbox flavours, cache hit); the service's
+render_and_encode; and the inline threshold that follows.
 
 The threshold: a pool call costs the event loop ``parent CPU`` and the machine ``parent + worker``
 CPU beyond the encode itself. Encoding inline is right while the encode costs less than that overhead;
 above it, sending the work away frees more loop time than the hop burns. ``inline_max_chars`` is the
-size where inline encode CPU equals the pool's total overhead (both are printed).
+size where inline encode CPU equals the pool's total overhead (both are printed). Inline encodes
+and pool workers both go through ``TokenCache.encode_pieces`` (FastBPE when the tokenizer has one).
+
+``--fast-bpe-verify`` runs what is too slow for a build or a test, per family (default: qwen3,
+llama-3.1, gpt2): every code point of planes 0-16 in a dozen contexts through both encoders (regex
+classes, NFC), and for tokenizers whose merges tie (several splits of one token), a search over
+adversarial words (each such token twice, overlapping at its borders, around another token) for a
+state where HF's merge order and tiktoken's leftmost rule would pick different pairs.
 """
 
 from __future__ import annotations
@@ -30,15 +41,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from shepherd.loadgen.prompts import PromptConfig, PromptFactory  # noqa: E402
 from shepherd.node.chat_template import ChatTemplate, make_environment  # noqa: E402
+from shepherd.node.fast_bpe import byte_level_decoder  # noqa: E402
 from shepherd.node.token_cache import CacheLimits, TokenCache  # noqa: E402
 from shepherd.node.tokenizer import Tokenizer, load_chat_templates  # noqa: E402
 from shepherd.node.tokenizer_pool import TokenizerPool, TokenizerService  # noqa: E402
 
 QWEN3 = ROOT / "shepherd" / "node" / "assets" / "qwen3"
 TOK = ROOT / "tests" / "assets" / "tokenizers"
+SHARED = Path("/work/shared/assets/tokenizers")
 QUICK = "--quick" in sys.argv
-SIZES = [50, 200, 500, 1000, 2000, 4000, 8000, 16000, 32000]
+SIZES = [50, 200, 500, 1000, 1500, 2000, 3000, 4000, 8000, 16000, 32000]
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -80,15 +94,111 @@ def section(title: str) -> None:
 
 
 def inline_encode(tok: Tokenizer, text_at: dict[int, str]) -> dict[int, float]:
-    section("inline encode (qwen3, tokenizers encode, no cache), CPU µs per call")
+    """What an inline encode costs now (``TokenCache.encode_pieces``: FastBPE when there is one),
+    with plain tokenizers beside it."""
+    section("inline encode (qwen3, no cache), CPU µs per call: tokenizers / the inline path (FastBPE)")
     out: dict[int, float] = {}
-    print(f"{'chars':>7} {'tokens':>7} {'µs':>9} {'µs/char':>8}")
+    print(f"{'chars':>7} {'tokens':>7} {'HF µs':>9} {'inline µs':>10} {'µs/char':>8} {'HF/inline':>10}")
+    encode = tok.cache.encode_pieces
     for n, text in text_at.items():
         probe = best_us(lambda t=text: tok.encode_uncached(t, False), 3, 1)  # type: ignore[misc]
-        us = best_us(lambda t=text: tok.encode_uncached(t, False), calls_for(probe))  # type: ignore[misc]
+        hf = best_us(lambda t=text: tok.encode_uncached(t, False), calls_for(probe))  # type: ignore[misc]
+        us = best_us(lambda t=text: encode([t], False), calls_for(probe / 4))  # type: ignore[misc]
         out[n] = us
-        print(f"{n:>7} {len(tok.encode_uncached(text, False)):>7} {us:>9.1f} {us / n:>8.3f}")
+        tokens = len(tok.encode_uncached(text, False))
+        print(f"{n:>7} {tokens:>7} {hf:>9.1f} {us:>10.1f} {us / n:>8.3f} {hf / us:>10.2f}")
     return out
+
+
+def realistic_texts(tok: Tokenizer) -> dict[str, dict[int, str]]:
+    """Texts of about 150 / 1,500 / 8,000 qwen3 tokens: the benchmark's user messages (distinct
+    sentences and a reference number), source code, and prose in several scripts."""
+    factory = PromptFactory(PromptConfig(prompt_tokens=400))
+    chat = " ".join(factory.user_message(i) for i in range(400))
+    code = corpus()[20000:]
+    mixed = (
+        "Die Lieferung kam zwei Tage zu spät, und die Verpackung war beschädigt. "
+        "La réunion est reportée à jeudi prochain, merci de confirmer votre présence. "
+        "Наш сервер перезапускается каждую ночь в 3:00 по московскому времени. "
+        "会議の議事録を明日までに共有してください。予算は約120万円です。 "
+        "我们需要在下周五之前完成测试，并提交最终报告。 "
+        "¿Podrías revisar el contrato antes de firmarlo? Gracias 🙏 "
+        "Η παράδοση θα γίνει τη Δευτέρα. "
+        "नमस्ते, मेरा ऑर्डर अभी तक नहीं आया है। "
+        "\n\n- item one\n- item two\n\n"
+    ) * 300
+    out: dict[str, dict[int, str]] = {}
+    for name, text in (("chat", chat), ("code", code), ("mixed", mixed)):
+        ids = tok.hf.encode(text, add_special_tokens=False)
+        sized: dict[int, str] = {}
+        for n in (150, 1500, 8000):
+            end = ids.offsets[min(n, len(ids.ids)) - 1][1]
+            sized[n] = text[:end]
+        out[name] = sized
+    return out
+
+
+def fast_vs_hf(tok: Tokenizer, family: str) -> None:
+    """µs per encode of realistic texts, tokenizers vs FastBPE (both exact)."""
+    fast = tok.cache.fast
+    if fast is None:
+        print(f"{family}: no FastBPE ({tok.cache.fast_reason})")
+        return
+    print(f"{'text':<6} {'tokens':>7} {'chars':>7} {'HF µs':>10} {'fast µs':>10} {'HF/fast':>8}  same ids")
+    for kind, sized in realistic_texts(tok).items():
+        for text in sized.values():
+            want = tok.hf.encode(text, add_special_tokens=False).ids
+            same = fast.encode(text, False) == want
+            probe = best_us(lambda t=text: tok.hf.encode(t, add_special_tokens=False), 3, 1)  # type: ignore[misc]
+            hf = best_us(lambda t=text: tok.hf.encode(t, add_special_tokens=False), calls_for(probe))  # type: ignore[misc]
+            us = best_us(lambda t=text: fast.encode(t, False), calls_for(probe / 4))  # type: ignore[misc]
+            print(f"{kind:<6} {len(want):>7} {len(text):>7} {hf:>10.1f} {us:>10.1f} {hf / us:>8.2f}  {same}")
+
+
+def load_family(family: str) -> Tokenizer | None:
+    """A family from the repo copies, else from /work/shared (None if neither has it)."""
+    for d in (QWEN3 if family == "qwen3" else TOK / family, SHARED / family):
+        if (d / "tokenizer.json").is_file() or (d / "tokenizer.json.xz").is_file():
+            return Tokenizer.load(d, family)
+    return None
+
+
+FAMILIES = ("qwen3", "llama-3.1", "gpt2", "qwen2.5", "deepseek-v3", "gpt-oss", "mistral-nemo")
+
+
+def fast_bpe_families() -> None:
+    section("FastBPE per tokenizer family: accelerated or why not; ids on a mixed corpus; build time")
+    factory = PromptFactory(PromptConfig(prompt_tokens=300))
+    probe_texts = [factory.user_message(i) for i in range(200)]
+    probe_texts += [corpus()[i : i + 3000] for i in range(0, 60000, 3000)]
+    for sized in realistic_texts(Tokenizer.load(QWEN3, "qwen3")).values():
+        probe_texts += list(sized.values())
+    for family in FAMILIES:
+        t0 = time.perf_counter()
+        tok = load_family(family)
+        took = time.perf_counter() - t0
+        if tok is None:
+            print(f"{family:<13} not found")
+            continue
+        fast = tok.cache.fast
+        plain = Tokenizer.load(tok.path, family, fast_bpe=False)
+        t1 = time.perf_counter()
+        Tokenizer.load(tok.path, family, fast_bpe=False)
+        plain_took = time.perf_counter() - t1
+        if fast is None:
+            print(f"{family:<13} HF only: {tok.cache.fast_reason}")
+            continue
+        added = list(tok.hf.get_added_tokens_decoder().values())[:40]
+        texts = probe_texts + [t.content.join(probe_texts[:3]) for t in added]
+        mismatches = sum(
+            fast.encode(t, add) != plain.hf.encode(t, add_special_tokens=add).ids
+            for t in texts
+            for add in (False, True)
+        )
+        print(
+            f"{family:<13} FastBPE: {fast.description}; {2 * len(texts)} encodes, {mismatches} mismatches; "
+            f"load {took:.2f} s (without FastBPE {plain_took:.2f} s, same file: checks cached)"
+        )
 
 
 async def pool_round_trips(
@@ -279,6 +389,63 @@ async def pool_renders(tok: Tokenizer) -> tuple[dict[int, float], dict[int, tupl
     return inline, costs
 
 
+def sched_ns(pid: int) -> int:
+    """CPU time of ``pid`` so far, in ns (``/proc/<pid>/schedstat``: finer than the 10 ms ticks of
+    ``/proc/<pid>/stat``)."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+
+
+async def encode_threshold(tok: Tokenizer, text_at: dict[int, str]) -> None:
+    """The encode break-even, measured interleaved: for each size, rounds of (inline batch, pool
+    batch) alternate, and each figure is the minimum over the rounds (the lower envelope: noise from
+    neighbours on a shared machine only ever adds). Inline and worker run the same code
+    (``TokenCache.encode_pieces``)."""
+    section("encode threshold, interleaved rounds, lower envelope (min over rounds), CPU µs per call")
+    rounds = 5 if QUICK else 15
+    pool = TokenizerPool([tok], workers=1)
+    await pool.start()
+    encode = tok.cache.encode_pieces
+    print(
+        f"{'chars':>7} {'inline':>8} {'parent':>8} {'worker':>8} {'loop saved':>11} {'CPU added':>10}  "
+        f"verdict   (medians: inline / parent / worker)"
+    )
+    first_pool: int | None = None
+    try:
+        (pid,) = pool.pids()
+        for n in sorted(text_at):
+            text = text_at[n]
+            per = encode([text], False)  # warm
+            k = max(20, min(2000, int(60_000 / max(1.0, n * 0.15))))  # ~60 ms of encoding per batch
+            inline_r, parent_r, worker_r = [], [], []
+            for _ in range(rounds):
+                t0 = time.thread_time_ns()
+                for _ in range(k):
+                    encode([text], False)
+                inline_r.append((time.thread_time_ns() - t0) / k / 1000)
+                w0, p0 = sched_ns(pid), time.thread_time_ns()
+                for _ in range(k):
+                    await pool.encode("qwen3", text, False)
+                parent_r.append((time.thread_time_ns() - p0) / k / 1000)
+                worker_r.append((sched_ns(pid) - w0) / k / 1000)
+            inline, parent, worker = min(inline_r), min(parent_r), min(worker_r)
+            saved, added = inline - parent, parent + worker - inline
+            pays = saved >= added
+            if pays and first_pool is None:
+                first_pool = n
+            elif not pays:
+                first_pool = None
+            meds = f"{statistics.median(inline_r):.1f} / {statistics.median(parent_r):.1f} / "
+            meds += f"{statistics.median(worker_r):.1f}"
+            print(
+                f"{n:>7} {inline:>8.1f} {parent:>8.1f} {worker:>8.1f} {saved:>11.1f} {added:>10.1f}  "
+                f"{'pool' if pays else 'inline':<8}  ({meds})"
+            )
+            del per
+    finally:
+        await pool.close()
+    print(f"=> encode: the pool pays from about {first_pool} chars on (lower envelope)")
+
+
 def break_even(what: str, unit: str, inline: dict[int, float], costs: dict[int, tuple[float, float]]) -> None:
     """Sending work away pays when the event-loop time it saves (inline - parent CPU) is at least the
     CPU the hop adds to the machine (parent + worker - inline)."""
@@ -296,7 +463,122 @@ def break_even(what: str, unit: str, inline: dict[int, float], costs: dict[int, 
     print(f"=> {what}: the pool pays from about {first_pool} {unit} on")
 
 
+# ---- --fast-bpe-verify: the slow checks ------------------------------------------------------------
+
+GPT2_CONTEXTS = "a{c}1{c} {c}{c}\n{c}x {c}  {c}'s{c}'{c} '{c}{c}|'{c}e {c}\r\n{c}a\u0316{c}\u0301"
+
+
+def verify_code_points(tok: Tokenizer) -> None:
+    """Every code point (but surrogates) in a dozen contexts: FastBPE == tokenizers; bisects to the
+    code points that differ."""
+    fast, hf = tok.cache.fast, tok.hf
+    assert fast is not None
+    bad: list[int] = []
+
+    def check(cps: list[int]) -> None:
+        text = "".join(GPT2_CONTEXTS.replace("{c}", chr(c)) for c in cps)
+        if fast.encode(text, False) == hf.encode(text, add_special_tokens=False).ids:
+            return
+        if len(cps) == 1:
+            bad.append(cps[0])
+            return
+        half = len(cps) // 2
+        check(cps[:half])
+        check(cps[half:])
+
+    t0 = time.perf_counter()
+    cps = [c for c in range(0x110000) if not 0xD800 <= c < 0xE000]
+    for i in range(0, len(cps), 2048):
+        check(cps[i : i + 2048])
+    print(
+        f"  code points: {len(cps)} checked, {len(bad)} differ {[hex(c) for c in bad[:20]]} "
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
+
+
+def verify_merge_ties(tok: Tokenizer) -> None:
+    """For tokens with several splits among the merges: words where two splits of one token could be
+    candidates at once (the token twice, overlapping at a border, around another token), BPE'd with
+    HF's merge order while checking at each step that tiktoken's rule (lowest result id, leftmost)
+    would pick the same pair. (The candidate sets are the same: the build checked that the merges are
+    all the splits.) No differing step on a word means both give the same ids for it."""
+    import json as _json
+    import random as _random
+
+    d = _json.loads(tok.hf.to_str())
+    dec = byte_level_decoder()
+    model = d["model"]
+    ranks: dict[bytes, int] = {}
+    for t, i in model["vocab"].items():
+        if all(ch in dec for ch in t):
+            ranks[bytes(dec[ch] for ch in t)] = i
+    mrank: dict[tuple[bytes, bytes], int] = {}
+    raw_merges = model["merges"]
+    for k, m in enumerate(raw_merges):
+        a, b = m.split(" ") if isinstance(m, str) else m
+        mrank[(bytes(dec[ch] for ch in a), bytes(dec[ch] for ch in b))] = k
+    splits: dict[bytes, int] = {}
+    for a, b in mrank:
+        splits[a + b] = splits.get(a + b, 0) + 1
+    multi = [t for t, n in splits.items() if n > 1]
+    if not multi:
+        print("  merges: one per token, no ties to check")
+        return
+    lookup = bool(model.get("ignore_merges"))
+
+    def hf_bpe(word: bytes, events: list[bytes]) -> list[bytes]:
+        if lookup and word in ranks:
+            return [word]
+        toks = [word[i : i + 1] for i in range(len(word))]
+        while True:
+            cands = [
+                (mrank[(toks[j], toks[j + 1])], j)
+                for j in range(len(toks) - 1)
+                if (toks[j], toks[j + 1]) in mrank
+            ]
+            if not cands:
+                return toks
+            _, i = min(cands)
+            _, leftmost = min((ranks[toks[j] + toks[j + 1]], j) for _, j in cands)
+            if leftmost != i:
+                events.append(word)
+            toks[i : i + 2] = [toks[i] + toks[i + 1]]
+
+    rng = _random.Random(0)
+    vocab_tokens = list(ranks)
+    words: list[bytes] = []
+    for t in multi:
+        words += [t + t, t + rng.choice(vocab_tokens) + t]
+        words += [t + t[k:] for k in range(1, len(t)) if t[:k] == t[len(t) - k :]]
+    if QUICK:
+        words = words[:20000]
+    events: list[bytes] = []
+    t0 = time.perf_counter()
+    for w in words:
+        hf_bpe(w, events)
+    print(
+        f"  merge ties: {len(multi)} tokens with several splits, {len(words)} adversarial words, "
+        f"{len(events)} states where HF's merge order and tiktoken's rule pick different pairs "
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
+
+
+def fast_bpe_verify(families: list[str]) -> None:
+    for family in families:
+        section(f"FastBPE verification: {family}")
+        tok = load_family(family)
+        if tok is None or tok.cache.fast is None:
+            print(f"  no FastBPE: {tok.cache.fast_reason if tok else 'not found'}")
+            continue
+        verify_code_points(tok)
+        verify_merge_ties(tok)
+
+
 async def main() -> None:
+    if "--fast-bpe-verify" in sys.argv:
+        families = [a for a in sys.argv[1:] if not a.startswith("--")] or ["qwen3", "llama-3.1", "gpt2"]
+        fast_bpe_verify(families)
+        return
     if "--no-pin" not in sys.argv:
         cpu = min(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpu})
@@ -305,8 +587,20 @@ async def main() -> None:
     tok = Tokenizer.load(QWEN3, "qwen3")
     text_at = {n: text[1000 : 1000 + n] for n in SIZES}
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
+    section("FastBPE vs tokenizers (qwen3), realistic texts, CPU µs per encode")
+    fast_vs_hf(tok, "qwen3")
+    if "--fast-bpe" in sys.argv:
+        for family in ("llama-3.1", "gpt2"):
+            section(f"FastBPE vs tokenizers ({family}), CPU µs per encode")
+            other = load_family(family)
+            if other is not None:
+                fast_vs_hf(other, family)
+        fast_bpe_families()
     inline = inline_encode(tok, text_at)
     overhead = await pool_round_trips(tok, text_at, inline)
+    if "--fast-bpe" in sys.argv:
+        await encode_threshold(tok, text_at)
+        return
     cache_hits(tok, text_at)
     renders()
     render_inline, render_costs = await pool_renders(tok)
@@ -314,6 +608,7 @@ async def main() -> None:
     section("inline thresholds")
     break_even("encode", "chars", inline, {n: c for n, c in overhead.items() if n})
     break_even("render", "messages", render_inline, render_costs)
+    await encode_threshold(tok, text_at)
     print(f"\nload at the end {os.getloadavg()[0]:.2f}")
 
 

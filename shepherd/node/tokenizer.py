@@ -6,21 +6,25 @@ an optional ``generation_config.json`` (its ``eos_token_id`` list) and chat temp
 (takes precedence as the default, as in transformers) and any other ``*.jinja`` there, named by its stem
 without a ``chat_template.`` prefix (``chat_template.v3_1.jinja`` → ``"v3_1"``).
 
-``encode`` goes through the L0/L1 caches (see token_cache.py) and always equals ``encode_uncached``;
-``render_chat`` goes through the rendered-prompt cache (see chat_template.py).
+``encode`` goes through the L0/L1 caches (see token_cache.py), what they miss through ``FastBPE``
+(see fast_bpe.py) when the tokenizer's structure allows it, and always equals ``encode_uncached``
+(plain HF); ``render_chat`` goes through the rendered-prompt cache (see chat_template.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import lzma
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import orjson
 import tokenizers
 
 from shepherd.node.chat_template import ChatTemplate, ChatTemplateError
+from shepherd.node.fast_bpe import fast_bpe_for
 from shepherd.node.token_cache import CacheLimits, TokenCache
 
 __all__ = [
@@ -128,7 +132,14 @@ class Tokenizer:
         generation_config: Mapping[str, Any] | None = None,
         templates: Mapping[str, ChatTemplate] | None = None,
         cache_limits: CacheLimits | None = None,
+        tokenizer_json: Mapping[str, Any] | None = None,
+        tokenizer_json_key: bytes | None = None,
+        fast_bpe: bool = True,
     ) -> None:
+        """``tokenizer_json``: the parsed tokenizer.json of ``hf`` if at hand (else ``hf.to_str()``
+        is parsed when ``fast_bpe`` needs it), ``tokenizer_json_key`` a digest of it (tokenizers
+        loaded from the same file share the fast encoder's checks); ``fast_bpe=False`` keeps plain
+        HF encoding."""
         cfg = dict(config or {})
         self.name = name
         self.path = path
@@ -160,7 +171,9 @@ class Tokenizer:
                 eos.append(i)
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
         self.bos_token_id: int | None = hf.token_to_id(self.bos_token) if self.bos_token else None
-        self.cache = TokenCache(hf, cache_limits)
+        if fast_bpe:
+            fast_bpe_for(hf, tokenizer_json, content_key=tokenizer_json_key)  # once per ``hf``
+        self.cache = TokenCache(hf, cache_limits, fast_bpe=fast_bpe)
 
     @classmethod
     def load(
@@ -170,16 +183,18 @@ class Tokenizer:
         *,
         chat_template: str | Path | None = None,
         cache_limits: CacheLimits | None = None,
+        fast_bpe: bool = True,
     ) -> Tokenizer:
         directory = Path(path)
         plain, packed = directory / "tokenizer.json", directory / "tokenizer.json.xz"
         if plain.is_file():
-            hf = tokenizers.Tokenizer.from_file(str(plain))
+            data = plain.read_bytes()
         elif packed.is_file():
-            with lzma.open(packed, "rt", encoding="utf-8") as f:
-                hf = tokenizers.Tokenizer.from_str(f.read())
+            with lzma.open(packed) as f:
+                data = f.read()
         else:
             raise FileNotFoundError(f"{directory}: no tokenizer.json or tokenizer.json.xz")
+        hf = tokenizers.Tokenizer.from_buffer(data)
         config = _read_json(directory / "tokenizer_config.json")
         return cls(
             hf,
@@ -189,6 +204,9 @@ class Tokenizer:
             generation_config=_read_json(directory / "generation_config.json"),
             templates=load_chat_templates(directory, chat_template, config=config),
             cache_limits=cache_limits,
+            tokenizer_json=orjson.loads(data) if fast_bpe else None,
+            tokenizer_json_key=hashlib.blake2b(data, digest_size=16).digest(),
+            fast_bpe=fast_bpe,
         )
 
     def __repr__(self) -> str:

@@ -47,10 +47,12 @@ __all__ = [
 ]
 
 # Measured with bench/tokenizer_bench.py ("inline thresholds"): below these sizes a pool round trip
-# adds more CPU (parent + worker) than the event-loop time it saves. Encodes: the break-even was at
-# 200-500 characters still to encode (3 runs); renders (qwen3 template, ~40-70 µs per message): at
-# about 8 messages. Both rounded up, towards less total CPU.
-DEFAULT_INLINE_MAX_CHARS: Final = 512
+# adds more CPU (parent + worker) than the event-loop time it saves. Encodes (qwen3, FastBPE inline
+# and in the workers, ~0.09 µs per character): the break-even is at 1,500-2,000 characters still to
+# encode ("encode threshold", interleaved, 2 runs; it was 200-500 with plain tokenizers encodes,
+# which are 4-8x dearer); renders (qwen3 template, ~40-70 µs per message): at about 8 messages.
+# Both rounded up, towards less total CPU.
+DEFAULT_INLINE_MAX_CHARS: Final = 2048
 DEFAULT_RENDER_INLINE_MAX_MESSAGES: Final = 8
 DEFAULT_RENDER_INLINE_MAX_BYTES: Final = 16384
 
@@ -119,13 +121,9 @@ def _handle(
 ) -> tuple[int, bytes]:
     tok = tokenizers[model]
     if op == _OP_ENCODE:
-        pieces = _unpack_pieces(payload)
-        encode = tok.hf.encode
-        add = bool(flag)
         counts = array("I")
         ids = array("I")
-        for p in pieces:
-            got = encode(p, add_special_tokens=add).ids
+        for got in tok.cache.encode_pieces(_unpack_pieces(payload), bool(flag)):  # the inline path's
             counts.append(len(got))
             ids.extend(got)
         return _OK, _U32.pack(len(counts)) + counts.tobytes() + ids.tobytes()
