@@ -21,14 +21,52 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     return u
 
 
-class ChatChunks:
-    """``chat.completion.chunk`` events for one response; the fixed head is encoded once."""
+class _Chunks:
+    """Stream events of one response; the fixed head is encoded once. Subclasses name the object and
+    the per-choice delta field (``"delta":{"content":...}`` for chat, ``"text":...`` for completions)."""
 
     __slots__ = ("_head",)
+    OBJECT = ""
+    CONTENT = b""  # what precedes the JSON text of a content event
+    CONTENT_END = b""  # what follows it
+    EMPTY = b""  # the delta of a finish event
 
     def __init__(self, rid: str, created: int, model: str) -> None:
-        head = _dumps({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model})
+        head = _dumps({"id": rid, "object": self.OBJECT, "created": created, "model": model})
         self._head = b"data: " + head[:-1] + b',"choices":[{"index":'
+
+    def content(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+        lp = b"null" if logprobs is None else _dumps(logprobs)
+        return b'%s%d,%s%s%s,"logprobs":%s,"finish_reason":null}]}\n\n' % (
+            self._head,
+            index,
+            self.CONTENT,
+            _dumps(text),
+            self.CONTENT_END,
+            lp,
+        )
+
+    def finish(self, index: int, reason: str, matched: str | int | None = None) -> bytes:
+        return b'%s%d,%s,"logprobs":null,"finish_reason":%s,"matched_stop":%s}]}\n\n' % (
+            self._head,
+            index,
+            self.EMPTY,
+            _dumps(reason),
+            _dumps(matched),
+        )
+
+    def usage(self, u: dict[str, Any]) -> bytes:
+        return self._head[: -len(b'[{"index":')] + b'[],"usage":' + _dumps(u) + b"}\n\n"
+
+
+class ChatChunks(_Chunks):
+    """``chat.completion.chunk`` events."""
+
+    __slots__ = ()
+    OBJECT = "chat.completion.chunk"
+    CONTENT = b'"delta":{"content":'
+    CONTENT_END = b"}"
+    EMPTY = b'"delta":{}'
 
     def role(self, index: int) -> bytes:
         return (
@@ -39,55 +77,14 @@ class ChatChunks:
             )
         )
 
-    def content(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
-        lp = b"null" if logprobs is None else _dumps(logprobs)
-        return b'%s%d,"delta":{"content":%s},"logprobs":%s,"finish_reason":null}]}\n\n' % (
-            self._head,
-            index,
-            _dumps(text),
-            lp,
-        )
 
-    def finish(self, index: int, reason: str, matched: str | int | None = None) -> bytes:
-        return b'%s%d,"delta":{},"logprobs":null,"finish_reason":%s,"matched_stop":%s}]}\n\n' % (
-            self._head,
-            index,
-            _dumps(reason),
-            _dumps(matched),
-        )
-
-    def usage(self, u: dict[str, Any]) -> bytes:
-        return self._head[: -len(b'[{"index":')] + b'[],"usage":' + _dumps(u) + b"}\n\n"
-
-
-class CompletionChunks:
+class CompletionChunks(_Chunks):
     """``text_completion`` stream events (the legacy completions API)."""
 
-    __slots__ = ("_head",)
-
-    def __init__(self, rid: str, created: int, model: str) -> None:
-        head = _dumps({"id": rid, "object": "text_completion", "created": created, "model": model})
-        self._head = b"data: " + head[:-1] + b',"choices":[{"index":'
-
-    def content(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
-        lp = b"null" if logprobs is None else _dumps(logprobs)
-        return b'%s%d,"text":%s,"logprobs":%s,"finish_reason":null}]}\n\n' % (
-            self._head,
-            index,
-            _dumps(text),
-            lp,
-        )
-
-    def finish(self, index: int, reason: str, matched: str | int | None = None) -> bytes:
-        return b'%s%d,"text":"","logprobs":null,"finish_reason":%s,"matched_stop":%s}]}\n\n' % (
-            self._head,
-            index,
-            _dumps(reason),
-            _dumps(matched),
-        )
-
-    def usage(self, u: dict[str, Any]) -> bytes:
-        return self._head[: -len(b'[{"index":')] + b'[],"usage":' + _dumps(u) + b"}\n\n"
+    __slots__ = ()
+    OBJECT = "text_completion"
+    CONTENT = b'"text":'
+    EMPTY = b'"text":""'
 
 
 def error_event(message: str, type_: str = "server_error", code: str | None = None) -> bytes:

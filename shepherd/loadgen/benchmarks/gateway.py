@@ -11,11 +11,11 @@ figure is the gateway's CPU per request: all of its processes, from /proc, over 
 from __future__ import annotations
 
 import argparse
-import shlex
 import http.client
 import json
 import math
 import os
+import shlex
 import sys
 import tempfile
 import time
