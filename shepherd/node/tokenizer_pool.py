@@ -48,9 +48,9 @@ __all__ = [
 
 # Measured with bench/tokenizer_bench.py ("inline thresholds"): below these sizes a pool round trip
 # adds more CPU (parent + worker) than the event-loop time it saves. Encodes (qwen3, FastBPE inline
-# and in the workers, ~0.09 µs per character): the break-even is at 1,500-2,000 characters still to
-# encode ("encode threshold", interleaved, 2 runs; it was 200-500 with plain tokenizers encodes,
-# which are 4-8x dearer); renders (qwen3 template, ~40-70 µs per message): at about 8 messages.
+# and in the workers, ~0.09 µs per character): the break-even is at 1,000-2,000 characters still to
+# encode ("encode threshold", interleaved, 3 runs; it was 200-500 with plain tokenizers encodes,
+# which are 5-10x dearer); renders (qwen3 template, ~40-70 µs per message): at about 8 messages.
 # Both rounded up, towards less total CPU.
 DEFAULT_INLINE_MAX_CHARS: Final = 2048
 DEFAULT_RENDER_INLINE_MAX_MESSAGES: Final = 8
