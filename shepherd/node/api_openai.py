@@ -291,6 +291,13 @@ class Generation:
         own = time.perf_counter() - self.t0 - self.engine_seconds
         return {"x-request-id": self.rid, "x-smg-gateway-ms": f"{own * 1000:.3f}"}
 
+    async def run(self, jobs: list[Job]) -> web.StreamResponse:
+        """Dispatch: the prompt work is done, the engine work starts."""
+        self.gw.metrics.overhead.observe(time.perf_counter() - self.t0)
+        if self.s.stream:
+            return await self.stream(jobs)
+        return await self.respond(jobs)
+
     # ---- streaming -----------------------------------------------------------------------------------
 
     async def stream(self, jobs: list[Job]) -> web.StreamResponse:
@@ -394,11 +401,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         t0=t0,
         logprobs=req.top_logprobs if req.logprobs else None,
     )
-    jobs = [Job(ids, text, states, 0)]
-    gw.metrics.overhead.observe(time.perf_counter() - t0)
-    if req.sampling.stream:
-        return await g.stream(jobs)
-    return await g.respond(jobs)
+    return await g.run([Job(ids, text, states, 0)])
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -438,10 +441,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         t0=t0,
         logprobs=req.logprobs,
     )
-    gw.metrics.overhead.observe(time.perf_counter() - t0)
-    if req.sampling.stream:
-        return await g.stream(jobs)
-    return await g.respond(jobs)
+    return await g.run(jobs)
 
 
 def routes() -> list[web.RouteDef]:
