@@ -100,6 +100,9 @@ def grpc_message(body: bytes) -> bytes:
     return _PREFIX.pack(0, len(body)) + body
 
 
+_UNPROCESSED_RETRIES = 5  # transparent re-sends of a call the server never processed
+
+
 class GrpcStream(h2.H2Stream):
     """One gRPC call: response messages in ``messages`` (bytes), status when ``done``.
 
@@ -118,10 +121,12 @@ class GrpcStream(h2.H2Stream):
         "done",
         "messages",
         "timer",
+        "unprocessed",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
+        self.unprocessed = False  # the server says it never processed the call: safe to send again
         self._loop = loop
         self.messages: collections.deque[bytes] = collections.deque()
         self.done = False
@@ -268,9 +273,11 @@ class GrpcStream(h2.H2Stream):
             self._finish(INTERNAL, "stream ended without trailers")
 
     def on_reset(self, code: int) -> None:
+        self.unprocessed = code == h2.REFUSED_STREAM and not self._headers_seen and not self.messages
         self._finish(_RST_STATUS.get(code, INTERNAL), f"stream reset by the server (HTTP/2 error {code})")
 
     def on_connection_error(self, message: str, unprocessed: bool) -> None:
+        self.unprocessed = unprocessed and not self._headers_seen and not self.messages
         self._finish(UNAVAILABLE, message)
 
 
@@ -578,13 +585,22 @@ class H2EngineClient:
             body = codec.sglang_generate(req).SerializeToString()
             parse = sg.GenerateResponse.FromString
             path = _path("sglang", "Generate")
-        try:
-            stream = await self._start(path, body, timeout)
-        except RpcStatus as e:
-            raise e.engine_error() from None
         decode_batch = codec.decode_batch
-        msgs = stream.messages
+        stream: GrpcStream | None = None
         try:
+            for attempt in range(_UNPROCESSED_RETRIES + 1):
+                try:
+                    stream = await self._start(path, body, timeout)
+                except RpcStatus as e:
+                    raise e.engine_error() from None
+                while not stream.done and not stream.messages:
+                    await stream.wait()
+                # a call the server refused before processing it (REFUSED_STREAM, or above a GOAWAY's
+                # last stream id: e.g. opened before its SETTINGS limit arrived) is sent again, as gRPC does
+                if not (stream.done and stream.unprocessed) or attempt == _UNPROCESSED_RETRIES:
+                    break
+            assert stream is not None
+            msgs = stream.messages
             while True:
                 if msgs:
                     raws = list(msgs)
@@ -599,7 +615,7 @@ class H2EngineClient:
         except DecodeError as e:
             raise map_status(INTERNAL, f"cannot parse a response: {e}") from None
         finally:
-            if not stream.done:
+            if stream is not None and not stream.done:
                 stream.cancel()
         if stream.code != OK:
             raise map_status(stream.code, stream.details)

@@ -570,3 +570,22 @@ def test_parse_target() -> None:
     assert parse_target("unix:/tmp/e.sock") == ("localhost", 0, "/tmp/e.sock")
     assert parse_target("unix:///tmp/e.sock") == ("localhost", 0, "/tmp/e.sock")
     assert parse_target("host") == ("host", 443, None)
+
+
+def test_refused_stream_is_marked_unprocessed_only_before_any_answer() -> None:
+    from shepherd.node import h2_conn
+    from shepherd.node.engine_h2 import GrpcStream
+
+    loop = asyncio.new_event_loop()
+    try:
+        refused = GrpcStream(loop)
+        refused.on_reset(h2_conn.REFUSED_STREAM)
+        assert refused.done and refused.unprocessed
+        cancelled = GrpcStream(loop)
+        cancelled.on_reset(h2_conn.CANCEL)
+        assert cancelled.done and not cancelled.unprocessed
+        lost = GrpcStream(loop)
+        lost.on_connection_error("GOAWAY above last stream id", True)
+        assert lost.unprocessed
+    finally:
+        loop.close()
