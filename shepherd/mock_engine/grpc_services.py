@@ -220,18 +220,81 @@ def _scheduler_load(module: Any, load: LoadSnapshot, include: Sequence[str], rol
 # ---- SGLang ----------------------------------------------------------------------------------------
 
 
-class SglangService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type: ignore[misc]
+class _Service:
+    """What the SGLang and vLLM servicers share; ``KIND`` names the service, ``_request`` and
+    ``_response`` translate its messages."""
+
+    KIND = ""
+
     def __init__(self, core: EngineCore, tokenizers: _Tokenizers, *, raw_chunks: bool = False) -> None:
         """``raw_chunks``: yield streamed chunks as pre-encoded bytes (servers that pass bytes through)."""
         self._core = core
         self._tokenizers = tokenizers
         self._raw_chunks = raw_chunks
 
+    def _request(self, request: Any) -> MockRequest:
+        raise NotImplementedError
+
+    def _response(self, rid: str, ev: EngineEvent) -> Any:
+        raise NotImplementedError
+
     def _wire(self, request_id: str, run: Run) -> ChunkWire | None:
         if not self._raw_chunks or not run.req.stream:
             return None
         g = run.group
-        return ChunkWire("sglang", request_id, len(g.prompt), g.cached_tokens)
+        return ChunkWire(self.KIND, request_id, len(g.prompt), g.cached_tokens)
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        core = self._core
+        core.stats.count_rpc(f"{self.KIND}.Generate")
+        try:
+            run = core.start(self._request(request))
+        except MockRpcError as e:
+            await context.abort(_status(e.code), e.message)
+            return
+        _close_on_done(context, run)
+        rid = request.request_id
+        wire = self._wire(rid, run)
+        try:
+            if wire is not None:
+                ready = run.take_ready()
+                if ready is not None:  # zero latency: the whole stream at once, as a list of messages
+                    yield [
+                        wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
+                        if type(ev) is EngineChunk and not ev.logprobs
+                        else self._response(rid, ev).SerializeToString()
+                        for ev in ready
+                    ]
+                    return
+            async for ev in run.events():
+                if wire is not None and type(ev) is EngineChunk and not ev.logprobs:
+                    yield wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
+                else:
+                    yield self._response(rid, ev)
+        finally:
+            run.close()
+
+    async def FlushCache(self, request: Any, context: Any) -> Any:
+        self._core.stats.count_rpc(f"{self.KIND}.FlushCache")
+        ok = self._core.flush_cache()
+        return common_pb2.FlushCacheResponse(success=ok, message="" if ok else "requests in flight")
+
+    async def GetTokenizer(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        self._core.stats.count_rpc(f"{self.KIND}.GetTokenizer")
+        async for chunk in _tokenizer_chunks(self._tokenizers):
+            yield chunk
+
+    async def SubscribeKvEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        self._core.stats.count_rpc(f"{self.KIND}.SubscribeKvEvents")
+        try:
+            async for batch in _kv_event_stream(self._core, request):
+                yield batch
+        except MockRpcError as e:
+            await context.abort(_status(e.code), e.message)
+
+
+class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type: ignore[misc]
+    KIND = "sglang"
 
     def _request(self, request: Any) -> MockRequest:
         core = self._core
@@ -263,36 +326,6 @@ class SglangService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type:
             prompt_text=request.tokenized.original_text,
             disaggregated=disagg,
         )
-
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        core = self._core
-        core.stats.count_rpc("sglang.Generate")
-        try:
-            run = core.start(self._request(request))
-        except MockRpcError as e:
-            await context.abort(_status(e.code), e.message)
-            return
-        _close_on_done(context, run)
-        rid = request.request_id
-        wire = self._wire(rid, run)
-        try:
-            if wire is not None:
-                ready = run.take_ready()
-                if ready is not None:  # zero latency: the whole stream at once, as a list of messages
-                    yield [
-                        wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
-                        if type(ev) is EngineChunk and not ev.logprobs
-                        else self._response(rid, ev).SerializeToString()
-                        for ev in ready
-                    ]
-                    return
-            async for ev in run.events():
-                if wire is not None and type(ev) is EngineChunk and not ev.logprobs:
-                    yield wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
-                else:
-                    yield self._response(rid, ev)
-        finally:
-            run.close()
 
     def _response(self, rid: str, ev: EngineEvent) -> Any:
         if isinstance(ev, EngineChunk):
@@ -412,40 +445,12 @@ class SglangService(sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type:
             ),
         )
 
-    async def FlushCache(self, request: Any, context: Any) -> Any:
-        self._core.stats.count_rpc("sglang.FlushCache")
-        ok = self._core.flush_cache()
-        return common_pb2.FlushCacheResponse(success=ok, message="" if ok else "requests in flight")
-
-    async def GetTokenizer(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        self._core.stats.count_rpc("sglang.GetTokenizer")
-        async for chunk in _tokenizer_chunks(self._tokenizers):
-            yield chunk
-
-    async def SubscribeKvEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        self._core.stats.count_rpc("sglang.SubscribeKvEvents")
-        try:
-            async for batch in _kv_event_stream(self._core, request):
-                yield batch
-        except MockRpcError as e:
-            await context.abort(_status(e.code), e.message)
-
 
 # ---- vLLM ------------------------------------------------------------------------------------------
 
 
-class VllmService(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[misc]
-    def __init__(self, core: EngineCore, tokenizers: _Tokenizers, *, raw_chunks: bool = False) -> None:
-        """``raw_chunks``: yield streamed chunks as pre-encoded bytes (servers that pass bytes through)."""
-        self._core = core
-        self._tokenizers = tokenizers
-        self._raw_chunks = raw_chunks
-
-    def _wire(self, request_id: str, run: Run) -> ChunkWire | None:
-        if not self._raw_chunks or not run.req.stream:
-            return None
-        g = run.group
-        return ChunkWire("vllm", request_id, len(g.prompt), g.cached_tokens)
+class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[misc]
+    KIND = "vllm"
 
     def _request(self, request: Any) -> MockRequest:
         core = self._core
@@ -484,36 +489,6 @@ class VllmService(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[misc
             prompt_text=text,
             kv_transfer_params_json=kv_json,
         )
-
-    async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        core = self._core
-        core.stats.count_rpc("vllm.Generate")
-        try:
-            run = core.start(self._request(request))
-        except MockRpcError as e:
-            await context.abort(_status(e.code), e.message)
-            return
-        _close_on_done(context, run)
-        rid = request.request_id
-        wire = self._wire(rid, run)
-        try:
-            if wire is not None:
-                ready = run.take_ready()
-                if ready is not None:  # zero latency: the whole stream at once, as a list of messages
-                    yield [
-                        wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
-                        if type(ev) is EngineChunk and not ev.logprobs
-                        else self._response(rid, ev).SerializeToString()
-                        for ev in ready
-                    ]
-                    return
-            async for ev in run.events():
-                if wire is not None and type(ev) is EngineChunk and not ev.logprobs:
-                    yield wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
-                else:
-                    yield self._response(rid, ev)
-        finally:
-            run.close()
 
     def _response(self, rid: str, ev: EngineEvent) -> Any:
         if isinstance(ev, EngineChunk):
@@ -602,24 +577,6 @@ class VllmService(vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[misc
             dp_rank_count=1,
             loads=[_scheduler_load(VLLM, load, (), core.config.role)],
         )
-
-    async def FlushCache(self, request: Any, context: Any) -> Any:
-        self._core.stats.count_rpc("vllm.FlushCache")
-        ok = self._core.flush_cache()
-        return common_pb2.FlushCacheResponse(success=ok, message="" if ok else "requests in flight")
-
-    async def GetTokenizer(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        self._core.stats.count_rpc("vllm.GetTokenizer")
-        async for chunk in _tokenizer_chunks(self._tokenizers):
-            yield chunk
-
-    async def SubscribeKvEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        self._core.stats.count_rpc("vllm.SubscribeKvEvents")
-        try:
-            async for batch in _kv_event_stream(self._core, request):
-                yield batch
-        except MockRpcError as e:
-            await context.abort(_status(e.code), e.message)
 
 
 # ---- server ----------------------------------------------------------------------------------------
