@@ -30,6 +30,8 @@ import jinja2.nodes
 import orjson
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
 
+from shepherd.node.chat_skeleton import MARK_OPEN, SENTINEL, SkeletonCache
+
 __all__ = [
     "ChatTemplate",
     "ChatTemplateError",
@@ -206,6 +208,7 @@ class ChatTemplate:
         self._bytes = 0  # keys + texts held (texts counted as their length in characters)
         self.hits = 0
         self.misses = 0
+        self.skeletons = SkeletonCache(size=cache_size) if cache_size > 0 else None
 
     @classmethod
     def from_file(
@@ -272,6 +275,8 @@ class ChatTemplate:
     def clear_cache(self) -> None:
         self._cache.clear()
         self._bytes = 0
+        if self.skeletons is not None:
+            self.skeletons.clear()
 
     def store(self, key: bytes | None, text: str, clock_reads: ClockReads = ()) -> None:
         """Remember a render; ``clock_reads`` are the ``strftime_now`` calls it made (format, value)."""
@@ -411,6 +416,26 @@ class ChatTemplate:
             if add_generation_prompt:
                 raise ChatTemplateError("continue_final_message and add_generation_prompt are not compatible")
             _tag_final_message(chat, continue_final_message, self.source)
+        if self.skeletons is not None and not continue_final_message and not self.uses_clock:
+            shape = _shape_key(chat, tools, add_generation_prompt, template_kwargs)
+            if shape is not None:
+                key, slots = shape
+                return self.skeletons.render(
+                    key,
+                    chat,
+                    slots,
+                    lambda c: self._render_plain(c, tools, add_generation_prompt, False, template_kwargs)[0],
+                ), ()
+        return self._render_plain(chat, tools, add_generation_prompt, continue_final_message, template_kwargs)
+
+    def _render_plain(
+        self,
+        chat: list[dict[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool | str,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[str, ClockReads]:
         context: dict[str, Any] = dict(self.special_tokens)
         if template_kwargs:
             context.update(template_kwargs)
@@ -437,6 +462,29 @@ class ChatTemplate:
         if continue_final_message:
             rendered = _cut_at_tag(rendered)
         return rendered, tuple(reads)
+
+
+def _shape_key(
+    chat: list[dict[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    add_generation_prompt: bool,
+    template_kwargs: Mapping[str, Any] | None,
+) -> tuple[bytes, list[int]] | None:
+    """What a render depends on besides the string contents of the messages (see chat_skeleton),
+    and the indices of those messages; None when the inputs are not plain JSON data."""
+    slots: list[int] = []
+    shape: list[Any] = []
+    for i, m in enumerate(chat):
+        c = m.get("content")
+        if type(c) is str and MARK_OPEN not in c and SENTINEL not in c:
+            slots.append(i)
+            shape.append([k if k == "content" else (k, v) for k, v in m.items()])
+        else:
+            shape.append(m)
+    try:
+        return orjson.dumps((shape, tools, add_generation_prompt, template_kwargs)), slots
+    except TypeError:
+        return None
 
 
 _REASONING_FIELDS: Final = ("reasoning_content", "thinking", "reasoning")

@@ -1,0 +1,31 @@
+"""Who is calling: the principal the auth layer puts on each request, read by admission and handlers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from aiohttp import web
+
+Role = Literal["admin", "user"]
+
+# request[PRINCIPAL_KEY] holds the caller's Principal once the auth middleware has run
+PRINCIPAL_KEY = "shepherd.principal"
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    subject: str  # key id, JWT "sub", or "anonymous"
+    tenant: str  # rate-limit and accounting unit
+    role: Role
+    key_id: str | None = None  # set when authenticated by an API key
+    method: Literal["none", "api_key", "jwt"] = "none"
+
+
+ANONYMOUS = Principal(subject="anonymous", tenant="default", role="admin")
+
+
+def principal_of(request: web.Request) -> Principal:
+    """The request's principal; ANONYMOUS when no auth is configured (every caller is trusted)."""
+    p = request.get(PRINCIPAL_KEY)
+    return p if isinstance(p, Principal) else ANONYMOUS
