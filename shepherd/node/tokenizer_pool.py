@@ -579,6 +579,8 @@ class TokenizerService:
                 list(self._tokenizers.values()), self.workers, call_timeout=self._call_timeout
             )
             await self._pool.start()
+        for tok in self._tokenizers.values():  # after the fork: the workers never decode
+            tok.build_fast_decoder()
 
     async def close(self) -> None:
         if self._pool is not None:

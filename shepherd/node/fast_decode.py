@@ -1,0 +1,92 @@
+"""An exact, faster ``decode`` for byte-level tokenizers: a table of each token's bytes.
+
+HF's ``decode`` of a byte-level vocabulary (GPT-2, Llama 3, Qwen, gpt-oss...) maps every character of
+every token back to its byte through the ByteLevel decoder, then turns the bytes into text with
+replacement characters for invalid UTF-8 (``from_utf8_lossy``). With each token's bytes precomputed,
+a decode is one ``bytes.join`` and one ``bytes.decode("utf-8", "replace")``: 32 ids in ~2 µs instead
+of ~25-50 µs through the binding.
+
+``ByteDecoder.build(hf)`` returns a decoder only when the tokenizer's decoder is exactly ``ByteLevel``
+and a self-check gives HF's text on every added token alone and on seeded random sequences (ids from
+the whole vocabulary, special ones and split multi-byte characters among them, with and without
+``skip_special_tokens``); else None, and the caller keeps HF's decode. Python's "replace" and Rust's
+``from_utf8_lossy`` both substitute maximal subparts of invalid sequences (checked by the self-check
+on split characters).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+
+import tokenizers
+
+from shepherd.node.fast_bpe import _to_latin1_table
+
+__all__ = ["ByteDecoder"]
+
+
+class ByteDecoder:
+    __slots__ = ("_all", "_plain", "size")
+
+    def __init__(self, table: list[bytes], special: frozenset[int]) -> None:
+        self._all = table
+        self._plain = [b"" if i in special else t for i, t in enumerate(table)]
+        self.size = len(table)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """HF's ``decode``; ids outside the vocabulary raise IndexError (HF drops them: the caller
+        falls back to it)."""
+        table = self._plain if skip_special_tokens else self._all
+        return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+
+    @classmethod
+    def build(cls, hf: tokenizers.Tokenizer, seed: int = 0) -> ByteDecoder | None:
+        decoder = hf.decoder
+        if decoder is None:
+            return None
+        state = decoder.__getstate__()
+        try:
+            spec = json.loads(state.decode() if isinstance(state, bytes) else str(state))
+        except ValueError:
+            return None
+        if not isinstance(spec, dict) or spec.get("type") != "ByteLevel":
+            return None
+        to_latin1 = _to_latin1_table()
+        size = hf.get_vocab_size(with_added_tokens=True)
+        vocab = hf.get_vocab(with_added_tokens=True)
+        if len(vocab) != size or any(i >= size or i < 0 for i in vocab.values()):
+            return None  # holes in the id space: HF skips what it cannot name
+        table = [b""] * size
+        for token, i in vocab.items():
+            try:  # every character a byte-level one: its bytes; else the token's own UTF-8
+                table[i] = token.translate(to_latin1).encode("latin-1")
+            except UnicodeEncodeError:
+                table[i] = token.encode()
+        added = hf.get_added_tokens_decoder()
+        special = frozenset(i for i, t in added.items() if t.special)
+        fast = cls(table, special)
+        return fast if fast._agrees(hf, sorted(added), seed) else None
+
+    def _agrees(self, hf: tokenizers.Tokenizer, added: list[int], seed: int) -> bool:
+        rng = random.Random(seed)
+        samples: list[list[int]] = [[i] for i in added]
+        multibyte = [
+            i
+            for i in rng.sample(range(self.size), min(self.size, 4000))
+            if max(self._all[i], default=0) >= 0x80
+        ]
+        for _ in range(200):
+            n = rng.randrange(1, 24)
+            seq = [rng.randrange(self.size) for _ in range(n)]
+            if added and rng.random() < 0.5:
+                seq.insert(rng.randrange(len(seq) + 1), rng.choice(added))
+            if multibyte and rng.random() < 0.5:
+                seq.insert(rng.randrange(len(seq) + 1), rng.choice(multibyte))
+            samples.append(seq)
+        for seq in samples:
+            for skip in (True, False):
+                if self.decode(seq, skip) != hf.decode(seq, skip_special_tokens=skip):
+                    return False
+        return True
