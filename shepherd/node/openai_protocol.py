@@ -12,6 +12,9 @@ from typing import Any
 
 import orjson
 
+from shepherd.node.structured import schema_error
+from shepherd.node.tool_choice import ToolChoice, ToolChoiceError, parse_tool_choice
+
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_N = 128
 MAX_STOP = 16
@@ -238,12 +241,14 @@ class ChatRequest:
     logprobs: bool
     top_logprobs: int
     tools: list[dict[str, Any]] | None
-    tool_choice: Any
+    tool_choice: ToolChoice
     template_kwargs: dict[str, Any]
     add_generation_prompt: bool
     continue_final_message: bool
     response_format: dict[str, Any] | None
     raw: dict[str, Any]
+    parallel_tool_calls: bool = True
+    separate_reasoning: bool = True
 
 
 def _content_text(content: Any, idx: int) -> Any:
@@ -308,11 +313,63 @@ def _tools(d: dict[str, Any]) -> list[dict[str, Any]] | None:
         raise bad("'tools' must be a list.", param="tools", code="invalid_type")
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        if not isinstance(t, dict) or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise bad(
                 f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}.", param=f"tools.{i}"
             )
+        if not fn["name"]:
+            raise bad(f"tools[{i}].function.name must not be empty.", param=f"tools.{i}")
+        if t.get("type", "function") != "function":
+            raise bad(f"tools[{i}].type must be 'function'.", param=f"tools.{i}.type")
+        params = fn.get("parameters")
+        if params is not None:
+            problem = schema_error(params)
+            if problem:
+                raise bad(
+                    f"tools[{i}].function.parameters is not a valid JSON schema: {problem}",
+                    param=f"tools.{i}.function.parameters",
+                )
+        if fn.get("strict") not in (None, True, False):
+            raise bad(f"tools[{i}].function.strict must be a boolean.", param=f"tools.{i}.function.strict")
     return tools or None
+
+
+def _response_format(d: dict[str, Any]) -> dict[str, Any] | None:
+    rf = _dict(d, "response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind not in ("text", "json_object", "json_schema", "structural_tag"):
+        raise bad(
+            "'response_format.type' must be 'text', 'json_object', 'json_schema' or 'structural_tag'.",
+            param="response_format",
+        )
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
+            raise bad(
+                "'response_format.json_schema' must be an object with a 'schema'.",
+                param="response_format.json_schema",
+            )
+        problem = schema_error(spec["schema"])
+        if problem:
+            raise bad(
+                f"'response_format.json_schema.schema' is not a valid JSON schema: {problem}",
+                param="response_format.json_schema.schema",
+            )
+        if spec.get("strict") not in (None, True, False):
+            raise bad(
+                "'response_format.json_schema.strict' must be a boolean.",
+                param="response_format.json_schema.strict",
+            )
+    return None if kind == "text" else rf
+
+
+def _tool_choice(d: dict[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
+    try:
+        return parse_tool_choice(d.get("tool_choice"), tools)
+    except ToolChoiceError as e:
+        raise bad(str(e), param="tool_choice") from None
 
 
 def parse_chat(d: dict[str, Any]) -> ChatRequest:
@@ -324,25 +381,24 @@ def parse_chat(d: dict[str, Any]) -> ChatRequest:
     if top_logprobs and not logprobs:
         raise bad("'top_logprobs' requires 'logprobs': true.", param="top_logprobs")
     kwargs = _dict(d, "chat_template_kwargs") or {}
-    rf = _dict(d, "response_format")
-    if rf is not None and rf.get("type") not in ("text", "json_object", "json_schema"):
-        raise bad(
-            "'response_format.type' must be 'text', 'json_object' or 'json_schema'.", param="response_format"
-        )
+    rf = _response_format(d)
     cont = _bool(d, "continue_final_message", False)
+    tools = _tools(d)
     return ChatRequest(
         model=model,
         messages=messages,
         sampling=sampling,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
-        tools=_tools(d),
-        tool_choice=d.get("tool_choice"),
+        tools=tools,
+        tool_choice=_tool_choice(d, tools),
         template_kwargs=kwargs,
         add_generation_prompt=_bool(d, "add_generation_prompt", not cont),
         continue_final_message=cont,
         response_format=rf,
         raw=d,
+        parallel_tool_calls=_bool(d, "parallel_tool_calls", True),
+        separate_reasoning=_bool(d, "separate_reasoning", True),
     )
 
 

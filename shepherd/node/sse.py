@@ -77,6 +77,33 @@ class ChatChunks(_Chunks):
             )
         )
 
+    def _delta(self, index: int, delta: bytes, logprobs: dict[str, Any] | None) -> bytes:
+        lp = b"null" if logprobs is None else _dumps(logprobs)
+        return b'%s%d,"delta":%s,"logprobs":%s,"finish_reason":null}]}\n\n' % (self._head, index, delta, lp)
+
+    def reasoning(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+        """A ``delta.reasoning_content`` event."""
+        return self._delta(index, b'{"reasoning_content":%s}' % _dumps(text), logprobs)
+
+    def tool_call(
+        self, index: int, call: int, call_id: str, name: str, logprobs: dict[str, Any] | None = None
+    ) -> bytes:
+        """The first delta of tool call ``call``: its id, type and name (arguments follow)."""
+        return self._delta(
+            index,
+            b'{"tool_calls":[{"index":%d,"id":%s,"type":"function","function":{"name":%s,"arguments":""}}]}'
+            % (call, _dumps(call_id), _dumps(name)),
+            logprobs,
+        )
+
+    def tool_args(self, index: int, call: int, fragment: str) -> bytes:
+        """A fragment of tool call ``call``'s arguments (the fragments concatenate to its JSON)."""
+        return self._delta(
+            index,
+            b'{"tool_calls":[{"index":%d,"function":{"arguments":%s}}]}' % (call, _dumps(fragment)),
+            None,
+        )
+
 
 class CompletionChunks(_Chunks):
     """``text_completion`` stream events (the legacy completions API)."""

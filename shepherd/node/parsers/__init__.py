@@ -27,8 +27,11 @@ from shepherd.node.parsers.registry import (
     default_parsers_for_model,
     get_reasoning_parser,
     get_tool_parser,
+    prompt_closes_think,
     prompt_opens_think,
+    reasoning_family_name,
     thinking_enabled,
+    tool_family_name,
 )
 
 __all__ = [
@@ -47,8 +50,11 @@ __all__ = [
     "default_parsers_for_model",
     "get_reasoning_parser",
     "get_tool_parser",
+    "prompt_closes_think",
     "prompt_opens_think",
+    "reasoning_family_name",
     "run_reasoning",
     "run_tools",
     "thinking_enabled",
+    "tool_family_name",
 ]

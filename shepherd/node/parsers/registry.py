@@ -8,7 +8,7 @@ accepted.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +37,11 @@ __all__ = [
     "default_parsers_for_model",
     "get_reasoning_parser",
     "get_tool_parser",
+    "prompt_closes_think",
     "prompt_opens_think",
+    "reasoning_family_name",
     "thinking_enabled",
+    "tool_family_name",
 ]
 
 
@@ -90,21 +93,23 @@ _REASONING_ALIASES = {
     "nemotron_nano": "nemotron",
 }
 
-_ToolFactory = Callable[[IdFactory | None, Mapping[str, Mapping[str, str]]], ToolParser]
+_ToolFactory = Callable[
+    [IdFactory | None, Mapping[str, Mapping[str, str]], Collection[str] | None], ToolParser
+]
 
 
 def _delimited(spec: DelimitedSpec) -> _ToolFactory:
-    return lambda ids, types: DelimitedToolParser(spec, id_factory=ids, types=types)
+    return lambda ids, types, names: DelimitedToolParser(spec, id_factory=ids, types=types, names=names)
 
 
 def _leading(spec: LeadingSpec) -> _ToolFactory:
-    return lambda ids, types: LeadingValueToolParser(spec, id_factory=ids, types=types)
+    return lambda ids, types, names: LeadingValueToolParser(spec, id_factory=ids, types=types, names=names)
 
 
 TOOL_FAMILIES: Mapping[str, _ToolFactory] = {
     "hermes": _delimited(HERMES),
     "llama3": _leading(LLAMA3),
-    "mistral": lambda ids, types: MistralToolParser(id_factory=ids, types=types),
+    "mistral": lambda ids, types, names: MistralToolParser(id_factory=ids, types=types, names=names),
     "qwen3_coder": _delimited(QWEN3_CODER),
     "deepseek_v3": _delimited(DEEPSEEK_V3),
     "deepseek_v31": _delimited(DEEPSEEK_V31),
@@ -199,19 +204,49 @@ def prompt_opens_think(name: str, prompt: str) -> bool:
     return start != -1 and tail.find(spec.end, start) == -1
 
 
+def prompt_closes_think(name: str, prompt: str) -> bool:
+    """Whether the rendered prompt ends with an empty, closed think block (``<think>\n\n</think>``):
+    the template turned thinking off (``enable_thinking: false``), so the output is all content."""
+    _, family = _reasoning_family(name)
+    spec = family.spec
+    if spec is None:
+        return False
+    tail = prompt[-256:].rstrip()
+    if not tail.endswith(spec.end):
+        return False
+    start = tail.rfind(spec.start)
+    return start != -1 and not tail[start + len(spec.start) : -len(spec.end)].strip()
+
+
 def get_tool_parser(
     name: str,
     *,
     id_factory: IdFactory | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    known_names_only: bool = False,
 ) -> ToolParser:
     """A fresh tool parser. ``tools``: the request's tool definitions (OpenAI shape), used by the
-    XML-style families (qwen3_coder, glm45) to type parameter values. ``id_factory`` makes call ids
-    (default: ``call_`` + 24 hex digits; 9 alphanumerics for mistral). Raises ValueError."""
+    XML-style families (qwen3_coder, glm45) to type parameter values. ``known_names_only``: a call
+    to a tool that is not in ``tools`` is not a call (returned as text, raw). ``id_factory`` makes
+    call ids (default: ``call_`` + 24 hex digits; 9 alphanumerics for mistral). Raises ValueError."""
     factory = TOOL_FAMILIES.get(_TOOL_INDEX.get(_norm(name), ""))
     if factory is None:
         raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(TOOL_FAMILIES))}")
-    return factory(id_factory, param_types(tools))
+    types = param_types(tools)
+    return factory(id_factory, types, frozenset(types) if known_names_only else None)
+
+
+def reasoning_family_name(name: str) -> str:
+    """The canonical reasoning family for a name or alias. Raises ValueError."""
+    return _reasoning_family(name)[0]
+
+
+def tool_family_name(name: str) -> str:
+    """The canonical tool-call family for a name or alias. Raises ValueError."""
+    key = _TOOL_INDEX.get(_norm(name), "")
+    if key not in TOOL_FAMILIES:
+        raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(TOOL_FAMILIES))}")
+    return key
 
 
 # (substring of the lowercased model name, reasoning family, tool family); first match wins

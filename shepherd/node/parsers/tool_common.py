@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from shepherd.node.parsers.events import ToolCallArgs, ToolCallStart, ToolEvent
@@ -92,13 +92,22 @@ def convert_value(raw: str, typ: str | None) -> Any:
 
 
 class CallEmitter:
-    """Numbers calls and builds their events."""
+    """Numbers calls and builds their events. ``names``: the tool names calls may use (the request's
+    tools); a parsed call naming another tool is not a call, and its parser returns it as text."""
 
-    __slots__ = ("_count", "_make_id")
+    __slots__ = ("_count", "_make_id", "_names")
 
-    def __init__(self, id_factory: IdFactory | None) -> None:
+    def __init__(self, id_factory: IdFactory | None, names: Collection[str] | None = None) -> None:
         self._make_id = id_factory or random_call_id
+        self._names = None if names is None else frozenset(names)
         self._count = 0
+
+    def accepts(self, calls: Sequence[ParsedCall] | None) -> bool:
+        """Whether ``calls`` is a non-empty list of calls to known tools."""
+        if not calls:
+            return False
+        names = self._names
+        return names is None or all(c.name in names for c in calls)
 
     def emit(self, calls: Sequence[ParsedCall], out: list[ToolEvent]) -> None:
         for call in calls:

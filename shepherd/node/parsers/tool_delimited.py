@@ -10,7 +10,7 @@ are structural and always dropped (text inside a section that is not a call is c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from shepherd.node.parsers.events import TextDelta, ToolEvent
@@ -58,11 +58,16 @@ class DelimitedToolParser:
     )
 
     def __init__(
-        self, spec: DelimitedSpec, *, id_factory: IdFactory | None = None, types: ParamTypes | None = None
+        self,
+        spec: DelimitedSpec,
+        *,
+        id_factory: IdFactory | None = None,
+        types: ParamTypes | None = None,
+        names: Collection[str] | None = None,
     ) -> None:
         self._spec = spec
         self._types: ParamTypes = types or {}
-        self._calls = CallEmitter(id_factory)
+        self._calls = CallEmitter(id_factory, names)
         self._text_markers = (spec.section_begin,) if spec.section_begin else spec.call_begin
         self._section_markers = (*spec.call_begin, spec.section_end, spec.section_begin)
         self._firsts = frozenset(m[0] for m in self._text_markers)
@@ -182,6 +187,8 @@ class DelimitedToolParser:
         self._parts = []
         self._tail = ""
         calls = self._spec.parse(body, self._types)
+        if not self._calls.accepts(calls):
+            calls = None
         if calls:
             self._calls.emit(calls, out)
         else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,11 +42,16 @@ class LeadingValueToolParser:
     __slots__ = ("_buf", "_calls", "_parts", "_raw", "_scanner", "_spec", "_state", "_types")
 
     def __init__(
-        self, spec: LeadingSpec, *, id_factory: IdFactory | None = None, types: ParamTypes | None = None
+        self,
+        spec: LeadingSpec,
+        *,
+        id_factory: IdFactory | None = None,
+        types: ParamTypes | None = None,
+        names: Collection[str] | None = None,
     ) -> None:
         self._spec = spec
         self._types: ParamTypes = types or {}
-        self._calls = CallEmitter(id_factory)
+        self._calls = CallEmitter(id_factory, names)
         self._state = _DETECT
         self._buf = ""  # held text (DETECT/AFTER)
         self._parts: list[str] = []  # the value so far (VALUE)
@@ -86,7 +91,7 @@ class LeadingValueToolParser:
                 self._parts = []
                 text = text[end:]
                 calls = spec.parse(value, self._types)
-                if calls:
+                if calls and self._calls.accepts(calls):
                     self._calls.emit(calls, out)
                     self._state = _AFTER
                     self._raw = ""

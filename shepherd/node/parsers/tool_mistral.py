@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import secrets
 import string
+from collections.abc import Collection
 
 from shepherd.node.parsers.events import TextDelta, ToolEvent
 from shepherd.node.parsers.text_scan import BracketScanner, partial_suffix_len
@@ -42,9 +43,15 @@ def mistral_call_id() -> str:
 class MistralToolParser:
     __slots__ = ("_after_call", "_buf", "_calls", "_name", "_parts", "_raw", "_scanner", "_state", "_types")
 
-    def __init__(self, *, id_factory: IdFactory | None = None, types: ParamTypes | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        id_factory: IdFactory | None = None,
+        types: ParamTypes | None = None,
+        names: Collection[str] | None = None,
+    ) -> None:
         self._types: ParamTypes = types or {}
-        self._calls = CallEmitter(id_factory or mistral_call_id)
+        self._calls = CallEmitter(id_factory or mistral_call_id, names)
         self._state = _TEXT
         self._buf = ""
         self._parts: list[str] = []  # the JSON value so far (VALUE)
@@ -95,7 +102,7 @@ class MistralToolParser:
                     calls = None if args is None else [self._name._replace(arguments=dump_args(args))]
                 else:
                     calls = parse_json_calls(value, self._types)
-                if calls:
+                if calls and self._calls.accepts(calls):
                     self._calls.emit(calls, out)
                     self._state = _TEXT
                     self._after_call = True

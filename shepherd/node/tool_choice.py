@@ -1,0 +1,201 @@
+"""Tools and ``tool_choice`` of a chat request: validation, what the template sees, and the engine
+constraint that forces a call.
+
+Semantics follow SGLang (which follows OpenAI):
+
+- ``none``: the tools are dropped from the prompt and the output is not parsed for calls;
+- ``auto`` (the default when tools are given): the model decides; the model's tool-call parser reads
+  its output; tools marked ``strict`` get their parameters enforced by a structural tag where the
+  family's call format allows one (``structural_tag``);
+- ``required`` / a named function (``{"type": "function", "function": {"name": ...}}``): the engine is
+  constrained to a JSON array of ``{"name", "parameters"}`` objects (``call_array_schema``; a named
+  function puts only that tool in the prompt and in the schema), which the ``json`` parser reads;
+  ``parallel_tool_calls: false`` caps the array at one item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+__all__ = [
+    "STRUCTURAL_TAG_FAMILIES",
+    "ToolChoice",
+    "call_array_schema",
+    "parse_tool_choice",
+    "structural_tag",
+    "template_tools",
+    "tool_names",
+]
+
+Tool = Mapping[str, Any]
+
+
+class ToolChoiceError(ValueError):
+    """The request's ``tool_choice`` or ``tools`` do not fit together; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolChoice:
+    mode: Literal["none", "auto", "required", "function"]
+    name: str | None = None  # the forced function (mode "function")
+
+    @property
+    def forces_call(self) -> bool:
+        return self.mode in ("required", "function")
+
+
+AUTO = ToolChoice("auto")
+NONE = ToolChoice("none")
+
+
+def _fn(tool: Tool) -> Mapping[str, Any]:
+    fn = tool.get("function", tool)
+    return fn if isinstance(fn, Mapping) else {}
+
+
+def tool_names(tools: Sequence[Tool] | None) -> list[str]:
+    return [str(_fn(t).get("name")) for t in tools or ()]
+
+
+def parse_tool_choice(value: Any, tools: Sequence[Tool] | None) -> ToolChoice:
+    """The typed ``tool_choice``; raises ToolChoiceError when it is malformed or names no given tool.
+    Absent: ``auto`` with tools, ``none`` without (OpenAI's defaults)."""
+    if value is None:
+        return AUTO if tools else NONE
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise ToolChoiceError("'tool_choice' must be 'none', 'auto', 'required' or a function object.")
+        if value == "required" and not tools:
+            raise ToolChoiceError("'tool_choice' is 'required' but no 'tools' were given.")
+        return ToolChoice(value)  # type: ignore[arg-type]
+    if isinstance(value, dict):
+        fn = value.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if value.get("type", "function") != "function" or not isinstance(name, str) or not name:
+            raise ToolChoiceError(
+                "'tool_choice' as an object must be {'type': 'function', 'function': {'name': ...}}."
+            )
+        if name not in tool_names(tools):
+            raise ToolChoiceError(f"'tool_choice' names the function {name!r}, which is not in 'tools'.")
+        return ToolChoice("function", name)
+    raise ToolChoiceError("'tool_choice' must be a string or a function object.")
+
+
+def template_tools(tools: Sequence[Tool] | None, choice: ToolChoice) -> list[dict[str, Any]] | None:
+    """The tools the chat template renders: none for ``none``, only the named one for a named choice."""
+    if not tools or choice.mode == "none":
+        return None
+    if choice.mode == "function":
+        return [dict(t) for t in tools if _fn(t).get("name") == choice.name]
+    return [dict(t) for t in tools]
+
+
+def _parameters(tool: Tool) -> dict[str, Any]:
+    params = _fn(tool).get("parameters")
+    return dict(params) if isinstance(params, Mapping) else {"type": "object", "properties": {}}
+
+
+def _call_item_schema(tool: Tool) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": [_fn(tool).get("name")]},
+            "parameters": _parameters(tool),
+        },
+        "required": ["name", "parameters"],
+    }
+
+
+def _collect_defs(tools: Sequence[Tool]) -> dict[str, Any]:
+    defs: dict[str, Any] = {}
+    for tool in tools:
+        for key, schema in (_parameters(tool).get("$defs") or {}).items():
+            if key in defs and defs[key] != schema:
+                raise ToolChoiceError(f"tools define '$defs/{key}' differently; this cannot be constrained.")
+            defs[key] = schema
+    return defs
+
+
+def call_array_schema(tools: Sequence[Tool], choice: ToolChoice, parallel: bool = True) -> dict[str, Any]:
+    """The JSON schema a forced call is generated under (``required`` / named): an array of at least
+    one ``{"name", "parameters"}`` object; at most one when ``parallel`` is false. ``$defs`` of the
+    tools are lifted to the top so references resolve."""
+    chosen = [t for t in tools if choice.mode != "function" or _fn(t).get("name") == choice.name]
+    if not chosen:
+        raise ToolChoiceError("no tool matches 'tool_choice'.")
+    items = (
+        _call_item_schema(chosen[0])
+        if len(chosen) == 1
+        else {"type": "object", "anyOf": [_call_item_schema(t) for t in chosen]}
+    )
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": items}
+    if not parallel:
+        schema["maxItems"] = 1
+    defs = _collect_defs(chosen)
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+# ---- structural tags (tool_choice auto with strict tools) ----------------------------------------------
+
+# family -> (begin, end, trigger) with NAME standing for the function name: the fixed text around a
+# call's JSON arguments in that family's format (SGLang's detectors' ``structure_info``)
+_STRUCTURE: Mapping[str, tuple[str, str, str]] = {
+    "hermes": ('<tool_call>\n{"name": "NAME", "arguments": ', "}\n</tool_call>", "<tool_call>"),
+    "llama3": ('<|python_tag|>{"name": "NAME", "arguments": ', "}", "<|python_tag|>"),
+    "mistral": ('[TOOL_CALLS] [{"name": "NAME", "arguments": ', "}]", "[TOOL_CALLS]"),
+    "deepseek_v3": (
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\n",
+        "\n```<｜tool▁call▁end｜>",
+        "<｜tool▁call▁begin｜>",
+    ),
+    "deepseek_v31": (
+        "<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>",
+        "<｜tool▁call▁end｜>",
+        "<｜tool▁call▁begin｜>",
+    ),
+    "kimi_k2": (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>",
+        "<|tool_call_end|><|tool_calls_section_end|>",
+        "<|tool_calls_section_begin|>",
+    ),
+    "gpt_oss": (
+        "<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>",
+        "<|call|>",
+        "<|channel|>commentary to=",
+    ),
+}
+
+STRUCTURAL_TAG_FAMILIES = frozenset(_STRUCTURE)
+
+
+def is_strict(tool: Tool) -> bool:
+    return _fn(tool).get("strict") is True
+
+
+def structural_tag(family: str, tools: Sequence[Tool]) -> str | None:
+    """The structural-tag constraint (JSON text) that holds every call's arguments of a ``strict``
+    tool to its schema while leaving the model free to answer in text (``tool_choice: auto``); None
+    when no tool is strict or the family's format has no fixed text around its arguments (the XML
+    and Python-call formats)."""
+    shape = _STRUCTURE.get(family)
+    if shape is None or not any(is_strict(t) for t in tools):
+        return None
+    begin, end, trigger = shape
+    structures = []
+    for tool in tools:
+        name = str(_fn(tool).get("name"))
+        structures.append(
+            {
+                "begin": begin.replace("NAME", name),
+                "schema": _parameters(tool) if is_strict(tool) else {},
+                "end": end,
+            }
+        )
+    tag = {"type": "structural_tag", "structures": structures, "triggers": [trigger]}
+    return orjson.dumps(tag).decode()
