@@ -1,0 +1,736 @@
+"""MeshState: the replicated state of one node (workers, health, prefix indexes, config, extras), and
+the SWIM ``Delegate`` that carries it.
+
+Components (each a CRDT whose merge is commutative, associative and idempotent, memory bounded):
+``registry`` (``state_registry``), ``health`` (``state_health``), one ``ReplicatedPrefixIndex`` per
+model (``state_index``), ``config`` (``state_config``, pycrdt), and any number of extra components
+registered by name (``register``; e.g. the rate-limit counters) that follow ``StateComponent``.
+
+Every payload is one msgpack envelope ``[VERSION, tag, body]``:
+
+====  ======================================  ===============================================
+tag   body                                    meaning
+====  ======================================  ===============================================
+"r"   [registry entry, ...]                   registry delta (or repair)
+"h"   [observation, ...]                      health delta (or repair)
+"i"   [model, [group, ...]]                   prefix-index delta (or repair)
+"c"   update bytes                            config (Yjs) update
+"x"   [name, delta]                           an extra component's delta
+"X"   [name, snapshot]                        an extra component's snapshot (repair)
+"S"   {"r", "h", "c", "i", "x"}               full snapshot (``snapshot`` / ``merge_snapshot``)
+"P"   {"n", "r", "h", "c", "x", "d"}          push-pull state: small parts in full, index digests
+"D"   {"n", "r", "h", "c", "d", "x"}          digest (``digest`` / ``repair``)
+====  ======================================  ===============================================
+
+Decoding is all-or-nothing per payload: the body is validated into typed values before anything is
+merged; anything malformed raises ``StateDecodeError`` (the Delegate entry points count and drop it).
+
+Dissemination (how the node's runtime should drive it):
+
+- ``broadcasts(budget)`` (Delegate): registry, health, config and extras deltas, one small payload
+  each, piggybacked by SWIM with memberlist's retransmit limit (``BroadcastQueue``; a newer entry of a
+  worker replaces the queued older one). Receivers relay what changed their state, so the spread is
+  epidemic and stops where nothing is new.
+- ``index_batches(budget)``: prefix-index deltas, too many for piggybacking (a routing decision adds
+  up to ~100 blocks): the runtime sends each batch as its own datagram to every alive member, once;
+  receivers call ``apply``. (``index_in_broadcasts=True`` puts them in the SWIM queue instead, for
+  small meshes.) Lost batches are repaired by digests.
+- Push-pull (TCP): ``local_state()`` / ``merge_remote_state()`` exchange the small parts in full and
+  the index digests; each side queues its entries of the differing (worker, time slot) buckets for
+  ``index_batches``. A runtime that can do two rounds on the connection should rather exchange
+  ``digest()`` and send back ``repair(peer_digest)`` (only what the peer lacks, only to it).
+- ``snapshot()`` / ``merge_snapshot()``: everything, for a joining node or tests.
+
+Membership: ``on_member_up/dead/left`` (or ``on_member_event`` with SWIM's actions). ``tick()`` every
+second or so renews this node's worker leases, republishes its health observations, collects
+expired entries and tombstones, expires the indexes, re-asserts pinned workers and clears index
+entries of workers gone from the registry. Time comes from the injected ``clock`` (wall clock,
+seconds): use the same clock for the prefix index's insert times.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgpack  # type: ignore[import-untyped]
+
+from shepherd.mesh.hlc import (
+    HLC,
+    StateDecodeError,
+    expect_bytes,
+    expect_int,
+    expect_list,
+    expect_str,
+)
+from shepherd.mesh.state_config import ConfigDoc
+from shepherd.mesh.state_health import (
+    HealthConfig,
+    HealthView,
+    Observation,
+    ReplicatedHealth,
+    observation_to_wire,
+    observations_from_wire,
+)
+from shepherd.mesh.state_index import (
+    Digest,
+    Group,
+    IndexReplConfig,
+    ReplicatedPrefixIndex,
+    Slot,
+    decode_index_body,
+    encode_index_bodies,
+)
+from shepherd.mesh.state_registry import (
+    REMOVED,
+    RegEntry,
+    RegistryChange,
+    RegistryConfig,
+    ReplicatedRegistry,
+    WorkerRecord,
+    entries_from_wire,
+    entry_to_wire,
+)
+from shepherd.mesh.swim_broadcast import BroadcastQueue
+from shepherd.mesh.swim_types import MemberDead, MemberEvent, MemberLeft, MemberUp
+from shepherd.policies.prefix_index import PrefixIndexConfig
+
+__all__ = [
+    "ENVELOPE_OVERHEAD",
+    "VERSION",
+    "HealthView",
+    "MeshState",
+    "MeshStateConfig",
+    "MeshStateStats",
+    "Observation",
+    "RegEntry",
+    "StateComponent",
+    "StateDecodeError",
+    "WorkerRecord",
+]
+
+log = logging.getLogger("shepherd.mesh.state")
+
+VERSION = 1
+ENVELOPE_OVERHEAD = 8  # bytes the envelope adds to a body (array header, version, tag; rounded up)
+MAX_MODELS = 256  # prefix indexes created on a peer's word, at most
+
+
+class StateComponent(Protocol):
+    """An extra replicated component (e.g. rate-limit counters). Every method is synchronous and
+    fast; values are msgpack-able plain data. ``apply_delta``/``merge_snapshot`` validate their
+    input before changing anything and raise ``ValueError`` (or a subclass) on malformed data.
+    Keep a delta well under ``MeshStateConfig.udp_payload_bytes`` (bigger ones wait for repair; a
+    component may return its pending changes in pieces, one per ``take_delta`` call). Optional:
+    ``diff(remote_digest) -> delta`` (what a peer with that digest lacks; otherwise repair sends
+    the whole snapshot)."""
+
+    def take_delta(self) -> Any | None: ...
+
+    def apply_delta(self, delta: Any) -> None: ...
+
+    def snapshot(self) -> Any: ...
+
+    def merge_snapshot(self, snapshot: Any) -> None: ...
+
+    def digest(self) -> Any: ...
+
+    def on_member_dead(self, name: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MeshStateConfig:
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
+    index_repl: IndexReplConfig = field(default_factory=IndexReplConfig)
+    max_drift_s: float = 60.0  # HLC: remote stamps further ahead are refused
+    udp_payload_bytes: int = 1100  # one gossip payload (fits a 1400-byte datagram with SWIM's own)
+    tcp_batch_bytes: int = 256 * 1024  # one repair payload
+    retransmit_mult: int = 4
+    max_broadcasts: int = 4096
+    index_in_broadcasts: bool = False  # index deltas ride SWIM's queue too (small meshes)
+    repair_max_entries: int = 65_536  # index entries queued by one push-pull diff, at most
+    orphan_grace_s: float = 120.0  # index entries of a worker absent from the registry this long go
+    config_client_id: int | None = None  # Yjs client id (random by default)
+
+
+@dataclass(slots=True)
+class MeshStateStats:
+    payloads_in: int = 0
+    bytes_in: int = 0
+    decode_errors: int = 0
+    broadcast_payloads: int = 0
+    index_payloads_out: int = 0
+    index_entries_in: int = 0
+    index_entries_changed: int = 0
+    index_entries_repair_queued: int = 0
+    oversize: int = 0  # deltas too big for a gossip payload (left to repair)
+    callback_errors: int = 0
+
+
+class MeshState:
+    """The replicated state of node ``node_name`` (a SWIM ``Delegate``)."""
+
+    def __init__(
+        self,
+        node_name: str,
+        clock: Callable[[], float],
+        config: MeshStateConfig | None = None,
+        *,
+        num_nodes: Callable[[], int] | None = None,
+    ) -> None:
+        self.node = node_name
+        self.clock = clock
+        self.cfg = config or MeshStateConfig()
+        self.hlc = HLC(clock, self.cfg.max_drift_s)
+        self.registry = ReplicatedRegistry(node_name, self.hlc, self.cfg.registry)
+        self.health = ReplicatedHealth(node_name, self.hlc, self.cfg.health)
+        self.config = ConfigDoc(self.cfg.config_client_id)
+        self._indexes: dict[str, ReplicatedPrefixIndex] = {}
+        self._extras: dict[str, StateComponent] = {}
+        self._members: set[str] = {node_name}
+        self._queue = BroadcastQueue(
+            self.cfg.retransmit_mult, num_nodes or (lambda: len(self._members)), self.cfg.max_broadcasts
+        )
+        self._pinned: dict[str, WorkerRecord] = {}
+        self._orphans: dict[str, float] = {}  # index worker -> when first seen absent from the registry
+        self.stats = MeshStateStats()
+        # subscribers (called synchronously; exceptions are logged and counted)
+        self.on_worker_added: list[Callable[[WorkerRecord], None]] = []  # new or changed
+        self.on_worker_removed: list[Callable[[WorkerRecord], None]] = []
+        self.on_health_changed: list[Callable[[str], None]] = []  # worker id
+        self.on_config_changed: list[Callable[[ConfigDoc], None]] = []
+
+    # -- typed accessors ----------------------------------------------------------------------------
+
+    def workers(self) -> list[WorkerRecord]:
+        return self.registry.records()
+
+    def worker(self, worker_id: str) -> WorkerRecord | None:
+        return self.registry.get(worker_id)
+
+    def add_worker(self, record: WorkerRecord, pin: bool = False) -> WorkerRecord:
+        """Add (or replace) a worker, owned by this node unless ``record.owner`` says otherwise.
+        ``pin``: this node re-adds it whenever it disappears other than by an explicit removal (its
+        owner died, its lease ran out): use it for the workers of the node's own configuration."""
+        ch = self.registry.put(record)
+        rec = self.registry.get(record.id)
+        assert rec is not None
+        if pin:
+            self._pinned[record.id] = rec
+        self._registry_changed([ch] if ch else [])
+        return rec
+
+    def remove_worker(self, worker_id: str) -> bool:
+        """Remove a worker mesh-wide (a tombstone); False if it was not live here."""
+        self._pinned.pop(worker_id, None)
+        ch = self.registry.remove(worker_id)
+        self._registry_changed([ch] if ch else [])
+        return ch is not None
+
+    def index(self, model: str) -> ReplicatedPrefixIndex:
+        """The model's replicated prefix index (created on first use): give it to the routing policy
+        (e.g. ``CacheAware.indexes[model]``); its inserts are gossiped, peers' merged in."""
+        ix = self._indexes.get(model)
+        if ix is None:
+            ix = self._indexes[model] = ReplicatedPrefixIndex(self.cfg.index, self.cfg.index_repl)
+        return ix
+
+    @property
+    def indexes(self) -> Mapping[str, ReplicatedPrefixIndex]:
+        return self._indexes
+
+    def observe_health(self, worker_id: str, healthy: bool) -> None:
+        """This node's health check result for a worker (gossiped when it changes, and refreshed)."""
+        if self.health.observe(worker_id, healthy) is not None:
+            self._health_changed({worker_id})
+
+    def health_view(self, worker_id: str) -> HealthView:
+        return self.health.view(worker_id)
+
+    def routable(self, worker_id: str) -> bool:
+        return self.health.routable(worker_id)
+
+    def register(self, name: str, component: StateComponent) -> None:
+        """Add an extra replicated component under ``name`` (same name on every node)."""
+        if name in self._extras:
+            raise ValueError(f"state component {name!r} is already registered")
+        expect_str(name, 64)
+        self._extras[name] = component
+
+    def component(self, name: str) -> StateComponent | None:
+        return self._extras.get(name)
+
+    @property
+    def members(self) -> frozenset[str]:
+        return frozenset(self._members)
+
+    def describe(self) -> dict[str, Any]:
+        """Sizes and counters, for ``/mesh/state`` and metrics (cheap: no entry is copied)."""
+        return {
+            "node": self.node,
+            "members": sorted(self._members),
+            "workers": {
+                "live": self.registry.live_count,
+                "tombstones": self.registry.tombstone_count,
+                "pinned": len(self._pinned),
+                "pending": self.registry.pending,
+            },
+            "health": {"observations": len(self.health), "pending": self.health.pending},
+            "indexes": {
+                m: {
+                    "blocks": ix.live_blocks,
+                    "workers": len(ix.workers),
+                    "pending": ix.pending,
+                    "pending_dropped": ix.pending_dropped,
+                    "rejected": ix.rejected,
+                }
+                for m, ix in self._indexes.items()
+            },
+            "config_version": self.config.version,
+            "components": sorted(self._extras),
+            "broadcast_queue": len(self._queue),
+            "hlc_refused": self.hlc.refused,
+            "stats": {k: getattr(self.stats, k) for k in self.stats.__slots__},
+        }
+
+    # -- membership ---------------------------------------------------------------------------------
+
+    def on_member_up(self, name: str) -> None:
+        """``name`` is alive (joined, came back, refuted a suspicion)."""
+        self._members.add(name)
+        self.registry.on_member_alive(name)
+        self.health.on_member_alive(name)
+
+    on_member_alive = on_member_up  # the name MeshRuntime's delegate hook uses
+
+    def on_member_dead(self, name: str) -> None:
+        """``name`` is dead (or left): its workers are removed and its observations dropped, here
+        and, through the tombstones, everywhere."""
+        if name == self.node:
+            return
+        self._members.discard(name)
+        self._registry_changed(self.registry.on_member_dead(name))
+        self._health_changed(self.health.on_member_dead(name))
+        for comp in self._extras.values():
+            try:
+                comp.on_member_dead(name)
+            except Exception:
+                log.exception("state component failed on_member_dead(%s)", name)
+
+    on_member_left = on_member_dead
+
+    def on_member_event(self, event: MemberEvent) -> None:
+        """Feed SWIM's membership actions (MemberSuspect and MemberReaped change nothing here)."""
+        if isinstance(event, MemberUp):
+            self.on_member_up(event.member.name)
+        elif isinstance(event, MemberDead | MemberLeft):
+            self.on_member_dead(event.member.name)
+
+    # -- time ---------------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Periodic upkeep (every second or so; cost bounded by the state's size)."""
+        now = self.clock()
+        self._registry_changed(self.registry.tick())
+        self._health_changed(self.health.tick())
+        for wid, rec in list(self._pinned.items()):
+            e = self.registry.entry(wid)
+            if e is not None and e.kind == REMOVED:
+                del self._pinned[wid]  # removed on purpose, after we pinned it
+            elif self.registry.get(wid) is None:
+                ch = self.registry.put(
+                    WorkerRecord(rec.id, rec.url, rec.model, rec.kind, rec.labels, self.node)
+                )
+                self._registry_changed([ch] if ch else [])
+        live = {r.id for r in self.registry.records()}
+        seen: set[str] = set()
+        for ix in self._indexes.values():
+            ix.expire(now)
+            for w in ix.workers:
+                seen.add(w)
+                if w in live:
+                    continue
+                since = self._orphans.setdefault(w, now)
+                if now - since >= self.cfg.orphan_grace_s:
+                    ix.clear_worker(w)
+        for w in list(self._orphans):
+            if w in live or w not in seen:
+                del self._orphans[w]
+
+    # -- callbacks ----------------------------------------------------------------------------------
+
+    def _registry_changed(self, changes: Iterable[RegistryChange]) -> None:
+        for ch in changes:
+            if ch.after is not None:
+                self._call(self.on_worker_added, ch.after)
+            elif ch.before is not None:  # its health observations expire by themselves (deterministic)
+                self._call(self.on_worker_removed, ch.before)
+
+    def _health_changed(self, workers: Iterable[str]) -> None:
+        for w in workers:
+            self._call(self.on_health_changed, w)
+
+    def _call(self, fns: list[Callable[[Any], None]], arg: Any) -> None:
+        for fn in list(fns):
+            try:
+                fn(arg)
+            except Exception:
+                self.stats.callback_errors += 1
+                log.exception("mesh state subscriber failed")
+
+    # -- Delegate -----------------------------------------------------------------------------------
+
+    def broadcasts(self, budget: int) -> list[bytes]:
+        """SWIM Delegate: payloads to piggyback (``sum(len + USER_MSG_OVERHEAD) <= budget``)."""
+        self._fill_queue()
+        out = self._queue.get(budget)
+        self.stats.broadcast_payloads += len(out)
+        return out
+
+    def on_user(self, payload: bytes, src_name: str) -> None:
+        """SWIM Delegate: a peer's payload. Malformed ones are counted and dropped."""
+        try:
+            self.apply(payload, src_name)
+        except StateDecodeError as e:
+            log.debug("dropped a malformed state payload from %s: %s", src_name, e)
+
+    def local_state(self) -> bytes:
+        """SWIM Delegate: push-pull state (small parts in full, index digests)."""
+        body = {
+            "n": self.node,
+            "r": self.registry.to_wire(),
+            "h": self.health.to_wire(),
+            "c": self.config.update_since(None),
+            "x": [[n, c.snapshot()] for n, c in self._extras.items()],
+            "d": self._index_digests(),
+        }
+        return _envelope("P", body)
+
+    def merge_remote_state(self, data: bytes) -> None:
+        """SWIM Delegate: a peer's push-pull state; our entries of the index buckets that differ are
+        queued for ``index_batches``. Malformed states are counted and dropped."""
+        try:
+            self.apply(data, "")
+        except StateDecodeError as e:
+            log.debug("dropped a malformed push-pull state: %s", e)
+
+    # -- outgoing -----------------------------------------------------------------------------------
+
+    def _fill_queue(self) -> None:
+        limit = self.cfg.udp_payload_bytes
+        for e in self.registry.take_delta():
+            self._queue_payload(_envelope("r", [entry_to_wire(e)]), f"r/{e.id}", limit)
+        for o in self.health.take_delta():
+            self._queue_payload(_envelope("h", [observation_to_wire(o)]), f"h/{o.worker}/{o.observer}", limit)
+        u = self.config.take_delta()
+        if u is not None:
+            self._queue_payload(_envelope("c", u), None, limit)
+        for name, comp in self._extras.items():
+            d = comp.take_delta()
+            if d is not None:
+                self._queue_payload(_envelope("x", [name, d]), None, limit)
+        if self.cfg.index_in_broadcasts:
+            for p in self.index_batches(limit):
+                self._queue.queue(p)
+
+    def _queue_payload(self, p: bytes, key: str | None, limit: int) -> None:
+        if len(p) > limit:
+            self.stats.oversize += 1  # left to push-pull repair
+            return
+        self._queue.queue(p, key)
+
+    def index_batches(self, budget: int | None = None, max_entries: int | None = None) -> list[bytes]:
+        """Fresh prefix-index delta payloads (each at most ``budget`` bytes; default the UDP payload
+        size), for the runtime to send to every alive member once. ``max_entries`` bounds one call."""
+        budget = budget or self.cfg.udp_payload_bytes
+        out: list[bytes] = []
+        left = max_entries
+        for model, ix in self._indexes.items():
+            if left is not None and left <= 0:
+                break
+            groups = ix.take_groups(left)
+            if left is not None:
+                left -= sum(len(g[2]) for g in groups)
+            out.extend(
+                _envelope("i", b) for b in encode_index_bodies(model, groups, budget - ENVELOPE_OVERHEAD)
+            )
+        self.stats.index_payloads_out += len(out)
+        return out
+
+    def outgoing_batches(self, budget: int) -> list[bytes]:
+        """Every pending delta (all components) as fresh payloads of at most ``budget`` bytes, for a
+        runtime that disseminates by itself (no retransmit accounting here). A config update or an
+        extra's delta larger than ``budget`` is still sent, alone."""
+        body_budget = budget - ENVELOPE_OVERHEAD
+        out = [
+            _envelope("r", c)
+            for c in _chunks([entry_to_wire(e) for e in self.registry.take_delta()], body_budget)
+        ]
+        out += [
+            _envelope("h", c)
+            for c in _chunks([observation_to_wire(o) for o in self.health.take_delta()], body_budget)
+        ]
+        u = self.config.take_delta()
+        if u is not None:
+            out.append(_envelope("c", u))
+        for name, comp in self._extras.items():
+            for _ in range(1024):  # a component may hand its delta out in pieces
+                d = comp.take_delta()
+                if d is None:
+                    break
+                out.append(_envelope("x", [name, d]))
+        out += self.index_batches(budget)
+        return out
+
+    # -- snapshot, digest, repair -------------------------------------------------------------------
+
+    def snapshot(self) -> bytes:
+        """The whole state (every index entry included)."""
+        body = {
+            "r": self.registry.to_wire(),
+            "h": self.health.to_wire(),
+            "c": self.config.update_since(None),
+            "x": [[n, c.snapshot()] for n, c in self._extras.items()],
+            "i": [
+                b for m, ix in self._indexes.items() for b in encode_index_bodies(m, ix.entries_in(), 1 << 62)
+            ],
+        }
+        return _envelope("S", body)
+
+    def merge_snapshot(self, data: bytes) -> None:
+        """Merge a peer's ``snapshot()`` (raises ``StateDecodeError`` if malformed, merging nothing)."""
+        tag, _ = _peek(data)
+        if tag != "S":
+            raise StateDecodeError(f"not a snapshot (tag {tag!r})")
+        self.apply(data, "")
+
+    def digest(self) -> bytes:
+        body = {
+            "n": self.node,
+            "r": self.registry.digest(),
+            "h": self.health.digest(),
+            "c": [self.config.state_vector(), self.config.digest()],
+            "d": self._index_digests(),
+            "x": [[n, c.digest()] for n, c in self._extras.items()],
+        }
+        return _envelope("D", body)
+
+    def repair(self, remote_digest: bytes, budget: int | None = None) -> list[bytes]:
+        """Payloads carrying what a peer (its ``digest()``) lacks or holds differently from us; the
+        peer applies them with ``apply``. Raises ``StateDecodeError`` if the digest is malformed."""
+        budget = budget or self.cfg.tcp_batch_bytes
+        tag, body = _peek(remote_digest)
+        if tag != "D":
+            raise StateDecodeError(f"not a digest (tag {tag!r})")
+        d = _decode_digest(body)
+        body_budget = budget - ENVELOPE_OVERHEAD
+        out: list[bytes] = []
+        if d.registry != self.registry.digest():
+            out += [_envelope("r", c) for c in _chunks(self.registry.to_wire(), body_budget)]
+        if d.health != self.health.digest():
+            out += [_envelope("h", c) for c in _chunks(self.health.to_wire(), body_budget)]
+        if d.config_digest != self.config.digest():
+            out.append(_envelope("c", self.config.update_since(d.config_sv)))
+        for name, comp in self._extras.items():
+            remote = d.extras.get(name)
+            if remote != comp.digest():
+                diff = getattr(comp, "diff", None)  # only what differs, if the component can tell
+                out.append(
+                    _envelope("x", [name, diff(remote)])
+                    if callable(diff)
+                    else _envelope("X", [name, comp.snapshot()])
+                )
+        for model, ix in self._indexes.items():
+            sel = ix.diff(d.indexes.get(model, {}), self.clock())
+            if sel:
+                out += [
+                    _envelope("i", b) for b in encode_index_bodies(model, ix.entries_in(sel), body_budget)
+                ]
+        return out
+
+    def _index_digests(self) -> list[Any]:
+        return [
+            [m, [[w, [[sl, c, s] for sl, (c, s) in slots.items()]] for w, slots in ix.digest().items()]]
+            for m, ix in self._indexes.items()
+        ]
+
+    # -- incoming -----------------------------------------------------------------------------------
+
+    def apply(self, payload: bytes, src: str = "") -> None:
+        """Apply one payload (any tag). Raises ``StateDecodeError`` if it is malformed, in which case
+        nothing was merged (extras and config validate before they change)."""
+        self.stats.payloads_in += 1
+        self.stats.bytes_in += len(payload)
+        try:
+            tag, body = _peek(payload)
+            self._apply(tag, body)
+        except StateDecodeError:
+            self.stats.decode_errors += 1
+            raise
+
+    def _apply(self, tag: str, body: Any) -> None:
+        if tag == "r":
+            self._registry_changed(self.registry.merge(entries_from_wire(body)))
+        elif tag == "h":
+            self._health_changed(self.health.merge(observations_from_wire(body)))
+        elif tag == "i":
+            model, groups = decode_index_body(body)
+            self._apply_index(model, groups)
+        elif tag == "c":
+            self._apply_config(expect_bytes(body))
+        elif tag in ("x", "X"):
+            name_raw, value = expect_list(body, 2)
+            self._apply_extra(expect_str(name_raw, 64), value, snapshot=tag == "X")
+        elif tag in ("S", "P"):
+            self._apply_full(tag, body)
+        elif tag == "D":
+            raise StateDecodeError("a digest is not applied: pass it to repair()")
+        else:
+            raise StateDecodeError(f"unknown state payload tag {tag!r}")
+
+    def _apply_index(self, model: str, groups: list[Group]) -> None:
+        if model not in self._indexes and len(self._indexes) >= MAX_MODELS:
+            raise StateDecodeError("too many models")
+        n = sum(len(g[2]) for g in groups)
+        self.stats.index_entries_in += n
+        self.stats.index_entries_changed += self.index(model).apply_groups(groups, self.clock())
+
+    def _apply_config(self, update: bytes) -> None:
+        if self.config.apply_update(update):
+            self._call(self.on_config_changed, self.config)
+
+    def _apply_extra(self, name: str, value: Any, snapshot: bool) -> None:
+        comp = self._extras.get(name)
+        if comp is None:
+            return  # a component this node does not run (a newer peer): ignore
+        try:
+            if snapshot:
+                comp.merge_snapshot(value)
+            else:
+                comp.apply_delta(value)
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            raise StateDecodeError(f"state component {name!r}: {e}") from None
+
+    def _apply_full(self, tag: str, body: Any) -> None:
+        if type(body) is not dict:
+            raise StateDecodeError("a snapshot is a map")
+        # decode and validate everything first
+        entries = entries_from_wire(body.get("r", []))
+        observations = observations_from_wire(body.get("h", []))
+        update = expect_bytes(body.get("c", b""))
+        extras = [expect_list(x, 2) for x in expect_list(body.get("x", []), max_len=1024)]
+        for x in extras:
+            expect_str(x[0], 64)
+        bodies = [decode_index_body(b) for b in expect_list(body.get("i", []), max_len=MAX_MODELS)]
+        digests = _decode_index_digests(body.get("d", []))
+        if tag == "P":
+            expect_str(body.get("n"), 256)
+        # then merge: the parts that can still refuse their input go first
+        if update:
+            self._apply_config(update)
+        for name, value in extras:
+            self._apply_extra(name, value, snapshot=True)
+        self._registry_changed(self.registry.merge(entries))
+        self._health_changed(self.health.merge(observations))
+        for model, groups in bodies:
+            self._apply_index(model, groups)
+        left = self.cfg.repair_max_entries
+        for model, ix in self._indexes.items():
+            if left <= 0:
+                break
+            if tag == "P":
+                sel = ix.diff(digests.get(model, {}), self.clock())
+                if sel:
+                    n = ix.queue_repair(sel, left)
+                    left -= n
+                    self.stats.index_entries_repair_queued += n
+
+
+# -- helpers -------------------------------------------------------------------------------------------
+
+
+def _envelope(tag: str, body: Any) -> bytes:
+    out: bytes = msgpack.packb([VERSION, tag, body], use_bin_type=True)
+    return out
+
+
+def _peek(payload: bytes) -> tuple[str, Any]:
+    if type(payload) is not bytes:
+        raise StateDecodeError("a state payload is bytes")
+    try:
+        v = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types (ExtraData, FormatError, StackError, ...)
+        raise StateDecodeError(f"not msgpack: {e}") from None
+    f = expect_list(v, 3)
+    if expect_int(f[0], 0, 255) != VERSION:
+        raise StateDecodeError(f"unknown state payload version {f[0]}")
+    return expect_str(f[1], 8), f[2]
+
+
+def _chunks(items: list[Any], budget: int) -> list[list[Any]]:
+    """Split wire items into lists whose msgpack encoding fits ``budget`` (an item larger than the
+    budget travels alone)."""
+    out: list[list[Any]] = []
+    cur: list[Any] = []
+    size = 5
+    for it in items:
+        n = len(msgpack.packb(it, use_bin_type=True))
+        if cur and size + n > budget:
+            out.append(cur)
+            cur, size = [], 5
+        cur.append(it)
+        size += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Digest:
+    registry: bytes
+    health: bytes
+    config_sv: bytes
+    config_digest: bytes
+    indexes: dict[str, Digest]
+    extras: dict[str, Any]
+
+
+def _decode_digest(body: Any) -> _Digest:
+    if type(body) is not dict:
+        raise StateDecodeError("a digest is a map")
+    sv, cd = expect_list(body.get("c"), 2)
+    extras = {}
+    for x in expect_list(body.get("x", []), max_len=1024):
+        name, value = expect_list(x, 2)
+        extras[expect_str(name, 64)] = value
+    return _Digest(
+        expect_bytes(body.get("r"), 64),
+        expect_bytes(body.get("h"), 64),
+        expect_bytes(sv),
+        expect_bytes(cd, 64),
+        _decode_index_digests(body.get("d", [])),
+        extras,
+    )
+
+
+def _decode_index_digests(v: Any) -> dict[str, Digest]:
+    out: dict[str, Digest] = {}
+    for m in expect_list(v, max_len=MAX_MODELS):
+        model_raw, workers = expect_list(m, 2)
+        model = expect_str(model_raw, 512, allow_empty=True)
+        dig: Digest = {}
+        for wv in expect_list(workers, max_len=1 << 16):
+            w_raw, slots = expect_list(wv, 2)
+            per: dict[Slot, tuple[int, int]] = {}
+            for sv in expect_list(slots, max_len=1 << 20):
+                sl, c, s = expect_list(sv, 3)
+                if type(sl) is not int and type(sl) is not float:
+                    raise StateDecodeError("a digest slot is a number")
+                per[sl] = (expect_int(c, 0, 1 << 40), expect_int(s, 0, (1 << 64) - 1))
+            dig[expect_str(w_raw)] = per
+        out[model] = dig
+    return out
