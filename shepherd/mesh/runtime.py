@@ -1,0 +1,646 @@
+"""``MeshRuntime``: the asyncio shell that drives the pure ``Swim`` state machine over real sockets.
+
+It owns one UDP endpoint (sealed gossip) and one mTLS TCP push-pull server, both on the same port
+number, and turns the machine's actions into I/O:
+
+* a timer (``loop.call_at``) runs ``swim.tick`` at ``swim.next_deadline()``, re-armed after every call
+  into the machine and never sleeping longer than ``max_timer_sleep``;
+* UDP datagrams are opened (keyring), decoded (``mesh_wire``) and fed to ``swim.on_packet``;
+  ``Send`` actions are encoded, sealed and sent as one datagram each;
+* ``PushPull`` actions open a bounded number of concurrent mTLS exchanges; the server side merges the
+  remote state first and answers with ours;
+* a lag monitor (a periodic short sleep; lag = how late it woke) feeds ``swim.set_lag``: event-loop
+  lag is the first cause of false suspicion in Python, Lifeguard backs off instead;
+* ``close()`` leaves gracefully (the leave is broadcast for at most ``leave_timeout``), ``abort()``
+  drops off like a crash. Both stop every task and socket the runtime started.
+
+Security: joining takes both the mesh key (datagrams *and* push-pull frames are sealed with the
+keyring) and a certificate from the mesh CA (push-pulls run over mTLS). On TCP the peer is who its
+certificate says (``peer_identity``): a push-pull whose state does not list the certificate's node is
+refused, a dialled member answering with another node's certificate is refused, and a delegate
+implementing ``merge_remote_state_from(data, peer)`` is given the certificate identity with the
+remote state. UDP datagrams are authenticated by the shared keyring only (as in memberlist).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import os
+import random
+import socket
+import ssl
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shepherd.auth.certs import TlsFiles, certificate_identity, client_context, server_context
+from shepherd.mesh.keyring import OVERHEAD as SEAL_OVERHEAD
+from shepherd.mesh.keyring import Keyring
+from shepherd.mesh.swim import Swim
+from shepherd.mesh.swim_types import (
+    Action,
+    Addr,
+    Delegate,
+    JoinFailed,
+    MemberDead,
+    MemberEvent,
+    MemberLeft,
+    MemberReaped,
+    MemberState,
+    MemberUp,
+    NodeAddr,
+    NullDelegate,
+    PushPull,
+    PushPullState,
+    Send,
+    SwimConfig,
+    User,
+)
+from shepherd.mesh.transport import (
+    DEFAULT_MAX_FRAME,
+    PushPullError,
+    PushPullServer,
+    SessionRefused,
+    TransportMetrics,
+    UdpEndpoint,
+    push_pull_request,
+)
+from shepherd.proto import mesh_wire
+
+__all__ = [
+    "MemberView",
+    "MeshRuntime",
+    "MeshRuntimeConfig",
+    "RuntimeMetrics",
+    "parse_addr",
+    "resolve_addrs",
+]
+
+log = logging.getLogger(__name__)
+
+_BIND_RETRIES = 8
+_TIMER_SLACK = 0.001
+
+
+@dataclass(frozen=True)
+class MeshRuntimeConfig:
+    """Where a node's mesh listens and whom it joins.
+
+    ``bind_port`` 0 picks a free port (UDP and TCP share it). ``advertise_host`` is the address other
+    nodes reach us at; required when ``bind_host`` is a wildcard (``0.0.0.0`` / ``::``).
+    """
+
+    name: str
+    bind_host: str = "127.0.0.1"
+    bind_port: int = 7946
+    advertise_host: str | None = None
+    advertise_port: int | None = None
+    seeds: tuple[Addr, ...] = ()
+    swim: SwimConfig = field(default_factory=SwimConfig)
+    tcp_timeout: float = 5.0
+    max_frame: int = DEFAULT_MAX_FRAME
+    max_push_pulls: int = 4
+    """Concurrent outgoing push-pulls; more are skipped (swim retries later)."""
+    max_tcp_sessions: int = 16
+    lag_interval: float = 0.1
+    max_timer_sleep: float = 0.5
+    leave_timeout: float = 1.0
+    """How long ``close()`` keeps gossiping so that the leave reaches the others."""
+
+
+@dataclass(frozen=True)
+class MemberView:
+    """One row of ``GET /mesh/members``."""
+
+    name: str
+    host: str
+    port: int
+    state: str
+    incarnation: int
+    last_change: float
+    """Unix time of the last state change seen by this node (its start time if none seen)."""
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "address": self.address,
+            "state": self.state,
+            "incarnation": self.incarnation,
+            "last_change": self.last_change,
+        }
+
+
+@dataclass
+class RuntimeMetrics:
+    """Shell counters (the transport's are in ``TransportMetrics``, the machine's in ``SwimStats``)."""
+
+    wire_errors: int = 0
+    encode_errors: int = 0
+    push_pulls_ok: int = 0
+    push_pulls_failed: int = 0
+    push_pulls_skipped: int = 0
+    push_pulls_refused: int = 0
+    member_events: dict[str, int] = field(default_factory=dict)
+    lag_last: float = 0.0
+    lag_max: float = 0.0
+    ticks: int = 0
+
+
+class _IdentityDelegate:
+    """Forwards to the user's delegate; passes the certificate identity of a push-pull peer to
+    ``merge_remote_state_from(data, peer)`` when the delegate has it."""
+
+    def __init__(self, inner: Delegate) -> None:
+        self.inner = inner
+        self.peer: str | None = None
+
+    def broadcasts(self, budget: int) -> list[bytes]:
+        return self.inner.broadcasts(budget)
+
+    def on_user(self, payload: bytes, src_name: str) -> None:
+        self.inner.on_user(payload, src_name)
+
+    def local_state(self) -> bytes:
+        return self.inner.local_state()
+
+    def merge_remote_state(self, data: bytes) -> None:
+        merge_from = getattr(self.inner, "merge_remote_state_from", None)
+        if self.peer is not None and callable(merge_from):
+            merge_from(data, self.peer)
+        else:
+            self.inner.merge_remote_state(data)
+
+
+def parse_addr(text: str, default_port: int) -> Addr:
+    """``host``, ``host:port``, ``[v6]:port`` or ``v6`` -> ``(host, port)``."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = int(rest[1:]) if rest.startswith(":") else default_port
+    elif text.count(":") == 1:
+        host, _, p = text.partition(":")
+        port = int(p)
+    else:
+        host, port = text, default_port
+    if not host or not 0 < port < 65536:
+        raise ValueError(f"bad address {text!r}")
+    return (host, port)
+
+
+async def resolve_addrs(addrs: Sequence[Addr], *, timeout: float = 5.0) -> list[Addr]:
+    """Resolve host names to IP addresses (gossip compares and sends to IPs); names that do not
+    resolve are logged and skipped. IP literals pass through."""
+    loop = asyncio.get_running_loop()
+    out: list[Addr] = []
+    for host, port in addrs:
+        try:
+            ipaddress.ip_address(host)
+            out.append((host, int(port)))
+            continue
+        except ValueError:
+            pass
+        try:
+            async with asyncio.timeout(timeout):
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+        except (OSError, TimeoutError) as e:
+            log.warning("mesh: cannot resolve seed %s: %s", host, e)
+            continue
+        if infos:
+            out.append((str(infos[0][4][0]), int(port)))
+    return list(dict.fromkeys(out))
+
+
+def _is_wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return host == ""
+
+
+class MeshRuntime:
+    """One node's membership and gossip over the network. Start with ``await start()``, stop with
+    ``await close()`` (graceful leave) or ``await abort()`` (no leave). One-shot: not restartable."""
+
+    def __init__(
+        self,
+        config: MeshRuntimeConfig,
+        keyring: Keyring,
+        server_ssl: ssl.SSLContext,
+        client_ssl: ssl.SSLContext,
+        delegate: Delegate | None = None,
+        *,
+        on_member_event: Callable[[MemberEvent], None] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if config.advertise_host is None and _is_wildcard(config.bind_host):
+            raise ValueError("mesh: advertise_host is required when bind_host is a wildcard address")
+        if config.swim.seal_overhead < SEAL_OVERHEAD:
+            raise ValueError(f"mesh: swim.seal_overhead must be >= {SEAL_OVERHEAD}")
+        self.config = config
+        self.keyring = keyring
+        self.delegate: Delegate = delegate if delegate is not None else NullDelegate()
+        self.transport_metrics = TransportMetrics()
+        self.metrics = RuntimeMetrics()
+        self.on_member_event = on_member_event
+        self._server_ssl = server_ssl
+        self._client_ssl = client_ssl
+        self._rng = rng if rng is not None else random.Random(os.urandom(16))
+        self._me = NodeAddr(config.name, config.advertise_host or config.bind_host, config.bind_port)
+        self._adapter = _IdentityDelegate(self.delegate)
+        self._swim: Swim | None = None
+        self._udp: UdpEndpoint | None = None
+        self._tcp: PushPullServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = float("inf")
+        self._lag_task: asyncio.Task[None] | None = None
+        self._push_pulls: set[asyncio.Task[bool]] = set()
+        self._last_change: dict[str, float] = {}
+        self._started_at = 0.0
+        self._closing = False
+        self._closed = False
+        self.join_failed = False
+
+    @classmethod
+    def from_files(
+        cls,
+        config: MeshRuntimeConfig,
+        keyring: Keyring,
+        tls: TlsFiles,
+        delegate: Delegate | None = None,
+        *,
+        on_member_event: Callable[[MemberEvent], None] | None = None,
+    ) -> MeshRuntime:
+        """Build the mTLS contexts from ``tls`` and check that the certificate names this node
+        (peers refuse a node whose certificate names another one)."""
+        ident = certificate_identity(tls.cert.read_bytes())
+        if ident != config.name:
+            raise ValueError(f"mesh: the certificate {tls.cert} is for node {ident!r}, not {config.name!r}")
+        return cls(
+            config,
+            keyring,
+            server_context(tls),
+            client_context(tls),
+            delegate,
+            on_member_event=on_member_event,
+        )
+
+    # --- public -------------------------------------------------------------------------------
+
+    @property
+    def swim(self) -> Swim:
+        if self._swim is None:
+            raise RuntimeError("mesh runtime not started")
+        return self._swim
+
+    @property
+    def me(self) -> NodeAddr:
+        return self._me
+
+    @property
+    def address(self) -> Addr:
+        """The advertised gossip address (UDP and TCP)."""
+        return self._me.addr
+
+    @property
+    def bound_address(self) -> Addr:
+        if self._udp is None:
+            raise RuntimeError("mesh runtime not started")
+        return self._udp.address
+
+    @property
+    def running(self) -> bool:
+        return self._swim is not None and not self._closing
+
+    def members(self) -> list[MemberView]:
+        """Every member this node knows (itself included), sorted by name."""
+        if self._swim is None:
+            return []
+        out = [
+            MemberView(
+                name=m.name,
+                host=m.host,
+                port=m.port,
+                state=m.state.name.lower(),
+                incarnation=m.incarnation,
+                last_change=self._last_change.get(m.name, self._started_at),
+            )
+            for m in self._swim.members()
+        ]
+        out.sort(key=lambda v: v.name)
+        return out
+
+    def member_state(self, name: str) -> MemberState | None:
+        if self._swim is None:
+            return None
+        m = self._swim.member(name)
+        return None if m is None else m.state
+
+    async def start(self) -> None:
+        """Bind UDP + TCP, start the machine (join the seeds, retried by swim until one answers)."""
+        if self._swim is not None or self._closed:
+            raise RuntimeError("mesh runtime already started")
+        self._loop = asyncio.get_running_loop()
+        cfg = self.config
+        await self._bind()
+        try:
+            assert self._udp is not None
+            port = cfg.advertise_port or self._udp.address[1]
+            host = cfg.advertise_host or cfg.bind_host
+            self._me = NodeAddr(cfg.name, host, port)
+            self._started_at = time.time()
+            self._last_change[cfg.name] = self._started_at
+            self._swim = Swim(cfg.swim, self._me, self._rng, self._adapter)
+            seeds = await resolve_addrs(cfg.seeds, timeout=cfg.tcp_timeout)
+            self._lag_task = self._loop.create_task(self._lag_monitor(), name=f"mesh-lag-{cfg.name}")
+            self._execute(self._swim.start(self._now(), seeds))
+        except BaseException:
+            await self._shutdown()
+            raise
+
+    def send_user(self, dest: Addr, payloads: Sequence[bytes]) -> int:
+        """Send each payload as a datagram of its own (one ``User`` message) to ``dest``, outside SWIM's
+        piggybacking: for the state layer's prefix-index batches (``MeshState.index_batches``), which
+        the receiver's delegate gets through ``on_user``. Returns how many were handed to the socket."""
+        if self._udp is None or self._closed:
+            return 0
+        for p in payloads:
+            self._send(Send(dest, (User(p),)))
+        return len(payloads)
+
+    async def join(self, seeds: Sequence[Addr]) -> int:
+        """Push-pull (join) with each of ``seeds`` now; the number that answered (``smg-node join``,
+        an admin endpoint). Unlike the configured seeds, these are tried once."""
+        if self._swim is None or self._closing:
+            raise RuntimeError("mesh runtime not running")
+        addrs = [(str(h), int(p)) for h, p in seeds]
+        tasks = [self._spawn_push_pull(PushPull(a, "", True)) for a in addrs if a != self._me.addr]
+        if not tasks:
+            return 0
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return sum(1 for r in results if r is True)
+
+    async def close(self) -> None:
+        """Leave gracefully (bounded by ``leave_timeout``), then stop everything."""
+        if self._swim is not None and not self._closing and not self._swim.left:
+            self._execute(self._swim.leave(self._now()))
+            await self._drain_leave()
+        await self._shutdown()
+
+    async def abort(self) -> None:
+        """Stop without leaving: to the others this looks like a crash."""
+        await self._shutdown()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def _bind(self) -> None:
+        cfg = self.config
+        last: OSError | None = None
+        for _ in range(_BIND_RETRIES if cfg.bind_port == 0 else 1):
+            udp = await UdpEndpoint.open(
+                cfg.bind_host, cfg.bind_port, self.keyring, self._on_datagram, metrics=self.transport_metrics
+            )
+            try:
+                tcp = await PushPullServer.start(
+                    cfg.bind_host,
+                    udp.address[1],
+                    self._server_ssl,
+                    self._on_push_pull,
+                    metrics=self.transport_metrics,
+                    max_frame=cfg.max_frame,
+                    timeout=cfg.tcp_timeout,
+                    max_sessions=cfg.max_tcp_sessions,
+                    keyring=self.keyring,
+                )
+            except OSError as e:  # the TCP port of that number is taken: try another one
+                udp.close()
+                last = e
+                continue
+            self._udp, self._tcp = udp, tcp
+            return
+        raise OSError(f"mesh: cannot bind UDP+TCP on {cfg.bind_host}:{cfg.bind_port}: {last}")
+
+    async def _drain_leave(self) -> None:
+        """Keep ticking (the timer runs) until the leave has been piggybacked enough, bounded."""
+        steps = max(1, int(self.config.leave_timeout / 0.02))
+        for _ in range(steps):
+            swim = self._swim
+            if swim is None or swim.pending_broadcasts == 0:
+                return
+            if not any(m.name != self._me.name for m in swim.alive_members()):
+                return  # nobody to tell
+            await asyncio.sleep(0.02)
+
+    async def _shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closing = True
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        tasks: list[asyncio.Task[Any]] = list(self._push_pulls)
+        if self._lag_task is not None:
+            tasks.append(self._lag_task)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
+        if self._tcp is not None:
+            await self._tcp.close()
+        if self._udp is not None:
+            self._udp.close()
+
+    # --- machine driving ----------------------------------------------------------------------
+
+    def _now(self) -> float:
+        assert self._loop is not None
+        return self._loop.time()
+
+    def _execute(self, actions: Sequence[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(action)
+            elif isinstance(action, PushPull):
+                self._start_push_pull(action)
+            elif isinstance(action, JoinFailed):
+                self.join_failed = True
+                log.warning("mesh: no seed answered after %d attempts", action.attempts)
+            else:
+                self._member_event(action)
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        if self._swim is None or self._closed or self._loop is None:
+            return
+        now = self._now()
+        due = min(self._swim.next_deadline(), now + self.config.max_timer_sleep)
+        if self._timer is not None:
+            if self._timer_at <= due:
+                return
+            self._timer.cancel()
+        self._timer_at = due
+        # a little late on purpose: uvloop's timers and clock have 1 ms granularity and would
+        # otherwise fire just before the deadline, again and again until the clock reaches it
+        self._timer = self._loop.call_at(due + _TIMER_SLACK, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = float("inf")
+        if self._swim is None or self._closed:
+            return
+        self.metrics.ticks += 1
+        try:
+            actions = self._swim.tick(self._now())
+        except Exception:
+            log.exception("mesh: swim.tick failed")
+            actions = []
+        self._execute(actions)
+
+    def _send(self, action: Send) -> None:
+        if self._udp is None or self._closed:
+            return
+        try:
+            data = mesh_wire.encode_packet(
+                list(action.msgs), budget=self.config.swim.packet_budget, sender=self._me.name
+            )
+        except Exception:
+            self.metrics.encode_errors += 1
+            log.exception("mesh: cannot encode a packet for %s", action.dest)
+            return
+        self._udp.send(data, action.dest)
+
+    def _on_datagram(self, data: bytes, src: Addr) -> None:
+        if self._swim is None or self._closed:
+            return
+        try:
+            packet = mesh_wire.decode_packet(data)
+        except mesh_wire.WireError:
+            self.metrics.wire_errors += 1
+            return
+        self._execute(self._swim.on_packet(self._now(), src, packet))
+
+    def _member_event(self, event: MemberEvent) -> None:
+        kind = type(event).__name__
+        self.metrics.member_events[kind] = self.metrics.member_events.get(kind, 0) + 1
+        name = event.name if isinstance(event, MemberReaped) else event.member.name
+        self._last_change[name] = time.time()
+        if isinstance(event, MemberReaped):
+            self._last_change.pop(name, None)
+        log.info("mesh: %s %s", kind, name)
+        hook: Any = None
+        if isinstance(event, MemberDead | MemberLeft):
+            hook = getattr(self.delegate, "on_member_dead", None)
+        elif isinstance(event, MemberUp):
+            hook = getattr(self.delegate, "on_member_alive", None)
+        if callable(hook):
+            try:
+                hook(name)
+            except Exception:
+                log.exception("mesh: delegate hook for %s %s failed", kind, name)
+        if self.on_member_event is not None:
+            try:
+                self.on_member_event(event)
+            except Exception:
+                log.exception("mesh: on_member_event callback failed")
+
+    # --- push-pull ----------------------------------------------------------------------------
+
+    def _start_push_pull(self, action: PushPull) -> None:
+        if self._closing or self._loop is None:
+            return
+        if len(self._push_pulls) >= self.config.max_push_pulls:
+            self.metrics.push_pulls_skipped += 1
+            return
+        self._spawn_push_pull(action)
+
+    def _spawn_push_pull(self, action: PushPull) -> asyncio.Task[bool]:
+        assert self._loop is not None
+        task = self._loop.create_task(self._push_pull(action), name=f"mesh-pp-{action.dest}")
+        self._push_pulls.add(task)
+        task.add_done_callback(self._push_pulls.discard)
+        return task
+
+    def _check_remote(self, remote: PushPullState, identity: str) -> bool:
+        """A peer must list itself (its certificate name) among the members it sends."""
+        if any(m.name == identity for m in remote.members):
+            return True
+        self.metrics.push_pulls_refused += 1
+        log.warning("mesh: push-pull from %r refused: its state does not list that node", identity)
+        return False
+
+    def _merge(self, remote: PushPullState, identity: str) -> None:
+        assert self._swim is not None
+        self._adapter.peer = identity
+        try:
+            actions = self._swim.merge_push_pull(self._now(), remote)
+        finally:
+            self._adapter.peer = None
+        self._execute(actions)
+
+    async def _push_pull(self, action: PushPull) -> bool:
+        swim = self.swim
+        try:
+            payload = mesh_wire.encode_push_pull(swim.local_push_pull(action.join))
+            reply = await push_pull_request(
+                action.dest,
+                self._client_ssl,
+                payload,
+                expected_identity=action.name or None,
+                keyring=self.keyring,
+                metrics=self.transport_metrics,
+                max_frame=self.config.max_frame,
+                timeout=self.config.tcp_timeout,
+            )
+            remote = mesh_wire.decode_push_pull(reply.payload, max_bytes=self.config.max_frame)
+        except (PushPullError, mesh_wire.WireError) as e:
+            self.metrics.push_pulls_failed += 1
+            log.debug("mesh: push-pull with %s failed: %s", action.dest, e)
+            return False
+        if self._closed or not self._check_remote(remote, reply.identity):
+            return False
+        try:
+            self._merge(remote, reply.identity)
+        except Exception:
+            self.metrics.push_pulls_failed += 1
+            log.exception("mesh: merging the state of %s failed", reply.identity)
+            return False
+        self.metrics.push_pulls_ok += 1
+        return True
+
+    async def _on_push_pull(self, identity: str, request: bytes) -> bytes:
+        if self._swim is None or self._closing:
+            raise SessionRefused("mesh runtime is closing")
+        try:
+            remote = mesh_wire.decode_push_pull(request, max_bytes=self.config.max_frame)
+        except mesh_wire.WireError as e:
+            self.metrics.wire_errors += 1
+            raise SessionRefused(f"malformed push-pull state: {e}") from None
+        if not self._check_remote(remote, identity):
+            raise SessionRefused(f"push-pull state from {identity!r} does not list that node")
+        self._merge(remote, identity)
+        return mesh_wire.encode_push_pull(self._swim.local_push_pull(remote.join))
+
+    # --- lag ----------------------------------------------------------------------------------
+
+    async def _lag_monitor(self) -> None:
+        interval = self.config.lag_interval
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            t0 = loop.time()
+            await asyncio.sleep(interval)
+            lag = max(0.0, loop.time() - t0 - interval)
+            self.metrics.lag_last = lag
+            self.metrics.lag_max = max(self.metrics.lag_max, lag)
+            if self._swim is not None and not self._closed:
+                try:
+                    self._execute(self._swim.set_lag(loop.time(), lag))
+                except Exception:
+                    log.exception("mesh: swim.set_lag failed")

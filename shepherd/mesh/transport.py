@@ -1,0 +1,551 @@
+"""Mesh transports: a sealed UDP endpoint for gossip and an mTLS TCP push-pull server/client.
+
+UDP: every outgoing datagram is sealed with the ``Keyring`` primary key, every incoming one is opened;
+packets that do not open (no key, foreign key, tampered, plaintext) are dropped and counted. The
+application callback only ever sees authenticated plaintext.
+
+TCP push-pull: one request frame and one response frame per connection, over TLS 1.3 with client
+certificates required both ways (and, given a keyring, frames sealed like datagrams, so that a peer
+needs both a mesh key and a certificate from the mesh CA). Frames are a 4-byte big-endian length
+then the payload, bounded by ``max_frame``; every read, write and handshake is bounded by
+``timeout``. The server hands the handler the peer's node identity taken from its verified
+certificate (``peer_identity``), never a name from the payload. A peer without a certificate from
+the mesh CA never reaches the handler.
+
+Counters live in ``TransportMetrics``, a plain dataclass the node exports (``snapshot()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import ssl
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from shepherd.auth.certs import CertError, peer_identity
+from shepherd.mesh.keyring import Keyring, SealError
+
+__all__ = [
+    "DEFAULT_MAX_FRAME",
+    "DEFAULT_TIMEOUT",
+    "MAX_DATAGRAM",
+    "Addr",
+    "ByteReader",
+    "ByteWriter",
+    "FrameError",
+    "PacketHandler",
+    "PushPullError",
+    "PushPullHandler",
+    "PushPullReply",
+    "PushPullServer",
+    "SessionRefused",
+    "TlsStream",
+    "TransportMetrics",
+    "UdpEndpoint",
+    "push_pull_request",
+    "read_frame",
+    "write_frame",
+]
+
+log = logging.getLogger(__name__)
+
+Addr = tuple[str, int]
+PacketHandler = Callable[[bytes, Addr], None]
+PushPullHandler = Callable[[str, bytes], Awaitable[bytes]]
+
+MAX_DATAGRAM = 65507
+DEFAULT_MAX_FRAME = 16 * 1024 * 1024
+DEFAULT_TIMEOUT = 5.0
+_FRAME = struct.Struct("!I")
+_CLOSE_TIMEOUT = 1.0
+_READ_LIMIT = 64 * 1024
+
+
+@dataclass
+class TransportMetrics:
+    """Transport counters (monotonic). ``udp_bytes_*`` are gossip bytes on the wire (sealed)."""
+
+    udp_packets_in: int = 0
+    udp_packets_out: int = 0
+    udp_bytes_in: int = 0
+    udp_bytes_out: int = 0
+    udp_dropped_bad_seal: int = 0
+    udp_dropped_oversize: int = 0
+    udp_dropped_backpressure: int = 0
+    udp_send_errors: int = 0
+    udp_handler_errors: int = 0
+    tcp_sessions_in: int = 0
+    tcp_sessions_out: int = 0
+    tcp_rejected_tls: int = 0
+    tcp_rejected_busy: int = 0
+    tcp_refused_by_handler: int = 0
+    tcp_bad_seal: int = 0
+    tcp_errors_in: int = 0
+    tcp_errors_out: int = 0
+    tcp_bytes_in: int = 0
+    tcp_bytes_out: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+# --- UDP --------------------------------------------------------------------------------------------
+
+
+class _UdpProtocol(asyncio.DatagramProtocol):
+    def __init__(self, endpoint: UdpEndpoint) -> None:
+        self._endpoint = endpoint
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self._endpoint._received(data, (str(addr[0]), int(addr[1])))
+
+    def error_received(self, exc: Exception) -> None:
+        self._endpoint.metrics.udp_send_errors += 1
+        log.debug("mesh udp error: %s", exc)
+
+
+class UdpEndpoint:
+    """A bound UDP socket sealing what it sends and opening what it receives."""
+
+    def __init__(
+        self,
+        keyring: Keyring,
+        on_packet: PacketHandler,
+        metrics: TransportMetrics,
+        max_buffer: int,
+    ) -> None:
+        self.keyring = keyring
+        self.metrics = metrics
+        self._on_packet = on_packet
+        self._max_buffer = max_buffer
+        self._transport: asyncio.DatagramTransport | None = None
+        self._address: Addr = ("", 0)
+
+    @classmethod
+    async def open(
+        cls,
+        host: str,
+        port: int,
+        keyring: Keyring,
+        on_packet: PacketHandler,
+        *,
+        metrics: TransportMetrics | None = None,
+        max_buffer: int = 1024 * 1024,
+    ) -> UdpEndpoint:
+        """Bind ``host:port`` (port 0: any free port). ``on_packet(plaintext, src)`` is called for every
+        packet that opens; ``max_buffer`` bounds bytes queued in the kernel-full case (then dropped)."""
+        ep = cls(keyring, on_packet, metrics if metrics is not None else TransportMetrics(), max_buffer)
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(lambda: _UdpProtocol(ep), local_addr=(host, port))
+        ep._transport = transport
+        sock = transport.get_extra_info("sockname")
+        ep._address = (str(sock[0]), int(sock[1]))
+        return ep
+
+    @property
+    def address(self) -> Addr:
+        """The bound address (kept after ``close``)."""
+        return self._address
+
+    @property
+    def closed(self) -> bool:
+        return self._transport is None
+
+    def send(self, payload: bytes, dest: Addr) -> bool:
+        """Seal and send one datagram; False if it was dropped (closed, too large, backpressure)."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return False
+        packet = self.keyring.seal(payload)
+        if len(packet) > MAX_DATAGRAM:
+            self.metrics.udp_dropped_oversize += 1
+            return False
+        # both asyncio's and uvloop's datagram transports buffer when the socket would block
+        buffered: int = getattr(transport, "get_write_buffer_size", lambda: 0)()
+        if buffered > self._max_buffer:
+            self.metrics.udp_dropped_backpressure += 1
+            return False
+        try:
+            transport.sendto(packet, dest)
+        except OSError as e:
+            self.metrics.udp_send_errors += 1
+            log.debug("mesh udp send to %s failed: %s", dest, e)
+            return False
+        self.metrics.udp_packets_out += 1
+        self.metrics.udp_bytes_out += len(packet)
+        return True
+
+    def _received(self, data: bytes, src: Addr) -> None:
+        try:
+            payload = self.keyring.open(data)
+        except SealError:
+            self.metrics.udp_dropped_bad_seal += 1
+            return
+        self.metrics.udp_packets_in += 1
+        self.metrics.udp_bytes_in += len(data)
+        try:
+            self._on_packet(payload, src)
+        except Exception:
+            self.metrics.udp_handler_errors += 1
+            log.exception("mesh packet handler failed (packet from %s)", src)
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+
+# --- TCP frames -------------------------------------------------------------------------------------
+
+
+class FrameError(Exception):
+    """A frame over the size bound, or a stream that ended inside a frame."""
+
+
+class ByteReader(Protocol):
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+class ByteWriter(Protocol):
+    def write(self, data: bytes) -> None: ...
+
+    async def drain(self) -> None: ...
+
+
+async def read_frame(
+    reader: ByteReader, *, max_size: int = DEFAULT_MAX_FRAME, timeout: float = DEFAULT_TIMEOUT
+) -> bytes:
+    """Read one length-prefixed frame; raises ``FrameError``, ``TimeoutError``, ``OSError`` or
+    ``ssl.SSLError``. The size is checked before the body is read."""
+    async with asyncio.timeout(timeout):
+        try:
+            header = await reader.readexactly(_FRAME.size)
+            (size,) = _FRAME.unpack(header)
+            if size > max_size:
+                raise FrameError(f"frame of {size} bytes over the bound of {max_size}")
+            return await reader.readexactly(size)
+        except asyncio.IncompleteReadError as e:
+            raise FrameError(f"stream ended inside a frame ({len(e.partial)} bytes read)") from None
+
+
+async def write_frame(
+    writer: ByteWriter,
+    data: bytes,
+    *,
+    max_size: int = DEFAULT_MAX_FRAME,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> None:
+    """Write one length-prefixed frame and drain, bounded by ``timeout``."""
+    if len(data) > max_size:
+        raise FrameError(f"frame of {len(data)} bytes over the bound of {max_size}")
+    writer.write(_FRAME.pack(len(data)))
+    writer.write(data)
+    async with asyncio.timeout(timeout):
+        await writer.drain()
+
+
+# --- TLS over a plain stream ------------------------------------------------------------------------
+
+
+class TlsStream:
+    """TLS driven through ``ssl.MemoryBIO`` over a plain asyncio stream.
+
+    Doing TLS here rather than in the event loop's transport behaves the same on asyncio and uvloop,
+    lets the server count refused handshakes and bound them, and avoids the race of upgrading an
+    accepted plain stream with ``start_tls`` after the client's hello was already buffered.
+    """
+
+    _CHUNK = 64 * 1024
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        context: ssl.SSLContext,
+        *,
+        server_side: bool,
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
+        self.ssl_object = context.wrap_bio(self._in, self._out, server_side=server_side)
+
+    def _flush(self) -> None:
+        data = self._out.read()
+        if data:
+            self._writer.write(data)
+
+    async def _fill(self) -> bool:
+        """Feed the next bytes from the socket to TLS; False at end of stream."""
+        self._flush()
+        await self._writer.drain()
+        data = await self._reader.read(self._CHUNK)
+        if not data:
+            return False
+        self._in.write(data)
+        return True
+
+    async def handshake(self) -> None:
+        """Run the TLS handshake (the peer certificate is verified per the context)."""
+        while True:
+            try:
+                self.ssl_object.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                if not await self._fill():
+                    raise ConnectionResetError(
+                        "peer closed the connection during the TLS handshake"
+                    ) from None
+            except ssl.SSLError:
+                self._flush()  # let the peer see our alert
+                raise
+        self._flush()
+        await self._writer.drain()
+
+    async def readexactly(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            try:
+                chunk = self.ssl_object.read(n - len(buf))
+            except ssl.SSLWantReadError:
+                if not await self._fill():
+                    raise asyncio.IncompleteReadError(bytes(buf), n) from None
+                continue
+            except ssl.SSLZeroReturnError:
+                raise asyncio.IncompleteReadError(bytes(buf), n) from None
+            if not chunk:
+                raise asyncio.IncompleteReadError(bytes(buf), n)
+            buf += chunk
+        return bytes(buf)
+
+    def write(self, data: bytes) -> None:
+        self.ssl_object.write(data)
+        self._flush()
+
+    async def drain(self) -> None:
+        await self._writer.drain()
+
+    def abort(self) -> None:
+        self._writer.transport.abort()
+
+    async def close(self) -> None:
+        """Send close_notify (best effort) and close the socket, bounded."""
+        with contextlib.suppress(ssl.SSLError, OSError):
+            self.ssl_object.unwrap()
+        with contextlib.suppress(OSError):
+            self._flush()
+        self._writer.close()
+        try:
+            async with asyncio.timeout(_CLOSE_TIMEOUT):
+                await self._writer.wait_closed()
+        except (TimeoutError, OSError):
+            self._writer.transport.abort()
+
+
+# --- TCP push-pull server ---------------------------------------------------------------------------
+
+
+class SessionRefused(Exception):
+    """Raised by a push-pull handler to drop a session without answering (counted, logged briefly)."""
+
+
+class PushPullServer:
+    """mTLS TCP server: for each connection, handshake, learn the peer identity from its certificate,
+    read one request frame, answer ``await handler(identity, request)`` with one frame, close."""
+
+    def __init__(
+        self,
+        ssl_context: ssl.SSLContext,
+        handler: PushPullHandler,
+        metrics: TransportMetrics,
+        max_frame: int,
+        timeout: float,
+        max_sessions: int,
+        keyring: Keyring | None,
+    ) -> None:
+        self.metrics = metrics
+        self._keyring = keyring
+        self._ssl = ssl_context
+        self._handler = handler
+        self._max_frame = max_frame
+        self._timeout = timeout
+        self._max_sessions = max_sessions
+        self._server: asyncio.Server | None = None
+        self._sessions: set[asyncio.Task[Any]] = set()
+
+    @classmethod
+    async def start(
+        cls,
+        host: str,
+        port: int,
+        ssl_context: ssl.SSLContext,
+        handler: PushPullHandler,
+        *,
+        metrics: TransportMetrics | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_sessions: int = 16,
+        keyring: Keyring | None = None,
+    ) -> PushPullServer:
+        """Listen on ``host:port`` (port 0: any free port). At most ``max_sessions`` connections are
+        served at once (more are closed at once); each step is bounded by ``timeout``. With a
+        ``keyring``, both frames are also sealed (the peer must hold a mesh key *and* a certificate)."""
+        srv = cls(
+            ssl_context,
+            handler,
+            metrics if metrics is not None else TransportMetrics(),
+            max_frame,
+            timeout,
+            max_sessions,
+            keyring,
+        )
+        srv._server = await asyncio.start_server(srv._on_connection, host, port, limit=_READ_LIMIT)
+        return srv
+
+    @property
+    def address(self) -> Addr:
+        if self._server is None:
+            raise RuntimeError("server closed")
+        sock = self._server.sockets[0].getsockname()
+        return (str(sock[0]), int(sock[1]))
+
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if self._server is None or task is None or len(self._sessions) >= self._max_sessions:
+            self.metrics.tcp_rejected_busy += 1
+            writer.transport.abort()
+            return
+        self._sessions.add(task)
+        tls = TlsStream(reader, writer, self._ssl, server_side=True)
+        try:
+            await self._session(tls, writer.get_extra_info("peername"))
+        except asyncio.CancelledError:
+            # only ``close()`` cancels sessions; end the task quietly (asyncio's stream callback
+            # would log a cancelled connection task as an error)
+            tls.abort()
+        finally:
+            self._sessions.discard(task)
+
+    async def _session(self, tls: TlsStream, peer: Any) -> None:
+        try:
+            async with asyncio.timeout(self._timeout):
+                await tls.handshake()
+            identity = peer_identity(tls.ssl_object)
+        except (ssl.SSLError, OSError, TimeoutError, CertError) as e:
+            self.metrics.tcp_rejected_tls += 1
+            log.debug("mesh tcp: handshake refused from %s: %s", peer, e)
+            tls.abort()
+            return
+        self.metrics.tcp_sessions_in += 1
+        try:
+            request = await read_frame(tls, max_size=self._max_frame, timeout=self._timeout)
+            self.metrics.tcp_bytes_in += len(request) + _FRAME.size
+            if self._keyring is not None:
+                request = self._keyring.open(request)
+            async with asyncio.timeout(self._timeout):
+                response = await self._handler(identity, request)
+            if self._keyring is not None:
+                response = self._keyring.seal(response)
+            await write_frame(tls, response, max_size=self._max_frame, timeout=self._timeout)
+            self.metrics.tcp_bytes_out += len(response) + _FRAME.size
+        except SealError as e:
+            self.metrics.tcp_bad_seal += 1
+            log.info("mesh tcp: push-pull from %s (%s) not sealed with a mesh key: %s", identity, peer, e)
+            tls.abort()
+            return
+        except SessionRefused as e:
+            self.metrics.tcp_refused_by_handler += 1
+            log.info("mesh tcp: push-pull from %s (%s) refused: %s", identity, peer, e)
+            tls.abort()
+            return
+        except (FrameError, TimeoutError, OSError, ssl.SSLError) as e:
+            self.metrics.tcp_errors_in += 1
+            log.debug("mesh tcp: session with %s (%s) failed: %s", identity, peer, e)
+            tls.abort()
+            return
+        except Exception:
+            self.metrics.tcp_errors_in += 1
+            log.exception("mesh tcp: push-pull handler failed (peer %s)", identity)
+            tls.abort()
+            return
+        await tls.close()
+
+    async def close(self) -> None:
+        """Stop accepting, cancel sessions in flight, wait for them (bounded)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        server.close()
+        sessions = list(self._sessions)
+        for t in sessions:
+            t.cancel()
+        if sessions:
+            await asyncio.wait(sessions, timeout=_CLOSE_TIMEOUT)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_CLOSE_TIMEOUT):
+                await server.wait_closed()
+
+
+# --- TCP push-pull client ---------------------------------------------------------------------------
+
+
+class PushPullError(Exception):
+    """A push-pull exchange failed: connection, TLS (refused or untrusted peer), identity, frame, timeout."""
+
+
+@dataclass(frozen=True)
+class PushPullReply:
+    identity: str
+    payload: bytes
+
+
+async def push_pull_request(
+    dest: Addr,
+    ssl_context: ssl.SSLContext,
+    payload: bytes,
+    *,
+    expected_identity: str | None = None,
+    keyring: Keyring | None = None,
+    metrics: TransportMetrics | None = None,
+    max_frame: int = DEFAULT_MAX_FRAME,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> PushPullReply:
+    """Send ``payload`` to the push-pull server at ``dest`` over mTLS and return its answer with the
+    server's certificate identity. If ``expected_identity`` is given, a server whose certificate names
+    another node is refused before the payload is sent. With a ``keyring`` both frames are sealed
+    (as the server must be configured). The whole exchange is bounded by ``timeout``."""
+    m = metrics if metrics is not None else TransportMetrics()
+    tls: TlsStream | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(dest[0], dest[1], limit=_READ_LIMIT)
+            tls = TlsStream(reader, writer, ssl_context, server_side=False)
+            await tls.handshake()
+            identity = peer_identity(tls.ssl_object)
+            if expected_identity is not None and identity != expected_identity:
+                raise CertError(f"peer at {dest} is {identity!r}, expected {expected_identity!r}")
+            frame = keyring.seal(payload) if keyring is not None else payload
+            await write_frame(tls, frame, max_size=max_frame, timeout=timeout)
+            m.tcp_bytes_out += len(frame) + _FRAME.size
+            answer = await read_frame(tls, max_size=max_frame, timeout=timeout)
+            m.tcp_bytes_in += len(answer) + _FRAME.size
+            if keyring is not None:
+                answer = keyring.open(answer)
+    except (OSError, ssl.SSLError, TimeoutError, FrameError, CertError, SealError) as e:
+        m.tcp_errors_out += 1
+        if tls is not None:
+            tls.abort()
+        raise PushPullError(f"push-pull with {dest[0]}:{dest[1]} failed: {type(e).__name__}: {e}") from e
+    except BaseException:
+        if tls is not None:
+            tls.abort()
+        raise
+    m.tcp_sessions_out += 1
+    await tls.close()
+    return PushPullReply(identity, answer)
