@@ -9,9 +9,6 @@ from aiohttp import web
 
 Role = Literal["admin", "user"]
 
-# request[PRINCIPAL_KEY] holds the caller's Principal once the auth middleware has run
-PRINCIPAL_KEY = "shepherd.principal"
-
 
 @dataclass(frozen=True, slots=True)
 class Principal:
@@ -21,6 +18,9 @@ class Principal:
     key_id: str | None = None  # set when authenticated by an API key
     method: Literal["none", "api_key", "jwt"] = "none"
 
+
+# request[PRINCIPAL_KEY] holds the caller's Principal once the auth middleware has run
+PRINCIPAL_KEY: web.RequestKey[Principal] = web.RequestKey("shepherd.principal", Principal)
 
 ANONYMOUS = Principal(subject="anonymous", tenant="default", role="admin")
 

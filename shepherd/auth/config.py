@@ -1,0 +1,348 @@
+"""Who may call a node: the auth configuration (frozen), its YAML/CLI coercion and its flags.
+
+YAML (a mapping under ``auth``)::
+
+    auth:
+      mode: api_key              # both planes at once: off | api_key | jwt | both
+      data_plane: both           # /v1/*, /tokenize, ... (anything not a probe or control route)
+      control_plane: api_key     # /workers*, /admin/*, /mesh/* (and /metrics with ``metrics: true``)
+      admin_key_env: [SMG_ADMIN_KEY]        # bootstrap admin keys: plaintext in an env var ...
+      admin_key_sha256: [<hex digest>]      # ... or only its SHA-256
+      keys:                                 # more bootstrap keys, any role
+        - {name: batch, role: user, tenant: team-a, sha256: <hex>, models: [qwen3]}
+      trust_tenant_header: false           # x-smg-tenant sets the tenant (see ``Authenticator``)
+      jwt:
+        issuer: https://login.example.com   # expected ``iss``; its discovery document gives the JWKS
+        audience: [smg]
+        jwks_url: null                      # explicit JWKS instead of discovery
+        public_key_files: []                # static PEM (key or certificate), JWK or JWKS JSON files
+        algorithms: [RS256, ES256]
+        role_claim: role                    # a string or a list; admin when it holds one of admin_roles
+        tenant_claim: tenant
+
+CLI: ``--auth-X`` sets ``auth.X`` and ``--jwt-X`` sets ``auth.jwt.X`` (see ``add_arguments``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+from shepherd.auth.principal import Role
+
+AuthMode = Literal["off", "api_key", "jwt", "both"]
+MODES: tuple[AuthMode, ...] = ("off", "api_key", "jwt", "both")
+ROLES: tuple[Role, ...] = ("admin", "user")
+ASYMMETRIC_ALGORITHMS = frozenset(
+    {"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"}
+)
+HMAC_ALGORITHMS = frozenset({"HS256", "HS384", "HS512"})
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class AuthConfigError(ValueError):
+    """An auth setting is wrong; the message names it."""
+
+
+@dataclass(frozen=True, slots=True)
+class BootstrapKey:
+    """An API key given in the configuration: its SHA-256 or the name of an env var holding it."""
+
+    name: str
+    role: Role = "admin"
+    tenant: str | None = None
+    sha256: str | None = None
+    env: str | None = None
+    models: tuple[str, ...] | None = None  # None: every model
+    id: str | None = None  # stable id (default: derived from the name)
+
+
+@dataclass(frozen=True, slots=True)
+class JwtConfig:
+    issuer: str | None = None  # expected "iss"; also where OIDC discovery looks
+    audience: tuple[str, ...] = ()  # "aud" must hold one of these (empty: not checked)
+    jwks_url: str | None = None
+    discovery: bool = True  # issuer, no jwks_url, no static keys: {issuer}/.well-known/openid-configuration
+    public_key_files: tuple[str, ...] = ()
+    hmac_secret_env: str | None = None  # only for HS* algorithms, never mixed with public keys
+    algorithms: tuple[str, ...] = ("RS256", "ES256")
+    leeway_secs: float = 30.0
+    require_exp: bool = True
+    subject_claim: str = "sub"
+    role_claim: str = "role"
+    admin_roles: tuple[str, ...] = ("admin",)
+    scope_claim: str = "scope"  # a space-separated string or a list
+    admin_scopes: tuple[str, ...] = ()
+    tenant_claim: str | None = "tenant"
+    jwks_ttl_secs: float = 300.0  # keys are refreshed in the background after this
+    jwks_min_refresh_secs: float = 10.0  # an unknown kid triggers at most one fetch per this interval
+    fetch_timeout_secs: float = 5.0
+    cache_size: int = 10_000  # verified tokens kept (LRU) until they expire
+
+    @property
+    def remote(self) -> bool:
+        """Keys come from a JWKS endpoint (explicit or discovered)."""
+        return bool(self.jwks_url) or (bool(self.issuer) and self.discovery and not self.static)
+
+    @property
+    def static(self) -> bool:
+        return bool(self.public_key_files) or bool(self.hmac_secret_env)
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    data_plane: AuthMode = "off"
+    control_plane: AuthMode = "off"
+    metrics: bool = False  # /metrics is a control route (needs an admin) instead of open
+    keys: tuple[BootstrapKey, ...] = ()
+    trust_tenant_header: bool = False
+    default_tenant: str = "default"
+    max_credential_bytes: int = 8192
+    key_prefix: str = "sk-smg-"
+    jwt: JwtConfig = field(default_factory=JwtConfig)
+
+    @property
+    def enabled(self) -> bool:
+        return self.data_plane != "off" or self.control_plane != "off"
+
+    @property
+    def uses_jwt(self) -> bool:
+        return "jwt" in (self.data_plane, self.control_plane) or "both" in (
+            self.data_plane,
+            self.control_plane,
+        )
+
+
+# ---------------------------------------------------------------------------------------------- coercion
+
+
+def _str_tuple(v: Any, what: str) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return (v,)
+    if isinstance(v, list | tuple) and all(isinstance(x, str) for x in v):
+        return tuple(v)
+    raise AuthConfigError(f"{what} must be a string or a list of strings")
+
+
+def _mode(v: Any, what: str) -> AuthMode:
+    if v is False or v is None:
+        return "off"
+    if v not in MODES:
+        raise AuthConfigError(f"{what} {v!r}: use one of {', '.join(MODES)}")
+    return cast(AuthMode, v)
+
+
+def _key(raw: Any) -> BootstrapKey:
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("name"), str):
+        raise AuthConfigError("each entry of auth.keys needs a 'name'")
+    known = {f.name for f in dataclasses.fields(BootstrapKey)}
+    if unknown := set(raw) - known:
+        raise AuthConfigError(f"unknown keys in auth key {raw['name']!r}: {sorted(unknown)}")
+    role = raw.get("role", "admin")
+    if role not in ROLES:
+        raise AuthConfigError(f"auth key {raw['name']!r}: role must be 'admin' or 'user'")
+    digest = raw.get("sha256")
+    if digest is not None and (not isinstance(digest, str) or not _HEX64.match(digest.lower())):
+        raise AuthConfigError(f"auth key {raw['name']!r}: sha256 must be 64 hex digits")
+    if (digest is None) == (raw.get("env") is None):
+        raise AuthConfigError(f"auth key {raw['name']!r}: give exactly one of 'sha256' and 'env'")
+    models = raw.get("models")
+    return BootstrapKey(
+        name=raw["name"],
+        role=role,
+        tenant=None if raw.get("tenant") is None else str(raw["tenant"]),
+        sha256=digest.lower() if isinstance(digest, str) else None,
+        env=None if raw.get("env") is None else str(raw["env"]),
+        models=None if models is None else _str_tuple(models, "auth key models"),
+        id=None if raw.get("id") is None else str(raw["id"]),
+    )
+
+
+_JWT_TUPLES = ("audience", "public_key_files", "algorithms", "admin_roles", "admin_scopes")
+
+
+def _jwt(raw: Any) -> JwtConfig:
+    if isinstance(raw, JwtConfig):
+        return raw
+    if raw is None:
+        return JwtConfig()
+    if not isinstance(raw, Mapping):
+        raise AuthConfigError("auth.jwt must be a mapping")
+    known = {f.name for f in dataclasses.fields(JwtConfig)}
+    if unknown := set(raw) - known:
+        raise AuthConfigError(f"unknown keys in auth.jwt: {sorted(unknown)}")
+    vals = dict(raw)
+    for k in _JWT_TUPLES:
+        if k in vals:
+            vals[k] = _str_tuple(vals[k], f"auth.jwt.{k}")
+    try:
+        cfg = JwtConfig(**vals)
+    except TypeError as e:
+        raise AuthConfigError(f"auth.jwt: {e}") from None
+    algs = set(cfg.algorithms)
+    if not algs:
+        raise AuthConfigError("auth.jwt.algorithms must not be empty")
+    if bad := algs - ASYMMETRIC_ALGORITHMS - HMAC_ALGORITHMS:
+        raise AuthConfigError(f"auth.jwt.algorithms: unsupported {sorted(bad)} ('none' is never accepted)")
+    if algs & HMAC_ALGORITHMS and not cfg.hmac_secret_env:
+        raise AuthConfigError("auth.jwt: HS* algorithms need hmac_secret_env (a shared secret)")
+    if cfg.leeway_secs < 0 or cfg.jwks_ttl_secs <= 0 or cfg.jwks_min_refresh_secs < 0:
+        raise AuthConfigError("auth.jwt: leeway, jwks_ttl_secs and jwks_min_refresh_secs must be positive")
+    if cfg.cache_size < 0:
+        raise AuthConfigError("auth.jwt.cache_size must be >= 0")
+    return cfg
+
+
+def auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
+    """Build an ``AuthConfig`` from a plain mapping (the ``auth`` section of the YAML, merged with flags)."""
+    if isinstance(raw, AuthConfig):
+        return raw
+    if raw is None:
+        return AuthConfig()
+    if not isinstance(raw, Mapping):
+        raise AuthConfigError("auth must be a mapping")
+    vals = dict(raw)
+    mode = _mode(vals.pop("mode", None), "auth.mode")
+    keys = [_key(k) for k in vals.pop("keys", None) or ()]
+    for i, env in enumerate(_str_tuple(vals.pop("admin_key_env", None), "auth.admin_key_env")):
+        keys.append(BootstrapKey(name=f"bootstrap-admin-env-{i}", env=env, id=f"boot-env-{i}"))
+    for i, digest in enumerate(_str_tuple(vals.pop("admin_key_sha256", None), "auth.admin_key_sha256")):
+        keys.append(_key({"name": f"bootstrap-admin-{i}", "sha256": digest, "id": f"boot-sha-{i}"}))
+    known = {f.name for f in dataclasses.fields(AuthConfig)}
+    if unknown := set(vals) - known:
+        raise AuthConfigError(f"unknown keys in auth: {sorted(unknown)}")
+    data = _mode(vals.pop("data_plane", mode), "auth.data_plane")
+    control = _mode(vals.pop("control_plane", mode), "auth.control_plane")
+    jwt_cfg = _jwt(vals.pop("jwt", None))
+    try:
+        cfg = AuthConfig(data_plane=data, control_plane=control, keys=tuple(keys), jwt=jwt_cfg, **vals)
+    except TypeError as e:
+        raise AuthConfigError(f"auth: {e}") from None
+    if cfg.uses_jwt and not (cfg.jwt.remote or cfg.jwt.static):
+        raise AuthConfigError("JWT auth needs auth.jwt.issuer, jwks_url, public_key_files or hmac_secret_env")
+    if cfg.max_credential_bytes < 64:
+        raise AuthConfigError("auth.max_credential_bytes must be >= 64")
+    return cfg
+
+
+def load_auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
+    """``auth_config`` plus a check that the material it names is there: the bootstrap keys' env vars
+    and the JWT key files (read here, so a node fails at start with a clear message, not later)."""
+    cfg = auth_config(raw)
+    from shepherd.auth.jwks import KeyLoadError, static_keys
+    from shepherd.auth.keys import BootstrapError, bootstrap_records
+
+    try:
+        bootstrap_records(cfg)
+        if cfg.uses_jwt:
+            static_keys(cfg.jwt)
+    except (BootstrapError, KeyLoadError, OSError) as e:
+        raise AuthConfigError(str(e)) from None
+    return cfg
+
+
+def merge_auth(base: Any, over: Any) -> Any:
+    """Merge two ``auth`` mappings (YAML < flags); ``jwt`` is merged one level down."""
+    if not isinstance(base, Mapping) or not isinstance(over, Mapping):
+        return over
+    out = {**base, **over}
+    if isinstance(base.get("jwt"), Mapping) and isinstance(over.get("jwt"), Mapping):
+        out["jwt"] = {**base["jwt"], **over["jwt"]}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- flags
+
+_AUTH_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("mode", {"choices": MODES, "help": "auth on both planes: off (default), api_key, jwt, both"}),
+    ("data-plane", {"choices": MODES, "help": "auth on /v1/* and the other data routes"}),
+    ("control-plane", {"choices": MODES, "help": "auth on /workers*, /admin/*, /mesh/* (admin role)"}),
+    ("metrics", {"action": "store_true", "default": None, "help": "/metrics needs an admin credential"}),
+    ("admin-key-env", {"nargs": "+", "metavar": "VAR", "help": "env vars holding bootstrap admin keys"}),
+    ("admin-key-sha256", {"nargs": "+", "metavar": "HEX", "help": "SHA-256 of bootstrap admin keys"}),
+    (
+        "trust-tenant-header",
+        {"action": "store_true", "default": None, "help": "x-smg-tenant sets the tenant"},
+    ),
+    ("default-tenant", {"help": "tenant of callers bound to none (default: default)"}),
+)
+_JWT_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("issuer", {"help": "expected iss; OIDC discovery at {issuer}/.well-known/openid-configuration"}),
+    ("audience", {"nargs": "+", "help": "aud must hold one of these"}),
+    ("jwks-url", {"help": "JWKS endpoint (instead of OIDC discovery)"}),
+    ("public-key-file", {"nargs": "+", "dest": "public_key_files", "help": "PEM, JWK or JWKS files"}),
+    ("hmac-secret-env", {"metavar": "VAR", "help": "env var with a shared secret for HS256/384/512"}),
+    ("algorithms", {"nargs": "+", "help": "accepted algorithms (default RS256 ES256)"}),
+    ("leeway-secs", {"type": float, "help": "clock skew allowed on exp/nbf/iat (default 30)"}),
+    ("role-claim", {"help": "claim holding the role(s), dotted paths allowed (default role)"}),
+    ("admin-roles", {"nargs": "+", "help": "role values that mean admin (default admin)"}),
+    ("scope-claim", {"help": "claim holding scopes (default scope)"}),
+    ("admin-scopes", {"nargs": "+", "help": "scopes that mean admin"}),
+    ("tenant-claim", {"help": "claim holding the tenant (default tenant)"}),
+    ("jwks-ttl-secs", {"type": float, "help": "refresh the JWKS after this (default 300)"}),
+    (
+        "jwks-min-refresh-secs",
+        {"type": float, "help": "at most one unknown-kid refetch per this (default 10)"},
+    ),
+)
+_PREFIX_AUTH = "auth__"
+_PREFIX_JWT = "auth_jwt__"
+
+
+_TLS_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("tls-cert-file", {"help": "serve the client port over TLS with this certificate (PEM chain)"}),
+    ("tls-key-file", {"help": "the certificate's private key (PEM)"}),
+    ("tls-client-ca-file", {"help": "require client certificates signed by this CA (mTLS)"}),
+    (
+        "tls-reload-interval-secs",
+        {"type": float, "help": "reload changed cert files (default 10; 0: SIGHUP only)"},
+    ),
+    ("engine-tls-ca-file", {"help": "TLS to gRPC engines, verified against this CA (also grpcs:// URLs)"}),
+    ("engine-tls-cert-file", {"help": "client certificate for engines (mTLS)"}),
+    ("engine-tls-key-file", {"help": "its private key"}),
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add the ``--auth-*``, ``--jwt-*`` and TLS flags to the ``serve`` parser (TLS flags are plain
+    ``NodeConfig`` fields; the others go through ``pop_overrides``)."""
+    t = p.add_argument_group("TLS")
+    for name, kw in _TLS_FLAGS:
+        t.add_argument(f"--{name}", **kw)
+    g = p.add_argument_group("authentication")
+    for name, kw in _AUTH_FLAGS:
+        g.add_argument(
+            f"--auth-{name}", **{**_metavar(name, kw), "dest": _PREFIX_AUTH + name.replace("-", "_")}
+        )
+    for name, kw in _JWT_FLAGS:
+        dest = _PREFIX_JWT + kw.get("dest", name.replace("-", "_"))
+        g.add_argument(f"--jwt-{name}", **{**_metavar(name, kw), "dest": dest})
+
+
+def _metavar(name: str, kw: dict[str, Any]) -> dict[str, Any]:
+    if kw.get("action") or "choices" in kw or "metavar" in kw:
+        return kw
+    return {**kw, "metavar": name.upper().replace("-", "_")}
+
+
+def pop_overrides(values: dict[str, Any]) -> dict[str, Any] | None:
+    """Take the auth flags out of parsed CLI ``values``; the ``auth`` override mapping, None when unset."""
+    out: dict[str, Any] = {}
+    jwt: dict[str, Any] = {}
+    for k in [k for k in values if k.startswith((_PREFIX_AUTH, _PREFIX_JWT))]:
+        v = values.pop(k)
+        if v is None:
+            continue
+        if k.startswith(_PREFIX_JWT):
+            jwt[k[len(_PREFIX_JWT) :]] = v
+        else:
+            out[k[len(_PREFIX_AUTH) :]] = v
+    if jwt:
+        out["jwt"] = jwt
+    return out or None

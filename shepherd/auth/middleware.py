@@ -1,0 +1,377 @@
+"""Who may call the node: the authenticator (credentials → principal) and its aiohttp middleware.
+
+Routes fall in three planes, decided once per route from its template (never from the raw path, so
+``/v1/../workers`` tricks see the route the router picked):
+
+- public: the probes ``/health``, ``/liveness``, ``/readiness`` (and ``/metrics`` unless
+  ``auth.metrics``) — never authenticated;
+- control: ``/workers*``, ``/admin/*``, ``/mesh/*`` (and ``/metrics`` with ``auth.metrics``) — the
+  ``admin`` role;
+- data: everything else (``/v1/*``, ``/tokenize``, unknown paths) — ``user`` or ``admin``.
+
+Each plane's mode is off, api_key, jwt or both. Credentials come from ``Authorization: Bearer <c>``, or
+``x-api-key: <c>`` (what Anthropic clients send). With ``both``, a credential shaped like a JWT is
+checked as one and anything else as an API key. A plane that is off gives ``ANONYMOUS``.
+
+Tenant: the key record's, or the JWT's tenant claim; ``x-smg-tenant`` is read only with
+``trust_tenant_header``, and then sets the tenant of principals not bound to one (keys without a tenant,
+tokens without the claim, anonymous callers) and of admins (who act for tenants); a user bound to a
+tenant cannot leave it.
+
+Refusals are answered here (never raised to a 500): 401 with ``WWW-Authenticate: Bearer`` or 403, in
+the OpenAI error envelope. Messages never hold the credential.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import orjson
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.typedefs import Middleware
+from prometheus_client import CollectorRegistry, Counter
+
+from shepherd.auth.config import AuthConfig, AuthMode
+from shepherd.auth.jwks import HttpFetch, JwksSource, static_keys
+from shepherd.auth.jwt_verify import JwtError, JwtVerifier, looks_like_jwt
+from shepherd.auth.keys import (
+    ApiKeyRecord,
+    KeyStore,
+    MemoryKeyStore,
+    bootstrap_records,
+    hash_key,
+    principal_for,
+)
+from shepherd.auth.principal import ANONYMOUS, PRINCIPAL_KEY, Principal
+
+log = logging.getLogger("shepherd.auth")
+
+Plane = Literal["public", "data", "control"]
+PUBLIC_ROUTES = frozenset({"/health", "/liveness", "/readiness"})
+CONTROL_PREFIXES = ("/workers", "/admin", "/mesh")
+TENANT_HEADER = "x-smg-tenant"
+MAX_TENANT_CHARS = 128
+_TYPES = {401: "authentication_error", 403: "permission_error"}
+
+
+class AuthFailure(Exception):
+    """A refused request: 401 (no or bad credential) or 403 (a credential without the right)."""
+
+    def __init__(self, status: int, message: str, code: str, *, presented: bool = True) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.presented = presented  # a credential was sent (RFC 6750: error="invalid_token")
+
+    def response(self) -> web.Response:
+        typ = _TYPES.get(self.status, "invalid_request_error")
+        body = orjson.dumps(
+            {"error": {"message": self.message, "type": typ, "param": None, "code": self.code}}
+        )
+        headers = {}
+        if self.status == 401:
+            headers["WWW-Authenticate"] = (
+                'Bearer realm="shepherd", error="invalid_token"'
+                if self.presented
+                else 'Bearer realm="shepherd"'
+            )
+        return web.Response(status=self.status, body=body, content_type="application/json", headers=headers)
+
+
+def plane_of(route: str | None, metrics_protected: bool) -> Plane:
+    """The plane of a route template (``None``: no route matched)."""
+    if route is None:
+        return "data"
+    if route in PUBLIC_ROUTES:
+        return "public"
+    if route == "/metrics":
+        return "control" if metrics_protected else "public"
+    for p in CONTROL_PREFIXES:
+        if route == p or route.startswith(p + "/"):
+            return "control"
+    return "data"
+
+
+def credential(headers: Mapping[str, str], max_bytes: int) -> str:
+    """The presented credential; raises ``AuthFailure`` when there is none or it is unusable."""
+    raw = headers.get("Authorization")
+    if raw is not None:
+        scheme, _, cred = raw.partition(" ")
+        if scheme.lower() != "bearer":
+            raise AuthFailure(401, "Use 'Authorization: Bearer <key or token>'.", "invalid_auth_scheme")
+        cred = cred.strip()
+    else:
+        cred = (headers.get("x-api-key") or "").strip()
+    if not cred:
+        raise AuthFailure(
+            401,
+            "No credential: send 'Authorization: Bearer <key or token>'.",
+            "missing_credentials",
+            presented=False,
+        )
+    if len(cred) > max_bytes:
+        raise AuthFailure(401, "The credential is too long.", "credential_too_long")
+    return cred
+
+
+@dataclass(frozen=True, slots=True)
+class Authenticated:
+    principal: Principal
+    record: ApiKeyRecord | None = None  # the API key, when one was used
+
+
+class Authenticator:
+    """Credentials → principal, for one plane's mode. No I/O except a JWKS fetch on a cold JWT path."""
+
+    def __init__(
+        self,
+        cfg: AuthConfig,
+        store: KeyStore,
+        jwt: JwtVerifier | None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.jwt = jwt
+        self._clock = clock
+        self._principals: dict[str, tuple[ApiKeyRecord, Principal]] = {}  # digest → (record, principal)
+
+    def mode(self, plane: Plane) -> AuthMode:
+        if plane == "public":
+            return "off"
+        return self.cfg.control_plane if plane == "control" else self.cfg.data_plane
+
+    def api_key(self, key: str) -> Authenticated:
+        digest = hash_key(key)
+        rec = self.store.find(digest)
+        if rec is None:
+            raise AuthFailure(401, "Invalid API key.", "invalid_api_key")
+        if rec.revoked:
+            raise AuthFailure(401, "The API key has been revoked.", "revoked_api_key")
+        if rec.expires is not None and self._clock() >= rec.expires:
+            raise AuthFailure(401, "The API key has expired.", "expired_api_key")
+        hit = self._principals.get(digest)
+        if hit is None or hit[0] is not rec:  # the record changed (revoked, replaced, re-applied)
+            if len(self._principals) > 100_000:
+                self._principals.clear()
+            hit = self._principals[digest] = (rec, principal_for(rec, self.cfg.default_tenant))
+        return Authenticated(hit[1], rec)
+
+    def _is_jwt(self, mode: AuthMode, cred: str) -> bool:
+        return mode == "jwt" or (mode == "both" and looks_like_jwt(cred))
+
+    def authenticate_now(self, plane: Plane, headers: Mapping[str, str]) -> Authenticated | None:
+        """The caller, without waiting: None only when a JWT not seen before must be verified (then
+        ``authenticate``). Raises ``AuthFailure``. The hot path: keys and cached tokens end here."""
+        mode = self.mode(plane)
+        if mode == "off":
+            return Authenticated(self._with_tenant(ANONYMOUS, False, headers))
+        cred = credential(headers, self.cfg.max_credential_bytes)
+        if self._is_jwt(mode, cred):
+            assert self.jwt is not None
+            v = self.jwt.cached(cred)
+            if v is None:
+                return None
+            return self._finish(plane, Authenticated(v.principal), v.tenant_bound, headers)
+        out = self.api_key(cred)
+        return self._finish(plane, out, out.record is not None and out.record.tenant is not None, headers)
+
+    async def authenticate(self, plane: Plane, headers: Mapping[str, str]) -> Authenticated:
+        """The caller of a route of ``plane``; raises ``AuthFailure``."""
+        out = self.authenticate_now(plane, headers)
+        if out is not None:
+            return out
+        assert self.jwt is not None
+        try:
+            v = await self.jwt.verify(credential(headers, self.cfg.max_credential_bytes))
+        except JwtError as e:
+            raise AuthFailure(401, str(e), e.code) from None
+        return self._finish(plane, Authenticated(v.principal), v.tenant_bound, headers)
+
+    def _finish(
+        self, plane: Plane, out: Authenticated, bound: bool, headers: Mapping[str, str]
+    ) -> Authenticated:
+        if plane == "control" and out.principal.role != "admin":
+            raise AuthFailure(403, "This route needs the admin role.", "insufficient_role")
+        if self.cfg.trust_tenant_header:
+            out = dataclasses.replace(out, principal=self._with_tenant(out.principal, bound, headers))
+        return out
+
+    def _with_tenant(self, p: Principal, bound: bool, headers: Mapping[str, str]) -> Principal:
+        if not self.cfg.trust_tenant_header or (bound and p.role != "admin"):
+            return p
+        t = headers.get(TENANT_HEADER)
+        if not t:
+            return p
+        if len(t) > MAX_TENANT_CHARS or not t.isprintable():
+            raise AuthFailure(400, "The x-smg-tenant header is invalid.", "invalid_tenant")
+        return dataclasses.replace(p, tenant=t)
+
+
+# ---------------------------------------------------------------------------------------------- aiohttp
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _model_of(raw: bytes) -> str | None:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    m = body.get("model") if isinstance(body, dict) else None
+    return m if isinstance(m, str) else None
+
+
+class AuthFailures:
+    """``smg_auth_failures_total{plane,code}`` (codes are fixed strings: no credential in a label)."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self._c = (
+            Counter(
+                "smg_auth_failures",
+                "Requests refused by authentication",
+                ["plane", "code"],
+                registry=registry,
+            )
+            if registry is not None
+            else None
+        )
+
+    def inc(self, plane: str, code: str) -> None:
+        if self._c is not None:
+            self._c.labels(plane, code).inc()
+
+
+def make_middleware(authn: Authenticator, failures: AuthFailures | None = None) -> Middleware:
+    """The aiohttp middleware: put it after the error middleware (``install`` does)."""
+    planes: dict[str | None, Plane] = {}
+    metrics_protected = authn.cfg.metrics
+    count = failures or AuthFailures(None)
+
+    @web.middleware
+    async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else None
+        plane = planes.get(route)
+        if plane is None:
+            plane = planes[route] = plane_of(route, metrics_protected)
+        if plane == "public":
+            return await handler(request)
+        try:
+            who = authn.authenticate_now(plane, request.headers) or await authn.authenticate(
+                plane, request.headers
+            )
+            rec = who.record
+            if rec is not None and rec.models is not None and request.method == "POST" and plane == "data":
+                model = _model_of(await request.read())
+                if model is not None and model not in rec.models:
+                    raise AuthFailure(
+                        403, f"This API key may not use model {model[:100]!r}.", "model_not_allowed"
+                    )
+        except AuthFailure as e:
+            count.inc(plane, e.code)
+            log.debug("refused %s %s: %s", request.method, route or "unmatched", e.code)
+            return e.response()
+        if who.principal is not ANONYMOUS:
+            request[PRINCIPAL_KEY] = who.principal
+        return await handler(request)
+
+    return auth_middleware
+
+
+# ---------------------------------------------------------------------------------------------- assembly
+
+
+class RedactBadRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse (an oversized header, say) with the parser's message, which
+    quotes the start of the offending line: possibly an ``Authorization`` value. Keep the event, drop the
+    quote and the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg = f"{record.msg} ({type(exc).__name__}, answered {exc.code})"
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def redact_aiohttp_logs() -> None:
+    lg = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, RedactBadRequests) for f in lg.filters):
+        lg.addFilter(RedactBadRequests())
+
+
+@dataclass(slots=True)
+class AuthState:
+    cfg: AuthConfig
+    store: KeyStore
+    authenticator: Authenticator
+    fetch: HttpFetch | None = None
+    jwks: JwksSource | None = None
+
+    async def close(self) -> None:
+        if self.jwks is not None:
+            await self.jwks.close()
+        if self.fetch is not None:
+            await self.fetch.close()
+
+
+AUTH: web.AppKey[AuthState] = web.AppKey("shepherd.auth")
+
+
+def build_state(cfg: AuthConfig, store: KeyStore | None = None) -> AuthState:
+    """The store (seeded with the bootstrap keys), the JWT verifier and the authenticator."""
+    boot = bootstrap_records(cfg)
+    if store is None:
+        store = MemoryKeyStore(boot)
+    else:
+        store.apply(r.to_dict() for r in boot)  # configuration, not replicated: no change callback
+    fetch: HttpFetch | None = None
+    jwks: JwksSource | None = None
+    verifier: JwtVerifier | None = None
+    if cfg.uses_jwt:
+        j = cfg.jwt
+        if j.remote:
+            fetch = HttpFetch(j.fetch_timeout_secs)
+            jwks = JwksSource(j, fetch)
+        if not j.audience:
+            log.warning("JWT auth without an audience: tokens for any audience of the issuer are accepted")
+        verifier = JwtVerifier(
+            j,
+            static_keys(j),
+            jwks,
+            default_tenant=cfg.default_tenant,
+            max_token_bytes=cfg.max_credential_bytes,
+        )
+    return AuthState(cfg, store, Authenticator(cfg, store, verifier), fetch, jwks)
+
+
+def install(
+    app: web.Application,
+    cfg: AuthConfig,
+    *,
+    registry: CollectorRegistry | None = None,
+    store: KeyStore | None = None,
+) -> AuthState:
+    """Put the auth state on the app and, when auth is on, the middleware after those already there
+    (the error middleware stays outermost)."""
+    state = build_state(cfg, store)
+    app[AUTH] = state
+    redact_aiohttp_logs()
+    if cfg.enabled or cfg.trust_tenant_header:
+        app.middlewares.append(make_middleware(state.authenticator, AuthFailures(registry)))
+
+    async def _close(_app: web.Application) -> None:
+        await state.close()
+
+    app.on_cleanup.append(_close)
+    return state

@@ -1,0 +1,281 @@
+"""The auth middleware and the key admin API in an aiohttp app (in process): planes, roles, envelopes,
+tenants, per-key model lists, JWT beside keys, and no secret in logs or metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
+from typing import Any, cast
+
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from shepherd.auth.config import AuthConfig, auth_config
+from shepherd.auth.keys import ApiKeyRecord, MemoryKeyStore, create_key, hash_key
+from shepherd.auth.middleware import AUTH, Authenticator, AuthFailure, plane_of
+from shepherd.auth.principal import principal_of
+from shepherd.node import api_keys
+from shepherd.node.api_common import GATEWAY, error_middleware
+from shepherd.node.config import NodeConfig
+from shepherd.node.gateway import Gateway
+from shepherd.node.metrics import NodeMetrics
+from tests.unit.test_auth_jwt import ISS, Signer, hs_confused_token, jwks_of
+
+ADMIN = "sk-smg-admin-key-for-tests-0000000000000000"
+USER = "sk-smg-user-key-for-tests-00000000000000000"
+
+
+async def whoami(request: web.Request) -> web.Response:
+    p = principal_of(request)
+    body = {"subject": p.subject, "tenant": p.tenant, "role": p.role, "method": p.method}
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def chat(request: web.Request) -> web.Response:
+    await request.read()
+    return await whoami(request)
+
+
+def make_app(raw: dict[str, Any], environ: dict[str, str] | None = None) -> web.Application:
+    gw = SimpleNamespace(cfg=NodeConfig(auth=auth_config(raw)), metrics=NodeMetrics(), in_flight=0)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=gw.metrics.render())
+
+    app = web.Application(middlewares=[error_middleware])
+    app[GATEWAY] = cast(Gateway, gw)
+    app.add_routes(
+        [
+            web.post("/v1/chat/completions", chat),
+            web.get("/v1/models", whoami),
+            web.get("/workers", whoami),
+            web.post("/workers", whoami),
+            web.get("/health", whoami),
+            web.get("/metrics", metrics),
+            web.get("/mesh/status", whoami),
+        ]
+    )
+    api_keys.install(app)
+    return app
+
+
+Factory = Callable[..., Any]
+
+
+@pytest.fixture
+async def client(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Factory]:
+    monkeypatch.setenv("T_ADMIN_KEY", ADMIN)
+    clients: list[TestClient[web.Request, web.Application]] = []
+
+    async def make(raw: dict[str, Any]) -> TestClient[web.Request, web.Application]:
+        c = TestClient(TestServer(make_app(raw)))
+        await c.start_server()
+        clients.append(c)
+        return c
+
+    yield make
+    for c in clients:
+        await c.close()
+
+
+def bearer(k: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {k}"}
+
+
+KEYS = {"mode": "api_key", "admin_key_env": "T_ADMIN_KEY"}
+
+
+def add_user(app: web.Application, **kw: Any) -> str:
+    key, _ = create_key(app[AUTH].store, "u", "user", **kw)
+    return key
+
+
+async def test_auth_off_is_anonymous_and_ignores_headers(client: Factory) -> None:
+    c = await client({})
+    r = await c.get("/workers", headers=bearer("x"))
+    assert r.status == 200 and (await r.json())["subject"] == "anonymous"
+
+
+async def test_envelopes_planes_and_roles(client: Factory) -> None:
+    c = await client(KEYS)
+    user = add_user(c.app)
+    r = await c.get("/v1/models")
+    body = await r.json()
+    assert r.status == 401 and r.headers["WWW-Authenticate"] == 'Bearer realm="shepherd"'
+    assert body["error"]["type"] == "authentication_error" and body["error"]["code"] == "missing_credentials"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    r = await c.get("/v1/models", headers=bearer("sk-smg-wrong"))
+    assert r.status == 401 and 'error="invalid_token"' in r.headers["WWW-Authenticate"]
+    assert (await r.json())["error"]["code"] == "invalid_api_key"
+    r = await c.get("/v1/models", headers={"Authorization": "Basic dXNlcjpwYXNz"})
+    assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_auth_scheme"
+    r = await c.get("/v1/models", headers=bearer(user))
+    assert r.status == 200 and (await r.json())["role"] == "user"
+    r = await c.get("/v1/models", headers={"x-api-key": user})  # Anthropic clients
+    assert r.status == 200
+    for method, path in (
+        ("POST", "/workers"),
+        ("GET", "/workers"),
+        ("GET", "/mesh/status"),
+        ("GET", "/admin/keys"),
+    ):
+        r = await c.request(method, path, headers=bearer(user))
+        body = await r.json()
+        assert r.status == 403 and body["error"]["type"] == "permission_error", (path, body)
+        assert "WWW-Authenticate" not in r.headers
+    r = await c.get("/workers", headers=bearer(ADMIN))
+    assert r.status == 200 and (await r.json())["role"] == "admin"
+    r = await c.get("/v1/models", headers=bearer(ADMIN))  # admins may use the data plane
+    assert r.status == 200
+    assert (await c.get("/health")).status == 200
+    assert (await c.get("/metrics")).status == 200
+    r = await c.get("/no/such/route")
+    assert r.status == 401  # unknown paths are data plane: no route existence leaks
+    r = await c.get("/no/such/route", headers=bearer(user))
+    assert r.status == 404 and (await r.json())["error"]["type"] == "not_found_error"
+
+
+async def test_planes_configured_separately_and_metrics_protected(client: Factory) -> None:
+    c = await client(
+        {"data_plane": "off", "control_plane": "api_key", "metrics": True, "admin_key_env": "T_ADMIN_KEY"}
+    )
+    assert (await c.get("/v1/models")).status == 200
+    assert (await c.get("/workers")).status == 401
+    assert (await c.get("/metrics")).status == 401
+    assert (await c.get("/metrics", headers=bearer(ADMIN))).status == 200
+    assert plane_of("/metrics", False) == "public" and plane_of("/workers/{worker_id}", False) == "control"
+    assert plane_of("/workersx", False) == "data" and plane_of(None, False) == "data"
+
+
+async def test_key_admin_api(client: Factory) -> None:
+    c = await client(KEYS)
+    r = await c.post(
+        "/admin/keys", json={"name": "ci", "tenant": "t1", "models": ["qwen3"]}, headers=bearer(ADMIN)
+    )
+    assert r.status == 201
+    made = await r.json()
+    key = made["key"]
+    assert key.startswith("sk-smg-") and made["role"] == "user" and made["tenant"] == "t1"
+    assert made["models"] == ["qwen3"] and made["created_by"] == "boot-env-0"
+    r = await c.get("/admin/keys", headers=bearer(ADMIN))
+    listing = await r.text()
+    assert key not in listing and hash_key(key) not in listing and ADMIN not in listing
+    assert made["id"] in listing
+    r = await c.get(f"/admin/keys/{made['id']}", headers=bearer(ADMIN))
+    assert (await r.json())["revoked"] is False and "key" not in await r.json()
+    r = await c.post("/v1/chat/completions", json={"model": "qwen3"}, headers=bearer(key))
+    assert r.status == 200 and (await r.json())["tenant"] == "t1"
+    r = await c.delete(f"/admin/keys/{made['id']}", headers=bearer(ADMIN))
+    assert r.status == 200 and (await r.json())["revoked"] is True
+    r = await c.post("/v1/chat/completions", json={"model": "qwen3"}, headers=bearer(key))
+    assert r.status == 401 and (await r.json())["error"]["code"] == "revoked_api_key"
+    assert (await c.delete("/admin/keys/key_nope", headers=bearer(ADMIN))).status == 404
+    assert (await c.get("/admin/keys/key_nope", headers=bearer(ADMIN))).status == 404
+    for bad in ({"role": "root"}, {"expires_in": -1}, {"expires_at": 5}, {"models": "qwen3"}, {"name": ""}):
+        r = await c.post("/admin/keys", json=bad, headers=bearer(ADMIN))
+        assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error", bad
+    r = await c.post("/admin/keys", data=b"{not json", headers=bearer(ADMIN))
+    assert r.status == 400
+    r = await c.post("/admin/keys", json={"role": "admin", "expires_in": 3600}, headers=bearer(ADMIN))
+    made = await r.json()
+    assert made["role"] == "admin" and made["expires_at"] > time.time()
+    assert (await c.get("/workers", headers=bearer(made["key"]))).status == 200
+
+
+async def test_model_allow_list(client: Factory) -> None:
+    c = await client(KEYS)
+    key = add_user(c.app, models=["m1"])
+    r = await c.post("/v1/chat/completions", json={"model": "m2"}, headers=bearer(key))
+    body = await r.json()
+    assert r.status == 403 and body["error"]["code"] == "model_not_allowed"
+    r = await c.post("/v1/chat/completions", json={"model": "m1"}, headers=bearer(key))
+    assert r.status == 200
+    r = await c.post("/v1/chat/completions", data=b"{broken", headers=bearer(key))
+    assert r.status == 200  # not ours to judge: the handler answers bad JSON
+
+
+async def test_tenant_header_rules(client: Factory) -> None:
+    c = await client({**KEYS, "trust_tenant_header": True})
+    free = add_user(c.app)
+    bound = add_user(c.app, tenant="home")
+    h = {"x-smg-tenant": "elsewhere"}
+    assert (await (await c.get("/v1/models", headers={**bearer(free), **h})).json())["tenant"] == "elsewhere"
+    assert (await (await c.get("/v1/models", headers={**bearer(bound), **h})).json())["tenant"] == "home"
+    assert (await (await c.get("/v1/models", headers={**bearer(ADMIN), **h})).json())["tenant"] == "elsewhere"
+    assert (await (await c.get("/v1/models", headers=bearer(free))).json())["tenant"] == "default"
+    r = await c.get("/v1/models", headers={**bearer(free), "x-smg-tenant": "x" * 500})
+    assert r.status == 400
+    c2 = await client(KEYS)  # header not trusted: ignored
+    free2 = add_user(c2.app)
+    assert (await (await c2.get("/v1/models", headers={**bearer(free2), **h})).json())["tenant"] == "default"
+    c3 = await client({"trust_tenant_header": True})  # auth off, header trusted (a proxy in front)
+    r = await c3.get("/v1/models", headers=h)
+    assert (await r.json())["tenant"] == "elsewhere"
+
+
+async def test_expired_key_with_a_fake_clock() -> None:
+    store = MemoryKeyStore()
+    key, _ = create_key(store, "t", expires=100.0, now=0.0)
+    now = [99.0]
+    a = Authenticator(AuthConfig(data_plane="api_key"), store, None, clock=lambda: now[0])
+    assert (await a.authenticate("data", bearer(key))).principal.role == "user"
+    now[0] = 100.0
+    with pytest.raises(AuthFailure) as e:
+        await a.authenticate("data", bearer(key))
+    assert e.value.code == "expired_api_key"
+
+
+async def test_principal_cache_follows_record_changes() -> None:
+    store = MemoryKeyStore()
+    key, rec = create_key(store, "t", tenant="a")
+    a = Authenticator(AuthConfig(data_plane="api_key"), store, None)
+    assert (await a.authenticate("data", bearer(key))).principal.tenant == "a"
+    store.apply([{**rec.to_dict(), "tenant": "b"}])  # replicated change from elsewhere
+    assert (await a.authenticate("data", bearer(key))).principal.tenant == "b"
+    store.apply([{**rec.to_dict(), "revoked": True}])
+    with pytest.raises(AuthFailure):
+        await a.authenticate("data", bearer(key))
+    assert isinstance(store.get(rec.id), ApiKeyRecord)
+
+
+async def test_jwt_beside_keys_and_no_secret_in_logs(
+    client: Factory, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    signer = Signer("k1")
+    (tmp_path / "jwks.json").write_text(orjson.dumps(jwks_of(signer)).decode())
+    c = await client(
+        {
+            **KEYS,
+            "mode": "both",
+            "jwt": {"issuer": ISS, "audience": ["smg"], "public_key_files": [str(tmp_path / "jwks.json")]},
+        }
+    )
+    tok = signer.token(role="admin", tenant="t9")
+    r = await c.get("/workers", headers=bearer(tok))
+    body = await r.json()
+    assert r.status == 200 and body == {"subject": "alice", "tenant": "t9", "role": "admin", "method": "jwt"}
+    r = await c.get("/workers", headers=bearer(signer.token()))
+    assert r.status == 403
+    assert (await c.get("/workers", headers=bearer(ADMIN))).status == 200
+    caplog.set_level(logging.DEBUG)
+    secrets = [
+        "sk-smg-this-is-a-secret-key-nobody-has-000000",
+        signer.token(exp=int(time.time()) - 100),
+        signer.token(aud="other"),
+        hs_confused_token(signer, "k1"),
+        Signer("k1").token(),
+    ]
+    for s in secrets:
+        r = await c.get("/v1/models", headers=bearer(s))
+        body = await r.json()
+        assert r.status == 401 and body["error"]["type"] == "authentication_error"
+        assert s not in await r.text()
+    metrics = await (await c.get("/metrics")).text()
+    assert "smg_auth_failures_total" in metrics
+    for s in secrets:
+        assert s not in caplog.text and s not in metrics
+        assert s[-20:] not in caplog.text  # no tail of it either
