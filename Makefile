@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint unit bench venv clean
+.PHONY: run test lint unit bench chaos compose-test venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,14 +21,14 @@ run: $(STAMP)
 
 # Command 2: everything the tests need, then lint, types and the whole suite.
 test: $(STAMP)
-	$(BIN)/ruff check shepherd tests bench
-	$(BIN)/ruff format --check shepherd tests bench
+	$(BIN)/ruff check shepherd tests bench chaos
+	$(BIN)/ruff format --check shepherd tests bench chaos
 	$(BIN)/mypy
 	$(BIN)/pytest tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check shepherd tests bench
-	$(BIN)/ruff format --check shepherd tests bench
+	$(BIN)/ruff check shepherd tests bench chaos
+	$(BIN)/ruff format --check shepherd tests bench chaos
 	$(BIN)/mypy
 
 unit: $(STAMP)
@@ -36,6 +36,14 @@ unit: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/smg-bench all
+
+# The whole chaos suite on network namespaces (root; installs iproute2, iptables, haproxy, libfaketime).
+chaos: $(STAMP)
+	$(BIN)/python -m chaos.run all --install --report chaos-report.md
+
+# docker-compose cluster: build images locally (no registry needed), bring it up, kill a node, check.
+compose-test: $(STAMP)
+	docker/compose-test.sh
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
