@@ -1,0 +1,578 @@
+"""Mesh-wide rate limits: per-node counter shards, merged by gossip, and the admission rule.
+
+Limits (requests per minute, tokens per minute, concurrent requests) hold per key: a tenant
+(``(tenant, "")``) or a tenant on one model (``(tenant, model)``). Every node admits requests itself,
+against the count of the whole mesh, and never waits for another node on the request path.
+
+**State.** Each node process owns one shard per key (``ratelimit_shards.Entry``): G-counters of
+admitted requests, reserved tokens, refunded tokens and attempts (demand) for the current and the
+previous window, plus an in-flight gauge as a PN pair. Only the owner increments its shard; gossip
+carries whole shard states and ``join`` (per-field max) merges them, so deltas may be lost, repeated or
+reordered. A node's count of the mesh is the sum of the shards of the *live* members: a member that
+is not live (suspect, dead or partitioned away) counts for nothing, its gauge included, because
+its side of a partition accounts for it under that side's own share (below).
+
+**Sliding window.** The estimate is ``prev * (1 - f) + cur`` (the usual sliding-window counter; f is
+the elapsed fraction of the current window). Tokens are reserved at admission (prompt + max_tokens,
+or a configured estimate) and settled with the real usage when the request ends: the difference is
+refunded into the window of the reservation (or added to the current one).
+
+**Partitions.** With R live members out of N known (N counts unreachable members that have not
+left), a side admits against ``limit * R / N``: two sides of a partition together stay within the
+limit, each without hearing from the other.
+
+**Between gossip rounds (the lease).** A node sees the others' shards as they were some time ago;
+call τ (``propagation``) the bound on how long a node's increments take to reach every live peer.
+Checking only ``estimate + cost <= limit`` would let every node spend the same headroom at once (the
+simulation's burst scenario: 1.4x the limit in one window). So each node also bounds what the others
+cannot have seen yet: let ``u`` be the net change of its own shard in the last τ (a small local ring
+of time slots). The headroom the others can see is at least ``H = limit - (estimate - u)``. Node i
+admits a request of cost c only if
+
+    estimate + c <= limit              (the mesh-wide count)      and
+    u + c        <= s_i * H            (its lease: share s_i of the headroom everyone sees)
+
+Summed over nodes, the increments not yet seen everywhere are ``sum(u_i) <= H * sum(s_i) = H``: the
+mesh does not admit more than the limit between gossip rounds, however the load arrives. Shares sum
+to 1 and follow demand, so that uneven load is not starved: ``s_i = floor/R + (1 - floor) * d_i /
+sum(d)``, d being each live node's attempts (admitted or not) in the sliding window; for its own d_i a
+node uses what it last sent in a delta, so that every node computes the shares from the same data
+(with no demand known yet, as in a cold burst, the shares are equal). Under-admission stays small
+because only *unseen* increments are bounded: older admissions are in the common estimate, so in
+steady state the lease holds back about ``(1 - s_i) / s_i * u_i`` of headroom, a fraction of τ/window.
+
+**Fractions of a request.** When a node's lease is less than one request (small limits: with
+rpm=60 on 3 nodes a second of headroom is a third of a request each), it may still admit one if
+it has nothing unseen and either is the *designated* node of the current slot (weighted rendezvous
+hashing of (key, slot) over the live nodes, shares as weights: every node picks the same one; a slot
+lasts about the time one request's headroom takes to grow back, at least τ), or wins a coin toss
+with probability lease / cost (rates only). Either can exceed the limit by one request at most,
+and the sliding window takes it back from the next headroom.
+
+**Concurrency.** The in-flight gauge goes through the same two checks, with ``u`` the node's net
+in-flight change over the last τ. At saturation the gauge's headroom is a slot or two, which shares
+would split into fractions nobody can use; so a node may also refill, up to its own peak of the last
+τ, slots it freed itself: the others still count it at that level unless a gossip round caught the
+dip (the simulation measures what that costs: well under 1 % of the limit, time-averaged).
+
+Everything here is pure: time is passed in (``now``, wall-clock seconds the mesh shares), there is
+no I/O, and ``RateLimiter`` is the component that ``MeshState`` registers (take_delta / apply_delta /
+snapshot / merge_snapshot / digest / diff / on_member_dead; membership through ``update_members``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+from shepherd.mesh.ratelimit_keys import (
+    U_CONC,
+    U_PEAK,
+    U_REQ,
+    U_TOK,
+    Key,
+    KeyState,
+    ShardId,
+    View,
+    unit_hash,
+)
+from shepherd.mesh.ratelimit_shards import (
+    AREQ,
+    ATOK,
+    REF,
+    REQ,
+    TOK,
+    Entry,
+    entry_from_wire,
+    entry_to_wire,
+    join,
+    sliding,
+    wait_until_fits,
+    window_of,
+    wire_size,
+)
+
+__all__ = ["Denial", "Grant", "Key", "LimiterConfig", "Limits", "Quota", "RateLimiter", "ShardId"]
+
+Metric = Literal["requests", "tokens", "concurrency"]
+
+_EPS = 1e-9
+_VSUM_MOD = 1 << 62
+GC_STEP = 32  # keys looked at per admission while a collection round runs
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LimiterConfig:
+    window: float = 60.0  # seconds; rpm and tpm are per window
+    propagation: float = 1.0  # τ: time within which a node's increments reach every live peer
+    share_floor: float = 0.2  # part of the headroom split equally, the rest by demand
+    slots: int = 4  # τ is tracked in this many slots (the unseen sum covers τ to τ(1 + 1/slots))
+    gc_interval: float = 5.0
+    lease: bool = True  # False: the naive rule (estimate + cost <= limit only), for comparison
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """What the x-ratelimit-* headers report: the most constrained key per metric (None: no limit)."""
+
+    limit_requests: int | None = None
+    remaining_requests: int | None = None
+    reset_requests: float = 0.0  # seconds until the used part drains at the nominal rate
+    limit_tokens: int | None = None
+    remaining_tokens: int | None = None
+    reset_tokens: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Denial:
+    key: Key
+    metric: Metric
+    limit: int
+    used: float
+    requested: int
+    retry_after: float  # seconds; math.inf when the request can never fit (larger than the limit)
+    quota: Quota
+
+
+class Grant:
+    """An admitted request; give it back to ``RateLimiter.settle`` exactly once (extra calls are no-ops).
+    ``quota()`` is the headers' view right after admission (computed on first use)."""
+
+    __slots__ = ("_quota", "done", "keys", "tokens", "win")
+
+    def __init__(self, keys: tuple[Key, ...], win: int, tokens: int, quota: Callable[[], Quota]) -> None:
+        self.keys = keys
+        self.win = win
+        self.tokens = tokens
+        self._quota: Quota | Callable[[], Quota] = quota
+        self.done = False
+
+    def quota(self) -> Quota:
+        q = self._quota
+        if not isinstance(q, Quota):
+            q = self._quota = q()
+        return q
+
+
+class RateLimiter:
+    """Mesh-wide admission for one node. ``node`` is its mesh name, ``gen`` distinguishes its process
+    incarnations (a restarted node starts a new shard rather than counting again from zero)."""
+
+    def __init__(self, node: str, gen: int, config: LimiterConfig | None = None) -> None:
+        self.node = node
+        self.gen = gen
+        self.cfg = config or LimiterConfig()
+        self._sid: ShardId = (node, gen)
+        self._keys: dict[Key, KeyState] = {}
+        self._live: set[str] = {node}
+        self._n = 1
+        self._epoch = 0  # bumped when what counts changes for every key (membership, generations)
+        self._gen_of: dict[str, int] = {node: gen}
+        self._ver = 0
+        self._dirty: dict[Key, None] = {}  # ordered set of keys whose own entry changed
+        self._slot_len = self.cfg.propagation / self.cfg.slots
+        self._next_gc = -math.inf
+        self._gc_queue: list[Key] = []  # keys still to look at in the current collection round
+
+    # ---- membership (the mesh runtime calls these) --------------------------------------------------
+
+    def set_membership(self, live: Iterable[str], cluster_size: int) -> None:
+        """``live``: reachable members (self included or not); ``cluster_size``: N, every member that has
+        not left, reachable or not."""
+        live_set = {*live, self.node}
+        n = max(cluster_size, len(live_set))
+        if live_set != self._live or n != self._n:
+            self._live, self._n = live_set, n
+            self._epoch += 1  # the cached sums of the others' shards are stale
+
+    def on_member_dead(self, name: str) -> None:
+        if name != self.node:
+            self._live.discard(name)
+            self._epoch += 1
+
+    def update_members(self, states: Iterable[tuple[str, str]]) -> None:
+        """From the mesh's member list as (name, state) pairs, state one of alive / suspect / dead /
+        left (``MeshRuntime.members()``): live = alive (a suspect may be partitioned away: counting it
+        out at once shortens the time both sides spend the same headroom), N = every member but the
+        ones that left (a reaped member is no longer listed, and stops counting)."""
+        live: list[str] = []
+        n = 0
+        for name, state in states:
+            if state == "left":
+                continue
+            n += 1
+            if state == "alive":
+                live.append(name)
+        self.set_membership(live, n)
+
+    @property
+    def reachable(self) -> int:
+        return len(self._live)
+
+    @property
+    def cluster_size(self) -> int:
+        return self._n
+
+    # ---- admission ----------------------------------------------------------------------------------
+
+    def acquire(self, now: float, rules: Sequence[tuple[Key, Limits]], tokens: int) -> Grant | Denial:
+        """Admit one request costing ``tokens`` (reserved) under every rule, or say why not."""
+        if self._gc_queue or now >= self._next_gc:
+            self._gc_step(now)
+        w, f = window_of(now, self.cfg.window)
+        slot = math.floor(now / self._slot_len)
+        scale = len(self._live) / self._n
+        views: list[tuple[Key, Limits, KeyState, View]] = []
+        denial: tuple[Key, Metric, int, float, float] | None = None
+        for key, lim in rules:
+            ks = self._keys.get(key)
+            if ks is None:
+                ks = self._keys[key] = KeyState()
+            v = self._view(ks, w, f)
+            views.append((key, lim, ks, v))
+            if denial is None:
+                denial = self._check(key, lim, ks, v, ks.unseen(slot, self.cfg.slots), tokens, scale, now, f)
+        if denial is not None:
+            for key, _, ks, _ in views:
+                self._record(key, ks, w, slot, admitted=False, tokens=tokens)
+            key, metric, limit, used, retry = denial
+            requested = tokens if metric == "tokens" else 1
+            return Denial(key, metric, limit, used, requested, retry, self._quota(views, f))
+        for key, _, ks, v in views:
+            self._record(key, ks, w, slot, admitted=True, tokens=tokens)
+            v.req_cur += 1
+            v.tok_cur += tokens
+        return Grant(tuple(k for k, *_ in views), w, tokens, partial(self._quota, views, f))
+
+    def settle(self, now: float, grant: Grant, real_tokens: int | None) -> None:
+        """The request ended (done, failed or disconnected): release its concurrency slot and replace the
+        reservation by ``real_tokens`` (None: keep the reservation)."""
+        if grant.done:
+            return
+        grant.done = True
+        w, _ = window_of(now, self.cfg.window)
+        slot = math.floor(now / self._slot_len)
+        for key in grant.keys:
+            ks = self._keys.get(key)
+            e = ks.shards.get(self._sid) if ks is not None else None
+            if ks is None or e is None:
+                continue
+            if w > e.win:
+                e.roll(w)
+            e.dec += 1
+            dt = 0
+            if real_tokens is not None:
+                diff = real_tokens - grant.tokens
+                if diff > 0:
+                    e.cur[TOK] += diff
+                    dt = diff
+                elif diff < 0 and grant.win == e.win:
+                    e.cur[REF] -= diff
+                    dt = diff
+                elif diff < 0 and grant.win == e.win - 1:
+                    e.prev[REF] -= diff
+                    dt = diff
+            self._touch(key, e)
+            ks.ring_add(slot, 0, dt, -1, e.inc - e.dec + 1)
+
+    def quota(self, now: float, rules: Sequence[tuple[Key, Limits]]) -> Quota:
+        """The headers' view without admitting anything."""
+        w, f = window_of(now, self.cfg.window)
+        views = []
+        for key, lim in rules:
+            ks = self._keys.get(key) or KeyState()
+            views.append((key, lim, ks, self._view(ks, w, f)))
+        return self._quota(views, f)
+
+    # ---- the rule -----------------------------------------------------------------------------------
+
+    def _check(
+        self,
+        key: Key,
+        lim: Limits,
+        ks: KeyState,
+        v: View,
+        u: list[int],
+        tokens: int,
+        scale: float,
+        now: float,
+        f: float,
+    ) -> tuple[Key, Metric, int, float, float] | None:
+        win, tau = self.cfg.window, self.cfg.propagation
+        if lim.rpm is not None:
+            est = sliding(v.req_prev, v.req_cur, f)
+            limit = lim.rpm * scale
+            dslot = math.floor(now / max(tau, win / max(limit, _EPS)))
+            verdict = self._fits(key, dslot, est, u[U_REQ], limit, 1, v, 0)
+            if verdict:
+                retry = wait_until_fits(v.req_prev, v.req_cur, f, win, limit, 1) if verdict == 1 else tau
+                return key, "requests", lim.rpm, est, retry
+        if lim.tpm is not None:
+            est = sliding(v.tok_prev, v.tok_cur, f)
+            if tokens > lim.tpm:
+                return key, "tokens", lim.tpm, est, math.inf
+            limit = lim.tpm * scale
+            dslot = math.floor(now / max(tau, win * tokens / max(limit, _EPS)))
+            verdict = self._fits(key, dslot, est, u[U_TOK], limit, tokens, v, 1)
+            if verdict:
+                retry = wait_until_fits(v.tok_prev, v.tok_cur, f, win, limit, tokens) if verdict == 1 else tau
+                return key, "tokens", lim.tpm, est, retry
+        if lim.max_concurrent is not None:
+            limit = lim.max_concurrent * scale
+            verdict = self._fits(key, math.floor(now / tau), v.conc, u[U_CONC], limit, 1, v, 0, rate=False)
+            if verdict == 2 and v.own_level + 1 <= max(v.own_level - u[U_CONC], u[U_PEAK]):
+                verdict = 0  # refilling a slot this node itself freed within τ
+            if verdict:
+                return key, "concurrency", lim.max_concurrent, float(v.conc), tau
+        return None
+
+    def _fits(
+        self,
+        key: Key,
+        dslot: int,
+        est: float,
+        u: float,
+        limit: float,
+        cost: float,
+        v: View,
+        m: int,
+        rate: bool = True,
+    ) -> int:
+        """0: admit; 1: the mesh-wide count is full; 2: this node's lease is spent for now. ``dslot``
+        numbers the designation slot (about the time one request's worth of headroom takes to grow
+        back, at least τ)."""
+        if est + cost > limit + _EPS:
+            return 1
+        if not self.cfg.lease:
+            return 0
+        total = v.total_demand(m)
+        budget = self._share(v, m, self.node, total) * (limit - est + u)
+        if u + cost <= budget + _EPS:
+            return 0
+        if u <= 0 and self._designated(key, dslot, v, m, total):
+            return 0
+        if rate and u <= 0 and 0 < budget < cost and unit_hash(self.node, self._ver) < budget / cost:
+            return 0  # a fraction of a request: admitted with that probability (rates only)
+        return 2
+
+    def _share(self, v: View, m: int, node: str, total: float) -> float:
+        r = len(self._live)
+        if total <= 0:
+            return 1.0 / r
+        a = self.cfg.share_floor
+        return a / r + (1.0 - a) * v.demand(node, self.node, m) / total
+
+    def _designated(self, key: Key, slot: int, v: View, m: int, total: float) -> bool:
+        best, best_score = self.node, -math.inf
+        for node in sorted(self._live):
+            score = -self._share(v, m, node, total) / math.log(unit_hash(key[0], key[1], slot, node))
+            if score > best_score:
+                best, best_score = node, score
+        return best == self.node
+
+    # ---- counting -----------------------------------------------------------------------------------
+
+    def _view(self, ks: KeyState, w: int, f: float) -> View:
+        o = ks.others
+        if o is None or o.w != w or o.epoch != self._epoch:
+            o = ks.others = ks.sum_others(w, self._epoch, self._live, self._gen_of, self._sid)
+        return View(o, ks.shards.get(self._sid), ks.published, w, f)
+
+    def _record(self, key: Key, ks: KeyState, w: int, slot: int, *, admitted: bool, tokens: int) -> None:
+        e = ks.shards.get(self._sid)
+        if e is None:
+            self._ver += 1
+            e = ks.shards[self._sid] = Entry(born=self._ver, win=w)
+        elif w > e.win:
+            e.roll(w)
+        c = e.cur
+        c[AREQ] += 1
+        c[ATOK] += tokens
+        if admitted:
+            c[REQ] += 1
+            c[TOK] += tokens
+            e.inc += 1
+            ks.ring_add(slot, 1, tokens, 1, e.inc - e.dec - 1)
+        self._touch(key, e)
+
+    def _touch(self, key: Key, e: Entry) -> None:
+        self._ver += 1
+        e.ver = self._ver
+        self._dirty[key] = None
+
+    def _quota(self, views: list[tuple[Key, Limits, KeyState, View]], f: float) -> Quota:
+        win = self.cfg.window
+        scale = len(self._live) / self._n
+        req: tuple[int, int, float] | None = None
+        tok: tuple[int, int, float] | None = None
+        for _, lim, _, v in views:
+            if lim.rpm:
+                est = sliding(v.req_prev, v.req_cur, f)
+                rem = max(0, math.floor(lim.rpm * scale - est + _EPS))
+                if req is None or rem < req[1]:
+                    req = (lim.rpm, rem, max(0.0, est) * win / lim.rpm)
+            if lim.tpm:
+                est = sliding(v.tok_prev, v.tok_cur, f)
+                rem = max(0, math.floor(lim.tpm * scale - est + _EPS))
+                if tok is None or rem < tok[1]:
+                    tok = (lim.tpm, rem, max(0.0, est) * win / lim.tpm)
+        q = Quota()
+        if req is not None:
+            q = Quota(req[0], req[1], req[2])
+        if tok is not None:
+            q = Quota(q.limit_requests, q.remaining_requests, q.reset_requests, tok[0], tok[1], tok[2])
+        return q
+
+    # ---- memory -------------------------------------------------------------------------------------
+
+    def gc(self, now: float) -> None:
+        """Drop shards that no longer count (windows older than the previous one, and nothing in flight
+        or of a node that is not live or was restarted) and keys left empty: a full round now.
+        ``acquire`` does the same in steps of ``GC_STEP`` keys, one round every ``gc_interval``."""
+        self._gc_queue = list(self._keys)
+        self._next_gc = now + self.cfg.gc_interval
+        while self._gc_queue:
+            self._gc_step(now)
+
+    def _gc_step(self, now: float) -> None:
+        if not self._gc_queue:
+            self._gc_queue = list(self._keys)
+            self._next_gc = now + self.cfg.gc_interval
+        w, _ = window_of(now, self.cfg.window)
+        slot = math.floor(now / self._slot_len)
+        for _ in range(min(GC_STEP, len(self._gc_queue))):
+            key = self._gc_queue.pop()
+            ks = self._keys.get(key)
+            if ks is None:
+                continue
+            for sid in list(ks.shards):
+                e = ks.shards[sid]
+                if e.win >= w - 1:
+                    continue
+                node, gen = sid
+                stale = node not in self._live or gen != self._gen_of.get(node, gen)
+                if e.inc == e.dec or (stale and sid != self._sid):
+                    del ks.shards[sid]
+                    ks.others = None
+            ks.unseen(slot, self.cfg.slots)
+            if not ks.shards and not ks.recent:
+                del self._keys[key]
+                self._dirty.pop(key, None)
+        if not self._gc_queue:  # the round is over: forget generations of nodes gone everywhere
+            known = {node for ks in self._keys.values() for node, _ in ks.shards}
+            for node in list(self._gen_of):
+                if node != self.node and node not in known and node not in self._live:
+                    del self._gen_of[node]
+
+    def key_count(self) -> int:
+        return len(self._keys)
+
+    # ---- gossip (the MeshState component interface) -------------------------------------------------
+
+    def take_delta(self, max_bytes: int = 900) -> list[list[Any]] | None:
+        """This node's changed entries since the last call, as a msgpack-able list of at most about
+        ``max_bytes`` encoded (the rest stay for the next call); None when nothing changed."""
+        out: list[list[Any]] = []
+        size = 5
+        while self._dirty:
+            key = next(iter(self._dirty))
+            ks = self._keys.get(key)
+            e = ks.shards.get(self._sid) if ks is not None else None
+            if e is None:
+                del self._dirty[key]
+                continue
+            item = entry_to_wire(key[0], key[1], self.node, self.gen, e)
+            n = wire_size(item)
+            if out and size + n > max_bytes:
+                break
+            del self._dirty[key]
+            out.append(item)
+            size += n
+            assert ks is not None
+            ks.published = (e.win, e.prev[AREQ], e.cur[AREQ], e.prev[ATOK], e.cur[ATOK])
+        return out or None
+
+    def pending_delta(self) -> int:
+        return len(self._dirty)
+
+    def apply_delta(self, delta: Any) -> None:
+        """Merge entries from a peer (a delta, a snapshot or a diff alike). The whole input is validated
+        first: anything malformed raises ``ValueError`` and nothing is merged."""
+        if not isinstance(delta, (list, tuple)):
+            raise ValueError("rate-limit state: a list of entries expected")
+        parsed = []
+        for item in delta:
+            p = entry_from_wire(item)
+            if p is None:
+                raise ValueError(f"rate-limit state: malformed entry {item!r:.200}")
+            parsed.append(p)
+        for tenant, model, node, gen, e in parsed:
+            if node == self.node and gen >= self.gen:
+                continue  # my own shard: I am its only writer
+            if gen > self._gen_of.get(node, -1):
+                self._gen_of[node] = gen
+                self._epoch += 1
+            key = (tenant, model)
+            ks = self._keys.get(key)
+            if ks is None:
+                ks = self._keys[key] = KeyState()
+            old = ks.shards.get((node, gen))
+            ks.shards[(node, gen)] = e if old is None else join(old, e)
+            ks.others = None
+
+    def snapshot(self) -> list[list[Any]]:
+        """Every entry this node holds (its own and what it learnt), for a push-pull full sync."""
+        return [
+            entry_to_wire(key[0], key[1], node, gen, e)
+            for key, ks in self._keys.items()
+            for (node, gen), e in ks.shards.items()
+        ]
+
+    def merge_snapshot(self, snapshot: Any) -> None:
+        self.apply_delta(snapshot)
+
+    def digest(self) -> list[list[Any]]:
+        """Per shard held: [node, gen, highest version, entry count, sum of versions], for anti-entropy."""
+        top: dict[ShardId, list[int]] = {}
+        for ks in self._keys.values():
+            for sid, e in ks.shards.items():
+                row = top.get(sid)
+                if row is None:
+                    row = top[sid] = [0, 0, 0]
+                row[0] = max(row[0], e.ver)
+                row[1] += 1
+                row[2] = (row[2] + e.ver) % _VSUM_MOD
+        return [[node, gen, *row] for (node, gen), row in top.items()]
+
+    def diff(self, remote_digest: Any) -> list[list[Any]]:
+        """The entries of every shard whose summary differs from the peer's ``remote_digest``: a lost
+        delta leaves a hole that changes the entry count or the version sum, not only the top version."""
+        have: dict[ShardId, tuple[int, int, int]] = {}
+        if isinstance(remote_digest, (list, tuple)):
+            for row in remote_digest:
+                if isinstance(row, (list, tuple)) and len(row) == 5:
+                    node, gen, *nums = row
+                    if isinstance(node, str) and type(gen) is int and all(type(x) is int for x in nums):
+                        have[(node, gen)] = (nums[0], nums[1], nums[2])
+        mine = {(node, gen): (top, n, vsum) for node, gen, top, n, vsum in self.digest()}
+        stale = {sid for sid, summary in mine.items() if have.get(sid) != summary}
+        return [
+            entry_to_wire(key[0], key[1], node, gen, e)
+            for key, ks in self._keys.items()
+            for (node, gen), e in ks.shards.items()
+            if (node, gen) in stale
+        ]
+
+    def entries(self) -> dict[tuple[Key, ShardId], Entry]:
+        """A copy of the CRDT state (for tests and /mesh/state)."""
+        return {(key, sid): e.copy() for key, ks in self._keys.items() for sid, e in ks.shards.items()}

@@ -1,0 +1,165 @@
+"""End to end: rate limits on a real node (mock engine on loopback), seen through the openai SDK.
+
+Tenants come from the ``x-smg-tenant`` header, which the node trusts only with
+``--auth-trust-tenant-header`` (the auth layer's switch for tests and trusted fronts)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from shepherd.node.config import EMBEDDED_MODEL_DIR
+from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.procs import MockEngineProc, start_mock_engine
+
+CONFIG = """
+models:
+  - {{name: qwen3, model_path: "{path}", worker_urls: ["grpc://127.0.0.1:{grpc}"]}}
+  - {{name: relayed, model_path: "{path}", worker_urls: ["http://127.0.0.1:{http}"]}}
+rate_limits:
+  - {{tenant: "*", rpm: 3}}
+  - {{tenant: tok, tpm: 2000}}
+  - {{tenant: slow, max_concurrent: 1}}
+"""
+MSGS: list[Any] = [{"role": "user", "content": "Say something."}]
+HEADERS = (
+    "x-ratelimit-limit-requests",
+    "x-ratelimit-remaining-requests",
+    "x-ratelimit-reset-requests",
+)
+TOKEN_HEADERS = ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[MockEngineProc]:
+    with start_mock_engine("--decode-ms-per-token", "20", "--output-len", "8") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def node(engine: MockEngineProc) -> Iterator[NodeProc]:
+    with tempfile.TemporaryDirectory() as d:
+        cfg = Path(d) / "node.yaml"
+        cfg.write_text(CONFIG.format(path=EMBEDDED_MODEL_DIR, grpc=engine.grpc_port, http=engine.http_port))
+        with running_node("--config", str(cfg), "--auth-trust-tenant-header") as n:
+            yield n
+
+
+def client(node: NodeProc, tenant: str) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=node.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        timeout=30,
+        default_headers={"x-smg-tenant": tenant},
+    )
+
+
+def test_requests_per_minute_answer_429_in_openai_style(node: NodeProc) -> None:
+    alpha = client(node, "alpha")
+    for left in (2, 1, 0):
+        raw = alpha.chat.completions.with_raw_response.create(model="qwen3", messages=MSGS, max_tokens=4)
+        assert raw.parse().choices[0].message.content
+        assert raw.headers["x-ratelimit-limit-requests"] == "3"
+        assert raw.headers["x-ratelimit-remaining-requests"] == str(left)
+        assert raw.headers["x-ratelimit-reset-requests"].endswith("s")
+    with pytest.raises(openai.RateLimitError) as ei:
+        alpha.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=4)
+    e = ei.value
+    assert e.status_code == 429
+    assert e.code == "rate_limit_exceeded" and e.type == "rate_limit_exceeded"
+    h = e.response.headers
+    assert int(h["retry-after"]) >= 1 and int(h["retry-after-ms"]) >= 1
+    assert h["x-ratelimit-limit-requests"] == "3" and h["x-ratelimit-remaining-requests"] == "0"
+    assert "alpha" in e.message
+    # the completions endpoint shares the tenant's count
+    with pytest.raises(openai.RateLimitError):
+        alpha.completions.create(model="qwen3", prompt="Hello", max_tokens=4)
+    # another tenant is untouched by alpha's flood
+    raw = client(node, "beta").chat.completions.with_raw_response.create(
+        model="qwen3", messages=MSGS, max_tokens=4
+    )
+    assert raw.headers["x-ratelimit-remaining-requests"] == "2"
+
+
+def test_streamed_responses_carry_the_headers(node: NodeProc) -> None:
+    raw = client(node, "gamma").chat.completions.with_raw_response.create(
+        model="qwen3", messages=MSGS, max_tokens=4, stream=True
+    )
+    assert all(k in raw.headers for k in HEADERS)
+    assert raw.headers["x-ratelimit-remaining-requests"] == "2"
+    assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+
+
+def test_tokens_are_reserved_then_settled(node: NodeProc) -> None:
+    tok = client(node, "tok")
+    raw = tok.chat.completions.with_raw_response.create(model="qwen3", messages=MSGS, max_tokens=1500)
+    r1 = raw.parse()
+    assert r1.usage is not None
+    prompt, used1 = r1.usage.prompt_tokens, r1.usage.total_tokens
+    assert all(k in raw.headers for k in TOKEN_HEADERS)
+    assert "x-ratelimit-limit-requests" not in raw.headers  # tok has no requests limit
+    assert raw.headers["x-ratelimit-remaining-tokens"] == str(2000 - (prompt + 1500))
+    # the first request settled at its real usage, so a second 1500-token reservation fits
+    raw = tok.chat.completions.with_raw_response.create(model="qwen3", messages=MSGS, max_tokens=1500)
+    assert raw.headers["x-ratelimit-remaining-tokens"] == str(2000 - used1 - (prompt + 1500))
+    used2 = raw.parse().usage.total_tokens  # type: ignore[union-attr]
+    too_many = 2000 - used1 - used2 - prompt + 1  # one token more than the headroom left
+    with pytest.raises(openai.RateLimitError) as ei:
+        tok.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=too_many)
+    assert "tokens per min" in ei.value.message and "retry-after" in ei.value.response.headers
+    with pytest.raises(openai.RateLimitError) as ei:
+        tok.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=2500)
+    assert "too large" in ei.value.message and "retry-after" not in ei.value.response.headers
+
+
+def test_concurrency_is_released_when_the_client_goes_away(node: NodeProc) -> None:
+    slow = client(node, "slow")
+    body = {
+        "model": "qwen3",
+        "messages": MSGS,
+        "max_tokens": 1000,  # 1000 tokens at 20 ms: a stream of about 20 s
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(timeout=30) as http,
+        http.stream(
+            "POST", node.url + "/v1/chat/completions", json=body, headers={"x-smg-tenant": "slow"}
+        ) as resp,
+    ):
+        assert resp.status_code == 200
+        lines = resp.iter_lines()  # keep it: a dropped generator closes the stream (a disconnect)
+        assert next(lines).startswith("data:")  # the stream runs: the tenant's only slot is taken
+        with pytest.raises(openai.RateLimitError) as ei:
+            slow.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=4)
+        assert "concurrent" in ei.value.message
+    # the client hung up: the node aborts the request and gives the slot back (long before the 20 s)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            slow.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=4)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "the concurrency slot was not released"
+            time.sleep(0.1)
+
+
+def test_relayed_requests_are_limited_too(node: NodeProc) -> None:
+    relay = client(node, "relay")
+    raw = relay.chat.completions.with_raw_response.create(model="relayed", messages=MSGS, max_tokens=4)
+    assert raw.parse().choices[0].message.content
+    assert raw.headers["x-ratelimit-remaining-requests"] == "2"
+    chunks = relay.chat.completions.create(model="relayed", messages=MSGS, max_tokens=4, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    legacy = relay.completions.with_raw_response.create(model="relayed", prompt="Hello", max_tokens=4)
+    assert legacy.headers["x-ratelimit-remaining-requests"] == "0"
+    with pytest.raises(openai.RateLimitError):
+        relay.chat.completions.create(model="relayed", messages=MSGS, max_tokens=4)
