@@ -1,0 +1,474 @@
+"""SWIM + Lifeguard membership as a pure state machine (HashiCorp memberlist's protocol).
+
+Events in (``start``, ``tick``, ``on_packet``, ``merge_push_pull``, ``leave``, ``set_lag``), actions
+out (``Send``, ``PushPull``, member events); ``now`` is passed in, randomness comes from the injected
+``random.Random``; no I/O, no clock. The contract (signatures, semantics, the shell's loop) is in
+``shepherd.mesh.swim_types``; the precedence rules in ``shepherd.mesh.swim_members``.
+
+Failure detection, per probe period (``probe_interval * (LHM + 1)``): ping the next member of a
+shuffled round-robin list (re-shuffled every round; a SUSPECT target also gets the suspicion, so it
+can refute at once); no ack within ``probe_timeout * (LHM + 1)`` -> ping-req through
+``indirect_checks`` random alive members, which forward the ack or answer a nack; still no ack at
+the end of the period -> suspect it. Dissemination: every datagram piggybacks membership updates
+then delegate broadcasts, and every ``gossip_interval`` pending updates go to ``gossip_nodes``
+random live members plus one recently dead one (so a wrongly-declared node hears it and refutes).
+Probe bookkeeping is in ``shepherd.mesh.swim_probe``, the suspicion timer in ``swim_suspicion``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from shepherd.mesh.swim_broadcast import BroadcastQueue, TransmitLimitedQueue
+from shepherd.mesh.swim_members import ALIVE, DEAD, LEFT, SUSPECT, MemberTable, Node
+from shepherd.mesh.swim_probe import Probe, ProbeOrder, Relay, Relays
+from shepherd.mesh.swim_suspicion import Awareness, Suspicion
+from shepherd.mesh.swim_types import (
+    MAX_META_LEN,
+    MAX_NAME_LEN,
+    Ack,
+    Action,
+    Addr,
+    Alive,
+    Dead,
+    Delegate,
+    JoinFailed,
+    Member,
+    Message,
+    Nack,
+    NodeAddr,
+    Packet,
+    Ping,
+    PingReq,
+    PushPull,
+    PushPullState,
+    Send,
+    Suspect,
+    SwimConfig,
+    SwimStats,
+    User,
+    push_pull_scale,
+)
+from shepherd.proto.mesh_wire import encoded_size, packet_overhead
+
+__all__ = ["BroadcastQueue", "Suspicion", "Swim", "TransmitLimitedQueue"]
+
+_INF = float("inf")
+_SEQ_MASK = 2**32 - 1
+_MAX_UNKNOWN = 1024
+
+
+class Swim:
+    """One node's view of the cluster. See ``shepherd.mesh.swim_types`` for the full contract."""
+
+    def __init__(
+        self,
+        config: SwimConfig,
+        me: NodeAddr,
+        rng: random.Random,
+        delegate: Delegate,
+        *,
+        incarnation: int = 0,
+        meta: bytes = b"",
+    ) -> None:
+        if not 0 < len(me.name) <= MAX_NAME_LEN or len(meta) > MAX_META_LEN:
+            raise ValueError(f"swim: name must be 1..{MAX_NAME_LEN} chars and meta <= {MAX_META_LEN} bytes")
+        self.config = config
+        self.me = me
+        self.rng = rng
+        self.delegate = delegate
+        self.stats = SwimStats()
+        self._aw = Awareness(config.lhm_max)
+        self._table = MemberTable(
+            config, me, incarnation, meta, self._aw, self.stats, self._order_add, self._on_suspected
+        )
+        self._overhead = packet_overhead(me.name)
+        self._seq = rng.getrandbits(32)
+        self._order = ProbeOrder(me.name, rng)
+        self._probe: Probe | None = None
+        self._relays = Relays()
+        self._unknown_synced: dict[str, float] = {}
+        self._seeds: list[Addr] = []
+        self._started = False
+        self._joined = False
+        self._left = False
+        self._join_attempts = 0
+        self._join_backoff = config.join_retry_interval
+        self._last_lag_bump = -_INF
+        self._last_call = -_INF
+        self._t_probe = self._t_gossip = self._t_push_pull = self._t_reconnect = self._t_join = _INF
+
+    # --------------------------------------------------------------------------------- views
+
+    @property
+    def incarnation(self) -> int:
+        return self._table.local.incarnation
+
+    @property
+    def health(self) -> int:
+        """Local health multiplier (0 = healthy .. ``lhm_max``)."""
+        return self._aw.score
+
+    @property
+    def joined(self) -> bool:
+        return self._joined
+
+    @property
+    def left(self) -> bool:
+        return self._left
+
+    @property
+    def pending_broadcasts(self) -> int:
+        return len(self._table.queue)
+
+    def num_members(self) -> int:
+        """Members known (ourselves and not-yet-reaped DEAD/LEFT ones included): the n of the formulas."""
+        return len(self._table)
+
+    def members(self) -> list[Member]:
+        return [n.snapshot() for n in self._table.nodes.values()]
+
+    def alive_members(self) -> list[Member]:
+        return [n.snapshot() for n in self._table.nodes.values() if n.state == ALIVE]
+
+    def member(self, name: str) -> Member | None:
+        n = self._table.nodes.get(name)
+        return None if n is None else n.snapshot()
+
+    def tombstones(self) -> list[Member]:
+        return [n.snapshot() for n in self._table.tombstones.values()]
+
+    def next_deadline(self) -> float:
+        t = min(self._t_gossip, self._t_push_pull, self._t_reconnect, self._t_join)
+        t = min(t, self._probe.next_deadline() if self._probe is not None else self._t_probe)
+        return min(t, self._relays.next_deadline(), self._table.next_suspicion_deadline())
+
+    # --------------------------------------------------------------------------------- entry points
+
+    def start(self, now: float, seeds: Sequence[Addr] = ()) -> list[Action]:
+        """Start probing and gossiping; join through ``seeds`` (push-pull, retried until one answers)."""
+        if self._started:
+            return []
+        cfg, rng = self.config, self.rng
+        self._started = True
+        self._last_call = now
+        self._table.local.state_change = now
+        self._table.broadcast(self._table.alive_msg(), self.me.name)
+        self._t_probe = now + rng.uniform(0, cfg.probe_interval)
+        self._t_gossip = now + rng.uniform(0, cfg.gossip_interval)
+        if cfg.push_pull_interval > 0:
+            self._t_push_pull = now + rng.uniform(0.5, 1.0) * cfg.push_pull_interval
+        if cfg.reconnect_interval > 0:
+            self._t_reconnect = now + rng.uniform(0.5, 1.0) * cfg.reconnect_interval
+        self._seeds = [s for s in dict.fromkeys((h, p) for h, p in seeds) if s != self.me.addr]
+        if not self._seeds:
+            self._joined = True
+            return []
+        return self._join_round(now)
+
+    def tick(self, now: float) -> list[Action]:
+        """Run every timer due at ``now`` (call at ``next_deadline()``; early is harmless, late is lag)."""
+        out: list[Action] = []
+        if not self._started:
+            return out
+        cfg = self.config
+        # a deadline that was already past when we last returned was due right then, not earlier
+        late = now - max(self.next_deadline(), self._last_call)
+        self._last_call = max(self._last_call, now)
+        if late > cfg.lag_threshold * cfg.probe_timeout:
+            # our own timer fired late: we were stalled (GC, CPU, SIGSTOP), not the others; give the
+            # datagrams that queued up meanwhile a chance before accusing anyone
+            self.set_lag(now, late)
+            self._table.defer_due_suspicions(now, cfg.probe_timeout)
+        if now >= self._t_join:
+            out += self._join_round(now)
+        self._tick_probe(now, out)
+        out.extend(self._send(r.orig, [Nack(r.orig_seq)]) for r in self._relays.due_nacks(now))
+        for n in self._table.due_verifications(now):
+            self._seq = (self._seq + 1) & _SEQ_MASK
+            out.append(
+                self._send(
+                    n.addr, [Ping(self._seq, n.name, self.me), Suspect(n.incarnation, n.name, self.me.name)]
+                )
+            )
+        self._table.expire_suspicions(now, out)
+        if now >= self._t_gossip:
+            self._gossip(now, out)
+            self._t_gossip = _next(self._t_gossip, cfg.gossip_interval, now)
+        if now >= self._t_push_pull:
+            self._t_push_pull = now + push_pull_scale(cfg.push_pull_interval, len(self._table))
+            target = self._random_peers(1, lambda n: n.state == ALIVE)
+            if target and not self._left:
+                out.append(PushPull(target[0].addr, target[0].name, False))
+        if now >= self._t_reconnect:
+            self._t_reconnect = now + cfg.reconnect_interval * self.rng.uniform(0.75, 1.25)
+            self._reconnect(now, out)
+        return out
+
+    def on_packet(self, now: float, src: Addr, packet: Packet | Message) -> list[Action]:
+        """One decoded datagram from ``src`` (or a single message, for tests)."""
+        pkt = packet if isinstance(packet, Packet) else Packet("", (packet,))
+        self._last_call = max(self._last_call, now)
+        out: list[Action] = []
+        self.stats.packets_in += 1
+        self.stats.msgs_in += len(pkt.msgs)
+        table = self._table
+        probes: list[Ping | PingReq] = []
+        for msg in pkt.msgs:
+            match msg:
+                case Ping() | PingReq():
+                    probes.append(msg)  # answered last, so the reply piggybacks what this packet taught us
+                case Ack(seq):
+                    self._on_ack(seq, out)
+                case Nack(seq):
+                    if self._probe is not None and self._probe.seq == seq:
+                        self._probe.nacks += 1
+                        self.stats.nacks_received += 1
+                case Alive():
+                    table.on_alive(msg, now, out)
+                case Suspect():
+                    table.on_suspect(msg, now, out)
+                case Dead():
+                    table.on_dead(msg, now, out)
+                case User(payload):
+                    self.delegate.on_user(payload, pkt.sender)
+        for msg in probes:
+            if isinstance(msg, Ping):
+                self._on_ping(now, msg, out)
+            else:
+                self._on_ping_req(now, msg, out)
+        if not self._joined and any(n.state == ALIVE for n in table.peers()):
+            self._joined = True
+            self._t_join = _INF
+        return out
+
+    def local_push_pull(self, join: bool = False) -> PushPullState:
+        """Our full state for a TCP push-pull: members, tombstones (as DEAD/LEFT), delegate state."""
+        t = self._table
+        members = [n.snapshot() for n in t.nodes.values()] + [n.snapshot() for n in t.tombstones.values()]
+        return PushPullState(tuple(members), self.delegate.local_state(), join)
+
+    def merge_push_pull(self, now: float, remote: PushPullState) -> list[Action]:
+        """Merge a peer's full state (memberlist's mergeState: a remote DEAD is only a suspicion)."""
+        out: list[Action] = []
+        t = self._table
+        self._last_call = max(self._last_call, now)
+        self.stats.push_pulls += 1
+        for m in remote.members:
+            if m.state == ALIVE:
+                t.on_alive(Alive(m.name, m.host, m.port, m.incarnation, m.meta), now, out)
+                if m.name != self.me.name:
+                    t.hint_dead(m.name, m.incarnation)
+            elif m.state == LEFT:
+                t.on_dead(Dead(m.incarnation, m.name, m.name), now, out)
+            else:
+                t.on_suspect(Suspect(m.incarnation, m.name, self.me.name), now, out)
+        if remote.user_state:
+            self.delegate.merge_remote_state(remote.user_state)
+        if not self._joined:
+            self._joined = True
+            self._t_join = _INF
+        return out
+
+    def leave(self, now: float) -> list[Action]:
+        """Leave gracefully: broadcast a ``Dead`` about ourselves (others mark us LEFT), stop probing.
+
+        Keep calling ``tick`` for a second or so (``pending_broadcasts`` drops to 0) before closing."""
+        if self._left:
+            return []
+        out: list[Action] = []
+        self._left = True
+        t = self._table
+        t.leaving = True
+        t.on_dead(Dead(t.local.incarnation, self.me.name, self.me.name), now, out)
+        self._probe = None
+        self._t_probe = self._t_push_pull = self._t_reconnect = self._t_join = _INF
+        self._gossip(now, out)
+        return out
+
+    def set_meta(self, now: float, meta: bytes) -> list[Action]:
+        """Change our metadata: a new incarnation, gossiped (others emit ``MemberUp`` with it)."""
+        if len(meta) > MAX_META_LEN:
+            raise ValueError(f"swim: meta > {MAX_META_LEN} bytes")
+        loc = self._table.local
+        if meta != loc.meta and not self._left:
+            loc.meta = meta
+            loc.incarnation += 1
+            self._table.broadcast(self._table.alive_msg(), self.me.name)
+        return []
+
+    def set_lag(self, now: float, lag_s: float) -> list[Action]:
+        """Event-loop lag measured by the shell: a slow node probes less and waits longer (Lifeguard)."""
+        cfg = self.config
+        if lag_s <= cfg.lag_threshold * cfg.probe_timeout:
+            return []
+        if now - self._last_lag_bump >= cfg.probe_interval:
+            self._last_lag_bump = now
+            self._aw.apply(1)
+            self.stats.lag_events += 1
+        if self._probe is not None:  # we were not listening: don't blame the target for it
+            self._probe.extend(now, lag_s, cfg.probe_interval, cfg.probe_timeout)
+        return []
+
+    # --------------------------------------------------------------------------------- probing
+
+    def _order_add(self, name: str) -> None:
+        self._order.add(name)
+
+    def _on_suspected(self, name: str, k: int) -> None:
+        """Someone else suspects ``name``: probe it next (with the suspicion attached), so that
+        independent confirmations, or its refutation, come within a probe period. Only about
+        2(k + 1) of the cluster do it, whatever its size (no thundering herd on a slow node)."""
+        n = len(self._table)
+        if self.rng.random() < min(1.0, 2 * (k + 1) / max(1, n - 2)):
+            self._order.prioritize(name)
+
+    def _tick_probe(self, now: float, out: list[Action]) -> None:
+        p = self._probe
+        if p is not None and not p.indirect_sent and now >= p.direct_deadline:
+            self._send_indirect(p, out)
+        if p is not None and now >= p.deadline:
+            self._probe_failed(p, now, out)
+            p = None
+        if p is None and now >= self._t_probe and not self._left:
+            self._table.reap(now, out)
+            self._start_probe(now, out)
+
+    def _start_probe(self, now: float, out: list[Action]) -> None:
+        cfg = self.config
+        target = self._order.next(self._table.nodes, lambda: self._table.reap(now, out))
+        if target is None:
+            self._t_probe = _next(self._t_probe, cfg.probe_interval, now)
+            return
+        self._seq = (self._seq + 1) & _SEQ_MASK
+        msgs: list[Message] = [Ping(self._seq, target.name, self.me)]
+        if target.state == SUSPECT:
+            msgs.append(Suspect(target.incarnation, target.name, self.me.name))
+        out.append(self._send(target.addr, msgs))
+        interval = self._aw.scale(cfg.probe_interval)
+        self._probe = Probe(
+            self._seq,
+            target.name,
+            target.incarnation,
+            now + self._aw.scale(cfg.probe_timeout),
+            now + interval,
+        )
+        self._t_probe = now + interval
+        self.stats.probes += 1
+
+    def _send_indirect(self, p: Probe, out: list[Action]) -> None:
+        p.indirect_sent = True
+        target = self._table.nodes.get(p.target)
+        if target is None:
+            return
+        relays = self._random_peers(
+            self.config.indirect_checks, lambda n: n.state == ALIVE and n.name != p.target
+        )
+        req = PingReq(p.seq, NodeAddr(target.name, target.host, target.port), self.me, True)
+        out.extend(self._send(r.addr, [req]) for r in relays)
+        p.expected_nacks = len(relays)
+        self.stats.indirect_probes += 1
+
+    def _probe_failed(self, p: Probe, now: float, out: list[Action]) -> None:
+        self._probe = None
+        self.stats.probes_failed += 1
+        # Lifeguard: missing nacks mean *we* may be the problem; without relays, blame ourselves a bit
+        self._aw.apply(p.expected_nacks - p.nacks if p.expected_nacks else 1)
+        self._table.on_suspect(Suspect(p.incarnation, p.target, self.me.name), now, out)
+
+    def _on_ack(self, seq: int, out: list[Action]) -> None:
+        p = self._probe
+        if p is not None and p.seq == seq:
+            self._probe = None
+            self._aw.apply(-1)
+            return
+        r = self._relays.pop(seq)
+        if r is not None:
+            out.append(self._send(r.orig, [Ack(r.orig_seq)]))
+
+    def _on_ping(self, now: float, ping: Ping, out: list[Action]) -> None:
+        if ping.target and ping.target != self.me.name:
+            return  # misdirected (e.g. another node now lives at that address)
+        msgs: list[Message] = [Ack(ping.seq)]
+        name = ping.src.name
+        n = self._table.nodes.get(name) or self._table.tombstones.get(name)
+        if n is not None and n.state == DEAD:  # tell a node we hold as dead, so it refutes
+            msgs.append(Suspect(n.incarnation, n.name, self.me.name))
+        out.append(self._send(ping.src.addr, msgs))
+        # a prober we never heard of (we missed its join gossip): sync with it, at most once per
+        # reconnect interval per name
+        last = self._unknown_synced.get(name, -_INF)
+        if (
+            n is None
+            and name != self.me.name
+            and not self._left
+            and now - last >= self.config.reconnect_interval
+        ):
+            if len(self._unknown_synced) >= _MAX_UNKNOWN:
+                self._unknown_synced.clear()
+            self._unknown_synced[name] = now
+            out.append(PushPull(ping.src.addr, name, False))
+
+    def _on_ping_req(self, now: float, req: PingReq, out: list[Action]) -> None:
+        cfg = self.config
+        self._seq = (self._seq + 1) & _SEQ_MASK
+        relay = Relay(req.seq, req.src.addr, req.nack, now + cfg.nack_timeout, now + 2 * cfg.probe_interval)
+        if self._relays.add(self._seq, relay):
+            out.append(self._send(req.target.addr, [Ping(self._seq, req.target.name, self.me)]))
+
+    # --------------------------------------------------------------------------------- dissemination
+
+    def _send(self, dest: Addr, primary: list[Message]) -> Send:
+        used = self._overhead + sum(encoded_size(m) for m in primary)
+        msgs = primary + self._piggyback(self.config.packet_budget - used)
+        self.stats.packets_out += 1
+        return Send(dest, tuple(msgs))
+
+    def _piggyback(self, budget: int) -> list[Message]:
+        return self._table.piggyback(budget, self.delegate)
+
+    def _gossip(self, now: float, out: list[Action]) -> None:
+        """Pending updates to ``gossip_nodes`` random live members, plus one recently DEAD member (so
+        a wrongly-declared node hears it and refutes) that does not take a live member's slot: in a
+        partition or a mass failure, dissemination among the living keeps its speed."""
+        dead_time = self.config.gossip_to_the_dead_time
+        targets = self._random_peers(self.config.gossip_nodes, lambda n: n.state in (ALIVE, SUSPECT))
+        targets += self._random_peers(1, lambda n: n.state == DEAD and now - n.state_change <= dead_time)
+        for n in targets:
+            msgs = self._piggyback(self.config.packet_budget - self._overhead)
+            if not msgs:
+                return
+            out.append(Send(n.addr, tuple(msgs)))
+            self.stats.packets_out += 1
+
+    def _random_peers(self, k: int, keep: Callable[[Node], bool]) -> list[Node]:
+        cands = [n for n in self._table.peers() if keep(n)]
+        return cands if len(cands) <= k else self.rng.sample(cands, k)
+
+    # --------------------------------------------------------------------------------- join, reconnect
+
+    def _join_round(self, now: float) -> list[Action]:
+        cfg = self.config
+        self._join_attempts += 1
+        if cfg.join_max_attempts and self._join_attempts > cfg.join_max_attempts:
+            self._t_join = _INF
+            return [JoinFailed(self._join_attempts - 1)]
+        self._t_join = now + self._join_backoff * self.rng.uniform(0.8, 1.2)
+        self._join_backoff = min(self._join_backoff * 2, cfg.join_retry_max_interval)
+        return [PushPull(s, "", True) for s in self._seeds]
+
+    def _reconnect(self, now: float, out: list[Action]) -> None:
+        """Push-pull with a random DEAD member, tombstone or unknown seed: heals partitions."""
+        if self._left or not self._joined:
+            return
+        cands = self._table.reconnect_candidates(self._seeds)
+        if cands:
+            addr, name = self.rng.choice(cands)
+            out.append(PushPull(addr, name, False))
+
+
+def _next(prev: float, interval: float, now: float) -> float:
+    """The next tick of a fixed-rate timer; missed ticks are skipped (like a Go ticker)."""
+    nxt = prev + interval
+    return nxt if nxt > now else now + interval

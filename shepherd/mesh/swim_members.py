@@ -1,0 +1,313 @@
+"""The membership table of SWIM: memberlist's alive/suspect/dead precedence rules, refutation,
+suspicion timers, reaping into bounded tombstones (pure; used by ``shepherd.mesh.swim.Swim``).
+
+Every accepted update is queued for piggybacked dissemination (keyed by member name, so a newer
+update about a member replaces an older one) and reported as a member event into ``out``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from shepherd.mesh.swim_broadcast import TransmitLimitedQueue
+from shepherd.mesh.swim_suspicion import Awareness, Suspicion
+from shepherd.mesh.swim_types import (
+    USER_MSG_OVERHEAD,
+    Action,
+    Addr,
+    Alive,
+    Dead,
+    Delegate,
+    Member,
+    MemberDead,
+    MemberLeft,
+    MemberReaped,
+    MemberState,
+    MemberSuspect,
+    MemberUp,
+    Message,
+    NodeAddr,
+    Suspect,
+    SwimConfig,
+    SwimStats,
+    User,
+)
+from shepherd.proto.mesh_wire import encoded_size
+
+ALIVE, SUSPECT, DEAD, LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
+_GONE = (DEAD, LEFT)
+
+
+@dataclass(slots=True)
+class Node:
+    name: str
+    host: str
+    port: int
+    incarnation: int
+    state: MemberState
+    meta: bytes
+    state_change: float
+
+    @property
+    def addr(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    def snapshot(self) -> Member:
+        return Member(self.name, self.host, self.port, self.incarnation, self.state, self.meta)
+
+
+class MemberTable:
+    """Members by name (ourselves included), their suspicions, and tombstones of reaped ones."""
+
+    def __init__(
+        self,
+        config: SwimConfig,
+        me: NodeAddr,
+        incarnation: int,
+        meta: bytes,
+        awareness: Awareness,
+        stats: SwimStats,
+        on_new: Callable[[str], None],
+        on_suspected: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.cfg = config
+        self.me = me
+        self.awareness = awareness
+        self.stats = stats
+        self.on_new = on_new
+        self.on_suspected = on_suspected
+        self.nodes: dict[str, Node] = {
+            me.name: Node(me.name, me.host, me.port, incarnation, ALIVE, meta, 0.0)
+        }
+        self.tombstones: dict[str, Node] = {}  # state_change = reaped at; insertion order = age
+        self.suspicions: dict[str, Suspicion] = {}
+        self.queue: TransmitLimitedQueue[Message] = TransmitLimitedQueue(
+            config.retransmit_mult, lambda: len(self.nodes), config.max_broadcasts
+        )
+        self.leaving = False
+
+    # --------------------------------------------------------------------------------- views
+
+    @property
+    def local(self) -> Node:
+        return self.nodes[self.me.name]
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def peers(self) -> Iterator[Node]:
+        return (n for n in self.nodes.values() if n.name != self.me.name)
+
+    def broadcast(self, msg: Message, key: str) -> None:
+        self.queue.queue(msg, encoded_size(msg), key)
+
+    def alive_msg(self) -> Alive:
+        n = self.local
+        return Alive(n.name, n.host, n.port, n.incarnation, n.meta)
+
+    def piggyback(self, budget: int, delegate: Delegate) -> list[Message]:
+        """Pending membership updates, then the delegate's payloads, within ``budget`` bytes."""
+        if budget <= 0:
+            return []
+        msgs = self.queue.get(budget)
+        budget -= sum(encoded_size(m) for m in msgs)
+        if budget > USER_MSG_OVERHEAD:
+            for payload in delegate.broadcasts(budget):
+                need = len(payload) + USER_MSG_OVERHEAD
+                if need <= budget:
+                    budget -= need
+                    msgs.append(User(payload))
+        return msgs
+
+    def reconnect_candidates(self, seeds: list[Addr]) -> list[tuple[Addr, str]]:
+        """DEAD members, DEAD tombstones and seeds at no live member's address (not LEFT ones)."""
+        live = {n.addr for n in self.nodes.values() if n.state in (ALIVE, SUSPECT)}
+        cands = [(n.addr, n.name) for n in self.nodes.values() if n.state == DEAD]
+        cands += [
+            (n.addr, n.name) for n in self.tombstones.values() if n.state == DEAD and n.addr not in live
+        ]
+        return cands + [(s, "") for s in seeds if s not in live]
+
+    # --------------------------------------------------------------------------------- rules
+
+    def on_alive(self, a: Alive, now: float, out: list[Action]) -> None:
+        if a.name == self.me.name:
+            loc = self.local
+            if self.leaving or a.incarnation < loc.incarnation:
+                return
+            if a.incarnation == loc.incarnation and (a.host, a.port, a.meta) == (
+                loc.host,
+                loc.port,
+                loc.meta,
+            ):
+                return
+            self.refute(a.incarnation)  # someone claims another (or a newer) us
+            return
+        tomb = self.tombstones.get(a.name)
+        if tomb is not None:
+            if a.incarnation <= tomb.incarnation:
+                return
+            del self.tombstones[a.name]
+        n = self.nodes.get(a.name)
+        if n is None:
+            n = Node(a.name, a.host, a.port, a.incarnation, ALIVE, a.meta, now)
+            self.nodes[a.name] = n
+            self.on_new(a.name)
+            self.broadcast(a, a.name)
+            out.append(MemberUp(n.snapshot(), None if tomb is None else tomb.state))
+            return
+        if a.incarnation <= n.incarnation:
+            return
+        prev = n.state
+        changed = (n.host, n.port, n.meta) != (a.host, a.port, a.meta)
+        n.host, n.port, n.meta, n.incarnation = a.host, a.port, a.meta, a.incarnation
+        self.suspicions.pop(a.name, None)
+        if prev != ALIVE:
+            n.state = ALIVE
+            n.state_change = now
+            if prev in _GONE:
+                self.on_new(a.name)
+        self.broadcast(a, a.name)
+        if prev != ALIVE or changed:
+            out.append(MemberUp(n.snapshot(), prev))
+
+    def on_suspect(self, s: Suspect, now: float, out: list[Action]) -> None:
+        n = self.nodes.get(s.node)
+        if n is None or s.incarnation < n.incarnation:
+            if n is not None and s.node == self.me.name:
+                self.stale_accusation()
+            return
+        if self.discredited(s.src):
+            return
+        sus = self.suspicions.get(s.node)
+        if sus is not None:
+            if sus.confirm(s.src, now):
+                self.broadcast(s, s.node)
+            return
+        if n.state != ALIVE:
+            return
+        if s.node == self.me.name:
+            if not self.leaving:
+                self.refute(s.incarnation)
+            return
+        self.broadcast(s, s.node)
+        n.incarnation = s.incarnation
+        n.state = SUSPECT
+        n.state_change = now
+        k = self.cfg.expected_confirmations(len(self.nodes))
+        lo, hi = self.cfg.suspicion_bounds(len(self.nodes))
+        sus = Suspicion(s.incarnation, s.src, k, lo, hi, now)
+        sus.verifies_left = self.cfg.suspicion_verify_pings
+        self.suspicions[s.node] = sus
+        self.stats.suspicions += 1
+        if s.src != self.me.name and self.on_suspected is not None:
+            self.on_suspected(s.node, k)
+        out.append(MemberSuspect(n.snapshot(), ALIVE))
+
+    def on_dead(self, d: Dead, now: float, out: list[Action]) -> None:
+        n = self.nodes.get(d.node)
+        if n is None or d.incarnation < n.incarnation:
+            if n is not None and d.node == self.me.name:
+                self.stale_accusation()
+            return
+        if d.src != d.node and self.discredited(d.src):
+            return
+        self.suspicions.pop(d.node, None)
+        if n.state in _GONE:
+            return
+        if d.node == self.me.name and not self.leaving:
+            self.refute(d.incarnation)
+            return
+        self.broadcast(d, d.node)
+        prev = n.state
+        n.incarnation = d.incarnation
+        n.state = LEFT if d.node == d.src else DEAD
+        n.state_change = now
+        if d.src == self.me.name and n.state == DEAD:
+            self.stats.deaths_declared += 1
+        out.append((MemberLeft if n.state == LEFT else MemberDead)(n.snapshot(), prev))
+
+    def discredited(self, accuser: str) -> bool:
+        """An accuser we hold as DEAD/LEFT (e.g. a node that can send but not receive) is not heard."""
+        if accuser == self.me.name:
+            return False
+        n = self.nodes.get(accuser)
+        return (n.state in _GONE) if n is not None else accuser in self.tombstones
+
+    def refute(self, accused: int) -> None:
+        loc = self.local
+        loc.incarnation = max(loc.incarnation + 1, accused + 1)
+        self.broadcast(self.alive_msg(), loc.name)
+        self.awareness.apply(1)
+        self.stats.refutations += 1
+
+    def stale_accusation(self) -> None:
+        """Someone still accuses an incarnation we already refuted: it missed our refutation, so
+        gossip it again (it rides on the ack when the accusation came with a ping)."""
+        if not self.leaving:
+            self.broadcast(self.alive_msg(), self.me.name)
+            self.stats.extra["stale_accusations"] = self.stats.extra.get("stale_accusations", 0) + 1
+
+    def hint_dead(self, name: str, remote_incarnation: int) -> None:
+        """A peer sees ``name`` ALIVE at an incarnation we hold as DEAD: gossip a suspicion so that
+        ``name`` (if it lives, e.g. across a healed partition) hears of it and refutes."""
+        n = self.nodes.get(name) or self.tombstones.get(name)
+        if n is None or n.state != DEAD or n.incarnation < remote_incarnation:
+            return
+        self.broadcast(Suspect(n.incarnation, name, self.me.name), name + "\x00hint")
+
+    # --------------------------------------------------------------------------------- timers
+
+    def next_suspicion_deadline(self) -> float:
+        spacing = self.cfg.probe_interval
+        return min(
+            (min(s.deadline, s.verify_at(spacing)) for s in self.suspicions.values()), default=float("inf")
+        )
+
+    def due_verifications(self, now: float) -> list[Node]:
+        """Suspects due a last-chance ping (with the suspicion attached): if alive, the target's
+        refutation rides back on the ack even if every gossip of it missed us (epidemic tails)."""
+        spacing = self.cfg.probe_interval
+        due: list[Node] = []
+        for name, s in self.suspicions.items():
+            if s.verify_at(spacing) <= now:
+                s.verifies_left -= 1
+                n = self.nodes.get(name)
+                if n is not None and n.state == SUSPECT:
+                    due.append(n)
+        return due
+
+    def expire_suspicions(self, now: float, out: list[Action]) -> None:
+        due = [name for name, s in self.suspicions.items() if s.deadline <= now]
+        for name in due:
+            sus = self.suspicions.pop(name)
+            n = self.nodes.get(name)
+            if n is not None and n.state == SUSPECT and n.incarnation == sus.incarnation:
+                self.on_dead(Dead(n.incarnation, name, self.me.name), now, out)
+
+    def defer_due_suspicions(self, now: float, grace: float) -> None:
+        """Push suspicions due by ``now`` to ``now + grace``, once each (we were stalled)."""
+        for s in self.suspicions.values():
+            if s.deadline <= now and not s.deferred:
+                s.deferred = True
+                s.deadline = now + grace
+
+    def reap(self, now: float, out: list[Action]) -> None:
+        """Forget members DEAD/LEFT for over ``gossip_to_the_dead_time``; expire old tombstones."""
+        cfg = self.cfg
+        gone = [
+            n
+            for n in self.nodes.values()
+            if n.state in _GONE and now - n.state_change > cfg.gossip_to_the_dead_time
+        ]
+        for n in gone:
+            del self.nodes[n.name]
+            n.state_change = now
+            self.tombstones[n.name] = n
+            out.append(MemberReaped(n.name))
+        while self.tombstones:
+            oldest = next(iter(self.tombstones.values()))
+            if len(self.tombstones) <= cfg.max_tombstones and now - oldest.state_change <= cfg.tombstone_time:
+                break
+            del self.tombstones[oldest.name]
