@@ -6,6 +6,8 @@
 #                                                   # from a local base (docker/build-base.sh) when no
 #                                                   # image registry is reachable
 # Any Debian-family base with python3 >= 3.11 and python3-venv works: the package goes into /opt/venv.
+# Layers, slowest first: system packages, the dependencies of pyproject.toml, then the package itself, so
+# that a change under shepherd/ reinstalls only the package (seconds), not its dependencies.
 ARG PYTHON_BASE=python:3.11-slim-bookworm
 FROM ${PYTHON_BASE}
 
@@ -21,7 +23,11 @@ RUN set -eux; \
     apt-get update; \
     apt-get install -y --no-install-recommends $pkgs; \
     rm -rf /var/lib/apt/lists/*; \
-    find /usr/local/share/ca-certificates/shepherd -name '*.crt' | grep -q . && update-ca-certificates || true
+    find /usr/local/share/ca-certificates/shepherd -name '*.crt' | grep -q . && update-ca-certificates || true; \
+    # state the node writes (the mesh's development PKI volume is mounted here; a fresh named volume
+    # takes this directory's owner)
+    mkdir -p /var/lib/shepherd/mesh-pki; \
+    chown -R nobody:nogroup /var/lib/shepherd
 
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
@@ -30,11 +36,24 @@ ENV VIRTUAL_ENV=/opt/venv \
     PYTHONUNBUFFERED=1
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+# the dependencies (and the build backend) alone: rebuilt only when pyproject.toml changes
+COPY pyproject.toml ./
+RUN set -eux; \
+    python3 -m venv /opt/venv; \
+    python3 -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb')); \
+print('\n'.join(d['build-system']['requires'] + d['project']['dependencies']))" >/tmp/requirements.txt; \
+    pip install --no-cache-dir -r /tmp/requirements.txt; \
+    rm /tmp/requirements.txt
+COPY README.md ./
 COPY shepherd ./shepherd
-RUN python3 -m venv /opt/venv && pip install --no-cache-dir . && smg-node --help >/dev/null
+RUN set -eux; \
+    pip install --no-cache-dir --no-deps --no-build-isolation .; \
+    rm -rf build shepherd.egg-info; \
+    smg-node --help >/dev/null; \
+    smg-mock-engine --help >/dev/null
 
-# a node listens on 30000, an engine on 50051 (gRPC) and 18001 (HTTP), haproxy on 8080 (stats 8404)
-EXPOSE 30000 50051 18001 8080 8404
+# a node listens on 30000 (mesh 7946 UDP+TCP), an engine on 50051 (gRPC) and 18001 (HTTP), haproxy on
+# 8080 (stats 8404)
+EXPOSE 30000 7946 7946/udp 50051 18001 8080 8404
 USER nobody
 CMD ["smg-node", "serve", "--host", "0.0.0.0", "--port", "30000"]

@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--role", choices=ROLES, default="both", help="PD disaggregation role")
     p.add_argument(
+        "--pd-wait-s",
+        type=float,
+        default=5.0,
+        help="decode role: how long to wait for the prefill engine to know a request before failing it",
+    )
+    p.add_argument(
         "--error-rate", type=float, default=0.0, help="fraction of requests failed before any token"
     )
     p.add_argument("--error-code", choices=ERROR_CODES, default="UNAVAILABLE")
@@ -102,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         output_len=args.output_len,
         stream_interval=args.stream_interval,
         role=args.role,
+        pd_wait_s=args.pd_wait_s,
         host=args.host,
         engine_id=f"mock-{os.getpid()}",
         faults=faults,
@@ -130,6 +137,7 @@ async def serve(
         if isinstance(addr, tuple) and len(addr) >= 2:
             bound_http = int(addr[1])
             break
+    core.http_port = bound_http
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -35,6 +35,7 @@ from shepherd.mock_engine.outputs import (
     ScriptedResponse,
     ScriptQueue,
 )
+from shepherd.mock_engine.pd_check import PrefillLog
 from shepherd.mock_engine.scheduler import (
     RUNNING,
     WAITING,
@@ -80,6 +81,7 @@ class EngineConfig:
     output_len: int = 32
     stream_interval: int = 1
     role: str = "both"
+    pd_wait_s: float = 5.0  # a decode-role engine waits this long for its prefill side to know the request
     host: str = "127.0.0.1"
     engine_id: str = "mock-0"
     faults: Faults = dataclasses.field(default_factory=Faults)
@@ -129,6 +131,9 @@ class MockRequest:
     prompt_text: str = ""
     kv_transfer_params_json: str | None = None  # vLLM PD (decode side receives it)
     disaggregated: bool = False  # SGLang bootstrap parameters were present
+    bootstrap_host: str | None = None  # SGLang PD: the prefill engine's bootstrap server and the room
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -427,6 +432,8 @@ class EngineCore:
         self.stats = MockStats()
         self.kv_log = KvEventLog()
         self.grpc_port = 0
+        self.http_port = 0  # also the PD bootstrap port of a prefill-role engine
+        self.prefills = PrefillLog()  # what a prefill-role engine saw (see pd_check)
         self._runs: dict[str, list[Run]] = {}
         self._waiting_runs: dict[SeqGroup, Run] = {}
         self.last_receive_time = 0.0
@@ -488,6 +495,8 @@ class EngineCore:
             stats.rejected += 1
             raise MockRpcError("INVALID_ARGUMENT", str(e)) from e
         self._changed()
+        if cfg.role == "prefill":
+            self.prefills.record(req)
         run = Run(self, req, group, plans)
         runs = self._runs.get(req.request_id)
         if runs is None:
@@ -519,6 +528,8 @@ class EngineCore:
         else:
             admitted = self.scheduler.finish(group, now, outputs)
             self.stats.completed += 1
+            if group.first_token_at is not None:
+                self.stats.ttft_model_s.append(group.first_token_at - group.submitted_at)
         for g in admitted:
             waiter = self._waiting_runs.pop(g, None)
             if waiter is not None:
@@ -580,6 +591,7 @@ class EngineCore:
                 "remote_engine_id": self.config.engine_id,
                 "remote_host": self.config.host,
                 "remote_port": self.grpc_port,
+                "remote_bootstrap_port": self.http_port,  # the mock's stand-in for the NIXL handshake
                 "remote_request_id": req.request_id,
                 "remote_block_ids": list(range(len(group.prompt) // self.cache.block_size)),
             }

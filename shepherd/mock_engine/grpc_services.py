@@ -29,6 +29,7 @@ from shepherd.mock_engine.engine import EngineCore, MockRequest, MockRpcError, R
 from shepherd.mock_engine.kv_events import KvBatch
 from shepherd.mock_engine.lean_grpc import LeanGrpcServer
 from shepherd.mock_engine.outputs import OutputSpec
+from shepherd.mock_engine.pd_check import BootstrapClient, verify_decode
 from shepherd.mock_engine.scheduler import LoadSnapshot
 from shepherd.mock_engine.tokenizer_zip import TokenizerArchive, build_tokenizer_zip
 from shepherd.mock_engine.wire import ChunkWire
@@ -231,6 +232,7 @@ class _Service:
         self._core = core
         self._tokenizers = tokenizers
         self._raw_chunks = raw_chunks
+        self._bootstrap = BootstrapClient()  # a decode-role engine asks its prefill side (pd_check)
 
     def _request(self, request: Any) -> MockRequest:
         raise NotImplementedError
@@ -248,7 +250,10 @@ class _Service:
         core = self._core
         core.stats.count_rpc(f"{self.KIND}.Generate")
         try:
-            run = core.start(self._request(request))
+            mreq = self._request(request)
+            if core.config.role == "decode":
+                await verify_decode(mreq, self._bootstrap, wait_s=core.config.pd_wait_s)
+            run = core.start(mreq)
         except MockRpcError as e:
             await context.abort(_status(e.code), e.message)
             return
@@ -302,6 +307,7 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
         stats = core.stats
         stats.last_request_kind = "sglang"
         stats.last_sampling_params = _lazy_dict(sp)
+        stats.record_constraint(request.request_id, sp)
         disagg = request.HasField("disaggregated_params") and bool(
             request.disaggregated_params.bootstrap_host
         )
@@ -325,6 +331,9 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
             top_logprobs=min(max(request.top_logprobs_num, 0), MAX_TOP_LOGPROBS),
             prompt_text=request.tokenized.original_text,
             disaggregated=disagg,
+            bootstrap_host=request.disaggregated_params.bootstrap_host if disagg else None,
+            bootstrap_port=request.disaggregated_params.bootstrap_port if disagg else None,
+            bootstrap_room=request.disaggregated_params.bootstrap_room if disagg else None,
         )
 
     def _response(self, rid: str, ev: EngineEvent) -> Any:
@@ -458,6 +467,7 @@ class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: i
         stats = core.stats
         stats.last_request_kind = "vllm"
         stats.last_sampling_params = _lazy_dict(sp)
+        stats.record_constraint(request.request_id, sp)
         if request.HasField("tokenized"):
             prompt = tuple(request.tokenized.input_ids)
             text = request.tokenized.original_text
@@ -512,8 +522,8 @@ class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: i
         )
         if ev.matched_token_id is not None:
             complete.matched_token_id = ev.matched_token_id
-            if ev.kv_transfer_params_json is not None:
-                complete.kv_transfer_params_json = ev.kv_transfer_params_json
+        if ev.kv_transfer_params_json is not None:
+            complete.kv_transfer_params_json = ev.kv_transfer_params_json
         if ev.logprobs:
             complete.output_logprobs.CopyFrom(_logprobs_pb(VLLM, ev.logprobs))
         return VLLM.GenerateResponse(complete=complete)

@@ -245,6 +245,8 @@ class MockHttpApi:
         r.add_get("/mock/stats", self.get_stats)
         r.add_delete("/mock/stats", self.reset_stats)
         r.add_post("/mock/flush_cache", self.flush_cache)
+        r.add_get("/mock/pd/rooms/{room}", self.pd_room)  # a prefill-role engine's bootstrap lookups
+        r.add_get("/mock/pd/requests/{request_id}", self.pd_request)
         return app
 
     # ---- simple endpoints -----------------------------------------------------------------------
@@ -356,6 +358,21 @@ class MockHttpApi:
 
     async def get_faults(self, request: web.Request) -> web.Response:
         return json_response(self.core.injector.faults.to_json())
+
+    async def pd_room(self, request: web.Request) -> web.Response:
+        try:
+            rec = self.core.prefills.room(int(request.match_info["room"]))
+        except ValueError:
+            rec = None
+        if rec is None:
+            return json_response({"error": "unknown bootstrap room"}, status=404)
+        return json_response(rec.to_json())
+
+    async def pd_request(self, request: web.Request) -> web.Response:
+        rec = self.core.prefills.request(request.match_info["request_id"])
+        if rec is None:
+            return json_response({"error": "unknown request"}, status=404)
+        return json_response(rec.to_json())
 
     async def get_stats(self, request: web.Request) -> web.Response:
         return json_response(self.core.stats_json())

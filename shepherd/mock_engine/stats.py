@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import Any
 
 JsonDict = dict[str, object]
 
@@ -29,12 +30,27 @@ class MockStats:
         self.last_disaggregated_params: Callable[[], JsonDict] | None = None
         self.last_kv_transfer_params_json: str | None = None
         self.disaggregated_requests = 0
+        # per completed request, the time from its arrival to its first token in the timing model (queue +
+        # prefill): what routing changes, free of the host's scheduling noise
+        self.ttft_model_s: deque[float] = deque(maxlen=4096)
+        # structured-output constraints received: {"request_id", "kind", "value"}, most recent last
+        self.constraints: deque[JsonDict] = deque(maxlen=keep)
 
     def reset(self) -> None:
         self.__init__(self._keep)  # type: ignore[misc]
 
     def count_rpc(self, name: str) -> None:
         self.rpc_calls[name] += 1
+
+    def record_constraint(self, request_id: str, sampling_params: Any) -> None:
+        """Note the ``oneof constraint`` of a SamplingParams message (SGLang or vLLM), if one is set."""
+        kind = sampling_params.WhichOneof("constraint")
+        if kind is None:
+            return
+        value = getattr(sampling_params, kind)
+        if kind == "choice":
+            value = list(value.choices)
+        self.constraints.append({"request_id": request_id, "kind": kind, "value": value})
 
     def to_json(self) -> JsonDict:
         return {
@@ -57,4 +73,6 @@ class MockStats:
             ),
             "last_kv_transfer_params_json": self.last_kv_transfer_params_json,
             "disaggregated_requests": self.disaggregated_requests,
+            "ttft_model_ms": [round(t * 1000.0, 3) for t in self.ttft_model_s],
+            "constraints": list(self.constraints),
         }

@@ -71,7 +71,8 @@ async def error_middleware(
     except ApiError as e:
         status = e.status
         gw.metrics.errors.labels(path, e.code or e.type).inc()
-        return error_response(e)
+        extra = getattr(e, "headers", None)  # e.g. a 429's Retry-After and x-ratelimit-*
+        return error_response(e, dict(extra) if isinstance(extra, dict) else None)
     except EngineError as e:
         status = 504 if e.code == "engine_timeout" else 502
         gw.metrics.errors.labels(path, e.code).inc()

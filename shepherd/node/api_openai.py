@@ -7,12 +7,21 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
 from aiohttp import web
 
+from shepherd.node.admission import TICKET_KEY
 from shepherd.node.api_common import GATEWAY, read_json, relay
+from shepherd.node.chat_output import (
+    ChatShaping,
+    ChoiceParsing,
+    chat_message,
+    final_reason,
+    shape_chat,
+)
 from shepherd.node.engine_types import (
     EngineChunk,
     EngineError,
@@ -24,13 +33,21 @@ from shepherd.node.gateway import EngineStream, Gateway
 from shepherd.node.openai_protocol import ApiError, Sampling, bad, parse_chat, parse_completion
 from shepherd.node.output import ChoiceState, LogprobFormatter
 from shepherd.node.sse import DONE, ChatChunks, CompletionChunks, error_event, usage
+from shepherd.node.structured import ConstrainedSamplingParams, Constraint, Violation, header_value
 from shepherd.node.tokenizer import ChatTemplateError, Tokenizer
+from shepherd.node.tool_choice import template_tools
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
-def engine_sampling(s: Sampling, max_new_tokens: int, stream_interval: int | None) -> SamplingParams:
-    return SamplingParams(
+def engine_sampling(
+    s: Sampling, max_new_tokens: int, stream_interval: int | None, constraint: Constraint | None = None
+) -> SamplingParams:
+    kind = constraint.kind if constraint is not None else ""
+    value = constraint.value if constraint is not None else None
+    cls = ConstrainedSamplingParams if kind == "structural_tag" else SamplingParams
+    extra = {"structural_tag": value} if kind == "structural_tag" else {}
+    return cls(
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
@@ -48,6 +65,10 @@ def engine_sampling(s: Sampling, max_new_tokens: int, stream_interval: int | Non
         seed=s.seed,
         logit_bias=s.logit_bias,
         stream_interval=stream_interval,
+        json_schema=value if kind == "json_schema" else None,
+        regex=value if kind == "regex" else None,
+        ebnf=value if kind == "ebnf" else None,
+        **extra,
     )
 
 
@@ -95,6 +116,7 @@ class Generation:
         rid: str,
         t0: float,
         logprobs: int | None,
+        shaping: ChatShaping | None = None,
     ) -> None:
         self.request = request
         self.gw = gw
@@ -109,6 +131,10 @@ class Generation:
         self.lpfmt = LogprobFormatter(tok, sampling.skip_special_tokens) if logprobs is not None else None
         self.totals = Totals()
         self.engine_seconds = 0.0
+        # chat: the parser stage (None: plain text, no parser work per token) and structured output
+        self.output = shaping.output if shaping is not None else None
+        self.constraint = shaping.constraint if shaping is not None else None
+        self.checks = shaping.checks if shaping is not None else None
 
     def _lp(self, entries: Sequence[TokenLogprob], index: int = 0) -> dict[str, Any] | None:
         if self.lpfmt is None or not entries:
@@ -121,7 +147,7 @@ class Generation:
         return GenerateRequest(
             request_id=self.rid + suffix,
             input_ids=job.ids,
-            sampling=engine_sampling(self.s, max_new, self.gw.cfg.stream_interval),
+            sampling=engine_sampling(self.s, max_new, self.gw.cfg.stream_interval, self.constraint),
             stream=stream,
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
@@ -150,6 +176,9 @@ class Generation:
         engine_open = n
         seen_chunks = [False] * n
         enc = self._encoder() if emit is not None else None
+        posts: list[ChoiceParsing] | None = None
+        if isinstance(enc, ChatChunks) and self.output is not None:  # fresh parsers per choice
+            posts = [self.output.choice(enc, job.index_base + st.index) for st in states]
         itl = self.gw.metrics.itl.labels(self.model)
         last = time.perf_counter()
         first = True
@@ -175,27 +204,35 @@ class Generation:
                     if st.done():
                         continue
                     text = st.feed(ev.token_ids, ev.logprobs)
-                    if enc is not None and (text or ev.logprobs):
-                        out.append(enc.content(idx, text, self._lp(ev.logprobs, idx)))
+                    if enc is not None:
+                        if posts is not None:
+                            if text or ev.logprobs:
+                                posts[i].stream(text, self._lp(ev.logprobs, idx), out)
+                        elif text or ev.logprobs:
+                            out.append(enc.content(idx, text, self._lp(ev.logprobs, idx)))
                     if st.finished:
                         remaining -= 1
                         if enc is not None:
-                            out.append(enc.finish(idx, st.finish_reason or "stop", st.matched))
+                            self._finish_chunk(enc, posts, i, idx, st, out)
                     continue
                 engine_open -= 1
                 if st.finished:
                     continue
+                lps: Sequence[TokenLogprob] = ()
                 if not seen_chunks[i] and ev.output_ids:
                     text = st.whole(ev.output_ids, ev.logprobs, ev.finish_reason)
-                    if enc is not None and text:
-                        out.append(enc.content(idx, text, self._lp(ev.logprobs, idx)))
+                    lps = ev.logprobs
                 else:
                     text = st.end(ev.finish_reason)
-                    if enc is not None and text:
-                        out.append(enc.content(idx, text, None))
+                if enc is not None:
+                    if posts is not None:
+                        if text or lps:
+                            posts[i].stream(text, self._lp(lps, idx), out)
+                    elif text:
+                        out.append(enc.content(idx, text, self._lp(lps, idx)))
                 remaining -= 1
                 if enc is not None:
-                    out.append(enc.finish(idx, st.finish_reason or "stop", st.matched))
+                    self._finish_chunk(enc, posts, i, idx, st, out)
             if ntok:
                 itl.observe((now - last) / ntok)
             last = now
@@ -210,6 +247,22 @@ class Generation:
         self.totals.cached = cached
         if remaining:
             raise EngineError("the engine ended the stream before every choice finished", retryable=False)
+
+    def _finish_chunk(
+        self,
+        enc: ChatChunks | CompletionChunks,
+        posts: list[ChoiceParsing] | None,
+        i: int,
+        idx: int,
+        st: ChoiceState,
+        out: list[bytes],
+    ) -> None:
+        if posts is None:
+            out.append(enc.finish(idx, st.finish_reason or "stop", st.matched))
+            return
+        post = posts[i]
+        post.stream_end(out)
+        out.append(enc.finish(idx, *final_reason(st.finish_reason, st.matched, post.has_calls)))
 
     def _encoder(self) -> ChatChunks | CompletionChunks:
         if self.chat:
@@ -245,7 +298,8 @@ class Generation:
                 await es.close("stop" if es.completed is False else "done")
             engine_t += time.perf_counter() - t_dispatch
             self._account(job)
-        choices = [c for job in jobs for c in self._final_choices(job)]
+        violations: list[Violation] = []
+        choices = [c for job in jobs for c in self._final_choices(job, violations)]
         body = {
             "id": self.rid,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -256,9 +310,22 @@ class Generation:
         }
         self.engine_seconds = engine_t
         self._done()
-        return web.Response(body=orjson.dumps(body), content_type="application/json", headers=self._headers())
+        headers = self._headers()
+        if violations:
+            strict = [v for v in violations if v.strict]
+            if strict:  # the client was promised conforming output: an error, not a silent mismatch
+                raise ApiError(
+                    502,
+                    "The engine's output does not conform to the requested structure: "
+                    + header_value(strict),
+                    type="server_error",
+                    param=strict[0].param,
+                    code="schema_violation",
+                )
+            headers["x-smg-schema-violation"] = header_value(violations)
+        return web.Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
 
-    def _final_choices(self, job: Job) -> list[dict[str, Any]]:
+    def _final_choices(self, job: Job, violations: list[Violation]) -> list[dict[str, Any]]:
         out = []
         for st in job.states:
             idx = job.index_base + st.index
@@ -266,15 +333,7 @@ class Generation:
                 self.lpfmt.offsets[idx] = len(job.echo)
             lp = self._lp(st.logprobs, idx)
             if self.chat:
-                out.append(
-                    {
-                        "index": job.index_base + st.index,
-                        "message": {"role": "assistant", "content": st.full_text()},
-                        "logprobs": lp,
-                        "finish_reason": st.finish_reason,
-                        "matched_stop": st.matched,
-                    }
-                )
+                out.append(self._chat_choice(st, idx, lp, violations))
             else:
                 out.append(
                     {
@@ -287,9 +346,38 @@ class Generation:
                 )
         return out
 
+    def _chat_choice(
+        self, st: ChoiceState, idx: int, lp: dict[str, Any] | None, violations: list[Violation]
+    ) -> dict[str, Any]:
+        reason: str | None = st.finish_reason
+        matched: Any = st.matched
+        if self.output is None:
+            message: dict[str, Any] = {"role": "assistant", "content": st.full_text()}
+            calls: list[tuple[str, str]] = []
+        else:
+            parsed = self.output.choice().whole(st.full_text())
+            message = chat_message(parsed, self.output.reasoning is not None)
+            calls = [(name, args) for _, name, args in parsed.calls]
+            reason, matched = final_reason(reason, matched, bool(parsed.calls))
+        choice = {
+            "index": idx,
+            "message": message,
+            "logprobs": lp,
+            "finish_reason": reason,
+            "matched_stop": matched,
+        }
+        if self.checks is not None:
+            v = self.checks.check(idx, reason, message["content"], calls)
+            if v is not None:
+                violations.append(v)
+                choice["schema_violation"] = v.message
+        return choice
+
     def _headers(self) -> dict[str, str]:
         own = time.perf_counter() - self.t0 - self.engine_seconds
-        return {"x-request-id": self.rid, "x-smg-gateway-ms": f"{own * 1000:.3f}"}
+        h = {"x-request-id": self.rid, "x-smg-gateway-ms": f"{own * 1000:.3f}"}
+        ticket = self.request.get(TICKET_KEY)  # rate limits: x-ratelimit-* (shepherd.node.admission)
+        return h if ticket is None else {**h, **ticket.headers}
 
     async def run(self, jobs: list[Job]) -> web.StreamResponse:
         """Dispatch: the prompt work is done, the engine work starts."""
@@ -372,7 +460,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(d)
     model = gw.resolve_model(req.model)
     if gw.relay_mode(model):
-        return await relay(request, gw, model, raw, d, "/v1/chat/completions", req.sampling.stream)
+        send = partial(relay, request, gw, model, raw, d, "/v1/chat/completions", req.sampling.stream)
+        if gw.admission is None:
+            return await send()
+        return await gw.admission.guard(request, model, len(raw) // 4, req.sampling, send)
     if req.sampling.n > 1 and req.sampling.temperature == 0 and req.sampling.seed is None:
         pass  # allowed: identical greedy samples, as engines do
     tok = gw.tokenizer(model)
@@ -380,7 +471,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         text, ids = await gw.tokenizers.render_and_encode(
             model,
             req.messages,
-            req.tools,
+            template_tools(req.tools, req.tool_choice),
             req.add_generation_prompt,
             req.continue_final_message,
             req.template_kwargs,
@@ -389,19 +480,24 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise bad(
             f"Cannot render the chat template: {e}", param="messages", code="chat_template_error"
         ) from None
-    states = [ChoiceState(i, tok, req.sampling, ids) for i in range(req.sampling.n)]
+    shaping = shape_chat(gw.parser_families(model), req, text)
+    states = [ChoiceState(i, tok, shaping.sampling, ids) for i in range(req.sampling.n)]
     g = Generation(
         request,
         gw,
         model,
         tok,
-        req.sampling,
+        shaping.sampling,
         chat=True,
         rid=_request_id(request, "chatcmpl-"),
         t0=t0,
         logprobs=req.top_logprobs if req.logprobs else None,
+        shaping=shaping,
     )
-    return await g.run([Job(ids, text, states, 0)])
+    jobs = [Job(ids, text, states, 0)]
+    if gw.admission is None:
+        return await g.run(jobs)
+    return await gw.admission.guard(request, model, len(ids), shaping.sampling, partial(g.run, jobs), jobs)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -411,7 +507,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion(d)
     model = gw.resolve_model(req.model)
     if gw.relay_mode(model):
-        return await relay(request, gw, model, raw, d, "/v1/completions", req.sampling.stream)
+        send = partial(relay, request, gw, model, raw, d, "/v1/completions", req.sampling.stream)
+        if gw.admission is None:
+            return await send()
+        return await gw.admission.guard(request, model, len(raw) // 4, req.sampling, send)
     tok = gw.tokenizer(model)
     jobs: list[Job] = []
     vocab = tok.vocab_size
@@ -441,7 +540,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
         t0=t0,
         logprobs=req.logprobs,
     )
-    return await g.run(jobs)
+    if gw.admission is None:
+        return await g.run(jobs)
+    prompt = sum(len(j.ids) for j in jobs)
+    return await gw.admission.guard(request, model, prompt, req.sampling, partial(g.run, jobs), jobs)
 
 
 def routes() -> list[web.RouteDef]:

@@ -10,19 +10,23 @@ import time
 
 from aiohttp import web
 
-from shepherd.node import api_admin, api_openai
+from shepherd.auth.tls import server_tls
+from shepherd.node import api_admin, api_keys, api_mesh, api_openai
 from shepherd.node.api_common import GATEWAY, error_middleware
 from shepherd.node.config import NodeConfig
 from shepherd.node.gateway import Gateway
+from shepherd.node.mesh_node import MeshNode
 
 log = logging.getLogger("shepherd.node")
 
 
-def build_app(gw: Gateway) -> web.Application:
+def build_app(gw: Gateway, mesh: MeshNode | None = None) -> web.Application:
     app = web.Application(client_max_size=gw.cfg.max_body_bytes, middlewares=[error_middleware])
     app[GATEWAY] = gw
     app.add_routes(api_openai.routes())
     app.add_routes(api_admin.routes())
+    api_mesh.install(app, mesh)  # /mesh/members, /mesh/state (404 when the mesh is off), smg_mesh_*
+    api_keys.install(app)  # auth middleware (inside the error middleware) and /admin/keys
     return app
 
 
@@ -38,12 +42,25 @@ async def drain(gw: Gateway, grace: float) -> None:
 
 async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
     gw = Gateway(cfg)
+    # built before the gateway starts: the policies must route with the replicated indexes from the start
+    mesh = MeshNode(cfg, gw) if cfg.mesh_port is not None else None
     await gw.start()
-    app = build_app(gw)
+    if mesh is not None:
+        try:
+            await mesh.start()
+        except BaseException:
+            await mesh.close()
+            await gw.close()
+            raise
+    app = build_app(gw, mesh)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_address=True)
+    tls = server_tls(cfg)
+    ssl_ctx = tls.context if tls else None
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_address=True, ssl_context=ssl_ctx)
     await site.start()
+    if tls:
+        tls.start()  # reload changed cert files (and on SIGHUP)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -51,12 +68,21 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
     if ready_message:
         models = ", ".join(gw.model_names())
         n = len(gw.registry.workers)
-        print(f"smg-node listening on http://{cfg.host}:{cfg.port} models=[{models}] workers={n}", flush=True)
+        scheme = "https" if tls else "http"
+        print(
+            f"smg-node listening on {scheme}://{cfg.host}:{cfg.port} models=[{models}] workers={n}",
+            flush=True,
+        )
     try:
         await stop.wait()
         log.info("shutting down: draining")
-        await drain(gw, cfg.shutdown_grace_secs)
+        # leave the mesh (gracefully) while draining: peers stop counting on this node at once
+        await asyncio.gather(drain(gw, cfg.shutdown_grace_secs), mesh.close() if mesh else asyncio.sleep(0))
     finally:
         with contextlib.suppress(Exception):
             await runner.cleanup()
+        if tls:
+            await tls.close()
+        if mesh is not None:
+            await mesh.close()
         await gw.close()

@@ -9,11 +9,41 @@ import os
 import sys
 from typing import Any
 
+from shepherd.auth import config as auth_flags
+
+
+def _mesh_arguments(s: argparse.ArgumentParser) -> None:
+    m = s.add_argument_group("mesh (off unless --mesh-port is given; sealed and mTLS: keys + certificates)")
+    m.add_argument("--mesh-port", type=int, help="UDP gossip + TCP sync port (e.g. 7946); turns the mesh on")
+    m.add_argument("--mesh-name", help="this node's mesh name, as in its certificate (default: host name)")
+    m.add_argument("--mesh-bind", help="address to bind (default 127.0.0.1)")
+    m.add_argument(
+        "--mesh-advertise", help="host[:port] the other nodes reach (required for a wildcard bind)"
+    )
+    m.add_argument("--mesh-seeds", nargs="+", metavar="HOST[:PORT]", help="nodes to join through")
+    m.add_argument("--mesh-keyring-file", help="file of base64 AES keys, one a line, the first primary")
+    m.add_argument("--mesh-keys", nargs="+", metavar="B64", help="base64 AES keys (after the file's)")
+    m.add_argument("--mesh-cluster", help="cluster name bound into every sealed packet")
+    m.add_argument("--mesh-cert", help="this node's certificate (PEM; `smg-node certs` makes dev ones)")
+    m.add_argument("--mesh-key", help="its private key (PEM)")
+    m.add_argument("--mesh-ca", help="the mesh CA bundle (PEM)")
+    m.add_argument(
+        "--mesh-dev-pki",
+        metavar="DIR",
+        help="DEVELOPMENT ONLY: a CA, key file and this node's certificate in DIR, made if missing "
+        "(nodes sharing DIR trust each other)",
+    )
+    m.add_argument("--mesh-probe-interval", type=float, help="SWIM probe interval, s (default 0.5)")
+    m.add_argument("--mesh-probe-timeout", type=float, help="SWIM probe timeout, s (default interval / 2)")
+    m.add_argument("--mesh-push-pull-interval", type=float, help="full TCP sync period, s (default 15)")
+    m.add_argument("--mesh-suspicion-mult", type=int, help="suspicion timeout multiplier (default 4)")
+    m.add_argument("--mesh-gossip-interval", type=float, help="gossip period, s (default 0.2)")
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="smg-node", description="Shepherd gateway node")
     sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("serve", help="run a node")
+    s = argparse.ArgumentParser(add_help=False)  # the flags of serve (join takes them too)
     s.add_argument("--config", help="YAML file with the same settings (flags override it)")
     s.add_argument("--host")
     s.add_argument("--port", type=int)
@@ -26,6 +56,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--policy", help="round_robin (default), random, power_of_two, least_load, cache_aware, ..."
     )
+    pd = s.add_argument_group("PD disaggregation (SGLang bootstrap or vLLM KV transfer, by engine kind)")
+    pd.add_argument("--pd-disaggregation", action="store_true", default=None, help="prefill/decode pools")
+    pd.add_argument(
+        "--prefill",
+        action="append",
+        nargs="+",
+        metavar=("URL", "BOOTSTRAP_PORT"),
+        help="a prefill worker and its SGLang bootstrap port (default 8998); repeatable",
+    )
+    pd.add_argument("--decode", dest="decode_urls", action="append", metavar="URL", help="repeatable")
+    pd.add_argument("--prefill-policy", help="policy of the prefill pool (default: --policy)")
+    pd.add_argument("--decode-policy", help="policy of the decode pool (default: --policy)")
     s.add_argument(
         "--model-path", help="dir with tokenizer.json(.xz) + tokenizer_config.json (default: embedded qwen3)"
     )
@@ -50,7 +92,32 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-grace-period-secs", dest="shutdown_grace_secs", type=float)
     s.add_argument("--sse-keepalive-secs", type=float)
     s.add_argument("--stream-interval", type=int, help="ask engines for this many tokens per stream message")
+    rl = s.add_argument_group("rate limits (per tenant, mesh-wide; YAML 'rate_limits': per tenant/model)")
+    rl.add_argument("--rate-limit-rpm", type=int, help="default requests per minute of every tenant")
+    rl.add_argument("--rate-limit-tpm", type=int, help="default tokens per minute of every tenant")
+    rl.add_argument("--rate-limit-max-concurrent", type=int, help="default concurrent requests per tenant")
+    rl.add_argument("--rate-limit-token-estimate", type=int, help="output tokens reserved without max_tokens")
+    rl.add_argument("--rate-limit-propagation-secs", type=float, help="bound on the mesh's gossip delay")
+    s.add_argument(
+        "--reasoning-parser", help="reasoning parser family (qwen3, deepseek_r1, ...; default: by model name)"
+    )
+    s.add_argument(
+        "--tool-call-parser", help="tool-call parser family (hermes, llama3, ...; default: by model name)"
+    )
     s.add_argument("--log-level", choices=["debug", "info", "warning", "warn", "error"])
+    auth_flags.add_arguments(s)  # --auth-*, --jwt-*, --tls-*, --engine-tls-*
+    _mesh_arguments(s)
+    sub.add_parser("serve", parents=[s], help="run a node")
+    j = sub.add_parser(
+        "join", parents=[s], help="run a node that joins a mesh through SEED... (serve's flags)"
+    )
+    j.add_argument(
+        "seeds", nargs="+", metavar="SEED", help="host[:port] of mesh nodes (tried until one answers)"
+    )
+    c = sub.add_parser("certs", help="write a development CA and mesh node certificates (mTLS)")
+    c.add_argument("--out", required=True, help="directory for <name>.pem and <name>-key.pem")
+    c.add_argument("--nodes", required=True, help="comma-separated node names")
+    c.add_argument("--ca-dir", help="dir of ca.pem + ca-key.pem: reused if there, else made (default --out)")
     return p
 
 
@@ -59,9 +126,20 @@ def config_from_args(argv: list[str]) -> Any:
 
     args = _parser().parse_args(argv)
     values = vars(args)
-    values.pop("command")
+    command = values.pop("command")
     file_values = load_yaml(values.pop("config")) if values.get("config") else {}
     values.pop("config", None)
+    if command == "join":  # serve, with seeds (and the mesh on, on its default port unless one is set)
+        values["mesh_seeds"] = [
+            *values.pop("seeds"),
+            *(values.get("mesh_seeds") or file_values.get("mesh_seeds") or []),
+        ]
+        if values.get("mesh_port") is None and file_values.get("mesh_port") is None:
+            values["mesh_port"] = 7946
+    values["auth"] = auth_flags.pop_overrides(values)
+    prefill = values.pop("prefill", None)
+    if prefill:
+        values["prefill_urls"], values["prefill_bootstrap_ports"] = _prefill_args(prefill)
     alias = values.pop("model_path_alias")
     if alias and not values.get("model_path"):
         values["model_path"] = alias
@@ -70,12 +148,47 @@ def config_from_args(argv: list[str]) -> Any:
     return build_config(file_values, values)
 
 
+def _prefill_args(entries: list[list[str]]) -> tuple[list[str], list[int | None]]:
+    """``--prefill URL [BOOTSTRAP_PORT]`` entries -> (URLs, ports or None)."""
+    from shepherd.node.config import ConfigError
+
+    urls: list[str] = []
+    ports: list[int | None] = []
+    for e in entries:
+        if len(e) > 2 or (len(e) == 2 and not e[1].isdigit()):
+            raise ConfigError(f"--prefill takes a URL and an optional bootstrap port, not {' '.join(e)!r}")
+        urls.append(e[0])
+        ports.append(int(e[1]) if len(e) == 2 else None)
+    return urls, ports
+
+
+def _certs(argv: list[str]) -> int:
+    """``smg-node certs``: a development CA (reused if present) and one certificate per node name."""
+    from shepherd.auth.certs import CertError, write_dev_pki
+
+    args = _parser().parse_args(argv)
+    names = [n.strip() for n in args.nodes.split(",") if n.strip()]
+    if not names:
+        print("smg-node certs: --nodes needs at least one name", file=sys.stderr)
+        return 2
+    try:
+        files = write_dev_pki(args.out, names, ca_dir=args.ca_dir)
+    except (CertError, OSError) as e:
+        print(f"smg-node certs: {e}", file=sys.stderr)
+        return 2
+    for name, f in files.items():
+        print(f"{name}: cert={f.cert} key={f.key} ca={f.ca}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> None:
     # grpcio reads its experiments at import: the poller-based engine costs fewer wake-ups per message
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
     from shepherd.node.config import ConfigError
 
     try:
+        if (sys.argv[1:] if argv is None else argv)[:1] == ["certs"]:
+            raise SystemExit(_certs(sys.argv[1:] if argv is None else argv))
         cfg = config_from_args(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         print(f"smg-node: configuration error: {e}", file=sys.stderr)

@@ -21,11 +21,13 @@ from typing import Any
 
 import yaml
 
+from shepherd.auth.config import AuthConfig, AuthConfigError, load_auth_config, merge_auth
+from shepherd.auth.tls import TlsConfigError, check_settings
 from shepherd.policies.simple import POLICY_NAMES
 
 EMBEDDED_MODEL_DIR = Path(__file__).parent / "assets" / "qwen3"
 
-WORKER_SCHEMES = ("grpc", "sglang", "vllm", "http", "https")
+WORKER_SCHEMES = ("grpc", "grpcs", "sglang", "vllm", "http", "https")
 
 
 class ConfigError(ValueError):
@@ -40,6 +42,20 @@ class ModelConfig:
     chat_template: str | None = None
     policy: str | None = None  # None: the node's policy
     context_length: int | None = None  # None: from the engine, else the tokenizer
+    reasoning_parser: str | None = None  # None: the node's, else by model name; "none": off
+    tool_call_parser: str | None = None  # None: the node's, else by model name; "none": off
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitRule:
+    """One entry of ``rate_limits``: limits of a tenant ("*": every tenant, each on its own count), on
+    all models together (model None) or on one model. None: that limit is not set."""
+
+    tenant: str
+    model: str | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +85,50 @@ class NodeConfig:
     shutdown_grace_secs: float = 30.0
     sse_keepalive_secs: float = 15.0
     stream_interval: int | None = None
+    reasoning_parser: str | None = None  # every model's default (None: by model name; "none": off)
+    tool_call_parser: str | None = None
     log_level: str = "info"
+    # rate limits (shepherd.node.admission): YAML list of {tenant, model?, rpm?, tpm?, max_concurrent?};
+    # the rate_limit_* flags give every tenant a default (a tenant "*" rule on all models)
+    rate_limits: tuple[RateLimitRule, ...] = ()
+    rate_limit_rpm: int | None = None
+    rate_limit_tpm: int | None = None
+    rate_limit_max_concurrent: int | None = None
+    rate_limit_token_estimate: int = 1024  # tokens reserved for the output when max_tokens is absent
+    rate_limit_propagation_secs: float = 1.0  # τ: a node's counts reach every peer within this
+    auth: AuthConfig = field(default_factory=AuthConfig)  # YAML: an ``auth`` mapping (see shepherd.auth)
+    tls_cert_file: str | None = None  # TLS on the client port
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None  # clients must present a certificate from this CA (mTLS)
+    tls_reload_interval_secs: float = 10.0  # check the cert files this often and reload them (0: only SIGHUP)
+    engine_tls_ca_file: str | None = None  # TLS to gRPC engines (every gRPC worker when any is set; grpcs://)
+    engine_tls_cert_file: str | None = None
+    engine_tls_key_file: str | None = None
+    # mesh (shepherd.node.mesh_node): off unless mesh_port is set; sealed (keyring) and mTLS (certificates)
+    mesh_port: int | None = None  # UDP gossip and TCP push-pull, same number
+    mesh_name: str | None = None  # this node's mesh name = its certificate's (default: the host name)
+    mesh_bind: str = "127.0.0.1"
+    mesh_advertise: str | None = None  # host[:port] the others reach us at (required for a wildcard bind)
+    mesh_seeds: tuple[str, ...] = ()  # host[:port] of nodes to join through (retried until one answers)
+    mesh_keyring_file: str | None = None  # one base64 AES key per line, the first primary
+    mesh_keys: tuple[str, ...] = ()  # base64 AES keys (after the file's)
+    mesh_cluster: str = ""  # cluster name bound into every sealed packet
+    mesh_cert: str | None = None  # this node's certificate (``smg-node certs`` makes development ones)
+    mesh_key: str | None = None
+    mesh_ca: str | None = None
+    mesh_dev_pki: str | None = None  # DEVELOPMENT ONLY: a dir with a shared CA + key, made if missing
+    mesh_probe_interval: float | None = None  # SWIM tuning (None: the LAN defaults of shepherd.mesh)
+    mesh_probe_timeout: float | None = None
+    mesh_push_pull_interval: float | None = None
+    mesh_suspicion_mult: int | None = None
+    mesh_gossip_interval: float | None = None
+    # PD disaggregation (shepherd.node.pd): a prefill pool and a decode pool, each with its own policy
+    pd_disaggregation: bool = False
+    prefill_urls: tuple[str, ...] = ()
+    prefill_bootstrap_ports: tuple[int | None, ...] = ()  # per prefill URL (None: SGLang's default 8998)
+    decode_urls: tuple[str, ...] = ()
+    prefill_policy: str | None = None  # None: the node's policy
+    decode_policy: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def model_configs(self) -> tuple[ModelConfig, ...]:
@@ -78,11 +137,10 @@ class NodeConfig:
             return self.models
         path = self.model_path or str(EMBEDDED_MODEL_DIR)
         name = self.model_id or Path(path).name
-        return (
-            ModelConfig(
-                name=name, model_path=path, worker_urls=self.worker_urls, chat_template=self.chat_template
-            ),
-        )
+        urls = self.worker_urls
+        if self.pd_disaggregation:
+            urls = (*urls, *self.prefill_urls, *self.decode_urls)
+        return (ModelConfig(name=name, model_path=path, worker_urls=urls, chat_template=self.chat_template),)
 
 
 def check_worker_url(url: str) -> str:
@@ -98,6 +156,22 @@ def check_worker_url(url: str) -> str:
 
 def _fields() -> dict[str, dataclasses.Field[Any]]:
     return {f.name: f for f in dataclasses.fields(NodeConfig)}
+
+
+def _coerce_rate_limit(raw: Any) -> RateLimitRule:
+    if not isinstance(raw, dict) or not isinstance(raw.get("tenant"), str) or not raw["tenant"]:
+        raise ConfigError("each entry of 'rate_limits' needs a 'tenant' (a name, or '*' for every tenant)")
+    known = {f.name for f in dataclasses.fields(RateLimitRule)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"unknown keys in the rate limit of tenant {raw['tenant']!r}: {sorted(unknown)}")
+    if raw.get("model") is not None and not isinstance(raw["model"], str):
+        raise ConfigError(f"rate limit of tenant {raw['tenant']!r}: 'model' must be a string")
+    for k in ("rpm", "tpm", "max_concurrent"):
+        v = raw.get(k)
+        if v is not None and (type(v) is not int or v < 1):
+            raise ConfigError(f"rate limit of tenant {raw['tenant']!r}: {k} must be a positive integer")
+    return RateLimitRule(**raw)
 
 
 def _coerce_model(raw: Any) -> ModelConfig:
@@ -119,24 +193,113 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         for key, val in source.items():
             if key not in fields or key == "extra":
                 raise ConfigError(f"unknown configuration key {key!r}")
-            values[key] = val
+            values[key] = merge_auth(values.get(key), val) if key == "auth" else val
     if "worker_urls" in values:
         values["worker_urls"] = tuple(check_worker_url(str(u)) for u in values["worker_urls"])
+    if "rate_limits" in values:
+        if not isinstance(values["rate_limits"], (list, tuple)):
+            raise ConfigError("'rate_limits' must be a list")
+        values["rate_limits"] = tuple(_coerce_rate_limit(r) for r in values["rate_limits"])
     if "models" in values:
         values["models"] = tuple(_coerce_model(m) for m in values["models"])
+    for key in ("prefill_urls", "decode_urls"):
+        if key in values:
+            values[key] = tuple(check_worker_url(str(u)) for u in values[key])
+    if "prefill_bootstrap_ports" in values:
+        values["prefill_bootstrap_ports"] = tuple(
+            None if v is None else int(v) for v in values["prefill_bootstrap_ports"]
+        )
+    for key in ("mesh_seeds", "mesh_keys"):
+        if isinstance(values.get(key), str):
+            values[key] = (values[key],)
+        elif key in values:
+            values[key] = tuple(str(v) for v in values[key])
+    if "auth" in values:
+        try:
+            values["auth"] = load_auth_config(values["auth"])
+        except AuthConfigError as e:
+            raise ConfigError(str(e)) from None
     try:
         cfg = NodeConfig(**values)
     except TypeError as e:
         raise ConfigError(str(e)) from None
     if cfg.policy not in POLICY_NAMES:
         raise ConfigError(f"policy {cfg.policy!r} is unknown (one of {', '.join(POLICY_NAMES)})")
+    for m in cfg.models:
+        if m.policy is not None and m.policy not in POLICY_NAMES:
+            raise ConfigError(
+                f"model {m.name!r}: policy {m.policy!r} is unknown (one of {', '.join(POLICY_NAMES)})"
+            )
+    _check_parsers(cfg)
+    _check_pd(cfg)
     if cfg.engine_transport not in ("h2", "grpcio"):
         raise ConfigError(f"engine_transport {cfg.engine_transport!r}: use 'h2' or 'grpcio'")
+    try:
+        check_settings(
+            cfg.tls_cert_file,
+            cfg.tls_key_file,
+            cfg.tls_client_ca_file,
+            cfg.engine_tls_ca_file,
+            cfg.engine_tls_cert_file,
+            cfg.engine_tls_key_file,
+        )
+    except TlsConfigError as e:
+        raise ConfigError(str(e)) from None
     if not 0 < cfg.port < 65536:
         raise ConfigError(f"port {cfg.port} out of range")
     if cfg.tokenizer_workers < 0:
         raise ConfigError("tokenizer_workers must be >= 0")
+    for k in ("rate_limit_rpm", "rate_limit_tpm", "rate_limit_max_concurrent"):
+        if getattr(cfg, k) is not None and getattr(cfg, k) < 1:
+            raise ConfigError(f"{k} must be a positive integer")
+    if cfg.rate_limit_token_estimate < 0 or cfg.rate_limit_propagation_secs <= 0:
+        raise ConfigError("rate_limit_token_estimate must be >= 0 and rate_limit_propagation_secs > 0")
+    if cfg.mesh_port is not None or cfg.mesh_seeds:
+        from shepherd.node.mesh_node import check_mesh_config
+
+        try:
+            cfg = check_mesh_config(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return cfg
+
+
+def _check_pd(cfg: NodeConfig) -> None:
+    for name in ("prefill_policy", "decode_policy"):
+        v = getattr(cfg, name)
+        if v is not None and v not in POLICY_NAMES:
+            raise ConfigError(f"{name} {v!r} is unknown (one of {', '.join(POLICY_NAMES)})")
+    if not cfg.pd_disaggregation:
+        if cfg.prefill_urls or cfg.decode_urls:
+            raise ConfigError("prefill / decode workers need pd_disaggregation (--pd-disaggregation)")
+        return
+    if not cfg.prefill_urls or not cfg.decode_urls:
+        raise ConfigError("PD disaggregation needs at least one prefill and one decode worker")
+    if cfg.models:
+        raise ConfigError("PD disaggregation serves one model (the top-level one), not a 'models' list")
+    if cfg.prefill_bootstrap_ports and len(cfg.prefill_bootstrap_ports) != len(cfg.prefill_urls):
+        raise ConfigError("prefill_bootstrap_ports needs one entry (or null) per prefill URL")
+    for url in (*cfg.prefill_urls, *cfg.decode_urls):
+        if url.partition("://")[0] in ("http", "https"):
+            raise ConfigError(f"PD worker {url!r}: PD disaggregation needs gRPC engines")
+    both = set(cfg.prefill_urls) & set(cfg.decode_urls)
+    if both:
+        raise ConfigError(f"a worker cannot be in both pools: {sorted(both)}")
+
+
+def _check_parsers(cfg: NodeConfig) -> None:
+    from shepherd.node.parsers import reasoning_family_name, tool_family_name
+
+    entries = [("", cfg.reasoning_parser, cfg.tool_call_parser)]
+    entries += [(f"model {m.name!r}: ", m.reasoning_parser, m.tool_call_parser) for m in cfg.models]
+    for where, reasoning, tool in entries:
+        try:
+            if reasoning is not None and reasoning.lower() != "none":
+                reasoning_family_name(reasoning)
+            if tool is not None and tool.lower() != "none":
+                tool_family_name(tool)
+        except ValueError as e:
+            raise ConfigError(f"{where}{e}") from None
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

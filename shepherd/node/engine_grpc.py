@@ -6,6 +6,7 @@ worker URL (``sglang://``, ``vllm://``) or detected from GetServerInfo (``grpc:/
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from smg_grpc_proto import sglang_scheduler_pb2_grpc as sg_grpc
 from smg_grpc_proto import vllm_engine_pb2 as vl
 from smg_grpc_proto import vllm_engine_pb2_grpc as vl_grpc
+from smg_grpc_proto.generated import common_pb2
 
 from shepherd.node.engine_types import (
     EngineError,
@@ -23,6 +25,7 @@ from shepherd.node.engine_types import (
     EngineTimeout,
     EngineUnavailable,
     GenerateRequest,
+    KvEventBatch,
     ModelInfo,
     ServerInfo,
 )
@@ -57,11 +60,21 @@ def map_rpc_error(err: grpc.aio.AioRpcError) -> EngineError:
 class GrpcEngineClient:
     """EngineClient for ``grpc://``, ``sglang://`` and ``vllm://`` workers."""
 
-    def __init__(self, url: str, target: str, kind: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        target: str,
+        kind: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self.url = url
         self.target = target
         self.kind = kind or "unknown"
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._channel = (
+            grpc.aio.secure_channel(target, credentials, options=CHANNEL_OPTIONS)
+            if credentials is not None
+            else grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        )
         self._sg = sg_grpc.SglangSchedulerStub(self._channel)
         self._vl = vl_grpc.VllmEngineStub(self._channel)
 
@@ -162,6 +175,27 @@ class GrpcEngineClient:
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e) from None
         return codec.decode_loads(r)
+
+    async def subscribe_kv_events(self, start_seq: int = 0) -> AsyncIterator[KvEventBatch]:
+        """SubscribeKvEvents (server stream, no deadline); closing the iterator cancels the call."""
+        from shepherd.node.kv_feed import decode_kv_batch
+
+        if self.kind == "unknown":
+            await self.detect()
+        req = common_pb2.SubscribeKvEventsRequest(
+            start_sequence_number=start_seq, load_records_before_first_batch=True
+        )
+        stub: Any = self._vl if self.kind == "vllm" else self._sg
+        call = stub.SubscribeKvEvents(req)
+        try:
+            async for msg in call:
+                yield decode_kv_batch(msg)
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e) from None
+        finally:
+            if not call.done():
+                with contextlib.suppress(Exception):
+                    call.cancel()
 
     async def close(self) -> None:
         await self._channel.close(grace=None)

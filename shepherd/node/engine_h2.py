@@ -16,16 +16,18 @@ import asyncio
 import collections
 import contextlib
 import random
+import ssl
 import struct
 import urllib.parse
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, TypeVar, cast
 
 import grpc
 import grpc.aio
 from google.protobuf.message import DecodeError, Message
 from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from smg_grpc_proto import vllm_engine_pb2 as vl
+from smg_grpc_proto.generated import common_pb2
 
 from shepherd.node import h2_conn as h2
 from shepherd.node.engine_grpc import map_rpc_error
@@ -34,6 +36,7 @@ from shepherd.node.engine_types import (
     EngineEvent,
     EngineLoad,
     GenerateRequest,
+    KvEventBatch,
     ModelInfo,
     ServerInfo,
 )
@@ -360,6 +363,7 @@ class H2EngineClient:
         window: int = h2.LOCAL_WINDOW,
         backoff: Backoff | None = None,
         coalesce_writes: bool = True,
+        tls: ssl.SSLContext | None = None,  # TLS (ALPN h2) to the engine; None: cleartext h2c
     ) -> None:
         self.url = url
         self.target = target
@@ -368,7 +372,8 @@ class H2EngineClient:
         authority = "localhost" if self._unix else f"{self._host}:{self._port}"
         if ":" in self._host and not self._unix:
             authority = f"[{self._host}]:{self._port}"
-        self._headers = h2.RequestHeaders(authority)
+        self._tls = tls
+        self._headers = h2.RequestHeaders(authority, scheme="https" if tls else "http")
         self._connect_timeout = connect_timeout
         self._keepalive_s = keepalive_s
         self._keepalive_timeout_s = keepalive_timeout_s
@@ -425,9 +430,12 @@ class H2EngineClient:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 if self._unix is not None:
-                    _, proto = await loop.create_unix_connection(factory, self._unix)
+                    host = "localhost" if self._tls else None
+                    _, proto = await loop.create_unix_connection(
+                        factory, self._unix, ssl=self._tls, server_hostname=host
+                    )
                 else:
-                    _, proto = await loop.create_connection(factory, self._host, self._port)
+                    _, proto = await loop.create_connection(factory, self._host, self._port, ssl=self._tls)
                 await proto.ready
         except (OSError, TimeoutError) as e:
             if proto is not None:
@@ -675,6 +683,26 @@ class H2EngineClient:
         else:
             r = await self._unary("GetLoads", sg.GetLoadsRequest(include=["core"]), sg.GetLoadsResponse, 5.0)
         return codec.decode_loads(r)
+
+    async def subscribe_kv_events(self, start_seq: int = 0) -> AsyncIterator[KvEventBatch]:
+        """SubscribeKvEvents (server stream, no deadline); closing the iterator cancels the call."""
+        from shepherd.node.kv_feed import decode_kv_batch
+
+        if self.kind == "unknown":
+            await self.detect()
+        req = common_pb2.SubscribeKvEventsRequest(
+            start_sequence_number=start_seq, load_records_before_first_batch=True
+        )
+        stream = cast(
+            AsyncGenerator[Any, None],
+            self.call_stream(_path(self.kind, "SubscribeKvEvents"), req, common_pb2.KvEventBatch, None),
+        )
+        try:
+            async with contextlib.aclosing(stream):
+                async for msg in stream:
+                    yield decode_kv_batch(msg)
+        except RpcStatus as e:
+            raise e.engine_error() from None
 
     async def close(self) -> None:
         self._closed = True

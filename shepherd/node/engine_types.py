@@ -148,6 +148,43 @@ class EngineLoad:
     cache_hit_rate: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class KvBlocksStored:
+    """KV event: the engine cached consecutive blocks of one chain after block ``parent_hash`` (None:
+    at the start of a sequence). ``token_ids`` holds every block's tokens, in order. Hashes are the
+    engine's own (opaque: the node names blocks from their tokens)."""
+
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class KvBlocksRemoved:
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KvCacheCleared:
+    pass
+
+
+KvCacheEvent = KvBlocksStored | KvBlocksRemoved | KvCacheCleared
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventBatch:
+    """One message of SubscribeKvEvents. ``load_only``: a load record (or heartbeat) without events,
+    repeating the last sequence number sent. ``load`` is the engine's load when it sent the batch;
+    ``load.max_total_tokens`` is 0 when the record did not carry the engine's telemetry."""
+
+    sequence_number: int
+    events: tuple[KvCacheEvent, ...] = ()
+    load: EngineLoad | None = None
+    load_only: bool = False
+
+
 class EngineClient(Protocol):
     """One client per worker, reused; methods are safe to call concurrently."""
 
@@ -173,5 +210,10 @@ class EngineClient(Protocol):
     async def server_info(self) -> ServerInfo: ...
 
     async def loads(self) -> EngineLoad: ...
+
+    def subscribe_kv_events(self, start_seq: int = 0) -> AsyncIterator[KvEventBatch]:
+        """SubscribeKvEvents from ``start_seq`` (0: live events only; n > 0: the engine replays what it
+        still holds from batch n on). Runs until the engine ends it; raises EngineError."""
+        ...
 
     async def close(self) -> None: ...

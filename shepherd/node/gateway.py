@@ -11,24 +11,41 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from shepherd.node.admission import Admission
 from shepherd.node.api_common import KeepAlive
 from shepherd.node.config import ModelConfig, NodeConfig
 from shepherd.node.engine_http import HttpRelayClient
-from shepherd.node.engine_types import EngineError, EngineEvent, GenerateRequest
+from shepherd.node.engine_types import EngineError, EngineEvent, EngineLoad, GenerateRequest
+from shepherd.node.kv_feed import KvFeed, feed_index_of, merge_load
 from shepherd.node.metrics import NodeMetrics, counter, gauge
 from shepherd.node.openai_protocol import ApiError
+from shepherd.node.parsers import default_parsers_for_model, reasoning_family_name, tool_family_name
+from shepherd.node.pd import PdRouter
 from shepherd.node.tokenizer import Tokenizer
 from shepherd.node.tokenizer_pool import TokenizerService
 from shepherd.node.workers import Worker, WorkerRegistry
-from shepherd.policies.base import RouteRequest
+from shepherd.policies.base import Policy, RouteRequest
 from shepherd.policies.simple import make_policy
 
 log = logging.getLogger("shepherd.gateway")
+
+
+def model_parsers(mc: ModelConfig, reasoning: str | None, tool: str | None) -> tuple[str | None, str | None]:
+    """(reasoning, tool-call) families of a model: its own setting, else the node's, else the default
+    for its name (then its path); "none" turns a parser off."""
+    by_name = default_parsers_for_model(mc.name)
+    if by_name == (None, None) and mc.model_path:
+        by_name = default_parsers_for_model(Path(mc.model_path).name)
+    r = mc.reasoning_parser or reasoning
+    t = mc.tool_call_parser or tool
+    r_family = by_name[0] if r is None else None if r.lower() == "none" else reasoning_family_name(r)
+    t_family = by_name[1] if t is None else None if t.lower() == "none" else tool_family_name(t)
+    return r_family, t_family
 
 
 def model_not_found(model: str, known: list[str]) -> ApiError:
@@ -51,6 +68,7 @@ class EngineStream:
     first: list[EngineEvent]
     completed: bool = False
     closed: bool = False
+    on_close: Callable[[], None] | None = None  # e.g. PD: the prefill half goes with the decode half
 
     async def batches(self) -> AsyncIterator[list[EngineEvent]]:
         yield self.first
@@ -62,6 +80,8 @@ class EngineStream:
             return
         self.closed = True
         self.worker.in_flight -= 1
+        if self.on_close is not None:
+            self.on_close()
         if not self.completed:
             self.gateway.abort_in_background(self.worker, self.request_id, reason)
         with contextlib.suppress(Exception):
@@ -73,8 +93,16 @@ class Gateway:
         self.cfg = cfg
         self.metrics = NodeMetrics()
         self.registry = WorkerRegistry(cfg)
-        self.policy = make_policy(cfg.policy)
         self.models: dict[str, ModelConfig] = {m.name: m for m in cfg.model_configs()}
+        self._parser_families: dict[str, tuple[str | None, str | None]] = {}
+        # one policy instance per model (its own state: cursor, prefix index...), the model's or the node's
+        self.policies: dict[str, Policy] = {
+            m.name: make_policy(m.policy or cfg.policy) for m in self.models.values()
+        }
+        self.kv_feed = KvFeed()
+        self.pd: PdRouter | None = PdRouter(self) if cfg.pd_disaggregation else None
+        self.registry.on_added = self._worker_added
+        self.registry.on_removed = self._worker_removed
         self.tokenizers = TokenizerService(
             {m.name: Path(m.model_path) for m in self.models.values()},
             workers=cfg.tokenizer_workers,
@@ -82,6 +110,10 @@ class Gateway:
             chat_templates={m.name: m.chat_template for m in self.models.values() if m.chat_template},
         )
         self.keepalive = KeepAlive(cfg.sse_keepalive_secs)
+        # mesh-wide rate limits (None: none configured, and the handlers skip admission)
+        self.admission: Admission | None = Admission.from_config(
+            cfg, node=cfg.mesh_name, metrics=self.metrics
+        )
         self.draining = False
         self.in_flight = 0
         self._background: set[asyncio.Task[Any]] = set()
@@ -100,6 +132,7 @@ class Gateway:
 
     async def close(self) -> None:
         await self.keepalive.close()
+        await self.kv_feed.close()
         await self.registry.close()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
@@ -110,10 +143,48 @@ class Gateway:
         self._background.add(t)
         t.add_done_callback(self._background.discard)
 
+    def policy_for(self, model: str) -> Policy:
+        p = self.policies.get(model)
+        if p is None:  # a model known only from a worker added at run time: the node's policy
+            p = self.policies[model] = make_policy(self.cfg.policy)
+        return p
+
+    def _worker_added(self, w: Worker) -> None:
+        """A gRPC worker of a model routed by a prefix index: feed the index from its KV events."""
+        client = w.client
+        if isinstance(client, HttpRelayClient):
+            return
+        policy = (self.pd.policy_of(w) if self.pd is not None else None) or self.policy_for(w.model)
+        index = feed_index_of(policy, w.model)
+        if index is None:
+            return
+
+        def on_load(load: EngineLoad) -> None:
+            w.load = merge_load(w.load, load)
+
+        self.kv_feed.start(w.id, client, index, on_load)
+
+    def _worker_removed(self, w: Worker) -> None:
+        self.kv_feed.stop(w.id)
+        policy = (self.pd.policy_of(w) if self.pd is not None else None) or self.policies.get(w.model)
+        index = feed_index_of(policy, w.model)
+        if index is not None:
+            index.clear_worker(w.id)
+
     # ---- models --------------------------------------------------------------------------------------
 
     def model_names(self) -> list[str]:
         return list(self.models)
+
+    def parser_families(self, model: str) -> tuple[str | None, str | None]:
+        """The model's (reasoning, tool-call) parser families; None: that parser is off."""
+        fams = self._parser_families.get(model)
+        if fams is None:
+            mc = self.models.get(model)
+            fams = self._parser_families[model] = model_parsers(
+                mc or ModelConfig(model, ""), self.cfg.reasoning_parser, self.cfg.tool_call_parser
+            )
+        return fams
 
     def resolve_model(self, name: str) -> str:
         if name in self.models:
@@ -166,12 +237,21 @@ class Gateway:
         routing_key: str | None,
         *,
         http: bool = False,
+        policy: Policy | None = None,
+        only: Collection[str] | None = None,
     ) -> Worker | None:
-        candidates = [w for w in self.registry.routable(model, exclude) if w.is_http == http]
+        """A worker for the request, by ``policy`` (default: the model's) among the routable workers not
+        in ``exclude`` (and, if given, in ``only``: e.g. one pool of a PD node)."""
+        candidates = [
+            w
+            for w in self.registry.routable(model, exclude)
+            if w.is_http == http and (only is None or w.id in only)
+        ]
         route = RouteRequest(model=model, input_ids=input_ids, routing_key=routing_key)
         now = self.registry.clock()
+        policy = policy or self.policy_for(model)
         while candidates:  # bounded: each turn removes one candidate
-            choice = self.policy.pick([w.view() for w in candidates], route)
+            choice = policy.pick([w.view() for w in candidates], route)
             if choice is None:
                 return None
             w = self.registry.get(choice.id)
@@ -185,6 +265,8 @@ class Gateway:
         self, model: str, gen: GenerateRequest, *, target: str | None = None, routing_key: str | None = None
     ) -> EngineStream:
         """Send ``gen`` to a worker and wait for its first event; retry elsewhere on early failure."""
+        if self.pd is not None and target is None:
+            return await self.pd.open_stream(model, gen, routing_key)
         tried: set[str] = set()
         attempt = 0
         last_error: EngineError | None = None

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shepherd.auth.tls import EngineTls
 from shepherd.node.circuit_breaker import BreakerState, CircuitBreaker, HealthTracker
 from shepherd.node.config import NodeConfig, check_worker_url
 from shepherd.node.engine_grpc import GrpcEngineClient
@@ -26,17 +27,22 @@ def worker_id(url: str) -> str:
     return hashlib.sha1(url.encode()).hexdigest()[:12]
 
 
-def make_client(url: str, transport: str = "h2") -> EngineClient | HttpRelayClient:
-    """The client for a worker URL; gRPC engines over the lean HTTP/2 client or grpcio."""
+def make_client(
+    url: str, transport: str = "h2", tls: EngineTls | None = None
+) -> EngineClient | HttpRelayClient:
+    """The client for a worker URL; gRPC engines over the lean HTTP/2 client or grpcio. gRPC goes over TLS
+    when ``tls`` is given (every gRPC worker) or the URL is ``grpcs://`` (system CAs unless ``tls``)."""
     check_worker_url(url)
     scheme, _, rest = url.partition("://")
     target = rest.rstrip("/")
     if scheme in ("http", "https"):
         return HttpRelayClient(url)
     kind = {"sglang": "sglang", "vllm": "vllm"}.get(scheme)
+    if tls is None and scheme == "grpcs":
+        tls = EngineTls()
     if transport == "grpcio":
-        return GrpcEngineClient(url, target, kind)
-    return H2EngineClient(url, target, kind)
+        return GrpcEngineClient(url, target, kind, tls.grpc_credentials() if tls else None)
+    return H2EngineClient(url, target, kind, tls=tls.ssl_context() if tls else None)
 
 
 @dataclass(slots=True)
@@ -98,7 +104,12 @@ class WorkerRegistry:
         self.workers: dict[str, Worker] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.on_health_change: Callable[[Worker], None] | None = None
+        # called when a worker joins (after its first check) and when it leaves (before its client closes)
+        self.on_added: Callable[[Worker], None] | None = None
+        self.on_removed: Callable[[Worker], None] | None = None
         self._http_only: dict[str, bool] = {}  # per model, recomputed when workers change
+        # a further routability test by worker id (the mesh's combined health view); None: none
+        self.gate: Callable[[str], bool] | None = None
 
     def http_only(self, model: str) -> bool:
         """Every worker of ``model`` is an OpenAI HTTP worker (and there is at least one)."""
@@ -120,8 +131,11 @@ class WorkerRegistry:
 
     def routable(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
         now = self.clock()
+        gate = self.gate
         return [
-            w for w in self.workers.values() if w.model == model and w.id not in exclude and w.routable(now)
+            w
+            for w in self.workers.values()
+            if w.model == model and w.id not in exclude and w.routable(now) and (gate is None or gate(w.id))
         ]
 
     async def add(self, url: str, model: str) -> Worker:
@@ -130,7 +144,9 @@ class WorkerRegistry:
         existing = self.workers.get(wid)
         if existing is not None:
             return existing
-        client = make_client(url, self.cfg.engine_transport)
+        c = self.cfg
+        tls = EngineTls.configured(c.engine_tls_ca_file, c.engine_tls_cert_file, c.engine_tls_key_file)
+        client = make_client(url, c.engine_transport, tls)
         w = Worker(
             id=wid,
             url=url,
@@ -146,12 +162,16 @@ class WorkerRegistry:
         self.workers[wid] = w
         self._http_only.clear()
         await self.check(w)
+        if self.on_added is not None and self.workers.get(wid) is w:
+            self.on_added(w)
         return w
 
     async def remove(self, wid: str) -> Worker | None:
         w = self.workers.pop(wid, None)
         self._http_only.clear()
         if w is not None:
+            if self.on_removed is not None:
+                self.on_removed(w)
             await w.client.close()
         return w
 

@@ -40,18 +40,36 @@ def test_imbalance_needs_both_thresholds() -> None:
     # max - min > 64 and max > 1.5 * min: imbalanced, least loaded wins over the cache
     d = choose([w("a", 100), w("b", 30)], {"a": 100}, 100, CFG)
     assert (d.worker.id, d.reason) == ("b", "imbalanced")
-    # diff 66 > 64 but 200 < 1.5 * 134: balanced (and the holder is not hot either: same ratio)
-    assert choose([w("a", 200), w("b", 134)], {"a": 100}, 100, CFG).worker.id == "a"
+    # diff 66 > 64 but 200 < 1.5 * 134: not imbalanced; but the holder is 66 requests busier, which is
+    # worth more than re-prefilling 100 tokens elsewhere (rule 3: the original would stay on a)
+    assert choose([w("a", 200), w("b", 134)], {"a": 100}, 100, CFG).reason == "move"
     # ratio large but diff 60 <= 64: balanced
     assert choose([w("a", 60), w("b", 0)], {"a": 100}, 100, CFG).reason != "imbalanced"
 
 
-def test_hot_holder_spills_to_the_least_loaded() -> None:
-    # not imbalanced by the system thresholds, but the holder is 17 above the least and 2x it
-    d = choose([w("a", 34), w("b", 17), w("c", 20)], {"a": 100}, 100, CFG)
-    assert (d.worker.id, d.reason) == ("b", "spill")
-    # a warm holder keeps its requests
-    assert choose([w("a", 30), w("b", 17)], {"a": 100}, 100, CFG).reason == "hit"
+def test_a_move_must_save_more_load_than_the_prefill_it_costs() -> None:
+    # Shepherd's rule 3 (the original always keeps a hit on the holder, whatever its load): moving 512
+    # tokens costs move_base + 512 / move_tokens_per_load = 3 + 2 = 5 requests of load
+    assert (CFG.move_base, CFG.move_tokens_per_load) == (3.0, 256.0)
+    assert choose([w("a", 5), w("b", 0)], {"a": 512}, 600, CFG).reason == "hit"  # a tie stays
+    d = choose([w("a", 6), w("b", 0), w("c", 1)], {"a": 512}, 600, CFG)
+    assert (d.worker.id, d.reason) == ("b", "move")
+    # a worker holding part of it pays only for the part it lacks: 3 + 256 / 256 = 4
+    assert choose([w("a", 4), w("b", 0)], {"a": 512, "b": 256}, 600, CFG).worker.id == "a"
+    assert choose([w("a", 5), w("b", 0)], {"a": 512, "b": 256}, 600, CFG).worker.id == "b"
+    # a long conversation is sticky: 4,096 tokens cost 3 + 16 = 19 requests
+    assert choose([w("a", 19), w("b", 0)], {"a": 4096}, 4200, CFG).worker.id == "a"
+    assert choose([w("a", 20), w("b", 0)], {"a": 4096}, 4200, CFG).worker.id == "b"
+
+
+def test_new_conversations_spread_over_the_holders_of_a_shared_prompt() -> None:
+    # everyone holds the system prompt (1,000 tokens): nothing to move, the least loaded holder wins
+    ws = [w("a", 3), w("b", 1), w("c", 2), w("d", 0)]
+    d = choose(ws, {"a": 1008, "b": 1008, "c": 1008}, 1100, CFG)
+    assert (d.worker.id, d.reason) == ("b", "hit")
+    # (d lacks it: seeding d costs 3 + 1008 / 256 = 6.9 requests, more than the 1 it would save)
+    hot = [w("a", 9), w("d", 1)]
+    assert choose(hot, {"a": 1008}, 1100, CFG).worker.id == "d"  # 8 > 6.9: a second holder is seeded
 
 
 def test_one_worker_and_all_equal() -> None:
@@ -110,12 +128,12 @@ def test_policy_when_the_holder_disappears_and_per_model_indexes() -> None:
     assert p.pick([], r(conv)) is None
 
 
-def test_policy_spill_makes_the_least_loaded_a_holder() -> None:
+def test_policy_move_makes_the_least_loaded_a_holder() -> None:
     p = CacheAware(clock=Clock())
     conv = list(range(64))
     assert p.pick([w("a"), w("b")], r(conv)).id == "a"  # type: ignore[union-attr]
     assert p.pick([w("a", 40), w("b", 10)], r(conv)).id == "b"  # type: ignore[union-attr]
-    assert p.last is not None and p.last.reason == "spill"
+    assert p.last is not None and p.last.reason == "move"
     assert p.index("m").match(conv) == {"a": 64, "b": 64}
     # both hold it now: the less loaded holder wins
     assert p.pick([w("a", 12), w("b", 11)], r(conv)).id == "b"  # type: ignore[union-attr]

@@ -12,7 +12,11 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-MODULES = ("shepherd.loadgen.benchmarks.gateway",)
+MODULES = (
+    "shepherd.loadgen.benchmarks.gateway",
+    "shepherd.loadgen.benchmarks.routing",
+    "shepherd.loadgen.benchmarks.mesh",
+)
 
 
 @dataclass(frozen=True, slots=True)

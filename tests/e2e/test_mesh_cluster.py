@@ -1,0 +1,238 @@
+"""End to end: a mesh of 3 real ``smg-node`` processes on loopback sharing 2 mock engines.
+
+A starts with engine 1 (``serve --mesh-port``); B joins through A, C through B and A (``smg-node
+join``). Security as in production: a CA, node certificates and a key file made in a temp dir and
+passed with ``--mesh-cert/--mesh-key/--mesh-ca/--mesh-keyring-file``. Short SWIM intervals so that a
+crash is detected in a second or two. Every wait is a bounded poll; the tests run in file order on
+one cluster (the last one kills a node), and every process is stopped by its pid, also on failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shepherd.auth.certs import write_dev_pki
+from shepherd.mesh.keyring import Keyring, generate_key
+from shepherd.node.workers import worker_id
+from tests.e2e.node_procs import BIN, NodeProc, free_port, http_status
+from tests.e2e.procs import MockEngineProc, start_mock_engine
+
+pytestmark = pytest.mark.timeout(180)
+
+MODEL = "qwen3"
+NAMES = ("a", "b", "c")
+FAST = (
+    "--mesh-probe-interval",
+    "0.25",
+    "--mesh-gossip-interval",
+    "0.05",
+    "--mesh-push-pull-interval",
+    "3",
+)
+
+
+def request(
+    url: str, body: Any = None, method: str | None = None, headers: dict[str, str] | None = None
+) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data, {"content-type": "application/json", **(headers or {})}, method=method
+    )
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Poll ``cond`` (the deadline only guards against a hang: nothing is timed)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        time.sleep(0.05)
+
+
+@dataclass
+class Cluster:
+    nodes: dict[str, NodeProc]
+    mesh_ports: dict[str, int]
+    engines: list[MockEngineProc]
+
+    def url(self, name: str) -> str:
+        return self.nodes[name].url
+
+    def members(self, name: str) -> dict[str, str]:
+        rows = request(self.url(name) + "/mesh/members")["members"]
+        return {m["name"]: m["state"] for m in rows}
+
+    def worker_urls(self, name: str) -> set[str]:
+        return {w["url"] for w in request(self.url(name) + "/workers")["workers"]}
+
+    def engine_url(self, i: int) -> str:
+        return f"grpc://{self.engines[i].grpc_target}"
+
+    def alive(self) -> list[str]:
+        return [n for n, p in self.nodes.items() if p.proc.poll() is None]
+
+
+def spawn(command: str, *args: str, port: int) -> NodeProc:
+    fd, log_name = tempfile.mkstemp(prefix="smg-mesh-node-", suffix=".log")
+    os.close(fd)
+    log_path = Path(log_name)
+    with log_path.open("wb") as logf:
+        proc = subprocess.Popen(
+            [str(BIN / "smg-node"), command, *args, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    return NodeProc(proc, port, log_path)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    pki = tmp_path_factory.mktemp("mesh-pki")
+    files = write_dev_pki(pki, NAMES)
+    keyring = pki / "mesh.keyring"
+    keyring.write_text(Keyring.format_file([generate_key()]))
+    engines: list[MockEngineProc] = []
+    nodes: dict[str, NodeProc] = {}
+    try:
+        mesh_ports = {n: free_port() for n in NAMES}
+
+        def flags(name: str) -> list[str]:
+            f = files[name]
+            return [
+                "--model-id", MODEL, "--policy", "cache_aware", "--tokenizer-workers", "0",
+                "--health-check-interval-secs", "1",
+                "--mesh-port", str(mesh_ports[name]), "--mesh-name", name,
+                "--mesh-cert", str(f.cert), "--mesh-key", str(f.key), "--mesh-ca", str(f.ca),
+                "--mesh-keyring-file", str(keyring), *FAST,
+            ]  # fmt: skip
+
+        seed = f"127.0.0.1:{mesh_ports['a']}"
+        # b and c start at once (their seeds are retried until a answers), the engines beside them
+        nodes["b"] = spawn("join", seed, *flags("b"), port=free_port())
+        nodes["c"] = spawn("join", f"127.0.0.1:{mesh_ports['b']}", seed, *flags("c"), port=free_port())
+        with ThreadPoolExecutor(2) as ex:
+            futures = [ex.submit(start_mock_engine, "--zero-latency") for _ in range(2)]
+            engines.extend(f.result() for f in futures)
+        e1 = f"grpc://{engines[0].grpc_target}"
+        nodes["a"] = spawn("serve", *flags("a"), "--worker-urls", e1, port=free_port())
+        for name, node in nodes.items():
+            wait_for(
+                lambda node=node: node.proc.poll() is not None or http_status(node.url + "/liveness") == 200,  # type: ignore[misc]
+                f"node {name} up",
+                timeout=90,
+            )
+            if node.proc.poll() is not None:
+                raise RuntimeError(f"node {name} exited:\n{node.log()}")
+        yield Cluster(nodes, mesh_ports, engines)
+    finally:
+        for node in nodes.values():
+            node.stop(signal.SIGKILL if node.proc.poll() is None else signal.SIGTERM, timeout=10)
+        for e in engines:
+            e.stop()
+
+
+def test_nodes_join_and_learn_the_workers(cluster: Cluster) -> None:
+    for name in NAMES:
+        wait_for(lambda name=name: cluster.members(name) == dict.fromkeys(NAMES, "alive"), f"{name}: 3 alive")  # type: ignore[misc]
+    e1 = cluster.engine_url(0)
+    for name in NAMES:
+        wait_for(lambda name=name: cluster.worker_urls(name) == {e1}, f"{name} lists engine 1")  # type: ignore[misc]
+    st = request(cluster.url("c") + "/mesh/state")
+    assert st["node"] == "c" and st["members"]["alive"] == 3
+    (w,) = st["workers"]
+    assert (w["url"], w["owner"], w["local"]) == (e1, "a", True)
+    wait_for(lambda: request(cluster.url("c") + "/readiness")["status"] == "ready", "c ready")
+    metrics = urllib.request.urlopen(cluster.url("c") + "/metrics", timeout=10).read().decode()
+    assert 'smg_mesh_members{state="alive"} 3.0' in metrics
+    assert "smg_mesh_gossip_bytes_total" in metrics
+
+
+def test_worker_registered_on_a_serves_through_c(cluster: Cluster) -> None:
+    e2 = cluster.engine_url(1)
+    request(cluster.url("a") + "/workers", {"url": e2, "model_id": MODEL})
+    wait_for(lambda: e2 in cluster.worker_urls("c"), "c lists engine 2")
+    before = request(cluster.engines[1].http_url + "/mock/stats")["requests_received"]
+    wait_for(
+        lambda: any(
+            w["url"] == e2 and w["healthy"] for w in request(cluster.url("c") + "/workers")["workers"]
+        ),
+        "engine 2 healthy on c",
+    )
+    r = request(
+        cluster.url("c") + "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hello through c"}], "max_tokens": 4},
+        headers={"x-smg-target-worker": worker_id(e2)},
+    )
+    assert r["choices"][0]["message"]["content"]
+    assert request(cluster.engines[1].http_url + "/mock/stats")["requests_received"] == before + 1
+
+
+def test_follow_up_turn_on_another_node_hits_its_prefix(cluster: Cluster) -> None:
+    e2 = cluster.engine_url(1)
+    for name in NAMES:
+        wait_for(lambda name=name: e2 in cluster.worker_urls(name), f"{name} lists engine 2")  # type: ignore[misc]
+    convs = []
+    for i in range(6):
+        system = {"role": "system", "content": f"Conversation {i}. " + "You answer in detail. " * 40}
+        msgs = [system, {"role": "user", "content": f"Question {i}: " + "tell me more " * 20}]
+        first = cluster.url(NAMES[i % 3])
+        r = request(first + "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 8})
+        convs.append((i, msgs, r))
+    # the routing decisions reach every node (bounded wait, not a timed assertion)
+    need = sum(r["usage"]["prompt_tokens"] // 16 for _, _, r in convs)
+    for name in NAMES:
+        wait_for(
+            lambda name=name: request(cluster.url(name) + "/mesh/state")["index"][MODEL]["blocks"] >= need,  # type: ignore[misc]
+            f"{name}'s index",
+        )
+    for i, msgs, r in convs:
+        follow = [*msgs, r["choices"][0]["message"], {"role": "user", "content": "and then?"}]
+        second = cluster.url(NAMES[(i + 1) % 3])  # another node than the first turn's
+        r2 = request(second + "/v1/chat/completions", {"model": MODEL, "messages": follow, "max_tokens": 8})
+        cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= (r["usage"]["prompt_tokens"] // 16) * 16, (i, cached, r["usage"])
+
+
+def test_removed_anywhere_is_removed_everywhere(cluster: Cluster) -> None:
+    extra = "grpc://127.0.0.1:9"  # nothing listens there: registered, never healthy
+    request(cluster.url("b") + "/workers", {"url": extra, "model_id": MODEL})
+    for name in NAMES:
+        wait_for(lambda name=name: extra in cluster.worker_urls(name), f"{name} lists the extra worker")  # type: ignore[misc]
+    request(cluster.url("c") + f"/workers/{worker_id(extra)}", method="DELETE")
+    for name in NAMES:
+        wait_for(lambda name=name: extra not in cluster.worker_urls(name), f"{name} dropped it")  # type: ignore[misc]
+
+
+def test_killed_node_is_detected_and_its_workers_cleaned_up(cluster: Cluster) -> None:
+    extra = "grpc://127.0.0.1:7"  # owned by b (registered through it)
+    request(cluster.url("b") + "/workers", {"url": extra, "model_id": MODEL})
+    for name in ("a", "c"):
+        wait_for(lambda name=name: extra in cluster.worker_urls(name), f"{name} lists b's worker")  # type: ignore[misc]
+    cluster.nodes["b"].stop(signal.SIGKILL)
+    for name in ("a", "c"):
+        wait_for(lambda name=name: cluster.members(name).get("b") == "dead", f"{name} sees b dead")  # type: ignore[misc]
+        wait_for(lambda name=name: extra not in cluster.worker_urls(name), f"{name} dropped b's worker")  # type: ignore[misc]
+    # the workers a owns stay; the survivors still serve
+    assert cluster.engine_url(0) in cluster.worker_urls("c")
+    r = request(
+        cluster.url("c") + "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 4},
+    )
+    assert r["choices"][0]["message"]["content"]
