@@ -49,6 +49,11 @@ async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict[str, 
         raise ApiError(
             413, f"The request body is larger than the limit of {limit} bytes.", code="body_too_large"
         ) from None
+    except (aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError) as e:
+        # a body that does not decode as its Content-Encoding says, or framing cut short
+        raise ApiError(
+            400, f"The request body could not be read: {type(e).__name__}.", code="bad_body"
+        ) from None
     return raw, parse_json_body(raw)
 
 
@@ -74,9 +79,10 @@ async def error_middleware(
         extra = getattr(e, "headers", None)  # e.g. a 429's Retry-After and x-ratelimit-*
         return error_response(e, dict(extra) if isinstance(extra, dict) else None)
     except EngineError as e:
-        status = 504 if e.code == "engine_timeout" else 502
+        status = 504 if e.code == "engine_timeout" else 400 if e.code == "invalid_request" else 502
         gw.metrics.errors.labels(path, e.code).inc()
-        return error_response(ApiError(status, str(e), type="server_error", code=e.code))
+        kind = "invalid_request_error" if status == 400 else "server_error"
+        return error_response(ApiError(status, str(e), type=kind, code=e.code))
     except (TokenizerWorkerError, TokenizerPoolUnavailable) as e:
         status = 503
         gw.metrics.errors.labels(path, "tokenizer").inc()

@@ -40,6 +40,9 @@ def _opt_str(d: dict[str, Any], key: str) -> str | None:
     return v
 
 
+_MAX_EXPIRY = 1 << 40  # seconds: far beyond any real expiry, still a 64-bit integer everywhere
+
+
 def _expiry(d: dict[str, Any], now: float) -> float | None:
     e_in, e_at = d.get("expires_in"), d.get("expires_at")
     if e_in is not None and e_at is not None:
@@ -47,8 +50,8 @@ def _expiry(d: dict[str, Any], now: float) -> float | None:
     for key, v in (("expires_in", e_in), ("expires_at", e_at)):
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, int | float) or v <= 0:
-            raise bad(f"'{key}' must be a positive number of seconds.", param=key)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < _MAX_EXPIRY:
+            raise bad(f"'{key}' must be a positive number of seconds, below {_MAX_EXPIRY}.", param=key)
         at = now + float(v) if key == "expires_in" else float(v)
         if at <= now:
             raise bad("'expires_at' is in the past.", param=key)

@@ -95,10 +95,26 @@ _ID_COUNTER = itertools.count(1)
 
 
 def _request_id(request: web.Request, prefix: str) -> str:
+    """The id clients see (their ``x-request-id`` when it is sane, else ours)."""
     rid = request.headers.get("x-request-id")
     if rid and len(rid) <= 128 and rid.isprintable():
         return rid
     return f"{prefix}{_ID_PREFIX}{next(_ID_COUNTER):x}"
+
+
+def _check_ids(s: Sampling, vocab: int) -> None:
+    """Token ids the request names must exist in the model's vocabulary."""
+    for key, ids in (("stop_token_ids", s.stop_token_ids), ("logit_bias", [t for t, _ in s.logit_bias])):
+        bad_ids = [t for t in ids if t >= vocab]
+        if bad_ids:
+            msg = f"'{key}' names token id {bad_ids[0]}, outside the vocabulary (size {vocab})."
+            raise bad(msg, param=key)
+
+
+def _engine_id(rid: str) -> str:
+    """The engine request id: unique on this node whatever the client sent (a reused
+    ``x-request-id`` must not let one caller's disconnect abort another caller's generation)."""
+    return f"{rid}.{_ID_PREFIX}{next(_ID_COUNTER):x}"
 
 
 class Generation:
@@ -125,6 +141,7 @@ class Generation:
         self.s = sampling
         self.chat = chat
         self.rid = rid
+        self.engine_rid = _engine_id(rid)
         self.t0 = t0
         self.created = int(time.time())
         self.logprobs = logprobs
@@ -145,7 +162,7 @@ class Generation:
 
     def _gen_request(self, job: Job, max_new: int, suffix: str, stream: bool) -> GenerateRequest:
         return GenerateRequest(
-            request_id=self.rid + suffix,
+            request_id=self.engine_rid + suffix,
             input_ids=job.ids,
             sampling=engine_sampling(self.s, max_new, self.gw.cfg.stream_interval, self.constraint),
             stream=stream,
@@ -467,6 +484,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if req.sampling.n > 1 and req.sampling.temperature == 0 and req.sampling.seed is None:
         pass  # allowed: identical greedy samples, as engines do
     tok = gw.tokenizer(model)
+    _check_ids(req.sampling, tok.vocab_size)
     try:
         text, ids = await gw.tokenizers.render_and_encode(
             model,
@@ -512,6 +530,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return await send()
         return await gw.admission.guard(request, model, len(raw) // 4, req.sampling, send)
     tok = gw.tokenizer(model)
+    _check_ids(req.sampling, tok.vocab_size)
     jobs: list[Job] = []
     vocab = tok.vocab_size
     for i, p in enumerate(req.prompts):
@@ -519,7 +538,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             ids = await gw.tokenizers.encode(model, p)
             text = p
         else:
-            if any(t >= vocab for t in p):
+            if any(t >= vocab or t < 0 for t in p):
                 raise bad(
                     f"prompt {i} holds a token id outside the vocabulary (size {vocab}).", param="prompt"
                 )

@@ -56,6 +56,12 @@ class CircuitBreaker:
                 self.state = BreakerState.CLOSED
                 self.successes = 0
 
+    def release(self) -> None:
+        """The reserved send ended without telling anything about the worker (the client went away,
+        the request was refused as invalid): a half-open trial may be tried again."""
+        if self.state is BreakerState.HALF_OPEN:
+            self.trial_in_flight = False
+
     def record_failure(self, now: float) -> None:
         if self.state is BreakerState.HALF_OPEN:
             self._open(now)

@@ -15,6 +15,7 @@ YAML keys are the CLI flag names in snake_case (``worker_urls``, ``model_path``,
 from __future__ import annotations
 
 import dataclasses
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,7 @@ class NodeConfig:
     chat_template: str | None = None
     policy: str = "round_robin"
     engine_transport: str = "h2"  # "h2" (lean asyncio HTTP/2 gRPC client) or "grpcio"
+    kv_events: bool = True  # subscribe to gRPC engines' KV events to feed the prefix index
     models: tuple[ModelConfig, ...] = ()
     tokenizer_workers: int = 2
     tokenizer_inline_max_chars: int | None = None
@@ -151,6 +153,23 @@ def check_worker_url(url: str) -> str:
         raise ConfigError(
             f"worker URL {url!r}: unknown scheme {scheme!r} (use one of {', '.join(WORKER_SCHEMES)})"
         )
+    if len(url) > 2048 or any(c.isspace() or not c.isprintable() for c in url):
+        raise ConfigError(f"worker URL {url[:80]!r} holds spaces or control characters, or is too long")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+        host = parts.hostname
+    except ValueError as e:
+        raise ConfigError(f"worker URL {url!r}: {e}") from None
+    if not host or len(host) > 253:
+        raise ConfigError(f"worker URL {url!r} has no valid host")
+    if scheme not in ("http", "https"):
+        if port is None or not 0 < port < 65536:
+            raise ConfigError(f"worker URL {url!r} needs a port in 1-65535")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ConfigError(f"worker URL {url!r}: a gRPC worker URL is host:port only")
+    elif port is not None and not 0 < port < 65536:
+        raise ConfigError(f"worker URL {url!r} needs a port in 1-65535")
     return url
 
 

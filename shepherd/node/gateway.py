@@ -152,8 +152,8 @@ class Gateway:
     def _worker_added(self, w: Worker) -> None:
         """A gRPC worker of a model routed by a prefix index: feed the index from its KV events."""
         client = w.client
-        if isinstance(client, HttpRelayClient):
-            return
+        if isinstance(client, HttpRelayClient) or not self.cfg.kv_events:
+            return  # without KV events the index learns from routing decisions only (mesh-wide with a mesh)
         policy = (self.pd.policy_of(w) if self.pd is not None else None) or self.policy_for(w.model)
         index = feed_index_of(policy, w.model)
         if index is None:
@@ -289,7 +289,10 @@ class Gateway:
             req = gen if attempt == 0 else _with_id(gen, f"{gen.request_id}-r{attempt}")
             client = w.client
             if isinstance(client, HttpRelayClient):
-                raise ApiError(500, "internal: HTTP worker on the gRPC path", type="internal_error")
+                w.breaker.release()
+                raise ApiError(
+                    400, f"worker {w.id} is an HTTP worker; model {model!r} is served over gRPC here."
+                )
             w.in_flight += 1
             agen = cast(
                 AsyncGenerator[list[EngineEvent], None],
@@ -303,12 +306,16 @@ class Gateway:
                 last_error = EngineError("engine closed the stream without output")
             except EngineError as e:
                 w.in_flight -= 1
+                if e.code == "invalid_request":  # the request's fault, not the worker's
+                    w.breaker.release()
+                    raise
                 self.registry.record_result(w, False)
                 last_error = e
                 if not e.retryable or target is not None:
                     raise
             except BaseException:
                 w.in_flight -= 1
+                w.breaker.release()
                 self.abort_in_background(w, req.request_id, "cancelled")
                 with contextlib.suppress(Exception):
                     await agen.aclose()

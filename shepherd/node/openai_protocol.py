@@ -78,6 +78,9 @@ def _num(
     return float(v)
 
 
+INT32_MAX = (1 << 31) - 1  # engine protos hold counts and ids in 32-bit fields
+
+
 def _int(d: dict[str, Any], key: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
     v = d.get(key)
     if v is None:
@@ -129,9 +132,10 @@ def _int_list(d: dict[str, Any], key: str) -> tuple[int, ...]:
     if v is None:
         return ()
     if not isinstance(v, list) or not all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= INT32_MAX for x in v
     ):
-        raise bad(f"'{key}' must be a list of non-negative integers.", param=key, code="invalid_type")
+        msg = f"'{key}' must be a list of token ids (integers in [0, {INT32_MAX}])."
+        raise bad(msg, param=key, code="invalid_type")
     return tuple(v)
 
 
@@ -149,6 +153,8 @@ def _logit_bias(d: dict[str, Any]) -> tuple[tuple[int, float], ...]:
             tok = int(k)
         except ValueError:
             raise bad(f"'logit_bias' key {k!r} is not a token id.", param="logit_bias") from None
+        if not 0 <= tok <= INT32_MAX:
+            raise bad(f"'logit_bias' key {k!r} is not a token id.", param="logit_bias")
         if isinstance(b, bool) or not isinstance(b, int | float) or not -100 <= b <= 100:
             raise bad("'logit_bias' values must be numbers in [-100, 100].", param="logit_bias")
         out.append((tok, float(b)))
@@ -185,10 +191,10 @@ class Sampling:
 def parse_sampling(d: dict[str, Any], *, max_tokens_keys: tuple[str, ...]) -> Sampling:
     max_tokens: int | None = None
     for key in max_tokens_keys:
-        val = _int(d, key, None, 1)
+        val = _int(d, key, None, 1, INT32_MAX)
         if val is not None:
             max_tokens = val
-    top_k = _int(d, "top_k", -1, -1)
+    top_k = _int(d, "top_k", -1, -1, INT32_MAX)
     stream = _bool(d, "stream", False)
     opts = _dict(d, "stream_options")
     include_usage = False
@@ -199,6 +205,15 @@ def parse_sampling(d: dict[str, Any], *, max_tokens_keys: tuple[str, ...]) -> Sa
     seed = d.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise bad("'seed' must be an integer.", param="seed", code="invalid_type")
+    if seed is not None and not -(1 << 63) <= seed < (1 << 63):
+        raise bad("'seed' must be a 64-bit integer.", param="seed", code="invalid_value")
+    min_tokens = _int(d, "min_tokens", 0, 0, INT32_MAX) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad(
+            f"'min_tokens' ({min_tokens}) must not exceed the maximum tokens ({max_tokens}).",
+            param="min_tokens",
+            code="invalid_value",
+        )
     return Sampling(
         temperature=_num(d, "temperature", 1.0, 0.0, 2.0),
         top_p=_num(d, "top_p", 1.0, 0.0, 1.0, lo_open=True),
@@ -208,7 +223,7 @@ def parse_sampling(d: dict[str, Any], *, max_tokens_keys: tuple[str, ...]) -> Sa
         presence_penalty=_num(d, "presence_penalty", 0.0, -2.0, 2.0),
         repetition_penalty=_num(d, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
         max_tokens=max_tokens,
-        min_tokens=_int(d, "min_tokens", 0, 0) or 0,
+        min_tokens=min_tokens,
         n=_int(d, "n", 1, 1, MAX_N) or 1,
         stop=_stop(d),
         stop_token_ids=_int_list(d, "stop_token_ids"),

@@ -113,8 +113,8 @@ def vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.Sa
     )
     if p.max_new_tokens is not None:
         sp.max_tokens = p.max_new_tokens
-    if p.seed is not None:
-        sp.seed = p.seed
+    if p.seed is not None:  # vLLM's seed field is int32: a 64-bit seed is folded into it
+        sp.seed = ((p.seed + (1 << 31)) % (1 << 32)) - (1 << 31)
     if logprobs:
         sp.logprobs = top_logprobs
     for tok, bias in p.logit_bias:
