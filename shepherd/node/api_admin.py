@@ -139,7 +139,15 @@ async def add_worker(request: web.Request) -> web.Response:
         model = next(iter(gw.models))
     if not isinstance(model, str) or model not in gw.models:
         raise ApiError(404, f"Unknown model {model!r}.", param="model_id", code="model_not_found")
-    existed = gw.registry.find(url) is not None
+    known = gw.registry.find(url)
+    if known is not None and known.model != model:
+        raise ApiError(
+            409,
+            f"Worker {url!r} is already registered for model {known.model!r}; remove it first.",
+            param="model_id",
+            code="worker_exists",
+        )
+    existed = known is not None
     w = await gw.registry.add(url, model)
     return _json(w.describe(), 200 if existed else 201)
 

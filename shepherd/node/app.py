@@ -53,7 +53,12 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
             await gw.close()
             raise
     app = build_app(gw, mesh)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        handler_args={"max_field_size": 65536, "max_line_size": 65536},  # large JWTs
+    )
     await runner.setup()
     tls = server_tls(cfg)
     ssl_ctx = tls.context if tls else None

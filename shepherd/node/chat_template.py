@@ -391,7 +391,10 @@ class ChatTemplate:
         if self.fix_tool_calls and any("tool_calls" in m for m in chat):
             shape = self.tool_call_shape()
             if shape.arguments in ("object", "string"):
-                chat = normalize_tool_call_arguments(chat, as_string=shape.arguments == "string")
+                try:
+                    chat = normalize_tool_call_arguments(chat, as_string=shape.arguments == "string")
+                except (RecursionError, ValueError, TypeError) as e:
+                    raise ChatTemplateError(f"tool call arguments cannot be converted: {e!r}") from None
             if shape.id_length is not None:
                 chat = normalize_tool_call_ids(chat, shape.id_length)
         return self._render(chat, tools, add_generation_prompt, continue_final_message, template_kwargs)

@@ -92,6 +92,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-grace-period-secs", dest="shutdown_grace_secs", type=float)
     s.add_argument("--sse-keepalive-secs", type=float)
     s.add_argument("--stream-interval", type=int, help="ask engines for this many tokens per stream message")
+    s.add_argument(
+        "--no-kv-events",
+        dest="kv_events",
+        action="store_const",
+        const=False,
+        help="do not subscribe to engines' KV events (the prefix index learns from routing decisions only)",
+    )
     rl = s.add_argument_group("rate limits (per tenant, mesh-wide; YAML 'rate_limits': per tenant/model)")
     rl.add_argument("--rate-limit-rpm", type=int, help="default requests per minute of every tenant")
     rl.add_argument("--rate-limit-tpm", type=int, help="default tokens per minute of every tenant")

@@ -448,6 +448,10 @@ class MeshNode:
         self.clock = clock
         self.state = MeshState(self.name, clock, MeshStateConfig(index=index_config(gw.policies)))
         self.indexed_models = attach_indexes(gw.policies, self.state)
+        pd = getattr(gw, "pd", None)  # PD disaggregation: each pool's policy (their workers are disjoint)
+        for policy in (getattr(pd, "prefill_policy", None), getattr(pd, "decode_policy", None)):
+            if policy is not None:
+                attach_indexes(dict.fromkeys(gw.models, policy), self.state)
         reg = gw.registry
         pinned = {worker_id(u) for m in gw.models.values() for u in m.worker_urls}
         self.bridge = RegistryBridge(self.state, reg, models=gw.models, pinned=pinned, ident=worker_id)

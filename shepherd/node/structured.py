@@ -59,7 +59,13 @@ class ConstrainedSamplingParams(SamplingParams):
 
 
 def _dumps(value: Any) -> str:
-    return orjson.dumps(value).decode()
+    try:
+        return orjson.dumps(value).decode()
+    except (TypeError, orjson.JSONEncodeError) as e:  # e.g. nested deeper than 254 levels
+        from shepherd.node.openai_protocol import ApiError  # openai_protocol imports this module
+
+        msg = f"A schema in the request cannot be serialised: {e}."
+        raise ApiError(400, msg, code="invalid_schema") from None
 
 
 def response_format_constraint(rf: Mapping[str, Any] | None) -> Constraint | None:
