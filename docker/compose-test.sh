@@ -31,6 +31,8 @@ PROJECT="${CT_PROJECT:-shepherd-ct}"
 VICTIM="${CT_VICTIM:-node-2}"
 STOP_MODE="${CT_STOP:-stop}"
 IMAGE=shepherd:local
+case "$VICTIM" in node-1|node-2|node-3) ;; *) echo "compose-test: CT_VICTIM must be node-1, node-2 or node-3" >&2; exit 2 ;; esac
+case "$STOP_MODE" in stop|kill) ;; *) echo "compose-test: CT_STOP must be stop or kill" >&2; exit 2 ;; esac
 WORK="$(mktemp -d /tmp/shepherd-compose-test.XXXXXX)"
 PY="$(command -v python3)"
 
@@ -70,7 +72,11 @@ cleanup() {
             say "dockerd still running after 30 s: SIGKILL"
             kill -KILL "$DOCKERD_PID" 2>/dev/null
         fi
-        # dockerd leaves the FORWARD policy at DROP: put back what the host had
+        # what dockerd leaves behind (no other dockerd runs: this one was started because none answered):
+        # its default bridge, the netns mount and the FORWARD policy it set to DROP (its iptables chains,
+        # empty without containers, stay)
+        umount /run/docker/netns/default 2>/dev/null
+        ip link delete docker0 2>/dev/null
         if [ "$FORWARD_POLICY" = ACCEPT ]; then iptables -P FORWARD ACCEPT 2>/dev/null; fi
     fi
     rm -rf "$WORK"
@@ -120,7 +126,8 @@ if ! timeout 10 docker info >/dev/null 2>&1; then
     fi
     FORWARD_POLICY="$(iptables -S FORWARD 2>/dev/null | awk '$1 == "-P" { print $3; exit }')"
     say "starting dockerd (log: /tmp/shepherd-dockerd.log)"
-    dockerd >/tmp/shepherd-dockerd.log 2>&1 &
+    # its own session: a Ctrl-C of make reaches this script (which tears the fleet down first), not dockerd
+    setsid dockerd >/tmp/shepherd-dockerd.log 2>&1 </dev/null &
     DOCKERD_PID=$!
     for _ in $(seq 1 60); do
         timeout 5 docker info >/dev/null 2>&1 && break
@@ -128,6 +135,10 @@ if ! timeout 10 docker info >/dev/null 2>&1; then
         sleep 0.5
     done
     timeout 5 docker info >/dev/null 2>&1 || { tail -20 /tmp/shepherd-dockerd.log; die "dockerd not up in 30 s"; }
+    pidfile_pid="$(cat /var/run/docker.pid 2>/dev/null || true)"
+    if [ -n "$pidfile_pid" ] && [ "$pidfile_pid" != "$DOCKERD_PID" ]; then
+        die "dockerd's pid file says $pidfile_pid, not $DOCKERD_PID: not the dockerd this script started"
+    fi
 fi
 say "docker engine $(docker version --format '{{.Server.Version}}') ($(docker info --format '{{.Driver}}, cgroup v{{.CgroupVersion}}' 2>/dev/null))"
 
