@@ -166,7 +166,7 @@ def check_worker_url(url: str) -> str:
     if scheme not in ("http", "https"):
         if port is None or not 0 < port < 65536:
             raise ConfigError(f"worker URL {url!r} needs a port in 1-65535")
-        if parts.path not in ("", "/") or parts.query or parts.fragment:
+        if parts.path.strip("/") or parts.query or parts.fragment:
             raise ConfigError(f"worker URL {url!r}: a gRPC worker URL is host:port only")
     elif port is not None and not 0 < port < 65536:
         raise ConfigError(f"worker URL {url!r} needs a port in 1-65535")

@@ -3,8 +3,10 @@
 A starts with engine 1 (``serve --mesh-port``); B joins through A, C through B and A (``smg-node
 join``). Security as in production: a CA, node certificates and a key file made in a temp dir and
 passed with ``--mesh-cert/--mesh-key/--mesh-ca/--mesh-keyring-file``. Short SWIM intervals so that a
-crash is detected in a second or two. Every wait is a bounded poll; the tests run in file order on
-one cluster (the last one kills a node), and every process is stopped by its pid, also on failure.
+crash is detected in a second or two. No KV events (``--no-kv-events``): what a node knows of the
+engines' caches comes from the routing decisions, its own and the others' through the mesh. Every
+wait is a bounded poll; the tests run in file order on one cluster (the last one kills a node), and
+every process is stopped by its pid, also on failure.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             f = files[name]
             return [
                 "--model-id", MODEL, "--policy", "cache_aware", "--tokenizer-workers", "0",
-                "--health-check-interval-secs", "1",
+                "--health-check-interval-secs", "1", "--no-kv-events",
                 "--mesh-port", str(mesh_ports[name]), "--mesh-name", name,
                 "--mesh-cert", str(f.cert), "--mesh-key", str(f.key), "--mesh-ca", str(f.ca),
                 "--mesh-keyring-file", str(keyring), *FAST,
@@ -184,6 +186,15 @@ def test_worker_registered_on_a_serves_through_c(cluster: Cluster) -> None:
     assert request(cluster.engines[1].http_url + "/mock/stats")["requests_received"] == before + 1
 
 
+def served_by(cluster: Cluster, send: Callable[[], Any]) -> tuple[int, Any]:
+    """Run one request (nothing else runs meanwhile) and tell which engine served it."""
+    before = [request(e.http_url + "/mock/stats")["requests_received"] for e in cluster.engines]
+    out = send()
+    after = [request(e.http_url + "/mock/stats")["requests_received"] for e in cluster.engines]
+    (engine,) = [k for k, (x, y) in enumerate(zip(before, after, strict=True)) if y > x]
+    return engine, out
+
+
 def test_follow_up_turn_on_another_node_hits_its_prefix(cluster: Cluster) -> None:
     e2 = cluster.engine_url(1)
     for name in NAMES:
@@ -192,21 +203,24 @@ def test_follow_up_turn_on_another_node_hits_its_prefix(cluster: Cluster) -> Non
     for i in range(6):
         system = {"role": "system", "content": f"Conversation {i}. " + "You answer in detail. " * 40}
         msgs = [system, {"role": "user", "content": f"Question {i}: " + "tell me more " * 20}]
-        first = cluster.url(NAMES[i % 3])
-        r = request(first + "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 8})
-        convs.append((i, msgs, r))
-    # the routing decisions reach every node (bounded wait, not a timed assertion)
-    need = sum(r["usage"]["prompt_tokens"] // 16 for _, _, r in convs)
+        body = {"model": MODEL, "messages": msgs, "max_tokens": 8}
+        url = cluster.url(NAMES[i % 3]) + "/v1/chat/completions"
+        engine, r = served_by(cluster, lambda url=url, body=body: request(url, body))  # type: ignore[misc]
+        convs.append((i, msgs, r, engine))
+    # every node's index holds every node's routing decisions (no KV events: only the mesh tells them)
+    need = sum(r["usage"]["prompt_tokens"] // 16 for _, _, r, _ in convs)
     for name in NAMES:
         wait_for(
             lambda name=name: request(cluster.url(name) + "/mesh/state")["index"][MODEL]["blocks"] >= need,  # type: ignore[misc]
             f"{name}'s index",
         )
-    for i, msgs, r in convs:
+    for i, msgs, r, engine in convs:
         follow = [*msgs, r["choices"][0]["message"], {"role": "user", "content": "and then?"}]
-        second = cluster.url(NAMES[(i + 1) % 3])  # another node than the first turn's
-        r2 = request(second + "/v1/chat/completions", {"model": MODEL, "messages": follow, "max_tokens": 8})
+        body = {"model": MODEL, "messages": follow, "max_tokens": 8}
+        url = cluster.url(NAMES[(i + 1) % 3]) + "/v1/chat/completions"  # another node than the first turn's
+        engine2, r2 = served_by(cluster, lambda url=url, body=body: request(url, body))  # type: ignore[misc]
         cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert engine2 == engine, (i, engine, engine2)
         assert cached >= (r["usage"]["prompt_tokens"] // 16) * 16, (i, cached, r["usage"])
 
 

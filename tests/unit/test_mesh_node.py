@@ -316,8 +316,11 @@ def test_the_policy_the_kv_feed_and_replication_share_one_index() -> None:
     for p in a.index_batches():
         b.apply(p, "a")
     assert pb.index(MODEL).match(ids) == {chosen.id: 400}
-    # the follow-up turn on node b goes where the prefix is
-    again = pb.pick(workers, RouteRequest(MODEL, [*ids, *range(5000, 5100)]))
+    # the follow-up turn on node b goes where the prefix is, though the holder is busier there
+    busy = [WorkerView(w.id, w.url, in_flight=1 if w.id == chosen.id else 0) for w in workers]
+    follow_up = RouteRequest(MODEL, [*ids, *range(5000, 5100)])
+    assert CacheAware(clock=clock).pick(busy, follow_up).id != chosen.id  # type: ignore[union-attr]
+    again = pb.pick(busy, follow_up)
     assert again is not None and again.id == chosen.id
 
 

@@ -16,9 +16,11 @@ sizes asked (node n0 is the seed, the others ``smg-node join``); at each size:
 * cache affinity (``--affinity-sizes``): a seeded multi-turn chat trace (shared system prompts, think
   time, answers appended) with every turn sent to a random node of N. A follow-up turn *reaches its
   prefix* when the engine that served it held the previous turn's whole prompt: its cached tokens (the
-  usage the engine reports) cover the previous prompt's full 16-token blocks, one block of slack. With
-  ``--baseline``, the same with N independent nodes (no mesh: a node knows its own routing decisions
-  and the engines' KV events only).
+  usage the engine reports) cover the previous prompt's full 16-token blocks, one block of slack. The
+  nodes do not subscribe to the engines' KV events unless ``--kv-events``: the prefix index is then
+  what the routing decisions tell, replicated by the mesh (SMG's per-gateway trees are that, without
+  the replication). With ``--baseline``, the same with N independent nodes (no mesh: each node knows
+  its own decisions only; with ``--kv-events`` also what the engines report, to every node alike).
 
 Simulation: ``bench/mesh_sim_bench.py`` (deterministic, simulated time: detection, propagation with
 and without loss, false deaths under loss and pauses, gossip bytes per node) runs as a child process
@@ -50,7 +52,7 @@ import aiohttp
 import orjson
 
 from shepherd.loadgen.benchmarks import Benchmark
-from shepherd.loadgen.procs import ManagedProcess, ProcessGroup, ProcSpec, free_port
+from shepherd.loadgen.procs import ManagedProcess, ProcessFailed, ProcessGroup, ProcSpec, free_port
 from shepherd.loadgen.stats import Distribution
 from shepherd.loadgen.targets import REPO_ROOT, console_script, extract_tokenizer
 from shepherd.loadgen.trace import Trace, TraceConfig, generate_trace
@@ -73,6 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--think-s", type=float, default=0.5, help="affinity trace: mean think time between turns")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True, help="no-mesh rows")
+    p.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="nodes subscribe to the engines' KV events (default off: the index is the routing decisions')",
+    )
     p.add_argument("--probe-interval", type=float, default=None, help="mesh probe interval (default 0.5 s)")
     p.add_argument("--sim", action=argparse.BooleanOptionalAction, default=True, help="run the simulation")
     p.add_argument("--sim-args", default="--sizes 3,5,10,20", help="arguments of bench/mesh_sim_bench.py")
@@ -163,6 +171,7 @@ class Setup:
     pki: Path
     engines: list[tuple[int, int]]  # (grpc, http)
     probe_interval: float | None
+    kv_events: bool
 
     def engine_spec(self, i: int) -> ProcSpec:
         grpc, http_port = self.engines[i]
@@ -184,6 +193,8 @@ class Setup:
             "--model-path", str(self.model_dir), "--model-id", MODEL,
             "--policy", "cache_aware", "--tokenizer-workers", "0", "--log-level", "warning",
         ]  # fmt: skip
+        if not self.kv_events:
+            argv.append("--no-kv-events")
         if meshed:
             argv += ["--mesh-port", str(slot.mesh), "--mesh-name", slot.name, "--mesh-dev-pki", str(self.pki)]
             if self.probe_interval is not None:
@@ -536,23 +547,16 @@ def run_sim(extra: str) -> int:
     return subprocess.run([sys.executable, str(SIM_SCRIPT), *extra.split()], check=False).returncode
 
 
-def run(args: argparse.Namespace) -> int:
+def measure_real(
+    args: argparse.Namespace,
+    det: dict[int, Detection],
+    prop: dict[int, Propagation],
+    aff: list[Affinity],
+) -> None:
+    """Every real-process figure asked, into ``det``, ``prop`` and ``aff`` as they come."""
     sizes = _ints(args.sizes)
     aff_sizes = _ints(args.affinity_sizes)
     rng = random.Random(args.seed)
-    probe = args.probe_interval if args.probe_interval is not None else 0.5
-    load = os.getloadavg()
-    print(
-        f"smg-bench mesh — {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average "
-        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n"
-        f"real smg-node processes on loopback (mesh sealed + mTLS, dev PKI), {args.engines} mock engines, "
-        f"cache_aware; one cluster grown through N = {sorted(set(sizes) | set(aff_sizes))}",
-        flush=True,
-    )
-    det: dict[int, Detection] = {}
-    prop: dict[int, Propagation] = {}
-    aff: list[Affinity] = []
-    wall0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="smg-bench-mesh-") as tmp:
         tmp_path = Path(tmp)
         log_dir = args.log_dir if args.log_dir is not None else tmp_path / "logs"
@@ -563,6 +567,7 @@ def run(args: argparse.Namespace) -> int:
                 tmp_path / "pki",
                 [(free_port(), free_port()) for _ in range(args.engines)],
                 args.probe_interval,
+                args.kv_events,
             )
             _progress(f"starting {args.engines} mock engines ...")
             setup.start([setup.engine_spec(i) for i in range(args.engines)])
@@ -590,13 +595,39 @@ def run(args: argparse.Namespace) -> int:
                     slots = [Slot(f"solo{i}", free_port(), 0) for i in range(n)]
                     procs = setup.start([setup.node_spec(s, [], meshed=False) for s in slots])
                     ports = [s.http for s in slots]
-                    row = measure_affinity(setup, ports, "no mesh (KV events)", args, n)
+                    row = measure_affinity(setup, ports, "no mesh", args, n)
                     aff.append(row)
                     _progress(f"no mesh N = {n}: share {row.share:.3f}, hit {row.hit_rate:.3f}")
                     for p in procs:
                         p.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = _ints(args.sizes)
+    aff_sizes = _ints(args.affinity_sizes)
+    probe = args.probe_interval if args.probe_interval is not None else 0.5
+    load = os.getloadavg()
+    print(
+        f"smg-bench mesh — {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n"
+        f"real smg-node processes on loopback (mesh sealed + mTLS, dev PKI), {args.engines} mock engines, "
+        f"cache_aware, KV events {'on' if args.kv_events else 'off'}; one cluster grown through "
+        f"N = {sorted(set(sizes) | set(aff_sizes))}",
+        flush=True,
+    )
+    det: dict[int, Detection] = {}
+    prop: dict[int, Propagation] = {}
+    aff: list[Affinity] = []
+    wall0 = time.monotonic()
+    failed = ""
+    try:
+        measure_real(args, det, prop, aff)
+    except (ProcessFailed, RuntimeError, OSError) as e:  # report what was measured before
+        failed = str(e).strip()
     print("\n" + format_report(det, prop, aff, probe), flush=True)
     print(f"(real processes: {time.monotonic() - wall0:.0f} s wall)", flush=True)
+    if failed:
+        print(f"stopped early: {failed}", flush=True)
     if args.json is not None:
         doc = {
             "benchmark": "mesh",
@@ -605,9 +636,9 @@ def run(args: argparse.Namespace) -> int:
             "affinity": [{**vars(a), "share": a.share, "hit_rate": a.hit_rate} for a in aff],
         }
         args.json.write_text(json.dumps(doc, indent=2))
-    code = 0
+    code = 1 if failed else 0
     if args.sim:
-        code = run_sim(args.sim_args)
+        code = max(code, run_sim(args.sim_args))
     return code
 
 
