@@ -103,8 +103,8 @@ class TraceConfig:
     user_tokens_max: int = 160
     answer_tokens_min: int = 20
     answer_tokens_max: int = 80
-    arrival_s: float = 12.0  # users start over this window (a Poisson process)
-    think_s: float = 1.2  # mean think time between a reply and the next turn (exponential)
+    arrival_s: float = 10.0  # users start over this window (a Poisson process)
+    think_s: float = 1.0  # mean think time between a reply and the next turn (exponential)
     think_max_s: float = 6.0
     seed: int = 0
 

@@ -101,7 +101,7 @@ class PdRouter:
             return None
         d = gw.pick(model, tried_d, ids, key, policy=self.decode_policy, only=self.decode_ids)
         if d is None:
-            p.breaker.trial_in_flight = False  # a half-open prefill worker's trial was not used
+            p.breaker.release()  # a half-open prefill worker's trial was not used
             return None
         return PdPair(p, d)
 
@@ -177,8 +177,7 @@ class PdRouter:
             if isinstance(e, StopAsyncIteration):
                 gw.registry.record_result(d, False)
                 raise EngineError("decode engine closed the stream without output") from None
-            if isinstance(e, EngineError) and e is not prefill_error:
-                gw.registry.record_result(d, False)
+            self._settle(d, e, blame=e is not prefill_error)
             raise
         gw.registry.record_result(d, True)
         return self._stream(d, req.request_id, agen, first, prefill_task)
@@ -192,8 +191,8 @@ class PdRouter:
             async for batch in agen:
                 completed = completed or any(isinstance(ev, EngineComplete) for ev in batch)
             gw.registry.record_result(p, True)
-        except EngineError:
-            gw.registry.record_result(p, False)
+        except BaseException as e:
+            self._settle(p, e)
             raise
         finally:
             p.in_flight -= 1
@@ -226,8 +225,8 @@ class PdRouter:
                     if isinstance(ev, EngineComplete):
                         completed = True
                         kv = kv or ev.kv_transfer_params_json
-        except EngineError:
-            gw.registry.record_result(p, False)
+        except BaseException as e:
+            self._settle(p, e)
             raise
         finally:
             p.in_flight -= 1
@@ -255,11 +254,18 @@ class PdRouter:
             if isinstance(e, StopAsyncIteration):
                 gw.registry.record_result(d, False)
                 raise EngineError("decode engine closed the stream without output") from None
-            if isinstance(e, EngineError):
-                gw.registry.record_result(d, False)
+            self._settle(d, e)
             raise
         gw.registry.record_result(d, True)
         return self._stream(d, dreq.request_id, agen, first, None)
+
+    def _settle(self, w: Worker, e: BaseException, *, blame: bool = True) -> None:
+        """A send to ``w`` ended early with ``e``: a failure of the worker if the engine failed it (and
+        ``blame``), else (cancelled, the request refused as invalid) its half-open trial is given back."""
+        if blame and isinstance(e, EngineError) and e.code != "invalid_request":
+            self.gw.registry.record_result(w, False)
+        else:
+            w.breaker.release()
 
     # ---- both ----------------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -33,15 +34,31 @@ def stats(engine: MockEngineProc) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def prefill() -> Iterator[MockEngineProc]:
-    with start_mock_engine("--zero-latency", "--role", "prefill") as eng:
-        yield eng
+def engines() -> Iterator[tuple[MockEngineProc, MockEngineProc]]:
+    """A prefill-role and a decode-role mock engine, started side by side."""
+    with ThreadPoolExecutor(2) as pool:
+        futs = [
+            pool.submit(start_mock_engine, "--zero-latency", "--role", "prefill"),
+            pool.submit(start_mock_engine, "--zero-latency", "--role", "decode", "--pd-wait-s", "0.5"),
+        ]
+    started = [f.result() for f in futs if f.exception() is None]
+    try:
+        if len(started) < 2:
+            raise next(err for f in futs if (err := f.exception()) is not None)
+        yield started[0], started[1]
+    finally:
+        for eng in started:
+            eng.stop()
 
 
 @pytest.fixture(scope="module")
-def decode() -> Iterator[MockEngineProc]:
-    with start_mock_engine("--zero-latency", "--role", "decode", "--pd-wait-s", "0.5") as eng:
-        yield eng
+def prefill(engines: tuple[MockEngineProc, MockEngineProc]) -> MockEngineProc:
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def decode(engines: tuple[MockEngineProc, MockEngineProc]) -> MockEngineProc:
+    return engines[1]
 
 
 # ---- configuration ---------------------------------------------------------------------------------

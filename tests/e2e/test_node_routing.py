@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -83,18 +84,11 @@ def index_of(gw: Gateway) -> PrefixIndex:
     return policy.index(MODEL)
 
 
-@pytest.fixture(scope="module")
-def small_engine() -> Iterator[MockEngineProc]:
-    """A mock engine with a 48-block pool, shared by this module's tests (each leaves it flushed)."""
-    with start_mock_engine("--zero-latency", "--cache-blocks", "48") as eng:
-        yield eng
-
-
 class EngineSlot:
     """A mock engine that a test may restart on the same ports (a new process: a new engine life)."""
 
-    def __init__(self) -> None:
-        self.engine = start_mock_engine("--zero-latency", "--cache-blocks", "256")
+    def __init__(self, engine: MockEngineProc) -> None:
+        self.engine = engine
 
     def restart(self) -> None:
         old = self.engine
@@ -111,12 +105,35 @@ class EngineSlot:
 
 
 @pytest.fixture(scope="module")
-def slot() -> Iterator[EngineSlot]:
-    s = EngineSlot()
+def engines() -> Iterator[tuple[MockEngineProc, EngineSlot]]:
+    """This module's two mock engines, started side by side: one with a 48-block pool (each test leaves
+    it flushed), one in a slot a test may restart."""
+    with ThreadPoolExecutor(2) as pool:
+        futs = [
+            pool.submit(start_mock_engine, "--zero-latency", "--cache-blocks", "48"),
+            pool.submit(start_mock_engine, "--zero-latency", "--cache-blocks", "256"),
+        ]
+    started = [f.result() for f in futs if f.exception() is None]
+    if len(started) < 2:
+        for eng in started:
+            eng.stop()
+        raise next(err for f in futs if (err := f.exception()) is not None)
+    slot = EngineSlot(started[1])
     try:
-        yield s
+        yield started[0], slot
     finally:
-        s.engine.stop()
+        started[0].stop()
+        slot.engine.stop()
+
+
+@pytest.fixture(scope="module")
+def small_engine(engines: tuple[MockEngineProc, EngineSlot]) -> MockEngineProc:
+    return engines[0]
+
+
+@pytest.fixture(scope="module")
+def slot(engines: tuple[MockEngineProc, EngineSlot]) -> EngineSlot:
+    return engines[1]
 
 
 def prompt(seed: int, n: int) -> list[int]:

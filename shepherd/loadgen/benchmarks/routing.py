@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ import aiohttp
 import orjson
 
 from shepherd.loadgen.benchmarks import Benchmark
-from shepherd.loadgen.procs import ProcessFailed, ProcessGroup, ProcSpec, free_port
+from shepherd.loadgen.procs import ProcessFailed, ProcessGroup, ProcSpec, free_port, http_get_status
 from shepherd.loadgen.procstat import TreeCpuTracker
 from shepherd.loadgen.sse import SseParser
 from shepherd.loadgen.stats import Distribution
@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default="smg", help="peer gateways: smg (cache_aware), or '' for none")
     p.add_argument("--seed", type=int, default=0, help="trace seed")
     p.add_argument("--arrival-s", type=float, default=None, help="users arrive over this window")
-    p.add_argument("--think-s", type=float, default=1.2, help="mean think time between turns")
+    p.add_argument("--think-s", type=float, default=1.0, help="mean think time between turns")
     p.add_argument("--prefill-us-per-token", type=float, default=150.0, help="engine prefill cost")
     p.add_argument("--decode-ms-per-token", type=float, default=4.0, help="engine inter-token latency")
     p.add_argument("--cache-blocks", type=int, default=4096, help="engine KV pool, 16-token blocks")
@@ -107,6 +107,20 @@ def engine_spec(i: int, ports: EnginePorts, args: argparse.Namespace, model_dir:
         args.engine_grpc_server,
     ]
     return ProcSpec(name=f"engine-{i}", argv=tuple(argv), ready_port=ports.http, ready_path="/health")
+
+
+def start_engines(group: ProcessGroup, specs: Sequence[ProcSpec], timeout_s: float = 120.0) -> None:
+    """Start every engine, then wait for all (they load their tokenizers in parallel). Started from this
+    thread: a child's parent-death signal follows the thread that started it."""
+    procs = [(group.start(replace(s, ready_port=None)), s) for s in specs]
+    deadline = time.monotonic() + timeout_s
+    for proc, spec in procs:
+        while http_get_status("127.0.0.1", spec.ready_port or 0, spec.ready_path) != 200:
+            if not proc.alive():
+                raise ProcessFailed(f"{spec.name} exited during start-up:\n{proc.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ProcessFailed(f"{spec.name} not ready after {timeout_s:.0f} s:\n{proc.log_tail()}")
+            time.sleep(0.1)
 
 
 def _http(port: int, method: str, path: str) -> tuple[int, Any]:
@@ -438,8 +452,6 @@ class _Setup:
 def _trace_of(args: argparse.Namespace) -> Trace:
     cfg = TraceConfig(seed=args.seed, think_s=args.think_s).scaled(args.requests)
     if args.arrival_s is not None:
-        from dataclasses import replace
-
         cfg = replace(cfg, arrival_s=args.arrival_s)
     return generate_trace(cfg)
 
@@ -485,8 +497,7 @@ def run(args: argparse.Namespace) -> int:
         with ProcessGroup(log_dir) as group:
             engines = [EnginePorts(free_port(), free_port()) for _ in range(args.engines)]
             _progress(f"starting {len(engines)} mock engines ...")
-            for i, e in enumerate(engines):
-                group.start(engine_spec(i, e, args, model_dir))
+            start_engines(group, [engine_spec(i, e, args, model_dir) for i, e in enumerate(engines)])
             targets = [
                 (f"node {policy}", node_spec(free_port(), engines, policy, model_dir, node_extra))
                 for policy in policies
