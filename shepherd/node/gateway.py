@@ -94,6 +94,7 @@ class Gateway:
         self.metrics = NodeMetrics()
         self.registry = WorkerRegistry(cfg)
         self.models: dict[str, ModelConfig] = {m.name: m for m in cfg.model_configs()}
+        self._context_lengths: dict[str, tuple[int, int]] = {}  # model -> (registry version, length)
         self._parser_families: dict[str, tuple[str | None, str | None]] = {}
         # one policy instance per model (its own state: cursor, prefix index...), the model's or the node's
         self.policies: dict[str, Policy] = {
@@ -197,17 +198,21 @@ class Gateway:
         return self.tokenizers.get(model)
 
     def context_length(self, model: str) -> int:
+        """The configured context, else the smallest any worker reports, else the tokenizer's
+        (cached until the registry's workers or their model info change)."""
+        version = self.registry.version
+        hit = self._context_lengths.get(model)
+        if hit is not None and hit[0] == version:
+            return hit[1]
         mc = self.models[model]
-        if mc.context_length:
-            return mc.context_length
         lens = [
             w.info.max_context_length
             for w in self.registry.for_model(model)
             if w.info and w.info.max_context_length
         ]
-        if lens:
-            return min(lens)
-        return self.tokenizer(model).model_max_length
+        n = mc.context_length or (min(lens) if lens else self.tokenizer(model).model_max_length)
+        self._context_lengths[model] = (version, n)
+        return n
 
     def check_context(self, model: str, n_prompt: int, max_tokens: int | None) -> int:
         """Validate the prompt against the context; returns max_new_tokens to ask the engine for."""

@@ -108,6 +108,7 @@ class WorkerRegistry:
         self.on_added: Callable[[Worker], None] | None = None
         self.on_removed: Callable[[Worker], None] | None = None
         self._http_only: dict[str, bool] = {}  # per model, recomputed when workers change
+        self.version = 0  # bumped when workers come, go or learn their model info
         # a further routability test by worker id (the mesh's combined health view); None: none
         self.gate: Callable[[str], bool] | None = None
 
@@ -161,6 +162,7 @@ class WorkerRegistry:
         )
         self.workers[wid] = w
         self._http_only.clear()
+        self.version += 1
         await self.check(w)
         if self.on_added is not None and self.workers.get(wid) is w:
             self.on_added(w)
@@ -169,6 +171,7 @@ class WorkerRegistry:
     async def remove(self, wid: str) -> Worker | None:
         w = self.workers.pop(wid, None)
         self._http_only.clear()
+        self.version += 1
         if w is not None:
             if self.on_removed is not None:
                 self.on_removed(w)
@@ -180,6 +183,7 @@ class WorkerRegistry:
             await w.client.detect(self.cfg.health_check_timeout_secs)
         w.info = await w.client.model_info()
         w.initialized = True
+        self.version += 1
 
     async def check(self, w: Worker) -> None:
         ok = False

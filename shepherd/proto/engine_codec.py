@@ -160,11 +160,15 @@ def _logprobs(lp: Any) -> list[TokenLogprob]:
 
 
 def _has(msg: Any, name: str) -> bool:
-    """HasField that answers False for a field the message type does not have (SGLang vs vLLM)."""
-    try:
-        return bool(msg.HasField(name))
-    except ValueError:
-        return False
+    """HasField that answers False for a field the message type does not have (SGLang vs vLLM),
+    without raising: the type's field names are looked up once."""
+    names = _FIELD_NAMES.get(msg.DESCRIPTOR.full_name)
+    if names is None:
+        names = _FIELD_NAMES[msg.DESCRIPTOR.full_name] = frozenset(msg.DESCRIPTOR.fields_by_name)
+    return name in names and bool(msg.HasField(name))
+
+
+_FIELD_NAMES: dict[str, frozenset[str]] = {}
 
 
 def decode_response(resp: Any) -> EngineEvent | None:
