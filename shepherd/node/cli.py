@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--sse-keepalive-secs", type=float)
     s.add_argument("--stream-interval", type=int, help="ask engines for this many tokens per stream message")
     s.add_argument(
+        "--engine-transport", choices=("h2", "grpcio"), help="gRPC client: h2 (lean asyncio) or grpcio"
+    )
+    s.add_argument(
         "--no-kv-events",
         dest="kv_events",
         action="store_const",
