@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from typing import cast
 
 import pytest
 from hypothesis import given, settings
@@ -13,8 +14,9 @@ from hypothesis import strategies as st
 
 from chaos import lb, scenarios
 from chaos.delay_proxy import DelayProxy, DelaySettings, parse_control
-from chaos.fleet import FleetSpec, MeshPlace, mesh_args
+from chaos.fleet import Fleet, FleetSpec, MeshPlace, mesh_args
 from chaos.loadgen import RequestRecord
+from chaos.mesh_watch import DOWN_STATES, MeshWatch, ViewChange, all_alive, parse_members
 from chaos.report import ScenarioResult, percentile, render_markdown, routed_around_s, summarize
 from chaos.run import groups, select
 
@@ -188,18 +190,52 @@ async def test_delay_proxy_forwards_and_delays_on_loopback() -> None:
 def test_short_subset_and_mesh_placeholders() -> None:
     short = [s.name for s in scenarios.short()]
     assert set(short) == {"node_crash", "rolling_restart", "partition_primitives"}
-    todo = [s for s in scenarios.ordered() if s.todo]
-    assert {s.name for s in todo} >= {
+    mesh_done = {
         "mesh_partition_2_1",
         "mesh_partition_3_2",
         "mesh_one_way_partition",
         "mesh_flapping_partition",
+    }
+    for name in mesh_done:
+        s = scenarios.REGISTRY[name]
+        assert s.fn is not None and not s.todo and s.spec.mesh and not s.short
+    assert scenarios.REGISTRY["mesh_partition_3_2"].spec.nodes == 5
+    todo = [s for s in scenarios.ordered() if s.todo]
+    assert {s.name for s in todo} >= {
         "mesh_detection_convergence",
         "mesh_ratelimit_over_admission",
         "mesh_cache_affinity_failover",
     }
     assert all(s.fn is None and s.todo.startswith("TODO-mesh") for s in todo)
     assert all(s.fn is not None for s in scenarios.ordered() if not s.todo)
+
+
+def test_mesh_watch_reads_views_and_their_changes() -> None:
+    assert parse_members(
+        {"node": "a", "members": [{"name": "a", "state": "ALIVE"}, {"name": "b", "state": "dead"}]}
+    ) == {
+        "a": "alive",
+        "b": "dead",
+    }
+    assert parse_members({"error": "x"}) is None
+    pred = all_alive(["a", "b"])
+    assert pred({"a": {"a": "alive", "b": "alive"}, "b": {"a": "alive", "b": "alive"}})
+    assert not pred({"a": {"a": "alive", "b": "suspect"}, "b": {"a": "alive", "b": "alive"}})
+    assert not pred({"a": {"a": "alive", "b": "alive"}})
+    watch = MeshWatch(cast(Fleet, None))
+    watch.changes += [
+        ViewChange(10.0, "a", "c", "suspect"),
+        ViewChange(11.0, "b", "c", "suspect"),
+        ViewChange(12.0, "a", "c", "dead"),
+        ViewChange(13.5, "b", "c", "dead"),
+        ViewChange(14.0, "a", "b", "dead"),
+        ViewChange(20.0, "a", "c", "alive"),
+    ]
+    assert watch.first(9.0, ["a", "b"], "c", DOWN_STATES) == 1.0
+    assert watch.all_saw(9.0, ["a", "b"], "c", {"dead"}) == 4.5
+    assert watch.all_saw(9.0, ["a", "b"], "c", {"left"}) is None
+    assert watch.marked_dead(9.0, 15.0) == {("a", "c"), ("b", "c"), ("a", "b")}
+    assert watch.marked_dead(15.0) == set()
 
 
 def test_scenarios_sharing_a_fleet_shape_are_grouped() -> None:
