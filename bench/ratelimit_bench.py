@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/ratelimit_bench.py [--nodes 3] [--rpm 600] [--load 2.0] [--duration 60]
                                               [--warmup 120] [--gossip 0.2] [--seed 1]
-    .venv/bin/python bench/ratelimit_bench.py --target loopback   # real nodes (see run_loopback)
+    .venv/bin/python bench/ratelimit_bench.py --target loopback [--scenario steady|paused|both]
+                                              [--duration 60] [--lb-warmup 60]   # real nodes: run_loopback
 
 Default target: the deterministic simulation (``shepherd.mesh.ratelimit_sim``): ``--nodes`` limiter
 replicas gossiping every ``--gossip`` seconds (5-25 ms delivery), Poisson load at ``--load`` x the limit
@@ -19,10 +20,26 @@ admission (acquire + settle, two rules) on this machine.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import bisect
+import contextlib
+import http.client
+import json
+import math
+import os
+import random
+import signal
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+import aiohttp
+import orjson
+
+from shepherd.loadgen.procs import ManagedProcess, ProcessGroup, ProcSpec, free_port
+from shepherd.loadgen.targets import console_script
 from shepherd.mesh.ratelimit import Grant, LimiterConfig, Limits, RateLimiter
 from shepherd.mesh.ratelimit_sim import (
     Load,
@@ -37,7 +54,12 @@ from shepherd.mesh.ratelimit_sim import (
     uneven,
 )
 
-WINDOW = 60.0
+WINDOW = 60.0  # the limiter's window (``LimiterConfig.window``; the nodes use the default)
+MODEL = "qwen3"
+
+
+def _progress(text: str) -> None:
+    print(f"  {text}", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)
@@ -180,18 +202,217 @@ def admission_cpu_us(rounds: int = 5, n: int = 20_000) -> float:
 
 
 def run_loopback(a: argparse.Namespace) -> list[Figures]:
-    """Hook for the same figures on real nodes, once the mesh runtime is wired into ``smg-node``:
+    """The same figures on real processes on loopback: one mock engine (``--zero-latency``) and
+    ``--nodes`` ``smg-node serve`` processes meshed through a shared ``--mesh-dev-pki`` dir, every node
+    with ``--rate-limit-rpm RPM --auth-trust-tenant-header``; ready when each node's ``/mesh/members``
+    lists all of them alive.
 
-    1. start ``--nodes`` mock engines and ``--nodes`` ``smg-node serve --mesh-port P --mesh-seeds ...``
-       processes on loopback (certs from ``smg-node certs``, one shared keyring), every node with
-       ``--rate-limit-rpm RPM --auth-trust-tenant-header``, and wait for ``/mesh/members`` to list all;
-    2. drive each node with ``load x RPM / nodes`` requests per minute (Poisson, ``max_tokens`` 1, tenant
-       header "a"), recording the time of every 200 (429s are refusals);
-    3. report ``Figures`` from those times exactly as ``_measure`` does (fixed and sliding windows);
-       for the partition scenario, cut one node's mesh port with the chaos suite's fault tools
-       (loopback has no netns: a transport shim or iptables on a dedicated port range).
-    Every process is stopped by pid, also on failure."""
-    raise NotImplementedError("real-node rate-limit bench: not wired yet (see run_loopback's docstring)")
+    Load: ``load x RPM`` requests per minute (Poisson, non-streamed chat, ``max_tokens`` 1, tenant
+    header set), round-robin over the nodes that are up, at most ``--concurrency`` in flight; the send
+    time of every 200 is an admission, a 429 a refusal. Load starts at once; the measured period starts
+    at the first limiter window boundary (windows of 60 s aligned on the wall clock, as the nodes'
+    limiters count them) at least ``--lb-warmup`` s later, and lasts ``--duration`` s. Figures as in the
+    simulation: per fixed window (a partial window is scaled to its length) and per sliding 60-s
+    window ending each second of the measured period (those that start after the load started).
+
+    ``--scenario paused`` (or ``both``, after the steady period, on the same tenant): SIGSTOP one node
+    at the start of its measured period and send the load to the others. A PAUSE, not a partition
+    (loopback has no netns: the paused node neither admits nor gossips, and the others see it suspect,
+    then dead, then reap it). Every process is stopped by pid, also on failure."""
+    with tempfile.TemporaryDirectory(prefix="ratelimit-bench-") as tmp:
+        group = ProcessGroup(Path(a.log_dir) if a.log_dir else Path(tmp) / "logs")
+        with group:
+            return _loopback(a, group, Path(tmp))
+
+
+@dataclass
+class _Shot:
+    t: float  # wall-clock send time
+    node: int
+    status: int
+
+
+def _members(port: int) -> dict[str, str]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/mesh/members")
+        resp = conn.getresponse()
+        raw = resp.read()
+    finally:
+        conn.close()
+    if resp.status != 200:
+        raise RuntimeError(f"/mesh/members on port {port}: HTTP {resp.status}")
+    return {m["name"]: m["state"] for m in json.loads(raw)["members"]}
+
+
+def _wait_mesh(ports: list[int], names: list[str], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if all(_members(p) == dict.fromkeys(names, "alive") for p in ports):
+                return
+        except (OSError, RuntimeError, ValueError, KeyError):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {len(names)} nodes to see each other alive")
+        time.sleep(0.1)
+
+
+def _loopback(a: argparse.Namespace, group: ProcessGroup, tmp: Path) -> list[Figures]:
+    grpc, http_port = free_port(), free_port()
+    engine = [*console_script("smg-mock-engine", "shepherd.mock_engine.cli"), "--zero-latency"]
+    engine += ["--grpc-port", str(grpc), "--http-port", str(http_port)]
+    group.start(ProcSpec("engine", tuple(engine), ready_port=http_port, ready_path="/health"))
+    names = [f"n{i}" for i in range(a.nodes)]
+    http_ports = [free_port() for _ in names]
+    mesh_ports = [free_port() for _ in names]
+    procs: list[ManagedProcess] = []
+    for i, name in enumerate(names):
+        argv = [
+            *console_script("smg-node", "shepherd.node.cli"), "serve",
+            "--host", "127.0.0.1", "--port", str(http_ports[i]),
+            "--worker-urls", f"grpc://127.0.0.1:{grpc}", "--model-id", MODEL,
+            "--tokenizer-workers", "0", "--log-level", "warning",
+            "--rate-limit-rpm", str(a.rpm), "--auth-trust-tenant-header",
+            "--mesh-port", str(mesh_ports[i]), "--mesh-name", name, "--mesh-dev-pki", str(tmp / "pki"),
+        ]  # fmt: skip
+        if i > 0:
+            argv += ["--mesh-seeds", f"127.0.0.1:{mesh_ports[0]}"]
+        spec = ProcSpec(
+            name, tuple(argv), ready_port=http_ports[i], ready_path="/readiness", ready_timeout_s=240
+        )
+        procs.append(group.start(spec))  # one after the other: 2 shared cores
+    _wait_mesh(http_ports, names)
+    _progress(f"{a.nodes} nodes meshed (HTTP ports {http_ports})")
+    steady = a.scenario in ("steady", "both")
+    paused = a.scenario in ("paused", "both")
+    victim = procs[-1]
+    t_load = time.time()
+    start = (math.floor((t_load + a.lb_warmup) / WINDOW) + 1) * WINDOW
+    periods: list[tuple[str, float, float]] = []
+    if steady:
+        periods.append(("loopback: steady, even load", start, start + a.duration))
+    if paused:
+        p0 = periods[-1][2] if periods else start
+        periods.append(("loopback: node paused (SIGSTOP)", p0, p0 + a.duration))
+    pause_at = periods[-1][1] if paused else math.inf
+    shots: list[_Shot] = []
+    notes: list[str] = []
+    try:
+        asyncio.run(_drive(a, http_ports, t_load, periods[-1][2], pause_at, victim, shots, notes))
+    finally:
+        if paused:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim.pid, signal.SIGCONT)  # so that SIGTERM can end it
+    other = [s for s in shots if s.status not in (200, 429)]
+    out: list[Figures] = []
+    for name, p0, p1 in periods:
+        f = _loopback_figures(name, [s.t for s in shots if s.status == 200], a.rpm, t_load, p0, p1)
+        n200 = sum(1 for s in shots if p0 <= s.t < p1 and s.status == 200)
+        n429 = sum(1 for s in shots if p0 <= s.t < p1 and s.status == 429)
+        _progress(f"{name}: {n200} admitted, {n429} refused in [{p0:.0f}, {p1:.0f})")
+        per10 = [
+            sum(1 for s in shots if p0 + b <= s.t < p0 + b + 10 and s.status == 200) / (a.rpm / 6)
+            for b in range(0, int(p1 - p0), 10)
+        ]
+        _progress("  admitted per 10 s ÷ (limit / 6): " + " ".join(f"{x:.2f}" for x in per10))
+        out.append(f)
+    for line in notes:
+        _progress(line)
+    if other:
+        codes = sorted({s.status for s in other})
+        _progress(f"{len(other)} answers neither 200 nor 429 (statuses {codes}; 0: no answer)")
+    return out
+
+
+def _loopback_figures(
+    name: str, admitted: list[float], rpm: int, t_load: float, p0: float, p1: float
+) -> Figures:
+    fixed: list[float] = []
+    w = math.floor(p0 / WINDOW)
+    while w * WINDOW < p1:
+        lo, hi = max(p0, w * WINDOW), min(p1, (w + 1) * WINDOW)
+        if hi - lo >= 1.0:
+            n = sum(1 for t in admitted if lo <= t < hi)
+            fixed.append(n / (rpm * (hi - lo) / WINDOW))
+        w += 1
+    sliding: list[float] = []
+    ts = sorted(admitted)
+    end = math.ceil(max(p0, t_load + WINDOW))
+    while end <= p1:
+        n = bisect.bisect_left(ts, end) - bisect.bisect_left(ts, end - WINDOW)
+        sliding.append(n / rpm)
+        end += 1
+    return Figures(name, fixed, sliding)
+
+
+async def _drive(
+    a: argparse.Namespace,
+    ports: list[int],
+    t0: float,
+    t_end: float,
+    pause_at: float,
+    victim: ManagedProcess,
+    shots: list[_Shot],
+    notes: list[str],
+) -> None:
+    rng = random.Random(a.seed)
+    rate = a.load * a.rpm / WINDOW
+    sem = asyncio.Semaphore(a.concurrency)
+    body = orjson.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 1}
+    )
+    headers = {"content-type": "application/json", "x-smg-tenant": "bench"}
+    live = list(range(len(ports)))
+    tasks: set[asyncio.Task[None]] = set()
+    timeout = aiohttp.ClientTimeout(total=30)
+    conn = aiohttp.TCPConnector(limit=a.concurrency)
+
+    async def one(node: int) -> None:
+        async with sem:
+            t = time.time()
+            try:
+                async with session.post(
+                    f"http://127.0.0.1:{ports[node]}/v1/chat/completions", data=body, headers=headers
+                ) as r:
+                    await r.read()
+                    status = r.status
+            except (TimeoutError, aiohttp.ClientError):
+                status = 0
+            shots.append(_Shot(t, node, status))
+
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+        loop = asyncio.get_running_loop()
+        t_next, k = t0, 0
+        while t_next < t_end:
+            if t_next >= pause_at and len(live) == len(ports):
+                os.kill(victim.pid, signal.SIGSTOP)
+                live.remove(len(ports) - 1)
+                notes.append(f"paused node n{len(ports) - 1} (SIGSTOP) at {time.time():.1f}")
+                tasks.add(asyncio.create_task(_watch(ports[:-1], f"n{len(ports) - 1}", t_end, notes)))
+            await asyncio.sleep(max(0.0, t_next - time.time()))
+            task = loop.create_task(one(live[k % len(live)]))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            k += 1
+            t_next += rng.expovariate(rate)
+        if tasks:
+            await asyncio.wait(tasks, timeout=60)
+
+
+async def _watch(ports: list[int], name: str, t_end: float, notes: list[str]) -> None:
+    """Note when the other nodes first list the paused node as suspect, dead, or no longer."""
+    seen: dict[tuple[int, str], float] = {}
+    while time.time() < t_end:
+        for p in ports:
+            try:
+                st = (await asyncio.to_thread(_members, p)).get(name, "gone")
+            except (OSError, RuntimeError, ValueError, KeyError):
+                continue
+            if (p, st) not in seen:
+                seen[(p, st)] = time.time()
+                notes.append(f"  node on port {p} lists {name} {st} at {seen[(p, st)]:.1f}")
+        await asyncio.sleep(0.5)
 
 
 def _row(f: Figures) -> str:
@@ -206,26 +427,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=3)
     p.add_argument("--rpm", type=int, default=600)
     p.add_argument("--load", type=float, default=2.0, help="offered load ÷ the limit")
-    p.add_argument("--duration", type=float, default=60.0, help="measured seconds (simulated)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=60.0,
+        help="measured seconds (simulated; real, per scenario, on loopback)",
+    )
     p.add_argument("--warmup", type=float, default=120.0, help="seconds before measuring (simulated)")
     p.add_argument("--gossip", type=float, default=0.2, help="gossip interval, seconds")
     p.add_argument("--seed", type=int, default=1)
+    lb = p.add_argument_group("loopback (--target loopback)")
+    lb.add_argument("--scenario", choices=["steady", "paused", "both"], default="both")
+    lb.add_argument("--concurrency", type=int, default=64, help="requests in flight at most")
+    lb.add_argument(
+        "--lb-warmup", type=float, default=60.0, help="seconds of load before the measured period"
+    )
+    lb.add_argument("--log-dir", help="keep the processes' logs here")
     a = p.parse_args(argv)
     if a.target == "loopback":
-        try:
-            figs = run_loopback(a)
-        except NotImplementedError as e:
-            print(f"ratelimit_bench: {e}", file=sys.stderr)
-            return 2
+        figs = run_loopback(a)
     else:
         t0 = time.process_time()
         figs = run_sim(a)
         extra = run_tokens_and_concurrency(a)
         sim_cpu = time.process_time() - t0
-    print(
-        f"mesh rate limits: {a.nodes} nodes, rpm {a.rpm} (window {WINDOW:.0f} s), load {a.load}x the limit, "
-        f"gossip every {a.gossip} s, τ 1 s; measured {a.duration:.0f} s after {a.warmup:.0f} s"
-    )
+    if a.target == "sim":
+        print(
+            f"mesh rate limits: {a.nodes} nodes, rpm {a.rpm} (window {WINDOW:.0f} s), load {a.load}x the "
+            f"limit, gossip every {a.gossip} s, τ 1 s; measured {a.duration:.0f} s after {a.warmup:.0f} s"
+        )
+    else:
+        print(
+            f"mesh rate limits on loopback: {a.nodes} smg-node processes + 1 mock engine, rpm {a.rpm} "
+            f"(window {WINDOW:.0f} s, wall-clock aligned), load {a.load}x the limit spread over the nodes; "
+            f"measured {a.duration:.0f} s per scenario, from a window boundary"
+        )
     print("admitted ÷ limit                  fixed windows   sliding 60-s windows, every second")
     print(f"{'scenario':<32} {'mean':>6} {'worst':>6}   {'mean':>6} {'worst':>6} {'min':>6}")
     for f in figs:

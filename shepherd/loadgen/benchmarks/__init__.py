@@ -16,6 +16,7 @@ MODULES = (
     "shepherd.loadgen.benchmarks.gateway",
     "shepherd.loadgen.benchmarks.routing",
     "shepherd.loadgen.benchmarks.mesh",
+    "shepherd.loadgen.benchmarks.ratelimit",
 )
 
 
