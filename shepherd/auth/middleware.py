@@ -49,6 +49,8 @@ from shepherd.auth.keys import (
     principal_for,
 )
 from shepherd.auth.principal import ANONYMOUS, PRINCIPAL_KEY, Principal
+from shepherd.node.api_common import error_response
+from shepherd.node.openai_protocol import ApiError
 
 log = logging.getLogger("shepherd.auth")
 
@@ -71,10 +73,6 @@ class AuthFailure(Exception):
         self.presented = presented  # a credential was sent (RFC 6750: error="invalid_token")
 
     def response(self) -> web.Response:
-        typ = _TYPES.get(self.status, "invalid_request_error")
-        body = orjson.dumps(
-            {"error": {"message": self.message, "type": typ, "param": None, "code": self.code}}
-        )
         headers = {}
         if self.status == 401:
             headers["WWW-Authenticate"] = (
@@ -82,7 +80,8 @@ class AuthFailure(Exception):
                 if self.presented
                 else 'Bearer realm="shepherd"'
             )
-        return web.Response(status=self.status, body=body, content_type="application/json", headers=headers)
+        typ = _TYPES.get(self.status, "invalid_request_error")
+        return error_response(ApiError(self.status, self.message, type=typ, code=self.code, headers=headers))
 
 
 def plane_of(route: str | None, metrics_protected: bool) -> Plane:

@@ -502,9 +502,6 @@ class RateLimiter:
             ks.published = (e.win, e.prev[AREQ], e.cur[AREQ], e.prev[ATOK], e.cur[ATOK])
         return out or None
 
-    def pending_delta(self) -> int:
-        return len(self._dirty)
-
     def apply_delta(self, delta: Any) -> None:
         """Merge entries from a peer (a delta, a snapshot or a diff alike). The whole input is validated
         first: anything malformed raises ``ValueError`` and nothing is merged."""

@@ -38,8 +38,9 @@ class RateLimited(ApiError):
     """A 429 in OpenAI's shape; ``headers`` go on the response (Retry-After, x-ratelimit-*)."""
 
     def __init__(self, message: str, headers: dict[str, str]) -> None:
-        super().__init__(429, message, type="rate_limit_exceeded", code="rate_limit_exceeded")
-        self.headers = headers
+        super().__init__(
+            429, message, type="rate_limit_exceeded", code="rate_limit_exceeded", headers=headers
+        )
 
 
 def quota_headers(q: Quota) -> dict[str, str]:
@@ -243,7 +244,7 @@ class Admission:
         try:
             ticket = self.admit(principal_of(request), model, prompt_tokens, sampling.max_tokens, completions)
         except RateLimited as e:
-            return error_response(e, e.headers)
+            return error_response(e)
         if ticket is UNLIMITED:
             return await run()
         request[TICKET_KEY] = ticket

@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import orjson
 from aiohttp import web
 
-from shepherd.node.api_common import GATEWAY, read_json
+from shepherd.node.api_common import GATEWAY, json_response, read_json
 from shepherd.node.config import ConfigError, check_worker_url
 from shepherd.node.gateway import Gateway
 from shepherd.node.openai_protocol import ApiError, bad
 from shepherd.node.tokenizer import ChatTemplateError
-
-
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -32,7 +25,7 @@ async def list_models(request: web.Request) -> web.Response:
         }
         for name, mc in gw.models.items()
     ]
-    return _json({"object": "list", "data": data})
+    return json_response({"object": "list", "data": data})
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -59,7 +52,7 @@ async def tokenize(request: web.Request) -> web.Response:
         if not isinstance(prompt, str):
             raise bad("'prompt' (a string) or 'messages' is required.", param="prompt")
         ids = await gw.tokenizers.encode(model, prompt, add_special)
-    return _json({"tokens": ids, "count": len(ids), "max_model_len": gw.context_length(model)})
+    return json_response({"tokens": ids, "count": len(ids), "max_model_len": gw.context_length(model)})
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -75,7 +68,7 @@ async def detokenize(request: web.Request) -> web.Response:
     skip = d.get("skip_special_tokens", False)
     if not isinstance(skip, bool):
         raise bad("'skip_special_tokens' must be a boolean.", param="skip_special_tokens")
-    return _json({"prompt": tok.decode(toks, skip_special_tokens=skip)})
+    return json_response({"prompt": tok.decode(toks, skip_special_tokens=skip)})
 
 
 def _any_healthy(gw: Gateway) -> bool:
@@ -83,16 +76,16 @@ def _any_healthy(gw: Gateway) -> bool:
 
 
 async def liveness(request: web.Request) -> web.Response:
-    return _json({"status": "alive"})
+    return json_response({"status": "alive"})
 
 
 async def readiness(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
     if gw.draining:
-        return _json({"status": "draining"}, 503)
+        return json_response({"status": "draining"}, 503)
     if not _any_healthy(gw):
-        return _json({"status": "no healthy worker"}, 503)
-    return _json({"status": "ready"})
+        return json_response({"status": "no healthy worker"}, 503)
+    return json_response({"status": "ready"})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -107,7 +100,7 @@ async def health(request: web.Request) -> web.Response:
             "healthy": sum(w.health.healthy for w in gw.registry.workers.values()),
         },
     }
-    return _json(body, 200 if healthy else 503)
+    return json_response(body, 200 if healthy else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -119,7 +112,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def list_workers(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
-    return _json({"workers": [w.describe() for w in gw.registry.workers.values()]})
+    return json_response({"workers": [w.describe() for w in gw.registry.workers.values()]})
 
 
 async def add_worker(request: web.Request) -> web.Response:
@@ -149,7 +142,7 @@ async def add_worker(request: web.Request) -> web.Response:
         )
     existed = known is not None
     w = await gw.registry.add(url, model)
-    return _json(w.describe(), 200 if existed else 201)
+    return json_response(w.describe(), 200 if existed else 201)
 
 
 async def get_worker(request: web.Request) -> web.Response:
@@ -157,7 +150,7 @@ async def get_worker(request: web.Request) -> web.Response:
     w = gw.registry.find(request.match_info["worker_id"])
     if w is None:
         raise ApiError(404, "No such worker.", code="worker_not_found")
-    return _json(w.describe())
+    return json_response(w.describe())
 
 
 async def delete_worker(request: web.Request) -> web.Response:
@@ -167,7 +160,7 @@ async def delete_worker(request: web.Request) -> web.Response:
     if w is None:
         raise ApiError(404, "No such worker.", code="worker_not_found")
     await gw.registry.remove(w.id)
-    return _json({"deleted": w.id, "url": w.url})
+    return json_response({"deleted": w.id, "url": w.url})
 
 
 def routes() -> list[web.RouteDef]:

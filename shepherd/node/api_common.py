@@ -57,8 +57,15 @@ async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict[str, 
     return raw, parse_json_body(raw)
 
 
-def error_response(err: ApiError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=err.status, body=err.body(), content_type="application/json", headers=headers)
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
+
+
+def error_response(err: ApiError) -> web.Response:
+    """The error in the OpenAI envelope, with the headers it carries."""
+    return web.Response(
+        status=err.status, body=err.body(), content_type="application/json", headers=err.headers or None
+    )
 
 
 @web.middleware
@@ -76,8 +83,7 @@ async def error_middleware(
     except ApiError as e:
         status = e.status
         gw.metrics.errors.labels(path, e.code or e.type).inc()
-        extra = getattr(e, "headers", None)  # e.g. a 429's Retry-After and x-ratelimit-*
-        return error_response(e, dict(extra) if isinstance(extra, dict) else None)
+        return error_response(e)
     except EngineError as e:
         status = 504 if e.code == "engine_timeout" else 400 if e.code == "invalid_request" else 502
         gw.metrics.errors.labels(path, e.code).inc()

@@ -13,20 +13,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from shepherd.auth import middleware as auth
 from shepherd.auth.keys import KeyStore, create_key
 from shepherd.auth.principal import principal_of
-from shepherd.node.api_common import GATEWAY, read_json
+from shepherd.node.api_common import GATEWAY, json_response, read_json
 from shepherd.node.openai_protocol import ApiError, bad
 
 MAX_NAME = 200
-
-
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
 
 def _opt_str(d: dict[str, Any], key: str) -> str | None:
@@ -85,26 +80,26 @@ async def create(request: web.Request) -> web.Response:
         prefix=state.cfg.key_prefix,
         now=now,
     )
-    return _json({**rec.public(), "key": key, "created_by": principal_of(request).subject}, 201)
+    return json_response({**rec.public(), "key": key, "created_by": principal_of(request).subject}, 201)
 
 
 async def list_keys(request: web.Request) -> web.Response:
     state = request.app[auth.AUTH]
-    return _json({"object": "list", "data": [r.public() for r in state.store.records()]})
+    return json_response({"object": "list", "data": [r.public() for r in state.store.records()]})
 
 
 async def get_key(request: web.Request) -> web.Response:
     rec = request.app[auth.AUTH].store.get(request.match_info["key_id"])
     if rec is None:
         raise ApiError(404, "No such API key.", code="key_not_found")
-    return _json(rec.public())
+    return json_response(rec.public())
 
 
 async def revoke(request: web.Request) -> web.Response:
     rec = request.app[auth.AUTH].store.revoke(request.match_info["key_id"])
     if rec is None:
         raise ApiError(404, "No such API key.", code="key_not_found")
-    return _json(rec.public())
+    return json_response(rec.public())
 
 
 def routes() -> list[web.RouteDef]:

@@ -22,11 +22,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import orjson
 from aiohttp import web
 from prometheus_client import Histogram
 
 from shepherd.mesh.swim_types import MemberState
+from shepherd.node.api_common import json_response
 from shepherd.node.mesh_node import RATE_LIMIT_COMPONENT, MeshNode
 from shepherd.node.metrics import counter, gauge
 from shepherd.node.openai_protocol import ApiError
@@ -34,10 +34,6 @@ from shepherd.node.openai_protocol import ApiError
 MESH: web.AppKey[MeshNode] = web.AppKey("mesh", MeshNode)
 
 LAG_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-
-
-def _json(data: Any) -> web.Response:
-    return web.Response(body=orjson.dumps(data), content_type="application/json")
 
 
 def _mesh(request: web.Request) -> MeshNode:
@@ -51,11 +47,11 @@ def _mesh(request: web.Request) -> MeshNode:
 
 async def members(request: web.Request) -> web.Response:
     mesh = _mesh(request)
-    return _json({"node": mesh.name, "members": mesh.members()})
+    return json_response({"node": mesh.name, "members": mesh.members()})
 
 
 async def state(request: web.Request) -> web.Response:
-    return _json(describe(_mesh(request)))
+    return json_response(describe(_mesh(request)))
 
 
 def routes() -> list[web.RouteDef]:

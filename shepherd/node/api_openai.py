@@ -33,7 +33,7 @@ from shepherd.node.gateway import EngineStream, Gateway
 from shepherd.node.openai_protocol import ApiError, Sampling, bad, parse_chat, parse_completion
 from shepherd.node.output import ChoiceState, LogprobFormatter
 from shepherd.node.sse import DONE, ChatChunks, CompletionChunks, error_event, usage
-from shepherd.node.structured import ConstrainedSamplingParams, Constraint, Violation, header_value
+from shepherd.node.structured import Constraint, Violation, header_value
 from shepherd.node.tokenizer import ChatTemplateError, Tokenizer
 from shepherd.node.tool_choice import template_tools
 
@@ -45,9 +45,7 @@ def engine_sampling(
 ) -> SamplingParams:
     kind = constraint.kind if constraint is not None else ""
     value = constraint.value if constraint is not None else None
-    cls = ConstrainedSamplingParams if kind == "structural_tag" else SamplingParams
-    extra = {"structural_tag": value} if kind == "structural_tag" else {}
-    return cls(
+    return SamplingParams(
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
@@ -68,7 +66,7 @@ def engine_sampling(
         json_schema=value if kind == "json_schema" else None,
         regex=value if kind == "regex" else None,
         ebnf=value if kind == "ebnf" else None,
-        **extra,
+        structural_tag=value if kind == "structural_tag" else None,
     )
 
 

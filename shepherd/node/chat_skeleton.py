@@ -355,9 +355,9 @@ class SkeletonCache:
         if rec.tainted:
             return _REFUSED
         pieces = parse_skeleton(out)
-        skel = Skeleton(pieces or [], rec.guards, rec.refs)
         if pieces is None or any(type(p) is int and p >= len(rec.refs) for p in pieces):
             return _REFUSED
+        skel = Skeleton(pieces, rec.guards, rec.refs)
         if fill(pieces, skel.values(contents)) != text:
             return _REFUSED
         for synthetic in _SYNTHETIC:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import random
 import ssl
 import struct
 import urllib.parse
@@ -30,6 +29,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vl
 from smg_grpc_proto.generated import common_pb2
 
 from shepherd.node import h2_conn as h2
+from shepherd.node.backoff import Backoff
 from shepherd.node.engine_grpc import map_rpc_error
 from shepherd.node.engine_types import (
     EngineError,
@@ -282,40 +282,6 @@ class GrpcStream(h2.H2Stream):
     def on_connection_error(self, message: str, unprocessed: bool) -> None:
         self.unprocessed = unprocessed and not self._headers_seen and not self.messages
         self._finish(UNAVAILABLE, message)
-
-
-class Backoff:
-    """Exponential back-off between failed connection attempts (pure: the caller passes ``now``)."""
-
-    def __init__(
-        self,
-        initial: float = 0.1,
-        maximum: float = 5.0,
-        multiplier: float = 2.0,
-        jitter: float = 0.2,
-        rand: Callable[[], float] = random.random,
-    ) -> None:
-        self.initial = initial
-        self.maximum = maximum
-        self.multiplier = multiplier
-        self.jitter = jitter
-        self._rand = rand
-        self._delay = initial
-        self.until = 0.0
-
-    def ready(self, now: float) -> bool:
-        return now >= self.until
-
-    def failed(self, now: float) -> float:
-        """Record a failed attempt; returns when the next attempt may start."""
-        d = self._delay * (1.0 + self.jitter * (2.0 * self._rand() - 1.0))
-        self._delay = min(self.maximum, self._delay * self.multiplier)
-        self.until = now + d
-        return self.until
-
-    def succeeded(self) -> None:
-        self._delay = self.initial
-        self.until = 0.0
 
 
 def parse_target(target: str) -> tuple[str, int, str | None]:

@@ -59,6 +59,7 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

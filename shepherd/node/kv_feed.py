@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Any, Literal, Protocol
 
+from shepherd.node.backoff import Backoff
 from shepherd.node.engine_types import (
     EngineError,
     EngineLoad,
@@ -275,24 +276,6 @@ class BackoffConfig:
     jitter: float = 0.2  # each delay is scaled by a factor in [1 - jitter, 1 + jitter]
 
 
-class Backoff:
-    """Exponential back-off with jitter (pure: no clock, returns the delay to wait)."""
-
-    def __init__(self, cfg: BackoffConfig, rand: Callable[[], float] = random.random) -> None:
-        self.cfg = cfg
-        self._rand = rand
-        self._delay = cfg.initial_s
-
-    def next_delay(self) -> float:
-        c = self.cfg
-        d = self._delay * (1.0 + c.jitter * (2.0 * self._rand() - 1.0))
-        self._delay = min(c.max_s, self._delay * c.multiplier)
-        return min(d, c.max_s * (1.0 + c.jitter))
-
-    def reset(self) -> None:
-        self._delay = self.cfg.initial_s
-
-
 class KvFeed:
     """The subscriptions of one node, one task per worker."""
 
@@ -362,7 +345,8 @@ class KvFeed:
     async def _run(
         self, state: WorkerKvState, source: KvSource, on_load: Callable[[EngineLoad], None] | None
     ) -> None:
-        backoff = Backoff(self.backoff, self.rand)
+        c = self.backoff
+        backoff = Backoff(c.initial_s, c.max_s, c.multiplier, c.jitter, self.rand)
         asked_capacity = False
         while True:  # until cancelled by stop()
             start = state.cursor.resume_from()
@@ -377,7 +361,7 @@ class KvFeed:
                     async for batch in stream:
                         state.stats.records += 1
                         if not batch.load_only:  # events flow: a later failure starts the back-off afresh
-                            backoff.reset()
+                            backoff.succeeded()
                         if batch.load is not None and on_load is not None:
                             on_load(batch.load)
                         if state.apply(batch) == "resubscribe":
@@ -403,7 +387,7 @@ class KvFeed:
                 )
                 continue
             state.stats.failures += 1
-            delay = backoff.next_delay()
+            delay = backoff.failed(0.0)  # the delay: pure, no clock here
             log.debug("worker %s: KV event stream %s; again in %.2fs", state.worker, why, delay)
             await self.sleep(delay)
 

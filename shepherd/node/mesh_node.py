@@ -351,6 +351,13 @@ class RegistryBridge:
         if wid not in self._tasks:
             self._tasks[wid] = asyncio.get_running_loop().create_task(self._reconcile(wid))
 
+    def resume_leftovers(self) -> None:
+        """Reschedule workers still dirty after their task used up its rounds (called every tick):
+        rounds stay bounded per task, and no change is left behind."""
+        for wid in list(self._dirty):
+            if wid not in self._tasks:
+                self.schedule(wid)
+
     def sync_all(self) -> None:
         """Reconcile every worker either side knows (after a start or a full sync)."""
         for wid in {r.id for r in self.state.workers()} | set(self.registry.workers):
@@ -465,7 +472,6 @@ class MeshNode:
         self.state.on_worker_added.append(self._observe_lag)
         self.state.on_worker_removed.append(self._observe_lag)
         self.runtime: MeshRuntime | None = None
-        self.started_at = 0.0
         self.index_datagrams_out = 0
         self.join_transfers = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -484,7 +490,6 @@ class MeshNode:
         )
         await rt.start()
         self.runtime = rt
-        self.started_at = time.time()
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._every(TICK_S, self.tick), name="mesh-tick"),
@@ -527,6 +532,7 @@ class MeshNode:
 
     def tick(self) -> None:
         self.state.tick()
+        self.bridge.resume_leftovers()
         self.bridge.publish_health()
         self._update_limiter()
 

@@ -7,6 +7,7 @@ answers bad input with a 500.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -37,6 +39,7 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers: dict[str, str] = dict(headers or {})  # e.g. Retry-After, WWW-Authenticate
 
     def envelope(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

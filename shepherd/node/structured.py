@@ -27,13 +27,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
-from shepherd.node.engine_types import SamplingParams
-
 if TYPE_CHECKING:
     from jsonschema.protocols import Validator
 
 __all__ = [
-    "ConstrainedSamplingParams",
     "Constraint",
     "OutputChecks",
     "Violation",
@@ -48,14 +45,6 @@ ConstraintKind = Literal["json_schema", "regex", "ebnf", "structural_tag"]
 class Constraint:
     kind: ConstraintKind
     value: str
-
-
-@dataclass(frozen=True, slots=True)
-class ConstrainedSamplingParams(SamplingParams):
-    """``SamplingParams`` plus the structural-tag constraint both engines accept
-    (engine_codec reads it by name; to move into ``SamplingParams`` itself)."""
-
-    structural_tag: str | None = None
 
 
 def _dumps(value: Any) -> str:

@@ -30,12 +30,6 @@ SGLANG_SERVICE = "sglang.grpc.scheduler.SglangScheduler"
 VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
 
 
-def _structural_tag(p: SamplingParams) -> str | None:
-    """The structural-tag constraint, carried by ``ConstrainedSamplingParams`` (structured.py)."""
-    tag = getattr(p, "structural_tag", None)
-    return tag if isinstance(tag, str) else None
-
-
 @functools.lru_cache(maxsize=4096)
 def sglang_sampling(p: SamplingParams) -> sg.SamplingParams:
     """Cached per distinct parameters (frozen, hashable); callers copy it into their request."""
@@ -68,8 +62,8 @@ def sglang_sampling(p: SamplingParams) -> sg.SamplingParams:
         sp.regex = p.regex
     elif p.ebnf is not None:
         sp.ebnf_grammar = p.ebnf
-    elif (tag := _structural_tag(p)) is not None:
-        sp.structural_tag = tag
+    elif p.structural_tag is not None:
+        sp.structural_tag = p.structural_tag
     if p.seed is not None:
         sp.custom_params.update({"seed": p.seed})
     return sp
@@ -125,8 +119,8 @@ def vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.Sa
         sp.regex = p.regex
     elif p.ebnf is not None:
         sp.grammar = p.ebnf
-    elif (tag := _structural_tag(p)) is not None:
-        sp.structural_tag = tag
+    elif p.structural_tag is not None:
+        sp.structural_tag = p.structural_tag
     return sp
 
 

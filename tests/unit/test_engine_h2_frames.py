@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shepherd.node import h2_conn as h2
+from shepherd.node.backoff import Backoff
 from shepherd.node.engine_grpc import map_rpc_error
 from shepherd.node.engine_h2 import (
     CANCELLED,
@@ -22,7 +23,6 @@ from shepherd.node.engine_h2 import (
     UNAVAILABLE,
     UNIMPLEMENTED,
     UNKNOWN,
-    Backoff,
     GrpcStream,
     grpc_message,
     map_status,

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto.generated import common_pb2
 
+from shepherd.node.backoff import Backoff
 from shepherd.node.engine_types import (
     EngineLoad,
     EngineUnavailable,
@@ -21,7 +22,6 @@ from shepherd.node.engine_types import (
     ServerInfo,
 )
 from shepherd.node.kv_feed import (
-    Backoff,
     BackoffConfig,
     KvCursor,
     KvFeed,
@@ -235,8 +235,8 @@ def test_backoff_jitter_stays_in_its_band() -> None:
     import random
 
     rng = random.Random(7)
-    b = Backoff(BackoffConfig(initial_s=1.0, max_s=4.0, jitter=0.25), rng.random)
-    ds = [b.next_delay() for _ in range(50)]
+    b = Backoff(initial=1.0, maximum=4.0, jitter=0.25, rand=rng.random)
+    ds = [b.failed(0.0) for _ in range(50)]
     assert all(0.75 <= x <= 5.0 for x in ds) and 0.75 <= ds[0] <= 1.25
 
 

@@ -167,6 +167,24 @@ async def test_added_anywhere_is_added_everywhere_without_echo() -> None:
     assert b.state.worker(worker_id(W1)).owner == "a"  # type: ignore[union-attr]
 
 
+async def test_a_change_left_dirty_after_the_bounded_rounds_is_resumed_on_tick() -> None:
+    clock = Clock()
+    a, b = node("a", clock), node("b", clock)
+    meet(a, b)
+    await a.api_add(W1)
+    for p in a.state.outgoing_batches(1100):
+        b.state.apply(p, "a")
+    wid = worker_id(W1)
+    for _ in range(20):  # let b's task finish, then mark the worker dirty with no task to take it
+        await asyncio.sleep(0)
+    b.reg.workers.pop(wid)  # out of step with the mesh, as if the rounds ran out mid-change
+    b.bridge._dirty.add(wid)
+    assert not b.bridge.busy and W1 not in urls(b)
+    b.bridge.resume_leftovers()
+    await settle(a, b)
+    assert urls(b) == {W1}
+
+
 async def test_removed_anywhere_is_removed_everywhere() -> None:
     clock = Clock()
     a, b, c = node("a", clock), node("b", clock), node("c", clock)
