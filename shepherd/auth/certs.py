@@ -6,11 +6,14 @@ A node's identity is its *name*, carried in its certificate as a URI SAN
 
 ``generate_ca`` / ``generate_node_cert`` are for development and tests (EC P-256, ECDSA-SHA256);
 production deployments bring their own CA and only use the context builders and ``peer_identity``.
+``generate_client_cert`` makes client certificates for the client port's mTLS identities
+(``shepherd.auth.client_cert``: CN, OU, O and SANs as a rule matches them).
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 import os
 import re
@@ -33,10 +36,12 @@ __all__ = [
     "certificate_identity",
     "client_context",
     "generate_ca",
+    "generate_client_cert",
     "generate_node_cert",
     "identity_uri",
     "load_ca",
     "peer_identity",
+    "pem_fingerprint",
     "server_context",
     "validate_node_name",
     "write_dev_pki",
@@ -188,6 +193,72 @@ def generate_node_cert(
         .sign(ca_key, hashes.SHA256())
     )
     return PemPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+
+def generate_client_cert(
+    ca: PemPair,
+    common_name: str,
+    *,
+    ous: Sequence[str] = (),
+    org: str | None = None,
+    dns_names: Sequence[str] = (),
+    uris: Sequence[str] = (),
+    emails: Sequence[str] = (),
+    days: int = 365,
+) -> PemPair:
+    """A TLS client certificate (extended key usage clientAuth only) signed by ``ca``: subject CN
+    ``common_name`` with the organizational units ``ous`` and organization ``org``, SANs as given."""
+    ca_cert, ca_key = load_ca(ca)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = _now()
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    if org is not None:
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+    attrs.extend(x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, ou) for ou in ous)
+    sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns_names]
+    sans.extend(x509.UniformResourceIdentifier(u) for u in uris)
+    sans.extend(x509.RFC822Name(e) for e in emails)
+    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name(attrs))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=True,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
+    )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
+    return PemPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+
+
+def pem_fingerprint(cert_pem: bytes) -> str:
+    """Lowercase hex SHA-256 of a PEM certificate's DER form (``auth.client_cert.fingerprints`` keys)."""
+    try:
+        der = x509.load_pem_x509_certificate(cert_pem).public_bytes(serialization.Encoding.DER)
+    except ValueError as e:
+        raise CertError(f"no usable certificate: {e}") from None
+    return hashlib.sha256(der).hexdigest()
 
 
 def _write(path: Path, data: bytes, *, private: bool) -> None:

@@ -11,6 +11,17 @@ YAML (a mapping under ``auth``)::
       keys:                                 # more bootstrap keys, any role
         - {name: batch, role: user, tenant: team-a, sha256: <hex>, models: [qwen3]}
       trust_tenant_header: false           # x-smg-tenant sets the tenant (see ``Authenticator``)
+      client_cert:                          # mTLS identities (TLS on the client port + tls_client_ca_file)
+        verify: required                    # required | optional: a client may connect without one
+        rules:                              # first match wins; every field given must match
+          - {ou: fleet-admins, role: admin}   # globs on cn, ou, o, dns_san, uri_san, email_san
+          - {cn: "batch-*", role: user, tenant: batch}
+        fingerprints:                       # SHA-256 of the DER certificate (colons allowed) -> rule
+          "9f:86:...": {role: admin, name: ci}
+        default_role: null                  # role of a verified certificate no rule matches (null: none)
+        subject: cn                         # the principal's subject: a field above, or fingerprint
+        tenant_from: null                   # o | ou | cn: the tenant when the rule names none
+        prefer: certificate                 # certificate | credential (see shepherd.auth.client_cert)
       jwt:
         issuer: https://login.example.com   # expected ``iss``; its discovery document gives the JWKS
         audience: [smg]
@@ -20,7 +31,8 @@ YAML (a mapping under ``auth``)::
         role_claim: role                    # a string or a list; admin when it holds one of admin_roles
         tenant_claim: tenant
 
-CLI: ``--auth-X`` sets ``auth.X`` and ``--jwt-X`` sets ``auth.jwt.X`` (see ``add_arguments``).
+CLI: ``--auth-X`` sets ``auth.X``, ``--jwt-X`` sets ``auth.jwt.X`` and ``--client-cert-X`` sets
+``auth.client_cert.X`` (scalars only: rules and fingerprints come from the YAML; see ``add_arguments``).
 """
 
 from __future__ import annotations
@@ -93,6 +105,51 @@ class JwtConfig:
         return bool(self.public_key_files) or bool(self.hmac_secret_env)
 
 
+CertField = Literal["cn", "ou", "o", "dns_san", "uri_san", "email_san", "fingerprint"]
+CERT_FIELDS: tuple[CertField, ...] = ("cn", "ou", "o", "dns_san", "uri_san", "email_san", "fingerprint")
+CERT_PATTERN_FIELDS: tuple[CertField, ...] = ("cn", "ou", "o", "dns_san", "uri_san", "email_san")
+CertVerify = Literal["required", "optional"]
+CertPrefer = Literal["certificate", "credential"]
+
+
+@dataclass(frozen=True, slots=True)
+class CertRule:
+    """Which verified client certificates get which principal. Every matcher given must match (globs,
+    ``fnmatch`` case-sensitive, against any of the certificate's values of that field; the fingerprint
+    exactly); a rule without a matcher is refused."""
+
+    role: Role = "user"
+    tenant: str | None = None  # None: ``client_cert.tenant_from``, else the default tenant (unbound)
+    name: str | None = None  # the principal's subject (default: the ``client_cert.subject`` field)
+    fingerprint: str | None = None  # lowercase hex SHA-256 of the DER certificate
+    cn: str | None = None
+    ou: str | None = None
+    o: str | None = None
+    dns_san: str | None = None
+    uri_san: str | None = None
+    email_san: str | None = None
+
+    def matchers(self) -> list[tuple[CertField, str]]:
+        return [(f, v) for f in CERT_FIELDS if (v := getattr(self, f)) is not None]
+
+
+@dataclass(frozen=True, slots=True)
+class ClientCertConfig:
+    """Client certificates on the client port (mTLS) and their mapping to principals."""
+
+    verify: CertVerify = "required"  # with tls_client_ca_file: required, or optional (checked if sent)
+    rules: tuple[CertRule, ...] = ()  # the ``fingerprints`` map first, then ``rules``, in order
+    default_role: Role | None = None  # a verified certificate no rule matches: this role (None: no login)
+    subject: CertField = "cn"  # where the principal's subject comes from (else the fingerprint)
+    tenant_from: Literal["cn", "ou", "o"] | None = None  # a subject attribute naming the tenant
+    prefer: CertPrefer = "certificate"  # with a bearer credential too: which one names the caller
+
+    @property
+    def enabled(self) -> bool:
+        """Certificates can authenticate someone."""
+        return bool(self.rules) or self.default_role is not None
+
+
 @dataclass(frozen=True, slots=True)
 class AuthConfig:
     data_plane: AuthMode = "off"
@@ -104,6 +161,7 @@ class AuthConfig:
     max_credential_bytes: int = 8192
     key_prefix: str = "sk-smg-"
     jwt: JwtConfig = field(default_factory=JwtConfig)
+    client_cert: ClientCertConfig = field(default_factory=ClientCertConfig)
 
     @property
     def enabled(self) -> bool:
@@ -199,6 +257,111 @@ def _jwt(raw: Any) -> JwtConfig:
     return cfg
 
 
+_HEX64_COLONS = re.compile(r"^(?:[0-9a-f]{2}:){31}[0-9a-f]{2}$")
+
+
+def normalize_fingerprint(v: Any, what: str = "fingerprint") -> str:
+    """A SHA-256 fingerprint as 64 lowercase hex digits (``AB:CD:...`` and ``abcd...`` accepted)."""
+    if isinstance(v, str):
+        s = v.strip().lower()
+        if _HEX64_COLONS.match(s):
+            s = s.replace(":", "")
+        if _HEX64.match(s):
+            return s
+    raise AuthConfigError(f"{what} must be a SHA-256 fingerprint (64 hex digits, colons allowed)")
+
+
+def _role(v: Any, what: str) -> Role:
+    if v not in ROLES:
+        raise AuthConfigError(f"{what} must be 'admin' or 'user'")
+    return cast(Role, v)
+
+
+def _opt_name(v: Any, what: str) -> str | None:
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v or len(v) > 128 or not v.isprintable():
+        raise AuthConfigError(f"{what} must be a printable string of 1 to 128 characters")
+    return v
+
+
+def _cert_rule(raw: Any, what: str) -> CertRule:
+    if not isinstance(raw, Mapping):
+        raise AuthConfigError(f"{what} must be a mapping")
+    known = {f.name for f in dataclasses.fields(CertRule)}
+    if unknown := set(raw) - known:
+        raise AuthConfigError(f"unknown keys in {what}: {sorted(unknown)}")
+    pats: dict[str, str] = {}
+    for f in CERT_PATTERN_FIELDS:
+        v = raw.get(f)
+        if v is not None:
+            if not isinstance(v, str) or not v:
+                raise AuthConfigError(f"{what}.{f} must be a non-empty string (a glob pattern)")
+            pats[f] = v
+    fp = raw.get("fingerprint")
+    rule = CertRule(
+        role=_role(raw.get("role", "user"), f"{what}.role"),
+        tenant=_opt_name(raw.get("tenant"), f"{what}.tenant"),
+        name=_opt_name(raw.get("name"), f"{what}.name"),
+        fingerprint=None if fp is None else normalize_fingerprint(fp, f"{what}.fingerprint"),
+        **pats,
+    )
+    if not rule.matchers():
+        raise AuthConfigError(
+            f"{what} matches nothing: give fingerprint, cn, ou, o, dns_san, uri_san or email_san"
+        )
+    return rule
+
+
+def _client_cert(raw: Any) -> ClientCertConfig:
+    if isinstance(raw, ClientCertConfig):
+        return raw
+    if raw is None:
+        return ClientCertConfig()
+    if not isinstance(raw, Mapping):
+        raise AuthConfigError("auth.client_cert must be a mapping")
+    known = {f.name for f in dataclasses.fields(ClientCertConfig)} | {"fingerprints"}
+    if unknown := set(raw) - known:
+        raise AuthConfigError(f"unknown keys in auth.client_cert: {sorted(unknown)}")
+    fps = raw.get("fingerprints") or {}
+    if not isinstance(fps, Mapping):
+        raise AuthConfigError("auth.client_cert.fingerprints must map fingerprints to {role, tenant, name}")
+    rules = []
+    for fp, r in fps.items():
+        what = "auth.client_cert.fingerprints entry"
+        if r is not None and not isinstance(r, Mapping):
+            raise AuthConfigError(f"{what} {str(fp)[:20]!r}: expected {{role, tenant, name}}")
+        extra = set(r or {}) - {"role", "tenant", "name"}
+        if extra:
+            raise AuthConfigError(f"{what} {str(fp)[:20]!r}: unknown keys {sorted(extra)}")
+        rules.append(_cert_rule({**(r or {}), "fingerprint": fp}, what))
+    raw_rules = raw.get("rules") or ()
+    if not isinstance(raw_rules, list | tuple):
+        raise AuthConfigError("auth.client_cert.rules must be a list")
+    rules.extend(_cert_rule(r, f"auth.client_cert.rules[{i}]") for i, r in enumerate(raw_rules))
+    verify = raw.get("verify", "required")
+    if verify not in ("required", "optional"):
+        raise AuthConfigError("auth.client_cert.verify must be 'required' or 'optional'")
+    subject = raw.get("subject", "cn")
+    if subject not in CERT_FIELDS:
+        raise AuthConfigError(f"auth.client_cert.subject must be one of {', '.join(CERT_FIELDS)}")
+    tenant_from = raw.get("tenant_from")
+    if tenant_from not in (None, "cn", "ou", "o"):
+        raise AuthConfigError("auth.client_cert.tenant_from must be cn, ou, o or null")
+    prefer = raw.get("prefer", "certificate")
+    if prefer not in ("certificate", "credential"):
+        raise AuthConfigError("auth.client_cert.prefer must be 'certificate' or 'credential'")
+    default_role = raw.get("default_role")
+    return ClientCertConfig(
+        verify=cast(CertVerify, verify),
+        rules=tuple(rules),
+        default_role=None if default_role is None else _role(default_role, "auth.client_cert.default_role"),
+        subject=cast(CertField, subject),
+        tenant_from=tenant_from,
+        prefer=cast(CertPrefer, prefer),
+    )
+
+
 def auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
     """Build an ``AuthConfig`` from a plain mapping (the ``auth`` section of the YAML, merged with flags)."""
     if isinstance(raw, AuthConfig):
@@ -220,8 +383,11 @@ def auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
     data = _mode(vals.pop("data_plane", mode), "auth.data_plane")
     control = _mode(vals.pop("control_plane", mode), "auth.control_plane")
     jwt_cfg = _jwt(vals.pop("jwt", None))
+    cc = _client_cert(vals.pop("client_cert", None))
     try:
-        cfg = AuthConfig(data_plane=data, control_plane=control, keys=tuple(keys), jwt=jwt_cfg, **vals)
+        cfg = AuthConfig(
+            data_plane=data, control_plane=control, keys=tuple(keys), jwt=jwt_cfg, client_cert=cc, **vals
+        )
     except TypeError as e:
         raise AuthConfigError(f"auth: {e}") from None
     if cfg.uses_jwt and not (cfg.jwt.remote or cfg.jwt.static):
@@ -248,12 +414,13 @@ def load_auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
 
 
 def merge_auth(base: Any, over: Any) -> Any:
-    """Merge two ``auth`` mappings (YAML < flags); ``jwt`` is merged one level down."""
+    """Merge two ``auth`` mappings (YAML < flags); ``jwt`` and ``client_cert`` are merged one level down."""
     if not isinstance(base, Mapping) or not isinstance(over, Mapping):
         return over
     out = {**base, **over}
-    if isinstance(base.get("jwt"), Mapping) and isinstance(over.get("jwt"), Mapping):
-        out["jwt"] = {**base["jwt"], **over["jwt"]}
+    for k in ("jwt", "client_cert"):
+        if isinstance(base.get(k), Mapping) and isinstance(over.get(k), Mapping):
+            out[k] = {**base[k], **over[k]}
     return out
 
 
@@ -291,8 +458,31 @@ _JWT_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         {"type": float, "help": "at most one unknown-kid refetch per this (default 10)"},
     ),
 )
+_CERT_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    (
+        "verify",
+        {
+            "choices": ("required", "optional"),
+            "help": "with --tls-client-ca-file: required (default) or optional",
+        },
+    ),
+    (
+        "default-role",
+        {"choices": ROLES, "help": "role of a verified client certificate no rule matches (default: none)"},
+    ),
+    ("subject", {"choices": CERT_FIELDS, "help": "certificate field naming the principal (default cn)"}),
+    ("tenant-from", {"choices": ("cn", "ou", "o"), "help": "subject attribute naming the tenant"}),
+    (
+        "prefer",
+        {
+            "choices": ("certificate", "credential"),
+            "help": "certificate (default) or a bearer credential sent too",
+        },
+    ),
+)
 _PREFIX_AUTH = "auth__"
 _PREFIX_JWT = "auth_jwt__"
+_PREFIX_CERT = "auth_cc__"
 
 
 _TLS_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -323,6 +513,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for name, kw in _JWT_FLAGS:
         dest = _PREFIX_JWT + kw.get("dest", name.replace("-", "_"))
         g.add_argument(f"--jwt-{name}", **{**_metavar(name, kw), "dest": dest})
+    c = p.add_argument_group("client certificates (mTLS identities; rules in the YAML's auth.client_cert)")
+    for name, kw in _CERT_FLAGS:
+        c.add_argument(f"--client-cert-{name}", **{**kw, "dest": _PREFIX_CERT + name.replace("-", "_")})
 
 
 def _metavar(name: str, kw: dict[str, Any]) -> dict[str, Any]:
@@ -335,14 +528,19 @@ def pop_overrides(values: dict[str, Any]) -> dict[str, Any] | None:
     """Take the auth flags out of parsed CLI ``values``; the ``auth`` override mapping, None when unset."""
     out: dict[str, Any] = {}
     jwt: dict[str, Any] = {}
-    for k in [k for k in values if k.startswith((_PREFIX_AUTH, _PREFIX_JWT))]:
+    cert: dict[str, Any] = {}
+    for k in [k for k in values if k.startswith((_PREFIX_AUTH, _PREFIX_JWT, _PREFIX_CERT))]:
         v = values.pop(k)
         if v is None:
             continue
         if k.startswith(_PREFIX_JWT):
             jwt[k[len(_PREFIX_JWT) :]] = v
+        elif k.startswith(_PREFIX_CERT):
+            cert[k[len(_PREFIX_CERT) :]] = v
         else:
             out[k[len(_PREFIX_AUTH) :]] = v
     if jwt:
         out["jwt"] = jwt
+    if cert:
+        out["client_cert"] = cert
     return out or None

@@ -11,7 +11,9 @@ Routes fall in three planes, decided once per route from its template (never fro
 
 Each plane's mode is off, api_key, jwt or both. Credentials come from ``Authorization: Bearer <c>``, or
 ``x-api-key: <c>`` (what Anthropic clients send). With ``both``, a credential shaped like a JWT is
-checked as one and anything else as an API key. A plane that is off gives ``ANONYMOUS``.
+checked as one and anything else as an API key. A plane that is off gives ``ANONYMOUS``. On a plane
+that is on, a verified TLS client certificate mapped by ``auth.client_cert`` is one more credential
+(``shepherd.auth.client_cert``: which one wins when a bearer credential is sent too is its ``prefer``).
 
 Tenant: the key record's, or the JWT's tenant claim; ``x-smg-tenant`` is read only with
 ``trust_tenant_header``, and then sets the tenant of principals not bound to one (keys without a tenant,
@@ -29,7 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import orjson
 from aiohttp import web
@@ -37,6 +39,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Middleware
 from prometheus_client import CollectorRegistry, Counter
 
+from shepherd.auth.client_cert import CertMapper, CertPrincipal
 from shepherd.auth.config import AuthConfig, AuthMode
 from shepherd.auth.jwks import HttpFetch, JwksSource, static_keys
 from shepherd.auth.jwt_verify import JwtError, JwtVerifier, looks_like_jwt
@@ -51,6 +54,9 @@ from shepherd.auth.keys import (
 from shepherd.auth.principal import ANONYMOUS, PRINCIPAL_KEY, Principal
 from shepherd.node.api_common import error_response
 from shepherd.node.openai_protocol import ApiError
+
+if TYPE_CHECKING:
+    from shepherd.auth.key_sync import KeySync
 
 log = logging.getLogger("shepherd.auth")
 
@@ -98,6 +104,11 @@ def plane_of(route: str | None, metrics_protected: bool) -> Plane:
     return "data"
 
 
+def has_credential(headers: Mapping[str, str]) -> bool:
+    """A bearer credential was sent (well formed or not)."""
+    return "Authorization" in headers or bool((headers.get("x-api-key") or "").strip())
+
+
 def credential(headers: Mapping[str, str], max_bytes: int) -> str:
     """The presented credential; raises ``AuthFailure`` when there is none or it is unusable."""
     raw = headers.get("Authorization")
@@ -141,6 +152,8 @@ class Authenticator:
         self.jwt = jwt
         self._clock = clock
         self._principals: dict[str, tuple[ApiKeyRecord, Principal]] = {}  # digest → (record, principal)
+        # verified client certificates → principals (None: certificates authenticate no one)
+        self.certs = CertMapper(cfg.client_cert, cfg.default_tenant) if cfg.client_cert.enabled else None
 
     def mode(self, plane: Plane) -> AuthMode:
         if plane == "public":
@@ -166,12 +179,17 @@ class Authenticator:
     def _is_jwt(self, mode: AuthMode, cred: str) -> bool:
         return mode == "jwt" or (mode == "both" and looks_like_jwt(cred))
 
-    def authenticate_now(self, plane: Plane, headers: Mapping[str, str]) -> Authenticated | None:
+    def authenticate_now(
+        self, plane: Plane, headers: Mapping[str, str], peer: CertPrincipal | None = None
+    ) -> Authenticated | None:
         """The caller, without waiting: None only when a JWT not seen before must be verified (then
-        ``authenticate``). Raises ``AuthFailure``. The hot path: keys and cached tokens end here."""
+        ``authenticate``). Raises ``AuthFailure``. The hot path: keys and cached tokens end here.
+        ``peer``: the principal of the connection's verified client certificate, if it maps to one."""
         mode = self.mode(plane)
         if mode == "off":
             return Authenticated(self._with_tenant(ANONYMOUS, False, headers))
+        if peer is not None and (self.cfg.client_cert.prefer == "certificate" or not has_credential(headers)):
+            return self._finish(plane, Authenticated(peer.principal), peer.tenant_bound, headers)
         cred = credential(headers, self.cfg.max_credential_bytes)
         if self._is_jwt(mode, cred):
             assert self.jwt is not None
@@ -182,9 +200,11 @@ class Authenticator:
         out = self.api_key(cred)
         return self._finish(plane, out, out.record is not None and out.record.tenant is not None, headers)
 
-    async def authenticate(self, plane: Plane, headers: Mapping[str, str]) -> Authenticated:
+    async def authenticate(
+        self, plane: Plane, headers: Mapping[str, str], peer: CertPrincipal | None = None
+    ) -> Authenticated:
         """The caller of a route of ``plane``; raises ``AuthFailure``."""
-        out = self.authenticate_now(plane, headers)
+        out = self.authenticate_now(plane, headers, peer)
         if out is not None:
             return out
         assert self.jwt is not None
@@ -253,6 +273,7 @@ def make_middleware(authn: Authenticator, failures: AuthFailures | None = None) 
     planes: dict[str | None, Plane] = {}
     metrics_protected = authn.cfg.metrics
     count = failures or AuthFailures(None)
+    certs = authn.certs
 
     @web.middleware
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -264,8 +285,9 @@ def make_middleware(authn: Authenticator, failures: AuthFailures | None = None) 
         if plane == "public":
             return await handler(request)
         try:
-            who = authn.authenticate_now(plane, request.headers) or await authn.authenticate(
-                plane, request.headers
+            peer = certs.from_transport(request.transport) if certs is not None else None
+            who = authn.authenticate_now(plane, request.headers, peer) or await authn.authenticate(
+                plane, request.headers, peer
             )
             rec = who.record
             if rec is not None and rec.models is not None and request.method == "POST" and plane == "data":
@@ -316,6 +338,8 @@ class AuthState:
     authenticator: Authenticator
     fetch: HttpFetch | None = None
     jwks: JwksSource | None = None
+    bootstrap_ids: frozenset[str] = frozenset()  # the configuration's keys (local to this node)
+    key_sync: KeySync | None = None  # the store's link to the mesh's document (api_keys.install)
 
     async def close(self) -> None:
         if self.jwks is not None:
@@ -351,7 +375,9 @@ def build_state(cfg: AuthConfig, store: KeyStore | None = None) -> AuthState:
             default_tenant=cfg.default_tenant,
             max_token_bytes=cfg.max_credential_bytes,
         )
-    return AuthState(cfg, store, Authenticator(cfg, store, verifier), fetch, jwks)
+    return AuthState(
+        cfg, store, Authenticator(cfg, store, verifier), fetch, jwks, frozenset(r.id for r in boot)
+    )
 
 
 def install(

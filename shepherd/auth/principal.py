@@ -12,11 +12,11 @@ Role = Literal["admin", "user"]
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    subject: str  # key id, JWT "sub", or "anonymous"
+    subject: str  # key id, JWT "sub", client certificate name (mTLS), or "anonymous"
     tenant: str  # rate-limit and accounting unit
     role: Role
     key_id: str | None = None  # set when authenticated by an API key
-    method: Literal["none", "api_key", "jwt"] = "none"
+    method: Literal["none", "api_key", "jwt", "mtls"] = "none"
 
 
 # request[PRINCIPAL_KEY] holds the caller's Principal once the auth middleware has run

@@ -1,13 +1,14 @@
 """TLS material: the client-facing server context (with reload without restart) and engine client TLS.
 
-Server: ``server_context`` builds the SSLContext of the client port (TLS 1.2+, optional client
-certificates checked against a CA for mTLS). ``ServerTls`` keeps that one live context and reloads the
-certificate and key into it when their files change (a bounded periodic check of mtime/size/inode) or on
-SIGHUP: ``load_cert_chain`` on the live context applies to every new handshake, connections already open
-keep their certificate. A pair is checked in a scratch context first: a failed reload (e.g. the
-certificate written before its key) keeps the old pair and is retried at the next check. Renewed
-client CAs are added to the trust store (OpenSSL cannot remove a CA from a live context: removing one
-takes a restart).
+Server: ``server_context`` builds the SSLContext of the client port (TLS 1.2+, client certificates
+checked against a CA for mTLS: required, or optional with ``auth.client_cert.verify: optional``; what a
+verified certificate may do is ``shepherd.auth.client_cert``'s). ``ServerTls`` keeps that one live
+context and reloads the certificate and key into it when their files change (a bounded periodic check
+of mtime/size/inode) or on SIGHUP: ``load_cert_chain`` on the live context applies to every new
+handshake, connections already open keep their certificate. A pair is checked in a scratch context
+first: a failed reload (e.g. the certificate written before its key) keeps the old pair and is retried
+at the next check. Renewed client CAs are added to the trust store (OpenSSL cannot remove a CA from a
+live context: removing one takes a restart).
 
 Engines: ``EngineTls`` names a CA bundle (default: the system's) and an optional client certificate
 and key (mTLS). The lean h2 client gets an SSLContext with ALPN ``h2``; grpcio gets
@@ -38,13 +39,17 @@ class TlsConfigError(ValueError):
     """TLS settings that do not go together, or files that cannot be loaded."""
 
 
-def server_context(cert_file: str, key_file: str, client_ca_file: str | None = None) -> ssl.SSLContext:
+def server_context(
+    cert_file: str, key_file: str, client_ca_file: str | None = None, *, client_cert_optional: bool = False
+) -> ssl.SSLContext:
+    """With ``client_ca_file``, clients must present a certificate from it (``client_cert_optional``:
+    they may present none; one presented is still verified, and a bad one fails the handshake)."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.load_cert_chain(cert_file, key_file)
     if client_ca_file:
         ctx.load_verify_locations(cafile=client_ca_file)
-        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.verify_mode = ssl.CERT_OPTIONAL if client_cert_optional else ssl.CERT_REQUIRED
     ctx.set_alpn_protocols(["http/1.1"])
     return ctx
 
@@ -86,12 +91,16 @@ class ServerTls:
         key_file: str,
         client_ca_file: str | None = None,
         reload_interval_secs: float = 10.0,
+        *,
+        client_cert_optional: bool = False,
     ) -> None:
         self.cert_file = cert_file
         self.key_file = key_file
         self.client_ca_file = client_ca_file
         self.interval = reload_interval_secs
-        self.context = server_context(cert_file, key_file, client_ca_file)
+        self.context = server_context(
+            cert_file, key_file, client_ca_file, client_cert_optional=client_cert_optional
+        )
         self.reloads = 0  # successful reloads (observability and tests)
         self._sigs = self._current()
         self._failed: tuple[FileSig | None, ...] | None = None
@@ -230,9 +239,20 @@ class _TlsSettings(Protocol):
 
 
 def server_tls(cfg: _TlsSettings) -> ServerTls | None:
-    """The client port's TLS from a node's settings; None when it serves plain HTTP."""
+    """The client port's TLS from a node's settings; None when it serves plain HTTP. The client
+    certificate mode comes from ``cfg.auth.client_cert`` when the settings have one."""
+    cc = getattr(getattr(cfg, "auth", None), "client_cert", None)
+    identities = cc is not None and bool(getattr(cc, "enabled", False))
     if not cfg.tls_cert_file or not cfg.tls_key_file:
+        if identities:
+            log.warning("auth.client_cert maps certificates, but the client port serves plain HTTP: unused")
         return None
+    if identities and not cfg.tls_client_ca_file:
+        log.warning("auth.client_cert maps certificates, but without tls_client_ca_file none is asked for")
     return ServerTls(
-        cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file, cfg.tls_reload_interval_secs
+        cfg.tls_cert_file,
+        cfg.tls_key_file,
+        cfg.tls_client_ca_file,
+        cfg.tls_reload_interval_secs,
+        client_cert_optional=cc is not None and getattr(cc, "verify", "required") == "optional",
     )

@@ -6,6 +6,11 @@ field. Yjs updates merge commutatively, associatively and idempotently; Yrs keep
 deleted items forever, which is why only this low-churn data lives here (DESIGN.md §6), never the
 prefix index or counters.
 
+API key revocations have a section of their own (``revoked_keys``, by key hash): a revocation is
+only ever added, never overwritten or deleted, so it outlasts any concurrent write of the key's record
+(a last-writer-wins map key could not promise that); readers treat a key whose hash is there as revoked
+(``KeyRevocation``, ``revoke_api_key``, ``revoked_key_hashes``).
+
 Replication: ``take_delta()`` is the update since the last one taken (local edits and remote ones
 that changed this document: relaying stops where nothing changes); ``state_vector()`` and
 ``update_since(sv)`` repair a peer; ``apply_update(u)`` validates ``u`` on a scratch copy first
@@ -16,6 +21,7 @@ that changed this document: relaying stops where nothing changes); ``state_vecto
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
@@ -30,13 +36,14 @@ __all__ = [
     "SECTIONS",
     "ApiKeyRecord",
     "ConfigDoc",
+    "KeyRevocation",
     "LimitRecord",
     "ModelPolicyRecord",
     "TenantRecord",
     "hash_secret",
 ]
 
-SECTIONS = ("api_keys", "tenants", "limits", "policies")
+SECTIONS = ("api_keys", "tenants", "limits", "policies", "revoked_keys")
 OptionValue = str | int | float | bool
 
 
@@ -72,12 +79,14 @@ def _bool(d: dict[str, Any], k: str) -> bool:
 class ApiKeyRecord:
     key_id: str
     key_hash: str  # hash_secret(secret)
-    tenant: str = "default"
+    tenant: str = "default"  # "": bound to no tenant (the node's default one)
     role: str = "user"  # "admin" | "user" | ...
     name: str = ""
     created_at: float = 0.0
     expires_at: float | None = None
     disabled: bool = False
+    models: tuple[str, ...] | None = None  # models the key may use; None: every model
+    hint: str = ""  # what listings show of the key (its prefix and last 4 characters)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,10 +98,15 @@ class ApiKeyRecord:
             "created_at": self.created_at,
             "expires_at": self.expires_at,
             "disabled": self.disabled,
+            "models": None if self.models is None else list(self.models),
+            "hint": self.hint,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ApiKeyRecord:
+        models = d.get("models")
+        if models is not None and (type(models) is not list or any(type(m) is not str for m in models)):
+            raise StateDecodeError("models: expected a list of strings or null")
         return cls(
             _str(d, "key_id"),
             _str(d, "key_hash"),
@@ -102,11 +116,33 @@ class ApiKeyRecord:
             _opt_num(d, "created_at", float) or 0.0,
             _opt_num(d, "expires_at", float),
             _bool(d, "disabled"),
+            None if models is None else tuple(models),
+            _str(d, "hint", ""),
         )
 
     @property
     def key(self) -> str:
         return self.key_id
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRevocation:
+    """A revoked API key, by its hash: added once, never deleted (revocation is final)."""
+
+    key_hash: str
+    key_id: str = ""  # the record it revoked (for the operator: any record with this hash is revoked)
+    revoked_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key_hash": self.key_hash, "key_id": self.key_id, "revoked_at": self.revoked_at}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KeyRevocation:
+        return cls(_str(d, "key_hash"), _str(d, "key_id", ""), _opt_num(d, "revoked_at", float) or 0.0)
+
+    @property
+    def key(self) -> str:
+        return self.key_hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,13 +224,14 @@ class ModelPolicyRecord:
         return self.model
 
 
-Record = ApiKeyRecord | TenantRecord | LimitRecord | ModelPolicyRecord
-R = TypeVar("R", ApiKeyRecord, TenantRecord, LimitRecord, ModelPolicyRecord)
+Record = ApiKeyRecord | TenantRecord | LimitRecord | ModelPolicyRecord | KeyRevocation
+R = TypeVar("R", ApiKeyRecord, TenantRecord, LimitRecord, ModelPolicyRecord, KeyRevocation)
 _TYPES: dict[str, Callable[[dict[str, Any]], Record]] = {
     "api_keys": ApiKeyRecord.from_dict,
     "tenants": TenantRecord.from_dict,
     "limits": LimitRecord.from_dict,
     "policies": ModelPolicyRecord.from_dict,
+    "revoked_keys": KeyRevocation.from_dict,
 }
 
 
@@ -280,9 +317,28 @@ class ConfigDoc:
         return [r for r in self.items("api_keys").values() if isinstance(r, ApiKeyRecord)]
 
     def find_api_key(self, secret: str) -> ApiKeyRecord | None:
-        """The record of a presented secret (by its hash), if any."""
+        """The record of a presented secret (by its hash), if any; disabled if its hash was revoked."""
         h = hash_secret(secret)
-        return next((r for r in self.api_keys() if r.key_hash == h), None)
+        r = next((r for r in self.api_keys() if r.key_hash == h), None)
+        if r is not None and not r.disabled and h in self._maps["revoked_keys"]:
+            r = dataclasses.replace(r, disabled=True)
+        return r
+
+    def revoke_api_key(self, key_hash: str, key_id: str = "", revoked_at: float = 0.0) -> None:
+        """Revoke the key of ``key_hash`` for good: its revocation record (kept even if a concurrent
+        write of the key's record wins), and the record, if here, marked disabled; one transaction."""
+        with self.doc.transaction():
+            if self.get("revoked_keys", key_hash) is None:
+                self.put("revoked_keys", KeyRevocation(key_hash, key_id, revoked_at))
+            rec = self.get_api_key(key_id) if key_id else None
+            if rec is not None and rec.key_hash == key_hash and not rec.disabled:
+                self.put("api_keys", dataclasses.replace(rec, disabled=True))
+
+    def revocations(self) -> list[KeyRevocation]:
+        return [r for r in self.items("revoked_keys").values() if isinstance(r, KeyRevocation)]
+
+    def revoked_key_hashes(self) -> frozenset[str]:
+        return frozenset(self._maps["revoked_keys"].keys())
 
     def set_tenant(self, rec: TenantRecord) -> None:
         self.put("tenants", rec)
@@ -370,6 +426,7 @@ def _record_type(section: str) -> type[Record]:
         "tenants": TenantRecord,
         "limits": LimitRecord,
         "policies": ModelPolicyRecord,
+        "revoked_keys": KeyRevocation,
     }[section]
 
 

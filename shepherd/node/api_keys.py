@@ -6,6 +6,10 @@
 - ``GET /admin/keys`` → ``{"object": "list", "data": [records]}`` (never a key or its digest);
 - ``GET /admin/keys/{key_id}`` → one record;
 - ``DELETE /admin/keys/{key_id}`` → the record, revoked (revocation is final).
+
+With the mesh on (``app[api_mesh.MESH]`` set before ``install``), the store is kept in step with the
+mesh's control-plane document (``shepherd.auth.key_sync.KeySync``): a key created or revoked on any
+node is accepted or refused on every node after a gossip round; bootstrap keys stay local.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ from typing import Any
 from aiohttp import web
 
 from shepherd.auth import middleware as auth
+from shepherd.auth.key_sync import KeySync
 from shepherd.auth.keys import KeyStore, create_key
 from shepherd.auth.principal import principal_of
 from shepherd.node.api_common import GATEWAY, json_response, read_json
+from shepherd.node.api_mesh import MESH
 from shepherd.node.openai_protocol import ApiError, bad
 
 MAX_NAME = 200
@@ -112,10 +118,13 @@ def routes() -> list[web.RouteDef]:
 
 
 def install(app: web.Application, store: KeyStore | None = None) -> auth.AuthState:
-    """Auth for a node's app: the key store (``store``, e.g. one backed by the mesh's replicated document;
-    default in memory), the middleware (after the error middleware) and these routes. Call after
-    ``app[GATEWAY]`` is set."""
+    """Auth for a node's app: the key store (``store``; default in memory), linked to the mesh's
+    control-plane document when the mesh is on, the middleware (after the error middleware) and these
+    routes. Call after ``app[GATEWAY]`` (and ``api_mesh.install``) are set."""
     gw = app[GATEWAY]
     state = auth.install(app, gw.cfg.auth, registry=gw.metrics.registry, store=store)
+    mesh = app.get(MESH)
+    if mesh is not None:
+        state.key_sync = KeySync.attach(state.store, mesh.state, local_ids=state.bootstrap_ids)
     app.add_routes(routes())
     return state
