@@ -479,8 +479,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if gw.admission is None:
             return await send()
         return await gw.admission.guard(request, model, len(raw) // 4, req.sampling, send)
-    if req.sampling.n > 1 and req.sampling.temperature == 0 and req.sampling.seed is None:
-        pass  # allowed: identical greedy samples, as engines do
     tok = gw.tokenizer(model)
     _check_ids(req.sampling, tok.vocab_size)
     try:

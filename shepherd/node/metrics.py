@@ -1,12 +1,23 @@
-"""Prometheus metrics of one node, all prefixed ``smg_``, in a registry of their own."""
+"""Prometheus metrics of one node, all prefixed ``smg_``, in a registry of their own.
+
+The per-request metrics (requests, errors, latencies, tokens) are ``LiteCounter`` / ``LiteHistogram``:
+plain numbers updated on the event loop (one dict lookup per ``labels``, a ``bisect`` per observation,
+no lock) and turned into Prometheus families only when ``/metrics`` is scraped. prometheus_client's own
+types take a lock and walk the buckets in Python on every update: measured ~2-3 µs per update against
+~0.3 µs here, and a request makes about ten of them. Every update happens on the node's event loop.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+_C = TypeVar("_C", bound=Collector)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -23,46 +34,139 @@ class _Callback(Collector):
         return self._fn()
 
 
+class _CounterChild:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class LiteCounter(Collector):
+    """A counter family: ``labels(*values).inc(n)``, or ``inc(n)`` when it has no labels."""
+
+    def __init__(self, name: str, doc: str, labelnames: Sequence[str] = ()) -> None:
+        self.name, self.doc, self.labelnames = name, doc, tuple(labelnames)
+        self._children: dict[tuple[str, ...], _CounterChild] = {}
+
+    def labels(self, *values: str) -> _CounterChild:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+            child = self._children[values] = _CounterChild()
+        return child
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.labels().inc(amount)
+
+    def value(self, *values: str) -> float:
+        child = self._children.get(values)
+        return 0.0 if child is None else child.value
+
+    def collect(self) -> Iterable[Metric]:
+        fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
+        for values, child in list(self._children.items()):
+            fam.add_metric(list(values), child.value)
+        yield fam
+
+
+class _HistogramChild:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: list[float]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # first bound >= value: Prometheus' ``le``
+        self.sum += value
+
+
+class LiteHistogram(Collector):
+    """A histogram family with fixed buckets: ``labels(*values).observe(v)``, or ``observe(v)``."""
+
+    def __init__(
+        self, name: str, doc: str, labelnames: Sequence[str] = (), *, buckets: Sequence[float]
+    ) -> None:
+        self.name, self.doc, self.labelnames = name, doc, tuple(labelnames)
+        self.bounds = sorted(float(b) for b in buckets)
+        self._children: dict[tuple[str, ...], _HistogramChild] = {}
+
+    def labels(self, *values: str) -> _HistogramChild:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: expected labels {self.labelnames}, got {values}")
+            child = self._children[values] = _HistogramChild(self.bounds)
+        return child
+
+    def observe(self, value: float) -> None:
+        self.labels().observe(value)
+
+    def collect(self) -> Iterable[Metric]:
+        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        for values, child in list(self._children.items()):
+            running = 0
+            buckets: list[tuple[str, float]] = []
+            for bound, n in zip([*map(_le, self.bounds), "+Inf"], child.counts, strict=True):
+                running += n
+                buckets.append((bound, running))
+            fam.add_metric(list(values), buckets, child.sum)
+        yield fam
+
+
+def _le(bound: float) -> str:
+    return repr(bound)
+
+
 class NodeMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
-            "smg_requests", "HTTP requests served", ["route", "model", "status"], registry=r
+
+        def reg(c: _C) -> _C:
+            r.register(c)
+            return c
+
+        self.requests = reg(LiteCounter("smg_requests", "HTTP requests served", ["route", "model", "status"]))
+        self.errors = reg(LiteCounter("smg_errors", "Requests that ended in an error", ["route", "kind"]))
+        self.ttft = reg(
+            LiteHistogram(
+                "smg_time_to_first_token_seconds", "Time to first token", ["model"], buckets=LATENCY_BUCKETS
+            )
         )
-        self.errors = Counter("smg_errors", "Requests that ended in an error", ["route", "kind"], registry=r)
-        self.ttft = Histogram(
-            "smg_time_to_first_token_seconds",
-            "Time to first token",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.itl = reg(
+            LiteHistogram(
+                "smg_inter_token_latency_seconds",
+                "Time between streamed engine messages, per token",
+                ["model"],
+                buckets=ITL_BUCKETS,
+            )
         )
-        self.itl = Histogram(
-            "smg_inter_token_latency_seconds",
-            "Time between streamed engine messages, per token",
-            ["model"],
-            buckets=ITL_BUCKETS,
-            registry=r,
+        self.e2e = reg(
+            LiteHistogram(
+                "smg_request_duration_seconds",
+                "End-to-end request duration",
+                ["model"],
+                buckets=LATENCY_BUCKETS,
+            )
         )
-        self.e2e = Histogram(
-            "smg_request_duration_seconds",
-            "End-to-end request duration",
-            ["model"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+        self.overhead = reg(
+            LiteHistogram(
+                "smg_gateway_overhead_seconds",
+                "Gateway time before dispatch to the engine (parse, template, tokenize, route)",
+                buckets=OVERHEAD_BUCKETS,
+            )
         )
-        self.overhead = Histogram(
-            "smg_gateway_overhead_seconds",
-            "Gateway time before dispatch to the engine (parse, template, tokenize, route)",
-            buckets=OVERHEAD_BUCKETS,
-            registry=r,
-        )
-        self.tokens = Counter("smg_tokens", "Tokens processed", ["model", "kind"], registry=r)
+        self.tokens = reg(LiteCounter("smg_tokens", "Tokens processed", ["model", "kind"]))
         self.in_flight = Gauge("smg_in_flight_requests", "Requests in flight on this node", registry=r)
-        self._request_children: dict[tuple[str, str, int], Counter] = {}
-        self.retries = Counter("smg_engine_retries", "Engine calls retried on another worker", registry=r)
-        self.aborts = Counter(
-            "smg_engine_aborts", "Engine requests aborted by the gateway", ["reason"], registry=r
+        self._request_children: dict[tuple[str, str, int], _CounterChild] = {}
+        self.retries = reg(LiteCounter("smg_engine_retries", "Engine calls retried on another worker"))
+        self.aborts = reg(
+            LiteCounter("smg_engine_aborts", "Engine requests aborted by the gateway", ["reason"])
         )
 
     def count_request(self, route: str, model: str, status: int) -> None:
