@@ -264,6 +264,11 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         )
     except TlsConfigError as e:
         raise ConfigError(str(e)) from None
+    if cfg.auth.client_cert.enabled and not cfg.tls_client_ca_file:
+        raise ConfigError(
+            "auth.client_cert maps client certificates to callers: it needs TLS on the client port "
+            "(tls_cert_file, tls_key_file) and tls_client_ca_file to verify them"
+        )
     if not 0 < cfg.port < 65536:
         raise ConfigError(f"port {cfg.port} out of range")
     if cfg.tokenizer_workers < 0:

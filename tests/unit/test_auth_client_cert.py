@@ -28,7 +28,7 @@ from shepherd.auth.config import AuthConfigError, ClientCertConfig, auth_config,
 from shepherd.auth.keys import hash_key
 from shepherd.auth.tls import server_context, server_tls
 from shepherd.node.cli import config_from_args
-from shepherd.node.config import NodeConfig
+from shepherd.node.config import ConfigError, NodeConfig
 from tests.unit.test_auth_middleware import make_app
 
 ADMIN = "sk-smg-admin-key-for-cert-tests-0000000000"
@@ -88,22 +88,28 @@ def test_bad_client_cert_settings_are_refused(raw: dict[str, Any]) -> None:
         auth_config({"client_cert": raw})
 
 
-def test_flags_set_the_scalars_and_merge_with_the_yaml(tmp_path: Path) -> None:
+def test_flags_set_the_scalars_and_merge_with_the_yaml(tmp_path: Path, pki: Pki) -> None:
     flags = [
         ("verify", "optional"),
         ("default-role", "user"),
         ("tenant-from", "ou"),
         ("prefer", "credential"),
     ]
-    cfg = config_from_args(["serve", *(x for k, v in flags for x in (f"--client-cert-{k}", v))])
+    cert, key = pki.server
+    tls = ["--tls-cert-file", cert, "--tls-key-file", key, "--tls-client-ca-file", pki.ca_file]
+    cfg = config_from_args(["serve", *tls, *(x for k, v in flags for x in (f"--client-cert-{k}", v))])
     cc = cfg.auth.client_cert
     assert (cc.verify, cc.default_role, cc.tenant_from, cc.prefer) == ("optional", "user", "ou", "credential")
     merged = merge_auth({"client_cert": {"rules": [{"cn": "a"}]}}, {"client_cert": {"verify": "optional"}})
     assert merged == {"client_cert": {"rules": [{"cn": "a"}], "verify": "optional"}}
     y = tmp_path / "node.yaml"
     y.write_text("auth:\n  client_cert:\n    rules:\n      - {o: Example, role: admin}\n")
-    cc = config_from_args(["serve", "--config", str(y), "--client-cert-verify", "optional"]).auth.client_cert
+    cc = config_from_args(
+        ["serve", *tls, "--config", str(y), "--client-cert-verify", "optional"]
+    ).auth.client_cert
     assert cc.verify == "optional" and cc.rules[0].o == "Example" and cc.rules[0].role == "admin"
+    with pytest.raises(ConfigError, match="tls_client_ca_file"):  # rules that could never see a certificate
+        config_from_args(["serve", "--config", str(y)])
 
 
 # ---- mapping (pure) ----------------------------------------------------------------------------------
