@@ -195,8 +195,10 @@ def parse_addr(text: str, default_port: int) -> Addr:
 
 
 async def resolve_addrs(addrs: Sequence[Addr], *, timeout: float = 5.0) -> list[Addr]:
-    """Resolve host names to IP addresses (gossip compares and sends to IPs); names that do not
-    resolve are logged and skipped. IP literals pass through."""
+    """Resolve host names to IP addresses (gossip compares and sends to IPs). A name that does not
+    resolve yet is kept as it is: the join's TCP connect resolves it again at every retry, so a seed
+    whose DNS record appears later (a container that starts after this one) is still joined. IP
+    literals pass through."""
     loop = asyncio.get_running_loop()
     out: list[Addr] = []
     for host, port in addrs:
@@ -210,7 +212,8 @@ async def resolve_addrs(addrs: Sequence[Addr], *, timeout: float = 5.0) -> list[
             async with asyncio.timeout(timeout):
                 infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
         except (OSError, TimeoutError) as e:
-            log.warning("mesh: cannot resolve seed %s: %s", host, e)
+            log.warning("mesh: cannot resolve seed %s yet (%s): retried at every join attempt", host, e)
+            out.append((host, int(port)))
             continue
         if infos:
             out.append((str(infos[0][4][0]), int(port)))
