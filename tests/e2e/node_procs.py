@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.e2e.logs import log_file
 
 BIN = Path(sys.executable).parent
 
@@ -69,9 +69,7 @@ def start_node(
     *args: str, port: int | None = None, wait_ready: bool = True, timeout: float = 60.0
 ) -> NodeProc:
     port = port or free_port()
-    fd, log_name = tempfile.mkstemp(prefix="smg-node-", suffix=".log")
-    os.close(fd)
-    log_path = Path(log_name)
+    log_path = log_file("smg-node-")
     with log_path.open("wb") as logf:
         proc = subprocess.Popen(
             [str(BIN / "smg-node"), "serve", "--host", "127.0.0.1", "--port", str(port), *args],

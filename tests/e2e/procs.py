@@ -9,15 +9,15 @@ its ready line, so there is no race between choosing a port and binding it.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+
+from tests.e2e.logs import log_file
 
 BIN = Path(sys.executable).parent
 READY = re.compile(r"mock engine ready grpc=(\S+):(\d+) http=(\S+):(\d+)")
@@ -82,9 +82,7 @@ def start_mock_engine(*args: str, timeout: float = 60.0) -> MockEngineProc:
         argv += ["--grpc-port", "0"]
     if "--http-port" not in args:
         argv += ["--http-port", "0"]
-    fd, log_name = tempfile.mkstemp(prefix="smg-mock-engine-", suffix=".log")
-    os.close(fd)
-    log_path = Path(log_name)
+    log_path = log_file("smg-mock-engine-")
     with log_path.open("wb") as logf:
         proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout

@@ -12,17 +12,14 @@ every process is stopped by its pid, also on failure.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +27,7 @@ import pytest
 from shepherd.auth.certs import write_dev_pki
 from shepherd.mesh.keyring import Keyring, generate_key
 from shepherd.node.workers import worker_id
+from tests.e2e.logs import log_file
 from tests.e2e.node_procs import BIN, NodeProc, free_port, http_status
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 
@@ -91,9 +89,7 @@ class Cluster:
 
 
 def spawn(command: str, *args: str, port: int) -> NodeProc:
-    fd, log_name = tempfile.mkstemp(prefix="smg-mesh-node-", suffix=".log")
-    os.close(fd)
-    log_path = Path(log_name)
+    log_path = log_file("smg-mesh-node-")
     with log_path.open("wb") as logf:
         proc = subprocess.Popen(
             [str(BIN / "smg-node"), command, *args, "--host", "127.0.0.1", "--port", str(port)],

@@ -11,7 +11,6 @@ import signal
 import socket
 import ssl
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.request
@@ -32,6 +31,7 @@ from shepherd.auth.tls import EngineTls
 from shepherd.node.engine_grpc import GrpcEngineClient
 from shepherd.node.engine_types import EngineError
 from shepherd.node.workers import make_client
+from tests.e2e.logs import log_file
 from tests.e2e.node_procs import BIN, NodeProc, free_port
 from tests.e2e.procs import start_mock_engine
 from tests.unit.test_auth_jwt import Signer, hs_confused_token, unsigned_token
@@ -220,8 +220,7 @@ def start_tls_node(
 ) -> NodeProc:
     """``start_node`` for a TLS port: readiness is polled over HTTPS with ``ctx``."""
     port = free_port()
-    fd, log_name = tempfile.mkstemp(prefix="smg-node-tls-", suffix=".log")
-    os.close(fd)
+    log_name = log_file("smg-node-tls-")
     with open(log_name, "wb") as logf:
         proc = subprocess.Popen(
             [str(BIN / "smg-node"), "serve", "--host", "127.0.0.1", "--port", str(port), *args],
