@@ -101,6 +101,19 @@ def read_rss_kb(pid: int) -> int:
         return 0
 
 
+def read_pss_kb(pid: int) -> int:
+    """Proportional set size in kB (``/proc/<pid>/smaps_rollup``): pages shared with other processes
+    count in proportion, so a tree's sum does not count a forked worker's shared pages twice. Falls back
+    to VmRSS where the kernel has no smaps_rollup; 0 once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", encoding="utf-8", errors="replace") as f:
+            return parse_status_kb(f.read(), "Pss")
+    except FileNotFoundError:
+        return read_rss_kb(pid)
+    except OSError:
+        return 0
+
+
 def _children_files_supported() -> bool:
     return Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists()
 
@@ -155,12 +168,13 @@ def tree_pids(root: int) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class TreeSample:
-    """One look at a process tree: cumulative CPU seconds (live and gone), RSS of the live ones."""
+    """One look at a process tree: cumulative CPU seconds (live and gone), RSS and PSS of the live ones."""
 
     cpu_seconds: float
     rss_kb: int
     live_pids: tuple[int, ...]
     seen_processes: int
+    pss_kb: int = 0
 
 
 class TreeCpuTracker:
@@ -172,7 +186,7 @@ class TreeCpuTracker:
 
     def sample(self, *, with_rss: bool = True) -> TreeSample:
         live: list[int] = []
-        rss_kb = 0
+        rss_kb = pss_kb = 0
         for pid in tree_pids(self.root_pid):
             st = read_stat(pid)
             if st is None:
@@ -186,12 +200,14 @@ class TreeCpuTracker:
             self._last_ticks[(st.pid, st.starttime)] = st.utime + st.stime
             if with_rss:
                 rss_kb += read_rss_kb(pid)
+                pss_kb += read_pss_kb(pid)
         total = sum(self._last_ticks.values())
         return TreeSample(
             cpu_seconds=total / CLOCK_TICKS,
             rss_kb=rss_kb,
             live_pids=tuple(live),
             seen_processes=len(self._last_ticks),
+            pss_kb=pss_kb,
         )
 
 

@@ -35,6 +35,7 @@ class RunRow:
     errors_outside_window: Mapping[str, int] = field(default_factory=dict)
     chunks_per_request: float = math.nan
     note: str = ""
+    gateway_pss_mb: float = math.nan  # the tree's PSS: a forked worker's shared pages counted once
 
     @property
     def error_count(self) -> int:
@@ -58,6 +59,7 @@ def row_from_result(
     gateway_processes: int,
     engine_cpu_s: float | None,
     note: str = "",
+    gateway_pss_kb: int | None = None,
 ) -> RunRow:
     ok = result.ok
 
@@ -86,6 +88,7 @@ def row_from_result(
         errors_outside_window=dict(result.errors_outside_window),
         chunks_per_request=result.content_events / ok if ok and result.spec.stream else math.nan,
         note=note,
+        gateway_pss_mb=gateway_pss_kb / 1024.0 if gateway_pss_kb is not None else math.nan,
     )
 
 
@@ -119,6 +122,7 @@ COLUMNS = (
     "ITL p99",
     "gw CPU ms/req",
     "gw RSS MB",
+    "gw PSS MB",
     "eng CPU ms/req",
     "lg CPU ms/req",
     "errors",
@@ -139,6 +143,7 @@ def cells(row: RunRow) -> list[str]:
         fmt(row.itl_p99_ms, 3),
         fmt(row.gateway_cpu_ms, 3),
         fmt(row.gateway_rss_mb, 1),
+        fmt(row.gateway_pss_mb, 1),
         fmt(row.engine_cpu_ms, 3),
         fmt(row.loadgen_cpu_ms, 3),
         format_errors(row.errors) + (f" ({row.note})" if row.note else ""),

@@ -103,6 +103,7 @@ def test_tree_cpu_counts_children_and_keeps_exited_ones() -> None:
         assert first.seen_processes >= 2
         assert first.cpu_seconds > 0
         assert first.rss_kb > 0
+        assert 0 < first.pss_kb <= first.rss_kb
         assert grandchild in tree_pids(child.pid)
 
         child.stdin.write(b"stop\n")

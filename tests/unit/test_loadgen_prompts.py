@@ -128,10 +128,12 @@ def test_report_row_and_table() -> None:
         gateway_rss_kb=2048,
         gateway_processes=3,
         engine_cpu_s=None,
+        gateway_pss_kb=1024,
     )
     assert row.rps == pytest.approx(50.0)
     assert row.gateway_cpu_ms == pytest.approx(2.0)
     assert row.gateway_rss_mb == pytest.approx(2.0)
+    assert row.gateway_pss_mb == pytest.approx(1.0)
     assert math.isnan(row.engine_cpu_ms)
     assert row.chunks_per_request == pytest.approx(32.0)
     assert row.to_json()["engine_cpu_ms"] is None

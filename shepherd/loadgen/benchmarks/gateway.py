@@ -223,16 +223,16 @@ class _Sampler:
     def hooks(self) -> WindowHooks:
         return WindowHooks(on_start=self.on_start, on_tick=self.on_tick, on_end=self.on_end)
 
-    def deltas(self) -> tuple[float | None, int | None, int, float | None]:
-        """(gateway CPU s, gateway RSS kB, gateway process count, engine CPU s) over the window."""
+    def deltas(self) -> tuple[float | None, TreeSample | None, float | None]:
+        """(gateway CPU s over the window, the gateway tree at its end, engine CPU s over the window)."""
         if self.start is None or self.end is None:
-            return None, None, 0, None
+            return None, None, None
         gw0, eng0 = self.start
         gw1, eng1 = self.end
         engine_cpu = eng1.cpu_seconds - eng0.cpu_seconds
         if gw0 is None or gw1 is None:
-            return None, None, 0, engine_cpu
-        return gw1.cpu_seconds - gw0.cpu_seconds, gw1.rss_kb, len(gw1.live_pids), engine_cpu
+            return None, None, engine_cpu
+        return gw1.cpu_seconds - gw0.cpu_seconds, gw1, engine_cpu
 
 
 @dataclass
@@ -262,14 +262,15 @@ class _Run:
         )
         result = run_load_sync(spec, source, sampler.hooks())
         self.next_index = source.next_index
-        gw_cpu, gw_rss, gw_procs, eng_cpu = sampler.deltas()
+        gw_cpu, gw_end, eng_cpu = sampler.deltas()
         return row_from_result(
             workload,
             target.name,
             result,
             gateway_cpu_s=gw_cpu,
-            gateway_rss_kb=gw_rss,
-            gateway_processes=gw_procs,
+            gateway_rss_kb=None if gw_end is None else gw_end.rss_kb,
+            gateway_pss_kb=None if gw_end is None else gw_end.pss_kb,
+            gateway_processes=0 if gw_end is None else len(gw_end.live_pids),
             engine_cpu_s=eng_cpu,
         )
 
