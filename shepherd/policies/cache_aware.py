@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shepherd.policies.base import RouteRequest, WorkerView, least_loaded, load_key, worker_load
-from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig
+from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, RunPrefixIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,7 @@ class CacheAware:
         """The model's prefix index (created on first use): feed KV events and mesh merges here."""
         ix = self.indexes.get(model)
         if ix is None:
-            ix = self.indexes[model] = PrefixIndex(self.config.index)
+            ix = self.indexes[model] = RunPrefixIndex(self.config.index)
         return ix
 
     def pick(self, workers: Sequence[WorkerView], req: RouteRequest) -> WorkerView | None:

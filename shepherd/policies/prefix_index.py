@@ -4,41 +4,59 @@ Blocks are named by a chained hash: ``h_i = hash((h_{i-1}, block_i))`` over the 
 prompt, from ``CHAIN_SEED``; a block's name stands for the whole prefix that ends with it. CPython's
 ``hash`` of a tuple of ints does not depend on PYTHONHASHSEED (only str/bytes hashes are salted), so
 the names are the same on every node that runs 64-bit CPython >= 3.8 (golden values pinned in the
-tests). It is the cheapest stable 64-bit hash measured here (one tuple per block, no bytes copy).
+tests). Engines name their blocks with hashes of their own: the KV event feed names them again from
+their tokens (``kv_events``), the index never needs an engine's hash function.
 
-State, per index:
+Naming costs about 2.5x a bare ``sum(ids)`` over the prompt (measured: one zip of 16-tuples, one tuple
+hash per block); numpy (conversion plus a dozen array calls of ~2 µs each on tiny arrays) and per-block
+C calls over bytes (crc32, blake2b, int.from_bytes) measured slower. ``hashes`` caches the names of
+the last ``ids`` object, so a ``match`` then ``insert`` of one prompt names it once.
 
-- ``_mask``: block -> bitmask of the workers holding it (workers get a bit slot; masks of up to
-  8 workers are small cached ints, so they cost no memory beyond the dict entry);
-- ``_lru[worker]``: block -> last access time;
-- ``_queue[worker]``: the blocks in the order they became the worker's, as (time, keys) batches, one
-  per insert; eviction (capacity) and expiry (age) take batches from the front, CLOCK-style: a block
-  accessed since its batch was queued is queued again instead of dropped.
+Two layouts of the same index (same API, replicated state and invariants; the property tests run
+both and compare them):
 
-Costs (CPU, this machine, 1,300-token prompt, 100k live blocks): hashing the prompt is most of it;
-matching is a shared binary search (a few dozen dict lookups for any number of workers); an insert
-is C-speed passes (``dict.update`` over zips/maps), Python loops only over evicted blocks.
+- ``PrefixIndex`` (flat): ``_mask`` block -> bitmask of its holders (workers get a bit slot; masks of
+  up to 8 workers are small cached ints: no memory beyond the dict entry); ``_lru[worker]`` block ->
+  last access (one exact time per (block, worker)); ``_queue[worker]`` the blocks in the order they
+  became the worker's, as (time, keys) batches, one per insert: eviction (capacity) and expiry (age)
+  take batches from the front, CLOCK-style (a block accessed since its batch was queued is queued
+  again instead of dropped). A request touching n held blocks costs n writes in a large dict, a
+  cache miss each (~150 ns on the bench machine when quiet): that is its floor. The mesh's
+  ``ReplicatedPrefixIndex`` subclasses it (its digest needs the exact per-block times).
+  Invariant: ``bit(w) in _mask[h]`` iff ``h in _lru[w]``; no mask is 0.
+- ``RunPrefixIndex`` (runs): the blocks that became a worker's in one insert form a run with a list
+  of times; a request touches one run per earlier insert it meets (see its docstring). Faster per
+  request, smaller per block, exact expiry, and its eviction (run tails first) keeps what a worker
+  holds of a chain a prefix even when KV events touched the deeper blocks later (the flat CLOCK then
+  takes the older ancestors first).
 
-Invariant: ``bit(w) in _mask[h]`` iff ``h in _lru[w]``; no mask is 0.
+Both match with a shared binary search over the chain (a few dict lookups per distinct answer,
+whatever the number of workers); Python-level loops run only on rare paths (a chain with a hole,
+blocks touched out of order, merges). ``bench/prefix_index_bench.py`` prints the figures.
 
 Replicated state is the map (block, worker) -> last access with max-merge (``merge_entries``): a join
 semilattice, no tombstones; entries leave by age and capacity. A locally removed entry can come back
 from a peer that still has it until that peer ages it out (no tombstones, by design).
+``mesh.state_index.ReplicatedPrefixIndex`` reads ``_lru`` and overrides ``_drop`` (every removal goes
+through it, with ``gone`` unique and held), ``insert_blocks``, ``merge`` and ``clear_worker``.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import operator
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
 
 BLOCK_TOKENS = 16
 CHAIN_SEED = 0x5EED_0F_B10C5
-_and = operator.and_
 _or = operator.or_
+_and = operator.and_
+_sink: deque[object] = deque(maxlen=0)
+_consume: Callable[[Iterable[object]], None] = _sink.extend  # runs an iterator at C speed, keeps nothing
 
 Entries = dict[tuple[int, str], float]
 
@@ -85,6 +103,7 @@ class PrefixIndex:
         self._queued: dict[str, int] = {}
         self._bit: dict[str, int] = {}
         self._slots: list[str | None] = []
+        self._names_of: dict[int, tuple[str, ...]] = {}  # mask -> its workers (cache)
         self._capacity: dict[str, int] = {}
         # one-slot cache: match(ids) then insert(ids, ...) hash the prompt once
         self._last_ids: Sequence[int] | None = None
@@ -116,34 +135,41 @@ class PrefixIndex:
     def match_blocks(self, hs: Sequence[int]) -> dict[str, int]:
         """Per worker, how many leading blocks of the chain ``hs`` it holds.
 
-        A shared binary search: about log2(len(hs)) lookups per distinct answer, not one per block.
-        It relies on each worker's blocks of a chain being prefix-closed (an engine's radix cache
-        evicts leaves first; this index's eviction prefers later blocks on equal access times); were
-        there a hole, the answer is the end of some held run, not necessarily the first one.
+        A shared binary search: about log2(len(hs)) lookups per distinct answer, not one per block
+        (the last block is looked at first: its holders hold the whole chain). It relies on each
+        worker's blocks of a chain being prefix-closed (an engine's radix cache evicts leaves first;
+        this index's eviction prefers later blocks on equal access times); were there a hole, the
+        answer is the end of some held run, not necessarily the first one.
         """
         out: dict[str, int] = {}
         self._m_hs, self._m_res, self._m_epoch = hs, out, self._epoch
         n = len(hs)
-        first = self._mask.get(hs[0]) if n else None
+        get = self._mask.get
+        first = get(hs[0], 0) if n else 0
         if not first:
             return {}
-        get = self._mask.get
-        # (lo, hi, S): every worker in S holds block lo-1 and holds exactly b leading blocks, lo <= b <= hi
-        stack = [(1, n, first)]
-        while stack:  # bounded: each step halves a range or settles a set
-            lo, hi, ws = stack.pop()
-            if lo == hi:
-                for w in self._names(ws):
+        names = self._names
+        full = get(hs[n - 1], 0) & first if n > 1 else first
+        if full:
+            for w in names(full):
+                out[w] = n
+        rest = first & ~full
+        if rest:
+            # (lo, hi, S): each worker in S holds block lo-1, and exactly b leading blocks, lo <= b <= hi
+            stack = [(1, n - 1, rest)]
+            while stack:  # bounded: each turn settles a set, each inner step halves a range
+                lo, hi, ws = stack.pop()
+                while lo < hi:
+                    mid = (lo + hi) >> 1
+                    right = ws & get(hs[mid], 0)
+                    if right:
+                        if right != ws:
+                            stack.append((lo, mid, ws ^ right))
+                        lo, ws = mid + 1, right
+                    else:
+                        hi = mid
+                for w in names(ws):
                     out[w] = lo
-                continue
-            mid = (lo + hi) >> 1
-            m = get(hs[mid], 0)
-            right = ws & m
-            if right:
-                stack.append((mid + 1, hi, right))
-            left = ws & ~m
-            if left:
-                stack.append((lo, mid, left))
         return dict(out)  # a copy: insert_blocks relies on what this match saw
 
     def holders(self, block: int) -> list[str]:
@@ -175,25 +201,32 @@ class PrefixIndex:
         self.insert_blocks(self.hashes(ids), worker, now)
 
     def insert_blocks(self, hs: Sequence[int], worker: str, now: float) -> None:
-        if not hs:
+        n = len(hs)
+        if not n:
             return
         bit = self._bit.get(worker) or self._add_worker(worker)
         wd = self._lru[worker]
         cap = self._capacity.get(worker, self.config.capacity_blocks)
-        if len(hs) > cap:  # a prompt longer than the worker's cache: it keeps the leading blocks
+        if n > cap:  # a prompt longer than the worker's cache: it keeps the leading blocks
             hs = hs[:cap]
+            n = cap
         before = len(wd)
         wd.update(zip(hs, repeat(now)))
         added = len(wd) - before
-        if added:  # some blocks are new to this worker: set its bit on them
-            # the leading blocks it held (as the last match_blocks(hs) saw, or a new one: masks are not
-            # updated yet) have the bit; the rest are new to it, unless it had a hole in this chain
-            res = self._m_res if hs is self._m_hs and self._m_epoch == self._epoch else self.match_blocks(hs)
-            held = res.get(worker, 0)
-            tail = list(hs[held:] if len(hs) - held == added else hs)
+        if not added:  # all held already (a repeat): only the times changed
+            return
+        # the leading blocks it held (as the last match_blocks(hs) saw, or a new one: masks are not
+        # updated yet) have the bit; the rest are new to it, unless it had a hole in this chain
+        res = self._m_res if hs is self._m_hs and self._m_epoch == self._epoch else self.match_blocks(hs)
+        held = res.get(worker, 0)
+        if n - held == added:
+            tail = list(hs[held:])
+        else:  # a hole (or repeated names): the blocks the worker did not hold, by their masks
             md = self._mask
-            md.update(zip(tail, map(_or, map(md.get, tail, repeat(0)), repeat(bit)), strict=False))
-            self._enqueue(worker, now, tail)
+            tail = [h for h in dict.fromkeys(hs) if not md.get(h, 0) & bit]
+        md = self._mask
+        md.update(zip(tail, map(_or, map(md.get, tail, repeat(0)), repeat(bit)), strict=False))
+        self._enqueue(worker, now, tail)
         if len(wd) > cap:
             self._evict(worker, len(wd) - cap, protect=now)
 
@@ -216,7 +249,8 @@ class PrefixIndex:
             return
         self._epoch += 1
         gone = [h for h in dict.fromkeys(hs) if h in wd]
-        self._drop(worker, wd, gone)
+        if gone:
+            self._drop(worker, wd, gone)
 
     def clear_worker(self, worker: str) -> None:
         """KV event "all cleared", or the worker left: forget it and free its slot."""
@@ -235,6 +269,7 @@ class PrefixIndex:
             else:
                 del md[h]
         self._slots[bit.bit_length() - 1] = None
+        self._names_of.clear()
 
     def set_capacity(self, worker: str, blocks: int) -> None:
         """Capacity in blocks, as the engine reports it (e.g. max KV tokens // 16)."""
@@ -320,26 +355,43 @@ class PrefixIndex:
             self._slots.append(worker)
         bit = 1 << slot
         self._epoch += 1
+        self._names_of.clear()
         self._bit[worker] = bit
         self._lru[worker] = {}
         self._queue[worker] = deque()
         self._queued[worker] = 0
         return bit
 
-    def _names(self, mask: int) -> Iterator[str]:
-        slots = self._slots
-        while mask:
-            low = mask & -mask
-            w = slots[low.bit_length() - 1]
-            if w is not None:
-                yield w
-            mask ^= low
+    def _names(self, mask: int) -> tuple[str, ...]:
+        """The workers of a mask (cached: a handful of distinct masks recur)."""
+        names = self._names_of.get(mask)
+        if names is None:
+            slots = self._slots
+            out = []
+            m = mask
+            while m:  # bounded: one bit cleared per turn
+                low = m & -m
+                w = slots[low.bit_length() - 1]
+                if w is not None:
+                    out.append(w)
+                m ^= low
+            names = tuple(out)
+            if len(self._names_of) >= 4096:
+                self._names_of.clear()
+            self._names_of[mask] = names
+        return names
 
     def _drop(self, worker: str, wd: dict[int, float], gone: list[int]) -> None:
-        """Remove blocks ``worker`` holds (all in ``wd``) from its map and their masks (C-speed passes)."""
+        """Remove blocks ``worker`` holds (``gone``: unique, all in ``wd``) from its map and their
+        masks (C-speed passes)."""
         md = self._mask
+        bit = self._bit[worker]
         _consume(map(wd.__delitem__, gone))
-        masks = list(map(_and, map(md.__getitem__, gone), repeat(~self._bit[worker])))
+        masks = list(map(md.__getitem__, gone))
+        if masks.count(bit) == len(masks):  # the worker was the only holder: the common case
+            _consume(map(md.__delitem__, gone))
+            return
+        masks = list(map(_and, masks, repeat(~bit)))
         md.update(zip(gone, masks, strict=True))
         _consume(map(md.__delitem__, compress(gone, map(operator.not_, masks))))
 
@@ -362,7 +414,9 @@ class PrefixIndex:
         reached last: before them, the set-aside blocks go, oldest first. Deeper blocks go before
         their ancestors on equal times, so what a worker keeps of a chain stays a prefix."""
         wd, q = self._lru[worker], self._queue[worker]
-        victims: dict[int, None] = {}  # an ordered set: a block may be queued twice
+        get = wd.get
+        victims: list[int] = []
+        chunks = 0  # batches (or parts) the victims came from: more than one may repeat a block
         aside: list[int] = []  # popped deepest first
         seen = 0
         for limit in (protect, math.inf):
@@ -376,10 +430,16 @@ class PrefixIndex:
                     chunk = keys[-need:]
                     del keys[-need:]
                 seen += len(chunk)
-                ts = list(map(wd.get, chunk))
-                victims.update(
-                    dict.fromkeys([h for h, t in zip(chunk, ts, strict=True) if t is not None and t <= tb])
-                )
+                ts = list(map(get, chunk))
+                # none touched or removed since queued: all go
+                if None not in ts and max(ts) <= tb:  # type: ignore[type-var, operator]
+                    victims += chunk
+                    chunks += 1
+                    continue
+                kept = [h for h, t in zip(chunk, ts, strict=True) if t is not None and t <= tb]
+                if kept:
+                    victims += kept
+                    chunks += 1
                 aside += [
                     h for h, t in zip(reversed(chunk), reversed(ts), strict=True) if t is not None and t > tb
                 ]
@@ -387,15 +447,494 @@ class PrefixIndex:
                 aside.reverse()  # chain order; then oldest first, the later (deeper) first on ties
                 order = sorted(range(len(aside)), key=lambda i: (wd[aside[i]], -i))
                 cut = k - len(victims)
-                victims.update(dict.fromkeys(aside[i] for i in order[:cut]))
+                victims += [aside[i] for i in order[:cut]]
+                chunks += 1
                 aside = [aside[i] for i in sorted(order[cut:])][::-1]
         self._queued[worker] -= seen
-        aside = [h for h in reversed(aside) if h not in victims]
+        if chunks > 1:  # a block may be queued twice (re-queued, or removed and added again)
+            victims = list(dict.fromkeys(victims))
         if aside:
-            self._enqueue(worker, max(map(wd.__getitem__, aside)), aside)
+            if victims:
+                vs = set(victims)
+                aside = [h for h in reversed(aside) if h not in vs]
+            else:
+                aside.reverse()
+            if aside:
+                self._enqueue(worker, max(map(wd.__getitem__, aside)), aside)
         self._epoch += 1
-        self._drop(worker, wd, list(victims))
+        if victims:
+            self._drop(worker, wd, victims)
 
 
-def _consume(it: Iterator[object]) -> None:
-    deque(it, maxlen=0)
+# == the run layout ===================================================================================
+
+
+class _Run:
+    """Blocks that became one worker's in one insert, in chain order, with their last-access times.
+
+    A chain run (``chain``) is a contiguous piece of one chain: requests touch prefixes of it (a
+    request's chain enters a run at its first block), so its times do not increase along it and its
+    tail is its least recently used part. A loose run (merged entries, or an insert that met blocks the
+    worker held already) is any set of blocks, kept newest first."""
+
+    __slots__ = ("chain", "keys", "mask", "seq", "times")
+
+    def __init__(self, keys: list[int], times: list[float], mask: int, seq: int, chain: bool) -> None:
+        self.keys = keys
+        self.times = times
+        self.mask = mask  # the worker's bit (blocks map to the run: the run stands for the mask)
+        self.seq = seq
+        self.chain = chain
+
+
+class _Shared:
+    """A block several workers hold: its mask, and each holder's run by bit."""
+
+    __slots__ = ("mask", "runs")
+
+    def __init__(self, mask: int, runs: dict[int, _Run]) -> None:
+        self.mask = mask
+        self.runs = runs
+
+
+class _Holder:
+    """One worker of a ``RunPrefixIndex``: its bit, its live runs, a lazy heap of their tails."""
+
+    __slots__ = ("bit", "count", "heap", "runs")
+
+    def __init__(self, bit: int) -> None:
+        self.bit = bit
+        self.count = 0  # blocks held
+        self.runs: dict[_Run, None] = {}
+        # (tail time, -seq, run): the least recently used tail first, the newer run first on ties;
+        # an entry is stale once the run's tail time changed (a newer entry was pushed) or it is gone
+        self.heap: list[tuple[float, int, _Run]] = []
+
+
+def _run_of(v: _Run | _Shared | None, bit: int) -> _Run | None:
+    if v is None:
+        return None
+    if type(v) is _Run:
+        return v if v.mask == bit else None
+    return v.runs.get(bit)  # type: ignore[union-attr]
+
+
+class RunPrefixIndex(PrefixIndex):
+    """The same index as ``PrefixIndex`` (API, replicated state, invariants), laid out for speed.
+
+    ``PrefixIndex`` keeps one time per (block, worker) in a dict per worker, so a request that touches
+    n held blocks costs n writes in a large dict (a cache miss each: ~150 ns here), whatever else is
+    done. Here the blocks that became a worker's in one insert form a *run* (a contiguous piece of the
+    chain, with a list of times); a request's chain covers a prefix of each run it meets, so touching
+    a held prefix costs one lookup per run met (a conversation: its system prompt's run, then one run
+    per earlier turn) and a slice assignment of the times. Per block there is one dict entry
+    (block -> its run; a ``_Shared`` when several workers hold it), and a slot in its run's key and
+    time lists.
+
+    Eviction takes the least recently used run tail first (a lazy heap per worker); since a run's
+    times do not increase along it, that is LRU down to the order inside a run, where the deeper
+    block goes first; what a worker keeps of a chain stays a prefix. Expiry starts from the same oldest
+    tails (no scan past recent entries). Runs that merges or out-of-order touches left unsorted are
+    evicted and expired from their tail all the same (approximately LRU)."""
+
+    def __init__(self, config: PrefixIndexConfig | None = None) -> None:
+        super().__init__(config)
+        self._blocks: dict[int, _Run | _Shared] = {}
+        self._holders: dict[str, _Holder] = {}
+        self._seq = 0
+        self._hints: list[int] = []  # recent match answers (probe positions to try first)
+
+    # -- queries ------------------------------------------------------------------------------------
+
+    def match_blocks(self, hs: Sequence[int]) -> dict[str, int]:
+        """Per worker, how many leading blocks of the chain ``hs`` it holds (``PrefixIndex.match_blocks``)."""
+        out: dict[str, int] = {}
+        self._m_hs, self._m_res, self._m_epoch = hs, out, self._epoch
+        n = len(hs)
+        get = self._blocks.get
+        v = get(hs[0]) if n else None
+        if v is None:
+            return {}
+        first = v.mask
+        names = self._names
+        if n > 1:
+            v = get(hs[n - 1])
+            full = 0 if v is None else v.mask & first
+        else:
+            full = first
+        if full:
+            for w in names(full):
+                out[w] = n
+        rest = first & ~full
+        if rest:
+            # as in PrefixIndex.match_blocks, but the first probes of a range go where recent answers
+            # were (a shared system prompt's end recurs): two probes settle a set that ends there
+            hints = self._hints
+            stack = [(1, n - 1, rest)]
+            while stack:  # bounded: each turn settles a set, each inner step narrows a range
+                lo, hi, ws = stack.pop()
+                while lo < hi:
+                    for a in hints:  # bounded: a few hints
+                        if lo <= a < hi:
+                            mid = a
+                            break
+                        if lo <= a - 1 < hi:
+                            mid = a - 1
+                            break
+                    else:
+                        mid = (lo + hi) >> 1
+                    v = get(hs[mid])
+                    right = 0 if v is None else ws & v.mask
+                    if right:
+                        if right != ws:
+                            stack.append((lo, mid, ws ^ right))
+                        lo, ws = mid + 1, right
+                    else:
+                        hi = mid
+                for w in names(ws):
+                    out[w] = lo
+                if lo not in hints:
+                    hints.insert(0, lo)
+                    del hints[2:]
+        return dict(out)
+
+    def holders(self, block: int) -> list[str]:
+        v = self._blocks.get(block)
+        return [] if v is None else list(self._names(v.mask))
+
+    def last_access(self, block: int, worker: str) -> float | None:
+        h = self._holders.get(worker)
+        run = None if h is None else _run_of(self._blocks.get(block), h.bit)
+        return None if run is None else run.times[run.keys.index(block)]
+
+    def worker_blocks(self, worker: str) -> int:
+        h = self._holders.get(worker)
+        return 0 if h is None else h.count
+
+    @property
+    def live_blocks(self) -> int:
+        return len(self._blocks)
+
+    # -- updates ------------------------------------------------------------------------------------
+
+    def insert_blocks(self, hs: Sequence[int], worker: str, now: float) -> None:
+        n = len(hs)
+        if not n:
+            return
+        holder = self._holders.get(worker) or self._add_holder(worker)
+        cap = self._capacity.get(worker, self.config.capacity_blocks)
+        if n > cap:  # a prompt longer than the worker's cache: it keeps the leading blocks
+            hs = hs[:cap]
+            n = cap
+        res = self._m_res if hs is self._m_hs and self._m_epoch == self._epoch else self.match_blocks(hs)
+        k = res.get(worker, 0)
+        i = self._touch(holder, hs, k, now) if k else 0
+        if i < k:  # a hole in what the worker holds of this chain (KV "removed" events, merges)
+            self._insert_slow(holder, hs, i, n, now)
+        elif k < n:
+            self._add_run(holder, hs[k:] if type(hs) is list else list(hs[k:]), [now] * (n - k), True)
+        else:
+            return  # all held already: only times changed
+        self._epoch += 1  # masks changed: a cached match of these blocks is stale
+        if holder.count > cap:
+            self._evict_runs(holder, holder.count - cap)
+        if len(holder.heap) > 2 * len(holder.runs) + 64:
+            self._rebuild_heap(holder)
+
+    def remove_blocks(self, hs: Iterable[int], worker: str) -> None:
+        """KV event "removed" (or local eviction): ``worker`` no longer holds these blocks."""
+        holder = self._holders.get(worker)
+        if holder is None:
+            return
+        self._epoch += 1
+        get = self._blocks.get
+        for h in dict.fromkeys(hs):
+            run = _run_of(get(h), holder.bit)
+            if run is not None:
+                self._cut(holder, run, run.keys.index(h))
+
+    def clear_worker(self, worker: str) -> None:
+        """KV event "all cleared", or the worker left: forget it and free its slot."""
+        holder = self._holders.pop(worker, None)
+        if holder is None:
+            return
+        self._epoch += 1
+        for run in holder.runs:
+            self._unlink(holder.bit, run, run.keys)
+        self._slots[holder.bit.bit_length() - 1] = None
+        self._names_of.clear()
+
+    def set_capacity(self, worker: str, blocks: int) -> None:
+        """Capacity in blocks, as the engine reports it (e.g. max KV tokens // 16)."""
+        cap = self._capacity[worker] = max(1, blocks)
+        holder = self._holders.get(worker)
+        if holder is not None and holder.count > cap:
+            self._evict_runs(holder, holder.count - cap)
+
+    def expire(self, now: float, budget: int = 4096) -> int:
+        """Drop entries not accessed within ``max_age_s``, oldest first, about ``budget`` per worker per
+        call (call periodically). Returns how many were dropped."""
+        cutoff = now - self.config.max_age_s
+        dropped = 0
+        for holder in self._holders.values():
+            heap = holder.heap
+            seen = 0
+            while heap and heap[0][0] < cutoff and seen < budget:  # bounded by budget
+                t, ns, run = heap[0]
+                keys, times = run.keys, run.times
+                if not keys or times[-1] != t:  # stale entry
+                    heapq.heappop(heap)
+                    seen += 1
+                    continue
+                j = len(keys) - 1
+                while j and times[j - 1] < cutoff:  # bounded by the run: its expired tail
+                    j -= 1
+                victims = keys[j:]
+                del keys[j:], times[j:]
+                self._unlink(holder.bit, run, victims)
+                holder.count -= len(victims)
+                dropped += len(victims)
+                seen += len(victims)
+                if keys:
+                    heapq.heapreplace(heap, (times[-1], ns, run))
+                else:
+                    heapq.heappop(heap)
+                    del holder.runs[run]
+        if dropped:
+            self._epoch += 1
+        return dropped
+
+    # -- replication --------------------------------------------------------------------------------
+
+    def export(self, since: float | None = None) -> Entries:
+        """The replicated state, (block, worker) -> last access; only entries newer than ``since``."""
+        out: Entries = {}
+        for w, holder in self._holders.items():
+            for run in holder.runs:
+                if since is None:
+                    out.update(zip(zip(run.keys, repeat(w)), run.times, strict=True))
+                else:
+                    out.update(((h, w), t) for h, t in zip(run.keys, run.times, strict=True) if t > since)
+        return out
+
+    def merge(self, entries: Mapping[tuple[int, str], float]) -> None:
+        """Max-merge a peer's entries (a delta or a full state) into this index."""
+        by_worker: dict[str, list[tuple[int, float]]] = {}
+        for (h, w), t in entries.items():
+            by_worker.setdefault(w, []).append((h, t))
+        get = self._blocks.get
+        for w, pairs in by_worker.items():
+            holder = self._holders.get(w) or self._add_holder(w)
+            new: list[tuple[int, float]] = []
+            for h, t in pairs:
+                run = _run_of(get(h), holder.bit)
+                if run is None:
+                    new.append((h, t))
+                    continue
+                o = run.keys.index(h)
+                if t > run.times[o]:
+                    run.times[o] = t
+                    if o == len(run.keys) - 1:
+                        heapq.heappush(holder.heap, (t, -run.seq, run))
+            if new:
+                new.sort(key=lambda p: -p[1])  # newest first: a loose run's tail is its oldest (stable)
+                self._add_run(holder, [p[0] for p in new], [p[1] for p in new], False)
+                self._epoch += 1
+            cap = self.capacity(w)
+            if holder.count > cap:
+                self._evict_runs(holder, holder.count - cap)
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _add_holder(self, worker: str) -> _Holder:
+        try:
+            slot = self._slots.index(None)
+            self._slots[slot] = worker
+        except ValueError:
+            slot = len(self._slots)
+            self._slots.append(worker)
+        self._epoch += 1
+        self._names_of.clear()
+        holder = self._holders[worker] = _Holder(1 << slot)
+        return holder
+
+    def _touch(self, holder: _Holder, hs: Sequence[int], k: int, now: float) -> int:
+        """Set the time of the held blocks ``hs[:k]`` to ``now``, run by run; returns how far it got
+        (less than ``k``: a block the worker does not hold, a hole)."""
+        get = self._blocks.get
+        bit = holder.bit
+        i = 0
+        while i < k:  # bounded: i grows by at least 1 per turn
+            h = hs[i]
+            run = _run_of(get(h), bit)
+            if run is None:
+                return i
+            keys = run.keys
+            o = 0 if keys[0] == h else keys.index(h)
+            b = min(len(keys) - o, k - i)  # how far run and chain may go on together
+            if run.chain:
+                if b > 1 and keys[o + b - 1] != hs[i + b - 1]:  # the run leaves the chain: where?
+                    lo, hi = 1, b - 1  # equal names at one depth mean equal prefixes: a binary search
+                    while lo < hi:
+                        mid = (lo + hi + 1) >> 1
+                        if keys[o + mid - 1] == hs[i + mid - 1]:
+                            lo = mid
+                        else:
+                            hi = mid - 1
+                    b = lo
+            else:
+                m = 1
+                while m < b and keys[o + m] == hs[i + m]:  # bounded by b
+                    m += 1
+                b = m
+            run.times[o : o + b] = [now] * b
+            if o + b == len(keys):  # its tail moved: a fresh heap entry (the old one goes stale)
+                heapq.heappush(holder.heap, (now, -run.seq, run))
+            i += b
+        return i
+
+    def _touch_one(self, holder: _Holder, run: _Run, h: int, now: float) -> None:
+        o = run.keys.index(h)
+        if now > run.times[o]:
+            run.times[o] = now
+            if o == len(run.keys) - 1:
+                heapq.heappush(holder.heap, (now, -run.seq, run))
+
+    def _insert_slow(self, holder: _Holder, hs: Sequence[int], i: int, n: int, now: float) -> None:
+        """``hs[i:n]`` block by block: held ones are touched, the others become runs (one per piece)."""
+        get = self._blocks.get
+        piece: list[int] = []
+        for h in hs[i:n]:
+            run = _run_of(get(h), holder.bit)
+            if run is None:
+                piece.append(h)
+                continue
+            if piece:
+                self._add_run(holder, piece, [now] * len(piece), True)
+                piece = []
+            self._touch_one(holder, run, h, now)
+        if piece:
+            self._add_run(holder, piece, [now] * len(piece), True)
+
+    def _add_run(self, holder: _Holder, keys: list[int], times: list[float], chain: bool) -> None:
+        """Blocks ``keys`` (lists the run owns) become the worker's, as a new run."""
+        self._seq += 1
+        run = _Run(keys, times, holder.bit, self._seq, chain)
+        blocks = self._blocks
+        before = len(blocks)
+        olds = list(map(blocks.setdefault, keys, repeat(run)))
+        if len(blocks) - before != len(keys):  # some were known: other holders, or repeated names
+            self._share(holder, run, olds)
+            if not run.keys:
+                return
+        holder.runs[run] = None
+        holder.count += len(run.keys)
+        heapq.heappush(holder.heap, (run.times[-1], -run.seq, run))
+
+    def _share(self, holder: _Holder, run: _Run, olds: list[_Run | _Shared]) -> None:
+        """The blocks of a new ``run`` that were in the index already: shared with their holders,
+        or (held by this worker already) touched where they are and left out of the run."""
+        bit = holder.bit
+        blocks = self._blocks
+        keep: list[int] = []
+        times: list[float] = []
+        seen: set[int] = set()
+        for h, t, o in zip(run.keys, run.times, olds, strict=True):
+            if h in seen:
+                continue
+            seen.add(h)
+            if o is run:
+                pass
+            elif type(o) is _Run:
+                if o.mask == bit:
+                    self._touch_one(holder, o, h, t)
+                    continue
+                blocks[h] = _Shared(o.mask | bit, {o.mask: o, bit: run})
+            else:
+                assert isinstance(o, _Shared)
+                if o.mask & bit:
+                    self._touch_one(holder, o.runs[bit], h, t)
+                    continue
+                o.mask |= bit
+                o.runs[bit] = run
+            keep.append(h)
+            times.append(t)
+        if len(keep) != len(run.keys):
+            run.chain = False  # not a contiguous piece of a chain any more
+            run.keys, run.times = keep, times
+
+    def _unlink(self, bit: int, run: _Run, keys: Sequence[int]) -> None:
+        """Take the worker's entries of ``keys`` (blocks of ``run``) out of the block map."""
+        blocks = self._blocks
+        olds = list(map(blocks.pop, keys, repeat(None)))
+        if olds.count(run) == len(olds):  # the worker was the only holder: the common case
+            return
+        for h, o in zip(keys, olds, strict=True):
+            if o is run or o is None:
+                continue
+            if type(o) is _Shared:
+                o.runs.pop(bit, None)
+                o.mask &= ~bit
+                if len(o.runs) > 1:
+                    blocks[h] = o
+                elif o.runs:
+                    blocks[h] = next(iter(o.runs.values()))
+            else:
+                blocks[h] = o  # another worker's run (not expected): left as it was
+
+    def _cut(self, holder: _Holder, run: _Run, o: int) -> None:
+        """Remove the block at offset ``o`` of ``run``; what follows it becomes a run of its own."""
+        keys, times = run.keys, run.times
+        h = keys[o]
+        rest_k, rest_t = keys[o + 1 :], times[o + 1 :]
+        del keys[o:], times[o:]
+        self._unlink(holder.bit, run, [h])
+        holder.count -= 1
+        if rest_k:
+            self._seq += 1
+            tail = _Run(rest_k, rest_t, holder.bit, self._seq, run.chain)
+            blocks = self._blocks
+            for k in rest_k:  # bounded by the run
+                v = blocks[k]
+                if v is run:
+                    blocks[k] = tail
+                elif type(v) is _Shared:
+                    v.runs[holder.bit] = tail
+            holder.runs[tail] = None
+            heapq.heappush(holder.heap, (rest_t[-1], -tail.seq, tail))
+        if keys:
+            heapq.heappush(holder.heap, (times[-1], -run.seq, run))
+        else:
+            del holder.runs[run]
+
+    def _evict_runs(self, holder: _Holder, k: int) -> None:
+        """Evict ``k`` blocks: the least recently used run tails first."""
+        heap = holder.heap
+        bit = holder.bit
+        self._epoch += 1
+        while k > 0 and heap:  # bounded: each turn drops a heap entry or evicts blocks
+            t, ns, run = heap[0]
+            keys, times = run.keys, run.times
+            if not keys or times[-1] != t:  # stale entry
+                heapq.heappop(heap)
+                continue
+            n = len(keys)
+            j = max(times.index(t), n - k)  # times do not increase along a chain run: [j:] are all t
+            if j < n - 1 and max(times[j:]) > t:  # an unsorted run: its tail up to a newer block
+                j = n - 1
+                while j > n - k and times[j - 1] <= t:  # bounded by k
+                    j -= 1
+            victims = keys[j:]
+            del keys[j:], times[j:]
+            self._unlink(bit, run, victims)
+            holder.count -= n - j
+            k -= n - j
+            if keys:
+                heapq.heapreplace(heap, (times[-1], ns, run))
+            else:
+                heapq.heappop(heap)
+                del holder.runs[run]
+
+    def _rebuild_heap(self, holder: _Holder) -> None:
+        holder.heap = [(r.times[-1], -r.seq, r) for r in holder.runs]
+        heapq.heapify(holder.heap)

@@ -1,4 +1,5 @@
-"""Prefix index: naming, matching, updates, eviction, KV events, replication (by value)."""
+"""Prefix index: naming, matching, updates, eviction, KV events, replication (by value), for both
+layouts (``PrefixIndex``: a time per (block, worker); ``RunPrefixIndex``: times per run)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,25 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from shepherd.policies.prefix_index import (
     BLOCK_TOKENS,
     CHAIN_SEED,
     PrefixIndex,
     PrefixIndexConfig,
+    RunPrefixIndex,
     block_hashes,
     merge_entries,
 )
+
+Index = type[PrefixIndex]
+
+
+@pytest.fixture(params=[PrefixIndex, RunPrefixIndex], ids=["flat", "runs"])
+def Ix(request: pytest.FixtureRequest) -> Index:
+    cls: Index = request.param
+    return cls
 
 
 def ids(n: int, start: int = 1000) -> list[int]:
@@ -60,8 +72,8 @@ def test_block_hashes_do_not_depend_on_the_hash_seed() -> None:
     assert outs == {f"{block_hashes(list(range(48)))}\n"}
 
 
-def test_hashes_are_cached_for_the_same_ids_object() -> None:
-    ix = PrefixIndex()
+def test_hashes_are_cached_for_the_same_ids_object(Ix: Index) -> None:
+    ix = Ix()
     a = ids(64)
     assert ix.hashes(a) is ix.hashes(a)
     a.extend(ids(16, 5))  # grown: recomputed
@@ -71,14 +83,14 @@ def test_hashes_are_cached_for_the_same_ids_object() -> None:
 # -- match / insert ---------------------------------------------------------------------------------
 
 
-def test_empty_index_matches_nothing() -> None:
-    ix = PrefixIndex()
+def test_empty_index_matches_nothing(Ix: Index) -> None:
+    ix = Ix()
     assert ix.match(ids(100)) == {}
     assert ix.match([]) == {}
 
 
-def test_match_longest_prefix_per_worker() -> None:
-    ix = PrefixIndex()
+def test_match_longest_prefix_per_worker(Ix: Index) -> None:
+    ix = Ix()
     system = ids(64)
     ix.insert(system + ids(50, 9000), "a", 1.0)  # 7 blocks (114 tokens)
     ix.insert(system + ids(40, 7000), "b", 2.0)  # 6 blocks
@@ -91,8 +103,8 @@ def test_match_longest_prefix_per_worker() -> None:
     assert sorted(ix.holders(block_hashes(system)[0])) == ["a", "b", "c"]
 
 
-def test_insert_records_last_access() -> None:
-    ix = PrefixIndex()
+def test_insert_records_last_access(Ix: Index) -> None:
+    ix = Ix()
     a = ids(48)
     ix.insert(a, "w", 5.0)
     h = block_hashes(a)
@@ -102,8 +114,8 @@ def test_insert_records_last_access() -> None:
     assert ix.last_access(h[0], "other") is None
 
 
-def test_remove_blocks_and_clear_worker() -> None:
-    ix = PrefixIndex()
+def test_remove_blocks_and_clear_worker(Ix: Index) -> None:
+    ix = Ix()
     a = ids(64)
     ix.insert(a, "a", 1.0)
     ix.insert(a, "b", 1.0)
@@ -119,8 +131,8 @@ def test_remove_blocks_and_clear_worker() -> None:
     assert ix.match(a) == {"a": 32}
 
 
-def test_freed_slot_is_reused_without_leaking_blocks() -> None:
-    ix = PrefixIndex()
+def test_freed_slot_is_reused_without_leaking_blocks(Ix: Index) -> None:
+    ix = Ix()
     a, b = ids(32), ids(32, 50_000)
     ix.insert(a, "old", 1.0)
     ix.clear_worker("old")
@@ -129,8 +141,8 @@ def test_freed_slot_is_reused_without_leaking_blocks() -> None:
     assert ix.match(b) == {"new": 32}
 
 
-def test_insert_after_match_of_the_same_prompt_and_after_a_removal() -> None:
-    ix = PrefixIndex()
+def test_insert_after_match_of_the_same_prompt_and_after_a_removal(Ix: Index) -> None:
+    ix = Ix()
     a = ids(80)
     ix.insert(a[:48], "w", 1.0)
     assert ix.match(a) == {"w": 48}
@@ -140,8 +152,8 @@ def test_insert_after_match_of_the_same_prompt_and_after_a_removal() -> None:
     assert ix.worker_blocks("w") == 5
 
 
-def test_reinsert_after_a_hole_in_the_middle() -> None:
-    ix = PrefixIndex()
+def test_reinsert_after_a_hole_in_the_middle(Ix: Index) -> None:
+    ix = Ix()
     a = ids(48)
     h = block_hashes(a)
     ix.insert(a, "w", 1.0)
@@ -155,8 +167,8 @@ def test_reinsert_after_a_hole_in_the_middle() -> None:
 # -- capacity and age -------------------------------------------------------------------------------
 
 
-def test_capacity_evicts_least_recently_used_keeping_prefixes() -> None:
-    ix = PrefixIndex(PrefixIndexConfig(capacity_blocks=4))
+def test_capacity_evicts_least_recently_used_keeping_prefixes(Ix: Index) -> None:
+    ix = Ix(PrefixIndexConfig(capacity_blocks=4))
     a, b = ids(32, 1), ids(32, 500)
     ix.insert(a, "w", 1.0)
     ix.insert(b, "w", 2.0)
@@ -167,15 +179,15 @@ def test_capacity_evicts_least_recently_used_keeping_prefixes() -> None:
     assert ix.match(b) == {}
 
 
-def test_eviction_drops_deeper_blocks_first_on_equal_times() -> None:
-    ix = PrefixIndex(PrefixIndexConfig(capacity_blocks=3))
+def test_eviction_drops_deeper_blocks_first_on_equal_times(Ix: Index) -> None:
+    ix = Ix(PrefixIndexConfig(capacity_blocks=3))
     a = ids(80)
     ix.insert(a, "w", 1.0)  # 5 blocks at the same time, capacity 3
     assert ix.match(a) == {"w": 48}
 
 
-def test_capacity_from_the_engine() -> None:
-    ix = PrefixIndex(PrefixIndexConfig(capacity_blocks=100))
+def test_capacity_from_the_engine(Ix: Index) -> None:
+    ix = Ix(PrefixIndexConfig(capacity_blocks=100))
     ix.insert(ids(160), "w", 1.0)
     assert ix.capacity("w") == 100
     ix.set_capacity("w", 4)
@@ -187,8 +199,8 @@ def test_capacity_from_the_engine() -> None:
     assert ix.worker_blocks("fresh") == 2
 
 
-def test_expire_by_age() -> None:
-    ix = PrefixIndex(PrefixIndexConfig(max_age_s=10.0))
+def test_expire_by_age(Ix: Index) -> None:
+    ix = Ix(PrefixIndexConfig(max_age_s=10.0))
     old, recent = ids(32, 1), ids(32, 500)
     ix.insert(old, "w", 0.0)
     ix.insert(recent, "w", 8.0)
@@ -200,13 +212,14 @@ def test_expire_by_age() -> None:
     assert ix.expire(now=12.0) == 0
 
 
-def test_expire_reaches_old_entries_behind_recent_ones_over_calls() -> None:
-    ix = PrefixIndex(PrefixIndexConfig(max_age_s=10.0))
+def test_expire_reaches_old_entries_behind_recent_ones_over_calls(Ix: Index) -> None:
+    ix = Ix(PrefixIndexConfig(max_age_s=10.0))
     ix.insert(ids(32, 1), "w", 0.0)
     ix.insert(ids(32, 500), "w", 0.0)
     ix.insert(ids(32, 1), "w", 20.0)  # front entries refreshed, behind them old ones
-    assert ix.expire(now=25.0, budget=2) == 0  # scanned the 2 recent ones, moved them back
-    assert ix.expire(now=25.0, budget=2) == 2
+    # CLOCK (flat) scans the 2 recent ones first, moves them back, and reaches the old ones next call;
+    # the run layout's heap finds the old ones first: over two calls, both drop them
+    assert ix.expire(now=25.0, budget=2) + ix.expire(now=25.0, budget=2) == 2
     assert ix.match(ids(32, 1)) == {"w": 32}
     assert ix.match(ids(32, 500)) == {}
 
@@ -214,8 +227,8 @@ def test_expire_reaches_old_entries_behind_recent_ones_over_calls() -> None:
 # -- KV events --------------------------------------------------------------------------------------
 
 
-def test_stored_token_blocks_chain_from_their_parent() -> None:
-    ix = PrefixIndex()
+def test_stored_token_blocks_chain_from_their_parent(Ix: Index) -> None:
+    ix = Ix()
     a = ids(64)
     first = ix.store_token_blocks("w", a[:32], 1.0)
     assert first == block_hashes(a)[:2]
@@ -231,8 +244,8 @@ def test_stored_token_blocks_chain_from_their_parent() -> None:
 # -- replication ------------------------------------------------------------------------------------
 
 
-def test_export_and_export_since() -> None:
-    ix = PrefixIndex()
+def test_export_and_export_since(Ix: Index) -> None:
+    ix = Ix()
     ix.insert(ids(32), "a", 1.0)
     ix.insert(ids(16, 77), "b", 5.0)
     h = block_hashes(ids(32))
@@ -241,8 +254,8 @@ def test_export_and_export_since() -> None:
     assert ix.export(since=2.0) == {(h2[0], "b"): 5.0}
 
 
-def test_merge_takes_the_newer_time_and_adds_holders() -> None:
-    x, y = PrefixIndex(), PrefixIndex()
+def test_merge_takes_the_newer_time_and_adds_holders(Ix: Index) -> None:
+    x, y = Ix(), Ix()
     a = ids(48)
     x.insert(a, "w1", 1.0)
     y.insert(a[:32], "w1", 4.0)
@@ -254,9 +267,9 @@ def test_merge_takes_the_newer_time_and_adds_holders() -> None:
     assert x.export() == merge_entries(x.export(), y.export())
 
 
-def test_merge_respects_capacity() -> None:
-    x = PrefixIndex(PrefixIndexConfig(capacity_blocks=2))
-    y = PrefixIndex()
+def test_merge_respects_capacity(Ix: Index) -> None:
+    x = Ix(PrefixIndexConfig(capacity_blocks=2))
+    y = Ix()
     y.insert(ids(80), "w", 1.0)
     x.merge(y.export())
     assert x.worker_blocks("w") == 2
@@ -268,3 +281,66 @@ def test_merge_entries_is_max() -> None:
     b = {(1, "w"): 3.0, (3, "v"): 0.5}
     assert merge_entries(a, b) == {(1, "w"): 3.0, (2, "w"): 5.0, (3, "v"): 0.5}
     assert BLOCK_TOKENS == 16
+
+
+# -- a request's chain over several inserts (the run layout keeps one time list per insert) ---------
+
+
+def test_touching_a_prefix_held_through_several_inserts(Ix: Index) -> None:
+    ix = Ix()
+    system = ids(48)
+    first, second = system + ids(32, 5000), system + ids(64, 7000)
+    ix.insert(first, "w", 1.0)  # system prompt + first conversation
+    ix.insert(second, "w", 2.0)  # the system prompt is held: only the new blocks are added
+    ix.insert(second + ids(16, 9000), "w", 3.0)  # a follow-up turn
+    h1, h2 = block_hashes(first), block_hashes(second + ids(16, 9000))
+    assert [ix.last_access(b, "w") for b in h2] == [3.0] * 8
+    assert [ix.last_access(b, "w") for b in h1[3:]] == [1.0, 1.0]  # the first conversation: untouched
+    assert ix.match(second + ids(16, 9000)) == {"w": 128}
+    assert ix.worker_blocks("w") == 3 + 2 + 4 + 1
+
+
+def test_eviction_takes_the_least_recently_used_conversation_first(Ix: Index) -> None:
+    ix = Ix(PrefixIndexConfig(capacity_blocks=9))
+    system = ids(48)
+    a, b, c = system + ids(32, 5000), system + ids(32, 6000), system + ids(32, 7000)
+    ix.insert(a, "w", 1.0)
+    ix.insert(b, "w", 2.0)
+    ix.insert(a, "w", 3.0)  # a again: b is the least recently used
+    ix.insert(c, "w", 4.0)  # 3 + 2 + 2 + 2 = 9 blocks: at capacity
+    ix.insert(c + ids(16, 8000), "w", 5.0)  # one more: b's last block goes
+    assert ix.match(b) == {"w": 64}
+    assert ix.match(a) == {"w": 80}
+    assert ix.match(c + ids(16, 8000)) == {"w": 96}
+
+
+def test_shared_blocks_leave_one_holder_and_stay_with_the_others(Ix: Index) -> None:
+    ix = Ix()
+    a = ids(64)
+    ix.insert(a, "x", 1.0)
+    ix.insert(a, "y", 2.0)
+    ix.insert(a[:32], "z", 3.0)
+    h = block_hashes(a)
+    ix.remove_blocks(h[1:], "y")  # KV "removed": y keeps one leading block
+    assert ix.match(a) == {"x": 64, "y": 16, "z": 32}
+    ix.set_capacity("x", 1)
+    assert ix.match(a) == {"x": 16, "y": 16, "z": 32}
+    assert sorted(ix.holders(h[0])) == ["x", "y", "z"]
+    assert sorted(ix.holders(h[1])) == ["z"]
+    ix.clear_worker("z")
+    assert ix.live_blocks == 1
+    assert ix.holders(h[1]) == []
+    assert ix.match(a) == {"x": 16, "y": 16}
+
+
+def test_kv_stored_blocks_continue_a_routed_chain() -> None:
+    # the run layout only: the flat layout's CLOCK takes the older ancestors first here (a hole)
+    ix = RunPrefixIndex()
+    a = ids(96)
+    ix.insert(a, "w", 1.0)  # the routing decision
+    h = block_hashes(a)
+    ix.store_token_blocks("w", a[32:], 2.0, parent=h[1])  # the engine reports what it stored past its cache
+    assert [ix.last_access(b, "w") for b in h] == [1.0, 1.0, 2.0, 2.0, 2.0, 2.0]
+    assert ix.worker_blocks("w") == 6
+    ix.set_capacity("w", 4)  # the newer tail is still the deeper part: it goes first, a prefix stays
+    assert ix.match(a) == {"w": 64}

@@ -1,11 +1,21 @@
-"""Prefix index invariants (hypothesis): matching against a reference, and the max-merge semilattice."""
+"""Prefix index invariants (hypothesis): matching against a reference, the max-merge semilattice, both
+layouts (``PrefixIndex``, ``RunPrefixIndex``) against each other."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, block_hashes, merge_entries
+from shepherd.policies.prefix_index import (
+    PrefixIndex,
+    PrefixIndexConfig,
+    RunPrefixIndex,
+    block_hashes,
+    merge_entries,
+)
+
+LAYOUTS = pytest.mark.parametrize("Ix", [PrefixIndex, RunPrefixIndex], ids=["flat", "runs"])
 
 WORKERS = ["a", "b", "c"]
 
@@ -30,10 +40,13 @@ def reference_match(held: dict[str, set[int]], prompt: list[int]) -> dict[str, i
     return out
 
 
+@LAYOUTS
 @settings(max_examples=150, deadline=None)
 @given(ops, prompts)
-def test_match_agrees_with_a_reference(inserts: list[tuple[list[int], str, int]], probe: list[int]) -> None:
-    ix = PrefixIndex()
+def test_match_agrees_with_a_reference(
+    Ix: type[PrefixIndex], inserts: list[tuple[list[int], str, int]], probe: list[int]
+) -> None:
+    ix = Ix()
     held: dict[str, set[int]] = {}
     for prompt, w, t in inserts:
         ix.insert(prompt, w, float(t))
@@ -42,10 +55,13 @@ def test_match_agrees_with_a_reference(inserts: list[tuple[list[int], str, int]]
         assert ix.match(list(prompt)) == reference_match(held, prompt)
 
 
+@LAYOUTS
 @settings(max_examples=150, deadline=None)
 @given(ops, st.integers(1, 6))
-def test_capacity_bounds_and_invariants(inserts: list[tuple[list[int], str, int]], cap: int) -> None:
-    ix = PrefixIndex(PrefixIndexConfig(capacity_blocks=cap))
+def test_capacity_bounds_and_invariants(
+    Ix: type[PrefixIndex], inserts: list[tuple[list[int], str, int]], cap: int
+) -> None:
+    ix = Ix(PrefixIndexConfig(capacity_blocks=cap))
     now = 0.0
     for prompt, w, _ in inserts:
         now += 1.0
@@ -72,12 +88,13 @@ def test_merge_is_commutative_associative_idempotent(
     assert merge_entries(merge_entries(a, b), b) == merge_entries(a, b)
 
 
+@LAYOUTS
 @settings(max_examples=100, deadline=None)
 @given(states, states)
 def test_index_merge_converges_in_any_order(
-    a: dict[tuple[int, str], float], b: dict[tuple[int, str], float]
+    Ix: type[PrefixIndex], a: dict[tuple[int, str], float], b: dict[tuple[int, str], float]
 ) -> None:
-    x, y = PrefixIndex(), PrefixIndex()
+    x, y = Ix(), Ix()
     x.merge(a)
     x.merge(b)
     y.merge(b)
@@ -100,13 +117,14 @@ actions = st.lists(
 )
 
 
+@LAYOUTS
 @settings(max_examples=200, deadline=None)
 @given(actions, st.integers(1, 8))
 def test_any_sequence_of_updates_keeps_the_index_consistent(
-    acts: list[tuple[str, list[int], str]], cap: int
+    Ix: type[PrefixIndex], acts: list[tuple[str, list[int], str]], cap: int
 ) -> None:
-    ix = PrefixIndex(PrefixIndexConfig(capacity_blocks=cap, max_age_s=5.0))
-    peer = PrefixIndex()
+    ix = Ix(PrefixIndexConfig(capacity_blocks=cap, max_age_s=5.0))
+    peer = Ix()
     peer.insert(list(range(64)), "c", 3.0)
     now = 0.0
     seen: list[int] = []  # block names met so far, for removals
@@ -132,3 +150,89 @@ def test_any_sequence_of_updates_keeps_the_index_consistent(
         assert ix.live_blocks == len({b for b, _ in exported})
         assert all(wk in ix.holders(b) for b, wk in exported)
         assert sum(len(ix.holders(b)) for b in {b for b, _ in exported}) == len(exported)
+
+
+def held_run_end(ix: PrefixIndex, w: str, hs: list[int], a: int) -> bool:
+    """``a`` blocks of chain ``hs`` for worker ``w`` is the end of a run of blocks ``w`` holds."""
+    return (a == 0 or w in ix.holders(hs[a - 1])) and (a == len(hs) or w not in ix.holders(hs[a]))
+
+
+no_age_actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), prompts, st.sampled_from(WORKERS)),
+        st.tuples(st.just("remove"), block_lists, st.sampled_from(WORKERS)),
+        st.tuples(st.just("clear"), st.just([]), st.sampled_from(WORKERS)),
+        st.tuples(st.just("merge"), st.integers(0, 3).map(lambda n: [n]), st.sampled_from(WORKERS)),
+        st.tuples(st.just("kv"), prompts, st.sampled_from(WORKERS)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(no_age_actions, st.lists(prompts, min_size=1, max_size=4))
+def test_the_layouts_hold_the_same_state_and_match_alike(
+    acts: list[tuple[str, list[int], str]], probes: list[list[int]]
+) -> None:
+    """Without capacity pressure or expiry (where their eviction orders differ by design), the run
+    layout holds exactly what the flat one holds, and its answers are the reference's."""
+    flat, runs = PrefixIndex(), RunPrefixIndex()
+    seen: list[int] = []
+    now = 0.0
+    for kind, arg, w in acts:
+        now += 1.0
+        for ix in (flat, runs):
+            if kind == "insert":
+                ix.insert(list(arg), w, now)
+            elif kind == "kv":  # a KV "stored" event: the blocks after the first one, from its name
+                hs = block_hashes(arg)
+                if hs:
+                    ix.store_token_blocks(w, arg[16:], now, parent=hs[0])
+            elif kind == "remove":
+                ix.remove_blocks([seen[i % len(seen)] for i in arg] if seen else [], w)
+            elif kind == "clear":
+                ix.clear_worker(w)
+            else:
+                ix.merge({(b, w): now - arg[0] for b in block_hashes(list(range(16 * (arg[0] + 1))))})
+        if kind in ("insert", "kv"):
+            seen += block_hashes(arg)
+        assert runs.export() == flat.export()
+        assert runs.live_blocks == flat.live_blocks
+        for wk in WORKERS:
+            assert runs.worker_blocks(wk) == flat.worker_blocks(wk)
+    for p in probes + [a[1] for a in acts if a[0] == "insert"]:
+        hs = block_hashes(p)
+        got = runs.match_blocks(hs)
+        for w in WORKERS:
+            a = got.get(w, 0)
+            assert held_run_end(runs, w, hs, a)
+            ref = reference_match({w: {b for b, x in runs.export() if x == w}}, p).get(w, 0) // 16
+            if all(w not in runs.holders(b) for b in hs[ref:]):  # what w holds of p is a prefix
+                assert a == ref
+
+
+@settings(max_examples=150, deadline=None)
+@given(actions, st.integers(1, 8))
+def test_runs_keep_what_a_worker_holds_of_its_latest_chain_a_prefix(
+    acts: list[tuple[str, list[int], str]], cap: int
+) -> None:
+    """Evictions and expiry of the run layout take tails: after any updates, what a worker holds of
+    the chain it was last given (when nothing removed a block of it since) is a prefix of it."""
+    ix = RunPrefixIndex(PrefixIndexConfig(capacity_blocks=cap, max_age_s=5.0))
+    last: dict[str, list[int]] = {}
+    now = 0.0
+    for kind, arg, w in acts:
+        now += 1.0
+        if kind == "insert":
+            ix.insert(list(arg), w, now)
+            last[w] = block_hashes(arg)
+        elif kind == "clear":
+            ix.clear_worker(w)
+            last.pop(w, None)
+        elif kind == "expire":
+            ix.expire(now, budget=3)
+        elif kind == "capacity":
+            ix.set_capacity(w, arg[0])
+        for wk, hs in last.items():
+            held = [wk in ix.holders(b) for b in hs]
+            assert held == sorted(held, reverse=True), (wk, held)
