@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -238,7 +238,7 @@ class Gateway:
         self,
         model: str,
         exclude: set[str],
-        input_ids: list[int],
+        input_ids: Sequence[int],
         routing_key: str | None,
         *,
         http: bool = False,
@@ -281,7 +281,7 @@ class Gateway:
                 if w is None or w.model != model:
                     raise ApiError(400, f"x-smg-target-worker {target!r} is not a worker of model {model!r}.")
             else:
-                w = self.pick(model, tried, list(gen.input_ids), routing_key)
+                w = self.pick(model, tried, gen.input_ids, routing_key)  # as is: it may carry its pieces
             if w is None:
                 if last_error is not None:
                     raise last_error

@@ -23,7 +23,7 @@ import json
 import logging
 import random
 import urllib.parse
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, cast
 
@@ -93,7 +93,7 @@ class PdRouter:
         return None
 
     def pick_pair(
-        self, model: str, tried_p: set[str], tried_d: set[str], ids: list[int], key: str | None
+        self, model: str, tried_p: set[str], tried_d: set[str], ids: Sequence[int], key: str | None
     ) -> PdPair | None:
         gw = self.gw
         p = gw.pick(model, tried_p, ids, key, policy=self.prefill_policy, only=self.prefill_ids)
@@ -112,7 +112,7 @@ class PdRouter:
         tried_d: set[str] = set()
         last_error: EngineError | None = None
         for attempt in range(gw.cfg.max_retries + 1):
-            pair = self.pick_pair(model, tried_p, tried_d, list(gen.input_ids), routing_key)
+            pair = self.pick_pair(model, tried_p, tried_d, gen.input_ids, routing_key)
             if pair is None:
                 if last_error is not None:
                     raise last_error

@@ -30,6 +30,7 @@ from typing import Final
 import tokenizers
 
 from shepherd.node.fast_bpe import FastBPE, fast_bpe_for
+from shepherd.policies.block_names import PromptIds, Shape
 
 __all__ = ["CacheLimits", "EncodePlan", "SpecialSplitter", "TokenCache"]
 
@@ -92,6 +93,19 @@ def _alternation(tokens: Sequence[str]) -> re.Pattern[str] | None:
         return None
     ordered = sorted(set(tokens), key=lambda s: (-len(s), s))
     return re.compile("|".join(re.escape(t) for t in ordered))
+
+
+# Piece keys of a prompt's shape (``block_names``): a segment's text (encoded without special tokens)
+# names its ids. The BOS/EOS a tokenizer adds are pieces of their own, and a whole text encoded with
+# them follows a marker piece of no ids: a text equal to a marker has ids, so the memo's id-count
+# check tells them apart.
+HEAD_KEY = "\x00\x00head"
+TAIL_KEY = "\x00\x00tail"
+SPECIALS_KEY = "\x00\x00with-special-tokens"
+
+
+def _whole(text: str, add_special_tokens: bool, n: int) -> Shape:
+    return ((SPECIALS_KEY, 0), (text, n)) if add_special_tokens else ((text, n),)
 
 
 class SpecialSplitter:
@@ -261,7 +275,7 @@ class TokenCache:
             self.exact_misses += 1
             return None
         self.exact_hits += 1
-        return list(ids)
+        return PromptIds(ids, _whole(text, add_special_tokens, len(ids)))
 
     def plan(self, text: str, add_special_tokens: bool = True) -> EncodePlan:
         """Look ``text`` up in L0, then split it and look its segments up in L1."""
@@ -298,20 +312,23 @@ class TokenCache:
         if not plan.segmented:
             ids = list(encoded[0])
             self._exact.put((plan.text, plan.add_special_tokens), ids)
-            return list(ids)
+            return PromptIds(ids, _whole(plan.text, plan.add_special_tokens, len(ids)))
         put = self._segments.put
         for i, piece_ids in zip(plan.missing, encoded, strict=True):
             piece_ids = list(piece_ids)
             plan.ids[i] = piece_ids
             put(plan.pieces[i], piece_ids)
         out: list[int] = list(self._head) if plan.add_special_tokens else []
-        for got in plan.ids:
+        shape: list[tuple[str, int]] = [(HEAD_KEY, len(out))] if plan.add_special_tokens else []
+        for piece, got in zip(plan.pieces, plan.ids, strict=True):
             assert got is not None
             out += got
+            shape.append((piece, len(got)))
         if plan.add_special_tokens:
             out += self._tail
+            shape.append((TAIL_KEY, len(self._tail)))
         self._exact.put((plan.text, plan.add_special_tokens), out)
-        return list(out)
+        return PromptIds(out, tuple(shape))
 
     def encode_pieces(self, pieces: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
         """The plain encoder (what a pool worker runs on the pieces of a plan): each piece's

@@ -51,6 +51,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
 
+from shepherd.policies.block_names import BlockNamer
+
 BLOCK_TOKENS = 16
 CHAIN_SEED = 0x5EED_0F_B10C5
 _or = operator.or_
@@ -105,6 +107,7 @@ class PrefixIndex:
         self._slots: list[str | None] = []
         self._names_of: dict[int, tuple[str, ...]] = {}  # mask -> its workers (cache)
         self._capacity: dict[str, int] = {}
+        self.namer = BlockNamer(block_hashes, CHAIN_SEED)
         # one-slot cache: match(ids) then insert(ids, ...) hash the prompt once
         self._last_ids: Sequence[int] | None = None
         self._last_len = -1
@@ -119,10 +122,11 @@ class PrefixIndex:
 
     def hashes(self, ids: Sequence[int]) -> list[int]:
         """``block_hashes(ids)``, cached for the last ``ids`` object seen (same object, same length:
-        ids are taken as immutable, as the tokenizer layer hands them over)."""
+        ids are taken as immutable, as the tokenizer layer hands them over); ids that carry the pieces
+        they were built from (``block_names.PromptIds``) are named through the piece memo."""
         if ids is self._last_ids and len(ids) == self._last_len:
             return self._last_hashes
-        hs = block_hashes(ids)
+        hs = self.namer.names(ids)
         self._last_ids, self._last_len, self._last_hashes = ids, len(ids), hs
         return hs
 

@@ -7,8 +7,9 @@ from functools import cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.token_cache import CacheLimits, TokenCache
+from shepherd.node.token_cache import HEAD_KEY, SPECIALS_KEY, TAIL_KEY, CacheLimits, TokenCache
 from shepherd.node.tokenizer import Tokenizer
+from shepherd.policies.block_names import PromptIds
 from tests.unit.test_tokenizer_shared import llama, qwen3
 
 
@@ -109,11 +110,29 @@ def check(name: str, text: str) -> None:
     t = tok(name)
     for add in (False, True):
         want = t.encode_uncached(text, add)
-        assert t.encode(text, add) == want
-        assert t.encode(text, add) == want  # again: an L0 hit
-        assert l1_only(name).encode(text, add) == want  # segments, some cached by earlier examples
-        assert l1_only(name).encode(text, add) == want  # every segment cached now
-        assert tiny(name).encode(text, add) == want
+        for got in (
+            t.encode(text, add),
+            t.encode(text, add),  # again: an L0 hit
+            l1_only(name).encode(text, add),  # segments, some cached by earlier examples
+            l1_only(name).encode(text, add),  # every segment cached now
+            tiny(name).encode(text, add),
+        ):
+            assert got == want
+            check_shape(t, got)
+
+
+def check_shape(t: Tokenizer, ids: list[int]) -> None:
+    """The pieces a result says it is made of (the block-naming memo trusts them) are its ids."""
+    assert isinstance(ids, PromptIds) and sum(n for _, n in ids.shape) == len(ids)
+    pos = 0
+    whole_with_specials = False
+    for key, n in ids.shape:
+        part, pos = ids[pos : pos + n], pos + n
+        if key == SPECIALS_KEY:
+            assert n == 0
+            whole_with_specials = True
+        elif key not in (HEAD_KEY, TAIL_KEY):
+            assert part == t.encode_uncached(key, whole_with_specials)
 
 
 @SETTINGS
