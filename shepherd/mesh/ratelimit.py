@@ -119,6 +119,11 @@ class LimiterConfig:
     slots: int = 4  # τ is tracked in this many slots (the unseen sum covers τ to τ(1 + 1/slots))
     gc_interval: float = 5.0
     lease: bool = True  # False: the naive rule (estimate + cost <= limit only), for comparison
+    unreachable_grace: float = 300.0
+    """Seconds an unreachable member that did not leave keeps counting in N after it was last alive,
+    also once SWIM has reaped it: a partitioned side admits its share for that long. A crashed node
+    that does not come back lowers the survivors' share as long (a node that leaves gracefully
+    stops counting at once)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +181,7 @@ class RateLimiter:
         self._keys: dict[Key, KeyState] = {}
         self._live: set[str] = {node}
         self._n = 1
+        self._unreachable: dict[str, float] = {}  # member not alive (and not left) -> since when
         self._epoch = 0  # bumped when what counts changes for every key (membership, generations)
         self._gen_of: dict[str, int] = {node: gen}
         self._ver = 0
@@ -200,20 +206,30 @@ class RateLimiter:
             self._live.discard(name)
             self._epoch += 1
 
-    def update_members(self, states: Iterable[tuple[str, str]]) -> None:
+    def update_members(self, states: Iterable[tuple[str, str]], now: float) -> None:
         """From the mesh's member list as (name, state) pairs, state one of alive / suspect / dead /
         left (``MeshRuntime.members()``): live = alive (a suspect may be partitioned away: counting it
         out at once shortens the time both sides spend the same headroom), N = every member but the
-        ones that left (a reaped member is no longer listed, and stops counting)."""
+        ones that left, plus the members reaped from the list without leaving that were alive less
+        than ``unreachable_grace`` ago (SWIM reaps a dead member after ~30 s; a partition outlasts
+        that, and a side that stopped counting the other would admit the whole limit)."""
         live: list[str] = []
-        n = 0
+        listed: set[str] = set()
+        away = self._unreachable
         for name, state in states:
             if state == "left":
+                away.pop(name, None)
                 continue
-            n += 1
+            listed.add(name)
             if state == "alive":
                 live.append(name)
-        self.set_membership(live, n)
+                away.pop(name, None)
+            else:
+                away.setdefault(name, now)
+        grace = self.cfg.unreachable_grace
+        for name in [m for m, since in away.items() if m not in listed and now - since > grace]:
+            del away[name]
+        self.set_membership(live, len(listed) + sum(1 for m in away if m not in listed))
 
     @property
     def reachable(self) -> int:

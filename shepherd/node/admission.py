@@ -178,7 +178,11 @@ class Admission:
             rules,
             node=node or f"{cfg.host}:{cfg.port}",
             token_estimate=cfg.rate_limit_token_estimate,
-            config=LimiterConfig(propagation=cfg.rate_limit_propagation_secs),
+            config=LimiterConfig(
+                window=cfg.rate_limit_window_secs,
+                propagation=cfg.rate_limit_propagation_secs,
+                unreachable_grace=cfg.rate_limit_unreachable_grace_secs,
+            ),
         )
         if metrics is not None:
             metrics.add_callback(adm.collect)

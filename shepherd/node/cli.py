@@ -113,6 +113,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--tool-call-parser", help="tool-call parser family (hermes, llama3, ...; default: by model name)"
+    rl.add_argument(
+        "--rate-limit-window-secs",
+        type=float,
+        help="rpm/tpm are counted per window this long (default 60, as named; shorter windows are for tests)",
+    )
+    rl.add_argument(
+        "--rate-limit-unreachable-grace-secs",
+        type=float,
+        help="an unreachable member that did not leave counts in the mesh size this long (default 300): "
+        "a partitioned side admits its share, a crashed node lowers the others' share as long",
+    )
     )
     s.add_argument("--log-level", choices=["debug", "info", "warning", "warn", "error"])
     auth_flags.add_arguments(s)  # --auth-*, --jwt-*, --tls-*, --engine-tls-*

@@ -555,7 +555,7 @@ class MeshNode:
 
     def _update_limiter(self) -> None:
         if self.limiter is not None and self.runtime is not None:
-            self.limiter.update_members((m.name, m.state) for m in self.runtime.members())
+            self.limiter.update_members([(m.name, m.state) for m in self.runtime.members()], time.time())
 
     def _on_member_event(self, ev: MemberEvent) -> None:
         self._update_limiter()

@@ -131,8 +131,38 @@ def test_partitioned_side_admits_its_share() -> None:
     lim.set_membership(["n0"], 3)  # two of three members unreachable
     assert (lim.reachable, lim.cluster_size) == (1, 3)
     assert fill(lim, 0.0, rules(rpm=30)) == 10
-    lim.update_members([("n0", "alive"), ("n1", "alive"), ("n2", "suspect"), ("n3", "left")])
+    lim.update_members([("n0", "alive"), ("n1", "alive"), ("n2", "suspect"), ("n3", "left")], 0.0)
     assert (lim.reachable, lim.cluster_size) == (2, 3)
+
+
+def test_a_reaped_member_keeps_counting_for_the_grace() -> None:
+    """SWIM drops a dead member from its list after ~30 s; a partition lasts longer than that, and a
+    side that stopped counting the other would admit the whole limit (the chaos scenario measured
+    1.45x). An unreachable member that did not leave counts in N for ``unreachable_grace``."""
+    lim = RateLimiter("n0", 1, LimiterConfig(unreachable_grace=300.0))
+    lim.update_members([("n0", "alive"), ("n1", "alive"), ("n2", "alive")], 0.0)
+    assert (lim.reachable, lim.cluster_size) == (3, 3)
+    lim.update_members([("n0", "alive"), ("n1", "alive"), ("n2", "dead")], 10.0)
+    assert (lim.reachable, lim.cluster_size) == (2, 3)
+    lim.update_members([("n0", "alive"), ("n1", "alive")], 45.0)  # reaped
+    assert (lim.reachable, lim.cluster_size) == (2, 3)
+    assert fill(lim, 45.0, rules(rpm=30)) == 10  # half (its lease) of its side's 2/3 of the limit
+    lim.update_members([("n0", "alive"), ("n1", "alive")], 310.5)  # 300 s after it was last seen
+    assert (lim.reachable, lim.cluster_size) == (2, 2)
+    # back before the grace ends: counted again at once, as alive
+    lim.update_members([("n0", "alive"), ("n1", "alive"), ("n2", "dead")], 320.0)
+    lim.update_members([("n0", "alive"), ("n1", "alive"), ("n2", "alive")], 330.0)
+    assert (lim.reachable, lim.cluster_size) == (3, 3)
+
+
+def test_a_member_that_leaves_stops_counting_at_once() -> None:
+    lim = RateLimiter("n0", 1)
+    lim.update_members([("n0", "alive"), ("n1", "suspect")], 0.0)
+    assert lim.cluster_size == 2
+    lim.update_members([("n0", "alive"), ("n1", "left")], 1.0)
+    assert lim.cluster_size == 1
+    lim.update_members([("n0", "alive")], 40.0)  # the left member reaped
+    assert lim.cluster_size == 1
 
 
 def gossip(src: RateLimiter, *dsts: RateLimiter) -> None:
