@@ -10,9 +10,9 @@ client namespace, so its traffic, like the load generator's, only crosses the su
 ``Fleet`` is a context manager; ``close()`` also runs from ``atexit`` and stops every process by pid, then
 deletes the namespaces (links and iptables rules go with them).
 
-Mesh seam (TODO-mesh): with ``FleetSpec.mesh`` the nodes get ``mesh_args()`` (``--mesh-port``, the seed
-to join through, a shared dev PKI) and ``Fleet.mesh_members()`` reads ``GET /mesh/members``; nothing else
-changes for the scenarios.
+The mesh: with ``FleetSpec.mesh`` the nodes get ``mesh_args()`` (``--mesh-port``, the first node as the
+seed to join through, a dev PKI shared in the run dir) and ``Fleet.mesh_members()`` reads
+``GET /mesh/members`` (``chaos.mesh_watch`` polls it on every node); nothing else changes for the scenarios.
 """
 
 from __future__ import annotations
@@ -392,7 +392,7 @@ class Fleet:
                     out[n.name] = rss
         return out
 
-    # ---- mesh (TODO-mesh) --------------------------------------------------------------------------------
+    # ---- mesh ------------------------------------------------------------------------------------------
 
     def mesh_members(self, n: Member) -> Any:
         """``GET /mesh/members`` of node ``n`` (the mesh's membership view)."""

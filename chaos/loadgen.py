@@ -3,7 +3,13 @@
 Requests are launched at a fixed rate (open loop: a stalled server does not slow the arrivals down), at most
 ``max_in_flight`` at once (a launch that finds the cap reached is counted as skipped, not queued). Each
 request is retried once (``retries``) on any failure: a non-200 status, a timeout, a reset, an incomplete
-stream. Every request's start, end, attempts and errors are recorded for the report.
+stream. Every request's start, end, attempts and errors are recorded for the report. With ``targets`` the
+requests go round-robin straight to those base URLs (a retry to the next one) instead of the load balancer,
+and each record says which one answered and with what status (the rate-limit scenario counts 200s per node).
+
+``ConversationLoad`` is the multi-turn client: conversations whose every turn carries the whole history, sent
+turn by turn round-robin over the nodes, each turn recording the prompt and cached token counts the engine
+reported (the cache-affinity figures).
 
 It runs in its own thread with its own event loop, inside the client's network namespace.
 """
@@ -12,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -22,6 +30,20 @@ import orjson
 from chaos.netns import enter_netns
 
 MAX_RUN_S = 900.0  # a load generator never runs longer than this, whatever the caller does
+ATTEMPT_ERRORS = (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError, ValueError)
+
+
+def client_error(e: BaseException) -> str:
+    """The recorded name of an attempt's failure on the client side (one of ``ATTEMPT_ERRORS``)."""
+    if isinstance(e, TimeoutError):
+        return "timeout"
+    if isinstance(e, aiohttp.ServerDisconnectedError):
+        return "disconnected"
+    if isinstance(e, aiohttp.ClientPayloadError):
+        return "payload_error"
+    if isinstance(e, aiohttp.ClientConnectionError):
+        return f"connect_error:{type(e).__name__}"
+    return f"client_error:{type(e).__name__}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +57,9 @@ class LoadSpec:
     retries: int = 1
     model: str = "qwen3"
     conversations: int = 40  # distinct conversation prefixes (so caches and affinity see repeats)
+    targets: tuple[
+        str, ...
+    ] = ()  # base URLs to send to round-robin instead of ``url`` (the nodes themselves)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +72,8 @@ class RequestRecord:
     attempts: int
     first_error: str | None  # None when the first attempt succeeded
     error: str | None  # the last error when the request failed
+    target: str = ""  # base URL of the last attempt
+    status: int = 0  # HTTP status of the last attempt (0: no answer)
 
     @property
     def latency_s(self) -> float:
@@ -86,8 +113,15 @@ class LoadGenerator:
             }
         )
 
-    async def _attempt(self, session: aiohttp.ClientSession, body: bytes, stream: bool) -> str | None:
-        url = self.spec.url.rstrip("/") + "/v1/chat/completions"
+    def _target(self, index: int) -> str:
+        targets = self.spec.targets
+        return targets[index % len(targets)] if targets else self.spec.url
+
+    async def _attempt(
+        self, session: aiohttp.ClientSession, base: str, body: bytes, stream: bool
+    ) -> tuple[str | None, int]:
+        """(error or None, HTTP status or 0)."""
+        url = base.rstrip("/") + "/v1/chat/completions"
         timeout = aiohttp.ClientTimeout(total=self.spec.attempt_timeout_s)
         try:
             async with session.post(
@@ -95,39 +129,35 @@ class LoadGenerator:
             ) as r:
                 data = await r.read()
                 if r.status != 200:
-                    return f"http_{r.status}"
+                    return f"http_{r.status}", r.status
                 if stream:
-                    return None if b"data: [DONE]" in data else "stream_incomplete"
+                    return (None if b"data: [DONE]" in data else "stream_incomplete"), r.status
                 d = orjson.loads(data)
                 choices = d.get("choices") if isinstance(d, dict) else None
                 if not choices or not isinstance(choices[0].get("message", {}).get("content"), str):
-                    return "bad_body"
-                return None
-        except TimeoutError:
-            return "timeout"
-        except aiohttp.ServerDisconnectedError:
-            return "disconnected"
-        except aiohttp.ClientPayloadError:
-            return "payload_error"
-        except aiohttp.ClientConnectionError as e:
-            return f"connect_error:{type(e).__name__}"
-        except (aiohttp.ClientError, orjson.JSONDecodeError, ValueError) as e:
-            return f"client_error:{type(e).__name__}"
+                    return "bad_body", r.status
+                return None, r.status
+        except ATTEMPT_ERRORS as e:
+            return client_error(e), 0
 
     async def _one(self, session: aiohttp.ClientSession, index: int, stream: bool) -> None:
         body = self._body(index, stream)
         start = time.monotonic()
         first: str | None = None
         err: str | None = None
-        attempts = 0
+        attempts = status = 0
+        base = self.spec.url
         for attempt in range(1 + self.spec.retries):
             attempts = attempt + 1
-            err = await self._attempt(session, body, stream)
+            base = self._target(index + attempt)
+            err, status = await self._attempt(session, base, body, stream)
             if attempt == 0:
                 first = err
             if err is None:
                 break
-        rec = RequestRecord(index, start, time.monotonic(), stream, err is None, attempts, first, err)
+        rec = RequestRecord(
+            index, start, time.monotonic(), stream, err is None, attempts, first, err, base, status
+        )
         with self._lock:
             self.records.append(rec)
 
@@ -189,3 +219,189 @@ class LoadGenerator:
     def snapshot(self) -> list[RequestRecord]:
         with self._lock:
             return sorted(self.records, key=lambda r: r.index)
+
+
+# ---- multi-turn conversations ---------------------------------------------------------------------------
+
+_WORD_TEXT = (
+    "river stone lantern orchard harbor meadow copper violet thunder garden window silver marble canyon "
+    "feather island winter candle forest puzzle ribbon saddle timber velvet anchor basket cactus dragon "
+    "engine falcon glacier hammer jacket kettle ladder magnet needle oyster pepper quartz rocket shadow "
+    "tunnel umbrella valley wagon yellow zebra bridge castle desert echo fabric gravel hollow ivory jungle"
+)
+WORDS: tuple[str, ...] = tuple(_WORD_TEXT.split())
+
+
+def conversation_words(seed: int, conversation: int, turn: int, n: int) -> str:
+    """``n`` words that only this (seed, conversation, turn) gets: the text of one user turn."""
+    rng = random.Random(seed * 1_000_003 + conversation * 1009 + turn)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationSpec:
+    targets: tuple[str, ...]  # node base URLs: turn k of conversation slot s goes to targets[(s + k) % n]
+    conversations: int = 12  # conversations running at once (one per slot)
+    turns: int = 8  # turns of a conversation; then a new one takes its slot
+    think_s: float = 0.3  # pause between an answer and the next turn
+    opening_words: int = 160  # the first turn's text (its own words: its own prefix)
+    turn_words: int = (
+        48  # each later user turn: > 2 blocks of 16 tokens, so the engines' caches tell turns apart
+    )
+    max_tokens: int = 16
+    attempt_timeout_s: float = 10.0
+    retries: int = 1  # a failed turn is retried once, on the next target
+    model: str = "qwen3"
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TurnRecord:
+    conversation: int
+    turn: int  # 0: the opening turn
+    target: str  # base URL of the last attempt
+    start: float  # time.monotonic()
+    end: float
+    ok: bool
+    attempts: int
+    error: str | None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
+
+
+class ConversationLoad:
+    """``start()`` runs ``spec.conversations`` conversations until ``stop()``, each turn carrying the whole
+    history; ``set_targets`` changes the nodes the next turns go to (e.g. without a killed one)."""
+
+    def __init__(self, spec: ConversationSpec, netns: str | None = None) -> None:
+        if not spec.targets:
+            raise ValueError("a conversation load needs at least one target")
+        self.spec = spec
+        self.netns = netns
+        self.records: list[TurnRecord] = []
+        self._targets: tuple[str, ...] = spec.targets
+        self._next_id = spec.conversations
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def set_targets(self, targets: Sequence[str]) -> None:
+        if not targets:
+            raise ValueError("a conversation load needs at least one target")
+        with self._lock:
+            self._targets = tuple(targets)
+
+    def _target(self, k: int) -> str:
+        with self._lock:
+            return self._targets[k % len(self._targets)]
+
+    def _new_id(self) -> int:
+        with self._lock:
+            self._next_id += 1
+            return self._next_id
+
+    async def _send(
+        self, session: aiohttp.ClientSession, base: str, messages: list[dict[str, str]]
+    ) -> tuple[str | None, int, int, str]:
+        """(error or None, prompt tokens, cached tokens, the answer's text)."""
+        spec = self.spec
+        body = orjson.dumps(
+            {"model": spec.model, "messages": messages, "max_tokens": spec.max_tokens, "temperature": 0.0}
+        )
+        timeout = aiohttp.ClientTimeout(total=spec.attempt_timeout_s)
+        try:
+            async with session.post(
+                base.rstrip("/") + "/v1/chat/completions",
+                data=body,
+                headers={"content-type": "application/json"},
+                timeout=timeout,
+            ) as r:
+                data = await r.read()
+                if r.status != 200:
+                    return f"http_{r.status}", 0, 0, ""
+                d = orjson.loads(data)
+        except ATTEMPT_ERRORS as e:
+            return client_error(e), 0, 0, ""
+        try:
+            usage = d["usage"]
+            answer = d["choices"][0]["message"]["content"]
+            prompt = int(usage["prompt_tokens"])
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        except (KeyError, IndexError, TypeError, ValueError):
+            return "bad_body", 0, 0, ""
+        return (None, prompt, cached, answer) if isinstance(answer, str) else ("bad_body", 0, 0, "")
+
+    async def _conversation(self, session: aiohttp.ClientSession, slot: int, t0: float) -> None:
+        spec = self.spec
+        conv = slot
+        while not self._stop.is_set() and time.monotonic() - t0 < MAX_RUN_S:
+            opening = f"Conversation {conv}: " + conversation_words(spec.seed, conv, 0, spec.opening_words)
+            messages = [{"role": "user", "content": opening}]
+            for turn in range(spec.turns):
+                if self._stop.is_set():
+                    return
+                if turn > 0:
+                    text = conversation_words(spec.seed, conv, turn, spec.turn_words)
+                    messages.append({"role": "user", "content": text})
+                start = time.monotonic()
+                err: str | None = None
+                prompt = cached = attempts = 0
+                answer = base = ""
+                for attempt in range(1 + spec.retries):
+                    attempts = attempt + 1
+                    base = self._target(slot + turn + attempt)
+                    err, prompt, cached, answer = await self._send(session, base, messages)
+                    if err is None:
+                        break
+                rec = TurnRecord(
+                    conv, turn, base, start, time.monotonic(), err is None, attempts, err, prompt, cached
+                )
+                with self._lock:
+                    self.records.append(rec)
+                if err is not None:
+                    break  # the history is broken: a new conversation takes the slot
+                messages.append({"role": "assistant", "content": answer})
+                await asyncio.sleep(spec.think_s)
+            conv = self._new_id()
+
+    async def _run(self) -> None:
+        spec = self.spec
+        connector = aiohttp.TCPConnector(limit=spec.conversations * 2, keepalive_timeout=5.0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            t0 = time.monotonic()
+            tasks = [
+                asyncio.create_task(self._conversation(session, s, t0)) for s in range(spec.conversations)
+            ]
+            await asyncio.get_running_loop().run_in_executor(None, self._stop.wait, MAX_RUN_S)
+            bound = spec.attempt_timeout_s * (1 + spec.retries) + 5.0
+            _, pending = await asyncio.wait(tasks, timeout=bound)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _thread_main(self) -> None:
+        try:
+            if self.netns is not None:
+                enter_netns(self.netns)
+            asyncio.run(self._run())
+        except BaseException as e:  # reported by stop()
+            self._error = e
+
+    def start(self) -> ConversationLoad:
+        self._thread = threading.Thread(target=self._thread_main, name="smgc-conversations", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[TurnRecord]:
+        """Stop starting turns, wait (bounded) for the turns in flight, return every record."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.spec.attempt_timeout_s * (1 + self.spec.retries) + 15.0)
+        if self._error is not None:
+            raise RuntimeError(f"conversation load failed: {self._error!r}") from self._error
+        return self.snapshot()
+
+    def snapshot(self) -> list[TurnRecord]:
+        with self._lock:
+            return list(self.records)

@@ -1,6 +1,6 @@
 """Every node's membership view, polled in the background (``GET /mesh/members``), with each change stamped.
 
-``MeshWatch`` runs one thread inside the client namespace that polls every active node in turn and records
+``MeshWatch`` runs one thread per active node inside the client namespace, each polling its node, and records
 ``(time, observer, member, state)`` whenever a node's view of a member changes (``state`` as the node reports
 it: alive, suspect, dead, left; ``unreachable`` when the node did not answer). Scenarios read the history:
 when a view first changed after a fault, when all views agreed, how often a view flipped.
@@ -8,14 +8,15 @@ when a view first changed after a fault, when all views agreed, how often a view
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from chaos.fleet import Fleet, http_call
-from chaos.netns import run_in_netns
+from chaos.fleet import Fleet, Member, http_call
+from chaos.netns import enter_netns
 
 ALIVE = "alive"
 DOWN_STATES = frozenset({"suspect", "dead"})
@@ -36,6 +37,7 @@ View = dict[str, dict[str, str]]  # observer -> member -> state
 class MeshWatch:
     fleet: Fleet
     interval_s: float = 0.2
+    timeout_s: float = 1.0  # of one poll
     max_s: float = 600.0
     changes: list[ViewChange] = field(default_factory=list)
     _view: View = field(default_factory=dict)
@@ -49,25 +51,39 @@ class MeshWatch:
         return self
 
     def _run(self) -> None:
-        run_in_netns(self.fleet.client_ns, self._loop, thread_name="smgc-meshwatch-ns")
+        """One poller per node, so that a node that does not answer (paused: each poll waits its timeout)
+        does not slow down the polls of the others."""
+        pollers = [
+            threading.Thread(target=self._poll_node, args=(n,), name=f"smgc-meshwatch-{n.name}", daemon=True)
+            for n in self.fleet.active_nodes()
+        ]
+        for t in pollers:
+            t.start()
+        for t in pollers:
+            t.join(timeout=self.max_s + 10.0)
 
-    def _loop(self) -> None:
+    def _poll_node(self, n: Member) -> None:
+        enter_netns(self.fleet.client_ns)  # this thread's sockets live in the client namespace
+        self._loop(n)
+
+    def _loop(self, n: Member) -> None:
         t0 = time.monotonic()
-        nodes = self.fleet.active_nodes()
+        url = self.fleet.node_url(n) + "/mesh/members"
         while not self._stop.is_set() and time.monotonic() - t0 < self.max_s:
-            for n in nodes:
-                status, body = http_call("GET", self.fleet.node_url(n) + "/mesh/members", timeout=1.0)
-                now = time.monotonic()
-                seen = parse_members(body) if status == 200 else None
-                with self._lock:
-                    old = self._view.get(n.name, {})
-                    new = {m: "unreachable" for m in old} if seen is None else seen
-                    for member in sorted(set(old) | set(new)):
-                        state = new.get(member, "absent")
-                        if old.get(member) != state:
-                            self.changes.append(ViewChange(now, n.name, member, state))
-                    self._view[n.name] = new
+            status, body = http_call("GET", url, timeout=self.timeout_s)
+            self.record(n.name, parse_members(body) if status == 200 else None, time.monotonic())
             self._stop.wait(self.interval_s)
+
+    def record(self, observer: str, seen: dict[str, str] | None, now: float) -> None:
+        """One poll of ``observer``'s view (None: it did not answer): stamp what changed."""
+        with self._lock:
+            old = self._view.get(observer, {})
+            new = {m: "unreachable" for m in old} if seen is None else seen
+            for member in sorted(set(old) | set(new)):
+                state = new.get(member, "absent")
+                if old.get(member) != state:
+                    self.changes.append(ViewChange(now, observer, member, state))
+            self._view[observer] = new
 
     def stop(self) -> None:
         self._stop.set()
@@ -98,9 +114,28 @@ class MeshWatch:
             time.sleep(self.interval_s / 2)
         return None
 
+    def when(self, pred: Callable[[View], bool], after: float, until: float | None = None) -> float | None:
+        """Seconds after ``after`` when ``pred`` first held on the views as recorded (replayed from the
+        history; 0.0 if it held at ``after``), or None if it never did by ``until``."""
+        view: View = {}
+        changes = self.history(-math.inf, until)
+        for c in changes:
+            if c.at >= after:
+                break
+            view.setdefault(c.observer, {})[c.member] = c.state
+        if pred(view):
+            return 0.0
+        for c in changes:
+            if c.at >= after:
+                view.setdefault(c.observer, {})[c.member] = c.state
+                if pred(view):
+                    return round(c.at - after, 3)
+        return None
+
     def history(self, after: float, until: float | None = None) -> list[ViewChange]:
-        with self._lock:
-            return [c for c in self.changes if c.at >= after and (until is None or c.at <= until)]
+        with self._lock:  # pollers run in parallel: a change may be appended just after a later one
+            out = [c for c in self.changes if c.at >= after and (until is None or c.at <= until)]
+        return sorted(out, key=lambda c: c.at)
 
     def first(
         self,

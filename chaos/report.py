@@ -103,6 +103,15 @@ class Check:
     detail: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class Table:
+    """Figures that read better as rows (e.g. admitted / limit per window and per side)."""
+
+    title: str
+    header: tuple[str, ...]
+    rows: tuple[tuple[Figure, ...], ...]
+
+
 @dataclass
 class ScenarioResult:
     name: str
@@ -114,6 +123,7 @@ class ScenarioResult:
     figures: dict[str, Figure] = field(default_factory=dict)
     checks: list[Check] = field(default_factory=list)
     timeline: list[tuple[float, str]] = field(default_factory=list)  # (seconds since load start, event)
+    tables: list[Table] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -182,6 +192,10 @@ def render_markdown(results: Sequence[ScenarioResult], header: Mapping[str, str]
         if r.figures:
             lines += ["", "| figure | value |", "|---|---|"]
             lines += [f"| {k} | {_fmt(v)} |" for k, v in r.figures.items()]
+        for tab in r.tables:
+            lines += ["", f"{tab.title}:", "", "| " + " | ".join(tab.header) + " |"]
+            lines.append("|" + "---|" * len(tab.header))
+            lines += ["| " + " | ".join(_fmt(v) for v in row) + " |" for row in tab.rows]
         if r.checks:
             lines += ["", "Checks:"]
             lines += [

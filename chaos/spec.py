@@ -58,7 +58,7 @@ class FleetSpec:
     lb_check_inter_ms: int = 500
     lb_server_timeout_ms: int = 5000
     start_timeout_s: float = 90.0
-    mesh: bool = False  # TODO-mesh: start the nodes as one SWIM mesh
+    mesh: bool = False  # start the nodes as one SWIM mesh (``mesh_args``)
     mesh_port: int = 39527
 
     @property
@@ -89,11 +89,10 @@ class MeshPlace:
 
 
 def mesh_args(spec: FleetSpec, place: MeshPlace) -> list[str]:
-    """Extra ``smg-node serve`` flags for one node (TODO-mesh: check against the merged mesh CLI).
-
-    Written against the mesh CLI as it stands in the work tree (``--mesh-port``, ``--mesh-name``,
-    ``--mesh-bind``, ``--mesh-seeds``, ``--mesh-dev-pki DIR``: nodes sharing DIR trust each other); the
-    first node starts the mesh, the others join through it."""
+    """Extra ``smg-node serve`` flags for one node: ``--mesh-port``, ``--mesh-name``, ``--mesh-bind``,
+    ``--mesh-dev-pki DIR`` (nodes sharing DIR trust each other: a dev CA and keyring made once under a file
+    lock) and ``--mesh-seeds``; the first node starts the mesh, the others join through it. SWIM timings
+    stay the node's defaults unless ``FleetSpec.node_args`` sets them."""
     if not spec.mesh:
         return []
     args = ["--mesh-port", str(spec.mesh_port), "--mesh-name", place.name, "--mesh-bind", place.ip]
@@ -104,7 +103,7 @@ def mesh_args(spec: FleetSpec, place: MeshPlace) -> list[str]:
 
 
 def mesh_available() -> bool:
-    """Does this ``smg-node`` know ``--mesh-port``? (The mesh scenarios stay skipped until it does.)"""
+    """Does this ``smg-node`` know ``--mesh-port``? (A check for a tree built without the mesh.)"""
     try:
         res = subprocess.run(
             [str(BIN / "smg-node"), "serve", "--help"],

@@ -2,7 +2,7 @@
 
 A scenario is a function ``fn(fleet, result)`` that injects faults into a running fleet while ``Traffic``
 drives requests through the load balancer, then records checks (what must hold) and figures in ``result``.
-Scenarios that need the mesh are registered with ``todo_mesh`` and skipped with their reason until it lands.
+A ``Scenario`` with a non-empty ``todo`` is a placeholder, listed and skipped with that reason.
 """
 
 from __future__ import annotations
@@ -49,19 +49,6 @@ def scenario(
         return fn
 
     return register
-
-
-def todo_mesh(name: str, title: str, must_hold: str) -> None:
-    """A placeholder for a scenario that needs the SWIM mesh (TODO-mesh)."""
-    REGISTRY[name] = Scenario(
-        name,
-        title,
-        None,
-        FleetSpec(mesh=True),
-        todo="TODO-mesh: needs the SWIM mesh (smg-node --mesh-port, join SEED, GET /mesh/members), "
-        "not merged yet",
-        must_hold=must_hold,
-    )
 
 
 # ---- the monitor: LB server states and node memory, sampled in the background ------------------------------
