@@ -1,7 +1,10 @@
 """SWIM + Lifeguard in the deterministic simulator: detection, propagation, false deaths, gossip bytes.
 
     .venv/bin/python bench/mesh_sim_bench.py [--sizes 3,5,10,20] [--trials 20] [--soak 120] \\
-        [--loss 0.1] [--pause 1.0] [--pause-every 3.0] [--delay-ms 0.2,1.0] [--seed 1]
+        [--loss 0.1] [--pause 1.0] [--pause-every 3.0] [--sweep-pauses 0.5,1.0,1.5] [--sweep-soak 120] \\
+        [--delay-ms 0.2,1.0] [--seed 1] [--probe-interval 0.4] [--suspicion-mult 5] [--log-n-min]
+
+DESIGN §6's original timers, for comparison: ``--probe-interval 0.5 --suspicion-mult 4 --log-n-min``.
 
 All figures are in simulated time (a fake clock; LAN delay uniform in ``--delay-ms``, default
 0.2-1 ms), so they are exact and reproducible for a given seed, and independent of machine load.
@@ -13,6 +16,12 @@ All figures are in simulated time (a fake clock; LAN delay uniform in ``--delay-
   and with ``--loss``.
 * soak: ``--soak`` seconds with ``--loss`` packet loss and a ``--pause`` s SIGSTOP of a random node
   every ``--pause-every`` s on average: DEAD declarations about nodes that were running (must be 0).
+* pause sweep: the same soak (``--sweep-soak`` s) for each pause length in ``--sweep-pauses``. Pauses
+  of one node may overlap into a longer stall (likely with long pauses in a small cluster: a 3-node
+  cluster with a 1.5 s pause every 3 s has stalls of 3 s and more), and a stall longer than one probe
+  period plus the suspicion floor (2.4 s by default) is indistinguishable from a crash, so each false
+  DEAD is put down to the stall it fell in: a single pause, merged pauses (the longest such stall is
+  shown), or none (loss alone).
 * gossip bytes: UDP bytes sent per node per second (sealed size: + ``seal_overhead`` per packet),
   steady state without faults, and during the soak; TCP push-pull bytes separately.
 """
@@ -121,6 +130,30 @@ def propagation(
     return lat
 
 
+@dataclass
+class Soak:
+    false_dead: int  # DEAD events about running nodes (one per observer)
+    in_single: int  # ... declared during (or just after) a single pause
+    in_merged: int  # ... during overlapping pauses of that node (a longer stall)
+    no_stall: int  # ... about a node that had not been paused in the last second (loss alone)
+    longest_merged: float  # the longest merged stall behind a false DEAD, s (0: none)
+    suspicions: int
+    bytes_per_node_s: float
+    pp_bytes_per_node_s: float
+
+
+def stalls(pauses: Sequence[tuple[float, str]], length: float) -> dict[str, list[tuple[float, float]]]:
+    """Per node, its pauses with the overlapping ones merged: (start, end) stalls."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for t, name in sorted(pauses):
+        iv = out.setdefault(name, [])
+        if iv and t <= iv[-1][1]:
+            iv[-1] = (iv[-1][0], max(iv[-1][1], t + length))
+        else:
+            iv.append((t, t + length))
+    return out
+
+
 def soak(
     n: int,
     seconds: float,
@@ -130,31 +163,36 @@ def soak(
     every: float,
     delay: tuple[float, float],
     cfg: SwimConfig | None = None,
-) -> tuple[int, int, float, float]:
+) -> Soak:
     sim = Sim(n, seed=seed, loss=loss, delay=delay, config=cfg)
     sim.run(WARMUP)
-    rng = random.Random(f"soak-{seed}-{n}")
-    t = WARMUP
-    while True:
-        t += rng.expovariate(1 / every)
-        if t >= WARMUP + seconds:
-            break
-        name = rng.choice(sim.names)
-        sim.at(t, _pauser(sim, name, pause))
+    pauses = sim.random_pauses(random.Random(f"soak-{seed}-{n}"), WARMUP, WARMUP + seconds, every, pause)
     b0 = sim.gossip_bytes()
     sim.run(WARMUP + seconds)
-    suspicions = sum(1 for e in sim.events if e.kind == "suspect")
+    by_node = stalls(pauses, pause)
+    single = merged = none = 0
+    longest = 0.0
+    false_dead = sim.false_dead()
+    for e in false_dead:
+        before = [iv for iv in by_node.get(e.member, []) if iv[0] <= e.time <= iv[1] + 1.0]
+        if not before:
+            none += 1
+        elif before[-1][1] - before[-1][0] <= pause + 1e-9:
+            single += 1
+        else:
+            merged += 1
+            longest = max(longest, before[-1][1] - before[-1][0])
     pp = sum(nd.stats.push_pull_bytes for nd in sim.nodes.values())
-    return (
-        len(sim.false_dead()),
-        suspicions,
+    return Soak(
+        len(false_dead),
+        single,
+        merged,
+        none,
+        longest,
+        sum(1 for e in sim.events if e.kind == "suspect"),
         (sim.gossip_bytes() - b0) / n / seconds,
         pp / n / (WARMUP + seconds),
     )
-
-
-def _pauser(sim: Sim, name: str, pause: float) -> Callable[[], None]:
-    return lambda: sim.pause(name, pause)
 
 
 def steady_bytes(n: int, seed: int, delay: tuple[float, float], cfg: SwimConfig | None = None) -> float:
@@ -176,8 +214,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--pause-every", type=float, default=3.0, help="mean time between pauses, s")
     ap.add_argument("--delay-ms", default="0.2,1.0", help="one-way delay range, ms")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--sweep-pauses", default="0.5,1.0,1.5", help="pause lengths of the sweep, s ('' for none)"
+    )
+    ap.add_argument("--sweep-soak", type=float, default=120.0, help="simulated seconds per sweep cell")
     ap.add_argument("--suspicion-mult", type=int, default=SwimConfig().suspicion_mult)
-    ap.add_argument("--probe-interval", type=float, default=SwimConfig().probe_interval)
+    ap.add_argument(
+        "--probe-interval", type=float, default=SwimConfig().probe_interval, help="(probe timeout: half)"
+    )
+    ap.add_argument(
+        "--log-n-min",
+        action="store_true",
+        help="memberlist's formula: the suspicion floor grows with log10 n too (log_n_min_suspicion)",
+    )
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.sizes.split(",") if x]
     lo, hi = (float(x) for x in args.delay_ms.split(","))
@@ -187,17 +236,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         probe_interval=args.probe_interval,
         probe_timeout=args.probe_interval / 2,
         nack_timeout=args.probe_interval * 0.4,
+        log_n_min_suspicion=args.log_n_min,
     )
+    sweep = [float(x) for x in args.sweep_pauses.split(",") if x]
 
     wall0, cpu0 = time.perf_counter(), time.process_time()
     rows: list[Row] = []
+    sweeps: dict[tuple[int, float], Soak] = {}
     for n in sizes:
         per_obs, all_det, missed = crash_detection(n, args.trials, args.seed, delay, cfg)
         prop = propagation(n, args.broadcasts, args.seed, 0.0, delay, cfg)
         prop_loss = propagation(n, args.broadcasts, args.seed, args.loss, delay, cfg)
-        fd, sus, b_soak, pp = soak(
-            n, args.soak, args.seed, args.loss, args.pause, args.pause_every, delay, cfg
-        )
+        sk = soak(n, args.soak, args.seed, args.loss, args.pause, args.pause_every, delay, cfg)
+        for length in sweep:
+            cell = sk if length == args.pause and args.sweep_soak == args.soak else None
+            sweeps[(n, length)] = cell or soak(
+                n, args.sweep_soak, args.seed, args.loss, length, args.pause_every, delay, cfg
+            )
         rows.append(
             Row(
                 n,
@@ -210,19 +265,22 @@ def main(argv: Sequence[str] | None = None) -> None:
                 pct(prop, 99) * 1000,
                 pct(prop_loss, 50) * 1000,
                 pct(prop_loss, 99) * 1000,
-                fd,
-                sus,
+                sk.false_dead,
+                sk.suspicions,
                 steady_bytes(n, args.seed, delay, cfg),
-                b_soak,
-                pp,
+                sk.bytes_per_node_s,
+                sk.pp_bytes_per_node_s,
             )
         )
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
 
+    lo_s = {n: cfg.suspicion_bounds(n)[0] for n in sizes}
+    floor = ", ".join(f"{v:.2f}" for v in dict.fromkeys(lo_s.values()))
     print(
         f"SWIM+Lifeguard simulation (probe {cfg.probe_interval} s / timeout {cfg.probe_timeout} s, "
-        f"suspicion mult {cfg.suspicion_mult}, gossip {cfg.gossip_interval} s x {cfg.gossip_nodes}); "
-        f"delay {lo}-{hi} ms, seed {args.seed}"
+        f"suspicion mult {cfg.suspicion_mult}: floor {floor} s"
+        f"{' (log10 n)' if args.log_n_min else ''}, max 6 x mult x max(1, log10 n) x probe; "
+        f"gossip {cfg.gossip_interval} s x {cfg.gossip_nodes}); delay {lo}-{hi} ms, seed {args.seed}"
     )
     print(
         f"crash: {args.trials} trials/size | propagation: {args.broadcasts} broadcasts, 0% and "
@@ -248,6 +306,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{r.bytes_steady:>8.0f} {r.bytes_soak:>6.0f} {r.pp_bytes:>5.0f}"
             + (f"  ({r.undetected} crash(es) undetected in 40 s)" if r.undetected else "")
         )
+    if sweep:
+        print(
+            f"\npause sweep: false DEAD (events, one per observer) in {args.sweep_soak:.0f} s with "
+            f"{args.loss:.0%} loss and a pause of a random node every ~{args.pause_every:.1f} s; put down to "
+            "single pauses / merged pauses (the longest merged stall) / no pause (loss alone)"
+        )
+        print(f"{'N':>3} | " + " | ".join(f"{f'{p:g} s pauses':>26}" for p in sweep))
+        print("-" * (6 + 29 * len(sweep)))
+        for n in sizes:
+            cells = []
+            for p in sweep:
+                c = sweeps[(n, p)]
+                longest = f" ({c.longest_merged:.1f} s)" if c.in_merged else ""
+                cells.append(f"{f'{c.false_dead}: {c.in_single}/{c.in_merged}{longest}/{c.no_stall}':>26}")
+            print(f"{n:>3} | " + " | ".join(cells))
     print(f"(bench: {wall:.1f} s wall, {cpu:.1f} s CPU)")
 
 

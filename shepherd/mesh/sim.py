@@ -4,6 +4,7 @@
     sim.run(5.0)                             # advance simulated time to t = 5 s
     sim.crash("n3"); sim.run(15.0)
     sim.detection("n3", since=5.0)           # observer -> time it marked n3 DEAD
+    sim.random_pauses(rng, 15.0, 60.0, every=3.0, length=1.0)   # SIGSTOPs of random nodes
     sim.false_dead()                         # DEAD events about members that were up at the time
 
 Faults: message loss (a probability, per datagram), delay (``(lo, hi)`` uniform seconds or a
@@ -254,6 +255,38 @@ class Sim:
         until = self.now + duration
         node.paused_until = max(node.paused_until, until)
         self.at(until, functools.partial(self._resume, node, node.generation, duration))
+
+    def random_pauses(
+        self,
+        rng: random.Random,
+        start: float,
+        end: float,
+        every: float,
+        length: float,
+        *,
+        rest: float | None = None,
+    ) -> list[tuple[float, str]]:
+        """Schedule a ``length`` s pause of a random node every ``every`` s on average (exponential
+        gaps) between ``start`` and ``end``; the (time, name) list. Pauses of one node may overlap
+        and merge into a longer stall, unless ``rest`` is given: then a node is only paused again
+        ``rest`` s after its previous pause ended (another node is drawn, or none)."""
+        out: list[tuple[float, str]] = []
+        free_at = dict.fromkeys(self.names, -float("inf"))
+        t = start
+        while True:
+            t += rng.expovariate(1 / every)
+            if t >= end:
+                return out
+            name = rng.choice(self.names)
+            if rest is not None:
+                if free_at[name] > t:
+                    ready = [n for n in self.names if free_at[n] <= t]
+                    if not ready:
+                        continue
+                    name = rng.choice(ready)
+                free_at[name] = t + length + rest
+            out.append((t, name))
+            self.at(t, functools.partial(self.pause, name, length))
 
     def lag(self, name: str, lag_s: float, duration: float) -> None:
         """For ``duration``, the node handles every event ``lag_s`` late (a saturated event loop)."""

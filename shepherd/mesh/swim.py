@@ -13,6 +13,15 @@ the end of the period -> suspect it. Dissemination: every datagram piggybacks me
 then delegate broadcasts, and every ``gossip_interval`` pending updates go to ``gossip_nodes``
 random live members plus one recently dead one (so a wrongly-declared node hears it and refutes).
 Probe bookkeeping is in ``shepherd.mesh.swim_probe``, the suspicion timer in ``swim_suspicion``.
+
+Beyond memberlist, to cut the time a live node needs to clear itself (so that a short suspicion
+timer stays safe against pauses): the ping-reqs go out with a second direct ping (the same seq);
+a failed probe's suspicion goes to the suspect at once; a refutation is sent at once (to the
+accuser and ``gossip_nodes`` random members) rather than at the next gossip tick; a node that finds
+it was stalled for a whole probe period (its own timers fired that late, or the lag monitor says
+so) refutes before it even hears the suspicion that stall most likely caused. A death we declare
+is sent at once as well. Others' suspicions make some members probe the suspect next (so the k
+confirmations come within about a probe period), and each confirmation is gossiped on its own.
 """
 
 from __future__ import annotations
@@ -96,6 +105,7 @@ class Swim:
         self._join_attempts = 0
         self._join_backoff = config.join_retry_interval
         self._last_lag_bump = -_INF
+        self._last_stall_refute = -_INF
         self._last_call = -_INF
         self._t_probe = self._t_gossip = self._t_push_pull = self._t_reconnect = self._t_join = _INF
 
@@ -179,7 +189,7 @@ class Swim:
         if late > cfg.lag_threshold * cfg.probe_timeout:
             # our own timer fired late: we were stalled (GC, CPU, SIGSTOP), not the others; give the
             # datagrams that queued up meanwhile a chance before accusing anyone
-            self.set_lag(now, late)
+            out += self.set_lag(now, late)  # a stall of a probe period or more: refuted at once
             self._table.defer_due_suspicions(now, cfg.probe_timeout)
         if now >= self._t_join:
             out += self._join_round(now)
@@ -204,6 +214,7 @@ class Swim:
         if now >= self._t_reconnect:
             self._t_reconnect = now + cfg.reconnect_interval * self.rng.uniform(0.75, 1.25)
             self._reconnect(now, out)
+        self._flush_urgent(out)
         return out
 
     def on_packet(self, now: float, src: Addr, packet: Packet | Message) -> list[Action]:
@@ -238,9 +249,14 @@ class Swim:
                 self._on_ping(now, msg, out)
             else:
                 self._on_ping_req(now, msg, out)
+        if table.stale_seen:  # whoever passed a stale accusation on missed our refutation too
+            table.stale_seen = False
+            if pkt.sender:
+                table.tell(pkt.sender, now)
         if not self._joined and any(n.state == ALIVE for n in table.peers()):
             self._joined = True
             self._t_join = _INF
+        self._flush_urgent(out)
         return out
 
     def local_push_pull(self, join: bool = False) -> PushPullState:
@@ -269,6 +285,7 @@ class Swim:
         if not self._joined:
             self._joined = True
             self._t_join = _INF
+        self._flush_urgent(out)
         return out
 
     def leave(self, now: float) -> list[Action]:
@@ -299,7 +316,8 @@ class Swim:
         return []
 
     def set_lag(self, now: float, lag_s: float) -> list[Action]:
-        """Event-loop lag measured by the shell: a slow node probes less and waits longer (Lifeguard)."""
+        """Event-loop lag measured by the shell: a slow node probes less and waits longer (Lifeguard);
+        a stall of a whole probe period or more is refuted at once (see ``_stalled``)."""
         cfg = self.config
         if lag_s <= cfg.lag_threshold * cfg.probe_timeout:
             return []
@@ -309,7 +327,29 @@ class Swim:
             self.stats.lag_events += 1
         if self._probe is not None:  # we were not listening: don't blame the target for it
             self._probe.extend(now, lag_s, cfg.probe_interval, cfg.probe_timeout)
-        return []
+        out: list[Action] = []
+        self._stalled(now, lag_s)
+        self._flush_urgent(out)
+        return out
+
+    def _stalled(self, now: float, stall: float) -> None:
+        """We did not run for ``stall`` seconds. From a whole probe period on, whoever probed us
+        meanwhile got no ack and suspects us now, or will at the end of its probe period: refute at
+        once, before the suspicion even reaches us (a suspect's refutation otherwise waits for the
+        accuser's gossip or its next ping). An ``Alive`` at a new incarnation from the node itself
+        is always legitimate; this only brings it forward. Once per stall (the late tick and the
+        lag monitor both report it)."""
+        cfg = self.config
+        if (
+            stall < cfg.probe_interval
+            or not self._started
+            or self._left
+            or now - self._last_stall_refute < cfg.probe_interval
+        ):
+            return
+        self._last_stall_refute = now
+        self._table.refute(self._table.local.incarnation, lhm=False)  # the lag already raised the LHM
+        self.stats.extra["stall_refutations"] = self.stats.extra.get("stall_refutations", 0) + 1
 
     # --------------------------------------------------------------------------------- probing
 
@@ -367,6 +407,13 @@ class Swim:
         )
         req = PingReq(p.seq, NodeAddr(target.name, target.host, target.port), self.me, True)
         out.extend(self._send(r.addr, [req]) for r in relays)
+        # and ping it directly once more (memberlist's TCP fallback ping, over UDP): a lost ping or
+        # ack is the likeliest cause of a missed ack, and with few relays (n = 3: one) the indirect
+        # path alone fails too often under loss; an ack on either path counts (same seq)
+        msgs: list[Message] = [Ping(p.seq, target.name, self.me)]
+        if target.state == SUSPECT:
+            msgs.append(Suspect(target.incarnation, target.name, self.me.name))
+        out.append(self._send(target.addr, msgs))
         p.expected_nacks = len(relays)
         self.stats.indirect_probes += 1
 
@@ -375,7 +422,13 @@ class Swim:
         self.stats.probes_failed += 1
         # Lifeguard: missing nacks mean *we* may be the problem; without relays, blame ourselves a bit
         self._aw.apply(p.expected_nacks - p.nacks if p.expected_nacks else 1)
-        self._table.on_suspect(Suspect(p.incarnation, p.target, self.me.name), now, out)
+        sus = Suspect(p.incarnation, p.target, self.me.name)
+        self._table.on_suspect(sus, now, out)
+        target = self._table.nodes.get(p.target)
+        if target is not None and target.state == SUSPECT and not self._left:
+            # tell the suspect at once (not at our next gossip or ping): if it lives (the probe was
+            # lost, or it was briefly stalled), its refutation comes back before anyone confirms
+            out.append(self._send(target.addr, [sus], piggyback=False))
 
     def _on_ack(self, seq: int, out: list[Action]) -> None:
         p = self._probe
@@ -395,7 +448,10 @@ class Swim:
         n = self._table.nodes.get(name) or self._table.tombstones.get(name)
         if n is not None and n.state == DEAD:  # tell a node we hold as dead, so it refutes
             msgs.append(Suspect(n.incarnation, n.name, self.me.name))
-        out.append(self._send(ping.src.addr, msgs))
+        ack = self._send(ping.src.addr, msgs)
+        out.append(ack)
+        if name in self._table.urgent_to and self._table.alive_msg() in ack.msgs:
+            del self._table.urgent_to[name]  # our refutation rides on this ack already
         # a prober we never heard of (we missed its join gossip): sync with it, at most once per
         # reconnect interval per name
         last = self._unknown_synced.get(name, -_INF)
@@ -419,9 +475,9 @@ class Swim:
 
     # --------------------------------------------------------------------------------- dissemination
 
-    def _send(self, dest: Addr, primary: list[Message]) -> Send:
+    def _send(self, dest: Addr, primary: list[Message], *, piggyback: bool = True) -> Send:
         used = self._overhead + sum(encoded_size(m) for m in primary)
-        msgs = primary + self._piggyback(self.config.packet_budget - used)
+        msgs = primary + self._piggyback(self.config.packet_budget - used) if piggyback else primary
         self.stats.packets_out += 1
         return Send(dest, tuple(msgs))
 
@@ -441,6 +497,39 @@ class Swim:
                 return
             out.append(Send(n.addr, tuple(msgs)))
             self.stats.packets_out += 1
+
+    def _flush_urgent(self, out: list[Action]) -> None:
+        """Send what cannot wait for the next gossip tick: our refutation (to the accusers and, for a
+        new incarnation, ``gossip_nodes`` random members) and the deaths we just declared (to
+        ``gossip_nodes`` random members). Small packets of just that: the gossip queue keeps its
+        retransmits for them."""
+        t, cfg = self._table, self.config
+        t.stale_seen = False
+        if t.urgent_alive or t.urgent_to:
+            live = (ALIVE, SUSPECT)
+            named = [t.nodes.get(name) for name in t.urgent_to]
+            targets = [n for n in named if n is not None and n.state in live]
+            if t.urgent_alive:
+                told = set(t.urgent_to)
+                targets += self._random_peers(
+                    cfg.gossip_nodes, lambda n: n.state in live and n.name not in told
+                )
+            t.urgent_alive = False
+            t.urgent_to.clear()
+            if not self._left:
+                alive = t.alive_msg()
+                out.extend(self._send(n.addr, [alive], piggyback=False) for n in targets)
+        if t.urgent_dead:
+            deads: list[Message] = []
+            room = cfg.packet_budget // 2  # the rest of a mass failure rides on the gossip queue
+            for d in t.urgent_dead:
+                room -= encoded_size(d)
+                if room < 0:
+                    break
+                deads.append(d)
+            t.urgent_dead.clear()
+            targets = self._random_peers(cfg.gossip_nodes, lambda n: n.state in (ALIVE, SUSPECT))
+            out.extend(self._send(n.addr, deads, piggyback=False) for n in targets)
 
     def _random_peers(self, k: int, keep: Callable[[Node], bool]) -> list[Node]:
         cands = [n for n in self._table.peers() if keep(n)]

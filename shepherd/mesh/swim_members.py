@@ -3,6 +3,10 @@ suspicion timers, reaping into bounded tombstones (pure; used by ``shepherd.mesh
 
 Every accepted update is queued for piggybacked dissemination (keyed by member name, so a newer
 update about a member replaces an older one) and reported as a member event into ``out``.
+
+Urgent news does not wait for the next gossip tick: a refutation (``urgent_alive``, plus the
+accusers in ``urgent_to``) and a death we declared (``urgent_dead``) are left here for ``Swim`` to
+send at once, as primary messages (so they do not use up their piggyback retransmits).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from shepherd.proto.mesh_wire import encoded_size
 
 ALIVE, SUSPECT, DEAD, LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
 _GONE = (DEAD, LEFT)
+_MAX_TOLD = 1024
 
 
 @dataclass(slots=True)
@@ -86,6 +91,12 @@ class MemberTable:
             config.retransmit_mult, lambda: len(self.nodes), config.max_broadcasts
         )
         self.leaving = False
+        self.urgent_alive = False  # we refuted: our Alive goes to a few members at once
+        self.urgent_to: dict[str, None] = {}  # members to send our Alive to at once (accusers)
+        self.urgent_dead: list[Dead] = []  # deaths we declared, to send at once
+        self.stale_seen = False  # a stale accusation of us came in (the shell tells its carrier too)
+        self._told: dict[str, float] = {}  # stale accuser -> when we last told it directly
+        self._confirm_keys: dict[str, list[str]] = {}  # suspect -> queue keys of its confirmations
 
     # --------------------------------------------------------------------------------- views
 
@@ -162,7 +173,7 @@ class MemberTable:
         prev = n.state
         changed = (n.host, n.port, n.meta) != (a.host, a.port, a.meta)
         n.host, n.port, n.meta, n.incarnation = a.host, a.port, a.meta, a.incarnation
-        self.suspicions.pop(a.name, None)
+        self._end_suspicion(a.name)
         if prev != ALIVE:
             n.state = ALIVE
             n.state_change = now
@@ -176,20 +187,24 @@ class MemberTable:
         n = self.nodes.get(s.node)
         if n is None or s.incarnation < n.incarnation:
             if n is not None and s.node == self.me.name:
-                self.stale_accusation()
+                self.stale_accusation(s.src, now)
             return
         if self.discredited(s.src):
             return
         sus = self.suspicions.get(s.node)
         if sus is not None:
             if sus.confirm(s.src, now):
-                self.broadcast(s, s.node)
+                # queued under its own key: a confirmation from another member must not replace
+                # this one in our queue before it is sent (the accuser needs all k of them)
+                key = f"{s.node}\x00confirm\x00{s.src}"
+                self._confirm_keys.setdefault(s.node, []).append(key)
+                self.broadcast(s, key)
             return
         if n.state != ALIVE:
             return
         if s.node == self.me.name:
             if not self.leaving:
-                self.refute(s.incarnation)
+                self.refute(s.incarnation, s.src)
             return
         self.broadcast(s, s.node)
         n.incarnation = s.incarnation
@@ -209,15 +224,15 @@ class MemberTable:
         n = self.nodes.get(d.node)
         if n is None or d.incarnation < n.incarnation:
             if n is not None and d.node == self.me.name:
-                self.stale_accusation()
+                self.stale_accusation(d.src, now)
             return
         if d.src != d.node and self.discredited(d.src):
             return
-        self.suspicions.pop(d.node, None)
+        self._end_suspicion(d.node)
         if n.state in _GONE:
             return
         if d.node == self.me.name and not self.leaving:
-            self.refute(d.incarnation)
+            self.refute(d.incarnation, d.src)
             return
         self.broadcast(d, d.node)
         prev = n.state
@@ -226,7 +241,15 @@ class MemberTable:
         n.state_change = now
         if d.src == self.me.name and n.state == DEAD:
             self.stats.deaths_declared += 1
+            self.urgent_dead.append(d)
         out.append((MemberLeft if n.state == LEFT else MemberDead)(n.snapshot(), prev))
+
+    def _end_suspicion(self, name: str) -> None:
+        """Forget the suspicion of ``name`` and stop gossiping its confirmations (the ``Alive`` or
+        ``Dead`` that ended it is queued under the member's own key and replaces the suspicion)."""
+        self.suspicions.pop(name, None)
+        for key in self._confirm_keys.pop(name, ()):
+            self.queue.invalidate(key)
 
     def discredited(self, accuser: str) -> bool:
         """An accuser we hold as DEAD/LEFT (e.g. a node that can send but not receive) is not heard."""
@@ -235,19 +258,38 @@ class MemberTable:
         n = self.nodes.get(accuser)
         return (n.state in _GONE) if n is not None else accuser in self.tombstones
 
-    def refute(self, accused: int) -> None:
+    def refute(self, accused: int, accuser: str | None = None, *, lhm: bool = True) -> None:
+        """Outbid an accusation of incarnation ``accused`` with a new ``Alive`` of ours, sent at once
+        (to the ``accuser`` and a few random members) as well as gossiped."""
         loc = self.local
         loc.incarnation = max(loc.incarnation + 1, accused + 1)
         self.broadcast(self.alive_msg(), loc.name)
-        self.awareness.apply(1)
+        if lhm:
+            self.awareness.apply(1)
         self.stats.refutations += 1
+        self.urgent_alive = True
+        if accuser is not None and accuser != loc.name:
+            self.urgent_to[accuser] = None
 
-    def stale_accusation(self) -> None:
+    def stale_accusation(self, accuser: str, now: float) -> None:
         """Someone still accuses an incarnation we already refuted: it missed our refutation, so
-        gossip it again (it rides on the ack when the accusation came with a ping)."""
-        if not self.leaving:
-            self.broadcast(self.alive_msg(), self.me.name)
-            self.stats.extra["stale_accusations"] = self.stats.extra.get("stale_accusations", 0) + 1
+        gossip it again (it rides on the ack when the accusation came with a ping), and tell the
+        accuser directly (at most once per gossip interval)."""
+        if self.leaving:
+            return
+        self.broadcast(self.alive_msg(), self.me.name)
+        self.stats.extra["stale_accusations"] = self.stats.extra.get("stale_accusations", 0) + 1
+        self.stale_seen = True
+        self.tell(accuser, now)
+
+    def tell(self, name: str, now: float) -> None:
+        """Send our ``Alive`` to ``name`` at once, unless we did less than a gossip interval ago."""
+        if name == self.me.name or now - self._told.get(name, -float("inf")) < self.cfg.gossip_interval:
+            return
+        if len(self._told) >= _MAX_TOLD:
+            self._told.clear()
+        self._told[name] = now
+        self.urgent_to[name] = None
 
     def hint_dead(self, name: str, remote_incarnation: int) -> None:
         """A peer sees ``name`` ALIVE at an incarnation we hold as DEAD: gossip a suspicion so that
@@ -281,7 +323,8 @@ class MemberTable:
     def expire_suspicions(self, now: float, out: list[Action]) -> None:
         due = [name for name, s in self.suspicions.items() if s.deadline <= now]
         for name in due:
-            sus = self.suspicions.pop(name)
+            sus = self.suspicions[name]
+            self._end_suspicion(name)
             n = self.nodes.get(name)
             if n is not None and n.state == SUSPECT and n.incarnation == sus.incarnation:
                 self.on_dead(Dead(n.incarnation, name, self.me.name), now, out)

@@ -57,14 +57,19 @@ Semantics (as HashiCorp memberlist + Lifeguard):
   ``Dead(j)`` applies iff ``j >= i`` and ``s`` is not DEAD/LEFT; ``Dead`` with ``src == node`` means
   the node LEFT. Any ``Suspect``/``Dead`` about ourselves (not leaving) is refuted by
   broadcasting ``Alive(max(inc + 1, j + 1))``; a stale one (``j`` < ours: the accuser missed our
-  refutation) re-gossips our current ``Alive``, on the very ack if it came with a ping. In a
-  push-pull, a remote DEAD/SUSPECT entry is applied as a suspicion (never an instant death), a
-  remote LEFT as a leave, and a remote ALIVE for a member we hold DEAD at the same incarnation
-  makes us gossip a suspicion of it (so that, if it lives, it hears and refutes: partition heal).
-* Suspicion timeout (Lifeguard): ``min = suspicion_mult * max(1, log10(max(1, n))) * probe_interval``,
-  ``max = suspicion_max_timeout_mult * min``, k = ``suspicion_mult - 2`` expected independent
-  confirmations (0 when n - 2 < k); after c confirmations the timeout from the suspicion's start is
-  ``max(min, max - log(c + 1) / log(k + 1) * (max - min))``.
+  refutation) re-gossips our current ``Alive``, on the very ack if it came with a ping, and sends
+  it straight to the accuser and to the member that passed the accusation on (at most once per
+  ``gossip_interval`` each). In a push-pull, a remote DEAD/SUSPECT entry is applied as a suspicion
+  (never an instant death), a remote LEFT as a leave, and a remote ALIVE for a member we hold DEAD
+  at the same incarnation makes us gossip a suspicion of it (so that, if it lives, it hears and
+  refutes: partition heal).
+* Suspicion timeout (Lifeguard): ``max = suspicion_max_timeout_mult * suspicion_mult *
+  max(1, log10(max(1, n))) * probe_interval``, ``min = suspicion_mult * probe_interval`` (memberlist
+  scales min with log10 n as well: ``log_n_min_suspicion=True``), k = ``suspicion_mult - 2`` expected
+  independent confirmations (0 when n - 2 < k: then the timeout is min); after c confirmations the
+  timeout from the suspicion's start is ``max(min, max - log(c + 1) / log(k + 1) * (max - min))``.
+  Each confirmation is re-gossiped under its own queue key (memberlist keys them by member, so a
+  second confirmation replaced the first one before it was sent and the accuser waited for max).
 * Retransmit limit of every piggybacked broadcast: ``retransmit_mult * ceil(log10(n + 1))``.
 * Local health multiplier (LHM, 0..lhm_max): probe interval and probe timeout scale by ``LHM + 1``;
   +1 per failed probe (or +missing nacks when nacks were expected), +1 when refuting a suspicion
@@ -74,6 +79,15 @@ Semantics (as HashiCorp memberlist + Lifeguard):
   means we were stalled: it counts as lag, and the in-flight probe and the suspicions that fell
   due meanwhile get one grace period, so that the datagrams queued during the stall (acks,
   refutations) are read before anyone is accused.
+* Clearing a live node fast (beyond memberlist; what lets the suspicion timer be short): when the
+  direct ping times out, the ping-reqs go out with a second direct ping (memberlist's TCP fallback
+  ping, over UDP; an ack on either path counts); the suspicion raised by our failed probe is sent
+  to the suspect at once; a refutation is sent at once (to the accuser and ``gossip_nodes`` random
+  members, small packets of just our ``Alive``), not at the next gossip tick; a stall of a whole
+  ``probe_interval`` or more (a late ``tick``, or ``set_lag``) is refuted at once (new incarnation,
+  sent the same way) before any suspicion it caused reaches us (once per stall; the LHM is raised
+  by the lag, not again by this). A death we declare is sent at once to ``gossip_nodes`` random
+  members too.
 * Probing: randomized round-robin (a shuffled member list, re-shuffled every round); a SUSPECT
   target gets the suspicion with the ping (buddy system). Beyond memberlist: on first hearing
   someone else's suspicion, about 2(k + 1) members (whatever n) probe the suspect next, so
@@ -148,15 +162,33 @@ def push_pull_scale(interval: float, n: int, threshold: int = 32) -> float:
 
 @dataclass(frozen=True, slots=True)
 class SwimConfig:
-    """Timing and sizing of the protocol; defaults tuned for a LAN (seconds, bytes)."""
+    """Timing and sizing of the protocol; defaults tuned for a LAN (seconds, bytes).
 
-    probe_interval: float = 0.5
-    probe_timeout: float = 0.25
-    nack_timeout: float = 0.2
-    """How long a ping-req relay waits for the target's ack before it sends a nack."""
+    Departs from DESIGN §6 (probe 0.5 s, timeout 0.25 s, mult 4, memberlist's min growing with
+    log10 n): probe 0.4 / 0.2 s, mult 5, and the log10 n growth on the maximum only. A crash is
+    declared one probe period plus the suspicion floor after its first probe, at the earliest; a
+    paused node survives a stall about that long. With DESIGN's numbers that is 2.5 s at n <= 10
+    but 3.1 s at n = 20, above the bar (p50 <= 3 s), and no (interval, mult) under memberlist's
+    formula gives both the n = 20 bar and DESIGN's 2.5 s of pause tolerance at n = 3..10. Here it
+    is 2.4 s at every n (floor 2.0 s as before; shorter probe period, and the first probe of a dead
+    node comes sooner). The floor need not grow with n: log10 n pays for gossiping the suspicion to
+    the suspect and the refutation back, and here the accuser and every confirmer tell the suspect
+    directly and the refutation goes straight back to the accusers (``shepherd.mesh.swim``).
+    Figures: ``bench/mesh_sim_bench.py``."""
+
+    probe_interval: float = 0.4
+    probe_timeout: float = 0.2
+    nack_timeout: float = 0.16
+    """How long a ping-req relay waits for the target's ack before it sends a nack (under the probe
+    timeout: the nacks must come back before the probe period ends)."""
     indirect_checks: int = 3
-    suspicion_mult: int = 4
+    suspicion_mult: int = 5
+    """Floor of the suspicion timer (all k = mult - 2 confirmations in): ``mult * probe_interval``."""
     suspicion_max_timeout_mult: int = 6
+    log_n_min_suspicion: bool = False
+    """True: memberlist's ``min = mult * max(1, log10 n) * probe_interval``. False (default): the
+    log10 n growth applies to ``max`` only, and a suspicion with all its k confirmations ends after
+    ``mult * probe_interval`` at any n (the same for n <= 10)."""
     retransmit_mult: int = 4
     suspicion_verify_pings: int = 2
     """Last-chance pings (suspicion attached) to a suspect before its timer ends, one probe interval
@@ -194,8 +226,14 @@ class SwimConfig:
         return 0 if n - 2 < k else k
 
     def suspicion_bounds(self, n: int) -> tuple[float, float]:
-        lo = suspicion_timeout(self.suspicion_mult, n, self.probe_interval)
-        return lo, lo * self.suspicion_max_timeout_mult
+        """(min, max) of the suspicion timer in an n-member cluster (see ``log_n_min_suspicion``)."""
+        scaled = suspicion_timeout(self.suspicion_mult, n, self.probe_interval)
+        lo = (
+            scaled
+            if self.log_n_min_suspicion
+            else suspicion_timeout(self.suspicion_mult, 1, self.probe_interval)
+        )
+        return lo, scaled * self.suspicion_max_timeout_mult
 
 
 # ---------------------------------------------------------------------------------------- members

@@ -33,10 +33,10 @@ def _mesh_arguments(s: argparse.ArgumentParser) -> None:
         help="DEVELOPMENT ONLY: a CA, key file and this node's certificate in DIR, made if missing "
         "(nodes sharing DIR trust each other)",
     )
-    m.add_argument("--mesh-probe-interval", type=float, help="SWIM probe interval, s (default 0.5)")
+    m.add_argument("--mesh-probe-interval", type=float, help="SWIM probe interval, s (default 0.4)")
     m.add_argument("--mesh-probe-timeout", type=float, help="SWIM probe timeout, s (default interval / 2)")
     m.add_argument("--mesh-push-pull-interval", type=float, help="full TCP sync period, s (default 15)")
-    m.add_argument("--mesh-suspicion-mult", type=int, help="suspicion timeout multiplier (default 4)")
+    m.add_argument("--mesh-suspicion-mult", type=int, help="suspicion timeout multiplier (default 5)")
     m.add_argument("--mesh-gossip-interval", type=float, help="gossip period, s (default 0.2)")
 
 
@@ -108,11 +108,6 @@ def _parser() -> argparse.ArgumentParser:
     rl.add_argument("--rate-limit-max-concurrent", type=int, help="default concurrent requests per tenant")
     rl.add_argument("--rate-limit-token-estimate", type=int, help="output tokens reserved without max_tokens")
     rl.add_argument("--rate-limit-propagation-secs", type=float, help="bound on the mesh's gossip delay")
-    s.add_argument(
-        "--reasoning-parser", help="reasoning parser family (qwen3, deepseek_r1, ...; default: by model name)"
-    )
-    s.add_argument(
-        "--tool-call-parser", help="tool-call parser family (hermes, llama3, ...; default: by model name)"
     rl.add_argument(
         "--rate-limit-window-secs",
         type=float,
@@ -129,6 +124,11 @@ def _parser() -> argparse.ArgumentParser:
     auth_flags.add_arguments(s)  # --auth-*, --jwt-*, --tls-*, --engine-tls-*
     _mesh_arguments(s)
     sub.add_parser("serve", parents=[s], help="run a node")
+    s.add_argument(
+        "--reasoning-parser", help="reasoning parser family (qwen3, deepseek_r1, ...; default: by model name)"
+    )
+    s.add_argument(
+        "--tool-call-parser", help="tool-call parser family (hermes, llama3, ...; default: by model name)"
     j = sub.add_parser(
         "join", parents=[s], help="run a node that joins a mesh through SEED... (serve's flags)"
     )

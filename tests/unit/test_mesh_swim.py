@@ -51,6 +51,10 @@ from shepherd.proto.mesh_wire import decode_packet, encode_packet
 
 A, S, D, L = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
 ME = NodeAddr("me", "10.0.0.1", 7946)
+# DESIGN §6's numbers and memberlist's formula: the tests of mechanics below spell times out in them
+MEMBERLIST = SwimConfig(
+    probe_interval=0.5, probe_timeout=0.25, nack_timeout=0.2, suspicion_mult=4, log_n_min_suspicion=True
+)
 
 
 def peer(i: int) -> NodeAddr:
@@ -124,9 +128,23 @@ def test_suspicion_timeout_formula() -> None:
     assert suspicion_timeout(4, 10, 0.5) == 2.0
     assert suspicion_timeout(4, 100, 0.5) == pytest.approx(4.0)
     assert suspicion_timeout(4, 20, 0.5) == pytest.approx(4 * math.log10(20) * 0.5)
-    assert SwimConfig().suspicion_bounds(10) == (2.0, 12.0)
-    assert SwimConfig().expected_confirmations(3) == 0  # n - 2 < k
-    assert SwimConfig().expected_confirmations(10) == 2
+    assert MEMBERLIST.suspicion_bounds(10) == (2.0, 12.0)
+    assert MEMBERLIST.suspicion_bounds(20) == pytest.approx((2.6021, 15.6124), abs=1e-4)
+    assert MEMBERLIST.expected_confirmations(3) == 0  # n - 2 < k
+    assert MEMBERLIST.expected_confirmations(10) == 2
+
+
+def test_default_timers_keep_the_floor_at_any_n() -> None:
+    """The defaults: probe 0.4 s, mult 5: a fully confirmed suspicion ends after 2.0 s at any n;
+    log10 n only stretches the unconfirmed maximum."""
+    cfg = SwimConfig()
+    assert (cfg.probe_interval, cfg.probe_timeout, cfg.suspicion_mult) == (0.4, 0.2, 5)
+    assert cfg.nack_timeout < cfg.probe_timeout
+    assert cfg.suspicion_bounds(3) == pytest.approx((2.0, 12.0))
+    assert cfg.suspicion_bounds(10) == pytest.approx((2.0, 12.0))
+    assert cfg.suspicion_bounds(20) == pytest.approx((2.0, 12.0 * math.log10(20)))
+    assert cfg.suspicion_bounds(100) == pytest.approx((2.0, 24.0))
+    assert [cfg.expected_confirmations(n) for n in (3, 4, 5, 20)] == [0, 0, 3, 3]
 
 
 @pytest.mark.parametrize(
@@ -313,21 +331,32 @@ def test_precedence_invariants(events: list[tuple[str, int]]) -> None:
 
 
 @pytest.mark.parametrize("accusation", [Suspect(5, "me", "p1"), Dead(5, "me", "p1")])
-def test_refutation_bumps_incarnation_and_gossips_alive(accusation: Message) -> None:
-    s = mk()
+def test_refutation_bumps_incarnation_and_goes_out_at_once(accusation: Message) -> None:
+    s = mk(6)
     assert s.incarnation == 1
-    s.on_packet(1.0, ("x", 1), accusation)
+    out = s.on_packet(1.0, ("x", 1), accusation)
     assert s.incarnation == 6  # above the accused incarnation
     assert s.health == 1  # refuting costs local health
     assert s.member("me") == Member("me", ME.host, ME.port, 6, A)
-    alive = [
-        m for _, m in msgs_of(s.tick(s.next_deadline()), Alive) if isinstance(m, Alive) and m.name == "me"
-    ]
-    t = 1.0
-    while not alive:  # the refutation goes out with the next gossip/probe
-        t = s.next_deadline()
-        alive = [m for _, m in msgs_of(s.tick(t), Alive) if isinstance(m, Alive) and m.name == "me"]
-    assert alive[0].incarnation == 6
+    # at once, not at the next gossip tick: to the accuser and gossip_nodes other members
+    now = [a.dest for a, m in msgs_of(out, Alive) if isinstance(m, Alive) and m.name == "me"]
+    assert peer(1).addr in now
+    assert len(set(now)) == len(now) == 1 + SwimConfig().gossip_nodes
+    assert all(a.msgs == (Alive("me", ME.host, ME.port, 6),) for a in sends(out))  # nothing else
+    # and still gossiped as usual afterwards (those packets did not use up its retransmits)
+    later = advance(s, 3.0)
+    assert [m for _, m in msgs_of(later, Alive) if isinstance(m, Alive) and m.name == "me"]
+
+
+def test_stale_accuser_and_its_carrier_are_told_directly_rate_limited() -> None:
+    s = mk(6)
+    s.on_packet(1.0, ("x", 1), Suspect(1, "me", "p1"))  # refuted: incarnation 2
+    out = s.on_packet(5.0, peer(3).addr, Packet("p3", (Suspect(1, "me", "p2"),)))
+    told = {a.dest for a, m in msgs_of(out, Alive) if isinstance(m, Alive) and m.incarnation == 2}
+    assert told == {peer(2).addr, peer(3).addr}  # the accuser and the one that passed it on
+    out = s.on_packet(5.05, peer(3).addr, Packet("p3", (Suspect(1, "me", "p2"),)))
+    assert not msgs_of(out, Alive)  # once per gossip interval
+    assert s.incarnation == 2
 
 
 def test_stale_accusation_not_refuted_and_other_self_alive_is() -> None:
@@ -368,7 +397,7 @@ def test_probe_ack_keeps_member_alive_and_heals_lhm() -> None:
 
 
 def test_indirect_probe_via_k_relays_then_ack_saves_target() -> None:
-    s = mk(5)
+    s = mk(5, cfg=MEMBERLIST)
     t, _, ping = run_until_probe(s)
     out = advance(s, t + 0.25)  # probe timeout: ping-req through k = 3 relays
     reqs = msgs_of(out, PingReq)
@@ -384,7 +413,7 @@ def test_indirect_probe_via_k_relays_then_ack_saves_target() -> None:
 
 
 def test_failed_probe_suspects_and_lhm_counts_missing_nacks() -> None:
-    s = mk(5)
+    s = mk(5, cfg=MEMBERLIST)
     t, _, ping = run_until_probe(s)
     reqs = msgs_of(advance(s, t + 0.25), PingReq)
     s.on_packet(t + 0.45, reqs[0][0].dest, Nack(ping.seq))  # one relay nacks, two are silent
@@ -399,7 +428,7 @@ def test_failed_probe_suspects_and_lhm_counts_missing_nacks() -> None:
 
 
 def test_all_nacks_mean_target_is_down_not_us() -> None:
-    s = mk(5)
+    s = mk(5, cfg=MEMBERLIST)
     t, _, ping = run_until_probe(s)
     for send, _ in msgs_of(advance(s, t + 0.25), PingReq):
         s.on_packet(t + 0.45, send.dest, Nack(ping.seq))
@@ -409,7 +438,7 @@ def test_all_nacks_mean_target_is_down_not_us() -> None:
 
 
 def test_lhm_scales_probe_interval_and_timeout() -> None:
-    s = mk(5)
+    s = mk(5, cfg=MEMBERLIST)
     s.set_lag(0.0, 1.0)
     s.set_lag(0.6, 1.0)
     s.set_lag(0.7, 1.0)  # rate-limited: at most one bump per probe interval
@@ -440,7 +469,7 @@ def test_suspect_target_gets_the_suspicion_with_the_ping() -> None:
 
 
 def test_confirmations_shorten_suspicion_to_min() -> None:
-    s = mk(9)  # n = 10: min 2 s, max 12 s, k = 2
+    s = mk(9, cfg=MEMBERLIST)  # n = 10: min 2 s, max 12 s, k = 2
     s.on_packet(10.0, ("x", 1), Suspect(1, "p0", "p1"))
     assert s.next_deadline() <= 22.0
     s.on_packet(10.5, ("x", 1), Suspect(1, "p0", "p2"))
@@ -457,7 +486,7 @@ def test_confirmations_shorten_suspicion_to_min() -> None:
 
 
 def test_unconfirmed_suspicion_takes_max() -> None:
-    s = mk(9)
+    s = mk(9, cfg=MEMBERLIST)
     advance(s, 10.0, ack=True)
     s.on_packet(10.0, ("x", 1), Suspect(1, "p0", "p1"))
     advance(s, 21.99, ack=True)
@@ -468,7 +497,7 @@ def test_unconfirmed_suspicion_takes_max() -> None:
 
 
 def test_late_tick_defers_suspicions_once() -> None:
-    s = mk(9)
+    s = mk(9, cfg=MEMBERLIST)
     s.on_packet(10.0, ("x", 1), Suspect(1, "p0", "p1"))
     s.tick(23.0)  # a whole second late: we were stalled, not p0
     assert state(s, "p0") == (S, 1)
@@ -741,7 +770,7 @@ def test_swim_modules_do_no_io() -> None:
 
 
 def test_suspect_gets_last_chance_pings_before_dead() -> None:
-    s = mk(9)
+    s = mk(9, cfg=MEMBERLIST)
     advance(s, 10.0, ack=True)
     s.on_packet(10.0, ("x", 1), Suspect(1, "p0", "p1"))  # max 12 s: verify at 21.0 and 21.5
     out = advance(s, 21.9)
@@ -824,7 +853,7 @@ def test_set_meta_bumps_incarnation_and_gossips() -> None:
 
 
 def test_confirmation_that_ends_a_suspicion_at_once_is_not_lag() -> None:
-    s = mk(9)
+    s = mk(9, cfg=MEMBERLIST)
     advance(s, 10.0, ack=True)
     s.on_packet(10.0, ("x", 1), Suspect(1, "p0", "p1"))
     advance(s, 14.0, ack=True)
@@ -836,3 +865,96 @@ def test_confirmation_that_ends_a_suspicion_at_once_is_not_lag() -> None:
     assert state(s, "p0") == (D, 1)
     assert any(isinstance(a, MemberDead) for a in out)
     assert s.health == health and s.stats.lag_events == 0
+
+
+# ------------------------------------------------------------------- clearing a live node fast
+
+
+def test_second_direct_ping_goes_with_the_ping_reqs_and_its_ack_counts() -> None:
+    s = mk(5)
+    t, send, ping = run_until_probe(s)
+    out = advance(s, t + s.config.probe_timeout)
+    assert len(msgs_of(out, PingReq)) == s.config.indirect_checks
+    again = [m for a, m in msgs_of(out, Ping) if a.dest == send.dest]
+    assert again == [Ping(ping.seq, ping.target, ME)]  # same seq: an ack on either path counts
+    s.on_packet(t + s.config.probe_timeout + 0.01, send.dest, Ack(ping.seq))
+    advance(s, t + 2.0, ack=True)
+    assert state(s, ping.target) == (A, 1)
+    assert s.stats.probes_failed == 0
+
+
+def test_failed_probe_tells_the_suspect_at_once() -> None:
+    s = mk(5)
+    t, send, ping = run_until_probe(s)
+    out = advance(s, t + s.config.probe_interval)
+    assert state(s, ping.target) == (S, 1)
+    assert any(a.dest == send.dest and a.msgs == (Suspect(1, ping.target, "me"),) for a in sends(out))
+
+
+def test_a_stall_of_a_probe_period_is_refuted_at_once_once() -> None:
+    s = mk(6)
+    advance(s, 5.0, ack=True)
+    inc = s.incarnation
+    s.tick(s.next_deadline() + 0.2)  # late by half a probe period: lag, nothing more
+    assert s.incarnation == inc
+    advance(s, 10.0, ack=True)
+    late = s.next_deadline() + 1.0
+    out = s.tick(late)  # we did not run for a second: whoever probed us suspects us by now
+    assert s.incarnation == inc + 1
+    alive = Alive("me", ME.host, ME.port, inc + 1)
+    assert len({a.dest for a in sends(out) if a.msgs == (alive,)}) >= s.config.gossip_nodes
+    s.set_lag(late, 1.0)  # the lag monitor reports the same stall
+    assert s.incarnation == inc + 1
+    assert s.stats.extra["stall_refutations"] == 1
+    out = s.on_packet(late + 0.01, ("x", 1), Suspect(inc, "me", "p2"))  # the suspicion, arriving late
+    assert s.incarnation == inc + 1  # already refuted: only re-told
+    assert any(a.dest == peer(2).addr for a, _ in msgs_of(out, Alive))
+
+
+def test_death_we_declare_is_sent_at_once() -> None:
+    s = mk(9)  # n = 10: k = 3
+    s.on_packet(10.0, ("x", 1), Suspect(1, "p0", "p1"))
+    for src in ("p2", "p3", "p4"):
+        s.on_packet(10.1, ("x", 1), Suspect(1, "p0", src))
+    advance(s, 11.9, ack=True)
+    assert state(s, "p0") == (S, 1)
+    for _ in range(100):  # tick by tick, until the one where the suspicion ends
+        out = s.tick(s.next_deadline())
+        if state(s, "p0") != (S, 1):
+            break
+    assert state(s, "p0") == (D, 1)
+    assert s.stats.deaths_declared == 1
+    at_once = {a.dest for a in sends(out) if a.msgs == (Dead(1, "p0", "me"),)}
+    assert len(at_once) == s.config.gossip_nodes  # not at the next gossip tick
+
+
+def test_confirmations_are_gossiped_each_and_dropped_with_the_suspicion() -> None:
+    s = mk(9)
+    for src in ("p1", "p2", "p3"):
+        s.on_packet(10.0, ("x", 1), Suspect(1, "p0", src))
+    out = advance(s, 10.6, ack=True)
+    # none replaced another in our queue before it went out: the accuser needs all k
+    assert {m.src for _, m in msgs_of(out, Suspect) if isinstance(m, Suspect) and m.node == "p0"} >= {
+        "p1",
+        "p2",
+        "p3",
+    }
+    s.on_packet(10.7, ("x", 1), Alive("p0", peer(0).host, peer(0).port, 2))
+    out = advance(s, 13.0, ack=True)
+    assert not [m for _, m in msgs_of(out, Suspect) if isinstance(m, Suspect) and m.node == "p0"]
+
+
+def test_full_confirmation_ends_at_the_floor_whatever_n() -> None:
+    """Default timers at n = 20: unconfirmed, max grows with log10 n; with all k confirmations the
+    suspicion ends mult * probe_interval after it began, as at n = 10."""
+    cfg = SwimConfig()
+    s = mk(19)
+    lo, hi = cfg.suspicion_bounds(20)
+    assert lo == pytest.approx(2.0) and hi > 12.0
+    s.on_packet(10.0, ("x", 1), Suspect(1, "p0", "p1"))
+    for src in ("p2", "p3", "p4"):
+        s.on_packet(10.5, ("x", 1), Suspect(1, "p0", src))
+    advance(s, 10.0 + lo - 0.01, ack=True)
+    assert state(s, "p0") == (S, 1)
+    advance(s, 10.0 + lo, ack=True)
+    assert state(s, "p0") == (D, 1)

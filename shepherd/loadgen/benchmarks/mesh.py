@@ -56,6 +56,7 @@ from shepherd.loadgen.procs import ManagedProcess, ProcessFailed, ProcessGroup, 
 from shepherd.loadgen.stats import Distribution
 from shepherd.loadgen.targets import REPO_ROOT, console_script, extract_tokenizer
 from shepherd.loadgen.trace import Trace, TraceConfig, generate_trace
+from shepherd.mesh.swim_types import SwimConfig
 
 MODEL = "qwen3"
 SIM_SCRIPT = REPO_ROOT / "bench" / "mesh_sim_bench.py"
@@ -81,7 +82,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=False,
         help="nodes subscribe to the engines' KV events (default off: the index is the routing decisions')",
     )
-    p.add_argument("--probe-interval", type=float, default=None, help="mesh probe interval (default 0.5 s)")
+    p.add_argument(
+        "--probe-interval",
+        type=float,
+        default=None,
+        help=f"mesh probe interval (default {SwimConfig().probe_interval:g} s; the probe timeout is half)",
+    )
+    p.add_argument(
+        "--suspicion-mult",
+        type=int,
+        default=None,
+        help=f"mesh suspicion multiplier (default {SwimConfig().suspicion_mult})",
+    )
     p.add_argument("--sim", action=argparse.BooleanOptionalAction, default=True, help="run the simulation")
     p.add_argument("--sim-args", default="--sizes 3,5,10,20", help="arguments of bench/mesh_sim_bench.py")
     p.add_argument("--json", type=Path, help="write the figures to this file")
@@ -172,6 +184,7 @@ class Setup:
     engines: list[tuple[int, int]]  # (grpc, http)
     probe_interval: float | None
     kv_events: bool
+    suspicion_mult: int | None = None
 
     def engine_spec(self, i: int) -> ProcSpec:
         grpc, http_port = self.engines[i]
@@ -199,6 +212,8 @@ class Setup:
             argv += ["--mesh-port", str(slot.mesh), "--mesh-name", slot.name, "--mesh-dev-pki", str(self.pki)]
             if self.probe_interval is not None:
                 argv += ["--mesh-probe-interval", str(self.probe_interval)]
+            if self.suspicion_mult is not None:
+                argv += ["--mesh-suspicion-mult", str(self.suspicion_mult)]
         return ProcSpec(
             name=slot.name,
             argv=tuple(argv),
@@ -490,12 +505,17 @@ def _s(d: Distribution) -> str:
 
 
 def format_report(
-    det: dict[int, Detection], prop: dict[int, Propagation], aff: Sequence[Affinity], probe: float
+    det: dict[int, Detection],
+    prop: dict[int, Propagation],
+    aff: Sequence[Affinity],
+    probe: float,
+    mult: int | None = None,
 ) -> str:
     lines = []
     if det:
+        how = f"probe interval {probe:g} s" + (f", suspicion mult {mult}" if mult is not None else "")
         lines += [
-            f"crash detection (SIGKILL; probe interval {probe:g} s): seconds from the kill to DEAD",
+            f"crash detection (SIGKILL; {how}): seconds from the kill to DEAD (bar: p50 <= 3, p99 <= 5)",
             f"{'N':>3} | {'per observer':>13} | {'all observers':>13} | {'samples':>7} | false DEAD",
             f"{'':>3} | {'p50':>6} {'p99':>6} | {'p50':>6} {'p99':>6} |",
         ]
@@ -568,6 +588,7 @@ def measure_real(
                 [(free_port(), free_port()) for _ in range(args.engines)],
                 args.probe_interval,
                 args.kv_events,
+                args.suspicion_mult,
             )
             _progress(f"starting {args.engines} mock engines ...")
             setup.start([setup.engine_spec(i) for i in range(args.engines)])
@@ -605,7 +626,8 @@ def measure_real(
 def run(args: argparse.Namespace) -> int:
     sizes = _ints(args.sizes)
     aff_sizes = _ints(args.affinity_sizes)
-    probe = args.probe_interval if args.probe_interval is not None else 0.5
+    probe = args.probe_interval if args.probe_interval is not None else SwimConfig().probe_interval
+    mult = args.suspicion_mult if args.suspicion_mult is not None else SwimConfig().suspicion_mult
     load = os.getloadavg()
     print(
         f"smg-bench mesh — {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average "
@@ -624,7 +646,7 @@ def run(args: argparse.Namespace) -> int:
         measure_real(args, det, prop, aff)
     except (ProcessFailed, RuntimeError, OSError) as e:  # report what was measured before
         failed = str(e).strip()
-    print("\n" + format_report(det, prop, aff, probe), flush=True)
+    print("\n" + format_report(det, prop, aff, probe, mult), flush=True)
     print(f"(real processes: {time.monotonic() - wall0:.0f} s wall)", flush=True)
     if failed:
         print(f"stopped early: {failed}", flush=True)
