@@ -119,16 +119,16 @@ def _parser() -> argparse.ArgumentParser:
         help="an unreachable member that did not leave counts in the mesh size this long (default 300): "
         "a partitioned side admits its share, a crashed node lowers the others' share as long",
     )
-    )
-    s.add_argument("--log-level", choices=["debug", "info", "warning", "warn", "error"])
-    auth_flags.add_arguments(s)  # --auth-*, --jwt-*, --tls-*, --engine-tls-*
-    _mesh_arguments(s)
-    sub.add_parser("serve", parents=[s], help="run a node")
     s.add_argument(
         "--reasoning-parser", help="reasoning parser family (qwen3, deepseek_r1, ...; default: by model name)"
     )
     s.add_argument(
         "--tool-call-parser", help="tool-call parser family (hermes, llama3, ...; default: by model name)"
+    )
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "warn", "error"])
+    auth_flags.add_arguments(s)  # --auth-*, --jwt-*, --tls-*, --engine-tls-*
+    _mesh_arguments(s)
+    sub.add_parser("serve", parents=[s], help="run a node")
     j = sub.add_parser(
         "join", parents=[s], help="run a node that joins a mesh through SEED... (serve's flags)"
     )
