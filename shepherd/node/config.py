@@ -98,9 +98,9 @@ class NodeConfig:
     rate_limit_max_concurrent: int | None = None
     rate_limit_token_estimate: int = 1024  # tokens reserved for the output when max_tokens is absent
     rate_limit_propagation_secs: float = 1.0  # τ: a node's counts reach every peer within this
-    auth: AuthConfig = field(default_factory=AuthConfig)  # YAML: an ``auth`` mapping (see shepherd.auth)
     rate_limit_window_secs: float = 60.0  # rpm/tpm count per window this long (60: as named; less: tests)
     rate_limit_unreachable_grace_secs: float = 300.0  # an unreachable member counts in N this long
+    auth: AuthConfig = field(default_factory=AuthConfig)  # YAML: an ``auth`` mapping (see shepherd.auth)
     tls_cert_file: str | None = None  # TLS on the client port
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None  # clients must present a certificate from this CA (mTLS)
@@ -280,9 +280,6 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
             raise ConfigError(f"{k} must be a positive integer")
     if cfg.rate_limit_token_estimate < 0 or cfg.rate_limit_propagation_secs <= 0:
         raise ConfigError("rate_limit_token_estimate must be >= 0 and rate_limit_propagation_secs > 0")
-    if cfg.mesh_port is not None or cfg.mesh_seeds:
-        from shepherd.node.mesh_node import check_mesh_config
-
     if (
         cfg.rate_limit_window_secs <= cfg.rate_limit_propagation_secs
         or cfg.rate_limit_unreachable_grace_secs < 0
@@ -291,6 +288,9 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
             "rate_limit_window_secs must exceed rate_limit_propagation_secs, and "
             "rate_limit_unreachable_grace_secs must be >= 0"
         )
+    if cfg.mesh_port is not None or cfg.mesh_seeds:
+        from shepherd.node.mesh_node import check_mesh_config
+
         try:
             cfg = check_mesh_config(cfg)
         except ValueError as e:
