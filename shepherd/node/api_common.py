@@ -16,6 +16,7 @@ from aiohttp import web
 
 from shepherd.node.engine_http import HttpRelayClient
 from shepherd.node.engine_types import EngineError
+from shepherd.node.http_types import stream_response
 from shepherd.node.openai_protocol import ApiError, parse_json_body
 from shepherd.node.sse import KEEPALIVE
 from shepherd.node.tokenizer_pool import TokenizerPoolUnavailable, TokenizerWorkerError
@@ -46,15 +47,17 @@ async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict[str, 
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise ApiError(
-            413, f"The request body is larger than the limit of {limit} bytes.", code="body_too_large"
-        ) from None
+        raw = None
+    except web.HTTPUnsupportedMediaType as e:  # a Content-Encoding the server cannot decode (lean server)
+        raise ApiError(415, e.text or e.reason, code="unsupported_content_encoding") from None
     except (aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError) as e:
         # a body that does not decode as its Content-Encoding says, or framing cut short
         raise ApiError(
             400, f"The request body could not be read: {type(e).__name__}.", code="bad_body"
         ) from None
-    return raw, parse_json_body(raw)
+    if raw is not None and len(raw) <= limit:  # (a chunked body has no Content-Length to check first)
+        return raw, parse_json_body(raw)
+    raise ApiError(413, f"The request body is larger than the limit of {limit} bytes.", code="body_too_large")
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
@@ -110,13 +113,18 @@ async def error_middleware(
         if e.status < 400:
             raise
         msg = e.text or e.reason
+        headers: dict[str, str] = {}
         if e.status == 404:
             msg = f"No route for {request.method} {request.path}."
         elif e.status == 405:
             msg = f"Method {request.method} is not allowed on {request.path}."
+            if allow := e.headers.get("Allow"):
+                headers["Allow"] = allow
         gw.metrics.errors.labels(path, str(e.status)).inc()
         return error_response(
-            ApiError(e.status, msg, type=_STATUS_TYPES.get(e.status, "invalid_request_error"))
+            ApiError(
+                e.status, msg, type=_STATUS_TYPES.get(e.status, "invalid_request_error"), headers=headers
+            )
         )
     except (asyncio.CancelledError, ConnectionResetError):
         status = 499
@@ -215,8 +223,8 @@ async def relay(
             try:
                 ctype = upstream.headers.get("Content-Type", "application/json")
                 if stream and upstream.status == 200:
-                    resp = web.StreamResponse(
-                        status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
+                    resp = stream_response(
+                        request, status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
                     )
                     await resp.prepare(request)
                     try:

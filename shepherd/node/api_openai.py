@@ -30,6 +30,7 @@ from shepherd.node.engine_types import (
     TokenLogprob,
 )
 from shepherd.node.gateway import EngineStream, Gateway
+from shepherd.node.http_types import stream_response
 from shepherd.node.openai_protocol import ApiError, Sampling, bad, parse_chat, parse_completion
 from shepherd.node.output import ChoiceState, LogprobFormatter
 from shepherd.node.sse import DONE, ChatChunks, CompletionChunks, error_event, usage
@@ -406,7 +407,7 @@ class Generation:
     async def stream(self, jobs: list[Job]) -> web.StreamResponse:
         self.check_jobs(jobs)
         es = await self._open(jobs[0], 0, True)  # errors before this point are plain HTTP errors
-        resp = web.StreamResponse(status=200, headers={**SSE_HEADERS, **self._headers()})
+        resp = stream_response(self.request, headers={**SSE_HEADERS, **self._headers()})
         enc = self._encoder()
         try:
             await resp.prepare(self.request)
@@ -443,13 +444,13 @@ class Generation:
                         enc.usage(usage(self.totals.prompt, self.totals.completion, self.totals.cached))
                     )
                 tail.append(DONE)
-                await resp.write(b"".join(tail))
+                await resp.write_eof(b"".join(tail))  # the last bytes and the end of the body: one write
                 self._done()
             except (EngineError, ApiError, TimeoutError) as e:
                 # headers are gone: report in-band, then end the stream cleanly
                 msg, code = _describe(e)
                 self.gw.metrics.errors.labels(self.request.path, code).inc()
-                await resp.write(b"".join(pending) + error_event(msg, "server_error", code) + DONE)
+                await resp.write_eof(b"".join(pending) + error_event(msg, "server_error", code) + DONE)
             finally:
                 self.gw.keepalive.unregister(resp)
         finally:

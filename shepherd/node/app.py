@@ -15,6 +15,7 @@ from shepherd.node import api_admin, api_keys, api_mesh, api_openai
 from shepherd.node.api_common import GATEWAY, error_middleware
 from shepherd.node.config import NodeConfig
 from shepherd.node.gateway import Gateway
+from shepherd.node.http_server import LeanServer
 from shepherd.node.mesh_node import MeshNode
 
 log = logging.getLogger("shepherd.node")
@@ -62,8 +63,13 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
     await runner.setup()
     tls = server_tls(cfg)
     ssl_ctx = tls.context if tls else None
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_address=True, ssl_context=ssl_ctx)
-    await site.start()
+    front: LeanServer | None = None
+    if cfg.http_server == "lean":  # the app's routes, middlewares and hooks as they are; httptools underneath
+        front = LeanServer(app, max_body=cfg.max_body_bytes)
+        await front.start(cfg.host, cfg.port, ssl_context=ssl_ctx, backlog=1024)
+    else:
+        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_address=True, ssl_context=ssl_ctx)
+        await site.start()
     if tls:
         tls.start()  # reload changed cert files (and on SIGHUP)
     stop = asyncio.Event()
@@ -84,6 +90,9 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
         # leave the mesh (gracefully) while draining: peers stop counting on this node at once
         await asyncio.gather(drain(gw, cfg.shutdown_grace_secs), mesh.close() if mesh else asyncio.sleep(0))
     finally:
+        if front is not None:  # stop accepting, close idle connections, let in-flight ones end (bounded)
+            with contextlib.suppress(Exception):
+                await front.shutdown(timeout=5.0)
         with contextlib.suppress(Exception):
             await runner.cleanup()
         if tls:

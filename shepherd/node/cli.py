@@ -96,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
         "--engine-transport", choices=("h2", "grpcio"), help="gRPC client: h2 (lean asyncio) or grpcio"
     )
     s.add_argument(
+        "--http-server",
+        choices=("lean", "aiohttp"),
+        help="client-facing HTTP/1.1 server: lean (httptools on asyncio, default) or aiohttp",
+    )
+    s.add_argument(
         "--no-kv-events",
         dest="kv_events",
         action="store_const",

@@ -69,6 +69,7 @@ class NodeConfig:
     chat_template: str | None = None
     policy: str = "round_robin"
     engine_transport: str = "h2"  # "h2" (lean asyncio HTTP/2 gRPC client) or "grpcio"
+    http_server: str = "lean"  # "lean" (httptools on asyncio: shepherd.node.http_server) or "aiohttp"
     kv_events: bool = True  # subscribe to gRPC engines' KV events to feed the prefix index
     models: tuple[ModelConfig, ...] = ()
     tokenizer_workers: int = 2
@@ -255,6 +256,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
     _check_pd(cfg)
     if cfg.engine_transport not in ("h2", "grpcio"):
         raise ConfigError(f"engine_transport {cfg.engine_transport!r}: use 'h2' or 'grpcio'")
+    if cfg.http_server not in ("lean", "aiohttp"):
+        raise ConfigError(f"http_server {cfg.http_server!r}: use 'lean' or 'aiohttp'")
     try:
         check_settings(
             cfg.tls_cert_file,
