@@ -1,7 +1,7 @@
 """Run chaos scenarios and write a markdown report.
 
     python -m chaos.run list                              # the scenarios and what each must hold
-    python -m chaos.run all --report chaos-report.md      # every scenario (~6-8 min on 2 cores)
+    python -m chaos.run all --report chaos-report.md      # every scenario (~9 min on 2 cores)
     python -m chaos.run short                             # node crash, rolling restart, partition primitives
     python -m chaos.run node_crash engine_slow            # by name
 
