@@ -7,14 +7,18 @@ only the work a gateway needs per request:
 
 - **Parsing** by httptools: Content-Length and chunked bodies, keep-alive, HTTP/1.0 and
   ``Connection: close``, pipelined requests answered in order, one at a time per connection (reading
-  pauses while more than ``Limits.max_pipeline`` wait). ``Expect: 100-continue`` is answered when the
-  request is next in line and its declared body fits.
+  pauses while more than ``Limits.max_pipeline`` wait, or their bodies hold more than ``max_body``).
+  ``Expect: 100-continue`` is answered when the request is next in line and its declared body fits.
 - **Limits**, answered in the OpenAI error envelope: a body over ``max_body`` (declared or received,
   after decoding) → 413 through the handler (``request.read()`` raises ``web.HTTPRequestEntityTooLarge``
   as aiohttp's does); a header field over ``max_field``, more than ``max_headers`` fields or a head over
   ``max_head`` bytes → 431; a request target over ``max_line`` → 414; anything the parser refuses → 400.
-  Protocol errors close the connection after the answer; a refused body still being sent is read and
-  discarded for up to ``linger_secs`` first, so the client sees the answer rather than a reset.
+  Protocol errors close the connection after the answer; a refused body still being sent (or, after a
+  protocol error, anything the client still sends, the server's side being shut after the answer) is read
+  and discarded for up to ``linger_secs`` first, so the client sees the answer rather than a reset.
+- **Slow clients**: a request head must arrive whole within ``head_secs`` of its first byte, the whole
+  request within ``body_secs`` (→ 408, checked by the keep-alive sweep); chunk framing that carries no
+  body (extensions, trailers: ignored) may not exceed ``max_head`` plus the body's size (→ 400).
 - **Request bodies** with ``Content-Encoding: gzip`` / ``deflate`` are decoded as they arrive, under
   the same size cap (a decompression bomb stops at ``max_body``); a corrupt one makes ``read()`` raise
   ``ContentEncodingError`` (→ 400), an unknown coding ``web.HTTPUnsupportedMediaType`` (→ 415).
@@ -74,6 +78,8 @@ class Limits:
     max_pipeline: int = 16  # parsed requests waiting behind the current one before reading pauses
     linger_secs: float = 5.0  # reading (and dropping) a refused body before closing
     keepalive_secs: float = 75.0  # an idle connection is closed after this (aiohttp's default)
+    head_secs: float = 30.0  # a request head must arrive whole within this of its first byte → 408
+    body_secs: float = 300.0  # and the whole request (body included) within this → 408
 
 
 def error_body(status: int, message: str, code: str | None) -> bytes:
@@ -151,6 +157,7 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[LeanRequest | _Fault] = deque()
+        self.queued_bytes = 0  # the bodies of the queued requests: reading pauses past max_body
         self.task: asyncio.Task[None] | None = None
         self.write_paused = False
         self._drain: asyncio.Future[None] | None = None
@@ -158,7 +165,9 @@ class _Conn(asyncio.Protocol):
         self.lost = False
         self.closing = False  # no further request on this connection
         self.stopped = False  # the parser met an error (or an upgrade): data is ignored
-        self.last = self.loop.time()
+        self.clock = srv.clock
+        self.last = self.clock()
+        self.started: float | None = None  # when the first byte of the request being received came
         self.remote: str | None = None
         self.secure = False
         self._linger: asyncio.TimerHandle | None = None
@@ -170,8 +179,10 @@ class _Conn(asyncio.Protocol):
         self.url_len = 0
         self.fields: list[tuple[bytes, bytes]] = []
         self.cur: LeanRequest | None = None
-        self.parts: list[bytes] = []
+        self.parts: list[bytes | bytearray] = []  # one part, or one growing buffer (not one per chunk)
         self.size = 0
+        self.received = 0  # body bytes received (refused ones included)
+        self.framing = 0  # bytes after the head that are not body: chunk sizes, extensions, trailers
         self.decoder: _Decoder | None = None
         self.dropping = False  # the body is refused (too large, unknown coding): bytes are discarded
         self.early = False  # the current request was dispatched before its body ended
@@ -213,11 +224,13 @@ class _Conn(asyncio.Protocol):
                 d.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        self.last = self.loop.time()
+        self.last = self.clock()
         if self.stopped:
             return
         if self.in_head:
             self.head_bytes += len(data)
+        else:
+            self.framing += len(data)  # the body's bytes are taken off as they are parsed
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -232,8 +245,12 @@ class _Conn(asyncio.Protocol):
         except httptools.HttpParserError as e:
             self._fault(_Fault(400, f"Malformed HTTP request: {e}.", "bad_http_request"))
         else:
-            if self.in_head and self.head_bytes > self.limits.max_head:
-                self._fault(_Fault(431, "The request head is too large.", "headers_too_large"))
+            if self.in_head:
+                if self.head_bytes > self.limits.max_head:
+                    self._fault(_Fault(431, "The request head is too large.", "headers_too_large"))
+            elif self.framing > self.limits.max_head + self.received:
+                msg = "Too many bytes of chunk framing (extensions, trailers) for the body they carry."
+                self._fault(_Fault(400, msg, "bad_http_request"))
 
     def eof_received(self) -> bool | None:
         return None  # as aiohttp: the peer's FIN ends the connection (and cancels its request)
@@ -273,12 +290,15 @@ class _Conn(asyncio.Protocol):
     # ---- parser callbacks --------------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        self.started = self.last
         self.in_head = True
         self.url = []
         self.url_len = 0
         self.fields = []
         self.parts = []
         self.size = 0
+        self.received = 0
+        self.framing = 0
         self.decoder = None
         self.dropping = False
         self.early = False
@@ -290,6 +310,8 @@ class _Conn(asyncio.Protocol):
             raise _Limit(_Fault(414, "The request URL is too long.", "uri_too_long"))
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.in_head:
+            return  # a chunked body's trailer: ignored (data_received bounds its size as framing)
         self.fields.append((name, value))  # sizes are checked once the head is in (data_received bounds it)
 
     def on_headers_complete(self) -> None:
@@ -360,6 +382,8 @@ class _Conn(asyncio.Protocol):
                 self._continue = True
 
     def on_body(self, body: bytes) -> None:
+        self.framing -= len(body)
+        self.received += len(body)
         if self.dropping:
             return
         self.size += len(body)
@@ -382,9 +406,16 @@ class _Conn(asyncio.Protocol):
                 self._refuse(req, functools.partial(_corrupt, str(e)))
                 return
         if body:
-            self.parts.append(body)
+            parts = self.parts
+            if not parts:
+                parts.append(body)
+            elif isinstance(parts[0], bytearray):
+                parts[0] += body
+            else:  # many small chunks would cost ~40 bytes of object each: one buffer grows instead
+                parts[0] = bytearray(parts[0]) + body
 
     def on_message_complete(self) -> None:
+        self.started = None
         self.in_head = True
         self._continue = False
         req = self.cur
@@ -396,7 +427,7 @@ class _Conn(asyncio.Protocol):
                 self._close()
             return
         if not self.dropping:
-            body = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+            body = bytes(self.parts[0]) if self.parts else b""
             dec = self.decoder
             if dec is not None:
                 try:
@@ -433,7 +464,10 @@ class _Conn(asyncio.Protocol):
             self.task = self.loop.create_task(self._serve(item))
             return
         self.queue.append(item)
-        if len(self.queue) > self.limits.max_pipeline and not self.read_paused and self.transport:
+        if isinstance(item, LeanRequest):
+            self.queued_bytes += len(item._body)
+        full = len(self.queue) > self.limits.max_pipeline or self.queued_bytes > self.srv.max_body
+        if full and not self.read_paused and self.transport:
             self.read_paused = True
             self.transport.pause_reading()
 
@@ -452,7 +486,13 @@ class _Conn(asyncio.Protocol):
                 if not self.queue:
                     break
                 item = self.queue.popleft()
-                if self.read_paused and len(self.queue) <= self.limits.max_pipeline // 2 and self.transport:
+                if isinstance(item, LeanRequest):
+                    self.queued_bytes -= len(item._body)
+                low = (
+                    len(self.queue) <= self.limits.max_pipeline // 2
+                    and self.queued_bytes <= self.srv.max_body
+                )
+                if self.read_paused and low and self.transport:
                     self.read_paused = False
                     self.transport.resume_reading()
             if self._continue:
@@ -465,6 +505,9 @@ class _Conn(asyncio.Protocol):
             self._close()
         finally:
             self.task = None
+            self.last = now = self.clock()  # an idle keep-alive connection is idle from its last answer
+            if self.started is not None:  # and a request arriving behind it (waiting for a 100 Continue,
+                self.started = now  # say) has its head_secs / body_secs from then
 
     async def _exchange(self, req: LeanRequest) -> bool:
         """Run the request through the app and write its response; whether the connection goes on."""
@@ -478,9 +521,14 @@ class _Conn(asyncio.Protocol):
             log.exception("unhandled error on %s %s", req.method, req.path)
             resp = _internal_error()
         stream = req._stream
-        if stream is not None:
+        if stream is not None and not (resp is not stream and stream.lean_abandon()):
             if resp is not stream:
-                log.warning("%s %s: a response returned after a stream was started", req.method, req.path)
+                if not stream.lean_ended:  # failed midway: the client must not see a complete body
+                    log.warning(
+                        "%s %s: the stream failed midway: closing the connection", req.method, req.path
+                    )
+                    return False
+                log.warning("%s %s: a response returned after a stream was ended", req.method, req.path)
             stream.lean_finish()
             return stream.lean_keep_alive
         if not isinstance(resp, web.Response):
@@ -528,7 +576,16 @@ class _Conn(asyncio.Protocol):
         with contextlib.suppress(ConnectionResetError):
             self.send(head.encode() + body)
         self.task = None
-        self._close()
+        t = self._transport()
+        if t is None or t.is_closing() or not t.can_write_eof():
+            self._close()
+        else:  # half-close: what the client is still sending is read and dropped, so no reset eats the answer
+            t.write_eof()
+            if self.read_paused:
+                self.read_paused = False
+                t.resume_reading()
+            if self._linger is None:
+                self._linger = self.loop.call_later(self.limits.linger_secs, self._close)
 
     def _end_after(self, req: LeanRequest) -> None:
         """The connection ends with this response: at once, or once a refused body has been read."""
@@ -550,6 +607,12 @@ class _Conn(asyncio.Protocol):
         connection silent for ``keepalive_secs`` (a request still arriving included)."""
         if self.task is not None or self.queue:
             return False
+        started = self.started
+        if now is not None and started is not None and not self.closing and not self.stopped:
+            lim = self.limits
+            if now - started > (lim.head_secs if self.in_head else lim.body_secs):  # a slow client
+                self._fault(_Fault(408, "The request took too long to arrive.", "request_timeout"))
+                return True
         if now is not None and now - self.last < self.limits.keepalive_secs:
             return False
         self.closing = True
@@ -581,7 +644,14 @@ class LeanServer:
     """Serves a started aiohttp application (``await web.AppRunner(app).setup()`` first: it runs
     on_startup; ``runner.cleanup()`` after ``shutdown`` runs on_cleanup)."""
 
-    def __init__(self, app: web.Application, *, max_body: int, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        *,
+        max_body: int,
+        limits: Limits | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         if app.on_response_prepare:
             raise TypeError("the lean HTTP server does not run on_response_prepare signals")
         self.app = app
@@ -592,6 +662,7 @@ class LeanServer:
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self.loop = asyncio.get_running_loop()
+        self.clock = clock or self.loop.time  # the time limits' clock (tests inject one, with ``sweep``)
 
     async def start(
         self,
@@ -625,10 +696,15 @@ class LeanServer:
         self._sweeper = self.loop.call_later(tick, self._sweep)
 
     def _sweep(self) -> None:
-        now = self.loop.time()
+        self.sweep()
+        self._schedule_sweep()
+
+    def sweep(self) -> None:
+        """Close connections idle for ``keepalive_secs``; answer 408 to requests slower than
+        ``head_secs`` / ``body_secs`` (done every few seconds on its own)."""
+        now = self.clock()
         for c in list(self.conns):
             c.idle_close(now)
-        self._schedule_sweep()
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Stop accepting, close idle connections, wait (bounded) for in-flight requests, close the rest."""

@@ -370,6 +370,20 @@ class LeanStreamResponse(web.StreamResponse):
         return self._lean_phase > 0
 
     @property
+    def lean_ended(self) -> bool:
+        """The end of the body has been sent (``write_eof`` / ``lean_finish``)."""
+        return self._lean_phase == 3
+
+    def lean_abandon(self) -> bool:
+        """Drop a response whose head has not gone out yet (the handler answers otherwise): whether it was."""
+        if self._lean_phase != 1:
+            return False
+        self._lean_phase = 3
+        self._lean_head = b""
+        self._lean_req._stream = None
+        return True
+
+    @property
     def lean_keep_alive(self) -> bool:
         """Whether the connection may serve another request once this response has ended."""
         return self._lean_keep
@@ -380,7 +394,11 @@ class LeanStreamResponse(web.StreamResponse):
         req = self._lean_req
         wire = req._wire
         keep = wire.keep_alive_for(req) and self._keep_alive is not False
-        if self._lean_empty:
+        status = self.status
+        self._lean_empty = req.method == "HEAD" or status in (204, 304) or status < 200
+        if status in (204, 304) or status < 200:
+            tail = ""  # no body, and no Content-Length (RFC 9110 §8.6)
+        elif self._lean_empty:
             tail = "Content-Length: 0\r\n"
         elif self._lean_chunked:
             tail = "Transfer-Encoding: chunked\r\n"

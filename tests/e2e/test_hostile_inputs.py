@@ -1063,7 +1063,8 @@ def test_body_cut_midway(head: bytes, node: NodeProc, engine: MockEngineProc, ht
     ],
 )
 def test_malformed_http(data: bytes, node: NodeProc, engine: MockEngineProc, http: httpx.Client) -> None:
-    """Not HTTP/1.1 at all: aiohttp's parser answers 400 and closes (no OpenAI envelope possible)."""
+    """Not HTTP/1.1 at all: answered 400 and the connection closed (by the lean server, the default, in
+    the OpenAI error envelope; aiohttp's server, ``--http-server aiohttp``, answers a bare 400)."""
     out = raw_exchange(node.port, data)
     assert out.split(b"\r\n", 1)[0].split(b" ")[1] == b"400", out[:200]
     assert_intact(node, engine, http)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import tracemalloc
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -92,6 +93,22 @@ async def stream_no_eof(request: web.Request) -> web.StreamResponse:
     return resp  # the server ends it
 
 
+async def stream_fail(request: web.Request) -> web.StreamResponse:
+    resp = stream_response(request, headers={"Content-Type": "text/plain"})
+    await resp.prepare(request)
+    if request.query.get("at") == "start":
+        raise RuntimeError("failed before the first write")
+    await resp.write(b"partial")
+    raise RuntimeError("failed midway")
+
+
+async def stream_204(request: web.Request) -> web.StreamResponse:
+    resp = stream_response(request, status=204)
+    await resp.prepare(request)
+    await resp.write_eof()
+    return resp
+
+
 async def bad_header(request: web.Request) -> web.Response:
     return web.Response(text="x", headers={"x-evil": "a\r\nSet-Cookie: owned=1"})
 
@@ -127,6 +144,8 @@ def make_app() -> web.Application:
             web.get("/stream", stream),
             web.get("/stream-no-eof", stream_no_eof),
             web.get("/bad-header", bad_header),
+            web.get("/stream-fail", stream_fail),
+            web.get("/stream-204", stream_204),
             web.post("/multi", echo),
         ]
     )
@@ -153,6 +172,31 @@ async def srv() -> AsyncIterator[Running]:
     await server.start("127.0.0.1", 0)
     try:
         yield Running(app, server, server.port)
+    finally:
+        await server.shutdown(timeout=1.0)
+        await runner.cleanup()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def clocked() -> AsyncIterator[tuple[Running, FakeClock]]:
+    """A server on a fake clock (its limits are checked by ``server.sweep()``)."""
+    app = make_app()
+    runner = web.AppRunner(app)
+    await runner.setup()
+    clock = FakeClock()
+    limits = Limits(keepalive_secs=60.0, head_secs=30.0, body_secs=100.0)
+    server = LeanServer(app, max_body=MAX_BODY, limits=limits, clock=clock)
+    await server.start("127.0.0.1", 0)
+    try:
+        yield Running(app, server, server.port), clock
     finally:
         await server.shutdown(timeout=1.0)
         await runner.cleanup()
@@ -680,3 +724,178 @@ async def test_lean_request_is_found_behind_the_cast(srv: Running) -> None:
         await server.shutdown(timeout=1.0)
         await runner.cleanup()
     assert seen == [True]
+
+
+# ---- slow clients, framing floods, failed streams (review fixes) ------------------------------------------
+
+
+async def test_a_request_head_that_never_ends_is_answered_408(
+    clocked: tuple[Running, FakeClock],
+) -> None:
+    """Slowloris: a client trickling a head (each byte resetting the idle timer) is cut off at head_secs."""
+    srv, clock = clocked
+    c = await Conn.open(srv.port)
+    await c.send(get("/hello") + b"GET /hello HTTP/1.1\r\nHost: t\r\n")  # the second head never ends
+    assert (await c.response()).status == 200  # so the partial head has arrived too (one write)
+    clock.now += 20.0
+    await c.send(b"X-Slow: 1\r\n")  # keeps the connection from being idle
+    clock.now += 11.0  # 31 s since the head's first byte, 11 s since its last
+    srv.server.sweep()
+    r = await c.response()
+    assert r.status == 408 and r.error()["code"] == "request_timeout"
+    assert await closed(c.r)
+
+
+async def test_a_request_body_that_never_ends_is_answered_408(
+    clocked: tuple[Running, FakeClock],
+) -> None:
+    srv, clock = clocked
+    c = await Conn.open(srv.port)
+    await c.send(get("/hello") + b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{")
+    assert (await c.response()).status == 200
+    for _ in range(3):  # a byte every 40 s: never idle for keepalive_secs (60)
+        clock.now += 40.0
+        await c.send(b" ")
+    srv.server.sweep()  # 120 s since the request began (body_secs 100)
+    r = await c.response()
+    assert r.status == 408 and r.error()["code"] == "request_timeout"
+    assert await closed(c.r)
+
+
+async def test_keep_alive_idles_from_the_last_answer_not_the_request(
+    clocked: tuple[Running, FakeClock],
+) -> None:
+    """A response that took longer than keepalive_secs (a long stream) must not leave its connection to
+    be closed under the client's next request."""
+    srv, clock = clocked
+    ev = srv.app[EVENTS]
+    c = await Conn.open(srv.port)
+    await c.send(get("/slow"))
+    await asyncio.wait_for(ev["slow_started"].wait(), WAIT)
+    clock.now += 600.0
+    srv.server.sweep()
+    ev["release"].set()
+    assert (await c.response()).body == b"released"
+    srv.server.sweep()
+    assert (await c.request(get("/hello"))).status == 200
+    clock.now += 61.0
+    srv.server.sweep()
+    assert await closed(c.r)  # and idle connections are still closed
+
+
+@pytest.mark.parametrize(
+    "flood",
+    [
+        b"1\r\na\r\n0\r\n" + b"X-Trailer: vvvvvvvvvvvvvvvvvvvvvvvv\r\n" * 20000,
+        b"1;" + b"e" * 600000,
+        b"1;e\r\na\r\n" * 80000,
+    ],
+    ids=["trailers", "chunk-extension", "extensions"],
+)
+async def test_a_chunk_framing_flood_is_refused(srv: Running, flood: bytes) -> None:
+    """Trailers and chunk extensions carry no body: without a bound they are an endless (or, kept, a
+    memory-eating) request. (Larger than a socket read or two: the bound is checked per read.)"""
+    c = await Conn.open(srv.port)
+    c.w.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + flood)
+    r = await c.response()
+    assert r.status == 400 and r.error()["code"] == "bad_http_request"
+    assert await closed(c.r)
+
+
+async def test_trailers_within_bounds_pass_and_are_not_headers(srv: Running) -> None:
+    c = await Conn.open(srv.port)
+    chunked = b"%x\r\n%s\r\n0\r\nX-Test: trailer\r\n\r\n" % (len(BODY), BODY)
+    r = await c.request(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+    assert r.status == 200 and r.json()["x"] is None and r.json()["size"] == len(BODY)
+    assert (await c.request(get("/hello"))).status == 200
+    await c.close()
+
+
+async def test_a_stream_failing_midway_is_cut_not_ended(srv: Running) -> None:
+    """The client must see an incomplete body (no last chunk) and a closed connection, not a clean end."""
+    c = await Conn.open(srv.port)
+    await c.send(get("/stream-fail"))
+    r = await c.response(head_only=True)
+    assert r.status == 200 and r.headers["transfer-encoding"] == "chunked"
+    rest = await asyncio.wait_for(c.r.read(), WAIT)  # up to the server's close
+    assert rest == b"7\r\npartial\r\n"
+
+
+async def test_a_stream_failing_before_its_first_write_is_an_error_envelope(srv: Running) -> None:
+    c = await Conn.open(srv.port)
+    r = await c.request(get("/stream-fail?at=start"))
+    assert r.status == 500 and r.error()["code"] == "internal"
+    assert (await c.request(get("/hello"))).status == 200  # the connection goes on
+    await c.close()
+
+
+async def test_a_streamed_204_has_no_content_length(srv: Running) -> None:
+    c = await Conn.open(srv.port)
+    await c.send(get("/stream-204") + get("/hello"))
+    r = await c.response()
+    assert r.status == 204 and "content-length" not in r.headers and "transfer-encoding" not in r.headers
+    assert (await c.response()).body == b"hello"
+    await c.close()
+
+
+async def test_a_body_in_many_small_chunks_is_not_kept_as_many_objects(srv: Running) -> None:
+    """A body of many tiny chunks must cost about what the same body in one chunk costs, not an object per
+    chunk (~8x its size). (Allocated bytes, not time: the server runs in this process.)"""
+    n = 10000
+    body = b'{"x": "' + b"a" * (6 * n - 9) + b'"}'
+    head = b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+    small = b"".join(b"6\r\n%s\r\n" % body[i : i + 6] for i in range(0, len(body), 6)) + b"0\r\n\r\n"
+    whole = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    c = await Conn.open(srv.port)
+    assert (await c.request(get("/hello"))).status == 200
+    peaks = []
+    for wire in (head + whole, head + small):
+        tracemalloc.start()
+        try:
+            r = await c.request(wire)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        assert r.status == 200 and r.json()["size"] == len(body)
+    assert peaks[1] - peaks[0] < 3 * len(body), peaks  # one object per chunk: ~8x
+    await c.close()
+
+
+async def test_pipelined_bodies_behind_a_slow_request_pause_reading(srv: Running) -> None:
+    """Queued requests hold their bodies: reading pauses once they hold more than max_body, not only after
+    max_pipeline requests (16 queued bodies of max_body each would be 16x the limit per connection)."""
+    ev = srv.app[EVENTS]
+    body = b'{"x": "' + b"a" * (MAX_BODY - 20) + b'"}'
+    c = await Conn.open(srv.port)
+    c.w.write(get("/slow") + post("/echo", body) * 4)
+    await asyncio.wait_for(ev["slow_started"].wait(), WAIT)
+    (conn,) = srv.server.conns
+    for _ in range(500):  # bounded: until the server has read what it will read
+        if conn.read_paused:
+            break
+        await asyncio.sleep(0.01)
+    assert conn.read_paused and len(conn.queue) < 4
+    ev["release"].set()
+    assert (await c.response()).body == b"released"
+    sizes = [(await c.response()).json()["size"] for _ in range(4)]
+    assert sizes == [len(body)] * 4
+    await c.close()
+
+
+async def test_a_request_waiting_behind_a_long_one_is_not_timed_out(
+    clocked: tuple[Running, FakeClock],
+) -> None:
+    """A body held back for a 100 Continue (sent once the request ahead is answered) is timed from then."""
+    srv, clock = clocked
+    ev = srv.app[EVENTS]
+    c = await Conn.open(srv.port)
+    await c.send(get("/slow") + post("/echo", BODY, "Expect: 100-continue")[: -len(BODY)])
+    await asyncio.wait_for(ev["slow_started"].wait(), WAIT)
+    clock.now += 600.0  # the request ahead takes long (a long stream, say)
+    ev["release"].set()
+    assert (await c.response()).body == b"released"
+    assert (await c.response(head_only=True)).status == 100
+    srv.server.sweep()
+    r = await c.request(BODY)
+    assert r.status == 200 and r.json()["size"] == len(BODY)
+    await c.close()
