@@ -150,19 +150,33 @@ def generate_node_cert(
     Usable both as a TLS server and a TLS client certificate (the mesh is mTLS both ways).
     """
     validate_node_name(name)
-    ca_cert, ca_key = load_ca(ca)
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = _now()
     sans: list[x509.GeneralName] = [
         x509.UniformResourceIdentifier(identity_uri(name)),
         x509.DNSName(name),
     ]
     sans.extend(x509.DNSName(d) for d in dns_names if d != name)
     sans.extend(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips)
+    name_attrs = [x509.NameAttribute(NameOID.COMMON_NAME, name)]
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    return _leaf_cert(ca, name_attrs, sans, usages, days)
+
+
+def _leaf_cert(
+    ca: PemPair,
+    name_attrs: list[x509.NameAttribute[str]],
+    sans: list[x509.GeneralName],
+    usages: list[x509.ObjectIdentifier],
+    days: int,
+) -> PemPair:
+    """A P-256 end-entity certificate signed by ``ca``: ``name_attrs`` as its subject, extended key
+    usages ``usages``, the SANs (none: no SAN extension), valid from five minutes ago for ``days``."""
+    ca_cert, ca_key = load_ca(ca)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = _now()
     ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
-    cert = (
+    builder = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .subject_name(x509.Name(name_attrs))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -183,15 +197,13 @@ def generate_node_cert(
             ),
             critical=True,
         )
-        .add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-            critical=False,
-        )
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
-        .sign(ca_key, hashes.SHA256())
     )
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
     return PemPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
 
 
@@ -208,9 +220,6 @@ def generate_client_cert(
 ) -> PemPair:
     """A TLS client certificate (extended key usage clientAuth only) signed by ``ca``: subject CN
     ``common_name`` with the organizational units ``ous`` and organization ``org``, SANs as given."""
-    ca_cert, ca_key = load_ca(ca)
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = _now()
     attrs = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
     if org is not None:
         attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
@@ -218,38 +227,7 @@ def generate_client_cert(
     sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns_names]
     sans.extend(x509.UniformResourceIdentifier(u) for u in uris)
     sans.extend(x509.RFC822Name(e) for e in emails)
-    ca_ski = ca_cert.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name(attrs))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=True,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ca_ski), critical=False)
-    )
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    cert = builder.sign(ca_key, hashes.SHA256())
-    return PemPair(cert.public_bytes(serialization.Encoding.PEM), _key_pem(key))
+    return _leaf_cert(ca, attrs, sans, [ExtendedKeyUsageOID.CLIENT_AUTH], days)
 
 
 def pem_fingerprint(cert_pem: bytes) -> str:
