@@ -521,27 +521,42 @@ def _survivors(names: Sequence[str], victim: Member) -> list[str]:
     return [n for n in names if n != victim.name]
 
 
-def _crash_phase(fleet: Fleet, watch: MeshWatch, v: Member, names: Sequence[str]) -> Phase:
+def _converge(fleet: Fleet, watch: MeshWatch, names: Sequence[str]) -> float | None:
+    """Seconds until every view is all alive again (None: not within 30 s), marked on the timeline."""
+    converged = watch.wait(all_alive(names), timeout=30.0)
+    fleet.mark("mesh converged" if converged is not None else "mesh did not converge")
+    return converged
+
+
+def _restart_phase(
+    kind: str, fleet: Fleet, watch: MeshWatch, v: Member, names: Sequence[str], at: float, down: set[str]
+) -> Phase:
+    """After a fault at ``at`` that took ``v`` down (the survivors hold it in a state of ``down``): start
+    it again (waits until it is ready) and time the mesh's convergence."""
     others = _survivors(names, v)
-    at = fleet.crash_node(v)
-    watch.wait(_all_see(others, v.name, {"dead"}), timeout=DETECT_BOUND_3_S + 10.0)
+    down_s = watch.all_saw(at, others, v.name, down)
     begin = time.monotonic()
     fleet.start_node(v)  # waits until it is ready
     back = time.monotonic()
-    converged = watch.wait(all_alive(names), timeout=30.0)
-    fleet.mark("mesh converged" if converged is not None else "mesh did not converge")
+    converged = _converge(fleet, watch, names)
     return Phase(
-        "crash",
+        kind,
         v.name,
         at,
         time.monotonic(),
         suspect_s=watch.first(at, others, v.name, DOWN_STATES),
-        down_s=watch.all_saw(at, others, v.name, {"dead"}),
+        down_s=down_s,
         recover_s=round(back - at, 3),
         converged_s=converged,
         restart_s=round(back - begin, 3),
         start_to_converged_s=watch.when(all_alive(names), begin),
     )
+
+
+def _crash_phase(fleet: Fleet, watch: MeshWatch, v: Member, names: Sequence[str]) -> Phase:
+    at = fleet.crash_node(v)
+    watch.wait(_all_see(_survivors(names, v), v.name, {"dead"}), timeout=DETECT_BOUND_3_S + 10.0)
+    return _restart_phase("crash", fleet, watch, v, names, at, {"dead"})
 
 
 def _pause_phase(fleet: Fleet, watch: MeshWatch, v: Member, names: Sequence[str]) -> Phase:
@@ -553,8 +568,7 @@ def _pause_phase(fleet: Fleet, watch: MeshWatch, v: Member, names: Sequence[str]
     finally:
         fleet.resume(v)
     back = time.monotonic()
-    converged = watch.wait(all_alive(names), timeout=30.0)
-    fleet.mark("mesh converged" if converged is not None else "mesh did not converge")
+    converged = _converge(fleet, watch, names)
     return Phase(
         "pause",
         v.name,
@@ -568,28 +582,10 @@ def _pause_phase(fleet: Fleet, watch: MeshWatch, v: Member, names: Sequence[str]
 
 
 def _leave_phase(fleet: Fleet, watch: MeshWatch, v: Member, names: Sequence[str]) -> Phase:
-    others = _survivors(names, v)
     at = time.monotonic()
     fleet.terminate_node(v)  # SIGTERM: it leaves the mesh at once, drains, exits
-    watch.wait(_all_see(others, v.name, {"left"}), timeout=LEAVE_BOUND_S + 5.0)
-    left_s = watch.all_saw(at, others, v.name, {"left"})
-    begin = time.monotonic()
-    fleet.start_node(v)
-    back = time.monotonic()
-    converged = watch.wait(all_alive(names), timeout=30.0)
-    fleet.mark("mesh converged" if converged is not None else "mesh did not converge")
-    return Phase(
-        "leave",
-        v.name,
-        at,
-        time.monotonic(),
-        suspect_s=watch.first(at, others, v.name, DOWN_STATES),
-        down_s=left_s,
-        recover_s=round(back - at, 3),
-        converged_s=converged,
-        restart_s=round(back - begin, 3),
-        start_to_converged_s=watch.when(all_alive(names), begin),
-    )
+    watch.wait(_all_see(_survivors(names, v), v.name, {"left"}), timeout=LEAVE_BOUND_S + 5.0)
+    return _restart_phase("leave", fleet, watch, v, names, at, {"left"})
 
 
 def _slow_phase(fleet: Fleet, watch: MeshWatch, v: Member, names: Sequence[str]) -> Phase:
