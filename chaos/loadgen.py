@@ -80,21 +80,56 @@ class RequestRecord:
         return self.end - self.start
 
 
-class LoadGenerator:
+class _BackgroundLoad:
+    """The thread both loads run in: an event loop of its own (inside ``netns`` when given), started by
+    ``start()``; ``_join(what)`` stops it, waits a bounded time and re-raises what the thread raised."""
+
+    _thread_name = "smgc-load"
+
+    def __init__(self, netns: str | None, attempt_timeout_s: float, retries: int) -> None:
+        self.netns = netns
+        self._join_s = attempt_timeout_s * (1 + retries) + 15.0  # what may still be in flight, plus slack
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    async def _run(self) -> None:
+        raise NotImplementedError
+
+    def _thread_main(self) -> None:
+        try:
+            if self.netns is not None:
+                enter_netns(self.netns)
+            asyncio.run(self._run())
+        except BaseException as e:  # reported by stop()
+            self._error = e
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._thread_main, name=self._thread_name, daemon=True)
+        self._thread.start()
+
+    def _join(self, what: str) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self._join_s)
+        if self._error is not None:
+            raise RuntimeError(f"{what} failed: {self._error!r}") from self._error
+
+
+class LoadGenerator(_BackgroundLoad):
     """``start()`` launches requests until ``stop()``; ``stop()`` waits (bounded) for those in flight."""
 
+    _thread_name = "smgc-loadgen"
+
     def __init__(self, spec: LoadSpec, netns: str | None = None) -> None:
+        super().__init__(netns, spec.attempt_timeout_s, spec.retries)
         self.spec = spec
-        self.netns = netns
         self.records: list[RequestRecord] = []
         self.skipped = 0
         self.launched = 0
         self.abandoned = 0  # still in flight when stop() gave up waiting: counted as failed
         self.started_at = 0.0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
 
     # ---- thread side ------------------------------------------------------------------------------------
 
@@ -191,29 +226,15 @@ class LoadGenerator:
                 with contextlib.suppress(Exception):
                     await asyncio.gather(*pending, return_exceptions=True)
 
-    def _thread_main(self) -> None:
-        try:
-            if self.netns is not None:
-                enter_netns(self.netns)
-            asyncio.run(self._run())
-        except BaseException as e:  # reported by stop()
-            self._error = e
-
     # ---- caller side ------------------------------------------------------------------------------------
 
     def start(self) -> LoadGenerator:
-        self._thread = threading.Thread(target=self._thread_main, name="smgc-loadgen", daemon=True)
-        self._thread.start()
+        self._start()
         return self
 
     def stop(self) -> list[RequestRecord]:
         """Stop launching, wait for the requests in flight (bounded), return every record."""
-        self._stop.set()
-        if self._thread is not None:
-            bound = self.spec.attempt_timeout_s * (1 + self.spec.retries) + 15.0
-            self._thread.join(timeout=bound)
-        if self._error is not None:
-            raise RuntimeError(f"load generator failed: {self._error!r}") from self._error
+        self._join("load generator")
         return self.snapshot()
 
     def snapshot(self) -> list[RequestRecord]:
@@ -269,22 +290,20 @@ class TurnRecord:
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
 
-class ConversationLoad:
+class ConversationLoad(_BackgroundLoad):
     """``start()`` runs ``spec.conversations`` conversations until ``stop()``, each turn carrying the whole
     history; ``set_targets`` changes the nodes the next turns go to (e.g. without a killed one)."""
+
+    _thread_name = "smgc-conversations"
 
     def __init__(self, spec: ConversationSpec, netns: str | None = None) -> None:
         if not spec.targets:
             raise ValueError("a conversation load needs at least one target")
+        super().__init__(netns, spec.attempt_timeout_s, spec.retries)
         self.spec = spec
-        self.netns = netns
         self.records: list[TurnRecord] = []
         self._targets: tuple[str, ...] = spec.targets
         self._next_id = spec.conversations
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._lock = threading.Lock()
 
     def set_targets(self, targets: Sequence[str]) -> None:
         if not targets:
@@ -380,26 +399,13 @@ class ConversationLoad:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _thread_main(self) -> None:
-        try:
-            if self.netns is not None:
-                enter_netns(self.netns)
-            asyncio.run(self._run())
-        except BaseException as e:  # reported by stop()
-            self._error = e
-
     def start(self) -> ConversationLoad:
-        self._thread = threading.Thread(target=self._thread_main, name="smgc-conversations", daemon=True)
-        self._thread.start()
+        self._start()
         return self
 
     def stop(self) -> list[TurnRecord]:
         """Stop starting turns, wait (bounded) for the turns in flight, return every record."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.spec.attempt_timeout_s * (1 + self.spec.retries) + 15.0)
-        if self._error is not None:
-            raise RuntimeError(f"conversation load failed: {self._error!r}") from self._error
+        self._join("conversation load")
         return self.snapshot()
 
     def snapshot(self) -> list[TurnRecord]:

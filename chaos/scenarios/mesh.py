@@ -717,7 +717,7 @@ def mesh_detection_convergence(fleet: Fleet, result: ScenarioResult) -> None:
 # ---- the mesh-wide rate limit under a partition ---------------------------------------------------------
 
 RL_RPM = 600  # the tenant's mesh-wide limit (--rate-limit-rpm: every tenant; the load is tenant "default")
-RL_WINDOW_S = 60.0  # the node's rate-limit window (shepherd.mesh.ratelimit.LimiterConfig.window; no flag)
+RL_WINDOW_S = 60.0  # --rate-limit-window-secs: a cut of one whole window outlasts SWIM's reap (~30 s)
 RL_LOAD = 2.0  # offered load / limit, spread evenly over the nodes
 RL_OVER_BAR = 0.10  # issue #5: over-admission <= 10% while one node is partitioned away
 RL_WARMUP_S = 10.0  # at least this much load before the first measured window
@@ -725,7 +725,13 @@ RL_CUT_EARLY_S = 0.5  # the cut comes this long before a window begins, so the p
 RL_HEAL_LATE_S = 1.0  # and the heal this long after it ended
 RL_AFTER_HEAL_S = 20.0
 RL_SAMPLE_S = 5.0  # the nodes' limiter views (reachable / known members) sampled this often
-MESH3_RL = replace(MESH3, node_args=(*MESH_NODE_ARGS, "--rate-limit-rpm", str(RL_RPM)))
+MESH3_RL = replace(
+    MESH3,
+    node_args=(
+        *MESH_NODE_ARGS,
+        *("--rate-limit-rpm", str(RL_RPM), "--rate-limit-window-secs", str(RL_WINDOW_S)),
+    ),
+)
 
 
 @dataclass(frozen=True, slots=True)

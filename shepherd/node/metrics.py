@@ -62,10 +62,6 @@ class LiteCounter(Collector):
     def inc(self, amount: float = 1.0) -> None:
         self.labels().inc(amount)
 
-    def value(self, *values: str) -> float:
-        child = self._children.get(values)
-        return 0.0 if child is None else child.value
-
     def collect(self) -> Iterable[Metric]:
         fam = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
         for values, child in list(self._children.items()):
@@ -112,15 +108,11 @@ class LiteHistogram(Collector):
         for values, child in list(self._children.items()):
             running = 0
             buckets: list[tuple[str, float]] = []
-            for bound, n in zip([*map(_le, self.bounds), "+Inf"], child.counts, strict=True):
+            for bound, n in zip([*map(repr, self.bounds), "+Inf"], child.counts, strict=True):
                 running += n
                 buckets.append((bound, running))
             fam.add_metric(list(values), buckets, child.sum)
         yield fam
-
-
-def _le(bound: float) -> str:
-    return repr(bound)
 
 
 class NodeMetrics:
@@ -163,18 +155,13 @@ class NodeMetrics:
         )
         self.tokens = reg(LiteCounter("smg_tokens", "Tokens processed", ["model", "kind"]))
         self.in_flight = Gauge("smg_in_flight_requests", "Requests in flight on this node", registry=r)
-        self._request_children: dict[tuple[str, str, int], _CounterChild] = {}
         self.retries = reg(LiteCounter("smg_engine_retries", "Engine calls retried on another worker"))
         self.aborts = reg(
             LiteCounter("smg_engine_aborts", "Engine requests aborted by the gateway", ["reason"])
         )
 
     def count_request(self, route: str, model: str, status: int) -> None:
-        key = (route, model, status)
-        child = self._request_children.get(key)
-        if child is None:
-            child = self._request_children[key] = self.requests.labels(route, model, str(status))
-        child.inc()
+        self.requests.labels(route, model, str(status)).inc()
 
     def track_in_flight(self, read: Callable[[], float]) -> None:
         """The in-flight gauge reads the node's own counter when scraped (no work per request)."""

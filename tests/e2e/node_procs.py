@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import random
 import signal
 import socket
 import subprocess
@@ -24,6 +25,26 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+_RESERVED = range(20_000, 32_000)  # below Linux's ephemeral range (32768-60999): no client socket lands here
+_rng = random.Random()
+
+
+def reserved_port() -> int:
+    """A port free for TCP and UDP now, for a process that binds it *later* (a mesh node started after
+    others already connect to it): ``free_port`` hands out ephemeral ports, which the connections made
+    meanwhile may take as their source port; this one is picked below the ephemeral range."""
+    for _ in range(200):  # bounded: almost every port here is free on a test machine
+        port = _rng.choice(_RESERVED)
+        try:
+            with socket.socket() as t, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
+                t.bind(("127.0.0.1", port))
+                u.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(f"no free port in {_RESERVED}")
 
 
 def http_status(url: str, timeout: float = 1.0) -> int:

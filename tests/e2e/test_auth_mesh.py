@@ -25,7 +25,7 @@ import pytest
 from shepherd.auth.certs import PemPair, generate_client_cert, write_dev_pki
 from shepherd.auth.keys import hash_key
 from shepherd.mesh.keyring import Keyring, generate_key
-from tests.e2e.node_procs import NodeProc, free_port
+from tests.e2e.node_procs import NodeProc, reserved_port
 from tests.e2e.test_mesh_cluster import FAST, MODEL, NAMES, spawn, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -98,7 +98,7 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
     nodes: dict[str, NodeProc] = {}
     m = Mesh(nodes, pki, PemPair((pki / "ca.pem").read_bytes(), (pki / "ca-key.pem").read_bytes()))
     try:
-        mesh_ports = {n: free_port() for n in NAMES}
+        mesh_ports = {n: reserved_port() for n in NAMES}
 
         def flags(name: str) -> list[str]:
             f = files[name]
@@ -114,9 +114,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
             ]  # fmt: skip
 
         seed = f"127.0.0.1:{mesh_ports['a']}"
-        nodes["b"] = spawn("join", seed, *flags("b"), port=free_port())
-        nodes["c"] = spawn("join", f"127.0.0.1:{mesh_ports['b']}", seed, *flags("c"), port=free_port())
-        nodes["a"] = spawn("serve", *flags("a"), port=free_port())
+        nodes["b"] = spawn("join", seed, *flags("b"), port=reserved_port())
+        nodes["c"] = spawn("join", f"127.0.0.1:{mesh_ports['b']}", seed, *flags("c"), port=reserved_port())
+        nodes["a"] = spawn("serve", *flags("a"), port=reserved_port())
         for name, node in nodes.items():
             wait_for(
                 lambda node=node, name=name: (

@@ -28,7 +28,7 @@ from shepherd.auth.certs import write_dev_pki
 from shepherd.mesh.keyring import Keyring, generate_key
 from shepherd.node.workers import worker_id
 from tests.e2e.logs import log_file
-from tests.e2e.node_procs import BIN, NodeProc, free_port, http_status
+from tests.e2e.node_procs import BIN, NodeProc, http_status, reserved_port
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 
 pytestmark = pytest.mark.timeout(180)
@@ -109,7 +109,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     engines: list[MockEngineProc] = []
     nodes: dict[str, NodeProc] = {}
     try:
-        mesh_ports = {n: free_port() for n in NAMES}
+        mesh_ports = {n: reserved_port() for n in NAMES}
 
         def flags(name: str) -> list[str]:
             f = files[name]
@@ -123,13 +123,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
         seed = f"127.0.0.1:{mesh_ports['a']}"
         # b and c start at once (their seeds are retried until a answers), the engines beside them
-        nodes["b"] = spawn("join", seed, *flags("b"), port=free_port())
-        nodes["c"] = spawn("join", f"127.0.0.1:{mesh_ports['b']}", seed, *flags("c"), port=free_port())
+        nodes["b"] = spawn("join", seed, *flags("b"), port=reserved_port())
+        nodes["c"] = spawn("join", f"127.0.0.1:{mesh_ports['b']}", seed, *flags("c"), port=reserved_port())
         with ThreadPoolExecutor(2) as ex:
             futures = [ex.submit(start_mock_engine, "--zero-latency") for _ in range(2)]
             engines.extend(f.result() for f in futures)
         e1 = f"grpc://{engines[0].grpc_target}"
-        nodes["a"] = spawn("serve", *flags("a"), "--worker-urls", e1, port=free_port())
+        nodes["a"] = spawn("serve", *flags("a"), "--worker-urls", e1, port=reserved_port())
         for name, node in nodes.items():
             wait_for(
                 lambda node=node: node.proc.poll() is not None or http_status(node.url + "/liveness") == 200,  # type: ignore[misc]
