@@ -11,7 +11,7 @@ import time
 from aiohttp import web
 
 from shepherd.auth.tls import server_tls
-from shepherd.node import api_admin, api_keys, api_mesh, api_openai
+from shepherd.node import api_admin, api_keys, api_mesh, api_openai, gc_tuning
 from shepherd.node.api_common import GATEWAY, error_middleware
 from shepherd.node.config import NodeConfig
 from shepherd.node.gateway import Gateway
@@ -76,6 +76,7 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    gc_tuning.settle(cfg.gc_gen0_threshold)  # start-up is over: freeze what it built
     if ready_message:
         models = ", ".join(gw.model_names())
         n = len(gw.registry.workers)

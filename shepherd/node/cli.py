@@ -101,6 +101,12 @@ def _parser() -> argparse.ArgumentParser:
         help="client-facing HTTP/1.1 server: lean (httptools on asyncio, default) or aiohttp",
     )
     s.add_argument(
+        "--gc-gen0-threshold",
+        type=int,
+        help="after start-up freeze the heap and collect generation 0 every N allocations "
+        "(default 20000; 0 keeps CPython's defaults)",
+    )
+    s.add_argument(
         "--no-kv-events",
         dest="kv_events",
         action="store_const",

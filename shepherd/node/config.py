@@ -73,6 +73,7 @@ class NodeConfig:
     kv_events: bool = True  # subscribe to gRPC engines' KV events to feed the prefix index
     models: tuple[ModelConfig, ...] = ()
     tokenizer_workers: int = 2
+    gc_gen0_threshold: int = 20_000  # after start-up: gc.freeze() and this gen-0 threshold (0: CPython's)
     tokenizer_inline_max_chars: int | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     request_timeout_secs: float = 600.0
@@ -276,6 +277,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         )
     if not 0 < cfg.port < 65536:
         raise ConfigError(f"port {cfg.port} out of range")
+    if cfg.gc_gen0_threshold < 0:
+        raise ConfigError("gc_gen0_threshold must be >= 0 (0 keeps CPython's collector settings)")
     if cfg.tokenizer_workers < 0:
         raise ConfigError("tokenizer_workers must be >= 0")
     for k in ("rate_limit_rpm", "rate_limit_tpm", "rate_limit_max_concurrent"):
