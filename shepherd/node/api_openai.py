@@ -41,8 +41,31 @@ from shepherd.node.tool_choice import template_tools
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 
 
+# (id of a Sampling, max_new_tokens, stream_interval) -> (that Sampling, its SamplingParams): a request
+# without a constraint maps a memoized Sampling (parse_sampling) to the same SamplingParams each time. An
+# entry holds its Sampling alive, so an id in the table cannot be another object's.
+_ENGINE_SAMPLING: dict[tuple[int, int, int | None], tuple[Sampling, SamplingParams]] = {}
+ENGINE_SAMPLING_MAX = 1024
+
+
 def engine_sampling(
     s: Sampling, max_new_tokens: int, stream_interval: int | None, constraint: Constraint | None = None
+) -> SamplingParams:
+    if constraint is not None:
+        return _engine_sampling(s, max_new_tokens, stream_interval, constraint)
+    key = (id(s), max_new_tokens, stream_interval)
+    hit = _ENGINE_SAMPLING.get(key)
+    if hit is not None and hit[0] is s:
+        return hit[1]
+    p = _engine_sampling(s, max_new_tokens, stream_interval, None)
+    if len(_ENGINE_SAMPLING) >= ENGINE_SAMPLING_MAX:
+        _ENGINE_SAMPLING.clear()
+    _ENGINE_SAMPLING[key] = (s, p)
+    return p
+
+
+def _engine_sampling(
+    s: Sampling, max_new_tokens: int, stream_interval: int | None, constraint: Constraint | None
 ) -> SamplingParams:
     kind = constraint.kind if constraint is not None else ""
     value = constraint.value if constraint is not None else None
@@ -103,6 +126,8 @@ def _request_id(request: web.Request, prefix: str) -> str:
 
 def _check_ids(s: Sampling, vocab: int) -> None:
     """Token ids the request names must exist in the model's vocabulary."""
+    if not s.stop_token_ids and not s.logit_bias:
+        return
     for key, ids in (("stop_token_ids", s.stop_token_ids), ("logit_bias", [t for t, _ in s.logit_bias])):
         bad_ids = [t for t in ids if t >= vocab]
         if bad_ids:

@@ -191,7 +191,83 @@ class Sampling:
     include_usage: bool
 
 
+# every request key parse_sampling reads
+_SAMPLING_KEYS: frozenset[str] = frozenset(
+    {
+        "max_tokens",
+        "max_completion_tokens",
+        "top_k",
+        "stream",
+        "stream_options",
+        "seed",
+        "min_tokens",
+        "temperature",
+        "top_p",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "n",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "include_stop_str_in_output",
+        "logit_bias",
+    }
+)
+_SCALARS: frozenset[type] = frozenset({str, int, float, bool, type(None)})
+_SAMPLING_MEMO: dict[tuple[Any, ...], Sampling] = {}
+SAMPLING_MEMO_MAX = 1024
+
+
+def _flat(v: Any) -> Any:
+    """A hashable stand-in for a JSON value that tells apart what validation tells apart (its type:
+    ``1``, ``1.0`` and ``True`` are equal in Python), or None when it is too deep to bother."""
+    t = type(v)
+    if t in _SCALARS:
+        return (t, v)
+    if t is list:
+        if all(type(x) in _SCALARS for x in v):
+            return (t, *[(type(x), x) for x in v])
+        return None
+    if t is dict:
+        if all(type(x) in _SCALARS for x in v.values()):
+            return (t, *[(k, type(x), x) for k, x in v.items()])
+        return None
+    return None
+
+
+def _sampling_key(d: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> tuple[Any, ...] | None:
+    key: list[Any] = [max_tokens_keys]
+    keys = _SAMPLING_KEYS
+    for k, v in d.items():
+        if k in keys:
+            f = _flat(v)
+            if f is None:
+                return None
+            key.append((k, f))
+    return tuple(key)
+
+
 def parse_sampling(d: dict[str, Any], *, max_tokens_keys: tuple[str, ...]) -> Sampling:
+    """The request's sampling fields, validated. Requests of a fleet repeat a few parameter sets, so the
+    result (immutable) is memoized by exactly what it is computed from: the sampling keys present, in
+    order, with their values and JSON types (a rejected set raises each time, as it is not stored)."""
+    key = _sampling_key(d, max_tokens_keys)
+    if key is None:
+        return _parse_sampling(d, max_tokens_keys)
+    s = _SAMPLING_MEMO.get(key)
+    if s is None:
+        s = _parse_sampling(d, max_tokens_keys)
+        if len(_SAMPLING_MEMO) >= SAMPLING_MEMO_MAX:
+            _SAMPLING_MEMO.clear()
+        _SAMPLING_MEMO[key] = s
+    return s
+
+
+def _parse_sampling(d: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Sampling:
     max_tokens: int | None = None
     for key in max_tokens_keys:
         val = _int(d, key, None, 1, INT32_MAX)

@@ -23,6 +23,7 @@ Semantics (the same for every chunking of the text, and what a non-streaming cal
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Protocol
 
@@ -43,6 +44,26 @@ class StopResult(NamedTuple):
 
 _new_result = tuple.__new__  # StopResult(...) without the keyword-handling __new__ wrapper
 _NOTHING = StopResult("")
+
+
+_Spec = tuple[tuple[str, ...], int, dict[str, tuple[str, ...]], frozenset[str], frozenset[int]]
+
+
+@functools.lru_cache(maxsize=1024)  # requests of a fleet repeat a few stop configurations
+def _spec(stop: tuple[str, ...], stop_token_ids: tuple[int, ...], eos_token_ids: tuple[int, ...]) -> _Spec:
+    """The immutable part of a matcher: stop strings (deduplicated, empty ones dropped), the longest
+    one's length, the strings by first character, those characters, and the stop token ids."""
+    stops = tuple(dict.fromkeys(s for s in stop if s))
+    by_first: dict[str, list[str]] = {}
+    for s in stops:
+        by_first.setdefault(s[0], []).append(s)
+    return (
+        stops,
+        max((len(s) for s in stops), default=0),
+        {c: tuple(v) for c, v in by_first.items()},
+        frozenset(by_first),
+        frozenset((*stop_token_ids, *eos_token_ids)),
+    )
 
 
 class StopMatcher:
@@ -70,19 +91,13 @@ class StopMatcher:
         eos_token_ids: Iterable[int] = (),
         ignore_eos: bool = False,
     ) -> None:
-        stops = tuple(dict.fromkeys(s for s in stop if s))
-        self._stops = stops
-        self._maxlen = max((len(s) for s in stops), default=0)
-        by_first: dict[str, list[str]] = {}
-        for s in stops:
-            by_first.setdefault(s[0], []).append(s)
-        self._by_first = {c: tuple(v) for c, v in by_first.items()}
-        self._firsts = frozenset(by_first)
+        spec = _spec(
+            stop if type(stop) is tuple else tuple(stop),
+            stop_token_ids if type(stop_token_ids) is tuple else tuple(stop_token_ids),
+            () if ignore_eos else eos_token_ids if type(eos_token_ids) is tuple else tuple(eos_token_ids),
+        )
+        self._stops, self._maxlen, self._by_first, self._firsts, self._stop_ids = spec
         self._include = include_stop_str_in_output
-        ids = set(stop_token_ids)
-        if not ignore_eos:
-            ids.update(eos_token_ids)
-        self._stop_ids = frozenset(ids)
         # The live partial match: the shortest suffix of the text so far that is a proper prefix of a
         # stop string (a match can only start there). Held back, unless include_stop_str_in_output.
         self._tail = ""

@@ -8,6 +8,7 @@ accepted.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +142,7 @@ _TOOL_ALIASES = {
 }
 
 
+@functools.lru_cache(maxsize=256)
 def _norm(name: str) -> str:
     return "".join(c for c in name.lower() if c.isalnum())
 
@@ -155,6 +157,7 @@ _REASONING_INDEX = _index(REASONING_FAMILIES, _REASONING_ALIASES)
 _TOOL_INDEX = _index(TOOL_FAMILIES, _TOOL_ALIASES)
 
 
+@functools.lru_cache(maxsize=256)  # a request names its model's family: a handful of distinct names
 def _reasoning_family(name: str) -> tuple[str, ReasoningFamily]:
     key = _REASONING_INDEX.get(_norm(name), "")
     family = REASONING_FAMILIES.get(key)
