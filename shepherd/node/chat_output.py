@@ -30,6 +30,7 @@ reported once complete, so its arguments come in one fragment).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,8 +105,6 @@ def shape_chat(families: tuple[str | None, str | None], req: ChatRequest, prompt
     """``families``: the model's (reasoning, tool-call) parser families; ``prompt``: the rendered
     prompt text (it tells whether the template opened a think block)."""
     reasoning_family, tool_family = families
-    choice = req.tool_choice
-    tools = req.tools or []
     reasoning = None
     opened = False
     if (
@@ -116,6 +115,21 @@ def shape_chat(families: tuple[str | None, str | None], req: ChatRequest, prompt
     ):
         reasoning = reasoning_family
         opened = prompt_opens_think(reasoning_family, prompt)
+    if not req.tools and req.response_format is None:  # the common case: no tools, no format, no checks
+        sampling = req.sampling
+        if reasoning == "gpt_oss" and sampling.skip_special_tokens:
+            sampling = dataclasses.replace(sampling, skip_special_tokens=False)
+        plain = None if reasoning is None else _reasoning_only(reasoning, opened, req.parallel_tool_calls)
+        return ChatShaping(sampling, plain, None, None)
+    return _shape_tools(tool_family, req, reasoning, opened)
+
+
+def _shape_tools(
+    tool_family: str | None, req: ChatRequest, reasoning: str | None, opened: bool
+) -> ChatShaping:
+    """``shape_chat`` for any request (tools, response formats), once the reasoning side is known."""
+    choice = req.tool_choice
+    tools = req.tools or []
     tool_parser: str | None = None
     constraint: Constraint | None = None
     forced = ""
@@ -145,6 +159,12 @@ def shape_chat(families: tuple[str | None, str | None], req: ChatRequest, prompt
         callable_tools = tuple(template_tools(tools, choice) or ())  # a named choice: only that one
         output = ChatOutput(reasoning, opened, tool_parser, callable_tools, req.parallel_tool_calls)
     return ChatShaping(sampling, output, constraint, checks)
+
+
+@functools.lru_cache(maxsize=64)
+def _reasoning_only(reasoning: str, opened: bool, parallel_tool_calls: bool) -> ChatOutput:
+    """The (immutable) parser configuration of a request with a reasoning parser and no tools."""
+    return ChatOutput(reasoning, opened, None, (), parallel_tool_calls)
 
 
 # ---- per choice ----------------------------------------------------------------------------------------
