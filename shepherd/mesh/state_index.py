@@ -2,57 +2,64 @@
 
 The replicated state is the prefix index's map (block, worker) -> last access, a join semilattice under
 max-merge (``policies.prefix_index``): no tombstones; entries leave by age and capacity, on each
-replica by itself. ``ReplicatedPrefixIndex`` is a ``PrefixIndex`` (policies use it unchanged) that
-also keeps:
+replica by itself. ``ReplicatedPrefixIndex`` is a ``RunPrefixIndex`` (the run layout: policies use it
+unchanged, at close to its cost per request and memory per block) that also keeps:
 
 - a delta buffer: the blocks inserted locally (routing decisions, KV events) since the last batch,
-  as the inserts' own (worker, time, blocks) groups (O(1) per insert; no deduplication: the
-  receivers' max-merge absorbs the rare repeat). A re-access of a held block is buffered again
-  only when it moves the block into a new time slot of the digest (below), so at most once per
-  ``digest_granularity_s``: a chat's
-  prefix is re-accessed every turn, and sending it every time would be most of the traffic; peers'
-  times lag by less than a slot, which only shifts their expiry and LRU order, and their digests
-  still agree. Bounded (``max_pending`` entries; the oldest are dropped: digest repair covers them);
+  as the inserts' own (worker, time, blocks) groups (O(1) per insert: a new run is buffered by
+  reference, its blocks read when the batch is cut; no deduplication: the receivers' max-merge
+  absorbs the rare repeat; one request's groups leave as one). A re-access of a held block is
+  buffered again only when it moves the block into a new time slot of the digest (below), so at most
+  once per ``digest_granularity_s``: a chat's prefix is re-accessed every turn, and sending it every
+  time would be most of the traffic; peers' times lag by less than a slot, which only shifts their
+  expiry and LRU order, and their digests still agree. Bounded (``max_pending`` entries; the oldest
+  batches are dropped: digest repair covers them);
 - a digest: per (worker, time slot) bucket, the entry count and the sum of the block hashes
   (mod 2**64), a slot being ``int(last_access // digest_granularity_s)`` (0: the exact time). It is
-  maintained incrementally (C-speed ``sum`` over the blocks of an insert, all in one bucket), on
-  insert, merge and every removal (eviction, expiry, KV removals, clears), so reading it costs
-  nothing; it has at most workers x (max_age / granularity + 2) buckets. Two replicas compare
+  maintained incrementally, per run rather than per block where it can: a run touched at time t
+  whose old times (bounded by its first and last ones, or a C-speed min and max) are all in t's slot
+  changes nothing; a new run adds one C-speed ``sum`` to one bucket; an evicted tail subtracts one.
+  It follows insert, merge and every removal (eviction, expiry, KV removals, clears), so reading it
+  costs nothing; it has at most workers x (max_age / granularity + 2) buckets. Two replicas compare
   digests and send each other their entries of the buckets that differ (``diff``, ``entries_in``);
   after a max-merge both sides hold the same entries, with times equal up to the granularity
   (exactly, with 0). Differences are localized in time: a lost batch spoils one recent bucket, and
   slots still open (``repair_settle_s``) are left to the deltas in flight.
 
-Removals are not replicated (no tombstones, by design): a block evicted here comes back from a peer
-that still has it until that peer ages it out. Under capacity pressure replicas may keep different
-subsets, and repair then moves entries the receiver evicts again; both are bounded by capacity.
+Merged blocks new to a worker become one loose run per group (newest first); held ones are set to
+the newer time in place. Removals are not replicated (no tombstones, by design): a block evicted here
+comes back from a peer that still has it until that peer ages it out. Under capacity pressure
+replicas may keep different subsets, and repair then moves entries the receiver evicts again; both
+are bounded by capacity.
 
 Wire (inside the ``MeshState`` envelope): ``[model, [group, ...]]``, a group being
 ``[worker, time, hashes]`` (one float time for all, the shape of a routing decision) or
 ``[worker, times, hashes]`` (``times``: float64 array bytes, one per hash, for repair and snapshots);
 ``hashes`` are int64 array bytes, little-endian. A block costs 8 (or 16) bytes on the wire.
 
-Coupling: this subclass reads ``PrefixIndex._lru``, overrides ``_drop`` (every removal of the parent
-goes through it) and ``clear_worker``, and sets blocks through the parent's ``insert_blocks``; a
-parent change there needs the same change here (the unit tests compare the incremental digest with
-a full recomputation after random operations).
+Coupling: this subclass overrides the parent's ``_touch`` (a copy of its loop, with the digest per
+run), ``_touch_one``, ``_add_run`` (local inserts: one time per run), ``_unlink`` (every removal goes
+through it) and ``clear_worker``, and reads runs (``_Run``: keys, times, ``ordered``) and holders; a
+parent change there needs the same change here (the property tests compare this index with a
+``RunPrefixIndex`` and its incremental digest with a full recomputation after random operations).
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 import sys
 from array import array
 from collections import deque
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import repeat
-from operator import floordiv
+from itertools import compress, repeat
+from operator import floordiv, is_, not_
 from typing import Any
 
 from shepherd.mesh.hlc import StateDecodeError, expect_list, expect_str
-from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig
+from shepherd.policies.prefix_index import PrefixIndexConfig, RunPrefixIndex, _Holder, _Run, _run_of, _Shared
 
 __all__ = [
     "Group",
@@ -118,8 +125,8 @@ Digest = dict[str, dict[Slot, tuple[int, int]]]
 """worker -> time slot -> (entry count, sum of block hashes mod 2**64)."""
 
 
-class ReplicatedPrefixIndex(PrefixIndex):
-    """A ``PrefixIndex`` with a gossip delta buffer and an incrementally maintained digest."""
+class ReplicatedPrefixIndex(RunPrefixIndex):
+    """A ``RunPrefixIndex`` with a gossip delta buffer and an incrementally maintained digest."""
 
     def __init__(self, config: PrefixIndexConfig | None = None, repl: IndexReplConfig | None = None) -> None:
         super().__init__(config)
@@ -127,8 +134,11 @@ class ReplicatedPrefixIndex(PrefixIndex):
         self._g = self.repl.digest_granularity_s
         # the digest: worker -> slot -> [count, sum of block hashes] (exact ints, reduced when read)
         self._acc: dict[str, dict[Slot, list[int]]] = {}
-        # the delta buffer: (worker, time or None: read it when cut, blocks), oldest first
-        self._pending: deque[tuple[str, float | None, list[int]]] = deque()
+        # the delta buffer, oldest first: (worker, time or None: read it when cut, source, start, end),
+        # the blocks being source[start:end] (a list this index owns) or, for a local insert's new run,
+        # the run's keys[start:end] as they are when cut (no copy per insert; blocks gone since are
+        # left out)
+        self._pending: deque[tuple[str, float | None, list[int] | _Run, int, int]] = deque()
         self._pending_n = 0
         self.pending_dropped = 0  # delta keys dropped by the buffer bound
         self.rejected = 0  # received entries dropped (too old or too far in the future)
@@ -145,8 +155,9 @@ class ReplicatedPrefixIndex(PrefixIndex):
             return list(map(int, map(floordiv, times, repeat(g))))
         return list(times)
 
-    def _bucket_add(self, worker: str, slot: Slot, keys: Sequence[int], sign: int) -> None:
-        if not keys:
+    def _bucket_add(self, worker: str, slot: Slot, n: int, total: int) -> None:
+        """Add ``n`` entries whose block hashes sum to ``total`` (both negative: remove) to a bucket."""
+        if not n:
             return
         wacc = self._acc.get(worker)
         if wacc is None:
@@ -154,38 +165,64 @@ class ReplicatedPrefixIndex(PrefixIndex):
         b = wacc.get(slot)
         if b is None:
             b = wacc[slot] = [0, 0]
-        b[0] += sign * len(keys)
-        b[1] += sign * sum(keys)
+        b[0] += n
+        b[1] += total
         if b[0] == 0:
             del wacc[slot]
             if not wacc:
                 del self._acc[worker]
 
-    def _bucket_times(self, worker: str, keys: Sequence[int], times: Sequence[float], sign: int) -> None:
-        """Add (sign 1) or remove (-1) the terms of ``keys`` at per-key ``times``, grouped by slot."""
+    def _bucket_times(
+        self, worker: str, keys: Sequence[int], times: Sequence[float], sign: int, ordered: bool = False
+    ) -> None:
+        """Add (sign 1) or remove (-1) the terms of ``keys`` at per-key ``times`` (``ordered``: not
+        increasing), grouped by slot."""
         if not keys:
             return
-        slots = self._slot_list(times)
-        first = slots[0]
-        if slots.count(first) == len(slots):
-            self._bucket_add(worker, first, keys, sign)
+        lo, hi = (times[-1], times[0]) if ordered else (min(times), max(times))
+        g = self._g
+        if g > 0:
+            if lo // g == hi // g:  # one slot: the common case (C-speed min and max)
+                self._bucket_add(worker, int(lo // g), sign * len(keys), sign * sum(keys))
+                return
+        elif lo == hi:
+            self._bucket_add(worker, lo, sign * len(keys), sign * sum(keys))
             return
         groups: dict[Slot, list[int]] = {}
-        for h, sl in zip(keys, slots, strict=True):
-            g = groups.get(sl)
-            if g is None:
+        for h, sl in zip(keys, self._slot_list(times), strict=True):
+            grp = groups.get(sl)
+            if grp is None:
                 groups[sl] = [h]
             else:
-                g.append(h)
+                grp.append(h)
         for sl, hs in groups.items():
-            self._bucket_add(worker, sl, hs, sign)
+            self._bucket_add(worker, sl, sign * len(hs), sign * sum(hs))
 
-    def _set_times(self, worker: str, pairs: Mapping[int, float | None], t: float) -> None:
-        """Digest terms of blocks set to time ``t`` from times ``pairs`` (None: new to the worker)."""
-        held = [(h, o) for h, o in pairs.items() if o is not None]
-        if held:
-            self._bucket_times(worker, [p[0] for p in held], [p[1] for p in held], -1)
-        self._bucket_add(worker, self.slot(t), list(pairs), 1)
+    def _moved(
+        self, worker: str, keys: list[int], olds: list[float], lo: float, hi: float, now: float
+    ) -> None:
+        """Blocks ``keys`` of ``worker``, at times ``olds`` (between ``lo`` and ``hi``), were set to
+        ``now`` by a local access, and some changed slot: their digest terms move, and those blocks are
+        buffered for gossip. (A conversation's next turn usually comes a slot later: its whole held
+        prefix moves, from one old slot, with C-speed sums.)"""
+        ns = self.slot(now)
+        so = self.slot(lo)
+        if so == self.slot(hi) and so != ns:  # one old slot, not now's: all move
+            n, total = len(keys), sum(keys)
+            self._bucket_add(worker, so, -n, -total)
+            self._bucket_add(worker, ns, n, total)
+            self._queue_keys(worker, keys, now)
+            return
+        slots = self._slot_list(olds)
+        moved = [h for h, sl in zip(keys, slots, strict=True) if sl != ns]
+        if moved:
+            if len(moved) == len(keys):
+                self._bucket_times(worker, keys, olds, -1)
+            else:
+                mts = [t for t, sl in zip(olds, slots, strict=True) if sl != ns]
+                self._bucket_times(worker, moved, mts, -1)
+            self._bucket_add(worker, ns, len(moved), sum(moved))
+            self._queue_keys(worker, moved, now)
 
     def digest(self) -> Digest:
         """worker -> time slot -> (count, sum of block hashes mod 2**64): equal entry sets (and times
@@ -195,10 +232,11 @@ class ReplicatedPrefixIndex(PrefixIndex):
     def recompute_digest(self) -> Digest:
         """The digest from scratch (a check of the incremental one; O(entries))."""
         out: Digest = {}
-        for w, wd in self._lru.items():
+        for w, holder in self._holders.items():
             groups: dict[Slot, list[int]] = {}
-            for h, sl in zip(wd, self._slot_list(wd.values()), strict=True):
-                groups.setdefault(sl, []).append(h)
+            for run in holder.runs:
+                for h, sl in zip(run.keys, self._slot_list(run.times), strict=True):
+                    groups.setdefault(sl, []).append(h)
             if groups:
                 out[w] = {sl: (len(hs), sum(hs) & _M64) for sl, hs in groups.items()}
         return out
@@ -222,82 +260,104 @@ class ReplicatedPrefixIndex(PrefixIndex):
                 out[w] = bad
         return out
 
-    # -- local updates (recorded for gossip) --------------------------------------------------------
+    # -- local updates (recorded for gossip): the parent's hooks ------------------------------------
 
-    def insert_blocks(self, hs: Sequence[int], worker: str, now: float) -> None:
-        if not hs:
-            return
-        cap = self.capacity(worker)
-        view = hs if len(hs) <= cap else hs[:cap]  # what the parent will set (it truncates the same way)
-        n = len(view)
-        wd = self._lru.get(worker)
-        olds: list[float | None] | None = None
-        k = 0  # the leading blocks the worker holds (a chain's held part is a prefix)
-        if wd is not None:
-            olds = list(map(wd.get, view))
-            try:
-                k = olds.index(None)
-            except ValueError:
-                k = n
-        if k:  # a held prefix, re-accessed: C-speed checks, Python loops only when a slot changes
-            assert olds is not None
-            head: list[float] = olds if k == n else olds[:k]  # type: ignore[assignment]
-            ns = self.slot(now)
-            if self.slot(min(head)) != ns or self.slot(max(head)) != ns:
-                pairs = dict(zip(view[:k], head, strict=True))
-                keys = list(pairs)
-                moved = [h for h, sl in zip(keys, self._slot_list(pairs.values()), strict=True) if sl != ns]
-                self._bucket_times(worker, moved, [pairs[h] for h in moved], -1)
-                self._bucket_add(worker, ns, moved, 1)
-                self._queue_keys(worker, moved, now)
-        if k < n:
-            tail = view[k:] if k else view
-            if olds is None or olds.count(None) == n - k:  # all new: the common case
-                if len(set(tail)) != len(tail):
-                    tail = list(dict.fromkeys(tail))
-                self._bucket_add(worker, self.slot(now), tail, 1)
-                self._queue_keys(worker, list(tail), now)
-            else:  # a chain with holes (odd input): the general path
-                skip = set(view[:k])
-                tpairs = {h: o for h, o in zip(tail, olds[k:], strict=True) if h not in skip}
-                ns = self.slot(now)
-                moved = [h for h, o in tpairs.items() if o is None or self.slot(o) != ns]
-                held = [h for h in moved if tpairs[h] is not None]
-                self._bucket_times(worker, held, [tpairs[h] for h in held], -1)  # type: ignore[misc]
-                self._bucket_add(worker, ns, moved, 1)
-                self._queue_keys(worker, moved, now)
-        super().insert_blocks(hs, worker, now)
+    def _touch(self, holder: _Holder, hs: Sequence[int], k: int, now: float) -> int:
+        """``RunPrefixIndex._touch`` (the same loop), with the digest accounting per run touched: the
+        old times' slots are checked with a C-speed min and max; only blocks whose slot changes (at
+        most once per ``digest_granularity_s``) cost Python-level work, and are buffered for gossip."""
+        get = self._blocks.get
+        bit = holder.bit
+        g = self._g
+        nsf = now // g if g > 0 else now
+        i = 0
+        while i < k:  # bounded: i grows by at least 1 per turn
+            h = hs[i]
+            v = get(h)
+            if v is None:
+                return i
+            if type(v) is _Run:
+                run: _Run | None = v if v.mask == bit else None
+            else:
+                run = v.runs.get(bit)  # type: ignore[union-attr]
+            if run is None:
+                return i
+            keys = run.keys
+            o = 0 if keys[0] == h else keys.index(h)
+            b = len(keys) - o
+            if b > k - i:
+                b = k - i
+            if b > 1 and (not run.chain or keys[o + b - 1] != hs[i + b - 1]):
+                b = self._span(run, o, hs, i, b)
+            times = run.times
+            if run.ordered:  # the old times lie between the first and the last one
+                hi, lo = times[o], times[o + b - 1]
+                if hi > now or (o and times[o - 1] < now):  # (the rest is at most hi)
+                    run.ordered = False
+            else:
+                olds = times[o : o + b]
+                hi, lo = max(olds), min(olds)
+            if g > 0:  # (a touch sets one float object: the old times are often one object too)
+                hf = hi // g
+                moved = hf != nsf or (lo is not hi and lo // g != hf)
+            else:
+                moved = not lo == now == hi
+            if moved:  # a slot changes
+                self._moved(holder.name, keys[o : o + b], times[o : o + b], lo, hi, now)
+            times[o : o + b] = [now] * b
+            if o + b == len(keys):  # its tail moved: a fresh heap entry (the old one goes stale)
+                heapq.heappush(holder.heap, (now, -run.seq, run))
+            i += b
+        return i
+
+    def _touch_one(self, holder: _Holder, run: _Run, h: int, now: float) -> None:
+        o = run.keys.index(h)
+        old = run.times[o]
+        if now > old:
+            super()._touch_one(holder, run, h, now)
+            if self.slot(old) != self.slot(now):
+                self._moved(holder.name, [h], [old], old, old, now)
+
+    def _add_run(self, holder: _Holder, keys: list[int], times: list[float], chain: bool) -> _Run | None:
+        """Blocks new to the worker from a local insert, all at one time (the parent calls it so;
+        merges add their runs with the parent's method and account for them themselves)."""
+        run = RunPrefixIndex._add_run(self, holder, keys, times, chain)
+        if run is not None:
+            t = times[0]
+            ks = run.keys
+            self._bucket_add(holder.name, int(t // self._g) if self._g > 0 else t, len(ks), sum(ks))
+            self._pending.append((holder.name, t, run, 0, len(ks)))
+            self._pending_n += len(ks)
+            if self._pending_n > self.repl.max_pending:
+                self._drop_pending()
+        return run
 
     def _queue_keys(self, worker: str, keys: list[int], t: float | None = None) -> None:
         """Buffer ``keys`` (a list this index owns) for gossip: at time ``t``, or (None) at the times
         the index holds when the batch is cut. O(1): deduplication is the receiver's max-merge."""
-        if not keys:
-            return
-        self._pending.append((worker, t, keys))
-        self._pending_n += len(keys)
-        over = self._pending_n - self.repl.max_pending
-        while over > 0 and self._pending:  # bounded: each turn drops a batch or ends
-            w, bt, bk = self._pending[0]
-            if len(bk) <= over:
-                self._pending.popleft()
-                dropped = len(bk)
-            else:
-                self._pending[0] = (w, bt, bk[over:])
-                dropped = over
-            self._pending_n -= dropped
-            self.pending_dropped += dropped
-            over -= dropped
+        if keys:
+            self._pending.append((worker, t, keys, 0, len(keys)))
+            self._pending_n += len(keys)
+            if self._pending_n > self.repl.max_pending:
+                self._drop_pending()
 
-    # -- removals (every removal of the parent goes through _drop, or clear_worker) -----------------
+    def _drop_pending(self) -> None:
+        """The buffer's bound: its oldest batches go, whole (up to one batch more than needed)."""
+        q = self._pending
+        while self._pending_n > self.repl.max_pending and q:  # bounded: each turn drops a batch
+            _, _, _, s, e = q.popleft()
+            self._pending_n -= e - s
+            self.pending_dropped += e - s
 
-    def _drop(self, worker: str, wd: dict[int, float], gone: list[int]) -> None:
-        if gone:
-            self._bucket_times(worker, gone, list(map(wd.__getitem__, gone)), -1)
-        super()._drop(worker, wd, gone)
+    # -- removals (every removal of the parent goes through _unlink) --------------------------------
+
+    def _unlink(self, holder: _Holder, run: _Run, keys: Sequence[int], times: Sequence[float]) -> None:
+        self._bucket_times(holder.name, keys, times, -1, run.ordered)
+        RunPrefixIndex._unlink(self, holder, run, keys, times)
 
     def clear_worker(self, worker: str) -> None:
-        self._acc.pop(worker, None)  # its buffered deltas are skipped when cut (no entries left)
-        super().clear_worker(worker)
+        super().clear_worker(worker)  # its buffered deltas are skipped when cut (no entries left)
+        self._acc.pop(worker, None)
 
     # -- merges -------------------------------------------------------------------------------------
 
@@ -334,57 +394,83 @@ class ReplicatedPrefixIndex(PrefixIndex):
         return changed
 
     def _merge_group(self, worker: str, t: float | array[float], hs: Sequence[int]) -> int:
-        if not hs:
+        """Max-merge blocks ``hs`` of ``worker`` at ``t`` (one time, or one per block). Blocks new to
+        the worker become one loose run (newest first); held ones older than their new time are set,
+        one by one. Returns how many entries changed."""
+        n = len(hs)
+        if not n:
             return 0
-        if isinstance(t, float):
-            return self._merge_at(worker, t, hs)
-        wd = self._lru.get(worker)
-        get = _EMPTY.get if wd is None else wd.get
-        upd: dict[int, float] = {}
-        olds: dict[int, float] = {}
-        for h, x in zip(hs, t, strict=True):
-            o = get(h)
-            if o is None or x > o:
-                prev = upd.get(h)
-                if prev is None or x > prev:
-                    upd[h] = x
-                    if o is not None:
-                        olds[h] = o
-        if not upd:
-            return 0
-        if olds:
-            self._bucket_times(worker, list(olds), list(olds.values()), -1)
-        keys = list(upd)
-        self._bucket_times(worker, keys, list(upd.values()), 1)
-        super().merge(dict(zip(zip(keys, repeat(worker)), upd.values(), strict=False)))
-        if self.repl.relay:
-            self._queue_keys(worker, keys)  # at the times it holds
-        return len(keys)
-
-    def _merge_at(self, worker: str, t: float, hs: Sequence[int]) -> int:
-        """Max-merge blocks ``hs`` of ``worker`` at one time ``t`` (a routing decision's shape): the
-        changed blocks are set with the parent's C-speed insert path."""
-        wd = self._lru.get(worker)
-        olds = None if wd is None else list(map(wd.get, hs))
+        holder = self._holders.get(worker) or self._add_holder(worker)
+        vs = list(map(self._blocks.get, hs))
+        new: dict[int, float] = {}
+        up_k: list[int] = []  # held blocks set to a newer time: their old and new times
+        up_old: list[float] = []
+        up_new: list[float] = []
+        ts: Iterable[float] = repeat(t, n) if isinstance(t, float) else t
+        group = hs
+        nk = vs.count(None)  # blocks no worker holds: new, with C-speed passes (a delta, a snapshot)
+        if nk == n:
+            _merge_new(hs, ts, new)
+        else:  # the known ones (held by this worker or others) go block by block
+            if nk:
+                isnew = list(map(is_, vs, repeat(None)))
+                known = list(map(not_, isnew))
+                tl = list(ts)
+                _merge_new(list(compress(hs, isnew)), list(compress(tl, isnew)), new)
+                hs, vs, ts = list(compress(hs, known)), list(compress(vs, known)), list(compress(tl, known))
+            self._merge_held(holder, hs, vs, ts, new, up_k, up_old, up_new)
+        if up_k:
+            self._bucket_times(worker, up_k, up_old, -1)
+            self._bucket_times(worker, up_k, up_new, 1)
+        if new:
+            if 0 < nk < n:  # in the group's order (a chain's: its deeper blocks are evicted first)
+                keys = list(filter(new.__contains__, dict.fromkeys(group)))
+                times = list(map(new.__getitem__, keys))
+            else:
+                keys = list(new)
+                times = list(new.values())
+            if times.count(times[0]) != len(times):  # newest first: a loose run's tail is its oldest
+                order = sorted(range(len(keys)), key=times.__getitem__, reverse=True)
+                keys = [keys[i] for i in order]
+                times = [times[i] for i in order]
+            RunPrefixIndex._add_run(self, holder, keys, times, False)  # no local gossip of it
+            self._bucket_times(worker, keys, times, 1)
+            self._epoch += 1
+            up_k += keys
+        if self.repl.relay and up_k:
+            self._queue_keys(worker, up_k)  # at the times it holds
         cap = self.capacity(worker)
-        if olds is None or olds.count(None) == len(olds):  # all new: the common case
-            keys = list(hs) if len(set(hs)) == len(hs) else list(dict.fromkeys(hs))
-            if len(keys) > cap:
-                keys = keys[:cap]
-            self._bucket_add(worker, self.slot(t), keys, 1)
-        else:
-            pairs = {h: o for h, o in zip(hs, olds, strict=True) if o is None or t > o}
-            if not pairs:
-                return 0
-            keys = list(pairs)
-            if len(keys) > cap:
-                keys = keys[:cap]
-                pairs = {h: pairs[h] for h in keys}
-            self._set_times(worker, pairs, t)
-        PrefixIndex.insert_blocks(self, keys, worker, t)
-        if self.repl.relay:
-            self._queue_keys(worker, list(keys), t)
-        return len(keys)
+        if holder.count > cap:
+            self._evict_runs(holder, holder.count - cap)
+        return len(up_k)
+
+    def _merge_held(
+        self,
+        holder: _Holder,
+        hs: Sequence[int],
+        vs: list[_Run | _Shared | None],
+        ts: Iterable[float],
+        new: dict[int, float],
+        up_k: list[int],
+        up_old: list[float],
+        up_new: list[float],
+    ) -> None:
+        """The block-by-block part of a merge: new blocks into ``new``, newer times set in place."""
+        bit = holder.bit
+        for h, v, x in zip(hs, vs, ts, strict=True):
+            run = _run_of(v, bit)
+            if run is None:
+                cur = new.get(h)
+                if cur is None or x > cur:
+                    new[h] = x
+                continue
+            o = run.keys.index(h)
+            old = run.times[o]
+            if x > old:
+                RunPrefixIndex._touch_one(self, holder, run, h, x)
+                up_k.append(h)
+                up_old.append(old)
+                up_new.append(x)
 
     # -- gossip -------------------------------------------------------------------------------------
 
@@ -399,46 +485,88 @@ class ReplicatedPrefixIndex(PrefixIndex):
         out: list[Group] = []
         budget = math.inf if limit is None else limit
         q = self._pending
+        get = self._blocks.get
         while q and budget > 0:  # bounded: each turn consumes a batch or the budget
-            w, t, keys = q[0]
-            if len(keys) <= budget:
+            w, t, src, s, e = q[0]
+            if e - s <= budget:
                 q.popleft()
             else:
-                cut = int(budget)
-                q[0] = (w, t, keys[cut:])
-                keys = keys[:cut]
-            self._pending_n -= len(keys)
-            budget -= len(keys)
-            wd = self._lru.get(w)
-            if wd is None:
+                cut = s + int(budget)
+                q[0] = (w, t, src, cut, e)
+                e = cut
+            self._pending_n -= e - s
+            budget -= e - s
+            holder = self._holders.get(w)
+            if holder is None:
+                continue
+            if type(src) is _Run:
+                if src not in holder.runs:  # evicted, or its worker cleared since
+                    continue
+                keys = src.keys[s:e]
+            else:
+                keys = src[s:e]  # type: ignore[index]
+            if not keys:
                 continue
             if t is not None:
-                out.append((w, t, array("q", keys)))
+                prev = out[-1] if out else None
+                if prev is not None and isinstance(prev[1], float) and prev[1] == t and prev[0] == w:
+                    prev[2].fromlist(keys)  # the same access (the runs of one request): one group
+                else:
+                    out.append((w, t, array("q", keys)))
                 continue
-            pairs = [(h, x) for h, x in zip(keys, map(wd.get, keys), strict=True) if x is not None]
-            if pairs:
-                out.append((w, array("d", [p[1] for p in pairs]), array("q", [p[0] for p in pairs])))
+            bit = holder.bit
+            ks: list[int] = []
+            ts: list[float] = []
+            pos: dict[_Run, dict[int, int]] = {}  # a run's offsets, built once per run met
+            for h in keys:
+                run = _run_of(get(h), bit)
+                if run is None:
+                    continue
+                p = pos.get(run)
+                if p is None:
+                    p = pos[run] = {k: i for i, k in enumerate(run.keys)}
+                ks.append(h)
+                ts.append(run.times[p[h]])
+            if ks:
+                out.append((w, array("d", ts), array("q", ks)))
         return out
 
-    def _select(self, worker: str, wd: dict[int, float], slots: Collection[Slot] | None) -> list[int]:
-        if slots is None:
-            return list(wd)
+    def _select(self, holder: _Holder, slots: Collection[Slot] | None) -> tuple[list[int], list[float]]:
+        """The worker's entries in time slots ``slots`` (None: all), as keys and times."""
+        ks: list[int] = []
+        ts: list[float] = []
         g = self._g
-        if g > 0:
-            return [h for h, t in wd.items() if int(t // g) in slots]
-        return [h for h, t in wd.items() if t in slots]
+        for run in holder.runs:
+            keys, times = run.keys, run.times
+            if slots is not None:
+                lo, hi = self.slot(min(times)), self.slot(max(times))
+                if lo == hi:  # the run is in one slot: all or nothing (C-speed)
+                    if lo not in slots:
+                        continue
+                else:
+                    sel = [
+                        i
+                        for i, x in enumerate(times)
+                        if (int(x // g) if g > 0 else x) in slots  # bounded by the run
+                    ]
+                    ks += [keys[i] for i in sel]
+                    ts += [times[i] for i in sel]
+                    continue
+            ks += keys
+            ts += times
+        return ks, ts
 
     def entries_in(self, sel: Mapping[str, Collection[Slot]] | None = None) -> list[Group]:
         """Our entries of the (worker, time slot) buckets ``sel`` (None: all), one group per worker
         with per-entry times (what a peer whose digest differs there needs)."""
         out: list[Group] = []
-        for w, wd in self._lru.items():
+        for w, holder in self._holders.items():
             slots = None if sel is None else sel.get(w)
             if sel is not None and not slots:
                 continue
-            keys = self._select(w, wd, slots)
+            keys, times = self._select(holder, slots)
             if keys:
-                out.append((w, array("d", map(wd.__getitem__, keys)), array("q", keys)))
+                out.append((w, array("d", times), array("q", keys)))
         return out
 
     def queue_repair(self, sel: Mapping[str, Collection[Slot]], limit: int | None = None) -> int:
@@ -446,10 +574,10 @@ class ReplicatedPrefixIndex(PrefixIndex):
         ``limit``; returns how many."""
         n = 0
         for w, slots in sel.items():
-            wd = self._lru.get(w)
-            if wd is None or not slots:
+            holder = self._holders.get(w)
+            if holder is None or not slots:
                 continue
-            keys = self._select(w, wd, slots)
+            keys, _ = self._select(holder, slots)
             if limit is not None and n + len(keys) > limit:
                 keys = keys[: max(0, limit - n)]
             self._queue_keys(w, keys)  # at the times held when cut
@@ -457,6 +585,17 @@ class ReplicatedPrefixIndex(PrefixIndex):
             if limit is not None and n >= limit:
                 break
         return n
+
+
+def _merge_new(hs: Sequence[int], ts: Iterable[float], new: dict[int, float]) -> None:
+    """Blocks no worker holds, into ``new`` with their times (a repeated one: its newest)."""
+    if len(set(hs)) == len(hs):
+        new.update(zip(hs, ts, strict=True))
+        return
+    for h, x in zip(hs, ts, strict=True):
+        cur = new.get(h)
+        if cur is None or x > cur:
+            new[h] = x
 
 
 # -- wire ---------------------------------------------------------------------------------------------

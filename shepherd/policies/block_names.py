@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 BLOCK = 16
 
 Shape = tuple[tuple[str, int], ...]
-HashFn = Callable[[Sequence[int], int], list[int]]  # block_hashes(ids, seed)
+HashFn = Callable[[Sequence[int], int, int], list[int]]  # block_hashes(ids, seed, start)
 
 
 class PromptIds(list[int]):
@@ -58,7 +58,9 @@ class BlockNamer:
         self._seed = seed
         self.max_entries = max_entries
         self.max_hashes = max_hashes
-        # (parent node, piece key) -> (node, hashes of the blocks that end inside the piece, its id count)
+        # (parent node, piece key) -> (node, hashes of the blocks that end inside the piece, its id count);
+        # the hashes as the int objects the index holds too (a dict lookup of the same object skips the
+        # comparison; int64 arrays measured no faster: a hit then makes fresh ints)
         self._memo: dict[tuple[int, str], tuple[int, tuple[int, ...], int]] = {}
         self._kept = 0  # hashes held by the memo
         self._ids = itertools.count(1)
@@ -76,7 +78,7 @@ class BlockNamer:
         """``block_hashes(ids)``; through the memo when ``ids`` carry a shape that adds up."""
         shape = shape_of(ids)
         if not shape:
-            return self._hash(ids, self._seed)
+            return self._hash(ids, self._seed, 0)
         get = self._memo.get
         out: list[int] = []
         parent = 0
@@ -87,7 +89,7 @@ class BlockNamer:
             if e is None:
                 break
             if e[2] != n:  # the same key for another number of ids: not a shape to trust
-                return self._hash(ids, self._seed)
+                return self._hash(ids, self._seed, 0)
             parent = e[0]
             out += e[1]
             pos += n
@@ -95,16 +97,16 @@ class BlockNamer:
         self.hits += k
         if k == len(shape):
             if pos != len(ids):  # a shape that does not describe these ids: name them plainly
-                return self._hash(ids, self._seed)
+                return self._hash(ids, self._seed, 0)
             return out
         self.misses += len(shape) - k
         total = pos
         for _, n in shape[k:]:
             total += n
         if total != len(ids):
-            return self._hash(ids, self._seed)
+            return self._hash(ids, self._seed, 0)
         done = len(out)  # blocks named so far: those that end within the first pos ids
-        out += self._hash(ids[done * BLOCK :], out[-1] if out else self._seed)
+        out += self._hash(ids, out[-1] if out else self._seed, done * BLOCK)  # the rest (no slice)
         memo = self._memo
         # remember the new pieces: each gets the blocks that end inside it
         for key, n in shape[k:]:
@@ -120,9 +122,23 @@ class BlockNamer:
 
     def _bound(self) -> None:
         memo = self._memo
-        while memo and (len(memo) > self.max_entries or self._kept > self.max_hashes):
-            # oldest first (a piece still in use is simply named again and re-entered); a dropped inner
-            # piece only makes its descendants unreachable until they age out: correctness never
-            # depends on what is kept
-            _, own, _ = memo.pop(next(iter(memo)))
-            self._kept -= len(own)
+        if len(memo) <= self.max_entries and self._kept <= self.max_hashes:
+            return
+        # oldest first, down to a sixteenth below the bounds: in bulk, since taking the first key of a
+        # dict whose front was deleted scans those dead slots (one at a time that cost grew with the
+        # memo: most of a named follow-up's time once the memo was full). A piece still in use is
+        # simply named again and re-entered; a dropped inner piece only makes its descendants
+        # unreachable until they age out: correctness never depends on what is kept
+        entries = self.max_entries - self.max_entries // 16
+        hashes = self.max_hashes - self.max_hashes // 16
+        n, kept = len(memo), self._kept
+        drop: list[tuple[int, str]] = []
+        for key, (_, own, _) in memo.items():  # bounded by the memo
+            if n <= entries and kept <= hashes:
+                break
+            drop.append(key)
+            n -= 1
+            kept -= len(own)
+        for key in drop:
+            del memo[key]
+        self._kept = kept

@@ -21,14 +21,13 @@ both and compare them):
   became the worker's, as (time, keys) batches, one per insert: eviction (capacity) and expiry (age)
   take batches from the front, CLOCK-style (a block accessed since its batch was queued is queued
   again instead of dropped). A request touching n held blocks costs n writes in a large dict, a
-  cache miss each (~150 ns on the bench machine when quiet): that is its floor. The mesh's
-  ``ReplicatedPrefixIndex`` subclasses it (its digest needs the exact per-block times).
+  cache miss each (~150 ns on the bench machine when quiet): that is its floor.
   Invariant: ``bit(w) in _mask[h]`` iff ``h in _lru[w]``; no mask is 0.
 - ``RunPrefixIndex`` (runs): the blocks that became a worker's in one insert form a run with a list
   of times; a request touches one run per earlier insert it meets (see its docstring). Faster per
   request, smaller per block, exact expiry, and its eviction (run tails first) keeps what a worker
   holds of a chain a prefix even when KV events touched the deeper blocks later (the flat CLOCK then
-  takes the older ancestors first).
+  takes the older ancestors first). The mesh's ``ReplicatedPrefixIndex`` subclasses it.
 
 Both match with a shared binary search over the chain (a few dict lookups per distinct answer,
 whatever the number of workers); Python-level loops run only on rare paths (a chain with a hole,
@@ -37,8 +36,9 @@ blocks touched out of order, merges). ``bench/prefix_index_bench.py`` prints the
 Replicated state is the map (block, worker) -> last access with max-merge (``merge_entries``): a join
 semilattice, no tombstones; entries leave by age and capacity. A locally removed entry can come back
 from a peer that still has it until that peer ages it out (no tombstones, by design).
-``mesh.state_index.ReplicatedPrefixIndex`` reads ``_lru`` and overrides ``_drop`` (every removal goes
-through it, with ``gone`` unique and held), ``insert_blocks``, ``merge`` and ``clear_worker``.
+``mesh.state_index.ReplicatedPrefixIndex`` overrides ``RunPrefixIndex._touch`` (a copy of its loop),
+``_touch_one``, ``_add_run``, ``_unlink`` (every removal goes through it, with the removed blocks'
+times), ``merge`` and ``clear_worker``: keep them in step.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import reduce
 from itertools import compress, repeat
 
 from shepherd.policies.block_names import BlockNamer
@@ -61,15 +62,22 @@ _sink: deque[object] = deque(maxlen=0)
 _consume: Callable[[Iterable[object]], None] = _sink.extend  # runs an iterator at C speed, keeps nothing
 
 Entries = dict[tuple[int, str], float]
+_LIST_ITER: type[object] = type(iter([]))
 
 
-def block_hashes(ids: Sequence[int], seed: int = CHAIN_SEED) -> list[int]:
-    """Chained hashes of the full 16-token blocks of ``ids`` (a partial last block is not named).
+def block_hashes(ids: Sequence[int], seed: int = CHAIN_SEED, start: int = 0) -> list[int]:
+    """Chained hashes of the full 16-token blocks of ``ids[start:]`` (a partial last block is not named).
 
-    ``seed`` is the hash of the block before ``ids[0]``: pass a parent's hash to continue its chain.
+    ``seed`` is the hash of the block before ``ids[start]``: pass a parent's hash to continue its chain.
+    A list (or list subclass) is read from ``start`` without a copy.
     """
     h = seed
     it = iter(ids)
+    if start:
+        if type(it) is _LIST_ITER:
+            it.__setstate__(start)  # type: ignore[attr-defined]  # a list iterator's position: O(1)
+        else:
+            it = iter(ids[start:])
     # 16 references to one iterator: zip yields consecutive 16-tuples (C speed, no slicing)
     return [
         h := hash((h, b))
@@ -223,13 +231,17 @@ class PrefixIndex:
         # updated yet) have the bit; the rest are new to it, unless it had a hole in this chain
         res = self._m_res if hs is self._m_hs and self._m_epoch == self._epoch else self.match_blocks(hs)
         held = res.get(worker, 0)
+        md = self._mask
+        tail: list[int] | None = None
         if n - held == added:
             tail = list(hs[held:])
-        else:  # a hole (or repeated names): the blocks the worker did not hold, by their masks
-            md = self._mask
+            masks = list(map(md.get, tail, repeat(0)))
+            if reduce(_or, masks, 0) & bit:  # one of them was held: the counts agreed by chance (a hole)
+                tail = None
+        if tail is None:  # a hole (or repeated names): the blocks the worker did not hold, by their masks
             tail = [h for h in dict.fromkeys(hs) if not md.get(h, 0) & bit]
-        md = self._mask
-        md.update(zip(tail, map(_or, map(md.get, tail, repeat(0)), repeat(bit)), strict=False))
+            masks = list(map(md.get, tail, repeat(0)))
+        md.update(zip(tail, map(_or, masks, repeat(bit)), strict=True))
         self._enqueue(worker, now, tail)
         if len(wd) > cap:
             self._evict(worker, len(wd) - cap, protect=now)
@@ -479,16 +491,22 @@ class _Run:
     A chain run (``chain``) is a contiguous piece of one chain: requests touch prefixes of it (a
     request's chain enters a run at its first block), so its times do not increase along it and its
     tail is its least recently used part. A loose run (merged entries, or an insert that met blocks the
-    worker held already) is any set of blocks, kept newest first."""
+    worker held already) is any set of blocks, kept newest first.
 
-    __slots__ = ("chain", "keys", "mask", "seq", "times")
+    ``ordered``: its times do not increase along it (so its first and last ones bound them all). Runs
+    are made so (one time, or newest first); a touch or merge that breaks it clears it."""
 
-    def __init__(self, keys: list[int], times: list[float], mask: int, seq: int, chain: bool) -> None:
+    __slots__ = ("chain", "keys", "mask", "ordered", "seq", "times")
+
+    def __init__(
+        self, keys: list[int], times: list[float], mask: int, seq: int, chain: bool, ordered: bool = True
+    ) -> None:
         self.keys = keys
         self.times = times
         self.mask = mask  # the worker's bit (blocks map to the run: the run stands for the mask)
         self.seq = seq
         self.chain = chain
+        self.ordered = ordered
 
 
 class _Shared:
@@ -504,9 +522,10 @@ class _Shared:
 class _Holder:
     """One worker of a ``RunPrefixIndex``: its bit, its live runs, a lazy heap of their tails."""
 
-    __slots__ = ("bit", "count", "heap", "runs")
+    __slots__ = ("bit", "count", "heap", "name", "runs")
 
-    def __init__(self, bit: int) -> None:
+    def __init__(self, name: str, bit: int) -> None:
+        self.name = name
         self.bit = bit
         self.count = 0  # blocks held
         self.runs: dict[_Run, None] = {}
@@ -539,7 +558,9 @@ class RunPrefixIndex(PrefixIndex):
     times do not increase along it, that is LRU down to the order inside a run, where the deeper
     block goes first; what a worker keeps of a chain stays a prefix. Expiry starts from the same oldest
     tails (no scan past recent entries). Runs that merges or out-of-order touches left unsorted are
-    evicted and expired from their tail all the same (approximately LRU)."""
+    evicted and expired from their tail all the same (approximately LRU). An insert that takes a worker
+    over its capacity evicts 1/64 of the capacity more than needed, so that most inserts evict nothing
+    (the per-call work is paid once per batch; the worker then holds up to 1.6% less)."""
 
     def __init__(self, config: PrefixIndexConfig | None = None) -> None:
         super().__init__(config)
@@ -641,7 +662,9 @@ class RunPrefixIndex(PrefixIndex):
             return  # all held already: only times changed
         self._epoch += 1  # masks changed: a cached match of these blocks is stale
         if holder.count > cap:
-            self._evict_runs(holder, holder.count - cap)
+            # a little more than needed (1/64 of the capacity, never so much that the blocks just set
+            # would go when all the others are older): most inserts then evict nothing
+            self._evict_runs(holder, holder.count - cap + min(cap >> 6, cap - n))
         if len(holder.heap) > 2 * len(holder.runs) + 64:
             self._rebuild_heap(holder)
 
@@ -664,7 +687,7 @@ class RunPrefixIndex(PrefixIndex):
             return
         self._epoch += 1
         for run in holder.runs:
-            self._unlink(holder.bit, run, run.keys)
+            self._unlink(holder, run, run.keys, run.times)
         self._slots[holder.bit.bit_length() - 1] = None
         self._names_of.clear()
 
@@ -694,8 +717,9 @@ class RunPrefixIndex(PrefixIndex):
                 while j and times[j - 1] < cutoff:  # bounded by the run: its expired tail
                     j -= 1
                 victims = keys[j:]
+                vtimes = times[j:]
                 del keys[j:], times[j:]
-                self._unlink(holder.bit, run, victims)
+                self._unlink(holder, run, victims, vtimes)
                 holder.count -= len(victims)
                 dropped += len(victims)
                 seen += len(victims)
@@ -738,6 +762,8 @@ class RunPrefixIndex(PrefixIndex):
                 o = run.keys.index(h)
                 if t > run.times[o]:
                     run.times[o] = t
+                    if o and run.times[o - 1] < t:
+                        run.ordered = False
                     if o == len(run.keys) - 1:
                         heapq.heappush(holder.heap, (t, -run.seq, run))
             if new:
@@ -759,48 +785,75 @@ class RunPrefixIndex(PrefixIndex):
             self._slots.append(worker)
         self._epoch += 1
         self._names_of.clear()
-        holder = self._holders[worker] = _Holder(1 << slot)
+        holder = self._holders[worker] = _Holder(worker, 1 << slot)
         return holder
 
     def _touch(self, holder: _Holder, hs: Sequence[int], k: int, now: float) -> int:
         """Set the time of the held blocks ``hs[:k]`` to ``now``, run by run; returns how far it got
-        (less than ``k``: a block the worker does not hold, a hole)."""
+        (less than ``k``: a block the worker does not hold, a hole). (The mesh's subclass has its own
+        copy of this loop, with its digest accounting: change both.)"""
         get = self._blocks.get
         bit = holder.bit
         i = 0
         while i < k:  # bounded: i grows by at least 1 per turn
             h = hs[i]
-            run = _run_of(get(h), bit)
+            v = get(h)
+            if v is None:
+                return i
+            if type(v) is _Run:
+                run: _Run | None = v if v.mask == bit else None
+            else:
+                run = v.runs.get(bit)  # type: ignore[union-attr]
             if run is None:
                 return i
             keys = run.keys
             o = 0 if keys[0] == h else keys.index(h)
-            b = min(len(keys) - o, k - i)  # how far run and chain may go on together
-            if run.chain:
-                if b > 1 and keys[o + b - 1] != hs[i + b - 1]:  # the run leaves the chain: where?
-                    lo, hi = 1, b - 1  # equal names at one depth mean equal prefixes: a binary search
-                    while lo < hi:
-                        mid = (lo + hi + 1) >> 1
-                        if keys[o + mid - 1] == hs[i + mid - 1]:
-                            lo = mid
-                        else:
-                            hi = mid - 1
-                    b = lo
-            else:
-                m = 1
-                while m < b and keys[o + m] == hs[i + m]:  # bounded by b
-                    m += 1
-                b = m
-            run.times[o : o + b] = [now] * b
+            b = len(keys) - o  # how far run and chain may go on together
+            if b > k - i:
+                b = k - i
+            if b > 1 and (not run.chain or keys[o + b - 1] != hs[i + b - 1]):  # it leaves the chain
+                b = self._span(run, o, hs, i, b)
+            times = run.times
+            if run.ordered and ((o and times[o - 1] < now) or (o + b < len(times) and times[o + b] > now)):
+                run.ordered = False
+            times[o : o + b] = [now] * b
             if o + b == len(keys):  # its tail moved: a fresh heap entry (the old one goes stale)
                 heapq.heappush(holder.heap, (now, -run.seq, run))
             i += b
         return i
 
+    def _span(self, run: _Run, o: int, hs: Sequence[int], i: int, b: int) -> int:
+        """How many blocks ``run`` (from its offset ``o``) and the chain ``hs`` (from ``i``) have in
+        common, at most ``b`` (the first one is)."""
+        keys = run.keys
+        if not run.chain:  # any set of blocks: compared one by one (a C-speed compare first)
+            if type(hs) is list and keys[o : o + b] == hs[i : i + b]:
+                return b
+            m = 1
+            while m < b and keys[o + m] == hs[i + m]:  # bounded by b
+                m += 1
+            return m
+        # a piece of a chain: equal names at one depth mean equal prefixes. Where a recent match
+        # answer ended first (a shared system prompt's end recurs), else a binary search
+        for a in self._hints:  # bounded: a few hints
+            m = a - i
+            if 0 < m < b and keys[o + m - 1] == hs[a - 1] and keys[o + m] != hs[a]:
+                return m
+        lo, hi = 1, b - 1
+        while lo < hi:  # bounded: the range halves
+            mid = (lo + hi + 1) >> 1
+            if keys[o + mid - 1] == hs[i + mid - 1]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def _touch_one(self, holder: _Holder, run: _Run, h: int, now: float) -> None:
         o = run.keys.index(h)
         if now > run.times[o]:
             run.times[o] = now
+            if o and run.times[o - 1] < now:
+                run.ordered = False
             if o == len(run.keys) - 1:
                 heapq.heappush(holder.heap, (now, -run.seq, run))
 
@@ -820,8 +873,9 @@ class RunPrefixIndex(PrefixIndex):
         if piece:
             self._add_run(holder, piece, [now] * len(piece), True)
 
-    def _add_run(self, holder: _Holder, keys: list[int], times: list[float], chain: bool) -> None:
-        """Blocks ``keys`` (lists the run owns) become the worker's, as a new run."""
+    def _add_run(self, holder: _Holder, keys: list[int], times: list[float], chain: bool) -> _Run | None:
+        """Blocks ``keys`` (lists the run owns) become the worker's, as a new run (returned, with the
+        blocks that were new to the worker; None if there were none)."""
         self._seq += 1
         run = _Run(keys, times, holder.bit, self._seq, chain)
         blocks = self._blocks
@@ -830,10 +884,11 @@ class RunPrefixIndex(PrefixIndex):
         if len(blocks) - before != len(keys):  # some were known: other holders, or repeated names
             self._share(holder, run, olds)
             if not run.keys:
-                return
+                return None
         holder.runs[run] = None
         holder.count += len(run.keys)
         heapq.heappush(holder.heap, (run.times[-1], -run.seq, run))
+        return run
 
     def _share(self, holder: _Holder, run: _Run, olds: list[_Run | _Shared]) -> None:
         """The blocks of a new ``run`` that were in the index already: shared with their holders,
@@ -867,8 +922,10 @@ class RunPrefixIndex(PrefixIndex):
             run.chain = False  # not a contiguous piece of a chain any more
             run.keys, run.times = keep, times
 
-    def _unlink(self, bit: int, run: _Run, keys: Sequence[int]) -> None:
-        """Take the worker's entries of ``keys`` (blocks of ``run``) out of the block map."""
+    def _unlink(self, holder: _Holder, run: _Run, keys: Sequence[int], times: Sequence[float]) -> None:
+        """Take the worker's entries of ``keys`` (blocks of ``run``, last accessed at ``times``) out of
+        the block map. Every removal goes through here (the mesh's digest follows it)."""
+        bit = holder.bit
         blocks = self._blocks
         olds = list(map(blocks.pop, keys, repeat(None)))
         if olds.count(run) == len(olds):  # the worker was the only holder: the common case
@@ -889,14 +946,14 @@ class RunPrefixIndex(PrefixIndex):
     def _cut(self, holder: _Holder, run: _Run, o: int) -> None:
         """Remove the block at offset ``o`` of ``run``; what follows it becomes a run of its own."""
         keys, times = run.keys, run.times
-        h = keys[o]
+        h, t = keys[o], times[o]
         rest_k, rest_t = keys[o + 1 :], times[o + 1 :]
         del keys[o:], times[o:]
-        self._unlink(holder.bit, run, [h])
+        self._unlink(holder, run, [h], [t])
         holder.count -= 1
         if rest_k:
             self._seq += 1
-            tail = _Run(rest_k, rest_t, holder.bit, self._seq, run.chain)
+            tail = _Run(rest_k, rest_t, holder.bit, self._seq, run.chain, run.ordered)
             blocks = self._blocks
             for k in rest_k:  # bounded by the run
                 v = blocks[k]
@@ -914,7 +971,6 @@ class RunPrefixIndex(PrefixIndex):
     def _evict_runs(self, holder: _Holder, k: int) -> None:
         """Evict ``k`` blocks: the least recently used run tails first."""
         heap = holder.heap
-        bit = holder.bit
         self._epoch += 1
         while k > 0 and heap:  # bounded: each turn drops a heap entry or evicts blocks
             t, ns, run = heap[0]
@@ -929,8 +985,9 @@ class RunPrefixIndex(PrefixIndex):
                 while j > n - k and times[j - 1] <= t:  # bounded by k
                     j -= 1
             victims = keys[j:]
+            vtimes = times[j:]
             del keys[j:], times[j:]
-            self._unlink(bit, run, victims)
+            self._unlink(holder, run, victims, vtimes)
             holder.count -= n - j
             k -= n - j
             if keys:

@@ -52,3 +52,16 @@ def test_shapes_that_do_not_describe_the_ids_are_ignored() -> None:
     short = PromptIds(list(ids)[:-3], (("p8", 64), ("x", 37)))
     assert namer.names(short) == block_hashes(short)
     assert namer.names(list(ids)) == block_hashes(ids)  # a plain list: no shape
+
+
+def test_a_full_memo_drops_its_oldest_pieces_in_bulk_and_keeps_the_recent_ones() -> None:
+    namer = BlockNamer(block_hashes, CHAIN_SEED, max_entries=64, max_hashes=1 << 20)
+    prompts = [PromptIds(list(range(100 * i, 100 * i + 40)), ((f"k{i}", 40),)) for i in range(200)]
+    for p in prompts:
+        assert namer.names(p) == block_hashes(p)
+        assert len(namer) <= 64
+    assert len(namer) >= 64 - 64 // 16  # trimmed a sixteenth below the bound at a time, not to nothing
+    hits = namer.hits
+    for p in prompts[-len(namer) :]:  # the most recent pieces are all still there
+        assert namer.names(p) == block_hashes(p)
+    assert namer.hits - hits == len(namer)

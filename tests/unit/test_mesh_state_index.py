@@ -184,6 +184,40 @@ def test_deltas_carry_new_blocks_and_refreshes_only_when_a_slot_changes() -> Non
     assert ix.digest() == ix.recompute_digest()
 
 
+def test_one_request_leaves_as_one_group_without_the_blocks_gone_before_the_flush() -> None:
+    ix = ix_(60.0)
+    base = 60.0 * 20_000
+    hs = block_hashes(list(range(16 * 10)))
+    ix.insert_blocks(hs[:4], "w", base)
+    ix.take_groups()
+    ix.insert_blocks(hs, "w", base + 61)  # the held run re-sent (a new slot) and a new run: one group
+    assert [(w, t, list(h)) for w, t, h in ix.take_groups()] == [("w", base + 61, hs)]
+    other = block_hashes(list(range(1000, 1000 + 16 * 6)))
+    ix.insert_blocks(other, "w", base + 62)
+    ix.remove_blocks(other[3:], "w")  # KV "removed" before the flush: those are not sent
+    assert [(t, list(h)) for _, t, h in ix.take_groups()] == [(base + 62, other[:3])]
+    assert ix.digest() == ix.recompute_digest()
+
+
+def per_entry(groups: list[Group]) -> list[tuple[str, int, float]]:
+    out = []
+    for w, t, hs in groups:
+        ts = [t] * len(hs) if isinstance(t, float) else list(t)
+        out += [(w, h, x) for h, x in zip(hs, ts, strict=True)]
+    return out
+
+
+def test_relay_re_gossips_what_changed_this_index_only() -> None:
+    ix = ix_(relay=True)
+    hs = block_hashes(list(range(16 * 4)))
+    groups: list[Group] = [("w", T0, array("q", hs[:3]))]
+    assert ix.apply_groups(groups, T0) == 3
+    assert per_entry(ix.take_groups()) == [("w", h, T0) for h in hs[:3]]
+    assert ix.apply_groups(groups, T0) == 0 and ix.take_groups() == []  # nothing changed: nothing relayed
+    assert ix.apply_groups([("w", T0 + 1, array("q", hs[1:]))], T0) == 3
+    assert per_entry(ix.take_groups()) == [("w", h, T0 + 1) for h in hs[1:]]
+
+
 def test_repair_leaves_slots_still_open_to_the_deltas_in_flight() -> None:
     a, b = ix_(60.0), ix_(60.0)
     base = 60.0 * 20_000

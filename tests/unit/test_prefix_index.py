@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from shepherd.mesh.state_index import ReplicatedPrefixIndex
+from shepherd.policies.block_names import PromptIds
 from shepherd.policies.prefix_index import (
     BLOCK_TOKENS,
     CHAIN_SEED,
@@ -22,7 +24,7 @@ from shepherd.policies.prefix_index import (
 Index = type[PrefixIndex]
 
 
-@pytest.fixture(params=[PrefixIndex, RunPrefixIndex], ids=["flat", "runs"])
+@pytest.fixture(params=[PrefixIndex, RunPrefixIndex, ReplicatedPrefixIndex], ids=["flat", "runs", "mesh"])
 def Ix(request: pytest.FixtureRequest) -> Index:
     cls: Index = request.param
     return cls
@@ -344,3 +346,38 @@ def test_kv_stored_blocks_continue_a_routed_chain() -> None:
     assert ix.worker_blocks("w") == 6
     ix.set_capacity("w", 4)  # the newer tail is still the deeper part: it goes first, a prefix stays
     assert ix.match(a) == {"w": 64}
+
+
+def test_block_hashes_from_an_offset_read_no_copy_and_agree() -> None:
+    a = ids(16 * 9 + 5)
+    for start in (0, 16, 40, 16 * 9, 500):
+        want = block_hashes(a[start:], seed=7)
+        assert block_hashes(a, 7, start) == want
+        assert block_hashes(PromptIds(a, (("x", len(a)),)), 7, start) == want  # a list subclass
+        assert block_hashes(tuple(a), 7, start) == want  # any sequence (sliced)
+
+
+@pytest.mark.parametrize("cls", [RunPrefixIndex, ReplicatedPrefixIndex], ids=["runs", "mesh"])
+def test_an_insert_over_capacity_evicts_a_little_more_so_the_next_ones_evict_nothing(cls: Index) -> None:
+    ix = cls(PrefixIndexConfig(capacity_blocks=128))
+    old = block_hashes(ids(16 * 128))
+    ix.insert_blocks(old, "w", 1.0)
+    assert ix.worker_blocks("w") == 128
+    ix.insert_blocks(block_hashes(ids(16 * 3, start=50_000)), "w", 2.0)
+    # 3 over: 3 + 128 // 64 go, the least recently used tail first (a prefix of the old chain stays)
+    assert ix.worker_blocks("w") == 126 and ix.match_blocks(old) == {"w": 123}
+    ix.insert_blocks(block_hashes(ids(16 * 2, start=60_000)), "w", 3.0)
+    assert ix.worker_blocks("w") == 128 and ix.match_blocks(old) == {"w": 123}  # nothing evicted
+
+
+def test_reinsert_after_holes_whose_count_matches_the_unheld_tail(Ix: Index) -> None:
+    # holes at 1, 3, 5: the binary search says 3 leading blocks held and 3 blocks are new, as if the
+    # new ones were the last three (found by hypothesis; the flat layout then missed block 1's mask)
+    ix = Ix()
+    a = ids(16 * 6)
+    h = block_hashes(a)
+    ix.insert(a, "w", 1.0)
+    ix.remove_blocks([h[1], h[3], h[5]], "w")
+    ix.insert(list(a), "w", 2.0)
+    assert ix.live_blocks == 6 and all(ix.holders(b) == ["w"] for b in h)
+    assert ix.match(a) == {"w": 96}

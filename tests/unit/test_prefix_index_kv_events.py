@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from shepherd.mesh.state_index import ReplicatedPrefixIndex
 from shepherd.policies.kv_events import KvEventApplier
 from shepherd.policies.prefix_index import PrefixIndex, RunPrefixIndex, block_hashes
 
@@ -11,7 +12,7 @@ IDS = list(range(500, 596))  # 6 blocks of 16
 Index = type[PrefixIndex]
 
 
-@pytest.fixture(params=[PrefixIndex, RunPrefixIndex], ids=["flat", "runs"])
+@pytest.fixture(params=[PrefixIndex, RunPrefixIndex, ReplicatedPrefixIndex], ids=["flat", "runs", "mesh"])
 def Ix(request: pytest.FixtureRequest) -> Index:
     cls: Index = request.param
     return cls

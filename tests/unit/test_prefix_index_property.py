@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shepherd.mesh.state_index import ReplicatedPrefixIndex
 from shepherd.policies.prefix_index import (
     PrefixIndex,
     PrefixIndexConfig,
@@ -15,7 +16,9 @@ from shepherd.policies.prefix_index import (
     merge_entries,
 )
 
-LAYOUTS = pytest.mark.parametrize("Ix", [PrefixIndex, RunPrefixIndex], ids=["flat", "runs"])
+LAYOUTS = pytest.mark.parametrize(
+    "Ix", [PrefixIndex, RunPrefixIndex, ReplicatedPrefixIndex], ids=["flat", "runs", "mesh"]
+)
 
 WORKERS = ["a", "b", "c"]
 

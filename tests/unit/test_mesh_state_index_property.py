@@ -1,0 +1,173 @@
+"""The mesh's prefix index on the run layout (hypothesis): replicas converge to the flat reference map
+(block, worker) -> last access under any delivery order, loss and duplication; locally it holds exactly
+what a ``RunPrefixIndex`` holds, with an incremental digest equal to a recomputation."""
+
+from __future__ import annotations
+
+import msgpack  # type: ignore[import-untyped]
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shepherd.mesh.state_index import (
+    Group,
+    IndexReplConfig,
+    ReplicatedPrefixIndex,
+    decode_index_body,
+    encode_index_bodies,
+)
+from shepherd.policies.prefix_index import (
+    PrefixIndex,
+    PrefixIndexConfig,
+    RunPrefixIndex,
+    block_hashes,
+    merge_entries,
+)
+
+T0 = 1_000_000.0
+WORKERS = ["a", "b", "c"]
+NODES = 3
+
+# prompts from a few shared pieces (prefixes overlap often); a cut keeps a prefix of the blocks
+pieces = st.lists(st.sampled_from([tuple(range(i * 10, i * 10 + 16)) for i in range(5)]), max_size=6)
+prompts = pieces.map(lambda ps: [t for p in ps for t in p])
+
+node = st.integers(0, NODES - 1)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), node, prompts, st.sampled_from(WORKERS), st.integers(1, 6)),
+        st.tuples(st.just("kv"), node, prompts, st.sampled_from(WORKERS), st.integers(1, 6)),
+        # deltas of a node: taken, then sent to some nodes (bits 0-2), some twice (bits 3-5: duplicates)
+        st.tuples(st.just("gossip"), node, st.just([]), st.just(""), st.integers(0, 63)),
+        # a replica's whole state (a join's snapshot) or a direct merge of another's export
+        st.tuples(st.just("snapshot"), node, st.just([]), st.sampled_from(WORKERS), node),
+        st.tuples(st.just("merge"), node, st.just([]), st.sampled_from(WORKERS), node),
+        st.tuples(st.just("deliver"), node, st.just([]), st.just(""), st.integers(0, 99)),
+    ),
+    max_size=30,
+)
+
+
+def wire(groups: list[Group], budget: int = 300) -> list[list[Group]]:
+    """Groups through encode, msgpack and decode, as UDP-sized bodies."""
+    out = []
+    for body in encode_index_bodies("m", groups, budget):
+        _, decoded = decode_index_body(msgpack.unpackb(msgpack.packb(body, use_bin_type=True)))
+        out.append(decoded)
+    return out
+
+
+def slots(entries: dict[tuple[int, str], float], g: float) -> dict[tuple[int, str], float]:
+    return {k: (t // g if g > 0 else t) for k, t in entries.items()}
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=ops, g=st.sampled_from([0.0, 7.0]), seed=st.integers(0, 1 << 16))
+def test_run_replicas_converge_to_the_flat_reference(
+    ops: list[tuple[str, int, list[int], str, int]], g: float, seed: int
+) -> None:
+    """Each node's local updates also go to a flat ``PrefixIndex`` of its own; whatever was delivered
+    in whatever order (duplicated, lost, snapshots, direct merges), after digest repair every replica
+    holds the max-merge of the flat references (exactly with granularity 0, up to the time slot
+    otherwise), with equal digests."""
+    big = PrefixIndexConfig(capacity_blocks=1 << 20, max_age_s=1e9)
+    reps = [ReplicatedPrefixIndex(big, IndexReplConfig(digest_granularity_s=g)) for _ in range(NODES)]
+    flats = [PrefixIndex(big) for _ in range(NODES)]
+    inflight: list[tuple[int, list[Group]]] = []
+    now = T0
+    for kind, i, prompt, w, x in ops:
+        now += 1.0
+        if kind == "insert":
+            cut = prompt[: 16 * x]
+            reps[i].insert(list(cut), w, now)
+            flats[i].insert(list(cut), w, now)
+        elif kind == "kv":  # a KV "stored" event: blocks after the first one, chained from its name
+            hs = block_hashes(prompt)
+            if hs:
+                reps[i].store_token_blocks(w, prompt[16 : 16 * x], now, parent=hs[0])
+                flats[i].store_token_blocks(w, prompt[16 : 16 * x], now, parent=hs[0])
+        elif kind == "gossip":
+            for body in wire(reps[i].take_groups()):
+                for j in range(NODES):
+                    if j != i and (x >> j) & 1:
+                        inflight.append((j, body))
+                        if (x >> (j + 3)) & 1:
+                            inflight.append((j, body))
+        elif kind == "snapshot":
+            for body in wire(reps[x].entries_in()):
+                reps[i].apply_groups(body, now)
+        elif kind == "merge":
+            reps[i].merge(reps[x].export())
+        elif inflight:  # deliver one in-flight body, picked anywhere in the queue
+            j, body = inflight.pop(x % len(inflight))
+            reps[j].apply_groups(body, now)
+        assert reps[i].digest() == reps[i].recompute_digest()
+    # the rest of the deltas are lost; digest repair, both ways, over every pair (twice: a repair
+    # can bring an entry that a third replica then needs)
+    for _ in range(2):
+        for a in range(NODES):
+            for b in range(NODES):
+                if a != b:
+                    for body in wire(reps[a].entries_in(reps[a].diff(reps[b].digest())), 400):
+                        reps[b].apply_groups(body, now)
+    want: dict[tuple[int, str], float] = {}
+    for f in flats:
+        want = merge_entries(want, f.export())
+    for r in reps:
+        assert r.digest() == r.recompute_digest() == reps[0].digest()
+        if g == 0.0:
+            assert r.export() == want
+        else:
+            assert slots(r.export(), g) == slots(want, g)
+
+
+local_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), prompts, st.sampled_from(WORKERS), st.integers(0, 3)),
+        st.tuples(st.just("kv"), prompts, st.sampled_from(WORKERS), st.integers(0, 3)),
+        st.tuples(
+            st.just("remove"), st.lists(st.integers(0, 40), max_size=4), st.sampled_from(WORKERS), st.just(0)
+        ),
+        st.tuples(st.just("clear"), st.just([]), st.sampled_from(WORKERS), st.just(0)),
+        st.tuples(st.just("expire"), st.just([]), st.just(""), st.integers(0, 3)),
+        st.tuples(st.just("capacity"), st.just([]), st.sampled_from(WORKERS), st.integers(1, 12)),
+        st.tuples(st.just("merge"), prompts, st.sampled_from(WORKERS), st.integers(-3, 3)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(local_ops, st.integers(1, 12), st.sampled_from([0.0, 3.0]))
+def test_the_mesh_index_holds_what_a_run_index_holds(
+    acts: list[tuple[str, list[int], str, int]], cap: int, g: float
+) -> None:
+    """Same updates (with eviction, expiry, removals, merges): the same entries as a ``RunPrefixIndex``,
+    and the incremental digest equals a recomputation after every step."""
+    cfg = PrefixIndexConfig(capacity_blocks=cap, max_age_s=6.0)
+    runs, mesh = RunPrefixIndex(cfg), ReplicatedPrefixIndex(cfg, IndexReplConfig(digest_granularity_s=g))
+    seen: list[int] = []
+    now = 0.0
+    for kind, arg, w, x in acts:
+        now += 1.0
+        for ix in (runs, mesh):
+            if kind == "insert":
+                ix.insert(list(arg), w, now - x)
+            elif kind == "kv":
+                hs = block_hashes(arg)
+                if hs:
+                    ix.store_token_blocks(w, arg[16:], now - x, parent=hs[0])
+            elif kind == "remove":
+                ix.remove_blocks([seen[i % len(seen)] for i in arg] if seen else [], w)
+            elif kind == "clear":
+                ix.clear_worker(w)
+            elif kind == "expire":
+                ix.expire(now + x, budget=3)
+            elif kind == "capacity":
+                ix.set_capacity(w, x)
+            else:
+                ix.merge({(b, w): now + x for b in block_hashes(arg)})
+        if kind in ("insert", "kv", "merge"):
+            seen += block_hashes(arg)
+        assert mesh.export() == runs.export()
+        assert mesh.live_blocks == runs.live_blocks
+        assert mesh.digest() == mesh.recompute_digest()
