@@ -3,6 +3,7 @@
     .venv/bin/python bench/tokenizer_bench.py [--quick] [--asyncio] [--no-pin]
     .venv/bin/python bench/tokenizer_bench.py --fast-bpe [--quick] [--no-pin]   # only FastBPE sections
     .venv/bin/python bench/tokenizer_bench.py --fast-bpe-verify [family...]      # slow exhaustive checks
+    .venv/bin/python bench/tokenizer_bench.py --node [--quick]   # only the node's per-request call
 
 By default the process (and the pool workers it forks) is pinned to one CPU, so that CPU times of
 the parent and of a worker are comparable (the two vCPUs here are not equally loaded by neighbours);
@@ -30,6 +31,7 @@ state where HF's merge order and tiktoken's leftmost rule would pick different p
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import statistics
 import sys
@@ -345,10 +347,89 @@ async def service_path(text_at: dict[int, str]) -> None:
         t0 = time.perf_counter()
         for _ in range(n):
             await svc.render_and_encode("qwen3", same)
-        print(f"identical request (render cache + L0 hit): {(time.perf_counter() - t0) / n * 1e6:.1f}")
+        us = (time.perf_counter() - t0) / n * 1e6
+        print(f"identical request (skeleton fill or render cache, then L0 hit): {us:.1f}")
         print(f"stats: {svc.stats()}")
     finally:
         await svc.close()
+
+
+def _drive(coro: Any) -> Any:
+    """Run a coroutine that never suspends (the inline path) without an event loop hop."""
+    try:
+        coro.send(None)
+    except StopIteration as e:
+        return e.value
+    raise RuntimeError("the coroutine suspended: not the inline path")
+
+
+def node_call() -> None:
+    """What the node does per chat request before the engine: ``render_and_encode`` through
+    ``TokenizerService`` and its caches (inline path: every remainder is under the pool thresholds,
+    so ``workers=0`` runs the same code as the node's pool-backed service; a follow-up turn's render is
+    over the 8-message threshold, but once the pool has rendered its shape the node fills the
+    skeleton the worker sent back, as here). Messages are the load generator's (``smg-bench
+    gateway``): the shared system prompt plus a distinct ~190-token user message per call, parsed from
+    JSON as the node parses them. CPU µs per call (process time, collector off), best of ``rounds``
+    runs over ``n`` distinct requests; "tiktoken" is ``encode_ordinary`` alone on the new turn's text
+    (what any exact encoder pays), "rest" the tokenizer layer's own work around it."""
+    import orjson
+
+    from shepherd.loadgen.prompts import load_qwen3_tokenizer
+
+    section("node call: TokenizerService.render_and_encode (qwen3), CPU µs per call, best of rounds")
+    factory = PromptFactory(PromptConfig(prompt_tokens=250), load_qwen3_tokenizer())
+    n = 300 if QUICK else 1500
+    rounds = 5 if QUICK else 9
+    svc = TokenizerService({"qwen3": QWEN3}, workers=0)
+    _drive(svc.start())
+    tok = svc.get("qwen3")
+    fast = tok.cache.fast
+    base = 1_000_000  # distinct from anything else this process encoded
+
+    def requests(start: int, history: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+        out = []
+        for i in range(start, start + n):
+            body = orjson.dumps(
+                {"messages": [*history, {"role": "user", "content": factory.user_message(base + i)}]}
+            )
+            out.append(orjson.loads(body)["messages"])
+        return out
+
+    def measure(label: str, history: list[dict[str, Any]], offset: int) -> None:
+        call = svc.render_and_encode
+        _drive(call("qwen3", [*history, {"role": "user", "content": "warm up"}], None, True, False, {}))
+        best = best_tt = float("inf")
+        for r in range(rounds):
+            batch = requests(offset + r * n, history)
+            gc.disable()  # the collector's pauses are the node's gc_tuning's business, not this path's
+            try:
+                t0 = time.process_time()
+                for msgs in batch:
+                    _drive(call("qwen3", msgs, None, True, False, {}))
+                best = min(best, (time.process_time() - t0) / n * 1e6)
+            finally:
+                gc.enable()
+            if fast is not None:  # tiktoken on what was encoded: the user turn's gap text
+                gaps = [f"user\n{m[-1]['content']}" for m in requests(offset + (r + rounds) * n, history)]
+                enc = fast._encode_ordinary
+                t0 = time.process_time()
+                for g in gaps:
+                    enc(g)
+                best_tt = min(best_tt, (time.process_time() - t0) / n * 1e6)
+        print(f"{label:<44} total {best:7.1f}   tiktoken {best_tt:6.1f}   rest {best - best_tt:6.1f}")
+
+    system = [{"role": "system", "content": factory.system_prompt}]
+    measure("[system, new user] (the benchmark's request)", system, 0)
+    convo = list(system)
+    for i in range(12):
+        role = "user" if i % 2 == 0 else "assistant"
+        convo.append({"role": role, "content": factory.user_message(base // 2 + i)})
+    measure("follow-up turn: 12 earlier turns + new user", convo, 10 * n * rounds)
+    ids = tok.encode(factory.user_message(7), False)[:32]
+    us = best_us(lambda: tok.decode(ids), calls_for(3.0))
+    print(f"Tokenizer.decode of 32 ids (a non-stream answer): {us:.2f}")
+    print(f"stats: {svc.stats()}")
 
 
 async def pool_renders(tok: Tokenizer) -> tuple[dict[int, float], dict[int, tuple[float, float]]]:
@@ -631,6 +712,9 @@ async def main() -> None:
         families = [a for a in sys.argv[1:] if not a.startswith("--")] or ["qwen3", "llama-3.1", "gpt2"]
         fast_bpe_verify(families)
         return
+    if "--node" in sys.argv:
+        node_call()
+        return
     if "--no-pin" not in sys.argv:
         cpu = min(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpu})
@@ -654,6 +738,7 @@ async def main() -> None:
         await encode_threshold(tok, text_at)
         return
     cache_hits(tok, text_at)
+    node_call()
     renders()
     render_inline, render_costs = await pool_renders(tok)
     await service_path(text_at)

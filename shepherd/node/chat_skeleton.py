@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import string
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -231,6 +231,13 @@ for _name in dir(str):
     setattr(Traced, _name, _make_predicate(_name) if _name in _PREDICATES else _make_transform(_name))
 
 
+def _tuples(value: Any) -> Any:
+    """JSON arrays back into the tuples they were (method arguments: ``startswith(("a", "b"))``)."""
+    if type(value) is list:
+        return tuple(_tuples(v) for v in value)
+    return value
+
+
 def resolve(refs: Sequence[Ref], contents: Sequence[Any]) -> list[str]:
     """The text of every ref for these contents."""
     out: list[str] = []
@@ -282,9 +289,35 @@ class Skeleton:
     pieces: list[Piece]
     guards: list[Guard]
     refs: list[Ref]
+    # refs that are contents as they are (no methods applied): their message indices, else None
+    _direct: list[int] | None = field(default=None, init=False, repr=False)
+
+    # the guards with their str methods looked up: (ref, method, args, result)
+    _checks: list[tuple[int, Callable[..., Any], tuple[Any, ...], Any]] = field(
+        default_factory=list, init=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        if all(not ops for _, ops in self.refs):
+            self._direct = [slot for slot, _ in self.refs]
+        self._checks = [
+            (ref, bool if name == "__bool__" else getattr(str, name), args, result)
+            for ref, name, args, result in self.guards
+        ]
 
     def values(self, contents: Sequence[Any]) -> list[str]:
+        direct = self._direct
+        if direct is not None:
+            return [contents[slot] for slot in direct]
         return resolve(self.refs, contents)
+
+    def fill_if_guards_hold(self, contents: Sequence[Any]) -> str | None:
+        """The skeleton filled with ``contents``, or None when a guard answers differently on them."""
+        values = self.values(contents)
+        for ref, method, args, result in self._checks:  # guards_hold
+            if method(values[ref], *args) != result:
+                return None
+        return "".join([values[p] if type(p) is int else p for p in self.pieces])  # type: ignore[misc]
 
 
 _REFUSED: Final = Skeleton([], [], [])
@@ -303,37 +336,60 @@ class SkeletonCache:
     misses: int = 0
     guard_misses: int = 0
     refused: int = 0
-    _entries: OrderedDict[bytes, Skeleton] = field(default_factory=OrderedDict)
+    _entries: OrderedDict[Hashable, Skeleton] = field(default_factory=OrderedDict)
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def render(
         self,
-        shape: bytes,
+        shape: Hashable,
         chat: list[dict[str, Any]],
         slots: Sequence[int],
         render: Callable[[list[dict[str, Any]]], str],
+        contents: list[Any] | None = None,
     ) -> str:
         """``render(chat)``, through the skeleton of ``shape`` (made on first use).
 
-        ``slots`` are the indices of the messages whose ``content`` is a string without marker
-        characters; ``render`` is the plain render."""
-        contents: list[Any] = [m.get("content") for m in chat]
+        ``slots`` are the indices of the messages whose ``content`` is a string (one with marker
+        characters in it is filled in as any other, but no skeleton is made from it); ``render`` is the
+        plain render; ``contents`` each message's ``content`` (None: read from ``chat``).
+
+        Why filling needs no marker check: a skeleton holds only what the template wrote around the
+        traced contents and the answers of the guards; a content is copied in as it is, which is what
+        the template does with it given the same guard answers, whatever characters it holds."""
+        if contents is None:
+            contents = [m.get("content") for m in chat]
         skel = self._entries.get(shape)
         if skel is not None:
             self._entries.move_to_end(shape)
             if skel is _REFUSED:
                 return render(chat)
-            values = skel.values(contents)
-            if guards_hold(skel.guards, values):
+            text = skel.fill_if_guards_hold(contents)
+            if text is not None:
                 self.hits += 1
-                return fill(skel.pieces, values)
+                return text
             self.guard_misses += 1
             return render(chat)
         self.misses += 1
         text = render(chat)
+        for s in slots:
+            c = contents[s]
+            if MARK_OPEN in c or SENTINEL in c:  # it would be taken for a marker: no skeleton from it
+                return text
         self._remember(shape, self._build(chat, slots, contents, text, render))
+        return text
+
+    def fill(self, shape: Hashable, contents: list[Any]) -> str | None:
+        """The render from the skeleton of ``shape`` when there is a usable one (no render, no build:
+        None otherwise)."""
+        skel = self._entries.get(shape)
+        if skel is None or skel is _REFUSED:
+            return None
+        self._entries.move_to_end(shape)
+        text = skel.fill_if_guards_hold(contents)
+        if text is not None:
+            self.hits += 1
         return text
 
     def _build(
@@ -378,7 +434,31 @@ class SkeletonCache:
             break
         return skel
 
-    def _remember(self, shape: bytes, skel: Skeleton) -> None:
+    def export(self, shape: Hashable) -> list[Any] | None:
+        """The skeleton of ``shape`` as JSON data (``adopt`` takes it), None if there is no usable one."""
+        skel = self._entries.get(shape)
+        if skel is None or skel is _REFUSED:
+            return None
+        return [skel.pieces, skel.guards, skel.refs]
+
+    def adopt(self, shape: Hashable, data: Any) -> bool:
+        """Take a skeleton ``export`` made from the same template (a pool worker's, built on a render
+        of a conversation of this shape) unless one is held already. True when taken."""
+        if shape in self._entries:
+            return False
+        try:
+            pieces, guards, refs = data
+            skel = Skeleton(
+                [p if type(p) is int else str(p) for p in pieces],
+                [(int(r), str(n), _tuples(a), _tuples(v)) for r, n, a, v in guards],
+                [(int(slot), tuple((str(n), _tuples(a)) for n, a in ops)) for slot, ops in refs],
+            )
+        except (TypeError, ValueError):
+            return False
+        self._remember(shape, skel)
+        return True
+
+    def _remember(self, shape: Hashable, skel: Skeleton) -> None:
         if skel is _REFUSED:
             self.refused += 1
         self._entries[shape] = skel

@@ -209,6 +209,13 @@ class ChatTemplate:
         self.hits = 0
         self.misses = 0
         self.skeletons = SkeletonCache(size=cache_size) if cache_size > 0 else None
+        # Plain conversations (every message just a role and a text) skip the copies and the JSON shape
+        # key: the template gets the caller's messages, which an immutable sandbox cannot change.
+        self._plain_skeletons = (
+            self.skeletons is not None
+            and not self.uses_clock
+            and isinstance(self._template.environment, ImmutableSandboxedEnvironment)
+        )
 
     @classmethod
     def from_file(
@@ -247,6 +254,43 @@ class ChatTemplate:
             continue_final_message=continue_final_message,
             template_kwargs=template_kwargs,
         )
+
+    def render_serialized_for_parent(self, payload: bytes) -> tuple[str, ClockReads, list[Any] | None]:
+        """``render_serialized`` in a pool worker, plus the skeleton of the conversation's shape when it
+        is a plain one (``adopt_skeleton`` takes it in the parent, which then fills that shape itself)."""
+        messages, tools, add_generation_prompt, continue_final_message, template_kwargs = orjson.loads(
+            payload
+        )
+        text, reads = self.render_recorded(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
+        skeleton = None
+        if self._plain_skeletons and tools is None and not continue_final_message:
+            plain = _plain_shape(messages, add_generation_prompt, template_kwargs)
+            if plain is not None:
+                assert self.skeletons is not None
+                skeleton = self.skeletons.export(plain[0])
+        return text, reads, skeleton
+
+    def adopt_skeleton(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None,
+        skeleton: Any,
+    ) -> bool:
+        """Take the skeleton a pool worker made for the shape of these (plain) messages."""
+        if not self._plain_skeletons or skeleton is None:
+            return False
+        plain = _plain_shape(messages, add_generation_prompt, template_kwargs)
+        if plain is None:
+            return False
+        assert self.skeletons is not None
+        return self.skeletons.adopt(plain[0], skeleton)
 
     def cached(self, key: bytes | None) -> str | None:
         """The cached render for ``key`` (counts a hit or a miss)."""
@@ -316,6 +360,23 @@ class ChatTemplate:
             )
             self.store(key, text, reads)
         return text
+
+    def render_from_skeleton(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str | None:
+        """The render, when a plain conversation (every message a role and a text) has the shape of
+        one rendered before and its skeleton fits: a fill, no jinja. None otherwise (nothing done)."""
+        if not self._plain_skeletons or tools is not None:
+            return None
+        plain = _plain_shape(messages, add_generation_prompt, template_kwargs)
+        if plain is None:
+            return None
+        assert self.skeletons is not None
+        return self.skeletons.fill(*plain)
 
     def tool_call_shape(self) -> ToolCallShape:
         """How this template wants tool calls in assistant messages, found once by rendering probes:
@@ -387,6 +448,18 @@ class ChatTemplate:
         value is None are dropped, reasoning fields are aliased (``reasoning_content`` / ``thinking``),
         ``continue_final_message`` (True, or the name of the field to continue) cuts the render at the
         end of the final message. Also returns the ``strftime_now`` calls made (format, value)."""
+        if self._plain_skeletons and not continue_final_message and tools is None:
+            plain = _plain_shape(messages, add_generation_prompt, template_kwargs)
+            if plain is not None:
+                key, contents = plain
+                assert self.skeletons is not None
+                return self.skeletons.render(
+                    key,
+                    messages,  # type: ignore[arg-type]  # a list of dicts: checked by _plain_shape
+                    range(len(contents)),
+                    lambda c: self._render_plain(c, None, add_generation_prompt, False, template_kwargs)[0],
+                    contents,
+                ), ()
         chat = _prepare_messages(messages)
         if self.fix_tool_calls and any("tool_calls" in m for m in chat):
             shape = self.tool_call_shape()
@@ -488,6 +561,41 @@ def _shape_key(
         return orjson.dumps((shape, tools, add_generation_prompt, template_kwargs)), slots
     except TypeError:
         return None
+
+
+_ROLE_CONTENT: Final = ["role", "content"]
+
+
+def _plain_shape(
+    messages: object, add_generation_prompt: bool, template_kwargs: Mapping[str, Any] | None
+) -> tuple[tuple[Any, ...], list[str]] | None:
+    """For a list of messages that are all exactly ``{"role": str, "content": str}`` (in that key
+    order): the skeleton key of the conversation's shape (the roles, ``add_generation_prompt``, the
+    template kwargs) and the contents. None for anything else (``_shape_key`` handles it). Renders
+    from such messages need no preparation (no None values, no reasoning fields, no tool calls).
+    Every content is a slot; one holding marker characters is no obstacle to filling a skeleton
+    (``SkeletonCache.render`` only refuses to build one from it)."""
+    if type(messages) is not list or not messages or type(add_generation_prompt) is not bool:
+        return None  # (a template printing add_generation_prompt would tell 1 from True)
+    roles: list[str] = []
+    contents: list[str] = []
+    for m in messages:
+        if type(m) is not dict or len(m) != 2 or [*m] != _ROLE_CONTENT:
+            return None
+        role = m["role"]
+        content = m["content"]
+        if type(role) is not str or type(content) is not str:
+            return None
+        roles.append(role)
+        contents.append(content)
+    if template_kwargs:
+        try:  # typed JSON: true and 1 render differently
+            kwargs_key: bytes | None = orjson.dumps(template_kwargs)
+        except TypeError:
+            return None
+    else:
+        kwargs_key = None  # {} renders as None does
+    return (add_generation_prompt, kwargs_key, tuple(roles)), contents
 
 
 _REASONING_FIELDS: Final = ("reasoning_content", "thinking", "reasoning")

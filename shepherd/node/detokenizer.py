@@ -84,10 +84,18 @@ def _byte_level_only(tokenizer: Tokenizer) -> bool:
 _INFO: weakref.WeakKeyDictionary[Tokenizer, _TokenizerInfo] = weakref.WeakKeyDictionary()
 
 
+_LAST: tuple[weakref.ref[Tokenizer], _TokenizerInfo] | None = None  # the last one asked for
+
+
 def _info(tokenizer: Tokenizer) -> _TokenizerInfo:
+    global _LAST
+    last = _LAST
+    if last is not None and last[0]() is tokenizer:  # a node serves one or a few models
+        return last[1]
     info = _INFO.get(tokenizer)
     if info is None:
         info = _INFO[tokenizer] = _TokenizerInfo(tokenizer)
+    _LAST = (weakref.ref(tokenizer), info)
     return info
 
 

@@ -457,6 +457,8 @@ class FastBPE:
         self._raw_re = _alternation(raw_tokens)
         self._norm_ids = dict(normalized_tokens)
         self._norm_re = _alternation(normalized_tokens)
+        # every added token the encoder splits out, by content
+        self.added_ids: dict[str, int] = {**self._norm_ids, **self._raw_ids}
         self._head, self._tail = wrap if wrap is not None else ([], [])
         self.wraps: bool = wrap is not None  # add_special_tokens=True handled here (else by HF)
         self.fast_calls = 0
@@ -533,6 +535,19 @@ class FastBPE:
     def encode_pieces(self, pieces: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
         encode = self.encode
         return [encode(p, add_special_tokens) for p in pieces]
+
+    def encode_gap(self, gap: str) -> list[int] | None:
+        """``encode(gap, False)`` for text in which no raw added token occurs (what lies between the
+        ones ``SpecialSplitter`` cuts at), as a new list; None when HF must do it (a lone surrogate)."""
+        if not gap:
+            return []
+        if not gap.isascii():
+            try:
+                gap.encode("utf-8")
+            except UnicodeEncodeError:
+                return None
+        self.fast_calls += 1
+        return self._gap(gap)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int] | None:
         """The ids, or None when HF must do it (a lone surrogate; a wrap not known)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
+from operator import itemgetter
 
 import tokenizers
 
@@ -39,7 +40,9 @@ class ByteDecoder:
         """HF's ``decode``; ids outside the vocabulary raise IndexError (HF drops them: the caller
         falls back to it)."""
         table = self._plain if skip_special_tokens else self._all
-        return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+        if len(ids) > 1:  # itemgetter looks them all up in C
+            return b"".join(itemgetter(*ids)(table)).decode("utf-8", "replace")
+        return table[ids[0]].decode("utf-8", "replace") if ids else ""
 
     @classmethod
     def build(cls, hf: tokenizers.Tokenizer, seed: int = 0) -> ByteDecoder | None:

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 import tokenizers
 
@@ -48,51 +48,79 @@ class CacheLimits:
     segment_ids: int = 1 << 19
 
 
-class _LRU:
-    """An LRU of id lists bounded by entry count and total ids."""
+V = TypeVar("V")
 
-    __slots__ = ("_d", "max_entries", "max_ids", "total_ids")
 
-    def __init__(self, max_entries: int, max_ids: int) -> None:
-        self._d: OrderedDict[object, list[int]] = OrderedDict()
+class _LRU(Generic[V]):
+    """An LRU bounded by entry count and total ids (``size`` of a value: its number of ids)."""
+
+    __slots__ = ("_d", "max_entries", "max_ids", "size", "total_ids")
+
+    def __init__(self, max_entries: int, max_ids: int, size: Callable[[V], int]) -> None:
+        self._d: OrderedDict[object, V] = OrderedDict()
         self.max_entries = max_entries
         self.max_ids = max_ids
+        self.size = size
         self.total_ids = 0
 
     def __len__(self) -> int:
         return len(self._d)
 
-    def get(self, key: object) -> list[int] | None:
-        ids = self._d.get(key)
-        if ids is not None:
-            self._d.move_to_end(key)
-        return ids
-
-    def put(self, key: object, ids: list[int]) -> None:
-        n = len(ids)
+    def put(self, key: object, value: V, n: int) -> None:
+        """Remember ``value`` (``n`` ids) under ``key``."""
         if n > self.max_ids or self.max_entries <= 0:
             return
-        old = self._d.pop(key, None)
+        d = self._d
+        old = d.pop(key, None)
         if old is not None:
-            self.total_ids -= len(old)
-        self._d[key] = ids
+            self.total_ids -= self.size(old)
+        d[key] = value
         self.total_ids += n
-        while len(self._d) > self.max_entries or self.total_ids > self.max_ids:
-            _, evicted = self._d.popitem(last=False)
-            self.total_ids -= len(evicted)
+        while len(d) > self.max_entries or self.total_ids > self.max_ids:
+            self.total_ids -= self.size(d.popitem(last=False)[1])
 
     def clear(self) -> None:
         self._d.clear()
         self.total_ids = 0
 
 
+def _ids_in(pieces: tuple[list[int], ...]) -> int:
+    return sum(map(len, pieces))
+
+
 def _alternation(tokens: Sequence[str]) -> re.Pattern[str] | None:
-    """A regex matching ``tokens`` leftmost-longest: at one position, Python's ``re`` takes the first
-    alternative that matches, so longer tokens go first."""
-    if not tokens:
+    """A regex matching ``tokens`` leftmost-longest: at one position it matches the longest token that
+    starts there. Written as a trie (``<(?:\\|im_(?:end\\|>|start\\|>)|think>)``): alternatives that
+    share no first character, longer continuations tried before stopping, which ``re`` scans faster
+    than a flat alternation (there, at one position, it takes the first alternative that matches, so
+    the flat form needs longer tokens first: the same matches)."""
+    unique = sorted({t for t in tokens if t})
+    if not unique:
         return None
-    ordered = sorted(set(tokens), key=lambda s: (-len(s), s))
-    return re.compile("|".join(re.escape(t) for t in ordered))
+    try:
+        return re.compile(_trie(unique))
+    except (RecursionError, re.error, OverflowError):  # thousands of nested prefixes: the flat form
+        ordered = sorted(unique, key=lambda s: (-len(s), s))
+        return re.compile("|".join(re.escape(t) for t in ordered))
+
+
+def _trie(tokens: list[str]) -> str:
+    """The trie regex of sorted, distinct, non-empty ``tokens``."""
+    branches: dict[str, list[str]] = {}
+    for t in tokens:
+        branches.setdefault(t[0], []).append(t[1:])
+    alts: list[str] = []
+    for first, rests in branches.items():
+        alt = re.escape(first)
+        while "" not in rests and len({r[0] for r in rests}) == 1:  # a chain: no choice to make
+            alt += re.escape(rests[0][0])
+            rests = [r[1:] for r in rests]
+        longer = [r for r in rests if r]
+        if longer:
+            sub = _trie(longer)
+            alt += f"(?:{sub})?" if "" in rests else sub
+        alts.append(alt)
+    return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
 
 
 # Piece keys of a prompt's shape (``block_names``): a segment's text (encoded without special tokens)
@@ -120,41 +148,60 @@ class SpecialSplitter:
     def __init__(self, raw: Sequence[str], normalized: Sequence[str] = ()) -> None:
         self._raw = _alternation(raw)
         self._norm = _alternation(normalized)
+        # the same alternations in a group: ``split`` then scans the whole text in C
+        self._raw_split = _capturing(self._raw)
+        self._norm_split = _capturing(self._norm)
 
     @property
     def active(self) -> bool:
         return self._raw is not None or self._norm is not None
 
+    def parts(self, text: str) -> list[str]:
+        """``text`` as ``[gap, token, gap, token, ..., gap]``: the matched added tokens at odd indices,
+        the (possibly empty) text between them at even ones; ``"".join(parts) == text``."""
+        raw, norm = self._raw_split, self._norm_split
+        if norm is None:
+            return [text] if raw is None else raw.split(text)
+        if raw is None:
+            return norm.split(text)
+        assert self._raw is not None
+        out: list[str] = []
+        gap = 0
+        for m in self._raw.finditer(text):
+            out += norm.split(text[gap : m.start()])
+            out.append(m.group())
+            gap = m.end()
+        out += norm.split(text[gap:])
+        return out
+
     def cuts(self, text: str) -> list[int]:
         """Offsets just after each matched token, ascending (never 0; may include len(text))."""
         ends: list[int] = []
-        raw, norm = self._raw, self._norm
-        if raw is None:
-            if norm is not None:
-                ends.extend(m.end() for m in norm.finditer(text))
-            return ends
-        if norm is None:
-            return [m.end() for m in raw.finditer(text)]
-        gap = 0
-        for m in raw.finditer(text):
-            if m.start() > gap:
-                ends.extend(n.end() for n in norm.finditer(text, gap, m.start()))
-            ends.append(m.end())
-            gap = m.end()
-        if gap < len(text):
-            ends.extend(n.end() for n in norm.finditer(text, gap))
+        pos = 0
+        for i, part in enumerate(self.parts(text)):
+            pos += len(part)
+            if i % 2:
+                ends.append(pos)
         return ends
 
     def split(self, text: str) -> list[str]:
         """``text`` as consecutive pieces, each but possibly the last ending with an added token."""
-        pieces: list[str] = []
-        start = 0
-        for end in self.cuts(text):
-            pieces.append(text[start:end])
-            start = end
-        if start < len(text) or not pieces:
-            pieces.append(text[start:])
-        return pieces
+        return _pieces(self.parts(text))
+
+
+def _capturing(pattern: re.Pattern[str] | None) -> re.Pattern[str] | None:
+    return None if pattern is None else re.compile(f"({pattern.pattern})")
+
+
+def _pieces(parts: list[str]) -> list[str]:
+    """``SpecialSplitter.parts`` joined into pieces: each gap with the token after it, then the last
+    gap unless it is empty (a text without tokens is one piece, even when empty)."""
+    if len(parts) == 1:
+        return parts
+    pieces = list(map(str.__add__, parts[0:-1:2], parts[1::2]))
+    if parts[-1]:
+        pieces.append(parts[-1])
+    return pieces
 
 
 @dataclass(slots=True)
@@ -207,8 +254,11 @@ class TokenCache:
         else:
             self.fast, self.fast_reason = None, "disabled by configuration"
         self.limits = limits or CacheLimits()
-        self._exact = _LRU(self.limits.exact_entries, self.limits.exact_ids)
-        self._segments = _LRU(self.limits.segment_entries, self.limits.segment_ids)
+        # L0: a text's ids as its pieces' lists (those L1 holds: no copy), L1: a piece's ids
+        self._exact: _LRU[tuple[list[int], ...]] = _LRU(
+            self.limits.exact_entries, self.limits.exact_ids, _ids_in
+        )
+        self._segments: _LRU[list[int]] = _LRU(self.limits.segment_entries, self.limits.segment_ids, len)
         self.exact_hits = 0
         self.exact_misses = 0
         self.segment_hits = 0
@@ -263,44 +313,138 @@ class TokenCache:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of ``text``, identical to ``hf.encode(text, add_special_tokens).ids``."""
-        plan = self.plan(text, add_special_tokens)
-        if plan.done is not None:
-            return plan.done
-        return self.complete(plan, self.encode_pieces(plan.missing_pieces(), plan.piece_add_special))
+        got = self.encode_or_plan(text, add_special_tokens)
+        assert not isinstance(got, EncodePlan)
+        return got
 
     def lookup(self, text: str, add_special_tokens: bool = True) -> list[int] | None:
         """L0 only: a copy of the cached ids, or None (counts a hit or a miss)."""
-        ids = self._exact.get((text, add_special_tokens))
-        if ids is None:
+        entry = self._exact._d.get((text, add_special_tokens))
+        if entry is None:
             self.exact_misses += 1
             return None
+        return self._exact_hit((text, add_special_tokens), entry)
+
+    def _exact_hit(self, key: tuple[str, bool], entry: tuple[list[int], ...]) -> PromptIds:
         self.exact_hits += 1
-        return PromptIds(ids, _whole(text, add_special_tokens, len(ids)))
+        self._exact._d.move_to_end(key)
+        out = PromptIds()
+        for piece_ids in entry:
+            out += piece_ids
+        out.shape = _whole(key[0], key[1], len(out))
+        return out
 
     def plan(self, text: str, add_special_tokens: bool = True) -> EncodePlan:
         """Look ``text`` up in L0, then split it and look its segments up in L1."""
-        done = self.lookup(text, add_special_tokens)
-        if done is not None:
-            return EncodePlan(text, add_special_tokens, [], [], [], 0, False, False, done)
-        pieces = self._splitter.split(text) if self.segmenting else [text]
-        if len(pieces) <= 1:
+        got = self.encode_or_plan(text, add_special_tokens, -1)
+        if isinstance(got, EncodePlan):
+            return got
+        return EncodePlan(text, add_special_tokens, [], [], [], 0, False, False, got)
+
+    def encode_or_plan(
+        self, text: str, add_special_tokens: bool = True, inline_max_chars: int | None = None
+    ) -> list[int] | EncodePlan:
+        """The ids of ``text`` when the caches leave at most ``inline_max_chars`` characters to encode
+        (None: any number; they are encoded here, as ``encode_pieces`` does), else what is left to do
+        (hand it to ``encode_pieces`` elsewhere, then to ``complete``): one pass over the caches, the
+        path of every request."""
+        key = (text, add_special_tokens)
+        entry = self._exact._d.get(key)
+        if entry is not None:
+            return self._exact_hit(key, entry)
+        self.exact_misses += 1
+        parts = self._splitter.parts(text) if self.segmenting else [text]
+        if len(parts) == 1 or (len(parts) == 3 and not parts[2]):
             # nothing to share with other texts: L0 alone remembers it
-            return EncodePlan(
-                text, add_special_tokens, [text], [None], [0], len(text), add_special_tokens, False
-            )
-        ids: list[list[int] | None] = []
+            if inline_max_chars is not None and len(text) > inline_max_chars:
+                return EncodePlan(
+                    text, add_special_tokens, [text], [None], [0], len(text), add_special_tokens, False
+                )
+            self.encoded_chars += len(text)
+            if self.fast is not None:
+                ids = self.fast.encode(text, add_special_tokens)
+            else:
+                ids = self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+            return self._whole_result(text, add_special_tokens, ids)
+        pieces = _pieces(parts)
+        held = self._segments._d
+        got: list[list[int] | None] = list(map(held.get, pieces))
         missing: list[int] = []
-        missing_chars = 0
-        get = self._segments.get
-        for i, piece in enumerate(pieces):
-            cached = get(piece)
-            ids.append(cached)
-            if cached is None:
+        touch = held.move_to_end
+        for i, piece_ids in enumerate(got):
+            if piece_ids is None:
                 missing.append(i)
-                missing_chars += len(piece)
+            else:
+                touch(pieces[i])
         self.segment_hits += len(pieces) - len(missing)
         self.segment_misses += len(missing)
-        return EncodePlan(text, add_special_tokens, pieces, ids, missing, missing_chars, False, True)
+        if not missing:
+            return self._assemble(text, add_special_tokens, pieces, got)  # type: ignore[arg-type]
+        missing_chars = 0
+        for i in missing:
+            missing_chars += len(pieces[i])
+        if inline_max_chars is not None and missing_chars > inline_max_chars:
+            return EncodePlan(text, add_special_tokens, pieces, got, missing, missing_chars, False, True)
+        self.encoded_chars += missing_chars
+        fast = self.fast
+        encoded: list[list[int]] = []
+        if fast is not None:
+            # a piece is a gap and the added token after it (the last may be a gap alone): the gap's
+            # ids and the token's id, which is what encoding the piece does
+            ids_of = fast.added_ids
+            encode_gap = fast.encode_gap
+            n_tokens = len(parts) // 2
+            for i in missing:
+                piece_ids = encode_gap(parts[2 * i])
+                if piece_ids is not None and i < n_tokens:
+                    token_id = ids_of.get(parts[2 * i + 1])
+                    if token_id is None:
+                        piece_ids = None
+                    else:
+                        piece_ids.append(token_id)
+                if piece_ids is None:
+                    piece_ids = fast.encode(pieces[i], False)
+                encoded.append(piece_ids)
+        else:
+            encode = self.hf.encode
+            encoded = [encode(pieces[i], add_special_tokens=False).ids for i in missing]
+        return self._store_missing(text, add_special_tokens, pieces, got, missing, encoded)
+
+    def _whole_result(self, text: str, add_special_tokens: bool, ids: list[int]) -> PromptIds:
+        """A text encoded as one piece: remembered in L0, returned with its shape."""
+        self._exact.put((text, add_special_tokens), (ids,), len(ids))
+        return PromptIds(ids, _whole(text, add_special_tokens, len(ids)))
+
+    def _store_missing(
+        self,
+        text: str,
+        add_special_tokens: bool,
+        pieces: list[str],
+        got: list[list[int] | None],
+        missing: list[int],
+        encoded: Sequence[list[int]],
+    ) -> PromptIds:
+        """Put the new pieces' ids into L1, then assemble the text's ids."""
+        put = self._segments.put
+        for i, piece_ids in zip(missing, encoded, strict=True):
+            got[i] = piece_ids
+            put(pieces[i], piece_ids, len(piece_ids))
+        return self._assemble(text, add_special_tokens, pieces, got)  # type: ignore[arg-type]
+
+    def _assemble(
+        self, text: str, add_special_tokens: bool, pieces: list[str], got: list[list[int]]
+    ) -> PromptIds:
+        """The ids of a segmented text from its pieces' ids, with its shape; remembered in L0 as the
+        pieces' lists."""
+        shape: Shape = tuple(zip(pieces, map(len, got), strict=True))
+        out = PromptIds((), shape)
+        if add_special_tokens:
+            out.shape = ((HEAD_KEY, len(self._head)), *shape, (TAIL_KEY, len(self._tail)))
+            got = [self._head, *got, self._tail]
+        for piece_ids in got:
+            out += piece_ids  # a list's extend by a list: a copy in C
+        self._exact.put((text, add_special_tokens), tuple(got), len(out))
+        return out
 
     def complete(self, plan: EncodePlan, encoded: Sequence[list[int]]) -> list[int]:
         """Put the ids of the missing pieces (in ``plan.missing`` order) into the caches; the result."""
@@ -310,25 +454,15 @@ class TokenCache:
             raise ValueError(f"expected ids for {len(plan.missing)} pieces, got {len(encoded)}")
         self.encoded_chars += plan.missing_chars
         if not plan.segmented:
-            ids = list(encoded[0])
-            self._exact.put((plan.text, plan.add_special_tokens), ids)
-            return PromptIds(ids, _whole(plan.text, plan.add_special_tokens, len(ids)))
-        put = self._segments.put
-        for i, piece_ids in zip(plan.missing, encoded, strict=True):
-            piece_ids = list(piece_ids)
-            plan.ids[i] = piece_ids
-            put(plan.pieces[i], piece_ids)
-        out: list[int] = list(self._head) if plan.add_special_tokens else []
-        shape: list[tuple[str, int]] = [(HEAD_KEY, len(out))] if plan.add_special_tokens else []
-        for piece, got in zip(plan.pieces, plan.ids, strict=True):
-            assert got is not None
-            out += got
-            shape.append((piece, len(got)))
-        if plan.add_special_tokens:
-            out += self._tail
-            shape.append((TAIL_KEY, len(self._tail)))
-        self._exact.put((plan.text, plan.add_special_tokens), out)
-        return PromptIds(out, tuple(shape))
+            return self._whole_result(plan.text, plan.add_special_tokens, list(encoded[0]))
+        return self._store_missing(
+            plan.text,
+            plan.add_special_tokens,
+            plan.pieces,
+            plan.ids,
+            plan.missing,
+            [list(piece_ids) for piece_ids in encoded],
+        )
 
     def encode_pieces(self, pieces: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
         """The plain encoder (what a pool worker runs on the pieces of a plan): each piece's

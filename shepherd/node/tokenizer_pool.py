@@ -12,7 +12,9 @@ Not ``ProcessPoolExecutor``: its round trip costs 230-600 µs here against 17-23
 L0/L1 ids and rendered prompts are looked up inline; what is left to do runs inline when small
 (``inline_max_chars`` characters still to encode; a render of at most ``render_inline_max_messages``
 messages and ``render_inline_max_bytes`` bytes of serialized input) and in the pool otherwise, and
-pool results go into the parent's caches.
+pool results go into the parent's caches. A worker that renders a plain conversation (role and text
+messages) sends back the skeleton of its shape (chat_skeleton.py): the parent fills the next
+conversation of that shape itself, at any size, with no jinja and no round trip.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ from typing import Any, Final
 
 import orjson
 
-from shepherd.node.chat_template import ChatTemplateError, ClockReads
-from shepherd.node.token_cache import CacheLimits
+from shepherd.node.chat_template import ChatTemplate, ChatTemplateError, ClockReads
+from shepherd.node.token_cache import CacheLimits, EncodePlan, TokenCache
 from shepherd.node.tokenizer import Tokenizer
 
 __all__ = [
@@ -131,10 +133,12 @@ def _handle(
         (ln,) = _U16.unpack_from(payload, 0)
         name = payload[2 : 2 + ln].decode()
         try:
-            text, reads = tok.chat_template(name=name).render_serialized(payload[2 + ln :])
+            text, reads, skeleton = tok.chat_template(name=name).render_serialized_for_parent(
+                payload[2 + ln :]
+            )
         except ChatTemplateError as e:
             return _TEMPLATE_ERROR, str(e).encode("utf-8", "replace")
-        return _OK, orjson.dumps((text, reads))
+        return _OK, orjson.dumps((text, reads, skeleton))
     if op == _OP_CRASH:
         os._exit(3)
     return _ERROR, f"unknown op {op}".encode()
@@ -504,12 +508,20 @@ class TokenizerPool:
     async def render(self, model: str, template_name: str, serialized: bytes) -> tuple[str, ClockReads]:
         """``ChatTemplate.render_serialized`` in a worker (raises ChatTemplateError as inline does):
         the text and the clock reads it made."""
+        text, reads, _ = await self.render_with_skeleton(model, template_name, serialized)
+        return text, reads
+
+    async def render_with_skeleton(
+        self, model: str, template_name: str, serialized: bytes
+    ) -> tuple[str, ClockReads, Any]:
+        """``render`` plus the skeleton the worker holds for the conversation's shape when it is a
+        plain one (``ChatTemplate.render_serialized_for_parent``), else None."""
         name = template_name.encode()
         out = await self._call(
             _OP_RENDER, 0, self.model_index(model), _U16.pack(len(name)) + name + serialized
         )
-        text, reads = orjson.loads(out)
-        return text, tuple((fmt, value) for fmt, value in reads)
+        text, reads, skeleton = orjson.loads(out)
+        return text, tuple((fmt, value) for fmt, value in reads), skeleton
 
     async def crash_worker_for_test(self) -> None:
         """Make one worker exit mid-call (tests: the call fails with TokenizerWorkerError)."""
@@ -610,11 +622,19 @@ class TokenizerService:
         """Ids of ``text`` (equal to ``Tokenizer.encode_uncached``): cache hits and small remainders
         inline, big remainders in the pool; results land in this process's caches."""
         cache = self.get(model).cache
-        plan = cache.plan(text, add_special_tokens)
-        if plan.done is not None:
-            return plan.done
+        l0_hits = cache.exact_hits
+        got = cache.encode_or_plan(
+            text, add_special_tokens, self.inline_max_chars if self._pool is not None else None
+        )
+        if isinstance(got, EncodePlan):
+            return await self._encode_planned(model, cache, got)
+        self.inline_encodes += cache.exact_hits == l0_hits  # (an L0 hit is no encode)
+        return got
+
+    async def _encode_planned(self, model: str, cache: TokenCache, plan: EncodePlan) -> list[int]:
+        """What the caches left over, encoded in the pool (inline when it is unavailable)."""
         pieces = plan.missing_pieces()
-        if self._pool is not None and plan.missing_chars > self.inline_max_chars:
+        if self._pool is not None:
             try:
                 encoded = await self._pool.encode_pieces(model, pieces, plan.piece_add_special)
             except TokenizerPoolUnavailable:
@@ -636,19 +656,76 @@ class TokenizerService:
     ) -> str:
         """The rendered prompt (``Tokenizer.render_chat``), big renders in the pool."""
         tpl = self.get(model).chat_template(tools=tools is not None)
+        text, key = self._render_here(
+            tpl, messages, tools, add_generation_prompt, continue_final_message, template_kwargs
+        )
+        if text is None:
+            assert key is not None
+            text = await self._render_in_pool(
+                model,
+                tpl,
+                key,
+                messages,
+                tools,
+                add_generation_prompt,
+                continue_final_message,
+                template_kwargs,
+            )
+        return text
+
+    def _render_here(
+        self,
+        tpl: ChatTemplate,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool | str,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[str | None, bytes | None]:
+        """``(the render, its cache key)`` when it is cheap here: a skeleton fill (a conversation shape
+        seen before, at any size: no cache key then), a render-cache hit, a small render; else
+        ``(None, the serialized inputs)``: the pool should render it.
+
+        A skeleton fill costs about what the render cache's key and lookup cost, so conversations it
+        fills skip that cache (an identical request is filled again); the cache serves the others."""
+        if not continue_final_message:
+            text = tpl.render_from_skeleton(messages, tools, add_generation_prompt, template_kwargs)
+            if text is not None:
+                self.inline_renders += 1
+                return text, None
         key = tpl.serialize(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
         text = tpl.cached(key)
         if text is not None:
-            return text
-        reads: ClockReads = ()
+            return text, key
         if self._pool is not None and key is not None and self._render_is_big(messages, key):
-            try:
-                text, reads = await self._pool.render(model, tpl.name, key)
-            except TokenizerPoolUnavailable:
-                self.pool_fallbacks += 1
-            else:
-                self.pool_renders += 1
-        if text is None:
+            return None, key
+        self.inline_renders += 1
+        text, reads = tpl.render_recorded(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
+        tpl.store(key, text, reads)
+        return text, key
+
+    async def _render_in_pool(
+        self,
+        model: str,
+        tpl: ChatTemplate,
+        key: bytes,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool | str,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> str:
+        assert self._pool is not None
+        try:
+            text, reads, skeleton = await self._pool.render_with_skeleton(model, tpl.name, key)
+        except TokenizerPoolUnavailable:
+            self.pool_fallbacks += 1
             self.inline_renders += 1
             text, reads = tpl.render_recorded(
                 messages,
@@ -657,11 +734,18 @@ class TokenizerService:
                 continue_final_message=continue_final_message,
                 template_kwargs=template_kwargs,
             )
+        else:
+            self.pool_renders += 1
+            if skeleton is not None:  # the next conversation of this shape is filled here
+                tpl.adopt_skeleton(messages, add_generation_prompt, template_kwargs, skeleton)
         tpl.store(key, text, reads)
         return text
 
     def _render_is_big(self, messages: object, key: bytes) -> bool:
-        count = len(messages) if isinstance(messages, Sequence) else 0
+        if type(messages) is list:
+            count = len(messages)
+        else:
+            count = len(messages) if isinstance(messages, Sequence) else 0
         return count > self.render_inline_max_messages or len(key) > self.render_inline_max_bytes
 
     async def render_and_encode(
@@ -674,11 +758,33 @@ class TokenizerService:
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, list[int]]:
         """The rendered chat prompt and its ids. The ids are encoded with ``add_special_tokens=False``,
-        as transformers' ``apply_chat_template(tokenize=True)`` does: templates write BOS themselves."""
-        text = await self.render(
-            model, messages, tools, add_generation_prompt, continue_final_message, template_kwargs
+        as transformers' ``apply_chat_template(tokenize=True)`` does: templates write BOS themselves.
+
+        One synchronous pass when everything is cheap here (the common case), the pool otherwise."""
+        tok = self._tokenizers.get(model) or self.get(model)
+        tpl = tok.chat_template(tools=tools is not None)
+        text, key = self._render_here(
+            tpl, messages, tools, add_generation_prompt, continue_final_message, template_kwargs
         )
-        return text, await self.encode(model, text, add_special_tokens=False)
+        if text is None:
+            assert key is not None
+            text = await self._render_in_pool(
+                model,
+                tpl,
+                key,
+                messages,
+                tools,
+                add_generation_prompt,
+                continue_final_message,
+                template_kwargs,
+            )
+        cache = tok.cache
+        l0_hits = cache.exact_hits
+        got = cache.encode_or_plan(text, False, self.inline_max_chars if self._pool is not None else None)
+        if isinstance(got, EncodePlan):
+            return text, await self._encode_planned(model, cache, got)
+        self.inline_encodes += cache.exact_hits == l0_hits  # (an L0 hit is no encode)
+        return text, got
 
     def stats(self) -> dict[str, int]:
         """Counters summed over models: ``l0_hits``/``l0_misses``/``l1_hits``/``l1_misses``/

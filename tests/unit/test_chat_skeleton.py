@@ -5,12 +5,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shepherd.node.chat_skeleton import SkeletonCache, Traced, _Recorder, parse_skeleton
-from shepherd.node.chat_template import ChatTemplate
+from shepherd.node.chat_template import ChatTemplate, make_environment
 from tests.unit.test_chat_template_golden import CASES, template
 
 # contents that hit what templates test and transform: think tags, tool-response wrappers, surrounding
@@ -168,3 +169,97 @@ def test_cache_is_bounded() -> None:
         chat = [{"role": "user", "content": "x"} for _ in range(n + 1)]
         cache.render(bytes([n]), chat, list(range(n + 1)), lambda c: "".join(m["content"] for m in c))
     assert len(cache) == 4
+
+
+# ---- plain conversations: the caller's messages straight to the skeleton -----------------------------
+
+_PLAIN_FAMILIES = ("qwen3", "llama-3.1", "mistral-nemo", "deepseek-v3.1")
+
+
+@pytest.mark.parametrize("family", _PLAIN_FAMILIES)
+@settings(max_examples=15, deadline=None)
+@given(
+    contents=st.lists(CONTENT, min_size=1, max_size=5),
+    kwargs=st.sampled_from([None, {}, {"enable_thinking": False}, {"enable_thinking": 0}]),
+    generation=st.booleans(),
+)
+def test_plain_conversations_render_as_prepared_ones(
+    family: str, contents: list[str], kwargs: dict[str, Any] | None, generation: bool
+) -> None:
+    """Messages that are only a role and a text skip preparation and the JSON shape key; the render
+    is the one of a template that prepares every message (a mutable sandbox takes the general path)."""
+    base = template(family)
+    fast = _fresh_plain(family)
+    general = ChatTemplate(
+        base.source, special_tokens=base.special_tokens, env=make_environment(immutable=False)
+    )
+    mistral = family == "mistral-nemo"
+    roles = ["user", "assistant"] if mistral else ["system", "user", "assistant", "user", "assistant"]
+    messages = [{"role": roles[i % len(roles)], "content": text} for i, text in enumerate(contents)]
+    if mistral and messages[-1]["role"] != "user":
+        messages.append({"role": "user", "content": "last"})
+    before = copy.deepcopy(messages)
+
+    def render(t: ChatTemplate) -> str:
+        return t.render_recorded(messages, add_generation_prompt=generation, template_kwargs=kwargs)[0]
+
+    try:
+        expected = render(general)
+    except Exception as e:
+        with pytest.raises(type(e)):
+            render(fast)
+        return
+    assert render(fast) == expected  # builds the skeleton (or refuses it) ...
+    assert render(fast) == expected  # ... and fills it
+    assert fast.render_from_skeleton(messages, None, generation, kwargs) in (expected, None)
+    assert messages == before
+
+
+_PLAIN_TEMPLATES: dict[str, ChatTemplate] = {}
+
+
+def _fresh_plain(family: str) -> ChatTemplate:
+    if family not in _PLAIN_TEMPLATES:
+        _PLAIN_TEMPLATES[family] = _fresh(template(family), cache=True)
+    return _PLAIN_TEMPLATES[family]
+
+
+def test_render_from_skeleton_only_fills_shapes_it_has_seen() -> None:
+    tpl = _fresh(template("qwen3"), cache=True)
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    assert tpl.render_from_skeleton(chat) is None  # nothing rendered yet: no work done
+    first = tpl.render_recorded(chat)[0]
+    other = [{"role": "system", "content": "S2"}, {"role": "user", "content": "U2 \ue000SHPRB0"}]
+    filled = tpl.render_from_skeleton(other)
+    assert filled == _fresh(template("qwen3"), cache=False).render_recorded(other)[0] != first
+    assert tpl.render_from_skeleton(chat, tools=[{"type": "function"}]) is None  # not a plain shape
+    assert tpl.render_from_skeleton([{"content": "U", "role": "user"}]) is None  # key order differs
+    assert tpl.render_from_skeleton([{"role": "user", "content": "U", "name": "x"}]) is None
+    assert tpl.render_from_skeleton(chat, template_kwargs={"enable_thinking": False}) is None  # other key
+    # a guard answering differently on the new content: no fill
+    assert tpl.render_from_skeleton([chat[0], {"role": "user", "content": "<tool_response>x"}]) is None
+
+
+def test_kwargs_of_equal_value_but_other_type_are_other_shapes() -> None:
+    t = ChatTemplate("{{ messages[0].content }}|{{ flag }}")
+    chat = [{"role": "user", "content": "x"}]
+    assert t.render_recorded(chat, template_kwargs={"flag": True})[0] == "x|True"
+    assert t.render_recorded(chat, template_kwargs={"flag": 1})[0] == "x|1"
+    assert t.render_recorded([{"role": "user", "content": "y"}], template_kwargs={"flag": 1})[0] == "y|1"
+
+
+@pytest.mark.parametrize("family", _PLAIN_FAMILIES)
+def test_a_skeleton_survives_the_trip_from_a_pool_worker(family: str) -> None:
+    """What a worker sends back (JSON: tuples become arrays) fills like the skeleton it came from."""
+    worker, parent = _fresh(template(family), cache=True), _fresh(template(family), cache=True)
+    first = [{"role": "user", "content": " first? "}, {"role": "assistant", "content": "yes"}]
+    first.append({"role": "user", "content": "then"})
+    payload = worker.serialize(first, None, True, False, None)
+    assert payload is not None
+    text, _, skeleton = worker.render_serialized_for_parent(payload)
+    assert skeleton is not None and text == worker.render_uncached(first)
+    assert parent.adopt_skeleton(first, True, None, orjson.loads(orjson.dumps(skeleton)))
+    assert not parent.adopt_skeleton(first, True, None, skeleton)  # one is held already
+    other = [{**m, "content": m["content"] + " \\n more"} for m in first]
+    assert parent.render_from_skeleton(other) == _fresh(template(family), cache=False).render_uncached(other)
+    assert not parent.adopt_skeleton(first, False, None, ["not", "a skeleton"])

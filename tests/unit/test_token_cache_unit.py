@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, processors
 
-from shepherd.node.token_cache import CacheLimits, SpecialSplitter, TokenCache
+from shepherd.node import token_cache
+from shepherd.node.token_cache import CacheLimits, EncodePlan, SpecialSplitter, TokenCache
 from shepherd.node.tokenizer import Tokenizer as ShepherdTokenizer
 from tests.unit.test_tokenizer_shared import llama, qwen3
 
@@ -205,3 +209,102 @@ def test_plan_and_complete_split_the_work() -> None:
     assert c.plan(text, False).done == t.encode_uncached(text, False)
     with pytest.raises(ValueError):
         c.complete(c.plan(text + "x", False), [])
+
+
+# ---- the splitter's matcher and the one-pass encode ------------------------------------------------
+
+
+def _flat(tokens: list[str]) -> re.Pattern[str] | None:
+    ordered = sorted({t for t in tokens if t}, key=lambda s: (-len(s), s))
+    return re.compile("|".join(re.escape(t) for t in ordered)) if ordered else None
+
+
+def _reference_cuts(raw: list[str], norm: list[str], text: str) -> list[int]:
+    """The matching as first written: flat alternations, longest first; raw tokens on the whole text,
+    normalized ones inside the gaps between them."""
+    r, n = _flat(raw), _flat(norm)
+    if r is None:
+        return [m.end() for m in n.finditer(text)] if n is not None else []
+    ends: list[int] = []
+    gap = 0
+    for m in r.finditer(text):
+        if n is not None and m.start() > gap:
+            ends.extend(x.end() for x in n.finditer(text, gap, m.start()))
+        ends.append(m.end())
+        gap = m.end()
+    if n is not None and gap < len(text):
+        ends.extend(x.end() for x in n.finditer(text, gap))
+    return ends
+
+
+_TOKEN = st.text("ab<|>", min_size=1, max_size=5)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    raw=st.lists(_TOKEN, max_size=6),
+    norm=st.lists(_TOKEN, max_size=3),
+    text=st.text("ab<|>x", max_size=40),
+)
+def test_trie_matching_is_the_flat_leftmost_longest_matching(
+    raw: list[str], norm: list[str], text: str
+) -> None:
+    """Tokens from a tiny alphabet: prefixes of one another, overlapping, repeated."""
+    s = SpecialSplitter(raw, norm)
+    assert s.cuts(text) == _reference_cuts(raw, norm, text)
+    parts = s.parts(text)
+    assert "".join(parts) == text and len(parts) % 2 == 1
+    assert all(p in set(raw) | set(norm) for p in parts[1::2])
+    pieces = s.split(text)
+    assert "".join(pieces) == text and (len(pieces) == 1 or all(pieces))
+
+
+def test_a_trie_too_deep_for_python_falls_back_to_the_flat_matcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thousands of tokens, each a prefix of the next, nest the trie deeper than the recursion limit."""
+
+    def too_deep(tokens: list[str]) -> str:
+        raise RecursionError
+
+    monkeypatch.setattr(token_cache, "_trie", too_deep)
+    s = SpecialSplitter(["a", "aa", "aaa", "b"])
+    assert s.split("xaaaaby") == ["xaaa", "a", "b", "y"]
+
+
+def test_encode_or_plan_encodes_small_remainders_and_plans_big_ones() -> None:
+    t = qwen3()
+    c = fresh(t)
+    head = "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n"
+    text = head + "word " * 100 + "<|im_end|>\n"
+    plan = c.encode_or_plan(text, False, 100)
+    assert isinstance(plan, EncodePlan) and plan.missing_chars > 100 and plan.segmented
+    ids = c.complete(plan, c.encode_pieces(plan.missing_pieces(), plan.piece_add_special))
+    assert ids == t.encode_uncached(text, False)
+    assert c.encode_or_plan(text, False, 0) == ids  # L0
+    other = head + "more " * 100 + "<|im_end|>\n"
+    got = c.encode_or_plan(other, True, 10_000)
+    assert not isinstance(got, EncodePlan) and got == t.encode_uncached(other, True)
+    whole = "no special tokens at all " * 20
+    assert isinstance(c.encode_or_plan(whole, False, 10), EncodePlan)
+    assert c.encode_or_plan(whole, False, None) == t.encode_uncached(whole, False)
+
+
+def test_an_l0_hit_is_a_copy_too() -> None:
+    t = qwen3()
+    c = fresh(t)
+    text = "<|im_start|>user\nmutate me<|im_end|>\n"
+    c.encode(text, False)
+    hit = c.encode(text, False)
+    hit.append(-1)
+    hit[0] = -2
+    assert c.encode(text, False) == t.encode_uncached(text, False)
+    assert c.stats()["l0_hits"] == 2
+
+
+def test_without_fast_bpe_the_pieces_go_to_tokenizers() -> None:
+    t = llama()
+    c = TokenCache(t.hf, CacheLimits(exact_entries=0), fast_bpe=False)
+    assert c.fast is None and c.segmenting
+    turn = "<|start_header_id|>user<|end_header_id|>\n\n{}<|eot_id|>"
+    for text in [turn.format("one"), turn.format("one") + turn.format("two"), "plain"]:
+        for add in (False, True):
+            assert c.encode(text, add) == t.encode_uncached(text, add)

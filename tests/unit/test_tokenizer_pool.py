@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from shepherd.node.chat_template import ChatTemplateError
+from shepherd.node.chat_template import ChatTemplate, ChatTemplateError
 from shepherd.node.tokenizer import Tokenizer, load_chat_templates
 from shepherd.node.tokenizer_pool import (
     TokenizerPool,
@@ -226,7 +226,9 @@ async def test_render_and_encode_inline_and_in_the_pool_agree() -> None:
         again = await guarded(
             svc.render_and_encode("qwen3", msgs, None, True, False, {"enable_thinking": False})
         )
-        assert again == (text, ids) and svc.stats()["render_hits"] >= 1
+        # not rendered again: a render-cache hit, or a fill of the skeleton render_uncached just made
+        assert again == (text, ids) and svc.stats()["pool_renders"] == 1
+        assert svc.stats()["render_hits"] + tok.chat_template().skeletons.hits >= 1  # type: ignore[union-attr]
     async with service(workers=0) as svc:
         assert svc.pool is None
         got = await guarded(
@@ -274,3 +276,24 @@ async def test_stats_keys_the_node_exports() -> None:
         ):
             assert isinstance(s[key], int)
         assert s["pool_workers_alive"] == 1
+
+
+async def test_a_big_conversation_of_a_known_shape_is_filled_here() -> None:
+    """Over the inline thresholds a render goes to the pool, whose worker sends back the skeleton of
+    the conversation's shape: the next conversation of that shape is filled here, without the round
+    trip (and without a jinja render here)."""
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 30} for i in range(5)]
+    async with service(workers=1, render_inline_max_messages=2, inline_max_chars=100_000) as svc:
+        tok = svc.get("qwen3")
+        tpl = tok.chat_template()
+        plain = ChatTemplate(tpl.source, special_tokens=tpl.special_tokens, cache_size=0)
+        text, ids = await guarded(svc.render_and_encode("qwen3", turns))
+        assert svc.stats()["pool_renders"] == 1
+        assert text == plain.render_uncached(turns) and ids == tok.encode_uncached(text, False)
+        calls = svc.stats()["pool_calls"]
+        for word in ("step", "<tool_response>"):  # the second one fails a guard: the pool again
+            other = [{**m, "content": m["content"].replace("turn", word)} for m in turns]
+            text2, ids2 = await guarded(svc.render_and_encode("qwen3", other))
+            want = plain.render_uncached(other)
+            assert text2 == want and ids2 == tok.encode_uncached(want, False)
+        assert svc.stats()["pool_calls"] == calls + 1 and svc.stats()["pool_renders"] == 2
