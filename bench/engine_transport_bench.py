@@ -10,6 +10,15 @@ token), at concurrency 1 and 32. Also context switches per request (getrusage, a
     .venv/bin/python bench/engine_transport_bench.py --requests 200 --variants grpcio,h2
     .venv/bin/python bench/engine_transport_bench.py --paced 1       # 1 ms per token: a read per message
     .venv/bin/python bench/engine_transport_bench.py --micro         # frame parsing: ours vs h2 (hyper)
+    .venv/bin/python bench/engine_transport_bench.py --gateway       # Gateway.open_stream path, in-process
+    .venv/bin/python bench/engine_transport_bench.py --codec         # GenerateRequest: message vs bytes
+
+``--gateway`` measures the node's whole engine path per request in one process, without sockets:
+``Gateway.pick`` + ``open_stream`` (GenerateRequest encoding, ``H2EngineClient.generate_batches``,
+HTTP/2 framing), the response parsed and decoded into engine events, ``EngineStream.close``; a fake
+in-process server answers each call with pre-built frames (its own small cost is included). Prompts
+are real qwen3 ChatML renders with their pieces (shared system prompt, a user message new to every
+request, ~235 ids), as the tokenizer's caches hand them over.
 
 Prints figures only; no asserts. Machines are shared and noisy: compare within one run.
 """
@@ -29,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -360,6 +370,298 @@ def _h2_library_us(server_bytes: Callable[[int], bytes], split: bool, reps: int)
     return (time.process_time() - t0) / reps * 1e6
 
 
+# ---------------------------------------------------------------------------------------------- gateway path
+
+
+class _FakeServerTransport:
+    """An asyncio transport whose peer is a canned gRPC server: each request's HEADERS frame is answered,
+    on the next loop turn, by ``reply(stream id)`` (a list of reads, delivered one loop turn apart)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, reply: Callable[[int], list[bytes]]) -> None:
+        self.loop = loop
+        self.reply = reply
+        self.proto: Any = None
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        from shepherd.node import h2_conn as h2
+
+        off = len(h2.PREFACE) if data.startswith(h2.PREFACE) else 0
+        n = len(data)
+        received = 0
+        replies = []
+        while n - off >= 9:
+            length = int.from_bytes(data[off : off + 3], "big")
+            ftype = data[off + 3]
+            if ftype == h2.HEADERS:
+                replies.append(self.reply(int.from_bytes(data[off + 5 : off + 9], "big") & 0x7FFFFFFF))
+            elif ftype == h2.DATA:
+                received += length
+            off += 9 + length
+        if received:  # credit the connection window back, as a server does
+            replies.insert(0, [h2.window_update_frame(0, received)])
+        for reads in replies:
+            self._send(reads)
+
+    def _send(self, reads: list[bytes]) -> None:
+        if reads:
+            self.loop.call_soon(self._deliver, reads, 0)
+
+    def _deliver(self, reads: list[bytes], i: int) -> None:
+        if self.closing:
+            return
+        self.proto.data_received(reads[i])
+        if i + 1 < len(reads):
+            self.loop.call_soon(self._deliver, reads, i + 1)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def abort(self) -> None:
+        self.closing = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+
+def _prompts(count: int) -> list[Any]:
+    """Real prompt ids (PromptIds, with their pieces): qwen3 ChatML, one system prompt, distinct users."""
+    from shepherd.loadgen.prompts import SYSTEM_PROMPT, PromptConfig, PromptFactory
+    from shepherd.node.tokenizer import Tokenizer
+
+    tok = Tokenizer.load(ROOT / "shepherd" / "node" / "assets" / "qwen3")
+    pf = PromptFactory(PromptConfig())
+    out = []
+    for i in range(count):
+        text = (
+            f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{pf.user_message(i)}"
+            "<|im_end|>\n<|im_start|>assistant\n"
+        )
+        out.append(tok.encode(text))
+    return out
+
+
+async def _gateway_path(
+    reps: int, rounds: int, tokens: int, kind: str, scenarios: list[str], profile: bool
+) -> None:
+    from smg_grpc_proto import sglang_scheduler_pb2 as sg
+    from smg_grpc_proto import vllm_engine_pb2 as vl
+
+    from shepherd.node import h2_conn as h2
+    from shepherd.node.circuit_breaker import CircuitBreaker, HealthTracker
+    from shepherd.node.config import build_config
+    from shepherd.node.engine_h2 import H2EngineClient, grpc_message
+    from shepherd.node.engine_types import EngineComplete, GenerateRequest, SamplingParams
+    from shepherd.node.gateway import Gateway
+    from shepherd.node.workers import Worker
+    from shepherd.policies.block_names import PromptIds
+
+    loop = asyncio.get_running_loop()
+    pb: Any = vl if kind == "vllm" else sg
+    out_ids = list(range(1000, 1000 + tokens))
+    rid = {"request_id": "chatcmpl-0123456789abcdef0123"} if kind == "sglang" else {}
+    complete = pb.GenerateResponse(
+        **rid,
+        complete=pb.GenerateComplete(
+            output_ids=out_ids, finish_reason="length", prompt_tokens=235, completion_tokens=tokens
+        ),
+    ).SerializeToString()
+    chunks = [
+        pb.GenerateResponse(
+            **rid,
+            chunk=pb.GenerateStreamChunk(token_ids=[t], prompt_tokens=235, completion_tokens=i + 1),
+        ).SerializeToString()
+        for i, t in enumerate(out_ids)
+    ]
+    end = pb.GenerateResponse(
+        **rid,
+        complete=pb.GenerateComplete(finish_reason="length", prompt_tokens=235, completion_tokens=tokens),
+    ).SerializeToString()
+    head = b"\x88" + h2.hpack_literal(31, b"application/grpc")
+    trailers = h2.hpack_literal(b"grpc-status", b"0")
+    mode = {"stream": False}
+
+    def reply(sid: int) -> list[bytes]:
+        hf = h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS, sid, head)
+        tf = h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS | h2.FLAG_END_STREAM, sid, trailers)
+        if not mode["stream"]:
+            return [hf + h2.frame(h2.DATA, 0, sid, grpc_message(complete)) + tf]
+        reads = [hf + h2.frame(h2.DATA, 0, sid, grpc_message(chunks[0]))]
+        reads += [h2.frame(h2.DATA, 0, sid, grpc_message(c)) for c in chunks[1:]]
+        reads.append(h2.frame(h2.DATA, 0, sid, grpc_message(end)) + tf)
+        return reads
+
+    client = H2EngineClient(f"{kind}://127.0.0.1:1", "127.0.0.1:1", kind)
+    proto = h2.H2Protocol(loop, keepalive_s=0)
+    transport = _FakeServerTransport(loop, reply)
+    transport.proto = proto
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    proto.data_received(h2.settings_frame({h2.SETTINGS_MAX_CONCURRENT_STREAMS: 1000}))
+    client._proto = proto  # the bench's fake connection, ready
+    gw = Gateway(build_config({}, {"policy": "round_robin"}))
+    w = Worker(
+        id="w0",
+        url=client.url,
+        model="qwen3",
+        client=client,
+        health=HealthTracker(healthy=True, checked=True),
+        breaker=CircuitBreaker(),
+    )
+    gw.registry.workers[w.id] = w
+    prompts = _prompts(64)
+    counter = 0
+
+    def prompt(i: int) -> Any:
+        """A prompt whose user message is new (as in a fleet: the system prompt repeats, the last user
+        turn does not): one of the real prompts, its user piece renamed (same ids, a text not seen)."""
+        base = prompts[i % len(prompts)]
+        shape = tuple((f"{t}#{i}" if t.startswith("user") else t, n) for t, n in base.shape)
+        return PromptIds(base, shape)
+
+    async def one() -> None:
+        nonlocal counter
+        counter += 1
+        # a fresh SamplingParams per request, as the handlers build it
+        sampling = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=tokens, ignore_eos=True)
+        gen = GenerateRequest(f"chatcmpl-{counter:028x}", prompt(counter), sampling, stream=mode["stream"])
+        es = await gw.open_stream("qwen3", gen)
+        try:
+            async for batch in es.batches():
+                if any(type(ev) is EngineComplete for ev in batch):
+                    es.completed = True
+                    break
+        finally:
+            await es.close("done")
+
+    async def run(n: int, conc: int) -> None:
+        per = [n // conc + (1 if i < n % conc else 0) for i in range(conc)]
+
+        async def worker(k: int) -> None:
+            for _ in range(k):
+                await one()
+
+        await asyncio.gather(*(worker(k) for k in per if k))
+
+    print(
+        f"gateway engine path, in-process fake {kind} server: CPU µs per request "
+        f"(best of {rounds} rounds of {reps}; {tokens}-token outputs, ~235-id prompts)"
+    )
+    prof: Any = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+    for stream in (False, True):
+        if ("stream" if stream else "non-stream") not in scenarios:
+            continue
+        mode["stream"] = stream
+        for conc in (1, 32):
+            await run(200, conc)  # warm-up
+            best = float("inf")
+            for _ in range(rounds):
+                if prof is not None:
+                    prof.enable()
+                t0 = time.process_time()
+                await run(reps, conc)
+                best = min(best, (time.process_time() - t0) / reps * 1e6)
+                if prof is not None:
+                    prof.disable()
+            label = f"stream ({tokens} reads)" if stream else "non-stream"
+            print(f"  {label:<18} conc {conc:>3}: {best:7.1f} µs/req")
+    if prof is not None:
+        import pstats
+
+        pstats.Stats(prof).sort_stats("tottime").print_stats(40)
+    assert w.in_flight == 0 and not proto.conn.streams, "requests left open"
+    await client.close()
+
+
+def codec_micro(reps: int) -> None:
+    """GenerateRequest encoding, interleaved in one process: the protobuf message (``sglang_generate(req)
+    .SerializeToString()``, what the h2 client sent before) vs ``sglang_generate_bytes``; single-turn
+    chats (a new user message each) and an 8-turn conversation whose earlier turns recur."""
+    from shepherd.node.engine_types import GenerateRequest, SamplingParams
+    from shepherd.policies.block_names import PromptIds
+    from shepherd.proto import engine_codec as codec
+
+    prompts = _prompts(64)
+
+    def single(i: int) -> Any:
+        base = prompts[i % len(prompts)]
+        return PromptIds(base, tuple((f"{t}#{i}" if t.startswith("user") else t, n) for t, n in base.shape))
+
+    sys_shape = prompts[0].shape[:4]  # BOS marker, <|im_start|>, the system prompt, \n<|im_start|>
+    sys_ids = list(prompts[0][: sum(n for _, n in sys_shape)])
+    by_text: dict[str, list[int]] = {}
+
+    def seg(text: str, n: int) -> list[int]:  # a piece's ids: the same list for the same text, as L1 has it
+        return by_text.setdefault(text, [(zlib.crc32(text.encode()) + j * 7919) % 150_000 for j in range(n)])
+
+    def multi(i: int) -> Any:
+        """Request i: turn i % 8 of conversation i // 8 (earlier turns recur, the last user turn is new)."""
+        conv, turn = divmod(i, 8)
+        shape = list(sys_shape)
+        ids = list(sys_ids)
+        for k in range(turn + 1):
+            user = f"user\n(conversation {conv}, turn {k})<|im_end|>"
+            ids += [*seg(user, 160), 198, 151644]
+            shape += [(user, 160), ("\n<|im_start|>", 2)]
+            if k < turn:
+                answer = f"assistant\n(answer {conv}.{k})<|im_end|>"
+                ids += [*seg(answer, 60), 198, 151644]
+                shape += [(answer, 60), ("\n<|im_start|>", 2)]
+        shape.append(("assistant\n", 2))
+        ids += [77091, 198]
+        return PromptIds(ids, tuple(shape))
+
+    for label, make in (("single-turn", single), ("8-turn conversations", multi)):
+        best = {"message": float("inf"), "bytes": float("inf")}
+        start = 0
+        n_ids = 0.0
+        for _ in range(5):
+            for name, fn in (
+                ("message", lambda r: codec.sglang_generate(r).SerializeToString()),
+                ("bytes", codec.sglang_generate_bytes),
+            ):
+                # requests never seen before (a user turn repeated by the bench would be a piece seen twice)
+                reqs = [
+                    GenerateRequest(
+                        f"chatcmpl-{i:028x}", make(i), SamplingParams(temperature=0.7, max_new_tokens=32)
+                    )
+                    for i in range(start, start + reps)
+                ]
+                start += reps
+                n_ids = sum(len(r.input_ids) for r in reqs) / len(reqs)
+                t0 = time.process_time()
+                for r in reqs:
+                    fn(r)
+                best[name] = min(best[name], (time.process_time() - t0) / len(reqs) * 1e6)
+                same = (
+                    codec.sglang_generate_bytes(r) == codec.sglang_generate(r).SerializeToString()
+                    for r in reqs
+                )
+                assert all(same)
+        print(
+            f"{label:<22} ({n_ids:6.0f} ids/request): message {best['message']:6.1f} µs   "
+            f"bytes {best['bytes']:6.1f} µs   (best of 5 interleaved rounds of {reps})"
+        )
+
+
+def gateway_path(args: argparse.Namespace) -> None:
+    main = _gateway_path(
+        args.requests * 5, args.rounds * 2 - 1, args.tokens, args.kind, args.scenarios, args.profile
+    )
+    if args.loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main)
+    else:
+        asyncio.run(main)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -381,11 +683,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved repetitions (median reported)")
     ap.add_argument("--micro", action="store_true", help="only the frame-parsing micro benchmark")
     ap.add_argument("--micro-reps", type=int, default=2000)
+    ap.add_argument("--gateway", action="store_true", help="only the in-process Gateway.open_stream path")
+    ap.add_argument(
+        "--scenarios", type=lambda s: s.split(","), default=["non-stream", "stream"], help="with --gateway"
+    )
+    ap.add_argument("--profile", action="store_true", help="with --gateway: cProfile the measured rounds")
+    ap.add_argument("--codec", action="store_true", help="only GenerateRequest encoding: message vs bytes")
     args = ap.parse_args()
     if args.worker:
         worker(args)
     elif args.micro:
         micro(args.micro_reps)
+    elif args.gateway:
+        gateway_path(args)
+    elif args.codec:
+        codec_micro(args.requests * 5)
     else:
         main_driver(args)
 

@@ -106,6 +106,26 @@ def grpc_message(body: bytes) -> bytes:
 _UNPROCESSED_RETRIES = 5  # transparent re-sends of a call the server never processed
 
 
+def _header_fields(headers: h2.Headers) -> tuple[bytes | None, bytes | None, bytes | None, bytes]:
+    """(:status, content-type, grpc-status, grpc-message) of a header block."""
+    status = ctype = gstatus = None
+    gmsg = b""
+    for k, v in headers:
+        if k == b":status":
+            status = v
+        elif k == b"grpc-status":
+            gstatus = v
+        elif k == b"grpc-message":
+            gmsg = v
+        elif k == b"content-type":
+            ctype = v
+    return status, ctype, gstatus, gmsg
+
+
+# id(headers) -> (headers, its fields): the tuple is held, so its id is not reused while it is here
+_HEADER_FIELDS: dict[int, tuple[h2.Headers, bytes | None, bytes | None, bytes | None, bytes]] = {}
+
+
 class GrpcStream(h2.H2Stream):
     """One gRPC call: response messages in ``messages`` (bytes), status when ``done``.
 
@@ -120,6 +140,7 @@ class GrpcStream(h2.H2Stream):
         "_partial",
         "_waiter",
         "code",
+        "deadlines",
         "details",
         "done",
         "messages",
@@ -128,7 +149,15 @@ class GrpcStream(h2.H2Stream):
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__()
+        # H2Stream's fields, set here (one call less per request)
+        self.conn: h2.H2Connection | None = None
+        self.stream_id = 0
+        self.send_window = 0
+        self.recv_unacked = 0
+        self.local_closed = False
+        self.remote_closed = False
+        self._pending = b""
+        self._pending_off = 0
         self.unprocessed = False  # the server says it never processed the call: safe to send again
         self._loop = loop
         self.messages: collections.deque[bytes] = collections.deque()
@@ -136,6 +165,7 @@ class GrpcStream(h2.H2Stream):
         self.code = UNKNOWN
         self.details = ""
         self.timer: asyncio.TimerHandle | None = None
+        self.deadlines: Deadlines | None = None  # or ``timer``: what ends the call at its deadline
         self._waiter: asyncio.Future[None] | None = None
         self._headers_seen = False
         self._partial = bytearray()  # an incomplete message (prefix included)
@@ -175,6 +205,10 @@ class GrpcStream(h2.H2Stream):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        dl = self.deadlines
+        if dl is not None:
+            self.deadlines = None
+            dl.discard(self)
         self._wake()
 
     def _fail_and_reset(self, code: int, details: str) -> None:
@@ -187,17 +221,15 @@ class GrpcStream(h2.H2Stream):
     def on_headers(self, headers: h2.Headers, end_stream: bool) -> None:
         if self.done:
             return
-        status = ctype = gstatus = None
-        gmsg = b""
-        for k, v in headers:
-            if k == b":status":
-                status = v
-            elif k == b"grpc-status":
-                gstatus = v
-            elif k == b"grpc-message":
-                gmsg = v
-            elif k == b"content-type":
-                ctype = v
+        # a warm connection hands the same header tuples over and over (HeaderDecoder's cache)
+        hit = _HEADER_FIELDS.get(id(headers))
+        if hit is not None and hit[0] is headers:
+            _, status, ctype, gstatus, gmsg = hit
+        else:
+            status, ctype, gstatus, gmsg = _header_fields(headers)
+            if len(_HEADER_FIELDS) >= 64:
+                _HEADER_FIELDS.clear()
+            _HEADER_FIELDS[id(headers)] = (headers, status, ctype, gstatus, gmsg)
         if not self._headers_seen:
             self._headers_seen = True
             if gstatus is None:
@@ -284,6 +316,46 @@ class GrpcStream(h2.H2Stream):
         self._finish(UNAVAILABLE, message)
 
 
+class Deadlines:
+    """The deadlines of calls that share one timeout, behind one timer (arming and cancelling a timer
+    per call costs ~1.7 µs; a dict insertion and deletion, ~0.2 µs). With one timeout, deadlines come
+    in the order the calls start, so the earliest is the oldest entry; calls that end early leave."""
+
+    __slots__ = ("_due", "_timer", "loop", "timeout")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        self.loop = loop
+        self.timeout = timeout
+        self._due: dict[GrpcStream, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def add(self, stream: GrpcStream) -> None:
+        due = self.loop.time() + self.timeout
+        self._due[stream] = due
+        stream.deadlines = self
+        if self._timer is None:
+            self._timer = self.loop.call_at(due, self._fire)
+
+    def discard(self, stream: GrpcStream) -> None:
+        self._due.pop(stream, None)
+
+    def _fire(self) -> None:
+        self._timer = None
+        due = self._due
+        now = self.loop.time() + 0.001  # timers fire with a millisecond's precision
+        for _ in range(len(due)):  # bounded: each turn expires one call or stops
+            stream, when = next(iter(due.items()))
+            if when > now:
+                self._timer = self.loop.call_at(when, self._fire)
+                return
+            del due[stream]
+            stream.deadlines = None
+            stream.expire()
+
+
 def parse_target(target: str) -> tuple[str, int, str | None]:
     """A gRPC target -> (host, port, unix socket path or None). Accepts host:port, [v6]:port, dns:///,
     ipv4:, ipv6:, unix:path."""
@@ -310,6 +382,11 @@ def parse_target(target: str) -> tuple[str, int, str | None]:
 def _path(kind: str, method: str) -> str:
     return f"/{codec.VLLM_SERVICE if kind == 'vllm' else codec.SGLANG_SERVICE}/{method}"
 
+
+_SG_GENERATE = _path("sglang", "Generate")
+_VL_GENERATE = _path("vllm", "Generate")
+_SG_PARSE = sg.GenerateResponse.FromString
+_VL_PARSE = vl.GenerateResponse.FromString
 
 _MAX_WAITS = 10_000  # bound on the wake-ups one call waits for (a slot, a connection, its end)
 
@@ -349,6 +426,7 @@ class H2EngineClient:
         self._proto: h2.H2Protocol | None = None
         self._protos: set[h2.H2Protocol] = set()
         self._connecting: asyncio.Task[h2.H2Protocol] | None = None
+        self._deadlines: Deadlines | None = None
         self._last_error = ""
         self._closed = False
         self.connects = 0  # successful connections made (observability and tests)
@@ -422,21 +500,31 @@ class H2EngineClient:
         proto.closed.add_done_callback(lambda _f: self._protos.discard(proto))
         return proto
 
+    def _start_now(self, path: str, body: bytes, timeout: float | None) -> GrpcStream | None:
+        """Open a call and send its request at once when a connection and a slot are ready, else None."""
+        p = self._proto
+        if p is None or not p.can_open:
+            return None
+        loop = p.loop
+        stream = GrpcStream(loop)
+        p.conn.open_stream(stream, self._headers.block(path, timeout), grpc_message(body))
+        if timeout is not None:
+            dl = self._deadlines
+            if dl is None or dl.loop is not loop:
+                dl = self._deadlines = Deadlines(loop, timeout)  # the first timeout is the usual one
+            if timeout == dl.timeout:
+                dl.add(stream)
+            else:
+                stream.timer = loop.call_later(timeout, stream.expire)
+        return stream
+
     async def _start(self, path: str, body: bytes, timeout: float | None) -> GrpcStream:
         """Open a call and send its request; no suspension when a connection and a slot are ready."""
-        p = self._proto
-        if p is not None:
-            loop = p.loop
-            stream = GrpcStream(loop)
-            c = p.conn
-            if c.usable and c.has_slot and not p.has_waiters:
-                c.open_stream(stream, self._headers.block(path, timeout), grpc_message(body))
-                if timeout is not None:
-                    stream.timer = loop.call_later(timeout, stream.expire)
-                return stream
-        else:
-            loop = asyncio.get_running_loop()
-            stream = GrpcStream(loop)
+        ready = self._start_now(path, body, timeout)
+        if ready is not None:
+            return ready
+        loop = asyncio.get_running_loop()
+        stream = GrpcStream(loop)
         deadline = None if timeout is None else loop.time() + timeout
         waited = False  # once woken in FIFO order it is our turn, whoever else waits
         for _ in range(_MAX_WAITS):
@@ -539,60 +627,18 @@ class H2EngineClient:
     async def generate(
         self, req: GenerateRequest, timeout: float | None = None
     ) -> AsyncIterator[EngineEvent]:
-        async for batch in self.generate_batches(req, timeout):
-            for ev in batch:
-                yield ev
+        call = GenerateCall(self, req, timeout)
+        try:
+            async for batch in call:
+                for ev in batch:
+                    yield ev
+        finally:
+            call.close()
 
-    async def generate_batches(
-        self, req: GenerateRequest, timeout: float | None = None
-    ) -> AsyncIterator[list[EngineEvent]]:
+    def generate_batches(self, req: GenerateRequest, timeout: float | None = None) -> GenerateCall:
         """Like ``generate``, but yields every event that is already here at once: a network read that
         carried many messages costs the consumer one wake-up and one downstream write."""
-        if self.kind == "unknown":
-            await self.detect()
-        parse: Callable[[bytes], Any]
-        if self.kind == "vllm":
-            body = codec.vllm_generate(req).SerializeToString()
-            parse = vl.GenerateResponse.FromString
-            path = _path("vllm", "Generate")
-        else:
-            body = codec.sglang_generate(req).SerializeToString()
-            parse = sg.GenerateResponse.FromString
-            path = _path("sglang", "Generate")
-        decode_batch = codec.decode_batch
-        stream: GrpcStream | None = None
-        try:
-            for attempt in range(_UNPROCESSED_RETRIES + 1):
-                try:
-                    stream = await self._start(path, body, timeout)
-                except RpcStatus as e:
-                    raise e.engine_error() from None
-                while not stream.done and not stream.messages:
-                    await stream.wait()
-                # a call the server refused before processing it (REFUSED_STREAM, or above a GOAWAY's
-                # last stream id: e.g. opened before its SETTINGS limit arrived) is sent again, as gRPC does
-                if not (stream.done and stream.unprocessed) or attempt == _UNPROCESSED_RETRIES:
-                    break
-            assert stream is not None
-            msgs = stream.messages
-            while True:
-                if msgs:
-                    raws = list(msgs)
-                    msgs.clear()
-                    batch = decode_batch(raws, parse)
-                    if batch:
-                        yield batch
-                    continue
-                if stream.done:
-                    break
-                await stream.wait()
-        except DecodeError as e:
-            raise map_status(INTERNAL, f"cannot parse a response: {e}") from None
-        finally:
-            if stream is not None and not stream.done:
-                stream.cancel()
-        if stream.code != OK:
-            raise map_status(stream.code, stream.details)
+        return GenerateCall(self, req, timeout)
 
     async def abort(self, request_id: str, reason: str = "") -> None:
         with contextlib.suppress(RpcStatus):
@@ -680,6 +726,105 @@ class H2EngineClient:
             p.close()
         if protos:
             await asyncio.wait([p.closed for p in protos], timeout=2.0)
+
+
+class GenerateCall:
+    """One Generate call as an async iterator of event batches (``H2EngineClient.generate_batches``).
+
+    An object rather than an async generator: every request creates, steps and closes one, and this
+    costs less to do all three (no generator frame, no loop hooks). Closing it early (``aclose``, or an
+    exception or a cancellation while it waits) cancels the call (RST_STREAM). The request is encoded
+    and sent at the first ``__anext__``, which returns once the first messages arrived."""
+
+    __slots__ = ("_client", "_closed", "_parse", "_req", "_stream", "_timeout")
+
+    def __init__(self, client: H2EngineClient, req: GenerateRequest, timeout: float | None) -> None:
+        self._client = client
+        self._req = req
+        self._timeout = timeout
+        self._stream: GrpcStream | None = None
+        self._parse: Callable[[bytes], Any] = _SG_PARSE
+        self._closed = False
+
+    def __aiter__(self) -> GenerateCall:
+        return self
+
+    async def __anext__(self) -> list[EngineEvent]:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            stream = self._stream
+            if stream is None:
+                stream = await self._open()
+            msgs = stream.messages
+            while True:  # bounded by the messages and the end of the stream
+                if msgs:
+                    raws = list(msgs)
+                    msgs.clear()
+                    batch = codec.decode_batch(raws, self._parse)
+                    if batch:
+                        return batch
+                    continue
+                if stream.done:
+                    break
+                await stream.wait()
+        except DecodeError as e:
+            self.close()
+            raise map_status(INTERNAL, f"cannot parse a response: {e}") from None
+        except BaseException:
+            self.close()
+            raise
+        self._closed = True
+        if stream.code != OK:
+            raise map_status(stream.code, stream.details)
+        raise StopAsyncIteration
+
+    async def _open(self) -> GrpcStream:
+        client = self._client
+        if client.kind == "unknown":
+            await client.detect()
+        req = self._req
+        if client.kind == "vllm":
+            body = codec.vllm_generate_bytes(req)
+            self._parse = _VL_PARSE
+            path = _VL_GENERATE
+        else:
+            body = codec.sglang_generate_bytes(req)
+            path = _SG_GENERATE
+        timeout = self._timeout
+        stream: GrpcStream | None = None
+        for _attempt in range(_UNPROCESSED_RETRIES + 1):
+            stream = client._start_now(path, body, timeout)
+            if stream is None:
+                try:
+                    stream = await client._start(path, body, timeout)
+                except RpcStatus as e:
+                    raise e.engine_error() from None
+            self._stream = stream
+            while not stream.done and not stream.messages:
+                await stream.wait()
+            # a call the server refused before processing it (REFUSED_STREAM, or above a GOAWAY's
+            # last stream id: e.g. opened before its SETTINGS limit arrived) is sent again, as gRPC does
+            if not (stream.done and stream.unprocessed):
+                break
+        assert stream is not None
+        return stream
+
+    def close(self) -> None:
+        """End the call: cancelled (RST_STREAM) unless the server already ended it."""
+        self._closed = True
+        s = self._stream
+        if s is not None and not s.done:
+            s.cancel()
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        s = self._stream
+        if s is not None and not s.done:  # dropped unclosed: free the engine's request all the same
+            with contextlib.suppress(Exception):
+                s.cancel()
 
 
 def _retrieve(task: asyncio.Task[h2.H2Protocol]) -> None:

@@ -11,13 +11,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from shepherd.node.admission import Admission
 from shepherd.node.api_common import KeepAlive
+from shepherd.node.circuit_breaker import BreakerState
 from shepherd.node.config import ModelConfig, NodeConfig
 from shepherd.node.engine_http import HttpRelayClient
 from shepherd.node.engine_types import EngineError, EngineEvent, EngineLoad, GenerateRequest
@@ -33,6 +34,8 @@ from shepherd.policies.base import Policy, RouteRequest
 from shepherd.policies.simple import make_policy
 
 log = logging.getLogger("shepherd.gateway")
+
+_CLOSED = BreakerState.CLOSED
 
 
 def model_parsers(mc: ModelConfig, reasoning: str | None, tool: str | None) -> tuple[str | None, str | None]:
@@ -57,23 +60,41 @@ def model_not_found(model: str, known: list[str]) -> ApiError:
     )
 
 
+class Batches(Protocol):
+    """What an engine client's ``generate_batches`` returns, as the gateway uses it."""
+
+    def __anext__(self) -> Awaitable[list[EngineEvent]]: ...
+
+    def aclose(self) -> Awaitable[None]: ...
+
+
 @dataclass(slots=True)
 class EngineStream:
-    """An open Generate stream on one worker. ``close()`` aborts the engine request unless it completed."""
+    """An open Generate stream on one worker. ``close()`` aborts the engine request unless it completed.
+
+    ``batches()`` iterates the stream itself: the first batch (already received), then the engine's."""
 
     gateway: Gateway
     worker: Worker
     request_id: str
-    agen: AsyncGenerator[list[EngineEvent], None]
-    first: list[EngineEvent]
+    agen: Batches
+    first: list[EngineEvent] | None
     completed: bool = False
     closed: bool = False
     on_close: Callable[[], None] | None = None  # e.g. PD: the prefill half goes with the decode half
 
-    async def batches(self) -> AsyncIterator[list[EngineEvent]]:
-        yield self.first
-        async for batch in self.agen:
-            yield batch
+    def batches(self) -> EngineStream:
+        return self
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    def __anext__(self) -> Awaitable[list[EngineEvent]]:
+        first = self.first
+        if first is None:
+            return self.agen.__anext__()  # the engine's own awaitable: no wrapper per batch
+        self.first = None
+        return _Ready(first)
 
     async def close(self, reason: str = "cancelled") -> None:
         if self.closed:
@@ -84,8 +105,10 @@ class EngineStream:
             self.on_close()
         if not self.completed:
             self.gateway.abort_in_background(self.worker, self.request_id, reason)
-        with contextlib.suppress(Exception):
+        try:  # noqa: SIM105 - cheaper than contextlib.suppress, on every request
             await self.agen.aclose()
+        except Exception:
+            pass
 
 
 class Gateway:
@@ -247,21 +270,32 @@ class Gateway:
     ) -> Worker | None:
         """A worker for the request, by ``policy`` (default: the model's) among the routable workers not
         in ``exclude`` (and, if given, in ``only``: e.g. one pool of a PD node)."""
-        candidates = [
-            w
-            for w in self.registry.routable(model, exclude)
-            if w.is_http == http and (only is None or w.id in only)
-        ]
-        route = RouteRequest(model=model, input_ids=input_ids, routing_key=routing_key)
-        now = self.registry.clock()
+        reg = self.registry
+        now = reg.clock()
+        gate = reg.gate
+        candidates: list[Worker] = []
+        # one pass: what ``reg.routable(model, exclude)`` holds, of the wanted kind (and in ``only``)
+        for w in reg.workers.values():
+            if w.model != model or w.id in exclude or not w.health.healthy:
+                continue
+            b = w.breaker
+            if b.state is not _CLOSED and not b.allows(now):
+                continue
+            if (gate is not None and not gate(w.id)) or w.is_http != http:
+                continue
+            if only is None or w.id in only:
+                candidates.append(w)
+        if not candidates:
+            return None
+        route = RouteRequest(model, input_ids, routing_key)
         policy = policy or self.policy_for(model)
         while candidates:  # bounded: each turn removes one candidate
             choice = policy.pick([w.view() for w in candidates], route)
             if choice is None:
                 return None
-            w = self.registry.get(choice.id)
-            if w is not None and w.breaker.acquire(now):
-                return w
+            chosen = reg.workers.get(choice.id)
+            if chosen is not None and chosen.breaker.acquire(now):
+                return chosen
             # a half-open worker whose single trial request is already out: let the policy choose again
             candidates = [c for c in candidates if c.id != choice.id]
         return None
@@ -299,10 +333,7 @@ class Gateway:
                     400, f"worker {w.id} is an HTTP worker; model {model!r} is served over gRPC here."
                 )
             w.in_flight += 1
-            agen = cast(
-                AsyncGenerator[list[EngineEvent], None],
-                client.generate_batches(req, timeout=self.cfg.request_timeout_secs),
-            )
+            agen = cast(Batches, client.generate_batches(req, timeout=self.cfg.request_timeout_secs))
             try:
                 first = await anext(agen)
             except StopAsyncIteration:
@@ -397,6 +428,19 @@ def _cache_rows(stats: dict[str, int]) -> list[tuple[list[str], float]]:
         if level and result in ("hits", "misses"):
             rows.append(([level, result], float(val)))
     return rows
+
+
+class _Ready:
+    """An awaitable that is already done (the first batch, received before the stream was handed on)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: list[EngineEvent]) -> None:
+        self.value = value
+
+    def __await__(self) -> Generator[Any, None, list[EngineEvent]]:
+        yield from ()
+        return self.value
 
 
 def _with_id(gen: GenerateRequest, rid: str) -> GenerateRequest:

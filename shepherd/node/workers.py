@@ -68,14 +68,8 @@ class Worker:
         return self.health.healthy and self.breaker.allows(now)
 
     def view(self) -> WorkerView:
-        return WorkerView(
-            id=self.id,
-            url=self.url,
-            in_flight=self.in_flight,
-            running=self.load.running,
-            waiting=self.load.waiting,
-            token_usage=self.load.token_usage,
-        )
+        load = self.load
+        return WorkerView(self.id, self.url, self.in_flight, load.running, load.waiting, load.token_usage)
 
     def describe(self) -> dict[str, Any]:
         return {

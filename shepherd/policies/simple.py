@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import operator
 import random as _random
 from collections.abc import Callable, Sequence
 
 from shepherd.policies.base import Policy, RouteRequest, WorkerView
+
+_by_id = operator.attrgetter("id")
 
 
 class RoundRobin:
@@ -19,10 +22,11 @@ class RoundRobin:
     def pick(self, workers: Sequence[WorkerView], req: RouteRequest) -> WorkerView | None:
         if not workers:
             return None
-        ordered = sorted(workers, key=lambda w: w.id)
         i = self._cursor.get(req.model, 0)
         self._cursor[req.model] = i + 1
-        return ordered[i % len(ordered)]
+        if len(workers) == 1:
+            return workers[0]
+        return sorted(workers, key=_by_id)[i % len(workers)]
 
 
 class RandomPolicy:

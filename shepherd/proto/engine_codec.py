@@ -2,12 +2,20 @@
 
 Every sampling field is set explicitly: proto3 zero defaults are not the semantic defaults.
 Both the grpcio client and any other transport share this module, so the wire mapping exists once.
+
+``sglang_generate_bytes`` / ``vllm_generate_bytes`` serialize a GenerateRequest straight to the bytes
+``sglang_generate(req).SerializeToString()`` gives (fields in number order, as protobuf writes them;
+only the order of map entries in the sampling parameters may differ), without building the message:
+the sampling parameters are serialized once per distinct value (cached), the token ids by protobuf's
+own encoder (``TokenizedInput``; the long prompt pieces that recur, once: ``PieceVarints``), the rest
+by hand (protobuf's wire format for a handful of scalars). Property-tested against the message builders.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from google.protobuf import json_format
@@ -124,6 +132,269 @@ def vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.Sa
     return sp
 
 
+def _varint(n: int) -> bytes:
+    """A non-negative integer as a protobuf varint."""
+    if n < 0x80:
+        return _BYTES[n]
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_BYTES = [bytes([i]) for i in range(256)]
+_VN = 1 << 14
+_V = [_varint(i) for i in range(_VN)]  # the varints of lengths below 16 KiB (one or two bytes)
+_INT32_MIN = -(1 << 31)
+_INT32_MAX = (1 << 31) - 1
+
+
+def _int32(v: object) -> bytes | None:
+    """An int32 field value as protobuf writes it (negative: 10 bytes), or None if protobuf would refuse
+    it (out of range, not an int): the caller then takes the message path, which raises as it always did."""
+    if type(v) is not int or not _INT32_MIN <= v <= _INT32_MAX:
+        return None
+    return _varint(v if v >= 0 else v + (1 << 64))
+
+
+def _ld(tag: bytes, payload: bytes) -> bytes:
+    """A length-delimited field."""
+    return tag + _varint(len(payload)) + payload
+
+
+@functools.lru_cache(maxsize=4096)
+def _sglang_sampling_field(p: SamplingParams) -> bytes:
+    """Field 4 (sampling_params) of an SGLang GenerateRequest, serialized once per distinct value."""
+    sp: bytes = sglang_sampling(p).SerializeToString()
+    return _ld(b"\x22", sp)
+
+
+@functools.lru_cache(maxsize=4096)
+def _vllm_sampling_field(p: SamplingParams, logprobs: bool, top_logprobs: int) -> bytes:
+    """Field 4 (sampling_params) of a vLLM GenerateRequest, serialized once per distinct value."""
+    sp: bytes = vllm_sampling(p, logprobs, top_logprobs).SerializeToString()
+    return _ld(b"\x22", sp)
+
+
+_TOKENIZED = sg.TokenizedInput  # vLLM's has the same fields and numbers
+
+
+def _packed(ids: Sequence[int]) -> bytes:
+    """The packed varints of ``ids`` (field 2 of TokenizedInput without its tag and length), by
+    protobuf's own encoder: it also refuses what it always refused (negative, > uint32, not an int)."""
+    if len(ids) <= 8:  # a few ids: by hand (a protobuf call costs ~1.5 µs in itself)
+        out = bytearray()
+        for v in ids:
+            if type(v) is not int or not 0 <= v <= 0xFFFFFFFF:
+                break  # protobuf's refusal, below
+            while v >= 0x80:
+                out.append((v & 0x7F) | 0x80)
+                v >>= 7
+            out.append(v)
+        else:
+            return bytes(out)
+    enc: bytes = _TOKENIZED(input_ids=ids).SerializeToString()
+    i = 1  # after the tag: skip the length varint
+    while enc[i] & 0x80:
+        i += 1
+    return enc[i + 1 :]
+
+
+class PieceVarints:
+    """Packed varints of long prompt pieces that recur, by piece text.
+
+    A prompt's ids that come from the tokenizer's caches carry the pieces they were encoded from
+    (``PromptIds.shape``: the L1 segments, cut after each special token: a system prompt, the earlier
+    turns of a conversation, tool definitions). Such a piece recurs in request after request, and its
+    ids with it; their wire form is kept here so that only what is new is encoded (protobuf's encoder
+    costs ~40 ns per id). A piece is kept from its second sighting on (the last user turn, new in every
+    request, costs a set lookup), first in, first out within bounds of entries and ids held. A prompt
+    is assembled from kept pieces when they hold enough of its ids (below that, slicing the prompt
+    costs more than it saves); a short prompt is not looked at (looking costs ~1.5 µs, more than
+    what it could save there). A hit is checked against the ids themselves (the same text under
+    another model's tokenizer has other ids): the bytes are used only when the ids are equal."""
+
+    def __init__(
+        self,
+        max_entries: int = 4096,
+        max_ids: int = 1 << 19,
+        min_ids: int = 48,
+        reuse_min_ids: int = 128,
+        min_prompt_ids: int = 256,
+    ) -> None:
+        self._d: OrderedDict[str, tuple[Sequence[int], bytes]] = OrderedDict()
+        self._seen: set[int] = set()  # hashes of long pieces seen once
+        self._runs: dict[tuple[int, ...], bytes] = {}
+        self.max_entries = max_entries
+        self.max_ids = max_ids
+        self.min_ids = min_ids  # shorter pieces are encoded with their neighbours, in one call
+        self.reuse_min_ids = reuse_min_ids  # fewer kept ids in a prompt: it is encoded whole, in one call
+        self.min_prompt_ids = min_prompt_ids  # shorter prompts are encoded whole, their pieces not looked at
+        self.total_ids = 0
+        self.hits = 0
+        self.stored = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def packed(self, ids: Sequence[int]) -> bytes:
+        """``_packed(ids)``, reusing the bytes of its long pieces when ``ids`` carries a shape."""
+        shape = getattr(ids, "shape", None)
+        if not shape or len(ids) < self.min_prompt_ids:
+            return _packed(ids)
+        min_ids = self.min_ids
+        d = self._d
+        seen = self._seen
+        hits: list[tuple[int, int, str, tuple[Sequence[int], bytes]]] = []
+        kept = 0  # ids in hits
+        pos = 0
+        for text, n in shape:
+            if n >= min_ids:
+                hit = d.get(text)
+                if hit is not None:
+                    hits.append((pos, n, text, hit))
+                    kept += n
+                else:
+                    h = hash(text)  # computed once per string (the tokenizer's cache lookup did already)
+                    if h in seen:  # its second sighting: keep it from now on
+                        self._store(text, ids[pos : pos + n])
+                    else:
+                        if len(seen) >= 4 * self.max_entries:
+                            seen.clear()
+                        seen.add(h)
+            pos += n
+        # reusing costs a slice of every id (the gaps go to protobuf as slices): worth it for many ids
+        if kept < self.reuse_min_ids or pos != len(ids):
+            return _packed(ids)
+        parts: list[bytes] = []
+        run = 0  # ids[run:pos] are not yet encoded
+        for pos, n, text, hit in hits:
+            seg = ids[pos : pos + n]
+            if hit[0] == seg:
+                enc = hit[1]
+                self.hits += 1
+            else:  # another tokenizer's ids for this text: keep the latest
+                enc = self._store(text, seg)
+            if run < pos:
+                parts.append(self._run(ids[run:pos]))
+            parts.append(enc)
+            run = pos + n
+        if run < len(ids):
+            parts.append(self._run(ids[run:]))
+        return b"".join(parts)
+
+    def _store(self, text: str, seg: Sequence[int]) -> bytes:
+        d = self._d
+        old = d.pop(text, None)
+        if old is not None:
+            self.total_ids -= len(old[0])
+        enc = _packed(seg)
+        d[text] = (seg, enc)
+        self.total_ids += len(seg)
+        self.stored += 1
+        while len(d) > self.max_entries or self.total_ids > self.max_ids:  # bounded: each turn drops one
+            _, (dropped, _enc) = d.popitem(last=False)
+            self.total_ids -= len(dropped)
+        return enc
+
+    def _run(self, seg: Sequence[int]) -> bytes:
+        """Ids between kept pieces: mostly a chat template's few ids around a role (the same handful of
+        sequences in every request), kept by value when short."""
+        if len(seg) > 16:
+            return _packed(seg)
+        key = tuple(seg)
+        enc = self._runs.get(key)
+        if enc is None:
+            enc = _packed(seg)
+            if len(self._runs) >= self.max_entries:
+                self._runs.clear()
+            self._runs[key] = enc
+        return enc
+
+
+PIECES = PieceVarints()
+
+
+def _tokenized(text: str, ids: Sequence[int]) -> list[bytes]:
+    """Field 2 of either engine's GenerateRequest, a TokenizedInput: original_text (1), input_ids (2,
+    packed); as parts to join."""
+    packed = PIECES.packed(ids)
+    n = len(packed)
+    if not text:  # the usual request: ids only
+        if not n:
+            return [b"\x12\x00"]
+        head = _V[n] if n < _VN else _varint(n)
+        size = 1 + len(head) + n
+        return [b"\x12", _V[size] if size < _VN else _varint(size), b"\x12", head, packed]
+    sub = _ld(b"\x0a", text.encode()) + (_ld(b"\x12", packed) if packed else b"")
+    return [b"\x12", _varint(len(sub)), sub]
+
+
+_LOGPROB_START = b"\x30" + _varint(-1 + (1 << 64))  # logprob_start_len = -1 (field 6)
+_SG_STREAM = b"\x88\x01\x01"  # stream = true (field 17)
+
+
+def sglang_generate_bytes(req: GenerateRequest) -> bytes:
+    """``sglang_generate(req).SerializeToString()``, built without the message (see the module doc)."""
+    rid = req.request_id.encode()
+    out = [b"\x0a", _V[len(rid)] if len(rid) < _VN else _varint(len(rid)), rid] if rid else []
+    out += _tokenized(req.text, req.input_ids)
+    out.append(_sglang_sampling_field(req.sampling))
+    if req.logprobs:
+        out.append(b"\x28\x01")
+    out.append(_LOGPROB_START)
+    if req.top_logprobs:
+        top = _int32(req.top_logprobs)
+        if top is None:
+            return _by_message(req)
+        out += (b"\x38", top)
+    if req.bootstrap_host is not None:
+        pd = _disaggregated(req)
+        if pd is None:
+            return _by_message(req)
+        out.append(pd)
+    if req.stream:
+        out.append(_SG_STREAM)
+    return b"".join(out)
+
+
+def _by_message(req: GenerateRequest) -> bytes:
+    """Through the message: for values protobuf refuses (it raises here, as it always did)."""
+    out: bytes = sglang_generate(req).SerializeToString()
+    return out
+
+
+def _disaggregated(req: GenerateRequest) -> bytes | None:
+    """Field 10 (disaggregated_params), present whenever a bootstrap host is given; None: let protobuf
+    judge (and refuse) the values."""
+    host = (req.bootstrap_host or "").encode()
+    port = _int32(req.bootstrap_port or 0)
+    room = _int32(req.bootstrap_room or 0)
+    if port is None or room is None:
+        return None
+    sub = _ld(b"\x0a", host) if host else b""
+    if req.bootstrap_port:
+        sub += b"\x10" + port
+    if req.bootstrap_room:
+        sub += b"\x18" + room
+    return _ld(b"\x52", sub)
+
+
+def vllm_generate_bytes(req: GenerateRequest) -> bytes:
+    """``vllm_generate(req).SerializeToString()``, built without the message (see the module doc)."""
+    rid = req.request_id.encode()
+    out = [b"\x0a", _V[len(rid)] if len(rid) < _VN else _varint(len(rid)), rid] if rid else []
+    out += _tokenized(req.text, req.input_ids)
+    out.append(_vllm_sampling_field(req.sampling, req.logprobs, req.top_logprobs))
+    if req.stream:
+        out.append(b"\x28\x01")
+    if req.kv_transfer_params_json is not None:
+        out.append(_ld(b"\x42", req.kv_transfer_params_json.encode()))
+    return b"".join(out)
+
+
 def vllm_generate(req: GenerateRequest) -> vl.GenerateRequest:
     msg = vl.GenerateRequest(
         request_id=req.request_id,
@@ -153,60 +424,73 @@ def _logprobs(lp: Any) -> list[TokenLogprob]:
     return out
 
 
-def _has(msg: Any, name: str) -> bool:
-    """HasField that answers False for a field the message type does not have (SGLang vs vLLM),
-    without raising: the type's field names are looked up once."""
-    names = _FIELD_NAMES.get(msg.DESCRIPTOR.full_name)
-    if names is None:
-        names = _FIELD_NAMES[msg.DESCRIPTOR.full_name] = frozenset(msg.DESCRIPTOR.fields_by_name)
-    return name in names and bool(msg.HasField(name))
-
-
-_FIELD_NAMES: dict[str, frozenset[str]] = {}
+# GenerateComplete types with an optional kv_transfer_params_json (vLLM's; SGLang's has none)
+_KV_COMPLETE: frozenset[type] = frozenset({vl.GenerateComplete})
 
 
 def decode_response(resp: Any) -> EngineEvent | None:
     """A GenerateResponse of either engine -> EngineChunk / EngineComplete (None if empty)."""
-    kind = resp.WhichOneof("response")
+    return _decode(resp, resp.WhichOneof("response"))
+
+
+def _decode(resp: Any, kind: str | None) -> EngineEvent | None:
     if kind == "chunk":
         c = resp.chunk
         return EngineChunk(
-            index=c.index,
-            token_ids=c.token_ids,
-            prompt_tokens=c.prompt_tokens,
-            completion_tokens=c.completion_tokens,
-            cached_tokens=c.cached_tokens,
-            logprobs=_logprobs(c.output_logprobs) if c.HasField("output_logprobs") else (),
+            c.index,
+            c.token_ids,
+            c.prompt_tokens,
+            c.completion_tokens,
+            c.cached_tokens,
+            _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else (),
         )
     if kind == "complete":
         c = resp.complete
         stop = c.WhichOneof("matched_stop")
-        kv = c.kv_transfer_params_json if _has(c, "kv_transfer_params_json") else None
+        kv = (
+            c.kv_transfer_params_json
+            if type(c) in _KV_COMPLETE and c.HasField("kv_transfer_params_json")
+            else None
+        )
         return EngineComplete(
-            index=c.index,
-            finish_reason=c.finish_reason or "stop",
-            prompt_tokens=c.prompt_tokens,
-            completion_tokens=c.completion_tokens,
-            cached_tokens=c.cached_tokens,
-            output_ids=c.output_ids,
-            matched_token_id=c.matched_token_id if stop == "matched_token_id" else None,
-            matched_stop_str=c.matched_stop_str if stop == "matched_stop_str" else None,
-            logprobs=_logprobs(c.output_logprobs) if c.HasField("output_logprobs") else (),
-            kv_transfer_params_json=kv,
+            c.index,
+            c.finish_reason or "stop",
+            c.prompt_tokens,
+            c.completion_tokens,
+            c.cached_tokens,
+            c.output_ids,
+            c.matched_token_id if stop == "matched_token_id" else None,
+            c.matched_stop_str if stop == "matched_stop_str" else None,
+            _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else (),
+            kv,
         )
     return None
 
 
-def decode_batch(raws: Iterable[bytes], parse: Callable[[bytes], Any]) -> list[EngineEvent]:
+def decode_batch(raws: Sequence[bytes], parse: Callable[[bytes], Any]) -> list[EngineEvent]:
     """Several serialized GenerateResponses that arrived together -> events, with consecutive chunks of
     the same choice merged into one (one id list, logprobs concatenated, latest counts): the consumer
     then detokenizes, stop-checks and encodes them once."""
+    if len(raws) == 1:  # the usual read: one message
+        resp = parse(raws[0])
+        kind = resp.WhichOneof("response")
+        if kind == "chunk":
+            c = resp.chunk
+            lps = _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else ()
+            return [
+                EngineChunk(
+                    c.index, list(c.token_ids), c.prompt_tokens, c.completion_tokens, c.cached_tokens, lps
+                )
+            ]
+        ev = _decode(resp, kind)
+        return [] if ev is None else [ev]
     out: list[EngineEvent] = []
     run: EngineChunk | None = None
     ids: list[int] = []
     for raw in raws:
         resp = parse(raw)
-        if resp.WhichOneof("response") == "chunk":
+        kind = resp.WhichOneof("response")
+        if kind == "chunk":
             c = resp.chunk
             if run is not None and run.index == c.index:
                 ids.extend(c.token_ids)
@@ -228,7 +512,7 @@ def decode_batch(raws: Iterable[bytes], parse: Callable[[bytes], Any]) -> list[E
             out.append(run)
             continue
         run = None
-        ev = decode_response(resp)
+        ev = _decode(resp, kind)
         if ev is not None:
             out.append(ev)
     return out

@@ -1,0 +1,226 @@
+"""The hand-built GenerateRequest bytes equal protobuf's, for any request; decoding matches the messages."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from smg_grpc_proto import sglang_scheduler_pb2 as sg
+from smg_grpc_proto import vllm_engine_pb2 as vl
+
+from shepherd.node.engine_types import EngineChunk, EngineComplete, GenerateRequest, SamplingParams
+from shepherd.policies.block_names import PromptIds
+from shepherd.proto import engine_codec as codec
+
+INT32 = st.integers(-(2**31), 2**31 - 1)
+IDS = st.lists(st.integers(0, 2**32 - 1), max_size=80)
+TEXT = st.text(max_size=12)
+
+
+@st.composite
+def samplings(draw: st.DrawFn) -> SamplingParams:
+    constraint = draw(st.sampled_from(["", "json_schema", "regex", "ebnf", "structural_tag"]))
+    return SamplingParams(
+        temperature=draw(st.floats(0, 2)),
+        top_p=draw(st.floats(0, 1)),
+        top_k=draw(st.integers(-1, 100)),
+        max_new_tokens=draw(st.none() | st.integers(0, 2**31 - 1)),
+        min_new_tokens=draw(st.integers(0, 10)),
+        stop_token_ids=tuple(draw(st.lists(st.integers(0, 200_000), max_size=3))),
+        ignore_eos=draw(st.booleans()),
+        n=draw(st.integers(1, 4)),
+        seed=draw(st.none() | st.integers(0, 2**63 - 1)),
+        logit_bias=tuple(draw(st.lists(st.tuples(st.integers(0, 1000), st.floats(-100, 100)), max_size=1))),
+        stream_interval=draw(st.none() | st.integers(1, 8)),
+        json_schema="{}" if constraint == "json_schema" else None,
+        regex="a+" if constraint == "regex" else None,
+        ebnf="root ::= 'a'" if constraint == "ebnf" else None,
+        structural_tag="{}" if constraint == "structural_tag" else None,
+    )
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> GenerateRequest:
+    pd = draw(st.booleans())
+    return GenerateRequest(
+        request_id=draw(TEXT),
+        input_ids=draw(IDS),
+        sampling=draw(samplings()),
+        stream=draw(st.booleans()),
+        logprobs=draw(st.booleans()),
+        top_logprobs=draw(st.integers(0, 20) | INT32),
+        text=draw(TEXT),
+        bootstrap_host=draw(TEXT) if pd else None,
+        bootstrap_port=draw(st.none() | st.integers(0, 65535)) if pd else None,
+        bootstrap_room=draw(st.none() | INT32) if pd else None,
+        kv_transfer_params_json=draw(st.none() | TEXT),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests())
+def test_generate_bytes_equal_the_message(req: GenerateRequest) -> None:
+    want_sg = codec.sglang_generate(req)
+    got_sg = codec.sglang_generate_bytes(req)
+    assert sg.GenerateRequest.FromString(got_sg) == want_sg
+    want_vl = codec.vllm_generate(req)
+    got_vl = codec.vllm_generate_bytes(req)
+    assert vl.GenerateRequest.FromString(got_vl) == want_vl
+    if len(req.sampling.logit_bias) <= 1 and req.sampling.seed is None:  # no map order to differ on
+        assert got_sg == want_sg.SerializeToString()
+        assert got_vl == want_vl.SerializeToString()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"input_ids": [-1]},
+        {"input_ids": [2**32]},
+        {"input_ids": [*range(100), -5]},
+        {"top_logprobs": 2**31},
+        {"bootstrap_host": "h", "bootstrap_room": 2**40},
+        {"bootstrap_host": "h", "bootstrap_port": -(2**31) - 1},
+    ],
+)
+def test_values_protobuf_refuses_are_refused_alike(bad: dict[str, object]) -> None:
+    req = GenerateRequest(**{"request_id": "r", "input_ids": [1], "sampling": SamplingParams(), **bad})  # type: ignore[arg-type]
+    with pytest.raises(ValueError) as want:
+        codec.sglang_generate(req)
+    with pytest.raises(ValueError) as got:
+        codec.sglang_generate_bytes(req)
+    assert str(got.value) == str(want.value)
+
+
+def _prompt(pieces: list[tuple[str, list[int]]]) -> PromptIds:
+    ids = [i for _, seg in pieces for i in seg]
+    return PromptIds(ids, tuple((t, len(seg)) for t, seg in pieces))
+
+
+PIECE_IDS = st.lists(st.integers(0, 300_000), max_size=70)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.sampled_from("abcdefg"), PIECE_IDS), max_size=6), max_size=8))
+def test_piece_cache_equals_encoding_the_ids(prompts: list[list[tuple[str, list[int]]]]) -> None:
+    """Whatever pieces recur (same text, other ids: another tokenizer), the bytes are the ids'."""
+    cache = codec.PieceVarints(max_entries=3, max_ids=200, min_ids=4, reuse_min_ids=4, min_prompt_ids=4)
+    for _ in range(3):  # kept from the second sighting, reused from the third
+        for pieces in prompts:
+            p = _prompt(pieces)
+            assert cache.packed(p) == codec._packed(list(p))
+    assert len(cache) <= 3 and cache.total_ids <= 200
+
+
+def test_piece_cache_reuses_a_long_shared_prefix() -> None:
+    cache = codec.PieceVarints()
+    system = ("system: be brief<|im_end|>", list(range(100_000, 100_300)))
+    for turn in range(4):
+        p = _prompt(
+            [system, (f"user {turn}<|im_end|>", list(range(turn, turn + 60))), ("assistant\n", [7, 8])]
+        )
+        assert cache.packed(p) == codec._packed(list(p))
+    assert cache.hits == 2  # stored at the second request, reused by the third and the fourth
+    other = _prompt([(system[0], list(range(5, 305)))])  # the same text, another tokenizer's ids
+    assert cache.packed(other) == codec._packed(list(other))
+    # a shape that does not describe its ids is ignored
+    wrong = PromptIds(list(range(400)), ((system[0], 300), ("x", 50)))
+    assert cache.packed(wrong) == codec._packed(list(wrong))
+    # a short prompt is encoded whole: its pieces are not even looked at
+    stored = cache.stored
+    short = _prompt([("short system<|im_end|>", list(range(100)))])
+    for _ in range(3):
+        assert cache.packed(short) == codec._packed(list(short))
+    assert cache.stored == stored and "short system<|im_end|>" not in cache._d
+
+
+def test_short_runs_and_plain_lists() -> None:
+    for ids in ([], [0], [127, 128, 16383, 16384, 2**21, 2**32 - 1], list(range(0, 300_000, 997))):
+        assert codec.PIECES.packed(ids) == codec._packed(ids)
+        assert (
+            sg.TokenizedInput.FromString(
+                b"\x12" + codec._varint(len(codec._packed(ids))) + codec._packed(ids)
+            ).input_ids
+            == ids
+            or not ids
+        )
+
+
+CHUNKS = st.builds(
+    lambda ids, i, p, c, k: sg.GenerateResponse(
+        request_id="r",
+        chunk=sg.GenerateStreamChunk(
+            token_ids=ids, index=i, prompt_tokens=p, completion_tokens=c, cached_tokens=k
+        ),
+    ),
+    st.lists(st.integers(0, 2**20), max_size=5),
+    st.integers(0, 3),
+    st.integers(0, 999),
+    st.integers(0, 999),
+    st.integers(0, 999),
+)
+COMPLETES = st.builds(
+    lambda ids, i, reason, stop: sg.GenerateResponse(
+        complete=sg.GenerateComplete(
+            output_ids=ids,
+            index=i,
+            finish_reason=reason,
+            prompt_tokens=3,
+            completion_tokens=len(ids),
+            **(
+                {}
+                if stop is None
+                else {"matched_token_id": stop}
+                if isinstance(stop, int)
+                else {"matched_stop_str": stop}
+            ),
+        )
+    ),
+    st.lists(st.integers(0, 2**20), max_size=5),
+    st.integers(0, 3),
+    st.sampled_from(["", "stop", "length", "abort"]),
+    st.none() | st.integers(0, 9) | st.text(max_size=3),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(CHUNKS | COMPLETES, min_size=1, max_size=6))
+def test_decode_batch_agrees_with_decoding_one_by_one(msgs: list[sg.GenerateResponse]) -> None:
+    raws = [m.SerializeToString() for m in msgs]
+    batch = codec.decode_batch(raws, sg.GenerateResponse.FromString)
+    single = [codec.decode_response(m) for m in msgs]
+    # merging consecutive chunks of one choice keeps every token in order and the latest counts
+    tokens = [(e.index, t) for e in single if isinstance(e, EngineChunk) for t in e.token_ids]
+    assert [(e.index, t) for e in batch if isinstance(e, EngineChunk) for t in e.token_ids] == tokens
+    assert [e for e in batch if isinstance(e, EngineComplete)] == [
+        e for e in single if isinstance(e, EngineComplete)
+    ]
+    if len(msgs) == 1:
+        one = single[0]
+        assert one is not None and len(batch) == 1
+        got = batch[0]
+        assert (
+            type(got),
+            got.index,
+            list(got.token_ids if isinstance(got, EngineChunk) else got.output_ids),
+        ) == (
+            type(one),
+            one.index,
+            list(one.token_ids if isinstance(one, EngineChunk) else one.output_ids),
+        )
+
+
+def test_decode_vllm_complete_keeps_kv_params() -> None:
+    done = vl.GenerateResponse(
+        complete=vl.GenerateComplete(finish_reason="stop", kv_transfer_params_json="{}")
+    )
+    ev = codec.decode_batch([done.SerializeToString()], vl.GenerateResponse.FromString)[0]
+    assert isinstance(ev, EngineComplete) and ev.kv_transfer_params_json == "{}"
+    plain = vl.GenerateResponse(complete=vl.GenerateComplete(finish_reason="stop"))
+    ev2 = codec.decode_response(plain)
+    assert isinstance(ev2, EngineComplete) and ev2.kv_transfer_params_json is None
+    sg_done = codec.decode_response(sg.GenerateResponse(complete=sg.GenerateComplete()))
+    assert (
+        isinstance(sg_done, EngineComplete)
+        and sg_done.finish_reason == "stop"
+        and sg_done.kv_transfer_params_json is None
+    )

@@ -1,0 +1,299 @@
+"""A Generate call over the lean HTTP/2 client, against an in-process fake server (no sockets): what the
+consumer sees (batches, end, errors) and what the server sees (the request bytes, RST_STREAM on close),
+and the gateway's stream and worker choice around it."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import AsyncGenerator
+from typing import cast
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from smg_grpc_proto import sglang_scheduler_pb2 as sg
+
+from shepherd.node import h2_conn as h2
+from shepherd.node.circuit_breaker import CircuitBreaker, HealthTracker
+from shepherd.node.config import build_config
+from shepherd.node.engine_h2 import H2EngineClient, grpc_message
+from shepherd.node.engine_http import HttpRelayClient
+from shepherd.node.engine_types import (
+    EngineChunk,
+    EngineComplete,
+    EngineEvent,
+    EngineTimeout,
+    GenerateRequest,
+    SamplingParams,
+)
+from shepherd.node.gateway import Gateway
+from shepherd.node.workers import Worker
+from shepherd.proto import engine_codec as codec
+
+HEAD = b"\x88" + h2.hpack_literal(31, b"application/grpc")  # :status 200, content-type
+
+
+def trailers(status: int = 0, message: bytes = b"") -> bytes:
+    block = h2.hpack_literal(b"grpc-status", str(status).encode())
+    return block + (h2.hpack_literal(b"grpc-message", message) if message else b"")
+
+
+class FakeServer:
+    """The peer of one H2Protocol: records the frames the client writes; the test sends frames back."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.frames: list[tuple[int, int, int, bytes]] = []  # (type, flags, stream id, payload)
+        self.proto = h2.H2Protocol(loop, keepalive_s=0)
+        self.closing = False
+        self.proto.connection_made(self)  # type: ignore[arg-type]
+        self.proto.data_received(h2.settings_frame({}))
+
+    # asyncio.Transport, as far as H2Protocol uses it
+    def write(self, data: bytes) -> None:
+        off = len(h2.PREFACE) if data.startswith(h2.PREFACE) else 0
+        while off < len(data):
+            n = int.from_bytes(data[off : off + 3], "big")
+            sid = int.from_bytes(data[off + 5 : off + 9], "big") & 0x7FFFFFFF
+            self.frames.append((data[off + 3], data[off + 4], sid, data[off + 9 : off + 9 + n]))
+            off += 9 + n
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def close(self) -> None:
+        self.closing = True
+
+    def abort(self) -> None:
+        self.closing = True
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+    # the test's side
+    def requests(self) -> list[tuple[int, bytes]]:
+        """(stream id, request body without its gRPC prefix) of every call sent so far."""
+        return [(sid, p[5:]) for t, _f, sid, p in self.frames if t == h2.DATA]
+
+    def resets(self) -> list[int]:
+        return [sid for t, _f, sid, _p in self.frames if t == h2.RST_STREAM]
+
+    def send(self, sid: int, *messages: bytes, status: int | None = None, head: bool = True) -> None:
+        out = h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS, sid, HEAD) if head else b""
+        out += b"".join(h2.frame(h2.DATA, 0, sid, grpc_message(m)) for m in messages)
+        if status is not None:
+            out += h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS | h2.FLAG_END_STREAM, sid, trailers(status))
+        self.proto.data_received(out)
+
+
+def client_on(server: FakeServer) -> H2EngineClient:
+    c = H2EngineClient("sglang://127.0.0.1:1", "127.0.0.1:1", "sglang")
+    c._proto = server.proto  # the fake connection, ready
+    return c
+
+
+def chunk(ids: list[int], completion: int) -> bytes:
+    return bytes(
+        sg.GenerateResponse(
+            request_id="r", chunk=sg.GenerateStreamChunk(token_ids=ids, completion_tokens=completion)
+        ).SerializeToString()
+    )
+
+
+def complete(ids: list[int], reason: str = "stop") -> bytes:
+    return bytes(
+        sg.GenerateResponse(
+            request_id="r", complete=sg.GenerateComplete(output_ids=ids, finish_reason=reason)
+        ).SerializeToString()
+    )
+
+
+def request(rid: str = "r1", ids: list[int] | None = None) -> GenerateRequest:
+    return GenerateRequest(rid, ids if ids is not None else [1, 2, 3], SamplingParams(max_new_tokens=4))
+
+
+async def flush() -> None:
+    for _ in range(3):  # the client's coalesced writes leave on the next loop turns
+        await asyncio.sleep(0)
+
+
+async def test_batches_then_end_and_the_request_bytes() -> None:
+    server = FakeServer(asyncio.get_running_loop())
+    call = client_on(server).generate_batches(request(), timeout=30)
+    first = asyncio.ensure_future(call.__anext__())
+    await flush()
+    [(sid, body)] = server.requests()
+    assert sg.GenerateRequest.FromString(body) == codec.sglang_generate(request())
+    server.send(sid, chunk([5], 1), chunk([6], 2))
+    batch = await first
+    assert [list(e.token_ids) for e in batch if isinstance(e, EngineChunk)] == [[5, 6]]  # merged
+    nxt = asyncio.ensure_future(call.__anext__())
+    await asyncio.sleep(0)
+    server.send(sid, complete([5, 6, 7]), status=0, head=False)
+    (done,) = await nxt
+    assert isinstance(done, EngineComplete) and list(done.output_ids) == [5, 6, 7]
+    with pytest.raises(StopAsyncIteration):
+        await call.__anext__()
+    with pytest.raises(StopAsyncIteration):  # and it stays ended
+        await call.__anext__()
+    await call.aclose()
+    await flush()
+    assert server.resets() == []  # ended by the server: nothing to cancel
+
+
+async def test_error_status_is_raised_after_the_messages() -> None:
+    server = FakeServer(asyncio.get_running_loop())
+    call = client_on(server).generate_batches(request(), timeout=30)
+    first = asyncio.ensure_future(call.__anext__())
+    await flush()
+    [(sid, _)] = server.requests()
+    server.send(sid, status=4)  # DEADLINE_EXCEEDED, before any message
+    with pytest.raises(EngineTimeout):
+        await first
+    with pytest.raises(StopAsyncIteration):
+        await call.__anext__()
+
+
+@pytest.mark.parametrize("how", ["aclose", "cancel", "drop"])
+async def test_giving_up_early_resets_the_stream(how: str) -> None:
+    server = FakeServer(asyncio.get_running_loop())
+    call = client_on(server).generate_batches(request(), timeout=30)
+    first = asyncio.ensure_future(call.__anext__())
+    await flush()
+    [(sid, _)] = server.requests()
+    server.send(sid, chunk([5], 1))
+    await first
+    if how == "aclose":
+        await call.aclose()
+    elif how == "cancel":  # the consumer's task is cancelled while it waits
+        waiting = asyncio.ensure_future(call.__anext__())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    else:  # dropped without closing: the engine's request is freed all the same
+        del call, first
+        gc.collect()
+    await flush()
+    assert server.resets() == [sid]
+
+
+async def test_generate_flattens_and_closes() -> None:
+    server = FakeServer(asyncio.get_running_loop())
+    gen = cast(AsyncGenerator[EngineEvent, None], client_on(server).generate(request(), timeout=30))
+    first = asyncio.ensure_future(anext(gen))
+    await flush()
+    [(sid, _)] = server.requests()
+    server.send(sid, chunk([5], 1), chunk([6], 2))
+    assert isinstance(await first, EngineChunk)
+    await gen.aclose()
+    await flush()
+    assert server.resets() == [sid]
+
+
+def worker(wid: str, client: object, *, healthy: bool = True, model: str = "m") -> Worker:
+    return Worker(
+        id=wid,
+        url=f"grpc://{wid}:1",
+        model=model,
+        client=client,  # type: ignore[arg-type]
+        health=HealthTracker(healthy=healthy, checked=True),
+        breaker=CircuitBreaker(failure_threshold=1, success_threshold=1, open_secs=10),
+    )
+
+
+async def test_gateway_stream_yields_the_first_batch_then_the_engines() -> None:
+    server = FakeServer(asyncio.get_running_loop())
+    gw = Gateway(build_config({}, {"policy": "round_robin"}))
+    w = worker("w0", client_on(server))
+    gw.registry.workers[w.id] = w
+    opening = asyncio.ensure_future(gw.open_stream("m", request()))
+    await flush()
+    [(sid, _)] = server.requests()
+    server.send(sid, chunk([5], 1))
+    es = await opening
+    assert w.in_flight == 1
+    later = asyncio.ensure_future(anext(aiter(es.batches())))
+    got: list[list[EngineEvent]] = [await later]
+    server.send(sid, complete([5, 6]), status=0, head=False)
+    got += [batch async for batch in es.batches()]
+    assert [type(b[0]).__name__ for b in got] == ["EngineChunk", "EngineComplete"]
+    es.completed = True
+    await es.close("done")
+    await es.close("done")  # idempotent
+    assert w.in_flight == 0 and not server.proto.conn.streams
+
+
+class Clock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.sampled_from(["closed", "open", "cooled"]), st.booleans(), st.booleans()),
+        min_size=1,
+        max_size=6,
+    ),
+    st.sets(st.integers(0, 5)),
+    st.booleans(),
+    st.none() | st.sets(st.integers(0, 5)),
+    st.sets(st.integers(0, 5)),
+)
+def test_pick_chooses_among_what_the_registry_calls_routable(
+    specs: list[tuple[bool, str, bool, bool]],
+    excluded: set[int],
+    http: bool,
+    only: set[int] | None,
+    gated: set[int],
+) -> None:
+    """The one-pass filter in ``pick`` keeps exactly ``registry.routable`` of the wanted kind."""
+    gw = Gateway(build_config({}, {"policy": "random"}))
+    clock = Clock()
+    gw.registry.clock = clock
+    gw.registry.gate = lambda wid: int(wid[1:]) not in gated
+    for i, (healthy, breaker, is_http, other_model) in enumerate(specs):
+        client: object = HttpRelayClient(f"http://w{i}:1") if is_http else H2EngineClient("grpc://x:1", "x:1")
+        w = worker(f"w{i}", client, healthy=healthy, model="other" if other_model else "m")
+        if breaker != "closed":
+            w.breaker.record_failure(clock.now - (20 if breaker == "cooled" else 0))
+        gw.registry.workers[w.id] = w
+    exclude = {f"w{i}" for i in excluded}
+    allowed = None if only is None else {f"w{i}" for i in only}
+    want = {
+        w.id
+        for w in gw.registry.routable("m", exclude)
+        if w.is_http == http and (allowed is None or w.id in allowed)
+    }
+    picks: set[str] = set()
+    for _ in range(30):
+        chosen = gw.pick("m", exclude, [], None, http=http, only=allowed)
+        if chosen is None:
+            break
+        picks.add(chosen.id)
+        chosen.breaker.release()
+    assert picks <= want and (not want or picks)
+
+
+async def test_deadlines_expire_silent_calls_and_forget_finished_ones() -> None:
+    server = FakeServer(asyncio.get_running_loop())
+    client = client_on(server)
+    quick = client.generate_batches(request("quick"), timeout=0.05)
+    silent = client.generate_batches(request("silent"), timeout=0.05)
+    other = client.generate_batches(request("other"), timeout=0.08)  # another timeout: its own timer
+    got = [asyncio.ensure_future(c.__anext__()) for c in (quick, silent, other)]
+    await flush()
+    (sid_quick, _), (sid_silent, _), (sid_other, _) = server.requests()
+    server.send(sid_quick, complete([1]), status=0)
+    assert isinstance((await got[0])[0], EngineComplete)
+    for fut in got[1:]:
+        with pytest.raises(EngineTimeout):
+            await fut
+    await flush()
+    assert sorted(server.resets()) == sorted([sid_silent, sid_other])
+    deadlines = client._deadlines
+    assert deadlines is not None and len(deadlines) == 0
