@@ -736,7 +736,7 @@ class GenerateCall:
     exception or a cancellation while it waits) cancels the call (RST_STREAM). The request is encoded
     and sent at the first ``__anext__``, which returns once the first messages arrived."""
 
-    __slots__ = ("_client", "_closed", "_parse", "_req", "_stream", "_timeout")
+    __slots__ = ("_client", "_closed", "_parse", "_req", "_single", "_stream", "_timeout")
 
     def __init__(self, client: H2EngineClient, req: GenerateRequest, timeout: float | None) -> None:
         self._client = client
@@ -744,6 +744,7 @@ class GenerateCall:
         self._timeout = timeout
         self._stream: GrpcStream | None = None
         self._parse: Callable[[bytes], Any] = _SG_PARSE
+        self._single: str | None = None  # the engine kind when the request has one choice (decode_batch)
         self._closed = False
 
     def __aiter__(self) -> GenerateCall:
@@ -761,7 +762,7 @@ class GenerateCall:
                 if msgs:
                     raws = list(msgs)
                     msgs.clear()
-                    batch = codec.decode_batch(raws, self._parse)
+                    batch = codec.decode_batch(raws, self._parse, single=self._single)
                     if batch:
                         return batch
                     continue
@@ -791,6 +792,8 @@ class GenerateCall:
         else:
             body = codec.sglang_generate_bytes(req)
             path = _SG_GENERATE
+        if req.sampling.n == 1:
+            self._single = client.kind
         timeout = self._timeout
         stream: GrpcStream | None = None
         for _attempt in range(_UNPROCESSED_RETRIES + 1):

@@ -467,10 +467,48 @@ def _decode(resp: Any, kind: str | None) -> EngineEvent | None:
     return None
 
 
-def decode_batch(raws: Sequence[bytes], parse: Callable[[bytes], Any]) -> list[EngineEvent]:
+def _sglang_is_chunk(b: bytes) -> bool:
+    """Whether a serialized SGLang GenerateResponse is a chunk, from its first bytes (request_id, field 1,
+    then the oneof's tag: chunk is field 2). Anything unusual answers False (the caller then parses it)."""
+    n = len(b)
+    if n < 2:
+        return False
+    t = b[0]
+    if t == 0x12:
+        return True
+    if t != 0x0A:
+        return False
+    size = b[1]
+    p = 2
+    if size >= 0x80:  # a request id of 128 bytes or more: a two-byte length
+        if n < 3 or b[2] >= 0x80:
+            return False
+        size = (size & 0x7F) | (b[2] << 7)
+        p = 3
+    p += size
+    return p < n and b[p] == 0x12
+
+
+def _vllm_is_chunk(b: bytes) -> bool:
+    """The same for vLLM's GenerateResponse (no request_id; chunk is field 1)."""
+    return len(b) > 0 and b[0] == 0x0A
+
+
+def decode_batch(
+    raws: Sequence[bytes], parse: Callable[[bytes], Any], *, single: str | None = None
+) -> list[EngineEvent]:
     """Several serialized GenerateResponses that arrived together -> events, with consecutive chunks of
     the same choice merged into one (one id list, logprobs concatenated, latest counts): the consumer
-    then detokenizes, stop-checks and encodes them once."""
+    then detokenizes, stop-checks and encodes them once.
+
+    ``single`` ("sglang" or "vllm") says the request has one choice: then consecutive chunk messages are
+    parsed as one. Serialized protobuf messages concatenated parse as their merge: repeated fields
+    (token ids, the logprob lists) append, set scalars take the last value (the cumulative counts
+    engines send: the latest) and every chunk is choice 0; one parse instead of one per message (a
+    stream whose tokens arrive together is 30+ messages). Chunks are told apart from the other responses
+    by their first bytes; anything unusual is parsed alone."""
+    if single is not None and len(raws) > 1:
+        return _decode_single(raws, parse, _vllm_is_chunk if single == "vllm" else _sglang_is_chunk)
     if len(raws) == 1:  # the usual read: one message
         resp = parse(raws[0])
         kind = resp.WhichOneof("response")
@@ -516,6 +554,47 @@ def decode_batch(raws: Sequence[bytes], parse: Callable[[bytes], Any]) -> list[E
         if ev is not None:
             out.append(ev)
     return out
+
+
+def _decode_single(
+    raws: Sequence[bytes], parse: Callable[[bytes], Any], is_chunk: Callable[[bytes], bool]
+) -> list[EngineEvent]:
+    out: list[EngineEvent] = []
+    i = 0
+    n = len(raws)
+    while i < n:  # bounded: each turn consumes at least one message
+        j = i
+        while j < n and is_chunk(raws[j]):
+            j += 1
+        if j - i > 1:
+            c = parse(b"".join(raws[i:j])).chunk
+            lps = _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else ()
+            evs: list[EngineEvent] = [
+                EngineChunk(
+                    c.index, list(c.token_ids), c.prompt_tokens, c.completion_tokens, c.cached_tokens, lps
+                )
+            ]
+            i = j
+        else:
+            evs = decode_batch(raws[i : i + 1], parse)
+            i += 1
+        for ev in evs:
+            last = out[-1] if out else None
+            if type(ev) is EngineChunk and type(last) is EngineChunk and last.index == ev.index:
+                _extend(last, ev)  # as the general path merges (an unusual message next to chunks)
+            else:
+                out.append(ev)
+    return out
+
+
+def _extend(run: EngineChunk, c: EngineChunk) -> None:
+    """Append chunk ``c`` to ``run`` of the same choice: ids and logprobs in order, the latest counts."""
+    run.token_ids = [*run.token_ids, *c.token_ids]
+    run.completion_tokens = c.completion_tokens
+    if c.cached_tokens > run.cached_tokens:
+        run.cached_tokens = c.cached_tokens
+    if c.logprobs:
+        run.logprobs = [*run.logprobs, *c.logprobs]
 
 
 def decode_model_info(resp: Any) -> ModelInfo:

@@ -224,3 +224,52 @@ def test_decode_vllm_complete_keeps_kv_params() -> None:
         and sg_done.finish_reason == "stop"
         and sg_done.kv_transfer_params_json is None
     )
+
+
+@st.composite
+def _one_choice_stream(draw: st.DrawFn) -> tuple[str, list[bytes]]:
+    """A single-choice response stream as an engine sends it: chunks with cumulative counts (logprobs
+    on every chunk or none), completes anywhere, request ids short, long (> 127 bytes) or absent."""
+    kind = draw(st.sampled_from(["sglang", "vllm"]))
+    pb = sg if kind == "sglang" else vl
+    rid = draw(st.sampled_from(["", "r-1", "x" * 130]))
+    with_lp = draw(st.booleans())
+    prompt = draw(st.integers(1, 5000))
+    done = 0
+    cached = 0
+    raws: list[bytes] = []
+    for _ in range(draw(st.integers(1, 12))):
+        if draw(st.integers(0, 5)) == 0:
+            msg = pb.GenerateResponse(
+                complete=pb.GenerateComplete(finish_reason="stop", prompt_tokens=prompt)
+            )
+        else:
+            ids = draw(st.lists(st.integers(0, 300_000), min_size=1, max_size=3))
+            done += len(ids)
+            cached = max(cached, draw(st.integers(0, prompt)))
+            chunk = pb.GenerateStreamChunk(
+                token_ids=ids, prompt_tokens=prompt, completion_tokens=done, cached_tokens=cached
+            )
+            if with_lp:
+                chunk.output_logprobs.token_ids.extend(ids)
+                chunk.output_logprobs.token_logprobs.extend(-0.5 * (k + 1) for k in range(len(ids)))
+                for t in ids:
+                    top = chunk.output_logprobs.top_logprobs.add()
+                    top.token_ids.extend([t, t + 1])
+                    top.values.extend([-0.1, -2.0])
+            msg = pb.GenerateResponse(chunk=chunk)
+        raw = msg.SerializeToString()
+        if kind == "sglang" and rid:
+            head = sg.GenerateResponse(request_id=rid).SerializeToString()
+            # the request id after the response (valid protobuf, another field order): parsed alone
+            raw = raw + head if draw(st.integers(0, 9)) == 0 else head + raw
+        raws.append(raw)
+    return kind, raws
+
+
+@settings(max_examples=300, deadline=None)
+@given(_one_choice_stream())
+def test_single_choice_batches_parse_as_one(stream: tuple[str, list[bytes]]) -> None:
+    kind, raws = stream
+    parse = (sg if kind == "sglang" else vl).GenerateResponse.FromString
+    assert codec.decode_batch(raws, parse, single=kind) == codec.decode_batch(raws, parse)
