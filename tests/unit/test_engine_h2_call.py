@@ -284,7 +284,7 @@ async def test_deadlines_expire_silent_calls_and_forget_finished_ones() -> None:
     client = client_on(server)
     quick = client.generate_batches(request("quick"), timeout=0.05)
     silent = client.generate_batches(request("silent"), timeout=0.05)
-    other = client.generate_batches(request("other"), timeout=0.08)  # another timeout: its own timer
+    other = client.generate_batches(request("other"), timeout=0.08)  # another timeout: its own group
     got = [asyncio.ensure_future(c.__anext__()) for c in (quick, silent, other)]
     await flush()
     (sid_quick, _), (sid_silent, _), (sid_other, _) = server.requests()
@@ -295,5 +295,19 @@ async def test_deadlines_expire_silent_calls_and_forget_finished_ones() -> None:
             await fut
     await flush()
     assert sorted(server.resets()) == sorted([sid_silent, sid_other])
-    deadlines = client._deadlines
-    assert deadlines is not None and len(deadlines) == 0
+    # one group per timeout seen (a health check's 5 s must not push generation onto a timer per call)
+    assert sorted(client._deadlines) == [0.05, 0.08]
+    assert all(len(d) == 0 for d in client._deadlines.values())
+
+
+async def test_varying_timeouts_fall_back_to_a_timer_each() -> None:
+    server = FakeServer(asyncio.get_running_loop())
+    client = client_on(server)
+    calls = [client.generate_batches(request(f"c{i}"), timeout=5.0 + i / 100) for i in range(12)]
+    got = [asyncio.ensure_future(c.__anext__()) for c in calls]
+    await flush()
+    assert len(client._deadlines) <= 8
+    for sid, _ in server.requests():
+        server.send(sid, complete([1]), status=0)
+    for fut in got:
+        assert isinstance((await fut)[0], EngineComplete)
