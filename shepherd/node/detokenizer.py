@@ -87,6 +87,17 @@ _INFO: weakref.WeakKeyDictionary[Tokenizer, _TokenizerInfo] = weakref.WeakKeyDic
 _LAST: tuple[weakref.ref[Tokenizer], _TokenizerInfo] | None = None  # the last one asked for
 
 
+def fresh_one_shot_equivalent(
+    tokenizer: Tokenizer, *, skip_special_tokens: bool, spaces_between_special_tokens: bool, has_prompt: bool
+) -> bool:
+    """What ``one_shot_equivalent`` says of an ``IncrementalDetokenizer`` just built with these arguments,
+    without building one (False when a prompt could give it left context: the caller then builds it)."""
+    info = _info(tokenizer)
+    if not skip_special_tokens and not spaces_between_special_tokens and info.added:
+        return False
+    return not (has_prompt and info.needs_context)
+
+
 def _info(tokenizer: Tokenizer) -> _TokenizerInfo:
     global _LAST
     last = _LAST

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from shepherd.node.detokenizer import IncrementalDetokenizer
+from shepherd.node.detokenizer import IncrementalDetokenizer, fresh_one_shot_equivalent
 from shepherd.node.engine_types import TokenLogprob
 from shepherd.node.logprobs import TokenTextCache, chat_logprobs, completion_logprobs
 from shepherd.node.openai_protocol import Sampling
@@ -15,12 +15,15 @@ from shepherd.node.tokenizer import Tokenizer
 
 class ChoiceState:
     __slots__ = (
-        "dec",
+        "_dec",
+        "_prompt",
+        "_sampling",
         "finish_reason",
         "finished",
         "index",
         "logprobs",
         "matched",
+        "matcher",
         "skip_special",
         "text",
         "tok",
@@ -29,20 +32,17 @@ class ChoiceState:
 
     def __init__(self, index: int, tok: Tokenizer, s: Sampling, prompt_ids: Sequence[int] = ()) -> None:
         self.index = index
-        detok = IncrementalDetokenizer(
-            tok.hf,
-            skip_special_tokens=s.skip_special_tokens,
-            spaces_between_special_tokens=s.spaces_between_special_tokens,
-            prompt_ids=prompt_ids[-24:] or None,
-        )
-        stop = StopMatcher(
+        self.matcher = StopMatcher(
             s.stop,
             include_stop_str_in_output=s.include_stop_str_in_output,
             stop_token_ids=s.stop_token_ids,
             eos_token_ids=tok.eos_token_ids,
             ignore_eos=s.ignore_eos,
         )
-        self.dec = StoppingDecoder(detok, stop)
+        # the detokenizer is built on first use: a non-streamed answer is usually decoded in one call
+        self._dec: StoppingDecoder | None = None
+        self._sampling = s
+        self._prompt = prompt_ids
         self.tok = tok
         self.skip_special = s.skip_special_tokens
         self.finished = False
@@ -51,6 +51,41 @@ class ChoiceState:
         self.tokens = 0
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
+
+    @property
+    def dec(self) -> StoppingDecoder:
+        """The choice's detokenizer and stop matcher, wired."""
+        d = self._dec
+        if d is None:
+            s = self._sampling
+            detok = IncrementalDetokenizer(
+                self.tok.hf,
+                skip_special_tokens=s.skip_special_tokens,
+                spaces_between_special_tokens=s.spaces_between_special_tokens,
+                prompt_ids=self._prompt[-24:] or None,
+            )
+            d = self._dec = StoppingDecoder(detok, self.matcher)
+            self._prompt = ()
+        return d
+
+    def _one_shot(self) -> bool:
+        d = self._dec
+        if d is None:
+            s = self._sampling
+            return (
+                fresh_one_shot_equivalent(
+                    self.tok.hf,
+                    skip_special_tokens=s.skip_special_tokens,
+                    spaces_between_special_tokens=s.spaces_between_special_tokens,
+                    has_prompt=bool(self._prompt),
+                )
+                or self._one_shot_built()
+            )
+        return isinstance(d.decoder, IncrementalDetokenizer) and d.decoder.one_shot_equivalent
+
+    def _one_shot_built(self) -> bool:
+        detok = self.dec.decoder
+        return isinstance(detok, IncrementalDetokenizer) and detok.one_shot_equivalent
 
     def feed(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob] = ()) -> str:
         """New engine tokens -> newly visible text ('' if held back). Marks the choice finished on a stop."""
@@ -73,14 +108,13 @@ class ChoiceState:
         detokenizer step per token, when that gives the same text; else the incremental path."""
         if self.finished:
             return ""
-        detok = self.dec.decoder
-        if not (isinstance(detok, IncrementalDetokenizer) and detok.one_shot_equivalent):
+        if not self._one_shot():
             return self.feed(ids, logprobs) + self.end(reason)
         self.finished = True
         self.tokens += len(ids)
         if logprobs:
             self.logprobs.extend(logprobs)
-        stop = self.dec.matcher
+        stop = self.matcher
         res = stop.feed(self.tok.decode(stop.text_ids(ids), skip_special_tokens=self.skip_special), ids)
         visible = res.visible
         if res.finished:
