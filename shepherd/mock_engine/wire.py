@@ -15,18 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-_SMALL = [bytes((n,)) if n < 0x80 else bytes(((n & 0x7F) | 0x80, n >> 7)) for n in range(1 << 14)]
-
-
-def varint(n: int) -> bytes:
-    if n < 16384:
-        return _SMALL[n]
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+from shepherd.proto.varint import SMALL as _SMALL
+from shepherd.proto.varint import varint
 
 
 def packed_uint32(values: Sequence[int]) -> bytes:

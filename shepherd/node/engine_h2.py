@@ -149,15 +149,7 @@ class GrpcStream(h2.H2Stream):
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        # H2Stream's fields, set here (one call less per request)
-        self.conn: h2.H2Connection | None = None
-        self.stream_id = 0
-        self.send_window = 0
-        self.recv_unacked = 0
-        self.local_closed = False
-        self.remote_closed = False
-        self._pending = b""
-        self._pending_off = 0
+        super().__init__()
         self.unprocessed = False  # the server says it never processed the call: safe to send again
         self._loop = loop
         self.messages: collections.deque[bytes] = collections.deque()

@@ -310,7 +310,7 @@ class H2Stream:
         "stream_id",
     )
 
-    def __init__(self) -> None:  # engine_h2.GrpcStream sets these itself: keep the two in step
+    def __init__(self) -> None:
         self.conn: H2Connection | None = None
         self.stream_id = 0
         self.send_window = 0

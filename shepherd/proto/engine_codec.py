@@ -33,6 +33,8 @@ from shepherd.node.engine_types import (
     ServerInfo,
     TokenLogprob,
 )
+from shepherd.proto.varint import SMALL, SMALL_LIMIT
+from shepherd.proto.varint import varint as _varint
 
 SGLANG_SERVICE = "sglang.grpc.scheduler.SglangScheduler"
 VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
@@ -132,21 +134,8 @@ def vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.Sa
     return sp
 
 
-def _varint(n: int) -> bytes:
-    """A non-negative integer as a protobuf varint."""
-    if n < 0x80:
-        return _BYTES[n]
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-_BYTES = [bytes([i]) for i in range(256)]
-_VN = 1 << 14
-_V = [_varint(i) for i in range(_VN)]  # the varints of lengths below 16 KiB (one or two bytes)
+_V = SMALL  # the varints of lengths below 16 KiB (one or two bytes)
+_VN = SMALL_LIMIT
 _INT32_MIN = -(1 << 31)
 _INT32_MAX = (1 << 31) - 1
 
