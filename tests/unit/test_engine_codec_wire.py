@@ -11,6 +11,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vl
 from shepherd.node.engine_types import EngineChunk, EngineComplete, GenerateRequest, SamplingParams
 from shepherd.policies.block_names import PromptIds
 from shepherd.proto import engine_codec as codec
+from shepherd.proto.varint import varint
 
 INT32 = st.integers(-(2**31), 2**31 - 1)
 IDS = st.lists(st.integers(0, 2**32 - 1), max_size=80)
@@ -138,7 +139,7 @@ def test_short_runs_and_plain_lists() -> None:
         assert codec.PIECES.packed(ids) == codec._packed(ids)
         assert (
             sg.TokenizedInput.FromString(
-                b"\x12" + codec._varint(len(codec._packed(ids))) + codec._packed(ids)
+                b"\x12" + varint(len(codec._packed(ids))) + codec._packed(ids)
             ).input_ids
             == ids
             or not ids
@@ -273,3 +274,9 @@ def test_single_choice_batches_parse_as_one(stream: tuple[str, list[bytes]]) -> 
     kind, raws = stream
     parse = (sg if kind == "sglang" else vl).GenerateResponse.FromString
     assert codec.decode_batch(raws, parse, single=kind) == codec.decode_batch(raws, parse)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**64 - 1))
+def test_varint_is_protobufs(n: int) -> None:
+    assert sg.GenerateStreamChunk.FromString(b"\x10" + varint(n)).prompt_tokens == n & 0xFFFFFFFF
