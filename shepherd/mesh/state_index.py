@@ -37,9 +37,9 @@ Wire (inside the ``MeshState`` envelope): ``[model, [group, ...]]``, a group bei
 ``[worker, times, hashes]`` (``times``: float64 array bytes, one per hash, for repair and snapshots);
 ``hashes`` are int64 array bytes, little-endian. A block costs 8 (or 16) bytes on the wire.
 
-Coupling: this subclass overrides the parent's ``_touch`` (a copy of its loop, with the digest per
-run), ``_touch_one``, ``_add_run`` (local inserts: one time per run), ``_unlink`` (every removal goes
-through it) and ``clear_worker``, and reads runs (``_Run``: keys, times, ``ordered``) and holders; a
+Coupling: this subclass hooks the parent's ``_touch`` (``_on_touch``: the digest per run), overrides
+``_touch_one``, ``_add_run`` (local inserts: one time per run), ``_unlink`` (every removal goes
+through it), and reads runs (``_Run``: keys, times, ``ordered``) and holders; a
 parent change there needs the same change here (the property tests compare this index with a
 ``RunPrefixIndex`` and its incremental digest with a full recomputation after random operations).
 """
@@ -47,7 +47,6 @@ parent change there needs the same change here (the property tests compare this 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import math
 import sys
 from array import array
@@ -262,59 +261,33 @@ class ReplicatedPrefixIndex(RunPrefixIndex):
 
     # -- local updates (recorded for gossip): the parent's hooks ------------------------------------
 
-    def _touch(self, holder: _Holder, hs: Sequence[int], k: int, now: float) -> int:
-        """``RunPrefixIndex._touch`` (the same loop), with the digest accounting per run touched: the
-        old times' slots are checked with a C-speed min and max; only blocks whose slot changes (at
-        most once per ``digest_granularity_s``) cost Python-level work, and are buffered for gossip."""
-        get = self._blocks.get
-        bit = holder.bit
+    _touch_hooked = True
+
+    def _on_touch(self, holder: _Holder, run: _Run, o: int, b: int, now: float) -> None:
+        """``RunPrefixIndex._touch``'s hook: the digest accounting of a run's span about to be set to
+        ``now``. The old times' slots are checked through the span's ends (an ordered run) or a
+        C-speed min and max; only blocks whose slot changes (at most once per
+        ``digest_granularity_s``) cost Python-level work, and are buffered for gossip."""
+        times = run.times
+        if run.ordered:  # the old times lie between the first and the last one
+            hi, lo = times[o], times[o + b - 1]
+        else:
+            olds = times[o : o + b]
+            hi, lo = max(olds), min(olds)
         g = self._g
-        nsf = now // g if g > 0 else now
-        i = 0
-        while i < k:  # bounded: i grows by at least 1 per turn
-            h = hs[i]
-            v = get(h)
-            if v is None:
-                return i
-            if type(v) is _Run:
-                run: _Run | None = v if v.mask == bit else None
-            else:
-                run = v.runs.get(bit)  # type: ignore[union-attr]
-            if run is None:
-                return i
-            keys = run.keys
-            o = 0 if keys[0] == h else keys.index(h)
-            b = len(keys) - o
-            if b > k - i:
-                b = k - i
-            if b > 1 and (not run.chain or keys[o + b - 1] != hs[i + b - 1]):
-                b = self._span(run, o, hs, i, b)
-            times = run.times
-            if run.ordered:  # the old times lie between the first and the last one
-                hi, lo = times[o], times[o + b - 1]
-                if hi > now or (o and times[o - 1] < now):  # (the rest is at most hi)
-                    run.ordered = False
-            else:
-                olds = times[o : o + b]
-                hi, lo = max(olds), min(olds)
-            if g > 0:  # (a touch sets one float object: the old times are often one object too)
-                hf = hi // g
-                moved = hf != nsf or (lo is not hi and lo // g != hf)
-            else:
-                moved = not lo == now == hi
-            if moved:  # a slot changes
-                self._moved(holder.name, keys[o : o + b], times[o : o + b], lo, hi, now)
-            times[o : o + b] = [now] * b
-            if o + b == len(keys):  # its tail moved: a fresh heap entry (the old one goes stale)
-                heapq.heappush(holder.heap, (now, -run.seq, run))
-            i += b
-        return i
+        if g > 0:  # (a touch sets one float object: the old times are often one object too)
+            hf = hi // g
+            moved = hf != now // g or (lo is not hi and lo // g != hf)
+        else:
+            moved = not lo == now == hi
+        if moved:  # a slot changes
+            self._moved(holder.name, run.keys[o : o + b], times[o : o + b], lo, hi, now)
 
     def _touch_one(self, holder: _Holder, run: _Run, h: int, now: float) -> None:
         o = run.keys.index(h)
         old = run.times[o]
         if now > old:
-            super()._touch_one(holder, run, h, now)
+            self._set_time(holder, run, o, now)
             if self.slot(old) != self.slot(now):
                 self._moved(holder.name, [h], [old], old, old, now)
 
@@ -325,7 +298,7 @@ class ReplicatedPrefixIndex(RunPrefixIndex):
         if run is not None:
             t = times[0]
             ks = run.keys
-            self._bucket_add(holder.name, int(t // self._g) if self._g > 0 else t, len(ks), sum(ks))
+            self._bucket_add(holder.name, self.slot(t), len(ks), sum(ks))
             self._pending.append((holder.name, t, run, 0, len(ks)))
             self._pending_n += len(ks)
             if self._pending_n > self.repl.max_pending:
@@ -354,10 +327,6 @@ class ReplicatedPrefixIndex(RunPrefixIndex):
     def _unlink(self, holder: _Holder, run: _Run, keys: Sequence[int], times: Sequence[float]) -> None:
         self._bucket_times(holder.name, keys, times, -1, run.ordered)
         RunPrefixIndex._unlink(self, holder, run, keys, times)
-
-    def clear_worker(self, worker: str) -> None:
-        super().clear_worker(worker)  # its buffered deltas are skipped when cut (no entries left)
-        self._acc.pop(worker, None)
 
     # -- merges -------------------------------------------------------------------------------------
 
@@ -467,7 +436,7 @@ class ReplicatedPrefixIndex(RunPrefixIndex):
             o = run.keys.index(h)
             old = run.times[o]
             if x > old:
-                RunPrefixIndex._touch_one(self, holder, run, h, x)
+                self._set_time(holder, run, o, x)
                 up_k.append(h)
                 up_old.append(old)
                 up_new.append(x)

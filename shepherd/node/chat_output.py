@@ -105,16 +105,7 @@ def shape_chat(families: tuple[str | None, str | None], req: ChatRequest, prompt
     """``families``: the model's (reasoning, tool-call) parser families; ``prompt``: the rendered
     prompt text (it tells whether the template opened a think block)."""
     reasoning_family, tool_family = families
-    reasoning = None
-    opened = False
-    if (
-        reasoning_family
-        and req.separate_reasoning
-        and thinking_enabled(reasoning_family, req.template_kwargs)
-        and not prompt_closes_think(reasoning_family, prompt)
-    ):
-        reasoning = reasoning_family
-        opened = prompt_opens_think(reasoning_family, prompt)
+    reasoning, opened = reasoning_side(reasoning_family, req, prompt)
     if not req.tools and req.response_format is None:  # the common case: no tools, no format, no checks
         sampling = req.sampling
         if reasoning == "gpt_oss" and sampling.skip_special_tokens:
@@ -122,6 +113,19 @@ def shape_chat(families: tuple[str | None, str | None], req: ChatRequest, prompt
         plain = None if reasoning is None else _reasoning_only(reasoning, opened, req.parallel_tool_calls)
         return ChatShaping(sampling, plain, None, None)
     return _shape_tools(tool_family, req, reasoning, opened)
+
+
+def reasoning_side(family: str | None, req: ChatRequest, prompt: str) -> tuple[str | None, bool]:
+    """The reasoning parser a request's output goes through (None: off) and whether the rendered prompt
+    left a think block open."""
+    if (
+        family
+        and req.separate_reasoning
+        and thinking_enabled(family, req.template_kwargs)
+        and not prompt_closes_think(family, prompt)
+    ):
+        return family, prompt_opens_think(family, prompt)
+    return None, False
 
 
 def _shape_tools(

@@ -453,8 +453,13 @@ class SkeletonCache:
                 [(int(r), str(n), _tuples(a), _tuples(v)) for r, n, a, v in guards],
                 [(int(slot), tuple((str(n), _tuples(a)) for n, a in ops)) for slot, ops in refs],
             )
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, AttributeError):  # (a guard names no str method)
             return False
+        n = len(skel.refs)
+        if any(type(p) is int and not 0 <= p < n for p in skel.pieces) or any(
+            not 0 <= g[0] < n for g in skel.guards
+        ):
+            return False  # a piece or a guard that names no value
         self._remember(shape, skel)
         return True
 

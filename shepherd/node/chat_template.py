@@ -242,22 +242,10 @@ class ChatTemplate:
         except TypeError:
             return None
 
-    def render_serialized(self, payload: bytes) -> tuple[str, ClockReads]:
-        """Render from ``serialize``'s output (what a pool worker runs); also the clock reads."""
-        messages, tools, add_generation_prompt, continue_final_message, template_kwargs = orjson.loads(
-            payload
-        )
-        return self.render_recorded(
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            template_kwargs=template_kwargs,
-        )
-
     def render_serialized_for_parent(self, payload: bytes) -> tuple[str, ClockReads, list[Any] | None]:
-        """``render_serialized`` in a pool worker, plus the skeleton of the conversation's shape when it
-        is a plain one (``adopt_skeleton`` takes it in the parent, which then fills that shape itself)."""
+        """Render from ``serialize``'s output in a pool worker: the text, its clock reads, and the
+        skeleton of the conversation's shape when it is a plain one (``adopt_skeleton`` takes it in
+        the parent, which then fills that shape itself)."""
         messages, tools, add_generation_prompt, continue_final_message, template_kwargs = orjson.loads(
             payload
         )

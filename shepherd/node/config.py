@@ -24,6 +24,7 @@ import yaml
 
 from shepherd.auth.config import AuthConfig, AuthConfigError, load_auth_config, merge_auth
 from shepherd.auth.tls import TlsConfigError, check_settings
+from shepherd.node.gc_tuning import GEN0_THRESHOLD
 from shepherd.policies.simple import POLICY_NAMES
 
 EMBEDDED_MODEL_DIR = Path(__file__).parent / "assets" / "qwen3"
@@ -73,7 +74,9 @@ class NodeConfig:
     kv_events: bool = True  # subscribe to gRPC engines' KV events to feed the prefix index
     models: tuple[ModelConfig, ...] = ()
     tokenizer_workers: int = 2
-    gc_gen0_threshold: int = 20_000  # after start-up: gc.freeze() and this gen-0 threshold (0: CPython's)
+    gc_gen0_threshold: int = (
+        GEN0_THRESHOLD  # after start-up: gc.freeze() and this gen-0 threshold (0: CPython's)
+    )
     tokenizer_inline_max_chars: int | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     request_timeout_secs: float = 600.0

@@ -414,28 +414,6 @@ class H2Connection:
             return
         n = len(body)
         max_frame = self.peer_max_frame
-        if (
-            len(block) <= max_frame
-            and n <= max_frame
-            and n <= stream.send_window
-            and n <= self.conn_send_window
-        ):
-            # the usual call: HEADERS and the whole body in one DATA frame, in one write
-            stream.send_window -= n
-            self.conn_send_window -= n
-            stream.local_closed = True
-            m = len(block)
-            self._write(
-                b"".join(
-                    (
-                        _HDR.pack(m >> 8, m & 0xFF, HEADERS, FLAG_END_HEADERS, sid),
-                        block,
-                        _HDR.pack(n >> 8, n & 0xFF, DATA, FLAG_END_STREAM, sid),
-                        body,
-                    )
-                )
-            )
-            return
         out = headers_frames(sid, block, False, max_frame)
         if n <= max_frame and n <= stream.send_window and n <= self.conn_send_window:
             stream.send_window -= n
@@ -846,13 +824,7 @@ class H2Protocol(asyncio.Protocol):
         """A stream can be opened now, ahead of no waiting caller (``conn.usable``, ``conn.has_slot``
         and not ``has_waiters``, in one call)."""
         c = self.conn
-        return (
-            c.failed is None
-            and not c.goaway_received
-            and c.next_stream_id < MAX_STREAM_ID - 2
-            and len(c.streams) < c.peer_max_streams
-            and not self._slot_waiters
-        )
+        return not self._slot_waiters and c.usable and c.has_slot
 
     def _wake_one(self) -> None:
         while self._slot_waiters:

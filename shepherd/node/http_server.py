@@ -47,7 +47,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import httptools
-import orjson
 from aiohttp import HttpVersion10, HttpVersion11, web
 from aiohttp.http_exceptions import ContentEncodingError
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -60,10 +59,10 @@ from shepherd.node.http_types import (
     encode_head,
     status_line,
 )
+from shepherd.node.openai_protocol import ApiError
 
 log = logging.getLogger("shepherd.http")
 
-_ERROR_TYPES = {400: "invalid_request_error", 413: "invalid_request_error", 500: "internal_error"}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
@@ -83,12 +82,13 @@ class Limits:
 
 
 def error_body(status: int, message: str, code: str | None) -> bytes:
-    """The OpenAI error envelope."""
-    kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    """The OpenAI error envelope of a protocol-level refusal."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return ApiError(status, message, type=kind, code=code).body()
 
 
-_INTERNAL = error_body(500, "Internal error in the gateway.", "internal")
+# what error_middleware answers for an unhandled error, for one that escapes the app
+_INTERNAL = ApiError(500, "Internal error in the gateway.", type="internal_error", code="internal").body()
 
 
 @dataclass(frozen=True, slots=True)

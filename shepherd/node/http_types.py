@@ -362,7 +362,7 @@ class LeanStreamResponse(web.StreamResponse):
         self._lean_phase = 0  # 0 new, 1 head pending, 2 streaming, 3 ended
         self._lean_head = b""
         self._lean_chunked = request.version >= (1, 1)
-        self._lean_empty = request.method == "HEAD" or status in (204, 304)
+        self._lean_empty = False  # set by prepare, from the final status
         self._lean_keep = False
 
     @property

@@ -69,21 +69,17 @@ class ChoiceState:
         return d
 
     def _one_shot(self) -> bool:
-        d = self._dec
-        if d is None:
+        """Whether one decode of the whole output gives what the detokenizer would (without building
+        it when a fresh one is known to agree)."""
+        if self._dec is None:
             s = self._sampling
-            return (
-                fresh_one_shot_equivalent(
-                    self.tok.hf,
-                    skip_special_tokens=s.skip_special_tokens,
-                    spaces_between_special_tokens=s.spaces_between_special_tokens,
-                    has_prompt=bool(self._prompt),
-                )
-                or self._one_shot_built()
-            )
-        return isinstance(d.decoder, IncrementalDetokenizer) and d.decoder.one_shot_equivalent
-
-    def _one_shot_built(self) -> bool:
+            if fresh_one_shot_equivalent(
+                self.tok.hf,
+                skip_special_tokens=s.skip_special_tokens,
+                spaces_between_special_tokens=s.spaces_between_special_tokens,
+                has_prompt=bool(self._prompt),
+            ):
+                return True
         detok = self.dec.decoder
         return isinstance(detok, IncrementalDetokenizer) and detok.one_shot_equivalent
 

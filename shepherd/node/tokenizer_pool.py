@@ -27,7 +27,7 @@ import signal
 import struct
 import time
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -506,8 +506,8 @@ class TokenizerPool:
         return result
 
     async def render(self, model: str, template_name: str, serialized: bytes) -> tuple[str, ClockReads]:
-        """``ChatTemplate.render_serialized`` in a worker (raises ChatTemplateError as inline does):
-        the text and the clock reads it made."""
+        """``ChatTemplate.render_serialized_for_parent`` in a worker, less the skeleton (raises
+        ChatTemplateError as inline does): the text and the clock reads it made."""
         text, reads, _ = await self.render_with_skeleton(model, template_name, serialized)
         return text, reads
 
@@ -621,14 +621,21 @@ class TokenizerService:
     async def encode(self, model: str, text: str, add_special_tokens: bool = True) -> list[int]:
         """Ids of ``text`` (equal to ``Tokenizer.encode_uncached``): cache hits and small remainders
         inline, big remainders in the pool; results land in this process's caches."""
-        cache = self.get(model).cache
-        l0_hits = cache.exact_hits
+        got = self._encode_here(model, self.get(model).cache, text, add_special_tokens)
+        return got if isinstance(got, list) else await got
+
+    def _encode_here(
+        self, model: str, cache: TokenCache, text: str, add_special_tokens: bool
+    ) -> list[int] | Awaitable[list[int]]:
+        """The ids when the caches and a small inline encode give them (no await in the common case),
+        else the pool's, to await."""
+        chars = cache.encoded_chars
         got = cache.encode_or_plan(
             text, add_special_tokens, self.inline_max_chars if self._pool is not None else None
         )
         if isinstance(got, EncodePlan):
-            return await self._encode_planned(model, cache, got)
-        self.inline_encodes += cache.exact_hits == l0_hits  # (an L0 hit is no encode)
+            return self._encode_planned(model, cache, got)
+        self.inline_encodes += cache.encoded_chars != chars  # (cache hits alone encode nothing)
         return got
 
     async def _encode_planned(self, model: str, cache: TokenCache, plan: EncodePlan) -> list[int]:
@@ -656,22 +663,31 @@ class TokenizerService:
     ) -> str:
         """The rendered prompt (``Tokenizer.render_chat``), big renders in the pool."""
         tpl = self.get(model).chat_template(tools=tools is not None)
+        text = self._rendered(
+            model, tpl, messages, tools, add_generation_prompt, continue_final_message, template_kwargs
+        )
+        return text if isinstance(text, str) else await text
+
+    def _rendered(
+        self,
+        model: str,
+        tpl: ChatTemplate,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool | str,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> str | Awaitable[str]:
+        """The render when it is cheap here (no await in the common case), else the pool's, to await."""
         text, key = self._render_here(
             tpl, messages, tools, add_generation_prompt, continue_final_message, template_kwargs
         )
-        if text is None:
-            assert key is not None
-            text = await self._render_in_pool(
-                model,
-                tpl,
-                key,
-                messages,
-                tools,
-                add_generation_prompt,
-                continue_final_message,
-                template_kwargs,
-            )
-        return text
+        if text is not None:
+            return text
+        assert key is not None
+        return self._render_in_pool(
+            model, tpl, key, messages, tools, add_generation_prompt, continue_final_message, template_kwargs
+        )
 
     def _render_here(
         self,
@@ -699,6 +715,22 @@ class TokenizerService:
             return text, key
         if self._pool is not None and key is not None and self._render_is_big(messages, key):
             return None, key
+        text = self._render_inline(
+            tpl, key, messages, tools, add_generation_prompt, continue_final_message, template_kwargs
+        )
+        return text, key
+
+    def _render_inline(
+        self,
+        tpl: ChatTemplate,
+        key: bytes | None,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool | str,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> str:
+        """Render on the event loop and cache the result under ``key`` (None: not cacheable)."""
         self.inline_renders += 1
         text, reads = tpl.render_recorded(
             messages,
@@ -708,7 +740,7 @@ class TokenizerService:
             template_kwargs=template_kwargs,
         )
         tpl.store(key, text, reads)
-        return text, key
+        return text
 
     async def _render_in_pool(
         self,
@@ -726,26 +758,17 @@ class TokenizerService:
             text, reads, skeleton = await self._pool.render_with_skeleton(model, tpl.name, key)
         except TokenizerPoolUnavailable:
             self.pool_fallbacks += 1
-            self.inline_renders += 1
-            text, reads = tpl.render_recorded(
-                messages,
-                tools=tools,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                template_kwargs=template_kwargs,
+            return self._render_inline(
+                tpl, key, messages, tools, add_generation_prompt, continue_final_message, template_kwargs
             )
-        else:
-            self.pool_renders += 1
-            if skeleton is not None:  # the next conversation of this shape is filled here
-                tpl.adopt_skeleton(messages, add_generation_prompt, template_kwargs, skeleton)
+        self.pool_renders += 1
+        if skeleton is not None:  # the next conversation of this shape is filled here
+            tpl.adopt_skeleton(messages, add_generation_prompt, template_kwargs, skeleton)
         tpl.store(key, text, reads)
         return text
 
     def _render_is_big(self, messages: object, key: bytes) -> bool:
-        if type(messages) is list:
-            count = len(messages)
-        else:
-            count = len(messages) if isinstance(messages, Sequence) else 0
+        count = len(messages) if isinstance(messages, Sequence) else 0
         return count > self.render_inline_max_messages or len(key) > self.render_inline_max_bytes
 
     async def render_and_encode(
@@ -763,28 +786,12 @@ class TokenizerService:
         One synchronous pass when everything is cheap here (the common case), the pool otherwise."""
         tok = self._tokenizers.get(model) or self.get(model)
         tpl = tok.chat_template(tools=tools is not None)
-        text, key = self._render_here(
-            tpl, messages, tools, add_generation_prompt, continue_final_message, template_kwargs
+        rendered = self._rendered(
+            model, tpl, messages, tools, add_generation_prompt, continue_final_message, template_kwargs
         )
-        if text is None:
-            assert key is not None
-            text = await self._render_in_pool(
-                model,
-                tpl,
-                key,
-                messages,
-                tools,
-                add_generation_prompt,
-                continue_final_message,
-                template_kwargs,
-            )
-        cache = tok.cache
-        l0_hits = cache.exact_hits
-        got = cache.encode_or_plan(text, False, self.inline_max_chars if self._pool is not None else None)
-        if isinstance(got, EncodePlan):
-            return text, await self._encode_planned(model, cache, got)
-        self.inline_encodes += cache.exact_hits == l0_hits  # (an L0 hit is no encode)
-        return text, got
+        text = rendered if isinstance(rendered, str) else await rendered
+        got = self._encode_here(model, tok.cache, text, False)
+        return text, got if isinstance(got, list) else await got
 
     def stats(self) -> dict[str, int]:
         """Counters summed over models: ``l0_hits``/``l0_misses``/``l1_hits``/``l1_misses``/

@@ -759,13 +759,7 @@ class RunPrefixIndex(PrefixIndex):
                 if run is None:
                     new.append((h, t))
                     continue
-                o = run.keys.index(h)
-                if t > run.times[o]:
-                    run.times[o] = t
-                    if o and run.times[o - 1] < t:
-                        run.ordered = False
-                    if o == len(run.keys) - 1:
-                        heapq.heappush(holder.heap, (t, -run.seq, run))
+                self._set_time(holder, run, run.keys.index(h), t)
             if new:
                 new.sort(key=lambda p: -p[1])  # newest first: a loose run's tail is its oldest (stable)
                 self._add_run(holder, [p[0] for p in new], [p[1] for p in new], False)
@@ -788,12 +782,19 @@ class RunPrefixIndex(PrefixIndex):
         holder = self._holders[worker] = _Holder(worker, 1 << slot)
         return holder
 
+    _touch_hooked = False  # a subclass that overrides _on_touch sets it (the base loop skips the call)
+
+    def _on_touch(self, holder: _Holder, run: _Run, o: int, b: int, now: float) -> None:
+        """Called by ``_touch`` for each run's span ``run.keys[o:o+b]`` before its times become ``now``,
+        when ``_touch_hooked``."""
+
     def _touch(self, holder: _Holder, hs: Sequence[int], k: int, now: float) -> int:
         """Set the time of the held blocks ``hs[:k]`` to ``now``, run by run; returns how far it got
-        (less than ``k``: a block the worker does not hold, a hole). (The mesh's subclass has its own
-        copy of this loop, with its digest accounting: change both.)"""
+        (less than ``k``: a block the worker does not hold, a hole). ``_on_touch``, when a subclass
+        sets it, sees each run's span before its times change (the mesh's digest accounting)."""
         get = self._blocks.get
         bit = holder.bit
+        hooked = self._touch_hooked
         i = 0
         while i < k:  # bounded: i grows by at least 1 per turn
             h = hs[i]
@@ -813,6 +814,8 @@ class RunPrefixIndex(PrefixIndex):
                 b = k - i
             if b > 1 and (not run.chain or keys[o + b - 1] != hs[i + b - 1]):  # it leaves the chain
                 b = self._span(run, o, hs, i, b)
+            if hooked:
+                self._on_touch(holder, run, o, b, now)
             times = run.times
             if run.ordered and ((o and times[o - 1] < now) or (o + b < len(times) and times[o + b] > now)):
                 run.ordered = False
@@ -849,7 +852,10 @@ class RunPrefixIndex(PrefixIndex):
         return lo
 
     def _touch_one(self, holder: _Holder, run: _Run, h: int, now: float) -> None:
-        o = run.keys.index(h)
+        self._set_time(holder, run, run.keys.index(h), now)
+
+    def _set_time(self, holder: _Holder, run: _Run, o: int, now: float) -> None:
+        """Block ``o`` of ``run`` accessed at ``now`` (a time never goes back)."""
         if now > run.times[o]:
             run.times[o] = now
             if o and run.times[o - 1] < now:

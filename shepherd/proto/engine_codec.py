@@ -424,15 +424,7 @@ def decode_response(resp: Any) -> EngineEvent | None:
 
 def _decode(resp: Any, kind: str | None) -> EngineEvent | None:
     if kind == "chunk":
-        c = resp.chunk
-        return EngineChunk(
-            c.index,
-            c.token_ids,
-            c.prompt_tokens,
-            c.completion_tokens,
-            c.cached_tokens,
-            _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else (),
-        )
+        return _chunk_event(resp.chunk)
     if kind == "complete":
         c = resp.complete
         stop = c.WhichOneof("matched_stop")
@@ -498,50 +490,12 @@ def decode_batch(
     by their first bytes; anything unusual is parsed alone."""
     if single is not None and len(raws) > 1:
         return _decode_single(raws, parse, _vllm_is_chunk if single == "vllm" else _sglang_is_chunk)
-    if len(raws) == 1:  # the usual read: one message
-        resp = parse(raws[0])
-        kind = resp.WhichOneof("response")
-        if kind == "chunk":
-            c = resp.chunk
-            lps = _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else ()
-            return [
-                EngineChunk(
-                    c.index, list(c.token_ids), c.prompt_tokens, c.completion_tokens, c.cached_tokens, lps
-                )
-            ]
-        ev = _decode(resp, kind)
-        return [] if ev is None else [ev]
     out: list[EngineEvent] = []
-    run: EngineChunk | None = None
-    ids: list[int] = []
     for raw in raws:
         resp = parse(raw)
-        kind = resp.WhichOneof("response")
-        if kind == "chunk":
-            c = resp.chunk
-            if run is not None and run.index == c.index:
-                ids.extend(c.token_ids)
-                run.completion_tokens = c.completion_tokens
-                if c.cached_tokens > run.cached_tokens:
-                    run.cached_tokens = c.cached_tokens
-                if c.HasField("output_logprobs"):
-                    run.logprobs = [*run.logprobs, *_logprobs(c.output_logprobs)]
-                continue
-            ids = list(c.token_ids)
-            run = EngineChunk(
-                c.index,
-                ids,
-                c.prompt_tokens,
-                c.completion_tokens,
-                c.cached_tokens,
-                _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else (),
-            )
-            out.append(run)
-            continue
-        run = None
-        ev = _decode(resp, kind)
+        ev = _decode(resp, resp.WhichOneof("response"))
         if ev is not None:
-            out.append(ev)
+            _append(out, ev)
     return out
 
 
@@ -556,34 +510,50 @@ def _decode_single(
         while j < n and is_chunk(raws[j]):
             j += 1
         if j - i > 1:
-            c = parse(b"".join(raws[i:j])).chunk
-            lps = _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else ()
-            evs: list[EngineEvent] = [
-                EngineChunk(
-                    c.index, list(c.token_ids), c.prompt_tokens, c.completion_tokens, c.cached_tokens, lps
-                )
-            ]
+            _append(out, _chunk_event(parse(b"".join(raws[i:j])).chunk))
             i = j
-        else:
-            evs = decode_batch(raws[i : i + 1], parse)
-            i += 1
-        for ev in evs:
-            last = out[-1] if out else None
-            if type(ev) is EngineChunk and type(last) is EngineChunk and last.index == ev.index:
-                _extend(last, ev)  # as the general path merges (an unusual message next to chunks)
-            else:
-                out.append(ev)
+            continue
+        resp = parse(raws[i])
+        ev = _decode(resp, resp.WhichOneof("response"))
+        if ev is not None:
+            _append(out, ev)
+        i += 1
     return out
 
 
-def _extend(run: EngineChunk, c: EngineChunk) -> None:
-    """Append chunk ``c`` to ``run`` of the same choice: ids and logprobs in order, the latest counts."""
-    run.token_ids = [*run.token_ids, *c.token_ids]
-    run.completion_tokens = c.completion_tokens
-    if c.cached_tokens > run.cached_tokens:
-        run.cached_tokens = c.cached_tokens
-    if c.logprobs:
-        run.logprobs = [*run.logprobs, *c.logprobs]
+def _chunk_event(c: Any) -> EngineChunk:
+    """A GenerateStreamChunk (either engine) -> EngineChunk (its ids and logprobs in lists of its own)."""
+    return EngineChunk(
+        c.index,
+        list(c.token_ids),
+        c.prompt_tokens,
+        c.completion_tokens,
+        c.cached_tokens,
+        _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else [],
+    )
+
+
+def _append(out: list[EngineEvent], ev: EngineEvent) -> None:
+    """Add ``ev`` to ``out``, merged into the chunk before it when both are chunks of one choice: ids and
+    logprobs appended in order, the latest counts (the consumer handles the merged chunk once)."""
+    last = out[-1] if out else None
+    if type(ev) is not EngineChunk or type(last) is not EngineChunk or last.index != ev.index:
+        out.append(ev)
+        return
+    ids = last.token_ids
+    if type(ids) is list:  # ours (_chunk_event): grown in place
+        ids.extend(ev.token_ids)
+    else:
+        last.token_ids = [*ids, *ev.token_ids]
+    last.completion_tokens = ev.completion_tokens
+    if ev.cached_tokens > last.cached_tokens:
+        last.cached_tokens = ev.cached_tokens
+    if ev.logprobs:
+        lps = last.logprobs
+        if type(lps) is list:
+            lps.extend(ev.logprobs)
+        else:
+            last.logprobs = [*lps, *ev.logprobs]
 
 
 def decode_model_info(resp: Any) -> ModelInfo:

@@ -6,9 +6,8 @@ from typing import Any
 
 import pytest
 
-from shepherd.node.chat_output import _shape_tools, shape_chat
+from shepherd.node.chat_output import _shape_tools, reasoning_side, shape_chat
 from shepherd.node.openai_protocol import parse_chat
-from shepherd.node.parsers.registry import prompt_closes_think, prompt_opens_think, thinking_enabled
 
 PROMPTS = (
     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
@@ -32,14 +31,15 @@ def test_short_path_equals_general(
     if kwargs is not None:
         d["chat_template_kwargs"] = kwargs
     req = parse_chat(d)
-    family = families[0]
-    reasoning = None
-    opened = False
-    if (
-        family
-        and req.separate_reasoning
-        and thinking_enabled(family, req.template_kwargs)
-        and not prompt_closes_think(family, prompt)
-    ):
-        reasoning, opened = family, prompt_opens_think(family, prompt)
+    reasoning, opened = reasoning_side(families[0], req, prompt)
     assert shape_chat(families, req, prompt) == _shape_tools(families[1], req, reasoning, opened)
+
+
+def test_reasoning_side() -> None:
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert reasoning_side("qwen3", req, PROMPTS[0]) == ("qwen3", False)
+    assert reasoning_side("qwen3", req, PROMPTS[1]) == ("qwen3", True)
+    assert reasoning_side("qwen3", req, PROMPTS[2]) == (None, False)  # the template closed it
+    assert reasoning_side(None, req, PROMPTS[1]) == (None, False)
+    off = parse_chat({**req.raw, "separate_reasoning": False})
+    assert reasoning_side("qwen3", off, PROMPTS[1]) == (None, False)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shepherd.node.chat_skeleton import SkeletonCache, Traced, _Recorder, parse_skeleton
-from shepherd.node.chat_template import ChatTemplate, make_environment
+from shepherd.node.chat_template import ChatTemplate, _plain_shape, make_environment
 from tests.unit.test_chat_template_golden import CASES, template
 
 # contents that hit what templates test and transform: think tags, tool-response wrappers, surrounding
@@ -211,7 +211,11 @@ def test_plain_conversations_render_as_prepared_ones(
         return
     assert render(fast) == expected  # builds the skeleton (or refuses it) ...
     assert render(fast) == expected  # ... and fills it
-    assert fast.render_from_skeleton(messages, None, generation, kwargs) in (expected, None)
+    # a shape with a usable skeleton is filled (its guards hold: it was built from these contents);
+    # a refused or unplain one is not
+    plain = _plain_shape(messages, generation, kwargs)
+    held = plain is not None and fast.skeletons is not None and fast.skeletons.export(plain[0]) is not None
+    assert fast.render_from_skeleton(messages, None, generation, kwargs) == (expected if held else None)
     assert messages == before
 
 

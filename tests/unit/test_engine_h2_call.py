@@ -30,6 +30,7 @@ from shepherd.node.engine_types import (
 from shepherd.node.gateway import Gateway
 from shepherd.node.workers import Worker
 from shepherd.proto import engine_codec as codec
+from tests.unit.test_engine_h2_frames import parse_frames
 
 HEAD = b"\x88" + h2.hpack_literal(31, b"application/grpc")  # :status 200, content-type
 
@@ -52,12 +53,7 @@ class FakeServer:
 
     # asyncio.Transport, as far as H2Protocol uses it
     def write(self, data: bytes) -> None:
-        off = len(h2.PREFACE) if data.startswith(h2.PREFACE) else 0
-        while off < len(data):
-            n = int.from_bytes(data[off : off + 3], "big")
-            sid = int.from_bytes(data[off + 5 : off + 9], "big") & 0x7FFFFFFF
-            self.frames.append((data[off + 3], data[off + 4], sid, data[off + 9 : off + 9 + n]))
-            off += 9 + n
+        self.frames += parse_frames(data)
 
     def is_closing(self) -> bool:
         return self.closing
