@@ -44,11 +44,20 @@ RUN set -eux; \
 print('\n'.join(d['build-system']['requires'] + d['project']['dependencies']))" >/tmp/requirements.txt; \
     pip install --no-cache-dir -r /tmp/requirements.txt; \
     rm /tmp/requirements.txt
-COPY README.md ./
+COPY README.md setup.py ./
 COPY shepherd ./shepherd
+# the prefix index's C parts (setup.py) need a compiler for the build only: installed and purged in one layer
 RUN set -eux; \
+    export DEBIAN_FRONTEND=noninteractive; \
+    build="gcc libc6-dev"; \
+    python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
+        || build="$build python3-dev"; \
+    apt-get update; \
+    apt-get install -y --no-install-recommends $build; \
     pip install --no-cache-dir --no-deps --no-build-isolation .; \
-    rm -rf build shepherd.egg-info; \
+    python3 -c 'from shepherd.policies.native_index import NATIVE_INDEX; assert NATIVE_INDEX'; \
+    apt-get purge -y --auto-remove $build; \
+    rm -rf /var/lib/apt/lists/* build shepherd.egg-info; \
     smg-node --help >/dev/null; \
     smg-mock-engine --help >/dev/null
 

@@ -1,11 +1,17 @@
-"""Naming a prompt's 16-token blocks without reading every token again.
+"""Naming a prompt's 16-token blocks: ``block_hashes`` (in C where built), and a memo over the pieces a
+prompt was built from.
 
-``block_hashes(ids)`` (``prefix_index``) hashes every 16-token block of a prompt: ~0.3 µs a block in
-CPython, ~25 µs for a 1,300-token prompt and 0.5 ms for 25,000 tokens, paid on every request. Any Python
-scheme that reads every id costs at least ~10 µs per 1,300 tokens (a ``sum`` over the list). But the
-tokenizer layer already splits a prompt into pieces it looks up by text (the L1 segments after each
+``block_hashes(ids)`` names every full 16-token block of a prompt by a chained hash,
+``h_i = hash((h_{i-1}, tuple(block_i)))`` from ``CHAIN_SEED``. ``py_block_hashes`` is the reference: ~0.3 µs
+a block in CPython (a 16-tuple, a pair and two tuple hashes per block), ~25 µs for a 1,300-token prompt.
+``_chainhash.c`` computes the same values (CPython's tuple and int hashes, folded without building the
+tuples; property-tested equal on any ints and seeds) at about the cost of ``sum(ids)``: reading the ids
+is then most of it. ``block_hashes`` is the C version where setup.py could build it (``NATIVE_NAMES``).
+
+The tokenizer layer already splits a prompt into pieces it looks up by text (the L1 segments after each
 special token, or the whole text on an L0 hit), and CPython caches a string's hash: so a follow-up turn
-of a conversation, whose pieces repeat those of the turn before, can be named piece by piece.
+of a conversation, whose pieces repeat those of the turn before, can be named piece by piece without
+reading its ids at all.
 
 ``PromptIds`` is a list of ids that also carries its *shape*: ``(key, n)`` pairs, the pieces it was built
 from in order (``key`` a string that determines the piece's ids; ``n`` its number of ids). ``BlockNamer``
@@ -24,9 +30,51 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 
 BLOCK = 16
+HashFn = Callable[[Sequence[int], int, int], list[int]]  # block_hashes(ids, seed, start)
+CHAIN_SEED = 0x5EED_0F_B10C5
+_LIST_ITER: type[object] = type(iter([]))
+
+
+def py_block_hashes(ids: Sequence[int], seed: int = CHAIN_SEED, start: int = 0) -> list[int]:
+    """Chained hashes of the full 16-token blocks of ``ids[start:]`` (a partial last block is not named):
+    ``h_i = hash((h_{i-1}, tuple(block_i)))`` from ``seed``. The reference (and the fallback when the C
+    module ``_chainhash`` is not built): ``block_hashes`` is the C version where there is one.
+
+    ``seed`` is the hash of the block before ``ids[start]``: pass a parent's hash to continue its chain.
+    A list (or list subclass) is read from ``start`` without a copy.
+    """
+    h = seed
+    it = iter(ids)
+    if start:
+        if type(it) is _LIST_ITER:
+            it.__setstate__(start)  # type: ignore[attr-defined]  # a list iterator's position: O(1)
+        else:
+            it = iter(ids[start:])
+    # 16 references to one iterator: zip yields consecutive 16-tuples (C speed, no slicing)
+    return [
+        h := hash((h, b))
+        for b in zip(it, it, it, it, it, it, it, it, it, it, it, it, it, it, it, it, strict=False)
+    ]
+
+
+try:  # the same function in C (``_chainhash.c``, built by setup.py where a compiler is): ~sum(ids)'s cost
+    from shepherd.policies._chainhash import block_hashes
+except ImportError:  # pragma: no cover - an install without a C compiler
+    block_hashes = py_block_hashes
+
+NATIVE_NAMES = block_hashes is not py_block_hashes
 
 Shape = tuple[tuple[str, int], ...]
-HashFn = Callable[[Sequence[int], int, int], list[int]]  # block_hashes(ids, seed, start)
+__all__ = [
+    "BLOCK",
+    "CHAIN_SEED",
+    "NATIVE_NAMES",
+    "BlockNamer",
+    "PromptIds",
+    "block_hashes",
+    "py_block_hashes",
+    "shape_of",
+]
 
 
 class PromptIds(list[int]):

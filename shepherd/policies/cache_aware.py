@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shepherd.policies.base import RouteRequest, WorkerView, least_loaded, load_key, worker_load
+from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
 from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, RunPrefixIndex
 
 
@@ -92,10 +93,12 @@ class CacheAware:
         self.last: Decision | None = None
 
     def index(self, model: str) -> PrefixIndex:
-        """The model's prefix index (created on first use): feed KV events and mesh merges here."""
+        """The model's prefix index (created on first use): feed KV events and mesh merges here. Its state
+        in C where the extension is built (``NativePrefixIndex``), else the run layout (same answers)."""
         ix = self.indexes.get(model)
         if ix is None:
-            ix = self.indexes[model] = RunPrefixIndex(self.config.index)
+            layout = NativePrefixIndex if NATIVE_INDEX else RunPrefixIndex
+            ix = self.indexes[model] = layout(self.config.index)
         return ix
 
     def pick(self, workers: Sequence[WorkerView], req: RouteRequest) -> WorkerView | None:

@@ -7,13 +7,15 @@ the names are the same on every node that runs 64-bit CPython >= 3.8 (golden val
 tests). Engines name their blocks with hashes of their own: the KV event feed names them again from
 their tokens (``kv_events``), the index never needs an engine's hash function.
 
-Naming costs about 2.5x a bare ``sum(ids)`` over the prompt (measured: one zip of 16-tuples, one tuple
-hash per block); numpy (conversion plus a dozen array calls of ~2 µs each on tiny arrays) and per-block
-C calls over bytes (crc32, blake2b, int.from_bytes) measured slower. ``hashes`` caches the names of
-the last ``ids`` object, so a ``match`` then ``insert`` of one prompt names it once.
+Naming (``block_names``): in C (``_chainhash.c``) about the cost of a bare ``sum(ids)`` over the prompt,
+the pure-Python reference about 2.5x that; numpy (conversion plus a dozen array calls of ~2 µs each on
+tiny arrays) and per-block C calls over bytes (crc32, blake2b, int.from_bytes) measured slower than
+either. ``hashes`` caches the names of the last ``ids`` object, so a ``match`` then ``insert`` of one
+prompt names it once.
 
-Two layouts of the same index (same API, replicated state and invariants; the property tests run
-both and compare them):
+Two layouts of the same index in Python (same API, replicated state and invariants; the property
+tests run both and compare them), and a third with its state in C (``native_index.NativePrefixIndex``:
+what ``cache_aware`` uses where it is built):
 
 - ``PrefixIndex`` (flat): ``_mask`` block -> bitmask of its holders (workers get a bit slot; masks of
   up to 8 workers are small cached ints: no memory beyond the dict entry); ``_lru[worker]`` block ->
@@ -52,37 +54,17 @@ from dataclasses import dataclass
 from functools import reduce
 from itertools import compress, repeat
 
-from shepherd.policies.block_names import BlockNamer
+from shepherd.policies.block_names import BLOCK, CHAIN_SEED, NATIVE_NAMES, BlockNamer, block_hashes
 
-BLOCK_TOKENS = 16
-CHAIN_SEED = 0x5EED_0F_B10C5
+__all__ = ["BLOCK_TOKENS", "CHAIN_SEED", "NATIVE_NAMES", "block_hashes"]  # names re-exported for callers
+
+BLOCK_TOKENS = BLOCK
 _or = operator.or_
 _and = operator.and_
 _sink: deque[object] = deque(maxlen=0)
 _consume: Callable[[Iterable[object]], None] = _sink.extend  # runs an iterator at C speed, keeps nothing
 
 Entries = dict[tuple[int, str], float]
-_LIST_ITER: type[object] = type(iter([]))
-
-
-def block_hashes(ids: Sequence[int], seed: int = CHAIN_SEED, start: int = 0) -> list[int]:
-    """Chained hashes of the full 16-token blocks of ``ids[start:]`` (a partial last block is not named).
-
-    ``seed`` is the hash of the block before ``ids[start]``: pass a parent's hash to continue its chain.
-    A list (or list subclass) is read from ``start`` without a copy.
-    """
-    h = seed
-    it = iter(ids)
-    if start:
-        if type(it) is _LIST_ITER:
-            it.__setstate__(start)  # type: ignore[attr-defined]  # a list iterator's position: O(1)
-        else:
-            it = iter(ids[start:])
-    # 16 references to one iterator: zip yields consecutive 16-tuples (C speed, no slicing)
-    return [
-        h := hash((h, b))
-        for b in zip(it, it, it, it, it, it, it, it, it, it, it, it, it, it, it, it, strict=False)
-    ]
 
 
 def merge_entries(a: Mapping[tuple[int, str], float], b: Mapping[tuple[int, str], float]) -> Entries:

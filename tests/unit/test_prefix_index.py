@@ -11,6 +11,7 @@ import pytest
 
 from shepherd.mesh.state_index import ReplicatedPrefixIndex
 from shepherd.policies.block_names import PromptIds
+from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
 from shepherd.policies.prefix_index import (
     BLOCK_TOKENS,
     CHAIN_SEED,
@@ -24,7 +25,19 @@ from shepherd.policies.prefix_index import (
 Index = type[PrefixIndex]
 
 
-@pytest.fixture(params=[PrefixIndex, RunPrefixIndex, ReplicatedPrefixIndex], ids=["flat", "runs", "mesh"])
+NATIVE = pytest.param(
+    NativePrefixIndex, id="native", marks=pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built")
+)
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(PrefixIndex, id="flat"),
+        pytest.param(RunPrefixIndex, id="runs"),
+        pytest.param(ReplicatedPrefixIndex, id="mesh"),
+        NATIVE,
+    ]
+)
 def Ix(request: pytest.FixtureRequest) -> Index:
     cls: Index = request.param
     return cls

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shepherd.mesh.state_index import ReplicatedPrefixIndex
+from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
 from shepherd.policies.prefix_index import (
     PrefixIndex,
     PrefixIndexConfig,
@@ -16,8 +17,18 @@ from shepherd.policies.prefix_index import (
     merge_entries,
 )
 
+NATIVE = pytest.param(
+    NativePrefixIndex, id="native", marks=pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built")
+)
+
 LAYOUTS = pytest.mark.parametrize(
-    "Ix", [PrefixIndex, RunPrefixIndex, ReplicatedPrefixIndex], ids=["flat", "runs", "mesh"]
+    "Ix",
+    [
+        pytest.param(PrefixIndex, id="flat"),
+        pytest.param(RunPrefixIndex, id="runs"),
+        pytest.param(ReplicatedPrefixIndex, id="mesh"),
+        NATIVE,
+    ],
 )
 
 WORKERS = ["a", "b", "c"]
@@ -178,13 +189,14 @@ def test_the_layouts_hold_the_same_state_and_match_alike(
     acts: list[tuple[str, list[int], str]], probes: list[list[int]]
 ) -> None:
     """Without capacity pressure or expiry (where their eviction orders differ by design), the run
-    layout holds exactly what the flat one holds, and its answers are the reference's."""
-    flat, runs = PrefixIndex(), RunPrefixIndex()
+    and native layouts hold exactly what the flat one holds, and their answers are the reference's."""
+    flat = PrefixIndex()
+    others: list[PrefixIndex] = [RunPrefixIndex()] + ([NativePrefixIndex()] if NATIVE_INDEX else [])
     seen: list[int] = []
     now = 0.0
     for kind, arg, w in acts:
         now += 1.0
-        for ix in (flat, runs):
+        for ix in (flat, *others):
             if kind == "insert":
                 ix.insert(list(arg), w, now)
             elif kind == "kv":  # a KV "stored" event: the blocks after the first one, from its name
@@ -199,29 +211,32 @@ def test_the_layouts_hold_the_same_state_and_match_alike(
                 ix.merge({(b, w): now - arg[0] for b in block_hashes(list(range(16 * (arg[0] + 1))))})
         if kind in ("insert", "kv"):
             seen += block_hashes(arg)
-        assert runs.export() == flat.export()
-        assert runs.live_blocks == flat.live_blocks
-        for wk in WORKERS:
-            assert runs.worker_blocks(wk) == flat.worker_blocks(wk)
+        for other in others:
+            assert other.export() == flat.export()
+            assert other.live_blocks == flat.live_blocks
+            for wk in WORKERS:
+                assert other.worker_blocks(wk) == flat.worker_blocks(wk)
     for p in probes + [a[1] for a in acts if a[0] == "insert"]:
         hs = block_hashes(p)
-        got = runs.match_blocks(hs)
-        for w in WORKERS:
-            a = got.get(w, 0)
-            assert held_run_end(runs, w, hs, a)
-            ref = reference_match({w: {b for b, x in runs.export() if x == w}}, p).get(w, 0) // 16
-            if all(w not in runs.holders(b) for b in hs[ref:]):  # what w holds of p is a prefix
-                assert a == ref
+        for ix in others:
+            got = ix.match_blocks(hs)
+            for w in WORKERS:
+                a = got.get(w, 0)
+                assert held_run_end(ix, w, hs, a)
+                ref = reference_match({w: {b for b, x in ix.export() if x == w}}, p).get(w, 0) // 16
+                if all(w not in ix.holders(b) for b in hs[ref:]):  # what w holds of p is a prefix
+                    assert a == ref
 
 
+@pytest.mark.parametrize("Ix", [pytest.param(RunPrefixIndex, id="runs"), NATIVE])
 @settings(max_examples=150, deadline=None)
 @given(actions, st.integers(1, 8))
 def test_runs_keep_what_a_worker_holds_of_its_latest_chain_a_prefix(
-    acts: list[tuple[str, list[int], str]], cap: int
+    Ix: type[PrefixIndex], acts: list[tuple[str, list[int], str]], cap: int
 ) -> None:
-    """Evictions and expiry of the run layout take tails: after any updates, what a worker holds of
-    the chain it was last given (when nothing removed a block of it since) is a prefix of it."""
-    ix = RunPrefixIndex(PrefixIndexConfig(capacity_blocks=cap, max_age_s=5.0))
+    """Evictions and expiry of the run (and native) layouts take tails: after any updates, what a worker
+    holds of the chain it was last given (when nothing removed a block of it since) is a prefix of it."""
+    ix = Ix(PrefixIndexConfig(capacity_blocks=cap, max_age_s=5.0))
     last: dict[str, list[int]] = {}
     now = 0.0
     for kind, arg, w in acts:

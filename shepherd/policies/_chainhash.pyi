@@ -1,0 +1,3 @@
+from collections.abc import Sequence
+
+def block_hashes(ids: Sequence[int], seed: int = ..., start: int = ...) -> list[int]: ...

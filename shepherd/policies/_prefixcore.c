@@ -1,0 +1,729 @@
+/* The prefix index's state in C: block name -> holders, one last-access time per (block, worker), exact
+ * LRU per worker. ``prefix_index.NativePrefixIndex`` wraps it (names, slots, config); the pure-Python
+ * ``PrefixIndex`` is the reference the property tests hold it to.
+ *
+ * Layout (arrays of plain structs, allocated with PyMem_* so tracemalloc counts them):
+ * - ``table``: open addressing (linear probing, backward-shift deletion, load <= 1/2) of block name
+ *   (int64) -> block record index; the name is kept in the slot so a probe reads one cache line.
+ * - ``blocks``: per block its name, the mask of its holders (worker slot bits) and its first entry.
+ * - ``entries``: per (block, worker) the last access, the next entry of the same block, and the
+ *   worker's LRU links (most recent at the head). Freed records are reused (free lists).
+ *
+ * An insert walks the chain from its deepest block back to its first, moving each to the head of the
+ * worker's LRU list: the ancestors end up nearer the head, so eviction (from the tail) takes deeper
+ * blocks first and what a worker keeps of a chain stays a prefix (the binary search in ``match``
+ * relies on it). Merged entries keep their own times and are placed by them (a bounded walk: merges of
+ * old entries are approximately LRU-placed).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_SLOTS 64
+#define NIL (-1)
+#define PLACE_WALK 64 /* how far a merged entry is walked into place from the head */
+
+typedef struct {
+    int64_t key;
+    int32_t blk; /* NIL: empty */
+} Slot;
+
+typedef struct {
+    int64_t key;
+    uint64_t mask;
+    int32_t head; /* first entry; on the free list: the next free block */
+} Block;
+
+typedef struct {
+    double time;
+    int32_t blk;   /* NIL: free */
+    int32_t bnext; /* next entry of the same block; on the free list: the next free entry */
+    int32_t prev, next; /* the worker's LRU list (prev: towards the head) */
+    int32_t slot;
+} Entry;
+
+typedef struct {
+    int32_t head, tail;
+    Py_ssize_t count;
+    Py_ssize_t cap;
+} Worker;
+
+typedef struct {
+    PyObject_HEAD
+    Slot *table;
+    Py_ssize_t tsize; /* a power of 2 */
+    Py_ssize_t live;  /* blocks in the table */
+    Block *blocks;
+    Py_ssize_t bcap, btop;
+    int32_t bfree;
+    Entry *entries;
+    Py_ssize_t ecap, etop;
+    int32_t efree;
+    Worker workers[MAX_SLOTS];
+    PyObject *names; /* list of MAX_SLOTS: the worker name of each slot, or None */
+} Core;
+
+static inline uint64_t mix(int64_t key) { /* splitmix64's finalizer: names are hashes, but cheap insurance */
+    uint64_t z = (uint64_t)key;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
+static int table_alloc(Core *c, Py_ssize_t size) {
+    Slot *t = PyMem_Malloc((size_t)size * sizeof(Slot));
+    if (t == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < size; i++) t[i].blk = NIL;
+    Slot *old = c->table;
+    Py_ssize_t osize = c->tsize;
+    c->table = t;
+    c->tsize = size;
+    uint64_t m = (uint64_t)size - 1;
+    for (Py_ssize_t i = 0; i < osize; i++) {
+        if (old[i].blk == NIL) continue;
+        uint64_t j = mix(old[i].key) & m;
+        while (t[j].blk != NIL) j = (j + 1) & m;
+        t[j] = old[i];
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+/* the slot of ``key``, or the empty slot where it would go */
+static inline Py_ssize_t find_slot(const Core *c, int64_t key) {
+    uint64_t m = (uint64_t)c->tsize - 1;
+    uint64_t j = mix(key) & m;
+    while (c->table[j].blk != NIL && c->table[j].key != key) j = (j + 1) & m;
+    return (Py_ssize_t)j;
+}
+
+static inline int32_t find_block(const Core *c, int64_t key) {
+    return c->table[find_slot(c, key)].blk;
+}
+
+static void table_delete(Core *c, Py_ssize_t i) { /* backward-shift deletion: no tombstones */
+    uint64_t m = (uint64_t)c->tsize - 1;
+    uint64_t hole = (uint64_t)i, j = (uint64_t)i;
+    c->table[hole].blk = NIL;
+    for (;;) { /* bounded: the table has empty slots (load <= 1/2) */
+        j = (j + 1) & m;
+        if (c->table[j].blk == NIL) return;
+        uint64_t k = mix(c->table[j].key) & m;
+        /* the entry at j may move to the hole unless its home k lies cyclically in (hole, j] */
+        int stays = hole <= j ? (hole < k && k <= j) : (hole < k || k <= j);
+        if (!stays) {
+            c->table[hole] = c->table[j];
+            c->table[j].blk = NIL;
+            hole = j;
+        }
+    }
+}
+
+static int32_t new_block(Core *c, Py_ssize_t slot_at, int64_t key) {
+    if (2 * (c->live + 1) > c->tsize) {
+        if (table_alloc(c, c->tsize * 2) < 0) return NIL;
+        slot_at = find_slot(c, key);
+    }
+    int32_t b = c->bfree;
+    if (b != NIL) {
+        c->bfree = c->blocks[b].head;
+    } else {
+        if (c->btop == c->bcap) {
+            Py_ssize_t ncap = c->bcap ? c->bcap * 2 : 1024;
+            if (ncap > INT32_MAX) {
+                PyErr_SetString(PyExc_MemoryError, "prefix index: too many blocks");
+                return NIL;
+            }
+            Block *nb = PyMem_Realloc(c->blocks, (size_t)ncap * sizeof(Block));
+            if (nb == NULL) {
+                PyErr_NoMemory();
+                return NIL;
+            }
+            c->blocks = nb;
+            c->bcap = ncap;
+        }
+        b = (int32_t)c->btop++;
+    }
+    c->blocks[b].key = key;
+    c->blocks[b].mask = 0;
+    c->blocks[b].head = NIL;
+    c->table[slot_at].key = key;
+    c->table[slot_at].blk = b;
+    c->live++;
+    return b;
+}
+
+static int32_t new_entry(Core *c) {
+    int32_t e = c->efree;
+    if (e != NIL) {
+        c->efree = c->entries[e].bnext;
+        return e;
+    }
+    if (c->etop == c->ecap) {
+        Py_ssize_t ncap = c->ecap ? c->ecap * 2 : 1024;
+        if (ncap > INT32_MAX) {
+            PyErr_SetString(PyExc_MemoryError, "prefix index: too many entries");
+            return NIL;
+        }
+        Entry *ne = PyMem_Realloc(c->entries, (size_t)ncap * sizeof(Entry));
+        if (ne == NULL) {
+            PyErr_NoMemory();
+            return NIL;
+        }
+        c->entries = ne;
+        c->ecap = ncap;
+    }
+    return (int32_t)c->etop++;
+}
+
+static inline int32_t find_entry(const Core *c, int32_t b, int slot) {
+    int32_t e = c->blocks[b].head;
+    while (e != NIL && c->entries[e].slot != slot) e = c->entries[e].bnext; /* bounded: its holders */
+    return e;
+}
+
+static inline void lru_unlink(Core *c, int32_t e) {
+    Entry *x = &c->entries[e];
+    Worker *w = &c->workers[x->slot];
+    if (x->prev != NIL) c->entries[x->prev].next = x->next; else w->head = x->next;
+    if (x->next != NIL) c->entries[x->next].prev = x->prev; else w->tail = x->prev;
+}
+
+static inline void lru_push_head(Core *c, int32_t e) {
+    Entry *x = &c->entries[e];
+    Worker *w = &c->workers[x->slot];
+    x->prev = NIL;
+    x->next = w->head;
+    if (w->head != NIL) c->entries[w->head].prev = e; else w->tail = e;
+    w->head = e;
+}
+
+static inline void lru_insert_after(Core *c, int32_t at, int32_t e) { /* at: an entry of the same worker */
+    Entry *x = &c->entries[e];
+    Worker *w = &c->workers[x->slot];
+    x->prev = at;
+    x->next = c->entries[at].next;
+    if (x->next != NIL) c->entries[x->next].prev = e; else w->tail = e;
+    c->entries[at].next = e;
+}
+
+/* take entry e out of everything; its block goes when it was the last holder */
+static void drop_entry(Core *c, int32_t e) {
+    Entry *x = &c->entries[e];
+    int32_t b = x->blk;
+    int slot = x->slot;
+    lru_unlink(c, e);
+    c->workers[slot].count--;
+    Block *blk = &c->blocks[b];
+    if (blk->head == e) {
+        blk->head = x->bnext;
+    } else {
+        int32_t p = blk->head;
+        while (c->entries[p].bnext != e) p = c->entries[p].bnext; /* bounded: its holders */
+        c->entries[p].bnext = x->bnext;
+    }
+    blk->mask &= ~((uint64_t)1 << slot);
+    x->blk = NIL;
+    x->bnext = c->efree;
+    c->efree = e;
+    if (blk->head == NIL) {
+        table_delete(c, find_slot(c, blk->key));
+        blk->head = c->bfree;
+        c->bfree = b;
+        c->live--;
+    }
+}
+
+/* the entry of (key, slot), made (unlinked from the LRU list, time unset) when absent; NIL on error */
+static int32_t get_or_add(Core *c, int64_t key, int slot, int *added) {
+    Py_ssize_t at = find_slot(c, key);
+    int32_t b = c->table[at].blk;
+    *added = 0;
+    if (b == NIL) {
+        b = new_block(c, at, key);
+        if (b == NIL) return NIL;
+    } else {
+        int32_t e = find_entry(c, b, slot);
+        if (e != NIL) {
+            lru_unlink(c, e);
+            return e;
+        }
+    }
+    int32_t e = new_entry(c);
+    if (e == NIL) return NIL;
+    Entry *x = &c->entries[e];
+    x->blk = b;
+    x->slot = slot;
+    x->bnext = c->blocks[b].head;
+    c->blocks[b].head = e;
+    c->blocks[b].mask |= (uint64_t)1 << slot;
+    c->workers[slot].count++;
+    *added = 1;
+    return e;
+}
+
+/* The blocks of a chain sit at random places in the table, so touching them one after the other waits
+ * for one cache miss after another (table slot, block record, entry: ~80 prompts' worth of serial
+ * misses, most of an insert's time). Three passes issue each level's loads for every block at once, so
+ * the misses overlap; the insert loop then finds them in cache. Only hints: nothing is changed. */
+static void prefetch_chain(const Core *c, const int64_t *keys, Py_ssize_t n, int slot) {
+    uint64_t m = (uint64_t)c->tsize - 1;
+    Py_ssize_t i;
+    for (i = 0; i < n; i++) __builtin_prefetch(&c->table[mix(keys[i]) & m]);
+    for (i = 0; i < n; i++) {
+        int32_t b = find_block(c, keys[i]);
+        if (b != NIL) __builtin_prefetch(&c->blocks[b]);
+    }
+    for (i = 0; i < n; i++) {
+        int32_t b = find_block(c, keys[i]);
+        if (b == NIL) continue;
+        int32_t e = c->blocks[b].head;
+        if (e != NIL) __builtin_prefetch(&c->entries[e], 1);
+        (void)slot;
+    }
+}
+
+static Py_ssize_t evict(Core *c, int slot) {
+    Worker *w = &c->workers[slot];
+    Py_ssize_t n = 0;
+    while (w->count > w->cap && w->tail != NIL) { /* bounded: one entry per turn */
+        drop_entry(c, w->tail);
+        n++;
+    }
+    return n;
+}
+
+/* -- argument helpers -------------------------------------------------------------------------------- */
+
+static int get_slot(PyObject *arg, int *slot) {
+    long s = PyLong_AsLong(arg);
+    if (s == -1 && PyErr_Occurred()) return -1;
+    if (s < 0 || s >= MAX_SLOTS) {
+        PyErr_SetString(PyExc_ValueError, "worker slot out of range");
+        return -1;
+    }
+    *slot = (int)s;
+    return 0;
+}
+
+static inline int key_of(PyObject *o, int64_t *key) {
+    long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    *key = (int64_t)v;
+    return 0;
+}
+
+/* the names of ``hs`` (a sequence of ints) as int64s in a PyMem buffer the caller frees */
+static int64_t *keys_of(PyObject *hs, Py_ssize_t *n) {
+    PyObject *seq = PySequence_Fast(hs, "block names must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    int64_t *keys = PyMem_Malloc((size_t)(m ? m : 1) * sizeof(int64_t));
+    if (keys == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (key_of(items[i], &keys[i]) < 0) {
+            PyMem_Free(keys);
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    *n = m;
+    return keys;
+}
+
+/* -- methods ---------------------------------------------------------------------------------------- */
+
+static inline uint64_t mask_of(const Core *c, PyObject *o, int *err) {
+    int64_t key;
+    if (key_of(o, &key) < 0) {
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) { /* not a name this index can hold */
+            PyErr_Clear();
+            return 0;
+        }
+        *err = 1;
+        return 0;
+    }
+    int32_t b = find_block(c, key);
+    return b == NIL ? 0 : c->blocks[b].mask;
+}
+
+static int put_counts(Core *c, PyObject *out, uint64_t ws, Py_ssize_t n) {
+    PyObject *v = NULL;
+    while (ws) { /* bounded: one bit per turn */
+        int s = __builtin_ctzll(ws);
+        ws &= ws - 1;
+        PyObject *name = PyList_GET_ITEM(c->names, s);
+        if (name == Py_None) continue;
+        if (v == NULL && (v = PyLong_FromSsize_t(n)) == NULL) return -1;
+        if (PyDict_SetItem(out, name, v) < 0) {
+            Py_DECREF(v);
+            return -1;
+        }
+    }
+    Py_XDECREF(v);
+    return 0;
+}
+
+/* match(hs) -> {worker: leading blocks of hs it holds}: a shared binary search over the chain */
+static PyObject *Core_match(Core *c, PyObject *hs) {
+    PyObject *seq = PySequence_Fast(hs, "block names must be a sequence");
+    if (seq == NULL) return NULL;
+    PyObject *out = PyDict_New();
+    if (out == NULL) goto fail;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int err = 0;
+    if (n == 0) goto done;
+    uint64_t first = mask_of(c, items[0], &err);
+    if (err) goto fail;
+    if (!first) goto done;
+    uint64_t full = n > 1 ? (mask_of(c, items[n - 1], &err) & first) : first;
+    if (err) goto fail;
+    if (full && put_counts(c, out, full, n) < 0) goto fail;
+    uint64_t rest = first & ~full;
+    /* (lo, hi, ws): each worker in ws holds block lo-1 and exactly b leading blocks, lo <= b <= hi;
+     * a set splits at most once per worker: the stack holds at most MAX_SLOTS items */
+    Py_ssize_t st_lo[MAX_SLOTS + 1], st_hi[MAX_SLOTS + 1];
+    uint64_t st_ws[MAX_SLOTS + 1];
+    int top = 0;
+    if (rest) {
+        st_lo[0] = 1;
+        st_hi[0] = n - 1;
+        st_ws[0] = rest;
+        top = 1;
+    }
+    while (top) { /* bounded: each turn settles a set, each inner step halves a range */
+        top--;
+        Py_ssize_t lo = st_lo[top], hi = st_hi[top];
+        uint64_t ws = st_ws[top];
+        while (lo < hi) {
+            Py_ssize_t mid = (lo + hi) >> 1;
+            uint64_t right = ws & mask_of(c, items[mid], &err);
+            if (err) goto fail;
+            if (right) {
+                if (right != ws) {
+                    st_lo[top] = lo;
+                    st_hi[top] = mid;
+                    st_ws[top] = ws ^ right;
+                    top++;
+                }
+                lo = mid + 1;
+                ws = right;
+            } else {
+                hi = mid;
+            }
+        }
+        if (put_counts(c, out, ws, lo) < 0) goto fail;
+    }
+done:
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+/* insert(hs, slot, now) -> blocks evicted: the worker holds every block of hs (its capacity applied) */
+static PyObject *Core_insert(Core *c, PyObject *args) {
+    PyObject *hs, *slot_o;
+    double now;
+    int slot;
+    if (!PyArg_ParseTuple(args, "OOd:insert", &hs, &slot_o, &now) || get_slot(slot_o, &slot) < 0) return NULL;
+    Py_ssize_t n;
+    int64_t *keys = keys_of(hs, &n);
+    if (keys == NULL) return NULL;
+    Worker *w = &c->workers[slot];
+    if (n > w->cap) n = w->cap; /* a prompt longer than the worker's cache: it keeps the leading blocks */
+    prefetch_chain(c, keys, n, slot);
+    for (Py_ssize_t i = n - 1; i >= 0; i--) { /* deepest first: the ancestors end nearer the head */
+        int added;
+        int32_t e = get_or_add(c, keys[i], slot, &added);
+        if (e == NIL) {
+            PyMem_Free(keys);
+            return NULL;
+        }
+        c->entries[e].time = now;
+        lru_push_head(c, e);
+    }
+    PyMem_Free(keys);
+    return PyLong_FromSsize_t(evict(c, slot));
+}
+
+/* merge(slot, hs, times) -> entries added: max-merge of (block, worker) -> time for one worker */
+static PyObject *Core_merge(Core *c, PyObject *args) {
+    PyObject *slot_o, *hs, *times;
+    int slot;
+    if (!PyArg_ParseTuple(args, "OOO:merge", &slot_o, &hs, &times) || get_slot(slot_o, &slot) < 0) return NULL;
+    Py_ssize_t n;
+    int64_t *keys = keys_of(hs, &n);
+    if (keys == NULL) return NULL;
+    PyObject *ts = PySequence_Fast(times, "times must be a sequence");
+    if (ts == NULL || PySequence_Fast_GET_SIZE(ts) != n) {
+        if (ts != NULL) {
+            Py_DECREF(ts);
+            PyErr_SetString(PyExc_ValueError, "one time per block");
+        }
+        PyMem_Free(keys);
+        return NULL;
+    }
+    Py_ssize_t added_n = 0;
+    Worker *w = &c->workers[slot];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double t = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(ts, i));
+        if (t == -1.0 && PyErr_Occurred()) goto fail;
+        int32_t b = find_block(c, keys[i]);
+        int32_t e = b == NIL ? NIL : find_entry(c, b, slot);
+        if (e != NIL && !(t > c->entries[e].time)) continue; /* max-merge: nothing newer */
+        int added;
+        e = get_or_add(c, keys[i], slot, &added);
+        if (e == NIL) goto fail;
+        added_n += added;
+        c->entries[e].time = t;
+        /* placed by its time: after the entries as recent as it or more (so a chain merged in order, on
+         * equal times, keeps its deeper blocks nearer the tail), found by a walk from the head of at most
+         * PLACE_WALK steps; one no newer than the tail goes to the tail (approximate in between) */
+        int32_t at = NIL, cur = w->head;
+        for (int k = 0; cur != NIL && c->entries[cur].time >= t; k++) { /* bounded: PLACE_WALK */
+            if (k == PLACE_WALK) {
+                if (c->entries[w->tail].time >= t) at = w->tail;
+                break;
+            }
+            at = cur;
+            cur = c->entries[cur].next;
+        }
+        if (at == NIL) {
+            lru_push_head(c, e);
+        } else {
+            lru_insert_after(c, at, e);
+        }
+    }
+    Py_DECREF(ts);
+    PyMem_Free(keys);
+    evict(c, slot);
+    return PyLong_FromSsize_t(added_n);
+fail:
+    Py_DECREF(ts);
+    PyMem_Free(keys);
+    return NULL;
+}
+
+/* remove(hs, slot) -> entries removed */
+static PyObject *Core_remove(Core *c, PyObject *args) {
+    PyObject *hs, *slot_o;
+    int slot;
+    if (!PyArg_ParseTuple(args, "OO:remove", &hs, &slot_o) || get_slot(slot_o, &slot) < 0) return NULL;
+    Py_ssize_t n, gone = 0;
+    int64_t *keys = keys_of(hs, &n);
+    if (keys == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t b = find_block(c, keys[i]);
+        int32_t e = b == NIL ? NIL : find_entry(c, b, slot);
+        if (e != NIL) {
+            drop_entry(c, e);
+            gone++;
+        }
+    }
+    PyMem_Free(keys);
+    return PyLong_FromSsize_t(gone);
+}
+
+static PyObject *Core_clear(Core *c, PyObject *slot_o) {
+    int slot;
+    if (get_slot(slot_o, &slot) < 0) return NULL;
+    Py_ssize_t n = 0;
+    while (c->workers[slot].tail != NIL) { /* bounded: one entry per turn */
+        drop_entry(c, c->workers[slot].tail);
+        n++;
+    }
+    return PyLong_FromSsize_t(n);
+}
+
+static PyObject *Core_set_capacity(Core *c, PyObject *args) {
+    PyObject *slot_o;
+    Py_ssize_t cap;
+    int slot;
+    if (!PyArg_ParseTuple(args, "On:set_capacity", &slot_o, &cap) || get_slot(slot_o, &slot) < 0) return NULL;
+    c->workers[slot].cap = cap < 1 ? 1 : cap;
+    return PyLong_FromSsize_t(evict(c, slot));
+}
+
+/* expire(slot, cutoff, budget) -> entries dropped: from the LRU tail while older than cutoff */
+static PyObject *Core_expire(Core *c, PyObject *args) {
+    PyObject *slot_o;
+    double cutoff;
+    Py_ssize_t budget;
+    int slot;
+    if (!PyArg_ParseTuple(args, "Odn:expire", &slot_o, &cutoff, &budget) || get_slot(slot_o, &slot) < 0) return NULL;
+    Worker *w = &c->workers[slot];
+    Py_ssize_t n = 0;
+    while (n < budget && w->tail != NIL && c->entries[w->tail].time < cutoff) { /* bounded by budget */
+        drop_entry(c, w->tail);
+        n++;
+    }
+    return PyLong_FromSsize_t(n);
+}
+
+static PyObject *Core_holders(Core *c, PyObject *key_o) {
+    int err = 0;
+    uint64_t m = mask_of(c, key_o, &err);
+    if (err) return NULL;
+    return PyLong_FromUnsignedLongLong(m);
+}
+
+static PyObject *Core_last_access(Core *c, PyObject *args) {
+    PyObject *key_o, *slot_o;
+    int slot;
+    int64_t key;
+    if (!PyArg_ParseTuple(args, "OO:last_access", &key_o, &slot_o) || get_slot(slot_o, &slot) < 0) return NULL;
+    if (key_of(key_o, &key) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    int32_t b = find_block(c, key);
+    int32_t e = b == NIL ? NIL : find_entry(c, b, slot);
+    if (e == NIL) Py_RETURN_NONE;
+    return PyFloat_FromDouble(c->entries[e].time);
+}
+
+static PyObject *Core_count(Core *c, PyObject *slot_o) {
+    int slot;
+    if (get_slot(slot_o, &slot) < 0) return NULL;
+    return PyLong_FromSsize_t(c->workers[slot].count);
+}
+
+/* export(since) -> {(block, worker name): time}, entries newer than since (None: all) */
+static PyObject *Core_export(Core *c, PyObject *since_o) {
+    double since = -INFINITY;
+    if (since_o != Py_None) {
+        since = PyFloat_AsDouble(since_o);
+        if (since == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    PyObject *out = PyDict_New();
+    if (out == NULL) return NULL;
+    for (int s = 0; s < MAX_SLOTS; s++) {
+        PyObject *name = PyList_GET_ITEM(c->names, s);
+        for (int32_t e = c->workers[s].head; e != NIL; e = c->entries[e].next) { /* bounded: its list */
+            Entry *x = &c->entries[e];
+            if (!(x->time > since)) continue;
+            PyObject *k = Py_BuildValue("(LO)", (long long)c->blocks[x->blk].key, name);
+            PyObject *t = k == NULL ? NULL : PyFloat_FromDouble(x->time);
+            if (t == NULL || PyDict_SetItem(out, k, t) < 0) {
+                Py_XDECREF(k);
+                Py_XDECREF(t);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(k);
+            Py_DECREF(t);
+        }
+    }
+    return out;
+}
+
+static PyObject *Core_set_name(Core *c, PyObject *args) {
+    PyObject *slot_o, *name;
+    int slot;
+    if (!PyArg_ParseTuple(args, "OO:set_name", &slot_o, &name) || get_slot(slot_o, &slot) < 0) return NULL;
+    Py_INCREF(name);
+    if (PyList_SetItem(c->names, slot, name) < 0) return NULL; /* steals the reference */
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_live(Core *c, PyObject *Py_UNUSED(ignored)) { return PyLong_FromSsize_t(c->live); }
+
+static PyObject *Core_nbytes(Core *c, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromSsize_t(c->tsize * (Py_ssize_t)sizeof(Slot) + c->bcap * (Py_ssize_t)sizeof(Block) +
+                              c->ecap * (Py_ssize_t)sizeof(Entry));
+}
+
+static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
+    Py_ssize_t cap;
+    static char *kwlist[] = {"capacity", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n:Core", kwlist, &cap)) return -1;
+    if (c->names != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Core is initialised once");
+        return -1;
+    }
+    c->names = PyList_New(MAX_SLOTS);
+    if (c->names == NULL) return -1;
+    for (int s = 0; s < MAX_SLOTS; s++) {
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(c->names, s, Py_None);
+        c->workers[s].head = c->workers[s].tail = NIL;
+        c->workers[s].count = 0;
+        c->workers[s].cap = cap < 1 ? 1 : cap;
+    }
+    c->bfree = c->efree = NIL;
+    return table_alloc(c, 1024);
+}
+
+static void Core_dealloc(Core *c) {
+    PyMem_Free(c->table);
+    PyMem_Free(c->blocks);
+    PyMem_Free(c->entries);
+    Py_XDECREF(c->names);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static PyMethodDef Core_methods[] = {
+    {"match", (PyCFunction)Core_match, METH_O, "match(hs) -> {worker: leading blocks held}"},
+    {"insert", (PyCFunction)Core_insert, METH_VARARGS, "insert(hs, slot, now) -> blocks evicted"},
+    {"merge", (PyCFunction)Core_merge, METH_VARARGS, "merge(slot, hs, times) -> entries added"},
+    {"remove", (PyCFunction)Core_remove, METH_VARARGS, "remove(hs, slot) -> entries removed"},
+    {"clear", (PyCFunction)Core_clear, METH_O, "clear(slot) -> entries removed"},
+    {"set_capacity", (PyCFunction)Core_set_capacity, METH_VARARGS, "set_capacity(slot, blocks) -> evicted"},
+    {"expire", (PyCFunction)Core_expire, METH_VARARGS, "expire(slot, cutoff, budget) -> dropped"},
+    {"holders", (PyCFunction)Core_holders, METH_O, "holders(block) -> mask of slots"},
+    {"last_access", (PyCFunction)Core_last_access, METH_VARARGS, "last_access(block, slot) -> time or None"},
+    {"count", (PyCFunction)Core_count, METH_O, "count(slot) -> blocks held"},
+    {"export", (PyCFunction)Core_export, METH_O, "export(since or None) -> {(block, worker): time}"},
+    {"set_name", (PyCFunction)Core_set_name, METH_VARARGS, "set_name(slot, name or None)"},
+    {"live", (PyCFunction)Core_live, METH_NOARGS, "live() -> blocks held by anyone"},
+    {"nbytes", (PyCFunction)Core_nbytes, METH_NOARGS, "nbytes() -> bytes of the arrays"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shepherd.policies._prefixcore.Core",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Block name -> holders with a last access per (block, worker), exact LRU per worker.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Core_init,
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_methods = Core_methods,
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_prefixcore", "The prefix index's state in C (see prefix_index.NativePrefixIndex).",
+    -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__prefixcore(void) {
+    if (PyType_Ready(&CoreType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == NULL) return NULL;
+    Py_INCREF(&CoreType);
+    if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

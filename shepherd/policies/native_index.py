@@ -1,0 +1,143 @@
+"""``NativePrefixIndex``: the prefix index with its state in C (``_prefixcore.c``), what ``cache_aware``
+routes with on a node where the extension is built (``NATIVE_INDEX``).
+
+Same API, replicated state and invariants as ``PrefixIndex`` (the pure-Python reference: the property
+tests run every layout through the same checks and hold this one to the flat layout's state, entry for
+entry). What differs is the cost: a match is a binary search over the chain in C, an insert touches
+each block of the prompt in C (one probe in an open-addressing table, an LRU move); a 1,300-token
+follow-up costs a few µs instead of the Python layouts' 15-30 (``bench/prefix_index_bench.py``), and a
+live block about 100 bytes.
+
+Eviction is exact LRU per worker (one list per worker, most recent first; the blocks of one insert are
+ordered so the deeper ones go first on equal times, so what a worker keeps of a chain stays a prefix).
+Entries that arrive by ``merge`` keep their own times and are placed by them, exactly among the 64 most
+recent entries, at the tail when older than all, approximately in between.
+
+Limits: block names are 64-bit (every name ``block_hashes`` makes is); a name outside that range is never
+held (``remove_blocks``, ``holders`` and ``merge`` skip it, ``insert_blocks`` raises ``OverflowError``).
+At most 64 workers per index (per model) at once: the inserts of a worker beyond that are dropped (it
+matches nothing until a slot is freed by ``clear_worker``), counted in ``dropped_inserts``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+
+from shepherd.policies.prefix_index import Entries, PrefixIndex, PrefixIndexConfig
+
+try:
+    from shepherd.policies._prefixcore import MAX_SLOTS, Core
+except ImportError:  # pragma: no cover - an install without a C compiler
+    NATIVE_INDEX = False
+else:
+    NATIVE_INDEX = True
+
+log = logging.getLogger(__name__)
+_I64 = 1 << 63
+
+
+class NativePrefixIndex(PrefixIndex):
+    """``PrefixIndex`` with the state held by ``_prefixcore.Core`` (see the module docstring)."""
+
+    def __init__(self, config: PrefixIndexConfig | None = None) -> None:
+        super().__init__(config)
+        self._core = Core(self.config.capacity_blocks)
+        self._slot: dict[str, int] = {}
+        self._free = list(range(MAX_SLOTS - 1, -1, -1))  # popped lowest first
+        self.dropped_inserts = 0
+
+    # -- queries ------------------------------------------------------------------------------------
+
+    def match_blocks(self, hs: Sequence[int]) -> dict[str, int]:
+        return self._core.match(hs)
+
+    def holders(self, block: int) -> list[str]:
+        mask = self._core.holders(block)
+        return [w for w, s in self._slot.items() if mask >> s & 1] if mask else []
+
+    def last_access(self, block: int, worker: str) -> float | None:
+        s = self._slot.get(worker)
+        return None if s is None else self._core.last_access(block, s)
+
+    def worker_blocks(self, worker: str) -> int:
+        s = self._slot.get(worker)
+        return 0 if s is None else self._core.count(s)
+
+    @property
+    def live_blocks(self) -> int:
+        return self._core.live()
+
+    @property
+    def workers(self) -> list[str]:
+        return sorted(self._slot, key=self._slot.__getitem__)
+
+    # -- updates ------------------------------------------------------------------------------------
+
+    def insert_blocks(self, hs: Sequence[int], worker: str, now: float) -> None:
+        s = self._slot.get(worker)
+        if s is None:
+            s = self._add_slot(worker)
+            if s is None:
+                return
+        self._core.insert(hs, s, now)
+
+    def remove_blocks(self, hs: Iterable[int], worker: str) -> None:
+        s = self._slot.get(worker)
+        if s is not None:
+            self._core.remove([h for h in hs if -_I64 <= h < _I64], s)
+
+    def clear_worker(self, worker: str) -> None:
+        s = self._slot.pop(worker, None)
+        if s is None:
+            return
+        self._core.clear(s)
+        self._core.set_name(s, None)
+        self._free.append(s)
+        self._free.sort(reverse=True)
+
+    def set_capacity(self, worker: str, blocks: int) -> None:
+        cap = self._capacity[worker] = max(1, blocks)
+        s = self._slot.get(worker)
+        if s is not None:
+            self._core.set_capacity(s, cap)
+
+    def expire(self, now: float, budget: int = 4096) -> int:
+        cutoff = now - self.config.max_age_s
+        return sum(self._core.expire(s, cutoff, budget) for s in list(self._slot.values()))
+
+    # -- replication --------------------------------------------------------------------------------
+
+    def export(self, since: float | None = None) -> Entries:
+        return self._core.export(since)
+
+    def merge(self, entries: Mapping[tuple[int, str], float]) -> None:
+        groups: dict[str, tuple[list[int], list[float]]] = {}
+        for (h, w), t in entries.items():
+            if -_I64 <= h < _I64:
+                g = groups.get(w)
+                if g is None:
+                    g = groups[w] = ([], [])
+                g[0].append(h)
+                g[1].append(t)
+        for w, (hs, ts) in groups.items():
+            s = self._slot.get(w)
+            if s is None:
+                s = self._add_slot(w)
+                if s is None:
+                    continue
+            self._core.merge(s, hs, ts)
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    def _add_slot(self, worker: str) -> int | None:
+        if not self._free:
+            self.dropped_inserts += 1
+            if self.dropped_inserts == 1:
+                log.warning("prefix index: more than %d workers; %s is not indexed", MAX_SLOTS, worker)
+            return None
+        s = self._free.pop()
+        self._slot[worker] = s
+        self._core.set_name(s, worker)
+        self._core.set_capacity(s, self.capacity(worker))
+        return s

@@ -1,0 +1,169 @@
+"""The compiled parts of the prefix index: built where CI runs, equal to their Python references at
+scale (table growth, deletions that shift probe chains), and their edges (64-bit names, 64 workers)."""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import ClassVar
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shepherd.policies.block_names import CHAIN_SEED, NATIVE_NAMES, block_hashes, py_block_hashes
+from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
+from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig
+
+needs_core = pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built")
+
+
+def test_the_compiled_parts_are_built_in_ci() -> None:
+    # an install without a compiler falls back to the Python layouts; CI must not do so silently
+    if os.environ.get("CI"):
+        assert NATIVE_NAMES and NATIVE_INDEX
+
+
+ints = st.one_of(
+    st.integers(0, 200_000),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([-1, -2, 0, 2**30 - 1, 2**30, -(2**30), 2**61 - 1, 2**61, 2**63, -(2**63), True, False]),
+)
+
+
+@pytest.mark.skipif(not NATIVE_NAMES, reason="_chainhash not built")
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(ints, max_size=90),
+    st.one_of(st.just(CHAIN_SEED), st.integers(-(2**80), 2**80)),
+    st.integers(0, 40),
+)
+def test_c_block_names_equal_the_python_reference(ids: list[int], seed: int, start: int) -> None:
+    assert block_hashes(ids, seed, start) == py_block_hashes(ids, seed, start)
+    assert block_hashes(tuple(ids)) == py_block_hashes(ids)
+
+
+@pytest.mark.skipif(not NATIVE_NAMES, reason="_chainhash not built")
+def test_c_block_names_refuse_what_python_refuses() -> None:
+    with pytest.raises(TypeError):
+        block_hashes([[1]] * 16)  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        block_hashes(5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        block_hashes([1] * 32, CHAIN_SEED, -1)
+
+
+class Mutating(int):
+    """An id whose hash changes the list being named (the C code must not read freed items)."""
+
+    victim: ClassVar[list[int]] = []
+
+    def __hash__(self) -> int:
+        Mutating.victim.clear()
+        return 7
+
+
+@pytest.mark.skipif(not NATIVE_NAMES, reason="_chainhash not built")
+def test_c_block_names_survive_a_list_changed_while_hashing() -> None:
+    ids: list[int] = [Mutating(1), *range(31)]
+    Mutating.victim = []
+    expect = py_block_hashes(tuple(ids))  # what the C version names: the ids as they were
+    Mutating.victim = ids
+    assert block_hashes(ids) == expect
+    assert ids == []
+
+
+@needs_core
+def test_native_equals_flat_at_scale_through_growth_and_deletions() -> None:
+    """Thousands of blocks (the table grows several times), removals and clears (backward-shift
+    deletion moves probe chains), no capacity pressure: the state is the flat layout's, entry for entry."""
+    rng = random.Random(5)
+    flat, native = PrefixIndex(), NativePrefixIndex()
+    workers = [f"w{i}" for i in range(5)]
+    systems = [rng.choices(range(50_000), k=64) for _ in range(3)]
+    names: list[int] = []
+    for step in range(400):  # bounded
+        w = rng.choice(workers)
+        now = float(step)
+        if step % 37 == 36:
+            for ix in (flat, native):
+                ix.clear_worker(w)
+            continue
+        if step % 5 == 4 and names:
+            gone = rng.sample(names, min(len(names), 40))
+            for ix in (flat, native):
+                ix.remove_blocks(gone, w)
+            continue
+        ids = rng.choice(systems) + rng.choices(range(50_000), k=rng.randrange(16, 800))
+        names += block_hashes(ids)
+        for ix in (flat, native):
+            ix.insert(ids, w, now)
+        if step % 50 == 0:
+            assert native.export() == flat.export()
+    assert native.export() == flat.export()
+    assert native.live_blocks == flat.live_blocks > 2000
+    for w in workers:
+        assert native.worker_blocks(w) == flat.worker_blocks(w)
+    for b in names[::7]:
+        assert sorted(native.holders(b)) == sorted(flat.holders(b))
+        for w in workers:
+            assert native.last_access(b, w) == flat.last_access(b, w)
+
+
+@needs_core
+def test_exact_lru_takes_the_least_recent_chain_and_its_deepest_blocks_first() -> None:
+    ix = NativePrefixIndex(PrefixIndexConfig(capacity_blocks=6))
+    a, b = list(range(64)), list(range(1000, 1064))
+    ix.insert(a, "w", 1.0)
+    ix.insert(b[:32], "w", 2.0)
+    ix.insert(a[:16], "w", 3.0)  # a's first block is now the most recent
+    ix.insert(b, "w", 4.0)  # 4 + 4 = 8 > 6: a's two deepest blocks go
+    assert ix.match(a) == {"w": 32}
+    assert ix.match(b) == {"w": 64}
+
+
+@needs_core
+def test_names_outside_64_bits_are_never_held() -> None:
+    ix = NativePrefixIndex()
+    ix.insert(list(range(32)), "w", 1.0)
+    with pytest.raises(OverflowError):
+        ix.insert_blocks([2**64], "w", 2.0)
+    ix.remove_blocks([2**64, -(2**70)], "w")
+    ix.merge({(2**64, "w"): 3.0})
+    assert ix.holders(2**64) == []
+    assert ix.last_access(2**64, "w") is None
+    assert ix.worker_blocks("w") == 2
+    assert ix.match_blocks([2**64]) == {} or pytest.fail("a name outside 64 bits matched")
+
+
+@needs_core
+def test_more_than_64_workers_drops_the_extra_ones_until_a_slot_frees() -> None:
+    ix = NativePrefixIndex()
+    p = list(range(32))
+    for i in range(65):
+        ix.insert(p, f"w{i}", float(i))
+    assert ix.dropped_inserts == 1
+    assert len(ix.match(p)) == 64 and "w64" not in ix.match(p)
+    ix.clear_worker("w3")
+    ix.insert(p, "w64", 100.0)
+    assert ix.match(p)["w64"] == 32 and "w3" not in ix.match(p)
+    assert ix.workers[3] == "w64"  # the freed slot is reused
+
+
+@needs_core
+def test_expire_from_the_lru_tail_and_merge_places_old_entries_behind() -> None:
+    ix = NativePrefixIndex(PrefixIndexConfig(capacity_blocks=4, max_age_s=10.0))
+    ix.insert(list(range(32)), "w", 20.0)
+    old = block_hashes(list(range(500, 532)))
+    ix.merge({(old[0], "w"): 1.0, (old[1], "w"): 1.0})  # older than all: the tail
+    ix.insert(list(range(900, 916)), "w", 21.0)  # 5 > 4: the oldest merged block goes
+    assert ix.worker_blocks("w") == 4
+    assert ix.last_access(old[1], "w") is None and ix.last_access(old[0], "w") == 1.0
+    assert ix.expire(now=25.0) == 1
+    assert ix.export() == {
+        (h, "w"): t
+        for h, t in [
+            *((b, 20.0) for b in block_hashes(list(range(32)))),
+            (block_hashes(list(range(900, 916)))[0], 21.0),
+        ]
+    }
