@@ -22,6 +22,16 @@
 #define XXROTATE(x) (((x) << 31) | ((x) >> 33))
 #define BLOCK 16
 
+/* a list or tuple (subclasses too: PromptIds is a list) as it is, anything else as a new list; PySequence_Fast
+ * copies list subclasses */
+static inline PyObject *as_fast(PyObject *o, const char *msg) {
+    if (PyList_Check(o) || PyTuple_Check(o)) {
+        Py_INCREF(o);
+        return o;
+    }
+    return PySequence_Fast(o, msg);
+}
+
 /* hash(int(v)) for a 64-bit value: |v| mod (2**61 - 1), the sign kept, -1 taken as -2 */
 static inline Py_hash_t int_hash(Py_hash_t v) {
     const Py_uhash_t modulus = ((Py_uhash_t)1 << 61) - 1;
@@ -31,7 +41,9 @@ static inline Py_hash_t int_hash(Py_hash_t v) {
     return x == -1 ? -2 : x;
 }
 
-/* hash(o) for an id: small exact ints (every token id) inline, anything else through its type */
+/* hash(o) for an id: small exact ints (every token id) inline; PY_HASH_SLOW (not a hash any int has: -1)
+ * for anything else, hashed by the caller through its type */
+#define PY_HASH_SLOW ((Py_hash_t)-1)
 static inline Py_hash_t item_hash(PyObject *o) {
 #if PY_VERSION_HEX >= 0x030C0000
     if (PyLong_CheckExact(o) && PyUnstable_Long_IsCompact((PyLongObject *)o)) {
@@ -44,7 +56,7 @@ static inline Py_hash_t item_hash(PyObject *o) {
         return v == -1 ? -2 : v;
     }
 #endif
-    return PyObject_Hash(o);
+    return PY_HASH_SLOW;
 }
 
 static inline Py_hash_t finish(Py_uhash_t acc, Py_uhash_t len) {
@@ -71,20 +83,8 @@ static PyObject *block_hashes(PyObject *module, PyObject *args, PyObject *kwargs
         PyErr_SetString(PyExc_ValueError, "start must be >= 0");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(ids, "ids must be a sequence"); /* a list or tuple: no copy */
+    PyObject *seq = as_fast(ids, "ids must be a sequence");
     if (seq == NULL) return NULL;
-    if (PyList_Check(seq)) {
-        /* hashing an object of another type may run Python code that changes the list: take a copy */
-        Py_ssize_t m = PyList_GET_SIZE(seq);
-        PyObject **it = PySequence_Fast_ITEMS(seq);
-        for (Py_ssize_t i = 0; i < m; i++) {
-            if (!PyLong_CheckExact(it[i]) && !PyBool_Check(it[i])) {
-                Py_SETREF(seq, PyList_AsTuple(seq));
-                if (seq == NULL) return NULL;
-                break;
-            }
-        }
-    }
     Py_hash_t h;
     if (seed == NULL) {
         h = (Py_hash_t)0x5EED0FB10C5LL; /* CHAIN_SEED: hash(int) of a small int is itself */
@@ -102,11 +102,32 @@ static PyObject *block_hashes(PyObject *module, PyObject *args, PyObject *kwargs
         Py_DECREF(seq);
         return NULL;
     }
+    Py_hash_t h0 = h;
+restart:
+    h = h0;
     PyObject **item = PySequence_Fast_ITEMS(seq) + start;
     for (Py_ssize_t b = 0; b < blocks; b++, item += BLOCK) {
         Py_uhash_t acc = XXPRIME_5;
         for (int i = 0; i < BLOCK; i++) {
             Py_hash_t e = item_hash(item[i]);
+            if (e == PY_HASH_SLOW) {
+                if (PyList_Check(seq)) {
+                    /* hashing an object of another type may run Python code that changes the list: name
+                     * a copy (a tuple holds its items), from the start */
+                    for (Py_ssize_t j = 0; j < b; j++) { /* the names made so far are made again */
+                        PyObject *x = PyList_GET_ITEM(out, j);
+                        PyList_SET_ITEM(out, j, NULL);
+                        Py_DECREF(x);
+                    }
+                    Py_SETREF(seq, PyList_AsTuple(seq));
+                    if (seq == NULL) {
+                        Py_DECREF(out);
+                        return NULL;
+                    }
+                    goto restart;
+                }
+                e = PyObject_Hash(item[i]);
+            }
             if (e == -1 && PyErr_Occurred()) goto fail;
             acc = lane(acc, (Py_uhash_t)e);
         }

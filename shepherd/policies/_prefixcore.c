@@ -71,6 +71,16 @@ static inline uint64_t mix(int64_t key) { /* splitmix64's finalizer: names are h
     return z ^ (z >> 31);
 }
 
+/* a list or tuple (subclasses too: PromptIds is a list) as it is, anything else as a new list; PySequence_Fast
+ * copies list subclasses */
+static inline PyObject *as_fast(PyObject *o, const char *msg) {
+    if (PyList_Check(o) || PyTuple_Check(o)) {
+        Py_INCREF(o);
+        return o;
+    }
+    return PySequence_Fast(o, msg);
+}
+
 static int table_alloc(Core *c, Py_ssize_t size) {
     Slot *t = PyMem_Malloc((size_t)size * sizeof(Slot));
     if (t == NULL) {
@@ -283,16 +293,36 @@ static void prefetch_chain(const Core *c, const int64_t *keys, Py_ssize_t n, int
         if (b == NIL) continue;
         int32_t e = c->blocks[b].head;
         if (e != NIL) __builtin_prefetch(&c->entries[e], 1);
-        (void)slot;
+    }
+    for (i = 0; i < n; i++) { /* the worker's entries' LRU neighbours: the moves to the head write them */
+        int32_t b = find_block(c, keys[i]);
+        if (b == NIL) continue;
+        int32_t e = find_entry(c, b, slot);
+        if (e == NIL) continue;
+        if (c->entries[e].prev != NIL) __builtin_prefetch(&c->entries[c->entries[e].prev], 1);
+        if (c->entries[e].next != NIL) __builtin_prefetch(&c->entries[c->entries[e].next], 1);
     }
 }
+
+#define EVICT_BATCH 64
 
 static Py_ssize_t evict(Core *c, int slot) {
     Worker *w = &c->workers[slot];
     Py_ssize_t n = 0;
-    while (w->count > w->cap && w->tail != NIL) { /* bounded: one entry per turn */
-        drop_entry(c, w->tail);
-        n++;
+    int32_t victims[EVICT_BATCH];
+    while (w->count > w->cap && w->tail != NIL) { /* bounded: each turn drops at least one entry */
+        /* the next victims from the tail, then their blocks' and table slots' loads issued together
+         * (cold memory: the least recently used), then dropped in order */
+        int k = 0;
+        Py_ssize_t need = w->count - w->cap;
+        for (int32_t e = w->tail; e != NIL && k < EVICT_BATCH && k < need; e = c->entries[e].prev) {
+            victims[k++] = e;
+            __builtin_prefetch(&c->blocks[c->entries[e].blk], 1);
+        }
+        uint64_t m = (uint64_t)c->tsize - 1;
+        for (int j = 0; j < k; j++) __builtin_prefetch(&c->table[mix(c->blocks[c->entries[victims[j]].blk].key) & m], 1);
+        for (int j = 0; j < k; j++) drop_entry(c, victims[j]);
+        n += k;
     }
     return n;
 }
@@ -319,7 +349,7 @@ static inline int key_of(PyObject *o, int64_t *key) {
 
 /* the names of ``hs`` (a sequence of ints) as int64s in a PyMem buffer the caller frees */
 static int64_t *keys_of(PyObject *hs, Py_ssize_t *n) {
-    PyObject *seq = PySequence_Fast(hs, "block names must be a sequence");
+    PyObject *seq = as_fast(hs, "block names must be a sequence");
     if (seq == NULL) return NULL;
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     int64_t *keys = PyMem_Malloc((size_t)(m ? m : 1) * sizeof(int64_t));
@@ -376,7 +406,7 @@ static int put_counts(Core *c, PyObject *out, uint64_t ws, Py_ssize_t n) {
 
 /* match(hs) -> {worker: leading blocks of hs it holds}: a shared binary search over the chain */
 static PyObject *Core_match(Core *c, PyObject *hs) {
-    PyObject *seq = PySequence_Fast(hs, "block names must be a sequence");
+    PyObject *seq = as_fast(hs, "block names must be a sequence");
     if (seq == NULL) return NULL;
     PyObject *out = PyDict_New();
     if (out == NULL) goto fail;
@@ -468,7 +498,7 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
     Py_ssize_t n;
     int64_t *keys = keys_of(hs, &n);
     if (keys == NULL) return NULL;
-    PyObject *ts = PySequence_Fast(times, "times must be a sequence");
+    PyObject *ts = as_fast(times, "times must be a sequence");
     if (ts == NULL || PySequence_Fast_GET_SIZE(ts) != n) {
         if (ts != NULL) {
             Py_DECREF(ts);

@@ -97,7 +97,9 @@ class PrefixIndex:
         self._slots: list[str | None] = []
         self._names_of: dict[int, tuple[str, ...]] = {}  # mask -> its workers (cache)
         self._capacity: dict[str, int] = {}
-        self.namer = BlockNamer(block_hashes, CHAIN_SEED)
+        # the piece memo pays only over the Python names: in C, naming every id costs less than its lookups
+        # (bench/prefix_index_bench.py, "all" against "pieces")
+        self.namer = None if NATIVE_NAMES else BlockNamer(block_hashes, CHAIN_SEED)
         # one-slot cache: match(ids) then insert(ids, ...) hash the prompt once
         self._last_ids: Sequence[int] | None = None
         self._last_len = -1
@@ -113,10 +115,11 @@ class PrefixIndex:
     def hashes(self, ids: Sequence[int]) -> list[int]:
         """``block_hashes(ids)``, cached for the last ``ids`` object seen (same object, same length:
         ids are taken as immutable, as the tokenizer layer hands them over); ids that carry the pieces
-        they were built from (``block_names.PromptIds``) are named through the piece memo."""
+        they were built from (``block_names.PromptIds``) are named through the piece memo when the names
+        are computed in Python."""
         if ids is self._last_ids and len(ids) == self._last_len:
             return self._last_hashes
-        hs = self.namer.names(ids)
+        hs = block_hashes(ids) if self.namer is None else self.namer.names(ids)
         self._last_ids, self._last_len, self._last_hashes = ids, len(ids), hs
         return hs
 
