@@ -222,7 +222,7 @@ def main() -> None:
         sum_us = min(sum_us, _chunked_us(_sum, plain(followups(random.Random(rnd)))))
     print(
         f"naming the blocks of a {a.prompt:,}-token prompt ({a.prompt // 16} chained hashes, fresh ids): "
-        f"{hash_us:.1f} µs CPU ({'C' if NATIVE_NAMES else 'Python: _chainhash not built'}; the Python "
+        f"{hash_us:.1f} µs CPU ({'C' if NATIVE_NAMES else 'Python: _prefixcore not built'}; the Python "
         f"reference {py_us:.1f}); sum() over the same prompts: {sum_us:.1f} µs"
     )
     live = indexes["flat"].live_blocks

@@ -1,6 +1,7 @@
-/* The prefix index's state in C: block name -> holders, one last-access time per (block, worker), exact
- * LRU per worker. ``prefix_index.NativePrefixIndex`` wraps it (names, slots, config); the pure-Python
- * ``PrefixIndex`` is the reference the property tests hold it to.
+/* The prefix index in C: chained block names (``block_hashes``: the values of the pure-Python reference
+ * ``block_names.py_block_hashes``) and the index's state (``Core``: block name -> holders, one last access
+ * per (block, worker), exact LRU per worker), wrapped by ``native_index.NativePrefixIndex`` (names, slots,
+ * config). The pure-Python ``PrefixIndex`` is the reference the property tests hold it to.
  *
  * Layout (arrays of plain structs, allocated with PyMem_* so tracemalloc counts them):
  * - ``table``: open addressing (linear probing, backward-shift deletion, load <= 1/2) of block name
@@ -13,7 +14,8 @@
  * worker's LRU list: the ancestors end up nearer the head, so eviction (from the tail) takes deeper
  * blocks first and what a worker keeps of a chain stays a prefix (the binary search in ``match``
  * relies on it). Merged entries keep their own times and are placed by them (a bounded walk: merges of
- * old entries are approximately LRU-placed).
+ * old entries are approximately LRU-placed). ``match_ids`` names a prompt and matches it without making
+ * the names Python ints; ``insert_named`` then inserts that chain (what a routing decision does).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -61,6 +63,8 @@ typedef struct {
     Py_ssize_t ecap, etop;
     int32_t efree;
     Worker workers[MAX_SLOTS];
+    int64_t *named; /* the chain the last match_ids named (for insert_named) */
+    Py_ssize_t nnamed, named_cap;
     PyObject *names; /* list of MAX_SLOTS: the worker name of each slot, or None */
 } Core;
 
@@ -79,6 +83,148 @@ static inline PyObject *as_fast(PyObject *o, const char *msg) {
         return o;
     }
     return PySequence_Fast(o, msg);
+}
+
+/* == naming: chained 16-token block names ============================================================
+ * The same values as the pure-Python reference ``block_names.py_block_hashes``
+ * (``h_i = hash((h_{i-1}, tuple(block_i)))``, CPython's own tuple and int hashes); the property tests compare
+ * the two on lists of any ints (negative, huge, bools) and any seed. The Python version costs ~0.3 us a
+ * block (a 16-tuple, a pair tuple, two tuple hashes and a list append per block); here the tuples are never
+ * built: the 16 element hashes are folded as CPython's ``tuplehash`` folds them (xxHash-style lanes,
+ * Objects/tupleobject.c, unchanged from 3.8 to 3.13), and the previous name's own hash is CPython's int hash
+ * (reduction modulo 2**61 - 1, Python/pyhash.h). About the cost of ``sum(ids)``: reading the ids. */
+
+#if SIZEOF_PY_UHASH_T != 8
+#error "block names are defined for 64-bit CPython"
+#endif
+
+#define XXPRIME_1 ((Py_uhash_t)11400714785074694791ULL)
+#define XXPRIME_2 ((Py_uhash_t)14029467366897019727ULL)
+#define XXPRIME_5 ((Py_uhash_t)2870177450012600261ULL)
+#define XXROTATE(x) (((x) << 31) | ((x) >> 33))
+#define BLOCK 16
+
+/* hash(int(v)) for a 64-bit value: |v| mod (2**61 - 1), the sign kept, -1 taken as -2 */
+static inline Py_hash_t int_hash(Py_hash_t v) {
+    const Py_uhash_t modulus = ((Py_uhash_t)1 << 61) - 1;
+    Py_uhash_t u = v < 0 ? (Py_uhash_t)0 - (Py_uhash_t)v : (Py_uhash_t)v;
+    Py_hash_t x = (Py_hash_t)(u % modulus);
+    if (v < 0) x = -x;
+    return x == -1 ? -2 : x;
+}
+
+/* hash(o) for an id: small exact ints (every token id) inline; PY_HASH_SLOW (not a hash any int has: -1)
+ * for anything else, hashed by the caller through its type */
+#define PY_HASH_SLOW ((Py_hash_t)-1)
+static inline Py_hash_t item_hash(PyObject *o) {
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyLong_CheckExact(o) && PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+        Py_hash_t v = (Py_hash_t)PyUnstable_Long_CompactValue((PyLongObject *)o); /* |v| < 2**30 */
+        return v == -1 ? -2 : v;
+    }
+#else
+    if (PyLong_CheckExact(o) && (size_t)(Py_SIZE(o) + 1) < 3) { /* at most one 30-bit digit */
+        Py_hash_t v = (Py_hash_t)Py_SIZE(o) * (Py_hash_t)((PyLongObject *)o)->ob_digit[0];
+        return v == -1 ? -2 : v;
+    }
+#endif
+    return PY_HASH_SLOW;
+}
+
+static inline Py_hash_t finish(Py_uhash_t acc, Py_uhash_t len) {
+    acc += len ^ (XXPRIME_5 ^ 3527539UL);
+    return acc == (Py_uhash_t)-1 ? (Py_hash_t)1546275796 : (Py_hash_t)acc;
+}
+
+static inline Py_uhash_t lane(Py_uhash_t acc, Py_uhash_t h) {
+    acc += h * XXPRIME_2;
+    acc = XXROTATE(acc);
+    return acc * XXPRIME_1;
+}
+
+/* the names of the full blocks of ids[start:] into a PyMem buffer (*out, grown as needed, *cap its size);
+ * returns how many, -1 on error (a Python exception set) */
+static Py_ssize_t name_blocks(PyObject *ids, Py_hash_t seed_hash, Py_ssize_t start, int64_t **out, Py_ssize_t *cap) {
+    PyObject *seq = as_fast(ids, "ids must be a sequence");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t blocks = n > start ? (n - start) / BLOCK : 0;
+    if (blocks > *cap) {
+        int64_t *grown = PyMem_Realloc(*out, (size_t)blocks * sizeof(int64_t));
+        if (grown == NULL) {
+            Py_DECREF(seq);
+            PyErr_NoMemory();
+            return -1;
+        }
+        *out = grown;
+        *cap = blocks;
+    }
+    int64_t *names = *out;
+restart:;
+    Py_hash_t h = seed_hash;
+    PyObject **item = PySequence_Fast_ITEMS(seq) + start;
+    for (Py_ssize_t b = 0; b < blocks; b++, item += BLOCK) {
+        Py_uhash_t acc = XXPRIME_5;
+        for (int i = 0; i < BLOCK; i++) {
+            Py_hash_t e = item_hash(item[i]);
+            if (e == PY_HASH_SLOW) {
+                if (PyList_Check(seq)) {
+                    /* hashing an object of another type may run Python code that changes the list: name a
+                     * copy (a tuple holds its items), from the start */
+                    Py_SETREF(seq, PyList_AsTuple(seq));
+                    if (seq == NULL) return -1;
+                    goto restart;
+                }
+                e = PyObject_Hash(item[i]);
+                if (e == -1 && PyErr_Occurred()) {
+                    Py_DECREF(seq);
+                    return -1;
+                }
+            }
+            acc = lane(acc, (Py_uhash_t)e);
+        }
+        Py_hash_t inner = finish(acc, BLOCK);
+        /* hash((h, block)): the previous name is an int object in the Python version; its hash is
+         * int_hash(h), except for the seed, whose hash the caller gave (any int, even > 64 bits) */
+        Py_uhash_t pair = lane(XXPRIME_5, (Py_uhash_t)(b == 0 ? h : int_hash(h)));
+        pair = lane(pair, (Py_uhash_t)inner);
+        h = finish(pair, 2);
+        names[b] = (int64_t)h;
+    }
+    Py_DECREF(seq);
+    return blocks;
+}
+
+#define CHAIN_SEED_HASH ((Py_hash_t)0x5EED0FB10C5LL) /* block_names.CHAIN_SEED: a small int hashes to itself */
+
+/* block_hashes(ids, seed=CHAIN_SEED, start=0) -> list[int] */
+static PyObject *block_hashes(PyObject *module, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"ids", "seed", "start", NULL};
+    PyObject *ids, *seed = NULL;
+    Py_ssize_t start = 0;
+    (void)module;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|On:block_hashes", kwlist, &ids, &seed, &start)) return NULL;
+    if (start < 0) {
+        PyErr_SetString(PyExc_ValueError, "start must be >= 0");
+        return NULL;
+    }
+    Py_hash_t h = CHAIN_SEED_HASH;
+    if (seed != NULL && (h = PyObject_Hash(seed)) == -1 && PyErr_Occurred()) return NULL;
+    int64_t *names = NULL;
+    Py_ssize_t cap = 0;
+    Py_ssize_t n = name_blocks(ids, h, start, &names, &cap);
+    if (n < 0) {
+        PyMem_Free(names);
+        return NULL;
+    }
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t b = 0; out != NULL && b < n; b++) {
+        PyObject *v = PyLong_FromLongLong(names[b]);
+        if (v == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, b, v);
+    }
+    PyMem_Free(names);
+    return out;
 }
 
 static int table_alloc(Core *c, Py_ssize_t size) {
@@ -371,19 +517,45 @@ static int64_t *keys_of(PyObject *hs, Py_ssize_t *n) {
     return keys;
 }
 
+/* the names of ``hs`` as int64s (a PyMem buffer the caller frees), names outside 64 bits flagged in *bad
+ * (allocated only when there is one) rather than refused: a lookup of them finds nothing */
+static int64_t *keys_lenient(PyObject *hs, Py_ssize_t *n, uint8_t **bad) {
+    PyObject *seq = as_fast(hs, "block names must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    int64_t *keys = PyMem_Malloc((size_t)(m ? m : 1) * sizeof(int64_t));
+    *bad = NULL;
+    if (keys == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (key_of(items[i], &keys[i]) == 0) continue;
+        if (PyErr_ExceptionMatches(PyExc_OverflowError) && (*bad != NULL || (*bad = PyMem_Calloc((size_t)m, 1)))) {
+            PyErr_Clear();
+            (*bad)[i] = 1;
+            keys[i] = 0;
+            continue;
+        }
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        PyMem_Free(keys);
+        PyMem_Free(*bad);
+        *bad = NULL;
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_DECREF(seq);
+    *n = m;
+    return keys;
+}
+
 /* -- methods ---------------------------------------------------------------------------------------- */
 
-static inline uint64_t mask_of(const Core *c, PyObject *o, int *err) {
-    int64_t key;
-    if (key_of(o, &key) < 0) {
-        if (PyErr_ExceptionMatches(PyExc_OverflowError)) { /* not a name this index can hold */
-            PyErr_Clear();
-            return 0;
-        }
-        *err = 1;
-        return 0;
-    }
-    int32_t b = find_block(c, key);
+static inline uint64_t mask_at(const Core *c, const int64_t *keys, const uint8_t *bad, Py_ssize_t i) {
+    if (bad != NULL && bad[i]) return 0;
+    int32_t b = find_block(c, keys[i]);
     return b == NIL ? 0 : c->blocks[b].mask;
 }
 
@@ -404,21 +576,13 @@ static int put_counts(Core *c, PyObject *out, uint64_t ws, Py_ssize_t n) {
     return 0;
 }
 
-/* match(hs) -> {worker: leading blocks of hs it holds}: a shared binary search over the chain */
-static PyObject *Core_match(Core *c, PyObject *hs) {
-    PyObject *seq = as_fast(hs, "block names must be a sequence");
-    if (seq == NULL) return NULL;
+/* {worker: leading blocks of the chain keys[:n] it holds}: a shared binary search over the chain */
+static PyObject *match_keys(Core *c, const int64_t *keys, const uint8_t *bad, Py_ssize_t n) {
     PyObject *out = PyDict_New();
-    if (out == NULL) goto fail;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    int err = 0;
-    if (n == 0) goto done;
-    uint64_t first = mask_of(c, items[0], &err);
-    if (err) goto fail;
-    if (!first) goto done;
-    uint64_t full = n > 1 ? (mask_of(c, items[n - 1], &err) & first) : first;
-    if (err) goto fail;
+    if (out == NULL || n == 0) return out;
+    uint64_t first = mask_at(c, keys, bad, 0);
+    if (!first) return out;
+    uint64_t full = n > 1 ? (mask_at(c, keys, bad, n - 1) & first) : first;
     if (full && put_counts(c, out, full, n) < 0) goto fail;
     uint64_t rest = first & ~full;
     /* (lo, hi, ws): each worker in ws holds block lo-1 and exactly b leading blocks, lo <= b <= hi;
@@ -438,8 +602,7 @@ static PyObject *Core_match(Core *c, PyObject *hs) {
         uint64_t ws = st_ws[top];
         while (lo < hi) {
             Py_ssize_t mid = (lo + hi) >> 1;
-            uint64_t right = ws & mask_of(c, items[mid], &err);
-            if (err) goto fail;
+            uint64_t right = ws & mask_at(c, keys, bad, mid);
             if (right) {
                 if (right != ws) {
                     st_lo[top] = lo;
@@ -455,16 +618,49 @@ static PyObject *Core_match(Core *c, PyObject *hs) {
         }
         if (put_counts(c, out, ws, lo) < 0) goto fail;
     }
-done:
-    Py_DECREF(seq);
     return out;
 fail:
-    Py_DECREF(seq);
-    Py_XDECREF(out);
+    Py_DECREF(out);
     return NULL;
 }
 
-/* insert(hs, slot, now) -> blocks evicted: the worker holds every block of hs (its capacity applied) */
+/* match(hs) -> {worker: leading blocks of the chain hs it holds} */
+static PyObject *Core_match(Core *c, PyObject *hs) {
+    Py_ssize_t n;
+    uint8_t *bad;
+    int64_t *keys = keys_lenient(hs, &n, &bad);
+    if (keys == NULL) return NULL;
+    PyObject *out = match_keys(c, keys, bad, n);
+    PyMem_Free(keys);
+    PyMem_Free(bad);
+    return out;
+}
+
+/* match_ids(ids) -> match(block_hashes(ids)), the names kept (not made into ints) for insert_named */
+static PyObject *Core_match_ids(Core *c, PyObject *ids) {
+    c->nnamed = 0;
+    Py_ssize_t n = name_blocks(ids, CHAIN_SEED_HASH, 0, &c->named, &c->named_cap);
+    if (n < 0) return NULL;
+    c->nnamed = n;
+    return match_keys(c, c->named, NULL, n);
+}
+
+/* the worker holds every block of keys[:n] (its capacity applied); returns the blocks evicted */
+static Py_ssize_t insert_keys(Core *c, const int64_t *keys, Py_ssize_t n, int slot, double now) {
+    Worker *w = &c->workers[slot];
+    if (n > w->cap) n = w->cap; /* a prompt longer than the worker's cache: it keeps the leading blocks */
+    prefetch_chain(c, keys, n, slot);
+    for (Py_ssize_t i = n - 1; i >= 0; i--) { /* deepest first: the ancestors end nearer the head */
+        int added;
+        int32_t e = get_or_add(c, keys[i], slot, &added);
+        if (e == NIL) return -1;
+        c->entries[e].time = now;
+        lru_push_head(c, e);
+    }
+    return evict(c, slot);
+}
+
+/* insert(hs, slot, now) -> blocks evicted */
 static PyObject *Core_insert(Core *c, PyObject *args) {
     PyObject *hs, *slot_o;
     double now;
@@ -473,21 +669,19 @@ static PyObject *Core_insert(Core *c, PyObject *args) {
     Py_ssize_t n;
     int64_t *keys = keys_of(hs, &n);
     if (keys == NULL) return NULL;
-    Worker *w = &c->workers[slot];
-    if (n > w->cap) n = w->cap; /* a prompt longer than the worker's cache: it keeps the leading blocks */
-    prefetch_chain(c, keys, n, slot);
-    for (Py_ssize_t i = n - 1; i >= 0; i--) { /* deepest first: the ancestors end nearer the head */
-        int added;
-        int32_t e = get_or_add(c, keys[i], slot, &added);
-        if (e == NIL) {
-            PyMem_Free(keys);
-            return NULL;
-        }
-        c->entries[e].time = now;
-        lru_push_head(c, e);
-    }
+    Py_ssize_t gone = insert_keys(c, keys, n, slot, now);
     PyMem_Free(keys);
-    return PyLong_FromSsize_t(evict(c, slot));
+    return gone < 0 ? NULL : PyLong_FromSsize_t(gone);
+}
+
+/* insert_named(slot, now) -> blocks evicted: insert the chain the last match_ids named */
+static PyObject *Core_insert_named(Core *c, PyObject *args) {
+    PyObject *slot_o;
+    double now;
+    int slot;
+    if (!PyArg_ParseTuple(args, "Od:insert_named", &slot_o, &now) || get_slot(slot_o, &slot) < 0) return NULL;
+    Py_ssize_t gone = insert_keys(c, c->named, c->nnamed, slot, now);
+    return gone < 0 ? NULL : PyLong_FromSsize_t(gone);
 }
 
 /* merge(slot, hs, times) -> entries added: max-merge of (block, worker) -> time for one worker */
@@ -554,9 +748,11 @@ static PyObject *Core_remove(Core *c, PyObject *args) {
     int slot;
     if (!PyArg_ParseTuple(args, "OO:remove", &hs, &slot_o) || get_slot(slot_o, &slot) < 0) return NULL;
     Py_ssize_t n, gone = 0;
-    int64_t *keys = keys_of(hs, &n);
+    uint8_t *bad;
+    int64_t *keys = keys_lenient(hs, &n, &bad);
     if (keys == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (bad != NULL && bad[i]) continue; /* outside 64 bits: never held */
         int32_t b = find_block(c, keys[i]);
         int32_t e = b == NIL ? NIL : find_entry(c, b, slot);
         if (e != NIL) {
@@ -565,6 +761,7 @@ static PyObject *Core_remove(Core *c, PyObject *args) {
         }
     }
     PyMem_Free(keys);
+    PyMem_Free(bad);
     return PyLong_FromSsize_t(gone);
 }
 
@@ -605,10 +802,14 @@ static PyObject *Core_expire(Core *c, PyObject *args) {
 }
 
 static PyObject *Core_holders(Core *c, PyObject *key_o) {
-    int err = 0;
-    uint64_t m = mask_of(c, key_o, &err);
-    if (err) return NULL;
-    return PyLong_FromUnsignedLongLong(m);
+    int64_t key;
+    if (key_of(key_o, &key) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
+        PyErr_Clear(); /* not a name this index can hold */
+        return PyLong_FromLong(0);
+    }
+    int32_t b = find_block(c, key);
+    return PyLong_FromUnsignedLongLong(b == NIL ? 0 : c->blocks[b].mask);
 }
 
 static PyObject *Core_last_access(Core *c, PyObject *args) {
@@ -703,12 +904,15 @@ static void Core_dealloc(Core *c) {
     PyMem_Free(c->table);
     PyMem_Free(c->blocks);
     PyMem_Free(c->entries);
+    PyMem_Free(c->named);
     Py_XDECREF(c->names);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
 static PyMethodDef Core_methods[] = {
     {"match", (PyCFunction)Core_match, METH_O, "match(hs) -> {worker: leading blocks held}"},
+    {"match_ids", (PyCFunction)Core_match_ids, METH_O, "match_ids(ids) -> match(block_hashes(ids)), names kept"},
+    {"insert_named", (PyCFunction)Core_insert_named, METH_VARARGS, "insert_named(slot, now): the last match_ids"},
     {"insert", (PyCFunction)Core_insert, METH_VARARGS, "insert(hs, slot, now) -> blocks evicted"},
     {"merge", (PyCFunction)Core_merge, METH_VARARGS, "merge(slot, hs, times) -> entries added"},
     {"remove", (PyCFunction)Core_remove, METH_VARARGS, "remove(hs, slot) -> entries removed"},
@@ -736,9 +940,17 @@ static PyTypeObject CoreType = {
     .tp_methods = Core_methods,
 };
 
+static PyMethodDef module_methods[] = {
+    {"block_hashes", (PyCFunction)(void (*)(void))block_hashes, METH_VARARGS | METH_KEYWORDS,
+     "block_hashes(ids, seed=CHAIN_SEED, start=0) -> list[int]: chained names of the full 16-token blocks of "
+     "ids[start:] (block_names.py_block_hashes at C speed)."},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_prefixcore", "The prefix index's state in C (see prefix_index.NativePrefixIndex).",
-    -1, NULL,
+    PyModuleDef_HEAD_INIT, "_prefixcore",
+    "The prefix index in C: block naming (block_hashes) and its state (Core, see native_index.NativePrefixIndex).",
+    -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__prefixcore(void) {

@@ -4,7 +4,7 @@ prompt was built from.
 ``block_hashes(ids)`` names every full 16-token block of a prompt by a chained hash,
 ``h_i = hash((h_{i-1}, tuple(block_i)))`` from ``CHAIN_SEED``. ``py_block_hashes`` is the reference: ~0.3 µs
 a block in CPython (a 16-tuple, a pair and two tuple hashes per block), ~25 µs for a 1,300-token prompt.
-``_chainhash.c`` computes the same values (CPython's tuple and int hashes, folded without building the
+``_prefixcore.c`` computes the same values (CPython's tuple and int hashes, folded without building the
 tuples; property-tested equal on any ints and seeds) at about the cost of ``sum(ids)``: reading the ids
 is then most of it. ``block_hashes`` is the C version where setup.py could build it (``NATIVE_NAMES``).
 
@@ -38,7 +38,7 @@ _LIST_ITER: type[object] = type(iter([]))
 def py_block_hashes(ids: Sequence[int], seed: int = CHAIN_SEED, start: int = 0) -> list[int]:
     """Chained hashes of the full 16-token blocks of ``ids[start:]`` (a partial last block is not named):
     ``h_i = hash((h_{i-1}, tuple(block_i)))`` from ``seed``. The reference (and the fallback when the C
-    module ``_chainhash`` is not built): ``block_hashes`` is the C version where there is one.
+    module ``_prefixcore`` is not built): ``block_hashes`` is the C version where there is one.
 
     ``seed`` is the hash of the block before ``ids[start]``: pass a parent's hash to continue its chain.
     A list (or list subclass) is read from ``start`` without a copy.
@@ -57,8 +57,8 @@ def py_block_hashes(ids: Sequence[int], seed: int = CHAIN_SEED, start: int = 0) 
     ]
 
 
-try:  # the same function in C (``_chainhash.c``, built by setup.py where a compiler is): ~sum(ids)'s cost
-    from shepherd.policies._chainhash import block_hashes
+try:  # the same function in C (``_prefixcore.c``, built by setup.py where a compiler is): ~sum(ids)'s cost
+    from shepherd.policies._prefixcore import block_hashes
 except ImportError:  # pragma: no cover - an install without a C compiler
     block_hashes = py_block_hashes
 

@@ -106,9 +106,7 @@ class CacheAware:
             return None
         ix = self.index(req.model)
         ids = req.input_ids
-        hs = ix.hashes(ids)
-        blocks = ix.match_blocks(hs)
-        matched = {w: n * 16 for w, n in blocks.items()}
+        matched = ix.match(ids)  # names the prompt once: the insert of the same ids reuses the names
         d = self.last = choose(workers, matched, len(ids), self.config)
-        ix.insert_blocks(hs, d.worker.id, self.clock())
+        ix.insert(ids, d.worker.id, self.clock())
         return d.worker

@@ -14,7 +14,8 @@ Entries that arrive by ``merge`` keep their own times and are placed by them, ex
 recent entries, at the tail when older than all, approximately in between.
 
 Limits: block names are 64-bit (every name ``block_hashes`` makes is); a name outside that range is never
-held (``remove_blocks``, ``holders`` and ``merge`` skip it, ``insert_blocks`` raises ``OverflowError``).
+held (``match_blocks``, ``remove_blocks``, ``holders`` and ``merge`` skip it, ``insert_blocks`` raises
+``OverflowError``).
 At most 64 workers per index (per model) at once: the inserts of a worker beyond that are dropped (it
 matches nothing until a slot is freed by ``clear_worker``), counted in ``dropped_inserts``.
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 
-from shepherd.policies.prefix_index import Entries, PrefixIndex, PrefixIndexConfig
+from shepherd.policies.prefix_index import BLOCK_TOKENS, Entries, PrefixIndex, PrefixIndexConfig
 
 try:
     from shepherd.policies._prefixcore import MAX_SLOTS, Core
@@ -46,8 +47,18 @@ class NativePrefixIndex(PrefixIndex):
         self._slot: dict[str, int] = {}
         self._free = list(range(MAX_SLOTS - 1, -1, -1))  # popped lowest first
         self.dropped_inserts = 0
+        # the ids the core named last (``match``): an ``insert`` of the same object reuses those names
+        self._named: Sequence[int] | None = None
+        self._named_len = -1
 
     # -- queries ------------------------------------------------------------------------------------
+
+    def match(self, ids: Sequence[int]) -> dict[str, int]:
+        """Per worker, the longest prefix of ``ids`` it holds, in tokens; the names stay in the core (as
+        int64s, never Python ints) for an ``insert`` of the same ids (object and length) that follows."""
+        res = self._core.match_ids(ids)
+        self._named, self._named_len = ids, len(ids)
+        return {w: n * BLOCK_TOKENS for w, n in res.items()}
 
     def match_blocks(self, hs: Sequence[int]) -> dict[str, int]:
         return self._core.match(hs)
@@ -74,6 +85,17 @@ class NativePrefixIndex(PrefixIndex):
 
     # -- updates ------------------------------------------------------------------------------------
 
+    def insert(self, ids: Sequence[int], worker: str, now: float) -> None:
+        if ids is not self._named or len(ids) != self._named_len:
+            self.insert_blocks(self.hashes(ids), worker, now)
+            return
+        s = self._slot.get(worker)
+        if s is None:
+            s = self._add_slot(worker)
+            if s is None:
+                return
+        self._core.insert_named(s, now)
+
     def insert_blocks(self, hs: Sequence[int], worker: str, now: float) -> None:
         s = self._slot.get(worker)
         if s is None:
@@ -85,7 +107,7 @@ class NativePrefixIndex(PrefixIndex):
     def remove_blocks(self, hs: Iterable[int], worker: str) -> None:
         s = self._slot.get(worker)
         if s is not None:
-            self._core.remove([h for h in hs if -_I64 <= h < _I64], s)
+            self._core.remove(hs if isinstance(hs, list | tuple) else list(hs), s)
 
     def clear_worker(self, worker: str) -> None:
         s = self._slot.pop(worker, None)

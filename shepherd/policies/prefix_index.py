@@ -7,7 +7,7 @@ the names are the same on every node that runs 64-bit CPython >= 3.8 (golden val
 tests). Engines name their blocks with hashes of their own: the KV event feed names them again from
 their tokens (``kv_events``), the index never needs an engine's hash function.
 
-Naming (``block_names``): in C (``_chainhash.c``) about the cost of a bare ``sum(ids)`` over the prompt,
+Naming (``block_names``): in C (``_prefixcore.c``) about the cost of a bare ``sum(ids)`` over the prompt,
 the pure-Python reference about 2.5x that; numpy (conversion plus a dozen array calls of ~2 µs each on
 tiny arrays) and per-block C calls over bytes (crc32, blake2b, int.from_bytes) measured slower than
 either. ``hashes`` caches the names of the last ``ids`` object, so a ``match`` then ``insert`` of one

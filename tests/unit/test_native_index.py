@@ -31,7 +31,7 @@ ints = st.one_of(
 )
 
 
-@pytest.mark.skipif(not NATIVE_NAMES, reason="_chainhash not built")
+@pytest.mark.skipif(not NATIVE_NAMES, reason="_prefixcore not built")
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(ints, max_size=90),
@@ -43,7 +43,7 @@ def test_c_block_names_equal_the_python_reference(ids: list[int], seed: int, sta
     assert block_hashes(tuple(ids)) == py_block_hashes(ids)
 
 
-@pytest.mark.skipif(not NATIVE_NAMES, reason="_chainhash not built")
+@pytest.mark.skipif(not NATIVE_NAMES, reason="_prefixcore not built")
 def test_c_block_names_refuse_what_python_refuses() -> None:
     with pytest.raises(TypeError):
         block_hashes([[1]] * 16)  # type: ignore[list-item]
@@ -63,7 +63,7 @@ class Mutating(int):
         return 7
 
 
-@pytest.mark.skipif(not NATIVE_NAMES, reason="_chainhash not built")
+@pytest.mark.skipif(not NATIVE_NAMES, reason="_prefixcore not built")
 def test_c_block_names_survive_a_list_changed_while_hashing() -> None:
     ids: list[int] = [Mutating(1), *range(31)]
     Mutating.victim = []
@@ -167,3 +167,29 @@ def test_expire_from_the_lru_tail_and_merge_places_old_entries_behind() -> None:
             (block_hashes(list(range(900, 916)))[0], 21.0),
         ]
     }
+
+
+@needs_core
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.lists(st.integers(0, 5), max_size=6), st.sampled_from("abc"), st.booleans()), max_size=30
+    )
+)
+def test_a_match_then_an_insert_of_the_same_ids_names_them_once_and_holds_the_same(
+    ops: list[tuple[list[int], str, bool]],
+) -> None:
+    """A routing decision: ``match(ids)`` keeps the names in the core and ``insert(ids)`` of the same
+    object reuses them; the state is what the flat layout holds after the same inserts (also when the
+    ids between them are other ones, or grew: then they are named again)."""
+    flat, native = PrefixIndex(), NativePrefixIndex()
+    pieces = [list(range(i * 100, i * 100 + 16)) for i in range(6)]
+    for now, (shape, w, other) in enumerate(ops):
+        ids = [t for p in shape for t in pieces[p]]
+        assert native.match(ids) == flat.match(ids)
+        if other:  # another prompt matched in between: the insert must not take its names
+            native.match(pieces[0] * 3)
+            ids.extend(pieces[5])
+        native.insert(ids, w, float(now))
+        flat.insert(list(ids), w, float(now))
+        assert native.export() == flat.export()

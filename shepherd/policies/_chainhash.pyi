@@ -1,3 +1,0 @@
-from collections.abc import Sequence
-
-def block_hashes(ids: Sequence[int], seed: int = ..., start: int = ...) -> list[int]: ...
