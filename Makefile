@@ -9,6 +9,9 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml setup.py $(wildcard shepherd/policies/*.c)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@# the prefix index's C modules (setup.py) want a C compiler: Debian's, when missing and we may install it
+	command -v cc >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev >/dev/null; } || true
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
