@@ -55,7 +55,7 @@ RUN set -eux; \
     apt-get update; \
     apt-get install -y --no-install-recommends $build; \
     pip install --no-cache-dir --no-deps --no-build-isolation .; \
-    python3 -c 'from shepherd.policies.native_index import NATIVE_INDEX; assert NATIVE_INDEX'; \
+    (cd / && python3 -c 'from shepherd.policies.native_index import NATIVE_INDEX; assert NATIVE_INDEX'); \
     apt-get purge -y --auto-remove $build; \
     rm -rf /var/lib/apt/lists/* build shepherd.egg-info; \
     smg-node --help >/dev/null; \

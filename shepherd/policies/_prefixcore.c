@@ -85,6 +85,21 @@ static inline PyObject *as_fast(PyObject *o, const char *msg) {
     return PySequence_Fast(o, msg);
 }
 
+/* as_fast, but a list holding anything other than ints (whose conversion may run Python code that changes
+ * the list) as a tuple copy */
+static PyObject *as_stable(PyObject *o, const char *msg, int floats) {
+    PyObject *seq = as_fast(o, msg);
+    if (seq == NULL || !PyList_Check(seq)) return seq;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(seq); i++) {
+        PyObject *x = PyList_GET_ITEM(seq, i);
+        if (!PyLong_Check(x) && !(floats && PyFloat_Check(x))) {
+            Py_SETREF(seq, PyList_AsTuple(seq));
+            break;
+        }
+    }
+    return seq;
+}
+
 /* == naming: chained 16-token block names ============================================================
  * The same values as the pure-Python reference ``block_names.py_block_hashes``
  * (``h_i = hash((h_{i-1}, tuple(block_i)))``, CPython's own tuple and int hashes); the property tests compare
@@ -279,31 +294,40 @@ static void table_delete(Core *c, Py_ssize_t i) { /* backward-shift deletion: no
     }
 }
 
+/* grows an array (items of ``size`` bytes, capacity *cap) to hold ``need`` items, doubling from 1024 */
+static int grow(void **arr, Py_ssize_t *cap, Py_ssize_t need, size_t size, const char *what) {
+    if (need <= *cap) return 0;
+    Py_ssize_t ncap = *cap ? *cap : 1024;
+    while (ncap < need) ncap *= 2; /* bounded: doubles */
+    if (ncap > INT32_MAX) {
+        PyErr_Format(PyExc_MemoryError, "prefix index: too many %s", what);
+        return -1;
+    }
+    void *p = PyMem_Realloc(*arr, (size_t)ncap * size);
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    *arr = p;
+    *cap = ncap;
+    return 0;
+}
+
+/* room for n more blocks and entries (table slots included), so that nothing after it can fail: an
+ * insert or merge either changes nothing (an error here) or completes */
+static int reserve(Core *c, Py_ssize_t n) {
+    Py_ssize_t size = c->tsize;
+    while (2 * (c->live + n + 1) > size) size *= 2; /* bounded: doubles */
+    if (size != c->tsize && table_alloc(c, size) < 0) return -1;
+    if (grow((void **)&c->blocks, &c->bcap, c->btop + n, sizeof(Block), "blocks") < 0) return -1;
+    return grow((void **)&c->entries, &c->ecap, c->etop + n, sizeof(Entry), "entries");
+}
+
+/* a block record for ``key`` at its empty table slot ``slot_at`` (room reserved) */
 static int32_t new_block(Core *c, Py_ssize_t slot_at, int64_t key) {
-    if (2 * (c->live + 1) > c->tsize) {
-        if (table_alloc(c, c->tsize * 2) < 0) return NIL;
-        slot_at = find_slot(c, key);
-    }
     int32_t b = c->bfree;
-    if (b != NIL) {
-        c->bfree = c->blocks[b].head;
-    } else {
-        if (c->btop == c->bcap) {
-            Py_ssize_t ncap = c->bcap ? c->bcap * 2 : 1024;
-            if (ncap > INT32_MAX) {
-                PyErr_SetString(PyExc_MemoryError, "prefix index: too many blocks");
-                return NIL;
-            }
-            Block *nb = PyMem_Realloc(c->blocks, (size_t)ncap * sizeof(Block));
-            if (nb == NULL) {
-                PyErr_NoMemory();
-                return NIL;
-            }
-            c->blocks = nb;
-            c->bcap = ncap;
-        }
-        b = (int32_t)c->btop++;
-    }
+    if (b != NIL) c->bfree = c->blocks[b].head;
+    else b = (int32_t)c->btop++;
     c->blocks[b].key = key;
     c->blocks[b].mask = 0;
     c->blocks[b].head = NIL;
@@ -313,27 +337,11 @@ static int32_t new_block(Core *c, Py_ssize_t slot_at, int64_t key) {
     return b;
 }
 
-static int32_t new_entry(Core *c) {
+static int32_t new_entry(Core *c) { /* room reserved */
     int32_t e = c->efree;
-    if (e != NIL) {
-        c->efree = c->entries[e].bnext;
-        return e;
-    }
-    if (c->etop == c->ecap) {
-        Py_ssize_t ncap = c->ecap ? c->ecap * 2 : 1024;
-        if (ncap > INT32_MAX) {
-            PyErr_SetString(PyExc_MemoryError, "prefix index: too many entries");
-            return NIL;
-        }
-        Entry *ne = PyMem_Realloc(c->entries, (size_t)ncap * sizeof(Entry));
-        if (ne == NULL) {
-            PyErr_NoMemory();
-            return NIL;
-        }
-        c->entries = ne;
-        c->ecap = ncap;
-    }
-    return (int32_t)c->etop++;
+    if (e == NIL) return (int32_t)c->etop++;
+    c->efree = c->entries[e].bnext;
+    return e;
 }
 
 static inline int32_t find_entry(const Core *c, int32_t b, int slot) {
@@ -394,14 +402,13 @@ static void drop_entry(Core *c, int32_t e) {
     }
 }
 
-/* the entry of (key, slot), made (unlinked from the LRU list, time unset) when absent; NIL on error */
+/* the entry of (key, slot), made when absent (room reserved), unlinked from the LRU list, time unset */
 static int32_t get_or_add(Core *c, int64_t key, int slot, int *added) {
     Py_ssize_t at = find_slot(c, key);
     int32_t b = c->table[at].blk;
     *added = 0;
     if (b == NIL) {
         b = new_block(c, at, key);
-        if (b == NIL) return NIL;
     } else {
         int32_t e = find_entry(c, b, slot);
         if (e != NIL) {
@@ -410,7 +417,6 @@ static int32_t get_or_add(Core *c, int64_t key, int slot, int *added) {
         }
     }
     int32_t e = new_entry(c);
-    if (e == NIL) return NIL;
     Entry *x = &c->entries[e];
     x->blk = b;
     x->slot = slot;
@@ -423,8 +429,8 @@ static int32_t get_or_add(Core *c, int64_t key, int slot, int *added) {
 }
 
 /* The blocks of a chain sit at random places in the table, so touching them one after the other waits
- * for one cache miss after another (table slot, block record, entry: ~80 prompts' worth of serial
- * misses, most of an insert's time). Three passes issue each level's loads for every block at once, so
+ * for one cache miss after another (table slot, block record, entry: a prompt's ~80 blocks' worth of serial
+ * misses, most of an insert's time). Four passes issue each level's loads for every block at once, so
  * the misses overlap; the insert loop then finds them in cache. Only hints: nothing is changed. */
 static void prefetch_chain(const Core *c, const int64_t *keys, Py_ssize_t n, int slot) {
     uint64_t m = (uint64_t)c->tsize - 1;
@@ -495,7 +501,7 @@ static inline int key_of(PyObject *o, int64_t *key) {
 
 /* the names of ``hs`` (a sequence of ints) as int64s in a PyMem buffer the caller frees */
 static int64_t *keys_of(PyObject *hs, Py_ssize_t *n) {
-    PyObject *seq = as_fast(hs, "block names must be a sequence");
+    PyObject *seq = as_stable(hs, "block names must be a sequence", 0);
     if (seq == NULL) return NULL;
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     int64_t *keys = PyMem_Malloc((size_t)(m ? m : 1) * sizeof(int64_t));
@@ -520,7 +526,7 @@ static int64_t *keys_of(PyObject *hs, Py_ssize_t *n) {
 /* the names of ``hs`` as int64s (a PyMem buffer the caller frees), names outside 64 bits flagged in *bad
  * (allocated only when there is one) rather than refused: a lookup of them finds nothing */
 static int64_t *keys_lenient(PyObject *hs, Py_ssize_t *n, uint8_t **bad) {
-    PyObject *seq = as_fast(hs, "block names must be a sequence");
+    PyObject *seq = as_stable(hs, "block names must be a sequence", 0);
     if (seq == NULL) return NULL;
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     int64_t *keys = PyMem_Malloc((size_t)(m ? m : 1) * sizeof(int64_t));
@@ -638,22 +644,28 @@ static PyObject *Core_match(Core *c, PyObject *hs) {
 
 /* match_ids(ids) -> match(block_hashes(ids)), the names kept (not made into ints) for insert_named */
 static PyObject *Core_match_ids(Core *c, PyObject *ids) {
-    c->nnamed = 0;
-    Py_ssize_t n = name_blocks(ids, CHAIN_SEED_HASH, 0, &c->named, &c->named_cap);
-    if (n < 0) return NULL;
-    c->nnamed = n;
-    return match_keys(c, c->named, NULL, n);
+    int64_t *buf = c->named;
+    Py_ssize_t cap = c->named_cap;
+    c->named = NULL;
+    c->named_cap = c->nnamed = 0;
+    Py_ssize_t n = name_blocks(ids, CHAIN_SEED_HASH, 0, &buf, &cap);
+    PyObject *out = n < 0 ? NULL : match_keys(c, buf, NULL, n);
+    PyMem_Free(c->named); /* what a reentrant call left */
+    c->named = buf;
+    c->named_cap = cap;
+    c->nnamed = out == NULL ? 0 : n;
+    return out;
 }
 
 /* the worker holds every block of keys[:n] (its capacity applied); returns the blocks evicted */
 static Py_ssize_t insert_keys(Core *c, const int64_t *keys, Py_ssize_t n, int slot, double now) {
     Worker *w = &c->workers[slot];
     if (n > w->cap) n = w->cap; /* a prompt longer than the worker's cache: it keeps the leading blocks */
+    if (reserve(c, n) < 0) return -1;
     prefetch_chain(c, keys, n, slot);
     for (Py_ssize_t i = n - 1; i >= 0; i--) { /* deepest first: the ancestors end nearer the head */
         int added;
         int32_t e = get_or_add(c, keys[i], slot, &added);
-        if (e == NIL) return -1;
         c->entries[e].time = now;
         lru_push_head(c, e);
     }
@@ -690,9 +702,10 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
     int slot;
     if (!PyArg_ParseTuple(args, "OOO:merge", &slot_o, &hs, &times) || get_slot(slot_o, &slot) < 0) return NULL;
     Py_ssize_t n;
+    double *tv = NULL;
     int64_t *keys = keys_of(hs, &n);
     if (keys == NULL) return NULL;
-    PyObject *ts = as_fast(times, "times must be a sequence");
+    PyObject *ts = as_stable(times, "times must be a sequence", 1);
     if (ts == NULL || PySequence_Fast_GET_SIZE(ts) != n) {
         if (ts != NULL) {
             Py_DECREF(ts);
@@ -701,17 +714,26 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
         PyMem_Free(keys);
         return NULL;
     }
+    /* every time read before anything changes: a merge either fails whole or completes */
+    tv = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(double));
+    if (tv == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        tv[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(ts, i));
+        if (tv[i] == -1.0 && PyErr_Occurred()) goto fail;
+    }
+    if (reserve(c, n) < 0) goto fail;
     Py_ssize_t added_n = 0;
     Worker *w = &c->workers[slot];
     for (Py_ssize_t i = 0; i < n; i++) {
-        double t = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(ts, i));
-        if (t == -1.0 && PyErr_Occurred()) goto fail;
+        double t = tv[i];
         int32_t b = find_block(c, keys[i]);
         int32_t e = b == NIL ? NIL : find_entry(c, b, slot);
         if (e != NIL && !(t > c->entries[e].time)) continue; /* max-merge: nothing newer */
         int added;
         e = get_or_add(c, keys[i], slot, &added);
-        if (e == NIL) goto fail;
         added_n += added;
         c->entries[e].time = t;
         /* placed by its time: after the entries as recent as it or more (so a chain merged in order, on
@@ -734,11 +756,13 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
     }
     Py_DECREF(ts);
     PyMem_Free(keys);
+    PyMem_Free(tv);
     evict(c, slot);
     return PyLong_FromSsize_t(added_n);
 fail:
     Py_DECREF(ts);
     PyMem_Free(keys);
+    PyMem_Free(tv);
     return NULL;
 }
 
@@ -841,25 +865,29 @@ static PyObject *Core_export(Core *c, PyObject *since_o) {
         since = PyFloat_AsDouble(since_o);
         if (since == -1.0 && PyErr_Occurred()) return NULL;
     }
-    PyObject *out = PyDict_New();
-    if (out == NULL) return NULL;
-    for (int s = 0; s < MAX_SLOTS; s++) {
-        PyObject *name = PyList_GET_ITEM(c->names, s);
+    typedef struct { int64_t key; double time; int slot; } Snap;
+    Py_ssize_t total = 0;
+    for (int s = 0; s < MAX_SLOTS; s++) total += c->workers[s].count;
+    Snap *snap = PyMem_Malloc((size_t)(total ? total : 1) * sizeof(Snap));
+    if (snap == NULL) return PyErr_NoMemory();
+    Py_ssize_t k_n = 0;
+    for (int s = 0; s < MAX_SLOTS; s++)
         for (int32_t e = c->workers[s].head; e != NIL; e = c->entries[e].next) { /* bounded: its list */
-            Entry *x = &c->entries[e];
-            if (!(x->time > since)) continue;
-            PyObject *k = Py_BuildValue("(LO)", (long long)c->blocks[x->blk].key, name);
-            PyObject *t = k == NULL ? NULL : PyFloat_FromDouble(x->time);
-            if (t == NULL || PyDict_SetItem(out, k, t) < 0) {
-                Py_XDECREF(k);
-                Py_XDECREF(t);
-                Py_DECREF(out);
-                return NULL;
-            }
-            Py_DECREF(k);
-            Py_DECREF(t);
+            const Entry *x = &c->entries[e];
+            if (x->time > since) snap[k_n++] = (Snap){c->blocks[x->blk].key, x->time, s};
         }
+    /* the names as they are now, held: Python code run below (hashes, a collection) may change them */
+    PyObject *names = PyList_GetSlice(c->names, 0, MAX_SLOTS);
+    PyObject *out = names == NULL ? NULL : PyDict_New();
+    for (Py_ssize_t i = 0; out != NULL && i < k_n; i++) {
+        PyObject *k = Py_BuildValue("(LO)", (long long)snap[i].key, PyList_GET_ITEM(names, snap[i].slot));
+        PyObject *t = k == NULL ? NULL : PyFloat_FromDouble(snap[i].time);
+        if (t == NULL || PyDict_SetItem(out, k, t) < 0) Py_CLEAR(out);
+        Py_XDECREF(k);
+        Py_XDECREF(t);
     }
+    Py_XDECREF(names);
+    PyMem_Free(snap);
     return out;
 }
 
@@ -879,25 +907,32 @@ static PyObject *Core_nbytes(Core *c, PyObject *Py_UNUSED(ignored)) {
                               c->ecap * (Py_ssize_t)sizeof(Entry));
 }
 
-static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
-    Py_ssize_t cap;
-    static char *kwlist[] = {"capacity", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n:Core", kwlist, &cap)) return -1;
-    if (c->names != NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "Core is initialised once");
-        return -1;
-    }
+static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    (void)args; (void)kwargs;
+    Core *c = (Core *)type->tp_alloc(type, 0);
+    if (c == NULL) return NULL;
     c->names = PyList_New(MAX_SLOTS);
-    if (c->names == NULL) return -1;
+    if (c->names == NULL || table_alloc(c, 1024) < 0) { Py_DECREF(c); return NULL; }
     for (int s = 0; s < MAX_SLOTS; s++) {
         Py_INCREF(Py_None);
         PyList_SET_ITEM(c->names, s, Py_None);
         c->workers[s].head = c->workers[s].tail = NIL;
-        c->workers[s].count = 0;
-        c->workers[s].cap = cap < 1 ? 1 : cap;
+        c->workers[s].cap = 1;
     }
     c->bfree = c->efree = NIL;
-    return table_alloc(c, 1024);
+    return (PyObject *)c;
+}
+
+static int Core_init(Core *c, PyObject *args, PyObject *kwargs) {
+    Py_ssize_t cap;
+    static char *kwlist[] = {"capacity", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "n:Core", kwlist, &cap)) return -1;
+    if (c->live || c->etop) {
+        PyErr_SetString(PyExc_RuntimeError, "Core is initialised once");
+        return -1;
+    }
+    for (int s = 0; s < MAX_SLOTS; s++) c->workers[s].cap = cap < 1 ? 1 : cap;
+    return 0;
 }
 
 static void Core_dealloc(Core *c) {
@@ -934,7 +969,7 @@ static PyTypeObject CoreType = {
     .tp_basicsize = sizeof(Core),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Block name -> holders with a last access per (block, worker), exact LRU per worker.",
-    .tp_new = PyType_GenericNew,
+    .tp_new = Core_new,
     .tp_init = (initproc)Core_init,
     .tp_dealloc = (destructor)Core_dealloc,
     .tp_methods = Core_methods,

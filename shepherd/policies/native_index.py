@@ -56,6 +56,7 @@ class NativePrefixIndex(PrefixIndex):
     def match(self, ids: Sequence[int]) -> dict[str, int]:
         """Per worker, the longest prefix of ``ids`` it holds, in tokens; the names stay in the core (as
         int64s, never Python ints) for an ``insert`` of the same ids (object and length) that follows."""
+        self._named = None  # a match that fails leaves no names to reuse
         res = self._core.match_ids(ids)
         self._named, self._named_len = ids, len(ids)
         return {w: n * BLOCK_TOKENS for w, n in res.items()}
@@ -86,7 +87,10 @@ class NativePrefixIndex(PrefixIndex):
     # -- updates ------------------------------------------------------------------------------------
 
     def insert(self, ids: Sequence[int], worker: str, now: float) -> None:
+        if len(ids) < BLOCK_TOKENS:  # no full block: nothing to hold (and no slot taken, as in PrefixIndex)
+            return
         if ids is not self._named or len(ids) != self._named_len:
+            self._named = None  # other ids named since: like PrefixIndex's one-slot cache, forget the match's
             self.insert_blocks(self.hashes(ids), worker, now)
             return
         s = self._slot.get(worker)
@@ -97,6 +101,8 @@ class NativePrefixIndex(PrefixIndex):
         self._core.insert_named(s, now)
 
     def insert_blocks(self, hs: Sequence[int], worker: str, now: float) -> None:
+        if not hs:
+            return
         s = self._slot.get(worker)
         if s is None:
             s = self._add_slot(worker)

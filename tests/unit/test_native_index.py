@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+import textwrap
 from typing import ClassVar
 
 import pytest
@@ -193,3 +196,154 @@ def test_a_match_then_an_insert_of_the_same_ids_names_them_once_and_holds_the_sa
         native.insert(ids, w, float(now))
         flat.insert(list(ids), w, float(now))
         assert native.export() == flat.export()
+
+
+# -- review findings: Python code run from inside the C module (conversions, hashes) and allocation failures.
+# The memory-safety cases run in a child process, so that a crash fails the test instead of the run.
+
+
+def run_child(code: str) -> str:
+    p = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout.strip()
+
+
+@needs_core
+def test_block_names_whose_index_changes_the_list_are_read_from_a_copy() -> None:
+    out = run_child(
+        """
+        from shepherd.policies._prefixcore import Core
+        class ClearsOnIndex:
+            def __init__(self, victim): self.victim = victim
+            def __index__(self): self.victim.clear(); return 5
+        c = Core(100); c.set_name(0, "w")
+        for call in (lambda hs: c.insert(hs, 0, 1.0), lambda hs: c.match(hs), lambda hs: c.remove(hs, 0)):
+            hs = []
+            hs += [ClearsOnIndex(hs), *range(100, 140)]
+            call(hs)
+        ts = []
+        class ClearsOnFloat:
+            def __float__(self): ts.clear(); return 1.0
+        ts += [ClearsOnFloat(), *[2.0] * 40]
+        c.merge(0, list(range(41)), ts)
+        print(c.count(0))
+        """
+    )
+    assert out == "41"
+
+
+@needs_core
+def test_a_hash_that_names_another_prompt_does_not_free_the_names_being_made() -> None:
+    run_child(
+        """
+        from shepherd.policies._prefixcore import Core, block_hashes
+        c = Core(100); c.set_name(0, "w")
+        class H(int):
+            def __hash__(self):
+                c.match_ids(list(range(16 * 5000)))
+                return 7
+        ids = [H(1)] + list(range(63))
+        c.match_ids(ids)
+        """
+    )
+
+
+@needs_core
+def test_export_survives_a_worker_name_whose_hash_changes_the_index() -> None:
+    run_child(
+        """
+        from shepherd.policies._prefixcore import Core
+        c = Core(100)
+        done = []
+        class N(str):
+            def __hash__(self):
+                if not done:
+                    done.append(1)
+                    c.remove([0, 1], 0)
+                return 1
+        c.set_name(0, N("w"))
+        c.insert(list(range(50)), 0, 1.0)
+        c.export(None)
+        """
+    )
+
+
+@needs_core
+def test_an_uninitialised_core_raises_instead_of_crashing() -> None:
+    run_child(
+        """
+        from shepherd.policies._prefixcore import Core
+        c = Core.__new__(Core)
+        calls = (lambda: c.holders(1), lambda: c.match([1]), lambda: c.export(None), lambda: c.insert([1], 0, 1.0))
+        for call in calls:
+            try:
+                call()
+            except (RuntimeError, ValueError):
+                pass
+        """
+    )
+
+
+@needs_core
+def test_a_failed_match_does_not_leave_its_names_for_the_next_insert() -> None:
+    flat, native = PrefixIndex(), NativePrefixIndex()
+    a = list(range(64))
+    for ix in (flat, native):
+        ix.match(a)
+        with pytest.raises(TypeError):
+            ix.match([[1]] * 16)  # type: ignore[list-item]
+        ix.insert(a, "w", 1.0)
+    assert native.export() == flat.export() != {}
+
+
+@needs_core
+def test_the_names_of_a_match_are_not_reused_after_an_insert_of_other_ids() -> None:
+    """The flat layout's one-slot cache is replaced by the insert of other ids; so must the core's."""
+    exports = []
+    for ix in (PrefixIndex(), NativePrefixIndex()):
+        a, b = list(range(32)), list(range(100, 132))
+        ix.match(a)
+        ix.insert(b, "w", 1.0)
+        a[:] = range(500, 532)  # the same object, the same length, other ids
+        ix.insert(a, "w", 2.0)
+        exports.append(ix.export())
+    assert exports[0] == exports[1]
+
+
+@needs_core
+def test_a_prompt_without_a_full_block_does_not_take_a_worker_slot() -> None:
+    flat, native = PrefixIndex(), NativePrefixIndex()
+    for ix in (flat, native):
+        ix.match([1, 2, 3])
+        ix.insert([1, 2, 3], "w", 1.0)
+        ix.insert_blocks([], "v", 1.0)
+    assert native.workers == flat.workers == []
+
+
+@needs_core
+def test_an_insert_that_runs_out_of_memory_leaves_no_hole_and_no_excess() -> None:
+    _testcapi = pytest.importorskip("_testcapi")
+    from shepherd.policies._prefixcore import Core
+
+    chain = list(range(7000, 7300))
+    for start in range(6):  # bounded: the first allocations of the insert
+        c = Core(500)
+        c.set_name(0, "w")
+        c.insert(list(range(10_000, 10_700)), 0, 0.5)
+        c.clear(0)
+        c.insert(list(range(462)), 0, 1.0)
+        c.set_name(1, "v")
+        c.insert(list(range(462)), 1, 1.0)  # 924 entries: the entry array fills during the next insert
+        f = c.insert
+        _testcapi.set_nomemory(start, start + 1)
+        try:
+            f(chain, 0, 2.0)
+        except MemoryError:
+            pass
+        finally:
+            _testcapi.remove_mem_hooks()
+        assert c.count(0) <= 500
+        held = [k for k in chain if c.holders(k) & 1]
+        assert not held or c.holders(chain[0]) & 1, f"a hole after a failure at allocation {start}"
