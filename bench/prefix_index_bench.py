@@ -36,17 +36,19 @@ from functools import partial
 from typing import TypeVar
 
 from shepherd.mesh.state_index import ReplicatedPrefixIndex
+from shepherd.mesh.state_index_native import NativeReplicatedPrefixIndex
 from shepherd.policies.block_names import NATIVE_NAMES, PromptIds, Shape, py_block_hashes
 from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
 from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, RunPrefixIndex, block_hashes
 
 T = TypeVar("T")
+REPLICAS = (ReplicatedPrefixIndex, NativeReplicatedPrefixIndex)
 VOCAB = range(150_000)
 LAYOUTS: dict[str, type[PrefixIndex]] = {
     "flat": PrefixIndex,
     "runs": RunPrefixIndex,
     "mesh": ReplicatedPrefixIndex,
-    **({"native": NativePrefixIndex} if NATIVE_INDEX else {}),
+    **({"native": NativePrefixIndex, "mesh-native": NativeReplicatedPrefixIndex} if NATIVE_INDEX else {}),
 }
 
 
@@ -72,7 +74,7 @@ def _fill(
 
 def _drain_of(index: PrefixIndex) -> Callable[[], object] | None:
     """The mesh index's delta buffer drain (a node flushes it every 20 ms), None for the others."""
-    return index.take_groups if isinstance(index, ReplicatedPrefixIndex) else None
+    return index.take_groups if isinstance(index, REPLICAS) else None
 
 
 def _sum(ids: list[int]) -> int:
@@ -161,9 +163,9 @@ def main() -> None:
             f"({used / 2**20:.1f} MiB traced)"
         )
         indexes[name] = index
-        if isinstance(index, ReplicatedPrefixIndex):  # the worst case: a delta buffer never drained
+        if isinstance(index, REPLICAS):  # the worst case: a delta buffer never drained
             tracemalloc.start()
-            undrained = ReplicatedPrefixIndex(cfg)
+            undrained = type(index)(cfg)
             base = tracemalloc.get_traced_memory()[0]
             _fill(undrained, random.Random(7), workers, a.blocks, a.prompt, drain=False)
             used = tracemalloc.get_traced_memory()[0] - base
@@ -231,7 +233,8 @@ def main() -> None:
         "  all: naming the blocks included; pieces: the same, the ids carrying the pieces the tokenizer\n"
         "  built them from (what the node routes with); given: the block hashes computed beforehand"
     )
-    print(f"{'':18s}" + "".join(f"{name + ' all':>11s}{'pieces':>8s}{'given':>8s}" for name in indexes))
+    wide = {name: max(11, len(name) + 6) for name in indexes}
+    print(f"{'':18s}" + "".join(f"{name + ' all':>{wide[name]}s}{'pieces':>8s}{'given':>8s}" for name in indexes))
     for kind, make in (("follow-up turn", followups), ("exact repeat", repeats), ("new conversation", news)):
         full = dict.fromkeys(indexes, float("inf"))
         pieces = dict.fromkeys(indexes, float("inf"))
@@ -249,7 +252,7 @@ def main() -> None:
                 seq += 1
                 pick_h = partial(_pick_hashed, index, workers, now[name])
                 given[name] = min(given[name], _chunked_us(pick_h, hashed(make(random.Random(seq))), drain))
-        print(f"{kind:18s}" + "".join(f"{full[n]:11.1f}{pieces[n]:8.1f}{given[n]:8.1f}" for n in indexes))
+        print(f"{kind:18s}" + "".join(f"{full[n]:{wide[n]}.1f}{pieces[n]:8.1f}{given[n]:8.1f}" for n in indexes))
     print("bar (issue 3): <= 20 µs per request, <= 150 bytes per live block")
 
 

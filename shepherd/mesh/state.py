@@ -83,6 +83,7 @@ from shepherd.mesh.state_index import (
     decode_index_body,
     encode_index_bodies,
 )
+from shepherd.mesh.state_index_native import NATIVE_INDEX, NativeReplicatedPrefixIndex, Replica
 from shepherd.mesh.state_registry import (
     REMOVED,
     RegEntry,
@@ -189,7 +190,7 @@ class MeshState:
         self.registry = ReplicatedRegistry(node_name, self.hlc, self.cfg.registry)
         self.health = ReplicatedHealth(node_name, self.hlc, self.cfg.health)
         self.config = ConfigDoc(self.cfg.config_client_id)
-        self._indexes: dict[str, ReplicatedPrefixIndex] = {}
+        self._indexes: dict[str, Replica] = {}
         self._extras: dict[str, StateComponent] = {}
         self._members: set[str] = {node_name}
         self._queue = BroadcastQueue(
@@ -231,16 +232,17 @@ class MeshState:
         self._registry_changed([ch] if ch else [])
         return ch is not None
 
-    def index(self, model: str) -> ReplicatedPrefixIndex:
+    def index(self, model: str) -> Replica:
         """The model's replicated prefix index (created on first use): give it to the routing policy
         (e.g. ``CacheAware.indexes[model]``); its inserts are gossiped, peers' merged in."""
         ix = self._indexes.get(model)
         if ix is None:
-            ix = self._indexes[model] = ReplicatedPrefixIndex(self.cfg.index, self.cfg.index_repl)
+            layout = NativeReplicatedPrefixIndex if NATIVE_INDEX else ReplicatedPrefixIndex
+            ix = self._indexes[model] = layout(self.cfg.index, self.cfg.index_repl)
         return ix
 
     @property
-    def indexes(self) -> Mapping[str, ReplicatedPrefixIndex]:
+    def indexes(self) -> Mapping[str, Replica]:
         return self._indexes
 
     def observe_health(self, worker_id: str, healthy: bool) -> None:

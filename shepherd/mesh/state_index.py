@@ -61,9 +61,12 @@ from shepherd.mesh.hlc import StateDecodeError, expect_list, expect_str
 from shepherd.policies.prefix_index import PrefixIndexConfig, RunPrefixIndex, _Holder, _Run, _run_of, _Shared
 
 __all__ = [
+    "Digest",
     "Group",
     "IndexReplConfig",
+    "ReplicaApi",
     "ReplicatedPrefixIndex",
+    "Slot",
     "decode_index_body",
     "encode_index_bodies",
     "worker_key",
@@ -124,7 +127,67 @@ Digest = dict[str, dict[Slot, tuple[int, int]]]
 """worker -> time slot -> (entry count, sum of block hashes mod 2**64)."""
 
 
-class ReplicatedPrefixIndex(RunPrefixIndex):
+class ReplicaApi:
+    """What both replicas (``ReplicatedPrefixIndex`` here, ``NativeReplicatedPrefixIndex`` in C) share: time
+    slots, digest comparison and the validation of received groups. A replica provides ``digest`` and
+    ``_merge_group``."""
+
+    config: PrefixIndexConfig
+    repl: IndexReplConfig
+    _g: float
+    rejected: int
+
+    def digest(self) -> Digest:
+        raise NotImplementedError
+
+    def _merge_group(self, worker: str, t: float | array[float], hs: Sequence[int]) -> int:
+        raise NotImplementedError
+
+    def slot(self, t: float) -> Slot:
+        g = self._g
+        return int(t // g) if g > 0 else t
+
+    def diff(self, remote: Digest, now: float | None = None) -> dict[str, set[Slot]]:
+        """Per worker, the time slots where a peer's digest differs from ours (either side's). With
+        ``now``, only slots that ended ``repair_settle_s`` ago: younger differences are mostly deltas
+        still in flight, which repair would send a second time."""
+        mine = self.digest()
+        settled = math.inf if now is None else now - self.repl.repair_settle_s
+        g = self._g
+        out: dict[str, set[Slot]] = {}
+        for w in mine.keys() | remote.keys():
+            a, b = mine.get(w, {}), remote.get(w, {})
+            bad = {
+                sl
+                for sl in a.keys() | b.keys()
+                if a.get(sl) != b.get(sl) and ((sl + 1) * g if g > 0 else sl) <= settled
+            }
+            if bad:
+                out[w] = bad
+        return out
+
+    def apply_groups(self, groups: Iterable[Group], now: float) -> int:
+        """Max-merge decoded groups; entries older than ``max_age_s`` or more than ``max_future_s``
+        ahead of ``now`` are dropped. Returns how many entries changed this index."""
+        lo, hi = now - self.config.max_age_s, now + self.repl.max_future_s
+        changed = 0
+        for w, t, hs in groups:
+            if isinstance(t, float):
+                if lo <= t <= hi:
+                    changed += self._merge_group(w, t, hs)
+                else:
+                    self.rejected += len(hs)
+                continue
+            if not (t and lo <= min(t) and max(t) <= hi):
+                keep = [i for i, x in enumerate(t) if lo <= x <= hi]
+                self.rejected += len(t) - len(keep)
+                changed += self._merge_group(w, array("d", [t[i] for i in keep]), [hs[i] for i in keep])
+            else:
+                changed += self._merge_group(w, t, hs)
+        return changed
+
+
+class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
     """A ``RunPrefixIndex`` with a gossip delta buffer and an incrementally maintained digest."""
 
     def __init__(self, config: PrefixIndexConfig | None = None, repl: IndexReplConfig | None = None) -> None:
@@ -143,10 +206,6 @@ class ReplicatedPrefixIndex(RunPrefixIndex):
         self.rejected = 0  # received entries dropped (too old or too far in the future)
 
     # -- digest accounting --------------------------------------------------------------------------
-
-    def slot(self, t: float) -> Slot:
-        g = self._g
-        return int(t // g) if g > 0 else t
 
     def _slot_list(self, times: Iterable[float]) -> list[Slot]:
         g = self._g
@@ -240,25 +299,6 @@ class ReplicatedPrefixIndex(RunPrefixIndex):
                 out[w] = {sl: (len(hs), sum(hs) & _M64) for sl, hs in groups.items()}
         return out
 
-    def diff(self, remote: Digest, now: float | None = None) -> dict[str, set[Slot]]:
-        """Per worker, the time slots where a peer's digest differs from ours (either side's). With
-        ``now``, only slots that ended ``repair_settle_s`` ago: younger differences are mostly deltas
-        still in flight, which repair would send a second time."""
-        mine = self.digest()
-        settled = math.inf if now is None else now - self.repl.repair_settle_s
-        g = self._g
-        out: dict[str, set[Slot]] = {}
-        for w in mine.keys() | remote.keys():
-            a, b = mine.get(w, {}), remote.get(w, {})
-            bad = {
-                sl
-                for sl in a.keys() | b.keys()
-                if a.get(sl) != b.get(sl) and ((sl + 1) * g if g > 0 else sl) <= settled
-            }
-            if bad:
-                out[w] = bad
-        return out
-
     # -- local updates (recorded for gossip): the parent's hooks ------------------------------------
 
     _touch_hooked = True
@@ -341,26 +381,6 @@ class ReplicatedPrefixIndex(RunPrefixIndex):
             g[1].append(t)
         for w, (hs, ts) in by_worker.items():
             self._merge_group(w, array("d", ts), hs)
-
-    def apply_groups(self, groups: Iterable[Group], now: float) -> int:
-        """Max-merge decoded groups; entries older than ``max_age_s`` or more than ``max_future_s``
-        ahead of ``now`` are dropped. Returns how many entries changed this index."""
-        lo, hi = now - self.config.max_age_s, now + self.repl.max_future_s
-        changed = 0
-        for w, t, hs in groups:
-            if isinstance(t, float):
-                if lo <= t <= hi:
-                    changed += self._merge_group(w, t, hs)
-                else:
-                    self.rejected += len(hs)
-                continue
-            if not (t and lo <= min(t) and max(t) <= hi):
-                keep = [i for i, x in enumerate(t) if lo <= x <= hi]
-                self.rejected += len(t) - len(keep)
-                changed += self._merge_group(w, array("d", [t[i] for i in keep]), [hs[i] for i in keep])
-            else:
-                changed += self._merge_group(w, t, hs)
-        return changed
 
     def _merge_group(self, worker: str, t: float | array[float], hs: Sequence[int]) -> int:
         """Max-merge blocks ``hs`` of ``worker`` at ``t`` (one time, or one per block). Blocks new to

@@ -51,6 +51,38 @@ typedef struct {
     Py_ssize_t cap;
 } Worker;
 
+/* -- replication state (see the replication section) -- */
+typedef struct {
+    int64_t slot; /* a time slot: floor(t / granularity), or the bits of the exact time */
+    int64_t count; /* 0: an empty cell */
+    uint64_t sum;  /* of the block names, mod 2**64 */
+} Bucket;
+
+typedef struct {
+    Bucket *cells;
+    Py_ssize_t size, used; /* size a power of 2 (or 0), used <= size / 2 */
+} Buckets;
+
+typedef struct {
+    double time; /* NaN: the times the index holds when the batch is cut */
+    Py_ssize_t start, end; /* its keys: dk[start:end] */
+    int32_t slot;
+    uint32_t gen; /* the slot's generation when buffered: a worker cleared since is skipped */
+} DeltaGroup;
+
+typedef struct {
+    double gran; /* digest granularity in seconds; 0: exact times */
+    int relay;   /* merged changes are buffered too */
+    Py_ssize_t max_pending, pending, dropped;
+    Buckets buckets[MAX_SLOTS];
+    uint32_t gen[MAX_SLOTS];
+    DeltaGroup *dg;
+    Py_ssize_t dg_head, dg_len, dg_cap;
+    int64_t *dk;
+    Py_ssize_t dk_len, dk_cap;
+    int open; /* a group is being recorded (the last one) */
+} Repl;
+
 typedef struct {
     PyObject_HEAD
     Slot *table;
@@ -66,6 +98,7 @@ typedef struct {
     int64_t *named; /* the chain the last match_ids named (for insert_named) */
     Py_ssize_t nnamed, named_cap;
     PyObject *names; /* list of MAX_SLOTS: the worker name of each slot, or None */
+    Repl *repl;      /* digest and delta buffer (a mesh's replica), NULL until replicate() */
 } Core;
 
 static inline uint64_t mix(int64_t key) { /* splitmix64's finalizer: names are hashes, but cheap insurance */
@@ -375,11 +408,169 @@ static inline void lru_insert_after(Core *c, int32_t at, int32_t e) { /* at: an 
     c->entries[at].next = e;
 }
 
+/* == replication (a mesh's replica: Core.replicate) ====================================================
+ * The digest: per worker, per time slot, the count of its entries and the sum of their block names (mod
+ * 2**64), kept up to date by every change of an entry (made, retimed into another slot, dropped). The delta
+ * buffer: the blocks a local insert made or moved into another slot (as ``state_index.ReplicatedPrefixIndex``
+ * does: a held prefix re-accessed in the same slot is not sent again), one group per insert, in chain order;
+ * with ``relay``, what merges changed too. The same semantics as the Python replica, tested alike. */
+
+/* Python's float floor division (Objects/floatobject.c), so that slots are the Python replica's */
+static double py_floordiv(double vx, double wx) {
+    double mod = fmod(vx, wx);
+    double div = (vx - mod) / wx;
+    if (mod && ((wx < 0) != (mod < 0))) div -= 1.0;
+    if (!div) return copysign(0.0, vx / wx);
+    double floordiv = floor(div);
+    if (div - floordiv > 0.5) floordiv += 1.0;
+    return floordiv;
+}
+
+static inline int64_t slot_of(const Repl *r, double t) {
+    if (r->gran > 0) {
+        double q = py_floordiv(t, r->gran);
+        return isfinite(q) && fabs(q) < 9.2e18 ? (int64_t)q : 0;
+    }
+    if (t == 0) t = 0.0; /* -0.0 and 0.0 are one dict key in Python */
+    int64_t k;
+    memcpy(&k, &t, sizeof k);
+    return k;
+}
+
+static PyObject *slot_value(const Repl *r, int64_t slot) {
+    if (r->gran > 0) return PyLong_FromLongLong(slot);
+    double t;
+    memcpy(&t, &slot, sizeof t);
+    return PyFloat_FromDouble(t);
+}
+
+static int buckets_resize(Buckets *bs, Py_ssize_t size) {
+    Bucket *cells = PyMem_Calloc((size_t)size, sizeof(Bucket));
+    if (cells == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t m = (uint64_t)size - 1;
+    for (Py_ssize_t i = 0; i < bs->size; i++) {
+        if (!bs->cells[i].count) continue;
+        uint64_t j = mix(bs->cells[i].slot) & m;
+        while (cells[j].count) j = (j + 1) & m; /* bounded: load <= 1/2 */
+        cells[j] = bs->cells[i];
+    }
+    PyMem_Free(bs->cells);
+    bs->cells = cells;
+    bs->size = size;
+    return 0;
+}
+
+/* room for n more buckets */
+static int buckets_reserve(Buckets *bs, Py_ssize_t n) {
+    Py_ssize_t size = bs->size ? bs->size : 8;
+    while (2 * (bs->used + n) > size) size *= 2; /* bounded: doubles */
+    return size == bs->size ? 0 : buckets_resize(bs, size);
+}
+
+/* count += dn, sum += dsum in the bucket of ``slot`` (room reserved for a new one); an emptied bucket goes */
+static void bucket_add(Buckets *bs, int64_t slot, int64_t dn, uint64_t dsum) {
+    uint64_t m = (uint64_t)bs->size - 1;
+    uint64_t j = mix(slot) & m;
+    while (bs->cells[j].count && bs->cells[j].slot != slot) j = (j + 1) & m; /* bounded: load <= 1/2 */
+    Bucket *b = &bs->cells[j];
+    if (!b->count) {
+        b->slot = slot;
+        b->sum = 0;
+        bs->used++;
+    }
+    b->count += dn;
+    b->sum += dsum;
+    if (b->count) return;
+    bs->used--; /* backward-shift deletion, as the block table's */
+    uint64_t hole = j;
+    for (;;) { /* bounded: the map has empty cells */
+        j = (j + 1) & m;
+        if (!bs->cells[j].count) return;
+        uint64_t k = mix(bs->cells[j].slot) & m;
+        int stays = hole <= j ? (hole < k && k <= j) : (hole < k || k <= j);
+        if (!stays) {
+            bs->cells[hole] = bs->cells[j];
+            bs->cells[j].count = 0;
+            hole = j;
+        }
+    }
+}
+
+/* the digest terms of an entry of ``slot`` at time ``t`` for block ``key``: added (+1) or removed (-1) */
+static inline void digest_term(Core *c, int slot, double t, int64_t key, int sign) {
+    bucket_add(&c->repl->buckets[slot], slot_of(c->repl, t), sign, sign > 0 ? (uint64_t)key : (uint64_t)0 - (uint64_t)key);
+}
+
+/* room for a group of up to n keys, and n new buckets of ``slot`` */
+static int repl_reserve(Core *c, int slot, Py_ssize_t n) {
+    Repl *r = c->repl;
+    if (buckets_reserve(&r->buckets[slot], n) < 0) return -1;
+    if (r->dg_head && r->dg_head == r->dg_len) { /* all taken: start over */
+        r->dg_head = r->dg_len = r->dk_len = 0;
+    } else if (r->dg_head > 1024 && 2 * r->dg_head > r->dg_len) { /* the taken front: compacted */
+        Py_ssize_t k0 = r->dg[r->dg_head].start;
+        memmove(r->dg, r->dg + r->dg_head, (size_t)(r->dg_len - r->dg_head) * sizeof(DeltaGroup));
+        r->dg_len -= r->dg_head;
+        r->dg_head = 0;
+        memmove(r->dk, r->dk + k0, (size_t)(r->dk_len - k0) * sizeof(int64_t));
+        r->dk_len -= k0;
+        for (Py_ssize_t i = 0; i < r->dg_len; i++) {
+            r->dg[i].start -= k0;
+            r->dg[i].end -= k0;
+        }
+    }
+    if (grow((void **)&r->dg, &r->dg_cap, r->dg_len + 1, sizeof(DeltaGroup), "delta groups") < 0) return -1;
+    return grow((void **)&r->dk, &r->dk_cap, r->dk_len + n, sizeof(int64_t), "delta keys");
+}
+
+/* a group of ``slot`` at ``time`` (NaN: held times) opens; record() appends to it (room reserved) */
+static void group_open(Core *c, int slot, double time) {
+    Repl *r = c->repl;
+    DeltaGroup *g = &r->dg[r->dg_len];
+    g->time = time;
+    g->start = g->end = r->dk_len;
+    g->slot = slot;
+    g->gen = r->gen[slot];
+    r->open = 1;
+}
+
+static inline void record(Core *c, int64_t key) {
+    Repl *r = c->repl;
+    r->dk[r->dk_len++] = key;
+}
+
+/* the open group closes (its keys reversed when recorded deepest first); the buffer's bound applies */
+static void group_close(Core *c, int reversed) {
+    Repl *r = c->repl;
+    DeltaGroup *g = &r->dg[r->dg_len];
+    r->open = 0;
+    g->end = r->dk_len;
+    if (g->end == g->start) return;
+    if (reversed) {
+        for (Py_ssize_t i = g->start, j = g->end - 1; i < j; i++, j--) {
+            int64_t k = r->dk[i];
+            r->dk[i] = r->dk[j];
+            r->dk[j] = k;
+        }
+    }
+    r->dg_len++;
+    r->pending += g->end - g->start;
+    while (r->pending > r->max_pending && r->dg_head < r->dg_len) { /* the oldest batches go, whole */
+        DeltaGroup *old = &r->dg[r->dg_head++];
+        r->pending -= old->end - old->start;
+        r->dropped += old->end - old->start;
+    }
+}
+
 /* take entry e out of everything; its block goes when it was the last holder */
 static void drop_entry(Core *c, int32_t e) {
     Entry *x = &c->entries[e];
     int32_t b = x->blk;
     int slot = x->slot;
+    if (c->repl != NULL) digest_term(c, slot, x->time, c->blocks[b].key, -1);
     lru_unlink(c, e);
     c->workers[slot].count--;
     Block *blk = &c->blocks[b];
@@ -657,18 +848,44 @@ static PyObject *Core_match_ids(Core *c, PyObject *ids) {
     return out;
 }
 
-/* the worker holds every block of keys[:n] (its capacity applied); returns the blocks evicted */
+/* the worker holds every block of keys[:n] (its capacity applied); returns the blocks evicted. A replica
+ * also counts each new or re-slotted entry in the digest and buffers it for gossip. */
 static Py_ssize_t insert_keys(Core *c, const int64_t *keys, Py_ssize_t n, int slot, double now) {
     Worker *w = &c->workers[slot];
+    Repl *r = c->repl;
     if (n > w->cap) n = w->cap; /* a prompt longer than the worker's cache: it keeps the leading blocks */
-    if (reserve(c, n) < 0) return -1;
+    if (reserve(c, n) < 0 || (r != NULL && repl_reserve(c, slot, n) < 0)) return -1;
     prefetch_chain(c, keys, n, slot);
-    for (Py_ssize_t i = n - 1; i >= 0; i--) { /* deepest first: the ancestors end nearer the head */
+    if (r == NULL) {
+        for (Py_ssize_t i = n - 1; i >= 0; i--) { /* deepest first: the ancestors end nearer the head */
+            int added;
+            int32_t e = get_or_add(c, keys[i], slot, &added);
+            c->entries[e].time = now;
+            lru_push_head(c, e);
+        }
+        return evict(c, slot);
+    }
+    int64_t sn = slot_of(r, now);
+    group_open(c, slot, now);
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
         int added;
         int32_t e = get_or_add(c, keys[i], slot, &added);
-        c->entries[e].time = now;
+        Entry *x = &c->entries[e];
+        if (added) {
+            bucket_add(&r->buckets[slot], sn, 1, (uint64_t)keys[i]);
+            record(c, keys[i]);
+        } else {
+            int64_t so = slot_of(r, x->time);
+            if (so != sn) { /* re-accessed into another slot: moved in the digest, sent again */
+                bucket_add(&r->buckets[slot], so, -1, (uint64_t)0 - (uint64_t)keys[i]);
+                bucket_add(&r->buckets[slot], sn, 1, (uint64_t)keys[i]);
+                record(c, keys[i]);
+            }
+        }
+        x->time = now;
         lru_push_head(c, e);
     }
+    group_close(c, 1);
     return evict(c, slot);
 }
 
@@ -696,7 +913,8 @@ static PyObject *Core_insert_named(Core *c, PyObject *args) {
     return gone < 0 ? NULL : PyLong_FromSsize_t(gone);
 }
 
-/* merge(slot, hs, times) -> entries added: max-merge of (block, worker) -> time for one worker */
+/* merge(slot, hs, times) -> entries changed (made or set newer): max-merge of (block, worker) -> time for
+ * one worker */
 static PyObject *Core_merge(Core *c, PyObject *args) {
     PyObject *slot_o, *hs, *times;
     int slot;
@@ -724,17 +942,24 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
         tv[i] = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(ts, i));
         if (tv[i] == -1.0 && PyErr_Occurred()) goto fail;
     }
-    if (reserve(c, n) < 0) goto fail;
-    Py_ssize_t added_n = 0;
+    Repl *r = c->repl;
+    if (reserve(c, n) < 0 || (r != NULL && repl_reserve(c, slot, n) < 0)) goto fail;
+    Py_ssize_t changed = 0;
     Worker *w = &c->workers[slot];
+    if (r != NULL && r->relay) group_open(c, slot, NAN);
     for (Py_ssize_t i = 0; i < n; i++) {
         double t = tv[i];
         int32_t b = find_block(c, keys[i]);
         int32_t e = b == NIL ? NIL : find_entry(c, b, slot);
         if (e != NIL && !(t > c->entries[e].time)) continue; /* max-merge: nothing newer */
+        if (r != NULL) {
+            if (e != NIL) digest_term(c, slot, c->entries[e].time, keys[i], -1);
+            digest_term(c, slot, t, keys[i], 1);
+            if (r->relay) record(c, keys[i]);
+        }
         int added;
         e = get_or_add(c, keys[i], slot, &added);
-        added_n += added;
+        changed++;
         c->entries[e].time = t;
         /* placed by its time: after the entries as recent as it or more (so a chain merged in order, on
          * equal times, keeps its deeper blocks nearer the tail), found by a walk from the head of at most
@@ -754,11 +979,12 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
             lru_insert_after(c, at, e);
         }
     }
+    if (r != NULL && r->relay) group_close(c, 0);
     Py_DECREF(ts);
     PyMem_Free(keys);
     PyMem_Free(tv);
     evict(c, slot);
-    return PyLong_FromSsize_t(added_n);
+    return PyLong_FromSsize_t(changed);
 fail:
     Py_DECREF(ts);
     PyMem_Free(keys);
@@ -797,6 +1023,7 @@ static PyObject *Core_clear(Core *c, PyObject *slot_o) {
         drop_entry(c, c->workers[slot].tail);
         n++;
     }
+    if (c->repl != NULL) c->repl->gen[slot]++; /* its buffered deltas are not sent */
     return PyLong_FromSsize_t(n);
 }
 
@@ -891,6 +1118,189 @@ static PyObject *Core_export(Core *c, PyObject *since_o) {
     return out;
 }
 
+/* -- replication methods ----------------------------------------------------------------------------- */
+
+/* replicate(granularity, max_pending, relay): keep a digest and a delta buffer from now on (on an empty core) */
+static PyObject *Core_replicate(Core *c, PyObject *args) {
+    double gran;
+    Py_ssize_t max_pending;
+    int relay;
+    if (!PyArg_ParseTuple(args, "dnp:replicate", &gran, &max_pending, &relay)) return NULL;
+    if (c->repl != NULL || c->live) {
+        PyErr_SetString(PyExc_RuntimeError, "replicate() is called once, on an empty index");
+        return NULL;
+    }
+    Repl *r = PyMem_Calloc(1, sizeof(Repl));
+    if (r == NULL) return PyErr_NoMemory();
+    r->gran = gran > 0 ? gran : 0.0;
+    r->relay = relay;
+    r->max_pending = max_pending;
+    c->repl = r;
+    Py_RETURN_NONE;
+}
+
+static Repl *need_repl(Core *c) {
+    if (c->repl == NULL) PyErr_SetString(PyExc_RuntimeError, "not a replica: call replicate() first");
+    return c->repl;
+}
+
+/* {slot: {time slot: (count, sum)}} of buckets */
+static int put_buckets(const Repl *r, PyObject *out, int slot, const Buckets *bs) {
+    if (!bs->used) return 0;
+    PyObject *d = PyDict_New();
+    PyObject *k = d == NULL ? NULL : PyLong_FromLong(slot);
+    if (k == NULL || PyDict_SetItem(out, k, d) < 0) goto fail;
+    for (Py_ssize_t i = 0; i < bs->size; i++) {
+        const Bucket *b = &bs->cells[i];
+        if (!b->count) continue;
+        PyObject *sl = slot_value(r, b->slot);
+        PyObject *v = sl == NULL ? NULL : Py_BuildValue("(LK)", (long long)b->count, (unsigned long long)b->sum);
+        int bad = v == NULL || PyDict_SetItem(d, sl, v) < 0;
+        Py_XDECREF(sl);
+        Py_XDECREF(v);
+        if (bad) goto fail;
+    }
+    Py_DECREF(k);
+    Py_DECREF(d);
+    return 0;
+fail:
+    Py_XDECREF(k);
+    Py_XDECREF(d);
+    return -1;
+}
+
+/* digest(recompute) -> {slot: {time slot: (count, sum of names mod 2**64)}}: the incremental one, or (True)
+ * one recomputed from every entry (a check) */
+static PyObject *Core_digest(Core *c, PyObject *recompute) {
+    Repl *r = need_repl(c);
+    if (r == NULL) return NULL;
+    PyObject *out = PyDict_New();
+    for (int s = 0; out != NULL && s < MAX_SLOTS; s++) {
+        if (!PyObject_IsTrue(recompute)) {
+            if (put_buckets(r, out, s, &r->buckets[s]) < 0) Py_CLEAR(out);
+            continue;
+        }
+        Buckets tmp = {NULL, 0, 0};
+        int bad = 0;
+        for (int32_t e = c->workers[s].head; e != NIL && !bad; e = c->entries[e].next) { /* bounded: its list */
+            bad = buckets_reserve(&tmp, 1) < 0;
+            if (!bad) bucket_add(&tmp, slot_of(r, c->entries[e].time), 1, (uint64_t)c->blocks[c->entries[e].blk].key);
+        }
+        if (bad || put_buckets(r, out, s, &tmp) < 0) Py_CLEAR(out);
+        PyMem_Free(tmp.cells);
+    }
+    return out;
+}
+
+static PyObject *bytes_of(const void *p, Py_ssize_t n) { return PyBytes_FromStringAndSize((const char *)p, n); }
+
+/* take(limit) -> [(slot, time or None, keys bytes, times bytes or None)]: the buffered deltas, oldest first,
+ * at most ``limit`` keys (the rest stay; a negative limit: all); keys their worker no longer holds, and
+ * groups of a worker cleared since, are left out; a group without a time gets the times held now */
+static PyObject *Core_take(Core *c, PyObject *limit_o) {
+    Repl *r = need_repl(c);
+    if (r == NULL) return NULL;
+    Py_ssize_t budget = PyLong_AsSsize_t(limit_o);
+    if (budget == -1 && PyErr_Occurred()) return NULL;
+    if (budget < 0) budget = PY_SSIZE_T_MAX;
+    PyObject *out = PyList_New(0);
+    int64_t *ks = NULL;
+    double *ts = NULL;
+    Py_ssize_t cap = 0;
+    while (out != NULL && budget > 0 && r->dg_head < r->dg_len) { /* bounded: each turn consumes keys */
+        DeltaGroup *g = &r->dg[r->dg_head];
+        Py_ssize_t s0 = g->start, e0 = g->end;
+        if (e0 - s0 <= budget) {
+            r->dg_head++;
+        } else {
+            e0 = s0 + budget;
+            g->start = e0;
+        }
+        r->pending -= e0 - s0;
+        budget -= e0 - s0;
+        if (g->gen != r->gen[g->slot]) continue;
+        if (e0 - s0 > cap) {
+            cap = e0 - s0;
+            PyMem_Free(ks);
+            PyMem_Free(ts);
+            ks = PyMem_Malloc((size_t)cap * sizeof(int64_t));
+            ts = PyMem_Malloc((size_t)cap * sizeof(double));
+            if (ks == NULL || ts == NULL) {
+                PyErr_NoMemory();
+                Py_CLEAR(out);
+                break;
+            }
+        }
+        Py_ssize_t m = 0;
+        for (Py_ssize_t i = s0; i < e0; i++) {
+            int32_t b = find_block(c, r->dk[i]);
+            int32_t e = b == NIL ? NIL : find_entry(c, b, g->slot);
+            if (e == NIL) continue;
+            ks[m] = r->dk[i];
+            ts[m++] = c->entries[e].time;
+        }
+        if (!m) continue;
+        int held = isnan(g->time);
+        PyObject *item = Py_BuildValue("(iNNN)", g->slot, held ? Py_NewRef(Py_None) : PyFloat_FromDouble(g->time),
+                                       bytes_of(ks, m * (Py_ssize_t)sizeof(int64_t)),
+                                       held ? bytes_of(ts, m * (Py_ssize_t)sizeof(double)) : Py_NewRef(Py_None));
+        if (item == NULL || PyList_Append(out, item) < 0) Py_CLEAR(out);
+        Py_XDECREF(item);
+    }
+    PyMem_Free(ks);
+    PyMem_Free(ts);
+    return out;
+}
+
+/* queue(slot, hs): buffer these blocks of the worker for gossip, at the times held when taken (repair) */
+static PyObject *Core_queue(Core *c, PyObject *args) {
+    PyObject *slot_o, *hs;
+    int slot;
+    Repl *r = need_repl(c);
+    if (r == NULL || !PyArg_ParseTuple(args, "OO:queue", &slot_o, &hs) || get_slot(slot_o, &slot) < 0) return NULL;
+    Py_ssize_t n;
+    int64_t *keys = keys_of(hs, &n);
+    if (keys == NULL) return NULL;
+    if (repl_reserve(c, slot, n) < 0) {
+        PyMem_Free(keys);
+        return NULL;
+    }
+    group_open(c, slot, NAN);
+    for (Py_ssize_t i = 0; i < n; i++) record(c, keys[i]);
+    group_close(c, 0);
+    PyMem_Free(keys);
+    Py_RETURN_NONE;
+}
+
+/* entries(slot) -> (keys bytes, times bytes): the worker's entries, most recent first */
+static PyObject *Core_entries(Core *c, PyObject *slot_o) {
+    int slot;
+    if (get_slot(slot_o, &slot) < 0) return NULL;
+    Py_ssize_t n = c->workers[slot].count;
+    int64_t *ks = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    double *ts = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(double));
+    PyObject *out = NULL;
+    if (ks == NULL || ts == NULL) {
+        PyErr_NoMemory();
+    } else {
+        Py_ssize_t m = 0;
+        for (int32_t e = c->workers[slot].head; e != NIL && m < n; e = c->entries[e].next) { /* bounded: n */
+            ks[m] = c->blocks[c->entries[e].blk].key;
+            ts[m++] = c->entries[e].time;
+        }
+        out = Py_BuildValue("(NN)", bytes_of(ks, m * (Py_ssize_t)sizeof(int64_t)), bytes_of(ts, m * (Py_ssize_t)sizeof(double)));
+    }
+    PyMem_Free(ks);
+    PyMem_Free(ts);
+    return out;
+}
+
+/* pending() -> (keys buffered, keys dropped by the bound) */
+static PyObject *Core_pending(Core *c, PyObject *Py_UNUSED(ignored)) {
+    Repl *r = need_repl(c);
+    return r == NULL ? NULL : Py_BuildValue("(nn)", r->pending, r->dropped);
+}
+
 static PyObject *Core_set_name(Core *c, PyObject *args) {
     PyObject *slot_o, *name;
     int slot;
@@ -940,6 +1350,12 @@ static void Core_dealloc(Core *c) {
     PyMem_Free(c->blocks);
     PyMem_Free(c->entries);
     PyMem_Free(c->named);
+    if (c->repl != NULL) {
+        for (int s = 0; s < MAX_SLOTS; s++) PyMem_Free(c->repl->buckets[s].cells);
+        PyMem_Free(c->repl->dg);
+        PyMem_Free(c->repl->dk);
+        PyMem_Free(c->repl);
+    }
     Py_XDECREF(c->names);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
@@ -959,6 +1375,12 @@ static PyMethodDef Core_methods[] = {
     {"count", (PyCFunction)Core_count, METH_O, "count(slot) -> blocks held"},
     {"export", (PyCFunction)Core_export, METH_O, "export(since or None) -> {(block, worker): time}"},
     {"set_name", (PyCFunction)Core_set_name, METH_VARARGS, "set_name(slot, name or None)"},
+    {"replicate", (PyCFunction)Core_replicate, METH_VARARGS, "replicate(granularity, max_pending, relay)"},
+    {"digest", (PyCFunction)Core_digest, METH_O, "digest(recompute) -> {slot: {time slot: (count, sum)}}"},
+    {"take", (PyCFunction)Core_take, METH_O, "take(limit) -> [(slot, time or None, keys, times or None)]"},
+    {"queue", (PyCFunction)Core_queue, METH_VARARGS, "queue(slot, hs): buffered at the times held"},
+    {"entries", (PyCFunction)Core_entries, METH_O, "entries(slot) -> (keys bytes, times bytes)"},
+    {"pending", (PyCFunction)Core_pending, METH_NOARGS, "pending() -> (buffered, dropped)"},
     {"live", (PyCFunction)Core_live, METH_NOARGS, "live() -> blocks held by anyone"},
     {"nbytes", (PyCFunction)Core_nbytes, METH_NOARGS, "nbytes() -> bytes of the arrays"},
     {NULL, NULL, 0, NULL},

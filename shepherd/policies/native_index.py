@@ -45,6 +45,7 @@ class NativePrefixIndex(PrefixIndex):
         super().__init__(config)
         self._core = Core(self.config.capacity_blocks)
         self._slot: dict[str, int] = {}
+        self._name_of: list[str | None] = [None] * MAX_SLOTS
         self._free = list(range(MAX_SLOTS - 1, -1, -1))  # popped lowest first
         self.dropped_inserts = 0
         # the ids the core named last (``match``): an ``insert`` of the same object reuses those names
@@ -121,6 +122,7 @@ class NativePrefixIndex(PrefixIndex):
             return
         self._core.clear(s)
         self._core.set_name(s, None)
+        self._name_of[s] = None
         self._free.append(s)
         self._free.sort(reverse=True)
 
@@ -142,19 +144,28 @@ class NativePrefixIndex(PrefixIndex):
     def merge(self, entries: Mapping[tuple[int, str], float]) -> None:
         groups: dict[str, tuple[list[int], list[float]]] = {}
         for (h, w), t in entries.items():
-            if -_I64 <= h < _I64:
-                g = groups.get(w)
-                if g is None:
-                    g = groups[w] = ([], [])
-                g[0].append(h)
-                g[1].append(t)
+            g = groups.get(w)
+            if g is None:
+                g = groups[w] = ([], [])
+            g[0].append(h)
+            g[1].append(t)
         for w, (hs, ts) in groups.items():
             s = self._slot.get(w)
             if s is None:
                 s = self._add_slot(w)
                 if s is None:
                     continue
-            self._core.merge(s, hs, ts)
+            self._core.merge(s, *self._in_range(hs, ts))
+
+    # -- internals ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _in_range(hs: Sequence[int], ts: Sequence[float]) -> tuple[Sequence[int], Sequence[float]]:
+        """Names and times without the names outside 64 bits (never held)."""
+        if all(-_I64 <= h < _I64 for h in hs):  # the usual case: as they are
+            return hs, ts
+        keep = [i for i, h in enumerate(hs) if -_I64 <= h < _I64]
+        return [hs[i] for i in keep], [ts[i] for i in keep]
 
     # -- internals ----------------------------------------------------------------------------------
 
@@ -166,6 +177,7 @@ class NativePrefixIndex(PrefixIndex):
             return None
         s = self._free.pop()
         self._slot[worker] = s
+        self._name_of[s] = worker
         self._core.set_name(s, worker)
         self._core.set_capacity(s, self.capacity(worker))
         return s

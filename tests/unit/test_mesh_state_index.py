@@ -8,6 +8,7 @@ import contextlib
 import random
 import time
 from array import array
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
@@ -23,6 +24,7 @@ from shepherd.mesh.state_index import (
     decode_index_body,
     encode_index_bodies,
 )
+from shepherd.mesh.state_index_native import NATIVE_INDEX, NativeReplicatedPrefixIndex
 from shepherd.policies.base import RouteRequest, WorkerView
 from shepherd.policies.cache_aware import CacheAware
 from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, block_hashes
@@ -31,8 +33,31 @@ T0 = 1_000_000.0
 BIG = PrefixIndexConfig(capacity_blocks=1 << 20, max_age_s=1e9)
 
 
-def ix_(g: float = 0.0, cap: int = 1 << 20, max_age: float = 1e9, **kw: Any) -> ReplicatedPrefixIndex:
-    return ReplicatedPrefixIndex(
+Replica = ReplicatedPrefixIndex | NativeReplicatedPrefixIndex
+# every test here runs on both replicas: the run layout in Python and the native one (``ix_`` makes the
+# replica of the current parameter)
+_REPLICA: list[type[Replica]] = [ReplicatedPrefixIndex]
+
+
+@pytest.fixture(
+    autouse=True,
+    params=[
+        pytest.param(ReplicatedPrefixIndex, id="runs"),
+        pytest.param(
+            NativeReplicatedPrefixIndex,
+            id="native",
+            marks=pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built"),
+        ),
+    ],
+)
+def replica(request: pytest.FixtureRequest) -> Iterator[None]:
+    _REPLICA[0] = request.param
+    yield
+    _REPLICA[0] = ReplicatedPrefixIndex
+
+
+def ix_(g: float = 0.0, cap: int = 1 << 20, max_age: float = 1e9, **kw: Any) -> Replica:
+    return _REPLICA[0](
         PrefixIndexConfig(capacity_blocks=cap, max_age_s=max_age),
         IndexReplConfig(digest_granularity_s=g, **kw),
     )
@@ -102,7 +127,7 @@ entry_maps = st.dictionaries(
 )
 
 
-def exported(ix: ReplicatedPrefixIndex) -> dict[tuple[int, str], float]:
+def exported(ix: Replica) -> dict[tuple[int, str], float]:
     return ix.export()
 
 
@@ -272,7 +297,7 @@ def test_a_conversation_routed_on_one_node_keeps_its_worker_on_another() -> None
 def test_memory_stays_bounded_under_200k_index_updates() -> None:
     cfg = PrefixIndexConfig(capacity_blocks=2000, max_age_s=60.0)
     repl = IndexReplConfig(digest_granularity_s=10.0, max_pending=5000)
-    a, b = ReplicatedPrefixIndex(cfg, repl), ReplicatedPrefixIndex(cfg, repl)
+    a, b = _REPLICA[0](cfg, repl), _REPLICA[0](cfg, repl)
     rng = random.Random(11)
     now = T0
     updates = 0

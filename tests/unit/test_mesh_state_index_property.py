@@ -1,10 +1,12 @@
-"""The mesh's prefix index on the run layout (hypothesis): replicas converge to the flat reference map
-(block, worker) -> last access under any delivery order, loss and duplication; locally it holds exactly
-what a ``RunPrefixIndex`` holds, with an incremental digest equal to a recomputation."""
+"""The mesh's prefix index, both replicas (the run layout in Python, the native one in C; hypothesis):
+replicas converge to the flat reference map (block, worker) -> last access under any delivery order, loss
+and duplication; locally each holds exactly what the local index of its layout holds, with an incremental
+digest equal to a recomputation."""
 
 from __future__ import annotations
 
 import msgpack  # type: ignore[import-untyped]
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +17,8 @@ from shepherd.mesh.state_index import (
     decode_index_body,
     encode_index_bodies,
 )
+from shepherd.mesh.state_index_native import NATIVE_INDEX, NativeReplicatedPrefixIndex
+from shepherd.policies.native_index import NativePrefixIndex
 from shepherd.policies.prefix_index import (
     PrefixIndex,
     PrefixIndexConfig,
@@ -24,6 +28,16 @@ from shepherd.policies.prefix_index import (
 )
 
 T0 = 1_000_000.0
+NATIVE = pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built")
+# each replica with the local index of the same layout (the same eviction order)
+REPLICAS = pytest.mark.parametrize(
+    ("Rep", "Local"),
+    [
+        pytest.param(ReplicatedPrefixIndex, RunPrefixIndex, id="runs"),
+        pytest.param(NativeReplicatedPrefixIndex, NativePrefixIndex, id="native", marks=NATIVE),
+    ],
+)
+Replica = type[ReplicatedPrefixIndex] | type[NativeReplicatedPrefixIndex]
 WORKERS = ["a", "b", "c"]
 NODES = 3
 
@@ -60,17 +74,22 @@ def slots(entries: dict[tuple[int, str], float], g: float) -> dict[tuple[int, st
     return {k: (t // g if g > 0 else t) for k, t in entries.items()}
 
 
+@REPLICAS
 @settings(max_examples=120, deadline=None)
 @given(ops=ops, g=st.sampled_from([0.0, 7.0]), seed=st.integers(0, 1 << 16))
-def test_run_replicas_converge_to_the_flat_reference(
-    ops: list[tuple[str, int, list[int], str, int]], g: float, seed: int
+def test_replicas_converge_to_the_flat_reference(
+    Rep: Replica,
+    Local: type[PrefixIndex],
+    ops: list[tuple[str, int, list[int], str, int]],
+    g: float,
+    seed: int,
 ) -> None:
     """Each node's local updates also go to a flat ``PrefixIndex`` of its own; whatever was delivered
     in whatever order (duplicated, lost, snapshots, direct merges), after digest repair every replica
     holds the max-merge of the flat references (exactly with granularity 0, up to the time slot
     otherwise), with equal digests."""
     big = PrefixIndexConfig(capacity_blocks=1 << 20, max_age_s=1e9)
-    reps = [ReplicatedPrefixIndex(big, IndexReplConfig(digest_granularity_s=g)) for _ in range(NODES)]
+    reps = [Rep(big, IndexReplConfig(digest_granularity_s=g)) for _ in range(NODES)]
     flats = [PrefixIndex(big) for _ in range(NODES)]
     inflight: list[tuple[int, list[Group]]] = []
     now = T0
@@ -137,15 +156,16 @@ local_ops = st.lists(
 )
 
 
+@REPLICAS
 @settings(max_examples=150, deadline=None)
 @given(local_ops, st.integers(1, 12), st.sampled_from([0.0, 3.0]))
-def test_the_mesh_index_holds_what_a_run_index_holds(
-    acts: list[tuple[str, list[int], str, int]], cap: int, g: float
+def test_the_mesh_index_holds_what_its_local_layout_holds(
+    Rep: Replica, Local: type[PrefixIndex], acts: list[tuple[str, list[int], str, int]], cap: int, g: float
 ) -> None:
-    """Same updates (with eviction, expiry, removals, merges): the same entries as a ``RunPrefixIndex``,
-    and the incremental digest equals a recomputation after every step."""
+    """Same updates (with eviction, expiry, removals, merges): the same entries as the local index of the
+    same layout, and the incremental digest equals a recomputation after every step."""
     cfg = PrefixIndexConfig(capacity_blocks=cap, max_age_s=6.0)
-    runs, mesh = RunPrefixIndex(cfg), ReplicatedPrefixIndex(cfg, IndexReplConfig(digest_granularity_s=g))
+    runs, mesh = Local(cfg), Rep(cfg, IndexReplConfig(digest_granularity_s=g))
     seen: list[int] = []
     now = 0.0
     for kind, arg, w, x in acts:
