@@ -234,7 +234,8 @@ def main() -> None:
         "  built them from (what the node routes with); given: the block hashes computed beforehand"
     )
     wide = {name: max(11, len(name) + 6) for name in indexes}
-    print(f"{'':18s}" + "".join(f"{name + ' all':>{wide[name]}s}{'pieces':>8s}{'given':>8s}" for name in indexes))
+    head = (f"{name + ' all':>{wide[name]}s}{'pieces':>8s}{'given':>8s}" for name in indexes)
+    print(f"{'':18s}" + "".join(head))
     for kind, make in (("follow-up turn", followups), ("exact repeat", repeats), ("new conversation", news)):
         full = dict.fromkeys(indexes, float("inf"))
         pieces = dict.fromkeys(indexes, float("inf"))
@@ -252,7 +253,8 @@ def main() -> None:
                 seq += 1
                 pick_h = partial(_pick_hashed, index, workers, now[name])
                 given[name] = min(given[name], _chunked_us(pick_h, hashed(make(random.Random(seq))), drain))
-        print(f"{kind:18s}" + "".join(f"{full[n]:{wide[n]}.1f}{pieces[n]:8.1f}{given[n]:8.1f}" for n in indexes))
+        cells = (f"{full[n]:{wide[n]}.1f}{pieces[n]:8.1f}{given[n]:8.1f}" for n in indexes)
+        print(f"{kind:18s}" + "".join(cells))
     print("bar (issue 3): <= 20 µs per request, <= 150 bytes per live block")
 
 
