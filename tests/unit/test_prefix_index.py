@@ -11,7 +11,6 @@ import pytest
 
 from shepherd.mesh.state_index import ReplicatedPrefixIndex
 from shepherd.policies.block_names import PromptIds
-from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
 from shepherd.policies.prefix_index import (
     BLOCK_TOKENS,
     CHAIN_SEED,
@@ -21,23 +20,12 @@ from shepherd.policies.prefix_index import (
     block_hashes,
     merge_entries,
 )
+from tests.unit.index_layouts import LAYOUTS
 
 Index = type[PrefixIndex]
 
 
-NATIVE = pytest.param(
-    NativePrefixIndex, id="native", marks=pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built")
-)
-
-
-@pytest.fixture(
-    params=[
-        pytest.param(PrefixIndex, id="flat"),
-        pytest.param(RunPrefixIndex, id="runs"),
-        pytest.param(ReplicatedPrefixIndex, id="mesh"),
-        NATIVE,
-    ]
-)
+@pytest.fixture(params=LAYOUTS)
 def Ix(request: pytest.FixtureRequest) -> Index:
     cls: Index = request.param
     return cls

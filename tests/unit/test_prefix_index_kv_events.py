@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from shepherd.mesh.state_index import ReplicatedPrefixIndex
 from shepherd.policies.kv_events import KvEventApplier
-from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
-from shepherd.policies.prefix_index import PrefixIndex, RunPrefixIndex, block_hashes
+from shepherd.policies.prefix_index import PrefixIndex, block_hashes
+from tests.unit.index_layouts import LAYOUTS
 
 IDS = list(range(500, 596))  # 6 blocks of 16
 Index = type[PrefixIndex]
 
 
-NATIVE = pytest.param(
-    NativePrefixIndex, id="native", marks=pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built")
-)
-
-
-@pytest.fixture(
-    params=[
-        pytest.param(PrefixIndex, id="flat"),
-        pytest.param(RunPrefixIndex, id="runs"),
-        pytest.param(ReplicatedPrefixIndex, id="mesh"),
-        NATIVE,
-    ]
-)
+@pytest.fixture(params=LAYOUTS)
 def Ix(request: pytest.FixtureRequest) -> Index:
     cls: Index = request.param
     return cls

@@ -1,5 +1,6 @@
-"""Prefix index invariants (hypothesis): matching against a reference, the max-merge semilattice, both
-layouts (``PrefixIndex``, ``RunPrefixIndex``) against each other."""
+"""Prefix index invariants (hypothesis): matching against a reference, the max-merge semilattice, every
+layout (``tests.unit.index_layouts``) through the same checks, and the run and native layouts held to the
+flat one's state."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.mesh.state_index import ReplicatedPrefixIndex
 from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
 from shepherd.policies.prefix_index import (
     PrefixIndex,
@@ -16,20 +16,10 @@ from shepherd.policies.prefix_index import (
     block_hashes,
     merge_entries,
 )
+from tests.unit.index_layouts import LAYOUTS as LAYOUT_PARAMS
+from tests.unit.index_layouts import NATIVE
 
-NATIVE = pytest.param(
-    NativePrefixIndex, id="native", marks=pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built")
-)
-
-LAYOUTS = pytest.mark.parametrize(
-    "Ix",
-    [
-        pytest.param(PrefixIndex, id="flat"),
-        pytest.param(RunPrefixIndex, id="runs"),
-        pytest.param(ReplicatedPrefixIndex, id="mesh"),
-        NATIVE,
-    ],
-)
+LAYOUTS = pytest.mark.parametrize("Ix", LAYOUT_PARAMS)
 
 WORKERS = ["a", "b", "c"]
 
