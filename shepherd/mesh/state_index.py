@@ -225,8 +225,8 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
             b = wacc[slot] = [0, 0]
         b[0] += n
         b[1] += total
-        if b[0] == 0:
-            del wacc[slot]
+        if b[0] == 0 and b[1] == 0:  # not while a merge is part-way: a block named twice in one group
+            del wacc[slot]  # takes its term out of a bucket it has not reached yet (count 0, sum not)
             if not wacc:
                 del self._acc[worker]
 

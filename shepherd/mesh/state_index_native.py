@@ -82,7 +82,7 @@ class NativeReplicatedPrefixIndex(ReplicaApi, NativePrefixIndex):
         (worker, time, blocks); one request's blocks leave as one group."""
         out: list[Group] = []
         names = self._name_of
-        for s, t, kb, tb in self._core.take(-1 if limit is None else limit):
+        for s, t, kb, tb in self._core.take(-1 if limit is None else max(0, limit)):  # -1: all
             w = names[s]
             if w is None:  # pragma: no cover - the core skips the batches of a cleared slot
                 continue

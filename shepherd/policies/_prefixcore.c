@@ -429,7 +429,8 @@ static double py_floordiv(double vx, double wx) {
 static inline int64_t slot_of(const Repl *r, double t) {
     if (r->gran > 0) {
         double q = py_floordiv(t, r->gran);
-        return isfinite(q) && fabs(q) < 9.2e18 ? (int64_t)q : 0;
+        /* within int64 (q is integral): Python's int(t // g); beyond it (times no clock gives) slot 0 */
+        return q >= -9223372036854775808.0 && q < 9223372036854775808.0 ? (int64_t)q : 0;
     }
     if (t == 0) t = 0.0; /* -0.0 and 0.0 are one dict key in Python */
     int64_t k;
@@ -504,13 +505,16 @@ static inline void digest_term(Core *c, int slot, double t, int64_t key, int sig
     bucket_add(&c->repl->buckets[slot], slot_of(c->repl, t), sign, sign > 0 ? (uint64_t)key : (uint64_t)0 - (uint64_t)key);
 }
 
-/* room for a group of up to n keys, and n new buckets of ``slot`` */
-static int repl_reserve(Core *c, int slot, Py_ssize_t n) {
+/* room for a group of up to ``nkeys`` keys, and ``nbuckets`` new buckets of ``slot`` */
+static int repl_reserve(Core *c, int slot, Py_ssize_t nbuckets, Py_ssize_t nkeys) {
     Repl *r = c->repl;
-    if (buckets_reserve(&r->buckets[slot], n) < 0) return -1;
+    if (nbuckets && buckets_reserve(&r->buckets[slot], nbuckets) < 0) return -1;
     if (r->dg_head && r->dg_head == r->dg_len) { /* all taken: start over */
         r->dg_head = r->dg_len = r->dk_len = 0;
-    } else if (r->dg_head > 1024 && 2 * r->dg_head > r->dg_len) { /* the taken front: compacted */
+    } else if (r->dg_head && ((r->dg_head > 1024 && 2 * r->dg_head > r->dg_len) ||
+                              (r->dg[r->dg_head].start > 4096 && 2 * r->dg[r->dg_head].start > r->dk_len))) {
+        /* the taken (or dropped) front, by groups or by keys, compacted: the buffer stays within about
+         * twice what is pending, however large the groups */
         Py_ssize_t k0 = r->dg[r->dg_head].start;
         memmove(r->dg, r->dg + r->dg_head, (size_t)(r->dg_len - r->dg_head) * sizeof(DeltaGroup));
         r->dg_len -= r->dg_head;
@@ -523,7 +527,7 @@ static int repl_reserve(Core *c, int slot, Py_ssize_t n) {
         }
     }
     if (grow((void **)&r->dg, &r->dg_cap, r->dg_len + 1, sizeof(DeltaGroup), "delta groups") < 0) return -1;
-    return grow((void **)&r->dk, &r->dk_cap, r->dk_len + n, sizeof(int64_t), "delta keys");
+    return grow((void **)&r->dk, &r->dk_cap, r->dk_len + nkeys, sizeof(int64_t), "delta keys");
 }
 
 /* a group of ``slot`` at ``time`` (NaN: held times) opens; record() appends to it (room reserved) */
@@ -854,7 +858,7 @@ static Py_ssize_t insert_keys(Core *c, const int64_t *keys, Py_ssize_t n, int sl
     Worker *w = &c->workers[slot];
     Repl *r = c->repl;
     if (n > w->cap) n = w->cap; /* a prompt longer than the worker's cache: it keeps the leading blocks */
-    if (reserve(c, n) < 0 || (r != NULL && repl_reserve(c, slot, n) < 0)) return -1;
+    if (reserve(c, n) < 0 || (r != NULL && repl_reserve(c, slot, 1, n) < 0)) return -1;
     prefetch_chain(c, keys, n, slot);
     if (r == NULL) {
         for (Py_ssize_t i = n - 1; i >= 0; i--) { /* deepest first: the ancestors end nearer the head */
@@ -943,7 +947,10 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
         if (tv[i] == -1.0 && PyErr_Occurred()) goto fail;
     }
     Repl *r = c->repl;
-    if (reserve(c, n) < 0 || (r != NULL && repl_reserve(c, slot, n) < 0)) goto fail;
+    Py_ssize_t nslots = 0; /* an upper bound of the distinct time slots: 1 + the changes along the group */
+    for (Py_ssize_t i = 0; r != NULL && i < n; i++)
+        if (i == 0 || slot_of(r, tv[i]) != slot_of(r, tv[i - 1])) nslots++;
+    if (reserve(c, n) < 0 || (r != NULL && repl_reserve(c, slot, nslots, r->relay ? n : 0) < 0)) goto fail;
     Py_ssize_t changed = 0;
     Worker *w = &c->workers[slot];
     if (r != NULL && r->relay) group_open(c, slot, NAN);
@@ -1174,9 +1181,11 @@ fail:
 static PyObject *Core_digest(Core *c, PyObject *recompute) {
     Repl *r = need_repl(c);
     if (r == NULL) return NULL;
+    int full = PyObject_IsTrue(recompute); /* once: it may run Python code, or fail */
+    if (full < 0) return NULL;
     PyObject *out = PyDict_New();
     for (int s = 0; out != NULL && s < MAX_SLOTS; s++) {
-        if (!PyObject_IsTrue(recompute)) {
+        if (!full) {
             if (put_buckets(r, out, s, &r->buckets[s]) < 0) Py_CLEAR(out);
             continue;
         }
@@ -1261,7 +1270,7 @@ static PyObject *Core_queue(Core *c, PyObject *args) {
     Py_ssize_t n;
     int64_t *keys = keys_of(hs, &n);
     if (keys == NULL) return NULL;
-    if (repl_reserve(c, slot, n) < 0) {
+    if (repl_reserve(c, slot, 0, n) < 0) {
         PyMem_Free(keys);
         return NULL;
     }
@@ -1313,8 +1322,14 @@ static PyObject *Core_set_name(Core *c, PyObject *args) {
 static PyObject *Core_live(Core *c, PyObject *Py_UNUSED(ignored)) { return PyLong_FromSsize_t(c->live); }
 
 static PyObject *Core_nbytes(Core *c, PyObject *Py_UNUSED(ignored)) {
-    return PyLong_FromSsize_t(c->tsize * (Py_ssize_t)sizeof(Slot) + c->bcap * (Py_ssize_t)sizeof(Block) +
-                              c->ecap * (Py_ssize_t)sizeof(Entry));
+    Py_ssize_t n = c->tsize * (Py_ssize_t)sizeof(Slot) + c->bcap * (Py_ssize_t)sizeof(Block) +
+                   c->ecap * (Py_ssize_t)sizeof(Entry);
+    const Repl *r = c->repl;
+    if (r != NULL) {
+        n += (Py_ssize_t)sizeof(Repl) + r->dg_cap * (Py_ssize_t)sizeof(DeltaGroup) + r->dk_cap * (Py_ssize_t)sizeof(int64_t);
+        for (int s = 0; s < MAX_SLOTS; s++) n += r->buckets[s].size * (Py_ssize_t)sizeof(Bucket);
+    }
+    return PyLong_FromSsize_t(n);
 }
 
 static PyObject *Core_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
