@@ -58,7 +58,15 @@ from operator import floordiv, is_, not_
 from typing import Any
 
 from shepherd.mesh.hlc import StateDecodeError, expect_list, expect_str
-from shepherd.policies.prefix_index import PrefixIndexConfig, RunPrefixIndex, _Holder, _Run, _run_of, _Shared
+from shepherd.policies.prefix_index import (
+    PrefixIndexConfig,
+    RunPrefixIndex,
+    _Holder,
+    _Run,
+    _run_of,
+    _Shared,
+    by_worker,
+)
 
 __all__ = [
     "Digest",
@@ -142,6 +150,47 @@ class ReplicaApi:
 
     def _merge_group(self, worker: str, t: float | array[float], hs: Sequence[int]) -> int:
         raise NotImplementedError
+
+    def _replica_workers(self) -> Iterable[str]:
+        raise NotImplementedError
+
+    def _select(self, worker: str, slots: Collection[Slot] | None) -> tuple[Sequence[int], Sequence[float]]:
+        """The worker's entries in time slots ``slots`` (None: all), as keys and times (none if unknown)."""
+        raise NotImplementedError
+
+    def _queue_held(self, worker: str, keys: Sequence[int]) -> None:
+        """Buffer ``keys`` of ``worker`` for gossip at the times held when the batch is cut."""
+        raise NotImplementedError
+
+    def entries_in(self, sel: Mapping[str, Collection[Slot]] | None = None) -> list[Group]:
+        """Our entries of the (worker, time slot) buckets ``sel`` (None: all), one group per worker
+        with per-entry times (what a peer whose digest differs there needs)."""
+        out: list[Group] = []
+        for w in self._replica_workers():
+            slots = None if sel is None else sel.get(w)
+            if sel is not None and not slots:
+                continue
+            keys, times = self._select(w, slots)
+            if keys:
+                out.append((w, array("d", times), array("q", keys)))
+        return out
+
+    def queue_repair(self, sel: Mapping[str, Collection[Slot]], limit: int | None = None) -> int:
+        """Put our entries of the buckets ``sel`` in the delta buffer (repair by gossip), at most
+        ``limit``; returns how many."""
+        n = 0
+        for w, slots in sel.items():
+            if not slots:
+                continue
+            keys, _ = self._select(w, slots)
+            if limit is not None and n + len(keys) > limit:
+                keys = keys[: max(0, limit - n)]
+            if keys:
+                self._queue_held(w, keys)
+            n += len(keys)
+            if limit is not None and n >= limit:
+                break
+        return n
 
     def slot(self, t: float) -> Slot:
         g = self._g
@@ -372,14 +421,7 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
 
     def merge(self, entries: Mapping[tuple[int, str], float]) -> None:
         """Max-merge a peer's entries (no validation: ``apply_groups`` is the wire entry point)."""
-        by_worker: dict[str, tuple[list[int], list[float]]] = {}
-        for (h, w), t in entries.items():
-            g = by_worker.get(w)
-            if g is None:
-                g = by_worker[w] = ([], [])
-            g[0].append(h)
-            g[1].append(t)
-        for w, (hs, ts) in by_worker.items():
+        for w, (hs, ts) in by_worker(entries).items():
             self._merge_group(w, array("d", ts), hs)
 
     def _merge_group(self, worker: str, t: float | array[float], hs: Sequence[int]) -> int:
@@ -520,10 +562,18 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
                 out.append((w, array("d", ts), array("q", ks)))
         return out
 
-    def _select(self, holder: _Holder, slots: Collection[Slot] | None) -> tuple[list[int], list[float]]:
-        """The worker's entries in time slots ``slots`` (None: all), as keys and times."""
+    def _replica_workers(self) -> Iterable[str]:
+        return list(self._holders)
+
+    def _queue_held(self, worker: str, keys: Sequence[int]) -> None:
+        self._queue_keys(worker, list(keys))  # at the times held when cut
+
+    def _select(self, worker: str, slots: Collection[Slot] | None) -> tuple[list[int], list[float]]:
+        holder = self._holders.get(worker)
         ks: list[int] = []
         ts: list[float] = []
+        if holder is None:
+            return ks, ts
         g = self._g
         for run in holder.runs:
             keys, times = run.keys, run.times
@@ -544,36 +594,6 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
             ks += keys
             ts += times
         return ks, ts
-
-    def entries_in(self, sel: Mapping[str, Collection[Slot]] | None = None) -> list[Group]:
-        """Our entries of the (worker, time slot) buckets ``sel`` (None: all), one group per worker
-        with per-entry times (what a peer whose digest differs there needs)."""
-        out: list[Group] = []
-        for w, holder in self._holders.items():
-            slots = None if sel is None else sel.get(w)
-            if sel is not None and not slots:
-                continue
-            keys, times = self._select(holder, slots)
-            if keys:
-                out.append((w, array("d", times), array("q", keys)))
-        return out
-
-    def queue_repair(self, sel: Mapping[str, Collection[Slot]], limit: int | None = None) -> int:
-        """Put our entries of the buckets ``sel`` in the delta buffer (repair by gossip), at most
-        ``limit``; returns how many."""
-        n = 0
-        for w, slots in sel.items():
-            holder = self._holders.get(w)
-            if holder is None or not slots:
-                continue
-            keys, _ = self._select(holder, slots)
-            if limit is not None and n + len(keys) > limit:
-                keys = keys[: max(0, limit - n)]
-            self._queue_keys(w, keys)  # at the times held when cut
-            n += len(keys)
-            if limit is not None and n >= limit:
-                break
-        return n
 
 
 def _merge_new(hs: Sequence[int], ts: Iterable[float], new: dict[int, float]) -> None:

@@ -21,7 +21,7 @@ equal to a recomputation after any update).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 from shepherd.mesh.state_index import Digest, Group, IndexReplConfig, ReplicaApi, ReplicatedPrefixIndex, Slot
 from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
@@ -98,9 +98,17 @@ class NativeReplicatedPrefixIndex(ReplicaApi, NativePrefixIndex):
                 out.append((w, t, keys))
         return out
 
+    def _replica_workers(self) -> Iterable[str]:
+        return self.workers
+
+    def _queue_held(self, worker: str, keys: Sequence[int]) -> None:
+        self._core.queue(self._slot[worker], keys)
+
     def _select(self, worker: str, slots: Collection[Slot] | None) -> tuple[array[int], array[float]]:
-        """The worker's entries in time slots ``slots`` (None: all), as keys and times."""
-        kb, tb = self._core.entries(self._slot[worker])
+        s = self._slot.get(worker)
+        if s is None:
+            return array("q"), array("d")
+        kb, tb = self._core.entries(s)
         keys, times = _q(kb), _d(tb)
         if slots is None:
             return keys, times
@@ -108,64 +116,12 @@ class NativeReplicatedPrefixIndex(ReplicaApi, NativePrefixIndex):
         sel = [i for i, x in enumerate(times) if slot(x) in slots]  # bounded by the worker's entries
         return array("q", [keys[i] for i in sel]), array("d", [times[i] for i in sel])
 
-    def entries_in(self, sel: Mapping[str, Collection[Slot]] | None = None) -> list[Group]:
-        """Our entries of the (worker, time slot) buckets ``sel`` (None: all), one group per worker
-        with per-entry times (what a peer whose digest differs there needs)."""
-        out: list[Group] = []
-        for w in self.workers:
-            slots = None if sel is None else sel.get(w)
-            if sel is not None and not slots:
-                continue
-            keys, times = self._select(w, slots)
-            if keys:
-                out.append((w, times, keys))
-        return out
-
-    def queue_repair(self, sel: Mapping[str, Collection[Slot]], limit: int | None = None) -> int:
-        """Put our entries of the buckets ``sel`` in the delta buffer (repair by gossip), at most
-        ``limit``; returns how many."""
-        n = 0
-        for w, slots in sel.items():
-            s = self._slot.get(w)
-            if s is None or not slots:
-                continue
-            keys, _ = self._select(w, slots)
-            if limit is not None and n + len(keys) > limit:
-                keys = keys[: max(0, limit - n)]
-            if keys:
-                self._core.queue(s, keys)  # at the times held when cut
-            n += len(keys)
-            if limit is not None and n >= limit:
-                break
-        return n
-
-    # -- merges -------------------------------------------------------------------------------------
-
-    def merge(self, entries: Mapping[tuple[int, str], float]) -> None:
-        """Max-merge a peer's entries (no validation: ``apply_groups`` is the wire entry point)."""
-        by_worker: dict[str, tuple[list[int], list[float]]] = {}
-        for (h, w), t in entries.items():
-            g = by_worker.get(w)
-            if g is None:
-                g = by_worker[w] = ([], [])
-            g[0].append(h)
-            g[1].append(t)
-        for w, (hs, ts) in by_worker.items():
-            self._merge_group(w, array("d", ts), hs)
+    # -- merges (``merge`` is NativePrefixIndex's: the core keeps the digest) ------------------------
 
     def _merge_group(self, worker: str, t: float | array[float], hs: Sequence[int]) -> int:
         """Max-merge blocks ``hs`` of ``worker`` at ``t`` (one time, or one per block); returns how many
         entries changed. Names outside 64 bits are never held (skipped)."""
-        if not len(hs):
-            return 0
-        s = self._slot.get(worker)
-        if s is None:
-            s = self._add_slot(worker)
-            if s is None:
-                return 0
-        ts: Sequence[float] = [t] * len(hs) if isinstance(t, float) else t
-        keys, times = self._in_range(hs, ts)
-        return self._core.merge(s, keys, times)
+        return self._merge_worker(worker, hs, [t] * len(hs) if isinstance(t, float) else t) if len(hs) else 0
 
 
 Replica = ReplicatedPrefixIndex | NativeReplicatedPrefixIndex

@@ -694,38 +694,15 @@ static inline int key_of(PyObject *o, int64_t *key) {
     return 0;
 }
 
-/* the names of ``hs`` (a sequence of ints) as int64s in a PyMem buffer the caller frees */
-static int64_t *keys_of(PyObject *hs, Py_ssize_t *n) {
+/* the names of ``hs`` (a sequence of ints) as int64s in a PyMem buffer the caller frees. Without ``bad`` a
+ * name outside 64 bits is an OverflowError; with it, such names are flagged in *bad (allocated only when
+ * there is one, freed by the caller) rather than refused: a lookup of them finds nothing */
+static int64_t *keys_of(PyObject *hs, Py_ssize_t *n, uint8_t **bad) {
     PyObject *seq = as_stable(hs, "block names must be a sequence", 0);
     if (seq == NULL) return NULL;
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     int64_t *keys = PyMem_Malloc((size_t)(m ? m : 1) * sizeof(int64_t));
-    if (keys == NULL) {
-        Py_DECREF(seq);
-        PyErr_NoMemory();
-        return NULL;
-    }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < m; i++) {
-        if (key_of(items[i], &keys[i]) < 0) {
-            PyMem_Free(keys);
-            Py_DECREF(seq);
-            return NULL;
-        }
-    }
-    Py_DECREF(seq);
-    *n = m;
-    return keys;
-}
-
-/* the names of ``hs`` as int64s (a PyMem buffer the caller frees), names outside 64 bits flagged in *bad
- * (allocated only when there is one) rather than refused: a lookup of them finds nothing */
-static int64_t *keys_lenient(PyObject *hs, Py_ssize_t *n, uint8_t **bad) {
-    PyObject *seq = as_stable(hs, "block names must be a sequence", 0);
-    if (seq == NULL) return NULL;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
-    int64_t *keys = PyMem_Malloc((size_t)(m ? m : 1) * sizeof(int64_t));
-    *bad = NULL;
+    if (bad != NULL) *bad = NULL;
     if (keys == NULL) {
         Py_DECREF(seq);
         PyErr_NoMemory();
@@ -734,7 +711,8 @@ static int64_t *keys_lenient(PyObject *hs, Py_ssize_t *n, uint8_t **bad) {
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < m; i++) {
         if (key_of(items[i], &keys[i]) == 0) continue;
-        if (PyErr_ExceptionMatches(PyExc_OverflowError) && (*bad != NULL || (*bad = PyMem_Calloc((size_t)m, 1)))) {
+        if (bad != NULL && PyErr_ExceptionMatches(PyExc_OverflowError) &&
+            (*bad != NULL || (*bad = PyMem_Calloc((size_t)m, 1)) != NULL)) {
             PyErr_Clear();
             (*bad)[i] = 1;
             keys[i] = 0;
@@ -742,8 +720,10 @@ static int64_t *keys_lenient(PyObject *hs, Py_ssize_t *n, uint8_t **bad) {
         }
         if (!PyErr_Occurred()) PyErr_NoMemory();
         PyMem_Free(keys);
-        PyMem_Free(*bad);
-        *bad = NULL;
+        if (bad != NULL) {
+            PyMem_Free(*bad);
+            *bad = NULL;
+        }
         Py_DECREF(seq);
         return NULL;
     }
@@ -829,7 +809,7 @@ fail:
 static PyObject *Core_match(Core *c, PyObject *hs) {
     Py_ssize_t n;
     uint8_t *bad;
-    int64_t *keys = keys_lenient(hs, &n, &bad);
+    int64_t *keys = keys_of(hs, &n, &bad);
     if (keys == NULL) return NULL;
     PyObject *out = match_keys(c, keys, bad, n);
     PyMem_Free(keys);
@@ -900,7 +880,7 @@ static PyObject *Core_insert(Core *c, PyObject *args) {
     int slot;
     if (!PyArg_ParseTuple(args, "OOd:insert", &hs, &slot_o, &now) || get_slot(slot_o, &slot) < 0) return NULL;
     Py_ssize_t n;
-    int64_t *keys = keys_of(hs, &n);
+    int64_t *keys = keys_of(hs, &n, NULL);
     if (keys == NULL) return NULL;
     Py_ssize_t gone = insert_keys(c, keys, n, slot, now);
     PyMem_Free(keys);
@@ -925,7 +905,7 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOO:merge", &slot_o, &hs, &times) || get_slot(slot_o, &slot) < 0) return NULL;
     Py_ssize_t n;
     double *tv = NULL;
-    int64_t *keys = keys_of(hs, &n);
+    int64_t *keys = keys_of(hs, &n, NULL);
     if (keys == NULL) return NULL;
     PyObject *ts = as_stable(times, "times must be a sequence", 1);
     if (ts == NULL || PySequence_Fast_GET_SIZE(ts) != n) {
@@ -1006,7 +986,7 @@ static PyObject *Core_remove(Core *c, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OO:remove", &hs, &slot_o) || get_slot(slot_o, &slot) < 0) return NULL;
     Py_ssize_t n, gone = 0;
     uint8_t *bad;
-    int64_t *keys = keys_lenient(hs, &n, &bad);
+    int64_t *keys = keys_of(hs, &n, &bad);
     if (keys == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (bad != NULL && bad[i]) continue; /* outside 64 bits: never held */
@@ -1268,7 +1248,7 @@ static PyObject *Core_queue(Core *c, PyObject *args) {
     Repl *r = need_repl(c);
     if (r == NULL || !PyArg_ParseTuple(args, "OO:queue", &slot_o, &hs) || get_slot(slot_o, &slot) < 0) return NULL;
     Py_ssize_t n;
-    int64_t *keys = keys_of(hs, &n);
+    int64_t *keys = keys_of(hs, &n, NULL);
     if (keys == NULL) return NULL;
     if (repl_reserve(c, slot, 0, n) < 0) {
         PyMem_Free(keys);

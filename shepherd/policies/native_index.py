@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 
-from shepherd.policies.prefix_index import BLOCK_TOKENS, Entries, PrefixIndex, PrefixIndexConfig
+from shepherd.policies.prefix_index import BLOCK_TOKENS, Entries, PrefixIndex, PrefixIndexConfig, by_worker
 
 try:
     from shepherd.policies._prefixcore import MAX_SLOTS, Core
@@ -94,22 +94,14 @@ class NativePrefixIndex(PrefixIndex):
             self._named = None  # other ids named since: like PrefixIndex's one-slot cache, forget the match's
             self.insert_blocks(self.hashes(ids), worker, now)
             return
-        s = self._slot.get(worker)
-        if s is None:
-            s = self._add_slot(worker)
-            if s is None:
-                return
-        self._core.insert_named(s, now)
+        s = self._slot_of(worker)
+        if s is not None:
+            self._core.insert_named(s, now)
 
     def insert_blocks(self, hs: Sequence[int], worker: str, now: float) -> None:
-        if not hs:
-            return
-        s = self._slot.get(worker)
-        if s is None:
-            s = self._add_slot(worker)
-            if s is None:
-                return
-        self._core.insert(hs, s, now)
+        s = self._slot_of(worker) if hs else None
+        if s is not None:
+            self._core.insert(hs, s, now)
 
     def remove_blocks(self, hs: Iterable[int], worker: str) -> None:
         s = self._slot.get(worker)
@@ -142,22 +134,15 @@ class NativePrefixIndex(PrefixIndex):
         return self._core.export(since)
 
     def merge(self, entries: Mapping[tuple[int, str], float]) -> None:
-        groups: dict[str, tuple[list[int], list[float]]] = {}
-        for (h, w), t in entries.items():
-            g = groups.get(w)
-            if g is None:
-                g = groups[w] = ([], [])
-            g[0].append(h)
-            g[1].append(t)
-        for w, (hs, ts) in groups.items():
-            s = self._slot.get(w)
-            if s is None:
-                s = self._add_slot(w)
-                if s is None:
-                    continue
-            self._core.merge(s, *self._in_range(hs, ts))
+        for w, (hs, ts) in by_worker(entries).items():
+            self._merge_worker(w, hs, ts)
 
     # -- internals ----------------------------------------------------------------------------------
+
+    def _merge_worker(self, worker: str, hs: Sequence[int], ts: Sequence[float]) -> int:
+        """Max-merge blocks ``hs`` of ``worker`` at times ``ts``; returns how many entries changed."""
+        s = self._slot_of(worker)
+        return 0 if s is None else self._core.merge(s, *self._in_range(hs, ts))
 
     @staticmethod
     def _in_range(hs: Sequence[int], ts: Sequence[float]) -> tuple[Sequence[int], Sequence[float]]:
@@ -167,7 +152,10 @@ class NativePrefixIndex(PrefixIndex):
         keep = [i for i, h in enumerate(hs) if -_I64 <= h < _I64]
         return [hs[i] for i in keep], [ts[i] for i in keep]
 
-    # -- internals ----------------------------------------------------------------------------------
+    def _slot_of(self, worker: str) -> int | None:
+        """The worker's slot, given one on first use (None: all 64 are taken)."""
+        s = self._slot.get(worker)
+        return self._add_slot(worker) if s is None else s
 
     def _add_slot(self, worker: str) -> int | None:
         if not self._free:

@@ -67,6 +67,18 @@ _consume: Callable[[Iterable[object]], None] = _sink.extend  # runs an iterator 
 Entries = dict[tuple[int, str], float]
 
 
+def by_worker(entries: Mapping[tuple[int, str], float]) -> dict[str, tuple[list[int], list[float]]]:
+    """Replicated entries grouped per worker: its blocks and their times, in the entries' order."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for (h, w), t in entries.items():
+        g = out.get(w)
+        if g is None:
+            g = out[w] = ([], [])
+        g[0].append(h)
+        g[1].append(t)
+    return out
+
+
 def merge_entries(a: Mapping[tuple[int, str], float], b: Mapping[tuple[int, str], float]) -> Entries:
     """Max-merge of two replicated states: commutative, associative, idempotent."""
     out = dict(a)
