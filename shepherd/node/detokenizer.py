@@ -27,10 +27,13 @@ from __future__ import annotations
 import json
 import weakref
 from collections.abc import Sequence, Set
+from operator import itemgetter
 from typing import Final
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+from shepherd.node.fast_decode import ByteDecoder
 
 __all__ = ["IncrementalDetokenizer"]
 
@@ -43,9 +46,11 @@ _MAX_PARTIAL_IDS: Final = 4  # a UTF-8 character spans at most 4 bytes, so at mo
 class _TokenizerInfo:
     """What the detokenizer needs to know about a tokenizer, computed once per tokenizer object."""
 
-    __slots__ = ("_known", "added", "needs_context", "special", "vocab_size")
+    __slots__ = ("_bytes", "_known", "_tok", "added", "needs_context", "special", "vocab_size")
 
     def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = weakref.ref(tokenizer)
+        self._bytes: ByteDecoder | None = None
         added = tokenizer.get_added_tokens_decoder()
         self.added: dict[int, str] = {i: t.content for i, t in added.items()}
         self.special: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
@@ -55,6 +60,17 @@ class _TokenizerInfo:
         # from the prompt cannot change the output text (priming would cost 2-3 decodes per request).
         # Metaspace/Strip/Replace/WordPiece decoders depend on what comes before: they get context.
         self.needs_context: bool = not _byte_level_only(tokenizer)
+
+    def byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
+        """Each id's bytes, when ``fast_decode.ByteDecoder`` was built for this tokenizer (the node
+        builds it at start; None otherwise, looked up again next time)."""
+        fast = self._bytes
+        if fast is None:
+            tok = self._tok()
+            fast = self._bytes = ByteDecoder.built_for(tok) if tok is not None else None
+            if fast is None:
+                return None
+        return fast.table(skip_special_tokens)
 
     def adds_to_special(self, ids: Set[int]) -> bool:
         """Whether ``ids`` holds an id not in ``special`` (cached per set object: callers pass the
@@ -121,6 +137,11 @@ class IncrementalDetokenizer:
     ``spaces_between_special_tokens=False`` (with ``skip_special_tokens=False``) renders consecutive
     added tokens without a separating space; tokenizers with a decoder never insert one anyway, so it
     only changes the output of decoder-less tokenizers (vLLM's behaviour).
+
+    Byte-level tokenizers with a ``fast_decode.ByteDecoder`` built (``use_byte_table``) are stepped from
+    each id's bytes instead of through DecodeStream, with the same results: the held bytes are decoded
+    (lossy UTF-8, as HF's ByteLevel decoder does) and emitted once the text does not end in U+FFFD, as
+    DecodeStream emits; a hold past ``_MAX_PENDING`` ids hands over to the DecodeStream path for good.
     """
 
     __slots__ = (
@@ -130,11 +151,13 @@ class IncrementalDetokenizer:
         "_drop_extra",
         "_emitted",
         "_finished",
+        "_held",
         "_ids",
         "_last_added",
         "_parts",
         "_skip",
         "_stream",
+        "_table",
         "_tok",
         "_vocab",
     )
@@ -147,6 +170,7 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
         special_ids: Set[int] | None = None,
         prompt_ids: Sequence[int] | None = None,
+        use_byte_table: bool = True,
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
@@ -166,7 +190,17 @@ class IncrementalDetokenizer:
         self._emitted = 0  # ids[:emitted] have produced all their text
         self._parts: list[str] = []
         self._finished = False
+        # byte-level with a byte table: ids[emitted:]'s bytes, held until they end a character
+        self._table: list[bytes] | None = None
+        self._held = b""
+        if use_byte_table and self._added is None and not info.needs_context:
+            self._table = info.byte_table(skip_special_tokens)
         context: list[int] = []
+        self._context = context  # left context before the first output id
+        # None while the byte table serves (a DecodeStream is made if it hands over)
+        self._stream: DecodeStream | None = None
+        if self._table is not None:
+            return
         stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         if prompt_ids and info.needs_context:
             context = self._kept(prompt_ids[-_CONTEXT_WINDOWS[0] :])
@@ -175,7 +209,7 @@ class IncrementalDetokenizer:
             if not context or stream.step(tokenizer, context) is None:
                 context = self._context_from(prompt_ids)
                 stream = self._primed(context)
-        self._context = context  # left context before the first output id
+        self._context = context
         self._stream = stream
 
     # -- public -----------------------------------------------------------------------------------
@@ -228,8 +262,27 @@ class IncrementalDetokenizer:
                 ids = list(ids)
             all_ids = self._ids
             all_ids.extend(ids)
+            table = self._table
+            if table is not None:  # DecodeStream's rule on the held bytes: emit unless it ends in U+FFFD
+                held = self._held + (b"".join(itemgetter(*ids)(table)) if len(ids) > 1 else table[ids[0]])
+                out = held.decode("utf-8", "replace")
+                if out and out[-1] != REPLACEMENT_CHAR:
+                    self._held = b""
+                    self._emitted = len(all_ids)
+                elif len(all_ids) - self._emitted <= _MAX_PENDING:
+                    self._held = held
+                    return ""
+                else:  # a long hold (invalid bytes, literal U+FFFD): the DecodeStream path from here on
+                    self._table = None
+                    self._held = b""
+                    out = self._flush_pending()
+                if out:
+                    self._parts.append(out)
+                return out
+            stream = self._stream
+            assert stream is not None  # made in __init__ or by the hand-over (_flush_pending)
             try:
-                piece = self._stream.step(self._tok, ids[0] if len(ids) == 1 else ids)
+                piece = stream.step(self._tok, ids[0] if len(ids) == 1 else ids)
             except Exception:  # DecodeStream "invalid prefix" (byte-fallback garbage): restart
                 piece = self._flush_pending()
             else:
@@ -254,7 +307,11 @@ class IncrementalDetokenizer:
         self._finished = True
         if self._emitted == len(self._ids):
             return ""
-        out = self._decode_after(self._left_context(), self._ids[self._emitted :])
+        if self._table is not None:  # the held bytes follow a clean cut: their text is theirs alone
+            out = self._held.decode("utf-8", "replace")
+            self._held = b""
+        else:
+            out = self._decode_after(self._left_context(), self._ids[self._emitted :])
         self._emitted = len(self._ids)
         if out:
             self._parts.append(out)
@@ -264,8 +321,10 @@ class IncrementalDetokenizer:
 
     def _step(self, ids: list[int]) -> str:
         self._ids.extend(ids)
+        stream = self._stream
+        assert stream is not None  # not reached while the byte table serves
         try:
-            out = self._stream.step(self._tok, ids[0] if len(ids) == 1 else ids)
+            out = stream.step(self._tok, ids[0] if len(ids) == 1 else ids)
         except Exception:  # DecodeStream "invalid prefix" (byte-fallback garbage): restart the stream
             return self._flush_pending()
         if out is None:

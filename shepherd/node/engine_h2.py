@@ -162,6 +162,7 @@ class GrpcStream(h2.H2Stream):
         self._headers_seen = False
         self._partial = bytearray()  # an incomplete message (prefix included)
         self._need = 0  # total bytes of that message once its prefix is known, else 0
+        self.grpc_messages = self.messages  # whole messages straight from the frame loop (no partial)
 
     # consumer side
 
@@ -192,6 +193,7 @@ class GrpcStream(h2.H2Stream):
         if self.done:
             return
         self.done = True
+        self.grpc_messages = None
         self.code = code
         self.details = details
         if self.timer is not None:
@@ -249,6 +251,10 @@ class GrpcStream(h2.H2Stream):
             return
         self._finish(code, details)
 
+    def on_grpc_messages(self) -> None:
+        if self._waiter is not None:
+            self._wake()
+
     def on_data(self, buf: bytes, start: int, end: int, end_stream: bool) -> None:
         if self.done:
             return
@@ -290,6 +296,7 @@ class GrpcStream(h2.H2Stream):
             start = mend
         if start < end:
             self._partial = bytearray(buf[start:end])
+        self.grpc_messages = None if self._partial else msgs
         if msgs and self._waiter is not None:
             self._wake()
         if end_stream:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import weakref
 from collections.abc import Sequence
 from operator import itemgetter
 
@@ -44,8 +45,29 @@ class ByteDecoder:
             return b"".join(itemgetter(*ids)(table)).decode("utf-8", "replace")
         return table[ids[0]].decode("utf-8", "replace") if ids else ""
 
+    def table(self, skip_special_tokens: bool) -> list[bytes]:
+        """Each id's bytes (special tokens' empty when ``skip_special_tokens``): what ``decode`` joins."""
+        return self._plain if skip_special_tokens else self._all
+
+    @classmethod
+    def built_for(cls, hf: tokenizers.Tokenizer) -> ByteDecoder | None:
+        """The decoder ``build(hf)`` made for this tokenizer object, if it was called and succeeded
+        (never builds: the node builds once at start; others fall back to HF's decode)."""
+        return _BUILT.get(hf)
+
     @classmethod
     def build(cls, hf: tokenizers.Tokenizer, seed: int = 0) -> ByteDecoder | None:
+        """A checked decoder for ``hf``, or None; with the default seed, built once per tokenizer object
+        (later calls, and ``built_for``, return that one)."""
+        if seed == 0 and hf in _BUILT:
+            return _BUILT[hf]
+        fast = cls._build(hf, seed)
+        if seed == 0:
+            _BUILT[hf] = fast
+        return fast
+
+    @classmethod
+    def _build(cls, hf: tokenizers.Tokenizer, seed: int) -> ByteDecoder | None:
         decoder = hf.decoder
         if decoder is None:
             return None
@@ -93,3 +115,7 @@ class ByteDecoder:
                 if self.decode(seq, skip) != hf.decode(seq, skip_special_tokens=skip):
                     return False
         return True
+
+
+# tokenizer object -> its checked decoder (None: refused), from ``build`` with the default seed
+_BUILT: weakref.WeakKeyDictionary[tokenizers.Tokenizer, ByteDecoder | None] = weakref.WeakKeyDictionary()

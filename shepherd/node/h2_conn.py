@@ -84,6 +84,7 @@ MAX_STREAM_ID = 2**31 - 1
 LOCAL_WINDOW = 16 * 1024 * 1024
 
 _HDR = struct.Struct(">HBBBI")  # length as 16 + 8 bits, type, flags, stream id
+_HDR_MSG = struct.Struct(">HBBBIBI")  # a frame header and the gRPC message prefix after it (flag, length)
 _U32 = struct.Struct(">I")
 _SETTING = struct.Struct(">HI")
 _GOAWAY = struct.Struct(">II")
@@ -303,6 +304,7 @@ class H2Stream:
         "_pending",
         "_pending_off",
         "conn",
+        "grpc_messages",
         "local_closed",
         "recv_unacked",
         "remote_closed",
@@ -319,6 +321,13 @@ class H2Stream:
         self.remote_closed = False
         self._pending = b""
         self._pending_off = 0
+        # A stream that takes whole gRPC messages sets this while it holds no partial one: DATA frames
+        # (no flags) that carry exactly one uncompressed message then skip ``on_data``, their messages
+        # (prefix stripped) are appended here, and ``on_grpc_messages`` follows each run of them.
+        self.grpc_messages: collections.deque[bytes] | None = None
+
+    def on_grpc_messages(self) -> None:
+        """Messages were appended to ``grpc_messages``."""
 
     def on_headers(self, headers: Headers, end_stream: bool) -> None:
         """A complete header block (response headers, or trailers when ``end_stream``)."""
@@ -529,6 +538,12 @@ class H2Connection:
                     start += 1
                 s = streams.get(sid)
                 if s is not None:
+                    sink = s.grpc_messages
+                    if sink is not None and not flags:
+                        taken = self._grpc_run(s, sink, data, start - 9, length, sid)
+                        if taken != start - 9:
+                            off = taken
+                            continue
                     es = bool(flags & FLAG_END_STREAM)
                     if not es:
                         s.recv_unacked += length
@@ -568,6 +583,49 @@ class H2Connection:
                     self._headers(csid, b"".join(parts), es)
             else:
                 self._control(ftype, flags, sid, data[start:end])
+        return off
+
+    def _grpc_run(
+        self, s: H2Stream, sink: collections.deque[bytes], data: bytes, off: int, counted: int, sid: int
+    ) -> int:
+        """The DATA frames of stream ``sid`` from ``data[off]`` on (the first one without flags, its
+        ``counted`` bytes already counted against the connection window) that each hold exactly one
+        whole uncompressed gRPC message: their messages go to ``sink`` in one loop. Returns the offset
+        of the first frame not taken, ``off`` if none (such a frame is parsed as usual)."""
+        taken = len(sink)
+        start = off
+        n = len(data)
+        unpack = _HDR_MSG.unpack_from
+        while n - off >= 14:  # bounded by the data
+            hi, lo, ftype, flags, fsid, compressed, mlen = unpack(data, off)
+            length = (hi << 8) | lo
+            # the same stream (reserved bit clear), no flags, exactly one uncompressed message, whole
+            if (
+                ftype
+                or flags
+                or fsid != sid
+                or compressed
+                or mlen + 5 != length
+                or length > DEFAULT_MAX_FRAME
+            ):
+                break
+            end = off + 9 + length
+            if end > n:
+                break
+            sink.append(data[off + 14 : end])
+            off = end
+        if off == start:
+            return off
+        flowed = off - start - 9 * (len(sink) - taken)  # the frames' payload bytes
+        self.conn_recv_unacked += flowed - counted
+        s.recv_unacked += flowed
+        if s.recv_unacked >= self._credit_threshold:
+            self._write(window_update_frame(sid, s.recv_unacked))
+            s.recv_unacked = 0
+        if self.conn_recv_unacked >= self._credit_threshold:
+            self._write(window_update_frame(0, self.conn_recv_unacked))
+            self.conn_recv_unacked = 0
+        s.on_grpc_messages()
         return off
 
     def _headers(self, sid: int, block: bytes, end_stream: bool) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
 
@@ -23,20 +23,49 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 class _Chunks:
     """Stream events of one response; the fixed head is encoded once. Subclasses name the object and
-    the per-choice delta field (``"delta":{"content":...}`` for chat, ``"text":...`` for completions)."""
+    the per-choice delta field (``"delta":{"content":...}`` for chat, ``"text":...`` for completions).
 
-    __slots__ = ("_head",)
+    Choice 0 without logprobs (the usual stream) takes prefixes built with the head: one concatenation
+    per event instead of a formatting pass (the same bytes)."""
+
+    __slots__ = ("_content0", "_head")
     OBJECT = ""
     CONTENT = b""  # what precedes the JSON text of a content event
     CONTENT_END = b""  # what follows it
     EMPTY = b""  # the delta of a finish event
+    _OBJECT_CREATED = b""  # the JSON between the id and the created time (set per subclass)
+    _CONTENT_TAIL = b""  # what follows a content event's text without logprobs
+    _FINISH_HEAD = b""  # what follows a finish event's index
+    _FINISH_TAILS: ClassVar[dict[str, bytes]] = {}  # reason -> a finish event's rest, no matched stop
+
+    def __init_subclass__(cls) -> None:
+        cls._OBJECT_CREATED = b',"object":' + _dumps(cls.OBJECT) + b',"created":'
+        cls._CONTENT_TAIL = cls.CONTENT_END + b',"logprobs":null,"finish_reason":null}]}\n\n'
+        cls._FINISH_HEAD = b"," + cls.EMPTY + b',"logprobs":null,"finish_reason":'
+        cls._FINISH_TAILS = {}
 
     def __init__(self, rid: str, created: int, model: str) -> None:
-        head = _dumps({"id": rid, "object": self.OBJECT, "created": created, "model": model})
-        self._head = b"data: " + head[:-1] + b',"choices":[{"index":'
+        # the JSON object {"id","object","created","model"} without its closing brace, as orjson writes it
+        self._head = b"".join(
+            (
+                b'data: {"id":',
+                _dumps(rid),
+                self._OBJECT_CREATED,
+                _dumps(created),
+                b',"model":',
+                _dumps(model),
+                b',"choices":[{"index":',
+            )
+        )
+        self._content0 = self._head + b"0," + self.CONTENT
 
     def content(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
-        lp = b"null" if logprobs is None else _dumps(logprobs)
+        if logprobs is None:
+            if index == 0:
+                return self._content0 + _dumps(text) + self._CONTENT_TAIL
+            lp = b"null"
+        else:
+            lp = _dumps(logprobs)
         return b'%s%d,%s%s%s,"logprobs":%s,"finish_reason":null}]}\n\n' % (
             self._head,
             index,
@@ -47,6 +76,13 @@ class _Chunks:
         )
 
     def finish(self, index: int, reason: str, matched: str | int | None = None) -> bytes:
+        if matched is None:
+            tail = self._FINISH_TAILS.get(reason)
+            if tail is None:
+                tail = _dumps(reason) + b',"matched_stop":null}]}\n\n'
+                if len(self._FINISH_TAILS) < 32:  # a handful of reasons
+                    self._FINISH_TAILS[reason] = tail
+            return b"%s%d%s%s" % (self._head, index, self._FINISH_HEAD, tail)
         return b'%s%d,%s,"logprobs":null,"finish_reason":%s,"matched_stop":%s}]}\n\n' % (
             self._head,
             index,
@@ -57,6 +93,17 @@ class _Chunks:
 
     def usage(self, u: dict[str, Any]) -> bytes:
         return self._head[: -len(b'[{"index":')] + b'[],"usage":' + _dumps(u) + b"}\n\n"
+
+    def usage_of(self, prompt: int, completion: int, cached: int) -> bytes:
+        """``usage(usage(prompt, completion, cached))`` for int counts, without the dicts."""
+        return b'%s[],"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,%s%d}}}\n\n' % (
+            self._head[: -len(b'[{"index":')],
+            prompt,
+            completion,
+            prompt + completion,
+            b'"prompt_tokens_details":{"cached_tokens":',
+            cached,
+        )
 
 
 class ChatChunks(_Chunks):

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from shepherd.node.detokenizer import IncrementalDetokenizer
+from shepherd.node.fast_decode import ByteDecoder
 from tests.helpers_tokenizers import ALL, BYTE_LEVEL, load, piece, special_ids, token_id
 
 FFFD = "\ufffd"
@@ -334,3 +335,63 @@ def test_tuple_input_and_empty_steps() -> None:
     assert detok.step(ids) == "Hi there"
     assert detok.token_ids == list(ids)
     assert detok.pending == 0
+
+
+# -- the byte-table path (byte-level tokenizers with fast_decode.ByteDecoder built) -------------------
+
+
+def _byte_pair(name: str, skip: bool) -> tuple[IncrementalDetokenizer, IncrementalDetokenizer]:
+    tok = load(name)
+    assert ByteDecoder.build(tok) is not None
+    fast = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    ref = IncrementalDetokenizer(tok, skip_special_tokens=skip, use_byte_table=False)
+    assert fast._table is not None and ref._table is None
+    return fast, ref
+
+
+@pytest.mark.parametrize("name", BYTE_LEVEL)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_byte_table_steps_exactly_as_decode_stream(name: str, data: st.DataObject) -> None:
+    """Every step returns what the DecodeStream path returns, for any ids (garbage bytes, literal U+FFFD,
+    special and out-of-vocabulary ids among them) in any chunking, through finish()."""
+    tok = load(name)
+    vocab = tok.get_vocab_size()
+    skip = data.draw(st.booleans(), label="skip")
+    if data.draw(st.booleans(), label="from text"):
+        text = data.draw(texts(name), label="text")
+        ids = tok.encode(text, add_special_tokens=False).ids
+    else:
+        low = st.integers(0, min(vocab, 400) - 1)  # byte tokens: most garbage-prone
+        any_id = st.integers(0, vocab + 5)
+        ids = data.draw(
+            st.lists(st.one_of(low, any_id, st.sampled_from(sorted(special_ids(tok)))), max_size=80)
+        )
+    sizes = data.draw(st.lists(st.integers(1, 9), min_size=1, max_size=6), label="chunk sizes")
+    fast, ref = _byte_pair(name, skip)
+    for chunk in chunked(ids, sizes):
+        assert fast.step(chunk) == ref.step(chunk)
+        assert fast.pending == ref.pending
+    assert fast.finish() == ref.finish()
+    assert fast.text == ref.text
+    assert list(fast.token_ids) == list(ref.token_ids)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "qwen3"])
+def test_byte_table_hands_a_long_hold_to_decode_stream(name: str) -> None:
+    tok = load(name)
+    ids = tok.encode("x" + "\ufffd" * 300 + " 🦩 done", add_special_tokens=False).ids
+    fast, ref = _byte_pair(name, True)
+    for i in ids:
+        assert fast.step([i]) == ref.step([i])
+    assert fast._table is None  # handed over after _MAX_PENDING held ids
+    assert fast.finish() == ref.finish()
+    assert fast.text == tok.decode(ids)
+
+
+def test_byte_table_is_used_only_when_built() -> None:
+    tok = Tokenizer.from_str(load("gpt2").to_str())  # a fresh object: nothing built for it
+    assert ByteDecoder.built_for(tok) is None
+    assert IncrementalDetokenizer(tok)._table is None
+    assert ByteDecoder.build(tok) is ByteDecoder.build(tok) is ByteDecoder.built_for(tok)
+    assert IncrementalDetokenizer(tok)._table is not None

@@ -589,3 +589,139 @@ def test_refused_stream_is_marked_unprocessed_only_before_any_answer() -> None:
         assert lost.unprocessed
     finally:
         loop.close()
+
+
+# ------------------------------------------------------------------------------- whole-message frames
+
+
+class PlainGrpcStream(GrpcStream):
+    """The frame loop's whole-message path off: every DATA frame goes through ``on_data``."""
+
+    __slots__ = ()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self.grpc_messages = None
+
+    def on_data(self, buf: bytes, start: int, end: int, end_stream: bool) -> None:
+        super().on_data(buf, start, end, end_stream)
+        self.grpc_messages = None
+
+
+_frame_kinds = st.sampled_from(["whole", "whole", "whole", "split", "multi", "padded", "other", "compressed"])
+
+
+def _mixed_response(server: Server, sid: int, other: int, kinds: list[str], sizes: list[int]) -> bytes:
+    """Frames of stream ``sid``: whole messages one per frame (the fast path), messages split over frames,
+    several in one frame, padded, a frame of stream ``other`` between, trailers."""
+    out = [server.ok_headers(sid)]
+    for i, kind in enumerate(kinds):
+        m = bytes([i % 251]) * sizes[i % len(sizes)]
+        if kind == "whole":
+            out.append(h2.frame(h2.DATA, 0, sid, grpc_message(m)))
+        elif kind == "split":
+            g = grpc_message(m)
+            cut = min(len(g) - 1, 1 + i % 7)
+            out += [h2.frame(h2.DATA, 0, sid, g[:cut]), h2.frame(h2.DATA, 0, sid, g[cut:])]
+        elif kind == "multi":
+            out.append(h2.frame(h2.DATA, 0, sid, grpc_message(m) + grpc_message(m[:3])))
+        elif kind == "padded":
+            out.append(h2.frame(h2.DATA, h2.FLAG_PADDED, sid, b"\x02" + grpc_message(m) + b"\0\0"))
+        elif kind == "other":
+            out.append(h2.frame(h2.DATA, 0, other, grpc_message(m)))
+        else:  # compressed: fails the call (the fast path must not take it)
+            out.append(h2.frame(h2.DATA, 0, sid, b"\x01" + grpc_message(m)[1:]))
+    out.append(server.trailers(sid))
+    return b"".join(out)
+
+
+@given(
+    st.lists(_frame_kinds, max_size=14),
+    st.lists(st.integers(0, 120), min_size=1, max_size=4),
+    st.lists(st.integers(1, 300), min_size=1, max_size=6),
+    st.sampled_from([h2.LOCAL_WINDOW, 600]),
+)
+@settings(max_examples=150, deadline=None)
+def test_whole_message_frames_take_the_fast_path_with_the_same_results(
+    kinds: list[str], sizes: list[int], reads: list[int], window: int
+) -> None:
+    """Messages, statuses and receive-window credit as when every frame goes through ``on_data``, for
+    any mix of frames and any read boundaries."""
+    lp = asyncio.new_event_loop()
+    try:
+        results = []
+        for cls in (GrpcStream, PlainGrpcStream):
+            h = Harness(local_window=window)
+            h.settings()
+            s, o = cls(lp), cls(lp)
+            for st_ in (s, o):
+                h.conn.open_stream(st_, h2.RequestHeaders("a:1").block("/svc/M"), grpc_message(b"req"))
+            h.written()
+            waiter = s.wait()
+            data = h.server.ok_headers(o.stream_id) + _mixed_response(
+                h.server, s.stream_id, o.stream_id, kinds, sizes
+            )
+            off = i = 0
+            while off < len(data):
+                n = reads[i % len(reads)]
+                h.conn.receive(data[off : off + n])
+                off += n
+                i += 1
+            credit: dict[int, int] = {}
+            for ftype, _, sid, payload in h.written():
+                if ftype == h2.WINDOW_UPDATE:
+                    credit[sid] = credit.get(sid, 0) + struct.unpack(">I", payload)[0]
+            results.append(
+                (
+                    list(s.messages),
+                    list(o.messages),
+                    s.done,
+                    s.code,
+                    waiter.done() == bool(s.messages or s.done),
+                    credit.get(0, 0) + h.conn.conn_recv_unacked,
+                    credit.get(o.stream_id, 0) + o.recv_unacked,
+                )
+            )
+        assert results[0] == results[1]
+        assert results[0][4]
+    finally:
+        lp.close()
+
+
+def test_a_run_of_whole_message_frames_wakes_the_consumer_once(loop: asyncio.AbstractEventLoop) -> None:
+    h, s = ready(loop)
+    h.conn.receive(h.server.ok_headers(s.stream_id))
+    fut = s.wait()
+    run = b"".join(h2.frame(h2.DATA, 0, s.stream_id, grpc_message(b"m%d" % i)) for i in range(5))
+    h.conn.receive(run)
+    assert fut.done() and list(s.messages) == [b"m%d" % i for i in range(5)]
+    assert s._waiter is None
+    # a message split over frames (the partial path) and whole ones after it
+    g = grpc_message(b"split")
+    h.conn.receive(h2.frame(h2.DATA, 0, s.stream_id, g[:3]))
+    assert _sink(s) is None
+    h.conn.receive(h2.frame(h2.DATA, 0, s.stream_id, g[3:]) + run)
+    assert _sink(s) is s.messages and list(s.messages)[5:7] == [b"split", b"m0"]
+    h.conn.receive(h.server.trailers(s.stream_id))
+    assert (s.done, s.code, _sink(s)) == (True, OK, None)
+
+
+def _sink(s: GrpcStream) -> object:
+    return s.grpc_messages
+
+
+def test_a_run_stops_at_any_frame_that_is_not_one_whole_message(loop: asyncio.AbstractEventLoop) -> None:
+    one = grpc_message(b"one")
+    for odd, fails in (
+        (b"\x01" + one[1:], True),  # compressed
+        (one + one, False),  # two messages in one frame
+        (one[:4], False),  # a partial message
+    ):
+        h, s = ready(loop)
+        whole = h2.frame(h2.DATA, 0, s.stream_id, one)
+        h.conn.receive(
+            h.server.ok_headers(s.stream_id) + whole + whole + h2.frame(h2.DATA, 0, s.stream_id, odd)
+        )
+        assert s.done is fails
+        assert list(s.messages) == [b"one"] * (2 if fails or odd == one[:4] else 4)
+        assert (_sink(s) is None) is (fails or odd == one[:4])

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shepherd.node.config import ConfigError, build_config, check_worker_url
 from shepherd.node.sse import ChatChunks, CompletionChunks, usage
@@ -53,3 +55,60 @@ def test_round_robin_cycles_per_model() -> None:
     ws = [WorkerView("b", "u2"), WorkerView("a", "u1")]
     picks = [rr.pick(ws, RouteRequest("m")) for _ in range(4)]
     assert [p.id for p in picks if p] == ["a", "b", "a", "b"]
+
+
+def _reference(kind: str, rid: str, created: int, model: str) -> bytes:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    head = orjson.dumps({"id": rid, "object": obj, "created": created, "model": model})
+    return b"data: " + head[:-1] + b',"choices":[{"index":'
+
+
+_texts = st.text(max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kind=st.sampled_from(["chat", "completion"]),
+    rid=_texts,
+    created=st.integers(0, 2**40),
+    model=_texts,
+    index=st.integers(0, 3),
+    text=_texts,
+    logprobs=st.none() | st.just({"content": [{"token": "a", "logprob": -0.5}]}),
+    reason=st.sampled_from(["stop", "length", "abort", "tool_calls"]) | _texts,
+    matched=st.none() | st.integers(0, 10**6) | _texts,
+    counts=st.tuples(st.integers(0, 10**7), st.integers(0, 10**7), st.integers(0, 10**7)),
+)
+def test_event_bytes_equal_the_formatted_reference(
+    kind: str,
+    rid: str,
+    created: int,
+    model: str,
+    index: int,
+    text: str,
+    logprobs: dict[str, object] | None,
+    reason: str,
+    matched: str | int | None,
+    counts: tuple[int, int, int],
+) -> None:
+    """The fast paths (prefixes built with the head, cached finish tails, usage without dicts) write the
+    bytes of the general formatting."""
+    enc = ChatChunks(rid, created, model) if kind == "chat" else CompletionChunks(rid, created, model)
+    head = _reference(kind, rid, created, model)
+    content, content_end, empty = (
+        (b'"delta":{"content":', b"}", b'"delta":{}') if kind == "chat" else (b'"text":', b"", b'"text":""')
+    )
+    lp = b"null" if logprobs is None else orjson.dumps(logprobs)
+    assert enc.content(index, text, logprobs) == b'%s%d,%s%s%s,"logprobs":%s,"finish_reason":null}]}\n\n' % (
+        head, index, content, orjson.dumps(text), content_end, lp
+    )  # fmt: skip
+    for _ in range(2):  # the second time from the cache
+        assert enc.finish(index, reason, matched) == (
+            b'%s%d,%s,"logprobs":null,"finish_reason":%s,"matched_stop":%s}]}\n\n'
+            % (head, index, empty, orjson.dumps(reason), orjson.dumps(matched))
+        )
+    assert enc.usage_of(*counts) == enc.usage(usage(*counts))
+    assert (
+        enc.usage(usage(*counts))
+        == head[: -len(b'[{"index":')] + b'[],"usage":' + orjson.dumps(usage(*counts)) + b"}\n\n"
+    )
