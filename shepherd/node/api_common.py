@@ -16,7 +16,7 @@ from aiohttp import web
 
 from shepherd.node.engine_http import HttpRelayClient
 from shepherd.node.engine_types import EngineError
-from shepherd.node.http_types import stream_response
+from shepherd.node.http_types import lean_request, stream_response
 from shepherd.node.openai_protocol import ApiError, parse_json_body
 from shepherd.node.sse import KEEPALIVE
 from shepherd.node.tokenizer_pool import TokenizerPoolUnavailable, TokenizerWorkerError
@@ -60,6 +60,18 @@ async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict[str, 
     raise ApiError(413, f"The request body is larger than the limit of {limit} bytes.", code="body_too_large")
 
 
+def json_now(request: web.Request, limit: int) -> tuple[bytes, dict[str, Any]] | None:
+    """``read_json`` without awaiting, for a body the lean server has already received whole and within
+    ``limit`` (the common case); None otherwise: then ``await read_json(...)``."""
+    lean = lean_request(request)
+    if lean is None or (lean.content_length is not None and lean.content_length > limit):
+        return None
+    raw = lean.body_now()
+    if raw is None or len(raw) > limit:
+        return None
+    return raw, parse_json_body(raw)
+
+
 def json_response(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
 
@@ -71,12 +83,30 @@ def error_response(err: ApiError) -> web.Response:
     )
 
 
+# a route's label in the metrics (its resource's canonical path), by route: the app's routes live as long
+# as the process (aiohttp's system routes, made per refused request, have no resource and are not kept)
+_ROUTE_LABELS: dict[Any, str] = {}
+
+
+def _route_label(route: Any) -> str:
+    resource = route.resource
+    if not resource:
+        return "unmatched"
+    label: str = resource.canonical
+    if len(_ROUTE_LABELS) < 1024:
+        _ROUTE_LABELS[route] = label
+    return label
+
+
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
-    path = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
+    route = request.match_info.route
+    path = _ROUTE_LABELS.get(route)
+    if path is None:
+        path = _route_label(route)
     gw.in_flight += 1
     status = 500
     try:

@@ -14,11 +14,10 @@ import orjson
 from aiohttp import web
 
 from shepherd.node.admission import TICKET_KEY
-from shepherd.node.api_common import GATEWAY, read_json, relay
+from shepherd.node.api_common import GATEWAY, json_now, read_json, relay
 from shepherd.node.chat_output import (
     ChatShaping,
     ChoiceParsing,
-    chat_message,
     final_reason,
     shape_chat,
 )
@@ -30,7 +29,7 @@ from shepherd.node.engine_types import (
     TokenLogprob,
 )
 from shepherd.node.gateway import EngineStream, Gateway
-from shepherd.node.http_types import stream_response
+from shepherd.node.http_types import lean_request, stream_response
 from shepherd.node.openai_protocol import ApiError, Sampling, bad, parse_chat, parse_completion
 from shepherd.node.output import ChoiceState, LogprobFormatter
 from shepherd.node.sse import DONE, ChatChunks, CompletionChunks, error_event, usage
@@ -39,6 +38,7 @@ from shepherd.node.tokenizer import ChatTemplateError, Tokenizer
 from shepherd.node.tool_choice import template_tools
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+_SSE_LEAN_HEADERS = {k: v for k, v in SSE_HEADERS.items() if k != "Connection"}
 
 
 # (id of a Sampling, max_new_tokens, stream_interval) -> (that Sampling, its SamplingParams): a request
@@ -172,10 +172,17 @@ class Generation:
         self.lpfmt = LogprobFormatter(tok, sampling.skip_special_tokens) if logprobs is not None else None
         self.totals = Totals()
         self.engine_seconds = 0.0
+        self.mm = gw.metrics.for_model(model)  # the model's metric children, looked up once
         # chat: the parser stage (None: plain text, no parser work per token) and structured output
-        self.output = shaping.output if shaping is not None else None
-        self.constraint = shaping.constraint if shaping is not None else None
-        self.checks = shaping.checks if shaping is not None else None
+        if shaping is not None:
+            self.output = shaping.output
+            self.constraint = shaping.constraint
+            self.checks = shaping.checks
+        else:
+            self.output = None
+            self.constraint = None
+            self.checks = None
+        self._enc: ChatChunks | CompletionChunks | None = None  # built by _encoder when streaming
 
     def _lp(self, entries: Sequence[TokenLogprob], index: int = 0) -> dict[str, Any] | None:
         if self.lpfmt is None or not entries:
@@ -185,26 +192,25 @@ class Generation:
         return self.lpfmt.completion(entries, self.logprobs or 0, index)
 
     def _gen_request(self, job: Job, max_new: int, suffix: str, stream: bool) -> GenerateRequest:
-        return GenerateRequest(
-            request_id=self.engine_rid + suffix,
-            input_ids=job.ids,
-            sampling=engine_sampling(self.s, max_new, self.gw.cfg.stream_interval, self.constraint),
-            stream=stream,
-            logprobs=self.logprobs is not None,
-            top_logprobs=self.logprobs or 0,
+        return GenerateRequest(  # by position: (request_id, input_ids, sampling, stream, logprobs, top)
+            self.engine_rid + suffix,
+            job.ids,
+            engine_sampling(self.s, max_new, self.gw.cfg.stream_interval, self.constraint),
+            stream,
+            self.logprobs is not None,
+            self.logprobs or 0,
         )
 
-    async def _open(self, job: Job, i: int, stream: bool) -> EngineStream:
-        max_new = self.gw.check_context(self.model, len(job.ids), self.s.max_tokens)
+    def _open(self, job: Job, i: int, stream: bool, max_new: int | None = None) -> Awaitable[EngineStream]:
+        """Open job ``i``'s engine stream (``max_new``: what ``check_context`` gave, if already asked):
+        the gateway's coroutine, for the caller to await at once."""
+        if max_new is None:
+            max_new = self.gw.check_context(self.model, len(job.ids), self.s.max_tokens)
         gen = self._gen_request(job, max_new, "" if i == 0 else f"-p{i}", stream)
         h = self.request.headers
-        return await self.gw.open_stream(
+        return self.gw.open_stream(
             self.model, gen, target=h.get("x-smg-target-worker"), routing_key=h.get("x-smg-routing-key")
         )
-
-    def check_jobs(self, jobs: list[Job]) -> None:
-        for job in jobs:
-            self.gw.check_context(self.model, len(job.ids), self.s.max_tokens)
 
     async def _drive(
         self, es: EngineStream, job: Job, emit: Callable[[list[bytes], bool], Awaitable[None]] | None
@@ -220,7 +226,8 @@ class Generation:
         posts: list[ChoiceParsing] | None = None
         if isinstance(enc, ChatChunks) and self.output is not None:  # fresh parsers per choice
             posts = [self.output.choice(enc, job.index_base + st.index) for st in states]
-        itl = self.gw.metrics.itl.labels(self.model)
+        mm = self.mm
+        itl = mm.itl
         last = time.perf_counter()
         first = True
         out: list[bytes] = []
@@ -228,7 +235,7 @@ class Generation:
         async for batch in es.batches():
             now = time.perf_counter()
             if first:
-                self.gw.metrics.ttft.labels(self.model).observe(now - self.t0)
+                mm.ttft.observe(now - self.t0)
                 first = False
             ntok = 0
             for ev in batch:
@@ -306,33 +313,40 @@ class Generation:
         out.append(enc.finish(idx, *final_reason(st.finish_reason, st.matched, post.has_calls)))
 
     def _encoder(self) -> ChatChunks | CompletionChunks:
-        if self.chat:
-            return ChatChunks(self.rid, self.created, self.model)
-        return CompletionChunks(self.rid, self.created, self.model)
+        """The response's event encoder (stateless: one per response, shared by its streams)."""
+        enc = self._enc
+        if enc is None:
+            cls = ChatChunks if self.chat else CompletionChunks
+            enc = self._enc = cls(self.rid, self.created, self.model)
+        return enc
 
     def _account(self, job: Job) -> None:
-        completion = sum(st.tokens for st in job.states)
-        self.totals.prompt += len(job.ids)
-        self.totals.completion += completion
-        m = self.gw.metrics
-        m.tokens.labels(self.model, "prompt").inc(len(job.ids))
-        m.tokens.labels(self.model, "completion").inc(completion)
+        states = job.states
+        completion = states[0].tokens if len(states) == 1 else sum(st.tokens for st in states)
+        prompt = len(job.ids)
+        totals = self.totals
+        totals.prompt += prompt
+        totals.completion += completion
+        mm = self.mm
+        mm.prompt_tokens.value += prompt
+        mm.completion_tokens.value += completion
 
     def _done(self) -> None:
         self.request["model"] = self.model
-        self.gw.metrics.e2e.labels(self.model).observe(time.perf_counter() - self.t0)
+        self.mm.e2e.observe(time.perf_counter() - self.t0)
 
     # ---- non-streaming ----------------------------------------------------------------------------
 
     async def respond(self, jobs: list[Job]) -> web.Response:
-        self.check_jobs(jobs)
+        gw = self.gw
+        max_new = [gw.check_context(self.model, len(job.ids), self.s.max_tokens) for job in jobs]
         engine_t = 0.0
         # Without stop strings the engine sends everything in one message; with them we stream so that a
         # gateway-side stop can abort generation early.
         engine_stream = bool(self.s.stop)
         for i, job in enumerate(jobs):
             t_dispatch = time.perf_counter()
-            es = await self._open(job, i, engine_stream)
+            es = await self._open(job, i, engine_stream, max_new[i])
             try:
                 await self._drive(es, job, None)
             finally:
@@ -340,7 +354,10 @@ class Generation:
             engine_t += time.perf_counter() - t_dispatch
             self._account(job)
         violations: list[Violation] = []
-        choices = [c for job in jobs for c in self._final_choices(job, violations)]
+        if len(jobs) == 1:
+            choices = self._final_choices(jobs[0], violations)
+        else:
+            choices = [c for job in jobs for c in self._final_choices(job, violations)]
         body = {
             "id": self.rid,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -396,10 +413,9 @@ class Generation:
             message: dict[str, Any] = {"role": "assistant", "content": st.full_text()}
             calls: list[tuple[str, str]] = []
         else:
-            parsed = self.output.choice().whole(st.full_text())
-            message = chat_message(parsed, self.output.reasoning is not None)
-            calls = [(name, args) for _, name, args in parsed.calls]
-            reason, matched = final_reason(reason, matched, bool(parsed.calls))
+            message, parsed = self.output.message(st.full_text())
+            calls = [] if parsed is None else [(name, args) for _, name, args in parsed.calls]
+            reason, matched = final_reason(reason, matched, bool(calls))
         choice = {
             "index": idx,
             "message": message,
@@ -420,19 +436,24 @@ class Generation:
         ticket = self.request.get(TICKET_KEY)  # rate limits: x-ratelimit-* (shepherd.node.admission)
         return h if ticket is None else {**h, **ticket.headers}
 
-    async def run(self, jobs: list[Job]) -> web.StreamResponse:
-        """Dispatch: the prompt work is done, the engine work starts."""
+    def run(self, jobs: list[Job]) -> Awaitable[web.StreamResponse]:
+        """Dispatch: the prompt work is done, the engine work starts (the answer's coroutine, awaited by
+        the caller: no frame of its own around it)."""
         self.gw.metrics.overhead.observe(time.perf_counter() - self.t0)
         if self.s.stream:
-            return await self.stream(jobs)
-        return await self.respond(jobs)
+            return self.stream(jobs)
+        return self.respond(jobs)
 
     # ---- streaming -----------------------------------------------------------------------------------
 
     async def stream(self, jobs: list[Job]) -> web.StreamResponse:
-        self.check_jobs(jobs)
-        es = await self._open(jobs[0], 0, True)  # errors before this point are plain HTTP errors
-        resp = stream_response(self.request, headers={**SSE_HEADERS, **self._headers()})
+        gw = self.gw
+        max_new = [gw.check_context(self.model, len(job.ids), self.s.max_tokens) for job in jobs]
+        es = await self._open(jobs[0], 0, True, max_new[0])  # errors before this point are plain HTTP errors
+        # the lean server writes its own Connection header (it would drop ours: one pass over them less)
+        headers = dict(SSE_HEADERS if lean_request(self.request) is None else _SSE_LEAN_HEADERS)
+        headers.update(self._headers())
+        resp = stream_response(self.request, headers=headers)
         enc = self._encoder()
         try:
             await resp.prepare(self.request)
@@ -452,10 +473,14 @@ class Generation:
             try:
                 for i, job in enumerate(jobs):
                     if i > 0:
-                        es = await self._open(job, i, True)
+                        es = await self._open(job, i, True, max_new[i])
                     if self.chat:
                         assert isinstance(enc, ChatChunks)
-                        pending.extend(enc.role(job.index_base + st.index) for st in job.states)
+                        states = job.states
+                        if len(states) == 1:
+                            pending.append(enc.role(job.index_base + states[0].index))
+                        else:
+                            pending.extend(enc.role(job.index_base + st.index) for st in states)
                     elif job.echo:
                         pending.extend(enc.content(job.index_base + st.index, job.echo) for st in job.states)
                     try:
@@ -465,9 +490,8 @@ class Generation:
                     self._account(job)
                 tail = pending
                 if self.s.include_usage:
-                    tail.append(
-                        enc.usage(usage(self.totals.prompt, self.totals.completion, self.totals.cached))
-                    )
+                    t = self.totals
+                    tail.append(enc.usage_of(t.prompt, t.completion, t.cached))
                 tail.append(DONE)
                 await resp.write_eof(b"".join(tail))  # the last bytes and the end of the body: one write
                 self._done()
@@ -479,7 +503,8 @@ class Generation:
             finally:
                 self.gw.keepalive.unregister(resp)
         finally:
-            await es.close("cancelled")
+            if not es.closed:
+                await es.close("cancelled")
         return resp
 
 
@@ -497,7 +522,9 @@ def _describe(e: BaseException) -> tuple[str, str]:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
     t0 = time.perf_counter()
-    raw, d = await read_json(request, gw.cfg.max_body_bytes)
+    limit = gw.cfg.max_body_bytes
+    got = json_now(request, limit)
+    raw, d = got if got is not None else await read_json(request, limit)
     req = parse_chat(d)
     model = gw.resolve_model(req.model)
     if gw.relay_mode(model):
@@ -521,7 +548,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             f"Cannot render the chat template: {e}", param="messages", code="chat_template_error"
         ) from None
     shaping = shape_chat(gw.parser_families(model), req, text)
-    states = [ChoiceState(i, tok, shaping.sampling, ids) for i in range(req.sampling.n)]
+    n = req.sampling.n
+    sampling = shaping.sampling
+    states = (
+        [ChoiceState(0, tok, sampling, ids)]
+        if n == 1
+        else [ChoiceState(i, tok, sampling, ids) for i in range(n)]
+    )
     g = Generation(
         request,
         gw,

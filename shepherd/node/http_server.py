@@ -52,9 +52,10 @@ from aiohttp.http_exceptions import ContentEncodingError
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from shepherd.node.http_types import (
+    Handler,
     LeanRequest,
+    MatchInfo,
     Routes,
-    as_web_request,
     decode_path,
     encode_head,
     status_line,
@@ -64,6 +65,9 @@ from shepherd.node.openai_protocol import ApiError
 log = logging.getLogger("shepherd.http")
 
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# (method, request target) bytes -> what they decode and resolve to, for the static routes' own targets
+_Resolved = tuple[str, str, str, str, Handler, MatchInfo]
+_TARGETS_MAX = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +162,9 @@ class _Conn(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.queue: deque[LeanRequest | _Fault] = deque()
         self.queued_bytes = 0  # the bodies of the queued requests: reading pauses past max_body
-        self.task: asyncio.Task[None] | None = None
+        self.task: asyncio.Task[None] | None = None  # the serving task while it answers (None: idle)
+        self._runner: asyncio.Task[None] | None = None  # the serving task, kept between requests
+        self._idle: asyncio.Future[LeanRequest | _Fault] | None = None  # what it waits on when idle
         self.write_paused = False
         self._drain: asyncio.Future[None] | None = None
         self.read_paused = False
@@ -203,8 +209,9 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.srv.conns.discard(self)
-        if self.task is not None:
-            self.task.cancel()  # the client is gone: so is its request (the engine request is aborted)
+        runner = self._runner
+        if runner is not None and not runner.done():
+            runner.cancel()  # the client is gone: so is its request (the engine request is aborted)
         if self._linger is not None:
             self._linger.cancel()
         self._wake_drain()
@@ -320,12 +327,23 @@ class _Conn(asyncio.Protocol):
         srv = self.srv
         p = self.parser
         url = self.url[0] if len(self.url) == 1 else b"".join(self.url)
-        target = url.decode("utf-8", "surrogateescape")
-        raw_path, _, qs = target.partition("?")
-        if not raw_path.startswith("/") and "://" in raw_path:  # absolute-form: keep the path
-            raw_path = "/" + raw_path.split("://", 1)[1].partition("/")[2]
-        path, safe = decode_path(raw_path)
-        method = p.get_method().decode("ascii", "surrogateescape")
+        key = (p.get_method(), url)
+        hit = srv.targets.get(key)
+        if hit is not None:  # a route's own target, seen before: decoded and resolved then
+            method, target, path, qs, handler, mi = hit
+        else:
+            target = url.decode("utf-8", "surrogateescape")
+            raw_path, _, qs = target.partition("?")
+            if not raw_path.startswith("/") and "://" in raw_path:  # absolute-form: keep the path
+                raw_path = "/" + raw_path.split("://", 1)[1].partition("/")[2]
+            path, safe = decode_path(raw_path)
+            method = key[0].decode("ascii", "surrogateescape")
+            handler, mi = srv.routes.resolve(method, safe)
+            if not qs and srv.routes.is_static(mi):
+                targets = srv.targets
+                if len(targets) >= _TARGETS_MAX:
+                    targets.clear()
+                targets[key] = (method, target, path, qs, handler, mi)
         lim = self.limits
         fields = self.fields
         if len(fields) > lim.max_headers:
@@ -339,7 +357,6 @@ class _Conn(asyncio.Protocol):
         version = HttpVersion11 if p.get_http_version() == "1.1" else HttpVersion10
         cl_text = headers.get("Content-Length")
         content_length = int(cl_text) if cl_text is not None else None  # llhttp has checked it
-        handler, mi = srv.routes.resolve(method, safe)
         req = LeanRequest(
             self,
             srv.app,
@@ -461,7 +478,13 @@ class _Conn(asyncio.Protocol):
 
     def _enqueue(self, item: LeanRequest | _Fault) -> None:
         if self.task is None:
-            self.task = self.loop.create_task(self._serve(item))
+            idle = self._idle
+            self._idle = None
+            if idle is not None and not idle.done():  # the connection's task waits for its next request
+                self.task = self._runner
+                idle.set_result(item)
+            else:
+                self.task = self._runner = self.loop.create_task(self._serve(item))
             return
         self.queue.append(item)
         if isinstance(item, LeanRequest):
@@ -472,15 +495,29 @@ class _Conn(asyncio.Protocol):
             self.transport.pause_reading()
 
     async def _serve(self, item: LeanRequest | _Fault) -> None:
-        """Answer queued requests in order until none is left (the task is cancelled if the client goes)."""
+        """The connection's serving task: answers requests as they come, in order; between them (an idle
+        keep-alive connection) it waits for the next one rather than ending (a task per request costs
+        ~2 µs). Cancelled when the client goes."""
+        while await self._answer(item):
+            idle: asyncio.Future[LeanRequest | _Fault] = self.loop.create_future()
+            self._idle = idle
+            try:
+                item = await idle
+            except asyncio.CancelledError:
+                if self._idle is idle:
+                    self._idle = None
+                return
+
+    async def _answer(self, item: LeanRequest | _Fault) -> bool:
+        """Answer queued requests in order until none is left; whether the connection stays open for more."""
         try:
             while True:
                 if isinstance(item, _Fault):
                     self._answer_fault(item)
-                    return
+                    return False
                 if not await self._exchange(item):
                     self._end_after(item)
-                    return
+                    return False
                 if self.write_paused:
                     await self.drain()
                 if not self.queue:
@@ -498,11 +535,14 @@ class _Conn(asyncio.Protocol):
             if self._continue:
                 self._continue = False
                 self.send(_CONTINUE)
+            return not self.lost
         except (ConnectionResetError, asyncio.CancelledError):
             self._close()  # the client is gone (or the server stops): nothing more to answer
+            return False
         except Exception:
             log.exception("lean HTTP server: answering a request failed")
             self._close()
+            return False
         finally:
             self.task = None
             self.last = now = self.clock()  # an idle keep-alive connection is idle from its last answer
@@ -512,7 +552,7 @@ class _Conn(asyncio.Protocol):
     async def _exchange(self, req: LeanRequest) -> bool:
         """Run the request through the app and write its response; whether the connection goes on."""
         try:
-            resp = await req.handler(as_web_request(req))
+            resp = await req.handler(req)  # type: ignore[arg-type]  # typed as aiohttp's web.Request
         except web.HTTPException as e:  # escaped the middlewares (a redirect, say): it is a response
             resp = e
         except (ConnectionResetError, asyncio.CancelledError):
@@ -535,7 +575,7 @@ class _Conn(asyncio.Protocol):
             log.error("%s %s: the handler returned an unprepared %s", req.method, req.path, type(resp))
             resp = _internal_error()
         body = resp.body
-        if body is not None and not isinstance(body, bytes | bytearray):
+        if body is not None and type(body) is not bytes and not isinstance(body, bytes | bytearray):
             body = await body.as_bytes()
         keep = self.keep_alive_for(req) and resp.keep_alive is not False
         try:
@@ -599,6 +639,8 @@ class _Conn(asyncio.Protocol):
     def _close(self) -> None:
         if self._linger is not None:
             self._linger.cancel()
+        if self._idle is not None and self._runner is not None:  # the serving task waits for no more
+            self._runner.cancel()
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
@@ -658,6 +700,7 @@ class LeanServer:
         self.max_body = max_body
         self.limits = limits or Limits()
         self.routes = Routes(app)
+        self.targets: dict[tuple[bytes, bytes], _Resolved] = {}  # bounded by _TARGETS_MAX
         self.conns: set[_Conn] = set()
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None

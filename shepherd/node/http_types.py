@@ -174,6 +174,10 @@ class LeanRequest(dict[Any, Any]):
     def can_read_body(self) -> bool:
         return bool(self._body) or self._error is not None
 
+    def body_now(self) -> bytes | None:
+        """The body ``read()`` would return, without a coroutine (None when ``read()`` would raise)."""
+        return self._body if self._error is None else None
+
     async def read(self) -> bytes:
         """The whole body, decoded (``Content-Encoding``). Raises as aiohttp's does: a body over the limit
         ``web.HTTPRequestEntityTooLarge``, a body that does not decode ``ContentEncodingError``, and an
@@ -238,6 +242,13 @@ class Routes:
                 methods.setdefault(route.method, _Target(_chain(app, route.handler), static_mi, route))
         self.not_found = _chain(app, _raiser(web.HTTPNotFound))
         self.not_found_mi = MatchInfo(NO_ROUTE)
+        self._static_mis = frozenset(
+            id(t.match_info) for ms in self.static.values() for t in ms.values() if t.match_info is not None
+        )
+
+    def is_static(self, mi: MatchInfo) -> bool:
+        """Whether ``resolve`` gave a static route's own match info (the same for every request to it)."""
+        return id(mi) in self._static_mis
 
     def _not_allowed(self, allowed: frozenset[str]) -> Handler:
         h = self._allowed.get(allowed)

@@ -101,7 +101,10 @@ class LiteHistogram(Collector):
         return child
 
     def observe(self, value: float) -> None:
-        self.labels().observe(value)
+        child = self._children.get(())
+        if child is None:
+            child = self.labels()
+        child.observe(value)
 
     def collect(self) -> Iterable[Metric]:
         fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
@@ -113,6 +116,19 @@ class LiteHistogram(Collector):
                 buckets.append((bound, running))
             fam.add_metric(list(values), buckets, child.sum)
         yield fam
+
+
+class ModelMetrics:
+    """One model's children of the per-request families, looked up once per request (not per update)."""
+
+    __slots__ = ("completion_tokens", "e2e", "itl", "prompt_tokens", "ttft")
+
+    def __init__(self, m: NodeMetrics, model: str) -> None:
+        self.ttft = m.ttft.labels(model)
+        self.itl = m.itl.labels(model)
+        self.e2e = m.e2e.labels(model)
+        self.prompt_tokens = m.tokens.labels(model, "prompt")
+        self.completion_tokens = m.tokens.labels(model, "completion")
 
 
 class NodeMetrics:
@@ -159,9 +175,25 @@ class NodeMetrics:
         self.aborts = reg(
             LiteCounter("smg_engine_aborts", "Engine requests aborted by the gateway", ["reason"])
         )
+        self._models: dict[str, ModelMetrics] = {}
+        # (route, model, status) -> its requests child: no str(status) and label tuple per request
+        self._requests_by_status: dict[tuple[str, str, int], _CounterChild] = {}
+
+    def for_model(self, model: str) -> ModelMetrics:
+        """The model's per-request metric children (a model is a configured or a worker's model: few)."""
+        mm = self._models.get(model)
+        if mm is None:
+            mm = self._models[model] = ModelMetrics(self, model)
+        return mm
 
     def count_request(self, route: str, model: str, status: int) -> None:
-        self.requests.labels(route, model, str(status)).inc()
+        key = (route, model, status)
+        child = self._requests_by_status.get(key)
+        if child is None:
+            child = self.requests.labels(route, model, str(status))
+            if len(self._requests_by_status) < 4096:
+                self._requests_by_status[key] = child
+        child.value += 1.0
 
     def track_in_flight(self, read: Callable[[], float]) -> None:
         """The in-flight gauge reads the node's own counter when scraped (no work per request)."""
