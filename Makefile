@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test lint unit bench chaos compose-test venv clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard shepherd/policies/*.c)
+$(STAMP): pyproject.toml setup.py $(wildcard shepherd/*/*.c)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@# the prefix index's C modules (setup.py) want a C compiler: Debian's, when missing and we may install it
 	command -v cc >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \

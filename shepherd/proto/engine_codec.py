@@ -169,10 +169,23 @@ def _vllm_sampling_field(p: SamplingParams, logprobs: bool, top_logprobs: int) -
 
 _TOKENIZED = sg.TokenizedInput  # vLLM's has the same fields and numbers
 
+_c_packed: Callable[[Sequence[int]], bytes | None] | None = None  # None: protobuf's encoder
+try:  # packed varints in C (setup.py builds it where a compiler is)
+    from shepherd.proto._varint import packed_uint32
+
+    _c_packed = packed_uint32
+except ImportError:  # pragma: no cover - an install without a C compiler
+    pass
+
 
 def _packed(ids: Sequence[int]) -> bytes:
-    """The packed varints of ``ids`` (field 2 of TokenizedInput without its tag and length), by
-    protobuf's own encoder: it also refuses what it always refused (negative, > uint32, not an int)."""
+    """The packed varints of ``ids`` (field 2 of TokenizedInput without its tag and length): in C where
+    built (``_varint.c``, for lists of plain uint32 ints), else by protobuf's own encoder, which also
+    refuses what it always refused (negative, > uint32, not an int)."""
+    if _c_packed is not None:
+        fast = _c_packed(ids)
+        if fast is not None:
+            return fast
     if len(ids) <= 8:  # a few ids: by hand (a protobuf call costs ~1.5 µs in itself)
         out = bytearray()
         for v in ids:

@@ -280,3 +280,39 @@ def test_single_choice_batches_parse_as_one(stream: tuple[str, list[bytes]]) -> 
 @given(st.integers(0, 2**64 - 1))
 def test_varint_is_protobufs(n: int) -> None:
     assert sg.GenerateStreamChunk.FromString(b"\x10" + varint(n)).prompt_tokens == n & 0xFFFFFFFF
+
+
+def _protobuf_packed(ids: list[int]) -> bytes:
+    enc: bytes = sg.TokenizedInput(input_ids=ids).SerializeToString()
+    if not enc:  # an empty repeated field is not written
+        return b""
+    i = 1  # after the tag: skip the length varint
+    while enc[i] & 0x80:
+        i += 1
+    return enc[i + 1 :]
+
+
+UINT32_IDS = st.lists(
+    st.one_of(
+        st.integers(0, 2**32 - 1), st.sampled_from([0, 127, 128, 16383, 16384, 2**30 - 1, 2**30, 2**32 - 1])
+    ),
+    max_size=300,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(UINT32_IDS, st.booleans())
+def test_packed_ids_are_protobufs_bytes(ids: list[int], as_tuple: bool) -> None:
+    assert codec._packed(tuple(ids) if as_tuple else ids) == _protobuf_packed(ids)
+    assert codec._packed(PromptIds(ids)) == _protobuf_packed(ids)
+
+
+@pytest.mark.skipif(codec._c_packed is None, reason="_varint not built")
+@pytest.mark.parametrize("bad", [-1, 2**32, 2**64, True, 1.0, "1", None])
+def test_the_c_packer_leaves_what_protobuf_refuses_to_protobuf(bad: object) -> None:
+    assert codec._c_packed is not None
+    ids = [*range(20), bad]
+    assert codec._c_packed(ids) is None
+    assert codec._c_packed(range(3)) is None  # not a list or tuple
+    with pytest.raises((ValueError, TypeError)):
+        codec._packed(ids)

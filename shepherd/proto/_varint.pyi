@@ -1,0 +1,3 @@
+from collections.abc import Sequence
+
+def packed_uint32(ids: Sequence[int], /) -> bytes | None: ...
