@@ -373,60 +373,6 @@ def _h2_library_us(server_bytes: Callable[[int], bytes], split: bool, reps: int)
 # ---------------------------------------------------------------------------------------------- gateway path
 
 
-class _FakeServerTransport:
-    """An asyncio transport whose peer is a canned gRPC server: each request's HEADERS frame is answered,
-    on the next loop turn, by ``reply(stream id)`` (a list of reads, delivered one loop turn apart)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, reply: Callable[[int], list[bytes]]) -> None:
-        self.loop = loop
-        self.reply = reply
-        self.proto: Any = None
-        self.closing = False
-
-    def write(self, data: bytes) -> None:
-        from shepherd.node import h2_conn as h2
-
-        off = len(h2.PREFACE) if data.startswith(h2.PREFACE) else 0
-        n = len(data)
-        received = 0
-        replies = []
-        while n - off >= 9:
-            length = int.from_bytes(data[off : off + 3], "big")
-            ftype = data[off + 3]
-            if ftype == h2.HEADERS:
-                replies.append(self.reply(int.from_bytes(data[off + 5 : off + 9], "big") & 0x7FFFFFFF))
-            elif ftype == h2.DATA:
-                received += length
-            off += 9 + length
-        if received:  # credit the connection window back, as a server does
-            replies.insert(0, [h2.window_update_frame(0, received)])
-        for reads in replies:
-            self._send(reads)
-
-    def _send(self, reads: list[bytes]) -> None:
-        if reads:
-            self.loop.call_soon(self._deliver, reads, 0)
-
-    def _deliver(self, reads: list[bytes], i: int) -> None:
-        if self.closing:
-            return
-        self.proto.data_received(reads[i])
-        if i + 1 < len(reads):
-            self.loop.call_soon(self._deliver, reads, i + 1)
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-
-    def abort(self) -> None:
-        self.closing = True
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-
 def _prompts(count: int) -> list[Any]:
     """Real prompt ids (PromptIds, with their pieces): qwen3 ChatML, one system prompt, distinct users."""
     from shepherd.loadgen.prompts import SYSTEM_PROMPT, PromptConfig, PromptFactory
@@ -453,11 +399,12 @@ async def _gateway_path(
     from shepherd.node import h2_conn as h2
     from shepherd.node.circuit_breaker import CircuitBreaker, HealthTracker
     from shepherd.node.config import build_config
-    from shepherd.node.engine_h2 import H2EngineClient, grpc_message
+    from shepherd.node.engine_h2 import grpc_message
     from shepherd.node.engine_types import EngineComplete, GenerateRequest, SamplingParams
     from shepherd.node.gateway import Gateway
     from shepherd.node.workers import Worker
     from shepherd.policies.block_names import PromptIds
+    from tests.fake_h2_engine import HEAD, canned_engine, trailers
 
     loop = asyncio.get_running_loop()
     pb: Any = vl if kind == "vllm" else sg
@@ -480,13 +427,12 @@ async def _gateway_path(
         **rid,
         complete=pb.GenerateComplete(finish_reason="length", prompt_tokens=235, completion_tokens=tokens),
     ).SerializeToString()
-    head = b"\x88" + h2.hpack_literal(31, b"application/grpc")
-    trailers = h2.hpack_literal(b"grpc-status", b"0")
+    ok = trailers()
     mode = {"stream": False}
 
     def reply(sid: int) -> list[bytes]:
-        hf = h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS, sid, head)
-        tf = h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS | h2.FLAG_END_STREAM, sid, trailers)
+        hf = h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS, sid, HEAD)
+        tf = h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS | h2.FLAG_END_STREAM, sid, ok)
         if not mode["stream"]:
             return [hf + h2.frame(h2.DATA, 0, sid, grpc_message(complete)) + tf]
         reads = [hf + h2.frame(h2.DATA, 0, sid, grpc_message(chunks[0]))]
@@ -494,13 +440,7 @@ async def _gateway_path(
         reads.append(h2.frame(h2.DATA, 0, sid, grpc_message(end)) + tf)
         return reads
 
-    client = H2EngineClient(f"{kind}://127.0.0.1:1", "127.0.0.1:1", kind)
-    proto = h2.H2Protocol(loop, keepalive_s=0)
-    transport = _FakeServerTransport(loop, reply)
-    transport.proto = proto
-    proto.connection_made(transport)  # type: ignore[arg-type]
-    proto.data_received(h2.settings_frame({h2.SETTINGS_MAX_CONCURRENT_STREAMS: 1000}))
-    client._proto = proto  # the bench's fake connection, ready
+    client, proto = canned_engine(loop, reply, max_streams=1000, kind=kind)
     gw = Gateway(build_config({}, {"policy": "round_robin"}))
     w = Worker(
         id="w0",

@@ -30,42 +30,22 @@ from shepherd.node.engine_types import (
 from shepherd.node.gateway import Gateway
 from shepherd.node.workers import Worker
 from shepherd.proto import engine_codec as codec
+from tests import fake_h2_engine as fake
+from tests.fake_h2_engine import HEAD, FakeTransport, connect, trailers
 from tests.unit.test_engine_h2_frames import parse_frames
 
-HEAD = b"\x88" + h2.hpack_literal(31, b"application/grpc")  # :status 200, content-type
 
-
-def trailers(status: int = 0, message: bytes = b"") -> bytes:
-    block = h2.hpack_literal(b"grpc-status", str(status).encode())
-    return block + (h2.hpack_literal(b"grpc-message", message) if message else b"")
-
-
-class FakeServer:
+class FakeServer(FakeTransport):
     """The peer of one H2Protocol: records the frames the client writes; the test sends frames back."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
         self.loop = loop
         self.frames: list[tuple[int, int, int, bytes]] = []  # (type, flags, stream id, payload)
-        self.proto = h2.H2Protocol(loop, keepalive_s=0)
-        self.closing = False
-        self.proto.connection_made(self)  # type: ignore[arg-type]
-        self.proto.data_received(h2.settings_frame({}))
+        self.proto = connect(self, loop)
 
-    # asyncio.Transport, as far as H2Protocol uses it
     def write(self, data: bytes) -> None:
         self.frames += parse_frames(data)
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-
-    def abort(self) -> None:
-        self.closing = True
-
-    def get_extra_info(self, name: str, default: object = None) -> object:
-        return default
 
     # the test's side
     def requests(self) -> list[tuple[int, bytes]]:
@@ -84,9 +64,7 @@ class FakeServer:
 
 
 def client_on(server: FakeServer) -> H2EngineClient:
-    c = H2EngineClient("sglang://127.0.0.1:1", "127.0.0.1:1", "sglang")
-    c._proto = server.proto  # the fake connection, ready
-    return c
+    return fake.client_on(server.proto)
 
 
 def chunk(ids: list[int], completion: int) -> bytes:

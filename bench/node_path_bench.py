@@ -1,23 +1,32 @@
-"""CPU per streamed chat request through the whole node, in one process, without sockets.
+"""CPU per chat request through the whole node, in one process, without sockets: streamed or not.
 
 The node's real pieces: the lean HTTP server (``_Conn`` over httptools), the aiohttp app's middlewares
 and ``/v1/chat/completions`` handler, the tokenizer service (inline encodes of ~250-token qwen3 ChatML
 prompts, every user message new), the gateway's routing and the lean HTTP/2 engine client. Only the
 sockets are fakes: each HTTP connection's transport collects what the node writes, and the engine's
-transport answers each Generate call, on the next loop turn, with pre-built frames as the mock engine
-sends them (SGLang chunks of one token each, then the complete and the OK trailers).
+transport (tests/fake_h2_engine.py) answers each Generate call, on the next loop turn, with pre-built
+frames as the mock engine sends them.
 
-Scenarios: ``burst`` (the whole answer in one read, as the zero-latency mock engine delivers it: the
-``smg-bench gateway`` workload) and ``paced`` (one read per token, one loop turn apart: an engine whose
-tokens come with an inter-token latency; each token is one SSE write).
+Workloads (those of ``smg-bench gateway``):
 
-    .venv/bin/python bench/stream_path_bench.py                     # both scenarios, c=32
-    .venv/bin/python bench/stream_path_bench.py --scenarios burst --rounds 7 --reps 2000
-    .venv/bin/python bench/stream_path_bench.py --profile           # cProfile of the burst rounds
-    valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=/tmp/cg.out \
-        .venv/bin/python bench/stream_path_bench.py --callgrind --scenarios burst --reps 400 --rounds 1
-        # instructions of the measured round only (/tmp/cg.out.1 "totals:" / reps): deterministic, so
-        # two trees compare exactly on a noisy machine (run under PYTHONHASHSEED=0)
+- ``chat``: non-streamed, as the zero-latency mock engine answers it (one ``GenerateComplete`` holding
+  every output id, then the OK trailers, in one read); the node writes head and body at once.
+- ``stream``: SGLang chunks of one token each, then the complete and the OK trailers, in the scenarios
+  (``--scenarios``) ``burst`` (the whole answer in one read, as the zero-latency mock engine delivers
+  it) and ``paced`` (one read per token, one loop turn apart: an engine whose tokens come with an
+  inter-token latency; each token is one SSE write).
+
+    .venv/bin/python bench/node_path_bench.py --workload chat     # c=32, best of 5 rounds of 2000
+    .venv/bin/python bench/node_path_bench.py --workload chat --rounds 7 --reps 3000
+    .venv/bin/python bench/node_path_bench.py --workload stream   # both scenarios, c=32
+    .venv/bin/python bench/node_path_bench.py --workload stream --scenarios burst --rounds 7 --reps 2000
+    .venv/bin/python bench/node_path_bench.py --workload chat --profile   # cProfile (chat or burst rounds)
+    valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file=/tmp/cg.out \\
+        .venv/bin/python bench/node_path_bench.py --workload stream --callgrind --scenarios burst \\
+        --reps 400 --rounds 1
+        # instructions of the measured rounds only (/tmp/cg.out.1 "totals:" / reps): deterministic, so
+        # two trees compare exactly on a noisy machine (run under PYTHONHASHSEED=0); or ``--pause S``
+        # and ``callgrind_control -i on PID`` by hand
 
 CPU µs per request is ``time.process_time`` over a round / requests (best of ``--rounds``); it includes
 the fakes' own small cost (printed apart). Prints figures only; no asserts on speed.
@@ -39,20 +48,24 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.fake_h2_engine import HEAD, FakeTransport, canned_engine, trailers  # noqa: E402
+
 _SID = struct.Struct(">I")
 
 
-class _HttpClientTransport:
-    """The client side of one HTTP connection: collects the node's writes, resolves ``done`` at the end
-    of a chunked body."""
+class _HttpClientTransport(FakeTransport):
+    """The client side of one HTTP connection: collects the node's writes; ``done`` resolves on the write
+    that ends a response: any write (``chunked`` False: head and Content-Length body are written at
+    once) or the end of a chunked body."""
 
-    def __init__(self) -> None:
+    def __init__(self, chunked: bool) -> None:
+        super().__init__()
+        self.chunked = chunked
         self.done: asyncio.Future[None] | None = None
         self.writes = 0
         self.bytes = 0
         self.last = b""
         self.record: bytearray | None = None  # every byte written, while set
-        self.closing = False
 
     def write(self, data: bytes) -> None:
         self.writes += 1
@@ -60,17 +73,12 @@ class _HttpClientTransport:
         self.last = data
         if self.record is not None:
             self.record += data
-        if data.endswith(b"0\r\n\r\n") and self.done is not None and not self.done.done():
+        if (
+            (not self.chunked or data.endswith(b"0\r\n\r\n"))
+            and self.done is not None
+            and not self.done.done()
+        ):
             self.done.set_result(None)
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-
-    def abort(self) -> None:
-        self.closing = True
 
     def pause_reading(self) -> None: ...
 
@@ -78,54 +86,6 @@ class _HttpClientTransport:
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return ("127.0.0.1", 40000) if name == "peername" else default
-
-
-class _EngineTransport:
-    """The engine side of the HTTP/2 connection: every request HEADERS frame is answered, on the next
-    loop turn, by ``reply(stream id)`` (a list of reads, delivered one loop turn apart)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, reply: Any) -> None:
-        self.loop = loop
-        self.reply = reply
-        self.proto: Any = None
-        self.closing = False
-
-    def write(self, data: bytes) -> None:
-        from shepherd.node import h2_conn as h2
-
-        off = len(h2.PREFACE) if data.startswith(h2.PREFACE) else 0
-        n = len(data)
-        received = 0
-        while n - off >= 9:
-            length = int.from_bytes(data[off : off + 3], "big")
-            ftype = data[off + 3]
-            if ftype == h2.HEADERS:
-                sid = int.from_bytes(data[off + 5 : off + 9], "big") & 0x7FFFFFFF
-                self.loop.call_soon(self._deliver, self.reply(sid), 0)
-            elif ftype == h2.DATA:
-                received += length
-            off += 9 + length
-        if received:  # credit the connection window back, as a server does
-            self.loop.call_soon(self._deliver, [h2.window_update_frame(0, received)], 0)
-
-    def _deliver(self, reads: list[bytes], i: int) -> None:
-        if self.closing:
-            return
-        self.proto.data_received(reads[i])
-        if i + 1 < len(reads):
-            self.loop.call_soon(self._deliver, reads, i + 1)
-
-    def is_closing(self) -> bool:
-        return self.closing
-
-    def close(self) -> None:
-        self.closing = True
-
-    def abort(self) -> None:
-        self.closing = True
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
 
 
 def _write(path: str, data: bytes) -> None:
@@ -149,42 +109,58 @@ def _answer_ids(tok: Any, n: int) -> list[int]:
     return ids[:n]
 
 
+_RID = "chatcmpl-0123456789ab1f.0123456789ab20"
+
+
+def _complete(tokens: list[int], prompt_tokens: int) -> list[bytes]:
+    """A non-streamed answer: one GenerateComplete with every output id."""
+    from smg_grpc_proto import sglang_scheduler_pb2 as sg
+
+    complete = sg.GenerateComplete(
+        output_ids=tokens,
+        finish_reason="length",
+        prompt_tokens=prompt_tokens,
+        completion_tokens=len(tokens),
+        cached_tokens=64,
+    )
+    return [sg.GenerateResponse(request_id=_RID, complete=complete).SerializeToString()]
+
+
+def _chunks(tokens: list[int], prompt_tokens: int) -> list[bytes]:
+    """A streamed answer: a chunk of one token each, then the complete."""
+    from smg_grpc_proto import sglang_scheduler_pb2 as sg
+
+    msgs = [
+        sg.GenerateResponse(
+            request_id=_RID,
+            chunk=sg.GenerateStreamChunk(
+                token_ids=[t],
+                prompt_tokens=prompt_tokens,
+                completion_tokens=i + 1,
+                cached_tokens=64 if i == 0 else 0,
+            ),
+        ).SerializeToString()
+        for i, t in enumerate(tokens)
+    ]
+    complete = sg.GenerateComplete(
+        finish_reason="length", prompt_tokens=prompt_tokens, completion_tokens=len(tokens)
+    )
+    msgs.append(sg.GenerateResponse(request_id=_RID, complete=complete).SerializeToString())
+    return msgs
+
+
 class _Replies:
-    """Pre-built response frames; only the stream ids change (patched into a copy per call)."""
+    """Pre-built response frames of ``messages`` (head, a DATA frame each, OK trailers): one read, or
+    (``paced``) one read per message; only the stream ids change (patched into a copy per call)."""
 
-    def __init__(self, tokens: list[int], prompt_tokens: int, paced: bool) -> None:
-        from smg_grpc_proto import sglang_scheduler_pb2 as sg
-
+    def __init__(self, messages: list[bytes], paced: bool) -> None:
         from shepherd.node import h2_conn as h2
         from shepherd.node.engine_h2 import grpc_message
 
-        rid = "chatcmpl-0123456789ab1f.0123456789ab20"
-        msgs = [
-            sg.GenerateResponse(
-                request_id=rid,
-                chunk=sg.GenerateStreamChunk(
-                    token_ids=[t],
-                    prompt_tokens=prompt_tokens,
-                    completion_tokens=i + 1,
-                    cached_tokens=64 if i == 0 else 0,
-                ),
-            ).SerializeToString()
-            for i, t in enumerate(tokens)
-        ]
-        msgs.append(
-            sg.GenerateResponse(
-                request_id=rid,
-                complete=sg.GenerateComplete(
-                    finish_reason="length", prompt_tokens=prompt_tokens, completion_tokens=len(tokens)
-                ),
-            ).SerializeToString()
-        )
-        head = b"\x88" + h2.hpack_literal(31, b"application/grpc")
-        trailers = h2.hpack_literal(b"grpc-status", b"0")
-        frames = [h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS, 1, head)]
-        frames += [h2.frame(h2.DATA, 0, 1, grpc_message(m)) for m in msgs]
-        frames.append(h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS | h2.FLAG_END_STREAM, 1, trailers))
-        if paced:  # headers with the first token, the complete with the trailers
+        frames = [h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS, 1, HEAD)]
+        frames += [h2.frame(h2.DATA, 0, 1, grpc_message(m)) for m in messages]
+        frames.append(h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS | h2.FLAG_END_STREAM, 1, trailers()))
+        if paced:  # headers with the first message, the last with the trailers
             reads = [frames[0] + frames[1], *frames[2:-2], frames[-2] + frames[-1]]
         else:
             reads = [b"".join(frames)]
@@ -212,33 +188,31 @@ async def _main(args: argparse.Namespace) -> None:
     from shepherd.loadgen.http1 import RequestTemplate
     from shepherd.loadgen.prompts import ChatRequestSource, ChatShape, PromptConfig, PromptFactory
     from shepherd.node import gc_tuning
-    from shepherd.node import h2_conn as h2
     from shepherd.node.app import build_app
     from shepherd.node.circuit_breaker import CircuitBreaker, HealthTracker
     from shepherd.node.config import build_config
-    from shepherd.node.engine_h2 import H2EngineClient
     from shepherd.node.gateway import Gateway
     from shepherd.node.http_server import LeanServer, _Conn
     from shepherd.node.workers import Worker
 
+    stream = args.workload == "stream"
+    scenarios: list[str] = args.scenarios.split(",") if stream else ["chat"]
     loop = asyncio.get_running_loop()
     gw = Gateway(build_config({}, {"policy": "round_robin", "tokenizer_workers": 0}))
     await gw.tokenizers.start()
     model = gw.model_names()[0]
     tok = gw.tokenizer(model)
-    replies = {
-        "burst": _Replies(_answer_ids(tok.hf, args.tokens), 254, paced=False),
-        "paced": _Replies(_answer_ids(tok.hf, args.tokens), 254, paced=True),
-    }
-    mode = {"reply": replies["burst"]}
+    ids = _answer_ids(tok.hf, args.tokens)
+    if stream:
+        replies = {
+            "burst": _Replies(_chunks(ids, 254), paced=False),
+            "paced": _Replies(_chunks(ids, 254), paced=True),
+        }
+    else:
+        replies = {"chat": _Replies(_complete(ids, 254), paced=False)}
+    mode = {"reply": replies[scenarios[0]]}
 
-    client = H2EngineClient("grpc://127.0.0.1:1", "127.0.0.1:1", "sglang")
-    proto = h2.H2Protocol(loop, keepalive_s=0)
-    etr = _EngineTransport(loop, lambda sid: mode["reply"](sid))
-    etr.proto = proto
-    proto.connection_made(etr)  # type: ignore[arg-type]
-    proto.data_received(h2.settings_frame({h2.SETTINGS_MAX_CONCURRENT_STREAMS: 4096}))
-    client._proto = proto
+    client, proto = canned_engine(loop, lambda sid: mode["reply"](sid), max_streams=4096)
     w = Worker(
         id="w0",
         url=client.url,
@@ -253,19 +227,17 @@ async def _main(args: argparse.Namespace) -> None:
     gc_tuning.settle(gw.cfg.gc_gen0_threshold)  # as the node does once started
 
     factory = PromptFactory(PromptConfig(prompt_tokens=250), lambda s: len(tok.hf.encode(s).ids))
+    template = RequestTemplate("127.0.0.1", 8000, "/v1/chat/completions")
     source = ChatRequestSource(
-        factory,
-        RequestTemplate("127.0.0.1", 8000, "/v1/chat/completions"),
-        ChatShape(model=model, max_tokens=args.tokens, stream=True),
+        factory, template, ChatShape(model=model, max_tokens=args.tokens, stream=stream)
     )
     bodies = [source.body_of(i) for i in range(100_000, 100_000 + args.reps * (args.rounds + 1) + 400)]
-    template = RequestTemplate("127.0.0.1", 8000, "/v1/chat/completions")
     requests = [template.render(b) for b in bodies]
     nxt = {"i": 0}
 
     conns = []
     for _ in range(args.concurrency):
-        t = _HttpClientTransport()
+        t = _HttpClientTransport(chunked=stream)
         c = _Conn(srv)
         c.connection_made(t)  # type: ignore[arg-type]
         conns.append((c, t))
@@ -287,12 +259,17 @@ async def _main(args: argparse.Namespace) -> None:
 
         await asyncio.gather(*(worker(k, c, t) for k, (c, t) in zip(per, conns, strict=True) if k))
 
-    # check one answer (of the first scenario): well-formed SSE with content, usage and [DONE]
+    # check one answer (of the first scenario): a 200 with a chat.completion body, or well-formed SSE
+    # with content, usage and [DONE]
     c0, t0 = conns[0]
-    mode["reply"] = replies[args.scenarios.split(",")[0]]
     t0.record = bytearray()
     await one(c0, t0)
-    assert b"data: [DONE]" in t0.last and b'"usage"' in t0.last, t0.last[-300:]
+    if stream:
+        assert b"data: [DONE]" in t0.last and b'"usage"' in t0.last, t0.last[-300:]
+    else:
+        assert t0.last.startswith(b"HTTP/1.1 200") and b'"chat.completion"' in t0.last, t0.last[:600]
+    if args.show:
+        print(t0.record.decode())
     if args.response_to:  # the answer's bytes (head and body), to compare trees
         _write(args.response_to, bytes(t0.record))
     t0.record = None
@@ -303,25 +280,29 @@ async def _main(args: argparse.Namespace) -> None:
 
         prof = cProfile.Profile()
     print(
-        f"node stream path, in-process (lean HTTP server + app + H2 engine client, fake sockets): "
-        f"CPU µs per request, best of {args.rounds} rounds of {args.reps}, c={args.concurrency}, "
-        f"{args.tokens} tokens"
+        f"node {'stream' if stream else 'non-stream chat'} path, in-process (lean HTTP server + app + "
+        f"H2 engine client, fake sockets): CPU µs per request, best of {args.rounds} rounds of "
+        f"{args.reps}, c={args.concurrency}, {args.tokens} tokens"
     )
-    for name in args.scenarios.split(","):
+    for name in scenarios:
         mode["reply"] = replies[name]
         await run(300)  # warm-up
+        if args.pause:  # e.g. for ``callgrind_control -i on PID`` (valgrind --instr-atstart=no)
+            print("READY", flush=True)
+            await asyncio.sleep(args.pause)
+        profiled = prof is not None and name in ("chat", "burst")
         best = float("inf")
         results = []
         writes0 = sum(t.writes for _, t in conns)
         if args.callgrind:  # count instructions of the measured rounds only (run under valgrind callgrind)
             _callgrind("-i", "on")
         for _ in range(args.rounds):
-            if prof is not None and name == "burst":
+            if profiled:
                 prof.enable()
             t_start = time.process_time()
             await run(args.reps)
             us = (time.process_time() - t_start) / args.reps * 1e6
-            if prof is not None and name == "burst":
+            if profiled:
                 prof.disable()
             results.append(us)
             best = min(best, us)
@@ -344,7 +325,7 @@ async def _main(args: argparse.Namespace) -> None:
         import pstats
 
         st = pstats.Stats(prof)
-        st.sort_stats("tottime").print_stats(45)
+        st.sort_stats("tottime").print_stats(args.profile_rows)
         if args.dump:
             st.dump_stats(args.dump)
     assert w.in_flight == 0 and not proto.conn.streams, "requests left open"
@@ -354,20 +335,32 @@ async def _main(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=("chat", "stream"), required=True)
+    p.add_argument("--scenarios", default=None, help="stream: burst,paced (the default), or one of them")
     p.add_argument("--reps", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--scenarios", default="burst,paced")
-    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile", action="store_true", help="cProfile of the chat or burst rounds")
+    p.add_argument("--profile-rows", type=int, default=None, help="default: 60 (chat), 45 (stream)")
     p.add_argument("--dump", default="", help="with --profile: write the pstats file here")
+    p.add_argument("--show", action="store_true", help="print one response")
     p.add_argument("--response-to", default="", help="write the checked answer's bytes to this file")
+    p.add_argument("--pause", type=float, default=0.0, help="seconds to sleep after each warm-up")
     p.add_argument(
         "--callgrind",
         action="store_true",
         help="under valgrind --tool=callgrind --instr-atstart=no: instrument the measured rounds only",
     )
     args = p.parse_args()
+    if args.workload == "chat" and args.scenarios is not None:
+        p.error("--scenarios is for --workload stream")
+    if args.scenarios is None:
+        args.scenarios = "burst,paced"
+    if any(s not in ("burst", "paced") for s in args.scenarios.split(",")):
+        p.error(f"--scenarios: burst and/or paced, not {args.scenarios!r}")
+    if args.profile_rows is None:
+        args.profile_rows = 45 if args.workload == "stream" else 60
     try:
         import uvloop
 
