@@ -627,24 +627,23 @@ static int32_t get_or_add(Core *c, int64_t key, int slot, int *added) {
  * for one cache miss after another (table slot, block record, entry: a prompt's ~80 blocks' worth of serial
  * misses, most of an insert's time). Four passes issue each level's loads for every block at once, so
  * the misses overlap; the insert loop then finds them in cache. Only hints: nothing is changed. */
-static void prefetch_chain(const Core *c, const int64_t *keys, Py_ssize_t n, int slot) {
+static void prefetch_chain(const Core *c, const int64_t *keys, Py_ssize_t n, int slot, int32_t *ent) {
     uint64_t m = (uint64_t)c->tsize - 1;
     Py_ssize_t i;
     for (i = 0; i < n; i++) __builtin_prefetch(&c->table[mix(keys[i]) & m]);
-    for (i = 0; i < n; i++) {
+    for (i = 0; i < n; i++) { /* ent holds block indexes for a while */
         int32_t b = find_block(c, keys[i]);
+        ent[i] = b;
         if (b != NIL) __builtin_prefetch(&c->blocks[b]);
     }
     for (i = 0; i < n; i++) {
-        int32_t b = find_block(c, keys[i]);
-        if (b == NIL) continue;
-        int32_t e = c->blocks[b].head;
+        if (ent[i] == NIL) continue;
+        int32_t e = c->blocks[ent[i]].head;
         if (e != NIL) __builtin_prefetch(&c->entries[e], 1);
     }
-    for (i = 0; i < n; i++) { /* the worker's entries' LRU neighbours: the moves to the head write them */
-        int32_t b = find_block(c, keys[i]);
-        if (b == NIL) continue;
-        int32_t e = find_entry(c, b, slot);
+    for (i = 0; i < n; i++) { /* the worker's entries, and their LRU neighbours: the moves write them */
+        if (ent[i] == NIL) continue;
+        int32_t e = ent[i] = find_entry(c, ent[i], slot);
         if (e == NIL) continue;
         if (c->entries[e].prev != NIL) __builtin_prefetch(&c->entries[c->entries[e].prev], 1);
         if (c->entries[e].next != NIL) __builtin_prefetch(&c->entries[c->entries[e].next], 1);
@@ -839,21 +838,32 @@ static Py_ssize_t insert_keys(Core *c, const int64_t *keys, Py_ssize_t n, int sl
     Repl *r = c->repl;
     if (n > w->cap) n = w->cap; /* a prompt longer than the worker's cache: it keeps the leading blocks */
     if (reserve(c, n) < 0 || (r != NULL && repl_reserve(c, slot, 1, n) < 0)) return -1;
-    prefetch_chain(c, keys, n, slot);
+    int32_t small[512];
+    int32_t *ent = n <= 512 ? small : PyMem_Malloc((size_t)n * sizeof(int32_t));
+    if (ent == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    prefetch_chain(c, keys, n, slot, ent); /* ent[i]: the worker's entry of keys[i] (NIL: none yet) */
     if (r == NULL) {
         for (Py_ssize_t i = n - 1; i >= 0; i--) { /* deepest first: the ancestors end nearer the head */
             int added;
-            int32_t e = get_or_add(c, keys[i], slot, &added);
+            int32_t e = ent[i];
+            if (e != NIL) lru_unlink(c, e);
+            else e = get_or_add(c, keys[i], slot, &added);
             c->entries[e].time = now;
             lru_push_head(c, e);
         }
+        if (ent != small) PyMem_Free(ent);
         return evict(c, slot);
     }
     int64_t sn = slot_of(r, now);
     group_open(c, slot, now);
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
-        int added;
-        int32_t e = get_or_add(c, keys[i], slot, &added);
+        int added = 0;
+        int32_t e = ent[i];
+        if (e != NIL) lru_unlink(c, e);
+        else e = get_or_add(c, keys[i], slot, &added);
         Entry *x = &c->entries[e];
         if (added) {
             bucket_add(&r->buckets[slot], sn, 1, (uint64_t)keys[i]);
@@ -870,6 +880,7 @@ static Py_ssize_t insert_keys(Core *c, const int64_t *keys, Py_ssize_t n, int sl
         lru_push_head(c, e);
     }
     group_close(c, 1);
+    if (ent != small) PyMem_Free(ent);
     return evict(c, slot);
 }
 
