@@ -909,14 +909,15 @@ static PyObject *Core_insert_named(Core *c, PyObject *args) {
 }
 
 /* merge(slot, hs, times) -> entries changed (made or set newer): max-merge of (block, worker) -> time for
- * one worker */
+ * one worker; names outside 64 bits are skipped */
 static PyObject *Core_merge(Core *c, PyObject *args) {
     PyObject *slot_o, *hs, *times;
     int slot;
     if (!PyArg_ParseTuple(args, "OOO:merge", &slot_o, &hs, &times) || get_slot(slot_o, &slot) < 0) return NULL;
     Py_ssize_t n;
     double *tv = NULL;
-    int64_t *keys = keys_of(hs, &n, NULL);
+    uint8_t *bad; /* names outside 64 bits: never held, skipped */
+    int64_t *keys = keys_of(hs, &n, &bad);
     if (keys == NULL) return NULL;
     PyObject *ts = as_stable(times, "times must be a sequence", 1);
     if (ts == NULL || PySequence_Fast_GET_SIZE(ts) != n) {
@@ -925,6 +926,7 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "one time per block");
         }
         PyMem_Free(keys);
+        PyMem_Free(bad);
         return NULL;
     }
     /* every time read before anything changes: a merge either fails whole or completes */
@@ -946,6 +948,7 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
     Worker *w = &c->workers[slot];
     if (r != NULL && r->relay) group_open(c, slot, NAN);
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (bad != NULL && bad[i]) continue;
         double t = tv[i];
         int32_t b = find_block(c, keys[i]);
         int32_t e = b == NIL ? NIL : find_entry(c, b, slot);
@@ -980,12 +983,14 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
     if (r != NULL && r->relay) group_close(c, 0);
     Py_DECREF(ts);
     PyMem_Free(keys);
+    PyMem_Free(bad);
     PyMem_Free(tv);
     evict(c, slot);
     return PyLong_FromSsize_t(changed);
 fail:
     Py_DECREF(ts);
     PyMem_Free(keys);
+    PyMem_Free(bad);
     PyMem_Free(tv);
     return NULL;
 }

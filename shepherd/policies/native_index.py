@@ -35,7 +35,6 @@ else:
     NATIVE_INDEX = True
 
 log = logging.getLogger(__name__)
-_I64 = 1 << 63
 
 
 class NativePrefixIndex(PrefixIndex):
@@ -142,15 +141,7 @@ class NativePrefixIndex(PrefixIndex):
     def _merge_worker(self, worker: str, hs: Sequence[int], ts: Sequence[float]) -> int:
         """Max-merge blocks ``hs`` of ``worker`` at times ``ts``; returns how many entries changed."""
         s = self._slot_of(worker)
-        return 0 if s is None else self._core.merge(s, *self._in_range(hs, ts))
-
-    @staticmethod
-    def _in_range(hs: Sequence[int], ts: Sequence[float]) -> tuple[Sequence[int], Sequence[float]]:
-        """Names and times without the names outside 64 bits (never held)."""
-        if all(-_I64 <= h < _I64 for h in hs):  # the usual case: as they are
-            return hs, ts
-        keep = [i for i, h in enumerate(hs) if -_I64 <= h < _I64]
-        return [hs[i] for i in keep], [ts[i] for i in keep]
+        return 0 if s is None else self._core.merge(s, hs, ts)  # names outside 64 bits: skipped there
 
     def _slot_of(self, worker: str) -> int | None:
         """The worker's slot, given one on first use (None: all 64 are taken)."""
