@@ -27,14 +27,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shepherd.node.api_openai import Generation, Job  # noqa: E402
-from shepherd.node.chat_output import shape_chat  # noqa: E402
+from shepherd.node.api.openai import Generation, Job  # noqa: E402
 from shepherd.node.config import EMBEDDED_MODEL_DIR, NodeConfig  # noqa: E402
-from shepherd.node.engine_types import EngineChunk, EngineComplete, EngineEvent  # noqa: E402
 from shepherd.node.metrics import NodeMetrics  # noqa: E402
-from shepherd.node.openai_protocol import parse_chat  # noqa: E402
-from shepherd.node.output import ChoiceState  # noqa: E402
-from shepherd.node.tokenizer import Tokenizer  # noqa: E402
+from shepherd.node.openai.requests import parse_chat  # noqa: E402
+from shepherd.node.output.chat import shape_chat  # noqa: E402
+from shepherd.node.output.choice import ChoiceState  # noqa: E402
+from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent  # noqa: E402
+from shepherd.tokens.tokenizer import Tokenizer  # noqa: E402
 
 PROSE = (
     "The river ran slowly past the old mill, and the morning light settled on the water like a thin "

@@ -29,13 +29,13 @@ from tokenizers.decoders import DecodeStream
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shepherd.node.detokenizer import IncrementalDetokenizer  # noqa: E402
-from shepherd.node.engine_types import TokenLogprob  # noqa: E402
-from shepherd.node.logprobs import TokenTextCache, chat_logprob_entries, completion_logprobs  # noqa: E402
-from shepherd.node.stop import StopMatcher, StoppingDecoder  # noqa: E402
+from shepherd.node.openai.logprobs import TokenTextCache, chat_logprob_entries, completion_logprobs  # noqa: E402
+from shepherd.node.output.stop import StopMatcher, StoppingDecoder  # noqa: E402
+from shepherd.proto.engine_types import TokenLogprob  # noqa: E402
+from shepherd.tokens.detokenizer import IncrementalDetokenizer  # noqa: E402
 
 TOKENIZERS = {
-    "qwen3": ROOT / "shepherd" / "node" / "assets" / "qwen3" / "tokenizer.json.xz",
+    "qwen3": ROOT / "shepherd" / "tokens" / "assets" / "qwen3" / "tokenizer.json.xz",
     "llama-3.1": ROOT / "tests" / "assets" / "tokenizers" / "llama-3.1" / "tokenizer.json.xz",
 }
 STOPS = ["\n\nUser:", "</answer>", "###", "Observation:"]

@@ -66,16 +66,16 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
 
 def _make_client(transport: str, target: str, kind: str) -> Any:
     if transport == "grpcio":
-        from shepherd.node.engine_grpc import GrpcEngineClient
+        from shepherd.node.engines.grpcio import GrpcEngineClient
 
         return GrpcEngineClient(f"{kind}://{target}", target, kind)
-    from shepherd.node.engine_h2 import H2EngineClient
+    from shepherd.node.engines.h2 import H2EngineClient
 
     return H2EngineClient(f"{kind}://{target}", target, kind, coalesce_writes=transport != "h2-direct")
 
 
 async def _scenario(client: Any, stream: bool, conc: int, n: int, tokens: int) -> dict[str, float]:
-    from shepherd.node.engine_types import GenerateRequest, SamplingParams
+    from shepherd.proto.engine_types import GenerateRequest, SamplingParams
 
     sampling = SamplingParams(max_new_tokens=tokens, ignore_eos=True, stream_interval=1)
     ids = list(range(1000, 1250))  # a 250-token prompt
@@ -269,8 +269,8 @@ def micro(reps: int) -> None:
     """Client-side parsing of one 32-message response stream: ours vs the h2 (hyper) state machine."""
     from smg_grpc_proto import sglang_scheduler_pb2 as sg
 
-    from shepherd.node import h2_conn as ours
-    from shepherd.node.engine_h2 import GrpcStream, grpc_message
+    from shepherd.node.engines import h2_conn as ours
+    from shepherd.node.engines.h2 import GrpcStream, grpc_message
 
     msgs = [
         sg.GenerateResponse(
@@ -339,7 +339,7 @@ def _h2_library_us(server_bytes: Callable[[int], bytes], split: bool, reps: int)
         h2events: Any = importlib.import_module("h2.events")
     except ImportError:
         return None
-    from shepherd.node import h2_conn as ours
+    from shepherd.node.engines import h2_conn as ours
 
     hc = h2connection.H2Connection(h2config.H2Configuration(client_side=True, header_encoding=None))
     hc.initiate_connection()
@@ -376,9 +376,9 @@ def _h2_library_us(server_bytes: Callable[[int], bytes], split: bool, reps: int)
 def _prompts(count: int) -> list[Any]:
     """Real prompt ids (PromptIds, with their pieces): qwen3 ChatML, one system prompt, distinct users."""
     from shepherd.loadgen.prompts import SYSTEM_PROMPT, PromptConfig, PromptFactory
-    from shepherd.node.tokenizer import Tokenizer
+    from shepherd.tokens.tokenizer import Tokenizer
 
-    tok = Tokenizer.load(ROOT / "shepherd" / "node" / "assets" / "qwen3")
+    tok = Tokenizer.load(ROOT / "shepherd" / "tokens" / "assets" / "qwen3")
     pf = PromptFactory(PromptConfig())
     out = []
     for i in range(count):
@@ -396,14 +396,14 @@ async def _gateway_path(
     from smg_grpc_proto import sglang_scheduler_pb2 as sg
     from smg_grpc_proto import vllm_engine_pb2 as vl
 
-    from shepherd.node import h2_conn as h2
-    from shepherd.node.circuit_breaker import CircuitBreaker, HealthTracker
     from shepherd.node.config import build_config
-    from shepherd.node.engine_h2 import grpc_message
-    from shepherd.node.engine_types import EngineComplete, GenerateRequest, SamplingParams
-    from shepherd.node.gateway import Gateway
-    from shepherd.node.workers import Worker
+    from shepherd.node.dispatch.circuit_breaker import CircuitBreaker, HealthTracker
+    from shepherd.node.dispatch.gateway import Gateway
+    from shepherd.node.dispatch.workers import Worker
+    from shepherd.node.engines import h2_conn as h2
+    from shepherd.node.engines.h2 import grpc_message
     from shepherd.policies.block_names import PromptIds
+    from shepherd.proto.engine_types import EngineComplete, GenerateRequest, SamplingParams
     from tests.fake_h2_engine import HEAD, canned_engine, trailers
 
     loop = asyncio.get_running_loop()
@@ -523,9 +523,9 @@ def codec_micro(reps: int) -> None:
     """GenerateRequest encoding, interleaved in one process: the protobuf message (``sglang_generate(req)
     .SerializeToString()``, what the h2 client sent before) vs ``sglang_generate_bytes``; single-turn
     chats (a new user message each) and an 8-turn conversation whose earlier turns recur."""
-    from shepherd.node.engine_types import GenerateRequest, SamplingParams
     from shepherd.policies.block_names import PromptIds
     from shepherd.proto import engine_codec as codec
+    from shepherd.proto.engine_types import GenerateRequest, SamplingParams
 
     prompts = _prompts(64)
 

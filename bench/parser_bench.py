@@ -26,7 +26,7 @@ from tokenizers import Tokenizer
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shepherd.node.parsers import get_reasoning_parser, get_tool_parser  # noqa: E402
+from shepherd.parsers import get_reasoning_parser, get_tool_parser  # noqa: E402
 
 PROSE = (
     "Let me think about this carefully. The user wants the weather in Paris and the local time, "
@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1000, help="approximate output tokens per sample")
     args = ap.parse_args()
     raw = lzma.decompress(
-        (ROOT / "shepherd" / "node" / "assets" / "qwen3" / "tokenizer.json.xz").read_bytes()
+        (ROOT / "shepherd" / "tokens" / "assets" / "qwen3" / "tokenizer.json.xz").read_bytes()
     )
     tok = Tokenizer.from_str(raw.decode())
     n_chars = args.tokens * 4

@@ -35,11 +35,11 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TypeVar
 
-from shepherd.mesh.state_index import ReplicatedPrefixIndex
-from shepherd.mesh.state_index_native import NativeReplicatedPrefixIndex
 from shepherd.policies.block_names import NATIVE_NAMES, PromptIds, Shape, py_block_hashes
 from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
 from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, RunPrefixIndex, block_hashes
+from shepherd.policies.prefix_replica import ReplicatedPrefixIndex
+from shepherd.policies.prefix_replica_native import NativeReplicatedPrefixIndex
 
 T = TypeVar("T")
 REPLICAS = (ReplicatedPrefixIndex, NativeReplicatedPrefixIndex)

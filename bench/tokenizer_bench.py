@@ -44,13 +44,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shepherd.loadgen.prompts import PromptConfig, PromptFactory  # noqa: E402
-from shepherd.node.chat_template import ChatTemplate, make_environment  # noqa: E402
-from shepherd.node.fast_bpe import byte_level_decoder  # noqa: E402
-from shepherd.node.token_cache import CacheLimits, TokenCache  # noqa: E402
-from shepherd.node.tokenizer import Tokenizer, load_chat_templates  # noqa: E402
-from shepherd.node.tokenizer_pool import TokenizerPool, TokenizerService  # noqa: E402
+from shepherd.tokens.cache import CacheLimits, TokenCache  # noqa: E402
+from shepherd.tokens.chat_template import ChatTemplate, make_environment  # noqa: E402
+from shepherd.tokens.fast_bpe import byte_level_decoder  # noqa: E402
+from shepherd.tokens.pool import TokenizerPool, TokenizerService  # noqa: E402
+from shepherd.tokens.tokenizer import Tokenizer, load_chat_templates  # noqa: E402
 
-QWEN3 = ROOT / "shepherd" / "node" / "assets" / "qwen3"
+QWEN3 = ROOT / "shepherd" / "tokens" / "assets" / "qwen3"
 TOK = ROOT / "tests" / "assets" / "tokenizers"
 SHARED = Path("/work/shared/assets/tokenizers")
 QUICK = "--quick" in sys.argv

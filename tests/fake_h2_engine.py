@@ -9,8 +9,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from shepherd.node import h2_conn as h2
-from shepherd.node.engine_h2 import H2EngineClient
+from shepherd.node.engines import h2_conn as h2
+from shepherd.node.engines.h2 import H2EngineClient
 
 HEAD = b"\x88" + h2.hpack_literal(31, b"application/grpc")  # :status 200, content-type
 

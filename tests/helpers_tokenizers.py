@@ -18,7 +18,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 ROOT = Path(__file__).resolve().parent.parent
 _PATHS = {
-    "qwen3": ROOT / "shepherd" / "node" / "assets" / "qwen3" / "tokenizer.json.xz",
+    "qwen3": ROOT / "shepherd" / "tokens" / "assets" / "qwen3" / "tokenizer.json.xz",
     "llama-3.1": ROOT / "tests" / "assets" / "tokenizers" / "llama-3.1" / "tokenizer.json.xz",
     "gpt2": ROOT / "tests" / "assets" / "tokenizers" / "gpt2" / "tokenizer.json.xz",
 }

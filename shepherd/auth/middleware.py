@@ -52,11 +52,11 @@ from shepherd.auth.keys import (
     principal_for,
 )
 from shepherd.auth.principal import ANONYMOUS, PRINCIPAL_KEY, Principal
-from shepherd.node.api_common import error_response
-from shepherd.node.openai_protocol import ApiError
+from shepherd.node.api.common import error_response
+from shepherd.node.openai.requests import ApiError
 
 if TYPE_CHECKING:
-    from shepherd.auth.key_sync import KeySync
+    from shepherd.node.cluster.key_sync import KeySync
 
 log = logging.getLogger("shepherd.auth")
 

@@ -21,7 +21,7 @@ import orjson
 
 from shepherd.loadgen.http1 import RequestTemplate
 
-QWEN3_DIR = Path(__file__).resolve().parent.parent / "node" / "assets" / "qwen3"
+QWEN3_DIR = Path(__file__).resolve().parent.parent / "tokens" / "assets" / "qwen3"
 CHATML_OVERHEAD_TOKENS = 13
 _MASK64 = (1 << 64) - 1  # <|im_start|>system\n ... <|im_end|>\n twice + <|im_start|>assistant\n
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from shepherd.loadgen.procs import ProcSpec
 
-QWEN3_ASSETS = Path(__file__).resolve().parent.parent / "node" / "assets" / "qwen3"
+QWEN3_ASSETS = Path(__file__).resolve().parent.parent / "tokens" / "assets" / "qwen3"
 REPO_ROOT = Path(__file__).resolve().parent.parent.parent
 PEERS_SETUP = REPO_ROOT / "bench" / "peers" / "setup.sh"
 LITELLM_KEY = "sk-smg-bench"

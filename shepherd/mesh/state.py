@@ -74,16 +74,6 @@ from shepherd.mesh.state_health import (
     observation_to_wire,
     observations_from_wire,
 )
-from shepherd.mesh.state_index import (
-    Digest,
-    Group,
-    IndexReplConfig,
-    ReplicatedPrefixIndex,
-    Slot,
-    decode_index_body,
-    encode_index_bodies,
-)
-from shepherd.mesh.state_index_native import NATIVE_INDEX, NativeReplicatedPrefixIndex, Replica
 from shepherd.mesh.state_registry import (
     REMOVED,
     RegEntry,
@@ -97,6 +87,16 @@ from shepherd.mesh.state_registry import (
 from shepherd.mesh.swim_broadcast import BroadcastQueue
 from shepherd.mesh.swim_types import MemberDead, MemberEvent, MemberLeft, MemberUp
 from shepherd.policies.prefix_index import PrefixIndexConfig
+from shepherd.policies.prefix_replica import (
+    Digest,
+    Group,
+    IndexReplConfig,
+    ReplicatedPrefixIndex,
+    Slot,
+    decode_index_body,
+    encode_index_bodies,
+)
+from shepherd.policies.prefix_replica_native import NATIVE_INDEX, NativeReplicatedPrefixIndex, Replica
 
 __all__ = [
     "ENVELOPE_OVERHEAD",

@@ -21,7 +21,7 @@ from shepherd.mock_engine.engine import ROLES, EngineConfig, EngineCore
 from shepherd.mock_engine.faults import ERROR_CODES, Faults
 from shepherd.mock_engine.grpc_services import GRPC_IMPLS
 
-DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "node" / "assets" / "qwen3"
+DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "tokens" / "assets" / "qwen3"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,7 +120,7 @@ async def serve(
 ) -> None:
     from shepherd.mock_engine.grpc_services import start_grpc_server
     from shepherd.mock_engine.http_api import build_app
-    from shepherd.node.tokenizer import Tokenizer
+    from shepherd.tokens.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.load(config.tokenizer_path, name=config.model)
     core = EngineCore(config, tokenizer)

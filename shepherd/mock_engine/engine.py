@@ -46,13 +46,13 @@ from shepherd.mock_engine.scheduler import (
     SeqGroup,
 )
 from shepherd.mock_engine.stats import MockStats
-from shepherd.node.engine_types import EngineChunk, EngineComplete, EngineEvent
+from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent
 
 ROLES = ("both", "prefill", "decode")
 
 
 class TokenizerLike(Protocol):
-    """What the mock needs of ``shepherd.node.tokenizer.Tokenizer``."""
+    """What the mock needs of ``shepherd.tokens.tokenizer.Tokenizer``."""
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]: ...

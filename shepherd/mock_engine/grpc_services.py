@@ -33,7 +33,7 @@ from shepherd.mock_engine.pd_check import BootstrapClient, verify_decode
 from shepherd.mock_engine.scheduler import LoadSnapshot
 from shepherd.mock_engine.tokenizer_zip import TokenizerArchive, build_tokenizer_zip
 from shepherd.mock_engine.wire import ChunkWire
-from shepherd.node.engine_types import EngineChunk, EngineEvent, TokenLogprob
+from shepherd.proto.engine_types import EngineChunk, EngineEvent, TokenLogprob
 
 KV_HEARTBEAT_S = 1.0
 KV_COALESCE_S = 0.005

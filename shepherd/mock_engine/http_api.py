@@ -23,7 +23,7 @@ from tokenizers.decoders import DecodeStream
 
 from shepherd.mock_engine.engine import EngineCore, MockRequest, MockRpcError, Run, TokenizerLike
 from shepherd.mock_engine.outputs import OutputSpec
-from shepherd.node.engine_types import EngineChunk, EngineComplete, TokenLogprob
+from shepherd.proto.engine_types import EngineChunk, EngineComplete, TokenLogprob
 
 MAX_BODY = 32 * 1024 * 1024
 WRITE_BATCH = 64  # SSE chunks per write in zero-latency mode
@@ -43,7 +43,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 class ChatTokenizer(TokenizerLike, Protocol):
-    """The rest of ``shepherd.node.tokenizer.Tokenizer`` the HTTP surface uses."""
+    """The rest of ``shepherd.tokens.tokenizer.Tokenizer`` the HTTP surface uses."""
 
     @property
     def hf(self) -> Any: ...

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shepherd.node.engine_types import TokenLogprob
+from shepherd.proto.engine_types import TokenLogprob
 
 PARAGRAPH = (
     "The river ran slowly past the old mill, and the morning light settled on the water like a thin "

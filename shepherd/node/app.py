@@ -11,12 +11,16 @@ import time
 from aiohttp import web
 
 from shepherd.auth.tls import server_tls
-from shepherd.node import api_admin, api_keys, api_mesh, api_openai, gc_tuning
-from shepherd.node.api_common import GATEWAY, error_middleware
+from shepherd.node import gc_tuning
+from shepherd.node.api import admin as api_admin
+from shepherd.node.api import keys as api_keys
+from shepherd.node.api import mesh as api_mesh
+from shepherd.node.api import openai as api_openai
+from shepherd.node.api.common import GATEWAY, error_middleware
+from shepherd.node.cluster.mesh_node import MeshNode
 from shepherd.node.config import NodeConfig
-from shepherd.node.gateway import Gateway
-from shepherd.node.http_server import LeanServer
-from shepherd.node.mesh_node import MeshNode
+from shepherd.node.dispatch.gateway import Gateway
+from shepherd.node.http.server import LeanServer
 
 log = logging.getLogger("shepherd.node")
 

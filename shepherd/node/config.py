@@ -27,7 +27,7 @@ from shepherd.auth.tls import TlsConfigError, check_settings
 from shepherd.node.gc_tuning import GEN0_THRESHOLD
 from shepherd.policies.simple import POLICY_NAMES
 
-EMBEDDED_MODEL_DIR = Path(__file__).parent / "assets" / "qwen3"
+EMBEDDED_MODEL_DIR = Path(__file__).parent.parent / "tokens" / "assets" / "qwen3"
 
 WORKER_SCHEMES = ("grpc", "grpcs", "sglang", "vllm", "http", "https")
 
@@ -70,7 +70,7 @@ class NodeConfig:
     chat_template: str | None = None
     policy: str = "round_robin"
     engine_transport: str = "h2"  # "h2" (lean asyncio HTTP/2 gRPC client) or "grpcio"
-    http_server: str = "lean"  # "lean" (httptools on asyncio: shepherd.node.http_server) or "aiohttp"
+    http_server: str = "lean"  # "lean" (httptools on asyncio: shepherd.node.http.server) or "aiohttp"
     kv_events: bool = True  # subscribe to gRPC engines' KV events to feed the prefix index
     models: tuple[ModelConfig, ...] = ()
     tokenizer_workers: int = 2
@@ -95,7 +95,7 @@ class NodeConfig:
     reasoning_parser: str | None = None  # every model's default (None: by model name; "none": off)
     tool_call_parser: str | None = None
     log_level: str = "info"
-    # rate limits (shepherd.node.admission): YAML list of {tenant, model?, rpm?, tpm?, max_concurrent?};
+    # rate limits (shepherd.node.api.admission): YAML list of {tenant, model?, rpm?, tpm?, max_concurrent?};
     # the rate_limit_* flags give every tenant a default (a tenant "*" rule on all models)
     rate_limits: tuple[RateLimitRule, ...] = ()
     rate_limit_rpm: int | None = None
@@ -113,7 +113,7 @@ class NodeConfig:
     engine_tls_ca_file: str | None = None  # TLS to gRPC engines (every gRPC worker when any is set; grpcs://)
     engine_tls_cert_file: str | None = None
     engine_tls_key_file: str | None = None
-    # mesh (shepherd.node.mesh_node): off unless mesh_port is set; sealed (keyring) and mTLS (certificates)
+    # mesh (shepherd.node.cluster.mesh_node): off unless mesh_port is set; sealed (keyring), mTLS (certs)
     mesh_port: int | None = None  # UDP gossip and TCP push-pull, same number
     mesh_name: str | None = None  # this node's mesh name = its certificate's (default: the host name)
     mesh_bind: str = "127.0.0.1"
@@ -131,7 +131,7 @@ class NodeConfig:
     mesh_push_pull_interval: float | None = None
     mesh_suspicion_mult: int | None = None
     mesh_gossip_interval: float | None = None
-    # PD disaggregation (shepherd.node.pd): a prefill pool and a decode pool, each with its own policy
+    # PD disaggregation (shepherd.node.dispatch.pd): a prefill pool and a decode pool, each its own policy
     pd_disaggregation: bool = False
     prefill_urls: tuple[str, ...] = ()
     prefill_bootstrap_ports: tuple[int | None, ...] = ()  # per prefill URL (None: SGLang's default 8998)
@@ -298,7 +298,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
             "rate_limit_unreachable_grace_secs must be >= 0"
         )
     if cfg.mesh_port is not None or cfg.mesh_seeds:
-        from shepherd.node.mesh_node import check_mesh_config
+        from shepherd.node.cluster.mesh_node import check_mesh_config
 
         try:
             cfg = check_mesh_config(cfg)
@@ -331,7 +331,7 @@ def _check_pd(cfg: NodeConfig) -> None:
 
 
 def _check_parsers(cfg: NodeConfig) -> None:
-    from shepherd.node.parsers import reasoning_family_name, tool_family_name
+    from shepherd.parsers import reasoning_family_name, tool_family_name
 
     entries = [("", cfg.reasoning_parser, cfg.tool_call_parser)]
     entries += [(f"model {m.name!r}: ", m.reasoning_parser, m.tool_call_parser) for m in cfg.models]

@@ -22,7 +22,7 @@ from google.protobuf import json_format
 from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from smg_grpc_proto import vllm_engine_pb2 as vl
 
-from shepherd.node.engine_types import (
+from shepherd.proto.engine_types import (
     EngineChunk,
     EngineComplete,
     EngineEvent,

@@ -22,10 +22,10 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as sg_grpc
 from smg_grpc_proto import vllm_engine_pb2 as vl
 from smg_grpc_proto import vllm_engine_pb2_grpc as vl_grpc
 
-from shepherd.node import h2_conn
-from shepherd.node.engine_grpc import GrpcEngineClient
-from shepherd.node.engine_h2 import H2EngineClient
-from shepherd.node.engine_types import (
+from shepherd.node.engines import h2_conn
+from shepherd.node.engines.grpcio import GrpcEngineClient
+from shepherd.node.engines.h2 import H2EngineClient
+from shepherd.proto.engine_types import (
     EngineChunk,
     EngineClient,
     EngineComplete,

@@ -21,7 +21,7 @@ from smg_grpc_proto import (
 )
 from smg_grpc_proto.generated import common_pb2
 
-from shepherd.node.tokenizer import Tokenizer
+from shepherd.tokens.tokenizer import Tokenizer
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 
 SGL = sglang_scheduler_pb2

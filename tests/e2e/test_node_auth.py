@@ -28,9 +28,9 @@ from cryptography import x509
 
 from shepherd.auth.certs import PemPair, generate_ca, generate_node_cert
 from shepherd.auth.tls import EngineTls
-from shepherd.node.engine_grpc import GrpcEngineClient
-from shepherd.node.engine_types import EngineError
-from shepherd.node.workers import make_client
+from shepherd.node.dispatch.workers import make_client
+from shepherd.node.engines.grpcio import GrpcEngineClient
+from shepherd.proto.engine_types import EngineError
 from tests.e2e.logs import log_file
 from tests.e2e.node_procs import BIN, NodeProc, free_port
 from tests.e2e.procs import start_mock_engine

@@ -20,8 +20,8 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc
 
 from shepherd.node.cli import config_from_args
 from shepherd.node.config import ConfigError, build_config
-from shepherd.node.engine_types import EngineComplete, EngineError, GenerateRequest, SamplingParams
-from shepherd.node.gateway import Gateway
+from shepherd.node.dispatch.gateway import Gateway
+from shepherd.proto.engine_types import EngineComplete, EngineError, GenerateRequest, SamplingParams
 from tests.e2e.node_procs import running_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 

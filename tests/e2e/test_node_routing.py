@@ -13,16 +13,16 @@ import httpx
 import openai
 import pytest
 
-from shepherd.node.circuit_breaker import CircuitBreaker, HealthTracker
 from shepherd.node.config import ConfigError, build_config
-from shepherd.node.engine_http import HttpRelayClient
-from shepherd.node.engine_types import EngineComplete, GenerateRequest, SamplingParams
-from shepherd.node.gateway import Gateway
-from shepherd.node.kv_feed import BackoffConfig, WorkerKvState, feed_index_of
-from shepherd.node.workers import Worker
+from shepherd.node.dispatch.circuit_breaker import CircuitBreaker, HealthTracker
+from shepherd.node.dispatch.gateway import Gateway
+from shepherd.node.dispatch.kv_feed import BackoffConfig, WorkerKvState, feed_index_of
+from shepherd.node.dispatch.workers import Worker
+from shepherd.node.engines.http import HttpRelayClient
 from shepherd.policies.cache_aware import CacheAware
 from shepherd.policies.prefix_index import PrefixIndex
 from shepherd.policies.simple import RoundRobin
+from shepherd.proto.engine_types import EngineComplete, GenerateRequest, SamplingParams
 from tests.e2e.node_procs import running_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shepherd.mesh.state_index import ReplicatedPrefixIndex
 from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
 from shepherd.policies.prefix_index import PrefixIndex, RunPrefixIndex
+from shepherd.policies.prefix_replica import ReplicatedPrefixIndex
 
 NEEDS_CORE = pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built")
 NATIVE = pytest.param(NativePrefixIndex, id="native", marks=NEEDS_CORE)

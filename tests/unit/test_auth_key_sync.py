@@ -18,18 +18,18 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from shepherd.auth.config import AuthConfig, auth_config
-from shepherd.auth.key_sync import KeySync, from_doc, to_doc
 from shepherd.auth.keys import ApiKeyRecord, MemoryKeyStore, bootstrap_records, create_key, hash_key
 from shepherd.auth.middleware import AUTH, Authenticator, AuthFailure
 from shepherd.mesh.state import MeshState
 from shepherd.mesh.state_config import ApiKeyRecord as DocKeyRecord
 from shepherd.mesh.state_config import ConfigDoc
-from shepherd.node import api_keys
-from shepherd.node.api_common import GATEWAY, error_middleware
-from shepherd.node.api_mesh import MESH
+from shepherd.node.api import keys as api_keys
+from shepherd.node.api.common import GATEWAY, error_middleware
+from shepherd.node.api.mesh import MESH
+from shepherd.node.cluster.key_sync import KeySync, from_doc, to_doc
+from shepherd.node.cluster.mesh_node import MeshNode
 from shepherd.node.config import NodeConfig
-from shepherd.node.gateway import Gateway
-from shepherd.node.mesh_node import MeshNode
+from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.metrics import NodeMetrics
 from tests.unit.test_auth_middleware import whoami
 

@@ -18,10 +18,10 @@ from shepherd.auth.config import AuthConfig, auth_config
 from shepherd.auth.keys import ApiKeyRecord, MemoryKeyStore, create_key, hash_key
 from shepherd.auth.middleware import AUTH, Authenticator, AuthFailure, plane_of
 from shepherd.auth.principal import principal_of
-from shepherd.node import api_keys
-from shepherd.node.api_common import GATEWAY, error_middleware
+from shepherd.node.api import keys as api_keys
+from shepherd.node.api.common import GATEWAY, error_middleware
 from shepherd.node.config import NodeConfig
-from shepherd.node.gateway import Gateway
+from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.metrics import NodeMetrics
 from tests.unit.test_auth_jwt import ISS, Signer, hs_confused_token, jwks_of
 

@@ -16,9 +16,9 @@ from cryptography import x509
 
 from shepherd.auth.certs import PemPair, generate_ca, generate_node_cert
 from shepherd.auth.tls import EngineTls, ServerTls, server_context
-from shepherd.node.engine_grpc import GrpcEngineClient
-from shepherd.node.engine_h2 import H2EngineClient
-from shepherd.node.workers import make_client
+from shepherd.node.dispatch.workers import make_client
+from shepherd.node.engines.grpcio import GrpcEngineClient
+from shepherd.node.engines.h2 import H2EngineClient
 
 
 def write(path: Path, data: bytes) -> None:

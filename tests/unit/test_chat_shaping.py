@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from shepherd.node.chat_output import _shape_tools, reasoning_side, shape_chat
-from shepherd.node.openai_protocol import parse_chat
+from shepherd.node.openai.requests import parse_chat
+from shepherd.node.output.chat import _shape_tools, reasoning_side, shape_chat
 
 PROMPTS = (
     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from shepherd.node.chat_template import ChatTemplate
-from shepherd.node.tokenizer import Tokenizer, load_chat_templates
+from shepherd.tokens.chat_template import ChatTemplate
+from shepherd.tokens.tokenizer import Tokenizer, load_chat_templates
 from tests.unit.test_tokenizer_shared import llama, qwen3
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,7 @@ SHARED = Path("/work/shared/assets/tokenizers")
 # family → (config dir in the repo, template name, the same template as a tests/assets/chat_templates file)
 FAMILIES: dict[str, tuple[Path, str, str]] = {
     "llama-3.1": (TOK / "llama-3.1", "default", "meta-llama-Llama-3.1-8B-Instruct.jinja"),
-    "qwen3": (ROOT / "shepherd" / "node" / "assets" / "qwen3", "default", "Qwen-Qwen3-0.6B.jinja"),
+    "qwen3": (ROOT / "shepherd" / "tokens" / "assets" / "qwen3", "default", "Qwen-Qwen3-0.6B.jinja"),
     "deepseek-v3.1": (TOK / "deepseek-v3", "v3_1", "deepseek-ai-DeepSeek-V3.1.jinja"),
     "mistral-nemo": (TOK / "mistral-nemo", "default", "mistralai-Mistral-Nemo-Instruct-2407.jinja"),
     "gpt-oss": (TOK / "gpt-oss", "default", "openai-gpt-oss-120b.jinja"),
@@ -41,7 +41,7 @@ FAMILIES: dict[str, tuple[Path, str, str]] = {
 # where a full tokenizer.json is, for the ids (the repo's copy first)
 TOKENIZER_DIRS: dict[str, list[Path]] = {
     "llama-3.1": [TOK / "llama-3.1"],
-    "qwen3": [ROOT / "shepherd" / "node" / "assets" / "qwen3"],
+    "qwen3": [ROOT / "shepherd" / "tokens" / "assets" / "qwen3"],
     "deepseek-v3.1": [SHARED / "deepseek-v3"],
     "mistral-nemo": [SHARED / "mistral-nemo"],
     "gpt-oss": [SHARED / "gpt-oss"],

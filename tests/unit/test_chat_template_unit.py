@@ -9,17 +9,17 @@ from typing import Any
 
 import pytest
 
-from shepherd.node.chat_template import (
+from shepherd.tokens.chat_template import (
     ChatTemplate,
     ChatTemplateError,
     normalize_tool_call_arguments,
     normalize_tool_call_ids,
 )
-from shepherd.node.tokenizer import load_chat_templates
+from shepherd.tokens.tokenizer import load_chat_templates
 
 ROOT = Path(__file__).resolve().parents[2]
 TOK = ROOT / "tests" / "assets" / "tokenizers"
-QWEN3 = ROOT / "shepherd" / "node" / "assets" / "qwen3"
+QWEN3 = ROOT / "shepherd" / "tokens" / "assets" / "qwen3"
 GOLDEN = Path(__file__).with_name("test_chat_template_golden.json")
 
 

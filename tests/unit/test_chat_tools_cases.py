@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from shepherd.node.chat_template import ChatTemplate
-from shepherd.node.parsers import (
+from shepherd.parsers import (
     default_parsers_for_model,
     get_reasoning_parser,
     get_tool_parser,
     prompt_closes_think,
     prompt_opens_think,
 )
+from shepherd.tokens.chat_template import ChatTemplate
 from tests.unit.test_tokenizer_shared import qwen3
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "assets" / "chat_templates"
@@ -461,7 +461,7 @@ def render(family: Family, messages: list[dict[str, Any]], tools: list[dict[str,
 
 
 def test_every_family_is_covered() -> None:
-    from shepherd.node.parsers import REASONING_FAMILIES, TOOL_FAMILIES
+    from shepherd.parsers import REASONING_FAMILIES, TOOL_FAMILIES
 
     tools = {f.tool for f in FAMILIES}
     reasoning = {f.reasoning for f in FAMILIES}

@@ -17,15 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from shepherd.node.api_openai import Generation, Job
-from shepherd.node.chat_output import shape_chat
+from shepherd.node.api.openai import Generation, Job
 from shepherd.node.config import NodeConfig
-from shepherd.node.engine_types import EngineChunk, EngineComplete, EngineEvent, TokenLogprob
 from shepherd.node.metrics import NodeMetrics
-from shepherd.node.openai_protocol import parse_chat
-from shepherd.node.output import ChoiceState
-from shepherd.node.structured import Violation
-from shepherd.node.tool_choice import template_tools
+from shepherd.node.openai.requests import parse_chat
+from shepherd.node.openai.structured import Violation
+from shepherd.node.openai.tool_choice import template_tools
+from shepherd.node.output.chat import shape_chat
+from shepherd.node.output.choice import ChoiceState
+from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent, TokenLogprob
 from tests.unit.test_chat_tools_cases import (
     BY_MODEL,
     CASES,

@@ -14,14 +14,14 @@ from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from smg_grpc_proto import vllm_engine_pb2 as vl
 
 from shepherd.mock_engine.stats import MockStats
-from shepherd.node.api_openai import engine_sampling
-from shepherd.node.chat_output import shape_chat
+from shepherd.node.api.openai import engine_sampling
 from shepherd.node.config import ConfigError, ModelConfig, build_config
-from shepherd.node.gateway import model_parsers
-from shepherd.node.openai_protocol import ApiError, parse_chat
-from shepherd.node.sse import ChatChunks
-from shepherd.node.structured import Constraint, OutputChecks, header_value, schema_error
-from shepherd.node.tool_choice import ToolChoice, call_array_schema, structural_tag, template_tools
+from shepherd.node.dispatch.gateway import model_parsers
+from shepherd.node.openai.requests import ApiError, parse_chat
+from shepherd.node.openai.sse import ChatChunks
+from shepherd.node.openai.structured import Constraint, OutputChecks, header_value, schema_error
+from shepherd.node.openai.tool_choice import ToolChoice, call_array_schema, structural_tag, template_tools
+from shepherd.node.output.chat import shape_chat
 from shepherd.proto.engine_codec import sglang_sampling, vllm_sampling
 from tests.unit.test_chat_tools_cases import TOOLS
 

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from shepherd.node.circuit_breaker import BreakerState, CircuitBreaker, HealthTracker
+from shepherd.node.dispatch.circuit_breaker import BreakerState, CircuitBreaker, HealthTracker
 
 
 def state(cb: CircuitBreaker) -> BreakerState:

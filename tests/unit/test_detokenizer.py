@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from shepherd.node.detokenizer import IncrementalDetokenizer
-from shepherd.node.fast_decode import ByteDecoder
+from shepherd.tokens.detokenizer import IncrementalDetokenizer
+from shepherd.tokens.fast_decode import ByteDecoder
 from tests.helpers_tokenizers import ALL, BYTE_LEVEL, load, piece, special_ids, token_id
 
 FFFD = "\ufffd"

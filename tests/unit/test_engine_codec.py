@@ -5,8 +5,8 @@ from __future__ import annotations
 from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from smg_grpc_proto import vllm_engine_pb2 as vl
 
-from shepherd.node.engine_types import EngineChunk, EngineComplete, GenerateRequest, SamplingParams
 from shepherd.proto import engine_codec as codec
+from shepherd.proto.engine_types import EngineChunk, EngineComplete, GenerateRequest, SamplingParams
 
 
 def req(**kw: object) -> GenerateRequest:

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from smg_grpc_proto import vllm_engine_pb2 as vl
 
-from shepherd.node.engine_types import EngineChunk, EngineComplete, GenerateRequest, SamplingParams
 from shepherd.policies.block_names import PromptIds
 from shepherd.proto import engine_codec as codec
+from shepherd.proto.engine_types import EngineChunk, EngineComplete, GenerateRequest, SamplingParams
 from shepherd.proto.varint import varint
 
 INT32 = st.integers(-(2**31), 2**31 - 1)

@@ -14,12 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto import sglang_scheduler_pb2 as sg
 
-from shepherd.node import h2_conn as h2
-from shepherd.node.circuit_breaker import CircuitBreaker, HealthTracker
 from shepherd.node.config import build_config
-from shepherd.node.engine_h2 import H2EngineClient, grpc_message
-from shepherd.node.engine_http import HttpRelayClient
-from shepherd.node.engine_types import (
+from shepherd.node.dispatch.circuit_breaker import CircuitBreaker, HealthTracker
+from shepherd.node.dispatch.gateway import Gateway
+from shepherd.node.dispatch.workers import Worker
+from shepherd.node.engines import h2_conn as h2
+from shepherd.node.engines.h2 import H2EngineClient, grpc_message
+from shepherd.node.engines.http import HttpRelayClient
+from shepherd.proto import engine_codec as codec
+from shepherd.proto.engine_types import (
     EngineChunk,
     EngineComplete,
     EngineEvent,
@@ -27,9 +30,6 @@ from shepherd.node.engine_types import (
     GenerateRequest,
     SamplingParams,
 )
-from shepherd.node.gateway import Gateway
-from shepherd.node.workers import Worker
-from shepherd.proto import engine_codec as codec
 from tests import fake_h2_engine as fake
 from tests.fake_h2_engine import HEAD, FakeTransport, connect, trailers
 from tests.unit.test_engine_h2_frames import parse_frames

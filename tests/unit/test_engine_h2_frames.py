@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node import h2_conn as h2
-from shepherd.node.backoff import Backoff
-from shepherd.node.engine_grpc import map_rpc_error
-from shepherd.node.engine_h2 import (
+from shepherd.node.engines import h2_conn as h2
+from shepherd.node.engines.backoff import Backoff
+from shepherd.node.engines.grpcio import map_rpc_error
+from shepherd.node.engines.h2 import (
     CANCELLED,
     INTERNAL,
     OK,
@@ -28,7 +28,7 @@ from shepherd.node.engine_h2 import (
     map_status,
     parse_target,
 )
-from shepherd.node.engine_types import EngineTimeout, EngineUnavailable
+from shepherd.proto.engine_types import EngineTimeout, EngineUnavailable
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -573,8 +573,8 @@ def test_parse_target() -> None:
 
 
 def test_refused_stream_is_marked_unprocessed_only_before_any_answer() -> None:
-    from shepherd.node import h2_conn
-    from shepherd.node.engine_h2 import GrpcStream
+    from shepherd.node.engines import h2_conn
+    from shepherd.node.engines.h2 import GrpcStream
 
     loop = asyncio.new_event_loop()
     try:

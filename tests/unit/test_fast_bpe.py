@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
-from shepherd.node.fast_bpe import FastBPE, byte_level_decoder, fast_bpe_for
-from shepherd.node.token_cache import TokenCache
-from shepherd.node.tokenizer import Tokenizer as ShepherdTokenizer
+from shepherd.tokens.cache import TokenCache
+from shepherd.tokens.fast_bpe import FastBPE, byte_level_decoder, fast_bpe_for
+from shepherd.tokens.tokenizer import Tokenizer as ShepherdTokenizer
 from tests import helpers_tokenizers
 from tests.unit.test_tokenizer_shared import GPT2_DIR, gpt2, llama, qwen3
 from tests.unit.test_tokenizer_vectors import cases

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.fast_decode import ByteDecoder
-from shepherd.node.tokenizer import Tokenizer
+from shepherd.tokens.fast_decode import ByteDecoder
+from shepherd.tokens.tokenizer import Tokenizer
 from tests.unit.test_tokenizer_shared import gpt2, llama, qwen3
 
 LOADERS: dict[str, Callable[[], Tokenizer]] = {"qwen3": qwen3, "llama": llama, "gpt2": gpt2}

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from shepherd.node.circuit_breaker import BreakerState, CircuitBreaker, HealthTracker
 from shepherd.node.config import build_config
-from shepherd.node.engine_http import HttpRelayClient
-from shepherd.node.gateway import Gateway
-from shepherd.node.workers import Worker
+from shepherd.node.dispatch.circuit_breaker import BreakerState, CircuitBreaker, HealthTracker
+from shepherd.node.dispatch.gateway import Gateway
+from shepherd.node.dispatch.workers import Worker
+from shepherd.node.engines.http import HttpRelayClient
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 server (shepherd.node.http_server) through real loopback sockets: framing, keep-alive,
+"""The lean HTTP/1.1 server (shepherd.node.http.server) through real loopback sockets: framing, keep-alive,
 pipelining, 100-continue, chunked bodies, limits, request encodings, streaming, flow control, client
 disconnects and shutdown. The app is a small aiohttp application with the node's own error middleware and
 ``read_json``, so the envelopes are the node's. No timed assertions: waits are bounded, never measured."""
@@ -22,11 +22,11 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.api_common import GATEWAY, error_middleware, read_json
+from shepherd.node.api.common import GATEWAY, error_middleware, read_json
 from shepherd.node.config import NodeConfig
-from shepherd.node.gateway import Gateway
-from shepherd.node.http_server import LeanServer, Limits
-from shepherd.node.http_types import lean_request, stream_response
+from shepherd.node.dispatch.gateway import Gateway
+from shepherd.node.http.server import LeanServer, Limits
+from shepherd.node.http.types import lean_request, stream_response
 from shepherd.node.metrics import NodeMetrics
 
 MAX_BODY = 64 * 1024

@@ -10,8 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto.generated import common_pb2
 
-from shepherd.node.backoff import Backoff
-from shepherd.node.engine_types import (
+from shepherd.node.dispatch.kv_feed import (
+    BackoffConfig,
+    KvCursor,
+    KvFeed,
+    WorkerKvState,
+    decode_kv_batch,
+    merge_load,
+)
+from shepherd.node.engines.backoff import Backoff
+from shepherd.policies.prefix_index import PrefixIndex
+from shepherd.proto.engine_types import (
     EngineLoad,
     EngineUnavailable,
     KvBlocksRemoved,
@@ -21,15 +30,6 @@ from shepherd.node.engine_types import (
     KvEventBatch,
     ServerInfo,
 )
-from shepherd.node.kv_feed import (
-    BackoffConfig,
-    KvCursor,
-    KvFeed,
-    WorkerKvState,
-    decode_kv_batch,
-    merge_load,
-)
-from shepherd.policies.prefix_index import PrefixIndex
 
 A = list(range(1000, 1048))  # three 16-token blocks; the fake engine names them 101, 102, 103
 B = list(range(2000, 2032))  # two blocks: 201, 202
@@ -266,7 +266,7 @@ async def test_capacity_from_server_info_then_from_load_telemetry() -> None:
 
 
 async def test_unimplemented_ends_the_feed_quietly() -> None:
-    from shepherd.node.engine_types import EngineError
+    from shepherd.proto.engine_types import EngineError
 
     engine = FakeEngine([EngineError("engine error (UNIMPLEMENTED): no", retryable=False)])
     feed = KvFeed(sleep=Sleeps())

@@ -10,14 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.engine_types import TokenLogprob
-from shepherd.node.logprobs import (
+from shepherd.node.openai.logprobs import (
     TokenTextCache,
     chat_logprob_entries,
     chat_logprobs,
     completion_logprobs,
     json_logprob,
 )
+from shepherd.proto.engine_types import TokenLogprob
 from tests.helpers_tokenizers import ALL, BYTE_LEVEL, load, token_id
 
 TEXT_PIECES = [

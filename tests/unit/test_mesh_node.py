@@ -20,9 +20,7 @@ from shepherd.mesh.keyring import Keyring
 from shepherd.mesh.state import MeshState
 from shepherd.node.app import build_app
 from shepherd.node.cli import config_from_args
-from shepherd.node.config import ConfigError, build_config
-from shepherd.node.kv_feed import feed_index_of
-from shepherd.node.mesh_node import (
+from shepherd.node.cluster.mesh_node import (
     MeshNode,
     RegistryBridge,
     attach_indexes,
@@ -31,7 +29,9 @@ from shepherd.node.mesh_node import (
     runtime_config,
     swim_config,
 )
-from shepherd.node.workers import worker_id
+from shepherd.node.config import ConfigError, build_config
+from shepherd.node.dispatch.kv_feed import feed_index_of
+from shepherd.node.dispatch.workers import worker_id
 from shepherd.policies.base import RouteRequest, WorkerView
 from shepherd.policies.cache_aware import CacheAware
 
@@ -425,7 +425,7 @@ def test_dev_pki_is_shared_through_its_directory(tmp_path: Path) -> None:
 
 
 async def test_mesh_routes_answer_404_without_a_mesh() -> None:
-    from shepherd.node.gateway import Gateway
+    from shepherd.node.dispatch.gateway import Gateway
 
     gw = Gateway(build_config({}, {"tokenizer_workers": 0}))
     try:
@@ -450,7 +450,7 @@ async def eventually(cond: Callable[[], bool], what: str, timeout: float = 20.0)
 
 
 async def test_two_mesh_nodes_on_loopback(tmp_path: Path) -> None:
-    from shepherd.node.gateway import Gateway
+    from shepherd.node.dispatch.gateway import Gateway
 
     def make(name: str, seeds: tuple[str, ...] = ()) -> tuple[Gateway, MeshNode]:
         cfg = build_config(

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from shepherd.mesh.hlc import StateDecodeError
 from shepherd.mesh.state import MeshState, MeshStateConfig, StateComponent
 from shepherd.mesh.state_config import TenantRecord
-from shepherd.mesh.state_index import IndexReplConfig
 from shepherd.mesh.state_registry import RegistryConfig, WorkerRecord
 from shepherd.mesh.swim_types import USER_MSG_OVERHEAD, Delegate, Member, MemberDead, MemberState, MemberUp
 from shepherd.policies.prefix_index import PrefixIndexConfig, block_hashes
+from shepherd.policies.prefix_replica import IndexReplConfig
 
 T0 = 1_000_000.0
 EXACT = MeshStateConfig(

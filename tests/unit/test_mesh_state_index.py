@@ -17,17 +17,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shepherd.mesh.hlc import StateDecodeError
-from shepherd.mesh.state_index import (
+from shepherd.policies.base import RouteRequest, WorkerView
+from shepherd.policies.cache_aware import CacheAware
+from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, block_hashes
+from shepherd.policies.prefix_replica import (
     Group,
     IndexReplConfig,
     ReplicatedPrefixIndex,
     decode_index_body,
     encode_index_bodies,
 )
-from shepherd.mesh.state_index_native import NATIVE_INDEX, NativeReplicatedPrefixIndex
-from shepherd.policies.base import RouteRequest, WorkerView
-from shepherd.policies.cache_aware import CacheAware
-from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, block_hashes
+from shepherd.policies.prefix_replica_native import NATIVE_INDEX, NativeReplicatedPrefixIndex
 
 T0 = 1_000_000.0
 BIG = PrefixIndexConfig(capacity_blocks=1 << 20, max_age_s=1e9)

@@ -10,14 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.mesh.state_index import (
-    Group,
-    IndexReplConfig,
-    ReplicatedPrefixIndex,
-    decode_index_body,
-    encode_index_bodies,
-)
-from shepherd.mesh.state_index_native import NATIVE_INDEX, NativeReplicatedPrefixIndex
 from shepherd.policies.native_index import NativePrefixIndex
 from shepherd.policies.prefix_index import (
     PrefixIndex,
@@ -26,6 +18,14 @@ from shepherd.policies.prefix_index import (
     block_hashes,
     merge_entries,
 )
+from shepherd.policies.prefix_replica import (
+    Group,
+    IndexReplConfig,
+    ReplicatedPrefixIndex,
+    decode_index_body,
+    encode_index_bodies,
+)
+from shepherd.policies.prefix_replica_native import NATIVE_INDEX, NativeReplicatedPrefixIndex
 
 T0 = 1_000_000.0
 NATIVE = pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built")

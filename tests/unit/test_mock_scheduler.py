@@ -23,7 +23,7 @@ from shepherd.mock_engine.scheduler import (
     SchedulerConfig,
     SeqGroup,
 )
-from shepherd.node.engine_types import EngineChunk, EngineComplete, EngineEvent
+from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent
 
 BS = 16
 PREFILL = 1e-3  # seconds per uncached token (large, to make the arithmetic readable)

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from shepherd.mesh.state_index import Group, IndexReplConfig, ReplicatedPrefixIndex
-from shepherd.mesh.state_index_native import NATIVE_INDEX, NativeReplicatedPrefixIndex
 from shepherd.policies.prefix_index import PrefixIndexConfig
+from shepherd.policies.prefix_replica import Group, IndexReplConfig, ReplicatedPrefixIndex
+from shepherd.policies.prefix_replica_native import NATIVE_INDEX, NativeReplicatedPrefixIndex
 
 pytestmark = pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built")
 if NATIVE_INDEX:

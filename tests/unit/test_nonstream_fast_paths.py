@@ -14,21 +14,21 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.api_common import GATEWAY, error_middleware, json_now, read_json
-from shepherd.node.chat_output import ChatOutput, chat_message, reasoning_side
+from shepherd.node.api.common import GATEWAY, error_middleware, json_now, read_json
 from shepherd.node.config import NodeConfig
-from shepherd.node.gateway import Gateway
-from shepherd.node.http_server import LeanServer, _Conn
-from shepherd.node.http_types import lean_request
+from shepherd.node.dispatch.gateway import Gateway
+from shepherd.node.http.server import LeanServer, _Conn
+from shepherd.node.http.types import lean_request
 from shepherd.node.metrics import NodeMetrics
-from shepherd.node.openai_protocol import (
+from shepherd.node.openai.requests import (
     CHAT_OPTION_KEYS,
     ApiError,
     _parse_chat_options,
     parse_chat,
     parse_sampling,
 )
-from shepherd.node.parsers import (
+from shepherd.node.output.chat import ChatOutput, chat_message, reasoning_side
+from shepherd.parsers import (
     REASONING_FAMILIES,
     prompt_closes_think,
     prompt_opens_think,
@@ -62,7 +62,7 @@ _SAMPLING = st.fixed_dictionaries(
 
 def _general(d: dict[str, Any]) -> Any:
     """parse_chat as it was, every option read: the model, the messages, the sampling, then the options."""
-    from shepherd.node.openai_protocol import _messages, _model
+    from shepherd.node.openai.requests import _messages, _model
 
     keys = ("max_tokens", "max_completion_tokens")
     return _parse_chat_options(d, _model(d), _messages(d), parse_sampling(d, max_tokens_keys=keys))

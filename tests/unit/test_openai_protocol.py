@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.openai_protocol import ApiError, parse_chat, parse_completion, parse_json_body
+from shepherd.node.openai.requests import ApiError, parse_chat, parse_completion, parse_json_body
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -6,10 +6,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto import sglang_scheduler_pb2 as sg
 
-from shepherd.node.engine_types import EngineChunk, EngineComplete, EngineEvent
-from shepherd.node.openai_protocol import parse_chat
-from shepherd.node.output import ChoiceState
+from shepherd.node.openai.requests import parse_chat
+from shepherd.node.output.choice import ChoiceState
 from shepherd.proto.engine_codec import decode_batch, decode_response
+from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent
 from tests.unit.test_tokenizer_shared import qwen3
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.parsers import get_reasoning_parser, run_reasoning
+from shepherd.parsers import get_reasoning_parser, run_reasoning
 
 # (family, parser kwargs, model output, expected reasoning, expected content)
 CASES: list[tuple[str, dict[str, bool], str, str, str]] = [

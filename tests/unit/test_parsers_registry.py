@@ -11,7 +11,7 @@ import jinja2
 import jinja2.sandbox
 import pytest
 
-from shepherd.node.parsers import (
+from shepherd.parsers import (
     REASONING_FAMILIES,
     TOOL_FAMILIES,
     OutputParsers,

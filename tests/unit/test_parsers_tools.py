@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.parsers import (
+from shepherd.parsers import (
     TextDelta,
     ToolCallArgs,
     ToolCallStart,

@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-from shepherd.mesh.state_index import ReplicatedPrefixIndex
 from shepherd.policies.block_names import PromptIds
 from shepherd.policies.prefix_index import (
     BLOCK_TOKENS,
@@ -20,6 +19,7 @@ from shepherd.policies.prefix_index import (
     block_hashes,
     merge_entries,
 )
+from shepherd.policies.prefix_replica import ReplicatedPrefixIndex
 from tests.unit.index_layouts import LAYOUTS
 
 Index = type[PrefixIndex]

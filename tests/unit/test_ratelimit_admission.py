@@ -13,9 +13,9 @@ from aiohttp.test_utils import make_mocked_request
 
 from shepherd.auth.principal import PRINCIPAL_KEY, Principal
 from shepherd.mesh.ratelimit import Limits
-from shepherd.node.admission import TICKET_KEY, UNLIMITED, Admission, RateLimited, tokens_used
+from shepherd.node.api.admission import TICKET_KEY, UNLIMITED, Admission, RateLimited, tokens_used
 from shepherd.node.config import ConfigError, NodeConfig, RateLimitRule, build_config
-from shepherd.node.openai_protocol import parse_chat
+from shepherd.node.openai.requests import parse_chat
 
 
 class Clock:

@@ -8,9 +8,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node import openai_protocol as proto
-from shepherd.node.api_openai import _engine_sampling, engine_sampling
-from shepherd.node.openai_protocol import ApiError, parse_sampling
+from shepherd.node.api.openai import _engine_sampling, engine_sampling
+from shepherd.node.openai import requests as proto
+from shepherd.node.openai.requests import ApiError, parse_sampling
 
 KEYS = sorted(proto._SAMPLING_KEYS)
 scalars = st.one_of(

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shepherd.node.config import ConfigError, build_config, check_worker_url
-from shepherd.node.sse import ChatChunks, CompletionChunks, usage
+from shepherd.node.openai.sse import ChatChunks, CompletionChunks, usage
 from shepherd.policies.base import RouteRequest, WorkerView
 from shepherd.policies.simple import RoundRobin
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.detokenizer import IncrementalDetokenizer
-from shepherd.node.stop import StopMatcher, StoppingDecoder, StopResult
+from shepherd.node.output.stop import StopMatcher, StoppingDecoder, StopResult
+from shepherd.tokens.detokenizer import IncrementalDetokenizer
 from tests.helpers_tokenizers import load, token_id
 
 

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, processors
 
-from shepherd.node import token_cache
-from shepherd.node.token_cache import CacheLimits, EncodePlan, SpecialSplitter, TokenCache
-from shepherd.node.tokenizer import Tokenizer as ShepherdTokenizer
+from shepherd.tokens import cache as token_cache
+from shepherd.tokens.cache import CacheLimits, EncodePlan, SpecialSplitter, TokenCache
+from shepherd.tokens.tokenizer import Tokenizer as ShepherdTokenizer
 from tests.unit.test_tokenizer_shared import llama, qwen3
 
 ROOT = Path(__file__).resolve().parents[2]

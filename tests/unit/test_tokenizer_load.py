@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from shepherd.node.chat_template import ChatTemplateError
-from shepherd.node.tokenizer import VERY_LARGE_INTEGER, Tokenizer
+from shepherd.tokens.chat_template import ChatTemplateError
+from shepherd.tokens.tokenizer import VERY_LARGE_INTEGER, Tokenizer
 from tests.unit.test_tokenizer_shared import llama, qwen3
 
 ROOT = Path(__file__).resolve().parents[2]
 TOK = ROOT / "tests" / "assets" / "tokenizers"
-QWEN3 = ROOT / "shepherd" / "node" / "assets" / "qwen3"
+QWEN3 = ROOT / "shepherd" / "tokens" / "assets" / "qwen3"
 
 
 def gpt2_dir(tmp_path: Path, config: dict[str, object] | None = None, *, plain: bool = False) -> Path:

@@ -14,25 +14,25 @@ from typing import Any, TypeVar
 
 import pytest
 
-from shepherd.node.chat_template import ChatTemplate, ChatTemplateError
-from shepherd.node.tokenizer import Tokenizer, load_chat_templates
-from shepherd.node.tokenizer_pool import (
+from shepherd.tokens.chat_template import ChatTemplate, ChatTemplateError
+from shepherd.tokens.pool import (
     TokenizerPool,
     TokenizerPoolUnavailable,
     TokenizerService,
     TokenizerWorkerError,
 )
+from shepherd.tokens.tokenizer import Tokenizer, load_chat_templates
 from tests.unit.test_tokenizer_shared import llama, qwen3
 
 ROOT = Path(__file__).resolve().parents[2]
-QWEN3 = ROOT / "shepherd" / "node" / "assets" / "qwen3"
+QWEN3 = ROOT / "shepherd" / "tokens" / "assets" / "qwen3"
 LLAMA = ROOT / "tests" / "assets" / "tokenizers" / "llama-3.1"
 MISTRAL = ROOT / "tests" / "assets" / "tokenizers" / "mistral-nemo"
 T = TypeVar("T")
 HANG_GUARD = 60.0  # a bound on every await below, so a bug fails the test instead of hanging it
 
 
-SAMPLE = (ROOT / "shepherd" / "node" / "tokenizer_pool.py").read_text(encoding="utf-8")
+SAMPLE = (ROOT / "shepherd" / "tokens" / "pool.py").read_text(encoding="utf-8")
 
 
 def gone(pid: int) -> bool:

@@ -9,11 +9,11 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-from shepherd.node.tokenizer import Tokenizer
+from shepherd.tokens.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TOK = ROOT / "tests" / "assets" / "tokenizers"
-QWEN3_DIR = ROOT / "shepherd" / "node" / "assets" / "qwen3"
+QWEN3_DIR = ROOT / "shepherd" / "tokens" / "assets" / "qwen3"
 LLAMA_DIR = TOK / "llama-3.1"
 GPT2_DIR = TOK / "gpt2"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shepherd.node.tokenizer import Tokenizer
+from shepherd.tokens.tokenizer import Tokenizer
 from tests.unit.test_tokenizer_shared import gpt2, llama, qwen3
 
 ROOT = Path(__file__).resolve().parents[2]

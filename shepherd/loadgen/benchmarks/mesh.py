@@ -376,7 +376,7 @@ def _mesh_lags(cluster: Cluster, origin: Slot, wid: str, op: str) -> list[float]
 
 
 def measure_propagation(cluster: Cluster, trials: int, rng: random.Random) -> Propagation:
-    from shepherd.node.workers import worker_id
+    from shepherd.node.dispatch.workers import worker_id
 
     out = Propagation()
     for i in range(trials):

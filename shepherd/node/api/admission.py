@@ -1,0 +1,284 @@
+"""Admission on the node: which rate limits apply to a request, the mesh-wide decision
+(``shepherd.mesh.ratelimit``) and the OpenAI-style answer: 429 with ``Retry-After`` and the
+``x-ratelimit-*`` headers, which successful responses carry too.
+
+Rules come from the config (``rate_limits`` plus the ``--rate-limit-*`` defaults; later the control-plane
+document, through ``set_rules``). A rule names a tenant ("*": every tenant, each on its own count) and
+optionally a model; a request is held to its tenant's all-models rule and to its (tenant, model) rule,
+the tenant's own rule winning over a "*" one.
+
+The tenant is ``principal_of(request).tenant`` (``shepherd.auth``): without authentication every
+caller is the tenant "default", unless the auth layer trusts the ``x-smg-tenant`` header
+(``--auth-trust-tenant-header``: for tests and trusted fronts only).
+
+Cost: a node without rate limits has ``Gateway.admission is None`` (the handlers test one attribute).
+With limits, a request pays a cached rule lookup and the limiter's acquire + settle (about 20 µs).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from shepherd.auth.principal import Principal, principal_of
+from shepherd.mesh.ratelimit import Denial, Grant, Key, LimiterConfig, Limits, Quota, RateLimiter
+from shepherd.mesh.ratelimit_shards import fmt_duration
+from shepherd.node.api.common import error_response
+from shepherd.node.config import NodeConfig, RateLimitRule
+from shepherd.node.openai.requests import ApiError, Sampling
+
+MAX_CACHED = 4096  # (tenant, model) rule resolutions kept
+
+
+class RateLimited(ApiError):
+    """A 429 in OpenAI's shape; ``headers`` go on the response (Retry-After, x-ratelimit-*)."""
+
+    def __init__(self, message: str, headers: dict[str, str]) -> None:
+        super().__init__(
+            429, message, type="rate_limit_exceeded", code="rate_limit_exceeded", headers=headers
+        )
+
+
+def quota_headers(q: Quota) -> dict[str, str]:
+    h: dict[str, str] = {}
+    if q.limit_requests is not None:
+        h["x-ratelimit-limit-requests"] = str(q.limit_requests)
+        h["x-ratelimit-remaining-requests"] = str(q.remaining_requests)
+        h["x-ratelimit-reset-requests"] = fmt_duration(q.reset_requests)
+    if q.limit_tokens is not None:
+        h["x-ratelimit-limit-tokens"] = str(q.limit_tokens)
+        h["x-ratelimit-remaining-tokens"] = str(q.remaining_tokens)
+        h["x-ratelimit-reset-tokens"] = fmt_duration(q.reset_tokens)
+    return h
+
+
+def denial_error(d: Denial) -> RateLimited:
+    tenant, model = d.key
+    where = f"tenant '{tenant}'" + (f" on model '{model}'" if model else "")
+    headers = quota_headers(d.quota)
+    if math.isinf(d.retry_after):
+        return RateLimited(
+            f"Request too large for tokens per min (TPM) of {where}: Limit {d.limit}, Requested "
+            f"{d.requested}. Reduce the prompt or max_tokens.",
+            headers,
+        )
+    wait = max(d.retry_after, 0.001)
+    headers["retry-after"] = str(max(1, math.ceil(wait)))
+    headers["retry-after-ms"] = str(math.ceil(wait * 1000))
+    if d.metric == "concurrency":
+        msg = f"Too many concurrent requests for {where}: Limit {d.limit}."
+    else:
+        unit = "requests per min (RPM)" if d.metric == "requests" else "tokens per min (TPM)"
+        msg = (
+            f"Rate limit reached for {unit} of {where}: Limit {d.limit}, Used {max(0, round(d.used))}, "
+            f"Requested {d.requested}."
+        )
+    return RateLimited(f"{msg} Please try again in {fmt_duration(wait)}.", headers)
+
+
+class Ticket:
+    """An admitted request. ``settle(real_tokens)`` when it ends, however it ends (idempotent);
+    ``headers`` are the x-ratelimit-* values right after admission."""
+
+    __slots__ = ("_adm", "_grant", "_headers")
+
+    def __init__(self, adm: Admission | None, grant: Grant | None) -> None:
+        self._adm = adm
+        self._grant = grant
+        self._headers: dict[str, str] | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if self._headers is None:
+            self._headers = quota_headers(self._grant.quota()) if self._grant is not None else {}
+        return self._headers
+
+    def settle(self, real_tokens: int | None) -> None:
+        """Release the concurrency slot; the token reservation becomes ``real_tokens`` (None: kept)."""
+        if self._adm is not None and self._grant is not None:
+            self._adm.limiter.settle(self._adm.clock(), self._grant, real_tokens)
+
+    def release(self) -> None:
+        self.settle(None)
+
+
+UNLIMITED = Ticket(None, None)  # for a tenant no rule applies to
+# request[TICKET_KEY]: the request's Ticket, for the response headers (Generation._headers)
+TICKET_KEY: web.RequestKey[Ticket] = web.RequestKey("shepherd.ratelimit.ticket", Ticket)
+
+
+class _State(Protocol):
+    @property
+    def tokens(self) -> int: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+
+class _Job(Protocol):
+    @property
+    def ids(self) -> Sequence[int]: ...
+
+    @property
+    def states(self) -> Sequence[_State]: ...
+
+
+def tokens_used(jobs: Iterable[_Job]) -> int:
+    """Prompt + generated tokens of the engine requests that produced anything (also after an error or
+    a disconnect: the tokens generated so far count)."""
+    total = 0
+    for job in jobs:
+        gen = sum(st.tokens for st in job.states)
+        if gen or any(st.finished for st in job.states):
+            total += len(job.ids) + gen
+    return total
+
+
+class Admission:
+    """The node's rate limiter front: rules, the mesh limiter, and the HTTP answer."""
+
+    def __init__(
+        self,
+        rules: Sequence[RateLimitRule],
+        *,
+        node: str,
+        gen: int | None = None,
+        token_estimate: int = 1024,
+        config: LimiterConfig | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.clock = clock
+        self.token_estimate = token_estimate
+        self.limiter = RateLimiter(node, gen if gen is not None else time.time_ns() // 1000, config)
+        self._rules: dict[tuple[str, str | None], Limits] = {}
+        self._cache: dict[tuple[str, str], list[tuple[Key, Limits]]] = {}
+        self.admitted = 0
+        self.rejected: dict[str, int] = {"requests": 0, "tokens": 0, "concurrency": 0}
+        self.set_rules(rules)
+
+    @classmethod
+    def from_config(cls, cfg: NodeConfig, node: str | None = None, metrics: Any = None) -> Admission | None:
+        """None when no rate limit is configured (the hot path then pays nothing). ``metrics``: a
+        ``NodeMetrics`` to export counters through."""
+        rules = list(cfg.rate_limits)
+        if cfg.rate_limit_rpm or cfg.rate_limit_tpm or cfg.rate_limit_max_concurrent:
+            rules = [r for r in rules if (r.tenant, r.model) != ("*", None)]  # the flags win over YAML
+            rules.append(
+                RateLimitRule(
+                    "*", None, cfg.rate_limit_rpm, cfg.rate_limit_tpm, cfg.rate_limit_max_concurrent
+                )
+            )
+        if not rules:
+            return None
+        adm = cls(
+            rules,
+            node=node or f"{cfg.host}:{cfg.port}",
+            token_estimate=cfg.rate_limit_token_estimate,
+            config=LimiterConfig(
+                window=cfg.rate_limit_window_secs,
+                propagation=cfg.rate_limit_propagation_secs,
+                unreachable_grace=cfg.rate_limit_unreachable_grace_secs,
+            ),
+        )
+        if metrics is not None:
+            metrics.add_callback(adm.collect)
+        return adm
+
+    def set_rules(self, rules: Iterable[RateLimitRule]) -> None:
+        self._rules = {
+            (r.tenant, r.model): Limits(r.rpm, r.tpm, r.max_concurrent)
+            for r in rules
+            if r.rpm or r.tpm or r.max_concurrent
+        }
+        self._cache.clear()
+
+    def rules_for(self, tenant: str, model: str) -> list[tuple[Key, Limits]]:
+        got = self._cache.get((tenant, model))
+        if got is None:
+            got = []
+            wide = self._rules.get((tenant, None)) or self._rules.get(("*", None))
+            if wide is not None:
+                got.append(((tenant, ""), wide))
+            per = self._rules.get((tenant, model)) or self._rules.get(("*", model))
+            if per is not None:
+                got.append(((tenant, model), per))
+            if len(self._cache) >= MAX_CACHED:
+                self._cache.clear()
+            self._cache[(tenant, model)] = got
+        return got
+
+    def admit(
+        self,
+        principal: Principal | str,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        completions: int = 1,
+    ) -> Ticket:
+        """Admit a request of ``prompt_tokens`` that may generate ``completions`` x ``max_tokens``
+        (None: the configured estimate) or raise ``RateLimited``."""
+        tenant = principal if isinstance(principal, str) else principal.tenant
+        rules = self.rules_for(tenant, model)
+        if not rules:
+            return UNLIMITED
+        out = max_tokens if max_tokens is not None else self.token_estimate
+        got = self.limiter.acquire(self.clock(), rules, prompt_tokens + completions * out)
+        if isinstance(got, Denial):
+            self.rejected[got.metric] += 1
+            raise denial_error(got)
+        self.admitted += 1
+        return Ticket(self, got)
+
+    async def guard(
+        self,
+        request: web.Request,
+        model: str,
+        prompt_tokens: int,
+        sampling: Sampling,
+        run: Callable[[], Awaitable[web.StreamResponse]],
+        jobs: Sequence[_Job] | None = None,
+    ) -> web.StreamResponse:
+        """Admit, run, settle: the handlers' hook. ``jobs`` (the engine requests) give the real token
+        usage at the end; without them (relayed requests) the reservation stands."""
+        completions = sampling.n * (len(jobs) if jobs else 1)
+        try:
+            ticket = self.admit(principal_of(request), model, prompt_tokens, sampling.max_tokens, completions)
+        except RateLimited as e:
+            return error_response(e)
+        if ticket is UNLIMITED:
+            return await run()
+        request[TICKET_KEY] = ticket
+        try:
+            resp = await run()
+        finally:
+            ticket.settle(tokens_used(jobs) if jobs is not None else None)
+        if not resp.prepared:
+            resp.headers.update(ticket.headers)
+        return resp
+
+    def collect(self) -> list[Any]:
+        from shepherd.node.metrics import counter, gauge
+
+        lim = self.limiter
+        return [
+            counter(
+                "smg_rate_limit_admitted", "Requests admitted under a rate limit", [], [([], self.admitted)]
+            ),
+            counter(
+                "smg_rate_limit_rejected",
+                "Requests refused with 429, by the limit that refused them",
+                ["limit"],
+                [([k], float(v)) for k, v in self.rejected.items()],
+            ),
+            gauge(
+                "smg_rate_limit_mesh_nodes",
+                "Nodes the rate limits count: reachable, and known (N)",
+                ["kind"],
+                [(["reachable"], float(lim.reachable)), (["known"], float(lim.cluster_size))],
+            ),
+            gauge("smg_rate_limit_keys", "Rate-limit keys held", [], [([], float(lim.key_count()))]),
+        ]

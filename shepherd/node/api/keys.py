@@ -1,0 +1,130 @@
+"""Admin API for API keys (control plane: the admin role when control-plane auth is on).
+
+- ``POST /admin/keys`` ``{"name", "role": "user"|"admin", "tenant"?, "expires_in"? (seconds) or
+  "expires_at"? (unix seconds), "models"? [names]}`` → 201 with the record and ``"key"``: the plaintext,
+  shown this once and never again;
+- ``GET /admin/keys`` → ``{"object": "list", "data": [records]}`` (never a key or its digest);
+- ``GET /admin/keys/{key_id}`` → one record;
+- ``DELETE /admin/keys/{key_id}`` → the record, revoked (revocation is final).
+
+With the mesh on (``app[api_mesh.MESH]`` set before ``install``), the store is kept in step with the
+mesh's control-plane document (``shepherd.node.cluster.key_sync.KeySync``): a key created or revoked on any
+node is accepted or refused on every node after a gossip round; bootstrap keys stay local.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from shepherd.auth import middleware as auth
+from shepherd.auth.keys import KeyStore, create_key
+from shepherd.auth.principal import principal_of
+from shepherd.node.api.common import GATEWAY, json_response, read_json
+from shepherd.node.api.mesh import MESH
+from shepherd.node.cluster.key_sync import KeySync
+from shepherd.node.openai.requests import ApiError, bad
+
+MAX_NAME = 200
+
+
+def _opt_str(d: dict[str, Any], key: str) -> str | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v or len(v) > MAX_NAME or not v.isprintable():
+        raise bad(
+            f"'{key}' must be a non-empty printable string of at most {MAX_NAME} characters.", param=key
+        )
+    return v
+
+
+_MAX_EXPIRY = 1 << 40  # seconds: far beyond any real expiry, still a 64-bit integer everywhere
+
+
+def _expiry(d: dict[str, Any], now: float) -> float | None:
+    e_in, e_at = d.get("expires_in"), d.get("expires_at")
+    if e_in is not None and e_at is not None:
+        raise bad("Give 'expires_in' or 'expires_at', not both.", param="expires_in")
+    for key, v in (("expires_in", e_in), ("expires_at", e_at)):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < _MAX_EXPIRY:
+            raise bad(f"'{key}' must be a positive number of seconds, below {_MAX_EXPIRY}.", param=key)
+        at = now + float(v) if key == "expires_in" else float(v)
+        if at <= now:
+            raise bad("'expires_at' is in the past.", param=key)
+        return at
+    return None
+
+
+async def create(request: web.Request) -> web.Response:
+    state = request.app[auth.AUTH]
+    _, d = await read_json(request, 64 * 1024)
+    name = _opt_str(d, "name") or "key"
+    role = d.get("role", "user")
+    if role not in ("user", "admin"):
+        raise bad("'role' must be 'user' or 'admin'.", param="role")
+    tenant = _opt_str(d, "tenant")
+    models = d.get("models")
+    if models is not None and (
+        not isinstance(models, list)
+        or not all(isinstance(m, str) and m for m in models)
+        or len(models) > 1000
+    ):
+        raise bad("'models' must be a list of model names (or null for every model).", param="models")
+    now = time.time()
+    key, rec = create_key(
+        state.store,
+        name,
+        role,
+        tenant=tenant,
+        expires=_expiry(d, now),
+        models=models,
+        prefix=state.cfg.key_prefix,
+        now=now,
+    )
+    return json_response({**rec.public(), "key": key, "created_by": principal_of(request).subject}, 201)
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    state = request.app[auth.AUTH]
+    return json_response({"object": "list", "data": [r.public() for r in state.store.records()]})
+
+
+async def get_key(request: web.Request) -> web.Response:
+    rec = request.app[auth.AUTH].store.get(request.match_info["key_id"])
+    if rec is None:
+        raise ApiError(404, "No such API key.", code="key_not_found")
+    return json_response(rec.public())
+
+
+async def revoke(request: web.Request) -> web.Response:
+    rec = request.app[auth.AUTH].store.revoke(request.match_info["key_id"])
+    if rec is None:
+        raise ApiError(404, "No such API key.", code="key_not_found")
+    return json_response(rec.public())
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post("/admin/keys", create),
+        web.get("/admin/keys", list_keys),
+        web.get("/admin/keys/{key_id}", get_key),
+        web.delete("/admin/keys/{key_id}", revoke),
+    ]
+
+
+def install(app: web.Application, store: KeyStore | None = None) -> auth.AuthState:
+    """Auth for a node's app: the key store (``store``; default in memory), linked to the mesh's
+    control-plane document when the mesh is on, the middleware (after the error middleware) and these
+    routes. Call after ``app[GATEWAY]`` (and ``api_mesh.install``) are set."""
+    gw = app[GATEWAY]
+    state = auth.install(app, gw.cfg.auth, registry=gw.metrics.registry, store=store)
+    mesh = app.get(MESH)
+    if mesh is not None:
+        state.key_sync = KeySync.attach(state.store, mesh.state, local_ids=state.bootstrap_ids)
+    app.add_routes(routes())
+    return state

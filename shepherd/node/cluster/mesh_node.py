@@ -1,0 +1,597 @@
+"""The mesh on a node: ``MeshState`` + ``MeshRuntime``, wired to the node's workers, routing and limits.
+
+Off unless ``mesh_port`` is set (``smg-node serve --mesh-port P``, or ``smg-node join SEED ...``); a
+node without it behaves as before. ``serve`` builds the ``MeshNode`` before the gateway starts (the
+policies must route with the replicated indexes from the first request), starts it after the gateway,
+and closes it (graceful leave) while the node drains.
+
+- **Security**: the mesh is sealed (keyring: ``mesh_keyring_file`` / ``mesh_keys``) and its TCP sync is
+  mTLS (``mesh_cert``/``mesh_key``/``mesh_ca``, the certificate naming ``mesh_name``); both are required.
+  ``mesh_dev_pki DIR`` (development only) makes a CA, this node's certificate and a key file in DIR
+  when missing, under a file lock, so nodes started on one machine with the same DIR trust each other.
+- **Workers** (``RegistryBridge``): a worker added to this node (config or ``POST /workers``) is put in
+  the replicated registry (the config's ones pinned: re-asserted if their owner dies); one removed
+  here (``DELETE /workers``) is removed mesh-wide. The registry's changes, whoever made them, are
+  applied to the local ``WorkerRegistry`` by one reconcile task per worker (desired = the mesh's live
+  record, bounded rounds), so there is no echo: a change the bridge applies itself is not published
+  back. A worker of a model this node does not serve is left out. A dead node's workers leave every
+  node (the registry's owner-gone tombstones), except the ones this node's own config pins.
+- **Health**: every local check result is published (``observe_health``, refreshed each tick), and the
+  mesh's combined view gates routing (``WorkerRegistry.gate``) beside the local checks and breakers.
+- **Prefix index**: one ``ReplicatedPrefixIndex`` per model (``MeshState.index``) is installed in the
+  model's ``cache_aware`` policy before anything uses it, so the policy's routing decisions, the KV
+  event feed (``kv_feed.feed_index_of``) and replication share it. Deltas are flushed every
+  ``INDEX_FLUSH_S`` as datagrams of their own to every alive member; a member that (re)joins gets the
+  whole index once, paced, from one designated node (digest repair leaves recent time slots alone).
+- **Rate limits**: the node's ``RateLimiter`` (``Gateway.admission``) is registered as the state
+  component ``"ratelimit"`` and told the member list (live = alive, N = all but left) on every
+  membership event and every tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import fcntl
+import logging
+import os
+import re
+import socket
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgpack  # type: ignore[import-untyped]
+
+from shepherd.auth.certs import TlsFiles, validate_node_name, write_dev_pki
+from shepherd.mesh.hlc import stamp_seconds
+from shepherd.mesh.keyring import Keyring, generate_key, load_keyring
+from shepherd.mesh.runtime import MeshRuntime, MeshRuntimeConfig, parse_addr
+from shepherd.mesh.state import ENVELOPE_OVERHEAD, VERSION, MeshState, MeshStateConfig, WorkerRecord
+from shepherd.mesh.state_registry import REMOVED
+from shepherd.mesh.swim_types import MemberEvent, MemberState, MemberUp, SwimConfig
+from shepherd.policies.cache_aware import CacheAware
+from shepherd.policies.prefix_index import PrefixIndexConfig
+from shepherd.policies.prefix_replica import encode_index_bodies
+
+if TYPE_CHECKING:
+    from shepherd.node.config import NodeConfig
+    from shepherd.node.dispatch.gateway import Gateway
+
+log = logging.getLogger("shepherd.mesh_node")
+
+RATE_LIMIT_COMPONENT = "ratelimit"
+TICK_S = 1.0
+INDEX_FLUSH_S = 0.02
+MAX_FLUSH_ENTRIES = 50_000  # index entries one flush takes (the rest wait for the next)
+JOIN_PACE = 32  # datagrams of a full-index transfer between short sleeps
+RECONCILE_ROUNDS = 8
+DELTA_LAG_MAX_S = 30.0  # older writes arriving are a full sync's catch-up, not a delta's lag
+DEV_KEYRING = "mesh.keyring"
+RECENT_DELTAS = 256
+
+
+# ---- configuration -----------------------------------------------------------------------------------
+
+
+def default_node_name() -> str:
+    """The host name, made a valid node identity (1-63 of ``[A-Za-z0-9._-]``)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-._")[:63]
+    return name or "node"
+
+
+def check_mesh_config(cfg: NodeConfig) -> NodeConfig:
+    """Validate the ``mesh_*`` settings (``ValueError`` saying what is wrong); fills ``mesh_name``."""
+    if cfg.mesh_port is None:
+        raise ValueError("mesh_seeds need mesh_port (the mesh is off without it)")
+    port = cfg.mesh_port
+    if not 0 <= port < 65536:
+        raise ValueError(f"mesh_port {port} out of range")
+    name = validate_node_name(cfg.mesh_name or default_node_name())
+    for s in cfg.mesh_seeds:
+        parse_addr(s, port or 7946)
+    if cfg.mesh_advertise is not None:
+        parse_addr(cfg.mesh_advertise, port or 7946)
+    elif cfg.mesh_bind in ("0.0.0.0", "::", ""):
+        raise ValueError(
+            "mesh_advertise (host[:port] the other nodes reach) is required with a wildcard mesh_bind"
+        )
+    files = (cfg.mesh_cert, cfg.mesh_key, cfg.mesh_ca)
+    if any(files) and not all(files):
+        raise ValueError("mesh_cert, mesh_key and mesh_ca go together")
+    if cfg.mesh_dev_pki is None and not (all(files) and (cfg.mesh_keyring_file or cfg.mesh_keys)):
+        raise ValueError(
+            "the mesh is sealed and mutually authenticated: give mesh_keyring_file or mesh_keys, and "
+            "mesh_cert, mesh_key, mesh_ca (development certificates: `smg-node certs`), or, for development "
+            "only, --mesh-dev-pki DIR (a CA and a key shared through DIR, made if missing)"
+        )
+    if cfg.mesh_keys:
+        Keyring.from_b64(cfg.mesh_keys)  # KeyringError is a ValueError
+    for k in ("mesh_probe_interval", "mesh_probe_timeout", "mesh_push_pull_interval", "mesh_gossip_interval"):
+        v = getattr(cfg, k)
+        if v is not None and not v > 0:
+            raise ValueError(f"{k} must be > 0")
+    if cfg.mesh_suspicion_mult is not None and cfg.mesh_suspicion_mult < 1:
+        raise ValueError("mesh_suspicion_mult must be >= 1")
+    return dataclasses.replace(cfg, mesh_name=name)
+
+
+def swim_config(cfg: NodeConfig) -> SwimConfig:
+    """SWIM timings: the LAN defaults, with the node's tuning (a probe timeout defaults to half the
+    probe interval given; the ping-req nack timeout stays under the probe timeout)."""
+    base = SwimConfig()
+    kw: dict[str, Any] = {}
+    if cfg.mesh_probe_interval is not None:
+        kw["probe_interval"] = cfg.mesh_probe_interval
+        kw["probe_timeout"] = cfg.mesh_probe_interval / 2
+    if cfg.mesh_probe_timeout is not None:
+        kw["probe_timeout"] = cfg.mesh_probe_timeout
+    kw["nack_timeout"] = min(base.nack_timeout, 0.8 * kw.get("probe_timeout", base.probe_timeout))
+    if cfg.mesh_push_pull_interval is not None:
+        kw["push_pull_interval"] = cfg.mesh_push_pull_interval
+    if cfg.mesh_suspicion_mult is not None:
+        kw["suspicion_mult"] = cfg.mesh_suspicion_mult
+    if cfg.mesh_gossip_interval is not None:
+        kw["gossip_interval"] = cfg.mesh_gossip_interval
+    return dataclasses.replace(base, **kw)
+
+
+def runtime_config(cfg: NodeConfig) -> MeshRuntimeConfig:
+    assert cfg.mesh_name is not None and cfg.mesh_port is not None
+    port = cfg.mesh_port
+    adv_host: str | None = None
+    adv_port: int | None = None
+    if cfg.mesh_advertise is not None:
+        adv_host, p1 = parse_addr(cfg.mesh_advertise, 1)
+        explicit = parse_addr(cfg.mesh_advertise, 2)[1] == p1
+        adv_port = p1 if explicit else (port or None)  # None: the port bound
+    return MeshRuntimeConfig(
+        name=cfg.mesh_name,
+        bind_host=cfg.mesh_bind,
+        bind_port=port,
+        advertise_host=adv_host,
+        advertise_port=adv_port,
+        seeds=tuple(parse_addr(s, port or 7946) for s in cfg.mesh_seeds),
+        swim=swim_config(cfg),
+    )
+
+
+def ensure_dev_pki(directory: str | os.PathLike[str], name: str) -> tuple[TlsFiles, Path]:
+    """DEVELOPMENT: the CA and key file shared through ``directory`` (made if missing) and a fresh
+    certificate for ``name``. A file lock keeps nodes started together from making two CAs."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    with (d / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        files = write_dev_pki(d, [name])[name]
+        keyring = d / DEV_KEYRING
+        if not keyring.exists():
+            tmp = keyring.with_name(keyring.name + ".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(Keyring.format_file([generate_key()]))
+            os.replace(tmp, keyring)
+    return files, keyring
+
+
+def security(cfg: NodeConfig) -> tuple[TlsFiles, Keyring]:
+    """The node's mTLS files and keyring (blocking file I/O; dev PKI generated if configured)."""
+    assert cfg.mesh_name is not None
+    keyring_file: str | None = cfg.mesh_keyring_file
+    if cfg.mesh_cert and cfg.mesh_key and cfg.mesh_ca:
+        tls = TlsFiles(Path(cfg.mesh_cert), Path(cfg.mesh_key), Path(cfg.mesh_ca))
+    else:
+        assert cfg.mesh_dev_pki is not None
+        log.warning(
+            "mesh: DEVELOPMENT PKI in %s (a CA and key anyone with that dir shares)", cfg.mesh_dev_pki
+        )
+        tls, dev_keyring = ensure_dev_pki(cfg.mesh_dev_pki, cfg.mesh_name)
+        if keyring_file is None and not cfg.mesh_keys:
+            keyring_file = str(dev_keyring)
+    return tls, load_keyring(path=keyring_file, keys_b64=cfg.mesh_keys, cluster=cfg.mesh_cluster)
+
+
+# ---- the policies' indexes ---------------------------------------------------------------------------
+
+
+def index_config(policies: Mapping[str, object]) -> PrefixIndexConfig:
+    for p in policies.values():
+        if isinstance(p, CacheAware):
+            return p.config.index
+    return PrefixIndexConfig()
+
+
+def attach_indexes(policies: Mapping[str, object], state: MeshState) -> list[str]:
+    """Give each ``cache_aware`` policy the model's replicated index (before anything used its own);
+    returns the models attached."""
+    out = []
+    for model, p in policies.items():
+        if isinstance(p, CacheAware):
+            old = p.indexes.get(model)
+            if old is not None and old.live_blocks:
+                log.warning("mesh: the %s index already held entries; they are not replicated", model)
+            p.indexes[model] = state.index(model)
+            out.append(model)
+    return out
+
+
+def full_index_payloads(state: MeshState, models: Iterable[str] | None = None) -> list[bytes]:
+    """Every index entry as state payloads (envelope ``[VERSION, "i", body]``), for a joining member."""
+    budget = state.cfg.udp_payload_bytes - ENVELOPE_OVERHEAD
+    out: list[bytes] = []
+    for model in models if models is not None else list(state.indexes):
+        ix = state.indexes.get(model)
+        if ix is None:
+            continue
+        bodies = encode_index_bodies(model, ix.entries_in(), budget)
+        out.extend(msgpack.packb([VERSION, "i", body], use_bin_type=True) for body in bodies)
+    return out
+
+
+# ---- workers: local registry <-> replicated registry -------------------------------------------------
+
+
+class _Health(Protocol):
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def checked(self) -> bool: ...
+
+
+class LocalWorker(Protocol):
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def health(self) -> _Health: ...
+
+
+class LocalRegistry(Protocol):
+    """What the bridge uses of ``shepherd.node.dispatch.workers.WorkerRegistry``."""
+
+    @property
+    def workers(self) -> Mapping[str, LocalWorker]: ...
+
+    def get(self, wid: str) -> LocalWorker | None: ...
+
+    async def add(self, url: str, model: str) -> LocalWorker: ...
+
+    async def remove(self, wid: str) -> LocalWorker | None: ...
+
+
+@dataclasses.dataclass(slots=True)
+class BridgeStats:
+    published_adds: int = 0
+    published_removes: int = 0
+    applied_adds: int = 0
+    applied_removes: int = 0
+    skipped_models: int = 0
+    bad_ids: int = 0
+    errors: int = 0
+
+
+class RegistryBridge:
+    """Keeps the local worker registry and the replicated one in step, both ways, without echo.
+
+    Call ``local_added`` / ``local_removed`` / ``local_health`` from the registry's hooks; the mesh's
+    changes arrive through ``MeshState``'s subscriber lists (installed here) and are applied by
+    asyncio tasks (one at a time per worker): run it inside an event loop."""
+
+    def __init__(
+        self,
+        state: MeshState,
+        registry: LocalRegistry,
+        *,
+        models: Collection[str],
+        pinned: Iterable[str],
+        ident: Callable[[str], str],
+    ) -> None:
+        self.state = state
+        self.registry = registry
+        self.models = models
+        self.pinned = set(pinned)  # this node's config workers: re-asserted, never dropped with an owner
+        self.ident = ident  # worker id of a URL (the same on every node)
+        self.stats = BridgeStats()
+        self._expect_added: set[str] = set()
+        self._expect_removed: set[str] = set()
+        self._dirty: set[str] = set()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._warned: set[str] = set()
+        state.on_worker_added.append(self._mesh_changed)
+        state.on_worker_removed.append(self._mesh_changed)
+
+    # -- local -> mesh ------------------------------------------------------------------------------
+
+    def local_added(self, w: LocalWorker) -> None:
+        if w.id in self._expect_added:
+            self._expect_added.discard(w.id)
+            return
+        pin = w.id in self.pinned
+        if not pin and self.state.worker(w.id) is not None:
+            return  # the mesh has it already
+        kind = getattr(getattr(w, "client", None), "kind", "") or ""
+        self.state.add_worker(WorkerRecord(w.id, w.url, w.model, str(kind)), pin=pin)
+        self.stats.published_adds += 1
+
+    def local_removed(self, w: LocalWorker) -> None:
+        if w.id in self._expect_removed:
+            self._expect_removed.discard(w.id)
+            return
+        self.pinned.discard(w.id)
+        if self.state.worker(w.id) is not None:
+            self.state.remove_worker(w.id)
+            self.stats.published_removes += 1
+
+    def local_health(self, w: LocalWorker) -> None:
+        if w.health.checked:
+            self.state.observe_health(w.id, w.health.healthy)
+
+    def publish_health(self) -> None:
+        """This node's current view of every local worker (``observe_health`` refreshes by itself)."""
+        for w in list(self.registry.workers.values()):
+            self.local_health(w)
+
+    # -- mesh -> local ------------------------------------------------------------------------------
+
+    def _mesh_changed(self, rec: WorkerRecord) -> None:
+        self.schedule(rec.id)
+
+    def schedule(self, wid: str) -> None:
+        """Bring the local registry in line with the mesh for ``wid`` (soon, in a task)."""
+        self._dirty.add(wid)
+        if wid not in self._tasks:
+            self._tasks[wid] = asyncio.get_running_loop().create_task(self._reconcile(wid))
+
+    def resume_leftovers(self) -> None:
+        """Reschedule workers still dirty after their task used up its rounds (called every tick):
+        rounds stay bounded per task, and no change is left behind."""
+        for wid in list(self._dirty):
+            if wid not in self._tasks:
+                self.schedule(wid)
+
+    def sync_all(self) -> None:
+        """Reconcile every worker either side knows (after a start or a full sync)."""
+        for wid in {r.id for r in self.state.workers()} | set(self.registry.workers):
+            self.schedule(wid)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._tasks)
+
+    async def _reconcile(self, wid: str) -> None:
+        try:
+            for _ in range(RECONCILE_ROUNDS):  # bounded: each round starts from a fresh read
+                if wid not in self._dirty:
+                    break
+                self._dirty.discard(wid)
+                try:
+                    await self._apply(wid)
+                except Exception:
+                    self.stats.errors += 1
+                    log.exception("mesh: applying the registry's change of worker %s failed", wid)
+        finally:
+            self._tasks.pop(wid, None)
+
+    async def _apply(self, wid: str) -> None:
+        rec = self.state.worker(wid)
+        local = self.registry.get(wid)
+        if rec is not None:
+            if local is not None:
+                return
+            if rec.model not in self.models:
+                self.stats.skipped_models += 1
+                if rec.model not in self._warned:
+                    self._warned.add(rec.model)
+                    log.warning("mesh: workers of model %r are not served by this node: left out", rec.model)
+                return
+            if self.ident(rec.url) != wid:
+                self.stats.bad_ids += 1
+                log.warning("mesh: worker record %s does not name its URL %s: ignored", wid, rec.url)
+                return
+            self._expect_added.add(wid)
+            try:
+                await self.registry.add(rec.url, rec.model)
+                self.stats.applied_adds += 1
+            finally:
+                self._expect_added.discard(wid)
+            return
+        if local is None:
+            return
+        e = self.state.registry.entry(wid)
+        if e is not None and e.kind == REMOVED:
+            self.pinned.discard(wid)  # removed on purpose, somewhere: here too
+        elif wid in self.pinned:
+            return  # gone with its owner (or its lease): this node's config re-asserts it
+        self._expect_removed.add(wid)
+        try:
+            await self.registry.remove(wid)
+            self.stats.applied_removes += 1
+        finally:
+            self._expect_removed.discard(wid)
+
+    async def close(self) -> None:
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _chain(prev: Callable[[Any], None] | None, fn: Callable[[Any], None]) -> Callable[[Any], None]:
+    if prev is None:
+        return fn
+
+    def both(w: Any) -> None:
+        prev(w)
+        fn(w)
+
+    return both
+
+
+# ---- the node's mesh ---------------------------------------------------------------------------------
+
+
+class MeshNode:
+    """One node's mesh: build it before ``Gateway.start`` (no I/O), ``await start()`` after it,
+    ``await close()`` (graceful leave) on shutdown."""
+
+    def __init__(self, cfg: NodeConfig, gw: Gateway, *, clock: Callable[[], float] = time.time) -> None:
+        if cfg.mesh_name is None or cfg.mesh_port is None:
+            raise ValueError("the mesh is off (no mesh_port)")
+        from shepherd.node.dispatch.workers import worker_id
+
+        self.cfg = cfg
+        self.gw = gw
+        self.name = cfg.mesh_name
+        self.clock = clock
+        self.state = MeshState(self.name, clock, MeshStateConfig(index=index_config(gw.policies)))
+        self.indexed_models = attach_indexes(gw.policies, self.state)
+        pd = getattr(gw, "pd", None)  # PD disaggregation: each pool's policy (their workers are disjoint)
+        for policy in (getattr(pd, "prefill_policy", None), getattr(pd, "decode_policy", None)):
+            if policy is not None:
+                attach_indexes(dict.fromkeys(gw.models, policy), self.state)
+        reg = gw.registry
+        pinned = {worker_id(u) for m in gw.models.values() for u in m.worker_urls}
+        self.bridge = RegistryBridge(self.state, reg, models=gw.models, pinned=pinned, ident=worker_id)
+        reg.on_added = _chain(reg.on_added, self.bridge.local_added)
+        reg.on_removed = _chain(reg.on_removed, self.bridge.local_removed)
+        reg.on_health_change = _chain(reg.on_health_change, self.bridge.local_health)
+        reg.gate = self.state.routable
+        self.limiter = gw.admission.limiter if gw.admission is not None else None
+        if self.limiter is not None:
+            self.state.register(RATE_LIMIT_COMPONENT, self.limiter)
+        self.state.on_worker_added.append(self._observe_lag)
+        self.state.on_worker_removed.append(self._observe_lag)
+        self.runtime: MeshRuntime | None = None
+        self.index_datagrams_out = 0
+        self.join_transfers = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._side: set[asyncio.Task[None]] = set()
+        self.on_delta_lag: Callable[[float], None] | None = None  # seconds, per registry write from a peer
+        # the latest of them: (worker id, writer, "add" | "remove", seconds from the write to here)
+        self.recent_deltas: deque[tuple[str, str, str, float]] = deque(maxlen=RECENT_DELTAS)
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        tls, keyring = await asyncio.to_thread(security, self.cfg)
+        rt = MeshRuntime.from_files(
+            runtime_config(self.cfg), keyring, tls, delegate=self.state, on_member_event=self._on_member_event
+        )
+        await rt.start()
+        self.runtime = rt
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._every(TICK_S, self.tick), name="mesh-tick"),
+            loop.create_task(self._every(INDEX_FLUSH_S, self.flush_index), name="mesh-index-flush"),
+        ]
+        self.bridge.sync_all()
+        log.info(
+            "mesh: node %s on %s:%d, seeds %s", self.name, *rt.address, list(self.cfg.mesh_seeds) or "none"
+        )
+
+    async def close(self) -> None:
+        """Leave the mesh gracefully and stop every task this object started (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        tasks = self._tasks + list(self._side)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks = []
+        await self.bridge.close()
+        if self.runtime is not None:
+            await self.runtime.close()
+
+    async def _every(self, interval: float, fn: Callable[[], object]) -> None:
+        while True:  # until cancelled by close()
+            await asyncio.sleep(interval)
+            try:
+                fn()
+            except Exception:
+                log.exception("mesh: periodic %s failed", getattr(fn, "__name__", fn))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._side.add(t)
+        t.add_done_callback(self._side.discard)
+
+    # -- periodic -----------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        self.state.tick()
+        self.bridge.resume_leftovers()
+        self.bridge.publish_health()
+        self._update_limiter()
+
+    def flush_index(self) -> int:
+        """Send the prefix indexes' fresh deltas to every alive member; datagrams sent."""
+        rt = self.runtime
+        if rt is None or not rt.running:
+            return 0
+        payloads = self.state.index_batches(max_entries=MAX_FLUSH_ENTRIES)
+        if not payloads:
+            return 0
+        n = 0
+        for m in rt.swim.alive_members():
+            if m.name != self.name:
+                n += rt.send_user(m.addr, payloads)
+        self.index_datagrams_out += n
+        return n
+
+    # -- membership ---------------------------------------------------------------------------------
+
+    def _update_limiter(self) -> None:
+        if self.limiter is not None and self.runtime is not None:
+            self.limiter.update_members([(m.name, m.state) for m in self.runtime.members()], time.time())
+
+    def _on_member_event(self, ev: MemberEvent) -> None:
+        self._update_limiter()
+        if not isinstance(ev, MemberUp) or ev.member.name == self.name:
+            return
+        if ev.prev not in (None, MemberState.DEAD, MemberState.LEFT) or self.runtime is None:
+            return
+        others = sorted(m.name for m in self.runtime.swim.alive_members() if m.name != ev.member.name)
+        if others and others[0] == self.name and self.state.indexes:
+            self._spawn(self._send_full_index(ev.member.name, ev.member.addr))
+
+    async def _send_full_index(self, name: str, addr: tuple[str, int]) -> None:
+        payloads = full_index_payloads(self.state)  # on the loop: the index is not thread-safe
+        rt = self.runtime
+        if not payloads or rt is None:
+            return
+        self.join_transfers += 1
+        log.info("mesh: sending the prefix index to %s (%d datagrams)", name, len(payloads))
+        for i in range(0, len(payloads), JOIN_PACE):
+            if not rt.running:
+                return
+            self.index_datagrams_out += rt.send_user(addr, payloads[i : i + JOIN_PACE])
+            await asyncio.sleep(0.002)
+
+    # -- observability (the views and metrics are in api_mesh) --------------------------------------
+
+    def members(self) -> list[dict[str, Any]]:
+        """``GET /mesh/members`` rows: every member this node knows, itself included."""
+        return [] if self.runtime is None else [m.to_json() for m in self.runtime.members()]
+
+    def _observe_lag(self, rec: WorkerRecord) -> None:
+        e = self.state.registry.entry(rec.id)
+        if e is None or e.writer == self.name or not (e.live or e.kind == REMOVED):
+            return  # our own write, or a dead owner's tombstone (its stamp is the old version's)
+        lag = self.clock() - stamp_seconds(e.stamp)
+        if 0 <= lag <= DELTA_LAG_MAX_S:
+            self.recent_deltas.append((rec.id, e.writer, "add" if e.live else "remove", lag))
+            if self.on_delta_lag is not None:
+                self.on_delta_lag(lag)

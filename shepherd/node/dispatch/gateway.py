@@ -1,0 +1,449 @@
+"""The node's request machinery: models and their tokenizers, dispatch to a worker with retry, abort.
+
+The HTTP handlers (api_*.py) parse and encode; this module owns what happens between: the prompt
+becomes ids, a policy picks a worker, an engine stream is opened (retried on another worker when it fails
+before its first token), and an engine request that is no longer wanted is always aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Generator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+from shepherd.node.api.admission import Admission
+from shepherd.node.api.common import KeepAlive
+from shepherd.node.config import ModelConfig, NodeConfig
+from shepherd.node.dispatch.circuit_breaker import BreakerState
+from shepherd.node.dispatch.kv_feed import KvFeed, feed_index_of, merge_load
+from shepherd.node.dispatch.pd import PdRouter
+from shepherd.node.dispatch.workers import Worker, WorkerRegistry
+from shepherd.node.engines.http import HttpRelayClient
+from shepherd.node.metrics import NodeMetrics, counter, gauge
+from shepherd.node.openai.requests import ApiError
+from shepherd.parsers import default_parsers_for_model, reasoning_family_name, tool_family_name
+from shepherd.policies.base import Policy, RouteRequest
+from shepherd.policies.simple import make_policy
+from shepherd.proto.engine_types import EngineError, EngineEvent, EngineLoad, GenerateRequest
+from shepherd.tokens.pool import TokenizerService
+from shepherd.tokens.tokenizer import Tokenizer
+
+log = logging.getLogger("shepherd.gateway")
+
+_CLOSED = BreakerState.CLOSED
+
+
+def model_parsers(mc: ModelConfig, reasoning: str | None, tool: str | None) -> tuple[str | None, str | None]:
+    """(reasoning, tool-call) families of a model: its own setting, else the node's, else the default
+    for its name (then its path); "none" turns a parser off."""
+    by_name = default_parsers_for_model(mc.name)
+    if by_name == (None, None) and mc.model_path:
+        by_name = default_parsers_for_model(Path(mc.model_path).name)
+    r = mc.reasoning_parser or reasoning
+    t = mc.tool_call_parser or tool
+    r_family = by_name[0] if r is None else None if r.lower() == "none" else reasoning_family_name(r)
+    t_family = by_name[1] if t is None else None if t.lower() == "none" else tool_family_name(t)
+    return r_family, t_family
+
+
+def model_not_found(model: str, known: list[str]) -> ApiError:
+    return ApiError(
+        404,
+        f"The model '{model}' does not exist. Available models: {', '.join(known) or 'none'}.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+class Batches(Protocol):
+    """What an engine client's ``generate_batches`` returns, as the gateway uses it."""
+
+    def __anext__(self) -> Awaitable[list[EngineEvent]]: ...
+
+    def aclose(self) -> Awaitable[None]: ...
+
+
+@dataclass(slots=True)
+class EngineStream:
+    """An open Generate stream on one worker. ``close()`` aborts the engine request unless it completed.
+
+    ``batches()`` iterates the stream itself: the first batch (already received), then the engine's."""
+
+    gateway: Gateway
+    worker: Worker
+    request_id: str
+    agen: Batches
+    first: list[EngineEvent] | None
+    completed: bool = False
+    closed: bool = False
+    on_close: Callable[[], None] | None = None  # e.g. PD: the prefill half goes with the decode half
+
+    def batches(self) -> EngineStream:
+        return self
+
+    def __aiter__(self) -> EngineStream:
+        return self
+
+    def __anext__(self) -> Awaitable[list[EngineEvent]]:
+        first = self.first
+        if first is None:
+            return self.agen.__anext__()  # the engine's own awaitable: no wrapper per batch
+        self.first = None
+        return _Ready(first)
+
+    async def close(self, reason: str = "cancelled") -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.worker.in_flight -= 1
+        if self.on_close is not None:
+            self.on_close()
+        if not self.completed:
+            self.gateway.abort_in_background(self.worker, self.request_id, reason)
+        try:  # noqa: SIM105 - cheaper than contextlib.suppress, on every request
+            await self.agen.aclose()
+        except Exception:
+            pass
+
+
+class Gateway:
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.metrics = NodeMetrics()
+        self.registry = WorkerRegistry(cfg)
+        self.models: dict[str, ModelConfig] = {m.name: m for m in cfg.model_configs()}
+        self._context_lengths: dict[str, tuple[int, int]] = {}  # model -> (registry version, length)
+        self._parser_families: dict[str, tuple[str | None, str | None]] = {}
+        # one policy instance per model (its own state: cursor, prefix index...), the model's or the node's
+        self.policies: dict[str, Policy] = {
+            m.name: make_policy(m.policy or cfg.policy) for m in self.models.values()
+        }
+        self.kv_feed = KvFeed()
+        self.pd: PdRouter | None = PdRouter(self) if cfg.pd_disaggregation else None
+        self.registry.on_added = self._worker_added
+        self.registry.on_removed = self._worker_removed
+        self.tokenizers = TokenizerService(
+            {m.name: Path(m.model_path) for m in self.models.values()},
+            workers=cfg.tokenizer_workers,
+            inline_max_chars=cfg.tokenizer_inline_max_chars,
+            chat_templates={m.name: m.chat_template for m in self.models.values() if m.chat_template},
+        )
+        self.keepalive = KeepAlive(cfg.sse_keepalive_secs)
+        # mesh-wide rate limits (None: none configured, and the handlers skip admission)
+        self.admission: Admission | None = Admission.from_config(
+            cfg, node=cfg.mesh_name, metrics=self.metrics
+        )
+        self.draining = False
+        self.in_flight = 0
+        self._background: set[asyncio.Task[Any]] = set()
+        self.started_at = time.time()
+        self.metrics.add_callback(self._collect)
+        self.metrics.track_in_flight(lambda: float(self.in_flight))
+
+    # ---- lifecycle ---------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.tokenizers.start()
+        adds = [self.registry.add(url, m.name) for m in self.models.values() for url in m.worker_urls]
+        await asyncio.gather(*adds)
+        self.registry.start()
+        self.keepalive.start()
+
+    async def close(self) -> None:
+        await self.keepalive.close()
+        await self.kv_feed.close()
+        await self.registry.close()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.tokenizers.close()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        t = asyncio.create_task(coro)
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
+
+    def policy_for(self, model: str) -> Policy:
+        p = self.policies.get(model)
+        if p is None:  # a model known only from a worker added at run time: the node's policy
+            p = self.policies[model] = make_policy(self.cfg.policy)
+        return p
+
+    def _worker_added(self, w: Worker) -> None:
+        """A gRPC worker of a model routed by a prefix index: feed the index from its KV events."""
+        client = w.client
+        if isinstance(client, HttpRelayClient) or not self.cfg.kv_events:
+            return  # without KV events the index learns from routing decisions only (mesh-wide with a mesh)
+        policy = (self.pd.policy_of(w) if self.pd is not None else None) or self.policy_for(w.model)
+        index = feed_index_of(policy, w.model)
+        if index is None:
+            return
+
+        def on_load(load: EngineLoad) -> None:
+            w.load = merge_load(w.load, load)
+
+        self.kv_feed.start(w.id, client, index, on_load)
+
+    def _worker_removed(self, w: Worker) -> None:
+        self.kv_feed.stop(w.id)
+        policy = (self.pd.policy_of(w) if self.pd is not None else None) or self.policies.get(w.model)
+        index = feed_index_of(policy, w.model)
+        if index is not None:
+            index.clear_worker(w.id)
+
+    # ---- models --------------------------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        return list(self.models)
+
+    def parser_families(self, model: str) -> tuple[str | None, str | None]:
+        """The model's (reasoning, tool-call) parser families; None: that parser is off."""
+        fams = self._parser_families.get(model)
+        if fams is None:
+            mc = self.models.get(model)
+            fams = self._parser_families[model] = model_parsers(
+                mc or ModelConfig(model, ""), self.cfg.reasoning_parser, self.cfg.tool_call_parser
+            )
+        return fams
+
+    def resolve_model(self, name: str) -> str:
+        if name in self.models:
+            return name
+        if len(self.models) == 1 and name == "default":
+            return next(iter(self.models))
+        raise model_not_found(name, self.model_names())
+
+    def tokenizer(self, model: str) -> Tokenizer:
+        return self.tokenizers.get(model)
+
+    def context_length(self, model: str) -> int:
+        """The configured context, else the smallest any worker reports, else the tokenizer's
+        (cached until the registry's workers or their model info change)."""
+        version = self.registry.version
+        hit = self._context_lengths.get(model)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        mc = self.models[model]
+        lens = [
+            w.info.max_context_length
+            for w in self.registry.for_model(model)
+            if w.info and w.info.max_context_length
+        ]
+        n = mc.context_length or (min(lens) if lens else self.tokenizer(model).model_max_length)
+        self._context_lengths[model] = (version, n)
+        return n
+
+    def check_context(self, model: str, n_prompt: int, max_tokens: int | None) -> int:
+        """Validate the prompt against the context; returns max_new_tokens to ask the engine for."""
+        ctx = self.context_length(model)
+        if n_prompt >= ctx or (max_tokens is not None and n_prompt + max_tokens > ctx):
+            want = f" plus {max_tokens} output tokens" if max_tokens is not None else ""
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{n_prompt} prompt tokens{want}. Please reduce the length of the messages or completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return max_tokens if max_tokens is not None else ctx - n_prompt
+
+    # ---- dispatch ------------------------------------------------------------------------------------
+
+    def relay_mode(self, model: str) -> bool:
+        """A model whose workers are all OpenAI HTTP workers is relayed, not tokenized."""
+        return self.registry.http_only(model)
+
+    def pick(
+        self,
+        model: str,
+        exclude: set[str],
+        input_ids: Sequence[int],
+        routing_key: str | None,
+        *,
+        http: bool = False,
+        policy: Policy | None = None,
+        only: Collection[str] | None = None,
+    ) -> Worker | None:
+        """A worker for the request, by ``policy`` (default: the model's) among the routable workers not
+        in ``exclude`` (and, if given, in ``only``: e.g. one pool of a PD node)."""
+        reg = self.registry
+        now = reg.clock()
+        gate = reg.gate
+        candidates: list[Worker] = []
+        # one pass: what ``reg.routable(model, exclude)`` holds, of the wanted kind (and in ``only``)
+        for w in reg.workers.values():
+            if w.model != model or w.id in exclude or not w.health.healthy:
+                continue
+            b = w.breaker
+            if b.state is not _CLOSED and not b.allows(now):
+                continue
+            if (gate is not None and not gate(w.id)) or w.is_http != http:
+                continue
+            if only is None or w.id in only:
+                candidates.append(w)
+        if not candidates:
+            return None
+        route = RouteRequest(model, input_ids, routing_key)
+        policy = policy or self.policy_for(model)
+        while candidates:  # bounded: each turn removes one candidate
+            choice = policy.pick([w.view() for w in candidates], route)
+            if choice is None:
+                return None
+            chosen = reg.workers.get(choice.id)
+            if chosen is not None and chosen.breaker.acquire(now):
+                return chosen
+            # a half-open worker whose single trial request is already out: let the policy choose again
+            candidates = [c for c in candidates if c.id != choice.id]
+        return None
+
+    async def open_stream(
+        self, model: str, gen: GenerateRequest, *, target: str | None = None, routing_key: str | None = None
+    ) -> EngineStream:
+        """Send ``gen`` to a worker and wait for its first event; retry elsewhere on early failure."""
+        if self.pd is not None and target is None:
+            return await self.pd.open_stream(model, gen, routing_key)
+        tried: set[str] = set()
+        attempt = 0
+        last_error: EngineError | None = None
+        while True:
+            if target is not None:
+                w = self.registry.find(target)
+                if w is None or w.model != model:
+                    raise ApiError(400, f"x-smg-target-worker {target!r} is not a worker of model {model!r}.")
+            else:
+                w = self.pick(model, tried, gen.input_ids, routing_key)  # as is: it may carry its pieces
+            if w is None:
+                if last_error is not None:
+                    raise last_error
+                raise ApiError(
+                    503,
+                    f"No healthy worker is available for model '{model}'.",
+                    type="service_unavailable",
+                    code="no_available_worker",
+                )
+            req = gen if attempt == 0 else _with_id(gen, f"{gen.request_id}-r{attempt}")
+            client = w.client
+            if isinstance(client, HttpRelayClient):
+                w.breaker.release()
+                raise ApiError(
+                    400, f"worker {w.id} is an HTTP worker; model {model!r} is served over gRPC here."
+                )
+            w.in_flight += 1
+            agen = cast(Batches, client.generate_batches(req, timeout=self.cfg.request_timeout_secs))
+            try:
+                first = await anext(agen)
+            except StopAsyncIteration:
+                w.in_flight -= 1
+                self.registry.record_result(w, False)
+                last_error = EngineError("engine closed the stream without output")
+            except EngineError as e:
+                w.in_flight -= 1
+                if e.code == "invalid_request":  # the request's fault, not the worker's
+                    w.breaker.release()
+                    raise
+                self.registry.record_result(w, False)
+                last_error = e
+                if not e.retryable or target is not None:
+                    raise
+            except BaseException:
+                w.in_flight -= 1
+                w.breaker.release()
+                self.abort_in_background(w, req.request_id, "cancelled")
+                with contextlib.suppress(Exception):
+                    await agen.aclose()
+                raise
+            else:
+                self.registry.record_result(w, True)
+                return EngineStream(self, w, req.request_id, agen, first)
+            with contextlib.suppress(Exception):
+                await agen.aclose()
+            tried.add(w.id)
+            attempt += 1
+            if attempt > self.cfg.max_retries:
+                raise last_error
+            self.metrics.retries.inc()
+            log.info("retrying request %s on another worker after: %s", gen.request_id, last_error)
+
+    def abort_in_background(self, w: Worker, request_id: str, reason: str) -> None:
+        self.metrics.aborts.labels(reason).inc()
+        client = w.client
+        abort = getattr(client, "abort", None)
+        if abort is not None:
+            self.spawn(abort(request_id, reason))
+
+    # ---- metrics ------------------------------------------------------------------------------------
+
+    def _collect(self) -> list[Any]:
+        ws = list(self.registry.workers.values())
+        stats = self.tokenizers.stats()
+        return [
+            gauge(
+                "smg_worker_healthy",
+                "1 if the worker is healthy",
+                ["worker", "model"],
+                [([w.url, w.model], float(w.health.healthy)) for w in ws],
+            ),
+            gauge(
+                "smg_worker_in_flight",
+                "This node's requests on the worker",
+                ["worker"],
+                [([w.url], float(w.in_flight)) for w in ws],
+            ),
+            gauge(
+                "smg_worker_circuit_open",
+                "1 if the worker's circuit breaker is open",
+                ["worker"],
+                [([w.url], float(w.breaker.state.value != "closed")) for w in ws],
+            ),
+            gauge(
+                "smg_engine_running_requests",
+                "Running requests the engine reports",
+                ["worker"],
+                [([w.url], float(w.load.running)) for w in ws],
+            ),
+            gauge(
+                "smg_engine_waiting_requests",
+                "Waiting requests the engine reports",
+                ["worker"],
+                [([w.url], float(w.load.waiting)) for w in ws],
+            ),
+            counter(
+                "smg_tokenizer_cache",
+                "Tokenizer cache lookups by level and result",
+                ["level", "result"],
+                _cache_rows(stats),
+            ),
+        ]
+
+
+def _cache_rows(stats: dict[str, int]) -> list[tuple[list[str], float]]:
+    rows = []
+    for key, val in stats.items():
+        # keys like "l0_hits", "l1_misses", "render_hits"
+        level, _, result = key.rpartition("_")
+        if level and result in ("hits", "misses"):
+            rows.append(([level, result], float(val)))
+    return rows
+
+
+class _Ready:
+    """An awaitable that is already done (the first batch, received before the stream was handed on)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: list[EngineEvent]) -> None:
+        self.value = value
+
+    def __await__(self) -> Generator[Any, None, list[EngineEvent]]:
+        yield from ()
+        return self.value
+
+
+def _with_id(gen: GenerateRequest, rid: str) -> GenerateRequest:
+    from dataclasses import replace
+
+    return replace(gen, request_id=rid)

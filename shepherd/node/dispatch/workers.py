@@ -1,0 +1,229 @@
+"""Worker registry: engine clients, health checks with hysteresis, circuit breakers, engine loads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shepherd.auth.tls import EngineTls
+from shepherd.node.config import NodeConfig, check_worker_url
+from shepherd.node.dispatch.circuit_breaker import BreakerState, CircuitBreaker, HealthTracker
+from shepherd.node.engines.grpcio import GrpcEngineClient
+from shepherd.node.engines.h2 import H2EngineClient
+from shepherd.node.engines.http import HttpRelayClient
+from shepherd.policies.base import WorkerView
+from shepherd.proto.engine_types import EngineClient, EngineError, EngineLoad, ModelInfo
+
+log = logging.getLogger("shepherd.workers")
+
+
+def worker_id(url: str) -> str:
+    return hashlib.sha1(url.encode()).hexdigest()[:12]
+
+
+def make_client(
+    url: str, transport: str = "h2", tls: EngineTls | None = None
+) -> EngineClient | HttpRelayClient:
+    """The client for a worker URL; gRPC engines over the lean HTTP/2 client or grpcio. gRPC goes over TLS
+    when ``tls`` is given (every gRPC worker) or the URL is ``grpcs://`` (system CAs unless ``tls``)."""
+    check_worker_url(url)
+    scheme, _, rest = url.partition("://")
+    target = rest.rstrip("/")
+    if scheme in ("http", "https"):
+        return HttpRelayClient(url)
+    kind = {"sglang": "sglang", "vllm": "vllm"}.get(scheme)
+    if tls is None and scheme == "grpcs":
+        tls = EngineTls()
+    if transport == "grpcio":
+        return GrpcEngineClient(url, target, kind, tls.grpc_credentials() if tls else None)
+    return H2EngineClient(url, target, kind, tls=tls.ssl_context() if tls else None)
+
+
+@dataclass(slots=True)
+class Worker:
+    id: str
+    url: str
+    model: str
+    client: EngineClient | HttpRelayClient
+    health: HealthTracker
+    breaker: CircuitBreaker
+    in_flight: int = 0
+    load: EngineLoad = field(default_factory=EngineLoad)
+    info: ModelInfo | None = None
+    initialized: bool = False
+    requests: int = 0
+    failures: int = 0
+
+    @property
+    def is_http(self) -> bool:
+        return isinstance(self.client, HttpRelayClient)
+
+    def routable(self, now: float) -> bool:
+        return self.health.healthy and self.breaker.allows(now)
+
+    def view(self) -> WorkerView:
+        load = self.load
+        return WorkerView(self.id, self.url, self.in_flight, load.running, load.waiting, load.token_usage)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "model": self.model,
+            "kind": self.client.kind,
+            "healthy": self.health.healthy,
+            "circuit": self.breaker.state.value,
+            "in_flight": self.in_flight,
+            "requests": self.requests,
+            "failures": self.failures,
+            "load": {
+                "running": self.load.running,
+                "waiting": self.load.waiting,
+                "token_usage": self.load.token_usage,
+            },
+            "max_context_length": self.info.max_context_length if self.info else None,
+        }
+
+
+class WorkerRegistry:
+    def __init__(self, cfg: NodeConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.workers: dict[str, Worker] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.on_health_change: Callable[[Worker], None] | None = None
+        # called when a worker joins (after its first check) and when it leaves (before its client closes)
+        self.on_added: Callable[[Worker], None] | None = None
+        self.on_removed: Callable[[Worker], None] | None = None
+        self._http_only: dict[str, bool] = {}  # per model, recomputed when workers change
+        self.version = 0  # bumped when workers come, go or learn their model info
+        # a further routability test by worker id (the mesh's combined health view); None: none
+        self.gate: Callable[[str], bool] | None = None
+
+    def http_only(self, model: str) -> bool:
+        """Every worker of ``model`` is an OpenAI HTTP worker (and there is at least one)."""
+        flag = self._http_only.get(model)
+        if flag is None:
+            ws = self.for_model(model)
+            flag = self._http_only[model] = bool(ws) and all(w.is_http for w in ws)
+        return flag
+
+    def get(self, wid: str) -> Worker | None:
+        return self.workers.get(wid)
+
+    def find(self, key: str) -> Worker | None:
+        """By id or by URL."""
+        return self.workers.get(key) or self.workers.get(worker_id(key))
+
+    def for_model(self, model: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.model == model]
+
+    def routable(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
+        now = self.clock()
+        gate = self.gate
+        return [
+            w
+            for w in self.workers.values()
+            if w.model == model and w.id not in exclude and w.routable(now) and (gate is None or gate(w.id))
+        ]
+
+    async def add(self, url: str, model: str) -> Worker:
+        """Register a worker (idempotent by URL) and run its first check at once."""
+        wid = worker_id(url)
+        existing = self.workers.get(wid)
+        if existing is not None:
+            return existing
+        c = self.cfg
+        tls = EngineTls.configured(c.engine_tls_ca_file, c.engine_tls_cert_file, c.engine_tls_key_file)
+        client = make_client(url, c.engine_transport, tls)
+        w = Worker(
+            id=wid,
+            url=url,
+            model=model,
+            client=client,
+            health=HealthTracker(self.cfg.health_failure_threshold, self.cfg.health_success_threshold),
+            breaker=CircuitBreaker(
+                self.cfg.cb_failure_threshold,
+                self.cfg.cb_success_threshold,
+                self.cfg.cb_timeout_duration_secs,
+            ),
+        )
+        self.workers[wid] = w
+        self._http_only.clear()
+        self.version += 1
+        await self.check(w)
+        if self.on_added is not None and self.workers.get(wid) is w:
+            self.on_added(w)
+        return w
+
+    async def remove(self, wid: str) -> Worker | None:
+        w = self.workers.pop(wid, None)
+        self._http_only.clear()
+        self.version += 1
+        if w is not None:
+            if self.on_removed is not None:
+                self.on_removed(w)
+            await w.client.close()
+        return w
+
+    async def _init(self, w: Worker) -> None:
+        if isinstance(w.client, GrpcEngineClient | H2EngineClient):
+            await w.client.detect(self.cfg.health_check_timeout_secs)
+        w.info = await w.client.model_info()
+        w.initialized = True
+        self.version += 1
+
+    async def check(self, w: Worker) -> None:
+        ok = False
+        try:
+            if not w.initialized:
+                await asyncio.wait_for(self._init(w), timeout=self.cfg.health_check_timeout_secs + 3)
+            ok = await w.client.health_check(self.cfg.health_check_timeout_secs)
+        except (EngineError, TimeoutError, OSError) as e:
+            log.debug("worker %s check failed: %s", w.url, e)
+        if w.health.observe(ok):
+            log.warning("worker %s is now %s", w.url, "healthy" if w.health.healthy else "unhealthy")
+            if self.on_health_change is not None:
+                self.on_health_change(w)
+
+    async def poll_load(self, w: Worker) -> None:
+        if not w.initialized or not w.health.healthy:
+            return
+        with contextlib.suppress(EngineError, TimeoutError, OSError):
+            w.load = await w.client.loads()
+
+    def record_result(self, w: Worker, ok: bool) -> None:
+        w.requests += 1
+        if ok:
+            w.breaker.record_success()
+        else:
+            w.failures += 1
+            before = w.breaker.state
+            w.breaker.record_failure(self.clock())
+            if w.breaker.state is BreakerState.OPEN and before is not BreakerState.OPEN:
+                log.warning("circuit opened for worker %s", w.url)
+
+    async def _every(self, interval: float, fn: Callable[[Worker], Any]) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            ws = list(self.workers.values())
+            if ws:
+                await asyncio.gather(*(fn(w) for w in ws), return_exceptions=True)
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._every(self.cfg.health_check_interval_secs, self.check)))
+        self._tasks.append(asyncio.create_task(self._every(self.cfg.load_poll_interval_secs, self.poll_load)))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        for w in list(self.workers.values()):
+            await w.client.close()

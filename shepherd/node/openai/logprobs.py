@@ -1,0 +1,279 @@
+"""Engine logprobs (``TokenLogprob``) to the OpenAI wire formats.
+
+Token strings come from the tokenizer's vocabulary, not from decoding each id alone: a byte-level BPE
+token is mapped back through the GPT-2 byte table to its real bytes, a SentencePiece byte-fallback
+piece ``<0xE4>`` is the byte 0xE4, ``▁`` is a space. A token holding part of a UTF-8 sequence keeps
+its exact bytes in ``"bytes"`` and gets a best-effort string with the incomplete bytes escaped
+(``"\\xe4\\xbd"``, as OpenAI and DeepSeek render them) rather than U+FFFD.
+
+- ``chat_logprobs``/``chat_logprob_entries``: ``{"content": [{"token", "logprob", "bytes",
+  "top_logprobs": [{"token", "logprob", "bytes"}]}]}``.
+- ``completion_logprobs``: the legacy ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``;
+  streaming callers carry the returned next text offset to the next chunk.
+- ``TokenTextCache.for_tokenizer(tok)``: id -> ``TokenText`` (string, bytes, special, width), shared
+  per tokenizer object and filled lazily.
+
+Logprobs that JSON cannot carry (-inf, NaN) become -9999.0, as OpenAI and vLLM send them.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from tokenizers import Tokenizer
+
+from shepherd.proto.engine_types import TokenLogprob
+
+__all__ = [
+    "MIN_LOGPROB",
+    "TokenText",
+    "TokenTextCache",
+    "chat_logprob_entries",
+    "chat_logprobs",
+    "completion_logprobs",
+    "json_logprob",
+]
+
+MIN_LOGPROB: Final = -9999.0
+JsonDict = dict[str, object]
+
+
+def json_logprob(value: float) -> float:
+    """``value`` if JSON can carry it, else -9999.0 (for -inf and NaN)."""
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's ``bytes_to_unicode`` (used by every byte-level BPE tokenizer)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in table.items()}
+
+
+_BYTE_DECODER: Final = _gpt2_byte_decoder()
+
+
+@dataclass(frozen=True, slots=True)
+class TokenText:
+    """One token as the API shows it.
+
+    ``text``: best-effort string (incomplete UTF-8 escaped as ``\\xNN``); ``raw``: the exact bytes;
+    ``byte_list``: ``raw`` as ints for JSON; ``special``: a special added token (dropped from the
+    text when ``skip_special_tokens``); ``width``: characters it adds to the decoded text (a character
+    split over tokens counts for the token holding its first byte).
+    """
+
+    text: str
+    raw: bytes
+    byte_list: tuple[int, ...]
+    special: bool
+    width: int
+
+
+def _token_text(raw: bytes, special: bool) -> TokenText:
+    text = raw.decode("utf-8", errors="backslashreplace")
+    width = sum(1 for b in raw if b & 0xC0 != 0x80)
+    return TokenText(text, raw, tuple(raw), special, width)
+
+
+class TokenTextCache:
+    """id -> ``TokenText`` for one tokenizer, computed on first use. Thread-safe enough: a race only
+    computes an entry twice."""
+
+    __slots__ = (
+        "_added",
+        "_byte_fallback",
+        "_byte_level",
+        "_entries",
+        "_prefix",
+        "_replace",
+        "_tok",
+    )
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._entries: dict[int, TokenText] = {}
+        self._added = {i: (t.content, t.special) for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self._byte_level = False
+        self._byte_fallback = False
+        self._replace: list[tuple[str, str]] = []
+        self._prefix = ""  # WordPiece continuation prefix
+        if tokenizer.decoder is not None:
+            self._inspect(json.loads(tokenizer.decoder.__getstate__()))
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer) -> TokenTextCache:
+        """The cache shared by every user of ``tokenizer`` (kept while the tokenizer lives)."""
+        cache = _SHARED.get(tokenizer)
+        if cache is None:
+            with _SHARED_LOCK:
+                cache = _SHARED.get(tokenizer)
+                if cache is None:
+                    cache = _SHARED[tokenizer] = cls(tokenizer)
+        return cache
+
+    def get(self, token_id: int) -> TokenText:
+        entry = self._entries.get(token_id)
+        if entry is None:
+            entry = self._entries[token_id] = self._compute(token_id)
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _inspect(self, spec: dict[str, object]) -> None:
+        kind = spec.get("type")
+        if kind == "Sequence":
+            inner = spec.get("decoders")
+            if isinstance(inner, list):
+                for d in inner:
+                    if isinstance(d, dict):
+                        self._inspect(d)
+        elif kind == "ByteLevel":
+            self._byte_level = True
+        elif kind == "ByteFallback":
+            self._byte_fallback = True
+        elif kind == "Metaspace":
+            replacement = spec.get("replacement")
+            if isinstance(replacement, str) and replacement:
+                self._replace.append((replacement, " "))
+        elif kind == "Replace":
+            pattern, content = spec.get("pattern"), spec.get("content")
+            if (
+                isinstance(pattern, dict)
+                and isinstance(pattern.get("String"), str)
+                and isinstance(content, str)
+            ):
+                self._replace.append((pattern["String"], content))
+        elif kind == "WordPiece":
+            prefix = spec.get("prefix")
+            if isinstance(prefix, str):
+                self._prefix = prefix
+
+    def _compute(self, token_id: int) -> TokenText:
+        added = self._added.get(token_id)
+        if added is not None:
+            return _token_text(added[0].encode(), added[1])
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return _token_text(b"", False)
+        if self._byte_level:
+            try:
+                return _token_text(bytes([_BYTE_DECODER[c] for c in piece]), False)
+            except KeyError:
+                pass
+        if self._byte_fallback and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return _token_text(bytes([int(piece[3:5], 16)]), False)
+            except ValueError:
+                pass
+        if self._prefix and piece.startswith(self._prefix):
+            piece = piece[len(self._prefix) :]
+        for old, new in self._replace:
+            piece = piece.replace(old, new)
+        return _token_text(piece.encode(), False)
+
+
+_SHARED: weakref.WeakKeyDictionary[Tokenizer, TokenTextCache] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def _top_entry(cache: TokenTextCache, token_id: int, logprob: float, as_ids: bool) -> JsonDict:
+    t = cache.get(token_id)
+    return {
+        "token": f"token_id:{token_id}" if as_ids else t.text,
+        "logprob": json_logprob(logprob),
+        "bytes": t.byte_list,
+    }
+
+
+def chat_logprob_entries(
+    logprobs: Sequence[TokenLogprob],
+    cache: TokenTextCache,
+    top_logprobs: int = 0,
+    *,
+    tokens_as_ids: bool = False,
+) -> list[JsonDict]:
+    """The ``content`` list of chat logprobs for these tokens (``top_logprobs``: how many alternatives;
+    ``tokens_as_ids``: vLLM's ``return_tokens_as_token_ids``, tokens as ``"token_id:<id>"``)."""
+    out: list[JsonDict] = []
+    for lp in logprobs:
+        entry = _top_entry(cache, lp.token_id, lp.logprob, tokens_as_ids)
+        entry["top_logprobs"] = (
+            [_top_entry(cache, tid, tlp, tokens_as_ids) for tid, tlp in lp.top[:top_logprobs]]
+            if top_logprobs > 0
+            else []
+        )
+        out.append(entry)
+    return out
+
+
+def chat_logprobs(
+    logprobs: Sequence[TokenLogprob],
+    cache: TokenTextCache,
+    top_logprobs: int = 0,
+    *,
+    tokens_as_ids: bool = False,
+) -> JsonDict:
+    """``{"content": [...]}`` for a chat choice (or one streamed chunk of it)."""
+    return {"content": chat_logprob_entries(logprobs, cache, top_logprobs, tokens_as_ids=tokens_as_ids)}
+
+
+def completion_logprobs(
+    logprobs: Sequence[TokenLogprob],
+    cache: TokenTextCache,
+    top_logprobs: int = 0,
+    *,
+    text_offset: int = 0,
+    skip_special_tokens: bool = True,
+    tokens_as_ids: bool = False,
+) -> tuple[JsonDict, int]:
+    """Legacy completions logprobs and the text offset after these tokens.
+
+    ``top_logprobs``: the request's ``logprobs`` number; each position's dict holds that many
+    alternatives plus the sampled token (up to n+1 entries, as the API documents). ``text_offset``: the
+    character offset of the first token in the returned text (the prompt's length with ``echo``).
+    Special tokens have zero width when ``skip_special_tokens`` (they are not in the text).
+    """
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = text_offset
+    for lp in logprobs:
+        t = cache.get(lp.token_id)
+        name = f"token_id:{lp.token_id}" if tokens_as_ids else t.text
+        tokens.append(name)
+        logprob = json_logprob(lp.logprob)
+        token_logprobs.append(logprob)
+        if top_logprobs > 0:
+            top: dict[str, float] = {}
+            for tid, tlp in lp.top[:top_logprobs]:
+                top.setdefault(f"token_id:{tid}" if tokens_as_ids else cache.get(tid).text, json_logprob(tlp))
+            top.setdefault(name, logprob)
+            tops.append(top)
+        else:
+            tops.append(None)
+        offsets.append(offset)
+        if not (t.special and skip_special_tokens):
+            offset += t.width
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }, offset

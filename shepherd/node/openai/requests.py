@@ -1,0 +1,600 @@
+"""OpenAI request parsing and validation into typed requests, and the OpenAI error envelope.
+
+Every rejection is an ``ApiError`` carrying the HTTP status and the envelope fields, so no handler ever
+answers bad input with a 500.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from shepherd.node.openai.structured import schema_error
+from shepherd.node.openai.tool_choice import NONE as NO_TOOL_CHOICE
+from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, parse_tool_choice
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+MAX_N = 128
+MAX_STOP = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers: dict[str, str] = dict(headers or {})  # e.g. Retry-After, WWW-Authenticate
+
+    def envelope(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def body(self) -> bytes:
+        return orjson.dumps(self.envelope())
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    if not raw:
+        raise bad("The request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad(f"The request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad("The request body must be a JSON object.", code="invalid_json")
+    return data
+
+
+# ---- typed field readers -------------------------------------------------------------------------
+
+
+def _num(
+    d: dict[str, Any], key: str, default: float, lo: float, hi: float, *, lo_open: bool = False
+) -> float:
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise bad(f"'{key}' must be a number.", param=key, code="invalid_type")
+    if v < lo or v > hi or (lo_open and v == lo):
+        left = "(" if lo_open else "["
+        raise bad(f"'{key}' must be in {left}{lo}, {hi}], got {v}.", param=key, code="invalid_value")
+    return float(v)
+
+
+INT32_MAX = (1 << 31) - 1  # engine protos hold counts and ids in 32-bit fields
+
+
+def _int(d: dict[str, Any], key: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
+    v = d.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise bad(f"'{key}' must be an integer.", param=key, code="invalid_type")
+    if v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise bad(f"'{key}' must be {rng}, got {v}.", param=key, code="invalid_value")
+    return v
+
+
+def _bool(d: dict[str, Any], key: str, default: bool) -> bool:
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(f"'{key}' must be a boolean.", param=key, code="invalid_type")
+    return v
+
+
+def _dict(d: dict[str, Any], key: str) -> dict[str, Any] | None:
+    v = d.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise bad(f"'{key}' must be an object.", param=key, code="invalid_type")
+    return v
+
+
+def _stop(d: dict[str, Any]) -> tuple[str, ...]:
+    v = d.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return (v,) if v else ()
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        if len(v) > MAX_STOP:
+            raise bad(f"'stop' may hold at most {MAX_STOP} sequences.", param="stop", code="invalid_value")
+        return tuple(s for s in v if s)
+    raise bad("'stop' must be a string or a list of strings.", param="stop", code="invalid_type")
+
+
+def _int_list(d: dict[str, Any], key: str) -> tuple[int, ...]:
+    v = d.get(key)
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= INT32_MAX for x in v
+    ):
+        msg = f"'{key}' must be a list of token ids (integers in [0, {INT32_MAX}])."
+        raise bad(msg, param=key, code="invalid_type")
+    return tuple(v)
+
+
+def _logit_bias(d: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    v = d.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise bad(
+            "'logit_bias' must be an object of token id -> bias.", param="logit_bias", code="invalid_type"
+        )
+    out = []
+    for k, b in v.items():
+        try:
+            tok = int(k)
+        except ValueError:
+            raise bad(f"'logit_bias' key {k!r} is not a token id.", param="logit_bias") from None
+        if not 0 <= tok <= INT32_MAX:
+            raise bad(f"'logit_bias' key {k!r} is not a token id.", param="logit_bias")
+        if isinstance(b, bool) or not isinstance(b, int | float) or not -100 <= b <= 100:
+            raise bad("'logit_bias' values must be numbers in [-100, 100].", param="logit_bias")
+        out.append((tok, float(b)))
+    return tuple(out)
+
+
+# ---- common sampling fields ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    frequency_penalty: float
+    presence_penalty: float
+    repetition_penalty: float
+    max_tokens: int | None
+    min_tokens: int
+    n: int
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    seed: int | None
+    ignore_eos: bool
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    include_stop_str_in_output: bool
+    logit_bias: tuple[tuple[int, float], ...]
+    stream: bool
+    include_usage: bool
+
+
+# every request key parse_sampling reads
+_SAMPLING_KEYS: frozenset[str] = frozenset(
+    {
+        "max_tokens",
+        "max_completion_tokens",
+        "top_k",
+        "stream",
+        "stream_options",
+        "seed",
+        "min_tokens",
+        "temperature",
+        "top_p",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "n",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "include_stop_str_in_output",
+        "logit_bias",
+    }
+)
+_SCALARS: frozenset[type] = frozenset({str, int, float, bool, type(None)})
+_SAMPLING_MEMO: dict[tuple[Any, ...], Sampling] = {}
+SAMPLING_MEMO_MAX = 1024
+
+
+def _flat(v: Any) -> Any:
+    """A hashable stand-in for a JSON value that tells apart what validation tells apart (its type:
+    ``1``, ``1.0`` and ``True`` are equal in Python), or None when it is too deep to bother."""
+    t = type(v)
+    if t in _SCALARS:
+        return (t, v)
+    if t is list:
+        if all(type(x) in _SCALARS for x in v):
+            return (t, *[(type(x), x) for x in v])
+        return None
+    if t is dict:
+        if all(type(x) in _SCALARS for x in v.values()):
+            return (t, *[(k, type(x), x) for k, x in v.items()])
+        return None
+    return None
+
+
+def _sampling_key(d: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> tuple[Any, ...] | None:
+    key: list[Any] = [max_tokens_keys]
+    keys = _SAMPLING_KEYS
+    for k, v in d.items():
+        if k in keys:
+            f = _flat(v)
+            if f is None:
+                return None
+            key.append((k, f))
+    return tuple(key)
+
+
+def parse_sampling(d: dict[str, Any], *, max_tokens_keys: tuple[str, ...]) -> Sampling:
+    """The request's sampling fields, validated. Requests of a fleet repeat a few parameter sets, so the
+    result (immutable) is memoized by exactly what it is computed from: the sampling keys present, in
+    order, with their values and JSON types (a rejected set raises each time, as it is not stored)."""
+    key = _sampling_key(d, max_tokens_keys)
+    if key is None:
+        return _parse_sampling(d, max_tokens_keys)
+    s = _SAMPLING_MEMO.get(key)
+    if s is None:
+        s = _parse_sampling(d, max_tokens_keys)
+        if len(_SAMPLING_MEMO) >= SAMPLING_MEMO_MAX:
+            _SAMPLING_MEMO.clear()
+        _SAMPLING_MEMO[key] = s
+    return s
+
+
+def _parse_sampling(d: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Sampling:
+    max_tokens: int | None = None
+    for key in max_tokens_keys:
+        val = _int(d, key, None, 1, INT32_MAX)
+        if val is not None:
+            max_tokens = val
+    top_k = _int(d, "top_k", -1, -1, INT32_MAX)
+    stream = _bool(d, "stream", False)
+    opts = _dict(d, "stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise bad("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
+        include_usage = _bool(opts, "include_usage", False)
+    seed = d.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise bad("'seed' must be an integer.", param="seed", code="invalid_type")
+    if seed is not None and not -(1 << 63) <= seed < (1 << 63):
+        raise bad("'seed' must be a 64-bit integer.", param="seed", code="invalid_value")
+    min_tokens = _int(d, "min_tokens", 0, 0, INT32_MAX) or 0
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise bad(
+            f"'min_tokens' ({min_tokens}) must not exceed the maximum tokens ({max_tokens}).",
+            param="min_tokens",
+            code="invalid_value",
+        )
+    return Sampling(
+        temperature=_num(d, "temperature", 1.0, 0.0, 2.0),
+        top_p=_num(d, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+        top_k=top_k if top_k else -1,
+        min_p=_num(d, "min_p", 0.0, 0.0, 1.0),
+        frequency_penalty=_num(d, "frequency_penalty", 0.0, -2.0, 2.0),
+        presence_penalty=_num(d, "presence_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_num(d, "repetition_penalty", 1.0, 0.0, 2.0, lo_open=True),
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        n=_int(d, "n", 1, 1, MAX_N) or 1,
+        stop=_stop(d),
+        stop_token_ids=_int_list(d, "stop_token_ids"),
+        seed=seed,
+        ignore_eos=_bool(d, "ignore_eos", False),
+        skip_special_tokens=_bool(d, "skip_special_tokens", True),
+        spaces_between_special_tokens=_bool(d, "spaces_between_special_tokens", True),
+        include_stop_str_in_output=_bool(d, "include_stop_str_in_output", False),
+        logit_bias=_logit_bias(d),
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _model(d: dict[str, Any]) -> str:
+    m = d.get("model")
+    if not isinstance(m, str) or not m:
+        raise bad("'model' is required and must be a string.", param="model", code="invalid_type")
+    return m
+
+
+# ---- chat ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    """A validated chat request (read-only by convention: not frozen, as a frozen dataclass of this
+    many fields costs ~3 µs to build, on every request)."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    sampling: Sampling
+    logprobs: bool
+    top_logprobs: int
+    tools: list[dict[str, Any]] | None
+    tool_choice: ToolChoice
+    template_kwargs: dict[str, Any]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    response_format: dict[str, Any] | None
+    raw: dict[str, Any]
+    parallel_tool_calls: bool = True
+    separate_reasoning: bool = True
+
+
+def _content_text(content: Any, idx: int) -> Any:
+    """Flatten a list of text parts to one string, as vLLM does for text models."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or "type" not in part:
+                raise bad(
+                    f"messages[{idx}].content parts must be objects with a 'type'.",
+                    param=f"messages.{idx}.content",
+                )
+            if part["type"] in ("text", "input_text"):
+                t = part.get("text")
+                if not isinstance(t, str):
+                    raise bad(
+                        f"messages[{idx}].content text part needs a string 'text'.",
+                        param=f"messages.{idx}.content",
+                    )
+                texts.append(t)
+            else:
+                raise bad(
+                    f"messages[{idx}].content part type {part['type']!r} is not supported (text model).",
+                    param=f"messages.{idx}.content",
+                    code="unsupported_content",
+                )
+        return "\n".join(texts)
+    raise bad(
+        f"messages[{idx}].content must be a string or a list of parts.", param=f"messages.{idx}.content"
+    )
+
+
+def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
+    msgs = d.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("'messages' must be a non-empty list.", param="messages", code="invalid_type")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object.", param=f"messages.{i}", code="invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(f"messages[{i}].role must be one of {sorted(ROLES)}.", param=f"messages.{i}.role")
+        content = m.get("content")
+        msg = m  # as sent when its content is (nothing downstream writes to it): no copy per message
+        if type(content) is not str:
+            text = _content_text(content, i)
+            if role != "assistant" and text is None:
+                raise bad(
+                    f"messages[{i}].content is required for role {role!r}.", param=f"messages.{i}.content"
+                )
+            if text is not content or "content" not in m:
+                msg = dict(m)
+                msg["content"] = text
+        tcs = m.get("tool_calls")
+        if tcs is not None and not isinstance(tcs, list):
+            raise bad(f"messages[{i}].tool_calls must be a list.", param=f"messages.{i}.tool_calls")
+        out.append(msg)
+    return out
+
+
+def _tools(d: dict[str, Any]) -> list[dict[str, Any]] | None:
+    tools = d.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad("'tools' must be a list.", param="tools", code="invalid_type")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad(
+                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}.", param=f"tools.{i}"
+            )
+        if not fn["name"]:
+            raise bad(f"tools[{i}].function.name must not be empty.", param=f"tools.{i}")
+        if t.get("type", "function") != "function":
+            raise bad(f"tools[{i}].type must be 'function'.", param=f"tools.{i}.type")
+        params = fn.get("parameters")
+        if params is not None:
+            problem = schema_error(params)
+            if problem:
+                raise bad(
+                    f"tools[{i}].function.parameters is not a valid JSON schema: {problem}",
+                    param=f"tools.{i}.function.parameters",
+                )
+        if fn.get("strict") not in (None, True, False):
+            raise bad(f"tools[{i}].function.strict must be a boolean.", param=f"tools.{i}.function.strict")
+    return tools or None
+
+
+def _response_format(d: dict[str, Any]) -> dict[str, Any] | None:
+    rf = _dict(d, "response_format")
+    if rf is None:
+        return None
+    kind = rf.get("type")
+    if kind not in ("text", "json_object", "json_schema", "structural_tag"):
+        raise bad(
+            "'response_format.type' must be 'text', 'json_object', 'json_schema' or 'structural_tag'.",
+            param="response_format",
+        )
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict | bool):
+            raise bad(
+                "'response_format.json_schema' must be an object with a 'schema'.",
+                param="response_format.json_schema",
+            )
+        problem = schema_error(spec["schema"])
+        if problem:
+            raise bad(
+                f"'response_format.json_schema.schema' is not a valid JSON schema: {problem}",
+                param="response_format.json_schema.schema",
+            )
+        if spec.get("strict") not in (None, True, False):
+            raise bad(
+                "'response_format.json_schema.strict' must be a boolean.",
+                param="response_format.json_schema.strict",
+            )
+    return None if kind == "text" else rf
+
+
+def _tool_choice(d: dict[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
+    try:
+        return parse_tool_choice(d.get("tool_choice"), tools)
+    except ToolChoiceError as e:
+        raise bad(str(e), param="tool_choice") from None
+
+
+# the keys parse_chat reads besides the model, the messages and the sampling fields
+CHAT_OPTION_KEYS: frozenset[str] = frozenset(
+    {
+        "logprobs",
+        "top_logprobs",
+        "chat_template_kwargs",
+        "response_format",
+        "continue_final_message",
+        "tools",
+        "tool_choice",
+        "add_generation_prompt",
+        "parallel_tool_calls",
+        "separate_reasoning",
+    }
+)
+_CHAT_MAX_KEYS = ("max_tokens", "max_completion_tokens")
+
+
+def parse_chat(d: dict[str, Any]) -> ChatRequest:
+    model = _model(d)
+    messages = _messages(d)
+    sampling = parse_sampling(d, max_tokens_keys=_CHAT_MAX_KEYS)
+    if CHAT_OPTION_KEYS.isdisjoint(d):  # none of the options (most requests): their defaults at once
+        return ChatRequest(
+            model, messages, sampling, False, 0, None, NO_TOOL_CHOICE, {}, True, False, None, d
+        )
+    return _parse_chat_options(d, model, messages, sampling)
+
+
+def _parse_chat_options(
+    d: dict[str, Any], model: str, messages: list[dict[str, Any]], sampling: Sampling
+) -> ChatRequest:
+    logprobs = _bool(d, "logprobs", False)
+    top_logprobs = _int(d, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
+    if top_logprobs and not logprobs:
+        raise bad("'top_logprobs' requires 'logprobs': true.", param="top_logprobs")
+    kwargs = _dict(d, "chat_template_kwargs") or {}
+    rf = _response_format(d)
+    cont = _bool(d, "continue_final_message", False)
+    tools = _tools(d)
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        sampling=sampling,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        tools=tools,
+        tool_choice=_tool_choice(d, tools),
+        template_kwargs=kwargs,
+        add_generation_prompt=_bool(d, "add_generation_prompt", not cont),
+        continue_final_message=cont,
+        response_format=rf,
+        raw=d,
+        parallel_tool_calls=_bool(d, "parallel_tool_calls", True),
+        separate_reasoning=_bool(d, "separate_reasoning", True),
+    )
+
+
+# ---- completions --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    model: str
+    prompts: list[str | list[int]]
+    sampling: Sampling
+    logprobs: int | None
+    echo: bool
+    raw: dict[str, Any]
+
+
+def _prompts(d: dict[str, Any]) -> list[str | list[int]]:
+    p = d.get("prompt")
+    if isinstance(p, str):
+        return [p]
+    if isinstance(p, list) and p:
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        if all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p):
+            return [list(p)]
+        if all(
+            isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+            for x in p
+        ):
+            return [list(x) for x in p]
+    raise bad(
+        "'prompt' must be a string, a list of strings, a list of token ids or a list of token-id lists.",
+        param="prompt",
+        code="invalid_type",
+    )
+
+
+def parse_completion(d: dict[str, Any]) -> CompletionRequest:
+    model = _model(d)
+    prompts = _prompts(d)
+    sampling = parse_sampling(d, max_tokens_keys=("max_tokens",))
+    if d.get("max_tokens") is None:
+        sampling = _replace_max(sampling, 16)  # the completions API default
+    if d.get("suffix"):
+        raise bad("'suffix' is not supported.", param="suffix", code="unsupported_parameter")
+    best_of = _int(d, "best_of", None, 1)
+    if best_of is not None and best_of != sampling.n:
+        raise bad(
+            "'best_of' different from 'n' is not supported.", param="best_of", code="unsupported_parameter"
+        )
+    if len(prompts) * sampling.n > MAX_N:
+        raise bad(f"prompts x n may not exceed {MAX_N}.", param="n")
+    return CompletionRequest(
+        model=model,
+        prompts=prompts,
+        sampling=sampling,
+        logprobs=_int(d, "logprobs", None, 0, MAX_TOP_LOGPROBS),
+        echo=_bool(d, "echo", False),
+        raw=d,
+    )
+
+
+def _replace_max(s: Sampling, max_tokens: int) -> Sampling:
+    from dataclasses import replace
+
+    return replace(s, max_tokens=max_tokens)

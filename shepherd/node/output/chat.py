@@ -1,0 +1,390 @@
+"""The parser stage of chat answers: what one request asks for (``ChatShaping``), and per choice the
+reasoning and tool-call parsers between the stop matcher and the encoder (``ChoiceParsing``).
+
+Which parsers apply:
+
+- reasoning: the model's reasoning family (``--reasoning-parser``, the model's ``reasoning_parser``,
+  else by model name), unless ``separate_reasoning`` is false or the request turned thinking off
+  (``chat_template_kwargs``: ``enable_thinking`` / ``thinking``, per family) or the template closed
+  the think block itself; the rendered prompt says whether the think block is already open;
+- tool calls: the model's tool-call family with ``tool_choice`` auto; the ``json`` family when a call
+  is forced (``required`` / named: the engine is held to a JSON array of calls); none with
+  ``tool_choice: none`` or without tools. Calls to tools the request did not define come back as text.
+  ``parallel_tool_calls: false`` keeps only the first call.
+
+When neither applies, ``ChatShaping.output`` is None and the token path has no parser stage at all.
+Parsers are per choice and per request: ``ChatOutput.choice()`` builds fresh ones.
+
+With a tool parser (or the harmony format) the detokenizer keeps special tokens (SGLang does the
+same): the formats' markers are special tokens in the models' vocabularies. Stop strings and stop
+tokens are applied before the parsers, so a stop word never reaches them nor the client.
+
+Answer shape (OpenAI's): ``message.tool_calls`` ``[{id, type: "function", function: {name,
+arguments}}]``, ``content`` null when the answer is only calls, ``finish_reason: "tool_calls"`` when
+a choice that called tools stopped by itself; ``reasoning_content`` beside ``content`` when a
+reasoning parser ran. Streamed: ``delta.reasoning_content``, and per call ``delta.tool_calls[0]``
+with ``index``, ``id``, ``type`` and ``function.name`` first, then ``function.arguments`` (a call is
+reported once complete, so its arguments come in one fragment).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from shepherd.node.openai.requests import ChatRequest, Sampling, bad
+from shepherd.node.openai.sse import ChatChunks
+from shepherd.node.openai.structured import Constraint, OutputChecks, response_format_constraint
+from shepherd.node.openai.tool_choice import (
+    ToolChoiceError,
+    call_array_schema,
+    structural_tag,
+    template_tools,
+)
+from shepherd.parsers import (
+    REASONING_FAMILIES,
+    ReasoningParser,
+    TextDelta,
+    ToolCallStart,
+    ToolEvent,
+    ToolParser,
+    get_reasoning_parser,
+    get_tool_parser,
+    prompt_closes_think,
+    prompt_opens_think,
+    reasoning_family_name,
+    thinking_enabled,
+)
+from shepherd.parsers.reasoning import ThinkSpec
+from shepherd.parsers.registry import ReasoningFamily
+
+__all__ = [
+    "ChatOutput",
+    "ChatShaping",
+    "ChoiceParsing",
+    "ParsedChoice",
+    "chat_message",
+    "encode_events",
+    "final_reason",
+    "shape_chat",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOutput:
+    """The parser configuration of one request; ``choice()`` makes one choice's fresh parsers."""
+
+    reasoning: str | None  # reasoning family, None: off
+    prompt_opened_think: bool
+    tool_parser: str | None  # tool-call family, None: off
+    tools: tuple[Mapping[str, Any], ...]
+    parallel_tool_calls: bool
+
+    def choice(self, enc: ChatChunks | None = None, index: int = 0) -> ChoiceParsing:
+        """Fresh parsers for one choice; ``enc`` and ``index`` for a streamed one."""
+        reasoning = (
+            get_reasoning_parser(self.reasoning, prompt_opened_think=self.prompt_opened_think)
+            if self.reasoning
+            else None
+        )
+        tools = (
+            get_tool_parser(self.tool_parser, tools=self.tools, known_names_only=True)
+            if self.tool_parser
+            else None
+        )
+        return ChoiceParsing(reasoning, tools, single_call=not self.parallel_tool_calls, enc=enc, index=index)
+
+    def message(self, text: str) -> tuple[dict[str, Any], ParsedChoice | None]:
+        """The OpenAI ``message`` of a complete (non-streamed) choice, and what the parsers made of it
+        (None when they made nothing of it: plain content). Equal to ``chat_message`` of
+        ``choice().whole(text)``, without building the parsers when a think-tag reasoning parser alone
+        would pass the text through whole (the output does not begin with the start marker)."""
+        spec = (
+            _passthrough_spec(self.reasoning, self.prompt_opened_think) if self.tool_parser is None else None
+        )
+        if spec is not None:
+            t = text.lstrip()
+            if t and not t.startswith(spec.start) and not spec.start.startswith(t):
+                return {"role": "assistant", "content": text, "reasoning_content": None}, None
+        parsed = self.choice().whole(text)
+        return chat_message(parsed, self.reasoning is not None), parsed
+
+
+# the families named by their canonical key (the registry resolves the key to itself)
+_CANONICAL_FAMILIES: Mapping[str, ReasoningFamily] = {
+    k: f for k, f in REASONING_FAMILIES.items() if reasoning_family_name(k) == k
+}
+
+
+@functools.lru_cache(maxsize=64)
+def _passthrough_spec(reasoning: str | None, opened: bool) -> ThinkSpec | None:
+    """The think-tag spec of a reasoning family whose parser, fresh, turns output that does not begin
+    with the start marker into content as it is (no block opened by the prompt or forced, no content
+    markers to drop); None for any other family."""
+    family = REASONING_FAMILIES.get(reasoning) if reasoning is not None and not opened else None
+    spec = family.spec if family is not None else None
+    if spec is None or spec.forced or spec.content_drop:
+        return None
+    return spec
+
+
+@dataclass(slots=True)
+class ChatShaping:
+    """Everything a chat request changes about generation and output beyond plain text (read-only by
+    convention: built per request, where a frozen dataclass costs ~0.5 µs more)."""
+
+    sampling: Sampling  # the request's, with skip_special_tokens off when parsers need the markers
+    output: ChatOutput | None
+    constraint: Constraint | None
+    checks: OutputChecks | None
+
+
+def shape_chat(families: tuple[str | None, str | None], req: ChatRequest, prompt: str) -> ChatShaping:
+    """``families``: the model's (reasoning, tool-call) parser families; ``prompt``: the rendered
+    prompt text (it tells whether the template opened a think block)."""
+    reasoning_family, tool_family = families
+    reasoning, opened = reasoning_side(reasoning_family, req, prompt)
+    if not req.tools and req.response_format is None:  # the common case: no tools, no format, no checks
+        sampling = req.sampling
+        if reasoning == "gpt_oss" and sampling.skip_special_tokens:
+            sampling = dataclasses.replace(sampling, skip_special_tokens=False)
+        plain = None if reasoning is None else _reasoning_only(reasoning, opened, req.parallel_tool_calls)
+        return ChatShaping(sampling, plain, None, None)
+    return _shape_tools(tool_family, req, reasoning, opened)
+
+
+def reasoning_side(family: str | None, req: ChatRequest, prompt: str) -> tuple[str | None, bool]:
+    """The reasoning parser a request's output goes through (None: off) and whether the rendered prompt
+    left a think block open."""
+    if not family or not req.separate_reasoning:
+        return None, False
+    fam = _CANONICAL_FAMILIES.get(family)
+    if fam is not None and not req.template_kwargs:  # the common case, without the registry's calls:
+        if fam.thinking_kwarg and not fam.thinking_default:  # thinking is off unless asked for
+            return None, False
+        spec = fam.spec  # a prompt without the start marker near its end neither closes nor opens a block
+        if spec is None or prompt.find(spec.start, len(prompt) - 4096) == -1:
+            return family, False
+    if (
+        family
+        and req.separate_reasoning
+        and thinking_enabled(family, req.template_kwargs)
+        and not prompt_closes_think(family, prompt)
+    ):
+        return family, prompt_opens_think(family, prompt)
+    return None, False
+
+
+def _shape_tools(
+    tool_family: str | None, req: ChatRequest, reasoning: str | None, opened: bool
+) -> ChatShaping:
+    """``shape_chat`` for any request (tools, response formats), once the reasoning side is known."""
+    choice = req.tool_choice
+    tools = req.tools or []
+    tool_parser: str | None = None
+    constraint: Constraint | None = None
+    forced = ""
+    if tools and choice.mode != "none":
+        if choice.forces_call:
+            tool_parser = "json"
+            forced = choice.name or "required"
+            try:
+                schema = call_array_schema(tools, choice, req.parallel_tool_calls)
+            except ToolChoiceError as e:
+                raise bad(str(e), param="tools") from None
+            constraint = Constraint("json_schema", orjson.dumps(schema).decode())
+        else:
+            tool_parser = tool_family
+            tag = structural_tag(tool_family, tools) if tool_family else None
+            if tag is not None:
+                constraint = Constraint("structural_tag", tag)
+    if constraint is None:
+        constraint = response_format_constraint(req.response_format)
+    checks = OutputChecks.build(req.response_format, tools if tool_parser else None, forced)
+    sampling = req.sampling
+    if sampling.skip_special_tokens and (tool_parser is not None or reasoning == "gpt_oss"):
+        # the markers of these formats are special tokens in the models' vocabularies
+        sampling = dataclasses.replace(sampling, skip_special_tokens=False)
+    output = None
+    if reasoning is not None or tool_parser is not None:
+        callable_tools = tuple(template_tools(tools, choice) or ())  # a named choice: only that one
+        output = ChatOutput(reasoning, opened, tool_parser, callable_tools, req.parallel_tool_calls)
+    return ChatShaping(sampling, output, constraint, checks)
+
+
+@functools.lru_cache(maxsize=64)
+def _reasoning_only(reasoning: str, opened: bool, parallel_tool_calls: bool) -> ChatOutput:
+    """The (immutable) parser configuration of a request with a reasoning parser and no tools."""
+    return ChatOutput(reasoning, opened, None, (), parallel_tool_calls)
+
+
+# ---- per choice ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedChoice:
+    reasoning: str
+    content: str
+    calls: tuple[tuple[str, str, str], ...]  # (id, name, arguments JSON)
+
+
+class ChoiceParsing:
+    """One choice's parsers: the reasoning parser, then the tool parser on its content.
+
+    ``feed``/``finish`` → (reasoning delta, content and call events); ``stream``/``stream_end`` do the
+    same and append the stream chunks at once (the per-token path: plain content, the common case,
+    costs two parser calls and one chunk). Logprobs ride on the first chunk of a step; an empty content
+    chunk carries them when the step produced nothing visible."""
+
+    __slots__ = ("_enc", "_index", "_reasoning", "_single", "_tools", "has_calls")
+
+    def __init__(
+        self,
+        reasoning: ReasoningParser | None,
+        tools: ToolParser | None,
+        *,
+        single_call: bool = False,
+        enc: ChatChunks | None = None,
+        index: int = 0,
+    ) -> None:
+        self._reasoning = reasoning
+        self._tools = tools
+        self._single = single_call
+        self._enc = enc
+        self._index = index
+        self.has_calls = False
+
+    def feed(self, text: str) -> tuple[str, list[ToolEvent]]:
+        reasoning = ""
+        if self._reasoning is not None:
+            reasoning, text = self._reasoning.feed(text)
+        if self._tools is None:
+            return reasoning, [TextDelta(text)] if text else []
+        return reasoning, self._calls(self._tools.feed(text)) if text else []
+
+    def finish(self) -> tuple[str, list[ToolEvent]]:
+        reasoning = text = ""
+        if self._reasoning is not None:
+            reasoning, text = self._reasoning.finish()
+        if self._tools is None:
+            return reasoning, [TextDelta(text)] if text else []
+        events = self._tools.feed(text) if text else []
+        events.extend(self._tools.finish())
+        return reasoning, self._calls(events)
+
+    def _calls(self, events: list[ToolEvent]) -> list[ToolEvent]:
+        for ev in events:
+            if type(ev) is not TextDelta:
+                break
+        else:
+            return events
+        if self._single:
+            events = [ev for ev in events if type(ev) is TextDelta or ev.index == 0]
+        if any(type(ev) is ToolCallStart for ev in events):
+            self.has_calls = True
+        return events
+
+    def stream(self, text: str, logprobs: dict[str, Any] | None, out: list[bytes]) -> None:
+        """New visible text of the choice → its stream chunks (needs ``enc``)."""
+        enc = self._enc
+        assert enc is not None
+        index = self._index
+        if self._reasoning is not None and text:
+            reasoning, text = self._reasoning.feed(text)
+            if reasoning:
+                out.append(enc.reasoning(index, reasoning, logprobs))
+                logprobs = None
+        if not text:
+            if logprobs is not None:
+                out.append(enc.content(index, "", logprobs))
+            return
+        if self._tools is None:
+            out.append(enc.content(index, text, logprobs))
+            return
+        events = self._tools.feed(text)
+        if len(events) == 1 and type(events[0]) is TextDelta:
+            out.append(enc.content(index, events[0].text, logprobs))
+            return
+        encode_events(enc, index, self._calls(events), logprobs, out)
+
+    def stream_end(self, out: list[bytes]) -> None:
+        """The choice ended: the parsers' held text and last calls as chunks."""
+        assert self._enc is not None
+        reasoning, events = self.finish()
+        if reasoning:
+            out.append(self._enc.reasoning(self._index, reasoning))
+        encode_events(self._enc, self._index, events, None, out)
+
+    def whole(self, text: str) -> ParsedChoice:
+        """The complete output at once (a non-streamed answer)."""
+        r1, e1 = self.feed(text)
+        r2, e2 = self.finish()
+        content: list[str] = []
+        heads: dict[int, tuple[str, str]] = {}
+        args: dict[int, list[str]] = {}
+        for ev in (*e1, *e2):
+            if isinstance(ev, TextDelta):
+                content.append(ev.text)
+            elif isinstance(ev, ToolCallStart):
+                heads[ev.index] = (ev.id, ev.name)
+                args.setdefault(ev.index, [])
+            else:
+                args.setdefault(ev.index, []).append(ev.json)
+        calls = tuple((*heads[i], "".join(args[i])) for i in sorted(heads))
+        return ParsedChoice(r1 + r2, "".join(content), calls)
+
+
+def encode_events(
+    enc: ChatChunks,
+    index: int,
+    events: Sequence[ToolEvent],
+    logprobs: dict[str, Any] | None,
+    out: list[bytes],
+) -> None:
+    """Stream chunks for content and call events (consecutive content merged into one chunk)."""
+    text: list[str] = []
+    for ev in events:
+        if isinstance(ev, TextDelta):
+            text.append(ev.text)
+            continue
+        if text:
+            out.append(enc.content(index, "".join(text), logprobs))
+            logprobs = None
+            text = []
+        if isinstance(ev, ToolCallStart):
+            out.append(enc.tool_call(index, ev.index, ev.id, ev.name, logprobs))
+            logprobs = None
+        else:
+            out.append(enc.tool_args(index, ev.index, ev.json))
+    if text:
+        out.append(enc.content(index, "".join(text), logprobs))
+    elif logprobs is not None:
+        out.append(enc.content(index, "", logprobs))
+
+
+def final_reason(reason: str | None, matched: str | int | None, has_calls: bool) -> tuple[str, Any]:
+    """A choice that made tool calls and stopped naturally finishes with ``tool_calls``."""
+    if has_calls and reason == "stop":
+        return "tool_calls", None
+    return reason or "stop", matched
+
+
+def chat_message(parsed: ParsedChoice, with_reasoning: bool) -> dict[str, Any]:
+    """The OpenAI ``message`` of a parsed choice: ``content`` null when the answer is only calls."""
+    content: str | None = parsed.content
+    if parsed.calls and not parsed.content.strip():
+        content = None
+    msg: dict[str, Any] = {"role": "assistant", "content": content}
+    if with_reasoning:
+        msg["reasoning_content"] = parsed.reasoning or None
+    if parsed.calls:
+        msg["tool_calls"] = [
+            {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+            for cid, name, args in parsed.calls
+        ]
+    return msg

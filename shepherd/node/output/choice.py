@@ -1,0 +1,169 @@
+"""Per-choice output state: token ids in, visible text out (detokenizer -> stop matcher), plus logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from shepherd.node.openai.logprobs import TokenTextCache, chat_logprobs, completion_logprobs
+from shepherd.node.openai.requests import Sampling
+from shepherd.node.output.stop import StopMatcher, StoppingDecoder
+from shepherd.proto.engine_types import TokenLogprob
+from shepherd.tokens.detokenizer import IncrementalDetokenizer, fresh_one_shot_equivalent
+from shepherd.tokens.tokenizer import Tokenizer
+
+
+class ChoiceState:
+    __slots__ = (
+        "_dec",
+        "_prompt",
+        "_sampling",
+        "finish_reason",
+        "finished",
+        "index",
+        "logprobs",
+        "matched",
+        "matcher",
+        "skip_special",
+        "text",
+        "tok",
+        "tokens",
+    )
+
+    def __init__(self, index: int, tok: Tokenizer, s: Sampling, prompt_ids: Sequence[int] = ()) -> None:
+        self.index = index
+        self.matcher = StopMatcher(
+            s.stop,
+            include_stop_str_in_output=s.include_stop_str_in_output,
+            stop_token_ids=s.stop_token_ids,
+            eos_token_ids=tok.eos_token_ids,
+            ignore_eos=s.ignore_eos,
+        )
+        # the detokenizer is built on first use: a non-streamed answer is usually decoded in one call
+        self._dec: StoppingDecoder | None = None
+        self._sampling = s
+        self._prompt = prompt_ids
+        self.tok = tok
+        self.skip_special = s.skip_special_tokens
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.matched: str | int | None = None
+        self.tokens = 0
+        self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
+
+    @property
+    def dec(self) -> StoppingDecoder:
+        """The choice's detokenizer and stop matcher, wired."""
+        d = self._dec
+        if d is None:
+            s = self._sampling
+            detok = IncrementalDetokenizer(
+                self.tok.hf,
+                skip_special_tokens=s.skip_special_tokens,
+                spaces_between_special_tokens=s.spaces_between_special_tokens,
+                prompt_ids=self._prompt[-24:] or None,
+            )
+            d = self._dec = StoppingDecoder(detok, self.matcher)
+            self._prompt = ()
+        return d
+
+    def _one_shot(self) -> bool:
+        """Whether one decode of the whole output gives what the detokenizer would (without building
+        it when a fresh one is known to agree)."""
+        if self._dec is None:
+            s = self._sampling
+            if fresh_one_shot_equivalent(
+                self.tok.hf,
+                skip_special_tokens=s.skip_special_tokens,
+                spaces_between_special_tokens=s.spaces_between_special_tokens,
+                has_prompt=bool(self._prompt),
+            ):
+                return True
+        detok = self.dec.decoder
+        return isinstance(detok, IncrementalDetokenizer) and detok.one_shot_equivalent
+
+    def feed(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob] = ()) -> str:
+        """New engine tokens -> newly visible text ('' if held back). Marks the choice finished on a stop."""
+        if self.finished:
+            return ""
+        self.tokens += len(ids)
+        if logprobs:
+            self.logprobs.extend(logprobs)
+        res = self.dec.feed(ids)
+        if res.finished:
+            self.finished = True
+            self.finish_reason = "stop"
+            self.matched = res.matched
+        if res.visible:
+            self.text.append(res.visible)
+        return res.visible
+
+    def whole(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob], reason: str) -> str:
+        """The complete output at once (a non-streamed engine answer): one decode call instead of a
+        detokenizer step per token, when that gives the same text; else the incremental path."""
+        if self.finished:
+            return ""
+        if not self._one_shot():
+            return self.feed(ids, logprobs) + self.end(reason)
+        self.finished = True
+        self.tokens += len(ids)
+        if logprobs:
+            self.logprobs.extend(logprobs)
+        stop = self.matcher
+        res = stop.feed(self.tok.decode(stop.text_ids(ids), skip_special_tokens=self.skip_special), ids)
+        visible = res.visible
+        if res.finished:
+            self.finish_reason = "stop"
+            self.matched = res.matched
+        else:
+            visible += stop.flush()
+            self.finish_reason = reason if reason in ("length", "abort") else "stop"
+        if visible:
+            self.text.append(visible)
+        return visible
+
+    def end(self, reason: str) -> str:
+        """The engine finished this choice: release held text, settle the finish reason."""
+        if self.finished:
+            return ""
+        self.finished = True
+        res = self.dec.finish()
+        if res.finished:
+            self.finish_reason = "stop"
+            self.matched = res.matched
+        else:
+            self.finish_reason = reason if reason in ("length", "abort") else "stop"
+        if res.visible:
+            self.text.append(res.visible)
+        return res.visible
+
+    def done(self) -> bool:
+        return self.finished
+
+    def full_text(self) -> str:
+        return "".join(self.text)
+
+
+class LogprobFormatter:
+    """OpenAI logprobs blocks for one response (chat ``content`` lists, legacy completions lists)."""
+
+    __slots__ = ("cache", "offsets", "skip_special")
+
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.cache = TokenTextCache.for_tokenizer(tok.hf)
+        self.skip_special = skip_special_tokens
+        self.offsets: dict[int, int] = {}  # completions: text offset per choice index
+
+    def chat(self, entries: Sequence[TokenLogprob], top: int) -> dict[str, Any]:
+        return chat_logprobs(entries, self.cache, top)
+
+    def completion(self, entries: Sequence[TokenLogprob], top: int, index: int = 0) -> dict[str, Any]:
+        block, self.offsets[index] = completion_logprobs(
+            entries,
+            self.cache,
+            top,
+            text_offset=self.offsets.get(index, 0),
+            skip_special_tokens=self.skip_special,
+        )
+        return block

@@ -1,0 +1,116 @@
+"""gpt-oss (harmony format) reasoning parser.
+
+The output is a series of messages ``[<|start|>ROLE]<|channel|>CHANNEL[ to=RECIPIENT][<|constrain|>T]
+<|message|>BODY<|end|>`` (``<|return|>`` ends the final message, ``<|call|>`` a tool call); the prompt
+usually ends with ``<|start|>assistant`` so the first message has no ``<|start|>``. The engine must
+not skip special tokens for this family.
+
+- channel ``analysis`` → reasoning;
+- a message with a recipient (``to=functions.NAME``, a tool call) → passed through verbatim as
+  content, markers included, for the gpt_oss tool parser;
+- any other channel (``final``, ``commentary`` preambles) → content;
+- text outside any message (a model that writes no harmony markers) → content.
+
+``thinking_enabled`` / ``prompt_opened_think`` are accepted for interface symmetry and ignored:
+gpt-oss always writes its channels.
+"""
+
+from __future__ import annotations
+
+from shepherd.parsers.text_scan import find_first, partial_suffix_len
+
+__all__ = ["HarmonyReasoningParser"]
+
+_START = "<|start|>"
+_CHANNEL = "<|channel|>"
+_MESSAGE = "<|message|>"
+_HEAD_MARKERS = (_START, _CHANNEL)
+_BODY_END = ("<|end|>", "<|return|>", "<|call|>")
+_BODY_MARKERS = (*_BODY_END, _START, _CHANNEL)
+_MAX_HEADER = 512
+
+_OUTSIDE, _HEADER, _BODY = 0, 1, 2
+_REASONING, _CONTENT, _TOOL = 0, 1, 2
+
+
+class HarmonyReasoningParser:
+    __slots__ = ("_buf", "_kind", "_state")
+
+    def __init__(self, *, thinking_enabled: bool = True, prompt_opened_think: bool = False) -> None:
+        del thinking_enabled, prompt_opened_think
+        self._buf = ""
+        self._state = _OUTSIDE
+        self._kind = _CONTENT
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self._state == _BODY and not self._buf and "<" not in text:
+            return (text, "") if self._kind == _REASONING else ("", text)
+        return self._run(self._buf + text)
+
+    def finish(self) -> tuple[str, str]:
+        buf = self._buf
+        self._buf = ""
+        if not buf:
+            return "", ""
+        if self._state == _HEADER:
+            # a cut-off header: keep it only if it was a tool call (raw, for the tool parser)
+            return ("", buf) if " to=" in buf else ("", "")
+        if self._state == _BODY and self._kind == _REASONING:
+            return buf, ""
+        return "", buf
+
+    def _run(self, buf: str) -> tuple[str, str]:
+        reasoning: list[str] = []
+        content: list[str] = []
+        while True:
+            state = self._state
+            if state == _OUTSIDE:
+                i, _ = find_first(buf, _HEAD_MARKERS)
+                if i == -1:
+                    hold = partial_suffix_len(buf, _HEAD_MARKERS)
+                    content.append(buf[: len(buf) - hold])
+                    self._buf = buf[len(buf) - hold :]
+                    break
+                content.append(buf[:i])
+                buf = buf[i:]
+                self._state = _HEADER
+                continue
+            if state == _HEADER:
+                i = buf.find(_MESSAGE)
+                if i == -1:
+                    if len(buf) > _MAX_HEADER:  # not a header after all: plain text
+                        content.append(buf)
+                        buf = ""
+                        self._state = _OUTSIDE
+                        continue
+                    self._buf = buf
+                    break
+                header = buf[:i]
+                head_end = i + len(_MESSAGE)
+                if " to=" in header or "\tto=" in header:
+                    self._kind = _TOOL
+                    content.append(buf[:head_end])
+                else:
+                    j = header.find(_CHANNEL)
+                    channel = header[j + len(_CHANNEL) :].split("<|", 1)[0].strip() if j != -1 else ""
+                    self._kind = _REASONING if channel == "analysis" else _CONTENT
+                buf = buf[head_end:]
+                self._state = _BODY
+                continue
+            # _BODY
+            i, marker = find_first(buf, _BODY_MARKERS)
+            out = reasoning if self._kind == _REASONING else content
+            if i == -1:
+                hold = partial_suffix_len(buf, _BODY_MARKERS)
+                out.append(buf[: len(buf) - hold])
+                self._buf = buf[len(buf) - hold :]
+                break
+            out.append(buf[:i])
+            if marker in _BODY_END:
+                if self._kind == _TOOL:
+                    content.append(marker)
+                buf = buf[i + len(marker) :]
+            else:  # a new message began without the previous one ending
+                buf = buf[i:]
+            self._state = _OUTSIDE
+        return "".join(reasoning), "".join(content)

@@ -1,0 +1,186 @@
+"""Reasoning parsers for the think-tag families (``<think>...</think>`` and its variants).
+
+One machine, configured per family by a ``ThinkSpec``:
+
+- the block may be opened by the prompt (``prompt_opened_think``: the chat template ended the prompt
+  with the start marker, as DeepSeek-R1, QwQ, Qwen3-Thinking, Qwen3.5, Nemotron 3, Step 3.5, GLM 4.7
+  and MiniMax M2 do) or be ``forced`` by the family (the model never writes the start marker);
+  a start marker the model writes anyway at the very beginning is dropped;
+- otherwise the output is reasoning only if it begins (after whitespace) with the start marker;
+- reasoning ends at the end marker, or at an ``implicit_end`` marker (a tool-call opener the model
+  sometimes writes without closing the block first), which stays in the content for the tool parser;
+- ``content_drop`` markers (Cohere's text-block markers) are removed from the content;
+- whitespace right after the start marker and right after the end marker is dropped
+  (``<think>\\n...</think>\\n\\nAnswer`` gives content ``Answer``);
+- output cut off inside the block stays reasoning; held partial markers are released by ``finish``.
+
+With ``thinking_enabled=False`` the parser passes everything through as content.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shepherd.parsers.text_scan import find_first, partial_suffix_len
+
+__all__ = ["ThinkSpec", "ThinkTagReasoningParser"]
+
+_START, _REASONING, _CONTENT, _PASS = 0, 1, 2, 3
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkSpec:
+    start: str = "<think>"
+    end: str = "</think>"
+    forced: bool = False
+    implicit_end: tuple[str, ...] = ()
+    content_drop: tuple[str, ...] = ()
+
+
+class ThinkTagReasoningParser:
+    """See the module docstring. One instance per request (choice)."""
+
+    __slots__ = (
+        "_buf",
+        "_content_lstrip",
+        "_drop",
+        "_drop_firsts",
+        "_end",
+        "_may_open",
+        "_reason_lstrip",
+        "_reason_markers",
+        "_start",
+        "_state",
+    )
+
+    def __init__(
+        self, spec: ThinkSpec, *, thinking_enabled: bool = True, prompt_opened_think: bool = False
+    ) -> None:
+        self._start = spec.start
+        self._end = spec.end
+        self._reason_markers = (spec.end, *spec.implicit_end)
+        self._drop = spec.content_drop
+        self._drop_firsts = frozenset(m[0] for m in spec.content_drop)
+        self._buf = ""
+        self._may_open = False
+        self._reason_lstrip = False
+        self._content_lstrip = False
+        if not thinking_enabled:
+            self._state = _PASS
+        elif spec.forced or prompt_opened_think:
+            self._state = _REASONING
+            self._may_open = True
+            self._reason_lstrip = True
+        else:
+            self._state = _START
+
+    def feed(self, text: str) -> tuple[str, str]:
+        state = self._state
+        if state == _PASS or (state == _CONTENT and not self._drop and not self._content_lstrip):
+            return "", text
+        return self._run(self._buf + text)
+
+    def finish(self) -> tuple[str, str]:
+        buf = self._buf
+        self._buf = ""
+        if not buf:
+            return "", ""
+        if self._state == _REASONING:
+            return buf, ""
+        if self._state == _CONTENT and self._content_lstrip:
+            return "", buf.lstrip()
+        return "", buf
+
+    def _run(self, buf: str) -> tuple[str, str]:
+        reasoning = ""
+        content = ""
+        start = self._start
+        while True:
+            state = self._state
+            if state == _START:
+                t = buf.lstrip()
+                if not t or (len(t) < len(start) and start.startswith(t)):
+                    self._buf = buf
+                    break
+                if t.startswith(start):
+                    buf = t[len(start) :]
+                    self._state = _REASONING
+                    self._reason_lstrip = True
+                else:
+                    self._state = _CONTENT
+                continue
+            if state == _REASONING:
+                if self._may_open:
+                    t = buf.lstrip()
+                    if not t or (len(t) < len(start) and start.startswith(t)):
+                        self._buf = buf
+                        break
+                    self._may_open = False
+                    if t.startswith(start):
+                        buf = t[len(start) :]
+                if self._reason_lstrip:
+                    buf = buf.lstrip()
+                    if not buf:
+                        self._buf = ""
+                        break
+                    self._reason_lstrip = False
+                i, marker = find_first(buf, self._reason_markers)
+                if i != -1:
+                    reasoning += buf[:i]
+                    self._state = _CONTENT
+                    if marker == self._end:
+                        buf = buf[i + len(marker) :]
+                        self._content_lstrip = True
+                    else:
+                        buf = buf[i:]
+                    continue
+                hold = partial_suffix_len(buf, self._reason_markers)
+                if hold:
+                    reasoning += buf[:-hold]
+                    self._buf = buf[-hold:]
+                else:
+                    reasoning += buf
+                    self._buf = ""
+                break
+            if state == _PASS:  # pragma: no cover - feed() never gets here
+                content += buf
+                self._buf = ""
+                break
+            # _CONTENT
+            if self._content_lstrip:
+                buf = buf.lstrip()
+                if not buf:
+                    self._buf = ""
+                    break
+                self._content_lstrip = False
+            if self._drop:
+                content += self._drop_markers(buf)
+            else:
+                content += buf
+                self._buf = ""
+            break
+        return reasoning, content
+
+    def _drop_markers(self, buf: str) -> str:
+        for c in self._drop_firsts:
+            if c in buf:
+                break
+        else:
+            self._buf = ""
+            return buf
+        out = []
+        drop = self._drop
+        while True:
+            i, marker = find_first(buf, drop)
+            if i == -1:
+                break
+            out.append(buf[:i])
+            buf = buf[i + len(marker) :]
+        hold = partial_suffix_len(buf, drop)
+        if hold:
+            out.append(buf[:-hold])
+            self._buf = buf[-hold:]
+        else:
+            out.append(buf)
+            self._buf = ""
+        return "".join(out)

@@ -1,0 +1,220 @@
+"""The delimited tool-call formats: each family's markers and its call-body parser (name and
+arguments out of the text between the markers; None when the body is not a valid call).
+
+Plain ``str.find`` rather than lazy regexes: a long argument (a whole file) must not cost
+milliseconds to parse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from shepherd.parsers.tool_common import ParamTypes, ParsedCall, convert_value, dump_args, load_args
+from shepherd.parsers.tool_delimited import DelimitedSpec
+
+__all__ = ["COHERE", "DEEPSEEK_V3", "DEEPSEEK_V31", "GLM45", "GPT_OSS", "HERMES", "KIMI_K2", "QWEN3_CODER"]
+
+
+def _parse_hermes(body: str, types: ParamTypes) -> list[ParsedCall] | None:
+    obj = load_args(body)
+    if not obj:
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        args = load_args(args)
+    if not isinstance(args, dict):
+        return None
+    return [ParsedCall(name, dump_args(args))]
+
+
+def _strip_one_newline(value: str) -> str:
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return value
+
+
+def _parse_qwen3_coder(body: str, types: ParamTypes) -> list[ParsedCall] | None:
+    body = body.strip()
+    if not body.startswith("<function="):
+        return None
+    close = body.find(">")
+    name = body[len("<function=") : close].strip() if close != -1 else ""
+    if not name or "\n" in name:
+        return None
+    inner = body[close + 1 :]
+    if inner.endswith("</function>"):
+        inner = inner[: -len("</function>")]
+    ptypes = types.get(name, {})
+    args = {}
+    pos = 0
+    n = len(inner)
+    while True:
+        start = inner.find("<parameter=", pos)
+        if inner[pos : n if start == -1 else start].strip():
+            return None  # stray text between parameters
+        if start == -1:
+            break
+        close = inner.find(">", start)
+        key = inner[start + len("<parameter=") : close].strip() if close != -1 else ""
+        if not key or "\n" in key:
+            return None
+        vstart = close + 1
+        end = inner.find("</parameter>", vstart)
+        nxt = inner.find("<parameter=", vstart)
+        if end != -1 and (nxt == -1 or end < nxt):
+            value, pos = inner[vstart:end], end + len("</parameter>")
+        else:  # an unclosed parameter runs to the next one
+            stop = n if nxt == -1 else nxt
+            value, pos = inner[vstart:stop], stop
+        args[key] = convert_value(_strip_one_newline(value), ptypes.get(key))
+    return [ParsedCall(name, dump_args(args))]
+
+
+def _parse_glm45(body: str, types: ParamTypes) -> list[ParsedCall] | None:
+    i = body.find("<arg_key>")
+    name = (body if i == -1 else body[:i]).strip()
+    if not name or "<" in name or "\n" in name:
+        return None
+    ptypes = types.get(name, {})
+    args = {}
+    pos = 0 if i == -1 else i
+    n = len(body) if i != -1 else 0
+    while pos < n:
+        if not body.startswith("<arg_key>", pos):
+            if body[pos:].strip():
+                return None
+            break
+        kend = body.find("</arg_key>", pos)
+        if kend == -1:
+            return None
+        key = body[pos + len("<arg_key>") : kend].strip()
+        vstart = kend + len("</arg_key>")
+        while vstart < n and body[vstart].isspace():
+            vstart += 1
+        if not body.startswith("<arg_value>", vstart):
+            return None
+        vstart += len("<arg_value>")
+        vend = body.find("</arg_value>", vstart)
+        if vend == -1 or not key:
+            return None
+        args[key] = convert_value(body[vstart:vend], ptypes.get(key))
+        pos = vend + len("</arg_value>")
+        while pos < n and body[pos].isspace():
+            pos += 1
+    return [ParsedCall(name, dump_args(args))]
+
+
+_DS_SEP = "<｜tool▁sep｜>"
+
+
+def _parse_deepseek_v3(body: str, types: ParamTypes) -> list[ParsedCall] | None:
+    head, sep, rest = body.partition(_DS_SEP)
+    if not sep or head.strip() not in ("", "function"):
+        return None
+    name, nl, rest = rest.partition("\n")
+    name = name.strip()
+    rest = rest.strip()
+    if not nl or not name or not rest.startswith("```") or not rest.endswith("```") or len(rest) < 6:
+        return None
+    rest = rest[3:-3]
+    if rest.startswith("json"):
+        rest = rest[4:]
+    args = load_args(rest)
+    if args is None:
+        return None
+    return [ParsedCall(name, dump_args(args))]
+
+
+def _parse_deepseek_v31(body: str, types: ParamTypes) -> list[ParsedCall] | None:
+    name, sep, raw = body.partition(_DS_SEP)
+    name = name.strip()
+    if not sep or not name or "<" in name:
+        return None
+    args = load_args(raw)
+    if args is None:
+        return None
+    return [ParsedCall(name, dump_args(args))]
+
+
+_KIMI_ARG = "<|tool_call_argument_begin|>"
+
+
+def _parse_kimi_k2(body: str, types: ParamTypes) -> list[ParsedCall] | None:
+    call_id, sep, raw = body.partition(_KIMI_ARG)
+    call_id = call_id.strip()
+    if not sep or not call_id or "<" in call_id:
+        return None
+    name = call_id.removeprefix("functions.")
+    head, colon, tail = name.rpartition(":")
+    if colon and tail.isdigit():
+        name = head
+    args = load_args(raw)
+    if args is None or not name:
+        return None
+    return [ParsedCall(name, dump_args(args), call_id)]
+
+
+_HARMONY_TO = re.compile(r"\bto=functions\.([^\s<]+)")
+
+
+def _parse_gpt_oss(body: str, types: ParamTypes) -> list[ParsedCall] | None:
+    header, sep, raw = body.partition("<|message|>")
+    m = _HARMONY_TO.search(header)
+    if not sep or m is None:
+        return None
+    args = load_args(raw)
+    if args is None:
+        return None
+    return [ParsedCall(m.group(1), dump_args(args))]
+
+
+def _parse_cohere(body: str, types: ParamTypes) -> list[ParsedCall] | None:
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict):
+            return None
+        name = item.get("tool_name")
+        args = item.get("parameters", {})
+        if not isinstance(name, str) or not name or not isinstance(args, dict):
+            return None
+        calls.append(ParsedCall(name, dump_args(args)))
+    return calls or None
+
+
+HERMES = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_hermes)
+QWEN3_CODER = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_qwen3_coder)
+GLM45 = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_glm45)
+DEEPSEEK_V3 = DelimitedSpec(
+    ("<｜tool▁call▁begin｜>",),
+    ("<｜tool▁call▁end｜>",),
+    _parse_deepseek_v3,
+    section_begin="<｜tool▁calls▁begin｜>",
+    section_end="<｜tool▁calls▁end｜>",
+)
+DEEPSEEK_V31 = DelimitedSpec(
+    ("<｜tool▁call▁begin｜>",),
+    ("<｜tool▁call▁end｜>",),
+    _parse_deepseek_v31,
+    section_begin="<｜tool▁calls▁begin｜>",
+    section_end="<｜tool▁calls▁end｜>",
+)
+KIMI_K2 = DelimitedSpec(
+    ("<|tool_call_begin|>",),
+    ("<|tool_call_end|>",),
+    _parse_kimi_k2,
+    section_begin="<|tool_calls_section_begin|>",
+    section_end="<|tool_calls_section_end|>",
+)
+COHERE = DelimitedSpec(("<|START_ACTION|>",), ("<|END_ACTION|>",), _parse_cohere)
+GPT_OSS = DelimitedSpec(("<|start|>", "<|channel|>"), ("<|call|>", "<|end|>", "<|return|>"), _parse_gpt_oss)

@@ -1,0 +1,180 @@
+"""Mistral tool parser: ``[TOOL_CALLS]`` followed by either a JSON list of ``{"name", "arguments"}``
+(tokenizer v3-v7) or ``name[ARGS]{json}`` (v11+: Mistral Small 3.2, Devstral, Magistral), the latter
+repeated with one ``[TOOL_CALLS]`` per call, optionally ``name[CALL_ID]id[ARGS]{json}``.
+
+There is no end marker: a call ends where its JSON value closes (quote-aware bracket scan). Text
+before the first marker is content; so is text after the calls. Malformed or cut-off calls come back
+as text, marker included. Call ids default to 9 alphanumeric characters, as Mistral templates require.
+"""
+
+from __future__ import annotations
+
+import secrets
+import string
+from collections.abc import Collection
+
+from shepherd.parsers.events import TextDelta, ToolEvent
+from shepherd.parsers.text_scan import BracketScanner, partial_suffix_len
+from shepherd.parsers.tool_common import (
+    CallEmitter,
+    IdFactory,
+    ParamTypes,
+    ParsedCall,
+    dump_args,
+    load_args,
+)
+from shepherd.parsers.tool_leading import parse_json_calls
+
+__all__ = ["MistralToolParser", "mistral_call_id"]
+
+_TAG = "[TOOL_CALLS]"
+_ARGS = "[ARGS]"
+_CALL_ID = "[CALL_ID]"
+_ALNUM = string.ascii_letters + string.digits
+_MAX_NAME = 256
+
+_TEXT, _DECIDE, _NAME, _VALUE = 0, 1, 2, 3
+
+
+def mistral_call_id() -> str:
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
+class MistralToolParser:
+    __slots__ = ("_after_call", "_buf", "_calls", "_name", "_parts", "_raw", "_scanner", "_state", "_types")
+
+    def __init__(
+        self,
+        *,
+        id_factory: IdFactory | None = None,
+        types: ParamTypes | None = None,
+        names: Collection[str] | None = None,
+    ) -> None:
+        self._types: ParamTypes = types or {}
+        self._calls = CallEmitter(id_factory or mistral_call_id, names)
+        self._state = _TEXT
+        self._buf = ""
+        self._parts: list[str] = []  # the JSON value so far (VALUE)
+        self._raw = ""  # the call's text so far before its value, for the fallback
+        self._name: ParsedCall | None = None  # name (and id) of a v11 call whose value is being read
+        self._scanner = BracketScanner('"')
+        self._after_call = False
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        if self._state == _TEXT and not self._buf and not self._after_call and "[" not in text:
+            return [TextDelta(text)] if text else []
+        out: list[ToolEvent] = []
+        self._run(text, out)
+        return out
+
+    def finish(self) -> list[ToolEvent]:
+        state = self._state
+        buf = self._buf
+        self._buf = ""
+        self._state = _TEXT
+        if state != _TEXT:
+            buf = self._raw + buf + "".join(self._parts)
+            self._parts = []
+        elif self._after_call and not buf.strip():
+            buf = ""
+        return [TextDelta(buf)] if buf else []
+
+    def _fail(self, raw: str, out: list[ToolEvent]) -> None:
+        out.append(TextDelta(raw))
+        self._state = _TEXT
+        self._buf = ""
+        self._raw = ""
+
+    def _run(self, text: str, out: list[ToolEvent]) -> None:
+        while True:
+            state = self._state
+            if state == _VALUE:
+                end = self._scanner.feed(text)
+                if end == -1:
+                    self._parts.append(text)
+                    return
+                self._parts.append(text[:end])
+                value = "".join(self._parts)
+                self._parts = []
+                text = text[end:]
+                if self._name is not None:
+                    args = load_args(value)
+                    calls = None if args is None else [self._name._replace(arguments=dump_args(args))]
+                else:
+                    calls = parse_json_calls(value, self._types)
+                if calls and self._calls.accepts(calls):
+                    self._calls.emit(calls, out)
+                    self._state = _TEXT
+                    self._after_call = True
+                    self._raw = ""
+                else:
+                    self._fail(self._raw + value, out)
+                continue
+            buf = self._buf + text
+            text = ""
+            if state == _TEXT:
+                if self._after_call:
+                    t = buf.lstrip()
+                    if not t:
+                        self._buf = buf
+                        return
+                    buf = t
+                    self._after_call = False
+                i = buf.find(_TAG)
+                if i == -1:
+                    hold = partial_suffix_len(buf, (_TAG,))
+                    if len(buf) > hold:
+                        out.append(TextDelta(buf[: len(buf) - hold]))
+                    self._buf = buf[len(buf) - hold :]
+                    return
+                if i:
+                    out.append(TextDelta(buf[:i]))
+                self._raw = _TAG
+                self._buf = ""
+                self._state = _DECIDE
+                text = buf[i + len(_TAG) :]
+                continue
+            if state == _DECIDE:
+                t = buf.lstrip()
+                if not t:
+                    self._buf = buf
+                    return
+                self._raw += buf[: len(buf) - len(t)]
+                self._buf = ""
+                self._state = _VALUE if t[0] in "[{" else _NAME
+                self._name = None
+                self._scanner = BracketScanner('"')
+                text = t
+                continue
+            # _NAME: v11 "name[ARGS]" or "name[CALL_ID]id[ARGS]"; every failure consumes a span that
+            # does not depend on how the text was chunked, and the rest is parsed again as text
+            i = buf.find(_ARGS, 0, _MAX_NAME + len(_ARGS))
+            if i == -1:
+                if len(buf) >= _MAX_NAME + len(_ARGS):
+                    self._fail(self._raw + buf[:_MAX_NAME], out)
+                    text = buf[_MAX_NAME:]
+                    continue
+                self._buf = buf
+                return
+            head_end = i + len(_ARGS)
+            name, _, call_id = buf[:i].partition(_CALL_ID)
+            name = name.strip()
+            if not name or any(c in name for c in " \n[]{}"):
+                self._fail(self._raw + buf[:head_end], out)
+                text = buf[head_end:]
+                continue
+            rest = buf[head_end:]
+            t = rest.lstrip()
+            if not t:
+                self._buf = buf
+                return
+            if t[0] != "{":
+                self._fail(self._raw + buf[:head_end], out)
+                text = rest
+                continue
+            self._raw += buf[: len(buf) - len(t)]
+            self._name = ParsedCall(name, "", call_id.strip() or None)
+            self._buf = ""
+            self._state = _VALUE
+            self._scanner = BracketScanner('"')
+            text = t

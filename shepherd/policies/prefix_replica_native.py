@@ -1,0 +1,135 @@
+"""``NativeReplicatedPrefixIndex``: a mesh's replica of the prefix index with its state in C, what
+``MeshState.index`` makes where the extension is built (``NATIVE_INDEX``).
+
+The same replica as ``state_index.ReplicatedPrefixIndex`` (the wire, the delta and digest rules, the
+validation of received groups: ``ReplicaApi``), on ``NativePrefixIndex``'s core with the replication
+turned on (``Core.replicate``): the digest (per worker and time slot, the entry count and the sum of the
+block names mod 2**64) follows every change of an entry inside the core; the delta buffer holds, per local
+insert, the blocks it made or moved into another time slot (in chain order; re-accessed blocks in the
+same slot are not sent again), bounded by ``max_pending`` (the oldest batches go, whole). A batch is cut
+by ``take_groups``: blocks no longer held by their worker, and batches of a worker cleared since, are
+left out. Merges (``apply_groups``) set newer times and add new entries in the core; with ``relay`` what
+they changed is buffered too, at the times held when cut.
+
+Differences from the Python replica, both by design of the layout: eviction is exact LRU (the run layout
+evicts run tails), and a block buffered by a local insert and evicted before the batch is cut is not sent
+(the Python replica sends the blocks it moved regardless). The property tests run both replicas through
+the same checks (convergence under loss and reordering to the max-merge of flat references; the digest
+equal to a recomputation after any update).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Collection, Iterable, Sequence
+
+from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
+from shepherd.policies.prefix_index import PrefixIndexConfig
+from shepherd.policies.prefix_replica import (
+    Digest,
+    Group,
+    IndexReplConfig,
+    ReplicaApi,
+    ReplicatedPrefixIndex,
+    Slot,
+)
+
+__all__ = ["NATIVE_INDEX", "NativeReplicatedPrefixIndex", "Replica"]
+
+
+def _q(b: bytes) -> array[int]:
+    a = array("q")
+    a.frombytes(b)
+    return a
+
+
+def _d(b: bytes) -> array[float]:
+    a = array("d")
+    a.frombytes(b)
+    return a
+
+
+class NativeReplicatedPrefixIndex(ReplicaApi, NativePrefixIndex):
+    """A ``NativePrefixIndex`` whose core keeps a digest and a delta buffer (see the module docstring)."""
+
+    def __init__(self, config: PrefixIndexConfig | None = None, repl: IndexReplConfig | None = None) -> None:
+        super().__init__(config)
+        self.repl = repl or IndexReplConfig()
+        self._g = self.repl.digest_granularity_s
+        self._core.replicate(self._g, self.repl.max_pending, self.repl.relay)
+        self.rejected = 0  # received entries dropped (too old or too far in the future)
+
+    # -- digest -------------------------------------------------------------------------------------
+
+    def _by_name(self, raw: dict[int, dict[Slot, tuple[int, int]]]) -> Digest:
+        names = self._name_of
+        return {n: d for s, d in raw.items() if (n := names[s]) is not None}
+
+    def digest(self) -> Digest:
+        """worker -> time slot -> (count, sum of block hashes mod 2**64), kept by the core as entries
+        change."""
+        return self._by_name(self._core.digest(False))
+
+    def recompute_digest(self) -> Digest:
+        """The digest from scratch (a check of the incremental one; O(entries))."""
+        return self._by_name(self._core.digest(True))
+
+    # -- gossip -------------------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> int:
+        return self._core.pending()[0]
+
+    @property
+    def pending_dropped(self) -> int:
+        return self._core.pending()[1]
+
+    def take_groups(self, limit: int | None = None) -> list[Group]:
+        """The buffered deltas, oldest first (at most ``limit`` entries; the rest stay), as groups
+        (worker, time, blocks); one request's blocks leave as one group."""
+        out: list[Group] = []
+        names = self._name_of
+        for s, t, kb, tb in self._core.take(-1 if limit is None else max(0, limit)):  # -1: all
+            w = names[s]
+            if w is None:  # pragma: no cover - the core skips the batches of a cleared slot
+                continue
+            keys = _q(kb)
+            if t is None:
+                assert tb is not None
+                out.append((w, _d(tb), keys))
+                continue
+            prev = out[-1] if out else None
+            if prev is not None and isinstance(prev[1], float) and prev[1] == t and prev[0] == w:
+                prev[2].extend(keys)
+            else:
+                out.append((w, t, keys))
+        return out
+
+    def _replica_workers(self) -> Iterable[str]:
+        return self.workers
+
+    def _queue_held(self, worker: str, keys: Sequence[int]) -> None:
+        self._core.queue(self._slot[worker], keys)
+
+    def _select(self, worker: str, slots: Collection[Slot] | None) -> tuple[array[int], array[float]]:
+        s = self._slot.get(worker)
+        if s is None:
+            return array("q"), array("d")
+        kb, tb = self._core.entries(s)
+        keys, times = _q(kb), _d(tb)
+        if slots is None:
+            return keys, times
+        slot = self.slot
+        sel = [i for i, x in enumerate(times) if slot(x) in slots]  # bounded by the worker's entries
+        return array("q", [keys[i] for i in sel]), array("d", [times[i] for i in sel])
+
+    # -- merges (``merge`` is NativePrefixIndex's: the core keeps the digest) ------------------------
+
+    def _merge_group(self, worker: str, t: float | array[float], hs: Sequence[int]) -> int:
+        """Max-merge blocks ``hs`` of ``worker`` at ``t`` (one time, or one per block); returns how many
+        entries changed. Names outside 64 bits are never held (skipped)."""
+        return self._merge_worker(worker, hs, [t] * len(hs) if isinstance(t, float) else t) if len(hs) else 0
+
+
+Replica = ReplicatedPrefixIndex | NativeReplicatedPrefixIndex
+"""Either replica (``MeshState.index`` makes the native one where the extension is built)."""

@@ -1,0 +1,738 @@
+"""Chat templates rendered the way ``transformers.apply_chat_template`` renders them.
+
+A template is compiled once in a jinja2 sandbox configured as transformers configures it
+(``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, a no-op ``{% generation %}`` block) plus the
+``do`` extension, and rendered with the context transformers gives it: ``messages``, ``tools``,
+``documents``, ``add_generation_prompt``, the special-token strings (``bos_token``, ``eos_token``, ...),
+``raise_exception``, ``strftime_now``, a ``tojson`` filter that keeps non-ASCII, and any extra keyword
+arguments (``enable_thinking``, ``reasoning_effort``, ...).
+
+Rendered prompts are kept in a bounded LRU keyed by an order-preserving serialization of the inputs:
+key order matters (``tojson`` and ``items()`` render dict keys in insertion order), so keys are NOT
+sorted.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import orjson
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
+
+from shepherd.tokens.chat_skeleton import MARK_OPEN, SENTINEL, SkeletonCache
+
+__all__ = [
+    "ChatTemplate",
+    "ChatTemplateError",
+    "ToolCallShape",
+    "make_environment",
+    "normalize_tool_call_arguments",
+    "normalize_tool_call_ids",
+]
+
+Message = Mapping[str, Any]
+ClockReads = tuple[tuple[str, str], ...]  # the strftime_now calls of one render: (format, value)
+
+
+class ChatTemplateError(ValueError):
+    """The prompt could not be rendered: no template, the template refused the input, or bad input."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallShape:
+    """What a template accepts in ``tool_calls`` (see ``ChatTemplate.tool_call_shape``)."""
+
+    arguments: Literal["object", "string", "either", "unknown"]
+    id_length: int | None
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers' AssistantTracker) rendered as its body."""
+
+    tags: Final = {"generation"}  # type: ignore[misc]
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers overrides jinja's tojson (which HTML-escapes) with exactly this
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _TemplateDict:
+    """``dict(...)`` for templates without the type's attributes (transformers' hardening)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """``namespace(...)`` refusing underscore-prefixed attributes (transformers' hardening)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's signature trick: no named self
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _check_namespace_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _check_namespace_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+
+def _check_namespace_name(name: object) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise jinja2.exceptions.SecurityError(
+            f"chat templates cannot store underscore-prefixed attributes on a namespace ({name!r})"
+        )
+
+
+_DICT_ATTRS: Final = frozenset(dir(dict))
+
+
+class _ChatSandbox(ImmutableSandboxedEnvironment):
+    """ImmutableSandboxedEnvironment with a shortcut for ``message.role`` on plain dicts.
+
+    Jinja resolves ``d.key`` by trying ``getattr(d, "key")`` (an AttributeError for a dict), then
+    ``d["key"]``; when ``key`` is not an attribute of ``dict`` that is just ``d["key"]``, so this
+    returns the same thing without raising and catching an AttributeError (10-20% of a render).
+    """
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRS:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
+def make_environment(*, immutable: bool = True) -> SandboxedEnvironment:
+    """A sandboxed environment configured as transformers configures it (plus ``do``).
+
+    ImmutableSandboxedEnvironment by default, as transformers uses: a template that renders there
+    renders identically here, and a template cannot mutate the caller's messages.
+    bench/tokenizer_bench.py prints its cost next to SandboxedEnvironment's.
+    """
+    cls = _ChatSandbox if immutable else SandboxedEnvironment
+    env = cls(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, jinja2.ext.loopcontrols, jinja2.ext.do],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+_ENV: SandboxedEnvironment | None = None
+
+
+def _environment() -> SandboxedEnvironment:
+    global _ENV
+    if _ENV is None:
+        _ENV = make_environment()
+    return _ENV
+
+
+class ChatTemplate:
+    """One compiled template plus the special-token strings it is rendered with, and a render cache.
+
+    ``special_tokens`` is transformers' ``special_tokens_map`` (``bos_token``, ``eos_token``,
+    ``pad_token``, ...: strings, absent when unset); template kwargs override it.
+    """
+
+    def __init__(
+        self,
+        source: str,
+        *,
+        name: str = "default",
+        special_tokens: Mapping[str, Any] | None = None,
+        cache_size: int = 1024,
+        cache_bytes: int = 32 << 20,
+        env: SandboxedEnvironment | None = None,
+        fix_tool_calls: bool = True,
+    ) -> None:
+        self.name = name
+        self.fix_tool_calls = fix_tool_calls
+        self._tool_call_shape: ToolCallShape | None = None
+        self.source = source
+        self.special_tokens: dict[str, Any] = dict(special_tokens or {})
+        try:
+            self._template = (env or _environment()).from_string(source)
+        except jinja2.TemplateSyntaxError as e:
+            raise ChatTemplateError(f"chat template {name!r} does not compile: {e}") from e
+        # A template that reads the clock is cached with what it read, and a hit must read the same.
+        self.uses_clock = "strftime_now" in source
+        self.cacheable = cache_size > 0
+        self._cache: OrderedDict[bytes, tuple[str, ClockReads]] = OrderedDict()
+        self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
+        self._bytes = 0  # keys + texts held (texts counted as their length in characters)
+        self.hits = 0
+        self.misses = 0
+        self.skeletons = SkeletonCache(size=cache_size) if cache_size > 0 else None
+        # Plain conversations (every message just a role and a text) skip the copies and the JSON shape
+        # key: the template gets the caller's messages, which an immutable sandbox cannot change.
+        self._plain_skeletons = (
+            self.skeletons is not None
+            and not self.uses_clock
+            and isinstance(self._template.environment, ImmutableSandboxedEnvironment)
+        )
+
+    @classmethod
+    def from_file(
+        cls, path: str | Path, *, name: str = "default", special_tokens: Mapping[str, Any] | None = None
+    ) -> ChatTemplate:
+        return cls(Path(path).read_text(encoding="utf-8"), name=name, special_tokens=special_tokens)
+
+    @staticmethod
+    def serialize(
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool | str,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> bytes | None:
+        """The render inputs as order-preserving JSON: the render-cache key, and what a pool worker
+        receives (None when they are not plain JSON data: such renders are neither cached nor sent).
+
+        Keys are not sorted: dict order shows in renders (``tojson``, ``items()``)."""
+        try:
+            return orjson.dumps(
+                (messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
+            )
+        except TypeError:
+            return None
+
+    def render_serialized_for_parent(self, payload: bytes) -> tuple[str, ClockReads, list[Any] | None]:
+        """Render from ``serialize``'s output in a pool worker: the text, its clock reads, and the
+        skeleton of the conversation's shape when it is a plain one (``adopt_skeleton`` takes it in
+        the parent, which then fills that shape itself)."""
+        messages, tools, add_generation_prompt, continue_final_message, template_kwargs = orjson.loads(
+            payload
+        )
+        text, reads = self.render_recorded(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
+        skeleton = None
+        if self._plain_skeletons and tools is None and not continue_final_message:
+            plain = _plain_shape(messages, add_generation_prompt, template_kwargs)
+            if plain is not None:
+                assert self.skeletons is not None
+                skeleton = self.skeletons.export(plain[0])
+        return text, reads, skeleton
+
+    def adopt_skeleton(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None,
+        skeleton: Any,
+    ) -> bool:
+        """Take the skeleton a pool worker made for the shape of these (plain) messages."""
+        if not self._plain_skeletons or skeleton is None:
+            return False
+        plain = _plain_shape(messages, add_generation_prompt, template_kwargs)
+        if plain is None:
+            return False
+        assert self.skeletons is not None
+        return self.skeletons.adopt(plain[0], skeleton)
+
+    def cached(self, key: bytes | None) -> str | None:
+        """The cached render for ``key`` (counts a hit or a miss)."""
+        if key is None or not self.cacheable:
+            self.misses += 1
+            return None
+        entry = self._cache.get(key)
+        if entry is None:
+            self.misses += 1
+            return None
+        text, reads = entry
+        if reads and any(datetime.now().strftime(fmt) != value for fmt, value in reads):
+            del self._cache[key]  # the day (or whatever it printed) has changed
+            self._bytes -= len(key) + len(text)
+            self.misses += 1
+            return None
+        self._cache.move_to_end(key)
+        self.hits += 1
+        return text
+
+    @property
+    def cached_count(self) -> int:
+        """Renders held in the cache."""
+        return len(self._cache)
+
+    def clear_cache(self) -> None:
+        self._cache.clear()
+        self._bytes = 0
+        if self.skeletons is not None:
+            self.skeletons.clear()
+
+    def store(self, key: bytes | None, text: str, clock_reads: ClockReads = ()) -> None:
+        """Remember a render; ``clock_reads`` are the ``strftime_now`` calls it made (format, value)."""
+        if key is None or not self.cacheable:
+            return
+        size = len(key) + len(text)
+        if size > self._cache_bytes:
+            return
+        old = self._cache.pop(key, None)
+        if old is not None:
+            self._bytes -= len(key) + len(old[0])
+        self._cache[key] = (text, clock_reads)
+        self._bytes += size
+        while len(self._cache) > self._cache_size or self._bytes > self._cache_bytes:
+            k, (t, _) = self._cache.popitem(last=False)
+            self._bytes -= len(k) + len(t)
+
+    def render(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool | str = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Render through the cache."""
+        key = self.serialize(messages, tools, add_generation_prompt, continue_final_message, template_kwargs)
+        text = self.cached(key)
+        if text is None:
+            text, reads = self.render_recorded(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                template_kwargs=template_kwargs,
+            )
+            self.store(key, text, reads)
+        return text
+
+    def render_from_skeleton(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str | None:
+        """The render, when a plain conversation (every message a role and a text) has the shape of
+        one rendered before and its skeleton fits: a fill, no jinja. None otherwise (nothing done)."""
+        if not self._plain_skeletons or tools is not None:
+            return None
+        plain = _plain_shape(messages, add_generation_prompt, template_kwargs)
+        if plain is None:
+            return None
+        assert self.skeletons is not None
+        return self.skeletons.fill(*plain)
+
+    def tool_call_shape(self) -> ToolCallShape:
+        """How this template wants tool calls in assistant messages, found once by rendering probes:
+        ``arguments`` "object" (transformers' convention: a string would be double-encoded or crash),
+        "string" (concatenated as text: DeepSeek V3), "either" or "unknown"; ``id_length`` when the
+        template refuses other ids (Mistral: 9)."""
+        if self._tool_call_shape is None:
+            self._tool_call_shape = self._probe_tool_calls()
+        return self._tool_call_shape
+
+    def _probe_tool_calls(self) -> ToolCallShape:
+        def attempt(args: Any, ident: str, content: str | None) -> str | None:
+            call = {"id": ident, "type": "function", "function": {"name": "probe_fn", "arguments": args}}
+            chat: list[dict[str, Any]] = [
+                {"role": "user", "content": "probe"},
+                {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": ident, "content": "probe result"},
+            ]
+            if content is not None:
+                chat[1]["content"] = content
+            try:
+                return self._render(chat, None, False, False, None)[0]
+            except ChatTemplateError:
+                return None
+
+        as_dict, as_str = {"probe_arg": 1}, '{"probe_arg": 1}'
+        for content in ("", None):
+            for ident in ("call_probe0123456789", "Pr0beId42"):
+                d, s = attempt(as_dict, ident, content), attempt(as_str, ident, content)
+                if d is None and s is None:
+                    continue
+                id_length = len(ident) if ident == "Pr0beId42" else None
+                if d is not None and s is None:
+                    return ToolCallShape("object", id_length)
+                if s is not None and d is None:
+                    return ToolCallShape("string", id_length)
+                assert s is not None
+                return ToolCallShape("object" if '\\"probe_arg\\"' in s else "either", id_length)
+        return ToolCallShape("unknown", None)
+
+    def render_uncached(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool | str = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The render, without the cache (see ``render_recorded``)."""
+        return self.render_recorded(
+            messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )[0]
+
+    def render_recorded(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool | str = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[str, ClockReads]:
+        """Render as transformers 5.x ``apply_chat_template(tokenize=False)`` does: message keys whose
+        value is None are dropped, reasoning fields are aliased (``reasoning_content`` / ``thinking``),
+        ``continue_final_message`` (True, or the name of the field to continue) cuts the render at the
+        end of the final message. Also returns the ``strftime_now`` calls made (format, value)."""
+        if self._plain_skeletons and not continue_final_message and tools is None:
+            plain = _plain_shape(messages, add_generation_prompt, template_kwargs)
+            if plain is not None:
+                key, contents = plain
+                assert self.skeletons is not None
+                return self.skeletons.render(
+                    key,
+                    messages,  # type: ignore[arg-type]  # a list of dicts: checked by _plain_shape
+                    range(len(contents)),
+                    lambda c: self._render_plain(c, None, add_generation_prompt, False, template_kwargs)[0],
+                    contents,
+                ), ()
+        chat = _prepare_messages(messages)
+        if self.fix_tool_calls and any("tool_calls" in m for m in chat):
+            shape = self.tool_call_shape()
+            if shape.arguments in ("object", "string"):
+                try:
+                    chat = normalize_tool_call_arguments(chat, as_string=shape.arguments == "string")
+                except (RecursionError, ValueError, TypeError) as e:
+                    raise ChatTemplateError(f"tool call arguments cannot be converted: {e!r}") from None
+            if shape.id_length is not None:
+                chat = normalize_tool_call_ids(chat, shape.id_length)
+        return self._render(chat, tools, add_generation_prompt, continue_final_message, template_kwargs)
+
+    def _render(
+        self,
+        chat: list[dict[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool | str,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[str, ClockReads]:
+        if tools is not None and (
+            isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence)
+        ):
+            raise ChatTemplateError("tools must be a list of JSON schemas")
+        if tools is not None:
+            for tool in tools:
+                if not isinstance(tool, Mapping):
+                    raise ChatTemplateError("each tool must be a JSON schema object")
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError("continue_final_message and add_generation_prompt are not compatible")
+            _tag_final_message(chat, continue_final_message, self.source)
+        if self.skeletons is not None and not continue_final_message and not self.uses_clock:
+            shape = _shape_key(chat, tools, add_generation_prompt, template_kwargs)
+            if shape is not None:
+                key, slots = shape
+                return self.skeletons.render(
+                    key,
+                    chat,
+                    slots,
+                    lambda c: self._render_plain(c, tools, add_generation_prompt, False, template_kwargs)[0],
+                ), ()
+        return self._render_plain(chat, tools, add_generation_prompt, continue_final_message, template_kwargs)
+
+    def _render_plain(
+        self,
+        chat: list[dict[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        continue_final_message: bool | str,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> tuple[str, ClockReads]:
+        context: dict[str, Any] = dict(self.special_tokens)
+        if template_kwargs:
+            context.update(template_kwargs)
+        context["messages"] = chat
+        context["tools"] = tools
+        context.setdefault("documents", None)
+        context["add_generation_prompt"] = add_generation_prompt
+        reads: list[tuple[str, str]] = []
+        if self.uses_clock:
+
+            def strftime_now(fmt: str) -> str:
+                value = datetime.now().strftime(fmt)
+                reads.append((fmt, value))
+                return value
+
+            context["strftime_now"] = strftime_now
+        try:
+            rendered = self._template.render(context)
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template {self.name!r}: {e}") from e
+        except Exception as e:  # whatever a template does with the input is a render failure
+            # typically a template indexing into a message shape it did not expect
+            raise ChatTemplateError(f"chat template {self.name!r} failed on these messages: {e!r}") from e
+        if continue_final_message:
+            rendered = _cut_at_tag(rendered)
+        return rendered, tuple(reads)
+
+
+def _shape_key(
+    chat: list[dict[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    add_generation_prompt: bool,
+    template_kwargs: Mapping[str, Any] | None,
+) -> tuple[bytes, list[int]] | None:
+    """What a render depends on besides the string contents of the messages (see chat_skeleton),
+    and the indices of those messages; None when the inputs are not plain JSON data."""
+    slots: list[int] = []
+    shape: list[Any] = []
+    for i, m in enumerate(chat):
+        c = m.get("content")
+        if type(c) is str and MARK_OPEN not in c and SENTINEL not in c:
+            slots.append(i)
+            shape.append([k if k == "content" else (k, v) for k, v in m.items()])
+        else:
+            shape.append(m)
+    try:
+        return orjson.dumps((shape, tools, add_generation_prompt, template_kwargs)), slots
+    except TypeError:
+        return None
+
+
+_ROLE_CONTENT: Final = ["role", "content"]
+
+
+def _plain_shape(
+    messages: object, add_generation_prompt: bool, template_kwargs: Mapping[str, Any] | None
+) -> tuple[tuple[Any, ...], list[str]] | None:
+    """For a list of messages that are all exactly ``{"role": str, "content": str}`` (in that key
+    order): the skeleton key of the conversation's shape (the roles, ``add_generation_prompt``, the
+    template kwargs) and the contents. None for anything else (``_shape_key`` handles it). Renders
+    from such messages need no preparation (no None values, no reasoning fields, no tool calls).
+    Every content is a slot; one holding marker characters is no obstacle to filling a skeleton
+    (``SkeletonCache.render`` only refuses to build one from it)."""
+    if type(messages) is not list or not messages or type(add_generation_prompt) is not bool:
+        return None  # (a template printing add_generation_prompt would tell 1 from True)
+    roles: list[str] = []
+    contents: list[str] = []
+    for m in messages:
+        if type(m) is not dict or len(m) != 2 or [*m] != _ROLE_CONTENT:
+            return None
+        role = m["role"]
+        content = m["content"]
+        if type(role) is not str or type(content) is not str:
+            return None
+        roles.append(role)
+        contents.append(content)
+    if template_kwargs:
+        try:  # typed JSON: true and 1 render differently
+            kwargs_key: bytes | None = orjson.dumps(template_kwargs)
+        except TypeError:
+            return None
+    else:
+        kwargs_key = None  # {} renders as None does
+    return (add_generation_prompt, kwargs_key, tuple(roles)), contents
+
+
+_REASONING_FIELDS: Final = ("reasoning_content", "thinking", "reasoning")
+_CONTINUE_TAG: Final = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _prepare_messages(messages: object) -> list[dict[str, Any]]:
+    """Fresh shallow copies: None-valued keys dropped but a null ``content`` made "", reasoning
+    aliased (transformers 5.x)."""
+    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+        raise ChatTemplateError("messages must be a list of objects")
+    if not messages:
+        raise ChatTemplateError("messages must not be empty")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ChatTemplateError(f"messages[{i}] must be an object, not {type(m).__name__}")
+        msg = {k: v for k, v in m.items() if v is not None}
+        if "content" in m and m["content"] is None:
+            # OpenAI clients send null content beside tool_calls; templates index it as text (vLLM
+            # renders it as "", transformers drops the key and Qwen3's template then fails)
+            msg["content"] = ""
+        if not isinstance(msg.get("role"), str):
+            raise ChatTemplateError(f"messages[{i}].role must be a string")
+        reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
+        if reasoning is not None:
+            msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
+        out.append(msg)
+    return out
+
+
+def _tag_final_message(chat: list[dict[str, Any]], field: bool | str, source: str) -> None:
+    name = field if isinstance(field, str) else "content"
+    last = chat[-1]
+    final = last.get(name)
+    if final is None:
+        raise ChatTemplateError(f"continue_final_message is set but the final message has no {name!r}")
+    fields = [name]
+    if name in _REASONING_FIELDS:
+        fields = [f for f in _REASONING_FIELDS if last.get(f) == final]
+    if not any(f in source for f in fields):
+        raise ChatTemplateError(f"continue_final_message: the chat template does not read {name!r}")
+    if isinstance(final, list | tuple):
+        blocks = list(final)
+        for j in range(len(blocks) - 1, -1, -1):
+            block = blocks[j]
+            if isinstance(block, Mapping) and isinstance(block.get("text"), str):
+                blocks[j] = {**block, "text": block["text"] + _CONTINUE_TAG}
+                last[name] = blocks
+                return
+        raise ChatTemplateError("continue_final_message is set but the final message has no text to continue")
+    if not isinstance(final, str):
+        raise ChatTemplateError(f"continue_final_message: the final message's {name!r} is not text")
+    for f in fields:
+        last[f] = last[f] + _CONTINUE_TAG
+
+
+def _cut_at_tag(rendered: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if tag not in rendered:
+        raise ChatTemplateError(
+            "continue_final_message is set but the final message does not appear in the rendered chat"
+        )
+    loc = rendered.rindex(tag)
+    if rendered[loc : loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:loc]
+    return rendered[:loc].rstrip()
+
+
+def normalize_tool_call_arguments(messages: Sequence[Message], as_string: bool) -> list[dict[str, Any]]:
+    """Copies of ``messages`` whose tool-call ``arguments`` are JSON strings (``as_string``) or objects.
+
+    DeepSeek and Mistral templates concatenate ``arguments`` as a string; Qwen and Llama templates
+    take either (Llama's ``tojson`` of a string double-encodes, so objects are right there).
+    Arguments that are a string but not valid JSON are left as they are when objects are wanted.
+    Messages without tool calls are shallow-copied unchanged.
+    """
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if not calls:
+            out.append(dict(m))
+            continue
+        new_calls: list[Any] = []
+        for call in calls:
+            if not isinstance(call, Mapping):
+                new_calls.append(call)
+                continue
+            call = dict(call)
+            fn = call.get("function")
+            if isinstance(fn, Mapping):
+                fn = dict(fn)
+                fn["arguments"] = _convert_arguments(fn.get("arguments"), as_string)
+                call["function"] = fn
+            elif "arguments" in call:
+                call["arguments"] = _convert_arguments(call["arguments"], as_string)
+            new_calls.append(call)
+        copy = dict(m)
+        copy["tool_calls"] = new_calls
+        out.append(copy)
+    return out
+
+
+def _convert_arguments(args: Any, as_string: bool) -> Any:
+    if as_string:
+        if args is None:
+            return "{}"
+        if isinstance(args, str):
+            return args
+        return json.dumps(args, ensure_ascii=False)
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except ValueError:
+            return args
+    return args
+
+
+_ID_ALPHABET: Final = string.ascii_letters + string.digits
+
+
+def normalize_tool_call_ids(messages: Sequence[Message], length: int = 9) -> list[dict[str, Any]]:
+    """Copies of ``messages`` whose tool-call ids (and the tool results' ``tool_call_id``) are
+    ``length`` alphanumeric characters, as Mistral templates demand. An id that already fits is kept,
+    a longer one ending in ``length`` alphanumerics is cut to them (as vLLM does), others are mapped
+    to a deterministic replacement (same id in → same id out, in any process)."""
+    mapping: dict[str, str] = {}
+
+    def fix(ident: Any) -> Any:
+        if not isinstance(ident, str):
+            return ident
+        if len(ident) == length and ident.isalnum():
+            return ident
+        if len(ident) > length and ident[-length:].isalnum():
+            return ident[-length:]  # what vLLM does for Mistral
+        if ident not in mapping:
+            rng = random.Random(ident)
+            mapping[ident] = "".join(rng.choice(_ID_ALPHABET) for _ in range(length))
+        return mapping[ident]
+
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        copy = dict(m)
+        calls = m.get("tool_calls")
+        if calls:
+            copy["tool_calls"] = [
+                {**c, "id": fix(c["id"])} if isinstance(c, Mapping) and "id" in c else c for c in calls
+            ]
+        if "tool_call_id" in m:
+            copy["tool_call_id"] = fix(m["tool_call_id"])
+        out.append(copy)
+    return out

@@ -1,0 +1,121 @@
+"""An exact, faster ``decode`` for byte-level tokenizers: a table of each token's bytes.
+
+HF's ``decode`` of a byte-level vocabulary (GPT-2, Llama 3, Qwen, gpt-oss...) maps every character of
+every token back to its byte through the ByteLevel decoder, then turns the bytes into text with
+replacement characters for invalid UTF-8 (``from_utf8_lossy``). With each token's bytes precomputed,
+a decode is one ``bytes.join`` and one ``bytes.decode("utf-8", "replace")``: 32 ids in ~2 µs instead
+of ~25-50 µs through the binding.
+
+``ByteDecoder.build(hf)`` returns a decoder only when the tokenizer's decoder is exactly ``ByteLevel``
+and a self-check gives HF's text on every added token alone and on seeded random sequences (ids from
+the whole vocabulary, special ones and split multi-byte characters among them, with and without
+``skip_special_tokens``); else None, and the caller keeps HF's decode. Python's "replace" and Rust's
+``from_utf8_lossy`` both substitute maximal subparts of invalid sequences (checked by the self-check
+on split characters).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import weakref
+from collections.abc import Sequence
+from operator import itemgetter
+
+import tokenizers
+
+from shepherd.tokens.fast_bpe import _to_latin1_table
+
+__all__ = ["ByteDecoder"]
+
+
+class ByteDecoder:
+    __slots__ = ("_all", "_plain", "size")
+
+    def __init__(self, table: list[bytes], special: frozenset[int]) -> None:
+        self._all = table
+        self._plain = [b"" if i in special else t for i, t in enumerate(table)]
+        self.size = len(table)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """HF's ``decode``; ids outside the vocabulary raise IndexError (HF drops them: the caller
+        falls back to it)."""
+        table = self._plain if skip_special_tokens else self._all
+        if len(ids) > 1:  # itemgetter looks them all up in C
+            return b"".join(itemgetter(*ids)(table)).decode("utf-8", "replace")
+        return table[ids[0]].decode("utf-8", "replace") if ids else ""
+
+    def table(self, skip_special_tokens: bool) -> list[bytes]:
+        """Each id's bytes (special tokens' empty when ``skip_special_tokens``): what ``decode`` joins."""
+        return self._plain if skip_special_tokens else self._all
+
+    @classmethod
+    def built_for(cls, hf: tokenizers.Tokenizer) -> ByteDecoder | None:
+        """The decoder ``build(hf)`` made for this tokenizer object, if it was called and succeeded
+        (never builds: the node builds once at start; others fall back to HF's decode)."""
+        return _BUILT.get(hf)
+
+    @classmethod
+    def build(cls, hf: tokenizers.Tokenizer, seed: int = 0) -> ByteDecoder | None:
+        """A checked decoder for ``hf``, or None; with the default seed, built once per tokenizer object
+        (later calls, and ``built_for``, return that one)."""
+        if seed == 0 and hf in _BUILT:
+            return _BUILT[hf]
+        fast = cls._build(hf, seed)
+        if seed == 0:
+            _BUILT[hf] = fast
+        return fast
+
+    @classmethod
+    def _build(cls, hf: tokenizers.Tokenizer, seed: int) -> ByteDecoder | None:
+        decoder = hf.decoder
+        if decoder is None:
+            return None
+        state = decoder.__getstate__()
+        try:
+            spec = json.loads(state.decode() if isinstance(state, bytes) else str(state))
+        except ValueError:
+            return None
+        if not isinstance(spec, dict) or spec.get("type") != "ByteLevel":
+            return None
+        to_latin1 = _to_latin1_table()
+        size = hf.get_vocab_size(with_added_tokens=True)
+        vocab = hf.get_vocab(with_added_tokens=True)
+        if len(vocab) != size or any(i >= size or i < 0 for i in vocab.values()):
+            return None  # holes in the id space: HF skips what it cannot name
+        table = [b""] * size
+        for token, i in vocab.items():
+            try:  # every character a byte-level one: its bytes; else the token's own UTF-8
+                table[i] = token.translate(to_latin1).encode("latin-1")
+            except UnicodeEncodeError:
+                table[i] = token.encode()
+        added = hf.get_added_tokens_decoder()
+        special = frozenset(i for i, t in added.items() if t.special)
+        fast = cls(table, special)
+        return fast if fast._agrees(hf, sorted(added), seed) else None
+
+    def _agrees(self, hf: tokenizers.Tokenizer, added: list[int], seed: int) -> bool:
+        rng = random.Random(seed)
+        samples: list[list[int]] = [[i] for i in added]
+        multibyte = [
+            i
+            for i in rng.sample(range(self.size), min(self.size, 4000))
+            if max(self._all[i], default=0) >= 0x80
+        ]
+        for _ in range(200):
+            n = rng.randrange(1, 24)
+            seq = [rng.randrange(self.size) for _ in range(n)]
+            if added and rng.random() < 0.5:
+                seq.insert(rng.randrange(len(seq) + 1), rng.choice(added))
+            if multibyte and rng.random() < 0.5:
+                seq.insert(rng.randrange(len(seq) + 1), rng.choice(multibyte))
+            samples.append(seq)
+        for seq in samples:
+            for skip in (True, False):
+                if self.decode(seq, skip) != hf.decode(seq, skip_special_tokens=skip):
+                    return False
+        return True
+
+
+# tokenizer object -> its checked decoder (None: refused), from ``build`` with the default seed
+_BUILT: weakref.WeakKeyDictionary[tokenizers.Tokenizer, ByteDecoder | None] = weakref.WeakKeyDictionary()
