@@ -27,7 +27,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shepherd.node.api.openai import Generation, Job  # noqa: E402
+from shepherd.node.api.generation import Generation, Job  # noqa: E402
 from shepherd.node.config import EMBEDDED_MODEL_DIR, NodeConfig  # noqa: E402
 from shepherd.node.metrics import NodeMetrics  # noqa: E402
 from shepherd.node.openai.requests import parse_chat  # noqa: E402

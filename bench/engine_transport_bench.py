@@ -269,8 +269,9 @@ def micro(reps: int) -> None:
     """Client-side parsing of one 32-message response stream: ours vs the h2 (hyper) state machine."""
     from smg_grpc_proto import sglang_scheduler_pb2 as sg
 
-    from shepherd.node.engines import h2_conn as ours
-    from shepherd.node.engines.h2 import GrpcStream, grpc_message
+    from shepherd.node.engines import h2_frames as ours
+    from shepherd.node.engines.h2_conn import H2Connection
+    from shepherd.node.engines.h2_stream import GrpcStream, grpc_message
 
     msgs = [
         sg.GenerateResponse(
@@ -298,7 +299,7 @@ def micro(reps: int) -> None:
 
     loop = asyncio.new_event_loop()
     sink: list[bytes] = []
-    conn = ours.H2Connection(sink.append, Listener())
+    conn = H2Connection(sink.append, Listener())
     conn.start()
     conn.receive(ours.settings_frame({}))
     block = ours.RequestHeaders("127.0.0.1:1").block("/x/Generate", 5.0)
@@ -339,7 +340,7 @@ def _h2_library_us(server_bytes: Callable[[int], bytes], split: bool, reps: int)
         h2events: Any = importlib.import_module("h2.events")
     except ImportError:
         return None
-    from shepherd.node.engines import h2_conn as ours
+    from shepherd.node.engines import h2_frames as ours
 
     hc = h2connection.H2Connection(h2config.H2Configuration(client_side=True, header_encoding=None))
     hc.initiate_connection()
@@ -400,10 +401,10 @@ async def _gateway_path(
     from shepherd.node.dispatch.circuit_breaker import CircuitBreaker, HealthTracker
     from shepherd.node.dispatch.gateway import Gateway
     from shepherd.node.dispatch.workers import Worker
-    from shepherd.node.engines import h2_conn as h2
-    from shepherd.node.engines.h2 import grpc_message
-    from shepherd.policies.block_names import PromptIds
+    from shepherd.node.engines import h2_frames as h2
+    from shepherd.node.engines.h2_stream import grpc_message
     from shepherd.proto.engine_types import EngineComplete, GenerateRequest, SamplingParams
+    from shepherd.proto.prompt_ids import PromptIds
     from tests.fake_h2_engine import HEAD, canned_engine, trailers
 
     loop = asyncio.get_running_loop()
@@ -523,9 +524,9 @@ def codec_micro(reps: int) -> None:
     """GenerateRequest encoding, interleaved in one process: the protobuf message (``sglang_generate(req)
     .SerializeToString()``, what the h2 client sent before) vs ``sglang_generate_bytes``; single-turn
     chats (a new user message each) and an 8-turn conversation whose earlier turns recur."""
-    from shepherd.policies.block_names import PromptIds
-    from shepherd.proto import engine_codec as codec
+    from shepherd.proto.engine_requests import sglang_generate, sglang_generate_bytes
     from shepherd.proto.engine_types import GenerateRequest, SamplingParams
+    from shepherd.proto.prompt_ids import PromptIds
 
     prompts = _prompts(64)
 
@@ -563,8 +564,8 @@ def codec_micro(reps: int) -> None:
         n_ids = 0.0
         for _ in range(5):
             for name, fn in (
-                ("message", lambda r: codec.sglang_generate(r).SerializeToString()),
-                ("bytes", codec.sglang_generate_bytes),
+                ("message", lambda r: sglang_generate(r).SerializeToString()),
+                ("bytes", sglang_generate_bytes),
             ):
                 # requests never seen before (a user turn repeated by the bench would be a piece seen twice)
                 reqs = [
@@ -579,10 +580,7 @@ def codec_micro(reps: int) -> None:
                 for r in reqs:
                     fn(r)
                 best[name] = min(best[name], (time.process_time() - t0) / len(reqs) * 1e6)
-                same = (
-                    codec.sglang_generate_bytes(r) == codec.sglang_generate(r).SerializeToString()
-                    for r in reqs
-                )
+                same = (sglang_generate_bytes(r) == sglang_generate(r).SerializeToString() for r in reqs)
                 assert all(same)
         print(
             f"{label:<22} ({n_ids:6.0f} ids/request): message {best['message']:6.1f} µs   "

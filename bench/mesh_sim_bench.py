@@ -4,7 +4,7 @@
         [--loss 0.1] [--pause 1.0] [--pause-every 3.0] [--sweep-pauses 0.5,1.0,1.5] [--sweep-soak 120] \\
         [--delay-ms 0.2,1.0] [--seed 1] [--probe-interval 0.4] [--suspicion-mult 5] [--log-n-min]
 
-DESIGN §6's original timers, for comparison: ``--probe-interval 0.5 --suspicion-mult 4 --log-n-min``.
+docs/DESIGN.md §6's original timers, for comparison: ``--probe-interval 0.5 --suspicion-mult 4 --log-n-min``.
 
 All figures are in simulated time (a fake clock; LAN delay uniform in ``--delay-ms``, default
 0.2-1 ms), so they are exact and reproducible for a given seed, and independent of machine load.
@@ -35,7 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shepherd.mesh.sim import GossipDelegate, Sim
-from shepherd.mesh.swim_types import Delegate, MemberState, SwimConfig
+from shepherd.mesh.swim_types import Delegate, SwimConfig
+from shepherd.proto.mesh_messages import MemberState
 
 WARMUP = 5.0
 

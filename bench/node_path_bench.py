@@ -154,8 +154,8 @@ class _Replies:
     (``paced``) one read per message; only the stream ids change (patched into a copy per call)."""
 
     def __init__(self, messages: list[bytes], paced: bool) -> None:
-        from shepherd.node.engines import h2_conn as h2
-        from shepherd.node.engines.h2 import grpc_message
+        from shepherd.node.engines import h2_frames as h2
+        from shepherd.node.engines.h2_stream import grpc_message
 
         frames = [h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS, 1, HEAD)]
         frames += [h2.frame(h2.DATA, 0, 1, grpc_message(m)) for m in messages]
@@ -193,7 +193,8 @@ async def _main(args: argparse.Namespace) -> None:
     from shepherd.node.dispatch.circuit_breaker import CircuitBreaker, HealthTracker
     from shepherd.node.dispatch.gateway import Gateway
     from shepherd.node.dispatch.workers import Worker
-    from shepherd.node.http.server import LeanServer, _Conn
+    from shepherd.node.http.connection import _Conn
+    from shepherd.node.http.server import LeanServer
 
     stream = args.workload == "stream"
     scenarios: list[str] = args.scenarios.split(",") if stream else ["chat"]

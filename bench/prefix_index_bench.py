@@ -35,11 +35,13 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TypeVar
 
-from shepherd.policies.block_names import NATIVE_NAMES, PromptIds, Shape, py_block_hashes
+from shepherd.policies.block_names import NATIVE_NAMES, py_block_hashes
 from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
-from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, RunPrefixIndex, block_hashes
+from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, block_hashes
 from shepherd.policies.prefix_replica import ReplicatedPrefixIndex
 from shepherd.policies.prefix_replica_native import NativeReplicatedPrefixIndex
+from shepherd.policies.run_index import RunPrefixIndex
+from shepherd.proto.prompt_ids import PromptIds, Shape
 
 T = TypeVar("T")
 REPLICAS = (ReplicatedPrefixIndex, NativeReplicatedPrefixIndex)

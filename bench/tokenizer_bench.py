@@ -45,9 +45,11 @@ sys.path.insert(0, str(ROOT))
 
 from shepherd.loadgen.prompts import PromptConfig, PromptFactory  # noqa: E402
 from shepherd.tokens.cache import CacheLimits, TokenCache  # noqa: E402
-from shepherd.tokens.chat_template import ChatTemplate, make_environment  # noqa: E402
-from shepherd.tokens.fast_bpe import byte_level_decoder  # noqa: E402
-from shepherd.tokens.pool import TokenizerPool, TokenizerService  # noqa: E402
+from shepherd.tokens.chat_env import make_environment  # noqa: E402
+from shepherd.tokens.chat_template import ChatTemplate  # noqa: E402
+from shepherd.tokens.fast_bpe_core import byte_level_decoder  # noqa: E402
+from shepherd.tokens.pool import TokenizerPool  # noqa: E402
+from shepherd.tokens.service import TokenizerService  # noqa: E402
 from shepherd.tokens.tokenizer import Tokenizer, load_chat_templates  # noqa: E402
 
 QWEN3 = ROOT / "shepherd" / "tokens" / "assets" / "qwen3"

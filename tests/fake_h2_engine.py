@@ -9,8 +9,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from shepherd.node.engines import h2_conn as h2
+from shepherd.node.engines import h2_frames as h2
 from shepherd.node.engines.h2 import H2EngineClient
+from shepherd.node.engines.h2_protocol import H2Protocol
 
 HEAD = b"\x88" + h2.hpack_literal(31, b"application/grpc")  # :status 200, content-type
 
@@ -42,9 +43,9 @@ class FakeTransport:
         return default
 
 
-def connect(transport: FakeTransport, loop: asyncio.AbstractEventLoop, max_streams: int = 0) -> h2.H2Protocol:
+def connect(transport: FakeTransport, loop: asyncio.AbstractEventLoop, max_streams: int = 0) -> H2Protocol:
     """A client H2Protocol over ``transport``, the server's SETTINGS received (``max_streams`` 0: none)."""
-    proto = h2.H2Protocol(loop, keepalive_s=0)
+    proto = H2Protocol(loop, keepalive_s=0)
     proto.connection_made(transport)  # type: ignore[arg-type]
     proto.data_received(
         h2.settings_frame({h2.SETTINGS_MAX_CONCURRENT_STREAMS: max_streams} if max_streams else {})
@@ -52,7 +53,7 @@ def connect(transport: FakeTransport, loop: asyncio.AbstractEventLoop, max_strea
     return proto
 
 
-def client_on(proto: h2.H2Protocol, kind: str = "sglang") -> H2EngineClient:
+def client_on(proto: H2Protocol, kind: str = "sglang") -> H2EngineClient:
     """An engine client whose connection is ``proto`` (the fake one, ready)."""
     c = H2EngineClient(f"{kind}://127.0.0.1:1", "127.0.0.1:1", kind)
     c._proto = proto
@@ -68,7 +69,7 @@ class CannedEngine(FakeTransport):
         super().__init__()
         self.loop = loop
         self.reply = reply
-        self.proto: h2.H2Protocol | None = None  # the protocol fed the reads (``canned_engine`` sets it)
+        self.proto: H2Protocol | None = None  # the protocol fed the reads (``canned_engine`` sets it)
 
     def write(self, data: bytes) -> None:
         off = len(h2.PREFACE) if data.startswith(h2.PREFACE) else 0
@@ -102,7 +103,7 @@ def canned_engine(
     reply: Callable[[int], list[bytes]],
     max_streams: int,
     kind: str = "sglang",
-) -> tuple[H2EngineClient, h2.H2Protocol]:
+) -> tuple[H2EngineClient, H2Protocol]:
     """An engine client connected to a ``CannedEngine`` answering with ``reply``: (client, its protocol)."""
     engine = CannedEngine(loop, reply)
     proto = connect(engine, loop, max_streams)

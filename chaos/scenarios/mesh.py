@@ -40,7 +40,7 @@ from chaos.report import Figure, ScenarioResult, Table
 from chaos.scenarios.base import DEFAULT_SPEC, Traffic, scenario
 from shepherd.mesh.swim_types import SwimConfig
 
-# ---- SWIM timing the bounds assume (the node's defaults; README "The mesh"; DESIGN §6) -------------------
+# ---- SWIM timing the bounds assume (the node's defaults; README "The mesh"; docs/DESIGN.md §6) ------
 
 SWIM = SwimConfig()  # what a node runs with unless --mesh-probe-interval & co. say otherwise
 PROBE_INTERVAL_S = SWIM.probe_interval  # --mesh-probe-interval's default

@@ -1,1 +1,20 @@
-"""auth."""
+"""Who is calling: API keys, JWT/JWKS, client certificates, roles and tenants. Imports proto only.
+
+Callers use: ``config`` (``AuthConfig`` and its flags), ``load.load_auth_config``, ``middleware``
+(``install``, ``AUTH``, the aiohttp middleware), ``keys`` (``KeyStore``, key records), ``principal``
+(``Principal``, ``principal_of``), ``tls`` (server and engine TLS), ``certs`` (node certificates and
+the development PKI).
+"""
+
+__all__ = [
+    "certs",
+    "client_cert",
+    "config",
+    "jwks",
+    "jwt_verify",
+    "keys",
+    "load",
+    "middleware",
+    "principal",
+    "tls",
+]

@@ -397,22 +397,6 @@ def auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
     return cfg
 
 
-def load_auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
-    """``auth_config`` plus a check that the material it names is there: the bootstrap keys' env vars
-    and the JWT key files (read here, so a node fails at start with a clear message, not later)."""
-    cfg = auth_config(raw)
-    from shepherd.auth.jwks import KeyLoadError, static_keys
-    from shepherd.auth.keys import BootstrapError, bootstrap_records
-
-    try:
-        bootstrap_records(cfg)
-        if cfg.uses_jwt:
-            static_keys(cfg.jwt)
-    except (BootstrapError, KeyLoadError, OSError) as e:
-        raise AuthConfigError(str(e)) from None
-    return cfg
-
-
 def merge_auth(base: Any, over: Any) -> Any:
     """Merge two ``auth`` mappings (YAML < flags); ``jwt`` and ``client_cert`` are merged one level down."""
     if not isinstance(base, Mapping) or not isinstance(over, Mapping):

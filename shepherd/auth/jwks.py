@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -144,8 +145,6 @@ def keys_from_file(path: str | Path) -> list[VerifyKey]:
 
 
 def static_keys(cfg: JwtConfig, environ: dict[str, str] | None = None) -> list[VerifyKey]:
-    import os
-
     env = os.environ if environ is None else environ
     keys: list[VerifyKey] = []
     for p in cfg.public_key_files:

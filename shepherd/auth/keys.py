@@ -9,7 +9,8 @@ The store is behind ``KeyStore`` so that it can be backed by the mesh's replicat
 document: records go in and out as plain dicts (``export`` / ``apply``), and ``subscribe`` registers a
 callback that sees every local change (to write it to the document). ``apply`` merges records from
 elsewhere by id with revocation winning: once revoked, a key stays revoked on every node. With the
-mesh on, ``shepherd.node.cluster.key_sync.KeySync`` is that link (``node.api_keys.install`` sets it up).
+mesh on, ``shepherd.node.cluster.key_sync.KeySync`` is that link (``shepherd.node.api.keys.install``
+sets it up).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import orjson
 from aiohttp import web
@@ -52,11 +52,7 @@ from shepherd.auth.keys import (
     principal_for,
 )
 from shepherd.auth.principal import ANONYMOUS, PRINCIPAL_KEY, Principal
-from shepherd.node.api.common import error_response
-from shepherd.node.openai.requests import ApiError
-
-if TYPE_CHECKING:
-    from shepherd.node.cluster.key_sync import KeySync
+from shepherd.proto.openai_errors import ApiError, error_response
 
 log = logging.getLogger("shepherd.auth")
 
@@ -339,7 +335,6 @@ class AuthState:
     fetch: HttpFetch | None = None
     jwks: JwksSource | None = None
     bootstrap_ids: frozenset[str] = frozenset()  # the configuration's keys (local to this node)
-    key_sync: KeySync | None = None  # the store's link to the mesh's document (api_keys.install)
 
     async def close(self) -> None:
         if self.jwks is not None:

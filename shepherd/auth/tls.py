@@ -27,10 +27,9 @@ import ssl
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    import grpc
+import grpc
 
 log = logging.getLogger("shepherd.tls")
 
@@ -192,8 +191,6 @@ def _client_context(t: EngineTls) -> ssl.SSLContext:
 
 @functools.cache
 def _grpc_credentials(t: EngineTls) -> grpc.ChannelCredentials:
-    import grpc
-
     def read(p: str | None) -> bytes | None:
         return Path(p).read_bytes() if p else None
 

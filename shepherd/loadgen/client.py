@@ -32,6 +32,13 @@ from shepherd.loadgen.http1 import ProtocolError, ResponseParser
 from shepherd.loadgen.sse import SseParser, StreamCheck, check_completion
 from shepherd.loadgen.stats import Distribution
 
+try:
+    import uvloop
+
+    HAVE_UVLOOP = True
+except ImportError:  # pragma: no cover - uvloop is a dependency; without it, asyncio's loop
+    HAVE_UVLOOP = False
+
 MAX_ERROR_BODY = 4096
 
 
@@ -438,9 +445,7 @@ async def run_load(spec: LoadSpec, source: RequestSource, hooks: WindowHooks | N
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop's loop when installed (cheaper per callback), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
+    if not HAVE_UVLOOP:
         return asyncio.new_event_loop()
     loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     return loop

@@ -8,6 +8,7 @@ run from their own venvs under ``bench/.peers/`` made by ``bench/peers/setup.sh`
 from __future__ import annotations
 
 import lzma
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -35,8 +36,6 @@ class Target:
 
 
 def peers_dir() -> Path:
-    import os
-
     override = os.environ.get("SMG_BENCH_PEERS_DIR")
     return Path(override) if override else REPO_ROOT / "bench" / ".peers"
 

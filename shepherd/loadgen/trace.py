@@ -1,6 +1,6 @@
 """A seeded multi-turn chat trace: many users, a few long shared system prompts, think time.
 
-The shape routing quality depends on (DESIGN §5): users arrive over a window (Poisson), each holds
+The shape routing quality depends on (docs/DESIGN.md §5): users arrive over a window (Poisson), each holds
 one conversation of several turns under one of a few long system prompts (a popular one and some
 rarer ones, Zipf-like), writes a fresh user message each turn after a think time, and sends the whole
 history, the engine's answers included, so each follow-up turn extends the previous turn's prompt.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 CHARS_PER_TOKEN = 6.0  # these texts under the qwen3 tokenizer (common words: ~6 characters a token)
@@ -126,8 +126,6 @@ class TraceConfig:
         """The same shape with about ``requests`` requests (users scaled, arrival window with them)."""
         mean_turns = (self.turns_min + self.turns_max) / 2
         users = max(1, round(requests / mean_turns))
-        from dataclasses import replace
-
         return replace(self, users=users, arrival_s=self.arrival_s * users / self.users)
 
 

@@ -1,1 +1,35 @@
-"""mesh."""
+"""The mesh: SWIM membership, replicated state and mesh-wide rate limits. Imports proto and auth.
+
+Callers use: ``runtime.MeshRuntime`` (the I/O shell: UDP gossip, TCP push-pull over mTLS) and
+``runtime_config`` (its config, and parsing and resolving addresses),
+``swim.Swim`` and ``swim_types`` (the pure membership state machine and its config), ``state.MeshState``
+(workers, health, prefix indexes through a merge interface, the control-plane document, extras) with
+``state_types`` (its config, counters and component protocols) and ``state_wire`` (its payload envelope),
+``ratelimit.RateLimiter`` (G-counter shards per window), ``keyring`` (sealed datagrams), ``sim``
+(a deterministic simulation for tests and benchmarks).
+"""
+
+__all__ = [
+    "hlc",
+    "keyring",
+    "ratelimit",
+    "ratelimit_keys",
+    "ratelimit_shards",
+    "ratelimit_sim",
+    "runtime",
+    "runtime_config",
+    "sim",
+    "state",
+    "state_config",
+    "state_health",
+    "state_registry",
+    "state_types",
+    "state_wire",
+    "swim",
+    "swim_broadcast",
+    "swim_members",
+    "swim_probe",
+    "swim_suspicion",
+    "swim_types",
+    "transport",
+]

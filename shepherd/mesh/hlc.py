@@ -1,4 +1,4 @@
-"""Hybrid logical clock (HLC), and the decoding helpers shared by the mesh state CRDTs.
+"""Hybrid logical clock (HLC): the stamps of the mesh state CRDTs.
 
 A stamp is one int: ``(wall_ms << 16) | logical``. Comparing stamps as ints is the HLC order:
 physical milliseconds first, then the logical counter. ``now()`` (a local event or a send) returns
@@ -12,26 +12,19 @@ A remote stamp more than ``max_drift_s`` ahead of the local wall clock is refuse
 (``ClockDriftError``): adopting it would drag this node's clock, and every stamp it issues
 afterwards, into the future. Callers drop the entry that carried it.
 
-The clock is injected (``clock() -> seconds``, wall time: stamps are compared across nodes).
+The clock is injected (``clock() -> seconds``, wall time: stamps are compared across nodes). The
+decoding helpers the CRDTs validate their payloads with are in ``shepherd.proto.state_decode``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Any
 
 __all__ = [
     "HLC",
     "LOGICAL_BITS",
+    "MAX_STAMP",
     "ClockDriftError",
-    "StateDecodeError",
-    "expect_bool",
-    "expect_bytes",
-    "expect_float",
-    "expect_int",
-    "expect_list",
-    "expect_str",
     "make_stamp",
     "stamp_logical",
     "stamp_ms",
@@ -45,10 +38,6 @@ MAX_STAMP = (1 << 63) - 1  # fits a msgpack int64
 
 class ClockDriftError(ValueError):
     """A remote stamp is further ahead of the local wall clock than the HLC tolerates."""
-
-
-class StateDecodeError(ValueError):
-    """A mesh state payload is malformed (the one exception type every state decoder raises)."""
 
 
 def make_stamp(wall_ms: int, logical: int = 0) -> int:
@@ -129,45 +118,3 @@ class HLC:
         if remote > self._last:
             self._last = remote
         return True
-
-
-# -- decoding helpers (raise StateDecodeError) ---------------------------------------------------------
-
-
-def expect_int(v: Any, lo: int = -(1 << 63), hi: int = MAX_STAMP) -> int:
-    if type(v) is not int or not lo <= v <= hi:
-        raise StateDecodeError(f"expected an int in [{lo}, {hi}], got {type(v).__name__}")
-    return v
-
-
-def expect_float(v: Any) -> float:
-    if type(v) is int:
-        v = float(v)
-    if type(v) is not float or not math.isfinite(v):
-        raise StateDecodeError(f"expected a finite float, got {type(v).__name__}")
-    return v
-
-
-def expect_str(v: Any, max_len: int = 256, allow_empty: bool = False) -> str:
-    if type(v) is not str or len(v) > max_len or (not v and not allow_empty):
-        raise StateDecodeError(f"expected a str of at most {max_len} chars, got {type(v).__name__}")
-    return v
-
-
-def expect_bytes(v: Any, max_len: int = 1 << 24) -> bytes:
-    if type(v) is not bytes or len(v) > max_len:
-        raise StateDecodeError(f"expected bytes of at most {max_len}, got {type(v).__name__}")
-    return v
-
-
-def expect_bool(v: Any) -> bool:
-    if type(v) is not bool:
-        raise StateDecodeError(f"expected a bool, got {type(v).__name__}")
-    return v
-
-
-def expect_list(v: Any, length: int | None = None, max_len: int = 1 << 20) -> list[Any]:
-    if type(v) is not list or len(v) > max_len or (length is not None and len(v) != length):
-        want = f"of length {length}" if length is not None else f"of at most {max_len} items"
-        raise StateDecodeError(f"expected a list {want}, got {type(v).__name__}")
-    return v

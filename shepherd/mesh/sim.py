@@ -34,24 +34,20 @@ from shepherd.mesh.swim import Swim
 from shepherd.mesh.swim_broadcast import BroadcastQueue
 from shepherd.mesh.swim_types import (
     Action,
-    Addr,
     Delegate,
     JoinFailed,
     MemberDead,
     MemberLeft,
     MemberReaped,
-    MemberState,
     MemberSuspect,
     MemberUp,
-    NodeAddr,
     NullDelegate,
-    Packet,
     PushPull,
-    PushPullState,
     Send,
     SwimConfig,
 )
 from shepherd.proto import mesh_wire
+from shepherd.proto.mesh_messages import Addr, MemberState, NodeAddr, Packet, PushPullState
 
 Delay = tuple[float, float] | Callable[[random.Random], float]
 LAN_DELAY: tuple[float, float] = (0.0002, 0.001)

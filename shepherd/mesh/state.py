@@ -2,28 +2,17 @@
 the SWIM ``Delegate`` that carries it.
 
 Components (each a CRDT whose merge is commutative, associative and idempotent, memory bounded):
-``registry`` (``state_registry``), ``health`` (``state_health``), one ``ReplicatedPrefixIndex`` per
-model (``state_index``), ``config`` (``state_config``, pycrdt), and any number of extra components
-registered by name (``register``; e.g. the rate-limit counters) that follow ``StateComponent``.
+``registry`` (``state_registry``), ``health`` (``state_health``), one prefix-index replica per model
+(an ``IndexReplica``, made on first use by the ``new_index`` factory the state is given: a node gives
+the routing policies' replicated index, ``policies.prefix_replica_native.make_replica``; its wire is
+``shepherd.proto.index_wire``), ``config`` (``state_config``, pycrdt), and any number of extra
+components registered by name (``register``; e.g. the rate-limit counters) that follow
+``StateComponent`` (both protocols, with the state's config and counters: ``state_types``).
 
-Every payload is one msgpack envelope ``[VERSION, tag, body]``:
-
-====  ======================================  ===============================================
-tag   body                                    meaning
-====  ======================================  ===============================================
-"r"   [registry entry, ...]                   registry delta (or repair)
-"h"   [observation, ...]                      health delta (or repair)
-"i"   [model, [group, ...]]                   prefix-index delta (or repair)
-"c"   update bytes                            config (Yjs) update
-"x"   [name, delta]                           an extra component's delta
-"X"   [name, snapshot]                        an extra component's snapshot (repair)
-"S"   {"r", "h", "c", "i", "x"}               full snapshot (``snapshot`` / ``merge_snapshot``)
-"P"   {"n", "r", "h", "c", "x", "d"}          push-pull state: small parts in full, index digests
-"D"   {"n", "r", "h", "c", "d", "x"}          digest (``digest`` / ``repair``)
-====  ======================================  ===============================================
-
-Decoding is all-or-nothing per payload: the body is validated into typed values before anything is
-merged; anything malformed raises ``StateDecodeError`` (the Delegate entry points count and drop it).
+Every payload is one msgpack envelope ``[VERSION, tag, body]`` (``state_wire``: the codec, and the
+table of tags and bodies). Decoding is all-or-nothing per payload: the body is validated into typed
+values before anything is merged; anything malformed raises ``StateDecodeError`` (the Delegate entry
+points count and drop it).
 
 Dissemination (how the node's runtime should drive it):
 
@@ -52,22 +41,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, TypeVar
 
-import msgpack  # type: ignore[import-untyped]
-
-from shepherd.mesh.hlc import (
-    HLC,
-    StateDecodeError,
-    expect_bytes,
-    expect_int,
-    expect_list,
-    expect_str,
-)
+from shepherd.mesh.hlc import HLC
 from shepherd.mesh.state_config import ConfigDoc
 from shepherd.mesh.state_health import (
-    HealthConfig,
     HealthView,
     Observation,
     ReplicatedHealth,
@@ -78,102 +56,37 @@ from shepherd.mesh.state_registry import (
     REMOVED,
     RegEntry,
     RegistryChange,
-    RegistryConfig,
     ReplicatedRegistry,
     WorkerRecord,
     entries_from_wire,
     entry_to_wire,
 )
+from shepherd.mesh.state_types import IndexReplica, MeshStateConfig, MeshStateStats, StateComponent
+from shepherd.mesh.state_wire import (
+    ENVELOPE_OVERHEAD,
+    MAX_MODELS,
+    chunks,
+    decode_digest,
+    decode_index_digests,
+    envelope,
+    peek,
+)
 from shepherd.mesh.swim_broadcast import BroadcastQueue
 from shepherd.mesh.swim_types import MemberDead, MemberEvent, MemberLeft, MemberUp
-from shepherd.policies.prefix_index import PrefixIndexConfig
-from shepherd.policies.prefix_replica import (
-    Digest,
-    Group,
-    IndexReplConfig,
-    ReplicatedPrefixIndex,
-    Slot,
-    decode_index_body,
-    encode_index_bodies,
-)
-from shepherd.policies.prefix_replica_native import NATIVE_INDEX, NativeReplicatedPrefixIndex, Replica
+from shepherd.proto.index_wire import Group, decode_index_body, encode_index_bodies, encode_index_digest
+from shepherd.proto.state_decode import StateDecodeError, expect_bytes, expect_list, expect_str
 
-__all__ = [
-    "ENVELOPE_OVERHEAD",
-    "VERSION",
-    "HealthView",
-    "MeshState",
-    "MeshStateConfig",
-    "MeshStateStats",
-    "Observation",
-    "RegEntry",
-    "StateComponent",
-    "StateDecodeError",
-    "WorkerRecord",
-]
+__all__ = ["HealthView", "MeshState", "Observation", "RegEntry", "WorkerRecord"]
 
 log = logging.getLogger("shepherd.mesh.state")
 
-VERSION = 1
-ENVELOPE_OVERHEAD = 8  # bytes the envelope adds to a body (array header, version, tag; rounded up)
-MAX_MODELS = 256  # prefix indexes created on a peer's word, at most
+IX_co = TypeVar("IX_co", bound=IndexReplica, covariant=True)
 
 
-class StateComponent(Protocol):
-    """An extra replicated component (e.g. rate-limit counters). Every method is synchronous and
-    fast; values are msgpack-able plain data. ``apply_delta``/``merge_snapshot`` validate their
-    input before changing anything and raise ``ValueError`` (or a subclass) on malformed data.
-    Keep a delta well under ``MeshStateConfig.udp_payload_bytes`` (bigger ones wait for repair; a
-    component may return its pending changes in pieces, one per ``take_delta`` call). Optional:
-    ``diff(remote_digest) -> delta`` (what a peer with that digest lacks; otherwise repair sends
-    the whole snapshot)."""
-
-    def take_delta(self) -> Any | None: ...
-
-    def apply_delta(self, delta: Any) -> None: ...
-
-    def snapshot(self) -> Any: ...
-
-    def merge_snapshot(self, snapshot: Any) -> None: ...
-
-    def digest(self) -> Any: ...
-
-    def on_member_dead(self, name: str) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class MeshStateConfig:
-    registry: RegistryConfig = field(default_factory=RegistryConfig)
-    health: HealthConfig = field(default_factory=HealthConfig)
-    index: PrefixIndexConfig = field(default_factory=PrefixIndexConfig)
-    index_repl: IndexReplConfig = field(default_factory=IndexReplConfig)
-    max_drift_s: float = 60.0  # HLC: remote stamps further ahead are refused
-    udp_payload_bytes: int = 1100  # one gossip payload (fits a 1400-byte datagram with SWIM's own)
-    tcp_batch_bytes: int = 256 * 1024  # one repair payload
-    retransmit_mult: int = 4
-    max_broadcasts: int = 4096
-    index_in_broadcasts: bool = False  # index deltas ride SWIM's queue too (small meshes)
-    repair_max_entries: int = 65_536  # index entries queued by one push-pull diff, at most
-    orphan_grace_s: float = 120.0  # index entries of a worker absent from the registry this long go
-    config_client_id: int | None = None  # Yjs client id (random by default)
-
-
-@dataclass(slots=True)
-class MeshStateStats:
-    payloads_in: int = 0
-    bytes_in: int = 0
-    decode_errors: int = 0
-    broadcast_payloads: int = 0
-    index_payloads_out: int = 0
-    index_entries_in: int = 0
-    index_entries_changed: int = 0
-    index_entries_repair_queued: int = 0
-    oversize: int = 0  # deltas too big for a gossip payload (left to repair)
-    callback_errors: int = 0
-
-
-class MeshState:
-    """The replicated state of node ``node_name`` (a SWIM ``Delegate``)."""
+class MeshState(Generic[IX_co]):
+    """The replicated state of node ``node_name`` (a SWIM ``Delegate``). ``new_index`` makes a model's
+    prefix-index replica (called on the model's first use, here or by a peer's payload): every node
+    of a mesh gives one of the same configuration (capacity, age, digest granularity)."""
 
     def __init__(
         self,
@@ -181,16 +94,18 @@ class MeshState:
         clock: Callable[[], float],
         config: MeshStateConfig | None = None,
         *,
+        new_index: Callable[[], IX_co],
         num_nodes: Callable[[], int] | None = None,
     ) -> None:
         self.node = node_name
         self.clock = clock
         self.cfg = config or MeshStateConfig()
+        self._new_index = new_index
         self.hlc = HLC(clock, self.cfg.max_drift_s)
         self.registry = ReplicatedRegistry(node_name, self.hlc, self.cfg.registry)
         self.health = ReplicatedHealth(node_name, self.hlc, self.cfg.health)
         self.config = ConfigDoc(self.cfg.config_client_id)
-        self._indexes: dict[str, Replica] = {}
+        self._indexes: dict[str, IX_co] = {}
         self._extras: dict[str, StateComponent] = {}
         self._members: set[str] = {node_name}
         self._queue = BroadcastQueue(
@@ -232,17 +147,16 @@ class MeshState:
         self._registry_changed([ch] if ch else [])
         return ch is not None
 
-    def index(self, model: str) -> Replica:
-        """The model's replicated prefix index (created on first use): give it to the routing policy
-        (e.g. ``CacheAware.indexes[model]``); its inserts are gossiped, peers' merged in."""
+    def index(self, model: str) -> IX_co:
+        """The model's replicated prefix index (created on first use, by ``new_index``): give it to the
+        routing policy (e.g. ``CacheAware.indexes[model]``); its inserts are gossiped, peers' merged in."""
         ix = self._indexes.get(model)
         if ix is None:
-            layout = NativeReplicatedPrefixIndex if NATIVE_INDEX else ReplicatedPrefixIndex
-            ix = self._indexes[model] = layout(self.cfg.index, self.cfg.index_repl)
+            ix = self._indexes[model] = self._new_index()
         return ix
 
     @property
-    def indexes(self) -> Mapping[str, Replica]:
+    def indexes(self) -> Mapping[str, IX_co]:
         return self._indexes
 
     def observe_health(self, worker_id: str, healthy: bool) -> None:
@@ -410,7 +324,7 @@ class MeshState:
             "x": [[n, c.snapshot()] for n, c in self._extras.items()],
             "d": self._index_digests(),
         }
-        return _envelope("P", body)
+        return envelope("P", body)
 
     def merge_remote_state(self, data: bytes) -> None:
         """SWIM Delegate: a peer's push-pull state; our entries of the index buckets that differ are
@@ -425,16 +339,16 @@ class MeshState:
     def _fill_queue(self) -> None:
         limit = self.cfg.udp_payload_bytes
         for e in self.registry.take_delta():
-            self._queue_payload(_envelope("r", [entry_to_wire(e)]), f"r/{e.id}", limit)
+            self._queue_payload(envelope("r", [entry_to_wire(e)]), f"r/{e.id}", limit)
         for o in self.health.take_delta():
-            self._queue_payload(_envelope("h", [observation_to_wire(o)]), f"h/{o.worker}/{o.observer}", limit)
+            self._queue_payload(envelope("h", [observation_to_wire(o)]), f"h/{o.worker}/{o.observer}", limit)
         u = self.config.take_delta()
         if u is not None:
-            self._queue_payload(_envelope("c", u), None, limit)
+            self._queue_payload(envelope("c", u), None, limit)
         for name, comp in self._extras.items():
             d = comp.take_delta()
             if d is not None:
-                self._queue_payload(_envelope("x", [name, d]), None, limit)
+                self._queue_payload(envelope("x", [name, d]), None, limit)
         if self.cfg.index_in_broadcasts:
             for p in self.index_batches(limit):
                 self._queue.queue(p)
@@ -458,7 +372,7 @@ class MeshState:
             if left is not None:
                 left -= sum(len(g[2]) for g in groups)
             out.extend(
-                _envelope("i", b) for b in encode_index_bodies(model, groups, budget - ENVELOPE_OVERHEAD)
+                envelope("i", b) for b in encode_index_bodies(model, groups, budget - ENVELOPE_OVERHEAD)
             )
         self.stats.index_payloads_out += len(out)
         return out
@@ -469,22 +383,22 @@ class MeshState:
         extra's delta larger than ``budget`` is still sent, alone."""
         body_budget = budget - ENVELOPE_OVERHEAD
         out = [
-            _envelope("r", c)
-            for c in _chunks([entry_to_wire(e) for e in self.registry.take_delta()], body_budget)
+            envelope("r", c)
+            for c in chunks([entry_to_wire(e) for e in self.registry.take_delta()], body_budget)
         ]
         out += [
-            _envelope("h", c)
-            for c in _chunks([observation_to_wire(o) for o in self.health.take_delta()], body_budget)
+            envelope("h", c)
+            for c in chunks([observation_to_wire(o) for o in self.health.take_delta()], body_budget)
         ]
         u = self.config.take_delta()
         if u is not None:
-            out.append(_envelope("c", u))
+            out.append(envelope("c", u))
         for name, comp in self._extras.items():
             for _ in range(1024):  # a component may hand its delta out in pieces
                 d = comp.take_delta()
                 if d is None:
                     break
-                out.append(_envelope("x", [name, d]))
+                out.append(envelope("x", [name, d]))
         out += self.index_batches(budget)
         return out
 
@@ -501,11 +415,11 @@ class MeshState:
                 b for m, ix in self._indexes.items() for b in encode_index_bodies(m, ix.entries_in(), 1 << 62)
             ],
         }
-        return _envelope("S", body)
+        return envelope("S", body)
 
     def merge_snapshot(self, data: bytes) -> None:
         """Merge a peer's ``snapshot()`` (raises ``StateDecodeError`` if malformed, merging nothing)."""
-        tag, _ = _peek(data)
+        tag, _ = peek(data)
         if tag != "S":
             raise StateDecodeError(f"not a snapshot (tag {tag!r})")
         self.apply(data, "")
@@ -519,46 +433,41 @@ class MeshState:
             "d": self._index_digests(),
             "x": [[n, c.digest()] for n, c in self._extras.items()],
         }
-        return _envelope("D", body)
+        return envelope("D", body)
 
     def repair(self, remote_digest: bytes, budget: int | None = None) -> list[bytes]:
         """Payloads carrying what a peer (its ``digest()``) lacks or holds differently from us; the
         peer applies them with ``apply``. Raises ``StateDecodeError`` if the digest is malformed."""
         budget = budget or self.cfg.tcp_batch_bytes
-        tag, body = _peek(remote_digest)
+        tag, body = peek(remote_digest)
         if tag != "D":
             raise StateDecodeError(f"not a digest (tag {tag!r})")
-        d = _decode_digest(body)
+        d = decode_digest(body)
         body_budget = budget - ENVELOPE_OVERHEAD
         out: list[bytes] = []
         if d.registry != self.registry.digest():
-            out += [_envelope("r", c) for c in _chunks(self.registry.to_wire(), body_budget)]
+            out += [envelope("r", c) for c in chunks(self.registry.to_wire(), body_budget)]
         if d.health != self.health.digest():
-            out += [_envelope("h", c) for c in _chunks(self.health.to_wire(), body_budget)]
+            out += [envelope("h", c) for c in chunks(self.health.to_wire(), body_budget)]
         if d.config_digest != self.config.digest():
-            out.append(_envelope("c", self.config.update_since(d.config_sv)))
+            out.append(envelope("c", self.config.update_since(d.config_sv)))
         for name, comp in self._extras.items():
             remote = d.extras.get(name)
             if remote != comp.digest():
                 diff = getattr(comp, "diff", None)  # only what differs, if the component can tell
                 out.append(
-                    _envelope("x", [name, diff(remote)])
+                    envelope("x", [name, diff(remote)])
                     if callable(diff)
-                    else _envelope("X", [name, comp.snapshot()])
+                    else envelope("X", [name, comp.snapshot()])
                 )
         for model, ix in self._indexes.items():
             sel = ix.diff(d.indexes.get(model, {}), self.clock())
             if sel:
-                out += [
-                    _envelope("i", b) for b in encode_index_bodies(model, ix.entries_in(sel), body_budget)
-                ]
+                out += [envelope("i", b) for b in encode_index_bodies(model, ix.entries_in(sel), body_budget)]
         return out
 
     def _index_digests(self) -> list[Any]:
-        return [
-            [m, [[w, [[sl, c, s] for sl, (c, s) in slots.items()]] for w, slots in ix.digest().items()]]
-            for m, ix in self._indexes.items()
-        ]
+        return [[m, encode_index_digest(ix.digest())] for m, ix in self._indexes.items()]
 
     # -- incoming -----------------------------------------------------------------------------------
 
@@ -568,7 +477,7 @@ class MeshState:
         self.stats.payloads_in += 1
         self.stats.bytes_in += len(payload)
         try:
-            tag, body = _peek(payload)
+            tag, body = peek(payload)
             self._apply(tag, body)
         except StateDecodeError:
             self.stats.decode_errors += 1
@@ -628,7 +537,7 @@ class MeshState:
         for x in extras:
             expect_str(x[0], 64)
         bodies = [decode_index_body(b) for b in expect_list(body.get("i", []), max_len=MAX_MODELS)]
-        digests = _decode_index_digests(body.get("d", []))
+        digests = decode_index_digests(body.get("d", []))
         if tag == "P":
             expect_str(body.get("n"), 256)
         # then merge: the parts that can still refuse their input go first
@@ -650,89 +559,3 @@ class MeshState:
                     n = ix.queue_repair(sel, left)
                     left -= n
                     self.stats.index_entries_repair_queued += n
-
-
-# -- helpers -------------------------------------------------------------------------------------------
-
-
-def _envelope(tag: str, body: Any) -> bytes:
-    out: bytes = msgpack.packb([VERSION, tag, body], use_bin_type=True)
-    return out
-
-
-def _peek(payload: bytes) -> tuple[str, Any]:
-    if type(payload) is not bytes:
-        raise StateDecodeError("a state payload is bytes")
-    try:
-        v = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several types (ExtraData, FormatError, StackError, ...)
-        raise StateDecodeError(f"not msgpack: {e}") from None
-    f = expect_list(v, 3)
-    if expect_int(f[0], 0, 255) != VERSION:
-        raise StateDecodeError(f"unknown state payload version {f[0]}")
-    return expect_str(f[1], 8), f[2]
-
-
-def _chunks(items: list[Any], budget: int) -> list[list[Any]]:
-    """Split wire items into lists whose msgpack encoding fits ``budget`` (an item larger than the
-    budget travels alone)."""
-    out: list[list[Any]] = []
-    cur: list[Any] = []
-    size = 5
-    for it in items:
-        n = len(msgpack.packb(it, use_bin_type=True))
-        if cur and size + n > budget:
-            out.append(cur)
-            cur, size = [], 5
-        cur.append(it)
-        size += n
-    if cur:
-        out.append(cur)
-    return out
-
-
-@dataclass(frozen=True, slots=True)
-class _Digest:
-    registry: bytes
-    health: bytes
-    config_sv: bytes
-    config_digest: bytes
-    indexes: dict[str, Digest]
-    extras: dict[str, Any]
-
-
-def _decode_digest(body: Any) -> _Digest:
-    if type(body) is not dict:
-        raise StateDecodeError("a digest is a map")
-    sv, cd = expect_list(body.get("c"), 2)
-    extras = {}
-    for x in expect_list(body.get("x", []), max_len=1024):
-        name, value = expect_list(x, 2)
-        extras[expect_str(name, 64)] = value
-    return _Digest(
-        expect_bytes(body.get("r"), 64),
-        expect_bytes(body.get("h"), 64),
-        expect_bytes(sv),
-        expect_bytes(cd, 64),
-        _decode_index_digests(body.get("d", [])),
-        extras,
-    )
-
-
-def _decode_index_digests(v: Any) -> dict[str, Digest]:
-    out: dict[str, Digest] = {}
-    for m in expect_list(v, max_len=MAX_MODELS):
-        model_raw, workers = expect_list(m, 2)
-        model = expect_str(model_raw, 512, allow_empty=True)
-        dig: Digest = {}
-        for wv in expect_list(workers, max_len=1 << 16):
-            w_raw, slots = expect_list(wv, 2)
-            per: dict[Slot, tuple[int, int]] = {}
-            for sv in expect_list(slots, max_len=1 << 20):
-                sl, c, s = expect_list(sv, 3)
-                if type(sl) is not int and type(sl) is not float:
-                    raise StateDecodeError("a digest slot is a number")
-                per[sl] = (expect_int(c, 0, 1 << 40), expect_int(s, 0, (1 << 64) - 1))
-            dig[expect_str(w_raw)] = per
-        out[model] = dig
-    return out

@@ -3,7 +3,7 @@
 One Y-Map per section; a record is stored as one JSON string under its key, so concurrent writes of
 one record resolve as a whole (Yjs' deterministic last-writer-wins on a map key), never field by
 field. Yjs updates merge commutatively, associatively and idempotently; Yrs keeps tombstones of
-deleted items forever, which is why only this low-churn data lives here (DESIGN.md §6), never the
+deleted items forever, which is why only this low-churn data lives here (docs/DESIGN.md §6), never the
 prefix index or counters.
 
 API key revocations have a section of their own (``revoked_keys``, by key hash): a revocation is
@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from pycrdt import Doc, Map, TransactionEvent
 
-from shepherd.mesh.hlc import StateDecodeError
+from shepherd.proto.state_decode import StateDecodeError
 
 __all__ = [
     "SECTIONS",

@@ -29,16 +29,8 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-from shepherd.mesh.hlc import (
-    HLC,
-    MAX_STAMP,
-    expect_bool,
-    expect_int,
-    expect_list,
-    expect_str,
-    make_stamp,
-    stamp_ms,
-)
+from shepherd.mesh.hlc import HLC, MAX_STAMP, make_stamp, stamp_ms
+from shepherd.proto.state_decode import expect_bool, expect_int, expect_list, expect_str
 
 __all__ = [
     "HealthConfig",

@@ -36,16 +36,8 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-from shepherd.mesh.hlc import (
-    HLC,
-    MAX_STAMP,
-    StateDecodeError,
-    expect_int,
-    expect_list,
-    expect_str,
-    make_stamp,
-    stamp_ms,
-)
+from shepherd.mesh.hlc import HLC, MAX_STAMP, make_stamp, stamp_ms
+from shepherd.proto.state_decode import StateDecodeError, expect_int, expect_list, expect_str
 
 __all__ = [
     "LIVE",

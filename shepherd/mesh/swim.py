@@ -34,15 +34,22 @@ from shepherd.mesh.swim_members import ALIVE, DEAD, LEFT, SUSPECT, MemberTable, 
 from shepherd.mesh.swim_probe import Probe, ProbeOrder, Relay, Relays
 from shepherd.mesh.swim_suspicion import Awareness, Suspicion
 from shepherd.mesh.swim_types import (
+    Action,
+    Delegate,
+    JoinFailed,
+    PushPull,
+    Send,
+    SwimConfig,
+    SwimStats,
+    push_pull_scale,
+)
+from shepherd.proto.mesh_messages import (
     MAX_META_LEN,
     MAX_NAME_LEN,
     Ack,
-    Action,
     Addr,
     Alive,
     Dead,
-    Delegate,
-    JoinFailed,
     Member,
     Message,
     Nack,
@@ -50,14 +57,9 @@ from shepherd.mesh.swim_types import (
     Packet,
     Ping,
     PingReq,
-    PushPull,
     PushPullState,
-    Send,
     Suspect,
-    SwimConfig,
-    SwimStats,
     User,
-    push_pull_scale,
 )
 from shepherd.proto.mesh_wire import encoded_size, packet_overhead
 

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from shepherd.mesh.swim_types import USER_MSG_OVERHEAD, retransmit_limit
+from shepherd.mesh.swim_types import retransmit_limit
+from shepherd.proto.mesh_messages import USER_MSG_OVERHEAD
 
 T = TypeVar("T")
 

@@ -17,24 +17,26 @@ from dataclasses import dataclass
 from shepherd.mesh.swim_broadcast import TransmitLimitedQueue
 from shepherd.mesh.swim_suspicion import Awareness, Suspicion
 from shepherd.mesh.swim_types import (
-    USER_MSG_OVERHEAD,
     Action,
-    Addr,
-    Alive,
-    Dead,
     Delegate,
-    Member,
     MemberDead,
     MemberLeft,
     MemberReaped,
-    MemberState,
     MemberSuspect,
     MemberUp,
+    SwimConfig,
+    SwimStats,
+)
+from shepherd.proto.mesh_messages import (
+    USER_MSG_OVERHEAD,
+    Addr,
+    Alive,
+    Dead,
+    Member,
+    MemberState,
     Message,
     NodeAddr,
     Suspect,
-    SwimConfig,
-    SwimStats,
     User,
 )
 from shepherd.proto.mesh_wire import encoded_size

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shepherd.mesh.swim_members import DEAD, LEFT, SUSPECT, Node
-from shepherd.mesh.swim_types import Addr
+from shepherd.proto.mesh_messages import Addr
 
 MAX_RELAYS = 1024
 

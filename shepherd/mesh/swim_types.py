@@ -1,8 +1,10 @@
-"""Types of the SWIM + Lifeguard membership layer: config, members, messages, actions, delegate.
+"""Types of the SWIM + Lifeguard membership layer: config, formulas, actions, delegate, stats.
 
 This module is the contract between the pure state machine (``shepherd.mesh.swim.Swim``), the wire
 codec (``shepherd.proto.mesh_wire``), the I/O shell (``shepherd.mesh.runtime``) and the replicated
-state that rides on gossip (``shepherd.mesh.state``). It holds no logic beyond a few formulas.
+state that rides on gossip (``shepherd.mesh.state``). It holds no logic beyond a few formulas. The
+wire vocabulary (``Addr``, ``NodeAddr``, ``Member``, ``MemberState``, the messages, ``Packet``,
+``PushPullState`` and the size limits) lives in ``shepherd.proto.mesh_messages``, next to its codec.
 
 The state machine (``shepherd.mesh.swim``)::
 
@@ -114,18 +116,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Protocol
 
-Addr = tuple[str, int]
-"""A ``(host, port)`` UDP/TCP endpoint."""
-
-USER_MSG_OVERHEAD = 7
-"""Upper bound of the wire bytes a ``User`` message adds to its payload (for ``Delegate.broadcasts``)."""
-
-MAX_NAME_LEN = 128
-MAX_META_LEN = 512
-
+from shepherd.proto.mesh_messages import Addr, Member, MemberState, Message
 
 # ---------------------------------------------------------------------------------------- formulas
 
@@ -164,12 +157,12 @@ def push_pull_scale(interval: float, n: int, threshold: int = 32) -> float:
 class SwimConfig:
     """Timing and sizing of the protocol; defaults tuned for a LAN (seconds, bytes).
 
-    Departs from DESIGN §6 (probe 0.5 s, timeout 0.25 s, mult 4, memberlist's min growing with
+    Departs from docs/DESIGN.md §6 (probe 0.5 s, timeout 0.25 s, mult 4, memberlist's min growing with
     log10 n): probe 0.4 / 0.2 s, mult 5, and the log10 n growth on the maximum only. A crash is
     declared one probe period plus the suspicion floor after its first probe, at the earliest; a
-    paused node survives a stall about that long. With DESIGN's numbers that is 2.5 s at n <= 10
+    paused node survives a stall about that long. With docs/DESIGN.md's numbers that is 2.5 s at n <= 10
     but 3.1 s at n = 20, above the bar (p50 <= 3 s), and no (interval, mult) under memberlist's
-    formula gives both the n = 20 bar and DESIGN's 2.5 s of pause tolerance at n = 3..10. Here it
+    formula gives both the n = 20 bar and docs/DESIGN.md's 2.5 s of pause tolerance at n = 3..10. Here it
     is 2.4 s at every n (floor 2.0 s as before; shorter probe period, and the first probe of a dead
     node comes sooner). The floor need not grow with n: log10 n pays for gossiping the suspicion to
     the suspect and the refutation back, and here the accuser and every confirmer tell the suspect
@@ -234,133 +227,6 @@ class SwimConfig:
             else suspicion_timeout(self.suspicion_mult, 1, self.probe_interval)
         )
         return lo, scaled * self.suspicion_max_timeout_mult
-
-
-# ---------------------------------------------------------------------------------------- members
-
-
-class MemberState(IntEnum):
-    ALIVE = 0
-    SUSPECT = 1
-    DEAD = 2
-    LEFT = 3
-
-
-@dataclass(frozen=True, slots=True)
-class NodeAddr:
-    """A node's identity (unique name) and its gossip endpoint."""
-
-    name: str
-    host: str
-    port: int
-
-    @property
-    def addr(self) -> Addr:
-        return (self.host, self.port)
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    """One member as seen by the local node (a snapshot; the state machine keeps its own)."""
-
-    name: str
-    host: str
-    port: int
-    incarnation: int
-    state: MemberState
-    meta: bytes = b""
-
-    @property
-    def addr(self) -> Addr:
-        return (self.host, self.port)
-
-
-# ---------------------------------------------------------------------------------------- messages
-
-
-@dataclass(frozen=True, slots=True)
-class Ping:
-    """Direct probe. ``target`` is the probed node's name (a misdirected ping is ignored)."""
-
-    seq: int
-    target: str
-    src: NodeAddr
-
-
-@dataclass(frozen=True, slots=True)
-class PingReq:
-    """Ask a relay to probe ``target`` on behalf of ``src`` (ack forwarded, nack if ``nack``)."""
-
-    seq: int
-    target: NodeAddr
-    src: NodeAddr
-    nack: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class Ack:
-    seq: int
-
-
-@dataclass(frozen=True, slots=True)
-class Nack:
-    seq: int
-
-
-@dataclass(frozen=True, slots=True)
-class Alive:
-    name: str
-    host: str
-    port: int
-    incarnation: int
-    meta: bytes = b""
-
-    @property
-    def addr(self) -> Addr:
-        return (self.host, self.port)
-
-
-@dataclass(frozen=True, slots=True)
-class Suspect:
-    incarnation: int
-    node: str
-    src: str
-
-
-@dataclass(frozen=True, slots=True)
-class Dead:
-    """``src == node``: the node left gracefully (LEFT, not DEAD)."""
-
-    incarnation: int
-    node: str
-    src: str
-
-
-@dataclass(frozen=True, slots=True)
-class User:
-    """A delegate's payload (replicated state deltas), piggybacked like membership updates."""
-
-    payload: bytes
-
-
-Message = Ping | PingReq | Ack | Nack | Alive | Suspect | Dead | User
-
-
-@dataclass(frozen=True, slots=True)
-class Packet:
-    """One UDP datagram: the sender's name, then a primary message and/or piggybacked ones."""
-
-    sender: str
-    msgs: tuple[Message, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class PushPullState:
-    """A full-state sync (TCP): every member (and tombstone) we know, plus the delegate's state."""
-
-    members: tuple[Member, ...]
-    user_state: bytes = b""
-    join: bool = False
 
 
 # ---------------------------------------------------------------------------------------- actions

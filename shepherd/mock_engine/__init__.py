@@ -7,7 +7,10 @@ Pure state machines:
 - ``faults``: error rate, stall, slow-down, crash, hang.
 - ``kv_events``: numbered event batches, history, subscribers.
 
-Shells: ``engine`` (the async core shared by every surface), ``grpc_services`` (SGLang and vLLM
-servicers on grpc.aio or on ``lean_grpc``, a light HTTP/2 server with ``hpack`` and ``wire``),
-``http_api`` (OpenAI HTTP surface and the ``/mock/*`` control endpoints), ``cli``, ``bench``.
+Shells: ``engine`` (the async core shared by every surface; ``engine_config``: its configuration;
+``requests``: the request it takes and the error a request fails with), ``grpc_services`` (SGLang and
+vLLM servicers, with ``grpc_messages``: the messages and streams they share; on grpc.aio or on
+``lean_grpc``, a light HTTP/2 server with ``lean_grpc_frames``, ``lean_grpc_calls``, ``hpack`` and
+``wire``), ``http_api`` (OpenAI HTTP surface and the ``/mock/*`` control endpoints; ``http_params``:
+request parameters and stop strings), ``cli``, ``bench``.
 """

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 from smg_grpc_proto import sglang_scheduler_pb2, sglang_scheduler_pb2_grpc
 
@@ -145,8 +146,6 @@ async def run(args: argparse.Namespace) -> None:
             await channel.close()
             if impl != args.grpc_servers.split(",")[0]:
                 continue
-            import aiohttp
-
             body_ns = {"model": "qwen3", "prompt": prompt, "max_tokens": 32, "ignore_eos": True}
             async with aiohttp.ClientSession(f"http://127.0.0.1:{http_port}") as http:
                 for name, body in (

@@ -17,9 +17,19 @@ from pathlib import Path
 
 from aiohttp import web
 
-from shepherd.mock_engine.engine import ROLES, EngineConfig, EngineCore
+from shepherd.mock_engine.engine import EngineCore
+from shepherd.mock_engine.engine_config import ROLES, EngineConfig
 from shepherd.mock_engine.faults import ERROR_CODES, Faults
-from shepherd.mock_engine.grpc_services import GRPC_IMPLS
+from shepherd.mock_engine.grpc_services import GRPC_IMPLS, start_grpc_server
+from shepherd.mock_engine.http_api import build_app
+from shepherd.tokens.tokenizer import Tokenizer
+
+try:
+    import uvloop
+
+    HAVE_UVLOOP = True
+except ImportError:  # pragma: no cover - uvloop is a dependency; without it the mock runs on asyncio's loop
+    HAVE_UVLOOP = False
 
 DEFAULT_TOKENIZER = Path(__file__).resolve().parent.parent / "tokens" / "assets" / "qwen3"
 
@@ -118,10 +128,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 async def serve(
     config: EngineConfig, grpc_port: int, http_port: int, engines: Sequence[str], grpc_impl: str = "auto"
 ) -> None:
-    from shepherd.mock_engine.grpc_services import start_grpc_server
-    from shepherd.mock_engine.http_api import build_app
-    from shepherd.tokens.tokenizer import Tokenizer
-
     tokenizer = Tokenizer.load(config.tokenizer_path, name=config.model)
     core = EngineCore(config, tokenizer)
     server, bound_grpc = await start_grpc_server(core, config.host, grpc_port, engines, grpc_impl)
@@ -161,11 +167,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"smg-mock-engine: {e}", file=sys.stderr)
         raise SystemExit(2) from e
     engines = ("sglang", "vllm") if args.engine == "both" else (args.engine,)
-    if not args.no_uvloop:
-        with contextlib.suppress(ImportError):
-            import uvloop
-
-            uvloop.install()
+    if HAVE_UVLOOP and not args.no_uvloop:
+        uvloop.install()
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(config, args.grpc_port, args.http_port, engines, args.grpc_server))
 

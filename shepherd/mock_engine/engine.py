@@ -6,7 +6,7 @@ plan, admission) and returns a ``Run``; ``Run.events()`` streams ``EngineChunk``
 ``Run.close()`` (always call it, in a ``finally``) frees the request's slot however the stream
 ended: a client that goes away is treated as an abort. In zero-latency mode nothing sleeps: chunks
 are produced as fast as the consumer takes them, ``stream_interval`` tokens at a time (the first
-token alone, as engines send it at once).
+token alone, as engines send it at once). The core's configuration is ``engine_config.EngineConfig``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shepherd.mock_engine.cache import PrefixCache
+from shepherd.mock_engine.engine_config import EngineConfig
 from shepherd.mock_engine.faults import FaultInjector, Faults
 from shepherd.mock_engine.kv_events import KvEventLog
 from shepherd.mock_engine.outputs import (
@@ -30,25 +31,22 @@ from shepherd.mock_engine.outputs import (
     FINISH_LENGTH,
     PARAGRAPH,
     OutputModel,
-    OutputSpec,
     SamplePlan,
     ScriptedResponse,
     ScriptQueue,
 )
 from shepherd.mock_engine.pd_check import PrefillLog
+from shepherd.mock_engine.requests import MockRequest, MockRpcError
 from shepherd.mock_engine.scheduler import (
     RUNNING,
     WAITING,
     AdmissionError,
     LoadSnapshot,
     Scheduler,
-    SchedulerConfig,
     SeqGroup,
 )
 from shepherd.mock_engine.stats import MockStats
 from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent
-
-ROLES = ("both", "prefill", "decode")
 
 
 class TokenizerLike(Protocol):
@@ -63,77 +61,6 @@ class TokenizerLike(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
-
-
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    model: str = "qwen3"
-    tokenizer_path: str = ""
-    seed: int = 0
-    block_size: int = 16
-    cache_blocks: int = 8192
-    max_running: int = 64
-    context_length: int = 32_768
-    prefill_us_per_token: float = 20.0
-    decode_ms_per_token: float = 5.0
-    decode_slowdown: float = 0.5  # inter-token latency is up to (1 + this) times longer with a full batch
-    zero_latency: bool = False
-    output_len: int = 32
-    stream_interval: int = 1
-    role: str = "both"
-    pd_wait_s: float = 5.0  # a decode-role engine waits this long for its prefill side to know the request
-    host: str = "127.0.0.1"
-    engine_id: str = "mock-0"
-    faults: Faults = dataclasses.field(default_factory=Faults)
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}")
-        for name in ("block_size", "cache_blocks", "max_running", "context_length", "stream_interval"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        for name in ("output_len", "prefill_us_per_token", "decode_ms_per_token", "decode_slowdown"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-
-    def scheduler_config(self) -> SchedulerConfig:
-        zero = self.zero_latency
-        return SchedulerConfig(
-            max_running=self.max_running,
-            context_length=self.context_length,
-            prefill_s_per_token=0.0 if zero else self.prefill_us_per_token * 1e-6,
-            decode_s_per_token=0.0 if zero else self.decode_ms_per_token * 1e-3,
-            decode_slowdown=self.decode_slowdown,
-        )
-
-
-class MockRpcError(Exception):
-    """A request fails with a status (names as in ``grpc.StatusCode``: UNAVAILABLE, INTERNAL...)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-@dataclass(frozen=True, slots=True)
-class MockRequest:
-    """A generate request, independent of the surface it came through."""
-
-    request_id: str
-    prompt: tuple[int, ...]
-    spec: OutputSpec = dataclasses.field(default_factory=OutputSpec)
-    n: int = 1
-    stream: bool = True
-    stream_interval: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-    prompt_text: str = ""
-    kv_transfer_params_json: str | None = None  # vLLM PD (decode side receives it)
-    disaggregated: bool = False  # SGLang bootstrap parameters were present
-    bootstrap_host: str | None = None  # SGLang PD: the prefill engine's bootstrap server and the room
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:

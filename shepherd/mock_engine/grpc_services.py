@@ -1,5 +1,6 @@
 """gRPC servicers of the mock engine: ``sglang.grpc.scheduler.SglangScheduler`` and
-``vllm.grpc.engine.VllmEngine`` (grpc.aio), thin translations between protobuf and ``EngineCore``.
+``vllm.grpc.engine.VllmEngine`` (grpc.aio), thin translations between protobuf and ``EngineCore``, and
+``start_grpc_server``. The messages and streams both servicers share are in ``grpc_messages``.
 
 In a streaming Generate the tokens travel in chunks and the final complete carries no output_ids;
 with ``stream=false`` only the complete(s) are sent, with all output_ids. A client that cancels the
@@ -9,7 +10,6 @@ done callback, whichever comes first).
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
@@ -24,19 +24,21 @@ from smg_grpc_proto import (
 )
 from smg_grpc_proto.generated import common_pb2
 
-from shepherd.mock_engine.cache import AllBlocksCleared, BlockRemoved, BlockStored
-from shepherd.mock_engine.engine import EngineCore, MockRequest, MockRpcError, Run
-from shepherd.mock_engine.kv_events import KvBatch
+from shepherd.mock_engine.engine import EngineCore, Run
+from shepherd.mock_engine.grpc_messages import (
+    Tokenizers,
+    kv_event_stream,
+    logprobs_pb,
+    scheduler_load,
+    tokenizer_chunks,
+)
 from shepherd.mock_engine.lean_grpc import LeanGrpcServer
 from shepherd.mock_engine.outputs import OutputSpec
 from shepherd.mock_engine.pd_check import BootstrapClient, verify_decode
-from shepherd.mock_engine.scheduler import LoadSnapshot
-from shepherd.mock_engine.tokenizer_zip import TokenizerArchive, build_tokenizer_zip
+from shepherd.mock_engine.requests import MockRequest, MockRpcError
 from shepherd.mock_engine.wire import ChunkWire
-from shepherd.proto.engine_types import EngineChunk, EngineEvent, TokenLogprob
+from shepherd.proto.engine_types import EngineChunk, EngineEvent
 
-KV_HEARTBEAT_S = 1.0
-KV_COALESCE_S = 0.005
 MAX_TOP_LOGPROBS = 20
 
 SGL = sglang_scheduler_pb2
@@ -63,159 +65,8 @@ def _iso_now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat()
 
 
-def _logprobs_pb(module: Any, lps: Sequence[TokenLogprob]) -> Any:
-    return module.OutputLogProbs(
-        token_logprobs=[lp.logprob for lp in lps],
-        token_ids=[lp.token_id for lp in lps],
-        top_logprobs=[
-            module.TopLogProbs(values=[v for _, v in lp.top], token_ids=[t for t, _ in lp.top]) for lp in lps
-        ],
-    )
-
-
 def _close_on_done(context: Any, run: Run) -> None:
     context.add_done_callback(lambda _ctx: run.close())
-
-
-class _Tokenizers:
-    """The tokenizer archive, built once on first use (off the event loop)."""
-
-    def __init__(self, directory: str) -> None:
-        self._directory = directory
-        self._archive: TokenizerArchive | None = None
-        self._lock = asyncio.Lock()
-
-    async def get(self) -> TokenizerArchive:
-        async with self._lock:
-            if self._archive is None:
-                self._archive = await asyncio.to_thread(build_tokenizer_zip, self._directory)
-            return self._archive
-
-
-# ---- shared pieces -------------------------------------------------------------------------------
-
-
-def _kv_event_pb(ev: BlockStored | BlockRemoved | AllBlocksCleared) -> Any:
-    if isinstance(ev, BlockStored):
-        stored = common_pb2.KvBlocksStored(
-            blocks=[
-                common_pb2.KvBlock(block_hash=h, token_ids=toks, block_size=ev.block_size)
-                for h, toks in zip(ev.block_hashes, ev.token_ids, strict=True)
-            ]
-        )
-        if ev.parent_hash is not None:
-            stored.parent_block_hash = ev.parent_hash
-        return common_pb2.KvCacheEvent(event_id=ev.event_id, stored=stored)
-    if isinstance(ev, BlockRemoved):
-        return common_pb2.KvCacheEvent(
-            event_id=ev.event_id, removed=common_pb2.KvBlocksRemoved(block_hashes=ev.block_hashes)
-        )
-    return common_pb2.KvCacheEvent(event_id=ev.event_id, cleared=common_pb2.KvCacheCleared())
-
-
-def _engine_load_pb(load: LoadSnapshot, sample: int, *, load_only: bool, telemetry: bool) -> Any:
-    msg = common_pb2.EngineLoad(
-        running_requests=load.running,
-        waiting_requests=load.waiting,
-        waiting_uncached_tokens=load.waiting_uncached_tokens,
-        token_usage=load.token_usage,
-        active_token_usage=load.token_usage,
-        gen_throughput=load.gen_throughput,
-        max_running_requests=load.max_running,
-        age_ms=0,
-        sample=sample,
-        load_only=load_only,
-        prefill_pending_tokens=load.prefill_pending_tokens,
-    )
-    if telemetry:
-        msg.cache_hit_rate = load.cache_hit_rate
-        msg.num_used_tokens = load.used_tokens
-        msg.max_total_num_tokens = load.max_total_tokens
-    return msg
-
-
-async def _kv_event_stream(core: EngineCore, request: Any) -> AsyncIterator[Any]:
-    """SubscribeKvEvents: batches from real cache changes, each with the engine's load attached;
-    load-only records (numbered with the last sequence sent) when the load changes without a KV event
-    and as a heartbeat while idle."""
-    sub = core.kv_log.subscribe(request.start_sequence_number)
-    early_loads = request.load_records_before_first_batch
-    sample = 0
-    last_seq = 0
-    sent_batch = False
-    try:
-        if early_loads:
-            sample += 1
-            yield common_pb2.KvEventBatch(
-                sequence_number=0,
-                timestamp=core.wallclock(),
-                load=_engine_load_pb(core.loads(), sample, load_only=True, telemetry=True),
-            )
-        while True:
-            await sub.wait(KV_HEARTBEAT_S)
-            if sub.overflowed:
-                raise MockRpcError("RESOURCE_EXHAUSTED", "KV event subscriber fell too far behind")
-            batches: list[KvBatch] = sub.take()
-            dirty = sub.load_dirty
-            sub.load_dirty = False
-            load = core.loads()
-            if batches:
-                for batch in batches:
-                    sample += 1
-                    yield common_pb2.KvEventBatch(
-                        sequence_number=batch.sequence_number,
-                        timestamp=batch.timestamp,
-                        events=[_kv_event_pb(ev) for ev in batch.events],
-                        load=_engine_load_pb(load, sample, load_only=False, telemetry=not sent_batch),
-                    )
-                    sent_batch = True
-                last_seq = batches[-1].sequence_number
-            elif sent_batch or early_loads:
-                sample += 1
-                yield common_pb2.KvEventBatch(
-                    sequence_number=last_seq,
-                    timestamp=core.wallclock(),
-                    load=_engine_load_pb(load, sample, load_only=True, telemetry=True),
-                )
-            if dirty:
-                await asyncio.sleep(KV_COALESCE_S)
-    finally:
-        sub.close()
-
-
-async def _tokenizer_chunks(tokenizers: _Tokenizers) -> AsyncIterator[Any]:
-    archive = await tokenizers.get()
-    chunks = archive.chunks()
-    for i, data in enumerate(chunks):
-        last = i == len(chunks) - 1
-        yield common_pb2.GetTokenizerChunk(data=data, sha256=archive.sha256 if last else "")
-
-
-def _scheduler_load(module: Any, load: LoadSnapshot, include: Sequence[str], role: str) -> Any:
-    msg = module.SchedulerLoad(
-        dp_rank=0,
-        num_running_reqs=load.running,
-        num_waiting_reqs=load.waiting,
-        num_total_reqs=load.running + load.waiting,
-        num_used_tokens=load.used_tokens,
-        max_total_num_tokens=load.max_total_tokens,
-        token_usage=load.token_usage,
-        gen_throughput=load.gen_throughput,
-        cache_hit_rate=load.cache_hit_rate,
-        utilization=load.utilization,
-        max_running_requests=load.max_running,
-        num_waiting_uncached_tokens=load.waiting_uncached_tokens,
-    )
-    if module is SGL:
-        sections = set(include)
-        every = "all" in sections
-        if every or "memory" in sections:
-            msg.memory.CopyFrom(SGL.MemoryMetrics(token_capacity=load.max_total_tokens))
-        if every or "queues" in sections:
-            msg.queues.CopyFrom(SGL.QueueMetrics(waiting=load.waiting))
-        if every or "disagg" in sections:
-            msg.disaggregation.CopyFrom(SGL.DisaggregationMetrics(mode="null" if role == "both" else role))
-    return msg
 
 
 # ---- SGLang ----------------------------------------------------------------------------------------
@@ -227,7 +78,7 @@ class _Service:
 
     KIND = ""
 
-    def __init__(self, core: EngineCore, tokenizers: _Tokenizers, *, raw_chunks: bool = False) -> None:
+    def __init__(self, core: EngineCore, tokenizers: Tokenizers, *, raw_chunks: bool = False) -> None:
         """``raw_chunks``: yield streamed chunks as pre-encoded bytes (servers that pass bytes through)."""
         self._core = core
         self._tokenizers = tokenizers
@@ -286,13 +137,13 @@ class _Service:
 
     async def GetTokenizer(self, request: Any, context: Any) -> AsyncIterator[Any]:
         self._core.stats.count_rpc(f"{self.KIND}.GetTokenizer")
-        async for chunk in _tokenizer_chunks(self._tokenizers):
+        async for chunk in tokenizer_chunks(self._tokenizers):
             yield chunk
 
     async def SubscribeKvEvents(self, request: Any, context: Any) -> AsyncIterator[Any]:
         self._core.stats.count_rpc(f"{self.KIND}.SubscribeKvEvents")
         try:
-            async for batch in _kv_event_stream(self._core, request):
+            async for batch in kv_event_stream(self._core, request):
                 yield batch
         except MockRpcError as e:
             await context.abort(_status(e.code), e.message)
@@ -346,7 +197,7 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
                 index=ev.index,
             )
             if ev.logprobs:
-                chunk.output_logprobs.CopyFrom(_logprobs_pb(SGL, ev.logprobs))
+                chunk.output_logprobs.CopyFrom(logprobs_pb(SGL, ev.logprobs))
             return SGL.GenerateResponse(request_id=rid, chunk=chunk)
         complete = SGL.GenerateComplete(
             output_ids=ev.output_ids,
@@ -359,7 +210,7 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
         if ev.matched_token_id is not None:
             complete.matched_token_id = ev.matched_token_id
         if ev.logprobs:
-            complete.output_logprobs.CopyFrom(_logprobs_pb(SGL, ev.logprobs))
+            complete.output_logprobs.CopyFrom(logprobs_pb(SGL, ev.logprobs))
         return SGL.GenerateResponse(request_id=rid, complete=complete)
 
     async def Abort(self, request: Any, context: Any) -> Any:
@@ -443,7 +294,7 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
             timestamp=_iso_now(),
             version="mock",
             dp_rank_count=1,
-            loads=[_scheduler_load(SGL, load, list(request.include), core.config.role)],
+            loads=[scheduler_load(SGL, load, list(request.include), core.config.role)],
             aggregate=SGL.AggregateMetrics(
                 total_running_reqs=load.running,
                 total_waiting_reqs=load.waiting,
@@ -510,7 +361,7 @@ class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: i
                 index=ev.index,
             )
             if ev.logprobs:
-                chunk.output_logprobs.CopyFrom(_logprobs_pb(VLLM, ev.logprobs))
+                chunk.output_logprobs.CopyFrom(logprobs_pb(VLLM, ev.logprobs))
             return VLLM.GenerateResponse(chunk=chunk)
         complete = VLLM.GenerateComplete(
             output_ids=ev.output_ids,
@@ -525,7 +376,7 @@ class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: i
         if ev.kv_transfer_params_json is not None:
             complete.kv_transfer_params_json = ev.kv_transfer_params_json
         if ev.logprobs:
-            complete.output_logprobs.CopyFrom(_logprobs_pb(VLLM, ev.logprobs))
+            complete.output_logprobs.CopyFrom(logprobs_pb(VLLM, ev.logprobs))
         return VLLM.GenerateResponse(complete=complete)
 
     async def Abort(self, request: Any, context: Any) -> Any:
@@ -585,7 +436,7 @@ class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: i
             timestamp=_iso_now(),
             version="mock",
             dp_rank_count=1,
-            loads=[_scheduler_load(VLLM, load, (), core.config.role)],
+            loads=[scheduler_load(VLLM, load, (), core.config.role)],
         )
 
 
@@ -618,7 +469,7 @@ async def start_grpc_server(
     """
     if impl == "auto":
         impl = "lean" if core.config.zero_latency else "grpcio"
-    tokenizers = _Tokenizers(core.config.tokenizer_path)
+    tokenizers = Tokenizers(core.config.tokenizer_path)
     services: list[tuple[Callable[[Any, Any], None], Any]] = []
     raw = impl == "lean"  # the lean server passes bytes through; grpc.aio serializes protobufs only
     if "sglang" in engines:

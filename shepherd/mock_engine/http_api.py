@@ -6,7 +6,7 @@ write.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 GET /v1/loads; POST|DELETE|GET /mock/responses, POST|GET /mock/faults, GET|DELETE /mock/stats,
-POST /mock/flush_cache.
+POST /mock/flush_cache. Request parameters and stop strings: ``http_params``.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
 from tokenizers.decoders import DecodeStream
 
-from shepherd.mock_engine.engine import EngineCore, MockRequest, MockRpcError, Run, TokenizerLike
-from shepherd.mock_engine.outputs import OutputSpec
+from shepherd.mock_engine.engine import EngineCore, Run, TokenizerLike
+from shepherd.mock_engine.http_params import HttpError, Params, StopText, parse_params
+from shepherd.mock_engine.requests import MockRequest, MockRpcError
 from shepherd.proto.engine_types import EngineChunk, EngineComplete, TokenLogprob
 
 MAX_BODY = 32 * 1024 * 1024
@@ -58,15 +58,6 @@ class ChatTokenizer(TokenizerLike, Protocol):
     ) -> str: ...
 
 
-class HttpError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-
-
 def error_response(
     status: int, message: str, code: str | None = None, param: str | None = None
 ) -> web.Response:
@@ -83,138 +74,6 @@ def error_response(
 
 def json_response(obj: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(obj), headers=JSON_HEADERS)
-
-
-# ---- request parsing --------------------------------------------------------------------------------
-
-
-def _opt_int(body: Mapping[str, Any], *names: str) -> int | None:
-    for name in names:
-        v = body.get(name)
-        if v is None:
-            continue
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise HttpError(400, f"{name} must be an integer", "invalid_type", name)
-        return v
-    return None
-
-
-def _stops(body: Mapping[str, Any]) -> tuple[str, ...]:
-    stop = body.get("stop")
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        return (stop,) if stop else ()
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        return tuple(s for s in stop if s)
-    raise HttpError(400, "stop must be a string or a list of strings", "invalid_type", "stop")
-
-
-@dataclass(frozen=True, slots=True)
-class _Params:
-    spec: OutputSpec
-    n: int
-    stream: bool
-    include_usage: bool
-    stops: tuple[str, ...]
-    include_stop_str: bool
-    logprobs: bool
-    top_logprobs: int
-
-
-def _params(body: Mapping[str, Any], chat: bool) -> _Params:
-    max_tokens = (
-        _opt_int(body, "max_completion_tokens", "max_tokens") if chat else _opt_int(body, "max_tokens")
-    )
-    if max_tokens is not None and max_tokens < 0:
-        raise HttpError(400, "max_tokens must be >= 0", "invalid_value", "max_tokens")
-    n = _opt_int(body, "n")
-    n = 1 if n is None else n
-    if n < 1 or n > 128:
-        raise HttpError(400, "n must be in [1, 128]", "invalid_value", "n")
-    temperature = body.get("temperature")
-    if temperature is not None and (
-        not isinstance(temperature, int | float) or isinstance(temperature, bool)
-    ):
-        raise HttpError(400, "temperature must be a number", "invalid_type", "temperature")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(i, int) for i in stop_ids):
-        raise HttpError(400, "stop_token_ids must be a list of integers", "invalid_type", "stop_token_ids")
-    seed = _opt_int(body, "seed")
-    if chat:
-        want_lp = bool(body.get("logprobs"))
-        top = _opt_int(body, "top_logprobs") or 0
-    else:
-        lp = _opt_int(body, "logprobs")
-        want_lp = lp is not None
-        top = lp or 0
-    opts = body.get("stream_options")
-    return _Params(
-        spec=OutputSpec(
-            max_new_tokens=max_tokens,
-            min_new_tokens=_opt_int(body, "min_tokens") or 0,
-            stop_token_ids=frozenset(stop_ids),
-            ignore_eos=bool(body.get("ignore_eos", False)),
-            greedy=temperature == 0,
-            seed=seed,
-        ),
-        n=n,
-        stream=bool(body.get("stream", False)),
-        include_usage=isinstance(opts, dict) and bool(opts.get("include_usage")),
-        stops=_stops(body),
-        include_stop_str=bool(body.get("include_stop_str_in_output", False)),
-        logprobs=want_lp,
-        top_logprobs=max(0, min(top, 20)),
-    )
-
-
-class _StopText:
-    """Stop strings over an incremental text: holds back what could be the start of a stop string."""
-
-    __slots__ = ("_buf", "_emitted", "_hold", "_include", "_stops", "stopped")
-
-    def __init__(self, stops: tuple[str, ...], include: bool) -> None:
-        self._stops = stops
-        self._include = include
-        self._hold = max((len(s) for s in stops), default=1) - 1
-        self._buf = ""
-        self._emitted = 0
-        self.stopped = False
-
-    def feed(self, delta: str) -> str:
-        if self.stopped:
-            return ""
-        if not self._stops:
-            return delta
-        start = max(0, len(self._buf) - self._hold)
-        self._buf += delta
-        best = -1
-        best_stop = ""
-        for s in self._stops:
-            i = self._buf.find(s, start)
-            if i >= 0 and (best < 0 or i < best):
-                best, best_stop = i, s
-        if best >= 0:
-            self.stopped = True
-            end = best + len(best_stop) if self._include else best
-            out = self._buf[self._emitted : end]
-            self._emitted = end
-            return out
-        safe = max(self._emitted, len(self._buf) - self._hold)
-        out = self._buf[self._emitted : safe]
-        self._emitted = safe
-        return out
-
-    def hit(self) -> bool:
-        """Whether a stop string was found (a method: type narrowing must not outlive ``feed``)."""
-        return self.stopped
-
-    def flush(self) -> str:
-        if self.stopped:
-            return ""
-        out = self._buf[self._emitted :]
-        self._emitted = len(self._buf)
-        return out
 
 
 # ---- the app ----------------------------------------------------------------------------------------
@@ -397,7 +256,7 @@ class MockHttpApi:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise HttpError(400, "messages must be a non-empty list", "invalid_type", "messages")
-            params = _params(body, chat=True)
+            params = parse_params(body, chat=True)
             tools = body.get("tools")
             kwargs = body.get("chat_template_kwargs")
             try:
@@ -422,7 +281,7 @@ class MockHttpApi:
             if not isinstance(body, dict):
                 raise HttpError(400, "the body must be a JSON object", "invalid_type")
             self._check_model(body)
-            params = _params(body, chat=False)
+            params = parse_params(body, chat=False)
             prompts = self._prompts(body.get("prompt"))
         except HttpError as e:
             return error_response(e.status, e.message, e.code, e.param)
@@ -457,7 +316,7 @@ class MockHttpApi:
         request: web.Request,
         rid: str,
         prompts: list[tuple[tuple[int, ...], str]],
-        params: _Params,
+        params: Params,
         *,
         chat: bool,
         echo: bool,
@@ -497,7 +356,7 @@ class MockHttpApi:
         rid: str,
         runs: list[Run],
         prompts: list[tuple[tuple[int, ...], str]],
-        params: _Params,
+        params: Params,
         *,
         chat: bool,
         echo: bool,
@@ -513,7 +372,7 @@ class MockHttpApi:
                 finish = ev.finish_reason
                 text = tok.decode(ids)
                 if params.stops:
-                    st = _StopText(params.stops, params.include_stop_str)
+                    st = StopText(params.stops, params.include_stop_str)
                     cut = st.feed(text)
                     if st.stopped:
                         text, finish = cut, "stop"
@@ -586,7 +445,7 @@ class MockHttpApi:
         rid: str,
         runs: list[Run],
         prompts: list[tuple[tuple[int, ...], str]],
-        params: _Params,
+        params: Params,
         *,
         chat: bool,
         echo: bool,
@@ -635,7 +494,7 @@ class MockHttpApi:
         try:
             for p, run in enumerate(runs):
                 decoders = [DecodeStream(skip_special_tokens=True) for _ in range(n)]
-                stoppers = [_StopText(params.stops, params.include_stop_str) for _ in range(n)]
+                stoppers = [StopText(params.stops, params.include_stop_str) for _ in range(n)]
                 for i in range(n):
                     index = p * n + i
                     if chat:

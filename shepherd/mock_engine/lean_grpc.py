@@ -16,139 +16,41 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
 from collections.abc import Callable
-from typing import Any, NoReturn, cast
+from typing import Any, cast
 
 import grpc
 
-from shepherd.mock_engine.hpack import Decoder, HpackError, encode_literal, encode_literal_indexed_name
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
-    range(10)
+from shepherd.mock_engine.hpack import Decoder, HpackError
+from shepherd.mock_engine.lean_grpc_calls import Abort, ServicerContext, Stream
+from shepherd.mock_engine.lean_grpc_frames import (
+    ACK,
+    COMPRESSION_ERROR,
+    CONTINUATION,
+    DATA,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADERS,
+    MAX_INBOUND_FRAME,
+    NO_ERROR,
+    OUR_CONN_WINDOW,
+    OUR_STREAM_WINDOW,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    RESPONSE_HEADERS,
+    RST_STREAM,
+    SETTINGS,
+    TIMEOUT_UNITS,
+    WINDOW_UPDATE,
+    frame,
+    trailers_block,
 )
-END_STREAM = 0x1
-ACK = 0x1
-END_HEADERS = 0x4
-PADDED = 0x8
-PRIORITY_FLAG = 0x20
-DEFAULT_WINDOW = 65_535
-OUR_STREAM_WINDOW = 1 << 24
-OUR_CONN_WINDOW = 1 << 30
-MAX_INBOUND_FRAME = 16_384
-NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, COMPRESSION_ERROR = 0, 1, 3, 6, 9
-CANCEL = 8
-
-RESPONSE_HEADERS = b"\x88" + encode_literal_indexed_name(31, b"application/grpc")  # :status 200, content-type
-TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
-
-
-def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((ftype, flags)) + stream_id.to_bytes(4, "big") + payload
-
-
-def _percent_encode(text: str) -> bytes:
-    raw = text.encode("utf-8", "replace")
-    if all(0x20 <= b <= 0x7E and b != 0x25 for b in raw):
-        return raw
-    return b"".join(bytes((b,)) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in raw)
-
-
-def trailers_block(code: grpc.StatusCode, details: str = "") -> bytes:
-    block = encode_literal(b"grpc-status", str(code.value[0]).encode())
-    if details:
-        block += encode_literal(b"grpc-message", _percent_encode(details))
-    return block
-
-
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class ServicerContext:
-    """The part of ``grpc.aio.ServicerContext`` the mock's servicers use."""
-
-    __slots__ = ("_callbacks", "_code", "_details", "_done", "_stream", "cancelled_by_peer")
-
-    def __init__(self, stream: _Stream) -> None:
-        self._stream = stream
-        self._callbacks: list[Callable[[Any], None]] | None = None
-        self._code: grpc.StatusCode | None = None
-        self._details = ""
-        self._done = False
-        self.cancelled_by_peer = False
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> NoReturn:
-        raise _Abort(code, details)
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def set_details(self, details: str) -> None:
-        self._details = details
-
-    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
-        if self._callbacks is None:
-            self._callbacks = [callback]
-        else:
-            self._callbacks.append(callback)
-
-    def cancelled(self) -> bool:
-        return self.cancelled_by_peer
-
-    def done(self) -> bool:
-        return self._done
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in self._stream.headers)
-
-    def finish(self) -> None:
-        if not self._done:
-            self._done = True
-            callbacks, self._callbacks = self._callbacks, None
-            for cb in callbacks or ():
-                cb(self)
-
-
-class _Stream:
-    __slots__ = (
-        "body",
-        "ctx",
-        "deadline",
-        "drain",
-        "expired",
-        "headers",
-        "headers_sent",
-        "id",
-        "id_bytes",
-        "local_closed",
-        "pending",
-        "remote_closed",
-        "send_window",
-        "task",
-        "trailers",
-    )
-
-    def __init__(self, stream_id: int, headers: list[tuple[bytes, bytes]], send_window: int) -> None:
-        self.id = stream_id
-        self.id_bytes = stream_id.to_bytes(4, "big")
-        self.headers = headers
-        self.body = bytearray()
-        self.send_window = send_window
-        self.pending: deque[bytes] = deque()  # DATA payload waiting for flow-control window
-        self.trailers: bytes | None = None  # trailers waiting behind pending data
-        self.headers_sent = False
-        self.remote_closed = False
-        self.local_closed = False
-        self.task: asyncio.Task[None] | None = None
-        self.drain: asyncio.Future[None] | None = None
-        self.deadline: asyncio.TimerHandle | None = None
-        self.expired = False
-        self.ctx: ServicerContext | None = None
 
 
 class GrpcH2Protocol(asyncio.Protocol):
@@ -163,8 +65,8 @@ class GrpcH2Protocol(asyncio.Protocol):
         self._out = bytearray()
         self._flush_scheduled = False
         self._decoder = Decoder()
-        self._streams: dict[int, _Stream] = {}
-        self._blocked: dict[int, _Stream] = {}
+        self._streams: dict[int, Stream] = {}
+        self._blocked: dict[int, Stream] = {}
         self._peer_initial_window = DEFAULT_WINDOW
         self._peer_max_frame = 16_384
         self._conn_send_window = DEFAULT_WINDOW
@@ -326,7 +228,7 @@ class GrpcH2Protocol(asyncio.Protocol):
         if sid in self._streams or sid <= self._last_stream:
             return  # trailers from the client (no client-streaming RPC here): nothing to do
         self._last_stream = sid
-        stream = _Stream(sid, headers, self._peer_initial_window)
+        stream = Stream(sid, headers, self._peer_initial_window)
         self._streams[sid] = stream
         if flags & END_STREAM:
             stream.remote_closed = True
@@ -352,7 +254,7 @@ class GrpcH2Protocol(asyncio.Protocol):
 
     # ---- calls -------------------------------------------------------------------------------------
 
-    def _dispatch(self, stream: _Stream) -> None:
+    def _dispatch(self, stream: Stream) -> None:
         path = b""
         timeout: bytes | None = None
         for name, value in stream.headers:
@@ -384,12 +286,12 @@ class GrpcH2Protocol(asyncio.Protocol):
                     delay = int(timeout[:-1]) * unit
                     stream.deadline = self._loop.call_later(delay, self._deadline, stream)
 
-    def _deadline(self, stream: _Stream) -> None:
+    def _deadline(self, stream: Stream) -> None:
         if stream.task is not None and not stream.task.done():
             stream.expired = True
             stream.task.cancel()
 
-    def _cancel_stream(self, stream: _Stream) -> None:
+    def _cancel_stream(self, stream: Stream) -> None:
         if stream.ctx is not None:
             stream.ctx.cancelled_by_peer = True
         if stream.deadline is not None:
@@ -401,7 +303,7 @@ class GrpcH2Protocol(asyncio.Protocol):
         stream.pending.clear()
         stream.local_closed = True
 
-    async def _serve(self, stream: _Stream, handler: Any, payload: bytes) -> None:
+    async def _serve(self, stream: Stream, handler: Any, payload: bytes) -> None:
         ctx = stream.ctx
         assert ctx is not None
         code = grpc.StatusCode.OK
@@ -437,7 +339,7 @@ class GrpcH2Protocol(asyncio.Protocol):
                             await self._drain(stream)
             else:
                 code, details = grpc.StatusCode.UNIMPLEMENTED, "streaming requests are not supported"
-        except _Abort as e:
+        except Abort as e:
             code, details = e.code, e.details
         except NotImplementedError:
             code, details = ctx._code or grpc.StatusCode.UNIMPLEMENTED, ctx._details or "not implemented"
@@ -462,14 +364,14 @@ class GrpcH2Protocol(asyncio.Protocol):
         ctx.finish()
         self._send_trailers(stream, code, details)
 
-    async def _drain(self, stream: _Stream) -> None:
+    async def _drain(self, stream: Stream) -> None:
         while stream.pending and not stream.local_closed:
             fut = self._loop.create_future()
             stream.drain = fut
             self._schedule_flush()
             await fut
 
-    def send_message(self, stream: _Stream, payload: bytes) -> bool:
+    def send_message(self, stream: Stream, payload: bytes) -> bool:
         """Queue one gRPC message; False when it waits for flow-control window (then await drain)."""
         if stream.local_closed:
             raise asyncio.CancelledError()
@@ -510,7 +412,7 @@ class GrpcH2Protocol(asyncio.Protocol):
             return False
         return True
 
-    def _send_data(self, stream: _Stream, data: bytes) -> bytes:
+    def _send_data(self, stream: Stream, data: bytes) -> bytes:
         """Frame as much of ``data`` as the windows allow; returns what is left."""
         while data:
             size = min(len(data), self._peer_max_frame, stream.send_window, self._conn_send_window)
@@ -522,7 +424,7 @@ class GrpcH2Protocol(asyncio.Protocol):
             data = data[size:]
         return b""
 
-    def _send_trailers(self, stream: _Stream, code: grpc.StatusCode, details: str) -> None:
+    def _send_trailers(self, stream: Stream, code: grpc.StatusCode, details: str) -> None:
         if stream.local_closed:
             return
         block = trailers_block(code, details)
@@ -535,7 +437,7 @@ class GrpcH2Protocol(asyncio.Protocol):
         self._out += frame(HEADERS, END_HEADERS | END_STREAM, stream.id, block)
         self._close_local(stream)
 
-    def _close_local(self, stream: _Stream) -> None:
+    def _close_local(self, stream: Stream) -> None:
         stream.local_closed = True
         self._blocked.pop(stream.id, None)
         if self._streams.get(stream.id) is stream:
@@ -544,7 +446,7 @@ class GrpcH2Protocol(asyncio.Protocol):
                 self._out += frame(RST_STREAM, 0, stream.id, NO_ERROR.to_bytes(4, "big"))
         self._schedule_flush()
 
-    def _resume(self, stream: _Stream) -> None:
+    def _resume(self, stream: Stream) -> None:
         while stream.pending:
             rest = self._send_data(stream, stream.pending.popleft())
             if rest:

@@ -16,12 +16,11 @@ import json
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 
-if TYPE_CHECKING:  # engine.py imports this module
-    from shepherd.mock_engine.engine import MockRequest
+from shepherd.mock_engine.requests import MockRequest, MockRpcError
 
 Fetch = Callable[[str], Awaitable[dict[str, Any] | None]]
 
@@ -68,8 +67,6 @@ class PrefillLog:
 
 def _where(req: MockRequest) -> tuple[str, str, str]:
     """(prefill address, lookup URL, what is looked up) for a decode request; raises if it names none."""
-    from shepherd.mock_engine.engine import MockRpcError
-
     if req.bootstrap_room is not None and req.bootstrap_host:
         addr = f"{req.bootstrap_host}:{req.bootstrap_port}"
         return (
@@ -96,8 +93,6 @@ def _where(req: MockRequest) -> tuple[str, str, str]:
 
 async def verify_decode(req: MockRequest, fetch: Fetch, wait_s: float = 5.0, poll_s: float = 0.02) -> None:
     """Raise MockRpcError unless the prefill engine the request names computed this very prompt."""
-    from shepherd.mock_engine.engine import MockRpcError
-
     addr, url, what = _where(req)
     rec: dict[str, Any] | None = None
     for _ in range(max(1, int(wait_s / poll_s))):  # bounded: the prefill half may arrive a bit later

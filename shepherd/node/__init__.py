@@ -1,1 +1,27 @@
-"""node."""
+"""One gateway node: the composition root (``app``, ``cli``, ``devrun``, ``config``, ``metrics``) and
+its rooms, on the request path in this order:
+
+``http`` (HTTP/1.1 server) -> ``api`` (routes, admission, generation driving) -> ``openai`` (the
+OpenAI schema: parsing, chunks) -> ``tokens`` (render, encode) -> ``dispatch`` (gateway, workers,
+policies, PD) -> ``engines`` (one engine connection each) -> ``output`` (detokenize, stop, parsers)
+-> ``openai`` chunks -> client; ``cluster`` is this node's part in the mesh.
+
+Callers use: ``app.serve`` / ``app.build_app``, ``cli.main`` (``smg-node``), ``config.NodeConfig`` /
+``build_config``.
+"""
+
+__all__ = [
+    "api",
+    "app",
+    "cli",
+    "cluster",
+    "config",
+    "devrun",
+    "dispatch",
+    "engines",
+    "gc_tuning",
+    "http",
+    "metrics",
+    "openai",
+    "output",
+]

@@ -16,7 +16,8 @@ from shepherd.node.api import admin as api_admin
 from shepherd.node.api import keys as api_keys
 from shepherd.node.api import mesh as api_mesh
 from shepherd.node.api import openai as api_openai
-from shepherd.node.api.common import GATEWAY, error_middleware
+from shepherd.node.api.admission import Admission
+from shepherd.node.api.common import ADMISSION, GATEWAY, KEEPALIVE_TICKER, KeepAlive, error_middleware
 from shepherd.node.cluster.mesh_node import MeshNode
 from shepherd.node.config import NodeConfig
 from shepherd.node.dispatch.gateway import Gateway
@@ -25,14 +26,31 @@ from shepherd.node.http.server import LeanServer
 log = logging.getLogger("shepherd.node")
 
 
-def build_app(gw: Gateway, mesh: MeshNode | None = None) -> web.Application:
+def build_app(
+    gw: Gateway,
+    mesh: MeshNode | None = None,
+    *,
+    admission: Admission | None = None,
+    keepalive: KeepAlive | None = None,
+) -> web.Application:
+    """The node's aiohttp application: its routes and middlewares over the gateway. ``admission``: the
+    rate limits (None: none configured); ``keepalive``: the SSE keep-alive ticker (started and closed
+    with the app)."""
     app = web.Application(client_max_size=gw.cfg.max_body_bytes, middlewares=[error_middleware])
     app[GATEWAY] = gw
+    app[ADMISSION] = admission
+    ticker = app[KEEPALIVE_TICKER] = keepalive or KeepAlive(gw.cfg.sse_keepalive_secs)
+    app.on_startup.append(lambda _app: _start(ticker))
+    app.on_cleanup.append(lambda _app: ticker.close())
     app.add_routes(api_openai.routes())
     app.add_routes(api_admin.routes())
     api_mesh.install(app, mesh)  # /mesh/members, /mesh/state (404 when the mesh is off), smg_mesh_*
     api_keys.install(app)  # auth middleware (inside the error middleware) and /admin/keys
     return app
+
+
+async def _start(ticker: KeepAlive) -> None:
+    ticker.start()
 
 
 async def drain(gw: Gateway, grace: float) -> None:
@@ -47,8 +65,11 @@ async def drain(gw: Gateway, grace: float) -> None:
 
 async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
     gw = Gateway(cfg)
+    # mesh-wide rate limits (None: none configured, and the handlers skip admission)
+    admission = Admission.from_config(cfg, node=cfg.mesh_name, metrics=gw.metrics)
+    limiter = admission.limiter if admission is not None else None
     # built before the gateway starts: the policies must route with the replicated indexes from the start
-    mesh = MeshNode(cfg, gw) if cfg.mesh_port is not None else None
+    mesh = MeshNode(cfg, gw, limiter=limiter) if cfg.mesh_port is not None else None
     await gw.start()
     if mesh is not None:
         try:
@@ -57,7 +78,7 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
             await mesh.close()
             await gw.close()
             raise
-    app = build_app(gw, mesh)
+    app = build_app(gw, mesh, admission=admission)
     runner = web.AppRunner(
         app,
         handler_cancellation=True,

@@ -15,6 +15,8 @@ YAML keys are the CLI flag names in snake_case (``worker_urls``, ``model_path``,
 from __future__ import annotations
 
 import dataclasses
+import re
+import socket
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,9 +24,14 @@ from typing import Any
 
 import yaml
 
-from shepherd.auth.config import AuthConfig, AuthConfigError, load_auth_config, merge_auth
+from shepherd.auth.certs import validate_node_name
+from shepherd.auth.config import AuthConfig, AuthConfigError, merge_auth
+from shepherd.auth.load import load_auth_config
 from shepherd.auth.tls import TlsConfigError, check_settings
+from shepherd.mesh.keyring import Keyring
+from shepherd.mesh.runtime_config import parse_addr
 from shepherd.node.gc_tuning import GEN0_THRESHOLD
+from shepherd.parsers import reasoning_family_name, tool_family_name
 from shepherd.policies.simple import POLICY_NAMES
 
 EMBEDDED_MODEL_DIR = Path(__file__).parent.parent / "tokens" / "assets" / "qwen3"
@@ -298,8 +305,6 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
             "rate_limit_unreachable_grace_secs must be >= 0"
         )
     if cfg.mesh_port is not None or cfg.mesh_seeds:
-        from shepherd.node.cluster.mesh_node import check_mesh_config
-
         try:
             cfg = check_mesh_config(cfg)
         except ValueError as e:
@@ -331,8 +336,6 @@ def _check_pd(cfg: NodeConfig) -> None:
 
 
 def _check_parsers(cfg: NodeConfig) -> None:
-    from shepherd.parsers import reasoning_family_name, tool_family_name
-
     entries = [("", cfg.reasoning_parser, cfg.tool_call_parser)]
     entries += [(f"model {m.name!r}: ", m.reasoning_parser, m.tool_call_parser) for m in cfg.models]
     for where, reasoning, tool in entries:
@@ -355,3 +358,45 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping")
     return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def default_node_name() -> str:
+    """The host name, made a valid node identity (1-63 of ``[A-Za-z0-9._-]``)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-._")[:63]
+    return name or "node"
+
+
+def check_mesh_config(cfg: NodeConfig) -> NodeConfig:
+    """Validate the ``mesh_*`` settings (``ValueError`` saying what is wrong); fills ``mesh_name``."""
+    if cfg.mesh_port is None:
+        raise ValueError("mesh_seeds need mesh_port (the mesh is off without it)")
+    port = cfg.mesh_port
+    if not 0 <= port < 65536:
+        raise ValueError(f"mesh_port {port} out of range")
+    name = validate_node_name(cfg.mesh_name or default_node_name())
+    for s in cfg.mesh_seeds:
+        parse_addr(s, port or 7946)
+    if cfg.mesh_advertise is not None:
+        parse_addr(cfg.mesh_advertise, port or 7946)
+    elif cfg.mesh_bind in ("0.0.0.0", "::", ""):
+        raise ValueError(
+            "mesh_advertise (host[:port] the other nodes reach) is required with a wildcard mesh_bind"
+        )
+    files = (cfg.mesh_cert, cfg.mesh_key, cfg.mesh_ca)
+    if any(files) and not all(files):
+        raise ValueError("mesh_cert, mesh_key and mesh_ca go together")
+    if cfg.mesh_dev_pki is None and not (all(files) and (cfg.mesh_keyring_file or cfg.mesh_keys)):
+        raise ValueError(
+            "the mesh is sealed and mutually authenticated: give mesh_keyring_file or mesh_keys, and "
+            "mesh_cert, mesh_key, mesh_ca (development certificates: `smg-node certs`), or, for development "
+            "only, --mesh-dev-pki DIR (a CA and a key shared through DIR, made if missing)"
+        )
+    if cfg.mesh_keys:
+        Keyring.from_b64(cfg.mesh_keys)  # KeyringError is a ValueError
+    for k in ("mesh_probe_interval", "mesh_probe_timeout", "mesh_push_pull_interval", "mesh_gossip_interval"):
+        v = getattr(cfg, k)
+        if v is not None and not v > 0:
+            raise ValueError(f"{k} must be > 0")
+    if cfg.mesh_suspicion_mult is not None and cfg.mesh_suspicion_mult < 1:
+        raise ValueError("mesh_suspicion_mult must be >= 1")
+    return dataclasses.replace(cfg, mesh_name=name)

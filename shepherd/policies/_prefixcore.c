@@ -411,7 +411,7 @@ static inline void lru_insert_after(Core *c, int32_t at, int32_t e) { /* at: an 
 /* == replication (a mesh's replica: Core.replicate) ====================================================
  * The digest: per worker, per time slot, the count of its entries and the sum of their block names (mod
  * 2**64), kept up to date by every change of an entry (made, retimed into another slot, dropped). The delta
- * buffer: the blocks a local insert made or moved into another slot (as ``state_index.ReplicatedPrefixIndex``
+ * buffer: the blocks a local insert made or moved into another slot (as ``prefix_replica.ReplicatedPrefixIndex``
  * does: a held prefix re-accessed in the same slot is not sent again), one group per insert, in chain order;
  * with ``relay``, what merges changed too. The same semantics as the Python replica, tested alike. */
 

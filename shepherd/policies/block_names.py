@@ -13,13 +13,14 @@ special token, or the whole text on an L0 hit), and CPython caches a string's ha
 of a conversation, whose pieces repeat those of the turn before, can be named piece by piece without
 reading its ids at all.
 
-``PromptIds`` is a list of ids that also carries its *shape*: ``(key, n)`` pairs, the pieces it was built
-from in order (``key`` a string that determines the piece's ids; ``n`` its number of ids). ``BlockNamer``
-remembers, per chain of piece keys, the block hashes that end inside each piece: a prompt whose first k
-pieces were seen before costs k dict lookups for them, and only the ids after them are hashed. The result
-is always exactly ``block_hashes(ids)`` (property-tested): the memo is keyed by the exact chain of piece
-keys (equality, not a digest), a key's ids never change for one tokenizer (one namer per model), and a
-shape that does not add up to ``len(ids)`` is ignored.
+``PromptIds`` (``shepherd.proto.prompt_ids``, what the token caches hand over) is a list of ids that also
+carries its *shape*: ``(key, n)`` pairs, the pieces it was built from in order (``key`` a string that
+determines the piece's ids; ``n`` its number of ids). ``BlockNamer`` remembers, per chain of piece keys,
+the block hashes that end inside each piece: a prompt whose first k pieces were seen before costs k dict
+lookups for them, and only the ids after them are hashed. The result is always exactly
+``block_hashes(ids)`` (property-tested): the memo is keyed by the exact chain of piece keys (equality,
+not a digest), a key's ids never change for one tokenizer (one namer per model), and a shape that does
+not add up to ``len(ids)`` is ignored.
 
 Memory is bounded by entries and by hashes kept (oldest first out).
 """
@@ -27,7 +28,9 @@ Memory is bounded by entries and by hashes kept (oldest first out).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
+
+from shepherd.proto.prompt_ids import shape_of
 
 BLOCK = 16
 HashFn = Callable[[Sequence[int], int, int], list[int]]  # block_hashes(ids, seed, start)
@@ -64,31 +67,14 @@ except ImportError:  # pragma: no cover - an install without a C compiler
 
 NATIVE_NAMES = block_hashes is not py_block_hashes
 
-Shape = tuple[tuple[str, int], ...]
 __all__ = [
     "BLOCK",
     "CHAIN_SEED",
     "NATIVE_NAMES",
     "BlockNamer",
-    "PromptIds",
     "block_hashes",
     "py_block_hashes",
-    "shape_of",
 ]
-
-
-class PromptIds(list[int]):
-    """A prompt's ids and the pieces they came from (``shape``; empty when unknown)."""
-
-    __slots__ = ("shape",)
-
-    def __init__(self, ids: Iterable[int] = (), shape: Shape = ()) -> None:
-        super().__init__(ids)
-        self.shape = shape
-
-
-def shape_of(ids: Sequence[int]) -> Shape:
-    return ids.shape if isinstance(ids, PromptIds) else ()
 
 
 class BlockNamer:

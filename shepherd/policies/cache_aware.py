@@ -11,7 +11,7 @@ balance_abs_threshold 64, balance_rel_threshold 1.5):
    prompt than the best holder, a *move* cost: ``move_base + missing_tokens / move_tokens_per_load``
    requests. The cheapest worker wins ("hit" if it holds the longest prefix, else "move").
 
-Rule 3 is Shepherd's answer to the original's hot spots (DESIGN §5): there, a hit always goes to the
+Rule 3 is Shepherd's answer to the original's hot spots (docs/DESIGN.md §5): there, a hit always goes to the
 holder, so every conversation under a shared system prompt lands on the engine that first cached
 that prompt. Here a holder keeps a request only while it is not busier than another worker by more
 than what re-prefilling the missing tokens costs: a new conversation (everyone may hold the system
@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from shepherd.policies.base import RouteRequest, WorkerView, least_loaded, load_key, worker_load
 from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
-from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, RunPrefixIndex
+from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig
+from shepherd.policies.run_index import RunPrefixIndex
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,10 +32,10 @@ comes back from a peer that still has it until that peer ages it out. Under capa
 replicas may keep different subsets, and repair then moves entries the receiver evicts again; both
 are bounded by capacity.
 
-Wire (inside the ``MeshState`` envelope): ``[model, [group, ...]]``, a group being
-``[worker, time, hashes]`` (one float time for all, the shape of a routing decision) or
-``[worker, times, hashes]`` (``times``: float64 array bytes, one per hash, for repair and snapshots);
-``hashes`` are int64 array bytes, little-endian. A block costs 8 (or 16) bytes on the wire.
+The wire (batches of ``Group`` values, ``Digest`` values) is ``shepherd.proto.index_wire``. The mesh
+state (``mesh.state.MeshState``) carries it and drives a replica per model through the ``IndexReplica``
+protocol (``mesh.state_types``); a node gives it ``prefix_replica_native.make_replica`` as the factory
+of those replicas.
 
 Coupling: this subclass hooks the parent's ``_touch`` (``_on_touch``: the digest per run), overrides
 ``_touch_one``, ``_add_run`` (local inserts: one time per run), ``_unlink`` (every removal goes
@@ -48,44 +48,25 @@ from __future__ import annotations
 
 import hashlib
 import math
-import sys
 from array import array
 from collections import deque
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import floordiv, is_, not_
-from typing import Any
 
-from shepherd.mesh.hlc import StateDecodeError, expect_list, expect_str
-from shepherd.policies.prefix_index import (
-    PrefixIndexConfig,
-    RunPrefixIndex,
-    _Holder,
-    _Run,
-    _run_of,
-    _Shared,
-    by_worker,
-)
+from shepherd.policies.prefix_index import PrefixIndexConfig, by_worker
+from shepherd.policies.run_index import RunPrefixIndex, _Holder, _Run, _run_of, _Shared
+from shepherd.proto.index_wire import Digest, Group, Slot
 
 __all__ = [
-    "Digest",
-    "Group",
     "IndexReplConfig",
     "ReplicaApi",
     "ReplicatedPrefixIndex",
-    "Slot",
-    "decode_index_body",
-    "encode_index_bodies",
     "worker_key",
 ]
 
 _M64 = (1 << 64) - 1
-_BIG = sys.byteorder == "big"
-MAX_WORKER_LEN = 256
-
-Group = tuple[str, "float | array[float]", "array[int]"]
-"""(worker, one time or one time per hash, block hashes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,28 +92,6 @@ def worker_key(worker: str) -> int:
             hashlib.blake2b(worker.encode(), digest_size=8).digest(), "little", signed=True
         )
     return k
-
-
-def _to_bytes(a: array[Any]) -> bytes:
-    if _BIG:
-        a = array(a.typecode, a)
-        a.byteswap()
-    return a.tobytes()
-
-
-def _from_bytes(code: str, b: bytes) -> array[Any]:
-    a = array(code)
-    a.frombytes(b)
-    if _BIG:
-        a.byteswap()
-    return a
-
-
-Slot = int | float
-"""A digest bucket's time slot: ``int(t // granularity)``, or the exact time if the granularity is 0."""
-
-Digest = dict[str, dict[Slot, tuple[int, int]]]
-"""worker -> time slot -> (entry count, sum of block hashes mod 2**64)."""
 
 
 class ReplicaApi:
@@ -605,79 +564,3 @@ def _merge_new(hs: Sequence[int], ts: Iterable[float], new: dict[int, float]) ->
         cur = new.get(h)
         if cur is None or x > cur:
             new[h] = x
-
-
-# -- wire ---------------------------------------------------------------------------------------------
-
-
-def _str_size(s: str) -> int:
-    n = len(s.encode())
-    return n + (1 if n <= 31 else 2 if n <= 255 else 3)
-
-
-def _bin_size(n: int) -> int:
-    return n + (2 if n <= 255 else 3 if n <= 65535 else 5)
-
-
-def encode_index_bodies(model: str, groups: Iterable[Group], budget: int) -> Iterator[list[Any]]:
-    """Bodies ``[model, [group, ...]]`` whose msgpack encoding takes at most ``budget`` bytes;
-    a group that does not fit is split across bodies."""
-    base = 1 + _str_size(model) + 5  # outer array, model, groups array header (conservative)
-    if budget < base + 1 + _str_size("") + _bin_size(16) * 2 + 9:
-        raise ValueError(f"budget {budget} is too small for an index batch")
-    cur: list[Any] = []
-    free = budget - base
-    for w, t, hs in groups:
-        scalar = isinstance(t, float)
-        per = 8 if scalar else 16
-        fixed = 1 + _str_size(w) + (9 if scalar else 0)
-        i, n = 0, len(hs)
-        while i < n:
-            hdr = fixed + (5 if scalar else 10)  # bin headers, conservative
-            k = min(n - i, (free - hdr) // per)
-            if k <= 0:
-                if not cur:
-                    raise ValueError(f"budget {budget} is too small for worker name {w[:32]!r}")
-                yield [model, cur]
-                cur, free = [], budget - base
-                continue
-            part_h = hs[i : i + k]
-            if scalar:
-                cur.append([w, t, _to_bytes(part_h)])
-            else:
-                assert not isinstance(t, float)
-                cur.append([w, _to_bytes(t[i : i + k]), _to_bytes(part_h)])
-            free -= fixed + (_bin_size(8 * k) if scalar else 2 * _bin_size(8 * k))
-            i += k
-    if cur:
-        yield [model, cur]
-
-
-def decode_index_body(body: Any, max_entries: int = 1 << 20) -> tuple[str, list[Group]]:
-    """Decode ``[model, groups]``; raises ``StateDecodeError`` on anything malformed."""
-    f = expect_list(body, 2)
-    model = expect_str(f[0], 512, allow_empty=True)
-    out: list[Group] = []
-    total = 0
-    for g in expect_list(f[1], max_len=max_entries):
-        w_raw, t_raw, h_raw = expect_list(g, 3)
-        w = expect_str(w_raw, MAX_WORKER_LEN)
-        if type(h_raw) is not bytes or len(h_raw) % 8:
-            raise StateDecodeError("index hashes must be int64 array bytes")
-        hs = _from_bytes("q", h_raw)
-        total += len(hs)
-        if total > max_entries:
-            raise StateDecodeError("too many index entries in one payload")
-        t: float | array[float]
-        if type(t_raw) is float or type(t_raw) is int:
-            t = float(t_raw)
-            if not math.isfinite(t):
-                raise StateDecodeError("index time must be finite")
-        elif type(t_raw) is bytes and len(t_raw) == len(h_raw):
-            t = _from_bytes("d", t_raw)
-            if not all(map(math.isfinite, t)):
-                raise StateDecodeError("index times must be finite")
-        else:
-            raise StateDecodeError("index time must be a float or a float64 array as long as the hashes")
-        out.append((w, t, hs))
-    return model, out

@@ -1,7 +1,8 @@
 """``NativeReplicatedPrefixIndex``: a mesh's replica of the prefix index with its state in C, what
-``MeshState.index`` makes where the extension is built (``NATIVE_INDEX``).
+``make_replica`` (the mesh state's index factory on a node) makes where the extension is built
+(``NATIVE_INDEX``).
 
-The same replica as ``state_index.ReplicatedPrefixIndex`` (the wire, the delta and digest rules, the
+The same replica as ``prefix_replica.ReplicatedPrefixIndex`` (the wire, the delta and digest rules, the
 validation of received groups: ``ReplicaApi``), on ``NativePrefixIndex``'s core with the replication
 turned on (``Core.replicate``): the digest (per worker and time slot, the entry count and the sum of the
 block names mod 2**64) follows every change of an entry inside the core; the delta buffer holds, per local
@@ -25,16 +26,10 @@ from collections.abc import Collection, Iterable, Sequence
 
 from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
 from shepherd.policies.prefix_index import PrefixIndexConfig
-from shepherd.policies.prefix_replica import (
-    Digest,
-    Group,
-    IndexReplConfig,
-    ReplicaApi,
-    ReplicatedPrefixIndex,
-    Slot,
-)
+from shepherd.policies.prefix_replica import IndexReplConfig, ReplicaApi, ReplicatedPrefixIndex
+from shepherd.proto.index_wire import Digest, Group, Slot
 
-__all__ = ["NATIVE_INDEX", "NativeReplicatedPrefixIndex", "Replica"]
+__all__ = ["NATIVE_INDEX", "NativeReplicatedPrefixIndex", "Replica", "make_replica"]
 
 
 def _q(b: bytes) -> array[int]:
@@ -132,4 +127,12 @@ class NativeReplicatedPrefixIndex(ReplicaApi, NativePrefixIndex):
 
 
 Replica = ReplicatedPrefixIndex | NativeReplicatedPrefixIndex
-"""Either replica (``MeshState.index`` makes the native one where the extension is built)."""
+"""Either replica (``make_replica`` makes the native one where the extension is built)."""
+
+
+def make_replica(config: PrefixIndexConfig | None = None, repl: IndexReplConfig | None = None) -> Replica:
+    """A new replica of a model's prefix index: the native layout where the extension is built, the run
+    layout otherwise. What a node gives ``MeshState`` as its index factory (one call per model), e.g.
+    ``MeshState(name, clock, new_index=lambda: make_replica(config, repl))``."""
+    layout = NativeReplicatedPrefixIndex if NATIVE_INDEX else ReplicatedPrefixIndex
+    return layout(config, repl)

@@ -7,6 +7,11 @@ import random as _random
 from collections.abc import Callable, Sequence
 
 from shepherd.policies.base import Policy, RouteRequest, WorkerView
+from shepherd.policies.bucket import Bucket
+from shepherd.policies.cache_aware import CacheAware
+from shepherd.policies.hashing import ConsistentHashing, PrefixHash
+from shepherd.policies.load import LeastLoad, PowerOfTwo
+from shepherd.policies.manual import Manual
 
 _by_id = operator.attrgetter("id")
 
@@ -57,13 +62,6 @@ POLICY_NAMES = (
 def make_policy(name: str, *, seed: int | None = None, clock: Callable[[], float] | None = None) -> Policy:
     """A policy by its SGLang/SMG name, with the defaults users know. ``seed`` fixes the random
     choices (random, power_of_two, manual); ``clock`` is cache_aware's time source (default time.time)."""
-    # imported here: those modules import this package's base, and this module stays import-light
-    from shepherd.policies.bucket import Bucket
-    from shepherd.policies.cache_aware import CacheAware
-    from shepherd.policies.hashing import ConsistentHashing, PrefixHash
-    from shepherd.policies.load import LeastLoad, PowerOfTwo
-    from shepherd.policies.manual import Manual
-
     if name == "round_robin":
         return RoundRobin()
     if name == "random":

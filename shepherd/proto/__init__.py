@@ -1,1 +1,25 @@
-"""proto."""
+"""Vocabulary and codecs shared by every part; imports nothing of ours.
+
+Callers use: ``engine_types`` (what a node says to an engine and hears back: ``GenerateRequest``,
+``EngineChunk``, ``EngineComplete``, ``EngineError``, ``EngineLoad``, KV events, ``worker_id``),
+``engine_requests`` / ``engine_responses`` (those types <-> smg-grpc-proto messages and wire bytes),
+``kv_codec`` (KV-event streams), ``openai_errors`` (``ApiError``, ``error_response``: the OpenAI
+error envelope), ``prompt_ids`` (``PromptIds``: ids with the pieces they came from),
+``mesh_messages`` and ``mesh_wire`` (SWIM messages and their msgpack datagrams), ``index_wire``
+(prefix-index deltas and digests), ``state_decode`` (checks of decoded mesh state), ``varint`` (and
+``_varint.c``).
+"""
+
+__all__ = [
+    "engine_requests",
+    "engine_responses",
+    "engine_types",
+    "index_wire",
+    "kv_codec",
+    "mesh_messages",
+    "mesh_wire",
+    "openai_errors",
+    "prompt_ids",
+    "state_decode",
+    "varint",
+]

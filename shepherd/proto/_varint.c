@@ -1,4 +1,4 @@
-/* Packed protobuf varints of a list of token ids, at C speed: what ``engine_codec._packed`` otherwise asks
+/* Packed protobuf varints of a list of token ids, at C speed: what ``engine_requests._packed`` otherwise asks
  * protobuf's encoder for (a repeated uint32 field built from Python ints, ~40 ns an id, and a message
  * made and serialized around it). Only the plain case is handled here: exact ints in [0, 2**32). Anything
  * else returns None and the caller takes protobuf's path, which refuses it with protobuf's own error. The
@@ -65,7 +65,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_varint", "Packed protobuf varints of token ids (engine_codec._packed at C speed).",
+    PyModuleDef_HEAD_INIT, "_varint", "Packed protobuf varints of token ids (engine_requests._packed at C speed).",
     -1, methods,
 };
 

@@ -6,9 +6,15 @@ types and their own protocol, so the request pipeline never sees a protobuf.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+
+def worker_id(url: str) -> str:
+    """A worker's id, the same on every node (and in the benchmarks): 12 hex digits of its URL's SHA-1."""
+    return hashlib.sha1(url.encode()).hexdigest()[:12]
 
 
 class EngineError(Exception):

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-from shepherd.mesh.swim_types import (
+from shepherd.proto.mesh_messages import (
     MAX_META_LEN,
     MAX_NAME_LEN,
     Ack,

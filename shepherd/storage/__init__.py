@@ -1,1 +1,1 @@
-"""storage."""
+"""History storage behind one interface (responses, conversations, items): not built yet."""

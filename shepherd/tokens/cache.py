@@ -29,7 +29,7 @@ from typing import Final, Generic, TypeVar
 
 import tokenizers
 
-from shepherd.policies.block_names import PromptIds, Shape
+from shepherd.proto.prompt_ids import PromptIds, Shape
 from shepherd.tokens.fast_bpe import FastBPE, fast_bpe_for
 
 __all__ = ["CacheLimits", "EncodePlan", "SpecialSplitter", "TokenCache"]
@@ -123,7 +123,7 @@ def _trie(tokens: list[str]) -> str:
     return alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
 
 
-# Piece keys of a prompt's shape (``block_names``): a segment's text (encoded without special tokens)
+# Piece keys of a prompt's shape (``PromptIds.shape``): a segment's text (encoded without special tokens)
 # names its ids. The BOS/EOS a tokenizer adds are pieces of their own, and a whole text encoded with
 # them follows a marker piece of no ids: a text equal to a marker has ids, so the memo's id-count
 # check tells them apart.

@@ -1,11 +1,9 @@
 """Chat templates rendered the way ``transformers.apply_chat_template`` renders them.
 
-A template is compiled once in a jinja2 sandbox configured as transformers configures it
-(``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, a no-op ``{% generation %}`` block) plus the
-``do`` extension, and rendered with the context transformers gives it: ``messages``, ``tools``,
-``documents``, ``add_generation_prompt``, the special-token strings (``bos_token``, ``eos_token``, ...),
-``raise_exception``, ``strftime_now``, a ``tojson`` filter that keeps non-ASCII, and any extra keyword
-arguments (``enable_thinking``, ``reasoning_effort``, ...).
+A template is compiled once in the jinja2 sandbox of chat_env.py and rendered with the context
+transformers gives it: ``messages`` (prepared as in chat_messages.py), ``tools``, ``documents``,
+``add_generation_prompt``, the special-token strings (``bos_token``, ``eos_token``, ...),
+``strftime_now`` and any extra keyword arguments (``enable_thinking``, ``reasoning_effort``, ...).
 
 Rendered prompts are kept in a bounded LRU keyed by an order-preserving serialization of the inputs:
 key order matters (``tojson`` and ``items()`` render dict keys in insertion order), so keys are NOT
@@ -14,9 +12,6 @@ sorted.
 
 from __future__ import annotations
 
-import json
-import random
-import string
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,28 +20,24 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
 import orjson
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
 
+from shepherd.tokens.chat_env import _environment
+from shepherd.tokens.chat_messages import (
+    ChatTemplateError,
+    Message,
+    _cut_at_tag,
+    _prepare_messages,
+    _tag_final_message,
+    normalize_tool_call_arguments,
+    normalize_tool_call_ids,
+)
 from shepherd.tokens.chat_skeleton import MARK_OPEN, SENTINEL, SkeletonCache
 
-__all__ = [
-    "ChatTemplate",
-    "ChatTemplateError",
-    "ToolCallShape",
-    "make_environment",
-    "normalize_tool_call_arguments",
-    "normalize_tool_call_ids",
-]
+__all__ = ["ChatTemplate", "ToolCallShape"]
 
-Message = Mapping[str, Any]
 ClockReads = tuple[tuple[str, str], ...]  # the strftime_now calls of one render: (format, value)
-
-
-class ChatTemplateError(ValueError):
-    """The prompt could not be rendered: no template, the template refused the input, or bad input."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,121 +46,6 @@ class ToolCallShape:
 
     arguments: Literal["object", "string", "either", "unknown"]
     id_length: int | None
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (transformers' AssistantTracker) rendered as its body."""
-
-    tags: Final = {"generation"}  # type: ignore[misc]
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.Scope(body, lineno=lineno)
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | str | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # transformers overrides jinja's tojson (which HTML-escapes) with exactly this
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _TemplateDict:
-    """``dict(...)`` for templates without the type's attributes (transformers' hardening)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """``namespace(...)`` refusing underscore-prefixed attributes (transformers' hardening)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # jinja's signature trick: no named self
-        self, rest = args[0], args[1:]
-        attrs = dict(*rest, **kwargs)
-        for name in attrs:
-            _check_namespace_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _check_namespace_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-
-def _check_namespace_name(name: object) -> None:
-    if isinstance(name, str) and name.startswith("_"):
-        raise jinja2.exceptions.SecurityError(
-            f"chat templates cannot store underscore-prefixed attributes on a namespace ({name!r})"
-        )
-
-
-_DICT_ATTRS: Final = frozenset(dir(dict))
-
-
-class _ChatSandbox(ImmutableSandboxedEnvironment):
-    """ImmutableSandboxedEnvironment with a shortcut for ``message.role`` on plain dicts.
-
-    Jinja resolves ``d.key`` by trying ``getattr(d, "key")`` (an AttributeError for a dict), then
-    ``d["key"]``; when ``key`` is not an attribute of ``dict`` that is just ``d["key"]``, so this
-    returns the same thing without raising and catching an AttributeError (10-20% of a render).
-    """
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        if type(obj) is dict and attribute not in _DICT_ATTRS:
-            try:
-                return obj[attribute]
-            except KeyError:
-                return self.undefined(obj=obj, name=attribute)
-        return super().getattr(obj, attribute)
-
-
-def make_environment(*, immutable: bool = True) -> SandboxedEnvironment:
-    """A sandboxed environment configured as transformers configures it (plus ``do``).
-
-    ImmutableSandboxedEnvironment by default, as transformers uses: a template that renders there
-    renders identically here, and a template cannot mutate the caller's messages.
-    bench/tokenizer_bench.py prints its cost next to SandboxedEnvironment's.
-    """
-    cls = _ChatSandbox if immutable else SandboxedEnvironment
-    env = cls(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationBlock, jinja2.ext.loopcontrols, jinja2.ext.do],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env
-
-
-_ENV: SandboxedEnvironment | None = None
-
-
-def _environment() -> SandboxedEnvironment:
-    global _ENV
-    if _ENV is None:
-        _ENV = make_environment()
-    return _ENV
 
 
 class ChatTemplate:
@@ -584,155 +460,3 @@ def _plain_shape(
     else:
         kwargs_key = None  # {} renders as None does
     return (add_generation_prompt, kwargs_key, tuple(roles)), contents
-
-
-_REASONING_FIELDS: Final = ("reasoning_content", "thinking", "reasoning")
-_CONTINUE_TAG: Final = "CONTINUE_FINAL_MESSAGE_TAG "
-
-
-def _prepare_messages(messages: object) -> list[dict[str, Any]]:
-    """Fresh shallow copies: None-valued keys dropped but a null ``content`` made "", reasoning
-    aliased (transformers 5.x)."""
-    if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
-        raise ChatTemplateError("messages must be a list of objects")
-    if not messages:
-        raise ChatTemplateError("messages must not be empty")
-    out: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, Mapping):
-            raise ChatTemplateError(f"messages[{i}] must be an object, not {type(m).__name__}")
-        msg = {k: v for k, v in m.items() if v is not None}
-        if "content" in m and m["content"] is None:
-            # OpenAI clients send null content beside tool_calls; templates index it as text (vLLM
-            # renders it as "", transformers drops the key and Qwen3's template then fails)
-            msg["content"] = ""
-        if not isinstance(msg.get("role"), str):
-            raise ChatTemplateError(f"messages[{i}].role must be a string")
-        reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
-        if reasoning is not None:
-            msg = {"thinking": reasoning, **msg, "reasoning_content": reasoning}
-        out.append(msg)
-    return out
-
-
-def _tag_final_message(chat: list[dict[str, Any]], field: bool | str, source: str) -> None:
-    name = field if isinstance(field, str) else "content"
-    last = chat[-1]
-    final = last.get(name)
-    if final is None:
-        raise ChatTemplateError(f"continue_final_message is set but the final message has no {name!r}")
-    fields = [name]
-    if name in _REASONING_FIELDS:
-        fields = [f for f in _REASONING_FIELDS if last.get(f) == final]
-    if not any(f in source for f in fields):
-        raise ChatTemplateError(f"continue_final_message: the chat template does not read {name!r}")
-    if isinstance(final, list | tuple):
-        blocks = list(final)
-        for j in range(len(blocks) - 1, -1, -1):
-            block = blocks[j]
-            if isinstance(block, Mapping) and isinstance(block.get("text"), str):
-                blocks[j] = {**block, "text": block["text"] + _CONTINUE_TAG}
-                last[name] = blocks
-                return
-        raise ChatTemplateError("continue_final_message is set but the final message has no text to continue")
-    if not isinstance(final, str):
-        raise ChatTemplateError(f"continue_final_message: the final message's {name!r} is not text")
-    for f in fields:
-        last[f] = last[f] + _CONTINUE_TAG
-
-
-def _cut_at_tag(rendered: str) -> str:
-    tag = _CONTINUE_TAG.strip()
-    if tag not in rendered:
-        raise ChatTemplateError(
-            "continue_final_message is set but the final message does not appear in the rendered chat"
-        )
-    loc = rendered.rindex(tag)
-    if rendered[loc : loc + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
-        return rendered[:loc]
-    return rendered[:loc].rstrip()
-
-
-def normalize_tool_call_arguments(messages: Sequence[Message], as_string: bool) -> list[dict[str, Any]]:
-    """Copies of ``messages`` whose tool-call ``arguments`` are JSON strings (``as_string``) or objects.
-
-    DeepSeek and Mistral templates concatenate ``arguments`` as a string; Qwen and Llama templates
-    take either (Llama's ``tojson`` of a string double-encodes, so objects are right there).
-    Arguments that are a string but not valid JSON are left as they are when objects are wanted.
-    Messages without tool calls are shallow-copied unchanged.
-    """
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        calls = m.get("tool_calls")
-        if not calls:
-            out.append(dict(m))
-            continue
-        new_calls: list[Any] = []
-        for call in calls:
-            if not isinstance(call, Mapping):
-                new_calls.append(call)
-                continue
-            call = dict(call)
-            fn = call.get("function")
-            if isinstance(fn, Mapping):
-                fn = dict(fn)
-                fn["arguments"] = _convert_arguments(fn.get("arguments"), as_string)
-                call["function"] = fn
-            elif "arguments" in call:
-                call["arguments"] = _convert_arguments(call["arguments"], as_string)
-            new_calls.append(call)
-        copy = dict(m)
-        copy["tool_calls"] = new_calls
-        out.append(copy)
-    return out
-
-
-def _convert_arguments(args: Any, as_string: bool) -> Any:
-    if as_string:
-        if args is None:
-            return "{}"
-        if isinstance(args, str):
-            return args
-        return json.dumps(args, ensure_ascii=False)
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except ValueError:
-            return args
-    return args
-
-
-_ID_ALPHABET: Final = string.ascii_letters + string.digits
-
-
-def normalize_tool_call_ids(messages: Sequence[Message], length: int = 9) -> list[dict[str, Any]]:
-    """Copies of ``messages`` whose tool-call ids (and the tool results' ``tool_call_id``) are
-    ``length`` alphanumeric characters, as Mistral templates demand. An id that already fits is kept,
-    a longer one ending in ``length`` alphanumerics is cut to them (as vLLM does), others are mapped
-    to a deterministic replacement (same id in → same id out, in any process)."""
-    mapping: dict[str, str] = {}
-
-    def fix(ident: Any) -> Any:
-        if not isinstance(ident, str):
-            return ident
-        if len(ident) == length and ident.isalnum():
-            return ident
-        if len(ident) > length and ident[-length:].isalnum():
-            return ident[-length:]  # what vLLM does for Mistral
-        if ident not in mapping:
-            rng = random.Random(ident)
-            mapping[ident] = "".join(rng.choice(_ID_ALPHABET) for _ in range(length))
-        return mapping[ident]
-
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        copy = dict(m)
-        calls = m.get("tool_calls")
-        if calls:
-            copy["tool_calls"] = [
-                {**c, "id": fix(c["id"])} if isinstance(c, Mapping) and "id" in c else c for c in calls
-            ]
-        if "tool_call_id" in m:
-            copy["tool_call_id"] = fix(m["tool_call_id"])
-        out.append(copy)
-    return out

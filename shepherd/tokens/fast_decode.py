@@ -24,7 +24,7 @@ from operator import itemgetter
 
 import tokenizers
 
-from shepherd.tokens.fast_bpe import _to_latin1_table
+from shepherd.tokens.fast_bpe_core import _to_latin1_table
 
 __all__ = ["ByteDecoder"]
 

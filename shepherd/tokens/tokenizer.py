@@ -6,7 +6,7 @@ an optional ``generation_config.json`` (its ``eos_token_id`` list) and chat temp
 (takes precedence as the default, as in transformers) and any other ``*.jinja`` there, named by its stem
 without a ``chat_template.`` prefix (``chat_template.v3_1.jinja`` → ``"v3_1"``).
 
-``encode`` goes through the L0/L1 caches (see token_cache.py), what they miss through ``FastBPE``
+``encode`` goes through the L0/L1 caches (see cache.py), what they miss through ``FastBPE``
 (see fast_bpe.py) when the tokenizer's structure allows it, and always equals ``encode_uncached``
 (plain HF); ``render_chat`` goes through the rendered-prompt cache (see chat_template.py).
 """
@@ -24,7 +24,8 @@ import orjson
 import tokenizers
 
 from shepherd.tokens.cache import CacheLimits, TokenCache
-from shepherd.tokens.chat_template import ChatTemplate, ChatTemplateError
+from shepherd.tokens.chat_messages import ChatTemplateError
+from shepherd.tokens.chat_template import ChatTemplate
 from shepherd.tokens.fast_bpe import fast_bpe_for
 from shepherd.tokens.fast_decode import ByteDecoder
 

@@ -22,7 +22,7 @@ from smg_grpc_proto import sglang_scheduler_pb2_grpc as sg_grpc
 from smg_grpc_proto import vllm_engine_pb2 as vl
 from smg_grpc_proto import vllm_engine_pb2_grpc as vl_grpc
 
-from shepherd.node.engines import h2_conn
+from shepherd.node.engines import h2_frames
 from shepherd.node.engines.grpcio import GrpcEngineClient
 from shepherd.node.engines.h2 import H2EngineClient
 from shepherd.proto.engine_types import (
@@ -430,13 +430,13 @@ async def test_keepalive_detects_a_silent_server() -> None:
 
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal pings
-        writer.write(h2_conn.settings_frame({}))
+        writer.write(h2_frames.settings_frame({}))
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-            await reader.readexactly(len(h2_conn.PREFACE))
+            await reader.readexactly(len(h2_frames.PREFACE))
             for _ in range(1000):
                 head = await reader.readexactly(9)
                 await reader.readexactly(int.from_bytes(head[:3], "big"))
-                pings += head[3] == h2_conn.PING
+                pings += head[3] == h2_frames.PING
         writer.close()
 
     server = await asyncio.start_server(silent, "127.0.0.1", 0)

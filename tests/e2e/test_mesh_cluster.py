@@ -26,7 +26,7 @@ import pytest
 
 from shepherd.auth.certs import write_dev_pki
 from shepherd.mesh.keyring import Keyring, generate_key
-from shepherd.node.dispatch.workers import worker_id
+from shepherd.proto.engine_types import worker_id
 from tests.e2e.logs import log_file
 from tests.e2e.node_procs import BIN, NodeProc, http_status, reserved_port
 from tests.e2e.procs import MockEngineProc, start_mock_engine

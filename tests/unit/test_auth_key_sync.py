@@ -19,18 +19,20 @@ from hypothesis import strategies as st
 
 from shepherd.auth.config import AuthConfig, auth_config
 from shepherd.auth.keys import ApiKeyRecord, MemoryKeyStore, bootstrap_records, create_key, hash_key
-from shepherd.auth.middleware import AUTH, Authenticator, AuthFailure
+from shepherd.auth.middleware import Authenticator, AuthFailure
 from shepherd.mesh.state import MeshState
 from shepherd.mesh.state_config import ApiKeyRecord as DocKeyRecord
 from shepherd.mesh.state_config import ConfigDoc
 from shepherd.node.api import keys as api_keys
 from shepherd.node.api.common import GATEWAY, error_middleware
+from shepherd.node.api.keys import KEY_SYNC
 from shepherd.node.api.mesh import MESH
 from shepherd.node.cluster.key_sync import KeySync, from_doc, to_doc
 from shepherd.node.cluster.mesh_node import MeshNode
 from shepherd.node.config import NodeConfig
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.metrics import NodeMetrics
+from shepherd.policies.prefix_replica_native import make_replica
 from tests.unit.test_auth_middleware import whoami
 
 KEYS_CFG = auth_config({"mode": "api_key"})
@@ -274,7 +276,7 @@ def test_revoked_stays_revoked_and_nodes_converge_whatever_the_order(
 
 
 def test_through_mesh_state_gossip_and_push_pull() -> None:
-    states = [MeshState(name, lambda: 1000.0) for name in ("a", "b", "c")]
+    states = [MeshState(name, lambda: 1000.0, new_index=make_replica) for name in ("a", "b", "c")]
     stores = [MemoryKeyStore() for _ in states]
     syncs = [KeySync.attach(st_, s) for st_, s in zip(stores, states, strict=True)]
     key, rec = create_key(stores[0], "ci", tenant="t")
@@ -297,7 +299,7 @@ async def test_admin_api_on_a_meshed_node_writes_the_document() -> None:
     admin = "sk-smg-admin-key-for-sync-tests-000000000"
     cfg = NodeConfig(auth=auth_config({"mode": "api_key", "admin_key_sha256": [hash_key(admin)]}))
     gw = SimpleNamespace(cfg=cfg, metrics=NodeMetrics(), in_flight=0)
-    state = MeshState("a", lambda: 1000.0)
+    state = MeshState("a", lambda: 1000.0, new_index=make_replica)
     app = web.Application(middlewares=[error_middleware])
     app[GATEWAY] = cast(Gateway, gw)
     app[MESH] = cast(MeshNode, SimpleNamespace(state=state))
@@ -322,12 +324,12 @@ async def test_admin_api_on_a_meshed_node_writes_the_document() -> None:
         state.merge_remote_state(_push_pull_of(peer))
         r = await client.get("/v1/models", headers={"Authorization": f"Bearer {peer_key}"})
         assert r.status == 200 and (await r.json())["subject"] == peer_rec.id
-        sync = app[AUTH].key_sync
+        sync = app[KEY_SYNC]
         assert sync is not None and sync.stats.applied == 1
 
 
 def _push_pull_of(doc: ConfigDoc) -> bytes:
     """A peer's push-pull state holding only its document."""
-    other = MeshState("b", lambda: 1000.0)
+    other = MeshState("b", lambda: 1000.0, new_index=make_replica)
     other.config.apply_update(doc.update_since(None))
     return other.local_state()

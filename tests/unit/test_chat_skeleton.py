@@ -10,8 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shepherd.tokens.chat_env import make_environment
 from shepherd.tokens.chat_skeleton import SkeletonCache, Traced, _Recorder, parse_skeleton
-from shepherd.tokens.chat_template import ChatTemplate, _plain_shape, make_environment
+from shepherd.tokens.chat_template import ChatTemplate, _plain_shape
 from tests.unit.test_chat_template_golden import CASES, template
 
 # contents that hit what templates test and transform: think tags, tool-response wrappers, surrounding

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from shepherd.tokens.chat_template import (
-    ChatTemplate,
+from shepherd.tokens.chat_messages import (
     ChatTemplateError,
     normalize_tool_call_arguments,
     normalize_tool_call_ids,
 )
+from shepherd.tokens.chat_template import ChatTemplate
 from shepherd.tokens.tokenizer import load_chat_templates
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from shepherd.node.api.openai import Generation, Job
+from shepherd.node.api.generation import Generation, Job
 from shepherd.node.config import NodeConfig
 from shepherd.node.metrics import NodeMetrics
 from shepherd.node.openai.requests import parse_chat

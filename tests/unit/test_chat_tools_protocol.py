@@ -14,15 +14,16 @@ from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from smg_grpc_proto import vllm_engine_pb2 as vl
 
 from shepherd.mock_engine.stats import MockStats
-from shepherd.node.api.openai import engine_sampling
+from shepherd.node.api.generation import engine_sampling
 from shepherd.node.config import ConfigError, ModelConfig, build_config
 from shepherd.node.dispatch.gateway import model_parsers
-from shepherd.node.openai.requests import ApiError, parse_chat
+from shepherd.node.openai.requests import parse_chat
 from shepherd.node.openai.sse import ChatChunks
 from shepherd.node.openai.structured import Constraint, OutputChecks, header_value, schema_error
 from shepherd.node.openai.tool_choice import ToolChoice, call_array_schema, structural_tag, template_tools
 from shepherd.node.output.chat import shape_chat
-from shepherd.proto.engine_codec import sglang_sampling, vllm_sampling
+from shepherd.proto.engine_requests import sglang_sampling, vllm_sampling
+from shepherd.proto.openai_errors import ApiError
 from tests.unit.test_chat_tools_cases import TOOLS
 
 MSG = [{"role": "user", "content": "hi"}]

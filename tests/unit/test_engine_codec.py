@@ -5,7 +5,8 @@ from __future__ import annotations
 from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from smg_grpc_proto import vllm_engine_pb2 as vl
 
-from shepherd.proto import engine_codec as codec
+from shepherd.proto.engine_requests import sglang_generate, vllm_generate
+from shepherd.proto.engine_responses import decode_response
 from shepherd.proto.engine_types import EngineChunk, EngineComplete, GenerateRequest, SamplingParams
 
 
@@ -14,7 +15,7 @@ def req(**kw: object) -> GenerateRequest:
 
 
 def test_sglang_defaults_explicit() -> None:
-    m = codec.sglang_generate(req(max_new_tokens=5))
+    m = sglang_generate(req(max_new_tokens=5))
     sp = m.sampling_params
     assert (sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty, sp.n) == (1.0, 1.0, -1, 1.0, 1)
     assert sp.max_new_tokens == 5 and sp.skip_special_tokens and sp.no_stop_trim
@@ -25,24 +26,22 @@ def test_sglang_defaults_explicit() -> None:
 
 
 def test_vllm_mapping() -> None:
-    m = codec.vllm_generate(req(temperature=0.0, top_k=-1, seed=7, max_new_tokens=9, stop_token_ids=(4,)))
+    m = vllm_generate(req(temperature=0.0, top_k=-1, seed=7, max_new_tokens=9, stop_token_ids=(4,)))
     sp = vl.GenerateRequest.FromString(m.SerializeToString()).sampling_params
     assert sp.HasField("temperature") and sp.temperature == 0.0
     assert sp.top_k == 0 and sp.seed == 7 and sp.max_tokens == 9 and list(sp.stop_token_ids) == [4]
 
 
 def test_constraints() -> None:
-    assert (
-        codec.sglang_generate(req(json_schema="{}")).sampling_params.WhichOneof("constraint") == "json_schema"
-    )
-    assert codec.vllm_generate(req(regex="a+")).sampling_params.WhichOneof("constraint") == "regex"
+    assert sglang_generate(req(json_schema="{}")).sampling_params.WhichOneof("constraint") == "json_schema"
+    assert vllm_generate(req(regex="a+")).sampling_params.WhichOneof("constraint") == "regex"
 
 
 def test_decode_responses() -> None:
     chunk = sg.GenerateResponse(
         request_id="r", chunk=sg.GenerateStreamChunk(token_ids=[5, 6], index=1, cached_tokens=16)
     )
-    ev = codec.decode_response(chunk)
+    ev = decode_response(chunk)
     assert (
         isinstance(ev, EngineChunk)
         and list(ev.token_ids) == [5, 6]
@@ -52,6 +51,6 @@ def test_decode_responses() -> None:
     done = vl.GenerateResponse(
         complete=vl.GenerateComplete(output_ids=[1], finish_reason="length", matched_token_id=9)
     )
-    ev2 = codec.decode_response(done)
+    ev2 = decode_response(done)
     assert isinstance(ev2, EngineComplete) and ev2.finish_reason == "length" and ev2.matched_token_id == 9
-    assert codec.decode_response(sg.GenerateResponse()) is None
+    assert decode_response(sg.GenerateResponse()) is None

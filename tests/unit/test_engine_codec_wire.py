@@ -8,9 +8,19 @@ from hypothesis import strategies as st
 from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from smg_grpc_proto import vllm_engine_pb2 as vl
 
-from shepherd.policies.block_names import PromptIds
-from shepherd.proto import engine_codec as codec
+from shepherd.proto.engine_requests import (
+    PIECES,
+    PieceVarints,
+    _c_packed,
+    _packed,
+    sglang_generate,
+    sglang_generate_bytes,
+    vllm_generate,
+    vllm_generate_bytes,
+)
+from shepherd.proto.engine_responses import decode_batch, decode_response
 from shepherd.proto.engine_types import EngineChunk, EngineComplete, GenerateRequest, SamplingParams
+from shepherd.proto.prompt_ids import PromptIds
 from shepherd.proto.varint import varint
 
 INT32 = st.integers(-(2**31), 2**31 - 1)
@@ -61,11 +71,11 @@ def requests(draw: st.DrawFn) -> GenerateRequest:
 @settings(max_examples=150, deadline=None)
 @given(requests())
 def test_generate_bytes_equal_the_message(req: GenerateRequest) -> None:
-    want_sg = codec.sglang_generate(req)
-    got_sg = codec.sglang_generate_bytes(req)
+    want_sg = sglang_generate(req)
+    got_sg = sglang_generate_bytes(req)
     assert sg.GenerateRequest.FromString(got_sg) == want_sg
-    want_vl = codec.vllm_generate(req)
-    got_vl = codec.vllm_generate_bytes(req)
+    want_vl = vllm_generate(req)
+    got_vl = vllm_generate_bytes(req)
     assert vl.GenerateRequest.FromString(got_vl) == want_vl
     if len(req.sampling.logit_bias) <= 1 and req.sampling.seed is None:  # no map order to differ on
         assert got_sg == want_sg.SerializeToString()
@@ -86,9 +96,9 @@ def test_generate_bytes_equal_the_message(req: GenerateRequest) -> None:
 def test_values_protobuf_refuses_are_refused_alike(bad: dict[str, object]) -> None:
     req = GenerateRequest(**{"request_id": "r", "input_ids": [1], "sampling": SamplingParams(), **bad})  # type: ignore[arg-type]
     with pytest.raises(ValueError) as want:
-        codec.sglang_generate(req)
+        sglang_generate(req)
     with pytest.raises(ValueError) as got:
-        codec.sglang_generate_bytes(req)
+        sglang_generate_bytes(req)
     assert str(got.value) == str(want.value)
 
 
@@ -104,44 +114,41 @@ PIECE_IDS = st.lists(st.integers(0, 300_000), max_size=70)
 @given(st.lists(st.lists(st.tuples(st.sampled_from("abcdefg"), PIECE_IDS), max_size=6), max_size=8))
 def test_piece_cache_equals_encoding_the_ids(prompts: list[list[tuple[str, list[int]]]]) -> None:
     """Whatever pieces recur (same text, other ids: another tokenizer), the bytes are the ids'."""
-    cache = codec.PieceVarints(max_entries=3, max_ids=200, min_ids=4, reuse_min_ids=4, min_prompt_ids=4)
+    cache = PieceVarints(max_entries=3, max_ids=200, min_ids=4, reuse_min_ids=4, min_prompt_ids=4)
     for _ in range(3):  # kept from the second sighting, reused from the third
         for pieces in prompts:
             p = _prompt(pieces)
-            assert cache.packed(p) == codec._packed(list(p))
+            assert cache.packed(p) == _packed(list(p))
     assert len(cache) <= 3 and cache.total_ids <= 200
 
 
 def test_piece_cache_reuses_a_long_shared_prefix() -> None:
-    cache = codec.PieceVarints()
+    cache = PieceVarints()
     system = ("system: be brief<|im_end|>", list(range(100_000, 100_300)))
     for turn in range(4):
         p = _prompt(
             [system, (f"user {turn}<|im_end|>", list(range(turn, turn + 60))), ("assistant\n", [7, 8])]
         )
-        assert cache.packed(p) == codec._packed(list(p))
+        assert cache.packed(p) == _packed(list(p))
     assert cache.hits == 2  # stored at the second request, reused by the third and the fourth
     other = _prompt([(system[0], list(range(5, 305)))])  # the same text, another tokenizer's ids
-    assert cache.packed(other) == codec._packed(list(other))
+    assert cache.packed(other) == _packed(list(other))
     # a shape that does not describe its ids is ignored
     wrong = PromptIds(list(range(400)), ((system[0], 300), ("x", 50)))
-    assert cache.packed(wrong) == codec._packed(list(wrong))
+    assert cache.packed(wrong) == _packed(list(wrong))
     # a short prompt is encoded whole: its pieces are not even looked at
     stored = cache.stored
     short = _prompt([("short system<|im_end|>", list(range(100)))])
     for _ in range(3):
-        assert cache.packed(short) == codec._packed(list(short))
+        assert cache.packed(short) == _packed(list(short))
     assert cache.stored == stored and "short system<|im_end|>" not in cache._d
 
 
 def test_short_runs_and_plain_lists() -> None:
     for ids in ([], [0], [127, 128, 16383, 16384, 2**21, 2**32 - 1], list(range(0, 300_000, 997))):
-        assert codec.PIECES.packed(ids) == codec._packed(ids)
+        assert PIECES.packed(ids) == _packed(ids)
         assert (
-            sg.TokenizedInput.FromString(
-                b"\x12" + varint(len(codec._packed(ids))) + codec._packed(ids)
-            ).input_ids
-            == ids
+            sg.TokenizedInput.FromString(b"\x12" + varint(len(_packed(ids))) + _packed(ids)).input_ids == ids
             or not ids
         )
 
@@ -187,8 +194,8 @@ COMPLETES = st.builds(
 @given(st.lists(CHUNKS | COMPLETES, min_size=1, max_size=6))
 def test_decode_batch_agrees_with_decoding_one_by_one(msgs: list[sg.GenerateResponse]) -> None:
     raws = [m.SerializeToString() for m in msgs]
-    batch = codec.decode_batch(raws, sg.GenerateResponse.FromString)
-    single = [codec.decode_response(m) for m in msgs]
+    batch = decode_batch(raws, sg.GenerateResponse.FromString)
+    single = [decode_response(m) for m in msgs]
     # merging consecutive chunks of one choice keeps every token in order and the latest counts
     tokens = [(e.index, t) for e in single if isinstance(e, EngineChunk) for t in e.token_ids]
     assert [(e.index, t) for e in batch if isinstance(e, EngineChunk) for t in e.token_ids] == tokens
@@ -214,12 +221,12 @@ def test_decode_vllm_complete_keeps_kv_params() -> None:
     done = vl.GenerateResponse(
         complete=vl.GenerateComplete(finish_reason="stop", kv_transfer_params_json="{}")
     )
-    ev = codec.decode_batch([done.SerializeToString()], vl.GenerateResponse.FromString)[0]
+    ev = decode_batch([done.SerializeToString()], vl.GenerateResponse.FromString)[0]
     assert isinstance(ev, EngineComplete) and ev.kv_transfer_params_json == "{}"
     plain = vl.GenerateResponse(complete=vl.GenerateComplete(finish_reason="stop"))
-    ev2 = codec.decode_response(plain)
+    ev2 = decode_response(plain)
     assert isinstance(ev2, EngineComplete) and ev2.kv_transfer_params_json is None
-    sg_done = codec.decode_response(sg.GenerateResponse(complete=sg.GenerateComplete()))
+    sg_done = decode_response(sg.GenerateResponse(complete=sg.GenerateComplete()))
     assert (
         isinstance(sg_done, EngineComplete)
         and sg_done.finish_reason == "stop"
@@ -273,7 +280,7 @@ def _one_choice_stream(draw: st.DrawFn) -> tuple[str, list[bytes]]:
 def test_single_choice_batches_parse_as_one(stream: tuple[str, list[bytes]]) -> None:
     kind, raws = stream
     parse = (sg if kind == "sglang" else vl).GenerateResponse.FromString
-    assert codec.decode_batch(raws, parse, single=kind) == codec.decode_batch(raws, parse)
+    assert decode_batch(raws, parse, single=kind) == decode_batch(raws, parse)
 
 
 @settings(max_examples=200, deadline=None)
@@ -303,16 +310,16 @@ UINT32_IDS = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(UINT32_IDS, st.booleans())
 def test_packed_ids_are_protobufs_bytes(ids: list[int], as_tuple: bool) -> None:
-    assert codec._packed(tuple(ids) if as_tuple else ids) == _protobuf_packed(ids)
-    assert codec._packed(PromptIds(ids)) == _protobuf_packed(ids)
+    assert _packed(tuple(ids) if as_tuple else ids) == _protobuf_packed(ids)
+    assert _packed(PromptIds(ids)) == _protobuf_packed(ids)
 
 
-@pytest.mark.skipif(codec._c_packed is None, reason="_varint not built")
+@pytest.mark.skipif(_c_packed is None, reason="_varint not built")
 @pytest.mark.parametrize("bad", [-1, 2**32, 2**64, True, 1.0, "1", None])
 def test_the_c_packer_leaves_what_protobuf_refuses_to_protobuf(bad: object) -> None:
-    assert codec._c_packed is not None
+    assert _c_packed is not None
     ids = [*range(20), bad]
-    assert codec._c_packed(ids) is None
-    assert codec._c_packed(range(3)) is None  # not a list or tuple
+    assert _c_packed(ids) is None
+    assert _c_packed(range(3)) is None  # not a list or tuple
     with pytest.raises((ValueError, TypeError)):
-        codec._packed(ids)
+        _packed(ids)

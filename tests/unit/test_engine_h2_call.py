@@ -18,10 +18,11 @@ from shepherd.node.config import build_config
 from shepherd.node.dispatch.circuit_breaker import CircuitBreaker, HealthTracker
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.workers import Worker
-from shepherd.node.engines import h2_conn as h2
-from shepherd.node.engines.h2 import H2EngineClient, grpc_message
+from shepherd.node.engines import h2_frames as h2
+from shepherd.node.engines.h2 import H2EngineClient
+from shepherd.node.engines.h2_stream import grpc_message
 from shepherd.node.engines.http import HttpRelayClient
-from shepherd.proto import engine_codec as codec
+from shepherd.proto.engine_requests import sglang_generate
 from shepherd.proto.engine_types import (
     EngineChunk,
     EngineComplete,
@@ -98,7 +99,7 @@ async def test_batches_then_end_and_the_request_bytes() -> None:
     first = asyncio.ensure_future(call.__anext__())
     await flush()
     [(sid, body)] = server.requests()
-    assert sg.GenerateRequest.FromString(body) == codec.sglang_generate(request())
+    assert sg.GenerateRequest.FromString(body) == sglang_generate(request())
     server.send(sid, chunk([5], 1), chunk([6], 2))
     batch = await first
     assert [list(e.token_ids) for e in batch if isinstance(e, EngineChunk)] == [[5, 6]]  # merged

@@ -13,10 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.engines import h2_conn as h2
+from shepherd.node.engines import h2_frames as h2
 from shepherd.node.engines.backoff import Backoff
 from shepherd.node.engines.grpcio import map_rpc_error
-from shepherd.node.engines.h2 import (
+from shepherd.node.engines.h2 import parse_target
+from shepherd.node.engines.h2_conn import H2Connection, H2Stream
+from shepherd.node.engines.h2_stream import (
     CANCELLED,
     INTERNAL,
     OK,
@@ -26,7 +28,6 @@ from shepherd.node.engines.h2 import (
     GrpcStream,
     grpc_message,
     map_status,
-    parse_target,
 )
 from shepherd.proto.engine_types import EngineTimeout, EngineUnavailable
 
@@ -92,7 +93,7 @@ class Harness:
     def __init__(self, local_window: int = h2.LOCAL_WINDOW) -> None:
         self.out: list[bytes] = []
         self.listener = Listener()
-        self.conn = h2.H2Connection(self.out.append, self.listener, local_window=local_window)
+        self.conn = H2Connection(self.out.append, self.listener, local_window=local_window)
         self.conn.start()
         self.server = Server()
 
@@ -500,7 +501,7 @@ def test_max_concurrent_streams() -> None:
     h = Harness()
     h.settings({h2.SETTINGS_MAX_CONCURRENT_STREAMS: 1})
     before = h.conn.has_slot
-    s = h2.H2Stream()
+    s = H2Stream()
     h.conn.open_stream(s, b"\x83", None)
     during = h.conn.has_slot
     h.conn.receive(h2.rst_stream_frame(s.stream_id, h2.NO_ERROR))
@@ -573,16 +574,16 @@ def test_parse_target() -> None:
 
 
 def test_refused_stream_is_marked_unprocessed_only_before_any_answer() -> None:
-    from shepherd.node.engines import h2_conn
-    from shepherd.node.engines.h2 import GrpcStream
+    from shepherd.node.engines import h2_frames
+    from shepherd.node.engines.h2_stream import GrpcStream
 
     loop = asyncio.new_event_loop()
     try:
         refused = GrpcStream(loop)
-        refused.on_reset(h2_conn.REFUSED_STREAM)
+        refused.on_reset(h2_frames.REFUSED_STREAM)
         assert refused.done and refused.unprocessed
         cancelled = GrpcStream(loop)
-        cancelled.on_reset(h2_conn.CANCEL)
+        cancelled.on_reset(h2_frames.CANCEL)
         assert cancelled.done and not cancelled.unprocessed
         lost = GrpcStream(loop)
         lost.on_connection_error("GOAWAY above last stream id", True)

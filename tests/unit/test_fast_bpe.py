@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
 from shepherd.tokens.cache import TokenCache
-from shepherd.tokens.fast_bpe import FastBPE, byte_level_decoder, fast_bpe_for
+from shepherd.tokens.fast_bpe import FastBPE, fast_bpe_for
+from shepherd.tokens.fast_bpe_core import byte_level_decoder
 from shepherd.tokens.tokenizer import Tokenizer as ShepherdTokenizer
 from tests import helpers_tokenizers
 from tests.unit.test_tokenizer_shared import GPT2_DIR, gpt2, llama, qwen3

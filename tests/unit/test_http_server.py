@@ -22,10 +22,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.api.common import GATEWAY, error_middleware, read_json
+from shepherd.node.api.common import GATEWAY, error_middleware
 from shepherd.node.config import NodeConfig
 from shepherd.node.dispatch.gateway import Gateway
-from shepherd.node.http.server import LeanServer, Limits
+from shepherd.node.http.body import read_json
+from shepherd.node.http.limits import Limits
+from shepherd.node.http.server import LeanServer
 from shepherd.node.http.types import lean_request, stream_response
 from shepherd.node.metrics import NodeMetrics
 

@@ -15,7 +15,6 @@ from shepherd.node.dispatch.kv_feed import (
     KvCursor,
     KvFeed,
     WorkerKvState,
-    decode_kv_batch,
     merge_load,
 )
 from shepherd.node.engines.backoff import Backoff
@@ -30,6 +29,7 @@ from shepherd.proto.engine_types import (
     KvEventBatch,
     ServerInfo,
 )
+from shepherd.proto.kv_codec import decode_kv_batch
 
 A = list(range(1000, 1048))  # three 16-token blocks; the fake engine names them 101, 102, 103
 B = list(range(2000, 2032))  # two blocks: 201, 202

@@ -31,9 +31,10 @@ from shepherd.node.cluster.mesh_node import (
 )
 from shepherd.node.config import ConfigError, build_config
 from shepherd.node.dispatch.kv_feed import feed_index_of
-from shepherd.node.dispatch.workers import worker_id
 from shepherd.policies.base import RouteRequest, WorkerView
 from shepherd.policies.cache_aware import CacheAware
+from shepherd.policies.prefix_replica_native import Replica, make_replica
+from shepherd.proto.engine_types import worker_id
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,7 +103,7 @@ class FakeRegistry:
 
 @dataclass
 class Node:
-    state: MeshState
+    state: MeshState[Replica]
     reg: FakeRegistry
     bridge: RegistryBridge
 
@@ -114,7 +115,7 @@ class Node:
 
 
 def node(name: str, clock: Clock, pinned: tuple[str, ...] = (), models: tuple[str, ...] = (MODEL,)) -> Node:
-    st = MeshState(name, clock)
+    st = MeshState(name, clock, new_index=make_replica)
     reg = FakeRegistry()
     br = RegistryBridge(st, reg, models=set(models), pinned={worker_id(u) for u in pinned}, ident=worker_id)
     reg.on_added = br.local_added
@@ -322,7 +323,7 @@ async def test_health_is_published_and_combined() -> None:
 
 def test_the_policy_the_kv_feed_and_replication_share_one_index() -> None:
     clock = Clock()
-    a, b = MeshState("a", clock), MeshState("b", clock)
+    a, b = MeshState("a", clock, new_index=make_replica), MeshState("b", clock, new_index=make_replica)
     pa, pb = CacheAware(clock=clock), CacheAware(clock=clock)
     assert attach_indexes({MODEL: pa, "rr": object()}, a) == [MODEL]
     attach_indexes({MODEL: pb}, b)
@@ -344,7 +345,7 @@ def test_the_policy_the_kv_feed_and_replication_share_one_index() -> None:
 
 def test_full_index_for_a_joiner() -> None:
     clock = Clock()
-    a, joiner = MeshState("a", clock), MeshState("j", clock)
+    a, joiner = MeshState("a", clock, new_index=make_replica), MeshState("j", clock, new_index=make_replica)
     ix = a.index(MODEL)
     for k in range(50):
         ix.insert(list(range(k * 10_000, k * 10_000 + 320)), f"w{k % 3}", clock())

@@ -15,16 +15,10 @@ import pytest
 
 from shepherd.auth.certs import TlsFiles, client_context, server_context, write_dev_pki
 from shepherd.mesh.keyring import Keyring
-from shepherd.mesh.runtime import MeshRuntime, MeshRuntimeConfig
-from shepherd.mesh.swim_types import (
-    Addr,
-    MemberDead,
-    MemberEvent,
-    MemberLeft,
-    MemberState,
-    MemberUp,
-    SwimConfig,
-)
+from shepherd.mesh.runtime import MeshRuntime
+from shepherd.mesh.runtime_config import MeshRuntimeConfig
+from shepherd.mesh.swim_types import MemberDead, MemberEvent, MemberLeft, MemberUp, SwimConfig
+from shepherd.proto.mesh_messages import Addr, MemberState
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -301,7 +295,7 @@ def test_from_files_checks_the_certificate_names_this_node(pki: dict[str, TlsFil
 
 
 async def test_addresses_parsed_and_resolved() -> None:
-    from shepherd.mesh.runtime import parse_addr, resolve_addrs
+    from shepherd.mesh.runtime_config import parse_addr, resolve_addrs
 
     assert parse_addr("10.0.0.1:7000", 7946) == ("10.0.0.1", 7000)
     assert parse_addr("node-a", 7946) == ("node-a", 7946)

@@ -11,7 +11,8 @@ import random
 import pytest
 
 from shepherd.mesh.sim import GossipDelegate, Sim
-from shepherd.mesh.swim_types import MemberState, SwimConfig
+from shepherd.mesh.swim_types import SwimConfig
+from shepherd.proto.mesh_messages import MemberState
 
 A, S, D, L = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
 WARMUP = 5.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+from collections.abc import Callable
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
@@ -12,19 +13,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.mesh.hlc import StateDecodeError
-from shepherd.mesh.state import MeshState, MeshStateConfig, StateComponent
+from shepherd.mesh.state import MeshState
 from shepherd.mesh.state_config import TenantRecord
 from shepherd.mesh.state_registry import RegistryConfig, WorkerRecord
-from shepherd.mesh.swim_types import USER_MSG_OVERHEAD, Delegate, Member, MemberDead, MemberState, MemberUp
+from shepherd.mesh.state_types import MeshStateConfig, StateComponent
+from shepherd.mesh.swim_types import Delegate, MemberDead, MemberUp
 from shepherd.policies.prefix_index import PrefixIndexConfig, block_hashes
 from shepherd.policies.prefix_replica import IndexReplConfig
+from shepherd.policies.prefix_replica_native import Replica, make_replica
+from shepherd.proto.mesh_messages import USER_MSG_OVERHEAD, Member, MemberState
+from shepherd.proto.state_decode import StateDecodeError
 
 T0 = 1_000_000.0
-EXACT = MeshStateConfig(
-    index=PrefixIndexConfig(capacity_blocks=1 << 20, max_age_s=1e6),
-    index_repl=IndexReplConfig(digest_granularity_s=0.0, repair_settle_s=0.0),
-)
+EXACT_INDEX = PrefixIndexConfig(capacity_blocks=1 << 20, max_age_s=1e6)
+EXACT_REPL = IndexReplConfig(digest_granularity_s=0.0, repair_settle_s=0.0)
+
+
+def exact_index() -> Replica:
+    """Replicas with exact digests and no repair settling (what most tests here compare)."""
+    return make_replica(EXACT_INDEX, EXACT_REPL)
 
 
 class Clock:
@@ -35,7 +42,7 @@ class Clock:
         return self.t
 
 
-def view(m: MeshState) -> tuple[Any, ...]:
+def view(m: MeshState[Replica]) -> tuple[Any, ...]:
     return (
         sorted(m.registry.to_wire()),
         sorted(m.health.to_wire()),
@@ -47,7 +54,7 @@ def view(m: MeshState) -> tuple[Any, ...]:
 CHAINS = [block_hashes([i * 7 + j for j in range(16 * 6)]) for i in range(5)]
 
 
-def random_ops(m: MeshState, clock: Clock, rng: random.Random, n: int) -> None:
+def random_ops(m: MeshState[Replica], clock: Clock, rng: random.Random, n: int) -> None:
     for _ in range(n):
         clock.t += rng.random() * 0.05
         r = rng.random()
@@ -65,8 +72,13 @@ def random_ops(m: MeshState, clock: Clock, rng: random.Random, n: int) -> None:
             m.config.set_tenant(TenantRecord(f"t{rng.randrange(3)}", (), rng.randrange(10)))
 
 
-def make_nodes(clock: Clock, names: list[str], cfg: MeshStateConfig = EXACT) -> list[MeshState]:
-    nodes = [MeshState(n, clock, cfg) for n in names]
+def make_nodes(
+    clock: Clock,
+    names: list[str],
+    cfg: MeshStateConfig | None = None,
+    new_index: Callable[[], Replica] = exact_index,
+) -> list[MeshState[Replica]]:
+    nodes = [MeshState(n, clock, cfg, new_index=new_index) for n in names]
     for m in nodes:
         for n in names:
             m.on_member_up(n)
@@ -85,7 +97,7 @@ def test_snapshot_merge_is_commutative_associative_idempotent(seed: int, perm: l
     for m in nodes:
         random_ops(m, clock, rng, rng.randrange(0, 10))
     snaps = [m.snapshot() for m in nodes]
-    x, y, z, bc = (MeshState(n, clock, EXACT) for n in ("x", "y", "z", "bc"))
+    x, y, z, bc = (MeshState(n, clock, new_index=exact_index) for n in ("x", "y", "z", "bc"))
     for s in snaps:
         x.merge_snapshot(s)
     for k in perm:
@@ -109,7 +121,7 @@ def test_lossy_gossip_then_digest_repair_converges(seed: int, loss: float) -> No
     rng = random.Random(seed)
     clock = Clock()
     nodes = make_nodes(clock, ["a", "b", "c"])
-    inflight: list[tuple[MeshState, bytes, str]] = []
+    inflight: list[tuple[MeshState[Replica], bytes, str]] = []
     for _ in range(rng.randrange(1, 8)):
         for m in nodes:
             random_ops(m, clock, rng, rng.randrange(0, 6))
@@ -175,7 +187,7 @@ def test_broadcasts_fit_the_budget_and_index_batches_fit_theirs() -> None:
 
 def test_an_index_delta_gives_another_node_the_same_match() -> None:
     clock = Clock()
-    a, b = make_nodes(clock, ["a", "b"], MeshStateConfig())
+    a, b = make_nodes(clock, ["a", "b"], new_index=make_replica)
     ids = list(range(16 * 40))
     a.index("qwen").insert(ids, "w7", clock())
     for p in a.index_batches():
@@ -241,7 +253,7 @@ def test_pinned_workers_come_back_when_their_owner_dies_but_not_after_a_removal(
 def test_index_entries_of_workers_gone_from_the_registry_are_cleared_after_a_grace() -> None:
     clock = Clock()
     cfg = MeshStateConfig(orphan_grace_s=10.0)
-    (a,) = make_nodes(clock, ["a"], cfg)
+    (a,) = make_nodes(clock, ["a"], cfg, make_replica)
     a.add_worker(WorkerRecord("w1", "grpc://x:1", "m"))
     ix = a.index("m")
     ix.insert_blocks([1, 2, 3], "w1", clock())
@@ -255,7 +267,7 @@ def test_index_entries_of_workers_gone_from_the_registry_are_cleared_after_a_gra
 def test_leases_and_health_expire_through_tick() -> None:
     clock = Clock()
     cfg = MeshStateConfig(registry=RegistryConfig(lease_s=6.0, renew_s=2.0, tombstone_grace_s=2.0))
-    a, b = make_nodes(clock, ["a", "b"], cfg)
+    a, b = make_nodes(clock, ["a", "b"], cfg, make_replica)
     a.add_worker(WorkerRecord("w1", "grpc://x:1", "m"))
     a.observe_health("w1", True)
     for p in a.broadcasts(1 << 16):
@@ -346,7 +358,7 @@ def test_an_extra_component_rides_deltas_repair_snapshots_and_membership() -> No
     for p in c.repair(a.digest()):  # a lacks b's shard
         a.apply(p, "c")
     assert counters["a"].value() == 7
-    fresh = MeshState("d", clock, EXACT)
+    fresh = MeshState("d", clock, new_index=exact_index)
     counters["d"] = GCounter("d")
     fresh.register("ratelimit", counters["d"])
     fresh.merge_snapshot(c.snapshot())
@@ -382,9 +394,9 @@ def test_repair_sends_an_extra_components_diff_when_it_has_one() -> None:
 
 def test_mesh_state_is_a_swim_delegate() -> None:
     clock = Clock()
-    d: Delegate = MeshState("a", clock)
+    d: Delegate = MeshState("a", clock, new_index=make_replica)
     assert d.broadcasts(1000) == [] and isinstance(d.local_state(), bytes)
-    m = MeshState("b", clock)
+    m = MeshState("b", clock, new_index=make_replica)
     m.on_member_alive("c")  # MeshRuntime's hook names
     m.on_member_dead("c")
     assert m.members == frozenset({"b"})

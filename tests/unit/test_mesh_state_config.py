@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pycrdt import Doc, Map
 
-from shepherd.mesh.hlc import StateDecodeError
 from shepherd.mesh.state_config import (
     ApiKeyRecord,
     ConfigDoc,
@@ -19,6 +18,7 @@ from shepherd.mesh.state_config import (
     TenantRecord,
     hash_secret,
 )
+from shepherd.proto.state_decode import StateDecodeError
 
 
 def test_typed_records_round_trip() -> None:

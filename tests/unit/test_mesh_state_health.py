@@ -10,7 +10,7 @@ import msgpack  # type: ignore[import-untyped]
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.mesh.hlc import HLC, StateDecodeError, make_stamp
+from shepherd.mesh.hlc import HLC, make_stamp
 from shepherd.mesh.state_health import (
     HealthConfig,
     Observation,
@@ -18,6 +18,7 @@ from shepherd.mesh.state_health import (
     observation_from_wire,
     observation_to_wire,
 )
+from shepherd.proto.state_decode import StateDecodeError
 
 T0 = 1_000_000.0
 T0_MS = int(T0 * 1000)

@@ -8,19 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.mesh.hlc import (
-    HLC,
-    ClockDriftError,
-    StateDecodeError,
-    expect_float,
-    expect_int,
-    expect_list,
-    expect_str,
-    make_stamp,
-    stamp_logical,
-    stamp_ms,
-    stamp_seconds,
-)
+from shepherd.mesh.hlc import HLC, ClockDriftError, make_stamp, stamp_logical, stamp_ms, stamp_seconds
+from shepherd.proto.state_decode import StateDecodeError, expect_float, expect_int, expect_list, expect_str
 
 
 class Clock:

@@ -16,18 +16,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.mesh.hlc import StateDecodeError
 from shepherd.policies.base import RouteRequest, WorkerView
 from shepherd.policies.cache_aware import CacheAware
 from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, block_hashes
-from shepherd.policies.prefix_replica import (
-    Group,
-    IndexReplConfig,
-    ReplicatedPrefixIndex,
-    decode_index_body,
-    encode_index_bodies,
-)
+from shepherd.policies.prefix_replica import IndexReplConfig, ReplicatedPrefixIndex
 from shepherd.policies.prefix_replica_native import NATIVE_INDEX, NativeReplicatedPrefixIndex
+from shepherd.proto.index_wire import Group, decode_index_body, encode_index_bodies
+from shepherd.proto.state_decode import StateDecodeError
 
 T0 = 1_000_000.0
 BIG = PrefixIndexConfig(capacity_blocks=1 << 20, max_age_s=1e9)

@@ -14,18 +14,13 @@ from shepherd.policies.native_index import NativePrefixIndex
 from shepherd.policies.prefix_index import (
     PrefixIndex,
     PrefixIndexConfig,
-    RunPrefixIndex,
     block_hashes,
     merge_entries,
 )
-from shepherd.policies.prefix_replica import (
-    Group,
-    IndexReplConfig,
-    ReplicatedPrefixIndex,
-    decode_index_body,
-    encode_index_bodies,
-)
+from shepherd.policies.prefix_replica import IndexReplConfig, ReplicatedPrefixIndex
 from shepherd.policies.prefix_replica_native import NATIVE_INDEX, NativeReplicatedPrefixIndex
+from shepherd.policies.run_index import RunPrefixIndex
+from shepherd.proto.index_wire import Group, decode_index_body, encode_index_bodies
 
 T0 = 1_000_000.0
 NATIVE = pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built")

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.mesh.hlc import HLC, StateDecodeError, make_stamp
+from shepherd.mesh.hlc import HLC, make_stamp
 from shepherd.mesh.state_registry import (
     LIVE,
     OWNER_GONE,
@@ -24,6 +24,7 @@ from shepherd.mesh.state_registry import (
     entry_to_wire,
     merge_entry,
 )
+from shepherd.proto.state_decode import StateDecodeError
 
 T0 = 1_000_000.0
 T0_MS = int(T0 * 1000)

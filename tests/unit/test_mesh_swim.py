@@ -16,42 +16,44 @@ from shepherd.mesh.swim import Swim
 from shepherd.mesh.swim_broadcast import BroadcastQueue, TransmitLimitedQueue
 from shepherd.mesh.swim_suspicion import Suspicion
 from shepherd.mesh.swim_types import (
-    USER_MSG_OVERHEAD,
-    Ack,
     Action,
-    Alive,
-    Dead,
     JoinFailed,
-    Member,
     MemberDead,
     MemberLeft,
     MemberReaped,
-    MemberState,
     MemberSuspect,
     MemberUp,
-    Message,
-    Nack,
-    NodeAddr,
     NullDelegate,
-    Packet,
-    Ping,
-    PingReq,
     PushPull,
-    PushPullState,
     Send,
-    Suspect,
     SwimConfig,
-    User,
     push_pull_scale,
     remaining_suspicion_time,
     retransmit_limit,
     suspicion_timeout,
 )
+from shepherd.proto.mesh_messages import (
+    USER_MSG_OVERHEAD,
+    Ack,
+    Alive,
+    Dead,
+    Member,
+    MemberState,
+    Message,
+    Nack,
+    NodeAddr,
+    Packet,
+    Ping,
+    PingReq,
+    PushPullState,
+    Suspect,
+    User,
+)
 from shepherd.proto.mesh_wire import decode_packet, encode_packet
 
 A, S, D, L = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
 ME = NodeAddr("me", "10.0.0.1", 7946)
-# DESIGN §6's numbers and memberlist's formula: the tests of mechanics below spell times out in them
+# docs/DESIGN.md §6's numbers and memberlist's formula: the tests of mechanics below spell times out in them
 MEMBERLIST = SwimConfig(
     probe_interval=0.5, probe_timeout=0.25, nack_timeout=0.2, suspicion_mult=4, log_n_min_suspicion=True
 )
@@ -759,8 +761,15 @@ def test_reconnect_targets_dead_members_and_unknown_seeds() -> None:
 
 
 def test_swim_modules_do_no_io() -> None:
-    root = Path(__file__).resolve().parents[2] / "shepherd" / "mesh"
-    for name in ("swim.py", "swim_members.py", "swim_suspicion.py", "swim_broadcast.py", "swim_types.py"):
+    root = Path(__file__).resolve().parents[2] / "shepherd"
+    for name in (
+        "mesh/swim.py",
+        "mesh/swim_members.py",
+        "mesh/swim_suspicion.py",
+        "mesh/swim_broadcast.py",
+        "mesh/swim_types.py",
+        "proto/mesh_messages.py",
+    ):
         src = (root / name).read_text()
         for banned in ("import time", "import asyncio", "import socket", "time.time(", "time.monotonic("):
             assert banned not in src, (name, banned)

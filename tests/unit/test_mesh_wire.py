@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shepherd.mesh.swim_types import (
+from shepherd.proto.mesh_messages import (
     MAX_META_LEN,
     USER_MSG_OVERHEAD,
     Ack,

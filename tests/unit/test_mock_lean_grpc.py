@@ -23,7 +23,8 @@ from shepherd.mock_engine.hpack import (
     huffman_decode,
     huffman_encode,
 )
-from shepherd.mock_engine.lean_grpc import (
+from shepherd.mock_engine.lean_grpc import GrpcH2Protocol, LeanGrpcServer
+from shepherd.mock_engine.lean_grpc_frames import (
     DATA,
     END_HEADERS,
     END_STREAM,
@@ -32,8 +33,6 @@ from shepherd.mock_engine.lean_grpc import (
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
-    GrpcH2Protocol,
-    LeanGrpcServer,
     frame,
 )
 from shepherd.mock_engine.wire import ChunkWire

@@ -12,9 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shepherd.mock_engine.cache import BlockStored, PrefixCache
-from shepherd.mock_engine.engine import EngineConfig, EngineCore, MockRequest, MockRpcError
+from shepherd.mock_engine.engine import EngineCore
+from shepherd.mock_engine.engine_config import EngineConfig
 from shepherd.mock_engine.faults import Faults
 from shepherd.mock_engine.outputs import OutputModel, OutputSpec, ScriptedResponse, ScriptQueue
+from shepherd.mock_engine.requests import MockRequest, MockRpcError
 from shepherd.mock_engine.scheduler import (
     RUNNING,
     WAITING,

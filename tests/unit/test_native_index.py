@@ -24,7 +24,7 @@ needs_core = pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built"
 def test_the_compiled_parts_are_built_in_ci() -> None:
     # an install without a compiler falls back to the Python layouts; CI must not do so silently
     if os.environ.get("CI"):
-        from shepherd.proto.engine_codec import _c_packed
+        from shepherd.proto.engine_requests import _c_packed
 
         assert NATIVE_NAMES and NATIVE_INDEX and _c_packed is not None
 

@@ -14,19 +14,15 @@ from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.api.common import GATEWAY, error_middleware, json_now, read_json
+from shepherd.node.api.common import GATEWAY, error_middleware
 from shepherd.node.config import NodeConfig
 from shepherd.node.dispatch.gateway import Gateway
-from shepherd.node.http.server import LeanServer, _Conn
+from shepherd.node.http.body import json_now, read_json
+from shepherd.node.http.connection import _Conn
+from shepherd.node.http.server import LeanServer
 from shepherd.node.http.types import lean_request
 from shepherd.node.metrics import NodeMetrics
-from shepherd.node.openai.requests import (
-    CHAT_OPTION_KEYS,
-    ApiError,
-    _parse_chat_options,
-    parse_chat,
-    parse_sampling,
-)
+from shepherd.node.openai.requests import CHAT_OPTION_KEYS, _parse_chat_options, parse_chat, parse_sampling
 from shepherd.node.output.chat import ChatOutput, chat_message, reasoning_side
 from shepherd.parsers import (
     REASONING_FAMILIES,
@@ -34,6 +30,7 @@ from shepherd.parsers import (
     prompt_opens_think,
     thinking_enabled,
 )
+from shepherd.proto.openai_errors import ApiError
 
 # ---- parse_chat ------------------------------------------------------------------------------------
 

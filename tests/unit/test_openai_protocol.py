@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.openai.requests import ApiError, parse_chat, parse_completion, parse_json_body
+from shepherd.node.http.body import parse_json_body
+from shepherd.node.openai.requests import parse_chat, parse_completion
+from shepherd.proto.openai_errors import ApiError
 
 MSG = [{"role": "user", "content": "hi"}]
 

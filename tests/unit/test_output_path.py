@@ -8,7 +8,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as sg
 
 from shepherd.node.openai.requests import parse_chat
 from shepherd.node.output.choice import ChoiceState
-from shepherd.proto.engine_codec import decode_batch, decode_response
+from shepherd.proto.engine_responses import decode_batch, decode_response
 from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent
 from tests.unit.test_tokenizer_shared import qwen3
 

@@ -9,17 +9,17 @@ import sys
 
 import pytest
 
-from shepherd.policies.block_names import PromptIds
 from shepherd.policies.prefix_index import (
     BLOCK_TOKENS,
     CHAIN_SEED,
     PrefixIndex,
     PrefixIndexConfig,
-    RunPrefixIndex,
     block_hashes,
     merge_entries,
 )
 from shepherd.policies.prefix_replica import ReplicatedPrefixIndex
+from shepherd.policies.run_index import RunPrefixIndex
+from shepherd.proto.prompt_ids import PromptIds
 from tests.unit.index_layouts import LAYOUTS
 
 Index = type[PrefixIndex]

@@ -12,10 +12,10 @@ from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
 from shepherd.policies.prefix_index import (
     PrefixIndex,
     PrefixIndexConfig,
-    RunPrefixIndex,
     block_hashes,
     merge_entries,
 )
+from shepherd.policies.run_index import RunPrefixIndex
 from tests.unit.index_layouts import LAYOUTS as LAYOUT_PARAMS
 from tests.unit.index_layouts import NATIVE
 

@@ -8,9 +8,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.api.openai import _engine_sampling, engine_sampling
+from shepherd.node.api.generation import _engine_sampling, engine_sampling
 from shepherd.node.openai import requests as proto
-from shepherd.node.openai.requests import ApiError, parse_sampling
+from shepherd.node.openai.requests import parse_sampling
+from shepherd.proto.openai_errors import ApiError
 
 KEYS = sorted(proto._SAMPLING_KEYS)
 scalars = st.one_of(

@@ -7,7 +7,7 @@ from functools import cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shepherd.policies.block_names import PromptIds
+from shepherd.proto.prompt_ids import PromptIds
 from shepherd.tokens.cache import HEAD_KEY, SPECIALS_KEY, TAIL_KEY, CacheLimits, TokenCache
 from shepherd.tokens.tokenizer import Tokenizer
 from tests.unit.test_tokenizer_shared import llama, qwen3

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shepherd.tokens.chat_template import ChatTemplateError
+from shepherd.tokens.chat_messages import ChatTemplateError
 from shepherd.tokens.tokenizer import VERY_LARGE_INTEGER, Tokenizer
 from tests.unit.test_tokenizer_shared import llama, qwen3
 

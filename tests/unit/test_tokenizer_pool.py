@@ -14,13 +14,10 @@ from typing import Any, TypeVar
 
 import pytest
 
-from shepherd.tokens.chat_template import ChatTemplate, ChatTemplateError
-from shepherd.tokens.pool import (
-    TokenizerPool,
-    TokenizerPoolUnavailable,
-    TokenizerService,
-    TokenizerWorkerError,
-)
+from shepherd.tokens.chat_messages import ChatTemplateError
+from shepherd.tokens.chat_template import ChatTemplate
+from shepherd.tokens.pool import TokenizerPool, TokenizerPoolUnavailable, TokenizerWorkerError
+from shepherd.tokens.service import TokenizerService
 from shepherd.tokens.tokenizer import Tokenizer, load_chat_templates
 from tests.unit.test_tokenizer_shared import llama, qwen3
 
@@ -32,7 +29,11 @@ T = TypeVar("T")
 HANG_GUARD = 60.0  # a bound on every await below, so a bug fails the test instead of hanging it
 
 
-SAMPLE = (ROOT / "shepherd" / "tokens" / "pool.py").read_text(encoding="utf-8")
+# the text of the pool (as it was in one file: ~34 KB, so that SAMPLE * 3 outgrows a pipe buffer)
+SAMPLE = "".join(
+    (ROOT / "shepherd" / "tokens" / name).read_text(encoding="utf-8")
+    for name in ("pool.py", "pool_worker.py", "service.py")
+)
 
 
 def gone(pid: int) -> bool:

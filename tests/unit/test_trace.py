@@ -54,7 +54,7 @@ def test_shape() -> None:
 
 def test_default_size_and_scaling() -> None:
     t = generate_trace(TraceConfig())
-    assert 1000 <= t.requests <= 1400  # about 1,200 requests, as DESIGN §5's trace
+    assert 1000 <= t.requests <= 1400  # about 1,200 requests, as docs/DESIGN.md §5's trace
     half = TraceConfig().scaled(600)
     assert half.users == 75 and half.arrival_s == pytest.approx(5.0)
     assert "requests from 150 users" in t.summary()

@@ -2,7 +2,8 @@
 
 A benchmark module defines ``BENCHMARK = Benchmark(...)``: a name (the subcommand), a help line,
 ``add_arguments(parser)`` and ``run(args) -> exit code``. To add one, write the module and list it
-in ``MODULES``; ``smg-bench all`` runs, with their defaults, those whose ``in_all`` is true.
+in ``MODULES``; ``smg-bench all`` runs, with their defaults, those whose ``in_all`` is true. A
+benchmark's helpers live next to it, outside ``MODULES`` (``mesh_cluster``: the processes of ``mesh``).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -282,8 +283,6 @@ def _ensure_peers(peers: Sequence[str]) -> None:
     missing = [p for p in peers if not peer_installed(p)]
     if not missing:
         return
-    import subprocess
-
     print(f"installing peers {', '.join(missing)} with {PEERS_SETUP} ...", file=sys.stderr)
     subprocess.run(["bash", str(PEERS_SETUP), *missing], check=True)
 

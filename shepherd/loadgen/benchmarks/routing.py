@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -467,8 +468,6 @@ def run(args: argparse.Namespace) -> int:
         if p != "smg":
             raise SystemExit(f"smg-bench routing: unknown peer {p!r} (known: smg)")
     if "smg" in peers and not peer_installed("smg"):
-        import subprocess
-
         print(f"installing smg with {PEERS_SETUP} ...", file=sys.stderr)
         subprocess.run(["bash", str(PEERS_SETUP), "smg"], check=True)
     trace = _trace_of(args)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from shepherd.node.api.common import GATEWAY, json_response, read_json
+from shepherd.node.api.common import GATEWAY
 from shepherd.node.config import ConfigError, check_worker_url
 from shepherd.node.dispatch.gateway import Gateway
-from shepherd.node.openai.requests import ApiError, bad
+from shepherd.node.http.body import json_response, read_json
+from shepherd.proto.openai_errors import ApiError, bad
 from shepherd.tokens.tokenizer import ChatTemplateError
 
 

@@ -11,7 +11,8 @@ The tenant is ``principal_of(request).tenant`` (``shepherd.auth``): without auth
 caller is the tenant "default", unless the auth layer trusts the ``x-smg-tenant`` header
 (``--auth-trust-tenant-header``: for tests and trusted fronts only).
 
-Cost: a node without rate limits has ``Gateway.admission is None`` (the handlers test one attribute).
+Cost: a node without rate limits has no ``Admission`` (the app key ``ADMISSION`` holds None: the handlers
+test one value).
 With limits, a request pays a cached rule lookup and the limiter's acquire + settle (about 20 µs).
 """
 
@@ -27,9 +28,10 @@ from aiohttp import web
 from shepherd.auth.principal import Principal, principal_of
 from shepherd.mesh.ratelimit import Denial, Grant, Key, LimiterConfig, Limits, Quota, RateLimiter
 from shepherd.mesh.ratelimit_shards import fmt_duration
-from shepherd.node.api.common import error_response
 from shepherd.node.config import NodeConfig, RateLimitRule
-from shepherd.node.openai.requests import ApiError, Sampling
+from shepherd.node.metrics import counter, gauge
+from shepherd.node.openai.requests import Sampling
+from shepherd.proto.openai_errors import ApiError, error_response
 
 MAX_CACHED = 4096  # (tenant, model) rule resolutions kept
 
@@ -261,8 +263,6 @@ class Admission:
         return resp
 
     def collect(self) -> list[Any]:
-        from shepherd.node.metrics import counter, gauge
-
         lim = self.limiter
         return [
             counter(

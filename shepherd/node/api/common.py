@@ -1,5 +1,5 @@
-"""Shared HTTP plumbing: the app key, body reading with a size limit, the error middleware, SSE keep-alive
-comments, and the relay to OpenAI HTTP workers."""
+"""What the routes share: the app keys (gateway, admission, SSE keep-alive), the error middleware, SSE
+keep-alive comments, and the relay to OpenAI HTTP workers."""
 
 from __future__ import annotations
 
@@ -8,25 +8,26 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from shepherd.node.api.admission import Admission
+from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.engines.http import HttpRelayClient
-from shepherd.node.http.types import lean_request, stream_response
-from shepherd.node.openai.requests import ApiError, parse_json_body
-from shepherd.node.openai.sse import KEEPALIVE
+from shepherd.node.http.types import stream_response
+from shepherd.node.openai.sse import DONE, KEEPALIVE, error_event
 from shepherd.proto.engine_types import EngineError
+from shepherd.proto.openai_errors import ApiError, error_response
 from shepherd.tokens.pool import TokenizerPoolUnavailable, TokenizerWorkerError
-
-if TYPE_CHECKING:
-    from shepherd.node.dispatch.gateway import Gateway
 
 log = logging.getLogger("shepherd.api")
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway")
+ADMISSION: web.AppKey[Admission | None] = web.AppKey("admission")  # None: no rate limit configured
+KEEPALIVE_TICKER: web.AppKey[KeepAlive] = web.AppKey("keepalive")
 
 _STATUS_TYPES = {
     400: "invalid_request_error",
@@ -37,50 +38,6 @@ _STATUS_TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
 }
-
-
-async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict[str, Any]]:
-    if request.content_length is not None and request.content_length > limit:
-        raise ApiError(
-            413, f"The request body is larger than the limit of {limit} bytes.", code="body_too_large"
-        )
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raw = None
-    except web.HTTPUnsupportedMediaType as e:  # a Content-Encoding the server cannot decode (lean server)
-        raise ApiError(415, e.text or e.reason, code="unsupported_content_encoding") from None
-    except (aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError) as e:
-        # a body that does not decode as its Content-Encoding says, or framing cut short
-        raise ApiError(
-            400, f"The request body could not be read: {type(e).__name__}.", code="bad_body"
-        ) from None
-    if raw is not None and len(raw) <= limit:  # (a chunked body has no Content-Length to check first)
-        return raw, parse_json_body(raw)
-    raise ApiError(413, f"The request body is larger than the limit of {limit} bytes.", code="body_too_large")
-
-
-def json_now(request: web.Request, limit: int) -> tuple[bytes, dict[str, Any]] | None:
-    """``read_json`` without awaiting, for a body the lean server has already received whole and within
-    ``limit`` (the common case); None otherwise: then ``await read_json(...)``."""
-    lean = lean_request(request)
-    if lean is None or (lean.content_length is not None and lean.content_length > limit):
-        return None
-    raw = lean.body_now()
-    if raw is None or len(raw) > limit:
-        return None
-    return raw, parse_json_body(raw)
-
-
-def json_response(data: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(data), content_type="application/json")
-
-
-def error_response(err: ApiError) -> web.Response:
-    """The error in the OpenAI envelope, with the headers it carries."""
-    return web.Response(
-        status=err.status, body=err.body(), content_type="application/json", headers=err.headers or None
-    )
 
 
 # a route's label in the metrics (its resource's canonical path), by route: the app's routes live as long
@@ -261,8 +218,6 @@ async def relay(
                         async for chunk in upstream.content.iter_any():
                             await resp.write(chunk)
                     except (aiohttp.ClientError, TimeoutError) as e:
-                        from shepherd.node.openai.sse import DONE, error_event
-
                         await resp.write(
                             error_event(f"worker stream failed: {e}", code="engine_error") + DONE
                         )

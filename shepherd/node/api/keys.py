@@ -7,7 +7,7 @@
 - ``GET /admin/keys/{key_id}`` → one record;
 - ``DELETE /admin/keys/{key_id}`` → the record, revoked (revocation is final).
 
-With the mesh on (``app[api_mesh.MESH]`` set before ``install``), the store is kept in step with the
+With the mesh on (``app[mesh.MESH]`` set before ``install``), the store is kept in step with the
 mesh's control-plane document (``shepherd.node.cluster.key_sync.KeySync``): a key created or revoked on any
 node is accepted or refused on every node after a gossip round; bootstrap keys stay local.
 """
@@ -22,10 +22,11 @@ from aiohttp import web
 from shepherd.auth import middleware as auth
 from shepherd.auth.keys import KeyStore, create_key
 from shepherd.auth.principal import principal_of
-from shepherd.node.api.common import GATEWAY, json_response, read_json
+from shepherd.node.api.common import GATEWAY
 from shepherd.node.api.mesh import MESH
 from shepherd.node.cluster.key_sync import KeySync
-from shepherd.node.openai.requests import ApiError, bad
+from shepherd.node.http.body import json_response, read_json
+from shepherd.proto.openai_errors import ApiError, bad
 
 MAX_NAME = 200
 
@@ -108,6 +109,10 @@ async def revoke(request: web.Request) -> web.Response:
     return json_response(rec.public())
 
 
+# the key store's link to the mesh's control-plane document (None: the mesh is off)
+KEY_SYNC: web.AppKey[KeySync | None] = web.AppKey("key_sync")
+
+
 def routes() -> list[web.RouteDef]:
     return [
         web.post("/admin/keys", create),
@@ -124,7 +129,8 @@ def install(app: web.Application, store: KeyStore | None = None) -> auth.AuthSta
     gw = app[GATEWAY]
     state = auth.install(app, gw.cfg.auth, registry=gw.metrics.registry, store=store)
     mesh = app.get(MESH)
-    if mesh is not None:
-        state.key_sync = KeySync.attach(state.store, mesh.state, local_ids=state.bootstrap_ids)
+    app[KEY_SYNC] = (
+        KeySync.attach(state.store, mesh.state, local_ids=state.bootstrap_ids) if mesh is not None else None
+    )
     app.add_routes(routes())
     return state

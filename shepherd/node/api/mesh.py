@@ -25,11 +25,11 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import Histogram
 
-from shepherd.mesh.swim_types import MemberState
-from shepherd.node.api.common import json_response
 from shepherd.node.cluster.mesh_node import RATE_LIMIT_COMPONENT, MeshNode
+from shepherd.node.http.body import json_response
 from shepherd.node.metrics import counter, gauge
-from shepherd.node.openai.requests import ApiError
+from shepherd.proto.mesh_messages import MemberState
+from shepherd.proto.openai_errors import ApiError
 
 MESH: web.AppKey[MeshNode] = web.AppKey("mesh", MeshNode)
 

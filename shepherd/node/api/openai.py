@@ -1,119 +1,28 @@
-"""OpenAI-compatible generation endpoints: /v1/chat/completions and /v1/completions (stream and not)."""
+"""OpenAI-compatible generation endpoints: /v1/chat/completions and /v1/completions (stream and not).
+
+Each handler parses the request, renders and encodes the prompt, and hands the engine work to a
+``Generation`` (``generation.py``), under admission when rate limits are configured.
+"""
 
 from __future__ import annotations
 
-import itertools
-import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
-import orjson
 from aiohttp import web
 
-from shepherd.node.api.admission import TICKET_KEY
-from shepherd.node.api.common import GATEWAY, json_now, read_json, relay
-from shepherd.node.dispatch.gateway import EngineStream, Gateway
-from shepherd.node.http.types import lean_request, stream_response
-from shepherd.node.openai.requests import ApiError, Sampling, bad, parse_chat, parse_completion
-from shepherd.node.openai.sse import DONE, ChatChunks, CompletionChunks, error_event, usage
-from shepherd.node.openai.structured import Constraint, Violation, header_value
+from shepherd.node.api.common import ADMISSION, GATEWAY, relay
+from shepherd.node.api.generation import Generation, Job, fresh_id
+from shepherd.node.dispatch.gateway import Gateway
+from shepherd.node.http.body import json_now, read_json
+from shepherd.node.openai.requests import Sampling, parse_chat, parse_completion
 from shepherd.node.openai.tool_choice import template_tools
 from shepherd.node.output.chat import (
-    ChatShaping,
-    ChoiceParsing,
-    final_reason,
     shape_chat,
 )
-from shepherd.node.output.choice import ChoiceState, LogprobFormatter
-from shepherd.proto.engine_types import (
-    EngineChunk,
-    EngineError,
-    GenerateRequest,
-    SamplingParams,
-    TokenLogprob,
-)
-from shepherd.tokens.tokenizer import ChatTemplateError, Tokenizer
-
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
-_SSE_LEAN_HEADERS = {k: v for k, v in SSE_HEADERS.items() if k != "Connection"}
-
-
-# (id of a Sampling, max_new_tokens, stream_interval) -> (that Sampling, its SamplingParams): a request
-# without a constraint maps a memoized Sampling (parse_sampling) to the same SamplingParams each time. An
-# entry holds its Sampling alive, so an id in the table cannot be another object's.
-_ENGINE_SAMPLING: dict[tuple[int, int, int | None], tuple[Sampling, SamplingParams]] = {}
-ENGINE_SAMPLING_MAX = 1024
-
-
-def engine_sampling(
-    s: Sampling, max_new_tokens: int, stream_interval: int | None, constraint: Constraint | None = None
-) -> SamplingParams:
-    if constraint is not None:
-        return _engine_sampling(s, max_new_tokens, stream_interval, constraint)
-    key = (id(s), max_new_tokens, stream_interval)
-    hit = _ENGINE_SAMPLING.get(key)
-    if hit is not None and hit[0] is s:
-        return hit[1]
-    p = _engine_sampling(s, max_new_tokens, stream_interval, None)
-    if len(_ENGINE_SAMPLING) >= ENGINE_SAMPLING_MAX:
-        _ENGINE_SAMPLING.clear()
-    _ENGINE_SAMPLING[key] = (s, p)
-    return p
-
-
-def _engine_sampling(
-    s: Sampling, max_new_tokens: int, stream_interval: int | None, constraint: Constraint | None
-) -> SamplingParams:
-    kind = constraint.kind if constraint is not None else ""
-    value = constraint.value if constraint is not None else None
-    return SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        frequency_penalty=s.frequency_penalty,
-        presence_penalty=s.presence_penalty,
-        repetition_penalty=s.repetition_penalty,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=s.min_tokens,
-        stop_token_ids=s.stop_token_ids,
-        ignore_eos=s.ignore_eos,
-        skip_special_tokens=s.skip_special_tokens,
-        spaces_between_special_tokens=s.spaces_between_special_tokens,
-        n=s.n,
-        seed=s.seed,
-        logit_bias=s.logit_bias,
-        stream_interval=stream_interval,
-        json_schema=value if kind == "json_schema" else None,
-        regex=value if kind == "regex" else None,
-        ebnf=value if kind == "ebnf" else None,
-        structural_tag=value if kind == "structural_tag" else None,
-    )
-
-
-@dataclass(slots=True)
-class Job:
-    """One engine request of an API call (a completions call with several prompts has several)."""
-
-    ids: list[int]
-    text: str
-    states: list[ChoiceState]
-    index_base: int
-    echo: str = ""
-
-
-@dataclass(slots=True)
-class Totals:
-    prompt: int = 0
-    completion: int = 0
-    cached: int = 0
-
-
-_ID_PREFIX = os.urandom(6).hex()  # unique per process; a counter makes ids unique within it
-_ID_COUNTER = itertools.count(1)
+from shepherd.node.output.choice import ChoiceState
+from shepherd.proto.openai_errors import bad
+from shepherd.tokens.tokenizer import ChatTemplateError
 
 
 def _request_id(request: web.Request, prefix: str) -> str:
@@ -121,7 +30,7 @@ def _request_id(request: web.Request, prefix: str) -> str:
     rid = request.headers.get("x-request-id")
     if rid and len(rid) <= 128 and rid.isprintable():
         return rid
-    return f"{prefix}{_ID_PREFIX}{next(_ID_COUNTER):x}"
+    return fresh_id(prefix)
 
 
 def _check_ids(s: Sampling, vocab: int) -> None:
@@ -133,387 +42,6 @@ def _check_ids(s: Sampling, vocab: int) -> None:
         if bad_ids:
             msg = f"'{key}' names token id {bad_ids[0]}, outside the vocabulary (size {vocab})."
             raise bad(msg, param=key)
-
-
-def _engine_id(rid: str) -> str:
-    """The engine request id: unique on this node whatever the client sent (a reused
-    ``x-request-id`` must not let one caller's disconnect abort another caller's generation)."""
-    return f"{rid}.{_ID_PREFIX}{next(_ID_COUNTER):x}"
-
-
-class Generation:
-    """Drives the engine stream(s) of one API call and encodes the answer in its API's shape."""
-
-    def __init__(
-        self,
-        request: web.Request,
-        gw: Gateway,
-        model: str,
-        tok: Tokenizer,
-        sampling: Sampling,
-        *,
-        chat: bool,
-        rid: str,
-        t0: float,
-        logprobs: int | None,
-        shaping: ChatShaping | None = None,
-    ) -> None:
-        self.request = request
-        self.gw = gw
-        self.model = model
-        self.tok = tok
-        self.s = sampling
-        self.chat = chat
-        self.rid = rid
-        self.engine_rid = _engine_id(rid)
-        self.t0 = t0
-        self.created = int(time.time())
-        self.logprobs = logprobs
-        self.lpfmt = LogprobFormatter(tok, sampling.skip_special_tokens) if logprobs is not None else None
-        self.totals = Totals()
-        self.engine_seconds = 0.0
-        self.mm = gw.metrics.for_model(model)  # the model's metric children, looked up once
-        # chat: the parser stage (None: plain text, no parser work per token) and structured output
-        if shaping is not None:
-            self.output = shaping.output
-            self.constraint = shaping.constraint
-            self.checks = shaping.checks
-        else:
-            self.output = None
-            self.constraint = None
-            self.checks = None
-        self._enc: ChatChunks | CompletionChunks | None = None  # built by _encoder when streaming
-
-    def _lp(self, entries: Sequence[TokenLogprob], index: int = 0) -> dict[str, Any] | None:
-        if self.lpfmt is None or not entries:
-            return None
-        if self.chat:
-            return self.lpfmt.chat(entries, self.logprobs or 0)
-        return self.lpfmt.completion(entries, self.logprobs or 0, index)
-
-    def _gen_request(self, job: Job, max_new: int, suffix: str, stream: bool) -> GenerateRequest:
-        return GenerateRequest(  # by position: (request_id, input_ids, sampling, stream, logprobs, top)
-            self.engine_rid + suffix,
-            job.ids,
-            engine_sampling(self.s, max_new, self.gw.cfg.stream_interval, self.constraint),
-            stream,
-            self.logprobs is not None,
-            self.logprobs or 0,
-        )
-
-    def _open(self, job: Job, i: int, stream: bool, max_new: int | None = None) -> Awaitable[EngineStream]:
-        """Open job ``i``'s engine stream (``max_new``: what ``check_context`` gave, if already asked):
-        the gateway's coroutine, for the caller to await at once."""
-        if max_new is None:
-            max_new = self.gw.check_context(self.model, len(job.ids), self.s.max_tokens)
-        gen = self._gen_request(job, max_new, "" if i == 0 else f"-p{i}", stream)
-        h = self.request.headers
-        return self.gw.open_stream(
-            self.model, gen, target=h.get("x-smg-target-worker"), routing_key=h.get("x-smg-routing-key")
-        )
-
-    async def _drive(
-        self, es: EngineStream, job: Job, emit: Callable[[list[bytes], bool], Awaitable[None]] | None
-    ) -> None:
-        """Consume one engine stream into ``job.states``; ``emit`` gets the encoded chunks of each batch
-        of engine events (streaming), so one network read from the engine is one write to the client."""
-        states = job.states
-        n = len(states)
-        remaining = n
-        engine_open = n
-        seen_chunks = [False] * n
-        enc = self._encoder() if emit is not None else None
-        posts: list[ChoiceParsing] | None = None
-        if isinstance(enc, ChatChunks) and self.output is not None:  # fresh parsers per choice
-            posts = [self.output.choice(enc, job.index_base + st.index) for st in states]
-        mm = self.mm
-        itl = mm.itl
-        last = time.perf_counter()
-        first = True
-        out: list[bytes] = []
-        cached = self.totals.cached
-        async for batch in es.batches():
-            now = time.perf_counter()
-            if first:
-                mm.ttft.observe(now - self.t0)
-                first = False
-            ntok = 0
-            for ev in batch:
-                i = ev.index
-                if i >= n:
-                    raise EngineError(f"engine sent choice index {i} for n={n}", retryable=False)
-                st = states[i]
-                idx = job.index_base + i
-                if ev.cached_tokens > cached:
-                    cached = ev.cached_tokens
-                if isinstance(ev, EngineChunk):
-                    ntok += len(ev.token_ids)
-                    seen_chunks[i] = True
-                    if st.done():
-                        continue
-                    text = st.feed(ev.token_ids, ev.logprobs)
-                    if enc is not None:
-                        if posts is not None:
-                            if text or ev.logprobs:
-                                posts[i].stream(text, self._lp(ev.logprobs, idx), out)
-                        elif text or ev.logprobs:
-                            out.append(enc.content(idx, text, self._lp(ev.logprobs, idx)))
-                    if st.finished:
-                        remaining -= 1
-                        if enc is not None:
-                            self._finish_chunk(enc, posts, i, idx, st, out)
-                    continue
-                engine_open -= 1
-                if st.finished:
-                    continue
-                lps: Sequence[TokenLogprob] = ()
-                if not seen_chunks[i] and ev.output_ids:
-                    text = st.whole(ev.output_ids, ev.logprobs, ev.finish_reason)
-                    lps = ev.logprobs
-                else:
-                    text = st.end(ev.finish_reason)
-                if enc is not None:
-                    if posts is not None:
-                        if text or lps:
-                            posts[i].stream(text, self._lp(lps, idx), out)
-                    elif text:
-                        out.append(enc.content(idx, text, self._lp(lps, idx)))
-                remaining -= 1
-                if enc is not None:
-                    self._finish_chunk(enc, posts, i, idx, st, out)
-            if ntok:
-                itl.observe((now - last) / ntok)
-            last = now
-            if out and emit is not None:
-                await emit(out, engine_open == 0 or remaining == 0)
-                out = []
-            if engine_open == 0:
-                es.completed = True
-                break
-            if remaining == 0:
-                break  # every choice ended on a gateway-side stop: the engine request is aborted on close
-        self.totals.cached = cached
-        if remaining:
-            raise EngineError("the engine ended the stream before every choice finished", retryable=False)
-
-    def _finish_chunk(
-        self,
-        enc: ChatChunks | CompletionChunks,
-        posts: list[ChoiceParsing] | None,
-        i: int,
-        idx: int,
-        st: ChoiceState,
-        out: list[bytes],
-    ) -> None:
-        if posts is None:
-            out.append(enc.finish(idx, st.finish_reason or "stop", st.matched))
-            return
-        post = posts[i]
-        post.stream_end(out)
-        out.append(enc.finish(idx, *final_reason(st.finish_reason, st.matched, post.has_calls)))
-
-    def _encoder(self) -> ChatChunks | CompletionChunks:
-        """The response's event encoder (stateless: one per response, shared by its streams)."""
-        enc = self._enc
-        if enc is None:
-            cls = ChatChunks if self.chat else CompletionChunks
-            enc = self._enc = cls(self.rid, self.created, self.model)
-        return enc
-
-    def _account(self, job: Job) -> None:
-        states = job.states
-        completion = states[0].tokens if len(states) == 1 else sum(st.tokens for st in states)
-        prompt = len(job.ids)
-        totals = self.totals
-        totals.prompt += prompt
-        totals.completion += completion
-        mm = self.mm
-        mm.prompt_tokens.value += prompt
-        mm.completion_tokens.value += completion
-
-    def _done(self) -> None:
-        self.request["model"] = self.model
-        self.mm.e2e.observe(time.perf_counter() - self.t0)
-
-    # ---- non-streaming ----------------------------------------------------------------------------
-
-    async def respond(self, jobs: list[Job]) -> web.Response:
-        gw = self.gw
-        max_new = [gw.check_context(self.model, len(job.ids), self.s.max_tokens) for job in jobs]
-        engine_t = 0.0
-        # Without stop strings the engine sends everything in one message; with them we stream so that a
-        # gateway-side stop can abort generation early.
-        engine_stream = bool(self.s.stop)
-        for i, job in enumerate(jobs):
-            t_dispatch = time.perf_counter()
-            es = await self._open(job, i, engine_stream, max_new[i])
-            try:
-                await self._drive(es, job, None)
-            finally:
-                await es.close("stop" if es.completed is False else "done")
-            engine_t += time.perf_counter() - t_dispatch
-            self._account(job)
-        violations: list[Violation] = []
-        if len(jobs) == 1:
-            choices = self._final_choices(jobs[0], violations)
-        else:
-            choices = [c for job in jobs for c in self._final_choices(job, violations)]
-        body = {
-            "id": self.rid,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage(self.totals.prompt, self.totals.completion, self.totals.cached),
-        }
-        self.engine_seconds = engine_t
-        self._done()
-        headers = self._headers()
-        if violations:
-            strict = [v for v in violations if v.strict]
-            if strict:  # the client was promised conforming output: an error, not a silent mismatch
-                raise ApiError(
-                    502,
-                    "The engine's output does not conform to the requested structure: "
-                    + header_value(strict),
-                    type="server_error",
-                    param=strict[0].param,
-                    code="schema_violation",
-                )
-            headers["x-smg-schema-violation"] = header_value(violations)
-        return web.Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
-
-    def _final_choices(self, job: Job, violations: list[Violation]) -> list[dict[str, Any]]:
-        out = []
-        for st in job.states:
-            idx = job.index_base + st.index
-            if self.lpfmt is not None and job.echo:
-                self.lpfmt.offsets[idx] = len(job.echo)
-            lp = self._lp(st.logprobs, idx)
-            if self.chat:
-                out.append(self._chat_choice(st, idx, lp, violations))
-            else:
-                out.append(
-                    {
-                        "index": job.index_base + st.index,
-                        "text": job.echo + st.full_text(),
-                        "logprobs": lp,
-                        "finish_reason": st.finish_reason,
-                        "matched_stop": st.matched,
-                    }
-                )
-        return out
-
-    def _chat_choice(
-        self, st: ChoiceState, idx: int, lp: dict[str, Any] | None, violations: list[Violation]
-    ) -> dict[str, Any]:
-        reason: str | None = st.finish_reason
-        matched: Any = st.matched
-        if self.output is None:
-            message: dict[str, Any] = {"role": "assistant", "content": st.full_text()}
-            calls: list[tuple[str, str]] = []
-        else:
-            message, parsed = self.output.message(st.full_text())
-            calls = [] if parsed is None else [(name, args) for _, name, args in parsed.calls]
-            reason, matched = final_reason(reason, matched, bool(calls))
-        choice = {
-            "index": idx,
-            "message": message,
-            "logprobs": lp,
-            "finish_reason": reason,
-            "matched_stop": matched,
-        }
-        if self.checks is not None:
-            v = self.checks.check(idx, reason, message["content"], calls)
-            if v is not None:
-                violations.append(v)
-                choice["schema_violation"] = v.message
-        return choice
-
-    def _headers(self) -> dict[str, str]:
-        own = time.perf_counter() - self.t0 - self.engine_seconds
-        h = {"x-request-id": self.rid, "x-smg-gateway-ms": f"{own * 1000:.3f}"}
-        ticket = self.request.get(TICKET_KEY)  # rate limits: x-ratelimit-* (shepherd.node.api.admission)
-        return h if ticket is None else {**h, **ticket.headers}
-
-    def run(self, jobs: list[Job]) -> Awaitable[web.StreamResponse]:
-        """Dispatch: the prompt work is done, the engine work starts (the answer's coroutine, awaited by
-        the caller: no frame of its own around it)."""
-        self.gw.metrics.overhead.observe(time.perf_counter() - self.t0)
-        if self.s.stream:
-            return self.stream(jobs)
-        return self.respond(jobs)
-
-    # ---- streaming -----------------------------------------------------------------------------------
-
-    async def stream(self, jobs: list[Job]) -> web.StreamResponse:
-        gw = self.gw
-        max_new = [gw.check_context(self.model, len(job.ids), self.s.max_tokens) for job in jobs]
-        es = await self._open(jobs[0], 0, True, max_new[0])  # errors before this point are plain HTTP errors
-        # the lean server writes its own Connection header (it would drop ours: one pass over them less)
-        headers = dict(SSE_HEADERS if lean_request(self.request) is None else _SSE_LEAN_HEADERS)
-        headers.update(self._headers())
-        resp = stream_response(self.request, headers=headers)
-        enc = self._encoder()
-        try:
-            await resp.prepare(self.request)
-            ka = self.gw.keepalive.register(resp)
-
-            pending: list[bytes] = []
-
-            async def emit(chunks: list[bytes], last: bool = False) -> None:
-                # the role chunk rides with the first batch, the last batch with usage and [DONE]:
-                # a stream whose tokens arrive together is one write
-                pending.extend(chunks)
-                if not last:
-                    ka.touch()
-                    await resp.write(b"".join(pending))
-                    pending.clear()
-
-            try:
-                for i, job in enumerate(jobs):
-                    if i > 0:
-                        es = await self._open(job, i, True, max_new[i])
-                    if self.chat:
-                        assert isinstance(enc, ChatChunks)
-                        states = job.states
-                        if len(states) == 1:
-                            pending.append(enc.role(job.index_base + states[0].index))
-                        else:
-                            pending.extend(enc.role(job.index_base + st.index) for st in states)
-                    elif job.echo:
-                        pending.extend(enc.content(job.index_base + st.index, job.echo) for st in job.states)
-                    try:
-                        await self._drive(es, job, emit)
-                    finally:
-                        await es.close("stop")
-                    self._account(job)
-                tail = pending
-                if self.s.include_usage:
-                    t = self.totals
-                    tail.append(enc.usage_of(t.prompt, t.completion, t.cached))
-                tail.append(DONE)
-                await resp.write_eof(b"".join(tail))  # the last bytes and the end of the body: one write
-                self._done()
-            except (EngineError, ApiError, TimeoutError) as e:
-                # headers are gone: report in-band, then end the stream cleanly
-                msg, code = _describe(e)
-                self.gw.metrics.errors.labels(self.request.path, code).inc()
-                await resp.write_eof(b"".join(pending) + error_event(msg, "server_error", code) + DONE)
-            finally:
-                self.gw.keepalive.unregister(resp)
-        finally:
-            if not es.closed:
-                await es.close("cancelled")
-        return resp
-
-
-def _describe(e: BaseException) -> tuple[str, str]:
-    if isinstance(e, ApiError):
-        return e.message, e.code or "error"
-    if isinstance(e, EngineError):
-        return str(e), e.code
-    return "the request timed out", "timeout"
 
 
 # ---- handlers ----------------------------------------------------------------------------------------
@@ -529,9 +57,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = gw.resolve_model(req.model)
     if gw.relay_mode(model):
         send = partial(relay, request, gw, model, raw, d, "/v1/chat/completions", req.sampling.stream)
-        if gw.admission is None:
+        adm = request.app[ADMISSION]
+        if adm is None:
             return await send()
-        return await gw.admission.guard(request, model, len(raw) // 4, req.sampling, send)
+        return await adm.guard(request, model, len(raw) // 4, req.sampling, send)
     tok = gw.tokenizer(model)
     _check_ids(req.sampling, tok.vocab_size)
     try:
@@ -568,9 +97,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         shaping=shaping,
     )
     jobs = [Job(ids, text, states, 0)]
-    if gw.admission is None:
+    adm = request.app[ADMISSION]
+    if adm is None:
         return await g.run(jobs)
-    return await gw.admission.guard(request, model, len(ids), shaping.sampling, partial(g.run, jobs), jobs)
+    return await adm.guard(request, model, len(ids), shaping.sampling, partial(g.run, jobs), jobs)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -581,9 +111,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = gw.resolve_model(req.model)
     if gw.relay_mode(model):
         send = partial(relay, request, gw, model, raw, d, "/v1/completions", req.sampling.stream)
-        if gw.admission is None:
+        adm = request.app[ADMISSION]
+        if adm is None:
             return await send()
-        return await gw.admission.guard(request, model, len(raw) // 4, req.sampling, send)
+        return await adm.guard(request, model, len(raw) // 4, req.sampling, send)
     tok = gw.tokenizer(model)
     _check_ids(req.sampling, tok.vocab_size)
     jobs: list[Job] = []
@@ -614,10 +145,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
         t0=t0,
         logprobs=req.logprobs,
     )
-    if gw.admission is None:
+    adm = request.app[ADMISSION]
+    if adm is None:
         return await g.run(jobs)
     prompt = sum(len(j.ids) for j in jobs)
-    return await gw.admission.guard(request, model, prompt, req.sampling, partial(g.run, jobs), jobs)
+    return await adm.guard(request, model, prompt, req.sampling, partial(g.run, jobs), jobs)
 
 
 def routes() -> list[web.RouteDef]:

@@ -18,14 +18,15 @@ and closes it (graceful leave) while the node drains.
   node (the registry's owner-gone tombstones), except the ones this node's own config pins.
 - **Health**: every local check result is published (``observe_health``, refreshed each tick), and the
   mesh's combined view gates routing (``WorkerRegistry.gate``) beside the local checks and breakers.
-- **Prefix index**: one ``ReplicatedPrefixIndex`` per model (``MeshState.index``) is installed in the
-  model's ``cache_aware`` policy before anything uses it, so the policy's routing decisions, the KV
-  event feed (``kv_feed.feed_index_of``) and replication share it. Deltas are flushed every
+- **Prefix index**: one replicated prefix index per model (``MeshState.index``, made by
+  ``replica_factory``: ``make_replica``, native where built) is installed in the model's
+  ``cache_aware`` policy before anything uses it, so the policy's routing decisions, the KV event
+  feed (``kv_feed.feed_index_of``) and replication share it. Deltas are flushed every
   ``INDEX_FLUSH_S`` as datagrams of their own to every alive member; a member that (re)joins gets the
   whole index once, paced, from one designated node (digest repair leaves recent time slots alone).
-- **Rate limits**: the node's ``RateLimiter`` (``Gateway.admission``) is registered as the state
-  component ``"ratelimit"`` and told the member list (live = alive, N = all but left) on every
-  membership event and every tick.
+- **Rate limits**: the node's ``RateLimiter`` (its ``Admission``'s, handed over by ``app.serve``) is
+  registered as the state component ``"ratelimit"`` and told the member list (live = alive, N = all
+  but left) on every membership event and every tick.
 """
 
 from __future__ import annotations
@@ -35,30 +36,33 @@ import dataclasses
 import fcntl
 import logging
 import os
-import re
-import socket
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import msgpack  # type: ignore[import-untyped]
 
-from shepherd.auth.certs import TlsFiles, validate_node_name, write_dev_pki
+from shepherd.auth.certs import TlsFiles, write_dev_pki
 from shepherd.mesh.hlc import stamp_seconds
 from shepherd.mesh.keyring import Keyring, generate_key, load_keyring
-from shepherd.mesh.runtime import MeshRuntime, MeshRuntimeConfig, parse_addr
-from shepherd.mesh.state import ENVELOPE_OVERHEAD, VERSION, MeshState, MeshStateConfig, WorkerRecord
+from shepherd.mesh.ratelimit import RateLimiter
+from shepherd.mesh.runtime import MeshRuntime
+from shepherd.mesh.runtime_config import MeshRuntimeConfig, parse_addr
+from shepherd.mesh.state import MeshState, WorkerRecord
 from shepherd.mesh.state_registry import REMOVED
-from shepherd.mesh.swim_types import MemberEvent, MemberState, MemberUp, SwimConfig
+from shepherd.mesh.state_wire import ENVELOPE_OVERHEAD, VERSION
+from shepherd.mesh.swim_types import MemberEvent, MemberUp, SwimConfig
+from shepherd.node.config import NodeConfig
+from shepherd.node.dispatch.gateway import Gateway
 from shepherd.policies.cache_aware import CacheAware
 from shepherd.policies.prefix_index import PrefixIndexConfig
-from shepherd.policies.prefix_replica import encode_index_bodies
-
-if TYPE_CHECKING:
-    from shepherd.node.config import NodeConfig
-    from shepherd.node.dispatch.gateway import Gateway
+from shepherd.policies.prefix_replica import IndexReplConfig
+from shepherd.policies.prefix_replica_native import Replica, make_replica
+from shepherd.proto.engine_types import worker_id
+from shepherd.proto.index_wire import encode_index_bodies
+from shepherd.proto.mesh_messages import MemberState
 
 log = logging.getLogger("shepherd.mesh_node")
 
@@ -74,48 +78,6 @@ RECENT_DELTAS = 256
 
 
 # ---- configuration -----------------------------------------------------------------------------------
-
-
-def default_node_name() -> str:
-    """The host name, made a valid node identity (1-63 of ``[A-Za-z0-9._-]``)."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname()).strip("-._")[:63]
-    return name or "node"
-
-
-def check_mesh_config(cfg: NodeConfig) -> NodeConfig:
-    """Validate the ``mesh_*`` settings (``ValueError`` saying what is wrong); fills ``mesh_name``."""
-    if cfg.mesh_port is None:
-        raise ValueError("mesh_seeds need mesh_port (the mesh is off without it)")
-    port = cfg.mesh_port
-    if not 0 <= port < 65536:
-        raise ValueError(f"mesh_port {port} out of range")
-    name = validate_node_name(cfg.mesh_name or default_node_name())
-    for s in cfg.mesh_seeds:
-        parse_addr(s, port or 7946)
-    if cfg.mesh_advertise is not None:
-        parse_addr(cfg.mesh_advertise, port or 7946)
-    elif cfg.mesh_bind in ("0.0.0.0", "::", ""):
-        raise ValueError(
-            "mesh_advertise (host[:port] the other nodes reach) is required with a wildcard mesh_bind"
-        )
-    files = (cfg.mesh_cert, cfg.mesh_key, cfg.mesh_ca)
-    if any(files) and not all(files):
-        raise ValueError("mesh_cert, mesh_key and mesh_ca go together")
-    if cfg.mesh_dev_pki is None and not (all(files) and (cfg.mesh_keyring_file or cfg.mesh_keys)):
-        raise ValueError(
-            "the mesh is sealed and mutually authenticated: give mesh_keyring_file or mesh_keys, and "
-            "mesh_cert, mesh_key, mesh_ca (development certificates: `smg-node certs`), or, for development "
-            "only, --mesh-dev-pki DIR (a CA and a key shared through DIR, made if missing)"
-        )
-    if cfg.mesh_keys:
-        Keyring.from_b64(cfg.mesh_keys)  # KeyringError is a ValueError
-    for k in ("mesh_probe_interval", "mesh_probe_timeout", "mesh_push_pull_interval", "mesh_gossip_interval"):
-        v = getattr(cfg, k)
-        if v is not None and not v > 0:
-            raise ValueError(f"{k} must be > 0")
-    if cfg.mesh_suspicion_mult is not None and cfg.mesh_suspicion_mult < 1:
-        raise ValueError("mesh_suspicion_mult must be >= 1")
-    return dataclasses.replace(cfg, mesh_name=name)
 
 
 def swim_config(cfg: NodeConfig) -> SwimConfig:
@@ -203,7 +165,14 @@ def index_config(policies: Mapping[str, object]) -> PrefixIndexConfig:
     return PrefixIndexConfig()
 
 
-def attach_indexes(policies: Mapping[str, object], state: MeshState) -> list[str]:
+def replica_factory(policies: Mapping[str, object]) -> Callable[[], Replica]:
+    """The mesh state's index factory: replicas with the ``cache_aware`` policies' index configuration
+    and the default replication settings (the same on every node)."""
+    config, repl = index_config(policies), IndexReplConfig()
+    return lambda: make_replica(config, repl)
+
+
+def attach_indexes(policies: Mapping[str, object], state: MeshState[Replica]) -> list[str]:
     """Give each ``cache_aware`` policy the model's replicated index (before anything used its own);
     returns the models attached."""
     out = []
@@ -217,7 +186,7 @@ def attach_indexes(policies: Mapping[str, object], state: MeshState) -> list[str
     return out
 
 
-def full_index_payloads(state: MeshState, models: Iterable[str] | None = None) -> list[bytes]:
+def full_index_payloads(state: MeshState[Replica], models: Iterable[str] | None = None) -> list[bytes]:
     """Every index entry as state payloads (envelope ``[VERSION, "i", body]``), for a joining member."""
     budget = state.cfg.udp_payload_bytes - ENVELOPE_OVERHEAD
     out: list[bytes] = []
@@ -288,7 +257,7 @@ class RegistryBridge:
 
     def __init__(
         self,
-        state: MeshState,
+        state: MeshState[Replica],
         registry: LocalRegistry,
         *,
         models: Collection[str],
@@ -444,16 +413,21 @@ class MeshNode:
     """One node's mesh: build it before ``Gateway.start`` (no I/O), ``await start()`` after it,
     ``await close()`` (graceful leave) on shutdown."""
 
-    def __init__(self, cfg: NodeConfig, gw: Gateway, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        gw: Gateway,
+        *,
+        limiter: RateLimiter | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if cfg.mesh_name is None or cfg.mesh_port is None:
             raise ValueError("the mesh is off (no mesh_port)")
-        from shepherd.node.dispatch.workers import worker_id
-
         self.cfg = cfg
         self.gw = gw
         self.name = cfg.mesh_name
         self.clock = clock
-        self.state = MeshState(self.name, clock, MeshStateConfig(index=index_config(gw.policies)))
+        self.state = MeshState(self.name, clock, new_index=replica_factory(gw.policies))
         self.indexed_models = attach_indexes(gw.policies, self.state)
         pd = getattr(gw, "pd", None)  # PD disaggregation: each pool's policy (their workers are disjoint)
         for policy in (getattr(pd, "prefill_policy", None), getattr(pd, "decode_policy", None)):
@@ -466,7 +440,7 @@ class MeshNode:
         reg.on_removed = _chain(reg.on_removed, self.bridge.local_removed)
         reg.on_health_change = _chain(reg.on_health_change, self.bridge.local_health)
         reg.gate = self.state.routable
-        self.limiter = gw.admission.limiter if gw.admission is not None else None
+        self.limiter = limiter  # the node's admission limiter, its shards replicated here
         if self.limiter is not None:
             self.state.register(RATE_LIMIT_COMPONENT, self.limiter)
         self.state.on_worker_added.append(self._observe_lag)
@@ -580,7 +554,7 @@ class MeshNode:
             self.index_datagrams_out += rt.send_user(addr, payloads[i : i + JOIN_PACE])
             await asyncio.sleep(0.002)
 
-    # -- observability (the views and metrics are in api_mesh) --------------------------------------
+    # -- observability (the views and metrics are in api/mesh.py) --------------------------------------
 
     def members(self) -> list[dict[str, Any]]:
         """``GET /mesh/members`` rows: every member this node knows, itself included."""

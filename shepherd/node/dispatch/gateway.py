@@ -1,6 +1,6 @@
 """The node's request machinery: models and their tokenizers, dispatch to a worker with retry, abort.
 
-The HTTP handlers (api_*.py) parse and encode; this module owns what happens between: the prompt
+The HTTP handlers (``shepherd.node.api``) parse and encode; this module owns what happens between: the prompt
 becomes ids, a policy picks a worker, an engine stream is opened (retried on another worker when it fails
 before its first token), and an engine request that is no longer wanted is always aborted.
 """
@@ -11,26 +11,25 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Coroutine, Generator, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Coroutine, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
-from shepherd.node.api.admission import Admission
-from shepherd.node.api.common import KeepAlive
 from shepherd.node.config import ModelConfig, NodeConfig
 from shepherd.node.dispatch.circuit_breaker import BreakerState
 from shepherd.node.dispatch.kv_feed import KvFeed, feed_index_of, merge_load
 from shepherd.node.dispatch.pd import PdRouter
+from shepherd.node.dispatch.stream import Batches, EngineStream
 from shepherd.node.dispatch.workers import Worker, WorkerRegistry
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.node.metrics import NodeMetrics, counter, gauge
-from shepherd.node.openai.requests import ApiError
 from shepherd.parsers import default_parsers_for_model, reasoning_family_name, tool_family_name
 from shepherd.policies.base import Policy, RouteRequest
 from shepherd.policies.simple import make_policy
-from shepherd.proto.engine_types import EngineError, EngineEvent, EngineLoad, GenerateRequest
-from shepherd.tokens.pool import TokenizerService
+from shepherd.proto.engine_types import EngineError, EngineLoad, GenerateRequest
+from shepherd.proto.openai_errors import ApiError
+from shepherd.tokens.service import TokenizerService
 from shepherd.tokens.tokenizer import Tokenizer
 
 log = logging.getLogger("shepherd.gateway")
@@ -60,58 +59,19 @@ def model_not_found(model: str, known: list[str]) -> ApiError:
     )
 
 
-class Batches(Protocol):
-    """What an engine client's ``generate_batches`` returns, as the gateway uses it."""
-
-    def __anext__(self) -> Awaitable[list[EngineEvent]]: ...
-
-    def aclose(self) -> Awaitable[None]: ...
-
-
-@dataclass(slots=True)
-class EngineStream:
-    """An open Generate stream on one worker. ``close()`` aborts the engine request unless it completed.
-
-    ``batches()`` iterates the stream itself: the first batch (already received), then the engine's."""
-
-    gateway: Gateway
-    worker: Worker
-    request_id: str
-    agen: Batches
-    first: list[EngineEvent] | None
-    completed: bool = False
-    closed: bool = False
-    on_close: Callable[[], None] | None = None  # e.g. PD: the prefill half goes with the decode half
-
-    def batches(self) -> EngineStream:
-        return self
-
-    def __aiter__(self) -> EngineStream:
-        return self
-
-    def __anext__(self) -> Awaitable[list[EngineEvent]]:
-        first = self.first
-        if first is None:
-            return self.agen.__anext__()  # the engine's own awaitable: no wrapper per batch
-        self.first = None
-        return _Ready(first)
-
-    async def close(self, reason: str = "cancelled") -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.worker.in_flight -= 1
-        if self.on_close is not None:
-            self.on_close()
-        if not self.completed:
-            self.gateway.abort_in_background(self.worker, self.request_id, reason)
-        try:  # noqa: SIM105 - cheaper than contextlib.suppress, on every request
-            await self.agen.aclose()
-        except Exception:
-            pass
-
-
 class Gateway:
+    """The node's request machinery between the HTTP handlers and the engines: models, their
+    tokenizers and policies, the worker registry, ``pick`` and ``open_stream`` with retry.
+
+    Invariants: every engine request it opens is either completed or aborted (``EngineStream.close``,
+    or the abort spawned when ``open_stream`` itself fails or is cancelled after the engine saw the
+    request); a worker's ``in_flight`` is raised once per open stream and lowered once when it closes;
+    a request is retried on another worker only before its first token and never on the worker that
+    failed it (at most ``max_retries`` times); ``in_flight`` counts the node's requests being served
+    (the error middleware keeps it) and ``draining`` only ever goes from False to True. Routing
+    decisions are made by the policies over snapshots; no I/O happens inside ``pick``.
+    """
+
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
         self.metrics = NodeMetrics()
@@ -133,11 +93,6 @@ class Gateway:
             inline_max_chars=cfg.tokenizer_inline_max_chars,
             chat_templates={m.name: m.chat_template for m in self.models.values() if m.chat_template},
         )
-        self.keepalive = KeepAlive(cfg.sse_keepalive_secs)
-        # mesh-wide rate limits (None: none configured, and the handlers skip admission)
-        self.admission: Admission | None = Admission.from_config(
-            cfg, node=cfg.mesh_name, metrics=self.metrics
-        )
         self.draining = False
         self.in_flight = 0
         self._background: set[asyncio.Task[Any]] = set()
@@ -152,10 +107,8 @@ class Gateway:
         adds = [self.registry.add(url, m.name) for m in self.models.values() for url in m.worker_urls]
         await asyncio.gather(*adds)
         self.registry.start()
-        self.keepalive.start()
 
     async def close(self) -> None:
-        await self.keepalive.close()
         await self.kv_feed.close()
         await self.registry.close()
         if self._background:
@@ -430,20 +383,5 @@ def _cache_rows(stats: dict[str, int]) -> list[tuple[list[str], float]]:
     return rows
 
 
-class _Ready:
-    """An awaitable that is already done (the first batch, received before the stream was handed on)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: list[EngineEvent]) -> None:
-        self.value = value
-
-    def __await__(self) -> Generator[Any, None, list[EngineEvent]]:
-        yield from ()
-        return self.value
-
-
 def _with_id(gen: GenerateRequest, rid: str) -> GenerateRequest:
-    from dataclasses import replace
-
     return replace(gen, request_id=rid)

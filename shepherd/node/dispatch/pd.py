@@ -23,13 +23,15 @@ import json
 import logging
 import random
 import urllib.parse
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Collection, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
-from shepherd.node.dispatch.workers import Worker, worker_id
+from shepherd.node.config import NodeConfig
+from shepherd.node.dispatch.stream import EngineStream
+from shepherd.node.dispatch.workers import Worker, WorkerRegistry
 from shepherd.node.engines.http import HttpRelayClient
-from shepherd.node.openai.requests import ApiError
+from shepherd.node.metrics import NodeMetrics
 from shepherd.policies.base import Policy
 from shepherd.policies.simple import make_policy
 from shepherd.proto.engine_types import (
@@ -38,10 +40,9 @@ from shepherd.proto.engine_types import (
     EngineError,
     EngineEvent,
     GenerateRequest,
+    worker_id,
 )
-
-if TYPE_CHECKING:
-    from shepherd.node.dispatch.gateway import EngineStream, Gateway
+from shepherd.proto.openai_errors import ApiError
 
 log = logging.getLogger("shepherd.pd")
 
@@ -74,10 +75,32 @@ class PdPair:
     decode: Worker
 
 
+class Dispatcher(Protocol):
+    """What PD dispatch uses of the gateway that owns it (``shepherd.node.dispatch.gateway.Gateway``)."""
+
+    cfg: NodeConfig
+    metrics: NodeMetrics
+    registry: WorkerRegistry
+
+    def pick(
+        self,
+        model: str,
+        exclude: set[str],
+        input_ids: Sequence[int],
+        routing_key: str | None,
+        *,
+        http: bool = False,
+        policy: Policy | None = None,
+        only: Collection[str] | None = None,
+    ) -> Worker | None: ...
+
+    def abort_in_background(self, w: Worker, request_id: str, reason: str) -> None: ...
+
+
 class PdRouter:
     """The node's PD dispatch; the gateway hands every generate request of a PD node to ``open_stream``."""
 
-    def __init__(self, gw: Gateway, *, seed: int | None = None) -> None:
+    def __init__(self, gw: Dispatcher, *, seed: int | None = None) -> None:
         cfg = gw.cfg
         self.gw = gw
         self.prefill_policy: Policy = make_policy(cfg.prefill_policy or cfg.policy)
@@ -283,8 +306,6 @@ class PdRouter:
         first: list[EngineEvent],
         prefill_task: asyncio.Task[None] | None,
     ) -> EngineStream:
-        from shepherd.node.dispatch.gateway import EngineStream
-
         def on_close() -> None:
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()  # the client is gone: the prefill half is aborted too

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -18,13 +17,9 @@ from shepherd.node.engines.grpcio import GrpcEngineClient
 from shepherd.node.engines.h2 import H2EngineClient
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.policies.base import WorkerView
-from shepherd.proto.engine_types import EngineClient, EngineError, EngineLoad, ModelInfo
+from shepherd.proto.engine_types import EngineClient, EngineError, EngineLoad, ModelInfo, worker_id
 
 log = logging.getLogger("shepherd.workers")
-
-
-def worker_id(url: str) -> str:
-    return hashlib.sha1(url.encode()).hexdigest()[:12]
 
 
 def make_client(

@@ -1,0 +1,10 @@
+"""One engine connection each: the lean HTTP/2 gRPC client, the grpcio one, the HTTP relay, back-off.
+
+Callers use: ``h2.H2EngineClient`` (default; gRPC calls in ``h2_stream``, HTTP/2 in ``h2_frames``,
+``h2_conn`` and ``h2_protocol``), ``grpcio.GrpcEngineClient`` (``--engine-transport
+grpcio``), ``http.HttpRelayClient`` (OpenAI-compatible HTTP workers), ``backoff.Backoff``. Both gRPC
+clients map statuses to ``EngineError`` through one table. Imports only the node's root leaves,
+auth (engine TLS) and proto.
+"""
+
+__all__ = ["backoff", "grpcio", "h2", "h2_conn", "h2_frames", "h2_protocol", "h2_stream", "http"]

@@ -18,7 +18,13 @@ from smg_grpc_proto import vllm_engine_pb2 as vl
 from smg_grpc_proto import vllm_engine_pb2_grpc as vl_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from shepherd.proto import engine_codec as codec
+from shepherd.proto.engine_requests import sglang_generate, vllm_generate
+from shepherd.proto.engine_responses import (
+    decode_loads,
+    decode_model_info,
+    decode_response,
+    decode_server_info,
+)
 from shepherd.proto.engine_types import (
     EngineError,
     EngineEvent,
@@ -30,6 +36,7 @@ from shepherd.proto.engine_types import (
     ModelInfo,
     ServerInfo,
 )
+from shepherd.proto.kv_codec import decode_kv_batch
 
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", 30_000),
@@ -97,8 +104,8 @@ class GrpcEngineClient:
 
     def _generate_call(self, req: GenerateRequest, timeout: float | None) -> Any:
         if self.kind == "vllm":
-            return self._vl.Generate(codec.vllm_generate(req), timeout=timeout)
-        return self._sg.Generate(codec.sglang_generate(req), timeout=timeout)
+            return self._vl.Generate(vllm_generate(req), timeout=timeout)
+        return self._sg.Generate(sglang_generate(req), timeout=timeout)
 
     async def generate(
         self, req: GenerateRequest, timeout: float | None = None
@@ -106,7 +113,7 @@ class GrpcEngineClient:
         if self.kind == "unknown":
             await self.detect()
         call = self._generate_call(req, timeout)
-        decode = codec.decode_response
+        decode = decode_response
         try:
             async for resp in call:
                 ev = decode(resp)
@@ -154,7 +161,7 @@ class GrpcEngineClient:
                 r = await self._sg.GetModelInfo(sg.GetModelInfoRequest(), timeout=5.0)
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e) from None
-        return codec.decode_model_info(r)
+        return decode_model_info(r)
 
     async def server_info(self) -> ServerInfo:
         try:
@@ -164,7 +171,7 @@ class GrpcEngineClient:
                 r = await self._sg.GetServerInfo(sg.GetServerInfoRequest(), timeout=5.0)
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e) from None
-        return codec.decode_server_info(r, self.kind)
+        return decode_server_info(r, self.kind)
 
     async def loads(self) -> EngineLoad:
         try:
@@ -174,12 +181,10 @@ class GrpcEngineClient:
                 r = await self._sg.GetLoads(sg.GetLoadsRequest(include=["core"]), timeout=5.0)
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e) from None
-        return codec.decode_loads(r)
+        return decode_loads(r)
 
     async def subscribe_kv_events(self, start_seq: int = 0) -> AsyncIterator[KvEventBatch]:
         """SubscribeKvEvents (server stream, no deadline); closing the iterator cancels the call."""
-        from shepherd.node.dispatch.kv_feed import decode_kv_batch
-
         if self.kind == "unknown":
             await self.detect()
         req = common_pb2.SubscribeKvEventsRequest(

@@ -1,37 +1,51 @@
 """Engine client over a lean HTTP/2 transport written on asyncio (no threads): SGLang and vLLM services.
 
-Same behaviour and error mapping as ``engine_grpc.GrpcEngineClient`` (statuses go through the same
+Same behaviour and error mapping as ``grpcio.GrpcEngineClient`` (statuses go through the same
 ``map_rpc_error``), at a fraction of the CPU per message: there is no poller thread, frames are parsed
 in ``data_received`` and each stream's messages land in a deque; the consumer drains the deque and
 awaits a future only when it is empty, so many messages in one read cost one wake-up.
 
-One HTTP/2 connection per worker (``h2_conn.H2Protocol``), multiplexing every call; on loss the next
+One HTTP/2 connection per worker (``h2_protocol.H2Protocol``), multiplexing every call; on loss the next
 call reconnects, with exponential back-off between failed attempts (calls during the back-off fail fast
-with EngineUnavailable, as grpcio's do in TRANSIENT_FAILURE).
+with EngineUnavailable, as grpcio's do in TRANSIENT_FAILURE). The calls' streams (``GrpcStream``, their
+deadlines, gRPC statuses) are in h2_stream.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import ssl
-import struct
-import urllib.parse
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, TypeVar, cast
 
-import grpc
-import grpc.aio
 from google.protobuf.message import DecodeError, Message
 from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from smg_grpc_proto import vllm_engine_pb2 as vl
 from smg_grpc_proto.generated import common_pb2
 
-from shepherd.node.engines import h2_conn as h2
 from shepherd.node.engines.backoff import Backoff
-from shepherd.node.engines.grpcio import map_rpc_error
-from shepherd.proto import engine_codec as codec
+from shepherd.node.engines.h2_frames import LOCAL_WINDOW, RequestHeaders
+from shepherd.node.engines.h2_protocol import H2Protocol
+from shepherd.node.engines.h2_stream import (
+    DEADLINE_EXCEEDED,
+    INTERNAL,
+    OK,
+    UNAVAILABLE,
+    UNIMPLEMENTED,
+    Deadlines,
+    GrpcStream,
+    RpcStatus,
+    grpc_message,
+    map_status,
+)
+from shepherd.proto.engine_requests import (
+    SGLANG_SERVICE,
+    VLLM_SERVICE,
+    sglang_generate_bytes,
+    vllm_generate_bytes,
+)
+from shepherd.proto.engine_responses import decode_batch, decode_loads, decode_model_info, decode_server_info
 from shepherd.proto.engine_types import (
     EngineError,
     EngineEvent,
@@ -41,321 +55,13 @@ from shepherd.proto.engine_types import (
     ModelInfo,
     ServerInfo,
 )
+from shepherd.proto.kv_codec import decode_kv_batch
 
 M = TypeVar("M", bound=Message)
 
-# gRPC status codes (numbers as on the wire)
-OK = 0
-CANCELLED = 1
-UNKNOWN = 2
-DEADLINE_EXCEEDED = 4
-PERMISSION_DENIED = 7
-RESOURCE_EXHAUSTED = 8
-UNIMPLEMENTED = 12
-INTERNAL = 13
-UNAVAILABLE = 14
-UNAUTHENTICATED = 16
-
-_STATUS_BY_NUMBER = {s.value[0]: s for s in grpc.StatusCode}
-_PREFIX = struct.Struct(">BI")
-
-# HTTP/2 RST_STREAM code -> gRPC status (gRPC's PROTOCOL-HTTP2 "Errors" table)
-_RST_STATUS = {
-    h2.REFUSED_STREAM: UNAVAILABLE,
-    h2.CANCEL: CANCELLED,
-    h2.ENHANCE_YOUR_CALM: RESOURCE_EXHAUSTED,
-    h2.INADEQUATE_SECURITY: PERMISSION_DENIED,
-}
-# HTTP status of a non-gRPC answer -> gRPC status (gRPC's http-grpc-status-mapping)
-_HTTP_STATUS = {
-    b"400": INTERNAL,
-    b"401": UNAUTHENTICATED,
-    b"403": PERMISSION_DENIED,
-    b"404": UNIMPLEMENTED,
-    b"429": UNAVAILABLE,
-    b"502": UNAVAILABLE,
-    b"503": UNAVAILABLE,
-    b"504": UNAVAILABLE,
-}
-
-
-def map_status(code: int, details: str) -> EngineError:
-    """A gRPC status -> EngineError, through engine_grpc.map_rpc_error so both transports agree."""
-    status = _STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
-    err = grpc.aio.AioRpcError(status, grpc.aio.Metadata(), grpc.aio.Metadata(), details or None)
-    return map_rpc_error(err)
-
-
-class RpcStatus(Exception):
-    """A call ended with a non-OK gRPC status (internal; public methods raise ``map_status`` of it)."""
-
-    def __init__(self, code: int, details: str) -> None:
-        super().__init__(f"{code}: {details}")
-        self.code = code
-        self.details = details
-
-    def engine_error(self) -> EngineError:
-        return map_status(self.code, self.details)
-
-
-def grpc_message(body: bytes) -> bytes:
-    """A gRPC length-prefixed message (uncompressed)."""
-    return _PREFIX.pack(0, len(body)) + body
-
-
 _UNPROCESSED_RETRIES = 5  # transparent re-sends of a call the server never processed
 
-
-def _header_fields(headers: h2.Headers) -> tuple[bytes | None, bytes | None, bytes | None, bytes]:
-    """(:status, content-type, grpc-status, grpc-message) of a header block."""
-    status = ctype = gstatus = None
-    gmsg = b""
-    for k, v in headers:
-        if k == b":status":
-            status = v
-        elif k == b"grpc-status":
-            gstatus = v
-        elif k == b"grpc-message":
-            gmsg = v
-        elif k == b"content-type":
-            ctype = v
-    return status, ctype, gstatus, gmsg
-
-
-# id(headers) -> (headers, its fields): the tuple is held, so its id is not reused while it is here
-_HEADER_FIELDS: dict[int, tuple[h2.Headers, bytes | None, bytes | None, bytes | None, bytes]] = {}
-
-
-class GrpcStream(h2.H2Stream):
-    """One gRPC call: response messages in ``messages`` (bytes), status when ``done``.
-
-    ``wait()`` returns a future resolved at the next arrival (message, end or error); the consumer awaits
-    it only when ``messages`` is empty, so a burst of messages costs a single wake-up.
-    """
-
-    __slots__ = (
-        "_headers_seen",
-        "_loop",
-        "_need",
-        "_partial",
-        "_waiter",
-        "code",
-        "deadlines",
-        "details",
-        "done",
-        "messages",
-        "timer",
-        "unprocessed",
-    )
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__()
-        self.unprocessed = False  # the server says it never processed the call: safe to send again
-        self._loop = loop
-        self.messages: collections.deque[bytes] = collections.deque()
-        self.done = False
-        self.code = UNKNOWN
-        self.details = ""
-        self.timer: asyncio.TimerHandle | None = None
-        self.deadlines: Deadlines | None = None  # or ``timer``: what ends the call at its deadline
-        self._waiter: asyncio.Future[None] | None = None
-        self._headers_seen = False
-        self._partial = bytearray()  # an incomplete message (prefix included)
-        self._need = 0  # total bytes of that message once its prefix is known, else 0
-        self.grpc_messages = self.messages  # whole messages straight from the frame loop (no partial)
-
-    # consumer side
-
-    def wait(self) -> asyncio.Future[None]:
-        fut = self._loop.create_future()
-        self._waiter = fut
-        return fut
-
-    def cancel(self, code: int = CANCELLED, details: str = "cancelled by the client") -> None:
-        """Give up: RST_STREAM(CANCEL) so the server frees the request."""
-        if self.conn is not None:
-            self.conn.reset_stream(self, h2.CANCEL)
-        self._finish(code, details)
-
-    def expire(self) -> None:
-        self.timer = None
-        if not self.done:
-            self.cancel(DEADLINE_EXCEEDED, "deadline exceeded")
-
-    def _wake(self) -> None:
-        w = self._waiter
-        if w is not None:
-            self._waiter = None
-            if not w.done():
-                w.set_result(None)
-
-    def _finish(self, code: int, details: str) -> None:
-        if self.done:
-            return
-        self.done = True
-        self.grpc_messages = None
-        self.code = code
-        self.details = details
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        dl = self.deadlines
-        if dl is not None:
-            self.deadlines = None
-            dl.discard(self)
-        self._wake()
-
-    def _fail_and_reset(self, code: int, details: str) -> None:
-        self._finish(code, details)
-        if self.conn is not None:
-            self.conn.reset_stream(self, h2.CANCEL)
-
-    # connection side (H2Stream)
-
-    def on_headers(self, headers: h2.Headers, end_stream: bool) -> None:
-        if self.done:
-            return
-        # a warm connection hands the same header tuples over and over (HeaderDecoder's cache)
-        hit = _HEADER_FIELDS.get(id(headers))
-        if hit is not None and hit[0] is headers:
-            _, status, ctype, gstatus, gmsg = hit
-        else:
-            status, ctype, gstatus, gmsg = _header_fields(headers)
-            if len(_HEADER_FIELDS) >= 64:
-                _HEADER_FIELDS.clear()
-            _HEADER_FIELDS[id(headers)] = (headers, status, ctype, gstatus, gmsg)
-        if not self._headers_seen:
-            self._headers_seen = True
-            if gstatus is None:
-                if status != b"200":
-                    code = _HTTP_STATUS.get(status or b"", UNKNOWN)
-                    self._fail_and_reset(code, f"HTTP status {(status or b'?').decode(errors='replace')}")
-                    return
-                if ctype is not None and not ctype.startswith(b"application/grpc"):
-                    self._fail_and_reset(UNKNOWN, f"unexpected content-type {ctype.decode(errors='replace')}")
-                    return
-        if end_stream:
-            self._trailers(gstatus, gmsg)
-
-    def _trailers(self, gstatus: bytes | None, gmsg: bytes) -> None:
-        if gstatus is None:
-            self._finish(UNKNOWN, "response trailers without grpc-status")
-            return
-        try:
-            code = int(gstatus)
-        except ValueError:
-            code = UNKNOWN
-        details = urllib.parse.unquote(gmsg.decode("utf-8", "replace")) if gmsg else ""
-        if code == OK and self._partial:
-            self._finish(INTERNAL, "stream ended inside a message")
-            return
-        self._finish(code, details)
-
-    def on_grpc_messages(self) -> None:
-        if self._waiter is not None:
-            self._wake()
-
-    def on_data(self, buf: bytes, start: int, end: int, end_stream: bool) -> None:
-        if self.done:
-            return
-        msgs = self.messages
-        if self._partial:
-            p = self._partial
-            if not self._need:
-                take = min(5 - len(p), end - start)
-                p += buf[start : start + take]
-                start += take
-                if len(p) < 5:
-                    self._data_end(end_stream)
-                    return
-                flag, mlen = _PREFIX.unpack_from(p)
-                if flag:
-                    self._fail_and_reset(INTERNAL, "compressed message (compression not negotiated)")
-                    return
-                self._need = 5 + mlen
-            take = min(self._need - len(p), end - start)
-            p += buf[start : start + take]
-            start += take
-            if len(p) < self._need:
-                self._data_end(end_stream)
-                return
-            msgs.append(bytes(p[5:]))
-            self._partial = bytearray()
-            self._need = 0
-        unpack = _PREFIX.unpack_from
-        while end - start >= 5:
-            flag, mlen = unpack(buf, start)
-            if flag:
-                self._fail_and_reset(INTERNAL, "compressed message (compression not negotiated)")
-                return
-            mend = start + 5 + mlen
-            if mend > end:
-                self._need = 5 + mlen
-                break
-            msgs.append(buf[start + 5 : mend])
-            start = mend
-        if start < end:
-            self._partial = bytearray(buf[start:end])
-        self.grpc_messages = None if self._partial else msgs
-        if msgs and self._waiter is not None:
-            self._wake()
-        if end_stream:
-            self._data_end(end_stream)
-
-    def _data_end(self, end_stream: bool) -> None:
-        if end_stream:
-            self._finish(INTERNAL, "stream ended without trailers")
-
-    def on_reset(self, code: int) -> None:
-        self.unprocessed = code == h2.REFUSED_STREAM and not self._headers_seen and not self.messages
-        self._finish(_RST_STATUS.get(code, INTERNAL), f"stream reset by the server (HTTP/2 error {code})")
-
-    def on_connection_error(self, message: str, unprocessed: bool) -> None:
-        self.unprocessed = unprocessed and not self._headers_seen and not self.messages
-        self._finish(UNAVAILABLE, message)
-
-
 _MAX_DEADLINE_GROUPS = 8
-
-
-class Deadlines:
-    """The deadlines of calls that share one timeout, behind one timer (arming and cancelling a timer
-    per call costs ~1.7 µs; a dict insertion and deletion, ~0.2 µs). With one timeout, deadlines come
-    in the order the calls start, so the earliest is the oldest entry; calls that end early leave."""
-
-    __slots__ = ("_due", "_timer", "loop", "timeout")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
-        self.loop = loop
-        self.timeout = timeout
-        self._due: dict[GrpcStream, float] = {}
-        self._timer: asyncio.TimerHandle | None = None
-
-    def __len__(self) -> int:
-        return len(self._due)
-
-    def add(self, stream: GrpcStream) -> None:
-        due = self.loop.time() + self.timeout
-        self._due[stream] = due
-        stream.deadlines = self
-        if self._timer is None:
-            self._timer = self.loop.call_at(due, self._fire)
-
-    def discard(self, stream: GrpcStream) -> None:
-        self._due.pop(stream, None)
-
-    def _fire(self) -> None:
-        self._timer = None
-        due = self._due
-        now = self.loop.time() + 0.001  # timers fire with a millisecond's precision
-        for _ in range(len(due)):  # bounded: each turn expires one call or stops
-            stream, when = next(iter(due.items()))
-            if when > now:
-                self._timer = self.loop.call_at(when, self._fire)
-                return
-            del due[stream]
-            stream.deadlines = None
-            stream.expire()
 
 
 def parse_target(target: str) -> tuple[str, int, str | None]:
@@ -382,7 +88,7 @@ def parse_target(target: str) -> tuple[str, int, str | None]:
 
 
 def _path(kind: str, method: str) -> str:
-    return f"/{codec.VLLM_SERVICE if kind == 'vllm' else codec.SGLANG_SERVICE}/{method}"
+    return f"/{VLLM_SERVICE if kind == 'vllm' else SGLANG_SERVICE}/{method}"
 
 
 _SG_GENERATE = _path("sglang", "Generate")
@@ -405,7 +111,7 @@ class H2EngineClient:
         connect_timeout: float = 5.0,
         keepalive_s: float = 60.0,
         keepalive_timeout_s: float = 20.0,
-        window: int = h2.LOCAL_WINDOW,
+        window: int = LOCAL_WINDOW,
         backoff: Backoff | None = None,
         coalesce_writes: bool = True,
         tls: ssl.SSLContext | None = None,  # TLS (ALPN h2) to the engine; None: cleartext h2c
@@ -418,16 +124,16 @@ class H2EngineClient:
         if ":" in self._host and not self._unix:
             authority = f"[{self._host}]:{self._port}"
         self._tls = tls
-        self._headers = h2.RequestHeaders(authority, scheme="https" if tls else "http")
+        self._headers = RequestHeaders(authority, scheme="https" if tls else "http")
         self._connect_timeout = connect_timeout
         self._keepalive_s = keepalive_s
         self._keepalive_timeout_s = keepalive_timeout_s
         self._window = window
         self._coalesce = coalesce_writes
         self._backoff = backoff or Backoff()
-        self._proto: h2.H2Protocol | None = None
-        self._protos: set[h2.H2Protocol] = set()
-        self._connecting: asyncio.Task[h2.H2Protocol] | None = None
+        self._proto: H2Protocol | None = None
+        self._protos: set[H2Protocol] = set()
+        self._connecting: asyncio.Task[H2Protocol] | None = None
         self._deadlines: dict[float, Deadlines] = {}  # by timeout
         self._last_error = ""
         self._closed = False
@@ -435,7 +141,7 @@ class H2EngineClient:
 
     # ------------------------------------------------------------------------------------------ connection
 
-    async def _protocol(self, deadline: float | None) -> h2.H2Protocol:
+    async def _protocol(self, deadline: float | None) -> H2Protocol:
         p = self._proto
         if p is not None and p.conn.usable:
             return p
@@ -460,11 +166,11 @@ class H2EngineClient:
         except TimeoutError:
             raise RpcStatus(DEADLINE_EXCEEDED, "deadline exceeded while connecting") from None
 
-    async def _connect(self) -> h2.H2Protocol:
+    async def _connect(self) -> H2Protocol:
         loop = asyncio.get_running_loop()
 
-        def factory() -> h2.H2Protocol:
-            return h2.H2Protocol(
+        def factory() -> H2Protocol:
+            return H2Protocol(
                 loop,
                 local_window=self._window,
                 keepalive_s=self._keepalive_s,
@@ -472,7 +178,7 @@ class H2EngineClient:
                 coalesce_writes=self._coalesce,
             )
 
-        proto: h2.H2Protocol | None = None
+        proto: H2Protocol | None = None
         try:
             async with asyncio.timeout(self._connect_timeout):
                 if self._unix is not None:
@@ -679,7 +385,7 @@ class H2EngineClient:
             r: Any = await self._unary("GetModelInfo", vl.GetModelInfoRequest(), vl.GetModelInfoResponse, 5.0)
         else:
             r = await self._unary("GetModelInfo", sg.GetModelInfoRequest(), sg.GetModelInfoResponse, 5.0)
-        return codec.decode_model_info(r)
+        return decode_model_info(r)
 
     async def server_info(self) -> ServerInfo:
         if self.kind == "vllm":
@@ -688,7 +394,7 @@ class H2EngineClient:
             )
         else:
             r = await self._unary("GetServerInfo", sg.GetServerInfoRequest(), sg.GetServerInfoResponse, 5.0)
-        return codec.decode_server_info(r, self.kind)
+        return decode_server_info(r, self.kind)
 
     async def loads(self) -> EngineLoad:
         if self.kind == "vllm":
@@ -697,12 +403,10 @@ class H2EngineClient:
             )
         else:
             r = await self._unary("GetLoads", sg.GetLoadsRequest(include=["core"]), sg.GetLoadsResponse, 5.0)
-        return codec.decode_loads(r)
+        return decode_loads(r)
 
     async def subscribe_kv_events(self, start_seq: int = 0) -> AsyncIterator[KvEventBatch]:
         """SubscribeKvEvents (server stream, no deadline); closing the iterator cancels the call."""
-        from shepherd.node.dispatch.kv_feed import decode_kv_batch
-
         if self.kind == "unknown":
             await self.detect()
         req = common_pb2.SubscribeKvEventsRequest(
@@ -765,7 +469,7 @@ class GenerateCall:
                 if msgs:
                     raws = list(msgs)
                     msgs.clear()
-                    batch = codec.decode_batch(raws, self._parse, single=self._single)
+                    batch = decode_batch(raws, self._parse, single=self._single)
                     if batch:
                         return batch
                     continue
@@ -789,11 +493,11 @@ class GenerateCall:
             await client.detect()
         req = self._req
         if client.kind == "vllm":
-            body = codec.vllm_generate_bytes(req)
+            body = vllm_generate_bytes(req)
             self._parse = _VL_PARSE
             path = _VL_GENERATE
         else:
-            body = codec.sglang_generate_bytes(req)
+            body = sglang_generate_bytes(req)
             path = _SG_GENERATE
         if req.sampling.n == 1:
             self._single = client.kind
@@ -833,6 +537,6 @@ class GenerateCall:
                 s.cancel()
 
 
-def _retrieve(task: asyncio.Task[h2.H2Protocol]) -> None:
+def _retrieve(task: asyncio.Task[H2Protocol]) -> None:
     if not task.cancelled():
         task.exception()  # the callers that waited got it; don't warn when none did

@@ -1,19 +1,10 @@
-"""A lean HTTP/2 client connection: frame codec, a pure connection state machine, a thin asyncio shell.
+"""A lean HTTP/2 client connection: the pure connection state machine.
 
 Written for one job: gRPC calls to an engine over cleartext HTTP/2 (h2c with prior knowledge) at the
-lowest CPU cost per received message. The pieces:
-
-- frame encoders (``frame``, ``settings_frame``, ...) and request-header encoding (``RequestHeaders``:
-  the HPACK block of a path is built once; only ``grpc-timeout`` is added per call);
-- ``HeaderDecoder``: HPACK decoding with the ``hpack`` package, plus a cache of header blocks that leave
-  the dynamic table unchanged (indexed fields and non-indexing literals: what a gRPC server sends for
-  its usual response headers and OK trailers once its table is warm); such a decoding holds until a
-  block that may change the table;
-- ``H2Connection``: the pure protocol core. ``receive(bytes)`` parses frames and calls the methods of
-  ``H2Stream`` objects and of a ``ConnectionListener``; bytes to send go to an injected ``write``
-  callable. No clock, no asyncio: unit tests drive it with bytes;
-- ``H2Protocol``: the ``asyncio.Protocol`` around one ``H2Connection`` (readiness once the server's
-  SETTINGS arrive, waiting for a stream slot, keepalive pings, closing a drained connection).
+lowest CPU cost per received message. ``H2Connection`` is the pure protocol core: ``receive(bytes)``
+parses frames and calls the methods of ``H2Stream`` objects and of a ``ConnectionListener``; bytes to
+send go to an injected ``write`` callable. No clock, no asyncio: unit tests drive it with bytes. The
+frame codec is in h2_frames.py, the asyncio shell around a connection (``H2Protocol``) in h2_protocol.py.
 
 Flow control: we advertise large windows (16 MiB per stream and for the connection) and give credit
 back when a quarter has been received, so a server rarely waits for us. Received data is credited as it
@@ -23,275 +14,58 @@ windows and frame size are respected: a request body that does not fit waits for
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import contextlib
-import struct
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Protocol
 
-import hpack
-
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-
-# frame types
-DATA = 0x0
-HEADERS = 0x1
-PRIORITY = 0x2
-RST_STREAM = 0x3
-SETTINGS = 0x4
-PUSH_PROMISE = 0x5
-PING = 0x6
-GOAWAY = 0x7
-WINDOW_UPDATE = 0x8
-CONTINUATION = 0x9
-
-# flags
-FLAG_END_STREAM = 0x1
-FLAG_ACK = 0x1
-FLAG_END_HEADERS = 0x4
-FLAG_PADDED = 0x8
-FLAG_PRIORITY = 0x20
-
-# settings
-SETTINGS_HEADER_TABLE_SIZE = 0x1
-SETTINGS_ENABLE_PUSH = 0x2
-SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
-SETTINGS_INITIAL_WINDOW_SIZE = 0x4
-SETTINGS_MAX_FRAME_SIZE = 0x5
-SETTINGS_MAX_HEADER_LIST_SIZE = 0x6
-
-# error codes
-NO_ERROR = 0x0
-PROTOCOL_ERROR = 0x1
-INTERNAL_ERROR = 0x2
-FLOW_CONTROL_ERROR = 0x3
-SETTINGS_TIMEOUT = 0x4
-STREAM_CLOSED = 0x5
-FRAME_SIZE_ERROR = 0x6
-REFUSED_STREAM = 0x7
-CANCEL = 0x8
-COMPRESSION_ERROR = 0x9
-CONNECT_ERROR = 0xA
-ENHANCE_YOUR_CALM = 0xB
-INADEQUATE_SECURITY = 0xC
-HTTP_1_1_REQUIRED = 0xD
-
-DEFAULT_WINDOW = 65_535
-DEFAULT_MAX_FRAME = 16_384
-MAX_WINDOW = 2**31 - 1
-MAX_STREAM_ID = 2**31 - 1
-LOCAL_WINDOW = 16 * 1024 * 1024
-
-_HDR = struct.Struct(">HBBBI")  # length as 16 + 8 bits, type, flags, stream id
-_HDR_MSG = struct.Struct(">HBBBIBI")  # a frame header and the gRPC message prefix after it (flag, length)
-_U32 = struct.Struct(">I")
-_SETTING = struct.Struct(">HI")
-_GOAWAY = struct.Struct(">II")
-
-Headers = tuple[tuple[bytes, bytes], ...]
-
-
-class H2ProtocolError(Exception):
-    """The peer broke HTTP/2: the connection is closed with GOAWAY(code)."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-# ---------------------------------------------------------------------------------------------- encoding
-
-
-def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    n = len(payload)
-    return _HDR.pack(n >> 8, n & 0xFF, ftype, flags, stream_id) + payload
-
-
-def frame_header(length: int, ftype: int, flags: int, stream_id: int) -> bytes:
-    return _HDR.pack(length >> 8, length & 0xFF, ftype, flags, stream_id)
-
-
-def settings_frame(settings: dict[int, int]) -> bytes:
-    return frame(SETTINGS, 0, 0, b"".join(_SETTING.pack(k, v) for k, v in settings.items()))
-
-
-def window_update_frame(stream_id: int, increment: int) -> bytes:
-    return frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(increment))
-
-
-def rst_stream_frame(stream_id: int, code: int) -> bytes:
-    return frame(RST_STREAM, 0, stream_id, _U32.pack(code))
-
-
-def ping_frame(payload: bytes, ack: bool = False) -> bytes:
-    return frame(PING, FLAG_ACK if ack else 0, 0, payload)
-
-
-def goaway_frame(last_stream_id: int, code: int, debug: bytes = b"") -> bytes:
-    return frame(GOAWAY, 0, 0, _GOAWAY.pack(last_stream_id, code) + debug)
-
-
-def headers_frames(stream_id: int, block: bytes, end_stream: bool, max_frame: int) -> list[bytes]:
-    """HEADERS (+ CONTINUATION when the block exceeds the peer's frame size)."""
-    es = FLAG_END_STREAM if end_stream else 0
-    if len(block) <= max_frame:
-        return [frame_header(len(block), HEADERS, es | FLAG_END_HEADERS, stream_id), block]
-    out = [frame_header(max_frame, HEADERS, es, stream_id), block[:max_frame]]
-    off = max_frame
-    while off < len(block):
-        part = block[off : off + max_frame]
-        off += len(part)
-        last = off >= len(block)
-        out += [frame_header(len(part), CONTINUATION, FLAG_END_HEADERS if last else 0, stream_id), part]
-    return out
-
-
-def hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    """HPACK integer (RFC 7541 §5.1); ``first`` holds the representation's flag bits."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes([first | value])
-    out = bytearray([first | limit])
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def hpack_literal(name: int | bytes, value: bytes) -> bytes:
-    """Literal header field without indexing, name by static-table index or as a plain string."""
-    head = hpack_int(name, 4) if isinstance(name, int) else b"\x00" + hpack_int(len(name), 7) + name
-    return head + hpack_int(len(value), 7) + value
-
-
-# static-table indices (RFC 7541 appendix A)
-_IDX_AUTHORITY = 1
-_IDX_METHOD_POST = 3
-_IDX_PATH = 4
-_IDX_SCHEME_HTTP = 6
-_IDX_SCHEME_HTTPS = 7
-_IDX_CONTENT_TYPE = 31
-_IDX_USER_AGENT = 58
-
-
-def grpc_timeout_value(seconds: float) -> bytes:
-    """``grpc-timeout`` value: at most 8 digits and a unit, rounded up so the server never cuts early."""
-    us = max(1, int(-(-seconds * 1_000_000 // 1)))
-    for unit, scale in (
-        (b"u", 1),
-        (b"m", 1_000),
-        (b"S", 1_000_000),
-        (b"M", 60_000_000),
-        (b"H", 3_600_000_000),
-    ):
-        v = -(-us // scale)
-        if v < 100_000_000:
-            return str(v).encode() + unit
-    return b"99999999H"
-
-
-class RequestHeaders:
-    """Pre-encoded HPACK blocks of gRPC request headers, one per path (the headers never change)."""
-
-    def __init__(self, authority: str, scheme: str = "http", user_agent: str = "shepherd-h2/0.1") -> None:
-        self._common_tail = (
-            hpack_literal(_IDX_AUTHORITY, authority.encode())
-            + hpack_literal(_IDX_CONTENT_TYPE, b"application/grpc")
-            + hpack_literal(b"te", b"trailers")
-            + hpack_literal(b"grpc-accept-encoding", b"identity")
-            + hpack_literal(_IDX_USER_AGENT, user_agent.encode())
-        )
-        self._head = bytes(
-            [0x80 | _IDX_METHOD_POST, 0x80 | (_IDX_SCHEME_HTTPS if scheme == "https" else _IDX_SCHEME_HTTP)]
-        )
-        self._blocks: dict[tuple[str, float | None], bytes] = {}
-
-    def block(self, path: str, timeout: float | None = None) -> bytes:
-        """The header block of a call; cached per (path, timeout): callers mostly reuse a few timeouts."""
-        key = (path, timeout)
-        b = self._blocks.get(key)
-        if b is None:
-            b = self._head + hpack_literal(_IDX_PATH, path.encode()) + self._common_tail
-            if timeout is not None:
-                b += hpack_literal(b"grpc-timeout", grpc_timeout_value(timeout))
-            if len(self._blocks) >= 256:  # remaining-time timeouts vary: stay bounded
-                self._blocks.clear()
-            self._blocks[key] = b
-        return b
-
-
-# ---------------------------------------------------------------------------------------------- decoding
-
-
-def _skip_int(block: bytes, i: int, prefix_bits: int) -> tuple[int, int]:
-    """Read an HPACK integer at ``block[i]``: (value, index after it)."""
-    limit = (1 << prefix_bits) - 1
-    value = block[i] & limit
-    i += 1
-    if value == limit:
-        shift = 0
-        while i < len(block):
-            b = block[i]
-            i += 1
-            value += (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                break
-    return value, i
-
-
-def table_neutral(block: bytes) -> bool:
-    """True when the block holds only indexed fields and literals without (or never) indexing: decoding
-    it leaves the HPACK dynamic table unchanged, so its result holds while the table does."""
-    i = 0
-    n = len(block)
-    while i < n:
-        b = block[i]
-        if b & 0x80:  # indexed field
-            _, i = _skip_int(block, i, 7)
-            continue
-        if b & 0xE0:  # 01xxxxxx incremental indexing, 001xxxxx table size update
-            return False
-        idx, i = _skip_int(block, i, 4)  # literal without indexing / never indexed
-        if idx == 0 and i < n:
-            length, i = _skip_int(block, i, 7)
-            i += length
-        if i >= n:
-            return False  # truncated: let the decoder report it, don't cache
-        length, i = _skip_int(block, i, 7)
-        i += length
-    return i == n
-
-
-class HeaderDecoder:
-    """HPACK decoding (``hpack``), caching table-neutral blocks while the dynamic table stands."""
-
-    def __init__(self, max_cached: int = 64) -> None:
-        self._dec = hpack.Decoder()
-        self._cache: dict[bytes, Headers] = {}
-        self._max = max_cached
-
-    def decode(self, block: bytes) -> Headers:
-        hit = self._cache.get(block)
-        if hit is not None:
-            return hit
-        try:
-            headers: Headers = tuple((bytes(k), bytes(v)) for k, v in self._dec.decode(block, raw=True))
-        except hpack.HPACKError as e:
-            raise H2ProtocolError(COMPRESSION_ERROR, f"header block: {e}") from None
-        if table_neutral(block):
-            if len(self._cache) >= self._max:
-                self._cache.clear()
-            self._cache[block] = headers
-        else:
-            self._cache.clear()  # the block may have inserted into (or resized) the dynamic table
-        return headers
-
-
-# ---------------------------------------------------------------------------------------------- state machine
+from shepherd.node.engines.h2_frames import (
+    _GOAWAY,
+    _HDR,
+    _HDR_MSG,
+    _SETTING,
+    _U32,
+    CANCEL,
+    CONTINUATION,
+    DATA,
+    DEFAULT_MAX_FRAME,
+    DEFAULT_WINDOW,
+    FLAG_ACK,
+    FLAG_END_HEADERS,
+    FLAG_END_STREAM,
+    FLAG_PADDED,
+    FLAG_PRIORITY,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADERS,
+    INTERNAL_ERROR,
+    LOCAL_WINDOW,
+    MAX_STREAM_ID,
+    MAX_WINDOW,
+    NO_ERROR,
+    PING,
+    PREFACE,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    RST_STREAM,
+    SETTINGS,
+    SETTINGS_ENABLE_PUSH,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
+    SETTINGS_MAX_FRAME_SIZE,
+    WINDOW_UPDATE,
+    H2ProtocolError,
+    HeaderDecoder,
+    Headers,
+    frame,
+    frame_header,
+    goaway_frame,
+    headers_frames,
+    ping_frame,
+    rst_stream_frame,
+    settings_frame,
+    window_update_frame,
+)
 
 
 class H2Stream:
@@ -752,175 +526,3 @@ class H2Connection:
             s.on_connection_error(message, False)
         if streams:
             self._listener.on_stream_closed()
-
-
-# ---------------------------------------------------------------------------------------------- asyncio shell
-
-
-class H2Protocol(asyncio.Protocol):
-    """One HTTP/2 connection on an asyncio transport; all protocol logic lives in ``H2Connection``."""
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        *,
-        local_window: int = LOCAL_WINDOW,
-        keepalive_s: float = 60.0,
-        keepalive_timeout_s: float = 20.0,
-        coalesce_writes: bool = True,
-    ) -> None:
-        self.loop = loop
-        self.transport: asyncio.Transport | None = None
-        self.conn = H2Connection(self._write, self, local_window=local_window)
-        self.ready: asyncio.Future[None] = loop.create_future()
-        self.closed: asyncio.Future[None] = loop.create_future()
-        self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._keepalive_s = keepalive_s
-        self._keepalive_timeout_s = keepalive_timeout_s
-        self._keepalive: asyncio.TimerHandle | None = None
-        self._rx = False
-        self._ping_sent: float | None = None
-        self._coalesce = coalesce_writes
-        self._wbuf: list[bytes] | None = None
-
-    # asyncio.Protocol
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports don't subclass it
-        self.conn.start()
-        if self._keepalive_s > 0:
-            self._keepalive = self.loop.call_later(self._keepalive_s, self._on_keepalive)
-
-    def data_received(self, data: bytes) -> None:
-        self._rx = True
-        self.conn.receive(data)
-
-    def eof_received(self) -> bool | None:
-        return False  # close the transport: HTTP/2 has no half-closed connections
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        msg = f"connection lost: {exc}" if exc else "connection closed by the server"
-        self.transport = None
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-            self._keepalive = None
-        self.conn.lost(self.conn.failed or msg)
-        if not self.ready.done():
-            self.ready.set_exception(ConnectionError(msg))
-            self.ready.exception()  # mark retrieved: the opener may have given up already
-        if not self.closed.done():
-            self.closed.set_result(None)
-        self._wake_all()
-
-    # ConnectionListener
-
-    def on_settings(self) -> None:
-        if not self.ready.done():
-            self.ready.set_result(None)
-        self._wake_one()
-
-    def on_stream_closed(self) -> None:
-        if self._slot_waiters:
-            self._wake_one()
-        if not self.conn.streams and not self.conn.usable:
-            self.close()
-
-    def on_goaway(self) -> None:
-        self._wake_all()
-        if not self.conn.streams:
-            self.close()
-
-    def on_ping_ack(self, payload: bytes) -> None:
-        self._ping_sent = None
-
-    def on_fatal(self, message: str) -> None:
-        self._wake_all()
-        self._flush()  # the GOAWAY saying why
-        self.abort()
-
-    # used by the client
-
-    def _write(self, data: bytes) -> None:
-        """Frames written during one loop iteration leave in one ``transport.write`` (one syscall)."""
-        if self.transport is None:
-            return
-        if not self._coalesce:
-            self.transport.write(data)
-        elif self._wbuf is None:
-            self._wbuf = [data]
-            self.loop.call_soon(self._flush)
-        else:
-            self._wbuf.append(data)
-
-    def _flush(self) -> None:
-        buf = self._wbuf
-        self._wbuf = None
-        if buf and self.transport is not None:
-            self.transport.write(buf[0] if len(buf) == 1 else b"".join(buf))
-
-    async def wait_slot(self) -> None:
-        """Wait (FIFO) until a stream slot frees, the connection becomes unusable or settings change."""
-        fut: asyncio.Future[None] = self.loop.create_future()
-        self._slot_waiters.append(fut)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self._wake_one()  # we were handed a turn we won't use: pass it on
-            else:
-                fut.cancel()
-                with contextlib.suppress(ValueError):
-                    self._slot_waiters.remove(fut)
-            raise
-
-    @property
-    def has_waiters(self) -> bool:
-        return bool(self._slot_waiters)
-
-    @property
-    def can_open(self) -> bool:
-        """A stream can be opened now, ahead of no waiting caller (``conn.usable``, ``conn.has_slot``
-        and not ``has_waiters``, in one call)."""
-        c = self.conn
-        return not self._slot_waiters and c.usable and c.has_slot
-
-    def _wake_one(self) -> None:
-        while self._slot_waiters:
-            f = self._slot_waiters.popleft()
-            if not f.done():
-                f.set_result(None)
-                return
-
-    def _wake_all(self) -> None:
-        while self._slot_waiters:
-            f = self._slot_waiters.popleft()
-            if not f.done():
-                f.set_result(None)
-
-    def _on_keepalive(self) -> None:
-        self._keepalive = None
-        if self.transport is None:
-            return
-        now = self.loop.time()
-        if self._ping_sent is not None:
-            if now - self._ping_sent > self._keepalive_timeout_s:
-                self.conn.fail("keepalive ping not answered", NO_ERROR)
-                return
-        elif self.conn.streams and not self._rx:
-            # streams are waiting and the server has been silent for a whole period: is it alive?
-            self._ping_sent = now
-            self.conn.ping()
-        self._rx = False
-        delay = self._keepalive_timeout_s if self._ping_sent is not None else self._keepalive_s
-        self._keepalive = self.loop.call_later(delay, self._on_keepalive)
-
-    def close(self) -> None:
-        """Graceful: GOAWAY then close the transport (streams still open fail as connection lost)."""
-        if self.transport is not None:
-            self.conn.close()
-            self._flush()
-            self.transport.close()
-
-    def abort(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()

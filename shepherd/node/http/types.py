@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Protocol, cast
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 from aiohttp import HttpVersion, hdrs, web
 from aiohttp.abc import AbstractStreamWriter
@@ -165,8 +165,6 @@ class LeanRequest(dict[Any, Any]):
     def query(self) -> MultiDictProxy[str]:
         q = self._query
         if q is None:
-            from urllib.parse import parse_qsl
-
             q = self._query = MultiDictProxy(MultiDict(parse_qsl(self.query_string, keep_blank_values=True)))
         return q
 

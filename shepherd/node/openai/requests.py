@@ -7,62 +7,18 @@ answers bad input with a 500.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
-
-import orjson
 
 from shepherd.node.openai.structured import schema_error
 from shepherd.node.openai.tool_choice import NONE as NO_TOOL_CHOICE
 from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, parse_tool_choice
+from shepherd.proto.openai_errors import bad
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_N = 128
 MAX_STOP = 16
 MAX_TOP_LOGPROBS = 20
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers: dict[str, str] = dict(headers or {})  # e.g. Retry-After, WWW-Authenticate
-
-    def envelope(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def body(self) -> bytes:
-        return orjson.dumps(self.envelope())
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    if not raw:
-        raise bad("The request body is empty; expected a JSON object.", code="invalid_json")
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise bad(f"The request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad("The request body must be a JSON object.", code="invalid_json")
-    return data
 
 
 # ---- typed field readers -------------------------------------------------------------------------
@@ -595,6 +551,4 @@ def parse_completion(d: dict[str, Any]) -> CompletionRequest:
 
 
 def _replace_max(s: Sampling, max_tokens: int) -> Sampling:
-    from dataclasses import replace
-
     return replace(s, max_tokens=max_tokens)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
+from shepherd.proto.openai_errors import ApiError
+
 if TYPE_CHECKING:
     from jsonschema.protocols import Validator
 
@@ -51,8 +53,6 @@ def _dumps(value: Any) -> str:
     try:
         return orjson.dumps(value).decode()
     except (TypeError, orjson.JSONEncodeError) as e:  # e.g. nested deeper than 254 levels
-        from shepherd.node.openai.requests import ApiError  # openai_protocol imports this module
-
         msg = f"A schema in the request cannot be serialised: {e}."
         raise ApiError(400, msg, code="invalid_schema") from None
 
@@ -77,6 +77,7 @@ def response_format_constraint(rf: Mapping[str, Any] | None) -> Constraint | Non
 @functools.lru_cache(maxsize=512)
 def _validator(schema_json: str) -> Validator | str:
     """A validator for the schema, or the reason the schema is not one."""
+    # here, not at the top: jsonschema costs ~40 ms of start-up and most requests carry no schema
     from jsonschema import Draft202012Validator, SchemaError
 
     schema = orjson.loads(schema_json)

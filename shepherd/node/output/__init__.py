@@ -1,0 +1,8 @@
+"""One choice's output: engine ids -> text -> message (detokenizer, stop matcher, reasoning and tool
+parsers).
+
+Callers use: ``choice.ChoiceState`` (per-choice state fed engine chunks), ``stop`` (``StopMatcher``),
+``chat`` (``ChatShaping``, ``shape_chat``: which parsers and constraints a chat request gets).
+"""
+
+__all__ = ["chat", "choice", "stop"]

@@ -37,7 +37,7 @@ from typing import Any
 
 import orjson
 
-from shepherd.node.openai.requests import ChatRequest, Sampling, bad
+from shepherd.node.openai.requests import ChatRequest, Sampling
 from shepherd.node.openai.sse import ChatChunks
 from shepherd.node.openai.structured import Constraint, OutputChecks, response_format_constraint
 from shepherd.node.openai.tool_choice import (
@@ -62,6 +62,7 @@ from shepherd.parsers import (
 )
 from shepherd.parsers.reasoning import ThinkSpec
 from shepherd.parsers.registry import ReasoningFamily
+from shepherd.proto.openai_errors import bad
 
 __all__ = [
     "ChatOutput",

@@ -14,6 +14,17 @@ from shepherd.tokens.tokenizer import Tokenizer
 
 
 class ChoiceState:
+    """One choice of one request: engine token ids in (``feed`` per batch, or ``whole`` for a
+    non-streamed answer), visible text out, plus the logprobs and the finish reason.
+
+    Invariants: ``text`` holds exactly the text the client has been (or will be) shown, in order: held
+    back text (a possible stop string's prefix) is never in it until it is known not to stop; once
+    ``finished`` is True no call adds to ``text``, ``tokens`` or ``logprobs``; ``finish_reason`` is set
+    with ``finished``: ``stop`` (a stop string or token, or the engine's own stop), ``length`` or
+    ``abort``; ``tokens`` counts the engine tokens of every batch fed before the choice finished.
+    Mutated only through ``feed``, ``whole`` and ``end``; one instance per choice, never shared.
+    """
+
     __slots__ = (
         "_dec",
         "_prompt",

@@ -1,0 +1,596 @@
+"""One client connection of the lean HTTP/1.1 server (server.py): parser callbacks in, requests queued,
+one handler task at a time, with only the work a gateway needs per request:
+
+- **Parsing** by httptools: Content-Length and chunked bodies, keep-alive, HTTP/1.0 and
+  ``Connection: close``, pipelined requests answered in order, one at a time per connection (reading
+  pauses while more than ``Limits.max_pipeline`` wait, or their bodies hold more than ``max_body``).
+  ``Expect: 100-continue`` is answered when the request is next in line and its declared body fits.
+- **Limits**, answered in the OpenAI error envelope: a body over ``max_body`` (declared or received,
+  after decoding) → 413 through the handler (``request.read()`` raises ``web.HTTPRequestEntityTooLarge``
+  as aiohttp's does); a header field over ``max_field``, more than ``max_headers`` fields or a head over
+  ``max_head`` bytes → 431; a request target over ``max_line`` → 414; anything the parser refuses → 400.
+  Protocol errors close the connection after the answer; a refused body still being sent (or, after a
+  protocol error, anything the client still sends, the server's side being shut after the answer) is read
+  and discarded for up to ``linger_secs`` first, so the client sees the answer rather than a reset.
+- **Request bodies**: a ``Content-Encoding`` is decoded as the body arrives (limits.py).
+- **Slow clients**: a request head must arrive whole within ``head_secs`` of its first byte, the whole
+  request within ``body_secs`` (→ 408, checked by the keep-alive sweep); chunk framing that carries no
+  body (extensions, trailers: ignored) may not exceed ``max_head`` plus the body's size (→ 400).
+- **Routing**: static paths in a dict, dynamic resources (``/workers/{worker_id}``) matched once per
+  request with aiohttp's own patterns; no match → the middlewares see ``web.HTTPNotFound``, a path
+  without the method ``web.HTTPMethodNotAllowed`` (with ``Allow``). The middleware chain of each route is
+  built once, in app order, called as aiohttp calls it (``await mw(request, handler=...)``).
+- **Responses**: a ``web.Response`` is read (status, headers, body) and written with one
+  ``transport.write``; streamed answers use ``LeanStreamResponse`` (``types.stream_response``).
+- **Client disconnect** cancels the in-flight handler (aiohttp's ``handler_cancellation=True``).
+
+The limits themselves and the answers to what breaks them are in limits.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import zlib
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol, cast
+
+import httptools
+from aiohttp import HttpVersion10, HttpVersion11, web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from shepherd.node.http.limits import (
+    _INTERNAL,
+    Limits,
+    _corrupt,
+    _Decoder,
+    _Fault,
+    _internal_error,
+    _Limit,
+    _too_large,
+    _unsupported,
+    error_body,
+)
+from shepherd.node.http.types import (
+    Handler,
+    LeanRequest,
+    MatchInfo,
+    Routes,
+    decode_path,
+    encode_head,
+    status_line,
+)
+
+log = logging.getLogger("shepherd.http")
+
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# (method, request target) bytes -> what they decode and resolve to, for the static routes' own targets
+_Resolved = tuple[str, str, str, str, Handler, MatchInfo]
+_TARGETS_MAX = 256
+
+
+class _Server(Protocol):
+    """What a connection uses of its ``LeanServer`` (server.py)."""
+
+    app: web.Application
+    loop: asyncio.AbstractEventLoop
+    clock: Callable[[], float]
+    limits: Limits
+    max_body: int
+    routes: Routes
+    targets: dict[tuple[bytes, bytes], _Resolved]
+    conns: set[_Conn]
+
+
+class _Conn(asyncio.Protocol):
+    """One client connection: parser callbacks in, requests queued, one handler task at a time."""
+
+    def __init__(self, srv: _Server) -> None:
+        self.srv = srv
+        self.loop = srv.loop
+        self.limits = srv.limits
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.queue: deque[LeanRequest | _Fault] = deque()
+        self.queued_bytes = 0  # the bodies of the queued requests: reading pauses past max_body
+        self.task: asyncio.Task[None] | None = None  # the serving task while it answers (None: idle)
+        self._runner: asyncio.Task[None] | None = None  # the serving task, kept between requests
+        self._idle: asyncio.Future[LeanRequest | _Fault] | None = None  # what it waits on when idle
+        self.write_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self.read_paused = False
+        self.lost = False
+        self.closing = False  # no further request on this connection
+        self.stopped = False  # the parser met an error (or an upgrade): data is ignored
+        self.clock = srv.clock
+        self.last = self.clock()
+        self.started: float | None = None  # when the first byte of the request being received came
+        self.remote: str | None = None
+        self.secure = False
+        self._linger: asyncio.TimerHandle | None = None
+        self._continue = False  # a 100 Continue owed to the request being received
+        # the message being received
+        self.in_head = True
+        self.head_bytes = 0
+        self.url: list[bytes] = []
+        self.url_len = 0
+        self.fields: list[tuple[bytes, bytes]] = []
+        self.cur: LeanRequest | None = None
+        self.parts: list[bytes | bytearray] = []  # one part, or one growing buffer (not one per chunk)
+        self.size = 0
+        self.received = 0  # body bytes received (refused ones included)
+        self.framing = 0  # bytes after the head that are not body: chunk sizes, extensions, trailers
+        self.decoder: _Decoder | None = None
+        self.dropping = False  # the body is refused (too large, unknown coding): bytes are discarded
+        self.early = False  # the current request was dispatched before its body ended
+
+    # ---- asyncio.Protocol ------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # uvloop's transports are not asyncio's classes
+        self.transport = transport
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and peer:
+            self.remote = str(peer[0])
+        elif isinstance(peer, str):
+            self.remote = peer
+        self.secure = transport.get_extra_info("sslcontext") is not None
+        self.srv.conns.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.srv.conns.discard(self)
+        runner = self._runner
+        if runner is not None and not runner.done():
+            runner.cancel()  # the client is gone: so is its request (the engine request is aborted)
+        if self._linger is not None:
+            self._linger.cancel()
+        self._wake_drain()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        self._wake_drain()
+
+    def _wake_drain(self) -> None:
+        d = self._drain
+        if d is not None:
+            self._drain = None
+            if not d.done():
+                d.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        self.last = self.clock()
+        if self.stopped:
+            return
+        if self.in_head:
+            self.head_bytes += len(data)
+        else:
+            self.framing += len(data)  # the body's bytes are taken off as they are parsed
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.stopped = True  # answered as plain HTTP; what follows is another protocol: close after
+        except httptools.HttpParserCallbackError as e:
+            ctx = e.__context__
+            if isinstance(ctx, _Limit):
+                self._fault(ctx.fault)
+            else:
+                log.exception("lean HTTP server: parser callback failed")
+                self._fault(_Fault(500, "Internal error in the gateway.", "internal"))
+        except httptools.HttpParserError as e:
+            self._fault(_Fault(400, f"Malformed HTTP request: {e}.", "bad_http_request"))
+        else:
+            if self.in_head:
+                if self.head_bytes > self.limits.max_head:
+                    self._fault(_Fault(431, "The request head is too large.", "headers_too_large"))
+            elif self.framing > self.limits.max_head + self.received:
+                msg = "Too many bytes of chunk framing (extensions, trailers) for the body they carry."
+                self._fault(_Fault(400, msg, "bad_http_request"))
+
+    def eof_received(self) -> bool | None:
+        return None  # as aiohttp: the peer's FIN ends the connection (and cancels its request)
+
+    # ---- wire (for LeanStreamResponse) -------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        t = self.transport
+        if self.lost or t is None or t.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        t.write(data)
+
+    async def drain(self) -> None:
+        if self.lost:
+            raise ConnectionResetError("the client closed the connection")
+        if not self.write_paused:
+            return
+        if self._drain is None:
+            self._drain = self.loop.create_future()
+        await asyncio.shield(self._drain)
+        if self.lost:
+            raise ConnectionResetError("the client closed the connection")
+
+    def keep_alive_for(self, request: LeanRequest) -> bool:
+        """Another request may follow this one's response: the client wants it, the body has been read,
+        the server is not stopping, and the parser can go on (after a refused request, its 400 follows)."""
+        return (
+            request.keep_alive
+            and request.complete
+            and not self.closing
+            and not (self.stopped and not self.queue)
+        )
+
+    def _transport(self) -> asyncio.Transport | None:
+        return None if self.lost else self.transport
+
+    # ---- parser callbacks --------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.started = self.last
+        self.in_head = True
+        self.url = []
+        self.url_len = 0
+        self.fields = []
+        self.parts = []
+        self.size = 0
+        self.received = 0
+        self.framing = 0
+        self.decoder = None
+        self.dropping = False
+        self.early = False
+
+    def on_url(self, url: bytes) -> None:
+        self.url.append(url)
+        self.url_len += len(url)
+        if self.url_len > self.limits.max_line:
+            raise _Limit(_Fault(414, "The request URL is too long.", "uri_too_long"))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.in_head:
+            return  # a chunked body's trailer: ignored (data_received bounds its size as framing)
+        self.fields.append((name, value))  # sizes are checked once the head is in (data_received bounds it)
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        self.head_bytes = 0
+        srv = self.srv
+        p = self.parser
+        url = self.url[0] if len(self.url) == 1 else b"".join(self.url)
+        key = (p.get_method(), url)
+        hit = srv.targets.get(key)
+        if hit is not None:  # a route's own target, seen before: decoded and resolved then
+            method, target, path, qs, handler, mi = hit
+        else:
+            target = url.decode("utf-8", "surrogateescape")
+            raw_path, _, qs = target.partition("?")
+            if not raw_path.startswith("/") and "://" in raw_path:  # absolute-form: keep the path
+                raw_path = "/" + raw_path.split("://", 1)[1].partition("/")[2]
+            path, safe = decode_path(raw_path)
+            method = key[0].decode("ascii", "surrogateescape")
+            handler, mi = srv.routes.resolve(method, safe)
+            if not qs and srv.routes.is_static(mi):
+                targets = srv.targets
+                if len(targets) >= _TARGETS_MAX:
+                    targets.clear()
+                targets[key] = (method, target, path, qs, handler, mi)
+        lim = self.limits
+        fields = self.fields
+        if len(fields) > lim.max_headers:
+            raise _Limit(_Fault(431, "The request has too many header fields.", "headers_too_large"))
+        decoded = []
+        for n, v in fields:
+            if len(n) + len(v) > lim.max_field:
+                raise _Limit(_Fault(431, "A request header field is too large.", "headers_too_large"))
+            decoded.append((n.decode("latin-1"), v.decode("utf-8", "surrogateescape")))
+        headers = CIMultiDictProxy(CIMultiDict(decoded))
+        version = HttpVersion11 if p.get_http_version() == "1.1" else HttpVersion10
+        cl_text = headers.get("Content-Length")
+        content_length = int(cl_text) if cl_text is not None else None  # llhttp has checked it
+        req = LeanRequest(
+            self,
+            srv.app,
+            method,
+            target,
+            path,
+            qs,
+            headers,
+            version,
+            p.should_keep_alive(),
+            content_length,
+            mi,
+            handler,
+            self._transport,
+            self.remote,
+            self.secure,
+        )
+        self.cur = req
+        te = headers.get("Transfer-Encoding")
+        if te is not None and te.strip().lower() != "chunked":
+            raise _Limit(_Fault(400, f"Unsupported Transfer-Encoding {te[:40]!r}.", "bad_http_request"))
+        limit = srv.max_body
+        ce = headers.get("Content-Encoding")
+        if ce is not None:
+            coding = ce.strip().lower()
+            if coding in ("gzip", "x-gzip", "deflate"):
+                self.decoder = _Decoder(coding != "deflate", limit)
+            elif coding not in ("", "identity"):
+                self._refuse(req, _unsupported(ce))
+        if content_length is not None and content_length > limit:
+            self._refuse(req, functools.partial(_too_large, limit, content_length))
+            self._dispatch_early(req)
+            return
+        expect = headers.get("Expect")
+        if expect is not None and version is HttpVersion11 and expect.lower() == "100-continue":
+            if self.task is None and not self.queue:
+                with contextlib.suppress(ConnectionResetError):
+                    self.send(_CONTINUE)
+            else:
+                self._continue = True
+
+    def on_body(self, body: bytes) -> None:
+        self.framing -= len(body)
+        self.received += len(body)
+        if self.dropping:
+            return
+        self.size += len(body)
+        req = self.cur
+        assert req is not None
+        limit = self.srv.max_body
+        if self.size > limit:
+            self._refuse(req, functools.partial(_too_large, limit, self.size))
+            self._dispatch_early(req)
+            return
+        dec = self.decoder
+        if dec is not None:
+            try:
+                body = dec.feed(body)
+            except OverflowError:
+                self._refuse(req, functools.partial(_too_large, limit, dec.out))
+                self._dispatch_early(req)
+                return
+            except zlib.error as e:
+                self._refuse(req, functools.partial(_corrupt, str(e)))
+                return
+        if body:
+            parts = self.parts
+            if not parts:
+                parts.append(body)
+            elif isinstance(parts[0], bytearray):
+                parts[0] += body
+            else:  # many small chunks would cost ~40 bytes of object each: one buffer grows instead
+                parts[0] = bytearray(parts[0]) + body
+
+    def on_message_complete(self) -> None:
+        self.started = None
+        self.in_head = True
+        self._continue = False
+        req = self.cur
+        assert req is not None
+        self.cur = None
+        req.complete = True
+        if self.early:
+            if self._linger is not None:  # its answer is out: the refused body is all read
+                self._close()
+            return
+        if not self.dropping:
+            body = bytes(self.parts[0]) if self.parts else b""
+            dec = self.decoder
+            if dec is not None:
+                try:
+                    body += dec.end()
+                except OverflowError:
+                    self._refuse(req, functools.partial(_too_large, self.srv.max_body, dec.out))
+                except zlib.error as e:
+                    self._refuse(req, functools.partial(_corrupt, str(e)))
+            req._body = body
+        self.parts = []
+        self._enqueue(req)
+
+    # ---- dispatch ----------------------------------------------------------------------------------
+
+    def _refuse(self, req: LeanRequest, error: Callable[[], BaseException]) -> None:
+        if not self.dropping:
+            self.dropping = True
+            self.parts = []
+            req._error = error
+
+    def _dispatch_early(self, req: LeanRequest) -> None:
+        """The body will not be read: answer now (413), drop the rest of it as it comes."""
+        if not self.early:
+            self.early = True
+            self._continue = False
+            self._enqueue(req)
+
+    def _fault(self, fault: _Fault) -> None:
+        self.stopped = True
+        self._enqueue(fault)
+
+    def _enqueue(self, item: LeanRequest | _Fault) -> None:
+        if self.task is None:
+            idle = self._idle
+            self._idle = None
+            if idle is not None and not idle.done():  # the connection's task waits for its next request
+                self.task = self._runner
+                idle.set_result(item)
+            else:
+                self.task = self._runner = self.loop.create_task(self._serve(item))
+            return
+        self.queue.append(item)
+        if isinstance(item, LeanRequest):
+            self.queued_bytes += len(item._body)
+        full = len(self.queue) > self.limits.max_pipeline or self.queued_bytes > self.srv.max_body
+        if full and not self.read_paused and self.transport:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    async def _serve(self, item: LeanRequest | _Fault) -> None:
+        """The connection's serving task: answers requests as they come, in order; between them (an idle
+        keep-alive connection) it waits for the next one rather than ending (a task per request costs
+        ~2 µs). Cancelled when the client goes."""
+        while await self._answer(item):
+            idle: asyncio.Future[LeanRequest | _Fault] = self.loop.create_future()
+            self._idle = idle
+            try:
+                item = await idle
+            except asyncio.CancelledError:
+                if self._idle is idle:
+                    self._idle = None
+                return
+
+    async def _answer(self, item: LeanRequest | _Fault) -> bool:
+        """Answer queued requests in order until none is left; whether the connection stays open for more."""
+        try:
+            while True:
+                if isinstance(item, _Fault):
+                    self._answer_fault(item)
+                    return False
+                if not await self._exchange(item):
+                    self._end_after(item)
+                    return False
+                if self.write_paused:
+                    await self.drain()
+                if not self.queue:
+                    break
+                item = self.queue.popleft()
+                if isinstance(item, LeanRequest):
+                    self.queued_bytes -= len(item._body)
+                low = (
+                    len(self.queue) <= self.limits.max_pipeline // 2
+                    and self.queued_bytes <= self.srv.max_body
+                )
+                if self.read_paused and low and self.transport:
+                    self.read_paused = False
+                    self.transport.resume_reading()
+            if self._continue:
+                self._continue = False
+                self.send(_CONTINUE)
+            return not self.lost
+        except (ConnectionResetError, asyncio.CancelledError):
+            self._close()  # the client is gone (or the server stops): nothing more to answer
+            return False
+        except Exception:
+            log.exception("lean HTTP server: answering a request failed")
+            self._close()
+            return False
+        finally:
+            self.task = None
+            self.last = now = self.clock()  # an idle keep-alive connection is idle from its last answer
+            if self.started is not None:  # and a request arriving behind it (waiting for a 100 Continue,
+                self.started = now  # say) has its head_secs / body_secs from then
+
+    async def _exchange(self, req: LeanRequest) -> bool:
+        """Run the request through the app and write its response; whether the connection goes on."""
+        try:
+            resp = await req.handler(req)  # type: ignore[arg-type]  # typed as aiohttp's web.Request
+        except web.HTTPException as e:  # escaped the middlewares (a redirect, say): it is a response
+            resp = e
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception:
+            log.exception("unhandled error on %s %s", req.method, req.path)
+            resp = _internal_error()
+        stream = req._stream
+        if stream is not None and not (resp is not stream and stream.lean_abandon()):
+            if resp is not stream:
+                if not stream.lean_ended:  # failed midway: the client must not see a complete body
+                    log.warning(
+                        "%s %s: the stream failed midway: closing the connection", req.method, req.path
+                    )
+                    return False
+                log.warning("%s %s: a response returned after a stream was ended", req.method, req.path)
+            stream.lean_finish()
+            return stream.lean_keep_alive
+        if not isinstance(resp, web.Response):
+            log.error("%s %s: the handler returned an unprepared %s", req.method, req.path, type(resp))
+            resp = _internal_error()
+        body = resp.body
+        if body is not None and type(body) is not bytes and not isinstance(body, bytes | bytearray):
+            body = await body.as_bytes()
+        keep = self.keep_alive_for(req) and resp.keep_alive is not False
+        try:
+            data = self._encode(req, resp, body or b"", keep)
+        except ValueError:
+            log.exception("%s %s: a response header cannot be sent", req.method, req.path)
+            data = self._encode(req, _internal_error(), _INTERNAL, keep)
+        self.send(data)
+        return keep
+
+    def _encode(self, req: LeanRequest, resp: web.Response, body: bytes | bytearray, keep: bool) -> bytes:
+        status = resp.status
+        h = resp.headers
+        empty = status in (204, 304) or status < 200
+        if empty:
+            tail = ""
+            body = b""
+        else:
+            tail = f"Content-Length: {len(body)}\r\n"
+            if body and "Content-Type" not in h:
+                tail += "Content-Type: application/octet-stream\r\n"
+        v11 = req.version is HttpVersion11
+        if not keep:
+            if v11:
+                tail += "Connection: close\r\n"
+        elif not v11:
+            tail += "Connection: keep-alive\r\n"
+        head = encode_head(req.version, status, resp.reason, h, tail + "\r\n")
+        if req.method == "HEAD" or not body:
+            return head
+        return head + body
+
+    def _answer_fault(self, fault: _Fault) -> None:
+        body = error_body(fault.status, fault.message, fault.code)
+        head = status_line(HttpVersion11, fault.status, None) + (
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
+        with contextlib.suppress(ConnectionResetError):
+            self.send(head.encode() + body)
+        self.task = None
+        t = self._transport()
+        if t is None or t.is_closing() or not t.can_write_eof():
+            self._close()
+        else:  # half-close: what the client is still sending is read and dropped, so no reset eats the answer
+            t.write_eof()
+            if self.read_paused:
+                self.read_paused = False
+                t.resume_reading()
+            if self._linger is None:
+                self._linger = self.loop.call_later(self.limits.linger_secs, self._close)
+
+    def _end_after(self, req: LeanRequest) -> None:
+        """The connection ends with this response: at once, or once a refused body has been read."""
+        self.task = None
+        self.closing = True
+        if req.complete or self.stopped:
+            self._close()
+        elif self._linger is None:
+            self._linger = self.loop.call_later(self.limits.linger_secs, self._close)
+
+    def _close(self) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+        if self._idle is not None and self._runner is not None:  # the serving task waits for no more
+            self._runner.cancel()
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def idle_close(self, now: float | None) -> bool:
+        """Close if no request is being answered or waiting; with ``now`` (the keep-alive sweep), only a
+        connection silent for ``keepalive_secs`` (a request still arriving included)."""
+        if self.task is not None or self.queue:
+            return False
+        started = self.started
+        if now is not None and started is not None and not self.closing and not self.stopped:
+            lim = self.limits
+            if now - started > (lim.head_secs if self.in_head else lim.body_secs):  # a slow client
+                self._fault(_Fault(408, "The request took too long to arrive.", "request_timeout"))
+                return True
+        if now is not None and now - self.last < self.limits.keepalive_secs:
+            return False
+        self.closing = True
+        self._close()
+        return True

@@ -1,0 +1,119 @@
+"""What a connection of the lean HTTP/1.1 server may send, and how it is refused beyond that.
+
+``Limits`` (the body limit is ``LeanServer(max_body=...)``); protocol-level faults (``_Fault``, carried out
+of a parser callback by ``_Limit``), answered in the OpenAI error envelope (``error_body``) before the
+connection closes; the errors a refused request body raises in its handler (too large, undecodable, an
+unknown coding); the 500 answered for an error that escapes the app; and ``_Decoder``, which decodes a
+request's ``Content-Encoding`` as the body arrives, never past the size cap.
+
+Request bodies with ``Content-Encoding: gzip`` / ``deflate`` are decoded as they arrive, under
+the same size cap (a decompression bomb stops at ``max_body``); a corrupt one makes ``read()`` raise
+``ContentEncodingError`` (→ 400), an unknown coding ``web.HTTPUnsupportedMediaType`` (→ 415).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
+
+from shepherd.proto.openai_errors import ApiError
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one connection may send and keep (the body limit is ``LeanServer(max_body=...)``)."""
+
+    max_line: int = 65536  # request target (URL) bytes → 414
+    max_field: int = 65536  # one header field, name + value (large JWTs) → 431
+    max_headers: int = 128  # header fields → 431
+    max_head: int = 256 * 1024  # the whole head → 431
+    max_pipeline: int = 16  # parsed requests waiting behind the current one before reading pauses
+    linger_secs: float = 5.0  # reading (and dropping) a refused body before closing
+    keepalive_secs: float = 75.0  # an idle connection is closed after this (aiohttp's default)
+    head_secs: float = 30.0  # a request head must arrive whole within this of its first byte → 408
+    body_secs: float = 300.0  # and the whole request (body included) within this → 408
+
+
+def error_body(status: int, message: str, code: str | None) -> bytes:
+    """The OpenAI error envelope of a protocol-level refusal."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return ApiError(status, message, type=kind, code=code).body()
+
+
+# what error_middleware answers for an unhandled error, for one that escapes the app
+_INTERNAL = ApiError(500, "Internal error in the gateway.", type="internal_error", code="internal").body()
+
+
+@dataclass(frozen=True, slots=True)
+class _Fault:
+    """A protocol-level refusal: answered in its turn, then the connection closes."""
+
+    status: int
+    message: str
+    code: str
+
+
+class _Limit(Exception):
+    def __init__(self, fault: _Fault) -> None:
+        super().__init__(fault.message)
+        self.fault = fault
+
+
+class _Decoder:
+    """A request ``Content-Encoding`` decoded as the body arrives, never past ``limit`` bytes out."""
+
+    __slots__ = ("_d", "limit", "out")
+
+    def __init__(self, gzip: bool, limit: int) -> None:
+        self._d: Any = zlib.decompressobj(16 + zlib.MAX_WBITS) if gzip else None
+        self.limit = limit
+        self.out = 0
+
+    def feed(self, data: bytes) -> bytes:
+        """Decoded bytes; ``zlib.error`` on a corrupt stream, ``OverflowError`` past the limit."""
+        if not data:
+            return b""
+        if self._d is None:  # deflate: zlib-wrapped (RFC 9110) or raw, as clients send both
+            self._d = zlib.decompressobj(zlib.MAX_WBITS if (data[0] & 0x0F) == 8 else -zlib.MAX_WBITS)
+        d = self._d
+        out: bytes = d.decompress(data, self.limit - self.out + 1)
+        self.out += len(out)
+        if self.out > self.limit or d.unconsumed_tail:
+            raise OverflowError
+        return out
+
+    def end(self) -> bytes:
+        d = self._d
+        if d is None:
+            return b""
+        out: bytes = d.flush()
+        self.out += len(out)
+        if self.out > self.limit:
+            raise OverflowError
+        if not d.eof:
+            raise zlib.error("the compressed body ends early")
+        if d.unused_data:
+            raise zlib.error("data after the end of the compressed body")
+        return out
+
+
+def _too_large(limit: int, size: int) -> BaseException:
+    return web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+
+
+def _corrupt(why: str) -> BaseException:
+    return ContentEncodingError(f"the request body does not decode: {why}")
+
+
+def _unsupported(coding: str) -> Callable[[], BaseException]:
+    msg = f"Content-Encoding {coding[:40]!r} is not supported (use gzip or deflate)."
+    return lambda: web.HTTPUnsupportedMediaType(text=msg)
+
+
+def _internal_error() -> web.Response:
+    return web.Response(status=500, body=_INTERNAL, content_type="application/json")

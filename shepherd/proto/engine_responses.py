@@ -1,0 +1,249 @@
+"""Engine responses: the SGLang scheduler and vLLM engine messages (smg-grpc-proto) -> our engine types.
+
+``decode_response``: a GenerateResponse of either engine -> ``EngineChunk`` / ``EngineComplete``.
+``decode_batch``: the responses that arrived together -> events, consecutive chunks of one choice merged
+(parsed as one message when the request has one choice). ``decode_model_info``, ``decode_server_info``,
+``decode_loads``: the other calls' answers. Shared by every transport, as engine_requests.py is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from smg_grpc_proto import vllm_engine_pb2 as vl
+
+from shepherd.proto.engine_types import (
+    EngineChunk,
+    EngineComplete,
+    EngineEvent,
+    EngineLoad,
+    ModelInfo,
+    ServerInfo,
+    TokenLogprob,
+)
+
+
+def _logprobs(lp: Any) -> list[TokenLogprob]:
+    """OutputLogProbs (either engine) -> our TokenLogprob list."""
+    ids: Sequence[int] = lp.token_ids
+    if not ids:
+        return []
+    vals: Sequence[float] = lp.token_logprobs
+    tops = lp.top_logprobs
+    out: list[TokenLogprob] = []
+    for i, tid in enumerate(ids):
+        top: tuple[tuple[int, float], ...] = ()
+        if i < len(tops):
+            t = tops[i]
+            top = tuple(zip(t.token_ids, t.values, strict=False))
+        out.append(TokenLogprob(tid, vals[i] if i < len(vals) else 0.0, top))
+    return out
+
+
+# GenerateComplete types with an optional kv_transfer_params_json (vLLM's; SGLang's has none)
+_KV_COMPLETE: frozenset[type] = frozenset({vl.GenerateComplete})
+
+
+def decode_response(resp: Any) -> EngineEvent | None:
+    """A GenerateResponse of either engine -> EngineChunk / EngineComplete (None if empty)."""
+    return _decode(resp, resp.WhichOneof("response"))
+
+
+def _decode(resp: Any, kind: str | None) -> EngineEvent | None:
+    if kind == "chunk":
+        return _chunk_event(resp.chunk)
+    if kind == "complete":
+        c = resp.complete
+        stop = c.WhichOneof("matched_stop")
+        kv = (
+            c.kv_transfer_params_json
+            if type(c) in _KV_COMPLETE and c.HasField("kv_transfer_params_json")
+            else None
+        )
+        return EngineComplete(
+            c.index,
+            c.finish_reason or "stop",
+            c.prompt_tokens,
+            c.completion_tokens,
+            c.cached_tokens,
+            c.output_ids,
+            c.matched_token_id if stop == "matched_token_id" else None,
+            c.matched_stop_str if stop == "matched_stop_str" else None,
+            _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else (),
+            kv,
+        )
+    return None
+
+
+def _sglang_chunk_head(b: bytes) -> int:
+    """Whether a serialized SGLang GenerateResponse is a chunk, from its first bytes (request_id, field 1,
+    then the oneof's tag: chunk is field 2): the length of that head (its bytes up to the chunk tag
+    included), 0 when it is not a chunk. Anything unusual answers 0 (the caller then parses it)."""
+    n = len(b)
+    if n < 2:
+        return 0
+    t = b[0]
+    if t == 0x12:
+        return 1
+    if t != 0x0A:
+        return 0
+    size = b[1]
+    p = 2
+    if size >= 0x80:  # a request id of 128 bytes or more: a two-byte length
+        if n < 3 or b[2] >= 0x80:
+            return 0
+        size = (size & 0x7F) | (b[2] << 7)
+        p = 3
+    p += size
+    return p + 1 if p < n and b[p] == 0x12 else 0
+
+
+def _vllm_chunk_head(b: bytes) -> int:
+    """The same for vLLM's GenerateResponse (no request_id; chunk is field 1)."""
+    return 1 if len(b) > 0 and b[0] == 0x0A else 0
+
+
+def decode_batch(
+    raws: Sequence[bytes], parse: Callable[[bytes], Any], *, single: str | None = None
+) -> list[EngineEvent]:
+    """Several serialized GenerateResponses that arrived together -> events, with consecutive chunks of
+    the same choice merged into one (one id list, logprobs concatenated, latest counts): the consumer
+    then detokenizes, stop-checks and encodes them once.
+
+    ``single`` ("sglang" or "vllm") says the request has one choice: then consecutive chunk messages are
+    parsed as one. Serialized protobuf messages concatenated parse as their merge: repeated fields
+    (token ids, the logprob lists) append, set scalars take the last value (the cumulative counts
+    engines send: the latest) and every chunk is choice 0; one parse instead of one per message (a
+    stream whose tokens arrive together is 30+ messages). Chunks are told apart from the other responses
+    by their first bytes; anything unusual is parsed alone."""
+    if single is not None:
+        head_of = _vllm_chunk_head if single == "vllm" else _sglang_chunk_head
+        if len(raws) > 1:
+            return _decode_single(raws, parse, head_of)
+        if raws and head_of(raws[0]):  # one chunk (a token arriving alone): no oneof dispatch
+            return [_chunk_event(parse(raws[0]).chunk)]
+    out: list[EngineEvent] = []
+    for raw in raws:
+        resp = parse(raw)
+        ev = _decode(resp, resp.WhichOneof("response"))
+        if ev is not None:
+            _append(out, ev)
+    return out
+
+
+def _decode_single(
+    raws: Sequence[bytes], parse: Callable[[bytes], Any], chunk_head: Callable[[bytes], int]
+) -> list[EngineEvent]:
+    out: list[EngineEvent] = []
+    i = 0
+    n = len(raws)
+    while i < n:  # bounded: each turn consumes at least one message
+        raw = raws[i]
+        head = chunk_head(raw)
+        if head:
+            # the chunks of a stream share their head (the request id and the chunk tag): a message
+            # that starts with it is a chunk (the same answer as chunk_head's, at a fraction of the cost)
+            prefix = raw[:head]
+            j = i + 1
+            while j < n and (raws[j].startswith(prefix) or chunk_head(raws[j])):
+                j += 1
+            if j - i > 1:
+                _append(out, _chunk_event(parse(b"".join(raws[i:j])).chunk))
+                i = j
+                continue
+        resp = parse(raw)
+        ev = _decode(resp, resp.WhichOneof("response"))
+        if ev is not None:
+            _append(out, ev)
+        i += 1
+    return out
+
+
+def _chunk_event(c: Any) -> EngineChunk:
+    """A GenerateStreamChunk (either engine) -> EngineChunk (its ids and logprobs in lists of its own)."""
+    return EngineChunk(
+        c.index,
+        list(c.token_ids),
+        c.prompt_tokens,
+        c.completion_tokens,
+        c.cached_tokens,
+        _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else [],
+    )
+
+
+def _append(out: list[EngineEvent], ev: EngineEvent) -> None:
+    """Add ``ev`` to ``out``, merged into the chunk before it when both are chunks of one choice: ids and
+    logprobs appended in order, the latest counts (the consumer handles the merged chunk once)."""
+    last = out[-1] if out else None
+    if type(ev) is not EngineChunk or type(last) is not EngineChunk or last.index != ev.index:
+        out.append(ev)
+        return
+    ids = last.token_ids
+    if type(ids) is list:  # ours (_chunk_event): grown in place
+        ids.extend(ev.token_ids)
+    else:
+        last.token_ids = [*ids, *ev.token_ids]
+    last.completion_tokens = ev.completion_tokens
+    if ev.cached_tokens > last.cached_tokens:
+        last.cached_tokens = ev.cached_tokens
+    if ev.logprobs:
+        lps = last.logprobs
+        if type(lps) is list:
+            lps.extend(ev.logprobs)
+        else:
+            last.logprobs = [*lps, *ev.logprobs]
+
+
+def decode_model_info(resp: Any) -> ModelInfo:
+    bos = int(resp.bos_token_id)
+    return ModelInfo(
+        served_model_name=resp.served_model_name,
+        model_path=resp.model_path,
+        max_context_length=int(resp.max_context_length),
+        vocab_size=int(resp.vocab_size),
+        eos_token_ids=tuple(int(x) for x in resp.eos_token_ids),
+        bos_token_id=bos if bos > 0 else None,
+    )
+
+
+def decode_server_info(resp: Any, kind: str) -> ServerInfo:
+    if kind == "sglang":
+        return ServerInfo(
+            kind="sglang",
+            version=resp.sglang_version,
+            active_requests=resp.active_requests,
+            max_total_num_tokens=resp.max_total_num_tokens,
+            extra={"server_type": resp.server_type},
+        )
+    return ServerInfo(
+        kind="vllm",
+        active_requests=resp.active_requests,
+        extra={"server_type": resp.server_type, "kv_role": resp.kv_role, "kv_connector": resp.kv_connector},
+    )
+
+
+def decode_loads(resp: Any) -> EngineLoad:
+    running = waiting = used = total = uncached = max_running = 0
+    usage = hit = 0.0
+    n = 0
+    for ld in resp.loads:
+        n += 1
+        running += ld.num_running_reqs
+        waiting += ld.num_waiting_reqs
+        used += ld.num_used_tokens
+        total += ld.max_total_num_tokens
+        uncached += ld.num_waiting_uncached_tokens
+        max_running += ld.max_running_requests
+        usage += ld.token_usage
+        hit += ld.cache_hit_rate
+    return EngineLoad(
+        running=running,
+        waiting=waiting,
+        used_tokens=used,
+        max_total_tokens=total,
+        token_usage=usage / n if n else 0.0,
+        waiting_uncached_tokens=uncached,
+        max_running=max_running,
+        cache_hit_rate=hit / n if n else 0.0,
+    )
