@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TypeVar
 
-from shepherd.policies.block_names import NATIVE_NAMES, py_block_hashes
+from shepherd.policies.block_names import NATIVE_NAMES, block_hashes, py_block_hashes
 from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
-from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, block_hashes
+from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig
 from shepherd.policies.prefix_replica import ReplicatedPrefixIndex
 from shepherd.policies.prefix_replica_native import NativeReplicatedPrefixIndex
 from shepherd.policies.run_index import RunPrefixIndex

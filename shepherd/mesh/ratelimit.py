@@ -95,7 +95,7 @@ from shepherd.mesh.ratelimit_shards import (
     wire_size,
 )
 
-__all__ = ["Denial", "Grant", "Key", "LimiterConfig", "Limits", "Quota", "RateLimiter", "ShardId"]
+__all__ = ["Denial", "Grant", "LimiterConfig", "Limits", "Quota", "RateLimiter"]
 
 Metric = Literal["requests", "tokens", "concurrency"]
 

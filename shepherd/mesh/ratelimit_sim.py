@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shepherd.mesh.ratelimit import Grant, Key, LimiterConfig, Limits, RateLimiter
+from shepherd.mesh.ratelimit import Grant, LimiterConfig, Limits, RateLimiter
+from shepherd.mesh.ratelimit_keys import Key
 from shepherd.mesh.ratelimit_shards import wire_size
 
 

@@ -47,14 +47,12 @@ from shepherd.mesh.hlc import HLC
 from shepherd.mesh.state_config import ConfigDoc
 from shepherd.mesh.state_health import (
     HealthView,
-    Observation,
     ReplicatedHealth,
     observation_to_wire,
     observations_from_wire,
 )
 from shepherd.mesh.state_registry import (
     REMOVED,
-    RegEntry,
     RegistryChange,
     ReplicatedRegistry,
     WorkerRecord,
@@ -76,7 +74,7 @@ from shepherd.mesh.swim_types import MemberDead, MemberEvent, MemberLeft, Member
 from shepherd.proto.index_wire import Group, decode_index_body, encode_index_bodies, encode_index_digest
 from shepherd.proto.state_decode import StateDecodeError, expect_bytes, expect_list, expect_str
 
-__all__ = ["HealthView", "MeshState", "Observation", "RegEntry", "WorkerRecord"]
+__all__ = ["MeshState"]
 
 log = logging.getLogger("shepherd.mesh.state")
 

@@ -29,10 +29,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
-from shepherd.mesh.swim_broadcast import BroadcastQueue, TransmitLimitedQueue
 from shepherd.mesh.swim_members import ALIVE, DEAD, LEFT, SUSPECT, MemberTable, Node
 from shepherd.mesh.swim_probe import Probe, ProbeOrder, Relay, Relays
-from shepherd.mesh.swim_suspicion import Awareness, Suspicion
+from shepherd.mesh.swim_suspicion import Awareness
 from shepherd.mesh.swim_types import (
     Action,
     Delegate,
@@ -63,7 +62,7 @@ from shepherd.proto.mesh_messages import (
 )
 from shepherd.proto.mesh_wire import encoded_size, packet_overhead
 
-__all__ = ["BroadcastQueue", "Suspicion", "Swim", "TransmitLimitedQueue"]
+__all__ = ["Swim"]
 
 _INF = float("inf")
 _SEQ_MASK = 2**32 - 1

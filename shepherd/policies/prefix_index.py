@@ -53,7 +53,7 @@ from itertools import compress, repeat
 
 from shepherd.policies.block_names import BLOCK, CHAIN_SEED, NATIVE_NAMES, BlockNamer, block_hashes
 
-__all__ = ["BLOCK_TOKENS", "CHAIN_SEED", "NATIVE_NAMES", "block_hashes"]  # names re-exported for callers
+__all__ = ["BLOCK_TOKENS"]
 
 BLOCK_TOKENS = BLOCK
 _or = operator.or_

@@ -29,7 +29,7 @@ from shepherd.policies.prefix_index import PrefixIndexConfig
 from shepherd.policies.prefix_replica import IndexReplConfig, ReplicaApi, ReplicatedPrefixIndex
 from shepherd.proto.index_wire import Digest, Group, Slot
 
-__all__ = ["NATIVE_INDEX", "NativeReplicatedPrefixIndex", "Replica", "make_replica"]
+__all__ = ["NativeReplicatedPrefixIndex", "Replica", "make_replica"]
 
 
 def _q(b: bytes) -> array[int]:

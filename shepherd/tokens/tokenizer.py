@@ -31,7 +31,6 @@ from shepherd.tokens.fast_decode import ByteDecoder
 
 __all__ = [
     "VERY_LARGE_INTEGER",
-    "ChatTemplateError",
     "Tokenizer",
     "load_chat_templates",
     "special_tokens_map",

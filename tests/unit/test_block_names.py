@@ -5,8 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.policies.block_names import BlockNamer
-from shepherd.policies.prefix_index import CHAIN_SEED, block_hashes
+from shepherd.policies.block_names import CHAIN_SEED, BlockNamer, block_hashes
 from shepherd.proto.prompt_ids import PromptIds
 
 # a small "tokenizer": each piece key always stands for the same ids

@@ -18,7 +18,8 @@ from shepherd.mesh.state_config import TenantRecord
 from shepherd.mesh.state_registry import RegistryConfig, WorkerRecord
 from shepherd.mesh.state_types import MeshStateConfig, StateComponent
 from shepherd.mesh.swim_types import Delegate, MemberDead, MemberUp
-from shepherd.policies.prefix_index import PrefixIndexConfig, block_hashes
+from shepherd.policies.block_names import block_hashes
+from shepherd.policies.prefix_index import PrefixIndexConfig
 from shepherd.policies.prefix_replica import IndexReplConfig
 from shepherd.policies.prefix_replica_native import Replica, make_replica
 from shepherd.proto.mesh_messages import USER_MSG_OVERHEAD, Member, MemberState

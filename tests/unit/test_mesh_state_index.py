@@ -17,10 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shepherd.policies.base import RouteRequest, WorkerView
+from shepherd.policies.block_names import block_hashes
 from shepherd.policies.cache_aware import CacheAware
-from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, block_hashes
+from shepherd.policies.native_index import NATIVE_INDEX
+from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig
 from shepherd.policies.prefix_replica import IndexReplConfig, ReplicatedPrefixIndex
-from shepherd.policies.prefix_replica_native import NATIVE_INDEX, NativeReplicatedPrefixIndex
+from shepherd.policies.prefix_replica_native import NativeReplicatedPrefixIndex
 from shepherd.proto.index_wire import Group, decode_index_body, encode_index_bodies
 from shepherd.proto.state_decode import StateDecodeError
 

@@ -10,15 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.policies.native_index import NativePrefixIndex
-from shepherd.policies.prefix_index import (
-    PrefixIndex,
-    PrefixIndexConfig,
-    block_hashes,
-    merge_entries,
-)
+from shepherd.policies.block_names import block_hashes
+from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
+from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, merge_entries
 from shepherd.policies.prefix_replica import IndexReplConfig, ReplicatedPrefixIndex
-from shepherd.policies.prefix_replica_native import NATIVE_INDEX, NativeReplicatedPrefixIndex
+from shepherd.policies.prefix_replica_native import NativeReplicatedPrefixIndex
 from shepherd.policies.run_index import RunPrefixIndex
 from shepherd.proto.index_wire import Group, decode_index_body, encode_index_bodies
 

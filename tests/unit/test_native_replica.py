@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
+from shepherd.policies.native_index import NATIVE_INDEX
 from shepherd.policies.prefix_index import PrefixIndexConfig
 from shepherd.policies.prefix_replica import IndexReplConfig, ReplicatedPrefixIndex
-from shepherd.policies.prefix_replica_native import NATIVE_INDEX, NativeReplicatedPrefixIndex
+from shepherd.policies.prefix_replica_native import NativeReplicatedPrefixIndex
 from shepherd.proto.index_wire import Group
 
 pytestmark = pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built")

@@ -9,14 +9,8 @@ import sys
 
 import pytest
 
-from shepherd.policies.prefix_index import (
-    BLOCK_TOKENS,
-    CHAIN_SEED,
-    PrefixIndex,
-    PrefixIndexConfig,
-    block_hashes,
-    merge_entries,
-)
+from shepherd.policies.block_names import CHAIN_SEED, block_hashes
+from shepherd.policies.prefix_index import BLOCK_TOKENS, PrefixIndex, PrefixIndexConfig, merge_entries
 from shepherd.policies.prefix_replica import ReplicatedPrefixIndex
 from shepherd.policies.run_index import RunPrefixIndex
 from shepherd.proto.prompt_ids import PromptIds
@@ -65,7 +59,7 @@ def test_block_hashes_golden_values() -> None:
 
 
 def test_block_hashes_do_not_depend_on_the_hash_seed() -> None:
-    code = "from shepherd.policies.prefix_index import block_hashes; print(block_hashes(list(range(48))))"
+    code = "from shepherd.policies.block_names import block_hashes; print(block_hashes(list(range(48))))"
     outs = set()
     for seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=seed)

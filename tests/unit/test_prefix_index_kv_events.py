@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from shepherd.policies.block_names import block_hashes
 from shepherd.policies.kv_events import KvEventApplier
-from shepherd.policies.prefix_index import PrefixIndex, block_hashes
+from shepherd.policies.prefix_index import PrefixIndex
 from tests.unit.index_layouts import LAYOUTS
 
 IDS = list(range(500, 596))  # 6 blocks of 16

@@ -8,13 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shepherd.policies.block_names import block_hashes
 from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
-from shepherd.policies.prefix_index import (
-    PrefixIndex,
-    PrefixIndexConfig,
-    block_hashes,
-    merge_entries,
-)
+from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig, merge_entries
 from shepherd.policies.run_index import RunPrefixIndex
 from tests.unit.index_layouts import LAYOUTS as LAYOUT_PARAMS
 from tests.unit.index_layouts import NATIVE

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from shepherd.mesh.ratelimit import GC_STEP, Denial, Grant, Key, LimiterConfig, Limits, RateLimiter
+from shepherd.mesh.ratelimit import GC_STEP, Denial, Grant, LimiterConfig, Limits, RateLimiter
+from shepherd.mesh.ratelimit_keys import Key
 
 A: Key = ("a", "")
 B: Key = ("b", "")

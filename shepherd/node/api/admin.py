@@ -9,7 +9,7 @@ from shepherd.node.config import ConfigError, check_worker_url
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import json_response, read_json
 from shepherd.proto.openai_errors import ApiError, bad
-from shepherd.tokens.tokenizer import ChatTemplateError
+from shepherd.tokens.chat_messages import ChatTemplateError
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -26,7 +26,8 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from shepherd.auth.principal import Principal, principal_of
-from shepherd.mesh.ratelimit import Denial, Grant, Key, LimiterConfig, Limits, Quota, RateLimiter
+from shepherd.mesh.ratelimit import Denial, Grant, LimiterConfig, Limits, Quota, RateLimiter
+from shepherd.mesh.ratelimit_keys import Key
 from shepherd.mesh.ratelimit_shards import fmt_duration
 from shepherd.node.config import NodeConfig, RateLimitRule
 from shepherd.node.metrics import counter, gauge

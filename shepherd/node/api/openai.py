@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
+from typing import Any
 
 from aiohttp import web
 
@@ -17,12 +18,10 @@ from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import json_now, read_json
 from shepherd.node.openai.requests import Sampling, parse_chat, parse_completion
 from shepherd.node.openai.tool_choice import template_tools
-from shepherd.node.output.chat import (
-    shape_chat,
-)
+from shepherd.node.output.chat import shape_chat
 from shepherd.node.output.choice import ChoiceState
 from shepherd.proto.openai_errors import bad
-from shepherd.tokens.tokenizer import ChatTemplateError
+from shepherd.tokens.chat_messages import ChatTemplateError
 
 
 def _request_id(request: web.Request, prefix: str) -> str:
@@ -47,6 +46,17 @@ def _check_ids(s: Sampling, vocab: int) -> None:
 # ---- handlers ----------------------------------------------------------------------------------------
 
 
+async def _relayed(
+    request: web.Request, gw: Gateway, model: str, raw: bytes, d: dict[str, Any], path: str, s: Sampling
+) -> web.StreamResponse:
+    """A model served by OpenAI HTTP workers: the body goes to one as it is, under admission."""
+    send = partial(relay, request, gw, model, raw, d, path, s.stream)
+    adm = request.app[ADMISSION]
+    if adm is None:
+        return await send()
+    return await adm.guard(request, model, len(raw) // 4, s, send)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
     t0 = time.perf_counter()
@@ -56,11 +66,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = parse_chat(d)
     model = gw.resolve_model(req.model)
     if gw.relay_mode(model):
-        send = partial(relay, request, gw, model, raw, d, "/v1/chat/completions", req.sampling.stream)
-        adm = request.app[ADMISSION]
-        if adm is None:
-            return await send()
-        return await adm.guard(request, model, len(raw) // 4, req.sampling, send)
+        return await _relayed(request, gw, model, raw, d, "/v1/chat/completions", req.sampling)
     tok = gw.tokenizer(model)
     _check_ids(req.sampling, tok.vocab_size)
     try:
@@ -110,11 +116,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     req = parse_completion(d)
     model = gw.resolve_model(req.model)
     if gw.relay_mode(model):
-        send = partial(relay, request, gw, model, raw, d, "/v1/completions", req.sampling.stream)
-        adm = request.app[ADMISSION]
-        if adm is None:
-            return await send()
-        return await adm.guard(request, model, len(raw) // 4, req.sampling, send)
+        return await _relayed(request, gw, model, raw, d, "/v1/completions", req.sampling)
     tok = gw.tokenizer(model)
     _check_ids(req.sampling, tok.vocab_size)
     jobs: list[Job] = []

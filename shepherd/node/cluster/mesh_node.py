@@ -50,8 +50,8 @@ from shepherd.mesh.keyring import Keyring, generate_key, load_keyring
 from shepherd.mesh.ratelimit import RateLimiter
 from shepherd.mesh.runtime import MeshRuntime
 from shepherd.mesh.runtime_config import MeshRuntimeConfig, parse_addr
-from shepherd.mesh.state import MeshState, WorkerRecord
-from shepherd.mesh.state_registry import REMOVED
+from shepherd.mesh.state import MeshState
+from shepherd.mesh.state_registry import REMOVED, WorkerRecord
 from shepherd.mesh.state_wire import ENVELOPE_OVERHEAD, VERSION
 from shepherd.mesh.swim_types import MemberEvent, MemberUp, SwimConfig
 from shepherd.node.config import NodeConfig
