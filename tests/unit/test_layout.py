@@ -296,3 +296,30 @@ def test_package_listings_match_their_modules() -> None:
                 f" and misses {sorted(public - set(listed))}"
             )
     assert not bad, "\n".join(bad)
+
+
+def test_no_module_reexports_what_another_defines() -> None:
+    """A name lives in one module and callers import it from there: a module's ``__all__`` lists only
+    what it defines (no shim keeping an old place alive). Packages that export names (``parsers``) are
+    the one exception."""
+    bad = []
+    for path in MODULES.values():
+        if path.name == "__init__.py":
+            continue
+        listed = _listed(path)
+        if not listed:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        ours = {
+            a.asname or a.name
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom)
+            and (n.module or "").startswith("shepherd")
+            # a compiled private module (``_prefixcore``) is where the module's own definition comes from
+            and not (n.module or "").rpartition(".")[2].startswith("_")
+            for a in n.names
+        }
+        again = sorted(set(listed) & ours)
+        if again:
+            bad.append(f"{path.relative_to(ROOT)}: __all__ re-exports {again}")
+    assert not bad, "\n".join(bad)
