@@ -15,20 +15,11 @@ from hypothesis import strategies as st
 
 from shepherd.node.engines import h2_frames as h2
 from shepherd.node.engines.backoff import Backoff
+from shepherd.node.engines.errors import CANCELLED, INTERNAL, OK, UNAVAILABLE, UNIMPLEMENTED, UNKNOWN
 from shepherd.node.engines.grpcio import map_rpc_error
 from shepherd.node.engines.h2 import parse_target
 from shepherd.node.engines.h2_conn import H2Connection, H2Stream
-from shepherd.node.engines.h2_stream import (
-    CANCELLED,
-    INTERNAL,
-    OK,
-    UNAVAILABLE,
-    UNIMPLEMENTED,
-    UNKNOWN,
-    GrpcStream,
-    grpc_message,
-    map_status,
-)
+from shepherd.node.engines.h2_stream import GrpcStream, grpc_message, map_status
 from shepherd.proto.engine_types import EngineTimeout, EngineUnavailable
 
 # ---------------------------------------------------------------------------------------------- helpers

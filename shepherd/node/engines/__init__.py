@@ -3,8 +3,8 @@
 Callers use: ``h2.H2EngineClient`` (default; gRPC calls in ``h2_stream``, HTTP/2 in ``h2_frames``,
 ``h2_conn`` and ``h2_protocol``), ``grpcio.GrpcEngineClient`` (``--engine-transport
 grpcio``), ``http.HttpRelayClient`` (OpenAI-compatible HTTP workers), ``backoff.Backoff``. Both gRPC
-clients map statuses to ``EngineError`` through one table. Imports only the node's root leaves,
+clients map statuses to ``EngineError`` through one table (``errors``). Imports only the node's root leaves,
 auth (engine TLS) and proto.
 """
 
-__all__ = ["backoff", "grpcio", "h2", "h2_conn", "h2_frames", "h2_protocol", "h2_stream", "http"]
+__all__ = ["backoff", "errors", "grpcio", "h2", "h2_conn", "h2_frames", "h2_protocol", "h2_stream", "http"]

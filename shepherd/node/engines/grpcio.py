@@ -18,6 +18,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vl
 from smg_grpc_proto import vllm_engine_pb2_grpc as vl_grpc
 from smg_grpc_proto.generated import common_pb2
 
+from shepherd.node.engines.errors import engine_error
 from shepherd.proto.engine_requests import sglang_generate, vllm_generate
 from shepherd.proto.engine_responses import (
     decode_loads,
@@ -29,8 +30,6 @@ from shepherd.proto.engine_types import (
     EngineError,
     EngineEvent,
     EngineLoad,
-    EngineTimeout,
-    EngineUnavailable,
     GenerateRequest,
     KvEventBatch,
     ModelInfo,
@@ -49,19 +48,10 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.enable_retries", 0),
 ]
 
-_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED}
-
 
 def map_rpc_error(err: grpc.aio.AioRpcError) -> EngineError:
-    code = err.code()
-    detail = err.details() or code.name
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return EngineTimeout(f"engine timed out: {detail}")
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return EngineUnavailable(f"engine unavailable: {detail}")
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return EngineError(f"engine rejected the request: {detail}", code="invalid_request", retryable=False)
-    return EngineError(f"engine error ({code.name}): {detail}", retryable=code in _RETRYABLE)
+    """A grpcio call's failure, through the transports' one status table (``errors.engine_error``)."""
+    return engine_error(err.code().value[0], err.details() or "")
 
 
 class GrpcEngineClient:

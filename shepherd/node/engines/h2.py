@@ -25,20 +25,10 @@ from smg_grpc_proto import vllm_engine_pb2 as vl
 from smg_grpc_proto.generated import common_pb2
 
 from shepherd.node.engines.backoff import Backoff
+from shepherd.node.engines.errors import DEADLINE_EXCEEDED, INTERNAL, OK, UNAVAILABLE, UNIMPLEMENTED
 from shepherd.node.engines.h2_frames import LOCAL_WINDOW, RequestHeaders
 from shepherd.node.engines.h2_protocol import H2Protocol
-from shepherd.node.engines.h2_stream import (
-    DEADLINE_EXCEEDED,
-    INTERNAL,
-    OK,
-    UNAVAILABLE,
-    UNIMPLEMENTED,
-    Deadlines,
-    GrpcStream,
-    RpcStatus,
-    grpc_message,
-    map_status,
-)
+from shepherd.node.engines.h2_stream import Deadlines, GrpcStream, RpcStatus, grpc_message, map_status
 from shepherd.proto.engine_requests import (
     SGLANG_SERVICE,
     VLLM_SERVICE,

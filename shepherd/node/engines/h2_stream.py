@@ -4,7 +4,7 @@
 (whole ones straight from the connection's frame loop), the status comes from the trailers (or from a
 reset, an HTTP status, a lost connection), and ``wait()`` gives the consumer a future only when the
 deque is empty. ``Deadlines`` puts the calls sharing one timeout behind one timer. gRPC status codes map
-to ``EngineError`` through grpcio.py's ``map_rpc_error`` (``map_status``, ``RpcStatus``);
+to ``EngineError`` through errors.py's table (``map_status``, ``RpcStatus``);
 ``grpc_message`` frames a request body.
 """
 
@@ -15,10 +15,19 @@ import collections
 import struct
 import urllib.parse
 
-import grpc
-import grpc.aio
-
-from shepherd.node.engines.grpcio import map_rpc_error
+from shepherd.node.engines.errors import (
+    CANCELLED,
+    DEADLINE_EXCEEDED,
+    INTERNAL,
+    OK,
+    PERMISSION_DENIED,
+    RESOURCE_EXHAUSTED,
+    UNAUTHENTICATED,
+    UNAVAILABLE,
+    UNIMPLEMENTED,
+    UNKNOWN,
+    engine_error,
+)
 from shepherd.node.engines.h2_conn import H2Stream
 from shepherd.node.engines.h2_frames import (
     CANCEL,
@@ -29,19 +38,6 @@ from shepherd.node.engines.h2_frames import (
 )
 from shepherd.proto.engine_types import EngineError
 
-# gRPC status codes (numbers as on the wire)
-OK = 0
-CANCELLED = 1
-UNKNOWN = 2
-DEADLINE_EXCEEDED = 4
-PERMISSION_DENIED = 7
-RESOURCE_EXHAUSTED = 8
-UNIMPLEMENTED = 12
-INTERNAL = 13
-UNAVAILABLE = 14
-UNAUTHENTICATED = 16
-
-_STATUS_BY_NUMBER = {s.value[0]: s for s in grpc.StatusCode}
 _PREFIX = struct.Struct(">BI")
 
 # HTTP/2 RST_STREAM code -> gRPC status (gRPC's PROTOCOL-HTTP2 "Errors" table)
@@ -65,10 +61,8 @@ _HTTP_STATUS = {
 
 
 def map_status(code: int, details: str) -> EngineError:
-    """A gRPC status -> EngineError, through grpcio.map_rpc_error so both transports agree."""
-    status = _STATUS_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
-    err = grpc.aio.AioRpcError(status, grpc.aio.Metadata(), grpc.aio.Metadata(), details or None)
-    return map_rpc_error(err)
+    """A gRPC status -> EngineError, through the transports' one table (``errors.engine_error``)."""
+    return engine_error(code, details)
 
 
 class RpcStatus(Exception):

@@ -1,0 +1,77 @@
+"""gRPC statuses -> ``EngineError``: the one table both engine transports map through.
+
+The lean HTTP/2 client reads a status number from the trailers (or derives one from a reset, an HTTP
+status, a lost connection); the grpcio client gets a ``grpc.StatusCode``: both end in ``engine_error``,
+so a failure means the same to dispatch (retry, circuit breaker, the client's status) whichever
+transport saw it.
+"""
+
+from __future__ import annotations
+
+from shepherd.proto.engine_types import EngineError, EngineTimeout, EngineUnavailable
+
+__all__ = [
+    "CANCELLED",
+    "DEADLINE_EXCEEDED",
+    "INTERNAL",
+    "INVALID_ARGUMENT",
+    "OK",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "UNAUTHENTICATED",
+    "UNAVAILABLE",
+    "UNIMPLEMENTED",
+    "UNKNOWN",
+    "engine_error",
+]
+
+# gRPC status codes (numbers as on the wire; names as grpc.StatusCode's)
+OK = 0
+CANCELLED = 1
+UNKNOWN = 2
+INVALID_ARGUMENT = 3
+DEADLINE_EXCEEDED = 4
+PERMISSION_DENIED = 7
+RESOURCE_EXHAUSTED = 8
+ABORTED = 10
+UNIMPLEMENTED = 12
+INTERNAL = 13
+UNAVAILABLE = 14
+UNAUTHENTICATED = 16
+
+_NAMES = (
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+)
+# worth another worker (before the first token): the engine is down, overloaded, or gave up on a race
+_RETRYABLE = frozenset({UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED})
+
+
+def engine_error(code: int, details: str) -> EngineError:
+    """The ``EngineError`` for a gRPC status ``code`` (a number outside the table counts as UNKNOWN)."""
+    if not 0 <= code < len(_NAMES):
+        code = UNKNOWN
+    name = _NAMES[code]
+    detail = details or name
+    if code == DEADLINE_EXCEEDED:
+        return EngineTimeout(f"engine timed out: {detail}")
+    if code == UNAVAILABLE:
+        return EngineUnavailable(f"engine unavailable: {detail}")
+    if code == INVALID_ARGUMENT:
+        return EngineError(f"engine rejected the request: {detail}", code="invalid_request", retryable=False)
+    return EngineError(f"engine error ({name}): {detail}", retryable=code in _RETRYABLE)
