@@ -154,8 +154,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: list[str]) -> Any:
-    # the node's modules are imported in the functions that need them, not at the top: start-up cost
-    # (`smg-node --help` and `smg-node certs` do not load the node: ~0.4 s for config alone)
+    # the node's modules are imported in the functions that need them, not at the top: they import
+    # grpcio, which reads its settings (GRPC_ENABLE_FORK_SUPPORT) once, at import, and main sets them first
     from shepherd.node.config import build_config, load_yaml
 
     args = _parser().parse_args(argv)
@@ -184,7 +184,7 @@ def config_from_args(argv: list[str]) -> Any:
 
 def _prefill_args(entries: list[list[str]]) -> tuple[list[str], list[int | None]]:
     """``--prefill URL [BOOTSTRAP_PORT]`` entries -> (URLs, ports or None)."""
-    from shepherd.node.config import ConfigError  # start-up cost: see config_from_args
+    from shepherd.node.config import ConfigError  # not at the top: see config_from_args
 
     urls: list[str] = []
     ports: list[int | None] = []
@@ -198,7 +198,7 @@ def _prefill_args(entries: list[list[str]]) -> tuple[list[str], list[int | None]
 
 def _certs(argv: list[str]) -> int:
     """``smg-node certs``: a development CA (reused if present) and one certificate per node name."""
-    from shepherd.auth.certs import CertError, write_dev_pki  # start-up cost: see config_from_args
+    from shepherd.auth.certs import CertError, write_dev_pki  # not at the top: see config_from_args
 
     args = _parser().parse_args(argv)
     names = [n.strip() for n in args.nodes.split(",") if n.strip()]
@@ -218,7 +218,7 @@ def _certs(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> None:
     # grpcio reads its experiments at import: the poller-based engine costs fewer wake-ups per message
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
-    from shepherd.node.config import ConfigError  # start-up cost (see config_from_args), and after the env
+    from shepherd.node.config import ConfigError  # not at the top: after the env (config_from_args)
 
     try:
         if (sys.argv[1:] if argv is None else argv)[:1] == ["certs"]:
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         level=getattr(logging, cfg.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from shepherd.node.app import serve  # start-up cost: see config_from_args
+    from shepherd.node.app import serve  # not at the top: see config_from_args
 
     try:
         import uvloop  # optional at run time: without it, asyncio's own loop
