@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -27,21 +28,15 @@ log = logging.getLogger("shepherd.node")
 
 
 def build_app(
-    gw: Gateway,
-    mesh: MeshNode | None = None,
-    *,
-    admission: Admission | None = None,
-    keepalive: KeepAlive | None = None,
+    gw: Gateway, mesh: MeshNode | None = None, *, admission: Admission | None = None
 ) -> web.Application:
     """The node's aiohttp application: its routes and middlewares over the gateway. ``admission``: the
-    rate limits (None: none configured); ``keepalive``: the SSE keep-alive ticker (started and closed
-    with the app)."""
+    rate limits (None: none configured). The SSE keep-alive ticker lives and dies with the app."""
     app = web.Application(client_max_size=gw.cfg.max_body_bytes, middlewares=[error_middleware])
     app[GATEWAY] = gw
     app[ADMISSION] = admission
-    ticker = app[KEEPALIVE_TICKER] = keepalive or KeepAlive(gw.cfg.sse_keepalive_secs)
-    app.on_startup.append(lambda _app: _start(ticker))
-    app.on_cleanup.append(lambda _app: ticker.close())
+    app[KEEPALIVE_TICKER] = KeepAlive(gw.cfg.sse_keepalive_secs)
+    app.cleanup_ctx.append(_keepalive_ticking)
     app.add_routes(api_openai.routes())
     app.add_routes(api_admin.routes())
     api_mesh.install(app, mesh)  # /mesh/members, /mesh/state (404 when the mesh is off), smg_mesh_*
@@ -49,8 +44,11 @@ def build_app(
     return app
 
 
-async def _start(ticker: KeepAlive) -> None:
+async def _keepalive_ticking(app: web.Application) -> AsyncIterator[None]:
+    ticker = app[KEEPALIVE_TICKER]
     ticker.start()
+    yield
+    await ticker.close()
 
 
 async def drain(gw: Gateway, grace: float) -> None:

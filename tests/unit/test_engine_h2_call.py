@@ -17,7 +17,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from shepherd.node.config import build_config
 from shepherd.node.dispatch.circuit_breaker import CircuitBreaker, HealthTracker
 from shepherd.node.dispatch.gateway import Gateway
-from shepherd.node.dispatch.workers import Worker
+from shepherd.node.dispatch.workers import Worker, pick_worker
 from shepherd.node.engines import h2_frames as h2
 from shepherd.node.engines.h2 import H2EngineClient
 from shepherd.node.engines.h2_stream import grpc_message
@@ -246,7 +246,7 @@ def test_pick_chooses_among_what_the_registry_calls_routable(
     }
     picks: set[str] = set()
     for _ in range(30):
-        chosen = gw.pick("m", exclude, [], None, http=http, only=allowed)
+        chosen = pick_worker(gw.registry, "m", exclude, [], None, gw.policy_for("m"), http=http, only=allowed)
         if chosen is None:
             break
         picks.add(chosen.id)

@@ -11,21 +11,20 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Collection, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
 from shepherd.node.config import ModelConfig, NodeConfig
-from shepherd.node.dispatch.circuit_breaker import BreakerState
 from shepherd.node.dispatch.kv_feed import KvFeed, feed_index_of, merge_load
 from shepherd.node.dispatch.pd import PdRouter
 from shepherd.node.dispatch.stream import Batches, EngineStream
-from shepherd.node.dispatch.workers import Worker, WorkerRegistry
+from shepherd.node.dispatch.workers import Worker, WorkerRegistry, pick_worker
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.node.metrics import NodeMetrics, counter, gauge
 from shepherd.parsers import default_parsers_for_model, reasoning_family_name, tool_family_name
-from shepherd.policies.base import Policy, RouteRequest
+from shepherd.policies.base import Policy
 from shepherd.policies.simple import make_policy
 from shepherd.proto.engine_types import EngineError, EngineLoad, GenerateRequest
 from shepherd.proto.openai_errors import ApiError
@@ -33,8 +32,6 @@ from shepherd.tokens.service import TokenizerService
 from shepherd.tokens.tokenizer import Tokenizer
 
 log = logging.getLogger("shepherd.gateway")
-
-_CLOSED = BreakerState.CLOSED
 
 
 def model_parsers(mc: ModelConfig, reasoning: str | None, tool: str | None) -> tuple[str | None, str | None]:
@@ -218,40 +215,12 @@ class Gateway:
         routing_key: str | None,
         *,
         http: bool = False,
-        policy: Policy | None = None,
-        only: Collection[str] | None = None,
     ) -> Worker | None:
-        """A worker for the request, by ``policy`` (default: the model's) among the routable workers not
-        in ``exclude`` (and, if given, in ``only``: e.g. one pool of a PD node)."""
-        reg = self.registry
-        now = reg.clock()
-        gate = reg.gate
-        candidates: list[Worker] = []
-        # one pass: what ``reg.routable(model, exclude)`` holds, of the wanted kind (and in ``only``)
-        for w in reg.workers.values():
-            if w.model != model or w.id in exclude or not w.health.healthy:
-                continue
-            b = w.breaker
-            if b.state is not _CLOSED and not b.allows(now):
-                continue
-            if (gate is not None and not gate(w.id)) or w.is_http != http:
-                continue
-            if only is None or w.id in only:
-                candidates.append(w)
-        if not candidates:
-            return None
-        route = RouteRequest(model, input_ids, routing_key)
-        policy = policy or self.policy_for(model)
-        while candidates:  # bounded: each turn removes one candidate
-            choice = policy.pick([w.view() for w in candidates], route)
-            if choice is None:
-                return None
-            chosen = reg.workers.get(choice.id)
-            if chosen is not None and chosen.breaker.acquire(now):
-                return chosen
-            # a half-open worker whose single trial request is already out: let the policy choose again
-            candidates = [c for c in candidates if c.id != choice.id]
-        return None
+        """A worker for the request, by the model's policy, among the routable workers not in
+        ``exclude`` (``pick_worker``; PD dispatch calls that with its pools' policies)."""
+        return pick_worker(
+            self.registry, model, exclude, input_ids, routing_key, self.policy_for(model), http=http
+        )
 
     async def open_stream(
         self, model: str, gen: GenerateRequest, *, target: str | None = None, routing_key: str | None = None

@@ -23,13 +23,13 @@ import json
 import logging
 import random
 import urllib.parse
-from collections.abc import AsyncGenerator, Collection, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, cast
 
 from shepherd.node.config import NodeConfig
 from shepherd.node.dispatch.stream import EngineStream
-from shepherd.node.dispatch.workers import Worker, WorkerRegistry
+from shepherd.node.dispatch.workers import Worker, WorkerRegistry, pick_worker
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.node.metrics import NodeMetrics
 from shepherd.policies.base import Policy
@@ -82,18 +82,6 @@ class Dispatcher(Protocol):
     metrics: NodeMetrics
     registry: WorkerRegistry
 
-    def pick(
-        self,
-        model: str,
-        exclude: set[str],
-        input_ids: Sequence[int],
-        routing_key: str | None,
-        *,
-        http: bool = False,
-        policy: Policy | None = None,
-        only: Collection[str] | None = None,
-    ) -> Worker | None: ...
-
     def abort_in_background(self, w: Worker, request_id: str, reason: str) -> None: ...
 
 
@@ -125,10 +113,10 @@ class PdRouter:
         self, model: str, tried_p: set[str], tried_d: set[str], ids: Sequence[int], key: str | None
     ) -> PdPair | None:
         gw = self.gw
-        p = gw.pick(model, tried_p, ids, key, policy=self.prefill_policy, only=self.prefill_ids)
+        p = pick_worker(gw.registry, model, tried_p, ids, key, self.prefill_policy, only=self.prefill_ids)
         if p is None:
             return None
-        d = gw.pick(model, tried_d, ids, key, policy=self.decode_policy, only=self.decode_ids)
+        d = pick_worker(gw.registry, model, tried_d, ids, key, self.decode_policy, only=self.decode_ids)
         if d is None:
             p.breaker.release()  # a half-open prefill worker's trial was not used
             return None

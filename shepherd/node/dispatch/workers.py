@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +16,7 @@ from shepherd.node.dispatch.circuit_breaker import BreakerState, CircuitBreaker,
 from shepherd.node.engines.grpcio import GrpcEngineClient
 from shepherd.node.engines.h2 import H2EngineClient
 from shepherd.node.engines.http import HttpRelayClient
-from shepherd.policies.base import WorkerView
+from shepherd.policies.base import Policy, RouteRequest, WorkerView
 from shepherd.proto.engine_types import EngineClient, EngineError, EngineLoad, ModelInfo, worker_id
 
 log = logging.getLogger("shepherd.workers")
@@ -222,3 +222,48 @@ class WorkerRegistry:
         self._tasks.clear()
         for w in list(self.workers.values()):
             await w.client.close()
+
+
+_CLOSED = BreakerState.CLOSED
+
+
+def pick_worker(
+    reg: WorkerRegistry,
+    model: str,
+    exclude: set[str],
+    input_ids: Sequence[int],
+    routing_key: str | None,
+    policy: Policy,
+    *,
+    http: bool = False,
+    only: Collection[str] | None = None,
+) -> Worker | None:
+    """A worker for the request, by ``policy``, among ``reg``'s routable workers of ``model`` not in
+    ``exclude`` (and, if given, in ``only``: one pool of a PD node); its circuit's trial slot taken."""
+    now = reg.clock()
+    gate = reg.gate
+    candidates: list[Worker] = []
+    # one pass: what ``reg.routable(model, exclude)`` holds, of the wanted kind (and in ``only``)
+    for w in reg.workers.values():
+        if w.model != model or w.id in exclude or not w.health.healthy:
+            continue
+        b = w.breaker
+        if b.state is not _CLOSED and not b.allows(now):
+            continue
+        if (gate is not None and not gate(w.id)) or w.is_http != http:
+            continue
+        if only is None or w.id in only:
+            candidates.append(w)
+    if not candidates:
+        return None
+    route = RouteRequest(model, input_ids, routing_key)
+    while candidates:  # bounded: each turn removes one candidate
+        choice = policy.pick([w.view() for w in candidates], route)
+        if choice is None:
+            return None
+        chosen = reg.workers.get(choice.id)
+        if chosen is not None and chosen.breaker.acquire(now):
+            return chosen
+        # a half-open worker whose single trial request is already out: let the policy choose again
+        candidates = [c for c in candidates if c.id != choice.id]
+    return None
