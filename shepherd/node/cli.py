@@ -40,6 +40,51 @@ def _mesh_arguments(s: argparse.ArgumentParser) -> None:
     m.add_argument("--mesh-gossip-interval", type=float, help="gossip period, s (default 0.2)")
 
 
+def _history_arguments(s: argparse.ArgumentParser) -> None:
+    h = s.add_argument_group("history storage (Responses, Conversations; the node's API keys)")
+    h.add_argument("--history-backend", choices=("memory", "sqlite", "postgres", "redis"))
+    h.add_argument(
+        "--history-url", help="sqlite:///path.db, postgresql://user@host/db or redis://host:6379/0"
+    )
+    h.add_argument("--history-retention-days", type=float, help="purge records older (default 30; 0: never)")
+    h.add_argument(
+        "--history-allow-local",
+        action="store_const",
+        const=True,
+        help="in a mesh, keep conversations in this node's memory anyway (lost when it restarts)",
+    )
+    h.add_argument("--history-memory-max-items", type=int, help="memory backend bound (oldest evicted)")
+    h.add_argument(
+        "--history-migrations",
+        choices=("apply", "refuse"),
+        help="postgres schema migrations: apply at start under an advisory lock, or refuse and print the SQL",
+    )
+    h.add_argument("--history-pool-size", type=int, help="postgres / redis connections (default 8)")
+    h.add_argument("--data-dir", help="the node's durable records (API keys) in DIR/node.db")
+
+
+def _security_arguments(s: argparse.ArgumentParser) -> None:
+    g = s.add_argument_group("control plane and workers (see SECURITY.md)")
+    g.add_argument("--admin-host", help="a separate listener for /admin/* and /metrics (default: none)")
+    g.add_argument("--admin-port", type=int)
+    g.add_argument(
+        "--insecure-admin",
+        action="store_const",
+        const=True,
+        help="allow an unauthenticated control plane on a non-loopback address (logged loudly)",
+    )
+    g.add_argument(
+        "--admin-allowed-origins", nargs="+", metavar="ORIGIN", help="browser Origins allowed on /admin"
+    )
+    g.add_argument(
+        "--worker-allow",
+        nargs="+",
+        metavar="HOST_OR_CIDR",
+        help="hosts and CIDRs workers may be on (default: any)",
+    )
+    g.add_argument("--max-client-connections", type=int, help="client connections at once (default 10000)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="smg-node", description="Shepherd gateway node")
     sub = p.add_subparsers(dest="command", required=True)
@@ -139,6 +184,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", choices=["debug", "info", "warning", "warn", "error"])
     auth_flags.add_arguments(s)  # --auth-*, --jwt-*, --tls-*, --engine-tls-*
     _mesh_arguments(s)
+    _history_arguments(s)
+    _security_arguments(s)
     sub.add_parser("serve", parents=[s], help="run a node")
     j = sub.add_parser(
         "join", parents=[s], help="run a node that joins a mesh through SEED... (serve's flags)"

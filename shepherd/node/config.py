@@ -145,6 +145,23 @@ class NodeConfig:
     decode_urls: tuple[str, ...] = ()
     prefill_policy: str | None = None  # None: the node's policy
     decode_policy: str | None = None
+    # history storage (shepherd.storage; the Responses and Conversations APIs, the node's own records)
+    history_backend: str = "memory"  # memory | sqlite | postgres | redis
+    history_url: str | None = None  # sqlite:///path.db, postgresql://..., redis://... (memory: none)
+    history_retention_days: float = 30.0  # records older than this are purged (0: kept for ever)
+    history_allow_local: bool = False  # a mesh node may keep conversations in memory (lost on restart)
+    history_memory_max_items: int = 200_000  # memory backend: items kept before the oldest are evicted
+    history_migrations: str = "apply"  # postgres: "apply" (advisory lock) or "refuse" (print the SQL)
+    history_pool_size: int = 8  # postgres / redis connections
+    history_chain_max_depth: int = 1000  # previous_response_id hops followed before a 400
+    data_dir: str | None = None  # the node's own durable records (API keys): <data_dir>/node.db (SQLite)
+    # security (docs/SECURITY.md): the control plane and what workers may be
+    admin_host: str | None = None  # a separate listener for /admin/* and /metrics (None: the client port)
+    admin_port: int | None = None
+    insecure_admin: bool = False  # allow an unauthenticated control plane on a non-loopback address
+    admin_allowed_origins: tuple[str, ...] = ()  # browser Origins allowed on the control plane
+    worker_allow: tuple[str, ...] = ()  # hosts / CIDRs workers may be on (empty: any)
+    max_client_connections: int = 10_000  # client connections served at once (more are refused)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def model_configs(self) -> tuple[ModelConfig, ...]:
@@ -242,7 +259,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         values["prefill_bootstrap_ports"] = tuple(
             None if v is None else int(v) for v in values["prefill_bootstrap_ports"]
         )
-    for key in ("mesh_seeds", "mesh_keys"):
+    for key in ("mesh_seeds", "mesh_keys", "worker_allow", "admin_allowed_origins"):
         if isinstance(values.get(key), str):
             values[key] = (values[key],)
         elif key in values:

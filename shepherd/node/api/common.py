@@ -21,6 +21,8 @@ from shepherd.node.http.types import stream_response
 from shepherd.node.openai.sse import DONE, KEEPALIVE, error_event
 from shepherd.proto.engine_types import EngineError
 from shepherd.proto.openai_errors import ApiError, error_response
+from shepherd.storage.ids import new_id
+from shepherd.storage.types import HistoryStore
 from shepherd.tokens.pool import TokenizerPoolUnavailable, TokenizerWorkerError
 
 log = logging.getLogger("shepherd.api")
@@ -28,6 +30,25 @@ log = logging.getLogger("shepherd.api")
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway")
 ADMISSION: web.AppKey[Admission | None] = web.AppKey("admission")  # None: no rate limit configured
 KEEPALIVE_TICKER: web.AppKey[KeepAlive] = web.AppKey("keepalive")
+HISTORY: web.AppKey[History] = web.AppKey("history")
+
+
+class History:
+    """The history store the stateful routes use (Responses, Conversations), and the ids they mint.
+
+    ``store``: in a mesh with an embedded backend, a store that routes each call by the id's owner
+    (``shepherd.node.cluster``); else the backend itself. ``tag``: this node's owner tag.
+    """
+
+    def __init__(self, store: HistoryStore, tag: str) -> None:
+        self.store = store
+        self.tag = tag
+
+    def new_id(self, prefix: str, owner_tag: str | None = None) -> str:
+        """A fresh id owned by this node, or by the node of ``owner_tag`` (a conversation's owner keeps
+        the responses stored in that conversation, so the pair is written in one transaction)."""
+        return new_id(prefix, owner_tag or self.tag)
+
 
 _STATUS_TYPES = {
     400: "invalid_request_error",
