@@ -27,6 +27,7 @@ test: $(STAMP)
 	$(BIN)/ruff check shepherd tests bench chaos
 	$(BIN)/ruff format --check shepherd tests bench chaos
 	$(BIN)/mypy
+	$(BIN)/python -m tests.services install
 	$(BIN)/pytest tests
 
 lint: $(STAMP)

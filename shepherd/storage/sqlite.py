@@ -1,0 +1,131 @@
+"""The SQLite backend: the embedded durable default (one file, docs/DESIGN.md §12).
+
+stdlib ``sqlite3`` on ONE dedicated thread (a single-worker executor this store owns): the event loop
+never blocks on SQLite, and the one connection is only ever used by that thread. WAL journal,
+``synchronous=NORMAL``, a busy timeout (another process may hold the file); each method is one
+transaction (``BEGIN IMMEDIATE`` when it writes), so a failed write leaves nothing. The schema and the
+operations are ``sql``'s, shared with PostgreSQL.
+
+URLs: ``sqlite:///relative/path.db``, ``sqlite:////absolute/path.db``, ``sqlite://:memory:`` (tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from shepherd.storage import sql
+from shepherd.storage.sql import Plan, T
+from shepherd.storage.types import IntegrityError, StorageError, StorageUnavailable
+
+MEMORY = ":memory:"
+BUSY_TIMEOUT_S = 5.0
+
+
+def path_of(url: str) -> str:
+    """The database path of a ``sqlite://`` URL (``:memory:`` for an in-memory database)."""
+    if not url.startswith("sqlite://"):
+        raise ValueError(f"a SQLite URL starts with sqlite://, not {url!r}")
+    rest = url[len("sqlite://") :]
+    if rest in (MEMORY, "/" + MEMORY):
+        return MEMORY
+    if not rest.startswith("/") or len(rest) < 2:
+        raise ValueError(
+            f"bad SQLite URL {url!r}: use sqlite:///relative/path.db, sqlite:////absolute/path.db "
+            "or sqlite://:memory:"
+        )
+    path = rest[1:]
+    if "?" in path or path.endswith("/"):
+        raise ValueError(f"bad SQLite URL {url!r}: a file path without query or trailing slash")
+    return path
+
+
+class SQLiteStore(sql.PlanStore):
+    name = "sqlite"
+    shared = False
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+        self._executor: ThreadPoolExecutor | None = None
+        self._conn: sqlite3.Connection | None = None
+
+    # ---- on the store's thread ------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        if self.path != MEMORY:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        self._conn = conn
+        self._execute(sql.migrate(sql.SQLITE, apply=True), True)
+
+    def _execute(self, plan: Plan[T], write: bool) -> T:
+        conn = self._conn
+        if conn is None:
+            raise StorageUnavailable("the SQLite store is not started")
+        conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+        try:
+            rows: list[tuple[Any, ...]] = []
+            q = next(plan)
+            while True:
+                if q.many:
+                    conn.executemany(q.sql, q.args)
+                    rows = []
+                else:
+                    rows = [tuple(r) for r in conn.execute(q.sql, tuple(q.args)).fetchall()]
+                q = plan.send(rows)
+        except StopIteration as done:
+            conn.execute("COMMIT")
+            return done.value  # type: ignore[no-any-return]
+        finally:
+            if conn.in_transaction:  # the plan failed, or COMMIT did: nothing of it stays
+                conn.execute("ROLLBACK")
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    # ---- on the event loop ------------------------------------------------------------------------------
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        if self._executor is None:
+            raise StorageUnavailable("the SQLite store is not started")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        except sqlite3.IntegrityError as e:
+            raise IntegrityError(str(e)) from e
+        except (sqlite3.OperationalError, OSError) as e:  # locked past the busy timeout, disk I/O, no dir
+            raise StorageUnavailable(f"SQLite {self.path}: {e}") from e
+        except sqlite3.Error as e:
+            raise StorageError(f"SQLite {self.path}: {e}") from e
+
+    async def _run(self, plan: Plan[T], write: bool) -> T:
+        out: T = await self._call(self._execute, plan, write)
+        return out
+
+    async def start(self) -> None:
+        if self._executor is not None:
+            return
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shepherd-sqlite")
+        try:
+            await self._call(self._open)
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        ex = self._executor
+        if ex is None:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(ex, self._close)
+        finally:
+            self._executor = None
+            ex.shutdown(wait=False)

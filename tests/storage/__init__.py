@@ -1,0 +1,1 @@
+"""The history stores' contract suite, run on every backend (memory, SQLite, PostgreSQL, Redis)."""
