@@ -62,7 +62,12 @@ RUN set -eux; \
     smg-mock-engine --help >/dev/null
 
 # a node listens on 30000 (mesh 7946 UDP+TCP), an engine on 50051 (gRPC) and 18001 (HTTP), haproxy on
-# 8080 (stats 8404)
+# 8080 (stats 8404). The node's control plane (/admin/*, /workers*, /mesh/*, /metrics) has its own
+# listener, on the container's loopback by default: not exposed, reached with `docker exec` (e.g.
+# `docker exec C python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:30001/metrics').read().decode())"`).
+# To serve it to other hosts, give it auth and bind it wider:
+#   smg-node serve ... --admin-host 0.0.0.0 --admin-port 30001 --auth-control-plane api_key \
+#       --auth-admin-key-env SMG_ADMIN_KEY      (a node refuses an unauthenticated one there: SECURITY.md)
 EXPOSE 30000 7946 7946/udp 50051 18001 8080 8404
 USER nobody
-CMD ["smg-node", "serve", "--host", "0.0.0.0", "--port", "30000"]
+CMD ["smg-node", "serve", "--host", "0.0.0.0", "--port", "30000", "--admin-host", "127.0.0.1", "--admin-port", "30001"]

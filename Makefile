@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint unit bench chaos compose-test venv clean
+.PHONY: run test lint unit fuzz bench chaos compose-test venv clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard shepherd/*/*.c)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,6 +37,14 @@ lint: $(STAMP)
 
 unit: $(STAMP)
 	$(BIN)/pytest tests/unit
+
+# Fuzz the HTTP front and request parsing (tests/fuzz) with random examples for about FUZZ_SECONDS in all
+# (split between the targets; `make test` runs the same targets with few, fixed examples). Failures are
+# kept in .hypothesis/ and replayed first next time.
+FUZZ_SECONDS ?= 300
+fuzz: $(STAMP)
+	SHEPHERD_FUZZ_PROFILE=fuzz FUZZ_SECONDS=$(FUZZ_SECONDS) \
+	    $(BIN)/pytest tests/fuzz -q --timeout=$$(( $(FUZZ_SECONDS) + 900 ))
 
 bench: $(STAMP)
 	$(BIN)/smg-bench all

@@ -6,9 +6,9 @@ builds a ``previous_response_id`` chain of T-1 turns, then sends K follow-ups on
 response) and K chat completions carrying the same T turns as messages. It prints, per backend and
 chain length: client latency p50/p99 (ms), node CPU ms per request (the node's process tree, from
 /proc, over the K requests), the difference, and the storage writes per response (the node's
-``smg_history_writes_total``). With ``--mesh`` it also starts a second node meshed with the first (each
-on its own SQLite file) and sends the follow-ups of a chain stored on node A to node B: the latency
-difference against the same follow-ups on A is the cross-node fetch (p50/p99).
+``smg_history_ops_total{kind="writes"}``). With ``--mesh`` it also starts a second node meshed with
+the first (each on its own SQLite file) and sends the follow-ups of a chain stored on node A to node
+B: the latency difference against the same follow-ups on A is the cross-node fetch (p50/p99).
 
 PostgreSQL and Redis come from ``tests/services.py`` (installed from Debian packages when missing,
 started on private ports and directories, stopped by pid).
@@ -65,13 +65,14 @@ class Client:
         out: dict[str, Any] = json.loads(raw)
         return dt, out
 
-    def metric(self, name: str) -> float | None:
+    def metric(self, name: str, label: str = "") -> float | None:
+        """The sum of the samples of ``name`` whose labels hold ``label`` (None: no such sample)."""
         self.conn.request("GET", "/metrics")
         resp = self.conn.getresponse()
         text = resp.read().decode()
         total = None
         for line in text.splitlines():
-            if line.startswith(name) and not line.startswith("#"):
+            if line.startswith(name) and label in line:
                 total = (total or 0.0) + float(line.rsplit(" ", 1)[1])
         return total
 
@@ -171,9 +172,9 @@ def run_backend(backend: str, turns: list[int], k: int, model_dir: Path, work: P
                 prev, messages = build_chain(c, t - 1)
                 c.post("/v1/responses", followups(prev, t - 1, 1)[0][1])  # warm the caches once
                 c.post("/v1/chat/completions", chats(messages, t - 1, 1)[0][1])
-                w0 = c.metric("smg_history_writes_total")
+                w0 = c.metric("smg_history_ops_total", 'kind="writes"')
                 r = measure(c, node.pid, followups(prev, t - 1, k))
-                w1 = c.metric("smg_history_writes_total")
+                w1 = c.metric("smg_history_ops_total", 'kind="writes"')
                 ch = measure(c, node.pid, chats(messages, t - 1, k))
                 writes = f"{(w1 - w0) / k:.1f}" if w0 is not None and w1 is not None else "n/a"
                 print(f"{backend}, {t}-turn chain, {k} follow-ups each:")

@@ -177,6 +177,9 @@ class Fleet:
             "0.0.0.0",
             "--port",
             str(spec.node_port),
+            # the fleet lives in its own network namespaces and the suite reads /mesh/members from the
+            # client host without credentials: an unauthenticated control plane there, said out loud
+            "--insecure-admin",
             "--worker-urls",
             *worker_urls,
             "--policy",

@@ -184,6 +184,11 @@ if [ "${CT_NO_MESH:-0}" = 1 ]; then   # the same fleet without the mesh flags
 fi
 COMPOSE+=(-f "$compose_file")
 
+# the nodes' admin key (their control plane has auth; docker-compose.yml has no default): one per run
+if [ -z "${SHEPHERD_ADMIN_KEY:-}" ]; then
+    SHEPHERD_ADMIN_KEY="sk-smg-compose-$(od -An -tx1 -N24 /dev/urandom | tr -d ' \n')"
+fi
+export SHEPHERD_ADMIN_KEY
 "${COMPOSE[@]}" -p "$PROJECT" down -v --remove-orphans -t 5 >/dev/null 2>&1 || true   # a stale run's
 say "up: project $PROJECT, LB on 127.0.0.1:$SHEPHERD_LB_PORT (stats :$SHEPHERD_STATS_PORT)"
 UP=1
@@ -195,8 +200,8 @@ fi
 say "compose up returned after $(( $(date +%s) - u0 )) s (engines and nodes healthy)"
 
 node_args=()
-for n in node-1 node-2 node-3; do
-    addr="$("${COMPOSE[@]}" -p "$PROJECT" port "$n" 30000 | tail -1)"
+for n in node-1 node-2 node-3; do   # their admin listeners (/mesh/members), with the admin key
+    addr="$("${COMPOSE[@]}" -p "$PROJECT" port "$n" 30001 | tail -1)"
     [ -n "$addr" ] || die "no published port for $n"
     node_args+=(--node "$n=http://$addr")
 done

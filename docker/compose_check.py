@@ -22,6 +22,7 @@ import concurrent.futures
 import csv
 import io
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -35,8 +36,12 @@ from typing import Any
 GONE = ("dead", "left")
 
 
-def http_json(url: str, timeout: float = 3.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+ADMIN_KEY = ""  # the nodes' admin key (--admin-key): /mesh/members is on their authenticated admin listener
+
+
+def http_json(url: str, timeout: float = 3.0, admin: bool = False) -> Any:
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"} if admin and ADMIN_KEY else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout) as r:
         return json.loads(r.read())
 
 
@@ -50,7 +55,7 @@ def haproxy_status(stats_url: str, backend: str) -> dict[str, dict[str, str]]:
 
 def members(url: str) -> dict[str, str]:
     """Member name -> state, as one node sees the mesh."""
-    return {m["name"]: m["state"] for m in http_json(url + "/mesh/members")["members"]}
+    return {m["name"]: m["state"] for m in http_json(url + "/mesh/members", admin=True)["members"]}
 
 
 # ---- traffic ------------------------------------------------------------------------------------------
@@ -233,7 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lb", required=True, help="load balancer base URL")
     ap.add_argument("--stats", required=True, help="HAProxy stats CSV URL (.../stats;csv)")
     ap.add_argument("--backend", default="nodes", help="HAProxy backend of the nodes")
-    ap.add_argument("--node", action="append", default=[], metavar="NAME=URL", help="a node's direct URL")
+    ap.add_argument(
+        "--node", action="append", default=[], metavar="NAME=URL", help="a node's admin listener URL"
+    )
+    ap.add_argument(
+        "--admin-key",
+        default=os.environ.get("SHEPHERD_ADMIN_KEY", ""),
+        help="the nodes' admin key (default: $SHEPHERD_ADMIN_KEY)",
+    )
     ap.add_argument("--victim", required=True, help="the node stopped under traffic")
     ap.add_argument("--stop-cmd", required=True, help="command that stops it (docker stop ID)")
     ap.add_argument("--requests", type=int, default=300)
@@ -245,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--notice-timeout", type=float, default=40.0, help="after the stop, for LB and mesh")
     ap.add_argument("--no-mesh", dest="mesh", action="store_false", help="the nodes run without the mesh")
     args = ap.parse_args(argv)
+    global ADMIN_KEY
+    ADMIN_KEY = args.admin_key
     nodes = dict(n.split("=", 1) for n in args.node)
     if args.victim not in nodes:
         ap.error(f"--victim {args.victim} is not one of the --node names")

@@ -1,7 +1,8 @@
 """Who is calling: API keys, JWT/JWKS, client certificates, roles and tenants. Imports proto only.
 
 Callers use: ``config`` (``AuthConfig`` and its flags), ``load.load_auth_config``, ``middleware``
-(``install``, ``AUTH``, the aiohttp middleware), ``keys`` (``KeyStore``, key records), ``principal``
+(``install``, ``AUTH``, the aiohttp middleware), ``control`` (the control plane's listener split and
+browser guard), ``keys`` (``KeyStore``, key records), ``principal``
 (``Principal``, ``principal_of``), ``tls`` (server and engine TLS), ``certs`` (node certificates and
 the development PKI).
 """
@@ -10,6 +11,7 @@ __all__ = [
     "certs",
     "client_cert",
     "config",
+    "control",
     "jwks",
     "jwt_verify",
     "keys",

@@ -5,7 +5,7 @@ YAML (a mapping under ``auth``)::
     auth:
       mode: api_key              # both planes at once: off | api_key | jwt | both
       data_plane: both           # /v1/*, /tokenize, ... (anything not a probe or control route)
-      control_plane: api_key     # /workers*, /admin/*, /mesh/* (and /metrics with ``metrics: true``)
+      control_plane: api_key     # /workers*, /admin/*, /mesh/*, /metrics (default: data_plane's mode)
       admin_key_env: [SMG_ADMIN_KEY]        # bootstrap admin keys: plaintext in an env var ...
       admin_key_sha256: [<hex digest>]      # ... or only its SHA-256
       keys:                                 # more bootstrap keys, any role
@@ -154,7 +154,7 @@ class ClientCertConfig:
 class AuthConfig:
     data_plane: AuthMode = "off"
     control_plane: AuthMode = "off"
-    metrics: bool = False  # /metrics is a control route (needs an admin) instead of open
+    metrics: bool = True  # /metrics is a control route (admin auth, admin listener); False: a public route
     keys: tuple[BootstrapKey, ...] = ()
     trust_tenant_header: bool = False
     default_tenant: str = "default"
@@ -371,6 +371,7 @@ def auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
     if not isinstance(raw, Mapping):
         raise AuthConfigError("auth must be a mapping")
     vals = dict(raw)
+    mode_given = vals.get("mode") is not None
     mode = _mode(vals.pop("mode", None), "auth.mode")
     keys = [_key(k) for k in vals.pop("keys", None) or ()]
     for i, env in enumerate(_str_tuple(vals.pop("admin_key_env", None), "auth.admin_key_env")):
@@ -381,7 +382,9 @@ def auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
     if unknown := set(vals) - known:
         raise AuthConfigError(f"unknown keys in auth: {sorted(unknown)}")
     data = _mode(vals.pop("data_plane", mode), "auth.data_plane")
-    control = _mode(vals.pop("control_plane", mode), "auth.control_plane")
+    # secure by default: a control plane not set on its own takes ``mode``, else the data plane's mode;
+    # enabling auth for clients never leaves /admin/* open to anonymous admins
+    control = _mode(vals.pop("control_plane", mode if mode_given else data), "auth.control_plane")
     jwt_cfg = _jwt(vals.pop("jwt", None))
     cc = _client_cert(vals.pop("client_cert", None))
     try:
@@ -413,8 +416,19 @@ def merge_auth(base: Any, over: Any) -> Any:
 _AUTH_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("mode", {"choices": MODES, "help": "auth on both planes: off (default), api_key, jwt, both"}),
     ("data-plane", {"choices": MODES, "help": "auth on /v1/* and the other data routes"}),
-    ("control-plane", {"choices": MODES, "help": "auth on /workers*, /admin/*, /mesh/* (admin role)"}),
-    ("metrics", {"action": "store_true", "default": None, "help": "/metrics needs an admin credential"}),
+    (
+        "control-plane",
+        {"choices": MODES, "help": "auth on /workers*, /admin/*, /mesh/*, /metrics (default: data plane's)"},
+    ),
+    (
+        "metrics",
+        {
+            "action": argparse.BooleanOptionalAction,
+            "default": None,
+            "help": "/metrics is a control route (default; an admin credential when the control plane "
+            "has auth, the admin listener when set); --no-auth-metrics makes it public",
+        },
+    ),
     ("admin-key-env", {"nargs": "+", "metavar": "VAR", "help": "env vars holding bootstrap admin keys"}),
     ("admin-key-sha256", {"nargs": "+", "metavar": "HEX", "help": "SHA-256 of bootstrap admin keys"}),
     (

@@ -177,6 +177,20 @@ class FetchError(Exception):
     pass
 
 
+async def _read_capped(stream: aiohttp.StreamReader, limit: int) -> bytes:
+    """The whole body, however many chunks it arrives in, up to ``limit`` bytes (one more byte tells the
+    caller it was larger). ``StreamReader.read(n)`` returns what has arrived so far, not ``n`` bytes."""
+    parts: list[bytes] = []
+    size = 0
+    while size <= limit:
+        chunk = await stream.read(limit + 1 - size)
+        if not chunk:
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    return b"".join(parts)
+
+
 class HttpFetch:
     """GET a JSON document with aiohttp (one session, bounded time and size)."""
 
@@ -192,7 +206,7 @@ class HttpFetch:
             async with self._session.get(url, headers={"Accept": "application/json"}) as r:
                 if r.status != 200:
                     raise FetchError(f"GET {url}: HTTP {r.status}")
-                body = await r.content.read(self._max + 1)
+                body = await _read_capped(r.content, self._max)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise FetchError(f"GET {url}: {type(e).__name__}: {e}") from None
         if len(body) > self._max:

@@ -84,18 +84,34 @@ def principal_from_claims(claims: Mapping[str, Any], cfg: JwtConfig, default_ten
         cfg.admin_scopes and _values(claim(claims, cfg.scope_claim), split=True) & set(cfg.admin_scopes)
     )
     role: Role = "admin" if admin else "user"
-    tenant = claim(claims, cfg.tenant_claim) if cfg.tenant_claim else None
+    tenant = tenant_of(claims, cfg)
     return Principal(
         subject=subject,
-        tenant=tenant if isinstance(tenant, str) and tenant else default_tenant,
+        tenant=tenant or default_tenant,
         role=role,
         method="jwt",
     )
 
 
-def tenant_bound(claims: Mapping[str, Any], cfg: JwtConfig) -> bool:
+MAX_TENANT_CHARS = 128
+
+
+def tenant_of(claims: Mapping[str, Any], cfg: JwtConfig) -> str | None:
+    """The tenant claim (None when absent, null or empty). A tenant names rate-limit buckets, metric
+    labels and stored records: one that is not a string of 1 to 128 printable characters refuses the token."""
     t = claim(claims, cfg.tenant_claim) if cfg.tenant_claim else None
-    return isinstance(t, str) and bool(t)
+    if t is None or t == "":  # absent, null or empty: bound to no tenant (as before)
+        return None
+    if not isinstance(t, str) or not 0 < len(t) <= MAX_TENANT_CHARS or not t.isprintable():
+        raise JwtError(
+            f"The token's tenant claim must be a string of 1 to {MAX_TENANT_CHARS} printable characters.",
+            "invalid_tenant_claim",
+        )
+    return t
+
+
+def tenant_bound(claims: Mapping[str, Any], cfg: JwtConfig) -> bool:
+    return tenant_of(claims, cfg) is not None
 
 
 class VerifiedToken:

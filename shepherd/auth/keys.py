@@ -10,7 +10,9 @@ document: records go in and out as plain dicts (``export`` / ``apply``), and ``s
 callback that sees every local change (to write it to the document). ``apply`` merges records from
 elsewhere by id with revocation winning: once revoked, a key stays revoked on every node. With the
 mesh on, ``shepherd.node.cluster.key_sync.KeySync`` is that link (``shepherd.node.api.keys.install``
-sets it up).
+sets it up). ``MemoryKeyStore.watch`` sees every change, applied ones included: the node's key journal
+(``shepherd.node.cluster.key_journal``) writes them to its durable records so that keys survive a
+restart of every node at once.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class ApiKeyRecord:
     expires: float | None = None  # unix seconds
     models: tuple[str, ...] | None = None  # None: every model
     hint: str = "..."
+    # minted by an authenticated admin on a node whose control plane has auth: only such keys are
+    # published to the mesh, and nodes with auth on accept no other (shepherd.node.cluster.key_sync)
+    minted_authenticated: bool = False
 
     def usable(self, now: float) -> bool:
         return not self.revoked and (self.expires is None or now < self.expires)
@@ -94,6 +99,7 @@ class ApiKeyRecord:
             "expires": self.expires,
             "models": None if self.models is None else list(self.models),
             "hint": self.hint,
+            "minted_authenticated": self.minted_authenticated,
         }
 
     @classmethod
@@ -114,6 +120,7 @@ class ApiKeyRecord:
             expires=None if d.get("expires") is None else float(d["expires"]),
             models=None if models is None else tuple(str(m) for m in models),
             hint=str(d.get("hint", "...")),
+            minted_authenticated=d.get("minted_authenticated") is True,
         )
 
 
@@ -154,6 +161,7 @@ class MemoryKeyStore:
         self._by_id: dict[str, ApiKeyRecord] = {}
         self._by_digest: dict[str, ApiKeyRecord] = {}
         self._subscribers: list[ChangeCallback] = []
+        self._watchers: list[ChangeCallback] = []
         for r in records:
             self._put(r)
 
@@ -164,6 +172,9 @@ class MemoryKeyStore:
             self._by_digest.pop(old.digest, None)
         self._by_id[merged.id] = merged
         self._by_digest[merged.digest] = merged
+        if merged != old:
+            for cb in list(self._watchers):
+                cb(merged)
         return merged
 
     def _changed(self, record: ApiKeyRecord) -> None:
@@ -207,6 +218,12 @@ class MemoryKeyStore:
     def subscribe(self, callback: ChangeCallback) -> None:
         self._subscribers.append(callback)
 
+    def watch(self, callback: ChangeCallback) -> None:
+        """Call ``callback`` with every record whose stored form changes, whoever changed it (``add``,
+        ``revoke`` and ``apply`` alike, unlike ``subscribe``): a journal that keeps the store across
+        restarts (``shepherd.node.cluster.key_journal``)."""
+        self._watchers.append(callback)
+
 
 def create_key(
     store: KeyStore,
@@ -218,8 +235,10 @@ def create_key(
     models: Iterable[str] | None = None,
     prefix: str = DEFAULT_PREFIX,
     now: float | None = None,
+    minted_authenticated: bool = False,
 ) -> tuple[str, ApiKeyRecord]:
-    """Make a new key, store its record, and return the plaintext (shown once) with the record."""
+    """Make a new key, store its record, and return the plaintext (shown once) with the record.
+    ``minted_authenticated``: the caller is an authenticated admin (the key may go mesh-wide)."""
     key = generate_key(prefix)
     record = ApiKeyRecord(
         id=new_key_id(),
@@ -231,6 +250,7 @@ def create_key(
         expires=expires,
         models=None if models is None else tuple(models),
         hint=key_hint(key, prefix),
+        minted_authenticated=minted_authenticated,
     )
     store.add(record)
     return key, record

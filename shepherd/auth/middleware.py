@@ -3,11 +3,16 @@
 Routes fall in three planes, decided once per route from its template (never from the raw path, so
 ``/v1/../workers`` tricks see the route the router picked):
 
-- public: the probes ``/health``, ``/liveness``, ``/readiness`` (and ``/metrics`` unless
-  ``auth.metrics``) — never authenticated;
-- control: ``/workers*``, ``/admin/*``, ``/mesh/*`` (and ``/metrics`` with ``auth.metrics``) — the
-  ``admin`` role;
+- public: the probes ``/health``, ``/liveness``, ``/readiness`` (and ``/metrics`` with
+  ``auth.metrics: false``) — never authenticated;
+- control: ``/workers*``, ``/admin/*``, ``/mesh/*`` and ``/metrics`` — the ``admin`` role (and, with an
+  admin listener, only there: ``shepherd.auth.control``);
 - data: everything else (``/v1/*``, ``/tokenize``, unknown paths) — ``user`` or ``admin``.
+
+The control plane's mode defaults to the data plane's (``shepherd.auth.config``). ``x-smg-target-worker``
+(route to one worker, bypassing the health checks and the circuit breaker) is honoured for admin
+principals only: a user sending it gets a 403 (with the data plane's auth off every caller is the
+anonymous admin).
 
 Each plane's mode is off, api_key, jwt or both. Credentials come from ``Authorization: Bearer <c>``, or
 ``x-api-key: <c>`` (what Anthropic clients send). With ``both``, a credential shaped like a JWT is
@@ -60,6 +65,7 @@ Plane = Literal["public", "data", "control"]
 PUBLIC_ROUTES = frozenset({"/health", "/liveness", "/readiness"})
 CONTROL_PREFIXES = ("/workers", "/admin", "/mesh")
 TENANT_HEADER = "x-smg-tenant"
+TARGET_WORKER_HEADER = "x-smg-target-worker"
 MAX_TENANT_CHARS = 128
 _TYPES = {401: "authentication_error", 403: "permission_error"}
 
@@ -285,6 +291,10 @@ def make_middleware(authn: Authenticator, failures: AuthFailures | None = None) 
             who = authn.authenticate_now(plane, request.headers, peer) or await authn.authenticate(
                 plane, request.headers, peer
             )
+            if plane == "data" and who.principal.role != "admin" and TARGET_WORKER_HEADER in request.headers:
+                raise AuthFailure(
+                    403, "The x-smg-target-worker header needs the admin role.", "target_worker_forbidden"
+                )
             rec = who.record
             if rec is not None and rec.models is not None and request.method == "POST" and plane == "data":
                 model = _model_of(await request.read())

@@ -5,7 +5,8 @@ Callers use: ``runtime.MeshRuntime`` (the I/O shell: UDP gossip, TCP push-pull o
 ``swim.Swim`` and ``swim_types`` (the pure membership state machine and its config), ``state.MeshState``
 (workers, health, prefix indexes through a merge interface, the control-plane document, extras) with
 ``state_types`` (its config, counters and component protocols) and ``state_wire`` (its payload envelope),
-``ratelimit.RateLimiter`` (G-counter shards per window), ``keyring`` (sealed datagrams), ``sim``
+``ratelimit.RateLimiter`` (G-counter shards per window), ``keyring`` (sealed datagrams), ``replay``
+(replay windows of sealed datagrams), ``senders`` (datagram senders bound to certificates), ``sim``
 (a deterministic simulation for tests and benchmarks).
 """
 
@@ -16,8 +17,10 @@ __all__ = [
     "ratelimit_keys",
     "ratelimit_shards",
     "ratelimit_sim",
+    "replay",
     "runtime",
     "runtime_config",
+    "senders",
     "sim",
     "state",
     "state_config",

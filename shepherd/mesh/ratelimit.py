@@ -177,6 +177,7 @@ class RateLimiter:
         self.node = node
         self.gen = gen
         self.cfg = config or LimiterConfig()
+        self.foreign_dropped = 0  # shards of other nodes a sender offered (apply_delta_from)
         self._sid: ShardId = (node, gen)
         self._keys: dict[Key, KeyState] = {}
         self._live: set[str] = {node}
@@ -542,6 +543,25 @@ class RateLimiter:
             old = ks.shards.get((node, gen))
             ks.shards[(node, gen)] = e if old is None else join(old, e)
             ks.others = None
+
+    def apply_delta_from(self, delta: Any, source: str) -> None:
+        """``apply_delta`` of what ``source`` (the verified sender) sent, keeping only its own shards:
+        a node's shard is written by that node alone, so nobody else may speak for it."""
+        if not isinstance(delta, (list, tuple)):
+            raise ValueError("rate-limit state: a list of entries expected")
+        own = []
+        for item in delta:
+            p = entry_from_wire(item)
+            if p is None:
+                raise ValueError(f"rate-limit state: malformed entry {item!r:.200}")
+            if p[2] == source:
+                own.append(item)
+            else:
+                self.foreign_dropped += 1
+        self.apply_delta(own)
+
+    def merge_snapshot_from(self, snapshot: Any, source: str) -> None:
+        self.apply_delta_from(snapshot, source)
 
     def snapshot(self) -> list[list[Any]]:
         """Every entry this node holds (its own and what it learnt), for a push-pull full sync."""

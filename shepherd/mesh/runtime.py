@@ -19,7 +19,24 @@ keyring) and a certificate from the mesh CA (push-pulls run over mTLS). On TCP t
 certificate says (``peer_identity``): a push-pull whose state does not list the certificate's node is
 refused, a dialled member answering with another node's certificate is refused, and a delegate
 implementing ``merge_remote_state_from(data, peer)`` is given the certificate identity with the
-remote state. UDP datagrams are authenticated by the shared keyring only (as in memberlist).
+remote state. UDP datagrams are authenticated by the shared keyring only (as in memberlist), and
+carry a replay stamp (``replay``): a datagram outside ``replay_window`` of our clock, or seen before,
+is dropped (counted in ``RuntimeMetrics.replays_dropped``). A datagram's user payloads (replicated
+state) reach the delegate only if its sender's certificate was verified over mTLS at the datagram's
+source address (``senders``: bound by every push-pull; a member seen without a binding is dialled to
+verify it, its payloads held back meanwhile), so the delegate's ``on_user(payload, sender)`` can tie
+entries to ``sender`` (``MeshState``'s ``first_hand``).
+
+RPC: ``rpc(name, payload)`` sends one request to the member ``name`` over the push-pull channel (a new
+mTLS connection to its membership address, the server's certificate required to name ``name``, frames
+sealed with the keyring, told apart from push-pull states by their frame kind, ``mesh_wire``) and
+returns the reply of the handler that member installed with ``set_rpc_handler``; the handler is given
+the caller's certificate identity, never a name from the payload. Failures raise ``RpcError`` whose
+``reason`` is one of ``RPC_REASONS``: ``"unknown"`` (no such member, or it left or is dead),
+``"suspect"`` (suspected: not tried), ``"failed"`` (connection, TLS, identity, seal, frame, timeout),
+``"refused"`` (the member has no handler, or its handler raised or timed out: a short message, never
+a traceback). A member with ``max_rpcs_in`` handlers running answers "busy", raised as ``"failed"``
+(transient, like a timeout). Calling ``rpc`` with this node's own name runs the local handler directly.
 """
 
 from __future__ import annotations
@@ -31,14 +48,16 @@ import os
 import random
 import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from shepherd.auth.certs import TlsFiles, certificate_identity, client_context, server_context
 from shepherd.mesh.keyring import OVERHEAD as SEAL_OVERHEAD
 from shepherd.mesh.keyring import Keyring
+from shepherd.mesh.replay import ReplayGuard, SeqCounter
 from shepherd.mesh.runtime_config import MeshRuntimeConfig, resolve_addrs
+from shepherd.mesh.senders import SenderBinding
 from shepherd.mesh.swim import Swim
 from shepherd.mesh.swim_types import (
     Action,
@@ -59,17 +78,49 @@ from shepherd.mesh.transport import (
     SessionRefused,
     TransportMetrics,
     UdpEndpoint,
+    current_peer_address,
     push_pull_request,
 )
 from shepherd.proto import mesh_wire
-from shepherd.proto.mesh_messages import Addr, MemberState, NodeAddr, PushPullState, User
+from shepherd.proto.mesh_messages import (
+    Addr,
+    MemberState,
+    NodeAddr,
+    PushPullState,
+    RpcReply,
+    RpcRequest,
+    RpcStatus,
+    User,
+)
 
-__all__ = ["MemberView", "MeshRuntime", "RuntimeMetrics"]
+__all__ = [
+    "RPC_REASONS",
+    "MemberView",
+    "MeshRuntime",
+    "RpcError",
+    "RpcHandler",
+    "RpcReason",
+    "RuntimeMetrics",
+]
 
 log = logging.getLogger(__name__)
 
 _BIND_RETRIES = 8
 _TIMER_SLACK = 0.001
+
+RpcHandler = Callable[[str, bytes], Awaitable[bytes]]
+"""``handler(peer_identity, request_payload) -> reply_payload``; the identity is the caller's certificate."""
+RpcReason = Literal["unknown", "suspect", "failed", "refused"]
+RPC_REASONS: tuple[RpcReason, ...] = ("unknown", "suspect", "failed", "refused")
+
+
+class RpcError(Exception):
+    """An ``MeshRuntime.rpc`` that got no reply payload; ``reason`` is one of ``RPC_REASONS``."""
+
+    def __init__(self, reason: RpcReason, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason: RpcReason = reason
+        self.message = message
 
 
 @dataclass(frozen=True)
@@ -103,11 +154,16 @@ class RuntimeMetrics:
     """Shell counters (the transport's are in ``TransportMetrics``, the machine's in ``SwimStats``)."""
 
     wire_errors: int = 0
+    replays_dropped: int = 0
     encode_errors: int = 0
     push_pulls_ok: int = 0
     push_pulls_failed: int = 0
     push_pulls_skipped: int = 0
     push_pulls_refused: int = 0
+    rpcs_out: int = 0
+    rpcs_out_failed: int = 0
+    rpcs_in: int = 0
+    rpcs_in_refused: int = 0
     member_events: dict[str, int] = field(default_factory=dict)
     lag_last: float = 0.0
     lag_max: float = 0.0
@@ -116,17 +172,19 @@ class RuntimeMetrics:
 
 class _IdentityDelegate:
     """Forwards to the user's delegate; passes the certificate identity of a push-pull peer to
-    ``merge_remote_state_from(data, peer)`` when the delegate has it."""
+    ``merge_remote_state_from(data, peer)`` when the delegate has it, and user payloads through the
+    runtime's sender check (``gate``)."""
 
-    def __init__(self, inner: Delegate) -> None:
+    def __init__(self, inner: Delegate, gate: Callable[[bytes, str], None]) -> None:
         self.inner = inner
         self.peer: str | None = None
+        self._gate = gate
 
     def broadcasts(self, budget: int) -> list[bytes]:
         return self.inner.broadcasts(budget)
 
     def on_user(self, payload: bytes, src_name: str) -> None:
-        self.inner.on_user(payload, src_name)
+        self._gate(payload, src_name)
 
     def local_state(self) -> bytes:
         return self.inner.local_state()
@@ -160,7 +218,13 @@ class MeshRuntime:
         *,
         on_member_event: Callable[[MemberEvent], None] | None = None,
         rng: random.Random | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        memory = config.swim.gossip_to_the_dead_time + config.swim.tombstone_time
+        if not 0 < config.replay_window < memory:
+            raise ValueError(
+                f"mesh: replay_window must be in (0, {memory}) s (how long a member that left is remembered)"
+            )
         if config.advertise_host is None and _is_wildcard(config.bind_host):
             raise ValueError("mesh: advertise_host is required when bind_host is a wildcard address")
         if config.swim.seal_overhead < SEAL_OVERHEAD:
@@ -175,7 +239,15 @@ class MeshRuntime:
         self._client_ssl = client_ssl
         self._rng = rng if rng is not None else random.Random(os.urandom(16))
         self._me = NodeAddr(config.name, config.advertise_host or config.bind_host, config.bind_port)
-        self._adapter = _IdentityDelegate(self.delegate)
+        self._adapter = _IdentityDelegate(self.delegate, self._gate_user)
+        self.senders = SenderBinding(self._deliver_user, match_address=config.bind_udp_senders)
+        self._udp_src: Addr | None = None
+        self._verify_at: dict[str, float] = {}  # member -> when we last dialled it to verify it
+        self._warned_addr: set[str] = set()
+        self._seq = SeqCounter(wall_clock)
+        self.replay = ReplayGuard(
+            config.replay_window, accept_unstamped=config.accept_unstamped_packets, clock=wall_clock
+        )
         self._swim: Swim | None = None
         self._udp: UdpEndpoint | None = None
         self._tcp: PushPullServer | None = None
@@ -184,6 +256,10 @@ class MeshRuntime:
         self._timer_at = float("inf")
         self._lag_task: asyncio.Task[None] | None = None
         self._push_pulls: set[asyncio.Task[bool]] = set()
+        self._rpc_handler: RpcHandler | None = None
+        self._rpcs_in = 0
+        self._rpc_slots = asyncio.Semaphore(config.max_rpcs_out)
+        self._member_slots: dict[str, asyncio.Semaphore] = {}  # per member called (members are bounded)
         self._last_change: dict[str, float] = {}
         self._started_at = 0.0
         self._closing = False
@@ -297,6 +373,103 @@ class MeshRuntime:
             self._send(Send(dest, (User(p),)))
         return len(payloads)
 
+    def set_rpc_handler(self, handler: RpcHandler | None) -> None:
+        """Serve RPCs with ``handler(peer_identity, payload) -> reply`` (None: refuse them). At most
+        ``config.max_rpcs_in`` run at once (more are answered "busy"), each bounded by 0.9 x
+        ``config.tcp_timeout`` (then refused: "handler timed out"), whatever the caller's timeout."""
+        self._rpc_handler = handler
+
+    async def rpc(self, name: str, payload: bytes, *, timeout: float | None = None) -> bytes:
+        """Send ``payload`` to the member ``name`` and return its handler's reply (bounded by
+        ``timeout``, default ``config.rpc_timeout``); ``RpcError`` otherwise (see the module doc)."""
+        if self._swim is None or self._closing:
+            raise RpcError("failed", "mesh runtime not running")
+        limit = self.config.rpc_timeout if timeout is None else timeout
+        if name == self._me.name:
+            return await self._local_rpc(payload, limit)
+        m = self._swim.member(name)
+        if m is None or m.state in (MemberState.DEAD, MemberState.LEFT):
+            raise RpcError("unknown", f"no live member {name!r}")
+        if m.state == MemberState.SUSPECT:
+            raise RpcError("suspect", f"member {name!r} is suspected")
+        self.metrics.rpcs_out += 1
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + limit
+            slots = self._member_slots.get(name)
+            if slots is None:
+                slots = self._member_slots[name] = asyncio.Semaphore(self.config.max_rpcs_per_member)
+            async with asyncio.timeout(limit):
+                await self._rpc_slots.acquire()
+                try:
+                    await slots.acquire()
+                except BaseException:
+                    self._rpc_slots.release()
+                    raise
+            try:
+                reply = await push_pull_request(
+                    m.addr,
+                    self._client_ssl,
+                    mesh_wire.encode_rpc_request(RpcRequest(payload)),
+                    expected_identity=name,
+                    keyring=self.keyring,
+                    metrics=self.transport_metrics,
+                    max_frame=self.config.max_frame,
+                    timeout=max(0.001, deadline - loop.time()),
+                )
+            finally:
+                slots.release()
+                self._rpc_slots.release()
+            answer = mesh_wire.decode_rpc_reply(reply.payload, max_bytes=self.config.max_frame)
+        except TimeoutError:
+            self.metrics.rpcs_out_failed += 1
+            raise RpcError("failed", f"rpc to {name!r}: no free slot within {limit} s") from None
+        except (PushPullError, mesh_wire.WireError) as e:
+            self.metrics.rpcs_out_failed += 1
+            raise RpcError("failed", f"rpc to {name!r}: {e}") from None
+        if answer.status == RpcStatus.BUSY:
+            self.metrics.rpcs_out_failed += 1
+            raise RpcError("failed", f"rpc to {name!r}: busy")
+        if not answer.ok:
+            self.metrics.rpcs_out_failed += 1
+            raise RpcError("refused", f"rpc to {name!r}: {answer.error}")
+        return answer.payload
+
+    async def _local_rpc(self, payload: bytes, limit: float) -> bytes:
+        """``rpc`` to this node itself: the handler called in-process, errors mapped as a peer's."""
+        answer = await self._serve_rpc(self._me.name, payload, limit)
+        if answer.status == RpcStatus.BUSY:
+            raise RpcError("failed", f"rpc to {self._me.name!r} (self): busy")
+        if not answer.ok:
+            raise RpcError("refused", f"rpc to {self._me.name!r} (self): {answer.error}")
+        return answer.payload
+
+    async def _serve_rpc(self, identity: str, payload: bytes, limit: float) -> RpcReply:
+        handler = self._rpc_handler
+        self.metrics.rpcs_in += 1
+        if handler is None:
+            self.metrics.rpcs_in_refused += 1
+            return RpcReply(RpcStatus.REFUSED, error="no rpc handler")
+        if self._rpcs_in >= self.config.max_rpcs_in:
+            self.metrics.rpcs_in_refused += 1
+            return RpcReply(RpcStatus.BUSY, error="busy")
+        self._rpcs_in += 1
+        try:
+            async with asyncio.timeout(limit):
+                reply = await handler(identity, payload)
+            if not isinstance(reply, bytes | bytearray | memoryview):
+                raise TypeError(f"rpc handler returned {type(reply).__name__}, not bytes")
+            return RpcReply(RpcStatus.OK, bytes(reply))
+        except TimeoutError:
+            self.metrics.rpcs_in_refused += 1
+            return RpcReply(RpcStatus.REFUSED, error="handler timed out")
+        except Exception as e:
+            self.metrics.rpcs_in_refused += 1
+            log.warning("mesh: rpc handler failed for %s: %s: %s", identity, type(e).__name__, e)
+            return RpcReply(RpcStatus.REFUSED, error=f"handler failed: {type(e).__name__}")
+        finally:
+            self._rpcs_in -= 1
+
     async def join(self, seeds: Sequence[Addr]) -> int:
         """Push-pull (join) with each of ``seeds`` now; the number that answered (``smg-node join``,
         an admin endpoint). Unlike the configured seeds, these are tried once."""
@@ -340,6 +513,9 @@ class MeshRuntime:
                     timeout=cfg.tcp_timeout,
                     max_sessions=cfg.max_tcp_sessions,
                     keyring=self.keyring,
+                    handshake_timeout=cfg.handshake_timeout,
+                    max_handshakes=cfg.max_handshakes,
+                    max_handshakes_per_ip=cfg.max_handshakes_per_ip,
                 )
             except OSError as e:  # the TCP port of that number is taken: try another one
                 udp.close()
@@ -431,7 +607,10 @@ class MeshRuntime:
             return
         try:
             data = mesh_wire.encode_packet(
-                list(action.msgs), budget=self.config.swim.packet_budget, sender=self._me.name
+                list(action.msgs),
+                budget=self.config.swim.packet_budget,
+                sender=self._me.name,
+                stamp=self._seq.next(),
             )
         except Exception:
             self.metrics.encode_errors += 1
@@ -447,12 +626,59 @@ class MeshRuntime:
         except mesh_wire.WireError:
             self.metrics.wire_errors += 1
             return
-        self._execute(self._swim.on_packet(self._now(), src, packet))
+        if not self.replay.accept(packet.sender, packet.stamp):
+            self.metrics.replays_dropped += 1
+            return
+        self._udp_src = src
+        try:
+            actions = self._swim.on_packet(self._now(), src, packet)
+        finally:
+            self._udp_src = None
+        self._execute(actions)
+
+    # --- user payloads: tied to the sender (``senders``) ---------------------------------------
+
+    def _gate_user(self, payload: bytes, sender: str) -> None:
+        """A user payload of the datagram being handled: to the delegate if ``sender`` is bound to the
+        datagram's source address (verified over mTLS), else held back while we verify it."""
+        src, swim = self._udp_src, self._swim
+        if src is None or swim is None:
+            return
+        m = swim.member(sender) if sender != self._me.name else None
+        member_addr = (
+            m.addr if m is not None and m.state in (MemberState.ALIVE, MemberState.SUSPECT) else None
+        )
+        if self.senders.on_user(payload, sender, src, self._now(), member_addr) and member_addr is not None:
+            self._verify(sender, member_addr)
+
+    def _deliver_user(self, payload: bytes, sender: str) -> None:
+        try:
+            self.delegate.on_user(payload, sender)
+        except Exception:
+            log.exception("mesh: delegate on_user failed (payload from %s)", sender)
+
+    def _verify(self, name: str, addr: Addr) -> None:
+        """Dial ``name`` at ``addr`` (a push-pull requiring its certificate), at most once a second."""
+        now = self._now()
+        if now - self._verify_at.get(name, -1e9) < 1.0 or self._closing:
+            return
+        if len(self._verify_at) > 4096:
+            self._verify_at.clear()
+        self._verify_at[name] = now
+        self._start_push_pull(PushPull(addr, name, False))
 
     def _member_event(self, event: MemberEvent) -> None:
         kind = type(event).__name__
         self.metrics.member_events[kind] = self.metrics.member_events.get(kind, 0) + 1
         name = event.name if isinstance(event, MemberReaped) else event.member.name
+        if isinstance(event, MemberDead | MemberLeft | MemberReaped):
+            self.senders.unbind(name)
+        elif (
+            isinstance(event, MemberUp)
+            and name != self._me.name
+            and not self.senders.is_bound(name, event.member.addr)
+        ):
+            self._verify(name, event.member.addr)
         self._last_change[name] = time.time()
         if isinstance(event, MemberReaped):
             self._last_change.pop(name, None)
@@ -535,19 +761,29 @@ class MeshRuntime:
             log.exception("mesh: merging the state of %s failed", reply.identity)
             return False
         self.metrics.push_pulls_ok += 1
+        # its certificate answered at the address we dialled: its datagrams from there are its own
+        self.senders.bind(reply.identity, action.dest, self._now())
         return True
 
     async def _on_push_pull(self, identity: str, request: bytes) -> bytes:
         if self._swim is None or self._closing:
             raise SessionRefused("mesh runtime is closing")
         try:
-            remote = mesh_wire.decode_push_pull(request, max_bytes=self.config.max_frame)
+            remote = mesh_wire.decode_tcp_request(request, max_bytes=self.config.max_frame)
         except mesh_wire.WireError as e:
             self.metrics.wire_errors += 1
             raise SessionRefused(f"malformed push-pull state: {e}") from None
+        if isinstance(remote, RpcRequest):
+            # under the transport's own bound on the handler (tcp_timeout): answer before it fires
+            answer = await self._serve_rpc(identity, remote.payload, self.config.tcp_timeout * 0.9)
+            return mesh_wire.encode_rpc_reply(answer)
         if not self._check_remote(remote, identity):
             raise SessionRefused(f"push-pull state from {identity!r} does not list that node")
         self._merge(remote, identity)
+        peer = current_peer_address()
+        own = next((m for m in remote.members if m.name == identity), None)
+        if peer is not None and own is not None and own.host == peer[0]:
+            self.senders.bind(identity, own.addr, self._now())  # it listed itself at its own host
         return mesh_wire.encode_push_pull(self._swim.local_push_pull(remote.join))
 
     # --- lag ----------------------------------------------------------------------------------
@@ -566,3 +802,8 @@ class MeshRuntime:
                     self._execute(self._swim.set_lag(loop.time(), lag))
                 except Exception:
                     log.exception("mesh: swim.set_lag failed")
+                self.senders.expire(loop.time())
+                for name in self.senders.held_names():
+                    m = self._swim.member(name)
+                    if m is not None and m.state in (MemberState.ALIVE, MemberState.SUSPECT):
+                        self._verify(name, m.addr)

@@ -12,8 +12,14 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from shepherd.mesh.replay import DEFAULT_REPLAY_WINDOW_S
 from shepherd.mesh.swim_types import SwimConfig
-from shepherd.mesh.transport import DEFAULT_MAX_FRAME
+from shepherd.mesh.transport import (
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_MAX_FRAME,
+    DEFAULT_MAX_HANDSHAKES,
+    DEFAULT_MAX_HANDSHAKES_PER_IP,
+)
 from shepherd.proto.mesh_messages import Addr
 
 __all__ = ["MeshRuntimeConfig", "parse_addr", "resolve_addrs"]
@@ -41,8 +47,33 @@ class MeshRuntimeConfig:
     max_push_pulls: int = 4
     """Concurrent outgoing push-pulls; more are skipped (swim retries later)."""
     max_tcp_sessions: int = 16
+    """Authenticated TCP sessions (push-pull, RPC) served at once; more wait for a slot (``tcp_timeout``)."""
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT
+    """Bound of an incoming connection's TLS handshake (before it is authenticated)."""
+    max_handshakes: int = DEFAULT_MAX_HANDSHAKES
+    """Incoming TLS handshakes in progress at once; more connections are closed at once."""
+    max_handshakes_per_ip: int = DEFAULT_MAX_HANDSHAKES_PER_IP
+    """Incoming TLS handshakes in progress from one source address; more are closed at once."""
+    rpc_timeout: float = 5.0
+    """Default bound of one ``MeshRuntime.rpc`` (connect, TLS, request, the remote handler, reply)."""
+    max_rpcs_out: int = 32
+    """Concurrent outgoing RPCs; more wait for a slot (within their timeout)."""
+    max_rpcs_per_member: int = 8
+    """Concurrent outgoing RPCs to one member (under its ``max_handshakes_per_ip``); more wait."""
+    max_rpcs_in: int = 8
+    """RPC handlers running at once on this node; more are refused ("busy"), so that RPCs leave
+    session slots to push-pulls (joins, anti-entropy)."""
     lag_interval: float = 0.1
     max_timer_sleep: float = 0.5
+    replay_window: float = DEFAULT_REPLAY_WINDOW_S
+    """Datagrams stamped further than this (seconds) from our wall clock, either way, are dropped
+    (``replay``); must stay below ``swim.gossip_to_the_dead_time + swim.tombstone_time``."""
+    accept_unstamped_packets: bool = False
+    """Accept datagrams of the older format (no replay stamp): only while upgrading a mesh."""
+    bind_udp_senders: bool = True
+    """Deliver a datagram's user payloads (replicated state) only if its sender's certificate was
+    verified at the datagram's source address (``senders``); False: at any address (NAT between
+    members, where datagrams do not come from the advertised address)."""
     leave_timeout: float = 1.0
     """How long ``close()`` keeps gossiping so that the leave reaches the others."""
 

@@ -30,6 +30,32 @@ Dissemination (how the node's runtime should drive it):
   ``digest()`` and send back ``repair(peer_digest)`` (only what the peer lacks, only to it).
 - ``snapshot()`` / ``merge_snapshot()``: everything, for a joining node or tests.
 
+Ownership (``MeshStateConfig.first_hand``, on in a node's mesh): entries that name the node they belong
+to are accepted only from that node, the payload's *sender*: the certificate identity of a push-pull
+peer (``merge_remote_state_from``), or the sender of a datagram, which the runtime delivers only once
+that name's certificate was verified over mTLS at the datagram's source address
+(``shepherd.mesh.senders``). Per component:
+
+- registry: a live version only if its ``writer`` and its record's ``owner`` are the sender; a removal
+  (``REMOVED``) only if its ``writer`` is the sender; an owner-gone tombstone only about a version this
+  node wrote (it then writes it again: the refutation); every replica derives the owner-gone
+  tombstones of a dead node itself, so nobody needs them relayed;
+- health: an observation only if its ``observer`` is the sender;
+- extras: through the component's ``apply_delta_from`` / ``merge_snapshot_from(value, sender)`` when it
+  has them (the rate limiter: only the sender's own shards); a component without them has no owners;
+- config (the control-plane document) and the prefix indexes name no node: they are multi-writer by
+  design (any node's admin API writes the config; any node routing to a worker indexes its blocks) and
+  are accepted from any verified sender. Tying them to a writer would need signed updates.
+
+Relaying an entry on another node's behalf would be refused by every receiver, so with
+``first_hand`` nothing is relayed: the owner sends its own deltas to every alive member itself
+(``owned_batches``, which the node's runtime sends like ``index_batches``), and renews them (registry
+leases every ``renew_s``, health every ``refresh_s``, rate-limit shards on every change), which repairs
+a lost datagram; a member that joins or comes back gets each node's own entries first-hand from the
+push-pull every pair of members does when they first see each other (the runtime verifies a new
+member that way), and from the periodic push-pulls. Without ``first_hand`` (the default, tests and the
+simulation) entries are relayed epidemically and accepted from anyone holding the mesh key.
+
 Membership: ``on_member_up/dead/left`` (or ``on_member_event`` with SWIM's actions). ``tick()`` every
 second or so renews this node's worker leases, republishes its health observations, collects
 expired entries and tombstones, expires the indexes, re-asserts pinned workers and clears index
@@ -47,12 +73,16 @@ from shepherd.mesh.hlc import HLC
 from shepherd.mesh.state_config import ConfigDoc
 from shepherd.mesh.state_health import (
     HealthView,
+    Observation,
     ReplicatedHealth,
     observation_to_wire,
     observations_from_wire,
 )
 from shepherd.mesh.state_registry import (
+    LIVE,
+    OWNER_GONE,
     REMOVED,
+    RegEntry,
     RegistryChange,
     ReplicatedRegistry,
     WorkerRecord,
@@ -327,15 +357,28 @@ class MeshState(Generic[IX_co]):
     def merge_remote_state(self, data: bytes) -> None:
         """SWIM Delegate: a peer's push-pull state; our entries of the index buckets that differ are
         queued for ``index_batches``. Malformed states are counted and dropped."""
+        self.merge_remote_state_from(data, "")
+
+    def merge_remote_state_from(self, data: bytes, peer: str) -> None:
+        """``merge_remote_state`` from ``peer``, the certificate identity the runtime verified (with
+        ``first_hand``, only its own entries are taken)."""
         try:
-            self.apply(data, "")
+            self.apply(data, peer)
         except StateDecodeError as e:
-            log.debug("dropped a malformed push-pull state: %s", e)
+            log.debug("dropped a malformed push-pull state from %s: %s", peer or "?", e)
 
     # -- outgoing -----------------------------------------------------------------------------------
 
     def _fill_queue(self) -> None:
         limit = self.cfg.udp_payload_bytes
+        if self.cfg.first_hand:  # owned entries go out through owned_batches, never relayed
+            u = self.config.take_delta()
+            if u is not None:
+                self._queue_payload(envelope("c", u), None, limit)
+            if self.cfg.index_in_broadcasts:
+                for p in self.index_batches(limit):
+                    self._queue.queue(p)
+            return
         for e in self.registry.take_delta():
             self._queue_payload(envelope("r", [entry_to_wire(e)]), f"r/{e.id}", limit)
         for o in self.health.take_delta():
@@ -356,6 +399,26 @@ class MeshState(Generic[IX_co]):
             self.stats.oversize += 1  # left to push-pull repair
             return
         self._queue.queue(p, key)
+
+    def owned_batches(self, budget: int | None = None) -> list[bytes]:
+        """``first_hand``: this node's own registry entries, health observations and extras' deltas
+        changed since the last call, as payloads of at most ``budget`` bytes (default the UDP payload
+        size) for the runtime to send to every alive member (others' entries are never relayed)."""
+        budget = budget or self.cfg.udp_payload_bytes
+        body_budget = budget - ENVELOPE_OVERHEAD
+        me = self.node
+        regs = [entry_to_wire(e) for e in self.registry.take_delta() if e.writer == me]
+        obs = [observation_to_wire(o) for o in self.health.take_delta() if o.observer == me]
+        out = [envelope("r", c) for c in chunks(regs, body_budget)]
+        out += [envelope("h", c) for c in chunks(obs, body_budget)]
+        for name, comp in self._extras.items():
+            for _ in range(1024):  # a component may hand its delta out in pieces
+                d = comp.take_delta()
+                if d is None:
+                    break
+                out.append(envelope("x", [name, d]))
+        self.stats.broadcast_payloads += len(out)
+        return out
 
     def index_batches(self, budget: int | None = None, max_entries: int | None = None) -> list[bytes]:
         """Fresh prefix-index delta payloads (each at most ``budget`` bytes; default the UDP payload
@@ -476,16 +539,17 @@ class MeshState(Generic[IX_co]):
         self.stats.bytes_in += len(payload)
         try:
             tag, body = peek(payload)
-            self._apply(tag, body)
+            self._apply(tag, body, src if self.cfg.first_hand else "")
         except StateDecodeError:
             self.stats.decode_errors += 1
             raise
 
-    def _apply(self, tag: str, body: Any) -> None:
+    def _apply(self, tag: str, body: Any, src: str = "") -> None:
+        """``src``: the verified sender when entries must be first-hand (``first_hand``), else ""."""
         if tag == "r":
-            self._registry_changed(self.registry.merge(entries_from_wire(body)))
+            self._registry_changed(self.registry.merge(self._own_entries(entries_from_wire(body), src)))
         elif tag == "h":
-            self._health_changed(self.health.merge(observations_from_wire(body)))
+            self._health_changed(self.health.merge(self._own_observations(observations_from_wire(body), src)))
         elif tag == "i":
             model, groups = decode_index_body(body)
             self._apply_index(model, groups)
@@ -493,9 +557,9 @@ class MeshState(Generic[IX_co]):
             self._apply_config(expect_bytes(body))
         elif tag in ("x", "X"):
             name_raw, value = expect_list(body, 2)
-            self._apply_extra(expect_str(name_raw, 64), value, snapshot=tag == "X")
+            self._apply_extra(expect_str(name_raw, 64), value, snapshot=tag == "X", src=src)
         elif tag in ("S", "P"):
-            self._apply_full(tag, body)
+            self._apply_full(tag, body, src)
         elif tag == "D":
             raise StateDecodeError("a digest is not applied: pass it to repair()")
         else:
@@ -512,19 +576,44 @@ class MeshState(Generic[IX_co]):
         if self.config.apply_update(update):
             self._call(self.on_config_changed, self.config)
 
-    def _apply_extra(self, name: str, value: Any, snapshot: bool) -> None:
+    def _own_entries(self, entries: list[RegEntry], src: str) -> list[RegEntry]:
+        """First-hand registry entries (see the module doc); all of them when ``src`` is ""."""
+        if not src:
+            return entries
+        me = self.node
+        out = [
+            e
+            for e in entries
+            if (e.kind == LIVE and e.writer == src and e.record is not None and e.record.owner == src)
+            or (e.kind == REMOVED and e.writer == src)
+            or (e.kind == OWNER_GONE and e.writer == me)
+        ]
+        self.stats.foreign_entries_dropped += len(entries) - len(out)
+        return out
+
+    def _own_observations(self, obs: list[Observation], src: str) -> list[Observation]:
+        if not src:
+            return obs
+        out = [o for o in obs if o.observer == src]
+        self.stats.foreign_entries_dropped += len(obs) - len(out)
+        return out
+
+    def _apply_extra(self, name: str, value: Any, snapshot: bool, src: str = "") -> None:
         comp = self._extras.get(name)
         if comp is None:
             return  # a component this node does not run (a newer peer): ignore
+        owned: Any = getattr(comp, "merge_snapshot_from" if snapshot else "apply_delta_from", None)
         try:
-            if snapshot:
+            if src and callable(owned):
+                owned(value, src)
+            elif snapshot:
                 comp.merge_snapshot(value)
             else:
                 comp.apply_delta(value)
         except (ValueError, TypeError, KeyError, IndexError) as e:
             raise StateDecodeError(f"state component {name!r}: {e}") from None
 
-    def _apply_full(self, tag: str, body: Any) -> None:
+    def _apply_full(self, tag: str, body: Any, src: str = "") -> None:
         if type(body) is not dict:
             raise StateDecodeError("a snapshot is a map")
         # decode and validate everything first
@@ -542,9 +631,9 @@ class MeshState(Generic[IX_co]):
         if update:
             self._apply_config(update)
         for name, value in extras:
-            self._apply_extra(name, value, snapshot=True)
-        self._registry_changed(self.registry.merge(entries))
-        self._health_changed(self.health.merge(observations))
+            self._apply_extra(name, value, snapshot=True, src=src)
+        self._registry_changed(self.registry.merge(self._own_entries(entries, src)))
+        self._health_changed(self.health.merge(self._own_observations(observations, src)))
         for model, groups in bodies:
             self._apply_index(model, groups)
         left = self.cfg.repair_max_entries

@@ -87,6 +87,7 @@ class ApiKeyRecord:
     disabled: bool = False
     models: tuple[str, ...] | None = None  # models the key may use; None: every model
     hint: str = ""  # what listings show of the key (its prefix and last 4 characters)
+    minted_authenticated: bool = False  # by an authenticated admin (nodes with auth on need it)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -100,6 +101,7 @@ class ApiKeyRecord:
             "disabled": self.disabled,
             "models": None if self.models is None else list(self.models),
             "hint": self.hint,
+            "minted_authenticated": self.minted_authenticated,
         }
 
     @classmethod
@@ -118,6 +120,7 @@ class ApiKeyRecord:
             _bool(d, "disabled"),
             None if models is None else tuple(models),
             _str(d, "hint", ""),
+            d.get("minted_authenticated") is True,
         )
 
     @property

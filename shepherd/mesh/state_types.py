@@ -109,6 +109,9 @@ class MeshStateConfig:
     repair_max_entries: int = 65_536  # index entries queued by one push-pull diff, at most
     orphan_grace_s: float = 120.0  # index entries of a worker absent from the registry this long go
     config_client_id: int | None = None  # Yjs client id (random by default)
+    first_hand: bool = False
+    """Entries that name a node are accepted only from that node, and nothing is relayed: each node
+    sends its own entries to every member itself (``MeshState.owned_batches``); see ``state``."""
 
 
 @dataclass(slots=True)
@@ -123,3 +126,4 @@ class MeshStateStats:
     index_entries_repair_queued: int = 0
     oversize: int = 0  # deltas too big for a gossip payload (left to repair)
     callback_errors: int = 0
+    foreign_entries_dropped: int = 0  # first_hand: entries naming another node than their sender

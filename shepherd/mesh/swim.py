@@ -60,7 +60,7 @@ from shepherd.proto.mesh_messages import (
     Suspect,
     User,
 )
-from shepherd.proto.mesh_wire import encoded_size, packet_overhead
+from shepherd.proto.mesh_wire import MAX_INCARNATION, encoded_size, packet_overhead
 
 __all__ = ["Swim"]
 
@@ -312,7 +312,7 @@ class Swim:
         loc = self._table.local
         if meta != loc.meta and not self._left:
             loc.meta = meta
-            loc.incarnation += 1
+            loc.incarnation = min(loc.incarnation + 1, MAX_INCARNATION)
             self._table.broadcast(self._table.alive_msg(), self.me.name)
         return []
 

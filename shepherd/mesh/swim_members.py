@@ -7,6 +7,14 @@ update about a member replaces an older one) and reported as a member event into
 Urgent news does not wait for the next gossip tick: a refutation (``urgent_alive``, plus the
 accusers in ``urgent_to``) and a death we declared (``urgent_dead``) are left here for ``Swim`` to
 send at once, as primary messages (so they do not use up their piggyback retransmits).
+
+Incarnations saturate at ``mesh_wire.MAX_INCARNATION`` (2^63 - 1, the most decoding accepts): a
+refutation never goes past it (a forged ``Suspect(2^63 - 1, us)`` cannot make us unencodable). At the
+bound a node can no longer outbid an accusation, so there the order of equal incarnations turns: an
+``Alive`` *at the bound* clears a SUSPECT or DEAD member at the bound (the accused node's refutation at
+the bound still wins), never a LEFT one (a leave stays final, ``on_alive``). A node that is really
+gone stops refuting and is still declared dead by its suspicion timers; only a member already at the
+bound (which needs 2^63 - 1 refutations or a forged accusation) gets this tie-break.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from shepherd.proto.mesh_messages import (
     Suspect,
     User,
 )
-from shepherd.proto.mesh_wire import encoded_size
+from shepherd.proto.mesh_wire import MAX_INCARNATION, encoded_size
 
 ALIVE, SUSPECT, DEAD, LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
 _GONE = (DEAD, LEFT)
@@ -159,7 +167,10 @@ class MemberTable:
             return
         tomb = self.tombstones.get(a.name)
         if tomb is not None:
-            if a.incarnation <= tomb.incarnation:
+            if a.incarnation < tomb.incarnation or (
+                a.incarnation == tomb.incarnation
+                and not (a.incarnation == MAX_INCARNATION and tomb.state == DEAD)
+            ):
                 return
             del self.tombstones[a.name]
         n = self.nodes.get(a.name)
@@ -170,8 +181,11 @@ class MemberTable:
             self.broadcast(a, a.name)
             out.append(MemberUp(n.snapshot(), None if tomb is None else tomb.state))
             return
-        if a.incarnation <= n.incarnation:
-            return
+        if a.incarnation < n.incarnation or (
+            a.incarnation == n.incarnation
+            and not (a.incarnation == MAX_INCARNATION and n.state in (SUSPECT, DEAD))
+        ):
+            return  # at the bound, an Alive wins a tie against an accusation (module doc)
         prev = n.state
         changed = (n.host, n.port, n.meta) != (a.host, a.port, a.meta)
         n.host, n.port, n.meta, n.incarnation = a.host, a.port, a.meta, a.incarnation
@@ -264,7 +278,7 @@ class MemberTable:
         """Outbid an accusation of incarnation ``accused`` with a new ``Alive`` of ours, sent at once
         (to the ``accuser`` and a few random members) as well as gossiped."""
         loc = self.local
-        loc.incarnation = max(loc.incarnation + 1, accused + 1)
+        loc.incarnation = min(max(loc.incarnation + 1, accused + 1), MAX_INCARNATION)  # saturate
         self.broadcast(self.alive_msg(), loc.name)
         if lhm:
             self.awareness.apply(1)

@@ -7,10 +7,22 @@ application callback only ever sees authenticated plaintext.
 TCP push-pull: one request frame and one response frame per connection, over TLS 1.3 with client
 certificates required both ways (and, given a keyring, frames sealed like datagrams, so that a peer
 needs both a mesh key and a certificate from the mesh CA). Frames are a 4-byte big-endian length
-then the payload, bounded by ``max_frame``; every read, write and handshake is bounded by
-``timeout``. The server hands the handler the peer's node identity taken from its verified
-certificate (``peer_identity``), never a name from the payload. A peer without a certificate from
-the mesh CA never reaches the handler.
+then the payload, bounded by ``max_frame``; every read and write is bounded by ``timeout``.
+
+Admission (so that unauthenticated connections cannot starve the mesh): a connection first takes a
+*handshake* slot for at most ``handshake_timeout`` seconds (short: a peer of the mesh finishes a TLS
+1.3 handshake in milliseconds). At most ``max_handshakes_per_ip`` handshakes run from one source
+address (more are closed at once, counted); at most ``max_handshakes`` run in all, and when they are
+full the *oldest* handshake in progress is closed to make room (counted): the oldest are the idle
+connections of a flood, while a peer's handshake is over within milliseconds, so a flood from many
+addresses must open connections faster than one per (handshake time / ``max_handshakes``) to keep a
+real peer out. Only a peer whose certificate verified takes a *session* slot (``max_sessions``); when
+they are all in use it waits for one, bounded by ``timeout`` (and at most ``max_handshakes`` such
+waiters). So unauthenticated connections never hold session slots.
+
+The server hands the handler the peer's node identity taken from its verified certificate
+(``peer_identity``), never a name from the payload. A peer without a certificate from the mesh CA never
+reaches the handler.
 
 Counters live in ``TransportMetrics``, a plain dataclass the node exports (``snapshot()``).
 """
@@ -19,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import ssl
@@ -31,7 +44,10 @@ from shepherd.auth.certs import CertError, peer_identity
 from shepherd.mesh.keyring import Keyring, SealError
 
 __all__ = [
+    "DEFAULT_HANDSHAKE_TIMEOUT",
     "DEFAULT_MAX_FRAME",
+    "DEFAULT_MAX_HANDSHAKES",
+    "DEFAULT_MAX_HANDSHAKES_PER_IP",
     "DEFAULT_TIMEOUT",
     "MAX_DATAGRAM",
     "Addr",
@@ -47,6 +63,7 @@ __all__ = [
     "TlsStream",
     "TransportMetrics",
     "UdpEndpoint",
+    "current_peer_address",
     "push_pull_request",
     "read_frame",
     "write_frame",
@@ -61,9 +78,18 @@ PushPullHandler = Callable[[str, bytes], Awaitable[bytes]]
 MAX_DATAGRAM = 65507
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 DEFAULT_TIMEOUT = 5.0
+DEFAULT_HANDSHAKE_TIMEOUT = 2.0
+DEFAULT_MAX_HANDSHAKES = 64
+DEFAULT_MAX_HANDSHAKES_PER_IP = 16
 _FRAME = struct.Struct("!I")
 _CLOSE_TIMEOUT = 1.0
 _READ_LIMIT = 64 * 1024
+_PEER: contextvars.ContextVar[Addr | None] = contextvars.ContextVar("mesh_tcp_peer", default=None)
+
+
+def current_peer_address() -> Addr | None:
+    """Inside a push-pull handler: the TCP peer's (ip, port), as the server's socket saw it."""
+    return _PEER.get()
 
 
 @dataclass
@@ -83,6 +109,12 @@ class TransportMetrics:
     tcp_sessions_out: int = 0
     tcp_rejected_tls: int = 0
     tcp_rejected_busy: int = 0
+    """Authenticated sessions that found no session slot in time."""
+    tcp_rejected_handshake_budget: int = 0
+    """Connections closed at once: the handshake budget (global or per source address) was full."""
+    tcp_handshake_timeouts: int = 0
+    tcp_handshakes_evicted: int = 0
+    """Handshakes in progress closed to make room (the global budget was full: the oldest goes)."""
     tcp_refused_by_handler: int = 0
     tcp_bad_seal: int = 0
     tcp_errors_in: int = 0
@@ -368,6 +400,10 @@ class PushPullServer:
         timeout: float,
         max_sessions: int,
         keyring: Keyring | None,
+        *,
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+        max_handshakes_per_ip: int = DEFAULT_MAX_HANDSHAKES_PER_IP,
     ) -> None:
         self.metrics = metrics
         self._keyring = keyring
@@ -375,9 +411,15 @@ class PushPullServer:
         self._handler = handler
         self._max_frame = max_frame
         self._timeout = timeout
-        self._max_sessions = max_sessions
+        self._handshake_timeout = handshake_timeout
+        self._max_handshakes = max_handshakes
+        self._max_handshakes_per_ip = max_handshakes_per_ip
         self._server: asyncio.Server | None = None
-        self._sessions: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()  # every connection task (for close)
+        self._handshaking: dict[str, int] = {}  # source address -> handshakes in progress
+        self._pending: dict[asyncio.Task[Any], tuple[str, TlsStream]] = {}  # handshakes, oldest first
+        self._slots = asyncio.Semaphore(max_sessions)
+        self._waiting = 0
 
     @classmethod
     async def start(
@@ -392,10 +434,14 @@ class PushPullServer:
         timeout: float = DEFAULT_TIMEOUT,
         max_sessions: int = 16,
         keyring: Keyring | None = None,
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
+        max_handshakes_per_ip: int = DEFAULT_MAX_HANDSHAKES_PER_IP,
     ) -> PushPullServer:
-        """Listen on ``host:port`` (port 0: any free port). At most ``max_sessions`` connections are
-        served at once (more are closed at once); each step is bounded by ``timeout``. With a
-        ``keyring``, both frames are also sealed (the peer must hold a mesh key *and* a certificate)."""
+        """Listen on ``host:port`` (port 0: any free port). Admission is in the module doc (handshake
+        budget, then ``max_sessions`` session slots); each step after the handshake is bounded by
+        ``timeout``. With a ``keyring``, both frames are also sealed (the peer must hold a mesh key
+        *and* a certificate)."""
         srv = cls(
             ssl_context,
             handler,
@@ -404,6 +450,9 @@ class PushPullServer:
             timeout,
             max_sessions,
             keyring,
+            handshake_timeout=handshake_timeout,
+            max_handshakes=max_handshakes,
+            max_handshakes_per_ip=max_handshakes_per_ip,
         )
         srv._server = await asyncio.start_server(srv._on_connection, host, port, limit=_READ_LIMIT)
         return srv
@@ -415,34 +464,97 @@ class PushPullServer:
         sock = self._server.sockets[0].getsockname()
         return (str(sock[0]), int(sock[1]))
 
+    @property
+    def handshakes_in_progress(self) -> int:
+        return len(self._pending)
+
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        if self._server is None or task is None or len(self._sessions) >= self._max_sessions:
-            self.metrics.tcp_rejected_busy += 1
+        peer = writer.get_extra_info("peername")
+        ip = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if self._server is None or task is None:
             writer.transport.abort()
             return
-        self._sessions.add(task)
+        if self._handshaking.get(ip, 0) >= self._max_handshakes_per_ip:
+            self.metrics.tcp_rejected_handshake_budget += 1
+            writer.transport.abort()
+            return
+        if len(self._pending) >= self._max_handshakes:
+            self._evict_oldest_handshake()
+        self._tasks.add(task)
         tls = TlsStream(reader, writer, self._ssl, server_side=True)
         try:
-            await self._session(tls, writer.get_extra_info("peername"))
+            identity = await self._handshake(task, tls, ip, peer)
+            if identity is not None:
+                await self._admit(tls, identity, peer)
         except asyncio.CancelledError:
             # only ``close()`` cancels sessions; end the task quietly (asyncio's stream callback
             # would log a cancelled connection task as an error)
             tls.abort()
         finally:
-            self._sessions.discard(task)
+            self._tasks.discard(task)
 
-    async def _session(self, tls: TlsStream, peer: Any) -> None:
+    def _evict_oldest_handshake(self) -> None:
+        """The handshake budget is full: close the oldest handshake in progress (a peer of the mesh
+        completes its own within milliseconds, so the oldest are the idle ones of a flood)."""
+        task, (ip, tls) = next(iter(self._pending.items()))
+        self._forget_handshake(task, ip)
+        self.metrics.tcp_handshakes_evicted += 1
+        tls.abort()
+
+    def _forget_handshake(self, task: asyncio.Task[Any], ip: str) -> None:
+        if self._pending.pop(task, None) is None:
+            return
+        left = self._handshaking[ip] - 1
+        if left:
+            self._handshaking[ip] = left
+        else:
+            del self._handshaking[ip]
+
+    async def _handshake(self, task: asyncio.Task[Any], tls: TlsStream, ip: str, peer: Any) -> str | None:
+        """The TLS handshake under the handshake budget; the peer's identity, or None (closed)."""
+        self._pending[task] = (ip, tls)
+        self._handshaking[ip] = self._handshaking.get(ip, 0) + 1
         try:
-            async with asyncio.timeout(self._timeout):
+            async with asyncio.timeout(self._handshake_timeout):
                 await tls.handshake()
-            identity = peer_identity(tls.ssl_object)
+            return peer_identity(tls.ssl_object)
         except (ssl.SSLError, OSError, TimeoutError, CertError) as e:
             self.metrics.tcp_rejected_tls += 1
+            if isinstance(e, TimeoutError):
+                self.metrics.tcp_handshake_timeouts += 1
             log.debug("mesh tcp: handshake refused from %s: %s", peer, e)
             tls.abort()
+            return None
+        finally:
+            self._forget_handshake(task, ip)
+
+    async def _admit(self, tls: TlsStream, identity: str, peer: Any) -> None:
+        """An authenticated peer: take a session slot (waiting for one, bounded), then serve it."""
+        if self._slots.locked() and self._waiting >= self._max_handshakes:
+            self.metrics.tcp_rejected_busy += 1
+            tls.abort()
             return
+        self._waiting += 1
+        try:
+            async with asyncio.timeout(self._timeout):
+                await self._slots.acquire()
+        except TimeoutError:
+            self.metrics.tcp_rejected_busy += 1
+            log.info("mesh tcp: no session slot for %s (%s) in %s s", identity, peer, self._timeout)
+            tls.abort()
+            return
+        finally:
+            self._waiting -= 1
+        try:
+            await self._session(tls, identity, peer)
+        finally:
+            self._slots.release()
+
+    async def _session(self, tls: TlsStream, identity: str, peer: Any) -> None:
         self.metrics.tcp_sessions_in += 1
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            _PEER.set((str(peer[0]), int(peer[1])))
         try:
             request = await read_frame(tls, max_size=self._max_frame, timeout=self._timeout)
             self.metrics.tcp_bytes_in += len(request) + _FRAME.size
@@ -482,7 +594,7 @@ class PushPullServer:
         if server is None:
             return
         server.close()
-        sessions = list(self._sessions)
+        sessions = list(self._tasks)
         for t in sessions:
             t.cancel()
         if sessions:

@@ -11,36 +11,62 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from shepherd.auth.keys import KeyStore
+from shepherd.auth.middleware import AUTH
 from shepherd.auth.tls import server_tls
 from shepherd.node import gc_tuning
 from shepherd.node.api import admin as api_admin
+from shepherd.node.api import conversations as api_conversations
 from shepherd.node.api import keys as api_keys
 from shepherd.node.api import mesh as api_mesh
 from shepherd.node.api import openai as api_openai
+from shepherd.node.api import responses as api_responses
 from shepherd.node.api.admission import Admission
-from shepherd.node.api.common import ADMISSION, GATEWAY, KEEPALIVE_TICKER, KeepAlive, error_middleware
+from shepherd.node.api.common import (
+    ADMISSION,
+    GATEWAY,
+    HISTORY,
+    KEEPALIVE_TICKER,
+    History,
+    KeepAlive,
+    error_middleware,
+)
+from shepherd.node.cluster.history import build_history
+from shepherd.node.cluster.key_journal import KeyJournal
 from shepherd.node.cluster.mesh_node import MeshNode
-from shepherd.node.config import NodeConfig
+from shepherd.node.config import NodeConfig, control_listener, insecure_admin_in_effect
 from shepherd.node.dispatch.gateway import Gateway
-from shepherd.node.http.server import LeanServer
+from shepherd.node.http.server import CappedTCPSite, ConnectionCap, LeanServer
+from shepherd.node.metrics import counter
 
 log = logging.getLogger("shepherd.node")
 
 
 def build_app(
-    gw: Gateway, mesh: MeshNode | None = None, *, admission: Admission | None = None
+    gw: Gateway,
+    mesh: MeshNode | None = None,
+    *,
+    admission: Admission | None = None,
+    history: History | None = None,
+    key_store: KeyStore | None = None,
 ) -> web.Application:
     """The node's aiohttp application: its routes and middlewares over the gateway. ``admission``: the
-    rate limits (None: none configured). The SSE keep-alive ticker lives and dies with the app."""
+    rate limits (None: none configured). The SSE keep-alive ticker lives and dies with the app.
+    ``history``: the Responses / Conversations store (None: those routes answer 503); ``key_store``: the
+    API keys (None: a fresh one in memory)."""
     app = web.Application(client_max_size=gw.cfg.max_body_bytes, middlewares=[error_middleware])
     app[GATEWAY] = gw
     app[ADMISSION] = admission
     app[KEEPALIVE_TICKER] = KeepAlive(gw.cfg.sse_keepalive_secs)
     app.cleanup_ctx.append(_keepalive_ticking)
+    if history is not None:
+        app[HISTORY] = history
     app.add_routes(api_openai.routes())
+    api_responses.install(app)  # /v1/responses (+ the background registry)
+    app.add_routes(api_conversations.routes())
     app.add_routes(api_admin.routes())
     api_mesh.install(app, mesh)  # /mesh/members, /mesh/state (404 when the mesh is off), smg_mesh_*
-    api_keys.install(app)  # auth middleware (inside the error middleware) and /admin/keys
+    api_keys.install(app, key_store)  # auth middleware (inside the error middleware) and /admin/keys
     return app
 
 
@@ -68,15 +94,46 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
     limiter = admission.limiter if admission is not None else None
     # built before the gateway starts: the policies must route with the replicated indexes from the start
     mesh = MeshNode(cfg, gw, limiter=limiter) if cfg.mesh_port is not None else None
+    # the history store (routed to the owner nodes in a mesh with an embedded backend; its RPC handler
+    # installed before the mesh starts) and the API keys journaled to the node's records
+    history = build_history(cfg, mesh)
     await gw.start()
+    try:
+        await history.start()
+        journal = await KeyJournal.open(cfg.data_dir, history.backend)
+    except BaseException:
+        await history.close()
+        await gw.close()
+        raise
     if mesh is not None:
         try:
             await mesh.start()
         except BaseException:
             await mesh.close()
+            await journal.close()
+            await history.close()
             await gw.close()
             raise
-    app = build_app(gw, mesh, admission=admission)
+    gw.metrics.add_callback(history.metrics)
+    app = build_app(
+        gw,
+        mesh,
+        admission=admission,
+        history=History(
+            history.store,
+            history.tag,
+            history.cancel_elsewhere if mesh is not None else None,
+            history.conversations_refused,
+        ),
+        key_store=journal.store,
+    )
+    journal.attach(journal.store, app[AUTH].bootstrap_ids)
+    background = app[api_responses.BACKGROUND]
+
+    async def cancel_background(response_id: str) -> bool:  # a peer's "cancel" RPC for one running here
+        return background.cancel(response_id)
+
+    history.set_cancel_handler(cancel_background)
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
@@ -88,11 +145,50 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
     ssl_ctx = tls.context if tls else None
     front: LeanServer | None = None
     if cfg.http_server == "lean":  # the app's routes, middlewares and hooks as they are; httptools underneath
-        front = LeanServer(app, max_body=cfg.max_body_bytes)
+        front = LeanServer(app, max_body=cfg.max_body_bytes, max_connections=cfg.max_client_connections)
         await front.start(cfg.host, cfg.port, ssl_context=ssl_ctx, backlog=1024)
-    else:
-        site = web.TCPSite(runner, cfg.host, cfg.port, backlog=1024, reuse_address=True, ssl_context=ssl_ctx)
+        cap: ConnectionCap = front.cap
+    else:  # the same cap on aiohttp's server (shepherd.node.http.server.CappedTCPSite)
+        site = CappedTCPSite(
+            runner,
+            cfg.host,
+            cfg.port,
+            limit=cfg.max_client_connections,
+            backlog=1024,
+            reuse_address=True,
+            ssl_context=ssl_ctx,
+        )
         await site.start()
+        cap = site.cap
+    gw.metrics.add_callback(
+        lambda: [
+            counter(
+                "smg_http_connections_refused",
+                "Client connections refused past max_client_connections",
+                [],
+                [([], float(cap.refused))],
+            )
+        ]
+    )
+    # the admin listener: the control routes are served there and not on the client port
+    # (shepherd.auth.control); same app, same TLS
+    admin_front: LeanServer | None = None
+    admin_host, admin_port = control_listener(cfg)
+    if cfg.admin_port is not None:
+        if cfg.http_server == "lean":
+            admin_front = LeanServer(app, max_body=cfg.max_body_bytes)
+            await admin_front.start(admin_host, admin_port, ssl_context=ssl_ctx, backlog=128)
+        else:
+            admin_site = web.TCPSite(runner, admin_host, admin_port, reuse_address=True, ssl_context=ssl_ctx)
+            await admin_site.start()
+    if insecure_admin_in_effect(cfg):
+        log.warning(
+            "INSECURE ADMIN: the control plane (/admin/*, /workers*, /mesh/*, /metrics) is served WITHOUT "
+            "authentication on %s:%d, an address other machines reach (--insecure-admin): anyone there "
+            "can add and delete workers mesh-wide and mint API keys",
+            admin_host,
+            admin_port,
+        )
     if tls:
         tls.start()  # reload changed cert files (and on SIGHUP)
     stop = asyncio.Event()
@@ -104,8 +200,9 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
         models = ", ".join(gw.model_names())
         n = len(gw.registry.workers)
         scheme = "https" if tls else "http"
+        admin = f" admin={scheme}://{admin_host}:{admin_port}" if cfg.admin_port is not None else ""
         print(
-            f"smg-node listening on {scheme}://{cfg.host}:{cfg.port} models=[{models}] workers={n}",
+            f"smg-node listening on {scheme}://{cfg.host}:{cfg.port} models=[{models}] workers={n}{admin}",
             flush=True,
         )
     try:
@@ -117,10 +214,15 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
         if front is not None:  # stop accepting, close idle connections, let in-flight ones end (bounded)
             with contextlib.suppress(Exception):
                 await front.shutdown(timeout=5.0)
+        if admin_front is not None:
+            with contextlib.suppress(Exception):
+                await admin_front.shutdown(timeout=5.0)
         with contextlib.suppress(Exception):
             await runner.cleanup()
         if tls:
             await tls.close()
         if mesh is not None:
             await mesh.close()
+        await journal.close()
+        await history.close()
         await gw.close()

@@ -65,7 +65,11 @@ def _history_arguments(s: argparse.ArgumentParser) -> None:
 
 def _security_arguments(s: argparse.ArgumentParser) -> None:
     g = s.add_argument_group("control plane and workers (see SECURITY.md)")
-    g.add_argument("--admin-host", help="a separate listener for /admin/* and /metrics (default: none)")
+    g.add_argument(
+        "--admin-host",
+        help="the control plane's own listener (/admin/*, /workers*, /mesh/*, /metrics; default 127.0.0.1 "
+        "with --admin-port): the client port then serves none of it",
+    )
     g.add_argument("--admin-port", type=int)
     g.add_argument(
         "--insecure-admin",

@@ -15,6 +15,7 @@ YAML keys are the CLI flag names in snake_case (``worker_urls``, ``model_path``,
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
 import socket
 import urllib.parse
@@ -26,6 +27,7 @@ import yaml
 
 from shepherd.auth.certs import validate_node_name
 from shepherd.auth.config import AuthConfig, AuthConfigError, merge_auth
+from shepherd.auth.control import is_loopback
 from shepherd.auth.load import load_auth_config
 from shepherd.auth.tls import TlsConfigError, check_settings
 from shepherd.mesh.keyring import Keyring
@@ -156,7 +158,7 @@ class NodeConfig:
     history_chain_max_depth: int = 1000  # previous_response_id hops followed before a 400
     data_dir: str | None = None  # the node's own durable records (API keys): <data_dir>/node.db (SQLite)
     # security (docs/SECURITY.md): the control plane and what workers may be
-    admin_host: str | None = None  # a separate listener for /admin/* and /metrics (None: the client port)
+    admin_host: str | None = None  # the control plane's own listener: /admin/*, /workers*, /mesh/*, /metrics
     admin_port: int | None = None
     insecure_admin: bool = False  # allow an unauthenticated control plane on a non-loopback address
     admin_allowed_origins: tuple[str, ...] = ()  # browser Origins allowed on the control plane
@@ -176,7 +178,13 @@ class NodeConfig:
         return (ModelConfig(name=name, model_path=path, worker_urls=urls, chat_template=self.chat_template),)
 
 
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+
+
 def check_worker_url(url: str) -> str:
+    """A worker URL is ``scheme://host[:port]`` (a trailing ``/`` allowed), nothing else: no path, query,
+    fragment or user info (for HTTP workers too: the node appends ``/v1/...`` to it, and anything more
+    would point the relay somewhere else). gRPC schemes need the port."""
     scheme, sep, rest = url.partition("://")
     if not sep or not rest:
         raise ConfigError(f"worker URL {url!r} must look like grpc://host:port or http://host:port")
@@ -186,22 +194,121 @@ def check_worker_url(url: str) -> str:
         )
     if len(url) > 2048 or any(c.isspace() or not c.isprintable() for c in url):
         raise ConfigError(f"worker URL {url[:80]!r} holds spaces or control characters, or is too long")
+    if any(c in url for c in "?#@\\%"):
+        raise ConfigError(
+            f"worker URL {url!r}: a worker URL is scheme://host:port only (no path, query, fragment, "
+            "user info or escapes)"
+        )
     try:
         parts = urllib.parse.urlsplit(url)
         port = parts.port
         host = parts.hostname
     except ValueError as e:
         raise ConfigError(f"worker URL {url!r}: {e}") from None
-    if not host or len(host) > 253:
+    if not host or len(host) > 253 or not (_HOST_NAME.fullmatch(host) or _ip(host) is not None):
         raise ConfigError(f"worker URL {url!r} has no valid host")
+    # gRPC clients strip trailing slashes (several URLs of one engine may differ by them); HTTP: one at most
+    if parts.path not in ("", "/") and (scheme in ("http", "https") or parts.path.strip("/")):
+        raise ConfigError(f"worker URL {url!r}: a worker URL is scheme://host:port only (no path)")
     if scheme not in ("http", "https"):
         if port is None or not 0 < port < 65536:
             raise ConfigError(f"worker URL {url!r} needs a port in 1-65535")
-        if parts.path.strip("/") or parts.query or parts.fragment:
-            raise ConfigError(f"worker URL {url!r}: a gRPC worker URL is host:port only")
     elif port is not None and not 0 < port < 65536:
         raise ConfigError(f"worker URL {url!r} needs a port in 1-65535")
     return url
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+class WorkerAllow:
+    """``worker_allow``: the hosts and networks workers may be on (empty: any).
+
+    Entries: an IP address or a CIDR (``10.0.0.0/8``, ``fd00::/8``), checked with ``ipaddress``; a host
+    name, matching that name exactly (case-insensitive, a trailing dot ignored); or a name starting
+    with a dot (``.svc.cluster.local``), matching every name that ends with it (``a.svc.cluster.local``,
+    not ``svc.cluster.local`` itself).
+
+    A worker URL is allowed when its host is an IP address inside an allowed network, or a name listed
+    by name (the operator vouches for that name, whatever it resolves to). A name not listed is allowed
+    for HTTP workers only, and only at connect time: every connection resolves it and dials only the
+    addresses inside the allowed networks (``HttpRelayClient``'s resolver), so a name that resolves (or
+    re-binds) elsewhere is never dialed. gRPC clients resolve on their own: a gRPC worker's name must be
+    listed (or use its IP address).
+    """
+
+    __slots__ = ("entries", "names", "networks", "suffixes")
+
+    def __init__(self, entries: tuple[str, ...] = ()) -> None:
+        self.entries = entries
+        self.names: frozenset[str] = frozenset()
+        self.suffixes: tuple[str, ...] = ()
+        nets: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        names: set[str] = set()
+        suffixes: list[str] = []
+        for raw in entries:
+            e = raw.strip().lower().rstrip(".")
+            if not e:
+                raise ConfigError("worker_allow: an empty entry")
+            if e.startswith(".") and _HOST_NAME.fullmatch(e[1:]):
+                suffixes.append(e)
+                continue
+            try:
+                nets.append(ipaddress.ip_network(e.strip("[]"), strict=False))
+                continue
+            except ValueError:
+                pass
+            if not _HOST_NAME.fullmatch(e) or "/" in e:
+                raise ConfigError(f"worker_allow: {raw!r} is not an IP address, a CIDR or a host name")
+            names.add(e)
+        self.networks = tuple(nets)
+        self.names = frozenset(names)
+        self.suffixes = tuple(suffixes)
+
+    @property
+    def any(self) -> bool:
+        """Every worker is allowed (the list is empty)."""
+        return not self.entries
+
+    def name_listed(self, host: str) -> bool:
+        h = host.lower().rstrip(".")
+        return h in self.names or any(h.endswith(s) for s in self.suffixes)
+
+    def address_allowed(self, address: str) -> bool:
+        """``address`` (an IP address; a ``%zone`` suffix ignored) is inside an allowed network."""
+        ip = _ip(address.partition("%")[0])
+        if ip is None:
+            return False
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip.version == n.version and ip in n for n in self.networks)
+
+    def resolve_check(self, host: str) -> bool:
+        """Connections to ``host`` must check the addresses it resolves to (a name not listed by name)."""
+        return not self.any and _ip(host) is None and not self.name_listed(host)
+
+    def check_url(self, url: str) -> None:
+        """ConfigError when ``url`` (already through ``check_worker_url``) is not allowed."""
+        if self.any:
+            return
+        host = urllib.parse.urlsplit(url).hostname or ""
+        if _ip(host) is not None:
+            if not self.address_allowed(host):
+                raise ConfigError(f"worker URL {url!r}: {host} is not in worker_allow")
+            return
+        if self.name_listed(host):
+            return
+        if url.partition("://")[0] not in ("http", "https"):
+            raise ConfigError(
+                f"worker URL {url!r}: a gRPC worker's host name must be listed in worker_allow (or use its "
+                "IP address): its connections are not checked where they resolve"
+            )
+        if not self.networks:
+            raise ConfigError(f"worker URL {url!r}: {host} is not in worker_allow")
 
 
 def _fields() -> dict[str, dataclasses.Field[Any]]:
@@ -321,12 +428,57 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
             "rate_limit_window_secs must exceed rate_limit_propagation_secs, and "
             "rate_limit_unreachable_grace_secs must be >= 0"
         )
+    if cfg.max_client_connections < 1:
+        raise ConfigError("max_client_connections must be >= 1")
+    allow = WorkerAllow(cfg.worker_allow)  # entries checked here; each worker URL against them
+    for mc in cfg.model_configs():
+        for url in mc.worker_urls:
+            allow.check_url(url)
+    check_control_plane(cfg)
     if cfg.mesh_port is not None or cfg.mesh_seeds:
         try:
             cfg = check_mesh_config(cfg)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    return cfg
+    return check_history(cfg, explicit_backend="history_backend" in values)
+
+
+def control_listener(cfg: NodeConfig) -> tuple[str, int]:
+    """Where the control routes are served: the admin listener when set, else the client port."""
+    if cfg.admin_port is not None:
+        return cfg.admin_host or "127.0.0.1", cfg.admin_port
+    return cfg.host, cfg.port
+
+
+def insecure_admin_in_effect(cfg: NodeConfig) -> bool:
+    """The control plane is unauthenticated on an address other machines reach (``--insecure-admin``)."""
+    return cfg.auth.control_plane == "off" and not is_loopback(control_listener(cfg)[0])
+
+
+def check_control_plane(cfg: NodeConfig) -> None:
+    """Secure defaults of the control plane (SECURITY.md): an unauthenticated control plane only on
+    loopback, unless ``insecure_admin`` says otherwise; a sane admin listener."""
+    if cfg.admin_host is not None and cfg.admin_port is None:
+        raise ConfigError("admin_host needs admin_port (the admin listener is off without it)")
+    if cfg.admin_port is not None:
+        if not 0 < cfg.admin_port < 65536:
+            raise ConfigError(f"admin_port {cfg.admin_port} out of range")
+        if cfg.admin_port == cfg.port:
+            raise ConfigError("admin_port must differ from port (the admin listener is a listener apart)")
+    for o in cfg.admin_allowed_origins:
+        parts = urllib.parse.urlsplit(o)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+            raise ConfigError(f"admin_allowed_origins: {o!r} is not an origin (scheme://host[:port])")
+    host, port = control_listener(cfg)
+    if insecure_admin_in_effect(cfg) and not cfg.insecure_admin:
+        where = "the admin listener" if cfg.admin_port is not None else "the client port"
+        raise ConfigError(
+            f"the control plane (/admin/*, /workers*, /mesh/*, /metrics) would be served without "
+            f"authentication on {host}:{port} ({where}), which other machines reach: anyone there could "
+            "add or delete workers mesh-wide and mint API keys. Turn auth on (--auth-mode api_key with "
+            "--auth-admin-key-env VAR, or --auth-control-plane), serve it on loopback (--admin-host "
+            "127.0.0.1 --admin-port N, or --host 127.0.0.1), or accept the risk with --insecure-admin"
+        )
 
 
 def _check_pd(cfg: NodeConfig) -> None:
@@ -417,3 +569,59 @@ def check_mesh_config(cfg: NodeConfig) -> NodeConfig:
     if cfg.mesh_suspicion_mult is not None and cfg.mesh_suspicion_mult < 1:
         raise ValueError("mesh_suspicion_mult must be >= 1")
     return dataclasses.replace(cfg, mesh_name=name)
+
+
+HISTORY_BACKENDS = ("memory", "sqlite", "postgres", "redis")
+_HISTORY_SCHEMES = {
+    "sqlite": ("sqlite",),
+    "postgres": ("postgres", "postgresql"),
+    "redis": ("redis", "rediss", "unix"),
+}
+
+
+def check_history(cfg: NodeConfig, *, explicit_backend: bool = True) -> NodeConfig:
+    """Validate the ``history_*`` settings and ``data_dir`` (``ConfigError`` saying what is wrong); a
+    ``sqlite`` backend without ``history_url`` gets ``<data_dir>/history.db``. In a mesh, a ``memory``
+    backend chosen explicitly is refused unless ``history_allow_local`` says the trade-off is accepted
+    (the default backend is let through with a warning at start: ``shepherd.node.cluster.history``)."""
+    b = cfg.history_backend
+    if b not in HISTORY_BACKENDS:
+        raise ConfigError(f"history_backend {b!r} is unknown (one of {', '.join(HISTORY_BACKENDS)})")
+    if cfg.data_dir is not None and (not cfg.data_dir or "\x00" in cfg.data_dir):
+        raise ConfigError("data_dir must be a directory path")
+    url = cfg.history_url
+    if b == "memory":
+        if url is not None:
+            raise ConfigError("history_url is for the sqlite, postgres and redis backends, not memory")
+    elif url is None:
+        if b != "sqlite":
+            raise ConfigError(f"history_backend {b} needs history_url ({_HISTORY_SCHEMES[b][0]}://...)")
+        if cfg.data_dir is None:
+            raise ConfigError("history_backend sqlite needs history_url (sqlite:///path.db) or data_dir")
+        url = "sqlite:///" + str(Path(cfg.data_dir).absolute() / "history.db")  # sqlite:////abs/path.db
+        cfg = dataclasses.replace(cfg, history_url=url)
+    else:
+        scheme = url.partition("://")[0].lower() if "://" in url else ""
+        if scheme not in _HISTORY_SCHEMES[b] or len(url) > 4096 or not url.isprintable():
+            raise ConfigError(
+                f"history_url must be a {_HISTORY_SCHEMES[b][0]}:// URL for history_backend {b}"
+            )
+    if not cfg.history_retention_days >= 0:
+        raise ConfigError("history_retention_days must be >= 0 (0: records are kept for ever)")
+    if cfg.history_memory_max_items < 1:
+        raise ConfigError("history_memory_max_items must be >= 1")
+    if cfg.history_migrations not in ("apply", "refuse"):
+        raise ConfigError("history_migrations must be 'apply' or 'refuse'")
+    if cfg.history_pool_size < 1:
+        raise ConfigError("history_pool_size must be >= 1")
+    if not 1 <= cfg.history_chain_max_depth <= 100_000:
+        raise ConfigError("history_chain_max_depth must be in 1..100000")
+    mesh_on = cfg.mesh_port is not None
+    if mesh_on and b == "memory" and explicit_backend and not cfg.history_allow_local:
+        raise ConfigError(
+            "history_backend memory in a mesh keeps each conversation and response only in the memory of "
+            "the node that made it: other nodes reach it through that node, and it is lost when that node "
+            "restarts. Set history_allow_local (--history-allow-local) to accept this, or use "
+            "history_backend sqlite (with data_dir or history_url), postgres or redis"
+        )
+    return cfg

@@ -4,11 +4,14 @@ A key stays on the worker it was first given until that worker is no longer rout
 to another worker, remembered as its second candidate (up to 2 per key, the oldest dropped, as SMG
 does); the first routable candidate in that order wins, so a key goes back home when its first
 worker recovers. New keys and requests without a key are assigned at random or to the least
-loaded worker. The key map is bounded (least recently used keys are forgotten).
+loaded worker. The key map is bounded (least recently used keys are forgotten), and so is each key:
+one longer than ``MAX_KEY_CHARS`` (256: a session or user id is shorter) is held as a 33-character
+digest, so the map holds at most ``max_keys`` x ~400 bytes whatever the keys.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random as _random
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -17,6 +20,14 @@ from typing import Literal
 from shepherd.policies.base import RouteRequest, WorkerView, least_loaded
 
 MAX_CANDIDATES = 2
+MAX_KEY_CHARS = 256
+
+
+def bounded_key(key: str) -> str:
+    """``key`` itself when short, else a digest of it (the same key always maps to the same digest)."""
+    if len(key) <= MAX_KEY_CHARS:
+        return key
+    return "#" + hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 class Manual:
@@ -39,6 +50,8 @@ class Manual:
         key = req.routing_key
         if not key:
             return self._assign(workers)
+        if len(key) > MAX_KEY_CHARS:
+            key = bounded_key(key)
         cands = self._keys.get(key)
         if cands is not None:
             self._keys.move_to_end(key)
@@ -59,7 +72,7 @@ class Manual:
 
     def candidates(self, key: str) -> list[str]:
         """The workers a key sticks to, in preference order (empty if unknown)."""
-        return list(self._keys.get(key, ()))
+        return list(self._keys.get(bounded_key(key), ()))
 
     def _assign(self, workers: Sequence[WorkerView]) -> WorkerView:
         if self.assignment == "min_load":

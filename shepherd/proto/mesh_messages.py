@@ -132,10 +132,14 @@ Message = Ping | PingReq | Ack | Nack | Alive | Suspect | Dead | User
 
 @dataclass(frozen=True, slots=True)
 class Packet:
-    """One UDP datagram: the sender's name, then a primary message and/or piggybacked ones."""
+    """One UDP datagram: the sender's name, then a primary message and/or piggybacked ones.
+
+    ``stamp`` (``(unix_ms, seq)``, inside the sealed plaintext, so authenticated) lets receivers
+    refuse replays (``shepherd.mesh.replay``); None on packets of the older format."""
 
     sender: str
     msgs: tuple[Message, ...]
+    stamp: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,3 +149,35 @@ class PushPullState:
     members: tuple[Member, ...]
     user_state: bytes = b""
     join: bool = False
+
+
+# ---------------------------------------------------------------------------------------- rpc (TCP)
+
+
+@dataclass(frozen=True, slots=True)
+class RpcRequest:
+    """One node-to-node request over the push-pull channel (mTLS + sealed frames); opaque payload."""
+
+    payload: bytes
+
+
+class RpcStatus(IntEnum):
+    OK = 0
+    REFUSED = 1
+    """No handler, or the handler raised or timed out."""
+    BUSY = 2
+    """Too many RPCs in progress on the server: worth retrying."""
+
+
+@dataclass(frozen=True, slots=True)
+class RpcReply:
+    """The answer to an ``RpcRequest``: ``OK`` with the handler's payload, or not with a short
+    ``error`` (never a traceback)."""
+
+    status: RpcStatus
+    payload: bytes = b""
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == RpcStatus.OK

@@ -11,10 +11,24 @@ Messages are positional msgpack arrays whose first element is a type code:
     Dead      [7, incarnation, node, src]
     User      [8, payload]
 
-A UDP packet is ``[VERSION, sender, [msg, ...]]``: usually a primary message followed by
-piggybacked membership updates and user broadcasts, at most ``budget`` bytes (before sealing).
+A UDP packet is ``[VERSION, sender, [msg, ...], unix_ms, seq]``: usually a primary message followed
+by piggybacked membership updates and user broadcasts, at most ``budget`` bytes (before sealing);
+``unix_ms`` (the sender's wall clock) and ``seq`` (strictly increasing per sender, across restarts)
+are the replay stamp receivers check (``shepherd.mesh.replay``). The older ``[VERSION, sender,
+[msg, ...]]`` still decodes (``Packet.stamp`` None): the receiver decides whether to accept it.
 A push-pull state (TCP) is ``[VERSION, join, [[name, host, port, incarnation, state, meta], ...],
 user_state]``.
+
+The same TCP channel (mTLS, sealed frames) carries node-to-node RPCs, told apart from push-pull states by
+a frame kind in the second element (an integer, where a push-pull state has its ``join`` boolean):
+
+    RpcRequest  [VERSION, RPC_REQUEST, payload]
+    RpcReply    [VERSION, RPC_REPLY, status, payload, error]    (status: RpcStatus)
+
+``decode_tcp_request`` reads what a push-pull server receives (a push-pull state, old frames unchanged,
+or an RPC request); ``decode_rpc_reply`` reads an RPC's answer.
+
+Incarnations are bounded by ``MAX_INCARNATION`` (2^63 - 1) on decode, see there.
 
 Decoding is strict: any malformed input (bad msgpack, wrong shape or type, out-of-range value,
 unknown type code, oversized field, trailing bytes) raises ``WireError`` and nothing else.
@@ -43,6 +57,9 @@ from shepherd.proto.mesh_messages import (
     Ping,
     PingReq,
     PushPullState,
+    RpcReply,
+    RpcRequest,
+    RpcStatus,
     Suspect,
     User,
 )
@@ -52,11 +69,17 @@ MAX_PACKET_BYTES = 65_507
 MAX_PUSH_PULL_BYTES = 64 * 1024 * 1024
 MAX_HOST_LEN = 255
 MAX_SEQ = 2**32 - 1
-MAX_INCARNATION = 2**64 - 1
+MAX_INCARNATION = 2**63 - 1
+"""Incarnations on the wire are at most this (decoding refuses more; an int64 in every msgpack
+implementation). A node's own incarnation saturates here (``swim_members.MembershipTable.refute``):
+so a forged accusation at the bound can never push a node to an incarnation nobody can encode or
+decode, and the refutation rule at the bound is in ``swim_members``."""
 MAX_PACKET_MSGS = 1024
 MAX_PUSH_PULL_MEMBERS = 65_536
 
 PING, PING_REQ, ACK, NACK, ALIVE, SUSPECT, DEAD, USER = 1, 2, 3, 4, 5, 6, 7, 8
+RPC_REQUEST, RPC_REPLY = 16, 17  # TCP frame kinds (a push-pull state has a bool in their place)
+MAX_RPC_ERROR_LEN = 256
 
 _ARRAY16_HEADER = 3  # bytes of a msgpack array header for 16..65535 items
 
@@ -66,6 +89,12 @@ class WireError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------- encoding
+
+
+def _inc(inc: int) -> int:
+    if type(inc) is not int or not 0 <= inc <= MAX_INCARNATION:
+        raise WireError(f"incarnation {inc!r} out of range (0..{MAX_INCARNATION})")
+    return inc
 
 
 def _fields(msg: Message) -> list[Any]:
@@ -79,11 +108,11 @@ def _fields(msg: Message) -> list[Any]:
         case Nack(seq):
             return [NACK, seq]
         case Alive(name, host, port, inc, meta):
-            return [ALIVE, name, host, port, inc, meta]
+            return [ALIVE, name, host, port, _inc(inc), meta]
         case Suspect(inc, node, src):
-            return [SUSPECT, inc, node, src]
+            return [SUSPECT, _inc(inc), node, src]
         case Dead(inc, node, src):
-            return [DEAD, inc, node, src]
+            return [DEAD, _inc(inc), node, src]
         case User(payload):
             return [USER, payload]
     raise WireError(f"not a mesh message: {msg!r}")
@@ -102,9 +131,14 @@ def encoded_size(msg: Message) -> int:
     return len(encode_msg(msg))
 
 
+MAX_STAMP_VALUE = 2**64 - 1
+_STAMP_BYTES = 18  # two msgpack uint64 at most
+
+
 def packet_overhead(sender: str) -> int:
-    """Bytes a packet adds around its messages (an upper bound: assumes a 16-bit array header)."""
-    n: int = 1 + 1 + len(msgpack.packb(sender)) + _ARRAY16_HEADER
+    """Bytes a packet adds around its messages (an upper bound: assumes a 16-bit array header and a
+    replay stamp)."""
+    n: int = 1 + 1 + len(msgpack.packb(sender)) + _ARRAY16_HEADER + _STAMP_BYTES
     return n
 
 
@@ -114,16 +148,24 @@ def _array_header(n: int) -> bytes:
     return b"\xdc" + n.to_bytes(2, "big")
 
 
-def encode_packet(msgs: Sequence[Message], budget: int = 1400, sender: str = "") -> bytes:
-    """A compound packet of ``msgs`` in at most ``budget`` bytes.
+def encode_packet(
+    msgs: Sequence[Message], budget: int = 1400, sender: str = "", stamp: tuple[int, int] | None = None
+) -> bytes:
+    """A compound packet of ``msgs`` in at most ``budget`` bytes, with the replay ``stamp``
+    ``(unix_ms, seq)`` if given.
 
     Trailing (piggybacked) messages that do not fit are dropped; if the first one alone does not fit,
     ``WireError``. (``Swim`` sizes its ``Send.msgs`` to fit, so nothing is dropped in practice.)
     """
     if not msgs:
         raise WireError("empty packet")
-    head: bytes = b"\x93" + msgpack.packb(VERSION) + msgpack.packb(sender)
-    free = budget - len(head) - _ARRAY16_HEADER
+    tail = b""
+    if stamp is not None:
+        if not all(type(v) is int and 0 <= v <= MAX_STAMP_VALUE for v in stamp) or len(stamp) != 2:
+            raise WireError(f"bad packet stamp {stamp!r}")
+        tail = msgpack.packb(stamp[0]) + msgpack.packb(stamp[1])
+    head: bytes = (b"\x95" if stamp is not None else b"\x93") + msgpack.packb(VERSION) + msgpack.packb(sender)
+    free = budget - len(head) - _ARRAY16_HEADER - len(tail)
     parts: list[bytes] = []
     for i, msg in enumerate(msgs[:MAX_PACKET_MSGS]):
         b = encode_msg(msg)
@@ -133,17 +175,27 @@ def encode_packet(msgs: Sequence[Message], budget: int = 1400, sender: str = "")
             continue
         free -= len(b)
         parts.append(b)
-    return head + _array_header(len(parts)) + b"".join(parts)
+    return head + _array_header(len(parts)) + b"".join(parts) + tail
 
 
 def encode_push_pull(state: PushPullState) -> bytes:
-    members = [[m.name, m.host, m.port, m.incarnation, int(m.state), m.meta] for m in state.members]
+    members = [[m.name, m.host, m.port, _inc(m.incarnation), int(m.state), m.meta] for m in state.members]
     try:
         return msgpack.packb(  # type: ignore[no-any-return]
             [VERSION, state.join, members, state.user_state], use_bin_type=True
         )
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError(f"cannot encode push-pull state: {e}") from e
+
+
+def encode_rpc_request(req: RpcRequest) -> bytes:
+    return msgpack.packb([VERSION, RPC_REQUEST, bytes(req.payload)], use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def encode_rpc_reply(rep: RpcReply) -> bytes:
+    """An RPC answer; an over-long ``error`` is cut to ``MAX_RPC_ERROR_LEN`` characters."""
+    fields = [VERSION, RPC_REPLY, int(rep.status), bytes(rep.payload), str(rep.error)[:MAX_RPC_ERROR_LEN]]
+    return msgpack.packb(fields, use_bin_type=True)  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------------------------------- decoding
@@ -244,18 +296,46 @@ def _decode_msg(raw: Any, max_payload: int) -> Message:
 
 def decode_packet(data: bytes) -> Packet:
     """A UDP datagram's packet; ``WireError`` on anything malformed (including zero messages)."""
-    top = _list(_unpack(data, MAX_PACKET_BYTES), 3)
+    top = _list(_unpack(data, MAX_PACKET_BYTES), max_len=5)
+    if len(top) not in (3, 5):
+        raise WireError("bad packet arity")
     if _int(top[0], 255) != VERSION:
         raise WireError(f"unsupported version {top[0]}")
     sender = _str(top[1], MAX_NAME_LEN, allow_empty=True)
     raws = _list(top[2])
     if not raws:
         raise WireError("empty packet")
-    return Packet(sender, tuple(_decode_msg(r, MAX_PACKET_BYTES) for r in raws))
+    stamp = (_int(top[3], MAX_STAMP_VALUE), _int(top[4], MAX_STAMP_VALUE)) if len(top) == 5 else None
+    return Packet(sender, tuple(_decode_msg(r, MAX_PACKET_BYTES) for r in raws), stamp)
 
 
 def decode_push_pull(data: bytes, max_bytes: int = MAX_PUSH_PULL_BYTES) -> PushPullState:
-    top = _list(_unpack(data, max_bytes), 4)
+    return _push_pull(_list(_unpack(data, max_bytes), 4), max_bytes)
+
+
+def decode_tcp_request(data: bytes, max_bytes: int = MAX_PUSH_PULL_BYTES) -> PushPullState | RpcRequest:
+    """What a push-pull server receives: a push-pull state or an RPC request (by the frame kind)."""
+    top = _list(_unpack(data, max_bytes), max_len=5)
+    if len(top) == 3 and type(top[1]) is int and top[1] == RPC_REQUEST:
+        if _int(top[0], 255) != VERSION:
+            raise WireError(f"unsupported version {top[0]}")
+        return RpcRequest(_bytes(top[2], max_bytes))
+    if len(top) != 4:
+        raise WireError("neither a push-pull state nor an RPC request")
+    return _push_pull(top, max_bytes)
+
+
+def decode_rpc_reply(data: bytes, max_bytes: int = MAX_PUSH_PULL_BYTES) -> RpcReply:
+    top = _list(_unpack(data, max_bytes), 5)
+    if _int(top[0], 255) != VERSION:
+        raise WireError(f"unsupported version {top[0]}")
+    if type(top[1]) is not int or top[1] != RPC_REPLY:
+        raise WireError(f"not an RPC reply: kind {top[1]!r:.20}")
+    status = RpcStatus(_int(top[2], max(RpcStatus)))
+    return RpcReply(status, _bytes(top[3], max_bytes), _str(top[4], MAX_RPC_ERROR_LEN, allow_empty=True))
+
+
+def _push_pull(top: list[Any], max_bytes: int) -> PushPullState:
     if _int(top[0], 255) != VERSION:
         raise WireError(f"unsupported version {top[0]}")
     join = _bool(top[1])

@@ -1,5 +1,6 @@
-"""The memory backend: dicts in this process, bounded by a count of items (the oldest responses and
-conversations are evicted first, counted in ``stats.evicted``). Lost when the process ends.
+"""The memory backend: dicts in this process, bounded by a count of items and by their size (the JSON
+size of their data: an item may hold megabytes of text), the oldest responses and conversations evicted
+first (counted in ``stats.evicted``). Lost when the process ends.
 
 Every method runs to completion without awaiting, so each one is atomic on the event loop.
 """
@@ -10,6 +11,8 @@ import bisect
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
+
+import orjson
 
 from shepherd.storage.types import (
     ChainError,
@@ -22,6 +25,8 @@ from shepherd.storage.types import (
     StoredResponse,
     StoreStats,
 )
+
+MAX_BYTES = 1 << 30  # the items' data held, by default
 
 
 class _Conv:
@@ -37,14 +42,19 @@ class MemoryStore:
     name = "memory"
     shared = False
 
-    def __init__(self, max_items: int = 200_000) -> None:
+    def __init__(self, max_items: int = 200_000, max_bytes: int = MAX_BYTES) -> None:
         if max_items < 1:
             raise ValueError("max_items must be >= 1")
+        if max_bytes < 1:
+            raise ValueError("max_bytes must be >= 1")
         self.max_items = max_items
+        self.max_bytes = max_bytes
+        self.bytes = 0  # the JSON size of the items held
         self.stats = StoreStats()
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._convs: OrderedDict[str, _Conv] = OrderedDict()
         self._items: dict[str, StoredItem] = {}
+        self._sizes: dict[str, int] = {}
         self._refs: dict[str, int] = {}  # item id -> responses + conversations referring to it
         self._records: dict[str, dict[str, bytes]] = {}
         self._seq = itertools.count()
@@ -68,6 +78,13 @@ class MemoryStore:
         for it in items:
             self._items[it.id] = it
             self._refs.setdefault(it.id, 0)
+            n = len(orjson.dumps(it.data))
+            self.bytes += n - self._sizes.get(it.id, 0)
+            self._sizes[it.id] = n
+
+    def _forget(self, item_id: str) -> None:
+        self._items.pop(item_id, None)
+        self.bytes -= self._sizes.pop(item_id, 0)
 
     def _ref(self, ids: Sequence[str], delta: int) -> None:
         for i in ids:
@@ -77,7 +94,7 @@ class MemoryStore:
             n += delta
             if n <= 0 and delta < 0:
                 del self._refs[i]
-                self._items.pop(i, None)
+                self._forget(i)
             else:
                 self._refs[i] = n
 
@@ -87,7 +104,9 @@ class MemoryStore:
         self._ref([it.id for it in items], +1)
 
     def _evict(self) -> None:
-        while len(self._items) > self.max_items and (self._responses or self._convs):
+        while (len(self._items) > self.max_items or self.bytes > self.max_bytes) and (
+            self._responses or self._convs
+        ):
             r_first = next(iter(self._responses.values()), None)
             c_first = next(iter(self._convs.values()), None)
             if c_first is None or (r_first is not None and r_first.created_at <= c_first.record.created_at):

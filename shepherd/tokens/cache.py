@@ -32,7 +32,7 @@ import tokenizers
 from shepherd.proto.prompt_ids import PromptIds, Shape
 from shepherd.tokens.fast_bpe import FastBPE, fast_bpe_for
 
-__all__ = ["CacheLimits", "EncodePlan", "SpecialSplitter", "TokenCache"]
+__all__ = ["ByteLRU", "CacheLimits", "EncodePlan", "SpecialSplitter", "TokenCache"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,67 @@ class CacheLimits:
 
 
 V = TypeVar("V")
+K = TypeVar("K")
+
+
+class ByteLRU(Generic[K, V]):
+    """An LRU bounded by the total cost of its entries (their bytes, as the caller counts them: key and
+    value) and by their number, whichever binds first. For caches keyed by request content: whatever
+    the requests, ``total <= max_bytes`` and ``len <= max_entries`` hold after every call, and an entry
+    costing more than ``max_item_bytes`` (default: an eighth of the budget) is not stored at all, so
+    one request cannot flush the cache of everyone else's entries. Not thread-safe (one loop, or one
+    pool worker, owns each)."""
+
+    __slots__ = ("_d", "max_bytes", "max_entries", "max_item_bytes", "total")
+
+    def __init__(self, max_bytes: int, max_entries: int = 1 << 30, max_item_bytes: int | None = None) -> None:
+        if max_bytes < 0 or max_entries < 0:
+            raise ValueError("cache bounds must not be negative")
+        self._d: OrderedDict[K, tuple[V, int]] = OrderedDict()
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.max_item_bytes = max_bytes // 8 if max_item_bytes is None else min(max_item_bytes, max_bytes)
+        self.total = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __contains__(self, key: K) -> bool:
+        return key in self._d
+
+    def get(self, key: K) -> V | None:
+        hit = self._d.get(key)
+        if hit is None:
+            return None
+        self._d.move_to_end(key)
+        return hit[0]
+
+    def put(self, key: K, value: V, cost: int) -> bool:
+        """Store ``value`` under ``key`` at ``cost`` bytes (key included); False when it is too big to
+        keep (nothing stored; an older entry of that key is dropped)."""
+        d = self._d
+        old = d.pop(key, None)
+        if old is not None:
+            self.total -= old[1]
+        if cost > self.max_item_bytes or self.max_entries == 0:
+            return False
+        d[key] = (value, cost)
+        self.total += cost
+        while self.total > self.max_bytes or len(d) > self.max_entries:
+            _, (_, c) = d.popitem(last=False)
+            self.total -= c
+        return True
+
+    def pop(self, key: K) -> V | None:
+        hit = self._d.pop(key, None)
+        if hit is None:
+            return None
+        self.total -= hit[1]
+        return hit[0]
+
+    def clear(self) -> None:
+        self._d.clear()
+        self.total = 0
 
 
 class _LRU(Generic[V]):

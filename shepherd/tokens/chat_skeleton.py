@@ -327,16 +327,42 @@ _REFUSED: Final = Skeleton([], [], [])
 _SYNTHETIC: Final = (" \n\t" + string.printable + "\u00e9\u65e5\u672c \n\t ", "x", "Q\n")
 
 
+def _key_bytes(shape: object) -> int:
+    """What a shape key holds, in bytes (estimate: a str or bytes object is ~50 bytes and its data)."""
+    if isinstance(shape, bytes | str):
+        return 50 + len(shape)
+    if isinstance(shape, tuple):
+        return 56 + sum(8 + _key_bytes(x) for x in shape)
+    return 32
+
+
+def skeleton_bytes(skel: Skeleton) -> int:
+    """What a skeleton holds, in bytes (estimate): its text pieces, guards and refs."""
+    if skel is _REFUSED:
+        return 0
+    return (
+        200
+        + sum(8 + (50 + len(p) if type(p) is str else 0) for p in skel.pieces)
+        + 160 * len(skel.guards)
+        + sum(100 + 100 * len(ops) for _, ops in skel.refs)
+    )
+
+
 @dataclass
 class SkeletonCache:
-    """Skeletons of one template, by shape (bounded LRU; refused shapes remembered too)."""
+    """Skeletons of one template, by shape (an LRU bounded by entries and by bytes: keys, which hold the
+    tools and template kwargs, and skeletons, which hold the text the template wrote around the
+    contents; one entry over an eighth of ``max_bytes`` is not kept; refused shapes remembered too)."""
 
     size: int = 512
+    max_bytes: int = 16 << 20
     hits: int = 0
     misses: int = 0
     guard_misses: int = 0
     refused: int = 0
+    bytes: int = 0
     _entries: OrderedDict[Hashable, Skeleton] = field(default_factory=OrderedDict)
+    _costs: dict[Hashable, int] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -466,9 +492,22 @@ class SkeletonCache:
     def _remember(self, shape: Hashable, skel: Skeleton) -> None:
         if skel is _REFUSED:
             self.refused += 1
-        self._entries[shape] = skel
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
+        cost = _key_bytes(shape) + skeleton_bytes(skel)
+        entries, costs = self._entries, self._costs
+        old = costs.pop(shape, None)
+        if old is not None:
+            del entries[shape]
+            self.bytes -= old
+        if cost > self.max_bytes // 8:
+            return
+        entries[shape] = skel
+        costs[shape] = cost
+        self.bytes += cost
+        while len(entries) > self.size or self.bytes > self.max_bytes:
+            k, _ = entries.popitem(last=False)
+            self.bytes -= costs.pop(k)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._costs.clear()
+        self.bytes = 0

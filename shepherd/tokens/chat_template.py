@@ -84,7 +84,11 @@ class ChatTemplate:
         self._bytes = 0  # keys + texts held (texts counted as their length in characters)
         self.hits = 0
         self.misses = 0
-        self.skeletons = SkeletonCache(size=cache_size) if cache_size > 0 else None
+        # (bounded in bytes too: a shape key holds the tools and template kwargs; in the node and in
+        # every pool worker, each template has its own)
+        self.skeletons = (
+            SkeletonCache(size=cache_size, max_bytes=cache_bytes // 2) if cache_size > 0 else None
+        )
         # Plain conversations (every message just a role and a text) skip the copies and the JSON shape
         # key: the template gets the caller's messages, which an immutable sandbox cannot change.
         self._plain_skeletons = (

@@ -452,7 +452,9 @@ CASES: list[Case] = [
     Case("stop-list-of-numbers", CHAT, chat(stop=[5]), 400, "invalid_type"),
     Case("stop-100-strings", CHAT, chat(stop=["a"] * 100), 400, "invalid_value"),
     Case("stop-empty-strings-ok", CHAT, chat(stop=["", ""]), 200),
-    Case("stop-huge-strings-ok", CHAT, chat(stop=["ab" * 30000 + str(i) for i in range(16)]), 200),
+    Case("stop-16-long-strings-ok", CHAT, chat(stop=["ab" * 511 + str(i) for i in range(16)]), 200),
+    # over MAX_STOP_CHARS (1024): bounded, as per-token hold-back work and the memo grow with them
+    Case("stop-huge", CHAT, chat(stop=["ab" * 30000 + str(i) for i in range(9)]), 400, "invalid_value"),
     Case("stop-token-ids-negative", CHAT, chat(stop_token_ids=[-1]), 400, "invalid_type"),
     Case("min-tokens-negative", CHAT, chat(min_tokens=-1), 400, "invalid_value"),
     Case("ignore-eos-string", CHAT, chat(ignore_eos="x"), 400, "invalid_type"),
@@ -762,14 +764,45 @@ CASES: list[Case] = [
         frozenset({400, 415}),
         headers=(("content-encoding", "br"),),
     ),
-    Case("content-type-text-ok", CHAT, VALID, 200, headers=(("content-type", "text/plain"),)),
+    # a JSON body must say it is JSON (a browser cannot send that cross-origin without a preflight)
+    Case(
+        "content-type-text",
+        CHAT,
+        VALID,
+        415,
+        "unsupported_media_type",
+        headers=(("content-type", "text/plain"),),
+    ),
     Case(
         "content-type-form",
         CHAT,
         b"model=qwen3&messages=hi",
-        400,
-        "invalid_json",
+        415,
+        "unsupported_media_type",
         headers=(("content-type", "application/x-www-form-urlencoded"),),
+    ),
+    Case(
+        "content-type-json-charset-ok",
+        CHAT,
+        VALID,
+        200,
+        headers=(("content-type", "application/json; charset=utf-8"),),
+    ),
+    Case(
+        "keys-content-type-text",
+        "/admin/keys",
+        {"name": "x"},
+        415,
+        "unsupported_media_type",
+        headers=(("content-type", "text/plain"),),
+    ),
+    Case(
+        "keys-foreign-origin",
+        "/admin/keys",
+        {"name": "x"},
+        403,
+        "cross_origin_refused",
+        headers=(("origin", "http://evil.example"),),
     ),
     # -- routes and methods
     Case("get-chat", CHAT, b"", 405, method="GET"),
@@ -987,7 +1020,8 @@ def test_probes_and_metrics_stay_bounded(node: NodeProc, engine: MockEngineProc,
         assert_envelope(http.get(f"{node.url}/{marker}/{i}", headers={"authorization": ADMIN}), 404)
     for path in ("/health", "/readiness", "/liveness"):
         assert http.get(node.url + path).status_code == 200
-    m = http.get(node.url + "/metrics")
+    assert_envelope(http.get(node.url + "/metrics"), 401)  # a control route: admins only
+    m = http.get(node.url + "/metrics", headers={"authorization": ADMIN})
     assert m.status_code == 200 and "smg_requests_total" in m.text
     assert marker not in m.text, "unknown paths must not become metric labels"
     assert_intact(node, engine, http)
@@ -1006,7 +1040,7 @@ def raw_exchange(port: int, data: bytes, timeout: float = 5.0) -> bytes:
         return out
 
 
-POST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+POST = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
 
 def node_in_flight(node: NodeProc, http: httpx.Client) -> int:

@@ -113,7 +113,12 @@ def test_headers_and_envelopes(nodes: dict[str, NodeProc], server: str) -> None:
     assert nf.status_code == 404 and nf.json()["error"]["type"] == "not_found_error"
     na = httpx.get(url + "/v1/chat/completions", timeout=10)
     assert na.status_code == 405 and na.headers["allow"] == "POST" and na.json()["error"]["message"]
-    big = httpx.post(url + "/v1/tokenize", content=b" " * (17 * 1024 * 1024), timeout=30)
+    big = httpx.post(
+        url + "/v1/tokenize",
+        content=b" " * (17 * 1024 * 1024),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert big.status_code == 413 and big.json()["error"]["code"] == "body_too_large"
 
 
@@ -179,7 +184,13 @@ def recv_response(s: socket.socket, buf: bytes) -> tuple[int, dict[str, str], by
 
 
 def chat_request(body: bytes, *extra: str) -> bytes:
-    head = ["POST /v1/chat/completions HTTP/1.1", "Host: t", f"Content-Length: {len(body)}", *extra]
+    head = [
+        "POST /v1/chat/completions HTTP/1.1",
+        "Host: t",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        *extra,
+    ]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 

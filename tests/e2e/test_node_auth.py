@@ -365,7 +365,8 @@ def test_api_keys(setup: Setup) -> None:
         huge = "sk-smg-" + "A" * 20_000  # over aiohttp's header limit: a plain 400, never a 500
         assert 400 <= http.get("/v1/models", headers=bearer(huge)).status_code < 500
         assert chat(setup.sdk(ADMIN_KEY))  # still serving
-        metrics = http.get("/metrics").text
+        assert_401(http.get("/metrics"), "missing_credentials")  # a control route
+        metrics = http.get("/metrics", headers=admin).text
         assert 'smg_auth_failures_total{code="invalid_api_key",plane="data"}' in metrics
     setup.assert_no_secret_logged(secrets)
     assert "AAAAAAAAAAAAAAAA" not in setup.node.log()
@@ -414,6 +415,19 @@ def test_jwts_rotation_and_attacks(setup: Setup) -> None:
         with pytest.raises(openai.AuthenticationError):
             chat(setup.sdk(attacks[0][1]))
     setup.assert_no_secret_logged(secrets)
+
+
+def test_jwt_tenant_claims_are_bounded(setup: Setup) -> None:
+    """A tenant names rate-limit buckets, metric labels and stored records: 1 to 128 printable
+    characters, else the token is refused (401), never a tenant of any size or with control bytes."""
+    k1, iss = setup.signer, {"iss": setup.issuer.url}
+    with setup.http() as http:
+        for bad in ("t" * 129, "team\nx-injected: 1", "\x00", 7, ["a", "b"]):
+            tok = k1.token(tenant=bad, **iss)
+            assert_401(http.get("/v1/models", headers=bearer(tok)), "invalid_tenant_claim")
+        ok = k1.token(tenant="t" * 128, **iss)
+        assert http.get("/v1/models", headers=bearer(ok)).status_code == 200
+    assert "Traceback" not in setup.node.log()
 
 
 def test_client_tls_and_certificate_reload(setup: Setup) -> None:

@@ -18,7 +18,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from shepherd.auth.config import AuthConfig, auth_config
-from shepherd.auth.keys import ApiKeyRecord, MemoryKeyStore, bootstrap_records, create_key, hash_key
+from shepherd.auth.keys import ApiKeyRecord, KeyStore, MemoryKeyStore, bootstrap_records, hash_key
+from shepherd.auth.keys import create_key as _create_key
 from shepherd.auth.middleware import Authenticator, AuthFailure
 from shepherd.mesh.state import MeshState
 from shepherd.mesh.state_config import ApiKeyRecord as DocKeyRecord
@@ -36,6 +37,11 @@ from shepherd.policies.prefix_replica_native import make_replica
 from tests.unit.test_auth_middleware import whoami
 
 KEYS_CFG = auth_config({"mode": "api_key"})
+
+
+def create_key(store: KeyStore, name: str, *args: Any, **kw: Any) -> tuple[str, ApiKeyRecord]:
+    """A key minted by an authenticated admin (only those go mesh-wide: test_auth_key_sync_rule)."""
+    return _create_key(store, name, *args, minted_authenticated=True, **kw)
 
 
 @dataclass

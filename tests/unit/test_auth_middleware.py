@@ -132,7 +132,8 @@ async def test_envelopes_planes_and_roles(client: Factory) -> None:
     r = await c.get("/v1/models", headers=bearer(ADMIN))  # admins may use the data plane
     assert r.status == 200
     assert (await c.get("/health")).status == 200
-    assert (await c.get("/metrics")).status == 200
+    assert (await c.get("/metrics")).status == 401  # a control route by default
+    assert (await c.get("/metrics", headers=bearer(ADMIN))).status == 200
     r = await c.get("/no/such/route")
     assert r.status == 401  # unknown paths are data plane: no route existence leaks
     r = await c.get("/no/such/route", headers=bearer(user))
@@ -178,8 +179,12 @@ async def test_key_admin_api(client: Factory) -> None:
     for bad in ({"role": "root"}, {"expires_in": -1}, {"expires_at": 5}, {"models": "qwen3"}, {"name": ""}):
         r = await c.post("/admin/keys", json=bad, headers=bearer(ADMIN))
         assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error", bad
-    r = await c.post("/admin/keys", data=b"{not json", headers=bearer(ADMIN))
+    r = await c.post(
+        "/admin/keys", data=b"{not json", headers={**bearer(ADMIN), "Content-Type": "application/json"}
+    )
     assert r.status == 400
+    r = await c.post("/admin/keys", data=b"{not json", headers=bearer(ADMIN))  # no JSON content type
+    assert r.status == 415
     r = await c.post("/admin/keys", json={"role": "admin", "expires_in": 3600}, headers=bearer(ADMIN))
     made = await r.json()
     assert made["role"] == "admin" and made["expires_at"] > time.time()
@@ -274,7 +279,7 @@ async def test_jwt_beside_keys_and_no_secret_in_logs(
         body = await r.json()
         assert r.status == 401 and body["error"]["type"] == "authentication_error"
         assert s not in await r.text()
-    metrics = await (await c.get("/metrics")).text()
+    metrics = await (await c.get("/metrics", headers=bearer(ADMIN))).text()
     assert "smg_auth_failures_total" in metrics
     for s in secrets:
         assert s not in caplog.text and s not in metrics

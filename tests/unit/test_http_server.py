@@ -292,8 +292,18 @@ class Conn:
             await self.w.wait_closed()
 
 
+# the head of a raw POST to /echo (a JSON route: the Content-Type is required, 415 otherwise)
+ECHO = b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+
+
 def post(path: str, body: bytes, *extra: str, version: str = "1.1") -> bytes:
-    head = [f"POST {path} HTTP/{version}", "Host: t", f"Content-Length: {len(body)}", *extra]
+    head = [
+        f"POST {path} HTTP/{version}",
+        "Host: t",
+        "Content-Type: application/json",  # the node's JSON routes need it (415 otherwise)
+        f"Content-Length: {len(body)}",
+        *extra,
+    ]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
 
 
@@ -337,7 +347,7 @@ async def test_pipelined_requests_are_answered_in_order(srv: Running) -> None:
 @given(st.lists(st.integers(min_value=1, max_value=400), min_size=0, max_size=6))
 def test_any_split_of_the_byte_stream_gives_the_same_answers(cuts: list[int]) -> None:
     """However the client's bytes are cut into reads, the answers are the same, in order."""
-    chunked = b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunked = ECHO + b"Transfer-Encoding: chunked\r\n\r\n"
     chunked += b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
     wire = post("/echo?a=1", BODY) + get("/items/x%2Fy") + chunked
 
@@ -478,7 +488,7 @@ async def test_expect_100_continue(srv: Running) -> None:
 
 async def test_expect_100_continue_over_the_limit_is_refused_without_continue(srv: Running) -> None:
     c = await Conn.open(srv.port)
-    await c.send(f"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: {MAX_BODY + 1}\r\n".encode())
+    await c.send(ECHO + f"Content-Length: {MAX_BODY + 1}\r\n".encode())
     await c.send(b"Expect: 100-continue\r\n\r\n")
     r = await c.response()
     assert r.status == 413 and r.error()["code"] == "body_too_large"
@@ -490,7 +500,7 @@ async def test_chunked_request_body(srv: Running) -> None:
     c = await Conn.open(srv.port)
     parts = [BODY[:7], BODY[7:20], BODY[20:]]
     chunked = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\nTrailer: x\r\n\r\n"
-    head = b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head = ECHO + b"Transfer-Encoding: chunked\r\n\r\n"
     r = await c.request(head + chunked)
     assert r.status == 200 and r.json()["size"] == len(BODY)
     r = await c.request(get("/hello"))  # and the connection goes on
@@ -501,7 +511,7 @@ async def test_chunked_request_body(srv: Running) -> None:
 async def test_chunked_body_over_the_limit_is_a_413_envelope(srv: Running) -> None:
     c = await Conn.open(srv.port)
     chunk = b"a" * 16384
-    head = b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head = ECHO + b"Transfer-Encoding: chunked\r\n\r\n"
     n = MAX_BODY // len(chunk) + 1
     await c.send(head + (b"%x\r\n%s\r\n" % (len(chunk), chunk)) * n + b"0\r\n\r\n")
     r = await c.response()
@@ -571,10 +581,22 @@ async def test_undecodable_bodies_are_envelopes(
         (b"HELLO\r\n\r\n", 400),
         (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400),
         (b"GET /hello HTTP/1.1\r\nHost: t\r\nX-Bad: a\x00b\r\n\r\n", 400),
-        (b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", 400),
-        (b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
-        (b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: -1\r\n\r\n", 400),
-        (b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 400),
+        (
+            ECHO + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+            400,
+        ),
+        (
+            ECHO + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n",
+            400,
+        ),
+        (
+            ECHO + b"Content-Length: -1\r\n\r\n",
+            400,
+        ),
+        (
+            ECHO + b"Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+            400,
+        ),
         (b"GET /hello HTTP/1.1\r\nHost: t\r\nX: " + b"k" * 5000 + b"\r\n\r\n", 431),  # one field
         (b"GET /hello HTTP/1.1\r\n" + b"".join(b"H%d: v\r\n" % i for i in range(40)) + b"\r\n", 431),
         (b"GET /hello HTTP/1.1\r\n" + b"".join(b"H%d: %s\r\n" % (i, b"v" * 4000) for i in range(5)), 431),
@@ -753,7 +775,7 @@ async def test_a_request_body_that_never_ends_is_answered_408(
 ) -> None:
     srv, clock = clocked
     c = await Conn.open(srv.port)
-    await c.send(get("/hello") + b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{")
+    await c.send(get("/hello") + ECHO + b"Content-Length: 100\r\n\r\n{")
     assert (await c.response()).status == 200
     for _ in range(3):  # a byte every 40 s: never idle for keepalive_secs (60)
         clock.now += 40.0
@@ -798,7 +820,7 @@ async def test_a_chunk_framing_flood_is_refused(srv: Running, flood: bytes) -> N
     """Trailers and chunk extensions carry no body: without a bound they are an endless (or, kept, a
     memory-eating) request. (Larger than a socket read or two: the bound is checked per read.)"""
     c = await Conn.open(srv.port)
-    c.w.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + flood)
+    c.w.write(ECHO + b"Transfer-Encoding: chunked\r\n\r\n" + flood)
     r = await c.response()
     assert r.status == 400 and r.error()["code"] == "bad_http_request"
     assert await closed(c.r)
@@ -807,7 +829,7 @@ async def test_a_chunk_framing_flood_is_refused(srv: Running, flood: bytes) -> N
 async def test_trailers_within_bounds_pass_and_are_not_headers(srv: Running) -> None:
     c = await Conn.open(srv.port)
     chunked = b"%x\r\n%s\r\n0\r\nX-Test: trailer\r\n\r\n" % (len(BODY), BODY)
-    r = await c.request(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+    r = await c.request(ECHO + b"Transfer-Encoding: chunked\r\n\r\n" + chunked)
     assert r.status == 200 and r.json()["x"] is None and r.json()["size"] == len(BODY)
     assert (await c.request(get("/hello"))).status == 200
     await c.close()
@@ -845,7 +867,7 @@ async def test_a_body_in_many_small_chunks_is_not_kept_as_many_objects(srv: Runn
     chunk (~8x its size). (Allocated bytes, not time: the server runs in this process.)"""
     n = 10000
     body = b'{"x": "' + b"a" * (6 * n - 9) + b'"}'
-    head = b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head = ECHO + b"Transfer-Encoding: chunked\r\n\r\n"
     small = b"".join(b"6\r\n%s\r\n" % body[i : i + 6] for i in range(0, len(body), 6)) + b"0\r\n\r\n"
     whole = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
     c = await Conn.open(srv.port)

@@ -287,7 +287,10 @@ async def test_targets_are_resolved_once_and_only_static_routes_without_a_query_
         assert (await _ask(conn, t, head)).startswith(b"HTTP/1.1 200")  # another method: its own entry
         assert (b"HEAD", b"/hello") in srv.targets
         body = b'{"model": "m"}'
-        post = b"POST /json HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        post = (
+            b"POST /json HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(body), body)
+        )
         assert (await _ask(conn, t, post)).startswith(b"HTTP/1.1 200")
     finally:
         conn.connection_lost(None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from shepherd.node.api.common import GATEWAY
-from shepherd.node.config import ConfigError, check_worker_url
+from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_in_effect
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import json_response, read_json
 from shepherd.proto.openai_errors import ApiError, bad
@@ -21,10 +21,11 @@ async def list_models(request: web.Request) -> web.Response:
             "object": "model",
             "created": created,
             "owned_by": "shepherd",
-            "root": mc.model_path,
+            "root": name,  # vLLM shows the served model here; never a filesystem path
+            "parent": None,
             "max_model_len": gw.context_length(name),
         }
-        for name, mc in gw.models.items()
+        for name in gw.models
     ]
     return json_response({"object": "list", "data": data})
 
@@ -101,6 +102,8 @@ async def health(request: web.Request) -> web.Response:
             "healthy": sum(w.health.healthy for w in gw.registry.workers.values()),
         },
     }
+    if insecure_admin_in_effect(gw.cfg):  # unauthenticated control plane others can reach: say so
+        body["insecure_admin"] = True
     return json_response(body, 200 if healthy else 503)
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import aiohttp
@@ -16,7 +17,14 @@ from aiohttp import web
 
 from shepherd.node.api.admission import Admission
 from shepherd.node.dispatch.gateway import Gateway
-from shepherd.node.engines.http import HttpRelayClient
+from shepherd.node.engines.http import (
+    RELAY_CONTENT_TYPES,
+    RELAY_MAX_BYTES,
+    RELAY_STREAM_MAX_BYTES,
+    BodyTooLarge,
+    HttpRelayClient,
+    read_capped,
+)
 from shepherd.node.http.types import stream_response
 from shepherd.node.openai.sse import DONE, KEEPALIVE, error_event
 from shepherd.proto.engine_types import EngineError
@@ -40,9 +48,20 @@ class History:
     (``shepherd.node.cluster``); else the backend itself. ``tag``: this node's owner tag.
     """
 
-    def __init__(self, store: HistoryStore, tag: str) -> None:
+    def __init__(
+        self,
+        store: HistoryStore,
+        tag: str,
+        cancel_elsewhere: Callable[[str], Awaitable[bool]] | None = None,
+        conversations_refused: str | None = None,
+    ) -> None:
         self.store = store
         self.tag = tag
+        # why new conversations are refused (the memory backend in a mesh, not allowed local): None: they
+        # are not
+        self.conversations_refused = conversations_refused
+        # a mesh: ask the other nodes to cancel a background response one of them runs (True: one did)
+        self.cancel_elsewhere = cancel_elsewhere
 
     def new_id(self, prefix: str, owner_tag: str | None = None) -> str:
         """A fresh id owned by this node, or by the node of ``owner_tag`` (a conversation's owner keeps
@@ -76,6 +95,30 @@ def _route_label(route: Any) -> str:
     return label
 
 
+# what in an engine's error text names a machine: URLs, gRPC's "ipv4:1.2.3.4:5" targets, addresses and
+# host:port pairs
+_ADDRESS = re.compile(
+    r"[a-z][a-z0-9+.-]*://[^\s'\"<>,;)]+"
+    r"|\b(?:ipv4|ipv6|unix|dns):[^\s'\"<>,;)]+"
+    r"|\[[0-9a-f:.]+\](?::\d+)?"
+    r"|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"
+    r"|\b[a-z](?:[a-z0-9-]*[a-z0-9])?(?:\.[a-z0-9](?:[a-z0-9-]*[a-z0-9])?)*:\d{1,5}\b",
+    re.IGNORECASE,
+)
+
+
+def public_engine_message(message: str, worker_urls: Iterable[str] = ()) -> str:
+    """An engine error's text as a client may see it: no worker URL, address or host:port (they say how
+    the fleet is laid out, and which internal hosts the node reaches). Bounded in length."""
+    for url in worker_urls:
+        if url and url in message:
+            message = message.replace(url, "<worker>")
+            host = url.partition("://")[2].rstrip("/")
+            if host:
+                message = message.replace(host, "<worker>")
+    return _ADDRESS.sub("<worker>", message)[:1000]
+
+
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -99,7 +142,10 @@ async def error_middleware(
         status = 504 if e.code == "engine_timeout" else 400 if e.code == "invalid_request" else 502
         gw.metrics.errors.labels(path, e.code).inc()
         kind = "invalid_request_error" if status == 400 else "server_error"
-        return error_response(ApiError(status, str(e), type=kind, code=e.code))
+        message = public_engine_message(str(e), (w.url for w in gw.registry.workers.values()))
+        if status != 400:
+            log.warning("engine failure on %s: %s", path, e)  # the whole detail stays in the log
+        return error_response(ApiError(status, message, type=kind, code=e.code))
     except (TokenizerWorkerError, TokenizerPoolUnavailable) as e:
         status = 503
         gw.metrics.errors.labels(path, "tokenizer").inc()
@@ -198,11 +244,25 @@ class KeepAlive:
                 await self._task
 
 
+def _bad_answer(w_id: str, why: str) -> ApiError:
+    """What a client gets for a worker's answer the relay will not pass on (``why`` is logged only)."""
+    log.warning("HTTP worker %s: answer not relayed: %s", w_id, why)
+    return ApiError(
+        502, "The worker's answer could not be relayed.", type="server_error", code="bad_worker_response"
+    )
+
+
 async def relay(
     request: web.Request, gw: Gateway, model: str, raw: bytes, body: dict[str, Any], path: str, stream: bool
 ) -> web.StreamResponse:
     """Pass a request to an OpenAI HTTP worker; SSE flows back as it arrives. Retries another worker when
-    the connection fails before any answer."""
+    the connection fails before any answer.
+
+    Only what an OpenAI worker answers goes back: a status other than 2xx/4xx/5xx (redirects are not
+    followed), a content type other than JSON or SSE, a ``Content-Encoding`` (the worker is asked for
+    ``identity``: the answer is re-framed here) or a body over ``RELAY_MAX_BYTES`` (whole) /
+    ``RELAY_STREAM_MAX_BYTES`` (streamed) -> 502 in the OpenAI envelope, without the worker's body.
+    Messages name workers by id, never by URL."""
     tried: set[str] = set()
     last: EngineError | None = None
     for _ in range(gw.cfg.max_retries + 1):
@@ -215,7 +275,7 @@ async def relay(
         payload = (
             raw if not served or served == body.get("model") else orjson.dumps({**body, "model": served})
         )
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         if rid := request.headers.get("x-request-id"):
             headers["x-request-id"] = rid
         w.in_flight += 1
@@ -227,24 +287,51 @@ async def relay(
                 tried.add(w.id)
                 last = e
                 continue
-            gw.registry.record_result(w, upstream.status < 500)
             try:
-                ctype = upstream.headers.get("Content-Type", "application/json")
-                if stream and upstream.status == 200:
+                status = upstream.status
+                uh = upstream.headers
+                ctype = uh.get("Content-Type", "")
+                mime = ctype.partition(";")[0].strip().lower()
+                if (
+                    mime not in RELAY_CONTENT_TYPES
+                    or uh.get("Content-Encoding", "identity").lower() != "identity"
+                    or not 200 <= status < 600
+                    or 300 <= status < 400
+                ):
+                    gw.registry.record_result(w, False)
+                    enc = uh.get("Content-Encoding")
+                    raise _bad_answer(w.id, f"status {status}, content type {ctype[:64]!r}, encoding {enc!r}")
+                gw.registry.record_result(w, status < 500)
+                if stream and status == 200 and mime == "text/event-stream":  # else read whole, capped
                     resp = stream_response(
                         request, status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
                     )
                     await resp.prepare(request)
+                    left = RELAY_STREAM_MAX_BYTES
                     try:
                         async for chunk in upstream.content.iter_any():
+                            left -= len(chunk)
+                            if left < 0:
+                                log.warning(
+                                    "HTTP worker %s: stream over %d bytes: cut", w.id, RELAY_STREAM_MAX_BYTES
+                                )
+                                await resp.write(
+                                    error_event("The worker's stream is too long.", code="engine_error")
+                                    + DONE
+                                )
+                                break
                             await resp.write(chunk)
                     except (aiohttp.ClientError, TimeoutError) as e:
+                        log.info("HTTP worker %s: stream failed: %s", w.id, e)
                         await resp.write(
-                            error_event(f"worker stream failed: {e}", code="engine_error") + DONE
+                            error_event("The worker's stream failed.", code="engine_error") + DONE
                         )
                     return resp
-                data = await upstream.read()
-                return web.Response(status=upstream.status, body=data, headers={"Content-Type": ctype})
+                try:
+                    data = await read_capped(upstream, RELAY_MAX_BYTES)
+                except BodyTooLarge as e:
+                    raise _bad_answer(w.id, f"body {e}") from None
+                return web.Response(status=status, body=data, headers={"Content-Type": ctype})
             finally:
                 upstream.release()
         finally:

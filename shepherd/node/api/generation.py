@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -23,6 +23,7 @@ from shepherd.node.openai.sse import DONE, ChatChunks, CompletionChunks, error_e
 from shepherd.node.openai.structured import Constraint, Violation, header_value
 from shepherd.node.output.chat import (
     ChatShaping,
+    ChoiceEncoder,
     ChoiceParsing,
     final_reason,
 )
@@ -51,7 +52,8 @@ ENGINE_SAMPLING_MAX = 1024
 def engine_sampling(
     s: Sampling, max_new_tokens: int, stream_interval: int | None, constraint: Constraint | None = None
 ) -> SamplingParams:
-    if constraint is not None:
+    if constraint is not None or s.logit_bias or s.stop or s.stop_token_ids:
+        # not memoized: an entry keeps its Sampling alive, and these hold up to ~200 kB of request bytes
         return _engine_sampling(s, max_new_tokens, stream_interval, constraint)
     key = (id(s), max_new_tokens, stream_interval)
     hit = _ENGINE_SAMPLING.get(key)
@@ -92,6 +94,21 @@ def _engine_sampling(
         ebnf=value if kind == "ebnf" else None,
         structural_tag=value if kind == "structural_tag" else None,
     )
+
+
+class StreamEvents(ChoiceEncoder, Protocol):
+    """A streamed answer's encoder other than chat / completion chunks (the Responses API's events): the
+    parser stage writes to it as to ``ChatChunks``; ``role`` opens the stream, ``finish`` ends a
+    choice, ``end`` makes the last bytes once every job is done (it may store the answer first, and
+    raise ``ApiError`` when it cannot), ``failed`` an in-band failure's last bytes."""
+
+    def role(self, index: int) -> bytes: ...
+
+    def finish(self, index: int, reason: str, matched: str | int | None = None) -> bytes: ...
+
+    async def end(self, prompt: int, completion: int, cached: int) -> bytes: ...
+
+    def failed(self, message: str, code: str) -> bytes: ...
 
 
 @dataclass(slots=True)
@@ -150,6 +167,7 @@ class Generation:
         t0: float,
         logprobs: int | None,
         shaping: ChatShaping | None = None,
+        events: StreamEvents | None = None,
     ) -> None:
         self.request = request
         self.gw = gw
@@ -175,7 +193,9 @@ class Generation:
             self.output = None
             self.constraint = None
             self.checks = None
-        self._enc: ChatChunks | CompletionChunks | None = None  # built by _encoder when streaming
+        # built by _encoder when streaming (``events``: the Responses API's, given)
+        self._enc: ChatChunks | CompletionChunks | StreamEvents | None = events
+        self._events = events
 
     def _lp(self, entries: Sequence[TokenLogprob], index: int = 0) -> dict[str, Any] | None:
         if self.lpfmt is None or not entries:
@@ -217,7 +237,8 @@ class Generation:
         seen_chunks = [False] * n
         enc = self._encoder() if emit is not None else None
         posts: list[ChoiceParsing] | None = None
-        if isinstance(enc, ChatChunks) and self.output is not None:  # fresh parsers per choice
+        if self.output is not None and enc is not None:  # fresh parsers per choice (chat answers only)
+            assert not isinstance(enc, CompletionChunks)
             posts = [self.output.choice(enc, job.index_base + st.index) for st in states]
         mm = self.mm
         itl = mm.itl
@@ -291,7 +312,7 @@ class Generation:
 
     def _finish_chunk(
         self,
-        enc: ChatChunks | CompletionChunks,
+        enc: ChatChunks | CompletionChunks | StreamEvents,
         posts: list[ChoiceParsing] | None,
         i: int,
         idx: int,
@@ -305,7 +326,7 @@ class Generation:
         post.stream_end(out)
         out.append(enc.finish(idx, *final_reason(st.finish_reason, st.matched, post.has_calls)))
 
-    def _encoder(self) -> ChatChunks | CompletionChunks:
+    def _encoder(self) -> ChatChunks | CompletionChunks | StreamEvents:
         """The response's event encoder (stateless: one per response, shared by its streams)."""
         enc = self._enc
         if enc is None:
@@ -324,13 +345,35 @@ class Generation:
         mm.prompt_tokens.value += prompt
         mm.completion_tokens.value += completion
 
-    def _done(self) -> None:
+    def done(self) -> None:
+        """The call is answered: its model for the request metrics, its end-to-end latency."""
         self.request["model"] = self.model
         self.mm.e2e.observe(time.perf_counter() - self.t0)
 
     # ---- non-streaming ----------------------------------------------------------------------------
 
     async def respond(self, jobs: list[Job]) -> web.Response:
+        choices, violations = await self.collect(jobs)
+        body = {
+            "id": self.rid,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(self.totals.prompt, self.totals.completion, self.totals.cached),
+        }
+        self.done()
+        headers = self.headers()
+        if violations:
+            strict = [v for v in violations if v.strict]
+            if strict:  # the client was promised conforming output: an error, not a silent mismatch
+                raise strict_violation(strict)
+            headers["x-smg-schema-violation"] = header_value(violations)
+        return web.Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+    async def collect(self, jobs: list[Job]) -> tuple[list[dict[str, Any]], list[Violation]]:
+        """Run every job to its end without streaming: the final choices (chat: with the parsed
+        ``message``) and the structured-output violations found in them."""
         gw = self.gw
         max_new = [gw.check_context(self.model, len(job.ids), self.s.max_tokens) for job in jobs]
         engine_t = 0.0
@@ -351,30 +394,8 @@ class Generation:
             choices = self._final_choices(jobs[0], violations)
         else:
             choices = [c for job in jobs for c in self._final_choices(job, violations)]
-        body = {
-            "id": self.rid,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            "usage": usage(self.totals.prompt, self.totals.completion, self.totals.cached),
-        }
         self.engine_seconds = engine_t
-        self._done()
-        headers = self._headers()
-        if violations:
-            strict = [v for v in violations if v.strict]
-            if strict:  # the client was promised conforming output: an error, not a silent mismatch
-                raise ApiError(
-                    502,
-                    "The engine's output does not conform to the requested structure: "
-                    + header_value(strict),
-                    type="server_error",
-                    param=strict[0].param,
-                    code="schema_violation",
-                )
-            headers["x-smg-schema-violation"] = header_value(violations)
-        return web.Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
+        return choices, violations
 
     def _final_choices(self, job: Job, violations: list[Violation]) -> list[dict[str, Any]]:
         out = []
@@ -423,7 +444,7 @@ class Generation:
                 choice["schema_violation"] = v.message
         return choice
 
-    def _headers(self) -> dict[str, str]:
+    def headers(self) -> dict[str, str]:
         own = time.perf_counter() - self.t0 - self.engine_seconds
         h = {"x-request-id": self.rid, "x-smg-gateway-ms": f"{own * 1000:.3f}"}
         ticket = self.request.get(TICKET_KEY)  # rate limits: x-ratelimit-* (shepherd.node.api.admission)
@@ -445,7 +466,7 @@ class Generation:
         es = await self._open(jobs[0], 0, True, max_new[0])  # errors before this point are plain HTTP errors
         # the lean server writes its own Connection header (it would drop ours: one pass over them less)
         headers = dict(SSE_HEADERS if lean_request(self.request) is None else _SSE_LEAN_HEADERS)
-        headers.update(self._headers())
+        headers.update(self.headers())
         resp = stream_response(self.request, headers=headers)
         enc = self._encoder()
         try:
@@ -469,13 +490,14 @@ class Generation:
                     if i > 0:
                         es = await self._open(job, i, True, max_new[i])
                     if self.chat:
-                        assert isinstance(enc, ChatChunks)
+                        assert not isinstance(enc, CompletionChunks)
                         states = job.states
                         if len(states) == 1:
                             pending.append(enc.role(job.index_base + states[0].index))
                         else:
                             pending.extend(enc.role(job.index_base + st.index) for st in states)
                     elif job.echo:
+                        assert isinstance(enc, CompletionChunks)
                         pending.extend(enc.content(job.index_base + st.index, job.echo) for st in job.states)
                     try:
                         await self._drive(es, job, emit)
@@ -483,23 +505,43 @@ class Generation:
                         await es.close("stop")
                     self._account(job)
                 tail = pending
-                if self.s.include_usage:
-                    t = self.totals
-                    tail.append(enc.usage_of(t.prompt, t.completion, t.cached))
-                tail.append(DONE)
+                t = self.totals
+                if self._events is not None:
+                    tail.append(await self._events.end(t.prompt, t.completion, t.cached))
+                else:
+                    assert isinstance(enc, ChatChunks | CompletionChunks)
+                    if self.s.include_usage:
+                        tail.append(enc.usage_of(t.prompt, t.completion, t.cached))
+                    tail.append(DONE)
                 await resp.write_eof(b"".join(tail))  # the last bytes and the end of the body: one write
-                self._done()
+                self.done()
             except (EngineError, ApiError, TimeoutError) as e:
                 # headers are gone: report in-band, then end the stream cleanly
                 msg, code = _describe(e)
                 self.gw.metrics.errors.labels(self.request.path, code).inc()
-                await resp.write_eof(b"".join(pending) + error_event(msg, "server_error", code) + DONE)
+                last = (
+                    error_event(msg, "server_error", code) + DONE
+                    if self._events is None
+                    else self._events.failed(msg, code)
+                )
+                await resp.write_eof(b"".join(pending) + last)
             finally:
                 keepalive.unregister(resp)
         finally:
             if not es.closed:
                 await es.close("cancelled")
         return resp
+
+
+def strict_violation(strict: Sequence[Violation]) -> ApiError:
+    """The 502 of an answer that breaks the structure it was promised to keep (strict schemas)."""
+    return ApiError(
+        502,
+        "The engine's output does not conform to the requested structure: " + header_value(strict),
+        type="server_error",
+        param=strict[0].param,
+        code="schema_violation",
+    )
 
 
 def _describe(e: BaseException) -> tuple[str, str]:

@@ -9,7 +9,12 @@
 
 With the mesh on (``app[mesh.MESH]`` set before ``install``), the store is kept in step with the
 mesh's control-plane document (``shepherd.node.cluster.key_sync.KeySync``): a key created or revoked on any
-node is accepted or refused on every node after a gossip round; bootstrap keys stay local.
+node is accepted or refused on every node after a gossip round; bootstrap keys stay local. Only keys made
+by an authenticated admin go mesh-wide: a node whose control plane is unauthenticated keeps the keys it
+mints (and its revocations) to itself, and a node with auth on ignores document records not so marked.
+
+``install`` also puts the control plane's guard (``shepherd.auth.control``: the admin listener split and
+the browser checks) in front of the auth middleware.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ from typing import Any
 from aiohttp import web
 
 from shepherd.auth import middleware as auth
+from shepherd.auth.control import ControlGuard, make_control_middleware
 from shepherd.auth.keys import KeyStore, create_key
-from shepherd.auth.principal import principal_of
+from shepherd.auth.principal import ANONYMOUS, principal_of
 from shepherd.node.api.common import GATEWAY
 from shepherd.node.api.mesh import MESH
 from shepherd.node.cluster.key_sync import KeySync
+from shepherd.node.config import control_listener
 from shepherd.node.http.body import json_response, read_json
 from shepherd.proto.openai_errors import ApiError, bad
 
@@ -77,6 +84,7 @@ async def create(request: web.Request) -> web.Response:
     ):
         raise bad("'models' must be a list of model names (or null for every model).", param="models")
     now = time.time()
+    who = principal_of(request)
     key, rec = create_key(
         state.store,
         name,
@@ -86,8 +94,9 @@ async def create(request: web.Request) -> web.Response:
         models=models,
         prefix=state.cfg.key_prefix,
         now=now,
+        minted_authenticated=who is not ANONYMOUS and state.cfg.control_plane != "off",
     )
-    return json_response({**rec.public(), "key": key, "created_by": principal_of(request).subject}, 201)
+    return json_response({**rec.public(), "key": key, "created_by": who.subject}, 201)
 
 
 async def list_keys(request: web.Request) -> web.Response:
@@ -127,10 +136,24 @@ def install(app: web.Application, store: KeyStore | None = None) -> auth.AuthSta
     control-plane document when the mesh is on, the middleware (after the error middleware) and these
     routes. Call after ``app[GATEWAY]`` (and ``api_mesh.install``) are set."""
     gw = app[GATEWAY]
-    state = auth.install(app, gw.cfg.auth, registry=gw.metrics.registry, store=store)
+    cfg = gw.cfg
+    host, _ = control_listener(cfg)
+    guard = ControlGuard.build(host, cfg.admin_allowed_origins)
+    app.middlewares.append(
+        make_control_middleware(guard, admin_port=cfg.admin_port, metrics_protected=cfg.auth.metrics)
+    )
+    state = auth.install(app, cfg.auth, registry=gw.metrics.registry, store=store)
     mesh = app.get(MESH)
     app[KEY_SYNC] = (
-        KeySync.attach(state.store, mesh.state, local_ids=state.bootstrap_ids) if mesh is not None else None
+        KeySync.attach(
+            state.store,
+            mesh.state,
+            local_ids=state.bootstrap_ids,
+            publish=cfg.auth.control_plane != "off",
+            require_authenticated=cfg.auth.enabled,
+        )
+        if mesh is not None
+        else None
     )
     app.add_routes(routes())
     return state

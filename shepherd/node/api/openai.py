@@ -2,11 +2,18 @@
 
 Each handler parses the request, renders and encodes the prompt, and hands the engine work to a
 ``Generation`` (``generation.py``), under admission when rate limits are configured.
+
+Order, so that no request does work that scales with its input before it is known to be served and
+admitted: parse with bounded checks only (``parse_chat_deferred``: sizes of stops, schemas, tools,
+template kwargs), resolve the model (404), render and encode (big renders in the tokenizer pool),
+then under admission (rate limits) the meta-validation of its JSON schemas off the event loop
+(``check_chat_schemas``), then the generation.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -16,7 +23,13 @@ from shepherd.node.api.common import ADMISSION, GATEWAY, relay
 from shepherd.node.api.generation import Generation, Job, fresh_id
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import json_now, read_json
-from shepherd.node.openai.requests import Sampling, parse_chat, parse_completion
+from shepherd.node.openai.requests import (
+    ChatRequest,
+    Sampling,
+    check_chat_schemas,
+    parse_chat_deferred,
+    parse_completion,
+)
 from shepherd.node.openai.tool_choice import template_tools
 from shepherd.node.output.chat import shape_chat
 from shepherd.node.output.choice import ChoiceState
@@ -47,14 +60,30 @@ def _check_ids(s: Sampling, vocab: int) -> None:
 
 
 async def _relayed(
-    request: web.Request, gw: Gateway, model: str, raw: bytes, d: dict[str, Any], path: str, s: Sampling
+    request: web.Request,
+    gw: Gateway,
+    model: str,
+    raw: bytes,
+    d: dict[str, Any],
+    path: str,
+    s: Sampling,
+    chat: ChatRequest | None = None,
 ) -> web.StreamResponse:
-    """A model served by OpenAI HTTP workers: the body goes to one as it is, under admission."""
+    """A model served by OpenAI HTTP workers: the body goes to one as it is, under admission (a chat
+    request's schemas checked first, under admission too)."""
     send = partial(relay, request, gw, model, raw, d, path, s.stream)
+    if chat is not None and chat.schemas:
+        send = partial(_checked, chat, send)
     adm = request.app[ADMISSION]
     if adm is None:
         return await send()
     return await adm.guard(request, model, len(raw) // 4, s, send)
+
+
+async def _checked(req: ChatRequest, run: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """``run()`` once the request's JSON schemas passed meta-validation (off the event loop)."""
+    await check_chat_schemas(req)
+    return await run()
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -63,10 +92,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     limit = gw.cfg.max_body_bytes
     got = json_now(request, limit)
     raw, d = got if got is not None else await read_json(request, limit)
-    req = parse_chat(d)
+    req = parse_chat_deferred(d)
     model = gw.resolve_model(req.model)
     if gw.relay_mode(model):
-        return await _relayed(request, gw, model, raw, d, "/v1/chat/completions", req.sampling)
+        return await _relayed(request, gw, model, raw, d, "/v1/chat/completions", req.sampling, req)
     tok = gw.tokenizer(model)
     _check_ids(req.sampling, tok.vocab_size)
     try:
@@ -104,6 +133,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     )
     jobs = [Job(ids, text, states, 0)]
     adm = request.app[ADMISSION]
+    if req.schemas:  # meta-validated now: after the model lookup and admission, off the event loop
+        run = partial(_checked, req, partial(g.run, jobs))
+        if adm is None:
+            return await run()
+        return await adm.guard(request, model, len(ids), shaping.sampling, run, jobs)
     if adm is None:
         return await g.run(jobs)
     return await adm.guard(request, model, len(ids), shaping.sampling, partial(g.run, jobs), jobs)

@@ -24,6 +24,13 @@ reached it (piggybacked on the next gossip rounds; push-pull repairs what a data
   key on every node configured with it, also after a restart (a revoked key must be replaced, not
   re-enabled).
 
+- **Who may put keys in the document**: only keys minted by an authenticated admin on a node whose
+  control plane has auth (``ApiKeyRecord.minted_authenticated``) go mesh-wide. A node whose control
+  plane is unauthenticated (``publish=False``) writes nothing to the document (its keys, minted by
+  anyone who reaches it, and its revocations stay local), and a node with auth on
+  (``require_authenticated``) ignores every document record without the mark: a key minted by an
+  anonymous admin, or written by a node from before the rule, is never honoured there.
+
 Conversion between the two records: ``tenant`` None here is ``""`` in the document; a document record
 whose role is not ``admin``/``user`` or whose digest is not 64 hex digits is skipped (and counted).
 """
@@ -68,6 +75,7 @@ def to_doc(r: ApiKeyRecord) -> DocKeyRecord:
         disabled=r.revoked,
         models=r.models,
         hint=r.hint,
+        minted_authenticated=r.minted_authenticated,
     )
 
 
@@ -88,6 +96,7 @@ def from_doc(d: DocKeyRecord, revoked: bool = False) -> ApiKeyRecord | None:
         expires=d.expires_at,
         models=d.models,
         hint=d.hint or "...",
+        minted_authenticated=d.minted_authenticated,
     )
 
 
@@ -99,6 +108,7 @@ class KeySyncStats:
     revocations_applied: int = 0  # local records revoked by a revocation from the document
     skipped: int = 0  # document records that cannot be used (bad role or digest), each counted once
     shadowed: int = 0  # document records with the id of a local bootstrap key (ignored), each once
+    unattested: int = 0  # document records not minted by an authenticated admin (ignored), each once
 
 
 class KeySync:
@@ -111,10 +121,14 @@ class KeySync:
         *,
         local_ids: Collection[str] = (),
         clock: Callable[[], float] | None = None,
+        publish: bool = True,
+        require_authenticated: bool = False,
     ) -> None:
         self.store = store
         self.doc = doc
         self.local_ids = frozenset(local_ids)  # bootstrap keys: this node's configuration, never published
+        self.publish = publish  # False: this node's control plane is unauthenticated, nothing goes out
+        self.require_authenticated = require_authenticated  # auth on here: only attested records come in
         self.clock = clock or time.time
         self.stats = KeySyncStats()
         self._seen_version = -1
@@ -129,10 +143,19 @@ class KeySync:
         *,
         local_ids: Collection[str] = (),
         clock: Callable[[], float] | None = None,
+        publish: bool = True,
+        require_authenticated: bool = False,
     ) -> KeySync:
         """Wire ``store`` to a mesh state's document: publish what the store holds, take what the
         document holds, and pull on every change a peer makes."""
-        sync = cls(store, state.config, local_ids=local_ids, clock=clock)
+        sync = cls(
+            store,
+            state.config,
+            local_ids=local_ids,
+            clock=clock,
+            publish=publish,
+            require_authenticated=require_authenticated,
+        )
         sync.publish_all()
         sync.pull()
         state.on_config_changed.append(sync.on_config_changed)
@@ -145,7 +168,9 @@ class KeySync:
     # -- local -> document --------------------------------------------------------------------------
 
     def _local_changed(self, r: ApiKeyRecord) -> None:
-        if r.id not in self.local_ids:
+        if not self.publish:
+            return
+        if r.id not in self.local_ids and r.minted_authenticated:
             self._publish(r)
         if r.revoked:
             self._publish_revocation(r)
@@ -183,6 +208,10 @@ class KeySync:
             if d.key_id in self.local_ids:
                 if self._warn_once(d.key_id, "a mesh key record has a local bootstrap key's id: ignored"):
                     self.stats.shadowed += 1
+                continue
+            if self.require_authenticated and not d.minted_authenticated:
+                if self._warn_once(d.key_id, "a mesh key record not minted by an authenticated admin"):
+                    self.stats.unattested += 1
                 continue
             new = from_doc(d, revoked=d.key_hash.lower() in revoked)
             if new is None:

@@ -27,6 +27,14 @@ and closes it (graceful leave) while the node drains.
 - **Rate limits**: the node's ``RateLimiter`` (its ``Admission``'s, handed over by ``app.serve``) is
   registered as the state component ``"ratelimit"`` and told the member list (live = alive, N = all
   but left) on every membership event and every tick.
+- **Ownership**: the state runs ``first_hand`` (``shepherd.mesh.state``): entries naming a node (its
+  workers, health observations, rate-limit shards) are taken only from that node (a datagram's
+  verified sender, a push-pull's certificate), and each node sends its own to every alive member
+  itself (``owned_batches``, flushed with the index deltas), never relaying others'.
+- **RPC**: ``rpc(name, payload)`` / ``set_rpc_handler(h)`` are the runtime's request/response channel
+  (``MeshRuntime.rpc``: mTLS + sealed frames, the handler given the caller's certificate identity,
+  ``RpcError.reason`` in unknown / suspect / failed / refused); ``member_status(name)`` says whether a
+  member is worth calling.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgpack  # type: ignore[import-untyped]
 
@@ -48,10 +56,11 @@ from shepherd.auth.certs import TlsFiles, write_dev_pki
 from shepherd.mesh.hlc import stamp_seconds
 from shepherd.mesh.keyring import Keyring, generate_key, load_keyring
 from shepherd.mesh.ratelimit import RateLimiter
-from shepherd.mesh.runtime import MeshRuntime
+from shepherd.mesh.runtime import MeshRuntime, RpcError, RpcHandler
 from shepherd.mesh.runtime_config import MeshRuntimeConfig, parse_addr
 from shepherd.mesh.state import MeshState
 from shepherd.mesh.state_registry import REMOVED, WorkerRecord
+from shepherd.mesh.state_types import MeshStateConfig
 from shepherd.mesh.state_wire import ENVELOPE_OVERHEAD, VERSION
 from shepherd.mesh.swim_types import MemberEvent, MemberUp, SwimConfig
 from shepherd.node.config import NodeConfig
@@ -63,6 +72,7 @@ from shepherd.policies.prefix_replica_native import Replica, make_replica
 from shepherd.proto.engine_types import worker_id
 from shepherd.proto.index_wire import encode_index_bodies
 from shepherd.proto.mesh_messages import MemberState
+from shepherd.proto.openai_errors import ApiError
 
 log = logging.getLogger("shepherd.mesh_node")
 
@@ -75,6 +85,12 @@ RECONCILE_ROUNDS = 8
 DELTA_LAG_MAX_S = 30.0  # older writes arriving are a full sync's catch-up, not a delta's lag
 DEV_KEYRING = "mesh.keyring"
 RECENT_DELTAS = 256
+_STATUS: dict[MemberState, Literal["alive", "suspect", "dead", "left"]] = {
+    MemberState.ALIVE: "alive",
+    MemberState.SUSPECT: "suspect",
+    MemberState.DEAD: "dead",
+    MemberState.LEFT: "left",
+}
 
 
 # ---- configuration -----------------------------------------------------------------------------------
@@ -245,6 +261,7 @@ class BridgeStats:
     applied_removes: int = 0
     skipped_models: int = 0
     bad_ids: int = 0
+    refused: int = 0  # workers of the mesh this node's allowlist refuses
     errors: int = 0
 
 
@@ -370,6 +387,9 @@ class RegistryBridge:
             try:
                 await self.registry.add(rec.url, rec.model)
                 self.stats.applied_adds += 1
+            except ApiError as refusal:  # this node's --worker-allow refuses it (never dialed): left out
+                self.stats.refused += 1
+                log.warning("mesh: worker %s from the mesh refused here: %s", wid, refusal.message)
             finally:
                 self._expect_added.discard(wid)
             return
@@ -427,7 +447,10 @@ class MeshNode:
         self.gw = gw
         self.name = cfg.mesh_name
         self.clock = clock
-        self.state = MeshState(self.name, clock, new_index=replica_factory(gw.policies))
+        # first_hand: entries naming a node are taken only from that node (see shepherd.mesh.state)
+        self.state = MeshState(
+            self.name, clock, MeshStateConfig(first_hand=True), new_index=replica_factory(gw.policies)
+        )
         self.indexed_models = attach_indexes(gw.policies, self.state)
         pd = getattr(gw, "pd", None)  # PD disaggregation: each pool's policy (their workers are disjoint)
         for policy in (getattr(pd, "prefill_policy", None), getattr(pd, "decode_policy", None)):
@@ -453,6 +476,7 @@ class MeshNode:
         self.on_delta_lag: Callable[[float], None] | None = None  # seconds, per registry write from a peer
         # the latest of them: (worker id, writer, "add" | "remove", seconds from the write to here)
         self.recent_deltas: deque[tuple[str, str, str, float]] = deque(maxlen=RECENT_DELTAS)
+        self._rpc_handler: RpcHandler | None = None
         self._closed = False
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -462,6 +486,7 @@ class MeshNode:
         rt = MeshRuntime.from_files(
             runtime_config(self.cfg), keyring, tls, delegate=self.state, on_member_event=self._on_member_event
         )
+        rt.set_rpc_handler(self._rpc_handler)
         await rt.start()
         self.runtime = rt
         loop = asyncio.get_running_loop()
@@ -511,11 +536,13 @@ class MeshNode:
         self._update_limiter()
 
     def flush_index(self) -> int:
-        """Send the prefix indexes' fresh deltas to every alive member; datagrams sent."""
+        """Send this node's own state deltas (``owned_batches``: workers, health, rate-limit shards:
+        first-hand, never relayed) and the prefix indexes' fresh deltas to every alive member;
+        datagrams sent."""
         rt = self.runtime
         if rt is None or not rt.running:
             return 0
-        payloads = self.state.index_batches(max_entries=MAX_FLUSH_ENTRIES)
+        payloads = self.state.owned_batches() + self.state.index_batches(max_entries=MAX_FLUSH_ENTRIES)
         if not payloads:
             return 0
         n = 0
@@ -553,6 +580,26 @@ class MeshNode:
                 return
             self.index_datagrams_out += rt.send_user(addr, payloads[i : i + JOIN_PACE])
             await asyncio.sleep(0.002)
+
+    # -- rpc --------------------------------------------------------------------------------------------
+
+    def set_rpc_handler(self, handler: RpcHandler | None) -> None:
+        """Serve peers' RPCs with ``handler(peer_identity, payload) -> reply`` (kept across ``start``)."""
+        self._rpc_handler = handler
+        if self.runtime is not None:
+            self.runtime.set_rpc_handler(handler)
+
+    async def rpc(self, name: str, payload: bytes, timeout: float | None = None) -> bytes:
+        """One request to member ``name``, its reply; ``RpcError`` (``.reason``) otherwise."""
+        rt = self.runtime
+        if rt is None or not rt.running:
+            raise RpcError("failed", "the mesh is not running")
+        return await rt.rpc(name, payload, timeout=timeout)
+
+    def member_status(self, name: str) -> Literal["alive", "suspect", "dead", "left"] | None:
+        """A member's state as this node sees it; None if it is unknown (or the mesh not started)."""
+        st = None if self.runtime is None else self.runtime.member_state(name)
+        return None if st is None else _STATUS[st]
 
     # -- observability (the views and metrics are in api/mesh.py) --------------------------------------
 

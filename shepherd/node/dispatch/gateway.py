@@ -20,7 +20,7 @@ from shepherd.node.config import ModelConfig, NodeConfig
 from shepherd.node.dispatch.kv_feed import KvFeed, feed_index_of, merge_load
 from shepherd.node.dispatch.pd import PdRouter
 from shepherd.node.dispatch.stream import Batches, EngineStream
-from shepherd.node.dispatch.workers import Worker, WorkerRegistry, pick_worker
+from shepherd.node.dispatch.workers import Worker, WorkerRegistry, client_error, pick_worker
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.node.metrics import NodeMetrics, counter, gauge
 from shepherd.parsers import default_parsers_for_model, reasoning_family_name, tool_family_name
@@ -266,11 +266,11 @@ class Gateway:
                 w.in_flight -= 1
                 if e.code == "invalid_request":  # the request's fault, not the worker's
                     w.breaker.release()
-                    raise
+                    raise client_error(e, w) from None
                 self.registry.record_result(w, False)
-                last_error = e
+                last_error = client_error(e, w)  # what a client may read: the worker by id
                 if not e.retryable or target is not None:
-                    raise
+                    raise last_error from None
             except BaseException:
                 w.in_flight -= 1
                 w.breaker.release()

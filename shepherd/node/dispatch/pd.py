@@ -29,7 +29,7 @@ from typing import Any, Protocol, cast
 
 from shepherd.node.config import NodeConfig
 from shepherd.node.dispatch.stream import EngineStream
-from shepherd.node.dispatch.workers import Worker, WorkerRegistry, pick_worker
+from shepherd.node.dispatch.workers import Worker, WorkerRegistry, client_error, pick_worker
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.node.metrics import NodeMetrics
 from shepherd.policies.base import Policy
@@ -145,9 +145,9 @@ class PdRouter:
                     return await self._vllm(pair, req)
                 return await self._sglang(pair, req)
             except EngineError as e:
-                last_error = e
+                last_error = client_error(e, pair.prefill, pair.decode)  # what a client may read
                 if not e.retryable:
-                    raise
+                    raise last_error from None
                 tried_p.add(pair.prefill.id)
                 tried_d.add(pair.decode.id)
                 if attempt < gw.cfg.max_retries:
@@ -314,7 +314,7 @@ def _kind(w: Worker) -> str:
 def _batches(w: Worker, req: GenerateRequest, timeout: float) -> AsyncGenerator[list[EngineEvent], None]:
     client = w.client
     if isinstance(client, HttpRelayClient):  # config forbids it; kept as a clear error
-        raise EngineError(f"PD worker {w.url} is an HTTP worker", retryable=False)
+        raise EngineError(f"PD worker {w.id} is an HTTP worker", retryable=False)
     engine: EngineClient = client
     return cast(AsyncGenerator[list[EngineEvent], None], engine.generate_batches(req, timeout=timeout))
 

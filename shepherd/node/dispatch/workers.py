@@ -11,27 +11,38 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shepherd.auth.tls import EngineTls
-from shepherd.node.config import NodeConfig, check_worker_url
+from shepherd.node.config import ConfigError, NodeConfig, WorkerAllow, check_worker_url
 from shepherd.node.dispatch.circuit_breaker import BreakerState, CircuitBreaker, HealthTracker
 from shepherd.node.engines.grpcio import GrpcEngineClient
 from shepherd.node.engines.h2 import H2EngineClient
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.policies.base import Policy, RouteRequest, WorkerView
-from shepherd.proto.engine_types import EngineClient, EngineError, EngineLoad, ModelInfo, worker_id
+from shepherd.proto.engine_types import (
+    EngineClient,
+    EngineError,
+    EngineLoad,
+    EngineUnavailable,
+    ModelInfo,
+    worker_id,
+)
+from shepherd.proto.openai_errors import ApiError
 
 log = logging.getLogger("shepherd.workers")
 
 
 def make_client(
-    url: str, transport: str = "h2", tls: EngineTls | None = None
+    url: str, transport: str = "h2", tls: EngineTls | None = None, allow: WorkerAllow | None = None
 ) -> EngineClient | HttpRelayClient:
     """The client for a worker URL; gRPC engines over the lean HTTP/2 client or grpcio. gRPC goes over TLS
-    when ``tls`` is given (every gRPC worker) or the URL is ``grpcs://`` (system CAs unless ``tls``)."""
+    when ``tls`` is given (every gRPC worker) or the URL is ``grpcs://`` (system CAs unless ``tls``).
+    ``allow``: the node's ``worker_allow`` (an HTTP worker's connections are checked against it)."""
     check_worker_url(url)
+    if allow is not None:
+        allow.check_url(url)
     scheme, _, rest = url.partition("://")
     target = rest.rstrip("/")
     if scheme in ("http", "https"):
-        return HttpRelayClient(url)
+        return HttpRelayClient(url, allow=allow)
     kind = {"sglang": "sglang", "vllm": "vllm"}.get(scheme)
     if tls is None and scheme == "grpcs":
         tls = EngineTls()
@@ -86,10 +97,48 @@ class Worker:
         }
 
 
+class ProbeBudget:
+    """How many new workers may fail their first check, and how fast that allowance comes back: a token
+    bucket of ``burst`` tokens refilled at ``per_sec``. Adding a worker probes its address and the
+    answer says whether it is healthy; a run-time add (admin API, mesh) needs a token left, and costs
+    one only when the first check fails: adding live workers spends nothing (only a run of failed adds
+    holds the next ones back), while sweeping addresses for open ports is slowed to ``per_sec`` after
+    ``burst`` (the ``worker_allow`` list bounds where at all; config workers at start-up are free)."""
+
+    def __init__(
+        self, burst: float = 20.0, per_sec: float = 0.5, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.burst = burst
+        self.per_sec = per_sec
+        self.clock = clock
+        self.tokens = burst
+        self.at = clock()
+
+    def _refill(self) -> None:
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.per_sec)
+        self.at = now
+
+    def available(self) -> bool:
+        self._refill()
+        return self.tokens >= 1.0
+
+    def spend(self) -> None:
+        self._refill()
+        self.tokens -= 1.0
+
+    def retry_after(self) -> int:
+        self._refill()
+        return max(1, int((1.0 - self.tokens) / self.per_sec + 0.999))
+
+
 class WorkerRegistry:
     def __init__(self, cfg: NodeConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
         self.clock = clock
+        self.allow = WorkerAllow(cfg.worker_allow)
+        self.probes = ProbeBudget(clock=clock)  # run-time adds (after ``start``): see ProbeBudget
+        self._started = False
         self.workers: dict[str, Worker] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self.on_health_change: Callable[[Worker], None] | None = None
@@ -129,14 +178,33 @@ class WorkerRegistry:
         ]
 
     async def add(self, url: str, model: str) -> Worker:
-        """Register a worker (idempotent by URL) and run its first check at once."""
+        """Register a worker (idempotent by URL) and run its first check at once.
+
+        ``ApiError`` (nothing registered, nothing dialed): 400 ``worker_not_allowed`` for a URL that
+        is not scheme://host:port or that ``worker_allow`` refuses (config, admin API and workers from
+        the mesh alike); 429 ``worker_probe_rate_limited`` when run-time adds failed their first check
+        too often (``ProbeBudget``)."""
         wid = worker_id(url)
         existing = self.workers.get(wid)
         if existing is not None:
             return existing
+        try:
+            check_worker_url(url)
+            self.allow.check_url(url)
+        except ConfigError as e:
+            raise ApiError(400, str(e), param="url", code="worker_not_allowed") from None
+        budgeted = self._started
+        if budgeted and not self.probes.available():
+            raise ApiError(
+                429,
+                "Too many new workers failed their first check lately; retry later.",
+                type="rate_limit_error",
+                code="worker_probe_rate_limited",
+                headers={"Retry-After": str(self.probes.retry_after())},
+            )
         c = self.cfg
         tls = EngineTls.configured(c.engine_tls_ca_file, c.engine_tls_cert_file, c.engine_tls_key_file)
-        client = make_client(url, c.engine_transport, tls)
+        client = make_client(url, c.engine_transport, tls, self.allow)
         w = Worker(
             id=wid,
             url=url,
@@ -153,6 +221,8 @@ class WorkerRegistry:
         self._http_only.clear()
         self.version += 1
         await self.check(w)
+        if budgeted and not w.health.healthy:  # the first check sets it to its own result
+            self.probes.spend()
         if self.on_added is not None and self.workers.get(wid) is w:
             self.on_added(w)
         return w
@@ -212,6 +282,7 @@ class WorkerRegistry:
                 await asyncio.gather(*(fn(w) for w in ws), return_exceptions=True)
 
     def start(self) -> None:
+        self._started = True
         self._tasks.append(asyncio.create_task(self._every(self.cfg.health_check_interval_secs, self.check)))
         self._tasks.append(asyncio.create_task(self._every(self.cfg.load_poll_interval_secs, self.poll_load)))
 
@@ -222,6 +293,26 @@ class WorkerRegistry:
         self._tasks.clear()
         for w in list(self.workers.values()):
             await w.client.close()
+
+
+def client_error(e: EngineError, *ws: Worker) -> EngineError:
+    """``e`` (raised by one of ``ws``) as a client may see it: workers named by id, never by URL or
+    address (a worker's address is the control plane's business). A connection failure says only that
+    the worker is unavailable; other messages keep the engine's words with each worker's URL and
+    host:port replaced by its id (a bare host name is left: it may name something else, e.g. a PD
+    bootstrap address; the error middleware scrubs addresses at the client boundary). Only on the
+    error path."""
+    if e.code == "engine_unavailable":
+        return EngineUnavailable(f"worker {' or '.join(w.id for w in ws)} is unavailable.")
+    msg = str(e)
+    changed = False
+    for w in ws:
+        needles = (w.url.rstrip("/"), w.url.partition("://")[2].rstrip("/"))  # the URL, its host:port
+        for n in needles:
+            if n and n in msg:
+                msg = msg.replace(n, f"worker {w.id}")
+                changed = True
+    return EngineError(msg, code=e.code, retryable=e.retryable) if changed else e
 
 
 _CLOSED = BreakerState.CLOSED

@@ -1,5 +1,12 @@
 """Request bodies: read with a size limit (413), decoded as a JSON object (400), and JSON answers.
 
+A JSON body must say so: ``Content-Type: application/json`` (any parameters, e.g. ``; charset=utf-8``)
+or another ``application/*+json`` type; anything else (``text/plain``, form types, none at all) is a 415
+``unsupported_media_type``, as vLLM answers. This is what keeps a web page from POSTing to a node: a
+browser sends ``application/json`` cross-origin only after a CORS preflight, which the node never
+grants. The openai and anthropic SDKs send ``application/json``; ``curl -d`` sends
+``application/x-www-form-urlencoded`` unless told ``-H 'content-type: application/json'`` (or ``--json``).
+
 The errors are ``ApiError``s in the OpenAI envelope (``shepherd.proto.openai_errors``).
 """
 
@@ -14,7 +21,29 @@ from aiohttp import web
 from shepherd.node.http.types import lean_request
 from shepherd.proto.openai_errors import ApiError, bad
 
-__all__ = ["json_now", "json_response", "parse_json_body", "read_json"]
+__all__ = ["check_json_content_type", "json_now", "json_response", "parse_json_body", "read_json"]
+
+
+def _is_json_type(value: str | None) -> bool:
+    if not value:
+        return False
+    media = value.split(";", 1)[0].strip().lower()
+    if media == "application/json":
+        return True
+    top, _, sub = media.partition("/")
+    return top == "application" and sub.endswith("+json")
+
+
+def check_json_content_type(request: web.Request) -> None:
+    """Raise the 415 unless the request says its body is JSON."""
+    ctype = request.headers.get("Content-Type")
+    if ctype != "application/json" and not _is_json_type(ctype):  # (the SDKs' exact value first)
+        raise ApiError(
+            415,
+            "Unsupported Media Type: send the JSON body with 'Content-Type: application/json'"
+            + (f" (got {ctype.split(';', 1)[0].strip()[:80]!r})." if ctype else " (none was sent)."),
+            code="unsupported_media_type",
+        )
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -30,6 +59,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
 
 
 async def read_json(request: web.Request, limit: int) -> tuple[bytes, dict[str, Any]]:
+    check_json_content_type(request)
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(
             413, f"The request body is larger than the limit of {limit} bytes.", code="body_too_large"
@@ -56,6 +86,7 @@ def json_now(request: web.Request, limit: int) -> tuple[bytes, dict[str, Any]] |
     lean = lean_request(request)
     if lean is None or (lean.content_length is not None and lean.content_length > limit):
         return None
+    check_json_content_type(request)
     raw = lean.body_now()
     if raw is None or len(raw) > limit:
         return None

@@ -114,6 +114,7 @@ class _Conn(asyncio.Protocol):
         self._continue = False  # a 100 Continue owed to the request being received
         # the message being received
         self.in_head = True
+        self.head_method = False  # its request line named HEAD (known once its head is in)
         self.head_bytes = 0
         self.url: list[bytes] = []
         self.url_len = 0
@@ -233,6 +234,7 @@ class _Conn(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self.started = self.last
         self.in_head = True
+        self.head_method = False
         self.url = []
         self.url_len = 0
         self.fields = []
@@ -262,6 +264,7 @@ class _Conn(asyncio.Protocol):
         p = self.parser
         url = self.url[0] if len(self.url) == 1 else b"".join(self.url)
         key = (p.get_method(), url)
+        self.head_method = key[0] == b"HEAD"  # a fault answered from here on answers a HEAD request
         hit = srv.targets.get(key)
         if hit is not None:  # a route's own target, seen before: decoded and resolved then
             method, target, path, qs, handler, mi = hit
@@ -547,19 +550,23 @@ class _Conn(asyncio.Protocol):
         head = status_line(HttpVersion11, fault.status, None) + (
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
         )
-        with contextlib.suppress(ConnectionResetError):
-            self.send(head.encode() + body)
+        with contextlib.suppress(ConnectionResetError):  # a HEAD answer has no body (RFC 9112 §6.3)
+            self.send(head.encode() if self.head_method else head.encode() + body)
         self.task = None
         t = self._transport()
         if t is None or t.is_closing() or not t.can_write_eof():
             self._close()
-        else:  # half-close: what the client is still sending is read and dropped, so no reset eats the answer
+            return
+        try:  # half-close: what the client is still sending is read and dropped, so no reset eats the answer
             t.write_eof()
-            if self.read_paused:
-                self.read_paused = False
-                t.resume_reading()
-            if self._linger is None:
-                self._linger = self.loop.call_later(self.limits.linger_secs, self._close)
+        except OSError:  # the client has gone already (ENOTCONN): nothing left to answer
+            self._close()
+            return
+        if self.read_paused:
+            self.read_paused = False
+            t.resume_reading()
+        if self._linger is None:
+            self._linger = self.loop.call_later(self.limits.linger_secs, self._close)
 
     def _end_after(self, req: LeanRequest) -> None:
         """The connection ends with this response: at once, or once a refused body has been read."""

@@ -8,6 +8,11 @@ clients, request bodies, routing, responses, client disconnects).
 
 - **Shutdown** (``shutdown``): stop accepting, close idle keep-alive connections, let in-flight requests
   finish (bounded), then close the rest. Idle keep-alive connections close after ``keepalive_secs``.
+- **Connection cap** (``ConnectionCap``, also for aiohttp's server: ``CappedTCPSite``): past
+  ``max_client_connections`` open connections a new one gets a 503 (OpenAI envelope, ``Connection:
+  close``) and is closed at once, counted in ``refused``. Checked when the connection is made, one at a
+  time, so the count is exact; over TLS that is after the handshake (handshakes in progress are bounded by
+  asyncio's ``ssl_handshake_timeout``, not by the cap).
 """
 
 from __future__ import annotations
@@ -19,10 +24,86 @@ from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_runner import BaseRunner
 
 from shepherd.node.http.connection import _Conn, _Resolved
-from shepherd.node.http.limits import Limits
+from shepherd.node.http.limits import Limits, error_body
 from shepherd.node.http.types import Routes
+
+_REFUSED = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s"
+)
+
+
+class ConnectionCap:
+    """At most ``limit`` client connections at once (``count()``: how many are open); ``refused``:
+    connections turned away. ``factory(inner)`` is the protocol factory to serve with."""
+
+    def __init__(self, limit: int, count: Callable[[], int]) -> None:
+        self.limit = limit
+        self.count = count
+        self.refused = 0
+        body = error_body(503, "The server has too many connections; retry.", "too_many_connections")
+        self.answer = _REFUSED % (len(body), body)
+
+    def factory(self, inner: Callable[[], asyncio.BaseProtocol]) -> Callable[[], asyncio.BaseProtocol]:
+        return lambda: _Gate(self, inner)
+
+
+class _Gate(asyncio.Protocol):
+    """Stands for a new connection until it is made: refused past the cap, else hands the transport to
+    the real protocol (``set_protocol``: nothing stays between them afterwards)."""
+
+    __slots__ = ("cap", "inner")
+
+    def __init__(self, cap: ConnectionCap, inner: Callable[[], asyncio.BaseProtocol]) -> None:
+        self.cap = cap
+        self.inner = inner
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        cap = self.cap
+        if cap.count() >= cap.limit:
+            cap.refused += 1
+            t: Any = transport
+            with contextlib.suppress(Exception):
+                t.write(cap.answer)
+            transport.close()
+            return
+        proto = self.inner()
+        transport.set_protocol(proto)
+        proto.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:  # a refused connection's request: ignored
+        pass
+
+    def eof_received(self) -> bool | None:
+        return None
+
+
+class CappedTCPSite(web.TCPSite):
+    """aiohttp's ``TCPSite`` with a ``ConnectionCap`` (made from the runner's server's connections)."""
+
+    def __init__(self, runner: BaseRunner, host: str, port: int, *, limit: int, **kw: Any) -> None:
+        super().__init__(runner, host, port, **kw)
+        server = runner.server
+        assert server is not None, "runner.setup() first"
+        self.cap = ConnectionCap(limit, lambda: len(server.connections))
+
+    async def start(self) -> None:
+        self._runner._reg_site(self)  # what BaseSite.start does; then TCPSite's, through the cap
+        server = self._runner.server
+        assert server is not None
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self.cap.factory(server),
+            self._host,
+            self._port,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
+        )
 
 
 class LeanServer:
@@ -36,6 +117,7 @@ class LeanServer:
         max_body: int,
         limits: Limits | None = None,
         clock: Callable[[], float] | None = None,
+        max_connections: int = 10_000,
     ) -> None:
         if app.on_response_prepare:
             raise TypeError("the lean HTTP server does not run on_response_prepare signals")
@@ -45,6 +127,7 @@ class LeanServer:
         self.routes = Routes(app)
         self.targets: dict[tuple[bytes, bytes], _Resolved] = {}  # bounded by _TARGETS_MAX
         self.conns: set[_Conn] = set()
+        self.cap = ConnectionCap(max_connections, self.conns.__len__)  # refused ones: ``cap.refused``
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self.loop = asyncio.get_running_loop()
@@ -60,7 +143,7 @@ class LeanServer:
         reuse_address: bool = True,
     ) -> None:
         self._server = await self.loop.create_server(
-            lambda: _Conn(self),
+            self.cap.factory(lambda: _Conn(self)),
             host,
             port,
             ssl=ssl_context,

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Protocol, cast
-from urllib.parse import parse_qsl, unquote
+from urllib.parse import parse_qsl
 
 from aiohttp import HttpVersion, hdrs, web
 from aiohttp.abc import AbstractStreamWriter
@@ -280,13 +280,42 @@ class Routes:
         return self.not_found, self.not_found_mi
 
 
+_ESCAPES = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
+
+
+def _decode_escapes(m: re.Match[str]) -> str:
+    """One run of percent-escapes, decoded as UTF-8; bytes that are not UTF-8 keep their escape as sent."""
+    run = m.group(0)
+    text = bytes.fromhex(run.replace("%", "")).decode("utf-8", "surrogateescape")
+    if text.isascii() or not any("\udc80" <= c <= "\udcff" for c in text):
+        return text
+    out = []
+    at = 0  # the byte (escape) of ``run`` the next character starts at
+    for c in text:
+        if "\udc80" <= c <= "\udcff":
+            out.append(run[3 * at : 3 * at + 3])
+            at += 1
+        else:
+            out.append(c)
+            at += len(c.encode("utf-8"))
+    return "".join(out)
+
+
+def _unquote(raw: str) -> str:
+    return _ESCAPES.sub(_decode_escapes, raw)
+
+
 def decode_path(raw: str) -> tuple[str, str]:
-    """(path, path_safe) of a request target's path: percent-decoded, and the same keeping ``%2F``."""
+    """(path, path_safe) of a request target's path: percent-decoded, and the same keeping ``%2F``.
+
+    Escapes that do not decode as UTF-8 stay escaped (``/a%C3%A9%ff`` -> ``/aé%ff``), as yarl leaves them
+    under aiohttp's server: a path is always valid text (a lone surrogate would make every JSON answer
+    that names the path, a 404's say, fail to serialise)."""
     if "%" not in raw:
         return raw, raw
-    path = unquote(raw, errors="surrogateescape")
+    path = _unquote(raw)
     parts = re.split("%2[fF]", raw)
-    safe = "%2F".join(unquote(p, errors="surrogateescape") for p in parts) if len(parts) > 1 else path
+    safe = "%2F".join(_unquote(p) for p in parts) if len(parts) > 1 else path
     return path, safe
 
 

@@ -1,9 +1,11 @@
 """The OpenAI schema, pure: request parsing and validation, tools, structured outputs, logprobs, chunks.
 
-Callers use: ``requests`` (``parse_chat``, ``parse_completion``, ``Sampling``), ``tool_choice``,
+Callers use: ``items`` (Responses input items -> ``StoredItem`` records, stored items -> chat
+messages), ``requests`` (``parse_chat``, ``parse_completion``, ``Sampling``), ``responses``
+(``parse_responses``: Responses API requests), ``tool_choice``,
 ``structured`` (engine constraints, final-answer checks), ``logprobs`` (``LogprobFormatter``),
 ``sse`` (SSE chunk encoders, usage, ``DONE``). Errors are ``shepherd.proto.openai_errors.ApiError``.
-Imports only the node's root leaves, tokens and proto.
+Imports only the node's root leaves, tokens, proto and storage (its record types).
 """
 
-__all__ = ["logprobs", "requests", "sse", "structured", "tool_choice"]
+__all__ = ["items", "logprobs", "requests", "responses", "sse", "structured", "tool_choice"]

@@ -2,6 +2,23 @@
 
 Every rejection is an ``ApiError`` carrying the HTTP status and the envelope fields, so no handler ever
 answers bad input with a 500.
+
+Bounds on what one request may hold (each a 400 naming the parameter; none is near real use, and each
+keeps what a request leaves in the node's caches, and the per-token stop work, small):
+
+- ``stop``: at most ``MAX_STOP`` (16) strings of at most ``MAX_STOP_CHARS`` (1024) characters each
+  (OpenAI accepts 4; real stops are a few characters to a line; vLLM and SGLang set no bound);
+- ``stop_token_ids``: at most ``MAX_STOP_TOKEN_IDS`` (256) ids;
+- ``logit_bias``: at most ``MAX_LOGIT_BIAS`` (1024) entries (real uses ban or favour tens of tokens);
+- ``chat_template_kwargs``: at most ``MAX_TEMPLATE_KWARGS_BYTES`` (64 KiB) of JSON (real ones are a few
+  flags: ``enable_thinking``, ``reasoning_effort``);
+- ``tools``: at most ``MAX_TOOLS`` (2048) tools and ``MAX_TOOLS_BYTES`` (1 MiB) of JSON with their
+  descriptions (OpenAI accepts 128 tools; a big MCP tool set is ~100 kB);
+- JSON schemas (tools' parameters and ``response_format``): see structured.py (512 KiB, 20,000 values).
+
+Schemas: ``parse_chat`` meta-validates them inline, as before; handlers call ``parse_chat_deferred``
+(bounds only), then, after the model lookup and admission, ``await check_chat_schemas(req)`` (off the
+event loop, with a deadline).
 """
 
 from __future__ import annotations
@@ -10,7 +27,15 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from shepherd.node.openai.structured import schema_error
+import orjson
+
+from shepherd.node.openai.structured import (
+    SCHEMA_MAX_BYTES,
+    PendingSchema,
+    SchemaBudget,
+    check_schemas,
+    check_schemas_now,
+)
 from shepherd.node.openai.tool_choice import NONE as NO_TOOL_CHOICE
 from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, parse_tool_choice
 from shepherd.proto.openai_errors import bad
@@ -18,6 +43,12 @@ from shepherd.proto.openai_errors import bad
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_N = 128
 MAX_STOP = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024
+MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
+MAX_TOOLS = 2048
+MAX_TOOLS_BYTES = 1024 * 1024
 MAX_TOP_LOGPROBS = 20
 
 
@@ -30,12 +61,25 @@ def _num(
     v = d.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+    if (
+        isinstance(v, bool)
+        or not isinstance(v, int | float)
+        or (isinstance(v, float) and not math.isfinite(v))
+    ):
         raise bad(f"'{key}' must be a number.", param=key, code="invalid_type")
     if v < lo or v > hi or (lo_open and v == lo):
         left = "(" if lo_open else "["
-        raise bad(f"'{key}' must be in {left}{lo}, {hi}], got {v}.", param=key, code="invalid_value")
+        msg = f"'{key}' must be in {left}{lo}, {hi}], got {shown(v)}."
+        raise bad(msg, param=key, code="invalid_value")
     return float(v)
+
+
+def shown(v: float) -> str:
+    """A number for an error message: an integer too long to print usefully (or at all: Python refuses
+    str() of ints over 4300 digits) is named by its size."""
+    if isinstance(v, int) and v.bit_length() > 128:
+        return f"an integer of {v.bit_length()} bits"
+    return str(v)
 
 
 INT32_MAX = (1 << 31) - 1  # engine protos hold counts and ids in 32-bit fields
@@ -52,7 +96,7 @@ def _int(d: dict[str, Any], key: str, default: int | None, lo: int, hi: int | No
             raise bad(f"'{key}' must be an integer.", param=key, code="invalid_type")
     if v < lo or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise bad(f"'{key}' must be {rng}, got {v}.", param=key, code="invalid_value")
+        raise bad(f"'{key}' must be {rng}, got {shown(v)}.", param=key, code="invalid_value")
     return v
 
 
@@ -79,18 +123,29 @@ def _stop(d: dict[str, Any]) -> tuple[str, ...]:
     if v is None:
         return ()
     if isinstance(v, str):
+        if len(v) > MAX_STOP_CHARS:
+            raise _long_stop()
         return (v,) if v else ()
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
         if len(v) > MAX_STOP:
             raise bad(f"'stop' may hold at most {MAX_STOP} sequences.", param="stop", code="invalid_value")
+        if any(len(s) > MAX_STOP_CHARS for s in v):
+            raise _long_stop()
         return tuple(s for s in v if s)
     raise bad("'stop' must be a string or a list of strings.", param="stop", code="invalid_type")
 
 
-def _int_list(d: dict[str, Any], key: str) -> tuple[int, ...]:
+def _long_stop() -> Exception:
+    msg = f"'stop' sequences may be at most {MAX_STOP_CHARS} characters long."
+    return bad(msg, param="stop", code="invalid_value")
+
+
+def _int_list(d: dict[str, Any], key: str, most: int = MAX_STOP_TOKEN_IDS) -> tuple[int, ...]:
     v = d.get(key)
     if v is None:
         return ()
+    if isinstance(v, list) and len(v) > most:
+        raise bad(f"'{key}' may hold at most {most} token ids.", param=key, code="invalid_value")
     if not isinstance(v, list) or not all(
         isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= INT32_MAX for x in v
     ):
@@ -107,8 +162,13 @@ def _logit_bias(d: dict[str, Any]) -> tuple[tuple[int, float], ...]:
         raise bad(
             "'logit_bias' must be an object of token id -> bias.", param="logit_bias", code="invalid_type"
         )
+    if len(v) > MAX_LOGIT_BIAS:
+        msg = f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries."
+        raise bad(msg, param="logit_bias", code="invalid_value")
     out = []
     for k, b in v.items():
+        if len(k) > 12:  # no token id is written with more digits (int() of a long string is slow)
+            raise bad(f"'logit_bias' key {k[:20]!r}... is not a token id.", param="logit_bias")
         try:
             tok = int(k)
         except ValueError:
@@ -177,6 +237,20 @@ _SAMPLING_KEYS: frozenset[str] = frozenset(
 _SCALARS: frozenset[type] = frozenset({str, int, float, bool, type(None)})
 _SAMPLING_MEMO: dict[tuple[Any, ...], Sampling] = {}
 SAMPLING_MEMO_MAX = 1024
+# the memo's bytes (estimated: what a key and its Sampling hold beyond a plain parameter set); the
+# memo is emptied when an entry would take it over, and an entry over an eighth is not kept
+SAMPLING_MEMO_BYTES = 4 << 20
+_memo_bytes = 0
+
+
+def _sampling_cost(s: Sampling) -> int:
+    """Bytes an entry holds (estimate: the key holds the same strings and ids as the Sampling)."""
+    return (
+        512
+        + sum(2 * (4 * len(x) + 64) for x in s.stop)
+        + 2 * 40 * len(s.stop_token_ids)
+        + 2 * 120 * len(s.logit_bias)
+    )
 
 
 def _flat(v: Any) -> Any:
@@ -218,10 +292,25 @@ def parse_sampling(d: dict[str, Any], *, max_tokens_keys: tuple[str, ...]) -> Sa
     s = _SAMPLING_MEMO.get(key)
     if s is None:
         s = _parse_sampling(d, max_tokens_keys)
-        if len(_SAMPLING_MEMO) >= SAMPLING_MEMO_MAX:
-            _SAMPLING_MEMO.clear()
-        _SAMPLING_MEMO[key] = s
+        _memoize(key, s)
     return s
+
+
+def _memoize(key: tuple[Any, ...], s: Sampling) -> None:
+    global _memo_bytes
+    cost = 512 if not (s.stop or s.stop_token_ids or s.logit_bias) else _sampling_cost(s)
+    if cost > SAMPLING_MEMO_BYTES // 8:
+        return
+    if len(_SAMPLING_MEMO) >= SAMPLING_MEMO_MAX or _memo_bytes + cost > SAMPLING_MEMO_BYTES:
+        _SAMPLING_MEMO.clear()
+        _memo_bytes = 0
+    _SAMPLING_MEMO[key] = s
+    _memo_bytes += cost
+
+
+def sampling_memo_bytes() -> int:
+    """The estimated bytes the sampling memo holds (tests: never over ``SAMPLING_MEMO_BYTES``)."""
+    return _memo_bytes
 
 
 def _parse_sampling(d: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Sampling:
@@ -262,7 +351,7 @@ def _parse_sampling(d: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samp
         min_tokens=min_tokens,
         n=_int(d, "n", 1, 1, MAX_N) or 1,
         stop=_stop(d),
-        stop_token_ids=_int_list(d, "stop_token_ids"),
+        stop_token_ids=_int_list(d, "stop_token_ids", MAX_STOP_TOKEN_IDS),
         seed=seed,
         ignore_eos=_bool(d, "ignore_eos", False),
         skip_special_tokens=_bool(d, "skip_special_tokens", True),
@@ -303,6 +392,9 @@ class ChatRequest:
     raw: dict[str, Any]
     parallel_tool_calls: bool = True
     separate_reasoning: bool = True
+    # the request's JSON schemas, within bounds, until ``check_chat_schemas`` (``parse_chat_deferred``;
+    # empty after ``parse_chat``, which checked them)
+    schemas: tuple[PendingSchema, ...] = ()
 
 
 def _content_text(content: Any, idx: int) -> Any:
@@ -367,11 +459,36 @@ def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _tools(d: dict[str, Any]) -> list[dict[str, Any]] | None:
+    pending: list[PendingSchema] = []
+    tools = _tools_deferred(d, SchemaBudget(), pending)
+    check_schemas_now(pending)
+    return tools
+
+
+def _json_size(v: Any, key: str, most: int) -> int:
+    """The bytes of ``v`` as compact JSON (C speed); a 400 naming ``key`` over ``most``."""
+    try:
+        n = len(orjson.dumps(v))
+    except (TypeError, orjson.JSONEncodeError):  # e.g. nested deeper than 254 levels
+        raise bad(f"'{key}' cannot be serialised as JSON.", param=key, code="invalid_value") from None
+    if n > most:
+        raise bad(f"'{key}' may hold at most {most // 1024} KiB of JSON.", param=key, code="invalid_value")
+    return n
+
+
+def _tools_deferred(
+    d: dict[str, Any], budget: SchemaBudget, pending: list[PendingSchema]
+) -> list[dict[str, Any]] | None:
+    """``tools`` checked but for the meta-validation of their parameters, which go to ``pending``."""
     tools = d.get("tools")
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise bad("'tools' must be a list.", param="tools", code="invalid_type")
+    if len(tools) > MAX_TOOLS:
+        raise bad(f"'tools' may hold at most {MAX_TOOLS} tools.", param="tools", code="invalid_value")
+    if tools:
+        _json_size(tools, "tools", MAX_TOOLS_BYTES)
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
@@ -384,18 +501,23 @@ def _tools(d: dict[str, Any]) -> list[dict[str, Any]] | None:
             raise bad(f"tools[{i}].type must be 'function'.", param=f"tools.{i}.type")
         params = fn.get("parameters")
         if params is not None:
-            problem = schema_error(params)
-            if problem:
-                raise bad(
-                    f"tools[{i}].function.parameters is not a valid JSON schema: {problem}",
-                    param=f"tools.{i}.function.parameters",
-                )
+            pending.append(budget.take(params, i))
         if fn.get("strict") not in (None, True, False):
             raise bad(f"tools[{i}].function.strict must be a boolean.", param=f"tools.{i}.function.strict")
     return tools or None
 
 
 def _response_format(d: dict[str, Any]) -> dict[str, Any] | None:
+    pending: list[PendingSchema] = []
+    rf = _response_format_deferred(d, SchemaBudget(), pending)
+    check_schemas_now(pending)
+    return rf
+
+
+def _response_format_deferred(
+    d: dict[str, Any], budget: SchemaBudget, pending: list[PendingSchema]
+) -> dict[str, Any] | None:
+    """``response_format`` checked but for the meta-validation of its schema, which goes to ``pending``."""
     rf = _dict(d, "response_format")
     if rf is None:
         return None
@@ -412,17 +534,14 @@ def _response_format(d: dict[str, Any]) -> dict[str, Any] | None:
                 "'response_format.json_schema' must be an object with a 'schema'.",
                 param="response_format.json_schema",
             )
-        problem = schema_error(spec["schema"])
-        if problem:
-            raise bad(
-                f"'response_format.json_schema.schema' is not a valid JSON schema: {problem}",
-                param="response_format.json_schema.schema",
-            )
+        pending.append(budget.take(spec["schema"], "response_format.json_schema.schema"))
         if spec.get("strict") not in (None, True, False):
             raise bad(
                 "'response_format.json_schema.strict' must be a boolean.",
                 param="response_format.json_schema.strict",
             )
+    elif kind == "structural_tag":
+        _json_size(rf, "response_format", SCHEMA_MAX_BYTES)
     return None if kind == "text" else rf
 
 
@@ -452,6 +571,19 @@ _CHAT_MAX_KEYS = ("max_tokens", "max_completion_tokens")
 
 
 def parse_chat(d: dict[str, Any]) -> ChatRequest:
+    """The validated chat request, its JSON schemas meta-validated here, on the calling thread (within
+    the bounds: up to ~1 s). Handlers use ``parse_chat_deferred`` and ``check_chat_schemas``."""
+    req = parse_chat_deferred(d)
+    if req.schemas:
+        check_schemas_now(req.schemas)
+        req.schemas = ()
+    return req
+
+
+def parse_chat_deferred(d: dict[str, Any]) -> ChatRequest:
+    """``parse_chat`` with every check but the meta-validation of its JSON schemas (bounded: cheap):
+    those wait in ``schemas`` for ``await check_chat_schemas(req)``, once the model is known and the
+    request admitted."""
     model = _model(d)
     messages = _messages(d)
     sampling = parse_sampling(d, max_tokens_keys=_CHAT_MAX_KEYS)
@@ -462,6 +594,14 @@ def parse_chat(d: dict[str, Any]) -> ChatRequest:
     return _parse_chat_options(d, model, messages, sampling)
 
 
+async def check_chat_schemas(req: ChatRequest) -> None:
+    """Meta-validate the schemas ``parse_chat_deferred`` left in ``req.schemas`` off the event loop (see
+    ``structured.check_schemas``): a 400 naming the first invalid one, or past the deadline."""
+    if req.schemas:
+        await check_schemas(req.schemas)
+        req.schemas = ()
+
+
 def _parse_chat_options(
     d: dict[str, Any], model: str, messages: list[dict[str, Any]], sampling: Sampling
 ) -> ChatRequest:
@@ -470,9 +610,13 @@ def _parse_chat_options(
     if top_logprobs and not logprobs:
         raise bad("'top_logprobs' requires 'logprobs': true.", param="top_logprobs")
     kwargs = _dict(d, "chat_template_kwargs") or {}
-    rf = _response_format(d)
+    if kwargs:
+        _json_size(kwargs, "chat_template_kwargs", MAX_TEMPLATE_KWARGS_BYTES)
+    budget = SchemaBudget()
+    pending: list[PendingSchema] = []
+    rf = _response_format_deferred(d, budget, pending)
     cont = _bool(d, "continue_final_message", False)
-    tools = _tools(d)
+    tools = _tools_deferred(d, budget, pending)
     return ChatRequest(
         model=model,
         messages=messages,
@@ -488,6 +632,7 @@ def _parse_chat_options(
         raw=d,
         parallel_tool_calls=_bool(d, "parallel_tool_calls", True),
         separate_reasoning=_bool(d, "separate_reasoning", True),
+        schemas=tuple(pending),
     )
 
 

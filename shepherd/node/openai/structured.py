@@ -15,27 +15,55 @@ was promised conforming output; otherwise the answer is returned as generated, t
 ``schema_violation`` message and the response an ``x-smg-schema-violation`` header. A choice cut by
 ``max_tokens`` (``finish_reason: length``) is not checked: it is incomplete by request.
 
-Schema validation uses ``jsonschema`` (Draft 2020-12); validators are cached per schema text.
+Schema validation uses ``jsonschema`` (Draft 2020-12). Its meta-validation (is this a schema at all?)
+costs ~40 µs per JSON node (~5-9 µs per byte), so a request's schemas are bounded and checked off the
+event loop:
+
+- Bounds (``SchemaBudget``), over all the schemas of one request (``tools[].function.parameters`` and
+  ``response_format.json_schema.schema``) together: at most ``SCHEMA_MAX_BYTES`` (512 KiB) of JSON
+  and ``SCHEMA_MAX_NODES`` (20,000 JSON values: objects, arrays, strings, numbers, ...). A real tool
+  schema is 0.3-5 kB and 20-300 nodes; a big MCP tool set (~100 tools) ~100 kB; OpenAI's own limit
+  for structured outputs is 5,000 properties (~20,000 nodes at 3-4 per property). Over a bound: 400
+  naming the parameter, before any validation. Checking a bound costs one ``orjson.dumps`` (C) and,
+  only above 40 kB, a node count that stops at the bound.
+- Meta-validation (``check_schemas``) runs in one dedicated thread (``schema-check``) with a deadline
+  (``SCHEMA_CHECK_SECONDS``, queueing included): past it the request gets a 400 (``schema_too_complex``)
+  and a job not yet started is cancelled; one already running ends on its own, within the bounds
+  (~1 s at 20,000 nodes). Handlers call it after the model lookup and admission. ``schema_error``
+  (inline) stays for callers that need a synchronous answer.
+- Results are cached in ``ByteLRU``s bounded in bytes: meta-validation answers by schema text (a
+  16-byte digest of it above 1 KiB; the answer is "" or a short message), validators by schema text
+  (counted with an estimate of the parsed schema they hold).
 """
 
 from __future__ import annotations
 
-import functools
+import asyncio
+import hashlib
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import orjson
 
-from shepherd.proto.openai_errors import ApiError
+from shepherd.proto.openai_errors import ApiError, bad
+from shepherd.tokens.cache import ByteLRU
 
 if TYPE_CHECKING:
     from jsonschema.protocols import Validator
 
 __all__ = [
+    "SCHEMA_CHECK_SECONDS",
+    "SCHEMA_MAX_BYTES",
+    "SCHEMA_MAX_NODES",
     "Constraint",
     "OutputChecks",
+    "PendingSchema",
+    "SchemaBudget",
     "Violation",
+    "check_schemas",
+    "check_schemas_now",
     "response_format_constraint",
     "schema_error",
 ]
@@ -73,35 +101,246 @@ def response_format_constraint(rf: Mapping[str, Any] | None) -> Constraint | Non
 
 # ---- schemas ---------------------------------------------------------------------------------------------
 
+SCHEMA_MAX_BYTES = 512 * 1024  # all the schemas of one request, as compact JSON
+SCHEMA_MAX_NODES = 20_000  # all the schemas of one request, JSON values counted
+SCHEMA_CHECK_SECONDS = 10.0  # meta-validation off the loop, waiting for the thread included
+_NODE_COUNT_FROM = 2 * SCHEMA_MAX_NODES  # below this many bytes a JSON text cannot hold more nodes
 
-@functools.lru_cache(maxsize=512)
-def _validator(schema_json: str) -> Validator | str:
-    """A validator for the schema, or the reason the schema is not one."""
+_META_CACHE_ENTRIES = 8192  # schema text (<= 1 KiB) or digest -> "" | message (<= 300 chars)
+_META_CACHE_BYTES = 4 << 20
+_VALIDATOR_CACHE_BYTES = 32 << 20  # schema text + ~8x for the parsed schema a validator holds
+_PARSED_FACTOR = 8
+
+
+def _node_count(value: Any, limit: int) -> int:
+    """The JSON values in ``value`` (containers and scalars), counting stops once past ``limit``."""
+    n = 0
+    stack = [value]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        v = pop()
+        n += 1
+        if n > limit:
+            return n
+        t = type(v)
+        if t is dict:
+            push(v.values())
+        elif t is list:
+            push(v)
+    return n
+
+
+class PendingSchema(NamedTuple):
+    """A request's schema, within bounds, waiting for meta-validation (``check_schemas``). (A
+    NamedTuple: one is built per schema per request, ~4x cheaper than a frozen dataclass.)"""
+
+    where: str | int  # the request field, dotted ("response_format.json_schema.schema"), or a tool's index
+    text: bytes  # the schema as compact JSON
+
+    @property
+    def param(self) -> str:
+        """The request field, dotted (``tools.0.function.parameters``)."""
+        w = self.where
+        return f"tools.{w}.function.parameters" if isinstance(w, int) else w
+
+    @property
+    def label(self) -> str:
+        """The field as messages name it (``tools[0].function.parameters``)."""
+        w = self.where
+        return f"tools[{w}].function.parameters" if isinstance(w, int) else f"'{w}'"
+
+
+class SchemaBudget:
+    """The bounds of one request's schemas, taken schema by schema (``take``): bytes always; JSON values
+    once the request's schemas pass 40 kB (below, they cannot hold more than the bound), then counted
+    exactly, each count stopping at the bound."""
+
+    __slots__ = ("_uncounted", "bytes", "nodes")
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.nodes = 0
+        self._uncounted: list[Any] = []
+
+    def take(self, schema: Any, where: str | int) -> PendingSchema:
+        """``schema`` (an object or a boolean) measured against what is left; raises a 400 naming the
+        field (``where``: a dotted request field, or the index of a tool whose parameters these are)
+        when the request's schemas go over a bound (nothing validated yet)."""
+        if not isinstance(schema, dict | bool):
+            p = _pending(PendingSchema, (where, b""))
+            raise bad(f"{p.label} is not a valid JSON schema: a schema must be an object", param=p.param)
+        try:
+            text = orjson.dumps(schema)
+        except (TypeError, orjson.JSONEncodeError) as e:  # e.g. nested deeper than 254 levels
+            p = _pending(PendingSchema, (where, b""))
+            msg = f"{p.label} cannot be serialised: {e}."
+            raise ApiError(400, msg, param=p.param, code="invalid_schema") from None
+        self.bytes += len(text)
+        if self.bytes > SCHEMA_MAX_BYTES:
+            raise _too_large(where, f"exceed {SCHEMA_MAX_BYTES // 1024} KiB")
+        if self.bytes <= _NODE_COUNT_FROM:
+            self._uncounted.append(schema)
+        else:
+            for earlier in self._uncounted:
+                self.nodes += _node_count(earlier, SCHEMA_MAX_NODES)
+            self._uncounted.clear()
+            self.nodes += _node_count(schema, SCHEMA_MAX_NODES - self.nodes)
+            if self.nodes > SCHEMA_MAX_NODES:
+                raise _too_large(where, f"hold more than {SCHEMA_MAX_NODES} values")
+        return _pending(PendingSchema, (where, text))
+
+
+_pending = tuple.__new__  # PendingSchema(...) without the keyword-handling __new__ wrapper
+
+
+def _too_large(where: str | int, what: str) -> ApiError:
+    p = _pending(PendingSchema, (where, b""))
+    msg = f"{p.label}: the request's JSON schemas {what} in total."
+    return bad(msg, param=p.param, code="schema_too_large")
+
+
+def _meta_key(text: bytes) -> bytes:
+    """The meta-validation cache key: a schema text itself up to 1 KiB (most), else a 16-byte digest."""
+    return text if len(text) <= _META_KEY_TEXT else hashlib.blake2b(text, digest_size=16).digest()
+
+
+_META_KEY_TEXT = 1024
+_VALID = ""  # the cached answer of a valid schema (None: not cached)
+_META: ByteLRU[bytes, str] = ByteLRU(_META_CACHE_BYTES, _META_CACHE_ENTRIES, max_item_bytes=2048)
+_VALIDATORS: ByteLRU[bytes, Validator] = ByteLRU(_VALIDATOR_CACHE_BYTES)
+
+
+def _meta_error(text: bytes) -> str | None:
+    """Why the JSON text is not a Draft 2020-12 schema, or None: the slow part (any thread)."""
     # here, not at the top: jsonschema costs ~40 ms of start-up and most requests carry no schema
     from jsonschema import Draft202012Validator, SchemaError
 
-    schema = orjson.loads(schema_json)
     try:
-        Draft202012Validator.check_schema(schema)
+        Draft202012Validator.check_schema(orjson.loads(text))
     except SchemaError as e:
-        return e.message
+        return e.message[:300]
     except Exception as e:  # whatever the checker trips on, the schema is unusable
-        return f"{type(e).__name__}: {e}"
-    return Draft202012Validator(schema)
+        return f"{type(e).__name__}: {e}"[:300]
+    return None
+
+
+def _remember_meta(key: bytes, problem: str | None) -> None:
+    _META.put(key, problem or _VALID, 160 + len(key) + (len(problem) if problem else 0))
+
+
+def _cached_meta(text: bytes) -> tuple[bytes, str | None]:
+    """(cache key, the cached answer: "" valid, a message, or None when not cached)."""
+    key = _meta_key(text)
+    return key, _META.get(key)
+
+
+def _validator(schema_json: str | bytes) -> Validator:
+    """A validator for a schema that passed meta-validation (building one is cheap; checking the
+    schema is what costs), cached by text within ``_VALIDATOR_CACHE_BYTES``."""
+    # here, not at the top: jsonschema costs ~40 ms of start-up and most requests carry no schema
+    from jsonschema import Draft202012Validator
+
+    key = schema_json.encode() if isinstance(schema_json, str) else schema_json
+    v = _VALIDATORS.get(key)
+    if v is None:
+        v = Draft202012Validator(orjson.loads(key))
+        _VALIDATORS.put(key, v, len(key) * (1 + _PARSED_FACTOR) + 256)
+    return v
 
 
 def schema_error(schema: Any) -> str | None:
-    """Why ``schema`` is not a valid JSON schema (Draft 2020-12), or None."""
+    """Why ``schema`` is not a valid JSON schema (Draft 2020-12), or None. Synchronous, on the calling
+    thread; bounded by the per-request bounds (a schema over them gets a message saying so). Handlers
+    prefer ``SchemaBudget.take`` + ``check_schemas`` (off the loop, with a deadline)."""
     if not isinstance(schema, dict | bool):
         return "a schema must be an object"
-    v = _validator(_dumps(schema))
-    return v if isinstance(v, str) else None
+    text = _dumps(schema).encode()
+    if len(text) > SCHEMA_MAX_BYTES:
+        return f"it exceeds {SCHEMA_MAX_BYTES // 1024} KiB"
+    if len(text) > _NODE_COUNT_FROM and _node_count(schema, SCHEMA_MAX_NODES) > SCHEMA_MAX_NODES:
+        return f"it holds more than {SCHEMA_MAX_NODES} values"
+    key, problem = _cached_meta(text)
+    if problem is None:
+        problem = _meta_error(text)
+        _remember_meta(key, problem)
+    return problem or None
+
+
+def _invalid(p: PendingSchema, problem: str) -> ApiError:
+    """The 400 of an invalid schema."""
+    return bad(f"{p.label} is not a valid JSON schema: {problem}", param=p.param)
+
+
+def check_schemas_now(pending: Sequence[PendingSchema]) -> None:
+    """Meta-validate on the calling thread (bounded by ``SchemaBudget``): raises the 400 of the first
+    invalid schema. For callers that cannot await; handlers use ``check_schemas``."""
+    get = _META.get
+    for p in pending:
+        t = p.text
+        key = t if len(t) <= _META_KEY_TEXT else _meta_key(t)
+        problem = get(key)
+        if problem is None:
+            problem = _meta_error(p.text)
+            _remember_meta(key, problem)
+        if problem:
+            raise _invalid(p, problem)
+
+
+_EXECUTOR: ThreadPoolExecutor | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="schema-check")
+    return _EXECUTOR
+
+
+def _meta_errors(texts: list[bytes]) -> list[str | None]:
+    return [_meta_error(t) for t in texts]
+
+
+async def check_schemas(pending: Sequence[PendingSchema], deadline: float = SCHEMA_CHECK_SECONDS) -> None:
+    """Meta-validate a request's schemas off the event loop: cached answers at once, the rest in the
+    ``schema-check`` thread within ``deadline`` seconds (waiting included). Raises the 400 of the first
+    invalid schema, or a 400 ``schema_too_complex`` past the deadline (a job not started is cancelled;
+    a running one ends within the bounds). Call it after the model lookup and admission."""
+    if not pending:
+        return
+    todo: list[tuple[PendingSchema, bytes]] = []
+    first: tuple[int, str] | None = None
+    for i, p in enumerate(pending):
+        key, problem = _cached_meta(p.text)
+        if problem is None:
+            todo.append((p, key))
+        elif problem and first is None:
+            first = (i, problem)
+    if todo:
+        fut: Future[list[str | None]] = _executor().submit(_meta_errors, [p.text for p, _ in todo])
+        try:
+            answers = await asyncio.wait_for(asyncio.wrap_future(fut), deadline)
+        except TimeoutError:
+            fut.cancel()
+            p = todo[0][0]
+            raise bad(
+                f"{p.label}: the request's JSON schemas could not be validated within {deadline:g} s.",
+                param=p.param,
+                code="schema_too_complex",
+            ) from None
+        index = {id(p): i for i, p in enumerate(pending)}
+        for (p, key), problem in zip(todo, answers, strict=True):
+            _remember_meta(key, problem)
+            if problem is not None and (first is None or index[id(p)] < first[0]):
+                first = (index[id(p)], problem)
+    if first is not None:
+        raise _invalid(pending[first[0]], first[1])
 
 
 def _violation(schema_json: str, value: Any) -> str | None:
-    v = _validator(schema_json)
-    if isinstance(v, str):
-        return f"invalid schema: {v}"
+    try:
+        v = _validator(schema_json)
+    except Exception:  # not a schema after all (a caller that skipped meta-validation): nothing to report
+        return None
     try:
         err = next(iter(v.iter_errors(value)), None)
     except Exception:  # e.g. a $ref to nowhere: the schema cannot be applied; nothing to report

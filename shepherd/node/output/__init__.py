@@ -2,7 +2,8 @@
 parsers).
 
 Callers use: ``choice.ChoiceState`` (per-choice state fed engine chunks), ``stop`` (``StopMatcher``),
-``chat`` (``ChatShaping``, ``shape_chat``: which parsers and constraints a chat request gets).
+``chat`` (``ChatShaping``, ``shape_chat``: which parsers and constraints a chat request gets),
+``responses`` (the Responses API's Response object and its SSE events).
 """
 
-__all__ = ["chat", "choice", "stop"]
+__all__ = ["chat", "choice", "responses", "stop"]

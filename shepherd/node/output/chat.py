@@ -33,12 +33,11 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
 from shepherd.node.openai.requests import ChatRequest, Sampling
-from shepherd.node.openai.sse import ChatChunks
 from shepherd.node.openai.structured import Constraint, OutputChecks, response_format_constraint
 from shepherd.node.openai.tool_choice import (
     ToolChoiceError,
@@ -67,6 +66,7 @@ from shepherd.proto.openai_errors import bad
 __all__ = [
     "ChatOutput",
     "ChatShaping",
+    "ChoiceEncoder",
     "ChoiceParsing",
     "ParsedChoice",
     "chat_message",
@@ -74,6 +74,21 @@ __all__ = [
     "final_reason",
     "shape_chat",
 ]
+
+
+class ChoiceEncoder(Protocol):
+    """What the parser stage writes a streamed choice's events to: ``shepherd.node.openai.sse.ChatChunks``
+    (chat completion chunks) or the Responses API's event encoder (``shepherd.node.output.responses``)."""
+
+    def content(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes: ...
+
+    def reasoning(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes: ...
+
+    def tool_call(
+        self, index: int, call: int, call_id: str, name: str, logprobs: dict[str, Any] | None = None
+    ) -> bytes: ...
+
+    def tool_args(self, index: int, call: int, fragment: str) -> bytes: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +101,7 @@ class ChatOutput:
     tools: tuple[Mapping[str, Any], ...]
     parallel_tool_calls: bool
 
-    def choice(self, enc: ChatChunks | None = None, index: int = 0) -> ChoiceParsing:
+    def choice(self, enc: ChoiceEncoder | None = None, index: int = 0) -> ChoiceParsing:
         """Fresh parsers for one choice; ``enc`` and ``index`` for a streamed one."""
         reasoning = (
             get_reasoning_parser(self.reasoning, prompt_opened_think=self.prompt_opened_think)
@@ -250,7 +265,7 @@ class ChoiceParsing:
         tools: ToolParser | None,
         *,
         single_call: bool = False,
-        enc: ChatChunks | None = None,
+        enc: ChoiceEncoder | None = None,
         index: int = 0,
     ) -> None:
         self._reasoning = reasoning
@@ -341,7 +356,7 @@ class ChoiceParsing:
 
 
 def encode_events(
-    enc: ChatChunks,
+    enc: ChoiceEncoder,
     index: int,
     events: Sequence[ToolEvent],
     logprobs: dict[str, Any] | None,

@@ -19,6 +19,15 @@ Semantics (the same for every chunking of the text, and what a non-streaming cal
   text is not output (unless ``include_stop_str_in_output``, as vLLM does) and ids after it are ignored.
   Any held text is released then: no stop string can complete any more.
 - Empty stop strings are ignored; duplicates are merged.
+
+Cost per feed, whatever the text: O(k x (m + c)) for k stop strings of at most m characters and c new
+characters, O(k x c) amortized: one KMP automaton per stop string, advanced over the new text only
+(its state, the longest suffix of the output that is a proper prefix of that stop string, carries the
+past: no rescan of the held tail), finds both full matches and what to hold back (the longest
+state); runs in the start state are skipped with ``str.find`` of the first character (C), so text
+without a stop string's first character costs no Python step. (Searching the held tail again per
+feed, and checking each candidate start of the last m positions, is O(k x m^2) on repetitive text.)
+The request bounds (16 strings of <= 1024 characters, requests.py) keep k x m at 16 Ki.
 """
 
 from __future__ import annotations
@@ -46,13 +55,38 @@ _new_result = tuple.__new__  # StopResult(...) without the keyword-handling __ne
 _NOTHING = StopResult("")
 
 
-_Spec = tuple[tuple[str, ...], int, dict[str, tuple[str, ...]], frozenset[str], frozenset[int]]
+_Spec = tuple[
+    tuple[str, ...],
+    int,
+    dict[str, tuple[str, ...]],
+    frozenset[str],
+    frozenset[int],
+    tuple[tuple[int, ...], ...],
+]
+
+_SPEC_CACHED_CHARS = 256  # specs up to this many stop characters (and ids) are cached: ~1024 x 3 kB
 
 
-@functools.lru_cache(maxsize=1024)  # requests of a fleet repeat a few stop configurations
-def _spec(stop: tuple[str, ...], stop_token_ids: tuple[int, ...], eos_token_ids: tuple[int, ...]) -> _Spec:
+def _failure(s: str) -> tuple[int, ...]:
+    """KMP: for each i, the length of the longest proper prefix of ``s[: i + 1]`` that is also a suffix."""
+    fail = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        ch = s[i]
+        while k and s[k] != ch:
+            k = fail[k - 1]
+        if s[k] == ch:
+            k += 1
+        fail[i] = k
+    return tuple(fail)
+
+
+def _build_spec(
+    stop: tuple[str, ...], stop_token_ids: tuple[int, ...], eos_token_ids: tuple[int, ...]
+) -> _Spec:
     """The immutable part of a matcher: stop strings (deduplicated, empty ones dropped), the longest
-    one's length, the strings by first character, those characters, and the stop token ids."""
+    one's length, the strings by first character, those characters, the stop token ids and each
+    string's KMP failure table."""
     stops = tuple(dict.fromkeys(s for s in stop if s))
     by_first: dict[str, list[str]] = {}
     for s in stops:
@@ -63,7 +97,50 @@ def _spec(stop: tuple[str, ...], stop_token_ids: tuple[int, ...], eos_token_ids:
         {c: tuple(v) for c, v in by_first.items()},
         frozenset(by_first),
         frozenset((*stop_token_ids, *eos_token_ids)),
+        tuple(_failure(s) for s in stops),
     )
+
+
+_cached_spec = functools.lru_cache(maxsize=1024)(_build_spec)  # a fleet repeats a few configurations
+
+
+def _spec(stop: tuple[str, ...], stop_token_ids: tuple[int, ...], eos_token_ids: tuple[int, ...]) -> _Spec:
+    """``_build_spec``, cached when small (bounded in bytes: entries x ``_SPEC_CACHED_CHARS``)."""
+    if len(stop_token_ids) + len(eos_token_ids) <= _SPEC_CACHED_CHARS and (
+        not stop or sum(map(len, stop)) <= _SPEC_CACHED_CHARS
+    ):
+        return _cached_spec(stop, stop_token_ids, eos_token_ids)
+    return _build_spec(stop, stop_token_ids, eos_token_ids)
+
+
+def _advance(s: str, fail: tuple[int, ...], state: int, text: str) -> tuple[int, int]:
+    """KMP over ``text`` from ``state`` (the longest suffix of what was fed that is a proper prefix of
+    ``s``): ``(the new state, -1)``, or ``(len(s), the index in text just past the first occurrence of
+    s)``. Start-state runs are skipped with ``str.find``; O(len(text) + state) steps."""
+    first = s[0]
+    m = len(s)
+    if m == 1:
+        j = text.find(first)
+        return (0, -1) if j < 0 else (1, j + 1)
+    n = len(text)
+    i = 0
+    while i < n:
+        if state == 0:
+            j = text.find(first, i)
+            if j < 0:
+                return 0, -1
+            state = 1
+            i = j + 1
+            continue
+        ch = text[i]
+        while state and s[state] != ch:
+            state = fail[state - 1]
+        if s[state] == ch:
+            state += 1
+            if state == m:
+                return m, i + 1
+        i += 1
+    return state, -1
 
 
 class StopMatcher:
@@ -72,11 +149,13 @@ class StopMatcher:
 
     __slots__ = (
         "_by_first",
+        "_fails",
         "_finished",
         "_firsts",
         "_include",
         "_matched",
         "_maxlen",
+        "_states",
         "_stop_ids",
         "_stops",
         "_tail",
@@ -91,12 +170,15 @@ class StopMatcher:
         eos_token_ids: Iterable[int] = (),
         ignore_eos: bool = False,
     ) -> None:
-        spec = _spec(
-            stop if type(stop) is tuple else tuple(stop),
-            stop_token_ids if type(stop_token_ids) is tuple else tuple(stop_token_ids),
-            () if ignore_eos else eos_token_ids if type(eos_token_ids) is tuple else tuple(eos_token_ids),
-        )
-        self._stops, self._maxlen, self._by_first, self._firsts, self._stop_ids = spec
+        stops = stop if type(stop) is tuple else tuple(stop)
+        ids = stop_token_ids if type(stop_token_ids) is tuple else tuple(stop_token_ids)
+        eos = () if ignore_eos else eos_token_ids if type(eos_token_ids) is tuple else tuple(eos_token_ids)
+        if stops or len(ids) > _SPEC_CACHED_CHARS:
+            spec = _spec(stops, ids, eos)  # (sized first: big ones are not cached)
+        else:  # the common case: no stop strings, a few ids
+            spec = _cached_spec(stops, ids, eos)
+        self._stops, self._maxlen, self._by_first, self._firsts, self._stop_ids, self._fails = spec
+        self._states: list[int] | None = None  # each stop's KMP state; None: all 0 (no tail)
         self._include = include_stop_str_in_output
         # The live partial match: the shortest suffix of the text so far that is a proper prefix of a
         # stop string (a match can only start there). Held back, unless include_stop_str_in_output.
@@ -156,7 +238,7 @@ class StopMatcher:
         if self._finished:
             return _new_result(StopResult, ("", True, self._matched))
         visible = new_text
-        if new_text and self._stops and (self._tail or not self._firsts.isdisjoint(new_text)):
+        if new_text and self._stops and (self._states is not None or not self._firsts.isdisjoint(new_text)):
             # (fast path above: no partial match pending and no stop string can start in the new
             # text, so nothing can match or need holding)
             visible = self._match(new_text)
@@ -169,6 +251,7 @@ class StopMatcher:
             if self._tail and not self._include:  # no stop string can complete any more
                 visible += self._tail
             self._tail = ""
+            self._states = None
             return _new_result(StopResult, (visible, True, self._matched))
         if not visible:
             return _NOTHING
@@ -177,53 +260,43 @@ class StopMatcher:
     def flush(self) -> str:
         """Natural end of the output: release the held text (``""`` once a stop matched)."""
         tail, self._tail = self._tail, ""
+        self._states = None
         return "" if (self._finished or self._include) else tail
 
     # -- internals --------------------------------------------------------------------------------
 
     def _match(self, text: str) -> str:
-        """Search ``tail + text``; return what becomes visible, update the tail, or finish."""
+        """Advance every stop string's KMP state over ``text``; return what becomes visible, update
+        the held tail, or finish at the first-completed stop (ties: the earliest start)."""
+        states = self._states
+        if states is None:
+            states = [0] * len(self._stops)
+        fails = self._fails
+        hit = -1  # the stop's index
+        hit_end = 0  # in ``text``
+        longest = 0
+        for k, s in enumerate(self._stops):
+            st, end = _advance(s, fails[k], states[k], text)
+            if end >= 0:
+                if hit < 0 or end < hit_end or (end == hit_end and len(s) > len(self._stops[hit])):
+                    hit, hit_end = k, end
+            else:
+                states[k] = st
+                if st > longest:
+                    longest = st
         tail = self._tail
-        buf = tail + text if tail else text
-        hit: tuple[int, str] | None = None  # the first-completed stop (ties: earliest start)
-        hit_end = 0
-        for s in self._stops:
-            i = buf.find(s)
-            if i >= 0:
-                end = i + len(s)
-                if hit is None or end < hit_end or (end == hit_end and i < hit[0]):
-                    hit, hit_end = (i, s), end
-        if hit is not None:
-            self._finished, self._matched, self._tail = True, hit[1], ""
+        if hit >= 0:
+            self._finished, self._matched, self._tail, self._states = True, self._stops[hit], "", None
             if self._include:
-                return buf[len(tail) : hit_end]  # the tail was already emitted
-            return buf[: hit[0]]
-        cut = self._live_start(buf)
-        self._tail = buf[cut:]
+                return text[:hit_end]  # the tail was already emitted
+            return (tail + text)[: len(tail) + hit_end - len(self._stops[hit])]
+        self._states = states if longest else None
         if self._include:
             return text
-        return buf[:cut] if cut < len(buf) else buf
-
-    def _live_start(self, buf: str) -> int:
-        """Smallest i such that ``buf[i:]`` is a proper prefix of a stop string, else ``len(buf)``.
-
-        Only the last maxlen-1 positions can qualify; candidate positions are found with ``str.find``
-        on each stop string's first character (C speed), so the common no-candidate case is cheap.
-        """
-        n = len(buf)
-        lo = n - self._maxlen + 1
-        if lo < 0:
-            lo = 0
-        best = n
-        for first, stops in self._by_first.items():
-            i = buf.find(first, lo, best)
-            while i >= 0:
-                suffix = buf[i:]
-                if any(s.startswith(suffix) for s in stops):
-                    best = i
-                    break
-                i = buf.find(first, i + 1, best)
-        return best
+        buf = tail + text if tail else text
+        cut = len(buf) - longest
+        self._tail = buf[cut:] if longest else ""
+        return buf[:cut] if longest else buf
 
 
 class TextDecoder(Protocol):

@@ -1,0 +1,251 @@
+"""End to end: history in a mesh of 3 real ``smg-node`` processes, with an embedded backend (SQLite in
+each node's ``--data-dir``: each call on another owner's record routed to it over the mesh's mTLS RPC)
+and with a shared one (one PostgreSQL): a conversation made on A is read and appended on B and C; a
+``previous_response_id`` chain is continued on another node each turn; responses in a conversation
+owned by another node; and once an owner has left, the others answer a clear 404 (embedded) or still
+serve its records (shared).
+
+Security as in production (a CA, node certificates, a key file); short SWIM intervals. Every wait is a
+bounded poll; the tests run in file order on one cluster (the last one stops a node), and every process
+is stopped by its pid, also on failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import signal
+import subprocess
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from shepherd.auth.certs import write_dev_pki
+from shepherd.mesh.keyring import Keyring, generate_key
+from shepherd.storage.ids import node_tag, tag_of
+from tests.e2e.logs import log_file
+from tests.e2e.node_procs import BIN, NodeProc, http_status, reserved_port
+from tests.e2e.procs import MockEngineProc, start_mock_engine
+from tests.e2e.test_mesh_cluster import FAST, wait_for
+from tests.services import IN_CI, ServiceError, postgres_service
+
+pytestmark = pytest.mark.timeout(180)
+
+MODEL = "qwen3"
+NAMES = ("a", "b", "c")
+
+
+@dataclass
+class Cluster:
+    nodes: dict[str, NodeProc]
+    engine: MockEngineProc
+    backend: str  # "sqlite" (embedded: each record on its owner node) or "postgres" (shared)
+
+    def url(self, name: str) -> str:
+        return self.nodes[name].url
+
+    def sdk(self, name: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url(name) + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+    def members(self, name: str) -> dict[str, str]:
+        rows = httpx.get(self.url(name) + "/mesh/members", timeout=10).json()["members"]
+        return {m["name"]: m["state"] for m in rows}
+
+
+def spawn(command: str, *args: str, port: int) -> NodeProc:
+    log_path = log_file("smg-mesh-history-")
+    with log_path.open("wb") as logf:
+        proc = subprocess.Popen(
+            [str(BIN / "smg-node"), command, *args, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    return NodeProc(proc, port, log_path)
+
+
+@contextlib.contextmanager
+def history_flags(backend: str) -> Iterator[list[str]]:
+    """The nodes' history flags: SQLite in each one's --data-dir (embedded: routed over the mesh), or one
+    private PostgreSQL all of them share (skipped without it, a failure under CI=true)."""
+    if backend == "sqlite":
+        yield ["--history-backend", "sqlite"]
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            svc = stack.enter_context(postgres_service())
+        except ServiceError as e:
+            if IN_CI:
+                pytest.fail(f"CI=true but PostgreSQL cannot run: {e}")
+            pytest.skip(f"PostgreSQL unavailable: {e} (python -m tests.services install, as root)")
+        yield ["--history-backend", "postgres", "--history-url", svc.url]
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgres"])
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    backend: str = request.param
+    pki = tmp_path_factory.mktemp("mesh-history-pki")
+    data = tmp_path_factory.mktemp("mesh-history-data")
+    files = write_dev_pki(pki, NAMES)
+    keyring = pki / "mesh.keyring"
+    keyring.write_text(Keyring.format_file([generate_key()]))
+    nodes: dict[str, NodeProc] = {}
+    with history_flags(backend) as history, start_mock_engine("--zero-latency") as engine:
+        try:
+            mesh_ports = {n: reserved_port() for n in NAMES}
+
+            def flags(name: str) -> list[str]:
+                f = files[name]
+                return [
+                    "--model-id", MODEL, "--tokenizer-workers", "0", "--no-kv-events",
+                    "--health-check-interval-secs", "1",
+                    "--worker-urls", f"grpc://{engine.grpc_target}",
+                    *history, "--data-dir", str(Path(data) / name),
+                    "--mesh-port", str(mesh_ports[name]), "--mesh-name", name,
+                    "--mesh-cert", str(f.cert), "--mesh-key", str(f.key), "--mesh-ca", str(f.ca),
+                    "--mesh-keyring-file", str(keyring), *FAST,
+                ]  # fmt: skip
+
+            seed = f"127.0.0.1:{mesh_ports['a']}"
+            nodes["b"] = spawn("join", seed, *flags("b"), port=reserved_port())
+            nodes["c"] = spawn(
+                "join", f"127.0.0.1:{mesh_ports['b']}", seed, *flags("c"), port=reserved_port()
+            )
+            nodes["a"] = spawn("serve", *flags("a"), port=reserved_port())
+            for name, node in nodes.items():
+                wait_for(
+                    lambda node=node: (
+                        node.proc.poll() is not None or http_status(node.url + "/liveness") == 200
+                    ),  # type: ignore[misc]
+                    f"node {name} up",
+                    timeout=90,
+                )
+                if node.proc.poll() is not None:
+                    raise RuntimeError(f"node {name} exited:\n{node.log()}")
+            c = Cluster(nodes, engine, backend)
+            for name in NAMES:
+                wait_for(
+                    lambda name=name: c.members(name) == dict.fromkeys(NAMES, "alive"),  # type: ignore[misc]
+                    f"{name}: 3 alive",
+                )
+            yield c
+        finally:
+            for node in nodes.values():
+                node.stop(signal.SIGKILL if node.proc.poll() is None else signal.SIGTERM, timeout=10)
+
+
+def texts(page: Sequence[Any]) -> list[str]:
+    return [str(i.content[0].text) for i in page]
+
+
+def iid(item: Any) -> str:
+    assert isinstance(item.id, str)
+    return item.id
+
+
+def test_conversation_made_on_a_is_read_and_appended_on_b_and_c(cluster: Cluster) -> None:
+    conv = cluster.sdk("a").conversations.create(
+        items=[{"role": "user", "content": "started on a"}], metadata={"from": "a"}
+    )
+    assert tag_of(conv.id) == node_tag("a")
+    for name in ("b", "c"):
+        got = cluster.sdk(name).conversations.retrieve(conv.id)
+        assert got.id == conv.id and got.metadata == {"from": "a"}
+        added = cluster.sdk(name).conversations.items.create(
+            conv.id, items=[{"role": "user", "content": f"appended on {name}"}]
+        )
+        assert tag_of(iid(added.data[0])) == node_tag("a")  # the owner's records carry the owner's tag
+    for name in NAMES:
+        every = list(cluster.sdk(name).conversations.items.list(conv.id, order="asc", limit=2))
+        assert texts(every) == ["started on a", "appended on b", "appended on c"]
+    first = cluster.sdk("a").conversations.items.list(conv.id, order="asc").data[0]
+    assert cluster.sdk("c").conversations.items.retrieve(iid(first), conversation_id=conv.id).id == first.id
+    upd = cluster.sdk("b").conversations.update(conv.id, metadata={"from": "b"})
+    assert upd.metadata == {"from": "b"}
+    assert cluster.sdk("c").conversations.retrieve(conv.id).metadata == {"from": "b"}
+    assert cluster.sdk("c").conversations.items.delete(iid(first), conversation_id=conv.id).id == conv.id
+    assert texts(list(cluster.sdk("a").conversations.items.list(conv.id, order="asc"))) == [
+        "appended on b",
+        "appended on c",
+    ]
+    with pytest.raises(openai.NotFoundError):
+        cluster.sdk("b").conversations.retrieve("conv_" + node_tag("a") + "0" * 40)
+    metrics = httpx.get(cluster.url("b") + "/metrics", timeout=10).text
+    assert ('smg_history_rpc_total{kind="sent"}' in metrics) == (cluster.backend == "sqlite")
+    assert cluster.sdk("c").conversations.delete(conv.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        cluster.sdk("a").conversations.retrieve(conv.id)
+
+
+def test_response_chain_continues_on_another_node_each_turn(cluster: Cluster) -> None:
+    prev: str | None = None
+    ids: list[str] = []
+    used: list[int] = []
+    for turn, name in enumerate(("a", "b", "c", "a", "c", "b")):
+        kw: dict[str, Any] = {} if prev is None else {"previous_response_id": prev}
+        r = cluster.sdk(name).responses.create(
+            model=MODEL, input=f"turn {turn} on {name}", max_output_tokens=4, **kw
+        )
+        assert r.status in ("completed", "incomplete") and r.previous_response_id == prev, r
+        assert tag_of(r.id) == node_tag(name)  # stored by the node that answered
+        assert r.usage is not None
+        used.append(r.usage.input_tokens)
+        ids.append(r.id)
+        prev = r.id
+    # every turn was given the whole chain, fetched segment by segment from its owners
+    assert all(x < y for x, y in itertools.pairwise(used)), used
+    for name in NAMES:
+        got = cluster.sdk(name).responses.retrieve(ids[0])
+        assert got.id == ids[0]
+        items = list(cluster.sdk(name).responses.input_items.list(ids[-1]))
+        assert texts(items) == ["turn 5 on b"]
+
+
+def test_responses_in_a_conversation_owned_by_another_node(cluster: Cluster) -> None:
+    conv = cluster.sdk("a").conversations.create(items=[{"role": "user", "content": "hello from a"}])
+    for name in ("b", "c"):
+        r = cluster.sdk(name).responses.create(
+            model=MODEL, input=f"asked on {name}", conversation=conv.id, max_output_tokens=4
+        )
+        assert tag_of(r.id) == node_tag("a")  # stored with its conversation, by the conversation's owner
+    every = list(cluster.sdk("b").conversations.items.list(conv.id, order="asc"))
+    texts_in = texts([i for i in every if i.type == "message"])
+    assert texts_in[0] == "hello from a" and "asked on b" in texts_in and "asked on c" in texts_in
+    assert len(every) == 5  # the first message, then per turn its input and the answer
+
+
+def test_background_response_is_cancelled_from_any_node(cluster: Cluster) -> None:
+    """A background response in a's conversation runs on b (its id names a, which stores it); a cancel
+    sent to c reaches b's task, and every node then reads "cancelled"."""
+    faults = f"http://127.0.0.1:{cluster.engine.http_port}/mock/faults"
+    conv = cluster.sdk("a").conversations.create()
+    httpx.post(faults, json={"stall_after_tokens": 1, "stall_seconds": 60.0}).raise_for_status()
+    try:
+        r = cluster.sdk("b").responses.create(
+            model=MODEL, input="a slow one", conversation=conv.id, background=True
+        )
+        assert tag_of(r.id) == node_tag("a")
+        assert cluster.sdk("c").responses.cancel(r.id).status == "cancelled"
+        for name in NAMES:
+            assert cluster.sdk(name).responses.retrieve(r.id).status == "cancelled"
+    finally:
+        httpx.post(faults, json={"stall_after_tokens": None, "stall_seconds": 0.0}).raise_for_status()
+
+
+def test_owner_gone_is_a_clear_404_unless_the_store_is_shared(cluster: Cluster) -> None:
+    conv = cluster.sdk("c").conversations.create(metadata={"from": "c"})
+    assert cluster.sdk("a").conversations.retrieve(conv.id).metadata == {"from": "c"}
+    assert cluster.nodes["c"].stop() == 0  # a graceful leave
+    wait_for(lambda: cluster.members("a").get("c") in ("left", None), "a sees c gone")
+    r = httpx.get(f"{cluster.url('a')}/v1/conversations/{conv.id}", timeout=10)
+    if cluster.backend == "postgres":  # the records are in the shared database, not on c
+        assert r.status_code == 200 and r.json()["metadata"] == {"from": "c"}, r.text
+        return
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["code"] == "owner_unavailable" and "'c'" in err["message"]

@@ -1,0 +1,401 @@
+"""End to end: the stateful Responses API through a real mock engine and a real node on loopback, driven
+by the official openai SDK unchanged.
+
+One mock engine and ONE node serve ``qwen3`` (its real chat template, the qwen3 reasoning parser and
+the hermes tool-call parser) over a byte-level tokenizer (tests/e2e/test_node_tools.py). The mock is
+told per request what to answer (``/mock/responses``, matched on a marker in the rendered prompt): a
+script matching text that only an earlier turn holds shows that the node rebuilt the history.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.procs import MockEngineProc, start_mock_engine
+from tests.e2e.test_node_tools import byte_tokenizer
+from tests.unit.test_chat_tools_cases import TEMPLATES
+
+MODEL = "qwen3"
+TOOLS: Any = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory() as tmp:
+        yield byte_tokenizer(Path(tmp) / "bytes")
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=10) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer_dir: Path) -> Iterator[MockEngineProc]:
+    with start_mock_engine(
+        "--zero-latency", "--output-len", "16", "--tokenizer", str(tokenizer_dir), "--context-length", "65536"
+    ) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
+    model = {
+        "name": MODEL,
+        "model_path": str(tokenizer_dir),
+        "worker_urls": [f"grpc://127.0.0.1:{engine.grpc_port}"],
+        "chat_template": str(TEMPLATES / "Qwen-Qwen3-0.6B.jinja"),
+        "reasoning_parser": "qwen3",
+        "tool_call_parser": "hermes",
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "node.yaml"
+        cfg.write_text(yaml.safe_dump({"models": [model], "tokenizer_workers": 0}))
+        with running_node("--config", str(cfg)) as n:
+            yield n
+
+
+@pytest.fixture(scope="module")
+def client(node: NodeProc) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _clean_mock(engine: MockEngineProc, http: httpx.Client) -> Iterator[None]:
+    yield
+    base = f"http://127.0.0.1:{engine.http_port}"
+    http.delete(f"{base}/mock/responses")
+    http.post(f"{base}/mock/faults", json={"stall_after_tokens": None, "stall_seconds": 0.0})
+
+
+def script(engine: MockEngineProc, http: httpx.Client, text: str, match: str | None = None) -> str:
+    """Queue ``text`` as the answer to the next request whose prompt holds ``match`` (default: a fresh
+    marker, returned)."""
+    marker = match or f"case-{uuid.uuid4().hex[:12]}"
+    r = http.post(f"http://127.0.0.1:{engine.http_port}/mock/responses", json={"text": text, "match": marker})
+    assert r.status_code < 300, r.text
+    return marker
+
+
+def faults(engine: MockEngineProc, http: httpx.Client, **kw: Any) -> None:
+    r = http.post(f"http://127.0.0.1:{engine.http_port}/mock/faults", json=kw)
+    assert r.status_code < 300, r.text
+
+
+# ---- create / retrieve ----------------------------------------------------------------------------------
+
+
+def test_non_stream_text_then_retrieve(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    marker = script(engine, http, "Hello there.")
+    r = client.responses.create(
+        model=MODEL, input=f"Hi {marker}", instructions="Be brief.", metadata={"k": "v"}
+    )
+    assert r.object == "response" and r.id.startswith("resp_") and r.status == "completed"
+    assert r.output_text == "Hello there."
+    [msg] = r.output
+    assert msg.type == "message" and msg.id.startswith("msg_") and msg.role == "assistant"
+    assert msg.content[0].type == "output_text" and msg.content[0].annotations == []
+    assert r.instructions == "Be brief." and r.metadata == {"k": "v"} and r.model_extra is not None
+    assert r.model_extra["store"] is True
+    assert r.usage is not None and r.usage.input_tokens > 0 and r.usage.output_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == "Hello there." and got.status == "completed"
+
+
+def test_max_output_tokens_is_incomplete(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input="Tell me a story.", max_output_tokens=4)
+    assert r.status == "incomplete" and r.incomplete_details is not None
+    assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage is not None and r.usage.output_tokens == 4
+
+
+def test_stream_events(client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client) -> None:
+    marker = script(engine, http, "Streaming works fine.")
+    events = list(client.responses.create(model=MODEL, input=f"go {marker}", stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == "Streaming works fine."
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == deltas and final.status == "completed"
+    assert final.usage is not None and final.usage.output_tokens > 0
+    assert client.responses.retrieve(final.id).output_text == deltas
+
+
+def test_stream_helper(client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client) -> None:
+    marker = script(engine, http, "Helper text.")
+    with client.responses.stream(model=MODEL, input=f"go {marker}") as s:
+        for _ in s:
+            pass
+        final = s.get_final_response()
+    assert final.output_text == "Helper text."
+
+
+def test_stream_has_no_done_line(node: NodeProc, http: httpx.Client) -> None:
+    with http.stream(
+        "POST", node.url + "/v1/responses", json={"model": MODEL, "input": "x", "stream": True}
+    ) as r:
+        body = r.read().decode()
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert "[DONE]" not in body and body.startswith("event: response.created\ndata: ")
+
+
+# ---- history -------------------------------------------------------------------------------------------
+
+
+def test_chain_rebuilds_the_prompt_without_old_instructions(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    tag = uuid.uuid4().hex[:10]
+    m1 = script(engine, http, f"answer-one-{tag}")
+    r1 = client.responses.create(model=MODEL, input=f"first {m1}", instructions=f"instr-{tag}")
+    assert r1.output_text == f"answer-one-{tag}"
+    # turn 2's prompt holds turn 1's answer (the script matches it) but not turn 1's instructions
+    script(engine, http, "LEAKED", match=f"instr-{tag}")
+    script(engine, http, f"answer-two-{tag}", match=f"answer-one-{tag}")
+    r2 = client.responses.create(model=MODEL, input="second", previous_response_id=r1.id)
+    assert r2.output_text == f"answer-two-{tag}" and r2.previous_response_id == r1.id
+    http.delete(f"http://127.0.0.1:{engine.http_port}/mock/responses")
+    script(engine, http, f"answer-three-{tag}", match=f"first {m1}")
+    r3 = client.responses.create(model=MODEL, input="third", previous_response_id=r2.id, stream=False)
+    assert r3.output_text == f"answer-three-{tag}"
+    assert r1.usage and r2.usage and r3.usage
+    assert r1.usage.input_tokens < r2.usage.input_tokens < r3.usage.input_tokens
+
+
+def test_unknown_previous_response_is_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as ei:
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_" + "0" * 48)
+    assert "not found" in str(ei.value)
+
+
+def test_store_false_is_not_retrievable(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input="x", store=False)
+    assert (r.model_extra or {})["store"] is False and r.status == "completed"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="y", previous_response_id=r.id)
+
+
+def test_delete_then_retrieve_is_404(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input="x")
+    client.responses.delete(r.id)  # the SDK returns None for this call; the body is checked below
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    r2 = client.responses.create(model=MODEL, input="x")
+    raw = httpx.delete(str(client.base_url) + f"responses/{r2.id}", timeout=10)
+    assert raw.json() == {"id": r2.id, "object": "response.deleted", "deleted": True}
+
+
+def test_input_items_pagination(client: openai.OpenAI) -> None:
+    inp: Any = [{"role": "user", "content": f"message {i}"} for i in range(5)]
+    r = client.responses.create(model=MODEL, input=inp)
+    page = client.responses.input_items.list(r.id, limit=2, order="asc")
+    assert page.has_more and len(page.data) == 2
+    every: list[Any] = list(client.responses.input_items.list(r.id, limit=2, order="asc"))
+    texts = [it.content[0].text for it in every]
+    assert texts == [f"message {i}" for i in range(5)]
+    desc: Any = client.responses.input_items.list(r.id)
+    assert [it.content[0].text for it in desc.data] == [f"message {i}" for i in reversed(range(5))]
+    assert not desc.has_more and desc.first_id == desc.data[0].id and desc.last_id == desc.data[-1].id
+
+
+def test_previous_and_conversation_together_is_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(
+            model=MODEL, input="x", previous_response_id="resp_" + "0" * 48, conversation="conv_" + "0" * 48
+        )
+    assert "previous_response_id" in str(ei.value)
+
+
+def test_conversation_turns(client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client) -> None:
+    conv = client.conversations.create()
+    tag = uuid.uuid4().hex[:10]
+    m1 = script(engine, http, f"conv-answer-{tag}")
+    r1 = client.responses.create(model=MODEL, input=f"hello {m1}", conversation=conv.id)
+    assert r1.conversation is not None and r1.conversation.id == conv.id
+    script(engine, http, f"conv-second-{tag}", match=f"conv-answer-{tag}")
+    r2 = client.responses.create(model=MODEL, input="and then?", conversation={"id": conv.id})
+    assert r2.output_text == f"conv-second-{tag}"
+    items = list(client.conversations.items.list(conv.id, order="asc"))
+    assert [it.type for it in items] == ["message"] * 4
+    assert [getattr(it, "role", None) for it in items] == ["user", "assistant", "user", "assistant"]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=MODEL, input="x", conversation="conv_" + "0" * 48)
+
+
+# ---- tools and reasoning ---------------------------------------------------------------------------------
+
+
+def _hermes(name: str, args: dict[str, Any]) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+def test_function_tool_round_trip(client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client) -> None:
+    marker = script(engine, http, _hermes("get_weather", {"city": "Paris"}))
+    r1 = client.responses.create(model=MODEL, input=f"Weather in Paris? {marker}", tools=TOOLS)
+    calls = [o for o in r1.output if o.type == "function_call"]
+    assert len(calls) == 1
+    call = calls[0]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert call.id and call.id.startswith("fc_") and call.call_id
+    assert r1.tools[0].type == "function" and r1.tools[0].name == "get_weather"
+    tag = uuid.uuid4().hex[:8]
+    script(engine, http, "It is sunny in Paris.", match=f"sunny-{tag}")
+    r2 = client.responses.create(
+        model=MODEL,
+        previous_response_id=r1.id,
+        tools=TOOLS,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": f"sunny-{tag}"}],
+    )
+    assert r2.output_text == "It is sunny in Paris."
+    items = client.responses.input_items.list(r2.id).data
+    assert items[0].type == "function_call_output" and items[0].id.startswith("fco_")
+
+
+def test_function_call_streamed(client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client) -> None:
+    marker = script(engine, http, _hermes("get_weather", {"city": "Oslo"}))
+    events = list(client.responses.create(model=MODEL, input=f"Oslo? {marker}", tools=TOOLS, stream=True))
+    kinds = [e.type for e in events]
+    assert (
+        "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    )
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert json.loads(done.arguments) == {"city": "Oslo"}
+    final = events[-1].response  # type: ignore[union-attr]
+    assert [o.type for o in final.output] == ["function_call"]
+
+
+def test_reasoning_items(client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client) -> None:
+    text = "<think>\nPondering.\n</think>\n\nDone."
+    marker = script(engine, http, text)
+    r = client.responses.create(model=MODEL, input=f"think {marker}")
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    rs = r.output[0]
+    assert rs.id.startswith("rs_") and rs.content and rs.content[0].text == "Pondering.\n"  # type: ignore[union-attr]
+    assert r.output_text == "Done."
+    marker = script(engine, http, text)
+    events = list(client.responses.create(model=MODEL, input=f"think {marker}", stream=True))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == "Pondering.\n"
+    final = events[-1].response  # type: ignore[union-attr]
+    assert [o.type for o in final.output] == ["reasoning", "message"] and final.output_text == "Done."
+    # the follow-up renders the stored reasoning as the template expects (not as answer text)
+    tag = uuid.uuid4().hex[:8]
+    script(engine, http, f"follow-{tag}", match="Done.")
+    r2 = client.responses.create(model=MODEL, input="more", previous_response_id=r.id)
+    assert r2.output_text == f"follow-{tag}"
+
+
+def test_text_format_json_schema(client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client) -> None:
+    schema = {"type": "object", "properties": {"t": {"type": "integer"}}, "required": ["t"]}
+    marker = script(engine, http, '{"t": 5}')
+    fmt: Any = {"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}}
+    r = client.responses.create(
+        model=MODEL,
+        input=f"json {marker}",
+        text=fmt,
+    )
+    assert json.loads(r.output_text) == {"t": 5}
+    assert r.text is not None and r.text.format is not None and r.text.format.type == "json_schema"
+    sent = http.get(f"http://127.0.0.1:{engine.http_port}/mock/stats").json()["constraints"]
+    mine = [c for c in sent if c["request_id"].split(".")[0] == r.id]
+    assert mine and mine[0]["kind"] == "json_schema" and json.loads(mine[0]["value"]) == schema
+
+
+# ---- background, cancel, disconnect ---------------------------------------------------------------------
+
+
+def test_background_completes(client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client) -> None:
+    marker = script(engine, http, "Background answer.")
+    r = client.responses.create(model=MODEL, input=f"bg {marker}", background=True)
+    assert r.status in ("queued", "in_progress") and r.background is True
+    for _ in range(500):  # bounded poll: the mock answers at once
+        got = client.responses.retrieve(r.id)
+        if got.status not in ("queued", "in_progress"):
+            break
+    assert got.status == "completed" and got.output_text == "Background answer."
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input="x", background=True, store=False)
+
+
+def test_background_cancel(client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client) -> None:
+    faults(engine, http, stall_after_tokens=1, stall_seconds=60.0)
+    r = client.responses.create(model=MODEL, input="slow one", background=True)
+    c = client.responses.cancel(r.id)
+    assert c.status == "cancelled"
+    assert client.responses.retrieve(r.id).status == "cancelled"
+    faults(engine, http, stall_after_tokens=None, stall_seconds=0.0)
+    fg = client.responses.create(model=MODEL, input="x", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(fg.id)
+
+
+def test_client_disconnect_stores_incomplete(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client, node: NodeProc
+) -> None:
+    faults(engine, http, stall_after_tokens=3, stall_seconds=60.0)
+    rid = ""
+    with http.stream(
+        "POST", node.url + "/v1/responses", json={"model": MODEL, "input": "tell me", "stream": True}
+    ) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and not rid:
+                rid = json.loads(line[6:])["response"]["id"]
+            if "response.output_text.delta" in line:
+                break
+    assert rid
+    got = None
+    for _ in range(2000):  # bounded poll: the node notices the disconnect, then stores (404 until then)
+        try:
+            got = client.responses.retrieve(rid)
+        except openai.NotFoundError:
+            continue
+        break
+    assert got is not None and got.status == "incomplete"
+    assert got.output and got.output[0].type == "message"
+
+
+def test_retrieve_unknown_is_openai_404(node: NodeProc, http: httpx.Client) -> None:
+    r = http.get(node.url + "/v1/responses/resp_nope")
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "resp_nope" in err["message"]

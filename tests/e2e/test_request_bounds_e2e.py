@@ -1,0 +1,207 @@
+"""One request must neither freeze a node's event loop nor pin its memory (real node and mock engine,
+on loopback, stopped by pid).
+
+- A JSON schema is bounded before anything looks at it (400 naming the parameter), an unknown model
+  is a 404 before its schemas are validated, and a heavy schema within the bounds is meta-validated
+  off the event loop: ``/liveness`` keeps answering while it is.
+- Requests with distinct big stop strings, logit_bias maps, template kwargs and routing keys leave
+  the node's memory (VmRSS) where it was: they are refused at parse (or hashed: routing keys) and
+  nothing keyed by their content is kept.
+
+No timed assertion: the checks are statuses, counts of liveness answers seen while a request was in
+flight, and a generous RSS bound; the client timeout (30 s) only keeps a regression from hanging.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.procs import MockEngineProc, start_mock_engine
+from tests.e2e.test_node_tools import byte_tokenizer
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "assets" / "chat_templates"
+MSGS: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory() as tmp:
+        yield byte_tokenizer(Path(tmp) / "bytes")
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer_dir: Path) -> Iterator[MockEngineProc]:
+    with start_mock_engine(
+        *("--decode-ms-per-token", "1", "--output-len", "4", "--context-length", "4096"),
+        *("--tokenizer", str(tokenizer_dir)),
+    ) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
+    """A node with the default settings (16 MiB bodies, the tokenizer pool on), one model."""
+    with running_node(
+        *("--worker-urls", f"grpc://127.0.0.1:{engine.grpc_port}", "--model-id", "qwen3"),
+        *("--model-path", str(tokenizer_dir), "--chat-template", str(TEMPLATES / "Qwen-Qwen3-0.6B.jinja")),
+        *("--policy", "manual"),
+    ) as n:
+        yield n
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=30) as c:
+        yield c
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def grid_schema(n: int, salt: str = "") -> dict[str, Any]:
+    """n x n properties: ~2n^2 JSON values (n=90: ~16k, ~200 kB; n=700: ~1M, ~6 MB)."""
+    inner = {f"q{j}": {"type": "string"} for j in range(n)}
+    return {
+        "type": "object",
+        "description": salt,
+        "properties": {f"p{i}": {"type": "object", "properties": inner} for i in range(n)},
+    }
+
+
+def chat_rf(model: str, schema: Any) -> dict[str, Any]:
+    return {
+        "model": model,
+        "messages": MSGS,
+        "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, f"{r.status_code}: {r.text[:400]}"
+    err: dict[str, Any] = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+class LivenessPoller:
+    """Polls /liveness from a thread; ``answered_between(a, b)`` counts answers completed in (a, b)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.done: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as c:
+            while not self._stop.is_set():
+                r = c.get(self.url + "/liveness")
+                if r.status_code == 200:
+                    self.done.append(time.monotonic())
+                self._stop.wait(0.005)
+
+    def __enter__(self) -> LivenessPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(35)
+
+    def answered_between(self, a: float, b: float) -> int:
+        return sum(1 for t in list(self.done) if a < t < b)
+
+
+def test_a_huge_schema_is_refused_by_its_size_before_validation(node: NodeProc, http: httpx.Client) -> None:
+    """~2M JSON values (~9 MB): minutes of meta-validation on the event loop before the bounds; now a
+    400 naming the parameter, for a model that exists and for one that does not, within the client
+    timeout."""
+    body = chat_rf("qwen3", grid_schema(700))
+    err = assert_error(http.post(node.url + "/v1/chat/completions", json=body), 400)
+    assert err["param"] == "response_format.json_schema.schema" and err["code"] == "schema_too_large"
+    body["model"] = "no-such-model"
+    assert_error(http.post(node.url + "/v1/chat/completions", json=body), 400)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": grid_schema(700)}}]
+    r = http.post(
+        node.url + "/v1/chat/completions", json={"model": "qwen3", "messages": MSGS, "tools": tools}
+    )
+    assert assert_error(r, 400)["param"] in ("tools", "tools.0.function.parameters")
+
+
+def test_an_unknown_model_is_a_404_before_its_schema_is_validated(node: NodeProc, http: httpx.Client) -> None:
+    """A schema within the bounds that is not a schema at all: the unknown model is what is reported
+    (the meta-validation that would find the problem does not run)."""
+    bad = grid_schema(60)
+    bad["properties"]["p0"]["type"] = "no-such-type"
+    assert_error(http.post(node.url + "/v1/chat/completions", json=chat_rf("no-such-model", bad)), 404)
+    err = assert_error(http.post(node.url + "/v1/chat/completions", json=chat_rf("qwen3", bad)), 400)
+    assert err["param"] == "response_format.json_schema.schema"
+
+
+def test_liveness_answers_while_a_heavy_schema_is_validated(node: NodeProc, http: httpx.Client) -> None:
+    """~16k JSON values within the bounds (~0.5-1 s of meta-validation, distinct each time: no cache):
+    validated off the event loop, so liveness probes keep being answered while the request is in
+    flight (on the loop they all waited for it: at most the one already sent got through)."""
+    with LivenessPoller(node.url) as poller:
+        for _ in range(200):  # bounded: until the poller runs
+            if poller.done:
+                break
+            time.sleep(0.01)
+        seen = []
+        for i in range(3):
+            body = chat_rf("qwen3", grid_schema(90, salt=f"{i}-{time.monotonic_ns()}"))
+            a = time.monotonic()
+            r = http.post(node.url + "/v1/chat/completions", json=body)
+            b = time.monotonic()
+            assert r.status_code == 200, r.text[:400]
+            seen.append(poller.answered_between(a, b))
+    print("liveness answers while in flight:", seen)
+    assert max(seen) >= 5, seen
+
+
+def test_distinct_big_inputs_do_not_pin_memory(node: NodeProc, http: httpx.Client) -> None:
+    """Distinct multi-MB stop strings (to the model and to no model), logit_bias maps, template kwargs
+    and long routing keys: 400s (routing keys: served, held as digests), and the node's RSS does not
+    grow with them (before the bounds: every stop string stayed in the sampling memo, ~3 MB each)."""
+    url = node.url + "/v1/chat/completions"
+
+    def attack(i: int) -> None:
+        big = 3 << 20
+        for model in ("qwen3", "no-such-model"):
+            stop = {"model": model, "messages": MSGS, "stop": [f"{i}-{model}-" + "s" * big]}
+            assert_error(http.post(url, json=stop), 400, "stop")
+        bias = {str(1000 * i + j): 1 for j in range(5000)}
+        assert_error(http.post(url, json={"model": "qwen3", "messages": MSGS, "logit_bias": bias}), 400)
+        kwargs: dict[str, Any] = {"enable_thinking": False, "note": f"{i}" + "k" * (1 << 20)}
+        body: dict[str, Any] = {"model": "qwen3", "messages": MSGS, "chat_template_kwargs": kwargs}
+        assert_error(http.post(url, json=body), 400, "chat_template_kwargs")
+        headers = {"x-smg-routing-key": f"{i}-" + "r" * 7000}
+        r = http.post(url, json={"model": "qwen3", "messages": MSGS, "max_tokens": 1}, headers=headers)
+        assert r.status_code == 200, r.text[:300]
+
+    for i in range(5):  # warm-up: the buffers a request of this size needs anyway
+        attack(-1 - i)
+    before = rss_mb(node.pid)
+    for i in range(40):
+        attack(i)
+    after = rss_mb(node.pid)
+    print(f"RSS {before:.0f} -> {after:.0f} MB")
+    assert node.proc.poll() is None
+    assert after - before < 64, f"RSS {before:.0f} -> {after:.0f} MB"

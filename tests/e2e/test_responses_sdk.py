@@ -1,0 +1,336 @@
+"""End to end: the Responses API as strict clients see it — every streamed event and every Response
+validated against openai-python's own models (``model_validate``: required fields enforced, which the
+SDK's lenient parsing would not), the SDK's ``responses.stream`` / ``responses.parse`` helpers, and the
+review's bugs: duplicate item ids (a 500), resent history items (twice in the prompt), an unanswered
+``function_call_output``, the chain depth bound, output-text logprobs and reasoning token counts.
+
+One mock engine and ONE node (qwen3's template and parsers over a byte-level tokenizer, as
+tests/e2e/test_node_responses.py), its ``history_chain_max_depth`` small so the bound is reachable.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import typing
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import BaseModel
+
+from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.procs import MockEngineProc, start_mock_engine
+from tests.e2e.test_node_tools import byte_tokenizer
+from tests.unit.test_chat_tools_cases import TEMPLATES
+
+MODEL = "qwen3"
+CHAIN_DEPTH = 3
+TOOLS: Any = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    }
+]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def _event_models() -> dict[str, type[BaseModel]]:
+    out: dict[str, type[BaseModel]] = {}
+    union = typing.get_args(ResponseStreamEvent)
+    members = typing.get_args(union[0]) or union  # Annotated[Union[...], PropertyInfo]
+    for cls in members:
+        for lit in typing.get_args(cls.model_fields["type"].annotation):
+            out[lit] = cls
+    return out
+
+
+EVENTS = _event_models()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory() as tmp:
+        yield byte_tokenizer(Path(tmp) / "bytes")
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer_dir: Path) -> Iterator[MockEngineProc]:
+    with start_mock_engine(
+        "--zero-latency", "--output-len", "16", "--tokenizer", str(tokenizer_dir), "--context-length", "65536"
+    ) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
+    model = {
+        "name": MODEL,
+        "model_path": str(tokenizer_dir),
+        "worker_urls": [f"grpc://127.0.0.1:{engine.grpc_port}"],
+        "chat_template": str(TEMPLATES / "Qwen-Qwen3-0.6B.jinja"),
+        "reasoning_parser": "qwen3",
+        "tool_call_parser": "hermes",
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "node.yaml"
+        cfg.write_text(
+            yaml.safe_dump(
+                {"models": [model], "tokenizer_workers": 0, "history_chain_max_depth": CHAIN_DEPTH}
+            )
+        )
+        with running_node("--config", str(cfg)) as n:
+            yield n
+            log = n.log()
+            assert "Traceback" not in log, log[-4000:]
+
+
+@pytest.fixture(scope="module")
+def client(node: NodeProc) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _clean_mock(engine: MockEngineProc, http: httpx.Client) -> Iterator[None]:
+    yield
+    http.delete(f"http://127.0.0.1:{engine.http_port}/mock/responses")
+
+
+def script(engine: MockEngineProc, http: httpx.Client, text: str, match: str | None = None) -> str:
+    marker = match or f"case-{uuid.uuid4().hex[:12]}"
+    r = http.post(f"http://127.0.0.1:{engine.http_port}/mock/responses", json={"text": text, "match": marker})
+    assert r.status_code < 300, r.text
+    return marker
+
+
+def raw_events(node: NodeProc, http: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The SSE events of a streamed create, each validated against openai-python's model of its type."""
+    with http.stream("POST", node.url + "/v1/responses", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        text = r.read().decode()
+    events: list[dict[str, Any]] = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        head, data = block.split("\n", 1)
+        ev = json.loads(data.removeprefix("data: "))
+        assert head == f"event: {ev['type']}"
+        EVENTS[ev["type"]].model_validate(ev)  # raises on a missing / mistyped required field
+        events.append(ev)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+# ---- shapes ---------------------------------------------------------------------------------------------
+
+
+def test_streamed_events_and_final_response_validate_strictly(
+    node: NodeProc, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    marker = script(engine, http, f"<think>hmm</think>\n\nLet me check.{CALL}")
+    events = raw_events(node, http, {"model": MODEL, "input": f"w {marker}", "tools": TOOLS})
+    kinds = [e["type"].removeprefix("response.") for e in events]
+    assert kinds == [
+        "created",
+        "in_progress",
+        "output_item.added",
+        "content_part.added",
+        "reasoning_text.delta",
+        "reasoning_text.done",
+        "content_part.done",
+        "output_item.done",
+        "output_item.added",
+        "content_part.added",
+        "output_text.delta",
+        "output_text.done",
+        "content_part.done",
+        "output_item.done",
+        "output_item.added",
+        "function_call_arguments.delta",
+        "function_call_arguments.done",
+        "output_item.done",
+        "completed",
+    ]
+    final = Response.model_validate(events[-1]["response"])
+    assert [o.type for o in final.output] == ["reasoning", "message", "function_call"]
+    assert final.output_text == "Let me check." and final.usage is not None
+    assert final.usage.input_tokens_details.cache_write_tokens == 0
+    assert final.usage.output_tokens_details.reasoning_tokens > 0
+    args_done = events[16]
+    assert args_done["arguments"] == '{"city": "Paris"}' and args_done["item_id"] == final.output[2].id
+    incomplete = raw_events(node, http, {"model": MODEL, "input": "story", "max_output_tokens": 3})
+    assert incomplete[-1]["type"] == "response.incomplete"
+    r = Response.model_validate(incomplete[-1]["response"])
+    assert r.incomplete_details is not None and r.incomplete_details.reason == "max_output_tokens"
+
+
+def test_non_streamed_and_stored_responses_validate_strictly(
+    node: NodeProc, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    marker = script(engine, http, "<think>a b c</think>Plain.")
+    body = http.post(node.url + "/v1/responses", json={"model": MODEL, "input": f"hi {marker}"}).json()
+    r = Response.model_validate(body)
+    assert r.output_text == "Plain." and r.usage is not None
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= r.usage.output_tokens
+    Response.model_validate(http.get(f"{node.url}/v1/responses/{r.id}").json())
+
+
+def test_sdk_stream_and_parse_helpers(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    class Weather(BaseModel):
+        city: str
+        temp: int
+
+    marker = script(engine, http, f"<think>x</think>{CALL}")
+    with client.responses.stream(model=MODEL, input=f"w {marker}", tools=TOOLS) as s:
+        for _ in s:
+            pass
+        final = s.get_final_response()
+    assert [o.type for o in final.output] == ["reasoning", "function_call"]
+    marker = script(engine, http, '{"city": "Paris", "temp": 20}')
+    parsed = client.responses.parse(model=MODEL, input=f"json {marker}", text_format=Weather)
+    assert parsed.output_parsed == Weather(city="Paris", temp=20)
+    marker = script(engine, http, '{"city": "Oslo", "temp": 3}')
+    with client.responses.stream(model=MODEL, input=f"json {marker}", text_format=Weather) as ps:
+        for _ in ps:
+            pass
+        assert ps.get_final_response().output_parsed == Weather(city="Oslo", temp=3)
+
+
+def test_output_text_logprobs_when_included(
+    node: NodeProc, client: openai.OpenAI, http: httpx.Client
+) -> None:
+    r = client.responses.create(
+        model=MODEL, input="hi", include=["message.output_text.logprobs"], top_logprobs=2, max_output_tokens=4
+    )
+    lps = r.output[0].content[0].logprobs  # type: ignore[union-attr,index]
+    assert lps is not None and len(lps) == 4 and all(len(x.top_logprobs) == 2 for x in lps)
+    events = raw_events(
+        node,
+        http,
+        {"model": MODEL, "input": "hi", "include": ["message.output_text.logprobs"], "max_output_tokens": 4},
+    )
+    streamed = [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]
+    [done] = [e for e in events if e["type"] == "response.output_text.done"]
+    assert len(streamed) == 4 and done["logprobs"] == streamed
+    plain = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    assert plain.output[0].content[0].logprobs == []  # type: ignore[union-attr,index]
+
+
+# ---- input items -----------------------------------------------------------------------------------------
+
+
+def test_duplicate_item_ids_are_a_400_not_a_500(node: NodeProc, http: httpx.Client) -> None:
+    item = {"type": "message", "id": "msg_dup_review", "role": "user", "content": "x"}
+    r = http.post(node.url + "/v1/responses", json={"model": MODEL, "input": [item, dict(item, content="y")]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input[1].id"
+
+
+def test_resent_history_items_are_not_doubled_in_the_prompt(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    thought = f"plan-{uuid.uuid4().hex[:10]}"
+    marker = script(engine, http, f"<think>{thought}</think>{CALL}")
+    r1 = client.responses.create(model=MODEL, input=f"w {marker}", tools=TOOLS)
+    [call] = [o for o in r1.output if o.type == "function_call"]
+    answer: Any = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    # the follow-up's prompt renders the reasoning of the call it answers (qwen3: after the last query)
+    script(engine, http, "It is sunny.", match=f"<think>\n{thought}\n</think>")
+    lean = client.responses.create(model=MODEL, previous_response_id=r1.id, tools=TOOLS, input=[answer])
+    assert lean.output_text == "It is sunny."
+    resent: Any = [*(o.model_dump(exclude_none=True) for o in r1.output), answer]
+    again = client.responses.create(model=MODEL, previous_response_id=r1.id, tools=TOOLS, input=resent)
+    assert lean.usage is not None and again.usage is not None
+    assert again.usage.input_tokens == lean.usage.input_tokens
+    items = client.responses.input_items.list(again.id)
+    assert [i.type for i in items.data] == ["function_call_output"]
+    # stateless: the same items as the whole input work (the reasoning item feeds the template)
+    stateless_input: Any = [{"role": "user", "content": "w"}, *resent]
+    stateless = client.responses.create(model=MODEL, store=False, tools=TOOLS, input=stateless_input)
+    assert stateless.status == "completed"
+
+
+def test_function_call_output_without_its_call_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model=MODEL, input=[{"type": "function_call_output", "call_id": "call_nowhere", "output": "x"}]
+        )
+    assert "call_nowhere" in e.value.message
+
+
+# ---- chains ----------------------------------------------------------------------------------------------
+
+
+def test_chain_deeper_than_the_bound_is_a_400(client: openai.OpenAI) -> None:
+    prev = None
+    for i in range(CHAIN_DEPTH + 1):  # the last one continues a chain of exactly CHAIN_DEPTH
+        prev = client.responses.create(
+            model=MODEL, input=f"turn {i}", previous_response_id=prev.id if prev else openai.omit
+        )
+    assert prev is not None
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="one too many", previous_response_id=prev.id)
+    assert e.value.status_code == 400 and "previous_response_id" in str(e.value.body)
+
+
+def test_a_reused_client_item_id_keeps_what_each_request_sent(client: openai.OpenAI) -> None:
+    """A client id such as ``msg_1`` reused with other content (or another tenant's): each response's
+    input items show its own content, never the item stored first under that id."""
+    iid = f"msg_client_{uuid.uuid4().hex[:8]}"
+
+    def item(text: str) -> Any:
+        return [{"id": iid, "role": "user", "content": text}]
+
+    first = client.responses.create(model=MODEL, input=item("first text"))
+    second = client.responses.create(model=MODEL, input=item("second text"), max_output_tokens=2)
+    same = client.responses.create(model=MODEL, input=item("first text"), max_output_tokens=2)
+
+    def sent(rid: str) -> list[tuple[str, str]]:
+        return [(i.id, i.content[0].text) for i in client.responses.input_items.list(rid).data]  # type: ignore[union-attr,index]
+
+    assert sent(first.id) == [(iid, "first text")]
+    [(other_id, text)] = sent(second.id)
+    assert text == "second text" and other_id != iid and other_id.startswith("msg_")
+    assert sent(same.id) == [(iid, "first text")]  # the same item: referred to, not stored twice
+
+
+def test_schemas_are_checked_after_the_model_lookup_and_bounded(node: NodeProc, http: httpx.Client) -> None:
+    """An invalid schema is a 400 naming its field; an unknown model is a 404 before any schema work; a
+    schema past the byte bound is refused by its size."""
+    url = node.url + "/v1/responses"
+    bad_schema = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+    fmt = {"format": {"type": "json_schema", "name": "x", "schema": bad_schema}}
+    r = http.post(url, json={"model": MODEL, "input": "hi", "text": fmt})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format.schema", r.text
+    tool = {"type": "function", "name": "f", "parameters": bad_schema}
+    r = http.post(url, json={"model": MODEL, "input": "hi", "tools": [tool]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].parameters", r.text
+    r = http.post(url, json={"model": "no-such-model", "input": "hi", "text": fmt})
+    assert r.status_code == 404, r.text
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(40_000)}}
+    big = {"format": {"type": "json_schema", "name": "x", "schema": huge}}
+    r = http.post(url, json={"model": MODEL, "input": "hi", "text": big})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "schema_too_large", r.text

@@ -1,0 +1,190 @@
+"""Responses input items: parse_items (validation, ids, bounds) and items_to_messages (chat messages)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from shepherd.node.openai import items as items_mod
+from shepherd.node.openai.items import items_to_messages, parse_items
+from shepherd.proto.openai_errors import ApiError
+
+_counter = itertools.count(1)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{next(_counter):048x}"
+
+
+def _parse(raw: Any, **kw: Any) -> list[Any]:
+    return parse_items(raw, param="input", new_id=_new_id, now=1.0, **kw)
+
+
+def _err(raw: Any) -> ApiError:
+    with pytest.raises(ApiError) as ei:
+        _parse(raw)
+    assert ei.value.status == 400
+    return ei.value
+
+
+def test_string_is_one_user_message() -> None:
+    [it] = _parse("hello", response_id="resp_x")
+    assert it.type == "message" and it.role == "user" and it.status == "completed"
+    assert it.id.startswith("msg_") and it.response_id == "resp_x" and it.created_at == 1.0
+    assert it.data == {
+        "type": "message",
+        "id": it.id,
+        "role": "user",
+        "content": [{"type": "input_text", "text": "hello"}],
+        "status": "completed",
+    }
+
+
+def test_message_without_type_and_parts() -> None:
+    got = _parse(
+        [
+            {"role": "developer", "content": "be brief"},
+            {"role": "assistant", "content": "ok"},
+            {
+                "type": "message",
+                "role": "user",
+                "id": "msg_abc",
+                "content": [{"type": "input_text", "text": "a"}, {"type": "input_image", "image_url": "u"}],
+            },
+            {
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "b"}, {"type": "refusal", "refusal": "no"}],
+            },
+        ]
+    )
+    assert [g.role for g in got] == ["developer", "assistant", "user", "assistant"]
+    assert got[1].data["content"] == [{"type": "output_text", "text": "ok", "annotations": []}]
+    assert got[2].id == "msg_abc"
+    assert got[2].data["content"][1] == {"type": "input_image", "detail": "auto", "image_url": "u"}
+    assert got[3].data["content"][1] == {"type": "refusal", "refusal": "no"}
+
+
+def test_function_call_and_output_and_reasoning() -> None:
+    got = _parse(
+        [
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "think"}],
+                "encrypted_content": "zzz",
+            },
+            {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "42"},
+            {"type": "item_reference", "id": "msg_old"},
+        ]
+    )
+    rs, fc, fco, ref = got
+    assert rs.id == "rs_1" and "encrypted_content" not in rs.data
+    assert rs.data["content"] == [{"type": "reasoning_text", "text": "think"}]
+    assert fc.id.startswith("fc_") and fc.data["call_id"] == "call_1" and fc.data["status"] == "completed"
+    assert fco.id.startswith("fco_") and fco.data["output"] == "42"
+    assert ref.type == "item_reference" and ref.id == "msg_old"
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (42, "input"),
+        ([1], "input[0]"),
+        ([{"role": "user", "content": "a"}, {"role": "robot", "content": "x"}], "input[1].role"),
+        ([{"role": "user", "content": 3}], "input[0].content"),
+        ([{"role": "user", "content": [{"type": "input_audio"}]}], "input[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "input_text"}]}], "input[0].content[0]"),
+        ([{"type": "function_call", "name": "f", "arguments": "{}"}], "input[0].call_id"),
+        ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}], "input[0].arguments"),
+        ([{"type": "function_call_output", "call_id": "c", "output": 1}], "input[0].output"),
+        ([{"type": "message", "role": "user", "content": "a", "id": "fc_1"}], "input[0].id"),
+        ([{"type": "message", "role": "user", "content": "a", "id": "msg 1"}], "input[0].id"),
+        ([{"type": "message", "role": "user", "content": "a", "status": "weird"}], "input[0].status"),
+        ([{"type": "reasoning", "summary": [{"type": "x"}]}], "input[0].summary[0]"),
+        ([{"type": "web_search_call"}], "input[0].type"),
+        ([{"content": "no role"}], "input[0].type"),
+    ],
+)
+def test_malformed_items_name_the_item(raw: Any, param: str) -> None:
+    assert _err(raw).param == param
+
+
+def test_bounds_are_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(items_mod, "MAX_ITEMS", 2)
+    assert _err([{"role": "user", "content": "a"}] * 3).code == "array_above_max_length"
+    monkeypatch.setattr(items_mod, "MAX_TEXT_CHARS", 4)
+    assert _err([{"role": "user", "content": "12345"}]).code == "string_above_max_length"
+
+
+def _items(raw: list[dict[str, Any]]) -> list[Any]:
+    return _parse(raw)
+
+
+def test_messages_merge_calls_and_reasoning() -> None:
+    msgs = items_to_messages(
+        _items(
+            [
+                {"role": "developer", "content": "sys"},
+                {
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+                },
+                {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+                {"role": "assistant", "content": "calling"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x":1}'},
+                {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "1"},
+                {
+                    "type": "function_call_output",
+                    "call_id": "c2",
+                    "output": [{"type": "input_text", "text": "2"}],
+                },
+                {"type": "reasoning", "summary": [{"type": "summary_text", "text": "sum"}]},
+                {"type": "function_call", "call_id": "c3", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c3", "output": "3"},
+                {"role": "assistant", "content": "done"},
+            ]
+        )
+    )
+    assert msgs == [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "a\nb"},
+        {
+            "role": "assistant",
+            "content": "calling",
+            "reasoning_content": "hmm",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x":1}'}},
+                {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+        {"role": "tool", "tool_call_id": "c2", "content": "2"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c3", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+            "reasoning_content": "sum",
+        },
+        {"role": "tool", "tool_call_id": "c3", "content": "3"},
+        {"role": "assistant", "content": "done"},
+    ]
+
+
+def test_reasoning_without_answer_is_dropped_and_images_refused() -> None:
+    msgs = items_to_messages(
+        _items(
+            [
+                {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "x"}]},
+                {"role": "user", "content": "again"},
+            ]
+        )
+    )
+    assert msgs == [{"role": "user", "content": "again"}]
+    with pytest.raises(ApiError) as ei:
+        items_to_messages(_items([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]))
+    assert ei.value.code == "unsupported_content"

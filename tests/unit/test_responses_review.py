@@ -1,0 +1,183 @@
+"""Responses API fixes found in review, at the unit level: usage as openai-python's ``ResponseUsage``
+requires it, output-text logprobs in the Responses shape, duplicate item ids refused at parse time,
+the retried write when a concurrent request stored a client's item id first, and the bound on
+background responses."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import orjson
+import pytest
+from openai.types.responses import Response, ResponseTextDeltaEvent
+
+from shepherd.node.api.common import History
+from shepherd.node.api.responses import BackgroundRegistry, Turn
+from shepherd.node.openai.items import parse_items
+from shepherd.node.output.responses import (
+    ResponseEvents,
+    output_items,
+    response_object,
+    response_usage,
+    text_logprobs,
+)
+from shepherd.proto.openai_errors import ApiError
+from shepherd.storage.memory import MemoryStore
+from shepherd.storage.types import StoredItem
+
+_ids = itertools.count(1)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{next(_ids):048x}"
+
+
+BASE: dict[str, Any] = {
+    "id": "resp_1",
+    "object": "response",
+    "created_at": 1,
+    "model": "m",
+    "parallel_tool_calls": True,
+    "tool_choice": "auto",
+    "tools": [],
+    "metadata": {},
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "instructions": None,
+}
+
+CHAT_LP = {
+    "content": [
+        {
+            "token": "Hi",
+            "logprob": -0.5,
+            "bytes": [72, 105],
+            "top_logprobs": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105]}],
+        }
+    ]
+}
+
+
+def test_usage_validates_as_the_sdk_requires() -> None:
+    usage = response_usage(10, 5, 2, 3)
+    body = response_object(BASE, status="completed", output=[], usage=usage)
+    r = Response.model_validate(body)  # strict: cache_write_tokens is a required field
+    assert r.usage is not None and r.usage.input_tokens_details.cache_write_tokens == 0
+    assert r.usage.output_tokens_details.reasoning_tokens == 3 and r.usage.total_tokens == 15
+
+
+def test_text_logprobs_take_the_responses_shape() -> None:
+    [lp] = text_logprobs(CHAT_LP)
+    assert lp == {
+        "token": "Hi",
+        "bytes": [72, 105],
+        "logprob": -0.5,
+        "top_logprobs": [{"token": "Hi", "bytes": [72, 105], "logprob": -0.5}],
+    }
+    assert text_logprobs(None) == [] and text_logprobs({"content": None}) == []
+    [msg] = output_items({"content": "Hi"}, _new_id, logprobs=[lp])
+    assert msg["content"][0]["logprobs"] == [lp]
+    Response.model_validate(
+        response_object(BASE, status="completed", output=[msg], usage=response_usage(1, 1, 0))
+    )
+
+
+def test_streamed_deltas_carry_logprobs_and_the_done_events_all_of_them() -> None:
+    ev = ResponseEvents(BASE, _new_id)
+    ev.role()
+    delta = ev.content(0, "Hi", CHAT_LP)
+    ev.content(0, " there", None)
+    ev.finish(0, "stop")
+    [added_ev, part_ev, delta_ev] = [_payload(b) for b in delta.split(b"\n\n") if b]
+    assert (
+        added_ev["type"] == "response.output_item.added" and part_ev["type"] == "response.content_part.added"
+    )
+    d = ResponseTextDeltaEvent.model_validate(delta_ev)
+    assert [x.token for x in d.logprobs] == ["Hi"]
+    [msg] = ev.items
+    assert msg["content"][0]["text"] == "Hi there" and len(msg["content"][0]["logprobs"]) == 1
+
+
+def _payload(block: bytes) -> dict[str, Any]:
+    data = block.split(b"\ndata: ", 1)[1]
+    out: dict[str, Any] = orjson.loads(data)
+    return out
+
+
+def test_duplicate_item_ids_are_a_400_naming_the_second() -> None:
+    raw = [
+        {"type": "message", "id": "msg_dup", "role": "user", "content": "a"},
+        {"type": "message", "id": "msg_dup", "role": "user", "content": "b"},
+    ]
+    with pytest.raises(ApiError) as e:
+        parse_items(raw, param="input", new_id=_new_id, now=0.0)
+    assert e.value.status == 400 and e.value.param == "input[1].id"
+    ref = [{"type": "item_reference", "id": "msg_x"}, {"type": "item_reference", "id": "msg_x"}]
+    with pytest.raises(ApiError):
+        parse_items(ref, param="input", new_id=_new_id, now=0.0)
+
+
+def _turn(hist: History, rid: str, given: StoredItem) -> Turn:
+    return Turn(hist, rid, 1.0, "m", None, None, None, [given], (given.id,), None)
+
+
+def test_a_client_item_stored_meanwhile_is_referred_to_not_a_500() -> None:
+    """Two requests give the same (new) client item id: the second write finds it stored and refers to it."""
+
+    async def run() -> None:
+        store = MemoryStore()
+        hist = History(store, "0" * 8)
+        item = StoredItem("msg_client", "message", {"type": "message", "id": "msg_client"}, 1.0)
+        first, second = _turn(hist, "resp_a", item), _turn(hist, "resp_b", item)
+        await first.save(response_object(BASE, status="completed", output=[], usage=None), [])
+        await second.save(response_object(BASE, status="completed", output=[], usage=None), [])
+        b = await store.get_response("resp_b")
+        assert b is not None and b.input_item_ids == ("msg_client",) and second.new_input == []
+        assert [i.id for i in await store.get_items(["msg_client"])] == ["msg_client"]
+
+    asyncio.run(run())
+
+
+def test_background_registry_is_bounded() -> None:
+    async def run() -> None:
+        reg = BackgroundRegistry(limit=2)
+        gate = asyncio.Event()
+
+        async def wait() -> None:
+            await gate.wait()
+
+        tasks = [asyncio.create_task(wait()) for _ in range(2)]
+        assert not reg.full()
+        for i, t in enumerate(tasks):
+            reg.add(f"resp_{i}", t)
+        assert reg.full() and len(reg) == 2
+        gate.set()
+        await asyncio.gather(*tasks)
+        await asyncio.sleep(0)  # the done callbacks
+        assert not reg.full() and len(reg) == 0
+        await reg.close()
+
+    asyncio.run(run())
+
+
+def test_memory_store_is_bounded_by_bytes_too() -> None:
+    """Few but large items (up to megabytes each) are evicted by size, oldest first."""
+
+    async def run() -> None:
+        store = MemoryStore(max_items=1000, max_bytes=10_000)
+        for n in range(5):
+            it = StoredItem(f"msg_{n}", "message", {"type": "message", "text": "x" * 4000}, float(n))
+            rec = Turn(
+                History(store, "0" * 8), f"resp_{n}", float(n), "m", None, None, None, [it], (it.id,), None
+            )
+            await rec.save(response_object(BASE, status="completed", output=[], usage=None), [])
+        assert 0 < store.bytes <= 10_000 and store.stats.evicted == 3
+        assert await store.get_response("resp_0") is None and await store.get_response("resp_4") is not None
+        assert [i.id for i in await store.get_items(["msg_0", "msg_4"])] == ["msg_4"]
+        await store.delete_response("resp_4")
+        await store.delete_response("resp_3")
+        assert store.bytes == 0
+
+    asyncio.run(run())
