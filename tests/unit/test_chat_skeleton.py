@@ -191,6 +191,8 @@ def test_plain_conversations_render_as_prepared_ones(
     is the one of a template that prepares every message (a mutable sandbox takes the general path)."""
     base = template(family)
     fast = _fresh_plain(family)
+    if fast.skeletons is not None:  # this example's skeleton is built from its own contents (an earlier
+        fast.skeletons.clear()  # example's skeleton of the same shape may have guards these contents fail)
     general = ChatTemplate(
         base.source, special_tokens=base.special_tokens, env=make_environment(immutable=False)
     )
