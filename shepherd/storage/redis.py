@@ -20,11 +20,11 @@ Redis Cluster. Connection errors and timeouts are ``StorageUnavailable``.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -244,15 +244,13 @@ return fail('BADOP', op)
 
 def _hash(d: dict[str, Any]) -> dict[str, str]:
     """A record's fields as hash fields: JSON values, ``None`` left out."""
-    return {
-        k: json.dumps(v, separators=(",", ":"), ensure_ascii=False) for k, v in d.items() if v is not None
-    }
+    return {k: orjson.dumps(v).decode() for k, v in d.items() if v is not None}
 
 
 def _record(h: Any) -> dict[str, Any]:
     """HGETALL's answer (a dict, or the flat list a script returns) as the record's fields."""
     pairs = h.items() if isinstance(h, dict) else zip(h[::2], h[1::2], strict=True)
-    return {bytes(k).decode(): json.loads(v) for k, v in pairs if bytes(k) not in _COUNTERS}
+    return {bytes(k).decode(): orjson.loads(v) for k, v in pairs if bytes(k) not in _COUNTERS}
 
 
 def _items_payload(items: Sequence[StoredItem]) -> list[dict[str, Any]]:
@@ -332,7 +330,7 @@ class RedisStore:
 
     async def _script(self, op: str, args: dict[str, Any]) -> Any:
         args["ttl"] = self.ttl
-        payload = json.dumps(args, separators=(",", ":"), ensure_ascii=False)
+        payload = orjson.dumps(args).decode()
         self._r()
         assert self._lua is not None
         return await self._do(self._lua(keys=[], args=[self.prefix, op, payload]))
@@ -419,7 +417,8 @@ class RedisStore:
         self, conversation_id: str, metadata: dict[str, str]
     ) -> StoredConversation | None:
         h = await self._write(
-            "update_conversation", {"conv": conversation_id, "metadata": json.dumps(dict(metadata))}
+            "update_conversation",
+            {"conv": conversation_id, "metadata": orjson.dumps(dict(metadata)).decode()},
         )
         return StoredConversation.from_dict(_record(h)) if h else None
 

@@ -26,11 +26,12 @@ Times are unix seconds (``DOUBLE PRECISION``).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import orjson
 
 from shepherd.storage.types import (
     ChainError,
@@ -220,11 +221,11 @@ _ITEM_COLS_I = ", ".join("i." + c for c in _ITEM_COLS.split(", "))
 
 
 def _dumps(v: Any) -> str:
-    return json.dumps(v, separators=(",", ":"), ensure_ascii=False)
+    return orjson.dumps(v).decode()
 
 
 def _loads(v: Any) -> Any:
-    return json.loads(v) if isinstance(v, str | bytes) else v
+    return orjson.loads(v) if isinstance(v, str | bytes) else v
 
 
 def _response(r: Row) -> StoredResponse:
