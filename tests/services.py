@@ -227,6 +227,24 @@ def redis_service() -> Iterator[Service]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def service_or_skip(
+    name: str, start: Callable[[], contextlib.AbstractContextManager[Service]]
+) -> Iterator[Service]:
+    """``start()``'s service for tests (``name``: what a skip says): without one they are skipped, and
+    they fail under CI=true."""
+    import pytest  # here: ``python -m tests.services install`` runs without pytest
+
+    with contextlib.ExitStack() as stack:
+        try:
+            svc = stack.enter_context(start())
+        except ServiceError as e:
+            if IN_CI:
+                pytest.fail(f"CI=true but {name} cannot run: {e}")
+            pytest.skip(f"{name} unavailable: {e} (python -m tests.services install, as root)")
+        yield svc
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["install"]:
         try:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from shepherd.auth.middleware import AuthFailure, Plane, plane_of
+from shepherd.auth.middleware import AuthFailure, request_planes
 
 LOCAL_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost", "ip6-loopback"})
 
@@ -129,15 +129,11 @@ def make_control_middleware(
     """The listener split (``admin_port``: None when the client port serves everything) and the browser
     guard of the control routes. Put it after the error middleware and before the auth middleware: a
     control route on the wrong listener is a 404 whatever the credential."""
-    planes: dict[str | None, Plane] = {}
+    plane_for = request_planes(metrics_protected)
 
     @web.middleware
     async def control_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else None
-        plane = planes.get(route)
-        if plane is None:
-            plane = planes[route] = plane_of(route, metrics_protected)
+        _, plane = plane_for(request)
         if plane == "public":
             return await handler(request)
         if admin_port is not None and (plane == "control") != (local_port(request) == admin_port):

@@ -106,6 +106,22 @@ def plane_of(route: str | None, metrics_protected: bool) -> Plane:
     return "data"
 
 
+def request_planes(metrics_protected: bool) -> Callable[[web.Request], tuple[str | None, Plane]]:
+    """A request's matched route template (None: none matched) and its plane, each route's plane decided
+    once (``plane_of``) and kept: the auth middleware and the control middleware each hold one."""
+    planes: dict[str | None, Plane] = {}
+
+    def route_plane(request: web.Request) -> tuple[str | None, Plane]:
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else None
+        plane = planes.get(route)
+        if plane is None:
+            plane = planes[route] = plane_of(route, metrics_protected)
+        return route, plane
+
+    return route_plane
+
+
 def has_credential(headers: Mapping[str, str]) -> bool:
     """A bearer credential was sent (well formed or not)."""
     return "Authorization" in headers or bool((headers.get("x-api-key") or "").strip())
@@ -272,18 +288,13 @@ class AuthFailures:
 
 def make_middleware(authn: Authenticator, failures: AuthFailures | None = None) -> Middleware:
     """The aiohttp middleware: put it after the error middleware (``install`` does)."""
-    planes: dict[str | None, Plane] = {}
-    metrics_protected = authn.cfg.metrics
+    plane_for = request_planes(authn.cfg.metrics)
     count = failures or AuthFailures(None)
     certs = authn.certs
 
     @web.middleware
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else None
-        plane = planes.get(route)
-        if plane is None:
-            plane = planes[route] = plane_of(route, metrics_protected)
+        route, plane = plane_for(request)
         if plane == "public":
             return await handler(request)
         try:

@@ -54,6 +54,7 @@ def _history_arguments(s: argparse.ArgumentParser) -> None:
         help="in a mesh, keep conversations in this node's memory anyway (lost when it restarts)",
     )
     h.add_argument("--history-memory-max-items", type=int, help="memory backend bound (oldest evicted)")
+    h.add_argument("--history-memory-max-bytes", type=int, help="memory backend bound on item bytes (1 GiB)")
     h.add_argument(
         "--history-migrations",
         choices=("apply", "refuse"),

@@ -153,6 +153,7 @@ class NodeConfig:
     history_retention_days: float = 30.0  # records older than this are purged (0: kept for ever)
     history_allow_local: bool = False  # a mesh node may keep conversations in memory (lost on restart)
     history_memory_max_items: int = 200_000  # memory backend: items kept before the oldest are evicted
+    history_memory_max_bytes: int = 1 << 30  # memory backend: and the JSON bytes of their items
     history_migrations: str = "apply"  # postgres: "apply" (advisory lock) or "refuse" (print the SQL)
     history_pool_size: int = 8  # postgres / redis connections
     history_chain_max_depth: int = 1000  # previous_response_id hops followed before a 400
@@ -608,8 +609,8 @@ def check_history(cfg: NodeConfig, *, explicit_backend: bool = True) -> NodeConf
             )
     if not cfg.history_retention_days >= 0:
         raise ConfigError("history_retention_days must be >= 0 (0: records are kept for ever)")
-    if cfg.history_memory_max_items < 1:
-        raise ConfigError("history_memory_max_items must be >= 1")
+    if cfg.history_memory_max_items < 1 or cfg.history_memory_max_bytes < 1:
+        raise ConfigError("history_memory_max_items and history_memory_max_bytes must be >= 1")
     if cfg.history_migrations not in ("apply", "refuse"):
         raise ConfigError("history_migrations must be 'apply' or 'refuse'")
     if cfg.history_pool_size < 1:

@@ -37,6 +37,7 @@ def open_store(
     *,
     retention_days: float = 30.0,
     max_items: int = 200_000,
+    max_bytes: int = 1 << 30,
     migrations: str = "apply",
     pool_size: int = 8,
 ) -> HistoryStore:
@@ -52,7 +53,7 @@ def open_store(
     if backend == "memory":
         if url:
             raise ValueError(f"the memory history backend takes no URL, not {url!r}")
-        return MemoryStore(max_items=max_items)
+        return MemoryStore(max_items=max_items, max_bytes=max_bytes)
     url = _check_url(backend, url)
     if backend == "sqlite":
         # not at the top: each backend's module (and its optional driver) loads only when chosen

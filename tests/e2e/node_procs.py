@@ -113,6 +113,20 @@ def start_node(
         raise
 
 
+def spawn_node(command: str, *args: str, port: int, log_prefix: str = "smg-node-") -> NodeProc:
+    """``smg-node <command>`` (``serve``, ``join``) on ``port``, not waited for (a mesh node whose seeds
+    start after it): the caller polls it up and stops it."""
+    log_path = log_file(log_prefix)
+    with log_path.open("wb") as logf:
+        proc = subprocess.Popen(
+            [str(BIN / "smg-node"), command, *args, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    return NodeProc(proc, port, log_path)
+
+
 @contextlib.contextmanager
 def running_node(*args: str, **kw: object) -> Iterator[NodeProc]:
     node = start_node(*args, **kw)  # type: ignore[arg-type]

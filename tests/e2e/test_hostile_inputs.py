@@ -41,11 +41,11 @@ import httpx
 import pytest
 import yaml
 
+from tests.e2e import node_fixtures
+from tests.e2e.node_fixtures import TEMPLATES, qwen3_flags
 from tests.e2e.node_procs import NodeProc, running_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
-from tests.e2e.test_node_tools import byte_tokenizer
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "assets" / "chat_templates"
 ADMIN_KEY = "sk-hostile-admin-" + os.urandom(12).hex()
 ADMIN = f"Bearer {ADMIN_KEY}"
 MSGS: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
@@ -56,11 +56,8 @@ ENVELOPE_KEYS = {"message", "type", "param", "code"}
 
 # ---- processes ------------------------------------------------------------------------------------
 
-
-@pytest.fixture(scope="module")
-def tokenizer_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory() as tmp:
-        yield byte_tokenizer(Path(tmp) / "bytes")
+# the shared module-scoped fixtures (tests/e2e/node_fixtures.py), by their names
+tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +67,6 @@ def engine(tokenizer_dir: Path) -> Iterator[MockEngineProc]:
         *("--tokenizer", str(tokenizer_dir)),
     ) as e:
         yield e
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=30) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +100,7 @@ def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
 @contextlib.contextmanager
 def single_node(engine: MockEngineProc, tokenizer_dir: Path, *flags: str) -> Iterator[NodeProc]:
     """A node of its own (one model, no auth) for the cases that change or break node state."""
-    with running_node(
-        *("--worker-urls", f"grpc://127.0.0.1:{engine.grpc_port}", "--model-id", "qwen3"),
-        *("--model-path", str(tokenizer_dir), "--chat-template", str(TEMPLATES / "Qwen-Qwen3-0.6B.jinja")),
-        *("--tokenizer-workers", "0", *flags),
-    ) as n:
+    with running_node(*qwen3_flags(engine, tokenizer_dir), "--tokenizer-workers", "0", *flags) as n:
         yield n
 
 

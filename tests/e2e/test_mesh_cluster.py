@@ -13,22 +13,21 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from shepherd.auth.certs import write_dev_pki
+from shepherd.auth.certs import TlsFiles, write_dev_pki
 from shepherd.mesh.keyring import Keyring, generate_key
 from shepherd.proto.engine_types import worker_id
-from tests.e2e.logs import log_file
-from tests.e2e.node_procs import BIN, NodeProc, http_status, reserved_port
+from tests.e2e.node_procs import NodeProc, http_status, reserved_port, spawn_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 
 pytestmark = pytest.mark.timeout(180)
@@ -88,16 +87,18 @@ class Cluster:
         return [n for n, p in self.nodes.items() if p.proc.poll() is None]
 
 
+def mesh_flags(name: str, mesh_port: int, tls: TlsFiles, keyring: Path) -> list[str]:
+    """A mesh node's own flags: its mesh port and name, its certificate, the CA and key file, and the
+    short SWIM intervals (``FAST``)."""
+    return [
+        "--mesh-port", str(mesh_port), "--mesh-name", name,
+        "--mesh-cert", str(tls.cert), "--mesh-key", str(tls.key), "--mesh-ca", str(tls.ca),
+        "--mesh-keyring-file", str(keyring), *FAST,
+    ]  # fmt: skip
+
+
 def spawn(command: str, *args: str, port: int) -> NodeProc:
-    log_path = log_file("smg-mesh-node-")
-    with log_path.open("wb") as logf:
-        proc = subprocess.Popen(
-            [str(BIN / "smg-node"), command, *args, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    return NodeProc(proc, port, log_path)
+    return spawn_node(command, *args, port=port, log_prefix="smg-mesh-node-")
 
 
 @pytest.fixture(scope="module")
@@ -112,13 +113,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         mesh_ports = {n: reserved_port() for n in NAMES}
 
         def flags(name: str) -> list[str]:
-            f = files[name]
             return [
                 "--model-id", MODEL, "--policy", "cache_aware", "--tokenizer-workers", "0",
                 "--health-check-interval-secs", "1", "--no-kv-events",
-                "--mesh-port", str(mesh_ports[name]), "--mesh-name", name,
-                "--mesh-cert", str(f.cert), "--mesh-key", str(f.key), "--mesh-ca", str(f.ca),
-                "--mesh-keyring-file", str(keyring), *FAST,
+                *mesh_flags(name, mesh_ports[name], files[name], keyring),
             ]  # fmt: skip
 
         seed = f"127.0.0.1:{mesh_ports['a']}"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import signal
-import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +27,10 @@ import pytest
 from shepherd.auth.certs import write_dev_pki
 from shepherd.mesh.keyring import Keyring, generate_key
 from shepherd.storage.ids import node_tag, tag_of
-from tests.e2e.logs import log_file
-from tests.e2e.node_procs import BIN, NodeProc, http_status, reserved_port
+from tests.e2e.node_procs import NodeProc, http_status, reserved_port, spawn_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
-from tests.e2e.test_mesh_cluster import FAST, wait_for
-from tests.services import IN_CI, ServiceError, postgres_service
+from tests.e2e.test_mesh_cluster import mesh_flags, wait_for
+from tests.services import postgres_service, service_or_skip
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -58,15 +56,7 @@ class Cluster:
 
 
 def spawn(command: str, *args: str, port: int) -> NodeProc:
-    log_path = log_file("smg-mesh-history-")
-    with log_path.open("wb") as logf:
-        proc = subprocess.Popen(
-            [str(BIN / "smg-node"), command, *args, "--host", "127.0.0.1", "--port", str(port)],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    return NodeProc(proc, port, log_path)
+    return spawn_node(command, *args, port=port, log_prefix="smg-mesh-history-")
 
 
 @contextlib.contextmanager
@@ -76,13 +66,7 @@ def history_flags(backend: str) -> Iterator[list[str]]:
     if backend == "sqlite":
         yield ["--history-backend", "sqlite"]
         return
-    with contextlib.ExitStack() as stack:
-        try:
-            svc = stack.enter_context(postgres_service())
-        except ServiceError as e:
-            if IN_CI:
-                pytest.fail(f"CI=true but PostgreSQL cannot run: {e}")
-            pytest.skip(f"PostgreSQL unavailable: {e} (python -m tests.services install, as root)")
+    with service_or_skip("PostgreSQL", postgres_service) as svc:
         yield ["--history-backend", "postgres", "--history-url", svc.url]
 
 
@@ -100,15 +84,12 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
             mesh_ports = {n: reserved_port() for n in NAMES}
 
             def flags(name: str) -> list[str]:
-                f = files[name]
                 return [
                     "--model-id", MODEL, "--tokenizer-workers", "0", "--no-kv-events",
                     "--health-check-interval-secs", "1",
                     "--worker-urls", f"grpc://{engine.grpc_target}",
                     *history, "--data-dir", str(Path(data) / name),
-                    "--mesh-port", str(mesh_ports[name]), "--mesh-name", name,
-                    "--mesh-cert", str(f.cert), "--mesh-key", str(f.key), "--mesh-ca", str(f.ca),
-                    "--mesh-keyring-file", str(keyring), *FAST,
+                    *mesh_flags(name, mesh_ports[name], files[name], keyring),
                 ]  # fmt: skip
 
             seed = f"127.0.0.1:{mesh_ports['a']}"

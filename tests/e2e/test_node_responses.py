@@ -10,7 +10,6 @@ script matching text that only an earlier turn holds shows that the node rebuilt
 from __future__ import annotations
 
 import json
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,71 +18,21 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 
-from tests.e2e.node_procs import NodeProc, running_node
-from tests.e2e.procs import MockEngineProc, start_mock_engine
-from tests.e2e.test_node_tools import byte_tokenizer
-from tests.unit.test_chat_tools_cases import TEMPLATES
+from tests.e2e import node_fixtures, responses_fixtures
+from tests.e2e.node_procs import NodeProc
+from tests.e2e.procs import MockEngineProc
+from tests.e2e.responses_fixtures import MODEL, TOOLS, qwen3_node, script
 
-MODEL = "qwen3"
-TOOLS: Any = [
-    {
-        "type": "function",
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-        "strict": True,
-    }
-]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory() as tmp:
-        yield byte_tokenizer(Path(tmp) / "bytes")
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=10) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def engine(tokenizer_dir: Path) -> Iterator[MockEngineProc]:
-    with start_mock_engine(
-        "--zero-latency", "--output-len", "16", "--tokenizer", str(tokenizer_dir), "--context-length", "65536"
-    ) as e:
-        yield e
+# the shared module-scoped fixtures, by their names (this module's own: node, _clean_mock)
+tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
+engine, client = responses_fixtures.engine, responses_fixtures.client
 
 
 @pytest.fixture(scope="module")
 def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
-    model = {
-        "name": MODEL,
-        "model_path": str(tokenizer_dir),
-        "worker_urls": [f"grpc://127.0.0.1:{engine.grpc_port}"],
-        "chat_template": str(TEMPLATES / "Qwen-Qwen3-0.6B.jinja"),
-        "reasoning_parser": "qwen3",
-        "tool_call_parser": "hermes",
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "node.yaml"
-        cfg.write_text(yaml.safe_dump({"models": [model], "tokenizer_workers": 0}))
-        with running_node("--config", str(cfg)) as n:
-            yield n
-
-
-@pytest.fixture(scope="module")
-def client(node: NodeProc) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
-        yield c
+    with qwen3_node(engine, tokenizer_dir) as n:
+        yield n
 
 
 @pytest.fixture(autouse=True)
@@ -92,15 +41,6 @@ def _clean_mock(engine: MockEngineProc, http: httpx.Client) -> Iterator[None]:
     base = f"http://127.0.0.1:{engine.http_port}"
     http.delete(f"{base}/mock/responses")
     http.post(f"{base}/mock/faults", json={"stall_after_tokens": None, "stall_seconds": 0.0})
-
-
-def script(engine: MockEngineProc, http: httpx.Client, text: str, match: str | None = None) -> str:
-    """Queue ``text`` as the answer to the next request whose prompt holds ``match`` (default: a fresh
-    marker, returned)."""
-    marker = match or f"case-{uuid.uuid4().hex[:12]}"
-    r = http.post(f"http://127.0.0.1:{engine.http_port}/mock/responses", json={"text": text, "match": marker})
-    assert r.status_code < 300, r.text
-    return marker
 
 
 def faults(engine: MockEngineProc, http: httpx.Client, **kw: Any) -> None:

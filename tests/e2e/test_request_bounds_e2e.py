@@ -14,7 +14,6 @@ flight, and a generous RSS bound; the client timeout (30 s) only keeps a regress
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,18 +23,15 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e import node_fixtures
+from tests.e2e.node_fixtures import qwen3_flags
 from tests.e2e.node_procs import NodeProc, running_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
-from tests.e2e.test_node_tools import byte_tokenizer
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "assets" / "chat_templates"
 MSGS: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
 
-
-@pytest.fixture(scope="module")
-def tokenizer_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory() as tmp:
-        yield byte_tokenizer(Path(tmp) / "bytes")
+# the shared module-scoped fixtures (tests/e2e/node_fixtures.py), by their names
+tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
 
 
 @pytest.fixture(scope="module")
@@ -50,18 +46,8 @@ def engine(tokenizer_dir: Path) -> Iterator[MockEngineProc]:
 @pytest.fixture(scope="module")
 def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
     """A node with the default settings (16 MiB bodies, the tokenizer pool on), one model."""
-    with running_node(
-        *("--worker-urls", f"grpc://127.0.0.1:{engine.grpc_port}", "--model-id", "qwen3"),
-        *("--model-path", str(tokenizer_dir), "--chat-template", str(TEMPLATES / "Qwen-Qwen3-0.6B.jinja")),
-        *("--policy", "manual"),
-    ) as n:
+    with running_node(*qwen3_flags(engine, tokenizer_dir), "--policy", "manual") as n:
         yield n
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=30) as c:
-        yield c
 
 
 def rss_mb(pid: int) -> float:

@@ -11,7 +11,6 @@ tests/e2e/test_node_responses.py), its ``history_chain_max_depth`` small so the 
 from __future__ import annotations
 
 import json
-import tempfile
 import typing
 import uuid
 from collections.abc import Iterator
@@ -21,31 +20,19 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import BaseModel
 
-from tests.e2e.node_procs import NodeProc, running_node
-from tests.e2e.procs import MockEngineProc, start_mock_engine
-from tests.e2e.test_node_tools import byte_tokenizer
-from tests.unit.test_chat_tools_cases import TEMPLATES
+from tests.e2e import node_fixtures, responses_fixtures
+from tests.e2e.node_procs import NodeProc
+from tests.e2e.procs import MockEngineProc
+from tests.e2e.responses_fixtures import MODEL, TOOLS, qwen3_node, script
 
-MODEL = "qwen3"
+# the shared module-scoped fixtures, by their names (this module's own: node, _clean_mock)
+tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
+engine, client = responses_fixtures.engine, responses_fixtures.client
+
 CHAIN_DEPTH = 3
-TOOLS: Any = [
-    {
-        "type": "function",
-        "name": "get_weather",
-        "description": "Current weather of a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-        "strict": True,
-    }
-]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -63,65 +50,17 @@ EVENTS = _event_models()
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory() as tmp:
-        yield byte_tokenizer(Path(tmp) / "bytes")
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=30) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def engine(tokenizer_dir: Path) -> Iterator[MockEngineProc]:
-    with start_mock_engine(
-        "--zero-latency", "--output-len", "16", "--tokenizer", str(tokenizer_dir), "--context-length", "65536"
-    ) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
 def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
-    model = {
-        "name": MODEL,
-        "model_path": str(tokenizer_dir),
-        "worker_urls": [f"grpc://127.0.0.1:{engine.grpc_port}"],
-        "chat_template": str(TEMPLATES / "Qwen-Qwen3-0.6B.jinja"),
-        "reasoning_parser": "qwen3",
-        "tool_call_parser": "hermes",
-    }
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "node.yaml"
-        cfg.write_text(
-            yaml.safe_dump(
-                {"models": [model], "tokenizer_workers": 0, "history_chain_max_depth": CHAIN_DEPTH}
-            )
-        )
-        with running_node("--config", str(cfg)) as n:
-            yield n
-            log = n.log()
-            assert "Traceback" not in log, log[-4000:]
-
-
-@pytest.fixture(scope="module")
-def client(node: NodeProc) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
-        yield c
+    with qwen3_node(engine, tokenizer_dir, history_chain_max_depth=CHAIN_DEPTH) as n:
+        yield n
+        log = n.log()
+        assert "Traceback" not in log, log[-4000:]
 
 
 @pytest.fixture(autouse=True)
 def _clean_mock(engine: MockEngineProc, http: httpx.Client) -> Iterator[None]:
     yield
     http.delete(f"http://127.0.0.1:{engine.http_port}/mock/responses")
-
-
-def script(engine: MockEngineProc, http: httpx.Client, text: str, match: str | None = None) -> str:
-    marker = match or f"case-{uuid.uuid4().hex[:12]}"
-    r = http.post(f"http://127.0.0.1:{engine.http_port}/mock/responses", json={"text": text, "match": marker})
-    assert r.status_code < 300, r.text
-    return marker
 
 
 def raw_events(node: NodeProc, http: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:

@@ -14,9 +14,8 @@ engine has no request left active, and the node's log holds no traceback.
 
 from __future__ import annotations
 
-import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,15 @@ import orjson
 import pytest
 from hypothesis import example, given
 
+from tests.e2e import node_fixtures
+from tests.e2e.node_fixtures import qwen3_flags
 from tests.e2e.node_procs import NodeProc, running_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
-from tests.e2e.test_node_tools import byte_tokenizer
 from tests.fuzz import json_strategies as js
 from tests.fuzz.http_strategies import request_stream
 from tests.fuzz.httpwire import ENVELOPE_KEYS, converse, reference_parse
 from tests.fuzz.profiles import Budget, fuzz_settings, run_bounded
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "assets" / "chat_templates" / "Qwen-Qwen3-0.6B.jinja"
 LIMIT = 256 * 1024  # --max-payload-size
 JSON = {"content-type": "application/json"}
 TERMINAL = {"response.completed", "response.incomplete", "response.failed", "error"}
@@ -52,11 +51,8 @@ NODE_PATHS = [
     b"/v1/nothing",
 ]
 
-
-@pytest.fixture(scope="module")
-def tokenizer_dir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory() as tmp:
-        yield byte_tokenizer(Path(tmp) / "bytes")
+# the shared module-scoped fixtures (tests/e2e/node_fixtures.py), by their names
+tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
 
 
 @pytest.fixture(scope="module")
@@ -78,17 +74,10 @@ def engine(tokenizer_dir: Path) -> Iterator[MockEngineProc]:
 @pytest.fixture(scope="module")
 def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
     with running_node(
-        *("--worker-urls", f"grpc://127.0.0.1:{engine.grpc_port}", "--model-id", "qwen3"),
-        *("--model-path", str(tokenizer_dir), "--chat-template", str(TEMPLATE)),
+        *qwen3_flags(engine, tokenizer_dir),
         *("--tokenizer-workers", "0", "--max-payload-size", str(LIMIT), "--request-timeout-secs", "20"),
     ) as n:
         yield n
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=30) as c:
-        yield c
 
 
 # ---- invariants ----------------------------------------------------------------------------------
@@ -172,6 +161,16 @@ def assert_intact(node: NodeProc, engine: MockEngineProc, http: httpx.Client, si
     assert "Traceback" not in log, f"the node logged a traceback:\n{log[-4000:]}"
 
 
+def run_target(
+    check: Callable[[], None], budget: Budget, node: NodeProc, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """Run one ``@given`` target within its budget, then ``assert_intact`` (a traceback logged while it
+    ran fails it)."""
+    since = len(node.log())
+    run_bounded(check, budget)
+    assert_intact(node, engine, http, since)
+
+
 def post_all(node: NodeProc, http: httpx.Client, path: str, value: Any) -> None:
     raw = js.as_json(value)
     r = http.post(node.url + path, content=raw, headers=JSON)
@@ -199,9 +198,7 @@ def test_fuzz_node_chat(
     def check(value: Any) -> None:
         post_all(node, http, "/v1/chat/completions", value)
 
-    since = len(node.log())
-    run_bounded(check, fuzz_budget)
-    assert_intact(node, engine, http, since)
+    run_target(check, fuzz_budget, node, engine, http)
 
 
 def test_fuzz_node_completions(
@@ -215,9 +212,7 @@ def test_fuzz_node_completions(
     def check(value: Any) -> None:
         post_all(node, http, "/v1/completions", value)
 
-    since = len(node.log())
-    run_bounded(check, fuzz_budget)
-    assert_intact(node, engine, http, since)
+    run_target(check, fuzz_budget, node, engine, http)
 
 
 def test_fuzz_node_responses(
@@ -233,9 +228,7 @@ def test_fuzz_node_responses(
     def check(value: Any) -> None:
         post_all(node, http, "/v1/responses", value)
 
-    since = len(node.log())
-    run_bounded(check, fuzz_budget)
-    assert_intact(node, engine, http, since)
+    run_target(check, fuzz_budget, node, engine, http)
 
 
 def test_fuzz_node_raw_http(
@@ -257,6 +250,4 @@ def test_fuzz_node_raw_http(
                 r.error()
         assert node.proc.poll() is None, f"the node exited:\n{node.log()[-3000:]}"
 
-    since = len(node.log())
-    run_bounded(check, fuzz_budget)
-    assert_intact(node, engine, http, since)
+    run_target(check, fuzz_budget, node, engine, http)

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import itertools
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,31 +23,22 @@ from shepherd.storage.postgres import PostgresStore
 from shepherd.storage.redis import RedisStore
 from shepherd.storage.sqlite import SQLiteStore
 from shepherd.storage.types import HistoryStore
-from tests.services import IN_CI, Service, ServiceError, postgres_service, redis_service
+from tests.services import Service, postgres_service, redis_service, service_or_skip
 
 BACKENDS = ("memory", "sqlite", "postgres", "redis")
 _dbs = itertools.count()
 
 
-def _service(name: str, cm: Callable[[], contextlib.AbstractContextManager[Service]]) -> Iterator[Service]:
-    with contextlib.ExitStack() as stack:
-        try:
-            svc = stack.enter_context(cm())
-        except ServiceError as e:
-            if IN_CI:
-                pytest.fail(f"CI=true but {name} cannot run: {e}")
-            pytest.skip(f"{name} unavailable: {e} (python -m tests.services install, as root)")
+@pytest.fixture(scope="session")
+def pg_service() -> Iterator[Service]:
+    with service_or_skip("PostgreSQL", postgres_service) as svc:
         yield svc
 
 
 @pytest.fixture(scope="session")
-def pg_service() -> Iterator[Service]:
-    yield from _service("PostgreSQL", postgres_service)
-
-
-@pytest.fixture(scope="session")
 def redis_service_() -> Iterator[Service]:
-    yield from _service("Redis", redis_service)
+    with service_or_skip("Redis", redis_service) as svc:
+        yield svc
 
 
 class Backend:

@@ -1,21 +1,26 @@
-"""What the routes share: the app keys (gateway, admission, SSE keep-alive), the error middleware, SSE
-keep-alive comments, and the relay to OpenAI HTTP workers."""
+"""What the routes share: the app keys (gateway, admission, SSE keep-alive, history), the error middleware,
+SSE keep-alive comments, the relay to OpenAI HTTP workers, and what the stateful routes (Responses,
+Conversations) share: the history store of a request, its errors as API errors, records' ownership."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import aiohttp
 import orjson
 from aiohttp import web
 
+from shepherd.auth.principal import PRINCIPAL_KEY, Principal
 from shepherd.node.api.admission import Admission
+from shepherd.node.cluster.history import OwnerGone
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.engines.http import (
     RELAY_CONTENT_TYPES,
@@ -28,9 +33,9 @@ from shepherd.node.engines.http import (
 from shepherd.node.http.types import stream_response
 from shepherd.node.openai.sse import DONE, KEEPALIVE, error_event
 from shepherd.proto.engine_types import EngineError
-from shepherd.proto.openai_errors import ApiError, error_response
+from shepherd.proto.openai_errors import ApiError, bad, error_response
 from shepherd.storage.ids import new_id
-from shepherd.storage.types import HistoryStore
+from shepherd.storage.types import HistoryStore, IntegrityError, NotFound, StorageUnavailable, StoredItem
 from shepherd.tokens.pool import TokenizerPoolUnavailable, TokenizerWorkerError
 
 log = logging.getLogger("shepherd.api")
@@ -67,6 +72,83 @@ class History:
         """A fresh id owned by this node, or by the node of ``owner_tag`` (a conversation's owner keeps
         the responses stored in that conversation, so the pair is written in one transaction)."""
         return new_id(prefix, owner_tag or self.tag)
+
+
+# ---- the stateful routes: the store, its errors, ownership ----------------------------------------------
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def history_of(request: web.Request, store: str) -> History:
+    """The app's history store; without one a 503 naming ``store`` ("response", "conversation")."""
+    h = request.app.get(HISTORY)
+    if h is None:
+        raise ApiError(
+            503, f"The {store} store is not configured.", type="service_unavailable", code="no_store"
+        )
+    return h
+
+
+def history_unavailable(
+    e: StorageUnavailable, store: str, rounding: Callable[[float], int] = math.ceil
+) -> ApiError:
+    """The store's unavailability as a 503 with Retry-After (``e.retry_after`` seconds, by ``rounding``,
+    at least 1)."""
+    return ApiError(
+        503,
+        f"The {store} store is unavailable: {e}",
+        type="service_unavailable",
+        code="storage_unavailable",
+        headers={"Retry-After": str(max(1, rounding(e.retry_after)))},
+    )
+
+
+def history_errors(store: str, rounding: Callable[[float], int] = math.ceil) -> Callable[[Handler], Handler]:
+    """A decorator: the store's errors a handler raises as API errors (an owner node gone or an unknown
+    record 404, a conflict 400, unavailability ``history_unavailable``'s 503)."""
+
+    def decorate(fn: Handler) -> Handler:
+        @functools.wraps(fn)
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            try:
+                return await fn(request)
+            except OwnerGone as e:
+                raise ApiError(404, str(e), code="owner_unavailable") from None
+            except NotFound as e:
+                raise ApiError(404, str(e), code="not_found") from None
+            except IntegrityError as e:
+                raise bad(str(e), code="conflict") from None
+            except StorageUnavailable as e:
+                raise history_unavailable(e, store, rounding) from None
+
+        return wrapped
+
+    return decorate
+
+
+def item_list(items: Sequence[StoredItem], has_more: bool) -> dict[str, Any]:
+    """A page of items as the API lists them (``{object: "list", data, first_id, last_id, has_more}``)."""
+    return {
+        "object": "list",
+        "data": [it.data for it in items],
+        "first_id": items[0].id if items else None,
+        "last_id": items[-1].id if items else None,
+        "has_more": has_more,
+    }
+
+
+def owner_of(request: web.Request) -> str | None:
+    """The owner recorded on what this caller creates: its principal's subject (None: auth is off)."""
+    p = request.get(PRINCIPAL_KEY)
+    return p.subject if isinstance(p, Principal) and p.method != "none" else None
+
+
+def may_read(request: web.Request, owner: str | None) -> bool:
+    """Whether the caller sees a record owned by ``owner`` (its owner, an admin, or auth off)."""
+    p = request.get(PRINCIPAL_KEY)
+    if owner is None or not isinstance(p, Principal) or p.role == "admin":
+        return True
+    return p.subject == owner
 
 
 _STATUS_TYPES = {

@@ -22,92 +22,42 @@ suspected or unreachable) a 503 with Retry-After; an owner node gone from the me
 
 from __future__ import annotations
 
-import functools
 import re
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
-from shepherd.auth.principal import PRINCIPAL_KEY, Principal
-from shepherd.node.api.common import GATEWAY, HISTORY, History
+from shepherd.node.api.common import (
+    GATEWAY,
+    History,
+    history_errors,
+    history_of,
+    item_list,
+    may_read,
+    owner_of,
+)
 from shepherd.node.cluster.history import OwnerGone
 from shepherd.node.http.body import json_response, read_json
 from shepherd.node.openai.items import parse_items
+from shepherd.node.openai.responses import MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE
 from shepherd.proto.openai_errors import ApiError, bad
 from shepherd.storage.ids import tag_of
-from shepherd.storage.types import (
-    IntegrityError,
-    NotFound,
-    StorageUnavailable,
-    StoredConversation,
-    StoredItem,
-)
+from shepherd.storage.types import NotFound, StoredConversation, StoredItem
 
 MAX_ITEMS_PER_CALL = 20
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
 MAX_LIMIT = 100
 DEFAULT_LIMIT = 20
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# ---- the store and validation -------------------------------------------------------------------------
 
-
-def storage_errors(fn: Handler) -> Handler:
-    """The store's errors as API errors (404 / 400 / 503 with Retry-After)."""
-
-    @functools.wraps(fn)
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        try:
-            return await fn(request)
-        except OwnerGone as e:
-            raise ApiError(404, str(e), code="owner_unavailable") from None
-        except NotFound as e:
-            raise ApiError(404, str(e), code="not_found") from None
-        except IntegrityError as e:
-            raise bad(str(e), code="conflict") from None
-        except StorageUnavailable as e:
-            raise ApiError(
-                503,
-                f"The conversation store is unavailable: {e}",
-                type="service_unavailable",
-                code="storage_unavailable",
-                headers={"Retry-After": str(max(1, round(e.retry_after)))},
-            ) from None
-
-    return wrapped
-
-
-# ---- ownership ----------------------------------------------------------------------------------------
-
-
-def owner_of(request: web.Request) -> str | None:
-    """The owner recorded on what this caller creates: its principal's subject (None: auth is off)."""
-    p = request.get(PRINCIPAL_KEY)
-    return p.subject if isinstance(p, Principal) and p.method != "none" else None
-
-
-def may_read(request: web.Request, owner: str | None) -> bool:
-    """Whether the caller sees a record owned by ``owner`` (its owner, an admin, or auth off)."""
-    p = request.get(PRINCIPAL_KEY)
-    if owner is None or not isinstance(p, Principal) or p.role == "admin":
-        return True
-    return p.subject == owner
-
-
-# ---- validation ---------------------------------------------------------------------------------------
+# the store's errors as API errors (404 / 400 / 503 with Retry-After, rounded to the nearest second)
+storage_errors = history_errors("conversation", round)
 
 
 def _history(request: web.Request) -> History:
-    h = request.app.get(HISTORY)
-    if h is None:
-        raise ApiError(
-            503, "The conversation store is not configured.", type="service_unavailable", code="no_store"
-        )
-    return h
+    return history_of(request, "conversation")
 
 
 def _conv_id(request: web.Request) -> str:
@@ -208,16 +158,6 @@ async def _load(request: web.Request, history: History, cid: str) -> StoredConve
     return c
 
 
-def _list(items: list[StoredItem], has_more: bool) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [it.data for it in items],
-        "first_id": items[0].id if items else None,
-        "last_id": items[-1].id if items else None,
-        "has_more": has_more,
-    }
-
-
 async def _body(request: web.Request) -> dict[str, Any]:
     _, d = await read_json(request, request.app[GATEWAY].cfg.max_body_bytes)
     return d
@@ -287,7 +227,7 @@ async def add_items(request: web.Request) -> web.StreamResponse:
     items = _parse(d["items"], history, tag_of(cid), now, required=True)
     await _load(request, history, cid)
     await history.store.add_items(cid, items)
-    return json_response(_list(items, False))
+    return json_response(item_list(items, False))
 
 
 def _limit(request: web.Request) -> int:
@@ -331,7 +271,7 @@ async def list_items(request: web.Request) -> web.StreamResponse:
         raise bad(
             f"Invalid 'after': no item with id '{after}' in this conversation.", param="after"
         ) from None
-    return json_response(_list(page.items, page.has_more))
+    return json_response(item_list(page.items, page.has_more))
 
 
 @storage_errors

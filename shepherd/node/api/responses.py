@@ -27,22 +27,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
-import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from shepherd.auth.principal import PRINCIPAL_KEY, Principal, principal_of
+from shepherd.auth.principal import principal_of
 from shepherd.node.api.admission import Ticket, tokens_used
-from shepherd.node.api.common import ADMISSION, GATEWAY, HISTORY, History
+from shepherd.node.api.common import (
+    ADMISSION,
+    GATEWAY,
+    History,
+    history_errors,
+    history_of,
+    history_unavailable,
+    item_list,
+    may_read,
+    owner_of,
+)
 from shepherd.node.api.generation import Generation, Job, strict_violation
-from shepherd.node.cluster.history import OwnerGone
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import read_json
 from shepherd.node.openai.items import ITEM_PREFIXES, items_to_messages, parse_items
@@ -146,63 +153,16 @@ BACKGROUND: web.AppKey[BackgroundRegistry] = web.AppKey("responses_background")
 
 
 def _hist(request: web.Request) -> History:
-    h = request.app.get(HISTORY)
-    if h is None:
-        raise ApiError(
-            503, "The response store is not configured.", type="service_unavailable", code="no_store"
-        )
-    return h
+    return history_of(request, "response")
 
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _storage_errors(fn: Handler) -> Handler:
-    """The store's errors raised before an answer starts, as API errors (404 / 400 / 503 with
-    Retry-After); once a stream has started the driver reports failures in-band."""
-
-    @functools.wraps(fn)
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        try:
-            return await fn(request)
-        except OwnerGone as e:
-            raise ApiError(404, str(e), code="owner_unavailable") from None
-        except NotFound as e:
-            raise ApiError(404, str(e), code="not_found") from None
-        except IntegrityError as e:
-            raise bad(str(e), code="conflict") from None
-        except StorageUnavailable as e:
-            raise _unavailable(e) from None
-
-    return wrapped
+# the store's errors raised before an answer starts, as API errors (404 / 400 / 503 with Retry-After);
+# once a stream has started the driver reports failures in-band
+_storage_errors = history_errors("history")
 
 
 def _unavailable(e: StorageUnavailable) -> ApiError:
-    return ApiError(
-        503,
-        f"The history store is unavailable: {e}",
-        type="service_unavailable",
-        code="storage_unavailable",
-        headers={"Retry-After": str(max(1, math.ceil(e.retry_after)))},
-    )
-
-
-def _caller(request: web.Request) -> Principal | None:
-    p = request.get(PRINCIPAL_KEY)
-    return p if isinstance(p, Principal) else None
-
-
-def _owner(request: web.Request) -> str | None:
-    """The owner a new record gets: the caller's subject when auth is on (None: auth off)."""
-    p = _caller(request)
-    return None if p is None or p.method == "none" else p.subject
-
-
-def _visible(request: web.Request, owner: str | None) -> bool:
-    if owner is None:
-        return True
-    p = _caller(request)
-    return p is None or p.role == "admin" or p.subject == owner
+    return history_unavailable(e, "history")
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -229,7 +189,7 @@ async def _get_owned(request: web.Request, hist: History, response_id: str) -> S
         stored = await hist.store.get_response(response_id)
     except StorageUnavailable as e:
         raise _unavailable(e) from None
-    if stored is None or not _visible(request, stored.owner):
+    if stored is None or not may_read(request, stored.owner):
         raise response_not_found(response_id)
     return stored
 
@@ -418,7 +378,7 @@ async def _history(
                 param="previous_response_id",
                 code="invalid_chain",
             ) from None
-        if not chain or not _visible(request, chain[-1].owner):
+        if not chain or not may_read(request, chain[-1].owner):
             raise previous_not_found(req.previous_response_id)
         if chain[0].previous_response_id is not None:  # an earlier response of the chain is gone
             raise previous_not_found(chain[0].previous_response_id)
@@ -432,7 +392,7 @@ async def _history(
         return await store.get_items(ids) if ids else []
     if req.conversation_id is not None:
         conv = await store.get_conversation(req.conversation_id)
-        if conv is None or not _visible(request, conv.owner):
+        if conv is None or not may_read(request, conv.owner):
             raise conversation_not_found(req.conversation_id)
         items: list[StoredItem] = []
         after: str | None = None
@@ -561,7 +521,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         response_id,
         now,
         model,
-        _owner(request),
+        owner_of(request),
         req.previous_response_id,
         req.conversation_id,
         new_input,
@@ -639,6 +599,23 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     return await adm.guard(request, model, len(ids), shaping.sampling, run, jobs)
 
 
+def _answer(
+    g: Generation, choice: dict[str, Any], turn: Turn
+) -> tuple[str | None, str, list[dict[str, Any]], dict[str, Any]]:
+    """A finished choice as the response shows it: its finish reason, the response's status, the output
+    items (fresh ids from ``turn``) and the usage."""
+    finish = choice["finish_reason"]
+    status = response_status(finish)
+    output = output_items(
+        choice["message"],
+        turn.new_id,
+        "completed" if status == "completed" else "incomplete",
+        text_logprobs(choice.get("logprobs")),
+    )
+    t = g.totals
+    return finish, status, output, _usage(g.tok, output, t.prompt, t.completion, t.cached)
+
+
 def _cut_usage(job: Job) -> dict[str, Any]:
     return response_usage(len(job.ids), sum(st.tokens for st in job.states), 0)
 
@@ -657,23 +634,8 @@ async def _respond(
     strict = [v for v in violations if v.strict]
     if strict:
         raise strict_violation(strict)
-    choice = choices[0]
-    finish = choice["finish_reason"]
-    status = response_status(finish)
-    output = output_items(
-        choice["message"],
-        turn.new_id,
-        "completed" if status == "completed" else "incomplete",
-        text_logprobs(choice.get("logprobs")),
-    )
-    t = g.totals
-    body = response_object(
-        base,
-        status=status,
-        output=output,
-        usage=_usage(g.tok, output, t.prompt, t.completion, t.cached),
-        finish_reason=finish,
-    )
+    finish, status, output, usage = _answer(g, choices[0], turn)
+    body = response_object(base, status=status, output=output, usage=usage, finish_reason=finish)
     if store:
         await turn.save(body, output)
     g.done()
@@ -760,17 +722,7 @@ async def _background(
         await turn.update(response_object(base, status="in_progress", output=[], usage=None), [])
         g.gw.metrics.overhead.observe(time.perf_counter() - g.t0)
         choices, violations = await g.collect([job])
-        choice = choices[0]
-        finish = choice["finish_reason"]
-        status = response_status(finish)
-        output = output_items(
-            choice["message"],
-            turn.new_id,
-            "completed" if status == "completed" else "incomplete",
-            text_logprobs(choice.get("logprobs")),
-        )
-        t = g.totals
-        usage = _usage(g.tok, output, t.prompt, t.completion, t.cached)
+        finish, status, output, usage = _answer(g, choices[0], turn)
         strict = [v for v in violations if v.strict]
         if strict:
             err = strict_violation(strict)
@@ -901,16 +853,7 @@ async def list_input_items(request: web.Request) -> web.StreamResponse:
         items = await hist.store.get_items(page_ids) if page_ids else []
     except StorageUnavailable as e:
         raise _unavailable(e) from None
-    data = [it.data for it in items]
-    return _json(
-        {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": len(ids) > limit,
-        }
-    )
+    return _json(item_list(items, len(ids) > limit))
 
 
 def routes() -> list[web.RouteDef]:

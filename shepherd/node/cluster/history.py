@@ -775,6 +775,7 @@ def open_backend(cfg: NodeConfig) -> HistoryStore:
             cfg.history_url,
             retention_days=cfg.history_retention_days,
             max_items=cfg.history_memory_max_items,
+            max_bytes=cfg.history_memory_max_bytes,
             migrations=cfg.history_migrations,
             pool_size=cfg.history_pool_size,
         )

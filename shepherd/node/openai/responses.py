@@ -24,7 +24,9 @@ from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, parse_
 from shepherd.proto.openai_errors import ApiError, bad
 
 __all__ = [
+    "MAX_METADATA_KEY",
     "MAX_METADATA_PAIRS",
+    "MAX_METADATA_VALUE",
     "ResponsesRequest",
     "conversation_not_found",
     "parse_metadata",
@@ -426,31 +428,23 @@ def parse_responses(d: dict[str, Any]) -> ResponsesRequest:
 # ---- the 404s, worded as OpenAI words them --------------------------------------------------------------
 
 
+def _not_found(message: str, param: str, code: str) -> ApiError:
+    return ApiError(404, message, type="invalid_request_error", param=param, code=code)
+
+
 def response_not_found(response_id: str) -> ApiError:
-    return ApiError(
-        404,
-        f"Response with id '{response_id}' not found.",
-        type="invalid_request_error",
-        param="response_id",
-        code="response_not_found",
-    )
+    return _not_found(f"Response with id '{response_id}' not found.", "response_id", "response_not_found")
 
 
 def previous_not_found(response_id: str) -> ApiError:
-    return ApiError(
-        404,
+    return _not_found(
         f"Previous response with id '{response_id}' not found.",
-        type="invalid_request_error",
-        param="previous_response_id",
-        code="previous_response_not_found",
+        "previous_response_id",
+        "previous_response_not_found",
     )
 
 
 def conversation_not_found(conversation_id: str) -> ApiError:
-    return ApiError(
-        404,
-        f"Conversation with id '{conversation_id}' not found.",
-        type="invalid_request_error",
-        param="conversation",
-        code="conversation_not_found",
+    return _not_found(
+        f"Conversation with id '{conversation_id}' not found.", "conversation", "conversation_not_found"
     )
