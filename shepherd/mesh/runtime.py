@@ -27,9 +27,10 @@ source address (``senders``: bound by every push-pull; a member seen without a b
 verify it, its payloads held back meanwhile), so the delegate's ``on_user(payload, sender)`` can tie
 entries to ``sender`` (``MeshState``'s ``first_hand``).
 
-RPC: ``rpc(name, payload)`` sends one request to the member ``name`` over the push-pull channel (a new
-mTLS connection to its membership address, the server's certificate required to name ``name``, frames
-sealed with the keyring, told apart from push-pull states by their frame kind, ``mesh_wire``) and
+RPC: ``rpc(name, payload)`` sends one request to the member ``name`` over the push-pull channel (an
+mTLS connection to its membership address, the server's certificate required to name ``name`` when it
+is opened, frames sealed with the keyring, told apart from push-pull states by their frame kind,
+``mesh_wire``) and
 returns the reply of the handler that member installed with ``set_rpc_handler``; the handler is given
 the caller's certificate identity, never a name from the payload. Failures raise ``RpcError`` whose
 ``reason`` is one of ``RPC_REASONS``: ``"unknown"`` (no such member, or it left or is dead),
@@ -37,6 +38,20 @@ the caller's certificate identity, never a name from the payload. Failures raise
 ``"refused"`` (the member has no handler, or its handler raised or timed out: a short message, never
 a traceback). A member with ``max_rpcs_in`` handlers running answers "busy", raised as ``"failed"``
 (transient, like a timeout). Calling ``rpc`` with this node's own name runs the local handler directly.
+
+RPC connections are kept alive (a TLS handshake costs more than a history lookup): the server keeps an
+RPC session open for the same peer's next request (``transport`` module doc: an idle one holds no
+session slot, ``rpc_idle_timeout``, ``rpc_max_idle_per_peer``), and ``rpc`` keeps a small pool per
+member: at most ``rpc_pool_per_member`` idle connections per member and ``rpc_pool_max`` in all, one
+request in flight per connection (more at once open more connections, under ``max_rpcs_per_member``),
+the most recently used reused first, one idle past ``rpc_pool_idle_timeout`` or after
+``rpc_max_requests_per_connection`` requests closed instead. A member's pool is closed when it leaves,
+dies or is reaped, and all pools on ``close``/``abort``. At most once: an RPC is sent again (once,
+over a new connection) only if it went out over a *reused* connection that the server had closed
+gracefully before reading it: TLS close_notify and not one byte of reply (``ClosedBeforeRequest``; a
+server closes a kept session gracefully only while idle, never after reading a request it did not
+answer). A reset, a timeout or a partial reply is an ``RpcError("failed")`` as before, never retried:
+the request may have run (history RPCs include writes).
 """
 
 from __future__ import annotations
@@ -73,12 +88,15 @@ from shepherd.mesh.swim_types import (
     Send,
 )
 from shepherd.mesh.transport import (
+    ClosedBeforeRequest,
+    KeptConnection,
     PushPullError,
     PushPullServer,
     SessionRefused,
     TransportMetrics,
     UdpEndpoint,
     current_peer_address,
+    keep_session_open,
     push_pull_request,
 )
 from shepherd.proto import mesh_wire
@@ -164,6 +182,12 @@ class RuntimeMetrics:
     rpcs_out_failed: int = 0
     rpcs_in: int = 0
     rpcs_in_refused: int = 0
+    rpc_connects: int = 0
+    """Connections opened for outgoing RPCs (a TLS handshake each)."""
+    rpcs_reused: int = 0
+    """Outgoing RPCs sent over a pooled (kept-alive) connection."""
+    rpcs_retried: int = 0
+    """Outgoing RPCs sent again over a new connection: the reused one was closed before reading it."""
     member_events: dict[str, int] = field(default_factory=dict)
     lag_last: float = 0.0
     lag_max: float = 0.0
@@ -260,6 +284,8 @@ class MeshRuntime:
         self._rpcs_in = 0
         self._rpc_slots = asyncio.Semaphore(config.max_rpcs_out)
         self._member_slots: dict[str, asyncio.Semaphore] = {}  # per member called (members are bounded)
+        self._pool: dict[str, list[KeptConnection]] = {}  # idle RPC connections per member, newest last
+        self._pool_size = 0
         self._last_change: dict[str, float] = {}
         self._started_at = 0.0
         self._closing = False
@@ -407,20 +433,13 @@ class MeshRuntime:
                     self._rpc_slots.release()
                     raise
             try:
-                reply = await push_pull_request(
-                    m.addr,
-                    self._client_ssl,
-                    mesh_wire.encode_rpc_request(RpcRequest(payload)),
-                    expected_identity=name,
-                    keyring=self.keyring,
-                    metrics=self.transport_metrics,
-                    max_frame=self.config.max_frame,
-                    timeout=max(0.001, deadline - loop.time()),
+                reply = await self._rpc_exchange(
+                    name, m.addr, mesh_wire.encode_rpc_request(RpcRequest(payload)), deadline
                 )
             finally:
                 slots.release()
                 self._rpc_slots.release()
-            answer = mesh_wire.decode_rpc_reply(reply.payload, max_bytes=self.config.max_frame)
+            answer = mesh_wire.decode_rpc_reply(reply, max_bytes=self.config.max_frame)
         except TimeoutError:
             self.metrics.rpcs_out_failed += 1
             raise RpcError("failed", f"rpc to {name!r}: no free slot within {limit} s") from None
@@ -434,6 +453,98 @@ class MeshRuntime:
             self.metrics.rpcs_out_failed += 1
             raise RpcError("refused", f"rpc to {name!r}: {answer.error}")
         return answer.payload
+
+    async def _rpc_exchange(self, name: str, addr: Addr, request: bytes, deadline: float) -> bytes:
+        """One request over a pooled connection to ``name`` (or a new one), sent again once over a new
+        connection only if the reused one was closed before the server read it (module doc)."""
+        conn, reused = await self._checkout(name, addr, deadline)
+        try:
+            reply = await self._send_rpc(conn, request, deadline)
+        except ClosedBeforeRequest:
+            if not reused:
+                raise
+            self.metrics.rpcs_retried += 1
+            conn = await self._connect_rpc(name, addr, deadline)
+            reply = await self._send_rpc(conn, request, deadline)
+        self._checkin(name, conn)
+        return reply
+
+    async def _send_rpc(self, conn: KeptConnection, request: bytes, deadline: float) -> bytes:
+        return await conn.exchange(
+            request,
+            keyring=self.keyring,
+            metrics=self.transport_metrics,
+            max_frame=self.config.max_frame,
+            timeout=max(0.001, deadline - self._now()),
+        )
+
+    async def _connect_rpc(self, name: str, addr: Addr, deadline: float) -> KeptConnection:
+        conn = await KeptConnection.open(
+            addr,
+            self._client_ssl,
+            expected_identity=name,
+            metrics=self.transport_metrics,
+            timeout=max(0.001, deadline - self._now()),
+        )
+        self.metrics.rpc_connects += 1
+        return conn
+
+    async def _checkout(self, name: str, addr: Addr, deadline: float) -> tuple[KeptConnection, bool]:
+        """The most recently used idle connection to ``name`` that is still open, else a new one."""
+        max_idle = self.config.rpc_pool_idle_timeout
+        while idle := self._pool.get(name):
+            conn = idle.pop()
+            self._pool_size -= 1
+            if not idle:
+                del self._pool[name]
+            if conn.dest != addr or self._now() - conn.idle_since > max_idle:
+                conn.close()
+                continue
+            if await conn.unpark():
+                self.metrics.rpcs_reused += 1
+                return conn, True
+        return await self._connect_rpc(name, addr, deadline), False
+
+    def _checkin(self, name: str, conn: KeptConnection) -> None:
+        """After a reply: back to ``name``'s pool if it has room, else closed."""
+        cfg = self.config
+        m = self._swim.member(name) if self._swim is not None else None
+        idle = self._pool.get(name, [])
+        if (
+            self._closing
+            or m is None
+            or m.state != MemberState.ALIVE
+            or m.addr != conn.dest
+            or conn.requests >= cfg.rpc_max_requests_per_connection
+            or len(idle) >= cfg.rpc_pool_per_member
+            or self._pool_size >= cfg.rpc_pool_max
+            or not conn.usable
+        ):
+            conn.close()
+            return
+        idle.append(conn)
+        self._pool[name] = idle
+        self._pool_size += 1
+        conn.park(lambda c: self._pool_lost(name, c))
+
+    def _pool_lost(self, name: str, conn: KeptConnection) -> None:
+        """A pooled connection the server closed (idle timeout, eviction, restart): forget it."""
+        idle = self._pool.get(name)
+        if idle is not None and conn in idle:
+            idle.remove(conn)
+            self._pool_size -= 1
+            if not idle:
+                del self._pool[name]
+        conn.close()
+
+    def _drop_pool(self, name: str) -> None:
+        for conn in self._pool.pop(name, []):
+            self._pool_size -= 1
+            conn.close()
+
+    def pooled_connections(self, name: str | None = None) -> int:
+        """Idle RPC connections kept for reuse (to ``name``, or in all)."""
+        return self._pool_size if name is None else len(self._pool.get(name, ()))
 
     async def _local_rpc(self, payload: bytes, limit: float) -> bytes:
         """``rpc`` to this node itself: the handler called in-process, errors mapped as a peer's."""
@@ -516,6 +627,10 @@ class MeshRuntime:
                     handshake_timeout=cfg.handshake_timeout,
                     max_handshakes=cfg.max_handshakes,
                     max_handshakes_per_ip=cfg.max_handshakes_per_ip,
+                    idle_timeout=cfg.rpc_idle_timeout,
+                    max_session_requests=cfg.rpc_max_requests_per_connection,
+                    max_idle_per_peer=cfg.rpc_max_idle_per_peer,
+                    max_idle=cfg.rpc_max_idle,
                 )
             except OSError as e:  # the TCP port of that number is taken: try another one
                 udp.close()
@@ -551,6 +666,8 @@ class MeshRuntime:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
+        for name in list(self._pool):
+            self._drop_pool(name)
         if self._tcp is not None:
             await self._tcp.close()
         if self._udp is not None:
@@ -673,6 +790,7 @@ class MeshRuntime:
         name = event.name if isinstance(event, MemberReaped) else event.member.name
         if isinstance(event, MemberDead | MemberLeft | MemberReaped):
             self.senders.unbind(name)
+            self._drop_pool(name)
         elif (
             isinstance(event, MemberUp)
             and name != self._me.name
@@ -774,6 +892,7 @@ class MeshRuntime:
             self.metrics.wire_errors += 1
             raise SessionRefused(f"malformed push-pull state: {e}") from None
         if isinstance(remote, RpcRequest):
+            keep_session_open()  # the caller may send its next RPC over this connection
             # under the transport's own bound on the handler (tcp_timeout): answer before it fires
             answer = await self._serve_rpc(identity, remote.payload, self.config.tcp_timeout * 0.9)
             return mesh_wire.encode_rpc_reply(answer)

@@ -16,9 +16,13 @@ from shepherd.mesh.replay import DEFAULT_REPLAY_WINDOW_S
 from shepherd.mesh.swim_types import SwimConfig
 from shepherd.mesh.transport import (
     DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_FRAME,
     DEFAULT_MAX_HANDSHAKES,
     DEFAULT_MAX_HANDSHAKES_PER_IP,
+    DEFAULT_MAX_IDLE,
+    DEFAULT_MAX_IDLE_PER_PEER,
+    DEFAULT_MAX_SESSION_REQUESTS,
 )
 from shepherd.proto.mesh_messages import Addr
 
@@ -63,6 +67,24 @@ class MeshRuntimeConfig:
     max_rpcs_in: int = 8
     """RPC handlers running at once on this node; more are refused ("busy"), so that RPCs leave
     session slots to push-pulls (joins, anti-entropy)."""
+    rpc_idle_timeout: float = DEFAULT_IDLE_TIMEOUT
+    """Server side: how long an RPC connection from a peer is kept open, idle, for its next request
+    (0: one request per connection, as nodes before kept-alive RPC did). An idle one holds no session
+    slot (``transport`` module doc)."""
+    rpc_max_requests_per_connection: int = DEFAULT_MAX_SESSION_REQUESTS
+    """Requests served over one RPC connection (both sides); then it is closed and a new one opened."""
+    rpc_max_idle_per_peer: int = DEFAULT_MAX_IDLE_PER_PEER
+    """Server side: idle RPC connections kept per peer (certificate identity); the oldest is closed
+    when one more goes idle. Keep it >= the peers' ``rpc_pool_per_member``."""
+    rpc_max_idle: int = DEFAULT_MAX_IDLE
+    """Server side: idle RPC connections kept in all (the oldest is closed when one more goes idle)."""
+    rpc_pool_per_member: int = 4
+    """Client side: idle RPC connections kept per member for reuse (0: a new connection per RPC)."""
+    rpc_pool_max: int = 64
+    """Client side: idle RPC connections kept in all."""
+    rpc_pool_idle_timeout: float = 20.0
+    """Client side: a pooled connection idle longer than this is closed rather than reused (below the
+    peers' ``rpc_idle_timeout``, so that a reused connection is rarely one the peer is just closing)."""
     lag_interval: float = 0.1
     max_timer_sleep: float = 0.5
     replay_window: float = DEFAULT_REPLAY_WINDOW_S

@@ -4,10 +4,11 @@ UDP: every outgoing datagram is sealed with the ``Keyring`` primary key, every i
 packets that do not open (no key, foreign key, tampered, plaintext) are dropped and counted. The
 application callback only ever sees authenticated plaintext.
 
-TCP push-pull: one request frame and one response frame per connection, over TLS 1.3 with client
-certificates required both ways (and, given a keyring, frames sealed like datagrams, so that a peer
-needs both a mesh key and a certificate from the mesh CA). Frames are a 4-byte big-endian length
-then the payload, bounded by ``max_frame``; every read and write is bounded by ``timeout``.
+TCP push-pull: one request frame and one response frame per connection (an RPC session may be kept
+for more: "Kept-alive sessions" below), over TLS 1.3 with client certificates required both ways (and,
+given a keyring, frames sealed like datagrams, so that a peer needs both a mesh key and a certificate
+from the mesh CA). Frames are a 4-byte big-endian length then the payload, bounded by ``max_frame``;
+every read and write is bounded by ``timeout``.
 
 Admission (so that unauthenticated connections cannot starve the mesh): a connection first takes a
 *handshake* slot for at most ``handshake_timeout`` seconds (short: a peer of the mesh finishes a TLS
@@ -19,6 +20,30 @@ addresses must open connections faster than one per (handshake time / ``max_hand
 real peer out. Only a peer whose certificate verified takes a *session* slot (``max_sessions``); when
 they are all in use it waits for one, bounded by ``timeout`` (and at most ``max_handshakes`` such
 waiters). So unauthenticated connections never hold session slots.
+
+Kept-alive sessions (the history RPC): a handler may call ``keep_session_open()`` while it answers a
+request; the server then, after the reply, waits up to ``idle_timeout`` for another request frame on the
+same connection, from the same peer (the identity is bound to the TLS session: every request on it is
+handed the identity its certificate gave at the handshake), at most ``max_session_requests`` requests
+per connection. Push-pull exchanges never call it and keep their one request, one reply, close.
+A client that closes after one reply (an older one-shot RPC client) ends the idle wait at once, quietly.
+Slots of kept-alive sessions: an *idle* session holds **no** session slot (it gives its slot back once
+its reply is written and takes one again, under the same bound as a new session, when the next request
+frame's header arrives), so idle RPC connections cannot starve push-pulls or joins. Idle sessions hold
+no handshake slot either (they are past their handshake) but are bounded on their own: at most
+``max_idle_per_peer`` per certificate identity and ``max_idle`` in all; when a session going idle finds
+its peer's (or the global) quota full, the *oldest* idle session of that peer (or of all) is closed.
+So authenticated connections open at once stay bounded (``max_sessions`` busy, ``max_handshakes``
+waiting for a slot, ``max_idle`` idle), and everything SECURITY.md says of unauthenticated ones is as
+before: they only ever hold a handshake slot, dropped after ``handshake_timeout``.
+
+How an idle session ends (what makes a client's retry safe, ``KeptConnection``): the server closes a
+kept-alive session *gracefully* (TLS close_notify, then FIN) only from the idle state, i.e. before it
+dispatched any further request (idle timeout, request cap, eviction, server close; bytes of a request
+that arrived meanwhile are never handed to the handler), or after the reply of the connection's last
+request. Every other end of a session (a handler failure, a refused or unsealed frame, a server
+cancelled mid-request) is an abort, without close_notify. A client that sees close_notify before any
+byte of its reply therefore knows that its request was not processed.
 
 The server hands the handler the peer's node identity taken from its verified certificate
 (``peer_identity``), never a name from the payload. A peer without a certificate from the mesh CA never
@@ -45,15 +70,21 @@ from shepherd.mesh.keyring import Keyring, SealError
 
 __all__ = [
     "DEFAULT_HANDSHAKE_TIMEOUT",
+    "DEFAULT_IDLE_TIMEOUT",
     "DEFAULT_MAX_FRAME",
     "DEFAULT_MAX_HANDSHAKES",
     "DEFAULT_MAX_HANDSHAKES_PER_IP",
+    "DEFAULT_MAX_IDLE",
+    "DEFAULT_MAX_IDLE_PER_PEER",
+    "DEFAULT_MAX_SESSION_REQUESTS",
     "DEFAULT_TIMEOUT",
     "MAX_DATAGRAM",
     "Addr",
     "ByteReader",
     "ByteWriter",
+    "ClosedBeforeRequest",
     "FrameError",
+    "KeptConnection",
     "PacketHandler",
     "PushPullError",
     "PushPullHandler",
@@ -64,6 +95,7 @@ __all__ = [
     "TransportMetrics",
     "UdpEndpoint",
     "current_peer_address",
+    "keep_session_open",
     "push_pull_request",
     "read_frame",
     "write_frame",
@@ -81,15 +113,40 @@ DEFAULT_TIMEOUT = 5.0
 DEFAULT_HANDSHAKE_TIMEOUT = 2.0
 DEFAULT_MAX_HANDSHAKES = 64
 DEFAULT_MAX_HANDSHAKES_PER_IP = 16
+DEFAULT_IDLE_TIMEOUT = 30.0
+DEFAULT_MAX_SESSION_REQUESTS = 1000
+DEFAULT_MAX_IDLE_PER_PEER = 8
+DEFAULT_MAX_IDLE = 64
 _FRAME = struct.Struct("!I")
 _CLOSE_TIMEOUT = 1.0
 _READ_LIMIT = 64 * 1024
 _PEER: contextvars.ContextVar[Addr | None] = contextvars.ContextVar("mesh_tcp_peer", default=None)
 
 
+class _Exchange:
+    """The request being served by a session task (``keep_session_open`` marks it)."""
+
+    __slots__ = ("keep",)
+
+    def __init__(self) -> None:
+        self.keep = False
+
+
+_EXCHANGE: contextvars.ContextVar[_Exchange | None] = contextvars.ContextVar("mesh_tcp_rq", default=None)
+
+
 def current_peer_address() -> Addr | None:
     """Inside a push-pull handler: the TCP peer's (ip, port), as the server's socket saw it."""
     return _PEER.get()
+
+
+def keep_session_open() -> None:
+    """Inside a push-pull handler: after this reply, keep the connection for another request from the
+    same peer (a kept-alive RPC session, see the module doc). No effect outside a handler, or on a
+    server whose ``idle_timeout`` is 0."""
+    ex = _EXCHANGE.get()
+    if ex is not None:
+        ex.keep = True
 
 
 @dataclass
@@ -121,6 +178,14 @@ class TransportMetrics:
     tcp_errors_out: int = 0
     tcp_bytes_in: int = 0
     tcp_bytes_out: int = 0
+    tcp_handshakes_out: int = 0
+    """TLS handshakes completed as a client (push-pull and RPC connections)."""
+    tcp_requests_in: int = 0
+    """Request frames answered by the server (a kept-alive session answers several)."""
+    tcp_idle_closed: int = 0
+    """Kept-alive sessions the server closed while idle (timeout, request cap, eviction, close)."""
+    tcp_idle_evicted: int = 0
+    """... of which closed to respect ``max_idle_per_peer`` / ``max_idle`` (the oldest idle goes)."""
 
     def snapshot(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -307,6 +372,10 @@ class TlsStream:
         self._in = ssl.MemoryBIO()
         self._out = ssl.MemoryBIO()
         self.ssl_object = context.wrap_bio(self._in, self._out, server_side=server_side)
+        self.bytes_read = 0
+        """Plaintext bytes read so far."""
+        self.peer_closed = False
+        """The peer closed its side gracefully (a TLS close_notify was read)."""
 
     def _flush(self) -> None:
         data = self._out.read()
@@ -350,11 +419,33 @@ class TlsStream:
                     raise asyncio.IncompleteReadError(bytes(buf), n) from None
                 continue
             except ssl.SSLZeroReturnError:
+                self.peer_closed = True
                 raise asyncio.IncompleteReadError(bytes(buf), n) from None
-            if not chunk:
+            if not chunk:  # SSLObject.read's answer to a close_notify
+                self.peer_closed = True
                 raise asyncio.IncompleteReadError(bytes(buf), n)
             buf += chunk
+            self.bytes_read += len(chunk)
         return bytes(buf)
+
+    async def wait_peer_close(self) -> None:
+        """Return once the peer closes (close_notify, end of stream, reset) or sends anything: for a
+        connection kept idle, to which the peer never sends unprompted (TLS post-handshake messages are
+        consumed). Cancelling it loses nothing but such messages."""
+        try:
+            while True:
+                try:
+                    if not self.ssl_object.read(1):
+                        self.peer_closed = True  # a close_notify
+                    return  # or unprompted data: the connection is not usable any more
+                except ssl.SSLWantReadError:
+                    pass
+                if not await self._fill():
+                    return
+        except ssl.SSLZeroReturnError:
+            self.peer_closed = True
+        except (ssl.SSLError, OSError):
+            pass
 
     def write(self, data: bytes) -> None:
         self.ssl_object.write(data)
@@ -365,6 +456,25 @@ class TlsStream:
 
     def abort(self) -> None:
         self._writer.transport.abort()
+
+    @property
+    def usable(self) -> bool:
+        """The socket is open both ways as far as we know (no end of stream, reset or close seen)."""
+        reader = self._reader
+        return (
+            not self.peer_closed
+            and not self._writer.transport.is_closing()
+            and not reader.at_eof()
+            and reader.exception() is None
+        )
+
+    def close_nowait(self) -> None:
+        """Close gracefully without waiting: close_notify (best effort), then FIN once written."""
+        with contextlib.suppress(ssl.SSLError, OSError, ValueError):
+            self.ssl_object.unwrap()
+        with contextlib.suppress(OSError):
+            self._flush()
+        self._writer.close()
 
     async def close(self) -> None:
         """Send close_notify (best effort) and close the socket, bounded."""
@@ -383,13 +493,33 @@ class TlsStream:
 # --- TCP push-pull server ---------------------------------------------------------------------------
 
 
+@dataclass
+class _IdleSession:
+    identity: str
+    tls: TlsStream
+    closed: bool = False
+
+
+async def _read_body(reader: ByteReader, header: bytes, *, max_size: int, timeout: float) -> bytes:
+    """The rest of a frame whose header was read (``read_frame`` in two steps)."""
+    (size,) = _FRAME.unpack(header)
+    if size > max_size:
+        raise FrameError(f"frame of {size} bytes over the bound of {max_size}")
+    async with asyncio.timeout(timeout):
+        try:
+            return await reader.readexactly(size)
+        except asyncio.IncompleteReadError as e:
+            raise FrameError(f"stream ended inside a frame ({len(e.partial)} bytes read)") from None
+
+
 class SessionRefused(Exception):
     """Raised by a push-pull handler to drop a session without answering (counted, logged briefly)."""
 
 
 class PushPullServer:
     """mTLS TCP server: for each connection, handshake, learn the peer identity from its certificate,
-    read one request frame, answer ``await handler(identity, request)`` with one frame, close."""
+    read one request frame, answer ``await handler(identity, request)`` with one frame, close (or, if
+    the handler called ``keep_session_open``, wait idle for the next request: see the module doc)."""
 
     def __init__(
         self,
@@ -404,8 +534,18 @@ class PushPullServer:
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
         max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
         max_handshakes_per_ip: int = DEFAULT_MAX_HANDSHAKES_PER_IP,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        max_session_requests: int = DEFAULT_MAX_SESSION_REQUESTS,
+        max_idle_per_peer: int = DEFAULT_MAX_IDLE_PER_PEER,
+        max_idle: int = DEFAULT_MAX_IDLE,
     ) -> None:
         self.metrics = metrics
+        self._idle_timeout = idle_timeout
+        self._max_session_requests = max(1, max_session_requests)
+        self._max_idle_per_peer = max(1, max_idle_per_peer)
+        self._max_idle = max(1, max_idle)
+        self._idle: dict[asyncio.Task[Any], _IdleSession] = {}  # idle kept-alive sessions, oldest first
+        self._idle_per_peer: dict[str, int] = {}
         self._keyring = keyring
         self._ssl = ssl_context
         self._handler = handler
@@ -437,11 +577,17 @@ class PushPullServer:
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
         max_handshakes: int = DEFAULT_MAX_HANDSHAKES,
         max_handshakes_per_ip: int = DEFAULT_MAX_HANDSHAKES_PER_IP,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        max_session_requests: int = DEFAULT_MAX_SESSION_REQUESTS,
+        max_idle_per_peer: int = DEFAULT_MAX_IDLE_PER_PEER,
+        max_idle: int = DEFAULT_MAX_IDLE,
     ) -> PushPullServer:
         """Listen on ``host:port`` (port 0: any free port). Admission is in the module doc (handshake
         budget, then ``max_sessions`` session slots); each step after the handshake is bounded by
         ``timeout``. With a ``keyring``, both frames are also sealed (the peer must hold a mesh key
-        *and* a certificate)."""
+        *and* a certificate). Kept-alive sessions (``keep_session_open``) wait ``idle_timeout`` for
+        their next request (0: never kept), serve at most ``max_session_requests``, and at most
+        ``max_idle_per_peer`` per identity and ``max_idle`` in all are idle at once."""
         srv = cls(
             ssl_context,
             handler,
@@ -453,6 +599,10 @@ class PushPullServer:
             handshake_timeout=handshake_timeout,
             max_handshakes=max_handshakes,
             max_handshakes_per_ip=max_handshakes_per_ip,
+            idle_timeout=idle_timeout,
+            max_session_requests=max_session_requests,
+            max_idle_per_peer=max_idle_per_peer,
+            max_idle=max_idle,
         )
         srv._server = await asyncio.start_server(srv._on_connection, host, port, limit=_READ_LIMIT)
         return srv
@@ -529,12 +679,17 @@ class PushPullServer:
         finally:
             self._forget_handshake(task, ip)
 
-    async def _admit(self, tls: TlsStream, identity: str, peer: Any) -> None:
-        """An authenticated peer: take a session slot (waiting for one, bounded), then serve it."""
+    @property
+    def idle_sessions(self) -> int:
+        """Kept-alive sessions waiting for their next request (holding no session slot)."""
+        return len(self._idle)
+
+    async def _take_slot(self, tls: TlsStream, identity: str, peer: Any) -> bool:
+        """A session slot for an authenticated peer (waiting for one, bounded); False: aborted."""
         if self._slots.locked() and self._waiting >= self._max_handshakes:
             self.metrics.tcp_rejected_busy += 1
             tls.abort()
-            return
+            return False
         self._waiting += 1
         try:
             async with asyncio.timeout(self._timeout):
@@ -543,20 +698,114 @@ class PushPullServer:
             self.metrics.tcp_rejected_busy += 1
             log.info("mesh tcp: no session slot for %s (%s) in %s s", identity, peer, self._timeout)
             tls.abort()
-            return
+            return False
         finally:
             self._waiting -= 1
-        try:
-            await self._session(tls, identity, peer)
-        finally:
-            self._slots.release()
+        return True
 
-    async def _session(self, tls: TlsStream, identity: str, peer: Any) -> None:
+    async def _admit(self, tls: TlsStream, identity: str, peer: Any) -> None:
+        """An authenticated peer: take a session slot (waiting for one, bounded), then serve it; a
+        kept-alive session gives its slot back while idle and takes one again for its next request."""
+        if not await self._take_slot(tls, identity, peer):
+            return
         self.metrics.tcp_sessions_in += 1
         if isinstance(peer, tuple) and len(peer) >= 2:
             _PEER.set((str(peer[0]), int(peer[1])))
+        exchange = _Exchange()
+        _EXCHANGE.set(exchange)
+        header: bytes | None = None
+        served = 0
+        while True:
+            exchange.keep = False
+            try:
+                ok = await self._serve_one(tls, identity, peer, header)
+            finally:
+                self._slots.release()
+            if not ok:
+                return
+            served += 1
+            if (
+                not exchange.keep
+                or self._idle_timeout <= 0
+                or served >= self._max_session_requests
+                or self._server is None
+            ):
+                if exchange.keep:
+                    self.metrics.tcp_idle_closed += 1  # the request cap (or closing): no more
+                await tls.close()
+                return
+            header = await self._wait_idle(tls, identity)
+            if header is None or not await self._take_slot(tls, identity, peer):
+                return
+
+    async def _wait_idle(self, tls: TlsStream, identity: str) -> bytes | None:
+        """Idle, without a session slot: the next request frame's header, or None (the session ended:
+        closed gracefully by us before reading a request, or by the peer, or failed)."""
+        task = asyncio.current_task()
+        assert task is not None
+        if self._idle_per_peer.get(identity, 0) >= self._max_idle_per_peer:
+            self._evict_idle(next(t for t, e in self._idle.items() if e.identity == identity))
+        if len(self._idle) >= self._max_idle:
+            self._evict_idle(next(iter(self._idle)))
+        entry = _IdleSession(identity, tls)
+        self._idle[task] = entry
+        self._idle_per_peer[identity] = self._idle_per_peer.get(identity, 0) + 1
         try:
-            request = await read_frame(tls, max_size=self._max_frame, timeout=self._timeout)
+            async with asyncio.timeout(self._idle_timeout):
+                header = await tls.readexactly(_FRAME.size)
+        except TimeoutError:
+            if not entry.closed:
+                self.metrics.tcp_idle_closed += 1
+                entry.closed = True
+                tls.close_nowait()  # close_notify: the client knows nothing was read
+            return None
+        except asyncio.IncompleteReadError as e:
+            if not entry.closed and e.partial:
+                self.metrics.tcp_errors_in += 1  # the peer went away inside a header
+                tls.abort()
+            elif not entry.closed:
+                await tls.close()  # the peer closed between requests (a one-shot client): fine
+            return None
+        except (OSError, ssl.SSLError) as e:
+            if not entry.closed:
+                self.metrics.tcp_errors_in += 1
+                log.debug("mesh tcp: idle session with %s failed: %s", identity, e)
+                tls.abort()
+            return None
+        finally:
+            self._forget_idle(task, identity)
+        if entry.closed:
+            return None  # evicted (or the server closing) as the request arrived: not read, not served
+        return header
+
+    def _forget_idle(self, task: asyncio.Task[Any], identity: str) -> None:
+        if self._idle.pop(task, None) is None:
+            return
+        left = self._idle_per_peer[identity] - 1
+        if left:
+            self._idle_per_peer[identity] = left
+        else:
+            del self._idle_per_peer[identity]
+
+    def _evict_idle(self, task: asyncio.Task[Any], *, count: bool = True) -> None:
+        """Close an idle kept-alive session gracefully (close_notify: its next request was not read)."""
+        entry = self._idle.get(task)
+        if entry is None or entry.closed:
+            return
+        entry.closed = True
+        self._forget_idle(task, entry.identity)
+        self.metrics.tcp_idle_closed += 1
+        if count:
+            self.metrics.tcp_idle_evicted += 1
+        entry.tls.close_nowait()
+
+    async def _serve_one(self, tls: TlsStream, identity: str, peer: Any, header: bytes | None) -> bool:
+        """Read one request frame (its header already read if ``header``), answer it; False: aborted."""
+        try:
+            if header is None:
+                request = await read_frame(tls, max_size=self._max_frame, timeout=self._timeout)
+            else:
+                request = await _read_body(tls, header, max_size=self._max_frame, timeout=self._timeout)
             self.metrics.tcp_bytes_in += len(request) + _FRAME.size
             if self._keyring is not None:
                 request = self._keyring.open(request)
@@ -566,27 +815,28 @@ class PushPullServer:
                 response = self._keyring.seal(response)
             await write_frame(tls, response, max_size=self._max_frame, timeout=self._timeout)
             self.metrics.tcp_bytes_out += len(response) + _FRAME.size
+            self.metrics.tcp_requests_in += 1
         except SealError as e:
             self.metrics.tcp_bad_seal += 1
             log.info("mesh tcp: push-pull from %s (%s) not sealed with a mesh key: %s", identity, peer, e)
             tls.abort()
-            return
+            return False
         except SessionRefused as e:
             self.metrics.tcp_refused_by_handler += 1
             log.info("mesh tcp: push-pull from %s (%s) refused: %s", identity, peer, e)
             tls.abort()
-            return
+            return False
         except (FrameError, TimeoutError, OSError, ssl.SSLError) as e:
             self.metrics.tcp_errors_in += 1
             log.debug("mesh tcp: session with %s (%s) failed: %s", identity, peer, e)
             tls.abort()
-            return
+            return False
         except Exception:
             self.metrics.tcp_errors_in += 1
             log.exception("mesh tcp: push-pull handler failed (peer %s)", identity)
             tls.abort()
-            return
-        await tls.close()
+            return False
+        return True
 
     async def close(self) -> None:
         """Stop accepting, cancel sessions in flight, wait for them (bounded)."""
@@ -594,11 +844,19 @@ class PushPullServer:
         if server is None:
             return
         server.close()
+        # idle kept-alive sessions end gracefully (close_notify: their clients may retry elsewhere),
+        # and then by themselves; the others are cancelled (an abort)
+        idle = list(self._idle)
+        for t in idle:
+            self._evict_idle(t, count=False)
         sessions = list(self._tasks)
         for t in sessions:
-            t.cancel()
+            if t not in idle:
+                t.cancel()
         if sessions:
-            await asyncio.wait(sessions, timeout=_CLOSE_TIMEOUT)
+            _, stuck = await asyncio.wait(sessions, timeout=_CLOSE_TIMEOUT)
+            for t in stuck:
+                t.cancel()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(_CLOSE_TIMEOUT):
                 await server.wait_closed()
@@ -639,6 +897,7 @@ async def push_pull_request(
             reader, writer = await asyncio.open_connection(dest[0], dest[1], limit=_READ_LIMIT)
             tls = TlsStream(reader, writer, ssl_context, server_side=False)
             await tls.handshake()
+            m.tcp_handshakes_out += 1
             identity = peer_identity(tls.ssl_object)
             if expected_identity is not None and identity != expected_identity:
                 raise CertError(f"peer at {dest} is {identity!r}, expected {expected_identity!r}")
@@ -661,3 +920,180 @@ async def push_pull_request(
     m.tcp_sessions_out += 1
     await tls.close()
     return PushPullReply(identity, answer)
+
+
+# --- kept-alive client connection (RPC) -------------------------------------------------------------
+
+
+class ClosedBeforeRequest(PushPullError):
+    """The server closed a kept-alive connection gracefully (TLS close_notify) before any byte of the
+    reply: it closes so only from the idle state, before reading a request (module doc), so the
+    request was not processed and may be sent again over another connection."""
+
+
+class KeptConnection:
+    """The client end of a kept-alive mTLS session (the RPC channel): one request at a time through
+    ``exchange``; between requests it is ``park``-ed, a watcher noticing the server closing it.
+
+    The server must have been asked to keep the session (its handler calls ``keep_session_open``);
+    a server that does not (an older node) closes after the first reply, which the watcher sees."""
+
+    def __init__(self, dest: Addr, tls: TlsStream, identity: str) -> None:
+        self.dest = dest
+        self.identity = identity
+        self.requests = 0
+        """Requests answered over this connection."""
+        self.idle_since = 0.0
+        """Event-loop time of the last ``park``."""
+        self._tls = tls
+        self._watch: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @classmethod
+    async def open(
+        cls,
+        dest: Addr,
+        ssl_context: ssl.SSLContext,
+        *,
+        expected_identity: str | None = None,
+        metrics: TransportMetrics | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> KeptConnection:
+        """Connect and run the TLS handshake; a server whose certificate does not name
+        ``expected_identity`` (if given) is refused. ``PushPullError`` on any failure."""
+        m = metrics if metrics is not None else TransportMetrics()
+        tls: TlsStream | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(dest[0], dest[1], limit=_READ_LIMIT)
+                tls = TlsStream(reader, writer, ssl_context, server_side=False)
+                await tls.handshake()
+                m.tcp_handshakes_out += 1
+                identity = peer_identity(tls.ssl_object)
+                if expected_identity is not None and identity != expected_identity:
+                    raise CertError(f"peer at {dest} is {identity!r}, expected {expected_identity!r}")
+        except (OSError, ssl.SSLError, TimeoutError, CertError) as e:
+            m.tcp_errors_out += 1
+            if tls is not None:
+                tls.abort()
+            raise PushPullError(f"connection to {dest[0]}:{dest[1]} failed: {type(e).__name__}: {e}") from e
+        except BaseException:
+            if tls is not None:
+                tls.abort()
+            raise
+        m.tcp_sessions_out += 1
+        return cls(dest, tls, identity)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def usable(self) -> bool:
+        """Not closed by either side as far as we know (the server may still close it any time)."""
+        return not self._closed and self._tls.usable
+
+    async def exchange(
+        self,
+        payload: bytes,
+        *,
+        keyring: Keyring | None = None,
+        metrics: TransportMetrics | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> bytes:
+        """Send one request frame, return the reply frame (sealed and opened with ``keyring``), bounded
+        by ``timeout``. On failure the connection is closed and ``ClosedBeforeRequest`` (the server had
+        closed it gracefully before any reply byte: the request was not processed) or ``PushPullError``
+        (anything else: the request may have been processed) is raised."""
+        if self._closed or self._watch is not None:
+            raise PushPullError("connection closed or parked")
+        m = metrics if metrics is not None else TransportMetrics()
+        tls = self._tls
+        before = tls.bytes_read
+        try:
+            async with asyncio.timeout(timeout):
+                frame = keyring.seal(payload) if keyring is not None else payload
+                if len(frame) > max_frame:
+                    raise FrameError(f"frame of {len(frame)} bytes over the bound of {max_frame}")
+                # one write, so one send: a server that closed the connection answers it with a reset,
+                # which must not come before we read the close_notify it sent first (a second send
+                # would fail on that reset and hide the close_notify already buffered)
+                tls.write(_FRAME.pack(len(frame)) + frame)
+                await tls.drain()
+                m.tcp_bytes_out += len(frame) + _FRAME.size
+                answer = await read_frame(tls, max_size=max_frame, timeout=timeout)
+                m.tcp_bytes_in += len(answer) + _FRAME.size
+                if keyring is not None:
+                    answer = keyring.open(answer)
+        except (OSError, ssl.SSLError, TimeoutError, FrameError, SealError) as e:
+            unread = tls.peer_closed and tls.bytes_read == before
+            self.abort()
+            where = f"{self.dest[0]}:{self.dest[1]}"
+            if unread:
+                raise ClosedBeforeRequest(f"{where} closed the connection before reading the request") from e
+            m.tcp_errors_out += 1
+            raise PushPullError(f"request to {where} failed: {type(e).__name__}: {e}") from e
+        except BaseException:
+            self.abort()
+            raise
+        self.requests += 1
+        return answer
+
+    def park(self, on_lost: Callable[[KeptConnection], None]) -> None:
+        """Keep the connection idle; ``on_lost(self)`` is called if the server closes it meanwhile."""
+        if self._closed or self._watch is not None:
+            return
+        loop = asyncio.get_running_loop()
+        self.idle_since = loop.time()
+        watch = loop.create_task(self._tls.wait_peer_close(), name=f"mesh-idle-{self.identity}")
+
+        def lost(task: asyncio.Task[None]) -> None:
+            if task.cancelled() or self._watch is not task:
+                return
+            self._watch = None
+            on_lost(self)
+
+        watch.add_done_callback(lost)
+        self._watch = watch
+
+    async def unpark(self) -> bool:
+        """Take the connection out of idle for a request; False: it is not usable any more (closed)."""
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            if watch.done():
+                self.abort()
+                return False
+            watch.cancel()
+            try:
+                await asyncio.wait({watch})
+            except BaseException:
+                self.abort()
+                raise
+            if not watch.cancelled():
+                self.abort()  # it ended on its own meanwhile: the server closed the connection
+                return False
+        if not self.usable:
+            self.abort()
+            return False
+        return True
+
+    def _stop_watch(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+
+    def close(self) -> None:
+        """Close gracefully, without waiting (the server sees the end between two requests)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_watch()
+        self._tls.close_nowait()
+
+    def abort(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_watch()
+        self._tls.abort()

@@ -255,3 +255,212 @@ def test_tcp_frames_are_told_apart() -> None:
         mesh_wire.decode_rpc_reply(mesh_wire.encode_push_pull(pp))
     with pytest.raises(mesh_wire.WireError):
         mesh_wire.decode_tcp_request(mesh_wire.encode_rpc_reply(rp))
+
+
+# ---- kept-alive RPC connections (the pool) ---------------------------------------------------------
+
+
+async def test_sequential_rpcs_reuse_one_connection(cluster: Cluster) -> None:
+    n1, n2, _ = await three(cluster)
+    rec = Recorder("n1")
+    n1.set_rpc_handler(rec)
+    connects, handshakes = n2.metrics.rpc_connects, n2.transport_metrics.tcp_handshakes_out
+    push_pulls = n2.metrics.push_pulls_ok + n2.metrics.push_pulls_failed
+    for i in range(30):
+        assert await n2.rpc("n1", b"q%d" % i) == b"n1 answers n2: q%d" % i
+    assert n2.metrics.rpc_connects == connects + 1
+    assert n2.metrics.rpcs_reused >= 29 and n2.metrics.rpcs_retried == 0
+    # every other TLS handshake of n2 meanwhile was a push-pull of its own
+    pp = n2.metrics.push_pulls_ok + n2.metrics.push_pulls_failed - push_pulls
+    assert n2.transport_metrics.tcp_handshakes_out - handshakes <= 1 + pp
+    assert n2.pooled_connections("n1") == 1 and n2.pooled_connections() == 1
+    tcp = n1._tcp
+    assert tcp is not None
+    await eventually(lambda: tcp.idle_sessions == 1, what="the session idle on n1")
+    assert [who for who, _ in rec.calls] == ["n2"] * 30
+
+
+async def test_server_idle_timeout_and_the_client_reconnects(cluster: Cluster) -> None:
+    n1 = await cluster.node("n1", rpc_idle_timeout=0.3)
+    n2 = await cluster.node("n2", seeds=(n1.address,))
+    await eventually(lambda: alive([n1, n2], ["n1", "n2"]), what="two alive")
+    n1.set_rpc_handler(Recorder("n1"))
+    assert await n2.rpc("n1", b"a") == b"n1 answers n2: a"
+    assert n2.pooled_connections("n1") == 1
+    # n1 closes the idle connection; n2's pool notices and forgets it
+    await eventually(lambda: n1.transport_metrics.tcp_idle_closed >= 1, what="idle closed")
+    await eventually(lambda: n2.pooled_connections("n1") == 0, what="pool emptied")
+    connects = n2.metrics.rpc_connects
+    assert await n2.rpc("n1", b"b") == b"n1 answers n2: b"
+    assert n2.metrics.rpc_connects == connects + 1 and n2.metrics.rpcs_retried == 0
+
+
+async def test_a_reused_connection_closed_unread_is_retried_once(cluster: Cluster) -> None:
+    # the race the pool's watcher cannot close: the server ends the idle session just as the client
+    # reuses it. Simulated by silencing the watcher of the pooled connection.
+    n1 = await cluster.node("n1", rpc_idle_timeout=0.3)
+    n2 = await cluster.node("n2", seeds=(n1.address,))
+    await eventually(lambda: alive([n1, n2], ["n1", "n2"]), what="two alive")
+    rec = Recorder("n1")
+    n1.set_rpc_handler(rec)
+    assert await n2.rpc("n1", b"first") == b"n1 answers n2: first"
+    (conn,) = n2._pool["n1"]
+    conn._stop_watch()
+    await eventually(lambda: n1.transport_metrics.tcp_idle_closed >= 1, what="idle closed")
+    assert n2.pooled_connections("n1") == 1  # n2 does not know yet
+    connects = n2.metrics.rpc_connects
+    assert await n2.rpc("n1", b"second") == b"n1 answers n2: second"
+    assert n2.metrics.rpcs_retried == 1 and n2.metrics.rpc_connects == connects + 1
+    assert [p for _, p in rec.calls] == [b"first", b"second"]  # at most once
+
+
+async def test_server_restart_on_the_same_address(cluster: Cluster, pki: dict[str, TlsFiles]) -> None:
+    n1 = await cluster.node("n1")
+    n2 = await cluster.node("n2", seeds=(n1.address,))
+    await eventually(lambda: alive([n1, n2], ["n1", "n2"]), what="two alive")
+    n1.set_rpc_handler(Recorder("n1"))
+    assert await n2.rpc("n1", b"before") == b"n1 answers n2: before"
+    assert n2.pooled_connections("n1") == 1
+    port = n1.address[1]
+    await n1.abort()  # a crash to the others: n1 stays a member in n2's view
+    await eventually(lambda: n2.pooled_connections("n1") == 0, what="pooled connection closed")
+    files = pki["n1"]
+    again = MeshRuntime(
+        MeshRuntimeConfig(name="n1", bind_host="127.0.0.1", bind_port=port, seeds=(n2.address,), swim=FAST),
+        Keyring([KEY]),
+        server_context(files),
+        client_context(files),
+    )
+    for _ in range(100):  # the old sockets are closed by the loop shortly after abort()
+        try:
+            await again.start()
+            break
+        except OSError:
+            await asyncio.sleep(0.05)
+    cluster.stack.push_async_callback(again.abort)
+    assert again.running
+    rec = Recorder("n1 again")
+    again.set_rpc_handler(rec)
+    reply = b""
+    for _ in range(100):  # n2 may meanwhile suspect n1: bounded retries until it is alive again
+        try:
+            reply = await n2.rpc("n1", b"after", timeout=2.0)
+            break
+        except RpcError:
+            await asyncio.sleep(0.05)
+    assert reply == b"n1 again answers n2: after"
+    assert ("n2", b"after") in rec.calls
+
+
+async def test_concurrent_rpcs_use_several_connections_within_the_bound(cluster: Cluster) -> None:
+    n1, n2, _ = await three(cluster)
+    in_flight = 0
+    peak = 0
+    full = asyncio.Event()
+
+    async def slow(identity: str, payload: bytes) -> bytes:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        if in_flight >= 8:
+            full.set()
+        try:
+            await asyncio.wait_for(full.wait(), 20)
+        finally:
+            in_flight -= 1
+        return payload
+
+    n1.set_rpc_handler(slow)
+    connects = n2.metrics.rpc_connects
+    replies = await asyncio.gather(*(n2.rpc("n1", b"%d" % i, timeout=30) for i in range(12)))
+    assert replies == [b"%d" % i for i in range(12)]
+    assert peak == 8 == n2.config.max_rpcs_per_member
+    assert n2.metrics.rpc_connects - connects <= 8  # one request in flight per connection
+    assert n2.pooled_connections("n1") == n2.config.rpc_pool_per_member == 4
+    # the next ones reuse the pool
+    connects = n2.metrics.rpc_connects
+    assert await asyncio.gather(*(n2.rpc("n1", b"x") for _ in range(4))) == [b"x"] * 4
+    assert n2.metrics.rpc_connects == connects
+
+
+async def test_push_pull_goes_through_while_the_pool_holds_connections(cluster: Cluster) -> None:
+    n1 = await cluster.node("n1", max_tcp_sessions=2)
+    n2 = await cluster.node("n2", seeds=(n1.address,))
+    n3 = await cluster.node("n3", seeds=(n1.address,))
+    await eventually(lambda: alive([n1, n2, n3], ["n1", "n2", "n3"]), what="three alive")
+    gate = asyncio.Event()
+    entered = 0
+
+    async def handler(identity: str, payload: bytes) -> bytes:
+        nonlocal entered
+        entered += 1
+        if entered >= 2:
+            gate.set()
+        await asyncio.wait_for(gate.wait(), 20)
+        return b"ok"
+
+    n1.set_rpc_handler(handler)
+    # four at once: four connections (two served at a time on n1's two session slots), all pooled
+    assert await asyncio.gather(*(n2.rpc("n1", b"q", timeout=20) for _ in range(4))) == [b"ok"] * 4
+    assert n2.pooled_connections("n1") == 4
+    tcp = n1._tcp
+    assert tcp is not None
+    await eventually(lambda: tcp.idle_sessions == 4, what="four idle sessions on n1")
+    # idle sessions hold no session slot: joins (push-pulls) from both others go through
+    assert await n3.join([n1.address]) == 1
+    assert await n2.join([n1.address]) == 1
+    assert n1.transport_metrics.tcp_rejected_busy == 0
+    assert await n2.rpc("n1", b"q") == b"ok" and n2.pooled_connections("n1") == 4
+
+
+async def test_a_member_that_dies_or_leaves_gets_its_pool_closed(cluster: Cluster) -> None:
+    n1, n2, n3 = await three(cluster)
+    for rt in (n1, n3):
+        rt.set_rpc_handler(Recorder(rt.me.name))
+    assert await n2.rpc("n3", b"q") == b"n3 answers n2: q"
+    assert await n2.rpc("n1", b"q") == b"n1 answers n2: q"
+    assert n2.pooled_connections("n3") == 1 and n2.pooled_connections() == 2
+    tcp3 = n3._tcp
+    assert tcp3 is not None
+    await eventually(lambda: tcp3.idle_sessions == 1, what="idle on n3")
+    # n2 is told n3 is dead (n3 itself is fine and refutes later): the pool to n3 goes at once
+    from shepherd.proto.mesh_messages import Dead, Packet
+
+    m3 = n2.swim.member("n3")
+    assert m3 is not None
+    now = asyncio.get_running_loop().time()
+    n2._execute(n2.swim.on_packet(now, n1.address, Packet("n1", (Dead(m3.incarnation, "n3", "n1"),))))
+    assert n2.member_state("n3") == MemberState.DEAD
+    assert n2.pooled_connections("n3") == 0 and n2.pooled_connections() == 1
+    await eventually(lambda: tcp3.idle_sessions == 0, what="n3 saw the pooled connection closed")
+    # a graceful leave: the same
+    await n1.close()
+    await eventually(lambda: n2.member_state("n1") == MemberState.LEFT, what="n1 LEFT")
+    assert n2.pooled_connections() == 0
+
+
+async def test_runtime_close_closes_the_pool(cluster: Cluster) -> None:
+    n1, n2, _ = await three(cluster)
+    n1.set_rpc_handler(Recorder("n1"))
+    assert await n2.rpc("n1", b"q") == b"n1 answers n2: q"
+    tcp = n1._tcp
+    assert tcp is not None
+    await eventually(lambda: tcp.idle_sessions == 1, what="idle on n1")
+    await n2.abort()
+    assert n2.pooled_connections() == 0
+    await eventually(lambda: tcp.idle_sessions == 0, what="n1 saw the pooled connection closed")
+    assert n1.transport_metrics.tcp_idle_closed == 0  # closed by the client, not timed out
+
+
+async def test_one_shot_server_keeps_working_with_pooling_clients(cluster: Cluster) -> None:
+    # an older node (one request per connection): rpc_idle_timeout=0 behaves the same
+    n1 = await cluster.node("n1", rpc_idle_timeout=0)
+    n2 = await cluster.node("n2", seeds=(n1.address,))
+    await eventually(lambda: alive([n1, n2], ["n1", "n2"]), what="two alive")
+    rec = Recorder("n1")
+    n1.set_rpc_handler(rec)
+    for i in range(5):
+        assert await n2.rpc("n1", b"%d" % i) == b"n1 answers n2: %d" % i
+    assert [p for _, p in rec.calls] == [b"%d" % i for i in range(5)]
+    tcp = n1._tcp
+    assert tcp is not None and tcp.idle_sessions == 0

@@ -288,8 +288,8 @@ async def test_targets_are_resolved_once_and_only_static_routes_without_a_query_
         assert (b"HEAD", b"/hello") in srv.targets
         body = b'{"model": "m"}'
         post = (
-            b"POST /json HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-            % (len(body), body)
+            b"POST /json HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         assert (await _ask(conn, t, post)).startswith(b"HTTP/1.1 200")
     finally:
