@@ -26,7 +26,8 @@ tokens without the claim, anonymous callers) and of admins (who act for tenants)
 tenant cannot leave it.
 
 Refusals are answered here (never raised to a 500): 401 with ``WWW-Authenticate: Bearer`` or 403, in
-the OpenAI error envelope. Messages never hold the credential.
+the OpenAI error envelope (Anthropic's on the Messages API routes, ``/v1/messages*``). Messages never
+hold the credential.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from shepherd.auth.keys import (
     principal_for,
 )
 from shepherd.auth.principal import ANONYMOUS, PRINCIPAL_KEY, Principal
+from shepherd.proto.anthropic_errors import anthropic_error_response, is_messages_path
 from shepherd.proto.openai_errors import ApiError, error_response
 
 log = logging.getLogger("shepherd.auth")
@@ -80,7 +82,8 @@ class AuthFailure(Exception):
         self.code = code
         self.presented = presented  # a credential was sent (RFC 6750: error="invalid_token")
 
-    def response(self) -> web.Response:
+    def response(self, anthropic: bool = False) -> web.Response:
+        """The refusal in the OpenAI envelope (``anthropic``: Anthropic's, for the Messages routes)."""
         headers = {}
         if self.status == 401:
             headers["WWW-Authenticate"] = (
@@ -89,7 +92,8 @@ class AuthFailure(Exception):
                 else 'Bearer realm="shepherd"'
             )
         typ = _TYPES.get(self.status, "invalid_request_error")
-        return error_response(ApiError(self.status, self.message, type=typ, code=self.code, headers=headers))
+        err = ApiError(self.status, self.message, type=typ, code=self.code, headers=headers)
+        return anthropic_error_response(err) if anthropic else error_response(err)
 
 
 def plane_of(route: str | None, metrics_protected: bool) -> Plane:
@@ -316,7 +320,7 @@ def make_middleware(authn: Authenticator, failures: AuthFailures | None = None) 
         except AuthFailure as e:
             count.inc(plane, e.code)
             log.debug("refused %s %s: %s", request.method, route or "unmatched", e.code)
-            return e.response()
+            return e.response(anthropic=is_messages_path(request.path))
         if who.principal is not ANONYMOUS:
             request[PRINCIPAL_KEY] = who.principal
         return await handler(request)

@@ -12,5 +12,7 @@ Shells: ``engine`` (the async core shared by every surface; ``engine_config``: i
 vLLM servicers, with ``grpc_messages``: the messages and streams they share; on grpc.aio or on
 ``lean_grpc``, a light HTTP/2 server with ``lean_grpc_frames``, ``lean_grpc_calls``, ``hpack`` and
 ``wire``), ``http_api`` (OpenAI HTTP surface and the ``/mock/*`` control endpoints; ``http_params``:
-request parameters and stop strings), ``cli``, ``bench``.
+request parameters and stop strings; ``http_embeddings``: ``/v1/embeddings``; ``http_pooling``: rerank,
+score, classify), ``embeddings`` (the deterministic vectors of Embed and ``/v1/embeddings``), ``cli``,
+``bench``.
 """

@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="gRPC server: grpcio (grpc.aio, as real engines), lean (a light HTTP/2 server, for benchmarks), "
         "auto (lean with --zero-latency, else grpcio); default from $SMG_MOCK_GRPC_SERVER, else auto",
     )
+    p.add_argument("--embedding-dim", type=int, default=64, help="length of the Embed / embeddings vectors")
+    p.add_argument(
+        "--embedding-model",
+        action="store_true",
+        help="report an embedding model (GetModelInfo is_generation=false); Embed is served either way",
+    )
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
     return p
 
@@ -121,6 +127,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         pd_wait_s=args.pd_wait_s,
         host=args.host,
         engine_id=f"mock-{os.getpid()}",
+        embedding_dim=args.embedding_dim,
+        embedding_model=args.embedding_model,
         faults=faults,
     )
 

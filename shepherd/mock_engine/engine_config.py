@@ -35,12 +35,21 @@ class EngineConfig:
     pd_wait_s: float = 5.0  # a decode-role engine waits this long for its prefill side to know the request
     host: str = "127.0.0.1"
     engine_id: str = "mock-0"
+    embedding_dim: int = 64  # the length of the vectors Embed and /v1/embeddings return
+    embedding_model: bool = False  # GetModelInfo reports is_generation=False (an embedding model)
     faults: Faults = dataclasses.field(default_factory=Faults)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}")
-        for name in ("block_size", "cache_blocks", "max_running", "context_length", "stream_interval"):
+        for name in (
+            "block_size",
+            "cache_blocks",
+            "max_running",
+            "context_length",
+            "stream_interval",
+            "embedding_dim",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         for name in ("output_len", "prefill_us_per_token", "decode_ms_per_token", "decode_slowdown"):

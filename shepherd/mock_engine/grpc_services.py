@@ -24,6 +24,7 @@ from smg_grpc_proto import (
 )
 from smg_grpc_proto.generated import common_pb2
 
+from shepherd.mock_engine.embeddings import embed_ids
 from shepherd.mock_engine.engine import EngineCore, Run
 from shepherd.mock_engine.grpc_messages import (
     Tokenizers,
@@ -130,6 +131,30 @@ class _Service:
         finally:
             run.close()
 
+    def _embedding(self, request: Any) -> tuple[list[float], int]:
+        """(vector, prompt tokens) of an EmbedRequest; MockRpcError for what an engine refuses."""
+        core = self._core
+        core.stats.count_rpc(f"{self.KIND}.Embed")
+        ids = request.tokenized.input_ids
+        cfg = core.config
+        if not ids:
+            raise MockRpcError("INVALID_ARGUMENT", "the input is empty")
+        if len(ids) > cfg.context_length:
+            raise MockRpcError(
+                "INVALID_ARGUMENT",
+                f"the input has {len(ids)} tokens; the context length is {cfg.context_length}",
+            )
+        return embed_ids(ids, cfg.embedding_dim, cfg.seed), len(ids)
+
+    async def Embed(self, request: Any, context: Any) -> Any:
+        try:
+            vec, n = self._embedding(request)
+        except MockRpcError as e:
+            await context.abort(_status(e.code), e.message)
+            raise  # not reached: abort raises
+        module = VLLM if self.KIND == "vllm" else SGL
+        return module.EmbedResponse(embedding_dim=len(vec), embedding=vec, prompt_tokens=n)
+
     async def FlushCache(self, request: Any, context: Any) -> Any:
         self._core.stats.count_rpc(f"{self.KIND}.FlushCache")
         ok = self._core.flush_cache()
@@ -231,7 +256,7 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
         return SGL.GetModelInfoResponse(
             model_path=cfg.model,
             tokenizer_path=cfg.tokenizer_path,
-            is_generation=True,
+            is_generation=not cfg.embedding_model,
             weight_version="mock",
             served_model_name=cfg.model,
             max_context_length=cfg.context_length,
@@ -395,7 +420,7 @@ class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: i
         cfg = core.config
         return VLLM.GetModelInfoResponse(
             model_path=cfg.model,
-            is_generation=True,
+            is_generation=not cfg.embedding_model,
             max_context_length=cfg.context_length,
             vocab_size=core.tokenizer.vocab_size,
             supports_vision=False,

@@ -6,7 +6,8 @@ write.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health,
 GET /v1/loads; POST|DELETE|GET /mock/responses, POST|GET /mock/faults, GET|DELETE /mock/stats,
-POST /mock/flush_cache. Request parameters and stop strings: ``http_params``.
+POST /mock/flush_cache. Request parameters and stop strings: ``http_params``; rerank, score and
+classify: ``http_pooling``; POST /v1/embeddings: ``http_embeddings``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from aiohttp import web
 from tokenizers.decoders import DecodeStream
 
 from shepherd.mock_engine.engine import EngineCore, Run, TokenizerLike
+from shepherd.mock_engine.http_embeddings import EmbeddingsRoute
 from shepherd.mock_engine.http_params import HttpError, Params, StopText, parse_params
+from shepherd.mock_engine.http_pooling import PoolingRoutes
 from shepherd.mock_engine.requests import MockRequest, MockRpcError
 from shepherd.proto.engine_types import EngineChunk, EngineComplete, TokenLogprob
 
@@ -106,6 +109,8 @@ class MockHttpApi:
         r.add_post("/mock/flush_cache", self.flush_cache)
         r.add_get("/mock/pd/rooms/{room}", self.pd_room)  # a prefill-role engine's bootstrap lookups
         r.add_get("/mock/pd/requests/{request_id}", self.pd_request)
+        EmbeddingsRoute(self.core.config, self.tokenizer, self.core.stats).add_to(r)  # /v1/embeddings
+        PoolingRoutes(self.model, self.tokenizer, self.core.stats).add_to(r)  # rerank, score, classify
         return app
 
     # ---- simple endpoints -----------------------------------------------------------------------

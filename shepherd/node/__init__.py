@@ -2,7 +2,8 @@
 its rooms, on the request path in this order:
 
 ``http`` (HTTP/1.1 server) -> ``api`` (routes, admission, generation driving) -> ``openai`` (the
-OpenAI schema: parsing, chunks) -> ``tokens`` (render, encode) -> ``dispatch`` (gateway, workers,
+OpenAI schema: parsing, chunks; ``anthropic`` the Anthropic Messages schema over it) -> ``tokens``
+(render, encode) -> ``dispatch`` (gateway, workers,
 policies, PD) -> ``engines`` (one engine connection each) -> ``output`` (detokenize, stop, parsers)
 -> ``openai`` chunks -> client; ``cluster`` is this node's part in the mesh.
 
@@ -11,6 +12,7 @@ Callers use: ``app.serve`` / ``app.build_app``, ``cli.main`` (``smg-node``), ``c
 """
 
 __all__ = [
+    "anthropic",
     "api",
     "app",
     "cli",

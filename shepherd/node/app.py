@@ -17,9 +17,12 @@ from shepherd.auth.tls import server_tls
 from shepherd.node import gc_tuning
 from shepherd.node.api import admin as api_admin
 from shepherd.node.api import conversations as api_conversations
+from shepherd.node.api import embeddings as api_embeddings
 from shepherd.node.api import keys as api_keys
 from shepherd.node.api import mesh as api_mesh
+from shepherd.node.api import messages as api_messages
 from shepherd.node.api import openai as api_openai
+from shepherd.node.api import pooling as api_pooling
 from shepherd.node.api import responses as api_responses
 from shepherd.node.api.admission import Admission
 from shepherd.node.api.common import (
@@ -62,6 +65,9 @@ def build_app(
     if history is not None:
         app[HISTORY] = history
     app.add_routes(api_openai.routes())
+    app.add_routes(api_messages.routes())  # /v1/messages, /v1/messages/count_tokens (Anthropic)
+    app.add_routes(api_embeddings.routes())  # /v1/embeddings (gRPC Embed, or relayed)
+    app.add_routes(api_pooling.routes())  # rerank, score, classify (relayed to HTTP workers)
     api_responses.install(app)  # /v1/responses (+ the background registry)
     app.add_routes(api_conversations.routes())
     app.add_routes(api_admin.routes())

@@ -45,6 +45,9 @@ class ConfigError(ValueError):
     """A configuration value is wrong; the message says which and why."""
 
 
+MODEL_KINDS = ("generate", "embed")
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     name: str
@@ -55,6 +58,8 @@ class ModelConfig:
     context_length: int | None = None  # None: from the engine, else the tokenizer
     reasoning_parser: str | None = None  # None: the node's, else by model name; "none": off
     tool_call_parser: str | None = None  # None: the node's, else by model name; "none": off
+    kind: str | None = None  # "generate" | "embed"; None: what the engines report (GetModelInfo)
+    matryoshka: bool = False  # an embedding model whose vectors may be truncated (``dimensions``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +344,8 @@ def _coerce_model(raw: Any) -> ModelConfig:
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"unknown keys in model {raw.get('name')!r}: {sorted(unknown)}")
+    if raw.get("kind") not in (None, *MODEL_KINDS):
+        raise ConfigError(f"model {raw.get('name')!r}: 'kind' must be one of {MODEL_KINDS}")
     urls = tuple(check_worker_url(str(u)) for u in raw.get("worker_urls", ()))
     return ModelConfig(**{**raw, "worker_urls": urls})
 

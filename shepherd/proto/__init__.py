@@ -1,6 +1,7 @@
 """Vocabulary and codecs shared by every part; imports nothing of ours.
 
-Callers use: ``engine_types`` (what a node says to an engine and hears back: ``GenerateRequest``,
+Callers use: ``anthropic_errors`` (the Anthropic error envelope of the Messages API routes),
+``engine_types`` (what a node says to an engine and hears back: ``GenerateRequest``,
 ``EngineChunk``, ``EngineComplete``, ``EngineError``, ``EngineLoad``, KV events, ``worker_id``),
 ``engine_requests`` / ``engine_responses`` (those types <-> smg-grpc-proto messages and wire bytes),
 ``kv_codec`` (KV-event streams), ``openai_errors`` (``ApiError``, ``error_response``: the OpenAI
@@ -11,6 +12,7 @@ error envelope), ``prompt_ids`` (``PromptIds``: ids with the pieces they came fr
 """
 
 __all__ = [
+    "anthropic_errors",
     "engine_requests",
     "engine_responses",
     "engine_types",

@@ -399,6 +399,15 @@ def vllm_generate(req: GenerateRequest) -> vl.GenerateRequest:
     return msg
 
 
+def sglang_embed(request_id: str, ids: Sequence[int]) -> sg.EmbedRequest:
+    """SGLang's Embed request: the prompt as ids only (the engine does not tokenize)."""
+    return sg.EmbedRequest(request_id=request_id, tokenized=sg.TokenizedInput(input_ids=ids))
+
+
+def vllm_embed(request_id: str, ids: Sequence[int]) -> vl.EmbedRequest:
+    return vl.EmbedRequest(request_id=request_id, tokenized=vl.TokenizedInput(input_ids=ids))
+
+
 def sampling_as_dict(msg: Any) -> dict[str, Any]:
     """For diagnostics and tests: every field, including zero values."""
     out: dict[str, Any] = json_format.MessageToDict(

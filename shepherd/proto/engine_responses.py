@@ -14,8 +14,10 @@ from typing import Any
 from smg_grpc_proto import vllm_engine_pb2 as vl
 
 from shepherd.proto.engine_types import (
+    EmbedResult,
     EngineChunk,
     EngineComplete,
+    EngineError,
     EngineEvent,
     EngineLoad,
     ModelInfo,
@@ -204,7 +206,20 @@ def decode_model_info(resp: Any) -> ModelInfo:
         vocab_size=int(resp.vocab_size),
         eos_token_ids=tuple(int(x) for x in resp.eos_token_ids),
         bos_token_id=bos if bos > 0 else None,
+        is_generation=bool(resp.is_generation),
     )
+
+
+def decode_embed(resp: Any, n_ids: int) -> EmbedResult:
+    """An EmbedResponse (SGLang or vLLM: same field names) -> EmbedResult; ``n_ids``: the prompt's
+    length, the count when the engine reports none."""
+    vec = list(resp.embedding)
+    dim = int(resp.embedding_dim)
+    if dim and dim != len(vec):
+        raise EngineError(f"engine sent an embedding of {len(vec)} floats, announced {dim}")
+    if not vec:
+        raise EngineError("engine sent an empty embedding")
+    return EmbedResult(vec, int(resp.prompt_tokens) or n_ids)
 
 
 def decode_server_info(resp: Any, kind: str) -> ServerInfo:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 def worker_id(url: str) -> str:
@@ -130,6 +130,15 @@ class ModelInfo:
     vocab_size: int = 0
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    is_generation: bool = True  # False: an embedding model (the engine's GetModelInfo says so)
+
+
+@dataclass(slots=True)
+class EmbedResult:
+    """One input's embedding, as the engine's Embed RPC returns it."""
+
+    embedding: list[float]
+    prompt_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +199,17 @@ class KvEventBatch:
     events: tuple[KvCacheEvent, ...] = ()
     load: EngineLoad | None = None
     load_only: bool = False
+
+
+@runtime_checkable
+class EmbedClient(Protocol):
+    """An engine client with the Embed RPC (the gRPC clients; not the HTTP relay)."""
+
+    url: str
+
+    async def embed(self, request_id: str, ids: Sequence[int], timeout: float | None = None) -> EmbedResult:
+        """The embedding of ``ids``. Raises EngineError."""
+        ...
 
 
 class EngineClient(Protocol):

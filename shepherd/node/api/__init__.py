@@ -1,5 +1,7 @@
-"""The routes: OpenAI generation and the rest, responses (the stateful Responses API), conversations,
-admin, keys, mesh; admission; generation driving.
+"""The routes: OpenAI generation and the rest, embeddings, responses (the stateful Responses API),
+messages (the Anthropic Messages API),
+pooling (rerank, score, classify: relayed to HTTP workers),
+conversations, admin, keys, mesh; admission; generation driving.
 
 Callers (``shepherd.node.app`` only) use each module's ``routes()`` / ``install(app)``, ``common``
 (the app keys ``GATEWAY``, ``ADMISSION``, ``KEEPALIVE_TICKER`` and the error middleware) and
@@ -11,9 +13,12 @@ __all__ = [
     "admission",
     "common",
     "conversations",
+    "embeddings",
     "generation",
     "keys",
     "mesh",
+    "messages",
     "openai",
+    "pooling",
     "responses",
 ]

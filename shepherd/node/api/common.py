@@ -31,7 +31,9 @@ from shepherd.node.engines.http import (
     read_capped,
 )
 from shepherd.node.http.types import stream_response
+from shepherd.node.openai.requests import Sampling
 from shepherd.node.openai.sse import DONE, KEEPALIVE, error_event
+from shepherd.proto.anthropic_errors import anthropic_error_response, convert_body, is_messages_path
 from shepherd.proto.engine_types import EngineError
 from shepherd.proto.openai_errors import ApiError, bad, error_response
 from shepherd.storage.ids import new_id
@@ -201,6 +203,23 @@ def public_engine_message(message: str, worker_urls: Iterable[str] = ()) -> str:
     return _ADDRESS.sub("<worker>", message)[:1000]
 
 
+def _error_answer(request: web.Request, err: ApiError) -> web.Response:
+    """``err`` in the envelope of the request's API: Anthropic's on the Messages routes, OpenAI's else."""
+    if is_messages_path(request.path):
+        return anthropic_error_response(err)
+    return error_response(err)
+
+
+def _to_anthropic(resp: web.Response) -> None:
+    """An error answer in the OpenAI envelope, rewritten in place in Anthropic's (status and body)."""
+    if resp.prepared or not isinstance(resp.body, bytes):
+        return
+    got = convert_body(resp.status, resp.body)
+    if got is not None:
+        resp.set_status(got[0])
+        resp.body = got[1]
+
+
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -215,11 +234,13 @@ async def error_middleware(
     try:
         resp = await handler(request)
         status = resp.status
+        if status >= 400 and isinstance(resp, web.Response) and is_messages_path(request.path):
+            _to_anthropic(resp)  # an error answer made inside (auth, admission): Anthropic's envelope
         return resp
     except ApiError as e:
         status = e.status
         gw.metrics.errors.labels(path, e.code or e.type).inc()
-        return error_response(e)
+        return _error_answer(request, e)
     except EngineError as e:
         status = 504 if e.code == "engine_timeout" else 400 if e.code == "invalid_request" else 502
         gw.metrics.errors.labels(path, e.code).inc()
@@ -227,23 +248,26 @@ async def error_middleware(
         message = public_engine_message(str(e), (w.url for w in gw.registry.workers.values()))
         if status != 400:
             log.warning("engine failure on %s: %s", path, e)  # the whole detail stays in the log
-        return error_response(ApiError(status, message, type=kind, code=e.code))
+        return _error_answer(request, ApiError(status, message, type=kind, code=e.code))
     except (TokenizerWorkerError, TokenizerPoolUnavailable) as e:
         status = 503
         gw.metrics.errors.labels(path, "tokenizer").inc()
         log.warning("tokenizer pool failure on %s: %s", request.path, e)
-        return error_response(
+        return _error_answer(
+            request,
             ApiError(
                 503,
                 "The tokenizer pool failed this request; retry.",
                 type="service_unavailable",
                 code="tokenizer",
-            )
+            ),
         )
     except TimeoutError:
         status = 504
         gw.metrics.errors.labels(path, "timeout").inc()
-        return error_response(ApiError(504, "The request timed out.", type="server_error", code="timeout"))
+        return _error_answer(
+            request, ApiError(504, "The request timed out.", type="server_error", code="timeout")
+        )
     except web.HTTPException as e:
         status = e.status
         if e.status < 400:
@@ -257,10 +281,11 @@ async def error_middleware(
             if allow := e.headers.get("Allow"):
                 headers["Allow"] = allow
         gw.metrics.errors.labels(path, str(e.status)).inc()
-        return error_response(
+        return _error_answer(
+            request,
             ApiError(
                 e.status, msg, type=_STATUS_TYPES.get(e.status, "invalid_request_error"), headers=headers
-            )
+            ),
         )
     except (asyncio.CancelledError, ConnectionResetError):
         status = 499
@@ -268,8 +293,8 @@ async def error_middleware(
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         gw.metrics.errors.labels(path, "internal").inc()
-        return error_response(
-            ApiError(500, "Internal error in the gateway.", type="internal_error", code="internal")
+        return _error_answer(
+            request, ApiError(500, "Internal error in the gateway.", type="internal_error", code="internal")
         )
     finally:
         gw.in_flight -= 1
@@ -324,6 +349,21 @@ class KeepAlive:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+async def admitted(
+    request: web.Request,
+    model: str,
+    prompt_tokens: int,
+    sampling: Sampling,
+    run: Callable[[], Awaitable[web.StreamResponse]],
+) -> web.StreamResponse:
+    """``run()`` under the app's admission (the rate limits), when there is one (relayed requests: no
+    engine jobs, the reservation stands)."""
+    adm = request.app[ADMISSION]
+    if adm is None:
+        return await run()
+    return await adm.guard(request, model, prompt_tokens, sampling, run)
 
 
 def _bad_answer(w_id: str, why: str) -> ApiError:

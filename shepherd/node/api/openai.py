@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shepherd.node.api.common import ADMISSION, GATEWAY, relay
+from shepherd.node.api.common import ADMISSION, GATEWAY, admitted, relay
 from shepherd.node.api.generation import Generation, Job, fresh_id
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import json_now, read_json
@@ -74,10 +74,7 @@ async def _relayed(
     send = partial(relay, request, gw, model, raw, d, path, s.stream)
     if chat is not None and chat.schemas:
         send = partial(_checked, chat, send)
-    adm = request.app[ADMISSION]
-    if adm is None:
-        return await send()
-    return await adm.guard(request, model, len(raw) // 4, s, send)
+    return await admitted(request, model, len(raw) // 4, s, send)
 
 
 async def _checked(req: ChatRequest, run: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -94,6 +91,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     raw, d = got if got is not None else await read_json(request, limit)
     req = parse_chat_deferred(d)
     model = gw.resolve_model(req.model)
+    gw.require_kind(model, "generate")
     if gw.relay_mode(model):
         return await _relayed(request, gw, model, raw, d, "/v1/chat/completions", req.sampling, req)
     tok = gw.tokenizer(model)
@@ -149,6 +147,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     raw, d = await read_json(request, gw.cfg.max_body_bytes)
     req = parse_completion(d)
     model = gw.resolve_model(req.model)
+    gw.require_kind(model, "generate")
     if gw.relay_mode(model):
         return await _relayed(request, gw, model, raw, d, "/v1/completions", req.sampling)
     tok = gw.tokenizer(model)

@@ -26,7 +26,7 @@ from shepherd.node.metrics import NodeMetrics, counter, gauge
 from shepherd.parsers import default_parsers_for_model, reasoning_family_name, tool_family_name
 from shepherd.policies.base import Policy
 from shepherd.policies.simple import make_policy
-from shepherd.proto.engine_types import EngineError, EngineLoad, GenerateRequest
+from shepherd.proto.engine_types import EmbedClient, EmbedResult, EngineError, EngineLoad, GenerateRequest
 from shepherd.proto.openai_errors import ApiError
 from shepherd.tokens.service import TokenizerService
 from shepherd.tokens.tokenizer import Tokenizer
@@ -75,6 +75,7 @@ class Gateway:
         self.registry = WorkerRegistry(cfg)
         self.models: dict[str, ModelConfig] = {m.name: m for m in cfg.model_configs()}
         self._context_lengths: dict[str, tuple[int, int]] = {}  # model -> (registry version, length)
+        self._kinds: dict[str, tuple[int, str | None]] = {}  # model -> (registry version, kind)
         self._parser_families: dict[str, tuple[str | None, str | None]] = {}
         # one policy instance per model (its own state: cursor, prefix index...), the model's or the node's
         self.policies: dict[str, Policy] = {
@@ -201,6 +202,39 @@ class Gateway:
             )
         return max_tokens if max_tokens is not None else ctx - n_prompt
 
+    def model_kind(self, model: str) -> str | None:
+        """ "generate" or "embed": the model's configured kind, else what its gRPC workers report
+        (GetModelInfo's is_generation: "embed" when every one that answered says False); None: unknown
+        (only HTTP workers, or none answered yet). Cached until the registry changes."""
+        version = self.registry.version
+        hit = self._kinds.get(model)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        mc = self.models.get(model)
+        kind = mc.kind if mc is not None else None
+        if kind is None:
+            infos = [
+                w.info
+                for w in self.registry.for_model(model)
+                if w.info is not None and not isinstance(w.client, HttpRelayClient)
+            ]
+            if infos:
+                kind = "generate" if any(i.is_generation for i in infos) else "embed"
+        self._kinds[model] = (version, kind)
+        return kind
+
+    def require_kind(self, model: str, kind: str) -> None:
+        """A 400 when ``model`` is known to be of the other kind (a generation route naming an embedding
+        model, or /v1/embeddings naming a generation-only model)."""
+        got = self.model_kind(model)
+        if got is None or got == kind:
+            return
+        if kind == "embed":
+            msg = f"The model '{model}' is a generation model; it does not serve /v1/embeddings."
+        else:
+            msg = f"The model '{model}' is an embedding model; use /v1/embeddings."
+        raise ApiError(400, msg, param="model", code="model_not_supported")
+
     # ---- dispatch ------------------------------------------------------------------------------------
 
     def relay_mode(self, model: str) -> bool:
@@ -289,6 +323,67 @@ class Gateway:
                 raise last_error
             self.metrics.retries.inc()
             log.info("retrying request %s on another worker after: %s", gen.request_id, last_error)
+
+    async def embed(
+        self,
+        model: str,
+        request_id: str,
+        ids: Sequence[int],
+        *,
+        target: str | None = None,
+        routing_key: str | None = None,
+    ) -> EmbedResult:
+        """The embedding of ``ids`` from a worker of ``model`` (its policy's pick, as ``open_stream``),
+        retried on another worker when the call fails retryably (at most ``max_retries`` times, never on
+        the worker that failed it). The worker's ``in_flight`` is raised for the call."""
+        tried: set[str] = set()
+        last_error: EngineError | None = None
+        for attempt in range(self.cfg.max_retries + 1):
+            if target is not None:
+                w = self.registry.find(target)
+                if w is None or w.model != model:
+                    raise ApiError(400, f"x-smg-target-worker {target!r} is not a worker of model {model!r}.")
+            else:
+                w = self.pick(model, tried, ids, routing_key)
+            if w is None:
+                break
+            client = w.client
+            if not isinstance(client, EmbedClient):
+                w.breaker.release()
+                raise ApiError(
+                    400, f"worker {w.id} is an HTTP worker; model {model!r} is served over gRPC here."
+                )
+            if attempt:
+                self.metrics.retries.inc()
+            rid = request_id if attempt == 0 else f"{request_id}-r{attempt}"
+            w.in_flight += 1
+            try:
+                got = await client.embed(rid, ids, timeout=self.cfg.request_timeout_secs)
+            except EngineError as e:
+                if e.code == "invalid_request":  # the request's fault, not the worker's
+                    w.breaker.release()
+                    raise client_error(e, w) from None
+                self.registry.record_result(w, False)
+                last_error = client_error(e, w)
+                if not e.retryable or target is not None:
+                    raise last_error from None
+                tried.add(w.id)
+                continue
+            except BaseException:
+                w.breaker.release()
+                raise
+            finally:
+                w.in_flight -= 1
+            self.registry.record_result(w, True)
+            return got
+        if last_error is not None:
+            raise last_error
+        raise ApiError(
+            503,
+            f"No healthy worker is available for model '{model}'.",
+            type="service_unavailable",
+            code="no_available_worker",
+        )
 
     def abort_in_background(self, w: Worker, request_id: str, reason: str) -> None:
         self.metrics.aborts.labels(reason).inc()

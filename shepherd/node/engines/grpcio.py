@@ -7,7 +7,7 @@ worker URL (``sglang://``, ``vllm://``) or detected from GetServerInfo (``grpc:/
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -19,14 +19,16 @@ from smg_grpc_proto import vllm_engine_pb2_grpc as vl_grpc
 from smg_grpc_proto.generated import common_pb2
 
 from shepherd.node.engines.errors import engine_error
-from shepherd.proto.engine_requests import sglang_generate, vllm_generate
+from shepherd.proto.engine_requests import sglang_embed, sglang_generate, vllm_embed, vllm_generate
 from shepherd.proto.engine_responses import (
+    decode_embed,
     decode_loads,
     decode_model_info,
     decode_response,
     decode_server_info,
 )
 from shepherd.proto.engine_types import (
+    EmbedResult,
     EngineError,
     EngineEvent,
     EngineLoad,
@@ -121,6 +123,19 @@ class GrpcEngineClient:
         """grpc.aio hands over one message at a time: batches of one."""
         async for ev in self.generate(req, timeout):
             yield [ev]
+
+    async def embed(self, request_id: str, ids: Sequence[int], timeout: float | None = None) -> EmbedResult:
+        """One Embed call (unary) of ``ids``; raises EngineError."""
+        if self.kind == "unknown":
+            await self.detect()
+        try:
+            if self.kind == "vllm":
+                r: Any = await self._vl.Embed(vllm_embed(request_id, ids), timeout=timeout)
+            else:
+                r = await self._sg.Embed(sglang_embed(request_id, ids), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e) from None
+        return decode_embed(r, len(ids))
 
     async def abort(self, request_id: str, reason: str = "") -> None:
         try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar, cast
 
 from google.protobuf.message import DecodeError, Message
@@ -32,11 +32,20 @@ from shepherd.node.engines.h2_stream import Deadlines, GrpcStream, RpcStatus, gr
 from shepherd.proto.engine_requests import (
     SGLANG_SERVICE,
     VLLM_SERVICE,
+    sglang_embed,
     sglang_generate_bytes,
+    vllm_embed,
     vllm_generate_bytes,
 )
-from shepherd.proto.engine_responses import decode_batch, decode_loads, decode_model_info, decode_server_info
+from shepherd.proto.engine_responses import (
+    decode_batch,
+    decode_embed,
+    decode_loads,
+    decode_model_info,
+    decode_server_info,
+)
 from shepherd.proto.engine_types import (
+    EmbedResult,
     EngineError,
     EngineEvent,
     EngineLoad,
@@ -338,6 +347,23 @@ class H2EngineClient:
         """Like ``generate``, but yields every event that is already here at once: a network read that
         carried many messages costs the consumer one wake-up and one downstream write."""
         return GenerateCall(self, req, timeout)
+
+    async def embed(self, request_id: str, ids: Sequence[int], timeout: float | None = None) -> EmbedResult:
+        """One Embed call (unary) of ``ids``; raises EngineError."""
+        if self.kind == "unknown":
+            await self.detect()
+        try:
+            if self.kind == "vllm":
+                r: Any = await self.call_unary(
+                    _path("vllm", "Embed"), vllm_embed(request_id, ids), vl.EmbedResponse, timeout
+                )
+            else:
+                r = await self.call_unary(
+                    _path("sglang", "Embed"), sglang_embed(request_id, ids), sg.EmbedResponse, timeout
+                )
+        except RpcStatus as e:
+            raise e.engine_error() from None
+        return decode_embed(r, len(ids))
 
     async def abort(self, request_id: str, reason: str = "") -> None:
         with contextlib.suppress(RpcStatus):

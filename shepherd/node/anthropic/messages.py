@@ -1,0 +1,237 @@
+"""Anthropic Messages API answers: the Message object and its streamed events.
+
+``message_object`` turns a parsed chat message (``reasoning_content``, ``content``, ``tool_calls``) into
+a Message: ``content`` holds a ``thinking`` block, a ``text`` block, then one ``tool_use`` block per call
+(``id`` ``toolu_...``, ``input`` the arguments parsed as a JSON object), in that order.
+
+``MessageEvents`` is the streaming encoder the generation driver writes one choice to (it implements
+``shepherd.node.output.chat.ChoiceEncoder`` and the driver's ``StreamEvents``: ``role``, ``finish``,
+``end``, ``failed``). Its bytes are SSE events ``event: <type>\\ndata: <json>\\n\\n`` in Anthropic's
+order: ``message_start`` (the Message with empty ``content``), a ``ping``, then per content block
+``content_block_start``, ``content_block_delta``s (``text_delta``, ``thinking_delta``,
+``input_json_delta`` with ``partial_json``; a thinking block's ``signature_delta`` right before it
+stops), ``content_block_stop``; finally ``message_delta`` (``stop_reason``, ``stop_sequence``, usage)
+and ``message_stop``. An in-band failure is an ``event: error`` in the Anthropic envelope. The node's
+keep-alive comments (``: keep-alive``) may come between events while the engine is silent.
+
+Thinking ``signature``: a non-empty opaque string (``smg1.`` + a digest of the thinking text). It is NOT
+a cryptographic signature: nothing is keyed, and the node does not check it when a client sends the
+thinking block back (it renders the thinking text as the turn's reasoning either way).
+
+Usage: ``input_tokens`` counts the prompt's tokens not read from the engine's prefix cache,
+``cache_read_input_tokens`` those that were (their sum: the prompt, what ``count_tokens`` answers);
+``cache_creation_input_tokens`` is always 0. A stream's ``message_start`` cannot know the cache yet: it
+counts the whole prompt as input, and ``message_delta`` carries the final split.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import orjson
+
+from shepherd.node.anthropic.requests import tool_use_id
+from shepherd.proto.anthropic_errors import anthropic_kind
+
+__all__ = [
+    "MessageEvents",
+    "message_object",
+    "messages_usage",
+    "signature",
+    "sse",
+    "stop_reason",
+    "tool_input",
+]
+
+_dumps = orjson.dumps
+
+
+def sse(kind: str, payload: dict[str, Any]) -> bytes:
+    payload["type"] = kind
+    return b"event: %s\ndata: %s\n\n" % (kind.encode(), _dumps(payload))
+
+
+def signature(thinking: str) -> str:
+    """A thinking block's ``signature``: opaque, non-empty, not cryptographic (see the module)."""
+    digest = hashlib.blake2b(thinking.encode(), digest_size=24).digest()
+    return "smg1." + base64.urlsafe_b64encode(digest).decode().rstrip("=")
+
+
+def stop_reason(
+    reason: str | None, matched: str | int | None, stops: Sequence[str]
+) -> tuple[str, str | None]:
+    """(``stop_reason``, ``stop_sequence``) of a choice's finish reason (``final_reason``'s: a choice that
+    called tools is ``tool_calls``) and matched stop."""
+    if reason == "tool_calls":
+        return "tool_use", None
+    if reason == "length":
+        return "max_tokens", None
+    if isinstance(matched, str) and matched in stops:
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def messages_usage(prompt: int, completion: int, cached: int) -> dict[str, int]:
+    cached = min(cached, prompt)
+    return {
+        "input_tokens": prompt - cached,
+        "output_tokens": completion,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments (JSON text) as the ``input`` object (not an object: ``{}``)."""
+    try:
+        v = orjson.loads(arguments) if arguments.strip() else {}
+    except orjson.JSONDecodeError:
+        return {}
+    return v if isinstance(v, dict) else {}
+
+
+def message_object(
+    message_id: str,
+    model: str,
+    message: Mapping[str, Any],
+    reason: tuple[str, str | None],
+    usage: dict[str, int],
+) -> dict[str, Any]:
+    """The Message of a whole (non-streamed) answer; ``message``: the chat message of the choice."""
+    content: list[dict[str, Any]] = []
+    thinking = message.get("reasoning_content")
+    if thinking:
+        content.append({"type": "thinking", "thinking": thinking, "signature": signature(thinking)})
+    text = message.get("content")
+    calls = message.get("tool_calls") or ()
+    if text and (not calls or text.strip()):
+        content.append({"type": "text", "text": text})
+    for c in calls:
+        fn = c.get("function") or {}
+        content.append(
+            {
+                "type": "tool_use",
+                "id": tool_use_id(str(c.get("id", ""))),
+                "name": fn.get("name", ""),
+                "input": tool_input(fn.get("arguments", "")),
+            }
+        )
+    return {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason[0],
+        "stop_sequence": reason[1],
+        "usage": usage,
+    }
+
+
+class MessageEvents:
+    """The SSE events of one streamed Message (one choice: ``index`` is ignored).
+
+    Stateful: the open content block (its kind: ``text``, ``thinking``, ``tool_use``; its index; the
+    thinking text so far, for the signature) and the stop reason once the choice finished. The driver
+    calls ``role`` once, the content / reasoning / tool methods as the parsers produce, ``finish`` when
+    the choice ends, then ``end`` (or ``failed``)."""
+
+    def __init__(self, message_id: str, model: str, input_tokens: int, stops: Sequence[str] = ()) -> None:
+        self.message_id = message_id
+        self.model = model
+        self.input_tokens = input_tokens
+        self.stops = tuple(stops)
+        self._open: str | None = None
+        self._index = -1
+        self._thinking: list[str] = []
+        self.stop_reason: str | None = None
+        self.stop_sequence: str | None = None
+
+    def _close(self) -> bytes:
+        kind = self._open
+        if kind is None:
+            return b""
+        self._open = None
+        head = b""
+        if kind == "thinking":
+            sig = signature("".join(self._thinking))
+            self._thinking = []
+            head = sse(
+                "content_block_delta",
+                {"index": self._index, "delta": {"type": "signature_delta", "signature": sig}},
+            )
+        return head + sse("content_block_stop", {"index": self._index})
+
+    def _start(self, kind: str, block: dict[str, Any]) -> bytes:
+        head = self._close()
+        self._open = kind
+        self._index += 1
+        return head + sse("content_block_start", {"index": self._index, "content_block": block})
+
+    # ---- the driver's interface ----
+
+    def role(self, index: int = 0) -> bytes:
+        """``message_start`` (the Message, empty) and a ``ping``."""
+        message: dict[str, Any] = {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": messages_usage(self.input_tokens, 0, 0),
+        }
+        return sse("message_start", {"message": message}) + sse("ping", {})
+
+    def content(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+        if not text:
+            return b""
+        head = b"" if self._open == "text" else self._start("text", {"type": "text", "text": ""})
+        return head + sse(
+            "content_block_delta", {"index": self._index, "delta": {"type": "text_delta", "text": text}}
+        )
+
+    def reasoning(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+        if not text:
+            return b""
+        head = b""
+        if self._open != "thinking":
+            head = self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        self._thinking.append(text)
+        return head + sse(
+            "content_block_delta",
+            {"index": self._index, "delta": {"type": "thinking_delta", "thinking": text}},
+        )
+
+    def tool_call(
+        self, index: int, call: int, call_id: str, name: str, logprobs: dict[str, Any] | None = None
+    ) -> bytes:
+        block = {"type": "tool_use", "id": tool_use_id(call_id), "name": name, "input": {}}
+        return self._start("tool_use", block)
+
+    def tool_args(self, index: int, call: int, fragment: str) -> bytes:
+        if self._open != "tool_use" or not fragment:
+            return b""
+        return sse(
+            "content_block_delta",
+            {"index": self._index, "delta": {"type": "input_json_delta", "partial_json": fragment}},
+        )
+
+    def finish(self, index: int, reason: str, matched: str | int | None = None) -> bytes:
+        """The choice ended: the open block's closing events (the stop reason goes out with ``end``)."""
+        self.stop_reason, self.stop_sequence = stop_reason(reason, matched, self.stops)
+        return self._close()
+
+    async def end(self, prompt: int, completion: int, cached: int) -> bytes:
+        delta = {"stop_reason": self.stop_reason or "end_turn", "stop_sequence": self.stop_sequence}
+        usage = messages_usage(prompt, completion, cached)
+        return sse("message_delta", {"delta": delta, "usage": usage}) + sse("message_stop", {})
+
+    def failed(self, message: str, code: str) -> bytes:
+        """An in-band failure: ``event: error`` in the Anthropic envelope (the stream ends after it)."""
+        kind = "overloaded_error" if code in ("no_available_worker", "overloaded") else anthropic_kind(500)
+        return sse("error", {"error": {"type": kind, "message": message}})

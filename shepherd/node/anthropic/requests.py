@@ -1,0 +1,467 @@
+"""Anthropic Messages API requests -> the chat request (messages, tools, tool choice, sampling) the chat
+template and the shared output pipeline want.
+
+``parse_messages`` (``POST /v1/messages``) and ``parse_count_tokens`` (``POST /v1/messages/count_tokens``)
+check with bounded work only; the tools' ``input_schema`` go through the request's ``SchemaBudget`` and
+wait in ``chat.schemas`` for ``check_schemas`` (off the loop, after the model lookup and admission).
+
+- ``system``: a string or a list of ``text`` blocks -> one ``system`` message (blocks joined by "\\n").
+- ``messages``: ``user`` / ``assistant`` turns, content a string or blocks. ``text`` blocks -> the
+  message's text; an assistant's ``tool_use`` -> a ``tool_calls`` entry (``arguments``: its ``input`` as
+  JSON) and its ``thinking`` -> ``reasoning_content`` (``redacted_thinking`` dropped: it is opaque); a
+  user's ``tool_result`` -> a ``tool`` message (``content`` a string or text blocks, ``is_error``
+  prefixes "Error: "), in block order, and it must answer a ``tool_use`` of an earlier assistant turn
+  (400 otherwise); ``image`` / ``document`` -> 400 (text models). A last ``assistant`` turn is a prefill:
+  the answer continues it (``continue_final_message``).
+- ``tools``: ``{name, description, input_schema}`` (``type`` absent or ``custom``; server tools 400) ->
+  OpenAI function tools; ``tool_choice``: ``auto``, ``any`` (-> ``required``), ``tool`` (-> the named
+  function), ``none``; ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``.
+- ``thinking``: ``{type: enabled, budget_tokens}`` (>= 1024 and < ``max_tokens``; accepted, not enforced
+  on its own: ``max_tokens`` bounds the whole answer) turns the template's ``enable_thinking`` on and the
+  reasoning parser with it; absent or ``{type: disabled}``: both off (Anthropic's default).
+- ``max_tokens`` is required (create); ``temperature`` in [0, 1], ``top_p``, ``top_k``;
+  ``stop_sequences`` (at most ``MAX_STOP`` of at most ``MAX_STOP_CHARS`` characters);
+  ``metadata.user_id`` (a string of at most 256 characters, or null).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from shepherd.node.openai.requests import (
+    INT32_MAX,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_TOOLS,
+    MAX_TOOLS_BYTES,
+    ChatRequest,
+    parse_sampling,
+)
+from shepherd.node.openai.structured import PendingSchema, SchemaBudget
+from shepherd.node.openai.tool_choice import ToolChoiceError, parse_tool_choice
+from shepherd.proto.openai_errors import bad
+
+__all__ = [
+    "MIN_THINKING_BUDGET",
+    "MessagesRequest",
+    "parse_count_tokens",
+    "parse_messages",
+    "tool_use_id",
+]
+
+MIN_THINKING_BUDGET = 1024
+MAX_USER_ID_CHARS = 256
+_SERVER_BLOCKS = ("image", "document", "search_result", "container_upload")
+
+
+@dataclass(slots=True)
+class MessagesRequest:
+    """A validated Messages request: the chat request it is (``chat.schemas``: the tools' input schemas
+    still to meta-validate) and what only the Messages API has."""
+
+    chat: ChatRequest
+    thinking: bool
+    thinking_budget: int | None
+    stop_sequences: tuple[str, ...]
+    user_id: str | None
+    stream: bool
+
+
+def tool_use_id(call_id: str) -> str:
+    """A tool call's id as Anthropic shapes it (``toolu_...``): the parsers' ``call_...`` ids renamed,
+    the same in a streamed and a whole answer; an id already ``toolu_`` kept."""
+    if call_id.startswith("toolu_"):
+        return call_id
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _model(d: dict[str, Any]) -> str:
+    m = d.get("model")
+    if not isinstance(m, str) or not m:
+        raise bad("model: Field required (a non-empty string).", param="model")
+    return m
+
+
+def _text_blocks(value: Any, where: str) -> str:
+    """A string, or a list of ``text`` blocks (joined by "\\n")."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise bad(f"{where}: expected a string or a list of text blocks.", param=where)
+    texts: list[str] = []
+    for i, b in enumerate(value):
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind in _SERVER_BLOCKS:
+            raise _unsupported_block(kind, f"{where}.{i}")
+        if kind != "text" or not isinstance(b.get("text"), str):
+            raise bad(f"{where}.{i}: expected a text block {{'type': 'text', 'text': ...}}.", param=where)
+        texts.append(b["text"])
+    return "\n".join(texts)
+
+
+def _unsupported_block(kind: Any, where: str) -> Exception:
+    return bad(
+        f"{where}: '{kind}' content blocks are not supported: this model reads text only.",
+        param=where,
+        code="unsupported_content",
+    )
+
+
+def _user_blocks(
+    content: list[Any], where: str, calls: set[str], out: list[dict[str, Any]], answered: set[str]
+) -> None:
+    """A user turn's blocks -> ``user`` and ``tool`` messages, in order."""
+    texts: list[str] = []
+
+    def flush() -> None:
+        if texts:
+            out.append({"role": "user", "content": "\n".join(texts)})
+            texts.clear()
+
+    for j, b in enumerate(content):
+        w = f"{where}.content.{j}"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if not isinstance(b, dict):
+            raise bad(f"{w}: a content block must be an object with a 'type'.", param=w)
+        if kind == "text":
+            if not isinstance(b.get("text"), str):
+                raise bad(f"{w}.text: Field required (a string).", param=w)
+            texts.append(b["text"])
+        elif kind == "tool_result":
+            tid = b.get("tool_use_id")
+            if not isinstance(tid, str) or not tid:
+                raise bad(f"{w}.tool_use_id: Field required (a string).", param=w)
+            if tid not in calls:
+                raise bad(
+                    f"{w}: unexpected `tool_use_id` found in `tool_result` blocks: {tid[:100]}. Each "
+                    "`tool_result` block must have a corresponding `tool_use` block in an earlier message.",
+                    param=w,
+                )
+            if tid in answered:
+                raise bad(f"{w}: the tool_use {tid[:100]} is answered twice.", param=w)
+            answered.add(tid)
+            c = b.get("content")
+            text = "" if c is None else _text_blocks(c, f"{w}.content")
+            is_error = b.get("is_error")
+            if is_error not in (None, True, False):
+                raise bad(f"{w}.is_error: expected a boolean.", param=w)
+            flush()
+            out.append(
+                {"role": "tool", "tool_call_id": tid, "content": f"Error: {text}" if is_error else text}
+            )
+        elif kind in _SERVER_BLOCKS:
+            raise _unsupported_block(kind, w)
+        elif kind == "tool_use":
+            raise bad(f"{w}: 'tool_use' blocks belong to assistant messages.", param=w)
+        else:
+            raise bad(
+                f"{w}: content block type {str(kind)[:50]!r} is not supported in a user message.", param=w
+            )
+    flush()
+
+
+def _assistant_blocks(content: list[Any], where: str, calls: set[str]) -> dict[str, Any]:
+    texts: list[str] = []
+    thinking: list[str] = []
+    tool_calls: list[dict[str, Any]] = []
+    for j, b in enumerate(content):
+        w = f"{where}.content.{j}"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if not isinstance(b, dict):
+            raise bad(f"{w}: a content block must be an object with a 'type'.", param=w)
+        if kind == "text":
+            if not isinstance(b.get("text"), str):
+                raise bad(f"{w}.text: Field required (a string).", param=w)
+            texts.append(b["text"])
+        elif kind == "thinking":
+            if not isinstance(b.get("thinking"), str):
+                raise bad(f"{w}.thinking: Field required (a string).", param=w)
+            thinking.append(b["thinking"])
+        elif kind == "redacted_thinking":
+            continue
+        elif kind == "tool_use":
+            tid, name, args = b.get("id"), b.get("name"), b.get("input")
+            if not isinstance(tid, str) or not tid:
+                raise bad(f"{w}.id: Field required (a string).", param=w)
+            if not isinstance(name, str) or not name:
+                raise bad(f"{w}.name: Field required (a string).", param=w)
+            if not isinstance(args, dict):
+                raise bad(f"{w}.input: expected an object.", param=w)
+            if tid in calls:
+                raise bad(f"{w}: the tool_use id {tid[:100]} is used twice.", param=w)
+            calls.add(tid)
+            tool_calls.append(
+                {
+                    "id": tid,
+                    "type": "function",
+                    "function": {"name": name, "arguments": orjson.dumps(args).decode()},
+                }
+            )
+        elif kind in _SERVER_BLOCKS:
+            raise _unsupported_block(kind, w)
+        else:
+            raise bad(
+                f"{w}: content block type {str(kind)[:50]!r} is not supported in an assistant message.",
+                param=w,
+            )
+    msg: dict[str, Any] = {
+        "role": "assistant",
+        "content": "".join(texts) if texts or not tool_calls else None,
+    }
+    if thinking:
+        msg["reasoning_content"] = "\n".join(thinking)
+    if tool_calls:
+        msg["tool_calls"] = tool_calls
+    return msg
+
+
+def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+    """The chat messages (``system`` first) and whether the last turn is an assistant's prefill."""
+    out: list[dict[str, Any]] = []
+    system = d.get("system")
+    if system is not None:
+        text = _text_blocks(system, "system")
+        if text:
+            out.append({"role": "system", "content": text})
+    msgs = d.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages: Field required (a non-empty list).", param="messages")
+    calls: set[str] = set()
+    answered: set[str] = set()
+    prefill = False
+    for i, m in enumerate(msgs):
+        w = f"messages.{i}"
+        if not isinstance(m, dict):
+            raise bad(f"{w}: expected an object.", param=w)
+        role = m.get("role")
+        if role not in ("user", "assistant"):
+            raise bad(f"{w}.role: expected 'user' or 'assistant'.", param=f"{w}.role")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+        elif isinstance(content, list):
+            if role == "user":
+                _user_blocks(content, w, calls, out, answered)
+            else:
+                out.append(_assistant_blocks(content, w, calls))
+        else:
+            raise bad(f"{w}.content: expected a string or a list of content blocks.", param=f"{w}.content")
+        prefill = role == "assistant"
+    if prefill and out[-1].get("tool_calls"):
+        raise bad("The final assistant message may not end with a tool_use block.", param="messages")
+    return out, prefill
+
+
+def _tools(
+    d: dict[str, Any], budget: SchemaBudget, pending: list[PendingSchema]
+) -> list[dict[str, Any]] | None:
+    tools = d.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad("tools: expected a list.", param="tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad(f"tools: at most {MAX_TOOLS} tools.", param="tools")
+    try:
+        size = len(orjson.dumps(tools))
+    except (TypeError, orjson.JSONEncodeError):
+        raise bad("tools: cannot be serialised as JSON.", param="tools") from None
+    if size > MAX_TOOLS_BYTES:
+        raise bad(f"tools: at most {MAX_TOOLS_BYTES // 1024} KiB of JSON.", param="tools")
+    out: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for i, t in enumerate(tools):
+        w = f"tools.{i}"
+        if not isinstance(t, dict):
+            raise bad(f"{w}: expected an object.", param=w)
+        kind = t.get("type")
+        if kind not in (None, "custom"):
+            raise bad(
+                f"{w}.type: {str(kind)[:50]!r}: server tools are not supported, only custom tools.",
+                param=f"{w}.type",
+                code="unsupported_tool",
+            )
+        name = t.get("name")
+        if not isinstance(name, str) or not name or len(name) > 128:
+            raise bad(f"{w}.name: Field required (a string of 1 to 128 characters).", param=f"{w}.name")
+        if name in names:
+            raise bad(f"{w}.name: tool names must be unique ({name!r} is repeated).", param=f"{w}.name")
+        names.add(name)
+        desc = t.get("description")
+        if desc is not None and not isinstance(desc, str):
+            raise bad(f"{w}.description: expected a string.", param=f"{w}.description")
+        schema = t.get("input_schema")
+        if not isinstance(schema, dict):
+            raise bad(f"{w}.input_schema: Field required (a JSON schema object).", param=f"{w}.input_schema")
+        pending.append(budget.take(schema, f"{w}.input_schema"))
+        fn: dict[str, Any] = {"name": name, "parameters": schema}
+        if desc:
+            fn["description"] = desc
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def _tool_choice(d: dict[str, Any], tools: list[dict[str, Any]] | None) -> tuple[Any, bool]:
+    """(the OpenAI ``tool_choice`` value, parallel tool calls allowed)."""
+    tc = d.get("tool_choice")
+    if tc is None:
+        return None, True
+    if not isinstance(tc, dict):
+        raise bad("tool_choice: expected an object with a 'type'.", param="tool_choice")
+    par = tc.get("disable_parallel_tool_use")
+    if par not in (None, True, False):
+        raise bad("tool_choice.disable_parallel_tool_use: expected a boolean.", param="tool_choice")
+    parallel = not par
+    kind = tc.get("type")
+    if kind == "auto":
+        return ("auto" if tools else None), parallel
+    if kind == "none":
+        return "none", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "tool":
+        name = tc.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad("tool_choice.name: Field required for type 'tool'.", param="tool_choice")
+        return {"type": "function", "function": {"name": name}}, parallel
+    raise bad("tool_choice.type: expected 'auto', 'any', 'tool' or 'none'.", param="tool_choice")
+
+
+def _thinking(d: dict[str, Any], max_tokens: int | None) -> tuple[bool, int | None]:
+    t = d.get("thinking")
+    if t is None:
+        return False, None
+    if not isinstance(t, dict):
+        raise bad("thinking: expected an object with a 'type'.", param="thinking")
+    kind = t.get("type")
+    if kind == "disabled":
+        return False, None
+    if kind != "enabled":
+        raise bad("thinking.type: expected 'enabled' or 'disabled'.", param="thinking.type")
+    budget = t.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int):
+        raise bad("thinking.budget_tokens: Field required (an integer).", param="thinking.budget_tokens")
+    if budget < MIN_THINKING_BUDGET:
+        raise bad(
+            f"thinking.budget_tokens: must be >= {MIN_THINKING_BUDGET}.", param="thinking.budget_tokens"
+        )
+    if max_tokens is not None and budget >= max_tokens:
+        raise bad(
+            "`max_tokens` must be greater than `thinking.budget_tokens`.", param="thinking.budget_tokens"
+        )
+    return True, budget
+
+
+def _stop_sequences(d: dict[str, Any]) -> tuple[str, ...]:
+    v = d.get("stop_sequences")
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad("stop_sequences: expected a list of strings.", param="stop_sequences")
+    if len(v) > MAX_STOP:
+        raise bad(f"stop_sequences: at most {MAX_STOP} sequences.", param="stop_sequences")
+    if any(len(s) > MAX_STOP_CHARS for s in v):
+        raise bad(f"stop_sequences: each at most {MAX_STOP_CHARS} characters.", param="stop_sequences")
+    if any(not s.strip() for s in v):
+        raise bad("stop_sequences: each must contain non-whitespace.", param="stop_sequences")
+    return tuple(v)
+
+
+def _user_id(d: dict[str, Any]) -> str | None:
+    meta = d.get("metadata")
+    if meta is None:
+        return None
+    if not isinstance(meta, dict):
+        raise bad("metadata: expected an object.", param="metadata")
+    uid = meta.get("user_id")
+    if uid is None:
+        return None
+    if not isinstance(uid, str) or len(uid) > MAX_USER_ID_CHARS:
+        raise bad(
+            f"metadata.user_id: expected a string of at most {MAX_USER_ID_CHARS} characters.",
+            param="metadata.user_id",
+        )
+    return uid
+
+
+def _num(d: dict[str, Any], key: str, lo: float, hi: float) -> None:
+    v = d.get(key)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+        raise bad(f"{key}: expected a number in [{lo}, {hi}].", param=key)
+
+
+def parse_messages(d: dict[str, Any]) -> MessagesRequest:
+    """A create request (``max_tokens`` required), bounded checks only (see the module's docstring)."""
+    return _parse(d, count=False)
+
+
+def parse_count_tokens(d: dict[str, Any]) -> MessagesRequest:
+    """A ``count_tokens`` request: the prompt's fields (no ``max_tokens``, no sampling)."""
+    return _parse(d, count=True)
+
+
+def _parse(d: dict[str, Any], *, count: bool) -> MessagesRequest:
+    model = _model(d)
+    messages, prefill = _messages(d)
+    max_tokens: int | None = None
+    stops: tuple[str, ...] = ()
+    stream = False
+    s: dict[str, Any] = {}
+    if not count:
+        mt = d.get("max_tokens")
+        if mt is None:
+            raise bad("max_tokens: Field required", param="max_tokens")
+        if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= INT32_MAX:
+            raise bad(f"max_tokens: expected an integer in [1, {INT32_MAX}].", param="max_tokens")
+        max_tokens = mt
+        stops = _stop_sequences(d)
+        _num(d, "temperature", 0.0, 1.0)
+        _num(d, "top_p", 0.0, 1.0)
+        top_k = d.get("top_k")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+            raise bad("top_k: expected an integer >= 0.", param="top_k")
+        stream_v = d.get("stream")
+        if stream_v not in (None, True, False):
+            raise bad("stream: expected a boolean.", param="stream")
+        stream = bool(stream_v)
+        s = {"max_tokens": max_tokens, "stream": stream}
+        for key in ("temperature", "top_p", "top_k"):
+            if d.get(key) is not None:
+                s[key] = d[key]
+        if s.get("top_p") == 0:
+            s["top_p"] = 1e-9  # Anthropic accepts 0 (greedy); the engines' top_p is (0, 1]
+        if stops:
+            s["stop"] = list(stops)
+    sampling = parse_sampling(s, max_tokens_keys=("max_tokens",))
+    thinking, budget = _thinking(d, max_tokens)
+    budget_s = SchemaBudget()
+    pending: list[PendingSchema] = []
+    tools = _tools(d, budget_s, pending)
+    choice_value, parallel = _tool_choice(d, tools)
+    try:
+        choice = parse_tool_choice(choice_value, tools)
+    except ToolChoiceError as e:
+        raise bad(f"tool_choice: {e}", param="tool_choice") from None
+    chat = ChatRequest(
+        model=model,
+        messages=messages,
+        sampling=sampling,
+        logprobs=False,
+        top_logprobs=0,
+        tools=tools,
+        tool_choice=choice,
+        template_kwargs={"enable_thinking": thinking},
+        add_generation_prompt=not prefill,
+        continue_final_message=prefill,
+        response_format=None,
+        raw=d,
+        parallel_tool_calls=parallel,
+        separate_reasoning=thinking,
+        schemas=tuple(pending),
+    )
+    return MessagesRequest(chat, thinking, budget, stops, _user_id(d), stream)

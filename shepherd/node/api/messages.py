@@ -1,0 +1,142 @@
+"""The Anthropic Messages API: ``POST /v1/messages`` (stream and not) and ``POST
+/v1/messages/count_tokens``, for the official ``anthropic`` SDK unchanged.
+
+A create runs the chat path's order: parse with bounded checks only (``node.anthropic.requests``), resolve
+the model (404), render and encode with the same tokenizer service call as chat (so a Messages prompt
+hits the same render and token caches), ``shape_chat`` (parsers, tool constraints), then under
+admission the meta-validation of the tools' input schemas off the event loop, then the generation. The
+answer is the chat pipeline's: ``Generation`` with the chat parser stage, writing the Messages encoder's
+events (``node.anthropic.messages.MessageEvents``) when streamed, or ``collect`` then ``message_object``.
+
+``count_tokens`` renders and encodes exactly as a create would and answers ``{"input_tokens": N}``.
+
+Errors on these routes are answered in Anthropic's envelope by the error middleware (keyed on the path
+prefix ``/v1/messages``); a failure once a stream has started is an ``event: error``. Models served by
+OpenAI HTTP workers are refused (400): their answers cannot be re-encoded here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from shepherd.node.anthropic.messages import MessageEvents, message_object, messages_usage, stop_reason
+from shepherd.node.anthropic.requests import MessagesRequest, parse_count_tokens, parse_messages
+from shepherd.node.api.common import ADMISSION, GATEWAY
+from shepherd.node.api.generation import Generation, Job, fresh_id, strict_violation
+from shepherd.node.dispatch.gateway import Gateway
+from shepherd.node.http.body import read_json
+from shepherd.node.openai.structured import check_schemas, header_value
+from shepherd.node.openai.tool_choice import template_tools
+from shepherd.node.output.chat import shape_chat
+from shepherd.node.output.choice import ChoiceState
+from shepherd.proto.openai_errors import bad
+from shepherd.tokens.chat_messages import ChatTemplateError
+
+__all__ = ["count_tokens", "create_message", "routes"]
+
+
+async def _prompt(gw: Gateway, model: str, req: MessagesRequest) -> tuple[str, list[int]]:
+    chat = req.chat
+    try:
+        return await gw.tokenizers.render_and_encode(
+            model,
+            chat.messages,
+            template_tools(chat.tools, chat.tool_choice),
+            chat.add_generation_prompt,
+            chat.continue_final_message,
+            chat.template_kwargs,
+        )
+    except ChatTemplateError as e:
+        raise bad(
+            f"Cannot render the chat template: {e}", param="messages", code="chat_template_error"
+        ) from None
+
+
+def _model(gw: Gateway, name: str) -> str:
+    model = gw.resolve_model(name)
+    if gw.relay_mode(model):
+        raise bad(
+            f"The Messages API is not available for '{model}', served by OpenAI HTTP workers.",
+            param="model",
+            code="unsupported_model",
+        )
+    return model
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    gw: Gateway = request.app[GATEWAY]
+    t0 = time.perf_counter()
+    _, d = await read_json(request, gw.cfg.max_body_bytes)
+    req = parse_messages(d)
+    model = _model(gw, req.chat.model)
+    tok = gw.tokenizer(model)
+    text, ids = await _prompt(gw, model, req)
+    shaping = shape_chat(gw.parser_families(model), req.chat, text)
+    message_id = fresh_id("msg_")
+    events = MessageEvents(message_id, model, len(ids), req.stop_sequences) if req.stream else None
+    g = Generation(
+        request,
+        gw,
+        model,
+        tok,
+        shaping.sampling,
+        chat=True,
+        rid=message_id,
+        t0=t0,
+        logprobs=None,
+        shaping=shaping,
+        events=events,
+    )
+    jobs = [Job(ids, text, [ChoiceState(0, tok, shaping.sampling, ids)], 0)]
+    schemas = req.chat.schemas
+
+    async def run() -> web.StreamResponse:
+        if schemas:  # under admission, after the model lookup: off the loop, with a deadline
+            await check_schemas(schemas)
+        gw.metrics.overhead.observe(time.perf_counter() - t0)
+        if events is not None:
+            return await g.stream(jobs)
+        return await _respond(g, jobs, message_id, req)
+
+    adm = request.app[ADMISSION]
+    if adm is None:
+        return await run()
+    return await adm.guard(request, model, len(ids), shaping.sampling, run, jobs)
+
+
+async def _respond(g: Generation, jobs: list[Job], message_id: str, req: MessagesRequest) -> web.Response:
+    choices, violations = await g.collect(jobs)
+    strict = [v for v in violations if v.strict]
+    if strict:
+        raise strict_violation(strict)
+    choice: dict[str, Any] = choices[0]
+    reason = stop_reason(choice["finish_reason"], choice.get("matched_stop"), req.stop_sequences)
+    t = g.totals
+    body = message_object(
+        message_id, g.model, choice["message"], reason, messages_usage(t.prompt, t.completion, t.cached)
+    )
+    g.done()
+    headers = g.headers()
+    if violations:
+        headers["x-smg-schema-violation"] = header_value(violations)
+    return web.Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+
+async def count_tokens(request: web.Request) -> web.StreamResponse:
+    gw: Gateway = request.app[GATEWAY]
+    _, d = await read_json(request, gw.cfg.max_body_bytes)
+    req = parse_count_tokens(d)
+    model = _model(gw, req.chat.model)
+    if req.chat.schemas:
+        await check_schemas(req.chat.schemas)
+    _, ids = await _prompt(gw, model, req)
+    request["model"] = model
+    return web.Response(body=orjson.dumps({"input_tokens": len(ids)}), content_type="application/json")
+
+
+def routes() -> list[web.RouteDef]:
+    return [web.post("/v1/messages", create_message), web.post("/v1/messages/count_tokens", count_tokens)]

@@ -1,0 +1,91 @@
+"""The Anthropic error envelope: what the Messages API routes (``/v1/messages*``) answer instead of the
+OpenAI one.
+
+``{"type": "error", "error": {"type": <kind>, "message": <text>}}`` with Anthropic's statuses and kinds:
+400 ``invalid_request_error``, 401 ``authentication_error``, 403 ``permission_error``, 404
+``not_found_error``, 413 ``request_too_large``, 429 ``rate_limit_error``, 529 ``overloaded_error`` (the
+node's 503s: no worker, a tokenizer pool failure, draining), other 5xx ``api_error`` (status kept).
+Every refusal is still raised or built as an ``ApiError``; ``anthropic_error_response`` answers it in
+this envelope and ``convert_body`` rewrites an OpenAI envelope already made (an answer a middleware or
+the admission built), so the conversion is one rule keyed on the route's path prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from shepherd.proto.openai_errors import ApiError
+
+__all__ = [
+    "MESSAGES_PREFIX",
+    "anthropic_body",
+    "anthropic_error_response",
+    "anthropic_kind",
+    "anthropic_status",
+    "convert_body",
+    "is_messages_path",
+]
+
+MESSAGES_PREFIX = "/v1/messages"
+
+_KINDS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def is_messages_path(path: str) -> bool:
+    """Whether a request path is one of the Messages API's (``/v1/messages``, ``/v1/messages/...``)."""
+    return path == MESSAGES_PREFIX or path.startswith(MESSAGES_PREFIX + "/")
+
+
+def anthropic_status(status: int) -> int:
+    """The status Anthropic answers for the node's ``status`` (503, unavailable: 529, overloaded)."""
+    return 529 if status == 503 else status
+
+
+def anthropic_kind(status: int) -> str:
+    """The error ``type`` of an (Anthropic) status."""
+    kind = _KINDS.get(status)
+    if kind is not None:
+        return kind
+    return "api_error" if status >= 500 else "invalid_request_error"
+
+
+def anthropic_body(status: int, message: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": anthropic_kind(anthropic_status(status)), "message": message}}
+
+
+def anthropic_error_response(err: ApiError) -> web.Response:
+    """``err`` in the Anthropic envelope, with its headers (Retry-After, WWW-Authenticate)."""
+    return web.Response(
+        status=anthropic_status(err.status),
+        body=orjson.dumps(anthropic_body(err.status, err.message)),
+        content_type="application/json",
+        headers=err.headers or None,
+    )
+
+
+def convert_body(status: int, body: bytes) -> tuple[int, bytes] | None:
+    """An OpenAI error envelope (``{"error": {"message", ...}}``) as the Anthropic one: (status, body);
+    None when ``body`` is not an OpenAI envelope (already converted, or not an error)."""
+    try:
+        d = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(d, dict) or d.get("type") == "error":
+        return None
+    err = d.get("error")
+    if not isinstance(err, dict) or not isinstance(err.get("message"), str):
+        return None
+    return anthropic_status(status), orjson.dumps(anthropic_body(status, err["message"]))
