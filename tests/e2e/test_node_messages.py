@@ -54,7 +54,7 @@ def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
         ],
     }
     limits = [{"tenant": "limited", "rpm": 1}]
-    with qwen3_node(engine, tokenizer_dir, auth=auth, rate_limits=limits) as n:
+    with qwen3_node(engine, tokenizer_dir, auth=auth, rate_limits=limits, sse_keepalive_secs=0.2) as n:
         yield n
         log = n.log()
         assert "Traceback" not in log, log[-4000:]
@@ -324,3 +324,19 @@ def test_rate_limited(node: NodeProc, engine: MockEngineProc, http: httpx.Client
         body["type"] == "error" and body["error"]["type"] == "rate_limit_error" and body["error"]["message"]
     )
     assert int(e.value.response.headers["retry-after"]) >= 1
+
+
+def test_an_idle_stream_gets_ping_events(node: NodeProc, engine: MockEngineProc, http: httpx.Client) -> None:
+    """While the engine is silent the keep-alive ticker writes Anthropic's ping events, not SSE comments."""
+    faults = f"http://127.0.0.1:{engine.http_port}/mock/faults"
+    http.post(faults, json={"stall_after_tokens": 1, "stall_seconds": 1.5}).raise_for_status()
+    try:
+        body = {"model": MODEL, "max_tokens": 8, "stream": True, "messages": _user("wait for it")}
+        headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+        with http.stream("POST", node.url + "/v1/messages", json=body, headers=headers) as r:
+            assert r.status_code == 200, r.read()
+            text = r.read().decode()
+    finally:
+        http.post(faults, json={"stall_after_tokens": None, "stall_seconds": 0.0}).raise_for_status()
+    assert text.count("event: ping\n") >= 2, text  # the one after message_start, then the ticker's
+    assert ": keep-alive" not in text and "event: message_stop" in text

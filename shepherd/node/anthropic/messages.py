@@ -139,6 +139,9 @@ class MessageEvents:
     calls ``role`` once, the content / reasoning / tool methods as the parsers produce, ``finish`` when
     the choice ends, then ``end`` (or ``failed``)."""
 
+    # what the SSE keep-alive ticker writes on an idle stream: Anthropic's ping event, not a comment
+    keepalive = sse("ping", {})
+
     def __init__(self, message_id: str, model: str, input_tokens: int, stops: Sequence[str] = ()) -> None:
         self.message_id = message_id
         self.model = model

@@ -302,10 +302,11 @@ async def error_middleware(
 
 
 class _Entry:
-    __slots__ = ("last", "resp")
+    __slots__ = ("last", "payload", "resp")
 
-    def __init__(self, resp: web.StreamResponse) -> None:
+    def __init__(self, resp: web.StreamResponse, payload: bytes) -> None:
         self.resp = resp
+        self.payload = payload
         self.last = time.monotonic()
 
     def touch(self) -> None:
@@ -313,16 +314,17 @@ class _Entry:
 
 
 class KeepAlive:
-    """One ticker for all open SSE streams: a comment line on each stream idle for ``interval`` seconds,
-    so proxies and clients don't time out during long prefills or queueing."""
+    """One ticker for all open SSE streams: a comment line (or the stream's own ``payload``: Anthropic's
+    ``ping`` event) on each stream idle for ``interval`` seconds, so proxies and clients don't time out
+    during long prefills or queueing."""
 
     def __init__(self, interval: float) -> None:
         self.interval = interval
         self._streams: dict[int, _Entry] = {}  # id(resp): every register has its unregister in a finally
         self._task: asyncio.Task[None] | None = None
 
-    def register(self, resp: web.StreamResponse) -> _Entry:
-        e = _Entry(resp)
+    def register(self, resp: web.StreamResponse, payload: bytes = KEEPALIVE) -> _Entry:
+        e = _Entry(resp, payload)
         self._streams[id(resp)] = e
         return e
 
@@ -342,7 +344,7 @@ class KeepAlive:
                 if now - e.last >= self.interval:
                     e.touch()
                     with contextlib.suppress(Exception):
-                        await e.resp.write(KEEPALIVE)
+                        await e.resp.write(e.payload)
 
     async def close(self) -> None:
         if self._task is not None:

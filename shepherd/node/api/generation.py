@@ -19,7 +19,7 @@ from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.stream import EngineStream
 from shepherd.node.http.types import lean_request, stream_response
 from shepherd.node.openai.requests import Sampling
-from shepherd.node.openai.sse import DONE, ChatChunks, CompletionChunks, error_event, usage
+from shepherd.node.openai.sse import DONE, KEEPALIVE, ChatChunks, CompletionChunks, error_event, usage
 from shepherd.node.openai.structured import Constraint, Violation, header_value
 from shepherd.node.output.chat import (
     ChatShaping,
@@ -472,7 +472,7 @@ class Generation:
         try:
             await resp.prepare(self.request)
             keepalive = self.request.app[KEEPALIVE_TICKER]
-            ka = keepalive.register(resp)
+            ka = keepalive.register(resp, getattr(self._events, "keepalive", KEEPALIVE))
 
             pending: list[bytes] = []
 

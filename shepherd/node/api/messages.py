@@ -58,6 +58,7 @@ async def _prompt(gw: Gateway, model: str, req: MessagesRequest) -> tuple[str, l
 
 def _model(gw: Gateway, name: str) -> str:
     model = gw.resolve_model(name)
+    gw.require_kind(model, "generate")
     if gw.relay_mode(model):
         raise bad(
             f"The Messages API is not available for '{model}', served by OpenAI HTTP workers.",

@@ -487,6 +487,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     raw, d = await read_json(request, gw.cfg.max_body_bytes)
     req = parse_responses(d)
     model = gw.resolve_model(req.model)
+    gw.require_kind(model, "generate")
     if gw.relay_mode(model):
         raise bad(
             f"The Responses API is not available for '{model}', served by OpenAI HTTP workers.",
