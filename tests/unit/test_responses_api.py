@@ -243,6 +243,7 @@ async def test_store_unavailable_before_generation_is_503() -> None:
         in_flight=0,
         cfg=SimpleNamespace(max_body_bytes=1 << 20, history_chain_max_depth=10),
         resolve_model=lambda m: m,
+        require_kind=lambda model, kind: None,
         relay_mode=lambda m: False,
         tokenizer=tokenizer,
         tokenizers=SimpleNamespace(render_and_encode=render_and_encode),
