@@ -7,11 +7,10 @@ health observation or rate-limit shard of another node is dropped; the owner's o
 
 from __future__ import annotations
 
-import asyncio
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
 import pytest
@@ -28,35 +27,12 @@ from shepherd.mesh.state_health import Observation, observation_to_wire
 from shepherd.mesh.state_registry import LIVE, OWNER_GONE, REMOVED, RegEntry, WorkerRecord, entry_to_wire
 from shepherd.mesh.state_types import MeshStateConfig
 from shepherd.mesh.state_wire import envelope
-from shepherd.mesh.swim_types import SwimConfig
 from shepherd.policies.prefix_replica_native import Replica, make_replica
 from shepherd.proto import mesh_wire
 from shepherd.proto.mesh_messages import Addr, MemberState, User
+from tests.unit.mesh_fixtures import FAST, KEY, eventually
 
 pytestmark = pytest.mark.timeout(90)
-
-KEY = bytes(range(32))
-FAST = SwimConfig(
-    probe_interval=0.2,
-    probe_timeout=0.1,
-    nack_timeout=0.08,
-    suspicion_mult=3,
-    suspicion_max_timeout_mult=3,
-    gossip_interval=0.05,
-    push_pull_interval=1.0,
-    reconnect_interval=0.5,
-    join_retry_interval=0.1,
-    join_retry_max_interval=0.5,
-    gossip_to_the_dead_time=60.0,
-)
-
-
-async def eventually(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout} s")
 
 
 def state(name: str) -> MeshState[Replica]:

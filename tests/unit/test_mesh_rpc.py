@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
 import pytest
@@ -19,37 +19,12 @@ from shepherd.auth.certs import TlsFiles, client_context, server_context, write_
 from shepherd.mesh.keyring import Keyring
 from shepherd.mesh.runtime import MeshRuntime, RpcError
 from shepherd.mesh.runtime_config import MeshRuntimeConfig
-from shepherd.mesh.swim_types import SwimConfig
 from shepherd.mesh.transport import PushPullError, push_pull_request
 from shepherd.proto import mesh_wire
 from shepherd.proto.mesh_messages import Addr, MemberState, RpcRequest
+from tests.unit.mesh_fixtures import FAST, KEY, OTHER_KEY, eventually
 
 pytestmark = pytest.mark.timeout(90)
-
-KEY = bytes(range(32))
-OTHER_KEY = bytes(range(1, 33))
-
-FAST = SwimConfig(
-    probe_interval=0.2,
-    probe_timeout=0.1,
-    nack_timeout=0.08,
-    suspicion_mult=3,
-    suspicion_max_timeout_mult=3,
-    gossip_interval=0.05,
-    push_pull_interval=1.0,
-    reconnect_interval=0.5,
-    join_retry_interval=0.1,
-    join_retry_max_interval=0.5,
-    gossip_to_the_dead_time=60.0,
-)
-
-
-async def eventually(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout} s")
 
 
 @pytest.fixture(scope="module")

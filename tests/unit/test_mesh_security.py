@@ -29,33 +29,11 @@ from shepherd.mesh.swim_types import NullDelegate, SwimConfig
 from shepherd.proto import mesh_wire
 from shepherd.proto.mesh_messages import Addr, Alive, Dead, MemberState, NodeAddr, Packet, Suspect
 from shepherd.proto.mesh_wire import MAX_INCARNATION
+from tests.unit.mesh_fixtures import FAST, KEY, eventually
 
 pytestmark = pytest.mark.timeout(120)
 
-KEY = bytes(range(32))
 ALIVE, SUSPECT, DEAD, LEFT = MemberState.ALIVE, MemberState.SUSPECT, MemberState.DEAD, MemberState.LEFT
-
-FAST = SwimConfig(
-    probe_interval=0.2,
-    probe_timeout=0.1,
-    nack_timeout=0.08,
-    suspicion_mult=3,
-    suspicion_max_timeout_mult=3,
-    gossip_interval=0.05,
-    push_pull_interval=1.0,
-    reconnect_interval=0.5,
-    join_retry_interval=0.1,
-    join_retry_max_interval=0.5,
-    gossip_to_the_dead_time=60.0,
-)
-
-
-async def eventually(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{what} not reached within {timeout} s")
 
 
 @pytest.fixture(scope="module")
