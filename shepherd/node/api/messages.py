@@ -27,33 +27,19 @@ from shepherd.node.anthropic.messages import MessageEvents, message_object, mess
 from shepherd.node.anthropic.requests import MessagesRequest, parse_count_tokens, parse_messages
 from shepherd.node.api.common import ADMISSION, GATEWAY
 from shepherd.node.api.generation import Generation, Job, fresh_id, strict_violation
+from shepherd.node.api.openai import render_chat
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import read_json
 from shepherd.node.openai.structured import check_schemas, header_value
-from shepherd.node.openai.tool_choice import template_tools
 from shepherd.node.output.chat import shape_chat
 from shepherd.node.output.choice import ChoiceState
 from shepherd.proto.openai_errors import bad
-from shepherd.tokens.chat_messages import ChatTemplateError
 
 __all__ = ["count_tokens", "create_message", "routes"]
 
 
 async def _prompt(gw: Gateway, model: str, req: MessagesRequest) -> tuple[str, list[int]]:
-    chat = req.chat
-    try:
-        return await gw.tokenizers.render_and_encode(
-            model,
-            chat.messages,
-            template_tools(chat.tools, chat.tool_choice),
-            chat.add_generation_prompt,
-            chat.continue_final_message,
-            chat.template_kwargs,
-        )
-    except ChatTemplateError as e:
-        raise bad(
-            f"Cannot render the chat template: {e}", param="messages", code="chat_template_error"
-        ) from None
+    return await render_chat(gw, model, req.chat)
 
 
 def _model(gw: Gateway, name: str) -> str:

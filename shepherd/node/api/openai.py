@@ -56,6 +56,25 @@ def _check_ids(s: Sampling, vocab: int) -> None:
             raise bad(msg, param=key)
 
 
+async def render_chat(
+    gw: Gateway, model: str, req: ChatRequest, param: str = "messages"
+) -> tuple[str, list[int]]:
+    """The chat template rendered over ``req`` and encoded, through the tokenizer service and its caches
+    (chat completions, Responses and Messages alike); a template that cannot render is a 400 naming
+    ``param``, the request field the messages came from."""
+    try:
+        return await gw.tokenizers.render_and_encode(
+            model,
+            req.messages,
+            template_tools(req.tools, req.tool_choice),
+            req.add_generation_prompt,
+            req.continue_final_message,
+            req.template_kwargs,
+        )
+    except ChatTemplateError as e:
+        raise bad(f"Cannot render the chat template: {e}", param=param, code="chat_template_error") from None
+
+
 # ---- handlers ----------------------------------------------------------------------------------------
 
 
@@ -96,19 +115,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return await _relayed(request, gw, model, raw, d, "/v1/chat/completions", req.sampling, req)
     tok = gw.tokenizer(model)
     _check_ids(req.sampling, tok.vocab_size)
-    try:
-        text, ids = await gw.tokenizers.render_and_encode(
-            model,
-            req.messages,
-            template_tools(req.tools, req.tool_choice),
-            req.add_generation_prompt,
-            req.continue_final_message,
-            req.template_kwargs,
-        )
-    except ChatTemplateError as e:
-        raise bad(
-            f"Cannot render the chat template: {e}", param="messages", code="chat_template_error"
-        ) from None
+    text, ids = await render_chat(gw, model, req)
     shaping = shape_chat(gw.parser_families(model), req, text)
     n = req.sampling.n
     sampling = shaping.sampling

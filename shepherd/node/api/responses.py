@@ -50,6 +50,7 @@ from shepherd.node.api.common import (
     owner_of,
 )
 from shepherd.node.api.generation import Generation, Job, strict_violation
+from shepherd.node.api.openai import render_chat
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import read_json
 from shepherd.node.openai.items import ITEM_PREFIXES, items_to_messages, parse_items
@@ -62,7 +63,6 @@ from shepherd.node.openai.responses import (
     response_not_found,
 )
 from shepherd.node.openai.structured import PendingSchema, check_schemas
-from shepherd.node.openai.tool_choice import template_tools
 from shepherd.node.output.chat import ChatShaping, shape_chat
 from shepherd.node.output.choice import ChoiceState
 from shepherd.node.output.responses import (
@@ -85,7 +85,6 @@ from shepherd.storage.types import (
     StoredItem,
     StoredResponse,
 )
-from shepherd.tokens.chat_messages import ChatTemplateError
 from shepherd.tokens.tokenizer import Tokenizer
 
 __all__ = ["BACKGROUND", "BackgroundRegistry", "install", "routes"]
@@ -551,19 +550,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         raw=d,
         parallel_tool_calls=req.parallel_tool_calls,
     )
-    try:
-        text, ids = await gw.tokenizers.render_and_encode(
-            model,
-            messages,
-            template_tools(req.tools, req.tool_choice),
-            True,
-            False,
-            req.template_kwargs,
-        )
-    except ChatTemplateError as e:
-        raise bad(
-            f"Cannot render the chat template: {e}", param="input", code="chat_template_error"
-        ) from None
+    text, ids = await render_chat(gw, model, chat, param="input")
     shaping = shape_chat(gw.parser_families(model), chat, text)
     base = _base(req, model, response_id, now)
     states = [ChoiceState(0, tok, shaping.sampling, ids)]
