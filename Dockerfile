@@ -36,12 +36,14 @@ ENV VIRTUAL_ENV=/opt/venv \
     PYTHONUNBUFFERED=1
 
 WORKDIR /app
-# the dependencies (and the build backend) alone: rebuilt only when pyproject.toml changes
+# the dependencies (and the build backend, and the k8s extra: lightkube for Kubernetes discovery) alone:
+# rebuilt only when pyproject.toml changes
 COPY pyproject.toml ./
 RUN set -eux; \
     python3 -m venv /opt/venv; \
     python3 -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb')); \
-print('\n'.join(d['build-system']['requires'] + d['project']['dependencies']))" >/tmp/requirements.txt; \
+print('\n'.join(d['build-system']['requires'] + d['project']['dependencies'] \
++ d['project']['optional-dependencies']['k8s']))" >/tmp/requirements.txt; \
     pip install --no-cache-dir -r /tmp/requirements.txt; \
     rm /tmp/requirements.txt
 COPY README.md setup.py ./

@@ -184,6 +184,40 @@ class _Replies:
         return out
 
 
+def _tracing_on(ratio: str) -> Any:
+    """Tracing on as ``--otlp-traces-endpoint`` turns it on, at sampling ratio ``ratio``
+    (``traceidratio``), with the OTLP gRPC exporter's encoding (``otlp_wire``: the request's bytes as the
+    node's exporter sends them) but no socket: the spans are made, queued, batched and encoded by the
+    exporter thread. Returns the provider's ``force_flush``."""
+    import random
+
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    from shepherd.node.observe import otlp_wire, tracing
+
+    random.seed(0)  # the SDK's trace ids (and so the ratio sampler's choices): the same every run
+    os.environ["OTEL_TRACES_SAMPLER"] = "traceidratio"
+    os.environ["OTEL_TRACES_SAMPLER_ARG"] = ratio
+
+    class SinkExporter:
+        def __init__(self) -> None:
+            self.grpc = otlp_wire.lean_grpc_exporter(endpoint="http://127.0.0.1:9")
+            self.bytes = 0
+
+        def export(self, spans: Any) -> SpanExportResult:
+            self.bytes += len(self.grpc._translate_data(spans))  # the request's bytes, as gRPC sends them
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self) -> None: ...
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return True
+
+    tracing._exporter = lambda s: SinkExporter()
+    tracing.setup(tracing.TraceSettings("http://127.0.0.1:9", "grpc"), "bench")
+    return lambda: tracing._provider.force_flush()
+
+
 async def _main(args: argparse.Namespace) -> None:
     from shepherd.loadgen.http1 import RequestTemplate
     from shepherd.loadgen.prompts import ChatRequestSource, ChatShape, PromptConfig, PromptFactory
@@ -199,6 +233,7 @@ async def _main(args: argparse.Namespace) -> None:
     stream = args.workload == "stream"
     scenarios: list[str] = args.scenarios.split(",") if stream else ["chat"]
     loop = asyncio.get_running_loop()
+    flush = _tracing_on(args.trace_ratio) if args.trace_ratio is not None else None
     gw = Gateway(build_config({}, {"policy": "round_robin", "tokenizer_workers": 0}))
     await gw.tokenizers.start()
     model = gw.model_names()[0]
@@ -227,7 +262,9 @@ async def _main(args: argparse.Namespace) -> None:
     srv = LeanServer(app, max_body=gw.cfg.max_body_bytes)
     gc_tuning.settle(gw.cfg.gc_gen0_threshold)  # as the node does once started
 
-    factory = PromptFactory(PromptConfig(prompt_tokens=250), lambda s: len(tok.hf.encode(s).ids))
+    factory = PromptFactory(
+        PromptConfig(prompt_tokens=args.prompt_tokens), lambda s: len(tok.hf.encode(s).ids)
+    )
     template = RequestTemplate("127.0.0.1", 8000, "/v1/chat/completions")
     source = ChatRequestSource(
         factory, template, ChatShape(model=model, max_tokens=args.tokens, stream=stream)
@@ -295,6 +332,8 @@ async def _main(args: argparse.Namespace) -> None:
         best = float("inf")
         results = []
         writes0 = sum(t.writes for _, t in conns)
+        if flush is not None:  # the warm-up's spans exported before the measured rounds
+            flush()
         if args.callgrind:  # count instructions of the measured rounds only (run under valgrind callgrind)
             _callgrind("-i", "on")
         for _ in range(args.rounds):
@@ -307,6 +346,8 @@ async def _main(args: argparse.Namespace) -> None:
                 prof.disable()
             results.append(us)
             best = min(best, us)
+        if flush is not None:  # the measured rounds' spans encoded (by the exporter thread) in the count
+            flush()
         if args.callgrind:
             _callgrind("-i", "off")
             _callgrind("-d", name)
@@ -342,10 +383,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=250, help="rendered prompt size (default 250)")
     p.add_argument("--profile", action="store_true", help="cProfile of the chat or burst rounds")
     p.add_argument("--profile-rows", type=int, default=None, help="default: 60 (chat), 45 (stream)")
     p.add_argument("--dump", default="", help="with --profile: write the pstats file here")
     p.add_argument("--show", action="store_true", help="print one response")
+    p.add_argument(
+        "--trace-ratio",
+        default=None,
+        help="tracing on at this sampling ratio (traceidratio), spans encoded as the OTLP gRPC exporter "
+        "does, no socket (default: tracing off)",
+    )
     p.add_argument("--response-to", default="", help="write the checked answer's bytes to this file")
     p.add_argument("--pause", type=float, default=0.0, help="seconds to sleep after each warm-up")
     p.add_argument(

@@ -188,7 +188,9 @@ class Fleet:
             *spec.node_args,
             *mesh_args(spec, place),
         ]
-        proc = HostProcess(host.name, host.ns, argv, self.run_dir / f"{host.name}.log")
+        proc = HostProcess(
+            host.name, host.ns, argv, self.run_dir / f"{host.name}.log", env=dict(spec.node_env)
+        )
         proxy = None
         if i in spec.delay_proxy_nodes:
             proxy = HostProcess(

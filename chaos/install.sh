@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what the chaos suite needs (Debian/Ubuntu, as root). Idempotent; quick when already installed.
 #   iproute2 (ip netns, veth, bridge), iptables (partitions, loss), haproxy (the load balancer),
-#   libfaketime (clock skew), procps (ps/pgrep for debugging leftovers).
+#   libfaketime (clock skew), procps (ps/pgrep for debugging leftovers), dnsmasq-base (the DNS server of
+#   the DNS-seed test, tests/chaos/test_dns_seeds.py: the binary only, no system service).
 set -euo pipefail
 
 if [ "$(id -u)" != "0" ]; then
@@ -21,6 +22,7 @@ have_bin ip || need+=(iproute2)
 have_bin iptables || need+=(iptables)
 have_bin haproxy || need+=(haproxy)
 have_faketime || need+=(libfaketime)
+have_bin dnsmasq || need+=(dnsmasq-base)
 
 if [ "${#need[@]}" -eq 0 ]; then
     echo "chaos/install.sh: everything is installed"

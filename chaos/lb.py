@@ -69,6 +69,9 @@ def render_haproxy(cfg: LbConfig) -> str:
         "    mode http",
         "    log global",
         "    option dontlognull",
+        # forward each SSE chunk at once: without it HAProxy merges small packets and streamed TTFT
+        # through the balancer measured 150 ms p50 against 50 ms direct (issue 21)
+        "    option http-no-delay",
         f"    timeout connect {cfg.connect_timeout_ms}ms",
         f"    timeout client {cfg.client_timeout_ms}ms",
         f"    timeout server {cfg.server_timeout_ms}ms",

@@ -2,10 +2,11 @@
 
 Requests are launched at a fixed rate (open loop: a stalled server does not slow the arrivals down), at most
 ``max_in_flight`` at once (a launch that finds the cap reached is counted as skipped, not queued). Each
-request is retried once (``retries``) on any failure: a non-200 status, a timeout, a reset, an incomplete
-stream. Every request's start, end, attempts and errors are recorded for the report. With ``targets`` the
-requests go round-robin straight to those base URLs (a retry to the next one) instead of the load balancer,
-and each record says which one answered and with what status (the rate-limit scenario counts 200s per node).
+request is retried once (``retries``) on any failure: a non-200 status, a timeout, a reset, a stream that
+did not end with ``[DONE]`` or that carried an error event (``stream_outcome``).
+Every request's start, end, attempts and errors are recorded for the report. With ``targets`` the requests
+go round-robin straight to those base URLs (a retry to the next one) instead of the load balancer, and each
+record says which one answered and with what status (the rate-limit scenario counts 200s per node).
 
 ``ConversationLoad`` is the multi-turn client: conversations whose every turn carries the whole history, sent
 turn by turn round-robin over the nodes, each turn recording the prompt and cached token counts the engine
@@ -44,6 +45,40 @@ def client_error(e: BaseException) -> str:
     if isinstance(e, aiohttp.ClientConnectionError):
         return f"connect_error:{type(e).__name__}"
     return f"client_error:{type(e).__name__}"
+
+
+def stream_outcome(body: bytes) -> str | None:
+    """None when an SSE body completed cleanly: at least one chunk with ``choices``, no error event (the
+    node ends an engine failure mid-stream with ``data: {"error": ...}`` then ``data: [DONE]``: a loss),
+    and ``data: [DONE]`` as its last event; else why not (``stream_error``, ``stream_incomplete``,
+    ``stream_bad_event``, ``stream_empty``)."""
+    events: list[bytes] = []
+    for block in body.replace(b"\r\n", b"\n").split(b"\n\n"):
+        lines = [ln for ln in block.split(b"\n") if ln and not ln.startswith(b":")]
+        if not lines:
+            continue
+        if any(ln.strip() == b"event: error" for ln in lines):
+            return "stream_error"
+        data = b"\n".join(ln[5:].lstrip() for ln in lines if ln.startswith(b"data:"))
+        if data:
+            events.append(data)
+    if not events or events[-1] != b"[DONE]":
+        return "stream_incomplete"
+    if b"[DONE]" in events[:-1]:
+        return "stream_bad_event"
+    chunks = 0
+    for data in events[:-1]:
+        try:
+            d = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return "stream_bad_event"
+        if not isinstance(d, dict):
+            return "stream_bad_event"
+        if "error" in d:
+            return "stream_error"
+        if isinstance(d.get("choices"), list):
+            chunks += 1
+    return None if chunks else "stream_empty"
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +201,7 @@ class LoadGenerator(_BackgroundLoad):
                 if r.status != 200:
                     return f"http_{r.status}", r.status
                 if stream:
-                    return (None if b"data: [DONE]" in data else "stream_incomplete"), r.status
+                    return stream_outcome(data), r.status
                 d = orjson.loads(data)
                 choices = d.get("choices") if isinstance(d, dict) else None
                 if not choices or not isinstance(choices[0].get("message", {}).get("content"), str):

@@ -4,6 +4,8 @@
     python -m chaos.run all --report chaos-report.md      # every scenario (~9 min on 2 cores)
     python -m chaos.run short                             # node crash, rolling restart, partition primitives
     python -m chaos.run node_crash engine_slow            # by name
+    python -m chaos.run --inject DISABLE_MESH mesh_partition_2_1   # with a test-only fault in every node
+    python -m chaos.run --prove-can-fail [NAME...]        # each mesh scenario with the fault it catches
 
 Needs root, network namespaces and the packages of chaos/install.sh (``--install`` runs it first). Exit
 status: 0 when every check held, 1 when one failed, 3 when the suite cannot run here (the reason is printed).
@@ -35,6 +37,8 @@ from chaos.netns import unavailable_reason
 from chaos.procs import faketime_lib
 from chaos.report import ScenarioResult, render_markdown
 from chaos.scenarios.base import Scenario
+from chaos.scenarios.mesh import CATCHES
+from shepherd.mesh import faults as node_faults
 
 EXIT_UNAVAILABLE = 3
 INSTALL_SCRIPT = Path(__file__).resolve().parent / "install.sh"
@@ -113,7 +117,12 @@ def run_one(fleet: Fleet, s: Scenario) -> ScenarioResult:
 
 
 def run_scenarios(
-    selected: Sequence[Scenario], run_dir: Path, run_id: str, model_dir: str | None = "", policy: str = ""
+    selected: Sequence[Scenario],
+    run_dir: Path,
+    run_id: str,
+    model_dir: str | None = "",
+    policy: str = "",
+    inject: str = "",
 ) -> list[ScenarioResult]:
     results: list[ScenarioResult] = []
     for group_index, (spec, members) in enumerate(groups(selected)):
@@ -123,6 +132,8 @@ def run_scenarios(
             )
         if policy:
             spec = replace(spec, policy=policy)
+        if inject:  # a test-only fault switch in every node (shepherd.mesh.faults)
+            spec = replace(spec, node_env=(*spec.node_env, (node_faults.env_name(inject), "1")))
         runnable = [s for s in members if not s.todo]
         results.extend(ScenarioResult(s.name, s.title, "skipped", reason=s.todo) for s in members if s.todo)
         if not runnable:
@@ -156,6 +167,40 @@ def run_scenarios(
     return sorted(results, key=lambda r: order.get(r.name, 0))
 
 
+def prove_can_fail(args: argparse.Namespace) -> int:
+    """Each scenario with the fault it catches (``CATCHES``) injected into every node: 0 when every one
+    failed (the suite sees each break), 1 when one passed anyway."""
+    names = [n for n in args.scenarios if n != "all"] or list(CATCHES)
+    unknown = [n for n in names if n not in CATCHES]
+    if unknown:
+        raise SystemExit(f"no fault is listed for: {', '.join(unknown)} (chaos.scenarios.mesh.CATCHES)")
+    reason = preflight()
+    if reason:
+        print(f"chaos: cannot run here: {reason}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    signal.signal(signal.SIGTERM, _on_term)
+    run_id = args.run_id or secrets.token_hex(2)[:3]
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix=f"smgc-{run_id}-"))
+    rows = []
+    for i, name in enumerate(names):
+        fault = CATCHES[name]
+        print(f"chaos: {name} with {node_faults.env_name(fault)}=1: it must fail", flush=True)
+        res = run_scenarios([scenarios.REGISTRY[name]], run_dir / f"inject-{i}", run_id, inject=fault)
+        failed = [c.name for r in res for c in r.checks if not c.ok]
+        why = "; ".join(failed) or "; ".join(f"{r.status}: {r.reason}" for r in res if not r.ok)
+        caught = any(not r.ok for r in res)
+        rows.append((name, fault, caught, why))
+        print(f"chaos: {name} + {fault}: {'caught' if caught else 'NOT CAUGHT'} ({why})", flush=True)
+    lines = ["| scenario | fault injected | caught | failed checks |", "|---|---|---|---|"]
+    lines += [f"| {n} | {f} | {'yes' if c else 'NO'} | {w} |" for n, f, c, w in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.report:
+        args.report.write_text("# Chaos suite: injected faults\n\n" + text)
+    print(f"chaos: logs in {run_dir}")
+    return 0 if all(c for _, _, c, _ in rows) else 1
+
+
 def _on_term(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds through every fleet's close()
 
@@ -174,7 +219,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--policy", default="", help="the nodes' routing policy (default: least_load)")
     p.add_argument("--keep-logs", action="store_true", help="keep the run dir even when everything passed")
+    p.add_argument(
+        "--inject",
+        default="",
+        choices=node_faults.KNOWN,
+        metavar="FAULT",
+        help=f"TEST-ONLY: start every node with this fault switched on ({', '.join(node_faults.KNOWN)})",
+    )
+    p.add_argument(
+        "--prove-can-fail",
+        action="store_true",
+        help="run each named scenario (default: every one in chaos.scenarios.mesh.CATCHES) with the fault it "
+        "catches injected; exit 0 only when every one of them failed",
+    )
     args = p.parse_args(argv)
+    if args.prove_can_fail:
+        return prove_can_fail(args)
 
     if args.scenarios == ["list"]:
         for s in scenarios.ordered():
@@ -197,11 +257,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     results = run_scenarios(
-        selected, run_dir, run_id, model_dir=None if args.qwen3 else "", policy=args.policy
+        selected,
+        run_dir,
+        run_id,
+        model_dir=None if args.qwen3 else "",
+        policy=args.policy,
+        inject=args.inject,
     )
     wall = time.monotonic() - t0
     header = {
-        "command": "python -m chaos.run " + " ".join(args.scenarios),
+        "command": "python -m chaos.run "
+        + (f"--inject {args.inject} " if args.inject else "")
+        + " ".join(args.scenarios),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}",
         "fleet": "3 nodes (smg-node, least_load) + 2 mock engines, HAProxy in front, one netns each",

@@ -40,6 +40,9 @@ class FleetSpec:
         "0",
         "--health-check-interval-secs",
         "1",
+        # the mock engines are SGLang-kind workers: the node raises this to 2.5 s for them (SMG's SGLang
+        # HealthCheck sleeps 1 s). No scenario relies on it: a crashed engine refuses connections at once
+        # (engine_crash), a slowed one answers (engine_slow); no scenario hangs an engine.
         "--health-check-timeout-secs",
         "1",
         "--health-failure-threshold",
@@ -59,6 +62,9 @@ class FleetSpec:
     lb_server_timeout_ms: int = 5000
     start_timeout_s: float = 90.0
     mesh: bool = False  # start the nodes as one SWIM mesh (``mesh_args``)
+    # extra environment of every node process: the test-only fault switches (shepherd.mesh.faults) that
+    # ``python -m chaos.run --inject FAULT`` sets, to prove a scenario sees the break
+    node_env: tuple[tuple[str, str], ...] = ()
     mesh_port: int = 39527
 
     @property

@@ -12,7 +12,8 @@
 #    base shepherd-base:bookworm is used (and built once) when python:3.11-slim-bookworm cannot be pulled;
 # 4. brings docker-compose.yml up (project shepherd-ct, LB and stats on free loopback ports), then
 #    docker/compose_check.py: waits for the LB and a whole mesh, sends the traffic through the LB, stops
-#    one node, checks every request succeeded (one retry each) and the LB and the mesh noticed;
+#    one node, checks every request succeeded (one retry each) and the LB and the mesh noticed, and first
+#    that streamed TTFT through the LB is within a few ms of a direct node (HAProxy's http-no-delay);
 # 5. tears it all down (compose down -v), prints the figures and the wall time.
 #
 # Environment (all optional):
@@ -205,6 +206,10 @@ for n in node-1 node-2 node-3; do   # their admin listeners (/mesh/members), wit
     [ -n "$addr" ] || die "no published port for $n"
     node_args+=(--node "$n=http://$addr")
 done
+# a node's own client port (not the victim's): the LB's TTFT is compared with it
+direct_node=node-1; [ "$VICTIM" = node-1 ] && direct_node=node-3
+direct_addr="$("${COMPOSE[@]}" -p "$PROJECT" port "$direct_node" 30000 | tail -1)"
+[ -n "$direct_addr" ] || die "no published client port for $direct_node"
 victim_id="$("${COMPOSE[@]}" -p "$PROJECT" ps -q "$VICTIM")"
 [ -n "$victim_id" ] || die "no container for $VICTIM"
 case "$STOP_MODE" in
@@ -219,7 +224,7 @@ say "traffic: ${CT_REQUESTS:-300} requests over ${CT_DURATION:-20} s through the
 "$PY" docker/compose_check.py \
     --lb "http://127.0.0.1:$SHEPHERD_LB_PORT" \
     --stats "http://127.0.0.1:$SHEPHERD_STATS_PORT/stats;csv" \
-    "${node_args[@]}" --victim "$VICTIM" --stop-cmd "$stop_cmd" \
+    "${node_args[@]}" --victim "$VICTIM" --stop-cmd "$stop_cmd" --direct "http://$direct_addr" \
     --requests "${CT_REQUESTS:-300}" --duration "${CT_DURATION:-20}" --stop-at "${CT_STOP_AT:-8}" \
     --ready-timeout 120 --notice-timeout 40 "${check_args[@]}" | tee "$WORK/check.log"
 check_rc=${PIPESTATUS[0]}

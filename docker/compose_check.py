@@ -11,6 +11,11 @@ Standard library only (runs with any host ``python3`` >= 3.9). Phases, each boun
 3. notice: HAProxy's status of the stopped node and the other nodes' ``/mesh/members`` are polled until
    the stopped node is out of the pool (DOWN) and seen dead or left by every other node.
 
+Before the traffic, with ``--direct`` (a node's own client port): the load balancer adds no latency.
+``--ttft-requests`` streamed requests, one at a time, alternate between the load balancer and the node
+directly; the median time to the first content chunk through the LB must be within ``--ttft-margin-ms``
+of the direct one (HAProxy without ``option http-no-delay`` merges small packets: measured +100 ms).
+
 Prints a report and one ``RESULT {json}`` line; exit status 0 only if every request succeeded (with its
 one retry), the load balancer took the node out and every other node saw it dead or left.
 """
@@ -121,6 +126,48 @@ def chat_once(lb: str, model: str, i: int, stream: bool, timeout: float) -> str 
         return f"http {e.code}"
     except (urllib.error.URLError, OSError, ValueError) as e:
         return f"{type(e).__name__}: {str(e)[:80]}"
+
+
+def ttft_once(base: str, model: str, i: int, timeout: float) -> float:
+    """Seconds from sending a streamed request to its first content chunk (raises on failure)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"TTFT probe {i}: count to ten."}],
+        "max_tokens": 16,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        base + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+        method="POST",
+    )
+    t0 = time.monotonic()
+    first: float | None = None
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[5:])
+            if "error" in ev:
+                raise RuntimeError(f"stream error: {str(ev['error'])[:80]}")
+            delta = (ev.get("choices") or [{}])[0].get("delta") or {}
+            if first is None and (delta.get("content") or delta.get("reasoning_content")):
+                first = time.monotonic() - t0
+    if first is None:
+        raise RuntimeError("no content chunk")
+    return first
+
+
+def ttft_check(lb: str, direct: str, model: str, n: int, timeout: float) -> tuple[float, float]:
+    """Median TTFT (ms) through the LB and directly, ``n`` requests each, alternating, one at a time."""
+    via_lb: list[float] = []
+    via_node: list[float] = []
+    for i in range(n):
+        via_lb.append(ttft_once(lb, model, 2 * i, timeout))
+        via_node.append(ttft_once(direct, model, 2 * i + 1, timeout))
+    return sorted(via_lb)[n // 2] * 1000, sorted(via_node)[n // 2] * 1000
 
 
 def chat(lb: str, model: str, i: int, stream: bool, timeout: float) -> Outcome:
@@ -256,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-timeout", type=float, default=120.0)
     ap.add_argument("--notice-timeout", type=float, default=40.0, help="after the stop, for LB and mesh")
     ap.add_argument("--no-mesh", dest="mesh", action="store_false", help="the nodes run without the mesh")
+    ap.add_argument("--direct", help="one node's client URL: check that the LB adds no latency to TTFT")
+    ap.add_argument("--ttft-requests", type=int, default=30)
+    ap.add_argument("--ttft-margin-ms", type=float, default=25.0, help="LB median TTFT minus direct, at most")
     args = ap.parse_args(argv)
     global ADMIN_KEY
     ADMIN_KEY = args.admin_key
@@ -266,6 +316,16 @@ def main(argv: list[str] | None = None) -> int:
     model, lb_ready, mesh_ready = wait_ready(args, nodes)
     mesh_txt = f", mesh whole (3 alive on every node) after {mesh_ready:.1f} s" if args.mesh else " (no mesh)"
     print(f"compose_check: LB ready after {lb_ready:.1f} s{mesh_txt}; model {model}", flush=True)
+    ttft_ok = True
+    ttft_txt = "not checked (no --direct)"
+    if args.direct:
+        lb_ms, node_ms = ttft_check(args.lb, args.direct, model, args.ttft_requests, args.request_timeout)
+        ttft_ok = lb_ms - node_ms <= args.ttft_margin_ms
+        ttft_txt = (
+            f"median {lb_ms:.1f} ms through the LB, {node_ms:.1f} ms direct "
+            f"(+{lb_ms - node_ms:.1f} ms, at most {args.ttft_margin_ms:g})"
+        )
+        print(f"compose_check: streamed TTFT {ttft_txt}: {'ok' if ttft_ok else 'FAIL'}", flush=True)
     before = haproxy_status(args.stats, args.backend)
 
     notice = Notice()
@@ -370,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         "the stop command succeeded": notice.stop_rc == 0,
         "the LB took the stopped node out": notice.lb_down is not None,
     }
+    if args.direct:
+        checks[f"streamed TTFT through the LB within {args.ttft_margin_ms:g} ms of a direct node"] = ttft_ok
+        result["ttft"] = ttft_txt
     if args.mesh:
         checks["every other node saw it dead or left"] = all(n in notice.mesh_seen for n in observers)
         checks["the other nodes still see each other alive"] = survivors_ok

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from chaos.scenarios import engine_faults, mesh, network_faults, node_faults, primitives
+from chaos.scenarios import engine_faults, mesh, network_faults, node_faults, primitives, wire_upgrade
 from chaos.scenarios.base import REGISTRY, Scenario
 
-__all__ = ["REGISTRY", "Scenario", "engine_faults", "mesh", "network_faults", "node_faults", "primitives"]
+__all__ = [
+    "REGISTRY",
+    "Scenario",
+    "engine_faults",
+    "mesh",
+    "network_faults",
+    "node_faults",
+    "primitives",
+    "wire_upgrade",
+]
 
 ORDER = (
     "partition_primitives",

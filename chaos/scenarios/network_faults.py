@@ -113,6 +113,15 @@ def slow_link(fleet: Fleet, result: ScenarioResult) -> None:
         fair_share=round(1 / len(fleet.active_nodes()), 3),
     )
     result.check("no request fails", t.failed == 0, f"failed {t.failed}: {t.errors}")
+    # fair share 1/3; measured 0.056 (chaos report of 2026-11-29): at most half the fair share (a 3x margin
+    # over the figure); a balancer blind to latency (roundrobin: 1/3) fails it
+    fair = 1 / len(fleet.active_nodes())
+    share = to_victim / max(1, to_victim + to_others)
+    result.check(
+        "the node behind the slow link receives less traffic (at most half its fair share)",
+        to_victim + to_others > 0 and share <= fair / 2,
+        f"share {share:.3f} of {to_victim + to_others} requests (fair {fair:.3f})",
+    )
 
 
 def measured_skew_s(fleet: Fleet, n: Member, offset_s: float) -> float:

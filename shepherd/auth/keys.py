@@ -218,6 +218,14 @@ class MemoryKeyStore:
     def subscribe(self, callback: ChangeCallback) -> None:
         self._subscribers.append(callback)
 
+    def forget(self, key_id: str) -> ApiKeyRecord | None:
+        """Drop a record as if it had never been stored (no callback): a bootstrap key the configuration
+        no longer lists (``shepherd.node.api.reload``). Never for replicated keys: revoke those."""
+        r = self._by_id.pop(key_id, None)
+        if r is not None and self._by_digest.get(r.digest) is r:
+            del self._by_digest[r.digest]
+        return r
+
     def watch(self, callback: ChangeCallback) -> None:
         """Call ``callback`` with every record whose stored form changes, whoever changed it (``add``,
         ``revoke`` and ``apply`` alike, unlike ``subscribe``): a journal that keeps the store across

@@ -64,8 +64,19 @@ from shepherd.proto.openai_errors import ApiError, error_response
 log = logging.getLogger("shepherd.auth")
 
 Plane = Literal["public", "data", "control"]
-PUBLIC_ROUTES = frozenset({"/health", "/liveness", "/readiness"})
-CONTROL_PREFIXES = ("/workers", "/admin", "/mesh")
+PUBLIC_ROUTES = frozenset({"/health", "/liveness", "/readiness", "/ping"})
+# /flush_cache acts on every engine, /get_loads names the workers' URLs: the control plane's, as in SMG
+CONTROL_PREFIXES = (
+    "/workers",
+    "/admin",
+    "/mesh",
+    "/flush_cache",
+    "/reset_prefix_cache",
+    "/get_loads",
+    "/add_worker",  # SMG's older worker admin
+    "/list_workers",
+    "/remove_worker",
+)
 TENANT_HEADER = "x-smg-tenant"
 TARGET_WORKER_HEADER = "x-smg-target-worker"
 MAX_TENANT_CHARS = 128

@@ -185,11 +185,15 @@ class PromptFactory:
 
     def user_message_bytes(self, index: int) -> bytes:
         """The JSON-escaped text (no quotes) of distinct user message number ``index``."""
+        return self.text_bytes(index, self.user_tokens_target)
+
+    def text_bytes(self, index: int, target: int, *, tag: str = "ref") -> bytes:
+        """JSON-escaped text (no quotes) of about ``target`` tokens, distinct per ``index`` and ``tag``."""
         # a small LCG seeded by the index: cheap, and the same message for the same index
-        state = (index * 2654435761 + self.config.seed * 97 + 1) & _MASK64
-        parts = [f"(ref {index:07d})".encode("ascii")]
+        salt = 0 if tag == "ref" else sum(tag.encode("ascii")) * 131
+        state = (index * 2654435761 + self.config.seed * 97 + salt + 1) & _MASK64
+        parts = [f"({tag} {index:07d})".encode("ascii")]
         tokens = 6
-        target = self.user_tokens_target
         n = len(self._pieces)
         for _ in range(256):  # bounded: stop when one more sentence would not get closer
             state = (state * 6364136223846793005 + 1442695040888963407) & _MASK64
@@ -281,3 +285,99 @@ class ChatRequestSource:
         index = self._next_fresh
         self._next_fresh += 1
         return self._render(index)
+
+
+class ConversationSource:
+    """Multi-turn chats: turn ``k`` of a conversation resends its whole history and adds a user turn.
+
+    A conversation opens with one long user message (a pasted document and a question) and goes on
+    with ``turns - 1`` follow-ups, each after an assistant reply of about ``max_tokens`` tokens (what a
+    client sends back). The first message is sized so that the mean rendered prompt over the turns is
+    about ``prompt_tokens``. Requests go out ``window`` conversations at a time, turn by turn (turn
+    ``k`` of every conversation in the window, then turn ``k + 1``), so that in a closed loop with
+    fewer than ``window`` requests in flight a follow-up mostly arrives after the turn before it.
+    """
+
+    FOLLOW_UP_TOKENS = 40
+    TURN_OVERHEAD_TOKENS = 10  # <|im_start|>assistant\n...<|im_end|>\n<|im_start|>user\n...<|im_end|>\n
+
+    def __init__(
+        self,
+        factory: PromptFactory,
+        template: RequestTemplate,
+        shape: ChatShape,
+        *,
+        turns: int,
+        window: int,
+        start_index: int = 0,
+    ) -> None:
+        if turns < 1 or window < 1:
+            raise ValueError("turns and window must be at least 1")
+        self._factory = factory
+        self._template = template
+        self.turns = turns
+        self.window = window
+        self._reply_tokens = max(8, shape.max_tokens)
+        growth = self._reply_tokens + self.FOLLOW_UP_TOKENS + self.TURN_OVERHEAD_TOKENS
+        mean_extra = growth * (turns - 1) / 2.0
+        self._first_tokens = max(
+            16, round(factory.user_tokens_target - mean_extra), factory.user_tokens_target // 8
+        )
+        system = orjson.dumps(factory.system_prompt)
+        self._prefix = (
+            b'{"model":'
+            + orjson.dumps(shape.model)
+            + b',"messages":[{"role":"system","content":'
+            + system
+            + b"}"
+        )
+        tail: dict[str, object] = {"max_tokens": shape.max_tokens, "stream": shape.stream}
+        if shape.ignore_eos:
+            tail["ignore_eos"] = True
+        if shape.stream and shape.include_usage:
+            tail["stream_options"] = {"include_usage": True}
+        self._suffix = b"]," + orjson.dumps(tail)[1:]
+        self._start = start_index
+        self._sent = 0
+        self.sent = 0
+
+    def _turn_messages(self, conversation: int, turn: int) -> list[bytes]:
+        f = self._factory
+        out = [b',{"role":"user","content":"' + f.text_bytes(conversation, self._first_tokens) + b'"}']
+        for k in range(1, turn + 1):
+            reply = f.text_bytes(conversation * 64 + k, self._reply_tokens, tag="reply")
+            follow = f.text_bytes(conversation * 64 + k, self.FOLLOW_UP_TOKENS, tag="ask")
+            out.append(b',{"role":"assistant","content":"' + reply + b'"}')
+            out.append(b',{"role":"user","content":"' + follow + b'"}')
+        return out
+
+    def body_of(self, conversation: int, turn: int) -> bytes:
+        """The JSON body of ``turn`` (0-based) of ``conversation``."""
+        return self._prefix + b"".join(self._turn_messages(conversation, turn)) + self._suffix
+
+    def position(self, n: int) -> tuple[int, int]:
+        """(conversation, turn) of the ``n``-th request this source sends."""
+        block, j = divmod(n, self.window * self.turns)
+        turn, slot = divmod(j, self.window)
+        return self._start + block * self.window + slot, turn
+
+    @property
+    def next_index(self) -> int:
+        """The first conversation a later source may use without meeting this one's."""
+        block = -(-self._sent // (self.window * self.turns))
+        return self._start + block * self.window
+
+    def rendered_prompt_tokens(self, conversation: int, turn: int) -> int:
+        """Rendered ChatML tokens of one turn (for the report)."""
+        f = self._factory
+        total = f.system_tokens + CHATML_OVERHEAD_TOKENS
+        for msg in self._turn_messages(conversation, turn):
+            text = orjson.loads(msg[1:])["content"]
+            total += f.count_tokens(text) + 5
+        return total - 5
+
+    def next_request(self) -> bytes:
+        conversation, turn = self.position(self._sent)
+        self._sent += 1
+        self.sent = self._sent
+        return self._template.render(self.body_of(conversation, turn))

@@ -36,6 +36,11 @@ class RunRow:
     chunks_per_request: float = math.nan
     note: str = ""
     gateway_pss_mb: float = math.nan  # the tree's PSS: a forked worker's shared pages counted once
+    output_tokens: float = 0.0  # tokens out per OK request (the answers' usage, else as asked); 0: unknown
+
+    @property
+    def gateway_cpu_us_per_token(self) -> float:
+        return 1000.0 * self.gateway_cpu_ms / self.output_tokens if self.output_tokens else math.nan
 
     @property
     def error_count(self) -> int:
@@ -43,6 +48,7 @@ class RunRow:
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        out["gateway_cpu_us_per_token"] = self.gateway_cpu_us_per_token
         for key, value in list(out.items()):
             if isinstance(value, float) and math.isnan(value):
                 out[key] = None
@@ -60,8 +66,11 @@ def row_from_result(
     engine_cpu_s: float | None,
     note: str = "",
     gateway_pss_kb: int | None = None,
+    output_tokens: float = 0.0,
 ) -> RunRow:
     ok = result.ok
+    if ok and result.completion_tokens:
+        output_tokens = result.completion_tokens / ok
 
     def per_request(cpu_s: float | None) -> float:
         return 1000.0 * cpu_s / ok if cpu_s is not None and ok else math.nan
@@ -89,6 +98,7 @@ def row_from_result(
         chunks_per_request=result.content_events / ok if ok and result.spec.stream else math.nan,
         note=note,
         gateway_pss_mb=gateway_pss_kb / 1024.0 if gateway_pss_kb is not None else math.nan,
+        output_tokens=output_tokens,
     )
 
 
@@ -121,6 +131,7 @@ COLUMNS = (
     "ITL p50",
     "ITL p99",
     "gw CPU ms/req",
+    "gw CPU us/tok",
     "gw RSS MB",
     "gw PSS MB",
     "eng CPU ms/req",
@@ -142,6 +153,7 @@ def cells(row: RunRow) -> list[str]:
         fmt(row.itl_p50_ms, 3),
         fmt(row.itl_p99_ms, 3),
         fmt(row.gateway_cpu_ms, 3),
+        fmt(row.gateway_cpu_us_per_token, 1),
         fmt(row.gateway_rss_mb, 1),
         fmt(row.gateway_pss_mb, 1),
         fmt(row.engine_cpu_ms, 3),

@@ -77,7 +77,11 @@ def mock_engine_spec(
     cpus: str | None,
     model: str = "qwen3",
     tokenizer_dir: Path | None = None,
+    decode_ms_per_token: float = 0.0,
+    stream_interval: int = 1,
 ) -> ProcSpec:
+    """The mock engine: zero latency (tokens in one burst) unless ``decode_ms_per_token`` paces it,
+    one message per ``stream_interval`` tokens, a fixed inter-token time (no batch slowdown)."""
     argv = [
         *console_script("smg-mock-engine", "shepherd.mock_engine.cli"),
         "--grpc-port",
@@ -86,10 +90,17 @@ def mock_engine_spec(
         str(http_port),
         "--model",
         model,
-        "--zero-latency",
         "--max-running",
         "4096",  # never the mock's queue: the benchmark measures the gateway
+        "--stream-interval",
+        str(stream_interval),
     ]
+    if decode_ms_per_token > 0:
+        # the light HTTP/2 server: grpc.aio would spend the shared engine core on 10^4 messages/s
+        argv += ["--decode-ms-per-token", str(decode_ms_per_token), "--decode-slowdown", "0"]
+        argv += ["--grpc-server", "lean"]
+    else:
+        argv.append("--zero-latency")
     if tokenizer_dir is not None:
         argv += ["--tokenizer", str(tokenizer_dir)]
     return ProcSpec(

@@ -119,6 +119,14 @@ class LimiterConfig:
     slots: int = 4  # τ is tracked in this many slots (the unseen sum covers τ to τ(1 + 1/slots))
     gc_interval: float = 5.0
     lease: bool = True  # False: the naive rule (estimate + cost <= limit only), for comparison
+    relay: bool = False
+    """Re-gossip the peers' shards this node learns (``take_keyed_deltas``: one queued delta per shard,
+    a newer one replacing the older), for a mesh that relays (not ``first_hand``): epidemic spread
+    instead of the owner's piggybacking alone. Off where receivers take only first-hand shards."""
+    relay_batch: int = 4
+    """With ``relay``: peers' shards handed out per ``take_keyed_deltas`` call (one per piggybacked
+    packet), at most, so that relays leave room for the other state on the channel (worker adds,
+    health); the shards waiting are sent at their newest state when their turn comes."""
     unreachable_grace: float = 300.0
     """Seconds an unreachable member that did not leave keeps counting in N after it was last alive,
     also once SWIM has reaped it: a partitioned side admits its share for that long. A crashed node
@@ -187,6 +195,7 @@ class RateLimiter:
         self._gen_of: dict[str, int] = {node: gen}
         self._ver = 0
         self._dirty: dict[Key, None] = {}  # ordered set of keys whose own entry changed
+        self._relay: dict[tuple[Key, ShardId], None] = {}  # peers' shards learnt since the last take
         self._slot_len = self.cfg.propagation / self.cfg.slots
         self._next_gc = -math.inf
         self._gc_queue: list[Key] = []  # keys still to look at in the current collection round
@@ -494,6 +503,13 @@ class RateLimiter:
     def key_count(self) -> int:
         return len(self._keys)
 
+    def shard_version(self, key: Key, node: str) -> int:
+        """The highest version held of ``node``'s shard of ``key`` (0: none), e.g. to measure staleness."""
+        ks = self._keys.get(key)
+        if ks is None:
+            return 0
+        return max((e.ver for (nd, _), e in ks.shards.items() if nd == node), default=0)
+
     # ---- gossip (the MeshState component interface) -------------------------------------------------
 
     def take_delta(self, max_bytes: int = 900) -> list[list[Any]] | None:
@@ -519,6 +535,33 @@ class RateLimiter:
             ks.published = (e.win, e.prev[AREQ], e.cur[AREQ], e.prev[ATOK], e.cur[ATOK])
         return out or None
 
+    @property
+    def keyed_gossip(self) -> bool:
+        """``MeshState`` queues this component's deltas by ``take_keyed_deltas`` (``relay``)."""
+        return self.cfg.relay
+
+    def take_keyed_deltas(self, limit: int = 256) -> list[tuple[str, list[list[Any]]]]:
+        """With ``relay``: this node's changed shards and the peers' shards it learnt since the last
+        call, one (queue key, delta of one entry) per shard, at most ``limit``: the state layer queues
+        each under its key, so a newer state of a shard replaces the older one still queued (a shard's
+        state includes every earlier change: nothing is lost by dropping the older)."""
+        out: list[tuple[str, list[list[Any]]]] = []
+        while self._dirty and len(out) < limit:
+            d = self.take_delta(0)  # one entry
+            if d is None:
+                break
+            out.append((f"{d[0][0]}/{d[0][1]}/{self.node}", d))
+        limit = min(limit, len(out) + self.cfg.relay_batch)
+        while self._relay and len(out) < limit:
+            key, sid = next(iter(self._relay))
+            del self._relay[(key, sid)]
+            ks = self._keys.get(key)
+            e = ks.shards.get(sid) if ks is not None else None
+            if e is not None:
+                item = entry_to_wire(key[0], key[1], sid[0], sid[1], e)
+                out.append((f"{key[0]}/{key[1]}/{sid[0]}", [item]))
+        return out
+
     def apply_delta(self, delta: Any) -> None:
         """Merge entries from a peer (a delta, a snapshot or a diff alike). The whole input is validated
         first: anything malformed raises ``ValueError`` and nothing is merged."""
@@ -541,7 +584,10 @@ class RateLimiter:
             if ks is None:
                 ks = self._keys[key] = KeyState()
             old = ks.shards.get((node, gen))
-            ks.shards[(node, gen)] = e if old is None else join(old, e)
+            new = e if old is None else join(old, e)
+            if self.cfg.relay and (old is None or new.ver > old.ver):
+                self._relay[(key, (node, gen))] = None
+            ks.shards[(node, gen)] = new
             ks.others = None
 
     def apply_delta_from(self, delta: Any, source: str) -> None:

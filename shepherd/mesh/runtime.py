@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from shepherd.auth.certs import TlsFiles, certificate_identity, client_context, server_context
+from shepherd.mesh.dns_seeds import DnsSeeder
 from shepherd.mesh.keyring import OVERHEAD as SEAL_OVERHEAD
 from shepherd.mesh.keyring import Keyring
 from shepherd.mesh.replay import ReplayGuard, SeqCounter
@@ -188,6 +189,11 @@ class RuntimeMetrics:
     """Outgoing RPCs sent over a pooled (kept-alive) connection."""
     rpcs_retried: int = 0
     """Outgoing RPCs sent again over a new connection: the reused one was closed before reading it."""
+    wire_refused: dict[str, int] = field(default_factory=dict)
+    """Datagrams and TCP frames refused for their protocol version, by reason
+    (``wire_version.REFUSAL_REASONS``); also counted in ``wire_errors``."""
+    wire_skipped: int = 0
+    """Messages of a type this build does not know (a later minor's), skipped (``mesh_wire``)."""
     member_events: dict[str, int] = field(default_factory=dict)
     lag_last: float = 0.0
     lag_max: float = 0.0
@@ -267,6 +273,7 @@ class MeshRuntime:
         self.senders = SenderBinding(self._deliver_user, match_address=config.bind_udp_senders)
         self._udp_src: Addr | None = None
         self._verify_at: dict[str, float] = {}  # member -> when we last dialled it to verify it
+        self._version_logged: dict[tuple[str, str], float] = {}  # (peer, reason) -> last logged
         self._warned_addr: set[str] = set()
         self._seq = SeqCounter(wall_clock)
         self.replay = ReplayGuard(
@@ -279,6 +286,8 @@ class MeshRuntime:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
         self._lag_task: asyncio.Task[None] | None = None
+        self._dns_task: asyncio.Task[None] | None = None
+        self.dns_seeder: DnsSeeder | None = None  # with DNS seeds (``dns_seeds``)
         self._push_pulls: set[asyncio.Task[bool]] = set()
         self._rpc_handler: RpcHandler | None = None
         self._rpcs_in = 0
@@ -385,6 +394,16 @@ class MeshRuntime:
             seeds = await resolve_addrs(cfg.seeds, timeout=cfg.tcp_timeout)
             self._lag_task = self._loop.create_task(self._lag_monitor(), name=f"mesh-lag-{cfg.name}")
             self._execute(self._swim.start(self._now(), seeds))
+            if cfg.dns_seeds:
+                self.dns_seeder = DnsSeeder(
+                    cfg.dns_seeds,
+                    join=self.join,
+                    alive=self._alive_addrs,
+                    me=lambda: self._me.addr,
+                    config=cfg.dns,
+                    rng=random.Random(self._rng.random()),
+                )
+                self._dns_task = self._loop.create_task(self.dns_seeder.run(), name=f"mesh-dns-{cfg.name}")
         except BaseException:
             await self._shutdown()
             raise
@@ -444,6 +463,8 @@ class MeshRuntime:
             self.metrics.rpcs_out_failed += 1
             raise RpcError("failed", f"rpc to {name!r}: no free slot within {limit} s") from None
         except (PushPullError, mesh_wire.WireError) as e:
+            if isinstance(e, mesh_wire.WireVersionError):
+                self._wire_error(e, name, "RPC reply")
             self.metrics.rpcs_out_failed += 1
             raise RpcError("failed", f"rpc to {name!r}: {e}") from None
         if answer.status == RpcStatus.BUSY:
@@ -581,6 +602,14 @@ class MeshRuntime:
         finally:
             self._rpcs_in -= 1
 
+    def _alive_addrs(self) -> list[Addr]:
+        """The gossip addresses of the other members held alive (or suspect)."""
+        swim = self._swim
+        if swim is None:
+            return []
+        live = (MemberState.ALIVE, MemberState.SUSPECT)
+        return [m.addr for m in swim.members() if m.name != self._me.name and m.state in live]
+
     async def join(self, seeds: Sequence[Addr]) -> int:
         """Push-pull (join) with each of ``seeds`` now; the number that answered (``smg-node join``,
         an admin endpoint). Unlike the configured seeds, these are tried once."""
@@ -662,6 +691,8 @@ class MeshRuntime:
         tasks: list[asyncio.Task[Any]] = list(self._push_pulls)
         if self._lag_task is not None:
             tasks.append(self._lag_task)
+        if self._dns_task is not None:
+            tasks.append(self._dns_task)
         for t in tasks:
             t.cancel()
         if tasks:
@@ -740,9 +771,10 @@ class MeshRuntime:
             return
         try:
             packet = mesh_wire.decode_packet(data)
-        except mesh_wire.WireError:
-            self.metrics.wire_errors += 1
+        except mesh_wire.WireError as e:
+            self._wire_error(e, f"{src[0]}:{src[1]}", "datagram")
             return
+        self.metrics.wire_skipped += packet.skipped
         if not self.replay.accept(packet.sender, packet.stamp):
             self.metrics.replays_dropped += 1
             return
@@ -752,6 +784,28 @@ class MeshRuntime:
         finally:
             self._udp_src = None
         self._execute(actions)
+
+    def _wire_error(self, e: mesh_wire.WireError, peer: str, what: str) -> None:
+        """Count a malformed datagram or frame; a refused version is also counted by reason and logged
+        (once a minute per peer and reason: a peer of another major sends many)."""
+        self.metrics.wire_errors += 1
+        if not isinstance(e, mesh_wire.WireVersionError):
+            return
+        refused = self.metrics.wire_refused
+        refused[e.reason] = refused.get(e.reason, 0) + 1
+        key = (peer, e.reason)
+        now = time.monotonic()
+        if now - self._version_logged.get(key, -1e9) >= 60.0:
+            if len(self._version_logged) > 1024:
+                self._version_logged.clear()
+            self._version_logged[key] = now
+            log.warning(
+                "mesh: %s from %s refused: %s (a rolling upgrade moves one minor version at a time; "
+                "another major needs every node upgraded)",
+                what,
+                peer,
+                e,
+            )
 
     # --- user payloads: tied to the sender (``senders``) ---------------------------------------
 
@@ -867,6 +921,8 @@ class MeshRuntime:
             )
             remote = mesh_wire.decode_push_pull(reply.payload, max_bytes=self.config.max_frame)
         except (PushPullError, mesh_wire.WireError) as e:
+            if isinstance(e, mesh_wire.WireVersionError):
+                self._wire_error(e, f"{action.dest[0]}:{action.dest[1]}", "push-pull reply")
             self.metrics.push_pulls_failed += 1
             log.debug("mesh: push-pull with %s failed: %s", action.dest, e)
             return False
@@ -889,7 +945,7 @@ class MeshRuntime:
         try:
             remote = mesh_wire.decode_tcp_request(request, max_bytes=self.config.max_frame)
         except mesh_wire.WireError as e:
-            self.metrics.wire_errors += 1
+            self._wire_error(e, identity, "push-pull")
             raise SessionRefused(f"malformed push-pull state: {e}") from None
         if isinstance(remote, RpcRequest):
             keep_session_open()  # the caller may send its next RPC over this connection

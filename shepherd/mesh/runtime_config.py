@@ -12,6 +12,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from shepherd.mesh.dns_seeds import DnsSeed, DnsSeedConfig
 from shepherd.mesh.replay import DEFAULT_REPLAY_WINDOW_S
 from shepherd.mesh.swim_types import SwimConfig
 from shepherd.mesh.transport import (
@@ -45,6 +46,10 @@ class MeshRuntimeConfig:
     advertise_host: str | None = None
     advertise_port: int | None = None
     seeds: tuple[Addr, ...] = ()
+    dns_seeds: tuple[DnsSeed, ...] = ()
+    """Names whose A/AAAA records are members to join through (``dns_seeds``: re-resolved until joined,
+    and while the mesh is small)."""
+    dns: DnsSeedConfig = field(default_factory=DnsSeedConfig)
     swim: SwimConfig = field(default_factory=SwimConfig)
     tcp_timeout: float = 5.0
     max_frame: int = DEFAULT_MAX_FRAME

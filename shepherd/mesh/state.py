@@ -93,6 +93,7 @@ from shepherd.mesh.state_types import IndexReplica, MeshStateConfig, MeshStateSt
 from shepherd.mesh.state_wire import (
     ENVELOPE_OVERHEAD,
     MAX_MODELS,
+    TEST_NEXT_TAG,
     chunks,
     decode_digest,
     decode_index_digests,
@@ -101,7 +102,9 @@ from shepherd.mesh.state_wire import (
 )
 from shepherd.mesh.swim_broadcast import BroadcastQueue
 from shepherd.mesh.swim_types import MemberDead, MemberEvent, MemberLeft, MemberUp
+from shepherd.proto import wire_version
 from shepherd.proto.index_wire import Group, decode_index_body, encode_index_bodies, encode_index_digest
+from shepherd.proto.mesh_messages import USER_MSG_OVERHEAD
 from shepherd.proto.state_decode import StateDecodeError, expect_bytes, expect_list, expect_str
 
 __all__ = ["MeshState"]
@@ -332,6 +335,10 @@ class MeshState(Generic[IX_co]):
         """SWIM Delegate: payloads to piggyback (``sum(len + USER_MSG_OVERHEAD) <= budget``)."""
         self._fill_queue()
         out = self._queue.get(budget)
+        if wire_version.is_test_next():  # the next minor's extra payload type (state_wire "~")
+            extra = envelope(TEST_NEXT_TAG, wire_version.speaks()[1])
+            if sum(len(p) + USER_MSG_OVERHEAD for p in out) + len(extra) + USER_MSG_OVERHEAD <= budget:
+                out.append(extra)
         self.stats.broadcast_payloads += len(out)
         return out
 
@@ -387,6 +394,10 @@ class MeshState(Generic[IX_co]):
         if u is not None:
             self._queue_payload(envelope("c", u), None, limit)
         for name, comp in self._extras.items():
+            if getattr(comp, "keyed_gossip", False):  # one queued delta per entry, a newer one replacing it
+                for k, d in comp.take_keyed_deltas():  # type: ignore[attr-defined]
+                    self._queue_payload(envelope("x", [name, d]), f"x/{name}/{k}", limit)
+                continue
             d = comp.take_delta()
             if d is not None:
                 self._queue_payload(envelope("x", [name, d]), None, limit)
@@ -562,8 +573,10 @@ class MeshState(Generic[IX_co]):
             self._apply_full(tag, body, src)
         elif tag == "D":
             raise StateDecodeError("a digest is not applied: pass it to repair()")
-        else:
+        elif wire_version.is_strict():  # the test-only fault STRICT_WIRE: as before versioning
             raise StateDecodeError(f"unknown state payload tag {tag!r}")
+        else:  # a later minor's payload type: skipped (state_wire, wire_version)
+            self.stats.unknown_skipped += 1
 
     def _apply_index(self, model: str, groups: list[Group]) -> None:
         if model not in self._indexes and len(self._indexes) >= MAX_MODELS:

@@ -27,7 +27,9 @@ class StateComponent(Protocol):
     Keep a delta well under ``MeshStateConfig.udp_payload_bytes`` (bigger ones wait for repair; a
     component may return its pending changes in pieces, one per ``take_delta`` call). Optional:
     ``diff(remote_digest) -> delta`` (what a peer with that digest lacks; otherwise repair sends
-    the whole snapshot)."""
+    the whole snapshot); ``keyed_gossip`` true with ``take_keyed_deltas() -> [(key, delta), ...]``
+    (a relaying mesh queues each delta under its key, a newer one replacing the queued older one:
+    ``RateLimiter`` with ``LimiterConfig.relay``)."""
 
     def take_delta(self) -> Any | None: ...
 
@@ -127,3 +129,4 @@ class MeshStateStats:
     oversize: int = 0  # deltas too big for a gossip payload (left to repair)
     callback_errors: int = 0
     foreign_entries_dropped: int = 0  # first_hand: entries naming another node than their sender
+    unknown_skipped: int = 0  # payloads of a tag this build does not know (a later minor's, state_wire)

@@ -17,7 +17,15 @@ tag   body                                    meaning
 "S"   {"r", "h", "c", "i", "x"}               full snapshot (``snapshot`` / ``merge_snapshot``)
 "P"   {"n", "r", "h", "c", "x", "d"}          push-pull state: small parts in full, index digests
 "D"   {"n", "r", "h", "c", "d", "x"}          digest (``digest`` / ``repair``)
+"~"   minor                                   test-next build only (skipped by this minor)
 ====  ======================================  ===============================================
+
+Versions follow ``shepherd.proto.wire_version`` (the scheme and the upgrade rule): ``VERSION`` is
+``major << 4 | minor`` (``1`` = 0.1, what builds before versioning sent); ``peek`` accepts our major
+with a minor at most one away, and ignores fields after ``body`` (a later minor's); a tag this build
+does not know is skipped by ``MeshState.apply`` (counted in ``MeshStateStats.unknown_skipped``), never an
+error. A test-next build (``wire_version.set_test_next``) sends ``MINOR + 1``, an extra trailing
+field and the ``"~"`` tag.
 """
 
 from __future__ import annotations
@@ -27,12 +35,14 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
+from shepherd.proto import wire_version
 from shepherd.proto.index_wire import Digest, decode_index_digest
-from shepherd.proto.state_decode import StateDecodeError, expect_bytes, expect_int, expect_list, expect_str
+from shepherd.proto.state_decode import StateDecodeError, expect_bytes, expect_list, expect_str
 
 __all__ = [
     "ENVELOPE_OVERHEAD",
     "MAX_MODELS",
+    "TEST_NEXT_TAG",
     "VERSION",
     "StateDigest",
     "chunks",
@@ -42,13 +52,17 @@ __all__ = [
     "peek",
 ]
 
-VERSION = 1
+VERSION = wire_version.version_byte(wire_version.MAJOR, wire_version.MINOR)
+TEST_NEXT_TAG = "~"
 ENVELOPE_OVERHEAD = 8  # bytes the envelope adds to a body (array header, version, tag; rounded up)
 MAX_MODELS = 256  # prefix indexes created on a peer's word, at most
 
 
 def envelope(tag: str, body: Any) -> bytes:
-    out: bytes = msgpack.packb([VERSION, tag, body], use_bin_type=True)
+    fields = [wire_version.encode(), tag, body]
+    if wire_version.is_test_next():
+        fields.append(1)  # the next minor's extra trailing field
+    out: bytes = msgpack.packb(fields, use_bin_type=True)
     return out
 
 
@@ -59,9 +73,13 @@ def peek(payload: bytes) -> tuple[str, Any]:
         v = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several types (ExtraData, FormatError, StackError, ...)
         raise StateDecodeError(f"not msgpack: {e}") from None
-    f = expect_list(v, 3)
-    if expect_int(f[0], 0, 255) != VERSION:
-        raise StateDecodeError(f"unknown state payload version {f[0]}")
+    f = expect_list(v, max_len=16)
+    if len(f) < 3 or (wire_version.is_strict() and len(f) != 3):
+        raise StateDecodeError("a state payload has 3 fields at least")
+    try:
+        wire_version.check(f[0])
+    except wire_version.VersionError as e:
+        raise StateDecodeError(f"state payload: {e}") from None
     return expect_str(f[1], 8), f[2]
 
 

@@ -277,6 +277,8 @@ class MemberTable:
     def refute(self, accused: int, accuser: str | None = None, *, lhm: bool = True) -> None:
         """Outbid an accusation of incarnation ``accused`` with a new ``Alive`` of ours, sent at once
         (to the ``accuser`` and a few random members) as well as gossiped."""
+        if self.cfg.fault_no_refutation:  # test-only fault switch (shepherd.mesh.faults)
+            return
         loc = self.local
         loc.incarnation = min(max(loc.incarnation + 1, accused + 1), MAX_INCARNATION)  # saturate
         self.broadcast(self.alive_msg(), loc.name)

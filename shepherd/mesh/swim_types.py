@@ -182,6 +182,9 @@ class SwimConfig:
     """True: memberlist's ``min = mult * max(1, log10 n) * probe_interval``. False (default): the
     log10 n growth applies to ``max`` only, and a suspicion with all its k confirmations ends after
     ``mult * probe_interval`` at any n (the same for n <= 10)."""
+    fault_no_refutation: bool = False
+    """TEST-ONLY fault (``shepherd.mesh.faults``, ``SHEPHERD_FAULT_DISABLE_REFUTATION``): never refute an
+    accusation, so that the chaos suite can show it sees a node that cannot clear itself."""
     retransmit_mult: int = 4
     suspicion_verify_pings: int = 2
     """Last-chance pings (suspicion attached) to a suspect before its timer ends, one probe interval

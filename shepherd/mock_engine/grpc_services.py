@@ -2,10 +2,11 @@
 ``vllm.grpc.engine.VllmEngine`` (grpc.aio), thin translations between protobuf and ``EngineCore``, and
 ``start_grpc_server``. The messages and streams both servicers share are in ``grpc_messages``.
 
-In a streaming Generate the tokens travel in chunks and the final complete carries no output_ids;
-with ``stream=false`` only the complete(s) are sent, with all output_ids. A client that cancels the
-stream frees the request's slot (the run is closed by the handler's ``finally`` and by the RPC's
-done callback, whichever comes first).
+The wire imitates SMG's servicers (``SmgShape``): in a streaming Generate the tokens travel in chunks
+and a finished choice's complete repeats its last chunk's ids; with ``stream=false`` only the
+complete(s) are sent, with all output_ids (SGLang: every complete of n > 1 says index 0). A client
+that cancels the stream frees the request's slot (the run is closed by the handler's ``finally`` and
+by the RPC's done callback, whichever comes first).
 """
 
 from __future__ import annotations
@@ -38,12 +39,43 @@ from shepherd.mock_engine.outputs import OutputSpec
 from shepherd.mock_engine.pd_check import BootstrapClient, verify_decode
 from shepherd.mock_engine.requests import MockRequest, MockRpcError
 from shepherd.mock_engine.wire import ChunkWire
-from shepherd.proto.engine_types import EngineChunk, EngineEvent
+from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent
 
 MAX_TOP_LOGPROBS = 20
 
 SGL = sglang_scheduler_pb2
 VLLM = vllm_engine_pb2
+
+
+class SmgShape:
+    """The mock's events as SMG's servicers shape them on the wire (the default; the README's "mock
+    engine" section): streamed, a finished choice's Complete repeats its last chunk's ids and logprobs
+    (SMG's SGLang servicer builds chunk and Complete from one output; its vLLM servicer sends the last
+    DELTA in both); not streamed, SGLang's request manager numbers no choice, so every Complete of
+    n > 1 says index 0 (lightseekorg/smg grpc_servicer/smg_grpc_servicer/sglang/request_manager.py)."""
+
+    __slots__ = ("_last", "_stream", "_zero_index")
+
+    def __init__(self, kind: str, stream: bool, n: int) -> None:
+        self._stream = stream
+        self._zero_index = kind == "sglang" and not stream and n > 1
+        self._last: dict[int, EngineChunk] = {}
+
+    def shape(self, ev: EngineEvent) -> EngineEvent:
+        if type(ev) is EngineChunk:
+            if self._stream:
+                self._last[ev.index] = ev
+            return ev
+        assert isinstance(ev, EngineComplete)
+        if self._stream and not ev.output_ids:
+            last = self._last.get(ev.index)
+            if last is not None:
+                ev.output_ids = last.token_ids
+                if last.logprobs and not ev.logprobs:
+                    ev.logprobs = last.logprobs
+        elif self._zero_index:
+            ev.index = 0
+        return ev
 
 
 def _status(code: str) -> grpc.StatusCode:
@@ -101,6 +133,7 @@ class _Service:
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         core = self._core
         core.stats.count_rpc(f"{self.KIND}.Generate")
+        core.stats.record_trace(request.request_id, context.invocation_metadata())  # traceparent, if sent
         try:
             mreq = self._request(request)
             if core.config.role == "decode":
@@ -112,6 +145,7 @@ class _Service:
         _close_on_done(context, run)
         rid = request.request_id
         wire = self._wire(rid, run)
+        smg = SmgShape(self.KIND, run.req.stream, len(run.plans))
         try:
             if wire is not None:
                 ready = run.take_ready()
@@ -120,10 +154,11 @@ class _Service:
                         wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
                         if type(ev) is EngineChunk and not ev.logprobs
                         else self._response(rid, ev).SerializeToString()
-                        for ev in ready
+                        for ev in map(smg.shape, ready)
                     ]
                     return
             async for ev in run.events():
+                smg.shape(ev)
                 if wire is not None and type(ev) is EngineChunk and not ev.logprobs:
                     yield wire.chunk(ev.token_ids, ev.completion_tokens, ev.index)
                 else:

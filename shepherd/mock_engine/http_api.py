@@ -277,6 +277,7 @@ class MockHttpApi:
         except HttpError as e:
             return error_response(e.status, e.message, e.code, e.param)
         rid = request.headers.get("x-request-id") or f"chatcmpl-mock-{next(self._ids)}"
+        self.core.stats.record_trace(rid, request.headers)  # traceparent, if sent
         return await self._generate(request, rid, [(tuple(ids), text)], params, chat=True, echo=False)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -291,6 +292,7 @@ class MockHttpApi:
         except HttpError as e:
             return error_response(e.status, e.message, e.code, e.param)
         rid = request.headers.get("x-request-id") or f"cmpl-mock-{next(self._ids)}"
+        self.core.stats.record_trace(rid, request.headers)  # traceparent, if sent
         return await self._generate(
             request, rid, prompts, params, chat=False, echo=bool(body.get("echo", False))
         )

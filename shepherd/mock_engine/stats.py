@@ -35,12 +35,29 @@ class MockStats:
         self.ttft_model_s: deque[float] = deque(maxlen=4096)
         # structured-output constraints received: {"request_id", "kind", "value"}, most recent last
         self.constraints: deque[JsonDict] = deque(maxlen=keep)
+        # W3C trace context received with generation calls (gRPC metadata, HTTP headers):
+        # {"request_id", "traceparent", "tracestate"}, most recent last; only calls that carried one
+        self.trace_contexts: deque[JsonDict] = deque(maxlen=keep)
 
     def reset(self) -> None:
         self.__init__(self._keep)  # type: ignore[misc]
 
     def count_rpc(self, name: str) -> None:
         self.rpc_calls[name] += 1
+
+    def record_trace(self, request_id: str, metadata: Any) -> None:
+        """Note the ``traceparent`` / ``tracestate`` among a call's metadata (gRPC invocation metadata or
+        HTTP headers: pairs, or a mapping), if it carried one."""
+        pairs = metadata.items() if hasattr(metadata, "items") else metadata or ()
+        tp = ts = None
+        for k, v in pairs:
+            key = k.lower() if isinstance(k, str) else k
+            if key == "traceparent":
+                tp = v
+            elif key == "tracestate":
+                ts = v
+        if tp is not None:
+            self.trace_contexts.append({"request_id": request_id, "traceparent": tp, "tracestate": ts})
 
     def record_constraint(self, request_id: str, sampling_params: Any) -> None:
         """Note the ``oneof constraint`` of a SamplingParams message (SGLang or vLLM), if one is set."""
@@ -75,4 +92,5 @@ class MockStats:
             "disaggregated_requests": self.disaggregated_requests,
             "ttft_model_ms": [round(t * 1000.0, 3) for t in self.ttft_model_s],
             "constraints": list(self.constraints),
+            "trace_contexts": list(self.trace_contexts),
         }

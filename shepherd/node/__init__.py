@@ -5,7 +5,9 @@ its rooms, on the request path in this order:
 OpenAI schema: parsing, chunks; ``anthropic`` the Anthropic Messages schema over it) -> ``tokens``
 (render, encode) -> ``dispatch`` (gateway, workers,
 policies, PD) -> ``engines`` (one engine connection each) -> ``output`` (detokenize, stop, parsers)
--> ``openai`` chunks -> client; ``cluster`` is this node's part in the mesh.
+-> ``openai`` chunks -> client; ``cluster`` is this node's part in the mesh; ``discovery`` finds workers
+among Kubernetes pods; ``observe`` (traces, JSON logs, GenAI metrics export) is a root leaf every room
+reads.
 
 Callers use: ``app.serve`` / ``app.build_app``, ``cli.main`` (``smg-node``), ``config.NodeConfig`` /
 ``build_config``.
@@ -19,11 +21,14 @@ __all__ = [
     "cluster",
     "config",
     "devrun",
+    "discovery",
     "dispatch",
     "engines",
     "gc_tuning",
     "http",
     "metrics",
+    "observe",
     "openai",
     "output",
+    "procs",
 ]

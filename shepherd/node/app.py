@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -14,6 +15,7 @@ from aiohttp import web
 from shepherd.auth.keys import KeyStore
 from shepherd.auth.middleware import AUTH
 from shepherd.auth.tls import server_tls
+from shepherd.mesh import faults
 from shepherd.node import gc_tuning
 from shepherd.node.api import admin as api_admin
 from shepherd.node.api import conversations as api_conversations
@@ -21,9 +23,12 @@ from shepherd.node.api import embeddings as api_embeddings
 from shepherd.node.api import keys as api_keys
 from shepherd.node.api import mesh as api_mesh
 from shepherd.node.api import messages as api_messages
+from shepherd.node.api import native as api_native
 from shepherd.node.api import openai as api_openai
 from shepherd.node.api import pooling as api_pooling
+from shepherd.node.api import reload as api_reload
 from shepherd.node.api import responses as api_responses
+from shepherd.node.api import smg_metrics
 from shepherd.node.api.admission import Admission
 from shepherd.node.api.common import (
     ADMISSION,
@@ -37,10 +42,13 @@ from shepherd.node.api.common import (
 from shepherd.node.cluster.history import build_history
 from shepherd.node.cluster.key_journal import KeyJournal
 from shepherd.node.cluster.mesh_node import MeshNode
-from shepherd.node.config import NodeConfig, control_listener, insecure_admin_in_effect
+from shepherd.node.config import ConfigError, NodeConfig, control_listener, insecure_admin_in_effect
+from shepherd.node.discovery.kube import PodDiscovery, start_discovery
 from shepherd.node.dispatch.gateway import Gateway
+from shepherd.node.dispatch.model_source import resolve_models
 from shepherd.node.http.server import CappedTCPSite, ConnectionCap, LeanServer
 from shepherd.node.metrics import counter
+from shepherd.node.observe import genai_metrics, logs, tracing
 
 log = logging.getLogger("shepherd.node")
 
@@ -57,7 +65,14 @@ def build_app(
     rate limits (None: none configured). The SSE keep-alive ticker lives and dies with the app.
     ``history``: the Responses / Conversations store (None: those routes answer 503); ``key_store``: the
     API keys (None: a fresh one in memory)."""
-    app = web.Application(client_max_size=gw.cfg.max_body_bytes, middlewares=[error_middleware])
+    # traces and request-bound logs, outside the error middleware (they see the answer it makes); only
+    # when on: a request pays no middleware of theirs otherwise
+    middlewares = [
+        *([tracing.server_span] if tracing.ENABLED else []),
+        *([logs.request_context] if logs.ACTIVE else []),
+        error_middleware,
+    ]
+    app = web.Application(client_max_size=gw.cfg.max_body_bytes, middlewares=middlewares)
     app[GATEWAY] = gw
     app[ADMISSION] = admission
     app[KEEPALIVE_TICKER] = KeepAlive(gw.cfg.sse_keepalive_secs)
@@ -71,6 +86,7 @@ def build_app(
     api_responses.install(app)  # /v1/responses (+ the background registry)
     app.add_routes(api_conversations.routes())
     app.add_routes(api_admin.routes())
+    app.add_routes(api_native.routes())  # /generate, /version, /get_model_info... (vLLM, SGLang, SMG shapes)
     api_mesh.install(app, mesh)  # /mesh/members, /mesh/state (404 when the mesh is off), smg_mesh_*
     api_keys.install(app, key_store)  # auth middleware (inside the error middleware) and /admin/keys
     return app
@@ -94,9 +110,30 @@ async def drain(gw: Gateway, grace: float) -> None:
 
 
 async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
+    injected = faults.active()  # test-only fault switches (shepherd.mesh.faults; chaos.run --inject)
+    if injected:
+        log.warning("TEST-ONLY FAULTS INJECTED: %s", ", ".join(injected))
+    if faults.DISABLE_MESH in injected:
+        cfg = dataclasses.replace(cfg, mesh_port=None)
+    given = cfg  # as configured: what a reload (SIGHUP, POST /admin/reload) compares the file with
+    # no --model-path: the served name, tokenizer and chat template from the gRPC engines; aliases
+    cfg = await resolve_models(cfg)
+    try:  # traces (OTLP) and the GenAI metrics export, before anything that is traced is built
+        tracing.setup(
+            tracing.settings_from(cfg.enable_trace, cfg.otlp_traces_endpoint, cfg.otlp_traces_protocol),
+            cfg.mesh_name,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if cfg.otlp_metrics_endpoint:
+        genai_metrics.setup(cfg.otlp_metrics_endpoint, cfg.otlp_traces_protocol or "grpc", cfg.mesh_name)
+        tracing.instrument()
     gw = Gateway(cfg)
+    gw.metrics.add_callback(smg_metrics.trace_families)
     # mesh-wide rate limits (None: none configured, and the handlers skip admission)
     admission = Admission.from_config(cfg, node=cfg.mesh_name, metrics=gw.metrics)
+    if faults.DISABLE_RATELIMIT in injected:
+        admission = None
     limiter = admission.limiter if admission is not None else None
     # built before the gateway starts: the policies must route with the replicated indexes from the start
     mesh = MeshNode(cfg, gw, limiter=limiter) if cfg.mesh_port is not None else None
@@ -121,6 +158,7 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
             await gw.close()
             raise
     gw.metrics.add_callback(history.metrics)
+    gw.metrics.add_callback(smg_metrics.SmgNames(gw, mesh, admission).collect)  # SMG's names, when scraped
     app = build_app(
         gw,
         mesh,
@@ -134,6 +172,16 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
         key_store=journal.store,
     )
     journal.attach(journal.store, app[AUTH].bootstrap_ids)
+    reloader = api_reload.Reloader(
+        given,
+        gw,
+        admission=admission,
+        auth=app[AUTH],
+        journal=journal,
+        key_sync=app[api_keys.KEY_SYNC],
+        mesh=mesh,
+    )
+    api_reload.install(app, reloader)  # POST /admin/reload (SIGHUP: below, with the TLS reload)
     background = app[api_responses.BACKGROUND]
 
     async def cancel_background(response_id: str) -> bool:  # a peer's "cancel" RPC for one running here
@@ -152,7 +200,7 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
     front: LeanServer | None = None
     if cfg.http_server == "lean":  # the app's routes, middlewares and hooks as they are; httptools underneath
         front = LeanServer(app, max_body=cfg.max_body_bytes, max_connections=cfg.max_client_connections)
-        await front.start(cfg.host, cfg.port, ssl_context=ssl_ctx, backlog=1024)
+        await front.start(cfg.host, cfg.port, ssl_context=ssl_ctx, backlog=1024, reuse_port=cfg.reuse_port)
         cap: ConnectionCap = front.cap
     else:  # the same cap on aiohttp's server (shepherd.node.http.server.CappedTCPSite)
         site = CappedTCPSite(
@@ -162,6 +210,7 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
             limit=cfg.max_client_connections,
             backlog=1024,
             reuse_address=True,
+            reuse_port=cfg.reuse_port or None,
             ssl_context=ssl_ctx,
         )
         await site.start()
@@ -183,9 +232,18 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
     if cfg.admin_port is not None:
         if cfg.http_server == "lean":
             admin_front = LeanServer(app, max_body=cfg.max_body_bytes)
-            await admin_front.start(admin_host, admin_port, ssl_context=ssl_ctx, backlog=128)
+            await admin_front.start(
+                admin_host, admin_port, ssl_context=ssl_ctx, backlog=128, reuse_port=cfg.reuse_port
+            )
         else:
-            admin_site = web.TCPSite(runner, admin_host, admin_port, reuse_address=True, ssl_context=ssl_ctx)
+            admin_site = web.TCPSite(
+                runner,
+                admin_host,
+                admin_port,
+                reuse_address=True,
+                reuse_port=cfg.reuse_port or None,
+                ssl_context=ssl_ctx,
+            )
             await admin_site.start()
     if insecure_admin_in_effect(cfg):
         log.warning(
@@ -196,7 +254,11 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
             admin_port,
         )
     if tls:
-        tls.start()  # reload changed cert files (and on SIGHUP)
+        tls.start(sighup=False)  # reload changed cert files; SIGHUP: the reloader's handler does both
+    reloader.tls = tls
+    reloader.start()  # SIGHUP: TLS certificates and the configuration file
+    # Kubernetes worker discovery: workers registered as POST /workers does (the mesh replicates them)
+    discovery: PodDiscovery | None = start_discovery(cfg, gw) if cfg.service_discovery else None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -225,10 +287,15 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
                 await admin_front.shutdown(timeout=5.0)
         with contextlib.suppress(Exception):
             await runner.cleanup()
+        await reloader.close()
         if tls:
             await tls.close()
+        if discovery is not None:
+            await discovery.close()
         if mesh is not None:
             await mesh.close()
         await journal.close()
         await history.close()
         await gw.close()
+        await tracing.shutdown()
+        await genai_metrics.shutdown()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -20,7 +20,18 @@ def _mesh_arguments(s: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--mesh-advertise", help="host[:port] the other nodes reach (required for a wildcard bind)"
     )
-    m.add_argument("--mesh-seeds", nargs="+", metavar="HOST[:PORT]", help="nodes to join through")
+    m.add_argument(
+        "--mesh-seeds",
+        nargs="+",
+        metavar="SEED",
+        help="nodes to join through: HOST[:PORT], or dns:NAME[:PORT] (every A/AAAA record of NAME, e.g. a "
+        "headless service; re-resolved until joined)",
+    )
+    m.add_argument(
+        "--mesh-dns-refresh-interval",
+        type=float,
+        help="dns: seeds are resolved again this often while the mesh is small, s (default 30)",
+    )
     m.add_argument("--mesh-keyring-file", help="file of base64 AES keys, one a line, the first primary")
     m.add_argument("--mesh-keys", nargs="+", metavar="B64", help="base64 AES keys (after the file's)")
     m.add_argument("--mesh-cluster", help="cluster name bound into every sealed packet")
@@ -90,6 +101,40 @@ def _security_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--max-client-connections", type=int, help="client connections at once (default 10000)")
 
 
+def _discovery_arguments(s: argparse.ArgumentParser) -> None:
+    d = s.add_argument_group("Kubernetes worker discovery (SMG's flags; needs the k8s extra: lightkube)")
+    d.add_argument(
+        "--service-discovery",
+        action="store_const",
+        const=True,
+        help="add and remove workers as pods matching the selectors come, go and turn ready",
+    )
+    d.add_argument("--selector", nargs="+", metavar="KEY=VALUE", help="labels of regular worker pods")
+    d.add_argument("--prefill-selector", nargs="+", metavar="KEY=VALUE", help="PD: prefill worker pods")
+    d.add_argument("--decode-selector", nargs="+", metavar="KEY=VALUE", help="PD: decode worker pods")
+    d.add_argument(
+        "--service-discovery-namespace", help="namespace to watch (default: the service account's)"
+    )
+    d.add_argument("--service-discovery-port", type=int, help="worker port of a pod (default 8000)")
+    d.add_argument(
+        "--service-discovery-protocol",
+        choices=("grpc", "grpcs", "sglang", "vllm", "http", "https"),
+        help="worker URL scheme of discovered pods (default grpc)",
+    )
+    d.add_argument(
+        "--worker-ports-annotation", help="pod annotation listing its worker ports (smg.ai/worker-ports)"
+    )
+    d.add_argument(
+        "--bootstrap-port-annotation",
+        help="prefill pod annotation with its bootstrap port (sglang.ai/bootstrap-port)",
+    )
+    d.add_argument(
+        "--model-id-source",
+        metavar="SOURCE",
+        help="a pod's model id: namespace, label:KEY or annotation:KEY (default: the node's model)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="smg-node", description="Shepherd gateway node")
     sub = p.add_subparsers(dest="command", required=True)
@@ -101,10 +146,31 @@ def _parser() -> argparse.ArgumentParser:
         "--worker-urls",
         nargs="+",
         metavar="URL",
-        help="engines: grpc://h:p (SGLang or vLLM, detected), sglang://h:p, vllm://h:p, http://h:p (relay)",
+        help="engines: grpc://h:p (SGLang, vLLM, TensorRT-LLM or MLX, detected), sglang://h:p, vllm://h:p, "
+        "trtllm://h:p, mlx://h:p, http://h:p (relay)",
     )
     s.add_argument(
         "--policy", help="round_robin (default), random, power_of_two, least_load, cache_aware, ..."
+    )
+    ca = s.add_argument_group("cache_aware (README: Routing); the first three as in SGLang / SMG")
+    ca.add_argument("--cache-threshold", type=float, help="a match at or below this share is a miss (0.3)")
+    ca.add_argument("--balance-abs-threshold", type=int, help="imbalanced: max - min load above this (64)")
+    ca.add_argument("--balance-rel-threshold", type=float, help="and max above this times min (1.5)")
+    ca.add_argument("--cache-move-base", type=float, help="load a follow-up's move must save (10)")
+    ca.add_argument(
+        "--cache-move-tokens-per-load", type=float, help="and 1 per this many tokens to prefill again (256)"
+    )
+    ca.add_argument(
+        "--conversation-weight", type=float, help="load one carried conversation adds for new ones (1)"
+    )
+    ca.add_argument(
+        "--conversation-lifetime-secs", type=float, help="a placement's weight decays with this (60)"
+    )
+    ca.add_argument(
+        "--shared-prefix-tokens-per-load", type=float, help="a missing shared prefix: 1 per this many (512)"
+    )
+    ca.add_argument(
+        "--shared-prefix-after", type=int, help="a prefix end that ended this many matches is shared (1)"
     )
     pd = s.add_argument_group("PD disaggregation (SGLang bootstrap or vLLM KV transfer, by engine kind)")
     pd.add_argument("--pd-disaggregation", action="store_true", default=None, help="prefill/decode pools")
@@ -119,12 +185,35 @@ def _parser() -> argparse.ArgumentParser:
     pd.add_argument("--prefill-policy", help="policy of the prefill pool (default: --policy)")
     pd.add_argument("--decode-policy", help="policy of the decode pool (default: --policy)")
     s.add_argument(
-        "--model-path", help="dir with tokenizer.json(.xz) + tokenizer_config.json (default: embedded qwen3)"
+        "--model-path",
+        help="dir with tokenizer.json(.xz) + tokenizer_config.json (default: from the gRPC engines, "
+        "GetTokenizer; else the embedded qwen3)",
     )
     s.add_argument("--tokenizer-path", dest="model_path_alias", help="alias of --model-path")
-    s.add_argument("--model-id", help="model name served to clients (default: the model dir's name)")
+    s.add_argument(
+        "--model-id",
+        help="model name served to clients (default: the engine's served name, else the model dir's name)",
+    )
+    s.add_argument(
+        "--model-alias",
+        dest="model_aliases",
+        nargs="+",
+        metavar="NAME=SERVED",
+        help="clients send NAME (and /v1/models lists it) for the engine's SERVED model",
+    )
+    s.add_argument(
+        "--tokenizer-cache-dir",
+        help="where tokenizers fetched from engines (GetTokenizer) are kept, by sha256 "
+        "(default: $XDG_CACHE_HOME/shepherd/tokenizers or ~/.cache/shepherd/tokenizers)",
+    )
     s.add_argument("--chat-template", help="a .jinja file overriding the tokenizer's template")
     s.add_argument("--tokenizer-workers", type=int, help="tokenizer pool processes (0: all inline)")
+    s.add_argument(
+        "--procs",
+        type=int,
+        help="event-loop processes on the one port (SO_REUSEPORT), meshed on loopback (default 1)",
+    )
+    s.add_argument("--reuse-port", action="store_const", const=True, help="SO_REUSEPORT on the listeners")
     s.add_argument("--tokenizer-inline-max-chars", type=int)
     s.add_argument(
         "--max-payload-size", dest="max_body_bytes", type=int, help="largest request body in bytes"
@@ -186,17 +275,40 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--tool-call-parser", help="tool-call parser family (hermes, llama3, ...; default: by model name)"
     )
+    s.add_argument(
+        "--reasoning-field",
+        choices=["both", "reasoning", "reasoning_content"],
+        help="chat answers carry reasoning as 'reasoning' (vLLM), 'reasoning_content', or both (default)",
+    )
+    s.add_argument(
+        "--reject-schema-violations",
+        action="store_true",
+        default=None,
+        help="answer 422 when the engine's output breaks a strict json_schema or strict tool "
+        "(default: return it, the violation in x-smg-schema-violation and the choice's schema_violation)",
+    )
     s.add_argument("--log-level", choices=["debug", "info", "warning", "warn", "error"])
+    ob = s.add_argument_group("observability (traces off by default; OTEL_* variables are read too)")
+    ob.add_argument("--enable-trace", action="store_const", const=True, help="OpenTelemetry traces (OTLP)")
+    ob.add_argument("--otlp-traces-endpoint", metavar="URL", help="collector (host:4317); turns traces on")
+    ob.add_argument("--otlp-traces-protocol", choices=("grpc", "http/protobuf"), help="default grpc")
+    ob.add_argument("--otlp-metrics-endpoint", metavar="URL", help="OTLP export of the GenAI metrics")
+    ob.add_argument("--log-format", choices=("text", "json"), help="json: one object a line, with ids")
+    ob.add_argument("--access-log", action="store_const", const=True, help="one log line per request")
     auth_flags.add_arguments(s)  # --auth-*, --jwt-*, --tls-*, --engine-tls-*
     _mesh_arguments(s)
     _history_arguments(s)
     _security_arguments(s)
+    _discovery_arguments(s)
     sub.add_parser("serve", parents=[s], help="run a node")
     j = sub.add_parser(
         "join", parents=[s], help="run a node that joins a mesh through SEED... (serve's flags)"
     )
     j.add_argument(
-        "seeds", nargs="+", metavar="SEED", help="host[:port] of mesh nodes (tried until one answers)"
+        "seeds",
+        nargs="+",
+        metavar="SEED",
+        help="host[:port] of mesh nodes (tried until one answers), or dns:NAME[:PORT] (every A/AAAA record)",
     )
     c = sub.add_parser("certs", help="write a development CA and mesh node certificates (mTLS)")
     c.add_argument("--out", required=True, help="directory for <name>.pem and <name>-key.pem")
@@ -213,8 +325,8 @@ def config_from_args(argv: list[str]) -> Any:
     args = _parser().parse_args(argv)
     values = vars(args)
     command = values.pop("command")
-    file_values = load_yaml(values.pop("config")) if values.get("config") else {}
-    values.pop("config", None)
+    config_file = values.pop("config", None)
+    file_values = load_yaml(config_file) if config_file else {}
     if command == "join":  # serve, with seeds (and the mesh on, on its default port unless one is set)
         values["mesh_seeds"] = [
             *values.pop("seeds"),
@@ -231,7 +343,10 @@ def config_from_args(argv: list[str]) -> Any:
         values["model_path"] = alias
     if values.get("log_level") == "warn":
         values["log_level"] = "warning"
-    return build_config(file_values, values)
+    cfg = build_config(file_values, values)
+    if config_file:  # SIGHUP / POST /admin/reload: the file read again, these flags over it
+        cfg = dataclasses.replace(cfg, config_file=str(config_file), config_overrides=values)
+    return cfg
 
 
 def _prefill_args(entries: list[list[str]]) -> tuple[list[str], list[int | None]]:
@@ -279,10 +394,18 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         print(f"smg-node: configuration error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    logging.basicConfig(
-        level=getattr(logging, cfg.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    if cfg.procs > 1:  # N event-loop processes on the port, meshed on loopback (shepherd.node.procs)
+        from shepherd.node import procs  # not at the top: see config_from_args
+
+        try:
+            procs.check(cfg)
+        except procs.ProcsError as e:
+            print(f"smg-node: configuration error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise SystemExit(procs.supervise(sys.argv[1:] if argv is None else argv, cfg))
+    from shepherd.node.observe import logs  # not at the top: see config_from_args
+
+    logs.configure(cfg.log_level, cfg.log_format, cfg.access_log, logs.config_secrets(cfg))
     from shepherd.node.app import serve  # not at the top: see config_from_args
 
     try:

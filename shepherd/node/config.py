@@ -15,6 +15,7 @@ YAML keys are the CLI flag names in snake_case (``worker_urls``, ``model_path``,
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import ipaddress
 import re
 import socket
@@ -30,15 +31,19 @@ from shepherd.auth.config import AuthConfig, AuthConfigError, merge_auth
 from shepherd.auth.control import is_loopback
 from shepherd.auth.load import load_auth_config
 from shepherd.auth.tls import TlsConfigError, check_settings
+from shepherd.mesh.dns_seeds import is_dns_seed, parse_dns_seed
 from shepherd.mesh.keyring import Keyring
 from shepherd.mesh.runtime_config import parse_addr
 from shepherd.node.gc_tuning import GEN0_THRESHOLD
 from shepherd.parsers import reasoning_family_name, tool_family_name
+from shepherd.policies.cache_aware import CacheAwareConfig
 from shepherd.policies.simple import POLICY_NAMES
+
+_CA = CacheAwareConfig()  # cache_aware's defaults
 
 EMBEDDED_MODEL_DIR = Path(__file__).parent.parent / "tokens" / "assets" / "qwen3"
 
-WORKER_SCHEMES = ("grpc", "grpcs", "sglang", "vllm", "http", "https")
+WORKER_SCHEMES = ("grpc", "grpcs", "sglang", "vllm", "trtllm", "mlx", "http", "https")
 
 
 class ConfigError(ValueError):
@@ -60,6 +65,7 @@ class ModelConfig:
     tool_call_parser: str | None = None  # None: the node's, else by model name; "none": off
     kind: str | None = None  # "generate" | "embed"; None: what the engines report (GetModelInfo)
     matryoshka: bool = False  # an embedding model whose vectors may be truncated (``dimensions``)
+    served_name: str | None = None  # the engine's name for it when clients use another (an alias)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,12 +88,28 @@ class NodeConfig:
     model_path: str | None = None
     model_id: str | None = None
     chat_template: str | None = None
+    # no model_path: the served name and tokenizer from the gRPC engines (node.dispatch.model_source),
+    # cached here (None: $XDG_CACHE_HOME/shepherd/tokenizers, else ~/.cache/shepherd/tokenizers)
+    tokenizer_cache_dir: str | None = None
+    model_aliases: tuple[str, ...] = ()  # NAME=SERVED: clients send NAME for the engine's SERVED model
     policy: str = "round_robin"
+    # cache_aware's parameters (shepherd.policies.cache_aware; the first three are SGLang's / SMG's flags)
+    cache_threshold: float = _CA.cache_threshold
+    balance_abs_threshold: int = _CA.balance_abs_threshold
+    balance_rel_threshold: float = _CA.balance_rel_threshold
+    cache_move_base: float = _CA.move_base
+    cache_move_tokens_per_load: float = _CA.move_tokens_per_load
+    conversation_weight: float = _CA.conversation_weight
+    conversation_lifetime_secs: float = _CA.conversation_lifetime_s
+    shared_prefix_tokens_per_load: float = _CA.shared_tokens_per_load
+    shared_prefix_after: int = _CA.shared_after
     engine_transport: str = "h2"  # "h2" (lean asyncio HTTP/2 gRPC client) or "grpcio"
     http_server: str = "lean"  # "lean" (httptools on asyncio: shepherd.node.http.server) or "aiohttp"
     kv_events: bool = True  # subscribe to gRPC engines' KV events to feed the prefix index
     models: tuple[ModelConfig, ...] = ()
     tokenizer_workers: int = 2
+    procs: int = 1  # event-loop processes on the port (shepherd.node.procs: a mesh on loopback when > 1)
+    reuse_port: bool = False  # SO_REUSEPORT on the listeners (set by --procs for its children)
     gc_gen0_threshold: int = (
         GEN0_THRESHOLD  # after start-up: gc.freeze() and this gen-0 threshold (0: CPython's)
     )
@@ -108,7 +130,20 @@ class NodeConfig:
     stream_interval: int | None = None
     reasoning_parser: str | None = None  # every model's default (None: by model name; "none": off)
     tool_call_parser: str | None = None
+    # chat answers' reasoning field(s): "both" (reasoning and reasoning_content), "reasoning" (vLLM's
+    # current name) or "reasoning_content" (DeepSeek's API, older vLLM)
+    reasoning_field: str = "both"
+    # a strict json_schema / strict tool violated by the engine's answer: False (default) returns the
+    # answer with the violation reported (x-smg-schema-violation, schema_violation); True answers 422
+    reject_schema_violations: bool = False
     log_level: str = "info"
+    # observability (shepherd.node.observe): traces off unless asked for (flags or OTEL_* variables)
+    enable_trace: bool = False
+    otlp_traces_endpoint: str | None = None  # turns tracing on; host:port or URL (default localhost:4317)
+    otlp_traces_protocol: str | None = None  # grpc | http/protobuf (None: OTEL_EXPORTER_OTLP_PROTOCOL, grpc)
+    otlp_metrics_endpoint: str | None = None  # OTLP export of the GenAI metrics (same protocol)
+    log_format: str = "text"  # text | json (request id and trace id on every line of a request)
+    access_log: bool = False  # one line per request (shepherd.access)
     # rate limits (shepherd.node.api.admission): YAML list of {tenant, model?, rpm?, tpm?, max_concurrent?};
     # the rate_limit_* flags give every tenant a default (a tenant "*" rule on all models)
     rate_limits: tuple[RateLimitRule, ...] = ()
@@ -133,6 +168,9 @@ class NodeConfig:
     mesh_bind: str = "127.0.0.1"
     mesh_advertise: str | None = None  # host[:port] the others reach us at (required for a wildcard bind)
     mesh_seeds: tuple[str, ...] = ()  # host[:port] of nodes to join through (retried until one answers)
+    # dns:NAME[:PORT] seeds (every A/AAAA record, shepherd.mesh.dns_seeds) are resolved again this often
+    # while the mesh is small (and with a back-off of up to it until joined)
+    mesh_dns_refresh_interval: float = 30.0
     mesh_keyring_file: str | None = None  # one base64 AES key per line, the first primary
     mesh_keys: tuple[str, ...] = ()  # base64 AES keys (after the file's)
     mesh_cluster: str = ""  # cluster name bound into every sealed packet
@@ -152,6 +190,17 @@ class NodeConfig:
     decode_urls: tuple[str, ...] = ()
     prefill_policy: str | None = None  # None: the node's policy
     decode_policy: str | None = None
+    # Kubernetes worker discovery (shepherd.node.discovery): off unless service_discovery; SMG's flags
+    service_discovery: bool = False
+    selector: tuple[str, ...] = ()  # KEY=VALUE labels of regular worker pods
+    prefill_selector: tuple[str, ...] = ()  # PD: prefill worker pods
+    decode_selector: tuple[str, ...] = ()  # PD: decode worker pods
+    service_discovery_namespace: str | None = None  # None: the service account's (or kubeconfig's)
+    service_discovery_port: int = 8000  # a pod's worker port unless its ports annotation says otherwise
+    service_discovery_protocol: str = "grpc"  # worker URL scheme of discovered pods
+    worker_ports_annotation: str = "smg.ai/worker-ports"  # comma-separated ports: one worker each
+    bootstrap_port_annotation: str = "sglang.ai/bootstrap-port"  # a prefill pod's bootstrap port(s)
+    model_id_source: str | None = None  # "namespace", "label:KEY", "annotation:KEY" (None: the model)
     # history storage (shepherd.storage; the Responses and Conversations APIs, the node's own records)
     history_backend: str = "memory"  # memory | sqlite | postgres | redis
     history_url: str | None = None  # sqlite:///path.db, postgresql://..., redis://... (memory: none)
@@ -171,6 +220,10 @@ class NodeConfig:
     worker_allow: tuple[str, ...] = ()  # hosts / CIDRs workers may be on (empty: any)
     max_client_connections: int = 10_000  # client connections served at once (more are refused)
     extra: dict[str, Any] = field(default_factory=dict)
+    # where this configuration came from (set by the CLI, not YAML keys): SIGHUP and POST /admin/reload
+    # read the file again and apply the same flags over it (shepherd.node.api.reload)
+    config_file: str | None = None
+    config_overrides: dict[str, Any] = field(default_factory=dict)
 
     def model_configs(self) -> tuple[ModelConfig, ...]:
         """The models this node serves: the ``models`` list, else one model from the top-level flags."""
@@ -317,6 +370,9 @@ class WorkerAllow:
             raise ConfigError(f"worker URL {url!r}: {host} is not in worker_allow")
 
 
+_NOT_SETTINGS = frozenset({"extra", "config_file", "config_overrides"})  # never from a file or a flag
+
+
 def _fields() -> dict[str, dataclasses.Field[Any]]:
     return {f.name: f for f in dataclasses.fields(NodeConfig)}
 
@@ -338,8 +394,10 @@ def _coerce_rate_limit(raw: Any) -> RateLimitRule:
 
 
 def _coerce_model(raw: Any) -> ModelConfig:
-    if not isinstance(raw, dict) or "name" not in raw or "model_path" not in raw:
-        raise ConfigError("each entry of 'models' needs at least 'name' and 'model_path'")
+    if not isinstance(raw, dict) or "name" not in raw:
+        raise ConfigError("each entry of 'models' needs at least 'name'")
+    if not raw.get("model_path"):  # from its gRPC engines at start-up (GetTokenizer)
+        raw = {**raw, "model_path": ""}
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = set(raw) - known
     if unknown:
@@ -350,13 +408,28 @@ def _coerce_model(raw: Any) -> ModelConfig:
     return ModelConfig(**{**raw, "worker_urls": urls})
 
 
+def cache_aware_config(cfg: NodeConfig) -> CacheAwareConfig:
+    """cache_aware's parameters from the node's settings (ValueError when out of range)."""
+    return CacheAwareConfig(
+        cache_threshold=float(cfg.cache_threshold),
+        balance_abs_threshold=int(cfg.balance_abs_threshold),
+        balance_rel_threshold=float(cfg.balance_rel_threshold),
+        move_base=float(cfg.cache_move_base),
+        move_tokens_per_load=float(cfg.cache_move_tokens_per_load),
+        conversation_weight=float(cfg.conversation_weight),
+        conversation_lifetime_s=float(cfg.conversation_lifetime_secs),
+        shared_tokens_per_load=float(cfg.shared_prefix_tokens_per_load),
+        shared_after=int(cfg.shared_prefix_after),
+    )
+
+
 def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> NodeConfig:
     """Defaults < YAML file < CLI overrides (only keys whose value is not None)."""
     fields = _fields()
     values: dict[str, Any] = {}
     for source in (file_values, {k: v for k, v in overrides.items() if v is not None}):
         for key, val in source.items():
-            if key not in fields or key == "extra":
+            if key not in fields or key in _NOT_SETTINGS:
                 raise ConfigError(f"unknown configuration key {key!r}")
             values[key] = merge_auth(values.get(key), val) if key == "auth" else val
     if "worker_urls" in values:
@@ -374,7 +447,10 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         values["prefill_bootstrap_ports"] = tuple(
             None if v is None else int(v) for v in values["prefill_bootstrap_ports"]
         )
-    for key in ("mesh_seeds", "mesh_keys", "worker_allow", "admin_allowed_origins"):
+    for key in (
+        "mesh_seeds", "mesh_keys", "worker_allow", "admin_allowed_origins", "selector", "prefill_selector",
+        "decode_selector", "model_aliases",
+    ):  # fmt: skip
         if isinstance(values.get(key), str):
             values[key] = (values[key],)
         elif key in values:
@@ -390,6 +466,10 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         raise ConfigError(str(e)) from None
     if cfg.policy not in POLICY_NAMES:
         raise ConfigError(f"policy {cfg.policy!r} is unknown (one of {', '.join(POLICY_NAMES)})")
+    try:
+        cache_aware_config(cfg)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"cache_aware: {e}") from None
     for m in cfg.models:
         if m.policy is not None and m.policy not in POLICY_NAMES:
             raise ConfigError(
@@ -397,10 +477,15 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
             )
     _check_parsers(cfg)
     _check_pd(cfg)
+    _check_discovery(cfg)
     if cfg.engine_transport not in ("h2", "grpcio"):
         raise ConfigError(f"engine_transport {cfg.engine_transport!r}: use 'h2' or 'grpcio'")
     if cfg.http_server not in ("lean", "aiohttp"):
         raise ConfigError(f"http_server {cfg.http_server!r}: use 'lean' or 'aiohttp'")
+    if cfg.log_format not in ("text", "json"):
+        raise ConfigError(f"log_format {cfg.log_format!r}: use 'text' or 'json'")
+    if cfg.otlp_traces_protocol not in (None, "grpc", "http/protobuf"):
+        raise ConfigError(f"otlp_traces_protocol {cfg.otlp_traces_protocol!r}: use 'grpc' or 'http/protobuf'")
     try:
         check_settings(
             cfg.tls_cert_file,
@@ -423,6 +508,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         raise ConfigError("gc_gen0_threshold must be >= 0 (0 keeps CPython's collector settings)")
     if cfg.tokenizer_workers < 0:
         raise ConfigError("tokenizer_workers must be >= 0")
+    if not 1 <= cfg.procs <= 256:
+        raise ConfigError("procs must be within 1..256")
     for k in ("rate_limit_rpm", "rate_limit_tpm", "rate_limit_max_concurrent"):
         if getattr(cfg, k) is not None and getattr(cfg, k) < 1:
             raise ConfigError(f"{k} must be a positive integer")
@@ -498,8 +585,12 @@ def _check_pd(cfg: NodeConfig) -> None:
         if cfg.prefill_urls or cfg.decode_urls:
             raise ConfigError("prefill / decode workers need pd_disaggregation (--pd-disaggregation)")
         return
-    if not cfg.prefill_urls or not cfg.decode_urls:
-        raise ConfigError("PD disaggregation needs at least one prefill and one decode worker")
+    discovered = cfg.service_discovery and cfg.prefill_selector and cfg.decode_selector
+    if not discovered and (not cfg.prefill_urls or not cfg.decode_urls):
+        raise ConfigError(
+            "PD disaggregation needs at least one prefill and one decode worker (or, with "
+            "service_discovery, a prefill_selector and a decode_selector)"
+        )
     if cfg.models:
         raise ConfigError("PD disaggregation serves one model (the top-level one), not a 'models' list")
     if cfg.prefill_bootstrap_ports and len(cfg.prefill_bootstrap_ports) != len(cfg.prefill_urls):
@@ -512,7 +603,57 @@ def _check_pd(cfg: NodeConfig) -> None:
         raise ConfigError(f"a worker cannot be in both pools: {sorted(both)}")
 
 
+DISCOVERY_PROTOCOLS = ("grpc", "grpcs", "sglang", "vllm", "http", "https")
+
+
+def _check_discovery(cfg: NodeConfig) -> None:
+    """Kubernetes discovery settings (``shepherd.node.discovery``): the selectors its mode needs, each
+    ``KEY=VALUE``, and lightkube installed (the ``k8s`` extra)."""
+    selectors = {"selector": cfg.selector, "prefill_selector": cfg.prefill_selector}
+    selectors["decode_selector"] = cfg.decode_selector
+    if not cfg.service_discovery:
+        given = [k for k, v in selectors.items() if v]
+        if given or cfg.model_id_source:
+            what = ", ".join(given) or "model_id_source"
+            raise ConfigError(f"{what} need service_discovery (--service-discovery)")
+        return
+    for key, entries in selectors.items():
+        for entry in entries:
+            for part in filter(None, (p.strip() for p in entry.split(","))):
+                k, sep, _ = part.partition("=")
+                if not sep or not k.strip() or "!" in k:
+                    raise ConfigError(f"{key}: {part!r} is not KEY=VALUE")
+    if (cfg.prefill_selector or cfg.decode_selector) and not cfg.pd_disaggregation:
+        raise ConfigError("prefill_selector / decode_selector need pd_disaggregation (--pd-disaggregation)")
+    if not (cfg.selector or cfg.prefill_selector or cfg.decode_selector):
+        raise ConfigError("service_discovery needs a selector (--selector KEY=VALUE, or the PD selectors)")
+    if cfg.pd_disaggregation and bool(cfg.prefill_selector) != bool(cfg.decode_selector):
+        raise ConfigError("PD discovery needs both a prefill_selector and a decode_selector")
+    if cfg.service_discovery_protocol not in DISCOVERY_PROTOCOLS:
+        protocols = ", ".join(DISCOVERY_PROTOCOLS)
+        raise ConfigError(
+            f"service_discovery_protocol {cfg.service_discovery_protocol!r}: one of {protocols}"
+        )
+    if not 0 < cfg.service_discovery_port < 65536:
+        raise ConfigError(f"service_discovery_port {cfg.service_discovery_port} out of range")
+    src = cfg.model_id_source
+    if src is not None and src.lower() != "namespace":
+        kind, sep, key = src.partition(":")
+        if kind not in ("label", "annotation") or not sep or not key.strip():
+            raise ConfigError(f"model_id_source {src!r}: 'namespace', 'label:KEY' or 'annotation:KEY'")
+    if cfg.models and src is None:
+        raise ConfigError("service_discovery on a node serving several models needs model_id_source")
+    if importlib.util.find_spec("lightkube") is None:
+        raise ConfigError(
+            "service_discovery needs the lightkube package: pip install 'shepherd[k8s]' (or lightkube)"
+        )
+
+
 def _check_parsers(cfg: NodeConfig) -> None:
+    if cfg.reasoning_field not in ("both", "reasoning", "reasoning_content"):
+        raise ConfigError(
+            f"reasoning_field {cfg.reasoning_field!r}: one of 'both', 'reasoning', 'reasoning_content'"
+        )
     entries = [("", cfg.reasoning_parser, cfg.tool_call_parser)]
     entries += [(f"model {m.name!r}: ", m.reasoning_parser, m.tool_call_parser) for m in cfg.models]
     for where, reasoning, tool in entries:
@@ -551,8 +692,8 @@ def check_mesh_config(cfg: NodeConfig) -> NodeConfig:
     if not 0 <= port < 65536:
         raise ValueError(f"mesh_port {port} out of range")
     name = validate_node_name(cfg.mesh_name or default_node_name())
-    for s in cfg.mesh_seeds:
-        parse_addr(s, port or 7946)
+    for s in cfg.mesh_seeds:  # host[:port], or dns:NAME[:PORT] (every A/AAAA record: shepherd.mesh.dns_seeds)
+        parse_dns_seed(s, port or 7946) if is_dns_seed(s) else parse_addr(s, port or 7946)
     if cfg.mesh_advertise is not None:
         parse_addr(cfg.mesh_advertise, port or 7946)
     elif cfg.mesh_bind in ("0.0.0.0", "::", ""):
@@ -574,6 +715,8 @@ def check_mesh_config(cfg: NodeConfig) -> NodeConfig:
         v = getattr(cfg, k)
         if v is not None and not v > 0:
             raise ValueError(f"{k} must be > 0")
+    if not cfg.mesh_dns_refresh_interval > 0:
+        raise ValueError("mesh_dns_refresh_interval must be > 0")
     if cfg.mesh_suspicion_mult is not None and cfg.mesh_suspicion_mult < 1:
         raise ValueError("mesh_suspicion_mult must be >= 1")
     return dataclasses.replace(cfg, mesh_name=name)

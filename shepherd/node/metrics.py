@@ -21,6 +21,8 @@ _C = TypeVar("_C", bound=Collector)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+# SMG's *duration_seconds buckets (lightseekorg/smg observability/metrics.rs), 1 ms .. 240 s, fewer steps
+SMG_DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 30, 60, 120, 240)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
@@ -170,11 +172,29 @@ class NodeMetrics:
             )
         )
         self.tokens = reg(LiteCounter("smg_tokens", "Tokens processed", ["model", "kind"]))
-        self.in_flight = Gauge("smg_in_flight_requests", "Requests in flight on this node", registry=r)
+        self.in_flight = Gauge(
+            "smg_in_flight_requests",
+            "Inference requests (generation, embeddings, pooling) in flight on this node; probes, metrics "
+            "and admin calls are not counted",
+            registry=r,
+        )
         self.retries = reg(LiteCounter("smg_engine_retries", "Engine calls retried on another worker"))
         self.aborts = reg(
-            LiteCounter("smg_engine_aborts", "Engine requests aborted by the gateway", ["reason"])
+            LiteCounter(
+                "smg_engine_aborts",
+                "Engine requests aborted by the gateway, by reason (client_disconnect: the client went away)",
+                ["reason", "model"],
+            )
         )
+        # SMG's smg_http_request_duration_seconds{method, path} (its count: smg_http_requests_total), not
+        # registered: shepherd.node.api.smg_metrics serves it under SMG's names
+        self.http_duration = LiteHistogram(
+            "smg_http_request_duration_seconds",
+            "HTTP request duration by method and path",
+            ["method", "path"],
+            buckets=SMG_DURATION_BUCKETS,
+        )
+        self._http_by_route: dict[tuple[str, str], _HistogramChild] = {}
         self._models: dict[str, ModelMetrics] = {}
         # (route, model, status) -> its requests child: no str(status) and label tuple per request
         self._requests_by_status: dict[tuple[str, str, int], _CounterChild] = {}
@@ -194,6 +214,16 @@ class NodeMetrics:
             if len(self._requests_by_status) < 4096:
                 self._requests_by_status[key] = child
         child.value += 1.0
+
+    def observe_http(self, method: str, path: str, seconds: float) -> None:
+        """One HTTP request's duration (its method and route label)."""
+        key = (method, path)
+        child = self._http_by_route.get(key)
+        if child is None:
+            child = self.http_duration.labels(method, path)
+            if len(self._http_by_route) < 4096:
+                self._http_by_route[key] = child
+        child.observe(seconds)
 
     def track_in_flight(self, read: Callable[[], float]) -> None:
         """The in-flight gauge reads the node's own counter when scraped (no work per request)."""

@@ -16,8 +16,12 @@ recent entries, at the tail when older than all, approximately in between.
 Limits: block names are 64-bit (every name ``block_hashes`` makes is); a name outside that range is never
 held (``match_blocks``, ``remove_blocks``, ``holders`` and ``merge`` skip it, ``insert_blocks`` raises
 ``OverflowError``).
-At most 64 workers per index (per model) at once: the inserts of a worker beyond that are dropped (it
-matches nothing until a slot is freed by ``clear_worker``), counted in ``dropped_inserts``.
+At most ``WORKER_LIMIT`` (64) workers per index (per model) at once: a mask of 64 bits per block is the
+layout. The node enforces it where workers come in (``CacheAware.worker_limit`` -> ``WorkerRegistry``: a
+start-up error for a configuration with more, HTTP 409 ``too_many_workers`` for a run-time add, a
+refusal counted by the mesh bridge for a worker from the mesh), so no worker is silently left out of
+routing. What still reaches a full index (a removed worker's slot is freed by ``clear_worker``, which
+the mesh does after its orphan grace) is dropped and counted in ``dropped_inserts``, with a warning.
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ except ImportError:  # pragma: no cover - an install without a C compiler
     NATIVE_INDEX = False
 else:
     NATIVE_INDEX = True
+
+WORKER_LIMIT = 64  # workers one native index holds (the C core's MAX_SLOTS; checked at import below)
+if NATIVE_INDEX and MAX_SLOTS != WORKER_LIMIT:  # pragma: no cover - a core built with another size
+    WORKER_LIMIT = MAX_SLOTS
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from shepherd.policies.base import Policy, RouteRequest, WorkerView
 from shepherd.policies.bucket import Bucket
-from shepherd.policies.cache_aware import CacheAware
+from shepherd.policies.cache_aware import CacheAware, CacheAwareConfig
 from shepherd.policies.hashing import ConsistentHashing, PrefixHash
 from shepherd.policies.load import LeastLoad, PowerOfTwo
 from shepherd.policies.manual import Manual
@@ -59,9 +59,16 @@ POLICY_NAMES = (
 )
 
 
-def make_policy(name: str, *, seed: int | None = None, clock: Callable[[], float] | None = None) -> Policy:
+def make_policy(
+    name: str,
+    *,
+    seed: int | None = None,
+    clock: Callable[[], float] | None = None,
+    cache_aware: CacheAwareConfig | None = None,
+) -> Policy:
     """A policy by its SGLang/SMG name, with the defaults users know. ``seed`` fixes the random
-    choices (random, power_of_two, manual); ``clock`` is cache_aware's time source (default time.time)."""
+    choices (random, power_of_two, manual); ``clock`` is cache_aware's time source (default time.time),
+    ``cache_aware`` its parameters (default: ``CacheAwareConfig()``)."""
     if name == "round_robin":
         return RoundRobin()
     if name == "random":
@@ -71,7 +78,7 @@ def make_policy(name: str, *, seed: int | None = None, clock: Callable[[], float
     if name == "least_load":
         return LeastLoad()
     if name == "cache_aware":
-        return CacheAware() if clock is None else CacheAware(clock=clock)
+        return CacheAware(cache_aware) if clock is None else CacheAware(cache_aware, clock=clock)
     if name == "prefix_hash":
         return PrefixHash()
     if name == "consistent_hashing":

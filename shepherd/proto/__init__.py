@@ -4,10 +4,12 @@ Callers use: ``anthropic_errors`` (the Anthropic error envelope of the Messages 
 ``engine_types`` (what a node says to an engine and hears back: ``GenerateRequest``,
 ``EngineChunk``, ``EngineComplete``, ``EngineError``, ``EngineLoad``, KV events, ``worker_id``),
 ``engine_requests`` / ``engine_responses`` (those types <-> smg-grpc-proto messages and wire bytes),
+``trtllm_codec`` / ``mlx_codec`` (the same for TensorRT-LLM's and MLX's services),
 ``kv_codec`` (KV-event streams), ``openai_errors`` (``ApiError``, ``error_response``: the OpenAI
 error envelope), ``prompt_ids`` (``PromptIds``: ids with the pieces they came from),
 ``mesh_messages`` and ``mesh_wire`` (SWIM messages and their msgpack datagrams), ``index_wire``
-(prefix-index deltas and digests), ``state_decode`` (checks of decoded mesh state), ``varint`` (and
+(prefix-index deltas and digests), ``state_decode`` (checks of decoded mesh state), ``wire_version``
+(the mesh protocol version and its upgrade rule), ``varint`` (and
 ``_varint.c``).
 """
 
@@ -20,8 +22,11 @@ __all__ = [
     "kv_codec",
     "mesh_messages",
     "mesh_wire",
+    "mlx_codec",
     "openai_errors",
     "prompt_ids",
     "state_decode",
+    "trtllm_codec",
     "varint",
+    "wire_version",
 ]

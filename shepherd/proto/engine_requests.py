@@ -30,6 +30,25 @@ SGLANG_SERVICE = "sglang.grpc.scheduler.SglangScheduler"
 VLLM_SERVICE = "vllm.grpc.engine.VllmEngine"
 
 
+_EBNF_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _ebnf_literal(s: str) -> str:
+    out = []
+    for ch in s:
+        esc = _EBNF_ESCAPES.get(ch)
+        if esc is None and ord(ch) < 0x20:
+            esc = f"\\x{ord(ch):02x}"
+        out.append(esc or ch)
+    return '"' + "".join(out) + '"'
+
+
+def choice_grammar(choices: list[str] | tuple[str, ...]) -> str:
+    """The EBNF grammar of "exactly one of ``choices``", as vLLM builds it (``choice_as_grammar`` in
+    vllm/v1/structured_output/utils.py: ``"``, ``\\``, line breaks, tabs and other controls escaped)."""
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
 @functools.lru_cache(maxsize=4096)
 def sglang_sampling(p: SamplingParams) -> sg.SamplingParams:
     """Cached per distinct parameters (frozen, hashable); callers copy it into their request."""
@@ -64,8 +83,13 @@ def sglang_sampling(p: SamplingParams) -> sg.SamplingParams:
         sp.ebnf_grammar = p.ebnf
     elif p.structural_tag is not None:
         sp.structural_tag = p.structural_tag
-    if p.seed is not None:
-        sp.custom_params.update({"seed": p.seed})
+    elif p.choice is not None:  # SGLang has no choice constraint: the grammar vLLM builds for one
+        sp.ebnf_grammar = choice_grammar(p.choice)
+    elif p.json_object:
+        sp.json_schema = '{"type":"object"}'
+    # no seed: SGLang's SamplingParams takes it as ``sampling_seed``, which neither servicer (SMG's nor
+    # SGLang's in-tree one) fills from the gRPC request (the proto has no seed field); ``custom_params``
+    # only reach custom logit processors, where a "seed" key would be a foreign input, not a seed
     return sp
 
 
@@ -121,6 +145,10 @@ def vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.Sa
         sp.grammar = p.ebnf
     elif p.structural_tag is not None:
         sp.structural_tag = p.structural_tag
+    elif p.choice is not None:
+        sp.choice.choices.extend(p.choice)
+    elif p.json_object:
+        sp.json_object = True
     return sp
 
 

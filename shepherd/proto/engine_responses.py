@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from smg_grpc_proto import vllm_engine_pb2 as vl
@@ -47,6 +49,19 @@ def _logprobs(lp: Any) -> list[TokenLogprob]:
 _KV_COMPLETE: frozenset[type] = frozenset({vl.GenerateComplete})
 
 
+def _kv_transfer_json(c: Any) -> str | None:
+    """vLLM's KV transfer parameters of a GenerateComplete as JSON: ``kv_transfer_params_json`` when set,
+    else the typed (legacy) ``kv_transfer_params`` (remote host and port: the only form some servicer
+    versions send), else None."""
+    if c.HasField("kv_transfer_params_json"):
+        return str(c.kv_transfer_params_json)
+    if c.HasField("kv_transfer_params"):
+        t = c.kv_transfer_params
+        if t.remote_host or t.remote_port:
+            return json.dumps({"remote_host": t.remote_host, "remote_port": int(t.remote_port)})
+    return None
+
+
 def decode_response(resp: Any) -> EngineEvent | None:
     """A GenerateResponse of either engine -> EngineChunk / EngineComplete (None if empty)."""
     return _decode(resp, resp.WhichOneof("response"))
@@ -58,11 +73,7 @@ def _decode(resp: Any, kind: str | None) -> EngineEvent | None:
     if kind == "complete":
         c = resp.complete
         stop = c.WhichOneof("matched_stop")
-        kv = (
-            c.kv_transfer_params_json
-            if type(c) in _KV_COMPLETE and c.HasField("kv_transfer_params_json")
-            else None
-        )
+        kv = _kv_transfer_json(c) if type(c) in _KV_COMPLETE else None
         return EngineComplete(
             c.index,
             c.finish_reason or "stop",
@@ -197,7 +208,19 @@ def _append(out: list[EngineEvent], ev: EngineEvent) -> None:
             last.logprobs = [*lps, *ev.logprobs]
 
 
-def decode_model_info(resp: Any) -> ModelInfo:
+def decode_model_info(resp: Any, server: ServerInfo | None = None) -> ModelInfo:
+    """A GetModelInfoResponse. With ``server`` (an SGLang worker's GetServerInfo): SGLang's servicers
+    (SMG's and SGLang's in-tree one) fill ``max_context_length`` from the KV pool size
+    (``max_total_num_tokens``), not from the model's context window; that number becomes
+    ``kv_capacity_tokens`` and the context is what the server's arguments say (``context_length``),
+    0 (unknown: the node's configured or the tokenizer's) when they say nothing."""
+    info = _model_info(resp)
+    if server is None:
+        return info
+    return replace(info, max_context_length=server.context_length, kv_capacity_tokens=info.max_context_length)
+
+
+def _model_info(resp: Any) -> ModelInfo:
     bos = int(resp.bos_token_id)
     return ModelInfo(
         served_model_name=resp.served_model_name,
@@ -229,6 +252,7 @@ def decode_server_info(resp: Any, kind: str) -> ServerInfo:
             version=resp.sglang_version,
             active_requests=resp.active_requests,
             max_total_num_tokens=resp.max_total_num_tokens,
+            context_length=_struct_int(resp.server_args, "context_length"),
             extra={"server_type": resp.server_type},
         )
     return ServerInfo(
@@ -236,6 +260,15 @@ def decode_server_info(resp: Any, kind: str) -> ServerInfo:
         active_requests=resp.active_requests,
         extra={"server_type": resp.server_type, "kv_role": resp.kv_role, "kv_connector": resp.kv_connector},
     )
+
+
+def _struct_int(st: Any, key: str) -> int:
+    """A positive whole number under ``key`` of a google.protobuf.Struct, else 0 (absent, null, other)."""
+    f = st.fields.get(key) if st is not None else None
+    if f is None or f.WhichOneof("kind") != "number_value":
+        return 0
+    v = f.number_value
+    return int(v) if v > 0 and v == int(v) else 0
 
 
 def decode_loads(resp: Any) -> EngineLoad:

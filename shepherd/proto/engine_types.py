@@ -66,6 +66,8 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    choice: tuple[str, ...] | None = None  # one of these strings (vLLM: its choice constraint; SGLang: EBNF)
+    json_object: bool = False  # any JSON object (vLLM: json_object; SGLang: the schema {"type":"object"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +133,10 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     is_generation: bool = True  # False: an embedding model (the engine's GetModelInfo says so)
+    # the engine's KV pool in tokens when its GetModelInfo reports that in place of the context window
+    # (SGLang's servicers fill ``max_context_length`` from ``max_total_num_tokens``): a capacity figure,
+    # never a context length; 0: not reported
+    kv_capacity_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -146,7 +152,8 @@ class ServerInfo:
     kind: str  # "sglang" | "vllm" | "http"
     version: str = ""
     active_requests: int = 0
-    max_total_num_tokens: int = 0
+    max_total_num_tokens: int = 0  # the KV pool (SGLang): a capacity figure
+    context_length: int = 0  # the model's context window, when the server says (SGLang's server_args)
     extra: dict[str, object] = field(default_factory=dict)
 
 

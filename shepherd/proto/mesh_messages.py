@@ -135,11 +135,13 @@ class Packet:
     """One UDP datagram: the sender's name, then a primary message and/or piggybacked ones.
 
     ``stamp`` (``(unix_ms, seq)``, inside the sealed plaintext, so authenticated) lets receivers
-    refuse replays (``shepherd.mesh.replay``); None on packets of the older format."""
+    refuse replays (``shepherd.mesh.replay``); None on packets of the older format. ``skipped``: the
+    messages of a type this build does not know, left out of ``msgs`` (``mesh_wire``: versions)."""
 
     sender: str
     msgs: tuple[Message, ...]
     stamp: tuple[int, int] | None = None
+    skipped: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,8 +30,22 @@ or an RPC request); ``decode_rpc_reply`` reads an RPC's answer.
 
 Incarnations are bounded by ``MAX_INCARNATION`` (2^63 - 1) on decode, see there.
 
-Decoding is strict: any malformed input (bad msgpack, wrong shape or type, out-of-range value,
-unknown type code, oversized field, trailing bytes) raises ``WireError`` and nothing else.
+Versions (``shepherd.proto.wire_version``: the scheme and the upgrade rule): ``VERSION`` above is the
+one msgpack integer ``major << 4 | minor`` (``1`` = 0.1, what builds before versioning sent too). A
+decoder accepts its major with a minor at most one away from its own; it refuses anything else as a
+whole with ``WireVersionError`` (a ``WireError`` with the refusal's ``reason``). Within an accepted
+version it **skips what it does not know**: a message whose type code it does not know is left out of
+``Packet.msgs`` (counted in ``Packet.skipped``), and every array above (packet, message, push-pull
+state, member, RPC frame) may carry fields after the ones listed, which are ignored. A field is only
+ever added at an array's end and must be optional (absent in packets of the previous minor); it may
+be any msgpack value but a map or an extension type (decoders of 0.1 refuse those anywhere). The
+test build of the next minor (``wire_version.set_test_next``) sends ``MINOR + 1``, one extra field at
+the end of every array (``TEST_NEXT_FIELD``) and one extra message type per packet when it fits
+(``[TEST_NEXT, minor]``), so the rolling-upgrade scenario exercises both rules.
+
+Decoding is otherwise strict: any malformed input (bad msgpack, wrong shape or type, out-of-range
+value, a known message with missing fields, oversized field, trailing bytes) raises ``WireError`` and
+nothing else.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
+from shepherd.proto import wire_version
 from shepherd.proto.mesh_messages import (
     MAX_META_LEN,
     MAX_NAME_LEN,
@@ -64,7 +79,8 @@ from shepherd.proto.mesh_messages import (
     User,
 )
 
-VERSION = 1
+VERSION = wire_version.version_byte(wire_version.MAJOR, wire_version.MINOR)
+"""What this build sends first in every array (a test-next build sends ``wire_version.encode()``)."""
 MAX_PACKET_BYTES = 65_507
 MAX_PUSH_PULL_BYTES = 64 * 1024 * 1024
 MAX_HOST_LEN = 255
@@ -79,6 +95,11 @@ MAX_PUSH_PULL_MEMBERS = 65_536
 
 PING, PING_REQ, ACK, NACK, ALIVE, SUSPECT, DEAD, USER = 1, 2, 3, 4, 5, 6, 7, 8
 RPC_REQUEST, RPC_REPLY = 16, 17  # TCP frame kinds (a push-pull state has a bool in their place)
+TEST_NEXT = 100
+"""Type code of the extra message the next-minor test build sends (a receiver of this minor skips it)."""
+TEST_NEXT_FIELD = 1
+"""The extra trailing field the next-minor test build appends to every array."""
+MAX_TOP_FIELDS = 16  # fields of a packet / state / frame array, known ones and later additions
 MAX_RPC_ERROR_LEN = 256
 
 _ARRAY16_HEADER = 3  # bytes of a msgpack array header for 16..65535 items
@@ -86,6 +107,22 @@ _ARRAY16_HEADER = 3  # bytes of a msgpack array header for 16..65535 items
 
 class WireError(ValueError):
     """Malformed mesh bytes (the only exception decoding raises), or a message that cannot fit."""
+
+
+class WireVersionError(WireError):
+    """A version this node refuses (``reason``: one of ``wire_version.REFUSAL_REASONS``)."""
+
+    def __init__(self, err: wire_version.VersionError) -> None:
+        super().__init__(str(err))
+        self.reason: wire_version.RefusalReason = err.reason
+        self.version = err.version
+
+
+def _next_extra(fields: list[Any]) -> list[Any]:
+    """``fields`` with the test-next build's extra trailing field (unchanged otherwise)."""
+    if wire_version.is_test_next():
+        fields.append(TEST_NEXT_FIELD)
+    return fields
 
 
 # ---------------------------------------------------------------------------------------- encoding
@@ -118,11 +155,18 @@ def _fields(msg: Message) -> list[Any]:
     raise WireError(f"not a mesh message: {msg!r}")
 
 
-@functools.lru_cache(maxsize=8192)
 def encode_msg(msg: Message) -> bytes:
     """One message as msgpack bytes (cached: broadcasts are re-sent several times)."""
+    return _encode_msg(msg, wire_version.is_test_next())
+
+
+@functools.lru_cache(maxsize=8192)
+def _encode_msg(msg: Message, test_next: bool) -> bytes:
+    fields = _fields(msg)
+    if test_next:
+        fields.append(TEST_NEXT_FIELD)
     try:
-        return msgpack.packb(_fields(msg), use_bin_type=True)  # type: ignore[no-any-return]
+        return msgpack.packb(fields, use_bin_type=True)  # type: ignore[no-any-return]
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError(f"cannot encode {type(msg).__name__}: {e}") from e
 
@@ -138,7 +182,10 @@ _STAMP_BYTES = 18  # two msgpack uint64 at most
 def packet_overhead(sender: str) -> int:
     """Bytes a packet adds around its messages (an upper bound: assumes a 16-bit array header and a
     replay stamp)."""
-    n: int = 1 + 1 + len(msgpack.packb(sender)) + _ARRAY16_HEADER + _STAMP_BYTES
+    version = len(msgpack.packb(wire_version.encode()))
+    n: int = 1 + version + len(msgpack.packb(sender)) + _ARRAY16_HEADER + _STAMP_BYTES
+    if wire_version.is_test_next():
+        n += len(msgpack.packb(TEST_NEXT_FIELD))
     return n
 
 
@@ -164,7 +211,11 @@ def encode_packet(
         if not all(type(v) is int and 0 <= v <= MAX_STAMP_VALUE for v in stamp) or len(stamp) != 2:
             raise WireError(f"bad packet stamp {stamp!r}")
         tail = msgpack.packb(stamp[0]) + msgpack.packb(stamp[1])
-    head: bytes = (b"\x95" if stamp is not None else b"\x93") + msgpack.packb(VERSION) + msgpack.packb(sender)
+    test_next = wire_version.is_test_next()
+    if test_next and stamp is not None:
+        tail += msgpack.packb(TEST_NEXT_FIELD)
+    arity = (6 if test_next else 5) if stamp is not None else 3
+    head: bytes = bytes([0x90 | arity]) + msgpack.packb(wire_version.encode()) + msgpack.packb(sender)
     free = budget - len(head) - _ARRAY16_HEADER - len(tail)
     parts: list[bytes] = []
     for i, msg in enumerate(msgs[:MAX_PACKET_MSGS]):
@@ -175,26 +226,35 @@ def encode_packet(
             continue
         free -= len(b)
         parts.append(b)
+    if test_next and len(parts) < MAX_PACKET_MSGS:
+        extra = msgpack.packb([TEST_NEXT, wire_version.speaks()[1]])
+        if len(extra) <= free:
+            parts.append(extra)
     return head + _array_header(len(parts)) + b"".join(parts) + tail
 
 
 def encode_push_pull(state: PushPullState) -> bytes:
-    members = [[m.name, m.host, m.port, _inc(m.incarnation), int(m.state), m.meta] for m in state.members]
+    members = [
+        _next_extra([m.name, m.host, m.port, _inc(m.incarnation), int(m.state), m.meta])
+        for m in state.members
+    ]
     try:
         return msgpack.packb(  # type: ignore[no-any-return]
-            [VERSION, state.join, members, state.user_state], use_bin_type=True
+            _next_extra([wire_version.encode(), state.join, members, state.user_state]), use_bin_type=True
         )
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError(f"cannot encode push-pull state: {e}") from e
 
 
 def encode_rpc_request(req: RpcRequest) -> bytes:
-    return msgpack.packb([VERSION, RPC_REQUEST, bytes(req.payload)], use_bin_type=True)  # type: ignore[no-any-return]
+    fields = _next_extra([wire_version.encode(), RPC_REQUEST, bytes(req.payload)])
+    return msgpack.packb(fields, use_bin_type=True)  # type: ignore[no-any-return]
 
 
 def encode_rpc_reply(rep: RpcReply) -> bytes:
     """An RPC answer; an over-long ``error`` is cut to ``MAX_RPC_ERROR_LEN`` characters."""
-    fields = [VERSION, RPC_REPLY, int(rep.status), bytes(rep.payload), str(rep.error)[:MAX_RPC_ERROR_LEN]]
+    fields = [wire_version.encode(), RPC_REPLY, int(rep.status), bytes(rep.payload)]
+    fields = _next_extra([*fields, str(rep.error)[:MAX_RPC_ERROR_LEN]])
     return msgpack.packb(fields, use_bin_type=True)  # type: ignore[no-any-return]
 
 
@@ -244,9 +304,19 @@ def _bool(v: Any) -> bool:
 
 
 def _list(v: Any, n: int | None = None, max_len: int = MAX_PACKET_MSGS) -> list[Any]:
-    if type(v) is not list or (n is not None and len(v) != n) or len(v) > max_len:
+    """An array of at most ``max_len`` items, and at least ``n`` (later fields are a newer minor's)."""
+    if type(v) is not list or (n is not None and len(v) < n) or len(v) > max_len:
         raise WireError("bad array")
+    if n is not None and len(v) > n and wire_version.is_strict():
+        raise WireError("bad array: extra fields (STRICT_WIRE)")
     return v
+
+
+def _version(v: Any) -> tuple[int, int]:
+    try:
+        return wire_version.check(v)
+    except wire_version.VersionError as e:
+        raise WireVersionError(e) from None
 
 
 def _name(v: Any) -> str:
@@ -268,12 +338,20 @@ def _node(name: Any, host: Any, port: Any) -> NodeAddr:
 _ARITY = {PING: 6, PING_REQ: 9, ACK: 2, NACK: 2, ALIVE: 6, SUSPECT: 4, DEAD: 4, USER: 2}
 
 
-def _decode_msg(raw: Any, max_payload: int) -> Message:
+def _decode_msg(raw: Any, max_payload: int) -> Message | None:
+    """A message, or None for a type code this build does not know (skipped); fields after the known
+    ones are ignored."""
     if type(raw) is not list or not raw:
         raise WireError("message is not a non-empty array")
     kind = raw[0]
-    if type(kind) is not int or kind not in _ARITY or len(raw) != _ARITY[kind]:
-        raise WireError(f"bad message type/arity {kind!r}")
+    if type(kind) is not int or not 0 <= kind <= 255:
+        raise WireError(f"bad message type {kind!r:.20}")
+    if kind not in _ARITY:
+        if wire_version.is_strict():
+            raise WireError(f"unknown message type {kind} (STRICT_WIRE)")
+        return None
+    if len(raw) < _ARITY[kind] or (wire_version.is_strict() and len(raw) != _ARITY[kind]):
+        raise WireError(f"message type {kind} with {len(raw)} fields < {_ARITY[kind]}")
     f = raw
     if kind == PING:
         return Ping(_int(f[1], MAX_SEQ), _name(f[2]), _node(f[3], f[4], f[5]))
@@ -296,39 +374,43 @@ def _decode_msg(raw: Any, max_payload: int) -> Message:
 
 def decode_packet(data: bytes) -> Packet:
     """A UDP datagram's packet; ``WireError`` on anything malformed (including zero messages)."""
-    top = _list(_unpack(data, MAX_PACKET_BYTES), max_len=5)
-    if len(top) not in (3, 5):
+    top = _list(_unpack(data, MAX_PACKET_BYTES), max_len=MAX_TOP_FIELDS)
+    if len(top) < 3 or len(top) == 4 or (wire_version.is_strict() and len(top) not in (3, 5)):
         raise WireError("bad packet arity")
-    if _int(top[0], 255) != VERSION:
-        raise WireError(f"unsupported version {top[0]}")
+    _version(top[0])
     sender = _str(top[1], MAX_NAME_LEN, allow_empty=True)
     raws = _list(top[2])
     if not raws:
         raise WireError("empty packet")
-    stamp = (_int(top[3], MAX_STAMP_VALUE), _int(top[4], MAX_STAMP_VALUE)) if len(top) == 5 else None
-    return Packet(sender, tuple(_decode_msg(r, MAX_PACKET_BYTES) for r in raws), stamp)
+    stamp = (_int(top[3], MAX_STAMP_VALUE), _int(top[4], MAX_STAMP_VALUE)) if len(top) >= 5 else None
+    msgs = [_decode_msg(r, MAX_PACKET_BYTES) for r in raws]
+    known = tuple(m for m in msgs if m is not None)
+    return Packet(sender, known, stamp, len(msgs) - len(known))
 
 
 def decode_push_pull(data: bytes, max_bytes: int = MAX_PUSH_PULL_BYTES) -> PushPullState:
-    return _push_pull(_list(_unpack(data, max_bytes), 4), max_bytes)
+    return _push_pull(_list(_unpack(data, max_bytes), 4, max_len=MAX_TOP_FIELDS), max_bytes)
 
 
 def decode_tcp_request(data: bytes, max_bytes: int = MAX_PUSH_PULL_BYTES) -> PushPullState | RpcRequest:
     """What a push-pull server receives: a push-pull state or an RPC request (by the frame kind)."""
-    top = _list(_unpack(data, max_bytes), max_len=5)
-    if len(top) == 3 and type(top[1]) is int and top[1] == RPC_REQUEST:
-        if _int(top[0], 255) != VERSION:
-            raise WireError(f"unsupported version {top[0]}")
+    top = _list(_unpack(data, max_bytes), max_len=MAX_TOP_FIELDS)
+    strict = wire_version.is_strict()
+    if len(top) < 3:
+        raise WireError("neither a push-pull state nor an RPC request")
+    if type(top[1]) is int:  # a frame kind (a push-pull state has its join bool here)
+        _version(top[0])
+        if top[1] != RPC_REQUEST or (strict and len(top) != 3):
+            raise WireError(f"unknown TCP frame kind {top[1]}")
         return RpcRequest(_bytes(top[2], max_bytes))
-    if len(top) != 4:
+    if len(top) < 4 or (strict and len(top) != 4):
         raise WireError("neither a push-pull state nor an RPC request")
     return _push_pull(top, max_bytes)
 
 
 def decode_rpc_reply(data: bytes, max_bytes: int = MAX_PUSH_PULL_BYTES) -> RpcReply:
-    top = _list(_unpack(data, max_bytes), 5)
-    if _int(top[0], 255) != VERSION:
-        raise WireError(f"unsupported version {top[0]}")
+    top = _list(_unpack(data, max_bytes), 5, max_len=MAX_TOP_FIELDS)
+    _version(top[0])
     if type(top[1]) is not int or top[1] != RPC_REPLY:
         raise WireError(f"not an RPC reply: kind {top[1]!r:.20}")
     status = RpcStatus(_int(top[2], max(RpcStatus)))
@@ -336,8 +418,7 @@ def decode_rpc_reply(data: bytes, max_bytes: int = MAX_PUSH_PULL_BYTES) -> RpcRe
 
 
 def _push_pull(top: list[Any], max_bytes: int) -> PushPullState:
-    if _int(top[0], 255) != VERSION:
-        raise WireError(f"unsupported version {top[0]}")
+    _version(top[0])
     join = _bool(top[1])
     members: list[Member] = []
     for raw in _list(top[2], max_len=MAX_PUSH_PULL_MEMBERS):

@@ -19,6 +19,7 @@ __all__ = [
     "fast_bpe",
     "fast_bpe_core",
     "fast_decode",
+    "heap",
     "pool",
     "pool_worker",
     "service",

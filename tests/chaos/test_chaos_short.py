@@ -1,5 +1,6 @@
 """The chaos suite's short subset, end to end: a real fleet (3 nodes, 2 mock engines, HAProxy), one network
-namespace each; a node crash, a rolling restart and the partition primitives (``python -m chaos.run short``).
+namespace each; a node crash, a rolling restart, the partition primitives and, on a 3-node SWIM mesh, a 2 | 1
+partition and heal (``python -m chaos.run short``).
 
 Needs root, network namespaces and chaos/install.sh's packages. Without them it is skipped with the reason,
 unless CI=true: then it installs the packages (chaos/install.sh) and must run.
@@ -61,5 +62,5 @@ def test_short_subset(tmp_path: Path) -> None:
     print(text)
     assert proc.returncode == 0, f"chaos.run short failed ({proc.returncode}):\n{out}\n{text}"
     assert not left, f"namespaces left behind: {left}"
-    for name in ("node_crash", "rolling_restart", "partition_primitives"):
+    for name in ("node_crash", "rolling_restart", "partition_primitives", "mesh_partition_2_1"):
         assert f"| {name} | passed |" in text

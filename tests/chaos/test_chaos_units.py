@@ -25,11 +25,21 @@ from chaos.loadgen import (
     RequestRecord,
     TurnRecord,
     conversation_words,
+    stream_outcome,
 )
 from chaos.mesh_watch import DOWN_STATES, MeshWatch, ViewChange, all_alive, parse_members
 from chaos.report import ScenarioResult, Table, percentile, render_markdown, routed_around_s, summarize
 from chaos.run import groups, select
 from chaos.scenarios import mesh
+from chaos.scenarios.base import (
+    RSS_GROWTH_BOUND_MB,
+    RSS_GROWTH_MARGIN_MB,
+    RSS_GROWTH_README_MB,
+    check_memory,
+    check_traffic_flowed,
+)
+from shepherd.mesh import faults as node_faults
+from shepherd.node.openai.sse import error_event
 
 
 def rec(
@@ -202,7 +212,9 @@ async def test_delay_proxy_forwards_and_delays_on_loopback() -> None:
 
 def test_short_subset_and_mesh_scenarios() -> None:
     short = [s.name for s in scenarios.short()]
-    assert set(short) == {"node_crash", "rolling_restart", "partition_primitives"}
+    # the test suite's subset runs one scenario with the mesh on
+    assert set(short) == {"node_crash", "rolling_restart", "partition_primitives", "mesh_partition_2_1"}
+    assert any(s.spec.mesh for s in scenarios.short())
     mesh_scenarios = {
         "mesh_partition_2_1",
         "mesh_partition_3_2",
@@ -211,10 +223,17 @@ def test_short_subset_and_mesh_scenarios() -> None:
         "mesh_detection_convergence",
         "mesh_ratelimit_over_admission",
         "mesh_cache_affinity_failover",
+        "mesh_wire_upgrade",
     }
     for name in mesh_scenarios:
         s = scenarios.REGISTRY[name]
-        assert s.fn is not None and not s.todo and s.spec.mesh and not s.short and s.must_hold
+        assert s.fn is not None and not s.todo and s.spec.mesh and s.must_hold
+        assert s.short == (name == "mesh_partition_2_1")
+    # every mesh scenario names the fault it catches (python -m chaos.run --prove-can-fail), a known one
+    assert mesh_scenarios <= set(mesh.CATCHES)
+    for name, fault in mesh.CATCHES.items():  # (other mesh scenarios list theirs too)
+        assert name in scenarios.REGISTRY and scenarios.REGISTRY[name].spec.mesh
+        assert fault in node_faults.KNOWN
     assert scenarios.REGISTRY["mesh_partition_3_2"].spec.nodes == 5
     assert "--rate-limit-rpm" in scenarios.REGISTRY["mesh_ratelimit_over_admission"].spec.node_args
     affinity_spec = scenarios.REGISTRY["mesh_cache_affinity_failover"].spec
@@ -321,6 +340,16 @@ def test_bounds_follow_the_nodes_swim_defaults() -> None:
     assert mesh.detect_bound_s(3) == mesh.DETECT_BOUND_3_S and lo3 == mesh.SUSPICION_MIN_S
     assert mesh.CONVERGE_BOUND_S == mesh.PUSH_PULL_S + 2.0
     assert mesh.SLOW_PAUSE_S < mesh.SUSPICION_MIN_S  # the slow node must not be declared dead
+    # the checked bounds are the README's figures plus a margin, and within what SWIM allows at all: the
+    # README figure is no faster than a suspicion can end, and the check is tighter than the SWIM worst case
+    assert mesh.DETECT_CHECK_N3_S == mesh.README_DETECT_N3_S + mesh.DETECT_MARGIN_S
+    assert mesh.SUSPICION_MIN_S < mesh.README_DETECT_N3_S < mesh.DETECT_CHECK_N3_S < mesh.DETECT_BOUND_3_S
+    lo5 = cfg.suspicion_bounds(5)[0]
+    two_of_k = mesh.suspicion_timeout_s(5, 2)  # a 3 | 2 partition: 2 of the k confirmations
+    assert lo5 < two_of_k < mesh.README_DETECT_3_2_S < mesh.DETECT_CHECK_3_2_S < mesh.detect_bound_s(5, 2)
+    assert mesh.detect_check_s(3, 1) == mesh.DETECT_CHECK_N3_S
+    assert mesh.detect_check_s(5, 2) == mesh.DETECT_CHECK_3_2_S
+    assert 0 < mesh.RL_MIN_RATIO < mesh.README_RL_WORST_RATIO <= 1.0 < 1 + mesh.RL_OVER_BAR
     assert mesh.detect_bound_s(3) < mesh.PAUSE_LONG_S  # the long pause must be
 
 
@@ -568,3 +597,96 @@ def test_mesh_watch_replays_when_a_view_first_held() -> None:
     assert watch.when(both, 2.5) == 1.0
     assert watch.when(both, 0.0) == 1.1  # b's view came in at 1.1
     assert watch.when(both, 2.5, until=3.0) is None
+
+
+# ---- a stream is OK only when it completed without an error event ------
+
+CHUNK = b'data: {"id":"c","object":"chat.completion.chunk","choices":[{"delta":{"content":"hi"}}]}\n\n'
+# the node's error_event (shepherd/node/openai/sse.py) as it ends a failed engine stream
+ERROR_EVENT = error_event("The worker's stream failed.", code="engine_error")
+DONE = b"data: [DONE]\n\n"
+
+
+def test_stream_outcome_sees_error_events_and_truncation() -> None:
+    assert stream_outcome(CHUNK + CHUNK + DONE) is None
+    assert stream_outcome(b": keep-alive\n\n" + CHUNK.replace(b"\n\n", b"\r\n\r\n") + DONE) is None
+    # the node's way of ending an engine failure mid-stream: an error event, then [DONE]: a loss
+    assert stream_outcome(CHUNK + ERROR_EVENT + DONE) == "stream_error"
+    assert stream_outcome(ERROR_EVENT + DONE) == "stream_error"
+    assert stream_outcome(CHUNK + b"event: error\ndata: {}\n\n" + DONE) == "stream_error"
+    assert stream_outcome(CHUNK) == "stream_incomplete"  # cut before [DONE]
+    assert stream_outcome(CHUNK + DONE + CHUNK) == "stream_incomplete"  # [DONE] is not the last event
+    assert stream_outcome(DONE + DONE) == "stream_bad_event"
+    assert stream_outcome(b'data: {"choices":[\n\n' + DONE) == "stream_bad_event"  # a torn chunk
+    assert stream_outcome(b"data: [1]\n\n" + DONE) == "stream_bad_event"
+    assert stream_outcome(DONE) == "stream_empty"  # no chunk at all
+    assert stream_outcome(b"") == "stream_incomplete"
+
+
+async def test_load_generator_counts_a_stream_ending_in_an_error_event_as_failed() -> None:
+    from aiohttp import web
+
+    bodies = {"/ok": CHUNK + DONE, "/err": CHUNK + ERROR_EVENT + DONE}
+
+    async def handler(request: web.Request) -> web.Response:
+        base = request.path.removesuffix("/v1/chat/completions")
+        return web.Response(body=bodies[base], content_type="text/event-stream")
+
+    app = web.Application()
+    app.router.add_post("/{base}/v1/chat/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        out = {}
+        for base in bodies:
+            gen = LoadGenerator(
+                LoadSpec(url=f"http://127.0.0.1:{port}{base}", rate=200.0, retries=1, stream_fraction=1.0)
+            )
+            gen.start()
+            snapshot = gen.snapshot
+            await _until(lambda: len(snapshot()) >= 4)  # noqa: B023 - awaited within the iteration
+            out[base] = await asyncio.to_thread(gen.stop)
+    finally:
+        await runner.cleanup()
+    assert len(out["/ok"]) >= 4 and all(r.stream and r.ok and r.attempts == 1 for r in out["/ok"])
+    assert len(out["/err"]) >= 4
+    for r in out["/err"]:  # a 200 whose stream carried an error event: failed, retried, failed again
+        assert r.stream and not r.ok and r.status == 200 and r.attempts == 2
+        assert r.first_error == r.error == "stream_error"
+    assert summarize(out["/err"]).failed == len(out["/err"])
+
+
+# ---- traffic flowed; memory growth per scenario ------
+
+
+def test_traffic_flowed_check_fails_without_traffic_or_with_skips() -> None:
+    def run(launched: int, skipped: int, due: float) -> list[bool]:
+        r = ScenarioResult("x", "x", "running")
+        check_traffic_flowed(r, launched=launched, skipped=skipped, due=due)
+        return [c.ok for c in r.checks]
+
+    assert run(400, 0, 400.0) == [True, True]
+    assert run(0, 0, 0.0) == [False, True]  # nothing sent: the scenario's checks would be vacuous
+    assert run(100, 0, 400.0) == [False, True]  # the generator stalled
+    assert run(400, 3, 400.0) == [True, False]  # launches skipped at the in-flight cap
+
+
+def test_memory_check_is_per_scenario_and_bounded_by_the_readme_figure() -> None:
+    mb = 2**20
+    log = {("node-1", 10): [(0.0, 100 * mb), (5.0, 150 * mb), (10.0, 150 * mb), (11.0, 150 * mb + mb // 2)]}
+    r = ScenarioResult("x", "x", "running")
+    check_memory(log, r, since=9.0)  # the earlier growth belongs to an earlier scenario
+    assert [c.ok for c in r.checks] == [True] and r.figures["node_rss_growth_mb_max"] == 0.5
+    r = ScenarioResult("x", "x", "running")
+    check_memory(log, r, since=0.0)  # 50.5 MB over the scenario: far over 0.1 MB + the margin
+    assert [c.ok for c in r.checks] == [False]
+    r = ScenarioResult("x", "x", "running")
+    check_memory(log, r, since=0.0, bound_mb=60.0)
+    assert [c.ok for c in r.checks] == [True]
+    r = ScenarioResult("x", "x", "running")
+    check_memory(log, r, since=20.0)  # no node sampled twice: the check cannot pass vacuously
+    assert [c.ok for c in r.checks] == [False]
+    assert RSS_GROWTH_BOUND_MB == RSS_GROWTH_README_MB + RSS_GROWTH_MARGIN_MB < 96

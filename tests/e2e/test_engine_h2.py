@@ -132,7 +132,8 @@ async def test_non_stream_with_two_choices(engine: MockEngineProc, kind: str) ->
         flushed(engine)
         want = await collect(g, request(f"n2-{kind}", tokens=6, stream=False, n=2))
     assert got == want
-    assert sorted(e.index for e in got) == [0, 1]
+    # SMG's SGLang servicer numbers no choice without streaming (the mock imitates it): both say 0
+    assert sorted(e.index for e in got) == ([0, 0] if kind == "sglang" else [0, 1])
     assert all(isinstance(e, EngineComplete) and len(e.output_ids) == 6 for e in got)
 
 

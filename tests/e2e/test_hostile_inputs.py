@@ -142,6 +142,17 @@ def settle(engine: MockEngineProc, http: httpx.Client) -> dict[str, Any]:
     return stats
 
 
+def saw_abort(engine: MockEngineProc, http: httpx.Client, rid: str) -> bool:
+    """Did the engine end a request of ``rid`` early (an Abort RPC or a cancelled stream)? Bounded wait:
+    the node's abort travels in the background."""
+    for _ in range(100):
+        stats = http.get(f"{engine.http_url}/mock/stats").json()
+        if any(str(a).startswith(rid) for a in stats["aborted"]):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def assert_intact(
     node: NodeProc, engine: MockEngineProc, http: httpx.Client, auth: str | None = ADMIN
 ) -> None:
@@ -273,7 +284,7 @@ CASES: list[Case] = [
         "nesting-900-extra-field", CHAT, msgs({"role": "user", "content": "hi", "x": nested_list(900)}), 200
     ),
     # -- model
-    Case("model-missing", CHAT, {"messages": MSGS}, 400, "invalid_type"),
+    Case("model-missing", CHAT, {"messages": MSGS}, 400, "missing_model"),  # several models served
     Case("model-int", CHAT, chat(model=5), 400, "invalid_type"),
     Case("model-list", COMP, comp(model=["qwen3"], prompt="a"), 400, "invalid_type"),
     Case("model-unknown-chat", CHAT, chat(model="nope"), 404, "model_not_found"),
@@ -1034,7 +1045,7 @@ def node_in_flight(node: NodeProc, http: httpx.Client) -> int:
     """HTTP requests the node is still handling, once it had time to notice closed connections."""
     n = 0
     for _ in range(100):  # bounded
-        n = http.get(node.url + "/health").json()["in_flight"] - 1  # not the /health request itself
+        n = http.get(node.url + "/health").json()["in_flight"]  # inference requests: not /health itself
         if n == 0:
             break
         time.sleep(0.05)
@@ -1132,13 +1143,18 @@ STREAMS = [
 def test_disconnect_mid_stream(
     path: str, body: dict[str, Any], node: NodeProc, engine: MockEngineProc, http: httpx.Client
 ) -> None:
+    rid = f"hostile-dc-{time.time_ns()}"
+    headers = {"authorization": ADMIN, "x-request-id": rid}
     with (
         httpx.Client(timeout=30) as c,
-        c.stream("POST", node.url + path, json=body, headers={"authorization": ADMIN}) as r,
+        c.stream("POST", node.url + path, json=body, headers=headers) as r,
     ):
         assert r.status_code == 200
         first = next(r.iter_raw())
         assert first.startswith(b"data: {")
+        assert b"[DONE]" not in first  # 400 tokens to go: the client leaves mid-stream
+    # the disconnect happened and reached the engine: it ended this very request early
+    assert saw_abort(engine, http, rid), f"the engine saw no abort of {rid}"
     assert_intact(node, engine, http)  # the engine request was aborted, not left running
 
 
@@ -1146,10 +1162,11 @@ def test_disconnect_mid_stream(
 def test_disconnect_non_stream(
     path: str, body: dict[str, Any], node: NodeProc, engine: MockEngineProc, http: httpx.Client
 ) -> None:
-    with contextlib.suppress(httpx.TimeoutException):
-        httpx.post(
-            node.url + path, json={**body, "stream": False}, headers={"authorization": ADMIN}, timeout=0.3
-        )
+    rid = f"hostile-dc-{time.time_ns()}"
+    headers = {"authorization": ADMIN, "x-request-id": rid}
+    with pytest.raises(httpx.TimeoutException):  # 400 tokens take longer: the client gives up (disconnects)
+        httpx.post(node.url + path, json={**body, "stream": False}, headers=headers, timeout=0.3)
+    assert saw_abort(engine, http, rid), f"the engine saw no abort of {rid}"
     assert_intact(node, engine, http)
 
 
@@ -1161,8 +1178,11 @@ def test_disconnect_before_first_token(
     assert (
         http.post(f"{engine.http_url}/mock/faults", json={"hang_before_first_token": True}).status_code < 300
     )
-    with contextlib.suppress(httpx.TimeoutException):
-        httpx.post(node.url + CHAT, json=chat(stream=stream), headers={"authorization": ADMIN}, timeout=0.3)
+    rid = f"hostile-dc-{time.time_ns()}"
+    headers = {"authorization": ADMIN, "x-request-id": rid}
+    with pytest.raises(httpx.TimeoutException):  # the engine hangs: the client gives up (disconnects)
+        httpx.post(node.url + CHAT, json=chat(stream=stream), headers=headers, timeout=0.3)
+    assert saw_abort(engine, http, rid), f"the engine saw no abort of {rid}"
     assert (
         http.post(f"{engine.http_url}/mock/faults", json={"hang_before_first_token": False}).status_code < 300
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import signal
 import socket
 import threading
@@ -64,7 +65,7 @@ def in_flight(node: NodeProc) -> int:
     """Requests the node still handles (bounded polling: disconnects are noticed asynchronously)."""
     n = 0
     for _ in range(100):
-        n = int(httpx.get(node.url + "/health", timeout=5).json()["in_flight"]) - 1
+        n = int(httpx.get(node.url + "/health", timeout=5).json()["in_flight"])  # /health is not counted
         if n == 0:
             break
         time.sleep(0.05)
@@ -99,14 +100,19 @@ def test_both_servers_give_the_same_answers(nodes: dict[str, NodeProc]) -> None:
 @pytest.mark.parametrize("server", SERVERS)
 def test_headers_and_envelopes(nodes: dict[str, NodeProc], server: str) -> None:
     url = nodes[server].url
+    t0 = time.perf_counter()
     r = httpx.post(
         url + "/v1/chat/completions",
         json={"model": "qwen3", "messages": MSGS, "max_tokens": 2},
         headers={"x-request-id": "front-1"},
         timeout=30,
     )
+    waited_ms = (time.perf_counter() - t0) * 1000
     assert r.status_code == 200 and r.headers["x-request-id"] == "front-1"
-    assert float(r.headers["x-smg-gateway-ms"]) >= 0
+    # the node's own time before dispatch: milliseconds with 3 decimals, > 0, within what the client waited
+    gateway_ms = r.headers["x-smg-gateway-ms"]
+    assert re.fullmatch(r"\d+\.\d{3}", gateway_ms), gateway_ms
+    assert 0 < float(gateway_ms) < waited_ms
     assert r.headers["content-type"].startswith("application/json")
     assert int(r.headers["content-length"]) == len(r.content)
     nf = httpx.get(url + "/v1/nothing", timeout=10)

@@ -237,29 +237,61 @@ def test_engine_error_is_enveloped(client: openai.OpenAI, engine: MockEngineProc
     assert body["error"]["message"]
 
 
-def test_metrics_exposed(node: NodeProc, client: openai.OpenAI) -> None:
-    client.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=2)
+def scrape(node: NodeProc) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of the node's ``/metrics``: (name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families  # optional: only these tests
+
     with urllib.request.urlopen(node.url + "/metrics") as r:
         text = r.read().decode()
-    for name in (
-        "smg_requests_total",
-        "smg_time_to_first_token_seconds",
-        "smg_inter_token_latency_seconds",
-        "smg_tokens",
-        "smg_in_flight_requests",
-        "smg_tokenizer_cache",
-        "smg_worker_healthy",
-    ):
-        assert name in text, name
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def metric(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels`` (0 when there is none)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def test_metrics_count_what_happened(node: NodeProc, client: openai.OpenAI, engine: MockEngineProc) -> None:
+    before = scrape(node)
+    r = client.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=2)
+    chunks = list(client.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=5, stream=True))
+    after = scrape(node)
+    assert r.usage is not None and chunks
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("smg_requests_total", model="qwen3", status="200") == 2
+    assert delta("smg_requests_total", status="500") == 0
+    assert delta("smg_tokens_total", model="qwen3", kind="completion") == 2 + 5
+    assert delta("smg_tokens_total", model="qwen3", kind="prompt") == 2 * r.usage.prompt_tokens
+    assert delta("smg_time_to_first_token_seconds_count", model="qwen3") == 2
+    assert delta("smg_request_duration_seconds_count", model="qwen3") == 2
+    assert delta("smg_time_to_first_token_seconds_sum", model="qwen3") > 0
+    assert delta("smg_inter_token_latency_seconds_count", model="qwen3") >= 1  # the stream's later tokens
+    assert delta("smg_tokenizer_cache_total") >= 2  # each request looked its prompt up
+    assert metric(after, "smg_in_flight_requests") == 0  # both done
+    worker = f"grpc://127.0.0.1:{engine.grpc_port}"
+    assert metric(after, "smg_worker_healthy", worker=worker) == 1
+    assert metric(after, "smg_engine_aborts_total") == metric(before, "smg_engine_aborts_total")
 
 
 def test_overhead_header(node: NodeProc) -> None:
+    t0 = time.perf_counter()
     r = httpx.post(
         node.url + "/v1/chat/completions",
         json={"model": "qwen3", "messages": MSGS, "max_tokens": 2},
         timeout=30,
     )
-    assert r.status_code == 200 and float(r.headers["x-smg-gateway-ms"]) >= 0
+    waited_ms = (time.perf_counter() - t0) * 1000
+    # the node's own time before dispatch: > 0 and a part of what the client waited (never the whole: the
+    # engine's decode of 2 tokens and the answer's transfer come after it)
+    assert r.status_code == 200 and 0 < float(r.headers["x-smg-gateway-ms"]) < waited_ms
     assert r.headers["x-request-id"]
 
 

@@ -190,6 +190,8 @@ async def test_feed_survives_an_engine_restart(slot: EngineSlot) -> None:
         await until(lambda: state.stats.failures >= 1, "the stream lost")
         records = state.stats.records
         await until(lambda: state.stats.records > records, "a new subscription", timeout=30)
+        # a health check that fell in the restart marked it unhealthy: the next one (5 s apart) brings it back
+        await until(lambda: w.health.healthy, "healthy again", timeout=30)
         second = prompt(2, 100)
         await generate(gw, "b", second, 4)
         await until(lambda: state.cursor.resets >= 1, "a reset")

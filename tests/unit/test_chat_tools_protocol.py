@@ -276,11 +276,22 @@ def test_reasoning_and_tool_call_chunks() -> None:
     assert e["choices"] == [
         {
             "index": 1,
-            "delta": {"reasoning_content": 'th"ink'},
+            "delta": {"reasoning": 'th"ink', "reasoning_content": 'th"ink'},  # --reasoning-field both
             "logprobs": {"content": []},
             "finish_reason": None,
         }
     ]
+    for field in ("reasoning", "reasoning_content"):
+        one = ChatChunks("id", 1, "m", reasoning_field=field)
+        assert _event(one.reasoning(0, "x"))["choices"][0]["delta"] == {field: "x"}
+    legacy = ChatChunks("id", 1, "m", legacy_functions=True)
+    assert _event(legacy.tool_call(0, 0, "call_1", "f"))["choices"][0]["delta"] == {
+        "function_call": {"name": "f", "arguments": ""}
+    }
+    assert _event(legacy.tool_args(0, 0, "{}"))["choices"][0]["delta"] == {
+        "function_call": {"arguments": "{}"}
+    }
+    assert _event(legacy.finish(0, "tool_calls"))["choices"][0]["finish_reason"] == "function_call"
     start = _event(c.tool_call(0, 2, "call_1", "get_weather"))["choices"][0]["delta"]
     assert start == {
         "tool_calls": [

@@ -35,6 +35,15 @@ def test_vllm_mapping() -> None:
 def test_constraints() -> None:
     assert sglang_generate(req(json_schema="{}")).sampling_params.WhichOneof("constraint") == "json_schema"
     assert vllm_generate(req(regex="a+")).sampling_params.WhichOneof("constraint") == "regex"
+    # a choice: vLLM's own constraint; SGLang has none, so the grammar vLLM builds for such backends
+    vsp = vllm_generate(req(choice=("a", 'b"'))).sampling_params
+    assert vsp.WhichOneof("constraint") == "choice" and list(vsp.choice.choices) == ["a", 'b"']
+    ssp = sglang_generate(req(choice=("a", 'b"', "c\\\n"))).sampling_params
+    assert ssp.WhichOneof("constraint") == "ebnf_grammar"
+    assert ssp.ebnf_grammar == 'root ::= "a" | "b\\"" | "c\\\\\\n"'
+    assert vllm_generate(req(json_object=True)).sampling_params.json_object is True
+    ssp = sglang_generate(req(json_object=True)).sampling_params
+    assert ssp.WhichOneof("constraint") == "json_schema" and ssp.json_schema == '{"type":"object"}'
 
 
 def test_decode_responses() -> None:

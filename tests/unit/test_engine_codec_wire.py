@@ -30,7 +30,9 @@ TEXT = st.text(max_size=12)
 
 @st.composite
 def samplings(draw: st.DrawFn) -> SamplingParams:
-    constraint = draw(st.sampled_from(["", "json_schema", "regex", "ebnf", "structural_tag"]))
+    constraint = draw(
+        st.sampled_from(["", "json_schema", "regex", "ebnf", "structural_tag", "choice", "json_object"])
+    )
     return SamplingParams(
         temperature=draw(st.floats(0, 2)),
         top_p=draw(st.floats(0, 1)),
@@ -47,6 +49,8 @@ def samplings(draw: st.DrawFn) -> SamplingParams:
         regex="a+" if constraint == "regex" else None,
         ebnf="root ::= 'a'" if constraint == "ebnf" else None,
         structural_tag="{}" if constraint == "structural_tag" else None,
+        choice=tuple(draw(st.lists(TEXT, min_size=1, max_size=3))) if constraint == "choice" else None,
+        json_object=constraint == "json_object",
     )
 
 

@@ -254,24 +254,39 @@ def test_pick_chooses_among_what_the_registry_calls_routable(
     assert picks <= want and (not want or picks)
 
 
-async def test_deadlines_expire_silent_calls_and_forget_finished_ones() -> None:
-    server = FakeServer(asyncio.get_running_loop())
+async def test_deadlines_expire_silent_calls_and_forget_finished_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # deterministic: timeouts no loop turn can reach in real time, and the loop's clock moved past them by
+    # the test (asyncio's timers and the client's deadline groups both read loop.time())
+    loop = asyncio.get_running_loop()
+    real_time = loop.time
+    skew = [0.0]
+    monkeypatch.setattr(loop, "time", lambda: real_time() + skew[0])
+    server = FakeServer(loop)
     client = client_on(server)
-    quick = client.generate_batches(request("quick"), timeout=0.05)
-    silent = client.generate_batches(request("silent"), timeout=0.05)
-    other = client.generate_batches(request("other"), timeout=0.08)  # another timeout: its own group
+    quick = client.generate_batches(request("quick"), timeout=30.0)
+    silent = client.generate_batches(request("silent"), timeout=30.0)
+    other = client.generate_batches(request("other"), timeout=30.5)  # another timeout: its own group
     got = [asyncio.ensure_future(c.__anext__()) for c in (quick, silent, other)]
     await flush()
     (sid_quick, _), (sid_silent, _), (sid_other, _) = server.requests()
     server.send(sid_quick, complete([1]), status=0)
     assert isinstance((await got[0])[0], EngineComplete)
-    for fut in got[1:]:
-        with pytest.raises(EngineTimeout):
-            await fut
+    await flush()
+    assert not got[1].done() and not got[2].done()  # nothing expires before its deadline
+    skew[0] = 30.2  # past the first group's deadline only
+    await flush()
+    assert got[1].done() and not got[2].done()
+    with pytest.raises(EngineTimeout):
+        await got[1]
+    skew[0] = 31.0  # past the second's
+    with pytest.raises(EngineTimeout):
+        await asyncio.wait_for(got[2], 10)
     await flush()
     assert sorted(server.resets()) == sorted([sid_silent, sid_other])
     # one group per timeout seen (a health check's 5 s must not push generation onto a timer per call)
-    assert sorted(client._deadlines) == [0.05, 0.08]
+    assert sorted(client._deadlines) == [30.0, 30.5]
     assert all(len(d) == 0 for d in client._deadlines.values())
 
 

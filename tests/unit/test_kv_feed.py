@@ -119,16 +119,18 @@ def test_cursor_first_batch_of_any_number_and_unnumbered() -> None:
     assert c.on_batch(0) == "apply" and c.last == 700
 
 
-def test_cursor_resets_when_the_replay_misses_or_numbers_go_back() -> None:
+def test_cursor_takes_an_unreplayed_gap_in_stride_and_resets_only_when_numbers_go_back() -> None:
     c = KvCursor()
     c.opened(1)
     c.on_batch(1)
     assert c.on_batch(9) == "resubscribe"
     c.opened(c.resume_from())
-    assert c.on_batch(9) == "reset" and c.last == 9  # asked for 2, got 9: lost
+    # asked for 2, got 9: the engine does not replay (SGLang): applied, nothing cleared
+    assert c.on_batch(9) == "gap" and c.last == 9 and not c.replays
+    assert c.on_batch(12) == "gap" and c.last == 12  # later gaps: no subscribing again for nothing
     c.opened(c.resume_from())
     assert c.on_batch(1) == "reset" and c.last == 1  # a new subscription counting from 1: restart
-    assert c.resets == 2
+    assert (c.resets, c.lost) == (1, 2)
 
 
 @settings(max_examples=200, deadline=None)
@@ -169,13 +171,14 @@ async def test_gap_resubscribes_from_the_first_missing_batch() -> None:
     await feed.close()
 
 
-async def test_unrecoverable_gap_clears_the_worker() -> None:
+async def test_unreplayed_gap_keeps_what_the_worker_holds() -> None:
     ix = PrefixIndex()
     engine = FakeEngine([[batch(1, A12), batch(5, B12)], [batch(5, B12)]])
     feed, state = await run_feed(engine, ix)
     assert engine.starts[:2] == [1, 2]
-    assert ix.match(A) == {} and ix.match(B) == {"w": 32}  # A was known only from before the gap
-    assert state.cursor.resets == 1
+    # the events in the gap are lost; what came before still stands (no needless reset)
+    assert ix.match(A) == {"w": 32} and ix.match(B) == {"w": 32}
+    assert (state.cursor.resets, state.cursor.lost) == (0, 1)
     await feed.close()
 
 
@@ -284,8 +287,12 @@ def test_blocks_of_other_sizes() -> None:
     st_ = WorkerKvState(ix, "w", lambda: 1.0)
     st_.apply(batch(1, KvBlocksStored((7,), None, tuple(A[:32]), 32)))
     assert ix.match(A) == {"w": 32}
-    st_.apply(batch(2, KvBlocksStored((8,), None, tuple(B[:8]), 8)))  # page size 8: not applied
-    assert ix.match(B) == {} and st_.unsupported_block_size == 8
+    st_.apply(batch(2, KvBlocksStored((8,), None, tuple(B[:8]), 8)))  # page size 8: half a block
+    assert ix.match(B) == {}
+    st_.apply(batch(3, KvBlocksStored((9, 10, 11), 8, tuple(B[8:32]), 8)))  # gathered into 2 blocks
+    assert ix.match(B) == {"w": 32}
+    st_.apply(batch(4, KvBlocksStored((12,), None, tuple(B[:12]), 12)))  # 12: neither: not applied
+    assert st_.unsupported_block_size == 12
 
 
 # ---- wire ------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 
 from shepherd.loadgen.benchmarks import registry
 from shepherd.loadgen.benchmarks.gateway import settings_from_args
-from shepherd.loadgen.targets import MODEL_CONFIG, extract_tokenizer
+from shepherd.loadgen.targets import MODEL_CONFIG, extract_tokenizer, mock_engine_spec
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -55,6 +55,25 @@ def test_gateway_flags() -> None:
     assert s.peers == ("smg",)
     assert s.workloads == ("stream",)
     assert s.prompt.repeat_ratio == 0.5
+
+
+def test_gateway_paced_flags_reach_the_mock_engine() -> None:
+    s = settings_from_args(parse("--no-pin"))
+    assert (s.decode_ms_per_token, s.stream_interval, s.turns) == (0.0, 1, 1)
+    burst = mock_engine_spec(1, 2, cpus=None)
+    assert "--zero-latency" in burst.argv and "--decode-ms-per-token" not in burst.argv
+    s = settings_from_args(
+        parse("--decode-ms-per-token", "5", "--stream-interval", "2", "--turns", "4", "--no-pin")
+    )
+    assert (s.decode_ms_per_token, s.stream_interval, s.turns) == (5.0, 2, 4)
+    paced = mock_engine_spec(
+        1, 2, cpus=None, decode_ms_per_token=s.decode_ms_per_token, stream_interval=s.stream_interval
+    )
+    argv = list(paced.argv)
+    assert "--zero-latency" not in argv
+    assert argv[argv.index("--decode-ms-per-token") + 1] == "5.0"
+    assert argv[argv.index("--stream-interval") + 1] == "2"
+    assert argv[argv.index("--decode-slowdown") + 1] == "0"
 
 
 @pytest.mark.parametrize("flag", ["--peers", "--targets", "--workloads"])

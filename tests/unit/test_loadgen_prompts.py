@@ -12,6 +12,7 @@ from shepherd.loadgen.http1 import RequestTemplate
 from shepherd.loadgen.prompts import (
     ChatRequestSource,
     ChatShape,
+    ConversationSource,
     PromptConfig,
     PromptFactory,
     approx_tokens,
@@ -92,8 +93,8 @@ def test_prompt_size_tracks_the_target_with_the_estimator() -> None:
 
 def test_prompt_size_with_the_real_tokenizer() -> None:
     count = load_qwen3_tokenizer()
-    if count is None:
-        pytest.skip("qwen3 tokenizer not loadable")
+    # the tokenizer is embedded in the package and `tokenizers` is a dependency: it must load (no skip)
+    assert count is not None, "the embedded qwen3 tokenizer did not load (shepherd/loadgen/prompts.py)"
     factory = PromptFactory(PromptConfig(prompt_tokens=250), count)
     sizes = [factory.rendered_prompt_tokens(i) for i in range(64, 94)]
     assert abs(sum(sizes) / len(sizes) - 250) < 25
@@ -141,3 +142,52 @@ def test_report_row_and_table() -> None:
     assert "node (3 procs)" in table
     assert "http_503:2" in table
     assert "req/s" in table.splitlines()[0]
+    # per output token: the answers' usage (3200 tokens over 100 requests)
+    assert row.output_tokens == pytest.approx(32.0)
+    assert row.gateway_cpu_us_per_token == pytest.approx(2000.0 / 32.0)
+    assert row.to_json()["gateway_cpu_us_per_token"] == pytest.approx(62.5)
+    assert "us/tok" in table.splitlines()[0]
+
+
+def conversation(turns: int = 4, window: int = 3, prompt_tokens: int = 2000) -> ConversationSource:
+    factory = PromptFactory(PromptConfig(prompt_tokens=prompt_tokens))
+    shape = ChatShape(model="m", max_tokens=64, stream=True)
+    return ConversationSource(factory, TEMPLATE, shape, turns=turns, window=window, start_index=10)
+
+
+def test_conversation_turns_resend_the_history() -> None:
+    source = conversation()
+    requests = [body_of(source.next_request()) for _ in range(12)]
+    # a window of 3 conversations, turn by turn
+    assert [source.position(i) for i in range(7)] == [
+        (10, 0), (11, 0), (12, 0), (10, 1), (11, 1), (12, 1), (10, 2)
+    ]  # fmt: skip
+    first, second, third = requests[0], requests[3], requests[6]
+    for doc in (first, second, third):
+        assert doc["model"] == "m" and doc["stream"] is True and doc["max_tokens"] == 64
+    roles = [[m["role"] for m in d["messages"]] for d in (first, second, third)]  # type: ignore[attr-defined]
+    assert roles[0] == ["system", "user"]
+    assert roles[1] == ["system", "user", "assistant", "user"]
+    assert roles[2] == ["system", "user", "assistant", "user", "assistant", "user"]
+    # each turn starts with the one before it (the caches' and prefix routing's case)
+    assert second["messages"][:2] == first["messages"]  # type: ignore[index]
+    assert third["messages"][:4] == second["messages"]  # type: ignore[index]
+    # conversations differ from each other
+    assert requests[1]["messages"][1] != first["messages"][1]  # type: ignore[index]
+    # the next window starts after this one's conversations
+    assert source.next_index == 13
+
+
+def test_conversation_mean_prompt_tracks_the_target() -> None:
+    source = conversation(turns=4, window=2, prompt_tokens=2000)
+    sizes = [source.rendered_prompt_tokens(c, t) for c in range(10, 14) for t in range(4)]
+    mean = sum(sizes) / len(sizes)
+    assert 1700 <= mean <= 2300, sizes
+    assert sizes[3] > sizes[0]  # the history grows turn by turn
+
+
+def test_conversation_validation() -> None:
+    with pytest.raises(ValueError):
+        conversation(turns=0)
+    with pytest.raises(ValueError):
+        conversation(window=0)

@@ -3,7 +3,6 @@ cleanup with callbacks, pinned workers, extra components, the Delegate contract,
 
 from __future__ import annotations
 
-import contextlib
 import random
 from collections.abc import Callable
 from typing import Any
@@ -440,8 +439,10 @@ def test_malformed_payloads_raise_one_error_type_and_change_nothing(tag: str, bo
             before = view(m)  # a well-formed payload: merged
         m.on_user(payload, "peer")  # the Delegate entry points never raise
         m.merge_remote_state(payload)
-    with contextlib.suppress(StateDecodeError):
+    try:
         m.repair(raw)
+    except StateDecodeError:
+        assert view(m) == before  # refused: nothing changed
 
 
 def test_wrong_kinds_of_payload_are_refused() -> None:
@@ -454,5 +455,7 @@ def test_wrong_kinds_of_payload_are_refused() -> None:
     with pytest.raises(StateDecodeError):
         m.repair(m.snapshot())
     with pytest.raises(StateDecodeError):
-        m.apply(msgpack.packb([2, "r", []]))
+        m.apply(msgpack.packb([0x11, "r", []]))  # another major (wire_version)
     assert m.stats.decode_errors == 2
+    m.apply(msgpack.packb([2, "zz", [], "a later field"]))  # next minor, unknown tag: skipped
+    assert (m.stats.decode_errors, m.stats.unknown_skipped) == (2, 1)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import random
 from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -168,6 +168,37 @@ def test_wire_round_trip(o: Observation) -> None:
         max_leaves=12,
     )
 )
-def test_malformed_observations_raise_one_error_type(v: Any) -> None:
-    with contextlib.suppress(StateDecodeError):
-        observation_from_wire(v)
+def test_malformed_observations_are_refused_or_round_trip(v: Any) -> None:
+    try:
+        o = observation_from_wire(v)
+    except StateDecodeError:
+        return
+    # accepted: a well-formed observation, the one its own encoding gives back
+    assert observation_from_wire(msgpack.unpackb(msgpack.packb(observation_to_wire(o)))) == o
+
+
+OBS_SAMPLE = Observation("w1", "node-a", 12345, True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_an_observation_with_one_field_changed_is_refused_or_round_trips(data: st.DataObject) -> None:
+    good = observation_to_wire(OBS_SAMPLE)
+    assert observation_from_wire(good) == OBS_SAMPLE
+    i = data.draw(st.integers(0, len(good) - 1))
+    junk = data.draw(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4))
+    bad = [*good[:i], junk, *good[i + 1 :]]
+    try:
+        o = observation_from_wire(bad)
+    except StateDecodeError:
+        return
+    assert observation_from_wire(msgpack.unpackb(msgpack.packb(observation_to_wire(o)))) == o
+    assert o != OBS_SAMPLE or junk == good[i]  # a changed field never yields the original observation
+
+
+def test_observations_of_the_wrong_shape_are_refused() -> None:
+    good = observation_to_wire(OBS_SAMPLE)
+    bads: tuple[Any, ...] = (None, 1, "x", b"x", {}, [], good[:-1], good[:1], [*good[:1], None, *good[2:]])
+    for bad in bads:
+        with pytest.raises(StateDecodeError):
+            observation_from_wire(bad)

@@ -106,11 +106,12 @@ def test_many_small_messages_use_a_16_bit_array_header() -> None:
 @pytest.mark.parametrize(
     "obj",
     [
-        [2, "a", [[3, 1]]],  # version
+        [0x11, "a", [[3, 1]]],  # another major (1.1): test_mesh_wire_version.py has the rest
+        [3, "a", [[3, 1]]],  # minor 0.3: two ahead of 0.1
         [1, "a", []],  # no messages
-        [1, "a", [[3]]],  # arity
-        [1, "a", [[3, 1, 2]]],
-        [1, "a", [[99, 1]]],  # unknown type
+        [1, "a", [[3]]],  # arity: a known message with missing fields
+        [1, "a", [[-1, 1]]],  # a type code is 0..255
+        [1, "a", [["3", 1]]],
         [1, "a", [[3, -1]]],  # negative seq
         [1, "a", [[3, 2**32]]],  # seq out of range
         [1, "a", [[3, True]]],  # bool is not an int

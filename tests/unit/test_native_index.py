@@ -3,6 +3,7 @@ scale (table growth, deletions that shift probe chains), and their edges (64-bit
 
 from __future__ import annotations
 
+import importlib
 import os
 import random
 import subprocess
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from shepherd.policies.block_names import CHAIN_SEED, NATIVE_NAMES, block_hashes, py_block_hashes
 from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
 from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig
+from tests.services import IN_CI
 
 needs_core = pytest.mark.skipif(not NATIVE_INDEX, reason="_prefixcore not built")
 
@@ -327,7 +329,12 @@ def test_a_prompt_without_a_full_block_does_not_take_a_worker_slot() -> None:
 
 @needs_core
 def test_an_insert_that_runs_out_of_memory_leaves_no_hole_and_no_excess() -> None:
-    _testcapi = pytest.importorskip("_testcapi")
+    try:  # CPython's test hooks (set_nomemory); some distributions leave them out
+        _testcapi = importlib.import_module("_testcapi")
+    except ImportError:
+        if IN_CI:
+            pytest.fail("CI=true but _testcapi (CPython's allocation-failure hooks) is missing")
+        pytest.skip("_testcapi missing: the allocation-failure test cannot run (required under CI=true)")
     from shepherd.policies._prefixcore import Core
 
     chain = list(range(7000, 7300))

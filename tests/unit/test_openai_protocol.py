@@ -67,7 +67,7 @@ def test_content_parts_flattened() -> None:
         ({"model": "m", "messages": []}, "messages"),
         ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"model": "m", "messages": [{"role": "user"}]}, "messages.0.content"),
-        ({"messages": MSG}, "model"),
+        ({"model": 7, "messages": MSG}, "model"),  # absent is fine: the gateway serves its one model
         (chat(tools=[{"type": "function"}]), "tools.0"),
         (
             {

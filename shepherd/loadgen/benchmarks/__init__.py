@@ -16,7 +16,9 @@ from dataclasses import dataclass
 MODULES = (
     "shepherd.loadgen.benchmarks.gateway",
     "shepherd.loadgen.benchmarks.routing",
+    "shepherd.loadgen.benchmarks.routing_sim",
     "shepherd.loadgen.benchmarks.mesh",
+    "shepherd.loadgen.benchmarks.mesh_scale",
     "shepherd.loadgen.benchmarks.ratelimit",
 )
 

@@ -1,4 +1,10 @@
-"""``smg-bench gateway``: a gateway's overhead over a zero-latency mock engine, beside references.
+"""``smg-bench gateway``: a gateway's overhead over a mock engine, beside references.
+
+By default the mock engine has zero latency and bursts every token at once (the node merges them
+into one batch); ``--decode-ms-per-token`` paces it as a real engine does (one message per
+``--stream-interval`` tokens, that many ms apart), and ``--turns`` sends multi-turn conversations
+whose mean rendered prompt is ``--prompt-tokens``. The table gives the gateway's CPU per request and
+per output token.
 
 For each workload (non-stream chat; streaming chat) and each concurrency, the same closed-loop load
 goes to every target in turn: ``direct`` (the mock engine's own OpenAI HTTP surface: the reference),
@@ -32,6 +38,7 @@ from shepherd.loadgen.procstat import TreeCpuTracker, TreeSample
 from shepherd.loadgen.prompts import (
     ChatRequestSource,
     ChatShape,
+    ConversationSource,
     PromptConfig,
     PromptFactory,
     load_qwen3_tokenizer,
@@ -79,6 +86,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-tokens", type=int, default=250, help="rendered prompt size (default 250)")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens, ignore_eos (default 32)")
     p.add_argument(
+        "--decode-ms-per-token",
+        type=float,
+        default=0.0,
+        help="pace the mock engine: ms between decode steps (default 0: zero latency, one burst)",
+    )
+    p.add_argument(
+        "--stream-interval", type=int, default=1, help="tokens per engine message (default 1, as SGLang)"
+    )
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="turns per conversation: each resends the history; the mean prompt is --prompt-tokens",
+    )
+    p.add_argument(
         "--repeat-ratio",
         type=float,
         default=0.0,
@@ -113,6 +135,9 @@ class Settings:
     gateway_cpus: str | None
     timeout_s: float
     node_args: tuple[str, ...] = ()
+    decode_ms_per_token: float = 0.0
+    stream_interval: int = 1
+    turns: int = 1
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -148,6 +173,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         gateway_cpus=gateway_cpus,
         node_args=tuple(shlex.split(args.node_args)),
         timeout_s=args.timeout,
+        decode_ms_per_token=max(0.0, args.decode_ms_per_token),
+        stream_interval=max(1, args.stream_interval),
+        turns=max(1, args.turns),
     )
 
 
@@ -249,7 +277,18 @@ class _Run:
         shape = ChatShape(model=MODEL, max_tokens=s.max_tokens, stream=stream)
         template = RequestTemplate(target.host, target.port, target.path, target.headers)
         # every run continues the message sequence, so no run meets messages an earlier run sent
-        source = ChatRequestSource(self.factory, template, shape, start_index=self.next_index)
+        source: ChatRequestSource | ConversationSource
+        if s.turns > 1:
+            source = ConversationSource(
+                self.factory,
+                template,
+                shape,
+                turns=s.turns,
+                window=2 * concurrency,
+                start_index=self.next_index,
+            )
+        else:
+            source = ChatRequestSource(self.factory, template, shape, start_index=self.next_index)
         sampler = _Sampler(target.gateway_pid, self.engine_pid)
         spec = LoadSpec(
             host=target.host,
@@ -273,6 +312,7 @@ class _Run:
             gateway_pss_kb=None if gw_end is None else gw_end.pss_kb,
             gateway_processes=0 if gw_end is None else len(gw_end.live_pids),
             engine_cpu_s=eng_cpu,
+            output_tokens=s.max_tokens,
         )
 
 
@@ -288,7 +328,17 @@ def _ensure_peers(peers: Sequence[str]) -> None:
 
 
 def _header(settings: Settings, factory: PromptFactory, counted_with: str) -> list[str]:
-    samples = [factory.rendered_prompt_tokens(settings.prompt.pool_size + i) for i in range(50)]
+    if settings.turns > 1:
+        conv = ConversationSource(
+            factory,
+            RequestTemplate("127.0.0.1", 1, "/", ()),
+            ChatShape(model=MODEL, max_tokens=settings.max_tokens),
+            turns=settings.turns,
+            window=1,
+        )
+        samples = [conv.rendered_prompt_tokens(c, t) for c in range(8) for t in range(settings.turns)]
+    else:
+        samples = [factory.rendered_prompt_tokens(settings.prompt.pool_size + i) for i in range(50)]
     mean_tokens = sum(samples) / len(samples)
     load = os.getloadavg() if hasattr(os, "getloadavg") else (math.nan,) * 3
     pin = (
@@ -297,7 +347,12 @@ def _header(settings: Settings, factory: PromptFactory, counted_with: str) -> li
         else "not pinned"
     )
     cfg = settings.prompt
-    if cfg.repeat_ratio > 0:
+    if settings.turns > 1:
+        repeats = (
+            f"{settings.turns}-turn conversations (each turn resends the history; rendered prompts "
+            f"{min(samples)}-{max(samples)} tokens)"
+        )
+    elif cfg.repeat_ratio > 0:
         repeats = f"{cfg.repeat_ratio:.0%} of requests repeat one of {cfg.pool_size} pooled messages"
     else:
         repeats = "every user message distinct (no run repeats another's)"
@@ -309,6 +364,14 @@ def _header(settings: Settings, factory: PromptFactory, counted_with: str) -> li
         f"{mean_tokens:.0f} tokens mean ({counted_with}); {repeats}",
         f"workloads: chat = non-stream; stream = SSE with usage; both max_tokens {settings.max_tokens}, "
         "ignore_eos",
+        "engine: "
+        + (
+            f"paced, {settings.decode_ms_per_token:g} ms per decode step, one message per "
+            f"{settings.stream_interval} token(s)"
+            if settings.decode_ms_per_token > 0
+            else f"zero latency (every token at once, one message per {settings.stream_interval} token(s))"
+        )
+        + "; gw CPU us/tok = gateway CPU per request / output tokens",
         f"each run: closed loop, {settings.warmup_s:g} s warm-up, then {settings.duration_s:g} s"
         + (f" or {settings.max_requests} requests" if settings.max_requests else "")
         + "; CPU ms/req = process-tree CPU (/proc) over the window / OK requests; gw = gateway, "
@@ -374,7 +437,13 @@ def _start_all(
     model_dir = extract_tokenizer(tmp / MODEL)
     grpc_port, http_port = free_port(), free_port()
     engine_spec = mock_engine_spec(
-        grpc_port, http_port, cpus=settings.engine_cpus, model=MODEL, tokenizer_dir=model_dir
+        grpc_port,
+        http_port,
+        cpus=settings.engine_cpus,
+        model=MODEL,
+        tokenizer_dir=model_dir,
+        decode_ms_per_token=settings.decode_ms_per_token,
+        stream_interval=settings.stream_interval,
     )
     engine = group.start(engine_spec)
     targets: list[Target] = []
@@ -467,6 +536,9 @@ def _write_json(
             "repeat_ratio": settings.prompt.repeat_ratio,
             "pool_size": settings.prompt.pool_size,
             "max_tokens": settings.max_tokens,
+            "decode_ms_per_token": settings.decode_ms_per_token,
+            "stream_interval": settings.stream_interval,
+            "turns": settings.turns,
             "engine_cpus": settings.engine_cpus,
             "gateway_cpus": settings.gateway_cpus,
         },
@@ -479,7 +551,7 @@ def _write_json(
 
 BENCHMARK = Benchmark(
     name="gateway",
-    help="gateway overhead over a zero-latency mock engine (direct, node, peers)",
+    help="gateway overhead over a mock engine, burst or paced (direct, node, peers)",
     add_arguments=add_arguments,
     run=run,
 )

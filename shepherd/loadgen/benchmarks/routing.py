@@ -10,7 +10,9 @@ depend on the prompt only, so every target replays the same conversations.
 Per target: the engines' prefix-cache hit rate (cached ÷ prompt tokens over the run, from
 ``/mock/stats``), TTFT and end-to-end latency (p50, p99) as a streaming client sees them, and the
 balance (the busiest engine's requests ÷ the mean). Targets: ``smg-node serve --policy P`` for each
-policy asked, and ``smg launch --policy cache_aware`` (the Rust original, from ``bench/.peers``).
+policy asked, and ``smg launch --policy cache_aware`` (the Rust original, from ``bench/.peers``). Every
+request carries its user as ``x-smg-routing-key``: ``--policies consistent_hashing`` is then the perfect
+user partition, the trace's hit-rate ceiling (other policies ignore the header).
 """
 
 from __future__ import annotations
@@ -51,19 +53,35 @@ def _csv(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=1200, help="trace size in requests (default 1200)")
+    p.add_argument(
+        "--shape",
+        choices=("routing", "fleet"),
+        default="routing",
+        help="routing: 150 users, 4-12 turns, 4 system prompts of 700-1,500 tokens, think 1 s; fleet: 200 "
+        "users over 2 min, 4-8 turns, 3 system prompts of ~1,500 tokens, think 8 s (issue 21's shape)",
+    )
+    p.add_argument("--requests", type=int, default=None, help="trace size in requests (default: the shape's)")
     p.add_argument("--engines", type=int, default=4, help="mock engines (default 4)")
     p.add_argument("--policies", default=",".join(POLICIES), help="our policies, comma list")
     p.add_argument("--peers", default="smg", help="peer gateways: smg (cache_aware), or '' for none")
     p.add_argument("--seed", type=int, default=0, help="trace seed")
     p.add_argument("--arrival-s", type=float, default=None, help="users arrive over this window")
-    p.add_argument("--think-s", type=float, default=1.0, help="mean think time between turns")
+    p.add_argument(
+        "--think-s", type=float, default=None, help="mean think time between turns (default: the shape's)"
+    )
     p.add_argument("--prefill-us-per-token", type=float, default=150.0, help="engine prefill cost")
     p.add_argument("--decode-ms-per-token", type=float, default=4.0, help="engine inter-token latency")
     p.add_argument("--cache-blocks", type=int, default=4096, help="engine KV pool, 16-token blocks")
     p.add_argument("--max-running", type=int, default=16, help="engine running limit (then a queue)")
     p.add_argument("--engine-grpc-server", default="lean", choices=("lean", "grpcio"))
     p.add_argument("--timeout", type=float, default=120.0, help="per-request timeout in seconds")
+    p.add_argument(
+        "--mesh",
+        type=int,
+        default=1,
+        help="N > 1: each target is N gateways (ours meshed, smg with --enable-mesh) behind HAProxy "
+        "(roundrobin, http-no-delay): every request to the next gateway",
+    )
     p.add_argument("--node-args", default="", help="extra smg-node serve flags (one string, shell-split)")
     p.add_argument("--smg-args", default="", help="extra smg launch flags (one string, shell-split)")
     p.add_argument("--json", type=Path, help="write the rows and settings to this file")
@@ -230,6 +248,67 @@ def smg_spec(port: int, engines: Sequence[EnginePorts], model_dir: Path, extra: 
     )
 
 
+def gateways(
+    kind: str,
+    policy: str,
+    engines: Sequence[EnginePorts],
+    model_dir: Path,
+    extra: Sequence[str],
+    n: int,
+    tmp: Path,
+) -> list[ProcSpec]:
+    """One gateway, or ``n`` in one mesh (ours: a development PKI in ``tmp``; smg: its mesh server)."""
+    ports = [free_port() for _ in range(n)]
+    mesh_ports = [free_port() for _ in range(n)]
+    out = []
+    for i, port in enumerate(ports):
+        mesh: list[str] = []
+        if n > 1 and kind == "node":
+            mesh = [
+                "--mesh-port", str(mesh_ports[i]), "--mesh-name", f"node-{i + 1}",
+                "--mesh-dev-pki", str(tmp / f"pki-{policy}"),
+                *(["--mesh-seeds", f"127.0.0.1:{mesh_ports[0]}"] if i else []),
+            ]  # fmt: skip
+        elif n > 1:
+            mesh = [
+                "--enable-mesh", "--mesh-host", "127.0.0.1", "--mesh-port", str(mesh_ports[i]),
+                "--mesh-server-name", f"smg-{i + 1}",
+                *(["--mesh-peer-urls", f"127.0.0.1:{mesh_ports[0]}"] if i else []),
+            ]  # fmt: skip
+        if kind == "node":
+            spec = node_spec(port, engines, policy, model_dir, [*extra, *mesh])
+        else:
+            spec = smg_spec(port, engines, model_dir, [*extra, *mesh])
+        out.append(replace(spec, name=f"{spec.name}-{i + 1}") if n > 1 else spec)
+    return out
+
+
+_HAPROXY_HEAD = (
+    "global", "    maxconn 4096",
+    "defaults", "    mode http", "    option http-no-delay", "    timeout connect 2s",
+    "    timeout client 300s", "    timeout server 300s",
+    "frontend fleet", "    default_backend gateways",
+)  # fmt: skip
+_HAPROXY_BACKEND = ("backend gateways", "    balance roundrobin")
+
+
+def lb_spec(port: int, backends: Sequence[int], tmp: Path) -> ProcSpec:
+    """HAProxy in front of ``backends``: roundrobin (each request to the next gateway), each SSE chunk
+    forwarded at once (``option http-no-delay``; without it streamed TTFT grows by tens of ms)."""
+    cfg = tmp / f"haproxy-{port}.cfg"
+    servers = [f"    server g{i} 127.0.0.1:{b}" for i, b in enumerate(backends)]
+    cfg.write_text(
+        "\n".join([*_HAPROXY_HEAD, f"    bind 127.0.0.1:{port}", *_HAPROXY_BACKEND, *servers]) + "\n"
+    )
+    return ProcSpec(
+        name=f"haproxy-{port}",
+        argv=("haproxy", "-db", "-f", str(cfg)),
+        ready_port=port,
+        ready_path="/readiness",
+        ready_timeout_s=30,
+    )
+
+
 # ---- the replay ----------------------------------------------------------------------------------
 
 
@@ -249,6 +328,7 @@ async def _turn(
     messages: list[dict[str, str]],
     max_tokens: int,
     timeout_s: float,
+    user: int = -1,
 ) -> tuple[Sample, str]:
     body = orjson.dumps(
         {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
@@ -262,7 +342,8 @@ async def _turn(
         async with session.post(
             url,
             data=body,
-            headers={"Content-Type": "application/json"},
+            # the user as routing key: consistent_hashing on it is the perfect user partition (the ceiling)
+            headers={"Content-Type": "application/json", "x-smg-routing-key": f"user-{user}"},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             if resp.status != 200:
@@ -309,7 +390,7 @@ async def _conversation(
             await asyncio.sleep(turn.think_s)
         messages.append({"role": "user", "content": turn.user_text})
         sent = loop.time() - t0
-        sample, answer = await _turn(session, url, messages, turn.max_tokens, timeout_s)
+        sample, answer = await _turn(session, url, messages, turn.max_tokens, timeout_s, conv.user)
         sample.user, sample.turn, sample.sent_s = conv.user, i, sent
         samples.append(sample)
         if sample.error:
@@ -364,17 +445,17 @@ class Row:
 def measure(
     name: str,
     port: int,
-    gateway_pid: int,
+    gateway_pids: Sequence[int],
     trace: Trace,
     engines: Sequence[EnginePorts],
     timeout_s: float,
     note: str = "",
 ) -> Row:
     before = [engine_stats(e.http) for e in engines]
-    cpu = TreeCpuTracker(gateway_pid)
-    cpu0 = cpu.sample(with_rss=False).cpu_seconds
+    cpus = [TreeCpuTracker(pid) for pid in gateway_pids]
+    cpu0 = sum(c.sample(with_rss=False).cpu_seconds for c in cpus)
     samples, wall = asyncio.run(replay(port, trace, timeout_s))
-    cpu1 = cpu.sample(with_rss=False).cpu_seconds
+    cpu1 = sum(c.sample(with_rss=False).cpu_seconds for c in cpus)
     after = [engine_stats(e.http) for e in engines]
     delta = [a.minus(b) for a, b in zip(after, before, strict=True)]
     lookup = sum(d.lookup_tokens for d in delta)
@@ -450,8 +531,34 @@ class _Setup:
     engines: list[EnginePorts] = field(default_factory=list)
 
 
+FLEET_SHAPE = TraceConfig(
+    users=200,
+    turns_min=4,
+    turns_max=8,
+    system_prompts=3,
+    system_tokens_min=1400,
+    system_tokens_max=1600,
+    system_zipf=0.0,
+    user_tokens_min=40,
+    user_tokens_max=200,
+    answer_tokens_min=40,
+    answer_tokens_max=160,
+    arrival_s=120.0,
+    think_s=8.0,
+    think_max_s=48.0,
+)
+
+
 def _trace_of(args: argparse.Namespace) -> Trace:
-    cfg = TraceConfig(seed=args.seed, think_s=args.think_s).scaled(args.requests)
+    if args.shape == "fleet":
+        cfg = replace(FLEET_SHAPE, seed=args.seed)
+        if args.think_s is not None:
+            cfg = replace(cfg, think_s=args.think_s, think_max_s=6 * args.think_s)
+        if args.requests is not None:
+            cfg = cfg.scaled(args.requests)
+    else:
+        think = 1.0 if args.think_s is None else args.think_s
+        cfg = TraceConfig(seed=args.seed, think_s=think).scaled(args.requests or 1200)
     if args.arrival_s is not None:
         cfg = replace(cfg, arrival_s=args.arrival_s)
     return generate_trace(cfg)
@@ -497,29 +604,51 @@ def run(args: argparse.Namespace) -> int:
             engines = [EnginePorts(free_port(), free_port()) for _ in range(args.engines)]
             _progress(f"starting {len(engines)} mock engines ...")
             start_engines(group, [engine_spec(i, e, args, model_dir) for i, e in enumerate(engines)])
-            targets = [
-                (f"node {policy}", node_spec(free_port(), engines, policy, model_dir, node_extra))
+            targets: list[tuple[str, list[ProcSpec]]] = [
+                (
+                    f"node {policy}",
+                    gateways("node", policy, engines, model_dir, node_extra, args.mesh, tmp_path),
+                )
                 for policy in policies
             ]
             if "smg" in peers:
-                targets.append(("smg cache_aware", smg_spec(free_port(), engines, model_dir, smg_extra)))
-            for name, spec in targets:
+                targets.append(
+                    (
+                        "smg cache_aware",
+                        gateways("smg", "", engines, model_dir, smg_extra, args.mesh, tmp_path),
+                    )
+                )
+            for name, specs in targets:
+                if args.mesh > 1:
+                    name = f"{name} x{args.mesh}"
                 reset(engines)
                 _progress(f"{name}: starting ...")
+                procs = []
                 try:
-                    proc = group.start(spec)
+                    for spec in specs:
+                        procs.append(group.start(spec))  # noqa: PERF401 (stopped if a later one fails)
+                    if args.mesh > 1:
+                        lb = lb_spec(free_port(), [sp.ready_port or 0 for sp in specs], tmp_path)
+                        procs.append(group.start(lb))
                 except (ProcessFailed, OSError) as e:
                     skipped[name] = str(e).strip().splitlines()[0]
                     print(f"could not start {name}: {e}", file=sys.stderr, flush=True)
+                    for proc in procs:
+                        proc.stop()
                     continue
+                port = procs[-1].spec.ready_port or 0
+                if args.mesh > 1:
+                    time.sleep(3.0)  # the mesh joins (gossip converges in about a second on loopback)
                 _progress(f"{name}: replaying {trace.requests} requests ...")
-                row = measure(name, spec.ready_port or 0, proc.pid, trace, engines, args.timeout)
+                gw_pids = [proc.pid for proc in procs[: len(specs)]]
+                row = measure(name, port, gw_pids, trace, engines, args.timeout)
                 rows.append(row)
                 _progress(
                     f"{name}: hit rate {row.hit_rate:.3f}, TTFT p50 {row.ttft_ms.p50:.1f} ms, "
                     f"busiest {row.imbalance:.2f}x, {row.wall_s:.0f} s"
                 )
-                proc.stop()
+                for proc in reversed(procs):
+                    proc.stop()
     print("\n" + format_rows(rows), flush=True)
     for line in verdict(rows):
         print(line, flush=True)

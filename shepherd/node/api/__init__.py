@@ -1,7 +1,9 @@
 """The routes: OpenAI generation and the rest, embeddings, responses (the stateful Responses API),
 messages (the Anthropic Messages API),
 pooling (rerank, score, classify: relayed to HTTP workers),
-conversations, admin, keys, mesh; admission; generation driving.
+conversations, admin, keys, mesh; native (the routes vLLM / SGLang / SMG scripts probe: /generate,
+/version, /get_model_info, /flush_cache...); admission; generation driving; reload (SIGHUP and
+``POST /admin/reload``: the configuration file's dynamic parts, applied without a restart).
 
 Callers (``shepherd.node.app`` only) use each module's ``routes()`` / ``install(app)``, ``common``
 (the app keys ``GATEWAY``, ``ADMISSION``, ``KEEPALIVE_TICKER`` and the error middleware) and
@@ -18,7 +20,10 @@ __all__ = [
     "keys",
     "mesh",
     "messages",
+    "native",
     "openai",
     "pooling",
+    "reload",
     "responses",
+    "smg_metrics",
 ]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 from shepherd.node.api.common import GATEWAY
 from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_in_effect
-from shepherd.node.dispatch.gateway import Gateway
+from shepherd.node.dispatch.gateway import Gateway, model_not_found
+from shepherd.node.dispatch.workers import Worker
 from shepherd.node.http.body import json_response, read_json
 from shepherd.proto.openai_errors import ApiError, bad
 from shepherd.tokens.chat_messages import ChatTemplateError
@@ -14,20 +17,29 @@ from shepherd.tokens.chat_messages import ChatTemplateError
 
 async def list_models(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
-    created = int(gw.started_at)
-    data = [
-        {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "shepherd",
-            "root": name,  # vLLM shows the served model here; never a filesystem path
-            "parent": None,
-            "max_model_len": gw.context_length(name),
-        }
-        for name in gw.models
-    ]
-    return json_response({"object": "list", "data": data})
+    return json_response({"object": "list", "data": [_model_card(gw, name) for name in gw.models]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}``: one model in ``/v1/models``' shape (OpenAI's and vLLM's); an unknown id is a
+    404 in the OpenAI envelope."""
+    gw: Gateway = request.app[GATEWAY]
+    name = request.match_info["model_id"]
+    if name not in gw.models:
+        raise model_not_found(name, gw.model_names())
+    return json_response(_model_card(gw, name))
+
+
+def _model_card(gw: Gateway, name: str) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(gw.started_at),
+        "owned_by": "shepherd",
+        "root": gw.served_name(name),  # vLLM shows the served model here; never a filesystem path
+        "parent": None,
+        "max_model_len": gw.context_length(name),
+    }
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -114,14 +126,149 @@ async def metrics(request: web.Request) -> web.Response:
     )
 
 
+def describe(gw: Gateway, w: Worker) -> dict[str, Any]:
+    """A worker as the admin API shows it: Shepherd's fields and SMG's ``WorkerInfo`` (its pool on a PD
+    node: ``worker_type`` prefill / decode, a prefill worker's ``bootstrap_port``)."""
+    d = w.describe()
+    pd = gw.pd
+    if pd is not None:
+        if w.id in pd.prefill_ids:
+            d["worker_type"] = "prefill"
+            d["bootstrap_port"] = pd.bootstrap_ports.get(w.id)
+        elif w.id in pd.decode_ids:
+            d["worker_type"] = "decode"
+    return d
+
+
 async def list_workers(request: web.Request) -> web.Response:
+    """SMG's ``WorkerListResponse``: ``workers``, ``total``, ``stats``."""
     gw: Gateway = request.app[GATEWAY]
-    return json_response({"workers": [w.describe() for w in gw.registry.workers.values()]})
+    ws = [describe(gw, w) for w in gw.registry.workers.values()]
+    by_type = {"regular": 0, "prefill": 0, "decode": 0}
+    for d in ws:
+        by_type[d["worker_type"]] += 1
+    stats = {
+        "total_workers": len(ws),
+        "healthy_workers": sum(1 for d in ws if d["is_healthy"]),
+        "total_models": len({d["model_id"] for d in ws}),
+        "total_load": sum(d["load"] for d in ws),
+        "by_type": by_type,
+    }
+    return json_response({"workers": ws, "total": len(ws), "stats": stats})
+
+
+WORKER_TYPES = ("regular", "prefill", "decode")
+RUNTIMES = ("sglang", "vllm")
+_SPEC_KEYS = frozenset(
+    {
+        "url",
+        "model_id",
+        "model",
+        "worker_type",
+        "runtime_type",
+        "runtime",
+        "priority",
+        "cost",
+        "labels",
+        "bootstrap_port",
+        # SMG's spec fields set per model or node here: refused when set (_PER_MODEL), or the node's own
+        # health settings apply (accepted)
+        "api_key",
+        "tokenizer_path",
+        "reasoning_parser",
+        "tool_parser",
+        "chat_template",
+        "health_check_timeout_secs",
+        "health_check_interval_secs",
+        "health_success_threshold",
+        "health_failure_threshold",
+        "max_connection_attempts",
+        "dp_aware",
+    }
+)
+
+
+# SMG's per-worker settings that are per model (or not supported) here: a 400 naming them when set
+_PER_MODEL = {
+    "api_key": "workers are reached without a per-worker API key",
+    "tokenizer_path": "the tokenizer is the model's (--model-path, YAML models:, or the engine's)",
+    "chat_template": "the chat template is the model's (--chat-template, YAML models:)",
+    "reasoning_parser": "the reasoning parser is the model's (--reasoning-parser, YAML models:)",
+    "tool_parser": "the tool-call parser is the model's (--tool-call-parser, YAML models:)",
+    "dp_aware": "data-parallel-aware scheduling is not supported",
+}
+
+
+def _weights(d: dict[str, Any]) -> tuple[int | None, float | None, dict[str, str] | None]:
+    """``priority``, ``cost`` and ``labels`` of a worker spec or update, checked (None: not given)."""
+    priority = d.get("priority")
+    if priority is not None and (type(priority) is not int or not 0 <= priority <= 2**32 - 1):
+        raise bad("'priority' must be a non-negative integer.", param="priority")
+    cost = d.get("cost")
+    if cost is not None:
+        if isinstance(cost, bool) or not isinstance(cost, int | float) or not 0 <= cost < float("inf"):
+            raise bad("'cost' must be a non-negative number.", param="cost")
+        cost = float(cost)
+    labels = d.get("labels")
+    if labels is not None:
+        ok = isinstance(labels, dict) and len(labels) <= 64
+        if not ok or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
+            raise bad("'labels' must be an object of at most 64 string values.", param="labels")
+        if any(len(k) > 128 or len(v) > 1024 for k, v in labels.items()):
+            raise bad("'labels': keys up to 128 characters, values up to 1024.", param="labels")
+    return priority, cost, labels
 
 
 async def add_worker(request: web.Request) -> web.Response:
+    """``POST /workers``: Shepherd's ``{"url", "model_id"}`` or SMG's worker spec (``worker_type``
+    regular / prefill / decode, ``runtime_type``, ``priority``, ``cost``, ``labels``,
+    ``bootstrap_port``). Answers SMG's ``WorkerApiResponse`` (``success``, ``message``, ``worker``) with
+    the worker's fields beside it (201 added, 200 already there)."""
     gw: Gateway = request.app[GATEWAY]
     _, d = await read_json(request, 64 * 1024)
+    return _added(gw, *await _add(gw, d))
+
+
+def _added(gw: Gateway, w: Worker, existed: bool) -> web.Response:
+    info = describe(gw, w)
+    message = f"Worker {w.id} {'already registered' if existed else 'added'}."
+    body = {"success": True, "message": message, "worker": info, **info}
+    return json_response(body, 200 if existed else 201)
+
+
+async def add_worker_legacy(request: web.Request) -> web.Response:
+    """SMG's older ``POST /add_worker?url=...`` (``model_id``, ``worker_type``, ``runtime_type``,
+    ``bootstrap_port`` as query parameters too); answers as ``POST /workers``."""
+    gw: Gateway = request.app[GATEWAY]
+    q = request.query
+    d: dict[str, Any] = {k: q[k] for k in ("url", "model_id", "worker_type", "runtime_type") if k in q}
+    if "bootstrap_port" in q:
+        if not q["bootstrap_port"].isdigit():
+            raise bad("'bootstrap_port' must be a port number.", param="bootstrap_port")
+        d["bootstrap_port"] = int(q["bootstrap_port"])
+    return _added(gw, *await _add(gw, d))
+
+
+async def list_workers_legacy(request: web.Request) -> web.Response:
+    """SMG's older ``GET /list_workers``: ``{"urls": [...]}``."""
+    gw: Gateway = request.app[GATEWAY]
+    return json_response({"urls": [w.url for w in gw.registry.workers.values()]})
+
+
+async def remove_worker_legacy(request: web.Request) -> web.Response:
+    """SMG's older ``POST /remove_worker?url=...``; answers as ``DELETE /workers/{id}``."""
+    gw: Gateway = request.app[GATEWAY]
+    return await _remove(gw, _worker(gw, request.query.get("url", "")))
+
+
+async def _add(gw: Gateway, d: dict[str, Any]) -> tuple[Worker, bool]:
+    """Register the worker of a spec (checked; 400 naming a bad field): (the worker, it existed)."""
+    unknown = sorted(set(d) - _SPEC_KEYS)
+    if unknown:
+        raise bad(f"Unknown worker spec field {unknown[0]!r}.", param=unknown[0])
+    for key, why in _PER_MODEL.items():
+        if d.get(key) not in (None, False, ""):
+            raise bad(f"'{key}' cannot be set per worker: {why}.", param=key)
     url = d.get("url")
     if not isinstance(url, str):
         raise bad("'url' (a string) is required.", param="url")
@@ -129,6 +276,32 @@ async def add_worker(request: web.Request) -> web.Response:
         check_worker_url(url)
     except ConfigError as e:
         raise bad(str(e), param="url", code="invalid_worker_url") from None
+    wtype = d.get("worker_type") or "regular"
+    if wtype not in WORKER_TYPES:
+        raise bad(f"'worker_type' must be one of {', '.join(WORKER_TYPES)}.", param="worker_type")
+    runtime = d.get("runtime_type") or d.get("runtime")
+    key = "runtime_type" if d.get("runtime_type") else "runtime"
+    if runtime is not None and runtime not in RUNTIMES:
+        raise bad(f"'{key}' must be one of {', '.join(RUNTIMES)}.", param=key)
+    port = d.get("bootstrap_port")
+    if port is not None and (type(port) is not int or not 0 < port < 65536):
+        raise bad("'bootstrap_port' must be a port number.", param="bootstrap_port")
+    if port is not None and wtype != "prefill":
+        raise bad("'bootstrap_port' is for prefill workers.", param="bootstrap_port")
+    priority, cost, labels = _weights(d)
+    scheme, _, rest = url.partition("://")
+    if runtime is not None and scheme == "grpc":
+        url = f"{runtime}://{rest}"  # the engine's kind, as the URL says it (no detection)
+    elif runtime is not None and scheme in RUNTIMES and scheme != runtime:
+        raise bad(f"'{key}' {runtime!r} contradicts the URL's scheme {scheme!r}.", param=key)
+    if wtype != "regular":
+        if gw.pd is None:
+            raise bad(
+                f"'worker_type' {wtype!r}: this node does not run PD disaggregation (--pd-disaggregation).",
+                param="worker_type",
+            )
+        if scheme in ("http", "https"):
+            raise bad("PD workers are gRPC engines.", param="worker_type")
     model = d.get("model_id") or d.get("model")
     if model is None:
         if len(gw.models) != 1:
@@ -145,31 +318,74 @@ async def add_worker(request: web.Request) -> web.Response:
             code="worker_exists",
         )
     existed = known is not None
-    w = await gw.registry.add(url, model)
-    return json_response(w.describe(), 200 if existed else 201)
+    if not existed and gw.pd is not None and wtype != "regular":
+        gw.pd.join_pool(url, wtype, port)  # before the registry: the pool's policy learns of it then
+    try:
+        w = await gw.registry.add(url, model)
+    except BaseException:
+        if not existed and gw.pd is not None and wtype != "regular":
+            gw.pd.leave_pool(url)
+        raise
+    _apply(w, priority, cost, labels)
+    return w, existed
+
+
+def _apply(w: Worker, priority: int | None, cost: float | None, labels: dict[str, str] | None) -> None:
+    if priority is not None:
+        w.priority = priority
+    if cost is not None:
+        w.cost = cost
+    if labels is not None:
+        w.labels = dict(labels)
+
+
+def _worker(gw: Gateway, key: str) -> Worker:
+    w = gw.registry.find(key)
+    if w is None:
+        raise ApiError(404, "No such worker.", code="worker_not_found")
+    return w
 
 
 async def get_worker(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
-    w = gw.registry.find(request.match_info["worker_id"])
-    if w is None:
-        raise ApiError(404, "No such worker.", code="worker_not_found")
-    return json_response(w.describe())
+    return json_response(describe(gw, _worker(gw, request.match_info["worker_id"])))
+
+
+async def update_worker(request: web.Request) -> web.Response:
+    """``PUT`` / ``PATCH /workers/{id}``: SMG's ``WorkerUpdateRequest`` (``priority``, ``cost``,
+    ``labels``); answers SMG's ``WorkerApiResponse``."""
+    gw: Gateway = request.app[GATEWAY]
+    w = _worker(gw, request.match_info["worker_id"])
+    _, d = await read_json(request, 64 * 1024)
+    unknown = sorted(set(d) - {"priority", "cost", "labels"})
+    if unknown:
+        raise bad(
+            f"'{unknown[0]}' cannot be updated (priority, cost and labels can); remove and add the worker.",
+            param=unknown[0],
+        )
+    _apply(w, *_weights(d))
+    info = describe(gw, w)
+    return json_response({"success": True, "message": f"Worker {w.id} updated.", "worker": info, **info})
 
 
 async def delete_worker(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
-    key = request.match_info.get("worker_id") or request.query.get("url", "")
-    w = gw.registry.find(key)
-    if w is None:
-        raise ApiError(404, "No such worker.", code="worker_not_found")
+    return await _remove(gw, _worker(gw, request.match_info.get("worker_id") or request.query.get("url", "")))
+
+
+async def _remove(gw: Gateway, w: Worker) -> web.Response:
     await gw.registry.remove(w.id)
-    return json_response({"deleted": w.id, "url": w.url})
+    if gw.pd is not None:
+        gw.pd.leave_pool(w.url)
+    return json_response(
+        {"success": True, "message": f"Worker {w.id} removed.", "deleted": w.id, "url": w.url}
+    )
 
 
 def routes() -> list[web.RouteDef]:
     return [
         web.get("/v1/models", list_models),
+        web.get("/v1/models/{model_id:.+}", get_model),
         web.post("/v1/tokenize", tokenize),
         web.post("/v1/detokenize", detokenize),
         web.post("/tokenize", tokenize),
@@ -181,6 +397,12 @@ def routes() -> list[web.RouteDef]:
         web.get("/workers", list_workers),
         web.post("/workers", add_worker),
         web.get("/workers/{worker_id}", get_worker),
+        web.put("/workers/{worker_id}", update_worker),
+        web.patch("/workers/{worker_id}", update_worker),
         web.delete("/workers/{worker_id}", delete_worker),
         web.delete("/workers", delete_worker),
+        # SMG's older query-string admin
+        web.post("/add_worker", add_worker_legacy),
+        web.get("/list_workers", list_workers_legacy),
+        web.post("/remove_worker", remove_worker_legacy),
     ]

@@ -31,6 +31,7 @@ from shepherd.mesh.ratelimit_keys import Key
 from shepherd.mesh.ratelimit_shards import fmt_duration
 from shepherd.node.config import NodeConfig, RateLimitRule
 from shepherd.node.metrics import counter, gauge
+from shepherd.node.observe import tracing
 from shepherd.node.openai.requests import Sampling
 from shepherd.proto.openai_errors import ApiError, error_response
 
@@ -167,14 +168,7 @@ class Admission:
     def from_config(cls, cfg: NodeConfig, node: str | None = None, metrics: Any = None) -> Admission | None:
         """None when no rate limit is configured (the hot path then pays nothing). ``metrics``: a
         ``NodeMetrics`` to export counters through."""
-        rules = list(cfg.rate_limits)
-        if cfg.rate_limit_rpm or cfg.rate_limit_tpm or cfg.rate_limit_max_concurrent:
-            rules = [r for r in rules if (r.tenant, r.model) != ("*", None)]  # the flags win over YAML
-            rules.append(
-                RateLimitRule(
-                    "*", None, cfg.rate_limit_rpm, cfg.rate_limit_tpm, cfg.rate_limit_max_concurrent
-                )
-            )
+        rules = cls.rules_of(cfg)
         if not rules:
             return None
         adm = cls(
@@ -190,6 +184,20 @@ class Admission:
         if metrics is not None:
             metrics.add_callback(adm.collect)
         return adm
+
+    @staticmethod
+    def rules_of(cfg: NodeConfig) -> list[RateLimitRule]:
+        """The configuration's rules: ``rate_limits``, and the ``rate_limit_*`` flags as a tenant "*"
+        rule on all models (which wins over the YAML's)."""
+        rules = list(cfg.rate_limits)
+        if cfg.rate_limit_rpm or cfg.rate_limit_tpm or cfg.rate_limit_max_concurrent:
+            rules = [r for r in rules if (r.tenant, r.model) != ("*", None)]  # the flags win over YAML
+            rules.append(
+                RateLimitRule(
+                    "*", None, cfg.rate_limit_rpm, cfg.rate_limit_tpm, cfg.rate_limit_max_concurrent
+                )
+            )
+        return rules
 
     def set_rules(self, rules: Iterable[RateLimitRule]) -> None:
         self._rules = {
@@ -248,10 +256,14 @@ class Admission:
         """Admit, run, settle: the handlers' hook. ``jobs`` (the engine requests) give the real token
         usage at the end; without them (relayed requests) the reservation stands."""
         completions = sampling.n * (len(jobs) if jobs else 1)
-        try:
-            ticket = self.admit(principal_of(request), model, prompt_tokens, sampling.max_tokens, completions)
-        except RateLimited as e:
-            return error_response(e)
+        with tracing.stage("admission", {"gen_ai.request.model": model}) as span:  # (tracing on)
+            try:
+                who = principal_of(request)
+                ticket = self.admit(who, model, prompt_tokens, sampling.max_tokens, completions)
+            except RateLimited as e:
+                span.set("shepherd.admission.result", "rejected")
+                return error_response(e)
+            span.set("shepherd.admission.result", "admitted")
         if ticket is UNLIMITED:
             return await run()
         request[TICKET_KEY] = ticket

@@ -11,6 +11,7 @@ import logging
 import math
 import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
@@ -225,22 +226,27 @@ async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
+    t0 = time.perf_counter()
     route = request.match_info.route
     path = _ROUTE_LABELS.get(route)
     if path is None:
         path = _route_label(route)
-    gw.in_flight += 1
+    counted = path in INFERENCE_ROUTES  # probes, metrics and admin calls are not "in flight"
+    if counted:
+        gw.in_flight += 1
     status = 500
     try:
         resp = await handler(request)
         status = resp.status
         if status >= 400 and isinstance(resp, web.Response) and is_messages_path(request.path):
             _to_anthropic(resp)  # an error answer made inside (auth, admission): Anthropic's envelope
+        if not resp.prepared:
+            _stamp(request, resp, t0)
         return resp
     except ApiError as e:
         status = e.status
         gw.metrics.errors.labels(path, e.code or e.type).inc()
-        return _error_answer(request, e)
+        return _stamp(request, _error_answer(request, e), t0)
     except EngineError as e:
         status = 504 if e.code == "engine_timeout" else 400 if e.code == "invalid_request" else 502
         gw.metrics.errors.labels(path, e.code).inc()
@@ -248,26 +254,19 @@ async def error_middleware(
         message = public_engine_message(str(e), (w.url for w in gw.registry.workers.values()))
         if status != 400:
             log.warning("engine failure on %s: %s", path, e)  # the whole detail stays in the log
-        return _error_answer(request, ApiError(status, message, type=kind, code=e.code))
+        return _stamp(request, _error_answer(request, ApiError(status, message, type=kind, code=e.code)), t0)
     except (TokenizerWorkerError, TokenizerPoolUnavailable) as e:
         status = 503
         gw.metrics.errors.labels(path, "tokenizer").inc()
         log.warning("tokenizer pool failure on %s: %s", request.path, e)
-        return _error_answer(
-            request,
-            ApiError(
-                503,
-                "The tokenizer pool failed this request; retry.",
-                type="service_unavailable",
-                code="tokenizer",
-            ),
-        )
+        msg = "The tokenizer pool failed this request; retry."
+        err = ApiError(503, msg, type="service_unavailable", code="tokenizer")
+        return _stamp(request, _error_answer(request, err), t0)
     except TimeoutError:
         status = 504
         gw.metrics.errors.labels(path, "timeout").inc()
-        return _error_answer(
-            request, ApiError(504, "The request timed out.", type="server_error", code="timeout")
-        )
+        err = ApiError(504, "The request timed out.", type="server_error", code="timeout")
+        return _stamp(request, _error_answer(request, err), t0)
     except web.HTTPException as e:
         status = e.status
         if e.status < 400:
@@ -281,32 +280,81 @@ async def error_middleware(
             if allow := e.headers.get("Allow"):
                 headers["Allow"] = allow
         gw.metrics.errors.labels(path, str(e.status)).inc()
-        return _error_answer(
-            request,
-            ApiError(
-                e.status, msg, type=_STATUS_TYPES.get(e.status, "invalid_request_error"), headers=headers
-            ),
-        )
+        typ = _STATUS_TYPES.get(e.status, "invalid_request_error")
+        err = ApiError(e.status, msg, type=typ, headers=headers)
+        return _stamp(request, _error_answer(request, err), t0)
     except (asyncio.CancelledError, ConnectionResetError):
         status = 499
         raise
     except Exception:
         log.exception("unhandled error on %s %s", request.method, request.path)
         gw.metrics.errors.labels(path, "internal").inc()
-        return _error_answer(
-            request, ApiError(500, "Internal error in the gateway.", type="internal_error", code="internal")
-        )
+        err = ApiError(500, "Internal error in the gateway.", type="internal_error", code="internal")
+        return _stamp(request, _error_answer(request, err), t0)
     finally:
-        gw.in_flight -= 1
+        if counted:
+            gw.in_flight -= 1
         gw.metrics.count_request(path, request.get("model", ""), status)
+        gw.metrics.observe_http(request.method, path, time.perf_counter() - t0)
+
+
+# the routes whose requests count as in flight (smg_in_flight_requests, /health's in_flight, the drain on
+# shutdown): the ones that run engine work
+INFERENCE_ROUTES = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/embeddings",
+        "/v1/rerank",
+        "/rerank",
+        "/v1/score",
+        "/score",
+        "/classify",
+        "/v1/classify",
+        "/generate",
+    }
+)
+
+
+def request_id_of(request: web.Request) -> str:
+    """The request's id as answers carry it (``x-request-id``): the client's when it is sane, else one
+    made here (kept on the request, so every answer of one request says the same)."""
+    rid = request.get(_RID_KEY)
+    if rid is None:
+        rid = request.headers.get("x-request-id")
+        if not rid or len(rid) > 128 or not rid.isprintable():
+            rid = f"req-{uuid.uuid4().hex}"
+        request[_RID_KEY] = rid
+    return str(rid)
+
+
+_RID_KEY: web.RequestKey[str] = web.RequestKey("shepherd.request_id", str)
+
+
+def stamp_headers(request: web.Request, resp: web.StreamResponse, t0: float) -> None:
+    """``x-request-id`` and ``x-smg-gateway-ms`` on an answer about to be sent, unless it has them (the
+    generation routes set their own: the gateway's time without the engine's)."""
+    h = resp.headers
+    if "x-request-id" not in h:
+        h["x-request-id"] = request_id_of(request)
+    if "x-smg-gateway-ms" not in h:
+        h["x-smg-gateway-ms"] = f"{(time.perf_counter() - t0) * 1000:.3f}"
+
+
+def _stamp(request: web.Request, resp: web.StreamResponse, t0: float) -> web.StreamResponse:
+    stamp_headers(request, resp, t0)
+    return resp
 
 
 class _Entry:
-    __slots__ = ("last", "payload", "resp")
+    __slots__ = ("last", "payload", "request", "resp")
 
-    def __init__(self, resp: web.StreamResponse, payload: bytes) -> None:
+    def __init__(self, resp: web.StreamResponse, payload: bytes, request: web.Request | None) -> None:
         self.resp = resp
         self.payload = payload
+        self.request = request  # set: the ticker sends the headers if they are not out when it first ticks
         self.last = time.monotonic()
 
     def touch(self) -> None:
@@ -323,8 +371,14 @@ class KeepAlive:
         self._streams: dict[int, _Entry] = {}  # id(resp): every register has its unregister in a finally
         self._task: asyncio.Task[None] | None = None
 
-    def register(self, resp: web.StreamResponse, payload: bytes = KEEPALIVE) -> _Entry:
-        e = _Entry(resp, payload)
+    def register(
+        self, resp: web.StreamResponse, payload: bytes = KEEPALIVE, request: web.Request | None = None
+    ) -> _Entry:
+        """Keep ``resp`` alive while it is idle. With ``request``, ``resp`` may be registered before its
+        headers are sent (its engine request still queued or prefilling): an idle interval later the
+        ticker sends them, then the keep-alive (errors after that are in-band: the caller checks
+        ``resp.prepared``)."""
+        e = _Entry(resp, payload, request)
         self._streams[id(resp)] = e
         return e
 
@@ -344,6 +398,10 @@ class KeepAlive:
                 if now - e.last >= self.interval:
                     e.touch()
                     with contextlib.suppress(Exception):
+                        if e.request is not None:
+                            if not e.resp.prepared:
+                                await e.resp.prepare(e.request)
+                            e.request = None
                         await e.resp.write(e.payload)
 
     async def close(self) -> None:
@@ -387,6 +445,7 @@ async def relay(
     ``identity``: the answer is re-framed here) or a body over ``RELAY_MAX_BYTES`` (whole) /
     ``RELAY_STREAM_MAX_BYTES`` (streamed) -> 502 in the OpenAI envelope, without the worker's body.
     Messages name workers by id, never by URL."""
+    t0 = time.perf_counter()
     tried: set[str] = set()
     last: EngineError | None = None
     for _ in range(gw.cfg.max_retries + 1):
@@ -404,6 +463,7 @@ async def relay(
             headers["x-request-id"] = rid
         w.in_flight += 1
         try:
+            t_post = time.perf_counter()
             try:
                 upstream = await client.post(path, payload, headers)
             except EngineError as e:
@@ -430,6 +490,7 @@ async def relay(
                     resp = stream_response(
                         request, status=200, headers={"Content-Type": ctype, "Cache-Control": "no-cache"}
                     )
+                    stamp_headers(request, resp, t0)  # the time until the worker's answer began
                     await resp.prepare(request)
                     left = RELAY_STREAM_MAX_BYTES
                     try:
@@ -455,7 +516,10 @@ async def relay(
                     data = await read_capped(upstream, RELAY_MAX_BYTES)
                 except BodyTooLarge as e:
                     raise _bad_answer(w.id, f"body {e}") from None
-                return web.Response(status=status, body=data, headers={"Content-Type": ctype})
+                own = t_post - t0  # the gateway's own time: not the worker's
+                out = web.Response(status=status, body=data, headers={"Content-Type": ctype})
+                out.headers["x-smg-gateway-ms"] = f"{own * 1000:.3f}"
+                return out
             finally:
                 upstream.release()
         finally:

@@ -3,6 +3,7 @@ SSE or as one JSON body), with usage, logprobs, stop and parser stages and in-ba
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import time
@@ -18,13 +19,23 @@ from shepherd.node.api.common import KEEPALIVE_TICKER
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.stream import EngineStream
 from shepherd.node.http.types import lean_request, stream_response
+from shepherd.node.observe import logs, tracing
 from shepherd.node.openai.requests import Sampling
-from shepherd.node.openai.sse import DONE, KEEPALIVE, ChatChunks, CompletionChunks, error_event, usage
+from shepherd.node.openai.sse import (
+    DONE,
+    KEEPALIVE,
+    ChatChunks,
+    CompletionChunks,
+    error_event,
+    usage,
+    with_usage,
+)
 from shepherd.node.openai.structured import Constraint, Violation, header_value
 from shepherd.node.output.chat import (
     ChatShaping,
     ChoiceEncoder,
     ChoiceParsing,
+    api_choice,
     final_reason,
 )
 from shepherd.node.output.choice import ChoiceState, LogprobFormatter
@@ -37,6 +48,11 @@ from shepherd.proto.engine_types import (
 )
 from shepherd.proto.openai_errors import ApiError
 from shepherd.tokens.tokenizer import Tokenizer
+
+# what a client going away raises in its handler: aiohttp cancels the handler (handler_cancellation), a
+# write to its closed connection raises ConnectionResetError (aiohttp's ClientConnectionResetError too)
+GONE = (asyncio.CancelledError, ConnectionResetError)
+CLIENT_DISCONNECT = "client_disconnect"  # the abort reason (smg_engine_aborts_total{reason=...})
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 _SSE_LEAN_HEADERS = {k: v for k, v in SSE_HEADERS.items() if k != "Connection"}
@@ -93,6 +109,8 @@ def _engine_sampling(
         regex=value if kind == "regex" else None,
         ebnf=value if kind == "ebnf" else None,
         structural_tag=value if kind == "structural_tag" else None,
+        choice=tuple(orjson.loads(value)) if kind == "choice" and value else None,
+        json_object=kind == "json_object",
     )
 
 
@@ -168,6 +186,7 @@ class Generation:
         logprobs: int | None,
         shaping: ChatShaping | None = None,
         events: StreamEvents | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         self.request = request
         self.gw = gw
@@ -176,6 +195,7 @@ class Generation:
         self.s = sampling
         self.chat = chat
         self.rid = rid
+        logs.bind_request(rid)  # the rest of the request's log lines carry it (JSON logs, access log)
         self.engine_rid = _engine_id(rid)
         self.t0 = t0
         self.created = int(time.time())
@@ -184,15 +204,18 @@ class Generation:
         self.totals = Totals()
         self.engine_seconds = 0.0
         self.mm = gw.metrics.for_model(model)  # the model's metric children, looked up once
+        request["model"] = model  # the request metrics' model label, whatever the outcome
         # chat: the parser stage (None: plain text, no parser work per token) and structured output
         if shaping is not None:
             self.output = shaping.output
             self.constraint = shaping.constraint
             self.checks = shaping.checks
+            self.legacy_functions = shaping.legacy_functions
         else:
             self.output = None
-            self.constraint = None
+            self.constraint = constraint  # completions: response_format or a guided field
             self.checks = None
+            self.legacy_functions = False
         # built by _encoder when streaming (``events``: the Responses API's, given)
         self._enc: ChatChunks | CompletionChunks | StreamEvents | None = events
         self._events = events
@@ -235,6 +258,11 @@ class Generation:
         remaining = n
         engine_open = n
         seen_chunks = [False] * n
+        # per choice: the chunk tokens received and the last chunk's ids (the final delta's check), and
+        # whether its engine Complete came (SGLang's non-streamed n > 1 numbers every Complete 0)
+        got = [0] * n
+        last_ids: list[Sequence[int]] = [()] * n
+        engine_done = [False] * n
         enc = self._encoder() if emit is not None else None
         posts: list[ChoiceParsing] | None = None
         if self.output is not None and enc is not None:  # fresh parsers per choice (chat answers only)
@@ -263,6 +291,8 @@ class Generation:
                 if isinstance(ev, EngineChunk):
                     ntok += len(ev.token_ids)
                     seen_chunks[i] = True
+                    got[i] += len(ev.token_ids)
+                    last_ids[i] = ev.token_ids
                     if st.done():
                         continue
                     text = st.feed(ev.token_ids, ev.logprobs)
@@ -277,12 +307,33 @@ class Generation:
                         if enc is not None:
                             self._finish_chunk(enc, posts, i, idx, st, out)
                     continue
+                if engine_done[i]:
+                    # a second Complete for one index: SGLang's request manager numbers choices only
+                    # when streaming (every non-streamed Complete says 0): by order of arrival
+                    i = _next_open(engine_done)
+                    if i < 0:
+                        raise EngineError(f"engine sent more than n={n} completions", retryable=False)
+                    st = states[i]
+                    idx = job.index_base + i
+                engine_done[i] = True
                 engine_open -= 1
+                if ev.finish_reason in ENGINE_FAILED:
+                    # the engine gave up on the choice (SGLang's abort, vLLM's error): not an answer
+                    raise EngineError(
+                        f"the engine ended choice {i} with finish_reason {ev.finish_reason!r}",
+                        code="engine_abort",
+                        retryable=False,
+                    )
                 if st.finished:
                     continue
                 lps: Sequence[TokenLogprob] = ()
-                if not seen_chunks[i] and ev.output_ids:
-                    text = st.whole(ev.output_ids, ev.logprobs, ev.finish_reason)
+                out_ids = ev.output_ids
+                if not seen_chunks[i] and out_ids:
+                    text = st.whole(out_ids, ev.logprobs, ev.finish_reason)
+                    lps = ev.logprobs
+                elif out_ids and final_delta_is_new(out_ids, ev.completion_tokens, got[i], last_ids[i]):
+                    # the last tokens came in the Complete only (SGLang's in-tree server)
+                    text = st.feed(out_ids, ev.logprobs) + st.end(ev.finish_reason)
                     lps = ev.logprobs
                 else:
                     text = st.end(ev.finish_reason)
@@ -307,6 +358,8 @@ class Generation:
             if remaining == 0:
                 break  # every choice ended on a gateway-side stop: the engine request is aborted on close
         self.totals.cached = cached
+        if es.trace is not None:  # the engine call's answer on its CLIENT span (tracing on)
+            es.trace.response(self.rid, states, len(job.ids), cached)
         if remaining:
             raise EngineError("the engine ended the stream before every choice finished", retryable=False)
 
@@ -330,9 +383,20 @@ class Generation:
         """The response's event encoder (stateless: one per response, shared by its streams)."""
         enc = self._enc
         if enc is None:
-            cls = ChatChunks if self.chat else CompletionChunks
-            enc = self._enc = cls(self.rid, self.created, self.model)
+            if self.chat:
+                field = self.gw.cfg.reasoning_field
+                enc = self._enc = ChatChunks(self.rid, self.created, self.model, field, self.legacy_functions)
+            else:
+                enc = self._enc = CompletionChunks(self.rid, self.created, self.model)
         return enc
+
+    def _with_usage(self, chunks: list[bytes], job: Job) -> list[bytes]:
+        """``stream_options.continuous_usage_stats``: each chunk with the usage so far (the jobs
+        accounted, plus ``job``'s prompt and the tokens its choices have generated)."""
+        t = self.totals
+        prompt = t.prompt + len(job.ids)
+        completion = t.completion + sum(st.tokens for st in job.states)
+        return [with_usage(c, prompt, completion) for c in chunks]
 
     def _account(self, job: Job) -> None:
         states = job.states
@@ -362,14 +426,26 @@ class Generation:
             "choices": choices,
             "usage": usage(self.totals.prompt, self.totals.completion, self.totals.cached),
         }
+        if self.chat and self.output is not None:
+            field, legacy = self.gw.cfg.reasoning_field, self.legacy_functions
+            for c in choices:
+                api_choice(c, field, legacy)
         self.done()
         headers = self.headers()
         if violations:
-            strict = [v for v in violations if v.strict]
-            if strict:  # the client was promised conforming output: an error, not a silent mismatch
+            strict = self.rejected(violations)
+            if strict:  # the operator asked for conforming output or an error
                 raise strict_violation(strict)
             headers["x-smg-schema-violation"] = header_value(violations)
         return web.Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+    def rejected(self, violations: Sequence[Violation]) -> list[Violation]:
+        """The violations that make the answer an error (``strict_violation``): those of a strict schema
+        or tool, when the operator opted into rejection (``--reject-schema-violations``); otherwise none:
+        the answer goes out as generated, the violation reported (header and ``schema_violation``)."""
+        if not self.gw.cfg.reject_schema_violations:
+            return []
+        return [v for v in violations if v.strict]
 
     async def collect(self, jobs: list[Job]) -> tuple[list[dict[str, Any]], list[Violation]]:
         """Run every job to its end without streaming: the final choices (chat: with the parsed
@@ -385,6 +461,9 @@ class Generation:
             es = await self._open(job, i, engine_stream, max_new[i])
             try:
                 await self._drive(es, job, None)
+            except GONE:
+                await es.close(CLIENT_DISCONNECT)
+                raise
             finally:
                 await es.close("stop" if es.completed is False else "done")
             engine_t += time.perf_counter() - t_dispatch
@@ -463,23 +542,36 @@ class Generation:
     async def stream(self, jobs: list[Job]) -> web.StreamResponse:
         gw = self.gw
         max_new = [gw.check_context(self.model, len(job.ids), self.s.max_tokens) for job in jobs]
-        es = await self._open(jobs[0], 0, True, max_new[0])  # errors before this point are plain HTTP errors
         # the lean server writes its own Connection header (it would drop ours: one pass over them less)
         headers = dict(SSE_HEADERS if lean_request(self.request) is None else _SSE_LEAN_HEADERS)
-        headers.update(self.headers())
+        headers.update(self.headers())  # x-smg-gateway-ms: the time before dispatch
         resp = stream_response(self.request, headers=headers)
+        keepalive = self.request.app[KEEPALIVE_TICKER]
+        # while the engine queues or prefills, the ticker sends the headers and a keep-alive comment once
+        # dispatch has waited one interval, then one every interval: proxies see bytes from the start
+        ka = keepalive.register(resp, getattr(self._events, "keepalive", KEEPALIVE), self.request)
+        try:
+            es = await self._open(jobs[0], 0, True, max_new[0])
+        except (EngineError, ApiError, TimeoutError) as e:
+            keepalive.unregister(resp)
+            if not resp.prepared:
+                raise  # before the headers: a plain HTTP error
+            await resp.write_eof(self._failure(e))  # the headers are gone: in-band
+            return resp
+        except BaseException:
+            keepalive.unregister(resp)
+            raise
         enc = self._encoder()
         try:
-            await resp.prepare(self.request)
-            keepalive = self.request.app[KEEPALIVE_TICKER]
-            ka = keepalive.register(resp, getattr(self._events, "keepalive", KEEPALIVE))
-
+            await resp.prepare(self.request)  # (a no-op when the ticker sent the headers already)
             pending: list[bytes] = []
+            continuous = self.s.continuous_usage and self._events is None
+            current = [jobs[0]]  # the job being driven (continuous usage counts its tokens)
 
             async def emit(chunks: list[bytes], last: bool = False) -> None:
                 # the role chunk rides with the first batch, the last batch with usage and [DONE]:
                 # a stream whose tokens arrive together is one write
-                pending.extend(chunks)
+                pending.extend(self._with_usage(chunks, current[0]) if continuous else chunks)
                 if not last:
                     ka.touch()
                     await resp.write(b"".join(pending))
@@ -489,18 +581,24 @@ class Generation:
                 for i, job in enumerate(jobs):
                     if i > 0:
                         es = await self._open(job, i, True, max_new[i])
+                    current[0] = job
                     if self.chat:
                         assert not isinstance(enc, CompletionChunks)
                         states = job.states
                         if len(states) == 1:
-                            pending.append(enc.role(job.index_base + states[0].index))
+                            heads = [enc.role(job.index_base + states[0].index)]
                         else:
-                            pending.extend(enc.role(job.index_base + st.index) for st in states)
+                            heads = [enc.role(job.index_base + st.index) for st in states]
+                        pending.extend(self._with_usage(heads, job) if continuous else heads)
                     elif job.echo:
                         assert isinstance(enc, CompletionChunks)
-                        pending.extend(enc.content(job.index_base + st.index, job.echo) for st in job.states)
+                        heads = [enc.content(job.index_base + st.index, job.echo) for st in job.states]
+                        pending.extend(self._with_usage(heads, job) if continuous else heads)
                     try:
                         await self._drive(es, job, emit)
+                    except GONE:
+                        await es.close(CLIENT_DISCONNECT)
+                        raise
                     finally:
                         await es.close("stop")
                     self._account(job)
@@ -517,26 +615,62 @@ class Generation:
                 self.done()
             except (EngineError, ApiError, TimeoutError) as e:
                 # headers are gone: report in-band, then end the stream cleanly
-                msg, code = _describe(e)
-                self.gw.metrics.errors.labels(self.request.path, code).inc()
-                last = (
-                    error_event(msg, "server_error", code) + DONE
-                    if self._events is None
-                    else self._events.failed(msg, code)
-                )
-                await resp.write_eof(b"".join(pending) + last)
+                await resp.write_eof(b"".join(pending) + self._failure(e))
             finally:
                 keepalive.unregister(resp)
+        except GONE:
+            if not es.closed:
+                await es.close(CLIENT_DISCONNECT)
+            raise
         finally:
+            keepalive.unregister(resp)  # (idempotent) also when the headers could not be sent
             if not es.closed:
                 await es.close("cancelled")
         return resp
 
+    def _failure(self, e: EngineError | ApiError | TimeoutError) -> bytes:
+        """The last bytes of a stream that failed after its headers: the error event (then ``[DONE]``),
+        or the Responses / Messages events' own."""
+        msg, code = _describe(e)
+        tracing.record_error(e)
+        self.gw.metrics.errors.labels(self.request.path, code).inc()
+        if self._events is None:
+            return error_event(msg, "server_error", code) + DONE
+        return self._events.failed(msg, code)
+
+
+# finish reasons of a choice the engine gave up on: SGLang's "abort" (scheduler-side: preemption, a full
+# queue, KV pressure), vLLM's "error": an error to the client, never a 200 with that reason
+ENGINE_FAILED = frozenset({"abort", "error"})
+
+
+def _next_open(done: list[bool]) -> int:
+    """The first choice without its engine Complete (-1: none)."""
+    for j, d in enumerate(done):
+        if not d:
+            return j
+    return -1
+
+
+def final_delta_is_new(out: Sequence[int], count: int, got: int, last: Sequence[int]) -> bool:
+    """Whether a streamed choice's Complete carries tokens its chunks did not (``out``: its
+    ``output_ids``; ``count``: its ``completion_tokens``; ``got``: the chunk tokens received; ``last``:
+    the last chunk's ids). Servicers differ: SMG's (SGLang and vLLM) send the final delta in a chunk and
+    again in the Complete; SGLang's in-tree server sends it in the Complete only. A cumulative count
+    that includes ``out`` on top of the chunks says new; else ``out`` repeating the end of the last
+    chunk says repeated; anything else is new."""
+    if got and count == got + len(out):
+        return True
+    k = len(out)
+    return not (k <= len(last) and list(last[len(last) - k :]) == list(out))
+
 
 def strict_violation(strict: Sequence[Violation]) -> ApiError:
-    """The 502 of an answer that breaks the structure it was promised to keep (strict schemas)."""
+    """The 422 of an answer that breaks the structure it was promised to keep (strict schemas, with
+    ``--reject-schema-violations``): a deterministic failure, so not a status SDKs retry (the openai
+    SDK retries 408, 409, 429 and 5xx: a 502 ran ``parse()``'s generation three times)."""
     return ApiError(
-        502,
+        422,
         "The engine's output does not conform to the requested structure: " + header_value(strict),
         type="server_error",
         param=strict[0].param,

@@ -28,6 +28,7 @@ from prometheus_client import Histogram
 from shepherd.node.cluster.mesh_node import RATE_LIMIT_COMPONENT, MeshNode
 from shepherd.node.http.body import json_response
 from shepherd.node.metrics import counter, gauge
+from shepherd.proto import wire_version
 from shepherd.proto.mesh_messages import MemberState
 from shepherd.proto.openai_errors import ApiError
 
@@ -141,6 +142,18 @@ def describe(mesh: MeshNode) -> dict[str, Any]:
             "health_multiplier": rt.swim.health,
             "push_pulls_ok": rm.push_pulls_ok,
             "push_pulls_failed": rm.push_pulls_failed,
+            "wire_version": "{}.{}".format(*wire_version.speaks()),
+            "wire_refused": dict(rm.wire_refused),
+            "wire_skipped": rm.wire_skipped,
+            "dns_seeds": None
+            if rt.dns_seeder is None
+            else {
+                "seeds": [str(s) for s in rt.dns_seeder.seeds],
+                "addresses": [f"{h}:{p}" for h, p in rt.dns_seeder.stats.last_addresses],
+                "resolutions": rt.dns_seeder.stats.resolutions,
+                "resolve_failures": rt.dns_seeder.stats.resolve_failures,
+                "joined_addresses": rt.dns_seeder.stats.joined_addresses,
+            },
             "member_events": dict(rm.member_events),
             "loop_lag_last_s": rm.lag_last,
             "loop_lag_max_s": rm.lag_max,
@@ -199,6 +212,18 @@ def collect(mesh: MeshNode) -> list[Any]:
             "Prefix-index entries waiting to be gossiped",
             [],
             [([], float(pending))],
+        ),
+        counter(
+            "smg_mesh_wire_refused",
+            "Mesh datagrams and frames refused for their protocol version, by reason (wire_version)",
+            ["reason"],
+            [([r], float(rt.metrics.wire_refused.get(r, 0))) for r in wire_version.REFUSAL_REASONS],
+        ),
+        counter(
+            "smg_mesh_wire_skipped",
+            "Mesh messages of a type this version does not know (a newer minor's), skipped",
+            [],
+            [([], float(rt.metrics.wire_skipped + mesh.state.stats.unknown_skipped))],
         ),
         gauge(
             "smg_mesh_loop_lag_seconds",

@@ -97,7 +97,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
 
 async def _respond(g: Generation, jobs: list[Job], message_id: str, req: MessagesRequest) -> web.Response:
     choices, violations = await g.collect(jobs)
-    strict = [v for v in violations if v.strict]
+    strict = g.rejected(violations)
     if strict:
         raise strict_violation(strict)
     choice: dict[str, Any] = choices[0]

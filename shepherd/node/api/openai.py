@@ -23,6 +23,8 @@ from shepherd.node.api.common import ADMISSION, GATEWAY, admitted, relay
 from shepherd.node.api.generation import Generation, Job, fresh_id
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import json_now, read_json
+from shepherd.node.observe import tracing
+from shepherd.node.openai.guided import GUIDED_KEYS
 from shepherd.node.openai.requests import (
     ChatRequest,
     Sampling,
@@ -30,10 +32,11 @@ from shepherd.node.openai.requests import (
     parse_chat_deferred,
     parse_completion,
 )
+from shepherd.node.openai.template_compat import effort_kwargs, map_developer, template_names
 from shepherd.node.openai.tool_choice import template_tools
 from shepherd.node.output.chat import shape_chat
 from shepherd.node.output.choice import ChoiceState
-from shepherd.proto.openai_errors import bad
+from shepherd.proto.openai_errors import ApiError, bad
 from shepherd.tokens.chat_messages import ChatTemplateError
 
 
@@ -61,18 +64,36 @@ async def render_chat(
 ) -> tuple[str, list[int]]:
     """The chat template rendered over ``req`` and encoded, through the tokenizer service and its caches
     (chat completions, Responses and Messages alike); a template that cannot render is a 400 naming
-    ``param``, the request field the messages came from."""
-    try:
-        return await gw.tokenizers.render_and_encode(
-            model,
-            req.messages,
-            template_tools(req.tools, req.tool_choice),
-            req.add_generation_prompt,
-            req.continue_final_message,
-            req.template_kwargs,
-        )
-    except ChatTemplateError as e:
-        raise bad(f"Cannot render the chat template: {e}", param=param, code="chat_template_error") from None
+    ``param``, the request field the messages came from. ``developer`` messages become ``system`` ones
+    and ``reasoning_effort`` the template's thinking switch, as the template's source says
+    (``template_compat``; ``req.template_kwargs`` updated, as the parser stage reads it)."""
+    tools = template_tools(req.tools, req.tool_choice)
+    messages = req.messages
+    if req.reasoning_effort is not None or any(m.get("role") == "developer" for m in messages):
+        try:
+            names = template_names(gw.tokenizer(model).chat_template(tools=tools is not None).source)
+        except ChatTemplateError as e:
+            raise bad(
+                f"Cannot render the chat template: {e}", param=param, code="chat_template_error"
+            ) from None
+        messages = map_developer(messages, names)
+        if req.reasoning_effort is not None:
+            req.template_kwargs = effort_kwargs(req.reasoning_effort, names, req.template_kwargs)
+    # a span (tracing on): the template render and the encode, their cache hits or misses
+    with tracing.stage("render_tokenize", {"gen_ai.request.model": model}, cache_stats=gw.tokenizers.stats):
+        tracing.input_messages(messages)  # only with OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT
+        try:
+            return await gw.tokenizers.render_and_encode(
+                model,
+                messages,
+                tools,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                req.template_kwargs,
+            )
+        except ChatTemplateError as e:
+            msg = f"Cannot render the chat template: {e}"
+            raise bad(msg, param=param, code="chat_template_error") from None
 
 
 # ---- handlers ----------------------------------------------------------------------------------------
@@ -96,6 +117,17 @@ async def _relayed(
     return await admitted(request, model, len(raw) // 4, s, send)
 
 
+def _relay_refuses(param: str, model: str) -> ApiError:
+    """The 400 of a constrained-decoding field for a model served by OpenAI HTTP workers: the body is
+    relayed as sent, and what kind of server the worker is (and whether it reads the field) is unknown,
+    so the constraint cannot be promised."""
+    msg = (
+        f"'{param}' cannot be honoured: the model '{model}' is served by OpenAI HTTP workers, which are "
+        "relayed the request as sent and may ignore it; use 'response_format', or a gRPC worker."
+    )
+    return ApiError(400, msg, param=param, code="unsupported_parameter")
+
+
 async def _checked(req: ChatRequest, run: Callable[[], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """``run()`` once the request's JSON schemas passed meta-validation (off the event loop)."""
     await check_chat_schemas(req)
@@ -112,6 +144,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model = gw.resolve_model(req.model)
     gw.require_kind(model, "generate")
     if gw.relay_mode(model):
+        if req.guided_param:
+            raise _relay_refuses(req.guided_param, model)
         return await _relayed(request, gw, model, raw, d, "/v1/chat/completions", req.sampling, req)
     tok = gw.tokenizer(model)
     _check_ids(req.sampling, tok.vocab_size)
@@ -156,6 +190,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = gw.resolve_model(req.model)
     gw.require_kind(model, "generate")
     if gw.relay_mode(model):
+        guided = next((k for k in GUIDED_KEYS if d.get(k) is not None), None)
+        if guided is not None:
+            raise _relay_refuses(guided, model)
         return await _relayed(request, gw, model, raw, d, "/v1/completions", req.sampling)
     tok = gw.tokenizer(model)
     _check_ids(req.sampling, tok.vocab_size)
@@ -163,7 +200,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     vocab = tok.vocab_size
     for i, p in enumerate(req.prompts):
         if isinstance(p, str):
-            ids = await gw.tokenizers.encode(model, p)
+            with tracing.stage("tokenize", {"gen_ai.request.model": model}, cache_stats=gw.tokenizers.stats):
+                ids = await gw.tokenizers.encode(model, p)
             text = p
         else:
             if any(t >= vocab or t < 0 for t in p):
@@ -186,6 +224,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         rid=_request_id(request, "cmpl-"),
         t0=t0,
         logprobs=req.logprobs,
+        constraint=req.constraint,
     )
     adm = request.app[ADMISSION]
     if adm is None:

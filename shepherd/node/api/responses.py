@@ -619,7 +619,7 @@ async def _respond(
             body["incomplete_details"] = {"reason": "cancelled"}
             await _shielded(turn.save(body, []))
         raise
-    strict = [v for v in violations if v.strict]
+    strict = g.rejected(violations)
     if strict:
         raise strict_violation(strict)
     finish, status, output, usage = _answer(g, choices[0], turn)
@@ -711,7 +711,7 @@ async def _background(
         g.gw.metrics.overhead.observe(time.perf_counter() - g.t0)
         choices, violations = await g.collect([job])
         finish, status, output, usage = _answer(g, choices[0], turn)
-        strict = [v for v in violations if v.strict]
+        strict = g.rejected(violations)
         if strict:
             err = strict_violation(strict)
             body = response_object(

@@ -43,6 +43,7 @@ import msgpack  # type: ignore[import-untyped]
 from shepherd.mesh.runtime import RpcError, RpcHandler
 from shepherd.node.config import ConfigError, NodeConfig, default_node_name
 from shepherd.node.metrics import counter
+from shepherd.node.observe import tracing
 from shepherd.storage.factory import open_store
 from shepherd.storage.ids import node_tag, tag_of
 from shepherd.storage.types import (
@@ -288,7 +289,8 @@ class RpcServer:
             fn = self._methods.get(method) if isinstance(method, str) else None
             if fn is None:
                 raise WireError(f"unknown method {str(method)[:40]!r}")
-            result = await fn(args)
+            with tracing.rpc_server(peer, str(method), req.get("t")):  # the caller's trace (tracing on)
+                result = await fn(args)
             self.served += 1
             return _pack({"ok": result})
         except WireError as e:
@@ -469,13 +471,18 @@ class RoutedStore:
         if status == "suspect":
             raise StorageUnavailable(f"the node {owner!r} that owns this record is suspected down", 2.0)
         self.routed += 1
-        try:
-            raw = await self.link.rpc(owner, _pack({"m": method, "a": args}), timeout=self.rpc_timeout)
-        except RpcError as e:
-            self.routed_failed += 1
-            if e.reason == "unknown":
-                raise OwnerGone(f"the node {owner!r} that owns this record has left the mesh") from None
-            raise StorageUnavailable(f"the node {owner!r} that owns this record: {e}", 1.0) from None
+        req: dict[str, Any] = {"m": method, "a": args}
+        # a CLIENT span (tracing on); the owner continues the trace from the request's "t"
+        with tracing.rpc_client(owner, method) as carrier:
+            if carrier:
+                req["t"] = carrier
+            try:
+                raw = await self.link.rpc(owner, _pack(req), timeout=self.rpc_timeout)
+            except RpcError as e:
+                self.routed_failed += 1
+                if e.reason == "unknown":
+                    raise OwnerGone(f"the node {owner!r} that owns this record has left the mesh") from None
+                raise StorageUnavailable(f"the node {owner!r} that owns this record: {e}", 1.0) from None
         try:
             reply = _unpack(raw)
         except Exception:
@@ -852,6 +859,7 @@ def build_history(
     """The node's history from its configuration (no I/O: ``await start()``). ``backend``: use this one
     instead of opening the configured one (tests)."""
     base = backend if backend is not None else open_backend(cfg)
+    base = tracing.traced_store(base)  # a span per storage call while tracing is on (else as it is)
     refused = None
     if mesh is not None and cfg.history_backend == "memory" and not cfg.history_allow_local:
         refused = (

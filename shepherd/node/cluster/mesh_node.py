@@ -53,6 +53,8 @@ from typing import Any, Literal, Protocol
 import msgpack  # type: ignore[import-untyped]
 
 from shepherd.auth.certs import TlsFiles, write_dev_pki
+from shepherd.mesh import faults
+from shepherd.mesh.dns_seeds import DnsSeedConfig, is_dns_seed, parse_dns_seed
 from shepherd.mesh.hlc import stamp_seconds
 from shepherd.mesh.keyring import Keyring, generate_key, load_keyring
 from shepherd.mesh.ratelimit import RateLimiter
@@ -69,6 +71,7 @@ from shepherd.policies.cache_aware import CacheAware
 from shepherd.policies.prefix_index import PrefixIndexConfig
 from shepherd.policies.prefix_replica import IndexReplConfig
 from shepherd.policies.prefix_replica_native import Replica, make_replica
+from shepherd.proto import wire_version
 from shepherd.proto.engine_types import worker_id
 from shepherd.proto.index_wire import encode_index_bodies
 from shepherd.proto.mesh_messages import MemberState
@@ -79,6 +82,10 @@ log = logging.getLogger("shepherd.mesh_node")
 RATE_LIMIT_COMPONENT = "ratelimit"
 TICK_S = 1.0
 INDEX_FLUSH_S = 0.02
+# with nothing to send, the flush backs off (doubling) to this: an idle node wakes ~6 times a second for
+# it instead of 50 (bench/idle_bench.py); the first delta after a quiet spell waits at most this long,
+# well within rate_limit_propagation_secs (1 s by default)
+INDEX_FLUSH_IDLE_S = 0.16
 MAX_FLUSH_ENTRIES = 50_000  # index entries one flush takes (the rest wait for the next)
 JOIN_PACE = 32  # datagrams of a full-index transfer between short sleeps
 RECONCILE_ROUNDS = 8
@@ -113,6 +120,8 @@ def swim_config(cfg: NodeConfig) -> SwimConfig:
         kw["suspicion_mult"] = cfg.mesh_suspicion_mult
     if cfg.mesh_gossip_interval is not None:
         kw["gossip_interval"] = cfg.mesh_gossip_interval
+    if faults.injected(faults.DISABLE_REFUTATION):  # test-only (chaos.run --inject)
+        kw["fault_no_refutation"] = True
     return dataclasses.replace(base, **kw)
 
 
@@ -131,7 +140,13 @@ def runtime_config(cfg: NodeConfig) -> MeshRuntimeConfig:
         bind_port=port,
         advertise_host=adv_host,
         advertise_port=adv_port,
-        seeds=tuple(parse_addr(s, port or 7946) for s in cfg.mesh_seeds),
+        seeds=tuple(parse_addr(s, port or 7946) for s in cfg.mesh_seeds if not is_dns_seed(s)),
+        dns_seeds=tuple(parse_dns_seed(s, port or 7946) for s in cfg.mesh_seeds if is_dns_seed(s)),
+        dns=DnsSeedConfig(
+            initial_backoff=min(1.0, cfg.mesh_dns_refresh_interval),
+            max_backoff=min(30.0, cfg.mesh_dns_refresh_interval),
+            refresh_interval=cfg.mesh_dns_refresh_interval,
+        ),
         swim=swim_config(cfg),
     )
 
@@ -464,7 +479,9 @@ class MeshNode:
         reg.on_health_change = _chain(reg.on_health_change, self.bridge.local_health)
         reg.gate = self.state.routable
         self.limiter = limiter  # the node's admission limiter, its shards replicated here
-        if self.limiter is not None:
+        # test-only fault switches (shepherd.mesh.faults; chaos.run --inject): shards or index kept local
+        self.fault_no_index_gossip = faults.injected(faults.DISABLE_INDEX_GOSSIP)
+        if self.limiter is not None and not faults.injected(faults.DISABLE_RATELIMIT_GOSSIP):
             self.state.register(RATE_LIMIT_COMPONENT, self.limiter)
         self.state.on_worker_added.append(self._observe_lag)
         self.state.on_worker_removed.append(self._observe_lag)
@@ -482,6 +499,9 @@ class MeshNode:
     # -- lifecycle ----------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if wire_version.enable_test_next_from_env():
+            log.warning("mesh: %s=1: a test build speaking the next wire minor", wire_version.TEST_NEXT_ENV)
+        wire_version.set_strict(faults.injected(faults.STRICT_WIRE))  # test-only (chaos.run --inject)
         tls, keyring = await asyncio.to_thread(security, self.cfg)
         rt = MeshRuntime.from_files(
             runtime_config(self.cfg), keyring, tls, delegate=self.state, on_member_event=self._on_member_event
@@ -492,11 +512,15 @@ class MeshNode:
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._every(TICK_S, self.tick), name="mesh-tick"),
-            loop.create_task(self._every(INDEX_FLUSH_S, self.flush_index), name="mesh-index-flush"),
+            loop.create_task(self._flush_loop(), name="mesh-index-flush"),
         ]
         self.bridge.sync_all()
         log.info(
-            "mesh: node %s on %s:%d, seeds %s", self.name, *rt.address, list(self.cfg.mesh_seeds) or "none"
+            "mesh: node %s on %s:%d, wire %d.%d, seeds %s",
+            self.name,
+            *rt.address,
+            *wire_version.speaks(),
+            list(self.cfg.mesh_seeds) or "none",
         )
 
     async def close(self) -> None:
@@ -522,6 +546,17 @@ class MeshNode:
             except Exception:
                 log.exception("mesh: periodic %s failed", getattr(fn, "__name__", fn))
 
+    async def _flush_loop(self) -> None:
+        interval = INDEX_FLUSH_S
+        while True:  # until cancelled by close()
+            await asyncio.sleep(interval)
+            sent = 0
+            try:
+                sent = self.flush_index()
+            except Exception:
+                log.exception("mesh: periodic flush_index failed")
+            interval = INDEX_FLUSH_S if sent else min(INDEX_FLUSH_IDLE_S, 2 * interval)
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         t = asyncio.get_running_loop().create_task(coro)
         self._side.add(t)
@@ -542,7 +577,9 @@ class MeshNode:
         rt = self.runtime
         if rt is None or not rt.running:
             return 0
-        payloads = self.state.owned_batches() + self.state.index_batches(max_entries=MAX_FLUSH_ENTRIES)
+        payloads = self.state.owned_batches()
+        if not self.fault_no_index_gossip:
+            payloads += self.state.index_batches(max_entries=MAX_FLUSH_ENTRIES)
         if not payloads:
             return 0
         n = 0
@@ -565,7 +602,7 @@ class MeshNode:
         if ev.prev not in (None, MemberState.DEAD, MemberState.LEFT) or self.runtime is None:
             return
         others = sorted(m.name for m in self.runtime.swim.alive_members() if m.name != ev.member.name)
-        if others and others[0] == self.name and self.state.indexes:
+        if others and others[0] == self.name and self.state.indexes and not self.fault_no_index_gossip:
             self._spawn(self._send_full_index(ev.member.name, ev.member.addr))
 
     async def _send_full_index(self, name: str, addr: tuple[str, int]) -> None:

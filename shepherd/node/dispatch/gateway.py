@@ -16,17 +16,27 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
-from shepherd.node.config import ModelConfig, NodeConfig
+from shepherd.node.config import ConfigError, ModelConfig, NodeConfig, cache_aware_config
 from shepherd.node.dispatch.kv_feed import KvFeed, feed_index_of, merge_load
 from shepherd.node.dispatch.pd import PdRouter
 from shepherd.node.dispatch.stream import Batches, EngineStream
 from shepherd.node.dispatch.workers import Worker, WorkerRegistry, client_error, pick_worker
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.node.metrics import NodeMetrics, counter, gauge
+from shepherd.node.observe import tracing
 from shepherd.parsers import default_parsers_for_model, reasoning_family_name, tool_family_name
 from shepherd.policies.base import Policy
 from shepherd.policies.simple import make_policy
-from shepherd.proto.engine_types import EmbedClient, EmbedResult, EngineError, EngineLoad, GenerateRequest
+from shepherd.proto.engine_types import (
+    EmbedClient,
+    EmbedResult,
+    EngineChunk,
+    EngineComplete,
+    EngineError,
+    EngineEvent,
+    EngineLoad,
+    GenerateRequest,
+)
 from shepherd.proto.openai_errors import ApiError
 from shepherd.tokens.service import TokenizerService
 from shepherd.tokens.tokenizer import Tokenizer
@@ -79,17 +89,28 @@ class Gateway:
         self._parser_families: dict[str, tuple[str | None, str | None]] = {}
         # one policy instance per model (its own state: cursor, prefix index...), the model's or the node's
         self.policies: dict[str, Policy] = {
-            m.name: make_policy(m.policy or cfg.policy) for m in self.models.values()
+            m.name: make_policy(m.policy or cfg.policy, cache_aware=cache_aware_config(cfg))
+            for m in self.models.values()
         }
+        self.registry.worker_limit = self._worker_limit
+        for m in self.models.values():  # a configuration the policy cannot route by: refused at start-up
+            limit = self._worker_limit(m.name)
+            if limit is not None and len(set(m.worker_urls)) > limit:
+                raise ConfigError(
+                    f"model {m.name!r}: {len(set(m.worker_urls))} workers, more than the {limit} its "
+                    f"{m.policy or cfg.policy} policy's prefix index holds; split them over several models"
+                )
         self.kv_feed = KvFeed()
         self.pd: PdRouter | None = PdRouter(self) if cfg.pd_disaggregation else None
         self.registry.on_added = self._worker_added
         self.registry.on_removed = self._worker_removed
+        self.registry.on_client_changed = self._worker_client_changed
         self.tokenizers = TokenizerService(
             {m.name: Path(m.model_path) for m in self.models.values()},
             workers=cfg.tokenizer_workers,
             inline_max_chars=cfg.tokenizer_inline_max_chars,
             chat_templates={m.name: m.chat_template for m in self.models.values() if m.chat_template},
+            freeze_before_fork=cfg.gc_gen0_threshold > 0,  # gc_tuning's freeze, done before the fork
         )
         self.draining = False
         self.in_flight = 0
@@ -118,11 +139,24 @@ class Gateway:
         self._background.add(t)
         t.add_done_callback(self._background.discard)
 
+    def _worker_limit(self, model: str) -> int | None:
+        limit = getattr(self.policy_for(model), "worker_limit", None)  # cache_aware's index: 64
+        return limit if isinstance(limit, int) else None
+
     def policy_for(self, model: str) -> Policy:
         p = self.policies.get(model)
         if p is None:  # a model known only from a worker added at run time: the node's policy
-            p = self.policies[model] = make_policy(self.cfg.policy)
+            p = self.policies[model] = make_policy(self.cfg.policy, cache_aware=cache_aware_config(self.cfg))
         return p
+
+    def set_policy(self, model: str, policy: Policy) -> None:
+        """Route ``model`` with ``policy`` from now on (a configuration reload): the KV-event feeds of its
+        workers are restarted into the new policy's index."""
+        self.policies[model] = policy
+        for w in list(self.registry.workers.values()):
+            if w.model == model:
+                self.kv_feed.stop(w.id, clear=False)  # the old policy's index goes with it
+                self._worker_added(w)
 
     def _worker_added(self, w: Worker) -> None:
         """A gRPC worker of a model routed by a prefix index: feed the index from its KV events."""
@@ -139,6 +173,12 @@ class Gateway:
 
         self.kv_feed.start(w.id, client, index, on_load)
 
+    def _worker_client_changed(self, w: Worker) -> None:
+        """A grpc:// worker turned out TensorRT-LLM or MLX: its KV feed (if it has one) starts again on the
+        new client (the first one's may have ended already, told UNIMPLEMENTED by the SGLang probe)."""
+        self.kv_feed.stop(w.id)
+        self._worker_added(w)
+
     def _worker_removed(self, w: Worker) -> None:
         self.kv_feed.stop(w.id)
         policy = (self.pd.policy_of(w) if self.pd is not None else None) or self.policies.get(w.model)
@@ -150,6 +190,11 @@ class Gateway:
 
     def model_names(self) -> list[str]:
         return list(self.models)
+
+    def served_name(self, model: str) -> str:
+        """The engine's name for ``model`` (its alias's target), else ``model`` itself."""
+        mc = self.models.get(model)
+        return (mc.served_name if mc is not None else None) or model
 
     def parser_families(self, model: str) -> tuple[str | None, str | None]:
         """The model's (reasoning, tool-call) parser families; None: that parser is off."""
@@ -164,8 +209,12 @@ class Gateway:
     def resolve_model(self, name: str) -> str:
         if name in self.models:
             return name
-        if len(self.models) == 1 and name == "default":
+        if len(self.models) == 1 and name in ("default", ""):  # "": the request named none (as vLLM)
             return next(iter(self.models))
+        if not name:
+            names = ", ".join(self.models)
+            msg = f"'model' is required: this node serves {len(self.models)} models ({names})."
+            raise ApiError(400, msg, param="model", code="missing_model")
         raise model_not_found(name, self.model_names())
 
     def tokenizer(self, model: str) -> Tokenizer:
@@ -271,7 +320,9 @@ class Gateway:
                 if w is None or w.model != model:
                     raise ApiError(400, f"x-smg-target-worker {target!r} is not a worker of model {model!r}.")
             else:
-                w = self.pick(model, tried, gen.input_ids, routing_key)  # as is: it may carry its pieces
+                with tracing.stage("route") as rt:  # a span with the policy's choice (tracing on)
+                    w = self.pick(model, tried, gen.input_ids, routing_key)  # as is: it may carry its pieces
+                    rt.routed(self.policy_for(model), w)
             if w is None:
                 if last_error is not None:
                     raise last_error
@@ -289,9 +340,20 @@ class Gateway:
                     400, f"worker {w.id} is an HTTP worker; model {model!r} is served over gRPC here."
                 )
             w.in_flight += 1
+            call = (  # the CLIENT span of this engine call (tracing on): current while it is sent
+                tracing.engine_call(model, req.request_id, req.sampling, w.url, client.kind, attempt)
+                if tracing.ENABLED
+                else None
+            )
             agen = cast(Batches, client.generate_batches(req, timeout=self.cfg.request_timeout_secs))
             try:
-                first = await anext(agen)
+                first = await (anext(agen) if call is None else call.first(anext(agen)))
+                for _ in range(_MAX_EMPTY_FIRST):  # chunks without tokens: the outcome is still open
+                    if not _tokenless(first):
+                        break
+                    first = [*first, *await anext(agen)]
+                if not req.stream:  # nothing reaches the client before every choice ended: read them all
+                    first = await _every_choice(agen, first, req.sampling.n)
             except StopAsyncIteration:
                 w.in_flight -= 1
                 self.registry.record_result(w, False)
@@ -305,16 +367,33 @@ class Gateway:
                 last_error = client_error(e, w)  # what a client may read: the worker by id
                 if not e.retryable or target is not None:
                     raise last_error from None
-            except BaseException:
+            except BaseException as e:
                 w.in_flight -= 1
                 w.breaker.release()
-                self.abort_in_background(w, req.request_id, "cancelled")
+                # the handler is cancelled when its client goes away (aiohttp's handler cancellation)
+                why = "client_disconnect" if isinstance(e, asyncio.CancelledError) else "cancelled"
+                self.abort_in_background(w, req.request_id, why)
                 with contextlib.suppress(Exception):
                     await agen.aclose()
                 raise
             else:
-                self.registry.record_result(w, True)
-                return EngineStream(self, w, req.request_id, agen, first)
+                failed = _failed_first(first, req.stream)
+                if failed is None:
+                    self.registry.record_result(w, True)
+                    return EngineStream(self, w, req.request_id, agen, first, trace=call)
+                # the engine gave up before any output reached the client: another worker may serve it
+                w.in_flight -= 1
+                self.registry.record_result(w, False)
+                last_error = EngineError(
+                    f"worker {w.id} ended the request with finish_reason {failed!r} before its first token",
+                    code="engine_abort",
+                )
+                if call is not None:
+                    call.fail(last_error)
+                if target is not None:
+                    with contextlib.suppress(Exception):
+                        await agen.aclose()
+                    raise last_error
             with contextlib.suppress(Exception):
                 await agen.aclose()
             tried.add(w.id)
@@ -322,6 +401,7 @@ class Gateway:
             if attempt > self.cfg.max_retries:
                 raise last_error
             self.metrics.retries.inc()
+            tracing.event("retry", {"shepherd.retry.attempt": attempt, "error.type": last_error.code})
             log.info("retrying request %s on another worker after: %s", gen.request_id, last_error)
 
     async def embed(
@@ -357,8 +437,14 @@ class Gateway:
                 self.metrics.retries.inc()
             rid = request_id if attempt == 0 else f"{request_id}-r{attempt}"
             w.in_flight += 1
+            call = (  # the CLIENT span of this call (tracing on)
+                tracing.engine_call(model, rid, None, w.url, client.kind, attempt)
+                if tracing.ENABLED
+                else None
+            )
             try:
-                got = await client.embed(rid, ids, timeout=self.cfg.request_timeout_secs)
+                pending = client.embed(rid, ids, timeout=self.cfg.request_timeout_secs)
+                got = await (pending if call is None else call.first(pending))
             except EngineError as e:
                 if e.code == "invalid_request":  # the request's fault, not the worker's
                     w.breaker.release()
@@ -374,6 +460,9 @@ class Gateway:
                 raise
             finally:
                 w.in_flight -= 1
+            if call is not None:
+                call.span.set_attribute("gen_ai.usage.input_tokens", len(ids))
+                call.end()
             self.registry.record_result(w, True)
             return got
         if last_error is not None:
@@ -386,7 +475,7 @@ class Gateway:
         )
 
     def abort_in_background(self, w: Worker, request_id: str, reason: str) -> None:
-        self.metrics.aborts.labels(reason).inc()
+        self.metrics.aborts.labels(reason, w.model).inc()
         client = w.client
         abort = getattr(client, "abort", None)
         if abort is not None:
@@ -445,6 +534,57 @@ def _cache_rows(stats: dict[str, int]) -> list[tuple[list[str], float]]:
         if level and result in ("hits", "misses"):
             rows.append(([level, result], float(val)))
     return rows
+
+
+_ENGINE_FAILED = frozenset({"abort", "error"})  # SGLang's abort, vLLM's error (generation.ENGINE_FAILED)
+
+
+_MAX_EMPTY_FIRST = 64  # messages without a token read before a stream is handed on
+
+
+def _tokenless(batch: list[EngineEvent]) -> bool:
+    """Only chunks without tokens (SMG's SGLang servicer sends an empty one before an abort)."""
+    return all(type(ev) is EngineChunk and not ev.token_ids for ev in batch)
+
+
+async def _every_choice(agen: Batches, first: list[EngineEvent], n: int) -> list[EngineEvent]:
+    """A call without streaming: ``first`` and what follows until ``n`` choices completed, one failed
+    ("abort", "error") or the stream ended. So a failure of any choice (SGLang's n > 1 sends one Complete
+    per choice, each in its own message) is seen before anything is answered, and can be retried."""
+    events = list(first)
+    done = 0
+    for ev in events:
+        if type(ev) is EngineComplete:
+            if ev.finish_reason in _ENGINE_FAILED:
+                return events
+            done += 1
+    while done < n:  # bounded by the engine's stream, which ends after its last Complete
+        try:
+            batch = await anext(agen)
+        except StopAsyncIteration:  # the stream ended short: the generation loop says so (a 502)
+            break
+        events.extend(batch)
+        for ev in batch:
+            if type(ev) is EngineComplete:
+                if ev.finish_reason in _ENGINE_FAILED:
+                    return events
+                done += 1
+    return events
+
+
+def _failed_first(first: list[EngineEvent], stream: bool) -> str | None:
+    """The finish reason when the first events of a stream end a choice as failed ("abort", "error")
+    before any token of it could reach the client (a streamed call: no token before; a call without
+    streaming: whatever it carries, nothing was sent yet), else None."""
+    for ev in first:
+        if type(ev) is EngineChunk:
+            if stream and ev.token_ids:
+                return None
+        elif type(ev) is EngineComplete and ev.finish_reason in _ENGINE_FAILED:
+            if stream and ev.output_ids:
+                return None
+            return ev.finish_reason
+    return None
 
 
 def _with_id(gen: GenerateRequest, rid: str) -> GenerateRequest:

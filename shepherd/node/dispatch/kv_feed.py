@@ -8,9 +8,15 @@ or the load telemetry on the stream) as the worker's capacity in the index, and 
 on the stream to ``on_load`` (fresher than a GetLoads poll).
 
 Sequence numbers (``KvCursor``, pure): a batch past the next expected one is a gap; the task
-subscribes again from the first missing batch, and the engine replays what it still holds. If the
-replay does not reach back (or the numbers went backwards: the engine restarted), what the index
-holds for the worker is unknown: its entries are cleared and the stream is taken from there.
+subscribes again from the first missing batch (``start_sequence_number``), and an engine that keeps
+a history replays it. When the answer does not reach back (SGLang's servicers stream live events only
+and ignore the start), the events in the gap are lost but what the index holds is still the engine's
+own account: the batch is applied as it is, nothing is cleared, and later gaps on that worker are
+taken in stride (no more subscribing again for a replay it does not do). Only numbers going backwards
+(the engine restarted: its cache is empty) clear the worker's entries.
+
+Engine pages of any size: 16·m tokens map onto m index blocks (``KvEventApplier``); smaller pages
+(SGLang's default page size is 1) are gathered into 16-token blocks (``SmallPageApplier``).
 A stream that fails or ends is subscribed again after an exponential, jittered, bounded back-off.
 The task stops when the worker is removed (``stop``), which also clears the worker's entries.
 """
@@ -21,8 +27,9 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from itertools import islice
 from typing import Literal, Protocol
 
 from shepherd.node.engines.backoff import Backoff
@@ -55,7 +62,7 @@ def merge_load(old: EngineLoad, new: EngineLoad) -> EngineLoad:
 
 # ---- sequence numbers (pure) -----------------------------------------------------------------------
 
-Verdict = Literal["apply", "skip", "resubscribe", "reset"]
+Verdict = Literal["apply", "skip", "resubscribe", "gap", "reset"]
 
 
 @dataclass(slots=True)
@@ -65,15 +72,19 @@ class KvCursor:
 
     - "apply": the next batch (or the first ever, or an unnumbered one);
     - "skip": a batch already applied (a replay overlapping what was seen);
-    - "resubscribe": a gap in a live stream: subscribe again from ``resume_from()``;
-    - "reset": the worker's state is unknown (the engine could not replay the gap, or its numbers went
-      backwards: it restarted): clear what the index holds for it, then apply the batch.
+    - "resubscribe": a gap in a live stream: subscribe again from ``resume_from()`` (once: an engine
+      that did not replay is not asked again);
+    - "gap": batches were lost (the engine did not replay them): apply the batch, clear nothing;
+    - "reset": the numbers went backwards on a new subscription (the engine restarted): clear what the
+      index holds for the worker, then apply the batch.
     """
 
     last: int = 0  # sequence of the last batch applied (0: none yet)
     asked: int = 0  # the start of the current subscription
     fresh: bool = True  # no event batch seen on the current subscription
+    replays: bool = True  # False once the engine answered a start it was asked for with later batches
     gaps: int = 0
+    lost: int = 0  # gaps the engine did not replay
     resets: int = 0
 
     def resume_from(self) -> int:
@@ -99,16 +110,92 @@ class KvCursor:
             self.last = seq
             return "reset"
         # seq > last + 1
-        if fresh and self.asked == last + 1:  # asked for the gap, the engine no longer has it
-            self.resets += 1
+        if fresh and self.asked == last + 1:  # asked for the gap, the engine did not replay it
+            self.replays = False
+            self.lost += 1
             self.last = seq
-            return "reset"
+            return "gap"
         self.gaps += 1
+        if not self.replays:  # it never replays (SGLang): asking again would lose more
+            self.lost += 1
+            self.last = seq
+            return "gap"
         self.fresh = True  # the batch is not taken: the next subscription starts here
         return "resubscribe"
 
 
 # ---- applying a batch ------------------------------------------------------------------------------
+
+
+class SmallPageApplier:
+    """Stored and removed events of an engine whose pages are smaller than the index's 16-token blocks
+    (a divisor of 16: SGLang's default page size is 1, and its servicers send one event per page).
+
+    The pages of a chain are gathered into 16-token blocks: each engine page is remembered with the
+    index's name of the last whole block at or before its end and the tokens since then (fewer than
+    16); a page that completes a block stores it in the index, chained to the block before. A page
+    removed that completed a block removes that block (the engine evicts from the leaves: the block is
+    no longer whole). The map is bounded as ``KvEventApplier``'s (oldest entries go first)."""
+
+    def __init__(self, index: PrefixIndex, worker: str, block_size: int, max_pages: int = 1 << 20) -> None:
+        if block_size <= 0 or BLOCK_TOKENS % block_size:
+            raise ValueError(f"engine page size {block_size} does not divide {BLOCK_TOKENS}")
+        self.index = index
+        self.worker = worker
+        self.block_size = block_size
+        self.max_pages = max(1, max_pages)
+        # engine page hash -> (index name of the last whole block up to it or None, tokens after it,
+        # whether this page completed that block)
+        self._pages: dict[int, tuple[int | None, tuple[int, ...], bool]] = {}
+
+    def stored(
+        self, engine_hashes: Sequence[int], parent: int | None, token_ids: Sequence[int], now: float
+    ) -> bool:
+        if parent is None:
+            seed: int | None = None
+            pending: tuple[int, ...] = ()
+        else:
+            at = self._pages.get(parent)
+            if at is None:
+                return False
+            seed, pending, _ = at
+        run = pending + tuple(token_ids)
+        whole = len(run) // BLOCK_TOKENS * BLOCK_TOKENS
+        names = self.index.store_token_blocks(self.worker, run[:whole], now, parent=seed) if whole else []
+        p = self.block_size
+        base = len(pending)
+        pages = self._pages
+        for j, eh in enumerate(engine_hashes):
+            end = base + (j + 1) * p
+            if end > len(run):
+                break  # an event with fewer tokens than its pages: only its whole pages
+            full = end // BLOCK_TOKENS
+            if full > len(names):  # the index stored fewer blocks than asked: nothing more to name
+                break
+            name = names[full - 1] if full else seed
+            pages[eh] = (name, run[full * BLOCK_TOKENS : end], full > 0 and end % BLOCK_TOKENS == 0)
+        over = len(pages) - self.max_pages
+        if over > 0:
+            for eh in list(islice(pages, over + self.max_pages // 16)):  # bounded by the map
+                del pages[eh]
+        return True
+
+    def removed(self, engine_hashes: Sequence[int]) -> None:
+        pop = self._pages.pop
+        gone: list[int] = []
+        for eh in engine_hashes:
+            at = pop(eh, None)
+            if at is not None and at[2] and at[0] is not None:
+                gone.append(at[0])
+        if gone:
+            self.index.remove_blocks(gone, self.worker)
+
+    def cleared(self) -> None:
+        self._pages.clear()
+        self.index.clear_worker(self.worker)
+
+    def __len__(self) -> int:
+        return len(self._pages)
 
 
 @dataclass(slots=True)
@@ -135,7 +222,7 @@ class WorkerKvState:
         self.clock = clock
         self.cursor = KvCursor()
         self.stats = FeedStats()
-        self._applier: KvEventApplier | None = None
+        self._applier: KvEventApplier | SmallPageApplier | None = None
         self.unsupported_block_size = 0
 
     def set_capacity_tokens(self, max_total_tokens: int) -> None:
@@ -144,21 +231,27 @@ class WorkerKvState:
             self.stats.capacity_blocks = blocks
             self.index.set_capacity(self.worker, blocks)
 
-    def _applier_for(self, block_size: int) -> KvEventApplier | None:
+    def _applier_for(self, block_size: int) -> KvEventApplier | SmallPageApplier | None:
         a = self._applier
-        if a is not None and a.per_block * BLOCK_TOKENS == block_size:
-            return a
-        if block_size <= 0 or block_size % BLOCK_TOKENS:
+        if a is not None:
+            size = a.block_size if isinstance(a, SmallPageApplier) else a.per_block * BLOCK_TOKENS
+            if size == block_size:
+                return a
+        if block_size > 0 and block_size % BLOCK_TOKENS == 0:
+            self._applier = KvEventApplier(self.index, self.worker, block_size)
+        elif block_size > 0 and BLOCK_TOKENS % block_size == 0:
+            self._applier = SmallPageApplier(self.index, self.worker, block_size)
+        else:
             if self.unsupported_block_size != block_size:
                 log.warning(
-                    "worker %s: KV blocks of %d tokens (not a multiple of %d): stored events not applied",
+                    "worker %s: KV pages of %d tokens (neither a multiple nor a divisor of %d): stored "
+                    "events not applied",
                     self.worker,
                     block_size,
                     BLOCK_TOKENS,
                 )
             self.unsupported_block_size = block_size
             return None
-        self._applier = KvEventApplier(self.index, self.worker, block_size)
         return self._applier
 
     def clear(self) -> None:

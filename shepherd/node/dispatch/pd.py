@@ -27,7 +27,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, cast
 
-from shepherd.node.config import NodeConfig
+from shepherd.node.config import NodeConfig, cache_aware_config
 from shepherd.node.dispatch.stream import EngineStream
 from shepherd.node.dispatch.workers import Worker, WorkerRegistry, client_error, pick_worker
 from shepherd.node.engines.http import HttpRelayClient
@@ -91,8 +91,9 @@ class PdRouter:
     def __init__(self, gw: Dispatcher, *, seed: int | None = None) -> None:
         cfg = gw.cfg
         self.gw = gw
-        self.prefill_policy: Policy = make_policy(cfg.prefill_policy or cfg.policy)
-        self.decode_policy: Policy = make_policy(cfg.decode_policy or cfg.policy)
+        ca = cache_aware_config(cfg)
+        self.prefill_policy: Policy = make_policy(cfg.prefill_policy or cfg.policy, cache_aware=ca)
+        self.decode_policy: Policy = make_policy(cfg.decode_policy or cfg.policy, cache_aware=ca)
         ports = cfg.prefill_bootstrap_ports or (None,) * len(cfg.prefill_urls)
         self.bootstrap_ports: dict[str, int] = {
             worker_id(u): p or DEFAULT_BOOTSTRAP_PORT for u, p in zip(cfg.prefill_urls, ports, strict=True)
@@ -100,6 +101,25 @@ class PdRouter:
         self.prefill_ids = frozenset(worker_id(u) for u in cfg.prefill_urls)
         self.decode_ids = frozenset(worker_id(u) for u in cfg.decode_urls)
         self._rng = random.Random(seed)
+
+    def join_pool(self, url: str, role: str, bootstrap_port: int | None = None) -> None:
+        """Put the worker of ``url`` in the ``prefill`` or ``decode`` pool at run time (Kubernetes
+        discovery), before it is added to the registry (the pool's policy learns of it then)."""
+        wid = worker_id(url)
+        if role == "prefill":
+            self.prefill_ids = self.prefill_ids | {wid}
+            self.bootstrap_ports[wid] = bootstrap_port or DEFAULT_BOOTSTRAP_PORT
+        elif role == "decode":
+            self.decode_ids = self.decode_ids | {wid}
+        else:
+            raise ValueError(f"PD pool {role!r}: prefill or decode")
+
+    def leave_pool(self, url: str) -> None:
+        """Take the worker of ``url`` out of its pool (after it left the registry)."""
+        wid = worker_id(url)
+        self.prefill_ids = self.prefill_ids - {wid}
+        self.decode_ids = self.decode_ids - {wid}
+        self.bootstrap_ports.pop(wid, None)
 
     def policy_of(self, w: Worker) -> Policy | None:
         """The policy of the pool the worker is in (None: in neither)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shepherd.node.dispatch.workers import Worker
+from shepherd.node.observe.tracing import EngineCall
 from shepherd.proto.engine_types import EngineEvent
 
 __all__ = ["Aborter", "Batches", "EngineStream"]
@@ -45,6 +46,7 @@ class EngineStream:
     completed: bool = False
     closed: bool = False
     on_close: Callable[[], None] | None = None  # e.g. PD: the prefill half goes with the decode half
+    trace: EngineCall | None = None  # the engine call's CLIENT span (tracing on), ended by close()
 
     def batches(self) -> EngineStream:
         return self
@@ -68,6 +70,8 @@ class EngineStream:
             self.on_close()
         if not self.completed:
             self.gateway.abort_in_background(self.worker, self.request_id, reason)
+        if self.trace is not None:
+            self.trace.end(None if self.completed else reason)
         try:  # noqa: SIM105 - cheaper than contextlib.suppress, on every request
             await self.agen.aclose()
         except Exception:

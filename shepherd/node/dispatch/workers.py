@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -16,6 +15,7 @@ from shepherd.node.dispatch.circuit_breaker import BreakerState, CircuitBreaker,
 from shepherd.node.engines.grpcio import GrpcEngineClient
 from shepherd.node.engines.h2 import H2EngineClient
 from shepherd.node.engines.http import HttpRelayClient
+from shepherd.node.engines.kinds import SERVICE_KINDS, service_client, settle_kind
 from shepherd.policies.base import Policy, RouteRequest, WorkerView
 from shepherd.proto.engine_types import (
     EngineClient,
@@ -46,9 +46,13 @@ def make_client(
     kind = {"sglang": "sglang", "vllm": "vllm"}.get(scheme)
     if tls is None and scheme == "grpcs":
         tls = EngineTls()
+    base: GrpcEngineClient | H2EngineClient
     if transport == "grpcio":
-        return GrpcEngineClient(url, target, kind, tls.grpc_credentials() if tls else None)
-    return H2EngineClient(url, target, kind, tls=tls.ssl_context() if tls else None)
+        base = GrpcEngineClient(url, target, kind, tls.grpc_credentials() if tls else None)
+    else:
+        base = H2EngineClient(url, target, kind, tls=tls.ssl_context() if tls else None)
+    # trtllm:// and mlx://: their own client, over the connection made here
+    return service_client(url, scheme, base) if scheme in SERVICE_KINDS else base
 
 
 @dataclass(slots=True)
@@ -65,6 +69,13 @@ class Worker:
     initialized: bool = False
     requests: int = 0
     failures: int = 0
+    # the engine answered GetLoads UNIMPLEMENTED (vLLM's entrypoint): not asked again; load-aware
+    # policies then see this node's own in-flight count for it (``policies.base.worker_load``)
+    loads_unsupported: bool = False
+    # SMG's worker spec (admin API): routing weight and cost are recorded and shown; labels are free-form
+    priority: int = 50
+    cost: float = 1.0
+    labels: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_http(self) -> bool:
@@ -88,12 +99,25 @@ class Worker:
             "in_flight": self.in_flight,
             "requests": self.requests,
             "failures": self.failures,
-            "load": {
+            "load": self.in_flight,  # SMG's: a number (this node's requests on the worker)
+            "engine_load": {
                 "running": self.load.running,
                 "waiting": self.load.waiting,
                 "token_usage": self.load.token_usage,
             },
             "max_context_length": self.info.max_context_length if self.info else None,
+            # the KV pool in tokens when the engine reports it in place of the context (SGLang)
+            "kv_capacity_tokens": (self.info.kv_capacity_tokens or None) if self.info else None,
+            "engine_loads": not self.loads_unsupported,
+            # SMG's WorkerInfo (sgl-model-gateway / smg: protocols/worker_spec.rs), alongside
+            "model_id": self.model,
+            "worker_type": "regular",  # a PD node's admin API says "prefill" / "decode" for its pools
+            "connection_mode": "http" if self.is_http else "grpc",
+            "runtime_type": None if self.is_http else self.client.kind,
+            "is_healthy": self.health.healthy,
+            "priority": self.priority,
+            "cost": self.cost,
+            "labels": dict(self.labels),
         }
 
 
@@ -145,10 +169,14 @@ class WorkerRegistry:
         # called when a worker joins (after its first check) and when it leaves (before its client closes)
         self.on_added: Callable[[Worker], None] | None = None
         self.on_removed: Callable[[Worker], None] | None = None
+        # a grpc:// worker's client was replaced once its kind was known (TensorRT-LLM, MLX)
+        self.on_client_changed: Callable[[Worker], None] | None = None
         self._http_only: dict[str, bool] = {}  # per model, recomputed when workers change
         self.version = 0  # bumped when workers come, go or learn their model info
         # a further routability test by worker id (the mesh's combined health view); None: none
         self.gate: Callable[[str], bool] | None = None
+        # workers a model may have at most (its policy's index: cache_aware's native index holds 64)
+        self.worker_limit: Callable[[str], int | None] | None = None
 
     def http_only(self, model: str) -> bool:
         """Every worker of ``model`` is an OpenAI HTTP worker (and there is at least one)."""
@@ -183,11 +211,21 @@ class WorkerRegistry:
         ``ApiError`` (nothing registered, nothing dialed): 400 ``worker_not_allowed`` for a URL that
         is not scheme://host:port or that ``worker_allow`` refuses (config, admin API and workers from
         the mesh alike); 429 ``worker_probe_rate_limited`` when run-time adds failed their first check
-        too often (``ProbeBudget``)."""
+        too often (``ProbeBudget``); 409 ``too_many_workers`` when the model has as many workers as its
+        policy can route by (``worker_limit``: cache_aware's native prefix index holds 64 per model)."""
         wid = worker_id(url)
         existing = self.workers.get(wid)
         if existing is not None:
             return existing
+        limit = None if self.worker_limit is None else self.worker_limit(model)
+        if limit is not None and len(self.for_model(model)) >= limit:
+            raise ApiError(
+                409,
+                f"Model {model!r} already has {limit} workers, the most its routing policy's prefix index "
+                "holds; remove one first, or split the workers over several models.",
+                param="url",
+                code="too_many_workers",
+            )
         try:
             check_worker_url(url)
             self.allow.check_url(url)
@@ -239,7 +277,13 @@ class WorkerRegistry:
 
     async def _init(self, w: Worker) -> None:
         if isinstance(w.client, GrpcEngineClient | H2EngineClient):
-            await w.client.detect(self.cfg.health_check_timeout_secs)
+            settled = await settle_kind(w.client, self.cfg.health_check_timeout_secs)
+            if settled is not w.client:  # grpc:// found TensorRT-LLM or MLX: their client, same connection
+                w.client = settled
+                if self.on_client_changed is not None:
+                    self.on_client_changed(w)
+            else:
+                await w.client.detect(self.cfg.health_check_timeout_secs)
         w.info = await w.client.model_info()
         w.initialized = True
         self.version += 1
@@ -258,10 +302,20 @@ class WorkerRegistry:
                 self.on_health_change(w)
 
     async def poll_load(self, w: Worker) -> None:
-        if not w.initialized or not w.health.healthy:
+        if not w.initialized or not w.health.healthy or w.loads_unsupported:
             return
-        with contextlib.suppress(EngineError, TimeoutError, OSError):
+        try:
             w.load = await w.client.loads()
+        except EngineError as e:
+            if e.code == "unimplemented":  # detected once, said once; the worker is not asked again
+                w.loads_unsupported = True
+                log.warning(
+                    "worker %s does not serve GetLoads: routing by load counts this node's in-flight "
+                    "requests on it",
+                    w.url,
+                )
+        except (TimeoutError, OSError):
+            pass
 
     def record_result(self, w: Worker, ok: bool) -> None:
         w.requests += 1

@@ -18,11 +18,13 @@ __all__ = [
     "OK",
     "PERMISSION_DENIED",
     "RESOURCE_EXHAUSTED",
+    "SGLANG_HEALTH_MIN_TIMEOUT_S",
     "UNAUTHENTICATED",
     "UNAVAILABLE",
     "UNIMPLEMENTED",
     "UNKNOWN",
     "engine_error",
+    "health_timeout",
 ]
 
 # gRPC status codes (numbers as on the wire; names as grpc.StatusCode's)
@@ -74,4 +76,20 @@ def engine_error(code: int, details: str) -> EngineError:
         return EngineUnavailable(f"engine unavailable: {detail}")
     if code == INVALID_ARGUMENT:
         return EngineError(f"engine rejected the request: {detail}", code="invalid_request", retryable=False)
+    if code == UNIMPLEMENTED:  # the servicer lacks the call (vLLM's entrypoint: GetLoads, KV events)
+        return EngineError(f"engine error ({name}): {detail}", code="unimplemented", retryable=False)
     return EngineError(f"engine error ({name}): {detail}", retryable=code in _RETRYABLE)
+
+
+# SGLang's HealthCheck (SMG's servicer) sleeps 1 s before it first looks for the scheduler's answer, then
+# polls every second: a shorter deadline fails every healthy SGLang worker. A check of an SGLang worker
+# waits at least this long, whatever the configured timeout.
+SGLANG_HEALTH_MIN_TIMEOUT_S = 2.5
+
+
+def health_timeout(kind: str, configured: float) -> float:
+    """The HealthCheck deadline for a worker of ``kind``: the configured one, raised for SGLang to
+    ``SGLANG_HEALTH_MIN_TIMEOUT_S`` (see there)."""
+    if kind == "sglang" and configured < SGLANG_HEALTH_MIN_TIMEOUT_S:
+        return SGLANG_HEALTH_MIN_TIMEOUT_S
+    return configured

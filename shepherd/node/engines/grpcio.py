@@ -18,7 +18,8 @@ from smg_grpc_proto import vllm_engine_pb2 as vl
 from smg_grpc_proto import vllm_engine_pb2_grpc as vl_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from shepherd.node.engines.errors import engine_error
+from shepherd.node.engines.errors import engine_error, health_timeout
+from shepherd.node.observe import tracing
 from shepherd.proto.engine_requests import sglang_embed, sglang_generate, vllm_embed, vllm_generate
 from shepherd.proto.engine_responses import (
     decode_embed,
@@ -95,9 +96,11 @@ class GrpcEngineClient:
         return self.kind
 
     def _generate_call(self, req: GenerateRequest, timeout: float | None) -> Any:
+        # the caller's trace context (traceparent, tracestate) as gRPC metadata, when tracing is on
+        md = tuple(tracing.inject({}).items()) if tracing.ENABLED else None
         if self.kind == "vllm":
-            return self._vl.Generate(vllm_generate(req), timeout=timeout)
-        return self._sg.Generate(sglang_generate(req), timeout=timeout)
+            return self._vl.Generate(vllm_generate(req), timeout=timeout, metadata=md)
+        return self._sg.Generate(sglang_generate(req), timeout=timeout, metadata=md)
 
     async def generate(
         self, req: GenerateRequest, timeout: float | None = None
@@ -150,6 +153,7 @@ class GrpcEngineClient:
         try:
             if self.kind == "unknown":
                 await self.detect(timeout)
+            timeout = health_timeout(self.kind, timeout)
             if self.kind == "vllm":
                 r: Any = await self._vl.HealthCheck(vl.HealthCheckRequest(), timeout=timeout)
             else:
@@ -166,7 +170,16 @@ class GrpcEngineClient:
                 r = await self._sg.GetModelInfo(sg.GetModelInfoRequest(), timeout=5.0)
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e) from None
-        return decode_model_info(r)
+        # SGLang reports its KV pool as max_context_length: the context comes from its server arguments
+        return decode_model_info(r, await self._sglang_server() if self.kind == "sglang" else None)
+
+    async def _sglang_server(self) -> ServerInfo:
+        """GetServerInfo of an SGLang worker for its model info; a server without it (SGLang's early
+        in-tree server) says nothing of the context: only that max_context_length is the KV pool."""
+        try:
+            return await self.server_info()
+        except EngineError:
+            return ServerInfo(kind="sglang")
 
     async def server_info(self) -> ServerInfo:
         try:
@@ -187,6 +200,32 @@ class GrpcEngineClient:
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e) from None
         return decode_loads(r)
+
+    async def flush_cache(self, timeout: float = 30.0) -> tuple[bool, str]:
+        """FlushCache: (success, the engine's message)."""
+        if self.kind == "unknown":
+            await self.detect()
+        stub: Any = self._vl if self.kind == "vllm" else self._sg
+        try:
+            r: Any = await stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e) from None
+        return bool(r.success), str(r.message)
+
+    async def get_tokenizer(self, timeout: float = 120.0) -> tuple[bytes, str]:
+        """GetTokenizer (server stream): the zip's bytes, concatenated, and the last chunk's sha256."""
+        if self.kind == "unknown":
+            await self.detect()
+        stub: Any = self._vl if self.kind == "vllm" else self._sg
+        parts: list[bytes] = []
+        sha = ""
+        try:
+            async for chunk in stub.GetTokenizer(common_pb2.GetTokenizerRequest(), timeout=timeout):
+                parts.append(chunk.data)
+                sha = chunk.sha256 or sha
+        except grpc.aio.AioRpcError as e:
+            raise map_rpc_error(e) from None
+        return b"".join(parts), sha
 
     async def subscribe_kv_events(self, start_seq: int = 0) -> AsyncIterator[KvEventBatch]:
         """SubscribeKvEvents (server stream, no deadline); closing the iterator cancels the call."""

@@ -25,10 +25,18 @@ from smg_grpc_proto import vllm_engine_pb2 as vl
 from smg_grpc_proto.generated import common_pb2
 
 from shepherd.node.engines.backoff import Backoff
-from shepherd.node.engines.errors import DEADLINE_EXCEEDED, INTERNAL, OK, UNAVAILABLE, UNIMPLEMENTED
-from shepherd.node.engines.h2_frames import LOCAL_WINDOW, RequestHeaders
+from shepherd.node.engines.errors import (
+    DEADLINE_EXCEEDED,
+    INTERNAL,
+    OK,
+    UNAVAILABLE,
+    UNIMPLEMENTED,
+    health_timeout,
+)
+from shepherd.node.engines.h2_frames import LOCAL_WINDOW, RequestHeaders, hpack_literal
 from shepherd.node.engines.h2_protocol import H2Protocol
 from shepherd.node.engines.h2_stream import Deadlines, GrpcStream, RpcStatus, grpc_message, map_status
+from shepherd.node.observe import tracing
 from shepherd.proto.engine_requests import (
     SGLANG_SERVICE,
     VLLM_SERVICE,
@@ -207,14 +215,16 @@ class H2EngineClient:
         proto.closed.add_done_callback(lambda _f: self._protos.discard(proto))
         return proto
 
-    def _start_now(self, path: str, body: bytes, timeout: float | None) -> GrpcStream | None:
+    def _start_now(
+        self, path: str, body: bytes, timeout: float | None, extra: bytes = b""
+    ) -> GrpcStream | None:
         """Open a call and send its request at once when a connection and a slot are ready, else None."""
         p = self._proto
         if p is None or not p.can_open:
             return None
         loop = p.loop
         stream = GrpcStream(loop)
-        p.conn.open_stream(stream, self._headers.block(path, timeout), grpc_message(body))
+        p.conn.open_stream(stream, self._headers.block(path, timeout) + extra, grpc_message(body))
         if timeout is not None:
             dl = self._deadlines.get(timeout)
             if dl is None or dl.loop is not loop:
@@ -226,9 +236,9 @@ class H2EngineClient:
             dl.add(stream)
         return stream
 
-    async def _start(self, path: str, body: bytes, timeout: float | None) -> GrpcStream:
+    async def _start(self, path: str, body: bytes, timeout: float | None, extra: bytes = b"") -> GrpcStream:
         """Open a call and send its request; no suspension when a connection and a slot are ready."""
-        ready = self._start_now(path, body, timeout)
+        ready = self._start_now(path, body, timeout, extra)
         if ready is not None:
             return ready
         loop = asyncio.get_running_loop()
@@ -240,7 +250,7 @@ class H2EngineClient:
             c = p.conn
             if c.has_slot and (waited or not p.has_waiters):
                 remaining = None if deadline is None else max(0.001, deadline - loop.time())
-                c.open_stream(stream, self._headers.block(path, remaining), grpc_message(body))
+                c.open_stream(stream, self._headers.block(path, remaining) + extra, grpc_message(body))
                 if deadline is not None:
                     stream.timer = loop.call_at(deadline, stream.expire)
                 return stream
@@ -259,8 +269,10 @@ class H2EngineClient:
     async def call_unary(
         self, path: str, request: Message, response_type: type[M], timeout: float | None
     ) -> M:
-        """One unary call; raises RpcStatus (internal error type) on a non-OK status."""
-        stream = await self._start(path, request.SerializeToString(), timeout)
+        """One unary call; raises RpcStatus (internal error type) on a non-OK status. The caller's trace
+        context goes as metadata when tracing is on (an Embed of a request; none for background calls)."""
+        trace = tracing.grpc_header_block(hpack_literal) if tracing.ENABLED else b""
+        stream = await self._start(path, request.SerializeToString(), timeout, trace)
         try:
             for _ in range(_MAX_WAITS):
                 if stream.done:
@@ -384,6 +396,7 @@ class H2EngineClient:
         try:
             if self.kind == "unknown":
                 await self.detect(timeout)
+            timeout = health_timeout(self.kind, timeout)
             if self.kind == "vllm":
                 r: Any = await self.call_unary(
                     _path("vllm", "HealthCheck"), vl.HealthCheckRequest(), vl.HealthCheckResponse, timeout
@@ -401,7 +414,16 @@ class H2EngineClient:
             r: Any = await self._unary("GetModelInfo", vl.GetModelInfoRequest(), vl.GetModelInfoResponse, 5.0)
         else:
             r = await self._unary("GetModelInfo", sg.GetModelInfoRequest(), sg.GetModelInfoResponse, 5.0)
-        return decode_model_info(r)
+        # SGLang reports its KV pool as max_context_length: the context comes from its server arguments
+        return decode_model_info(r, await self._sglang_server() if self.kind == "sglang" else None)
+
+    async def _sglang_server(self) -> ServerInfo:
+        """GetServerInfo of an SGLang worker for its model info; a server without it (SGLang's early
+        in-tree server) says nothing of the context: only that max_context_length is the KV pool."""
+        try:
+            return await self.server_info()
+        except EngineError:
+            return ServerInfo(kind="sglang")
 
     async def server_info(self) -> ServerInfo:
         if self.kind == "vllm":
@@ -420,6 +442,40 @@ class H2EngineClient:
         else:
             r = await self._unary("GetLoads", sg.GetLoadsRequest(include=["core"]), sg.GetLoadsResponse, 5.0)
         return decode_loads(r)
+
+    async def flush_cache(self, timeout: float = 30.0) -> tuple[bool, str]:
+        """FlushCache: (success, the engine's message)."""
+        if self.kind == "unknown":
+            await self.detect()
+        r: Any = await self._unary(
+            "FlushCache", common_pb2.FlushCacheRequest(), common_pb2.FlushCacheResponse, timeout
+        )
+        return bool(r.success), str(r.message)
+
+    async def get_tokenizer(self, timeout: float = 120.0) -> tuple[bytes, str]:
+        """GetTokenizer (server stream): the zip's bytes, concatenated, and the sha256 the last chunk
+        carries ("" when the engine sent none)."""
+        if self.kind == "unknown":
+            await self.detect()
+        parts: list[bytes] = []
+        sha = ""
+        stream = cast(
+            AsyncGenerator[Any, None],
+            self.call_stream(
+                _path(self.kind, "GetTokenizer"),
+                common_pb2.GetTokenizerRequest(),
+                common_pb2.GetTokenizerChunk,
+                timeout,
+            ),
+        )
+        try:
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    parts.append(chunk.data)
+                    sha = chunk.sha256 or sha
+        except RpcStatus as e:
+            raise e.engine_error() from None
+        return b"".join(parts), sha
 
     async def subscribe_kv_events(self, start_seq: int = 0) -> AsyncIterator[KvEventBatch]:
         """SubscribeKvEvents (server stream, no deadline); closing the iterator cancels the call."""
@@ -518,12 +574,14 @@ class GenerateCall:
         if req.sampling.n == 1:
             self._single = client.kind
         timeout = self._timeout
+        # the caller's trace context (traceparent, tracestate) as gRPC metadata, when tracing is on
+        trace = tracing.grpc_header_block(hpack_literal) if tracing.ENABLED else b""
         stream: GrpcStream | None = None
         for _attempt in range(_UNPROCESSED_RETRIES + 1):
-            stream = client._start_now(path, body, timeout)
+            stream = client._start_now(path, body, timeout, trace)
             if stream is None:
                 try:
-                    stream = await client._start(path, body, timeout)
+                    stream = await client._start(path, body, timeout, trace)
                 except RpcStatus as e:
                     raise e.engine_error() from None
             self._stream = stream

@@ -23,6 +23,7 @@ import orjson
 from aiohttp.abc import AbstractResolver, ResolveResult
 
 from shepherd.node.config import WorkerAllow
+from shepherd.node.observe import tracing
 from shepherd.proto.engine_types import EngineLoad, EngineUnavailable, ModelInfo, ServerInfo, worker_id
 
 log = logging.getLogger("shepherd.engines.http")
@@ -105,14 +106,20 @@ class HttpRelayClient:
         return self._session
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
-        """Start a POST to the worker; the caller streams and releases the response."""
-        try:
-            return await self.session().post(
-                self.url + path, data=body, headers=headers, allow_redirects=False
-            )
-        except (aiohttp.ClientError, OSError) as e:
-            log.info("HTTP worker %s (%s) unreachable: %s", self.id, self.url, e)
-            raise EngineUnavailable(f"HTTP worker {self.id} is unreachable.") from None
+        """Start a POST to the worker; the caller streams and releases the response. Tracing on: a CLIENT
+        span until the worker's answer starts, whose context goes in ``traceparent`` / ``tracestate``."""
+        with tracing.client_stage(f"POST {path}", self.url) as span:
+            if tracing.ENABLED:
+                headers = tracing.inject(dict(headers))
+            try:
+                resp = await self.session().post(
+                    self.url + path, data=body, headers=headers, allow_redirects=False
+                )
+            except (aiohttp.ClientError, OSError) as e:
+                log.info("HTTP worker %s (%s) unreachable: %s", self.id, self.url, e)
+                raise EngineUnavailable(f"HTTP worker {self.id} is unreachable.") from None
+            span.set("http.response.status_code", resp.status)
+            return resp
 
     async def health_check(self, timeout: float = 2.0) -> bool:
         try:

@@ -141,6 +141,7 @@ class LeanServer:
         ssl_context: ssl.SSLContext | None = None,
         backlog: int = 1024,
         reuse_address: bool = True,
+        reuse_port: bool = False,
     ) -> None:
         self._server = await self.loop.create_server(
             self.cap.factory(lambda: _Conn(self)),
@@ -149,6 +150,7 @@ class LeanServer:
             ssl=ssl_context,
             backlog=backlog,
             reuse_address=reuse_address,
+            reuse_port=reuse_port or None,
         )
         self._schedule_sweep()
 

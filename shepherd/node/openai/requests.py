@@ -29,13 +29,17 @@ from typing import Any
 
 import orjson
 
+from shepherd.node.openai.guided import GUIDED_KEYS, parse_guided
 from shepherd.node.openai.structured import (
     SCHEMA_MAX_BYTES,
+    Constraint,
     PendingSchema,
     SchemaBudget,
     check_schemas,
     check_schemas_now,
+    response_format_constraint,
 )
+from shepherd.node.openai.template_compat import REASONING_EFFORTS
 from shepherd.node.openai.tool_choice import NONE as NO_TOOL_CHOICE
 from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, parse_tool_choice
 from shepherd.proto.openai_errors import bad
@@ -206,6 +210,7 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...]
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk (vLLM)
 
 
 # every request key parse_sampling reads
@@ -322,11 +327,13 @@ def _parse_sampling(d: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samp
     top_k = _int(d, "top_k", -1, -1, INT32_MAX)
     stream = _bool(d, "stream", False)
     opts = _dict(d, "stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if opts is not None:
         if not stream:
             raise bad("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
         include_usage = _bool(opts, "include_usage", False)
+        # vLLM: usage on every chunk when both are set (should_include_usage)
+        continuous_usage = include_usage and _bool(opts, "continuous_usage_stats", False)
     seed = d.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise bad("'seed' must be an integer.", param="seed", code="invalid_type")
@@ -360,13 +367,18 @@ def _parse_sampling(d: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samp
         logit_bias=_logit_bias(d),
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
     )
 
 
 def _model(d: dict[str, Any]) -> str:
+    """The requested model; "" when the request names none (vLLM serves its one model then: the
+    gateway's ``resolve_model`` does the same, and answers a 400 when it serves several)."""
     m = d.get("model")
-    if not isinstance(m, str) or not m:
-        raise bad("'model' is required and must be a string.", param="model", code="invalid_type")
+    if m is None:
+        return ""
+    if not isinstance(m, str):
+        raise bad("'model' must be a string.", param="model", code="invalid_type")
     return m
 
 
@@ -395,6 +407,11 @@ class ChatRequest:
     # the request's JSON schemas, within bounds, until ``check_chat_schemas`` (``parse_chat_deferred``;
     # empty after ``parse_chat``, which checked them)
     schemas: tuple[PendingSchema, ...] = ()
+    # a vLLM / SGLang constrained-decoding field's constraint and that field (guided.py)
+    guided: Constraint | None = None
+    guided_param: str = ""
+    reasoning_effort: str | None = None  # mapped to the template's thinking switch when rendering
+    legacy_functions: bool = False  # the request used ``functions``: answers carry ``function_call``
 
 
 def _content_text(content: Any, idx: int) -> Any:
@@ -434,12 +451,15 @@ def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list.", param="messages", code="invalid_type")
     out: list[dict[str, Any]] = []
+    legacy = False  # a legacy function-calling turn: converted whether or not the request has 'functions'
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object.", param=f"messages.{i}", code="invalid_type")
         role = m.get("role")
         if role not in ROLES:
             raise bad(f"messages[{i}].role must be one of {sorted(ROLES)}.", param=f"messages.{i}.role")
+        if role == "function" or (role == "assistant" and m.get("function_call") is not None):
+            legacy = True
         content = m.get("content")
         msg = m  # as sent when its content is (nothing downstream writes to it): no copy per message
         if type(content) is not str:
@@ -455,7 +475,7 @@ def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
         if tcs is not None and not isinstance(tcs, list):
             raise bad(f"messages[{i}].tool_calls must be a list.", param=f"messages.{i}.tool_calls")
         out.append(msg)
-    return out
+    return _legacy_history(out) if legacy else out
 
 
 def _tools(d: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -565,6 +585,10 @@ CHAT_OPTION_KEYS: frozenset[str] = frozenset(
         "add_generation_prompt",
         "parallel_tool_calls",
         "separate_reasoning",
+        "reasoning_effort",
+        "functions",
+        "function_call",
+        *GUIDED_KEYS,
     }
 )
 _CHAT_MAX_KEYS = ("max_tokens", "max_completion_tokens")
@@ -612,11 +636,19 @@ def _parse_chat_options(
     kwargs = _dict(d, "chat_template_kwargs") or {}
     if kwargs:
         _json_size(kwargs, "chat_template_kwargs", MAX_TEMPLATE_KWARGS_BYTES)
+    legacy = "functions" in d or "function_call" in d
+    if legacy:  # (the history's legacy turns were converted by _messages)
+        d = _legacy_functions(d)
     budget = SchemaBudget()
     pending: list[PendingSchema] = []
     rf = _response_format_deferred(d, budget, pending)
+    guided = parse_guided(d, budget, pending)
     cont = _bool(d, "continue_final_message", False)
     tools = _tools_deferred(d, budget, pending)
+    effort = d.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        msg = f"'reasoning_effort' must be one of {sorted(REASONING_EFFORTS)}."
+        raise bad(msg, param="reasoning_effort", code="invalid_value")
     return ChatRequest(
         model=model,
         messages=messages,
@@ -633,7 +665,60 @@ def _parse_chat_options(
         parallel_tool_calls=_bool(d, "parallel_tool_calls", True),
         separate_reasoning=_bool(d, "separate_reasoning", True),
         schemas=tuple(pending),
+        guided=None if guided is None else guided[0],
+        guided_param="" if guided is None else guided[1],
+        reasoning_effort=effort,
+        legacy_functions=legacy,
     )
+
+
+def _legacy_functions(d: dict[str, Any]) -> dict[str, Any]:
+    """A request using the legacy ``functions`` / ``function_call`` fields, as ``tools`` /
+    ``tool_choice`` (one call at most, as the legacy API answers one ``function_call``)."""
+    if d.get("tools") is not None or d.get("tool_choice") is not None:
+        msg = "'functions' / 'function_call' cannot be combined with 'tools' / 'tool_choice'."
+        raise bad(msg, param="functions")
+    fns = d.get("functions")
+    if fns is not None and not isinstance(fns, list):
+        raise bad("'functions' must be a list.", param="functions", code="invalid_type")
+    out = dict(d)
+    out.pop("functions", None)
+    call = out.pop("function_call", None)
+    if fns:
+        out["tools"] = [{"type": "function", "function": f} for f in fns]
+    if call is not None:
+        if isinstance(call, dict):
+            if not isinstance(call.get("name"), str):
+                raise bad("'function_call' must be 'none', 'auto' or {'name': ...}.", param="function_call")
+            out["tool_choice"] = {"type": "function", "function": {"name": call["name"]}}
+        elif call in ("none", "auto"):
+            out["tool_choice"] = call
+        else:
+            raise bad("'function_call' must be 'none', 'auto' or {'name': ...}.", param="function_call")
+    out["parallel_tool_calls"] = False
+    return out
+
+
+def _legacy_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A legacy conversation's turns as templates read them: an assistant ``function_call`` as a
+    ``tool_calls`` entry, a ``function`` message as the ``tool`` answer to the call before it."""
+    out: list[dict[str, Any]] = []
+    last_id = ""
+    for i, m in enumerate(messages):
+        call = m.get("function_call")
+        if m.get("role") == "assistant" and isinstance(call, dict):
+            last_id = f"call_{i}"
+            args = call.get("arguments")
+            fn = {"name": call.get("name"), "arguments": args if isinstance(args, str) else "{}"}
+            m = {k: v for k, v in m.items() if k != "function_call"}
+            m["tool_calls"] = [
+                *(m.get("tool_calls") or []),
+                {"id": last_id, "type": "function", "function": fn},
+            ]
+        elif m.get("role") == "function":
+            m = {**m, "role": "tool", "tool_call_id": m.get("tool_call_id") or last_id}
+        out.append(m)
+    return out
 
 
 # ---- completions --------------------------------------------------------------------------------------
@@ -647,6 +732,7 @@ class CompletionRequest:
     logprobs: int | None
     echo: bool
     raw: dict[str, Any]
+    constraint: Constraint | None = None  # response_format or a vLLM / SGLang guided field (guided.py)
 
 
 def _prompts(d: dict[str, Any]) -> list[str | list[int]]:
@@ -685,6 +771,14 @@ def parse_completion(d: dict[str, Any]) -> CompletionRequest:
         )
     if len(prompts) * sampling.n > MAX_N:
         raise bad(f"prompts x n may not exceed {MAX_N}.", param="n")
+    constraint: Constraint | None = None
+    if "response_format" in d or not _NO_GUIDED.isdisjoint(d):
+        budget = SchemaBudget()
+        pending: list[PendingSchema] = []
+        rf = _response_format_deferred(d, budget, pending)
+        guided = parse_guided(d, budget, pending)
+        check_schemas_now(pending)
+        constraint = guided[0] if guided is not None else response_format_constraint(rf)
     return CompletionRequest(
         model=model,
         prompts=prompts,
@@ -692,7 +786,11 @@ def parse_completion(d: dict[str, Any]) -> CompletionRequest:
         logprobs=_int(d, "logprobs", None, 0, MAX_TOP_LOGPROBS),
         echo=_bool(d, "echo", False),
         raw=d,
+        constraint=constraint,
     )
+
+
+_NO_GUIDED = frozenset(GUIDED_KEYS)
 
 
 def _replace_max(s: Sampling, max_tokens: int) -> Sampling:

@@ -21,6 +21,17 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     return u
 
 
+def with_usage(chunk: bytes, prompt: int, completion: int) -> bytes:
+    """``chunk`` (one ``data: {...}`` chunk event) carrying the usage so far (vLLM's
+    ``continuous_usage_stats``: prompt, completion and total tokens, on every chunk)."""
+    return b'%s,"usage":{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}}\n\n' % (
+        chunk[:-3],
+        prompt,
+        completion,
+        prompt + completion,
+    )
+
+
 class _Chunks:
     """Stream events of one response; the fixed head is encoded once. Subclasses name the object and
     the per-choice delta field (``"delta":{"content":...}`` for chat, ``"text":...`` for completions).
@@ -106,14 +117,43 @@ class _Chunks:
         )
 
 
-class ChatChunks(_Chunks):
-    """``chat.completion.chunk`` events."""
+# the reasoning delta per ``--reasoning-field``: vLLM now answers ``reasoning`` (it dropped
+# ``reasoning_content``, which DeepSeek's API and older clients read); "both" serves either reader
+_REASONING_DELTAS = {
+    "both": b'{"reasoning":%s,"reasoning_content":%s}',
+    "reasoning": b'{"reasoning":%s}',
+    "reasoning_content": b'{"reasoning_content":%s}',
+}
 
-    __slots__ = ()
+
+class ChatChunks(_Chunks):
+    """``chat.completion.chunk`` events. ``reasoning_field``: which delta field(s) carry reasoning;
+    ``legacy_functions``: tool calls as the legacy ``delta.function_call`` (a request that sent
+    ``functions``), their finish reason ``function_call``."""
+
+    __slots__ = ("_legacy", "_reasoning_both", "_reasoning_delta")
     OBJECT = "chat.completion.chunk"
     CONTENT = b'"delta":{"content":'
     CONTENT_END = b"}"
     EMPTY = b'"delta":{}'
+
+    def __init__(
+        self,
+        rid: str,
+        created: int,
+        model: str,
+        reasoning_field: str = "both",
+        legacy_functions: bool = False,
+    ) -> None:
+        super().__init__(rid, created, model)
+        self._reasoning_delta = _REASONING_DELTAS[reasoning_field]
+        self._reasoning_both = reasoning_field == "both"
+        self._legacy = legacy_functions
+
+    def finish(self, index: int, reason: str, matched: str | int | None = None) -> bytes:
+        if self._legacy and reason == "tool_calls":
+            reason = "function_call"
+        return super().finish(index, reason, matched)
 
     def role(self, index: int) -> bytes:
         return (
@@ -129,13 +169,19 @@ class ChatChunks(_Chunks):
         return b'%s%d,"delta":%s,"logprobs":%s,"finish_reason":null}]}\n\n' % (self._head, index, delta, lp)
 
     def reasoning(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
-        """A ``delta.reasoning_content`` event."""
-        return self._delta(index, b'{"reasoning_content":%s}' % _dumps(text), logprobs)
+        """A ``delta.reasoning`` / ``delta.reasoning_content`` event (per ``reasoning_field``)."""
+        t = _dumps(text)
+        delta = self._reasoning_delta % ((t, t) if self._reasoning_both else (t,))
+        return self._delta(index, delta, logprobs)
 
     def tool_call(
         self, index: int, call: int, call_id: str, name: str, logprobs: dict[str, Any] | None = None
     ) -> bytes:
         """The first delta of tool call ``call``: its id, type and name (arguments follow)."""
+        if self._legacy:
+            return self._delta(
+                index, b'{"function_call":{"name":%s,"arguments":""}}' % _dumps(name), logprobs
+            )
         return self._delta(
             index,
             b'{"tool_calls":[{"index":%d,"id":%s,"type":"function","function":{"name":%s,"arguments":""}}]}'
@@ -145,6 +191,8 @@ class ChatChunks(_Chunks):
 
     def tool_args(self, index: int, call: int, fragment: str) -> bytes:
         """A fragment of tool call ``call``'s arguments (the fragments concatenate to its JSON)."""
+        if self._legacy:
+            return self._delta(index, b'{"function_call":{"arguments":%s}}' % _dumps(fragment), None)
         return self._delta(
             index,
             b'{"tool_calls":[{"index":%d,"function":{"arguments":%s}}]}' % (call, _dumps(fragment)),

@@ -9,11 +9,12 @@
   format; its tool calls against ``tool_choice`` (a forced call must be there) and against the
   parameters of ``strict`` tools. A stream is not held back for a check.
 
-How a violation is reported (OpenAI has no field for it): when the request asked for strictness
-(``json_schema.strict`` or a ``strict`` tool) it is a 502 ``schema_violation`` error — the client
-was promised conforming output; otherwise the answer is returned as generated, the choice carries a
-``schema_violation`` message and the response an ``x-smg-schema-violation`` header. A choice cut by
-``max_tokens`` (``finish_reason: length``) is not checked: it is incomplete by request.
+How a violation is reported (OpenAI has no field for it): the answer is returned as generated, the
+choice carries a ``schema_violation`` message and the response an ``x-smg-schema-violation`` header;
+never a retryable status (SDKs retry 5xx: one ``parse()`` would run the generation three times). With
+``--reject-schema-violations`` a violation of what the request asked to be strict (``json_schema.strict``
+or a ``strict`` tool) is a 422 ``schema_violation`` (``Generation.rejected``, ``strict_violation``).
+A choice cut by ``max_tokens`` (``finish_reason: length``) is not checked: it is incomplete by request.
 
 Schema validation uses ``jsonschema`` (Draft 2020-12). Its meta-validation (is this a schema at all?)
 costs ~40 µs per JSON node (~5-9 µs per byte), so a request's schemas are bounded and checked off the
@@ -68,7 +69,9 @@ __all__ = [
     "schema_error",
 ]
 
-ConstraintKind = Literal["json_schema", "regex", "ebnf", "structural_tag"]
+# "choice": a JSON list of strings (vLLM's choice constraint; SGLang gets it as a grammar), "json_object":
+# any JSON object (vLLM's json_object; SGLang gets the schema {"type": "object"}); see guided.py
+ConstraintKind = Literal["json_schema", "regex", "ebnf", "structural_tag", "choice", "json_object"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,9 @@ tokens are applied before the parsers, so a stop word never reaches them nor the
 Answer shape (OpenAI's): ``message.tool_calls`` ``[{id, type: "function", function: {name,
 arguments}}]``, ``content`` null when the answer is only calls, ``finish_reason: "tool_calls"`` when
 a choice that called tools stopped by itself; ``reasoning_content`` beside ``content`` when a
-reasoning parser ran. Streamed: ``delta.reasoning_content``, and per call ``delta.tool_calls[0]``
+reasoning parser ran (the chat completions API adds vLLM's ``reasoning`` per ``--reasoning-field``, and
+answers a legacy ``functions`` request's call as ``function_call``: ``api_choice``). Streamed:
+``delta.reasoning_content`` (and/or ``delta.reasoning``: ``ChatChunks``), and per call ``delta.tool_calls[0]``
 with ``index``, ``id``, ``type`` and ``function.name`` first, then ``function.arguments`` (a call is
 reported once complete, so its arguments come in one fragment).
 """
@@ -69,6 +71,7 @@ __all__ = [
     "ChoiceEncoder",
     "ChoiceParsing",
     "ParsedChoice",
+    "api_choice",
     "chat_message",
     "encode_events",
     "final_reason",
@@ -158,6 +161,7 @@ class ChatShaping:
     output: ChatOutput | None
     constraint: Constraint | None
     checks: OutputChecks | None
+    legacy_functions: bool = False  # answer tool calls as the legacy ``function_call``
 
 
 def shape_chat(families: tuple[str | None, str | None], req: ChatRequest, prompt: str) -> ChatShaping:
@@ -165,7 +169,8 @@ def shape_chat(families: tuple[str | None, str | None], req: ChatRequest, prompt
     prompt text (it tells whether the template opened a think block)."""
     reasoning_family, tool_family = families
     reasoning, opened = reasoning_side(reasoning_family, req, prompt)
-    if not req.tools and req.response_format is None:  # the common case: no tools, no format, no checks
+    # the common case: no tools, no format, no constraint, no checks
+    if not req.tools and req.response_format is None and req.guided is None:
         sampling = req.sampling
         if reasoning == "gpt_oss" and sampling.skip_special_tokens:
             sampling = dataclasses.replace(sampling, skip_special_tokens=False)
@@ -206,6 +211,9 @@ def _shape_tools(
     constraint: Constraint | None = None
     forced = ""
     if tools and choice.mode != "none":
+        if choice.forces_call and req.guided is not None:
+            msg = f"'{req.guided_param}' cannot be combined with a forced tool call ('tool_choice')."
+            raise bad(msg, param=req.guided_param, code="conflicting_constraints")
         if choice.forces_call:
             tool_parser = "json"
             forced = choice.name or "required"
@@ -216,11 +224,13 @@ def _shape_tools(
             constraint = Constraint("json_schema", orjson.dumps(schema).decode())
         else:
             tool_parser = tool_family
-            tag = structural_tag(tool_family, tools) if tool_family else None
+            tag = structural_tag(tool_family, tools) if tool_family and req.guided is None else None
             if tag is not None:
                 constraint = Constraint("structural_tag", tag)
     if constraint is None:
-        constraint = response_format_constraint(req.response_format)
+        # a guided field the request set wins over the tools' structural tag (as in vLLM: the
+        # request's constraint is the one the engine applies)
+        constraint = req.guided or response_format_constraint(req.response_format)
     checks = OutputChecks.build(req.response_format, tools if tool_parser else None, forced)
     sampling = req.sampling
     if sampling.skip_special_tokens and (tool_parser is not None or reasoning == "gpt_oss"):
@@ -230,7 +240,7 @@ def _shape_tools(
     if reasoning is not None or tool_parser is not None:
         callable_tools = tuple(template_tools(tools, choice) or ())  # a named choice: only that one
         output = ChatOutput(reasoning, opened, tool_parser, callable_tools, req.parallel_tool_calls)
-    return ChatShaping(sampling, output, constraint, checks)
+    return ChatShaping(sampling, output, constraint, checks, req.legacy_functions)
 
 
 @functools.lru_cache(maxsize=64)
@@ -404,3 +414,24 @@ def chat_message(parsed: ParsedChoice, with_reasoning: bool) -> dict[str, Any]:
             for cid, name, args in parsed.calls
         ]
     return msg
+
+
+def api_choice(choice: dict[str, Any], reasoning_field: str, legacy_functions: bool) -> None:
+    """A chat completion choice (``_final_choices``' shape: ``message`` with ``reasoning_content`` and
+    ``tool_calls``) as the chat completions API answers it: reasoning under ``reasoning`` and/or
+    ``reasoning_content`` (``--reasoning-field``: vLLM answers ``reasoning``), and for a request that
+    used the legacy ``functions``, its call as ``message.function_call`` with ``finish_reason``
+    ``function_call``. In place."""
+    message = choice["message"]
+    if "reasoning_content" in message and reasoning_field != "reasoning_content":
+        value = (
+            message["reasoning_content"] if reasoning_field == "both" else message.pop("reasoning_content")
+        )
+        message["reasoning"] = value
+    if legacy_functions:
+        calls = message.pop("tool_calls", None)
+        if calls:
+            fn = calls[0]["function"]
+            message["function_call"] = {"name": fn["name"], "arguments": fn["arguments"]}
+        if choice.get("finish_reason") == "tool_calls":
+            choice["finish_reason"] = "function_call"

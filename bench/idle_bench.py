@@ -1,0 +1,63 @@
+"""Idle CPU of a node: ms of CPU per second of wall time while no request comes, per configuration.
+
+Starts one mock engine, then each configuration in turn (a plain node; a node with ``--procs 2``, whose
+two processes mesh on loopback), lets it settle, and reads its process tree's CPU (/proc) over the
+window. What an idle node still does: worker health checks and load polls, the tokenizer pool's
+watchdog, metrics tickers; with a mesh also SWIM probes, gossip rounds and push-pull syncs.
+
+    .venv/bin/python bench/idle_bench.py                       # 30 s windows
+    .venv/bin/python bench/idle_bench.py --window 60 --configs "" "--procs 2" "--procs 4"
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from shepherd.loadgen.procs import ProcessGroup, free_port
+from shepherd.loadgen.procstat import TreeCpuTracker
+from shepherd.loadgen.targets import extract_tokenizer, mock_engine_spec, node_spec
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--window", type=float, default=30.0, help="measured seconds (default 30)")
+    p.add_argument("--settle", type=float, default=15.0, help="seconds after ready before (default 15)")
+    p.add_argument("--configs", nargs="+", default=["", "--procs 2"], help="smg-node serve flag strings")
+    args = p.parse_args()
+    load = os.getloadavg()
+    print(
+        f"idle_bench — {time.strftime('%Y-%m-%d %H:%M')}, load average {load[0]:.2f} {load[1]:.2f} "
+        f"{load[2]:.2f}; {args.window:g} s window after {args.settle:g} s"
+    )
+    print(f"{'node flags':<24} {'processes':>9} {'CPU ms/s':>9}")
+    with tempfile.TemporaryDirectory(prefix="smg-idle-") as tmp, ProcessGroup(Path(tmp) / "logs") as group:
+        model_dir = extract_tokenizer(Path(tmp) / "qwen3")
+        grpc_port, http_port = free_port(), free_port()
+        group.start(mock_engine_spec(grpc_port, http_port, cpus=None, model="qwen3", tokenizer_dir=model_dir))
+        for flags in args.configs:
+            node = group.start(
+                node_spec(free_port(), grpc_port, model_dir, cpus=None, extra=tuple(shlex.split(flags)))
+            )
+            time.sleep(args.settle)
+            tracker = TreeCpuTracker(node.pid)
+            start = tracker.sample(with_rss=False)
+            t0 = time.monotonic()
+            time.sleep(args.window)
+            end = tracker.sample(with_rss=False)
+            wall = time.monotonic() - t0
+            ms_per_s = 1000.0 * (end.cpu_seconds - start.cpu_seconds) / wall
+            print(f"{flags or '(defaults)':<24} {len(end.live_pids):>9} {ms_per_s:>9.2f}", flush=True)
+            node.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,463 @@
+"""The routes scripts written for vLLM, SGLang and SMG probe, in their shapes: ``/version``, ``/ping``,
+``/get_model_info``, ``/get_server_info``, ``/generate`` (SGLang's native generation: text or
+``input_ids``, ``sampling_params``, ``stream``; answers with ``text``, ``output_ids`` and
+``meta_info``), ``/health_generate``, ``/flush_cache`` and ``/get_loads`` (SMG's ``FlushCacheResult``
+and ``WorkerLoadsResult``; both control routes, as the worker URLs they name are).
+
+Shapes read from sgl-project/sglang (``python/sglang/srt/entrypoints/http_server.py``: ``/generate``,
+``/get_model_info``, ``/health_generate``, ``/flush_cache``), vllm-project/vllm
+(``vllm/entrypoints/openai/api_server.py``: ``/version``, ``/ping``) and lightseekorg/smg
+(``protocols/worker_spec.rs``: ``FlushCacheResult``, ``WorkerLoadsResult``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from shepherd.node.api.common import GATEWAY, KEEPALIVE_TICKER, admitted, request_id_of, stamp_headers
+from shepherd.node.api.generation import CLIENT_DISCONNECT, GONE, SSE_HEADERS, engine_sampling, fresh_id
+from shepherd.node.dispatch.gateway import Gateway
+from shepherd.node.dispatch.stream import EngineStream
+from shepherd.node.http.body import json_response, read_json
+from shepherd.node.http.types import stream_response
+from shepherd.node.openai.requests import Sampling, parse_completion
+from shepherd.node.openai.sse import KEEPALIVE
+from shepherd.node.output.choice import ChoiceState
+from shepherd.proto.engine_types import EngineChunk, EngineError, GenerateRequest
+from shepherd.proto.openai_errors import ApiError, bad
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("shepherd")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
+
+VERSION = _version()
+
+
+async def version(request: web.Request) -> web.Response:
+    """vLLM's ``GET /version``: ``{"version": ...}`` (Shepherd's)."""
+    return json_response({"version": VERSION})
+
+
+async def ping(request: web.Request) -> web.Response:
+    """vLLM's ``/ping`` (SageMaker): 200 with an empty body when a worker is healthy, else 503."""
+    gw: Gateway = request.app[GATEWAY]
+    ok = not gw.draining and any(w.health.healthy for w in gw.registry.workers.values())
+    return web.Response(status=200 if ok else 503)
+
+
+def _model_of(request: web.Request, gw: Gateway, given: object = None) -> str:
+    """The model a native route is about: ``given`` (a body's ``model``), else ``?model=``, else the one the
+    node serves (several: a 400 naming ``model``)."""
+    name = given if given is not None else request.query.get("model")
+    if name is None:
+        if len(gw.models) != 1:
+            raise bad("'model' is required: this node serves several models.", param="model")
+        return next(iter(gw.models))
+    if not isinstance(name, str):
+        raise bad("'model' must be a string.", param="model")
+    return gw.resolve_model(name)
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    """SGLang's ``GET /get_model_info`` (never a filesystem path: the served name stands for it)."""
+    gw: Gateway = request.app[GATEWAY]
+    model = _model_of(request, gw)
+    served = gw.served_name(model)
+    return json_response(
+        {
+            "model_path": served,
+            "tokenizer_path": served,
+            "is_generation": gw.model_kind(model) != "embed",
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": None,
+            "architectures": None,
+            "max_context_length": gw.context_length(model),
+        }
+    )
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    """SGLang's ``GET /get_server_info``, as far as a gateway has one: the version, the models, the
+    limits it enforces and the engines' loads (``internal_states``)."""
+    gw: Gateway = request.app[GATEWAY]
+    ws = list(gw.registry.workers.values())
+    models = gw.model_names()
+    return json_response(
+        {
+            "version": VERSION,
+            "server_type": "shepherd",
+            "served_model_name": models[0] if len(models) == 1 else models,
+            "models": [{"id": m, "context_length": gw.context_length(m)} for m in models],
+            "context_length": gw.context_length(models[0]) if len(models) == 1 else None,
+            "policy": gw.cfg.policy,
+            "max_retries": gw.cfg.max_retries,
+            "request_timeout_secs": gw.cfg.request_timeout_secs,
+            "stream_interval": gw.cfg.stream_interval,
+            "workers": {"total": len(ws), "healthy": sum(w.health.healthy for w in ws)},
+            "internal_states": [
+                {
+                    "worker_id": w.id,
+                    "model": w.model,
+                    "num_running_reqs": w.load.running,
+                    "num_waiting_reqs": w.load.waiting,
+                    "token_usage": w.load.token_usage,
+                }
+                for w in ws
+            ],
+        }
+    )
+
+
+async def get_loads(request: web.Request) -> web.Response:
+    """SMG's ``GET /get_loads`` (``WorkerLoadsResult``): each worker's load as the engine last reported
+    it (running + waiting requests; -1: no report, e.g. an HTTP worker or one not yet polled)."""
+    gw: Gateway = request.app[GATEWAY]
+    loads = []
+    ok = 0
+    for w in gw.registry.workers.values():
+        known = w.initialized and not w.is_http
+        ok += known
+        loads.append(
+            {
+                "worker": w.url,
+                "worker_id": w.id,
+                "worker_type": _worker_type(gw, w.id),
+                "load": w.load.running + w.load.waiting if known else -1,
+            }
+        )
+    return json_response(
+        {"loads": loads, "total_workers": len(loads), "successful": ok, "failed": len(loads) - ok}
+    )
+
+
+def _worker_type(gw: Gateway, wid: str) -> str:
+    pd = gw.pd
+    if pd is not None:
+        if wid in pd.prefill_ids:
+            return "prefill"
+        if wid in pd.decode_ids:
+            return "decode"
+    return "regular"
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    """``POST /flush_cache`` to every gRPC worker (their FlushCache RPC); SMG's ``FlushCacheResult``.
+    200 when every worker flushed, else 500 with the failures (an engine with requests in flight
+    refuses, as SGLang's does)."""
+    gw: Gateway = request.app[GATEWAY]
+    ws = list(gw.registry.workers.values())
+    grpc_ws = [w for w in ws if not w.is_http]
+
+    async def one(w: Any) -> tuple[bool, str]:
+        flush = getattr(w.client, "flush_cache", None)
+        if flush is None:
+            return False, f"FlushCache is not supported by {w.client.kind} workers"
+        try:
+            return await flush()  # type: ignore[no-any-return]
+        except (EngineError, TimeoutError, OSError) as e:
+            return False, str(e)
+
+    got = await asyncio.gather(*(one(w) for w in grpc_ws))
+    successful = [w.url for w, (ok, _) in zip(grpc_ws, got, strict=True) if ok]
+    failed = [[w.url, msg or "refused"] for w, (ok, msg) in zip(grpc_ws, got, strict=True) if not ok]
+    http_n = len(ws) - len(grpc_ws)
+    message = (
+        f"Cache flushed on {len(successful)} of {len(grpc_ws)} gRPC workers"
+        + (f" ({http_n} HTTP workers not flushed)" if http_n else "")
+        + "."
+    )
+    body = {
+        "successful": successful,
+        "failed": failed,
+        "total_workers": len(ws),
+        "http_workers": http_n,
+        "message": message,
+    }
+    return json_response(body, 200 if not failed else 500)
+
+
+# ---- /generate (SGLang native) -------------------------------------------------------------------
+
+# SGLang sampling_params -> the OpenAI completions field that means the same (validated by its parser)
+_SAMPLING_KEYS = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "n": "n",
+    "seed": "seed",
+    "sampling_seed": "seed",
+    "logit_bias": "logit_bias",
+}
+# accepted and without effect here: SGLang's own output switches
+_SAMPLING_IGNORED = frozenset({"no_stop_trim", "custom_params", "stream_interval"})
+_SAMPLING_REFUSED = ("json_schema", "regex", "ebnf", "structural_tag")
+_GENERATE_KEYS = frozenset(
+    {
+        "text",
+        "input_ids",
+        "sampling_params",
+        "stream",
+        "rid",
+        "model",
+        "return_logprob",
+        "return_text_in_logprobs",
+    }
+)
+
+
+def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int]]:
+    """The request's prompt and its sampling, checked by the completions parser."""
+    unknown = sorted(set(d) - _GENERATE_KEYS)
+    if unknown:
+        raise bad(f"'{unknown[0]}' is not supported on /generate.", param=unknown[0])
+    if d.get("return_logprob"):
+        raise bad(
+            "'return_logprob' is not supported on /generate; use /v1/completions.", param="return_logprob"
+        )
+    text, ids = d.get("text"), d.get("input_ids")
+    if (text is None) == (ids is None):
+        raise bad("Exactly one of 'text' and 'input_ids' is required.", param="text")
+    if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        raise bad("Batched prompts are not supported on /generate; send one request each.", param="text")
+    if text is not None and not isinstance(text, str):
+        raise bad("'text' must be a string.", param="text")
+    sp = d.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise bad("'sampling_params' must be an object.", param="sampling_params")
+    for key in _SAMPLING_REFUSED:
+        if sp.get(key) is not None:
+            raise bad(
+                f"'sampling_params.{key}' is not supported on /generate; use /v1/chat/completions "
+                "(response_format) for constrained output.",
+                param=f"sampling_params.{key}",
+            )
+    body: dict[str, Any] = {"prompt": text if text is not None else ids, "stream": bool(d.get("stream"))}
+    for key, val in sp.items():
+        if key in _SAMPLING_IGNORED:
+            continue
+        mapped = _SAMPLING_KEYS.get(key)
+        if mapped is None:
+            raise bad(f"'sampling_params.{key}' is not supported.", param=f"sampling_params.{key}")
+        if val is not None:
+            body[mapped] = val
+    if body.get("n", 1) != 1:
+        raise bad("'sampling_params.n' must be 1 on /generate.", param="sampling_params.n")
+    body.setdefault("max_tokens", 128)  # SGLang's default
+    req = parse_completion(body)
+    return req.sampling, req.prompts[0]
+
+
+def _meta(rid: str, st: ChoiceState, prompt: int, completion: int, cached: int, t0: float) -> dict[str, Any]:
+    reason = st.finish_reason
+    if reason is None:
+        finish: dict[str, Any] | None = None
+    elif reason == "length":
+        finish = {"type": "length", "length": completion}
+    elif reason == "abort":
+        finish = {"type": "abort", "message": "aborted"}
+    else:
+        finish = {"type": "stop", "matched": st.matched}
+    return {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "cached_tokens": cached,
+        "e2e_latency": time.perf_counter() - t0,
+    }
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """SGLang's ``POST /generate``: one prompt (``text`` or ``input_ids``), ``sampling_params``,
+    ``stream``. The answer: ``{"text", "output_ids", "meta_info"}``; streamed, each SSE event carries
+    the text and ids so far (SGLang's default, non-incremental), then ``data: [DONE]``."""
+    gw: Gateway = request.app[GATEWAY]
+    t0 = time.perf_counter()
+    _, d = await read_json(request, gw.cfg.max_body_bytes)
+    model = _model_of(request, gw, d.get("model"))
+    gw.require_kind(model, "generate")
+    if gw.relay_mode(model):
+        raise bad(f"Model '{model}' is served by HTTP workers; /generate needs gRPC engines.", param="model")
+    s, prompt = _sampling(d)
+    tok = gw.tokenizer(model)
+    if isinstance(prompt, str):
+        ids = await gw.tokenizers.encode(model, prompt)
+    else:
+        ids = list(prompt)
+        if any(t < 0 or t >= tok.vocab_size for t in ids):
+            raise bad(
+                f"'input_ids' holds an id outside the vocabulary (size {tok.vocab_size}).", param="input_ids"
+            )
+    if not ids:
+        raise bad("The prompt is empty.", param="text")
+    given = d.get("rid")
+    rid = given if isinstance(given, str) and 0 < len(given) <= 128 else fresh_id("gen-")
+    request["model"] = model
+
+    async def run() -> web.StreamResponse:
+        max_new = gw.check_context(model, len(ids), s.max_tokens)
+        sp = engine_sampling(s, max_new, gw.cfg.stream_interval)
+        gen = GenerateRequest(f"{rid}.{fresh_id('')}", ids, sp, True, False, 0)
+        h = request.headers
+        es = await gw.open_stream(
+            model, gen, target=h.get("x-smg-target-worker"), routing_key=h.get("x-smg-routing-key")
+        )
+        try:
+            if s.stream:
+                return await _stream(request, es, rid, s, tok, ids, t0)
+            return await _whole(es, rid, s, tok, ids, t0)
+        except GONE:
+            await es.close(CLIENT_DISCONNECT)
+            raise
+        finally:
+            await es.close("stop")
+
+    return await admitted(request, model, len(ids), s, run)
+
+
+async def _drive(es: EngineStream, st: ChoiceState, out: list[int]) -> tuple[str, int, int]:
+    """Consume the engine stream into ``st`` (``out``: the output ids); yields nothing: see ``_events``."""
+    text = []
+    prompt = cached = 0
+    async for piece, p, c in _events(es, st, out):
+        text.append(piece)
+        prompt, cached = p, c
+    return "".join(text), prompt, cached
+
+
+async def _events(es: EngineStream, st: ChoiceState, out: list[int]) -> AsyncIterator[tuple[str, int, int]]:
+    """(text delta, prompt tokens, cached tokens) per engine batch until the choice ends."""
+    prompt = cached = 0
+    seen = False
+    async for batch in es.batches():
+        delta = []
+        for ev in batch:
+            prompt = max(prompt, ev.prompt_tokens)
+            cached = max(cached, ev.cached_tokens)
+            if isinstance(ev, EngineChunk):
+                seen = True
+                if not st.done():
+                    out.extend(ev.token_ids)
+                    delta.append(st.feed(ev.token_ids, ev.logprobs))
+                continue
+            es.completed = True  # the engine ended it: nothing to abort
+            if st.finished:
+                continue
+            if not seen and ev.output_ids:
+                out.extend(ev.output_ids)
+                delta.append(st.whole(ev.output_ids, ev.logprobs, ev.finish_reason))
+            else:
+                delta.append(st.end(ev.finish_reason))
+        yield "".join(delta), prompt, cached
+        if st.finished:
+            return
+    raise EngineError("the engine ended the stream before the choice finished", retryable=False)
+
+
+async def _whole(
+    es: EngineStream, rid: str, s: Sampling, tok: Any, ids: list[int], t0: float
+) -> web.Response:
+    st = ChoiceState(0, tok, s, ids)
+    out: list[int] = []
+    _, prompt, cached = await _drive(es, st, out)
+    meta = _meta(rid, st, prompt or len(ids), st.tokens, cached, t0)
+    body = {"text": st.full_text(), "output_ids": out, "meta_info": meta}
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _stream(
+    request: web.Request, es: EngineStream, rid: str, s: Sampling, tok: Any, ids: list[int], t0: float
+) -> web.StreamResponse:
+    resp = stream_response(request, headers=dict(SSE_HEADERS))
+    stamp_headers(request, resp, t0)
+    await resp.prepare(request)
+    keepalive = request.app[KEEPALIVE_TICKER]
+    ka = keepalive.register(resp, KEEPALIVE)
+    st = ChoiceState(0, tok, s, ids)
+    out: list[int] = []
+    text: list[str] = []
+    try:
+        try:
+            async for piece, prompt, cached in _events(es, st, out):
+                text.append(piece)
+                meta = _meta(rid, st, prompt or len(ids), st.tokens, cached, t0)
+                event = {"text": "".join(text), "output_ids": list(out), "meta_info": meta}
+                ka.touch()
+                await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+            await resp.write_eof(b"data: [DONE]\n\n")
+        except (EngineError, ApiError, TimeoutError) as e:
+            msg = (
+                e.message if isinstance(e, ApiError) else str(e) if isinstance(e, EngineError) else "timeout"
+            )
+            err = {"error": {"message": msg, "code": getattr(e, "code", "timeout")}}
+            await resp.write_eof(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
+    finally:
+        keepalive.unregister(resp)
+    return resp
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """SGLang's ``GET /health_generate``: one token generated by a worker of each served model (200), else
+    503. HTTP-only models: a healthy worker is enough."""
+    gw: Gateway = request.app[GATEWAY]
+    for model in gw.model_names():
+        if gw.relay_mode(model):
+            if not any(w.health.healthy for w in gw.registry.for_model(model)):
+                return json_response({"status": "unhealthy", "model": model}, 503)
+            continue
+        if gw.model_kind(model) == "embed":
+            continue
+        tok = gw.tokenizer(model)
+        ids = [tok.bos_token_id if tok.bos_token_id is not None else 0]
+        s = parse_completion({"prompt": ids, "max_tokens": 1, "temperature": 0}).sampling
+        gen = GenerateRequest(f"health-{fresh_id('')}", ids, engine_sampling(s, 1, None), True, False, 0)
+        try:
+            es = await asyncio.wait_for(
+                gw.open_stream(model, gen), timeout=gw.cfg.health_check_timeout_secs + 8
+            )
+        except (EngineError, ApiError, TimeoutError) as e:
+            return json_response({"status": "unhealthy", "model": model, "error": str(e)[:200]}, 503)
+        await es.close("done")
+    return json_response({"status": "healthy", "request_id": request_id_of(request)})
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.get("/version", version),
+        web.get("/ping", ping),
+        web.post("/ping", ping),
+        web.get("/get_model_info", get_model_info),
+        web.get("/get_server_info", get_server_info),
+        web.get("/server_info", get_server_info),
+        web.get("/model_info", get_model_info),
+        web.post("/generate", generate),
+        web.get("/health_generate", health_generate),
+        web.post("/flush_cache", flush_cache),
+        web.post("/reset_prefix_cache", flush_cache),  # vLLM's name for it
+        web.get("/get_loads", get_loads),
+    ]

@@ -1,0 +1,190 @@
+"""gRPC calls by path over either transport, for the engine kinds without a client of their own in h2.py /
+grpcio.py (TensorRT-LLM, MLX), and the probe that tells a ``grpc://`` worker's kind from GetServerInfo.
+
+``Rpc``: ``unary`` and ``stream`` calls by method path, raising ``RpcFailure`` (the gRPC status) on a
+non-OK end. ``H2Rpc`` rides an ``H2EngineClient``'s connection (its ``call_unary`` / ``call_stream``),
+``GrpcioRpc`` a grpcio channel; ``rpc_for`` gives the one over a client's own connection, so a worker
+detected as TensorRT-LLM or MLX keeps the connection (and TLS) it was probed over. ``probe_kind`` asks
+GetServerInfo of SGLang, vLLM, TensorRT-LLM and MLX in turn, as SMG's detection does
+(lightseekorg/smg ``model_gateway/src/workflow/steps/local/detect_backend.rs``): UNIMPLEMENTED moves on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol, TypeVar
+
+import grpc
+import grpc.aio
+from google.protobuf.message import Message
+from smg_grpc_proto import mlx_engine_pb2 as mx
+from smg_grpc_proto import sglang_scheduler_pb2 as sg
+from smg_grpc_proto import trtllm_service_pb2 as tr
+from smg_grpc_proto import vllm_engine_pb2 as vl
+
+from shepherd.node.engines.errors import UNIMPLEMENTED, engine_error
+from shepherd.node.engines.grpcio import GrpcEngineClient
+from shepherd.node.engines.h2 import H2EngineClient
+from shepherd.node.engines.h2_stream import RpcStatus
+from shepherd.proto.engine_requests import SGLANG_SERVICE, VLLM_SERVICE
+from shepherd.proto.engine_types import EngineError, EngineEvent
+from shepherd.proto.mlx_codec import MLX_SERVICE
+from shepherd.proto.trtllm_codec import TRTLLM_SERVICE
+
+M = TypeVar("M", bound=Message)
+
+
+class RpcFailure(Exception):
+    """A call ended with a non-OK gRPC status."""
+
+    def __init__(self, code: int, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+    def engine_error(self) -> EngineError:
+        return engine_error(self.code, self.details)
+
+
+class Rpc(Protocol):
+    async def unary(
+        self, path: str, request: Message, response_type: type[M], timeout: float | None
+    ) -> M: ...
+
+    def stream(
+        self, path: str, request: Message, response_type: type[M], timeout: float | None
+    ) -> AsyncIterator[M]: ...
+
+    async def close(self) -> None: ...
+
+
+class H2Rpc:
+    """Calls over an ``H2EngineClient``'s connection (the lean HTTP/2 transport)."""
+
+    def __init__(self, client: H2EngineClient) -> None:
+        self.client = client
+
+    async def unary(self, path: str, request: Message, response_type: type[M], timeout: float | None) -> M:
+        try:
+            return await self.client.call_unary(path, request, response_type, timeout)
+        except RpcStatus as e:
+            raise RpcFailure(e.code, e.details) from None
+
+    async def stream(
+        self, path: str, request: Message, response_type: type[M], timeout: float | None
+    ) -> AsyncIterator[M]:
+        it = self.client.call_stream(path, request, response_type, timeout)
+        try:
+            async for msg in it:
+                yield msg
+        except RpcStatus as e:
+            raise RpcFailure(e.code, e.details) from None
+        finally:
+            await it.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the call
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def _serialize(m: Message) -> bytes:
+    return m.SerializeToString()
+
+
+class GrpcioRpc:
+    """Calls over a grpcio channel (``--engine-transport grpcio``)."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.channel = channel
+
+    async def unary(self, path: str, request: Message, response_type: type[M], timeout: float | None) -> M:
+        call: Any = self.channel.unary_unary(
+            path, request_serializer=_serialize, response_deserializer=response_type.FromString
+        )
+        try:
+            out: M = await call(request, timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise RpcFailure(e.code().value[0], e.details() or "") from None
+        return out
+
+    async def stream(
+        self, path: str, request: Message, response_type: type[M], timeout: float | None
+    ) -> AsyncIterator[M]:
+        method: Any = self.channel.unary_stream(
+            path, request_serializer=_serialize, response_deserializer=response_type.FromString
+        )
+        call = method(request, timeout=timeout)
+        try:
+            async for msg in call:
+                yield msg
+        except grpc.aio.AioRpcError as e:
+            raise RpcFailure(e.code().value[0], e.details() or "") from None
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def close(self) -> None:
+        await self.channel.close(grace=None)
+
+
+def rpc_for(client: H2EngineClient | GrpcEngineClient) -> Rpc:
+    """Calls over ``client``'s own connection."""
+    if isinstance(client, H2EngineClient):
+        return H2Rpc(client)
+    return GrpcioRpc(client._channel)  # the channel the client was probed over
+
+
+# (kind, GetServerInfo path, its request, its response type), in SMG's order of detection
+_PROBES: tuple[tuple[str, str, Message, type[Message]], ...] = (
+    ("sglang", f"/{SGLANG_SERVICE}/GetServerInfo", sg.GetServerInfoRequest(), sg.GetServerInfoResponse),
+    ("vllm", f"/{VLLM_SERVICE}/GetServerInfo", vl.GetServerInfoRequest(), vl.GetServerInfoResponse),
+    ("trtllm", f"/{TRTLLM_SERVICE}/GetServerInfo", tr.GetServerInfoRequest(), tr.GetServerInfoResponse),
+    ("mlx", f"/{MLX_SERVICE}/GetServerInfo", mx.GetServerInfoRequest(), mx.GetServerInfoResponse),
+)
+
+
+async def probe_kind(rpc: Rpc, timeout: float) -> str:
+    """The engine kind behind ``rpc``: the first service whose GetServerInfo answers. Raises
+    ``EngineError`` when one fails otherwise than UNIMPLEMENTED, or when none is served."""
+    for kind, path, request, response_type in _PROBES:
+        try:
+            await rpc.unary(path, request, response_type, timeout)
+        except RpcFailure as e:
+            if e.code != UNIMPLEMENTED:
+                raise e.engine_error() from None
+            continue
+        return kind
+    raise engine_error(
+        UNIMPLEMENTED, "the worker serves none of SGLang's, vLLM's, TensorRT-LLM's or MLX's gRPC services"
+    )
+
+
+class EventDecoder(Protocol):
+    """One Generate call's response decoder (``trtllm_codec.TrtllmEvents``, ``mlx_codec.MlxEvents``)."""
+
+    def decode(self, resp: Any) -> EngineEvent | None: ...
+
+    def end(self) -> None: ...
+
+
+async def generate_events(
+    rpc: Rpc,
+    path: str,
+    encode: Callable[[], Message],
+    response_type: type[Message],
+    decoder: EventDecoder,
+    timeout: float | None,
+) -> AsyncIterator[list[EngineEvent]]:
+    """A Generate call's events, in batches of one; closing it early cancels the call. ``encode`` makes
+    the request at the first step: a refusal (``EngineError`` invalid_request) raises there, where the
+    gateway reads the first events."""
+    it = rpc.stream(path, encode(), response_type, timeout)
+    try:
+        async for resp in it:
+            ev = decoder.decode(resp)
+            if ev is not None:
+                yield [ev]
+    except RpcFailure as e:
+        raise e.engine_error() from None
+    finally:
+        await it.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the call
+    decoder.end()

@@ -1,0 +1,93 @@
+"""The node over SGLang's in-tree gRPC server, replayed (tests/contract/replay.py, ``sglang-inproc``).
+
+Read from sgl-project/sglang python/sglang/srt/entrypoints/grpc_server.py: Generate always streams to
+its request manager (``stream=True  # Always stream for gRPC``), sends each unfinished output as a
+chunk and the finished one as a Complete only, whose ``output_ids`` are its last delta (no chunk
+carries them); ``serve_grpc`` fills GetModelInfo's ``max_context_length`` from the scheduler's
+``max_total_num_tokens`` (the KV pool); the server has no GetLoads and no SubscribeKvEvents. A real
+node process answers every request here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.contract.nodes import complete, ids, node_over, replay, sse_events, streamed_text
+from tests.contract.nodes import tokenizer_dir as _tokenizer_dir
+from tests.contract.replay import Choice, Plan, ReplayServer
+from tests.e2e.node_procs import NodeProc
+
+
+@pytest.fixture(scope="module")
+def tok() -> Iterator[Path]:
+    with _tokenizer_dir() as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def http() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[ReplayServer]:
+    with replay("sglang-inproc") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def node(engine: ReplayServer, tok: Path) -> Iterator[NodeProc]:
+    with node_over([engine], tok) as n:
+        yield n
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_last_delta_only_in_the_complete_is_not_lost(
+    engine: ReplayServer, node: NodeProc, http: httpx.Client, tok: Path, stream: bool
+) -> None:
+    engine.plan = Plan([Choice([ids(tok, "hel"), ids(tok, "lo wor"), ids(tok, "ld!")])])
+    r = complete(http, node, prompt="hi", stream=stream, logprobs=1)
+    assert r.status_code == 200, r.text
+    if stream:
+        ev = sse_events(r.text)
+        text = streamed_text(ev)
+        tokens = [t for e in ev for c in e["choices"] if c.get("logprobs") for t in c["logprobs"]["tokens"]]
+        usage = None
+    else:
+        c = r.json()["choices"][0]
+        text, tokens, usage = c["text"], c["logprobs"]["tokens"], r.json()["usage"]
+    assert text == "hello world!"
+    assert "".join(tokens) == "hello world!"
+    if usage is not None:
+        assert usage["completion_tokens"] == len("hello world!")
+
+
+def test_one_step_answer_in_the_complete_alone(
+    engine: ReplayServer, node: NodeProc, http: httpx.Client, tok: Path
+) -> None:
+    engine.plan = Plan([Choice([ids(tok, "single")], finish="length")])
+    r = complete(http, node, prompt="hi", stream=True)
+    ev = sse_events(r.text)
+    assert streamed_text(ev) == "single"
+    assert [c["finish_reason"] for e in ev for c in e["choices"] if c.get("finish_reason")] == ["length"]
+
+
+def test_context_window_is_not_the_kv_pool(
+    engine: ReplayServer, node: NodeProc, http: httpx.Client, tok: Path
+) -> None:
+    engine.plan = Plan([Choice([ids(tok, "ok")])])
+    r = complete(http, node, prompt="y" * 300, max_tokens=8)  # > the 100-token KV pool, < 2048
+    assert r.status_code == 200, r.text
+
+
+def test_stop_string_cut_by_the_node(
+    engine: ReplayServer, node: NodeProc, http: httpx.Client, tok: Path
+) -> None:
+    engine.plan = Plan([Choice([ids(tok, "keep"), ids(tok, " this|drop")])])
+    r = complete(http, node, prompt="hi", stop=["|"])
+    assert r.json()["choices"][0]["text"] == "keep this"
