@@ -142,6 +142,11 @@ class MeshState(Generic[IX_co]):
         self._queue = BroadcastQueue(
             self.cfg.retransmit_mult, num_nodes or (lambda: len(self._members)), self.cfg.max_broadcasts
         )
+        # registry entries go first on every packet: few, and what worker adds wait on (the health
+        # observations and relayed rate-limit shards behind them can fill the channel at scale)
+        self._urgent = BroadcastQueue(
+            self.cfg.retransmit_mult, num_nodes or (lambda: len(self._members)), self.cfg.max_broadcasts
+        )
         self._pinned: dict[str, WorkerRecord] = {}
         self._orphans: dict[str, float] = {}  # index worker -> when first seen absent from the registry
         self.stats = MeshStateStats()
@@ -239,7 +244,7 @@ class MeshState(Generic[IX_co]):
             },
             "config_version": self.config.version,
             "components": sorted(self._extras),
-            "broadcast_queue": len(self._queue),
+            "broadcast_queue": len(self._queue) + len(self._urgent),
             "hlc_refused": self.hlc.refused,
             "stats": {k: getattr(self.stats, k) for k in self.stats.__slots__},
         }
@@ -334,7 +339,8 @@ class MeshState(Generic[IX_co]):
     def broadcasts(self, budget: int) -> list[bytes]:
         """SWIM Delegate: payloads to piggyback (``sum(len + USER_MSG_OVERHEAD) <= budget``)."""
         self._fill_queue()
-        out = self._queue.get(budget)
+        out = self._urgent.get(budget)
+        out += self._queue.get(budget - sum(len(p) + USER_MSG_OVERHEAD for p in out))
         if wire_version.is_test_next():  # the next minor's extra payload type (state_wire "~")
             extra = envelope(TEST_NEXT_TAG, wire_version.speaks()[1])
             if sum(len(p) + USER_MSG_OVERHEAD for p in out) + len(extra) + USER_MSG_OVERHEAD <= budget:
@@ -387,7 +393,7 @@ class MeshState(Generic[IX_co]):
                     self._queue.queue(p)
             return
         for e in self.registry.take_delta():
-            self._queue_payload(envelope("r", [entry_to_wire(e)]), f"r/{e.id}", limit)
+            self._queue_payload(envelope("r", [entry_to_wire(e)]), f"r/{e.id}", limit, urgent=True)
         for o in self.health.take_delta():
             self._queue_payload(envelope("h", [observation_to_wire(o)]), f"h/{o.worker}/{o.observer}", limit)
         u = self.config.take_delta()
@@ -405,11 +411,11 @@ class MeshState(Generic[IX_co]):
             for p in self.index_batches(limit):
                 self._queue.queue(p)
 
-    def _queue_payload(self, p: bytes, key: str | None, limit: int) -> None:
+    def _queue_payload(self, p: bytes, key: str | None, limit: int, *, urgent: bool = False) -> None:
         if len(p) > limit:
             self.stats.oversize += 1  # left to push-pull repair
             return
-        self._queue.queue(p, key)
+        (self._urgent if urgent else self._queue).queue(p, key)
 
     def owned_batches(self, budget: int | None = None) -> list[bytes]:
         """``first_hand``: this node's own registry entries, health observations and extras' deltas

@@ -813,7 +813,7 @@ CASES: list[Case] = [
     Case("trace-health", "/health", b"", 405, method="TRACE"),
     Case("patch-workers", "/workers", b"{}", 405, method="PATCH"),
     Case("unknown-route", "/v1/nothing", b"{}", 404),
-    Case("unknown-model-route", "/v1/models/qwen3", b"", 404, method="GET"),
+    Case("unknown-model-id", "/v1/models/no-such-model", b"", 404, "model_not_found", method="GET"),
     Case("nul-in-path", "/%00", b"", 404, method="GET"),
     Case("dot-dot-path", "/v1/chat/completions/../../health", b"", 404, method="GET"),
     Case("mesh-off", "/mesh/members", b"", 404, "mesh_disabled", method="GET"),

@@ -51,6 +51,7 @@ class _Stream:
     events: list[list[EngineEvent]]
     yield_between: bool = False
     completed: bool = False
+    trace: None = None  # no CLIENT span: tracing off
 
     async def batches(self) -> AsyncIterator[list[EngineEvent]]:
         for b in self.events:
@@ -100,7 +101,7 @@ def setup(
     shaping = shape_chat((family.reasoning, family.tool), req, prompt)
     states = [ChoiceState(i, tok, shaping.sampling, ids) for i in range(n)]
     g = Generation(
-        None,  # type: ignore[arg-type]  # _drive and the final choices do not touch the HTTP request
+        {},  # type: ignore[arg-type]  # only the request's metric labels are set on it (a dict here)
         _Gateway(),  # type: ignore[arg-type]
         family.model,
         tok,

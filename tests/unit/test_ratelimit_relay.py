@@ -2,13 +2,16 @@
 peers' shards are re-gossiped by whoever learns them, and the broadcast queue holds one delta per shard,
 a newer state replacing the older one still queued. Without ``relay`` (the default), a node gossips its
 own shard only, one queued delta per change. Real ``MeshState`` + ``RateLimiter``, payloads handed
-between them as SWIM would piggyback them."""
+between them as SWIM would piggyback them. Registry entries (worker adds) go ahead of the rest on a
+full channel."""
 
 from __future__ import annotations
 
 from shepherd.mesh.ratelimit import Grant, LimiterConfig, Limits, RateLimiter
 from shepherd.mesh.state import MeshState
+from shepherd.mesh.state_registry import WorkerRecord
 from shepherd.mesh.state_types import MeshStateConfig
+from shepherd.mesh.state_wire import peek
 from shepherd.policies.prefix_replica_native import Replica, make_replica
 
 NOW = 1_790_000_000.0
@@ -76,3 +79,17 @@ def test_relay_does_not_repeat_a_shard_it_already_holds() -> None:
     lb.apply_delta(la.snapshot())  # a newer state: relayed once
     assert [k for k, _ in lb.take_keyed_deltas()] == ["t//a"] and lb.shard_version(KEY, "a") > before
     assert lb.shard_version(KEY, "a") == la.shard_version(KEY, "a")
+
+
+def test_registry_entries_go_first_on_a_full_channel() -> None:
+    a, la = _node("a", True)
+    for i in range(200):
+        a.observe_health(f"w{i}", True)
+    _admit(la, 3)
+    a.add_worker(WorkerRecord("new", "http://10.0.0.9:8000", "m"))
+    first = a.broadcasts(300)  # room for a few payloads out of ~200 queued
+    assert first and peek(first[0])[0] == "r"
+    b, _ = _node("b", True)
+    for p in first:
+        b.on_user(p, "a")
+    assert b.worker("new") is not None

@@ -115,7 +115,10 @@ def _attributes(field: int, attrs: Mapping[str, Any] | None) -> bytes:
     if not attrs:
         return b""
     tag = _LEN_TAGS[field]
-    return b"".join([tag + _kv(k, v) for k, v in attrs.items()])
+    # the SDK's BoundedAttributes: its dict (read after the span ended: no longer written), not the
+    # Mapping methods written in Python
+    items = getattr(attrs, "_dict", attrs)
+    return b"".join([tag + _kv(k, v) for k, v in items.items()])
 
 
 def _resource(resource: Any) -> bytes:
@@ -165,7 +168,7 @@ def _span(span: Any) -> bytes:
         _uint(6, span.kind.value + 1),  # SpanKind.INTERNAL (0) is OTLP's SPAN_KIND_INTERNAL (1)
         _fixed64(7, span.start_time or 0),
         _fixed64(8, span.end_time or 0),
-        _attributes(9, span.attributes),
+        _attributes(9, getattr(span, "_attributes", None) or span.attributes),
         _uint(10, span.dropped_attributes),
     ]
     for ev in span.events:
