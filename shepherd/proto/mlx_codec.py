@@ -8,7 +8,8 @@ token ids only), so they are honoured on MLX too. ``MlxEvents``: one Generate ca
 events, as SMG's MLX servicer (lightseekorg/smg ``grpc_servicer/smg_grpc_servicer/mlx/servicer.py``)
 sends them: streaming, one chunk per token (index 0) then a ``GenerateComplete`` with no ids; not
 streaming, one complete with every id. An Abort ends the stream with status OK and no complete: an
-``EngineError`` here. ``decode_mlx_model_info``, ``decode_mlx_server_info``: the other answers.
+``EngineError`` here. ``decode_mlx_server_info``: the other answer (GetModelInfo has SGLang's and vLLM's
+field names: ``engine_responses.decode_model_info`` reads it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from shepherd.proto.engine_types import (
     EngineEvent,
     EngineLoad,
     GenerateRequest,
-    ModelInfo,
     ServerInfo,
     TokenLogprob,
 )
@@ -165,19 +165,6 @@ class MlxEvents:
             raise EngineError(
                 "MLX worker ended the stream before the choice finished (aborted)", retryable=True
             )
-
-
-def decode_mlx_model_info(resp: Any) -> ModelInfo:
-    bos = int(resp.bos_token_id)
-    return ModelInfo(
-        served_model_name=resp.served_model_name,
-        model_path=resp.model_path,
-        max_context_length=int(resp.max_context_length),
-        vocab_size=int(resp.vocab_size),
-        eos_token_ids=tuple(int(x) for x in resp.eos_token_ids),
-        bos_token_id=bos if bos > 0 else None,
-        is_generation=bool(resp.is_generation),
-    )
 
 
 def decode_mlx_server_info(resp: Any) -> ServerInfo:

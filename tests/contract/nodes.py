@@ -85,3 +85,14 @@ def sse_events(text: str) -> list[Any]:
 
 def streamed_text(events: list[Any], index: int = 0) -> str:
     return "".join(c.get("text", "") for e in events for c in e.get("choices", []) if c.get("index") == index)
+
+
+def text_and_tokens(r: httpx.Response, stream: bool) -> tuple[str, str]:
+    """A completion answer's (streamed or not) text of choice 0 and its logprobs' tokens, joined (streamed:
+    every event's)."""
+    if stream:
+        ev = sse_events(r.text)
+        tokens = [t for e in ev for c in e["choices"] if c.get("logprobs") for t in c["logprobs"]["tokens"]]
+        return streamed_text(ev), "".join(tokens)
+    c = r.json()["choices"][0]
+    return c["text"], "".join(c["logprobs"]["tokens"])

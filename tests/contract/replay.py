@@ -117,6 +117,61 @@ def _matched(c: Choice) -> dict[str, Any]:
     return {}
 
 
+def _sg_chunk(rid: str, plan: Plan, prompt: int, ids: list[int], done: int, lp: Any, **kw: Any) -> Any:
+    """An SGLang GenerateResponse chunk (``done``: its completion_tokens)."""
+    return sg.GenerateResponse(
+        request_id=rid,
+        chunk=sg.GenerateStreamChunk(
+            token_ids=ids,
+            prompt_tokens=prompt,
+            completion_tokens=done,
+            cached_tokens=plan.cached,
+            output_logprobs=lp,
+            **kw,
+        ),
+    )
+
+
+def _sg_complete(
+    rid: str, plan: Plan, prompt: int, c: Choice, ids: list[int], done: int, lp: Any, **kw: Any
+) -> Any:
+    """An SGLang GenerateResponse Complete of choice ``c`` (its matched stop included)."""
+    return sg.GenerateResponse(
+        request_id=rid,
+        complete=sg.GenerateComplete(
+            output_ids=ids,
+            finish_reason=c.finish,
+            prompt_tokens=prompt,
+            completion_tokens=done,
+            cached_tokens=plan.cached,
+            output_logprobs=lp,
+            **kw,
+            **_matched(c),
+        ),
+    )
+
+
+def _vl_chunk(plan: Plan, prompt: int, ids: list[int], **kw: Any) -> Any:
+    return vl.GenerateResponse(
+        chunk=vl.GenerateStreamChunk(
+            token_ids=ids, prompt_tokens=prompt, completion_tokens=len(ids), cached_tokens=plan.cached, **kw
+        )
+    )
+
+
+def _vl_complete(plan: Plan, prompt: int, c: Choice, ids: list[int], **kw: Any) -> Any:
+    return vl.GenerateResponse(
+        complete=vl.GenerateComplete(
+            output_ids=ids,
+            finish_reason=c.finish or "stop",
+            prompt_tokens=prompt,
+            completion_tokens=len(ids),
+            cached_tokens=plan.cached,
+            **kw,
+        )
+    )
+
+
 # ---- SGLang ---------------------------------------------------------------------------------------
 
 
@@ -138,31 +193,9 @@ def sglang_smg_messages(req: Any, plan: Plan) -> Iterator[Any]:
                 delta = c.deltas[step]
                 done[i] += len(delta)
                 lp = _lp(delta) if logprobs else None
-                yield sg.GenerateResponse(
-                    request_id=rid,
-                    chunk=sg.GenerateStreamChunk(
-                        token_ids=delta,
-                        prompt_tokens=prompt,
-                        completion_tokens=done[i],
-                        cached_tokens=plan.cached,
-                        output_logprobs=lp,
-                        index=i,
-                    ),
-                )
+                yield _sg_chunk(rid, plan, prompt, delta, done[i], lp, index=i)
                 if step == len(c.deltas) - 1 and c.finish is not None:
-                    yield sg.GenerateResponse(
-                        request_id=rid,
-                        complete=sg.GenerateComplete(
-                            output_ids=delta,
-                            finish_reason=c.finish,
-                            prompt_tokens=prompt,
-                            completion_tokens=done[i],
-                            cached_tokens=plan.cached,
-                            output_logprobs=lp,
-                            index=i,
-                            **_matched(c),
-                        ),
-                    )
+                    yield _sg_complete(rid, plan, prompt, c, delta, done[i], lp, index=i)
         return
     # not streamed: each generator's final output with the accumulated ids; n > 1 comes as a list of
     # outputs that carry no "index" (only the streamed path sets it): every Complete says 0
@@ -170,19 +203,7 @@ def sglang_smg_messages(req: Any, plan: Plan) -> Iterator[Any]:
         if c.finish is None:
             continue
         ids = c.ids
-        yield sg.GenerateResponse(
-            request_id=rid,
-            complete=sg.GenerateComplete(
-                output_ids=ids,
-                finish_reason=c.finish,
-                prompt_tokens=prompt,
-                completion_tokens=len(ids),
-                cached_tokens=plan.cached,
-                output_logprobs=_lp(ids) if logprobs else None,
-                index=0,
-                **_matched(c),
-            ),
-        )
+        yield _sg_complete(rid, plan, prompt, c, ids, len(ids), _lp(ids) if logprobs else None, index=0)
 
 
 def sglang_inproc_messages(req: Any, plan: Plan) -> Iterator[Any]:
@@ -196,29 +217,9 @@ def sglang_inproc_messages(req: Any, plan: Plan) -> Iterator[Any]:
         for step, delta in enumerate(c.deltas):
             lp = _lp(delta) if logprobs else None
             if step < len(c.deltas) - 1 or c.finish is None:
-                yield sg.GenerateResponse(
-                    request_id=rid,
-                    chunk=sg.GenerateStreamChunk(
-                        token_ids=delta,
-                        prompt_tokens=prompt,
-                        completion_tokens=len(delta),
-                        cached_tokens=plan.cached,
-                        output_logprobs=lp,
-                    ),
-                )
+                yield _sg_chunk(rid, plan, prompt, delta, len(delta), lp)
             else:
-                yield sg.GenerateResponse(
-                    request_id=rid,
-                    complete=sg.GenerateComplete(
-                        output_ids=delta,
-                        finish_reason=c.finish,
-                        prompt_tokens=prompt,
-                        completion_tokens=len(delta),
-                        cached_tokens=plan.cached,
-                        output_logprobs=lp,
-                        **_matched(c),
-                    ),
-                )
+                yield _sg_complete(rid, plan, prompt, c, delta, len(delta), lp)
 
 
 # ---- vLLM -----------------------------------------------------------------------------------------
@@ -252,47 +253,18 @@ def vllm_smg_messages(req: Any, plan: Plan) -> Iterator[Any]:
                     continue
                 delta = c.deltas[step]
                 lp = _vlp(delta) if logprobs else None
-                yield vl.GenerateResponse(
-                    chunk=vl.GenerateStreamChunk(
-                        token_ids=delta,
-                        prompt_tokens=prompt,
-                        completion_tokens=len(delta),
-                        cached_tokens=plan.cached,
-                        output_logprobs=lp,
-                        index=i,
-                    )
-                )
+                yield _vl_chunk(plan, prompt, delta, output_logprobs=lp, index=i)
                 if step == len(c.deltas) - 1 and c.finish is not None:
-                    yield vl.GenerateResponse(
-                        complete=vl.GenerateComplete(
-                            output_ids=delta,
-                            finish_reason=c.finish or "stop",
-                            prompt_tokens=prompt,
-                            completion_tokens=len(delta),
-                            cached_tokens=plan.cached,
-                            output_logprobs=lp,
-                            index=i,
-                            **_kv_fields(plan),
-                            **_matched(c),
-                        )
+                    yield _vl_complete(
+                        plan, prompt, c, delta, output_logprobs=lp, index=i, **_kv_fields(plan), **_matched(c)
                     )
         return
     for i, c in enumerate(plan.choices):
         if c.finish is None:
             continue
-        ids = c.ids
-        yield vl.GenerateResponse(
-            complete=vl.GenerateComplete(
-                output_ids=ids,
-                finish_reason=c.finish or "stop",
-                prompt_tokens=prompt,
-                completion_tokens=len(ids),
-                cached_tokens=plan.cached,
-                output_logprobs=_vlp(ids) if logprobs else None,
-                index=i,
-                **_kv_fields(plan),
-                **_matched(c),
-            )
+        lp = _vlp(c.ids) if logprobs else None
+        yield _vl_complete(
+            plan, prompt, c, c.ids, output_logprobs=lp, index=i, **_kv_fields(plan), **_matched(c)
         )
 
 
@@ -303,35 +275,11 @@ def vllm_entrypoint_messages(req: Any, plan: Plan) -> Iterator[Any]:
     for c in plan.choices[:1]:
         if req.stream:
             for step, delta in enumerate(c.deltas):
-                yield vl.GenerateResponse(
-                    chunk=vl.GenerateStreamChunk(
-                        token_ids=delta,
-                        prompt_tokens=prompt,
-                        completion_tokens=len(delta),
-                        cached_tokens=plan.cached,
-                    )
-                )
+                yield _vl_chunk(plan, prompt, delta)
                 if step == len(c.deltas) - 1 and c.finish is not None:
-                    yield vl.GenerateResponse(
-                        complete=vl.GenerateComplete(
-                            output_ids=delta,
-                            finish_reason=c.finish or "stop",
-                            prompt_tokens=prompt,
-                            completion_tokens=len(delta),
-                            cached_tokens=plan.cached,
-                        )
-                    )
+                    yield _vl_complete(plan, prompt, c, delta)
         elif c.finish is not None:
-            ids = c.ids
-            yield vl.GenerateResponse(
-                complete=vl.GenerateComplete(
-                    output_ids=ids,
-                    finish_reason=c.finish or "stop",
-                    prompt_tokens=prompt,
-                    completion_tokens=len(ids),
-                    cached_tokens=plan.cached,
-                )
-            )
+            yield _vl_complete(plan, prompt, c, c.ids)
 
 
 MESSAGES: dict[str, Callable[[Any, Plan], Iterator[Any]]] = {

@@ -8,14 +8,13 @@ found by GetServerInfo, after SGLang's, vLLM's and TensorRT-LLM's answered UNIMP
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.contract.fake_mlx import FakeMlx, Script, start_fake_mlx
+from tests.contract.fake_mlx import FakeMlx, start_fake_mlx
 from tests.contract.fake_service_thread import reply_ids, tokenizer
 from tests.contract.node_over_fake import (
     MODEL,
@@ -33,23 +32,7 @@ from tests.e2e.test_node_tools import byte_tokenizer
 REPLY = "Hello from MLX."
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[FakeMlx, NodeProc]]:
-    fake, server = start_fake_mlx()
-    try:
-        with node_over(f"mlx://127.0.0.1:{server.port}", f"grpc://localhost:{server.port}") as node:
-            yield fake, node
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def fake(served: tuple[FakeMlx, NodeProc]) -> Iterator[FakeMlx]:
-    f = served[0]
-    f.script = Script()
-    f.requests.clear()
-    yield f
-    f.script = Script()
+FAKE = (start_fake_mlx, "mlx")
 
 
 @pytest.fixture

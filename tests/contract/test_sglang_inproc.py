@@ -10,40 +10,16 @@ node process answers every request here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.contract.nodes import complete, ids, node_over, replay, sse_events, streamed_text
-from tests.contract.nodes import tokenizer_dir as _tokenizer_dir
+from tests.contract.nodes import complete, ids, sse_events, streamed_text, text_and_tokens
 from tests.contract.replay import Choice, Plan, ReplayServer
 from tests.e2e.node_procs import NodeProc
 
-
-@pytest.fixture(scope="module")
-def tok() -> Iterator[Path]:
-    with _tokenizer_dir() as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=30) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[ReplayServer]:
-    with replay("sglang-inproc") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def node(engine: ReplayServer, tok: Path) -> Iterator[NodeProc]:
-    with node_over([engine], tok) as n:
-        yield n
+DIALECT = "sglang-inproc"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -53,18 +29,9 @@ def test_last_delta_only_in_the_complete_is_not_lost(
     engine.plan = Plan([Choice([ids(tok, "hel"), ids(tok, "lo wor"), ids(tok, "ld!")])])
     r = complete(http, node, prompt="hi", stream=stream, logprobs=1)
     assert r.status_code == 200, r.text
-    if stream:
-        ev = sse_events(r.text)
-        text = streamed_text(ev)
-        tokens = [t for e in ev for c in e["choices"] if c.get("logprobs") for t in c["logprobs"]["tokens"]]
-        usage = None
-    else:
-        c = r.json()["choices"][0]
-        text, tokens, usage = c["text"], c["logprobs"]["tokens"], r.json()["usage"]
-    assert text == "hello world!"
-    assert "".join(tokens) == "hello world!"
-    if usage is not None:
-        assert usage["completion_tokens"] == len("hello world!")
+    assert text_and_tokens(r, stream) == ("hello world!", "hello world!")
+    if not stream:
+        assert r.json()["usage"]["completion_tokens"] == len("hello world!")
 
 
 def test_one_step_answer_in_the_complete_alone(

@@ -12,7 +12,6 @@ server.py. Every test goes through a real node process and checks its HTTP answe
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,34 +19,20 @@ import grpc
 import httpx
 import pytest
 
-from tests.contract.nodes import complete, ids, node_over, replay, sse_events, streamed_text, token_id
-from tests.contract.nodes import tokenizer_dir as _tokenizer_dir
+from tests.contract.nodes import (
+    complete,
+    ids,
+    node_over,
+    replay,
+    sse_events,
+    streamed_text,
+    text_and_tokens,
+    token_id,
+)
 from tests.contract.replay import Choice, EngineFacts, Plan, ReplayServer
 from tests.e2e.node_procs import NodeProc
 
-
-@pytest.fixture(scope="module")
-def tok() -> Iterator[Path]:
-    with _tokenizer_dir() as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=30) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[ReplayServer]:
-    with replay("sglang-smg") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def node(engine: ReplayServer, tok: Path) -> Iterator[NodeProc]:
-    with node_over([engine], tok) as n:
-        yield n
+DIALECT = "sglang-smg"
 
 
 def words(tok: Path, *parts: str) -> list[list[int]]:
@@ -84,15 +69,8 @@ def test_final_delta_in_chunk_and_complete_is_shown_once(
     engine.plan = Plan([Choice(words(tok, "hel", "lo", " wor", "ld"))])
     r = complete(http, node, prompt="hi", stream=stream, logprobs=1)
     assert r.status_code == 200, r.text
-    if stream:
-        ev = sse_events(r.text)
-        assert streamed_text(ev) == "hello world"
-        tokens = [t for e in ev for c in e["choices"] if c.get("logprobs") for t in c["logprobs"]["tokens"]]
-    else:
-        c = r.json()["choices"][0]
-        assert c["text"] == "hello world"
-        tokens = c["logprobs"]["tokens"]
-    assert "".join(tokens) == "hello world"  # the repeated delta's logprobs are not counted twice
+    # the repeated delta's logprobs are not counted twice
+    assert text_and_tokens(r, stream) == ("hello world", "hello world")
 
 
 def test_context_window_from_server_args_not_the_kv_pool(

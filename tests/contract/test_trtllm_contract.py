@@ -9,13 +9,12 @@ found by GetServerInfo); every request lands on the same fake, whichever worker 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import pytest
 from smg_grpc_proto import trtllm_service_pb2 as tr
 
 from tests.contract.fake_service_thread import reply_ids
-from tests.contract.fake_trtllm import FakeTrtllm, Script, start_fake_trtllm
+from tests.contract.fake_trtllm import FakeTrtllm, start_fake_trtllm
 from tests.contract.node_over_fake import (
     chat,
     chat_stream,
@@ -27,24 +26,7 @@ from tests.contract.node_over_fake import (
 )
 from tests.e2e.node_procs import NodeProc, reserved_port
 
-
-@pytest.fixture(scope="module")
-def served() -> Iterator[tuple[FakeTrtllm, NodeProc]]:
-    fake, server = start_fake_trtllm()
-    try:
-        with node_over(f"trtllm://127.0.0.1:{server.port}", f"grpc://localhost:{server.port}") as node:
-            yield fake, node
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def fake(served: tuple[FakeTrtllm, NodeProc]) -> Iterator[FakeTrtllm]:
-    f = served[0]
-    f.script = Script()
-    f.requests.clear()
-    yield f
-    f.script = Script()
+FAKE = (start_fake_trtllm, "trtllm")
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,35 +20,14 @@ import httpx
 import pytest
 
 from tests.contract.nodes import complete, ids, node_over, replay, sse_events, streamed_text
-from tests.contract.nodes import tokenizer_dir as _tokenizer_dir
 from tests.contract.replay import Choice, Plan, ReplayServer
 from tests.e2e.node_procs import NodeProc
 
 NO_LOADS = "does not serve GetLoads"
 
 
-@pytest.fixture(scope="module")
-def tok() -> Iterator[Path]:
-    with _tokenizer_dir() as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=30) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[ReplayServer]:
-    with replay("vllm-entrypoint") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def node(engine: ReplayServer, tok: Path) -> Iterator[NodeProc]:
-    with node_over([engine], tok, "--load-poll-interval-secs", "0.1") as n:
-        yield n
+DIALECT = "vllm-entrypoint"
+NODE_ARGS = ("--load-poll-interval-secs", "0.1")
 
 
 @pytest.mark.parametrize("stream", [False, True])

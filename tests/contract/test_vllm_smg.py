@@ -12,41 +12,26 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.contract.nodes import MODEL, complete, ids, node_over, replay, sse_events, streamed_text
-from tests.contract.nodes import tokenizer_dir as _tokenizer_dir
+from tests.contract.nodes import (
+    MODEL,
+    complete,
+    ids,
+    node_over,
+    replay,
+    sse_events,
+    streamed_text,
+    text_and_tokens,
+)
 from tests.contract.replay import Choice, Plan, ReplayServer
 from tests.e2e.node_procs import NodeProc, start_node
 
-
-@pytest.fixture(scope="module")
-def tok() -> Iterator[Path]:
-    with _tokenizer_dir() as d:
-        yield d
-
-
-@pytest.fixture(scope="module")
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=30) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[ReplayServer]:
-    with replay("vllm-smg") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def node(engine: ReplayServer, tok: Path) -> Iterator[NodeProc]:
-    with node_over([engine], tok) as n:
-        yield n
+DIALECT = "vllm-smg"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -56,14 +41,7 @@ def test_final_delta_repeated_in_the_complete_is_shown_once(
     engine.plan = Plan([Choice([ids(tok, "ab"), ids(tok, "cd"), ids(tok, "ef")])])
     r = complete(http, node, prompt="hi", stream=stream, logprobs=1)
     assert r.status_code == 200, r.text
-    if stream:
-        ev = sse_events(r.text)
-        text = streamed_text(ev)
-        tokens = [t for e in ev for c in e["choices"] if c.get("logprobs") for t in c["logprobs"]["tokens"]]
-    else:
-        c = r.json()["choices"][0]
-        text, tokens = c["text"], c["logprobs"]["tokens"]
-    assert (text, "".join(tokens)) == ("abcdef", "abcdef")
+    assert text_and_tokens(r, stream) == ("abcdef", "abcdef")
 
 
 @pytest.mark.parametrize("stream", [False, True])

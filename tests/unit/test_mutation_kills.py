@@ -12,12 +12,13 @@ from typing import Any, cast
 
 import pytest
 
-from shepherd.mesh.ratelimit import RateLimiter
+from shepherd.mesh.ratelimit import Denial, Grant, LimiterConfig, Limits, RateLimiter
 from shepherd.mesh.ratelimit_keys import unit_hash
+from shepherd.mesh.ratelimit_shards import wait_until_fits
 from shepherd.mesh.swim_suspicion import Awareness, Suspicion
 from shepherd.mesh.swim_types import MemberDead, MemberLeft, remaining_suspicion_time
 from shepherd.node.dispatch.circuit_breaker import BreakerState, CircuitBreaker, HealthTracker
-from shepherd.node.output.stop import StopMatcher
+from shepherd.node.output.stop import StopMatcher, StoppingDecoder, StopResult
 from shepherd.policies.prefix_index import PrefixIndex
 from shepherd.proto.mesh_messages import Alive, Dead, Suspect
 from shepherd.proto.mesh_messages import MemberState as _MemberState
@@ -333,3 +334,298 @@ def test_exactly_one_node_is_designated_per_slot_and_it_is_the_rendezvous_winner
     assert [max(names, key=lambda n: unit_hash(*other, s, n)) for s in range(20)] != [
         max(names, key=lambda n: unit_hash(*key, s, n)) for s in range(20)
     ]
+
+
+# ---- the rate limiter's lease arithmetic (``_share``, ``_fits``, ``_check``) ------------------------------
+
+
+class _View:
+    """A ``View`` with chosen numbers: demand per (node, metric); an unknown (node, metric) is an error."""
+
+    def __init__(
+        self,
+        demand: dict[tuple[str, int], float] | None = None,
+        *,
+        req: tuple[float, float] = (0.0, 0.0),
+        tok: tuple[float, float] = (0.0, 0.0),
+        conc: int = 0,
+        own_level: int = 0,
+    ) -> None:
+        self._d = demand or {}
+        self.req_prev, self.req_cur = req
+        self.tok_prev, self.tok_cur = tok
+        self.conc, self.own_level = conc, own_level
+
+    def demand(self, node: str, me: str, m: int) -> float:
+        return self._d[(node, m)]
+
+    def total_demand(self, m: int) -> float:
+        return sum(d for (_, mm), d in self._d.items() if mm == m)
+
+
+def _pair(**cfg: Any) -> RateLimiter:
+    """Node "a" of a two-node mesh (share floor 0.2)."""
+    lim = RateLimiter("a", 1, LimiterConfig(**cfg))
+    lim.set_membership(["a", "b"], 2)
+    return lim
+
+
+# requests: a and b want the same (shares 0.5 / 0.5); tokens: a wants 3 of 4 (0.7 / 0.3)
+_DEMAND = {("a", 0): 1.0, ("b", 0): 1.0, ("a", 1): 3.0, ("b", 1): 1.0}
+KEY = ("tenant-1", "model-x")
+
+
+def test_shares_are_the_floor_split_equally_plus_the_rest_by_demand() -> None:
+    lim = _pair()
+    v = cast(Any, _View({("a", 0): 1.0, ("b", 0): 3.0, ("a", 1): 30.0, ("b", 1): 10.0}))
+    assert lim._share(v, 0, "a", 4.0) == pytest.approx(0.2 / 2 + 0.8 * 1 / 4)  # 0.3
+    assert lim._share(v, 1, "a", 40.0) == pytest.approx(0.2 / 2 + 0.8 * 30 / 40)  # 0.7: tokens, not requests
+    assert lim._share(v, 1, "b", 40.0) == pytest.approx(0.1 + 0.8 * 10 / 40)  # 0.3
+    assert lim._share(v, 0, "a", 0.0) == 0.5  # no demand known yet: equal shares
+    small = cast(Any, _View({("a", 0): 0.5, ("b", 0): 0.0}))  # a total under one attempt still counts
+    assert lim._share(small, 0, "a", 0.5) == pytest.approx(0.9)
+    assert lim._share(small, 0, "b", 0.5) == pytest.approx(0.1)
+
+
+def test_the_designated_node_is_the_share_weighted_rendezvous_winner() -> None:
+    names = ["a", "b"]
+    v = cast(Any, _View(_DEMAND))
+    share = {"a": 0.7, "b": 0.3}  # tokens (m = 1)
+    lims = {n: RateLimiter(n, 1) for n in names}
+    for lim in lims.values():
+        lim.set_membership(names, 2)
+    wins: Counter[str] = Counter()
+    for slot in range(200):
+        want = max(names, key=lambda n: share[n] / -math.log(unit_hash(*KEY, slot, n)))
+        chosen = [n for n, lim in lims.items() if lim._designated(KEY, slot, v, 1, 4.0)]
+        assert chosen == [want], slot
+        wins[want] += 1
+    assert wins["a"] > wins["b"] > 20, wins  # weighted: the bigger share wins more slots
+
+
+def test_the_count_check_is_limit_plus_epsilon_inclusive() -> None:
+    lim = _pair(lease=False)  # the count check alone
+    v = cast(Any, _View(_DEMAND))
+    # est + cost == limit + 1e-9 exactly (in floats): still fits
+    assert 9.999999999 + 1e-9 == 9.0 + 1.0
+    assert lim._fits(KEY, 0, 9.0, 0.0, 9.999999999, 1.0, v, 0) == 0
+    assert lim._fits(KEY, 0, 9.0, 0.0, 9.99999999, 1.0, v, 0) == 1  # 1e-8 over: full
+    assert lim._fits(KEY, 0, 9.0, 5.0, 10.0, 1.0, v, 0) == 0  # (no lease: u does not matter)
+
+
+def test_the_lease_is_the_share_of_the_headroom_everyone_sees() -> None:
+    lim = _pair()
+    v = cast(Any, _View(_DEMAND))
+    # requests, share 0.5: budget = 0.5 * (10 - 6 + u)
+    assert lim._fits(KEY, 0, 6.0, 1.0, 10.0, 1.0, v, 0) == 0  # 1 + 1 <= 2.5
+    assert lim._fits(KEY, 0, 6.0, 2.0, 10.0, 1.0, v, 0) == 0  # 2 + 1 <= 3
+    assert lim._fits(KEY, 0, 6.0, 2.5, 10.0, 1.0, v, 0) == 2  # 3.5 > 3.25: spent, u > 0: no designation
+    # exactly at the budget (+ 1e-9): admitted; u + cost == 0.5 * (2.999999998 + 1) + 1e-9 in floats
+    assert 1.0 + 1.0 == 0.5 * (2.999999998 - 0.0 + 1.0) + 1e-9
+    assert lim._fits(KEY, 0, 0.0, 1.0, 2.999999998, 1.0, v, 0) == 0
+    assert lim._fits(KEY, 0, 0.0, 1.0, 2.99999999, 1.0, v, 0) == 2
+    # tokens, share 0.7: budget = 0.7 * (100 - 40 + 10) = 49
+    assert lim._fits(KEY, 0, 40.0, 10.0, 100.0, 39.0, v, 1) == 0
+    assert lim._fits(KEY, 0, 40.0, 10.0, 100.0, 39.5, v, 1, rate=False) == 2
+    # with share 0.5 (the requests' share) it would not fit:
+    assert lim._fits(KEY, 0, 40.0, 10.0, 100.0, 30.0, v, 1) == 0
+
+
+def _designated_slots(m: int, slots: range) -> list[bool]:
+    share = {"a": 0.5, "b": 0.5} if m == 0 else {"a": 0.7, "b": 0.3}
+    return [max(["a", "b"], key=lambda n: share[n] / -math.log(unit_hash(*KEY, s, n))) == "a" for s in slots]
+
+
+def test_a_spent_lease_admits_only_in_the_designated_slot_with_nothing_unseen() -> None:
+    lim = _pair()
+    v = cast(Any, _View(_DEMAND))
+    slots = range(40)
+    want = _designated_slots(0, slots)
+    assert True in want and False in want
+    # budget 0.5 * (10 - 9) = 0.5 < 1: a fraction of a request; no coin toss (rate=False)
+    got = [lim._fits(KEY, s, 9.0, 0.0, 10.0, 1.0, v, 0, rate=False) for s in slots]
+    assert got == [0 if d else 2 for d in want]
+    # with anything unseen (u > 0) no designation: 0.5 + 1 > 0.5 * 1.5
+    assert [lim._fits(KEY, s, 9.0, 0.5, 10.0, 1.0, v, 0, rate=False) for s in slots] == [2] * len(slots)
+
+
+@pytest.mark.parametrize("u", [0.0, -3.0])
+def test_a_fraction_of_a_request_is_admitted_with_probability_lease_over_cost(u: float) -> None:
+    """Tokens (share 0.7) at cost 4, limit 10, 6 used: budget 0.7 x (10 - 6 + u), 2.8 or 0.7 (the node
+    gave some back), under the cost; the draw is ``unit_hash(node, version)`` against budget / cost, in a
+    slot where "a" is not designated."""
+    lim = _pair()
+    v = cast(Any, _View(_DEMAND))
+    slot = next(s for s, d in zip(range(100), _designated_slots(1, range(100)), strict=True) if not d)
+    p = 0.7 * (4.0 + u) / 4.0
+    vers = range(200)
+    want = [0 if unit_hash("a", ver) < p else 2 for ver in vers]
+    assert 0 in want and 2 in want
+    got = []
+    for ver in vers:
+        lim._ver = ver
+        got.append(lim._fits(KEY, slot, 6.0, u, 10.0, 4.0, v, 1))  # rate defaults to True
+    assert got == want
+    for ver in vers:  # not for the concurrency (rate=False), nor with anything unseen
+        lim._ver = ver
+        assert lim._fits(KEY, slot, 6.0, u, 10.0, 4.0, v, 1, rate=False) == 2
+        assert lim._fits(KEY, slot, 6.0, 0.5, 10.0, 4.0, v, 1) == 2
+
+
+class _FitsSpy:
+    def __init__(self, verdicts: list[int]) -> None:
+        self.verdicts = verdicts
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def __call__(self, *args: Any, **kw: Any) -> int:
+        self.calls.append((args, kw))
+        return self.verdicts.pop(0)
+
+
+def _check(
+    verdicts: list[int], *, own_level: int = 1, uc: int = 1, peak: int = 2
+) -> tuple[Any, _FitsSpy, Any, list[int]]:
+    lim = RateLimiter("a", 1, LimiterConfig(window=60.0, propagation=2.0))
+    spy = _FitsSpy(verdicts)
+    lim._fits = spy  # type: ignore[method-assign]
+    v = _View(req=(40.0, 10.0), tok=(1000.0, 500.0), conc=3, own_level=own_level)
+    u = [0, 2, 60, uc, peak]
+    limits = Limits(rpm=20, tpm=6000, max_concurrent=8)
+    out = lim._check(KEY, limits, cast(Any, None), cast(Any, v), u, 300, 0.5, 1234.5, 0.25)
+    return out, spy, v, u
+
+
+def test_check_passes_each_metric_its_limit_cost_and_designation_slot() -> None:
+    out, spy, v, _ = _check([0, 0, 0])
+    assert out is None
+    assert spy.calls == [
+        # rpm 20 x scale 0.5 = 10; a slot is max(τ 2, 60 / 10 = 6) s: floor(1234.5 / 6) = 205
+        ((KEY, 205, 40 * 0.75 + 10, 2, 10.0, 1, v, 0), {}),
+        # tpm 6000 x 0.5 = 3000; max(2, 60 x 300 / 3000 = 6): 205
+        ((KEY, 205, 1000 * 0.75 + 500, 60, 3000.0, 300, v, 1), {}),
+        # concurrency 8 x 0.5 = 4; slot floor(1234.5 / τ) = 617; no coin toss
+        ((KEY, 617, 3, 1, 4.0, 1, v, 0), {"rate": False}),
+    ]
+
+
+def test_check_retry_is_the_wait_for_the_count_or_tau_for_the_lease() -> None:
+    out, *_ = _check([2])
+    assert out == (KEY, "requests", 20, 40.0, 2.0)
+    out, *_ = _check([0, 2])
+    assert out == (KEY, "tokens", 6000, 1250.0, 2.0)
+    out, *_ = _check([0, 1])
+    assert out == (KEY, "tokens", 6000, 1250.0, wait_until_fits(1000.0, 500.0, 0.25, 60.0, 3000.0, 300))
+    assert out[4] not in (2.0, math.inf)
+
+
+@pytest.mark.parametrize(
+    ("verdict", "own_level", "uc", "peak", "admitted"),
+    [
+        (2, 2, -1, 3, True),  # freed one within τ, peak 3: refilling to 3 is allowed
+        (2, 2, -1, 0, True),  # the level before the change (2 + 1) bounds the refill too
+        (2, 2, 0, 2, False),  # nothing freed: 3 > 2
+        (1, 2, -1, 3, False),  # the mesh-wide count is full: no refill
+        (0, 0, 0, 0, True),
+    ],
+)
+def test_a_node_may_refill_concurrency_slots_it_freed_itself(
+    verdict: int, own_level: int, uc: int, peak: int, admitted: bool
+) -> None:
+    out, *_ = _check([0, 0, verdict], own_level=own_level, uc=uc, peak=peak)
+    assert out == (None if admitted else (KEY, "concurrency", 8, 3.0, 2.0))
+
+
+def test_each_grant_counts_in_its_own_quota() -> None:
+    lim = RateLimiter("a", 1)
+    rules = [(KEY, Limits(rpm=10))]
+    remaining = []
+    for _ in range(3):
+        g = lim.acquire(100.0, rules, 5)
+        assert isinstance(g, Grant)
+        remaining.append(g.quota().remaining_requests)
+    assert remaining == [9, 8, 7]
+
+
+def test_a_denial_marks_its_key_for_gossip() -> None:
+    lim = RateLimiter("a", 1)
+    rules = [(KEY, Limits(rpm=1))]
+    assert isinstance(lim.acquire(100.0, rules, 5), Grant)
+    lim._dirty.clear()
+    assert isinstance(lim.acquire(100.0, rules, 5), Denial)
+    assert list(lim._dirty) == [KEY]  # the attempt counts as demand: it is gossiped
+
+
+def test_a_collection_round_starts_at_its_due_time_exactly() -> None:
+    lim = RateLimiter("a", 1, LimiterConfig(window=10.0, gc_interval=100.0))
+    lim.gc(0.0)  # the next round is due at 100.0
+    g = lim.acquire(1.0, [(("old", ""), Limits(rpm=10))], 1)
+    assert isinstance(g, Grant)
+    lim.settle(1.0, g, None)
+    assert lim.key_count() == 1
+    lim.acquire(100.0, [(KEY, Limits(rpm=10))], 1)  # due now: the old key (window 0, settled) goes
+    assert lim.key_count() == 1
+
+
+def test_unseen_increments_age_out_after_tau() -> None:
+    lim = RateLimiter("a", 1)  # τ = 1 s in 4 slots of 0.25 s
+    seen: list[list[int]] = []
+    orig = lim._check
+
+    def spy(*args: Any) -> Any:
+        seen.append(list(args[4]))
+        return orig(*args)
+
+    lim._check = spy  # type: ignore[method-assign,assignment]
+    rules = [(KEY, Limits(rpm=100))]
+    for t in (100.0, 100.1, 102.0):
+        assert isinstance(lim.acquire(t, rules, 5), Grant)
+    assert [u[1] for u in seen] == [0, 1, 0]  # own admissions in the last τ: none, one, none again
+
+
+# ---- the stop matcher: its public answers after a match, a flush, a finish ------------------------------
+
+
+def test_no_stop_token_is_index_minus_one() -> None:
+    assert StopMatcher(stop_token_ids=[9]).stop_token_index([1, 2, 3]) == -1
+    assert StopMatcher().stop_token_index([1, 2, 3]) == -1
+    assert StopMatcher(eos_token_ids=[2]).stop_token_index([1, 2, 2]) == 1
+
+
+def test_nothing_is_held_once_a_stop_string_matched() -> None:
+    m = StopMatcher(["abc"])
+    assert m.feed("xab") == StopResult("x")
+    assert m.held == "ab"
+    assert m.feed("cd") == StopResult("", True, "abc")
+    assert m.held == ""
+    assert m.flush() == ""
+
+
+def test_a_flush_forgets_the_partial_match() -> None:
+    m = StopMatcher(["abc"])
+    assert m.feed("ab") == StopResult("")
+    assert m.flush() == "ab"
+    assert m.held == ""
+    assert m.feed("c") == StopResult("c")  # "ab" was released: "c" does not complete "abc"
+    assert m.feed("a") == StopResult("")  # a new partial match from scratch
+    assert m.held == "a"
+
+
+class _Chars:
+    """A detokenizer: id n is chr(n)."""
+
+    def step(self, ids: Any) -> str:
+        return "".join(map(chr, ids))
+
+    def finish(self) -> str:
+        return ""
+
+
+def test_a_finished_decoder_answers_finished_with_what_matched() -> None:
+    d = StoppingDecoder(_Chars(), StopMatcher(stop_token_ids=[0]))
+    assert d.feed([ord("h"), ord("i"), 0, ord("x")]) == StopResult("hi", True, 0)
+    assert d.feed([ord("y")]) == StopResult("", True, 0)
+    assert d.finish() == StopResult("", True, 0)
+    s = StoppingDecoder(_Chars(), StopMatcher(["yz"]))
+    assert s.feed([ord("x"), ord("y")]) == StopResult("x")
+    assert s.feed([ord("z"), ord("w")]) == StopResult("", True, "yz")
+    assert s.feed([ord("q")]) == StopResult("", True, "yz")

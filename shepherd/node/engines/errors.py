@@ -8,7 +8,9 @@ transport saw it.
 
 from __future__ import annotations
 
-from shepherd.proto.engine_types import EngineError, EngineTimeout, EngineUnavailable
+from collections.abc import Awaitable, Callable
+
+from shepherd.proto.engine_types import EngineError, EngineTimeout, EngineUnavailable, ServerInfo
 
 __all__ = [
     "CANCELLED",
@@ -25,6 +27,7 @@ __all__ = [
     "UNKNOWN",
     "engine_error",
     "health_timeout",
+    "sglang_context",
 ]
 
 # gRPC status codes (numbers as on the wire; names as grpc.StatusCode's)
@@ -93,3 +96,16 @@ def health_timeout(kind: str, configured: float) -> float:
     if kind == "sglang" and configured < SGLANG_HEALTH_MIN_TIMEOUT_S:
         return SGLANG_HEALTH_MIN_TIMEOUT_S
     return configured
+
+
+async def sglang_context(kind: str, server_info: Callable[[], Awaitable[ServerInfo]]) -> ServerInfo | None:
+    """What ``decode_model_info`` reads the context from besides GetModelInfo (SGLang reports its KV pool
+    as max_context_length): an SGLang worker's GetServerInfo; a server without it (SGLang's early
+    in-tree server) says nothing of the context, only that max_context_length is the KV pool. None for
+    the other kinds."""
+    if kind != "sglang":
+        return None
+    try:
+        return await server_info()
+    except EngineError:
+        return ServerInfo(kind="sglang")

@@ -18,7 +18,7 @@ from smg_grpc_proto import vllm_engine_pb2 as vl
 from smg_grpc_proto import vllm_engine_pb2_grpc as vl_grpc
 from smg_grpc_proto.generated import common_pb2
 
-from shepherd.node.engines.errors import engine_error, health_timeout
+from shepherd.node.engines.errors import engine_error, health_timeout, sglang_context
 from shepherd.node.observe import tracing
 from shepherd.proto.engine_requests import sglang_embed, sglang_generate, vllm_embed, vllm_generate
 from shepherd.proto.engine_responses import (
@@ -170,16 +170,7 @@ class GrpcEngineClient:
                 r = await self._sg.GetModelInfo(sg.GetModelInfoRequest(), timeout=5.0)
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e) from None
-        # SGLang reports its KV pool as max_context_length: the context comes from its server arguments
-        return decode_model_info(r, await self._sglang_server() if self.kind == "sglang" else None)
-
-    async def _sglang_server(self) -> ServerInfo:
-        """GetServerInfo of an SGLang worker for its model info; a server without it (SGLang's early
-        in-tree server) says nothing of the context: only that max_context_length is the KV pool."""
-        try:
-            return await self.server_info()
-        except EngineError:
-            return ServerInfo(kind="sglang")
+        return decode_model_info(r, await sglang_context(self.kind, self.server_info))
 
     async def server_info(self) -> ServerInfo:
         try:

@@ -32,6 +32,7 @@ from shepherd.node.engines.errors import (
     UNAVAILABLE,
     UNIMPLEMENTED,
     health_timeout,
+    sglang_context,
 )
 from shepherd.node.engines.h2_frames import LOCAL_WINDOW, RequestHeaders, hpack_literal
 from shepherd.node.engines.h2_protocol import H2Protocol
@@ -414,16 +415,7 @@ class H2EngineClient:
             r: Any = await self._unary("GetModelInfo", vl.GetModelInfoRequest(), vl.GetModelInfoResponse, 5.0)
         else:
             r = await self._unary("GetModelInfo", sg.GetModelInfoRequest(), sg.GetModelInfoResponse, 5.0)
-        # SGLang reports its KV pool as max_context_length: the context comes from its server arguments
-        return decode_model_info(r, await self._sglang_server() if self.kind == "sglang" else None)
-
-    async def _sglang_server(self) -> ServerInfo:
-        """GetServerInfo of an SGLang worker for its model info; a server without it (SGLang's early
-        in-tree server) says nothing of the context: only that max_context_length is the KV pool."""
-        try:
-            return await self.server_info()
-        except EngineError:
-            return ServerInfo(kind="sglang")
+        return decode_model_info(r, await sglang_context(self.kind, self.server_info))
 
     async def server_info(self) -> ServerInfo:
         if self.kind == "vllm":

@@ -10,17 +10,15 @@ UNIMPLEMENTED and stops.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 from smg_grpc_proto import mlx_engine_pb2 as mx
-from smg_grpc_proto.generated import common_pb2
 
 from shepherd.node.engines.errors import UNIMPLEMENTED, engine_error
-from shepherd.node.engines.rpc import Rpc, RpcFailure, generate_events
+from shepherd.node.engines.rpc import Rpc, RpcEngineClient
+from shepherd.proto.engine_responses import decode_model_info
 from shepherd.proto.engine_types import (
     EmbedResult,
-    EngineError,
     EngineEvent,
     EngineLoad,
     GenerateRequest,
@@ -31,75 +29,45 @@ from shepherd.proto.engine_types import (
 from shepherd.proto.mlx_codec import (
     MLX_SERVICE,
     MlxEvents,
-    decode_mlx_model_info,
     decode_mlx_server_info,
     mlx_generate,
     mlx_load,
 )
 from shepherd.proto.trtllm_codec import refuse
 
-_P = f"/{MLX_SERVICE}/"
 
-
-class MlxEngineClient:
+class MlxEngineClient(RpcEngineClient):
     """EngineClient for MLX workers."""
 
+    kind = "mlx"
+
     def __init__(self, url: str, rpc: Rpc) -> None:
-        self.url = url
-        self.kind = "mlx"
-        self.rpc = rpc
+        super().__init__(url, rpc, MLX_SERVICE)
 
     def generate_batches(
         self, req: GenerateRequest, timeout: float | None = None
     ) -> AsyncIterator[list[EngineEvent]]:
         """The call's events; the request is encoded (and refused, naming a field it cannot honour) at
         the first step. Closing it cancels the call."""
-        return generate_events(
-            self.rpc, _P + "Generate", lambda: mlx_generate(req), mx.GenerateResponse, MlxEvents(req), timeout
-        )
-
-    async def generate(
-        self, req: GenerateRequest, timeout: float | None = None
-    ) -> AsyncIterator[EngineEvent]:
-        async with contextlib.aclosing(self.generate_batches(req, timeout)) as batches:  # type: ignore[type-var]
-            async for batch in batches:
-                for ev in batch:
-                    yield ev
+        return self._events(lambda: mlx_generate(req), mx.GenerateResponse, MlxEvents(req), timeout)
 
     async def embed(self, request_id: str, ids: Sequence[int], timeout: float | None = None) -> EmbedResult:
         raise refuse("MLX", "embeddings", "the MLX engine has no Embed call")
 
     async def abort(self, request_id: str, reason: str = "") -> None:
-        with contextlib.suppress(RpcFailure):  # best effort: the stream cancellation also frees it
-            await self.rpc.unary(
-                _P + "Abort", mx.AbortRequest(request_ids=[request_id]), mx.AbortResponse, 5.0
-            )
+        await self._abort(mx.AbortRequest(request_ids=[request_id]), mx.AbortResponse)
 
     async def health_check(self, timeout: float = 2.0) -> bool:
-        try:
-            r = await self.rpc.unary(
-                _P + "HealthCheck", mx.HealthCheckRequest(), mx.HealthCheckResponse, timeout
-            )
-        except (RpcFailure, EngineError):
-            return False
-        return bool(r.healthy)
+        r = await self._health(mx.HealthCheckRequest(), mx.HealthCheckResponse, timeout)
+        return r is not None and bool(r.healthy)
 
     async def model_info(self) -> ModelInfo:
-        try:
-            r = await self.rpc.unary(
-                _P + "GetModelInfo", mx.GetModelInfoRequest(), mx.GetModelInfoResponse, 5.0
-            )
-        except RpcFailure as e:
-            raise e.engine_error() from None
-        return decode_mlx_model_info(r)
+        return decode_model_info(
+            await self._unary("GetModelInfo", mx.GetModelInfoRequest(), mx.GetModelInfoResponse)
+        )
 
     async def _server_info(self) -> mx.GetServerInfoResponse:
-        try:
-            return await self.rpc.unary(
-                _P + "GetServerInfo", mx.GetServerInfoRequest(), mx.GetServerInfoResponse, 5.0
-            )
-        except RpcFailure as e:
-            raise e.engine_error() from None
+        return await self._unary("GetServerInfo", mx.GetServerInfoRequest(), mx.GetServerInfoResponse)
 
     async def server_info(self) -> ServerInfo:
         return decode_mlx_server_info(await self._server_info())
@@ -109,26 +77,6 @@ class MlxEngineClient:
 
     def subscribe_kv_events(self, start_seq: int = 0) -> AsyncIterator[KvEventBatch]:
         return _NoKvEvents()
-
-    async def get_tokenizer(self, timeout: float = 120.0) -> tuple[bytes, str]:
-        """GetTokenizer (server stream): the zip's bytes, concatenated, and the last chunk's sha256."""
-        parts: list[bytes] = []
-        sha = ""
-        it = self.rpc.stream(
-            _P + "GetTokenizer", common_pb2.GetTokenizerRequest(), common_pb2.GetTokenizerChunk, timeout
-        )
-        try:
-            async for chunk in it:
-                parts.append(chunk.data)
-                sha = chunk.sha256 or sha
-        except RpcFailure as e:
-            raise e.engine_error() from None
-        finally:
-            await it.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the call
-        return b"".join(parts), sha
-
-    async def close(self) -> None:
-        await self.rpc.close()
 
 
 class _NoKvEvents:

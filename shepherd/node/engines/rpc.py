@@ -7,10 +7,12 @@ non-OK end. ``H2Rpc`` rides an ``H2EngineClient``'s connection (its ``call_unary
 detected as TensorRT-LLM or MLX keeps the connection (and TLS) it was probed over. ``probe_kind`` asks
 GetServerInfo of SGLang, vLLM, TensorRT-LLM and MLX in turn, as SMG's detection does
 (lightseekorg/smg ``model_gateway/src/workflow/steps/local/detect_backend.rs``): UNIMPLEMENTED moves on.
+``RpcEngineClient``: what the TensorRT-LLM and MLX clients share (generate, unary calls, GetTokenizer).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -21,13 +23,14 @@ from smg_grpc_proto import mlx_engine_pb2 as mx
 from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from smg_grpc_proto import trtllm_service_pb2 as tr
 from smg_grpc_proto import vllm_engine_pb2 as vl
+from smg_grpc_proto.generated import common_pb2
 
 from shepherd.node.engines.errors import UNIMPLEMENTED, engine_error
 from shepherd.node.engines.grpcio import GrpcEngineClient
 from shepherd.node.engines.h2 import H2EngineClient
 from shepherd.node.engines.h2_stream import RpcStatus
 from shepherd.proto.engine_requests import SGLANG_SERVICE, VLLM_SERVICE
-from shepherd.proto.engine_types import EngineError, EngineEvent
+from shepherd.proto.engine_types import EngineError, EngineEvent, GenerateRequest
 from shepherd.proto.mlx_codec import MLX_SERVICE
 from shepherd.proto.trtllm_codec import TRTLLM_SERVICE
 
@@ -188,3 +191,87 @@ async def generate_events(
     finally:
         await it.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the call
     decoder.end()
+
+
+class RpcEngineClient:
+    """What the clients over an ``Rpc`` share (``trtllm.TrtllmEngineClient``, ``mlx.MlxEngineClient``):
+    ``generate`` from the subclass's ``generate_batches``, unary calls on the service's methods (a
+    non-OK status raised as ``EngineError``), GetTokenizer (the same message in both services) and close."""
+
+    kind = ""
+
+    def __init__(self, url: str, rpc: Rpc, service: str) -> None:
+        self.url = url
+        self.rpc = rpc
+        self._prefix = f"/{service}/"
+
+    def generate_batches(
+        self, req: GenerateRequest, timeout: float | None = None
+    ) -> AsyncIterator[list[EngineEvent]]:
+        raise NotImplementedError
+
+    async def generate(
+        self, req: GenerateRequest, timeout: float | None = None
+    ) -> AsyncIterator[EngineEvent]:
+        async with contextlib.aclosing(self.generate_batches(req, timeout)) as batches:  # type: ignore[type-var]
+            async for batch in batches:
+                for ev in batch:
+                    yield ev
+
+    def _events(
+        self,
+        encode: Callable[[], Message],
+        response_type: type[Message],
+        decoder: EventDecoder,
+        timeout: float | None,
+    ) -> AsyncIterator[list[EngineEvent]]:
+        """The service's Generate call (see ``generate_events``)."""
+        return generate_events(self.rpc, self._prefix + "Generate", encode, response_type, decoder, timeout)
+
+    async def _raw_unary(
+        self, method: str, request: Message, response_type: type[M], timeout: float | None
+    ) -> M:
+        return await self.rpc.unary(self._prefix + method, request, response_type, timeout)
+
+    async def _unary(
+        self, method: str, request: Message, response_type: type[M], timeout: float | None = 5.0
+    ) -> M:
+        """The service's ``method``; a non-OK status raises as ``EngineError``."""
+        try:
+            return await self._raw_unary(method, request, response_type, timeout)
+        except RpcFailure as e:
+            raise e.engine_error() from None
+
+    async def _abort(self, request: Message, response_type: type[Message]) -> None:
+        with contextlib.suppress(RpcFailure):  # best effort: the stream cancellation also frees it
+            await self._raw_unary("Abort", request, response_type, 5.0)
+
+    async def _health(self, request: Message, response_type: type[M], timeout: float) -> M | None:
+        """The service's HealthCheck answer; None when the call fails."""
+        try:
+            return await self._raw_unary("HealthCheck", request, response_type, timeout)
+        except (RpcFailure, EngineError):
+            return None
+
+    async def get_tokenizer(self, timeout: float = 120.0) -> tuple[bytes, str]:
+        """GetTokenizer (server stream): the zip's bytes, concatenated, and the last chunk's sha256."""
+        parts: list[bytes] = []
+        sha = ""
+        it = self.rpc.stream(
+            self._prefix + "GetTokenizer",
+            common_pb2.GetTokenizerRequest(),
+            common_pb2.GetTokenizerChunk,
+            timeout,
+        )
+        try:
+            async for chunk in it:
+                parts.append(chunk.data)
+                sha = chunk.sha256 or sha
+        except RpcFailure as e:
+            raise e.engine_error() from None
+        finally:
+            await it.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the call
+        return b"".join(parts), sha
+
+    async def close(self) -> None:
+        await self.rpc.close()

@@ -10,18 +10,16 @@ SubscribeKvEvents.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 from smg_grpc_proto import trtllm_service_pb2 as tr
 from smg_grpc_proto.generated import common_pb2
 
 from shepherd.node.engines.errors import UNIMPLEMENTED, engine_error
-from shepherd.node.engines.rpc import Rpc, RpcFailure, generate_events
+from shepherd.node.engines.rpc import Rpc, RpcEngineClient, RpcFailure
 from shepherd.proto.engine_responses import decode_embed
 from shepherd.proto.engine_types import (
     EmbedResult,
-    EngineError,
     EngineEvent,
     EngineLoad,
     GenerateRequest,
@@ -39,16 +37,14 @@ from shepherd.proto.trtllm_codec import (
     trtllm_healthy,
 )
 
-_P = f"/{TRTLLM_SERVICE}/"
 
-
-class TrtllmEngineClient:
+class TrtllmEngineClient(RpcEngineClient):
     """EngineClient for TensorRT-LLM workers."""
 
+    kind = "trtllm"
+
     def __init__(self, url: str, rpc: Rpc) -> None:
-        self.url = url
-        self.kind = "trtllm"
-        self.rpc = rpc
+        super().__init__(url, rpc, TRTLLM_SERVICE)
         self.vocab_size = 0  # GetModelInfo's (logit_bias becomes an embedding-bias vector this long)
 
     def generate_batches(
@@ -56,63 +52,32 @@ class TrtllmEngineClient:
     ) -> AsyncIterator[list[EngineEvent]]:
         """The call's events; the request is encoded (and refused, naming a field it cannot honour) at
         the first step. Closing it cancels the call."""
-        return generate_events(
-            self.rpc,
-            _P + "Generate",
-            lambda: trtllm_generate(req, self.vocab_size),
-            tr.GenerateResponse,
-            TrtllmEvents(req),
-            timeout,
+        return self._events(
+            lambda: trtllm_generate(req, self.vocab_size), tr.GenerateResponse, TrtllmEvents(req), timeout
         )
-
-    async def generate(
-        self, req: GenerateRequest, timeout: float | None = None
-    ) -> AsyncIterator[EngineEvent]:
-        async with contextlib.aclosing(self.generate_batches(req, timeout)) as batches:  # type: ignore[type-var]
-            async for batch in batches:
-                for ev in batch:
-                    yield ev
 
     async def embed(self, request_id: str, ids: Sequence[int], timeout: float | None = None) -> EmbedResult:
         req = tr.EmbedRequest(request_id=request_id, tokenized=tr.TokenizedInput(input_token_ids=ids))
-        try:
-            r = await self.rpc.unary(_P + "Embed", req, tr.EmbedResponse, timeout)
-        except RpcFailure as e:
-            raise e.engine_error() from None
-        return decode_embed(r, len(ids))
+        return decode_embed(await self._unary("Embed", req, tr.EmbedResponse, timeout), len(ids))
 
     async def abort(self, request_id: str, reason: str = "") -> None:
-        with contextlib.suppress(RpcFailure):  # best effort: the stream cancellation also frees it
-            await self.rpc.unary(_P + "Abort", tr.AbortRequest(request_id=request_id), tr.AbortResponse, 5.0)
+        await self._abort(tr.AbortRequest(request_id=request_id), tr.AbortResponse)
 
     async def health_check(self, timeout: float = 2.0) -> bool:
-        try:
-            r = await self.rpc.unary(
-                _P + "HealthCheck", tr.HealthCheckRequest(), tr.HealthCheckResponse, timeout
-            )
-        except (RpcFailure, EngineError):
-            return False
-        return trtllm_healthy(r)
+        r = await self._health(tr.HealthCheckRequest(), tr.HealthCheckResponse, timeout)
+        return r is not None and trtllm_healthy(r)
 
     async def model_info(self) -> ModelInfo:
-        try:
-            r = await self.rpc.unary(
-                _P + "GetModelInfo", tr.GetModelInfoRequest(), tr.GetModelInfoResponse, 5.0
-            )
-        except RpcFailure as e:
-            raise e.engine_error() from None
-        info = decode_trtllm_model_info(r)
+        info = decode_trtllm_model_info(
+            await self._unary("GetModelInfo", tr.GetModelInfoRequest(), tr.GetModelInfoResponse)
+        )
         self.vocab_size = info.vocab_size
         return info
 
     async def server_info(self) -> ServerInfo:
-        try:
-            r = await self.rpc.unary(
-                _P + "GetServerInfo", tr.GetServerInfoRequest(), tr.GetServerInfoResponse, 5.0
-            )
-        except RpcFailure as e:
-            raise e.engine_error() from None
-        return decode_trtllm_server_info(r)
+        return decode_trtllm_server_info(
+            await self._unary("GetServerInfo", tr.GetServerInfoRequest(), tr.GetServerInfoResponse)
+        )
 
     async def loads(self) -> EngineLoad:
         raise engine_error(UNIMPLEMENTED, "TensorRT-LLM's service has no GetLoads")
@@ -121,7 +86,7 @@ class TrtllmEngineClient:
         req = common_pb2.SubscribeKvEventsRequest(
             start_sequence_number=start_seq, load_records_before_first_batch=True
         )
-        it = self.rpc.stream(_P + "SubscribeKvEvents", req, common_pb2.KvEventBatch, None)
+        it = self.rpc.stream(self._prefix + "SubscribeKvEvents", req, common_pb2.KvEventBatch, None)
         try:
             async for msg in it:
                 yield decode_kv_batch(msg)
@@ -129,23 +94,3 @@ class TrtllmEngineClient:
             raise e.engine_error() from None
         finally:
             await it.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the call
-
-    async def get_tokenizer(self, timeout: float = 120.0) -> tuple[bytes, str]:
-        """GetTokenizer (server stream): the zip's bytes, concatenated, and the last chunk's sha256."""
-        parts: list[bytes] = []
-        sha = ""
-        it = self.rpc.stream(
-            _P + "GetTokenizer", common_pb2.GetTokenizerRequest(), common_pb2.GetTokenizerChunk, timeout
-        )
-        try:
-            async for chunk in it:
-                parts.append(chunk.data)
-                sha = chunk.sha256 or sha
-        except RpcFailure as e:
-            raise e.engine_error() from None
-        finally:
-            await it.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the call
-        return b"".join(parts), sha
-
-    async def close(self) -> None:
-        await self.rpc.close()

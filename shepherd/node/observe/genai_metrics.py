@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["ENABLED", "record", "setup", "shutdown"]
+__all__ = ["ENABLED", "record", "setup", "shutdown", "shutdown_provider"]
 
 log = logging.getLogger("shepherd.node.genai_metrics")
 
@@ -121,9 +121,16 @@ async def shutdown(timeout: float = 5.0) -> None:
     global ENABLED
     provider = _provider
     ENABLED = False
+    await shutdown_provider(provider, timeout, log, "GenAI metrics: not flushed")
+
+
+async def shutdown_provider(provider: Any, timeout: float, logger: logging.Logger, what: str) -> None:
+    """Flush an OpenTelemetry provider and stop its exporter thread, bounded by ``timeout`` (a collector
+    that is down does not hold the node's exit longer); a failure is logged as ``what``. The exporter
+    thread is a daemon: it dies with the process."""
     if provider is None:
         return
     try:
         await asyncio.wait_for(asyncio.to_thread(provider.shutdown), timeout)
     except (TimeoutError, Exception) as e:
-        log.warning("GenAI metrics: not flushed at shutdown: %s", type(e).__name__)
+        logger.warning("%s at shutdown: %s", what, type(e).__name__)

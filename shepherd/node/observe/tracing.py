@@ -342,12 +342,7 @@ async def shutdown(timeout: float = 5.0) -> None:
     global ENABLED
     provider = _provider
     ENABLED = False
-    if provider is None:
-        return
-    try:
-        await asyncio.wait_for(asyncio.to_thread(provider.shutdown), timeout)
-    except (TimeoutError, Exception) as e:  # the exporter thread is a daemon: it dies with the process
-        log.warning("tracing: spans not flushed at shutdown: %s", type(e).__name__)
+    await genai_metrics.shutdown_provider(provider, timeout, log, "tracing: spans not flushed")
 
 
 # ---- the SERVER span -------------------------------------------------------------------------------------
