@@ -6,6 +6,7 @@ changed comparison, constant or assignment fails here. Pure, fast, no I/O."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections import Counter
 from typing import Any, cast
@@ -18,6 +19,7 @@ from shepherd.mesh.ratelimit_shards import wait_until_fits
 from shepherd.mesh.swim_suspicion import Awareness, Suspicion
 from shepherd.mesh.swim_types import MemberDead, MemberLeft, remaining_suspicion_time
 from shepherd.node.dispatch.circuit_breaker import BreakerState, CircuitBreaker, HealthTracker
+from shepherd.node.output import stop as stop_mod
 from shepherd.node.output.stop import StopMatcher, StoppingDecoder, StopResult
 from shepherd.policies.prefix_index import PrefixIndex
 from shepherd.proto.mesh_messages import Alive, Dead, Suspect
@@ -629,3 +631,110 @@ def test_a_finished_decoder_answers_finished_with_what_matched() -> None:
     assert s.feed([ord("x"), ord("y")]) == StopResult("x")
     assert s.feed([ord("z"), ord("w")]) == StopResult("", True, "yz")
     assert s.feed([ord("q")]) == StopResult("", True, "yz")
+
+
+def _first_stop(stops: list[str], text: str) -> tuple[str, str] | None:
+    """The reference rule: the shortest prefix of the text that ends with a stop string (ties: the longest
+    one); the text before it and the stop string."""
+    for e in range(1, len(text) + 1):
+        hits = [s for s in stops if text[:e].endswith(s)]
+        if hits:
+            s = max(hits, key=len)
+            return text[: e - len(s)], s
+    return None
+
+
+def _held(stops: list[str], text: str) -> str:
+    """The longest suffix of the text that is a proper prefix of a stop string."""
+    return next((text[i:] for i in range(len(text)) if any(s.startswith(text[i:]) for s in stops)), "")
+
+
+def test_every_stop_string_and_text_over_two_letters_matches_like_the_reference() -> None:
+    """Exhaustive over {a, b}: stop strings of 1-4 letters, texts of 0-7, fed at once and letter by
+    letter: the cut, the stop string, and the text held back (built afresh: the spec cache is cleared,
+    so the KMP tables are computed here)."""
+    stop_mod._cached_spec.cache_clear()
+    words = ["".join(p) for n in range(0, 8) for p in itertools.product("ab", repeat=n)]
+    for stop in (w for w in words if 1 <= len(w) <= 4):
+        for text in words:
+            want = _first_stop([stop], text)
+            for chunks in ([text], list(text)):
+                m = StopMatcher([stop])
+                out = "".join(m.feed(c).visible for c in chunks)
+                if want is None:
+                    held = _held([stop], text)
+                    assert (out, m.held, m.finished) == (text[: len(text) - len(held)], held, False), (
+                        stop,
+                        text,
+                    )
+                else:
+                    assert (out, m.matched, m.held) == (want[0], stop, ""), (stop, text)
+
+
+def test_small_specs_are_cached_and_large_ones_built_each_time() -> None:
+    """The spec cache holds only configurations of at most 256 stop characters and 256 ids (its bound in
+    bytes); larger ones work the same, built per matcher."""
+    cache = stop_mod._cached_spec
+    cache.cache_clear()
+    StopMatcher(["x" * 256])
+    assert cache.cache_info().currsize == 1
+    StopMatcher(["y" * 128, "z" * 129])  # 257 characters
+    StopMatcher(["w" * 300])
+    StopMatcher(stop_token_ids=range(257))  # 257 ids
+    StopMatcher(["v"], stop_token_ids=range(300))
+    assert cache.cache_info().currsize == 1
+    StopMatcher(["v"], stop_token_ids=range(200), eos_token_ids=range(200, 300))  # 300 ids
+    assert cache.cache_info().currsize == 1
+    StopMatcher(stop_token_ids=range(256))  # 256 ids
+    StopMatcher(["v"], stop_token_ids=range(200), eos_token_ids=range(200, 256))  # 256 ids and a stop
+    StopMatcher(stop_token_ids=[5])  # no stop strings
+    assert cache.cache_info().currsize == 4
+    big = ["x" * 300, "END"]
+    m = StopMatcher(big, stop_token_ids=range(1000, 1300), eos_token_ids=[7])
+    assert m.feed("abEN") == StopResult("ab")
+    assert m.feed("Dxx") == StopResult("", True, "END")
+    m = StopMatcher(big, stop_token_ids=range(1000, 1300), eos_token_ids=[7])
+    assert m.feed("a", [1, 7]) == StopResult("a", True, 7)
+    m = StopMatcher(big, stop_token_ids=range(1000, 1300), eos_token_ids=[7])
+    assert m.feed("a", [1100]) == StopResult("a", True, 1100)
+    assert cache.cache_info().currsize == 4
+
+
+def test_a_fresh_matcher_is_unfinished_with_nothing_matched() -> None:
+    m = StopMatcher(["x"])
+    assert m.finished is False and m.matched is None and m.held == ""
+
+
+def test_a_stop_token_releases_the_held_text_with_the_new_text() -> None:
+    m = StopMatcher(["abc"], stop_token_ids=[0])
+    assert m.feed("xab", [5, 0]) == StopResult("xab", True, 0)  # "ab" can no longer become "abc"
+    assert m.held == ""
+    m = StopMatcher(["abc"], stop_token_ids=[0])
+    assert m.feed("zab", [5]) == StopResult("z")
+    assert m.feed("q", [0]) == StopResult("abq", True, 0)
+    assert m.held == "" and m.flush() == ""
+
+
+@pytest.mark.parametrize("stop", ["aabaaaa", "abaabab", "aabaab"])
+def test_longer_self_overlapping_stop_strings_match_like_the_reference(stop: str) -> None:
+    """Stop strings whose KMP fallback goes back more than one border (``aabaaaa`` in ``aabaaabaaaa``):
+    every text of 7-11 letters over {a, b}, fed at once, spec built afresh."""
+    stop_mod._cached_spec.cache_clear()
+    for n in range(7, 12):
+        for text in map("".join, itertools.product("ab", repeat=n)):
+            m = StopMatcher([stop])
+            out = m.feed(text).visible
+            want = _first_stop([stop], text)
+            if want is None:
+                assert (out + m.held, m.finished) == (text, False), text
+            else:
+                assert (out, m.matched) == (want[0], stop), text
+
+
+@pytest.mark.parametrize("stops", [["ab", "b"], ["b", "ab"]])
+def test_of_two_stop_strings_ending_together_the_longer_wins_whatever_the_order(stops: list[str]) -> None:
+    m = StopMatcher(stops)
+    assert m.feed("xa") == StopResult("x")
+    assert m.feed("by") == StopResult("", True, "ab")
+    m = StopMatcher(stops, include_stop_str_in_output=True)
+    assert m.feed("xaby") == StopResult("xab", True, "ab")

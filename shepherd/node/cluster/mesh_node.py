@@ -83,8 +83,8 @@ RATE_LIMIT_COMPONENT = "ratelimit"
 TICK_S = 1.0
 INDEX_FLUSH_S = 0.02
 # with nothing to send, the flush backs off (doubling) to this: an idle node wakes ~6 times a second for
-# it instead of 50 (bench/idle_bench.py); the first delta after a quiet spell waits at most this long,
-# well within rate_limit_propagation_secs (1 s by default)
+# it instead of 50 (bench/idle_bench.py); the first delta after a quiet spell waits at most this long.
+# Not with rate limits configured: their shards go out within INDEX_FLUSH_S
 INDEX_FLUSH_IDLE_S = 0.16
 MAX_FLUSH_ENTRIES = 50_000  # index entries one flush takes (the rest wait for the next)
 JOIN_PACE = 32  # datagrams of a full-index transfer between short sleeps
@@ -548,6 +548,9 @@ class MeshNode:
 
     async def _flush_loop(self) -> None:
         interval = INDEX_FLUSH_S
+        # with rate limits, no back-off: an admission's shard must reach the peers within one short
+        # flush (a burst after a quiet spell over-admitted across two processes with the 0.16 s back-off)
+        idle_max = INDEX_FLUSH_S if self.limiter is not None else INDEX_FLUSH_IDLE_S
         while True:  # until cancelled by close()
             await asyncio.sleep(interval)
             sent = 0
@@ -555,7 +558,7 @@ class MeshNode:
                 sent = self.flush_index()
             except Exception:
                 log.exception("mesh: periodic flush_index failed")
-            interval = INDEX_FLUSH_S if sent else min(INDEX_FLUSH_IDLE_S, 2 * interval)
+            interval = INDEX_FLUSH_S if sent else min(idle_max, 2 * interval)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         t = asyncio.get_running_loop().create_task(coro)
