@@ -57,8 +57,6 @@ _NOTHING = StopResult("")
 
 _Spec = tuple[
     tuple[str, ...],
-    int,
-    dict[str, tuple[str, ...]],
     frozenset[str],
     frozenset[int],
     tuple[tuple[int, ...], ...],
@@ -84,18 +82,12 @@ def _failure(s: str) -> tuple[int, ...]:
 def _build_spec(
     stop: tuple[str, ...], stop_token_ids: tuple[int, ...], eos_token_ids: tuple[int, ...]
 ) -> _Spec:
-    """The immutable part of a matcher: stop strings (deduplicated, empty ones dropped), the longest
-    one's length, the strings by first character, those characters, the stop token ids and each
-    string's KMP failure table."""
+    """The immutable part of a matcher: stop strings (deduplicated, empty ones dropped), their first
+    characters, the stop token ids and each string's KMP failure table."""
     stops = tuple(dict.fromkeys(s for s in stop if s))
-    by_first: dict[str, list[str]] = {}
-    for s in stops:
-        by_first.setdefault(s[0], []).append(s)
     return (
         stops,
-        max((len(s) for s in stops), default=0),
-        {c: tuple(v) for c, v in by_first.items()},
-        frozenset(by_first),
+        frozenset(s[0] for s in stops),
         frozenset((*stop_token_ids, *eos_token_ids)),
         tuple(_failure(s) for s in stops),
     )
@@ -148,13 +140,11 @@ class StopMatcher:
     natural end of the output (length limit, engine-side stop) to release held text."""
 
     __slots__ = (
-        "_by_first",
         "_fails",
         "_finished",
         "_firsts",
         "_include",
         "_matched",
-        "_maxlen",
         "_states",
         "_stop_ids",
         "_stops",
@@ -173,11 +163,11 @@ class StopMatcher:
         stops = stop if type(stop) is tuple else tuple(stop)
         ids = stop_token_ids if type(stop_token_ids) is tuple else tuple(stop_token_ids)
         eos = () if ignore_eos else eos_token_ids if type(eos_token_ids) is tuple else tuple(eos_token_ids)
-        if stops or len(ids) > _SPEC_CACHED_CHARS:
+        if stops or len(ids) + len(eos) > _SPEC_CACHED_CHARS:
             spec = _spec(stops, ids, eos)  # (sized first: big ones are not cached)
         else:  # the common case: no stop strings, a few ids
             spec = _cached_spec(stops, ids, eos)
-        self._stops, self._maxlen, self._by_first, self._firsts, self._stop_ids, self._fails = spec
+        self._stops, self._firsts, self._stop_ids, self._fails = spec
         self._states: list[int] | None = None  # each stop's KMP state; None: all 0 (no tail)
         self._include = include_stop_str_in_output
         # The live partial match: the shortest suffix of the text so far that is a proper prefix of a
