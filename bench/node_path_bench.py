@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.fake_h2_engine import HEAD, FakeTransport, canned_engine, trailers  # noqa: E402
+from tests.fake_h2_engine import HEAD, FakeTransport, canned_worker, trailers  # noqa: E402
 
 _SID = struct.Struct(">I")
 
@@ -200,6 +200,8 @@ def _tracing_on(ratio: str) -> Any:
     os.environ["OTEL_TRACES_SAMPLER_ARG"] = ratio
 
     class SinkExporter:
+        takes_lean = True  # as the node's gRPC exporter: the lean spans encoded as they are
+
         def __init__(self) -> None:
             self.grpc = otlp_wire.lean_grpc_exporter(endpoint="http://127.0.0.1:9")
             self.bytes = 0
@@ -224,9 +226,7 @@ async def _main(args: argparse.Namespace) -> None:
     from shepherd.node import gc_tuning
     from shepherd.node.app import build_app
     from shepherd.node.config import build_config
-    from shepherd.node.dispatch.circuit_breaker import CircuitBreaker, HealthTracker
     from shepherd.node.dispatch.gateway import Gateway
-    from shepherd.node.dispatch.workers import Worker
     from shepherd.node.http.connection import _Conn
     from shepherd.node.http.server import LeanServer
 
@@ -248,15 +248,7 @@ async def _main(args: argparse.Namespace) -> None:
         replies = {"chat": _Replies(_complete(ids, 254), paced=False)}
     mode = {"reply": replies[scenarios[0]]}
 
-    client, proto = canned_engine(loop, lambda sid: mode["reply"](sid), max_streams=4096)
-    w = Worker(
-        id="w0",
-        url=client.url,
-        model=model,
-        client=client,
-        health=HealthTracker(healthy=True, checked=True),
-        breaker=CircuitBreaker(),
-    )
+    w, client, proto = canned_worker(loop, model, lambda sid: mode["reply"](sid), max_streams=4096)
     gw.registry.workers[w.id] = w
     app = build_app(gw)
     srv = LeanServer(app, max_body=gw.cfg.max_body_bytes)

@@ -95,6 +95,7 @@ class LoadSpec:
     targets: tuple[
         str, ...
     ] = ()  # base URLs to send to round-robin instead of ``url`` (the nodes themselves)
+    headers: tuple[tuple[str, str], ...] = ()  # extra request headers (e.g. x-smg-tenant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +196,10 @@ class LoadGenerator(_BackgroundLoad):
         timeout = aiohttp.ClientTimeout(total=self.spec.attempt_timeout_s)
         try:
             async with session.post(
-                url, data=body, headers={"content-type": "application/json"}, timeout=timeout
+                url,
+                data=body,
+                headers={"content-type": "application/json", **dict(self.spec.headers)},
+                timeout=timeout,
             ) as r:
                 data = await r.read()
                 if r.status != 200:

@@ -9,6 +9,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from shepherd.node.dispatch.circuit_breaker import CircuitBreaker, HealthTracker
+from shepherd.node.dispatch.workers import Worker
 from shepherd.node.engines import h2_frames as h2
 from shepherd.node.engines.h2 import H2EngineClient
 from shepherd.node.engines.h2_protocol import H2Protocol
@@ -109,3 +111,23 @@ def canned_engine(
     proto = connect(engine, loop, max_streams)
     engine.proto = proto
     return client_on(proto, kind), proto
+
+
+def canned_worker(
+    loop: asyncio.AbstractEventLoop,
+    model: str,
+    reply: Callable[[int], list[bytes]],
+    max_streams: int,
+) -> tuple[Worker, H2EngineClient, H2Protocol]:
+    """A healthy worker ``w0`` serving ``model`` through a ``canned_engine``, for a gateway's registry:
+    (the worker, its engine client, that client's protocol)."""
+    client, proto = canned_engine(loop, reply, max_streams)
+    w = Worker(
+        id="w0",
+        url=client.url,
+        model=model,
+        client=client,
+        health=HealthTracker(healthy=True, checked=True),
+        breaker=CircuitBreaker(),
+    )
+    return w, client, proto

@@ -197,14 +197,15 @@ def _redis_pings(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def redis_service() -> Iterator[Service]:
-    """A private Redis (loopback, no persistence) for the lifetime of the context."""
+def redis_service(port: int | None = None) -> Iterator[Service]:
+    """A private Redis (loopback, no persistence) for the lifetime of the context; ``port``: that one
+    (a Redis coming back where a stopped one was), else a free one."""
     binary = redis_binary()
     if binary is None:
         raise ServiceError("redis-server is not installed (python -m tests.services install)")
     root = Path(tempfile.mkdtemp(prefix="shepherd-redis-"))
     try:
-        port, log = free_port(), root / "redis.log"
+        port, log = port or free_port(), root / "redis.log"
         argv = [
             binary,
             "--port", str(port),

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from chaos.scenarios import engine_faults, mesh, network_faults, node_faults, primitives, wire_upgrade
+from chaos.scenarios import (
+    engine_faults,
+    mesh,
+    mesh_large,
+    network_faults,
+    node_faults,
+    primitives,
+    wire_upgrade,
+)
 from chaos.scenarios.base import REGISTRY, Scenario
 
 __all__ = [
@@ -10,6 +18,7 @@ __all__ = [
     "Scenario",
     "engine_faults",
     "mesh",
+    "mesh_large",
     "network_faults",
     "node_faults",
     "primitives",

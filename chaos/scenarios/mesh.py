@@ -1267,4 +1267,5 @@ CATCHES: dict[str, str] = {
     "mesh_ratelimit_over_admission": node_faults.DISABLE_RATELIMIT_GOSSIP,  # each node admits alone
     "mesh_cache_affinity_failover": node_faults.DISABLE_INDEX_GOSSIP,  # survivors cannot tell the engine
     "mesh_wire_upgrade": node_faults.STRICT_WIRE,  # (wire_upgrade.py) 0.1 refuses 0.2's packets as before
+    "mesh_large": node_faults.IGNORE_PARTITION_RULE,  # (mesh_large.py) each side admits the whole limit
 }

@@ -6,6 +6,7 @@ seeds: every A/AAAA record, re-resolved until joined),
 ``swim.Swim`` and ``swim_types`` (the pure membership state machine and its config), ``state.MeshState``
 (workers, health, prefix indexes through a merge interface, the control-plane document, extras) with
 ``state_types`` (its config, counters and component protocols) and ``state_wire`` (its payload envelope),
+``index_scope`` (which members route a model: its index deltas go to them only),
 ``ratelimit.RateLimiter`` (G-counter shards per window), ``keyring`` (sealed datagrams), ``replay``
 (replay windows of sealed datagrams), ``senders`` (datagram senders bound to certificates), ``sim``
 (a deterministic simulation for tests and benchmarks), ``faults`` (test-only fault switches the chaos
@@ -16,6 +17,7 @@ __all__ = [
     "dns_seeds",
     "faults",
     "hlc",
+    "index_scope",
     "keyring",
     "ratelimit",
     "ratelimit_keys",

@@ -5,6 +5,8 @@ Never set them in production; a node that has one set logs a warning at start-up
 ``SHEPHERD_FAULT_DISABLE_MESH=1``               the node ignores its ``--mesh-*`` flags and runs alone
 ``SHEPHERD_FAULT_DISABLE_RATELIMIT=1``          no admission: rate limits are not enforced at all
 ``SHEPHERD_FAULT_DISABLE_RATELIMIT_GOSSIP=1``   the limiter counts only this node's shard (never sent)
+``SHEPHERD_FAULT_IGNORE_PARTITION_RULE=1``      the limiter's N counts only the members it reaches: each side
+                                                of a partition admits the whole limit, not limit x R / N
 ``SHEPHERD_FAULT_DISABLE_INDEX_GOSSIP=1``       the prefix index is never sent to peers (deltas, joins)
 ``SHEPHERD_FAULT_DISABLE_REFUTATION=1``         SWIM: an accused node never refutes (stays suspect/dead)
 ``SHEPHERD_FAULT_STRICT_WIRE=1``                 the mesh wire decoded as before versioning: another minor, an
@@ -20,6 +22,7 @@ PREFIX = "SHEPHERD_FAULT_"
 DISABLE_MESH = "DISABLE_MESH"
 DISABLE_RATELIMIT = "DISABLE_RATELIMIT"
 DISABLE_RATELIMIT_GOSSIP = "DISABLE_RATELIMIT_GOSSIP"
+IGNORE_PARTITION_RULE = "IGNORE_PARTITION_RULE"
 DISABLE_INDEX_GOSSIP = "DISABLE_INDEX_GOSSIP"
 DISABLE_REFUTATION = "DISABLE_REFUTATION"
 STRICT_WIRE = "STRICT_WIRE"
@@ -27,6 +30,7 @@ KNOWN = (
     DISABLE_MESH,
     DISABLE_RATELIMIT,
     DISABLE_RATELIMIT_GOSSIP,
+    IGNORE_PARTITION_RULE,
     DISABLE_INDEX_GOSSIP,
     DISABLE_REFUTATION,
     STRICT_WIRE,

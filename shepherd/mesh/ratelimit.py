@@ -40,6 +40,11 @@ node uses what it last sent in a delta, so that every node computes the shares f
 (with no demand known yet, as in a cold burst, the shares are equal). Under-admission stays small
 because only *unseen* increments are bounded: older admissions are in the common estimate, so in
 steady state the lease holds back about ``(1 - s_i) / s_i * u_i`` of headroom, a fraction of τ/window.
+On a relaying mesh τ may follow the staleness the node observes (``propagation_max``): its own shard
+comes back to it through the relays, and how old the echoed state is (since the first change it
+lacks) samples how stale the peers' copies are; τ is a quantile of those ages, within bounds, and
+the lease spans that many slots (the designation slots keep the configured τ: every node must
+compute the same ones).
 
 **Fractions of a request.** When a node's lease is less than one request (small limits: with
 rpm=60 on 3 nodes a second of headroom is a third of a request each), it may still admit one if
@@ -58,15 +63,19 @@ dip (the simulation measures what that costs: well under 1 % of the limit, time-
 Everything here is pure: time is passed in (``now``, wall-clock seconds the mesh shares), there is
 no I/O, and ``RateLimiter`` is the component that ``MeshState`` registers (take_delta / apply_delta /
 snapshot / merge_snapshot / digest / diff / on_member_dead; membership through ``update_members``).
+With ``LimiterConfig.local`` it is the Redis backend's fallback instead: not gossiped, counting this
+node alone against ``limit / N``, charged (``charge``) with what Redis admitted.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from shepherd.mesh.ratelimit_keys import (
     U_CONC,
@@ -95,13 +104,15 @@ from shepherd.mesh.ratelimit_shards import (
     wire_size,
 )
 
-__all__ = ["Denial", "Grant", "LimiterConfig", "Limits", "Quota", "RateLimiter"]
+__all__ = ["Counts", "Denial", "Grant", "LimiterConfig", "Limits", "Quota", "RateLimiter", "quota_of"]
 
 Metric = Literal["requests", "tokens", "concurrency"]
 
 _EPS = 1e-9
 _VSUM_MOD = 1 << 62
 GC_STEP = 32  # keys looked at per admission while a collection round runs
+ECHO_SAMPLES = 256  # echo ages τ is derived from (``LimiterConfig.propagation_max``)
+ECHO_EVERY = 16  # new echo ages between two derivations of τ
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +134,13 @@ class LimiterConfig:
     """Re-gossip the peers' shards this node learns (``take_keyed_deltas``: one queued delta per shard,
     a newer one replacing the older), for a mesh that relays (not ``first_hand``): epidemic spread
     instead of the owner's piggybacking alone. Off where receivers take only first-hand shards."""
+    propagation_max: float = 0.0
+    """With ``relay``, above ``propagation``: τ follows the staleness this node observes, within
+    [``propagation``, ``propagation_max``]: its own shard comes back to it as peers relay it (the echo),
+    and the echo's age (how long ago the first change it lacks was made here) is a sample of how stale
+    a peer's copy of this shard is; τ is the ``propagation_quantile`` of the last ``ECHO_SAMPLES`` ages.
+    0 (or a mesh that does not relay: no echoes): τ is ``propagation``."""
+    propagation_quantile: float = 0.5
     relay_batch: int = 4
     """With ``relay``: peers' shards handed out per ``take_keyed_deltas`` call (one per piggybacked
     packet), at most, so that relays leave room for the other state on the channel (worker adds,
@@ -132,6 +150,10 @@ class LimiterConfig:
     also once SWIM has reaped it: a partitioned side admits its share for that long. A crashed node
     that does not come back lowers the survivors' share as long (a node that leaves gracefully
     stops counting at once)."""
+    local: bool = False
+    """Count alone: no gossip (the mesh does not register this limiter), live is this node only and N the
+    mesh's, so a node admits ``limit / N`` on its own counts: the Redis backend's rule while Redis is
+    unreachable (``shepherd.node.api.ratelimit_redis``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +199,44 @@ class Grant:
         return q
 
 
+class Counts(Protocol):
+    """A key's counts as the estimate reads them: requests and net tokens, previous and current window."""
+
+    @property
+    def req_prev(self) -> float: ...
+    @property
+    def req_cur(self) -> float: ...
+    @property
+    def tok_prev(self) -> float: ...
+    @property
+    def tok_cur(self) -> float: ...
+
+
+def quota_of(rows: Sequence[tuple[Limits, Counts]], f: float, window: float, scale: float) -> Quota:
+    """The x-ratelimit-* view of a request's keys (the most constrained per metric): ``rows`` are each
+    key's limits and counts, ``f`` the elapsed fraction of the window, ``scale`` the part of the limit
+    this node may admit against (R / N in a mesh; the Redis backend's counts are whole: 1)."""
+    req: tuple[int, int, float] | None = None
+    tok: tuple[int, int, float] | None = None
+    for lim, v in rows:
+        if lim.rpm:
+            est = sliding(v.req_prev, v.req_cur, f)
+            rem = max(0, math.floor(lim.rpm * scale - est + _EPS))
+            if req is None or rem < req[1]:
+                req = (lim.rpm, rem, max(0.0, est) * window / lim.rpm)
+        if lim.tpm:
+            est = sliding(v.tok_prev, v.tok_cur, f)
+            rem = max(0, math.floor(lim.tpm * scale - est + _EPS))
+            if tok is None or rem < tok[1]:
+                tok = (lim.tpm, rem, max(0.0, est) * window / lim.tpm)
+    q = Quota()
+    if req is not None:
+        q = Quota(req[0], req[1], req[2])
+    if tok is not None:
+        q = Quota(q.limit_requests, q.remaining_requests, q.reset_requests, tok[0], tok[1], tok[2])
+    return q
+
+
 class RateLimiter:
     """Mesh-wide admission for one node. ``node`` is its mesh name, ``gen`` distinguishes its process
     incarnations (a restarted node starts a new shard rather than counting again from zero)."""
@@ -195,8 +255,20 @@ class RateLimiter:
         self._gen_of: dict[str, int] = {node: gen}
         self._ver = 0
         self._dirty: dict[Key, None] = {}  # ordered set of keys whose own entry changed
+        # called when the first of them changes after a take: there is a delta to send (the mesh node
+        # arms its flush)
+        self.on_dirty: Callable[[], None] | None = None
         self._relay: dict[tuple[Key, ShardId], None] = {}  # peers' shards learnt since the last take
         self._slot_len = self.cfg.propagation / self.cfg.slots
+        # τ from echoes (propagation_max): own version bumps (ver, time), in order; echoed versions not
+        # yet aged (aged at the next admission, which knows the time); recent ages; τ in slots
+        self._bumps_v: list[int] = []
+        self._bumps_t: list[float] = []
+        self._echoes: list[int] = []
+        self._ages: deque[float] = deque(maxlen=ECHO_SAMPLES)
+        self._new_ages = 0
+        self._trim_at = 2 * ECHO_SAMPLES
+        self._span = self.cfg.slots
         self._next_gc = -math.inf
         self._gc_queue: list[Key] = []  # keys still to look at in the current collection round
 
@@ -239,7 +311,34 @@ class RateLimiter:
         grace = self.cfg.unreachable_grace
         for name in [m for m, since in away.items() if m not in listed and now - since > grace]:
             del away[name]
-        self.set_membership(live, len(listed) + sum(1 for m in away if m not in listed))
+        self.set_membership(
+            () if self.cfg.local else live, len(listed) + sum(1 for m in away if m not in listed)
+        )
+
+    @property
+    def propagation(self) -> float:
+        """τ as the lease uses it now (``LimiterConfig.propagation``, or derived from echoes: see
+        ``propagation_max``), rounded up to whole slots."""
+        return self._span * self._slot_len
+
+    def _age_echoes(self, now: float) -> None:
+        """Age the echoed versions of this node's shard (``propagation_max``): how long ago the first
+        change the echo lacks was made (0: it had the latest); every ``ECHO_EVERY`` ages, τ is derived
+        again. An echo older than every bump remembered (``_touch`` forgets those older than the bound)
+        ages as the bound."""
+        cfg = self.cfg
+        vs, ts = self._bumps_v, self._bumps_t
+        for ver in self._echoes:
+            i = bisect.bisect_right(vs, ver)
+            self._ages.append(cfg.propagation_max if i == 0 else now - ts[i] if i < len(vs) else 0.0)
+        self._new_ages += len(self._echoes)
+        self._echoes.clear()
+        if self._new_ages >= ECHO_EVERY:
+            self._new_ages = 0
+            ages = sorted(self._ages)
+            q = ages[min(len(ages) - 1, int(cfg.propagation_quantile * len(ages)))]
+            tau = min(cfg.propagation_max, max(cfg.propagation, q))
+            self._span = max(cfg.slots, math.ceil(tau / self._slot_len - _EPS))
 
     @property
     def reachable(self) -> int:
@@ -255,6 +354,8 @@ class RateLimiter:
         """Admit one request costing ``tokens`` (reserved) under every rule, or say why not."""
         if self._gc_queue or now >= self._next_gc:
             self._gc_step(now)
+        if self._echoes:
+            self._age_echoes(now)
         w, f = window_of(now, self.cfg.window)
         slot = math.floor(now / self._slot_len)
         scale = len(self._live) / self._n
@@ -267,17 +368,34 @@ class RateLimiter:
             v = self._view(ks, w, f)
             views.append((key, lim, ks, v))
             if denial is None:
-                denial = self._check(key, lim, ks, v, ks.unseen(slot, self.cfg.slots), tokens, scale, now, f)
+                denial = self._check(key, lim, ks, v, ks.unseen(slot, self._span), tokens, scale, now, f)
         if denial is not None:
             for key, _, ks, _ in views:
-                self._record(key, ks, w, slot, admitted=False, tokens=tokens)
+                self._record(key, ks, w, slot, now, admitted=False, tokens=tokens)
             key, metric, limit, used, retry = denial
             requested = tokens if metric == "tokens" else 1
             return Denial(key, metric, limit, used, requested, retry, self._quota(views, f))
         for key, _, ks, v in views:
-            self._record(key, ks, w, slot, admitted=True, tokens=tokens)
+            self._record(key, ks, w, slot, now, admitted=True, tokens=tokens)
             v.req_cur += 1
             v.tok_cur += tokens
+        return Grant(tuple(k for k, *_ in views), w, tokens, partial(self._quota, views, f))
+
+    def charge(self, now: float, rules: Sequence[tuple[Key, Limits]], tokens: int) -> Grant:
+        """Count an admission decided elsewhere (the Redis backend's store) in this node's own shard,
+        unchecked: what the node admitted stays in its count, which the ``local`` fallback rule admits
+        against. ``settle`` it like a grant of ``acquire`` (its ``quota`` is this node's view)."""
+        if self._gc_queue or now >= self._next_gc:
+            self._gc_step(now)
+        w, f = window_of(now, self.cfg.window)
+        slot = math.floor(now / self._slot_len)
+        views: list[tuple[Key, Limits, KeyState, View]] = []
+        for key, lim in rules:
+            ks = self._keys.get(key)
+            if ks is None:
+                ks = self._keys[key] = KeyState()
+            self._record(key, ks, w, slot, now, admitted=True, tokens=tokens)
+            views.append((key, lim, ks, self._view(ks, w, f)))
         return Grant(tuple(k for k, *_ in views), w, tokens, partial(self._quota, views, f))
 
     def settle(self, now: float, grant: Grant, real_tokens: int | None) -> None:
@@ -308,7 +426,7 @@ class RateLimiter:
                 elif diff < 0 and grant.win == e.win - 1:
                     e.prev[REF] -= diff
                     dt = diff
-            self._touch(key, e)
+            self._touch(key, e, now)
             ks.ring_add(slot, 0, dt, -1, e.inc - e.dec + 1)
 
     def quota(self, now: float, rules: Sequence[tuple[Key, Limits]]) -> Quota:
@@ -414,7 +532,9 @@ class RateLimiter:
             o = ks.others = ks.sum_others(w, self._epoch, self._live, self._gen_of, self._sid)
         return View(o, ks.shards.get(self._sid), ks.published, w, f)
 
-    def _record(self, key: Key, ks: KeyState, w: int, slot: int, *, admitted: bool, tokens: int) -> None:
+    def _record(
+        self, key: Key, ks: KeyState, w: int, slot: int, now: float, *, admitted: bool, tokens: int
+    ) -> None:
         e = ks.shards.get(self._sid)
         if e is None:
             self._ver += 1
@@ -429,35 +549,26 @@ class RateLimiter:
             c[TOK] += tokens
             e.inc += 1
             ks.ring_add(slot, 1, tokens, 1, e.inc - e.dec - 1)
-        self._touch(key, e)
+        self._touch(key, e, now)
 
-    def _touch(self, key: Key, e: Entry) -> None:
+    def _touch(self, key: Key, e: Entry, now: float) -> None:
         self._ver += 1
         e.ver = self._ver
+        if self.cfg.relay and self.cfg.propagation_max > self.cfg.propagation:
+            vs, ts = self._bumps_v, self._bumps_t
+            vs.append(self._ver)
+            ts.append(now)
+            if len(vs) >= self._trim_at:  # forget bumps older than the bound (amortised: at doublings)
+                i = bisect.bisect_left(ts, now - self.cfg.propagation_max)
+                if i > 1:  # keep the last bump before the bound: an echo of it ages from its successor
+                    del vs[: i - 1], ts[: i - 1]
+                self._trim_at = max(2 * ECHO_SAMPLES, 2 * len(vs))
+        if not self._dirty and self.on_dirty is not None:
+            self.on_dirty()
         self._dirty[key] = None
 
     def _quota(self, views: list[tuple[Key, Limits, KeyState, View]], f: float) -> Quota:
-        win = self.cfg.window
-        scale = len(self._live) / self._n
-        req: tuple[int, int, float] | None = None
-        tok: tuple[int, int, float] | None = None
-        for _, lim, _, v in views:
-            if lim.rpm:
-                est = sliding(v.req_prev, v.req_cur, f)
-                rem = max(0, math.floor(lim.rpm * scale - est + _EPS))
-                if req is None or rem < req[1]:
-                    req = (lim.rpm, rem, max(0.0, est) * win / lim.rpm)
-            if lim.tpm:
-                est = sliding(v.tok_prev, v.tok_cur, f)
-                rem = max(0, math.floor(lim.tpm * scale - est + _EPS))
-                if tok is None or rem < tok[1]:
-                    tok = (lim.tpm, rem, max(0.0, est) * win / lim.tpm)
-        q = Quota()
-        if req is not None:
-            q = Quota(req[0], req[1], req[2])
-        if tok is not None:
-            q = Quota(q.limit_requests, q.remaining_requests, q.reset_requests, tok[0], tok[1], tok[2])
-        return q
+        return quota_of([(lim, v) for _, lim, _, v in views], f, self.cfg.window, len(self._live) / self._n)
 
     # ---- memory -------------------------------------------------------------------------------------
 
@@ -490,7 +601,7 @@ class RateLimiter:
                 if e.inc == e.dec or (stale and sid != self._sid):
                     del ks.shards[sid]
                     ks.others = None
-            ks.unseen(slot, self.cfg.slots)
+            ks.unseen(slot, self._span)
             if not ks.shards and not ks.recent:
                 del self._keys[key]
                 self._dirty.pop(key, None)
@@ -575,6 +686,8 @@ class RateLimiter:
             parsed.append(p)
         for tenant, model, node, gen, e in parsed:
             if node == self.node and gen >= self.gen:
+                if gen == self.gen and self._bumps_v and len(self._echoes) < ECHO_SAMPLES:
+                    self._echoes.append(e.ver)  # my own shard relayed back: aged at the next admission
                 continue  # my own shard: I am its only writer
             if gen > self._gen_of.get(node, -1):
                 self._gen_of[node] = gen
@@ -615,6 +728,16 @@ class RateLimiter:
             entry_to_wire(key[0], key[1], node, gen, e)
             for key, ks in self._keys.items()
             for (node, gen), e in ks.shards.items()
+        ]
+
+    def own_snapshot(self) -> list[list[Any]]:
+        """This node's own shards only: what a push-pull request carries (the reply, by digest, the
+        rest; a peer with ``first_hand`` takes nothing else from this node anyway)."""
+        return [
+            entry_to_wire(key[0], key[1], node, gen, e)
+            for key, ks in self._keys.items()
+            for (node, gen), e in ks.shards.items()
+            if node == self.node
         ]
 
     def merge_snapshot(self, snapshot: Any) -> None:

@@ -9,8 +9,10 @@ number, and turns the machine's actions into I/O:
   ``Send`` actions are encoded, sealed and sent as one datagram each;
 * ``PushPull`` actions open a bounded number of concurrent mTLS exchanges; the server side merges the
   remote state first and answers with ours;
-* a lag monitor (a periodic short sleep; lag = how late it woke) feeds ``swim.set_lag``: event-loop
-  lag is the first cause of false suspicion in Python, Lifeguard backs off instead;
+* a lag monitor feeds ``swim.set_lag``: event-loop lag is the first cause of false suspicion in
+  Python, Lifeguard backs off instead. It is the timer itself (lag = how late it fired), which never
+  sleeps longer than ``lag_interval`` between two samples: with the default 0.4 s (the probe
+  interval) the samples ride on SWIM's own wake-ups and cost an idle node none of its own;
 * ``close()`` leaves gracefully (the leave is broadcast for at most ``leave_timeout``), ``abort()``
   drops off like a crash. Both stop every task and socket the runtime started.
 
@@ -126,6 +128,7 @@ log = logging.getLogger(__name__)
 
 _BIND_RETRIES = 8
 _TIMER_SLACK = 0.001
+_TIMER_MOVE = 0.005  # a timer armed this much (or more) before the next deadline is moved to it
 
 RpcHandler = Callable[[str, bytes], Awaitable[bytes]]
 """``handler(peer_identity, request_payload) -> reply_payload``; the identity is the caller's certificate."""
@@ -213,6 +216,10 @@ class _IdentityDelegate:
     def broadcasts(self, budget: int) -> list[bytes]:
         return self.inner.broadcasts(budget)
 
+    def has_broadcasts(self) -> bool:
+        pending = getattr(self.inner, "has_broadcasts", None)
+        return True if pending is None else bool(pending())
+
     def on_user(self, payload: bytes, src_name: str) -> None:
         self._gate(payload, src_name)
 
@@ -285,7 +292,7 @@ class MeshRuntime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
-        self._lag_task: asyncio.Task[None] | None = None
+        self._lag_due = float("inf")  # the timer fires by then at the latest (a lag sample)
         self._dns_task: asyncio.Task[None] | None = None
         self.dns_seeder: DnsSeeder | None = None  # with DNS seeds (``dns_seeds``)
         self._push_pulls: set[asyncio.Task[bool]] = set()
@@ -390,9 +397,9 @@ class MeshRuntime:
             self._me = NodeAddr(cfg.name, host, port)
             self._started_at = time.time()
             self._last_change[cfg.name] = self._started_at
-            self._swim = Swim(cfg.swim, self._me, self._rng, self._adapter)
+            self._swim = Swim(cfg.swim, self._me, self._rng, self._adapter, meta=cfg.meta)
             seeds = await resolve_addrs(cfg.seeds, timeout=cfg.tcp_timeout)
-            self._lag_task = self._loop.create_task(self._lag_monitor(), name=f"mesh-lag-{cfg.name}")
+            self._lag_due = self._now() + cfg.lag_interval
             self._execute(self._swim.start(self._now(), seeds))
             if cfg.dns_seeds:
                 self.dns_seeder = DnsSeeder(
@@ -689,8 +696,6 @@ class MeshRuntime:
             self._timer.cancel()
             self._timer = None
         tasks: list[asyncio.Task[Any]] = list(self._push_pulls)
-        if self._lag_task is not None:
-            tasks.append(self._lag_task)
         if self._dns_task is not None:
             tasks.append(self._dns_task)
         for t in tasks:
@@ -727,9 +732,11 @@ class MeshRuntime:
         if self._swim is None or self._closed or self._loop is None:
             return
         now = self._now()
-        due = min(self._swim.next_deadline(), now + self.config.max_timer_sleep)
+        due = min(self._swim.next_deadline(), now + self.config.max_timer_sleep, self._lag_due)
         if self._timer is not None:
-            if self._timer_at <= due:
+            # armed for then already; or for an earlier deadline that went away (a probe's timeout once
+            # its ack is in): moved, rather than woken for nothing (an idle node's every other wake-up)
+            if self._timer_at <= due <= self._timer_at + _TIMER_MOVE:
                 return
             self._timer.cancel()
         self._timer_at = due
@@ -738,11 +745,13 @@ class MeshRuntime:
         self._timer = self._loop.call_at(due + _TIMER_SLACK, self._on_timer)
 
     def _on_timer(self) -> None:
+        armed = self._timer_at
         self._timer = None
         self._timer_at = float("inf")
         if self._swim is None or self._closed:
             return
         self.metrics.ticks += 1
+        self._lag_sample(max(0.0, self._now() - armed - _TIMER_SLACK))
         try:
             actions = self._swim.tick(self._now())
         except Exception:
@@ -963,22 +972,22 @@ class MeshRuntime:
 
     # --- lag ----------------------------------------------------------------------------------
 
-    async def _lag_monitor(self) -> None:
-        interval = self.config.lag_interval
-        loop = asyncio.get_running_loop()
-        while not self._closed:
-            t0 = loop.time()
-            await asyncio.sleep(interval)
-            lag = max(0.0, loop.time() - t0 - interval)
-            self.metrics.lag_last = lag
-            self.metrics.lag_max = max(self.metrics.lag_max, lag)
-            if self._swim is not None and not self._closed:
-                try:
-                    self._execute(self._swim.set_lag(loop.time(), lag))
-                except Exception:
-                    log.exception("mesh: swim.set_lag failed")
-                self.senders.expire(loop.time())
-                for name in self.senders.held_names():
-                    m = self._swim.member(name)
-                    if m is not None and m.state in (MemberState.ALIVE, MemberState.SUSPECT):
-                        self._verify(name, m.addr)
+    def _lag_sample(self, lag: float) -> None:
+        """The timer fired ``lag`` seconds late: event-loop lag (Lifeguard's input); and the upkeep that
+        goes with each sample (held payloads expired, their unverified senders dialled)."""
+        now = self._now()
+        self._lag_due = now + self.config.lag_interval
+        self.metrics.lag_last = lag
+        self.metrics.lag_max = max(self.metrics.lag_max, lag)
+        assert self._swim is not None
+        try:
+            actions = self._swim.set_lag(now, lag)
+            if actions:  # (the tick that follows arms the timer)
+                self._execute(actions)
+        except Exception:
+            log.exception("mesh: swim.set_lag failed")
+        self.senders.expire(now)
+        for name in self.senders.held_names():
+            m = self._swim.member(name)
+            if m is not None and m.state in (MemberState.ALIVE, MemberState.SUSPECT):
+                self._verify(name, m.addr)

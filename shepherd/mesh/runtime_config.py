@@ -90,7 +90,11 @@ class MeshRuntimeConfig:
     rpc_pool_idle_timeout: float = 20.0
     """Client side: a pooled connection idle longer than this is closed rather than reused (below the
     peers' ``rpc_idle_timeout``, so that a reused connection is rarely one the peer is just closing)."""
-    lag_interval: float = 0.1
+    lag_interval: float = 0.4
+    """The longest between two event-loop lag samples (the timer fires this late at the latest): at the
+    probe interval, the samples ride on SWIM's own probe timer (an idle node wakes no more for them).
+    A stall of a probe period or more is always seen; a shorter one delays no verdict of ours unless
+    it covers one of SWIM's deadlines, and then ``Swim.tick`` finds that deadline late itself."""
     max_timer_sleep: float = 0.5
     replay_window: float = DEFAULT_REPLAY_WINDOW_S
     """Datagrams stamped further than this (seconds) from our wall clock, either way, are dropped
@@ -103,6 +107,9 @@ class MeshRuntimeConfig:
     members, where datagrams do not come from the advertised address)."""
     leave_timeout: float = 1.0
     """How long ``close()`` keeps gossiping so that the leave reaches the others."""
+    meta: bytes = b""
+    """This node's SWIM metadata, gossiped with its membership (at most 512 bytes): a node's mesh puts the
+    models it routes there (``index_scope``: their index deltas come to it, no others)."""
 
 
 def parse_addr(text: str, default_port: int) -> Addr:

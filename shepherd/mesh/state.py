@@ -21,13 +21,19 @@ Dissemination (how the node's runtime should drive it):
   worker replaces the queued older one). Receivers relay what changed their state, so the spread is
   epidemic and stops where nothing is new.
 - ``index_batches(budget)``: prefix-index deltas, too many for piggybacking (a routing decision adds
-  up to ~100 blocks): the runtime sends each batch as its own datagram to every alive member, once;
-  receivers call ``apply``. (``index_in_broadcasts=True`` puts them in the SWIM queue instead, for
-  small meshes.) Lost batches are repaired by digests.
-- Push-pull (TCP): ``local_state()`` / ``merge_remote_state()`` exchange the small parts in full and
-  the index digests; each side queues its entries of the differing (worker, time slot) buckets for
-  ``index_batches``. A runtime that can do two rounds on the connection should rather exchange
-  ``digest()`` and send back ``repair(peer_digest)`` (only what the peer lacks, only to it).
+  up to ~100 blocks): the runtime sends each batch as its own datagram to every alive member, once
+  (``index_batches_by_model``: a node sends a model's only to the members routing it,
+  ``index_scope``); receivers call ``apply``. (``index_in_broadcasts=True`` puts them in the SWIM
+  queue instead, for small meshes.) Lost batches are repaired by digests.
+- Push-pull (TCP): ``local_state()`` / ``merge_remote_state()``. The requester sends the registry,
+  config and extras, its own health record and the digests (health: observer -> version of each
+  record held in sync; registry, config, extras); the responder, right after merging that, answers
+  with only what differs (the health records the requester holds older, an extra's ``diff``, the
+  registry or config where their digests differ), so an exchange between converged nodes is a few
+  KB whatever the fleet's size. Index digests travel both ways; each side queues its entries of the
+  differing (worker, time slot) buckets for ``index_batches``. A runtime that can do two rounds on
+  the connection should rather exchange ``digest()`` and send back ``repair(peer_digest)`` (only
+  what the peer lacks, only to it).
 - ``snapshot()`` / ``merge_snapshot()``: everything, for a joining node or tests.
 
 Ownership (``MeshStateConfig.first_hand``, on in a node's mesh): entries that name the node they belong
@@ -40,7 +46,7 @@ that name's certificate was verified over mTLS at the datagram's source address
   (``REMOVED``) only if its ``writer`` is the sender; an owner-gone tombstone only about a version this
   node wrote (it then writes it again: the refutation); every replica derives the owner-gone
   tombstones of a dead node itself, so nobody needs them relayed;
-- health: an observation only if its ``observer`` is the sender;
+- health: a delta, beacon or record only if its ``observer`` is the sender (``state_health``);
 - extras: through the component's ``apply_delta_from`` / ``merge_snapshot_from(value, sender)`` when it
   has them (the rate limiter: only the sender's own shards); a component without them has no owners;
 - config (the control-plane document) and the prefix indexes name no node: they are multi-writer by
@@ -50,14 +56,15 @@ that name's certificate was verified over mTLS at the datagram's source address
 Relaying an entry on another node's behalf would be refused by every receiver, so with
 ``first_hand`` nothing is relayed: the owner sends its own deltas to every alive member itself
 (``owned_batches``, which the node's runtime sends like ``index_batches``), and renews them (registry
-leases every ``renew_s``, health every ``refresh_s``, rate-limit shards on every change), which repairs
-a lost datagram; a member that joins or comes back gets each node's own entries first-hand from the
-push-pull every pair of members does when they first see each other (the runtime verifies a new
-member that way), and from the periodic push-pulls. Without ``first_hand`` (the default, tests and the
-simulation) entries are relayed epidemically and accepted from anyone holding the mesh key.
+leases every ``renew_s``, health as a beacon every ``beacon_s`` with its unhealthy set, rate-limit
+shards on every change), which repairs a lost datagram; a member that joins or comes back gets each
+node's own entries first-hand from the push-pull every pair of members does when they first see each
+other (the runtime verifies a new member that way), and from the periodic push-pulls. Without
+``first_hand`` (the default, tests and the simulation) entries are relayed epidemically and accepted
+from anyone holding the mesh key.
 
 Membership: ``on_member_up/dead/left`` (or ``on_member_event`` with SWIM's actions). ``tick()`` every
-second or so renews this node's worker leases, republishes its health observations, collects
+second or so renews this node's worker leases, queues its health beacon when due, collects
 expired entries and tombstones, expires the indexes, re-asserts pinned workers and clears index
 entries of workers gone from the registry. Time comes from the injected ``clock`` (wall clock,
 seconds): use the same clock for the prefix index's insert times.
@@ -67,16 +74,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from shepherd.mesh.hlc import HLC
 from shepherd.mesh.state_config import ConfigDoc
 from shepherd.mesh.state_health import (
+    HealthBeacon,
+    HealthDelta,
+    HealthRecord,
     HealthView,
     Observation,
     ReplicatedHealth,
-    observation_to_wire,
+    beacon_from_wire,
+    beacon_to_wire,
+    delta_from_wire,
+    delta_to_wire,
     observations_from_wire,
+    records_from_wire,
+    records_to_wire,
+    versions_from_wire,
 )
 from shepherd.mesh.state_registry import (
     LIVE,
@@ -114,6 +131,17 @@ log = logging.getLogger("shepherd.mesh.state")
 IX_co = TypeVar("IX_co", bound=IndexReplica, covariant=True)
 
 
+@dataclass(frozen=True, slots=True)
+class _PeerDigest:
+    """A push-pull requester's digests (what ``local_state`` answers with the difference to)."""
+
+    health: dict[str, int]
+    registry: bytes
+    config_sv: bytes
+    config_digest: bytes
+    extras: dict[str, Any]
+
+
 class MeshState(Generic[IX_co]):
     """The replicated state of node ``node_name`` (a SWIM ``Delegate``). ``new_index`` makes a model's
     prefix-index replica (called on the model's first use, here or by a peer's payload): every node
@@ -142,13 +170,14 @@ class MeshState(Generic[IX_co]):
         self._queue = BroadcastQueue(
             self.cfg.retransmit_mult, num_nodes or (lambda: len(self._members)), self.cfg.max_broadcasts
         )
-        # registry entries go first on every packet: few, and what worker adds wait on (the health
-        # observations and relayed rate-limit shards behind them can fill the channel at scale)
+        # registry entries and health changes go first on every packet: few, and what worker adds and
+        # routing around a sick worker wait on (relayed rate-limit shards can fill the channel at scale)
         self._urgent = BroadcastQueue(
             self.cfg.retransmit_mult, num_nodes or (lambda: len(self._members)), self.cfg.max_broadcasts
         )
         self._pinned: dict[str, WorkerRecord] = {}
         self._orphans: dict[str, float] = {}  # index worker -> when first seen absent from the registry
+        self._pp_peer: _PeerDigest | None = None  # the last push-pull requester's digests, for our reply
         self.stats = MeshStateStats()
         # subscribers (called synchronously; exceptions are logged and counted)
         self.on_worker_added: list[Callable[[WorkerRecord], None]] = []  # new or changed
@@ -197,7 +226,7 @@ class MeshState(Generic[IX_co]):
 
     def observe_health(self, worker_id: str, healthy: bool) -> None:
         """This node's health check result for a worker (gossiped when it changes, and refreshed)."""
-        if self.health.observe(worker_id, healthy) is not None:
+        if self.health.observe(worker_id, healthy):
             self._health_changed({worker_id})
 
     def health_view(self, worker_id: str) -> HealthView:
@@ -231,7 +260,12 @@ class MeshState(Generic[IX_co]):
                 "pinned": len(self._pinned),
                 "pending": self.registry.pending,
             },
-            "health": {"observations": len(self.health), "pending": self.health.pending},
+            "health": {
+                "records": len(self.health),
+                "pending": self.health.pending,
+                "out_of_sync": self.health.out_of_sync,
+                "dropped": self.health.dropped,
+            },
             "indexes": {
                 m: {
                     "blocks": ix.live_blocks,
@@ -319,7 +353,10 @@ class MeshState(Generic[IX_co]):
         for ch in changes:
             if ch.after is not None:
                 self._call(self.on_worker_added, ch.after)
-            elif ch.before is not None:  # its health observations expire by themselves (deterministic)
+            elif ch.before is not None:
+                # this node stops checking it (a GONE flip); every observer does the same on its removal
+                if self.health.forget(ch.before.id):
+                    self._health_changed([ch.before.id])
                 self._call(self.on_worker_removed, ch.before)
 
     def _health_changed(self, workers: Iterable[str]) -> None:
@@ -335,6 +372,14 @@ class MeshState(Generic[IX_co]):
                 log.exception("mesh state subscriber failed")
 
     # -- Delegate -----------------------------------------------------------------------------------
+
+    def has_broadcasts(self) -> bool:
+        """SWIM Delegate (optional): whether ``broadcasts`` may have anything to give; False lets an
+        idle node skip its gossip rounds. Exact for ``first_hand`` (the node's mode: the config's
+        updates and what is queued); the other modes always say True."""
+        if not self.cfg.first_hand or self.cfg.index_in_broadcasts or wire_version.is_test_next():
+            return True
+        return bool(len(self._urgent) or len(self._queue) or self.config.changed)
 
     def broadcasts(self, budget: int) -> list[bytes]:
         """SWIM Delegate: payloads to piggyback (``sum(len + USER_MSG_OVERHEAD) <= budget``)."""
@@ -356,15 +401,39 @@ class MeshState(Generic[IX_co]):
             log.debug("dropped a malformed state payload from %s: %s", src_name, e)
 
     def local_state(self) -> bytes:
-        """SWIM Delegate: push-pull state (small parts in full, index digests)."""
-        body = {
-            "n": self.node,
-            "r": self.registry.to_wire(),
-            "h": self.health.to_wire(),
-            "c": self.config.update_since(None),
-            "x": [[n, c.snapshot()] for n, c in self._extras.items()],
-            "d": self._index_digests(),
-        }
+        """SWIM Delegate: push-pull state. Called as a push-pull's responder (right after merging the
+        requester's state, which carried its digests): only what the requester lacks (health records
+        it holds older, the registry, config and extras where their digests differ, an extra's
+        ``diff`` where it has one). Otherwise (the requester, or the responder to a peer of the
+        earlier format): the registry, config and extras in full, this node's own health record and
+        the digests, so that the responder can answer with the difference alone."""
+        peer, self._pp_peer = self._pp_peer, None
+        body: dict[str, Any] = {"n": self.node, "d": self._index_digests()}
+        if peer is None:
+            own = self.health.record(self.node)
+            body["r"] = self.registry.to_wire()
+            body["c"] = self.config.update_since(None)
+            body["x"] = [[n, self._own_snapshot(c)] for n, c in self._extras.items()]
+            body["hr"] = records_to_wire([own] if own is not None and own.checked else [])
+            body["hd"] = [[o, v] for o, v in self.health.versions().items()]
+            body["rd"] = self.registry.digest()
+            body["cd"] = [self.config.state_vector(), self.config.digest()]
+            body["xd"] = [[n, c.digest()] for n, c in self._extras.items()]
+            return envelope("P", body)
+        if peer.registry != self.registry.digest():
+            body["r"] = self.registry.to_wire()
+        if peer.config_digest != self.config.digest():
+            body["c"] = self.config.update_since(peer.config_sv or None)
+        xs = []
+        for name, comp in self._extras.items():
+            remote = peer.extras.get(name)
+            if remote is not None and remote == comp.digest():
+                continue
+            diff = getattr(comp, "diff", None)  # only what differs, if the component can tell
+            xs.append([name, diff(remote) if callable(diff) and remote is not None else comp.snapshot()])
+        body["x"] = xs
+        only = self.node if self.cfg.first_hand else None  # the peer takes nothing else from us
+        body["hr"] = records_to_wire(self.health.newer_than(peer.health, only))
         return envelope("P", body)
 
     def merge_remote_state(self, data: bytes) -> None:
@@ -375,6 +444,7 @@ class MeshState(Generic[IX_co]):
     def merge_remote_state_from(self, data: bytes, peer: str) -> None:
         """``merge_remote_state`` from ``peer``, the certificate identity the runtime verified (with
         ``first_hand``, only its own entries are taken)."""
+        self._pp_peer = None
         try:
             self.apply(data, peer)
         except StateDecodeError as e:
@@ -394,8 +464,16 @@ class MeshState(Generic[IX_co]):
             return
         for e in self.registry.take_delta():
             self._queue_payload(envelope("r", [entry_to_wire(e)]), f"r/{e.id}", limit, urgent=True)
-        for o in self.health.take_delta():
-            self._queue_payload(envelope("h", [observation_to_wire(o)]), f"h/{o.worker}/{o.observer}", limit)
+        # health flips go first too: few since nothing is refreshed, and what routing around a sick
+        # worker waits on; a record's bulk (its first fill, a mass change) goes with the rest
+        small = self.cfg.health.relay_max_flips
+        for item in self.health.take_delta():
+            if isinstance(item, HealthDelta):
+                urgent = len(item.flips) <= small
+                self._queue_payload(envelope("f", [delta_to_wire(item)]), None, limit, urgent=urgent)
+            else:  # a newer beacon of the observer replaces the queued one
+                key = f"b/{item.observer}"
+                self._queue_payload(envelope("b", [beacon_to_wire(item)]), key, limit, urgent=True)
         u = self.config.take_delta()
         if u is not None:
             self._queue_payload(envelope("c", u), None, limit)
@@ -425,9 +503,8 @@ class MeshState(Generic[IX_co]):
         body_budget = budget - ENVELOPE_OVERHEAD
         me = self.node
         regs = [entry_to_wire(e) for e in self.registry.take_delta() if e.writer == me]
-        obs = [observation_to_wire(o) for o in self.health.take_delta() if o.observer == me]
         out = [envelope("r", c) for c in chunks(regs, body_budget)]
-        out += [envelope("h", c) for c in chunks(obs, body_budget)]
+        out += self._health_payloads([i for i in self.health.take_delta() if i.observer == me], body_budget)
         for name, comp in self._extras.items():
             for _ in range(1024):  # a component may hand its delta out in pieces
                 d = comp.take_delta()
@@ -437,22 +514,44 @@ class MeshState(Generic[IX_co]):
         self.stats.broadcast_payloads += len(out)
         return out
 
+    @staticmethod
+    def _own_snapshot(comp: StateComponent) -> Any:
+        """A push-pull request's part of an extra: only the node's own entries where the component can
+        tell them (``own_snapshot``; the responder answers with its ``diff`` for the rest), else all."""
+        own = getattr(comp, "own_snapshot", None)
+        return own() if callable(own) else comp.snapshot()
+
+    def _health_payloads(self, items: list[HealthDelta | HealthBeacon], body_budget: int) -> list[bytes]:
+        deltas = [delta_to_wire(i) for i in items if isinstance(i, HealthDelta)]
+        beacons = [beacon_to_wire(i) for i in items if isinstance(i, HealthBeacon)]
+        out = [envelope("f", c) for c in chunks(deltas, body_budget)]
+        out += [envelope("b", c) for c in chunks(beacons, body_budget)]
+        return out
+
     def index_batches(self, budget: int | None = None, max_entries: int | None = None) -> list[bytes]:
         """Fresh prefix-index delta payloads (each at most ``budget`` bytes; default the UDP payload
         size), for the runtime to send to every alive member once. ``max_entries`` bounds one call."""
+        return [p for _, ps in self.index_batches_by_model(budget, max_entries) for p in ps]
+
+    def index_batches_by_model(
+        self, budget: int | None = None, max_entries: int | None = None
+    ) -> list[tuple[str, list[bytes]]]:
+        """``index_batches``, per model: for a runtime that sends a model's deltas only to the members
+        routing it (``index_scope``)."""
         budget = budget or self.cfg.udp_payload_bytes
-        out: list[bytes] = []
+        out: list[tuple[str, list[bytes]]] = []
         left = max_entries
         for model, ix in self._indexes.items():
             if left is not None and left <= 0:
                 break
             groups = ix.take_groups(left)
+            if not groups:
+                continue
             if left is not None:
                 left -= sum(len(g[2]) for g in groups)
-            out.extend(
-                envelope("i", b) for b in encode_index_bodies(model, groups, budget - ENVELOPE_OVERHEAD)
-            )
-        self.stats.index_payloads_out += len(out)
+            ps = [envelope("i", b) for b in encode_index_bodies(model, groups, budget - ENVELOPE_OVERHEAD)]
+            self.stats.index_payloads_out += len(ps)
+            out.append((model, ps))
         return out
 
     def outgoing_batches(self, budget: int) -> list[bytes]:
@@ -464,10 +563,7 @@ class MeshState(Generic[IX_co]):
             envelope("r", c)
             for c in chunks([entry_to_wire(e) for e in self.registry.take_delta()], body_budget)
         ]
-        out += [
-            envelope("h", c)
-            for c in chunks([observation_to_wire(o) for o in self.health.take_delta()], body_budget)
-        ]
+        out += self._health_payloads(self.health.take_delta(), body_budget)
         u = self.config.take_delta()
         if u is not None:
             out.append(envelope("c", u))
@@ -486,7 +582,7 @@ class MeshState(Generic[IX_co]):
         """The whole state (every index entry included)."""
         body = {
             "r": self.registry.to_wire(),
-            "h": self.health.to_wire(),
+            "hr": records_to_wire(self.health.newer_than({})),  # the records held in sync
             "c": self.config.update_since(None),
             "x": [[n, c.snapshot()] for n, c in self._extras.items()],
             "i": [
@@ -507,6 +603,7 @@ class MeshState(Generic[IX_co]):
             "n": self.node,
             "r": self.registry.digest(),
             "h": self.health.digest(),
+            "hv": [[o, v] for o, v in self.health.versions().items()],
             "c": [self.config.state_vector(), self.config.digest()],
             "d": self._index_digests(),
             "x": [[n, c.digest()] for n, c in self._extras.items()],
@@ -526,7 +623,8 @@ class MeshState(Generic[IX_co]):
         if d.registry != self.registry.digest():
             out += [envelope("r", c) for c in chunks(self.registry.to_wire(), body_budget)]
         if d.health != self.health.digest():
-            out += [envelope("h", c) for c in chunks(self.health.to_wire(), body_budget)]
+            records = self.health.newer_than(versions_from_wire(body.get("hv", [])))
+            out += [envelope("H", records_to_wire(records[i : i + 16])) for i in range(0, len(records), 16)]
         if d.config_digest != self.config.digest():
             out.append(envelope("c", self.config.update_since(d.config_sv)))
         for name, comp in self._extras.items():
@@ -565,8 +663,22 @@ class MeshState(Generic[IX_co]):
         """``src``: the verified sender when entries must be first-hand (``first_hand``), else ""."""
         if tag == "r":
             self._registry_changed(self.registry.merge(self._own_entries(entries_from_wire(body), src)))
-        elif tag == "h":
-            self._health_changed(self.health.merge(self._own_observations(observations_from_wire(body), src)))
+        elif tag == "f":
+            deltas = [delta_from_wire(x) for x in expect_list(body, max_len=4096)]
+            relay = not self.cfg.first_hand
+            for d in self._own_items(deltas, src):
+                self._health_changed(self.health.merge_delta(d, relay))
+        elif tag == "b":
+            beacons = [beacon_from_wire(x) for x in expect_list(body, max_len=4096)]
+            relay = not self.cfg.first_hand
+            for b in self._own_items(beacons, src):
+                self._health_changed(self.health.merge_beacon(b, relay))
+        elif tag == "H":
+            self._health_changed(self.health.merge_records(self._own_records(records_from_wire(body), src)))
+        elif tag == "h":  # a peer of the earlier format's observations
+            self._health_changed(
+                self.health.merge_legacy(self._own_observations(observations_from_wire(body), src))
+            )
         elif tag == "i":
             model, groups = decode_index_body(body)
             self._apply_index(model, groups)
@@ -610,6 +722,20 @@ class MeshState(Generic[IX_co]):
         self.stats.foreign_entries_dropped += len(entries) - len(out)
         return out
 
+    def _own_records(self, records: list[HealthRecord], src: str) -> list[HealthRecord]:
+        if not src:
+            return records
+        out = [r for r in records if r.observer == src]
+        self.stats.foreign_entries_dropped += len(records) - len(out)
+        return out
+
+    def _own_items(self, items: list[HealthDelta] | list[HealthBeacon], src: str) -> list[Any]:
+        if not src:
+            return list(items)
+        out = [d for d in items if d.observer == src]
+        self.stats.foreign_entries_dropped += len(items) - len(out)
+        return out
+
     def _own_observations(self, obs: list[Observation], src: str) -> list[Observation]:
         if not src:
             return obs
@@ -637,7 +763,19 @@ class MeshState(Generic[IX_co]):
             raise StateDecodeError("a snapshot is a map")
         # decode and validate everything first
         entries = entries_from_wire(body.get("r", []))
-        observations = observations_from_wire(body.get("h", []))
+        observations = observations_from_wire(body.get("h", []))  # a peer of the earlier format
+        records = records_from_wire(body["hr"]) if "hr" in body else []
+        peer = None
+        if tag == "P" and "hd" in body:  # a requester's digests: our local_state() answers them
+            rd, cd = body.get("rd", b""), expect_list(body.get("cd", [b"", b""]))
+            xd = [expect_list(x) for x in expect_list(body.get("xd", []), max_len=1024)]
+            peer = _PeerDigest(
+                versions_from_wire(body["hd"]),
+                expect_bytes(rd, 64),
+                expect_bytes(cd[0] if cd else b""),
+                expect_bytes(cd[1] if len(cd) > 1 else b"", 64),
+                {expect_str(x[0], 64): x[1] for x in xd if len(x) >= 2},
+            )
         update = expect_bytes(body.get("c", b""))
         extras = [expect_list(x, 2) for x in expect_list(body.get("x", []), max_len=1024)]
         for x in extras:
@@ -652,7 +790,11 @@ class MeshState(Generic[IX_co]):
         for name, value in extras:
             self._apply_extra(name, value, snapshot=True, src=src)
         self._registry_changed(self.registry.merge(self._own_entries(entries, src)))
-        self._health_changed(self.health.merge(self._own_observations(observations, src)))
+        if observations:
+            self._health_changed(self.health.merge_legacy(self._own_observations(observations, src)))
+        if records:
+            self._health_changed(self.health.merge_records(self._own_records(records, src)))
+        self._pp_peer = peer
         for model, groups in bodies:
             self._apply_index(model, groups)
         left = self.cfg.repair_max_entries

@@ -409,6 +409,11 @@ class ConfigDoc:
         self.doc.apply_update(update)
         return self.version != before
 
+    @property
+    def changed(self) -> bool:
+        """Whether ``take_delta`` has an update to give."""
+        return self._dirty
+
     def take_delta(self) -> bytes | None:
         """The update since the last delta taken, if anything changed since."""
         if not self._dirty:

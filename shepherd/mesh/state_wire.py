@@ -9,14 +9,19 @@ validates the body of a ``MeshState.digest()`` into a ``StateDigest``. The tags:
 tag   body                                    meaning
 ====  ======================================  ===============================================
 "r"   [registry entry, ...]                   registry delta (or repair)
-"h"   [observation, ...]                      health delta (or repair)
+"f"   [health delta, ...]                     an observer's flips from version prev (``state_health``)
+"b"   [health beacon, ...]                    an observer's version, unhealthy set, checked-set hash
+"H"   [checked sets, [record, ...]]           full health records (repair)
+"h"   [observation, ...]                      health observations of the earlier format (read only)
 "i"   [model, [group, ...]]                   prefix-index delta (or repair)
 "c"   update bytes                            config (Yjs) update
 "x"   [name, delta]                           an extra component's delta
 "X"   [name, snapshot]                        an extra component's snapshot (repair)
-"S"   {"r", "h", "c", "i", "x"}               full snapshot (``snapshot`` / ``merge_snapshot``)
-"P"   {"n", "r", "h", "c", "x", "d"}          push-pull state: small parts in full, index digests
-"D"   {"n", "r", "h", "c", "d", "x"}          digest (``digest`` / ``repair``)
+"S"   {"r", "hr", "c", "i", "x"}              full snapshot (``snapshot`` / ``merge_snapshot``)
+"P"   {"n", "r", "hr", "c", "x", "d",         push-pull state: a request has the digests ("hd"
+       "hd", "rd", "cd", "xd"}                health versions, "rd", "cd", "xd") and the sender's own
+                                              health record; a reply only what the requester lacks
+"D"   {"n", "r", "h", "hv", "c", "d", "x"}    digest (``digest`` / ``repair``)
 "~"   minor                                   test-next build only (skipped by this minor)
 ====  ======================================  ===============================================
 

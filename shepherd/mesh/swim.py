@@ -151,9 +151,23 @@ class Swim:
         return [n.snapshot() for n in self._table.tombstones.values()]
 
     def next_deadline(self) -> float:
-        t = min(self._t_gossip, self._t_push_pull, self._t_reconnect, self._t_join)
+        """When ``tick`` is next due. The gossip timer counts only while there is something to gossip
+        (membership updates queued, or the delegate's ``has_broadcasts``, where it has one, says so):
+        an idle node does not wake for empty gossip rounds. What becomes pending meanwhile rides on
+        the next datagram (every ping and ack piggybacks) and on the round due at the next call."""
+        t = self._deadline_but_gossip()
+        return min(t, self._t_gossip) if self._gossip_pending() else t
+
+    def _deadline_but_gossip(self) -> float:
+        t = min(self._t_push_pull, self._t_reconnect, self._t_join)
         t = min(t, self._probe.next_deadline() if self._probe is not None else self._t_probe)
         return min(t, self._relays.next_deadline(), self._table.next_suspicion_deadline())
+
+    def _gossip_pending(self) -> bool:
+        if len(self._table.queue):
+            return True
+        pending = getattr(self.delegate, "has_broadcasts", None)
+        return True if pending is None else bool(pending())
 
     # --------------------------------------------------------------------------------- entry points
 
@@ -184,8 +198,10 @@ class Swim:
         if not self._started:
             return out
         cfg = self.config
-        # a deadline that was already past when we last returned was due right then, not earlier
-        late = now - max(self.next_deadline(), self._last_call)
+        # a deadline that was already past when we last returned was due right then, not earlier. Not
+        # the gossip round's: it may have become due (a delegate's broadcast) while no timer was
+        # armed for it, and a late one delays nobody's verdict
+        late = now - max(self._deadline_but_gossip(), self._last_call)
         self._last_call = max(self._last_call, now)
         if late > cfg.lag_threshold * cfg.probe_timeout:
             # our own timer fired late: we were stalled (GC, CPU, SIGSTOP), not the others; give the

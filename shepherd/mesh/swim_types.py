@@ -305,7 +305,9 @@ class Delegate(Protocol):
     def broadcasts(self, budget: int) -> list[bytes]:
         """Payloads to piggyback now; ``sum(len(p) + USER_MSG_OVERHEAD) <= budget`` (excess is dropped).
 
-        The delegate does its own retransmit accounting (``BroadcastQueue`` does it for you)."""
+        The delegate does its own retransmit accounting (``BroadcastQueue`` does it for you). A
+        delegate may also define ``has_broadcasts() -> bool`` (cheap; False: ``broadcasts`` would give
+        nothing): then the machine skips gossip rounds while nothing is pending."""
         ...
 
     def on_user(self, payload: bytes, src_name: str) -> None:

@@ -141,6 +141,8 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
     # installed before the mesh starts) and the API keys journaled to the node's records
     history = build_history(cfg, mesh)
     await gw.start()
+    if admission is not None:
+        await admission.start()  # the Redis backend's first ping (bounded; unreachable: the fallback rule)
     try:
         await history.start()
         journal = await KeyJournal.open(cfg.data_dir, history.backend)
@@ -296,6 +298,8 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
             await mesh.close()
         await journal.close()
         await history.close()
+        if admission is not None:
+            await admission.close()
         await gw.close()
         await tracing.shutdown()
         await genai_metrics.shutdown()

@@ -49,6 +49,12 @@ def _mesh_arguments(s: argparse.ArgumentParser) -> None:
     m.add_argument("--mesh-push-pull-interval", type=float, help="full TCP sync period, s (default 15)")
     m.add_argument("--mesh-suspicion-mult", type=int, help="suspicion timeout multiplier (default 5)")
     m.add_argument("--mesh-gossip-interval", type=float, help="gossip period, s (default 0.2)")
+    m.add_argument(
+        "--mesh-index-replication",
+        choices=("auto", "all", "none"),
+        help="prefix-index deltas sent to the nodes routing the same model: auto (default: routing "
+        "decisions for workers without a live KV-event stream), all (every worker's), none",
+    )
 
 
 def _history_arguments(s: argparse.ArgumentParser) -> None:
@@ -268,6 +274,25 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="an unreachable member that did not leave counts in the mesh size this long (default 300): "
         "a partitioned side admits its share, a crashed node lowers the others' share as long",
+    )
+    rl.add_argument(
+        "--rate-limit-backend",
+        choices=("mesh", "redis"),
+        help="where the counts live: mesh (gossiped, default) or redis (one shared counter store)",
+    )
+    rl.add_argument("--rate-limit-redis-url", metavar="URL", help="redis://[user:password@]host:6379/0")
+    rl.add_argument("--rate-limit-redis-prefix", help="key prefix in Redis (default shepherd:rl:)")
+    rl.add_argument(
+        "--rate-limit-redis-timeout-secs",
+        type=float,
+        help="bound on one Redis call (default 0.1); past it, and while Redis is down, the node admits "
+        "limit / N on its own counts (N: the mesh's nodes)",
+    )
+    rl.add_argument(
+        "--rate-limit-redis-lease-secs",
+        type=float,
+        help="a concurrency slot expires this long after its node last renewed it (a crashed node's "
+        "in-flight requests stop counting; default 30)",
     )
     s.add_argument(
         "--reasoning-parser", help="reasoning parser family (qwen3, deepseek_r1, ...; default: by model name)"

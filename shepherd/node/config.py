@@ -154,6 +154,14 @@ class NodeConfig:
     rate_limit_propagation_secs: float = 1.0  # τ: a node's counts reach every peer within this
     rate_limit_window_secs: float = 60.0  # rpm/tpm count per window this long (60: as named; less: tests)
     rate_limit_unreachable_grace_secs: float = 300.0  # an unreachable member counts in N this long
+    # where the counts live: "mesh" (gossiped shards) or "redis" (one shared store; README "Where gossip
+    # stops"; shepherd.node.api.ratelimit_redis), its URL (a secret: never logged), key prefix, the bound
+    # on one Redis call (past it the node admits its own share: limit / N) and the concurrency lease
+    rate_limit_backend: str = "mesh"
+    rate_limit_redis_url: str | None = None
+    rate_limit_redis_prefix: str = "shepherd:rl:"
+    rate_limit_redis_timeout_secs: float = 0.1
+    rate_limit_redis_lease_secs: float = 30.0
     auth: AuthConfig = field(default_factory=AuthConfig)  # YAML: an ``auth`` mapping (see shepherd.auth)
     tls_cert_file: str | None = None  # TLS on the client port
     tls_key_file: str | None = None
@@ -183,6 +191,10 @@ class NodeConfig:
     mesh_push_pull_interval: float | None = None
     mesh_suspicion_mult: int | None = None
     mesh_gossip_interval: float | None = None
+    # which routing decisions' prefix-index deltas the mesh sends (README "Mesh at scale"): "auto" (those
+    # of workers without a live KV-event stream here: the engine's events tell every node the rest),
+    # "all" (every worker's), "none" (no index replication). KV-event inserts are never sent.
+    mesh_index_replication: str = "auto"
     # PD disaggregation (shepherd.node.dispatch.pd): a prefill pool and a decode pool, each its own policy
     pd_disaggregation: bool = False
     prefill_urls: tuple[str, ...] = ()
@@ -523,8 +535,14 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
             "rate_limit_window_secs must exceed rate_limit_propagation_secs, and "
             "rate_limit_unreachable_grace_secs must be >= 0"
         )
+    check_rate_limit_backend(cfg)
     if cfg.max_client_connections < 1:
         raise ConfigError("max_client_connections must be >= 1")
+    if cfg.mesh_index_replication not in MESH_INDEX_REPLICATION:
+        raise ConfigError(
+            f"mesh_index_replication {cfg.mesh_index_replication!r} is unknown "
+            f"(one of {', '.join(MESH_INDEX_REPLICATION)})"
+        )
     allow = WorkerAllow(cfg.worker_allow)  # entries checked here; each worker URL against them
     for mc in cfg.model_configs():
         for url in mc.worker_urls:
@@ -684,6 +702,9 @@ def default_node_name() -> str:
     return name or "node"
 
 
+MESH_INDEX_REPLICATION = ("auto", "all", "none")
+
+
 def check_mesh_config(cfg: NodeConfig) -> NodeConfig:
     """Validate the ``mesh_*`` settings (``ValueError`` saying what is wrong); fills ``mesh_name``."""
     if cfg.mesh_port is None:
@@ -720,6 +741,32 @@ def check_mesh_config(cfg: NodeConfig) -> NodeConfig:
     if cfg.mesh_suspicion_mult is not None and cfg.mesh_suspicion_mult < 1:
         raise ValueError("mesh_suspicion_mult must be >= 1")
     return dataclasses.replace(cfg, mesh_name=name)
+
+
+RATE_LIMIT_BACKENDS = ("mesh", "redis")
+
+
+def check_rate_limit_backend(cfg: NodeConfig) -> None:
+    """The ``rate_limit_backend`` settings (``ConfigError``; the URL, which may hold a password, is never
+    quoted back)."""
+    b, url = cfg.rate_limit_backend, cfg.rate_limit_redis_url
+    if b not in RATE_LIMIT_BACKENDS:
+        raise ConfigError(f"rate_limit_backend {b!r} is unknown (one of {', '.join(RATE_LIMIT_BACKENDS)})")
+    if b == "mesh":
+        if url is not None:
+            raise ConfigError("rate_limit_redis_url is for rate_limit_backend redis (the backend is mesh)")
+        return
+    if url is None:
+        raise ConfigError("rate_limit_backend redis needs rate_limit_redis_url (redis://host:6379/0)")
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme not in _HISTORY_SCHEMES["redis"] or len(url) > 4096 or not url.isprintable():
+        raise ConfigError("rate_limit_redis_url must be a redis://, rediss:// or unix:// URL")
+    if not cfg.rate_limit_redis_prefix or not cfg.rate_limit_redis_prefix.isprintable():
+        raise ConfigError("rate_limit_redis_prefix must be a non-empty printable string")
+    if not 0 < cfg.rate_limit_redis_timeout_secs <= 10:
+        raise ConfigError("rate_limit_redis_timeout_secs must be within (0, 10]")
+    if not cfg.rate_limit_redis_lease_secs >= 3 * cfg.rate_limit_redis_timeout_secs:
+        raise ConfigError("rate_limit_redis_lease_secs must be at least 3 x rate_limit_redis_timeout_secs")
 
 
 HISTORY_BACKENDS = ("memory", "sqlite", "postgres", "redis")

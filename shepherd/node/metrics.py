@@ -123,12 +123,13 @@ class LiteHistogram(Collector):
 class ModelMetrics:
     """One model's children of the per-request families, looked up once per request (not per update)."""
 
-    __slots__ = ("completion_tokens", "e2e", "itl", "prompt_tokens", "ttft")
+    __slots__ = ("completion_tokens", "e2e", "generation", "itl", "prompt_tokens", "ttft")
 
     def __init__(self, m: NodeMetrics, model: str) -> None:
         self.ttft = m.ttft.labels(model)
         self.itl = m.itl.labels(model)
         self.e2e = m.e2e.labels(model)
+        self.generation = m.generation.labels(model)
         self.prompt_tokens = m.tokens.labels(model, "prompt")
         self.completion_tokens = m.tokens.labels(model, "completion")
 
@@ -194,6 +195,16 @@ class NodeMetrics:
             ["method", "path"],
             buckets=SMG_DURATION_BUCKETS,
         )
+        # SMG's smg_router_generation_duration_seconds{model} (first token to last token), served under
+        # SMG's name only (shepherd.node.api.smg_metrics)
+        self.generation = LiteHistogram(
+            "smg_router_generation_duration_seconds",
+            "Generation time, first token to last token",
+            ["model"],
+            buckets=SMG_DURATION_BUCKETS,
+        )
+        # (route, model) -> streamed requests among those counted (SMG's ``streaming`` label)
+        self.streamed: dict[tuple[str, str], int] = {}
         self._http_by_route: dict[tuple[str, str], _HistogramChild] = {}
         self._models: dict[str, ModelMetrics] = {}
         # (route, model, status) -> its requests child: no str(status) and label tuple per request
@@ -206,7 +217,15 @@ class NodeMetrics:
             mm = self._models[model] = ModelMetrics(self, model)
         return mm
 
-    def count_request(self, route: str, model: str, status: int) -> None:
+    def count_request(self, route: str, model: str, status: int, streaming: bool = False) -> None:
+        """One HTTP request answered (``streaming``: its answer was a stream)."""
+        if streaming:
+            sk = (route, model)
+            got = self.streamed.get(sk)
+            if got is not None:
+                self.streamed[sk] = got + 1
+            elif len(self.streamed) < 4096:
+                self.streamed[sk] = 1
         key = (route, model, status)
         child = self._requests_by_status.get(key)
         if child is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import shutil
 import signal
 import socket
@@ -42,7 +43,8 @@ from shepherd.node.config import NodeConfig, default_node_name
 __all__ = ["ProcsError", "Supervisor", "child_argv", "free_mesh_ports", "supervise"]
 
 PR_SET_PDEATHSIG = 1
-POLL_S = 0.1
+POLL_S = 0.1  # the child check's period where no signal wake-up fd can be set (not the main thread)
+IDLE_WAIT_S = 5.0  # otherwise the parent sleeps until a signal (SIGCHLD, SIGTERM), a restart, or this
 FAST_CRASH_S = 1.0
 MAX_BACKOFF_S = 10.0
 
@@ -201,6 +203,7 @@ class Supervisor:
 
     def run(self) -> int:
         old = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        wake = _SignalWake.open()  # None: not the main thread, poll every POLL_S instead
         try:
             for c in self.children:
                 self._start(c)
@@ -209,9 +212,15 @@ class Supervisor:
                 now = time.monotonic()
                 for c in self.children:
                     self._check(c, now)
-                time.sleep(POLL_S)
+                if wake is None:
+                    time.sleep(POLL_S)
+                    continue
+                due = [c.restart_at for c in self.children if c.proc is None and c.restart_at is not None]
+                wake.wait(min([IDLE_WAIT_S, *(max(0.0, t - time.monotonic()) for t in due)]))
             return self._stop()
         finally:
+            if wake is not None:
+                wake.close()
             for sig, handler in old.items():
                 signal.signal(sig, handler)
             self._kill_all()
@@ -236,6 +245,41 @@ class Supervisor:
             if c.proc is not None and c.proc.poll() is None:
                 c.proc.kill()
                 c.proc.wait()
+
+
+class _SignalWake:
+    """The parent's idle wait: asleep until a child exits (SIGCHLD) or a signal to stop arrives (the
+    signal module's wake-up fd), rather than waking ten times a second to poll its children."""
+
+    def __init__(self, r: int, w: int, old_fd: int, old_chld: signal.Handlers | object) -> None:
+        self._r, self._w, self._old_fd, self._old_chld = r, w, old_fd, old_chld
+
+    @classmethod
+    def open(cls) -> _SignalWake | None:
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        try:
+            old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread
+            os.close(r)
+            os.close(w)
+            return None
+        old_chld = signal.signal(signal.SIGCHLD, lambda _s, _f: None)  # a handler: the fd is written
+        return cls(r, w, old_fd, old_chld)
+
+    def wait(self, timeout: float) -> None:
+        ready, _, _ = select.select([self._r], [], [], timeout)
+        if ready:
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._r, 512):  # bounded by the pipe's contents
+                    pass
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._old_fd)
+        signal.signal(signal.SIGCHLD, self._old_chld)  # type: ignore[arg-type]
+        os.close(self._r)
+        os.close(self._w)
 
 
 def supervise(argv: Sequence[str], cfg: NodeConfig) -> int:

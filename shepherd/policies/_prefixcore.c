@@ -73,6 +73,9 @@ typedef struct {
 typedef struct {
     double gran; /* digest granularity in seconds; 0: exact times */
     int relay;   /* merged changes are buffered too */
+    double refresh; /* a local re-access moves a held entry into another slot (and sends it) only this old */
+    uint8_t quiet[MAX_SLOTS]; /* per slot: local inserts are never buffered (the engine's KV events tell
+                               * every node), and always take the access time */
     Py_ssize_t max_pending, pending, dropped;
     Buckets buckets[MAX_SLOTS];
     uint32_t gen[MAX_SLOTS];
@@ -411,9 +414,10 @@ static inline void lru_insert_after(Core *c, int32_t at, int32_t e) { /* at: an 
 /* == replication (a mesh's replica: Core.replicate) ====================================================
  * The digest: per worker, per time slot, the count of its entries and the sum of their block names (mod
  * 2**64), kept up to date by every change of an entry (made, retimed into another slot, dropped). The delta
- * buffer: the blocks a local insert made or moved into another slot (as ``prefix_replica.ReplicatedPrefixIndex``
- * does: a held prefix re-accessed in the same slot is not sent again), one group per insert, in chain order;
- * with ``relay``, what merges changed too. The same semantics as the Python replica, tested alike. */
+ * buffer: the blocks a routing decision made, or moved into another slot once ``refresh`` old (as
+ * ``prefix_replica.ReplicatedPrefixIndex`` does: a held prefix re-accessed sooner stays in its slot and is not
+ * sent again), one group per insert, in chain order; never a KV event's or a quiet worker's; with ``relay``,
+ * what merges changed too. The same semantics as the Python replica, tested alike. */
 
 /* Python's float floor division (Objects/floatobject.c), so that slots are the Python replica's */
 static double py_floordiv(double vx, double wx) {
@@ -498,6 +502,15 @@ static void bucket_add(Buckets *bs, int64_t slot, int64_t dn, uint64_t dsum) {
             hole = j;
         }
     }
+}
+
+/* the time a held entry at ``old`` (time slot ``so``) takes for an access at ``now`` that does not move it
+ * out of its slot: the slot's last instant at most (never earlier than ``old``) */
+static double clamp_to_slot(const Repl *r, int64_t so, double old, double now) {
+    if (!(now > old) || r->gran <= 0) return old;
+    double end = nextafter(((double)so + 1.0) * r->gran, -INFINITY);
+    if (end > now) end = now;
+    return end > old && slot_of(r, end) == so ? end : old;
 }
 
 /* the digest terms of an entry of ``slot`` at time ``t`` for block ``key``: added (+1) or removed (-1) */
@@ -697,6 +710,32 @@ static inline int key_of(PyObject *o, int64_t *key) {
  * name outside 64 bits is an OverflowError; with it, such names are flagged in *bad (allocated only when
  * there is one, freed by the caller) rather than refused: a lookup of them finds nothing */
 static int64_t *keys_of(PyObject *hs, Py_ssize_t *n, uint8_t **bad) {
+    if (bad != NULL) *bad = NULL;
+    if (PyObject_CheckBuffer(hs) && !PyBytes_Check(hs) && !PyByteArray_Check(hs)) {
+        /* an int64 array (array("q"), what the wire decodes to): copied as it is, no int per name */
+        Py_buffer view;
+        if (PyObject_GetBuffer(hs, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
+            int ok = view.itemsize == 8 && view.format != NULL &&
+                     (strcmp(view.format, "q") == 0 || strcmp(view.format, "l") == 0 || strcmp(view.format, "=q") == 0 ||
+                      strcmp(view.format, "<q") == 0);
+            if (ok) {
+                Py_ssize_t m = view.len / 8;
+                int64_t *keys = PyMem_Malloc((size_t)(m ? m : 1) * sizeof(int64_t));
+                if (keys == NULL) {
+                    PyBuffer_Release(&view);
+                    PyErr_NoMemory();
+                    return NULL;
+                }
+                memcpy(keys, view.buf, (size_t)m * sizeof(int64_t));
+                PyBuffer_Release(&view);
+                *n = m;
+                return keys;
+            }
+            PyBuffer_Release(&view);
+        } else {
+            PyErr_Clear();
+        }
+    }
     PyObject *seq = as_stable(hs, "block names must be a sequence", 0);
     if (seq == NULL) return NULL;
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
@@ -832,8 +871,13 @@ static PyObject *Core_match_ids(Core *c, PyObject *ids) {
 }
 
 /* the worker holds every block of keys[:n] (its capacity applied); returns the blocks evicted. A replica
- * also counts each new or re-slotted entry in the digest and buffers it for gossip. */
-static Py_ssize_t insert_keys(Core *c, const int64_t *keys, Py_ssize_t n, int slot, double now) {
+ * also counts each new or re-slotted entry in the digest and, for a routing decision (``gossip``) of a
+ * worker not ``quiet``, buffers it for gossip. A held entry re-accessed in another time slot than its
+ * own moves there (and is sent again) only once it is ``refresh`` old; until then it stays in its slot,
+ * its time the slot's last instant at most (peers' digests still agree: no slot-move re-sends). Inserts
+ * that are not sent (a KV event: not ``gossip``; a quiet worker's) always move their entries: every node
+ * subscribed to the engine sees the same event. */
+static Py_ssize_t insert_keys(Core *c, const int64_t *keys, Py_ssize_t n, int slot, double now, int gossip) {
     Worker *w = &c->workers[slot];
     Repl *r = c->repl;
     if (n > w->cap) n = w->cap; /* a prompt longer than the worker's cache: it keeps the leading blocks */
@@ -858,6 +902,8 @@ static Py_ssize_t insert_keys(Core *c, const int64_t *keys, Py_ssize_t n, int sl
         return evict(c, slot);
     }
     int64_t sn = slot_of(r, now);
+    int quiet = r->quiet[slot];
+    int rec = gossip && !quiet;
     group_open(c, slot, now);
     for (Py_ssize_t i = n - 1; i >= 0; i--) {
         int added = 0;
@@ -865,18 +911,22 @@ static Py_ssize_t insert_keys(Core *c, const int64_t *keys, Py_ssize_t n, int sl
         if (e != NIL) lru_unlink(c, e);
         else e = get_or_add(c, keys[i], slot, &added);
         Entry *x = &c->entries[e];
+        double t = now;
         if (added) {
             bucket_add(&r->buckets[slot], sn, 1, (uint64_t)keys[i]);
-            record(c, keys[i]);
+            if (rec) record(c, keys[i]);
         } else {
             int64_t so = slot_of(r, x->time);
-            if (so != sn) { /* re-accessed into another slot: moved in the digest, sent again */
+            if (so == sn) {
+            } else if (!rec || now < x->time || !(now - x->time < r->refresh)) { /* moved in the digest */
                 bucket_add(&r->buckets[slot], so, -1, (uint64_t)0 - (uint64_t)keys[i]);
                 bucket_add(&r->buckets[slot], sn, 1, (uint64_t)keys[i]);
-                record(c, keys[i]);
+                if (rec) record(c, keys[i]); /* a refresh: sent again */
+            } else {
+                t = clamp_to_slot(r, so, x->time, now);
             }
         }
-        x->time = now;
+        x->time = t;
         lru_push_head(c, e);
     }
     group_close(c, 1);
@@ -884,16 +934,17 @@ static Py_ssize_t insert_keys(Core *c, const int64_t *keys, Py_ssize_t n, int sl
     return evict(c, slot);
 }
 
-/* insert(hs, slot, now) -> blocks evicted */
+/* insert(hs, slot, now, gossip=True) -> blocks evicted (gossip False: an engine's KV event, never sent) */
 static PyObject *Core_insert(Core *c, PyObject *args) {
     PyObject *hs, *slot_o;
     double now;
-    int slot;
-    if (!PyArg_ParseTuple(args, "OOd:insert", &hs, &slot_o, &now) || get_slot(slot_o, &slot) < 0) return NULL;
+    int slot, gossip = 1;
+    if (!PyArg_ParseTuple(args, "OOd|p:insert", &hs, &slot_o, &now, &gossip) || get_slot(slot_o, &slot) < 0)
+        return NULL;
     Py_ssize_t n;
     int64_t *keys = keys_of(hs, &n, NULL);
     if (keys == NULL) return NULL;
-    Py_ssize_t gone = insert_keys(c, keys, n, slot, now);
+    Py_ssize_t gone = insert_keys(c, keys, n, slot, now, gossip);
     PyMem_Free(keys);
     return gone < 0 ? NULL : PyLong_FromSsize_t(gone);
 }
@@ -904,7 +955,7 @@ static PyObject *Core_insert_named(Core *c, PyObject *args) {
     double now;
     int slot;
     if (!PyArg_ParseTuple(args, "Od:insert_named", &slot_o, &now) || get_slot(slot_o, &slot) < 0) return NULL;
-    Py_ssize_t gone = insert_keys(c, c->named, c->nnamed, slot, now);
+    Py_ssize_t gone = insert_keys(c, c->named, c->nnamed, slot, now, 1);
     return gone < 0 ? NULL : PyLong_FromSsize_t(gone);
 }
 
@@ -946,6 +997,12 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
     if (reserve(c, n) < 0 || (r != NULL && repl_reserve(c, slot, nslots, r->relay ? n : 0) < 0)) goto fail;
     Py_ssize_t changed = 0;
     Worker *w = &c->workers[slot];
+    {   /* the table slots of every name first (their cache misses overlap), as an insert does */
+        uint64_t m = (uint64_t)c->tsize - 1;
+        for (Py_ssize_t i = 0; i < n; i++) __builtin_prefetch(&c->table[mix(keys[i]) & m]);
+    }
+    int32_t prev = NIL; /* the entry placed last, and its time: the next one at that time goes right after it */
+    double prev_t = NAN;
     if (r != NULL && r->relay) group_open(c, slot, NAN);
     for (Py_ssize_t i = 0; i < n; i++) {
         if (bad != NULL && bad[i]) continue;
@@ -964,16 +1021,23 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
         c->entries[e].time = t;
         /* placed by its time: after the entries as recent as it or more (so a chain merged in order, on
          * equal times, keeps its deeper blocks nearer the tail), found by a walk from the head of at most
-         * PLACE_WALK steps; one no newer than the tail goes to the tail (approximate in between) */
+         * PLACE_WALK steps; one no newer than the tail goes to the tail (approximate in between). The
+         * blocks of a group share a time: each after the one placed before it (where the walk ends) */
         int32_t at = NIL, cur = w->head;
-        for (int k = 0; cur != NIL && c->entries[cur].time >= t; k++) { /* bounded: PLACE_WALK */
-            if (k == PLACE_WALK) {
-                if (c->entries[w->tail].time >= t) at = w->tail;
-                break;
+        if (prev != NIL && prev != e && t == prev_t && c->entries[prev].blk != NIL && c->entries[prev].slot == slot) {
+            at = prev;
+        } else {
+            for (int k = 0; cur != NIL && c->entries[cur].time >= t; k++) { /* bounded: PLACE_WALK */
+                if (k == PLACE_WALK) {
+                    if (c->entries[w->tail].time >= t) at = w->tail;
+                    break;
+                }
+                at = cur;
+                cur = c->entries[cur].next;
             }
-            at = cur;
-            cur = c->entries[cur].next;
         }
+        prev = e;
+        prev_t = t;
         if (at == NIL) {
             lru_push_head(c, e);
         } else {
@@ -1026,7 +1090,10 @@ static PyObject *Core_clear(Core *c, PyObject *slot_o) {
         drop_entry(c, c->workers[slot].tail);
         n++;
     }
-    if (c->repl != NULL) c->repl->gen[slot]++; /* its buffered deltas are not sent */
+    if (c->repl != NULL) {
+        c->repl->gen[slot]++; /* its buffered deltas are not sent */
+        c->repl->quiet[slot] = 0;  /* the slot may serve another worker next */
+    }
     return PyLong_FromSsize_t(n);
 }
 
@@ -1123,12 +1190,13 @@ static PyObject *Core_export(Core *c, PyObject *since_o) {
 
 /* -- replication methods ----------------------------------------------------------------------------- */
 
-/* replicate(granularity, max_pending, relay): keep a digest and a delta buffer from now on (on an empty core) */
+/* replicate(granularity, max_pending, relay, refresh=0): keep a digest and a delta buffer from now on (on an
+ * empty core) */
 static PyObject *Core_replicate(Core *c, PyObject *args) {
-    double gran;
+    double gran, refresh = 0.0;
     Py_ssize_t max_pending;
     int relay;
-    if (!PyArg_ParseTuple(args, "dnp:replicate", &gran, &max_pending, &relay)) return NULL;
+    if (!PyArg_ParseTuple(args, "dnp|d:replicate", &gran, &max_pending, &relay, &refresh)) return NULL;
     if (c->repl != NULL || c->live) {
         PyErr_SetString(PyExc_RuntimeError, "replicate() is called once, on an empty index");
         return NULL;
@@ -1137,8 +1205,22 @@ static PyObject *Core_replicate(Core *c, PyObject *args) {
     if (r == NULL) return PyErr_NoMemory();
     r->gran = gran > 0 ? gran : 0.0;
     r->relay = relay;
+    r->refresh = refresh > 0 ? refresh : 0.0;
     r->max_pending = max_pending;
     c->repl = r;
+    Py_RETURN_NONE;
+}
+
+static Repl *need_repl(Core *c);
+
+/* set_quiet(slot, quiet): the worker's local inserts are not buffered for gossip (see insert_keys) */
+static PyObject *Core_set_quiet(Core *c, PyObject *args) {
+    PyObject *slot_o;
+    int slot, quiet;
+    Repl *r = need_repl(c);
+    if (r == NULL || !PyArg_ParseTuple(args, "Op:set_quiet", &slot_o, &quiet) || get_slot(slot_o, &slot) < 0)
+        return NULL;
+    r->quiet[slot] = (uint8_t)quiet;
     Py_RETURN_NONE;
 }
 
@@ -1375,7 +1457,7 @@ static PyMethodDef Core_methods[] = {
     {"match", (PyCFunction)Core_match, METH_O, "match(hs) -> {worker: leading blocks held}"},
     {"match_ids", (PyCFunction)Core_match_ids, METH_O, "match_ids(ids) -> match(block_hashes(ids)), names kept"},
     {"insert_named", (PyCFunction)Core_insert_named, METH_VARARGS, "insert_named(slot, now): the last match_ids"},
-    {"insert", (PyCFunction)Core_insert, METH_VARARGS, "insert(hs, slot, now) -> blocks evicted"},
+    {"insert", (PyCFunction)Core_insert, METH_VARARGS, "insert(hs, slot, now, gossip=True) -> blocks evicted"},
     {"merge", (PyCFunction)Core_merge, METH_VARARGS, "merge(slot, hs, times) -> entries added"},
     {"remove", (PyCFunction)Core_remove, METH_VARARGS, "remove(hs, slot) -> entries removed"},
     {"clear", (PyCFunction)Core_clear, METH_O, "clear(slot) -> entries removed"},
@@ -1386,7 +1468,8 @@ static PyMethodDef Core_methods[] = {
     {"count", (PyCFunction)Core_count, METH_O, "count(slot) -> blocks held"},
     {"export", (PyCFunction)Core_export, METH_O, "export(since or None) -> {(block, worker): time}"},
     {"set_name", (PyCFunction)Core_set_name, METH_VARARGS, "set_name(slot, name or None)"},
-    {"replicate", (PyCFunction)Core_replicate, METH_VARARGS, "replicate(granularity, max_pending, relay)"},
+    {"replicate", (PyCFunction)Core_replicate, METH_VARARGS, "replicate(granularity, max_pending, relay, refresh)"},
+    {"set_quiet", (PyCFunction)Core_set_quiet, METH_VARARGS, "set_quiet(slot, quiet)"},
     {"digest", (PyCFunction)Core_digest, METH_O, "digest(recompute) -> {slot: {time slot: (count, sum)}}"},
     {"take", (PyCFunction)Core_take, METH_O, "take(limit) -> [(slot, time or None, keys, times or None)]"},
     {"queue", (PyCFunction)Core_queue, METH_VARARGS, "queue(slot, hs): buffered at the times held"},

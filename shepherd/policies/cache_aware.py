@@ -183,6 +183,8 @@ class CacheAware:
         self.indexes: dict[str, PrefixIndex] = {}
         self.placements: dict[str, Placements] = {}
         self.last: Decision | None = None
+        # called after each routing decision's index insert (the mesh flushes the delta it leaves)
+        self.on_insert: Callable[[], None] | None = None
 
     @property
     def worker_limit(self) -> int | None:
@@ -222,4 +224,6 @@ class CacheAware:
         if end is not None:
             pl.ended(end)
         ix.insert(ids, d.worker.id, now)
+        if self.on_insert is not None:
+            self.on_insert()
         return d.worker

@@ -5,15 +5,21 @@ max-merge (``policies.prefix_index``): no tombstones; entries leave by age and c
 replica by itself. ``ReplicatedPrefixIndex`` is a ``RunPrefixIndex`` (the run layout: policies use it
 unchanged, at close to its cost per request and memory per block) that also keeps:
 
-- a delta buffer: the blocks inserted locally (routing decisions, KV events) since the last batch,
-  as the inserts' own (worker, time, blocks) groups (O(1) per insert: a new run is buffered by
-  reference, its blocks read when the batch is cut; no deduplication: the receivers' max-merge
-  absorbs the rare repeat; one request's groups leave as one). A re-access of a held block is
-  buffered again only when it moves the block into a new time slot of the digest (below), so at most
-  once per ``digest_granularity_s``: a chat's prefix is re-accessed every turn, and sending it every
-  time would be most of the traffic; peers' times lag by less than a slot, which only shifts their
-  expiry and LRU order, and their digests still agree. Bounded (``max_pending`` entries; the oldest
-  batches are dropped: digest repair covers them);
+- a delta buffer: the blocks routing decisions inserted since the last batch, as the inserts' own
+  (worker, time, blocks) groups (O(1) per insert: a new run is buffered by reference, its blocks read
+  when the batch is cut; no deduplication: the receivers' max-merge absorbs the rare repeat; one
+  request's groups leave as one). Never buffered: inserts learned from an engine's KV events
+  (``store_token_blocks``: every node subscribed to the engine gets the same event), and the inserts of
+  a quiet worker (``set_quiet``: a node with ``--mesh-index-replication auto`` quiets the workers whose
+  KV-event stream is live; their entries take their access times, and digest repair leaves them
+  alone). A held block a routing decision re-accesses in another time slot of the digest (below) is
+  moved there and buffered again only once ``refresh_s`` old (600 s; 0: at every slot change, as
+  before); until then it stays in its slot, its time the slot's last instant at most (``_clamp``), so
+  peers' digests still agree and a follow-up sends only its new blocks. A chat's prefix is re-accessed
+  every turn: re-sending it when a turn crossed a slot was most of the traffic. Peers' times lag by
+  less than ``refresh_s`` plus a slot (capped below ``max_age_s``), which only shifts their expiry and
+  LRU order. Bounded (``max_pending`` entries; the oldest batches are dropped: digest repair covers
+  them);
 - a digest: per (worker, time slot) bucket, the entry count and the sum of the block hashes
   (mod 2**64), a slot being ``int(last_access // digest_granularity_s)`` (0: the exact time). It is
   maintained incrementally, per run rather than per block where it can: a run touched at time t
@@ -63,6 +69,7 @@ __all__ = [
     "IndexReplConfig",
     "ReplicaApi",
     "ReplicatedPrefixIndex",
+    "effective_refresh",
     "worker_key",
 ]
 
@@ -76,6 +83,15 @@ class IndexReplConfig:
     max_future_s: float = 60.0  # entries stamped further ahead of the local clock are dropped
     relay: bool = False  # re-gossip entries received from peers that changed this index
     repair_settle_s: float = 5.0  # digest repair leaves alone time slots that ended less than this ago
+    # a local re-access moves a held entry into a newer time slot, and sends it again, only once it is
+    # this old (0: at every slot change, as before); capped at max_age_s - 2 x the granularity
+    refresh_s: float = 600.0
+
+
+def effective_refresh(config: PrefixIndexConfig, repl: IndexReplConfig) -> float:
+    """``repl.refresh_s``, capped so that an entry kept in use is refreshed on every replica before it
+    expires there (``max_age_s``)."""
+    return max(0.0, min(repl.refresh_s, config.max_age_s - 2 * repl.digest_granularity_s))
 
 
 _WKEYS: dict[str, int] = {}
@@ -102,7 +118,38 @@ class ReplicaApi:
     config: PrefixIndexConfig
     repl: IndexReplConfig
     _g: float
+    _refresh: float
     rejected: int
+    _quiet: set[str]
+
+    @property
+    def quiet_workers(self) -> frozenset[str]:
+        """Workers whose local inserts are not buffered for gossip (``set_quiet``)."""
+        return frozenset(self._quiet)
+
+    def set_quiet(self, worker: str, quiet: bool) -> None:
+        """``quiet``: this worker's local inserts (routing decisions) are never buffered for gossip, its
+        entries always take their access time, and digest repair leaves it alone: every node learns
+        what it caches from the engine's own KV events (a node's ``--mesh-index-replication auto`` for a
+        worker whose event stream is live, or ``none``)."""
+        raise NotImplementedError
+
+    def store_token_blocks(
+        self, worker: str, token_ids: Sequence[int], now: float, parent: int | None = None
+    ) -> list[int]:
+        """KV event "stored" (``PrefixIndex.store_token_blocks``), never buffered for gossip: every node
+        subscribed to the engine gets the same event (its entries take the event's time, as a quiet
+        worker's do)."""
+        raise NotImplementedError
+
+    def _clamp(self, so: Slot, old: float, now: float) -> float:
+        """The time a held entry at ``old`` (slot ``so``) takes for an access at ``now`` that leaves it in
+        its slot: the slot's last instant at most, never earlier than ``old``."""
+        g = self._g
+        if not now > old or g <= 0:
+            return old
+        end = min(now, math.nextafter((so + 1) * g, -math.inf))
+        return end if end > old and self.slot(end) == so else old
 
     def digest(self) -> Digest:
         raise NotImplementedError
@@ -164,6 +211,8 @@ class ReplicaApi:
         g = self._g
         out: dict[str, set[Slot]] = {}
         for w in mine.keys() | remote.keys():
+            if w in self._quiet:  # the engine's events feed every node: repair would double them
+                continue
             a, b = mine.get(w, {}), remote.get(w, {})
             bad = {
                 sl
@@ -202,6 +251,9 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
         super().__init__(config)
         self.repl = repl or IndexReplConfig()
         self._g = self.repl.digest_granularity_s
+        self._refresh = effective_refresh(self.config, self.repl)
+        self._quiet = set()
+        self._gossip = True  # False while a KV event's insert runs (store_token_blocks)
         # the digest: worker -> slot -> [count, sum of block hashes] (exact ints, reduced when read)
         self._acc: dict[str, dict[Slot, list[int]]] = {}
         # the delta buffer, oldest first: (worker, time or None: read it when cut, source, start, end),
@@ -265,7 +317,14 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
             self._bucket_add(worker, sl, sign * len(hs), sign * sum(hs))
 
     def _moved(
-        self, worker: str, keys: list[int], olds: list[float], lo: float, hi: float, now: float
+        self,
+        worker: str,
+        keys: list[int],
+        olds: list[float],
+        lo: float,
+        hi: float,
+        now: float,
+        send: bool = True,
     ) -> None:
         """Blocks ``keys`` of ``worker``, at times ``olds`` (between ``lo`` and ``hi``), were set to
         ``now`` by a local access, and some changed slot: their digest terms move, and those blocks are
@@ -277,7 +336,8 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
             n, total = len(keys), sum(keys)
             self._bucket_add(worker, so, -n, -total)
             self._bucket_add(worker, ns, n, total)
-            self._queue_keys(worker, keys, now)
+            if send:
+                self._queue_keys(worker, keys, now)
             return
         slots = self._slot_list(olds)
         moved = [h for h, sl in zip(keys, slots, strict=True) if sl != ns]
@@ -288,7 +348,8 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
                 mts = [t for t, sl in zip(olds, slots, strict=True) if sl != ns]
                 self._bucket_times(worker, moved, mts, -1)
             self._bucket_add(worker, ns, len(moved), sum(moved))
-            self._queue_keys(worker, moved, now)
+            if send:
+                self._queue_keys(worker, moved, now)
 
     def digest(self) -> Digest:
         """worker -> time slot -> (count, sum of block hashes mod 2**64): equal entry sets (and times
@@ -311,11 +372,13 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
 
     _touch_hooked = True
 
-    def _on_touch(self, holder: _Holder, run: _Run, o: int, b: int, now: float) -> None:
+    def _on_touch(self, holder: _Holder, run: _Run, o: int, b: int, now: float) -> bool:
         """``RunPrefixIndex._touch``'s hook: the digest accounting of a run's span about to be set to
         ``now``. The old times' slots are checked through the span's ends (an ordered run) or a
-        C-speed min and max; only blocks whose slot changes (at most once per
-        ``digest_granularity_s``) cost Python-level work, and are buffered for gossip."""
+        C-speed min and max; only blocks whose slot changes cost Python-level work. An insert that is
+        not sent (a KV event's, a quiet worker's) moves them to now's slot; a routing decision moves
+        (and sends again) those ``refresh_s`` old, the others stay in their slots, their times the
+        slot's last instant at most (set here: True)."""
         times = run.times
         if run.ordered:  # the old times lie between the first and the last one
             hi, lo = times[o], times[o + b - 1]
@@ -328,16 +391,50 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
             moved = hf != now // g or (lo is not hi and lo // g != hf)
         else:
             moved = not lo == now == hi
-        if moved:  # a slot changes
-            self._moved(holder.name, run.keys[o : o + b], times[o : o + b], lo, hi, now)
+        if not moved:
+            return False
+        name = holder.name
+        quiet = name in self._quiet
+        send = self._gossip and not quiet
+        if not send or not now - hi < self._refresh:  # all move (not sent, or the newest is due)
+            self._moved(name, run.keys[o : o + b], times[o : o + b], lo, hi, now, send)
+            return False
+        # some (or all) stay in their slots: block by block (bounded by the span)
+        ns = self.slot(now)
+        keys = run.keys
+        mk: list[int] = []
+        mt: list[float] = []
+        for j in range(o, o + b):
+            old = times[j]
+            so = self.slot(old)
+            if so == ns:
+                times[j] = now
+            elif now < old or not now - old < self._refresh:  # an older time moves it, as locally
+                mk.append(keys[j])
+                mt.append(old)
+                times[j] = now
+            else:
+                times[j] = self._clamp(so, old, now)
+        if mk:
+            self._moved(name, mk, mt, min(mt), max(mt), now)
+        return True
 
     def _touch_one(self, holder: _Holder, run: _Run, h: int, now: float) -> None:
         o = run.keys.index(h)
         old = run.times[o]
         if now > old:
-            self._set_time(holder, run, o, now)
-            if self.slot(old) != self.slot(now):
-                self._moved(holder.name, [h], [old], old, old, now)
+            so = self.slot(old)
+            if so == self.slot(now):
+                self._set_time(holder, run, o, now)
+                return
+            send = self._gossip and holder.name not in self._quiet
+            if not send or not now - old < self._refresh:
+                self._set_time(holder, run, o, now)
+                self._moved(holder.name, [h], [old], old, old, now, send)
+                return
+            t = self._clamp(so, old, now)
+            if t > old:
+                self._set_time(holder, run, o, t)
 
     def _add_run(self, holder: _Holder, keys: list[int], times: list[float], chain: bool) -> _Run | None:
         """Blocks new to the worker from a local insert, all at one time (the parent calls it so;
@@ -347,10 +444,11 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
             t = times[0]
             ks = run.keys
             self._bucket_add(holder.name, self.slot(t), len(ks), sum(ks))
-            self._pending.append((holder.name, t, run, 0, len(ks)))
-            self._pending_n += len(ks)
-            if self._pending_n > self.repl.max_pending:
-                self._drop_pending()
+            if self._gossip and holder.name not in self._quiet:
+                self._pending.append((holder.name, t, run, 0, len(ks)))
+                self._pending_n += len(ks)
+                if self._pending_n > self.repl.max_pending:
+                    self._drop_pending()
         return run
 
     def _queue_keys(self, worker: str, keys: list[int], t: float | None = None) -> None:
@@ -523,6 +621,21 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
 
     def _replica_workers(self) -> Iterable[str]:
         return list(self._holders)
+
+    def set_quiet(self, worker: str, quiet: bool) -> None:
+        if quiet:
+            self._quiet.add(worker)
+        else:
+            self._quiet.discard(worker)
+
+    def store_token_blocks(
+        self, worker: str, token_ids: Sequence[int], now: float, parent: int | None = None
+    ) -> list[int]:
+        self._gossip = False
+        try:
+            return RunPrefixIndex.store_token_blocks(self, worker, token_ids, now, parent)
+        finally:
+            self._gossip = True
 
     def _queue_held(self, worker: str, keys: Sequence[int]) -> None:
         self._queue_keys(worker, list(keys))  # at the times held when cut

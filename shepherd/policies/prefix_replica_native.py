@@ -5,9 +5,10 @@
 The same replica as ``prefix_replica.ReplicatedPrefixIndex`` (the wire, the delta and digest rules, the
 validation of received groups: ``ReplicaApi``), on ``NativePrefixIndex``'s core with the replication
 turned on (``Core.replicate``): the digest (per worker and time slot, the entry count and the sum of the
-block names mod 2**64) follows every change of an entry inside the core; the delta buffer holds, per local
-insert, the blocks it made or moved into another time slot (in chain order; re-accessed blocks in the
-same slot are not sent again), bounded by ``max_pending`` (the oldest batches go, whole). A batch is cut
+block names mod 2**64) follows every change of an entry inside the core; the delta buffer holds, per routing
+decision, the blocks it made, and those it moved into another time slot once ``refresh_s`` old (in chain
+order; younger ones stay in their slot), bounded by ``max_pending`` (the oldest batches go, whole). KV-event
+inserts (``store_token_blocks``) and a quiet worker's (``set_quiet``) are never buffered. A batch is cut
 by ``take_groups``: blocks no longer held by their worker, and batches of a worker cleared since, are
 left out. Merges (``apply_groups``) set newer times and add new entries in the core; with ``relay`` what
 they changed is buffered too, at the times held when cut.
@@ -24,9 +25,15 @@ from __future__ import annotations
 from array import array
 from collections.abc import Collection, Iterable, Sequence
 
+from shepherd.policies.block_names import CHAIN_SEED, block_hashes
 from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
 from shepherd.policies.prefix_index import PrefixIndexConfig
-from shepherd.policies.prefix_replica import IndexReplConfig, ReplicaApi, ReplicatedPrefixIndex
+from shepherd.policies.prefix_replica import (
+    IndexReplConfig,
+    ReplicaApi,
+    ReplicatedPrefixIndex,
+    effective_refresh,
+)
 from shepherd.proto.index_wire import Digest, Group, Slot
 
 __all__ = ["NativeReplicatedPrefixIndex", "Replica", "make_replica"]
@@ -51,7 +58,9 @@ class NativeReplicatedPrefixIndex(ReplicaApi, NativePrefixIndex):
         super().__init__(config)
         self.repl = repl or IndexReplConfig()
         self._g = self.repl.digest_granularity_s
-        self._core.replicate(self._g, self.repl.max_pending, self.repl.relay)
+        self._refresh = effective_refresh(self.config, self.repl)
+        self._quiet = set()
+        self._core.replicate(self._g, self.repl.max_pending, self.repl.relay, self._refresh)
         self.rejected = 0  # received entries dropped (too old or too far in the future)
 
     # -- digest -------------------------------------------------------------------------------------
@@ -102,6 +111,30 @@ class NativeReplicatedPrefixIndex(ReplicaApi, NativePrefixIndex):
 
     def _replica_workers(self) -> Iterable[str]:
         return self.workers
+
+    def set_quiet(self, worker: str, quiet: bool) -> None:
+        if quiet:
+            self._quiet.add(worker)
+        else:
+            self._quiet.discard(worker)
+        s = self._slot.get(worker)
+        if s is not None:
+            self._core.set_quiet(s, quiet)
+
+    def _add_slot(self, worker: str) -> int | None:
+        s = NativePrefixIndex._add_slot(self, worker)
+        if s is not None and worker in self._quiet:
+            self._core.set_quiet(s, True)
+        return s
+
+    def store_token_blocks(
+        self, worker: str, token_ids: Sequence[int], now: float, parent: int | None = None
+    ) -> list[int]:
+        hs = block_hashes(token_ids, CHAIN_SEED if parent is None else parent)
+        s = self._slot_of(worker) if hs else None
+        if s is not None:
+            self._core.insert(hs, s, now, False)  # an engine's event: never buffered for gossip
+        return hs
 
     def _queue_held(self, worker: str, keys: Sequence[int]) -> None:
         self._core.queue(self._slot[worker], keys)

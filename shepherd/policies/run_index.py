@@ -320,9 +320,10 @@ class RunPrefixIndex(PrefixIndex):
 
     _touch_hooked = False  # a subclass that overrides _on_touch sets it (the base loop skips the call)
 
-    def _on_touch(self, holder: _Holder, run: _Run, o: int, b: int, now: float) -> None:
+    def _on_touch(self, holder: _Holder, run: _Run, o: int, b: int, now: float) -> bool:
         """Called by ``_touch`` for each run's span ``run.keys[o:o+b]`` before its times become ``now``,
-        when ``_touch_hooked``."""
+        when ``_touch_hooked``. True: the hook set the span's times itself (some below ``now``)."""
+        return False
 
     def _touch(self, holder: _Holder, hs: Sequence[int], k: int, now: float) -> int:
         """Set the time of the held blocks ``hs[:k]`` to ``now``, run by run; returns how far it got
@@ -350,8 +351,12 @@ class RunPrefixIndex(PrefixIndex):
                 b = k - i
             if b > 1 and (not run.chain or keys[o + b - 1] != hs[i + b - 1]):  # it leaves the chain
                 b = self._span(run, o, hs, i, b)
-            if hooked:
-                self._on_touch(holder, run, o, b, now)
+            if hooked and self._on_touch(holder, run, o, b, now):
+                run.ordered = False  # times the hook chose: their order along the run is not known
+                if o + b == len(keys):
+                    heapq.heappush(holder.heap, (run.times[-1], -run.seq, run))
+                i += b
+                continue
             times = run.times
             if run.ordered and ((o and times[o - 1] < now) or (o + b < len(times) and times[o + b] > now)):
                 run.ordered = False

@@ -2,7 +2,10 @@
  * protobuf's encoder for (a repeated uint32 field built from Python ints, ~40 ns an id, and a message
  * made and serialized around it). Only the plain case is handled here: exact ints in [0, 2**32). Anything
  * else returns None and the caller takes protobuf's path, which refuses it with protobuf's own error. The
- * property tests compare the bytes with protobuf's on any ids. */
+ * property tests compare the bytes with protobuf's on any ids.
+ * ``chunk_fields`` reads a plain stream chunk (token ids and counts: one message per token from a paced
+ * engine) without building protobuf messages; anything else is left to protobuf, and the property tests
+ * compare its answers with protobuf's. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -58,14 +61,104 @@ static PyObject *packed_uint32(PyObject *module, PyObject *ids) {
     return out;
 }
 
+/* one varint at *p (before end): its value, *p moved past it; -1 when truncated, longer than 10 bytes or
+ * above 2**32 - 1 (the caller then leaves the message to protobuf, which truncates such a uint32) */
+static inline int64_t read_uint32(const uint8_t **p, const uint8_t *end) {
+    uint64_t v = 0;
+    int shift = 0;
+    const uint8_t *q = *p;
+    while (q < end && shift < 70) {
+        uint8_t b = *q++;
+        v |= (uint64_t)(b & 0x7F) << (shift < 64 ? shift : 63);
+        if (!(b & 0x80)) {
+            *p = q;
+            return v <= 0xFFFFFFFFULL && shift < 35 ? (int64_t)v : -1;
+        }
+        shift += 7;
+    }
+    return -1;
+}
+
+/* the token id v appended to ids: 0, or -1 with an exception set (memory) */
+static inline int append_id(PyObject *ids, int64_t v) {
+    PyObject *o = PyLong_FromLongLong(v);
+    if (o == NULL) return -1;
+    int r = PyList_Append(ids, o);
+    Py_DECREF(o);
+    return r;
+}
+
+/* chunk_fields(raw, start, index_field, skip_field) -> (index, ids, prompt, completion, cached) or None.
+ * ``raw[start:]`` is a GenerateStreamChunk's length and body, the last thing in ``raw`` (a serialized
+ * GenerateResponse after its chunk tag). Only the plain chunk is read here: token ids (packed or not)
+ * and the varint counts, plus ``skip_field`` (a varint read past, 0: none). Anything else (logprobs,
+ * hidden states, unknown fields, other wire types, bytes after the chunk, values protobuf would
+ * truncate) answers None, and the caller parses the message with protobuf. */
+static PyObject *chunk_fields(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 4 || !PyBytes_CheckExact(args[0])) Py_RETURN_NONE;
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    long index_field = PyLong_AsLong(args[2]);
+    long skip_field = PyLong_AsLong(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    const uint8_t *buf = (const uint8_t *)PyBytes_AS_STRING(args[0]);
+    Py_ssize_t n = PyBytes_GET_SIZE(args[0]);
+    if (start < 0 || start >= n || index_field <= 0 || index_field > 15 || skip_field < 0 || skip_field > 15)
+        Py_RETURN_NONE;
+    const uint8_t *p = buf + start, *end = buf + n;
+    int64_t len = read_uint32(&p, end);
+    if (len < 0 || len != end - p) Py_RETURN_NONE;
+    int64_t counts[16] = {0};
+    PyObject *ids = PyList_New(0);
+    if (ids == NULL) return NULL;
+    while (p < end) {
+        uint8_t tag = *p++;
+        if (tag & 0x80) goto other; /* a field number above 15: not ours */
+        int field = tag >> 3, wire = tag & 7;
+        if (field == 1 && wire == 2) { /* packed token ids */
+            int64_t plen = read_uint32(&p, end);
+            if (plen < 0 || plen > end - p) goto other;
+            const uint8_t *pend = p + plen;
+            while (p < pend) {
+                int64_t v = read_uint32(&p, pend);
+                if (v < 0) goto other;
+                if (append_id(ids, v) < 0) goto fail;
+            }
+            continue;
+        }
+        if (wire != 0) goto other;
+        int64_t v = read_uint32(&p, end);
+        if (v < 0) goto other;
+        if (field == 1) { /* an unpacked token id */
+            if (append_id(ids, v) < 0) goto fail;
+        } else if (field == 2 || field == 3 || field == 4 || field == index_field) {
+            counts[field] = v;
+        } else if (field != skip_field) {
+            goto other;
+        }
+    }
+    return Py_BuildValue("(LNLLL)", (long long)counts[index_field], ids, (long long)counts[2],
+                         (long long)counts[3], (long long)counts[4]);
+other:
+    Py_DECREF(ids);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(ids);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"packed_uint32", (PyCFunction)packed_uint32, METH_O,
      "packed_uint32(ids) -> bytes, or None unless ids is a list or tuple of ints in [0, 2**32)"},
+    {"chunk_fields", (PyCFunction)(void (*)(void))chunk_fields, METH_FASTCALL,
+     "chunk_fields(raw, start, index_field, skip_field) -> (index, ids, prompt, completion, cached), or None "
+     "unless raw[start:] is a plain GenerateStreamChunk (length and body) ending raw"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "_varint", "Packed protobuf varints of token ids (engine_requests._packed at C speed).",
+    PyModuleDef_HEAD_INIT, "_varint",
+    "Packed protobuf varints of token ids (engine_requests._packed at C speed); a plain stream chunk's fields.",
     -1, methods,
 };
 

@@ -1,3 +1,6 @@
 from collections.abc import Sequence
 
 def packed_uint32(ids: Sequence[int], /) -> bytes | None: ...
+def chunk_fields(
+    raw: bytes, start: int, index_field: int, skip_field: int, /
+) -> tuple[int, list[int], int, int, int] | None: ...

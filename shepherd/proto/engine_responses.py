@@ -2,7 +2,8 @@
 
 ``decode_response``: a GenerateResponse of either engine -> ``EngineChunk`` / ``EngineComplete``.
 ``decode_batch``: the responses that arrived together -> events, consecutive chunks of one choice merged
-(parsed as one message when the request has one choice). ``decode_model_info``, ``decode_server_info``,
+(parsed as one message when the request has one choice; a lone plain chunk read in C when
+``_varint`` is built). ``decode_model_info``, ``decode_server_info``,
 ``decode_loads``: the other calls' answers. Shared by every transport, as engine_requests.py is.
 """
 
@@ -89,6 +90,19 @@ def _decode(resp: Any, kind: str | None) -> EngineEvent | None:
     return None
 
 
+_c_chunk: Callable[[bytes, int, int, int], tuple[int, list[int], int, int, int] | None] | None = None
+try:  # a plain stream chunk's fields in C (setup.py builds it where a compiler is)
+    from shepherd.proto._varint import chunk_fields
+
+    _c_chunk = chunk_fields
+except ImportError:  # pragma: no cover - an install without a C compiler (or an older build)
+    pass
+# GenerateStreamChunk's (index field, a varint field read past) per engine: SGLang's reasoning_tokens
+# is not read (the upb path ignores it too); vLLM's chunk has no other varint
+_SGLANG_CHUNK = (8, 9)
+_VLLM_CHUNK = (7, 0)
+
+
 def _sglang_chunk_head(b: bytes) -> int:
     """Whether a serialized SGLang GenerateResponse is a chunk, from its first bytes (request_id, field 1,
     then the oneof's tag: chunk is field 2): the length of that head (its bytes up to the chunk tag
@@ -131,11 +145,19 @@ def decode_batch(
     stream whose tokens arrive together is 30+ messages). Chunks are told apart from the other responses
     by their first bytes; anything unusual is parsed alone."""
     if single is not None:
-        head_of = _vllm_chunk_head if single == "vllm" else _sglang_chunk_head
+        vllm = single == "vllm"
+        head_of = _vllm_chunk_head if vllm else _sglang_chunk_head
         if len(raws) > 1:
             return _decode_single(raws, parse, head_of)
-        if raws and head_of(raws[0]):  # one chunk (a token arriving alone): no oneof dispatch
-            return [_chunk_event(parse(raws[0]).chunk)]
+        if raws:
+            raw = raws[0]
+            head = head_of(raw)
+            if head:  # one chunk (a token arriving alone, as a paced engine sends them): no oneof dispatch
+                if _c_chunk is not None:  # a plain chunk read in C, without protobuf's messages
+                    f = _c_chunk(raw, head, *(_VLLM_CHUNK if vllm else _SGLANG_CHUNK))
+                    if f is not None:
+                        return [EngineChunk(f[0], f[1], f[2], f[3], f[4], [])]
+                return [_chunk_event(parse(raw).chunk)]
     out: list[EngineEvent] = []
     for raw in raws:
         resp = parse(raw)
@@ -177,7 +199,7 @@ def _chunk_event(c: Any) -> EngineChunk:
     """A GenerateStreamChunk (either engine) -> EngineChunk (its ids and logprobs in lists of its own)."""
     return EngineChunk(
         c.index,
-        list(c.token_ids),
+        c.token_ids[:],  # (a list; a slice copies it in one call: list() steps the container per id)
         c.prompt_tokens,
         c.completion_tokens,
         c.cached_tokens,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,18 @@ class SQLiteStore(sql.PlanStore):
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-        conn.execute("PRAGMA journal_mode = WAL")
+        # switching to WAL takes the file's exclusive lock and SQLite does not wait for it (no busy
+        # handler): two stores opening one new file at once would fail here, so retry, bounded
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode = WAL")
+                break
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    conn.close()
+                    raise
+                time.sleep(0.01)
         conn.execute("PRAGMA synchronous = NORMAL")
         self._conn = conn
         self._execute(sql.migrate(sql.SQLITE, apply=True), True)

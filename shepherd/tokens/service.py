@@ -311,6 +311,21 @@ class TokenizerService:
         got = self._encode_here(model, tok.cache, text, False)
         return text, got if isinstance(got, list) else await got
 
+    def cache_counters(self) -> tuple[int, int, int, int, int, int]:
+        """The cache lookups so far, summed over models: (render hits, render misses, L0 hits, L0 misses,
+        L1 hits, L1 misses): what a traced stage reads before and after itself (``tracing.stage``)."""
+        rh = rm = l0h = l0m = l1h = l1m = 0
+        for tok in self._tokenizers.values():
+            c = tok.cache
+            l0h += c.exact_hits
+            l0m += c.exact_misses
+            l1h += c.segment_hits
+            l1m += c.segment_misses
+            for tpl in tok.templates.values():
+                rh += tpl.hits
+                rm += tpl.misses
+        return rh, rm, l0h, l0m, l1h, l1m
+
     def stats(self) -> dict[str, int]:
         """Counters summed over models: ``l0_hits``/``l0_misses``/``l1_hits``/``l1_misses``/
         ``render_hits``/``render_misses`` plus sizes and pool figures."""

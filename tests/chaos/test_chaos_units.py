@@ -5,10 +5,11 @@ mesh seam and the mesh scenarios' figures (SWIM bounds, flapping schedule, rate-
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
-from typing import cast
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, cast
 
 import pytest
 from hypothesis import given, settings
@@ -40,6 +41,9 @@ from chaos.scenarios.base import (
 )
 from shepherd.mesh import faults as node_faults
 from shepherd.node.openai.sse import error_event
+
+if TYPE_CHECKING:  # for the annotations: aiohttp is imported only where a test serves HTTP
+    from aiohttp import web
 
 
 def rec(
@@ -489,10 +493,10 @@ async def _openai_stub(
 ) -> tuple[list[tuple[int, list[dict[str, str]]]], list[str], Callable[[], Awaitable[None]]]:
     """Two loopback servers answering chat completions: per server a status; usage counts the history's
     words as prompt tokens and every earlier message's words as cached. Returns (seen, urls, close)."""
-    from aiohttp import web
+    from aiohttp import web  # not at the top: only the tests that serve HTTP need it
 
     seen: list[tuple[int, list[dict[str, str]]]] = []
-    runners = []
+    servers = contextlib.AsyncExitStack()
     urls = []
     for i in range(2):
 
@@ -509,19 +513,23 @@ async def _openai_stub(
 
         app = web.Application()
         app.router.add_post("/v1/chat/completions", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
+        urls.append(await servers.enter_async_context(serving(app)))
+    return seen, urls, servers.aclose
+
+
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """``app`` served on a free loopback port while inside: its base URL (``http://127.0.0.1:port``)."""
+    from aiohttp import web  # not at the top: only the tests that serve HTTP need it
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        runners.append(runner)
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        urls.append(f"http://127.0.0.1:{port}")
-
-    async def close() -> None:
-        for r in runners:
-            await r.cleanup()
-
-    return seen, urls, close
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()
 
 
 async def _until(pred: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -634,23 +642,14 @@ async def test_load_generator_counts_a_stream_ending_in_an_error_event_as_failed
 
     app = web.Application()
     app.router.add_post("/{base}/v1/chat/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with serving(app) as url:
         out = {}
         for base in bodies:
-            gen = LoadGenerator(
-                LoadSpec(url=f"http://127.0.0.1:{port}{base}", rate=200.0, retries=1, stream_fraction=1.0)
-            )
+            gen = LoadGenerator(LoadSpec(url=url + base, rate=200.0, retries=1, stream_fraction=1.0))
             gen.start()
             snapshot = gen.snapshot
             await _until(lambda: len(snapshot()) >= 4)  # noqa: B023 - awaited within the iteration
             out[base] = await asyncio.to_thread(gen.stop)
-    finally:
-        await runner.cleanup()
     assert len(out["/ok"]) >= 4 and all(r.stream and r.ok and r.attempts == 1 for r in out["/ok"])
     assert len(out["/err"]) >= 4
     for r in out["/err"]:  # a 200 whose stream carried an error event: failed, retried, failed again

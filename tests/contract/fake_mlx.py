@@ -63,6 +63,8 @@ class FakeMlx(mx_grpc.MlxEngineServicer):  # type: ignore[misc]
         self.active = 0
         self.model_dir: Path | None = None  # GetTokenizer serves this directory (None: no tokenizer)
         self.tokenizer_calls = 0
+        # (request_id, traceparent, tracestate) of each Generate call, as its gRPC metadata carried them
+        self.trace_contexts: list[tuple[str, str | None, str | None]] = []
 
     def _plan(self, req: mx.GenerateRequest) -> tuple[list[int], str, int | None]:
         sp = req.sampling_params
@@ -81,6 +83,9 @@ class FakeMlx(mx_grpc.MlxEngineServicer):  # type: ignore[misc]
 
     async def Generate(self, request: mx.GenerateRequest, context: Ctx) -> AsyncIterator[mx.GenerateResponse]:
         self.requests.append(request)
+        md = dict(context.invocation_metadata() or ())
+        tp, ts = md.get("traceparent"), md.get("tracestate")
+        self.trace_contexts.append((request.request_id, str(tp) if tp else None, str(ts) if ts else None))
         if request.WhichOneof("input") != "tokenized":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "MLX servicer requires tokenized input")
         s = self.script

@@ -101,9 +101,14 @@ class FakeTrtllm(tr_grpc.TrtllmServiceServicer):  # type: ignore[misc]
         self.kv_batches: list[common_pb2.KvEventBatch] = []
         self.kv_unimplemented = False
         self.kv_subscriptions = 0
+        # (request_id, traceparent, tracestate) of each Generate call, as its gRPC metadata carried them
+        self.trace_contexts: list[tuple[str, str | None, str | None]] = []
 
     async def Generate(self, request: tr.GenerateRequest, context: Ctx) -> AsyncIterator[tr.GenerateResponse]:
         self.requests.append(request)
+        md = dict(context.invocation_metadata() or ())
+        tp, ts = md.get("traceparent"), md.get("tracestate")
+        self.trace_contexts.append((request.request_id, str(tp) if tp else None, str(ts) if ts else None))
         s = self.script
         rid = request.request_id
         if not request.HasField("tokenized"):

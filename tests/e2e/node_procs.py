@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import signal
 import socket
@@ -18,6 +19,21 @@ from pathlib import Path
 from tests.e2e.logs import log_file
 
 BIN = Path(sys.executable).parent
+
+
+@contextlib.contextmanager
+def env(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in the environment the node processes started inside inherit (restored on exit)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def free_port() -> int:

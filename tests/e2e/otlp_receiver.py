@@ -22,6 +22,9 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 SERVER, CLIENT, INTERNAL = 2, 3, 1  # opentelemetry.proto.trace.v1.Span.SpanKind
 
+# the node's span exporter sends every 100 ms (the SDK's default is 5 s): a test waits less, nothing is timed
+FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+
 
 def _value(v: AnyValue) -> Any:
     kind = v.WhichOneof("value")

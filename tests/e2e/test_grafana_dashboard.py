@@ -86,6 +86,11 @@ def test_every_dashboard_metric_is_served_by_a_node(node: NodeProc, http: httpx.
     assert sample(text, "smg_router_tokens_total", model="qwen3", token_type="output") == 8
     assert sample(text, "smg_router_ttft_seconds_count", model="qwen3", router_type="grpc") == 2
     assert sample(text, "smg_worker_health") == 1
+    # SMG's streaming label: one streamed and one whole answer (the 404 has no model)
+    for streaming in ("true", "false"):
+        assert sample(text, "smg_router_requests_total", endpoint="chat", streaming=streaming) == 1
+    # SMG's generation duration (first token to last), one per answered request
+    assert sample(text, "smg_router_generation_duration_seconds_count", model="qwen3") == 2
     assert sample(text, "smg_worker_cb_state") == 0
 
 

@@ -11,6 +11,7 @@ every process is stopped by its pid, also on failure.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
@@ -101,16 +102,56 @@ def spawn(command: str, *args: str, port: int) -> NodeProc:
     return spawn_node(command, *args, port=port, log_prefix="smg-mesh-node-")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def mesh_pki(
+    tmp_path_factory: pytest.TempPathFactory, names: tuple[str, ...]
+) -> tuple[dict[str, TlsFiles], Path]:
+    """A dev CA with a certificate for each of ``names``, and a key file with one fresh key."""
     pki = tmp_path_factory.mktemp("mesh-pki")
-    files = write_dev_pki(pki, NAMES)
+    files = write_dev_pki(pki, names)
     keyring = pki / "mesh.keyring"
     keyring.write_text(Keyring.format_file([generate_key()]))
-    engines: list[MockEngineProc] = []
-    nodes: dict[str, NodeProc] = {}
+    return files, keyring
+
+
+def start_engines(engines: list[MockEngineProc], n: int) -> None:
+    """Start ``n`` zero-latency mock engines side by side, each added to ``engines`` (which its owner
+    stops) as soon as it is up."""
+    with ThreadPoolExecutor(n) as ex:
+        futures = [ex.submit(start_mock_engine, "--zero-latency") for _ in range(n)]
+        engines.extend(f.result() for f in futures)
+
+
+def wait_nodes_up(nodes: dict[str, NodeProc], path: str = "/liveness") -> None:
+    """Wait until each node answers ``path`` with 200; a node that exits meanwhile fails with its log."""
+    for name, node in nodes.items():
+        wait_for(
+            lambda node=node: node.proc.poll() is not None or http_status(node.url + path) == 200,  # type: ignore[misc]
+            f"node {name} up",
+            timeout=90,
+        )
+        if node.proc.poll() is not None:
+            raise RuntimeError(f"node {name} exited:\n{node.log()}")
+
+
+@contextlib.contextmanager
+def cluster_procs(names: tuple[str, ...]) -> Iterator[Cluster]:
+    """An empty ``Cluster`` with a reserved mesh port per name: the caller starts its engines and nodes
+    into it; on exit every one of them is stopped by its pid, also on failure."""
+    cluster = Cluster({}, {n: reserved_port() for n in names}, [])
     try:
-        mesh_ports = {n: reserved_port() for n in NAMES}
+        yield cluster
+    finally:
+        for node in cluster.nodes.values():
+            node.stop(signal.SIGKILL if node.proc.poll() is None else signal.SIGTERM, timeout=10)
+        for e in cluster.engines:
+            e.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    files, keyring = mesh_pki(tmp_path_factory, NAMES)
+    with cluster_procs(NAMES) as c:
+        nodes, mesh_ports = c.nodes, c.mesh_ports
 
         def flags(name: str) -> list[str]:
             return [
@@ -123,25 +164,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         # b and c start at once (their seeds are retried until a answers), the engines beside them
         nodes["b"] = spawn("join", seed, *flags("b"), port=reserved_port())
         nodes["c"] = spawn("join", f"127.0.0.1:{mesh_ports['b']}", seed, *flags("c"), port=reserved_port())
-        with ThreadPoolExecutor(2) as ex:
-            futures = [ex.submit(start_mock_engine, "--zero-latency") for _ in range(2)]
-            engines.extend(f.result() for f in futures)
-        e1 = f"grpc://{engines[0].grpc_target}"
+        start_engines(c.engines, 2)
+        e1 = f"grpc://{c.engines[0].grpc_target}"
         nodes["a"] = spawn("serve", *flags("a"), "--worker-urls", e1, port=reserved_port())
-        for name, node in nodes.items():
-            wait_for(
-                lambda node=node: node.proc.poll() is not None or http_status(node.url + "/liveness") == 200,  # type: ignore[misc]
-                f"node {name} up",
-                timeout=90,
-            )
-            if node.proc.poll() is not None:
-                raise RuntimeError(f"node {name} exited:\n{node.log()}")
-        yield Cluster(nodes, mesh_ports, engines)
-    finally:
-        for node in nodes.values():
-            node.stop(signal.SIGKILL if node.proc.poll() is None else signal.SIGTERM, timeout=10)
-        for e in engines:
-            e.stop()
+        wait_nodes_up(nodes)
+        yield c
 
 
 def test_nodes_join_and_learn_the_workers(cluster: Cluster) -> None:
@@ -193,17 +220,24 @@ def test_follow_up_turn_on_another_node_hits_its_prefix(cluster: Cluster) -> Non
     e2 = cluster.engine_url(1)
     for name in NAMES:
         wait_for(lambda name=name: e2 in cluster.worker_urls(name), f"{name} lists engine 2")  # type: ignore[misc]
+    # every node's index holds every node's routing decisions (no KV events: only the mesh tells them)
+    follow_ups_hit_on_another_node(cluster, NAMES, 6)
+
+
+def follow_ups_hit_on_another_node(cluster: Cluster, names: tuple[str, ...], conversations: int) -> None:
+    """Conversation i's first turn goes to node ``names[i % len(names)]``; once every node's index holds
+    all the first turns' blocks, its follow-up, sent to the next node, goes to the engine that served the
+    first turn and hits its cache."""
     convs = []
-    for i in range(6):
+    for i in range(conversations):
         system = {"role": "system", "content": f"Conversation {i}. " + "You answer in detail. " * 40}
         msgs = [system, {"role": "user", "content": f"Question {i}: " + "tell me more " * 20}]
         body = {"model": MODEL, "messages": msgs, "max_tokens": 8}
-        url = cluster.url(NAMES[i % 3]) + "/v1/chat/completions"
+        url = cluster.url(names[i % len(names)]) + "/v1/chat/completions"
         engine, r = served_by(cluster, lambda url=url, body=body: request(url, body))  # type: ignore[misc]
         convs.append((i, msgs, r, engine))
-    # every node's index holds every node's routing decisions (no KV events: only the mesh tells them)
     need = sum(r["usage"]["prompt_tokens"] // 16 for _, _, r, _ in convs)
-    for name in NAMES:
+    for name in names:
         wait_for(
             lambda name=name: request(cluster.url(name) + "/mesh/state")["index"][MODEL]["blocks"] >= need,  # type: ignore[misc]
             f"{name}'s index",
@@ -211,7 +245,7 @@ def test_follow_up_turn_on_another_node_hits_its_prefix(cluster: Cluster) -> Non
     for i, msgs, r, engine in convs:
         follow = [*msgs, r["choices"][0]["message"], {"role": "user", "content": "and then?"}]
         body = {"model": MODEL, "messages": follow, "max_tokens": 8}
-        url = cluster.url(NAMES[(i + 1) % 3]) + "/v1/chat/completions"  # another node than the first turn's
+        url = cluster.url(names[(i + 1) % len(names)]) + "/v1/chat/completions"  # not the first turn's node
         engine2, r2 = served_by(cluster, lambda url=url, body=body: request(url, body))  # type: ignore[misc]
         cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert engine2 == engine, (i, engine, engine2)

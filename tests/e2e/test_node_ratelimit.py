@@ -5,6 +5,7 @@ Tenants come from the ``x-smg-tenant`` header, which the node trusts only with
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from collections.abc import Iterator
@@ -120,8 +121,10 @@ def test_tokens_are_reserved_then_settled(node: NodeProc) -> None:
     assert "too large" in ei.value.message and "retry-after" not in ei.value.response.headers
 
 
-def test_concurrency_is_released_when_the_client_goes_away(node: NodeProc) -> None:
-    slow = client(node, "slow")
+@contextlib.contextmanager
+def holding_the_slot(node: NodeProc, tenant: str) -> Iterator[None]:
+    """Inside: a stream of about 20 s for ``tenant`` runs on ``node`` (its first chunk is in), holding a
+    concurrency slot of the tenant's; on exit the client hangs up."""
     body = {
         "model": "qwen3",
         "messages": MSGS,
@@ -132,24 +135,35 @@ def test_concurrency_is_released_when_the_client_goes_away(node: NodeProc) -> No
     with (
         httpx.Client(timeout=30) as http,
         http.stream(
-            "POST", node.url + "/v1/chat/completions", json=body, headers={"x-smg-tenant": "slow"}
+            "POST", node.url + "/v1/chat/completions", json=body, headers={"x-smg-tenant": tenant}
         ) as resp,
     ):
         assert resp.status_code == 200
         lines = resp.iter_lines()  # keep it: a dropped generator closes the stream (a disconnect)
-        assert next(lines).startswith("data:")  # the stream runs: the tenant's only slot is taken
-        with pytest.raises(openai.RateLimitError) as ei:
-            slow.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=4)
-        assert "concurrent" in ei.value.message
-    # the client hung up: the node aborts the request and gives the slot back (long before the 20 s)
+        assert next(lines).startswith("data:")  # the stream runs: the slot is taken
+        yield
+
+
+def wait_admitted(c: openai.OpenAI, what: str) -> None:
+    """Send a small request until it is not refused (bounded: 10 s, long before a held 20 s stream ends)."""
     deadline = time.monotonic() + 10
     while True:
         try:
-            slow.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=4)
+            c.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=4)
             break
         except openai.RateLimitError:
-            assert time.monotonic() < deadline, "the concurrency slot was not released"
+            assert time.monotonic() < deadline, what
             time.sleep(0.1)
+
+
+def test_concurrency_is_released_when_the_client_goes_away(node: NodeProc) -> None:
+    slow = client(node, "slow")
+    with holding_the_slot(node, "slow"):  # the tenant's only slot is taken
+        with pytest.raises(openai.RateLimitError) as ei:
+            slow.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=4)
+        assert "concurrent" in ei.value.message
+    # the client hung up: the node aborts the request and gives the slot back
+    wait_admitted(slow, "the concurrency slot was not released")
 
 
 def test_relayed_requests_are_limited_too(node: NodeProc) -> None:

@@ -25,10 +25,11 @@ import pytest
 from shepherd.auth.certs import write_dev_pki
 from shepherd.mesh.keyring import Keyring, generate_key
 from tests.e2e import node_fixtures
-from tests.e2e.node_fixtures import qwen3_flags
-from tests.e2e.node_procs import NodeProc, free_port, http_status, reserved_port, spawn_node, start_node
+from tests.e2e.node_fixtures import QWEN3_TEMPLATE, qwen3_flags
+from tests.e2e.node_procs import NodeProc, env, free_port, http_status, reserved_port, spawn_node, start_node
 from tests.e2e.otlp_receiver import (
     CLIENT,
+    FAST_EXPORT,
     SERVER,
     OtlpReceiver,
     ReceivedPoint,
@@ -44,27 +45,10 @@ pytestmark = pytest.mark.timeout(240)
 tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
 
 MODEL = "qwen3"
-# exports every 100 ms (the SDK's default is 5 s): the test waits less, nothing is timed
-FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
 
 
 def traceparent(trace_id: str, span_id: str) -> str:
     return f"00-{trace_id}-{span_id}-01"
-
-
-@contextlib.contextmanager
-def env(values: dict[str, str]) -> Iterator[None]:
-    """``values`` in the environment the node processes started inside inherit."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @contextlib.contextmanager
@@ -428,3 +412,71 @@ def test_a_retry_is_a_second_client_span_and_an_event(
     assert served.attributes["server.port"] == engine.grpc_port
     assert failed.parent_id == served.parent_id == server.span_id
     assert "retry" in server.events
+
+
+# ---- PD disaggregation ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_pd_makes_a_client_span_per_half_with_its_workers_address(
+    kind: str, receiver: OtlpReceiver, tokenizer_dir: Path, http: httpx.Client
+) -> None:
+    """A PD request (SGLang: both halves at once with a bootstrap room; vLLM: prefill first, its KV
+    transfer parameters to decode) is one CLIENT span per engine call under the SERVER span: the prefill
+    half's and the decode half's, each with its worker's ``server.address`` / ``server.port`` and
+    ``shepherd.pd.role``; each engine received its own span's context; the decode span has the answer."""
+    with (
+        start_mock_engine("--zero-latency", "--role", "prefill", "--tokenizer", str(tokenizer_dir)) as pre,
+        start_mock_engine(
+            "--zero-latency", "--role", "decode", "--pd-wait-s", "0.5", "--tokenizer", str(tokenizer_dir)
+        ) as dec,
+    ):
+        flags = (
+            *("--pd-disaggregation", "--prefill", f"{kind}://{pre.grpc_target}", str(pre.http_port)),
+            *("--decode", f"{kind}://{dec.grpc_target}", "--model-id", MODEL),
+            *("--model-path", str(tokenizer_dir), "--chat-template", str(QWEN3_TEMPLATE)),
+            *("--tokenizer-workers", "0"),
+        )
+        trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
+        rid = f"req-pd-{kind}"
+        with node(*flags, "--otlp-traces-endpoint", receiver.endpoint) as n:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "split me"}],
+                "max_tokens": 6,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            headers = {"traceparent": traceparent(trace_id, client_span), "x-request-id": rid}
+            r = http.post(n.url + "/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 200, r.text
+            spans = receiver.wait(
+                lambda s: (
+                    sum(1 for x in in_trace(s, trace_id) if x.kind == CLIENT) >= 2
+                    and any(x.kind == SERVER for x in in_trace(s, trace_id))
+                ),
+                "the PD request's SERVER span and both CLIENT spans",
+            )
+        got_p = [c for c in engine_contexts(http, pre) if str(c["request_id"]).startswith(rid)]
+        got_d = [c for c in engine_contexts(http, dec) if str(c["request_id"]).startswith(rid)]
+    mine = in_trace(spans, trace_id)
+    server = one(mine, "POST /v1/chat/completions", SERVER)
+    calls = {s.attributes["shepherd.pd.role"]: s for s in mine if s.kind == CLIENT}
+    assert sorted(calls) == ["decode", "prefill"] and len([s for s in mine if s.kind == CLIENT]) == 2
+    for role, eng in (("prefill", pre), ("decode", dec)):
+        call = calls[role]
+        assert call.name == f"chat {MODEL}" and call.parent_id == server.span_id
+        assert call.attributes["gen_ai.provider.name"] == kind
+        assert call.attributes["server.address"] == "127.0.0.1"
+        assert call.attributes["server.port"] == eng.grpc_port
+        assert not call.error
+    decode = calls["decode"].attributes
+    assert decode["gen_ai.usage.output_tokens"] == 6
+    assert decode["gen_ai.response.finish_reasons"] == ["length"]
+    assert decode["gen_ai.response.time_to_first_chunk"] >= 0
+    if kind == "vllm":  # the prefill half is asked for one token
+        assert calls["prefill"].attributes["gen_ai.request.max_tokens"] == 1
+    assert server.event_attributes["route"]["shepherd.route.worker"] == f"{kind}://{dec.grpc_target}"
+    # each engine got the context of its own half's span
+    assert got_p and got_p[-1]["traceparent"] == traceparent(trace_id, calls["prefill"].span_id)
+    assert got_d and got_d[-1]["traceparent"] == traceparent(trace_id, calls["decode"].span_id)

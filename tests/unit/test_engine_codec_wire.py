@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto import sglang_scheduler_pb2 as sg
@@ -18,7 +19,7 @@ from shepherd.proto.engine_requests import (
     vllm_generate,
     vllm_generate_bytes,
 )
-from shepherd.proto.engine_responses import decode_batch, decode_response
+from shepherd.proto.engine_responses import _c_chunk, decode_batch, decode_response
 from shepherd.proto.engine_types import EngineChunk, EngineComplete, GenerateRequest, SamplingParams
 from shepherd.proto.prompt_ids import PromptIds
 from shepherd.proto.varint import varint
@@ -327,3 +328,67 @@ def test_the_c_packer_leaves_what_protobuf_refuses_to_protobuf(bad: object) -> N
     assert _c_packed(range(3)) is None  # not a list or tuple
     with pytest.raises((ValueError, TypeError)):
         _packed(ids)
+
+
+def _field(number: int, wire: int, payload: bytes) -> bytes:
+    return varint(number << 3 | wire) + payload
+
+
+# pieces of a GenerateStreamChunk body as an engine (or any protobuf writer) may put them: packed or
+# unpacked ids, counts (repeated: the last wins), an index, SGLang's reasoning_tokens, over-long or
+# 64-bit varints (protobuf truncates a uint32), logprobs and hidden states (protobuf's path only), and
+# fields no version knows
+_CHUNK_PIECES = st.one_of(
+    st.builds(lambda ids: _field(1, 2, varint(len(b := b"".join(varint(i) for i in ids))) + b), IDS),
+    st.builds(lambda i: _field(1, 0, varint(i)), st.integers(0, 2**32 - 1)),
+    st.builds(
+        lambda f, v: _field(f, 0, varint(v)),
+        st.sampled_from([2, 3, 4, 7, 8, 9]),
+        st.integers(0, 2**32 - 1) | st.integers(2**32, 2**64 - 1),
+    ),
+    st.builds(lambda f: _field(f, 0, b"\x81\x80\x80\x80\x80\x00"), st.sampled_from([2, 3])),  # padded
+    st.builds(lambda v: _field(5, 2, varint(len(v)) + v), st.sampled_from([b"", b"\x0a\x01\x05"])),
+    st.builds(lambda v: _field(6, 2, varint(len(v)) + v), st.sampled_from([b"", b"ab"])),
+    st.builds(lambda f: _field(f, 0, b"\x01"), st.integers(10, 40)),
+    st.just(_field(3, 5, b"\x01\x00\x00\x00")),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from(["sglang", "vllm"]),
+    st.lists(_CHUNK_PIECES, max_size=8),
+    st.sampled_from(["", "r-1", "x" * 130]),
+)
+def test_a_lone_chunk_decodes_as_protobuf_decodes_it(kind: str, pieces: list[bytes], rid: str) -> None:
+    """One chunk arriving alone (a paced engine's token): the C reader's event (or protobuf's, for a
+    chunk it leaves alone) equals protobuf's parse of the message, whatever the encoding."""
+    pb = sg if kind == "sglang" else vl
+    body = b"".join(pieces)
+    chunk_tag = b"\x12" if kind == "sglang" else b"\x0a"
+    head = sg.GenerateResponse(request_id=rid).SerializeToString() if kind == "sglang" else b""
+    raw = head + chunk_tag + varint(len(body)) + body
+    parse = pb.GenerateResponse.FromString
+    try:
+        expected = decode_response(parse(raw))
+    except DecodeError:  # protobuf refuses it (e.g. a wrong wire type): so does the C reader
+        with pytest.raises(DecodeError):
+            decode_batch([raw], parse, single=kind)
+        return
+    assert decode_batch([raw], parse, single=kind) == [expected]
+    # the request id after the chunk (valid protobuf, another field order): protobuf's path
+    if rid and kind == "sglang":
+        assert decode_batch([raw + head], parse, single=kind) == [decode_response(parse(raw + head))]
+
+
+@pytest.mark.skipif(_c_chunk is None, reason="_varint not built")
+def test_the_c_chunk_reader_reads_plain_chunks_only() -> None:
+    assert _c_chunk is not None
+    plain = sg.GenerateStreamChunk(token_ids=[7, 300, 2**32 - 1], prompt_tokens=2000, completion_tokens=3)
+    raw = sg.GenerateResponse(request_id="r", chunk=plain).SerializeToString()
+    assert _c_chunk(raw, 4, 8, 9) == (0, [7, 300, 2**32 - 1], 2000, 3, 0)
+    with_lp = sg.GenerateStreamChunk(token_ids=[7], output_logprobs=sg.OutputLogProbs(token_ids=[7]))
+    raw_lp = sg.GenerateResponse(request_id="r", chunk=with_lp).SerializeToString()
+    assert _c_chunk(raw_lp, 4, 8, 9) is None  # logprobs: protobuf's path
+    assert _c_chunk(raw[:-1], 4, 8, 9) is None  # truncated
+    assert _c_chunk(raw + b"\x0a\x00", 4, 8, 9) is None  # bytes after the chunk

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import cast
 
 import pytest
@@ -19,13 +19,14 @@ from shepherd.node.dispatch.circuit_breaker import CircuitBreaker, HealthTracker
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.workers import Worker, pick_worker
 from shepherd.node.engines import h2_frames as h2
-from shepherd.node.engines.h2 import H2EngineClient
+from shepherd.node.engines.h2 import GenerateCall, H2EngineClient
 from shepherd.node.engines.h2_stream import grpc_message
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.proto.engine_requests import sglang_generate
 from shepherd.proto.engine_types import (
     EngineChunk,
     EngineComplete,
+    EngineError,
     EngineEvent,
     EngineTimeout,
     GenerateRequest,
@@ -130,15 +131,21 @@ async def test_error_status_is_raised_after_the_messages() -> None:
         await call.__anext__()
 
 
-@pytest.mark.parametrize("how", ["aclose", "cancel", "drop"])
-async def test_giving_up_early_resets_the_stream(how: str) -> None:
-    server = FakeServer(asyncio.get_running_loop())
+async def _opened(server: FakeServer) -> tuple[GenerateCall, int]:
+    """A Generate call whose first batch (one chunk) has been taken, and its stream id."""
     call = client_on(server).generate_batches(request(), timeout=30)
     first = asyncio.ensure_future(call.__anext__())
     await flush()
     [(sid, _)] = server.requests()
     server.send(sid, chunk([5], 1))
     await first
+    return call, sid
+
+
+@pytest.mark.parametrize("how", ["aclose", "cancel", "drop"])
+async def test_giving_up_early_resets_the_stream(how: str) -> None:
+    server = FakeServer(asyncio.get_running_loop())
+    call, sid = await _opened(server)
     if how == "aclose":
         await call.aclose()
     elif how == "cancel":  # the consumer's task is cancelled while it waits
@@ -148,7 +155,7 @@ async def test_giving_up_early_resets_the_stream(how: str) -> None:
         with pytest.raises(asyncio.CancelledError):
             await waiting
     else:  # dropped without closing: the engine's request is freed all the same
-        del call, first
+        del call
         gc.collect()
     await flush()
     assert server.resets() == [sid]
@@ -301,3 +308,101 @@ async def test_varying_timeouts_fall_back_to_a_timer_each() -> None:
         server.send(sid, complete([1]), status=0)
     for fut in got:
         assert isinstance((await fut)[0], EngineComplete)
+
+
+def _taker(got: list[list[EngineEvent]], stop: bool) -> Callable[[list[EngineEvent]], bool]:
+    """A ``push`` consumer that records each batch and answers ``stop``."""
+
+    def take(batch: list[EngineEvent]) -> bool:
+        got.append(batch)
+        return stop
+
+    return take
+
+
+def _ids(batches: list[list[EngineEvent]]) -> list[list[int]]:
+    return [[t for e in b if isinstance(e, EngineChunk) for t in e.token_ids] for b in batches]
+
+
+async def test_push_hands_each_arrival_to_take_at_once_then_the_end() -> None:
+    server = FakeServer(asyncio.get_running_loop())
+    call, sid = await _opened(server)
+    got: list[list[EngineEvent]] = []
+
+    def take(batch: list[EngineEvent]) -> bool:
+        got.append(batch)
+        return any(isinstance(e, EngineComplete) for e in batch)
+
+    pushed = call.push(take)
+    server.send(sid, chunk([6], 2), head=False)
+    assert _ids(got) == [[6]]  # in the connection's own callback: no loop turn, no task step
+    server.send(sid, chunk([7], 3), chunk([8], 4), head=False)
+    assert _ids(got) == [[6], [7, 8]]  # messages of one read: one batch
+    assert not pushed.done()
+    server.send(sid, complete([5, 6, 7, 8]), status=0, head=False)
+    assert pushed.done() and pushed.result() is None
+    assert isinstance(got[-1][0], EngineComplete)
+    with pytest.raises(StopAsyncIteration):
+        await call.__anext__()
+    await call.aclose()
+    await flush()
+    assert server.resets() == []
+
+
+async def test_push_hands_back_when_take_stops_and_later_messages_wait() -> None:
+    server = FakeServer(asyncio.get_running_loop())
+    call, sid = await _opened(server)
+    got: list[list[EngineEvent]] = []
+    pushed = call.push(_taker(got, True))  # stop at the first batch (a paused client)
+    server.send(sid, chunk([6], 2), head=False)
+    assert pushed.done() and _ids(got) == [[6]]
+    server.send(sid, chunk([7], 3), head=False)  # not pushed any more: queued for __anext__
+    assert _ids(got) == [[6]]
+    assert _ids([await call.__anext__()]) == [[7]]
+    server.send(sid, chunk([8], 4), head=False)
+    again = call.push(_taker(got, False))  # what is already queued is taken at once
+    assert _ids(got) == [[6], [8]] and not again.done()
+    server.send(sid, chunk([9], 5), head=False)
+    assert _ids(got) == [[6], [8], [9]] and not again.done()
+    await call.aclose()
+    await flush()
+    assert server.resets() == [sid]  # closed before its end: cancelled on the engine
+
+
+async def test_push_passes_on_what_take_raises_and_an_error_status() -> None:
+    server = FakeServer(asyncio.get_running_loop())
+    call, sid = await _opened(server)
+
+    def bad(batch: list[EngineEvent]) -> bool:
+        raise ValueError("consumer failed")
+
+    pushed = call.push(bad)
+    server.send(sid, chunk([6], 2), head=False)
+    with pytest.raises(ValueError, match="consumer failed"):
+        await pushed
+    got: list[list[EngineEvent]] = []
+    server.send(sid, chunk([7], 3), head=False)
+    assert got == []  # the listener is gone
+    pushed = call.push(_taker(got, False))
+    assert _ids(got) == [[7]] and not pushed.done()  # the queued message first
+    server.send(sid, status=13, head=False)  # INTERNAL: the push ends, the status comes from __anext__
+    await pushed
+    with pytest.raises(EngineError):
+        await call.__anext__()
+    server.send(sid, chunk([8], 4), head=False)  # (after the end: ignored)
+
+
+async def test_push_stops_taking_once_its_consumer_is_cancelled() -> None:
+    server = FakeServer(asyncio.get_running_loop())
+    call, sid = await _opened(server)
+    got: list[list[EngineEvent]] = []
+    waiting = asyncio.ensure_future(call.push(_taker(got, False)))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    server.send(sid, chunk([6], 2), head=False)
+    assert got == []
+    await call.aclose()
+    await flush()
+    assert server.resets() == [sid]

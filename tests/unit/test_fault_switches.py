@@ -43,3 +43,21 @@ def test_the_node_reads_the_refutation_switch_at_start_up(monkeypatch: pytest.Mo
     assert swim_config(cfg).fault_no_refutation is False
     monkeypatch.setenv("SHEPHERD_FAULT_DISABLE_REFUTATION", "1")
     assert swim_config(cfg).fault_no_refutation is True
+
+
+def test_ignoring_the_partition_rule_lets_a_side_count_only_whom_it_reaches() -> None:
+    from shepherd.mesh.ratelimit import Limits, RateLimiter  # not at the top: only this test limits rates
+    from shepherd.node.cluster.mesh_node import limiter_members  # not at the top: as above
+
+    members = [("a", "alive"), ("b", "alive"), ("c", "dead"), ("d", "suspect"), ("e", "left")]
+    rules = [(("t", ""), Limits(rpm=30))]
+    seen = {}
+    for broken in (False, True):
+        rl = RateLimiter("a", 1)
+        rl.update_members(limiter_members(members, broken), 1000.0)
+        seen[broken] = (rl.reachable, rl.cluster_size, rl.quota(1000.0, rules).remaining_requests)
+    # the partition rule: N keeps the unreachable members that did not leave; a side admits limit x R / N
+    assert seen[False] == (2, 4, 15)
+    # the fault: N is whom this side reaches, so it admits the whole limit
+    assert seen[True] == (2, 2, 30)
+    assert faults.IGNORE_PARTITION_RULE in faults.KNOWN

@@ -346,3 +346,49 @@ def test_merge_load_keeps_telemetry_a_record_lacks() -> None:
     )
     new = EngineLoad(running=2, max_total_tokens=2000)
     assert merge_load(old, new) == new
+
+
+class OpenEngine:
+    """Sends its batches, then keeps the stream open until told to fail it."""
+
+    def __init__(self, batches: Sequence[KvEventBatch]) -> None:
+        self.batches = list(batches)
+        self.sent = asyncio.Event()
+        self.fail = asyncio.Event()
+        self.starts = 0
+
+    async def server_info(self) -> ServerInfo:
+        return ServerInfo(kind="sglang")
+
+    async def subscribe_kv_events(self, start_seq: int = 0) -> AsyncIterator[KvEventBatch]:
+        self.starts += 1
+        for b in self.batches:
+            yield b
+        self.batches = []
+        self.sent.set()
+        await self.fail.wait()
+        raise EngineUnavailable("gone")
+
+
+async def test_live_while_the_stream_is_open_and_has_delivered() -> None:
+    """``live``: what ``--mesh-index-replication auto`` reads; an opened stream that sent nothing yet,
+    a failed one and a stopped one are not live."""
+    ix = PrefixIndex()
+    feed = KvFeed(sleep=Sleeps(), clock=lambda: 5.0)
+    quiet = OpenEngine([])
+    feed.start("q", quiet, ix)
+    await asyncio.wait_for(quiet.sent.wait(), 10)  # a hang guard, not a timing assertion
+    assert not feed.live("q")  # open, nothing delivered
+    engine = OpenEngine([batch(1, A12)])
+    feed.start("w", engine, ix)
+    await asyncio.wait_for(engine.sent.wait(), 10)
+    assert feed.live("w") and ix.match(A) == {"w": 32}
+    engine.fail.set()
+    for _ in range(100):  # bounded: until the failure was taken (the fake sleep yields once)
+        if engine.starts > 1:
+            break
+        await asyncio.sleep(0)
+    assert engine.starts > 1 and not feed.live("w")
+    feed.stop("w")
+    assert not feed.live("w") and not feed.live("nobody")
+    await feed.close()

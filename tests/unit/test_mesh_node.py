@@ -21,7 +21,6 @@ from shepherd.mesh.state import MeshState
 from shepherd.node.app import build_app
 from shepherd.node.cli import config_from_args
 from shepherd.node.cluster.mesh_node import (
-    MeshNode,
     RegistryBridge,
     attach_indexes,
     ensure_dev_pki,
@@ -35,6 +34,7 @@ from shepherd.policies.base import RouteRequest, WorkerView
 from shepherd.policies.cache_aware import CacheAware
 from shepherd.policies.prefix_replica_native import Replica, make_replica
 from shepherd.proto.engine_types import worker_id
+from tests.unit.mesh_fixtures import eventually, two_mesh_nodes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -442,49 +442,13 @@ async def test_mesh_routes_answer_404_without_a_mesh() -> None:
 # ---- two real nodes -------------------------------------------------------------------------------
 
 
-async def eventually(cond: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for: {what}")
-
-
 async def test_two_mesh_nodes_on_loopback(tmp_path: Path) -> None:
-    from shepherd.node.dispatch.gateway import Gateway
-
-    def make(name: str, seeds: tuple[str, ...] = ()) -> tuple[Gateway, MeshNode]:
-        cfg = build_config(
-            {},
-            {
-                "tokenizer_workers": 0,
-                "model_id": MODEL,
-                "policy": "cache_aware",
-                "mesh_port": 0,
-                "mesh_name": name,
-                "mesh_dev_pki": str(tmp_path),
-                "mesh_seeds": list(seeds),
-                "mesh_probe_interval": 0.2,
-                "mesh_gossip_interval": 0.05,
-            },
-        )
-        gw = Gateway(cfg)
-        return gw, MeshNode(cfg, gw)
-
-    gw_a, a = make("a")
-    gw_b: Gateway | None = None
-    b: MeshNode | None = None
-    try:
-        await a.start()
-        assert a.runtime is not None
-        gw_b, b = make("b", (f"127.0.0.1:{a.runtime.address[1]}",))
-        await b.start()
-        nodes = (a, b)
-        await eventually(lambda: all(len(n.members()) == 2 for n in nodes), "both members")
+    fast: dict[str, object] = {"mesh_probe_interval": 0.2, "mesh_gossip_interval": 0.05}
+    async with two_mesh_nodes(tmp_path, MODEL, extra=fast) as (gw_a, a, gw_b, b):
         url = "grpc://127.0.0.1:9"
         await gw_a.registry.add(url, MODEL)
         gb = gw_b
-        await eventually(lambda: gb.registry.find(url) is not None, "the worker on b")
+        await eventually(lambda: gb.registry.find(url) is not None, what="the worker on b")
         # a routing decision on a reaches b's index
         ids = list(range(2000, 2320))
         w = gw_a.registry.find(url)
@@ -493,7 +457,7 @@ async def test_two_mesh_nodes_on_loopback(tmp_path: Path) -> None:
         assert pa.pick([w.view()], RouteRequest(MODEL, ids)) is not None
         ib = feed_index_of(gw_b.policy_for(MODEL), MODEL)
         assert ib is not None
-        await eventually(lambda: ib.match(ids) == {w.id: 320}, "a's decision in b's index")
+        await eventually(lambda: ib.match(ids) == {w.id: 320}, what="a's decision in b's index")
         assert a.index_datagrams_out >= 1
         # the HTTP views
         async with TestClient(TestServer(build_app(gw_b, b))) as http:
@@ -511,11 +475,5 @@ async def test_two_mesh_nodes_on_loopback(tmp_path: Path) -> None:
             assert "smg_mesh_delta_lag_seconds_count" in text
         # a leaves: b forgets a's worker
         await a.close()
-        await eventually(lambda: gb.registry.find(url) is None, "a's worker gone from b")
+        await eventually(lambda: gb.registry.find(url) is None, what="a's worker gone from b")
         assert [m["state"] for m in b.members() if m["name"] == "a"] == ["left"]
-    finally:
-        await a.close()
-        await gw_a.close()
-        if b is not None and gw_b is not None:
-            await b.close()
-            await gw_b.close()

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from shepherd.loadgen.benchmarks import registry
-from shepherd.loadgen.benchmarks.mesh_scale import ScaleConfig, _pct, index_cost, pushpull_cost, run_scale
+from shepherd.loadgen.benchmarks.mesh_index import index_cost
+from shepherd.loadgen.benchmarks.mesh_scale import ScaleConfig, _pct, pushpull_cost, run_scale
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -26,13 +27,14 @@ def test_small_mesh_before_and_after() -> None:
         assert len(r.health_lag) == 2 * 7 and len(r.add_lag) == 2 * 7
         assert len(r.admitted) == 2 and all(0.7 <= a <= 1.2 for a in r.admitted), r.admitted
         assert r.staleness and r.false_deaths == 0
-        assert r.pp_bytes > 0
+        assert r.pp_bytes > 0 and r.pp_run_max_bytes > 0
     assert _pct(runs[True].staleness, 0.99) <= _pct(runs[False].staleness, 0.99)
 
 
 def test_cost_parts() -> None:
-    size, ms = pushpull_cost(4, 8)
-    assert size > 0 and ms >= 0
+    pc = pushpull_cost(4, 8)
+    assert pc.request_bytes > 0 and pc.request_merge_ms >= 0 and pc.join_merge_ms >= 0
+    assert pc.reply_bytes < pc.join_bytes  # converged: the reply carries only what differs
     c = index_cost(50.0, seconds=5.0)
     assert c.requests > 100 and c.datagrams > 0 and c.bytes > 0
     assert c.send_us > 0 and c.recv_us > 0

@@ -190,7 +190,7 @@ def test_replicas_converge_after_lossy_gossip_and_digest_repair(seed: int, loss:
 
 
 def test_deltas_carry_new_blocks_and_refreshes_only_when_a_slot_changes() -> None:
-    ix = ix_(60.0)
+    ix = ix_(60.0, refresh_s=0.0)  # refresh 0: every slot change is a refresh
     base = 60.0 * 20_000  # the start of a digest slot
     hs = block_hashes(list(range(16 * 10)))
     ix.insert_blocks(hs[:6], "w", base)
@@ -206,7 +206,7 @@ def test_deltas_carry_new_blocks_and_refreshes_only_when_a_slot_changes() -> Non
 
 
 def test_one_request_leaves_as_one_group_without_the_blocks_gone_before_the_flush() -> None:
-    ix = ix_(60.0)
+    ix = ix_(60.0, refresh_s=0.0)
     base = 60.0 * 20_000
     hs = block_hashes(list(range(16 * 10)))
     ix.insert_blocks(hs[:4], "w", base)
@@ -217,6 +217,65 @@ def test_one_request_leaves_as_one_group_without_the_blocks_gone_before_the_flus
     ix.insert_blocks(other, "w", base + 62)
     ix.remove_blocks(other[3:], "w")  # KV "removed" before the flush: those are not sent
     assert [(t, list(h)) for _, t, h in ix.take_groups()] == [(base + 62, other[:3])]
+    assert ix.digest() == ix.recompute_digest()
+
+
+def test_a_follow_up_sends_only_its_new_blocks_until_its_prefix_is_refresh_old() -> None:
+    """No slot-move re-sends: a held prefix re-accessed in a later time slot stays in its slot (its time
+    the slot's last instant) and is not sent; the follow-up's new blocks are. Once ``refresh_s`` old, a
+    re-access moves it and sends it again. A peer that got every delta has our digest."""
+    a, b = ix_(60.0, refresh_s=600.0), ix_(60.0, refresh_s=600.0)
+    base = 60.0 * 20_000
+    hs = block_hashes(list(range(16 * 10)))
+
+    def flush(now: float) -> list[tuple[float | list[float], list[int]]]:
+        groups = a.take_groups()
+        b.apply_groups(groups, now)
+        return [(t if isinstance(t, float) else list(t), list(h)) for _, t, h in groups]
+
+    a.insert_blocks(hs[:6], "w", base)
+    assert flush(base) == [(base, hs[:6])]
+    a.insert_blocks(hs, "w", base + 61)  # turn 2, a slot later: only the 4 new blocks
+    assert flush(base + 61) == [(base + 61, hs[6:])]
+    assert a.last_access(hs[0], "w") == pytest.approx(base + 60, abs=1e-6)  # its slot's end
+    assert a.slot(a.last_access(hs[0], "w") or 0) == a.slot(base)
+    assert a.digest() == a.recompute_digest() == b.digest()
+    a.insert_blocks(hs, "w", base + 500)  # still not refresh_s old: nothing
+    assert flush(base + 500) == []
+    a.insert_blocks(hs, "w", base + 700)  # turn 1's blocks are refresh_s old (their slot's end): re-sent
+    assert flush(base + 700) == [(base + 700, hs[:6])]
+    a.insert_blocks(hs, "w", base + 710)
+    assert flush(base + 710) == []
+    a.insert_blocks(hs, "w", base + 800)  # and turn 2's, once they are
+    assert flush(base + 800) == [(base + 800, hs[6:])]
+    assert a.digest() == a.recompute_digest() == b.digest()
+
+
+def test_kv_event_inserts_are_never_sent_and_quiet_workers_send_nothing() -> None:
+    """What an engine's KV events tell every node is not gossiped; a quiet worker's routing decisions
+    neither (its entries move with their access times, and digest repair leaves it alone)."""
+    ix = ix_(60.0)
+    base = 60.0 * 20_000
+    ids = list(range(16 * 8))
+    hs = ix.store_token_blocks("w", ids, base)
+    assert hs == block_hashes(ids) and ix.take_groups() == []
+    assert ix.match_blocks(hs) == {"w": 8}
+    ix.store_token_blocks("w", ids, base + 90)  # a later slot: moved (every node saw the same event)
+    assert ix.slot(ix.last_access(hs[0], "w") or 0) == ix.slot(base + 90)
+    assert ix.take_groups() == [] and ix.digest() == ix.recompute_digest()
+    ix.insert(ids + list(range(500, 532)), "w", base + 91)  # a routing decision: its 2 new blocks
+    assert [len(h) for _, _, h in ix.take_groups()] == [2]
+    ix.set_quiet("q", True)
+    assert ix.quiet_workers == frozenset({"q"})
+    ix.insert(ids, "q", base + 92)
+    ix.insert(ids, "q", base + 200)  # moves, sends nothing
+    assert ix.take_groups() == [] and ix.worker_blocks("q") == 8
+    assert ix.slot(ix.last_access(hs[0], "q") or 0) == ix.slot(base + 200)
+    assert "q" not in ix.diff({})  # repair leaves it alone (the engine's events are its source)
+    assert "w" in ix.diff({})
+    ix.set_quiet("q", False)
+    ix.insert(list(range(1000, 1032)), "q", base + 201)
+    assert [(w, len(h)) for w, _, h in ix.take_groups()] == [("q", 2)]
     assert ix.digest() == ix.recompute_digest()
 
 

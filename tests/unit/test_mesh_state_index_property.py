@@ -80,7 +80,8 @@ def test_replicas_converge_to_the_flat_reference(
     holds the max-merge of the flat references (exactly with granularity 0, up to the time slot
     otherwise), with equal digests."""
     big = PrefixIndexConfig(capacity_blocks=1 << 20, max_age_s=1e9)
-    reps = [Rep(big, IndexReplConfig(digest_granularity_s=g)) for _ in range(NODES)]
+    # refresh_s=0: every slot change re-sent (the exact times of the flat reference); refresh below
+    reps = [Rep(big, IndexReplConfig(digest_granularity_s=g, refresh_s=0.0)) for _ in range(NODES)]
     flats = [PrefixIndex(big) for _ in range(NODES)]
     inflight: list[tuple[int, list[Group]]] = []
     now = T0
@@ -156,7 +157,7 @@ def test_the_mesh_index_holds_what_its_local_layout_holds(
     """Same updates (with eviction, expiry, removals, merges): the same entries as the local index of the
     same layout, and the incremental digest equals a recomputation after every step."""
     cfg = PrefixIndexConfig(capacity_blocks=cap, max_age_s=6.0)
-    runs, mesh = Local(cfg), Rep(cfg, IndexReplConfig(digest_granularity_s=g))
+    runs, mesh = Local(cfg), Rep(cfg, IndexReplConfig(digest_granularity_s=g, refresh_s=0.0))
     seen: list[int] = []
     now = 0.0
     for kind, arg, w, x in acts:
@@ -183,3 +184,61 @@ def test_the_mesh_index_holds_what_its_local_layout_holds(
         assert mesh.export() == runs.export()
         assert mesh.live_blocks == runs.live_blocks
         assert mesh.digest() == mesh.recompute_digest()
+
+
+refresh_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), node, prompts, st.sampled_from(WORKERS), st.integers(0, 2)),
+        # a KV "stored" event: the engine's stream reaches every node (at the same time here)
+        st.tuples(st.just("kv"), node, prompts, st.sampled_from(WORKERS), st.integers(0, 2)),
+        st.tuples(st.just("gossip"), node, st.just([]), st.just(""), st.integers(0, 2)),
+        st.tuples(st.just("deliver"), node, st.just([]), st.just(""), st.integers(0, 99)),
+    ),
+    max_size=40,
+)
+
+
+@REPLICAS
+@settings(max_examples=150, deadline=None)
+@given(refresh_ops, st.sampled_from([3.0, 7.0]), st.sampled_from([0.0, 4.0, 20.0]))
+def test_without_slot_move_re_sends_replicas_agree_once_every_delta_arrived(
+    Rep: Replica,
+    Local: type[PrefixIndex],
+    acts: list[tuple[str, int, list[int], str, int]],
+    g: float,
+    refresh: float,
+) -> None:
+    """Routing decisions send only their new blocks and the held ones ``refresh_s`` old (a re-access of
+    a younger one in a later slot leaves it in its slot); KV events are sent by nobody (every node gets
+    them). Once every delta arrived (in any order, some twice), every replica has the same digest and
+    the same entries (times equal up to the slot), without any repair."""
+    big = PrefixIndexConfig(capacity_blocks=1 << 20, max_age_s=1e9)
+    reps = [Rep(big, IndexReplConfig(digest_granularity_s=g, refresh_s=refresh)) for _ in range(NODES)]
+    inflight: list[tuple[int, list[Group]]] = []
+    now = T0
+    for kind, i, prompt, w, x in acts:
+        now += 1.0 + x
+        if kind == "insert":
+            reps[i].insert(list(prompt), w, now)
+        elif kind == "kv":
+            for r in reps:
+                r.store_token_blocks(w, prompt, now)
+        elif kind == "gossip":
+            for body in wire(reps[i].take_groups()):
+                for j in range(NODES):
+                    if j != i:
+                        inflight += [(j, body)] * (1 + x % 2)
+        elif inflight:
+            j, body = inflight.pop(x % len(inflight))
+            reps[j].apply_groups(body, now)
+        for r in reps:
+            assert r.digest() == r.recompute_digest()
+    for i in range(NODES):  # the last deltas, then everything in flight, in order
+        for body in wire(reps[i].take_groups()):
+            inflight += [(j, body) for j in range(NODES) if j != i]
+    for j, body in inflight:
+        reps[j].apply_groups(body, now)
+    for r in reps:
+        assert r.digest() == reps[0].digest()
+        assert r.diff(reps[0].digest()) == {}
+        assert slots(r.export(), g) == slots(reps[0].export(), g)

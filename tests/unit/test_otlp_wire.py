@@ -5,9 +5,11 @@ trace state, several resources and scopes."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -86,6 +88,113 @@ def test_repeated_attributes_encode_the_same_from_the_cache() -> None:
     assert ExportTraceServiceRequest.FromString(second) == encode_spans(spans)
 
 
+def test_values_that_keep_changing_are_written_not_cached() -> None:
+    """An id (a new string each request) or a duration (a new float) is cached for at most 256 values of
+    its key; the bytes stay those of the stock encoder's message, before and after the bound."""
+    from shepherd.node.observe import otlp_wire
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "n"}))
+    keep = _Keep()
+    provider.add_span_processor(SimpleSpanProcessor(keep))
+    tracer = provider.get_tracer("shepherd.node")
+    for i in range(400):
+        with tracer.start_as_current_span("s") as span:
+            span.set_attributes({"test.unique.id": f"id-{i}", "test.unique.ms": i + 0.5, "test.same": 1.0})
+    spans = keep.spans
+    for s in (spans[:10], spans[-10:], spans):
+        assert ExportTraceServiceRequest.FromString(encode_request(s)) == encode_spans(s)
+    cached = [k for k in otlp_wire._KV_CACHE if k[0] in ("test.unique.id", "test.unique.ms", "test.same")]
+    assert sum(k[0] == "test.unique.id" for k in cached) <= otlp_wire._DISTINCT_MAX
+    assert sum(k[0] == "test.unique.ms" for k in cached) <= otlp_wire._DISTINCT_MAX
+    assert ("test.same", float, 1.0) in otlp_wire._KV_CACHE  # a repeating float is looked up
+
+
 def test_no_spans_is_an_empty_request() -> None:
     assert encode_request([]) == b""
     assert ExportTraceServiceRequest.FromString(b"") == encode_spans([])
+
+
+# ---- the node's lean spans (tracing._Span) --------------------------------------------------------------
+
+
+def _lean_spans() -> list[Any]:
+    from shepherd.node.observe.tracing import _Span
+
+    remote_state = TraceState([("vendor", "1")])
+    root = _Span("POST /v1/chat/completions", SpanKind.SERVER.value, 0x0AF7651916CD43DD8448EB211C80319C,
+                 0xB7AD6B7169203331, True, remote_state, True)  # fmt: skip
+    root.attrs.update({"http.route": "/v1/chat/completions", "server.port": 30000, "neg": -5, "ok": True})
+    root.attrs.update({"ratio": 0.25, "reasons": ["stop", "length"], "empty": "", "big": 1 << 40})
+    root.add_event("render_tokenize", {"shepherd.duration_ms": 0.5, "shepherd.tokenizer.cache": "hit"})
+    root.add_event("bare")
+    child = _Span("chat qwen3", SpanKind.CLIENT.value, root.trace_id, root.span_id, False, root.state, True)
+    child.set_attributes({"gen_ai.request.model": "qwen3", "gen_ai.usage.output_tokens": 32})
+    child.set_status(Status(StatusCode.ERROR, "engine went away"))
+    fresh = _Span("GET /v1/models", SpanKind.SERVER.value, 0x1234, 0, False, None, True)  # a root span
+    fresh.set_status(Status(StatusCode.OK))
+    for i, s in enumerate((root, child, fresh)):
+        s.end_time = s.start_time + 1000 * (i + 1)  # ended (not through end(): no exporter here)
+    return [root, child, fresh]
+
+
+def test_lean_spans_encode_as_the_stock_encoder_encodes_their_readable_spans() -> None:
+    from shepherd.node.observe.tracing import _Span
+
+    saved = (_Span.resource, _Span.instrumentation_scope)
+    provider = TracerProvider(resource=Resource.create({"service.name": "node-a"}))
+    tracer: Any = provider.get_tracer("shepherd.node", "1.0")
+    _Span.resource, _Span.instrumentation_scope = provider.resource, tracer._instrumentation_scope
+    try:
+        spans = _lean_spans()
+        readable = [s.readable() for s in spans]
+        mine = ExportTraceServiceRequest.FromString(encode_request(spans))
+        assert mine == encode_spans(readable)
+        assert ExportTraceServiceRequest.FromString(encode_request(spans)) == mine  # from the caches
+        got = mine.resource_spans[0].scope_spans[0].spans
+        assert [s.name for s in got] == ["POST /v1/chat/completions", "chat qwen3", "GET /v1/models"]
+        assert got[1].parent_span_id == got[0].span_id and got[1].status.message == "engine went away"
+        assert [e.name for e in got[0].events] == ["render_tokenize", "bare"]
+        # lean spans and the SDK's in one request (grouped by resource and scope as the stock encoder)
+        sdk = _spans()
+        mixed = ExportTraceServiceRequest.FromString(encode_request([*spans, *sdk]))
+        assert mixed == encode_spans([*readable, *sdk])
+    finally:
+        _Span.resource, _Span.instrumentation_scope = saved
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        "parentbased_traceidratio",
+        "traceidratio",
+        "parentbased_always_on",
+        "parentbased_always_off",
+        "always_on",
+        "always_off",
+    ],
+)
+def test_the_lean_sampling_decision_is_the_sdk_samplers(sampler: str) -> None:
+    """``tracing._decider`` decides as the SDK sampler's ``should_sample`` does, for root spans, remote
+    parents sampled or not, and local parents."""
+    from opentelemetry.sdk.trace import sampling
+
+    from shepherd.node.observe.tracing import _decider, _Span
+
+    known: Any = sampling._KNOWN_SAMPLERS[sampler]
+    s: Any = known(0.3) if "ratio" in sampler else known
+    decide = _decider(s)
+    assert decide is not None
+    rng = random.Random(7)
+    for _ in range(300):
+        tid = rng.getrandbits(128) or 1
+        for flags in (0, 1):
+            remote = SpanContext(tid, rng.getrandbits(64) or 1, is_remote=True, trace_flags=TraceFlags(flags))
+            ctx = trace.set_span_in_context(NonRecordingSpan(remote))
+            want = s.should_sample(ctx, tid, "x").decision.is_sampled()
+            assert decide(remote, tid) == want
+            local = _Span("x", 0, tid, 0, False, None, bool(flags))
+            local_ctx = trace.set_span_in_context(
+                NonRecordingSpan(SpanContext(tid, local.span_id, False, TraceFlags(flags)))
+            )
+            assert decide(local, tid) == s.should_sample(local_ctx, tid, "x").decision.is_sampled()
+        assert decide(None, tid) == s.should_sample(None, tid, "x").decision.is_sampled()

@@ -11,17 +11,22 @@ receivers, push-pull repair), what a mesh without ``first_hand`` does. Per N, me
   origin) pairs, how long ago the origin made the first change the observer has not seen (0 if it saw
   the latest), p50 / p99 / max.
 * **health and worker adds**: every node observes every one of W workers (the node's health loop:
-  ``observe_health`` each tick, republished by the state's refresh); at times a random node flips a
-  worker's health or adds a worker: the time until each other node's state has it, p99 (and how many
-  never got it within 20 s).
-* **push-pull**: the bytes of one node's push-pull state at the end (``local_state``), and the time a
-  fresh peer takes to merge it (``merge_remote_state``) -- the loop time one exchange costs.
-* **index replication** (measured on the real replica and codec, then computed per N): a seeded
-  multi-turn chat trace (shared system prompts, follow-ups after think time) routed by one node at R
-  req/s; the payloads its replica hands to the node's flush (``MeshState.index_batches`` every 20 ms,
-  sent to every alive member), their bytes and count per request; the CPU to send one (codec + seal)
-  and to receive one (unseal, decode, C merge). Per node per second at N: datagrams and bytes out (and
-  in: the same, by symmetry) and the share of one core they cost, at 100 and 1,000 req/s per node.
+  ``observe_health`` each tick; only a change is gossiped, as a delta of the observer's record, plus
+  a small beacon every 10 s); at times a random node flips a worker's health or adds a worker: the
+  time until each other node's state has it, p99 (and how many never got it within 20 s).
+* **push-pull**: during the run, the largest push-pull state a node sent (``local_state``: a request
+  carries digests and the node's own parts, a reply what the requester lacks) and the p99 of the time
+  a merge took (``merge_remote_state``, less the garbage collector's pauses in it: this one process
+  holds every node's heap, 35 ms pauses at N = 100 where a node's own heap is 1/N of it); after the
+  run, a fresh peer's join exchange with a node (its request, the reply with the whole state, and the
+  merge of that reply) -- the loop time one exchange costs.
+* **index replication** (``mesh_index``: a few nodes with real replicas route a follow-up-heavy chat
+  trace through the real codec, then computed per N): per design (``before``: slot-move re-sends to
+  every member; ``all``: new blocks only, to every member or to the nodes routing the same model;
+  ``auto``: the engines' KV events on every node, nothing gossiped), the payloads per request, the CPU
+  per datagram sent and received, the share of cross-node follow-ups that find their prefix; per node
+  per second at N, at 100 and 1,000 req/s per node: datagrams and bytes out (and in) and their CPU, and
+  for ``auto`` the KV feed's.
 
 Figures are deterministic for a seed (the CPU ones are timed on this machine). ``--mode`` picks the
 rate-limit delivery to measure: ``before`` (deltas ride piggybacking unkeyed, never relayed) or ``after``
@@ -32,30 +37,25 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import contextlib
+import gc
 import math
 import random
-import socket
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from shepherd.loadgen.benchmarks import Benchmark
-from shepherd.mesh.keyring import Keyring, generate_key
+from shepherd.loadgen.benchmarks.mesh_index import CAPACITY, DESIGNS, SHAPES, index_cost, models_for, project
 from shepherd.mesh.ratelimit import Grant, LimiterConfig, Limits, RateLimiter
 from shepherd.mesh.sim import Sim
 from shepherd.mesh.state import MeshState
 from shepherd.mesh.state_registry import WorkerRecord
 from shepherd.mesh.state_types import MeshStateConfig
 from shepherd.mesh.swim_types import Action, MemberDead, MemberLeft, MemberUp
-from shepherd.policies.prefix_index import PrefixIndexConfig
-from shepherd.policies.prefix_replica import IndexReplConfig
 from shepherd.policies.prefix_replica_native import Replica, make_replica
-from shepherd.proto import mesh_wire
-from shepherd.proto.mesh_messages import User
 
 BASE = 1_790_000_000.0  # the simulated wall clock starts here (HLC stamps need a plausible time)
 TENANT = ("t", "")
@@ -104,9 +104,28 @@ class _Node:
         return data
 
     def merge_remote_state(self, data: bytes) -> None:
+        g0 = _GC.spent
         t0 = time.process_time()
         self.state.merge_remote_state(data)
-        self.pp_merge_s.append(time.process_time() - t0)
+        # less the collector's pauses: this process holds all N nodes' heaps, a node only its own
+        self.pp_merge_s.append(time.process_time() - t0 - (_GC.spent - g0))
+
+
+class _GcClock:
+    """Process CPU spent in the garbage collector (``gc.callbacks``), while installed."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.process_time()
+        else:
+            self.spent += time.process_time() - self._t0
+
+
+_GC = _GcClock()
 
 
 class StateSim(Sim):
@@ -136,11 +155,14 @@ class ScaleResult:
     health_missed: int = 0
     add_lag: list[float] = field(default_factory=list)
     add_missed: int = 0
-    pp_bytes: int = 0
-    pp_merge_ms: float = 0.0
+    pp_bytes: int = 0  # the reply to a fresh peer (a join): the whole state
+    pp_merge_ms: float = 0.0  # the fresh peer's merge of it
+    pp_run_max_bytes: int = 0  # the largest push-pull state sent during the run
+    pp_run_merge_p99_ms: float = 0.0
     false_deaths: int = 0
     gossip_bps: float = 0.0  # bytes per node per second, all datagrams
     queue_len: float = 0.0  # mean broadcast queue length at the end
+    tau: list[float] = field(default_factory=list)  # each node's τ (the lease's) at the end
     wall_s: float = 0.0
 
 
@@ -152,6 +174,10 @@ class ScaleConfig:
     per_node_limit: float = 1.0  # requests per second of the limit, per node
     load: float = 2.0  # arrivals / limit
     relay: bool = False
+    propagation: float = 1.0  # the limiter's τ (LimiterConfig.propagation)
+    relay_batch: int = 4  # LimiterConfig.relay_batch
+    propagation_max: float = 0.0  # LimiterConfig.propagation_max: τ from echoes, up to this
+    propagation_quantile: float = 0.5
     stale_sample_pairs: int = 400
     trials: int = 6  # health flips and worker adds
     seed: int = 1
@@ -161,7 +187,14 @@ def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
     wall0 = time.process_time()
     res = ScaleResult(n, workers)
     rng = random.Random(f"scale-{cfg.seed}-{n}")
-    lim_cfg = LimiterConfig(window=cfg.window, relay=cfg.relay)
+    lim_cfg = LimiterConfig(
+        window=cfg.window,
+        relay=cfg.relay,
+        propagation=cfg.propagation,
+        relay_batch=cfg.relay_batch,
+        propagation_max=cfg.propagation_max,
+        propagation_quantile=cfg.propagation_quantile,
+    )
     limit_rpw = round(cfg.per_node_limit * n * cfg.window)  # requests per window
     rules = [(TENANT, Limits(rpm=limit_rpw))]
     nodes: dict[str, _Node] = {}
@@ -293,7 +326,11 @@ def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
             )
 
     sim.at(2.0, add_fleet)
-    sim.run(t_end + 8.0)
+    gc.callbacks.append(_GC)
+    try:
+        sim.run(t_end + 8.0)
+    finally:
+        gc.callbacks.remove(_GC)
 
     for kind, _, _, _, seen in lags:
         got = list(seen.values())
@@ -308,12 +345,17 @@ def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
     res.false_deaths = len(sim.false_dead())
     res.gossip_bps = sim.gossip_bytes() / n / sim.now
     res.queue_len = statistics.mean(len(nd.state._queue) for nd in nodes.values())
-    # push-pull: one node's full state, merged by a fresh peer
+    res.tau = sorted(nd.limiter.propagation for nd in nodes.values())
+    res.pp_run_max_bytes = max((b for nd in nodes.values() for b in nd.pp_bytes), default=0)
+    res.pp_run_merge_p99_ms = _pct([x for nd in nodes.values() for x in nd.pp_merge_s], 0.99) * 1000
+    # push-pull: a fresh peer joins through one node: its request, the node's reply (everything), merged
     src = nodes[names[-1]]
-    data = src.state.local_state()
-    res.pp_bytes = len(data)
     fresh: MeshState[Replica] = MeshState("fresh", clock, MeshStateConfig(), new_index=lambda: make_replica())
     fresh.register("ratelimit", RateLimiter("fresh", 0, lim_cfg))
+    src.state.merge_remote_state(fresh.local_state())
+    data = src.state.local_state()
+    res.pp_bytes = len(data)
+    gc.collect()  # not a node's pause: this process holds every node's heap
     t0 = time.process_time()
     fresh.merge_remote_state(data)
     res.pp_merge_ms = (time.process_time() - t0) * 1000
@@ -324,10 +366,21 @@ def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
 # ---- push-pull at fleet sizes (no membership simulated: the state of a converged mesh) ------------------
 
 
-def pushpull_cost(n: int, workers: int, tenants: int = 1) -> tuple[int, float]:
-    """The push-pull state of a node of a converged N-node mesh (``workers`` workers owned round-robin,
-    every node's health observation of every worker, every node's rate-limit shard of ``tenants`` keys):
-    its bytes and the time (ms) a peer missing it all takes to merge it."""
+@dataclass(frozen=True, slots=True)
+class PushPullCost:
+    request_bytes: int  # what a node of the converged mesh sends to start a push-pull
+    request_merge_ms: float  # a converged peer's merge of it
+    reply_bytes: int  # that peer's reply (it holds the same state)
+    reply_merge_ms: float
+    join_bytes: int  # the reply to a fresh peer's request (everything)
+    join_merge_ms: float  # the fresh peer's merge of it
+
+
+def pushpull_cost(n: int, workers: int, tenants: int = 1) -> PushPullCost:
+    """Push-pull exchanges in a converged N-node mesh (``workers`` workers owned round-robin, every node
+    checking every worker, every node's rate-limit shard of ``tenants`` keys): between two converged
+    nodes (request, reply) and a fresh peer's join (the reply carries everything): bytes and the
+    process CPU (ms) each merge takes."""
     now = [BASE]
     cfg = MeshStateConfig()
     big: MeshState[Replica] = MeshState("n0", lambda: now[0], cfg, new_index=make_replica)
@@ -344,125 +397,27 @@ def pushpull_cost(n: int, workers: int, tenants: int = 1) -> tuple[int, float]:
         for j in range(workers):
             st.observe_health(f"w{j}", True)
         big.merge_remote_state(st.local_state())
-    data = big.local_state()
+    big.local_state()  # (the reply to the last one)
+
+    def exchange(a: MeshState[Replica], b: MeshState[Replica]) -> tuple[int, float, int, float]:
+        req = a.local_state()
+        t0 = time.process_time()
+        b.merge_remote_state(req)
+        t1 = time.process_time()
+        rep = b.local_state()
+        t2 = time.process_time()
+        a.merge_remote_state(rep)
+        t3 = time.process_time()
+        return len(req), (t1 - t0) * 1000, len(rep), (t3 - t2) * 1000
+
     peer: MeshState[Replica] = MeshState("fresh", lambda: now[0], cfg, new_index=make_replica)
     peer.register("ratelimit", RateLimiter("fresh", 0))
-    t0 = time.process_time()
-    peer.merge_remote_state(data)
-    return len(data), (time.process_time() - t0) * 1000
+    _, _, join_b, join_ms = exchange(peer, big)
+    req_b, req_ms, rep_b, rep_ms = exchange(peer, big)  # now converged (its own parts aside)
+    return PushPullCost(req_b, req_ms, rep_b, rep_ms, join_b, join_ms)
 
 
-# ---- index replication cost ----------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class IndexCost:
-    requests: int
-    datagrams: int  # payloads one node's flushes produced
-    bytes: int
-    send_us: float  # CPU per datagram sent (codec + seal)
-    recv_us: float  # CPU per datagram received (unseal, decode, merge)
-
-
-def _trace_ids(rng: random.Random, base: list[int], n: int) -> list[int]:
-    return base + [rng.randrange(1, 150_000) for _ in range(n)]
-
-
-def index_cost(
-    rate: float, seconds: float = 120.0, seed: int = 1, workers: int = 16, flush: float = 0.02
-) -> IndexCost:
-    """One node routes a follow-up-heavy chat trace at ``rate`` req/s for ``seconds`` (simulated time):
-    the payloads its flush sends (per request), and the CPU to send / receive one."""
-    rng = random.Random(f"ix-{seed}")
-    now = [BASE]
-    state: MeshState[Replica] = MeshState(
-        "a",
-        lambda: now[0],
-        MeshStateConfig(),
-        new_index=lambda: make_replica(PrefixIndexConfig(), IndexReplConfig()),
-    )
-    ix = state.index(MODEL)
-    systems = [[rng.randrange(1, 150_000) for _ in range(rng.randrange(400, 1600))] for _ in range(20)]
-    convs: list[tuple[float, list[int], str]] = []  # (next turn time, prompt so far, worker)
-    wids = [f"w{i}" for i in range(workers)]
-    payloads: list[bytes] = []
-    t = 0.0
-    reqs = 0
-    next_flush = flush
-    while t < seconds:
-        t += rng.expovariate(rate)
-        while next_flush <= t:
-            now[0] = BASE + next_flush
-            payloads += state.index_batches()
-            next_flush += flush
-        now[0] = BASE + t
-        # a follow-up when one is due, else a new conversation (about 3/4 of requests follow up)
-        if convs and convs[0][0] <= t and rng.random() < 0.75:
-            _, prompt, w = convs.pop(0)
-            prompt = _trace_ids(rng, prompt, rng.randrange(150, 450))
-        else:
-            prompt = _trace_ids(rng, list(rng.choice(systems)), rng.randrange(50, 300))
-            w = rng.choice(wids)
-        ix.insert(prompt, w, now[0])
-        reqs += 1
-        answer = prompt + [rng.randrange(1, 150_000) for _ in range(rng.randrange(100, 400))]
-        gap = rng.uniform(20.0, 120.0)  # think time: follow-ups cross the 60 s digest slots
-        bisect.insort(convs, (t + gap, answer, w), key=lambda c: c[0])
-    payloads += state.index_batches()
-    # send: wrap each payload as one User message, encode, seal (what MeshRuntime.send_user does)
-    ring = Keyring([generate_key()])
-    sample = payloads[: min(len(payloads), 2000)]
-    sends, recvs = [], []
-    for _ in range(3):  # the least of 3 rounds: a shared machine's noise only ever adds
-        t0 = time.process_time()
-        sealed = [ring.seal(mesh_wire.encode_packet((User(p),), budget=1400, sender="a")) for p in sample]
-        sends.append((time.process_time() - t0) / max(1, len(sample)))
-        # receive: unseal, decode, apply (a fresh peer's replica; the C merge where built)
-        peer: MeshState[Replica] = MeshState("b", lambda: now[0], MeshStateConfig(), new_index=make_replica)
-        t0 = time.process_time()
-        for s in sealed:
-            pkt = mesh_wire.decode_packet(ring.open(s))
-            for m in pkt.msgs:
-                if isinstance(m, User):
-                    peer.apply(m.payload, "a")
-        recvs.append((time.process_time() - t0) / max(1, len(sealed)))
-    send, recv = min(sends), min(recvs)
-    sys_send, sys_recv = _udp_syscalls(sealed)
-    send += sys_send
-    recv += sys_recv
-    return IndexCost(reqs, len(payloads), sum(len(p) for p in payloads), send * 1e6, recv * 1e6)
-
-
-def _udp_syscalls(datagrams: Sequence[bytes]) -> tuple[float, float]:
-    """CPU seconds per ``sendto`` and per ``recvfrom`` of these datagrams over loopback (the kernel's
-    part of a datagram, which the codec timings leave out): the least of 3 rounds of 100-datagram
-    batches."""
-    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
-        rx.bind(("127.0.0.1", 0))
-        rx.settimeout(1.0)
-        dest = rx.getsockname()
-        batch = list(datagrams[:100]) or [b"x"]
-        best_s, best_r = math.inf, math.inf
-        for _ in range(3):
-            t0 = time.process_time()
-            for d in batch:
-                tx.sendto(d, dest)
-            t1 = time.process_time()
-            got = 0
-            with contextlib.suppress(TimeoutError):
-                for _ in batch:
-                    rx.recvfrom(2048)
-                    got += 1
-            t2 = time.process_time()
-            best_s = min(best_s, (t1 - t0) / len(batch))
-            best_r = min(best_r, (t2 - t1) / max(1, got))
-        return best_s, best_r
-    finally:
-        rx.close()
-        tx.close()
+# ---- index replication cost: mesh_index (the designs, the cross-node hit rate) -------------------------
 
 
 # ---- the command ---------------------------------------------------------------------------------------
@@ -480,7 +435,77 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sim", action="store_true", help="skip the simulated mesh")
     p.add_argument("--no-pushpull", action="store_true", help="skip the push-pull sizes of a converged mesh")
     p.add_argument("--index-flush", type=float, default=0.02, help="seconds between index flushes")
+    p.add_argument(
+        "--index-designs",
+        default=",".join(DESIGNS),
+        help="index replication designs to measure (before, all, auto; mesh_index)",
+    )
+    p.add_argument(
+        "--index-capacity", type=int, default=CAPACITY, help="index blocks per worker in the index figures"
+    )
     p.add_argument("--tenants", type=int, default=1, help="rate-limit keys in the push-pull figures")
+    p.add_argument("--propagation", type=float, default=1.0, help="the limiter's τ (lease), seconds")
+    p.add_argument("--relay-batch", type=int, default=4, help="relayed rate-limit shards per packet")
+    p.add_argument(
+        "--propagation-max",
+        type=float,
+        default=0.0,
+        help="τ from the observed staleness, up to this (0: off)",
+    )
+    p.add_argument("--propagation-quantile", type=float, default=0.5, help="the staleness quantile τ follows")
+
+
+def _index_report(
+    args: argparse.Namespace, sizes: list[int], workers: list[int], out: Callable[[str], None]
+) -> None:
+    """The index replication designs (``mesh_index``): per request measured, then per node at each N."""
+    designs = [d.strip() for d in args.index_designs.split(",") if d.strip()]
+    shapes = ", ".join(
+        f"{r:g} req/s: {s.nodes} nodes, {s.workers} workers, {s.warmup:g} s warm-up, {s.seconds:g} s measured"
+        for r, s in SHAPES.items()
+    )
+    out(
+        f"# index replication (mesh_index; {shapes}; {args.index_capacity} blocks per worker; flush every "
+        f"{args.index_flush:g} s): per request sent to one member; per node per second at N (out = in)"
+    )
+    out(
+        "design  rate  dg/req  B/req  send+recv us  cross-node hits  |  N    W    fanout        "
+        "dg out/s  KB out/s  gossip CPU  KV feed CPU"
+    )
+    for rate, shape in SHAPES.items():
+        for d in designs:
+            c = index_cost(
+                rate,
+                seconds=shape.seconds,
+                seed=args.seed,
+                workers=shape.workers,
+                flush=args.index_flush,
+                design=d,
+                nodes=shape.nodes,
+                warmup=shape.warmup,
+                capacity=args.index_capacity,
+            )
+            dpr, bpr = c.per_request
+            head = (
+                f"{d:<7} {rate:<5g} {dpr:>6.3f} {bpr:>6.0f} {c.send_us:>5.1f}+{c.recv_us:<6.1f} "
+                f"{c.hits:>6}/{c.follow_ups:<6} {_fmt(c.hit_rate, '.3f')}"
+            )
+            for n, w in zip(sizes, workers, strict=True):
+                per_model = math.ceil(n / models_for(n, w))
+                fans = [("every", n - 1)]
+                if per_model < n:
+                    fans.append(("same model", per_model - 1))
+                if d == "before":
+                    fans = fans[:1]
+                for label, f in fans:
+                    dg, kb, cpu, kv = project(c, n, f)
+                    out(
+                        f"{head}  |  {n:<4} {w:<4} {label:<10} {f:>3}  {dg:>8.0f}  {kb:>8.0f}  "
+                        f"{cpu:>10.1%}  {kv:>11.1%}"
+                    )
+                    head = " " * len(head)
+            if d == "auto":
+                out(f"{' ' * 7} (KV feed: {c.kv_us:.1f} us per event applied, one event per request routed)")
 
 
 def _fmt(x: float, spec: str = ".2f") -> str:
@@ -504,12 +529,17 @@ def run(args: argparse.Namespace) -> int:
             window=args.window,
             windows=args.windows,
             relay=args.mode == "after",
+            propagation=args.propagation,
+            relay_batch=args.relay_batch,
+            propagation_max=args.propagation_max,
+            propagation_quantile=args.propagation_quantile,
             seed=args.seed,
         )
         out(f"# mesh-scale: mode {args.mode}, loss {args.loss:.0%}, window {args.window:g} s, 2x load")
         out(
             "N    W     admit/limit mean  worst  stale p50/p99/max s   health p99 s (missed)  "
-            "add p99 s (missed)  pp KB  pp merge ms  gossip B/s/node  queue  false deaths  cpu s"
+            "add p99 s (missed)  pp max KB, merge p99 ms  join KB, ms  gossip B/s/node  queue  false deaths"
+            "  cpu s"
         )
         for n, w in zip(sizes, workers, strict=False):
             r = run_scale(n, w, cfg)
@@ -520,38 +550,27 @@ def run(args: argparse.Namespace) -> int:
                 f"{_fmt(max(r.staleness) if r.staleness else math.nan, '.1f'):<13}"
                 f"{_fmt(_pct(r.health_lag, 0.99), '.2f'):>8} ({r.health_missed})          "
                 f"{_fmt(_pct(r.add_lag, 0.99), '.2f'):>6} ({r.add_missed})       "
-                f"{r.pp_bytes / 1000:>6.1f}  {r.pp_merge_ms:>10.1f}  {r.gossip_bps:>15.0f}  "
+                f"{r.pp_run_max_bytes / 1000:>9.1f}, {r.pp_run_merge_p99_ms:>5.1f}         "
+                f"{r.pp_bytes / 1000:>6.1f}, {r.pp_merge_ms:>4.1f}  {r.gossip_bps:>15.0f}  "
                 f"{r.queue_len:>5.0f}  {r.false_deaths:>12}  {r.wall_s:>6.0f}"
             )
-    if not args.no_pushpull:
-        out("# push-pull state of a converged mesh (every node's health of every worker, rate-limit shards)")
-        out("N     W      tenants  bytes      merge ms (process CPU)")
-        for n, w in zip(sizes, workers, strict=True):
-            size, ms = pushpull_cost(n, w, args.tenants)
-            out(f"{n:<5} {w:<6} {args.tenants:<8} {size:<10} {ms:.1f}")
-    if not args.no_index:
-        out(
-            "# index replication: a follow-up-heavy trace, each node's deltas sent to every alive member, "
-            f"flushed every {args.index_flush:g} s"
-        )
-        out("rate/node  N     datagrams out/s  KB out/s  CPU (send+recv) of a core   per req: datagrams  B")
-        for rate in (100.0, 1000.0):
-            c = index_cost(
-                rate, seconds=60.0 if rate >= 1000 else 120.0, seed=args.seed, flush=args.index_flush
-            )
-            dpr = c.datagrams / c.requests
-            bpr = c.bytes / c.requests
-            for n in sizes:
-                dg = dpr * rate * (n - 1)
-                cpu = dg * (c.send_us + c.recv_us) / 1e6
+            if cfg.propagation_max > cfg.propagation:
                 out(
-                    f"{rate:<9g}  {n:<4}  {dg:>15.0f}  {bpr * rate * (n - 1) / 1000:>8.0f}  "
-                    f"{cpu:>26.1%}   {dpr:>18.2f}  {bpr:>5.0f}"
+                    f"#   τ at the end, over the nodes: min {r.tau[0]:.2f}, p50 {_pct(r.tau, 0.5):.2f}, "
+                    f"max {r.tau[-1]:.2f} s"
                 )
+    if not args.no_pushpull:
+        out("# push-pull in a converged mesh (every node checks every worker; rate-limit shards), bytes")
+        out("# and merge ms (process CPU): between converged nodes (request, reply), and a fresh peer's join")
+        out("N     W      tenants  request B  merge ms  reply B  merge ms  join B     merge ms")
+        for n, w in zip(sizes, workers, strict=True):
+            pc = pushpull_cost(n, w, args.tenants)
             out(
-                f"  (per datagram, process CPU incl. the UDP syscall: send {c.send_us:.1f} us, "
-                f"receive {c.recv_us:.1f} us)"
+                f"{n:<5} {w:<6} {args.tenants:<8} {pc.request_bytes:<10} {pc.request_merge_ms:<9.1f} "
+                f"{pc.reply_bytes:<8} {pc.reply_merge_ms:<9.1f} {pc.join_bytes:<10} {pc.join_merge_ms:.1f}"
             )
+    if not args.no_index:
+        _index_report(args, sizes, workers, out)
     return 0
 
 

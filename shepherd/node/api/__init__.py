@@ -2,7 +2,8 @@
 messages (the Anthropic Messages API),
 pooling (rerank, score, classify: relayed to HTTP workers),
 conversations, admin, keys, mesh; native (the routes vLLM / SGLang / SMG scripts probe: /generate,
-/version, /get_model_info, /flush_cache...); admission; generation driving; reload (SIGHUP and
+/version, /get_model_info, /flush_cache...); admission (rate limits; ratelimit_redis: the Redis counter
+store backend); generation driving; reload (SIGHUP and
 ``POST /admin/reload``: the configuration file's dynamic parts, applied without a restart).
 
 Callers (``shepherd.node.app`` only) use each module's ``routes()`` / ``install(app)``, ``common``
@@ -23,6 +24,7 @@ __all__ = [
     "native",
     "openai",
     "pooling",
+    "ratelimit_redis",
     "reload",
     "responses",
     "smg_metrics",

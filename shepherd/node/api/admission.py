@@ -11,13 +11,20 @@ The tenant is ``principal_of(request).tenant`` (``shepherd.auth``): without auth
 caller is the tenant "default", unless the auth layer trusts the ``x-smg-tenant`` header
 (``--auth-trust-tenant-header``: for tests and trusted fronts only).
 
+Backends: ``mesh`` (default) counts in the gossiped shards, decided on the node without I/O (``admit``,
+synchronous); ``redis`` counts in one Redis (``shepherd.node.api.ratelimit_redis``), decided by one
+script call (``admit_async``; ``admitting`` says which to call, ``guard`` does). Both answer with the
+same ``Grant`` / ``Denial`` and so the same headers and 429s.
+
 Cost: a node without rate limits has no ``Admission`` (the app key ``ADMISSION`` holds None: the handlers
 test one value).
-With limits, a request pays a cached rule lookup and the limiter's acquire + settle (about 20 µs).
+With limits, a request pays a cached rule lookup and the limiter's acquire + settle (about 20 µs); with
+Redis, a round trip besides (README "Where gossip stops").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -29,6 +36,7 @@ from shepherd.auth.principal import Principal, principal_of
 from shepherd.mesh.ratelimit import Denial, Grant, LimiterConfig, Limits, Quota, RateLimiter
 from shepherd.mesh.ratelimit_keys import Key
 from shepherd.mesh.ratelimit_shards import fmt_duration
+from shepherd.node.api.ratelimit_redis import RedisCounters
 from shepherd.node.config import NodeConfig, RateLimitRule
 from shepherd.node.metrics import counter, gauge
 from shepherd.node.observe import tracing
@@ -103,8 +111,9 @@ class Ticket:
 
     def settle(self, real_tokens: int | None) -> None:
         """Release the concurrency slot; the token reservation becomes ``real_tokens`` (None: kept)."""
-        if self._adm is not None and self._grant is not None:
-            self._adm.limiter.settle(self._adm.clock(), self._grant, real_tokens)
+        adm = self._adm
+        if adm is not None and self._grant is not None:
+            (adm.backend or adm.limiter).settle(adm.clock(), self._grant, real_tokens)
 
     def release(self) -> None:
         self.settle(None)
@@ -154,10 +163,20 @@ class Admission:
         token_estimate: int = 1024,
         config: LimiterConfig | None = None,
         clock: Callable[[], float] = time.time,
+        redis: dict[str, Any] | None = None,
     ) -> None:
+        """``redis``: the Redis backend's settings (``url``, and ``RedisCounters``' ``prefix``,
+        ``timeout``, ``lease``); ``limiter`` is then the node's local count, its fallback rule
+        (``LimiterConfig.local``)."""
         self.clock = clock
         self.token_estimate = token_estimate
+        if redis is not None:
+            config = dataclasses.replace(config or LimiterConfig(), local=True)
         self.limiter = RateLimiter(node, gen if gen is not None else time.time_ns() // 1000, config)
+        self.backend: RedisCounters | None = None
+        if redis is not None:
+            self.backend = RedisCounters(local=self.limiter, clock=clock, **redis)
+        self.admitting = self.backend is None  # admit() decides (no I/O); else await admit_async()
         self._rules: dict[tuple[str, str | None], Limits] = {}
         self._cache: dict[tuple[str, str], list[tuple[Key, Limits]]] = {}
         self.admitted = 0
@@ -179,6 +198,16 @@ class Admission:
                 window=cfg.rate_limit_window_secs,
                 propagation=cfg.rate_limit_propagation_secs,
                 unreachable_grace=cfg.rate_limit_unreachable_grace_secs,
+            ),
+            redis=(
+                {
+                    "url": cfg.rate_limit_redis_url,
+                    "prefix": cfg.rate_limit_redis_prefix,
+                    "timeout": cfg.rate_limit_redis_timeout_secs,
+                    "lease": cfg.rate_limit_redis_lease_secs,
+                }
+                if cfg.rate_limit_backend == "redis"
+                else None
             ),
         )
         if metrics is not None:
@@ -231,18 +260,61 @@ class Admission:
         completions: int = 1,
     ) -> Ticket:
         """Admit a request of ``prompt_tokens`` that may generate ``completions`` x ``max_tokens``
-        (None: the configured estimate) or raise ``RateLimited``."""
-        tenant = principal if isinstance(principal, str) else principal.tenant
-        rules = self.rules_for(tenant, model)
+        (None: the configured estimate) or raise ``RateLimited``. The mesh backend only (``admitting``):
+        with Redis, ``admit_async``."""
+        if self.backend is not None:
+            raise TypeError("the Redis rate-limit backend admits with 'await admit_async(...)'")
+        rules, tokens = self._need(principal, model, prompt_tokens, max_tokens, completions)
         if not rules:
             return UNLIMITED
+        return self._answer(self.limiter.acquire(self.clock(), rules, tokens))
+
+    async def admit_async(
+        self,
+        principal: Principal | str,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        completions: int = 1,
+    ) -> Ticket:
+        """``admit`` for either backend: through Redis (one round trip, bounded by its timeout) when that
+        is the backend."""
+        if self.backend is None:
+            return self.admit(principal, model, prompt_tokens, max_tokens, completions)
+        rules, tokens = self._need(principal, model, prompt_tokens, max_tokens, completions)
+        if not rules:
+            return UNLIMITED
+        return self._answer(await self.backend.acquire(self.clock(), rules, tokens))
+
+    def _need(
+        self,
+        principal: Principal | str,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        completions: int,
+    ) -> tuple[list[tuple[Key, Limits]], int]:
+        """The rules a request of the principal's tenant for ``model`` is under, and the tokens it
+        reserves: its prompt and ``completions`` x ``max_tokens`` (None: the configured estimate)."""
+        tenant = principal if isinstance(principal, str) else principal.tenant
         out = max_tokens if max_tokens is not None else self.token_estimate
-        got = self.limiter.acquire(self.clock(), rules, prompt_tokens + completions * out)
+        return self.rules_for(tenant, model), prompt_tokens + completions * out
+
+    def _answer(self, got: Grant | Denial) -> Ticket:
         if isinstance(got, Denial):
             self.rejected[got.metric] += 1
             raise denial_error(got)
         self.admitted += 1
         return Ticket(self, got)
+
+    async def start(self) -> None:
+        """Check the Redis backend once (bounded; unreachable is not fatal); nothing for the mesh's."""
+        if self.backend is not None:
+            await self.backend.start()
+
+    async def close(self) -> None:
+        if self.backend is not None:
+            await self.backend.close()
 
     async def guard(
         self,
@@ -259,7 +331,12 @@ class Admission:
         with tracing.stage("admission", {"gen_ai.request.model": model}) as span:  # (tracing on)
             try:
                 who = principal_of(request)
-                ticket = self.admit(who, model, prompt_tokens, sampling.max_tokens, completions)
+                if self.admitting:  # the mesh: decided here, no await
+                    ticket = self.admit(who, model, prompt_tokens, sampling.max_tokens, completions)
+                else:
+                    ticket = await self.admit_async(
+                        who, model, prompt_tokens, sampling.max_tokens, completions
+                    )
             except RateLimited as e:
                 span.set("shepherd.admission.result", "rejected")
                 return error_response(e)
@@ -294,4 +371,33 @@ class Admission:
                 [(["reachable"], float(lim.reachable)), (["known"], float(lim.cluster_size))],
             ),
             gauge("smg_rate_limit_keys", "Rate-limit keys held", [], [([], float(lim.key_count()))]),
+            *self._redis_metrics(),
         ]
+
+    def _redis_metrics(self) -> list[Any]:
+        b = self.backend
+        if b is None:
+            return []
+        family = Callable[[str, str, list[str], Iterable[tuple[list[str], float]]], Any]  # gauge or counter
+        rows: tuple[tuple[family, str, str, float], ...] = (
+            (
+                gauge,
+                "smg_rate_limit_redis_up",
+                "1 while Redis decides admissions, 0 while it is unreachable",
+                b.up,
+            ),
+            (
+                counter,
+                "smg_rate_limit_redis_fallbacks",
+                "Admissions decided by the fallback rule (limit / N on the node's counts): Redis unreachable",
+                b.fallbacks,
+            ),
+            (counter, "smg_rate_limit_redis_errors", "Redis calls that failed or timed out", b.errors),
+            (
+                counter,
+                "smg_rate_limit_redis_settles_dropped",
+                "Settlements not made in Redis (Redis down, queue full): slots expire with their lease",
+                b.settles_dropped,
+            ),
+        )
+        return [make(name, doc, [], [([], float(value))]) for make, name, doc, value in rows]

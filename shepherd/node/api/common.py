@@ -294,7 +294,7 @@ async def error_middleware(
     finally:
         if counted:
             gw.in_flight -= 1
-        gw.metrics.count_request(path, request.get("model", ""), status)
+        gw.metrics.count_request(path, request.get("model", ""), status, request.get("stream", False))
         gw.metrics.observe_http(request.method, path, time.perf_counter() - t0)
 
 
@@ -370,6 +370,7 @@ class KeepAlive:
         self.interval = interval
         self._streams: dict[int, _Entry] = {}  # id(resp): every register has its unregister in a finally
         self._task: asyncio.Task[None] | None = None
+        self._some = asyncio.Event()  # set while a stream is registered: without one, the ticker sleeps
 
     def register(
         self, resp: web.StreamResponse, payload: bytes = KEEPALIVE, request: web.Request | None = None
@@ -380,6 +381,7 @@ class KeepAlive:
         ``resp.prepared``)."""
         e = _Entry(resp, payload, request)
         self._streams[id(resp)] = e
+        self._some.set()
         return e
 
     def unregister(self, resp: web.StreamResponse) -> None:
@@ -392,6 +394,9 @@ class KeepAlive:
     async def _run(self) -> None:
         tick = max(0.05, min(1.0, self.interval / 2))
         while True:
+            if not self._streams:  # an idle node does not tick: the next register wakes it
+                self._some.clear()
+                await self._some.wait()
             await asyncio.sleep(tick)
             now = time.monotonic()
             for e in list(self._streams.values()):

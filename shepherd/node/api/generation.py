@@ -18,7 +18,7 @@ from shepherd.node.api.admission import TICKET_KEY
 from shepherd.node.api.common import KEEPALIVE_TICKER
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.stream import EngineStream
-from shepherd.node.http.types import lean_request, stream_response
+from shepherd.node.http.types import LeanStreamResponse, lean_request, stream_response
 from shepherd.node.observe import logs, tracing
 from shepherd.node.openai.requests import Sampling
 from shepherd.node.openai.sse import (
@@ -42,6 +42,7 @@ from shepherd.node.output.choice import ChoiceState, LogprobFormatter
 from shepherd.proto.engine_types import (
     EngineChunk,
     EngineError,
+    EngineEvent,
     GenerateRequest,
     SamplingParams,
     TokenLogprob,
@@ -198,6 +199,7 @@ class Generation:
         logs.bind_request(rid)  # the rest of the request's log lines carry it (JSON logs, access log)
         self.engine_rid = _engine_id(rid)
         self.t0 = t0
+        self.t_first = 0.0  # when the first engine event came (perf_counter; 0: none yet)
         self.created = int(time.time())
         self.logprobs = logprobs
         self.lpfmt = LogprobFormatter(tok, sampling.skip_special_tokens) if logprobs is not None else None
@@ -249,10 +251,19 @@ class Generation:
         )
 
     async def _drive(
-        self, es: EngineStream, job: Job, emit: Callable[[list[bytes], bool], Awaitable[None]] | None
+        self,
+        es: EngineStream,
+        job: Job,
+        emit: Callable[[list[bytes], bool], Awaitable[None]] | None,
+        emit_now: Callable[[list[bytes], bool], bool] | None = None,
+        drain: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Consume one engine stream into ``job.states``; ``emit`` gets the encoded chunks of each batch
-        of engine events (streaming), so one network read from the engine is one write to the client."""
+        of engine events (streaming), so one network read from the engine is one write to the client.
+        ``emit_now`` (a client write that does not wait: True when the client's transport wants a
+        pause) and ``drain`` (the wait for it) let an engine client that can ``push`` run each later
+        batch from its connection's frame loop, with no task wake-up per engine message; a pause hands
+        back to this loop, which waits for the drain before taking more."""
         states = job.states
         n = len(states)
         remaining = n
@@ -274,10 +285,16 @@ class Generation:
         first = True
         out: list[bytes] = []
         cached = self.totals.cached
-        async for batch in es.batches():
+
+        def take(batch: list[EngineEvent]) -> bool:
+            """One batch of engine events into the states and ``out``: whether the stream is over for
+            us (every engine choice completed, or every choice ended on a gateway-side stop)."""
+            nonlocal first, last, cached, remaining, engine_open
             now = time.perf_counter()
             if first:
                 mm.ttft.observe(now - self.t0)
+                if not self.t_first:
+                    self.t_first = now
                 first = False
             ntok = 0
             for ev in batch:
@@ -293,15 +310,16 @@ class Generation:
                     seen_chunks[i] = True
                     got[i] += len(ev.token_ids)
                     last_ids[i] = ev.token_ids
-                    if st.done():
+                    if st.done():  # (a call: mypy would keep st.finished narrowed past feed)
                         continue
-                    text = st.feed(ev.token_ids, ev.logprobs)
+                    lps = ev.logprobs
+                    text = st.feed(ev.token_ids, lps)
                     if enc is not None:
                         if posts is not None:
-                            if text or ev.logprobs:
-                                posts[i].stream(text, self._lp(ev.logprobs, idx), out)
-                        elif text or ev.logprobs:
-                            out.append(enc.content(idx, text, self._lp(ev.logprobs, idx)))
+                            if text or lps:
+                                posts[i].stream(text, self._lp(lps, idx) if lps else None, out)
+                        elif text or lps:
+                            out.append(enc.content(idx, text, self._lp(lps, idx) if lps else None))
                     if st.finished:
                         remaining -= 1
                         if enc is not None:
@@ -326,7 +344,7 @@ class Generation:
                     )
                 if st.finished:
                     continue
-                lps: Sequence[TokenLogprob] = ()
+                lps = ()
                 out_ids = ev.output_ids
                 if not seen_chunks[i] and out_ids:
                     text = st.whole(out_ids, ev.logprobs, ev.finish_reason)
@@ -349,14 +367,41 @@ class Generation:
             if ntok:
                 itl.observe((now - last) / ntok)
             last = now
+            return engine_open == 0 or remaining == 0
+
+        paused = False
+
+        def take_and_write(batch: list[EngineEvent]) -> bool:
+            # (push) one batch, written at once: stop at the end, or when the client's transport is full
+            nonlocal paused
+            over = take(batch)
+            if out:
+                assert emit_now is not None
+                paused = emit_now(out, over)
+                out.clear()
+                return over or paused
+            return over
+
+        push = getattr(es.agen, "push", None) if emit_now is not None and drain is not None else None
+        over = False
+        async for batch in es.batches():
+            over = take(batch)
             if out and emit is not None:
-                await emit(out, engine_open == 0 or remaining == 0)
-                out = []
-            if engine_open == 0:
-                es.completed = True
+                await emit(out, over)
+                out.clear()
+            if over:
                 break
-            if remaining == 0:
-                break  # every choice ended on a gateway-side stop: the engine request is aborted on close
+            if push is not None:
+                await push(take_and_write)
+                if engine_open == 0 or remaining == 0:
+                    over = True
+                    break
+                if paused:  # the client's transport is full: nothing more is taken until it drains
+                    paused = False
+                    assert drain is not None
+                    await drain()
+        if over and engine_open == 0:
+            es.completed = True
         self.totals.cached = cached
         if es.trace is not None:  # the engine call's answer on its CLIENT span (tracing on)
             es.trace.response(self.rid, states, len(job.ids), cached)
@@ -412,7 +457,10 @@ class Generation:
     def done(self) -> None:
         """The call is answered: its model for the request metrics, its end-to-end latency."""
         self.request["model"] = self.model
-        self.mm.e2e.observe(time.perf_counter() - self.t0)
+        now = time.perf_counter()
+        self.mm.e2e.observe(now - self.t0)
+        if self.t_first:  # SMG's generation duration: first token to last token
+            self.mm.generation.observe(now - self.t_first)
 
     # ---- non-streaming ----------------------------------------------------------------------------
 
@@ -541,6 +589,7 @@ class Generation:
 
     async def stream(self, jobs: list[Job]) -> web.StreamResponse:
         gw = self.gw
+        self.request["stream"] = True  # SMG's ``streaming`` label of the request count
         max_new = [gw.check_context(self.model, len(job.ids), self.s.max_tokens) for job in jobs]
         # the lean server writes its own Connection header (it would drop ours: one pass over them less)
         headers = dict(SSE_HEADERS if lean_request(self.request) is None else _SSE_LEAN_HEADERS)
@@ -577,6 +626,22 @@ class Generation:
                     await resp.write(b"".join(pending))
                     pending.clear()
 
+            emit_now: Callable[[list[bytes], bool], bool] | None = None
+            drain: Callable[[], Awaitable[None]] | None = None
+            if isinstance(resp, LeanStreamResponse):
+                lean = resp
+                drain = lean.drain
+
+                def emit_now(chunks: list[bytes], last: bool = False) -> bool:
+                    # emit's write without the wait (the engine client's push): True to pause
+                    pending.extend(self._with_usage(chunks, current[0]) if continuous else chunks)
+                    if last:
+                        return False
+                    ka.touch()
+                    paused = lean.lean_write(b"".join(pending))
+                    pending.clear()
+                    return paused
+
             try:
                 for i, job in enumerate(jobs):
                     if i > 0:
@@ -595,7 +660,7 @@ class Generation:
                         heads = [enc.content(job.index_base + st.index, job.echo) for st in job.states]
                         pending.extend(self._with_usage(heads, job) if continuous else heads)
                     try:
-                        await self._drive(es, job, emit)
+                        await self._drive(es, job, emit, emit_now, drain)
                     except GONE:
                         await es.close(CLIENT_DISCONNECT)
                         raise

@@ -113,9 +113,11 @@ def describe(mesh: MeshNode) -> dict[str, Any]:
                 "blocks": ix.live_blocks,
                 "pending": ix.pending,
                 "workers": {w: ix.worker_blocks(w) for w in ix.workers},
+                "quiet": sorted(ix.quiet_workers),  # decisions not replicated (their KV events tell all)
             }
             for model, ix in st.indexes.items()
         },
+        "index_replication": mesh.index_replication,
         "config": {k: len(v) for k, v in st.config.to_py().items()},
         "components": [n for n in (RATE_LIMIT_COMPONENT,) if st.component(n) is not None],
         "stats": dataclasses.asdict(st.stats),

@@ -329,6 +329,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         )
         try:
             if s.stream:
+                request["stream"] = True  # SMG's ``streaming`` label of the request count
                 return await _stream(request, es, rid, s, tok, ids, t0)
             return await _whole(es, rid, s, tok, ids, t0)
         except GONE:

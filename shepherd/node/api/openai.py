@@ -80,7 +80,9 @@ async def render_chat(
         if req.reasoning_effort is not None:
             req.template_kwargs = effort_kwargs(req.reasoning_effort, names, req.template_kwargs)
     # a span (tracing on): the template render and the encode, their cache hits or misses
-    with tracing.stage("render_tokenize", {"gen_ai.request.model": model}, cache_stats=gw.tokenizers.stats):
+    with tracing.stage(
+        "render_tokenize", {"gen_ai.request.model": model}, cache_stats=gw.tokenizers.cache_counters
+    ):
         tracing.input_messages(messages)  # only with OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT
         try:
             return await gw.tokenizers.render_and_encode(
@@ -200,7 +202,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     vocab = tok.vocab_size
     for i, p in enumerate(req.prompts):
         if isinstance(p, str):
-            with tracing.stage("tokenize", {"gen_ai.request.model": model}, cache_stats=gw.tokenizers.stats):
+            with tracing.stage(
+                "tokenize", {"gen_ai.request.model": model}, cache_stats=gw.tokenizers.cache_counters
+            ):
                 ids = await gw.tokenizers.encode(model, p)
             text = p
         else:

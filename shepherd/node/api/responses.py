@@ -681,7 +681,11 @@ async def _start_background(
     adm = request.app[ADMISSION]
     ticket: Ticket | None = None
     if adm is not None:
-        ticket = adm.admit(principal_of(request), g.model, len(job.ids), shaping.sampling.max_tokens)
+        who, max_tokens = principal_of(request), shaping.sampling.max_tokens
+        if adm.admitting:  # the mesh: decided here, no await
+            ticket = adm.admit(who, g.model, len(job.ids), max_tokens)
+        else:
+            ticket = await adm.admit_async(who, g.model, len(job.ids), max_tokens)
     queued = response_object(base, status="queued", output=[], usage=None)
     try:
         if schemas:  # under admission, after the model lookup: off the loop, with a deadline

@@ -4,10 +4,10 @@ its own ``smg_*`` names so that dashboards written for SMG read a Shepherd fleet
 
 Every family here is made when ``/metrics`` is scraped, from figures the node keeps anyway (its request
 histograms and counters, the worker registry, the KV feeds, the mesh members, the rate limiter): the
-request path pays nothing for them. Labels follow SMG's; those SMG has and the node cannot know for a
-figure (``streaming`` of a request counted by route) are left out, which ``sum by (...)`` queries do not
-notice. ``router_type`` is ``grpc`` (the node tokenizes and talks gRPC to engines) and ``backend_type``
-``pd`` on a PD node, else ``regular``.
+request path pays nothing for them (beyond the generation duration's observation and a streamed
+request's count). Labels follow SMG's (``streaming`` of ``smg_router_requests_total`` included).
+``router_type`` is ``grpc`` (the node tokenizes and talks gRPC to engines) and ``backend_type`` ``pd`` on
+a PD node, else ``regular``.
 
 Also the node's own tracing figures (``smg_trace_spans_*``: exported, dropped, lost in failed exports).
 """
@@ -128,6 +128,12 @@ class SmgNames:
                 extra=extra,
             ),
             alias(
+                _first(m.generation.collect()),
+                "smg_router_generation_duration_seconds",
+                "Generation time, first token to last token",
+                extra=extra,
+            ),
+            alias(
                 _first(m.e2e.collect()),
                 "smg_router_request_duration_seconds",
                 "Router request duration",
@@ -173,11 +179,11 @@ class SmgNames:
         )
         routed = CounterMetricFamily(
             "smg_router_requests",
-            "Routed requests by model and endpoint",
-            labels=["router_type", "backend_type", "connection_mode", "model", "endpoint"],
+            "Routed requests by model, endpoint and streaming",
+            labels=["router_type", "backend_type", "connection_mode", "model", "endpoint", "streaming"],
         )
         by_status: dict[tuple[str, str], float] = {}
-        by_model: dict[tuple[str, str], float] = {}
+        by_model: dict[tuple[str, str], list[float]] = {}  # (model, endpoint) -> [all, streamed]
         for s in _first(m.requests.collect()).samples:
             if not s.name.endswith("_total"):
                 continue
@@ -185,11 +191,17 @@ class SmgNames:
             by_status[(route, status)] = by_status.get((route, status), 0.0) + s.value
             endpoint = ENDPOINTS.get(route)
             if model and endpoint is not None:
-                by_model[(model, endpoint)] = by_model.get((model, endpoint), 0.0) + s.value
+                by_model.setdefault((model, endpoint), [0.0, 0.0])[0] += s.value
+        for (route, model), n_streamed in list(m.streamed.items()):
+            endpoint = ENDPOINTS.get(route)
+            if model and endpoint is not None and (model, endpoint) in by_model:
+                by_model[(model, endpoint)][1] += n_streamed
         for (route, status), n in by_status.items():
             requests.add_metric([route, status, "" if status.startswith(("1", "2", "3")) else status], n)
-        for (model, endpoint), n in by_model.items():
-            routed.add_metric(["grpc", self.backend_type, "grpc", model, endpoint], n)
+        for (model, endpoint), (n, streamed) in by_model.items():
+            labels = ["grpc", self.backend_type, "grpc", model, endpoint]
+            routed.add_metric([*labels, "true"], streamed)
+            routed.add_metric([*labels, "false"], max(0.0, n - streamed))
         out: list[Metric] = [requests, routed]
         http = getattr(m, "http_duration", None)
         if http is not None:

@@ -16,17 +16,23 @@ and closes it (graceful leave) while the node drains.
   record, bounded rounds), so there is no echo: a change the bridge applies itself is not published
   back. A worker of a model this node does not serve is left out. A dead node's workers leave every
   node (the registry's owner-gone tombstones), except the ones this node's own config pins.
-- **Health**: every local check result is published (``observe_health``, refreshed each tick), and the
+- **Health**: every local check result is fed to ``observe_health`` (each tick; only a change is sent,
+  as a delta of this node's health record, plus a small beacon every 10 s), and the
   mesh's combined view gates routing (``WorkerRegistry.gate``) beside the local checks and breakers.
-- **Prefix index**: one replicated prefix index per model (``MeshState.index``, made by
-  ``replica_factory``: ``make_replica``, native where built) is installed in the model's
-  ``cache_aware`` policy before anything uses it, so the policy's routing decisions, the KV event
-  feed (``kv_feed.feed_index_of``) and replication share it. Deltas are flushed every
-  ``INDEX_FLUSH_S`` as datagrams of their own to every alive member; a member that (re)joins gets the
-  whole index once, paced, from one designated node (digest repair leaves recent time slots alone).
+- **Prefix index**: one replicated prefix index per model (``MeshState.index``, made by ``replica_factory``:
+  ``make_replica``, native where built) is installed in the model's ``cache_aware`` policy before anything
+  uses it, so the policy's routing decisions, the KV event feed (``kv_feed.feed_index_of``) and replication
+  share it. Deltas are flushed when written (at most every ``INDEX_FLUSH_S``, ``flush_soon``) as datagrams
+  of their own to the alive members that route the model (their SWIM metadata says which:
+  ``mesh.index_scope``); a member that (re)joins gets the whole index of its models once, paced, from one
+  designated node routing each (digest repair leaves recent time slots alone). What is sent
+  (``mesh_index_replication``, README "Mesh at scale"): KV-event inserts never; ``auto`` (default) the
+  routing decisions of workers without a live KV-event stream here (the others are quiet:
+  ``sync_index_quiet``, each tick), ``all`` every worker's, ``none`` nothing.
 - **Rate limits**: the node's ``RateLimiter`` (its ``Admission``'s, handed over by ``app.serve``) is
   registered as the state component ``"ratelimit"`` and told the member list (live = alive, N = all
-  but left) on every membership event and every tick.
+  but left) on every membership event and every tick; a ``local`` one (the Redis backend's fallback)
+  is told the member list only.
 - **Ownership**: the state runs ``first_hand`` (``shepherd.mesh.state``): entries naming a node (its
   workers, health observations, rate-limit shards) are taken only from that node (a datagram's
   verified sender, a push-pull's certificate), and each node sends its own to every alive member
@@ -56,6 +62,7 @@ from shepherd.auth.certs import TlsFiles, write_dev_pki
 from shepherd.mesh import faults
 from shepherd.mesh.dns_seeds import DnsSeedConfig, is_dns_seed, parse_dns_seed
 from shepherd.mesh.hlc import stamp_seconds
+from shepherd.mesh.index_scope import IndexScope, routes_meta
 from shepherd.mesh.keyring import Keyring, generate_key, load_keyring
 from shepherd.mesh.ratelimit import RateLimiter
 from shepherd.mesh.runtime import MeshRuntime, RpcError, RpcHandler
@@ -81,11 +88,11 @@ log = logging.getLogger("shepherd.mesh_node")
 
 RATE_LIMIT_COMPONENT = "ratelimit"
 TICK_S = 1.0
+# the longest a fresh delta waits to be flushed. The flush is event-driven: a write that leaves something
+# to send (a routing decision's index insert, a rate-limit admission, a local worker or health change)
+# arms one timer this far ahead, and the tick flushes whatever else changed; an idle node never wakes
+# for it (it used to tick every 20 ms, then back off to 0.16 s: bench/idle_bench.py)
 INDEX_FLUSH_S = 0.02
-# with nothing to send, the flush backs off (doubling) to this: an idle node wakes ~6 times a second for
-# it instead of 50 (bench/idle_bench.py); the first delta after a quiet spell waits at most this long.
-# Not with rate limits configured: their shards go out within INDEX_FLUSH_S
-INDEX_FLUSH_IDLE_S = 0.16
 MAX_FLUSH_ENTRIES = 50_000  # index entries one flush takes (the rest wait for the next)
 JOIN_PACE = 32  # datagrams of a full-index transfer between short sleeps
 RECONCILE_ROUNDS = 8
@@ -123,6 +130,16 @@ def swim_config(cfg: NodeConfig) -> SwimConfig:
     if faults.injected(faults.DISABLE_REFUTATION):  # test-only (chaos.run --inject)
         kw["fault_no_refutation"] = True
     return dataclasses.replace(base, **kw)
+
+
+def limiter_members(
+    members: Iterable[tuple[str, str]], ignore_partition: bool = False
+) -> list[tuple[str, str]]:
+    """The (name, state) pairs the rate limiter counts: every member. With the test-only fault
+    ``IGNORE_PARTITION_RULE`` (``ignore_partition``) only the alive ones, so that its N is the members it
+    reaches and each side of a partition admits the whole limit (what ``chaos.run --prove-can-fail
+    mesh_large`` shows the partition checks catch)."""
+    return [(n, s) for n, s in members if not ignore_partition or s == "alive"]
 
 
 def runtime_config(cfg: NodeConfig) -> MeshRuntimeConfig:
@@ -337,7 +354,7 @@ class RegistryBridge:
             self.state.observe_health(w.id, w.health.healthy)
 
     def publish_health(self) -> None:
-        """This node's current view of every local worker (``observe_health`` refreshes by itself)."""
+        """This node's current view of every local worker (``observe_health`` sends only changes)."""
         for w in list(self.registry.workers.values()):
             self.local_health(w)
 
@@ -471,6 +488,13 @@ class MeshNode:
         for policy in (getattr(pd, "prefill_policy", None), getattr(pd, "decode_policy", None)):
             if policy is not None:
                 attach_indexes(dict.fromkeys(gw.models, policy), self.state)
+        # index replication (README "Mesh at scale"): which routing decisions are sent (auto: those of
+        # workers without a live KV-event stream here; KV-event inserts never), and to whom: the members
+        # whose SWIM metadata says they route the model (``index_scope``)
+        self.index_replication = cfg.mesh_index_replication
+        self.routed_models = sorted(self.state.indexes)
+        self.scope = IndexScope()
+        self.index_deltas_dropped = 0  # index payloads not sent (--mesh-index-replication none)
         reg = gw.registry
         pinned = {worker_id(u) for m in gw.models.values() for u in m.worker_urls}
         self.bridge = RegistryBridge(self.state, reg, models=gw.models, pinned=pinned, ident=worker_id)
@@ -481,8 +505,12 @@ class MeshNode:
         self.limiter = limiter  # the node's admission limiter, its shards replicated here
         # test-only fault switches (shepherd.mesh.faults; chaos.run --inject): shards or index kept local
         self.fault_no_index_gossip = faults.injected(faults.DISABLE_INDEX_GOSSIP)
-        if self.limiter is not None and not faults.injected(faults.DISABLE_RATELIMIT_GOSSIP):
-            self.state.register(RATE_LIMIT_COMPONENT, self.limiter)
+        self.fault_ignore_partition = faults.injected(faults.IGNORE_PARTITION_RULE)
+        # a local limiter (the Redis backend's fallback) is told the members but never gossiped
+        self.limiter_gossip = limiter is not None and not limiter.cfg.local
+        gossiped = limiter if self.limiter_gossip else None
+        if gossiped is not None and not faults.injected(faults.DISABLE_RATELIMIT_GOSSIP):
+            self.state.register(RATE_LIMIT_COMPONENT, gossiped)
         self.state.on_worker_added.append(self._observe_lag)
         self.state.on_worker_removed.append(self._observe_lag)
         self.runtime: MeshRuntime | None = None
@@ -495,6 +523,18 @@ class MeshNode:
         self.recent_deltas: deque[tuple[str, str, str, float]] = deque(maxlen=RECENT_DELTAS)
         self._rpc_handler: RpcHandler | None = None
         self._closed = False
+        self._flush_timer: asyncio.Handle | None = None
+        self._last_flush = -INDEX_FLUSH_S  # loop time of the last flush_soon flush
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start(): flushes are armed on it
+        # the writes that leave something to flush arm it (flush_soon): routing decisions' index
+        # inserts, rate-limit admissions, local worker and health changes
+        for policy in self._indexing_policies():
+            policy.on_insert = self._after_insert
+        if self.limiter_gossip and self.limiter is not None:
+            self.limiter.on_dirty = self.flush_soon
+        reg.on_added = _chain(reg.on_added, self._local_change)
+        reg.on_removed = _chain(reg.on_removed, self._local_change)
+        reg.on_health_change = _chain(reg.on_health_change, self._local_change)
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -502,9 +542,14 @@ class MeshNode:
         if wire_version.enable_test_next_from_env():
             log.warning("mesh: %s=1: a test build speaking the next wire minor", wire_version.TEST_NEXT_ENV)
         wire_version.set_strict(faults.injected(faults.STRICT_WIRE))  # test-only (chaos.run --inject)
+        self._loop = asyncio.get_running_loop()
         tls, keyring = await asyncio.to_thread(security, self.cfg)
         rt = MeshRuntime.from_files(
-            runtime_config(self.cfg), keyring, tls, delegate=self.state, on_member_event=self._on_member_event
+            dataclasses.replace(runtime_config(self.cfg), meta=routes_meta(self.routed_models)),
+            keyring,
+            tls,
+            delegate=self.state,
+            on_member_event=self._on_member_event,
         )
         rt.set_rpc_handler(self._rpc_handler)
         await rt.start()
@@ -512,7 +557,6 @@ class MeshNode:
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._every(TICK_S, self.tick), name="mesh-tick"),
-            loop.create_task(self._flush_loop(), name="mesh-index-flush"),
         ]
         self.bridge.sync_all()
         log.info(
@@ -528,6 +572,9 @@ class MeshNode:
         if self._closed:
             return
         self._closed = True
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         tasks = self._tasks + list(self._side)
         for t in tasks:
             t.cancel()
@@ -546,19 +593,49 @@ class MeshNode:
             except Exception:
                 log.exception("mesh: periodic %s failed", getattr(fn, "__name__", fn))
 
-    async def _flush_loop(self) -> None:
-        interval = INDEX_FLUSH_S
-        # with rate limits, no back-off: an admission's shard must reach the peers within one short
-        # flush (a burst after a quiet spell over-admitted across two processes with the 0.16 s back-off)
-        idle_max = INDEX_FLUSH_S if self.limiter is not None else INDEX_FLUSH_IDLE_S
-        while True:  # until cancelled by close()
-            await asyncio.sleep(interval)
-            sent = 0
-            try:
-                sent = self.flush_index()
-            except Exception:
-                log.exception("mesh: periodic flush_index failed")
-            interval = INDEX_FLUSH_S if sent else min(idle_max, 2 * interval)
+    def flush_soon(self) -> None:
+        """Something to send was written: flush now, or ``INDEX_FLUSH_S`` after the last such flush (one
+        handle, armed once; writes meanwhile ride on it): at most as many flushes as the old fixed 20 ms
+        tick, and a rate-limit admission's shard reaches the peers no later than with it, which
+        ``--procs`` needs (a burst must not over-admit across processes)."""
+        loop = self._loop
+        if self._flush_timer is None and loop is not None and not self._closed:
+            delay = self._last_flush + INDEX_FLUSH_S - loop.time()
+            if delay > 0:  # flushed less than INDEX_FLUSH_S ago: this write rides on the next one
+                self._flush_timer = loop.call_later(delay, self._flush_due)
+            else:  # the first write after a quiet spell goes at once (after the current callbacks)
+                self._flush_timer = loop.call_soon(self._flush_due)
+
+    def _flush_due(self) -> None:
+        self._flush_timer = None
+        if self._loop is not None:
+            self._last_flush = self._loop.time()
+        try:
+            self.flush_index()
+        except Exception:
+            log.exception("mesh: flush_index failed")
+        rt = self.runtime
+        if rt is not None and rt.running and self._index_pending():  # more than one flush takes
+            self.flush_soon()  # (MAX_FLUSH_ENTRIES): the rest next
+
+    def _local_change(self, _w: object) -> None:
+        self.flush_soon()
+
+    def _after_insert(self) -> None:
+        if self._index_pending():  # a quiet worker's decision (its KV events replicate it) left nothing
+            self.flush_soon()
+
+    def _indexing_policies(self) -> list[CacheAware]:
+        pd = getattr(self.gw, "pd", None)
+        cands = [
+            *self.gw.policies.values(),
+            getattr(pd, "prefill_policy", None),
+            getattr(pd, "decode_policy", None),
+        ]
+        return [p for p in cands if isinstance(p, CacheAware)]
+
+    def _index_pending(self) -> bool:
+        return not self.fault_no_index_gossip and any(ix.pending for ix in self.state.indexes.values())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         t = asyncio.get_running_loop().create_task(coro)
@@ -568,10 +645,13 @@ class MeshNode:
     # -- periodic -----------------------------------------------------------------------------------
 
     def tick(self) -> None:
+        self.sync_index_quiet()
         self.state.tick()
         self.bridge.resume_leftovers()
         self.bridge.publish_health()
         self._update_limiter()
+        # what changed without a write hook (expiries, pinned re-assertions, digest repair) goes now
+        self.flush_index()
 
     def flush_index(self) -> int:
         """Send this node's own state deltas (``owned_batches``: workers, health, rate-limit shards:
@@ -581,35 +661,71 @@ class MeshNode:
         if rt is None or not rt.running:
             return 0
         payloads = self.state.owned_batches()
+        by_model: list[tuple[str, list[bytes]]] = []
         if not self.fault_no_index_gossip:
-            payloads += self.state.index_batches(max_entries=MAX_FLUSH_ENTRIES)
-        if not payloads:
+            by_model = self.state.index_batches_by_model(max_entries=MAX_FLUSH_ENTRIES)
+            if self.index_replication == "none":  # drained (digest repair may have queued some), not sent
+                self.index_deltas_dropped += sum(len(ps) for _, ps in by_model)
+                by_model = []
+        if not payloads and not by_model:
             return 0
         n = 0
         for m in rt.swim.alive_members():
-            if m.name != self.name:
-                n += rt.send_user(m.addr, payloads)
+            if m.name == self.name:
+                continue
+            out = payloads
+            for model, ps in by_model:  # a model's deltas only to the members routing it
+                if self.scope.routes(m.meta, model):
+                    out = out + ps
+            if out:
+                n += rt.send_user(m.addr, out)
         self.index_datagrams_out += n
         return n
+
+    def sync_index_quiet(self) -> None:
+        """Tell each model's replica which workers' routing decisions are not replicated: with
+        ``auto``, those whose KV-event stream is live here (every node subscribes to the engine and
+        gets its events: the default for gRPC engines); with ``none``, all; with ``all``, none."""
+        mode = self.index_replication
+        feed = getattr(self.gw, "kv_feed", None)
+        for model, ix in self.state.indexes.items():
+            quiet = ix.quiet_workers
+            ws = {w.id for w in self.gw.registry.workers.values() if w.model == model} | quiet
+            for w in ws:
+                q = mode == "none" or (mode == "auto" and feed is not None and feed.live(w))
+                if q != (w in quiet):
+                    ix.set_quiet(w, q)
 
     # -- membership ---------------------------------------------------------------------------------
 
     def _update_limiter(self) -> None:
         if self.limiter is not None and self.runtime is not None:
-            self.limiter.update_members([(m.name, m.state) for m in self.runtime.members()], time.time())
+            members = [(m.name, m.state) for m in self.runtime.members()]
+            self.limiter.update_members(limiter_members(members, self.fault_ignore_partition), time.time())
 
     def _on_member_event(self, ev: MemberEvent) -> None:
         self._update_limiter()
+        self.flush_soon()
         if not isinstance(ev, MemberUp) or ev.member.name == self.name:
             return
         if ev.prev not in (None, MemberState.DEAD, MemberState.LEFT) or self.runtime is None:
             return
-        others = sorted(m.name for m in self.runtime.swim.alive_members() if m.name != ev.member.name)
-        if others and others[0] == self.name and self.state.indexes and not self.fault_no_index_gossip:
-            self._spawn(self._send_full_index(ev.member.name, ev.member.addr))
+        if not self.state.indexes or self.fault_no_index_gossip or self.index_replication == "none":
+            return
+        # per model the joiner routes, the first (by name) of the other members routing it sends it
+        alive = [m for m in self.runtime.swim.alive_members() if m.name != ev.member.name]
+        mine = []
+        for model in self.scope.models_for(ev.member.meta, list(self.state.indexes)):
+            names = sorted(m.name for m in alive if self.scope.routes(m.meta, model))
+            if names and names[0] == self.name:
+                mine.append(model)
+        if mine:
+            self._spawn(self._send_full_index(ev.member.name, ev.member.addr, mine))
 
-    async def _send_full_index(self, name: str, addr: tuple[str, int]) -> None:
-        payloads = full_index_payloads(self.state)  # on the loop: the index is not thread-safe
+    async def _send_full_index(
+        self, name: str, addr: tuple[str, int], models: list[str] | None = None
+    ) -> None:
+        payloads = full_index_payloads(self.state, models)  # on the loop: the index is not thread-safe
         rt = self.runtime
         if not payloads or rt is None:
             return

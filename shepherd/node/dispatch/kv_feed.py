@@ -222,6 +222,7 @@ class WorkerKvState:
         self.clock = clock
         self.cursor = KvCursor()
         self.stats = FeedStats()
+        self.streaming = False  # the current subscription delivered a record (the engine talks to us)
         self._applier: KvEventApplier | SmallPageApplier | None = None
         self.unsupported_block_size = 0
 
@@ -352,6 +353,12 @@ class KvFeed:
         self._tasks[worker] = task
         return state
 
+    def live(self, worker: str) -> bool:
+        """The worker's KV-event stream is open here and has delivered (what ``--mesh-index-replication
+        auto`` takes as: every node learns what this engine caches from its own events)."""
+        state = self.states.get(worker)
+        return state is not None and state.streaming and self.running(worker)
+
     def stop(self, worker: str, *, clear: bool = True) -> None:
         """Stop feeding ``worker``; with ``clear`` its entries leave the index (it was removed)."""
         task = self._tasks.pop(worker, None)
@@ -397,6 +404,7 @@ class KvFeed:
                 try:
                     async for batch in stream:
                         state.stats.records += 1
+                        state.streaming = True
                         if not batch.load_only:  # events flow: a later failure starts the back-off afresh
                             backoff.succeeded()
                         if batch.load is not None and on_load is not None:
@@ -418,6 +426,8 @@ class KvFeed:
             except Exception as e:  # a bug or a malformed message: keep the feed alive, loudly
                 log.warning("worker %s: KV event stream failed: %r", state.worker, e)
                 why = repr(e)
+            finally:
+                state.streaming = False
             if why == "gap":
                 log.debug(
                     "worker %s: KV event gap after %d, subscribing again", state.worker, state.cursor.last

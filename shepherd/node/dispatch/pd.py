@@ -12,7 +12,10 @@ Two protocols, chosen by the engines' kind (both pools are of one kind):
   cache is, which blocks) are relayed to the decode worker with the original request.
 
 A failure before the decode side's first token is retried on other workers (both pools), as a plain
-request is; whatever the outcome, an engine request that is no longer wanted is aborted.
+request is; whatever the outcome, an engine request that is no longer wanted is aborted. With tracing on,
+each engine call (the prefill half and the decode half, each retry its own) is a GenAI CLIENT span with
+its worker's ``server.address`` / ``server.port`` and ``shepherd.pd.role``; the route stage is an event
+with both picks.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from shepherd.node.dispatch.stream import EngineStream
 from shepherd.node.dispatch.workers import Worker, WorkerRegistry, client_error, pick_worker
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.node.metrics import NodeMetrics
+from shepherd.node.observe import tracing
+from shepherd.node.observe.tracing import EngineCall
 from shepherd.policies.base import Policy
 from shepherd.policies.simple import make_policy
 from shepherd.proto.engine_types import (
@@ -149,7 +154,11 @@ class PdRouter:
         tried_d: set[str] = set()
         last_error: EngineError | None = None
         for attempt in range(gw.cfg.max_retries + 1):
-            pair = self.pick_pair(model, tried_p, tried_d, gen.input_ids, routing_key)
+            with tracing.stage("route") as rt:  # an event with both pools' choices (tracing on)
+                pair = self.pick_pair(model, tried_p, tried_d, gen.input_ids, routing_key)
+                rt.routed(self.decode_policy, pair.decode if pair is not None else None)
+                if pair is not None:
+                    rt.set("shepherd.route.prefill_worker", str(pair.prefill.url))
             if pair is None:
                 if last_error is not None:
                     raise last_error
@@ -162,8 +171,8 @@ class PdRouter:
             req = gen if attempt == 0 else replace(gen, request_id=f"{gen.request_id}-r{attempt}")
             try:
                 if _kind(pair.prefill) == "vllm":
-                    return await self._vllm(pair, req)
-                return await self._sglang(pair, req)
+                    return await self._vllm(pair, req, model, attempt)
+                return await self._sglang(pair, req, model, attempt)
             except EngineError as e:
                 last_error = client_error(e, pair.prefill, pair.decode)  # what a client may read
                 if not e.retryable:
@@ -172,13 +181,14 @@ class PdRouter:
                 tried_d.add(pair.decode.id)
                 if attempt < gw.cfg.max_retries:
                     gw.metrics.retries.inc()
+                    tracing.event("retry", {"shepherd.retry.attempt": attempt + 1, "error.type": e.code})
                     log.info("PD request %s: retrying on other workers after: %s", gen.request_id, e)
         assert last_error is not None
         raise last_error
 
     # ---- SGLang: both halves at once, with a bootstrap room ----------------------------------------
 
-    async def _sglang(self, pair: PdPair, gen: GenerateRequest) -> EngineStream:
+    async def _sglang(self, pair: PdPair, gen: GenerateRequest, model: str, attempt: int) -> EngineStream:
         gw = self.gw
         p, d = pair.prefill, pair.decode
         req = replace(
@@ -188,11 +198,13 @@ class PdRouter:
             bootstrap_room=bootstrap_room(self._rng),
         )
         timeout = gw.cfg.request_timeout_secs
+        pcall = _engine_call(model, req, p, attempt, "prefill")  # the CLIENT spans (tracing on)
+        dcall = _engine_call(model, req, d, attempt, "decode")
         p.in_flight += 1
-        prefill_task = asyncio.create_task(self._drain_prefill(p, req, timeout))
+        prefill_task = asyncio.create_task(self._drain_prefill(p, req, timeout, pcall))
         d.in_flight += 1
         agen = _batches(d, req, timeout)
-        first_task = asyncio.create_task(_first(agen))
+        first_task = asyncio.create_task(_first(agen, dcall))
         prefill_error: BaseException | None = None
         try:
             done, _ = await asyncio.wait({prefill_task, first_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -206,6 +218,10 @@ class PdRouter:
             first_task.cancel()
             with contextlib.suppress(BaseException):
                 await first_task
+            if dcall is not None and e is prefill_error:  # given up with its prefill half
+                dcall.end("cancelled")
+            elif dcall is not None:  # the decode half failed
+                dcall.fail(e)
             gw.abort_in_background(d, req.request_id, "cancelled")
             with contextlib.suppress(Exception):
                 await agen.aclose()
@@ -217,21 +233,32 @@ class PdRouter:
             self._settle(d, e, blame=e is not prefill_error)
             raise
         gw.registry.record_result(d, True)
-        return self._stream(d, req.request_id, agen, first, prefill_task)
+        return self._stream(d, req.request_id, agen, first, prefill_task, dcall)
 
-    async def _drain_prefill(self, p: Worker, req: GenerateRequest, timeout: float) -> None:
-        """The prefill half: read it to its end (its output is the decode side's business)."""
+    async def _drain_prefill(
+        self, p: Worker, req: GenerateRequest, timeout: float, call: EngineCall | None
+    ) -> None:
+        """The prefill half: read it to its end (its output is the decode side's business); ``call`` its
+        CLIENT span (tracing on), current while the call is sent, ended with it."""
         gw = self.gw
         completed = False
         agen = _batches(p, req, timeout)
         try:
+            if call is not None:
+                completed = any(isinstance(ev, EngineComplete) for ev in await call.first(anext(agen)))
             async for batch in agen:
                 completed = completed or any(isinstance(ev, EngineComplete) for ev in batch)
             gw.registry.record_result(p, True)
+        except StopAsyncIteration:  # no batch at all (only with a span: else the loop ends)
+            gw.registry.record_result(p, True)
         except BaseException as e:
+            if call is not None:
+                call.fail(e)
             self._settle(p, e)
             raise
         finally:
+            if call is not None:
+                call.end(None if completed else "cancelled")
             p.in_flight -= 1
             if not completed:
                 gw.abort_in_background(p, req.request_id, "cancelled")
@@ -240,7 +267,7 @@ class PdRouter:
 
     # ---- vLLM: prefill first, its KV transfer parameters to the decode side ------------------------
 
-    async def _vllm(self, pair: PdPair, gen: GenerateRequest) -> EngineStream:
+    async def _vllm(self, pair: PdPair, gen: GenerateRequest, model: str, attempt: int) -> EngineStream:
         gw = self.gw
         p, d = pair.prefill, pair.decode
         timeout = gw.cfg.request_timeout_secs
@@ -252,20 +279,28 @@ class PdRouter:
             top_logprobs=0,
             kv_transfer_params_json=VLLM_PREFILL_PARAMS,
         )
+        pcall = _engine_call(model, preq, p, attempt, "prefill")  # its CLIENT span (tracing on)
         p.in_flight += 1
         kv: str | None = None
         completed = False
         pgen = _batches(p, preq, timeout)
         try:
-            async for batch in pgen:
-                for ev in batch:
-                    if isinstance(ev, EngineComplete):
-                        completed = True
-                        kv = kv or ev.kv_transfer_params_json
+            batches = [await (anext(pgen) if pcall is None else pcall.first(anext(pgen)))]
+            batches += [batch async for batch in pgen]
+            for ev in (ev for batch in batches for ev in batch):
+                if isinstance(ev, EngineComplete):
+                    completed = True
+                    kv = kv or ev.kv_transfer_params_json
+        except StopAsyncIteration:  # no answer at all (kv stays None)
+            pass
         except BaseException as e:
+            if pcall is not None:
+                pcall.fail(e)
             self._settle(p, e)
             raise
         finally:
+            if pcall is not None:
+                pcall.end(None if completed else "cancelled")
             p.in_flight -= 1
             if not completed:
                 gw.abort_in_background(p, preq.request_id, "cancelled")
@@ -279,11 +314,14 @@ class PdRouter:
             )
         gw.registry.record_result(p, True)
         dreq = replace(gen, kv_transfer_params_json=kv)
+        dcall = _engine_call(model, dreq, d, attempt, "decode")
         d.in_flight += 1
         agen = _batches(d, dreq, timeout)
         try:
-            first = await anext(agen)
+            first = await (anext(agen) if dcall is None else dcall.first(anext(agen)))
         except BaseException as e:
+            if dcall is not None:
+                dcall.fail(e)
             d.in_flight -= 1
             gw.abort_in_background(d, dreq.request_id, "cancelled")
             with contextlib.suppress(Exception):
@@ -294,7 +332,7 @@ class PdRouter:
             self._settle(d, e)
             raise
         gw.registry.record_result(d, True)
-        return self._stream(d, dreq.request_id, agen, first, None)
+        return self._stream(d, dreq.request_id, agen, first, None, dcall)
 
     def _settle(self, w: Worker, e: BaseException, *, blame: bool = True) -> None:
         """A send to ``w`` ended early with ``e``: a failure of the worker if the engine failed it (and
@@ -313,6 +351,7 @@ class PdRouter:
         agen: AsyncGenerator[list[EngineEvent], None],
         first: list[EngineEvent],
         prefill_task: asyncio.Task[None] | None,
+        call: EngineCall | None,
     ) -> EngineStream:
         def on_close() -> None:
             if prefill_task is not None and not prefill_task.done():
@@ -320,11 +359,18 @@ class PdRouter:
 
         if prefill_task is not None:
             prefill_task.add_done_callback(_retrieve)
-        return EngineStream(self.gw, d, request_id, agen, first, on_close=on_close)
+        return EngineStream(self.gw, d, request_id, agen, first, on_close=on_close, trace=call)
 
 
-async def _first(agen: AsyncGenerator[list[EngineEvent], None]) -> list[EngineEvent]:
-    return await anext(agen)
+async def _first(agen: AsyncGenerator[list[EngineEvent], None], call: EngineCall | None) -> list[EngineEvent]:
+    return await (anext(agen) if call is None else call.first(anext(agen)))
+
+
+def _engine_call(model: str, req: GenerateRequest, w: Worker, attempt: int, role: str) -> EngineCall | None:
+    """The CLIENT span of one half's engine call (tracing on, the request sampled), else None."""
+    if not tracing.ENABLED:
+        return None
+    return tracing.engine_call(model, req.request_id, req.sampling, w.url, _kind(w), attempt, pd_role=role)
 
 
 def _kind(w: Worker) -> str:

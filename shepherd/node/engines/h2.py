@@ -3,7 +3,8 @@
 Same behaviour and error mapping as ``grpcio.GrpcEngineClient`` (statuses go through the same
 ``map_rpc_error``), at a fraction of the CPU per message: there is no poller thread, frames are parsed
 in ``data_received`` and each stream's messages land in a deque; the consumer drains the deque and
-awaits a future only when it is empty, so many messages in one read cost one wake-up.
+awaits a future only when it is empty, so many messages in one read cost one wake-up. A Generate call's
+consumer can instead be pushed each batch as it arrives (``GenerateCall.push``): no wake-up at all.
 
 One HTTP/2 connection per worker (``h2_protocol.H2Protocol``), multiplexing every call; on loss the next
 call reconnects, with exponential back-off between failed attempts (calls during the back-off fail fast
@@ -294,8 +295,10 @@ class H2EngineClient:
     async def call_stream(
         self, path: str, request: Message, response_type: type[M], timeout: float | None
     ) -> AsyncIterator[M]:
-        """A server-streaming call; closing the iterator early cancels the call (RST_STREAM)."""
-        stream = await self._start(path, request.SerializeToString(), timeout)
+        """A server-streaming call; closing the iterator early cancels the call (RST_STREAM). The caller's
+        trace context goes as metadata when tracing is on (the Generate of a TensorRT-LLM or MLX worker)."""
+        trace = tracing.grpc_header_block(hpack_literal) if tracing.ENABLED else b""
+        stream = await self._start(path, request.SerializeToString(), timeout, trace)
         parse = response_type.FromString
         msgs = stream.messages
         try:
@@ -507,7 +510,17 @@ class GenerateCall:
     exception or a cancellation while it waits) cancels the call (RST_STREAM). The request is encoded
     and sent at the first ``__anext__``, which returns once the first messages arrived."""
 
-    __slots__ = ("_client", "_closed", "_parse", "_req", "_single", "_stream", "_timeout")
+    __slots__ = (
+        "_client",
+        "_closed",
+        "_parse",
+        "_push_fut",
+        "_push_take",
+        "_req",
+        "_single",
+        "_stream",
+        "_timeout",
+    )
 
     def __init__(self, client: H2EngineClient, req: GenerateRequest, timeout: float | None) -> None:
         self._client = client
@@ -517,6 +530,8 @@ class GenerateCall:
         self._parse: Callable[[bytes], Any] = _SG_PARSE
         self._single: str | None = None  # the engine kind when the request has one choice (decode_batch)
         self._closed = False
+        self._push_fut: asyncio.Future[None] | None = None  # push(): resolved when it hands back
+        self._push_take: Callable[[list[EngineEvent]], bool] | None = None
 
     def __aiter__(self) -> GenerateCall:
         return self
@@ -586,9 +601,62 @@ class GenerateCall:
         assert stream is not None
         return stream
 
+    def push(self, take: Callable[[list[EngineEvent]], bool]) -> asyncio.Future[None]:
+        """Hand the call's next batches to ``take`` as they arrive, from the engine connection's frame
+        loop: no future, task wake-up or coroutine step per engine message (a paced engine sends one
+        message per token). ``take`` returns True to stop (the answer is complete, or the client's
+        transport wants a pause). The future resolves when ``take`` stopped or the stream ended (the
+        next ``__anext__`` then gives its status), and fails with what ``take`` or the parse raised; the
+        consumer goes on with ``__anext__``. Only after the first ``__anext__`` returned."""
+        stream = self._stream
+        assert stream is not None, "push() before the call was opened"
+        fut = stream._loop.create_future()
+        self._push_fut = fut
+        self._push_take = take
+        stream.listener = self._on_ready
+        if stream.messages or stream.done:
+            self._on_ready()
+        return fut
+
+    def _end_push(self) -> None:
+        self._push_fut = self._push_take = None
+        if self._stream is not None:
+            self._stream.listener = None
+
+    def _on_ready(self) -> None:
+        """Messages arrived, or the stream ended (GrpcStream's listener, while pushing)."""
+        fut = self._push_fut
+        take = self._push_take
+        stream = self._stream
+        if fut is None or take is None or stream is None or fut.done():  # the consumer went away
+            self._end_push()
+            return
+        msgs = stream.messages
+        try:
+            while msgs:  # bounded by the messages (``take`` runs no engine I/O)
+                raws = list(msgs)
+                msgs.clear()
+                batch = decode_batch(raws, self._parse, single=self._single)
+                if batch and take(batch):
+                    self._end_push()
+                    fut.set_result(None)
+                    return
+        except DecodeError as e:
+            self._end_push()
+            fut.set_exception(map_status(INTERNAL, f"cannot parse a response: {e}"))
+            return
+        except Exception as e:
+            self._end_push()
+            fut.set_exception(e)
+            return
+        if stream.done:
+            self._end_push()
+            fut.set_result(None)
+
     def close(self) -> None:
         """End the call: cancelled (RST_STREAM) unless the server already ended it."""
         self._closed = True
+        self._end_push()
         s = self._stream
         if s is not None and not s.done:
             s.cancel()

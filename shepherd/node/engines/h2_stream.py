@@ -14,6 +14,7 @@ import asyncio
 import collections
 import struct
 import urllib.parse
+from collections.abc import Callable
 
 from shepherd.node.engines.errors import (
     CANCELLED,
@@ -106,7 +107,9 @@ class GrpcStream(H2Stream):
     """One gRPC call: response messages in ``messages`` (bytes), status when ``done``.
 
     ``wait()`` returns a future resolved at the next arrival (message, end or error); the consumer awaits
-    it only when ``messages`` is empty, so a burst of messages costs a single wake-up.
+    it only when ``messages`` is empty, so a burst of messages costs a single wake-up. Or the consumer
+    sets ``listener``: then each arrival calls it at once, from the connection's frame loop (no future,
+    no task wake-up per message), until it is cleared.
     """
 
     __slots__ = (
@@ -119,6 +122,7 @@ class GrpcStream(H2Stream):
         "deadlines",
         "details",
         "done",
+        "listener",
         "messages",
         "timer",
         "unprocessed",
@@ -135,6 +139,7 @@ class GrpcStream(H2Stream):
         self.timer: asyncio.TimerHandle | None = None
         self.deadlines: Deadlines | None = None  # or ``timer``: what ends the call at its deadline
         self._waiter: asyncio.Future[None] | None = None
+        self.listener: Callable[[], None] | None = None  # called at each arrival instead of a wake-up
         self._headers_seen = False
         self._partial = bytearray()  # an incomplete message (prefix included)
         self._need = 0  # total bytes of that message once its prefix is known, else 0
@@ -164,6 +169,8 @@ class GrpcStream(H2Stream):
             self._waiter = None
             if not w.done():
                 w.set_result(None)
+        elif self.listener is not None:
+            self.listener()
 
     def _finish(self, code: int, details: str) -> None:
         if self.done:
@@ -230,6 +237,8 @@ class GrpcStream(H2Stream):
     def on_grpc_messages(self) -> None:
         if self._waiter is not None:
             self._wake()
+        elif self.listener is not None:
+            self.listener()
 
     def on_data(self, buf: bytes, start: int, end: int, end_stream: bool) -> None:
         if self.done:
@@ -273,7 +282,7 @@ class GrpcStream(H2Stream):
         if start < end:
             self._partial = bytearray(buf[start:end])
         self.grpc_messages = None if self._partial else msgs
-        if msgs and self._waiter is not None:
+        if msgs and (self._waiter is not None or self.listener is not None):
             self._wake()
         if end_stream:
             self._data_end(end_stream)

@@ -29,6 +29,7 @@ from shepherd.node.engines.errors import UNIMPLEMENTED, engine_error
 from shepherd.node.engines.grpcio import GrpcEngineClient
 from shepherd.node.engines.h2 import H2EngineClient
 from shepherd.node.engines.h2_stream import RpcStatus
+from shepherd.node.observe import tracing
 from shepherd.proto.engine_requests import SGLANG_SERVICE, VLLM_SERVICE
 from shepherd.proto.engine_types import EngineError, EngineEvent, GenerateRequest
 from shepherd.proto.mlx_codec import MLX_SERVICE
@@ -93,6 +94,12 @@ def _serialize(m: Message) -> bytes:
     return m.SerializeToString()
 
 
+def _trace_metadata() -> tuple[tuple[str, str], ...] | None:
+    """The caller's trace context (``traceparent``, ``tracestate``) as gRPC metadata, when tracing is on
+    (as the SGLang/vLLM clients send it); None otherwise."""
+    return (tuple(tracing.inject({}).items()) or None) if tracing.ENABLED else None
+
+
 class GrpcioRpc:
     """Calls over a grpcio channel (``--engine-transport grpcio``)."""
 
@@ -104,7 +111,7 @@ class GrpcioRpc:
             path, request_serializer=_serialize, response_deserializer=response_type.FromString
         )
         try:
-            out: M = await call(request, timeout=timeout)
+            out: M = await call(request, timeout=timeout, metadata=_trace_metadata())
         except grpc.aio.AioRpcError as e:
             raise RpcFailure(e.code().value[0], e.details() or "") from None
         return out
@@ -115,7 +122,7 @@ class GrpcioRpc:
         method: Any = self.channel.unary_stream(
             path, request_serializer=_serialize, response_deserializer=response_type.FromString
         )
-        call = method(request, timeout=timeout)
+        call = method(request, timeout=timeout, metadata=_trace_metadata())
         try:
             async for msg in call:
                 yield msg

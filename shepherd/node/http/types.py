@@ -377,7 +377,7 @@ def encode_head(
 
 
 def _chunk(data: bytes | bytearray | memoryview) -> bytes:
-    return b"%x\r\n" % len(data) + bytes(data) + b"\r\n"
+    return b"%x\r\n%s\r\n" % (len(data), data)
 
 
 class LeanStreamResponse(web.StreamResponse):
@@ -468,22 +468,30 @@ class LeanStreamResponse(web.StreamResponse):
         return _chunk(data) if self._lean_chunked else bytes(data)
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self.lean_write(data):
+            await self._lean_req._wire.drain()
+
+    def lean_write(self, data: bytes | bytearray | memoryview) -> bool:
+        """``write`` without the wait: sends ``data`` at once; returns whether the transport is over its
+        high-water mark (the caller then awaits ``drain`` before writing more)."""
         phase = self._lean_phase
         if phase == 0:
             raise RuntimeError("Cannot call write() before prepare()")
         if phase == 3:
             raise RuntimeError("Cannot call write() after write_eof()")
-        frame = self._lean_frame(data)
+        if self._lean_chunked and data and not self._lean_empty:  # (_lean_frame's usual case, inlined)
+            frame = b"%x\r\n%s\r\n" % (len(data), data)
+        else:
+            frame = self._lean_frame(data)
         if phase == 1:
             frame = self._lean_head + frame
             self._lean_head = b""
             self._lean_phase = 2
         if not frame:
-            return
+            return False
         wire = self._lean_req._wire
         wire.send(frame)
-        if wire.write_paused:
-            await wire.drain()
+        return wire.write_paused
 
     def lean_finish(self, data: bytes | bytearray | memoryview = b"") -> None:
         """End the body (idempotent): what ``write_eof`` sends, without waiting for the transport."""

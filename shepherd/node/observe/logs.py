@@ -74,7 +74,7 @@ def add_secrets(values: Iterable[str | None]) -> None:
 
 def config_secrets(cfg: NodeConfig, env: Mapping[str, str] = os.environ) -> list[str]:
     """The literal secrets ``cfg`` names: mesh keys (flags and keyring file), the bootstrap API keys and
-    the JWT HMAC secret held in environment variables, the history URL's password."""
+    the JWT HMAC secret held in environment variables, the history and rate-limit Redis URLs' passwords."""
     out: list[str] = list(cfg.mesh_keys)
     if cfg.mesh_keyring_file:
         try:
@@ -85,9 +85,11 @@ def config_secrets(cfg: NodeConfig, env: Mapping[str, str] = os.environ) -> list
     out.extend(env.get(key.env, "") for key in cfg.auth.keys if key.env)
     if cfg.auth.jwt.hmac_secret_env:
         out.append(env.get(cfg.auth.jwt.hmac_secret_env, ""))
-    if cfg.history_url:
+    for url in (cfg.history_url, cfg.rate_limit_redis_url):
+        if not url:
+            continue
         try:
-            password = urlsplit(cfg.history_url).password
+            password = urlsplit(url).password
         except ValueError:
             password = None
         out.append(password or "")

@@ -1,4 +1,5 @@
-"""The OTLP ``ExportTraceServiceRequest`` bytes of finished spans, written directly (protobuf wire format)
+"""The OTLP ``ExportTraceServiceRequest`` bytes of finished spans (the SDK's, or the node's lean records:
+``tracing._Span``), written directly (protobuf wire format)
 instead of through the exporter's message objects: the stock encoder builds a ``KeyValue`` / ``AnyValue``
 object per attribute, which cost the node more CPU than making the spans. Here an attribute whose value
 is a string, number or boolean is encoded once and then looked up (a request's attributes mostly repeat:
@@ -18,6 +19,10 @@ __all__ = ["encode_request", "lean_grpc_exporter"]
 
 _KV_CACHE: dict[tuple[str, type, Any], bytes] = {}
 _KV_CACHE_MAX = 8192
+# how many short strings of one key are cached: a request or response id is new each time (cached, it
+# would only fill the cache until it is cleared, and every repeating pair encoded again)
+_DISTINCT: dict[str, int] = {}
+_DISTINCT_MAX = 256
 _RESOURCES: dict[int, tuple[Any, bytes]] = {}  # id(resource) -> (resource, its encoded message)
 _SCOPES: dict[int, tuple[Any, bytes]] = {}
 _FIXED64 = struct.Struct("<Q")
@@ -33,6 +38,8 @@ _SMALL = [bytes((i,)) for i in range(0x80)]  # the one-byte varints
 def _varint(n: int) -> bytes:
     if 0 <= n < 0x80:
         return _SMALL[n]
+    if 0 < n < 0x4000:  # two bytes (most lengths): no loop
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     if n < 0:
         n &= 0xFFFFFFFFFFFFFFFF
     out = bytearray()
@@ -93,8 +100,36 @@ def _kv(key: str, v: Any) -> bytes:
             if len(_KEYS) < _KV_CACHE_MAX:
                 _KEYS[key] = kb
         body = kb + b"\x12\x09\x21" + _DOUBLE.pack(v)  # value: AnyValue{double_value}, 9 bytes
-        return _SMALL[len(body)] + body if len(body) < 0x80 else _varint(len(body)) + body
-    if tv is str or tv is int or tv is bool:
+        enc = _SMALL[len(body)] + body if len(body) < 0x80 else _varint(len(body)) + body
+        seen = _DISTINCT.get(key, 0)
+        if seen < _DISTINCT_MAX:  # a setting (temperature, top_p) repeats; a duration does not
+            _DISTINCT[key] = seen + 1
+            if len(_KV_CACHE) >= _KV_CACHE_MAX:
+                _KV_CACHE.clear()
+                _DISTINCT.clear()
+            _KV_CACHE[(key, tv, v)] = enc
+        return enc
+    if tv is str and len(v) < 0x7D:  # a short string: AnyValue{string_value} written in place
+        kb = _KEYS.get(key)
+        if kb is None:
+            kb = _str(1, key)
+            if len(_KEYS) < _KV_CACHE_MAX:
+                _KEYS[key] = kb
+        vb = v.encode("utf-8")
+        n = len(vb)
+        if n < 0x7E:
+            body = b"".join((kb, b"\x12", _SMALL[n + 2], b"\x0a", _SMALL[n], vb))
+            n = len(body)
+            enc = (_SMALL[n] if n < 0x80 else _varint(n)) + body
+            seen = _DISTINCT.get(key, 0)
+            if seen < _DISTINCT_MAX:  # a key whose values keep changing (ids) is not cached
+                _DISTINCT[key] = seen + 1
+                if len(_KV_CACHE) >= _KV_CACHE_MAX:
+                    _KV_CACHE.clear()
+                    _DISTINCT.clear()
+                _KV_CACHE[(key, tv, v)] = enc
+            return enc
+    if tv is str or tv is int or tv is bool or tv is tuple:
         ck = (key, tv, v)
         got = _KV_CACHE.get(ck)
         if got is None:
@@ -196,22 +231,100 @@ def _span(span: Any) -> bytes:
     return b"".join(parts)
 
 
+_KIND_FIELDS = [_uint(6, k + 1) for k in range(5)]  # SpanKind value -> field 6 (OTLP's kind: value + 1)
+_SPAN_NAMES: dict[str, bytes] = {}  # a span's name as field 5: they repeat (routes, operations, models)
+_EVENT_NAMES: dict[str, bytes] = {}  # an event's name as field 2
+
+
+def _name(names: dict[str, bytes], field: int, name: str) -> bytes:
+    got = names.get(name)
+    if got is None:
+        got = _str(field, name)
+        if len(names) < _KV_CACHE_MAX:
+            names[name] = got
+    return got
+
+
+def _attrs_dict(field: int, attrs: Mapping[str, Any]) -> bytes:
+    """A plain dict's attributes (a lean span's): each ``KeyValue`` looked up or written by ``_kv``."""
+    if not attrs:
+        return b""
+    tag = _LEN_TAGS[field]
+    cache = _KV_CACHE
+    kv = _kv
+    try:
+        return tag + tag.join([cache.get((k, type(v), v)) or kv(k, v) for k, v in attrs.items()])
+    except TypeError:  # a list value (unhashable: the node writes tuples): each through ``_kv``
+        return tag + tag.join([kv(k, v) for k, v in attrs.items()])
+
+
+def _record(span: Any) -> bytes:
+    """A lean span's bytes (``tracing._Span``: trace and span ids, parent id, name, kind, times, a dict of
+    attributes, events as (name, time, attributes), status code and description) as a ``spans`` element
+    of its ``ScopeSpans`` (field 2, with its length)."""
+    parent = span.parent
+    pack = _FIXED64.pack
+    parts = [
+        b"\x0a\x10",
+        span.trace_id.to_bytes(16, "big"),
+        b"\x12\x08",
+        span.span_id.to_bytes(8, "big"),
+        _str(3, _trace_state(span.state)) if span.state else b"",
+        b"\x22\x08" + parent.to_bytes(8, "big") if parent else b"",
+        _SPAN_NAMES.get(span.name) or _name(_SPAN_NAMES, 5, span.name),
+        _KIND_FIELDS[span.kind],
+        b"\x39",
+        pack(span.start_time),
+        b"\x41",
+        pack(span.end_time),
+        _attrs_dict(9, span.attrs),
+    ]
+    small = _SMALL
+    for name, ts, attrs in span.events:  # field 11, each with its length
+        body = b"".join(
+            (b"\x09", pack(ts), _EVENT_NAMES.get(name) or _name(_EVENT_NAMES, 2, name), _attrs_dict(3, attrs))
+        )
+        n = len(body)
+        parts += (b"\x5a", small[n] if n < 0x80 else _varint(n), body)
+    if span.dropped_events:
+        parts.append(_uint(12, span.dropped_events))
+    code = span.status
+    parts.append(_STATUS_UNSET if not code else _len(15, _str(2, span.desc) + _uint(3, code)))
+    parts.append(_FLAGS_REMOTE if parent and span.remote else _FLAGS_LOCAL)
+    body = b"".join(parts)
+    n = len(body)
+    return b"\x12" + (small[n] if n < 0x80 else _varint(n)) + body
+
+
+def _lean_request(spans: Sequence[Any]) -> bytes:
+    """The request of lean spans only: one resource and one scope (the tracer's)."""
+    first = spans[0]
+    scope = first.instrumentation_scope
+    res = first.resource
+    body = b"".join([_record(s) for s in spans])
+    if scope is not None:
+        body = _len(1, _scope(scope)) + body + _str(3, scope.schema_url or "")
+    return _len(1, _len(1, _resource(res)) + _len(2, body) + _str(3, res.schema_url or ""))
+
+
 def encode_request(spans: Sequence[Any]) -> bytes:
     """The ``ExportTraceServiceRequest`` of ``spans`` (SDK ``ReadableSpan``s), grouped by resource and
     instrumentation scope as the stock encoder groups them."""
+    if spans and all([getattr(s, "lean", False) for s in spans]):
+        return _lean_request(spans)
     groups: dict[int, tuple[Any, dict[int, tuple[Any, list[bytes]]]]] = {}
     for span in spans:
         res = span.resource
         by_scope = groups.setdefault(id(res), (res, {}))[1]
         scope = span.instrumentation_scope
-        by_scope.setdefault(id(scope), (scope, []))[1].append(_span(span))
+        by_scope.setdefault(id(scope), (scope, []))[1].append(
+            _record(span) if getattr(span, "lean", False) else _len(2, _span(span))
+        )
     out = []
     for res, by_scope in groups.values():
         scope_spans = []
         for scope, encoded in by_scope.values():
-            body = (_len(1, _scope(scope)) if scope is not None else b"") + b"".join(
-                _len(2, e) for e in encoded
-            )
+            body = (_len(1, _scope(scope)) if scope is not None else b"") + b"".join(encoded)
             if scope is not None:
                 body += _str(3, scope.schema_url or "")
             scope_spans.append(_len(2, body))
@@ -245,6 +358,8 @@ def lean_grpc_exporter(**kwargs: Any) -> Any:
             )
 
     class LeanGrpcSpanExporter(OTLPSpanExporter):
+        takes_lean = True  # the node's lean spans (tracing._Span) are encoded as they are
+
         def __init__(self, **kw: Any) -> None:
             super().__init__(**kw)
             self._stub = RawTraceServiceStub

@@ -11,6 +11,10 @@ span), its storage calls and mesh RPCs child spans (``traced_store``, ``rpc_clie
 on to engines in gRPC metadata and HTTP headers (``grpc_header_block``, ``inject``) and to other nodes
 inside the mesh RPC request (``rpc_client`` / ``rpc_server``).
 
+With the SDK's own samplers and id generator and no attribute length limit (the defaults) the spans are
+recorded lean (``_Span``: plain values, the node's own context variable; the same sampling decisions and
+ids, the same batch processor and exporters), else they are the SDK's.
+
 With tracing off the request path pays a module attribute test (``tracing.ENABLED``) or a call that
 returns the shared ``NOOP`` stage: no span, context or dict is made.
 """
@@ -22,12 +26,13 @@ import contextvars
 import json
 import logging
 import os
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -187,12 +192,17 @@ def setup(settings: TraceSettings | None, node_name: str | None = None) -> bool:
     )
 
     class CountingExporter(SpanExporter):
-        """Counts what each export delivered or lost (the exporter already retried with back-off)."""
+        """Counts what each export delivered or lost (the exporter already retried with back-off). The
+        lean spans (``_Span``) go as they are to an exporter that takes them (``takes_lean``: the node's
+        own gRPC encoder), else as the SDK's ``ReadableSpan``s, made here (the exporter thread)."""
 
         def __init__(self, inner: Any) -> None:
             self.inner = inner
+            self.takes_lean = bool(getattr(inner, "takes_lean", False))
 
         def export(self, spans: Sequence[Any]) -> SpanExportResult:
+            if not self.takes_lean:
+                spans = [sp.readable() if type(sp) is _Span else sp for sp in spans]
             try:
                 got: SpanExportResult = self.inner.export(spans)
             except Exception:
@@ -241,6 +251,7 @@ def setup(settings: TraceSettings | None, node_name: str | None = None) -> bool:
     _provider = provider
     _tracer = provider.get_tracer("shepherd.node")
     _lean_paths(provider, _tracer)
+    _lean_setup(provider, _tracer, processor)
     CAPTURE_CONTENT = (
         os.environ.get("OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT", "").strip().lower() == "true"
     )
@@ -300,11 +311,348 @@ def _lean_paths(provider: Any, tracer: Any) -> None:
     _W3C = "traceparent" in fields and fields <= {"traceparent", "tracestate", "baggage"}
 
 
+# ---- the request path's spans, recorded lean ----------------------------------------------------------
+#
+# While ``_LEAN`` (set by ``_lean_setup``: the SDK's own samplers and id generator, no attribute value
+# length limit, the node's one batch processor) the request path's spans are ``_Span`` records: the SDK's
+# sampler decision made from its configuration (``_decider``), the ids drawn as its RandomIdGenerator draws
+# them, the attributes a plain dict, the events tuples; an ended span goes onto the SDK batch processor's
+# bounded queue (``BatchProcessor.emit``) as it is. The exporter thread encodes it (``otlp_wire``, gRPC)
+# or makes the SDK's ``ReadableSpan`` of it (``readable``: the HTTP/protobuf exporter, or any other).
+
+_LEAN = False
+_DECIDE: Callable[[Any, int], bool] = lambda parent, trace_id: False  # noqa: E731
+_EMIT: Callable[[Any], None] = lambda span: None  # noqa: E731
+_QUEUE: Any = ()  # the batch processor's queue (its length: a span that finds it full is dropped)
+_QUEUE_MAX = 0
+# an ended span appended to ``_QUEUE`` directly (the worker woken at a batch's size, as ``emit`` does) while
+# the processor is running in this process: off at ``shutdown`` and in a forked child (``emit`` re-inits)
+_DIRECT = False
+_BATCH = 512
+_AWAKE: Any = None
+_MAX_EVENTS = 128
+_getrandbits = random.getrandbits
+
+
+class _Span(Span):
+    """One span of the node, recorded as plain values (see above). Implements the API's ``Span`` (the
+    propagators read it from the context ``_context`` makes); a span the sampler left out is one with
+    ``recording`` False (its context still goes to engines, sampled flag off)."""
+
+    __slots__ = (
+        "_ctx",
+        "attrs",
+        "desc",
+        "dropped_events",
+        "end_time",
+        "events",
+        "flags",
+        "kind",
+        "name",
+        "parent",
+        "recording",
+        "remote",
+        "span_id",
+        "start_time",
+        "state",
+        "status",
+        "trace_id",
+    )
+
+    lean = True  # otlp_wire: encoded from these fields
+    resource: Any = None  # the provider's resource and the tracer's scope (``_lean_setup``)
+    instrumentation_scope: Any = None
+
+    def __init__(
+        self,
+        name: str,
+        kind: int,
+        trace_id: int,
+        parent: int,
+        remote: bool,
+        state: Any,
+        recording: bool,
+    ) -> None:
+        self.name = name
+        self.kind = kind
+        self.trace_id = trace_id
+        self.span_id = _getrandbits(64) or 1
+        self.parent = parent  # the parent's span id (0: a root span)
+        self.remote = remote  # the parent came from another process
+        self.state = state  # the trace state (the parent's; None: none)
+        self.flags = 1 if recording else 0
+        self.recording = recording
+        self.attrs: dict[str, Any] = {}
+        self.events: list[tuple[str, int, Mapping[str, Any]]] = []
+        self.dropped_events = 0
+        self.status = 0  # StatusCode value: 0 unset, 1 ok, 2 error
+        self.desc = ""
+        self.start_time = time.time_ns()
+        self.end_time = 0
+        self._ctx: Any = None
+
+    # the API's Span
+    def get_span_context(self) -> Any:
+        ctx = self._ctx
+        if ctx is None:
+            from opentelemetry.trace import SpanContext, TraceFlags  # not at the top: rarely needed
+
+            ctx = self._ctx = SpanContext(
+                self.trace_id, self.span_id, False, TraceFlags(self.flags), self.state
+            )
+        return ctx
+
+    def is_recording(self) -> bool:
+        return self.recording and not self.end_time
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if self.recording:
+            self.attrs[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        if self.recording:
+            self.attrs.update(attributes)
+
+    def add_event(self, name: str, attributes: Any = None, timestamp: int | None = None) -> None:
+        if not self.recording:
+            return
+        if len(self.events) >= _MAX_EVENTS:
+            self.dropped_events += 1
+            return
+        self.events.append((name, timestamp or time.time_ns(), attributes or _NO_EVENT_ATTRS))
+
+    def update_name(self, name: str) -> None:
+        self.name = name
+
+    def set_status(self, status: Any, description: str | None = None) -> None:
+        if isinstance(status, Status):
+            code, desc = status.status_code, status.description
+        else:
+            code, desc = status, description
+        if self.recording and (self.status != 1 or code.value == 1):  # OK is final (the SDK's rule)
+            self.status = code.value
+            self.desc = (desc or "") if code.value == 2 else ""
+
+    def record_exception(
+        self,
+        exception: BaseException,
+        attributes: Any = None,
+        timestamp: int | None = None,
+        escaped: bool = False,
+    ) -> None:
+        attrs = {
+            "exception.type": type(exception).__qualname__,
+            "exception.message": str(exception),
+            "exception.escaped": str(escaped),
+        }
+        self.add_event("exception", {**attrs, **dict(attributes or {})}, timestamp)
+
+    def end(self, end_time: int | None = None) -> None:
+        if self.end_time:
+            return
+        self.end_time = end_time or time.time_ns()
+        if not self.recording:
+            return
+        STATS.ended += 1
+        q = _QUEUE
+        if len(q) >= _QUEUE_MAX:
+            STATS.dropped += 1  # the batch processor drops its oldest: one span lost either way
+            _EMIT(self)
+        elif _DIRECT:  # ``BatchProcessor.emit``'s own steps, minus its shutdown / fork checks (``_DIRECT``)
+            q.appendleft(self)
+            if len(q) >= _BATCH and not _AWAKE.is_set():
+                _AWAKE.set()
+        else:
+            _EMIT(self)
+
+    # the exporter thread's
+    def readable(self) -> Any:
+        """The SDK's ``ReadableSpan`` of this span (for exporters that take only those)."""
+        from opentelemetry.sdk.trace import Event, ReadableSpan  # not at the top: off the request path
+        from opentelemetry.trace import SpanContext, TraceFlags  # not at the top: off the request path
+
+        parent = (
+            SpanContext(self.trace_id, self.parent, self.remote, TraceFlags(1), self.state)
+            if self.parent
+            else None
+        )
+        return ReadableSpan(
+            self.name,
+            self.get_span_context(),
+            parent,
+            self.resource,
+            dict(self.attrs),
+            tuple(Event(n, a, t) for n, t, a in self.events),
+            (),
+            SpanKind(self.kind),
+            status=Status(StatusCode(self.status), self.desc or None),
+            start_time=self.start_time,
+            end_time=self.end_time,
+            instrumentation_scope=self.instrumentation_scope,
+        )
+
+
+def _lean_start(name: str, parent: otel_context.Context | None, kind: SpanKind) -> _Span:
+    """A span as the SDK's tracer would start it (the sampler's decision, the ids), recorded lean."""
+    p = trace.get_current_span(parent) if parent is not None else _current()
+    if type(p) is _Span:
+        if p.recording or p.parent or p.remote:  # a local parent
+            return _Span(name, kind.value, p.trace_id, p.span_id, False, p.state, _DECIDE(p, p.trace_id))
+        sc = p.get_span_context()
+    else:
+        sc = p.get_span_context()
+    if sc.is_valid:
+        return _Span(
+            name, kind.value, sc.trace_id, sc.span_id, sc.is_remote, sc.trace_state, _DECIDE(sc, sc.trace_id)
+        )
+    tid = _getrandbits(128) or 1
+    return _Span(name, kind.value, tid, 0, False, None, _DECIDE(None, tid))
+
+
+def _decider(s: Any) -> Callable[[Any, int], bool] | None:
+    """The decision of the SDK sampler ``s`` (one of its own: static, trace id ratio, parent based on
+    those) as a function of the parent (None, a ``SpanContext`` or a ``_Span``) and the trace id, made as
+    its ``should_sample`` makes it; None for any other sampler."""
+    from opentelemetry.sdk.trace import sampling  # optional: only when on
+
+    if isinstance(s, sampling.ParentBased):
+        root = _decider(getattr(s, "_root", None))
+        subs = [
+            _decider(getattr(s, k, None))
+            for k in (
+                "_remote_parent_sampled",
+                "_remote_parent_not_sampled",
+                "_local_parent_sampled",
+                "_local_parent_not_sampled",
+            )
+        ]
+        if root is None or None in subs:
+            return None
+        rs, rn, ls, ln = cast(list[Callable[[Any, int], bool]], subs)
+
+        def parent_based(parent: Any, trace_id: int) -> bool:
+            if parent is None:
+                return root(None, trace_id)
+            if type(parent) is _Span:
+                return (ls if parent.recording else ln)(parent, trace_id)
+            sampled = parent.trace_flags.sampled
+            if parent.is_remote:
+                return (rs if sampled else rn)(parent, trace_id)
+            return (ls if sampled else ln)(parent, trace_id)
+
+        return parent_based
+    if type(s) is sampling.StaticSampler:
+        on = getattr(s, "_decision", None) is sampling.Decision.RECORD_AND_SAMPLE
+        return (lambda parent, trace_id: True) if on else (lambda parent, trace_id: False)
+    if type(s) is sampling.TraceIdRatioBased:
+        bound = int(s.bound)
+        limit = s.TRACE_ID_LIMIT
+        return lambda parent, trace_id: trace_id & limit < bound
+    return None
+
+
+def _lean_setup(provider: Any, tracer: Any, processor: Any) -> None:
+    """Whether the request path's spans may be recorded lean (``_LEAN``, see ``_Span``): the sampler is
+    one of the SDK's own, the id generator its random one, no attribute value length limit (``_FAST``),
+    the provider's only span processor the node's batch processor, whose queue takes the spans."""
+    global _LEAN, _DECIDE, _EMIT, _QUEUE, _QUEUE_MAX, _MAX_EVENTS, _DIRECT, _BATCH, _AWAKE
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator  # optional: only when on
+
+    decide = _decider(getattr(provider, "sampler", None))
+    bp = getattr(processor, "_batch_processor", None)
+    emit = getattr(bp, "emit", None)
+    queue = getattr(bp, "_queue", None)
+    procs = getattr(getattr(provider, "_active_span_processor", None), "_span_processors", None)
+    _LEAN = (
+        decide is not None
+        and _FAST
+        and type(getattr(tracer, "id_generator", None)) is RandomIdGenerator
+        and callable(emit)
+        and queue is not None
+        and procs == (processor,)
+    )
+    if not _LEAN:
+        return
+    assert decide is not None and emit is not None
+    _DECIDE, _EMIT, _QUEUE = decide, emit, queue
+    _QUEUE_MAX = int(getattr(bp, "_max_queue_size", 2048))
+    awake = getattr(bp, "_worker_awaken", None)
+    batch = getattr(bp, "_max_export_batch_size", None)
+    _DIRECT = (
+        awake is not None
+        and isinstance(batch, int)
+        and getattr(bp, "_shutdown", True) is False
+        and getattr(bp, "_pid", None) == os.getpid()
+    )
+    if _DIRECT and isinstance(batch, int):
+        _AWAKE, _BATCH = awake, batch
+    limits = getattr(tracer, "_span_limits", None)
+    if limits is not None and limits.max_events is not None:
+        _MAX_EVENTS = limits.max_events
+    _Span.resource = provider.resource
+    _Span.instrumentation_scope = getattr(tracer, "_instrumentation_scope", None)
+
+
+# while ``_LEAN``: the current span and the context it continues (the request's incoming context, for its
+# baggage; None: none), in the node's own context variable (no OpenTelemetry context made per span)
+_CURRENT: contextvars.ContextVar[tuple[Span, otel_context.Context | None] | None] = contextvars.ContextVar(
+    "smg_trace_current", default=None
+)
+
+
+def _after_fork() -> None:
+    global _DIRECT
+    _DIRECT = False  # the child's spans through ``emit``: it re-inits the processor (a new worker thread)
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _current() -> Span:
+    """The current span (``INVALID_SPAN`` without one)."""
+    if _LEAN:
+        cur = _CURRENT.get()
+        return cur[0] if cur is not None else trace.INVALID_SPAN
+    return trace.get_current_span()
+
+
+def _attach(span: Span, base: otel_context.Context | None = None) -> object:
+    """``span`` current (until ``_detach`` of the token), continuing ``base`` (else the current one)."""
+    if _LEAN:
+        if base is None:
+            cur = _CURRENT.get()
+            base = cur[1] if cur is not None else None
+        return _CURRENT.set((span, base))
+    return otel_context.attach(trace.set_span_in_context(span, base))
+
+
+def _detach(token: object) -> None:
+    if _LEAN:
+        _CURRENT.reset(token)  # type: ignore[arg-type]
+    else:
+        otel_context.detach(token)  # type: ignore[arg-type]
+
+
+def _context() -> otel_context.Context:
+    """The OpenTelemetry context of the current span (what the propagators read)."""
+    if _LEAN:
+        cur = _CURRENT.get()
+        if cur is not None:
+            return trace.set_span_in_context(cur[0], cur[1])
+    return otel_context.get_current()
+
+
 def _start(
     name: str, parent: otel_context.Context | None, kind: SpanKind, attrs: dict[str, Any] | None
 ) -> Span:
     """A span started by the SDK's tracer (its sampler, ids, processors' ``on_start``), ``attrs`` written
-    in one step after it (``_LEAN_START``: the sampler reads none) or given to the sampler."""
+    in one step after it (``_LEAN_START``: the sampler reads none) or given to the sampler; recorded lean
+    while ``_LEAN``."""
+    if _LEAN:
+        got = _lean_start(name, parent, kind)
+        if attrs and got.recording:
+            got.attrs.update(attrs)
+        return got
     if not _LEAN_START:
         return _tracer.start_span(name, parent, kind, attrs)
     span = _tracer.start_span(name, parent, kind)
@@ -317,6 +665,10 @@ def _put(span: Span, attrs: dict[str, Any]) -> None:
     """``attrs`` (made here: the values are strings, numbers, booleans or lists of strings) on ``span`` in
     one step: straight into the SDK span's attribute map while ``_FAST`` and under the count limit,
     else ``set_attributes`` (a non-recording span ignores them)."""
+    if type(span) is _Span:
+        if span.recording:
+            span.attrs.update(attrs)
+        return
     if _FAST:
         a: Any = getattr(span, "_attributes", None)
         if a is not None and a._immutable is False and len(a._dict) + len(attrs) <= _MAX_ATTRS:
@@ -328,6 +680,12 @@ def _put(span: Span, attrs: dict[str, Any]) -> None:
 def _event(span: Any, name: str, attrs: Mapping[str, Any], timestamp: int | None = None) -> None:
     """An event on ``span`` with ``attrs`` as they are (``_FAST``; the node does not change them after),
     else through ``add_event``."""
+    if type(span) is _Span:
+        if span.recording and len(span.events) < _MAX_EVENTS:
+            span.events.append((name, timestamp or time.time_ns(), attrs))
+        else:
+            span.add_event(name, attrs, timestamp)
+        return
     if _FAST and len(attrs) <= _MAX_EVENT_ATTRS:
         add = getattr(span, "_add_event", None)
         if add is not None:
@@ -339,9 +697,10 @@ def _event(span: Any, name: str, attrs: Mapping[str, Any], timestamp: int | None
 async def shutdown(timeout: float = 5.0) -> None:
     """Flush what is queued and stop the exporter thread (bounded: a collector that is down does not
     hold the node's exit longer than ``timeout``)."""
-    global ENABLED
+    global ENABLED, _DIRECT
     provider = _provider
     ENABLED = False
+    _DIRECT = False  # ended spans through ``emit`` (which ignores them once the processor is shut down)
     await genai_metrics.shutdown_provider(provider, timeout, log, "tracing: spans not flushed")
 
 
@@ -362,17 +721,26 @@ async def server_span(
     route = _route_of(request)
     if route in UNTRACED_ROUTES:
         return await handler(request)
-    parent = propagate.extract(request.headers)
+    headers = request.headers
+    # a request without trace headers starts a trace (extracting nothing costs a context)
+    parent = (
+        propagate.extract(headers) if not _LEAN or "traceparent" in headers or "baggage" in headers else None
+    )
     op = _ROUTE_OPERATIONS.get(route)
     op_token = _OPERATION.set(op) if op is not None else None
     name = f"{request.method} {route}"
-    if _LEAN_START:  # the sampler first: a request it leaves out makes no attributes
+    span: Span
+    if _LEAN:  # the sampler first: a request it leaves out makes no attributes
+        lean = span = _lean_start(name, parent, SpanKind.SERVER)
+        if lean.recording:
+            lean.attrs.update(_server_attrs(request, route))
+    elif _LEAN_START:
         span = _tracer.start_span(name, parent, SpanKind.SERVER)
         if span.is_recording():
             _put(span, _server_attrs(request, route))
     else:
         span = _tracer.start_span(name, parent, SpanKind.SERVER, _server_attrs(request, route))
-    token = otel_context.attach(trace.set_span_in_context(span, parent))
+    token = _attach(span, parent)
     try:
         resp = await handler(request)
     except BaseException as e:
@@ -381,7 +749,7 @@ async def server_span(
         span.end()
         raise
     finally:
-        otel_context.detach(token)
+        _detach(token)
         if op_token is not None:
             _OPERATION.reset(op_token)
     if span.is_recording():
@@ -415,7 +783,10 @@ def _server_attrs(request: web.Request, route: str) -> dict[str, Any]:
 
 def current_trace_id() -> str | None:
     """The trace id (32 hex) of the span in the current context, if one is recording (logs)."""
-    ctx = trace.get_current_span().get_span_context()
+    span = _current()
+    if type(span) is _Span:
+        return f"{span.trace_id:032x}"
+    ctx = span.get_span_context()
     return f"{ctx.trace_id:032x}" if ctx.is_valid else None
 
 
@@ -446,29 +817,30 @@ NOOP = _Noop()
 class _Stage(_Noop):
     """A child span of the request's current span, current itself while the stage runs."""
 
-    __slots__ = ("cache", "span", "stats", "token")
+    __slots__ = ("cache", "parent", "span", "stats", "token")
 
     def __init__(
         self,
         name: str,
         attrs: Mapping[str, Any] | None,
         kind: SpanKind,
-        stats: Callable[[], Mapping[str, int]] | None,
+        stats: Callable[[], Sequence[int]] | None,
         parent: otel_context.Context | None = None,
     ) -> None:
         self.span: Span = _start(name, parent, kind, dict(attrs) if attrs else None)
+        self.parent = parent
         self.token: object = None
         self.stats = stats
-        self.cache: Mapping[str, int] | None = None
+        self.cache: Sequence[int] | None = None
 
     def __enter__(self) -> _Stage:
-        self.token = otel_context.attach(trace.set_span_in_context(self.span))
+        self.token = _attach(self.span, self.parent)
         if self.stats is not None:
-            self.cache = dict(self.stats())
+            self.cache = self.stats()
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
-        otel_context.detach(self.token)  # type: ignore[arg-type]
+        _detach(self.token)
         span = self.span
         if self.stats is not None and self.cache is not None:
             _put(span, _cache_attrs(self.cache, self.stats()))
@@ -490,13 +862,17 @@ class _Event(_Noop):
     __slots__ = ("attrs", "cache", "name", "span", "start", "stats")
 
     def __init__(
-        self, name: str, attrs: Mapping[str, Any] | None, stats: Callable[[], Mapping[str, int]] | None
+        self,
+        span: Span,
+        name: str,
+        attrs: Mapping[str, Any] | None,
+        stats: Callable[[], Sequence[int]] | None,
     ) -> None:
         self.name = name
-        self.span = trace.get_current_span()
+        self.span = span
         self.attrs: dict[str, Any] = dict(attrs) if attrs else {}
         self.stats = stats
-        self.cache: Mapping[str, int] | None = dict(stats()) if stats is not None else None
+        self.cache: Sequence[int] | None = stats() if stats is not None else None
         self.start = time.time_ns()
 
     def __enter__(self) -> _Event:
@@ -530,20 +906,25 @@ class _Event(_Noop):
             attrs["shepherd.route.prefix_match_tokens"] = int(decision.matched_tokens)
 
 
-def _cache_attrs(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, Any]:
-    """Tokenizer cache lookups the stage made (the service's counters, before and after: other requests
+def _cache_attrs(before: Sequence[int], after: Sequence[int]) -> dict[str, Any]:
+    """Tokenizer cache lookups the stage made (the service's counters, before and after, as
+    ``TokenizerService.cache_counters`` gives them: render, L0 and L1 hits and misses; other requests
     running meanwhile may add theirs) and whether it was served from cache."""
     out: dict[str, Any] = {}
-    hits = misses = 0
-    for key in ("render", "l0", "l1"):
-        h = after.get(f"{key}_hits", 0) - before.get(f"{key}_hits", 0)
-        m = after.get(f"{key}_misses", 0) - before.get(f"{key}_misses", 0)
-        if h or m:
-            out[f"shepherd.tokenizer.{key}_hits"] = h
-            out[f"shepherd.tokenizer.{key}_misses"] = m
-        hits += h
-        misses += m
-    out["shepherd.tokenizer.cache"] = "hit" if hits and not misses else "miss" if misses else "none"
+    # unrolled (no loop per level)
+    rh, rm, l0h, l0m = after[0] - before[0], after[1] - before[1], after[2] - before[2], after[3] - before[3]
+    l1h, l1m = after[4] - before[4], after[5] - before[5]
+    if rh or rm:
+        out["shepherd.tokenizer.render_hits"] = rh
+        out["shepherd.tokenizer.render_misses"] = rm
+    if l0h or l0m:
+        out["shepherd.tokenizer.l0_hits"] = l0h
+        out["shepherd.tokenizer.l0_misses"] = l0m
+    if l1h or l1m:
+        out["shepherd.tokenizer.l1_hits"] = l1h
+        out["shepherd.tokenizer.l1_misses"] = l1m
+    misses = rm + l0m + l1m
+    out["shepherd.tokenizer.cache"] = "miss" if misses else "hit" if rh + l0h + l1h else "none"
     return out
 
 
@@ -551,20 +932,24 @@ def stage(
     name: str,
     attrs: Mapping[str, Any] | None = None,
     *,
-    cache_stats: Callable[[], Mapping[str, int]] | None = None,
+    cache_stats: Callable[[], Sequence[int]] | None = None,
 ) -> _Noop:
     """A context manager timing one stage of the request as an event on its current span, with the
     stage's duration (``NOOP`` while tracing is off, and in a request the sampler left out).
-    ``cache_stats``: the tokenizer service's counters, read before and after (cache hit or miss)."""
-    if not ENABLED or not trace.get_current_span().is_recording():
+    ``cache_stats``: the tokenizer service's cache counters, read before and after (cache hit or miss;
+    ``TokenizerService.cache_counters``)."""
+    if not ENABLED:
         return NOOP
-    return _Event(name, attrs, cache_stats)
+    span = _current()
+    if not span.is_recording():
+        return NOOP
+    return _Event(span, name, attrs, cache_stats)
 
 
 def client_stage(name: str, url: str) -> _Noop:
     """A CLIENT span of a call to ``url`` (an HTTP worker), current while it runs (``NOOP`` when off, or
     in a request the sampler left out)."""
-    if not ENABLED or not trace.get_current_span().is_recording():
+    if not ENABLED or not _current().is_recording():
         return NOOP
     host, port = _address(url)
     attrs: dict[str, Any] = {"server.address": host, "http.request.method": "POST"}
@@ -576,13 +961,13 @@ def client_stage(name: str, url: str) -> _Noop:
 def event(name: str, attrs: Mapping[str, Any] | None = None) -> None:
     """An event on the current span (a retry, a decision), when tracing is on."""
     if ENABLED:
-        trace.get_current_span().add_event(name, attributes=attrs)
+        _current().add_event(name, attributes=attrs)
 
 
 def record_error(e: BaseException) -> None:
     """An error reported in-band (a stream whose headers were already sent): on the current span."""
     if ENABLED:
-        span = trace.get_current_span()
+        span = _current()
         span.set_attribute("error.type", getattr(e, "code", None) or type(e).__qualname__)
         span.set_status(Status(StatusCode.ERROR, str(e)[:200]))
 
@@ -650,6 +1035,7 @@ class EngineCall:
         provider: str,
         attempt: int = 0,
         input_tokens: int | None = None,
+        pd_role: str | None = None,
     ) -> None:
         op = _OPERATION.get()
         host, port = _address(worker_url)
@@ -668,6 +1054,8 @@ class EngineCall:
             del self.metric_attrs["shepherd.engine.request_id"]
         if attempt:
             attrs["shepherd.retry.attempt"] = attempt
+        if pd_role is not None:  # PD disaggregation: "prefill" or "decode"
+            attrs["shepherd.pd.role"] = pd_role
         if input_tokens is not None:
             attrs["gen_ai.usage.input_tokens"] = input_tokens
         if sampling is not None:
@@ -680,14 +1068,14 @@ class EngineCall:
 
     async def first(self, reply: Awaitable[T]) -> T:
         """Await the engine's first reply with this span current; a failure ends the span."""
-        token = otel_context.attach(trace.set_span_in_context(self.span))
+        token = _attach(self.span)
         try:
             got = await reply
         except BaseException as e:
             self.fail(e)
             raise
         finally:
-            otel_context.detach(token)
+            _detach(token)
         ttfc = self.ttfc = time.perf_counter() - self.t0
         _put(self.span, {"gen_ai.response.time_to_first_chunk": ttfc})
         _event(self.span, "gen_ai.first_chunk", _NO_EVENT_ATTRS)
@@ -714,7 +1102,7 @@ class EngineCall:
             span,
             {
                 "gen_ai.response.id": response_id,
-                "gen_ai.response.finish_reasons": [c.finish_reason or "" for c in choices],
+                "gen_ai.response.finish_reasons": tuple([c.finish_reason or "" for c in choices]),
                 "gen_ai.usage.input_tokens": input_tokens,
                 "gen_ai.usage.output_tokens": output_tokens,
                 "gen_ai.usage.cache_read.input_tokens": cached_tokens,
@@ -753,21 +1141,22 @@ def engine_call(
     worker_url: str,
     provider: str,
     attempt: int = 0,
+    *,
+    pd_role: str | None = None,
 ) -> EngineCall | None:
     """The CLIENT span of an engine call, or None in a request the sampler left out (the engine still
-    gets the request's context, sampled flag off) unless the GenAI metrics export measures it."""
-    if not genai_metrics.ENABLED and not trace.get_current_span().is_recording():
+    gets the request's context, sampled flag off) unless the GenAI metrics export measures it.
+    ``pd_role``: the half of a PD request the call is (``shepherd.pd.role``)."""
+    if not genai_metrics.ENABLED and not _current().is_recording():
         return None
-    return EngineCall(model, request_id, sampling, worker_url, provider, attempt)
+    return EngineCall(model, request_id, sampling, worker_url, provider, attempt, pd_role=pd_role)
 
 
 def input_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     """The prompt's messages on the current span, only when the operator opted in
     (``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true``)."""
     if ENABLED and CAPTURE_CONTENT:
-        trace.get_current_span().set_attribute(
-            "gen_ai.input.messages", json.dumps(list(messages), default=str)
-        )
+        _current().set_attribute("gen_ai.input.messages", json.dumps(list(messages), default=str))
 
 
 # ---- propagation ------------------------------------------------------------------------------------------
@@ -777,7 +1166,7 @@ def inject(headers: dict[str, str]) -> dict[str, str]:
     """``traceparent`` / ``tracestate`` of the current context added to ``headers`` (HTTP, gRPC
     metadata); unchanged while tracing is off."""
     if ENABLED:
-        propagate.inject(headers)
+        propagate.inject(headers, context=_context())
     return headers
 
 
@@ -786,7 +1175,19 @@ def grpc_header_block(encode: Callable[[bytes, bytes], bytes]) -> bytes:
     for the lean gRPC client's request headers; b"" while tracing is off or without a context."""
     if not ENABLED:
         return b""
-    if _W3C:  # what the W3C propagator writes, without its carrier and setter (no baggage to add)
+    if _LEAN:
+        cur = _CURRENT.get()
+        if cur is None:
+            return b""
+        span, base = cur
+        if _W3C and type(span) is _Span and (base is None or not baggage.get_all(base)):  # no baggage
+            out = encode(
+                b"traceparent", f"00-{span.trace_id:032x}-{span.span_id:016x}-{span.flags:02x}".encode()
+            )
+            if span.state:
+                out += encode(b"tracestate", span.state.to_header().encode("latin-1"))
+            return out
+    elif _W3C:  # what the W3C propagator writes, without its carrier and setter (no baggage to add)
         ctx = otel_context.get_current()
         if not baggage.get_all(ctx):
             sc = trace.get_current_span(ctx).get_span_context()
@@ -799,7 +1200,7 @@ def grpc_header_block(encode: Callable[[bytes, bytes], bytes]) -> bytes:
                 out += encode(b"tracestate", sc.trace_state.to_header().encode("latin-1"))
             return out
     carrier: dict[str, str] = {}
-    propagate.inject(carrier)
+    propagate.inject(carrier, context=_context())
     return b"".join(encode(k.encode(), v.encode("latin-1")) for k, v in carrier.items())
 
 
@@ -817,7 +1218,7 @@ def rpc_client(peer: str, method: str) -> Iterator[dict[str, str]]:
         None,
     ):
         carrier: dict[str, str] = {}
-        propagate.inject(carrier)
+        propagate.inject(carrier, context=_context())
         yield carrier
 
 
@@ -852,7 +1253,7 @@ class _TracedStore:
         system = self._system
 
         async def call(*args: Any, **kwargs: Any) -> Any:
-            if not trace.get_current_span().is_recording():  # background work (retention): no trace
+            if not _current().is_recording():  # background work (retention): no trace
                 return await got(*args, **kwargs)
             with _Stage(
                 f"storage {name}",

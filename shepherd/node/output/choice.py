@@ -101,7 +101,8 @@ class ChoiceState:
         self.tokens += len(ids)
         if logprobs:
             self.logprobs.extend(logprobs)
-        res = self.dec.feed(ids)
+        dec = self._dec
+        res = (self.dec if dec is None else dec).feed(ids)
         if res.finished:
             self.finished = True
             self.finish_reason = "stop"

@@ -313,11 +313,15 @@ class StoppingDecoder:
 
     def feed(self, token_ids: Sequence[int]) -> StopResult:
         matcher = self.matcher
-        if matcher.finished:
+        if matcher._finished:
             return StopResult("", True, matcher.matched)
-        i = matcher.stop_token_index(token_ids)
+        stop_ids = matcher._stop_ids  # (stop_token_index's test, inlined: this runs once per engine chunk)
+        i = matcher.stop_token_index(token_ids) if stop_ids and not stop_ids.isdisjoint(token_ids) else -1
         if i < 0:
-            return matcher.feed(self.decoder.step(token_ids), token_ids)
+            text = self.decoder.step(token_ids)
+            if not matcher._stops:  # no stop string, no stop token here: matcher.feed's answer, at once
+                return _new_result(StopResult, (text, False, None)) if text else _NOTHING
+            return matcher.feed(text, token_ids)
         # a stop token ends the output: render the ids before it (and it, when included), flush
         text = self.decoder.step(token_ids[: i + 1] if matcher.include_stop_str_in_output else token_ids[:i])
         return matcher.feed(text + self.decoder.finish(), token_ids)
