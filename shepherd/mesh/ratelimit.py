@@ -37,9 +37,13 @@ mesh does not admit more than the limit between gossip rounds, however the load 
 to 1 and follow demand, so that uneven load is not starved: ``s_i = floor/R + (1 - floor) * d_i /
 sum(d)``, d being each live node's attempts (admitted or not) in the sliding window; for its own d_i a
 node uses what it last sent in a delta, so that every node computes the shares from the same data
-(with no demand known yet, as in a cold burst, the shares are equal). Under-admission stays small
-because only *unseen* increments are bounded: older admissions are in the common estimate, so in
-steady state the lease holds back about ``(1 - s_i) / s_i * u_i`` of headroom, a fraction of τ/window.
+(with no demand known yet, as in a cold burst, the shares are equal). On a relaying mesh the others'
+copies of its shard lag by seconds, as its copies of theirs do: there it uses the oldest of the last
+``ECHO_KEEP`` states of its own shard the peers relayed back (what they see of its demand), since its
+fresh demand against their stale one made each share many times its due (shares summing far above
+1). Under-admission stays small because only *unseen* increments are bounded: older admissions are in
+the common estimate, so in steady state the lease holds back about ``(1 - s_i) / s_i * u_i`` of
+headroom, a fraction of τ/window.
 On a relaying mesh τ may follow the staleness the node observes (``propagation_max``): its own shard
 comes back to it through the relays, and how old the echoed state is (since the first change it
 lacks) samples how stale the peers' copies are; τ is a quantile of those ages, within bounds, and
@@ -84,6 +88,7 @@ from shepherd.mesh.ratelimit_keys import (
     U_TOK,
     Key,
     KeyState,
+    Published,
     ShardId,
     View,
     unit_hash,
@@ -113,6 +118,7 @@ _VSUM_MOD = 1 << 62
 GC_STEP = 32  # keys looked at per admission while a collection round runs
 ECHO_SAMPLES = 256  # echo ages τ is derived from (``LimiterConfig.propagation_max``)
 ECHO_EVERY = 16  # new echo ages between two derivations of τ
+ECHO_KEEP = 8  # echoes of its own shard per key a node keeps (the oldest is its demand in the shares)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +265,10 @@ class RateLimiter:
         # arms its flush)
         self.on_dirty: Callable[[], None] | None = None
         self._relay: dict[tuple[Key, ShardId], None] = {}  # peers' shards learnt since the last take
+        # own attempts as the peers last relayed them back (``relay``), the last ECHO_KEEP per key as
+        # (version, attempts): the oldest of them is what the others see of this node's demand, about as
+        # stale as its view of theirs; the shares use it rather than ``published``
+        self._echoed: dict[Key, deque[tuple[int, Published]]] = {}
         self._slot_len = self.cfg.propagation / self.cfg.slots
         # τ from echoes (propagation_max): own version bumps (ver, time), in order; echoed versions not
         # yet aged (aged at the next admission, which knows the time); recent ages; τ in slots
@@ -365,7 +375,7 @@ class RateLimiter:
             ks = self._keys.get(key)
             if ks is None:
                 ks = self._keys[key] = KeyState()
-            v = self._view(ks, w, f)
+            v = self._view(key, ks, w, f)
             views.append((key, lim, ks, v))
             if denial is None:
                 denial = self._check(key, lim, ks, v, ks.unseen(slot, self._span), tokens, scale, now, f)
@@ -395,7 +405,7 @@ class RateLimiter:
             if ks is None:
                 ks = self._keys[key] = KeyState()
             self._record(key, ks, w, slot, now, admitted=True, tokens=tokens)
-            views.append((key, lim, ks, self._view(ks, w, f)))
+            views.append((key, lim, ks, self._view(key, ks, w, f)))
         return Grant(tuple(k for k, *_ in views), w, tokens, partial(self._quota, views, f))
 
     def settle(self, now: float, grant: Grant, real_tokens: int | None) -> None:
@@ -435,7 +445,7 @@ class RateLimiter:
         views = []
         for key, lim in rules:
             ks = self._keys.get(key) or KeyState()
-            views.append((key, lim, ks, self._view(ks, w, f)))
+            views.append((key, lim, ks, self._view(key, ks, w, f)))
         return self._quota(views, f)
 
     # ---- the rule -----------------------------------------------------------------------------------
@@ -526,11 +536,16 @@ class RateLimiter:
 
     # ---- counting -----------------------------------------------------------------------------------
 
-    def _view(self, ks: KeyState, w: int, f: float) -> View:
+    def _view(self, key: Key, ks: KeyState, w: int, f: float) -> View:
         o = ks.others
         if o is None or o.w != w or o.epoch != self._epoch:
             o = ks.others = ks.sum_others(w, self._epoch, self._live, self._gen_of, self._sid)
-        return View(o, ks.shards.get(self._sid), ks.published, w, f)
+        pub = ks.published
+        echoes = self._echoed.get(key)
+        echo = min(echoes)[1] if echoes else None
+        if echo is not None and (pub is None or echo[0] <= pub[0]):
+            pub = echo  # own demand as stale as the others' (a relaying mesh): shares sum to ~1
+        return View(o, ks.shards.get(self._sid), pub, w, f)
 
     def _record(
         self, key: Key, ks: KeyState, w: int, slot: int, now: float, *, admitted: bool, tokens: int
@@ -605,6 +620,7 @@ class RateLimiter:
             if not ks.shards and not ks.recent:
                 del self._keys[key]
                 self._dirty.pop(key, None)
+                self._echoed.pop(key, None)
         if not self._gc_queue:  # the round is over: forget generations of nodes gone everywhere
             known = {node for ks in self._keys.values() for node, _ in ks.shards}
             for node in list(self._gen_of):
@@ -686,8 +702,14 @@ class RateLimiter:
             parsed.append(p)
         for tenant, model, node, gen, e in parsed:
             if node == self.node and gen >= self.gen:
-                if gen == self.gen and self._bumps_v and len(self._echoes) < ECHO_SAMPLES:
-                    self._echoes.append(e.ver)  # my own shard relayed back: aged at the next admission
+                if gen == self.gen:
+                    if self._bumps_v and len(self._echoes) < ECHO_SAMPLES:
+                        self._echoes.append(e.ver)  # my own shard relayed back: aged at the next admission
+                    if self.cfg.relay:
+                        echoes = self._echoed.get((tenant, model))
+                        if echoes is None:
+                            echoes = self._echoed[(tenant, model)] = deque(maxlen=ECHO_KEEP)
+                        echoes.append((e.ver, (e.win, e.prev[AREQ], e.cur[AREQ], e.prev[ATOK], e.cur[ATOK])))
                 continue  # my own shard: I am its only writer
             if gen > self._gen_of.get(node, -1):
                 self._gen_of[node] = gen
