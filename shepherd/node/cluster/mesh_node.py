@@ -93,6 +93,10 @@ TICK_S = 1.0
 # arms one timer this far ahead, and the tick flushes whatever else changed; an idle node never wakes
 # for it (it used to tick every 20 ms, then back off to 0.16 s: bench/idle_bench.py)
 INDEX_FLUSH_S = 0.02
+# a rate-limit admission's shard goes out this soon after the last flush (not INDEX_FLUSH_S): requests
+# that alternate between nodes (``--procs``) faster than 20 ms would otherwise each be admitted against
+# a view without the other's last admissions (the e2e test saw 8 admitted of 6 across two processes)
+LIMIT_FLUSH_S = 0.002
 MAX_FLUSH_ENTRIES = 50_000  # index entries one flush takes (the rest wait for the next)
 JOIN_PACE = 32  # datagrams of a full-index transfer between short sleeps
 RECONCILE_ROUNDS = 8
@@ -525,13 +529,14 @@ class MeshNode:
         self._closed = False
         self._flush_timer: asyncio.Handle | None = None
         self._last_flush = -INDEX_FLUSH_S  # loop time of the last flush_soon flush
+        self._flush_at = 0.0  # loop time the armed flush is due
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start(): flushes are armed on it
         # the writes that leave something to flush arm it (flush_soon): routing decisions' index
         # inserts, rate-limit admissions, local worker and health changes
         for policy in self._indexing_policies():
             policy.on_insert = self._after_insert
         if self.limiter_gossip and self.limiter is not None:
-            self.limiter.on_dirty = self.flush_soon
+            self.limiter.on_dirty = self._limits_dirty
         reg.on_added = _chain(reg.on_added, self._local_change)
         reg.on_removed = _chain(reg.on_removed, self._local_change)
         reg.on_health_change = _chain(reg.on_health_change, self._local_change)
@@ -593,18 +598,28 @@ class MeshNode:
             except Exception:
                 log.exception("mesh: periodic %s failed", getattr(fn, "__name__", fn))
 
-    def flush_soon(self) -> None:
-        """Something to send was written: flush now, or ``INDEX_FLUSH_S`` after the last such flush (one
-        handle, armed once; writes meanwhile ride on it): at most as many flushes as the old fixed 20 ms
-        tick, and a rate-limit admission's shard reaches the peers no later than with it, which
-        ``--procs`` needs (a burst must not over-admit across processes)."""
+    def flush_soon(self, gap: float = INDEX_FLUSH_S) -> None:
+        """Something to send was written: flush now, or ``gap`` after the last flush (one handle; writes
+        meanwhile ride on it, and an earlier due time re-arms it): index deltas at most every
+        ``INDEX_FLUSH_S`` (20 ms), a rate-limit admission's shard within ``LIMIT_FLUSH_S`` (2 ms), which
+        ``--procs`` needs (requests alternating between processes must not over-admit)."""
         loop = self._loop
-        if self._flush_timer is None and loop is not None and not self._closed:
-            delay = self._last_flush + INDEX_FLUSH_S - loop.time()
-            if delay > 0:  # flushed less than INDEX_FLUSH_S ago: this write rides on the next one
-                self._flush_timer = loop.call_later(delay, self._flush_due)
-            else:  # the first write after a quiet spell goes at once (after the current callbacks)
-                self._flush_timer = loop.call_soon(self._flush_due)
+        if loop is None or self._closed:
+            return
+        now = loop.time()
+        due = max(self._last_flush + gap, now)
+        if self._flush_timer is not None:
+            if self._flush_at <= due:
+                return
+            self._flush_timer.cancel()
+        self._flush_at = due
+        if due > now:  # flushed less than ``gap`` ago: this write rides on the next one
+            self._flush_timer = loop.call_later(due - now, self._flush_due)
+        else:  # the first write after a quiet spell goes at once (after the current callbacks)
+            self._flush_timer = loop.call_soon(self._flush_due)
+
+    def _limits_dirty(self) -> None:
+        self.flush_soon(LIMIT_FLUSH_S)
 
     def _flush_due(self) -> None:
         self._flush_timer = None
