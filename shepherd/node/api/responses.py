@@ -682,10 +682,7 @@ async def _start_background(
     ticket: Ticket | None = None
     if adm is not None:
         who, max_tokens = principal_of(request), shaping.sampling.max_tokens
-        if adm.admitting:  # the mesh: decided here, no await
-            ticket = adm.admit(who, g.model, len(job.ids), max_tokens)
-        else:
-            ticket = await adm.admit_async(who, g.model, len(job.ids), max_tokens)
+        ticket = await adm.admit_async(who, g.model, len(job.ids), max_tokens)  # (either backend)
     queued = response_object(base, status="queued", output=[], usage=None)
     try:
         if schemas:  # under admission, after the model lookup: off the loop, with a deadline
