@@ -260,6 +260,7 @@ class ConfigDoc:
         self._sent_sv = self.doc.get_state()
         self._dirty = False
         self.version = 0  # bumped on every change, local or remote (consumers cache by it)
+        self._digest: tuple[int, bytes] | None = None  # (version, digest())
         self._sub = self.doc.observe(self._on_change)
 
     def _on_change(self, event: TransactionEvent) -> None:
@@ -424,8 +425,16 @@ class ConfigDoc:
         return u
 
     def digest(self) -> bytes:
-        """16 bytes naming the document's state (Yrs encodes equal states identically)."""
-        return hashlib.blake2b(self.doc.get_update(), digest_size=16).digest()
+        """16 bytes naming the document's state: its state vector (the operations it holds) and its
+        content (deletions do not move the state vector). Not the full update: Yrs may encode equal
+        states differently (the property test found converged documents whose updates differ)."""
+        got = self._digest
+        if got is not None and got[0] == self.version:  # (the content's JSON: once per change)
+            return got[1]
+        h = hashlib.blake2b(self.doc.get_state(), digest_size=16)
+        h.update(json.dumps(self.to_py(), sort_keys=True, separators=(",", ":"), default=str).encode())
+        self._digest = (self.version, h.digest())
+        return self._digest[1]
 
 
 def _record_type(section: str) -> type[Record]:
