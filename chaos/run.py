@@ -94,6 +94,16 @@ def groups(selected: Sequence[Scenario]) -> list[tuple[FleetSpec, list[Scenario]
     return out
 
 
+def fleets_text(selected: Sequence[Scenario]) -> str:
+    """The report header's fleet line: each fleet shape the selected scenarios ran on."""
+    shapes = groups([s for s in selected if not s.todo])
+    return "; ".join(
+        f"{spec.nodes} nodes (smg-node, {spec.policy}) + {spec.engines} mock engines, HAProxy in front, "
+        "one netns each" + (f" ({', '.join(s.name for s in members)})" if len(shapes) > 1 else "")
+        for spec, members in shapes
+    )
+
+
 def run_one(fleet: Fleet, s: Scenario) -> ScenarioResult:
     result = ScenarioResult(s.name, s.title, "running")
     t0 = time.monotonic()
@@ -271,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         + " ".join(args.scenarios),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}",
-        "fleet": "3 nodes (smg-node, least_load) + 2 mock engines, HAProxy in front, one netns each",
+        "fleet": fleets_text(selected),
         "wall time": f"{wall:.0f} s",
         "logs": str(run_dir),
     }
