@@ -256,6 +256,8 @@ class RateLimiter:
         self._keys: dict[Key, KeyState] = {}
         self._live: set[str] = {node}
         self._n = 1
+        self._members = 1  # N as the mesh last said (``set_membership``)
+        self._floor = 1  # the least N (``set_floor``)
         self._unreachable: dict[str, float] = {}  # member not alive (and not left) -> since when
         self._epoch = 0  # bumped when what counts changes for every key (membership, generations)
         self._gen_of: dict[str, int] = {node: gen}
@@ -288,10 +290,17 @@ class RateLimiter:
         """``live``: reachable members (self included or not); ``cluster_size``: N, every member that has
         not left, reachable or not."""
         live_set = {*live, self.node}
-        n = max(cluster_size, len(live_set))
+        self._members = cluster_size
+        n = max(cluster_size, len(live_set), self._floor)
         if live_set != self._live or n != self._n:
             self._live, self._n = live_set, n
             self._epoch += 1  # the cached sums of the others' shards are stale
+
+    def set_floor(self, n: int) -> None:
+        """N is at least ``n``: the Redis backend's fallback counts the nodes that shared Redis lately,
+        also those the mesh does not know (nodes without a mesh, another mesh on the same Redis)."""
+        self._floor = max(1, n)
+        self.set_membership(self._live, self._members)
 
     def on_member_dead(self, name: str) -> None:
         if name != self.node:

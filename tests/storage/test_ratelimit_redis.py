@@ -234,7 +234,7 @@ async def test_redis_down_then_back(prefix: str) -> None:
                 await _until_up(a)
                 r = aioredis.Redis.from_url(back.url)
                 try:  # the 6 admitted while it was away were added to its window
-                    keys = [k async for k in r.scan_iter(f"{prefix}*")]
+                    keys = [k async for k in r.scan_iter(f"{prefix}{{*")]  # the windows (not the presence set)
                     assert len(keys) == 1 and await r.hget(keys[0], "r") == b"6"
                 finally:
                     await r.aclose()
@@ -254,6 +254,35 @@ async def test_redis_down_then_back(prefix: str) -> None:
                 assert a.backend.settles_dropped == 0
         finally:
             await a.close()
+
+
+async def test_nodes_without_a_mesh_split_the_limit_while_redis_is_down(prefix: str) -> None:
+    """Two nodes sharing Redis but no mesh (each counts N = 1 on its own): the presence set tells each
+    that two count in Redis, so while Redis is down each admits 30 / 2 on its own counts, not 30; a node
+    that closes leaves the set."""
+    rule = RateLimitRule("f", None, 30, None, None)
+    clock = Clock(T0 + 6.0)
+    with service_or_skip("Redis", redis_service) as svc:
+        a = _redis(svc.url, prefix, clock, "n0", rule)
+        b = _redis(svc.url, prefix, clock, "n1", rule)
+        c = _redis(svc.url, prefix, clock, "n2", rule)
+        try:
+            for x in (a, b, c):
+                assert x.backend is not None
+                await x.backend.start()
+            await c.close()  # leaves: two remain
+            for x in (a, b):
+                assert x.backend is not None
+                await x.backend.announce()
+                assert x.backend.nodes_seen == 2 and x.limiter.cluster_size == 2
+            assert await _admitted(a, "f", 4) == 4
+            _kill(svc)
+            # a's share is 30 / 2 = 15, 4 of it admitted through Redis: 11 more; b's 15, none yet
+            assert await _admitted(a, "f", 20) == 11
+            assert await _admitted(b, "f", 20) == 15
+        finally:
+            await a.close()
+            await b.close()
 
 
 @pytest.fixture

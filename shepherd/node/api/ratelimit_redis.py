@@ -23,7 +23,9 @@ at once. Window numbers come from the node's wall clock (NTP-level skew: as in t
 
 **When Redis is unreachable** (a connection error, a Redis error or a call over ``timeout``): the node
 admits against ``limit / N`` on its own counts, N being the mesh's nodes that have not left (the
-gossip limiter's N, with its unreachable grace; 1 without a mesh): a ``local`` ``RateLimiter`` that
+gossip limiter's N, with its unreachable grace) or, if more, the nodes that counted in Redis lately
+(a presence set ``{p}nodes`` each node renews every lease / 3; its last count holds during the
+outage, so nodes without a mesh split the limit too): a ``local`` ``RateLimiter`` that
 every admission through Redis is also charged to, so a node's share includes what it already admitted
 in the window. Nothing waits on Redis again until a background ping (every ``PROBE_S``) succeeds; then
 the requests and tokens the node admitted meanwhile are added to Redis's windows (so the shared count
@@ -225,6 +227,8 @@ class RedisCounters:
         self._settle: AsyncScript = self._redis.register_script(_SETTLE)
         self._names: dict[Key, str] = {}
         self._member_prefix = f"{quote(local.node, safe='')}/{local.gen}/"  # no spaces (ARGV fields)
+        self._presence = f"{prefix}nodes"  # zset: every node counting here, scored by expiry
+        self.nodes_seen = 0  # nodes in the presence set at the last announcement (0: not yet)
         self._seq = itertools.count(1)
         self._inflight: dict[str, tuple[str, ...]] = {}  # slot -> its zsets, renewed while running
         self._queue: list[tuple[RemoteGrant, int, int]] = []  # (grant, real - reserved, window at the end)
@@ -357,6 +361,7 @@ class RedisCounters:
                 if loop.time() >= next_renew:
                     next_renew = loop.time() + renew_every
                     await self.renew()
+                    await self.announce()
             except Exception:
                 log.exception("rate limits: Redis settlement or renewal failed")
 
@@ -415,6 +420,28 @@ class RedisCounters:
         except (RedisError, OSError, TimeoutError) as e:
             self._mark_down(e)
 
+    async def announce(self) -> None:
+        """Renew this node in the presence set and count the nodes in it: the fallback rule's N is at
+        least that many (``RateLimiter.set_floor``), so nodes that share Redis without sharing a mesh
+        (or a node started without one) split the limit while Redis is down, instead of each admitting
+        the whole of it. The last count holds during an outage."""
+        if not self.up:
+            return
+        now = self.clock()
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.zadd(self._presence, {self._member_prefix[:-1]: now + self.lease})
+        pipe.zremrangebyscore(self._presence, "-inf", now)
+        pipe.pexpire(self._presence, self._lease_ms)
+        pipe.zcard(self._presence)
+        try:
+            async with asyncio.timeout(max(self.timeout, 1.0)):
+                *_, seen = await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as e:
+            self._mark_down(e)
+            return
+        self.nodes_seen = int(seen)
+        self.local.set_floor(self.nodes_seen)
+
     # ---- down and back ------------------------------------------------------------------------------
 
     def _mark_down(self, e: BaseException) -> None:
@@ -445,6 +472,8 @@ class RedisCounters:
                 continue
             self.up = True
             log.info("rate limits: Redis at %s answers again: it decides admissions again", self.target)
+            with contextlib.suppress(Exception):
+                await self.announce()
 
     async def _repay(self) -> None:
         """Add what the node admitted while Redis was down to Redis's windows that still count."""
@@ -474,6 +503,9 @@ class RedisCounters:
             self._mark_down(e)
         else:
             log.info("rate limits: counted in Redis at %s", self.target)
+            await self.announce()
+        if self._worker is None and not self._closed:  # renewals and announcements from now on
+            self._worker = asyncio.get_running_loop().create_task(self._run(), name="ratelimit-redis")
 
     async def close(self) -> None:
         """Make the queued settlements (bounded), stop the background tasks, close the connections."""
@@ -486,6 +518,10 @@ class RedisCounters:
         await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
             await self.flush()
+        if self.up:  # leave the presence set: the others' fallback share grows back at once
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(max(self.timeout, 1.0)):
+                    await self._redis.zrem(self._presence, self._member_prefix[:-1])
         await self._redis.aclose()
         await self._redis.connection_pool.disconnect()
 
