@@ -314,8 +314,17 @@ class TokenizerService:
     def cache_counters(self) -> tuple[int, int, int, int, int, int]:
         """The cache lookups so far, summed over models: (render hits, render misses, L0 hits, L0 misses,
         L1 hits, L1 misses): what a traced stage reads before and after itself (``tracing.stage``)."""
+        toks = self._tokenizers
+        if len(toks) == 1:  # one model with one template (the common case): its counters, no sums
+            for tok in toks.values():
+                tpls = tok.templates
+                if len(tpls) == 1:
+                    c = tok.cache
+                    for t in tpls.values():
+                        return (t.hits, t.misses, c.exact_hits, c.exact_misses, c.segment_hits,
+                                c.segment_misses)  # fmt: skip
         rh = rm = l0h = l0m = l1h = l1m = 0
-        for tok in self._tokenizers.values():
+        for tok in toks.values():
             c = tok.cache
             l0h += c.exact_hits
             l0m += c.exact_misses

@@ -1,6 +1,7 @@
 """An OTLP collector for tests: opentelemetry-proto's ``TraceService`` and ``MetricsService`` servicers on
-``grpc.aio``, on loopback, in a thread of its own (its own event loop), keeping every span and histogram
-point it is sent.
+``grpc.aio`` (or, ``OtlpReceiver("http/protobuf")``, an aiohttp server taking ``POST /v1/traces`` with an
+``ExportTraceServiceRequest`` body, OTLP/HTTP), on loopback, in a thread of its own (its own event loop),
+keeping every span and histogram point it is sent.
 
 ``with OtlpReceiver() as rx:`` starts it on a free port (``rx.endpoint``); ``rx.wait(cond)`` polls the
 spans received (bounded); the thread and the server stop on exit, also on failure.
@@ -9,6 +10,7 @@ spans received (bounded); the thread and the server stop on exit, also on failur
 from __future__ import annotations
 
 import asyncio
+import gzip
 import threading
 import time
 from collections.abc import Callable
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from aiohttp import web
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
@@ -49,6 +52,32 @@ class ReceivedSpan:
     error: bool = False
 
 
+def _received(request: trace_service_pb2.ExportTraceServiceRequest) -> list[ReceivedSpan]:
+    """The spans of one export request (either protocol)."""
+    got: list[ReceivedSpan] = []
+    for rs in request.resource_spans:
+        resource = {a.key: _value(a.value) for a in rs.resource.attributes}
+        for ss in rs.scope_spans:
+            got.extend(
+                ReceivedSpan(
+                    name=s.name,
+                    trace_id=s.trace_id.hex(),
+                    span_id=s.span_id.hex(),
+                    parent_id=s.parent_span_id.hex(),
+                    kind=int(s.kind),
+                    attributes={a.key: _value(a.value) for a in s.attributes},
+                    resource=resource,
+                    events=[e.name for e in s.events],
+                    event_attributes={
+                        e.name: {a.key: _value(a.value) for a in e.attributes} for e in s.events
+                    },
+                    error=s.status.code == 2,
+                )
+                for s in ss.spans
+            )
+    return got
+
+
 class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, sink: Callable[[list[ReceivedSpan]], None]) -> None:
         self.sink = sink
@@ -56,28 +85,7 @@ class _Servicer(trace_service_pb2_grpc.TraceServiceServicer):
     async def Export(
         self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
     ) -> trace_service_pb2.ExportTraceServiceResponse:
-        got: list[ReceivedSpan] = []
-        for rs in request.resource_spans:
-            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
-            for ss in rs.scope_spans:
-                got.extend(
-                    ReceivedSpan(
-                        name=s.name,
-                        trace_id=s.trace_id.hex(),
-                        span_id=s.span_id.hex(),
-                        parent_id=s.parent_span_id.hex(),
-                        kind=int(s.kind),
-                        attributes={a.key: _value(a.value) for a in s.attributes},
-                        resource=resource,
-                        events=[e.name for e in s.events],
-                        event_attributes={
-                            e.name: {a.key: _value(a.value) for a in e.attributes} for e in s.events
-                        },
-                        error=s.status.code == 2,
-                    )
-                    for s in ss.spans
-                )
-        self.sink(got)
+        self.sink(_received(request))
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
@@ -115,7 +123,9 @@ class ReceivedPoint:
 
 
 class OtlpReceiver:
-    def __init__(self) -> None:
+    def __init__(self, protocol: str = "grpc") -> None:
+        assert protocol in ("grpc", "http/protobuf"), protocol
+        self.protocol = protocol
         self.spans: list[ReceivedSpan] = []
         self.points: list[ReceivedPoint] = []
         self.port = 0
@@ -123,13 +133,18 @@ class OtlpReceiver:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: grpc.aio.Server | None = None
+        self._runner: web.AppRunner | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="otlp-receiver", daemon=True)
         self._error: BaseException | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        """Where the node sends: ``host:port`` (gRPC), the server's URL (HTTP: the exporter adds
+        ``/v1/traces``)."""
+        if self.protocol == "grpc":
+            return f"127.0.0.1:{self.port}"
+        return f"http://127.0.0.1:{self.port}"
 
     def _sink(self, spans: list[ReceivedSpan]) -> None:
         with self._lock:
@@ -156,7 +171,27 @@ class OtlpReceiver:
         loop.run_forever()
         loop.close()
 
+    async def _export_http(self, request: web.Request) -> web.Response:
+        """OTLP/HTTP (binary protobuf): the body an ``ExportTraceServiceRequest``, gzip if so encoded."""
+        body = await request.read()
+        if request.headers.get("Content-Encoding") == "gzip":
+            body = gzip.decompress(body)
+        self._sink(_received(trace_service_pb2.ExportTraceServiceRequest.FromString(body)))
+        return web.Response(
+            body=trace_service_pb2.ExportTraceServiceResponse().SerializeToString(),
+            content_type="application/x-protobuf",
+        )
+
     async def _start(self) -> None:
+        if self.protocol == "http/protobuf":
+            app = web.Application()
+            app.router.add_post("/v1/traces", self._export_http)
+            runner = self._runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.port = runner.addresses[0][1]
+            return
         server = self._server = grpc.aio.server()
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_Servicer(self._sink), server)  # type: ignore[no-untyped-call]
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(  # type: ignore[no-untyped-call]
@@ -172,9 +207,12 @@ class OtlpReceiver:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        loop, server = self._loop, self._server
+        loop, server, runner = self._loop, self._server, self._runner
         if loop is not None and server is not None:
             asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(timeout=10)
+        if loop is not None and runner is not None:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        if loop is not None:
             loop.call_soon_threadsafe(loop.stop)
         self._thread.join(timeout=10)
 

@@ -1,15 +1,19 @@
 """shepherd.node.observe.otlp_wire writes the same ExportTraceServiceRequest the OpenTelemetry exporter's
 own encoder (opentelemetry-exporter-otlp-proto-common ``encode_spans``) builds, for spans of every shape
 the node makes: kinds, parents (local and remote), attributes of every type, events, error status,
-trace state, several resources and scopes."""
+trace state, several resources and scopes. The node's lean records are written in C when it is built
+(``_otlp_spans.request``): its bytes are the Python encoder's, on generated spans of every shape."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -19,7 +23,10 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, Sp
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 from opentelemetry.trace.span import TraceState
 
+from shepherd.node.observe import otlp_wire
 from shepherd.node.observe.otlp_wire import encode_request
+
+NEEDS_C = pytest.mark.skipif(otlp_wire._c_request is None, reason="the C extension _otlp_spans is not built")
 
 
 class _Keep(SpanExporter):
@@ -198,3 +205,139 @@ def test_the_lean_sampling_decision_is_the_sdk_samplers(sampler: str) -> None:
             )
             assert decide(local, tid) == s.should_sample(local_ctx, tid, "x").decision.is_sampled()
         assert decide(None, tid) == s.should_sample(None, tid, "x").decision.is_sampled()
+
+
+# ---- the C writer of lean records (``_otlp_spans.request``) -------------------------------------------
+
+_KEYS = st.sampled_from(["gen_ai.request.model", "server.port", "k", "", "clé", "x" * 130])
+_SCALARS = st.one_of(
+    st.text(max_size=140),
+    st.booleans(),
+    st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1),
+    st.floats(allow_nan=False),
+    st.binary(max_size=140),
+)
+_VALUES = st.one_of(
+    _SCALARS, st.lists(_SCALARS, max_size=4), st.tuples(st.text(max_size=8), st.integers(0, 9))
+)
+_ATTRS = st.dictionaries(_KEYS, _VALUES, max_size=6)
+
+
+@st.composite
+def _lean_fields(draw: st.DrawFn) -> dict[str, Any]:
+    """A lean span's fields (the span is made in the test: its ids come from ``random``)."""
+    status, desc = draw(st.sampled_from([(0, ""), (1, ""), (2, ""), (2, "engine went away")]))
+    return {
+        "name": draw(st.sampled_from(["chat qwen3", "", "POST /v1/chat/completions", "é" * 70])),
+        "kind": draw(st.integers(0, 4)),
+        "trace_id": draw(st.integers(1, (1 << 128) - 1)),
+        "parent": draw(st.sampled_from([0, 1, (1 << 64) - 1])),
+        "remote": draw(st.booleans()),
+        "state": draw(st.booleans()),  # a trace state: written by the Python encoder
+        "attrs": draw(_ATTRS),
+        "events": [
+            (name, draw(st.integers(0, (1 << 64) - 1)), draw(_ATTRS))
+            for name in draw(st.lists(st.sampled_from(["render_tokenize", "route", ""]), max_size=3))
+        ],
+        "dropped_events": draw(st.sampled_from([0, 0, 3])),
+        "status": status,
+        "desc": desc,
+        "duration": draw(st.integers(0, 1 << 40)),
+    }
+
+
+def _made(f: dict[str, Any]) -> Any:
+    from shepherd.node.observe.tracing import _Span
+
+    state = TraceState([("vendor", "1")]) if f["state"] else None
+    span = _Span(f["name"], f["kind"], f["trace_id"], f["parent"], f["remote"], state, True)
+    span.attrs.update(f["attrs"])
+    span.events.extend(f["events"])
+    span.dropped_events, span.status, span.desc = f["dropped_events"], f["status"], f["desc"]
+    span.end_time = span.start_time + f["duration"]
+    return span
+
+
+def _both_writers(spans: list[Any]) -> tuple[bytes, bytes]:
+    """The request of ``spans`` from the C writer and from the Python one."""
+    saved = otlp_wire._c_request
+    try:
+        c = otlp_wire.encode_request(spans)
+        otlp_wire._c_request = None
+        py = otlp_wire.encode_request(spans)
+    finally:
+        otlp_wire._c_request = saved
+    return c, py
+
+
+@pytest.fixture(scope="module")
+def lean_scope() -> Iterator[None]:
+    from shepherd.node.observe.tracing import _Span
+
+    saved = (_Span.resource, _Span.instrumentation_scope)
+    provider = TracerProvider(resource=Resource.create({"service.name": "node-a", "n": 3}))
+    tracer: Any = provider.get_tracer(
+        "shepherd.node", "1.0", schema_url="https://opentelemetry.io/schemas/1.1"
+    )
+    _Span.resource, _Span.instrumentation_scope = provider.resource, tracer._instrumentation_scope
+    yield
+    _Span.resource, _Span.instrumentation_scope = saved
+
+
+@NEEDS_C
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_lean_fields(), min_size=1, max_size=5))
+def test_the_c_writer_writes_the_python_encoders_bytes(lean_scope: Any, fields: list[dict[str, Any]]) -> None:
+    spans = [_made(f) for f in fields]
+    c, py = _both_writers(spans)
+    assert c == py
+    if not any(s.dropped_events for s in spans):  # (the SDK's ReadableSpan counts none)
+        assert ExportTraceServiceRequest.FromString(c) == encode_spans([s.readable() for s in spans])
+
+
+@NEEDS_C
+def test_the_c_writer_hands_what_it_does_not_write_to_the_python_encoder(lean_scope: Any) -> None:
+    """A trace state, values of other types (a dict: ``str()`` of it, as the Python encoder writes it; a
+    range: an array): those spans are the Python ``_record``'s bytes, the others the C writer's."""
+    from shepherd.node.observe.tracing import _Span
+
+    spans = []
+    for odd in ({"m": {"a": 1}}, {"r": range(2)}, {"top": (1 << 64) - 1}, {}):
+        s = _Span("x", 1, 0x1234, 7, False, None, True)
+        s.attrs.update({"plain": "yes", **odd})
+        s.end_time = s.start_time + 5
+        spans.append(s)
+    spans[-1].state = TraceState([("vendor", "1")])
+    c, py = _both_writers(spans)
+    assert c == py
+    got = ExportTraceServiceRequest.FromString(c).resource_spans[0].scope_spans[0].spans
+    assert [kv.value.string_value for kv in got[0].attributes if kv.key == "m"] == ["{'a': 1}"]
+    assert got[3].trace_state == "vendor=1"
+    assert [v.int_value for v in got[1].attributes[1].value.array_value.values] == [0, 1]
+    assert got[2].attributes[1].value.int_value == -1  # 2**64 - 1 as an int64
+
+
+@NEEDS_C
+def test_the_c_writer_matches_the_stock_encoder_on_a_requests_spans(lean_scope: Any) -> None:
+    """A SERVER span with the stage events and a CLIENT span as the node records them (the bench's
+    request), a thousand of them in one batch (the lengths of the enclosing messages take 3 bytes)."""
+    from shepherd.node.observe.tracing import _Span
+
+    spans = []
+    for i in range(500):
+        server = _Span("POST /v1/chat/completions", 1, (i + 1) << 64 | 0xABC, 0, False, None, True)
+        server.attrs.update({"http.request.method": "POST", "http.route": "/v1/chat/completions"})
+        server.attrs.update({"http.response.status_code": 200, "shepherd.request.id": f"chatcmpl-{i}"})
+        cache = {"shepherd.tokenizer.l1_misses": 6, "shepherd.tokenizer.cache": "miss"}
+        server.events.append(("render_tokenize", server.start_time, {"shepherd.duration_ms": 1.25, **cache}))
+        server.events.append(("route", server.start_time + 9, {"shepherd.route.policy": "RoundRobin"}))
+        client = _Span("chat qwen3", 2, server.trace_id, server.span_id, False, None, True)
+        client.attrs = {"gen_ai.operation.name": "chat", "gen_ai.request.temperature": 1.0, "server.port": 1}
+        client.attrs["gen_ai.response.finish_reasons"] = ("length",)
+        client.events.append(("gen_ai.first_chunk", client.start_time + 3, MappingProxyType({})))
+        for s in (client, server):
+            s.end_time = s.start_time + 1000
+            spans.append(s)
+    c, py = _both_writers(spans)
+    assert len(c) > 1 << 14 and c == py
+    assert ExportTraceServiceRequest.FromString(c) == encode_spans([s.readable() for s in spans])

@@ -332,6 +332,16 @@ _BATCH = 512
 _AWAKE: Any = None
 _MAX_EVENTS = 128
 _getrandbits = random.getrandbits
+_time_ns = time.time_ns
+_new = object.__new__
+# the root sampler's decision as a bound on the trace id's low 64 bits (sampled: below it; the SDK's own
+# samplers, ``_root_bound``), so a request without trace headers is decided before any id or span is made;
+# -1: no such bound (the request's span is started by ``_lean_start``)
+_ROOT_BOUND = -1
+# the sampler samples every child of a recording lean span (``_child_sampled``): no decision to make
+_CHILD_SAMPLED = False
+_CLIENT = SpanKind.CLIENT.value
+_SERVER = SpanKind.SERVER.value
 
 
 class _Span(Span):
@@ -372,6 +382,7 @@ class _Span(Span):
         remote: bool,
         state: Any,
         recording: bool,
+        attrs: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.kind = kind
@@ -382,12 +393,12 @@ class _Span(Span):
         self.state = state  # the trace state (the parent's; None: none)
         self.flags = 1 if recording else 0
         self.recording = recording
-        self.attrs: dict[str, Any] = {}
+        self.attrs: dict[str, Any] = attrs if attrs is not None else {}  # ``attrs``: made for it, its own
         self.events: list[tuple[str, int, Mapping[str, Any]]] = []
         self.dropped_events = 0
         self.status = 0  # StatusCode value: 0 unset, 1 ok, 2 error
         self.desc = ""
-        self.start_time = time.time_ns()
+        self.start_time = _time_ns()
         self.end_time = 0
         self._ctx: Any = None
 
@@ -450,7 +461,7 @@ class _Span(Span):
     def end(self, end_time: int | None = None) -> None:
         if self.end_time:
             return
-        self.end_time = end_time or time.time_ns()
+        self.end_time = end_time or _time_ns()
         if not self.recording:
             return
         STATS.ended += 1
@@ -492,21 +503,29 @@ class _Span(Span):
         )
 
 
-def _lean_start(name: str, parent: otel_context.Context | None, kind: SpanKind) -> _Span:
-    """A span as the SDK's tracer would start it (the sampler's decision, the ids), recorded lean."""
-    p = trace.get_current_span(parent) if parent is not None else _current()
+def _lean_start(name: str, parent: otel_context.Context | None, kind: int) -> _Span:
+    """A span as the SDK's tracer would start it (the sampler's decision, the ids), recorded lean.
+    ``kind``: the ``SpanKind``'s value (an enum's ``.value`` is a Python descriptor call)."""
+    if parent is None:
+        cur = _CURRENT.get()
+        if cur is None:  # no current span (a request without trace headers): a root span
+            tid = _getrandbits(128) or 1
+            return _Span(name, kind, tid, 0, False, None, _DECIDE(None, tid))
+        p: Span = cur[0]
+    else:
+        p = trace.get_current_span(parent)
     if type(p) is _Span:
         if p.recording or p.parent or p.remote:  # a local parent
-            return _Span(name, kind.value, p.trace_id, p.span_id, False, p.state, _DECIDE(p, p.trace_id))
+            return _Span(name, kind, p.trace_id, p.span_id, False, p.state, _DECIDE(p, p.trace_id))
         sc = p.get_span_context()
     else:
         sc = p.get_span_context()
     if sc.is_valid:
         return _Span(
-            name, kind.value, sc.trace_id, sc.span_id, sc.is_remote, sc.trace_state, _DECIDE(sc, sc.trace_id)
+            name, kind, sc.trace_id, sc.span_id, sc.is_remote, sc.trace_state, _DECIDE(sc, sc.trace_id)
         )
     tid = _getrandbits(128) or 1
-    return _Span(name, kind.value, tid, 0, False, None, _DECIDE(None, tid))
+    return _Span(name, kind, tid, 0, False, None, _DECIDE(None, tid))
 
 
 def _decider(s: Any) -> Callable[[Any, int], bool] | None:
@@ -551,11 +570,42 @@ def _decider(s: Any) -> Callable[[Any, int], bool] | None:
     return None
 
 
+def _root_bound(s: Any) -> int:
+    """The decision of the SDK sampler ``s`` for a root span (no parent) as a bound: sampled when the
+    trace id's low 64 bits are below it (as ``TraceIdRatioBased`` decides; always on: 2**64, always
+    off: 0); -1 for a sampler that does not decide so."""
+    from opentelemetry.sdk.trace import sampling  # optional: only when on
+
+    if isinstance(s, sampling.ParentBased):
+        s = getattr(s, "_root", None)
+    if type(s) is sampling.StaticSampler:
+        on = getattr(s, "_decision", None) is sampling.Decision.RECORD_AND_SAMPLE
+        return 1 << 64 if on else 0
+    if type(s) is sampling.TraceIdRatioBased and s.TRACE_ID_LIMIT == (1 << 64) - 1:
+        return int(s.bound)
+    return -1
+
+
+def _child_sampled(s: Any) -> bool:
+    """Whether the SDK sampler ``s`` samples every child of a recording lean span: always on; a trace id
+    ratio (the parent recording, its trace id was below the bound, the same bound: every lean span is
+    decided by ``_DECIDE``); parent based with an always-on sampler for a sampled local parent."""
+    from opentelemetry.sdk.trace import sampling  # optional: only when on
+
+    if isinstance(s, sampling.ParentBased):
+        s = getattr(s, "_local_parent_sampled", None)
+        return type(s) is sampling.StaticSampler and s._decision is sampling.Decision.RECORD_AND_SAMPLE
+    if type(s) is sampling.StaticSampler:
+        return getattr(s, "_decision", None) is sampling.Decision.RECORD_AND_SAMPLE
+    return type(s) is sampling.TraceIdRatioBased
+
+
 def _lean_setup(provider: Any, tracer: Any, processor: Any) -> None:
     """Whether the request path's spans may be recorded lean (``_LEAN``, see ``_Span``): the sampler is
     one of the SDK's own, the id generator its random one, no attribute value length limit (``_FAST``),
     the provider's only span processor the node's batch processor, whose queue takes the spans."""
-    global _LEAN, _DECIDE, _EMIT, _QUEUE, _QUEUE_MAX, _MAX_EVENTS, _DIRECT, _BATCH, _AWAKE
+    global _LEAN, _DECIDE, _EMIT, _QUEUE, _QUEUE_MAX, _MAX_EVENTS, _DIRECT, _BATCH, _AWAKE, _ROOT_BOUND
+    global _CHILD_SAMPLED
     from opentelemetry.sdk.trace.id_generator import RandomIdGenerator  # optional: only when on
 
     decide = _decider(getattr(provider, "sampler", None))
@@ -575,6 +625,8 @@ def _lean_setup(provider: Any, tracer: Any, processor: Any) -> None:
         return
     assert decide is not None and emit is not None
     _DECIDE, _EMIT, _QUEUE = decide, emit, queue
+    _ROOT_BOUND = _root_bound(getattr(provider, "sampler", None))
+    _CHILD_SAMPLED = _child_sampled(getattr(provider, "sampler", None))
     _QUEUE_MAX = int(getattr(bp, "_max_queue_size", 2048))
     awake = getattr(bp, "_worker_awaken", None)
     batch = getattr(bp, "_max_export_batch_size", None)
@@ -649,7 +701,7 @@ def _start(
     in one step after it (``_LEAN_START``: the sampler reads none) or given to the sampler; recorded lean
     while ``_LEAN``."""
     if _LEAN:
-        got = _lean_start(name, parent, kind)
+        got = _lean_start(name, parent, kind.value)
         if attrs and got.recording:
             got.attrs.update(attrs)
         return got
@@ -707,31 +759,69 @@ async def shutdown(timeout: float = 5.0) -> None:
 # ---- the SERVER span -------------------------------------------------------------------------------------
 
 
-def _route_of(request: web.Request) -> str:
-    resource = getattr(request.match_info.route, "resource", None)
-    return str(resource.canonical) if resource is not None else "unmatched"
+# a route (aiohttp's route object) -> its template and its GenAI operation (None: none; the route
+# untraced: the template is None)
+_ROUTES: dict[Any, tuple[str | None, str | None]] = {}
+
+
+def _route_of(request: web.Request) -> tuple[str | None, str | None]:
+    """The request's route template (None: an untraced route) and its GenAI operation."""
+    route = request.match_info.route
+    got = _ROUTES.get(route)
+    if got is not None:
+        return got
+    resource = getattr(route, "resource", None)
+    path = str(resource.canonical) if resource is not None else "unmatched"
+    got = (None if path in UNTRACED_ROUTES else path, _ROUTE_OPERATIONS.get(path))
+    if resource is not None and len(_ROUTES) < 4096:
+        _ROUTES[route] = got
+    return got
 
 
 @web.middleware
-async def server_span(
+def server_span(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
+) -> Awaitable[web.StreamResponse]:
     """The SERVER span of one HTTP request (installed only when tracing is on), continuing the client's
-    ``traceparent`` / ``tracestate``; the route's GenAI operation is noted for the engine spans."""
-    route = _route_of(request)
-    if route in UNTRACED_ROUTES:
-        return await handler(request)
+    ``traceparent`` / ``tracestate``; the route's GenAI operation is noted for the engine spans.
+
+    A request without trace headers that the sampler leaves out (decided from the trace id's low bits
+    first, ``_ROOT_BOUND``) gets a non-recording span with its ids and no attributes: as with the SDK,
+    its engines get a ``traceparent`` with the sampled flag off (an engine's parent-based sampler then
+    drops its side too, instead of starting traces of its own) and its log lines carry the trace id."""
+    got = _ROUTES.get(request.match_info.route)  # ``_route_of`` in place
+    route, op = got if got is not None else _route_of(request)
+    if route is None:
+        return handler(request)
     headers = request.headers
-    # a request without trace headers starts a trace (extracting nothing costs a context)
+    bound = _ROOT_BOUND
+    if bound >= 0 and "traceparent" not in headers and "baggage" not in headers and _CURRENT.get() is None:
+        low = _getrandbits(64) if bound else 1  # ratio 0 / always off: no draw
+        tid = (_getrandbits(64) << 64 | low) or 1
+        name = f"{request.method} {route}"
+        if low < bound:
+            attrs: dict[str, Any] = {
+                "http.request.method": request.method,
+                "http.route": route,
+                "url.path": request.path,
+                "url.scheme": "https" if request.secure else "http",
+            }
+            remote = request.remote
+            if remote:
+                attrs["client.address"] = remote
+            rid = headers.get("x-request-id")
+            if rid and len(rid) <= 128:
+                attrs["shepherd.request.id"] = rid
+            return _served(request, handler, op, _Span(name, _SERVER, tid, 0, False, None, True, attrs), None)
+        return _served(request, handler, op, _Span(name, _SERVER, tid, 0, False, None, False), None)
+    # a request with trace headers (or a sampler without a bound, or spans not recorded lean)
     parent = (
         propagate.extract(headers) if not _LEAN or "traceparent" in headers or "baggage" in headers else None
     )
-    op = _ROUTE_OPERATIONS.get(route)
-    op_token = _OPERATION.set(op) if op is not None else None
     name = f"{request.method} {route}"
     span: Span
     if _LEAN:  # the sampler first: a request it leaves out makes no attributes
-        lean = span = _lean_start(name, parent, SpanKind.SERVER)
+        lean = span = _lean_start(name, parent, _SERVER)
         if lean.recording:
             lean.attrs.update(_server_attrs(request, route))
     elif _LEAN_START:
@@ -740,7 +830,29 @@ async def server_span(
             _put(span, _server_attrs(request, route))
     else:
         span = _tracer.start_span(name, parent, SpanKind.SERVER, _server_attrs(request, route))
-    token = _attach(span, parent)
+    base = parent
+    if _LEAN and base is None:
+        cur = _CURRENT.get()
+        base = cur[1] if cur is not None else None
+    return _served(request, handler, op, span, base)
+
+
+async def _served(
+    request: web.Request,
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    op: str | None,
+    span: Span,
+    base: otel_context.Context | None,
+) -> web.StreamResponse:
+    """The request handled with ``span`` current (continuing ``base``: the incoming context, for its
+    baggage) and the route's operation ``op`` noted (unless it is already the current one: chat, the
+    default); ``span`` ended with the answer's status."""
+    op_token = _OPERATION.set(op) if op is not None and op != _OPERATION.get() else None
+    lean_token = token = None
+    if _LEAN:  # ``_attach`` in place
+        lean_token = _CURRENT.set((span, base))
+    else:
+        token = _attach(span, base)
     try:
         resp = await handler(request)
     except BaseException as e:
@@ -749,10 +861,25 @@ async def server_span(
         span.end()
         raise
     finally:
-        _detach(token)
+        if lean_token is not None:
+            _CURRENT.reset(lean_token)
+        else:
+            _detach(token)
         if op_token is not None:
             _OPERATION.reset(op_token)
-    if span.is_recording():
+    if type(span) is _Span:  # ``_put`` in place
+        if span.recording:
+            status = resp.status
+            a = span.attrs
+            a["http.response.status_code"] = status
+            got_rid = resp.headers.get("x-request-id")
+            if got_rid:
+                a["shepherd.request.id"] = got_rid
+            if status >= 500:
+                a["error.type"] = str(status)
+                span.set_status(Status(StatusCode.ERROR))
+            span.end()
+    elif span.is_recording():
         status = resp.status
         end: dict[str, Any] = {"http.response.status_code": status}
         got_rid = resp.headers.get("x-request-id")
@@ -771,7 +898,7 @@ def _server_attrs(request: web.Request, route: str) -> dict[str, Any]:
         "http.request.method": request.method,
         "http.route": route,
         "url.path": request.path,
-        "url.scheme": request.scheme,
+        "url.scheme": "https" if request.secure else "http",
     }
     if request.remote:
         attrs["client.address"] = request.remote
@@ -843,7 +970,9 @@ class _Stage(_Noop):
         _detach(self.token)
         span = self.span
         if self.stats is not None and self.cache is not None:
-            _put(span, _cache_attrs(self.cache, self.stats()))
+            cache: dict[str, Any] = {}
+            _cache_attrs(self.cache, self.stats(), cache)
+            _put(span, cache)
         if e is not None:
             span.set_attribute("error.type", getattr(e, "code", None) or type(e).__qualname__)
             span.set_status(Status(StatusCode.ERROR, str(e)[:200]))
@@ -870,22 +999,45 @@ class _Event(_Noop):
     ) -> None:
         self.name = name
         self.span = span
-        self.attrs: dict[str, Any] = dict(attrs) if attrs else {}
+        self.attrs: dict[str, Any] = {**attrs} if attrs else {}
         self.stats = stats
         self.cache: Sequence[int] | None = stats() if stats is not None else None
-        self.start = time.time_ns()
+        self.start = _time_ns()
 
     def __enter__(self) -> _Event:
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: object) -> None:
         attrs = self.attrs
-        attrs["shepherd.duration_ms"] = (time.time_ns() - self.start) / 1e6
-        if self.stats is not None and self.cache is not None:
-            attrs.update(_cache_attrs(self.cache, self.stats()))
+        attrs["shepherd.duration_ms"] = (_time_ns() - self.start) / 1e6
+        stats = self.stats
+        before = self.cache
+        if stats is not None and before is not None:  # ``_cache_attrs`` in place
+            after = stats()
+            rh, rm, l0h = after[0] - before[0], after[1] - before[1], after[2] - before[2]
+            l0m, l1h, l1m = after[3] - before[3], after[4] - before[4], after[5] - before[5]
+            if rh:
+                attrs["shepherd.tokenizer.render_hits"] = rh
+            if rm:
+                attrs["shepherd.tokenizer.render_misses"] = rm
+            if l0h:
+                attrs["shepherd.tokenizer.l0_hits"] = l0h
+            if l0m:
+                attrs["shepherd.tokenizer.l0_misses"] = l0m
+            if l1h:
+                attrs["shepherd.tokenizer.l1_hits"] = l1h
+            if l1m:
+                attrs["shepherd.tokenizer.l1_misses"] = l1m
+            attrs["shepherd.tokenizer.cache"] = (
+                "miss" if rm or l0m or l1m else "hit" if rh or l0h or l1h else "none"
+            )
         if e is not None:
             attrs["error.type"] = getattr(e, "code", None) or type(e).__qualname__
-        _event(self.span, self.name, attrs, self.start)
+        span = self.span
+        if type(span) is _Span and len(span.events) < _MAX_EVENTS:  # ``_event``'s first case, in place
+            span.events.append((self.name, self.start, attrs))
+        else:
+            _event(span, self.name, attrs, self.start)
 
     def set(self, key: str, value: Any) -> None:
         if value is not None:
@@ -899,33 +1051,35 @@ class _Event(_Noop):
         if worker is None:
             attrs["shepherd.route.worker"] = ""
             return
-        attrs["shepherd.route.worker"] = str(worker.url)
+        url = worker.url
+        attrs["shepherd.route.worker"] = url if type(url) is str else str(url)
         decision = getattr(policy, "last", None)
         if decision is not None and getattr(decision, "worker", None) is not None:
             attrs["shepherd.route.reason"] = str(decision.reason)
             attrs["shepherd.route.prefix_match_tokens"] = int(decision.matched_tokens)
 
 
-def _cache_attrs(before: Sequence[int], after: Sequence[int]) -> dict[str, Any]:
+def _cache_attrs(before: Sequence[int], after: Sequence[int], out: dict[str, Any]) -> None:
     """Tokenizer cache lookups the stage made (the service's counters, before and after, as
     ``TokenizerService.cache_counters`` gives them: render, L0 and L1 hits and misses; other requests
-    running meanwhile may add theirs) and whether it was served from cache."""
-    out: dict[str, Any] = {}
+    running meanwhile may add theirs) and whether it was served from cache, written into ``out``. A
+    counter that did not move is left out (absent: 0; most stages miss or hit at a level, not both)."""
     # unrolled (no loop per level)
     rh, rm, l0h, l0m = after[0] - before[0], after[1] - before[1], after[2] - before[2], after[3] - before[3]
     l1h, l1m = after[4] - before[4], after[5] - before[5]
-    if rh or rm:
+    if rh:
         out["shepherd.tokenizer.render_hits"] = rh
+    if rm:
         out["shepherd.tokenizer.render_misses"] = rm
-    if l0h or l0m:
+    if l0h:
         out["shepherd.tokenizer.l0_hits"] = l0h
+    if l0m:
         out["shepherd.tokenizer.l0_misses"] = l0m
-    if l1h or l1m:
+    if l1h:
         out["shepherd.tokenizer.l1_hits"] = l1h
+    if l1m:
         out["shepherd.tokenizer.l1_misses"] = l1m
-    misses = rm + l0m + l1m
-    out["shepherd.tokenizer.cache"] = "miss" if misses else "hit" if rh + l0h + l1h else "none"
-    return out
+    out["shepherd.tokenizer.cache"] = "miss" if rm or l0m or l1m else "hit" if rh or l0h or l1h else "none"
 
 
 def stage(
@@ -940,6 +1094,21 @@ def stage(
     ``TokenizerService.cache_counters``)."""
     if not ENABLED:
         return NOOP
+    if _LEAN:  # ``_current`` in place: the request's span, recording unless the sampler left it out
+        cur = _CURRENT.get()
+        if cur is None:
+            return NOOP
+        sp = cur[0]
+        if type(sp) is not _Span or not sp.recording or sp.end_time:
+            return NOOP
+        ev = _new(_Event)  # ``_Event.__init__`` in place
+        ev.name = name
+        ev.span = sp
+        ev.attrs = {**attrs} if attrs else {}
+        ev.stats = cache_stats
+        ev.cache = cache_stats() if cache_stats is not None else None
+        ev.start = _time_ns()
+        return ev
     span = _current()
     if not span.is_recording():
         return NOOP
@@ -991,21 +1160,28 @@ def _address(url: str) -> tuple[str, int | None]:
     return got
 
 
-def _sampling_attrs(s: SamplingParams, attrs: dict[str, Any]) -> None:
-    attrs["gen_ai.request.temperature"] = s.temperature
-    attrs["gen_ai.request.top_p"] = s.top_p
-    if s.top_k > 0:
-        attrs["gen_ai.request.top_k"] = s.top_k
-    if s.max_new_tokens is not None:
-        attrs["gen_ai.request.max_tokens"] = s.max_new_tokens
-    if s.seed is not None:
-        attrs["gen_ai.request.seed"] = s.seed
-    if s.frequency_penalty:
-        attrs["gen_ai.request.frequency_penalty"] = s.frequency_penalty
-    if s.presence_penalty:
-        attrs["gen_ai.request.presence_penalty"] = s.presence_penalty
-    if s.n != 1:
-        attrs["gen_ai.request.choice.count"] = s.n
+# (operation, model, worker url, provider) -> the CLIENT span's name and the attributes every call with
+# them has (the GenAI metrics' attributes): copied per call
+_CALLS: dict[tuple[str, str, str, str], tuple[str, dict[str, Any]]] = {}
+_NO_METRIC_ATTRS: dict[str, Any] = {}  # shared, never written: the GenAI metrics export is off
+_perf_counter = time.perf_counter
+
+
+def _call_base(key: tuple[str, str, str, str]) -> tuple[str, dict[str, Any]]:
+    op, model, worker_url, provider = key
+    host, port = _address(worker_url)
+    common: dict[str, Any] = {
+        "gen_ai.operation.name": op,
+        "gen_ai.provider.name": provider,
+        "gen_ai.request.model": model,
+        "server.address": host,
+    }
+    if port is not None:
+        common["server.port"] = port
+    got = (f"{op} {model}", common)
+    if len(_CALLS) < 4096:
+        _CALLS[key] = got
+    return got
 
 
 class _Choice(Protocol):
@@ -1024,7 +1200,7 @@ class EngineCall:
     sampling, the worker's ``server.address`` / ``server.port``; then the response id, finish reasons,
     token usage, the time to the first chunk, or ``error.type``."""
 
-    __slots__ = ("ended", "metric_attrs", "span", "t0", "ttfc", "usage")
+    __slots__ = ("base", "ended", "metric_attrs", "span", "t0", "ttfc", "usage")
 
     def __init__(
         self,
@@ -1038,47 +1214,79 @@ class EngineCall:
         pd_role: str | None = None,
     ) -> None:
         op = _OPERATION.get()
-        host, port = _address(worker_url)
-        attrs: dict[str, Any] = {
-            "gen_ai.operation.name": op,
-            "gen_ai.provider.name": provider,
-            "gen_ai.request.model": model,
-            "server.address": host,
-            "shepherd.engine.request_id": request_id,
-        }
-        if port is not None:
-            attrs["server.port"] = port
+        key = (op, model, worker_url, provider)
+        base = _CALLS.get(key) or _call_base(key)
+        name, common = base
+        attrs = common.copy()  # the call's own: the span's attribute map
+        attrs["shepherd.engine.request_id"] = request_id
         # the GenAI metrics' attributes (only while they are exported)
-        self.metric_attrs: dict[str, Any] = dict(attrs) if genai_metrics.ENABLED else {}
-        if self.metric_attrs:
-            del self.metric_attrs["shepherd.engine.request_id"]
+        self.metric_attrs: dict[str, Any] = common.copy() if genai_metrics.ENABLED else _NO_METRIC_ATTRS
         if attempt:
             attrs["shepherd.retry.attempt"] = attempt
         if pd_role is not None:  # PD disaggregation: "prefill" or "decode"
             attrs["shepherd.pd.role"] = pd_role
         if input_tokens is not None:
             attrs["gen_ai.usage.input_tokens"] = input_tokens
-        if sampling is not None:
-            _sampling_attrs(sampling, attrs)
-        self.span: Span = _start(f"{op} {model}", None, SpanKind.CLIENT, attrs)
-        self.t0 = time.perf_counter()
+        if sampling is not None:  # the request's sampling parameters
+            s = sampling
+            attrs["gen_ai.request.temperature"] = s.temperature
+            attrs["gen_ai.request.top_p"] = s.top_p
+            if s.top_k > 0:
+                attrs["gen_ai.request.top_k"] = s.top_k
+            if s.max_new_tokens is not None:
+                attrs["gen_ai.request.max_tokens"] = s.max_new_tokens
+            if s.seed is not None:
+                attrs["gen_ai.request.seed"] = s.seed
+            if s.frequency_penalty:
+                attrs["gen_ai.request.frequency_penalty"] = s.frequency_penalty
+            if s.presence_penalty:
+                attrs["gen_ai.request.presence_penalty"] = s.presence_penalty
+            if s.n != 1:
+                attrs["gen_ai.request.choice.count"] = s.n
+        cur = _CURRENT.get() if _LEAN else None
+        parent = cur[0] if cur is not None else None
+        self.base = cur[1] if cur is not None else None  # the context ``first`` continues (lean)
+        if type(parent) is _Span and parent.recording:  # ``_lean_start``'s local parent, in place
+            tid = parent.trace_id
+            self.span: Span = _Span(
+                name, _CLIENT, tid, parent.span_id, False, parent.state,
+                _CHILD_SAMPLED or _DECIDE(parent, tid), attrs,
+            )  # fmt: skip
+        else:
+            self.span = _start(name, None, SpanKind.CLIENT, attrs)
+        self.t0 = _perf_counter()
         self.ended = False
         self.ttfc: float | None = None
         self.usage: tuple[int, int] | None = None
 
     async def first(self, reply: Awaitable[T]) -> T:
         """Await the engine's first reply with this span current; a failure ends the span."""
-        token = _attach(self.span)
-        try:
-            got = await reply
-        except BaseException as e:
-            self.fail(e)
-            raise
-        finally:
-            _detach(token)
-        ttfc = self.ttfc = time.perf_counter() - self.t0
-        _put(self.span, {"gen_ai.response.time_to_first_chunk": ttfc})
-        _event(self.span, "gen_ai.first_chunk", _NO_EVENT_ATTRS)
+        span = self.span
+        if _LEAN:  # ``_attach`` / ``_detach`` in place
+            lean_token = _CURRENT.set((span, self.base))
+            try:
+                got = await reply
+            except BaseException as e:
+                self.fail(e)
+                raise
+            finally:
+                _CURRENT.reset(lean_token)
+        else:
+            token = _attach(span)
+            try:
+                got = await reply
+            except BaseException as e:
+                self.fail(e)
+                raise
+            finally:
+                _detach(token)
+        # the time to the first chunk as its attribute only (an event at start + ttfc would repeat it)
+        ttfc = self.ttfc = _perf_counter() - self.t0
+        if type(span) is _Span:  # ``_put`` in place
+            if span.recording:
+                span.attrs["gen_ai.response.time_to_first_chunk"] = ttfc
+        else:
+            _put(span, {"gen_ai.response.time_to_first_chunk": ttfc})
         return got
 
     def fail(self, e: BaseException) -> None:
@@ -1087,7 +1295,8 @@ class EngineCall:
         code = getattr(e, "code", None)
         kind = code if isinstance(code, str) and code else type(e).__qualname__
         self.span.set_attribute("error.type", kind)
-        self.metric_attrs["error.type"] = kind
+        if self.metric_attrs is not _NO_METRIC_ATTRS:
+            self.metric_attrs["error.type"] = kind
         self.span.set_status(Status(StatusCode.ERROR, str(e)[:200]))
         self.end()
 
@@ -1096,18 +1305,34 @@ class EngineCall:
     ) -> None:
         """The answer's attributes, once the stream is consumed."""
         span = self.span
-        output_tokens = sum(c.tokens for c in choices)
-        self.usage = (input_tokens, output_tokens)
-        _put(  # one step
-            span,
-            {
-                "gen_ai.response.id": response_id,
-                "gen_ai.response.finish_reasons": tuple([c.finish_reason or "" for c in choices]),
-                "gen_ai.usage.input_tokens": input_tokens,
-                "gen_ai.usage.output_tokens": output_tokens,
-                "gen_ai.usage.cache_read.input_tokens": cached_tokens,
-            },
-        )
+        if len(choices) == 1:  # most requests: no generator, no list
+            c = choices[0]
+            output_tokens = c.tokens
+            reasons: tuple[str, ...] = (c.finish_reason or "",)
+        else:
+            output_tokens = sum([c.tokens for c in choices])
+            reasons = tuple([c.finish_reason or "" for c in choices])
+        if genai_metrics.ENABLED:  # read by ``end`` only then
+            self.usage = (input_tokens, output_tokens)
+        if type(span) is _Span:  # ``_put`` in place
+            if span.recording:
+                a = span.attrs
+                a["gen_ai.response.id"] = response_id
+                a["gen_ai.response.finish_reasons"] = reasons
+                a["gen_ai.usage.input_tokens"] = input_tokens
+                a["gen_ai.usage.output_tokens"] = output_tokens
+                a["gen_ai.usage.cache_read.input_tokens"] = cached_tokens
+        else:
+            _put(
+                span,
+                {
+                    "gen_ai.response.id": response_id,
+                    "gen_ai.response.finish_reasons": reasons,
+                    "gen_ai.usage.input_tokens": input_tokens,
+                    "gen_ai.usage.output_tokens": output_tokens,
+                    "gen_ai.usage.cache_read.input_tokens": cached_tokens,
+                },
+            )
         if CAPTURE_CONTENT:
             out = [
                 {"role": "assistant", "parts": [{"type": "text", "content": c.full_text()}],
@@ -1145,11 +1370,22 @@ def engine_call(
     pd_role: str | None = None,
 ) -> EngineCall | None:
     """The CLIENT span of an engine call, or None in a request the sampler left out (the engine still
-    gets the request's context, sampled flag off) unless the GenAI metrics export measures it.
-    ``pd_role``: the half of a PD request the call is (``shepherd.pd.role``)."""
-    if not genai_metrics.ENABLED and not _current().is_recording():
-        return None
-    return EngineCall(model, request_id, sampling, worker_url, provider, attempt, pd_role=pd_role)
+    gets the context the request continues, sampled flag off) unless the GenAI metrics export measures
+    it. ``pd_role``: the half of a PD request the call is (``shepherd.pd.role``)."""
+    if not genai_metrics.ENABLED:
+        if _LEAN:  # ``_current`` and ``is_recording`` in place
+            cur = _CURRENT.get()
+            if cur is None:
+                return None
+            sp = cur[0]
+            if type(sp) is _Span:
+                if not sp.recording or sp.end_time:
+                    return None
+            elif not sp.is_recording():
+                return None
+        elif not _current().is_recording():
+            return None
+    return EngineCall(model, request_id, sampling, worker_url, provider, attempt, None, pd_role)
 
 
 def input_messages(messages: Sequence[Mapping[str, Any]]) -> None:
@@ -1170,6 +1406,21 @@ def inject(headers: dict[str, str]) -> dict[str, str]:
     return headers
 
 
+_TRACEPARENT = (b"00-%032x-%016x-00", b"00-%032x-%016x-01")  # by a lean span's flags (0 or 1)
+# ``encode`` -> what it writes before a traceparent value (every value is 55 bytes): the header's name and
+# the value's length, written once; None: ``encode`` does not write the value as it is (Huffman, say)
+_TRACEPARENT_HEADS: dict[Callable[[bytes, bytes], bytes], bytes | None] = {}
+
+
+def _traceparent_head(encode: Callable[[bytes, bytes], bytes]) -> bytes | None:
+    a, b = b"00-%032x-%016x-01" % (1, 2), b"00-%032x-%016x-00" % (3, 4)
+    ea, eb = encode(b"traceparent", a), encode(b"traceparent", b)
+    head = ea[: -len(a)] if ea.endswith(a) and eb.endswith(b) and ea[: -len(a)] == eb[: -len(b)] else None
+    if len(_TRACEPARENT_HEADS) < 64:
+        _TRACEPARENT_HEADS[encode] = head
+    return head
+
+
 def grpc_header_block(encode: Callable[[bytes, bytes], bytes]) -> bytes:
     """The current context's ``traceparent`` / ``tracestate`` as HPACK literals (``encode(name, value)``)
     for the lean gRPC client's request headers; b"" while tracing is off or without a context."""
@@ -1181,9 +1432,11 @@ def grpc_header_block(encode: Callable[[bytes, bytes], bytes]) -> bytes:
             return b""
         span, base = cur
         if _W3C and type(span) is _Span and (base is None or not baggage.get_all(base)):  # no baggage
-            out = encode(
-                b"traceparent", f"00-{span.trace_id:032x}-{span.span_id:016x}-{span.flags:02x}".encode()
-            )
+            value = _TRACEPARENT[span.flags] % (span.trace_id, span.span_id)
+            head = _TRACEPARENT_HEADS.get(encode, b"")
+            if head == b"":  # not seen yet
+                head = _traceparent_head(encode)
+            out = head + value if head is not None else encode(b"traceparent", value)
             if span.state:
                 out += encode(b"tracestate", span.state.to_header().encode("latin-1"))
             return out
