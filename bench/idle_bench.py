@@ -7,6 +7,11 @@ watchdog, metrics tickers; with a mesh also SWIM probes, gossip rounds and push-
 
     .venv/bin/python bench/idle_bench.py                       # 30 s windows
     .venv/bin/python bench/idle_bench.py --window 60 --configs "" "--procs 2" "--procs 4"
+    .venv/bin/python bench/idle_bench.py --per-process --configs "--procs 3"   # and each process's
+
+``--per-process`` adds a row per process of the tree: its CPU (``/proc/PID/stat``, 10 ms ticks: read a
+60 s window for 1/6 ms/s; ``perf stat -e task-clock -p PID`` is finer) and its main thread's voluntary
+context switches per second (the event loop's wake-ups).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shepherd.loadgen.procs import ProcessGroup, free_port
-from shepherd.loadgen.procstat import TreeCpuTracker
+from shepherd.loadgen.procstat import TreeCpuTracker, read_stat
 from shepherd.loadgen.targets import extract_tokenizer, mock_engine_spec, node_spec
 
 
@@ -31,6 +36,7 @@ def main() -> int:
     p.add_argument("--window", type=float, default=30.0, help="measured seconds (default 30)")
     p.add_argument("--settle", type=float, default=15.0, help="seconds after ready before (default 15)")
     p.add_argument("--configs", nargs="+", default=["", "--procs 2"], help="smg-node serve flag strings")
+    p.add_argument("--per-process", action="store_true", help="a row per process: ms/s and wake-ups/s")
     args = p.parse_args()
     load = os.getloadavg()
     print(
@@ -49,14 +55,39 @@ def main() -> int:
             time.sleep(args.settle)
             tracker = TreeCpuTracker(node.pid)
             start = tracker.sample(with_rss=False)
+            before = {pid: _own(pid) for pid in start.live_pids}
             t0 = time.monotonic()
             time.sleep(args.window)
             end = tracker.sample(with_rss=False)
             wall = time.monotonic() - t0
             ms_per_s = 1000.0 * (end.cpu_seconds - start.cpu_seconds) / wall
             print(f"{flags or '(defaults)':<24} {len(end.live_pids):>9} {ms_per_s:>9.2f}", flush=True)
+            if args.per_process:
+                for pid, b in sorted(before.items()):
+                    e = _own(pid)
+                    if b is None or e is None:
+                        continue
+                    cpu, wakeups = 1000.0 * (e[0] - b[0]) / wall, (e[1] - b[1]) / wall
+                    row = f"  pid {pid:<8} {e[2]:<16} {cpu:>7.2f} ms/s {wakeups:>7.1f} wake-ups/s"
+                    print(row, flush=True)
             node.stop()
     return 0
+
+
+def _own(pid: int) -> tuple[float, int, str] | None:
+    """A process's own CPU seconds, its main thread's voluntary context switches, its name."""
+    st = read_stat(pid)
+    if st is None:
+        return None
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    switches = 0
+    for line in status.splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            switches = int(line.split()[1])
+    return st.cpu_seconds, switches, st.comm
 
 
 if __name__ == "__main__":

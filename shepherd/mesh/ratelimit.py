@@ -44,11 +44,23 @@ fresh demand against their stale one made each share many times its due (shares 
 1). Under-admission stays small because only *unseen* increments are bounded: older admissions are in
 the common estimate, so in steady state the lease holds back about ``(1 - s_i) / s_i * u_i`` of
 headroom, a fraction of τ/window.
-On a relaying mesh τ may follow the staleness the node observes (``propagation_max``): its own shard
-comes back to it through the relays, and how old the echoed state is (since the first change it
-lacks) samples how stale the peers' copies are; τ is a quantile of those ages, within bounds, and
-the lease spans that many slots (the designation slots keep the configured τ: every node must
-compute the same ones).
+τ may follow the staleness the node observes (``propagation_max``): each shard state carries when
+its owner last changed it (its version stamp, ``ratelimit_shards.ver_at``), so a node knows how old
+the peers' states it holds are; by symmetry the peers' copies of its own shard are about as old. How
+many admissions the held states lack is, per peer, its admission rate times its state's age (the
+arrivals after a state are independent of it), so τ is the mean age weighted by what each peer admitted
+in the sliding window, per key, within [``propagation``, ``propagation_max``]: in steady state the
+lease then bounds the unseen admissions by what the estimate lacks, where a τ below the staleness
+over-admits by about (staleness - τ) / window and one above it under-admits as much. The lease
+spans that many slots (the designation slots keep the configured τ: every node must compute the same
+ones). An idle peer is not a slow channel: its state ages without lacking anything, so where shards
+come first-hand (not ``relay``: the node's mesh, the simulation) a state held past ``delay + 2 gap``
+of its shard (the delay of its newest state at its arrival, which does not grow while the peer is idle,
+and the mean interval between arrivals: a busy peer's next state comes within about one) counts at
+that age (``ratelimit_keys.Arrival``; the arrival is the clock's reading at the merge, or without a
+clock the next ``now`` this node looks at the key with). On a relaying mesh a busy peer's states can
+wait in the relays' queues for seconds while others arrive, which looks the same: the ages count in
+full there.
 
 **Fractions of a request.** When a node's lease is less than one request (small limits: with
 rpm=60 on 3 nodes a second of headroom is a third of a request each), it may still admit one if
@@ -73,15 +85,15 @@ node alone against ``limit / N``, charged (``charge``) with what Redis admitted.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, Protocol
 
 from shepherd.mesh.ratelimit_keys import (
+    HISTORY,
     U_CONC,
     U_PEAK,
     U_REQ,
@@ -99,13 +111,22 @@ from shepherd.mesh.ratelimit_shards import (
     REF,
     REQ,
     TOK,
+    W_CUR,
+    W_GEN,
+    W_PREV,
+    W_VER,
+    W_WIN,
     Entry,
     entry_from_wire,
+    entry_of_wire,
     entry_to_wire,
-    join,
+    join_wire,
     sliding,
+    time_of_ver,
+    ver_at,
     wait_until_fits,
     window_of,
+    wire_entries_ok,
     wire_size,
 )
 
@@ -116,9 +137,8 @@ Metric = Literal["requests", "tokens", "concurrency"]
 _EPS = 1e-9
 _VSUM_MOD = 1 << 62
 GC_STEP = 32  # keys looked at per admission while a collection round runs
-ECHO_SAMPLES = 256  # echo ages τ is derived from (``LimiterConfig.propagation_max``)
-ECHO_EVERY = 16  # new echo ages between two derivations of τ
 ECHO_KEEP = 8  # echoes of its own shard per key a node keeps (the oldest is its demand in the shares)
+MERGE_STEP = 1000  # entries per slice of ``merge_snapshot_steps`` (~1-2 ms of loop time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,13 +160,17 @@ class LimiterConfig:
     """Re-gossip the peers' shards this node learns (``take_keyed_deltas``: one queued delta per shard,
     a newer one replacing the older), for a mesh that relays (not ``first_hand``): epidemic spread
     instead of the owner's piggybacking alone. Off where receivers take only first-hand shards."""
-    propagation_max: float = 0.0
-    """With ``relay``, above ``propagation``: τ follows the staleness this node observes, within
-    [``propagation``, ``propagation_max``]: its own shard comes back to it as peers relay it (the echo),
-    and the echo's age (how long ago the first change it lacks was made here) is a sample of how stale
-    a peer's copy of this shard is; τ is the ``propagation_quantile`` of the last ``ECHO_SAMPLES`` ages.
-    0 (or a mesh that does not relay: no echoes): τ is ``propagation``."""
-    propagation_quantile: float = 0.5
+    propagation_max: float = 15.0
+    """Above ``propagation``: τ follows the staleness this node observes, within [``propagation``,
+    ``propagation_max``]: per key, the age of the peers' shard states it holds (since their owners last
+    changed them or, with a clock, published them), averaged weighted by what each peer admitted in the
+    sliding window (a peer that admitted nothing lacks nothing); without ``relay``, a state held longer
+    than its owner's usual ``delay + 2 gap`` (the delay measured when its newest state arrived, the mean
+    interval between arrivals: ``ratelimit_keys.Arrival``) counts as that old, no older: its owner
+    changed nothing since (its load moved away), so it lacks nothing more. A lease's fraction of a
+    request is admitted with
+    that probability, and on a relaying mesh the shares take this node's demand as it was as old as the
+    held states. 0 (or at most ``propagation``): off, τ is ``propagation``."""
     relay_batch: int = 4
     """With ``relay``: peers' shards handed out per ``take_keyed_deltas`` call (one per piggybacked
     packet), at most, so that relays leave room for the other state on the channel (worker adds,
@@ -243,14 +267,36 @@ def quota_of(rows: Sequence[tuple[Limits, Counts]], f: float, window: float, sca
     return q
 
 
+def _checked(delta: Any) -> Sequence[Any]:
+    """``delta`` if it is a list of well-formed wire entries (``wire_entries_ok``, then item by item if
+    that is not sure), else ``ValueError``."""
+    if not isinstance(delta, (list, tuple)):
+        raise ValueError("rate-limit state: a list of entries expected")
+    if not wire_entries_ok(delta):
+        for item in delta:
+            if entry_from_wire(item) is None:
+                raise ValueError(f"rate-limit state: malformed entry {item!r:.200}")
+    return delta
+
+
 class RateLimiter:
     """Mesh-wide admission for one node. ``node`` is its mesh name, ``gen`` distinguishes its process
     incarnations (a restarted node starts a new shard rather than counting again from zero)."""
 
-    def __init__(self, node: str, gen: int, config: LimiterConfig | None = None) -> None:
+    def __init__(
+        self,
+        node: str,
+        gen: int,
+        config: LimiterConfig | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        """``clock``: the wall clock (seconds), if the owner has one: a published state is then stamped
+        with the time it is published (it was this node's state until then), not only with its last
+        change's, and a peer's state reads younger by the time between the two."""
         self.node = node
         self.gen = gen
         self.cfg = config or LimiterConfig()
+        self.clock = clock
         self.foreign_dropped = 0  # shards of other nodes a sender offered (apply_delta_from)
         self._sid: ShardId = (node, gen)
         self._keys: dict[Key, KeyState] = {}
@@ -263,6 +309,7 @@ class RateLimiter:
         self._gen_of: dict[str, int] = {node: gen}
         self._ver = 0
         self._dirty: dict[Key, None] = {}  # ordered set of keys whose own entry changed
+        self._unstamped: dict[Key, None] = {}  # ... since its last version stamp (``_stamp``)
         # called when the first of them changes after a take: there is a delta to send (the mesh node
         # arms its flush)
         self.on_dirty: Callable[[], None] | None = None
@@ -272,15 +319,15 @@ class RateLimiter:
         # stale as its view of theirs; the shares use it rather than ``published``
         self._echoed: dict[Key, deque[tuple[int, Published]]] = {}
         self._slot_len = self.cfg.propagation / self.cfg.slots
-        # τ from echoes (propagation_max): own version bumps (ver, time), in order; echoed versions not
-        # yet aged (aged at the next admission, which knows the time); recent ages; τ in slots
-        self._bumps_v: list[int] = []
-        self._bumps_t: list[float] = []
-        self._echoes: list[int] = []
-        self._ages: deque[float] = deque(maxlen=ECHO_SAMPLES)
-        self._new_ages = 0
-        self._trim_at = 2 * ECHO_SAMPLES
+        # τ in slots: at least ``slots``; with propagation_max, per key from the held states' ages, up to
+        # ``_keep`` (the slots each key's ring keeps); ``_span`` the last one used (``propagation``)
+        self._ages = self.cfg.propagation_max > self.cfg.propagation
+        self._keep = max(self.cfg.slots, math.ceil(self.cfg.propagation_max / self._slot_len - _EPS))
         self._span = self.cfg.slots
+        # an idle peer's age capped (``ratelimit_keys.Arrival``) where shards come first-hand: on a relaying
+        # mesh a busy peer's states can wait in the relays' queues for seconds while others arrive, which
+        # looks the same, so the ages count in full there
+        self._idle_caps = self._ages and not self.cfg.relay
         self._next_gc = -math.inf
         self._gc_queue: list[Key] = []  # keys still to look at in the current collection round
 
@@ -336,28 +383,21 @@ class RateLimiter:
 
     @property
     def propagation(self) -> float:
-        """τ as the lease uses it now (``LimiterConfig.propagation``, or derived from echoes: see
-        ``propagation_max``), rounded up to whole slots."""
+        """τ as the lease last used it (``LimiterConfig.propagation``, or derived from the held states'
+        ages: see ``propagation_max``), rounded up to whole slots."""
         return self._span * self._slot_len
 
-    def _age_echoes(self, now: float) -> None:
-        """Age the echoed versions of this node's shard (``propagation_max``): how long ago the first
-        change the echo lacks was made (0: it had the latest); every ``ECHO_EVERY`` ages, τ is derived
-        again. An echo older than every bump remembered (``_touch`` forgets those older than the bound)
-        ages as the bound."""
-        cfg = self.cfg
-        vs, ts = self._bumps_v, self._bumps_t
-        for ver in self._echoes:
-            i = bisect.bisect_right(vs, ver)
-            self._ages.append(cfg.propagation_max if i == 0 else now - ts[i] if i < len(vs) else 0.0)
-        self._new_ages += len(self._echoes)
-        self._echoes.clear()
-        if self._new_ages >= ECHO_EVERY:
-            self._new_ages = 0
-            ages = sorted(self._ages)
-            q = ages[min(len(ages) - 1, int(cfg.propagation_quantile * len(ages)))]
-            tau = min(cfg.propagation_max, max(cfg.propagation, q))
-            self._span = max(cfg.slots, math.ceil(tau / self._slot_len - _EPS))
+    def _span_of(self, v: View, now: float) -> int:
+        """τ in slots for a key (``propagation_max``: from the age of the peers' states held)."""
+        if not self._ages:
+            return self.cfg.slots
+        age = v.age(now)
+        span = self.cfg.slots
+        if age is not None:
+            # the ring covers ``span`` slots and the current one's elapsed part: age on average
+            span = min(self._keep, max(span, math.floor(age / self._slot_len + _EPS)))
+        self._span = span
+        return span
 
     @property
     def reachable(self) -> int:
@@ -373,8 +413,6 @@ class RateLimiter:
         """Admit one request costing ``tokens`` (reserved) under every rule, or say why not."""
         if self._gc_queue or now >= self._next_gc:
             self._gc_step(now)
-        if self._echoes:
-            self._age_echoes(now)
         w, f = window_of(now, self.cfg.window)
         slot = math.floor(now / self._slot_len)
         scale = len(self._live) / self._n
@@ -387,7 +425,8 @@ class RateLimiter:
             v = self._view(key, ks, w, f)
             views.append((key, lim, ks, v))
             if denial is None:
-                denial = self._check(key, lim, ks, v, ks.unseen(slot, self._span), tokens, scale, now, f)
+                u = ks.unseen(slot, self._span_of(v, now), self._keep)
+                denial = self._check(key, lim, ks, v, u, tokens, scale, now, f)
         if denial is not None:
             for key, _, ks, _ in views:
                 self._record(key, ks, w, slot, now, admitted=False, tokens=tokens)
@@ -445,7 +484,7 @@ class RateLimiter:
                 elif diff < 0 and grant.win == e.win - 1:
                     e.prev[REF] -= diff
                     dt = diff
-            self._touch(key, e, now)
+            self._touch(key, ks, now)
             ks.ring_add(slot, 0, dt, -1, e.inc - e.dec + 1)
 
     def quota(self, now: float, rules: Sequence[tuple[Key, Limits]]) -> Quota:
@@ -526,6 +565,13 @@ class RateLimiter:
             return 0
         if rate and u <= 0 and 0 < budget < cost and unit_hash(self.node, self._ver) < budget / cost:
             return 0  # a fraction of a request: admitted with that probability (rates only)
+        if (
+            rate
+            and self._ages
+            and u < budget < u + cost
+            and unit_hash(self.node, self._ver) < (budget - u) / cost
+        ):
+            return 0  # the lease's fraction left: the unseen sum meets the budget on average, not below it
         return 2
 
     def _share(self, v: View, m: int, node: str, total: float) -> float:
@@ -547,13 +593,25 @@ class RateLimiter:
 
     def _view(self, key: Key, ks: KeyState, w: int, f: float) -> View:
         o = ks.others
-        if o is None or o.w != w or o.epoch != self._epoch:
-            o = ks.others = ks.sum_others(w, self._epoch, self._live, self._gen_of, self._sid)
+        win = self.cfg.window
+        now = (w + f) * win
+        if o is None or o.w != w or o.epoch != self._epoch or now > o.until:
+            cfg = self.cfg
+            gap, most = (cfg.propagation, cfg.propagation_max) if self._idle_caps else (0.0, 0.0)
+            o = ks.sum_others(w, self._epoch, self._live, self._gen_of, self._sid, win, now, gap, most)
+            ks.others = o
         pub = ks.published
-        echoes = self._echoed.get(key)
-        echo = min(echoes)[1] if echoes else None
-        if echo is not None and (pub is None or echo[0] <= pub[0]):
-            pub = echo  # own demand as stale as the others' (a relaying mesh): shares sum to ~1
+        made = o.made(1.0 - f, now) if self._ages and self.cfg.relay and ks.history else None
+        if made is not None:  # relaying: own demand as old as the others' states held, shares sum to ~1
+            for t, p in reversed(ks.history):
+                pub = p
+                if t <= made:
+                    break
+        else:
+            echoes = self._echoed.get(key)
+            echo = min(echoes)[1] if echoes else None
+            if echo is not None and (pub is None or echo[0] <= pub[0]):
+                pub = echo  # own demand as stale as the others' (a relaying mesh): shares sum to ~1
         return View(o, ks.shards.get(self._sid), pub, w, f)
 
     def _record(
@@ -573,20 +631,14 @@ class RateLimiter:
             c[TOK] += tokens
             e.inc += 1
             ks.ring_add(slot, 1, tokens, 1, e.inc - e.dec - 1)
-        self._touch(key, e, now)
+        self._touch(key, ks, now)
 
-    def _touch(self, key: Key, e: Entry, now: float) -> None:
-        self._ver += 1
-        e.ver = self._ver
-        if self.cfg.relay and self.cfg.propagation_max > self.cfg.propagation:
-            vs, ts = self._bumps_v, self._bumps_t
-            vs.append(self._ver)
-            ts.append(now)
-            if len(vs) >= self._trim_at:  # forget bumps older than the bound (amortised: at doublings)
-                i = bisect.bisect_left(ts, now - self.cfg.propagation_max)
-                if i > 1:  # keep the last bump before the bound: an echo of it ages from its successor
-                    del vs[: i - 1], ts[: i - 1]
-                self._trim_at = max(2 * ECHO_SAMPLES, 2 * len(vs))
+    def _touch(self, key: Key, ks: KeyState, now: float) -> None:
+        """The own entry of ``key`` changed at ``now``: it is stamped when it is published
+        (``take_delta``)."""
+        self._ver += 1  # (operations: the coin tosses' input)
+        ks.changed = now
+        self._unstamped[key] = None
         if not self._dirty and self.on_dirty is not None:
             self.on_dirty()
         self._dirty[key] = None
@@ -624,8 +676,9 @@ class RateLimiter:
                 stale = node not in self._live or gen != self._gen_of.get(node, gen)
                 if e.inc == e.dec or (stale and sid != self._sid):
                     del ks.shards[sid]
+                    ks.arrivals.pop(sid, None)
                     ks.others = None
-            ks.unseen(slot, self._span)
+            ks.unseen(slot, self.cfg.slots, self._keep)
             if not ks.shards and not ks.recent:
                 del self._keys[key]
                 self._dirty.pop(key, None)
@@ -646,6 +699,15 @@ class RateLimiter:
             return 0
         return max((e.ver for (nd, _), e in ks.shards.items() if nd == node), default=0)
 
+    def shard_time(self, key: Key, node: str) -> float | None:
+        """When ``node`` last changed the newest state held of its shard of ``key`` (its version stamp,
+        ``time_of_ver``; None: none held), e.g. to measure staleness."""
+        ks = self._keys.get(key)
+        if ks is None:
+            return None
+        held = [(e.ver, gen) for (nd, gen), e in ks.shards.items() if nd == node and e.ver > 0]
+        return time_of_ver(*max(held)) if held else None
+
     # ---- gossip (the MeshState component interface) -------------------------------------------------
 
     def take_delta(self, max_bytes: int = 900) -> list[list[Any]] | None:
@@ -660,6 +722,8 @@ class RateLimiter:
             if e is None:
                 del self._dirty[key]
                 continue
+            assert ks is not None
+            self._stamp(key, ks, e)
             item = entry_to_wire(key[0], key[1], self.node, self.gen, e)
             n = wire_size(item)
             if out and size + n > max_bytes:
@@ -667,8 +731,14 @@ class RateLimiter:
             del self._dirty[key]
             out.append(item)
             size += n
-            assert ks is not None
             ks.published = (e.win, e.prev[AREQ], e.cur[AREQ], e.prev[ATOK], e.cur[ATOK])
+            if self._ages and self.cfg.relay:
+                h, t = ks.history, ks.changed
+                if len(h) >= HISTORY:  # full: every other one goes (the span covered stays)
+                    ks.history = h = deque(list(h)[1::2])
+                h.append((t, ks.published))
+                while len(h) > 1 and h[1][0] <= t - self.cfg.propagation_max:
+                    h.popleft()
         return out or None
 
     @property
@@ -701,60 +771,120 @@ class RateLimiter:
     def apply_delta(self, delta: Any) -> None:
         """Merge entries from a peer (a delta, a snapshot or a diff alike). The whole input is validated
         first: anything malformed raises ``ValueError`` and nothing is merged."""
-        if not isinstance(delta, (list, tuple)):
-            raise ValueError("rate-limit state: a list of entries expected")
-        parsed = []
-        for item in delta:
-            p = entry_from_wire(item)
-            if p is None:
-                raise ValueError(f"rate-limit state: malformed entry {item!r:.200}")
-            parsed.append(p)
-        for tenant, model, node, gen, e in parsed:
-            if node == self.node and gen >= self.gen:
-                if gen == self.gen:
-                    if self._bumps_v and len(self._echoes) < ECHO_SAMPLES:
-                        self._echoes.append(e.ver)  # my own shard relayed back: aged at the next admission
-                    if self.cfg.relay:
-                        echoes = self._echoed.get((tenant, model))
-                        if echoes is None:
-                            echoes = self._echoed[(tenant, model)] = deque(maxlen=ECHO_KEEP)
-                        echoes.append((e.ver, (e.win, e.prev[AREQ], e.cur[AREQ], e.prev[ATOK], e.cur[ATOK])))
-                continue  # my own shard: I am its only writer
-            if gen > self._gen_of.get(node, -1):
-                self._gen_of[node] = gen
-                self._epoch += 1
-            key = (tenant, model)
-            ks = self._keys.get(key)
-            if ks is None:
-                ks = self._keys[key] = KeyState()
-            old = ks.shards.get((node, gen))
-            new = e if old is None else join(old, e)
-            if self.cfg.relay and (old is None or new.ver > old.ver):
-                self._relay[(key, (node, gen))] = None
-            ks.shards[(node, gen)] = new
-            ks.others = None
+        self._merge_items(_checked(delta))
 
     def apply_delta_from(self, delta: Any, source: str) -> None:
         """``apply_delta`` of what ``source`` (the verified sender) sent, keeping only its own shards:
         a node's shard is written by that node alone, so nobody else may speak for it."""
-        if not isinstance(delta, (list, tuple)):
-            raise ValueError("rate-limit state: a list of entries expected")
-        own = []
-        for item in delta:
-            p = entry_from_wire(item)
-            if p is None:
-                raise ValueError(f"rate-limit state: malformed entry {item!r:.200}")
-            if p[2] == source:
-                own.append(item)
-            else:
-                self.foreign_dropped += 1
-        self.apply_delta(own)
+        self._merge_items(self._own_of(_checked(delta), source))
 
     def merge_snapshot_from(self, snapshot: Any, source: str) -> None:
         self.apply_delta_from(snapshot, source)
 
+    def merge_snapshot_steps(self, snapshot: Any, source: str = "", step: int = MERGE_STEP) -> Iterator[None]:
+        """``merge_snapshot`` (``merge_snapshot_from(snapshot, source)`` if ``source``) in slices of
+        ``step`` entries, yielding between them, for a caller that lets its event loop run meanwhile (a
+        joining node's push-pull carries every shard of the mesh: 4,000 at N = 200 with 20 tenants).
+        The whole input is validated first (in slices too): anything malformed raises ``ValueError``
+        and nothing is merged. Whatever runs between two slices (admissions, deltas, other merges),
+        the result is the same: each slice merges as a delta of its own would, and joins commute."""
+        if not isinstance(snapshot, (list, tuple)):
+            raise ValueError("rate-limit state: a list of entries expected")
+        step = max(1, step)
+        for i in range(0, len(snapshot), step):
+            if i:
+                yield
+            _checked(snapshot[i : i + step])
+        items = self._own_of(snapshot, source) if source else snapshot
+        for i in range(0, len(items), step):
+            yield
+            self._merge_items(items[i : i + step])
+
+    def _own_of(self, items: Sequence[Any], source: str) -> list[Any]:
+        own = [item for item in items if item[2] == source]
+        self.foreign_dropped += len(items) - len(own)
+        return own
+
+    def _merge_items(self, items: Iterable[Sequence[Any]]) -> None:
+        """Merge wire entries that passed the checks (``_checked``): a held shard is joined in place
+        (``join_wire``: no entry decoded), one not held is decoded once."""
+        me, my_gen, relay, keys = self.node, self.gen, self.cfg.relay, self._keys
+        caps, clock = self._idle_caps, self.clock
+        arrival: float | None = None
+        for item in items:
+            node, gen = item[2], item[W_GEN]
+            key = (item[0], item[1])
+            if node == me and gen >= my_gen:
+                if gen == my_gen:
+                    ver = item[W_VER]
+                    if relay:
+                        echoes = self._echoed.get(key)
+                        if echoes is None:
+                            echoes = self._echoed[key] = deque(maxlen=ECHO_KEEP)
+                        pub = (
+                            item[W_WIN],
+                            item[W_PREV + AREQ],
+                            item[W_CUR + AREQ],
+                            item[W_PREV + ATOK],
+                            item[W_CUR + ATOK],
+                        )
+                        echoes.append((ver, pub))
+                continue  # my own shard: I am its only writer
+            if gen > self._gen_of.get(node, -1):
+                self._gen_of[node] = gen
+                self._epoch += 1
+            ks = keys.get(key)
+            if ks is None:
+                ks = keys[key] = KeyState()
+            sid = (node, gen)
+            old = ks.shards.get(sid)
+            if old is None:
+                old = ks.shards[sid] = entry_of_wire(item)
+                advanced = True
+            else:
+                ver = old.ver
+                if not join_wire(old, item):
+                    continue  # nothing new: the cached sums still hold
+                advanced = old.ver > ver
+            if advanced and caps and clock is not None:  # the arrival, as precise as the clock
+                if arrival is None:
+                    arrival = clock()
+                made = time_of_ver(old.ver, gen)
+                if made >= (old.win - 1) * self.cfg.window:  # a time (not an earlier build's counter)
+                    cfg = self.cfg
+                    ks.note_arrival(
+                        sid,
+                        old.ver,
+                        min(made, arrival),
+                        arrival,
+                        cfg.propagation,
+                        cfg.propagation_max,
+                    )
+            if relay and advanced:
+                self._relay[(key, sid)] = None
+            ks.others = None
+
+    def _stamp(self, key: Key, ks: KeyState, e: Entry) -> None:
+        """Give the own entry of ``key`` its version stamp if it changed since the last one: the time of
+        its last change (``ver_at``), above the previous stamp. Every way the entry leaves this node
+        (a delta, a snapshot, a digest) stamps it first."""
+        if key in self._unstamped:
+            del self._unstamped[key]
+            t = ks.changed if self.clock is None else max(ks.changed, self.clock())
+            e.ver = max(e.ver + 1, ver_at(t, self.gen))
+
+    def _stamp_all(self) -> None:
+        for key in list(self._unstamped):
+            ks = self._keys.get(key)
+            e = ks.shards.get(self._sid) if ks is not None else None
+            if ks is None or e is None:
+                del self._unstamped[key]
+            else:
+                self._stamp(key, ks, e)
+
     def snapshot(self) -> list[list[Any]]:
         """Every entry this node holds (its own and what it learnt), for a push-pull full sync."""
+        self._stamp_all()
         return [
             entry_to_wire(key[0], key[1], node, gen, e)
             for key, ks in self._keys.items()
@@ -764,6 +894,7 @@ class RateLimiter:
     def own_snapshot(self) -> list[list[Any]]:
         """This node's own shards only: what a push-pull request carries (the reply, by digest, the
         rest; a peer with ``first_hand`` takes nothing else from this node anyway)."""
+        self._stamp_all()
         return [
             entry_to_wire(key[0], key[1], node, gen, e)
             for key, ks in self._keys.items()
@@ -776,6 +907,7 @@ class RateLimiter:
 
     def digest(self) -> list[list[Any]]:
         """Per shard held: [node, gen, highest version, entry count, sum of versions], for anti-entropy."""
+        self._stamp_all()
         top: dict[ShardId, list[int]] = {}
         for ks in self._keys.values():
             for sid, e in ks.shards.items():

@@ -4,9 +4,10 @@ other nodes' shards, this node's unseen-changes ring, and the view the admission
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import deque
 
-from shepherd.mesh.ratelimit_shards import AREQ, ATOK, REF, REQ, TOK, Entry
+from shepherd.mesh.ratelimit_shards import AREQ, ATOK, REF, REQ, TOK, Entry, time_of_ver
 
 Key = tuple[str, str]  # (tenant, model); model "" = all of the tenant's models
 ShardId = tuple[str, int]  # (node name, process generation)
@@ -15,13 +16,39 @@ ShardId = tuple[str, int]  # (node name, process generation)
 U_REQ, U_TOK, U_CONC, U_PEAK = 1, 2, 3, 4
 
 Published = tuple[int, int, int, int, int]  # window, req attempts prev, cur, token attempts prev, cur
+HISTORY = 256  # own published attempts a key keeps (``KeyState.history``)
+ARRIVAL_WEIGHT = 0.25  # of a new interval in the moving average ``Arrival.gap``
 
 
 class Others:
     """The sum of the live shards of one key other than this process's own, in one window. It changes at
-    gossip rate, so it is cached until a merge touches the key, membership changes or the window moves."""
+    gossip rate, so it is cached until a merge touches the key, membership changes, the window moves or
+    ``until`` passes. ``at_*``/``n_*``: the times the held states were last changed (or published) by
+    their owners (``time_of_ver``), summed weighted by each state's admitted requests (``n_*`` the
+    weights), previous and current window; ``cap_*``/``m_*`` the same for the states held longer than
+    their owner's usual interval (``Arrival.cap``: an idle owner, not a slow channel), by their capped
+    age: the admission-weighted mean age of what this node holds (``View.age``). ``until``: when the
+    first of the others' states reaches its cap (the sums are recomputed then)."""
 
-    __slots__ = ("conc", "demand", "epoch", "req_cur", "req_prev", "tok_cur", "tok_prev", "w")
+    __slots__ = (
+        "at_cur",
+        "at_prev",
+        "cap_cur",
+        "cap_prev",
+        "conc",
+        "demand",
+        "epoch",
+        "m_cur",
+        "m_prev",
+        "n_cur",
+        "n_prev",
+        "req_cur",
+        "req_prev",
+        "tok_cur",
+        "tok_prev",
+        "until",
+        "w",
+    )
 
     def __init__(self, w: int, epoch: int) -> None:
         self.w = w
@@ -29,14 +56,61 @@ class Others:
         self.req_prev = self.req_cur = self.tok_prev = self.tok_cur = 0
         self.conc = 0
         self.demand: dict[str, list[int]] = {}  # node -> [req attempts prev, cur, token attempts prev, cur]
+        self.at_prev = self.at_cur = self.cap_prev = self.cap_cur = 0.0
+        self.n_prev = self.n_cur = self.m_prev = self.m_cur = 0
+        self.until = math.inf
+
+    def made(self, pw: float, now: float) -> float | None:
+        """When the held states were made, on average weighted by admissions (``pw``: the previous
+        window's weight), a state held past its cap counting as made its cap before ``now``; None when
+        the others admitted nothing."""
+        n = self.n_prev * pw + self.n_cur
+        m = self.m_prev * pw + self.m_cur
+        if n + m <= 0:
+            return None
+        return (self.at_prev * pw + self.at_cur + m * now - (self.cap_prev * pw + self.cap_cur)) / (n + m)
+
+
+class Arrival:
+    """When this node got the newest state it holds of a peer's shard (``at``), how old that state was
+    then (``delay``: arrival minus its stamp, the channel's delay, which does not grow while the peer is
+    idle) and the mean interval between the peer's newer states arriving (``gap``, a moving average). A
+    busy peer's next state comes within about ``gap``, so the state held reaches ``delay + gap`` at
+    most on average and rarely ``cap = delay + 2 gap``; held longer, the peer has changed nothing since
+    (idle, its load moved away), and its age stops counting at the cap: the state lacks no admission.
+    (``delay`` is this state's own, not an average: one newer state may come seconds later than the
+    last, and its whole age counts.)"""
+
+    __slots__ = ("at", "delay", "gap", "ver")
+
+    def __init__(self, ver: int, at: float, delay: float, gap: float) -> None:
+        self.ver, self.at, self.delay, self.gap = ver, at, delay, gap
+
+    @property
+    def cap(self) -> float:
+        return self.delay + 2.0 * self.gap
+
+    def newer(self, ver: int, at: float, made: float, most: float) -> None:
+        """A newer state (``ver``, stamped ``made``) arrived at ``at``; intervals count up to ``most``."""
+        gap = min(max(at - self.at, 0.0), most)
+        self.gap += (gap - self.gap) * ARRIVAL_WEIGHT
+        self.delay = max(at - made, 0.0)
+        self.ver, self.at = ver, at
 
 
 class KeyState:
     """Everything one node holds for one key."""
 
-    __slots__ = ("others", "published", "recent", "shards", "usum")
+    __slots__ = ("arrivals", "changed", "history", "others", "published", "recent", "shards", "usum")
 
     def __init__(self) -> None:
+        # when the newest state held of each peer's shard arrived (τ from the ages, ``propagation_max``)
+        self.arrivals: dict[ShardId, Arrival] = {}
+        self.changed = 0.0  # when this node last changed its own entry (its version stamp at publication)
+        # own attempts as published, with the time of their last change, for τ from the ages
+        # (``LimiterConfig.propagation_max``; HISTORY at most, thinned out): the shares take the one as old
+        # as the others' states
+        self.history: deque[tuple[float, Published]] = deque()
         self.shards: dict[ShardId, Entry] = {}
         self.recent: deque[list[int]] = deque()  # own changes per time slot: [slot, req, tok, conc, peak]
         self.usum = [0] * 4  # running sums of columns 1..3 of ``recent``
@@ -45,8 +119,26 @@ class KeyState:
         # every node computes the shares from the same data
         self.published: Published | None = None
 
-    def sum_others(self, w: int, epoch: int, live: set[str], gen_of: dict[str, int], me: ShardId) -> Others:
+    def sum_others(
+        self,
+        w: int,
+        epoch: int,
+        live: set[str],
+        gen_of: dict[str, int],
+        me: ShardId,
+        window: float = 60.0,
+        now: float = 0.0,
+        gap: float = 0.0,
+        most: float = 0.0,
+    ) -> Others:
+        """The sums of the live others' shards in window ``w``; ``window`` (seconds) and ``now`` for the
+        ages (a state stamped later than ``now`` counts as fresh; one stamped before the window before
+        its own is not a time, e.g. an earlier build's counter, and is left out of the ages). ``gap``
+        (> 0: ages are tracked) is a peer's interval between states until measured, ``most`` the
+        longest one counted: a state newer than the arrival held is taken as arriving at ``now`` unless the
+        merge noted it (``note_arrival``, with a clock)."""
         o = Others(w, epoch)
+        arrivals = self.arrivals
         for sid, e in self.shards.items():
             node, gen = sid
             if node not in live or sid == me:
@@ -58,6 +150,27 @@ class KeyState:
             o.tok_cur += c[TOK] - c[REF]
             if gen == gen_of.get(node, gen):  # the gauge of a restarted node's old process is gone
                 o.conc += e.inc - e.dec
+                t = time_of_ver(e.ver, gen)
+                if e.ver > 0 and t >= (e.win - 1) * window:
+                    t = min(t, now)
+                    cap = math.inf
+                    if gap > 0:
+                        a = arrivals.get(sid)
+                        if a is None or a.ver != e.ver:
+                            a = self.note_arrival(sid, e.ver, t, now, gap, most)
+                        cap = a.cap
+                    if now - t <= cap:
+                        o.at_prev += p[REQ] * t
+                        o.at_cur += c[REQ] * t
+                        o.n_prev += p[REQ]
+                        o.n_cur += c[REQ]
+                        if p[REQ] or c[REQ]:
+                            o.until = min(o.until, t + cap)
+                    else:  # held past its cap: the owner is idle, its age stops there
+                        o.cap_prev += p[REQ] * cap
+                        o.cap_cur += c[REQ] * cap
+                        o.m_prev += p[REQ]
+                        o.m_cur += c[REQ]
             d = o.demand.get(node)
             if d is None:
                 d = o.demand[node] = [0, 0, 0, 0]
@@ -67,21 +180,42 @@ class KeyState:
             d[3] += c[ATOK]
         return o
 
-    def unseen(self, slot: int, span: int) -> list[int]:
+    def note_arrival(
+        self, sid: ShardId, ver: int, made: float, at: float, gap: float, most: float
+    ) -> Arrival:
+        """A state of ``sid``'s shard stamped ``ver`` (made at ``made``) arrived at ``at``; ``gap``: the
+        interval assumed until one is measured, ``most`` the longest one counted."""
+        a = self.arrivals.get(sid)
+        if a is None:
+            a = self.arrivals[sid] = Arrival(ver, at, max(at - made, 0.0), gap)
+        elif ver > a.ver:
+            a.newer(ver, at, made, most)
+        else:  # a new incarnation's entry (its stamps restart lower)
+            a.ver = ver
+        return a
+
+    def unseen(self, slot: int, span: int, keep: int = 0) -> list[int]:
         """Own net changes over the last ``span`` slots (req, tok, conc at U_REQ..U_CONC) and the own
-        in-flight peak over them (at U_PEAK)."""
+        in-flight peak over them (at U_PEAK); slots older than ``max(span, keep)`` are forgotten (``keep``:
+        the longest span a later call may ask for)."""
         ring, usum = self.recent, self.usum
-        oldest = slot - span
+        oldest = slot - max(span, keep)
         while ring and ring[0][0] < oldest:
             row = ring.popleft()
             usum[1] -= row[1]
             usum[2] -= row[2]
             usum[3] -= row[3]
+        req, tok, conc = usum[1], usum[2], usum[3]
+        first = slot - span
         peak = 0
         for row in ring:
-            if row[4] > peak:
+            if row[0] < first:  # kept for a longer span, not in this one
+                req -= row[1]
+                tok -= row[2]
+                conc -= row[3]
+            elif row[4] > peak:
                 peak = row[4]
-        return [0, usum[1], usum[2], usum[3], peak]
+        return [0, req, tok, conc, peak]
 
     def ring_add(self, slot: int, req: int, tok: int, conc: int, level: int) -> None:
         """Add own changes to the current slot; ``level`` is the in-flight count before the change (the
@@ -151,6 +285,13 @@ class View:
         if d is None:
             return extra
         return extra + (d[0] * self.pw + d[1] if m == 0 else d[2] * self.pw + d[3])
+
+    def age(self, now: float) -> float | None:
+        """How old the others' states this node holds are, weighted by what each admitted in the
+        sliding window (how many of its admissions a state may lack grows with its age and its rate);
+        None when they admitted nothing."""
+        t = self.others.made(self.pw, now)
+        return None if t is None else now - t
 
     def total_demand(self, m: int) -> float:
         t = self.totals[m]

@@ -8,7 +8,10 @@ number, and turns the machine's actions into I/O:
 * UDP datagrams are opened (keyring), decoded (``mesh_wire``) and fed to ``swim.on_packet``;
   ``Send`` actions are encoded, sealed and sent as one datagram each;
 * ``PushPull`` actions open a bounded number of concurrent mTLS exchanges; the server side merges the
-  remote state first and answers with ours;
+  remote state first and answers with ours; a push-pull with a member reuses the connection kept from
+  the previous one with it (``keep_push_pull_connections``: no TLS handshake), a join opens its own; a
+  delegate with ``merge_remote_state_steps`` merges a state a part at a time, the loop running between
+  the parts (a joining node's state is large);
 * a lag monitor feeds ``swim.set_lag``: event-loop lag is the first cause of false suspicion in
   Python, Lifeguard backs off instead. It is the timer itself (lag = how late it fired), which never
   sleeps longer than ``lag_interval`` between two samples: with the default 0.4 s (the probe
@@ -65,7 +68,7 @@ import os
 import random
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -94,6 +97,7 @@ from shepherd.mesh.transport import (
     ClosedBeforeRequest,
     KeptConnection,
     PushPullError,
+    PushPullReply,
     PushPullServer,
     SessionRefused,
     TransportMetrics,
@@ -192,6 +196,11 @@ class RuntimeMetrics:
     """Outgoing RPCs sent over a pooled (kept-alive) connection."""
     rpcs_retried: int = 0
     """Outgoing RPCs sent again over a new connection: the reused one was closed before reading it."""
+    push_pulls_reused: int = 0
+    """Push-pulls with a member sent over the connection kept from the previous one with it (no TLS
+    handshake; ``MeshRuntimeConfig.keep_push_pull_connections``); joins always open their own."""
+    push_pulls_retried: int = 0
+    """Push-pulls sent again over a new connection: the kept one was closed before the server read it."""
     wire_refused: dict[str, int] = field(default_factory=dict)
     """Datagrams and TCP frames refused for their protocol version, by reason
     (``wire_version.REFUSAL_REASONS``); also counted in ``wire_errors``."""
@@ -212,12 +221,13 @@ class _IdentityDelegate:
         self.inner = inner
         self.peer: str | None = None
         self._gate = gate
+        self._pending: Callable[[], bool] | None = getattr(inner, "has_broadcasts", None)
 
     def broadcasts(self, budget: int) -> list[bytes]:
         return self.inner.broadcasts(budget)
 
     def has_broadcasts(self) -> bool:
-        pending = getattr(self.inner, "has_broadcasts", None)
+        pending = self._pending
         return True if pending is None else bool(pending())
 
     def on_user(self, payload: bytes, src_name: str) -> None:
@@ -232,6 +242,12 @@ class _IdentityDelegate:
             merge_from(data, self.peer)
         else:
             self.inner.merge_remote_state(data)
+
+    def merge_steps(self, data: bytes, peer: str) -> Iterator[None] | None:
+        """The delegate's merge of a push-pull state a part at a time, if it can
+        (``merge_remote_state_steps(data, peer)``: a generator that yields between its parts)."""
+        steps = getattr(self.inner, "merge_remote_state_steps", None)
+        return steps(data, peer) if callable(steps) else None
 
 
 def _is_wildcard(host: str) -> bool:
@@ -293,6 +309,9 @@ class MeshRuntime:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = float("inf")
         self._lag_due = float("inf")  # the timer fires by then at the latest (a lag sample)
+        self._job: Callable[[], object] | None = None  # ``call_every``'s job, its period, slack, due time
+        self._job_period = self._job_slack = 0.0
+        self._job_due = float("inf")
         self._dns_task: asyncio.Task[None] | None = None
         self.dns_seeder: DnsSeeder | None = None  # with DNS seeds (``dns_seeds``)
         self._push_pulls: set[asyncio.Task[bool]] = set()
@@ -302,6 +321,7 @@ class MeshRuntime:
         self._member_slots: dict[str, asyncio.Semaphore] = {}  # per member called (members are bounded)
         self._pool: dict[str, list[KeptConnection]] = {}  # idle RPC connections per member, newest last
         self._pool_size = 0
+        self._pp_conns: dict[str, KeptConnection] = {}  # the kept push-pull connection per member, idle
         self._last_change: dict[str, float] = {}
         self._started_at = 0.0
         self._closing = False
@@ -400,6 +420,8 @@ class MeshRuntime:
             self._swim = Swim(cfg.swim, self._me, self._rng, self._adapter, meta=cfg.meta)
             seeds = await resolve_addrs(cfg.seeds, timeout=cfg.tcp_timeout)
             self._lag_due = self._now() + cfg.lag_interval
+            if self._job is not None:  # (``call_every`` before ``start``)
+                self._job_due = self._now() + self._job_period
             self._execute(self._swim.start(self._now(), seeds))
             if cfg.dns_seeds:
                 self.dns_seeder = DnsSeeder(
@@ -569,6 +591,9 @@ class MeshRuntime:
         for conn in self._pool.pop(name, []):
             self._pool_size -= 1
             conn.close()
+        pp = self._pp_conns.pop(name, None)
+        if pp is not None:
+            pp.close()
 
     def pooled_connections(self, name: str | None = None) -> int:
         """Idle RPC connections kept for reuse (to ``name``, or in all)."""
@@ -702,7 +727,7 @@ class MeshRuntime:
             t.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=2.0)
-        for name in list(self._pool):
+        for name in list(self._pool) + list(self._pp_conns):
             self._drop_pool(name)
         if self._tcp is not None:
             await self._tcp.close()
@@ -732,7 +757,7 @@ class MeshRuntime:
         if self._swim is None or self._closed or self._loop is None:
             return
         now = self._now()
-        due = min(self._swim.next_deadline(), now + self.config.max_timer_sleep, self._lag_due)
+        due = min(self._swim.next_deadline(), now + self.config.max_timer_sleep, self._lag_due, self._job_due)
         if self._timer is not None:
             # armed for then already; or for an earlier deadline that went away (a probe's timeout once
             # its ack is in): moved, rather than woken for nothing (an idle node's every other wake-up)
@@ -758,6 +783,7 @@ class MeshRuntime:
             log.exception("mesh: swim.tick failed")
             actions = []
         self._execute(actions)
+        self._run_job()
 
     def _send(self, action: Send) -> None:
         if self._udp is None or self._closed:
@@ -793,6 +819,34 @@ class MeshRuntime:
         finally:
             self._udp_src = None
         self._execute(actions)
+        self._run_job()
+
+    def call_every(self, period: float, job: Callable[[], object], *, slack: float = 0.0) -> None:
+        """Run ``job()`` every ``period`` seconds on this runtime's own wake-ups: at the first timer or
+        datagram in the last ``slack`` seconds before it is due (then due again ``period`` later), and
+        when due at the latest (the timer is armed for it). So an idle node does not wake for it while
+        probes and acks come in that window: the period is between ``period - slack`` and ``period``.
+        One job (a second call replaces it); not run once the runtime is closing; exceptions logged."""
+        if period <= 0 or not 0 <= slack < period:
+            raise ValueError("mesh: call_every needs period > 0 and 0 <= slack < period")
+        self._job, self._job_period, self._job_slack = job, period, slack
+        if self._loop is not None:
+            self._job_due = self._now() + period
+            self._arm_timer()
+
+    def _run_job(self) -> None:
+        job = self._job
+        if job is None or self._closing:
+            return
+        now = self._now()
+        if now < self._job_due - self._job_slack:
+            return
+        self._job_due = now + self._job_period
+        try:
+            job()
+        except Exception:
+            log.exception("mesh: periodic %s failed", getattr(job, "__name__", job))
+        self._arm_timer()
 
     def _wire_error(self, e: mesh_wire.WireError, peer: str, what: str) -> None:
         """Count a malformed datagram or frame; a refused version is also counted by reason and logged
@@ -905,29 +959,42 @@ class MeshRuntime:
         log.warning("mesh: push-pull from %r refused: its state does not list that node", identity)
         return False
 
-    def _merge(self, remote: PushPullState, identity: str) -> None:
+    async def _merge(self, remote: PushPullState, identity: str) -> None:
+        """Merge a peer's push-pull state: the members at once, the delegate's state a part at a time
+        when it can (``merge_remote_state_steps``), the loop running between the parts: a joining
+        node's state carries every rate-limit shard of the mesh (tens of ms in one go at N = 200 with
+        many tenants). The reply is due when this returns."""
         assert self._swim is not None
+        steps = self._adapter.merge_steps(remote.user_state, identity) if remote.user_state else None
+        if steps is not None:
+            remote = PushPullState(remote.members, b"", remote.join)
         self._adapter.peer = identity
         try:
             actions = self._swim.merge_push_pull(self._now(), remote)
         finally:
             self._adapter.peer = None
         self._execute(actions)
+        if steps is not None:
+            for _ in steps:  # (it ends with its input's parts)
+                await asyncio.sleep(0)
 
     async def _push_pull(self, action: PushPull) -> bool:
         swim = self.swim
         try:
             payload = mesh_wire.encode_push_pull(swim.local_push_pull(action.join))
-            reply = await push_pull_request(
-                action.dest,
-                self._client_ssl,
-                payload,
-                expected_identity=action.name or None,
-                keyring=self.keyring,
-                metrics=self.transport_metrics,
-                max_frame=self.config.max_frame,
-                timeout=self.config.tcp_timeout,
-            )
+            if action.name and not action.join and self.config.keep_push_pull_connections:
+                reply = await self._push_pull_kept(action.name, action.dest, payload)
+            else:  # a join (or an unnamed seed): one exchange over a connection of its own
+                reply = await push_pull_request(
+                    action.dest,
+                    self._client_ssl,
+                    payload,
+                    expected_identity=action.name or None,
+                    keyring=self.keyring,
+                    metrics=self.transport_metrics,
+                    max_frame=self.config.max_frame,
+                    timeout=self.config.tcp_timeout,
+                )
             remote = mesh_wire.decode_push_pull(reply.payload, max_bytes=self.config.max_frame)
         except (PushPullError, mesh_wire.WireError) as e:
             if isinstance(e, mesh_wire.WireVersionError):
@@ -938,7 +1005,7 @@ class MeshRuntime:
         if self._closed or not self._check_remote(remote, reply.identity):
             return False
         try:
-            self._merge(remote, reply.identity)
+            await self._merge(remote, reply.identity)
         except Exception:
             self.metrics.push_pulls_failed += 1
             log.exception("mesh: merging the state of %s failed", reply.identity)
@@ -947,6 +1014,70 @@ class MeshRuntime:
         # its certificate answered at the address we dialled: its datagrams from there are its own
         self.senders.bind(reply.identity, action.dest, self._now())
         return True
+
+    async def _push_pull_kept(self, name: str, addr: Addr, payload: bytes) -> PushPullReply:
+        """A push-pull with the member ``name`` over the connection kept from the last one with it
+        (a new mTLS connection costs ~14x the CPU of an exchange over a kept one: README "More than
+        one core"), else over a new one, kept afterwards (``_keep_push_pull``). Sent again once over a
+        new connection only if the kept one was closed before the server read it (idempotent)."""
+        deadline = self._now() + self.config.tcp_timeout
+        conn = self._pp_conns.pop(name, None)
+        reused = False
+        if conn is not None:
+            fresh = self._now() - conn.idle_since <= self.config.rpc_pool_idle_timeout
+            reused = conn.dest == addr and fresh and await conn.unpark()
+            if not reused:
+                conn.close()
+        if conn is None or not reused:
+            conn = await self._connect_push_pull(name, addr, deadline)
+        try:
+            answer = await self._send_rpc(conn, payload, deadline)
+        except ClosedBeforeRequest:
+            if not reused:
+                raise
+            self.metrics.push_pulls_retried += 1
+            conn = await self._connect_push_pull(name, addr, deadline)
+            answer = await self._send_rpc(conn, payload, deadline)
+        else:
+            self.metrics.push_pulls_reused += int(reused)
+        self._keep_push_pull(name, conn)
+        return PushPullReply(conn.identity, answer)
+
+    async def _connect_push_pull(self, name: str, addr: Addr, deadline: float) -> KeptConnection:
+        return await KeptConnection.open(
+            addr,
+            self._client_ssl,
+            expected_identity=name,
+            metrics=self.transport_metrics,
+            timeout=max(0.001, deadline - self._now()),
+        )
+
+    def _keep_push_pull(self, name: str, conn: KeptConnection) -> None:
+        """Park ``conn`` for the next push-pull with ``name`` (one per member), or close it."""
+        m = self._swim.member(name) if self._swim is not None else None
+        if (
+            self._closing
+            or name in self._pp_conns
+            or m is None
+            or m.state != MemberState.ALIVE
+            or m.addr != conn.dest
+            or conn.requests >= self.config.rpc_max_requests_per_connection
+            or not conn.usable
+        ):
+            conn.close()
+            return
+        self._pp_conns[name] = conn
+        conn.park(lambda c: self._push_pull_lost(name, c))
+
+    def _push_pull_lost(self, name: str, conn: KeptConnection) -> None:
+        """A kept push-pull connection the server closed (idle timeout, eviction, restart)."""
+        if self._pp_conns.get(name) is conn:
+            del self._pp_conns[name]
+        conn.close()
+
+    def kept_push_pull_connections(self) -> list[str]:
+        """The members a push-pull connection is kept open to (idle, for the next push-pull)."""
+        return sorted(self._pp_conns)
 
     async def _on_push_pull(self, identity: str, request: bytes) -> bytes:
         if self._swim is None or self._closing:
@@ -963,7 +1094,9 @@ class MeshRuntime:
             return mesh_wire.encode_rpc_reply(answer)
         if not self._check_remote(remote, identity):
             raise SessionRefused(f"push-pull state from {identity!r} does not list that node")
-        self._merge(remote, identity)
+        if not remote.join:
+            keep_session_open()  # the peer's next push-pull may come over this connection (or it closes)
+        await self._merge(remote, identity)
         peer = current_peer_address()
         own = next((m for m in remote.members if m.name == identity), None)
         if peer is not None and own is not None and own.host == peer[0]:

@@ -79,8 +79,9 @@ class MeshRuntimeConfig:
     rpc_max_requests_per_connection: int = DEFAULT_MAX_SESSION_REQUESTS
     """Requests served over one RPC connection (both sides); then it is closed and a new one opened."""
     rpc_max_idle_per_peer: int = DEFAULT_MAX_IDLE_PER_PEER
-    """Server side: idle RPC connections kept per peer (certificate identity); the oldest is closed
-    when one more goes idle. Keep it >= the peers' ``rpc_pool_per_member``."""
+    """Server side: idle RPC (and push-pull) connections kept per peer (certificate identity); the
+    oldest is closed when one more goes idle. Keep it > the peers' ``rpc_pool_per_member`` (their
+    pool, plus the one push-pull connection each keeps)."""
     rpc_max_idle: int = DEFAULT_MAX_IDLE
     """Server side: idle RPC connections kept in all (the oldest is closed when one more goes idle)."""
     rpc_pool_per_member: int = 4
@@ -90,6 +91,11 @@ class MeshRuntimeConfig:
     rpc_pool_idle_timeout: float = 20.0
     """Client side: a pooled connection idle longer than this is closed rather than reused (below the
     peers' ``rpc_idle_timeout``, so that a reused connection is rarely one the peer is just closing)."""
+    keep_push_pull_connections: bool = True
+    """Client side: a push-pull with a member goes over the connection kept from the previous push-pull
+    with it (one per member, idle like an RPC connection, reused within ``rpc_pool_idle_timeout``)
+    instead of a new mTLS connection each time (a TLS handshake costs ~14x the exchange). Joins always
+    open their own. The server keeps a push-pull session open for the next one either way."""
     lag_interval: float = 0.4
     """The longest between two event-loop lag samples (the timer fires this late at the latest): at the
     probe interval, the samples ride on SWIM's own probe timer (an idle node wakes no more for them).

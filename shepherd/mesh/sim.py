@@ -14,6 +14,8 @@ and restarts (``restart``: a new ``Swim`` instance, same name and address, highe
 event-loop lag (``lag``: every event the node handles is handled ``lag_s`` late, and its lag monitor
 reports it through ``Swim.set_lag``). Push-pull is a reliable exchange between two nodes that can
 reach each other both ways (lost under a partition); the responder merges, then replies.
+``send_user`` sends payloads as datagrams of their own outside piggybacking (the runtime's, for the
+state layer's first-hand deltas), with the same loss and delay.
 
 Datagrams go through ``mesh_wire`` (``wire=True``, the default), so the codec is exercised and
 the bytes on the wire (plus ``seal_overhead``) are counted per node. Member events (up, suspect,
@@ -47,7 +49,7 @@ from shepherd.mesh.swim_types import (
     SwimConfig,
 )
 from shepherd.proto import mesh_wire
-from shepherd.proto.mesh_messages import Addr, MemberState, NodeAddr, Packet, PushPullState
+from shepherd.proto.mesh_messages import Addr, MemberState, NodeAddr, Packet, PushPullState, User
 
 Delay = tuple[float, float] | Callable[[random.Random], float]
 LAN_DELAY: tuple[float, float] = (0.0002, 0.001)
@@ -500,9 +502,32 @@ class Sim:
         else:
             payload = Packet(node.name, a.msgs)
             size = 0
+        self._deliver(node, a.dest, payload, size)
+
+    def send_user(self, name: str, dests: Sequence[Addr], payloads: Sequence[bytes]) -> int:
+        """Each payload as a datagram of its own (one ``User`` message) from ``name`` to each of
+        ``dests``, outside SWIM's piggybacking, as the runtime's ``send_user`` does (for the state
+        layer's ``owned_batches`` and ``index_batches``); each datagram is encoded once for all the
+        destinations (the same bytes) and lost, delayed and counted per destination. Datagrams sent."""
+        node = self.nodes[name]
+        if node.swim is None:
+            return 0
+        for p in payloads:
+            msgs = (User(p),)
+            payload: bytes | Packet
+            if self.wire:
+                payload = mesh_wire.encode_packet(msgs, budget=self.config.packet_budget, sender=name)
+                size = len(payload) + self.config.seal_overhead
+            else:
+                payload, size = Packet(name, msgs), 0
+            for dest in dests:
+                self._deliver(node, dest, payload, size)
+        return len(payloads) * len(dests)
+
+    def _deliver(self, node: _Node, dest: Addr, payload: bytes | Packet, size: int) -> None:
         node.stats.packets_sent += 1
         node.stats.bytes_sent += size
-        dst = self._by_addr.get(a.dest)
+        dst = self._by_addr.get(dest)
         if dst is None or (node.name, dst.name) in self._blocked or self._net.random() < self.loss:
             node.stats.packets_dropped += 1
             return

@@ -24,7 +24,9 @@ Dissemination (how the node's runtime should drive it):
   up to ~100 blocks): the runtime sends each batch as its own datagram to every alive member, once
   (``index_batches_by_model``: a node sends a model's only to the members routing it,
   ``index_scope``); receivers call ``apply``. (``index_in_broadcasts=True`` puts them in the SWIM
-  queue instead, for small meshes.) Lost batches are repaired by digests.
+  queue instead, for small meshes.) Lost batches are repaired by digests. A replica in sparse mode
+  (``set_turns``) adds turn ends (tag ``"t"``: one record per routing decision, not its blocks; not
+  repaired: a lost one costs a follow-up its hit on that node).
 - Push-pull (TCP): ``local_state()`` / ``merge_remote_state()``. The requester sends the registry,
   config and extras, its own health record and the digests (health: observer -> version of each
   record held in sync; registry, config, extras); the responder, right after merging that, answers
@@ -73,7 +75,7 @@ seconds): use the same clock for the prefix index's insert times.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -120,13 +122,22 @@ from shepherd.mesh.state_wire import (
 from shepherd.mesh.swim_broadcast import BroadcastQueue
 from shepherd.mesh.swim_types import MemberDead, MemberEvent, MemberLeft, MemberUp
 from shepherd.proto import wire_version
-from shepherd.proto.index_wire import Group, decode_index_body, encode_index_bodies, encode_index_digest
+from shepherd.proto.index_wire import (
+    Group,
+    decode_index_body,
+    decode_turn_body,
+    encode_index_bodies,
+    encode_index_digest,
+    encode_turn_bodies,
+)
 from shepherd.proto.mesh_messages import USER_MSG_OVERHEAD
 from shepherd.proto.state_decode import StateDecodeError, expect_bytes, expect_list, expect_str
 
 __all__ = ["MeshState"]
 
 log = logging.getLogger("shepherd.mesh.state")
+
+MAX_RESEND = 256  # owned payloads held for their second send (``resend_s``), the newest kept
 
 IX_co = TypeVar("IX_co", bound=IndexReplica, covariant=True)
 
@@ -178,6 +189,8 @@ class MeshState(Generic[IX_co]):
         self._pinned: dict[str, WorkerRecord] = {}
         self._orphans: dict[str, float] = {}  # index worker -> when first seen absent from the registry
         self._pp_peer: _PeerDigest | None = None  # the last push-pull requester's digests, for our reply
+        self._again: list[bytes] = []  # owned registry/health payloads to send once more (``resend_s``)
+        self._again_due = 0.0
         self.stats = MeshStateStats()
         # subscribers (called synchronously; exceptions are logged and counted)
         self.on_worker_added: list[Callable[[WorkerRecord], None]] = []  # new or changed
@@ -379,7 +392,7 @@ class MeshState(Generic[IX_co]):
         updates and what is queued); the other modes always say True."""
         if not self.cfg.first_hand or self.cfg.index_in_broadcasts or wire_version.is_test_next():
             return True
-        return bool(len(self._urgent) or len(self._queue) or self.config.changed)
+        return bool(self._urgent or self._queue or self.config.changed)
 
     def broadcasts(self, budget: int) -> list[bytes]:
         """SWIM Delegate: payloads to piggyback (``sum(len + USER_MSG_OVERHEAD) <= budget``)."""
@@ -444,10 +457,27 @@ class MeshState(Generic[IX_co]):
     def merge_remote_state_from(self, data: bytes, peer: str) -> None:
         """``merge_remote_state`` from ``peer``, the certificate identity the runtime verified (with
         ``first_hand``, only its own entries are taken)."""
+        for _ in self.merge_remote_state_steps(data, peer):
+            pass
+
+    def merge_remote_state_steps(self, data: bytes, peer: str = "") -> Iterator[None]:
+        """``merge_remote_state_from`` a part at a time: a generator that yields between the slices of
+        a component that merges in steps (the rate limiter's shards: a joining node's push-pull carries
+        every shard of the mesh), for a runtime that lets its event loop run between steps. After the
+        last step the state is what ``merge_remote_state_from`` leaves (the merges are joins: what runs
+        in between does not change the result) and the push-pull reply (``local_state``) is due."""
         self._pp_peer = None
+        self.stats.payloads_in += 1
+        self.stats.bytes_in += len(data)
         try:
-            self.apply(data, peer)
+            tag, body = peek(data)
+            src = peer if self.cfg.first_hand else ""
+            if tag in ("S", "P"):
+                yield from self._apply_full_steps(tag, body, src)
+            else:
+                self._apply(tag, body, src)
         except StateDecodeError as e:
+            self.stats.decode_errors += 1
             log.debug("dropped a malformed push-pull state from %s: %s", peer or "?", e)
 
     # -- outgoing -----------------------------------------------------------------------------------
@@ -498,13 +528,24 @@ class MeshState(Generic[IX_co]):
     def owned_batches(self, budget: int | None = None) -> list[bytes]:
         """``first_hand``: this node's own registry entries, health observations and extras' deltas
         changed since the last call, as payloads of at most ``budget`` bytes (default the UDP payload
-        size) for the runtime to send to every alive member (others' entries are never relayed)."""
+        size) for the runtime to send to every alive member (others' entries are never relayed); with
+        them, the registry and health payloads of ``resend_s`` ago or more, once again (nobody relays a
+        lost one; rate-limit shards go out again on their next change anyway)."""
         budget = budget or self.cfg.udp_payload_bytes
         body_budget = budget - ENVELOPE_OVERHEAD
         me = self.node
         regs = [entry_to_wire(e) for e in self.registry.take_delta() if e.writer == me]
-        out = [envelope("r", c) for c in chunks(regs, body_budget)]
-        out += self._health_payloads([i for i in self.health.take_delta() if i.observer == me], body_budget)
+        own = [envelope("r", c) for c in chunks(regs, body_budget)]
+        own += self._health_payloads([i for i in self.health.take_delta() if i.observer == me], body_budget)
+        out: list[bytes] = []
+        if self._again and self.clock() >= self._again_due:  # the second send of earlier changes
+            out, self._again = self._again, []
+        if own and self.cfg.resend_s > 0:
+            if not self._again:
+                self._again_due = self.clock() + self.cfg.resend_s
+            self._again += own
+            del self._again[:-MAX_RESEND]
+        out += own
         for name, comp in self._extras.items():
             for _ in range(1024):  # a component may hand its delta out in pieces
                 d = comp.take_delta()
@@ -552,6 +593,16 @@ class MeshState(Generic[IX_co]):
             ps = [envelope("i", b) for b in encode_index_bodies(model, groups, budget - ENVELOPE_OVERHEAD)]
             self.stats.index_payloads_out += len(ps)
             out.append((model, ps))
+        for model, ix in self._indexes.items():  # turn ends (sparse replication): a few bytes a decision
+            batch = ix.take_turns()
+            if batch is None:
+                continue
+            ps = [envelope("t", b) for b in encode_turn_bodies(model, batch, budget - ENVELOPE_OVERHEAD)]
+            self.stats.index_payloads_out += len(ps)
+            if out and out[-1][0] == model:
+                out[-1][1].extend(ps)
+            else:
+                out.append((model, ps))
         return out
 
     def outgoing_batches(self, budget: int) -> list[bytes]:
@@ -682,6 +733,12 @@ class MeshState(Generic[IX_co]):
         elif tag == "i":
             model, groups = decode_index_body(body)
             self._apply_index(model, groups)
+        elif tag == "t":
+            model, batch = decode_turn_body(body)
+            if model not in self._indexes and len(self._indexes) >= MAX_MODELS:
+                raise StateDecodeError("too many models")
+            self.stats.turn_ends_in += len(batch)
+            self.index(model).apply_turns(batch, self.clock())
         elif tag == "c":
             self._apply_config(expect_bytes(body))
         elif tag in ("x", "X"):
@@ -758,7 +815,25 @@ class MeshState(Generic[IX_co]):
         except (ValueError, TypeError, KeyError, IndexError) as e:
             raise StateDecodeError(f"state component {name!r}: {e}") from None
 
+    def _apply_extra_steps(self, name: str, value: Any, src: str) -> Iterator[None]:
+        """``_apply_extra`` of a snapshot, in the component's slices if it merges in steps
+        (``merge_snapshot_steps(value, src)``, which keeps only ``src``'s own entries when ``src``)."""
+        steps: Any = getattr(self._extras.get(name), "merge_snapshot_steps", None)
+        if not callable(steps):
+            self._apply_extra(name, value, snapshot=True, src=src)
+            return
+        try:
+            yield from steps(value, src)
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            raise StateDecodeError(f"state component {name!r}: {e}") from None
+
     def _apply_full(self, tag: str, body: Any, src: str = "") -> None:
+        for _ in self._apply_full_steps(tag, body, src):
+            pass
+
+    def _apply_full_steps(self, tag: str, body: Any, src: str = "") -> Iterator[None]:
+        """A snapshot or push-pull state merged in steps: it yields between the slices of a component
+        that merges in steps (``_apply_extra_steps``), after everything was decoded and validated."""
         if type(body) is not dict:
             raise StateDecodeError("a snapshot is a map")
         # decode and validate everything first
@@ -788,7 +863,7 @@ class MeshState(Generic[IX_co]):
         if update:
             self._apply_config(update)
         for name, value in extras:
-            self._apply_extra(name, value, snapshot=True, src=src)
+            yield from self._apply_extra_steps(name, value, src)
         self._registry_changed(self.registry.merge(self._own_entries(entries, src)))
         if observations:
             self._health_changed(self.health.merge_legacy(self._own_observations(observations, src)))

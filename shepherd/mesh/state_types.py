@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from shepherd.mesh.state_health import HealthConfig
 from shepherd.mesh.state_registry import RegistryConfig
-from shepherd.proto.index_wire import Digest, Group, Slot
+from shepherd.proto.index_wire import Digest, Group, Slot, TurnBatch
 
 __all__ = ["IndexReplica", "MeshStateConfig", "MeshStateStats", "StateComponent"]
 
@@ -29,7 +29,10 @@ class StateComponent(Protocol):
     ``diff(remote_digest) -> delta`` (what a peer with that digest lacks; otherwise repair sends
     the whole snapshot); ``keyed_gossip`` true with ``take_keyed_deltas() -> [(key, delta), ...]``
     (a relaying mesh queues each delta under its key, a newer one replacing the queued older one:
-    ``RateLimiter`` with ``LimiterConfig.relay``)."""
+    ``RateLimiter`` with ``LimiterConfig.relay``); ``merge_snapshot_steps(snapshot, source) ->
+    Iterator[None]`` (the merge in slices, yielding between them, validated first; ``source`` "" or the
+    sender whose own entries alone are kept), which push-pull merges use
+    (``MeshState.merge_remote_state_steps``)."""
 
     def take_delta(self) -> Any | None: ...
 
@@ -93,6 +96,14 @@ class IndexReplica(Protocol):
         """Buffer our entries of the buckets ``sel`` for gossip (at most ``limit``); returns how many."""
         ...
 
+    def take_turns(self) -> TurnBatch | None:
+        """The buffered turn ends of routing decisions (sparse replication), oldest first."""
+        ...
+
+    def apply_turns(self, batch: TurnBatch, now: float) -> int:
+        """Keep a peer's turn ends (what ``match`` also consults); returns the records kept."""
+        ...
+
     def expire(self, now: float) -> int: ...
 
     def clear_worker(self, worker: str) -> None: ...
@@ -111,6 +122,11 @@ class MeshStateConfig:
     repair_max_entries: int = 65_536  # index entries queued by one push-pull diff, at most
     orphan_grace_s: float = 120.0  # index entries of a worker absent from the registry this long go
     config_client_id: int | None = None  # Yjs client id (random by default)
+    resend_s: float = 1.0
+    """``first_hand``: this node's registry and health payloads go out once more this long after their
+    first send (with the next flush after it): a datagram lost to one member (nothing relays it) would
+    otherwise wait for the lease renewal (30 s) or the next health beacon (10 s); two sends make that a
+    loss squared. 0: once only."""
     first_hand: bool = False
     """Entries that name a node are accepted only from that node, and nothing is relayed: each node
     sends its own entries to every member itself (``MeshState.owned_batches``); see ``state``."""
@@ -124,6 +140,7 @@ class MeshStateStats:
     broadcast_payloads: int = 0
     index_payloads_out: int = 0
     index_entries_in: int = 0
+    turn_ends_in: int = 0  # turn ends received (sparse replication, tag "t")
     index_entries_changed: int = 0
     index_entries_repair_queued: int = 0
     oversize: int = 0  # deltas too big for a gossip payload (left to repair)

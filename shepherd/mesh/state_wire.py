@@ -14,6 +14,8 @@ tag   body                                    meaning
 "H"   [checked sets, [record, ...]]           full health records (repair)
 "h"   [observation, ...]                      health observations of the earlier format (read only)
 "i"   [model, [group, ...]]                   prefix-index delta (or repair)
+"t"   [model, time, [worker, ...], widx,      turn ends of routing decisions (sparse index
+       keys, blocks]                          replication; ``index_wire.TurnBatch``)
 "c"   update bytes                            config (Yjs) update
 "x"   [name, delta]                           an extra component's delta
 "X"   [name, snapshot]                        an extra component's snapshot (repair)

@@ -88,6 +88,9 @@ class Swim:
         self.me = me
         self.rng = rng
         self.delegate = delegate
+        # the delegate's optional ``has_broadcasts``, looked up once: asked before every piggyback and
+        # timer re-arm (an idle node's datagrams then skip the delegate's queues)
+        self._has_broadcasts: Callable[[], bool] | None = getattr(delegate, "has_broadcasts", None)
         self.stats = SwimStats()
         self._aw = Awareness(config.lhm_max)
         self._table = MemberTable(
@@ -156,7 +159,7 @@ class Swim:
         an idle node does not wake for empty gossip rounds. What becomes pending meanwhile rides on
         the next datagram (every ping and ack piggybacks) and on the round due at the next call."""
         t = self._deadline_but_gossip()
-        return min(t, self._t_gossip) if self._gossip_pending() else t
+        return self._t_gossip if self._t_gossip < t and self._gossip_pending() else t
 
     def _deadline_but_gossip(self) -> float:
         t = min(self._t_push_pull, self._t_reconnect, self._t_join)
@@ -164,9 +167,9 @@ class Swim:
         return min(t, self._relays.next_deadline(), self._table.next_suspicion_deadline())
 
     def _gossip_pending(self) -> bool:
-        if len(self._table.queue):
+        if self._table.queue:
             return True
-        pending = getattr(self.delegate, "has_broadcasts", None)
+        pending = self._has_broadcasts
         return True if pending is None else bool(pending())
 
     # --------------------------------------------------------------------------------- entry points
@@ -221,7 +224,10 @@ class Swim:
             )
         self._table.expire_suspicions(now, out)
         if now >= self._t_gossip:
-            self._gossip(now, out)
+            # a round with nothing pending sends nothing (``_gossip`` stops at the first empty
+            # piggyback): skipped, so that an idle node's probe ticks do not pick gossip targets
+            if self._gossip_pending():
+                self._gossip(now, out)
             self._t_gossip = _next(self._t_gossip, cfg.gossip_interval, now)
         if now >= self._t_push_pull:
             self._t_push_pull = now + push_pull_scale(cfg.push_pull_interval, len(self._table))
@@ -493,12 +499,16 @@ class Swim:
     # --------------------------------------------------------------------------------- dissemination
 
     def _send(self, dest: Addr, primary: list[Message], *, piggyback: bool = True) -> Send:
-        used = self._overhead + sum(encoded_size(m) for m in primary)
-        msgs = primary + self._piggyback(self.config.packet_budget - used) if piggyback else primary
+        msgs = primary
+        if piggyback and self._gossip_pending():  # (sized only when something may ride along)
+            used = self._overhead + sum(encoded_size(m) for m in primary)
+            msgs = primary + self._table.piggyback(self.config.packet_budget - used, self.delegate)
         self.stats.packets_out += 1
         return Send(dest, tuple(msgs))
 
     def _piggyback(self, budget: int) -> list[Message]:
+        if not self._gossip_pending():  # nothing queued anywhere (exact where the delegate says so)
+            return []
         return self._table.piggyback(budget, self.delegate)
 
     def _gossip(self, now: float, out: list[Action]) -> None:

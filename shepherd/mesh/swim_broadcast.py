@@ -54,6 +54,9 @@ class TransmitLimitedQueue(Generic[T]):
     def __len__(self) -> int:
         return self._len
 
+    def __bool__(self) -> bool:  # (asked before every datagram: one call, not len's two)
+        return self._len > 0
+
     def limit(self) -> int:
         return retransmit_limit(self.retransmit_mult, self.num_nodes())
 
@@ -152,6 +155,9 @@ class BroadcastQueue:
 
     def __len__(self) -> int:
         return len(self._q)
+
+    def __bool__(self) -> bool:
+        return self._q._len > 0
 
     def queue(self, payload: bytes, key: str | None = None) -> None:
         """Queue ``payload``; replaces a payload queued under the same ``key``."""

@@ -320,6 +320,8 @@ class MemberTable:
     # --------------------------------------------------------------------------------- timers
 
     def next_suspicion_deadline(self) -> float:
+        if not self.suspicions:
+            return float("inf")
         spacing = self.cfg.probe_interval
         return min(
             (min(s.deadline, s.verify_at(spacing)) for s in self.suspicions.values()), default=float("inf")

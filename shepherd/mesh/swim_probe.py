@@ -116,6 +116,8 @@ class Relays:
 
     def next_deadline(self) -> float:
         t = float("inf")
+        if not self._by_seq:
+            return t
         for r in self._by_seq.values():
             t = min(t, r.expire_at, r.nack_at if r.nack else t)
         return t

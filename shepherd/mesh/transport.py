@@ -25,7 +25,8 @@ Kept-alive sessions (the history RPC): a handler may call ``keep_session_open()`
 request; the server then, after the reply, waits up to ``idle_timeout`` for another request frame on the
 same connection, from the same peer (the identity is bound to the TLS session: every request on it is
 handed the identity its certificate gave at the handshake), at most ``max_session_requests`` requests
-per connection. Push-pull exchanges never call it and keep their one request, one reply, close.
+per connection. The runtime's push-pull handler calls it too (not for a join): a peer's next push-pull
+may come over the same connection (``MeshRuntimeConfig.keep_push_pull_connections``).
 A client that closes after one reply (an older one-shot RPC client) ends the idle wait at once, quietly.
 Slots of kept-alive sessions: an *idle* session holds **no** session slot (it gives its slot back once
 its reply is written and takes one again, under the same bound as a new session, when the next request

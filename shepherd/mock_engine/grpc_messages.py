@@ -21,7 +21,14 @@ from shepherd.mock_engine.scheduler import LoadSnapshot
 from shepherd.mock_engine.tokenizer_zip import TokenizerArchive, build_tokenizer_zip
 from shepherd.proto.engine_types import TokenLogprob
 
-__all__ = ["Tokenizers", "kv_event_stream", "logprobs_pb", "scheduler_load", "tokenizer_chunks"]
+__all__ = [
+    "Tokenizers",
+    "kv_event_pb",
+    "kv_event_stream",
+    "logprobs_pb",
+    "scheduler_load",
+    "tokenizer_chunks",
+]
 
 KV_HEARTBEAT_S = 1.0
 KV_COALESCE_S = 0.005
@@ -54,7 +61,7 @@ class Tokenizers:
             return self._archive
 
 
-def _kv_event_pb(ev: BlockStored | BlockRemoved | AllBlocksCleared) -> Any:
+def kv_event_pb(ev: BlockStored | BlockRemoved | AllBlocksCleared) -> Any:
     if isinstance(ev, BlockStored):
         stored = common_pb2.KvBlocksStored(
             blocks=[
@@ -124,7 +131,7 @@ async def kv_event_stream(core: EngineCore, request: Any) -> AsyncIterator[Any]:
                     yield common_pb2.KvEventBatch(
                         sequence_number=batch.sequence_number,
                         timestamp=batch.timestamp,
-                        events=[_kv_event_pb(ev) for ev in batch.events],
+                        events=[kv_event_pb(ev) for ev in batch.events],
                         load=_engine_load_pb(load, sample, load_only=False, telemetry=not sent_batch),
                     )
                     sent_batch = True

@@ -51,9 +51,16 @@ def _mesh_arguments(s: argparse.ArgumentParser) -> None:
     m.add_argument("--mesh-gossip-interval", type=float, help="gossip period, s (default 0.2)")
     m.add_argument(
         "--mesh-index-replication",
-        choices=("auto", "all", "none"),
+        choices=("auto", "all", "none", "ends"),
         help="prefix-index deltas sent to the nodes routing the same model: auto (default: routing "
-        "decisions for workers without a live KV-event stream), all (every worker's), none",
+        "decisions for workers without a live KV-event stream), all (every worker's), none, ends (every "
+        "routing decision as a turn end, its prompt's last block name: sparse, a few bytes a request)",
+    )
+    m.add_argument(
+        "--mesh-index-turn-ends",
+        type=int,
+        help="with --mesh-index-replication ends: the peers' turn ends kept per model (default 8388608, "
+        "16 bytes each)",
     )
 
 
@@ -264,6 +271,12 @@ def _parser() -> argparse.ArgumentParser:
     rl.add_argument("--rate-limit-max-concurrent", type=int, help="default concurrent requests per tenant")
     rl.add_argument("--rate-limit-token-estimate", type=int, help="output tokens reserved without max_tokens")
     rl.add_argument("--rate-limit-propagation-secs", type=float, help="bound on the mesh's gossip delay")
+    rl.add_argument(
+        "--rate-limit-propagation-max-secs",
+        type=float,
+        help="the lease's τ follows the staleness of the peers' counts, up to this (default 15, at most the "
+        "window; 0: τ stays --rate-limit-propagation-secs)",
+    )
     rl.add_argument(
         "--rate-limit-window-secs",
         type=float,

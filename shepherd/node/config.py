@@ -152,6 +152,9 @@ class NodeConfig:
     rate_limit_max_concurrent: int | None = None
     rate_limit_token_estimate: int = 1024  # tokens reserved for the output when max_tokens is absent
     rate_limit_propagation_secs: float = 1.0  # τ: a node's counts reach every peer within this
+    # τ follows the staleness observed, up to this (LimiterConfig.propagation_max; 0: off, τ fixed at
+    # rate_limit_propagation_secs); None: 15 s, at most the window
+    rate_limit_propagation_max_secs: float | None = None
     rate_limit_window_secs: float = 60.0  # rpm/tpm count per window this long (60: as named; less: tests)
     rate_limit_unreachable_grace_secs: float = 300.0  # an unreachable member counts in N this long
     # where the counts live: "mesh" (gossiped shards) or "redis" (one shared store; README "Where gossip
@@ -193,8 +196,12 @@ class NodeConfig:
     mesh_gossip_interval: float | None = None
     # which routing decisions' prefix-index deltas the mesh sends (README "Mesh at scale"): "auto" (those
     # of workers without a live KV-event stream here: the engine's events tell every node the rest),
-    # "all" (every worker's), "none" (no index replication). KV-event inserts are never sent.
+    # "all" (every worker's), "none" (no index replication), "ends" (every worker's routing decisions as
+    # turn ends, one 11-byte record each, never blocks: sparse replication). KV-event inserts are never sent.
     mesh_index_replication: str = "auto"
+    # with "ends": the peers' turn ends a node keeps per model (16 bytes each; two generations, so between
+    # half and all of it: follow-ups up to half of it / (peers x their rate) seconds apart are found)
+    mesh_index_turn_ends: int = 1 << 23
     # PD disaggregation (shepherd.node.dispatch.pd): a prefill pool and a decode pool, each its own policy
     pd_disaggregation: bool = False
     prefill_urls: tuple[str, ...] = ()
@@ -535,9 +542,21 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
             "rate_limit_window_secs must exceed rate_limit_propagation_secs, and "
             "rate_limit_unreachable_grace_secs must be >= 0"
         )
+    pmax = cfg.rate_limit_propagation_max_secs
+    if pmax is not None and (
+        not isinstance(pmax, (int, float))
+        or isinstance(pmax, bool)
+        or (pmax != 0 and not cfg.rate_limit_propagation_secs <= pmax <= cfg.rate_limit_window_secs)
+    ):
+        raise ConfigError(
+            "rate_limit_propagation_max_secs must be 0 (off) or between rate_limit_propagation_secs "
+            "and rate_limit_window_secs"
+        )
     check_rate_limit_backend(cfg)
     if cfg.max_client_connections < 1:
         raise ConfigError("max_client_connections must be >= 1")
+    if not 1024 <= cfg.mesh_index_turn_ends <= 1 << 28:
+        raise ConfigError("mesh_index_turn_ends must be between 1,024 and 268,435,456")
     if cfg.mesh_index_replication not in MESH_INDEX_REPLICATION:
         raise ConfigError(
             f"mesh_index_replication {cfg.mesh_index_replication!r} is unknown "
@@ -702,7 +721,7 @@ def default_node_name() -> str:
     return name or "node"
 
 
-MESH_INDEX_REPLICATION = ("auto", "all", "none")
+MESH_INDEX_REPLICATION = ("auto", "all", "none", "ends")
 
 
 def check_mesh_config(cfg: NodeConfig) -> NodeConfig:

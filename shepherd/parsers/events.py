@@ -55,7 +55,12 @@ class ReasoningParser(Protocol):
 
     ``feed`` returns ``(reasoning_delta, content_delta)`` (either may be empty); text that could be
     the start of a marker is held back until it is decided. ``finish`` releases what is held.
-    For every split of an output into deltas, the concatenated results are the same."""
+    For every split of an output into deltas, the concatenated results are the same.
+
+    ``passthrough`` is True once every later ``feed(text)`` would return ``("", text)`` and ``finish``
+    ``("", "")`` (a caller may then skip both)."""
+
+    passthrough: bool
 
     def feed(self, text: str) -> tuple[str, str]: ...
 

@@ -34,10 +34,11 @@ _REASONING, _CONTENT, _TOOL = 0, 1, 2
 
 
 class HarmonyReasoningParser:
-    __slots__ = ("_buf", "_kind", "_state")
+    __slots__ = ("_buf", "_kind", "_state", "passthrough")
 
     def __init__(self, *, thinking_enabled: bool = True, prompt_opened_think: bool = False) -> None:
         del thinking_enabled, prompt_opened_think
+        self.passthrough = False  # (the channel may change at any point)
         self._buf = ""
         self._state = _OUTSIDE
         self._kind = _CONTENT

@@ -51,6 +51,7 @@ class ThinkTagReasoningParser:
         "_reason_markers",
         "_start",
         "_state",
+        "passthrough",
     )
 
     def __init__(
@@ -65,6 +66,8 @@ class ThinkTagReasoningParser:
         self._may_open = False
         self._reason_lstrip = False
         self._content_lstrip = False
+        # True once every later ``feed`` returns ``("", text)`` and ``finish`` nothing: a caller may skip them
+        self.passthrough = not thinking_enabled
         if not thinking_enabled:
             self._state = _PASS
         elif spec.forced or prompt_opened_think:
@@ -159,6 +162,7 @@ class ThinkTagReasoningParser:
                 content += buf
                 self._buf = ""
             break
+        self.passthrough = self._state == _CONTENT and not self._drop and not self._content_lstrip
         return reasoning, content
 
     def _drop_markers(self, buf: str) -> str:

@@ -4,8 +4,8 @@ Callers use: ``simple.make_policy`` / ``POLICY_NAMES`` (policies by their SGLang
 ``base`` (``Policy``, ``RouteRequest``, ``WorkerView``), ``cache_aware.CacheAware``, the prefix index
 layouts (``prefix_index``: the API and the flat layout; ``run_index``: the run layout; ``native_index``
 over ``_prefixcore.c``), their mesh replicas (``prefix_replica``, ``prefix_replica_native.make_replica``:
-the mesh carries them through its merge interface and never imports this package), ``block_names`` and
-``kv_events``. Imports proto only.
+the mesh carries them through its merge interface and never imports this package; ``turn_ends``: what
+sparse replication keeps of peers' decisions), ``block_names`` and ``kv_events``. Imports proto only.
 """
 
 __all__ = [
@@ -23,4 +23,5 @@ __all__ = [
     "prefix_replica_native",
     "run_index",
     "simple",
+    "turn_ends",
 ]

@@ -1491,6 +1491,387 @@ static PyTypeObject CoreType = {
     .tp_methods = Core_methods,
 };
 
+/* -- turn ends: sparse replication (``prefix_replica_native``, README "Mesh at scale") -------------------
+ *
+ * A routing decision's prompt is named by the chain name of its last full block (``block_hashes`` chains,
+ * so that name determines every block before it). Instead of the blocks, a replica in sparse mode sends
+ * one record per decision, (end name, worker, blocks), and the receivers keep the records in ``Turns``:
+ * two generations of an open-addressing table (linear probing, no deletion: a generation is dropped whole
+ * when the next one fills to half the bound or spans half the retention, so records are kept between
+ * half and all of ``max_records`` / ``span``; 8 bytes a cell, load <= 1/2). A cell keeps a 32-bit
+ * fingerprint of the name (the low bits of its mix, which also place it: a table grows by them), so a
+ * lookup takes a record of another name with odds 2**-32 per cell compared, and only at its own depth.
+ * ``combine`` adds them to a match: for each block i of the prompt, a record (name_i, worker, i + 1)
+ * means the worker holds the first i + 1 blocks; the worker's match is the longer of the index's walk
+ * and that. */
+#define TURN_DEAD 0xFF /* a cell whose worker was cleared (kept: the probe runs stay intact) */
+#define TURN_MAX_N 65535u /* a record's blocks fit 16 bits on the wire: a longer prompt's 65,535th block */
+
+typedef struct {
+    uint32_t fp;  /* (uint32_t)mix(name): its fingerprint and its place */
+    uint16_t n;   /* 0: an empty cell */
+    uint8_t slot; /* TURN_DEAD: its worker was cleared */
+    uint8_t pad;
+} TurnCell;
+
+typedef struct {
+    TurnCell *cells;
+    Py_ssize_t size, used; /* size a power of 2 (or 0) */
+    double first, last;    /* times of the records put (first: NaN when empty) */
+} TurnGen;
+
+typedef struct {
+    int64_t key;
+    double time;
+    uint32_t n;
+    uint8_t slot;
+} TurnRec;
+
+typedef struct {
+    PyObject_HEAD
+    TurnGen gen[2]; /* [0]: the records put now, [1]: the generation before */
+    Py_ssize_t max_records;
+    double span;
+    uint8_t send[MAX_SLOTS]; /* per slot: its routing decisions are buffered as turn ends */
+    TurnRec *buf;             /* turn ends of local decisions, not yet taken */
+    Py_ssize_t blen, bcap, bmax, dropped;
+} Turns;
+
+static void turngen_free(TurnGen *g) {
+    PyMem_Free(g->cells);
+    g->cells = NULL;
+    g->size = g->used = 0;
+    g->first = g->last = 0.0;
+}
+
+static int turngen_grow(TurnGen *g, Py_ssize_t size) {
+    TurnCell *t = PyMem_Calloc((size_t)size, sizeof(TurnCell));
+    if (t == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint64_t m = (uint64_t)size - 1;
+    for (Py_ssize_t i = 0; i < g->size; i++) {
+        if (!g->cells[i].n) continue;
+        uint64_t j = g->cells[i].fp & m;
+        while (t[j].n) j = (j + 1) & m;
+        t[j] = g->cells[i];
+    }
+    PyMem_Free(g->cells);
+    g->cells = t;
+    g->size = size;
+    return 0;
+}
+
+/* put one record in generation g (a cell of the same key and slot is overwritten); 1 if new */
+static int turngen_put(TurnGen *g, int64_t key, uint16_t n, uint8_t slot) {
+    uint64_t m = (uint64_t)g->size - 1;
+    uint32_t fp = (uint32_t)mix(key);
+    uint64_t j = fp & m;
+    while (g->cells[j].n) { /* bounded: load <= 1/2 */
+        if (g->cells[j].fp == fp && g->cells[j].slot == slot) {
+            g->cells[j].n = n;
+            return 0;
+        }
+        j = (j + 1) & m;
+    }
+    g->cells[j].fp = fp;
+    g->cells[j].n = n;
+    g->cells[j].slot = slot;
+    g->used++;
+    return 1;
+}
+
+static int turns_put(Turns *t, int64_t key, uint16_t n, uint8_t slot, double time) {
+    TurnGen *g = &t->gen[0];
+    if (g->used && (g->used * 2 >= t->max_records || (t->span > 0 && time - g->first >= t->span / 2))) { /* rotate */
+        turngen_free(&t->gen[1]);
+        t->gen[1] = *g;
+        memset(g, 0, sizeof(*g));
+    }
+    if ((g->used + 1) * 2 > g->size && turngen_grow(g, g->size ? g->size * 2 : 1024) < 0) return -1;
+    if (!g->used) g->first = g->last = time;
+    if (time > g->last) g->last = time;
+    if (time < g->first) g->first = time;
+    turngen_put(g, key, n, slot);
+    return 0;
+}
+
+/* per slot, the longest run keys[:i + 1] some record names (best[slot], 0: none) */
+static void turns_lookup(const Turns *t, const int64_t *keys, const uint8_t *bad, Py_ssize_t n, uint32_t *best) {
+    for (int k = 0; k < 2; k++) {
+        const TurnGen *g = &t->gen[k];
+        if (!g->used) continue;
+        uint64_t m = (uint64_t)g->size - 1;
+        Py_ssize_t i;
+        Py_ssize_t top = n < (Py_ssize_t)TURN_MAX_N ? n : (Py_ssize_t)TURN_MAX_N; /* deeper: no record */
+        for (i = 0; i < top; i++) __builtin_prefetch(&g->cells[(uint32_t)mix(keys[i]) & m]); /* misses overlap */
+        for (i = 0; i < top; i++) {
+            if (bad != NULL && bad[i]) continue;
+            uint32_t fp = (uint32_t)mix(keys[i]);
+            for (uint64_t j = fp & m; g->cells[j].n; j = (j + 1) & m) { /* bounded: load <= 1/2 */
+                const TurnCell *x = &g->cells[j];
+                if (x->fp == fp && x->n == (uint32_t)(i + 1) && x->slot != TURN_DEAD && x->n > best[x->slot])
+                    best[x->slot] = x->n;
+            }
+        }
+    }
+}
+
+static PyObject *Turns_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    (void)args; (void)kwargs;
+    return type->tp_alloc(type, 0);
+}
+
+/* Turns(max_records, span, max_pending) */
+static int Turns_init(Turns *t, PyObject *args, PyObject *kwargs) {
+    Py_ssize_t max_records, max_pending;
+    double span;
+    static char *kwlist[] = {"max_records", "span", "max_pending", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ndn:Turns", kwlist, &max_records, &span, &max_pending))
+        return -1;
+    t->max_records = max_records < 2 ? 2 : max_records;
+    t->span = span > 0 ? span : 0.0;
+    t->bmax = max_pending < 1 ? 1 : max_pending;
+    return 0;
+}
+
+static void Turns_dealloc(Turns *t) {
+    turngen_free(&t->gen[0]);
+    turngen_free(&t->gen[1]);
+    PyMem_Free(t->buf);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+/* set_send(slot, on): the worker's routing decisions are buffered as turn ends (``note_named``) */
+static PyObject *Turns_set_send(Turns *t, PyObject *args) {
+    PyObject *slot_o;
+    int slot, on;
+    if (!PyArg_ParseTuple(args, "Op:set_send", &slot_o, &on) || get_slot(slot_o, &slot) < 0) return NULL;
+    t->send[slot] = (uint8_t)on;
+    Py_RETURN_NONE;
+}
+
+static int turns_note(Turns *t, int slot, int64_t key, Py_ssize_t n, double now) {
+    if (!t->send[slot] || n < 1) return 0;
+    if (t->blen >= t->bmax) { /* not taken for a long while: the newest are dropped (counted) */
+        t->dropped++;
+        return 0;
+    }
+    if (t->blen == t->bcap && grow((void **)&t->buf, &t->bcap, t->blen + 1, sizeof(TurnRec), "turn ends") < 0)
+        return -1;
+    TurnRec *r = &t->buf[t->blen++];
+    r->key = key;
+    r->n = (uint32_t)n;
+    r->slot = (uint8_t)slot;
+    r->time = now;
+    return 1;
+}
+
+/* note_named(core, slot, now) -> bool: buffer the turn end of the chain core's last match_ids named (the
+ * worker's capacity applied, as insert_named does) */
+static PyObject *Turns_note_named(Turns *t, PyObject *args) {
+    PyObject *core_o, *slot_o;
+    double now;
+    int slot;
+    if (!PyArg_ParseTuple(args, "O!Od:note_named", &CoreType, &core_o, &slot_o, &now) || get_slot(slot_o, &slot) < 0)
+        return NULL;
+    const Core *c = (const Core *)core_o;
+    Py_ssize_t n = c->nnamed;
+    if (n > c->workers[slot].cap) n = c->workers[slot].cap;
+    if (n > (Py_ssize_t)TURN_MAX_N) n = TURN_MAX_N;
+    int r = n < 1 ? 0 : turns_note(t, slot, c->named[n - 1], n, now);
+    if (r < 0) return NULL;
+    return PyBool_FromLong(r);
+}
+
+/* note(slot, key, n, now) -> bool: buffer a turn end given by its name (n <= 65,535) */
+static PyObject *Turns_note(Turns *t, PyObject *args) {
+    PyObject *slot_o, *key_o;
+    Py_ssize_t n;
+    double now;
+    int slot;
+    int64_t key;
+    if (!PyArg_ParseTuple(args, "OOnd:note", &slot_o, &key_o, &n, &now) || get_slot(slot_o, &slot) < 0 ||
+        key_of(key_o, &key) < 0)
+        return NULL;
+    if (n > (Py_ssize_t)TURN_MAX_N) {
+        PyErr_SetString(PyExc_ValueError, "a turn end names at most 65,535 blocks");
+        return NULL;
+    }
+    int r = turns_note(t, slot, key, n, now);
+    if (r < 0) return NULL;
+    return PyBool_FromLong(r);
+}
+
+/* take() -> (keys int64 bytes, blocks uint16 bytes, slots uint8 bytes, times float64 bytes), oldest first */
+static PyObject *Turns_take(Turns *t, PyObject *Py_UNUSED(ignored)) {
+    Py_ssize_t n = t->blen;
+    PyObject *kb = PyBytes_FromStringAndSize(NULL, n * 8), *nb = PyBytes_FromStringAndSize(NULL, n * 2);
+    PyObject *sb = PyBytes_FromStringAndSize(NULL, n), *tb = PyBytes_FromStringAndSize(NULL, n * 8);
+    if (kb == NULL || nb == NULL || sb == NULL || tb == NULL) goto fail;
+    int64_t *k = (int64_t *)PyBytes_AS_STRING(kb);
+    uint16_t *nn = (uint16_t *)PyBytes_AS_STRING(nb);
+    uint8_t *s = (uint8_t *)PyBytes_AS_STRING(sb);
+    double *tt = (double *)PyBytes_AS_STRING(tb);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        k[i] = t->buf[i].key;
+        nn[i] = (uint16_t)t->buf[i].n;
+        s[i] = t->buf[i].slot;
+        tt[i] = t->buf[i].time;
+    }
+    t->blen = 0;
+    return Py_BuildValue("(NNNN)", kb, nb, sb, tb);
+fail:
+    Py_XDECREF(kb);
+    Py_XDECREF(nb);
+    Py_XDECREF(sb);
+    Py_XDECREF(tb);
+    return NULL;
+}
+
+/* put(keys, blocks, slots, time) -> records kept: received turn ends (keys int64 bytes, blocks uint16 bytes,
+ * slots uint8 bytes in this index's slots, TURN_DEAD: skipped), all at ``time`` */
+static PyObject *Turns_put(Turns *t, PyObject *args) {
+    Py_buffer kv, nv, sv;
+    double time;
+    if (!PyArg_ParseTuple(args, "y*y*y*d:put", &kv, &nv, &sv, &time)) return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t n = sv.len, kept = 0;
+    if (kv.len != n * 8 || nv.len != n * 2) {
+        PyErr_SetString(PyExc_ValueError, "turn ends: keys, blocks and slots differ in length");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t key;
+        uint16_t nb;
+        memcpy(&key, (const char *)kv.buf + i * 8, 8);
+        memcpy(&nb, (const char *)nv.buf + i * 2, 2);
+        uint8_t slot = ((const uint8_t *)sv.buf)[i];
+        if (nb == 0 || slot >= MAX_SLOTS) continue;
+        if (turns_put(t, key, nb, slot, time) < 0) goto done;
+        kept++;
+    }
+    out = PyLong_FromSsize_t(kept);
+done:
+    PyBuffer_Release(&kv);
+    PyBuffer_Release(&nv);
+    PyBuffer_Release(&sv);
+    return out;
+}
+
+/* combine(core, matched, hs=None) -> workers improved: raise matched[worker] (leading blocks) to the longest
+ * turn end of the chain hs (None: the chain core's last match_ids named) that names the worker */
+static PyObject *Turns_combine(Turns *t, PyObject *args) {
+    PyObject *core_o, *out, *hs = Py_None;
+    if (!PyArg_ParseTuple(args, "O!O!|O:combine", &CoreType, &core_o, &PyDict_Type, &out, &hs)) return NULL;
+    const Core *c = (const Core *)core_o;
+    if (!t->gen[0].used && !t->gen[1].used) return PyLong_FromLong(0);
+    const int64_t *keys = c->named;
+    Py_ssize_t n = c->nnamed;
+    int64_t *own = NULL;
+    uint8_t *bad = NULL;
+    if (hs != Py_None) {
+        if ((own = keys_of(hs, &n, &bad)) == NULL) return NULL;
+        keys = own;
+    }
+    uint32_t best[MAX_SLOTS] = {0};
+    turns_lookup(t, keys, bad, n, best);
+    PyMem_Free(own);
+    PyMem_Free(bad);
+    long improved = 0;
+    for (int s = 0; s < MAX_SLOTS; s++) {
+        if (!best[s]) continue;
+        PyObject *name = PyList_GET_ITEM(c->names, s);
+        if (name == Py_None) continue;
+        PyObject *have = PyDict_GetItemWithError(out, name);
+        if (have == NULL && PyErr_Occurred()) return NULL;
+        if (have != NULL) {
+            long long h = PyLong_AsLongLong(have);
+            if (h == -1 && PyErr_Occurred()) return NULL;
+            if (h >= (long long)best[s]) continue;
+        }
+        PyObject *v = PyLong_FromUnsignedLong(best[s]);
+        if (v == NULL || PyDict_SetItem(out, name, v) < 0) {
+            Py_XDECREF(v);
+            return NULL;
+        }
+        Py_DECREF(v);
+        improved++;
+    }
+    return PyLong_FromLong(improved);
+}
+
+/* clear(slot): the worker's records are no longer matched, its buffered ones not sent (the slot may serve
+ * another worker next) */
+static PyObject *Turns_clear(Turns *t, PyObject *slot_o) {
+    int slot;
+    if (get_slot(slot_o, &slot) < 0) return NULL;
+    Py_ssize_t n = 0;
+    for (int k = 0; k < 2; k++) {
+        TurnGen *g = &t->gen[k];
+        for (Py_ssize_t i = 0; i < g->size; i++) {
+            if (g->cells[i].n && g->cells[i].slot == (uint8_t)slot) {
+                g->cells[i].slot = TURN_DEAD;
+                n++;
+            }
+        }
+    }
+    Py_ssize_t j = 0;
+    for (Py_ssize_t i = 0; i < t->blen; i++)
+        if (t->buf[i].slot != (uint8_t)slot) t->buf[j++] = t->buf[i];
+    t->blen = j;
+    t->send[slot] = 0;
+    return PyLong_FromSsize_t(n);
+}
+
+/* expire(cutoff) -> records dropped: the generations whose records are all older than cutoff */
+static PyObject *Turns_expire(Turns *t, PyObject *arg) {
+    double cutoff = PyFloat_AsDouble(arg);
+    if (cutoff == -1.0 && PyErr_Occurred()) return NULL;
+    Py_ssize_t n = 0;
+    for (int k = 1; k >= 0; k--) {
+        TurnGen *g = &t->gen[k];
+        if (g->used && g->last < cutoff) {
+            n += g->used;
+            turngen_free(g);
+        }
+    }
+    return PyLong_FromSsize_t(n);
+}
+
+/* stats() -> (records kept, buffered, dropped, bytes of the arrays) */
+static PyObject *Turns_stats(Turns *t, PyObject *Py_UNUSED(ignored)) {
+    Py_ssize_t bytes = (t->gen[0].size + t->gen[1].size) * (Py_ssize_t)sizeof(TurnCell) + t->bcap * (Py_ssize_t)sizeof(TurnRec);
+    return Py_BuildValue("(nnnn)", t->gen[0].used + t->gen[1].used, t->blen, t->dropped, bytes);
+}
+
+static PyMethodDef Turns_methods[] = {
+    {"set_send", (PyCFunction)Turns_set_send, METH_VARARGS, "set_send(slot, on)"},
+    {"note_named", (PyCFunction)Turns_note_named, METH_VARARGS, "note_named(core, slot, now) -> buffered"},
+    {"note", (PyCFunction)Turns_note, METH_VARARGS, "note(slot, key, blocks, now) -> buffered"},
+    {"take", (PyCFunction)Turns_take, METH_NOARGS, "take() -> (keys, blocks, slots, times) bytes"},
+    {"put", (PyCFunction)Turns_put, METH_VARARGS, "put(keys, blocks, slots, time) -> records kept"},
+    {"combine", (PyCFunction)Turns_combine, METH_VARARGS, "combine(core, matched, hs=None) -> improved"},
+    {"clear", (PyCFunction)Turns_clear, METH_O, "clear(slot) -> records dropped"},
+    {"expire", (PyCFunction)Turns_expire, METH_O, "expire(cutoff) -> records dropped"},
+    {"stats", (PyCFunction)Turns_stats, METH_NOARGS, "stats() -> (kept, buffered, dropped, bytes)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TurnsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shepherd.policies._prefixcore.Turns",
+    .tp_basicsize = sizeof(Turns),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Turn ends (end block name -> worker, blocks) for sparse index replication.",
+    .tp_new = Turns_new,
+    .tp_init = (initproc)Turns_init,
+    .tp_dealloc = (destructor)Turns_dealloc,
+    .tp_methods = Turns_methods,
+};
+
+#include "_prefixcore_kv.h" /* KvMap: an engine's KV events applied from their wire bytes */
+
 static PyMethodDef module_methods[] = {
     {"block_hashes", (PyCFunction)(void (*)(void))block_hashes, METH_VARARGS | METH_KEYWORDS,
      "block_hashes(ids, seed=CHAIN_SEED, start=0) -> list[int]: chained names of the full 16-token blocks of "
@@ -1511,6 +1892,26 @@ PyMODINIT_FUNC PyInit__prefixcore(void) {
     Py_INCREF(&CoreType);
     if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
         Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyType_Ready(&TurnsType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&TurnsType);
+    if (PyModule_AddObject(m, "Turns", (PyObject *)&TurnsType) < 0) {
+        Py_DECREF(&TurnsType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyType_Ready(&KvMapType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&KvMapType);
+    if (PyModule_AddObject(m, "KvMap", (PyObject *)&KvMapType) < 0) {
+        Py_DECREF(&KvMapType);
         Py_DECREF(m);
         return NULL;
     }

@@ -32,6 +32,12 @@ unchanged, at close to its cost per request and memory per block) that also keep
   (exactly, with 0). Differences are localized in time: a lost batch spoils one recent bucket, and
   slots still open (``repair_settle_s``) are left to the deltas in flight.
 
+Sparse replication (``set_turns``; a node's ``--mesh-index-replication ends``): a routing decision of such a
+worker buffers one turn end instead (``take_turns``: the name of the prompt's last full block, the worker,
+its blocks; the chained names make it stand for the prefix); received ones (``apply_turns``) are kept in
+a bounded table (``turn_ends_max``, ``turn_ends_span_s``) that ``match`` consults beside the walk
+(``policies.turn_ends``).
+
 Merged blocks new to a worker become one loose run per group (newest first); held ones are set to
 the newer time in place. Removals are not replicated (no tombstones, by design): a block evicted here
 comes back from a peer that still has it until that peer ages it out. Under capacity pressure
@@ -61,9 +67,10 @@ from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import floordiv, is_, not_
 
-from shepherd.policies.prefix_index import PrefixIndexConfig, by_worker
+from shepherd.policies.prefix_index import BLOCK_TOKENS, PrefixIndexConfig, by_worker
 from shepherd.policies.run_index import RunPrefixIndex, _Holder, _Run, _run_of, _Shared
-from shepherd.proto.index_wire import Digest, Group, Slot
+from shepherd.policies.turn_ends import TurnEnds
+from shepherd.proto.index_wire import MAX_TURN_BLOCKS, Digest, Group, Slot, TurnBatch
 
 __all__ = [
     "IndexReplConfig",
@@ -86,6 +93,12 @@ class IndexReplConfig:
     # a local re-access moves a held entry into a newer time slot, and sends it again, only once it is
     # this old (0: at every slot change, as before); capped at max_age_s - 2 x the granularity
     refresh_s: float = 600.0
+    # sparse replication (``set_turns``; ``--mesh-index-replication ends``): received turn ends kept, at
+    # most this many (C: 8 bytes a cell at load <= 1/2, 128 MB when full) and this long; a record is kept
+    # between half and all of either bound (``turn_ends``). Half of 8M is 150 s of 28 peers' decisions at
+    # 1,000 req/s each (N = 200, 7 models): follow-ups within that find their turn end
+    turn_ends_max: int = 1 << 23
+    turn_ends_span_s: float = 600.0
 
 
 def effective_refresh(config: PrefixIndexConfig, repl: IndexReplConfig) -> float:
@@ -121,6 +134,7 @@ class ReplicaApi:
     _refresh: float
     rejected: int
     _quiet: set[str]
+    _turns_of: set[str]
 
     @property
     def quiet_workers(self) -> frozenset[str]:
@@ -141,6 +155,40 @@ class ReplicaApi:
         subscribed to the engine gets the same event (its entries take the event's time, as a quiet
         worker's do)."""
         raise NotImplementedError
+
+    # -- sparse replication: turn ends (``shepherd.policies.turn_ends``) ----------------------------------
+
+    @property
+    def turn_workers(self) -> frozenset[str]:
+        """Workers whose routing decisions are sent as turn ends (``set_turns``)."""
+        return frozenset(self._turns_of)
+
+    def set_turns(self, worker: str, on: bool) -> None:
+        """``on``: each routing decision of this worker buffers one turn end (the name of the prompt's last
+        full block, the worker, the blocks) for ``take_turns``. The blocks themselves are sent or not as
+        ``set_quiet`` says (``--mesh-index-replication ends`` quiets the worker too)."""
+        raise NotImplementedError
+
+    def take_turns(self) -> TurnBatch | None:
+        """The buffered turn ends (None: none), oldest first."""
+        raise NotImplementedError
+
+    @property
+    def turn_ends(self) -> int:
+        """Received turn ends kept (what ``match`` also consults)."""
+        raise NotImplementedError
+
+    def _put_turns(self, batch: TurnBatch) -> int:
+        raise NotImplementedError
+
+    def apply_turns(self, batch: TurnBatch, now: float) -> int:
+        """Keep a peer's turn ends; a batch older than the turn ends are kept (``turn_ends_span_s``,
+        ``max_age_s``) or more than ``max_future_s`` ahead is dropped. Returns the records kept."""
+        lo = now - min(self.config.max_age_s, self.repl.turn_ends_span_s)
+        if not lo <= batch.time <= now + self.repl.max_future_s:
+            self.rejected += len(batch)
+            return 0
+        return self._put_turns(batch)
 
     def _clamp(self, so: Slot, old: float, now: float) -> float:
         """The time a held entry at ``old`` (slot ``so``) takes for an access at ``now`` that leaves it in
@@ -264,6 +312,9 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
         self._pending_n = 0
         self.pending_dropped = 0  # delta keys dropped by the buffer bound
         self.rejected = 0  # received entries dropped (too old or too far in the future)
+        self._turns_of = set()
+        self._turn_buf: list[tuple[int, str, int, float]] = []  # (end name, worker, blocks, time)
+        self._turn_table = TurnEnds(self.repl.turn_ends_max, self.repl.turn_ends_span_s)
 
     # -- digest accounting --------------------------------------------------------------------------
 
@@ -564,7 +615,65 @@ class ReplicatedPrefixIndex(ReplicaApi, RunPrefixIndex):
 
     @property
     def pending(self) -> int:
-        return self._pending_n
+        return self._pending_n + len(self._turn_buf)
+
+    # -- turn ends ----------------------------------------------------------------------------------
+
+    def set_turns(self, worker: str, on: bool) -> None:
+        if on:
+            self._turns_of.add(worker)
+        else:
+            self._turns_of.discard(worker)
+
+    def match(self, ids: Sequence[int]) -> dict[str, int]:
+        """``RunPrefixIndex.match`` and, per worker, the longest received turn end of the prompt."""
+        res = RunPrefixIndex.match(self, ids)
+        if len(self._turn_table):
+            self._turn_table.combine(res, self.hashes(ids), BLOCK_TOKENS)
+        return res
+
+    def insert(self, ids: Sequence[int], worker: str, now: float) -> None:
+        RunPrefixIndex.insert(self, ids, worker, now)
+        if worker in self._turns_of and len(ids) >= BLOCK_TOKENS:
+            hs = self.hashes(ids)
+            n = min(len(hs), self.capacity(worker), MAX_TURN_BLOCKS)
+            if len(self._turn_buf) < self.repl.max_pending:
+                self._turn_buf.append((hs[n - 1], worker, n, now))
+            else:
+                self.pending_dropped += 1
+
+    def take_turns(self) -> TurnBatch | None:
+        buf, self._turn_buf = self._turn_buf, []
+        if not buf:
+            return None
+        workers = list(dict.fromkeys(w for _, w, _, _ in buf))
+        at = {w: i for i, w in enumerate(workers)}
+        return TurnBatch(
+            max(t for *_, t in buf),
+            workers,
+            bytes(at[w] for _, w, _, _ in buf),
+            array("q", [k for k, _, _, _ in buf]),
+            array("H", [n for _, _, n, _ in buf]),
+        )
+
+    @property
+    def turn_ends(self) -> int:
+        return len(self._turn_table)
+
+    def _put_turns(self, batch: TurnBatch) -> int:
+        put, ws, t = self._turn_table.put, batch.workers, batch.time
+        for i, k, n in zip(batch.widx, batch.keys, batch.blocks, strict=True):
+            put(k, ws[i], n, t)
+        return len(batch)
+
+    def clear_worker(self, worker: str) -> None:
+        RunPrefixIndex.clear_worker(self, worker)
+        self._turn_table.clear(worker)
+        self._turn_buf = [r for r in self._turn_buf if r[1] != worker]
+
+    def expire(self, now: float, budget: int = 4096) -> int:
+        self._turn_table.expire(now - min(self.config.max_age_s, self.repl.turn_ends_span_s))
+        return RunPrefixIndex.expire(self, now, budget)
 
     def take_groups(self, limit: int | None = None) -> list[Group]:
         """The buffered deltas, oldest first (at most ``limit`` entries; the rest stay), as groups

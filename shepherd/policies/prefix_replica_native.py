@@ -13,6 +13,11 @@ by ``take_groups``: blocks no longer held by their worker, and batches of a work
 left out. Merges (``apply_groups``) set newer times and add new entries in the core; with ``relay`` what
 they changed is buffered too, at the times held when cut.
 
+Sparse replication (``set_turns``, ``--mesh-index-replication ends``): a routing decision of such a
+worker buffers one turn end in ``_prefixcore.Turns`` (the name of the prompt's last full block, read from
+the names the match made), received ones are kept there, and ``match`` raises each worker's walk to its
+longest turn end of the prompt, in C over the same names (``policies.turn_ends``).
+
 Differences from the Python replica, both by design of the layout: eviction is exact LRU (the run layout
 evicts run tails), and a block buffered by a local insert and evicted before the batch is cut is not sent
 (the Python replica sends the blocks it moved regardless). The property tests run both replicas through
@@ -22,19 +27,25 @@ equal to a recomputation after any update).
 
 from __future__ import annotations
 
+import contextlib
 from array import array
 from collections.abc import Collection, Iterable, Sequence
 
 from shepherd.policies.block_names import CHAIN_SEED, block_hashes
 from shepherd.policies.native_index import NATIVE_INDEX, NativePrefixIndex
-from shepherd.policies.prefix_index import PrefixIndexConfig
+from shepherd.policies.prefix_index import BLOCK_TOKENS, PrefixIndexConfig
 from shepherd.policies.prefix_replica import (
     IndexReplConfig,
     ReplicaApi,
     ReplicatedPrefixIndex,
     effective_refresh,
 )
-from shepherd.proto.index_wire import Digest, Group, Slot
+from shepherd.proto.index_wire import MAX_TURN_BLOCKS, Digest, Group, Slot, TurnBatch
+
+with contextlib.suppress(ImportError):  # an install without a C compiler uses the Python replica
+    from shepherd.policies._prefixcore import Turns
+
+_DEAD = 0xFF  # a turn end's worker this index has no slot for (``Turns.put`` skips it)
 
 __all__ = ["NativeReplicatedPrefixIndex", "Replica", "make_replica"]
 
@@ -51,6 +62,12 @@ def _d(b: bytes) -> array[float]:
     return a
 
 
+def _h(b: bytes) -> array[int]:
+    a = array("H")
+    a.frombytes(b)
+    return a
+
+
 class NativeReplicatedPrefixIndex(ReplicaApi, NativePrefixIndex):
     """A ``NativePrefixIndex`` whose core keeps a digest and a delta buffer (see the module docstring)."""
 
@@ -62,6 +79,9 @@ class NativeReplicatedPrefixIndex(ReplicaApi, NativePrefixIndex):
         self._quiet = set()
         self._core.replicate(self._g, self.repl.max_pending, self.repl.relay, self._refresh)
         self.rejected = 0  # received entries dropped (too old or too far in the future)
+        self._turns_of = set()
+        self._turns = Turns(self.repl.turn_ends_max, self.repl.turn_ends_span_s, self.repl.max_pending)
+        self._turns_kept = False  # any received turn end (else ``match`` skips the lookup)
 
     # -- digest -------------------------------------------------------------------------------------
 
@@ -82,11 +102,82 @@ class NativeReplicatedPrefixIndex(ReplicaApi, NativePrefixIndex):
 
     @property
     def pending(self) -> int:
-        return self._core.pending()[0]
+        return self._core.pending()[0] + (self._turns.stats()[1] if self._turns_of else 0)
 
     @property
     def pending_dropped(self) -> int:
-        return self._core.pending()[1]
+        return self._core.pending()[1] + self._turns.stats()[2]
+
+    # -- turn ends (sparse replication: ``policies.turn_ends``; the table is ``_prefixcore.Turns``) -----
+
+    def set_turns(self, worker: str, on: bool) -> None:
+        if on:
+            self._turns_of.add(worker)
+        else:
+            self._turns_of.discard(worker)
+        s = self._slot.get(worker)
+        if s is not None:
+            self._turns.set_send(s, on)
+
+    def match(self, ids: Sequence[int]) -> dict[str, int]:
+        """``NativePrefixIndex.match`` and, per worker, the longest received turn end of the prompt (looked
+        up in C over the names the match made)."""
+        self._named = None
+        res = self._core.match_ids(ids)
+        self._named, self._named_len = ids, len(ids)
+        if self._turns_kept:
+            self._turns.combine(self._core, res)
+        return {w: n * BLOCK_TOKENS for w, n in res.items()}
+
+    def insert(self, ids: Sequence[int], worker: str, now: float) -> None:
+        named = ids is self._named and len(ids) == self._named_len
+        NativePrefixIndex.insert(self, ids, worker, now)
+        if worker not in self._turns_of or len(ids) < BLOCK_TOKENS:
+            return
+        s = self._slot.get(worker)
+        if s is None:
+            return
+        if named:  # the names the match made, the worker's capacity applied (as the insert did)
+            self._turns.note_named(self._core, s, now)
+        else:
+            hs = self.hashes(ids)
+            n = min(len(hs), self.capacity(worker), MAX_TURN_BLOCKS)
+            self._turns.note(s, hs[n - 1], n, now)
+
+    def take_turns(self) -> TurnBatch | None:
+        kb, nb, sb, tb = self._turns.take()
+        if not sb:
+            return None
+        names = self._name_of
+        used = sorted(set(sb))
+        table = bytearray(256)
+        for i, s in enumerate(used):
+            table[s] = i
+        return TurnBatch(max(_d(tb)), [names[s] or "" for s in used], sb.translate(table), _q(kb), _h(nb))
+
+    @property
+    def turn_ends(self) -> int:
+        return int(self._turns.stats()[0])
+
+    def _put_turns(self, batch: TurnBatch) -> int:
+        table = bytearray([_DEAD]) * 256
+        for i, w in enumerate(batch.workers):
+            s = self._slot_of(w)
+            if s is not None:
+                table[i] = s
+        kept = int(self._turns.put(batch.keys, batch.blocks, batch.widx.translate(table), batch.time))
+        self._turns_kept = self._turns_kept or kept > 0
+        return kept
+
+    def clear_worker(self, worker: str) -> None:
+        s = self._slot.get(worker)
+        if s is not None:
+            self._turns.clear(s)  # its records and buffered turn ends (the slot may serve another next)
+        NativePrefixIndex.clear_worker(self, worker)
+
+    def expire(self, now: float, budget: int = 4096) -> int:
+        self._turns.expire(now - min(self.config.max_age_s, self.repl.turn_ends_span_s))
+        return NativePrefixIndex.expire(self, now, budget)
 
     def take_groups(self, limit: int | None = None) -> list[Group]:
         """The buffered deltas, oldest first (at most ``limit`` entries; the rest stay), as groups
@@ -125,6 +216,8 @@ class NativeReplicatedPrefixIndex(ReplicaApi, NativePrefixIndex):
         s = NativePrefixIndex._add_slot(self, worker)
         if s is not None and worker in self._quiet:
             self._core.set_quiet(s, True)
+        if s is not None and worker in self._turns_of:
+            self._turns.set_send(s, True)
         return s
 
     def store_token_blocks(

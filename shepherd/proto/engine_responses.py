@@ -91,10 +91,16 @@ def _decode(resp: Any, kind: str | None) -> EngineEvent | None:
 
 
 _c_chunk: Callable[[bytes, int, int, int], tuple[int, list[int], int, int, int] | None] | None = None
+# lone_chunk(raw, vllm): one plain chunk response (a paced engine's token) -> EngineChunk, None for
+# anything else (then decode_batch([raw], single=...) reads it; the two agree: a property test)
+lone_chunk: Callable[[bytes, bool], EngineChunk | None] | None = None
 try:  # a plain stream chunk's fields in C (setup.py builds it where a compiler is)
-    from shepherd.proto._varint import chunk_fields
+    from shepherd.proto import _varint
 
-    _c_chunk = chunk_fields
+    _c_chunk = _varint.chunk_fields
+    if hasattr(_varint, "lone_chunk"):  # (an older build has chunk_fields only)
+        _varint.chunk_event_class(EngineChunk)
+        lone_chunk = _varint.lone_chunk
 except ImportError:  # pragma: no cover - an install without a C compiler (or an older build)
     pass
 # GenerateStreamChunk's (index field, a varint field read past) per engine: SGLang's reasoning_tokens

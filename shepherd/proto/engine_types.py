@@ -200,10 +200,11 @@ KvCacheEvent = KvBlocksStored | KvBlocksRemoved | KvCacheCleared
 class KvEventBatch:
     """One message of SubscribeKvEvents. ``load_only``: a load record (or heartbeat) without events,
     repeating the last sequence number sent. ``load`` is the engine's load when it sent the batch;
-    ``load.max_total_tokens`` is 0 when the record did not carry the engine's telemetry."""
+    ``load.max_total_tokens`` is 0 when the record did not carry the engine's telemetry. ``events`` is a
+    tuple, or the message's bytes as a sequence (``kv_codec.WireEvents``: applied in C by the KV feed)."""
 
     sequence_number: int
-    events: tuple[KvCacheEvent, ...] = ()
+    events: Sequence[KvCacheEvent] = ()
     load: EngineLoad | None = None
     load_only: bool = False
 

@@ -14,6 +14,11 @@ Digest: per (worker, time slot) bucket, the entry count and the sum of the block
 On the wire, ``[[worker, [[slot, count, sum], ...]], ...]`` (``encode_index_digest`` /
 ``decode_index_digest``).
 
+Turn ends (tag ``"t"``, sparse replication: ``TurnBatch``): ``[model, time, [worker, ...], widx, keys,
+blocks]``, per record a uint8 index into the workers, the int64 name of the prompt's last full block and
+its number of blocks (uint16), little-endian: 11 bytes a record (``encode_turn_bodies`` /
+``decode_turn_body``). Builds without it skip the tag.
+
 Decoding raises ``StateDecodeError`` (``shepherd.proto.state_decode``) on anything malformed.
 """
 
@@ -23,19 +28,24 @@ import math
 import sys
 from array import array
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from shepherd.proto.state_decode import StateDecodeError, expect_int, expect_list, expect_str
 
 __all__ = [
+    "MAX_TURN_BLOCKS",
     "MAX_WORKER_LEN",
     "Digest",
     "Group",
     "Slot",
+    "TurnBatch",
     "decode_index_body",
     "decode_index_digest",
+    "decode_turn_body",
     "encode_index_bodies",
     "encode_index_digest",
+    "encode_turn_bodies",
 ]
 
 _BIG = sys.byteorder == "big"
@@ -140,6 +150,92 @@ def decode_index_body(body: Any, max_entries: int = 1 << 20) -> tuple[str, list[
             raise StateDecodeError("index time must be a float or a float64 array as long as the hashes")
         out.append((w, t, hs))
     return model, out
+
+
+# -- turn ends (sparse replication) ---------------------------------------------------------------------
+
+MAX_TURN_BLOCKS = 65_535  # a turn end names at most this many blocks (its blocks travel as uint16)
+
+
+@dataclass(frozen=True, slots=True)
+class TurnBatch:
+    """Turn ends of routing decisions (``--mesh-index-replication ends``): record i says that worker
+    ``workers[widx[i]]`` holds the ``blocks[i]`` leading blocks of a prompt whose ``blocks[i]``-th block is
+    named ``keys[i]`` (the chained names make that one name stand for the whole prefix). ``time``: the
+    newest record's. Native byte order in memory; little-endian on the wire."""
+
+    time: float
+    workers: list[str]
+    widx: bytes  # uint8 per record: an index into workers
+    keys: array[int]  # int64 per record
+    blocks: array[int]  # uint16 per record, >= 1
+
+    def __len__(self) -> int:
+        return len(self.widx)
+
+
+def encode_turn_bodies(model: str, batch: TurnBatch, budget: int) -> Iterator[list[Any]]:
+    """Bodies ``[model, time, [worker, ...], widx, keys, blocks]`` (tag ``"t"``) whose msgpack encoding
+    takes at most ``budget`` bytes: 11 bytes a record, and each distinct worker's name once per body."""
+    base = 1 + _str_size(model) + 9 + 3 + 3 * 3  # array, model, time, names header, the bins' headers
+    sizes = [_str_size(w) for w in batch.workers]
+    if budget < base + 11 + max(sizes, default=0):
+        raise ValueError(f"budget {budget} is too small for a turn batch")
+    n = len(batch)
+    widx = batch.widx
+    i = 0
+    while i < n:  # bounded: each body takes one record at least
+        seen: dict[int, int] = {}  # batch's worker index -> the body's
+        free = budget - base
+        j = i
+        while j < n:  # bounded by the records
+            w = widx[j]
+            cost = 11 if w in seen else 11 + sizes[w]
+            if cost > free:
+                break
+            if w not in seen:
+                seen[w] = len(seen)
+            free -= cost
+            j += 1
+        table = bytearray(256)
+        for w, k in seen.items():
+            table[w] = k
+        yield [
+            model,
+            batch.time,
+            [batch.workers[w] for w in seen],
+            widx[i:j].translate(table),
+            _to_bytes(batch.keys[i:j]),
+            _to_bytes(batch.blocks[i:j]),
+        ]
+        i = j
+
+
+def decode_turn_body(body: Any, max_records: int = 1 << 16) -> tuple[str, TurnBatch]:
+    """Decode ``encode_turn_bodies``' body; raises ``StateDecodeError`` on anything malformed."""
+    f = expect_list(body, max_len=16)
+    if len(f) < 6:
+        raise StateDecodeError("a turn batch has 6 fields at least")
+    model = expect_str(f[0], 512, allow_empty=True)
+    t_raw = f[1]
+    if type(t_raw) is not float and type(t_raw) is not int:
+        raise StateDecodeError("turn batch time must be a number")
+    t = float(t_raw)
+    if not math.isfinite(t):
+        raise StateDecodeError("turn batch time must be finite")
+    workers = [expect_str(w, MAX_WORKER_LEN) for w in expect_list(f[2], max_len=256)]
+    widx, k_raw, b_raw = f[3], f[4], f[5]
+    if type(widx) is not bytes or type(k_raw) is not bytes or type(b_raw) is not bytes:
+        raise StateDecodeError("turn batch records must be bytes")
+    n = len(widx)
+    if n > max_records or len(k_raw) != 8 * n or len(b_raw) != 2 * n:
+        raise StateDecodeError("turn batch records differ in length (or are too many)")
+    if n and max(widx) >= len(workers):
+        raise StateDecodeError("turn batch names a worker it does not list")
+    blocks = _from_bytes("H", b_raw)
+    if n and min(blocks) < 1:
+        raise StateDecodeError("a turn end names at least one block")
+    return model, TurnBatch(t, workers, widx, _from_bytes("q", k_raw), blocks)
 
 
 # -- digests ------------------------------------------------------------------------------------------

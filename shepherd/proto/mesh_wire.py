@@ -195,6 +195,12 @@ def _array_header(n: int) -> bytes:
     return b"\xdc" + n.to_bytes(2, "big")
 
 
+@functools.lru_cache(maxsize=256)
+def _packet_head(arity: int, version: int, sender: str) -> bytes:
+    """A packet's array header, version and sender (the same for every packet a node sends)."""
+    return bytes([0x90 | arity]) + msgpack.packb(version) + msgpack.packb(sender)  # type: ignore[no-any-return]
+
+
 def encode_packet(
     msgs: Sequence[Message], budget: int = 1400, sender: str = "", stamp: tuple[int, int] | None = None
 ) -> bytes:
@@ -215,7 +221,7 @@ def encode_packet(
     if test_next and stamp is not None:
         tail += msgpack.packb(TEST_NEXT_FIELD)
     arity = (6 if test_next else 5) if stamp is not None else 3
-    head: bytes = bytes([0x90 | arity]) + msgpack.packb(wire_version.encode()) + msgpack.packb(sender)
+    head = _packet_head(arity, wire_version.encode(), sender)
     free = budget - len(head) - _ARRAY16_HEADER - len(tail)
     parts: list[bytes] = []
     for i, msg in enumerate(msgs[:MAX_PACKET_MSGS]):

@@ -48,6 +48,49 @@ __all__ = ["FastBPE", "fast_bpe_for"]
 
 log = logging.getLogger("shepherd.tokenizer")
 
+_encode_ascii: Callable[[str, object, Callable[[bytes], list[int]], int], list[int] | None] | None = None
+_rank_table: Callable[[dict[bytes, int]], object] | None = None
+try:  # the split of ASCII text in C (setup.py builds it where a compiler is)
+    from shepherd.tokens import _pretok
+
+    _encode_ascii = _pretok.encode_ascii
+    _rank_table = _pretok.rank_table
+except ImportError:  # pragma: no cover - an install without a C compiler
+    pass
+
+# the split patterns _pretok decides in C, and their digit runs: Qwen2's \p{N}, cl100k's (Llama 3) \p{N}{1,3}
+_C_SPLIT_DIGITS: Final = {
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+": 1,
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+": 3,
+}
+
+
+def _ordinary_encoder(core: _Core) -> Callable[[str], list[int]]:
+    """tiktoken's ``encode_ordinary`` of the core, or (same ids) the C split for ASCII text when the
+    pattern is one _pretok decides: a piece found whole among the ASCII tokens of the ranks is its id,
+    any other goes to tiktoken's BPE of one piece; text that is not ASCII goes to tiktoken."""
+    encoding = core.encoding
+    ordinary: Callable[[str], list[int]] = encoding.encode_ordinary
+    digits = _C_SPLIT_DIGITS.get(core.pattern)
+    ranks = getattr(encoding, "_mergeable_ranks", None)
+    bpe = getattr(getattr(encoding, "_core_bpe", None), "encode_single_piece", None)
+    c = _encode_ascii
+    if c is None or _rank_table is None or digits is None or type(ranks) is not dict or bpe is None:
+        return ordinary
+    try:  # the ASCII tokens (built here: before the pool forks, shared with it)
+        table = _rank_table(ranks)
+    except (TypeError, ValueError):  # keys or ids of other types (a future tiktoken): its own path
+        return ordinary
+
+    def encode(text: str) -> list[int]:
+        ids = c(text, table, bpe, digits)
+        return ordinary(text) if ids is None else ids
+
+    return encode
+
+
 _FIXED_WRAP_POST: Final = frozenset(
     {"ByteLevel", "TemplateProcessing", "BertProcessing", "RobertaProcessing"}
 )
@@ -117,7 +160,7 @@ class FastBPE:
         self.pattern = core.pattern
         self.nfc = core.nfc
         self.description = core.description
-        self._encode_ordinary = core.encoding.encode_ordinary
+        self._encode_ordinary = _ordinary_encoder(core)
         normalizer = hf.normalizer
         self._normalize: Callable[[str], str] | None = normalizer.normalize_str if normalizer else None
         self._raw_ids = dict(raw_tokens)

@@ -224,10 +224,37 @@ def test_follow_up_turn_on_another_node_hits_its_prefix(cluster: Cluster) -> Non
     follow_ups_hit_on_another_node(cluster, NAMES, 6)
 
 
-def follow_ups_hit_on_another_node(cluster: Cluster, names: tuple[str, ...], conversations: int) -> None:
+@contextlib.contextmanager
+def index_pair(tmp_path_factory: pytest.TempPathFactory, *flags: str, log_prefix: str) -> Iterator[Cluster]:
+    """Two nodes ``a`` and ``b`` meshed on loopback (production security), ``cache_aware`` over two mock
+    engines, with ``flags`` (the index replication under test); every process stopped by its pid."""
+    names = ("a", "b")
+    files, keyring = mesh_pki(tmp_path_factory, names)
+    with cluster_procs(names) as c:
+        start_engines(c.engines, 2)
+        urls = [c.engine_url(i) for i in range(2)]
+
+        def node_flags(name: str) -> list[str]:
+            return [
+                "--model-id", MODEL, "--policy", "cache_aware", "--tokenizer-workers", "0",
+                "--health-check-interval-secs", "1", *flags,
+                "--worker-urls", *urls, *mesh_flags(name, c.mesh_ports[name], files[name], keyring),
+            ]  # fmt: skip
+
+        c.nodes["a"] = spawn_node("serve", *node_flags("a"), port=reserved_port(), log_prefix=log_prefix)
+        seed = f"127.0.0.1:{c.mesh_ports['a']}"
+        c.nodes["b"] = spawn_node("join", seed, *node_flags("b"), port=reserved_port(), log_prefix=log_prefix)
+        wait_nodes_up(c.nodes)
+        yield c
+
+
+def follow_ups_hit_on_another_node(
+    cluster: Cluster, names: tuple[str, ...], conversations: int, held: str = "blocks"
+) -> None:
     """Conversation i's first turn goes to node ``names[i % len(names)]``; once every node's index holds
-    all the first turns' blocks, its follow-up, sent to the next node, goes to the engine that served the
-    first turn and hits its cache."""
+    all the first turns (``held``: their blocks, or ``turn_ends``: one for each first turn another node
+    served), its follow-up, sent to the next node, goes to the engine that served the first turn and hits
+    its cache."""
     convs = []
     for i in range(conversations):
         system = {"role": "system", "content": f"Conversation {i}. " + "You answer in detail. " * 40}
@@ -236,10 +263,15 @@ def follow_ups_hit_on_another_node(cluster: Cluster, names: tuple[str, ...], con
         url = cluster.url(names[i % len(names)]) + "/v1/chat/completions"
         engine, r = served_by(cluster, lambda url=url, body=body: request(url, body))  # type: ignore[misc]
         convs.append((i, msgs, r, engine))
-    need = sum(r["usage"]["prompt_tokens"] // 16 for _, _, r, _ in convs)
     for name in names:
+        if held == "blocks":
+            need = sum(r["usage"]["prompt_tokens"] // 16 for _, _, r, _ in convs)
+        else:
+            need = sum(names[i % len(names)] != name for i, _, _, _ in convs)
         wait_for(
-            lambda name=name: request(cluster.url(name) + "/mesh/state")["index"][MODEL]["blocks"] >= need,  # type: ignore[misc]
+            lambda name=name, need=need: (
+                request(cluster.url(name) + "/mesh/state")["index"][MODEL][held] >= need
+            ),  # type: ignore[misc]
             f"{name}'s index",
         )
     for i, msgs, r, engine in convs:

@@ -12,18 +12,13 @@ from collections.abc import Iterator
 import pytest
 
 from shepherd.proto.engine_types import worker_id
-from tests.e2e.node_procs import reserved_port, spawn_node
 from tests.e2e.test_mesh_cluster import (
     MODEL,
     Cluster,
-    cluster_procs,
     follow_ups_hit_on_another_node,
-    mesh_flags,
-    mesh_pki,
+    index_pair,
     request,
-    start_engines,
     wait_for,
-    wait_nodes_up,
 )
 
 pytestmark = pytest.mark.timeout(180)
@@ -33,22 +28,7 @@ NAMES = ("a", "b")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    files, keyring = mesh_pki(tmp_path_factory, NAMES)
-    with cluster_procs(NAMES) as c:
-        start_engines(c.engines, 2)
-        urls = [c.engine_url(i) for i in range(2)]
-
-        def flags(name: str) -> list[str]:
-            return [
-                "--model-id", MODEL, "--policy", "cache_aware", "--tokenizer-workers", "0",
-                "--health-check-interval-secs", "1", "--mesh-index-replication", "auto",
-                "--worker-urls", *urls, *mesh_flags(name, c.mesh_ports[name], files[name], keyring),
-            ]  # fmt: skip
-
-        c.nodes["a"] = spawn_node("serve", *flags("a"), port=reserved_port(), log_prefix="smg-ixauto-")
-        seed = f"127.0.0.1:{c.mesh_ports['a']}"
-        c.nodes["b"] = spawn_node("join", seed, *flags("b"), port=reserved_port(), log_prefix="smg-ixauto-")
-        wait_nodes_up(c.nodes)
+    with index_pair(tmp_path_factory, "--mesh-index-replication", "auto", log_prefix="smg-ixauto-") as c:
         yield c
 
 

@@ -234,7 +234,7 @@ async def test_redis_down_then_back(prefix: str) -> None:
                 await _until_up(a)
                 r = aioredis.Redis.from_url(back.url)
                 try:  # the 6 admitted while it was away were added to its window
-                    keys = [k async for k in r.scan_iter(f"{prefix}{{*")]  # the windows (not the presence set)
+                    keys = [k async for k in r.scan_iter(f"{prefix}{{*")]  # the windows, not the presence
                     assert len(keys) == 1 and await r.hget(keys[0], "r") == b"6"
                 finally:
                     await r.aclose()

@@ -19,7 +19,7 @@ from shepherd.proto.engine_requests import (
     vllm_generate,
     vllm_generate_bytes,
 )
-from shepherd.proto.engine_responses import _c_chunk, decode_batch, decode_response
+from shepherd.proto.engine_responses import _c_chunk, decode_batch, decode_response, lone_chunk
 from shepherd.proto.engine_types import EngineChunk, EngineComplete, GenerateRequest, SamplingParams
 from shepherd.proto.prompt_ids import PromptIds
 from shepherd.proto.varint import varint
@@ -376,9 +376,52 @@ def test_a_lone_chunk_decodes_as_protobuf_decodes_it(kind: str, pieces: list[byt
             decode_batch([raw], parse, single=kind)
         return
     assert decode_batch([raw], parse, single=kind) == [expected]
+    # the push path's reader (the whole message, the event made in C): protobuf's event, or None
+    if lone_chunk is not None:
+        lone = lone_chunk(raw, kind == "vllm")
+        assert lone is None or lone == expected
     # the request id after the chunk (valid protobuf, another field order): protobuf's path
     if rid and kind == "sglang":
         assert decode_batch([raw + head], parse, single=kind) == [decode_response(parse(raw + head))]
+        if lone_chunk is not None:
+            assert lone_chunk(raw + head, False) is None
+
+
+@pytest.mark.skipif(lone_chunk is None, reason="_varint not built")
+@settings(max_examples=200, deadline=None)
+@given(IDS, st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.sampled_from(["", "r", "x" * 130]))
+def test_the_lone_chunk_reader_reads_a_plain_chunk(ids: list[int], prompt: int, done: int, rid: str) -> None:
+    """A plain chunk (ids and counts, as a paced engine sends one token) is read in C, both engines."""
+    assert lone_chunk is not None
+    for kind, pb in (("sglang", sg), ("vllm", vl)):
+        if kind == "sglang":
+            chunk = sg.GenerateStreamChunk(token_ids=ids, prompt_tokens=prompt, completion_tokens=done)
+            raw = sg.GenerateResponse(request_id=rid, chunk=chunk).SerializeToString()
+        else:
+            chunk = vl.GenerateStreamChunk(token_ids=ids, prompt_tokens=prompt, completion_tokens=done)
+            raw = vl.GenerateResponse(chunk=chunk).SerializeToString()
+        lone = lone_chunk(raw, kind == "vllm")
+        assert lone is not None
+        assert lone == decode_response(pb.GenerateResponse.FromString(raw))
+        assert [lone] == decode_batch([raw], pb.GenerateResponse.FromString, single=kind)
+        assert type(lone) is EngineChunk and lone.logprobs == []
+        assert isinstance(lone.token_ids, list)
+        lone.token_ids.append(1)  # its own list
+        assert lone_chunk(raw, kind == "vllm") != lone
+
+
+@pytest.mark.skipif(lone_chunk is None, reason="_varint not built")
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=40), st.booleans())
+def test_the_lone_chunk_reader_on_any_bytes(raw: bytes, vllm: bool) -> None:
+    """Any bytes: the C reader's event is what decode_batch makes of the message, or it hands it on."""
+    assert lone_chunk is not None
+    lone = lone_chunk(raw, vllm)
+    if lone is None:
+        return
+    kind = "vllm" if vllm else "sglang"
+    parse = (vl if vllm else sg).GenerateResponse.FromString
+    assert decode_batch([raw], parse, single=kind) == [lone]
 
 
 @pytest.mark.skipif(_c_chunk is None, reason="_varint not built")

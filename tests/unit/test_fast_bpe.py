@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
 from shepherd.tokens.cache import TokenCache
-from shepherd.tokens.fast_bpe import FastBPE, fast_bpe_for
-from shepherd.tokens.fast_bpe_core import byte_level_decoder
+from shepherd.tokens.fast_bpe import _C_SPLIT_DIGITS, FastBPE, _encode_ascii, _ordinary_encoder, fast_bpe_for
+from shepherd.tokens.fast_bpe_core import _cached_core, byte_level_decoder
 from shepherd.tokens.tokenizer import Tokenizer as ShepherdTokenizer
 from tests import helpers_tokenizers
 from tests.unit.test_tokenizer_shared import GPT2_DIR, gpt2, llama, qwen3
@@ -465,3 +465,39 @@ def test_fast_bpe_for_rebuilds_when_added_tokens_change() -> None:
     again, _ = fast_bpe_for(hf, d)
     assert again is not None and again is not first
     assert again.encode("ab<new>ab", False) == hf.encode("ab<new>ab", add_special_tokens=False).ids
+
+
+# ---- the split of ASCII text in C (_pretok) ----------------------------------------------------------
+
+_ASCII_PIECES = st.one_of(
+    st.text(st.characters(max_codepoint=127), max_size=8),  # any ASCII: controls, 0x1C-0x1F, DEL
+    st.sampled_from(["'s", "'T", "'re", "'VE", "'m", "'Ll", "'d", "'x", "''", "'", "'r", "'l"]),
+    st.text(" \t\n\r\x0b\x0c", min_size=1, max_size=6),  # white-space runs, line breaks inside
+    st.text("0123456789", min_size=1, max_size=7),
+    st.text("abcXYZ", min_size=1, max_size=6),
+    st.text('!?.,-_"\\/()', min_size=1, max_size=4),
+)
+
+
+@functools.cache
+def _c_and_tiktoken(name: str) -> tuple[Callable[[str], list[int]], Callable[[str], list[int]]]:
+    """The ordinary encoder of a tokenizer's core (the C split, checked in use) and tiktoken's."""
+    fast = fast_of(name)
+    assert fast.pattern in _C_SPLIT_DIGITS
+    core = _cached_core(fast.hf, json.loads(fast.hf.to_str()), None)
+    encode = _ordinary_encoder(core)
+    assert encode != core.encoding.encode_ordinary  # the C split is in use
+    return encode, core.encoding.encode_ordinary
+
+
+@pytest.mark.skipif(_encode_ascii is None, reason="_pretok not built")
+@pytest.mark.parametrize("name", ["qwen3", "llama-3.1"])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_ASCII_PIECES, max_size=12).map("".join))
+def test_the_c_split_of_ascii_text_gives_tiktokens_ids(name: str, text: str) -> None:
+    """Qwen2's and cl100k's patterns decided in C for ASCII text: the ids are tiktoken's own
+    ``encode_ordinary`` (its regex split and BPE), for any ASCII (contractions in any case, white-space
+    runs with and without line breaks before text or at the end, digit runs, punctuation runs)."""
+    encode, tiktoken_encode = _c_and_tiktoken(name)
+    assert encode(text) == tiktoken_encode(text)
+    assert encode(text + "é") == tiktoken_encode(text + "é")  # not ASCII: tiktoken's

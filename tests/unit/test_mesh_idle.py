@@ -8,6 +8,8 @@ import random
 import time
 from pathlib import Path
 
+import pytest
+
 from shepherd.mesh.ratelimit import Limits, RateLimiter
 from shepherd.mesh.state import MeshState
 from shepherd.mesh.state_config import TenantRecord
@@ -161,3 +163,36 @@ async def test_a_node_flushes_when_something_was_written_and_not_otherwise(tmp_p
         periods = (time.monotonic() - t0) / CFG.probe_interval
         assert rt.metrics.ticks - ticks0 <= 1.5 * periods + 2
         assert pb is not None
+
+
+async def test_the_node_tick_rides_on_the_runtimes_wake_ups(tmp_path: Path) -> None:
+    async with two_mesh_nodes(tmp_path, MODEL) as (_gw_a, a, _gw_b, _b):
+        rt = a.runtime
+        assert rt is not None
+        assert rt._job == a._tick and a._tasks == []  # no timer task of its own
+        assert rt._timer_at <= rt._job_due  # the runtime's timer wakes it when due at the latest
+        runs: list[float] = []
+        rt.call_every(1.0, lambda: runs.append(now[0]), slack=0.25)
+        now = [100.0]
+        rt._now = lambda: now[0]  # type: ignore[method-assign]
+        try:
+            rt._job_due = 101.0
+            for t in (100.5, 100.74):  # a datagram or a probe tick before the slack window: not yet
+                now[0] = t
+                rt._run_job()
+            assert runs == []
+            now[0] = 100.8  # the first wake-up within the window runs it, due a period later
+            rt._run_job()
+            assert runs == [100.8] and rt._job_due == 101.8
+            now[0] = 101.0
+            rt._run_job()
+            assert runs == [100.8]
+            rt._closing = True  # never once the runtime is closing (the leave's drain)
+            now[0] = 102.0
+            rt._run_job()
+            assert runs == [100.8]
+            rt._closing = False
+        finally:
+            del rt._now
+        with pytest.raises(ValueError):
+            rt.call_every(1.0, lambda: None, slack=1.0)

@@ -15,6 +15,7 @@ import pytest
 
 from shepherd.mesh.index_scope import MAX_MODELS, IndexScope, model_key, routed_keys, routes_meta
 from shepherd.mesh.state import MeshState
+from shepherd.mesh.state_types import MeshStateConfig
 from shepherd.node.cli import config_from_args
 from shepherd.node.cluster.mesh_node import MeshNode
 from shepherd.node.config import ConfigError, build_config
@@ -84,7 +85,7 @@ class FakeGateway:
     kv_feed: FakeFeed
 
 
-def node(tmp_path: Path, mode: str) -> MeshNode:
+def node(tmp_path: Path, mode: str, **extra: object) -> MeshNode:
     cfg = build_config(
         {},
         {
@@ -95,6 +96,7 @@ def node(tmp_path: Path, mode: str) -> MeshNode:
             "mesh_name": "a",
             "mesh_dev_pki": str(tmp_path),
             "mesh_index_replication": mode,
+            **extra,
         },
     )
     return MeshNode(cfg, Gateway(cfg))
@@ -173,6 +175,31 @@ def test_none_sends_no_index_deltas(tmp_path: Path) -> None:
     assert ix.pending == 0
 
 
+def test_ends_sends_one_turn_end_per_decision_and_no_blocks(tmp_path: Path) -> None:
+    n = node(tmp_path, "ends")
+    ix = n.state.index("m")
+    fake: Any = FakeGateway(
+        FakeRegistry({"w1": FakeWorker("w1", "m"), "w2": FakeWorker("w2", "m")}), FakeFeed({"w1"})
+    )
+    n.gw = fake
+    n.sync_index_quiet()
+    assert ix.quiet_workers == ix.turn_workers == {"w1", "w2"}  # with or without a live KV stream
+    ix.insert(list(range(320)), "w1", n.clock())
+    ix.insert(list(range(1000, 1640)), "w2", n.clock())
+    rt = FakeRuntime([member("b", routes_meta(["m"])), member("c", routes_meta(["other"]))])
+    n.runtime = rt  # type: ignore[assignment]
+    assert n.flush_index() == 1 and list(rt.sent) == ["b"]  # scoped as the blocks are
+    (p,) = rt.sent["b"]
+    _, tag, body = msgpack.unpackb(p, raw=False)
+    assert tag == "t" and body[2] == ["w1", "w2"] and len(body[3]) == 2  # two records, no "i" payload
+    peer = MeshState("b", n.clock, MeshStateConfig(), new_index=make_replica)
+    peer.apply(p, "a")
+    assert peer.index("m").match(list(range(320)) + [7] * 40) == {"w1": 320}
+    n.index_replication = "all"
+    n.sync_index_quiet()
+    assert ix.quiet_workers == ix.turn_workers == frozenset()
+
+
 def test_the_setting_is_validated(tmp_path: Path) -> None:
     assert build_config({}, {}).mesh_index_replication == "auto"
     assert build_config({"mesh_index_replication": "none"}, {}).mesh_index_replication == "none"
@@ -180,8 +207,18 @@ def test_the_setting_is_validated(tmp_path: Path) -> None:
         build_config({"mesh_index_replication": "some"}, {})
     cfg = config_from_args(["serve", "--mesh-index-replication", "all"])
     assert cfg.mesh_index_replication == "all"
+    assert config_from_args(["serve", "--mesh-index-replication", "ends"]).mesh_index_replication == "ends"
     with pytest.raises(SystemExit):
         config_from_args(["serve", "--mesh-index-replication", "sometimes"])
+    assert build_config({}, {}).mesh_index_turn_ends == 1 << 23
+    assert config_from_args(["serve", "--mesh-index-turn-ends", "4096"]).mesh_index_turn_ends == 4096
+    with pytest.raises(ConfigError, match="mesh_index_turn_ends"):
+        build_config({"mesh_index_turn_ends": 100}, {})
+
+
+def test_the_turn_ends_kept_follow_the_setting(tmp_path: Path) -> None:
+    n = node(tmp_path, "ends", mesh_index_turn_ends=4096)
+    assert n.state.index("m").repl.turn_ends_max == 4096
 
 
 def test_the_replicas_quiet_flag_survives_a_slot_reuse() -> None:

@@ -183,3 +183,33 @@ def test_owner_gone_about_our_own_version_still_triggers_the_rewrite() -> None:
     s1.on_user(envelope("r", [entry_to_wire(e)]), "n2")  # n1 hears of it: refutes with a new version
     after = s1.registry.entry("w1")
     assert before is not None and after is not None and after.stamp > before.stamp and after.live
+
+
+def test_owned_registry_and_health_changes_go_out_twice() -> None:
+    """Nothing relays a first-hand datagram: a worker add or a health flip goes out again ``resend_s``
+    after its first send (with the next flush), so one lost datagram does not wait for the lease renewal;
+    a receiver that got both applies the second as nothing new; nothing goes out a third time."""
+    now = [1000.0]
+    a = MeshState("a", lambda: now[0], MeshStateConfig(first_hand=True), new_index=make_replica)
+    a.add_worker(WorkerRecord("w1", "grpc://x:1", "m"))
+    a.observe_health("w1", False)
+    first = a.owned_batches()
+    assert first and a.owned_batches() == []  # not again before resend_s
+    now[0] += 0.5
+    assert a.owned_batches() == []
+    now[0] += 0.6
+    assert a.owned_batches() == first  # the second send
+    now[0] += 5
+    assert a.owned_batches() == []  # once only
+    b = MeshState("b", lambda: now[0], MeshStateConfig(first_hand=True), new_index=make_replica)
+    b.on_member_up("a")  # one copy lost: the second one alone brings the worker and its health
+    for p in first:
+        b.apply(p, "a")
+    assert [r.id for r in b.workers()] == ["w1"] and not b.routable("w1")
+    once = MeshState(
+        "a2", lambda: now[0], MeshStateConfig(first_hand=True, resend_s=0), new_index=make_replica
+    )
+    once.add_worker(WorkerRecord("w2", "grpc://x:2", "m"))
+    assert once.owned_batches()
+    now[0] += 2
+    assert once.owned_batches() == []

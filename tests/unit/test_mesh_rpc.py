@@ -19,6 +19,7 @@ from shepherd.auth.certs import TlsFiles, client_context, server_context, write_
 from shepherd.mesh.keyring import Keyring
 from shepherd.mesh.runtime import MeshRuntime, RpcError
 from shepherd.mesh.runtime_config import MeshRuntimeConfig
+from shepherd.mesh.swim_types import PushPull
 from shepherd.mesh.transport import PushPullError, push_pull_request
 from shepherd.proto import mesh_wire
 from shepherd.proto.mesh_messages import Addr, MemberState, RpcRequest
@@ -39,6 +40,9 @@ class Cluster:
 
     async def node(self, name: str, seeds: tuple[Addr, ...] = (), **cfg: float) -> MeshRuntime:
         files = self.pki[name]
+        # push-pulls one-shot (as before they could be kept) unless a test asks: the tests of the RPC
+        # pool count the sessions idle on a server, and FAST's push-pulls every second would add theirs
+        cfg.setdefault("keep_push_pull_connections", False)
         rt = MeshRuntime(
             MeshRuntimeConfig(name=name, bind_host="127.0.0.1", bind_port=0, seeds=seeds, swim=FAST, **cfg),  # type: ignore[arg-type]
             Keyring([KEY]),
@@ -439,3 +443,46 @@ async def test_one_shot_server_keeps_working_with_pooling_clients(cluster: Clust
     assert [p for _, p in rec.calls] == [b"%d" % i for i in range(5)]
     tcp = n1._tcp
     assert tcp is not None and tcp.idle_sessions == 0
+
+
+# ---- push-pulls over a kept connection ---------------------------------------------------------------
+
+
+async def test_push_pulls_reuse_the_kept_connection(cluster: Cluster) -> None:
+    n1 = await cluster.node("n1", keep_push_pull_connections=True)
+    n2 = await cluster.node("n2", seeds=(n1.address,), keep_push_pull_connections=True)
+    await eventually(lambda: alive([n1, n2], ["n1", "n2"]), what="two alive")
+    await eventually(lambda: n2.kept_push_pull_connections() == ["n1"], what="n2 keeps its connection")
+    handshakes, ok = n2.transport_metrics.tcp_handshakes_out, n2.metrics.push_pulls_ok
+    # FAST: a push-pull a second each way; the join was the only new connection n2 needed
+    await eventually(lambda: n2.metrics.push_pulls_ok >= ok + 3, what="three more push-pulls by n2")
+    assert n2.metrics.push_pulls_reused >= 3 and n2.metrics.push_pulls_failed == 0
+    assert n2.transport_metrics.tcp_handshakes_out == handshakes
+    assert n1.metrics.push_pulls_reused >= 1 and n1.kept_push_pull_connections() == ["n2"]
+    assert n2.pooled_connections() == 0  # not the RPC pool's
+    # a member that dies: its kept connection is closed at once
+    from shepherd.proto.mesh_messages import Dead, Packet
+
+    m1 = n2.swim.member("n1")
+    assert m1 is not None
+    now = asyncio.get_running_loop().time()
+    n2._execute(n2.swim.on_packet(now, n1.address, Packet("n1", (Dead(m1.incarnation, "n1", "n2"),))))
+    assert n2.member_state("n1") == MemberState.DEAD and n2.kept_push_pull_connections() == []
+
+
+async def test_a_kept_push_pull_connection_the_server_closed(cluster: Cluster) -> None:
+    # n1 ends idle sessions after 0.3 s, before n2's next push-pull (a second): n2 notices the close
+    # and dials again; and when it does not notice (watcher silenced), the push-pull is sent again
+    n1 = await cluster.node("n1", rpc_idle_timeout=0.3)
+    n2 = await cluster.node("n2", seeds=(n1.address,), keep_push_pull_connections=True)
+    await eventually(lambda: alive([n1, n2], ["n1", "n2"]), what="two alive")
+    ok = n2.metrics.push_pulls_ok
+    await eventually(lambda: n2.metrics.push_pulls_ok >= ok + 2, what="two push-pulls")
+    assert n2.metrics.push_pulls_failed == 0 and n2.metrics.push_pulls_reused == 0
+    await eventually(lambda: n2.kept_push_pull_connections() == ["n1"], what="a kept connection")
+    conn = n2._pp_conns["n1"]
+    conn._stop_watch()
+    closed = n1.transport_metrics.tcp_idle_closed
+    await eventually(lambda: n1.transport_metrics.tcp_idle_closed > closed, what="n1 closed it")
+    assert await n2._spawn_push_pull(PushPull(n1.address, "n1", False)) is True
+    assert n2.metrics.push_pulls_retried >= 1 and n2.metrics.push_pulls_failed == 0

@@ -6,8 +6,9 @@ Assertions are on eventual states, reached through bounded polling loops (never 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack
 from dataclasses import replace
 
@@ -220,6 +221,50 @@ async def test_delegate_state_and_broadcasts(cluster: Cluster) -> None:
     await eventually(lambda: (b"delta-1", "n1") in d2.user, what="broadcast delivered")
     await n2.abort()
     await eventually(lambda: "n2" in d1.dead, timeout=30, what="delegate told n2 is dead")
+
+
+class SteppedDelegate(RecordingDelegate):
+    """Merges a push-pull state in three steps (``merge_remote_state_steps``), noting at each step how
+    far a task that counts loop turns got: the loop must run between the steps."""
+
+    def __init__(self, name: str, turns: list[int]) -> None:
+        super().__init__(name)
+        self.turns = turns
+        self.steps: list[tuple[str, list[int]]] = []  # (peer, loop turns seen at each step)
+
+    def merge_remote_state_steps(self, data: bytes, peer: str) -> Iterator[None]:
+        seen = []
+        for _ in range(3):
+            seen.append(self.turns[0])
+            yield
+        seen.append(self.turns[0])
+        self.merged_from.append((data, peer))
+        self.steps.append((peer, seen))
+
+
+async def test_push_pull_state_merged_in_steps_lets_the_loop_run(cluster: Cluster) -> None:
+    turns = [0]
+
+    async def count_turns() -> None:
+        for _ in range(10**7):  # (bounded; cancelled at the end)
+            turns[0] += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(count_turns())
+    try:
+        d1, d2 = SteppedDelegate("n1", turns), SteppedDelegate("n2", turns)
+        n1 = await cluster.node("n1", delegate=d1)
+        n2 = await cluster.node("n2", seeds=(n1.address,), delegate=d2)
+        await eventually(lambda: all_alive([n1, n2], ["n1", "n2"]), what="joined")
+        # both sides (the requester's reply, the responder's request) merge in steps, with the identity
+        await eventually(lambda: (b"state-of-n1", "n1") in d2.merged_from, what="n2 merged n1's state")
+        await eventually(lambda: (b"state-of-n2", "n2") in d1.merged_from, what="n1 merged n2's state")
+    finally:
+        ticker.cancel()
+    for d, peer in ((d1, "n2"), (d2, "n1")):
+        assert d.steps and all(p == peer for p, _ in d.steps)
+        for _, seen in d.steps:
+            assert all(b > a for a, b in itertools.pairwise(seen)), seen  # the loop ran between
 
 
 async def test_lag_monitor_and_clean_shutdown(pki: dict[str, TlsFiles]) -> None:

@@ -8,8 +8,10 @@ from smg_grpc_proto import sglang_scheduler_pb2 as sg
 
 from shepherd.node.openai.requests import parse_chat
 from shepherd.node.output.choice import ChoiceState
+from shepherd.node.output.stop import StopMatcher, StoppingDecoder
 from shepherd.proto.engine_responses import decode_batch, decode_response
 from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent
+from shepherd.tokens.detokenizer import IncrementalDetokenizer
 from tests.unit.test_tokenizer_shared import qwen3
 
 
@@ -106,3 +108,50 @@ def test_whole_output_equals_incremental(text: str, include: bool, reason: str) 
     whole = a.whole(ids, (), reason)
     incremental = b.feed(ids) + b.end(reason)
     assert (whole, a.finish_reason, a.matched) == (incremental, b.finish_reason, b.matched)
+
+
+_HOSTILE = [*'ab "\\\n\r\t\x00\x01\x1f\x7f\u2028é中🙂🦩', "<|im_end|>", "<think>", "STOP"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.sampled_from(_HOSTILE), max_size=30),
+    st.lists(st.integers(1, 4), min_size=1, max_size=40),
+    st.booleans(),
+    st.sampled_from([(), (14,)]),
+)
+def test_feed_without_stop_strings_equals_the_stopping_decoder(
+    pieces: list[str], sizes: list[int], eos_at_end: bool, stop_ids: tuple[int, ...]
+) -> None:
+    """ChoiceState.feed with no stop string (the detokenizer's text straight through, a stop token
+    sending it the matcher's way) gives, chunk by chunk, what StoppingDecoder gives: partial UTF-8
+    held across chunks (emoji split into byte tokens), escapes and control characters, special tokens,
+    an EOS or a stop token inside a chunk."""
+    tok = qwen3()
+    ids = tok.encode("".join(pieces), add_special_tokens=False)
+    if eos_at_end:
+        ids = [*ids, *tok.eos_token_ids[:1], *ids[:3]]
+    s = sampling(stop_token_ids=list(stop_ids)) if stop_ids else sampling()
+    st_ = ChoiceState(0, tok, s)  # type: ignore[arg-type]
+    ref = StoppingDecoder(
+        IncrementalDetokenizer(tok.hf, skip_special_tokens=True),
+        StopMatcher(stop_token_ids=stop_ids, eos_token_ids=tok.eos_token_ids),
+    )
+    pos = k = 0
+    stopped = False
+    while pos < len(ids) and not stopped:  # bounded by the ids: each turn takes at least one
+        chunk = ids[pos : pos + sizes[k % len(sizes)]]
+        pos += len(chunk)
+        k += 1
+        want = ref.feed(chunk)
+        got = st_.feed(chunk)
+        assert got == want.visible, (chunk, got, want)
+        assert st_.finished == want.finished
+        stopped = want.finished
+        if stopped:
+            assert (st_.finish_reason, st_.matched) == ("stop", want.matched)
+    if not stopped:
+        end = ref.finish()
+        assert st_.end("length") == end.visible
+        assert st_.finish_reason == "length"
+    assert st_.tokens == pos

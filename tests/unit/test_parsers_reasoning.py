@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shepherd.parsers import get_reasoning_parser, run_reasoning
+from shepherd.parsers.registry import REASONING_FAMILIES
 
 # (family, parser kwargs, model output, expected reasoning, expected content)
 CASES: list[tuple[str, dict[str, bool], str, str, str]] = [
@@ -221,3 +222,38 @@ def test_fresh_parser_per_request_shares_nothing() -> None:
 def test_unknown_family_raises() -> None:
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         get_reasoning_parser("no-such-family")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.sampled_from(sorted(REASONING_FAMILIES)),
+    st.lists(st.sampled_from(["<think>", "</think>", "<", "/", "think>", " ", "\n", "a", "b."]), max_size=12),
+    st.lists(st.text(alphabet="<>/thinkab \n", max_size=6), max_size=6),
+    st.booleans(),
+    st.booleans(),
+)
+def test_passthrough_means_feed_returns_its_text_as_content(
+    family: str, head: list[str], tail: list[str], thinking: bool, opened: bool
+) -> None:
+    """Once a parser says ``passthrough`` (a caller then skips ``feed``), every later ``feed`` gives
+    its text back as content and ``finish`` nothing: skipping them changes nothing."""
+    p = get_reasoning_parser(family, thinking_enabled=thinking, prompt_opened_think=opened)
+    for piece in head:
+        p.feed(piece)
+    if not p.passthrough:
+        return
+    for piece in tail:
+        assert p.feed(piece) == ("", piece)
+        assert p.passthrough
+    assert p.finish() == ("", "")
+
+
+def test_a_think_tag_parser_passes_through_after_its_block() -> None:
+    p = get_reasoning_parser("qwen3")
+    seen = [p.passthrough]
+    assert p.feed("<think>\nhm</think>\n\n") == ("hm", "")
+    seen.append(p.passthrough)  # the white space after the block is still being dropped
+    assert p.feed("Answer") == ("", "Answer")
+    seen.append(p.passthrough)
+    assert seen == [False, False, True]
+    assert get_reasoning_parser("qwen3", thinking_enabled=False).passthrough

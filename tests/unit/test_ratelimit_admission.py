@@ -14,6 +14,7 @@ from aiohttp.test_utils import make_mocked_request
 from shepherd.auth.principal import PRINCIPAL_KEY, Principal
 from shepherd.mesh.ratelimit import Limits
 from shepherd.node.api.admission import TICKET_KEY, UNLIMITED, Admission, RateLimited, tokens_used
+from shepherd.node.cli import config_from_args
 from shepherd.node.config import ConfigError, NodeConfig, RateLimitRule, build_config
 from shepherd.node.openai.requests import parse_chat
 
@@ -59,11 +60,31 @@ def test_config_rules_and_defaults() -> None:
         {"rate_limits": [{"tenant": "a", "burst": 10}]},
         {"rate_limits": {"tenant": "a"}},
         {"rate_limit_rpm": -1},
+        {"rate_limit_propagation_max_secs": 0.5},  # below rate_limit_propagation_secs (1)
+        {"rate_limit_propagation_max_secs": 61},  # above the window (60)
+        {"rate_limit_propagation_max_secs": -1},
+        {"rate_limit_propagation_max_secs": "15"},
     ],
 )
 def test_bad_rate_limit_config(bad: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         build_config(bad, {})
+
+
+def test_propagation_max_reaches_the_limiter() -> None:
+    def limiter_pmax(file_values: dict[str, object], flags: dict[str, object]) -> float:
+        a = Admission.from_config(build_config({"rate_limit_rpm": 100, **file_values}, flags))
+        assert a is not None
+        return a.limiter.cfg.propagation_max
+
+    assert limiter_pmax({}, {}) == 15.0  # on by default: τ follows the staleness, up to 15 s
+    assert limiter_pmax({"rate_limit_window_secs": 10}, {}) == 10.0  # at most the window
+    assert limiter_pmax({"rate_limit_propagation_max_secs": 30}, {}) == 30.0
+    assert (
+        limiter_pmax({"rate_limit_propagation_max_secs": 30}, {"rate_limit_propagation_max_secs": 0.0}) == 0.0
+    )
+    cfg = config_from_args(["serve", "--rate-limit-rpm", "100", "--rate-limit-propagation-max-secs", "20"])
+    assert cfg.rate_limit_propagation_max_secs == 20.0
 
 
 def test_429_envelope_and_headers() -> None:

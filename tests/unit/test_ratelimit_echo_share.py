@@ -13,10 +13,10 @@ NOW = 1_790_000_000.0
 RULES = [(("t", ""), Limits(rpm=600))]
 
 
-def _burst(apply_echo: bool) -> int:
+def _burst(apply_echo: bool, tau_max: float = 0.0) -> int:
     """``b`` made 100 attempts that ``a`` knows of; ``a`` made one, which ``b`` relays back (the echo),
     then ``a`` tries 400 requests at once. Returns how many ``a`` admitted."""
-    cfg = LimiterConfig(window=60.0, propagation=1.0, relay=True)
+    cfg = LimiterConfig(window=60.0, propagation=1.0, relay=True, propagation_max=tau_max)
     a, b = RateLimiter("a", 1, cfg), RateLimiter("b", 1, cfg)
     for lim in (a, b):
         lim.set_membership(["a", "b"], 2)
@@ -46,6 +46,16 @@ def _burst(apply_echo: bool) -> int:
 
 
 def test_share_uses_the_echoed_demand() -> None:
+    # τ fixed (``propagation_max`` 0): the echo tells what the others see of this node's demand
     fresh, echoed = _burst(apply_echo=False), _burst(apply_echo=True)
     # own demand 1 of 101 seen by the others: share 0.1 + 0.8/101 of the headroom, not ~0.1 + 0.8 * 0.8
     assert 0 < echoed < fresh / 3, (echoed, fresh)
+
+
+def test_share_uses_own_demand_as_old_as_the_held_states() -> None:
+    # τ from the ages (``propagation_max``): the others' states a holds are 4 s old, so a takes its own
+    # demand as published then (1 attempt), whether or not an echo comes back, however many it publishes now
+    fresh = _burst(apply_echo=False)
+    for echo in (False, True):
+        got = _burst(apply_echo=echo, tau_max=15.0)
+        assert 0 < got < fresh / 3, (got, fresh)

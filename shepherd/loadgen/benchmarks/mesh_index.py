@@ -18,6 +18,9 @@ Designs (``DESIGNS``):
 - ``all`` (``--mesh-index-replication all``, or ``auto`` for workers without KV events): a routing
   decision sends its new blocks only, a held prefix again once ``refresh_s`` old (600 s); no KV events
   (HTTP engines: gossip carries everything).
+- ``ends`` (``--mesh-index-replication ends``): sparse: a routing decision sends one turn end (the name
+  of the prompt's last full block, the worker, its blocks; 11 bytes), never blocks; receivers keep them
+  in a bounded table (``turn_ends``) that ``match`` consults beside the walk. No KV events.
 - ``auto`` (the default for gRPC engines): every node gets the engine's KV events (``stored``, through
   ``KvEventApplier``, ``kv_delay`` after the request); routing decisions of event-fed workers are not
   sent: nothing is gossiped. What each node spends instead is the KV feed: one event per request routed
@@ -33,6 +36,7 @@ models; nodes are split evenly over them).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import math
 import random
@@ -52,13 +56,14 @@ from shepherd.policies.prefix_index import BLOCK_TOKENS, PrefixIndexConfig
 from shepherd.policies.prefix_replica import IndexReplConfig
 from shepherd.policies.prefix_replica_native import Replica, make_replica
 from shepherd.proto import mesh_wire
+from shepherd.proto.engine_types import worker_id
 from shepherd.proto.mesh_messages import User
 
 __all__ = ["CAPACITY", "DESIGNS", "SHAPES", "IndexCost", "Shape", "index_cost", "models_for", "project"]
 
 BASE = 1_790_000_000.0
 MODEL = "m"
-DESIGNS = ("before", "all", "auto")
+DESIGNS = ("before", "all", "auto", "ends")
 CAPACITY = 1 << 18  # blocks per worker in the index (4M tokens: every design keeps 3 minutes of the trace)
 
 
@@ -129,6 +134,7 @@ def index_cost(
     warmup: float = 60.0,
     kv_delay: float = 1.0,
     capacity: int = CAPACITY,
+    turn_ends_max: int | None = None,
 ) -> IndexCost:
     """``nodes`` nodes route the chat trace at ``rate`` req/s each for ``warmup + seconds`` (simulated);
     the window after the warm-up is measured (see the module docstring)."""
@@ -137,6 +143,8 @@ def index_cost(
     rng = random.Random(f"ix-{seed}")
     now = [BASE]
     repl = IndexReplConfig(refresh_s=0.0) if design == "before" else IndexReplConfig()
+    if turn_ends_max is not None:
+        repl = dataclasses.replace(repl, turn_ends_max=turn_ends_max)
     pcfg = PrefixIndexConfig(capacity_blocks=capacity)
     names = [f"n{i}" for i in range(nodes)]
     states: list[MeshState[Replica]] = [
@@ -144,7 +152,7 @@ def index_cost(
         for nm in names
     ]
     ixs = [s.index(MODEL) for s in states]
-    wids = [f"w{i}" for i in range(workers)]
+    wids = [worker_id(f"http://engine-{i}:30000") for i in range(workers)]  # a node's ids: 12 hex digits
     kv = design == "auto"
     appliers: list[dict[str, KvEventApplier]] = [{} for _ in range(nodes)]
     if kv:
@@ -152,6 +160,11 @@ def index_cost(
             for w in wids:
                 ix.set_quiet(w, True)  # auto: the engines' events are every node's source
                 ap[w] = KvEventApplier(ix, w)
+    if design == "ends":
+        for ix in ixs:
+            for w in wids:
+                ix.set_quiet(w, True)  # no blocks: one turn end per routing decision
+                ix.set_turns(w, True)
     pool = [rng.randrange(1, 150_000) for _ in range(1 << 18)]
     systems = [(rng.randrange(0, len(pool) - 1600), rng.randrange(400, 1600)) for _ in range(20)]
 

@@ -30,7 +30,14 @@ receivers, push-pull repair), what a mesh without ``first_hand`` does. Per N, me
 
 Figures are deterministic for a seed (the CPU ones are timed on this machine). ``--mode`` picks the
 rate-limit delivery to measure: ``before`` (deltas ride piggybacking unkeyed, never relayed) or ``after``
-(``LimiterConfig.relay``: received shards re-gossiped, one queued delta per shard).
+(``LimiterConfig.relay``: received shards re-gossiped, one queued delta per shard), or ``first-hand``:
+the node's own delivery (``MeshStateConfig(first_hand=True)``, what ``MeshNode`` runs): nothing is
+relayed or piggybacked; each node sends its ``owned_batches`` (registry entries, health deltas and
+beacons, rate-limit shards; and ``index_batches``) as datagrams of their own to every alive member,
+flushed as ``MeshNode.flush_soon`` does (a rate-limit change ``LIMIT_FLUSH_S`` after the last flush, a
+worker or health change ``INDEX_FLUSH_S``, a member event, and every tick), over the same lossy
+transport; push-pulls merge only the peer's own entries (``merge_remote_state_from``). Its price is the
+owner's: the datagrams and bytes per node per second it sends (``owned dg/s, KB/s``).
 """
 
 from __future__ import annotations
@@ -54,12 +61,17 @@ from shepherd.mesh.sim import Sim
 from shepherd.mesh.state import MeshState
 from shepherd.mesh.state_registry import WorkerRecord
 from shepherd.mesh.state_types import MeshStateConfig
+from shepherd.mesh.state_wire import peek
 from shepherd.mesh.swim_types import Action, MemberDead, MemberLeft, MemberUp
 from shepherd.policies.prefix_replica_native import Replica, make_replica
 
 BASE = 1_790_000_000.0  # the simulated wall clock starts here (HLC stamps need a plausible time)
 TENANT = ("t", "")
 MODEL = "m"
+# the node's flush timing (``shepherd.node.cluster.mesh_node``, which loadgen may not import; a test
+# checks they agree): index, worker and health deltas at most this often, a rate-limit shard this soon
+INDEX_FLUSH_S = 0.02
+LIMIT_FLUSH_S = 0.002
 
 
 def _ints(text: str) -> list[int]:
@@ -91,6 +103,7 @@ class _Node:
         self.limiter = limiter
         self.pp_bytes: list[int] = []
         self.pp_merge_s: list[float] = []
+        self.flusher: _Flusher | None = None  # first_hand: the node's sends of its own deltas
 
     def broadcasts(self, budget: int) -> list[bytes]:
         return self.state.broadcasts(budget)
@@ -106,7 +119,9 @@ class _Node:
     def merge_remote_state(self, data: bytes) -> None:
         g0 = _GC.spent
         t0 = time.process_time()
-        self.state.merge_remote_state(data)
+        # first_hand: the runtime passes the peer's certificate identity; here, the name it states
+        peer = _pp_sender(data) if self.state.cfg.first_hand else ""
+        self.state.merge_remote_state_from(data, peer)
         # less the collector's pauses: this process holds all N nodes' heaps, a node only its own
         self.pp_merge_s.append(time.process_time() - t0 - (_GC.spent - g0))
 
@@ -128,6 +143,68 @@ class _GcClock:
 _GC = _GcClock()
 
 
+def _pp_sender(data: bytes) -> str:
+    """The node a push-pull state says it is from (its body's ``n``), "" if none."""
+    try:
+        _, body = peek(data)
+    except ValueError:
+        return ""
+    n = body.get("n") if isinstance(body, dict) else None
+    return n if isinstance(n, str) else ""
+
+
+class _Flusher:
+    """A node's first-hand delivery as ``MeshNode`` runs it: ``soon(gap)`` is ``flush_soon`` (flush now,
+    or ``gap`` after the last such flush; one pending flush, an earlier due time re-arms it), ``flush()``
+    is ``flush_index``: the state's ``owned_batches`` and ``index_batches``, each a datagram of its own
+    to every alive member (``send_user``). The datagrams and bytes it sent from ``count_from`` on are
+    counted (the owner's price)."""
+
+    def __init__(self, sim: Sim, name: str, state: MeshState[Replica]) -> None:
+        self.sim = sim
+        self.name = name
+        self.state = state
+        self._last = -INDEX_FLUSH_S
+        self._due: float | None = None
+        self._token = 0
+        self.count_from = math.inf  # [count_from, count_until): the sends counted
+        self.count_until = math.inf
+        self.datagrams = 0
+        self.bytes = 0
+
+    def soon(self, gap: float = INDEX_FLUSH_S) -> None:
+        now = self.sim.now
+        due = max(self._last + gap, now)
+        if self._due is not None and self._due <= due:
+            return
+        self._due = due
+        self._token += 1
+        self.sim.at(due, partial(self._flush_due, self._token))
+
+    def _flush_due(self, token: int) -> None:
+        if token != self._token:
+            return
+        self._due = None
+        self._last = self.sim.now
+        self.flush()
+
+    def flush(self) -> int:
+        swim = self.sim.nodes[self.name].swim
+        if swim is None:
+            return 0
+        payloads = self.state.owned_batches() + self.state.index_batches()
+        if not payloads:
+            return 0
+        dests = [m.addr for m in swim.alive_members() if m.name != self.name]
+        stats = self.sim.nodes[self.name].stats
+        b0 = stats.bytes_sent
+        n = self.sim.send_user(self.name, dests, payloads)
+        if self.count_from <= self.sim.now < self.count_until:
+            self.datagrams += n
+            self.bytes += stats.bytes_sent - b0
+        return n
+
+
 class StateSim(Sim):
     """``Sim`` whose nodes' delegates are ``_Node``s, told of SWIM's membership events."""
 
@@ -138,6 +215,8 @@ class StateSim(Sim):
             for a in actions:
                 if isinstance(a, MemberUp | MemberDead | MemberLeft):
                     d.state.on_member_event(a)
+                    if d.flusher is not None:
+                        d.flusher.soon()
 
 
 def _members_of(sim: Sim, name: str) -> int:
@@ -163,6 +242,9 @@ class ScaleResult:
     gossip_bps: float = 0.0  # bytes per node per second, all datagrams
     queue_len: float = 0.0  # mean broadcast queue length at the end
     tau: list[float] = field(default_factory=list)  # each node's τ (the lease's) at the end
+    datagrams_s: float = 0.0  # datagrams per node per second, all (SWIM's and the state's)
+    owned_datagrams_s: float = 0.0  # first_hand: the owned deltas' datagrams per node per second, under load
+    owned_bps: float = 0.0  # and their bytes
     wall_s: float = 0.0
 
 
@@ -176,11 +258,11 @@ class ScaleConfig:
     relay: bool = False
     propagation: float = 1.0  # the limiter's τ (LimiterConfig.propagation)
     relay_batch: int = 4  # LimiterConfig.relay_batch
-    propagation_max: float = 0.0  # LimiterConfig.propagation_max: τ from echoes, up to this
-    propagation_quantile: float = 0.5
+    propagation_max: float = LimiterConfig().propagation_max  # τ from the held states' ages, up to this
     stale_sample_pairs: int = 400
     trials: int = 6  # health flips and worker adds
     seed: int = 1
+    first_hand: bool = False  # the node's delivery (MeshStateConfig.first_hand, owned_batches to all)
 
 
 def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
@@ -193,7 +275,6 @@ def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
         propagation=cfg.propagation,
         relay_batch=cfg.relay_batch,
         propagation_max=cfg.propagation_max,
-        propagation_quantile=cfg.propagation_quantile,
     )
     limit_rpw = round(cfg.per_node_limit * n * cfg.window)  # requests per window
     rules = [(TENANT, Limits(rpm=limit_rpw))]
@@ -205,16 +286,19 @@ def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
 
     def make(name: str) -> _Node:
         sim = sim_ref[0]
-        limiter = RateLimiter(name, 0, lim_cfg)
+        limiter = RateLimiter(name, round(clock() * 1e6), lim_cfg, clock)  # gen: its start (µs), as a node's
         state: MeshState[Replica] = MeshState(
             name,
             clock,
-            MeshStateConfig(),
+            MeshStateConfig(first_hand=cfg.first_hand),
             new_index=lambda: make_replica(),
             num_nodes=partial(_members_of, sim, name),
         )
         state.register("ratelimit", limiter)
         node = _Node(name, state, limiter)
+        if cfg.first_hand:
+            fl = node.flusher = _Flusher(sim, name, state)
+            limiter.on_dirty = partial(fl.soon, LIMIT_FLUSH_S)
         nodes[name] = node
         return node
 
@@ -223,8 +307,8 @@ def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
     names = sim.names
     wids = [f"w{i}" for i in range(workers)]
 
-    # origin -> [(shard version, time)] of its own shard's changes
-    history: dict[str, tuple[list[int], list[float]]] = {nm: ([], []) for nm in names}
+    # origin -> the times of its own shard's changes (each arrival: an attempt)
+    history: dict[str, list[float]] = {nm: [] for nm in names}
     admitted: dict[int, int] = {}
     joined = 8.0 + n * 0.02  # membership settles (start spread, joins through 3 seeds)
     t_load = joined
@@ -241,6 +325,8 @@ def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
         for w in wids:
             node.state.observe_health(w, healthy[w].get(name, True))
         node.state.tick()
+        if node.flusher is not None:  # the node's tick ends with a flush (expiries, renewals, beacons)
+            node.flusher.flush()
         sim.at(sim.now + 1.0, lambda: tick(name))
 
     healthy: dict[str, dict[str, bool]] = {w: {} for w in wids}
@@ -253,11 +339,7 @@ def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
             w = math.floor(now / cfg.window)
             admitted[w] = admitted.get(w, 0) + 1
             node.limiter.settle(now, g, None)
-        ver = node.limiter.shard_version(TENANT, name)
-        vs, ts = history[name]
-        if not vs or ver > vs[-1]:
-            vs.append(ver)
-            ts.append(now)
+        history[name].append(now)
         if sim.now < t_end:
             sim.at(sim.now + rng.expovariate(rate), lambda: arrival(name, rate))
 
@@ -265,10 +347,10 @@ def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
         now = clock()
         for _ in range(cfg.stale_sample_pairs):
             obs, origin = rng.sample(names, 2)
-            vs, ts = history[origin]
-            held = nodes[obs].limiter.shard_version(TENANT, origin)
-            i = bisect.bisect_right(vs, held)
-            res.staleness.append(0.0 if i >= len(vs) else now - ts[i])
+            ts = history[origin]
+            held = nodes[obs].limiter.shard_time(TENANT, origin)  # its last change (to the ms below)
+            i = 0 if held is None else bisect.bisect_right(ts, held + 0.001)
+            res.staleness.append(0.0 if i >= len(ts) else now - ts[i])
         if sim.now + 1.0 < t_end:
             sim.at(sim.now + 1.0, sample_staleness)
 
@@ -308,11 +390,16 @@ def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
             wid = f"added-{k}"
             lags.append(("add", wid, sim.now, origin, {}))
             nodes[origin].state.add_worker(WorkerRecord(wid, f"http://10.9.0.{k}:8000", MODEL, "sglang"))
+        fl = nodes[origin].flusher
+        if fl is not None:  # the node's registry hooks (on_added, on_health_change): flush_soon
+            fl.soon()
 
     def hook() -> None:
         for nm, node in nodes.items():
             node.state.on_health_changed.append(partial(on_health, nm))
             node.state.on_worker_added.append(partial(on_added, nm))
+            if node.flusher is not None:
+                node.flusher.count_from, node.flusher.count_until = sim.now, t_end
 
     sim.at(t_load, hook)
     for k, t in enumerate(trial_times):
@@ -321,9 +408,10 @@ def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
     # workers of the fleet, spread over the nodes (each pinned by its owner), before the load
     def add_fleet() -> None:
         for i, w in enumerate(wids):
-            nodes[names[i % n]].state.add_worker(
-                WorkerRecord(w, f"http://10.8.{i // 250}.{i % 250}:8000", MODEL)
-            )
+            owner = nodes[names[i % n]]
+            owner.state.add_worker(WorkerRecord(w, f"http://10.8.{i // 250}.{i % 250}:8000", MODEL))
+            if owner.flusher is not None:
+                owner.flusher.soon()
 
     sim.at(2.0, add_fleet)
     gc.callbacks.append(_GC)
@@ -344,6 +432,11 @@ def run_scale(n: int, workers: int, cfg: ScaleConfig) -> ScaleResult:
     res.admitted = [admitted.get(w, 0) / limit_rpw for w in range(first_window, first_window + cfg.windows)]
     res.false_deaths = len(sim.false_dead())
     res.gossip_bps = sim.gossip_bytes() / n / sim.now
+    res.datagrams_s = sum(nd.stats.packets_sent for nd in sim.nodes.values()) / n / sim.now
+    flushers = [nd.flusher for nd in nodes.values() if nd.flusher is not None]
+    if flushers:  # counted from the load's start to its end
+        res.owned_datagrams_s = sum(f.datagrams for f in flushers) / n / (t_end - t_load)
+        res.owned_bps = sum(f.bytes for f in flushers) / n / (t_end - t_load)
     res.queue_len = statistics.mean(len(nd.state._queue) for nd in nodes.values())
     res.tau = sorted(nd.limiter.propagation for nd in nodes.values())
     res.pp_run_max_bytes = max((b for nd in nodes.values() for b in nd.pp_bytes), default=0)
@@ -374,6 +467,8 @@ class PushPullCost:
     reply_merge_ms: float
     join_bytes: int  # the reply to a fresh peer's request (everything)
     join_merge_ms: float  # the fresh peer's merge of it
+    join_stall_ms: float = 0.0  # that merge in steps, as the runtime runs it: the longest step
+    join_steps: int = 0  # and how many
 
 
 def pushpull_cost(n: int, workers: int, tenants: int = 1) -> PushPullCost:
@@ -384,11 +479,12 @@ def pushpull_cost(n: int, workers: int, tenants: int = 1) -> PushPullCost:
     now = [BASE]
     cfg = MeshStateConfig()
     big: MeshState[Replica] = MeshState("n0", lambda: now[0], cfg, new_index=make_replica)
-    big.register("ratelimit", RateLimiter("n0", 0))
+    gen = round((BASE - 60.0) * 1e6)  # the processes started a minute ago (version stamps: ms since then)
+    big.register("ratelimit", RateLimiter("n0", gen))
     for i in range(n):
         name = f"n{i}"
         st: MeshState[Replica] = MeshState(name, lambda: now[0], cfg, new_index=make_replica)
-        lim = RateLimiter(name, 0)
+        lim = RateLimiter(name, gen)
         st.register("ratelimit", lim)
         for k in range(tenants):
             lim.acquire(now[0], [((f"t{k}", ""), Limits(rpm=1_000_000))], 100)
@@ -411,10 +507,28 @@ def pushpull_cost(n: int, workers: int, tenants: int = 1) -> PushPullCost:
         return len(req), (t1 - t0) * 1000, len(rep), (t3 - t2) * 1000
 
     peer: MeshState[Replica] = MeshState("fresh", lambda: now[0], cfg, new_index=make_replica)
-    peer.register("ratelimit", RateLimiter("fresh", 0))
+    peer.register("ratelimit", RateLimiter("fresh", gen))
     _, _, join_b, join_ms = exchange(peer, big)
     req_b, req_ms, rep_b, rep_ms = exchange(peer, big)  # now converged (its own parts aside)
-    return PushPullCost(req_b, req_ms, rep_b, rep_ms, join_b, join_ms)
+    # another fresh peer's join merged in steps (``merge_remote_state_steps``, the runtime's way: the
+    # loop runs between steps): the longest step is the loop stall (less the collector's pauses, as in
+    # the simulation: this process holds N + 2 nodes' heaps, a node its own, frozen at start-up)
+    steps: MeshState[Replica] = MeshState("fresh2", lambda: now[0], cfg, new_index=make_replica)
+    steps.register("ratelimit", RateLimiter("fresh2", 0))
+    big.merge_remote_state(steps.local_state())
+    it, stall, k = steps.merge_remote_state_steps(big.local_state()), 0.0, 0
+    gc.callbacks.append(_GC)
+    try:
+        for _ in range(1 << 20):  # (bounded: the generator ends with its input's parts)
+            g0, t0 = _GC.spent, time.process_time()
+            done = next(it, False) is False  # (a step yields None)
+            stall = max(stall, time.process_time() - t0 - (_GC.spent - g0))
+            k += 1
+            if done:
+                break
+    finally:
+        gc.callbacks.remove(_GC)
+    return PushPullCost(req_b, req_ms, rep_b, rep_ms, join_b, join_ms, stall * 1000, k)
 
 
 # ---- index replication cost: mesh_index (the designs, the cross-node hit rate) -------------------------
@@ -425,7 +539,12 @@ def pushpull_cost(n: int, workers: int, tenants: int = 1) -> PushPullCost:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="20,50,100,200", help="node counts")
-    p.add_argument("--mode", choices=("before", "after"), default="after", help="rate-limit delivery")
+    p.add_argument(
+        "--mode",
+        choices=("before", "after", "first-hand"),
+        default="after",
+        help="state delivery: relayed (before/after: LimiterConfig.relay) or the node's first-hand",
+    )
     p.add_argument("--loss", type=float, default=0.01, help="datagram loss probability")
     p.add_argument("--window", type=float, default=60.0, help="rate-limit window, seconds")
     p.add_argument("--windows", type=int, default=3, help="measured windows after a warm-up one")
@@ -438,7 +557,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--index-designs",
         default=",".join(DESIGNS),
-        help="index replication designs to measure (before, all, auto; mesh_index)",
+        help="index replication designs to measure (before, all, auto, ends; mesh_index)",
+    )
+    p.add_argument(
+        "--index-turn-flush",
+        type=float,
+        default=0.02,
+        help="seconds between index flushes for the ends design (turn ends coalesce per flush)",
+    )
+    p.add_argument(
+        "--index-turn-ends",
+        type=int,
+        default=0,
+        help="turn ends a replica keeps, for the ends design (0: the default, IndexReplConfig.turn_ends_max)",
     )
     p.add_argument(
         "--index-capacity", type=int, default=CAPACITY, help="index blocks per worker in the index figures"
@@ -449,10 +580,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--propagation-max",
         type=float,
-        default=0.0,
-        help="τ from the observed staleness, up to this (0: off)",
+        default=LimiterConfig().propagation_max,
+        help="τ from the held states' ages, up to this (0: off; LimiterConfig.propagation_max)",
     )
-    p.add_argument("--propagation-quantile", type=float, default=0.5, help="the staleness quantile τ follows")
 
 
 def _index_report(
@@ -466,7 +596,9 @@ def _index_report(
     )
     out(
         f"# index replication (mesh_index; {shapes}; {args.index_capacity} blocks per worker; flush every "
-        f"{args.index_flush:g} s): per request sent to one member; per node per second at N (out = in)"
+        f"{args.index_flush:g} s, ends every {args.index_turn_flush:g} s"
+        + (f", {args.index_turn_ends} turn ends kept" if args.index_turn_ends else "")
+        + "): per request sent to one member; per node per second at N (out = in)"
     )
     out(
         "design  rate  dg/req  B/req  send+recv us  cross-node hits  |  N    W    fanout        "
@@ -479,11 +611,12 @@ def _index_report(
                 seconds=shape.seconds,
                 seed=args.seed,
                 workers=shape.workers,
-                flush=args.index_flush,
+                flush=args.index_turn_flush if d == "ends" else args.index_flush,
                 design=d,
                 nodes=shape.nodes,
                 warmup=shape.warmup,
                 capacity=args.index_capacity,
+                turn_ends_max=args.index_turn_ends or None,
             )
             dpr, bpr = c.per_request
             head = (
@@ -529,17 +662,17 @@ def run(args: argparse.Namespace) -> int:
             window=args.window,
             windows=args.windows,
             relay=args.mode == "after",
+            first_hand=args.mode == "first-hand",
             propagation=args.propagation,
             relay_batch=args.relay_batch,
             propagation_max=args.propagation_max,
-            propagation_quantile=args.propagation_quantile,
             seed=args.seed,
         )
         out(f"# mesh-scale: mode {args.mode}, loss {args.loss:.0%}, window {args.window:g} s, 2x load")
         out(
             "N    W     admit/limit mean  worst  stale p50/p99/max s   health p99 s (missed)  "
-            "add p99 s (missed)  pp max KB, merge p99 ms  join KB, ms  gossip B/s/node  queue  false deaths"
-            "  cpu s"
+            "add p99 s (missed)  pp max KB, merge p99 ms  join KB, ms  gossip B/s/node  dg/s/node  "
+            "owned dg/s, KB/s  queue  false deaths  cpu s"
         )
         for n, w in zip(sizes, workers, strict=False):
             r = run_scale(n, w, cfg)
@@ -552,7 +685,13 @@ def run(args: argparse.Namespace) -> int:
                 f"{_fmt(_pct(r.add_lag, 0.99), '.2f'):>6} ({r.add_missed})       "
                 f"{r.pp_run_max_bytes / 1000:>9.1f}, {r.pp_run_merge_p99_ms:>5.1f}         "
                 f"{r.pp_bytes / 1000:>6.1f}, {r.pp_merge_ms:>4.1f}  {r.gossip_bps:>15.0f}  "
-                f"{r.queue_len:>5.0f}  {r.false_deaths:>12}  {r.wall_s:>6.0f}"
+                f"{r.datagrams_s:>9.0f}  "
+                + (
+                    f"{r.owned_datagrams_s:>9.0f}, {r.owned_bps / 1000:>5.1f}"
+                    if cfg.first_hand
+                    else f"{'-':>16}"
+                )
+                + f"  {r.queue_len:>5.0f}  {r.false_deaths:>12}  {r.wall_s:>6.0f}"
             )
             if cfg.propagation_max > cfg.propagation:
                 out(
@@ -562,12 +701,17 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_pushpull:
         out("# push-pull in a converged mesh (every node checks every worker; rate-limit shards), bytes")
         out("# and merge ms (process CPU): between converged nodes (request, reply), and a fresh peer's join")
-        out("N     W      tenants  request B  merge ms  reply B  merge ms  join B     merge ms")
+        out("# (merged at once; and in steps as the runtime merges it: the longest step, the steps)")
+        out(
+            "N     W      tenants  request B  merge ms  reply B  merge ms  join B     merge ms  "
+            "stall ms  steps"
+        )
         for n, w in zip(sizes, workers, strict=True):
             pc = pushpull_cost(n, w, args.tenants)
             out(
                 f"{n:<5} {w:<6} {args.tenants:<8} {pc.request_bytes:<10} {pc.request_merge_ms:<9.1f} "
-                f"{pc.reply_bytes:<8} {pc.reply_merge_ms:<9.1f} {pc.join_bytes:<10} {pc.join_merge_ms:.1f}"
+                f"{pc.reply_bytes:<8} {pc.reply_merge_ms:<9.1f} {pc.join_bytes:<10} {pc.join_merge_ms:<9.1f} "
+                f"{pc.join_stall_ms:<9.1f} {pc.join_steps}"
             )
     if not args.no_index:
         _index_report(args, sizes, workers, out)

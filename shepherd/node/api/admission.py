@@ -140,6 +140,15 @@ class _Job(Protocol):
     def states(self) -> Sequence[_State]: ...
 
 
+def propagation_max_of(cfg: NodeConfig) -> float:
+    """``LimiterConfig.propagation_max`` of a node: ``rate_limit_propagation_max_secs``, or by default the
+    limiter's (15 s), at most the window; 0: off."""
+    pmax = cfg.rate_limit_propagation_max_secs
+    if pmax is None:
+        return min(LimiterConfig().propagation_max, cfg.rate_limit_window_secs)
+    return pmax
+
+
 def tokens_used(jobs: Iterable[_Job]) -> int:
     """Prompt + generated tokens of the engine requests that produced anything (also after an error or
     a disconnect: the tokens generated so far count)."""
@@ -172,7 +181,7 @@ class Admission:
         self.token_estimate = token_estimate
         if redis is not None:
             config = dataclasses.replace(config or LimiterConfig(), local=True)
-        self.limiter = RateLimiter(node, gen if gen is not None else time.time_ns() // 1000, config)
+        self.limiter = RateLimiter(node, gen if gen is not None else time.time_ns() // 1000, config, clock)
         self.backend: RedisCounters | None = None
         if redis is not None:
             self.backend = RedisCounters(local=self.limiter, clock=clock, **redis)
@@ -197,6 +206,7 @@ class Admission:
             config=LimiterConfig(
                 window=cfg.rate_limit_window_secs,
                 propagation=cfg.rate_limit_propagation_secs,
+                propagation_max=propagation_max_of(cfg),
                 unreachable_grace=cfg.rate_limit_unreachable_grace_secs,
             ),
             redis=(

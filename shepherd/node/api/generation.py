@@ -310,7 +310,8 @@ class Generation:
                     seen_chunks[i] = True
                     got[i] += len(ev.token_ids)
                     last_ids[i] = ev.token_ids
-                    if st.done():  # (a call: mypy would keep st.finished narrowed past feed)
+                    ended = st.finished  # (a local: mypy would keep st.finished narrowed past feed)
+                    if ended:
                         continue
                     lps = ev.logprobs
                     text = st.feed(ev.token_ids, lps)
@@ -631,16 +632,28 @@ class Generation:
             if isinstance(resp, LeanStreamResponse):
                 lean = resp
                 drain = lean.drain
+                sender: list[Callable[[bytes], bool] | None] = [None]
 
                 def emit_now(chunks: list[bytes], last: bool = False) -> bool:
                     # emit's write without the wait (the engine client's push): True to pause
-                    pending.extend(self._with_usage(chunks, current[0]) if continuous else chunks)
+                    if continuous:
+                        chunks = self._with_usage(chunks, current[0])
                     if last:
+                        pending.extend(chunks)
                         return False
-                    ka.touch()
-                    paused = lean.lean_write(b"".join(pending))
-                    pending.clear()
-                    return paused
+                    ka.last = time.monotonic()  # (ka.touch(), inline: once per engine message)
+                    if pending:
+                        pending.extend(chunks)
+                        data = b"".join(pending)
+                        pending.clear()
+                    else:
+                        data = b"".join(chunks)
+                    send = sender[0]
+                    if send is None or not data:
+                        paused = lean.lean_write(data)
+                        sender[0] = lean.chunk_sender()  # once the head is out: the chunks go straight
+                        return paused
+                    return send(data)
 
             try:
                 for i, job in enumerate(jobs):

@@ -114,6 +114,7 @@ def describe(mesh: MeshNode) -> dict[str, Any]:
                 "pending": ix.pending,
                 "workers": {w: ix.worker_blocks(w) for w in ix.workers},
                 "quiet": sorted(ix.quiet_workers),  # decisions not replicated (their KV events tell all)
+                "turn_ends": ix.turn_ends,  # peers' turn ends kept (--mesh-index-replication ends)
             }
             for model, ix in st.indexes.items()
         },
@@ -144,6 +145,7 @@ def describe(mesh: MeshNode) -> dict[str, Any]:
             "health_multiplier": rt.swim.health,
             "push_pulls_ok": rm.push_pulls_ok,
             "push_pulls_failed": rm.push_pulls_failed,
+            "push_pulls_reused": rm.push_pulls_reused,
             "wire_version": "{}.{}".format(*wire_version.speaks()),
             "wire_refused": dict(rm.wire_refused),
             "wire_skipped": rm.wire_skipped,

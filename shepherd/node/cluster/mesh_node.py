@@ -28,7 +28,9 @@ and closes it (graceful leave) while the node drains.
   designated node routing each (digest repair leaves recent time slots alone). What is sent
   (``mesh_index_replication``, README "Mesh at scale"): KV-event inserts never; ``auto`` (default) the
   routing decisions of workers without a live KV-event stream here (the others are quiet:
-  ``sync_index_quiet``, each tick), ``all`` every worker's, ``none`` nothing.
+  ``sync_index_quiet``, each tick), ``all`` every worker's, ``none`` nothing, ``ends`` one turn end per
+  routing decision (the name of its prompt's last full block, the worker, its length; tag ``"t"``) and
+  no blocks: receivers match follow-ups against them (``policies.turn_ends``).
 - **Rate limits**: the node's ``RateLimiter`` (its ``Admission``'s, handed over by ``app.serve``) is
   registered as the state component ``"ratelimit"`` and told the member list (live = alive, N = all
   but left) on every membership event and every tick; a ``local`` one (the Redis backend's fallback)
@@ -88,6 +90,7 @@ log = logging.getLogger("shepherd.mesh_node")
 
 RATE_LIMIT_COMPONENT = "ratelimit"
 TICK_S = 1.0
+TICK_SLACK_S = 0.25  # the tick may run this much early, on a wake-up the mesh runtime has anyway
 # the longest a fresh delta waits to be flushed. The flush is event-driven: a write that leaves something
 # to send (a routing decision's index insert, a rate-limit admission, a local worker or health change)
 # arms one timer this far ahead, and the tick flushes whatever else changed; an idle node never wakes
@@ -97,6 +100,9 @@ INDEX_FLUSH_S = 0.02
 # that alternate between nodes (``--procs``) faster than 20 ms would otherwise each be admitted against
 # a view without the other's last admissions (the e2e test saw 8 admitted of 6 across two processes)
 LIMIT_FLUSH_S = 0.002
+# with ``--mesh-index-replication ends`` a routing decision leaves one turn end (11 bytes): they wait up to
+# this long to share a datagram (a follow-up comes seconds later; 100 at 1,000 req/s instead of 20)
+TURN_FLUSH_S = 0.1
 MAX_FLUSH_ENTRIES = 50_000  # index entries one flush takes (the rest wait for the next)
 JOIN_PACE = 32  # datagrams of a full-index transfer between short sleeps
 RECONCILE_ROUNDS = 8
@@ -217,10 +223,15 @@ def index_config(policies: Mapping[str, object]) -> PrefixIndexConfig:
     return PrefixIndexConfig()
 
 
-def replica_factory(policies: Mapping[str, object]) -> Callable[[], Replica]:
+def replica_factory(
+    policies: Mapping[str, object], turn_ends_max: int | None = None
+) -> Callable[[], Replica]:
     """The mesh state's index factory: replicas with the ``cache_aware`` policies' index configuration
-    and the default replication settings (the same on every node)."""
+    and the default replication settings (the same on every node) but the turn ends kept
+    (``--mesh-index-turn-ends``: this node's memory)."""
     config, repl = index_config(policies), IndexReplConfig()
+    if turn_ends_max is not None:
+        repl = dataclasses.replace(repl, turn_ends_max=turn_ends_max)
     return lambda: make_replica(config, repl)
 
 
@@ -485,7 +496,10 @@ class MeshNode:
         self.clock = clock
         # first_hand: entries naming a node are taken only from that node (see shepherd.mesh.state)
         self.state = MeshState(
-            self.name, clock, MeshStateConfig(first_hand=True), new_index=replica_factory(gw.policies)
+            self.name,
+            clock,
+            MeshStateConfig(first_hand=True),
+            new_index=replica_factory(gw.policies, cfg.mesh_index_turn_ends),
         )
         self.indexed_models = attach_indexes(gw.policies, self.state)
         pd = getattr(gw, "pd", None)  # PD disaggregation: each pool's policy (their workers are disjoint)
@@ -517,6 +531,7 @@ class MeshNode:
             self.state.register(RATE_LIMIT_COMPONENT, gossiped)
         self.state.on_worker_added.append(self._observe_lag)
         self.state.on_worker_removed.append(self._observe_lag)
+        self.sync_index_quiet()  # the configured workers' mode from the first decision, not the first tick
         self.runtime: MeshRuntime | None = None
         self.index_datagrams_out = 0
         self.join_transfers = 0
@@ -559,10 +574,9 @@ class MeshNode:
         rt.set_rpc_handler(self._rpc_handler)
         await rt.start()
         self.runtime = rt
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._every(TICK_S, self.tick), name="mesh-tick"),
-        ]
+        # the tick rides on the runtime's wake-ups (probes, acks: ~7 a second): due every TICK_S, run
+        # at the first one in the TICK_SLACK_S before, so an idle node rarely wakes for it alone
+        rt.call_every(TICK_S, self._tick, slack=TICK_SLACK_S)
         self.bridge.sync_all()
         log.info(
             "mesh: node %s on %s:%d, wire %d.%d, seeds %s",
@@ -589,14 +603,6 @@ class MeshNode:
         await self.bridge.close()
         if self.runtime is not None:
             await self.runtime.close()
-
-    async def _every(self, interval: float, fn: Callable[[], object]) -> None:
-        while True:  # until cancelled by close()
-            await asyncio.sleep(interval)
-            try:
-                fn()
-            except Exception:
-                log.exception("mesh: periodic %s failed", getattr(fn, "__name__", fn))
 
     def flush_soon(self, gap: float = INDEX_FLUSH_S) -> None:
         """Something to send was written: flush now, or ``gap`` after the last flush (one handle; writes
@@ -634,11 +640,13 @@ class MeshNode:
             self.flush_soon()  # (MAX_FLUSH_ENTRIES): the rest next
 
     def _local_change(self, _w: object) -> None:
+        if self.index_replication in ("none", "ends"):  # a worker's mode known from its first decision
+            self.sync_index_quiet()
         self.flush_soon()
 
     def _after_insert(self) -> None:
         if self._index_pending():  # a quiet worker's decision (its KV events replicate it) left nothing
-            self.flush_soon()
+            self.flush_soon(TURN_FLUSH_S if self.index_replication == "ends" else INDEX_FLUSH_S)
 
     def _indexing_policies(self) -> list[CacheAware]:
         pd = getattr(self.gw, "pd", None)
@@ -658,6 +666,10 @@ class MeshNode:
         t.add_done_callback(self._side.discard)
 
     # -- periodic -----------------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        if not self._closed:
+            self.tick()
 
     def tick(self) -> None:
         self.sync_index_quiet()
@@ -700,16 +712,20 @@ class MeshNode:
     def sync_index_quiet(self) -> None:
         """Tell each model's replica which workers' routing decisions are not replicated: with
         ``auto``, those whose KV-event stream is live here (every node subscribes to the engine and
-        gets its events: the default for gRPC engines); with ``none``, all; with ``all``, none."""
+        gets its events: the default for gRPC engines); with ``none``, all; with ``all``, none; with
+        ``ends``, all, and every worker's decisions are sent as turn ends instead (sparse replication)."""
         mode = self.index_replication
         feed = getattr(self.gw, "kv_feed", None)
+        ends = mode == "ends"
         for model, ix in self.state.indexes.items():
-            quiet = ix.quiet_workers
-            ws = {w.id for w in self.gw.registry.workers.values() if w.model == model} | quiet
+            quiet, turns = ix.quiet_workers, ix.turn_workers
+            ws = {w.id for w in self.gw.registry.workers.values() if w.model == model} | quiet | turns
             for w in ws:
-                q = mode == "none" or (mode == "auto" and feed is not None and feed.live(w))
+                q = mode in ("none", "ends") or (mode == "auto" and feed is not None and feed.live(w))
                 if q != (w in quiet):
                     ix.set_quiet(w, q)
+                if ends != (w in turns):
+                    ix.set_turns(w, ends)
 
     # -- membership ---------------------------------------------------------------------------------
 
@@ -725,8 +741,8 @@ class MeshNode:
             return
         if ev.prev not in (None, MemberState.DEAD, MemberState.LEFT) or self.runtime is None:
             return
-        if not self.state.indexes or self.fault_no_index_gossip or self.index_replication == "none":
-            return
+        if not self.state.indexes or self.fault_no_index_gossip or self.index_replication in ("none", "ends"):
+            return  # (ends: blocks are not replicated; a joiner learns turn ends from then on)
         # per model the joiner routes, the first (by name) of the other members routing it sends it
         alive = [m for m in self.runtime.swim.alive_members() if m.name != ev.member.name]
         mine = []

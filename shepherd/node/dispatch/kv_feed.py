@@ -15,7 +15,9 @@ own account: the batch is applied as it is, nothing is cleared, and later gaps o
 taken in stride (no more subscribing again for a replay it does not do). Only numbers going backwards
 (the engine restarted: its cache is empty) clear the worker's entries.
 
-Engine pages of any size: 16·m tokens map onto m index blocks (``KvEventApplier``); smaller pages
+Engine pages of any size: 16·m tokens map onto m index blocks (``KvEventApplier``; ``NativeKvApplier``
+for a native index fed by a client that keeps the events as bytes, ``kv_codec.WireEvents``: a batch is
+then applied in C in one call, the events it hands back in Python); smaller pages
 (SGLang's default page size is 1) are gathered into 16-token blocks (``SmallPageApplier``).
 A stream that fails or ends is subscribed again after an exponential, jittered, bounded back-off.
 The task stops when the worker is removed (``stop``), which also clears the worker's entries.
@@ -34,16 +36,18 @@ from typing import Literal, Protocol
 
 from shepherd.node.engines.backoff import Backoff
 from shepherd.policies.cache_aware import CacheAware
-from shepherd.policies.kv_events import KvEventApplier
+from shepherd.policies.kv_events import KvEventApplier, NativeKvApplier, native_kv_ok
 from shepherd.policies.prefix_index import BLOCK_TOKENS, PrefixIndex
 from shepherd.proto.engine_types import (
     EngineError,
     EngineLoad,
     KvBlocksRemoved,
     KvBlocksStored,
+    KvCacheEvent,
     KvEventBatch,
     ServerInfo,
 )
+from shepherd.proto.kv_codec import WireEvents, decode_kv_event_bytes, kv_event_ranges
 
 log = logging.getLogger("shepherd.kv_feed")
 
@@ -216,14 +220,21 @@ class WorkerKvState:
     """What the feed keeps for one worker: the applier (engine hashes -> index names) and the cursor.
     ``apply`` is synchronous and does no I/O."""
 
-    def __init__(self, index: PrefixIndex, worker: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        worker: str,
+        clock: Callable[[], float] = time.time,
+        max_blocks: int = 1 << 18,
+    ) -> None:
         self.index = index
         self.worker = worker
         self.clock = clock
+        self.max_blocks = max_blocks  # engine blocks the applier maps at most (16·m-token pages)
         self.cursor = KvCursor()
         self.stats = FeedStats()
         self.streaming = False  # the current subscription delivered a record (the engine talks to us)
-        self._applier: KvEventApplier | SmallPageApplier | None = None
+        self._applier: KvEventApplier | NativeKvApplier | SmallPageApplier | None = None
         self.unsupported_block_size = 0
 
     def set_capacity_tokens(self, max_total_tokens: int) -> None:
@@ -232,14 +243,20 @@ class WorkerKvState:
             self.stats.capacity_blocks = blocks
             self.index.set_capacity(self.worker, blocks)
 
-    def _applier_for(self, block_size: int) -> KvEventApplier | SmallPageApplier | None:
+    def _applier_for(
+        self, block_size: int, wire: bool = False
+    ) -> KvEventApplier | NativeKvApplier | SmallPageApplier | None:
         a = self._applier
         if a is not None:
             size = a.block_size if isinstance(a, SmallPageApplier) else a.per_block * BLOCK_TOKENS
             if size == block_size:
                 return a
         if block_size > 0 and block_size % BLOCK_TOKENS == 0:
-            self._applier = KvEventApplier(self.index, self.worker, block_size)
+            index = self.index
+            if wire and native_kv_ok(index):  # events as bytes, a native index: the map in C
+                self._applier = NativeKvApplier(index, self.worker, block_size, self.max_blocks)
+            else:
+                self._applier = KvEventApplier(index, self.worker, block_size, self.max_blocks)
         elif block_size > 0 and BLOCK_TOKENS % block_size == 0:
             self._applier = SmallPageApplier(self.index, self.worker, block_size)
         else:
@@ -273,26 +290,63 @@ class WorkerKvState:
             return verdict
         if verdict == "reset":
             self.clear()
-        st = self.stats
-        st.batches += 1
+        self.stats.batches += 1
         now = self.clock()
-        for ev in batch.events:
-            st.events += 1
-            if isinstance(ev, KvBlocksStored):
-                a = self._applier_for(ev.block_size)
-                if a is None:
-                    continue
-                if a.stored(ev.block_hashes, ev.parent_hash, ev.token_ids, now):
-                    st.stored_blocks += len(ev.block_hashes)
-                else:
-                    st.unknown_parent += 1
-            elif isinstance(ev, KvBlocksRemoved):
-                st.removed_blocks += len(ev.block_hashes)
-                if self._applier is not None:
-                    self._applier.removed(ev.block_hashes)
-            else:
-                self.clear()
+        events = batch.events
+        if isinstance(events, WireEvents):
+            self._apply_wire(events, now)
+        else:
+            for ev in events:
+                self._apply_event(ev, now, False)
         return verdict
+
+    def _apply_event(self, ev: KvCacheEvent, now: float, wire: bool) -> None:
+        st = self.stats
+        st.events += 1
+        if isinstance(ev, KvBlocksStored):
+            a = self._applier_for(ev.block_size, wire)
+            if a is None:
+                return
+            if a.stored(ev.block_hashes, ev.parent_hash, ev.token_ids, now):
+                st.stored_blocks += len(ev.block_hashes)
+            else:
+                st.unknown_parent += 1
+        elif isinstance(ev, KvBlocksRemoved):
+            st.removed_blocks += len(ev.block_hashes)
+            if self._applier is not None:
+                self._applier.removed(ev.block_hashes)
+        else:
+            self.clear()
+
+    def _apply_wire(self, events: WireEvents, now: float) -> None:
+        """A batch's events from its message's bytes: in C while the applier is native (one call up to
+        an event it hands back, which goes through ``_apply_event``); decoded by protobuf otherwise."""
+        if not isinstance(self._applier, NativeKvApplier):  # none yet (the first stored event makes it)
+            for ev in events:
+                self._apply_event(ev, now, True)
+            return
+        st = self.stats
+        raw = events.raw
+        start = 0
+        while True:  # bounded: every turn moves ``start`` past at least one event of raw
+            a: KvEventApplier | NativeKvApplier | SmallPageApplier | None = self._applier
+            if not isinstance(a, NativeKvApplier):  # another page size since: the rest one by one
+                for lo, hi in kv_event_ranges(raw, start):  # bounded by the events
+                    one = decode_kv_event_bytes(raw[lo:hi])
+                    if one is not None:
+                        self._apply_event(one, now, True)
+                return
+            lo, hi, n, stored, removed, unknown = a.apply_wire(raw, start, now)
+            st.events += n
+            st.stored_blocks += stored
+            st.removed_blocks += removed
+            st.unknown_parent += unknown
+            if lo < 0:
+                return
+            back = decode_kv_event_bytes(raw[lo:hi])  # handed back: Python's
+            if back is not None:
+                self._apply_event(back, now, True)
+            start = hi
 
 
 # ---- the I/O shell ---------------------------------------------------------------------------------

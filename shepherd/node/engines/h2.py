@@ -53,6 +53,7 @@ from shepherd.proto.engine_responses import (
     decode_loads,
     decode_model_info,
     decode_server_info,
+    lone_chunk,
 )
 from shepherd.proto.engine_types import (
     EmbedResult,
@@ -64,7 +65,7 @@ from shepherd.proto.engine_types import (
     ModelInfo,
     ServerInfo,
 )
-from shepherd.proto.kv_codec import decode_kv_batch
+from shepherd.proto.kv_codec import decode_kv_wire
 
 M = TypeVar("M", bound=Message)
 
@@ -293,13 +294,20 @@ class H2EngineClient:
             raise RpcStatus(INTERNAL, f"cannot parse the response: {e}") from None
 
     async def call_stream(
-        self, path: str, request: Message, response_type: type[M], timeout: float | None
+        self,
+        path: str,
+        request: Message,
+        response_type: type[M],
+        timeout: float | None,
+        parse: Callable[[bytes], Any] | None = None,
     ) -> AsyncIterator[M]:
         """A server-streaming call; closing the iterator early cancels the call (RST_STREAM). The caller's
-        trace context goes as metadata when tracing is on (the Generate of a TensorRT-LLM or MLX worker)."""
+        trace context goes as metadata when tracing is on (the Generate of a TensorRT-LLM or MLX worker).
+        ``parse``: what reads each message's bytes instead of ``response_type.FromString``."""
         trace = tracing.grpc_header_block(hpack_literal) if tracing.ENABLED else b""
         stream = await self._start(path, request.SerializeToString(), timeout, trace)
-        parse = response_type.FromString
+        if parse is None:
+            parse = response_type.FromString
         msgs = stream.messages
         try:
             while True:
@@ -481,12 +489,14 @@ class H2EngineClient:
         )
         stream = cast(
             AsyncGenerator[Any, None],
-            self.call_stream(_path(self.kind, "SubscribeKvEvents"), req, common_pb2.KvEventBatch, None),
+            self.call_stream(
+                _path(self.kind, "SubscribeKvEvents"), req, common_pb2.KvEventBatch, None, decode_kv_wire
+            ),
         )
         try:
             async with contextlib.aclosing(stream):
-                async for msg in stream:
-                    yield decode_kv_batch(msg)
+                async for batch in stream:  # the events as bytes where the C scanner is built
+                    yield batch
         except RpcStatus as e:
             raise e.engine_error() from None
 
@@ -513,6 +523,7 @@ class GenerateCall:
     __slots__ = (
         "_client",
         "_closed",
+        "_lone",
         "_parse",
         "_push_fut",
         "_push_take",
@@ -529,6 +540,7 @@ class GenerateCall:
         self._stream: GrpcStream | None = None
         self._parse: Callable[[bytes], Any] = _SG_PARSE
         self._single: str | None = None  # the engine kind when the request has one choice (decode_batch)
+        self._lone: bool | None = None  # with one choice and lone_chunk built: whether the engine is vLLM
         self._closed = False
         self._push_fut: asyncio.Future[None] | None = None  # push(): resolved when it hands back
         self._push_take: Callable[[list[EngineEvent]], bool] | None = None
@@ -580,6 +592,8 @@ class GenerateCall:
             path = _SG_GENERATE
         if req.sampling.n == 1:
             self._single = client.kind
+            if lone_chunk is not None:
+                self._lone = client.kind == "vllm"
         timeout = self._timeout
         # the caller's trace context (traceparent, tracestate) as gRPC metadata, when tracing is on
         trace = tracing.grpc_header_block(hpack_literal) if tracing.ENABLED else b""
@@ -632,11 +646,17 @@ class GenerateCall:
             self._end_push()
             return
         msgs = stream.messages
+        lone = self._lone
         try:
             while msgs:  # bounded by the messages (``take`` runs no engine I/O)
-                raws = list(msgs)
-                msgs.clear()
-                batch = decode_batch(raws, self._parse, single=self._single)
+                if lone is not None and len(msgs) == 1:  # a paced engine's token: read in C, if plain
+                    raw = msgs.popleft()
+                    ev = lone_chunk(raw, lone)  # type: ignore[misc]  # (not None when _lone is set)
+                    batch = [ev] if ev is not None else decode_batch([raw], self._parse, single=self._single)
+                else:
+                    raws = list(msgs)
+                    msgs.clear()
+                    batch = decode_batch(raws, self._parse, single=self._single)
                 if batch and take(batch):
                     self._end_push()
                     fut.set_result(None)

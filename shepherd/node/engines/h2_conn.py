@@ -273,91 +273,87 @@ class H2Connection:
         if self._rbuf:
             data = self._rbuf + data
             self._rbuf = b""
-        try:
-            off = self._parse(data)
+        try:  # (the frame loop inline: this runs once per engine message of a paced stream)
+            n = len(data)
+            off = 0
+            unpack = _HDR.unpack_from
+            streams = self.streams
+            while n - off >= 9:
+                hi, lo, ftype, flags, sid = unpack(data, off)
+                length = (hi << 8) | lo
+                if length > DEFAULT_MAX_FRAME:  # we never raise SETTINGS_MAX_FRAME_SIZE
+                    raise H2ProtocolError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
+                start = off + 9
+                end = start + length
+                if end > n:
+                    break
+                off = end
+                sid &= 0x7FFFFFFF
+                if self._cont is not None and ftype != CONTINUATION:
+                    raise H2ProtocolError(PROTOCOL_ERROR, "expected CONTINUATION")
+                if not self.settings_received and ftype != SETTINGS:
+                    raise H2ProtocolError(PROTOCOL_ERROR, "the server preface must be SETTINGS")
+                if ftype == DATA:
+                    if sid == 0:
+                        raise H2ProtocolError(PROTOCOL_ERROR, "DATA on stream 0")
+                    self.conn_recv_unacked += length
+                    if flags & FLAG_PADDED:
+                        if length < 1 or data[start] >= length:
+                            raise H2ProtocolError(PROTOCOL_ERROR, "bad DATA padding")
+                        end -= data[start]
+                        start += 1
+                    s = streams.get(sid)
+                    if s is not None:
+                        sink = s.grpc_messages
+                        if sink is not None and not flags:
+                            taken = self._grpc_run(s, sink, data, start - 9, length, sid)
+                            if taken != start - 9:
+                                off = taken
+                                continue
+                        es = bool(flags & FLAG_END_STREAM)
+                        if not es:
+                            s.recv_unacked += length
+                            if s.recv_unacked >= self._credit_threshold:
+                                self._write(window_update_frame(sid, s.recv_unacked))
+                                s.recv_unacked = 0
+                        s.on_data(data, start, end, es)
+                        if es:
+                            self._remote_end(s)
+                    if self.conn_recv_unacked >= self._credit_threshold:
+                        self._write(window_update_frame(0, self.conn_recv_unacked))
+                        self.conn_recv_unacked = 0
+                elif ftype == HEADERS:
+                    if sid == 0:
+                        raise H2ProtocolError(PROTOCOL_ERROR, "HEADERS on stream 0")
+                    if flags & FLAG_PADDED:
+                        if length < 1 or data[start] >= length:
+                            raise H2ProtocolError(PROTOCOL_ERROR, "bad HEADERS padding")
+                        end -= data[start]
+                        start += 1
+                    if flags & FLAG_PRIORITY:
+                        start += 5
+                        if start > end:
+                            raise H2ProtocolError(FRAME_SIZE_ERROR, "short HEADERS")
+                    es = bool(flags & FLAG_END_STREAM)
+                    if flags & FLAG_END_HEADERS:
+                        self._headers(sid, data[start:end], es)
+                    else:
+                        self._cont = (sid, es, [data[start:end]])
+                elif ftype == CONTINUATION:
+                    if self._cont is None or self._cont[0] != sid:
+                        raise H2ProtocolError(PROTOCOL_ERROR, "unexpected CONTINUATION")
+                    self._cont[2].append(data[start:end])
+                    if flags & FLAG_END_HEADERS:
+                        csid, es, parts = self._cont
+                        self._cont = None
+                        self._headers(csid, b"".join(parts), es)
+                else:
+                    self._control(ftype, flags, sid, data[start:end])
         except H2ProtocolError as e:
             self.fail(str(e), e.code)
             return
-        if off < len(data):
+        if off < n:
             self._rbuf = data[off:]
-
-    def _parse(self, data: bytes) -> int:
-        n = len(data)
-        off = 0
-        unpack = _HDR.unpack_from
-        streams = self.streams
-        while n - off >= 9:
-            hi, lo, ftype, flags, sid = unpack(data, off)
-            length = (hi << 8) | lo
-            if length > DEFAULT_MAX_FRAME:  # we never raise SETTINGS_MAX_FRAME_SIZE
-                raise H2ProtocolError(FRAME_SIZE_ERROR, f"frame of {length} bytes")
-            start = off + 9
-            end = start + length
-            if end > n:
-                break
-            off = end
-            sid &= 0x7FFFFFFF
-            if self._cont is not None and ftype != CONTINUATION:
-                raise H2ProtocolError(PROTOCOL_ERROR, "expected CONTINUATION")
-            if not self.settings_received and ftype != SETTINGS:
-                raise H2ProtocolError(PROTOCOL_ERROR, "the server preface must be SETTINGS")
-            if ftype == DATA:
-                if sid == 0:
-                    raise H2ProtocolError(PROTOCOL_ERROR, "DATA on stream 0")
-                self.conn_recv_unacked += length
-                if flags & FLAG_PADDED:
-                    if length < 1 or data[start] >= length:
-                        raise H2ProtocolError(PROTOCOL_ERROR, "bad DATA padding")
-                    end -= data[start]
-                    start += 1
-                s = streams.get(sid)
-                if s is not None:
-                    sink = s.grpc_messages
-                    if sink is not None and not flags:
-                        taken = self._grpc_run(s, sink, data, start - 9, length, sid)
-                        if taken != start - 9:
-                            off = taken
-                            continue
-                    es = bool(flags & FLAG_END_STREAM)
-                    if not es:
-                        s.recv_unacked += length
-                        if s.recv_unacked >= self._credit_threshold:
-                            self._write(window_update_frame(sid, s.recv_unacked))
-                            s.recv_unacked = 0
-                    s.on_data(data, start, end, es)
-                    if es:
-                        self._remote_end(s)
-                if self.conn_recv_unacked >= self._credit_threshold:
-                    self._write(window_update_frame(0, self.conn_recv_unacked))
-                    self.conn_recv_unacked = 0
-            elif ftype == HEADERS:
-                if sid == 0:
-                    raise H2ProtocolError(PROTOCOL_ERROR, "HEADERS on stream 0")
-                if flags & FLAG_PADDED:
-                    if length < 1 or data[start] >= length:
-                        raise H2ProtocolError(PROTOCOL_ERROR, "bad HEADERS padding")
-                    end -= data[start]
-                    start += 1
-                if flags & FLAG_PRIORITY:
-                    start += 5
-                    if start > end:
-                        raise H2ProtocolError(FRAME_SIZE_ERROR, "short HEADERS")
-                es = bool(flags & FLAG_END_STREAM)
-                if flags & FLAG_END_HEADERS:
-                    self._headers(sid, data[start:end], es)
-                else:
-                    self._cont = (sid, es, [data[start:end]])
-            elif ftype == CONTINUATION:
-                if self._cont is None or self._cont[0] != sid:
-                    raise H2ProtocolError(PROTOCOL_ERROR, "unexpected CONTINUATION")
-                self._cont[2].append(data[start:end])
-                if flags & FLAG_END_HEADERS:
-                    csid, es, parts = self._cont
-                    self._cont = None
-                    self._headers(csid, b"".join(parts), es)
-            else:
-                self._control(ftype, flags, sid, data[start:end])
-        return off
 
     def _grpc_run(
         self, s: H2Stream, sink: collections.deque[bytes], data: bytes, off: int, counted: int, sid: int

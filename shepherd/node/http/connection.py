@@ -205,6 +205,13 @@ class _Conn(asyncio.Protocol):
             raise ConnectionResetError("the client closed the connection")
         t.write(data)
 
+    def send_chunk(self, data: bytes | bytearray | memoryview) -> bool:
+        t = self.transport
+        if self.lost or t is None or t.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        t.write(b"%x\r\n%s\r\n" % (len(data), data))
+        return self.write_paused
+
     async def drain(self) -> None:
         if self.lost:
             raise ConnectionResetError("the client closed the connection")

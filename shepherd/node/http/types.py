@@ -55,6 +55,9 @@ class Wire(Protocol):
     def send(self, data: bytes) -> None:
         """One ``transport.write``; ``ConnectionResetError`` once the client is gone."""
 
+    def send_chunk(self, data: bytes | bytearray | memoryview) -> bool:
+        """``send`` of ``data`` (not empty) as one chunk of a chunked body; returns ``write_paused``."""
+
     async def drain(self) -> None:
         """Until the transport's buffer is below its low-water mark (or the connection is lost)."""
 
@@ -480,6 +483,8 @@ class LeanStreamResponse(web.StreamResponse):
         if phase == 3:
             raise RuntimeError("Cannot call write() after write_eof()")
         if self._lean_chunked and data and not self._lean_empty:  # (_lean_frame's usual case, inlined)
+            if phase == 2:  # the head is out: one chunk, framed and sent by the connection
+                return self._lean_req._wire.send_chunk(data)
             frame = b"%x\r\n%s\r\n" % (len(data), data)
         else:
             frame = self._lean_frame(data)
@@ -492,6 +497,14 @@ class LeanStreamResponse(web.StreamResponse):
         wire = self._lean_req._wire
         wire.send(frame)
         return wire.write_paused
+
+    def chunk_sender(self) -> Callable[[bytes], bool] | None:
+        """Once the head is out, on a chunked body: what ``lean_write`` of non-empty data then does (the
+        connection's ``send_chunk``: one chunk, returns whether to pause), for a caller writing many
+        chunks; None otherwise. Not for empty data, nor after ``write_eof``."""
+        if self._lean_phase == 2 and self._lean_chunked and not self._lean_empty:
+            return self._lean_req._wire.send_chunk
+        return None
 
     def lean_finish(self, data: bytes | bytearray | memoryview = b"") -> None:
         """End the body (idempotent): what ``write_eof`` sends, without waiting for the transport."""

@@ -39,7 +39,7 @@ class _Chunks:
     Choice 0 without logprobs (the usual stream) takes prefixes built with the head: one concatenation
     per event instead of a formatting pass (the same bytes)."""
 
-    __slots__ = ("_content0", "_head")
+    __slots__ = ("_content0", "_head", "content0")
     OBJECT = ""
     CONTENT = b""  # what precedes the JSON text of a content event
     CONTENT_END = b""  # what follows it
@@ -69,6 +69,8 @@ class _Chunks:
             )
         )
         self._content0 = self._head + b"0," + self.CONTENT
+        # ``content(0, text)`` is content0[0] + the JSON string of text + content0[1] (a caller's inline path)
+        self.content0 = (self._content0, self._CONTENT_TAIL)
 
     def content(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
         if logprobs is None:

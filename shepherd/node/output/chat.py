@@ -78,6 +78,8 @@ __all__ = [
     "shape_chat",
 ]
 
+_dumps = orjson.dumps
+
 
 class ChoiceEncoder(Protocol):
     """What the parser stage writes a streamed choice's events to: ``shepherd.node.openai.sse.ChatChunks``
@@ -267,7 +269,7 @@ class ChoiceParsing:
     costs two parser calls and one chunk). Logprobs ride on the first chunk of a step; an empty content
     chunk carries them when the step produced nothing visible."""
 
-    __slots__ = ("_enc", "_index", "_reasoning", "_single", "_tools", "has_calls")
+    __slots__ = ("_content0", "_enc", "_index", "_reasoning", "_single", "_tools", "has_calls")
 
     def __init__(
         self,
@@ -283,6 +285,8 @@ class ChoiceParsing:
         self._single = single_call
         self._enc = enc
         self._index = index
+        # an encoder's content(0, text) parts (the OpenAI chunks have them): a plain content chunk inline
+        self._content0: tuple[bytes, bytes] | None = getattr(enc, "content0", None) if index == 0 else None
         self.has_calls = False
 
     def feed(self, text: str) -> tuple[str, list[ToolEvent]]:
@@ -320,8 +324,9 @@ class ChoiceParsing:
         enc = self._enc
         assert enc is not None
         index = self._index
-        if self._reasoning is not None and text:
-            reasoning, text = self._reasoning.feed(text)
+        r = self._reasoning
+        if r is not None and text and not r.passthrough:
+            reasoning, text = r.feed(text)
             if reasoning:
                 out.append(enc.reasoning(index, reasoning, logprobs))
                 logprobs = None
@@ -330,7 +335,11 @@ class ChoiceParsing:
                 out.append(enc.content(index, "", logprobs))
             return
         if self._tools is None:
-            out.append(enc.content(index, text, logprobs))
+            c0 = self._content0
+            if c0 is not None and logprobs is None:
+                out.append(c0[0] + _dumps(text) + c0[1])
+            else:
+                out.append(enc.content(index, text, logprobs))
             return
         events = self._tools.feed(text)
         if len(events) == 1 and type(events[0]) is TextDelta:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from shepherd.node.openai.logprobs import TokenTextCache, chat_logprobs, completion_logprobs
@@ -27,6 +27,7 @@ class ChoiceState:
 
     __slots__ = (
         "_dec",
+        "_plain",
         "_prompt",
         "_sampling",
         "finish_reason",
@@ -52,6 +53,8 @@ class ChoiceState:
         )
         # the detokenizer is built on first use: a non-streamed answer is usually decoded in one call
         self._dec: StoppingDecoder | None = None
+        # with no stop string: (the detokenizer's step, the stop ids), once the detokenizer is built
+        self._plain: tuple[Callable[[Sequence[int]], str], frozenset[int]] | None = None
         self._sampling = s
         self._prompt = prompt_ids
         self.tok = tok
@@ -77,6 +80,8 @@ class ChoiceState:
             )
             d = self._dec = StoppingDecoder(detok, self.matcher)
             self._prompt = ()
+            if not self.matcher.stop_strings:
+                self._plain = (detok.step, self.matcher.stop_token_ids)
         return d
 
     def _one_shot(self) -> bool:
@@ -101,6 +106,14 @@ class ChoiceState:
         self.tokens += len(ids)
         if logprobs:
             self.logprobs.extend(logprobs)
+        plain = self._plain
+        if plain is not None and plain[1].isdisjoint(ids):
+            # no stop string, no stop token in ids: the detokenized text is visible as it is
+            # (StoppingDecoder.feed's own shortcut, without its call and result)
+            text = plain[0](ids)
+            if text:
+                self.text.append(text)
+            return text
         dec = self._dec
         res = (self.dec if dec is None else dec).feed(ids)
         if res.finished:

@@ -1,0 +1,3 @@
+def kv_scan(
+    raw: bytes, /
+) -> tuple[int, int, int, int, tuple[int, int, int, int, float, int, int, float, bool] | None] | None: ...

@@ -1,0 +1,70 @@
+/* Reading protobuf's wire format in C: a varint (at most 10 bytes), a tag, and a field skipped by its
+ * wire type (groups refused). Shared by ``shepherd/proto/_kvwire.c`` (a KV event batch checked) and
+ * ``shepherd/policies/_prefixcore_kv.h`` (its events applied). Each returns -1 on malformed input. */
+#ifndef SHEPHERD_PBWIRE_H
+#define SHEPHERD_PBWIRE_H
+#include <stdint.h>
+
+static inline int pb_varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
+    uint64_t x = 0;
+    const uint8_t *q = *p;
+    if (end - q >= 10) { /* room for the longest: no bound checks (token ids are 1-3 bytes) */
+        for (int i = 0; i < 10; i++) {
+            uint8_t b = q[i];
+            x |= (uint64_t)(b & 0x7F) << (7 * i);
+            if (b < 0x80) {
+                *p = q + i + 1;
+                *v = x;
+                return 0;
+            }
+        }
+        return -1;
+    }
+    for (int i = 0; i < 10; i++) {
+        if (q >= end) return -1;
+        uint8_t b = *q++;
+        x |= (uint64_t)(b & 0x7F) << (7 * i);
+        if (!(b & 0x80)) {
+            *p = q;
+            *v = x;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+/* one tag: its field number (> 0, < 2**29) and wire type; -1 when malformed */
+static inline int pb_tag(const uint8_t **p, const uint8_t *end, int *field, int *wt) {
+    uint64_t t;
+    if (pb_varint(p, end, &t) < 0 || t > 0xFFFFFFFFULL || (t >> 3) == 0) return -1;
+    *field = (int)(t >> 3);
+    *wt = (int)(t & 7);
+    return 0;
+}
+
+/* past one field of wire type wt (groups refused); the body of a length-delimited one in [*lo, *hi) */
+static inline int pb_skip(const uint8_t **p, const uint8_t *end, int wt, const uint8_t **lo, const uint8_t **hi) {
+    uint64_t v;
+    switch (wt) {
+    case 0:
+        return pb_varint(p, end, &v);
+    case 1:
+        if (end - *p < 8) return -1;
+        *p += 8;
+        return 0;
+    case 2:
+        if (pb_varint(p, end, &v) < 0 || v > (uint64_t)(end - *p)) return -1;
+        *lo = *p;
+        *p += v;
+        *hi = *p;
+        return 0;
+    case 5:
+        if (end - *p < 4) return -1;
+        *p += 4;
+        return 0;
+    default:
+        return -1;
+    }
+}
+
+#endif
