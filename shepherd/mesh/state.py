@@ -833,7 +833,11 @@ class MeshState(Generic[IX_co]):
 
     def _apply_full_steps(self, tag: str, body: Any, src: str = "") -> Iterator[None]:
         """A snapshot or push-pull state merged in steps: it yields between the slices of a component
-        that merges in steps (``_apply_extra_steps``), after everything was decoded and validated."""
+        that merges in steps (``_apply_extra_steps``). The registry, health and digests are decoded and
+        validated before anything merges; an extra component's snapshot is checked by the component as
+        it merges (the rate limiter checks all of its own before its first slice), so a malformed extra
+        stops the merge there, with the components before it merged (joins: nothing is lost, the next
+        exchange repairs the rest) as before the steps."""
         if type(body) is not dict:
             raise StateDecodeError("a snapshot is a map")
         # decode and validate everything first

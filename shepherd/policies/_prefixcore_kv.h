@@ -5,7 +5,7 @@
  * at a time past ``max``) and the same order (an insertion-ordered log, as a dict: a stored hash that is
  * already mapped keeps its place), and ``KvMap.apply`` reads the events of one serialized
  * ``smg.grpc.common.KvEventBatch`` (``SubscribeKvEvents``, the bytes as they came off the wire; their
- * structure checked beforehand by ``proto._varint.kv_scan``) and applies "stored" and "removed" to the
+ * structure checked beforehand by ``proto._kvwire.kv_scan``) and applies "stored" and "removed" to the
  * map and the ``Core`` in one call: no protobuf message, no Python int per block or token, no dict.
  * The names are ``block_hashes`` over the event's tokens (chained from the parent's last name), the insert
  * is ``insert_keys`` with ``gossip`` off (an engine's event is never sent: every subscribed node gets it),
@@ -274,11 +274,13 @@ static int kw_stored(KvMap *m, const uint8_t *p, const uint8_t *end, KvStored *s
                     }
                     /* at most one token per byte */
                     if (kv_scratch((void **)&m->tbuf, &m->tcap, s->nt + (b - a), sizeof(uint32_t)) < 0) return -1;
-                    do {
+                    /* packed: every varint of [a, b), none when empty (protobuf takes an empty packed
+                     * field); unpacked: the one */
+                    for (int once = 1; bwt == 2 ? a < b : once; once = 0) {
                         if (pb_varint(&a, b, &v) < 0) goto bad;
                         m->tbuf[s->nt++] = (uint32_t)v;
                         ntok++;
-                    } while (bwt == 2 && a < b);
+                    }
                     if (bwt == 0) q = a;
                 } else {
                     const uint8_t *x = NULL, *y = NULL;
@@ -401,7 +403,7 @@ static PyObject *KvMap_apply(KvMap *m, PyObject *const *args, Py_ssize_t nargs) 
                         a = r;
                         b = dhi;
                     }
-                    do {
+                    for (int once = 1; rwt == 2 ? a < b : once; once = 0) { /* as the token ids */
                         if (pb_varint(&a, b, &v) < 0) goto bad;
                         removed++;
                         Py_ssize_t pos = kv_pop(m, (int64_t)v);
@@ -411,7 +413,7 @@ static PyObject *KvMap_apply(KvMap *m, PyObject *const *args, Py_ssize_t nargs) 
                             int32_t e = blk == NIL ? NIL : find_entry(c, blk, (int)slot);
                             if (e != NIL) drop_entry(c, e);
                         }
-                    } while (rwt == 2 && a < b);
+                    }
                     if (rwt == 0) r = a;
                 } else if (pb_skip(&r, dhi, rwt, &a, &b) < 0) {
                     goto bad;
@@ -530,6 +532,18 @@ static PyObject *KvMap_keys(KvMap *m, PyObject *Py_UNUSED(ignored)) {
 
 static Py_ssize_t KvMap_len(KvMap *m) { return m->live; }
 
+/* a map made without __init__ is an empty one of 1 index block per engine block (never a 0 divisor) */
+static PyObject *KvMap_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    (void)args;
+    (void)kwargs;
+    KvMap *m = (KvMap *)type->tp_alloc(type, 0);
+    if (m != NULL) {
+        m->per = 1;
+        m->max = 1;
+    }
+    return (PyObject *)m;
+}
+
 static int KvMap_init(KvMap *m, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"per_block", "max_blocks", NULL};
     int per;
@@ -580,7 +594,7 @@ static PyTypeObject KvMapType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "An engine's block hashes -> the index's names (kv_events.NativeKvApplier), bounded; apply() "
               "applies a KvEventBatch's bytes.",
-    .tp_new = PyType_GenericNew,
+    .tp_new = KvMap_new,
     .tp_init = (initproc)KvMap_init,
     .tp_dealloc = (destructor)KvMap_dealloc,
     .tp_methods = KvMap_methods,

@@ -161,8 +161,9 @@ class NativeReplicatedPrefixIndex(ReplicaApi, NativePrefixIndex):
 
     def _put_turns(self, batch: TurnBatch) -> int:
         table = bytearray([_DEAD]) * 256
-        for i, w in enumerate(batch.workers):
-            s = self._slot_of(w)
+        ws = batch.workers
+        for i in set(batch.widx):  # a slot only for a worker some record names (a listed name alone
+            s = self._slot_of(ws[i])  # would take one of the 64 for nothing)
             if s is not None:
                 table[i] = s
         kept = int(self._turns.put(batch.keys, batch.blocks, batch.widx.translate(table), batch.time))

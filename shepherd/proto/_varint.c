@@ -105,6 +105,7 @@ static int read_plain_chunk(const uint8_t *buf, Py_ssize_t n, Py_ssize_t start, 
         uint8_t tag = *p++;
         if (tag & 0x80) goto other; /* a field number above 15: not ours */
         int field = tag >> 3, wire = tag & 7;
+        if (field == 0) goto other; /* no field 0 in protobuf: its parse refuses it */
         if (field == 1 && wire == 2) { /* packed token ids */
             int64_t plen = read_uint32(&p, end);
             if (plen < 0 || plen > end - p) goto other;

@@ -388,6 +388,18 @@ def test_a_lone_chunk_decodes_as_protobuf_decodes_it(kind: str, pieces: list[byt
 
 
 @pytest.mark.skipif(lone_chunk is None, reason="_varint not built")
+def test_field_number_zero_is_refused_as_protobuf_refuses_it() -> None:
+    """A tag of field 0 inside the chunk (vLLM skips field 0 elsewhere): protobuf refuses the message,
+    so the C readers leave it to protobuf's parse, which raises, instead of reading past it."""
+    raw = b"\x0a\x04\x08\x05\x00\x00"
+    with pytest.raises(DecodeError):
+        vl.GenerateResponse.FromString(raw)
+    assert lone_chunk is not None and lone_chunk(raw, True) is None
+    with pytest.raises(DecodeError):
+        decode_batch([raw], vl.GenerateResponse.FromString, single="vllm")
+
+
+@pytest.mark.skipif(lone_chunk is None, reason="_varint not built")
 @settings(max_examples=200, deadline=None)
 @given(IDS, st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1), st.sampled_from(["", "r", "x" * 130]))
 def test_the_lone_chunk_reader_reads_a_plain_chunk(ids: list[int], prompt: int, done: int, rid: str) -> None:

@@ -187,6 +187,20 @@ def test_old_and_future_batches_are_refused(layout: type[Replica]) -> None:
     assert ix.apply_turns(future, NOW) == 0 and ix.match(list(range(64))) == {}
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_batch_listing_workers_no_record_names_takes_no_slot(layout: type[Replica]) -> None:
+    """A peer's batch may list up to 256 worker names; only those its records name get one of the
+    index's 64 slots (a listed name alone would crowd the real workers out until the orphan grace)."""
+    ix = replica(layout)
+    hs = block_hashes(list(range(64)))
+    fake = [f"fake{i}" for i in range(64)]
+    batch = TurnBatch(NOW, [*fake, "w"], bytes([64]), array("q", [hs[3]]), array("H", [4]))
+    assert ix.apply_turns(batch, NOW) == 1
+    ix.insert(list(range(1000, 1064)), "real", NOW)
+    assert ix.match(list(range(1000, 1064))) == {"real": 64}
+    assert getattr(ix, "dropped_inserts", 0) == 0
+
+
 # -- the policy ---------------------------------------------------------------------------------------------
 
 

@@ -271,3 +271,34 @@ def test_kv_scan_reads_what_protobuf_parses_and_the_wire_path_fails_where_it_fai
     sb.apply(decode_kv_wire(data))
     assert _index_state(a) == _index_state(b)
     assert sa.stats == sb.stats
+
+
+def test_empty_packed_fields_apply_as_protobuf_reads_them() -> None:
+    """Protobuf takes a packed field of length 0 (another encoder may write one): a removal naming no
+    block and a block whose token ids come unpacked after an empty packed run apply on the wire path as
+    on protobuf's (they raised in C, after applying the batch's earlier events)."""
+    toks = list(range(16))
+    block = b"\x08\x07\x12\x00" + b"".join(b"\x10" + bytes([t]) for t in toks) + b"\x18\x10"  # hash 7
+    stored = b"\x0a" + bytes([len(block)]) + block
+    events = [
+        b"\x12" + bytes([len(stored)]) + stored,  # KvCacheEvent.stored
+        b"\x1a\x02\x0a\x00",  # KvCacheEvent.removed, block_hashes packed and empty
+    ]
+    raw = b"\x08\x01" + b"".join(b"\x1a" + bytes([len(e)]) + e for e in events)
+    ref = decode_kv_batch(common_pb2.KvEventBatch.FromString(raw))
+    assert len(ref.events) == 2
+    ixs = [NativePrefixIndex(), NativePrefixIndex()]
+    states = [WorkerKvState(ix, "w", clock=lambda: 1.0) for ix in ixs]
+    fast = decode_kv_wire(raw)
+    assert isinstance(fast.events, WireEvents)  # kv_scan takes it: the C path applies it
+    assert states[0].apply(ref) == states[1].apply(fast)
+    assert ixs[0].match(toks) == ixs[1].match(toks) == {"w": 16}
+    assert states[0].stats == states[1].stats
+
+
+def test_a_kv_map_made_without_init_is_empty_not_a_zero_divisor() -> None:
+    kv_map = pytest.importorskip("shepherd.policies._prefixcore").KvMap
+    m = kv_map.__new__(kv_map)
+    assert len(m) == 0
+    m.put([1], [1])
+    assert m.keys() == [1]

@@ -341,3 +341,16 @@ def test_the_c_writer_matches_the_stock_encoder_on_a_requests_spans(lean_scope: 
     c, py = _both_writers(spans)
     assert len(c) > 1 << 14 and c == py
     assert ExportTraceServiceRequest.FromString(c) == encode_spans([s.readable() for s in spans])
+
+
+def test_values_equal_in_python_but_not_on_the_wire_are_not_served_from_one_cache_entry() -> None:
+    """0.0 and -0.0, or (1,), (True,) and (1.0,), are equal keys in a dict but distinct OTLP values:
+    each is written as itself whatever was written before."""
+
+    def one(v: object) -> bytes:
+        return otlp_wire._attributes(1, {"k": v})
+
+    for _ in range(2):  # the second round is the one a cache would answer
+        a, b = one(0.0), one(-0.0)
+        assert a != b and a.endswith(bytes(8)) and b.endswith(b"\x00" * 7 + b"\x80")
+        assert len({one((1,)), one((True,)), one((1.0,))}) == 3

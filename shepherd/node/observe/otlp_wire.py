@@ -114,7 +114,8 @@ def _kv(key: str, v: Any) -> bytes:
         body = kb + b"\x12\x09\x21" + _DOUBLE.pack(v)  # value: AnyValue{double_value}, 9 bytes
         enc = _SMALL[len(body)] + body if len(body) < 0x80 else _varint(len(body)) + body
         seen = _DISTINCT.get(key, 0)
-        if seen < _DISTINCT_MAX:  # a setting (temperature, top_p) repeats; a duration does not
+        if seen < _DISTINCT_MAX and v:  # a setting (temperature, top_p) repeats; a duration does not
+            # (no zero: 0.0 and -0.0 are one key and two encodings)
             _DISTINCT[key] = seen + 1
             if len(_KV_CACHE) >= _KV_CACHE_MAX:
                 _KV_CACHE.clear()
@@ -141,7 +142,7 @@ def _kv(key: str, v: Any) -> bytes:
                     _DISTINCT.clear()
                 _KV_CACHE[(key, tv, v)] = enc
             return enc
-    if tv is str or tv is int or tv is bool or tv is tuple:
+    if tv is str or tv is int or tv is bool:  # (not tuples: (1,), (True,) and (1.0,) are one key)
         ck = (key, tv, v)
         got = _KV_CACHE.get(ck)
         if got is None:

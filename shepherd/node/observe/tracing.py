@@ -621,7 +621,8 @@ def _lean_setup(provider: Any, tracer: Any, processor: Any) -> None:
         and queue is not None
         and procs == (processor,)
     )
-    if not _LEAN:
+    if not _LEAN:  # the SDK's spans: no root bound (a set-up before may have left one)
+        _ROOT_BOUND, _CHILD_SAMPLED = -1, False
         return
     assert decide is not None and emit is not None
     _DECIDE, _EMIT, _QUEUE = decide, emit, queue
