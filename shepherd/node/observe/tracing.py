@@ -1013,25 +1013,8 @@ class _Event(_Noop):
         attrs["shepherd.duration_ms"] = (_time_ns() - self.start) / 1e6
         stats = self.stats
         before = self.cache
-        if stats is not None and before is not None:  # ``_cache_attrs`` in place
-            after = stats()
-            rh, rm, l0h = after[0] - before[0], after[1] - before[1], after[2] - before[2]
-            l0m, l1h, l1m = after[3] - before[3], after[4] - before[4], after[5] - before[5]
-            if rh:
-                attrs["shepherd.tokenizer.render_hits"] = rh
-            if rm:
-                attrs["shepherd.tokenizer.render_misses"] = rm
-            if l0h:
-                attrs["shepherd.tokenizer.l0_hits"] = l0h
-            if l0m:
-                attrs["shepherd.tokenizer.l0_misses"] = l0m
-            if l1h:
-                attrs["shepherd.tokenizer.l1_hits"] = l1h
-            if l1m:
-                attrs["shepherd.tokenizer.l1_misses"] = l1m
-            attrs["shepherd.tokenizer.cache"] = (
-                "miss" if rm or l0m or l1m else "hit" if rh or l0h or l1h else "none"
-            )
+        if stats is not None and before is not None:
+            _cache_attrs(before, stats(), attrs)
         if e is not None:
             attrs["error.type"] = getattr(e, "code", None) or type(e).__qualname__
         span = self.span
