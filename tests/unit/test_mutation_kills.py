@@ -366,8 +366,9 @@ class _View:
 
 
 def _pair(**cfg: Any) -> RateLimiter:
-    """Node "a" of a two-node mesh (share floor 0.2)."""
-    lim = RateLimiter("a", 1, LimiterConfig(**cfg))
+    """Node "a" of a two-node mesh (share floor 0.2), with the fixed-τ lease these pin (``propagation_max``
+    0: no τ from the ages and no coin toss for the lease's remainder, see ``test_ratelimit_arrival``)."""
+    lim = RateLimiter("a", 1, LimiterConfig(**{"propagation_max": 0.0, **cfg}))
     lim.set_membership(["a", "b"], 2)
     return lim
 
@@ -738,3 +739,23 @@ def test_of_two_stop_strings_ending_together_the_longer_wins_whatever_the_order(
     assert m.feed("by") == StopResult("", True, "ab")
     m = StopMatcher(stops, include_stop_str_in_output=True)
     assert m.feed("xaby") == StopResult("xab", True, "ab")
+
+
+def test_with_tau_from_the_ages_the_leases_remainder_is_admitted_with_that_probability() -> None:
+    """With ``propagation_max`` on (the default), a lease whose budget is u + a fraction of the cost
+    admits with probability (budget - u) / cost (the draw ``unit_hash(node, version)``), rates only; off,
+    never. Requests, share 0.5, limit 10, 6 used, u 2: budget 0.5 x (10 - 6 + 2) = 3, cost 1.5: the
+    remainder 1 of 1.5."""
+    on, off = _pair(propagation_max=15.0), _pair()
+    v = cast(Any, _View(_DEMAND))
+    slot = next(s for s, d in zip(range(100), _designated_slots(0, range(100)), strict=True) if not d)
+    vers = range(200)
+    want = [0 if unit_hash("a", ver) < 1.0 / 1.5 else 2 for ver in vers]
+    assert 0 in want and 2 in want
+    got, got_off, got_conc = [], [], []
+    for ver in vers:
+        on._ver = off._ver = ver
+        got.append(on._fits(KEY, slot, 6.0, 2.0, 10.0, 1.5, v, 0))
+        got_off.append(off._fits(KEY, slot, 6.0, 2.0, 10.0, 1.5, v, 0))
+        got_conc.append(on._fits(KEY, slot, 6.0, 2.0, 10.0, 1.5, v, 0, rate=False))
+    assert got == want and got_off == [2] * len(vers) and got_conc == [2] * len(vers)
