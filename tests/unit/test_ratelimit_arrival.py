@@ -7,31 +7,9 @@ case gave 0.77 of the limit with ages alone)."""
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Any
-
-from shepherd.mesh.ratelimit import Grant, LimiterConfig, Limits, RateLimiter
+from shepherd.mesh.ratelimit import LimiterConfig, Limits, RateLimiter
 from shepherd.mesh.ratelimit_sim import Load, NetModel, Rule, Scenario, even, simulate, summarize
-
-NOW = 1_790_000_000.0
-GEN = round((NOW - 100.0) * 1e6)  # a node's generation: its start time in microseconds
-KEY = ("t", "")
-
-
-class Clock:
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _admit(lim: RateLimiter, now: float, rpm: int = 1_000_000) -> bool:
-    g = lim.acquire(now, [(KEY, Limits(rpm=rpm))], 0)
-    if isinstance(g, Grant):
-        lim.settle(now, g, None)
-        return True
-    return False
+from tests.unit.test_ratelimit_echo import GEN, NOW, Clock, _admit, _run
 
 
 def _pair(clock: Clock | None = None, relay: bool = False) -> tuple[RateLimiter, RateLimiter]:
@@ -40,30 +18,6 @@ def _pair(clock: Clock | None = None, relay: bool = False) -> tuple[RateLimiter,
     for lim in (a, b):
         lim.set_membership(["a", "b"], 2)
     return a, b
-
-
-def _run(
-    a: RateLimiter, b: RateLimiter, delay: float, busy: float, seconds: float, clock: Clock | None = None
-) -> list[float]:
-    """``b`` takes a request every 0.1 s for ``busy`` seconds, then none, publishing each (its states reach
-    ``a`` ``delay`` seconds later); ``a`` takes one a second. Returns a's τ after each of its requests."""
-    inbox: deque[tuple[float, list[list[Any]]]] = deque()
-    taus: list[float] = []
-    for k in range(round(seconds * 10)):
-        now = NOW + k * 0.1
-        if clock is not None:
-            clock.t = now
-        if now < NOW + busy:
-            _admit(b, now)
-        d = b.take_delta(1 << 20)
-        if d is not None:
-            inbox.append((now + delay, d))
-        while inbox and inbox[0][0] <= now + 1e-9:
-            a.apply_delta(inbox.popleft()[1])
-        if k % 10 == 9:
-            _admit(a, now)
-            taus.append(a.propagation)
-    return taus
 
 
 # Without a clock a node notes a newer state when it next looks (at its next request, here once a second):

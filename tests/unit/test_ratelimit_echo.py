@@ -6,6 +6,7 @@ old and a 1 s lease over-admits)."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from typing import Any
 
@@ -59,13 +60,35 @@ def _pair(tau_max: float) -> tuple[RateLimiter, RateLimiter]:
     return a, b
 
 
-def _run(a: RateLimiter, b: RateLimiter, delay: float, seconds: float = 20.0, admit_b: bool = True) -> None:
-    """``b`` takes a request every 0.1 s (or only attempts, ``admit_b`` False: an rpm it cannot fit) and
-    publishes it; its states reach ``a`` ``delay`` seconds later; ``a`` takes one a second."""
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _run(
+    a: RateLimiter,
+    b: RateLimiter,
+    delay: float,
+    seconds: float = 20.0,
+    admit_b: bool = True,
+    busy: float = math.inf,
+    clock: Clock | None = None,
+) -> list[float]:
+    """``b`` takes a request every 0.1 s for ``busy`` seconds (or only attempts, ``admit_b`` False: an rpm
+    it cannot fit), publishing each; its states reach ``a`` ``delay`` seconds later; ``a`` takes one a
+    second. ``clock`` (the limiters' own, if they have one) follows the run. Returns a's τ after each of
+    its requests."""
     inbox: deque[tuple[float, list[list[Any]]]] = deque()
+    taus: list[float] = []
     for k in range(round(seconds * 10)):
         now = NOW + k * 0.1
-        _admit(b, now, 1_000_000 if admit_b else 0)
+        if clock is not None:
+            clock.t = now
+        if now < NOW + busy:
+            _admit(b, now, 1_000_000 if admit_b else 0)
         d = b.take_delta(1 << 20)
         if d is not None:
             inbox.append((now + delay, d))
@@ -73,6 +96,8 @@ def _run(a: RateLimiter, b: RateLimiter, delay: float, seconds: float = 20.0, ad
             a.apply_delta(inbox.popleft()[1])
         if k % 10 == 9:
             _admit(a, now)
+            taus.append(a.propagation)
+    return taus
 
 
 def test_tau_follows_the_age_of_the_held_states() -> None:

@@ -801,18 +801,7 @@ def server_span(
         tid = (_getrandbits(64) << 64 | low) or 1
         name = f"{request.method} {route}"
         if low < bound:
-            attrs: dict[str, Any] = {
-                "http.request.method": request.method,
-                "http.route": route,
-                "url.path": request.path,
-                "url.scheme": "https" if request.secure else "http",
-            }
-            remote = request.remote
-            if remote:
-                attrs["client.address"] = remote
-            rid = headers.get("x-request-id")
-            if rid and len(rid) <= 128:
-                attrs["shepherd.request.id"] = rid
+            attrs = _server_attrs(request, route)
             return _served(request, handler, op, _Span(name, _SERVER, tid, 0, False, None, True, attrs), None)
         return _served(request, handler, op, _Span(name, _SERVER, tid, 0, False, None, False), None)
     # a request with trace headers (or a sampler without a bound, or spans not recorded lean)
@@ -868,28 +857,19 @@ async def _served(
             _detach(token)
         if op_token is not None:
             _OPERATION.reset(op_token)
-    if type(span) is _Span:  # ``_put`` in place
-        if span.recording:
-            status = resp.status
-            a = span.attrs
-            a["http.response.status_code"] = status
-            got_rid = resp.headers.get("x-request-id")
-            if got_rid:
-                a["shepherd.request.id"] = got_rid
-            if status >= 500:
-                a["error.type"] = str(status)
-                span.set_status(Status(StatusCode.ERROR))
-            span.end()
-    elif span.is_recording():
+    lean = span if type(span) is _Span else None
+    if lean.recording if lean is not None else span.is_recording():
         status = resp.status
-        end: dict[str, Any] = {"http.response.status_code": status}
+        end: dict[str, Any] = lean.attrs if lean is not None else {}  # a lean span's: written in place
+        end["http.response.status_code"] = status
         got_rid = resp.headers.get("x-request-id")
         if got_rid:
             end["shepherd.request.id"] = got_rid
         if status >= 500:
             end["error.type"] = str(status)
             span.set_status(Status(StatusCode.ERROR))
-        _put(span, end)
+        if lean is None:
+            _put(span, end)
         span.end()
     return resp
 
@@ -1246,23 +1226,20 @@ class EngineCall:
     async def first(self, reply: Awaitable[T]) -> T:
         """Await the engine's first reply with this span current; a failure ends the span."""
         span = self.span
+        lean_token = token = None
         if _LEAN:  # ``_attach`` / ``_detach`` in place
             lean_token = _CURRENT.set((span, self.base))
-            try:
-                got = await reply
-            except BaseException as e:
-                self.fail(e)
-                raise
-            finally:
-                _CURRENT.reset(lean_token)
         else:
             token = _attach(span)
-            try:
-                got = await reply
-            except BaseException as e:
-                self.fail(e)
-                raise
-            finally:
+        try:
+            got = await reply
+        except BaseException as e:
+            self.fail(e)
+            raise
+        finally:
+            if lean_token is not None:
+                _CURRENT.reset(lean_token)
+            else:
                 _detach(token)
         # the time to the first chunk as its attribute only (an event at start + ttfc would repeat it)
         ttfc = self.ttfc = _perf_counter() - self.t0
