@@ -121,8 +121,38 @@ class _Service:
     def _request(self, request: Any) -> MockRequest:
         raise NotImplementedError
 
+    PB: Any = None  # the dialect's generated module (GenerateResponse, GenerateStreamChunk, ...)
+
     def _response(self, rid: str, ev: EngineEvent) -> Any:
-        raise NotImplementedError
+        """An engine event as the dialect's GenerateResponse (SGLang's names its request)."""
+        pb = self.PB
+        named = {"request_id": rid} if self.KIND == "sglang" else {}
+        if isinstance(ev, EngineChunk):
+            chunk = pb.GenerateStreamChunk(
+                token_ids=ev.token_ids,
+                prompt_tokens=ev.prompt_tokens,
+                completion_tokens=ev.completion_tokens,
+                cached_tokens=ev.cached_tokens,
+                index=ev.index,
+            )
+            if ev.logprobs:
+                chunk.output_logprobs.CopyFrom(logprobs_pb(pb, ev.logprobs))
+            return pb.GenerateResponse(chunk=chunk, **named)
+        complete = pb.GenerateComplete(
+            output_ids=ev.output_ids,
+            finish_reason=ev.finish_reason,
+            prompt_tokens=ev.prompt_tokens,
+            completion_tokens=ev.completion_tokens,
+            cached_tokens=ev.cached_tokens,
+            index=ev.index,
+        )
+        if ev.matched_token_id is not None:
+            complete.matched_token_id = ev.matched_token_id
+        if self.KIND == "vllm" and ev.kv_transfer_params_json is not None:
+            complete.kv_transfer_params_json = ev.kv_transfer_params_json
+        if ev.logprobs:
+            complete.output_logprobs.CopyFrom(logprobs_pb(pb, ev.logprobs))
+        return pb.GenerateResponse(complete=complete, **named)
 
     def _wire(self, request_id: str, run: Run) -> ChunkWire | None:
         if not self._raw_chunks or not run.req.stream:
@@ -211,6 +241,7 @@ class _Service:
 
 class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer):  # type: ignore[misc]
     KIND = "sglang"
+    PB = SGL
 
     def _request(self, request: Any) -> MockRequest:
         core = self._core
@@ -246,32 +277,6 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
             bootstrap_port=request.disaggregated_params.bootstrap_port if disagg else None,
             bootstrap_room=request.disaggregated_params.bootstrap_room if disagg else None,
         )
-
-    def _response(self, rid: str, ev: EngineEvent) -> Any:
-        if isinstance(ev, EngineChunk):
-            chunk = SGL.GenerateStreamChunk(
-                token_ids=ev.token_ids,
-                prompt_tokens=ev.prompt_tokens,
-                completion_tokens=ev.completion_tokens,
-                cached_tokens=ev.cached_tokens,
-                index=ev.index,
-            )
-            if ev.logprobs:
-                chunk.output_logprobs.CopyFrom(logprobs_pb(SGL, ev.logprobs))
-            return SGL.GenerateResponse(request_id=rid, chunk=chunk)
-        complete = SGL.GenerateComplete(
-            output_ids=ev.output_ids,
-            finish_reason=ev.finish_reason,
-            prompt_tokens=ev.prompt_tokens,
-            completion_tokens=ev.completion_tokens,
-            cached_tokens=ev.cached_tokens,
-            index=ev.index,
-        )
-        if ev.matched_token_id is not None:
-            complete.matched_token_id = ev.matched_token_id
-        if ev.logprobs:
-            complete.output_logprobs.CopyFrom(logprobs_pb(SGL, ev.logprobs))
-        return SGL.GenerateResponse(request_id=rid, complete=complete)
 
     async def Abort(self, request: Any, context: Any) -> Any:
         self._core.stats.count_rpc("sglang.Abort")
@@ -371,6 +376,7 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
 
 class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[misc]
     KIND = "vllm"
+    PB = VLLM
 
     def _request(self, request: Any) -> MockRequest:
         core = self._core
@@ -410,34 +416,6 @@ class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: i
             prompt_text=text,
             kv_transfer_params_json=kv_json,
         )
-
-    def _response(self, rid: str, ev: EngineEvent) -> Any:
-        if isinstance(ev, EngineChunk):
-            chunk = VLLM.GenerateStreamChunk(
-                token_ids=ev.token_ids,
-                prompt_tokens=ev.prompt_tokens,
-                completion_tokens=ev.completion_tokens,
-                cached_tokens=ev.cached_tokens,
-                index=ev.index,
-            )
-            if ev.logprobs:
-                chunk.output_logprobs.CopyFrom(logprobs_pb(VLLM, ev.logprobs))
-            return VLLM.GenerateResponse(chunk=chunk)
-        complete = VLLM.GenerateComplete(
-            output_ids=ev.output_ids,
-            finish_reason=ev.finish_reason,
-            prompt_tokens=ev.prompt_tokens,
-            completion_tokens=ev.completion_tokens,
-            cached_tokens=ev.cached_tokens,
-            index=ev.index,
-        )
-        if ev.matched_token_id is not None:
-            complete.matched_token_id = ev.matched_token_id
-        if ev.kv_transfer_params_json is not None:
-            complete.kv_transfer_params_json = ev.kv_transfer_params_json
-        if ev.logprobs:
-            complete.output_logprobs.CopyFrom(logprobs_pb(VLLM, ev.logprobs))
-        return VLLM.GenerateResponse(complete=complete)
 
     async def Abort(self, request: Any, context: Any) -> Any:
         self._core.stats.count_rpc("vllm.Abort")
