@@ -11,7 +11,8 @@ each, so the PSS of a node's processes adds up to what the node really costs the
     .venv/bin/python bench/memory_bench.py --soak 1800 --every 60   # the curve under churning chats
 
 ``--soak S`` then keeps a closed loop of multi-turn conversations (every conversation new) on the node for
-S seconds and prints the node's total RSS / PSS every ``--every`` seconds.
+S seconds and prints the node's total RSS / PSS every ``--every`` seconds (with the main process's PSS and
+USS and a worker's mean).
 """
 
 from __future__ import annotations
@@ -147,7 +148,11 @@ def soak(
     port: int, node_pid: int, factory: PromptFactory, seconds: float, every: float, start: int, conc: int
 ) -> None:
     print(f"\nsoak: multi-turn conversations (every one new), c={conc}, {seconds:g} s", flush=True)
-    print(f"{'t s':>6} {'requests':>9} {'RSS MB':>8} {'PSS MB':>8}", flush=True)
+    print(
+        f"{'t s':>6} {'requests':>9} {'RSS MB':>8} {'PSS MB':>8} {'main PSS':>9} {'main USS':>9} "
+        f"{'worker PSS':>10} {'worker USS':>10}",
+        flush=True,
+    )
     t0 = time.monotonic()
     done = 0
     index = start
@@ -156,7 +161,13 @@ def soak(
         rss = sum(m.rss_kb for m in mems)
         pss = sum(m.pss_kb for m in mems)
         elapsed = time.monotonic() - t0
-        print(f"{elapsed:>6.0f} {done:>9} {_mb(rss):>8} {_mb(pss):>8}", flush=True)
+        main, workers = (mems[0], mems[1:]) if mems else (None, [])
+        per = (  # the main process's PSS and USS, then the workers' mean
+            f"{_mb(main.pss_kb) if main else '-':>9} {_mb(main.uss_kb) if main else '-':>9} "
+            f"{_mb(sum(m.pss_kb for m in workers) // max(1, len(workers))):>10} "
+            f"{_mb(sum(m.uss_kb for m in workers) // max(1, len(workers))):>10}"
+        )
+        print(f"{elapsed:>6.0f} {done:>9} {_mb(rss):>8} {_mb(pss):>8} {per}", flush=True)
         if elapsed >= seconds:
             return
         template = RequestTemplate("127.0.0.1", port, "/v1/chat/completions", ())

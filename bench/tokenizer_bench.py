@@ -4,6 +4,7 @@
     .venv/bin/python bench/tokenizer_bench.py --fast-bpe [--quick] [--no-pin]   # only FastBPE sections
     .venv/bin/python bench/tokenizer_bench.py --fast-bpe-verify [family...]      # slow exhaustive checks
     .venv/bin/python bench/tokenizer_bench.py --node [--quick]   # only the node's per-request call
+    .venv/bin/python bench/tokenizer_bench.py --kinds [--quick]  # only the encode cost by kind of text
 
 By default the process (and the pool workers it forks) is pinned to one CPU, so that CPU times of
 the parent and of a worker are comparable (the two vCPUs here are not equally loaded by neighbours);
@@ -33,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import random
 import statistics
 import sys
 import time
@@ -49,7 +51,11 @@ from shepherd.tokens.chat_env import make_environment  # noqa: E402
 from shepherd.tokens.chat_template import ChatTemplate  # noqa: E402
 from shepherd.tokens.fast_bpe_core import byte_level_decoder  # noqa: E402
 from shepherd.tokens.pool import TokenizerPool  # noqa: E402
-from shepherd.tokens.service import TokenizerService  # noqa: E402
+from shepherd.tokens.service import (  # noqa: E402
+    DEFAULT_INLINE_MAX_ASCII_CHARS,
+    DEFAULT_INLINE_MAX_CHARS,
+    TokenizerService,
+)
 from shepherd.tokens.tokenizer import Tokenizer, load_chat_templates  # noqa: E402
 
 QWEN3 = ROOT / "shepherd" / "tokens" / "assets" / "qwen3"
@@ -529,6 +535,70 @@ async def encode_threshold(tok: Tokenizer, text_at: dict[int, str]) -> None:
     print(f"=> encode: the pool pays from about {first_pool} chars on (lower envelope)")
 
 
+def kinds_of_text() -> dict[str, str]:
+    """Texts of each kind the encode bounds tell apart: ASCII (the C split) typical and worst, and not."""
+    rng = random.Random(1)
+    factory = PromptFactory(PromptConfig(prompt_tokens=2000))
+    prose = "".join(factory.user_message(i) for i in range(12))
+    code = "".join(c for c in corpus()[20_000:] if c.isascii())
+    return {
+        "ASCII prose": prose,
+        "ASCII code": code,
+        "ASCII, words of rare letters": " ".join(
+            "".join(rng.choice("qxzjkvwy") for _ in range(rng.randint(8, 40))) for _ in range(3000)
+        ),
+        "ASCII, letters without a space": "".join(
+            rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(40_000)
+        ),
+        "French": "Les caches évitent de refaire le travail; la passerelle découpe le texte. " * 600,
+        "Japanese": "日本語のテキストも少し含まれています。トークナイザーの速度を測ります。" * 1200,
+    }
+
+
+async def encode_by_kind(tok: Tokenizer) -> None:
+    """The encode bounds (``TokenizerService``: ``inline_max_ascii_chars`` for ASCII text, else
+    ``inline_max_chars``): at each bound, by kind of text, the inline encode (the event loop's stall)
+    against a pool round trip's parent + worker CPU for the same text (lower envelope of interleaved
+    rounds, as ``encode_threshold``)."""
+    section("encode cost by kind of text (qwen3), CPU µs per call, at the service's bounds")
+    print(
+        f"{'text':<32} {'chars':>6} {'inline':>8} {'ns/char':>8} {'parent':>8} {'worker':>8} "
+        f"{'pool total':>10}  cheaper"
+    )
+    rounds = 3 if QUICK else 7
+    pool = TokenizerPool([tok], workers=1)
+    await pool.start()
+    encode = tok.cache.encode_pieces
+    try:
+        (pid,) = pool.pids()
+        for name, full in kinds_of_text().items():
+            sizes = [DEFAULT_INLINE_MAX_ASCII_CHARS] if full.isascii() else []
+            sizes.append(DEFAULT_INLINE_MAX_CHARS)
+            for n in sorted(sizes):
+                text = full[:n]
+                encode([text], False)
+                k = max(3, min(200, int(30_000 / n * 4)))
+                inline_r, parent_r, worker_r = [], [], []
+                for _ in range(rounds):
+                    t0 = time.thread_time_ns()
+                    for _ in range(k):
+                        encode([text], False)
+                    inline_r.append((time.thread_time_ns() - t0) / k / 1000)
+                    w0, p0 = sched_ns(pid), time.thread_time_ns()
+                    for _ in range(k):
+                        await pool.encode("qwen3", text, False)
+                    parent_r.append((time.thread_time_ns() - p0) / k / 1000)
+                    worker_r.append((sched_ns(pid) - w0) / k / 1000)
+                inline, parent, worker = min(inline_r), min(parent_r), min(worker_r)
+                cheaper = "inline" if inline < parent + worker else "pool"
+                print(
+                    f"{name:<32} {len(text):>6} {inline:>8.1f} {1000 * inline / len(text):>8.1f} "
+                    f"{parent:>8.1f} {worker:>8.1f} {parent + worker:>10.1f}  {cheaper}"
+                )
+    finally:
+        await pool.close()
+
+
 def break_even(what: str, unit: str, inline: dict[int, float], costs: dict[int, tuple[float, float]]) -> None:
     """Sending work away pays when the event-loop time it saves (inline - parent CPU) is at least the
     CPU the hop adds to the machine (parent + worker - inline)."""
@@ -717,6 +787,9 @@ async def main() -> None:
     if "--node" in sys.argv:
         node_call()
         return
+    if "--kinds" in sys.argv:  # only the encode cost by kind of text, at the service's bounds
+        await encode_by_kind(Tokenizer.load(QWEN3, "qwen3"))
+        return
     if "--no-pin" not in sys.argv:
         cpu = min(os.sched_getaffinity(0))
         os.sched_setaffinity(0, {cpu})
@@ -748,6 +821,7 @@ async def main() -> None:
     break_even("encode", "chars", inline, {n: c for n, c in overhead.items() if n})
     break_even("render", "messages", render_inline, render_costs)
     await encode_threshold(tok, text_at)
+    await encode_by_kind(tok)
     print(f"\nload at the end {os.getloadavg()[0]:.2f}")
 
 

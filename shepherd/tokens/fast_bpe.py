@@ -160,6 +160,7 @@ class FastBPE:
         self.pattern = core.pattern
         self.nfc = core.nfc
         self.description = core.description
+        self.token_ranks: Mapping[bytes, int] = core.ranks  # byte-level tokens' bytes → ids (shared)
         self._encode_ordinary = _ordinary_encoder(core)
         normalizer = hf.normalizer
         self._normalize: Callable[[str], str] | None = normalizer.normalize_str if normalizer else None

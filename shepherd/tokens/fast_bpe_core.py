@@ -36,9 +36,10 @@ dozen contexts, ``--fast-bpe-verify``).
 from __future__ import annotations
 
 import functools
+import itertools
 import unicodedata
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -92,6 +93,7 @@ class _Core:
     pattern: str
     nfc: bool
     description: str
+    ranks: dict[bytes, int]  # the encoding's ranks (each byte-level token's bytes → id), the same dict
 
 
 _CORES: OrderedDict[bytes, _Core | str] = OrderedDict()  # content key → core or why not
@@ -163,19 +165,29 @@ def _ranks(vocab: Mapping[str, int]) -> dict[bytes, int]:
     byte-level BPE can never produce them)."""
     table = _to_latin1_table()
     ranks: dict[bytes, int] = {}
+    # The ids as int objects of their own, made in a row (``range`` makes one per item): the parsed
+    # JSON's ints lie scattered among its strings, and the ranks live as long as the process, so
+    # keeping those kept ~17 MB of the parse's pages (mostly free space) that a forked pool shares
+    # and that the parent then copied as it filled them (bench/memory_bench.py).
+    top = max((i for i in vocab.values() if type(i) is int), default=-1)
+    ids = range(top + 1)
+
+    def own(i: int) -> int:
+        return ids[i] if type(i) is int and 0 <= i <= top else i
+
     try:  # all of it at once: one character is one byte
         blob = "".join(vocab).translate(table).encode("latin-1")
     except UnicodeEncodeError:
         for tok, i in vocab.items():
             try:
-                ranks[tok.translate(table).encode("latin-1")] = i
+                ranks[tok.translate(table).encode("latin-1")] = own(i)
             except UnicodeEncodeError:
                 continue
     else:
         pos = 0
         for tok, i in vocab.items():
             end = pos + len(tok)
-            ranks[blob[pos:end]] = i
+            ranks[blob[pos:end]] = own(i)
             pos = end
     if len(set(ranks.values())) != len(ranks):
         raise ValueError("two vocabulary entries share an id")
@@ -253,13 +265,12 @@ def _self_encoding_tokens(
 # ---- NFC ----------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _nfc_probes() -> tuple[str, ...]:
+def _nfc_probes() -> Iterator[str]:
     """Short texts that Python calls NFC, around every character of planes 0-2 that Python's Unicode
     database gives a combining class or a canonical decomposition (in the contexts where a wrong
     class or decomposition shows), and around every code point of planes 0-1 it has unassigned (which
-    a newer table could make a mark: reordered against U+0316 / U+0301 then)."""
-    probes: list[str] = []
+    a newer table could make a mark: reordered against U+0316 / U+0301 then). Generated, not kept:
+    139k strings, 12 MB that a cache held for the life of the process (80 ms to make again)."""
     for cp in range(0xA0, 0x30000):
         if 0xD800 <= cp < 0xE000:
             continue
@@ -273,8 +284,7 @@ def _nfc_probes() -> tuple[str, ...]:
             texts = [f"a\u0316{c}", f"a{c}\u0316", f"a\u0301{c}", c]
         else:
             continue
-        probes.extend(t for t in texts if unicodedata.is_normalized("NFC", t))
-    return tuple(probes)
+        yield from (t for t in texts if unicodedata.is_normalized("NFC", t))
 
 
 def _nfc_agrees(normalize: Callable[[str], str]) -> str | None:
@@ -285,9 +295,7 @@ def _nfc_agrees(normalize: Callable[[str], str]) -> str | None:
     only text Python would change needs the tokenizer's own (slower) normalizer. Probed, since a
     later tokenizers could have newer tables than the Python running it."""
     probes = _nfc_probes()
-    step = 4096
-    for start in range(0, len(probes), step):
-        chunk = probes[start : start + step]
+    while chunk := list(itertools.islice(probes, 4096)):
         if normalize("|".join(chunk)) != "|".join(chunk):
             bad = next(p for p in chunk if normalize(p) != p)
             return f"the tokenizer's NFC changes {bad!r}, which Python's unicodedata calls NFC"
@@ -355,4 +363,4 @@ def _build_core(hf: tokenizers.Tokenizer, d: Mapping[str, Any]) -> _Core:
         f"{'NFC' if nfc else 'no normalizer'}, "
         f"merges: {'all splits' if all_splits else 'one merge per token'}, ignore_merges={ignore_merges}"
     )
-    return _Core(encoding, pattern, nfc, description)
+    return _Core(encoding, pattern, nfc, description, ranks)

@@ -1,12 +1,12 @@
 """The node's tokenizer façade: ``TokenizerService``.
 
 Caches live in the parent (that is where a hit is cheap): L0/L1 ids and rendered prompts are looked up
-inline; what is left to do runs inline when small (``inline_max_chars`` characters still to encode; a
-render of at most ``render_inline_max_messages`` messages and ``render_inline_max_bytes`` bytes of
-serialized input) and in the pool (pool.py) otherwise, and pool results go into the parent's caches. A
-worker that renders a plain conversation (role and text messages) sends back the skeleton of its shape
-(chat_skeleton.py): the parent fills the next conversation of that shape itself, at any size, with no
-jinja and no round trip.
+inline; what is left to do runs inline when small (``inline_max_chars`` characters still to encode,
+``inline_max_ascii_chars`` when the text is ASCII; a render of at most ``render_inline_max_messages``
+messages and ``render_inline_max_bytes`` bytes of serialized input) and in the pool (pool.py)
+otherwise, and pool results go into the parent's caches. A worker that renders a plain conversation
+(role and text messages) sends back the skeleton of its shape (chat_skeleton.py): the parent fills the
+next conversation of that shape itself, at any size, with no jinja and no round trip.
 """
 
 from __future__ import annotations
@@ -22,19 +22,26 @@ from shepherd.tokens.pool import TokenizerPool, TokenizerPoolUnavailable
 from shepherd.tokens.tokenizer import Tokenizer
 
 __all__ = [
+    "DEFAULT_INLINE_MAX_ASCII_CHARS",
     "DEFAULT_INLINE_MAX_CHARS",
     "DEFAULT_RENDER_INLINE_MAX_BYTES",
     "DEFAULT_RENDER_INLINE_MAX_MESSAGES",
     "TokenizerService",
 ]
 
-# Measured with bench/tokenizer_bench.py ("inline thresholds"): below these sizes a pool round trip
-# adds more CPU (parent + worker) than the event-loop time it saves. Encodes (qwen3, FastBPE inline
-# and in the workers, ~0.09 µs per character): the break-even is at 1,000-2,000 characters still to
-# encode ("encode threshold", interleaved, 3 runs; it was 200-500 with plain tokenizers encodes,
-# which are 5-10x dearer); renders (qwen3 template, ~40-70 µs per message): at about 8 messages.
-# Both rounded up, towards less total CPU.
+# Measured with bench/tokenizer_bench.py ("inline thresholds", "encode cost by kind of text"): a pool
+# round trip never costs less CPU (parent + worker) than the work done here (the hop adds 20-65 µs a
+# call, and the worker's encode is no cheaper), so these bound the event loop's stall instead. Text
+# that is not ASCII (tiktoken's regex split, 0.045-0.14 µs a character: French, Japanese): 2,048
+# characters still to encode, 0.1-0.3 ms. ASCII text (the C split, shepherd/tokens/_pretok.c) is
+# 3-30x cheaper: 16,384 characters, 0.07 ms of prose and 0.24 ms of code (4.5-15 ns a character);
+# the worst ASCII (a long run without a space: one BPE piece) ~160 ns a character there, ~2.6 ms (and
+# at that size the parent's own share of a round trip already costs more than encoding prose here).
+# ``str.isascii`` is O(1): the string's kind, not a scan. Renders (qwen3 template): a conversation of
+# a new shape costs ~40-50 µs a message here (the skeleton's jinja render), a fill of a known shape
+# ~0.6 µs: the 8 messages bound a new shape's render to ~0.4 ms.
 DEFAULT_INLINE_MAX_CHARS: Final = 2048
+DEFAULT_INLINE_MAX_ASCII_CHARS: Final = 16384
 DEFAULT_RENDER_INLINE_MAX_MESSAGES: Final = 8
 DEFAULT_RENDER_INLINE_MAX_BYTES: Final = 16384
 
@@ -45,7 +52,8 @@ class TokenizerService:
     ``models`` maps a served model name to its tokenizer directory (or to a loaded ``Tokenizer`` of
     that name, shared as it is); ``chat_templates`` optionally overrides a model's template (a
     ``.jinja`` path, a template name, or template text) for the ones loaded here.
-    ``workers=0`` runs everything inline (no processes).
+    ``workers=0`` runs everything inline (no processes). An ``inline_max_chars`` given without
+    ``inline_max_ascii_chars`` holds for ASCII text too.
     """
 
     def __init__(
@@ -54,6 +62,7 @@ class TokenizerService:
         workers: int = 2,
         inline_max_chars: int | None = None,
         *,
+        inline_max_ascii_chars: int | None = None,
         render_inline_max_bytes: int | None = None,
         render_inline_max_messages: int | None = None,
         chat_templates: Mapping[str, str | Path] | None = None,
@@ -65,6 +74,11 @@ class TokenizerService:
         self._overrides = dict(chat_templates or {})
         self.workers = workers
         self.inline_max_chars = DEFAULT_INLINE_MAX_CHARS if inline_max_chars is None else inline_max_chars
+        if inline_max_ascii_chars is None:
+            inline_max_ascii_chars = (
+                DEFAULT_INLINE_MAX_ASCII_CHARS if inline_max_chars is None else inline_max_chars
+            )
+        self.inline_max_ascii_chars = inline_max_ascii_chars
         self.render_inline_max_bytes = (
             DEFAULT_RENDER_INLINE_MAX_BYTES if render_inline_max_bytes is None else render_inline_max_bytes
         )
@@ -100,6 +114,12 @@ class TokenizerService:
                 self._tokenizers[name] = Tokenizer.load(
                     path, name, chat_template=self._overrides.get(name), cache_limits=self._cache_limits
                 )
+        # Before the fork, though the workers never decode: built after it, the build's temporaries
+        # (HF's vocabulary as a dict, the self-check) landed in pages shared with the workers and copied
+        # them, ~59 MB of the parent's own for a 150k vocabulary; built here they are trimmed below and
+        # the table (~2 MB of lists over the fast encoder's bytes) is shared (bench/memory_bench.py).
+        for tok in self._tokenizers.values():
+            tok.build_fast_decoder()
         if self._freeze_before_fork:
             heap.freeze_before_fork()
         else:
@@ -109,8 +129,6 @@ class TokenizerService:
                 list(self._tokenizers.values()), self.workers, call_timeout=self._call_timeout
             )
             await self._pool.start()
-        for tok in self._tokenizers.values():  # after the fork: the workers never decode
-            tok.build_fast_decoder()
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -148,9 +166,11 @@ class TokenizerService:
         """The ids when the caches and a small inline encode give them (no await in the common case),
         else the pool's, to await."""
         chars = cache.encoded_chars
-        got = cache.encode_or_plan(
-            text, add_special_tokens, self.inline_max_chars if self._pool is not None else None
-        )
+        if self._pool is None:
+            limit = None
+        else:  # ASCII text encodes 3-30x cheaper (the C split): a bigger remainder stays here
+            limit = self.inline_max_ascii_chars if text.isascii() else self.inline_max_chars
+        got = cache.encode_or_plan(text, add_special_tokens, limit)
         if isinstance(got, EncodePlan):
             return self._encode_planned(model, cache, got)
         self.inline_encodes += cache.encoded_chars != chars  # (cache hits alone encode nothing)

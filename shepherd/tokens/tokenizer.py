@@ -236,9 +236,11 @@ class Tokenizer:
 
     def build_fast_decoder(self) -> bool:
         """Build the byte-table decoder (~0.3-0.9 s for a 150k vocabulary; the node does it at start,
-        pool workers, which never decode, do not). True when this tokenizer has one."""
+        before its pool forks: the workers never decode, but share the table rather than copy pages),
+        over the fast encoder's bytes objects when there is one. True when this tokenizer has one."""
         if self._fast_decoder is None:
-            self._fast_decoder = ByteDecoder.build(self.hf)
+            fast = self.cache.fast
+            self._fast_decoder = ByteDecoder.build(self.hf, token_bytes=fast.token_ranks if fast else None)
         return self._fast_decoder is not None
 
     def id_to_token(self, i: int) -> str | None:

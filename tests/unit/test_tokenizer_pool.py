@@ -17,7 +17,7 @@ import pytest
 from shepherd.tokens.chat_messages import ChatTemplateError
 from shepherd.tokens.chat_template import ChatTemplate
 from shepherd.tokens.pool import TokenizerPool, TokenizerPoolUnavailable, TokenizerWorkerError
-from shepherd.tokens.service import TokenizerService
+from shepherd.tokens.service import DEFAULT_INLINE_MAX_ASCII_CHARS, TokenizerService
 from shepherd.tokens.tokenizer import Tokenizer, load_chat_templates
 from tests.unit.test_tokenizer_shared import llama, qwen3
 
@@ -197,6 +197,32 @@ async def test_service_inline_small_pool_big_and_caches_in_the_parent() -> None:
         assert s2["pool_calls"] == 1 and s2["l0_hits"] == s["l0_hits"] + 1  # served from the parent's cache
         with pytest.raises(KeyError, match="unknown model"):
             svc.get("nope")
+
+
+async def test_ascii_text_has_its_own_bigger_inline_bound() -> None:
+    """ASCII text (the C split, ~3-30x cheaper to encode) stays here up to ``inline_max_ascii_chars``;
+    text of the same size that is not ASCII goes to the pool; an ``inline_max_chars`` given alone
+    holds for both."""
+    ascii_text = " ".join(f"word{i} is plain ASCII, number {i * 7}." for i in range(200))  # ~6,000 chars
+    other = ascii_text.replace("plain", "plein, déjà")
+    assert ascii_text.isascii() and not other.isascii() and 3000 < len(ascii_text) < 8000
+    async with service(workers=1, inline_max_chars=1000, inline_max_ascii_chars=8000) as svc:
+        tok = svc.get("qwen3")
+        assert svc.inline_max_ascii_chars == 8000
+        assert await guarded(svc.encode("qwen3", ascii_text, False)) == tok.encode_uncached(ascii_text, False)
+        assert svc.stats()["pool_calls"] == 0 and svc.stats()["inline_encodes"] == 1
+        assert await guarded(svc.encode("qwen3", other, False)) == tok.encode_uncached(other, False)
+        assert svc.stats()["pool_calls"] == 1 and svc.stats()["pool_encodes"] == 1
+        longer = ascii_text + " " + ascii_text.replace("word", "term")  # over 8,000 ASCII characters
+        assert await guarded(svc.encode("qwen3", longer, False)) == tok.encode_uncached(longer, False)
+        assert svc.stats()["pool_calls"] == 2
+    async with service(workers=1, inline_max_chars=1000) as svc:
+        assert svc.inline_max_ascii_chars == 1000
+        fresh = ascii_text.replace("word", "item")
+        assert await guarded(svc.encode("qwen3", fresh, False)) == tok.encode_uncached(fresh, False)
+        assert svc.stats()["pool_calls"] == 1
+    async with service(workers=1) as svc:
+        assert svc.inline_max_ascii_chars == DEFAULT_INLINE_MAX_ASCII_CHARS > svc.inline_max_chars
 
 
 async def test_service_only_sends_the_new_segments() -> None:

@@ -28,7 +28,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
@@ -36,12 +36,14 @@ from shepherd.auth.principal import Principal, principal_of
 from shepherd.mesh.ratelimit import Denial, Grant, LimiterConfig, Limits, Quota, RateLimiter
 from shepherd.mesh.ratelimit_keys import Key
 from shepherd.mesh.ratelimit_shards import fmt_duration
-from shepherd.node.api.ratelimit_redis import RedisCounters
 from shepherd.node.config import NodeConfig, RateLimitRule
 from shepherd.node.metrics import counter, gauge
 from shepherd.node.observe import tracing
 from shepherd.node.openai.requests import Sampling
 from shepherd.proto.openai_errors import ApiError, error_response
+
+if TYPE_CHECKING:  # redis (and the OpenTelemetry SDK it imports): only with the Redis backend, below
+    from shepherd.node.api.ratelimit_redis import RedisCounters
 
 MAX_CACHED = 4096  # (tenant, model) rule resolutions kept
 
@@ -184,6 +186,8 @@ class Admission:
         self.limiter = RateLimiter(node, gen if gen is not None else time.time_ns() // 1000, config, clock)
         self.backend: RedisCounters | None = None
         if redis is not None:
+            from shepherd.node.api.ratelimit_redis import RedisCounters  # optional: the Redis backend
+
             self.backend = RedisCounters(local=self.limiter, clock=clock, **redis)
         self.admitting = self.backend is None  # admit() decides (no I/O); else await admit_async()
         self._rules: dict[tuple[str, str | None], Limits] = {}
