@@ -12,6 +12,10 @@
   fields (``engine_responses.decode_batch``; protobuf's parse otherwise, with the same events).
 - ``shepherd/tokens/_pretok.c``: tiktoken's ``encode_ordinary`` of ASCII text under the Qwen2 and cl100k
   split patterns with the split in C (``fast_bpe.FastBPE``; tiktoken's regex otherwise, with the same ids).
+- ``shepherd/node/engines/_h2fast.c``: a paced engine's read (whole plain gRPC DATA frames of one stream)
+  taken in C (``h2_conn.H2Connection.receive``; its Python frame loop otherwise, with the same state).
+- ``shepherd/node/output/_plainstep.c``: a streamed choice's plain token chunk detokenized, encoded as its SSE
+  chunk and written in C (``plain_step.PlainStep``; the Python token path otherwise, with the same bytes).
 - ``shepherd/node/observe/_otlp_spans.c``: the OTLP bytes of the node's lean span records (``otlp_wire``'s
   exporter encoding; its Python ``_record`` otherwise, with the same bytes).
 
@@ -40,12 +44,25 @@ setup(
         Extension(
             "shepherd.proto._varint",
             ["shepherd/proto/_varint.c"],
+            depends=["shepherd/proto/_pbwire.h"],
             optional=True,
             extra_compile_args=["-O2"],
         ),
         Extension(
             "shepherd.tokens._pretok",
             ["shepherd/tokens/_pretok.c"],
+            optional=True,
+            extra_compile_args=["-O2"],
+        ),
+        Extension(
+            "shepherd.node.engines._h2fast",
+            ["shepherd/node/engines/_h2fast.c"],
+            optional=True,
+            extra_compile_args=["-O2"],
+        ),
+        Extension(
+            "shepherd.node.output._plainstep",
+            ["shepherd/node/output/_plainstep.c"],
             optional=True,
             extra_compile_args=["-O2"],
         ),

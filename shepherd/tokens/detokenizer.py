@@ -239,6 +239,18 @@ class IncrementalDetokenizer:
         """Number of trailing ids whose text is held back (incomplete character or no text yet)."""
         return len(self._ids) - self._emitted
 
+    def byte_step_state(
+        self,
+    ) -> tuple[list[int], list[str], frozenset[int] | None, Set[int] | None, int] | None:
+        """While the byte table serves (no added-token spacing): the lists ``step`` appends to (ids fed,
+        text returned), the ids it drops (skipped specials, extra ones) and the vocabulary size; None
+        otherwise. For ``shepherd.node.output.plain_step``, whose C step does what ``step`` does on the
+        byte table (reading and writing ``_table``, ``_held`` and ``_emitted`` too) and leaves anything else
+        to it."""
+        if self._table is None or self._added is not None or self._finished:
+            return None
+        return self._ids, self._parts, self._drop, self._drop_extra, self._vocab
+
     def step(self, ids: Sequence[int]) -> str:
         """Feed the next output ids; return the text that became final (often ``""``)."""
         if self._finished:

@@ -11,6 +11,7 @@ feed has no HTTP surface of its own, so the test reads the index).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,6 +86,63 @@ async def test_page_size_1_live_only_stream_with_gaps(engine: ReplayServer) -> N
         assert state.cursor.resets == 0
         assert starts == [1, 502]  # one resubscription; the next gap (507) taken in stride
         assert state.cursor.lost == 2
+    finally:
+        await feed.close()
+        await client.close()
+
+
+def _paced(batches: list[Any], gap_s: float) -> Iterator[Any]:
+    """The batches one by one, ``gap_s`` apart (the servicer's thread sleeps between them)."""
+    for i, b in enumerate(batches):
+        if i:
+            time.sleep(gap_s)
+        yield b
+
+
+async def test_lazy_reads_deliver_a_stream_on_polls_over_its_own_connection(engine: ReplayServer) -> None:
+    blocks = [list(range(1000 + 16 * i, 1016 + 16 * i)) for i in range(4)]
+    engine.kv_script = lambda _req: _paced(  # type: ignore[assignment,return-value]
+        [kv_batch(10 + i, *pages(b, 5000 + 100 * i, None)) for i, b in enumerate(blocks)], 0.1
+    )
+    client = H2EngineClient(engine.url, f"127.0.0.1:{engine.port}", "sglang")
+    ix = PrefixIndex()
+    feed = KvFeed()
+    feed.read_lazily()
+    lazy = feed.lazy_reads
+    assert lazy is not None
+    state = feed.start("w", client, ix)
+    try:
+        await _until(lambda: len(lazy) == 1, "the stream's connection")
+        await asyncio.sleep(0.6)  # every batch sent by now; nothing read without a poll, not even SETTINGS
+        assert state.cursor.last == 0 and lazy.reads == 0
+        for _ in range(100):  # bounded: polls until the last batch is in (the mesh's tick does this)
+            feed.poll()
+            if state.cursor.last == 13:
+                break
+            await asyncio.sleep(0.05)
+        assert state.cursor.last == 13
+        assert all(ix.match(b) == {"w": 16} for b in blocks)
+        side = client._kv_side
+        assert side is not None and side._proto is not None
+        assert side._proto is not client._proto  # generation calls keep their own, read at once
+        reads = lazy.reads
+        await asyncio.sleep(0.3)
+        assert lazy.reads == reads  # no poll, no read
+    finally:
+        await feed.close()
+        await client.close()
+    assert len(lazy) == 0  # closed with the client
+
+
+async def test_without_lazy_reads_the_stream_shares_the_clients_connection(engine: ReplayServer) -> None:
+    engine.kv_script = lambda _req: _paced([kv_batch(1, *pages(A[:16], 1, None))], 0.0)  # type: ignore[assignment,return-value]
+    client = H2EngineClient(engine.url, f"127.0.0.1:{engine.port}", "sglang")
+    ix = PrefixIndex()
+    feed = KvFeed()
+    state = feed.start("w", client, ix)
+    try:
+        await _until(lambda: state.cursor.last == 1, "the batch, read as it arrives")
+        assert client._kv_side is None and client.connects == 1
     finally:
         await feed.close()
         await client.close()

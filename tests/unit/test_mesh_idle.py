@@ -169,7 +169,7 @@ async def test_the_node_tick_rides_on_the_runtimes_wake_ups(tmp_path: Path) -> N
     async with two_mesh_nodes(tmp_path, MODEL) as (_gw_a, a, _gw_b, _b):
         rt = a.runtime
         assert rt is not None
-        assert rt._job == a._tick and a._tasks == []  # no timer task of its own
+        assert rt._job == a._wake and a._tasks == []  # no timer task of its own
         assert rt._timer_at <= rt._job_due  # the runtime's timer wakes it when due at the latest
         runs: list[float] = []
         rt.call_every(1.0, lambda: runs.append(now[0]), slack=0.25)
@@ -196,3 +196,24 @@ async def test_the_node_tick_rides_on_the_runtimes_wake_ups(tmp_path: Path) -> N
             del rt._now
         with pytest.raises(ValueError):
             rt.call_every(1.0, lambda: None, slack=1.0)
+
+
+async def test_the_runtimes_wake_ups_read_the_kv_streams_and_tick_when_due(tmp_path: Path) -> None:
+    async with two_mesh_nodes(tmp_path, MODEL) as (gw_a, a, _gw_b, _b):
+        lazy = gw_a.kv_feed.lazy_reads
+        assert lazy is not None  # the mesh made the node's KV-event streams lazily read
+        polls: list[int] = []
+        ticks: list[int] = []
+        gw_a.kv_feed.poll = lambda: polls.append(1)  # type: ignore[method-assign]
+        a.tick = lambda: ticks.append(1)  # type: ignore[method-assign]
+        a._tick_due = time.monotonic() + 100.0
+        for _ in range(3):  # every wake-up reads; the tick is not due
+            a._wake()
+        assert len(polls) == 3 and ticks == []
+        a._tick_due = 0.0
+        before = time.monotonic()
+        a._wake()
+        assert len(polls) == 4 and ticks == [1]
+        assert a._tick_due >= before + 0.5  # due again 0.5 s on: with reads 0.5 s apart at most, <= 1 s
+        a._wake()
+        assert ticks == [1]

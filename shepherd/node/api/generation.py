@@ -39,6 +39,7 @@ from shepherd.node.output.chat import (
     final_reason,
 )
 from shepherd.node.output.choice import ChoiceState, LogprobFormatter
+from shepherd.node.output.plain_step import PlainStep, plain_step
 from shepherd.proto.engine_types import (
     EngineChunk,
     EngineError,
@@ -257,13 +258,16 @@ class Generation:
         emit: Callable[[list[bytes], bool], Awaitable[None]] | None,
         emit_now: Callable[[list[bytes], bool], bool] | None = None,
         drain: Callable[[], Awaitable[None]] | None = None,
+        writer: Callable[[], tuple[Any, Callable[[bytes], bool], list[bytes]] | None] | None = None,
     ) -> None:
         """Consume one engine stream into ``job.states``; ``emit`` gets the encoded chunks of each batch
         of engine events (streaming), so one network read from the engine is one write to the client.
         ``emit_now`` (a client write that does not wait: True when the client's transport wants a
         pause) and ``drain`` (the wait for it) let an engine client that can ``push`` run each later
         batch from its connection's frame loop, with no task wake-up per engine message; a pause hands
-        back to this loop, which waits for the drain before taking more."""
+        back to this loop, which waits for the drain before taking more. ``writer`` (with ``push``): the
+        keep-alive entry, the connection's ``send_framed`` and the pending chunks, when the client's chunks
+        may be written straight (``plain_step``: a plain choice's tokens then go through one C step)."""
         states = job.states
         n = len(states)
         remaining = n
@@ -281,15 +285,15 @@ class Generation:
             posts = [self.output.choice(enc, job.index_base + st.index) for st in states]
         mm = self.mm
         itl = mm.itl
-        last = time.perf_counter()
+        last = [time.perf_counter()]  # the last batch's time (lists: the C step updates them too)
         first = True
         out: list[bytes] = []
-        cached = self.totals.cached
+        cached = [self.totals.cached]
 
         def take(batch: list[EngineEvent]) -> bool:
             """One batch of engine events into the states and ``out``: whether the stream is over for
             us (every engine choice completed, or every choice ended on a gateway-side stop)."""
-            nonlocal first, last, cached, remaining, engine_open
+            nonlocal first, remaining, engine_open
             now = time.perf_counter()
             if first:
                 mm.ttft.observe(now - self.t0)
@@ -303,8 +307,8 @@ class Generation:
                     raise EngineError(f"engine sent choice index {i} for n={n}", retryable=False)
                 st = states[i]
                 idx = job.index_base + i
-                if ev.cached_tokens > cached:
-                    cached = ev.cached_tokens
+                if ev.cached_tokens > cached[0]:
+                    cached[0] = ev.cached_tokens
                 if isinstance(ev, EngineChunk):
                     ntok += len(ev.token_ids)
                     seen_chunks[i] = True
@@ -366,8 +370,8 @@ class Generation:
                 if enc is not None:
                     self._finish_chunk(enc, posts, i, idx, st, out)
             if ntok:
-                itl.observe((now - last) / ntok)
-            last = now
+                itl.observe((now - last[0]) / ntok)
+            last[0] = now
             return engine_open == 0 or remaining == 0
 
         paused = False
@@ -384,6 +388,14 @@ class Generation:
             return over
 
         push = getattr(es.agen, "push", None) if emit_now is not None and drain is not None else None
+        fast: PlainStep | None = None  # the C step (plain_step), once it can write
+        fast_ok = (
+            writer is not None
+            and n == 1
+            and job.index_base == 0
+            and self.logprobs is None
+            and enc is not None
+        )
         over = False
         async for batch in es.batches():
             over = take(batch)
@@ -393,19 +405,43 @@ class Generation:
             if over:
                 break
             if push is not None:
-                await push(take_and_write)
+                if fast_ok and fast is None:
+                    assert writer is not None and enc is not None
+                    w = writer()
+                    if w is not None:
+                        fast = plain_step(
+                            states[0],
+                            posts[0] if posts is not None else None,
+                            getattr(enc, "content0", None),
+                            observe=itl.observe,
+                            last=last,
+                            cached=cached,
+                            got=got,
+                            last_ids=last_ids,
+                            seen=seen_chunks,
+                            ka=w[0],
+                            send=w[1],
+                            pending=w[2],
+                            fallback=take_and_write,
+                            itl=itl,
+                        )
+                        fast_ok = fast is not None
+                await push(fast if fast is not None else take_and_write)
                 if engine_open == 0 or remaining == 0:
                     over = True
                     break
+                if fast is not None and fast.paused:  # (the C step's write left the transport full)
+                    fast.paused = False
+                    paused = True
                 if paused:  # the client's transport is full: nothing more is taken until it drains
                     paused = False
                     assert drain is not None
                     await drain()
         if over and engine_open == 0:
             es.completed = True
-        self.totals.cached = cached
+        self.totals.cached = cached[0]
         if es.trace is not None:  # the engine call's answer on its CLIENT span (tracing on)
-            es.trace.response(self.rid, states, len(job.ids), cached)
+            es.trace.response(self.rid, states, len(job.ids), cached[0])
         if remaining:
             raise EngineError("the engine ended the stream before every choice finished", retryable=False)
 
@@ -629,6 +665,7 @@ class Generation:
 
             emit_now: Callable[[list[bytes], bool], bool] | None = None
             drain: Callable[[], Awaitable[None]] | None = None
+            writer: Callable[[], tuple[Any, Callable[[bytes], bool], list[bytes]] | None] | None = None
             if isinstance(resp, LeanStreamResponse):
                 lean = resp
                 drain = lean.drain
@@ -655,6 +692,11 @@ class Generation:
                         return paused
                     return send(data)
 
+                def writer() -> tuple[Any, Callable[[bytes], bool], list[bytes]] | None:
+                    # emit_now's write for the C step (plain_step): once the head is out, no usage per chunk
+                    send = None if continuous else lean.framed_sender()
+                    return None if send is None else (ka, send, pending)
+
             try:
                 for i, job in enumerate(jobs):
                     if i > 0:
@@ -673,7 +715,7 @@ class Generation:
                         heads = [enc.content(job.index_base + st.index, job.echo) for st in job.states]
                         pending.extend(self._with_usage(heads, job) if continuous else heads)
                     try:
-                        await self._drive(es, job, emit, emit_now, drain)
+                        await self._drive(es, job, emit, emit_now, drain, writer)
                     except GONE:
                         await es.close(CLIENT_DISCONNECT)
                         raise

@@ -90,7 +90,13 @@ log = logging.getLogger("shepherd.mesh_node")
 
 RATE_LIMIT_COMPONENT = "ratelimit"
 TICK_S = 1.0
-TICK_SLACK_S = 0.25  # the tick may run this much early, on a wake-up the mesh runtime has anyway
+# the engines' KV-event streams are read on the runtime's wake-ups too (``KvFeed.lazy_reads``): at the
+# first one at least KV_READ_S - KV_READ_SLACK_S after the last read, at the latest KV_READ_S after it
+# (the window is longer than SWIM's default probe interval, 0.4 s: a probe tick comes in every such
+# window, so the reads do not wake the node themselves); the tick runs on the first read TICK_S -
+# KV_READ_S after the last tick (its period 0.5-1 s, ~0.8 s on probe ticks)
+KV_READ_S = 0.5
+KV_READ_SLACK_S = 0.45
 # the longest a fresh delta waits to be flushed. The flush is event-driven: a write that leaves something
 # to send (a routing decision's index insert, a rate-limit admission, a local worker or health change)
 # arms one timer this far ahead, and the tick flushes whatever else changed; an idle node never wakes
@@ -494,6 +500,10 @@ class MeshNode:
         self.gw = gw
         self.name = cfg.mesh_name
         self.clock = clock
+        feed = getattr(gw, "kv_feed", None)
+        if feed is not None:  # before the gateway starts its workers' feeds
+            feed.read_lazily()
+        self._tick_due = 0.0  # monotonic time from which the tick is due again
         # first_hand: entries naming a node are taken only from that node (see shepherd.mesh.state)
         self.state = MeshState(
             self.name,
@@ -574,9 +584,11 @@ class MeshNode:
         rt.set_rpc_handler(self._rpc_handler)
         await rt.start()
         self.runtime = rt
-        # the tick rides on the runtime's wake-ups (probes, acks: ~7 a second): due every TICK_S, run
-        # at the first one in the TICK_SLACK_S before, so an idle node rarely wakes for it alone
-        rt.call_every(TICK_S, self._tick, slack=TICK_SLACK_S)
+        # the KV-event reads and the tick ride on the runtime's wake-ups (probes, acks: ~7 a second):
+        # reads every KV_READ_S at the latest; the tick at the first read TICK_S - KV_READ_S after the
+        # last, so it runs every TICK_S at the latest and an idle node rarely wakes for either alone
+        self._tick_due = time.monotonic() + TICK_S - KV_READ_S
+        rt.call_every(KV_READ_S, self._wake, slack=KV_READ_SLACK_S)
         self.bridge.sync_all()
         log.info(
             "mesh: node %s on %s:%d, wire %d.%d, seeds %s",
@@ -666,6 +678,18 @@ class MeshNode:
         t.add_done_callback(self._side.discard)
 
     # -- periodic -----------------------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        """On the runtime's wake-ups: read the KV-event streams, and tick when due (period 0.5-1 s)."""
+        if self._closed:
+            return
+        feed = getattr(self.gw, "kv_feed", None)
+        if feed is not None:
+            feed.poll()
+        now = time.monotonic()
+        if now >= self._tick_due:
+            self._tick_due = now + TICK_S - KV_READ_S
+            self.tick()
 
     def _tick(self) -> None:
         if not self._closed:

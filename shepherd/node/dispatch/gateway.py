@@ -168,8 +168,12 @@ class Gateway:
         if index is None:
             return
 
+        clock = self.registry.clock
+
         def on_load(load: EngineLoad) -> None:
             w.load = merge_load(w.load, load)
+            if load.max_total_tokens:  # a whole record (telemetry included): the next GetLoads is skipped
+                w.load_pushed_at = clock()
 
         self.kv_feed.start(w.id, client, index, on_load)
 
@@ -300,7 +304,9 @@ class Gateway:
         http: bool = False,
     ) -> Worker | None:
         """A worker for the request, by the model's policy, among the routable workers not in
-        ``exclude`` (``pick_worker``; PD dispatch calls that with its pools' policies)."""
+        ``exclude`` (``pick_worker``; PD dispatch calls that with its pools' policies). A meshed node's
+        KV-event streams are read first if their last read is over 50 ms old (``KvFeed.poll_fresh``)."""
+        self.kv_feed.poll_fresh()
         return pick_worker(
             self.registry, model, exclude, input_ids, routing_key, self.policy_for(model), http=http
         )

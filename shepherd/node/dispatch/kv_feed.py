@@ -21,6 +21,12 @@ then applied in C in one call, the events it hands back in Python); smaller page
 (SGLang's default page size is 1) are gathered into 16-token blocks (``SmallPageApplier``).
 A stream that fails or ends is subscribed again after an exponential, jittered, bounded back-off.
 The task stops when the worker is removed (``stop``), which also clears the worker's entries.
+
+Lazy reads (``KvFeed.read_lazily``, called by the mesh: ``MeshNode``): each lean-HTTP/2 worker's stream
+goes over a cleartext connection of its own (``h2_protocol.LazyReads``) that is read when ``poll()`` is
+called (on the mesh runtime's wake-ups, every 0.5 s at the latest), so an engine's batches and load
+records wait up to that long and the node does not wake for each one; the generation streams keep the
+client's connection, read as bytes arrive.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from itertools import islice
 from typing import Literal, Protocol
 
 from shepherd.node.engines.backoff import Backoff
+from shepherd.node.engines.h2 import H2EngineClient
+from shepherd.node.engines.h2_protocol import LazyReads
 from shepherd.policies.cache_aware import CacheAware
 from shepherd.policies.kv_events import KvEventApplier, NativeKvApplier, native_kv_ok
 from shepherd.policies.prefix_index import BLOCK_TOKENS, PrefixIndex
@@ -368,6 +376,10 @@ class BackoffConfig:
     jitter: float = 0.2  # each delay is scaled by a factor in [1 - jitter, 1 + jitter]
 
 
+# a routing decision reads the lazily read KV-event streams first when their last poll is older than this
+FRESH_POLL_S = 0.05
+
+
 class KvFeed:
     """The subscriptions of one node, one task per worker."""
 
@@ -386,6 +398,28 @@ class KvFeed:
         self.states: dict[str, WorkerKvState] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
+        # set before workers start (the mesh does): their streams are read on poll(), not as they arrive
+        self.lazy_reads: LazyReads | None = None
+        self._polled = 0.0  # monotonic time of the last poll
+
+    def read_lazily(self) -> None:
+        """Workers started from now on stream over connections read on ``poll()`` (idempotent)."""
+        if self.lazy_reads is None:
+            self.lazy_reads = LazyReads()
+
+    def poll(self) -> None:
+        """Read what the lazily read streams received since the last poll (a no-op without lazy reads)."""
+        if self.lazy_reads is not None:
+            self._polled = time.monotonic()
+            self.lazy_reads.poll()
+
+    def poll_fresh(self) -> None:
+        """Before a routing decision: read the lazily read streams if the last poll is over
+        ``FRESH_POLL_S`` old, so a request that arrives on a quiet node is routed on the engines' KV
+        events and loads of ~50 ms ago, not of up to the poll period (a read of a socket with nothing
+        costs a failed ``recv``, no wake-up)."""
+        if self.lazy_reads is not None and time.monotonic() - self._polled >= FRESH_POLL_S:
+            self.poll()
 
     def running(self, worker: str) -> bool:
         t = self._tasks.get(worker)
@@ -403,6 +437,8 @@ class KvFeed:
         if state is not None and self.running(worker):
             return state
         state = self.states[worker] = WorkerKvState(index, worker, self.clock)
+        if self.lazy_reads is not None and isinstance(source, H2EngineClient) and source.kv_reads is None:
+            source.kv_reads = self.lazy_reads
         task = asyncio.get_running_loop().create_task(self._run(state, source, on_load))
         self._tasks[worker] = task
         return state

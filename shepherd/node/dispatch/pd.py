@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, cast
 
 from shepherd.node.config import NodeConfig, cache_aware_config
+from shepherd.node.dispatch.kv_feed import KvFeed
 from shepherd.node.dispatch.stream import EngineStream
 from shepherd.node.dispatch.workers import Worker, WorkerRegistry, client_error, pick_worker
 from shepherd.node.engines.http import HttpRelayClient
@@ -86,6 +87,7 @@ class Dispatcher(Protocol):
     cfg: NodeConfig
     metrics: NodeMetrics
     registry: WorkerRegistry
+    kv_feed: KvFeed
 
     def abort_in_background(self, w: Worker, request_id: str, reason: str) -> None: ...
 
@@ -138,6 +140,7 @@ class PdRouter:
         self, model: str, tried_p: set[str], tried_d: set[str], ids: Sequence[int], key: str | None
     ) -> PdPair | None:
         gw = self.gw
+        gw.kv_feed.poll_fresh()  # (a meshed node's KV-event streams: read if their last read is stale)
         p = pick_worker(gw.registry, model, tried_p, ids, key, self.prefill_policy, only=self.prefill_ids)
         if p is None:
             return None

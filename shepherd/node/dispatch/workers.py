@@ -72,6 +72,9 @@ class Worker:
     # the engine answered GetLoads UNIMPLEMENTED (vLLM's entrypoint): not asked again; load-aware
     # policies then see this node's own in-flight count for it (``policies.base.worker_load``)
     loads_unsupported: bool = False
+    # when (the registry's clock) the engine's KV-event stream last pushed a whole load record (with its
+    # telemetry): a GetLoads poll due within the poll interval after it is skipped (it would say no more)
+    load_pushed_at: float = float("-inf")
     # SMG's worker spec (admin API): routing weight and cost are recorded and shown; labels are free-form
     priority: int = 50
     cost: float = 1.0
@@ -304,6 +307,8 @@ class WorkerRegistry:
     async def poll_load(self, w: Worker) -> None:
         if not w.initialized or not w.health.healthy or w.loads_unsupported:
             return
+        if self.clock() - w.load_pushed_at < self.cfg.load_poll_interval_secs:
+            return  # the KV-event stream pushed a whole load record since the last poll was due
         try:
             w.load = await w.client.loads()
         except EngineError as e:

@@ -36,7 +36,7 @@ from shepherd.node.engines.errors import (
     sglang_context,
 )
 from shepherd.node.engines.h2_frames import LOCAL_WINDOW, RequestHeaders, hpack_literal
-from shepherd.node.engines.h2_protocol import H2Protocol
+from shepherd.node.engines.h2_protocol import H2Protocol, LazyReads
 from shepherd.node.engines.h2_stream import Deadlines, GrpcStream, RpcStatus, grpc_message, map_status
 from shepherd.node.observe import tracing
 from shepherd.proto.engine_requests import (
@@ -148,6 +148,11 @@ class H2EngineClient:
         self._last_error = ""
         self._closed = False
         self.connects = 0  # successful connections made (observability and tests)
+        # KV-event streams on a connection of their own, read when this polls (None: on the client's
+        # connection, read as it arrives); set before the first subscription
+        self.kv_reads: LazyReads | None = None
+        self._lazy: LazyReads | None = None  # this client's connections are read lazily (the KV side)
+        self._kv_side: H2EngineClient | None = None
 
     # ------------------------------------------------------------------------------------------ connection
 
@@ -191,7 +196,9 @@ class H2EngineClient:
         proto: H2Protocol | None = None
         try:
             async with asyncio.timeout(self._connect_timeout):
-                if self._unix is not None:
+                if self._lazy is not None:  # a KV-event stream's own connection, read on the owner's polls
+                    proto = await self._lazy.connect(factory, self._host, self._port, self._unix)
+                elif self._unix is not None:
                     host = "localhost" if self._tls else None
                     _, proto = await loop.create_unix_connection(
                         factory, self._unix, ssl=self._tls, server_hostname=host
@@ -489,7 +496,7 @@ class H2EngineClient:
         )
         stream = cast(
             AsyncGenerator[Any, None],
-            self.call_stream(
+            self._kv_client().call_stream(
                 _path(self.kind, "SubscribeKvEvents"), req, common_pb2.KvEventBatch, None, decode_kv_wire
             ),
         )
@@ -500,8 +507,34 @@ class H2EngineClient:
         except RpcStatus as e:
             raise e.engine_error() from None
 
+    def _kv_client(self) -> H2EngineClient:
+        """Where KV-event streams go: this client, or with ``kv_reads`` set a client of its own to the same
+        engine whose connection ``kv_reads`` reads (batches and load records wait for its poll; the
+        generation streams on this client's connection are read as they arrive)."""
+        lazy = self.kv_reads
+        if lazy is None or self._tls is not None:  # TLS: on this client's connection, read as it arrives
+            return self
+        side = self._kv_side
+        if side is None:
+            side = self._kv_side = H2EngineClient(
+                self.url,
+                self.target,
+                self.kind,
+                connect_timeout=self._connect_timeout,
+                keepalive_s=self._keepalive_s,
+                keepalive_timeout_s=self._keepalive_timeout_s,
+                window=self._window,
+                coalesce_writes=self._coalesce,
+                tls=self._tls,
+            )
+            side._lazy = lazy
+        side.kind = self.kind
+        return side
+
     async def close(self) -> None:
         self._closed = True
+        if self._kv_side is not None:
+            await self._kv_side.close()
         if self._connecting is not None:
             self._connecting.cancel()
         protos = list(self._protos)
@@ -627,10 +660,42 @@ class GenerateCall:
         fut = stream._loop.create_future()
         self._push_fut = fut
         self._push_take = take
-        stream.listener = self._on_ready
+        # a take with a listener of its own (plain_step.PlainStep: a lone plain chunk read and taken in C,
+        # anything else through _on_ready)
+        bind = getattr(take, "bind_listener", None) if self._lone is not None else None
+        if bind is not None:
+            stream.listener = bind(
+                stream.messages,
+                stream,
+                fut,
+                lone_chunk,
+                self._lone,
+                self._on_ready,
+                self._push_stopped,
+                self._push_failed,
+            )
+        else:
+            stream.listener = self._on_ready
         if stream.messages or stream.done:
             self._on_ready()
         return fut
+
+    def _push_stopped(self) -> None:
+        """``take`` returned True (a take's own listener): as ``_on_ready`` ends the push."""
+        fut = self._push_fut
+        self._end_push()
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _push_failed(self, e: Exception) -> None:
+        """``take`` raised (a take's own listener): as ``_on_ready`` fails the push."""
+        fut = self._push_fut
+        self._end_push()
+        if fut is not None and not fut.done():
+            if isinstance(e, DecodeError):
+                fut.set_exception(map_status(INTERNAL, f"cannot parse a response: {e}"))
+            else:
+                fut.set_exception(e)
 
     def _end_push(self) -> None:
         self._push_fut = self._push_take = None

@@ -67,6 +67,16 @@ from shepherd.node.engines.h2_frames import (
     window_update_frame,
 )
 
+# grpc_data(conn, data, max_frame): a read of whole plain gRPC DATA frames of one stream taken in C (True),
+# or nothing changed (False: receive's frame loop); None without the extension (built by setup.py)
+_grpc_data: Callable[[object, bytes, int], bool] | None = None
+try:
+    from shepherd.node.engines import _h2fast
+
+    _grpc_data = _h2fast.grpc_data
+except ImportError:  # pragma: no cover - without a C compiler
+    pass
+
 
 class H2Stream:
     """One client stream; subclass and override the ``on_*`` methods (they must not raise).
@@ -268,6 +278,8 @@ class H2Connection:
 
     def receive(self, data: bytes) -> None:
         """Feed bytes from the transport; calls stream and listener methods as frames complete."""
+        if _grpc_data is not None and _grpc_data(self, data, DEFAULT_MAX_FRAME):
+            return  # whole plain gRPC DATA frames of one stream (a paced engine's token): read in C
         if self.failed is not None:
             return
         if self._rbuf:

@@ -2,7 +2,8 @@
 
 The ``asyncio.Protocol`` around one ``H2Connection`` (h2_conn.py): readiness once the server's SETTINGS
 arrive, waiting for a stream slot, keepalive pings, closing a drained connection, and frames written
-during one loop iteration coalesced into one ``transport.write``.
+during one loop iteration coalesced into one ``transport.write``; ``LazyReads``: connections read on
+their owner's wake-ups (a KV-event stream's own connection) instead of waking the loop for each message.
 """
 
 from __future__ import annotations
@@ -10,10 +11,168 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from typing import cast
+import socket
+from collections.abc import Callable
+from typing import Any, cast
 
 from shepherd.node.engines.h2_conn import H2Connection
 from shepherd.node.engines.h2_frames import LOCAL_WINDOW, NO_ERROR
+
+
+class LazyReads:
+    """Connections read when their owner polls, not when their bytes arrive: each is a plain non-blocking
+    socket the event loop does not watch (``PolledTransport``), read to the end of what it holds and its
+    pending writes flushed on ``poll()``. For streams whose messages may wait (a KV-event stream on a
+    connection of its own: its batches and load records); the poll rides a wake-up the owner has anyway
+    (the mesh runtime's), so the messages of every such connection cost no wake-up of their own. (Pausing a
+    loop transport does not do it: libuv leaves a paused socket in epoll until it next fires, so each
+    message after a pause still woke the loop once.) Loop-bound: used from one event loop."""
+
+    def __init__(self) -> None:
+        self._transports: set[PolledTransport] = set()
+        self.polls = 0  # poll() calls while a connection was open
+        self.reads = 0  # reads that returned bytes
+
+    def __len__(self) -> int:
+        return len(self._transports)
+
+    async def connect(
+        self, factory: Callable[[], H2Protocol], host: str, port: int, unix: str | None
+    ) -> H2Protocol:
+        """A connection to ``host:port`` (or the unix socket ``unix``) read on ``poll()``; cleartext."""
+        loop = asyncio.get_running_loop()
+        if unix is not None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            addr: Any = unix
+        else:
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            if not infos:
+                raise OSError(f"cannot resolve {host}")
+            family, kind, proto_no, _, addr = infos[0]
+            sock = socket.socket(family, kind, proto_no)
+        try:
+            sock.setblocking(False)
+            if unix is None:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            await loop.sock_connect(sock, addr)
+        except BaseException:
+            sock.close()
+            raise
+        proto = factory()
+        t = PolledTransport(sock, proto, self)
+        self._transports.add(t)
+        proto.connection_made(t)
+        t.flush()
+        return proto
+
+    def poll(self) -> None:
+        """Read every connection's bytes received since the last poll; flush what waits to be sent."""
+        if not self._transports:
+            return
+        self.polls += 1
+        for t in list(self._transports):
+            t.poll()
+
+    def forget(self, t: PolledTransport) -> None:
+        self._transports.discard(t)
+
+
+class PolledTransport(asyncio.Transport):
+    """The transport of a ``LazyReads`` connection: ``write`` sends at once what the socket takes and
+    keeps the rest for the next poll (the KV stream writes little: its request, window updates, pings);
+    ``poll`` flushes, then reads until the socket has nothing (EOF or an error: the connection is lost)."""
+
+    def __init__(self, sock: socket.socket, proto: H2Protocol, owner: LazyReads) -> None:
+        super().__init__()
+        self._sock = sock
+        self._proto = proto
+        self._owner = owner
+        self._wbuf = bytearray()
+        self._closing = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "socket":
+            return self._sock
+        if name == "peername":
+            try:
+                return self._sock.getpeername()
+            except OSError:
+                return default
+        return default
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def is_reading(self) -> bool:
+        return False  # never by the loop: on polls
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closing:
+            return
+        self._wbuf += data
+        self.flush()
+
+    def flush(self) -> None:
+        buf = self._wbuf
+        while buf and not self._closing:  # bounded: each turn sends bytes or stops
+            try:
+                n = self._sock.send(buf)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._lost(e)
+                return
+            del buf[:n]
+
+    def poll(self) -> None:
+        if self._closing:
+            return
+        self.flush()
+        for _ in range(64):  # bounded: 64 reads of 256 KB a poll, the rest on the next
+            try:
+                data = self._sock.recv(262_144)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self._lost(e)
+                return
+            if not data:
+                self._lost(None)
+                return
+            self._owner.reads += 1
+            self._proto.data_received(data)
+            if self.is_closing():  # the protocol closed it (a GOAWAY, a fatal error)
+                return
+
+    def _lost(self, exc: Exception | None) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._owner.forget(self)
+        self._sock.close()
+        self._proto.connection_lost(exc)
+
+    def close(self) -> None:
+        """Flush what the socket takes (the GOAWAY), close it; the protocol hears of it on the next loop
+        iteration, as from an asyncio transport."""
+        if self._closing:
+            return
+        self.flush()
+        if self.is_closing():  # the flush found the connection lost
+            return
+        self._closing = True
+        self._owner.forget(self)
+        self._sock.close()
+        self._proto.loop.call_soon(self._proto.connection_lost, None)
+
+    def abort(self) -> None:
+        self._lost(None)
 
 
 class H2Protocol(asyncio.Protocol):

@@ -212,6 +212,13 @@ class _Conn(asyncio.Protocol):
         t.write(b"%x\r\n%s\r\n" % (len(data), data))
         return self.write_paused
 
+    def send_framed(self, chunk: bytes) -> bool:
+        t = self.transport
+        if self.lost or t is None or t.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        t.write(chunk)
+        return self.write_paused
+
     async def drain(self) -> None:
         if self.lost:
             raise ConnectionResetError("the client closed the connection")

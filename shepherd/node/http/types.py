@@ -58,6 +58,9 @@ class Wire(Protocol):
     def send_chunk(self, data: bytes | bytearray | memoryview) -> bool:
         """``send`` of ``data`` (not empty) as one chunk of a chunked body; returns ``write_paused``."""
 
+    def send_framed(self, chunk: bytes) -> bool:
+        """``send`` of one chunk already framed (``%x\\r\\n`` data ``\\r\\n``); returns ``write_paused``."""
+
     async def drain(self) -> None:
         """Until the transport's buffer is below its low-water mark (or the connection is lost)."""
 
@@ -504,6 +507,13 @@ class LeanStreamResponse(web.StreamResponse):
         chunks; None otherwise. Not for empty data, nor after ``write_eof``."""
         if self._lean_phase == 2 and self._lean_chunked and not self._lean_empty:
             return self._lean_req._wire.send_chunk
+        return None
+
+    def framed_sender(self) -> Callable[[bytes], bool] | None:
+        """``chunk_sender`` for chunks the caller frames itself (the connection's ``send_framed``: the
+        plain token step in C builds each chunk's framing with its bytes)."""
+        if self._lean_phase == 2 and self._lean_chunked and not self._lean_empty:
+            return self._lean_req._wire.send_framed
         return None
 
     def lean_finish(self, data: bytes | bytearray | memoryview = b"") -> None:

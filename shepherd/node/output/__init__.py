@@ -3,7 +3,8 @@ parsers).
 
 Callers use: ``choice.ChoiceState`` (per-choice state fed engine chunks), ``stop`` (``StopMatcher``),
 ``chat`` (``ChatShaping``, ``shape_chat``: which parsers and constraints a chat request gets),
-``responses`` (the Responses API's Response object and its SSE events).
+``responses`` (the Responses API's Response object and its SSE events), ``plain_step`` (a streamed
+choice's plain per-token step in C: ``_plainstep.c``).
 """
 
-__all__ = ["chat", "choice", "responses", "stop"]
+__all__ = ["chat", "choice", "plain_step", "responses", "stop"]

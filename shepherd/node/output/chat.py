@@ -319,6 +319,15 @@ class ChoiceParsing:
             self.has_calls = True
         return events
 
+    def plain_content(self) -> tuple[tuple[bytes, bytes], ReasoningParser | None] | None:
+        """With no tool parser and the encoder's ``content0`` parts: those and the reasoning parser (None:
+        none): ``stream`` of text without logprobs is then the content chunk ``parts[0] + JSON(text) +
+        parts[1]`` whenever the reasoning parser is absent or ``passthrough``."""
+        c0 = self._content0
+        if c0 is None or self._tools is not None:
+            return None
+        return c0, self._reasoning
+
     def stream(self, text: str, logprobs: dict[str, Any] | None, out: list[bytes]) -> None:
         """New visible text of the choice → its stream chunks (needs ``enc``)."""
         enc = self._enc

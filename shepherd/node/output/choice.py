@@ -84,6 +84,15 @@ class ChoiceState:
                 self._plain = (detok.step, self.matcher.stop_token_ids)
         return d
 
+    def plain_detokenizer(self) -> tuple[IncrementalDetokenizer, frozenset[int]] | None:
+        """With no stop string and the detokenizer built: it and the stop ids (``feed`` of ids none of which
+        is a stop id adds the detokenizer's ``step`` as it is: what ``plain_step.PlainStep`` does in C)."""
+        plain = self._plain
+        if plain is None or self.finished:
+            return None
+        detok = self.dec.decoder
+        return (detok, plain[1]) if type(detok) is IncrementalDetokenizer else None
+
     def _one_shot(self) -> bool:
         """Whether one decode of the whole output gives what the detokenizer would (without building
         it when a fresh one is known to agree)."""
