@@ -5,9 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint unit fuzz bench chaos compose-test venv clean mutate
+.PHONY: run test lint unit fuzz fuzz-asan bench chaos compose-test venv clean mutate
 
-$(STAMP): pyproject.toml setup.py $(wildcard shepherd/*/*.c)
+$(STAMP): pyproject.toml setup.py $(wildcard shepherd/*/*.c shepherd/*/*.h shepherd/*/*/*.c shepherd/*/*/*.h)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	@# the prefix index's C modules (setup.py) want a C compiler: Debian's, when missing and we may install it
 	command -v cc >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
@@ -45,6 +45,30 @@ FUZZ_SECONDS ?= 300
 fuzz: $(STAMP)
 	SHEPHERD_FUZZ_PROFILE=fuzz FUZZ_SECONDS=$(FUZZ_SECONDS) \
 	    $(BIN)/pytest tests/fuzz -q --timeout=$$(( $(FUZZ_SECONDS) + 900 ))
+
+# The C extensions' fuzz targets (tests/fuzz/test_fuzz_native.py) and unit tests with the extensions built
+# with AddressSanitizer and UBSan into $(ASAN_DIR) (the tree's own builds untouched; tests/fuzz/native_dir.py
+# imports those). Python is not instrumented: libasan is preloaded, PYTHONMALLOC=malloc lets it see every
+# allocation, leak detection is off (the interpreter's own). FUZZ_SECONDS as for `make fuzz`.
+ASAN_DIR ?= /tmp/shepherd-asan
+NATIVE_SOURCES := shepherd/policies/_prefixcore.c shepherd/proto/_kvwire.c shepherd/proto/_varint.c \
+    shepherd/tokens/_pretok.c shepherd/node/observe/_otlp_spans.c shepherd/node/output/_plainstep.c \
+    shepherd/node/engines/_h2fast.c
+NATIVE_UNIT := tests/unit/test_native_index.py tests/unit/test_native_replica.py tests/unit/test_kv_events_native.py \
+    tests/unit/test_index_turn_ends.py tests/unit/test_fast_bpe.py tests/unit/test_otlp_wire.py \
+    tests/unit/test_engine_codec_wire.py tests/unit/test_plain_step.py tests/unit/test_h2fast.py
+fuzz-asan: $(STAMP)
+	set -e; inc=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['include'])"); \
+	suf=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))"); \
+	for src in $(NATIVE_SOURCES); do out=$(ASAN_DIR)/$${src%.c}$$suf; mkdir -p $$(dirname $$out); \
+	    cc -shared -fPIC -g -O1 -fno-omit-frame-pointer -fsanitize=address,undefined \
+	        -fno-sanitize-recover=undefined -I$$inc $$src -o $$out; done
+	LD_PRELOAD="$$(cc -print-file-name=libasan.so) $$(cc -print-file-name=libubsan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	PYTHONMALLOC=malloc PYTHONPATH=$(CURDIR) SHEPHERD_NATIVE_DIR=$(ASAN_DIR) \
+	SHEPHERD_FUZZ_PROFILE=fuzz FUZZ_SECONDS=$(FUZZ_SECONDS) \
+	    $(BIN)/pytest -p tests.fuzz.native_dir -q tests/fuzz/test_fuzz_native.py $(NATIVE_UNIT) \
+	        --timeout=$$(( $(FUZZ_SECONDS) + 3600 ))
 
 bench: $(STAMP)
 	$(BIN)/smg-bench all

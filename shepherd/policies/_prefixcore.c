@@ -111,6 +111,14 @@ static inline uint64_t mix(int64_t key) { /* splitmix64's finalizer: names are h
     return z ^ (z >> 31);
 }
 
+/* where a block name or a turn record's name sits in its table: names come from token ids a client
+ * chooses, so their places are keyed per process (from the KvMap's os.urandom key, set at import) and
+ * cannot be ground offline into one probe run; two rounds of the mixer, a key before each */
+static uint64_t place_k0, place_k1;
+static inline uint64_t place(int64_t key) {
+    return mix((int64_t)(mix((int64_t)((uint64_t)key ^ place_k0)) ^ place_k1));
+}
+
 /* a list or tuple (subclasses too: PromptIds is a list) as it is, anything else as a new list; PySequence_Fast
  * copies list subclasses */
 static inline PyObject *as_fast(PyObject *o, const char *msg) {
@@ -292,7 +300,7 @@ static int table_alloc(Core *c, Py_ssize_t size) {
     uint64_t m = (uint64_t)size - 1;
     for (Py_ssize_t i = 0; i < osize; i++) {
         if (old[i].blk == NIL) continue;
-        uint64_t j = mix(old[i].key) & m;
+        uint64_t j = place(old[i].key) & m;
         while (t[j].blk != NIL) j = (j + 1) & m;
         t[j] = old[i];
     }
@@ -303,7 +311,7 @@ static int table_alloc(Core *c, Py_ssize_t size) {
 /* the slot of ``key``, or the empty slot where it would go */
 static inline Py_ssize_t find_slot(const Core *c, int64_t key) {
     uint64_t m = (uint64_t)c->tsize - 1;
-    uint64_t j = mix(key) & m;
+    uint64_t j = place(key) & m;
     while (c->table[j].blk != NIL && c->table[j].key != key) j = (j + 1) & m;
     return (Py_ssize_t)j;
 }
@@ -319,7 +327,7 @@ static void table_delete(Core *c, Py_ssize_t i) { /* backward-shift deletion: no
     for (;;) { /* bounded: the table has empty slots (load <= 1/2) */
         j = (j + 1) & m;
         if (c->table[j].blk == NIL) return;
-        uint64_t k = mix(c->table[j].key) & m;
+        uint64_t k = place(c->table[j].key) & m;
         /* the entry at j may move to the hole unless its home k lies cyclically in (hole, j] */
         int stays = hole <= j ? (hole < k && k <= j) : (hole < k || k <= j);
         if (!stays) {
@@ -643,7 +651,7 @@ static int32_t get_or_add(Core *c, int64_t key, int slot, int *added) {
 static void prefetch_chain(const Core *c, const int64_t *keys, Py_ssize_t n, int slot, int32_t *ent) {
     uint64_t m = (uint64_t)c->tsize - 1;
     Py_ssize_t i;
-    for (i = 0; i < n; i++) __builtin_prefetch(&c->table[mix(keys[i]) & m]);
+    for (i = 0; i < n; i++) __builtin_prefetch(&c->table[place(keys[i]) & m]);
     for (i = 0; i < n; i++) { /* ent holds block indexes for a while */
         int32_t b = find_block(c, keys[i]);
         ent[i] = b;
@@ -679,7 +687,7 @@ static Py_ssize_t evict(Core *c, int slot) {
             __builtin_prefetch(&c->blocks[c->entries[e].blk], 1);
         }
         uint64_t m = (uint64_t)c->tsize - 1;
-        for (int j = 0; j < k; j++) __builtin_prefetch(&c->table[mix(c->blocks[c->entries[victims[j]].blk].key) & m], 1);
+        for (int j = 0; j < k; j++) __builtin_prefetch(&c->table[place(c->blocks[c->entries[victims[j]].blk].key) & m], 1);
         for (int j = 0; j < k; j++) drop_entry(c, victims[j]);
         n += k;
     }
@@ -786,7 +794,10 @@ static int put_counts(Core *c, PyObject *out, uint64_t ws, Py_ssize_t n) {
         PyObject *name = PyList_GET_ITEM(c->names, s);
         if (name == Py_None) continue;
         if (v == NULL && (v = PyLong_FromSsize_t(n)) == NULL) return -1;
-        if (PyDict_SetItem(out, name, v) < 0) {
+        Py_INCREF(name); /* its hash may run Python code that sets another name (any object is one) */
+        int r = PyDict_SetItem(out, name, v);
+        Py_DECREF(name);
+        if (r < 0) {
             Py_DECREF(v);
             return -1;
         }
@@ -999,7 +1010,7 @@ static PyObject *Core_merge(Core *c, PyObject *args) {
     Worker *w = &c->workers[slot];
     {   /* the table slots of every name first (their cache misses overlap), as an insert does */
         uint64_t m = (uint64_t)c->tsize - 1;
-        for (Py_ssize_t i = 0; i < n; i++) __builtin_prefetch(&c->table[mix(keys[i]) & m]);
+        for (Py_ssize_t i = 0; i < n; i++) __builtin_prefetch(&c->table[place(keys[i]) & m]);
     }
     int32_t prev = NIL; /* the entry placed last, and its time: the next one at that time goes right after it */
     double prev_t = NAN;
@@ -1508,7 +1519,7 @@ static PyTypeObject CoreType = {
 #define TURN_MAX_N 65535u /* a record's blocks fit 16 bits on the wire: a longer prompt's 65,535th block */
 
 typedef struct {
-    uint32_t fp;  /* (uint32_t)mix(name): its fingerprint and its place */
+    uint32_t fp;  /* (uint32_t)place(name): its fingerprint and its place */
     uint16_t n;   /* 0: an empty cell */
     uint8_t slot; /* TURN_DEAD: its worker was cleared */
     uint8_t pad;
@@ -1566,7 +1577,7 @@ static int turngen_grow(TurnGen *g, Py_ssize_t size) {
 /* put one record in generation g (a cell of the same key and slot is overwritten); 1 if new */
 static int turngen_put(TurnGen *g, int64_t key, uint16_t n, uint8_t slot) {
     uint64_t m = (uint64_t)g->size - 1;
-    uint32_t fp = (uint32_t)mix(key);
+    uint32_t fp = (uint32_t)place(key);
     uint64_t j = fp & m;
     while (g->cells[j].n) { /* bounded: load <= 1/2 */
         if (g->cells[j].fp == fp && g->cells[j].slot == slot) {
@@ -1605,10 +1616,10 @@ static void turns_lookup(const Turns *t, const int64_t *keys, const uint8_t *bad
         uint64_t m = (uint64_t)g->size - 1;
         Py_ssize_t i;
         Py_ssize_t top = n < (Py_ssize_t)TURN_MAX_N ? n : (Py_ssize_t)TURN_MAX_N; /* deeper: no record */
-        for (i = 0; i < top; i++) __builtin_prefetch(&g->cells[(uint32_t)mix(keys[i]) & m]); /* misses overlap */
+        for (i = 0; i < top; i++) __builtin_prefetch(&g->cells[(uint32_t)place(keys[i]) & m]); /* misses overlap */
         for (i = 0; i < top; i++) {
             if (bad != NULL && bad[i]) continue;
-            uint32_t fp = (uint32_t)mix(keys[i]);
+            uint32_t fp = (uint32_t)place(keys[i]);
             for (uint64_t j = fp & m; g->cells[j].n; j = (j + 1) & m) { /* bounded: load <= 1/2 */
                 const TurnCell *x = &g->cells[j];
                 if (x->fp == fp && x->n == (uint32_t)(i + 1) && x->slot != TURN_DEAD && x->n > best[x->slot])
@@ -1784,19 +1795,25 @@ static PyObject *Turns_combine(Turns *t, PyObject *args) {
         if (!best[s]) continue;
         PyObject *name = PyList_GET_ITEM(c->names, s);
         if (name == Py_None) continue;
+        Py_INCREF(name); /* held: its hash or the dict's values may run Python code that sets another name */
         PyObject *have = PyDict_GetItemWithError(out, name);
-        if (have == NULL && PyErr_Occurred()) return NULL;
-        if (have != NULL) {
-            long long h = PyLong_AsLongLong(have);
-            if (h == -1 && PyErr_Occurred()) return NULL;
-            if (h >= (long long)best[s]) continue;
-        }
-        PyObject *v = PyLong_FromUnsignedLong(best[s]);
-        if (v == NULL || PyDict_SetItem(out, name, v) < 0) {
-            Py_XDECREF(v);
+        Py_XINCREF(have);
+        long long h = -1;
+        if (have != NULL) h = PyLong_AsLongLong(have);
+        Py_XDECREF(have);
+        if (PyErr_Occurred()) {
+            Py_DECREF(name);
             return NULL;
         }
-        Py_DECREF(v);
+        if (have != NULL && h >= (long long)best[s]) {
+            Py_DECREF(name);
+            continue;
+        }
+        PyObject *v = PyLong_FromUnsignedLong(best[s]);
+        int r = v == NULL ? -1 : PyDict_SetItem(out, name, v);
+        Py_DECREF(name);
+        Py_XDECREF(v);
+        if (r < 0) return NULL;
         improved++;
     }
     return PyLong_FromLong(improved);
@@ -1872,7 +1889,16 @@ static PyTypeObject TurnsType = {
 
 #include "_prefixcore_kv.h" /* KvMap: an engine's KV events applied from their wire bytes */
 
+/* place_of(name) -> the 64-bit value that places a block name (or a turn record) in its table: keyed
+ * per process (a debug view: tests check that names ground to collide do not share their places) */
+static PyObject *place_of(PyObject *Py_UNUSED(mod), PyObject *arg) {
+    long long key = PyLong_AsLongLong(arg);
+    if (key == -1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromUnsignedLongLong(place((int64_t)key));
+}
+
 static PyMethodDef module_methods[] = {
+    {"place_of", (PyCFunction)place_of, METH_O, "place_of(name) -> the keyed value that places a name in its table"},
     {"block_hashes", (PyCFunction)(void (*)(void))block_hashes, METH_VARARGS | METH_KEYWORDS,
      "block_hashes(ids, seed=CHAIN_SEED, start=0) -> list[int]: chained names of the full 16-token blocks of "
      "ids[start:] (block_names.py_block_hashes at C speed)."},
@@ -1905,6 +1931,12 @@ PyMODINIT_FUNC PyInit__prefixcore(void) {
         Py_DECREF(m);
         return NULL;
     }
+    if (kv_seed() < 0) { /* the KvMap's hash key: per process */
+        Py_DECREF(m);
+        return NULL;
+    }
+    place_k0 = mix((int64_t)(kv_k0 ^ 0x9e3779b97f4a7c15ULL)); /* the places' key: from the same 16 random bytes */
+    place_k1 = mix((int64_t)(kv_k1 + 0x632be59bd9b4e019ULL));
     if (PyType_Ready(&KvMapType) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -19,6 +19,68 @@ typedef struct {
     Py_ssize_t pos; /* in the log; -1: empty */
 } KvCell;
 
+/* The map's keys are the engine's block hashes: values a remote peer picks. With a fixed hash (``mix`` is
+ * a bijection anyone can invert) an engine, or whatever feeds the KV stream, could send hashes that all
+ * land in one probe run and make every lookup scan it (hash flooding: quadratic work per batch). So a
+ * cell's place is SipHash-1-3 of the key under a key drawn per process at module init (``kv_seed``, from
+ * os.urandom); the map's order (the log's: insertion order) does not depend on it. */
+static uint64_t kv_k0, kv_k1;
+
+#define KV_ROTL(x, b) (uint64_t)(((x) << (b)) | ((x) >> (64 - (b))))
+#define KV_SIPROUND                                                                                          \
+    do {                                                                                                     \
+        v0 += v1;                                                                                            \
+        v1 = KV_ROTL(v1, 13);                                                                                \
+        v1 ^= v0;                                                                                            \
+        v0 = KV_ROTL(v0, 32);                                                                                \
+        v2 += v3;                                                                                            \
+        v3 = KV_ROTL(v3, 16);                                                                                \
+        v3 ^= v2;                                                                                            \
+        v0 += v3;                                                                                            \
+        v3 = KV_ROTL(v3, 21);                                                                                \
+        v3 ^= v0;                                                                                            \
+        v2 += v1;                                                                                            \
+        v1 = KV_ROTL(v1, 17);                                                                                \
+        v1 ^= v2;                                                                                            \
+        v2 = KV_ROTL(v2, 32);                                                                                \
+    } while (0)
+
+/* SipHash-1-3 of the key's 8 bytes (little-endian) under (kv_k0, kv_k1) */
+static inline uint64_t kv_hash(int64_t key) {
+    uint64_t m = (uint64_t)key, b = (uint64_t)8 << 56;
+    uint64_t v0 = kv_k0 ^ 0x736f6d6570736575ULL, v1 = kv_k1 ^ 0x646f72616e646f6dULL;
+    uint64_t v2 = kv_k0 ^ 0x6c7967656e657261ULL, v3 = kv_k1 ^ 0x7465646279746573ULL;
+    v3 ^= m;
+    KV_SIPROUND;
+    v0 ^= m;
+    v3 ^= b;
+    KV_SIPROUND;
+    v0 ^= b;
+    v2 ^= 0xff;
+    KV_SIPROUND;
+    KV_SIPROUND;
+    KV_SIPROUND;
+    return v0 ^ v1 ^ v2 ^ v3;
+}
+
+/* the hash key from 16 random bytes (os.urandom), once per process: 0, or -1 with an exception set */
+static int kv_seed(void) {
+    PyObject *os = PyImport_ImportModule("os");
+    if (os == NULL) return -1;
+    PyObject *r = PyObject_CallMethod(os, "urandom", "i", 16);
+    Py_DECREF(os);
+    if (r == NULL) return -1;
+    if (!PyBytes_Check(r) || PyBytes_GET_SIZE(r) != 16) {
+        Py_DECREF(r);
+        PyErr_SetString(PyExc_RuntimeError, "os.urandom(16) gave no 16 bytes");
+        return -1;
+    }
+    memcpy(&kv_k0, PyBytes_AS_STRING(r), 8);
+    memcpy(&kv_k1, PyBytes_AS_STRING(r) + 8, 8);
+    Py_DECREF(r);
+    return 0;
+}
+
 typedef struct {
     PyObject_HEAD
     int per;            /* index blocks per engine block */
@@ -35,12 +97,17 @@ typedef struct {
     Py_ssize_t ncap;
     uint32_t *tbuf;
     Py_ssize_t tcap;
+    uint64_t probes;    /* cells kv_find stepped past (a debug counter: ``probes()``) */
 } KvMap;
 
-static inline Py_ssize_t kv_find(const KvMap *m, int64_t key) {
+static inline Py_ssize_t kv_find(KvMap *m, int64_t key) {
     uint64_t mask = (uint64_t)m->tsize - 1;
-    uint64_t j = mix(key) & mask;
-    while (m->table[j].pos >= 0 && m->table[j].key != key) j = (j + 1) & mask;
+    uint64_t j = kv_hash(key) & mask, steps = 0;
+    while (m->table[j].pos >= 0 && m->table[j].key != key) {
+        j = (j + 1) & mask;
+        steps++;
+    }
+    m->probes += steps;
     return (Py_ssize_t)j;
 }
 
@@ -51,7 +118,7 @@ static void kv_cell_delete(KvMap *m, Py_ssize_t i) { /* backward-shift deletion,
     for (;;) { /* bounded: the table has empty cells (load <= 1/2) */
         j = (j + 1) & mask;
         if (m->table[j].pos < 0) return;
-        uint64_t k = mix(m->table[j].key) & mask;
+        uint64_t k = kv_hash(m->table[j].key) & mask;
         int stays = hole <= j ? (hole < k && k <= j) : (hole < k || k <= j);
         if (!stays) {
             m->table[hole] = m->table[j];
@@ -75,7 +142,7 @@ static int kv_rehash(KvMap *m, Py_ssize_t size) {
     uint64_t mask = (uint64_t)size - 1;
     for (Py_ssize_t p = m->head; p < m->top; p++) {
         if (m->ldead[p]) continue;
-        uint64_t j = mix(m->lkey[p]) & mask;
+        uint64_t j = kv_hash(m->lkey[p]) & mask;
         while (t[j].pos >= 0) j = (j + 1) & mask;
         t[j].key = m->lkey[p];
         t[j].pos = p;
@@ -160,7 +227,7 @@ static void kv_bound(KvMap *m) {
 }
 
 /* the log position of key, -1 when absent */
-static inline Py_ssize_t kv_get(const KvMap *m, int64_t key) {
+static inline Py_ssize_t kv_get(KvMap *m, int64_t key) {
     return m->tsize ? m->table[kv_find(m, key)].pos : -1;
 }
 
@@ -532,6 +599,11 @@ static PyObject *KvMap_keys(KvMap *m, PyObject *Py_UNUSED(ignored)) {
 
 static Py_ssize_t KvMap_len(KvMap *m) { return m->live; }
 
+/* probes() -> the cells lookups stepped past so far (a debug counter: colliding keys make it quadratic) */
+static PyObject *KvMap_probes(KvMap *m, PyObject *Py_UNUSED(ignored)) {
+    return PyLong_FromUnsignedLongLong(m->probes);
+}
+
 /* a map made without __init__ is an empty one of 1 index block per engine block (never a 0 divisor) */
 static PyObject *KvMap_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     (void)args;
@@ -583,6 +655,7 @@ static PyMethodDef KvMap_methods[] = {
     {"pop", (PyCFunction)KvMap_pop, METH_O, "pop(engine_hashes) -> names"},
     {"clear", (PyCFunction)KvMap_clear, METH_NOARGS, "clear()"},
     {"keys", (PyCFunction)KvMap_keys, METH_NOARGS, "keys() -> engine hashes, oldest first"},
+    {"probes", (PyCFunction)KvMap_probes, METH_NOARGS, "probes() -> cells stepped past by lookups (debug)"},
     {NULL, NULL, 0, NULL},
 };
 

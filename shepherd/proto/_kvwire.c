@@ -19,36 +19,6 @@
 
 #include "_pbwire.h"
 
-static int utf8_ok(const uint8_t *s, const uint8_t *end) { /* strict: no overlongs, surrogates, > U+10FFFF */
-    while (s < end) {
-        uint8_t c = *s++;
-        if (c < 0x80) continue;
-        int n;
-        uint32_t cp;
-        if (c >= 0xC2 && c <= 0xDF) {
-            n = 1;
-            cp = c & 0x1F;
-        } else if (c >= 0xE0 && c <= 0xEF) {
-            n = 2;
-            cp = c & 0x0F;
-        } else if (c >= 0xF0 && c <= 0xF4) {
-            n = 3;
-            cp = c & 0x07;
-        } else {
-            return 0;
-        }
-        if (end - s < n) return 0;
-        for (int i = 0; i < n; i++) {
-            if ((s[i] & 0xC0) != 0x80) return 0;
-            cp = cp << 6 | (s[i] & 0x3F);
-        }
-        s += n;
-        if ((n == 2 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) || (n == 3 && (cp < 0x10000 || cp > 0x10FFFF)))
-            return 0;
-    }
-    return 1;
-}
-
 /* the fields of one message kind: wire type per field number (-1: not a field of it; 'S': a string,
  * 'M': a message checked by ``sub``, 'P': a repeated scalar, packed or not) */
 typedef struct KvMsg {
@@ -81,7 +51,7 @@ static int kv_check(const KvMsg *k, const uint8_t *p, const uint8_t *end, int *s
             if (wt != 1) return 0;
             break;
         case 'S':
-            if (wt != 2 || !utf8_ok(lo, hi)) return 0;
+            if (wt != 2 || !pb_utf8_ok(lo, hi)) return 0;
             break;
         case 'B':
             if (wt != 2) return 0;

@@ -1,9 +1,11 @@
-/* Reading protobuf's wire format in C: a varint (at most 10 bytes), a tag, and a field skipped by its
- * wire type (groups refused). Shared by ``shepherd/proto/_kvwire.c`` (a KV event batch checked) and
- * ``shepherd/policies/_prefixcore_kv.h`` (its events applied). Each returns -1 on malformed input. */
+/* Reading protobuf's wire format in C: a varint (at most 10 bytes), a tag, a field skipped by its wire type
+ * (groups refused), a string field's UTF-8 checked. Shared by ``shepherd/proto/_kvwire.c`` (a KV event batch
+ * checked), ``shepherd/policies/_prefixcore_kv.h`` (its events applied) and ``shepherd/proto/_varint.c``
+ * (an SGLang request id checked). Each reader returns -1 on malformed input. */
 #ifndef SHEPHERD_PBWIRE_H
 #define SHEPHERD_PBWIRE_H
 #include <stdint.h>
+#include <string.h>
 
 static inline int pb_varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
     uint64_t x = 0;
@@ -65,6 +67,43 @@ static inline int pb_skip(const uint8_t **p, const uint8_t *end, int wt, const u
     default:
         return -1;
     }
+}
+
+/* 1 when [s, end) is UTF-8 as protobuf checks a string field (upb: strict), else 0 */
+/* (strict: no overlongs, surrogates or code points above U+10FFFF) */
+static inline int pb_utf8_ok(const uint8_t *s, const uint8_t *end) {
+    while (s < end) {
+        uint64_t w; /* ASCII 8 bytes at a time (a request id, a medium's name) */
+        if (end - s >= 8 && (memcpy(&w, s, 8), !(w & 0x8080808080808080ULL))) {
+            s += 8;
+            continue;
+        }
+        uint8_t c = *s++;
+        if (c < 0x80) continue;
+        int n;
+        uint32_t cp;
+        if (c >= 0xC2 && c <= 0xDF) {
+            n = 1;
+            cp = c & 0x1F;
+        } else if (c >= 0xE0 && c <= 0xEF) {
+            n = 2;
+            cp = c & 0x0F;
+        } else if (c >= 0xF0 && c <= 0xF4) {
+            n = 3;
+            cp = c & 0x07;
+        } else {
+            return 0;
+        }
+        if (end - s < n) return 0;
+        for (int i = 0; i < n; i++) {
+            if ((s[i] & 0xC0) != 0x80) return 0;
+            cp = cp << 6 | (s[i] & 0x3F);
+        }
+        s += n;
+        if ((n == 2 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) || (n == 3 && (cp < 0x10000 || cp > 0x10FFFF)))
+            return 0;
+    }
+    return 1;
 }
 
 #endif

@@ -13,6 +13,8 @@
 #include <string.h>
 #include <structmember.h>
 
+#include "_pbwire.h" /* pb_utf8_ok */
+
 /* the value of an exact int when it is a uint32, else -1 */
 static inline int64_t uint32_of(PyObject *o) {
     if (!PyLong_CheckExact(o)) return -1;
@@ -195,7 +197,11 @@ static PyObject *chunk_event_class(PyObject *module, PyObject *cls) {
             return NULL;
         }
         PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-        if (m->type != T_OBJECT_EX || (m->flags & READONLY)) {
+        /* the class's own slot (a descriptor of another class, set as an attribute, has that class's
+         * offset: written in an object of this one, past its end), within its size */
+        if (PyDescr_TYPE(d) != t || m->type != T_OBJECT_EX || (m->flags & READONLY) ||
+            m->offset < (Py_ssize_t)sizeof(PyObject) ||
+            m->offset > t->tp_basicsize - (Py_ssize_t)sizeof(PyObject *)) {
             PyErr_Format(PyExc_TypeError, "chunk_event_class: slot %s is not a plain object slot",
                          field_names[i]);
             return NULL;
@@ -209,7 +215,8 @@ static PyObject *chunk_event_class(PyObject *module, PyObject *cls) {
 }
 
 /* The chunk tag's end in a serialized SGLang GenerateResponse (request_id, field 1, then the oneof's
- * chunk, field 2), 0 when it is not a chunk: engine_responses._sglang_chunk_head in C. */
+ * chunk, field 2), 0 when it is not a chunk, or when the request id is not UTF-8 (a string field:
+ * protobuf's parse refuses the message): engine_responses._sglang_chunk_head in C. */
 static Py_ssize_t sglang_head(const uint8_t *b, Py_ssize_t n) {
     if (n < 2) return 0;
     if (b[0] == 0x12) return 1;
@@ -220,8 +227,9 @@ static Py_ssize_t sglang_head(const uint8_t *b, Py_ssize_t n) {
         size = (size & 0x7F) | ((Py_ssize_t)b[2] << 7);
         p = 3;
     }
+    if (size >= n - p || !pb_utf8_ok(b + p, b + p + size)) return 0;
     p += size;
-    return p < n && b[p] == 0x12 ? p + 1 : 0;
+    return b[p] == 0x12 ? p + 1 : 0;
 }
 
 /* lone_chunk(raw, vllm) -> EngineChunk or None: one serialized GenerateResponse (vLLM's when vllm is

@@ -112,7 +112,8 @@ _VLLM_CHUNK = (7, 0)
 def _sglang_chunk_head(b: bytes) -> int:
     """Whether a serialized SGLang GenerateResponse is a chunk, from its first bytes (request_id, field 1,
     then the oneof's tag: chunk is field 2): the length of that head (its bytes up to the chunk tag
-    included), 0 when it is not a chunk. Anything unusual answers 0 (the caller then parses it)."""
+    included), 0 when it is not a chunk. Anything unusual answers 0 (the caller then parses it), so does
+    a request id that is not UTF-8 (a string field: protobuf's parse refuses the message)."""
     n = len(b)
     if n < 2:
         return 0
@@ -128,8 +129,15 @@ def _sglang_chunk_head(b: bytes) -> int:
             return 0
         size = (size & 0x7F) | (b[2] << 7)
         p = 3
-    p += size
-    return p + 1 if p < n and b[p] == 0x12 else 0
+    if p + size >= n or b[p + size] != 0x12:
+        return 0
+    rid = b[p : p + size]
+    if not rid.isascii():
+        try:
+            rid.decode()
+        except UnicodeDecodeError:
+            return 0
+    return p + size + 1
 
 
 def _vllm_chunk_head(b: bytes) -> int:

@@ -83,20 +83,19 @@ static Py_ssize_t piece_end(const uint8_t *s, Py_ssize_t i, Py_ssize_t n, int di
  * A piece of ASCII text can only be an ASCII token: those of the ranks dict go in an open-addressing table
  * (FNV-1a hashes, the bytes in one arena, the dict's own id objects), looked up without making a bytes
  * object or hashing it with SipHash (a dict lookup costs ~600 instructions a piece, this ~60). The table
- * holds the dict (its ids are borrowed from it); the dict is tiktoken's, never changed. Qwen3: 3.8 MB,
- * built at load, before the tokenizer pool forks (shared with it). */
+ * holds a reference to each id (the dict may change or go after it is built: the table does not read it
+ * again). Qwen3: 3.8 MB, built at load, before the tokenizer pool forks (shared with it). */
 
 typedef struct {
     uint64_t hash;
     uint32_t off, len; /* the token's bytes: arena[off : off + len] */
-    PyObject *id;      /* NULL: an empty slot */
+    PyObject *id;      /* NULL: an empty slot; else a reference of the table's */
 } entry_t;
 
 typedef struct {
     entry_t *slots;
     size_t mask;
     uint8_t *arena;
-    PyObject *ranks;
 } table_t;
 
 #define TABLE_NAME "shepherd.tokens._pretok.table"
@@ -107,13 +106,18 @@ static inline uint64_t fnv1a(const uint8_t *p, Py_ssize_t n) {
     return h;
 }
 
+static void table_clear(table_t *t) {
+    if (t->slots != NULL)
+        for (size_t i = 0; i <= t->mask; i++) Py_XDECREF(t->slots[i].id);
+    PyMem_Free(t->slots);
+    PyMem_Free(t->arena);
+    PyMem_Free(t);
+}
+
 static void table_free(PyObject *capsule) {
     table_t *t = PyCapsule_GetPointer(capsule, TABLE_NAME);
     if (t == NULL) return;
-    PyMem_Free(t->slots);
-    PyMem_Free(t->arena);
-    Py_XDECREF(t->ranks);
-    PyMem_Free(t);
+    table_clear(t);
 }
 
 static int is_ascii(const uint8_t *p, Py_ssize_t n) {
@@ -160,8 +164,6 @@ static PyObject *rank_table(PyObject *module, PyObject *ranks) {
         return PyErr_NoMemory();
     }
     t->mask = size - 1;
-    Py_INCREF(ranks);
-    t->ranks = ranks;
     uint32_t off = 0;
     pos = 0;
     while (PyDict_Next(ranks, &pos, &k, &v)) {
@@ -175,20 +177,16 @@ static PyObject *rank_table(PyObject *module, PyObject *ranks) {
         t->slots[i].hash = h;
         t->slots[i].off = off;
         t->slots[i].len = (uint32_t)n;
-        t->slots[i].id = v; /* borrowed from the dict, which the table holds */
+        Py_INCREF(v); /* (no Python code runs in this loop: the dict cannot change under it) */
+        t->slots[i].id = v;
         off += (uint32_t)n;
     }
     PyObject *cap = PyCapsule_New(t, TABLE_NAME, table_free);
-    if (cap == NULL) {
-        PyMem_Free(t->slots);
-        PyMem_Free(t->arena);
-        Py_DECREF(ranks);
-        PyMem_Free(t);
-    }
+    if (cap == NULL) table_clear(t);
     return cap;
 }
 
-/* the id of the ASCII token p[:n] (borrowed), NULL when it is not one */
+/* the id of the ASCII token p[:n] (borrowed from the table), NULL when it is not one */
 static inline PyObject *table_get(const table_t *t, const uint8_t *p, Py_ssize_t n) {
     uint64_t h = fnv1a(p, n);
     size_t i = (size_t)h & t->mask;

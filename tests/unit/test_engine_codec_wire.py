@@ -447,3 +447,63 @@ def test_the_c_chunk_reader_reads_plain_chunks_only() -> None:
     assert _c_chunk(raw_lp, 4, 8, 9) is None  # logprobs: protobuf's path
     assert _c_chunk(raw[:-1], 4, 8, 9) is None  # truncated
     assert _c_chunk(raw + b"\x0a\x00", 4, 8, 9) is None  # bytes after the chunk
+
+
+_PLAIN_CHUNK = sg.GenerateStreamChunk(
+    token_ids=[7, 300], prompt_tokens=20, completion_tokens=2
+).SerializeToString()
+
+
+def _with_request_id(rid: bytes) -> bytes:
+    """An SGLang chunk response whose request_id field holds ``rid`` as it is (UTF-8 or not)."""
+    return _field(1, 2, varint(len(rid)) + rid) + _field(2, 2, varint(len(_PLAIN_CHUNK)) + _PLAIN_CHUNK)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=140),
+        st.text(max_size=70).map(str.encode),
+        st.sampled_from(
+            [b"\xff", b"\xed\xa0\x80", b"\xc0\x80", b"\xf4\x90\x80\x80", b"ok\xe2\x82", b"x" * 130 + b"\xff"]
+        ),
+    )
+)
+def test_a_request_id_that_is_not_utf8_is_refused_as_protobuf_refuses_it(rid: bytes) -> None:
+    """request_id is a string field: protobuf refuses a message whose bytes there are not UTF-8 (overlong
+    forms, surrogates, code points past U+10FFFF, cut sequences included). The C readers read the chunk
+    after it, so they refused nothing: now they leave such a message to protobuf's parse, which raises,
+    and read the others as protobuf does."""
+    raw = _with_request_id(rid)
+    parse = sg.GenerateResponse.FromString
+    try:
+        expected = decode_response(parse(raw))
+    except DecodeError:
+        if lone_chunk is not None:
+            assert lone_chunk(raw, False) is None
+        for raws in ([raw], [raw, raw], [_with_request_id(b"r"), raw]):
+            with pytest.raises(DecodeError):
+                decode_batch(raws, parse, single="sglang")
+        return
+    assert rid.decode() is not None
+    assert decode_batch([raw], parse, single="sglang") == [expected]
+    if lone_chunk is not None:
+        assert lone_chunk(raw, False) == expected
+
+
+@pytest.mark.skipif(lone_chunk is None, reason="_varint not built")
+def test_the_chunk_event_class_must_own_its_slots() -> None:
+    """``lone_chunk`` writes the event's fields at the slots' offsets: a class whose field names are
+    another (larger) class's member descriptors is refused, its own slots' offsets could not hold them."""
+    from shepherd.proto import _varint
+
+    fields = ("index", "token_ids", "prompt_tokens", "completion_tokens", "cached_tokens", "logprobs")
+    big = type("Big", (), {"__slots__": tuple(f"pad{i}" for i in range(40)) + fields})
+    impostor = type("Impostor", (), {"__slots__": ("a",), **{f: big.__dict__[f] for f in fields}})
+    try:
+        with pytest.raises(TypeError, match="not a plain object slot"):
+            _varint.chunk_event_class(impostor)
+    finally:
+        _varint.chunk_event_class(EngineChunk)  # (the module's class either way)
+    raw = sg.GenerateResponse(request_id="r", chunk=sg.GenerateStreamChunk(token_ids=[5])).SerializeToString()
+    assert lone_chunk is not None and type(lone_chunk(raw, False)) is EngineChunk

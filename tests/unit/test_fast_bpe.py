@@ -9,6 +9,7 @@ tokens), each one on the side of the line it should be.
 from __future__ import annotations
 
 import functools
+import gc
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -501,3 +502,27 @@ def test_the_c_split_of_ascii_text_gives_tiktokens_ids(name: str, text: str) -> 
     encode, tiktoken_encode = _c_and_tiktoken(name)
     assert encode(text) == tiktoken_encode(text)
     assert encode(text + "é") == tiktoken_encode(text + "é")  # not ASCII: tiktoken's
+
+
+@pytest.mark.skipif(_encode_ascii is None, reason="_pretok not built")
+def test_the_rank_table_keeps_its_ids_when_the_ranks_dict_changes_or_goes() -> None:
+    """The table holds its own references to the ids: the dict emptied and dropped after the table is
+    built (its id objects freed with it, their memory reused) leaves the table's answers as they were."""
+    from shepherd.tokens import _pretok
+
+    base = 10**12  # ids that are not cached small ints: the dict's references are their only ones
+    ranks = {tok.encode(): base + i for i, tok in enumerate(["hello", " world", "!", " x"])}
+    table = _pretok.rank_table(ranks)
+    ranks.clear()
+    del ranks
+    gc.collect()
+    churn = [base * 3 + i for i in range(10_000)]  # new ints where the freed ones were
+    pieces: list[bytes] = []
+
+    def piece(b: bytes) -> list[int]:
+        pieces.append(b)
+        return [-1]
+
+    for _ in range(3):  # bounded
+        assert _pretok.encode_ascii("hello world! x", table, piece, 1) == [base, base + 1, base + 2, base + 3]
+    assert pieces == [] and len(churn) == 10_000

@@ -6,6 +6,8 @@ on random event streams; and ``_kvwire.kv_scan`` against protobuf's parse on ran
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -302,3 +304,70 @@ def test_a_kv_map_made_without_init_is_empty_not_a_zero_divisor() -> None:
     assert len(m) == 0
     m.put([1], [1])
     assert m.keys() == [1]
+
+
+_M64 = (1 << 64) - 1
+
+
+def _unshift(z: int, s: int) -> int:
+    """The inverse of ``z ^ (z >> s)`` on 64 bits."""
+    x = z
+    for _ in range(64 // s + 1):  # bounded: each turn fixes s more bits
+        x = z ^ (x >> s)
+    return x & _M64
+
+
+def _unmix(z: int) -> int:
+    """The int64 whose splitmix64 finalizer (``mix`` in _prefixcore.c, the map's former fixed hash) is z."""
+    x = _unshift(z, 31)
+    x = _unshift(x * pow(0x94D049BB133111EB, -1, 1 << 64) & _M64, 27)
+    x = _unshift(x * pow(0xBF58476D1CE4E5B9, -1, 1 << 64) & _M64, 30)
+    return x - (1 << 64) if x >> 63 else x
+
+
+def test_engine_hashes_chosen_to_collide_do_not_flood_the_kv_map() -> None:
+    """An engine's block hashes are the map's keys: hashes whose fixed-hash values share their low 20 bits
+    (every one in one probe run at any table size up to 2**20) made each put scan the run (~n**2 / 2 cells
+    stepped past). Hashed under a per-process key, they take a few cells each, and the map is the same."""
+    kv_map = pytest.importorskip("shepherd.policies._prefixcore").KvMap
+    n = 3000
+    rng = random.Random(7)
+    keys = [_unmix(rng.getrandbits(44) << 20) for _ in range(n)]
+    assert len(set(keys)) == n
+    m = kv_map(1, 1 << 20)
+    m.put(keys, list(range(n)))
+    assert m.keys() == keys
+    assert all(m.seed(k) == i for i, k in enumerate(keys[:50]))
+    assert m.pop(keys[::2]) == list(range(0, n, 2))
+    assert m.keys() == keys[1::2]
+    assert m.probes() < 8 * n  # (a flooded run: ~4.5M)
+
+
+def test_block_names_chosen_to_collide_get_keyed_places_in_the_index() -> None:
+    """Block names come from token ids a client chooses: names ground to share the low 20 bits of the
+    fixed mixer (one probe run in the index's table and in ``Turns``) are placed under a per-process key
+    instead, so they spread; the index still finds every one of them."""
+    core = pytest.importorskip("shepherd.policies._prefixcore")
+    n = 3000
+    rng = random.Random(11)
+    names = [_unmix(rng.getrandbits(44) << 20) for _ in range(n)]
+    places = {core.place_of(k) & ((1 << 20) - 1) for k in names}
+    assert len(places) > 0.99 * n - 10  # (under the fixed mixer: 1)
+    c = core.Core(1 << 16)
+    c.set_name(0, "w0")
+    assert c.insert(names, 0, 1.0) == 0  # (nothing evicted)
+    assert c.match(names) == {"w0": n}
+    assert c.count(0) == n
+
+
+def test_the_index_places_are_keyed_per_process() -> None:
+    """Two processes place the same name differently (the key is drawn from os.urandom at import)."""
+    pytest.importorskip("shepherd.policies._prefixcore")
+    code = "from shepherd.policies._prefixcore import place_of; print(place_of(12345), place_of(-7))"
+    runs = {
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+        ).stdout
+        for _ in range(2)
+    }
+    assert len(runs) == 2

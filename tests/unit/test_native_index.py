@@ -275,6 +275,45 @@ def test_export_survives_a_worker_name_whose_hash_changes_the_index() -> None:
 
 
 @needs_core
+def test_a_match_survives_a_worker_name_whose_hash_renames_its_slot() -> None:
+    """A worker's name is any object: the match's answer is a dict keyed by it, whose hash may run code
+    that sets the slot's name again (dropping the index's reference to the name being stored): the name is
+    held while it is used (was read after it was freed), in ``match`` and in ``Turns.combine``."""
+    out = run_child(
+        """
+        import gc
+        from shepherd.policies._prefixcore import Core, Turns
+        c = Core(100)
+        class N(str):
+            def __hash__(self):
+                c.set_name(0, "other")
+                return 7
+        def fresh():
+            c.set_name(0, N("w" * 40))
+            gc.collect()
+        fresh()
+        c.insert(list(range(50)), 0, 1.0)
+        got = []
+        for _ in range(20):
+            fresh()
+            m = c.match(list(range(50)))
+            junk = [str(i) * 40 for i in range(200)]  # where the freed name was
+            got.append([str(k) for k in m])
+        t = Turns(100, 60.0, 100)
+        t.put((5).to_bytes(8, "little"), (1).to_bytes(2, "little"), bytes([0]), 1.0)
+        for _ in range(20):
+            fresh()
+            m = {}
+            t.combine(c, m, [5])
+            junk = [str(i) * 40 for i in range(200)]
+            got.append([str(k) for k in m])
+        print(sorted(set(map(tuple, got))))
+        """
+    )
+    assert out == "[('" + "w" * 40 + "',)]"
+
+
+@needs_core
 def test_an_uninitialised_core_raises_instead_of_crashing() -> None:
     run_child(
         """

@@ -354,3 +354,90 @@ def test_values_equal_in_python_but_not_on_the_wire_are_not_served_from_one_cach
         a, b = one(0.0), one(-0.0)
         assert a != b and a.endswith(bytes(8)) and b.endswith(b"\x00" * 7 + b"\x80")
         assert len({one((1,)), one((True,)), one((1.0,))}) == 3
+
+
+_SPAN_FIELDS = (
+    "trace_id",
+    "span_id",
+    "state",
+    "parent",
+    "name",
+    "kind",
+    "start_time",
+    "end_time",
+    "attrs",
+    "events",
+    "dropped_events",
+    "status",
+    "desc",
+    "remote",
+)
+
+
+def _c_writer_calls(spans: list[Any]) -> tuple[bytes, int]:
+    """The C writer's request of ``spans`` and how many it handed to the Python ``_record``."""
+    assert otlp_wire._c_request is not None
+    handed = 0
+
+    def fallback(span: Any) -> bytes:
+        nonlocal handed
+        handed += 1
+        return otlp_wire._record(span)
+
+    return otlp_wire._c_request(spans, fallback, b"", None, "", ""), handed
+
+
+@NEEDS_C
+def test_the_c_writer_reads_a_subclass_of_the_span_from_its_slots(lean_scope: Any) -> None:
+    from shepherd.node.observe.tracing import _Span
+
+    class Sub(_Span):
+        __slots__ = ("extra",)
+
+    class Renamed(_Span):  # what getattr reads: the C writer too (through the Python encoder)
+        __slots__ = ()
+
+        def __getattribute__(self, name: str) -> Any:
+            return "renamed" if name == "name" else object.__getattribute__(self, name)
+
+    spans: list[Any] = [
+        Sub("a", 1, 0x1234, 7, False, None, True),
+        Renamed("b", 1, 0x99, 0, False, None, True),
+    ]
+    for s in spans:
+        s.attrs["k"] = "v"
+        s.end_time = s.start_time + 5
+    got, handed = _c_writer_calls(spans)
+    assert handed == 0  # (Renamed's fields read with getattr: its own __getattribute__)
+    c, py = _both_writers(spans)
+    assert c == py
+    written = ExportTraceServiceRequest.FromString(c).resource_spans[0].scope_spans[0].spans
+    assert list(ExportTraceServiceRequest.FromString(got).resource_spans[0].scope_spans[0].spans) == list(
+        written
+    )
+    assert [s.name for s in written] == ["a", "renamed"]
+
+
+@NEEDS_C
+def test_a_class_naming_another_classes_slots_is_not_read_at_their_offsets(lean_scope: Any) -> None:
+    """A class whose attributes are the member descriptors of another class (the span's field names) does
+    not have that class's layout: getattr refuses them (TypeError), and the C writer, which read the
+    instance at those offsets, now hands the span to the Python encoder, which raises the same."""
+    from shepherd.node.observe.tracing import _Span
+
+    owner = type("Owner", (), {"__slots__": _SPAN_FIELDS})
+    ns: dict[str, Any] = {"__slots__": tuple(f"x{i}" for i in range(len(_SPAN_FIELDS))), "lean": True}
+    ns.update({f: owner.__dict__[f] for f in _SPAN_FIELDS})
+    ns.update(resource=_Span.resource, instrumentation_scope=_Span.instrumentation_scope)
+    impostor = type("Impostor", (), ns)
+    span = impostor()
+    values: list[Any] = [1, 2, None, 0, "n", 1, 10, 20, {}, [], 0, 0, "", False]
+    for i, v in enumerate(values):  # its own slots: where Owner's are
+        object.__setattr__(span, f"x{i}", v)
+    with pytest.raises(TypeError, match="doesn't apply"):
+        _c_writer_calls([span])
+    with pytest.raises(TypeError, match="doesn't apply"):
+        _both_writers([span])
+    small = type("Small", (), {**ns, "__slots__": ()})  # Owner's offsets past its end: no read there
+    with pytest.raises(TypeError, match="doesn't apply"):
+        _c_writer_calls([small()])

@@ -358,18 +358,25 @@ static struct {
     Py_ssize_t offset[F_COUNT];
 } slots;
 
-/* the slots' offsets of ``type``'s fields: 0, or -1 when one is not a plain object slot */
+/* the slots' offsets of ``type``'s fields: 0, or -1 when one is not a plain object slot of a class the
+ * instances are of (what ``getattr`` reads: the member descriptor's own check, without which a class could
+ * name another class's descriptors and have its instances read at that class's offsets) */
 static int slot_offsets(PyTypeObject *type) {
     if (slots.type == type && slots.version == type->tp_version_tag &&
         PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG))
         return 0;
     slots.type = NULL;
+    if (type->tp_getattro != PyObject_GenericGetAttr) return -1; /* a __getattribute__ / __getattr__ */
     Py_ssize_t offset[F_COUNT];
     for (int i = 0; i < F_COUNT; i++) {
         PyObject *d = _PyType_Lookup(type, field_names[i]);
         if (d == NULL || Py_TYPE(d) != &PyMemberDescr_Type) return -1;
+        PyTypeObject *owner = PyDescr_TYPE(d);
         PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
-        if (m->type != T_OBJECT_EX) return -1;
+        if (owner == NULL || !PyType_IsSubtype(type, owner) || m->type != T_OBJECT_EX ||
+            m->offset < (Py_ssize_t)sizeof(PyObject) ||
+            m->offset > owner->tp_basicsize - (Py_ssize_t)sizeof(PyObject *))
+            return -1;
         offset[i] = m->offset;
     }
     if (!PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)) return -1;
