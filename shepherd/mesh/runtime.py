@@ -108,6 +108,7 @@ from shepherd.mesh.transport import (
 )
 from shepherd.proto import mesh_wire
 from shepherd.proto.mesh_messages import (
+    Ack,
     Addr,
     MemberState,
     NodeAddr,
@@ -222,6 +223,8 @@ class _IdentityDelegate:
         self.peer: str | None = None
         self._gate = gate
         self._pending: Callable[[], bool] | None = getattr(inner, "has_broadcasts", None)
+        if self._pending is not None:  # asked before every datagram: the delegate's own, one call less
+            self.has_broadcasts = self._pending  # type: ignore[method-assign]
 
     def broadcasts(self, budget: int) -> list[bytes]:
         return self.inner.broadcasts(budget)
@@ -299,6 +302,7 @@ class MeshRuntime:
         self._version_logged: dict[tuple[str, str], float] = {}  # (peer, reason) -> last logged
         self._warned_addr: set[str] = set()
         self._seq = SeqCounter(wall_clock)
+        self._budget = config.swim.packet_budget  # (a property: read once)
         self.replay = ReplayGuard(
             config.replay_window, accept_unstamped=config.accept_unstamped_packets, clock=wall_clock
         )
@@ -776,9 +780,10 @@ class MeshRuntime:
         if self._swim is None or self._closed:
             return
         self.metrics.ticks += 1
-        self._lag_sample(max(0.0, self._now() - armed - _TIMER_SLACK))
+        now = self._loop.time() if self._loop is not None else 0.0
+        self._lag_sample(max(0.0, now - armed - _TIMER_SLACK), now)
         try:
-            actions = self._swim.tick(self._now())
+            actions = self._swim.tick(now)
         except Exception:
             log.exception("mesh: swim.tick failed")
             actions = []
@@ -786,40 +791,80 @@ class MeshRuntime:
         self._run_job()
 
     def _send(self, action: Send) -> None:
-        if self._udp is None or self._closed:
+        udp = self._udp
+        if udp is None or self._closed:
             return
-        try:
-            data = mesh_wire.encode_packet(
-                list(action.msgs),
-                budget=self.config.swim.packet_budget,
-                sender=self._me.name,
-                stamp=self._seq.next(),
-            )
-        except Exception:
-            self.metrics.encode_errors += 1
-            log.exception("mesh: cannot encode a packet for %s", action.dest)
-            return
-        self._udp.send(data, action.dest)
+        msgs = action.msgs
+        stamp = self._seq.next()
+        # a lone ping or ack (an idle node's every datagram): the same bytes in one msgpack call
+        fields = mesh_wire.lone_fields(msgs)
+        data = None if fields is None else mesh_wire.encode_lone(fields, self._me.name, stamp, self._budget)
+        if data is None:
+            try:
+                data = mesh_wire.encode_packet(
+                    list(msgs), budget=self._budget, sender=self._me.name, stamp=stamp
+                )
+            except Exception:
+                self.metrics.encode_errors += 1
+                log.exception("mesh: cannot encode a packet for %s", action.dest)
+                return
+        udp.send(data, action.dest)
 
     def _on_datagram(self, data: bytes, src: Addr) -> None:
-        if self._swim is None or self._closed:
+        swim = self._swim
+        if swim is None or self._closed:
             return
-        try:
-            packet = mesh_wire.decode_packet(data)
-        except mesh_wire.WireError as e:
-            self._wire_error(e, f"{src[0]}:{src[1]}", "datagram")
-            return
-        self.metrics.wire_skipped += packet.skipped
-        if not self.replay.accept(packet.sender, packet.stamp):
-            self.metrics.replays_dropped += 1
-            return
+        # an idle node's datagrams: a lone ping to answer or a lone ack of our probe, decoded in one
+        # msgpack call and, when nothing else is going on, handled without building a packet
+        lone = mesh_wire.decode_lone(data)
+        if lone is not None:
+            sender, stamp, f = lone
+            if not self.replay.accept(sender, stamp):
+                self.metrics.replays_dropped += 1
+                return
+            if self._lone(swim, f):
+                return
+            packet = mesh_wire.decode_packet(data)  # (decodes what decode_lone accepted)
+        else:
+            try:
+                packet = mesh_wire.decode_packet(data)
+            except mesh_wire.WireError as e:
+                self._wire_error(e, f"{src[0]}:{src[1]}", "datagram")
+                return
+            self.metrics.wire_skipped += packet.skipped
+            if not self.replay.accept(packet.sender, packet.stamp):
+                self.metrics.replays_dropped += 1
+                return
         self._udp_src = src
         try:
-            actions = self._swim.on_packet(self._now(), src, packet)
+            actions = swim.on_packet(self._now(), src, packet)
         finally:
             self._udp_src = None
         self._execute(actions)
         self._run_job()
+
+    def _lone(self, swim: Swim, f: list[Any]) -> bool:
+        """A lone ping or ack (``mesh_wire.decode_lone``'s ``f``) handled as ``on_packet`` would, if
+        ``Swim`` says nothing else is going on; False: not handled (nothing changed)."""
+        assert self._loop is not None
+        now = self._loop.time()
+        if f[0] == mesh_wire.ACK:
+            if not swim.on_ack_alone(now, f[1]):
+                return False
+            self._arm_timer()  # the probe's timeout went away
+        else:
+            if not swim.on_ping_alone(now, f[1], f[2], f[3]):
+                return False
+            udp = self._udp
+            data = mesh_wire.encode_lone([mesh_wire.ACK, f[1]], self._me.name, self._seq.next(), self._budget)
+            if udp is not None and data is not None:
+                udp.send(data, (f[4], f[5]))
+            elif udp is not None:
+                self._send(Send((f[4], f[5]), (Ack(f[1]),)))
+            if self._timer is None:  # (answering changes no deadline: the timer stays as armed)
+                self._arm_timer()
+        self._run_job()
+        return True
 
     def call_every(self, period: float, job: Callable[[], object], *, slack: float = 0.0) -> None:
         """Run ``job()`` every ``period`` seconds on this runtime's own wake-ups: at the first timer or
@@ -980,30 +1025,38 @@ class MeshRuntime:
 
     async def _push_pull(self, action: PushPull) -> bool:
         swim = self.swim
+        conn: KeptConnection | None = None  # the connection to keep, once its reply proved valid
         try:
-            payload = mesh_wire.encode_push_pull(swim.local_push_pull(action.join))
-            if action.name and not action.join and self.config.keep_push_pull_connections:
-                reply = await self._push_pull_kept(action.name, action.dest, payload)
-            else:  # a join (or an unnamed seed): one exchange over a connection of its own
-                reply = await push_pull_request(
-                    action.dest,
-                    self._client_ssl,
-                    payload,
-                    expected_identity=action.name or None,
-                    keyring=self.keyring,
-                    metrics=self.transport_metrics,
-                    max_frame=self.config.max_frame,
-                    timeout=self.config.tcp_timeout,
-                )
-            remote = mesh_wire.decode_push_pull(reply.payload, max_bytes=self.config.max_frame)
-        except (PushPullError, mesh_wire.WireError) as e:
-            if isinstance(e, mesh_wire.WireVersionError):
-                self._wire_error(e, f"{action.dest[0]}:{action.dest[1]}", "push-pull reply")
-            self.metrics.push_pulls_failed += 1
-            log.debug("mesh: push-pull with %s failed: %s", action.dest, e)
-            return False
-        if self._closed or not self._check_remote(remote, reply.identity):
-            return False
+            try:
+                payload = mesh_wire.encode_push_pull(swim.local_push_pull(action.join))
+                if action.name and not action.join and self.config.keep_push_pull_connections:
+                    reply, conn = await self._push_pull_kept(action.name, action.dest, payload)
+                else:  # a join (or an unnamed seed): one exchange over a connection of its own
+                    reply = await push_pull_request(
+                        action.dest,
+                        self._client_ssl,
+                        payload,
+                        expected_identity=action.name or None,
+                        keyring=self.keyring,
+                        metrics=self.transport_metrics,
+                        max_frame=self.config.max_frame,
+                        timeout=self.config.tcp_timeout,
+                    )
+                remote = mesh_wire.decode_push_pull(reply.payload, max_bytes=self.config.max_frame)
+            except (PushPullError, mesh_wire.WireError) as e:
+                if isinstance(e, mesh_wire.WireVersionError):
+                    self._wire_error(e, f"{action.dest[0]}:{action.dest[1]}", "push-pull reply")
+                self.metrics.push_pulls_failed += 1
+                log.debug("mesh: push-pull with %s failed: %s", action.dest, e)
+                return False
+            if self._closed or not self._check_remote(remote, reply.identity):
+                return False
+            if conn is not None:  # the reply was read, opened, decoded and lists its sender: kept
+                self._keep_push_pull(action.name, conn)
+                conn = None
+        finally:
+            if conn is not None:  # a reply we refused: that connection is not used again
+                conn.close()
         try:
             await self._merge(remote, reply.identity)
         except Exception:
@@ -1015,11 +1068,14 @@ class MeshRuntime:
         self.senders.bind(reply.identity, action.dest, self._now())
         return True
 
-    async def _push_pull_kept(self, name: str, addr: Addr, payload: bytes) -> PushPullReply:
+    async def _push_pull_kept(
+        self, name: str, addr: Addr, payload: bytes
+    ) -> tuple[PushPullReply, KeptConnection]:
         """A push-pull with the member ``name`` over the connection kept from the last one with it
         (a new mTLS connection costs ~14x the CPU of an exchange over a kept one: README "More than
-        one core"), else over a new one, kept afterwards (``_keep_push_pull``). Sent again once over a
-        new connection only if the kept one was closed before the server read it (idempotent)."""
+        one core"), else over a new one; the reply and the connection, which the caller keeps
+        (``_keep_push_pull``) once the reply proved valid, else closes. Sent again once over a new
+        connection only if the kept one was closed before the server read it (idempotent)."""
         deadline = self._now() + self.config.tcp_timeout
         conn = self._pp_conns.pop(name, None)
         reused = False
@@ -1040,8 +1096,7 @@ class MeshRuntime:
             answer = await self._send_rpc(conn, payload, deadline)
         else:
             self.metrics.push_pulls_reused += int(reused)
-        self._keep_push_pull(name, conn)
-        return PushPullReply(conn.identity, answer)
+        return PushPullReply(conn.identity, answer), conn
 
     async def _connect_push_pull(self, name: str, addr: Addr, deadline: float) -> KeptConnection:
         return await KeptConnection.open(
@@ -1105,10 +1160,9 @@ class MeshRuntime:
 
     # --- lag ----------------------------------------------------------------------------------
 
-    def _lag_sample(self, lag: float) -> None:
-        """The timer fired ``lag`` seconds late: event-loop lag (Lifeguard's input); and the upkeep that
-        goes with each sample (held payloads expired, their unverified senders dialled)."""
-        now = self._now()
+    def _lag_sample(self, lag: float, now: float) -> None:
+        """The timer fired ``lag`` seconds late (at ``now``): event-loop lag (Lifeguard's input); and the
+        upkeep that goes with each sample (held payloads expired, their unverified senders dialled)."""
         self._lag_due = now + self.config.lag_interval
         self.metrics.lag_last = lag
         self.metrics.lag_max = max(self.metrics.lag_max, lag)

@@ -282,6 +282,50 @@ class Swim:
         self._flush_urgent(out)
         return out
 
+    def _quiet(self) -> bool:
+        """Joined, nothing urgent, nothing to piggyback: a lone ping or ack then changes no more than
+        ``on_ack_alone`` / ``on_ping_alone`` do (what ``on_packet`` would do besides is a no-op)."""
+        t = self._table
+        return (
+            self._joined
+            and not (t.urgent_alive or t.urgent_to or t.urgent_dead or t.stale_seen)
+            and not self._gossip_pending()
+        )
+
+    def on_ack_alone(self, now: float, seq: int) -> bool:
+        """A packet of just ``Ack(seq)``, an idle node's most common datagram: if it acks the probe in
+        flight and nothing else is going on (``_quiet``), handled here exactly as ``on_packet`` would
+        (it sends nothing then) and True; else False and nothing changed (call ``on_packet``)."""
+        p = self._probe
+        if p is None or p.seq != seq or not self._quiet():
+            return False
+        if now > self._last_call:
+            self._last_call = now
+        st = self.stats
+        st.packets_in += 1
+        st.msgs_in += 1
+        self._probe = None
+        self._aw.apply(-1)
+        return True
+
+    def on_ping_alone(self, now: float, seq: int, target: str, src_name: str) -> bool:
+        """A packet of just ``Ping(seq, target, src)`` from a member we hold as alive or suspect,
+        addressed to us: if nothing else is going on (``_quiet``), counted here exactly as
+        ``on_packet`` would and True: the answer is ``Ack(seq)`` alone, to the ping's source address
+        (the caller sends it); else False and nothing changed (call ``on_packet``)."""
+        if target != self.me.name:
+            return False
+        n = self._table.nodes.get(src_name)
+        if n is None or n.state == DEAD or not self._quiet():
+            return False
+        if now > self._last_call:
+            self._last_call = now
+        st = self.stats
+        st.packets_in += 1
+        st.msgs_in += 1
+        st.packets_out += 1
+        return True
+
     def local_push_pull(self, join: bool = False) -> PushPullState:
         """Our full state for a TCP push-pull: members, tombstones (as DEAD/LEFT), delegate state."""
         t = self._table

@@ -195,6 +195,10 @@ class TransportMetrics:
 # --- UDP --------------------------------------------------------------------------------------------
 
 
+def _nothing_buffered() -> int:
+    return 0
+
+
 class _UdpProtocol(asyncio.DatagramProtocol):
     def __init__(self, endpoint: UdpEndpoint) -> None:
         self._endpoint = endpoint
@@ -222,6 +226,7 @@ class UdpEndpoint:
         self._on_packet = on_packet
         self._max_buffer = max_buffer
         self._transport: asyncio.DatagramTransport | None = None
+        self._buffered: Callable[[], int] = _nothing_buffered  # the transport's bytes queued
         self._address: Addr = ("", 0)
 
     @classmethod
@@ -241,6 +246,8 @@ class UdpEndpoint:
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(lambda: _UdpProtocol(ep), local_addr=(host, port))
         ep._transport = transport
+        # both asyncio's and uvloop's datagram transports buffer when the socket would block
+        ep._buffered = getattr(transport, "get_write_buffer_size", _nothing_buffered)
         sock = transport.get_extra_info("sockname")
         ep._address = (str(sock[0]), int(sock[1]))
         return ep
@@ -263,9 +270,7 @@ class UdpEndpoint:
         if len(packet) > MAX_DATAGRAM:
             self.metrics.udp_dropped_oversize += 1
             return False
-        # both asyncio's and uvloop's datagram transports buffer when the socket would block
-        buffered: int = getattr(transport, "get_write_buffer_size", lambda: 0)()
-        if buffered > self._max_buffer:
+        if self._buffered() > self._max_buffer:
             self.metrics.udp_dropped_backpressure += 1
             return False
         try:

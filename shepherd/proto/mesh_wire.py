@@ -239,6 +239,100 @@ def encode_packet(
     return head + _array_header(len(parts)) + b"".join(parts) + tail
 
 
+def lone_fields(msgs: Sequence[Message]) -> list[Any] | None:
+    """The fields of ``msgs`` if it is one ``Ping`` or ``Ack`` (what an idle node sends: its probes and
+    their answers), for ``encode_lone``; None otherwise."""
+    if len(msgs) != 1:
+        return None
+    m = msgs[0]
+    t = type(m)
+    if t is Ack:
+        return [ACK, m.seq]  # type: ignore[union-attr]
+    if t is Ping:
+        src = m.src  # type: ignore[union-attr]
+        return [PING, m.seq, m.target, src.name, src.host, src.port]  # type: ignore[union-attr]
+    return None
+
+
+def encode_lone(fields: list[Any], sender: str, stamp: tuple[int, int], budget: int) -> bytes | None:
+    """The bytes ``encode_packet`` makes of the one message of ``fields`` (``lone_fields``) with a
+    ``stamp``, in one msgpack call; None where it would not be these (the test-next build, a stamp out
+    of range, a packet over ``budget``: call ``encode_packet``, which says why)."""
+    ms, seq = stamp
+    if (
+        type(ms) is not int
+        or type(seq) is not int
+        or not (0 <= ms <= MAX_STAMP_VALUE and 0 <= seq <= MAX_STAMP_VALUE)
+        or wire_version.is_test_next()
+    ):
+        return None
+    try:
+        data: bytes = msgpack.packb([VERSION, sender, [fields], ms, seq])
+    except (TypeError, ValueError, OverflowError):
+        return None
+    # encode_packet's bound: the message fits ``budget`` less the head, tail and a 3-byte array header
+    # (here 1 byte: one message)
+    return data if len(data) + 2 <= budget else None
+
+
+def decode_lone(data: bytes) -> tuple[str, tuple[int, int], list[Any]] | None:
+    """A datagram of one ``Ping`` or ``Ack`` and a replay stamp, of this build's version, as
+    ``(sender, stamp, fields)`` (``fields``: ``[ACK, seq]`` or ``[PING, seq, target, name, host,
+    port]``, checked as ``decode_packet`` checks them); None for anything else (``decode_packet``
+    then decodes it or says what is wrong with it). What it accepts, ``decode_packet`` decodes to
+    ``Packet(sender, (Ack(seq),) or (Ping(...),), stamp)``: one msgpack call instead of ~25."""
+    if len(data) > MAX_PACKET_BYTES:
+        return None
+    try:
+        top = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0, max_map_len=0)
+    except Exception:  # msgpack raises many types
+        return None
+    if type(top) is not list or len(top) != 5:
+        return None
+    v, sender, msgs, ms, seq = top
+    if (
+        type(v) is not int
+        or v != VERSION
+        or type(sender) is not str
+        or len(sender) > MAX_NAME_LEN
+        or type(msgs) is not list
+        or len(msgs) != 1
+        or type(ms) is not int
+        or type(seq) is not int
+        or not (0 <= ms <= MAX_STAMP_VALUE and 0 <= seq <= MAX_STAMP_VALUE)
+    ):
+        return None
+    f = msgs[0]
+    if type(f) is not list:
+        return None
+    n = len(f)
+    if n == 2:
+        if type(f[0]) is not int or f[0] != ACK:
+            return None
+    elif n == 6:
+        if (
+            type(f[0]) is not int
+            or f[0] != PING
+            or type(f[2]) is not str
+            or not 0 < len(f[2]) <= MAX_NAME_LEN
+            or type(f[3]) is not str
+            or not 0 < len(f[3]) <= MAX_NAME_LEN
+            or type(f[4]) is not str
+            or not 0 < len(f[4]) <= MAX_HOST_LEN
+            or type(f[5]) is not int
+            or not 0 <= f[5] <= 65535
+        ):
+            return None
+    else:
+        return None
+    s = f[1]
+    if type(s) is not int or not 0 <= s <= MAX_SEQ:
+        return None
+    if wire_version.is_strict() and wire_version.is_test_next():  # this version refused then
+        return None
+    return sender, (ms, seq), f
+
+
 def encode_push_pull(state: PushPullState) -> bytes:
     members = [
         _next_extra([m.name, m.host, m.port, _inc(m.incarnation), int(m.state), m.meta])

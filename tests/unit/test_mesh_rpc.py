@@ -22,7 +22,7 @@ from shepherd.mesh.runtime_config import MeshRuntimeConfig
 from shepherd.mesh.swim_types import PushPull
 from shepherd.mesh.transport import PushPullError, push_pull_request
 from shepherd.proto import mesh_wire
-from shepherd.proto.mesh_messages import Addr, MemberState, RpcRequest
+from shepherd.proto.mesh_messages import Addr, MemberState, PushPullState, RpcRequest
 from tests.unit.mesh_fixtures import FAST, KEY, OTHER_KEY, eventually
 
 pytestmark = pytest.mark.timeout(90)
@@ -486,3 +486,28 @@ async def test_a_kept_push_pull_connection_the_server_closed(cluster: Cluster) -
     await eventually(lambda: n1.transport_metrics.tcp_idle_closed > closed, what="n1 closed it")
     assert await n2._spawn_push_pull(PushPull(n1.address, "n1", False)) is True
     assert n2.metrics.push_pulls_retried >= 1 and n2.metrics.push_pulls_failed == 0
+
+
+async def test_a_push_pull_reply_refused_does_not_keep_its_connection(cluster: Cluster) -> None:
+    # the connection is kept only once its reply was read and valid: n1 now replies with a state that
+    # leaves itself out (refused by n2's check), so the connection that carried it is closed, not parked
+    n1 = await cluster.node("n1")
+    n2 = await cluster.node("n2", seeds=(n1.address,), keep_push_pull_connections=True)
+    await eventually(lambda: alive([n1, n2], ["n1", "n2"]), what="two alive")
+    await eventually(lambda: n2.kept_push_pull_connections() == ["n1"], what="a kept connection")
+    conn = n2._pp_conns["n1"]
+    real = n1.swim.local_push_pull
+
+    def without_n1(join: bool = False) -> PushPullState:
+        return PushPullState(tuple(m for m in real(join).members if m.name != "n1"), b"", join)
+
+    n1.swim.local_push_pull = without_n1  # type: ignore[method-assign]
+    refused, reused = n2.metrics.push_pulls_refused, n2.metrics.push_pulls_reused
+    assert await n2._spawn_push_pull(PushPull(n1.address, "n1", False)) is False
+    assert n2.metrics.push_pulls_refused > refused
+    assert n2.metrics.push_pulls_reused > reused  # it went over the kept connection
+    assert conn.closed and n2.kept_push_pull_connections() == []
+    # valid replies again: a new connection is kept
+    n1.swim.local_push_pull = real  # type: ignore[method-assign]
+    assert await n2._spawn_push_pull(PushPull(n1.address, "n1", False)) is True
+    assert n2.kept_push_pull_connections() == ["n1"] and n2._pp_conns["n1"] is not conn

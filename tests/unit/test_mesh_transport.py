@@ -70,6 +70,24 @@ async def test_udp_sealed_round_trip() -> None:
     assert a.closed and not a.send(b"x", b.address)
 
 
+async def test_udp_send_dropped_while_the_transport_holds_more_than_max_buffer() -> None:
+    got: list[bytes] = []
+    b = await UdpEndpoint.open("127.0.0.1", 0, Keyring([K1]), lambda d, s: got.append(d))
+    full = await UdpEndpoint.open("127.0.0.1", 0, Keyring([K1]), lambda d, s: None, max_buffer=-1)
+    ok = await UdpEndpoint.open("127.0.0.1", 0, Keyring([K1]), lambda d, s: None, max_buffer=0)
+    try:
+        # an empty buffer (0 bytes queued) is over a bound of -1 and within a bound of 0
+        assert not full.send(b"dropped", b.address)
+        assert full.metrics.udp_dropped_backpressure == 1 and full.metrics.udp_packets_out == 0
+        assert ok.send(b"sent", b.address)
+        await _eventually(lambda: got == [b"sent"])
+        assert ok.metrics.udp_dropped_backpressure == 0
+    finally:
+        b.close()
+        full.close()
+        ok.close()
+
+
 async def test_udp_wrong_key_and_plaintext_dropped_and_counted() -> None:
     got: list[bytes] = []
     good = await UdpEndpoint.open("127.0.0.1", 0, Keyring([K1]), lambda d, s: got.append(d))
