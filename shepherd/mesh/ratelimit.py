@@ -53,14 +53,24 @@ in the sliding window, per key, within [``propagation``, ``propagation_max``]: i
 lease then bounds the unseen admissions by what the estimate lacks, where a τ below the staleness
 over-admits by about (staleness - τ) / window and one above it under-admits as much. The lease
 spans that many slots (the designation slots keep the configured τ: every node must compute the same
-ones). An idle peer is not a slow channel: its state ages without lacking anything, so where shards
-come first-hand (not ``relay``: the node's mesh, the simulation) a state held past ``delay + 2 gap``
-of its shard (the delay of its newest state at its arrival, which does not grow while the peer is idle,
-and the mean interval between arrivals: a busy peer's next state comes within about one) counts at
-that age (``ratelimit_keys.Arrival``; the arrival is the clock's reading at the merge, or without a
-clock the next ``now`` this node looks at the key with). On a relaying mesh a busy peer's states can
-wait in the relays' queues for seconds while others arrive, which looks the same: the ages count in
-full there.
+ones). Where shards come first-hand (not ``relay``: the node's mesh, the simulations) a peer sends
+every change to every member as it makes it, so a held state lacks only what its owner changed within
+about one delivery delay of now, however long ago it was made (an idle peer's state ages without
+lacking anything, a busy one's is replaced within a delay of each change): its age counts up to its
+delay (``ratelimit_keys.Arrival``: the arrival minus the stamp of the newest state held; the arrival
+is the clock's reading at the merge, or without a clock the next ``now`` this node looks at the key
+with). There, with a clock, τ may go below ``propagation``, down to one slot (``propagation /
+slots``), but the span reaches back to the node's own oldest change not yet published and, while its
+last publication may be in flight (τ and a slot after it), to that publication's oldest change: the
+peers lack those whatever their age; and the shares take the node's demand from the publication
+before one that may be in flight, as the peers still do. (Issue 24: τ at ``propagation`` made the
+lease hold back ~1.4 requests of headroom per node where each admits about one a second, 10% of a
+15 s window's limit at any N.) Without a clock a node knows neither when it published nor its delays
+closely: τ stays at least ``propagation``. On a relaying mesh a busy peer's states can wait in the
+relays' queues for seconds while others arrive, which looks the same as idleness: the ages count in
+full there. A stamp further than ``ratelimit_keys.AHEAD_MAX`` ahead of the receiver's clock is not a
+time (forged, or a broken clock) and is left out of the ages (read as fresh it shrank τ, and the join
+keeps the highest stamp, which would have held that shard's age at 0).
 
 **Fractions of a request.** When a node's lease is less than one request (small limits: with
 rpm=60 on 3 nodes a second of headroom is a third of a request each), it may still admit one if
@@ -93,6 +103,7 @@ from functools import partial
 from typing import Any, Literal, Protocol
 
 from shepherd.mesh.ratelimit_keys import (
+    AHEAD_MAX,
     HISTORY,
     U_CONC,
     U_PEAK,
@@ -153,7 +164,8 @@ class LimiterConfig:
     window: float = 60.0  # seconds; rpm and tpm are per window
     propagation: float = 1.0  # τ: time within which a node's increments reach every live peer
     share_floor: float = 0.2  # part of the headroom split equally, the rest by demand
-    slots: int = 4  # τ is tracked in this many slots (the unseen sum covers τ to τ(1 + 1/slots))
+    slots: int = 8  # τ is tracked in this many slots (the unseen sum covers τ to τ(1 + 1/slots)); first-hand
+    # with a clock τ may go down to one (issue 24: 4 slots of 0.25 s held back 3.5% of a 15 s window)
     gc_interval: float = 5.0
     lease: bool = True  # False: the naive rule (estimate + cost <= limit only), for comparison
     relay: bool = False
@@ -164,13 +176,13 @@ class LimiterConfig:
     """Above ``propagation``: τ follows the staleness this node observes, within [``propagation``,
     ``propagation_max``]: per key, the age of the peers' shard states it holds (since their owners last
     changed them or, with a clock, published them), averaged weighted by what each peer admitted in the
-    sliding window (a peer that admitted nothing lacks nothing); without ``relay``, a state held longer
-    than its owner's usual ``delay + 2 gap`` (the delay measured when its newest state arrived, the mean
-    interval between arrivals: ``ratelimit_keys.Arrival``) counts as that old, no older: its owner
-    changed nothing since (its load moved away), so it lacks nothing more. A lease's fraction of a
-    request is admitted with
-    that probability, and on a relaying mesh the shares take this node's demand as it was as old as the
-    held states. 0 (or at most ``propagation``): off, τ is ``propagation``."""
+    sliding window (a peer that admitted nothing lacks nothing); without ``relay`` (first-hand shards), a
+    state counts at most as old as its delay (arrival minus stamp: ``ratelimit_keys.Arrival``), and with
+    a clock τ may go down to one slot (``propagation / slots``) while covering this node's own changes
+    not yet published or maybe in flight. A lease's fraction of a request is admitted with that
+    probability (without ``relay``, over the own arrivals expected within τ when fewer than one), and on
+    a relaying mesh the shares take this node's demand as it was as old as the held states. 0 (or at
+    most ``propagation``): off, τ is ``propagation``."""
     relay_batch: int = 4
     """With ``relay``: peers' shards handed out per ``take_keyed_deltas`` call (one per piggybacked
     packet), at most, so that relays leave room for the other state on the channel (worker adds,
@@ -324,9 +336,9 @@ class RateLimiter:
         self._ages = self.cfg.propagation_max > self.cfg.propagation
         self._keep = max(self.cfg.slots, math.ceil(self.cfg.propagation_max / self._slot_len - _EPS))
         self._span = self.cfg.slots
-        # an idle peer's age capped (``ratelimit_keys.Arrival``) where shards come first-hand: on a relaying
-        # mesh a busy peer's states can wait in the relays' queues for seconds while others arrive, which
-        # looks the same, so the ages count in full there
+        # a peer's age capped at its delay (``ratelimit_keys.Arrival``) where shards come first-hand: on a
+        # relaying mesh a busy peer's states can wait in the relays' queues for seconds while others
+        # arrive, which looks the same as idleness, so the ages count in full there
         self._idle_caps = self._ages and not self.cfg.relay
         self._next_gc = -math.inf
         self._gc_queue: list[Key] = []  # keys still to look at in the current collection round
@@ -387,15 +399,33 @@ class RateLimiter:
         ages: see ``propagation_max``), rounded up to whole slots."""
         return self._span * self._slot_len
 
-    def _span_of(self, v: View, now: float) -> int:
-        """τ in slots for a key (``propagation_max``: from the age of the peers' states held)."""
+    def _span_of(self, v: View, now: float, ks: KeyState | None = None) -> int:
+        """τ in slots for a key (``propagation_max``: from the age of the peers' states held). Where
+        shards come first-hand and this node has a clock, their ages count up to their delays and τ may
+        go down to one slot (below ``propagation``), as long as it still covers this node's own changes
+        the peers may lack: back to its oldest change not yet published (``ks.pending``), and to the
+        oldest one of its last publication while that may be in flight (``ks.sent_at``: within τ and a
+        slot), up to the configured τ. (Without a clock a node does not know when it published, and its
+        delays are measured late: τ stays at least ``propagation`` there.)"""
         if not self._ages:
             return self.cfg.slots
         age = v.age(now)
         span = self.cfg.slots
         if age is not None:
+            sl = self._slot_len
             # the ring covers ``span`` slots and the current one's elapsed part: age on average
-            span = min(self._keep, max(span, math.floor(age / self._slot_len + _EPS)))
+            aged = math.floor(age / sl + _EPS)
+            least = span
+            if self._idle_caps and self.clock is not None:
+                oldest = math.inf if ks is None else ks.pending
+                if ks is not None:
+                    ks.flight = (max(1, aged) + 1) * sl  # how long a publication may be in flight
+                    if now - ks.sent_at <= ks.flight:
+                        oldest = min(oldest, ks.sent_oldest)
+                least = 1
+                if oldest < now:
+                    least = max(1, min(span, math.floor(now / sl) - math.floor(oldest / sl)))
+            span = min(self._keep, max(least, aged))
         self._span = span
         return span
 
@@ -425,7 +455,7 @@ class RateLimiter:
             v = self._view(key, ks, w, f)
             views.append((key, lim, ks, v))
             if denial is None:
-                u = ks.unseen(slot, self._span_of(v, now), self._keep)
+                u = ks.unseen(slot, self._span_of(v, now, ks), self._keep)
                 denial = self._check(key, lim, ks, v, u, tokens, scale, now, f)
         if denial is not None:
             for key, _, ks, _ in views:
@@ -565,13 +595,17 @@ class RateLimiter:
             return 0
         if rate and u <= 0 and 0 < budget < cost and unit_hash(self.node, self._ver) < budget / cost:
             return 0  # a fraction of a request: admitted with that probability (rates only)
-        if (
-            rate
-            and self._ages
-            and u < budget < u + cost
-            and unit_hash(self.node, self._ver) < (budget - u) / cost
-        ):
-            return 0  # the lease's fraction left: the unseen sum meets the budget on average, not below it
+        if rate and self._ages and u < budget < u + cost:
+            # the lease's fraction left: the unseen sum meets the budget on average, not below it. The
+            # budget is per τ: with fewer than one own arrival expected within τ (first-hand shards, τ
+            # from their delays) each arrival's chance is the fraction over the arrivals expected
+            p = (budget - u) / cost
+            if self._idle_caps:
+                n = v.own_areq / self.cfg.window * (self._span + 0.5) * self._slot_len
+                if n < 1.0:
+                    p = p / n if n > p else 1.0
+            if unit_hash(self.node, self._ver) < p:
+                return 0
         return 2
 
     def _share(self, v: View, m: int, node: str, total: float) -> float:
@@ -596,9 +630,7 @@ class RateLimiter:
         win = self.cfg.window
         now = (w + f) * win
         if o is None or o.w != w or o.epoch != self._epoch or now > o.until:
-            cfg = self.cfg
-            gap, most = (cfg.propagation, cfg.propagation_max) if self._idle_caps else (0.0, 0.0)
-            o = ks.sum_others(w, self._epoch, self._live, self._gen_of, self._sid, win, now, gap, most)
+            o = ks.sum_others(w, self._epoch, self._live, self._gen_of, self._sid, win, now, self._idle_caps)
             ks.others = o
         pub = ks.published
         made = o.made(1.0 - f, now) if self._ages and self.cfg.relay and ks.history else None
@@ -612,6 +644,10 @@ class RateLimiter:
             echo = min(echoes)[1] if echoes else None
             if echo is not None and (pub is None or echo[0] <= pub[0]):
                 pub = echo  # own demand as stale as the others' (a relaying mesh): shares sum to ~1
+            elif self._idle_caps and now - ks.sent_at <= ks.flight:
+                # first-hand: the last publication may be in flight, the peers' shares still take the one
+                # before it: so does this node's (its fresher demand would give it more than its due)
+                pub = ks.published_before
         return View(o, ks.shards.get(self._sid), pub, w, f)
 
     def _record(
@@ -638,6 +674,8 @@ class RateLimiter:
         (``take_delta``)."""
         self._ver += 1  # (operations: the coin tosses' input)
         ks.changed = now
+        if key not in self._dirty:
+            ks.pending = now
         self._unstamped[key] = None
         if not self._dirty and self.on_dirty is not None:
             self.on_dirty()
@@ -729,8 +767,12 @@ class RateLimiter:
             if out and size + n > max_bytes:
                 break
             del self._dirty[key]
+            if self.clock is not None:  # (in flight from now: ``_span_of``)
+                ks.sent_at, ks.sent_oldest = self.clock(), min(ks.pending, ks.changed)
+            ks.pending = math.inf
             out.append(item)
             size += n
+            ks.published_before = ks.published
             ks.published = (e.win, e.prev[AREQ], e.cur[AREQ], e.prev[ATOK], e.cur[ATOK])
             if self._ages and self.cfg.relay:
                 h, t = ks.history, ks.changed
@@ -850,16 +892,9 @@ class RateLimiter:
                 if arrival is None:
                     arrival = clock()
                 made = time_of_ver(old.ver, gen)
-                if made >= (old.win - 1) * self.cfg.window:  # a time (not an earlier build's counter)
-                    cfg = self.cfg
-                    ks.note_arrival(
-                        sid,
-                        old.ver,
-                        min(made, arrival),
-                        arrival,
-                        cfg.propagation,
-                        cfg.propagation_max,
-                    )
+                # a time (not an earlier build's counter, nor a stamp ahead of any clock skew)
+                if (old.win - 1) * self.cfg.window <= made <= arrival + AHEAD_MAX:
+                    ks.note_arrival(sid, old.ver, min(made, arrival), arrival)
             if relay and advanced:
                 self._relay[(key, sid)] = None
             ks.others = None

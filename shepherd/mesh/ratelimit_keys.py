@@ -17,7 +17,7 @@ U_REQ, U_TOK, U_CONC, U_PEAK = 1, 2, 3, 4
 
 Published = tuple[int, int, int, int, int]  # window, req attempts prev, cur, token attempts prev, cur
 HISTORY = 256  # own published attempts a key keeps (``KeyState.history``)
-ARRIVAL_WEIGHT = 0.25  # of a new interval in the moving average ``Arrival.gap``
+AHEAD_MAX = 1.0  # seconds a stamp may read ahead of the receiver's clock (skew) and still be a time
 
 
 class Others:
@@ -72,28 +72,25 @@ class Others:
 
 
 class Arrival:
-    """When this node got the newest state it holds of a peer's shard (``at``), how old that state was
+    """When this node got the newest state it holds of a peer's shard (``at``) and how old that state was
     then (``delay``: arrival minus its stamp, the channel's delay, which does not grow while the peer is
-    idle) and the mean interval between the peer's newer states arriving (``gap``, a moving average). A
-    busy peer's next state comes within about ``gap``, so the state held reaches ``delay + gap`` at
-    most on average and rarely ``cap = delay + 2 gap``; held longer, the peer has changed nothing since
-    (idle, its load moved away), and its age stops counting at the cap: the state lacks no admission.
-    (``delay`` is this state's own, not an average: one newer state may come seconds later than the
-    last, and its whole age counts.)"""
+    idle). Where shards come first-hand every change a peer makes is sent to every member at once, so a
+    held state lacks only the changes made within about one ``delay`` of ``now`` (later ones would have
+    arrived): its age counts up to ``cap`` = ``delay``, however long the peer stays silent (idle, its load
+    moved away) or busy. (``delay`` is this state's own, not an average: one newer state may come seconds
+    later than the last, and its whole delay counts.)"""
 
-    __slots__ = ("at", "delay", "gap", "ver")
+    __slots__ = ("at", "delay", "ver")
 
-    def __init__(self, ver: int, at: float, delay: float, gap: float) -> None:
-        self.ver, self.at, self.delay, self.gap = ver, at, delay, gap
+    def __init__(self, ver: int, at: float, delay: float) -> None:
+        self.ver, self.at, self.delay = ver, at, delay
 
     @property
     def cap(self) -> float:
-        return self.delay + 2.0 * self.gap
+        return self.delay
 
-    def newer(self, ver: int, at: float, made: float, most: float) -> None:
-        """A newer state (``ver``, stamped ``made``) arrived at ``at``; intervals count up to ``most``."""
-        gap = min(max(at - self.at, 0.0), most)
-        self.gap += (gap - self.gap) * ARRIVAL_WEIGHT
+    def newer(self, ver: int, at: float, made: float) -> None:
+        """A newer state (``ver``, stamped ``made``) arrived at ``at``."""
         self.delay = max(at - made, 0.0)
         self.ver, self.at = ver, at
 
@@ -101,23 +98,41 @@ class Arrival:
 class KeyState:
     """Everything one node holds for one key."""
 
-    __slots__ = ("arrivals", "changed", "history", "others", "published", "recent", "shards", "usum")
+    __slots__ = (
+        "arrivals",
+        "changed",
+        "flight",
+        "history",
+        "others",
+        "pending",
+        "published",
+        "published_before",
+        "recent",
+        "sent_at",
+        "sent_oldest",
+        "shards",
+    )
 
     def __init__(self) -> None:
         # when the newest state held of each peer's shard arrived (τ from the ages, ``propagation_max``)
         self.arrivals: dict[ShardId, Arrival] = {}
         self.changed = 0.0  # when this node last changed its own entry (its version stamp at publication)
+        self.pending = math.inf  # when its oldest change not yet published was made (inf: none)
+        # when it last published its entry (with a clock) and the oldest change that publication carried
+        self.sent_at = -math.inf
+        self.sent_oldest = math.inf
+        self.flight = 0.0  # how long its last publication may be in flight (``RateLimiter._span_of``)
         # own attempts as published, with the time of their last change, for τ from the ages
         # (``LimiterConfig.propagation_max``; HISTORY at most, thinned out): the shares take the one as old
         # as the others' states
         self.history: deque[tuple[float, Published]] = deque()
         self.shards: dict[ShardId, Entry] = {}
         self.recent: deque[list[int]] = deque()  # own changes per time slot: [slot, req, tok, conc, peak]
-        self.usum = [0] * 4  # running sums of columns 1..3 of ``recent``
         self.others: Others | None = None
         # own attempts as last sent in a delta: what the others know of this node's demand, so that
         # every node computes the shares from the same data
         self.published: Published | None = None
+        self.published_before: Published | None = None  # the publication before (first-hand, with a clock)
 
     def sum_others(
         self,
@@ -128,15 +143,17 @@ class KeyState:
         me: ShardId,
         window: float = 60.0,
         now: float = 0.0,
-        gap: float = 0.0,
-        most: float = 0.0,
+        caps: bool = False,
     ) -> Others:
         """The sums of the live others' shards in window ``w``; ``window`` (seconds) and ``now`` for the
-        ages (a state stamped later than ``now`` counts as fresh; one stamped before the window before
-        its own is not a time, e.g. an earlier build's counter, and is left out of the ages). ``gap``
-        (> 0: ages are tracked) is a peer's interval between states until measured, ``most`` the
-        longest one counted: a state newer than the arrival held is taken as arriving at ``now`` unless the
-        merge noted it (``note_arrival``, with a clock)."""
+        ages (a state stamped a little later than ``now``, within ``AHEAD_MAX``: clock skew, counts as
+        fresh; one stamped before the window before its own is not a time, e.g. an earlier build's
+        counter, and is left out of the ages). A stamp further ahead is not a time either (forged, or a
+        broken clock) and is left out too: read as fresh it would shrink τ, and the join keeps the highest
+        stamp, so its age would stay 0 while it is held, whatever the owner sends later. ``caps``
+        (first-hand shards): a state's age counts up to its delay (``Arrival``); a state
+        newer than the arrival held is taken as arriving at ``now`` unless the merge noted it
+        (``note_arrival``, with a clock)."""
         o = Others(w, epoch)
         arrivals = self.arrivals
         for sid, e in self.shards.items():
@@ -151,13 +168,15 @@ class KeyState:
             if gen == gen_of.get(node, gen):  # the gauge of a restarted node's old process is gone
                 o.conc += e.inc - e.dec
                 t = time_of_ver(e.ver, gen)
-                if e.ver > 0 and t >= (e.win - 1) * window:
+                if e.ver > 0 and t > now + AHEAD_MAX:  # not a time (yet: a skewed clock's stamp becomes one)
+                    o.until = min(o.until, t - AHEAD_MAX)
+                elif e.ver > 0 and t >= (e.win - 1) * window:
                     t = min(t, now)
                     cap = math.inf
-                    if gap > 0:
+                    if caps:
                         a = arrivals.get(sid)
                         if a is None or a.ver != e.ver:
-                            a = self.note_arrival(sid, e.ver, t, now, gap, most)
+                            a = self.note_arrival(sid, e.ver, t, now)
                         cap = a.cap
                     if now - t <= cap:
                         o.at_prev += p[REQ] * t
@@ -166,7 +185,7 @@ class KeyState:
                         o.n_cur += c[REQ]
                         if p[REQ] or c[REQ]:
                             o.until = min(o.until, t + cap)
-                    else:  # held past its cap: the owner is idle, its age stops there
+                    else:  # held past its cap: its age stops there
                         o.cap_prev += p[REQ] * cap
                         o.cap_cur += c[REQ] * cap
                         o.m_prev += p[REQ]
@@ -180,16 +199,13 @@ class KeyState:
             d[3] += c[ATOK]
         return o
 
-    def note_arrival(
-        self, sid: ShardId, ver: int, made: float, at: float, gap: float, most: float
-    ) -> Arrival:
-        """A state of ``sid``'s shard stamped ``ver`` (made at ``made``) arrived at ``at``; ``gap``: the
-        interval assumed until one is measured, ``most`` the longest one counted."""
+    def note_arrival(self, sid: ShardId, ver: int, made: float, at: float) -> Arrival:
+        """A state of ``sid``'s shard stamped ``ver`` (made at ``made``) arrived at ``at``."""
         a = self.arrivals.get(sid)
         if a is None:
-            a = self.arrivals[sid] = Arrival(ver, at, max(at - made, 0.0), gap)
+            a = self.arrivals[sid] = Arrival(ver, at, max(at - made, 0.0))
         elif ver > a.ver:
-            a.newer(ver, at, made, most)
+            a.newer(ver, at, made)
         else:  # a new incarnation's entry (its stamps restart lower)
             a.ver = ver
         return a
@@ -197,32 +213,31 @@ class KeyState:
     def unseen(self, slot: int, span: int, keep: int = 0) -> list[int]:
         """Own net changes over the last ``span`` slots (req, tok, conc at U_REQ..U_CONC) and the own
         in-flight peak over them (at U_PEAK); slots older than ``max(span, keep)`` are forgotten (``keep``:
-        the longest span a later call may ask for)."""
-        ring, usum = self.recent, self.usum
+        the longest span a later call may ask for). Summed from the newest slot back: a short span (τ
+        from first-hand delays, a slot or two) costs as many rows, whatever the ring keeps."""
+        ring = self.recent
         oldest = slot - max(span, keep)
         while ring and ring[0][0] < oldest:
-            row = ring.popleft()
-            usum[1] -= row[1]
-            usum[2] -= row[2]
-            usum[3] -= row[3]
-        req, tok, conc = usum[1], usum[2], usum[3]
+            ring.popleft()
         first = slot - span
-        peak = 0
-        for row in ring:
+        req = tok = conc = peak = 0
+        for row in reversed(ring):
             if row[0] < first:  # kept for a longer span, not in this one
-                req -= row[1]
-                tok -= row[2]
-                conc -= row[3]
-            elif row[4] > peak:
+                break
+            req += row[1]
+            tok += row[2]
+            conc += row[3]
+            if row[4] > peak:
                 peak = row[4]
         return [0, req, tok, conc, peak]
 
     def ring_add(self, slot: int, req: int, tok: int, conc: int, level: int) -> None:
         """Add own changes to the current slot; ``level`` is the in-flight count before the change (the
-        slot keeps the peak, for refills)."""
-        ring, usum = self.recent, self.usum
+        slot keeps the peak, for refills). A slot before the newest row's (a clock stepped back) adds to
+        that row: the ring stays in order, and the change counts as unseen for longer, not shorter."""
+        ring = self.recent
         peak = level + conc if conc > 0 else level
-        if ring and ring[-1][0] == slot:
+        if ring and ring[-1][0] >= slot:
             row = ring[-1]
             row[1] += req
             row[2] += tok
@@ -231,9 +246,6 @@ class KeyState:
                 row[4] = peak
         else:
             ring.append([slot, req, tok, conc, peak])
-        usum[1] += req
-        usum[2] += tok
-        usum[3] += conc
 
 
 class View:

@@ -2,7 +2,9 @@
 
 K ``RateLimiter`` replicas exchange deltas over a fake network: every ``gossip_interval`` each node sends
 its delta to every peer it can reach (each copy lost with probability ``loss``, delivered after
-``delay`` + uniform ``jitter``), and random pairs do a full push-pull sync every ``pushpull_interval``.
+``delay`` + uniform ``jitter``), and random pairs do a full push-pull sync every ``pushpull_interval``;
+or, with ``NetModel.flush``, first-hand as a node's mesh sends (each change to every peer a flush after
+it), and with ``Scenario.clock`` the limiters read the simulated clock, as a node's do.
 Partitions cut the network between groups of nodes; ``detect`` seconds after a cut each side marks the
 other as not live (what SWIM suspicion does), ``rejoin`` seconds after the heal they are live again and
 sync. A load model sends requests to each node (Poisson or evenly spaced arrivals, prompt and output
@@ -20,6 +22,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from shepherd.mesh.ratelimit import Grant, LimiterConfig, Limits, RateLimiter
@@ -38,6 +41,10 @@ class NetModel:
     rejoin: float = 1.0  # heal -> live again, with a full sync
     payload_bytes: int = 900  # one gossip payload
     max_payloads: int = 64  # per node per gossip round (the rest waits a round)
+    flush: float = 0.0
+    """> 0: first-hand delivery, as a node's mesh runs it (``MeshNode.flush_soon``): a node sends its delta
+    to every peer it can reach ``flush`` seconds after a change (at most one send per ``flush``), instead
+    of in rounds every ``gossip_interval``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +86,7 @@ class Scenario:
     partitions: tuple[Partition, ...] = ()
     skew: tuple[float, ...] = ()  # per-node clock offset in seconds
     seed: int = 1
+    clock: bool = False  # the limiters read the simulated clock (a node's do: stamps at publication)
 
 
 @dataclass(slots=True)
@@ -148,9 +156,17 @@ class _Sim:
         self.sc = sc
         self.rng = random.Random(sc.seed)
         k = sc.nodes
-        self.limiters = [RateLimiter(f"n{i}", 1, sc.limiter) for i in range(k)]
-        for lim in self.limiters:
+        self.t = 0.0  # the simulated time (the limiters' clock, with ``Scenario.clock``)
+        self.limiters = [
+            RateLimiter(f"n{i}", 1, sc.limiter, partial(self.clock_of, i) if sc.clock else None)
+            for i in range(k)
+        ]
+        self.flush_due: list[float | None] = [None] * k  # first-hand: a node's pending send
+        self.flushed = [-math.inf] * k
+        for i, lim in enumerate(self.limiters):
             lim.set_membership([f"n{i}" for i in range(k)], k)
+            if sc.net.flush > 0:
+                lim.on_dirty = partial(self.flush_soon, i)
         self.heap: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.window = sc.limiter.window
@@ -201,6 +217,16 @@ class _Sim:
     def now_of(self, t: float, node: int) -> float:
         return t + (self.sc.skew[node] if node < len(self.sc.skew) else 0.0)
 
+    def clock_of(self, node: int) -> float:
+        return self.now_of(self.t, node)
+
+    def flush_soon(self, node: int) -> None:
+        """First-hand (``NetModel.flush``): send ``node``'s delta ``flush`` after its last send, or now."""
+        if self.flush_due[node] is None:
+            due = max(self.t, self.flushed[node] + self.sc.net.flush)
+            self.flush_due[node] = due
+            self.push(due, _GOSSIP, node)
+
     def win_of(self, t: float) -> int:
         return min(self.nwin - 1, int(t // self.window))
 
@@ -236,7 +262,7 @@ class _Sim:
                         self.rng.expovariate(rate) if ld.poisson else self.rng.random() / rate
                     )
                     self.push(first, _ARRIVE, (li, node))
-        for node in range(k):
+        for node in range(k if net.flush <= 0 else 0):
             self.push(net.gossip_interval * (node + 1) / k, _GOSSIP, node)
         if net.pushpull_interval > 0:
             self.push(net.pushpull_interval, _PUSHPULL, None)
@@ -250,6 +276,7 @@ class _Sim:
             t, _, kind, payload = heapq.heappop(self.heap)
             if t >= sc.duration:
                 break
+            self.t = t
             if kind == _ARRIVE:
                 self.arrive(t, *payload)
             elif kind == _FINISH:
@@ -264,7 +291,11 @@ class _Sim:
                     for dst in range(k):
                         if dst != payload and self.reachable(t, payload, dst):
                             self.send(t, payload, dst, delta)
-                self.push(t + net.gossip_interval, _GOSSIP, payload)
+                if net.flush > 0:
+                    self.flush_due[payload] = None
+                    self.flushed[payload] = t
+                else:
+                    self.push(t + net.gossip_interval, _GOSSIP, payload)
             elif kind == _DELIVER:
                 src, dst, data = payload
                 if self.reachable(t, src, dst):

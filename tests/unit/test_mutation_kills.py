@@ -352,11 +352,13 @@ class _View:
         tok: tuple[float, float] = (0.0, 0.0),
         conc: int = 0,
         own_level: int = 0,
+        own_areq: float = 120.0,
     ) -> None:
         self._d = demand or {}
         self.req_prev, self.req_cur = req
         self.tok_prev, self.tok_cur = tok
         self.conc, self.own_level = conc, own_level
+        self.own_areq = own_areq  # own attempts in the sliding window (120 a minute: 2.1 within τ)
 
     def demand(self, node: str, me: str, m: int) -> float:
         return self._d[(node, m)]
@@ -570,7 +572,7 @@ def test_a_collection_round_starts_at_its_due_time_exactly() -> None:
 
 
 def test_unseen_increments_age_out_after_tau() -> None:
-    lim = RateLimiter("a", 1)  # τ = 1 s in 4 slots of 0.25 s
+    lim = RateLimiter("a", 1)  # τ = 1 s in 8 slots of 0.125 s
     seen: list[list[int]] = []
     orig = lim._check
 
@@ -759,3 +761,25 @@ def test_with_tau_from_the_ages_the_leases_remainder_is_admitted_with_that_proba
         got_off.append(off._fits(KEY, slot, 6.0, 2.0, 10.0, 1.5, v, 0))
         got_conc.append(on._fits(KEY, slot, 6.0, 2.0, 10.0, 1.5, v, 0, rate=False))
     assert got == want and got_off == [2] * len(vers) and got_conc == [2] * len(vers)
+
+
+def test_with_fewer_own_arrivals_than_one_within_tau_the_remainder_is_over_those_expected() -> None:
+    """First-hand shards (no ``relay``): the lease's budget is per τ, so with n < 1 own arrivals expected
+    within τ (own attempts in the sliding window ÷ window x (span + 0.5) slots of 0.125 s) each arrival's
+    chance is the remainder's over n: (1 / 1.5) / n, and 1 once n is at most the remainder's fraction. A
+    relaying mesh keeps the plain fraction."""
+    on, relay = _pair(propagation_max=15.0), _pair(propagation_max=15.0, relay=True)
+    slot = next(s for s, d in zip(range(100), _designated_slots(0, range(100)), strict=True) if not d)
+    vers = range(400)
+    tau = (on._span + 0.5) * on._slot_len  # 1.0625 s: the span's 8 slots and half the current one
+    for areq, p in ((48.0, (1.0 / 1.5) / (48.0 / 60.0 * tau)), (30.0, 1.0), (120.0, 1.0 / 1.5)):
+        v = cast(Any, _View(_DEMAND, own_areq=areq))
+        want = [0 if unit_hash("a", ver) < p else 2 for ver in vers]
+        got, got_relay = [], []
+        for ver in vers:
+            on._ver = relay._ver = ver
+            got.append(on._fits(KEY, slot, 6.0, 2.0, 10.0, 1.5, v, 0))
+            got_relay.append(relay._fits(KEY, slot, 6.0, 2.0, 10.0, 1.5, v, 0))
+        assert got == want, areq
+        assert got_relay == [0 if unit_hash("a", ver) < 1.0 / 1.5 else 2 for ver in vers], areq
+    assert 0.7 < (1.0 / 1.5) / (48.0 / 60.0 * tau) < 0.8  # (the first case is a real probability)
