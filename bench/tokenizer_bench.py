@@ -484,6 +484,26 @@ def sched_ns(pid: int) -> int:
     return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
 
 
+async def _interleaved(
+    tok: Tokenizer, pool: TokenizerPool, pid: int, text: str, k: int, rounds: int
+) -> tuple[list[float], list[float], list[float]]:
+    """``rounds`` of (``k`` inline encodes of ``text``, ``k`` pool encodes), alternating: µs per call of
+    each round, inline, the pool's parent and its worker (``sched_ns``)."""
+    encode = tok.cache.encode_pieces
+    inline_r, parent_r, worker_r = [], [], []
+    for _ in range(rounds):
+        t0 = time.thread_time_ns()
+        for _ in range(k):
+            encode([text], False)
+        inline_r.append((time.thread_time_ns() - t0) / k / 1000)
+        w0, p0 = sched_ns(pid), time.thread_time_ns()
+        for _ in range(k):
+            await pool.encode("qwen3", text, False)
+        parent_r.append((time.thread_time_ns() - p0) / k / 1000)
+        worker_r.append((sched_ns(pid) - w0) / k / 1000)
+    return inline_r, parent_r, worker_r
+
+
 async def encode_threshold(tok: Tokenizer, text_at: dict[int, str]) -> None:
     """The encode break-even, measured interleaved: for each size, rounds of (inline batch, pool
     batch) alternate, and each figure is the minimum over the rounds (the lower envelope: noise from
@@ -505,17 +525,7 @@ async def encode_threshold(tok: Tokenizer, text_at: dict[int, str]) -> None:
             text = text_at[n]
             per = encode([text], False)  # warm
             k = max(20, min(2000, int(60_000 / max(1.0, n * 0.15))))  # ~60 ms of encoding per batch
-            inline_r, parent_r, worker_r = [], [], []
-            for _ in range(rounds):
-                t0 = time.thread_time_ns()
-                for _ in range(k):
-                    encode([text], False)
-                inline_r.append((time.thread_time_ns() - t0) / k / 1000)
-                w0, p0 = sched_ns(pid), time.thread_time_ns()
-                for _ in range(k):
-                    await pool.encode("qwen3", text, False)
-                parent_r.append((time.thread_time_ns() - p0) / k / 1000)
-                worker_r.append((sched_ns(pid) - w0) / k / 1000)
+            inline_r, parent_r, worker_r = await _interleaved(tok, pool, pid, text, k, rounds)
             inline, parent, worker = min(inline_r), min(parent_r), min(worker_r)
             saved, added = inline - parent, parent + worker - inline
             pays = saved >= added
@@ -578,17 +588,7 @@ async def encode_by_kind(tok: Tokenizer) -> None:
                 text = full[:n]
                 encode([text], False)
                 k = max(3, min(200, int(30_000 / n * 4)))
-                inline_r, parent_r, worker_r = [], [], []
-                for _ in range(rounds):
-                    t0 = time.thread_time_ns()
-                    for _ in range(k):
-                        encode([text], False)
-                    inline_r.append((time.thread_time_ns() - t0) / k / 1000)
-                    w0, p0 = sched_ns(pid), time.thread_time_ns()
-                    for _ in range(k):
-                        await pool.encode("qwen3", text, False)
-                    parent_r.append((time.thread_time_ns() - p0) / k / 1000)
-                    worker_r.append((sched_ns(pid) - w0) / k / 1000)
+                inline_r, parent_r, worker_r = await _interleaved(tok, pool, pid, text, k, rounds)
                 inline, parent, worker = min(inline_r), min(parent_r), min(worker_r)
                 cheaper = "inline" if inline < parent + worker else "pool"
                 print(

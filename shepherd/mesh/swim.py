@@ -299,11 +299,7 @@ class Swim:
         p = self._probe
         if p is None or p.seq != seq or not self._quiet():
             return False
-        if now > self._last_call:
-            self._last_call = now
-        st = self.stats
-        st.packets_in += 1
-        st.msgs_in += 1
+        self._count_lone(now)
         self._probe = None
         self._aw.apply(-1)
         return True
@@ -318,13 +314,17 @@ class Swim:
         n = self._table.nodes.get(src_name)
         if n is None or n.state == DEAD or not self._quiet():
             return False
+        self._count_lone(now)
+        self.stats.packets_out += 1
+        return True
+
+    def _count_lone(self, now: float) -> None:
+        """A lone ping or ack taken (``on_*_alone``): the clock and counts ``on_packet`` would move."""
         if now > self._last_call:
             self._last_call = now
         st = self.stats
         st.packets_in += 1
         st.msgs_in += 1
-        st.packets_out += 1
-        return True
 
     def local_push_pull(self, join: bool = False) -> PushPullState:
         """Our full state for a TCP push-pull: members, tombstones (as DEAD/LEFT), delegate state."""

@@ -41,6 +41,7 @@ from shepherd.proto.engine_responses import decode_response
 from shepherd.proto.engine_types import EngineChunk, TokenLogprob
 from shepherd.proto.varint import varint
 from shepherd.tokens.fast_bpe import _C_SPLIT_DIGITS
+from tests.colliding_keys import colliding_keys
 from tests.fuzz.profiles import Budget, fuzz_settings, run_bounded
 
 try:  # optional: an install without a C compiler has none of them (the targets are skipped)
@@ -51,29 +52,12 @@ except ImportError:  # pragma: no cover
     pytest.skip("the C extensions are not built", allow_module_level=True)
 
 INT64 = (-(1 << 63), (1 << 63) - 1)
-_M64 = (1 << 64) - 1
-
-
-def _unshift(z: int, s: int) -> int:
-    x = z
-    for _ in range(64 // s + 1):  # bounded
-        x = z ^ (x >> s)
-    return x & _M64
-
-
-def _unmix(z: int) -> int:
-    """The int64 whose splitmix64 finalizer is z: keys that collide under that fixed hash."""
-    x = _unshift(z, 31)
-    x = _unshift(x * pow(0x94D049BB133111EB, -1, 1 << 64) & _M64, 27)
-    x = _unshift(x * pow(0xBF58476D1CE4E5B9, -1, 1 << 64) & _M64, 30)
-    return x - (1 << 64) if x >> 63 else x
 
 
 @functools.cache
 def _colliding() -> list[int]:
     """Keys whose fixed hash shares its low 20 bits (one probe run at any table size up to 2**20)."""
-    rng = random.Random(20)
-    return [_unmix(rng.getrandbits(44) << 20) for _ in range(1000)]
+    return colliding_keys(1000, 20)
 
 
 def _mutated(rng: random.Random, raw: bytes, flips: int) -> bytes:

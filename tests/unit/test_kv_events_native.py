@@ -23,6 +23,7 @@ from shepherd.policies.prefix_index import PrefixIndex, PrefixIndexConfig
 from shepherd.policies.prefix_replica_native import NativeReplicatedPrefixIndex, make_replica
 from shepherd.proto.engine_types import EngineLoad
 from shepherd.proto.kv_codec import WireEvents, decode_kv_batch, decode_kv_wire, decode_load, kv_scan
+from tests.colliding_keys import colliding_keys
 
 pytestmark = pytest.mark.skipif(not NATIVE_INDEX or kv_scan is None, reason="the C extensions are not built")
 
@@ -306,33 +307,13 @@ def test_a_kv_map_made_without_init_is_empty_not_a_zero_divisor() -> None:
     assert m.keys() == [1]
 
 
-_M64 = (1 << 64) - 1
-
-
-def _unshift(z: int, s: int) -> int:
-    """The inverse of ``z ^ (z >> s)`` on 64 bits."""
-    x = z
-    for _ in range(64 // s + 1):  # bounded: each turn fixes s more bits
-        x = z ^ (x >> s)
-    return x & _M64
-
-
-def _unmix(z: int) -> int:
-    """The int64 whose splitmix64 finalizer (``mix`` in _prefixcore.c, the map's former fixed hash) is z."""
-    x = _unshift(z, 31)
-    x = _unshift(x * pow(0x94D049BB133111EB, -1, 1 << 64) & _M64, 27)
-    x = _unshift(x * pow(0xBF58476D1CE4E5B9, -1, 1 << 64) & _M64, 30)
-    return x - (1 << 64) if x >> 63 else x
-
-
 def test_engine_hashes_chosen_to_collide_do_not_flood_the_kv_map() -> None:
     """An engine's block hashes are the map's keys: hashes whose fixed-hash values share their low 20 bits
     (every one in one probe run at any table size up to 2**20) made each put scan the run (~n**2 / 2 cells
     stepped past). Hashed under a per-process key, they take a few cells each, and the map is the same."""
     kv_map = pytest.importorskip("shepherd.policies._prefixcore").KvMap
     n = 3000
-    rng = random.Random(7)
-    keys = [_unmix(rng.getrandbits(44) << 20) for _ in range(n)]
+    keys = colliding_keys(n, 7)
     assert len(set(keys)) == n
     m = kv_map(1, 1 << 20)
     m.put(keys, list(range(n)))
@@ -349,8 +330,7 @@ def test_block_names_chosen_to_collide_get_keyed_places_in_the_index() -> None:
     instead, so they spread; the index still finds every one of them."""
     core = pytest.importorskip("shepherd.policies._prefixcore")
     n = 3000
-    rng = random.Random(11)
-    names = [_unmix(rng.getrandbits(44) << 20) for _ in range(n)]
+    names = colliding_keys(n, 11)
     places = {core.place_of(k) & ((1 << 20) - 1) for k in names}
     assert len(places) > 0.99 * n - 10  # (under the fixed mixer: 1)
     c = core.Core(1 << 16)
