@@ -19,11 +19,13 @@ from shepherd.tokens.fast_decode import ByteDecoder
 from shepherd.tokens.pool import TokenizerPool
 from shepherd.tokens.service import TokenizerService
 from shepherd.tokens.tokenizer import Tokenizer
-from tests.unit.test_tokenizer_shared import GPT2_DIR, QWEN3_DIR, gpt2, qwen3
+from tests.unit.test_tokenizer_shared import GPT2_DIR, QWEN3_DIR, gpt2
 
 
 def test_the_decoder_table_holds_the_encoders_bytes_objects() -> None:
-    tok = qwen3()
+    # a tokenizer of its own: the shared one's decoder may have been built, without the encoder's bytes,
+    # by another test (``ByteDecoder.build(hf)``: once per tokenizer object); the node builds only here
+    tok = Tokenizer.load(QWEN3_DIR, "qwen3")
     assert tok.build_fast_decoder()
     fast = tok.cache.fast
     assert fast is not None
