@@ -22,7 +22,6 @@ import functools
 import random
 import re
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -526,22 +525,17 @@ def _step_and_read_calls() -> list[Callable[[], object]]:
     import asyncio  # not at the top: only these calls' harness
 
     from shepherd.node.engines import h2_frames as h2
-    from shepherd.node.engines.h2_stream import GrpcStream, grpc_message
-    from shepherd.node.output.plain_step import BUILT, PlainStep
+    from shepherd.node.engines.h2_stream import grpc_message
+    from shepherd.node.output.plain_step import BUILT
     from tests.unit import test_h2fast as hf
     from tests.unit import test_plain_step as ps
-    from tests.unit.test_engine_h2_frames import Harness
 
     out: list[Callable[[], object]] = []
     if BUILT:
         tok = ps._tokenizer("qwen3")
         run = ps._Run(tok, ps._sampling(True, ()), None, 0)
         run.take_and_write([EngineChunk(0, tok.hf.encode("Hi", add_special_tokens=False).ids)])
-        step = PlainStep(
-            EngineChunk, run.st, run.st.text, ps._detok(run.st), [], [], None, None, frozenset(), None,
-            b"p", b"t", run.itl.append, time.perf_counter, run.last, run.cached, run.got, run.last_ids,
-            run.seen, run.ka, time.monotonic, run.wire.send_framed, run.pending, lambda b: True, 300,
-        )  # fmt: skip
+        step = run.hostile_step(ps._detok(run.st), [], None, lambda b: True, 300)
         out += [
             lambda: step([EngineChunk(0, [1], logprobs=[TokenLogprob(1, -1.0)])]),
             lambda: step([EngineChunk(0, [301])]),
@@ -550,11 +544,7 @@ def _step_and_read_calls() -> list[Callable[[], object]]:
     if hf._REAL is not None:
         grpc_data = hf._REAL
         lp = asyncio.new_event_loop()
-        h = Harness()
-        h.settings()
-        s = GrpcStream(lp)
-        h.conn.open_stream(s, h2.RequestHeaders("a:1").block("/svc/M"), grpc_message(b"req"))
-        h.conn.receive(h.server.ok_headers(s.stream_id))
+        h, s = hf.open_grpc_stream(lp)
         s.listener = s.messages.clear
         whole = h2.frame(h2.DATA, 0, s.stream_id, grpc_message(b"m"))
         other = h2.frame(h2.DATA, 0, s.stream_id + 2, grpc_message(b"m"))

@@ -130,15 +130,21 @@ def test_a_paced_engines_reads_go_through_the_c_read() -> None:
     assert taken == 10  # a read a frame: each DATA frame's read went through the C read
 
 
+def open_grpc_stream(lp: asyncio.AbstractEventLoop) -> tuple[Harness, GrpcStream]:
+    """A connection past its SETTINGS with one gRPC call open and its response headers in."""
+    h = Harness()
+    h.settings()
+    s = GrpcStream(lp)
+    h.conn.open_stream(s, h2.RequestHeaders("a:1").block("/svc/M"), grpc_message(b"req"))
+    h.conn.receive(h.server.ok_headers(s.stream_id))
+    return h, s
+
+
 def test_the_c_read_refuses_what_it_does_not_take() -> None:
     assert _REAL is not None
     lp = asyncio.new_event_loop()
     try:
-        h = Harness()
-        h.settings()
-        s = GrpcStream(lp)
-        h.conn.open_stream(s, h2.RequestHeaders("a:1").block("/svc/M"), grpc_message(b"req"))
-        h.conn.receive(h.server.ok_headers(s.stream_id))
+        h, s = open_grpc_stream(lp)
         sid = s.stream_id
         whole = h2.frame(h2.DATA, 0, sid, grpc_message(b"m"))
         before = (list(s.messages), h.conn.conn_recv_unacked, s.recv_unacked)
@@ -174,11 +180,7 @@ def test_counts_a_read_would_carry_past_the_int64_range_are_the_python_loops() -
     assert _REAL is not None
     lp = asyncio.new_event_loop()
     try:
-        h = Harness()
-        h.settings()
-        s = GrpcStream(lp)
-        h.conn.open_stream(s, h2.RequestHeaders("a:1").block("/svc/M"), grpc_message(b"req"))
-        h.conn.receive(h.server.ok_headers(s.stream_id))
+        h, s = open_grpc_stream(lp)
         whole = h2.frame(h2.DATA, 0, s.stream_id, grpc_message(b"m"))  # a payload of 6 bytes
         top = 2**63 - 1
         h.conn._credit_threshold = top

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -96,6 +96,16 @@ class _Run:
         self.seen = [False]
         self.pending: list[bytes] = []
         self.itl: list[float] = []
+
+    def hostile_step(
+        self, detok: Any, ids: list[int], drop: Any, fallback: Callable[[Any], bool], vocab: int
+    ) -> PlainStep:
+        """A ``PlainStep`` on this run's state, built by hand (with the arguments tests make hostile)."""
+        return PlainStep(
+            EngineChunk, self.st, self.st.text, detok, ids, [], None, drop, frozenset(), None, b"p", b"t",
+            self.itl.append, time.perf_counter, self.last, self.cached, self.got, self.last_ids, self.seen,
+            self.ka, time.monotonic, self.wire.send_framed, self.pending, fallback, vocab,
+        )  # fmt: skip
 
     def take_and_write(self, batch: list[EngineEvent]) -> bool:
         out: list[bytes] = []
@@ -334,33 +344,7 @@ def test_hostile_state_goes_to_the_fallback_or_raises_without_crashing() -> None
         calls.append(batch)
         return True
 
-    hostile = PlainStep(
-        EngineChunk,
-        run.st,
-        run.st.text,
-        _detok(run.st),
-        list(_detok(run.st).token_ids),
-        [],
-        None,
-        None,
-        frozenset(),
-        None,
-        b"p",
-        b"t",
-        run.itl.append,
-        time.perf_counter,
-        run.last,
-        run.cached,
-        run.got,
-        run.last_ids,
-        run.seen,
-        run.ka,
-        time.monotonic,
-        run.wire.send_framed,
-        run.pending,
-        fallback,
-        10,
-    )
+    hostile = run.hostile_step(_detok(run.st), list(_detok(run.st).token_ids), None, fallback, 10)
     batches: list[Any] = [
         "not a list",
         [],
@@ -418,30 +402,10 @@ def test_a_set_lookup_that_runs_python_code_cannot_crash_the_step() -> None:
     run.take_and_write([EngineChunk(0, tok.hf.encode("Hi", add_special_tokens=False).ids)])
     detok = _detok(run.st)
     calls: list[Any] = []
-    hostile = PlainStep(
-        EngineChunk,
-        run.st,
-        run.st.text,
+    hostile = run.hostile_step(
         detok,
         list(detok.token_ids),
-        [],
-        None,
-        {_Clearing(5, [run.got, run.cached, run.last, run.seen, run.last_ids])},  # type: ignore[arg-type]
-        frozenset(),
-        None,
-        b"p",
-        b"t",
-        run.itl.append,
-        time.perf_counter,
-        run.last,
-        run.cached,
-        run.got,
-        run.last_ids,
-        run.seen,
-        run.ka,
-        time.monotonic,
-        run.wire.send_framed,
-        run.pending,
+        {_Clearing(5, [run.got, run.cached, run.last, run.seen, run.last_ids])},
         lambda b: bool(calls.append(b)),  # type: ignore[func-returns-value]
         tok.hf.get_vocab_size(with_added_tokens=True),
     )
