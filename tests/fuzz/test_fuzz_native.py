@@ -42,6 +42,7 @@ from shepherd.proto.varint import varint
 from shepherd.tokens.fast_bpe import _C_SPLIT_DIGITS
 from tests.colliding_keys import colliding_keys
 from tests.fuzz.profiles import Budget, fuzz_settings, run_bounded
+from tests.mutate import mutated
 
 try:  # optional: an install without a C compiler has none of them (the targets are skipped)
     from shepherd.policies import _prefixcore
@@ -57,21 +58,6 @@ INT64 = (-(1 << 63), (1 << 63) - 1)
 def _colliding() -> list[int]:
     """Keys whose fixed hash shares its low 20 bits (one probe run at any table size up to 2**20)."""
     return colliding_keys(1000, 20)
-
-
-def _mutated(rng: random.Random, raw: bytes, flips: int) -> bytes:
-    """raw with a few bytes changed, inserted or deleted."""
-    b = bytearray(raw)
-    for _ in range(flips):  # bounded
-        i = rng.randrange(len(b) + 1)
-        op = rng.random()
-        if op < 0.4 and b:
-            b[min(i, len(b) - 1)] = rng.randrange(256)
-        elif op < 0.7:
-            b[i:i] = bytes([rng.randrange(256)])
-        elif b:
-            del b[min(i, len(b) - 1)]
-    return bytes(b)
 
 
 # ---- _prefixcore ----------------------------------------------------------------------------------------
@@ -161,7 +147,7 @@ def test_fuzz_kv_map_apply_on_any_bytes(fuzz_budget: Budget) -> None:
     @given(st.integers(0, 1 << 32), st.integers(0, 8), st.integers(-1, 2), st.binary(max_size=64))
     def check(seed: int, flips: int, slot: int, junk: bytes) -> None:
         rng = random.Random(seed)
-        raw = _mutated(rng, _stream(rng, 1)[0], flips) if rng.random() < 0.8 else junk
+        raw = mutated(rng, _stream(rng, 1)[0], flips) if rng.random() < 0.8 else junk
         ix = NativePrefixIndex()
         ix.insert(list(range(64)), "w", 1.0)
         m = _prefixcore.KvMap(rng.choice([1, 2]), rng.choice([1, 64]))
@@ -236,7 +222,7 @@ def test_fuzz_lone_chunk_against_protobuf(fuzz_budget: Budget) -> None:
     @given(st.integers(0, 1 << 32), st.integers(0, 4), st.booleans())
     def check(seed: int, flips: int, vllm: bool) -> None:
         rng = random.Random(seed)
-        raw = _mutated(rng, _chunk_response(rng, vllm), flips)
+        raw = mutated(rng, _chunk_response(rng, vllm), flips)
         parse = (vl if vllm else sg).GenerateResponse.FromString
         try:
             msg = parse(raw)
@@ -472,7 +458,7 @@ def test_fuzz_h2fast_against_the_frame_loop(fuzz_budget: Budget) -> None:
             [rng.choice(kinds) for _ in range(rng.randrange(17))],
             [rng.choice([0, 1, 5, 60, 120]) for _ in range(rng.randint(1, 4))],
         )
-        data = _mutated(rng, data, flips)
+        data = mutated(rng, data, flips)
         frames = [bytearray(f) for f in hf._frames(data)]
         for _ in range(rng.randrange(3) if frames else 0):  # bounded: a header byte (length, type, flags, id)
             f = rng.choice(frames)
@@ -504,11 +490,11 @@ def _calls() -> list[Callable[[], object]]:
         lambda: m.put([rng.randint(*INT64) for _ in range(5)], list(range(5))),
         lambda: m.pop([*m.keys()[:3], 1 << 65]),
         lambda: m.seed(1 << 90),
-        lambda: _kvwire.kv_scan(_mutated(rng, chunk, 2)),
+        lambda: _kvwire.kv_scan(mutated(rng, chunk, 2)),
         lambda: _varint.packed_uint32([1, 300, 1 << 31]),
         lambda: _varint.packed_uint32([1, -1]),
         lambda: _varint.lone_chunk(chunk, False),
-        lambda: _varint.lone_chunk(_mutated(rng, chunk, 1), False),
+        lambda: _varint.lone_chunk(mutated(rng, chunk, 1), False),
         lambda: _varint.chunk_fields(chunk, engine_responses._sglang_chunk_head(chunk), 8, 9),
         lambda: _pretok.encode_ascii("ab ab cd 123", table, lambda b: [len(b)], 3),
         lambda: _pretok.split_ascii("it's  12345\n\n x", 1),

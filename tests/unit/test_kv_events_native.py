@@ -24,6 +24,7 @@ from shepherd.policies.prefix_replica_native import NativeReplicatedPrefixIndex,
 from shepherd.proto.engine_types import EngineLoad
 from shepherd.proto.kv_codec import WireEvents, decode_kv_batch, decode_kv_wire, decode_load, kv_scan
 from tests.colliding_keys import colliding_keys
+from tests.mutate import mutated
 
 pytestmark = pytest.mark.skipif(not NATIVE_INDEX or kv_scan is None, reason="the C extensions are not built")
 
@@ -233,17 +234,7 @@ def test_kv_scan_reads_what_protobuf_parses_and_the_wire_path_fails_where_it_fai
     seed: int, flips: int
 ) -> None:
     rng = random.Random(seed)
-    raw = bytearray(_stream(rng, 1)[0])
-    for _ in range(flips):  # bounded
-        i = rng.randrange(len(raw) + 1)
-        op = rng.random()
-        if op < 0.4 and raw:
-            raw[min(i, len(raw) - 1)] = rng.randrange(256)
-        elif op < 0.7:
-            raw[i:i] = bytes([rng.randrange(256)])
-        elif raw:
-            del raw[min(i, len(raw) - 1)]
-    data = bytes(raw)
+    data = mutated(rng, _stream(rng, 1)[0], flips)
     try:
         msg = common_pb2.KvEventBatch.FromString(data)
     except DecodeError:  # refused by the scan, or its load record is (which protobuf parses alone)

@@ -142,7 +142,7 @@ class _Run:
         paused = self.wire.send_framed(b"%x\r\n%s\r\n" % (len(data), data))
         return st_.finished or paused
 
-    def c_step(self) -> PlainStep | None:
+    def c_step(self, itl: Any = None) -> PlainStep | None:
         return plain_step(
             self.st,
             self.post,
@@ -157,6 +157,7 @@ class _Run:
             send=self.wire.send_framed,
             pending=self.pending,
             fallback=self.take_and_write,
+            itl=itl,
         )
 
     def state(self) -> tuple[Any, ...]:
@@ -422,22 +423,7 @@ def test_the_inline_histogram_update_is_observes() -> None:
     run = _Run(tok, _sampling(True, ()), None, 0)
     hf = tok.hf
     run.take_and_write([EngineChunk(0, hf.encode("Hi", add_special_tokens=False).ids)])
-    step = plain_step(
-        run.st,
-        None,
-        run.enc.content0,
-        observe=ref.observe,  # (not called: the C step updates ``ours`` itself)
-        last=run.last,
-        cached=run.cached,
-        got=run.got,
-        last_ids=run.last_ids,
-        seen=run.seen,
-        ka=run.ka,
-        send=run.wire.send_framed,
-        pending=run.pending,
-        fallback=run.take_and_write,
-        itl=ours,
-    )
+    step = run.c_step(itl=ours)  # (its observe, the run's list, is not called: the C step updates ``ours``)
     assert step is not None
     values: list[float] = []
     for k, i in enumerate(hf.encode(" a b c d e f g h i j", add_special_tokens=False).ids):
@@ -450,6 +436,7 @@ def test_the_inline_histogram_update_is_observes() -> None:
         ref.observe(v)
     assert ours.counts == ref.counts and ours.sum == pytest.approx(ref.sum, abs=0, rel=1e-12)
     assert sum(ours.counts) == len(values)
+    assert not run.itl  # the observe callback was not called: the histogram itself was updated
 
 
 # ---- through the node ----------------------------------------------------------------------------
