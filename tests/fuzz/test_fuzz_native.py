@@ -436,9 +436,10 @@ def test_fuzz_plain_step_against_the_python_path(fuzz_budget: Budget) -> None:
 def test_fuzz_h2fast_against_the_frame_loop(fuzz_budget: Budget) -> None:
     """A gRPC response's frames (whole messages, split, several a frame, padded, another stream's,
     compressed), bytes mutated (lengths, types, flags, stream ids, the gRPC prefix), read in pieces of
-    any size or a frame or two at a time: with the C read (``_h2fast.grpc_data``) at the top of
-    ``receive``, the messages, statuses, wake-ups, frames written, receive-window counts and failure
-    are what the Python frame loop leaves."""
+    any size or one to three frames at a time, listeners that mid-read cancel the other call or their own,
+    fail the connection, re-enter ``receive`` or raise: with the C read (``_h2fast.grpc_data``) in
+    ``receive``, the messages, statuses, wake-ups, frames written, receive-window counts, failure and
+    errors are what the Python frame loop leaves."""
     from shepherd.node.engines import h2_frames as h2  # not at the top: the unit tests' harness
     from tests.unit import test_h2fast as hf
     from tests.unit.test_engine_h2_frames import Server, _mixed_response
@@ -448,8 +449,13 @@ def test_fuzz_h2fast_against_the_frame_loop(fuzz_budget: Budget) -> None:
     kinds = ["whole", "whole", "whole", "whole", "split", "multi", "padded", "other", "compressed"]
 
     @fuzz_settings(ci_examples=150)
-    @given(st.integers(0, 1 << 32), st.integers(0, 3), st.booleans())
-    def check(seed: int, flips: int, aligned: bool) -> None:
+    @given(
+        st.integers(0, 1 << 32),
+        st.integers(0, 3),
+        st.booleans(),
+        st.tuples(st.integers(-1, 8), st.sampled_from(hf.ACTS)),
+    )
+    def check(seed: int, flips: int, aligned: bool, act: tuple[int, str]) -> None:
         rng = random.Random(seed)
         data = _mixed_response(
             Server(),
@@ -467,8 +473,8 @@ def test_fuzz_h2fast_against_the_frame_loop(fuzz_budget: Budget) -> None:
         data = b"".join(frames)
         reads = [rng.choice([1, 2, 9, 14, 15, 40, 300]) for _ in range(rng.randint(1, 6))]
         window = rng.choice([h2.LOCAL_WINDOW, 600, 200])
-        python, _ = hf._run(data, reads, aligned, window, False)
-        c, _ = hf._run(data, reads, aligned, window, True)
+        python, _ = hf._run(data, reads, aligned, window, False, act)
+        c, _ = hf._run(data, reads, aligned, window, True, act)
         # (a header block hpack refuses fails the connection with a message naming a memoryview's address)
         assert re.sub(r"0x[0-9a-f]+", "0x", repr(c)) == re.sub(r"0x[0-9a-f]+", "0x", repr(python))
 
@@ -535,8 +541,22 @@ def _step_and_read_calls() -> list[Callable[[], object]]:
         whole = h2.frame(h2.DATA, 0, s.stream_id, grpc_message(b"m"))
         other = h2.frame(h2.DATA, 0, s.stream_id + 2, grpc_message(b"m"))
         lp.close()
-        out += [lambda: grpc_data(h.conn, whole * 3, 16384), lambda: grpc_data(h.conn, other, 16384)]
+        ping = h2.frame(h2.PING, 0, 0, b"\0" * 8)
+        out += [
+            lambda: grpc_data(h.conn, whole * 3, 0, 16384),
+            lambda: grpc_data(h.conn, other, 0, 16384),
+            lambda: grpc_data(h.conn, whole + ping + whole, 0, 16384),
+            lambda: grpc_data(h.conn, ping + whole + whole[:4], len(ping), 16384),
+        ]
     return out
+
+
+def _h2fast_errors() -> list[Callable[[], object]]:
+    """``_h2fast``'s read ending in an error after runs were taken (a wake-up, a sink or the connection
+    raising): every reference it holds is on that path."""
+    from tests.unit import test_h2fast as hf  # not at the top: only these calls' harness
+
+    return [call for call, _ in hf.hostile_reads()] if hf._REAL is not None else []
 
 
 def _raising(f: Callable[[], object]) -> Callable[[], object]:
@@ -560,6 +580,7 @@ def test_native_entry_points_do_not_leak() -> None:
         lambda: _pretok.rank_table(odd),  # TypeError
         lambda: _pretok.encode_ascii("ab", _pretok.rank_table({}), lambda b: [1 // len(b[5:])], 1),
         lambda: _varint.chunk_event_class(int),
+        *_h2fast_errors(),
     ]
     for f in [*_calls(), *refused]:
         call = _raising(f) if f not in refused else _swallow(f)

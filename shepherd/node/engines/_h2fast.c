@@ -1,12 +1,15 @@
-/* A paced engine's read in C: ``H2Connection.receive`` of bytes that are whole DATA frames of one stream, each
+/* A paced engine's reads in C: ``H2Connection.receive``'s frame loop over runs of DATA frames, each frame
  * without flags and holding exactly one whole uncompressed gRPC message (what ``receive`` hands to
- * ``_grpc_run``). ``grpc_data(conn, data, max_frame)`` checks everything first and changes nothing unless it
- * takes the whole read: the connection not failed, no buffered bytes, no header block in progress, the
- * server's SETTINGS received, the stream open with a message sink, and both receive windows' unacknowledged
- * counts staying below the credit threshold (a WINDOW_UPDATE to send is ``receive``'s). Then it does what
- * ``receive`` and ``_grpc_run`` do: the counts grow by the frames' payload, the messages (prefix stripped) go
- * to the sink, and ``on_grpc_messages`` follows. True when it took the read; False (nothing changed) sends
- * the read through ``receive``'s Python frame loop. The property tests compare the two on any frames. */
+ * ``_grpc_run``), of one stream a run and of any streams run after run (an engine that batches its decode
+ * steps writes a token of many streams at once). ``grpc_data(conn, data, off, max_frame)`` takes the runs
+ * from ``data[off]`` on and returns the offset of the first frame it did not take (``off``: none). Before each
+ * run it checks everything and changes nothing unless it takes the run: the connection not failed, no
+ * buffered bytes, no header block in progress, the server's SETTINGS received, the stream open with a message
+ * sink, and both receive windows' unacknowledged counts staying below the credit threshold (a WINDOW_UPDATE
+ * to send is ``receive``'s). Then it does what ``receive`` and ``_grpc_run`` do: the counts grow by the run's
+ * payload, the messages (prefix stripped) go to the sink, and the stream's ``on_grpc_messages`` follows (which
+ * may close streams or fail the connection: the next run is checked after it). The rest of the read, from
+ * the offset returned, is the Python frame loop's. The property tests compare the two on any frames. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -24,99 +27,116 @@ static int64_t nonneg(PyObject *o) {
     return (int64_t)v;
 }
 
-#define MAX_RUN 64 /* frames taken in one read (a paced engine sends 1) */
-
-static PyObject *grpc_data(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 3 || !PyBytes_CheckExact(args[1])) Py_RETURN_FALSE;
-    PyObject *conn = args[0], *data = args[1];
-    int64_t max_frame = nonneg(args[2]);
-    if (max_frame < 0) Py_RETURN_FALSE;
-    const uint8_t *b = (const uint8_t *)PyBytes_AS_STRING(data);
-    Py_ssize_t n = PyBytes_GET_SIZE(data);
-    /* -- the frames: whole, DATA, no flags, one stream (reserved bit clear), one whole message each */
-    Py_ssize_t starts[MAX_RUN], lens[MAX_RUN];
-    int frames = 0;
-    uint32_t sid = 0;
-    int64_t total = 0;
-    Py_ssize_t off = 0;
-    while (off < n) {
-        if (frames == MAX_RUN || n - off < 14) Py_RETURN_FALSE;
+/* the next run of ``data[off:]``: whole DATA frames of one stream, each without flags and holding exactly one
+ * whole uncompressed gRPC message (a paced engine's tokens). Sets its stream id, frame count and payload
+ * bytes; returns the offset after it (``off``: none, the frame there is not one of those) */
+static Py_ssize_t next_run(const uint8_t *b, Py_ssize_t n, Py_ssize_t off, int64_t max_frame, uint32_t *sid,
+                           Py_ssize_t *frames, int64_t *payload) {
+    *frames = 0;
+    *payload = 0;
+    while (n - off >= 14) { /* bounded by the data */
         const uint8_t *h = b + off;
         Py_ssize_t length = ((Py_ssize_t)h[0] << 16) | ((Py_ssize_t)h[1] << 8) | h[2];
         uint32_t fsid = ((uint32_t)h[5] << 24) | ((uint32_t)h[6] << 16) | ((uint32_t)h[7] << 8) | h[8];
         uint32_t mlen = ((uint32_t)h[10] << 24) | ((uint32_t)h[11] << 16) | ((uint32_t)h[12] << 8) | h[13];
         if (h[3] != 0 || h[4] != 0 || fsid == 0 || (fsid & 0x80000000u) || h[9] != 0 || length > max_frame ||
             length < 5 || (int64_t)mlen + 5 != (int64_t)length || length > n - off - 9)
-            Py_RETURN_FALSE;
-        if (frames == 0)
-            sid = fsid;
-        else if (fsid != sid)
-            Py_RETURN_FALSE;
-        starts[frames] = off + 14;
-        lens[frames] = length - 5;
-        frames++;
-        total += length;
+            break;
+        if (*frames == 0)
+            *sid = fsid;
+        else if (fsid != *sid)
+            break;
+        (*frames)++;
+        *payload += length;
         off += 9 + length;
     }
-    if (frames == 0) Py_RETURN_FALSE;
-    /* -- the connection's and the stream's state (read: nothing is changed unless all of it fits) */
+    return off;
+}
+
+/* grpc_data(conn, data, off, max_frame) -> int: see the module doc */
+static PyObject *grpc_data(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 4) return PyLong_FromLong(0);
+    PyObject *conn = args[0], *data = args[1];
+    int64_t off0 = nonneg(args[2]), max_frame = nonneg(args[3]);
+    /* a read that is not bytes (a bytearray, a memoryview) is the frame loop's: none taken, the offset given
+     * (0 from the middle of a read would send receive's loop back to its start for ever) */
+    if (!PyBytes_CheckExact(data)) return PyLong_FromLongLong(off0 < 0 ? 0 : (long long)off0);
+    const uint8_t *b = (const uint8_t *)PyBytes_AS_STRING(data);
+    Py_ssize_t n = PyBytes_GET_SIZE(data);
+    if (off0 < 0 || max_frame < 0 || off0 > n) return PyLong_FromLong(0);
+    Py_ssize_t off = (Py_ssize_t)off0;
     PyObject *failed = NULL, *rbuf = NULL, *cont = NULL, *settings = NULL, *streams = NULL, *cru = NULL,
-             *thr = NULL, *key = NULL, *s = NULL, *sink = NULL, *sru = NULL, *v = NULL, *result = NULL;
-    if ((failed = PyObject_GetAttr(conn, s_failed)) == NULL) goto error;
-    if ((rbuf = PyObject_GetAttr(conn, s_rbuf)) == NULL) goto error;
-    if ((cont = PyObject_GetAttr(conn, s_cont)) == NULL) goto error;
+             *thr = NULL, *key = NULL, *s = NULL, *sink = NULL, *sru = NULL, *v = NULL;
+    int64_t threshold;
+    uint32_t sid = 0;
+    Py_ssize_t frames;
+    int64_t total;
+    Py_ssize_t end = next_run(b, n, off, max_frame, &sid, &frames, &total);
+    if (frames == 0) return PyLong_FromSsize_t(off); /* (a frame split over reads, another kind: no lookups) */
+    /* -- what no callback changes: the server's SETTINGS seen, the stream table, the credit threshold */
     if ((settings = PyObject_GetAttr(conn, s_settings_received)) == NULL) goto error;
     if ((streams = PyObject_GetAttr(conn, s_streams)) == NULL) goto error;
-    if ((cru = PyObject_GetAttr(conn, s_conn_recv_unacked)) == NULL) goto error;
     if ((thr = PyObject_GetAttr(conn, s_credit_threshold)) == NULL) goto error;
-    if (failed != Py_None || !PyBytes_CheckExact(rbuf) || PyBytes_GET_SIZE(rbuf) != 0 || cont != Py_None ||
-        settings != Py_True || !PyDict_CheckExact(streams))
-        goto theirs;
-    int64_t conn_unacked = nonneg(cru), threshold = nonneg(thr);
-    /* (compared as unacked >= threshold - total: the sum could overflow an int64 on hostile counts) */
-    if (conn_unacked < 0 || threshold < 0 || conn_unacked >= threshold - total) goto theirs;
-    if ((key = PyLong_FromUnsignedLong(sid)) == NULL) goto error;
-    s = PyDict_GetItemWithError(streams, key); /* borrowed (an exact dict of int keys: no Python code) */
-    if (s == NULL) {
-        if (PyErr_Occurred()) goto error;
-        goto theirs;
-    }
-    Py_INCREF(s);
-    if ((sink = PyObject_GetAttr(s, s_grpc_messages)) == NULL) goto error;
-    if ((sru = PyObject_GetAttr(s, s_recv_unacked)) == NULL) goto error;
-    if (sink == Py_None) goto theirs;
-    int64_t stream_unacked = nonneg(sru);
-    if (stream_unacked < 0 || stream_unacked >= threshold - total) goto theirs;
-    /* -- taken: the counts, the messages, the stream's callback (receive's and _grpc_run's writes) */
-    if ((v = PyLong_FromLongLong((long long)(conn_unacked + total))) == NULL) goto error;
-    if (PyObject_SetAttr(conn, s_conn_recv_unacked, v) < 0) goto error;
-    Py_CLEAR(v);
-    if ((v = PyLong_FromLongLong((long long)(stream_unacked + total))) == NULL) goto error;
-    if (PyObject_SetAttr(s, s_recv_unacked, v) < 0) goto error;
-    Py_CLEAR(v);
-    for (int i = 0; i < frames; i++) {
-        PyObject *msg = PyBytes_FromStringAndSize((const char *)b + starts[i], lens[i]);
-        if (msg == NULL) goto error;
-        PyObject *r = PyObject_CallMethodOneArg(sink, s_append, msg);
-        Py_DECREF(msg);
-        if (r == NULL) goto error;
-        Py_DECREF(r);
-    }
-    {
+    threshold = nonneg(thr);
+    if (settings != Py_True || !PyDict_CheckExact(streams) || threshold < 0) goto done;
+    for (;;) { /* a run a turn: bounded by the data (each turn takes at least one frame or ends) */
+        /* the connection's state, read again each run: a stream's callback may have failed it */
+        Py_CLEAR(failed);
+        Py_CLEAR(rbuf);
+        Py_CLEAR(cont);
+        Py_CLEAR(cru);
+        if ((failed = PyObject_GetAttr(conn, s_failed)) == NULL) goto error;
+        if ((rbuf = PyObject_GetAttr(conn, s_rbuf)) == NULL) goto error;
+        if ((cont = PyObject_GetAttr(conn, s_cont)) == NULL) goto error;
+        if ((cru = PyObject_GetAttr(conn, s_conn_recv_unacked)) == NULL) goto error;
+        if (failed != Py_None || !PyBytes_CheckExact(rbuf) || PyBytes_GET_SIZE(rbuf) != 0 || cont != Py_None)
+            goto done;
+        int64_t conn_unacked = nonneg(cru);
+        /* (compared as unacked >= threshold - total: the sum could overflow an int64 on hostile counts) */
+        if (conn_unacked < 0 || conn_unacked >= threshold - total) goto done; /* a WINDOW_UPDATE: receive's */
+        Py_CLEAR(key);
+        Py_CLEAR(s);
+        Py_CLEAR(sink);
+        Py_CLEAR(sru);
+        if ((key = PyLong_FromUnsignedLong(sid)) == NULL) goto error;
+        /* borrowed, held at once (a key of equal hash compares in Python code, which may change the table:
+         * the lookup then starts again; nothing else runs before the INCREF) */
+        s = PyDict_GetItemWithError(streams, key);
+        if (s == NULL) {
+            if (PyErr_Occurred()) goto error;
+            goto done; /* a closed stream's frames: receive's */
+        }
+        Py_INCREF(s);
+        if ((sink = PyObject_GetAttr(s, s_grpc_messages)) == NULL) goto error;
+        if ((sru = PyObject_GetAttr(s, s_recv_unacked)) == NULL) goto error;
+        if (sink == Py_None) goto done;
+        int64_t stream_unacked = nonneg(sru);
+        if (stream_unacked < 0 || stream_unacked >= threshold - total) goto done;
+        /* -- taken: the counts, the messages, the stream's callback (receive's and _grpc_run's writes) */
+        if ((v = PyLong_FromLongLong((long long)(conn_unacked + total))) == NULL) goto error;
+        if (PyObject_SetAttr(conn, s_conn_recv_unacked, v) < 0) goto error;
+        Py_CLEAR(v);
+        if ((v = PyLong_FromLongLong((long long)(stream_unacked + total))) == NULL) goto error;
+        if (PyObject_SetAttr(s, s_recv_unacked, v) < 0) goto error;
+        Py_CLEAR(v);
+        for (Py_ssize_t at = off; at < end;) { /* the run's frames, checked by next_run */
+            Py_ssize_t length = ((Py_ssize_t)b[at] << 16) | ((Py_ssize_t)b[at + 1] << 8) | b[at + 2];
+            PyObject *msg = PyBytes_FromStringAndSize((const char *)b + at + 14, length - 5);
+            if (msg == NULL) goto error;
+            PyObject *r = PyObject_CallMethodOneArg(sink, s_append, msg);
+            Py_DECREF(msg);
+            if (r == NULL) goto error;
+            Py_DECREF(r);
+            at += 9 + length;
+        }
+        off = end;
         PyObject *r = PyObject_CallMethodNoArgs(s, s_on_grpc_messages);
         if (r == NULL) goto error;
         Py_DECREF(r);
+        end = next_run(b, n, off, max_frame, &sid, &frames, &total);
+        if (frames == 0) goto done;
     }
-    result = Py_True;
-    Py_INCREF(result);
-    goto done;
-theirs:
-    result = Py_False;
-    Py_INCREF(result);
-    goto done;
-error:
-    result = NULL;
 done:
     Py_XDECREF(failed);
     Py_XDECREF(rbuf);
@@ -130,19 +150,33 @@ done:
     Py_XDECREF(sink);
     Py_XDECREF(sru);
     Py_XDECREF(v);
-    return result;
+    return PyLong_FromSsize_t(off);
+error:
+    Py_XDECREF(failed);
+    Py_XDECREF(rbuf);
+    Py_XDECREF(cont);
+    Py_XDECREF(settings);
+    Py_XDECREF(streams);
+    Py_XDECREF(cru);
+    Py_XDECREF(thr);
+    Py_XDECREF(key);
+    Py_XDECREF(s);
+    Py_XDECREF(sink);
+    Py_XDECREF(sru);
+    Py_XDECREF(v);
+    return NULL;
 }
 
 static PyMethodDef methods[] = {
     {"grpc_data", (PyCFunction)(void (*)(void))grpc_data, METH_FASTCALL,
-     "grpc_data(conn, data, max_frame) -> bool: receive() of whole plain gRPC DATA frames of one stream, "
-     "taken in C (False: nothing changed, receive's)"},
+     "grpc_data(conn, data, off, max_frame) -> int: receive()'s frame loop over data[off:] for the runs of "
+     "whole plain gRPC DATA frames there, in C; the offset of the first frame not taken"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "_h2fast",
-    "A paced engine's read (whole plain gRPC DATA frames of one stream) in C.", -1, methods, NULL, NULL, NULL,
+    "A paced engine's reads (runs of whole plain gRPC DATA frames) in C.", -1, methods, NULL, NULL, NULL,
     NULL,
 };
 

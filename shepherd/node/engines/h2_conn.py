@@ -67,9 +67,9 @@ from shepherd.node.engines.h2_frames import (
     window_update_frame,
 )
 
-# grpc_data(conn, data, max_frame): a read of whole plain gRPC DATA frames of one stream taken in C (True),
-# or nothing changed (False: receive's frame loop); None without the extension (built by setup.py)
-_grpc_data: Callable[[object, bytes, int], bool] | None = None
+# grpc_data(conn, data, off, max_frame): the runs of whole plain gRPC DATA frames from data[off] on taken in
+# C, the offset of the first frame not taken (the frame loop's); None without the extension (setup.py)
+_grpc_data: Callable[[object, bytes, int, int], int] | None = None
 try:
     from shepherd.node.engines import _h2fast
 
@@ -278,16 +278,19 @@ class H2Connection:
 
     def receive(self, data: bytes) -> None:
         """Feed bytes from the transport; calls stream and listener methods as frames complete."""
-        if _grpc_data is not None and _grpc_data(self, data, DEFAULT_MAX_FRAME):
-            return  # whole plain gRPC DATA frames of one stream (a paced engine's token): read in C
         if self.failed is not None:
             return
         if self._rbuf:
             data = self._rbuf + data
             self._rbuf = b""
+        n = len(data)
+        off = 0
+        fast = _grpc_data
         try:  # (the frame loop inline: this runs once per engine message of a paced stream)
-            n = len(data)
-            off = 0
+            if fast is not None:  # whole plain gRPC DATA frames (a paced engine's tokens): read in C
+                off = fast(self, data, 0, DEFAULT_MAX_FRAME)  # (its stream callbacks' errors: as below)
+                if off == n:
+                    return
             unpack = _HDR.unpack_from
             streams = self.streams
             while n - off >= 9:
@@ -308,6 +311,11 @@ class H2Connection:
                 if ftype == DATA:
                     if sid == 0:
                         raise H2ProtocolError(PROTOCOL_ERROR, "DATA on stream 0")
+                    if fast is not None and not flags:  # the runs from here on in C, as above
+                        taken = fast(self, data, start - 9, DEFAULT_MAX_FRAME)
+                        if taken != start - 9:
+                            off = taken
+                            continue
                     self.conn_recv_unacked += length
                     if flags & FLAG_PADDED:
                         if length < 1 or data[start] >= length:

@@ -324,7 +324,11 @@ class Deadlines:
             self._timer = self.loop.call_at(due, self._fire)
 
     def discard(self, stream: GrpcStream) -> None:
-        self._due.pop(stream, None)
+        due = self._due
+        due.pop(stream, None)
+        if not due and self._timer is not None:  # the last call ended: no wake-up for nothing
+            self._timer.cancel()
+            self._timer = None
 
     def _fire(self) -> None:
         self._timer = None
