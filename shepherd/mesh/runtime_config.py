@@ -88,7 +88,7 @@ class MeshRuntimeConfig:
     """Client side: idle RPC connections kept per member for reuse (0: a new connection per RPC)."""
     rpc_pool_max: int = 64
     """Client side: idle RPC connections kept in all."""
-    rpc_pool_idle_timeout: float = 20.0
+    rpc_pool_idle_timeout: float = 120.0
     """Client side: a pooled connection idle longer than this is closed rather than reused (below the
     peers' ``rpc_idle_timeout``, so that a reused connection is rarely one the peer is just closing)."""
     keep_push_pull_connections: bool = True

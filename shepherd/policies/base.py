@@ -44,6 +44,9 @@ def least_loaded(workers: Sequence[WorkerView]) -> WorkerView:
 
 
 class Policy(Protocol):
+    """A routing policy. A class attribute ``uses_loads = False`` says it never reads the engine-reported
+    load (``running``, ``waiting``, ``token_usage``): the node then does not poll engines for it."""
+
     name: str
 
     def pick(self, workers: Sequence[WorkerView], req: RouteRequest) -> WorkerView | None:

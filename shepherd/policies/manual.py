@@ -40,6 +40,7 @@ class Manual:
         seed: int | None = None,
     ) -> None:
         self.assignment = assignment
+        self.uses_loads = assignment == "min_load"  # (random assignment never reads the engines' loads)
         self.max_keys = max_keys
         self._rng = _random.Random(seed)
         self._keys: OrderedDict[str, list[str]] = OrderedDict()

@@ -20,6 +20,7 @@ class RoundRobin:
     """Cycles through workers in id order; the cursor is the only state, kept per model."""
 
     name = "round_robin"
+    uses_loads = False
 
     def __init__(self) -> None:
         self._cursor: dict[str, int] = {}
@@ -36,6 +37,7 @@ class RoundRobin:
 
 class RandomPolicy:
     name = "random"
+    uses_loads = False
 
     def __init__(self, seed: int | None = None) -> None:
         self._rng = _random.Random(seed)

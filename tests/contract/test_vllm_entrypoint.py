@@ -27,7 +27,8 @@ NO_LOADS = "does not serve GetLoads"
 
 
 DIALECT = "vllm-entrypoint"
-NODE_ARGS = ("--load-poll-interval-secs", "0.1")
+# least_load: a policy that routes by engine loads, so the node polls GetLoads (round_robin would not)
+NODE_ARGS = ("--load-poll-interval-secs", "0.1", "--policy", "least_load")
 
 
 @pytest.mark.parametrize("stream", [False, True])

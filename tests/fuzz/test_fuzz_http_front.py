@@ -458,6 +458,7 @@ def test_fault_after_client_close() -> None:
             app=None, loop=loop, clock=loop.time, limits=LIMITS, max_body=MAX_BODY, routes=None, targets={}
         )
         srv.conns = set()
+        srv.arm_sweep = lambda: None
         conn = _Conn(cast(Any, srv))
         t = GoneTransport()
         conn.connection_made(cast(Any, t))

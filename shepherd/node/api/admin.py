@@ -121,6 +121,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
+    await gw.registry.loads_for_reading()  # (the engine-load gauges)
     return web.Response(
         body=gw.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
     )
@@ -143,6 +144,7 @@ def describe(gw: Gateway, w: Worker) -> dict[str, Any]:
 async def list_workers(request: web.Request) -> web.Response:
     """SMG's ``WorkerListResponse``: ``workers``, ``total``, ``stats``."""
     gw: Gateway = request.app[GATEWAY]
+    await gw.registry.loads_for_reading()  # (each worker's ``engine_load``)
     ws = [describe(gw, w) for w in gw.registry.workers.values()]
     by_type = {"regular": 0, "prefill": 0, "decode": 0}
     for d in ws:
@@ -348,7 +350,9 @@ def _worker(gw: Gateway, key: str) -> Worker:
 
 async def get_worker(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
-    return json_response(describe(gw, _worker(gw, request.match_info["worker_id"])))
+    w = _worker(gw, request.match_info["worker_id"])
+    await gw.registry.loads_for_reading()  # (its ``engine_load``)
+    return json_response(describe(gw, w))
 
 
 async def update_worker(request: web.Request) -> web.Response:

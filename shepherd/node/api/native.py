@@ -94,6 +94,7 @@ async def get_server_info(request: web.Request) -> web.Response:
     """SGLang's ``GET /get_server_info``, as far as a gateway has one: the version, the models, the
     limits it enforces and the engines' loads (``internal_states``)."""
     gw: Gateway = request.app[GATEWAY]
+    await gw.registry.loads_for_reading()  # (``internal_states``)
     ws = list(gw.registry.workers.values())
     models = gw.model_names()
     return json_response(
@@ -126,6 +127,7 @@ async def get_loads(request: web.Request) -> web.Response:
     """SMG's ``GET /get_loads`` (``WorkerLoadsResult``): each worker's load as the engine last reported
     it (running + waiting requests; -1: no report, e.g. an HTTP worker or one not yet polled)."""
     gw: Gateway = request.app[GATEWAY]
+    await gw.registry.loads_for_reading()
     loads = []
     ok = 0
     for w in gw.registry.workers.values():

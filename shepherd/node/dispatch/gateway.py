@@ -83,6 +83,7 @@ class Gateway:
         self.cfg = cfg
         self.metrics = NodeMetrics()
         self.registry = WorkerRegistry(cfg)
+        self.registry.loads_needed = self._loads_needed
         self.models: dict[str, ModelConfig] = {m.name: m for m in cfg.model_configs()}
         self._context_lengths: dict[str, tuple[int, int]] = {}  # model -> (registry version, length)
         self._kinds: dict[str, tuple[int, str | None]] = {}  # model -> (registry version, kind)
@@ -157,6 +158,11 @@ class Gateway:
             if w.model == model:
                 self.kv_feed.stop(w.id, clear=False)  # the old policy's index goes with it
                 self._worker_added(w)
+
+    def _loads_needed(self, w: Worker) -> bool:
+        """Whether ``w``'s routing policy reads the engine-reported loads (``Policy.uses_loads``)."""
+        policy = (self.pd.policy_of(w) if self.pd is not None else None) or self.policy_for(w.model)
+        return bool(getattr(policy, "uses_loads", True))
 
     def _worker_added(self, w: Worker) -> None:
         """A gRPC worker of a model routed by a prefix index: feed the index from its KV events."""

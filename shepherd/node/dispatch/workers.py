@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 from shepherd.auth.tls import EngineTls
 from shepherd.node.config import ConfigError, NodeConfig, WorkerAllow, check_worker_url
@@ -159,6 +160,13 @@ class ProbeBudget:
         return max(1, int((1.0 - self.tokens) / self.per_sec + 0.999))
 
 
+# a worker no policy routes by load is polled while its loads were read (API, metrics) within this many poll
+# intervals: a scraper every 15-60 s keeps them fresh; an idle node with no reader polls nothing
+LOADS_READ_HOLD_POLLS: Final = 60
+# while no worker is polled, the poll loop looks again this often (or at once when loads are read)
+LOADS_IDLE_RECHECK_SECS: Final = 30.0
+
+
 class WorkerRegistry:
     def __init__(self, cfg: NodeConfig, clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = cfg
@@ -180,6 +188,11 @@ class WorkerRegistry:
         self.gate: Callable[[str], bool] | None = None
         # workers a model may have at most (its policy's index: cache_aware's native index holds 64)
         self.worker_limit: Callable[[str], int | None] | None = None
+        # whether a worker's routing policy reads engine loads (None: every policy is taken to): a worker
+        # no policy routes by load is polled only while its loads are being read (``loads_for_reading``)
+        self.loads_needed: Callable[[Worker], bool] | None = None
+        self._loads_read_at = float("-inf")
+        self._loads_wanted = asyncio.Event()  # set by a read: the poll loop, asleep, starts again
 
     def http_only(self, model: str) -> bool:
         """Every worker of ``model`` is an OpenAI HTTP worker (and there is at least one)."""
@@ -304,11 +317,35 @@ class WorkerRegistry:
             if self.on_health_change is not None:
                 self.on_health_change(w)
 
+    def _polls(self, w: Worker, now: float) -> bool:
+        """Whether ``w``'s loads are polled now: its policy routes by them, or something read loads within
+        the last ``LOADS_READ_HOLD_POLLS`` poll intervals (a metrics scraper, ``/get_loads``)."""
+        if self.loads_needed is None or self.loads_needed(w):
+            return True
+        return now - self._loads_read_at <= LOADS_READ_HOLD_POLLS * self.cfg.load_poll_interval_secs
+
+    async def loads_for_reading(self) -> None:
+        """Before an API answer or a metrics scrape shows engine loads: the workers whose loads were not
+        being polled (no policy routes by them, nothing read them lately) are polled now, each bounded by
+        the health-check timeout (an engine that does not answer leaves its last figures), and the polls
+        go on while reads keep coming. One round of polls per quiet spell, not per read."""
+        now = self.clock()
+        ws = [w for w in self.workers.values() if not self._polls(w, now)]
+        self._loads_read_at = now
+        self._loads_wanted.set()
+        if ws:
+            timeout = self.cfg.health_check_timeout_secs
+            polls = (asyncio.wait_for(self.poll_load(w), timeout) for w in ws)
+            await asyncio.gather(*polls, return_exceptions=True)
+
     async def poll_load(self, w: Worker) -> None:
         if not w.initialized or not w.health.healthy or w.loads_unsupported:
             return
-        if self.clock() - w.load_pushed_at < self.cfg.load_poll_interval_secs:
+        now = self.clock()
+        if now - w.load_pushed_at < self.cfg.load_poll_interval_secs:
             return  # the KV-event stream pushed a whole load record since the last poll was due
+        if not self._polls(w, now):
+            return  # round_robin / random: nothing routes by the loads and nothing reads them
         try:
             w.load = await w.client.loads()
         except EngineError as e:
@@ -340,10 +377,26 @@ class WorkerRegistry:
             if ws:
                 await asyncio.gather(*(fn(w) for w in ws), return_exceptions=True)
 
+    async def _poll_loads(self) -> None:
+        """``poll_load`` of every worker each ``load_poll_interval_secs`` while any is polled (``_polls``);
+        while none is (an idle node whose policies do not route by load), asleep until a read of the loads
+        or for ``LOADS_IDLE_RECHECK_SECS`` (a worker added under a load-aware policy), not every interval."""
+        interval = self.cfg.load_poll_interval_secs
+        wanted = self._loads_wanted
+        while True:
+            if not any(self._polls(w, self.clock()) for w in self.workers.values()):
+                wanted.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wanted.wait(), max(interval, LOADS_IDLE_RECHECK_SECS))
+            await asyncio.sleep(interval)
+            ws = list(self.workers.values())
+            if ws:
+                await asyncio.gather(*(self.poll_load(w) for w in ws), return_exceptions=True)
+
     def start(self) -> None:
         self._started = True
         self._tasks.append(asyncio.create_task(self._every(self.cfg.health_check_interval_secs, self.check)))
-        self._tasks.append(asyncio.create_task(self._every(self.cfg.load_poll_interval_secs, self.poll_load)))
+        self._tasks.append(asyncio.create_task(self._poll_loads()))
 
     async def close(self) -> None:
         for t in self._tasks:

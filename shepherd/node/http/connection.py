@@ -84,6 +84,8 @@ class _Server(Protocol):
     targets: dict[tuple[bytes, bytes], _Resolved]
     conns: set[_Conn]
 
+    def arm_sweep(self) -> None: ...
+
 
 class _Conn(asyncio.Protocol):
     """One client connection: parser callbacks in, requests queued, one handler task at a time."""
@@ -140,6 +142,7 @@ class _Conn(asyncio.Protocol):
             self.remote = peer
         self.secure = transport.get_extra_info("sslcontext") is not None
         self.srv.conns.add(self)
+        self.srv.arm_sweep()  # (armed already but for the first connection)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True

@@ -152,7 +152,7 @@ class LeanServer:
             reuse_address=reuse_address,
             reuse_port=reuse_port or None,
         )
-        self._schedule_sweep()
+        self.arm_sweep()
 
     @property
     def port(self) -> int:
@@ -162,13 +162,17 @@ class LeanServer:
         port: int = socks[0].getsockname()[1]
         return port
 
-    def _schedule_sweep(self) -> None:
-        tick = max(0.5, min(5.0, self.limits.keepalive_secs / 3))
-        self._sweeper = self.loop.call_later(tick, self._sweep)
+    def arm_sweep(self) -> None:
+        """Sweep every few seconds while there are connections (a connection arms it when none was
+        armed): a server without connections does not wake for it."""
+        if self._sweeper is None and self.conns:
+            tick = max(0.5, min(5.0, self.limits.keepalive_secs / 3))
+            self._sweeper = self.loop.call_later(tick, self._sweep)
 
     def _sweep(self) -> None:
+        self._sweeper = None
         self.sweep()
-        self._schedule_sweep()
+        self.arm_sweep()
 
     def sweep(self) -> None:
         """Close connections idle for ``keepalive_secs``; answer 408 to requests slower than
@@ -181,6 +185,7 @@ class LeanServer:
         """Stop accepting, close idle connections, wait (bounded) for in-flight requests, close the rest."""
         if self._sweeper is not None:
             self._sweeper.cancel()
+            self._sweeper = None
         if self._server is not None:
             self._server.close()
         for c in list(self.conns):
