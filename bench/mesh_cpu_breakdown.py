@@ -10,6 +10,7 @@ consumes).
     .venv/bin/python bench/mesh_cpu_breakdown.py --mode one      # 3 nodes, all to node 1
     .venv/bin/python bench/mesh_cpu_breakdown.py --mode single   # one node
     .venv/bin/python bench/mesh_cpu_breakdown.py --mode one --idle 60   # no requests: 60 s idle
+    .venv/bin/python bench/mesh_cpu_breakdown.py --mode rr --arrival-s 40   # the trace at a higher rate
 
 Two code trees side by side (both runs at the same time, the same load): ``--tree DIR`` runs the nodes
 and engines from DIR (``PYTHONPATH``; DIR holds a ``shepherd`` package with its built extensions).
@@ -98,6 +99,9 @@ def main() -> int:
     ap.add_argument("--mode", choices=("rr", "one", "single"), default="rr")
     ap.add_argument("--mesh", type=int, default=3, help="nodes in the mesh (rr, one)")
     ap.add_argument("--requests", type=int, default=600)
+    ap.add_argument(
+        "--arrival-s", type=float, default=None, help="users arrive over this window (shorter: a higher rate)"
+    )
     ap.add_argument("--idle", type=float, default=0.0, help="no requests: measure this many seconds idle")
     ap.add_argument("--tree", type=Path, default=ROOT, help="the code tree the nodes and engines run")
     ap.add_argument(
@@ -116,7 +120,10 @@ def main() -> int:
 
     rp = argparse.ArgumentParser()
     routing.add_arguments(rp)
-    args = rp.parse_args(["--shape", "fleet", "--requests", str(a.requests)])
+    argv = ["--shape", "fleet", "--requests", str(a.requests)]
+    if a.arrival_s is not None:
+        argv += ["--arrival-s", str(a.arrival_s)]
+    args = rp.parse_args(argv)
     trace = routing._trace_of(args)
     n = 1 if a.mode == "single" else a.mesh
     load0 = os.getloadavg()
