@@ -67,7 +67,7 @@ static PyObject *grpc_data(PyObject *module, PyObject *const *args, Py_ssize_t n
     if (off0 < 0 || max_frame < 0 || off0 > n) return PyLong_FromLong(0);
     Py_ssize_t off = (Py_ssize_t)off0;
     PyObject *failed = NULL, *rbuf = NULL, *cont = NULL, *settings = NULL, *streams = NULL, *cru = NULL,
-             *thr = NULL, *key = NULL, *s = NULL, *sink = NULL, *sru = NULL, *v = NULL;
+             *thr = NULL, *key = NULL, *s = NULL, *sink = NULL, *sru = NULL, *v = NULL, *result;
     int64_t threshold;
     uint32_t sid = 0;
     Py_ssize_t frames;
@@ -138,20 +138,11 @@ static PyObject *grpc_data(PyObject *module, PyObject *const *args, Py_ssize_t n
         if (frames == 0) goto done;
     }
 done:
-    Py_XDECREF(failed);
-    Py_XDECREF(rbuf);
-    Py_XDECREF(cont);
-    Py_XDECREF(settings);
-    Py_XDECREF(streams);
-    Py_XDECREF(cru);
-    Py_XDECREF(thr);
-    Py_XDECREF(key);
-    Py_XDECREF(s);
-    Py_XDECREF(sink);
-    Py_XDECREF(sru);
-    Py_XDECREF(v);
-    return PyLong_FromSsize_t(off);
+    result = PyLong_FromSsize_t(off);
+    goto release;
 error:
+    result = NULL;
+release:
     Py_XDECREF(failed);
     Py_XDECREF(rbuf);
     Py_XDECREF(cont);
@@ -164,7 +155,7 @@ error:
     Py_XDECREF(sink);
     Py_XDECREF(sru);
     Py_XDECREF(v);
-    return NULL;
+    return result;
 }
 
 static PyMethodDef methods[] = {
