@@ -2,14 +2,15 @@
  * without flags and holding exactly one whole uncompressed gRPC message (what ``receive`` hands to
  * ``_grpc_run``), of one stream a run and of any streams run after run (an engine that batches its decode
  * steps writes a token of many streams at once). ``grpc_data(conn, data, off, max_frame)`` takes the runs
- * from ``data[off]`` on and returns the offset of the first frame it did not take (``off``: none). Before each
- * run it checks everything and changes nothing unless it takes the run: the connection not failed, no
- * buffered bytes, no header block in progress, the server's SETTINGS received, the stream open with a message
- * sink, and both receive windows' unacknowledged counts staying below the credit threshold (a WINDOW_UPDATE
- * to send is ``receive``'s). Then it does what ``receive`` and ``_grpc_run`` do: the counts grow by the run's
- * payload, the messages (prefix stripped) go to the sink, and the stream's ``on_grpc_messages`` follows (which
- * may close streams or fail the connection: the next run is checked after it). The rest of the read, from
- * the offset returned, is the Python frame loop's. The property tests compare the two on any frames. */
+ * from ``data[off]`` on and returns the offset of the first frame it did not take (``off``: none). Before
+ * each run it checks everything and changes nothing unless it takes the run: the connection not failed, no
+ * buffered bytes, no header block in progress, the server's SETTINGS received, the stream open with a
+ * message sink, and both receive windows' unacknowledged counts staying below the credit threshold (a
+ * WINDOW_UPDATE to send is ``receive``'s). Then it does what ``receive`` and ``_grpc_run`` do: the counts
+ * grow by the run's payload, the messages (prefix stripped) go to the sink, and the stream's
+ * ``on_grpc_messages`` follows (which may close streams or fail the connection: the next run is checked
+ * after it). The rest of the read, from the offset returned, is the Python frame loop's. The property tests
+ * compare the two on any frames. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -73,7 +74,7 @@ static PyObject *grpc_data(PyObject *module, PyObject *const *args, Py_ssize_t n
     Py_ssize_t frames;
     int64_t total;
     Py_ssize_t end = next_run(b, n, off, max_frame, &sid, &frames, &total);
-    if (frames == 0) return PyLong_FromSsize_t(off); /* (a frame split over reads, another kind: no lookups) */
+    if (frames == 0) return PyLong_FromSsize_t(off); /* (a frame split over reads, another kind: no lookup) */
     /* -- what no callback changes: the server's SETTINGS seen, the stream table, the credit threshold */
     if ((settings = PyObject_GetAttr(conn, s_settings_received)) == NULL) goto error;
     if ((streams = PyObject_GetAttr(conn, s_streams)) == NULL) goto error;
@@ -187,7 +188,8 @@ PyMODINIT_FUNC PyInit__h2fast(void) {
                  {&s_append, "append"},
                  {&s_on_grpc_messages, "on_grpc_messages"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL) return NULL;
+        if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
+            return NULL;
     }
     return PyModule_Create(&module_def);
 }
