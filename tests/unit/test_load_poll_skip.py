@@ -193,3 +193,25 @@ def test_the_deadline_timer_goes_when_the_last_call_ends() -> None:
         assert timer.cancelled() and _timer_of(d) is None
     finally:
         loop.close()
+
+
+async def test_a_policy_reload_to_one_that_reads_loads_starts_the_polls_at_once() -> None:
+    from shepherd.policies.load import LeastLoad  # not at the top: only this test
+
+    gw = Gateway(build_config({}, {"policy": "round_robin", "load_poll_interval_secs": 0.02}))
+    client = _Loads()
+    w = _worker(client)
+    gw.registry.workers[w.id] = w
+    task = asyncio.create_task(gw.registry._poll_loads())
+    try:
+        await asyncio.sleep(0.2)
+        assert client.calls == 0  # asleep: round_robin reads no loads
+        gw.set_policy("m", LeastLoad())
+        for _ in range(200):  # bounded: polled within a poll interval or so, not 30 s
+            if client.calls:
+                break
+            await asyncio.sleep(0.01)
+        assert client.calls >= 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

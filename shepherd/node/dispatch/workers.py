@@ -324,6 +324,11 @@ class WorkerRegistry:
             return True
         return now - self._loads_read_at <= LOADS_READ_HOLD_POLLS * self.cfg.load_poll_interval_secs
 
+    def loads_policy_changed(self) -> None:
+        """A routing policy changed (a configuration reload): the poll loop, asleep while no worker was
+        polled, looks again now rather than within ``LOADS_IDLE_RECHECK_SECS``."""
+        self._loads_wanted.set()
+
     async def loads_for_reading(self) -> None:
         """Before an API answer or a metrics scrape shows engine loads: the workers whose loads were not
         being polled (no policy routes by them, nothing read them lately) are polled now, each bounded by
