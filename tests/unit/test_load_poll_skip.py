@@ -215,3 +215,16 @@ async def test_a_policy_reload_to_one_that_reads_loads_starts_the_polls_at_once(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_adding_a_worker_wakes_the_sleeping_poll_loop() -> None:
+    """A node whose poll loop sleeps (no worker read loads) gets a worker, maybe of a model routed by load:
+    the loop looks again at once, not at its 30 s recheck."""
+    gw = Gateway(build_config({}, {"policy": "round_robin", "health_check_timeout_secs": 0.5}))
+    reg = gw.registry
+    reg._loads_wanted.clear()
+    try:
+        await reg.add("grpc://127.0.0.1:1", "m")  # (nothing listens there: its first check fails fast)
+        assert reg._loads_wanted.is_set()
+    finally:
+        await reg.close()

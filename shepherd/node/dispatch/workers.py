@@ -274,6 +274,7 @@ class WorkerRegistry:
         self.workers[wid] = w
         self._http_only.clear()
         self.version += 1
+        self._loads_wanted.set()  # (its policy may read loads: the poll loop, if asleep, looks again now)
         await self.check(w)
         if budgeted and not w.health.healthy:  # the first check sets it to its own result
             self.probes.spend()
