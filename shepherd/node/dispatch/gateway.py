@@ -158,7 +158,7 @@ class Gateway:
             if w.model == model:
                 self.kv_feed.stop(w.id, clear=False)  # the old policy's index goes with it
                 self._worker_added(w)
-        self.registry.loads_policy_changed()  # a policy that reads loads: the poll loop starts at once
+        self.registry.wake_load_polls()  # a policy that reads loads: the poll loop starts at once
 
     def _loads_needed(self, w: Worker) -> bool:
         """Whether ``w``'s routing policy reads the engine-reported loads (``Policy.uses_loads``)."""

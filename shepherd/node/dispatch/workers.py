@@ -274,7 +274,7 @@ class WorkerRegistry:
         self.workers[wid] = w
         self._http_only.clear()
         self.version += 1
-        self._loads_wanted.set()  # (its policy may read loads: the poll loop, if asleep, looks again now)
+        self.wake_load_polls()  # (its policy may read loads)
         await self.check(w)
         if budgeted and not w.health.healthy:  # the first check sets it to its own result
             self.probes.spend()
@@ -325,9 +325,9 @@ class WorkerRegistry:
             return True
         return now - self._loads_read_at <= LOADS_READ_HOLD_POLLS * self.cfg.load_poll_interval_secs
 
-    def loads_policy_changed(self) -> None:
-        """A routing policy changed (a configuration reload): the poll loop, asleep while no worker was
-        polled, looks again now rather than within ``LOADS_IDLE_RECHECK_SECS``."""
+    def wake_load_polls(self) -> None:
+        """A worker was added, a routing policy changed or loads were read: the poll loop, asleep while no
+        worker was polled, looks again now rather than within ``LOADS_IDLE_RECHECK_SECS``."""
         self._loads_wanted.set()
 
     async def loads_for_reading(self) -> None:
@@ -338,7 +338,7 @@ class WorkerRegistry:
         now = self.clock()
         ws = [w for w in self.workers.values() if not self._polls(w, now)]
         self._loads_read_at = now
-        self._loads_wanted.set()
+        self.wake_load_polls()
         if ws:
             timeout = self.cfg.health_check_timeout_secs
             polls = (asyncio.wait_for(self.poll_load(w), timeout) for w in ws)
