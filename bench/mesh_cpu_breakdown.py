@@ -11,6 +11,7 @@ consumes).
     .venv/bin/python bench/mesh_cpu_breakdown.py --mode single   # one node
     .venv/bin/python bench/mesh_cpu_breakdown.py --mode one --idle 60   # no requests: 60 s idle
     .venv/bin/python bench/mesh_cpu_breakdown.py --mode rr --arrival-s 40   # the trace at a higher rate
+    .venv/bin/python bench/mesh_cpu_breakdown.py --gateway smg --mode rr   # smg's own fleet (its mesh)
 
 Two code trees side by side (both runs at the same time, the same load): ``--tree DIR`` runs the nodes
 and engines from DIR (``PYTHONPATH``; DIR holds a ``shepherd`` package with its built extensions).
@@ -98,6 +99,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("rr", "one", "single"), default="rr")
     ap.add_argument("--mesh", type=int, default=3, help="nodes in the mesh (rr, one)")
+    ap.add_argument(
+        "--gateway",
+        choices=("node", "smg"),
+        default="node",
+        help="whose gateways: ours, or smg's (its own mesh; installed by bench/peers/setup.sh smg)",
+    )
     ap.add_argument("--requests", type=int, default=600)
     ap.add_argument(
         "--arrival-s", type=float, default=None, help="users arrive over this window (shorter: a higher rate)"
@@ -128,11 +135,11 @@ def main() -> int:
     n = 1 if a.mode == "single" else a.mesh
     load0 = os.getloadavg()
     print(
-        f"mesh_cpu_breakdown {a.mode} x{n}, tree {tree}, {time.strftime('%Y-%m-%d %H:%M')}, "
+        f"mesh_cpu_breakdown {a.gateway} {a.mode} x{n}, tree {tree}, {time.strftime('%Y-%m-%d %H:%M')}, "
         f"load {load0[0]:.2f}"
     )
     print(f"trace: {trace.summary()}")
-    report: dict[str, Any] = {"mode": a.mode, "nodes": n, "tree": tree, "per_node": []}
+    report: dict[str, Any] = {"gateway": a.gateway, "mode": a.mode, "nodes": n, "tree": tree, "per_node": []}
     with tempfile.TemporaryDirectory(prefix="smg-mesh-cpu-") as tmp:
         tp = Path(tmp)
         model_dir = extract_tokenizer(tp / routing.MODEL)
@@ -142,7 +149,7 @@ def main() -> int:
                 group, [routing.engine_spec(i, e, args, model_dir) for i, e in enumerate(engines)]
             )
             extra = a.node_args.split()
-            specs = routing.gateways("node", "cache_aware", engines, model_dir, extra, n, tp)
+            specs = routing.gateways(a.gateway, "cache_aware", engines, model_dir, extra, n, tp)
             procs = [group.start(s) for s in specs]
             port = procs[0].spec.ready_port or 0
             if a.mode == "rr":

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import pytest
 
 from shepherd.loadgen.benchmarks import registry
-from shepherd.loadgen.benchmarks.gateway import settings_from_args
+from shepherd.loadgen.benchmarks.gateway import ratio_lines, settings_from_args
+from shepherd.loadgen.report import RunRow
 from shepherd.loadgen.targets import MODEL_CONFIG, extract_tokenizer, mock_engine_spec
 
 
@@ -55,6 +57,29 @@ def test_gateway_flags() -> None:
     assert s.peers == ("smg",)
     assert s.workloads == ("stream",)
     assert s.prompt.repeat_ratio == 0.5
+
+
+def _row(target: str, conc: int, cpu: float) -> RunRow:
+    nan = math.nan
+    return RunRow("stream", target, conc, 10, 10.0, 1.0, nan, nan, nan, nan, nan, nan, cpu, nan, 3, nan, nan)
+
+
+def test_rounds_flag_and_the_ratio_per_round() -> None:
+    assert settings_from_args(parse("--no-pin")).rounds == 1
+    assert settings_from_args(parse("--no-pin", "--rounds", "3")).rounds == 3
+    assert settings_from_args(parse("--no-pin", "--rounds", "0")).rounds == 1
+    rows = [  # rounds alternate the order; the i-th run of each side makes round i's ratio
+        _row("node (3 procs)", 32, 2.0),
+        _row("smg", 32, 4.0),
+        _row("smg", 32, 3.0),
+        _row("node (3 procs)", 32, 3.0),
+        _row("node (3 procs)", 32, 2.4),
+        _row("smg", 32, 3.0),
+        _row("direct", 32, math.nan),  # no gateway: no ratio
+        _row("node (3 procs)", 128, 1.0),
+        _row("smg", 128, 0.0),  # a run with no CPU figure: skipped, not a division by zero
+    ]
+    assert ratio_lines(rows) == ["c=32 node/smg CPU per request: 0.50 1.00 0.80 (median 0.80)"]
 
 
 def test_gateway_paced_flags_reach_the_mock_engine() -> None:

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -118,6 +119,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", type=Path, help="write the rows and settings to this file")
     p.add_argument("--node-args", default="", help="extra smg-node serve flags (one string, shell-split)")
     p.add_argument("--log-dir", type=Path, help="keep process logs here (default: a removed temp dir)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every (workload, concurrency) this many times, the targets' order reversed each "
+        "round, and print node/peer CPU ratios per round with their median (default 1)",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +146,7 @@ class Settings:
     decode_ms_per_token: float = 0.0
     stream_interval: int = 1
     turns: int = 1
+    rounds: int = 1
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -176,6 +185,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         decode_ms_per_token=max(0.0, args.decode_ms_per_token),
         stream_interval=max(1, args.stream_interval),
         turns=max(1, args.turns),
+        rounds=max(1, args.rounds),
     )
 
 
@@ -403,21 +413,49 @@ def run(args: argparse.Namespace) -> int:
             for workload in settings.workloads:
                 workload_rows: list[RunRow] = []
                 for concurrency in settings.concurrency:
-                    for target in targets:
-                        if f"{target.name}/{workload}" in skipped:
-                            continue
-                        _progress(f"{workload} c={concurrency} {target.name} ...")
-                        row = runner.measure(workload, target, concurrency)
-                        workload_rows.append(row)
-                        rows.append(row)
-                        time.sleep(0.5)  # let the previous run's connections wind down
+                    for rnd in range(settings.rounds):
+                        # the order reversed each round: neither side always runs first (warmer or
+                        # colder host, the engine's state after the other's run)
+                        for target in targets if rnd % 2 == 0 else targets[::-1]:
+                            if f"{target.name}/{workload}" in skipped:
+                                continue
+                            _progress(f"{workload} c={concurrency} {target.name} (round {rnd + 1}) ...")
+                            row = runner.measure(workload, target, concurrency)
+                            workload_rows.append(row)
+                            rows.append(row)
+                            time.sleep(0.5)  # let the previous run's connections wind down
                 print(f"\n{_workload_title(workload, settings)}", flush=True)
                 print(format_table(workload_rows), flush=True)
+                if settings.rounds > 1:
+                    print("\n".join(ratio_lines(workload_rows)), flush=True)
     for name, reason in skipped.items():
         print(f"skipped {name}: {reason}", flush=True)
     if args.json is not None:
         _write_json(args.json, header, settings, rows, skipped)
     return 0 if not skipped else 1
+
+
+def ratio_lines(rows: Sequence[RunRow], ours: str = "node") -> list[str]:
+    """Per concurrency and peer: our gateway CPU per request over the peer's, round by round (the
+    i-th run of each, in order), and the median of those ratios."""
+    out: list[str] = []
+    for conc in sorted({r.concurrency for r in rows}):
+        mine = [r for r in rows if r.concurrency == conc and r.target.startswith(ours)]
+        peers = sorted({r.target for r in rows if r.concurrency == conc and not r.target.startswith(ours)})
+        for peer in peers:
+            theirs = [r for r in rows if r.concurrency == conc and r.target == peer]
+            ratios = [
+                a.gateway_cpu_ms / b.gateway_cpu_ms
+                for a, b in zip(mine, theirs, strict=False)
+                if b.gateway_cpu_ms > 0 and not math.isnan(a.gateway_cpu_ms)
+            ]
+            if not ratios:
+                continue
+            each = " ".join(f"{x:.2f}" for x in ratios)
+            out.append(
+                f"c={conc} {ours}/{peer} CPU per request: {each} (median {statistics.median(ratios):.2f})"
+            )
+    return out
 
 
 def _workload_title(workload: str, settings: Settings) -> str:
@@ -539,6 +577,7 @@ def _write_json(
             "decode_ms_per_token": settings.decode_ms_per_token,
             "stream_interval": settings.stream_interval,
             "turns": settings.turns,
+            "rounds": settings.rounds,
             "engine_cpus": settings.engine_cpus,
             "gateway_cpus": settings.gateway_cpus,
         },
