@@ -122,7 +122,7 @@ def test_a_node_routes_to_the_pods_it_discovers(
     try:
         up(node)
         wait_for(lambda: workers(node) == {u0: True}, "engine-0 discovered and healthy")
-        wait_for(lambda: request(node.url + "/readiness")["status"] == "ready", "ready")
+        wait_for(lambda: http_status(node.url + "/readiness") == 200, "ready")  # 503 until then
         before = received(e0)
         assert chat(node, "hello pod") in ("length", "stop")
         assert received(e0) == before + 1

@@ -181,7 +181,8 @@ def test_nodes_join_and_learn_the_workers(cluster: Cluster) -> None:
     assert st["node"] == "c" and st["members"]["alive"] == 3
     (w,) = st["workers"]
     assert (w["url"], w["owner"], w["local"]) == (e1, "a", True)
-    wait_for(lambda: request(cluster.url("c") + "/readiness")["status"] == "ready", "c ready")
+    # (503 until c has seen the worker healthy: the probe answers, the loop waits)
+    wait_for(lambda: http_status(cluster.url("c") + "/readiness") == 200, "c ready")
     metrics = urllib.request.urlopen(cluster.url("c") + "/metrics", timeout=10).read().decode()
     assert 'smg_mesh_members{state="alive"} 3.0' in metrics
     assert "smg_mesh_gossip_bytes_total" in metrics
