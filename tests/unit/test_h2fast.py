@@ -269,6 +269,25 @@ def test_a_read_that_is_not_bytes_is_the_frame_loops() -> None:
         lp.close()
 
 
+@pytest.mark.timeout(30)
+def test_the_frame_loop_only_moves_forward_whatever_the_c_read_answers() -> None:
+    """A C read that answers an offset behind the one it was given (0, from the middle of a read): the
+    frame loop reads the frame itself and goes on, rather than starting the read again for ever."""
+    lp = asyncio.new_event_loop()
+    try:
+        h, s = open_grpc_stream(lp)
+        whole = h2.frame(h2.DATA, 0, s.stream_id, grpc_message(b"m"))
+        ping = h2.frame(h2.PING, 0, 0, b"\0" * 8)
+        h2_conn._grpc_data = lambda conn, data, off, max_frame: 0
+        h.out.clear()
+        h.conn.receive(ping + whole + whole)
+        assert list(s.messages) == [b"m", b"m"] and h.conn.failed is None
+        assert h.out == [h2.ping_frame(b"\0" * 8, ack=True)]
+    finally:
+        h2_conn._grpc_data = _REAL
+        lp.close()
+
+
 def test_counts_a_read_would_carry_past_the_int64_range_are_the_python_loops() -> None:
     """Receive-window counts that the read's payload added to would overflow an int64: the C read
     leaves the read to the frame loop (whose WINDOW_UPDATE is due) and changes nothing."""

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -376,8 +376,16 @@ class WorkerRegistry:
             if w.breaker.state is BreakerState.OPEN and before is not BreakerState.OPEN:
                 log.warning("circuit opened for worker %s", w.url)
 
-    async def _every(self, interval: float, fn: Callable[[Worker], Any]) -> None:
+    async def _every(
+        self,
+        interval: float,
+        fn: Callable[[Worker], Any],
+        idle: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """``fn`` of every worker each ``interval``; ``idle`` first, each round (it may wait)."""
         while True:
+            if idle is not None:
+                await idle()
             await asyncio.sleep(interval)
             ws = list(self.workers.values())
             if ws:
@@ -387,17 +395,15 @@ class WorkerRegistry:
         """``poll_load`` of every worker each ``load_poll_interval_secs`` while any is polled (``_polls``);
         while none is (an idle node whose policies do not route by load), asleep until a read of the loads
         or for ``LOADS_IDLE_RECHECK_SECS`` (a worker added under a load-aware policy), not every interval."""
-        interval = self.cfg.load_poll_interval_secs
-        wanted = self._loads_wanted
-        while True:
-            if not any(self._polls(w, self.clock()) for w in self.workers.values()):
-                wanted.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(wanted.wait(), max(interval, LOADS_IDLE_RECHECK_SECS))
-            await asyncio.sleep(interval)
-            ws = list(self.workers.values())
-            if ws:
-                await asyncio.gather(*(self.poll_load(w) for w in ws), return_exceptions=True)
+        await self._every(self.cfg.load_poll_interval_secs, self.poll_load, self._until_polled)
+
+    async def _until_polled(self) -> None:
+        if any(self._polls(w, self.clock()) for w in self.workers.values()):
+            return
+        self._loads_wanted.clear()
+        wait = max(self.cfg.load_poll_interval_secs, LOADS_IDLE_RECHECK_SECS)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._loads_wanted.wait(), wait)
 
     def start(self) -> None:
         self._started = True
