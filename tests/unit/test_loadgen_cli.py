@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,13 @@ def test_rounds_flag_and_the_ratio_per_round() -> None:
         _row("node (3 procs)", 128, 1.0),
         _row("smg", 128, 0.0),  # a run with no CPU figure: skipped, not a division by zero
     ]
-    assert ratio_lines(rows) == ["c=32 node/smg CPU per request: 0.50 1.00 0.80 (median 0.80)"]
+    pooled = (2.0 + 3.0 + 2.4) / (4.0 + 3.0 + 3.0)  # every run has 10 requests: the plain means
+    assert ratio_lines(rows) == [
+        f"c=32 node/smg CPU per request: 0.50 1.00 0.80 (median 0.80, pooled {pooled:.2f})"
+    ]
+    heavy = [replace(rows[0], ok=30), *rows[1:6]]  # a run with 3x the requests weighs 3x
+    pooled = (2.0 * 30 + 3.0 * 10 + 2.4 * 10) / (30 + 10 + 10) / ((4.0 + 3.0 + 3.0) / 3)
+    assert ratio_lines(heavy)[0].endswith(f"pooled {pooled:.2f})")
 
 
 def test_gateway_paced_flags_reach_the_mock_engine() -> None:

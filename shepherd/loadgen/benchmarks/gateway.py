@@ -437,7 +437,8 @@ def run(args: argparse.Namespace) -> int:
 
 def ratio_lines(rows: Sequence[RunRow], ours: str = "node") -> list[str]:
     """Per concurrency and peer: our gateway CPU per request over the peer's, round by round (the
-    i-th run of each, in order), and the median of those ratios."""
+    i-th run of each, in order), their median, and the pooled ratio (each side's CPU over its requests,
+    all rounds together)."""
     out: list[str] = []
     for conc in sorted({r.concurrency for r in rows}):
         mine = [r for r in rows if r.concurrency == conc and r.target.startswith(ours)]
@@ -452,10 +453,20 @@ def ratio_lines(rows: Sequence[RunRow], ours: str = "node") -> list[str]:
             if not ratios:
                 continue
             each = " ".join(f"{x:.2f}" for x in ratios)
+            pooled = _pooled_cpu_ms(mine) / _pooled_cpu_ms(theirs)
             out.append(
-                f"c={conc} {ours}/{peer} CPU per request: {each} (median {statistics.median(ratios):.2f})"
+                f"c={conc} {ours}/{peer} CPU per request: {each} (median {statistics.median(ratios):.2f}, "
+                f"pooled {pooled:.2f})"
             )
     return out
+
+
+def _pooled_cpu_ms(rows: Sequence[RunRow]) -> float:
+    """CPU ms per request over all of a side's runs together (each run weighted by its requests): less
+    moved by one noisy window than a median of three ratios."""
+    runs = [r for r in rows if r.ok and r.gateway_cpu_ms > 0 and not math.isnan(r.gateway_cpu_ms)]
+    total = sum(r.ok for r in runs)
+    return sum(r.gateway_cpu_ms * r.ok for r in runs) / total if total else math.nan
 
 
 def _workload_title(workload: str, settings: Settings) -> str:
