@@ -90,6 +90,8 @@ Semantics (as HashiCorp memberlist + Lifeguard):
   sent the same way) before any suspicion it caused reaches us (once per stall; the LHM is raised
   by the lag, not again by this). A death we declare is sent at once to ``gossip_nodes`` random
   members too.
+* Timers on a grid: probes and gossip rounds fall on multiples of their interval of the clock
+  (``swim.grid_tick``), so processes sharing a clock wake together rather than at random phases.
 * Probing: randomized round-robin (a shuffled member list, re-shuffled every round); a SUSPECT
   target gets the suspicion with the ping (buddy system). Beyond memberlist: on first hearing
   someone else's suspicion, about 2(k + 1) members (whatever n) probe the suspect next, so

@@ -71,9 +71,12 @@ def _crash_trial(n: int, trial: int) -> list[float]:
 @pytest.mark.parametrize("n", [3, 5, 10, 20])
 def test_crash_detection_meets_the_bar(n: int) -> None:
     """Issue 4's bar in simulated time: detection p50 <= 3 s and p99 <= 5 s at every n <= 20 (here:
-    the slowest of every observer in 6 crashes at random phases, each in its own seeded cluster)."""
-    took = [t for trial in range(6) for t in _crash_trial(n, trial)]
-    assert len(took) == 6 * (n - 1)
+    every observer's time in 24 crashes at random phases, each in its own seeded cluster; 24 rather than
+    6: with probes on a shared grid the observers of one crash mostly agree to the ms, so a crash is
+    nearly one sample, and six of them left the median to one seed)."""
+    trials = 24
+    took = [t for trial in range(trials) for t in _crash_trial(n, trial)]
+    assert len(took) == trials * (n - 1)
     assert _pct(took, 50) <= 3.0
     assert max(took) <= 5.0
 
