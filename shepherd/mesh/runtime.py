@@ -762,6 +762,9 @@ class MeshRuntime:
             return
         now = self._now()
         due = min(self._swim.next_deadline(), now + self.config.max_timer_sleep, self._lag_due, self._job_due)
+        # a deadline already past (e.g. a probe made due at once by a suspicion, armed when the probe in
+        # flight is acked) fires now, and the lag sample counts from now: its age is not loop lag
+        due = max(due, now)
         if self._timer is not None:
             # armed for then already; or for an earlier deadline that went away (a probe's timeout once
             # its ack is in): moved, rather than woken for nothing (an idle node's every other wake-up)

@@ -435,8 +435,11 @@ class Swim:
         if self.rng.random() < min(1.0, 2 * (k + 1) / max(1, n - 2)):
             self._order.prioritize(name)
             # and as soon as the probe in flight ends, not at the next grid point: on the grid, the
-            # suspicion lands just after every node's own tick, a whole period before their next one
-            self._t_probe = min(self._t_probe, self._last_call)
+            # suspicion lands just after every node's own tick, a whole period before their next one.
+            # Not while leaving (no more probes: the timer must not stay due) nor while Lifeguard
+            # slows our probing (a degraded node keeps its scaled period)
+            if self._started and not self._left and self._aw.score == 0:
+                self._t_probe = min(self._t_probe, self._last_call)
 
     def _tick_probe(self, now: float, out: list[Action]) -> None:
         p = self._probe
@@ -659,4 +662,5 @@ def _next(prev: float, interval: float, now: float) -> float:
     nxt = prev + interval
     if nxt > now or interval <= 0:
         return nxt
-    return prev + interval * (math.floor((now - prev) / interval + 1e-9) + 1)
+    nxt = prev + interval * (math.floor((now - prev) / interval + 1e-9) + 1)
+    return nxt if nxt > now else nxt + interval  # (float rounding at a grid point: never ``now`` itself)

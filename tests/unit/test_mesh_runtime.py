@@ -267,6 +267,40 @@ async def test_push_pull_state_merged_in_steps_lets_the_loop_run(cluster: Cluste
             assert all(b > a for a, b in itertools.pairwise(seen)), seen  # the loop ran between
 
 
+async def test_a_deadline_already_past_fires_at_once_and_is_not_lag(pki: dict[str, TlsFiles]) -> None:
+    """A deadline already past when the timer is armed (a probe made due at once by a heard suspicion,
+    armed when the probe in flight is acked) fires at once, and its age is not taken for loop lag."""
+    rt = MeshRuntime(
+        MeshRuntimeConfig(name="n1", bind_port=0, swim=replace(FAST)),
+        Keyring([KEY]),
+        server_context(pki["n1"]),
+        client_context(pki["n1"]),
+    )
+    await rt.start()
+    swim = rt.swim
+    try:
+        await eventually(lambda: rt.metrics.ticks > 0, what="ticks")
+        real = swim.next_deadline
+        past = rt._now() - 0.5
+        asked: list[float] = []
+
+        def once() -> float:  # the past deadline once, then the machine's own
+            if asked:
+                return real()
+            asked.append(past)
+            return past
+
+        swim.next_deadline = once  # type: ignore[method-assign]
+        ticks = rt.metrics.ticks
+        rt._arm_timer()
+        assert asked and rt._timer_at >= past + 0.5 - 0.01
+        await eventually(lambda: rt.metrics.ticks > ticks, what="the timer fired")
+        assert rt.metrics.lag_last < 0.1  # (it was the deadline's age, 0.5 s)
+    finally:
+        swim.__dict__.pop("next_deadline", None)
+        await rt.close()
+
+
 async def test_lag_monitor_and_clean_shutdown(pki: dict[str, TlsFiles]) -> None:
     rt = MeshRuntime(
         MeshRuntimeConfig(name="n1", bind_port=0, swim=replace(FAST), lag_interval=0.02),

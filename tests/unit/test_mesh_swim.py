@@ -549,6 +549,26 @@ def test_a_node_that_hears_a_suspicion_probes_the_suspect_as_its_probe_ends() ->
     assert run_until_probe(s)[0] == pytest.approx(t + 0.4)  # then back on the grid
 
 
+def test_a_suspicion_heard_while_leaving_or_degraded_moves_no_probe() -> None:
+    """Leaving: no more probes, so a heard suspicion must not leave the probe timer due (the shell would
+    fire it again and again). Degraded (LHM > 0): the node keeps its scaled period."""
+    s = mk(3)
+    t, send, ping = run_until_probe(s)
+    s.on_packet(t + 0.001, send.dest, Ack(ping.seq))
+    s.leave(t + 0.01)
+    s.on_packet(t + 0.02, ("x", 1), Suspect(1, "p2", "p1"))
+    for now in (t + 0.03, t + 0.04):
+        s.tick(now)
+        assert s.next_deadline() > now
+    slow = mk(3, cfg=MEMBERLIST)
+    slow.set_lag(0.0, 1.0)
+    assert slow.health == 1
+    t, send, ping = run_until_probe(slow)
+    slow.on_packet(t + 0.01, ("x", 1), Suspect(1, "p2", "p1"))
+    slow.on_packet(t + 0.02, send.dest, Ack(ping.seq))
+    assert run_until_probe(slow)[0] >= t + 0.5  # not at once: a period on at the least
+
+
 def test_lhm_is_capped() -> None:
     s = mk()
     for i in range(30):

@@ -445,15 +445,17 @@ def ratio_lines(rows: Sequence[RunRow], ours: str = "node") -> list[str]:
         peers = sorted({r.target for r in rows if r.concurrency == conc and not r.target.startswith(ours)})
         for peer in peers:
             theirs = [r for r in rows if r.concurrency == conc and r.target == peer]
-            ratios = [
-                a.gateway_cpu_ms / b.gateway_cpu_ms
+            pairs = [
+                (a, b)
                 for a, b in zip(mine, theirs, strict=False)
                 if b.gateway_cpu_ms > 0 and not math.isnan(a.gateway_cpu_ms)
             ]
-            if not ratios:
+            if not pairs:
                 continue
+            ratios = [a.gateway_cpu_ms / b.gateway_cpu_ms for a, b in pairs]
             each = " ".join(f"{x:.2f}" for x in ratios)
-            pooled = _pooled_cpu_ms(mine) / _pooled_cpu_ms(theirs)
+            # (over the rounds that give a ratio: both sides' figures from the same windows)
+            pooled = _pooled_cpu_ms([a for a, _ in pairs]) / _pooled_cpu_ms([b for _, b in pairs])
             out.append(
                 f"c={conc} {ours}/{peer} CPU per request: {each} (median {statistics.median(ratios):.2f}, "
                 f"pooled {pooled:.2f})"
