@@ -438,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
 def ratio_lines(rows: Sequence[RunRow], ours: str = "node") -> list[str]:
     """Per concurrency and peer: our gateway CPU per request over the peer's, round by round (the
     i-th run of each, in order), their median, and the pooled ratio (each side's CPU over its requests,
-    all rounds together)."""
+    those rounds together)."""
     out: list[str] = []
     for conc in sorted({r.concurrency for r in rows}):
         mine = [r for r in rows if r.concurrency == conc and r.target.startswith(ours)]
@@ -464,11 +464,10 @@ def ratio_lines(rows: Sequence[RunRow], ours: str = "node") -> list[str]:
 
 
 def _pooled_cpu_ms(rows: Sequence[RunRow]) -> float:
-    """CPU ms per request over all of a side's runs together (each run weighted by its requests): less
-    moved by one noisy window than a median of three ratios."""
-    runs = [r for r in rows if r.ok and r.gateway_cpu_ms > 0 and not math.isnan(r.gateway_cpu_ms)]
-    total = sum(r.ok for r in runs)
-    return sum(r.gateway_cpu_ms * r.ok for r in runs) / total if total else math.nan
+    """CPU ms per request over runs together (each weighted by its requests; ``ratio_lines`` hands it
+    the runs that have a figure): less moved by one noisy window than a median of three ratios."""
+    total = sum(r.ok for r in rows)
+    return sum(r.gateway_cpu_ms * r.ok for r in rows) / total if total else math.nan
 
 
 def _workload_title(workload: str, settings: Settings) -> str:
