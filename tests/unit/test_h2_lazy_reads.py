@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 
 from shepherd.node.engines.h2_protocol import H2Protocol, LazyReads
 
@@ -22,7 +23,7 @@ async def _server(received: list[bytes], reply: bytes, close_after: bool) -> asy
     return await asyncio.start_server(handle, "127.0.0.1", 0)
 
 
-async def test_bytes_wait_for_a_poll_and_eof_is_seen_on_one() -> None:
+async def test_bytes_wait_for_a_poll_and_eof_is_seen_on_the_next() -> None:
     received: list[bytes] = []
     server = await _server(received, SETTINGS_EMPTY, close_after=True)
     port = server.sockets[0].getsockname()[1]
@@ -40,8 +41,38 @@ async def test_bytes_wait_for_a_poll_and_eof_is_seen_on_one() -> None:
         assert not proto.ready.done() and not proto.closed.done() and lazy.reads == 0
         lazy.poll()
         assert proto.ready.done() and proto.ready.exception() is None  # SETTINGS read on the poll
-        assert proto.closed.done()  # and the EOF after it: the connection is lost, forgotten
+        # a short read ends the poll (the socket had no more then: no recv that finds nothing)
+        assert not proto.closed.done() and lazy.reads == 1
+        lazy.poll()
+        assert proto.closed.done()  # the EOF, on the next poll: the connection is lost, forgotten
         assert len(lazy) == 0 and lazy.reads == 1
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_poll_reads_on_while_reads_come_back_full() -> None:
+    """More than one read's worth waiting (a SETTINGS frame, then 300 KB of PINGs with ACK set, which the
+    client ignores): one poll reads it all, since only a short read ends it."""
+    ping_ack = b"\x00\x00\x08\x06\x01\x00\x00\x00\x00" + bytes(8)
+    received: list[bytes] = []
+    server = await _server(received, SETTINGS_EMPTY + ping_ack * (300_000 // len(ping_ack)), False)
+    port = server.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    lazy = LazyReads()
+    try:
+        proto = await lazy.connect(lambda: H2Protocol(loop), "127.0.0.1", port, None)
+        assert proto.transport is not None
+        sock = proto.transport.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)  # room for more than one read
+        for _ in range(100):  # bounded: until more than a read's worth is in the socket's buffer
+            await asyncio.sleep(0.02)
+            if len(sock.recv(400_000, socket.MSG_PEEK)) > 262_144:
+                break
+        lazy.poll()
+        assert proto.ready.done() and lazy.reads >= 2  # a full read, then on to the short one
+        assert not proto.closed.done()
+        proto.close()
     finally:
         server.close()
         await server.wait_closed()

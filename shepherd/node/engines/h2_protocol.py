@@ -80,7 +80,8 @@ class LazyReads:
 class PolledTransport(asyncio.Transport):
     """The transport of a ``LazyReads`` connection: ``write`` sends at once what the socket takes and
     keeps the rest for the next poll (the KV stream writes little: its request, window updates, pings);
-    ``poll`` flushes, then reads until the socket has nothing (EOF or an error: the connection is lost)."""
+    ``poll`` flushes, then reads until a read is short (the socket had no more; EOF or an error: the
+    connection is lost)."""
 
     def __init__(self, sock: socket.socket, proto: H2Protocol, owner: LazyReads) -> None:
         super().__init__()
@@ -147,7 +148,9 @@ class PolledTransport(asyncio.Transport):
                 return
             self._owner.reads += 1
             self._proto.data_received(data)
-            if self.is_closing():  # the protocol closed it (a GOAWAY, a fatal error)
+            if self.is_closing() or len(data) < 262_144:
+                # closed by the protocol (a GOAWAY, a fatal error); or a short read: the socket held no
+                # more then, and what came since waits for the next poll (not a recv that finds nothing)
                 return
 
     def _lost(self, exc: Exception | None) -> None:
