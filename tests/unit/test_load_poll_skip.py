@@ -1,7 +1,8 @@
 """GetLoads polls and the KV-event stream's pushed load records: a poll due within the poll interval after
 the stream pushed a whole record (telemetry included) is skipped (it would say no more, and an idle node
-saves a wake-up for its request and one for the answer); a partial record does not skip it; without
-pushes every due poll asks the engine. A worker whose policy never reads loads (round_robin, random,
+saves a wake-up for its request and one for the answer); a partial record skips it too while the
+telemetry it lacks is young (``TELEMETRY_POLLS`` intervals); without pushes every due poll asks the
+engine. A worker whose policy never reads loads (round_robin, random,
 manual with random assignment) is polled only while something reads them (the API, a metrics scrape):
 the first read of a quiet spell polls at once, later reads keep the polls going for
 ``LOADS_READ_HOLD_POLLS`` intervals."""
@@ -9,12 +10,13 @@ the first read of a quiet spell polls at once, later reads keep the polls going 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 from shepherd.node.config import build_config
 from shepherd.node.dispatch.circuit_breaker import CircuitBreaker, HealthTracker
 from shepherd.node.dispatch.gateway import Gateway
-from shepherd.node.dispatch.workers import LOADS_READ_HOLD_POLLS, Worker, WorkerRegistry
+from shepherd.node.dispatch.workers import LOADS_READ_HOLD_POLLS, TELEMETRY_POLLS, Worker, WorkerRegistry
 from shepherd.node.engines.h2_stream import Deadlines, GrpcStream
 from shepherd.policies.manual import Manual
 from shepherd.proto.engine_types import EngineLoad
@@ -45,7 +47,7 @@ async def test_a_poll_after_a_whole_pushed_load_record_is_skipped() -> None:
     w = _worker(client)
     await reg.poll_load(w)
     assert client.calls == 1 and w.load.running == 1  # no push yet: asked
-    w.load_pushed_at = now[0]
+    w.load_pushed_at = w.telemetry_at = now[0]
     now[0] += 1.9
     await reg.poll_load(w)
     assert client.calls == 1  # a whole record 1.9 s ago: skipped
@@ -54,9 +56,35 @@ async def test_a_poll_after_a_whole_pushed_load_record_is_skipped() -> None:
     assert client.calls == 2 and w.load.running == 2  # 2.1 s: asked again
 
 
-def test_the_gateway_marks_only_whole_pushed_records() -> None:
-    """The KV feed's ``on_load``: a record with telemetry (max_total_tokens) marks the push; one without
-    merges into the last load and leaves the polls on."""
+async def test_partial_records_skip_the_polls_until_the_telemetry_is_old() -> None:
+    """Partial records (what a busy engine's event batches carry: every field routing reads, not the
+    telemetry) skip the polls too, until the telemetry (from the last whole record or poll) is
+    ``TELEMETRY_POLLS`` intervals old; without pushes every due poll asks the engine."""
+    now = [100.0]
+    reg = WorkerRegistry(build_config({}, {"load_poll_interval_secs": 2.0}), clock=lambda: now[0])
+    client = _Loads()
+    w = _worker(client)
+    await reg.poll_load(w)
+    assert client.calls == 1 and w.telemetry_at == 100.0  # the poll's answer has the telemetry
+    asked_at = [now[0]]
+    for _ in range(4 * TELEMETRY_POLLS):
+        now[0] += 2.0
+        w.load_pushed_at = now[0] - 0.5  # a partial record half a second ago, every interval
+        calls = client.calls
+        await reg.poll_load(w)
+        if client.calls > calls:
+            asked_at.append(now[0])
+    gaps = {b - a for a, b in itertools.pairwise(asked_at)}
+    assert gaps == {2.0 * TELEMETRY_POLLS}, asked_at  # once per telemetry age, not every interval
+    now[0] += 2.0  # no push within the interval: asked at once
+    calls = client.calls
+    await reg.poll_load(w)
+    assert client.calls == calls + 1
+
+
+def test_the_gateway_marks_pushes_and_the_telemetry_of_whole_records() -> None:
+    """The KV feed's ``on_load``: every record marks the push; one with telemetry (max_total_tokens) also
+    the telemetry's age; one without merges into the last load (its telemetry kept)."""
     now = [5.0]
     gw = Gateway(build_config({}, {"policy": "cache_aware"}))
     gw.registry.clock = lambda: now[0]
@@ -70,10 +98,12 @@ def test_the_gateway_marks_only_whole_pushed_records() -> None:
     gw._worker_added(w)
     assert captured, "a cache-aware gRPC worker gets a KV feed"
     on_load = captured[0]
-    on_load(EngineLoad(running=3))
-    assert w.load_pushed_at == float("-inf") and w.load.running == 3
     on_load(EngineLoad(running=4, max_total_tokens=500))
-    assert w.load_pushed_at == 5.0 and w.load.max_total_tokens == 500
+    assert w.load_pushed_at == w.telemetry_at == 5.0 and w.load.max_total_tokens == 500
+    now[0] = 6.0
+    on_load(EngineLoad(running=3))
+    assert w.load_pushed_at == 6.0 and w.telemetry_at == 5.0
+    assert w.load.running == 3 and w.load.max_total_tokens == 500
 
 
 def _gateway(policy: str, now: list[float]) -> tuple[Gateway, Worker, _Loads]:

@@ -589,6 +589,9 @@ class MeshNode:
         # last, so it runs every TICK_S at the latest and an idle node rarely wakes for either alone
         self._tick_due = time.monotonic() + TICK_S - KV_READ_S
         rt.call_every(KV_READ_S, self._wake, slack=KV_READ_SLACK_S)
+        # and so do the workers' health checks and load polls (no timers of their own: each was a
+        # wake-up of an otherwise quiet node)
+        self.gw.registry.ride_rounds()
         self.bridge.sync_all()
         log.info(
             "mesh: node %s on %s:%d, wire %d.%d, seeds %s",
@@ -680,12 +683,14 @@ class MeshNode:
     # -- periodic -----------------------------------------------------------------------------------
 
     def _wake(self) -> None:
-        """On the runtime's wake-ups: read the KV-event streams, and tick when due (period 0.5-1 s)."""
+        """On the runtime's wake-ups: read the KV-event streams, start the workers' health and load rounds
+        that are due, and tick when due (period 0.5-1 s)."""
         if self._closed:
             return
         feed = getattr(self.gw, "kv_feed", None)
         if feed is not None:
             feed.poll()
+        self.gw.registry.run_due_rounds(KV_READ_SLACK_S)
         now = time.monotonic()
         if now >= self._tick_due:
             self._tick_due = now + TICK_S - KV_READ_S

@@ -179,8 +179,10 @@ class Gateway:
 
         def on_load(load: EngineLoad) -> None:
             w.load = merge_load(w.load, load)
-            if load.max_total_tokens:  # a whole record (telemetry included): the next GetLoads is skipped
-                w.load_pushed_at = clock()
+            # the next GetLoads is skipped; a partial record keeps the telemetry's age (polled when old)
+            w.load_pushed_at = now = clock()
+            if load.max_total_tokens:  # a whole record: telemetry included
+                w.telemetry_at = now
 
         self.kv_feed.start(w.id, client, index, on_load)
 

@@ -73,9 +73,13 @@ class Worker:
     # the engine answered GetLoads UNIMPLEMENTED (vLLM's entrypoint): not asked again; load-aware
     # policies then see this node's own in-flight count for it (``policies.base.worker_load``)
     loads_unsupported: bool = False
-    # when (the registry's clock) the engine's KV-event stream last pushed a whole load record (with its
-    # telemetry): a GetLoads poll due within the poll interval after it is skipped (it would say no more)
+    # when (the registry's clock) the engine's KV-event stream last pushed a load record, whole or partial
+    # (every field routing reads: running, waiting, token usage...), and when the telemetry a partial one
+    # lacks (used and total tokens, cache hit rate: shown by metrics and /get_loads, read by no policy)
+    # was last fresh (a whole record pushed, or a GetLoads answer). A GetLoads poll due within the poll
+    # interval after a push is skipped while the telemetry is younger than TELEMETRY_POLLS intervals
     load_pushed_at: float = float("-inf")
+    telemetry_at: float = float("-inf")
     # SMG's worker spec (admin API): routing weight and cost are recorded and shown; labels are free-form
     priority: int = 50
     cost: float = 1.0
@@ -163,6 +167,9 @@ class ProbeBudget:
 # a worker no policy routes by load is polled while its loads were read (API, metrics) within this many poll
 # intervals: a scraper every 15-60 s keeps them fresh; an idle node with no reader polls nothing
 LOADS_READ_HOLD_POLLS: Final = 60
+# a worker whose KV-event stream pushes load records (each with every field routing reads) is still asked
+# for its loads (GetLoads) once its telemetry, which partial records lack, is this many poll intervals old
+TELEMETRY_POLLS: Final = 5
 # while no worker is polled, the poll loop looks again this often (or at once when loads are read)
 LOADS_IDLE_RECHECK_SECS: Final = 30.0
 
@@ -193,6 +200,10 @@ class WorkerRegistry:
         self.loads_needed: Callable[[Worker], bool] | None = None
         self._loads_read_at = float("-inf")
         self._loads_wanted = asyncio.Event()  # set by a read: the poll loop, asleep, starts again
+        # rounds driven by another component's wake-ups (``ride_rounds``): their next due times (clock)
+        self._ridden = False
+        self._health_due = self._poll_due = float("inf")
+        self._round_tasks: dict[str, asyncio.Task[None]] = {}
 
     def http_only(self, model: str) -> bool:
         """Every worker of ``model`` is an OpenAI HTTP worker (and there is at least one)."""
@@ -348,12 +359,14 @@ class WorkerRegistry:
         if not w.initialized or not w.health.healthy or w.loads_unsupported:
             return
         now = self.clock()
-        if now - w.load_pushed_at < self.cfg.load_poll_interval_secs:
-            return  # the KV-event stream pushed a whole load record since the last poll was due
+        interval = self.cfg.load_poll_interval_secs
+        if now - w.load_pushed_at < interval and now - w.telemetry_at < TELEMETRY_POLLS * interval:
+            return  # the KV-event stream pushed a load record since the last poll was due
         if not self._polls(w, now):
             return  # round_robin / random: nothing routes by the loads and nothing reads them
         try:
             w.load = await w.client.loads()
+            w.telemetry_at = self.clock()
         except EngineError as e:
             if e.code == "unimplemented":  # detected once, said once; the worker is not asked again
                 w.loads_unsupported = True
@@ -410,11 +423,56 @@ class WorkerRegistry:
         self._tasks.append(asyncio.create_task(self._every(self.cfg.health_check_interval_secs, self.check)))
         self._tasks.append(asyncio.create_task(self._poll_loads()))
 
-    async def close(self) -> None:
+    def ride_rounds(self) -> None:
+        """From now on the health checks and load polls run on another component's wake-ups (the mesh
+        runtime's probes and acks, ~5 a second), which calls ``run_due_rounds`` on each, rather than on
+        timers of their own: each timer was a wake-up of its own on an otherwise quiet node (one every
+        2 s for the polls, even when the KV-event streams pushed every load, and one every 5 s for the
+        checks, ~15% of an idle meshed node's wake-ups). The periods and timeouts are the same."""
+        if self._ridden:
+            return
+        self._ridden = True
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        now = self.clock()
+        self._health_due = now + self.cfg.health_check_interval_secs
+        self._poll_due = now + self.cfg.load_poll_interval_secs
+
+    def run_due_rounds(self, early: float = 0.0) -> None:
+        """With ``ride_rounds``: start the health round and the load-poll round that are due within
+        ``early`` seconds (the caller's wake-ups come at least that often), each after the previous one
+        of its kind has ended; polls only while some worker's are wanted (``_polls``)."""
+        if not self._ridden or not self.workers:
+            return
+        now = self.clock()
+        if now >= self._health_due - early and "health" not in self._round_tasks:
+            self._health_due = now + self.cfg.health_check_interval_secs
+            self._start_round("health", self.check)
+        if now >= self._poll_due - early and "loads" not in self._round_tasks:
+            self._poll_due = now + self.cfg.load_poll_interval_secs
+            if any(self._polls(w, now) for w in self.workers.values()):
+                self._start_round("loads", self.poll_load)
+
+    def _start_round(self, kind: str, fn: Callable[[Worker], Any]) -> None:
+        ws = list(self.workers.values())
+
+        async def one_round() -> None:
+            try:
+                await asyncio.gather(*(fn(w) for w in ws), return_exceptions=True)
+            finally:
+                self._round_tasks.pop(kind, None)
+
+        self._round_tasks[kind] = asyncio.create_task(one_round())
+
+    async def close(self) -> None:
+        self._ridden = False
+        rounds = list(self._round_tasks.values())
+        for t in self._tasks + rounds:
+            t.cancel()
+        await asyncio.gather(*self._tasks, *rounds, return_exceptions=True)
+        self._tasks.clear()
+        self._round_tasks.clear()
         for w in list(self.workers.values()):
             await w.client.close()
 
