@@ -82,7 +82,14 @@ async def test_ridden_rounds_run_only_when_due_and_stop_their_own_timers() -> No
     reg.run_due_rounds(0.0)
     await _settle()
     assert (eng.checks, eng.polls) == (1, 2)
+    reg.own_rounds()  # handed back (the mesh closed while the node drains): the timers run again
+    assert len(reg._tasks) == 2
+    now[0] = 200.0
+    reg.run_due_rounds()
+    await _settle()
+    assert (eng.checks, eng.polls) == (1, 2)  # no longer ridden: nothing started from outside
     await reg.close()
+    assert reg._tasks == []
 
 
 async def test_one_round_of_a_kind_at_a_time_and_close_cancels_it() -> None:
@@ -161,3 +168,4 @@ async def test_a_meshed_node_rides_its_rounds_on_the_mesh(tmp_path: Path) -> Non
         await eventually(lambda: eng.checks >= 2 and eng.polls >= 2, 10.0, "checks and polls on the mesh")
         eng.healthy = False
         await eventually(lambda: not w.health.healthy, 10.0, "the failing engine marked unhealthy")
+    assert not gw_a.registry._ridden and not gw_b.registry._ridden  # the mesh closed: handed back

@@ -606,6 +606,7 @@ class MeshNode:
         if self._closed:
             return
         self._closed = True
+        self.gw.registry.own_rounds()  # the node may drain on: its health checks and polls go on
         if self._flush_timer is not None:
             self._flush_timer.cancel()
             self._flush_timer = None

@@ -420,6 +420,10 @@ class WorkerRegistry:
 
     def start(self) -> None:
         self._started = True
+        if not self._ridden:
+            self._start_timers()
+
+    def _start_timers(self) -> None:
         self._tasks.append(asyncio.create_task(self._every(self.cfg.health_check_interval_secs, self.check)))
         self._tasks.append(asyncio.create_task(self._poll_loads()))
 
@@ -438,6 +442,14 @@ class WorkerRegistry:
         now = self.clock()
         self._health_due = now + self.cfg.health_check_interval_secs
         self._poll_due = now + self.cfg.load_poll_interval_secs
+
+    def own_rounds(self) -> None:
+        """The rounds go back on the registry's own timers (the mesh closes while the node drains)."""
+        if not self._ridden:
+            return
+        self._ridden = False
+        if self._started:
+            self._start_timers()
 
     def run_due_rounds(self, early: float = 0.0) -> None:
         """With ``ride_rounds``: start the health round and the load-poll round that are due within
