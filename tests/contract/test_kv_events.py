@@ -146,3 +146,72 @@ async def test_without_lazy_reads_the_stream_shares_the_clients_connection(engin
     finally:
         await feed.close()
         await client.close()
+
+
+async def test_a_poll_applies_what_it_reads_before_it_returns(engine: ReplayServer) -> None:
+    """The H2 client hands each record to the feed from the connection's frame loop (``kv_events_pushed``):
+    what a poll reads is in the index when the poll returns, with no task step in between (so a routing
+    decision's ``poll_fresh`` routes on it)."""
+    blocks = [list(range(3000 + 16 * i, 3016 + 16 * i)) for i in range(3)]
+
+    def later(_req: Any) -> Iterator[Any]:
+        time.sleep(0.3)  # after the call is open and polled: the batches wait in the socket for a poll
+        yield from [kv_batch(20 + i, *pages(b, 7000 + 100 * i, None)) for i, b in enumerate(blocks)]
+
+    engine.kv_script = later  # type: ignore[assignment]
+    client = H2EngineClient(engine.url, f"127.0.0.1:{engine.port}", "sglang")
+    ix = PrefixIndex()
+    feed = KvFeed()
+    feed.read_lazily()
+    lazy = feed.lazy_reads
+    assert lazy is not None
+    state = feed.start("w", client, ix)
+    try:
+        await _until(lambda: len(lazy) == 1, "the stream's connection")
+        for _ in range(100):  # bounded: polls until the call is open (SETTINGS, HEADERS in)
+            feed.poll()
+            side = client._kv_side
+            if side is not None and side._proto is not None and side._proto.conn.streams:
+                break
+            await asyncio.sleep(0.05)
+        assert state.cursor.last == 0
+        await asyncio.sleep(0.8)  # every batch sent by now, none read
+        feed.poll()  # no await after it: applied within the poll itself
+        assert state.cursor.last == 22
+        assert all(ix.match(b) == {"w": 16} for b in blocks)
+    finally:
+        await feed.close()
+        await client.close()
+
+
+async def test_pushed_records_end_the_call_on_a_consumers_error_or_a_stop(engine: ReplayServer) -> None:
+    """``kv_events_pushed``: what ``on_batch`` raises ends the call and is raised to the caller (not into
+    the frame loop); False from it ends the call quietly; either way the engine's stream is cancelled."""
+    engine.kv_script = lambda _req: _paced(  # type: ignore[assignment,return-value]
+        [kv_batch(30 + i, *pages(B, 8000 + 100 * i, None)) for i in range(5)], 0.05
+    )
+    client = H2EngineClient(engine.url, f"127.0.0.1:{engine.port}", "sglang")
+    seen: list[int] = []
+
+    def boom(batch: Any) -> bool:
+        seen.append(batch.sequence_number)
+        if len(seen) == 2:
+            raise ValueError("the consumer's bug")
+        return True
+
+    def stop_at_two(batch: Any) -> bool:
+        seen.append(batch.sequence_number)
+        return len(seen) < 2
+
+    try:
+        with pytest.raises(ValueError, match="consumer's bug"):
+            await asyncio.wait_for(client.kv_events_pushed(0, boom), 10.0)
+        assert seen == [30, 31]
+        seen.clear()
+        await asyncio.wait_for(client.kv_events_pushed(0, stop_at_two), 10.0)
+        assert seen == [30, 31]
+        proto = client._proto
+        assert proto is not None
+        await _until(lambda: not proto.conn.streams, "the calls cancelled")
+    finally:
+        await client.close()

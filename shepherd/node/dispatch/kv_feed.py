@@ -487,25 +487,37 @@ class KvFeed:
             state.cursor.opened(start)
             state.stats.subscriptions += 1
             why = "ended"
+
+            def take(batch: KvEventBatch) -> bool:
+                """One record; False: a gap in the numbers, subscribe again."""
+                nonlocal why
+                state.stats.records += 1
+                state.streaming = True
+                if not batch.load_only:  # events flow: a later failure starts the back-off afresh
+                    backoff.succeeded()
+                if batch.load is not None and on_load is not None:
+                    on_load(batch.load)
+                if state.apply(batch) == "resubscribe":
+                    why = "gap"
+                    return False
+                return True
+
             try:
                 if not asked_capacity:
                     asked_capacity = await self._capacity(state, source)
-                stream = source.subscribe_kv_events(start)
-                try:
-                    async for batch in stream:
-                        state.stats.records += 1
-                        state.streaming = True
-                        if not batch.load_only:  # events flow: a later failure starts the back-off afresh
-                            backoff.succeeded()
-                        if batch.load is not None and on_load is not None:
-                            on_load(batch.load)
-                        if state.apply(batch) == "resubscribe":
-                            why = "gap"
-                            break
-                finally:
-                    aclose = getattr(stream, "aclose", None)
-                    if aclose is not None:
-                        await aclose()  # cancels the call now, not when the generator is collected
+                if isinstance(source, H2EngineClient):
+                    # each record taken as it is read, from the connection's frame loop (no task step)
+                    await source.kv_events_pushed(start, take)
+                else:
+                    stream = source.subscribe_kv_events(start)
+                    try:
+                        async for batch in stream:
+                            if not take(batch):
+                                break
+                    finally:
+                        aclose = getattr(stream, "aclose", None)
+                        if aclose is not None:
+                            await aclose()  # cancels the call now, not when the generator is collected
             except EngineError as e:
                 if "UNIMPLEMENTED" in str(e):
                     log.info("worker %s does not serve SubscribeKvEvents: no KV feed", state.worker)

@@ -507,6 +507,57 @@ class H2EngineClient:
         except RpcStatus as e:
             raise e.engine_error() from None
 
+    async def kv_events_pushed(self, start_seq: int, on_batch: Callable[[KvEventBatch], bool]) -> None:
+        """SubscribeKvEvents with each batch handed to ``on_batch`` as it is read, from the connection's
+        frame loop (the stream's ``listener``: no future, task step or generator resumption per message,
+        as the generation streams' tokens); returns when the stream ends, raising ``EngineError`` as
+        ``subscribe_kv_events`` does. ``on_batch`` returning False ends the call (cancelled, as closing
+        the iterator does); what it raises ends the call and is raised here; so is a malformed message
+        (INTERNAL). Cancelling the caller cancels the call."""
+        if self.kind == "unknown":
+            await self.detect()
+        req = common_pb2.SubscribeKvEventsRequest(
+            start_sequence_number=start_seq, load_records_before_first_batch=True
+        )
+        trace = tracing.grpc_header_block(hpack_literal) if tracing.ENABLED else b""
+        path = _path(self.kind, "SubscribeKvEvents")
+        try:
+            stream = await self._kv_client()._start(path, req.SerializeToString(), None, trace)
+        except RpcStatus as e:
+            raise e.engine_error() from None
+        ended: asyncio.Future[bool] = asyncio.get_running_loop().create_future()  # True: stopped by on_batch
+        msgs = stream.messages
+
+        def drain() -> None:
+            if ended.done():
+                return
+            try:
+                while msgs:
+                    if not on_batch(decode_kv_wire(msgs.popleft())):
+                        ended.set_result(True)
+                        return
+            except DecodeError as e:
+                ended.set_exception(RpcStatus(INTERNAL, f"cannot parse a response: {e}"))
+                return
+            except Exception as e:  # the consumer's: raised in the caller, not in the frame loop
+                ended.set_exception(e)
+                return
+            if stream.done:
+                ended.set_result(False)
+
+        stream.listener = drain
+        try:
+            drain()  # what came with the call's start
+            stopped = await ended
+        except RpcStatus as e:
+            raise e.engine_error() from None
+        finally:
+            stream.listener = None
+            if not stream.done:
+                stream.cancel()
+        if not stopped and stream.code != OK:
+            raise RpcStatus(stream.code, stream.details).engine_error()
+
     def _kv_client(self) -> H2EngineClient:
         """Where KV-event streams go: this client, or with ``kv_reads`` set a client of its own to the same
         engine whose connection ``kv_reads`` reads (batches and load records wait for its poll; the
