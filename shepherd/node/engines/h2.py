@@ -489,11 +489,7 @@ class H2EngineClient:
 
     async def subscribe_kv_events(self, start_seq: int = 0) -> AsyncIterator[KvEventBatch]:
         """SubscribeKvEvents (server stream, no deadline); closing the iterator cancels the call."""
-        if self.kind == "unknown":
-            await self.detect()
-        req = common_pb2.SubscribeKvEventsRequest(
-            start_sequence_number=start_seq, load_records_before_first_batch=True
-        )
+        req = await self._kv_request(start_seq)
         stream = cast(
             AsyncGenerator[Any, None],
             self._kv_client().call_stream(
@@ -514,11 +510,7 @@ class H2EngineClient:
         ``subscribe_kv_events`` does. ``on_batch`` returning False ends the call (cancelled, as closing
         the iterator does); what it raises ends the call and is raised here; so is a malformed message
         (INTERNAL). Cancelling the caller cancels the call."""
-        if self.kind == "unknown":
-            await self.detect()
-        req = common_pb2.SubscribeKvEventsRequest(
-            start_sequence_number=start_seq, load_records_before_first_batch=True
-        )
+        req = await self._kv_request(start_seq)
         trace = tracing.grpc_header_block(hpack_literal) if tracing.ENABLED else b""
         path = _path(self.kind, "SubscribeKvEvents")
         try:
@@ -557,6 +549,13 @@ class H2EngineClient:
                 stream.cancel()
         if not stopped and stream.code != OK:
             raise RpcStatus(stream.code, stream.details).engine_error()
+
+    async def _kv_request(self, start_seq: int) -> common_pb2.SubscribeKvEventsRequest:
+        if self.kind == "unknown":
+            await self.detect()
+        return common_pb2.SubscribeKvEventsRequest(
+            start_sequence_number=start_seq, load_records_before_first_batch=True
+        )
 
     def _kv_client(self) -> H2EngineClient:
         """Where KV-event streams go: this client, or with ``kv_reads`` set a client of its own to the same
