@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from shepherd.node.dispatch.kv_feed import KvFeed
+from shepherd.node.dispatch.kv_feed import KvFeed, WorkerKvState
 from shepherd.node.engines.h2 import H2EngineClient
+from shepherd.node.engines.h2_protocol import LazyReads
 from shepherd.policies.prefix_index import PrefixIndex
 from tests.contract.nodes import replay
 from tests.contract.replay import EngineFacts, ReplayServer, kv_batch, kv_pages_stored, kv_removed
@@ -99,18 +100,23 @@ def _paced(batches: list[Any], gap_s: float) -> Iterator[Any]:
         yield b
 
 
-async def test_lazy_reads_deliver_a_stream_on_polls_over_its_own_connection(engine: ReplayServer) -> None:
-    blocks = [list(range(1000 + 16 * i, 1016 + 16 * i)) for i in range(4)]
-    engine.kv_script = lambda _req: _paced(  # type: ignore[assignment,return-value]
-        [kv_batch(10 + i, *pages(b, 5000 + 100 * i, None)) for i, b in enumerate(blocks)], 0.1
-    )
+def _lazy_feed(engine: ReplayServer) -> tuple[H2EngineClient, PrefixIndex, KvFeed, LazyReads, WorkerKvState]:
+    """A client of ``engine`` and a feed that reads its stream lazily (as a meshed node's), started."""
     client = H2EngineClient(engine.url, f"127.0.0.1:{engine.port}", "sglang")
     ix = PrefixIndex()
     feed = KvFeed()
     feed.read_lazily()
     lazy = feed.lazy_reads
     assert lazy is not None
-    state = feed.start("w", client, ix)
+    return client, ix, feed, lazy, feed.start("w", client, ix)
+
+
+async def test_lazy_reads_deliver_a_stream_on_polls_over_its_own_connection(engine: ReplayServer) -> None:
+    blocks = [list(range(1000 + 16 * i, 1016 + 16 * i)) for i in range(4)]
+    engine.kv_script = lambda _req: _paced(  # type: ignore[assignment,return-value]
+        [kv_batch(10 + i, *pages(b, 5000 + 100 * i, None)) for i, b in enumerate(blocks)], 0.1
+    )
+    client, ix, feed, lazy, state = _lazy_feed(engine)
     try:
         await _until(lambda: len(lazy) == 1, "the stream's connection")
         await asyncio.sleep(0.6)  # every batch sent by now; nothing read without a poll, not even SETTINGS
@@ -159,13 +165,7 @@ async def test_a_poll_applies_what_it_reads_before_it_returns(engine: ReplayServ
         yield from [kv_batch(20 + i, *pages(b, 7000 + 100 * i, None)) for i, b in enumerate(blocks)]
 
     engine.kv_script = later  # type: ignore[assignment]
-    client = H2EngineClient(engine.url, f"127.0.0.1:{engine.port}", "sglang")
-    ix = PrefixIndex()
-    feed = KvFeed()
-    feed.read_lazily()
-    lazy = feed.lazy_reads
-    assert lazy is not None
-    state = feed.start("w", client, ix)
+    client, ix, feed, lazy, state = _lazy_feed(engine)
     try:
         await _until(lambda: len(lazy) == 1, "the stream's connection")
         for _ in range(100):  # bounded: polls until the call is open (SETTINGS, HEADERS in)
