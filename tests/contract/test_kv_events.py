@@ -11,6 +11,8 @@ feed has no HTTP surface of its own, so the test reads the index).
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -160,22 +162,34 @@ async def test_a_poll_applies_what_it_reads_before_it_returns(engine: ReplayServ
     decision's ``poll_fresh`` routes on it)."""
     blocks = [list(range(3000 + 16 * i, 3016 + 16 * i)) for i in range(3)]
 
+    sent = threading.Event()
+
     def later(_req: Any) -> Iterator[Any]:
         time.sleep(0.3)  # after the call is open and polled: the batches wait in the socket for a poll
         yield from [kv_batch(20 + i, *pages(b, 7000 + 100 * i, None)) for i, b in enumerate(blocks)]
+        sent.set()
 
     engine.kv_script = later  # type: ignore[assignment]
     client, ix, feed, lazy, state = _lazy_feed(engine)
     try:
         await _until(lambda: len(lazy) == 1, "the stream's connection")
-        for _ in range(100):  # bounded: polls until the call is open (SETTINGS, HEADERS in)
+        for _ in range(100):  # bounded: polls until the call is sent (the engine answers 0.3 s later)
             feed.poll()
             side = client._kv_side
             if side is not None and side._proto is not None and side._proto.conn.streams:
                 break
             await asyncio.sleep(0.05)
         assert state.cursor.last == 0
-        await asyncio.sleep(0.8)  # every batch sent by now, none read
+        assert side is not None and side._proto is not None and side._proto.transport is not None
+        sock = side._proto.transport.get_extra_info("socket")
+        queued = -1
+        for _ in range(200):  # bounded: until every batch is sent and waits, unread, in the socket
+            await asyncio.sleep(0.05)
+            n = len(sock.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT)) if sent.is_set() else 0
+            if n and n == queued:
+                break
+            queued = n
+        assert sent.is_set() and queued > 0 and state.cursor.last == 0
         feed.poll()  # no await after it: applied within the poll itself
         assert state.cursor.last == 22
         assert all(ix.match(b) == {"w": 16} for b in blocks)
@@ -215,3 +229,20 @@ async def test_pushed_records_end_the_call_on_a_consumers_error_or_a_stop(engine
         await _until(lambda: not proto.conn.streams, "the calls cancelled")
     finally:
         await client.close()
+
+
+async def test_an_engine_without_the_stream_stops_the_pushed_feed(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's entrypoint servicer has no SubscribeKvEvents: grpc answers UNIMPLEMENTED, which the pushed
+    path raises as the iterator did, and the feed says so once and stops (no resubscription loop)."""
+    with replay("vllm-entrypoint") as vllm:
+        client = H2EngineClient(vllm.url, f"127.0.0.1:{vllm.port}", "vllm")
+        feed = KvFeed()
+        try:
+            with caplog.at_level("INFO", logger="shepherd.kv_feed"):
+                state = feed.start("w", client, PrefixIndex())
+                await _until(lambda: not feed.running("w"), "the feed's task to end")
+            assert "does not serve SubscribeKvEvents" in caplog.text
+            assert state.stats.subscriptions == 1 and state.stats.failures == 0
+        finally:
+            await feed.close()
+            await client.close()

@@ -65,10 +65,13 @@ async def test_a_poll_reads_on_while_reads_come_back_full() -> None:
         assert proto.transport is not None
         sock = proto.transport.get_extra_info("socket")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)  # room for more than one read
+        queued = 0
         for _ in range(100):  # bounded: until more than a read's worth is in the socket's buffer
             await asyncio.sleep(0.02)
-            if len(sock.recv(400_000, socket.MSG_PEEK)) > 262_144:
+            queued = len(sock.recv(400_000, socket.MSG_PEEK))
+            if queued > 262_144:
                 break
+        assert queued > 262_144, f"only {queued} bytes queued: the test needs more than one read's worth"
         lazy.poll()
         assert proto.ready.done() and lazy.reads >= 2  # a full read, then on to the short one
         assert not proto.closed.done()

@@ -95,6 +95,7 @@ async def test_ridden_rounds_run_only_when_due_and_stop_their_own_timers() -> No
 async def test_one_round_of_a_kind_at_a_time_and_close_cancels_it() -> None:
     now = [0.0]
     reg, eng, _ = _registry(now)
+    reg.start()
     reg.ride_rounds()
     eng.hold = asyncio.Event()
     now[0] = 5.0
@@ -109,9 +110,13 @@ async def test_one_round_of_a_kind_at_a_time_and_close_cancels_it() -> None:
     await _settle()
     reg.run_due_rounds()
     await _settle()
-    assert eng.checks == 2  # the first ended: the next runs
+    assert eng.checks == 1  # the first ended at 11 s: the next is due an interval later, not at once
+    now[0] = 16.0
+    reg.run_due_rounds()
+    await _settle()
+    assert eng.checks == 2
     eng.hold = asyncio.Event()
-    now[0] = 17.0
+    now[0] = 21.0
     reg.run_due_rounds()
     await _settle()
     assert eng.checks == 3 and reg._round_tasks
@@ -124,6 +129,7 @@ async def test_ridden_checks_mark_a_failing_engine_unhealthy() -> None:
     reg, eng, w = _registry(now)
     changes: list[bool] = []
     reg.on_health_change = lambda wk: changes.append(wk.health.healthy)
+    reg.start()
     reg.ride_rounds()
     eng.healthy = False
     for i in range(1, 8):
@@ -145,6 +151,7 @@ async def test_no_load_round_while_no_worker_is_polled_and_none_without_riding()
     await _settle()
     assert (eng.checks, eng.polls) == (0, 0)
     reg.loads_needed = lambda w: False  # round_robin: nothing routes by the loads, nothing read them
+    reg.start()
     reg.ride_rounds()
     now[0] = 60.0
     reg.run_due_rounds()
@@ -153,13 +160,45 @@ async def test_no_load_round_while_no_worker_is_polled_and_none_without_riding()
     await reg.close()
 
 
+async def test_the_early_start_is_at_most_a_quarter_of_the_interval() -> None:
+    """Intervals shorter than the caller's slack: a round starts at most a quarter of its interval early,
+    not on every wake-up; and not before the registry is started."""
+    now = [0.0]
+    cfg = build_config({}, {"health_check_interval_secs": 0.4, "load_poll_interval_secs": 0.4})
+    reg = WorkerRegistry(cfg, clock=lambda: now[0])
+    eng = _Engine()
+    w = Worker("w0", "grpc://127.0.0.1:1", "m", eng, HealthTracker(), CircuitBreaker())  # type: ignore[arg-type]
+    w.initialized = True
+    w.health.observe(True)
+    reg.workers[w.id] = w
+    reg.ride_rounds()
+    now[0] = 5.0
+    reg.run_due_rounds(0.45)
+    await _settle()
+    assert (eng.checks, eng.polls) == (0, 0)  # not started: nothing
+    reg.start()
+    reg.run_due_rounds(0.45)
+    await _settle()
+    assert (eng.checks, eng.polls) == (1, 1)  # overdue: at once; the next 0.4 s after these ended
+    now[0] = 5.2
+    reg.run_due_rounds(0.45)
+    await _settle()
+    assert (eng.checks, eng.polls) == (1, 1)  # 0.2 s before due: more than a quarter early
+    now[0] = 5.32
+    reg.run_due_rounds(0.45)
+    await _settle()
+    assert (eng.checks, eng.polls) == (2, 2)  # 0.08 s before: within a quarter
+    await reg.close()
+
+
 async def test_a_meshed_node_rides_its_rounds_on_the_mesh(tmp_path: Path) -> None:
     """Two meshed nodes in this process: their registries' rounds run on the mesh runtime's wake-ups
     (no timers of their own), and an engine that stops answering health checks is marked unhealthy."""
     extra: dict[str, object] = {"health_check_interval_secs": 0.3, "load_poll_interval_secs": 0.3}
-    async with two_mesh_nodes(tmp_path, "m", extra=extra) as (gw_a, _, gw_b, _):
+    async with two_mesh_nodes(tmp_path, "m", extra=extra) as (gw_a, a, gw_b, _):
         for gw in (gw_a, gw_b):
-            assert gw.registry._ridden and gw.registry._tasks == []
+            gw.registry.start()  # (the app starts its gateway first: here after the mesh, the same)
+            assert gw.registry._ridden and gw.registry._tasks == []  # no timers of their own
         eng = _Engine()
         w = Worker("w0", "grpc://127.0.0.1:1", "m", eng, HealthTracker(), CircuitBreaker())  # type: ignore[arg-type]
         w.initialized = True
@@ -168,4 +207,5 @@ async def test_a_meshed_node_rides_its_rounds_on_the_mesh(tmp_path: Path) -> Non
         await eventually(lambda: eng.checks >= 2 and eng.polls >= 2, 10.0, "checks and polls on the mesh")
         eng.healthy = False
         await eventually(lambda: not w.health.healthy, 10.0, "the failing engine marked unhealthy")
-    assert not gw_a.registry._ridden and not gw_b.registry._ridden  # the mesh closed: handed back
+        await a.close()  # the mesh closes, the node may drain on: the rounds are back on their timers
+        assert not gw_a.registry._ridden and len(gw_a.registry._tasks) == 2

@@ -688,10 +688,10 @@ class MeshNode:
         that are due, and tick when due (period 0.5-1 s)."""
         if self._closed:
             return
+        self.gw.registry.run_due_rounds(KV_READ_SLACK_S)  # first: whatever a poll below may raise
         feed = getattr(self.gw, "kv_feed", None)
         if feed is not None:
             feed.poll()
-        self.gw.registry.run_due_rounds(KV_READ_SLACK_S)
         now = time.monotonic()
         if now >= self._tick_due:
             self._tick_due = now + TICK_S - KV_READ_S

@@ -2,10 +2,11 @@
 
 The routing decisions of ``cache_aware`` feed the index with what the node *expects* an engine to
 cache; SubscribeKvEvents tells what it *did* cache and evict. For every gRPC worker of a model whose
-policy keeps a prefix index, a task consumes the worker's stream and applies "stored", "removed" and
-"all cleared" events (``policies.kv_events.KvEventApplier``), takes the engine's capacity (GetServerInfo
-or the load telemetry on the stream) as the worker's capacity in the index, and hands every load record
-on the stream to ``on_load`` (fresher than a GetLoads poll).
+policy keeps a prefix index, a task subscribes to the worker's stream and applies "stored", "removed"
+and "all cleared" events (``policies.kv_events.KvEventApplier``; from the connection's frame loop as
+each record is read with the lean H2 client, through the stream's iterator with the others), takes the
+engine's capacity (GetServerInfo or the load telemetry on the stream) as the worker's capacity in the
+index, and hands every load record on the stream to ``on_load`` (fresher than a GetLoads poll).
 
 Sequence numbers (``KvCursor``, pure): a batch past the next expected one is a gap; the task
 subscribes again from the first missing batch (``start_sequence_number``), and an engine that keeps
@@ -408,7 +409,8 @@ class KvFeed:
             self.lazy_reads = LazyReads()
 
     def poll(self) -> None:
-        """Read what the lazily read streams received since the last poll (a no-op without lazy reads)."""
+        """Read what the lazily read streams received since the last poll and apply it (the records are
+        pushed to the feed as they are read: in the index when this returns); a no-op without lazy reads."""
         if self.lazy_reads is not None:
             self._polled = time.monotonic()
             self.lazy_reads.poll()

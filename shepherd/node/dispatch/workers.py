@@ -338,7 +338,8 @@ class WorkerRegistry:
 
     def wake_load_polls(self) -> None:
         """A worker was added, a routing policy changed or loads were read: the poll loop, asleep while no
-        worker was polled, looks again now rather than within ``LOADS_IDLE_RECHECK_SECS``."""
+        worker was polled, looks again now rather than within ``LOADS_IDLE_RECHECK_SECS`` (ridden rounds,
+        ``ride_rounds``, look at every due round anyway)."""
         self._loads_wanted.set()
 
     async def loads_for_reading(self) -> None:
@@ -429,10 +430,12 @@ class WorkerRegistry:
 
     def ride_rounds(self) -> None:
         """From now on the health checks and load polls run on another component's wake-ups (the mesh
-        runtime's probes and acks, ~5 a second), which calls ``run_due_rounds`` on each, rather than on
+        runtime's probes and acks, 5-7 a second), which calls ``run_due_rounds`` on each, rather than on
         timers of their own: each timer was a wake-up of its own on an otherwise quiet node (one every
         2 s for the polls, even when the KV-event streams pushed every load, and one every 5 s for the
-        checks, ~15% of an idle meshed node's wake-ups). The periods and timeouts are the same."""
+        checks, ~15% of an idle meshed node's wake-ups). As with the timers, a round starts an interval
+        after the previous one ended (up to a quarter of it early, on a wake-up that comes first); the
+        timeouts are the same."""
         if self._ridden:
             return
         self._ridden = True
@@ -452,21 +455,24 @@ class WorkerRegistry:
             self._start_timers()
 
     def run_due_rounds(self, early: float = 0.0) -> None:
-        """With ``ride_rounds``: start the health round and the load-poll round that are due within
-        ``early`` seconds (the caller's wake-ups come at least that often), each after the previous one
-        of its kind has ended; polls only while some worker's are wanted (``_polls``)."""
-        if not self._ridden or not self.workers:
+        """With ``ride_rounds``, once started: start the health round and the load-poll round that are
+        due within ``early`` seconds (at most a quarter of their interval: the caller's wake-ups, which
+        come about that often), each an interval after the previous one of its kind ended; polls only
+        while some worker's are wanted (``_polls``)."""
+        if not self._ridden or not self._started or not self.workers:
             return
         now = self.clock()
-        if now >= self._health_due - early and "health" not in self._round_tasks:
-            self._health_due = now + self.cfg.health_check_interval_secs
-            self._start_round("health", self.check)
-        if now >= self._poll_due - early and "loads" not in self._round_tasks:
-            self._poll_due = now + self.cfg.load_poll_interval_secs
+        health = self.cfg.health_check_interval_secs
+        if now >= self._health_due - min(early, health / 4) and "health" not in self._round_tasks:
+            self._start_round("health", self.check, health)
+        polls = self.cfg.load_poll_interval_secs
+        if now >= self._poll_due - min(early, polls / 4) and "loads" not in self._round_tasks:
             if any(self._polls(w, now) for w in self.workers.values()):
-                self._start_round("loads", self.poll_load)
+                self._start_round("loads", self.poll_load, polls)
+            else:
+                self._poll_due = now + polls
 
-    def _start_round(self, kind: str, fn: Callable[[Worker], Any]) -> None:
+    def _start_round(self, kind: str, fn: Callable[[Worker], Any], interval: float) -> None:
         ws = list(self.workers.values())
 
         async def one_round() -> None:
@@ -474,6 +480,11 @@ class WorkerRegistry:
                 await asyncio.gather(*(fn(w) for w in ws), return_exceptions=True)
             finally:
                 self._round_tasks.pop(kind, None)
+                due = self.clock() + interval  # the next an interval after this one ended (as the timers)
+                if kind == "health":
+                    self._health_due = due
+                else:
+                    self._poll_due = due
 
         self._round_tasks[kind] = asyncio.create_task(one_round())
 

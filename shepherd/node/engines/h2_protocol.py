@@ -77,6 +77,9 @@ class LazyReads:
         self._transports.discard(t)
 
 
+_READ = 262_144  # bytes a lazy poll asks of a socket at once
+
+
 class PolledTransport(asyncio.Transport):
     """The transport of a ``LazyReads`` connection: ``write`` sends at once what the socket takes and
     keeps the rest for the next poll (the KV stream writes little: its request, window updates, pings);
@@ -137,7 +140,7 @@ class PolledTransport(asyncio.Transport):
         self.flush()
         for _ in range(64):  # bounded: 64 reads of 256 KB a poll, the rest on the next
             try:
-                data = self._sock.recv(262_144)
+                data = self._sock.recv(_READ)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
@@ -148,7 +151,7 @@ class PolledTransport(asyncio.Transport):
                 return
             self._owner.reads += 1
             self._proto.data_received(data)
-            if self.is_closing() or len(data) < 262_144:
+            if self.is_closing() or len(data) < _READ:
                 # closed by the protocol (a GOAWAY, a fatal error); or a short read: the socket held no
                 # more then, and what came since waits for the next poll (not a recv that finds nothing)
                 return
