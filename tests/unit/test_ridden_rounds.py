@@ -40,13 +40,20 @@ class _Engine:
         pass
 
 
-def _registry(now: list[float]) -> tuple[WorkerRegistry, _Engine, Worker]:
-    cfg = build_config({}, {"health_check_interval_secs": 5.0, "load_poll_interval_secs": 2.0})
-    reg = WorkerRegistry(cfg, clock=lambda: now[0])
-    eng = _Engine()
+def _worker(eng: _Engine) -> Worker:
     w = Worker("w0", "grpc://127.0.0.1:1", "m", eng, HealthTracker(), CircuitBreaker())  # type: ignore[arg-type]
     w.initialized = True
     w.health.observe(True)
+    return w
+
+
+def _registry(
+    now: list[float], health: float = 5.0, polls: float = 2.0
+) -> tuple[WorkerRegistry, _Engine, Worker]:
+    cfg = build_config({}, {"health_check_interval_secs": health, "load_poll_interval_secs": polls})
+    reg = WorkerRegistry(cfg, clock=lambda: now[0])
+    eng = _Engine()
+    w = _worker(eng)
     reg.workers[w.id] = w
     return reg, eng, w
 
@@ -164,13 +171,7 @@ async def test_the_early_start_is_at_most_a_quarter_of_the_interval() -> None:
     """Intervals shorter than the caller's slack: a round starts at most a quarter of its interval early,
     not on every wake-up; and not before the registry is started."""
     now = [0.0]
-    cfg = build_config({}, {"health_check_interval_secs": 0.4, "load_poll_interval_secs": 0.4})
-    reg = WorkerRegistry(cfg, clock=lambda: now[0])
-    eng = _Engine()
-    w = Worker("w0", "grpc://127.0.0.1:1", "m", eng, HealthTracker(), CircuitBreaker())  # type: ignore[arg-type]
-    w.initialized = True
-    w.health.observe(True)
-    reg.workers[w.id] = w
+    reg, eng, _ = _registry(now, 0.4, 0.4)
     reg.ride_rounds()
     now[0] = 5.0
     reg.run_due_rounds(0.45)
@@ -200,9 +201,7 @@ async def test_a_meshed_node_rides_its_rounds_on_the_mesh(tmp_path: Path) -> Non
             gw.registry.start()  # (the app starts its gateway first: here after the mesh, the same)
             assert gw.registry._ridden and gw.registry._tasks == []  # no timers of their own
         eng = _Engine()
-        w = Worker("w0", "grpc://127.0.0.1:1", "m", eng, HealthTracker(), CircuitBreaker())  # type: ignore[arg-type]
-        w.initialized = True
-        w.health.observe(True)
+        w = _worker(eng)
         gw_a.registry.workers[w.id] = w
         await eventually(lambda: eng.checks >= 2 and eng.polls >= 2, 10.0, "checks and polls on the mesh")
         eng.healthy = False

@@ -202,7 +202,7 @@ class WorkerRegistry:
         self._loads_wanted = asyncio.Event()  # set by a read: the poll loop, asleep, starts again
         # rounds driven by another component's wake-ups (``ride_rounds``): their next due times (clock)
         self._ridden = False
-        self._health_due = self._poll_due = float("inf")
+        self._due: dict[str, float] = {}  # "health" | "loads" -> when the next round is due
         self._round_tasks: dict[str, asyncio.Task[None]] = {}
 
     def http_only(self, model: str) -> bool:
@@ -401,9 +401,13 @@ class WorkerRegistry:
             if idle is not None:
                 await idle()
             await asyncio.sleep(interval)
-            ws = list(self.workers.values())
-            if ws:
-                await asyncio.gather(*(fn(w) for w in ws), return_exceptions=True)
+            await self._round(fn)
+
+    async def _round(self, fn: Callable[[Worker], Any]) -> None:
+        """``fn`` of every worker, together; their errors are theirs (a check records its own)."""
+        ws = list(self.workers.values())
+        if ws:
+            await asyncio.gather(*(fn(w) for w in ws), return_exceptions=True)
 
     async def _poll_loads(self) -> None:
         """``poll_load`` of every worker each ``load_poll_interval_secs`` while any is polled (``_polls``);
@@ -443,8 +447,10 @@ class WorkerRegistry:
             t.cancel()
         self._tasks.clear()
         now = self.clock()
-        self._health_due = now + self.cfg.health_check_interval_secs
-        self._poll_due = now + self.cfg.load_poll_interval_secs
+        self._due = {
+            "health": now + self.cfg.health_check_interval_secs,
+            "loads": now + self.cfg.load_poll_interval_secs,
+        }
 
     def own_rounds(self) -> None:
         """The rounds go back on the registry's own timers (the mesh closes while the node drains)."""
@@ -462,29 +468,25 @@ class WorkerRegistry:
         if not self._ridden or not self._started or not self.workers:
             return
         now = self.clock()
-        health = self.cfg.health_check_interval_secs
-        if now >= self._health_due - min(early, health / 4) and "health" not in self._round_tasks:
-            self._start_round("health", self.check, health)
-        polls = self.cfg.load_poll_interval_secs
-        if now >= self._poll_due - min(early, polls / 4) and "loads" not in self._round_tasks:
-            if any(self._polls(w, now) for w in self.workers.values()):
-                self._start_round("loads", self.poll_load, polls)
-            else:
-                self._poll_due = now + polls
+        rounds = (
+            ("health", self.check, self.cfg.health_check_interval_secs),
+            ("loads", self.poll_load, self.cfg.load_poll_interval_secs),
+        )
+        for kind, fn, interval in rounds:
+            if kind in self._round_tasks or now < self._due[kind] - min(early, interval / 4):
+                continue
+            if kind == "loads" and not any(self._polls(w, now) for w in self.workers.values()):
+                self._due[kind] = now + interval
+                continue
+            self._start_round(kind, fn, interval)
 
     def _start_round(self, kind: str, fn: Callable[[Worker], Any], interval: float) -> None:
-        ws = list(self.workers.values())
-
         async def one_round() -> None:
             try:
-                await asyncio.gather(*(fn(w) for w in ws), return_exceptions=True)
+                await self._round(fn)
             finally:
                 self._round_tasks.pop(kind, None)
-                due = self.clock() + interval  # the next an interval after this one ended (as the timers)
-                if kind == "health":
-                    self._health_due = due
-                else:
-                    self._poll_due = due
+                self._due[kind] = self.clock() + interval  # an interval after this one ended (as the timers)
 
         self._round_tasks[kind] = asyncio.create_task(one_round())
 
