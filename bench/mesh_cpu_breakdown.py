@@ -9,6 +9,7 @@ consumes).
     .venv/bin/python bench/mesh_cpu_breakdown.py --mode rr       # 3 nodes behind HAProxy
     .venv/bin/python bench/mesh_cpu_breakdown.py --mode one      # 3 nodes, all to node 1
     .venv/bin/python bench/mesh_cpu_breakdown.py --mode single   # one node
+    .venv/bin/python bench/mesh_cpu_breakdown.py --mode single --lb   # one node behind the same HAProxy
     .venv/bin/python bench/mesh_cpu_breakdown.py --mode one --idle 60   # no requests: 60 s idle
     .venv/bin/python bench/mesh_cpu_breakdown.py --mode rr --arrival-s 40   # the trace at a higher rate
     .venv/bin/python bench/mesh_cpu_breakdown.py --gateway smg --mode rr   # smg's own fleet (its mesh)
@@ -100,6 +101,11 @@ def main() -> int:
     ap.add_argument("--mode", choices=("rr", "one", "single"), default="rr")
     ap.add_argument("--mesh", type=int, default=3, help="nodes in the mesh (rr, one)")
     ap.add_argument(
+        "--lb",
+        action="store_true",
+        help="single: the node behind rr's HAProxy (the same front path: only the mesh differs)",
+    )
+    ap.add_argument(
         "--gateway",
         choices=("node", "smg"),
         default="node",
@@ -134,9 +140,10 @@ def main() -> int:
     trace = routing._trace_of(args)
     n = 1 if a.mode == "single" else a.mesh
     load0 = os.getloadavg()
+    behind = " behind haproxy" if a.lb and a.mode == "single" else ""
     print(
-        f"mesh_cpu_breakdown {a.gateway} {a.mode} x{n}, tree {tree}, {time.strftime('%Y-%m-%d %H:%M')}, "
-        f"load {load0[0]:.2f}"
+        f"mesh_cpu_breakdown {a.gateway} {a.mode}{behind} x{n}, tree {tree}, "
+        f"{time.strftime('%Y-%m-%d %H:%M')}, load {load0[0]:.2f}"
     )
     print(f"trace: {trace.summary()}")
     report: dict[str, Any] = {"gateway": a.gateway, "mode": a.mode, "nodes": n, "tree": tree, "per_node": []}
@@ -152,7 +159,7 @@ def main() -> int:
             specs = routing.gateways(a.gateway, "cache_aware", engines, model_dir, extra, n, tp)
             procs = [group.start(s) for s in specs]
             port = procs[0].spec.ready_port or 0
-            if a.mode == "rr":
+            if a.mode == "rr" or (a.mode == "single" and a.lb):
                 lb = group.start(routing.lb_spec(free_port(), [s.ready_port or 0 for s in specs], tp))
                 port = lb.spec.ready_port or 0
             time.sleep(3.0)  # the mesh joins

@@ -79,9 +79,11 @@ def mock_engine_spec(
     tokenizer_dir: Path | None = None,
     decode_ms_per_token: float = 0.0,
     stream_interval: int = 1,
+    decode_steps: str = "request",
 ) -> ProcSpec:
     """The mock engine: zero latency (tokens in one burst) unless ``decode_ms_per_token`` paces it,
-    one message per ``stream_interval`` tokens, a fixed inter-token time (no batch slowdown)."""
+    one message per ``stream_interval`` tokens, a fixed inter-token time (no batch slowdown), each
+    request's tokens on a clock of its own or (``decode_steps="batch"``) on the engine's decode steps."""
     argv = [
         *console_script("smg-mock-engine", "shepherd.mock_engine.cli"),
         "--grpc-port",
@@ -98,6 +100,7 @@ def mock_engine_spec(
     if decode_ms_per_token > 0:
         # the light HTTP/2 server: grpc.aio would spend the shared engine core on 10^4 messages/s
         argv += ["--decode-ms-per-token", str(decode_ms_per_token), "--decode-slowdown", "0"]
+        argv += ["--decode-steps", decode_steps]
         argv += ["--grpc-server", "lean"]
     else:
         argv.append("--zero-latency")

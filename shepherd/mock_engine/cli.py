@@ -18,7 +18,7 @@ from pathlib import Path
 from aiohttp import web
 
 from shepherd.mock_engine.engine import EngineCore
-from shepherd.mock_engine.engine_config import ROLES, EngineConfig
+from shepherd.mock_engine.engine_config import DECODE_STEPS, ROLES, EngineConfig
 from shepherd.mock_engine.faults import ERROR_CODES, Faults
 from shepherd.mock_engine.grpc_services import GRPC_IMPLS, start_grpc_server
 from shepherd.mock_engine.http_api import build_app
@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=32, help="output tokens before EOS when no max is given")
     p.add_argument(
         "--stream-interval", type=int, default=1, help="tokens per chunk when the request sets none"
+    )
+    p.add_argument(
+        "--decode-steps",
+        choices=DECODE_STEPS,
+        default="request",
+        help="request: each request's tokens on a clock of its own; batch: every running request's token "
+        "at the engine's decode step (multiples of the inter-token latency), as SGLang and vLLM step a batch",
     )
     p.add_argument("--role", choices=ROLES, default="both", help="PD disaggregation role")
     p.add_argument(
@@ -123,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         zero_latency=args.zero_latency,
         output_len=args.output_len,
         stream_interval=args.stream_interval,
+        decode_steps=args.decode_steps,
         role=args.role,
         pd_wait_s=args.pd_wait_s,
         host=args.host,

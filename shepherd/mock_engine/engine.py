@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -123,7 +124,20 @@ class Run:
             if handle is not None:
                 handle.cancel()
 
+    def _on_step(self, when: float) -> float:
+        """``when``, or with ``decode_steps="batch"`` the engine's first decode step at or after it (steps
+        at multiples of the inter-token latency on the engine's clock: every running request's token of a
+        step is due at the same instant, and the lean server writes them together)."""
+        core = self._core
+        if core.config.decode_steps != "batch":
+            return when
+        itl = core.scheduler.itl()
+        if itl <= 0:
+            return when
+        return math.ceil(when / itl - 1e-9) * itl
+
     async def _sleep_until(self, when: float) -> None:
+        when = self._on_step(when)
         delay = when - self._core.clock()
         if delay > 0 and not self.aborted:
             await self._block(delay)

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from shepherd.mock_engine.faults import Faults
 from shepherd.mock_engine.scheduler import SchedulerConfig
 
-__all__ = ["ROLES", "EngineConfig"]
+__all__ = ["DECODE_STEPS", "ROLES", "EngineConfig"]
 
 ROLES = ("both", "prefill", "decode")
+DECODE_STEPS = ("request", "batch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +32,10 @@ class EngineConfig:
     zero_latency: bool = False
     output_len: int = 32
     stream_interval: int = 1
+    # "request": each request's tokens on its own clock, from its first token; "batch": on the engine's
+    # step clock (multiples of the inter-token latency), every running request's token at the same step,
+    # as SGLang's and vLLM's schedulers emit a whole decode batch per forward pass
+    decode_steps: str = "request"
     role: str = "both"
     pd_wait_s: float = 5.0  # a decode-role engine waits this long for its prefill side to know the request
     host: str = "127.0.0.1"
@@ -42,6 +47,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}")
+        if self.decode_steps not in DECODE_STEPS:
+            raise ValueError(f"decode_steps must be one of {DECODE_STEPS}")
         for name in (
             "block_size",
             "cache_blocks",

@@ -505,3 +505,60 @@ async def test_core_take_ready_equals_the_event_stream() -> None:
     stalling = c.start(req("b", spec=spec))
     assert stalling.take_ready() is None  # a stall must wait: use events()
     stalling.close()
+
+
+def _stepped_times(steps: str, starts: Sequence[float]) -> list[list[float]]:
+    """The clock times at which each request's chunks come out of a paced core (20 ms a token, prefill
+    ~0), requests started at ``starts``: the waits move a fake clock instead of sleeping."""
+    now = [0.0]
+    c = EngineCore(
+        EngineConfig(
+            output_len=6,
+            cache_blocks=64,
+            max_running=8,
+            decode_ms_per_token=20.0,
+            decode_slowdown=0.0,
+            prefill_us_per_token=1.0,
+            decode_steps=steps,
+        ),
+        CharTokenizer(),
+        clock=lambda: now[0],
+    )
+
+    async def block(self: object, delay: float | None) -> None:
+        assert delay is not None and delay >= 0
+        now[0] += delay
+
+    async def one(i: int, at: float) -> list[float]:
+        now[0] = at
+        run = c.start(req(f"r{i}", n_prompt=20 + i, stream=True))
+        try:
+            return [now[0] async for ev in run.events() if isinstance(ev, EngineChunk)]
+        finally:
+            run.close()
+
+    async def main() -> list[list[float]]:
+        return [await one(i, at) for i, at in enumerate(starts)]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("shepherd.mock_engine.engine.Run._block", block)
+        return asyncio.run(main())
+
+
+def test_batch_steps_put_every_request_on_the_engine_step_clock() -> None:
+    """``decode_steps="batch"``: each token of every request comes at a multiple of the inter-token
+    latency (one decode step for the whole batch), whenever the request started; "request": each
+    request's tokens keep its own phase (its first token's time plus whole steps)."""
+    starts = [1.0031, 1.0117, 1.0249]
+    batch = _stepped_times("batch", starts)
+    own = _stepped_times("request", starts)
+    for times in batch:
+        assert len(times) >= 6
+        assert all(abs(t / 0.02 - round(t / 0.02)) < 1e-6 for t in times), times
+        assert all(round((b - a) / 0.02, 6) == 1.0 for a, b in itertools.pairwise(times))
+    for start, times in zip(starts, batch, strict=True):
+        assert start <= times[0] < start + 0.02 + 0.001  # the first step after the (short) prefill
+    phases = {round(times[0] % 0.02, 6) for times in own}
+    assert len(phases) == 3  # three clocks of their own
+    for times in own:
+        assert all(round((b - a) / 0.02, 6) == 1.0 for a, b in itertools.pairwise(times))

@@ -96,6 +96,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--stream-interval", type=int, default=1, help="tokens per engine message (default 1, as SGLang)"
     )
     p.add_argument(
+        "--engine-steps",
+        choices=("request", "batch"),
+        default="request",
+        help="paced: each request's tokens on a clock of its own (request, the default), or every running "
+        "request's token at the engine's decode step (batch: one forward pass a step, as SGLang and vLLM)",
+    )
+    p.add_argument(
         "--turns",
         type=int,
         default=1,
@@ -147,6 +154,7 @@ class Settings:
     stream_interval: int = 1
     turns: int = 1
     rounds: int = 1
+    engine_steps: str = "request"
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -186,6 +194,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         stream_interval=max(1, args.stream_interval),
         turns=max(1, args.turns),
         rounds=max(1, args.rounds),
+        engine_steps=args.engine_steps,
     )
 
 
@@ -377,7 +386,12 @@ def _header(settings: Settings, factory: PromptFactory, counted_with: str) -> li
         "engine: "
         + (
             f"paced, {settings.decode_ms_per_token:g} ms per decode step, one message per "
-            f"{settings.stream_interval} token(s)"
+            f"{settings.stream_interval} token(s), "
+            + (
+                "every running request's token at the engine's step (batch steps)"
+                if settings.engine_steps == "batch"
+                else "each request on a clock of its own"
+            )
             if settings.decode_ms_per_token > 0
             else f"zero latency (every token at once, one message per {settings.stream_interval} token(s))"
         )
@@ -494,6 +508,7 @@ def _start_all(
         tokenizer_dir=model_dir,
         decode_ms_per_token=settings.decode_ms_per_token,
         stream_interval=settings.stream_interval,
+        decode_steps=settings.engine_steps,
     )
     engine = group.start(engine_spec)
     targets: list[Target] = []
@@ -588,6 +603,7 @@ def _write_json(
             "max_tokens": settings.max_tokens,
             "decode_ms_per_token": settings.decode_ms_per_token,
             "stream_interval": settings.stream_interval,
+            "engine_steps": settings.engine_steps,
             "turns": settings.turns,
             "rounds": settings.rounds,
             "engine_cpus": settings.engine_cpus,
