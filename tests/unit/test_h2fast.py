@@ -207,6 +207,38 @@ def open_grpc_stream(lp: asyncio.AbstractEventLoop) -> tuple[Harness, GrpcStream
     return h, s
 
 
+def test_the_c_read_wakes_a_waiter_and_leaves_a_subclass_its_own_on_grpc_messages() -> None:
+    """The C read calls a GrpcStream's listener itself; with a waiter set it wakes the waiter instead
+    (the listener untouched, as ``on_grpc_messages`` does), and a subclass's ``on_grpc_messages`` is its
+    own (called, not bypassed)."""
+    assert _REAL is not None
+    lp = asyncio.new_event_loop()
+    try:
+        h, s = open_grpc_stream(lp)
+        calls: list[int] = []
+        s.listener = lambda: calls.append(len(s.messages))
+        fut = s.wait()
+        h.conn.receive(h2.frame(h2.DATA, 0, s.stream_id, grpc_message(b"a")))
+        assert fut.done() and calls == [] and list(s.messages) == [b"a"]
+        h.conn.receive(h2.frame(h2.DATA, 0, s.stream_id, grpc_message(b"b")))
+        assert calls == [2]  # no waiter now: the listener
+
+        seen: list[int] = []
+
+        class Own(GrpcStream):
+            def on_grpc_messages(self) -> None:
+                seen.append(len(self.messages))
+
+        o = Own(lp)
+        o.listener = lambda: calls.append(-1)
+        h.conn.open_stream(o, h2.RequestHeaders("a:1").block("/svc/M"), grpc_message(b"req"))
+        h.conn.receive(h.server.ok_headers(o.stream_id))
+        h.conn.receive(h2.frame(h2.DATA, 0, o.stream_id, grpc_message(b"c")))
+        assert seen == [1] and calls == [2]
+    finally:
+        lp.close()
+
+
 def test_the_c_read_refuses_what_it_does_not_take() -> None:
     assert _REAL is not None
     lp = asyncio.new_event_loop()

@@ -9,14 +9,48 @@
  * WINDOW_UPDATE to send is ``receive``'s). Then it does what ``receive`` and ``_grpc_run`` do: the counts
  * grow by the run's payload, the messages (prefix stripped) go to the sink, and the stream's
  * ``on_grpc_messages`` follows (which may close streams or fail the connection: the next run is checked
- * after it). The rest of the read, from the offset returned, is the Python frame loop's. The property tests
+ * after it; for a ``GrpcStream``, registered by ``direct_stream``, done here: its listener called). The rest of the read, from the offset returned, is the Python frame loop's. The property tests
  * compare the two on any frames. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 
 static PyObject *s_failed, *s_rbuf, *s_cont, *s_settings_received, *s_streams, *s_conn_recv_unacked,
-    *s_credit_threshold, *s_grpc_messages, *s_recv_unacked, *s_append, *s_on_grpc_messages;
+    *s_credit_threshold, *s_grpc_messages, *s_recv_unacked, *s_append, *s_on_grpc_messages, *s_waiter,
+    *s_listener;
+
+/* ``GrpcStream`` (``direct_stream``): a stream of exactly this type has its ``on_grpc_messages`` done here,
+ * as it is written (no waiter: its ``listener`` called, when set), without the method's Python frame: a
+ * paced engine's every token goes through it. Held for the process's life. */
+static PyObject *direct_type = NULL;
+
+/* what ``s.on_grpc_messages()`` does; 0, or -1 with an exception */
+static int on_grpc_messages(PyObject *s) {
+    PyObject *r;
+    if (direct_type != NULL && (PyObject *)Py_TYPE(s) == direct_type) {
+        PyObject *w = PyObject_GetAttr(s, s_waiter);
+        if (w == NULL) return -1;
+        int waiting = w != Py_None;
+        Py_DECREF(w);
+        if (!waiting) { /* (with a waiter: the method, which wakes it) */
+            PyObject *listener = PyObject_GetAttr(s, s_listener);
+            if (listener == NULL) return -1;
+            if (listener == Py_None) {
+                Py_DECREF(listener);
+                return 0;
+            }
+            r = PyObject_CallNoArgs(listener);
+            Py_DECREF(listener);
+            if (r == NULL) return -1;
+            Py_DECREF(r);
+            return 0;
+        }
+    }
+    r = PyObject_CallMethodNoArgs(s, s_on_grpc_messages);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
 
 /* an exact int's value when it fits an int64 and is >= 0, else -1 (no error set) */
 static int64_t nonneg(PyObject *o) {
@@ -132,9 +166,7 @@ static PyObject *grpc_data(PyObject *module, PyObject *const *args, Py_ssize_t n
             at += 9 + length;
         }
         off = end;
-        PyObject *r = PyObject_CallMethodNoArgs(s, s_on_grpc_messages);
-        if (r == NULL) goto error;
-        Py_DECREF(r);
+        if (on_grpc_messages(s) < 0) goto error;
         end = next_run(b, n, off, max_frame, &sid, &frames, &total);
         if (frames == 0) goto done;
     }
@@ -159,7 +191,22 @@ release:
     return result;
 }
 
+/* direct_stream(cls): streams of exactly this class get ``on_grpc_messages`` done in C (see direct_type) */
+static PyObject *direct_stream(PyObject *module, PyObject *cls) {
+    (void)module;
+    if (!PyType_Check(cls)) {
+        PyErr_SetString(PyExc_TypeError, "direct_stream takes a class");
+        return NULL;
+    }
+    Py_INCREF(cls);
+    Py_XSETREF(direct_type, cls);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"direct_stream", (PyCFunction)direct_stream, METH_O,
+     "direct_stream(cls): grpc_data calls the listener of a stream of exactly this class itself when no "
+     "waiter is set (what GrpcStream.on_grpc_messages does), without that method's Python frame"},
     {"grpc_data", (PyCFunction)(void (*)(void))grpc_data, METH_FASTCALL,
      "grpc_data(conn, data, off, max_frame) -> int: receive()'s frame loop over data[off:] for the runs of "
      "whole plain gRPC DATA frames there, in C; the offset of the first frame not taken"},
@@ -186,7 +233,9 @@ PyMODINIT_FUNC PyInit__h2fast(void) {
                  {&s_grpc_messages, "grpc_messages"},
                  {&s_recv_unacked, "recv_unacked"},
                  {&s_append, "append"},
-                 {&s_on_grpc_messages, "on_grpc_messages"}};
+                 {&s_on_grpc_messages, "on_grpc_messages"},
+                 {&s_waiter, "_waiter"},
+                 {&s_listener, "listener"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         if (*names[i].p == NULL && (*names[i].p = PyUnicode_InternFromString(names[i].s)) == NULL)
             return NULL;
