@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -295,6 +296,10 @@ _HAPROXY_BACKEND = ("backend gateways", "    balance roundrobin")
 def lb_spec(port: int, backends: Sequence[int], tmp: Path) -> ProcSpec:
     """HAProxy in front of ``backends``: roundrobin (each request to the next gateway), each SSE chunk
     forwarded at once (``option http-no-delay``; without it streamed TTFT grows by tens of ms)."""
+    if shutil.which("haproxy") is None:
+        raise SystemExit(
+            "haproxy is not installed: `bash chaos/install.sh` (as root) installs it (Debian package)"
+        )
     cfg = tmp / f"haproxy-{port}.cfg"
     servers = [f"    server g{i} 127.0.0.1:{b}" for i, b in enumerate(backends)]
     cfg.write_text(
