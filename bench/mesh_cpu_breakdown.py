@@ -146,7 +146,14 @@ def main() -> int:
         f"{time.strftime('%Y-%m-%d %H:%M')}, load {load0[0]:.2f}"
     )
     print(f"trace: {trace.summary()}")
-    report: dict[str, Any] = {"gateway": a.gateway, "mode": a.mode, "nodes": n, "tree": tree, "per_node": []}
+    report: dict[str, Any] = {
+        "gateway": a.gateway,
+        "mode": a.mode,
+        "lb": a.mode == "rr" or (a.mode == "single" and a.lb),
+        "nodes": n,
+        "tree": tree,
+        "per_node": [],
+    }
     with tempfile.TemporaryDirectory(prefix="smg-mesh-cpu-") as tmp:
         tp = Path(tmp)
         model_dir = extract_tokenizer(tp / routing.MODEL)

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DECODE_STEPS,
         default="request",
         help="request: each request's tokens on a clock of its own; batch: every running request's token "
-        "at the engine's decode step (multiples of the inter-token latency), as SGLang and vLLM step a batch",
+        "at the engine's decode step (one every base inter-token latency), as SGLang and vLLM step a batch",
     )
     p.add_argument("--role", choices=ROLES, default="both", help="PD disaggregation role")
     p.add_argument(

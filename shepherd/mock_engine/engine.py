@@ -125,16 +125,21 @@ class Run:
                 handle.cancel()
 
     def _on_step(self, when: float) -> float:
-        """``when``, or with ``decode_steps="batch"`` the engine's first decode step at or after it (steps
-        at multiples of the inter-token latency on the engine's clock: every running request's token of a
-        step is due at the same instant, and the lean server writes them together)."""
+        """``when``, or with ``decode_steps="batch"`` the engine's first decode step at or after it: a step
+        every base inter-token latency (``decode_ms_per_token`` times the slow factor, without the batch
+        slowdown, so the step clock does not move as requests come and go) from the engine's start. Every
+        running request's token of a step is due at the same instant (the timers fire in one loop turn and
+        the lean server writes what they yield together); with a slowdown, a request's next token waits for
+        the first step after its longer inter-token latency."""
         core = self._core
         if core.config.decode_steps != "batch":
             return when
-        itl = core.scheduler.itl()
-        if itl <= 0:
+        sched = core.scheduler
+        period = sched.config.decode_s_per_token * sched.slow_factor
+        if period <= 0:
             return when
-        return math.ceil(when / itl - 1e-9) * itl
+        epoch = core.step_epoch
+        return epoch + math.ceil((when - epoch) / period - 1e-9) * period
 
     async def _sleep_until(self, when: float) -> None:
         when = self._on_step(when)
@@ -355,6 +360,7 @@ class EngineCore:
         self.wallclock = wallclock
         self._exit = exit_process
         self.started_at = wallclock()
+        self.step_epoch = clock()  # decode steps (``decode_steps="batch"``) count from here
         self.cache = PrefixCache(config.cache_blocks, config.block_size)
         self.scheduler = Scheduler(config.scheduler_config(), self.cache)
         eos = tokenizer.eos_token_ids

@@ -33,7 +33,7 @@ class EngineConfig:
     output_len: int = 32
     stream_interval: int = 1
     # "request": each request's tokens on its own clock, from its first token; "batch": on the engine's
-    # step clock (multiples of the inter-token latency), every running request's token at the same step,
+    # step clock (a step every base inter-token latency), every running request's token at the same step,
     # as SGLang's and vLLM's schedulers emit a whole decode batch per forward pass
     decode_steps: str = "request"
     role: str = "both"

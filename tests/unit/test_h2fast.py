@@ -207,11 +207,30 @@ def open_grpc_stream(lp: asyncio.AbstractEventLoop) -> tuple[Harness, GrpcStream
     return h, s
 
 
-def test_the_c_read_wakes_a_waiter_and_leaves_a_subclass_its_own_on_grpc_messages() -> None:
-    """The C read calls a GrpcStream's listener itself; with a waiter set it wakes the waiter instead
-    (the listener untouched, as ``on_grpc_messages`` does), and a subclass's ``on_grpc_messages`` is its
-    own (called, not bypassed)."""
-    assert _REAL is not None
+def test_the_c_read_wakes_a_waiter_and_leaves_a_subclass_its_own_on_grpc_messages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The C read calls a GrpcStream's listener itself (not through ``on_grpc_messages``); with a waiter
+    set it goes through the method, which wakes the waiter (the listener untouched); a subclass's
+    ``on_grpc_messages`` is its own (called, not bypassed)."""
+    real = _REAL
+    assert real is not None
+    taken = [0]
+
+    def counting(conn: object, chunk: bytes, off: int, max_frame: int) -> int:
+        r = real(conn, chunk, off, max_frame)
+        taken[0] += r > off
+        return r
+
+    monkeypatch.setattr(h2_conn, "_grpc_data", counting)
+    method = GrpcStream.on_grpc_messages
+    through: list[int] = []
+
+    def counted(self: GrpcStream) -> None:
+        through.append(len(self.messages))
+        method(self)
+
+    monkeypatch.setattr(GrpcStream, "on_grpc_messages", counted)
     lp = asyncio.new_event_loop()
     try:
         h, s = open_grpc_stream(lp)
@@ -220,8 +239,10 @@ def test_the_c_read_wakes_a_waiter_and_leaves_a_subclass_its_own_on_grpc_message
         fut = s.wait()
         h.conn.receive(h2.frame(h2.DATA, 0, s.stream_id, grpc_message(b"a")))
         assert fut.done() and calls == [] and list(s.messages) == [b"a"]
+        assert through == [1] and taken == [1]  # the waiter: through the method, from the C read
         h.conn.receive(h2.frame(h2.DATA, 0, s.stream_id, grpc_message(b"b")))
         assert calls == [2]  # no waiter now: the listener
+        assert through == [1] and taken == [2]  # called by the C read itself
 
         seen: list[int] = []
 
@@ -234,7 +255,7 @@ def test_the_c_read_wakes_a_waiter_and_leaves_a_subclass_its_own_on_grpc_message
         h.conn.open_stream(o, h2.RequestHeaders("a:1").block("/svc/M"), grpc_message(b"req"))
         h.conn.receive(h.server.ok_headers(o.stream_id))
         h.conn.receive(h2.frame(h2.DATA, 0, o.stream_id, grpc_message(b"c")))
-        assert seen == [1] and calls == [2]
+        assert seen == [1] and calls == [2] and taken == [3]
     finally:
         lp.close()
 

@@ -507,9 +507,9 @@ async def test_core_take_ready_equals_the_event_stream() -> None:
     stalling.close()
 
 
-def _stepped_times(steps: str, starts: Sequence[float]) -> list[list[float]]:
+def _stepped_times(steps: str, starts: Sequence[float], slowdown: float = 0.0) -> list[list[float]]:
     """The clock times at which each request's chunks come out of a paced core (20 ms a token, prefill
-    ~0), requests started at ``starts``: the waits move a fake clock instead of sleeping."""
+    ~0, ``slowdown``), requests started at ``starts``: the waits move a fake clock instead of sleeping."""
     now = [0.0]
     c = EngineCore(
         EngineConfig(
@@ -517,7 +517,7 @@ def _stepped_times(steps: str, starts: Sequence[float]) -> list[list[float]]:
             cache_blocks=64,
             max_running=8,
             decode_ms_per_token=20.0,
-            decode_slowdown=0.0,
+            decode_slowdown=slowdown,
             prefill_us_per_token=1.0,
             decode_steps=steps,
         ),
@@ -562,3 +562,8 @@ def test_batch_steps_put_every_request_on_the_engine_step_clock() -> None:
     assert len(phases) == 3  # three clocks of their own
     for times in own:
         assert all(round((b - a) / 0.02, 6) == 1.0 for a, b in itertools.pairwise(times))
+    # with the batch slowdown (a longer latency while others run) the steps stay on the same clock: a
+    # token waits for the first step after its latency
+    for times in _stepped_times("batch", starts, slowdown=0.5):
+        assert all(abs(t / 0.02 - round(t / 0.02)) < 1e-6 for t in times), times
+        assert all(round((b - a) / 0.02, 6) in (1.0, 2.0) for a, b in itertools.pairwise(times))

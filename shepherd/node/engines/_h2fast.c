@@ -9,8 +9,9 @@
  * WINDOW_UPDATE to send is ``receive``'s). Then it does what ``receive`` and ``_grpc_run`` do: the counts
  * grow by the run's payload, the messages (prefix stripped) go to the sink, and the stream's
  * ``on_grpc_messages`` follows (which may close streams or fail the connection: the next run is checked
- * after it; for a ``GrpcStream``, registered by ``direct_stream``, done here: its listener called). The rest of the read, from the offset returned, is the Python frame loop's. The property tests
- * compare the two on any frames. */
+ * after it; for a ``GrpcStream``, registered by ``direct_stream``, done here: its listener called). The
+ * rest of the read, from the offset returned, is the Python frame loop's. The property tests compare the
+ * two on any frames. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>

@@ -350,4 +350,6 @@ try:  # the C read calls a GrpcStream's listener itself (no Python frame per pac
 except ImportError:  # pragma: no cover - without a C compiler
     pass
 else:
-    _h2fast.direct_stream(GrpcStream)
+    _direct = getattr(_h2fast, "direct_stream", None)  # (None: a build from before it: the method)
+    if _direct is not None:
+        _direct(GrpcStream)
