@@ -140,7 +140,8 @@ def main() -> int:
     trace = routing._trace_of(args)
     n = 1 if a.mode == "single" else a.mesh
     load0 = os.getloadavg()
-    behind = " behind haproxy" if a.lb and a.mode == "single" else ""
+    behind_lb = a.mode == "rr" or (a.mode == "single" and a.lb)
+    behind = " behind haproxy" if behind_lb and a.mode == "single" else ""
     print(
         f"mesh_cpu_breakdown {a.gateway} {a.mode}{behind} x{n}, tree {tree}, "
         f"{time.strftime('%Y-%m-%d %H:%M')}, load {load0[0]:.2f}"
@@ -149,7 +150,7 @@ def main() -> int:
     report: dict[str, Any] = {
         "gateway": a.gateway,
         "mode": a.mode,
-        "lb": a.mode == "rr" or (a.mode == "single" and a.lb),
+        "lb": behind_lb,
         "nodes": n,
         "tree": tree,
         "per_node": [],
@@ -166,7 +167,7 @@ def main() -> int:
             specs = routing.gateways(a.gateway, "cache_aware", engines, model_dir, extra, n, tp)
             procs = [group.start(s) for s in specs]
             port = procs[0].spec.ready_port or 0
-            if a.mode == "rr" or (a.mode == "single" and a.lb):
+            if behind_lb:
                 lb = group.start(routing.lb_spec(free_port(), [s.ready_port or 0 for s in specs], tp))
                 port = lb.spec.ready_port or 0
             time.sleep(3.0)  # the mesh joins

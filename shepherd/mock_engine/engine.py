@@ -197,7 +197,8 @@ class Run:
         plans = self.plans
         longest = max((len(p.token_ids) for p in plans), default=0)
         if not zero and longest > 1:
-            await self._sleep((longest - 1) * core.scheduler.itl())
+            # (until a time, not for a while: with batch steps the answer too comes on a decode step)
+            await self._sleep_until(core.clock() + (longest - 1) * core.scheduler.itl())
         if faults.stall_after_tokens is not None and longest >= faults.stall_after_tokens:
             await self._sleep(faults.stall_seconds)
         if self._stopped():

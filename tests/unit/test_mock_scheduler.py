@@ -507,9 +507,12 @@ async def test_core_take_ready_equals_the_event_stream() -> None:
     stalling.close()
 
 
-def _stepped_times(steps: str, starts: Sequence[float], slowdown: float = 0.0) -> list[list[float]]:
-    """The clock times at which each request's chunks come out of a paced core (20 ms a token, prefill
-    ~0, ``slowdown``), requests started at ``starts``: the waits move a fake clock instead of sleeping."""
+def _stepped_times(
+    steps: str, starts: Sequence[float], slowdown: float = 0.0, stream: bool = True
+) -> list[list[float]]:
+    """The clock times at which each request's chunks (``stream``; else its one answer) come out of a
+    paced core (20 ms a token, prefill ~0, ``slowdown``), requests started at ``starts``: the waits move
+    a fake clock instead of sleeping."""
     now = [0.0]
     c = EngineCore(
         EngineConfig(
@@ -531,9 +534,10 @@ def _stepped_times(steps: str, starts: Sequence[float], slowdown: float = 0.0) -
 
     async def one(i: int, at: float) -> list[float]:
         now[0] = at
-        run = c.start(req(f"r{i}", n_prompt=20 + i, stream=True))
+        run = c.start(req(f"r{i}", n_prompt=20 + i, stream=stream))
+        kind = EngineChunk if stream else EngineComplete
         try:
-            return [now[0] async for ev in run.events() if isinstance(ev, EngineChunk)]
+            return [now[0] async for ev in run.events() if isinstance(ev, kind)]
         finally:
             run.close()
 
@@ -567,3 +571,6 @@ def test_batch_steps_put_every_request_on_the_engine_step_clock() -> None:
     for times in _stepped_times("batch", starts, slowdown=0.5):
         assert all(abs(t / 0.02 - round(t / 0.02)) < 1e-6 for t in times), times
         assert all(round((b - a) / 0.02, 6) in (1.0, 2.0) for a, b in itertools.pairwise(times))
+    # a non-streamed answer comes on a step too (its last token's), whatever the latency
+    answers = _stepped_times("batch", starts, slowdown=0.5, stream=False)
+    assert all(len(times) == 1 and abs(times[0] / 0.02 - round(times[0] / 0.02)) < 1e-6 for times in answers)
