@@ -662,13 +662,8 @@ class PushPullServer:
         tls.abort()
 
     def _forget_handshake(self, task: asyncio.Task[Any], ip: str) -> None:
-        if self._pending.pop(task, None) is None:
-            return
-        left = self._handshaking[ip] - 1
-        if left:
-            self._handshaking[ip] = left
-        else:
-            del self._handshaking[ip]
+        if self._pending.pop(task, None) is not None:
+            _count_down(self._handshaking, ip)
 
     async def _handshake(self, task: asyncio.Task[Any], tls: TlsStream, ip: str, peer: Any) -> str | None:
         """The TLS handshake under the handshake budget; the peer's identity, or None (closed)."""
@@ -788,13 +783,8 @@ class PushPullServer:
         return header
 
     def _forget_idle(self, task: asyncio.Task[Any], identity: str) -> None:
-        if self._idle.pop(task, None) is None:
-            return
-        left = self._idle_per_peer[identity] - 1
-        if left:
-            self._idle_per_peer[identity] = left
-        else:
-            del self._idle_per_peer[identity]
+        if self._idle.pop(task, None) is not None:
+            _count_down(self._idle_per_peer, identity)
 
     def _evict_idle(self, task: asyncio.Task[Any], *, count: bool = True) -> None:
         """Close an idle kept-alive session gracefully (close_notify: its next request was not read)."""
@@ -878,6 +868,35 @@ class PushPullError(Exception):
     """A push-pull exchange failed: connection, TLS (refused or untrusted peer), identity, frame, timeout."""
 
 
+def _count_down(counts: dict[str, int], key: str) -> None:
+    """One fewer of ``key`` in a per-peer count; a count that reaches zero leaves the dict."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
+
+
+async def _dial(
+    dest: Addr, ssl_context: ssl.SSLContext, expected_identity: str | None, m: TransportMetrics
+) -> tuple[TlsStream, str]:
+    """Connect to ``dest`` and run the client's TLS handshake: the stream and the server's certificate
+    identity. A server whose certificate does not name ``expected_identity`` (if given) is refused
+    (``CertError``). On any failure the connection is aborted before the exception leaves."""
+    reader, writer = await asyncio.open_connection(dest[0], dest[1], limit=_READ_LIMIT)
+    tls = TlsStream(reader, writer, ssl_context, server_side=False)
+    try:
+        await tls.handshake()
+        m.tcp_handshakes_out += 1
+        identity = peer_identity(tls.ssl_object)
+        if expected_identity is not None and identity != expected_identity:
+            raise CertError(f"peer at {dest} is {identity!r}, expected {expected_identity!r}")
+    except BaseException:
+        tls.abort()
+        raise
+    return tls, identity
+
+
 @dataclass(frozen=True)
 class PushPullReply:
     identity: str
@@ -903,13 +922,7 @@ async def push_pull_request(
     tls: TlsStream | None = None
     try:
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(dest[0], dest[1], limit=_READ_LIMIT)
-            tls = TlsStream(reader, writer, ssl_context, server_side=False)
-            await tls.handshake()
-            m.tcp_handshakes_out += 1
-            identity = peer_identity(tls.ssl_object)
-            if expected_identity is not None and identity != expected_identity:
-                raise CertError(f"peer at {dest} is {identity!r}, expected {expected_identity!r}")
+            tls, identity = await _dial(dest, ssl_context, expected_identity, m)
             frame = keyring.seal(payload) if keyring is not None else payload
             await write_frame(tls, frame, max_size=max_frame, timeout=timeout)
             m.tcp_bytes_out += len(frame) + _FRAME.size
@@ -971,25 +984,12 @@ class KeptConnection:
         """Connect and run the TLS handshake; a server whose certificate does not name
         ``expected_identity`` (if given) is refused. ``PushPullError`` on any failure."""
         m = metrics if metrics is not None else TransportMetrics()
-        tls: TlsStream | None = None
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(dest[0], dest[1], limit=_READ_LIMIT)
-                tls = TlsStream(reader, writer, ssl_context, server_side=False)
-                await tls.handshake()
-                m.tcp_handshakes_out += 1
-                identity = peer_identity(tls.ssl_object)
-                if expected_identity is not None and identity != expected_identity:
-                    raise CertError(f"peer at {dest} is {identity!r}, expected {expected_identity!r}")
+                tls, identity = await _dial(dest, ssl_context, expected_identity, m)
         except (OSError, ssl.SSLError, TimeoutError, CertError) as e:
             m.tcp_errors_out += 1
-            if tls is not None:
-                tls.abort()
             raise PushPullError(f"connection to {dest[0]}:{dest[1]} failed: {type(e).__name__}: {e}") from e
-        except BaseException:
-            if tls is not None:
-                tls.abort()
-            raise
         m.tcp_sessions_out += 1
         return cls(dest, tls, identity)
 
