@@ -140,6 +140,7 @@ log = logging.getLogger("shepherd.mesh.state")
 MAX_RESEND = 256  # owned payloads held for their second send (``resend_s``), the newest kept
 
 IX_co = TypeVar("IX_co", bound=IndexReplica, covariant=True)
+_Observed = TypeVar("_Observed", HealthRecord, HealthDelta, HealthBeacon, Observation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -717,19 +718,17 @@ class MeshState(Generic[IX_co]):
         elif tag == "f":
             deltas = [delta_from_wire(x) for x in expect_list(body, max_len=4096)]
             relay = not self.cfg.first_hand
-            for d in self._own_items(deltas, src):
+            for d in self._own(deltas, src):
                 self._health_changed(self.health.merge_delta(d, relay))
         elif tag == "b":
             beacons = [beacon_from_wire(x) for x in expect_list(body, max_len=4096)]
             relay = not self.cfg.first_hand
-            for b in self._own_items(beacons, src):
+            for b in self._own(beacons, src):
                 self._health_changed(self.health.merge_beacon(b, relay))
         elif tag == "H":
-            self._health_changed(self.health.merge_records(self._own_records(records_from_wire(body), src)))
+            self._health_changed(self.health.merge_records(self._own(records_from_wire(body), src)))
         elif tag == "h":  # a peer of the earlier format's observations
-            self._health_changed(
-                self.health.merge_legacy(self._own_observations(observations_from_wire(body), src))
-            )
+            self._health_changed(self.health.merge_legacy(self._own(observations_from_wire(body), src)))
         elif tag == "i":
             model, groups = decode_index_body(body)
             self._apply_index(model, groups)
@@ -779,25 +778,12 @@ class MeshState(Generic[IX_co]):
         self.stats.foreign_entries_dropped += len(entries) - len(out)
         return out
 
-    def _own_records(self, records: list[HealthRecord], src: str) -> list[HealthRecord]:
+    def _own(self, items: list[_Observed], src: str) -> list[_Observed]:
+        """Health items first-hand from ``src`` only (its own observations; ``src`` "": all)."""
         if not src:
-            return records
-        out = [r for r in records if r.observer == src]
-        self.stats.foreign_entries_dropped += len(records) - len(out)
-        return out
-
-    def _own_items(self, items: list[HealthDelta] | list[HealthBeacon], src: str) -> list[Any]:
-        if not src:
-            return list(items)
-        out = [d for d in items if d.observer == src]
+            return items
+        out = [x for x in items if x.observer == src]
         self.stats.foreign_entries_dropped += len(items) - len(out)
-        return out
-
-    def _own_observations(self, obs: list[Observation], src: str) -> list[Observation]:
-        if not src:
-            return obs
-        out = [o for o in obs if o.observer == src]
-        self.stats.foreign_entries_dropped += len(obs) - len(out)
         return out
 
     def _apply_extra(self, name: str, value: Any, snapshot: bool, src: str = "") -> None:
@@ -870,9 +856,9 @@ class MeshState(Generic[IX_co]):
             yield from self._apply_extra_steps(name, value, src)
         self._registry_changed(self.registry.merge(self._own_entries(entries, src)))
         if observations:
-            self._health_changed(self.health.merge_legacy(self._own_observations(observations, src)))
+            self._health_changed(self.health.merge_legacy(self._own(observations, src)))
         if records:
-            self._health_changed(self.health.merge_records(self._own_records(records, src)))
+            self._health_changed(self.health.merge_records(self._own(records, src)))
         self._pp_peer = peer
         for model, groups in bodies:
             self._apply_index(model, groups)
