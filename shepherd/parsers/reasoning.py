@@ -7,8 +7,11 @@ One machine, configured per family by a ``ThinkSpec``:
   and MiniMax M2 do) or be ``forced`` by the family (the model never writes the start marker);
   a start marker the model writes anyway at the very beginning is dropped;
 - otherwise the output is reasoning only if it begins (after whitespace) with the start marker;
-- reasoning ends at the end marker, or at an ``implicit_end`` marker (a tool-call opener the model
-  sometimes writes without closing the block first), which stays in the content for the tool parser;
+- reasoning ends at the end marker, or, when the request's tool calls are parsed (``tool_calls``), at
+  an ``implicit_end`` marker (a tool-call opener the model sometimes writes without closing the block
+  first), which stays in the content for the tool parser; the end marker the model may still write
+  after such a call is dropped from the content. Without tool parsing, a tool-call opener inside the
+  block is reasoning like any other text (vLLM's think parsers split on the end marker alone);
 - ``content_drop`` markers (Cohere's text-block markers) are removed from the content;
 - whitespace right after the start marker and right after the end marker is dropped
   (``<think>\\n...</think>\\n\\nAnswer`` gives content ``Answer``);
@@ -55,11 +58,16 @@ class ThinkTagReasoningParser:
     )
 
     def __init__(
-        self, spec: ThinkSpec, *, thinking_enabled: bool = True, prompt_opened_think: bool = False
+        self,
+        spec: ThinkSpec,
+        *,
+        thinking_enabled: bool = True,
+        prompt_opened_think: bool = False,
+        tool_calls: bool = True,
     ) -> None:
         self._start = spec.start
         self._end = spec.end
-        self._reason_markers = (spec.end, *spec.implicit_end)
+        self._reason_markers = (spec.end, *spec.implicit_end) if tool_calls else (spec.end,)
         self._drop = spec.content_drop
         self._drop_firsts = frozenset(m[0] for m in spec.content_drop)
         self._buf = ""
@@ -136,6 +144,10 @@ class ThinkTagReasoningParser:
                         self._content_lstrip = True
                     else:
                         buf = buf[i:]
+                        # the block was not closed: its end marker, if the model writes it after the
+                        # call, is no content
+                        self._drop = (*self._drop, self._end)
+                        self._drop_firsts = self._drop_firsts | {self._end[0]}
                     continue
                 hold = partial_suffix_len(buf, self._reason_markers)
                 if hold:

@@ -167,18 +167,23 @@ def _reasoning_family(name: str) -> tuple[str, ReasoningFamily]:
 
 
 def get_reasoning_parser(
-    name: str, *, thinking_enabled: bool = True, prompt_opened_think: bool = False
+    name: str, *, thinking_enabled: bool = True, prompt_opened_think: bool = False, tool_calls: bool = True
 ) -> ReasoningParser:
     """A fresh reasoning parser. ``thinking_enabled=False`` passes all text through as content;
     ``prompt_opened_think``: the rendered prompt ends inside an open think block
-    (see ``prompt_opens_think``). Raises ValueError for an unknown name."""
+    (see ``prompt_opens_think``); ``tool_calls``: the request's tool calls are parsed (a tool-call
+    opener may then end the think block, see ``ThinkSpec.implicit_end``). Raises ValueError for an
+    unknown name."""
     _, family = _reasoning_family(name)
     if family.spec is None:
         return HarmonyReasoningParser(
             thinking_enabled=thinking_enabled, prompt_opened_think=prompt_opened_think
         )
     return ThinkTagReasoningParser(
-        family.spec, thinking_enabled=thinking_enabled, prompt_opened_think=prompt_opened_think
+        family.spec,
+        thinking_enabled=thinking_enabled,
+        prompt_opened_think=prompt_opened_think,
+        tool_calls=tool_calls,
     )
 
 

@@ -39,6 +39,22 @@ CASES: list[tuple[str, dict[str, bool], str, str, str]] = [
         "Need weather.\n",
         '<tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>',
     ),
+    # ... and then may still close it: the end marker is no content
+    (
+        "qwen3",
+        {},
+        '<think>\nI might call <tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>\n</think>\n\nNo.',
+        "I might call ",
+        '<tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>\n\n\nNo.',
+    ),
+    # without tool parsing, a tool-call opener inside the block is reasoning (vLLM's think parsers)
+    (
+        "qwen3",
+        {"tool_calls": False},
+        '<think>\nI might call <tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>\n</think>\n\nNo.',
+        'I might call <tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>\n',
+        "No.",
+    ),
     ("qwen3", {"prompt_opened_think": True}, "Thinking.\n</think>\n\nDone.", "Thinking.\n", "Done."),
     ("qwen3_thinking", {}, "Let me see.\n</think>\n\nParis.", "Let me see.\n", "Paris."),
     ("qwen3_thinking", {}, "<think>\nLet me see.\n</think>\n\nParis.", "Let me see.\n", "Paris."),
@@ -137,17 +153,19 @@ _ALPHABET = st.sampled_from(
         ["deepseek_r1", "qwen3", "qwen3_thinking", "glm45", "nemotron", "cohere", "gpt_oss"]
     ),
     opened=st.booleans(),
+    tools=st.booleans(),
     pieces=st.lists(_ALPHABET, max_size=25),
     data=st.data(),
 )
 def test_arbitrary_text_is_chunking_invariant_and_loses_nothing(
-    family: str, opened: bool, pieces: list[str], data: st.DataObject
+    family: str, opened: bool, tools: bool, pieces: list[str], data: st.DataObject
 ) -> None:
     text = "".join(pieces)
-    whole = run_reasoning(get_reasoning_parser(family, prompt_opened_think=opened), [text])
+    kw = {"prompt_opened_think": opened, "tool_calls": tools}
+    whole = run_reasoning(get_reasoning_parser(family, **kw), [text])
     cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=10)))
     chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-    assert run_reasoning(get_reasoning_parser(family, prompt_opened_think=opened), chunks) == whole
+    assert run_reasoning(get_reasoning_parser(family, **kw), chunks) == whole
     if family != "gpt_oss":  # markers and some whitespace are removed, nothing else
         r, c = whole
         squeeze = "".join(text.split()).replace("<think>", "").replace("</think>", "")

@@ -109,7 +109,11 @@ class ChatOutput:
     def choice(self, enc: ChoiceEncoder | None = None, index: int = 0) -> ChoiceParsing:
         """Fresh parsers for one choice; ``enc`` and ``index`` for a streamed one."""
         reasoning = (
-            get_reasoning_parser(self.reasoning, prompt_opened_think=self.prompt_opened_think)
+            get_reasoning_parser(
+                self.reasoning,
+                prompt_opened_think=self.prompt_opened_think,
+                tool_calls=self.tool_parser is not None,
+            )
             if self.reasoning
             else None
         )
