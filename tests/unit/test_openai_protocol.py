@@ -69,6 +69,16 @@ def test_content_parts_flattened() -> None:
         ({"model": "m", "messages": [{"role": "user"}]}, "messages.0.content"),
         ({"model": 7, "messages": MSG}, "model"),  # absent is fine: the gateway serves its one model
         (chat(tools=[{"type": "function"}]), "tools.0"),
+        # a tool answer names the call it answers (OpenAI: missing_required_parameter)
+        (chat(messages=[*MSG, {"role": "tool", "content": "42"}]), "messages.1.tool_call_id"),
+        (
+            chat(messages=[*MSG, {"role": "tool", "content": "42", "tool_call_id": 7}]),
+            "messages.1.tool_call_id",
+        ),
+        # metadata: string values, at most 16 pairs (as OpenAI, and as the Responses API here)
+        (chat(metadata={"a": 5}), "metadata.a"),
+        (chat(metadata={str(i): "v" for i in range(17)}), "metadata"),
+        (chat(metadata=["a"]), "metadata"),
         (
             {
                 "model": "m",

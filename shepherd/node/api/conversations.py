@@ -40,7 +40,7 @@ from shepherd.node.api.common import (
 from shepherd.node.cluster.history import OwnerGone
 from shepherd.node.http.body import json_response, read_json
 from shepherd.node.openai.items import parse_items
-from shepherd.node.openai.responses import MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE
+from shepherd.node.openai.requests import parse_metadata
 from shepherd.proto.openai_errors import ApiError, bad
 from shepherd.storage.ids import tag_of
 from shepherd.storage.types import NotFound, StoredConversation, StoredItem
@@ -76,36 +76,6 @@ def _item_id(request: web.Request) -> str:
     if not _ID_RE.match(iid):
         raise bad(f"Invalid 'item_id': {iid[:80]!r}.", param="item_id", code="invalid_value")
     return iid
-
-
-def check_metadata(v: Any, param: str = "metadata") -> dict[str, str]:
-    """OpenAI's metadata: at most 16 string pairs, keys up to 64 characters, values up to 512."""
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise bad(f"'{param}' must be an object of string keys and values.", param=param, code="invalid_type")
-    if len(v) > MAX_METADATA_PAIRS:
-        raise bad(
-            f"'{param}' has {len(v)} keys, more than the {MAX_METADATA_PAIRS} allowed.",
-            param=param,
-            code="object_above_max_properties",
-        )
-    for k, x in v.items():
-        if len(k) > MAX_METADATA_KEY:
-            raise bad(
-                f"'{param}' key {k[:80]!r} is longer than {MAX_METADATA_KEY} characters.",
-                param=param,
-                code="string_above_max_length",
-            )
-        if not isinstance(x, str):
-            raise bad(f"'{param}.{k}' must be a string.", param=f"{param}.{k}", code="invalid_type")
-        if len(x) > MAX_METADATA_VALUE:
-            raise bad(
-                f"'{param}.{k}' is longer than {MAX_METADATA_VALUE} characters.",
-                param=f"{param}.{k}",
-                code="string_above_max_length",
-            )
-    return dict(v)
 
 
 def _known(d: dict[str, Any], allowed: tuple[str, ...]) -> None:
@@ -173,7 +143,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, history.conversations_refused, param=None, code="conversations_disabled")
     d = await _body(request)
     _known(d, ("items", "metadata"))
-    metadata = check_metadata(d.get("metadata"))
+    metadata = parse_metadata(d.get("metadata"))
     now = time.time()
     items = _parse(d.get("items"), history, None, now, required=False)
     conv = StoredConversation(history.new_id("conv"), now, metadata, owner_of(request))
@@ -197,7 +167,7 @@ async def update(request: web.Request) -> web.StreamResponse:
         raise bad(
             "Missing required parameter: 'metadata'.", param="metadata", code="missing_required_parameter"
         )
-    metadata = check_metadata(d["metadata"])
+    metadata = parse_metadata(d["metadata"])
     await _load(request, history, cid)
     c = await history.store.update_conversation(cid, metadata)
     if c is None:

@@ -44,6 +44,9 @@ from shepherd.node.openai.tool_choice import NONE as NO_TOOL_CHOICE
 from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, parse_tool_choice
 from shepherd.proto.openai_errors import bad
 
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_N = 128
 MAX_STOP = 16
@@ -446,6 +449,43 @@ def _content_text(content: Any, idx: int) -> Any:
     )
 
 
+def parse_metadata(v: Any, param: str = "metadata") -> dict[str, str]:
+    """OpenAI's metadata (chat completions, responses, conversations): at most 16 string pairs, keys up to
+    64 and values up to 512 characters."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad(f"Invalid type for '{param}': expected an object.", param=param, code="invalid_type")
+    if len(v) > MAX_METADATA_PAIRS:
+        raise bad(
+            f"Invalid '{param}': too many properties. Expected an object with at most "
+            f"{MAX_METADATA_PAIRS} properties, but got {len(v)} instead.",
+            param=param,
+            code="object_above_max_properties",
+        )
+    for k, val in v.items():
+        if len(k) > MAX_METADATA_KEY:
+            raise bad(
+                f"Invalid '{param}': key {k[:80]!r} is longer than {MAX_METADATA_KEY} characters.",
+                param=param,
+                code="string_above_max_length",
+            )
+        if not isinstance(val, str):
+            raise bad(
+                f"Invalid type for '{param}.{k}': expected a string.",
+                param=f"{param}.{k}",
+                code="invalid_type",
+            )
+        if len(val) > MAX_METADATA_VALUE:
+            raise bad(
+                f"Invalid '{param}.{k}': string too long. Expected a string with maximum length "
+                f"{MAX_METADATA_VALUE}, but got a string with length {len(val)} instead.",
+                param=f"{param}.{k}",
+                code="string_above_max_length",
+            )
+    return dict(v)
+
+
 def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
     msgs = d.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -474,6 +514,11 @@ def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
         tcs = m.get("tool_calls")
         if tcs is not None and not isinstance(tcs, list):
             raise bad(f"messages[{i}].tool_calls must be a list.", param=f"messages.{i}.tool_calls")
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):  # as OpenAI: it names its call
+            missing = m.get("tool_call_id") is None
+            what = "Missing required parameter" if missing else "Invalid type (expected a string) for"
+            code = "missing_required_parameter" if missing else "invalid_type"
+            raise bad(f"{what}: 'messages[{i}].tool_call_id'.", param=f"messages.{i}.tool_call_id", code=code)
         out.append(msg)
     return _legacy_history(out) if legacy else out
 
@@ -586,6 +631,7 @@ CHAT_OPTION_KEYS: frozenset[str] = frozenset(
         "parallel_tool_calls",
         "separate_reasoning",
         "reasoning_effort",
+        "metadata",
         "functions",
         "function_call",
         *GUIDED_KEYS,
@@ -645,6 +691,7 @@ def _parse_chat_options(
     guided = parse_guided(d, budget, pending)
     cont = _bool(d, "continue_final_message", False)
     tools = _tools_deferred(d, budget, pending)
+    parse_metadata(d.get("metadata"))  # (checked as OpenAI does; not used)
     effort = d.get("reasoning_effort")
     if effort is not None and effort not in REASONING_EFFORTS:
         msg = f"'reasoning_effort' must be one of {sorted(REASONING_EFFORTS)}."

@@ -18,7 +18,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shepherd.node.openai.requests import Sampling, parse_sampling, shown
+from shepherd.node.openai.requests import (
+    MAX_METADATA_KEY,
+    MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE,
+    Sampling,
+    parse_metadata,
+    parse_sampling,
+    shown,
+)
 from shepherd.node.openai.structured import PendingSchema, SchemaBudget
 from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, parse_tool_choice
 from shepherd.proto.openai_errors import ApiError, bad
@@ -35,9 +43,6 @@ __all__ = [
     "response_not_found",
 ]
 
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
 MAX_TOP_LOGPROBS = 20
 MAX_INSTRUCTIONS_CHARS = 4 << 20
 EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh"})
@@ -115,42 +120,6 @@ def _bool(d: dict[str, Any], key: str, default: bool) -> bool:
     if not isinstance(v, bool):
         raise bad(f"Invalid type for '{key}': expected a boolean.", param=key, code="invalid_type")
     return v
-
-
-def parse_metadata(v: Any, param: str = "metadata") -> dict[str, str]:
-    """OpenAI's metadata: at most 16 string pairs, keys up to 64 and values up to 512 characters."""
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise bad(f"Invalid type for '{param}': expected an object.", param=param, code="invalid_type")
-    if len(v) > MAX_METADATA_PAIRS:
-        raise bad(
-            f"Invalid '{param}': too many properties. Expected an object with at most "
-            f"{MAX_METADATA_PAIRS} properties, but got {len(v)} instead.",
-            param=param,
-            code="object_above_max_properties",
-        )
-    for k, val in v.items():
-        if len(k) > MAX_METADATA_KEY:
-            raise bad(
-                f"Invalid '{param}': key {k[:80]!r} is longer than {MAX_METADATA_KEY} characters.",
-                param=param,
-                code="string_above_max_length",
-            )
-        if not isinstance(val, str):
-            raise bad(
-                f"Invalid type for '{param}.{k}': expected a string.",
-                param=f"{param}.{k}",
-                code="invalid_type",
-            )
-        if len(val) > MAX_METADATA_VALUE:
-            raise bad(
-                f"Invalid '{param}.{k}': string too long. Expected a string with maximum length "
-                f"{MAX_METADATA_VALUE}, but got a string with length {len(val)} instead.",
-                param=f"{param}.{k}",
-                code="string_above_max_length",
-            )
-    return dict(v)
 
 
 def _tools(
