@@ -82,14 +82,7 @@ class ResponseParser:
 
     def __init__(self, on_body: Callable[[bytes], None]) -> None:
         self._on_body = on_body
-        self._buf = b""
-        self._state = _HEAD
-        self._remaining = 0
-        self.status = 0
-        self.reason = ""
-        self.keep_alive = True
-        self.chunked = False
-        self.content_length: int | None = None
+        self.reset()
 
     def reset(self) -> None:
         self._buf = b""
@@ -99,7 +92,7 @@ class ResponseParser:
         self.reason = ""
         self.keep_alive = True
         self.chunked = False
-        self.content_length = None
+        self.content_length: int | None = None
 
     @property
     def complete(self) -> bool:

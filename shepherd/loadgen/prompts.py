@@ -225,6 +225,29 @@ class ChatShape:
     include_usage: bool = True  # stream_options.include_usage, for streams
 
 
+def _system_head(factory: PromptFactory, shape: ChatShape) -> bytes:
+    """A body's bytes up to the end of its system message: ``{"model":...,"messages":[{...system...}``
+    (the messages after it and the closing bracket are the caller's)."""
+    return (
+        b'{"model":'
+        + orjson.dumps(shape.model)
+        + b',"messages":[{"role":"system","content":'
+        + orjson.dumps(factory.system_prompt)
+        + b"}"
+    )
+
+
+def _tail_fields(shape: ChatShape) -> bytes:
+    """The fields after ``messages``, to the body's closing brace, without the opening one (the caller
+    puts them after its comma)."""
+    tail: dict[str, object] = {"max_tokens": shape.max_tokens, "stream": shape.stream}
+    if shape.ignore_eos:
+        tail["ignore_eos"] = True
+    if shape.stream and shape.include_usage:
+        tail["stream_options"] = {"include_usage": True}
+    return orjson.dumps(tail)[1:]
+
+
 class ChatRequestSource:
     """Complete HTTP request bytes, one per call: pool repeats or fresh distinct messages."""
 
@@ -241,20 +264,8 @@ class ChatRequestSource:
         cfg = factory.config
         self._ratio = cfg.repeat_ratio
         self._rng = random.Random(cfg.seed + 1)
-        system = orjson.dumps(factory.system_prompt)
-        self._prefix = (
-            b'{"model":'
-            + orjson.dumps(shape.model)
-            + b',"messages":[{"role":"system","content":'
-            + system
-            + b'},{"role":"user","content":"'
-        )
-        tail: dict[str, object] = {"max_tokens": shape.max_tokens, "stream": shape.stream}
-        if shape.ignore_eos:
-            tail["ignore_eos"] = True
-        if shape.stream and shape.include_usage:
-            tail["stream_options"] = {"include_usage": True}
-        self._suffix = b'"}],' + orjson.dumps(tail)[1:]
+        self._prefix = _system_head(factory, shape) + b',{"role":"user","content":"'
+        self._suffix = b'"}],' + _tail_fields(shape)
         self._pool = [self._render(i) for i in range(cfg.pool_size)] if self._ratio > 0 else []
         self._next_pool = 0
         # fresh messages never coincide with pool ones (indices below pool_size)
@@ -323,20 +334,8 @@ class ConversationSource:
         self._first_tokens = max(
             16, round(factory.user_tokens_target - mean_extra), factory.user_tokens_target // 8
         )
-        system = orjson.dumps(factory.system_prompt)
-        self._prefix = (
-            b'{"model":'
-            + orjson.dumps(shape.model)
-            + b',"messages":[{"role":"system","content":'
-            + system
-            + b"}"
-        )
-        tail: dict[str, object] = {"max_tokens": shape.max_tokens, "stream": shape.stream}
-        if shape.ignore_eos:
-            tail["ignore_eos"] = True
-        if shape.stream and shape.include_usage:
-            tail["stream_options"] = {"include_usage": True}
-        self._suffix = b"]," + orjson.dumps(tail)[1:]
+        self._prefix = _system_head(factory, shape)
+        self._suffix = b"]," + _tail_fields(shape)
         self._start = start_index
         self._sent = 0
         self.sent = 0

@@ -11,8 +11,10 @@ import lzma
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from shepherd.loadgen.procs import ProcSpec
 
@@ -116,67 +118,68 @@ def mock_engine_spec(
     )
 
 
-def node_spec(
-    port: int, grpc_port: int, model_dir: Path, *, cpus: str | None, extra: tuple[str, ...] = ()
+def gateway_spec(
+    gateway: Literal["node", "smg"],
+    name: str,
+    port: int,
+    worker_urls: Sequence[str],
+    model_dir: Path,
+    policy: str,
+    extra: Sequence[str] = (),
+    *,
+    cpus: str | None = None,
 ) -> ProcSpec:
+    """A gateway in front of ``worker_urls``: ours (``gateway="node"``, ``smg-node serve``) or the Rust
+    original (``"smg"``, ``smg launch``), on 127.0.0.1:``port``, routing by ``policy``, logging warnings
+    only, then ``extra``. Ours takes smg's flags, so one argv serves both; only the command and the
+    spelling of the log level differ."""
+    if gateway == "node":
+        head, level = [*console_script("smg-node", "shepherd.node.cli"), "serve"], "warning"
+    else:
+        head, level = [str(peers_dir() / "smg" / "bin" / "smg"), "launch"], "warn"
     argv = [
-        *console_script("smg-node", "shepherd.node.cli"),
-        "serve",
+        *head,
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
         "--worker-urls",
-        f"grpc://127.0.0.1:{grpc_port}",
+        *worker_urls,
         "--model-path",
         str(model_dir),
         "--policy",
-        "round_robin",
+        policy,
         "--log-level",
-        "warning",
+        level,
         *extra,
     ]
     return ProcSpec(
-        name="node",
+        name=name,
         argv=tuple(argv),
         cpus=cpus,
         ready_port=port,
         ready_path="/readiness",
         ready_timeout_s=90.0,
     )
+
+
+def smg_metrics_args(metrics_port: int) -> tuple[str, ...]:
+    """smg's metrics listener on 127.0.0.1:``metrics_port``: its default, 0.0.0.0:29000, is one a second
+    smg on the host would clash on."""
+    return ("--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port))
+
+
+def node_spec(
+    port: int, grpc_port: int, model_dir: Path, *, cpus: str | None, extra: tuple[str, ...] = ()
+) -> ProcSpec:
+    url = f"grpc://127.0.0.1:{grpc_port}"
+    return gateway_spec("node", "node", port, [url], model_dir, "round_robin", extra, cpus=cpus)
 
 
 def smg_spec(port: int, grpc_port: int, model_dir: Path, *, cpus: str | None, metrics_port: int) -> ProcSpec:
-    exe = peers_dir() / "smg" / "bin" / "smg"
-    argv = [
-        str(exe),
-        "launch",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        f"grpc://127.0.0.1:{grpc_port}",
-        "--model-path",
-        str(model_dir),
-        "--policy",
-        "round_robin",
-        "--log-level",
-        "warn",
-        # its metrics listener defaults to 0.0.0.0:29000, which a second smg on the host would clash on
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(metrics_port),
-    ]
-    return ProcSpec(
-        name="smg",
-        argv=tuple(argv),
-        cpus=cpus,
-        ready_port=port,
-        ready_path="/readiness",
-        ready_timeout_s=90.0,
-    )
+    url = f"grpc://127.0.0.1:{grpc_port}"
+    metrics = smg_metrics_args(metrics_port)
+    return gateway_spec("smg", "smg", port, [url], model_dir, "round_robin", metrics, cpus=cpus)
 
 
 def litellm_config(http_port: int, model: str = "qwen3") -> str:

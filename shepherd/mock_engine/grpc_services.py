@@ -38,6 +38,7 @@ from shepherd.mock_engine.lean_grpc import LeanGrpcServer
 from shepherd.mock_engine.outputs import OutputSpec
 from shepherd.mock_engine.pd_check import BootstrapClient, verify_decode
 from shepherd.mock_engine.requests import MockRequest, MockRpcError
+from shepherd.mock_engine.scheduler import LoadSnapshot
 from shepherd.mock_engine.wire import ChunkWire
 from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent
 
@@ -120,6 +121,16 @@ class _Service:
 
     def _request(self, request: Any) -> MockRequest:
         raise NotImplementedError
+
+    def _note_request(self, request: Any) -> Any:
+        """Record a GenerateRequest in the stats (its dialect, sampling params and constraint); returns
+        its sampling params."""
+        sp = request.sampling_params
+        stats = self._core.stats
+        stats.last_request_kind = self.KIND
+        stats.last_sampling_params = _lazy_dict(sp)
+        stats.record_constraint(request.request_id, sp)
+        return sp
 
     PB: Any = None  # the dialect's generated module (GenerateResponse, GenerateStreamChunk, ...)
 
@@ -220,6 +231,48 @@ class _Service:
         module = VLLM if self.KIND == "vllm" else SGL
         return module.EmbedResponse(embedding_dim=len(vec), embedding=vec, prompt_tokens=n)
 
+    async def HealthCheck(self, request: Any, context: Any) -> Any:
+        self._core.stats.count_rpc(f"{self.KIND}.HealthCheck")
+        return self.PB.HealthCheckResponse(healthy=True, message="ok")
+
+    async def GetModelInfo(self, request: Any, context: Any) -> Any:
+        core = self._core
+        core.stats.count_rpc(f"{self.KIND}.GetModelInfo")
+        cfg = core.config
+        versioned = {"weight_version": "mock"} if self.KIND == "sglang" else {}  # a field vLLM's has not
+        return self.PB.GetModelInfoResponse(
+            model_path=cfg.model,
+            tokenizer_path=cfg.tokenizer_path,
+            is_generation=not cfg.embedding_model,
+            served_model_name=cfg.model,
+            max_context_length=cfg.context_length,
+            vocab_size=core.tokenizer.vocab_size,
+            supports_vision=False,
+            model_type="mock",
+            eos_token_ids=list(core.tokenizer.eos_token_ids),
+            max_req_input_len=cfg.context_length - 1,
+            architectures=["MockForCausalLM"],
+            **versioned,
+        )
+
+    async def GetLoads(self, request: Any, context: Any) -> Any:
+        """The one scheduler's load (``include`` picks the sections SGLang's has; vLLM's has none)."""
+        core = self._core
+        core.stats.count_rpc(f"{self.KIND}.GetLoads")
+        load = core.loads()
+        pb = self.PB
+        return pb.GetLoadsResponse(
+            timestamp=_iso_now(),
+            version="mock",
+            dp_rank_count=1,
+            loads=[scheduler_load(pb, load, list(request.include), core.config.role)],
+            **self._loads_extra(load),
+        )
+
+    def _loads_extra(self, load: LoadSnapshot) -> dict[str, Any]:
+        """Fields of the dialect's GetLoadsResponse beyond those both have."""
+        return {}
+
     async def FlushCache(self, request: Any, context: Any) -> Any:
         self._core.stats.count_rpc(f"{self.KIND}.FlushCache")
         ok = self._core.flush_cache()
@@ -244,12 +297,8 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
     PB = SGL
 
     def _request(self, request: Any) -> MockRequest:
-        core = self._core
-        sp = request.sampling_params
-        stats = core.stats
-        stats.last_request_kind = "sglang"
-        stats.last_sampling_params = _lazy_dict(sp)
-        stats.record_constraint(request.request_id, sp)
+        sp = self._note_request(request)
+        stats = self._core.stats
         disagg = request.HasField("disaggregated_params") and bool(
             request.disaggregated_params.bootstrap_host
         )
@@ -283,29 +332,6 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
         found = self._core.abort(request.request_id)
         return SGL.AbortResponse(
             success=found, message=f"request {request.request_id} {'aborted' if found else 'not found'}"
-        )
-
-    async def HealthCheck(self, request: Any, context: Any) -> Any:
-        self._core.stats.count_rpc("sglang.HealthCheck")
-        return SGL.HealthCheckResponse(healthy=True, message="ok")
-
-    async def GetModelInfo(self, request: Any, context: Any) -> Any:
-        core = self._core
-        core.stats.count_rpc("sglang.GetModelInfo")
-        cfg = core.config
-        return SGL.GetModelInfoResponse(
-            model_path=cfg.model,
-            tokenizer_path=cfg.tokenizer_path,
-            is_generation=not cfg.embedding_model,
-            weight_version="mock",
-            served_model_name=cfg.model,
-            max_context_length=cfg.context_length,
-            vocab_size=core.tokenizer.vocab_size,
-            supports_vision=False,
-            model_type="mock",
-            eos_token_ids=list(core.tokenizer.eos_token_ids),
-            max_req_input_len=cfg.context_length - 1,
-            architectures=["MockForCausalLM"],
         )
 
     async def GetServerInfo(self, request: Any, context: Any) -> Any:
@@ -351,16 +377,10 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
             max_total_num_tokens=load.max_total_tokens,
         )
 
-    async def GetLoads(self, request: Any, context: Any) -> Any:
-        core = self._core
-        core.stats.count_rpc("sglang.GetLoads")
-        load = core.loads()
-        return SGL.GetLoadsResponse(
-            timestamp=_iso_now(),
-            version="mock",
-            dp_rank_count=1,
-            loads=[scheduler_load(SGL, load, list(request.include), core.config.role)],
-            aggregate=SGL.AggregateMetrics(
+    def _loads_extra(self, load: LoadSnapshot) -> dict[str, Any]:
+        """SGLang's GetLoads also sums its dp ranks (here the one)."""
+        return {
+            "aggregate": SGL.AggregateMetrics(
                 total_running_reqs=load.running,
                 total_waiting_reqs=load.waiting,
                 total_reqs=load.running + load.waiting,
@@ -368,7 +388,7 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
                 avg_throughput=load.gen_throughput,
                 avg_utilization=load.utilization,
             ),
-        )
+        }
 
 
 # ---- vLLM ------------------------------------------------------------------------------------------
@@ -380,11 +400,8 @@ class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: i
 
     def _request(self, request: Any) -> MockRequest:
         core = self._core
-        sp = request.sampling_params
+        sp = self._note_request(request)
         stats = core.stats
-        stats.last_request_kind = "vllm"
-        stats.last_sampling_params = _lazy_dict(sp)
-        stats.record_constraint(request.request_id, sp)
         if request.HasField("tokenized"):
             prompt = tuple(request.tokenized.input_ids)
             text = request.tokenized.original_text
@@ -423,28 +440,6 @@ class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: i
             self._core.abort(rid)
         return VLLM.AbortResponse()
 
-    async def HealthCheck(self, request: Any, context: Any) -> Any:
-        self._core.stats.count_rpc("vllm.HealthCheck")
-        return VLLM.HealthCheckResponse(healthy=True, message="ok")
-
-    async def GetModelInfo(self, request: Any, context: Any) -> Any:
-        core = self._core
-        core.stats.count_rpc("vllm.GetModelInfo")
-        cfg = core.config
-        return VLLM.GetModelInfoResponse(
-            model_path=cfg.model,
-            is_generation=not cfg.embedding_model,
-            max_context_length=cfg.context_length,
-            vocab_size=core.tokenizer.vocab_size,
-            supports_vision=False,
-            served_model_name=cfg.model,
-            tokenizer_path=cfg.tokenizer_path,
-            model_type="mock",
-            architectures=["MockForCausalLM"],
-            eos_token_ids=list(core.tokenizer.eos_token_ids),
-            max_req_input_len=cfg.context_length - 1,
-        )
-
     async def GetServerInfo(self, request: Any, context: Any) -> Any:
         core = self._core
         core.stats.count_rpc("vllm.GetServerInfo")
@@ -464,17 +459,6 @@ class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: i
             block_size=cfg.block_size,
             model_dtype="torch.bfloat16",
             max_num_seqs=cfg.max_running,
-        )
-
-    async def GetLoads(self, request: Any, context: Any) -> Any:
-        core = self._core
-        core.stats.count_rpc("vllm.GetLoads")
-        load = core.loads()
-        return VLLM.GetLoadsResponse(
-            timestamp=_iso_now(),
-            version="mock",
-            dp_rank_count=1,
-            loads=[scheduler_load(VLLM, load, (), core.config.role)],
         )
 
 

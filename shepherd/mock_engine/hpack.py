@@ -315,23 +315,24 @@ class Decoder:
                 index, pos = _decode_int(data, pos, 7)
                 headers.append(self._get(index))
             elif b & 0x40:  # literal with incremental indexing
-                index, pos = _decode_int(data, pos, 6)
-                if index:
-                    name = self._get(index)[0]
-                else:
-                    name, pos = self._string(data, pos)
-                value, pos = self._string(data, pos)
+                name, value, pos = self._literal(data, pos, 6)
                 self._add(name, value)
                 headers.append((name, value))
             elif b & 0x20:  # dynamic table size update
                 size, pos = _decode_int(data, pos, 5)
                 self._resize(size)
             else:  # literal without indexing (0000) / never indexed (0001)
-                index, pos = _decode_int(data, pos, 4)
-                if index:
-                    name = self._get(index)[0]
-                else:
-                    name, pos = self._string(data, pos)
-                value, pos = self._string(data, pos)
+                name, value, pos = self._literal(data, pos, 4)
                 headers.append((name, value))
         return headers
+
+    def _literal(self, data: bytes, pos: int, prefix: int) -> tuple[bytes, bytes, int]:
+        """A literal field at ``pos``: its name by index (a ``prefix``-bit integer, the kinds of literal
+        differ only in that width) or, at index 0, as a string; then its value."""
+        index, pos = _decode_int(data, pos, prefix)
+        if index:
+            name = self._get(index)[0]
+        else:
+            name, pos = self._string(data, pos)
+        value, pos = self._string(data, pos)
+        return name, value, pos

@@ -23,7 +23,16 @@ from tokenizers.decoders import DecodeStream
 
 from shepherd.mock_engine.engine import EngineCore, Run, TokenizerLike
 from shepherd.mock_engine.http_embeddings import EmbeddingsRoute
-from shepherd.mock_engine.http_params import HttpError, Params, StopText, parse_params
+from shepherd.mock_engine.http_params import (
+    HttpError,
+    Params,
+    StopText,
+    error_response,
+    json_body,
+    json_object,
+    json_response,
+    parse_params,
+)
 from shepherd.mock_engine.http_pooling import PoolingRoutes
 from shepherd.mock_engine.requests import MockRequest, MockRpcError
 from shepherd.proto.engine_types import EngineChunk, EngineComplete, TokenLogprob
@@ -38,9 +47,6 @@ HTTP_STATUS = {
     "UNAVAILABLE": 503,
     "DEADLINE_EXCEEDED": 504,
 }
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
-
-JSON_HEADERS = {"Content-Type": "application/json"}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 DONE = b"data: [DONE]\n\n"
 
@@ -59,24 +65,6 @@ class ChatTokenizer(TokenizerLike, Protocol):
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str: ...
-
-
-def error_response(
-    status: int, message: str, code: str | None = None, param: str | None = None
-) -> web.Response:
-    body = {
-        "error": {
-            "message": message,
-            "type": ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
-            "param": param,
-            "code": code,
-        }
-    }
-    return web.Response(status=status, body=orjson.dumps(body), headers=JSON_HEADERS)
-
-
-def json_response(obj: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(obj), headers=JSON_HEADERS)
 
 
 # ---- the app ----------------------------------------------------------------------------------------
@@ -171,15 +159,9 @@ class MockHttpApi:
 
     # ---- control ----------------------------------------------------------------------------------
 
-    async def _json_body(self, request: web.Request) -> Any:
-        try:
-            return orjson.loads(await request.read())
-        except orjson.JSONDecodeError as e:
-            raise HttpError(400, f"invalid JSON: {e}", "invalid_json") from e
-
     async def add_responses(self, request: web.Request) -> web.Response:
         try:
-            body = await self._json_body(request)
+            body = json_body(await request.read())
             entries = body if isinstance(body, list) else [body]
             for entry in entries:
                 if not isinstance(entry, dict) or not isinstance(entry.get("text"), str):
@@ -208,7 +190,7 @@ class MockHttpApi:
 
     async def set_faults(self, request: web.Request) -> web.Response:
         try:
-            body = await self._json_body(request)
+            body = json_body(await request.read())
             if not isinstance(body, dict):
                 raise HttpError(400, "faults must be a JSON object", "invalid_type")
             try:
@@ -254,10 +236,7 @@ class MockHttpApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self.core.stats.count_rpc("http.chat_completions")
         try:
-            body = await self._json_body(request)
-            if not isinstance(body, dict):
-                raise HttpError(400, "the body must be a JSON object", "invalid_type")
-            self._check_model(body)
+            body = json_object(await request.read(), self.model)
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise HttpError(400, "messages must be a non-empty list", "invalid_type", "messages")
@@ -283,10 +262,7 @@ class MockHttpApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.core.stats.count_rpc("http.completions")
         try:
-            body = await self._json_body(request)
-            if not isinstance(body, dict):
-                raise HttpError(400, "the body must be a JSON object", "invalid_type")
-            self._check_model(body)
+            body = json_object(await request.read(), self.model)
             params = parse_params(body, chat=False)
             prompts = self._prompts(body.get("prompt"))
         except HttpError as e:
@@ -296,11 +272,6 @@ class MockHttpApi:
         return await self._generate(
             request, rid, prompts, params, chat=False, echo=bool(body.get("echo", False))
         )
-
-    def _check_model(self, body: Mapping[str, Any]) -> None:
-        model = body.get("model")
-        if model is not None and model != self.model:
-            raise HttpError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
 
     def _prompts(self, prompt: Any) -> list[tuple[tuple[int, ...], str]]:
         tok = self.tokenizer

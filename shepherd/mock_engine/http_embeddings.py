@@ -14,22 +14,13 @@ import sys
 from array import array
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from shepherd.mock_engine.embeddings import embed_ids
 from shepherd.mock_engine.engine import TokenizerLike
 from shepherd.mock_engine.engine_config import EngineConfig
-from shepherd.mock_engine.http_params import HttpError
+from shepherd.mock_engine.http_params import HttpError, error_response, json_object, json_response
 from shepherd.mock_engine.stats import MockStats
-
-_JSON = {"Content-Type": "application/json"}
-
-
-def _error(e: HttpError) -> web.Response:
-    kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-    body = {"error": {"message": e.message, "type": kind, "param": e.param, "code": e.code}}
-    return web.Response(status=e.status, body=orjson.dumps(body), headers=_JSON)
 
 
 def _inputs(inp: Any, tok: TokenizerLike) -> list[list[int]]:
@@ -74,15 +65,7 @@ class EmbeddingsRoute:
         self.stats.count_rpc("http.embeddings")
         cfg = self.config
         try:
-            try:
-                body = orjson.loads(await request.read())
-            except orjson.JSONDecodeError as e:
-                raise HttpError(400, f"invalid JSON: {e}", "invalid_json") from None
-            if not isinstance(body, dict):
-                raise HttpError(400, "the body must be a JSON object", "invalid_type")
-            model = body.get("model")
-            if model is not None and model != cfg.model:
-                raise HttpError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
+            body = json_object(await request.read(), cfg.model)
             all_ids = _inputs(body.get("input"), self.tokenizer)
             fmt = body.get("encoding_format") or "float"
             if fmt not in ("float", "base64"):
@@ -94,7 +77,7 @@ class EmbeddingsRoute:
                 if len(ids) > cfg.context_length:
                     raise HttpError(400, "an input is longer than the context", "context_length_exceeded")
         except HttpError as e:
-            return _error(e)
+            return error_response(e.status, e.message, e.code, e.param)
         data = []
         for i, ids in enumerate(all_ids):
             vec = embed_ids(ids, cfg.embedding_dim, cfg.seed)
@@ -110,4 +93,4 @@ class EmbeddingsRoute:
             "model": cfg.model,
             "usage": {"prompt_tokens": n, "total_tokens": n},
         }
-        return web.Response(body=orjson.dumps(out), headers=_JSON)
+        return json_response(out)

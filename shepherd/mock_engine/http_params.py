@@ -1,7 +1,9 @@
 """The request side of the mock engine's HTTP surface: a chat or completions body's parameters, parsed
 and checked into ``Params`` (``parse_params``; a bad one raises ``HttpError``, the status and OpenAI error
 fields to answer with), and the request's stop strings applied to the output text as it grows
-(``StopText``).
+(``StopText``). Also what every route of the surface (``http_api``, ``http_embeddings``,
+``http_pooling``) reads and answers with: a body as JSON (``json_body``, ``json_object``), a JSON answer
+(``json_response``) and an error's (``error_response``).
 """
 
 from __future__ import annotations
@@ -10,9 +12,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+from aiohttp import web
+
 from shepherd.mock_engine.outputs import OutputSpec
 
-__all__ = ["HttpError", "Params", "StopText", "parse_params"]
+__all__ = [
+    "HttpError",
+    "Params",
+    "StopText",
+    "error_response",
+    "json_body",
+    "json_object",
+    "json_response",
+    "parse_params",
+]
+
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class HttpError(Exception):
@@ -22,6 +39,44 @@ class HttpError(Exception):
         self.message = message
         self.code = code
         self.param = param
+
+
+def error_response(
+    status: int, message: str, code: str | None = None, param: str | None = None
+) -> web.Response:
+    body = {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+    return web.Response(status=status, body=orjson.dumps(body), headers=_JSON_HEADERS)
+
+
+def json_response(obj: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(obj), headers=_JSON_HEADERS)
+
+
+def json_body(raw: bytes) -> Any:
+    """A request body parsed as JSON; HttpError 400 when it is not JSON."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise HttpError(400, f"invalid JSON: {e}", "invalid_json") from e
+
+
+def json_object(raw: bytes, model: str) -> dict[str, Any]:
+    """A request body that must be a JSON object, for the model served as ``model`` (or naming none);
+    HttpError 400 or 404 otherwise."""
+    body = json_body(raw)
+    if not isinstance(body, dict):
+        raise HttpError(400, "the body must be a JSON object", "invalid_type")
+    asked = body.get("model")
+    if asked is not None and asked != model:
+        raise HttpError(404, f"The model `{asked}` does not exist.", "model_not_found", "model")
+    return body
 
 
 def _opt_int(body: Mapping[str, Any], *names: str) -> int | None:

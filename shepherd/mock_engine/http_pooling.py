@@ -23,21 +23,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from shepherd.mock_engine.engine import TokenizerLike
-from shepherd.mock_engine.http_params import HttpError
+from shepherd.mock_engine.http_params import HttpError, error_response, json_object, json_response
 from shepherd.mock_engine.stats import MockStats
 
 LABELS = ("negative", "positive")
-_JSON = {"Content-Type": "application/json"}
-
-
-def _error(e: HttpError) -> web.Response:
-    kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-    body = {"error": {"message": e.message, "type": kind, "param": e.param, "code": e.code}}
-    return web.Response(status=e.status, body=orjson.dumps(body), headers=_JSON)
 
 
 def unit(*parts: str) -> float:
@@ -80,19 +72,10 @@ class PoolingRoutes:
         async def handle(request: web.Request) -> web.Response:
             self.stats.count_rpc("http" + path.replace("/v1/", "/").replace("/", "."))
             try:
-                try:
-                    body = orjson.loads(await request.read())
-                except orjson.JSONDecodeError as e:
-                    raise HttpError(400, f"invalid JSON: {e}", "invalid_json") from e
-                if not isinstance(body, dict):
-                    raise HttpError(400, "the body must be a JSON object", "invalid_type")
-                model = body.get("model")
-                if model is not None and model != self.model:
-                    raise HttpError(404, f"The model `{model}` does not exist.", "model_not_found", "model")
-                out = fn(body)
+                out = fn(json_object(await request.read(), self.model))
             except HttpError as e:
-                return _error(e)
-            return web.Response(body=orjson.dumps(out), headers=_JSON)
+                return error_response(e.status, e.message, e.code, e.param)
+            return json_response(out)
 
         return handle
 
@@ -101,6 +84,17 @@ class PoolingRoutes:
 
     def _id(self, prefix: str) -> str:
         return f"{prefix}-mock-{next(self._ids)}"
+
+    def _listed(self, kind: str, data: list[dict[str, Any]], tokens: int) -> dict[str, Any]:
+        """The envelope vLLM's score and classify answers share: ``data`` and the prompt tokens read."""
+        return {
+            "id": self._id(kind),
+            "object": "list",
+            "created": int(time.time()),
+            "model": self.model,
+            "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
+        }
 
     def rerank(self, body: Mapping[str, Any]) -> dict[str, Any]:
         query = body.get("query")
@@ -147,14 +141,7 @@ class PoolingRoutes:
         for i, (x, y) in enumerate(zip(left, right, strict=True)):
             tokens += self._tokens(x) + self._tokens(y)
             data.append({"index": i, "object": "score", "score": unit("score", x, y)})
-        return {
-            "id": self._id("score"),
-            "object": "list",
-            "created": int(time.time()),
-            "model": self.model,
-            "data": data,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
-        }
+        return self._listed("score", data, tokens)
 
     def classify(self, body: Mapping[str, Any]) -> dict[str, Any]:
         inputs = _texts(body.get("input"), "input")
@@ -167,11 +154,4 @@ class PoolingRoutes:
             probs = [1 - p1, p1]
             label = LABELS[1] if p1 >= 0.5 else LABELS[0]
             data.append({"index": i, "label": label, "probs": probs, "num_classes": len(LABELS)})
-        return {
-            "id": self._id("classify"),
-            "object": "list",
-            "created": int(time.time()),
-            "model": self.model,
-            "data": data,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},
-        }
+        return self._listed("classify", data, tokens)

@@ -42,7 +42,14 @@ from shepherd.loadgen.procs import ProcessFailed, ProcessGroup, ProcSpec, free_p
 from shepherd.loadgen.procstat import TreeCpuTracker
 from shepherd.loadgen.sse import SseParser
 from shepherd.loadgen.stats import Distribution
-from shepherd.loadgen.targets import PEERS_SETUP, console_script, extract_tokenizer, peer_installed, peers_dir
+from shepherd.loadgen.targets import (
+    PEERS_SETUP,
+    console_script,
+    extract_tokenizer,
+    gateway_spec,
+    peer_installed,
+    smg_metrics_args,
+)
 from shepherd.loadgen.trace import Conversation, Trace, TraceConfig, generate_trace
 
 MODEL = "qwen3"
@@ -198,54 +205,16 @@ def reset(ports: Sequence[EnginePorts]) -> None:
 def node_spec(
     port: int, engines: Sequence[EnginePorts], policy: str, model_dir: Path, extra: Sequence[str]
 ) -> ProcSpec:
-    argv = [
-        *console_script("smg-node", "shepherd.node.cli"),
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        *(e.url for e in engines),
-        "--model-path",
-        str(model_dir),
-        "--model-id",
-        MODEL,
-        "--policy",
-        policy,
-        "--log-level",
-        "warning",
-        *extra,
-    ]
-    return ProcSpec(
-        name=f"node-{policy}", argv=tuple(argv), ready_port=port, ready_path="/readiness", ready_timeout_s=90
+    urls = [e.url for e in engines]
+    return gateway_spec(
+        "node", f"node-{policy}", port, urls, model_dir, policy, ["--model-id", MODEL, *extra]
     )
 
 
 def smg_spec(port: int, engines: Sequence[EnginePorts], model_dir: Path, extra: Sequence[str]) -> ProcSpec:
-    argv = [
-        str(peers_dir() / "smg" / "bin" / "smg"),
-        "launch",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        *(e.url for e in engines),
-        "--model-path",
-        str(model_dir),
-        "--policy",
-        "cache_aware",
-        "--log-level",
-        "warn",
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(free_port()),
-        *extra,
-    ]
-    return ProcSpec(
-        name="smg", argv=tuple(argv), ready_port=port, ready_path="/readiness", ready_timeout_s=90
+    urls = [e.url for e in engines]
+    return gateway_spec(
+        "smg", "smg", port, urls, model_dir, "cache_aware", [*smg_metrics_args(free_port()), *extra]
     )
 
 
