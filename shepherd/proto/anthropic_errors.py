@@ -26,6 +26,7 @@ __all__ = [
     "anthropic_kind",
     "anthropic_status",
     "convert_body",
+    "failure_kind",
     "is_messages_path",
 ]
 
@@ -40,8 +41,10 @@ _KINDS = {
     413: "request_too_large",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    504: "timeout_error",
     529: "overloaded_error",
 }
+_TIMEOUT_CODES = frozenset({"timeout", "engine_timeout"})  # (an in-band failure's code: timeout_error)
 
 
 def is_messages_path(path: str) -> bool:
@@ -60,6 +63,14 @@ def anthropic_kind(status: int) -> str:
     if kind is not None:
         return kind
     return "api_error" if status >= 500 else "invalid_request_error"
+
+
+def failure_kind(code: str) -> str:
+    """The error ``type`` of a stream that failed after its start (``event: error``), from the node's
+    error ``code``: overloaded, timed out, or an API error."""
+    if code in ("no_available_worker", "overloaded"):
+        return "overloaded_error"
+    return "timeout_error" if code in _TIMEOUT_CODES else "api_error"
 
 
 def anthropic_body(status: int, message: str) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from shepherd.node.anthropic.requests import parse_count_tokens, parse_messages,
 from shepherd.node.openai.sse import ChatChunks
 from shepherd.node.openai.structured import check_schemas_now
 from shepherd.node.output.chat import ChatOutput, ChoiceEncoder, final_reason
-from shepherd.proto.anthropic_errors import convert_body, is_messages_path
+from shepherd.proto.anthropic_errors import anthropic_body, convert_body, is_messages_path
 from shepherd.proto.openai_errors import ApiError
 
 TOOL = {
@@ -214,6 +214,70 @@ def test_thinking() -> None:
     _bad(_req(max_tokens=4000, thinking={"type": "enabled", "budget_tokens": 100}), "budget_tokens")
     _bad(_req(max_tokens=2000, thinking={"type": "enabled", "budget_tokens": 2000}), "max_tokens")
     _bad(_req(thinking={"type": "maybe"}), "thinking")
+    # adaptive (the current SDK's first choice): thinking on, no budget
+    r = parse_messages(_req(thinking={"type": "adaptive"}))
+    assert r.thinking and r.thinking_budget is None and r.chat.separate_reasoning
+
+
+def test_consecutive_turns_of_one_role_are_one_turn() -> None:
+    user = {"role": "user", "content": "a"}
+    msgs = [user, {"role": "user", "content": [{"type": "text", "text": "b"}]}]
+    assert parse_messages(_req(messages=msgs)).chat.messages == [{"role": "user", "content": "a\nb"}]
+    # a prefill written as two assistant turns: one continued answer
+    r = parse_messages(
+        _req(
+            messages=[
+                user,
+                {"role": "assistant", "content": "first"},
+                {"role": "assistant", "content": " second"},
+            ]
+        )
+    )
+    assert r.chat.messages[1:] == [{"role": "assistant", "content": "first second"}]
+    assert r.chat.continue_final_message
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+    turns = [
+        user,
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "s"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "x"}, call]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "1"}]},
+    ]
+    m = parse_messages(_req(messages=turns, tools=[TOOL])).chat.messages
+    assert [x["role"] for x in m] == ["user", "assistant", "tool"]
+    assert (m[1]["content"], m[1]["reasoning_content"], len(m[1]["tool_calls"])) == ("x", "t", 1)
+
+
+def test_structured_outputs_and_strict_tools_reach_the_chat_request() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    for d in (
+        _req(output_config={"format": {"type": "json_schema", "schema": schema}}),
+        _req(output_format={"type": "json_schema", "schema": schema}),  # the beta's spelling
+    ):
+        chat = parse_messages(d).chat
+        assert chat.response_format == {
+            "type": "json_schema",
+            "json_schema": {"name": "output", "schema": schema, "strict": True},
+        }
+        assert len(chat.schemas) == 1  # meta-validated later, as a tool's input_schema
+    bad_schema = parse_messages(
+        _req(output_config={"format": {"type": "json_schema", "schema": {"type": 5}}})
+    )
+    with pytest.raises(ApiError, match=r"output_config\.format\.schema"):
+        check_schemas_now(bad_schema.chat.schemas)
+    _bad(_req(output_config={"format": {"type": "xml"}}), "output_config.format")
+    _bad(_req(output_config={"format": {"type": "json_schema"}}), "output_config.format")
+    _bad(_req(output_config={"colour": "red"}), "output_config.colour")
+    _bad(_req(output_config={"effort": "max"}), "output_config.effort")
+    _bad(_req(output_config=[]), "output_config")
+    # effort: the thinking switch's effort when thinking is on, a hint otherwise
+    on = _req(output_config={"effort": "low"}, thinking={"type": "adaptive"})
+    assert parse_messages(on).chat.reasoning_effort == "low"
+    assert parse_messages(_req(output_config={"effort": "low"})).chat.reasoning_effort is None
+    # a strict tool's input is constrained to its schema, as a strict OpenAI function's
+    tools = parse_messages(_req(tools=[{**TOOL, "strict": True}, {**TOOL, "name": "other"}])).chat.tools
+    assert tools is not None
+    assert [t["function"].get("strict") for t in tools] == [True, None]
+    _bad(_req(tools=[{**TOOL, "strict": "yes"}]), "strict")
 
 
 # ---- answers ----
@@ -315,6 +379,11 @@ def test_stream_failure_is_an_error_event() -> None:
     enc = MessageEvents("msg_1", "m", 1)
     evs = _events(enc.role(0) + enc.content(0, "x") + enc.failed("the engine failed", "engine_error"))
     assert evs[-1] == {"type": "error", "error": {"type": "api_error", "message": "the engine failed"}}
+    # a timeout is Anthropic's timeout_error (its 504), in band as out of band
+    enc = MessageEvents("msg_2", "m", 1)
+    evs = _events(enc.role(0) + enc.failed("engine timed out: 8 s", "engine_timeout"))
+    assert evs[-1]["error"]["type"] == "timeout_error"
+    assert anthropic_body(504, "late")["error"]["type"] == "timeout_error"
 
 
 # ---- the error envelope ----

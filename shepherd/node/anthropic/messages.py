@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 
 from shepherd.node.anthropic.requests import tool_use_id
-from shepherd.proto.anthropic_errors import anthropic_kind
+from shepherd.proto.anthropic_errors import failure_kind
 
 __all__ = [
     "MessageEvents",
@@ -236,5 +236,4 @@ class MessageEvents:
 
     def failed(self, message: str, code: str) -> bytes:
         """An in-band failure: ``event: error`` in the Anthropic envelope (the stream ends after it)."""
-        kind = "overloaded_error" if code in ("no_available_worker", "overloaded") else anthropic_kind(500)
-        return sse("error", {"error": {"type": kind, "message": message}})
+        return sse("error", {"error": {"type": failure_kind(code), "message": message}})

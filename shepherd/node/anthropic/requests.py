@@ -19,6 +19,11 @@ wait in ``chat.schemas`` for ``check_schemas`` (off the loop, after the model lo
 - ``thinking``: ``{type: enabled, budget_tokens}`` (>= 1024 and < ``max_tokens``; accepted, not enforced
   on its own: ``max_tokens`` bounds the whole answer) turns the template's ``enable_thinking`` on and the
   reasoning parser with it; absent or ``{type: disabled}``: both off (Anthropic's default).
+- ``output_config.format`` (or the beta's ``output_format``): ``{type: json_schema, schema}`` -> the
+  answer constrained to the schema (as a chat ``response_format``); ``output_config.effort`` -> the
+  reasoning effort when thinking is on (otherwise accepted, as ``budget_tokens``); a tool's
+  ``strict: true`` constrains its input to its schema.
+- ``thinking: {type: adaptive}`` turns thinking on without a budget.
 - ``max_tokens`` is required (create); ``temperature`` in [0, 1], ``top_p``, ``top_k``;
   ``stop_sequences`` (at most ``MAX_STOP`` of at most ``MAX_STOP_CHARS`` characters);
   ``metadata.user_id`` (a string of at most 256 characters, or null).
@@ -118,7 +123,7 @@ def _user_blocks(
 
     def flush() -> None:
         if texts:
-            out.append({"role": "user", "content": "\n".join(texts)})
+            _add_turn(out, {"role": "user", "content": "\n".join(texts)})
             texts.clear()
 
     for j, b in enumerate(content):
@@ -218,6 +223,30 @@ def _assistant_blocks(content: list[Any], where: str, calls: set[str]) -> dict[s
     return msg
 
 
+def _add_turn(out: list[dict[str, Any]], msg: dict[str, Any]) -> None:
+    """Append a user or assistant message; one of the same role right before it is the same turn
+    (Anthropic: "consecutive user or assistant turns in your request will be combined into a single
+    turn"): its text joined as the turn's own blocks are (user "\\n", assistant ""), its reasoning and
+    tool calls after the earlier ones."""
+    prev = out[-1] if out else None
+    role = msg["role"]
+    if prev is None or prev["role"] != role:
+        out.append(msg)
+        return
+    a, b = prev.get("content"), msg.get("content")
+    if role == "user":
+        prev["content"] = f"{a}\n{b}"
+        return
+    prev["content"] = None if a is None and b is None else (a or "") + (b or "")
+    if "reasoning_content" in msg:
+        r = prev.get("reasoning_content")
+        prev["reasoning_content"] = (
+            msg["reasoning_content"] if r is None else f"{r}\n{msg['reasoning_content']}"
+        )
+    if "tool_calls" in msg:
+        prev["tool_calls"] = [*(prev.get("tool_calls") or []), *msg["tool_calls"]]
+
+
 def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
     """The chat messages (``system`` first) and whether the last turn is an assistant's prefill."""
     out: list[dict[str, Any]] = []
@@ -241,12 +270,12 @@ def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
             raise bad(f"{w}.role: expected 'user' or 'assistant'.", param=f"{w}.role")
         content = m.get("content")
         if isinstance(content, str):
-            out.append({"role": role, "content": content})
+            _add_turn(out, {"role": role, "content": content})
         elif isinstance(content, list):
             if role == "user":
                 _user_blocks(content, w, calls, out, answered)
             else:
-                out.append(_assistant_blocks(content, w, calls))
+                _add_turn(out, _assistant_blocks(content, w, calls))
         else:
             raise bad(f"{w}.content: expected a string or a list of content blocks.", param=f"{w}.content")
         prefill = role == "assistant"
@@ -300,6 +329,11 @@ def _tools(
         fn: dict[str, Any] = {"name": name, "parameters": schema}
         if desc:
             fn["description"] = desc
+        strict = t.get("strict")
+        if strict not in (None, True, False):
+            raise bad(f"{w}.strict: expected a boolean.", param=f"{w}.strict")
+        if strict:  # the call's input is constrained to its schema, as a strict OpenAI function's
+            fn["strict"] = True
         out.append({"type": "function", "function": fn})
     return out or None
 
@@ -339,8 +373,10 @@ def _thinking(d: dict[str, Any], max_tokens: int | None) -> tuple[bool, int | No
     kind = t.get("type")
     if kind == "disabled":
         return False, None
+    if kind == "adaptive":  # the model decides how much to think: on, with no budget of its own
+        return True, None
     if kind != "enabled":
-        raise bad("thinking.type: expected 'enabled' or 'disabled'.", param="thinking.type")
+        raise bad("thinking.type: expected 'enabled', 'adaptive' or 'disabled'.", param="thinking.type")
     budget = t.get("budget_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise bad("thinking.budget_tokens: Field required (an integer).", param="thinking.budget_tokens")
@@ -353,6 +389,37 @@ def _thinking(d: dict[str, Any], max_tokens: int | None) -> tuple[bool, int | No
             "`max_tokens` must be greater than `thinking.budget_tokens`.", param="thinking.budget_tokens"
         )
     return True, budget
+
+
+_EFFORTS = ("low", "medium", "high")
+
+
+def _output_config(
+    d: dict[str, Any], budget: SchemaBudget, pending: list[PendingSchema]
+) -> tuple[dict[str, Any] | None, str | None]:
+    """``output_config`` (``format``: a JSON schema the answer must follow, as the SDK's ``parse`` sends;
+    ``effort``) or the beta's top-level ``output_format``: (the chat ``response_format``, the effort)."""
+    cfg = d.get("output_config")
+    if cfg is not None and not isinstance(cfg, dict):
+        raise bad("output_config: expected an object.", param="output_config")
+    cfg = cfg or {}
+    unknown = sorted(set(cfg) - {"format", "effort"})
+    if unknown:
+        raise bad(f"output_config.{unknown[0][:50]}: Extra inputs are not permitted.", param="output_config")
+    effort = cfg.get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise bad(f"output_config.effort: expected one of {list(_EFFORTS)}.", param="output_config.effort")
+    fmt, where = cfg.get("format"), "output_config.format"
+    if fmt is None and d.get("output_format") is not None:
+        fmt, where = d["output_format"], "output_format"
+    if fmt is None:
+        return None, effort
+    schema = fmt.get("schema") if isinstance(fmt, dict) else None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(schema, dict):
+        raise bad(f"{where}: expected {{'type': 'json_schema', 'schema': {{...}}}}.", param=where)
+    pending.append(budget.take(schema, f"{where}.schema"))
+    spec = {"name": "output", "schema": schema, "strict": True}
+    return {"type": "json_schema", "json_schema": spec}, effort
 
 
 def _stop_sequences(d: dict[str, Any]) -> tuple[str, ...]:
@@ -442,6 +509,7 @@ def _parse(d: dict[str, Any], *, count: bool) -> MessagesRequest:
     budget_s = SchemaBudget()
     pending: list[PendingSchema] = []
     tools = _tools(d, budget_s, pending)
+    response_format, effort = _output_config(d, budget_s, pending)
     choice_value, parallel = _tool_choice(d, tools)
     try:
         choice = parse_tool_choice(choice_value, tools)
@@ -458,10 +526,13 @@ def _parse(d: dict[str, Any], *, count: bool) -> MessagesRequest:
         template_kwargs={"enable_thinking": thinking},
         add_generation_prompt=not prefill,
         continue_final_message=prefill,
-        response_format=None,
+        response_format=response_format,
         raw=d,
         parallel_tool_calls=parallel,
         separate_reasoning=thinking,
         schemas=tuple(pending),
+        # (with thinking on: the template's thinking switch as a chat request's effort; off, a hint on
+        # how much to spend, as budget_tokens: accepted, ``max_tokens`` bounds the answer)
+        reasoning_effort=effort if thinking else None,
     )
     return MessagesRequest(chat, thinking, budget, stops, _user_id(d), stream)
