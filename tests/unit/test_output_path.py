@@ -154,4 +154,43 @@ def test_feed_without_stop_strings_equals_the_stopping_decoder(
         end = ref.finish()
         assert st_.end("length") == end.visible
         assert st_.finish_reason == "length"
-    assert st_.tokens == pos
+        assert st_.tokens == pos
+    else:  # up to the stop token, which counts; not what came after it in its chunk
+        assert isinstance(st_.matched, int)
+        assert st_.tokens == ids.index(st_.matched) + 1
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.text(alphabet=st.sampled_from(list("ab cSTOP.é🙂\n")), min_size=0, max_size=50),
+    st.lists(st.integers(1, 8), min_size=1, max_size=30),
+    st.booleans(),
+    st.sampled_from([{"stop": ["STOP"]}, {"stop": ["."]}, {"stop_token_ids": [13]}, {}]),
+)
+def test_usage_ends_at_the_token_that_stopped_the_output(
+    text: str, sizes: list[int], include: bool, stops: dict[str, list[object]]
+) -> None:
+    """However the engine's tokens come in chunks, the choice counts (and logs the logprobs of) the tokens
+    up to the one that completed a stop string or was a stop token, as one token a chunk does (vLLM's usage):
+    the tokens the engine sent after it in the same chunk are neither shown nor counted."""
+    tok = qwen3()
+    ids = [*tok.encode(text, add_special_tokens=False), *tok.eos_token_ids]
+    s = sampling(include_stop_str_in_output=include, **stops)
+    one = ChoiceState(0, tok, s)  # type: ignore[arg-type]
+    for t in ids:
+        one.feed([t])
+    chunked = ChoiceState(0, tok, s)  # type: ignore[arg-type]
+    lps = [object() for _ in ids]  # one per token
+    pos, k = 0, 0
+    while pos < len(ids) and not chunked.finished:
+        n = sizes[k % len(sizes)]
+        chunked.feed(ids[pos : pos + n], lps[pos : pos + n])  # type: ignore[arg-type]
+        pos, k = pos + n, k + 1
+    assert (chunked.tokens, chunked.full_text(), chunked.matched) == (
+        one.tokens,
+        one.full_text(),
+        one.matched,
+    )
+    assert chunked.logprobs == lps[: chunked.tokens]
+    if one.finished:  # stopped: nothing past the stopping token is counted
+        assert one.tokens <= len(ids)

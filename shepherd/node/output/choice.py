@@ -112,41 +112,65 @@ class ChoiceState:
         """New engine tokens -> newly visible text ('' if held back). Marks the choice finished on a stop."""
         if self.finished:
             return ""
-        self.tokens += len(ids)
-        if logprobs:
-            self.logprobs.extend(logprobs)
         plain = self._plain
         if plain is not None and plain[1].isdisjoint(ids):
             # no stop string, no stop token in ids: the detokenized text is visible as it is
             # (StoppingDecoder.feed's own shortcut, without its call and result)
+            self.tokens += len(ids)
+            if logprobs:
+                self.logprobs.extend(logprobs)
             text = plain[0](ids)
             if text:
                 self.text.append(text)
             return text
         dec = self._dec
-        res = (self.dec if dec is None else dec).feed(ids)
+        if dec is None:
+            dec = self.dec
+        if len(ids) > 1 and self.matcher.stop_strings:
+            # a stop string may end inside this chunk: one token at a time, so that the tokens after the
+            # one that completed it are neither shown nor counted (vLLM's usage ends at that token)
+            parts: list[str] = []
+            for n in range(1, len(ids) + 1):
+                res = dec.feed(ids[n - 1 : n])
+                if res.visible:
+                    parts.append(res.visible)
+                if res.finished:
+                    break
+            visible = "".join(parts)
+        else:
+            res = dec.feed(ids)
+            visible = res.visible
+            n = len(ids)
+            if res.finished and isinstance(res.matched, int) and res.matched in ids:
+                n = list(ids).index(res.matched) + 1  # the stop token counts; what came after it does not
+        self.tokens += n
+        if logprobs:
+            self.logprobs.extend(logprobs[:n])
         if res.finished:
             self.finished = True
             self.finish_reason = "stop"
             self.matched = res.matched
-        if res.visible:
-            self.text.append(res.visible)
-        return res.visible
+        if visible:
+            self.text.append(visible)
+        return visible
 
     def whole(self, ids: Sequence[int], logprobs: Sequence[TokenLogprob], reason: str) -> str:
         """The complete output at once (a non-streamed engine answer): one decode call instead of a
         detokenizer step per token, when that gives the same text; else the incremental path."""
         if self.finished:
             return ""
-        if not self._one_shot():
+        if self.matcher.stop_strings or not self._one_shot():  # (a stop string: counted token by token)
             return self.feed(ids, logprobs) + self.end(reason)
         self.finished = True
-        self.tokens += len(ids)
-        if logprobs:
-            self.logprobs.extend(logprobs)
         stop = self.matcher
         res = stop.feed(self.tok.decode(stop.text_ids(ids), skip_special_tokens=self.skip_special), ids)
         visible = res.visible
+        n = len(ids)
+        if res.finished and isinstance(res.matched, int) and res.matched in ids:
+            n = list(ids).index(res.matched) + 1  # the stop token counts; what came after it does not
+        self.tokens += n
+        if logprobs:
+            self.logprobs.extend(logprobs[:n])
         if res.finished:
             self.finish_reason = "stop"
             self.matched = res.matched
