@@ -40,6 +40,7 @@ from tests.e2e.procs import MockEngineProc, start_mock_engine
 tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
 
 SG, VL, LLAMA, OSS, RELAY = "qwen3-sglang", "qwen3-vllm", "llama", "gpt-oss", "relay"
+COHERE = "cohere"  # a RAG template: it renders `documents`
 TOOLS = [
     {
         "type": "function",
@@ -61,9 +62,9 @@ def engine(tokenizer_dir: Path) -> Iterator[MockEngineProc]:
 
 @pytest.fixture(scope="module")
 def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
-    """One node, five models over the one mock: Qwen3 on an SGLang and on a vLLM worker, Llama 3.1 (no
-    developer role, no thinking switch), gpt-oss (both), and a model relayed to the mock's OpenAI HTTP
-    server."""
+    """One node, six models over the one mock: Qwen3 on an SGLang and on a vLLM worker, Llama 3.1 (no
+    developer role, no thinking switch), gpt-oss (both), Cohere's RAG template, and a model relayed to
+    the mock's OpenAI HTTP server."""
     g = f"127.0.0.1:{engine.grpc_port}"
 
     def model(name: str, url: str, template: Path, reasoning: str, tool: str) -> dict[str, Any]:
@@ -81,6 +82,7 @@ def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
         model(VL, f"vllm://{g}", QWEN3_TEMPLATE, "qwen3", "hermes"),
         model(LLAMA, f"grpc://{g}/", TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja", "none", "none"),
         model(OSS, f"sglang://{g}/", TEMPLATES / "openai-gpt-oss-120b.jinja", "none", "none"),
+        model(COHERE, f"vllm://{g}/", TEMPLATES / "Cohere2MoE.jinja", "none", "none"),
         model(RELAY, f"http://127.0.0.1:{engine.http_port}", QWEN3_TEMPLATE, "none", "none"),
     ]
     with tempfile.TemporaryDirectory() as tmp:
@@ -512,3 +514,74 @@ def test_rejecting_strict_violations_is_a_422_never_retried(
         script(engine, http, '{"t": 5}', marker)
         ok = sdk.chat.completions.parse(model="qwen3", messages=user(marker), response_format=Reading)
         assert ok.choices[0].message.parsed == Reading(t=5)
+
+
+# ---- vLLM's and SGLang's other request fields ----------------------------------------------------------
+
+
+def test_request_ids_token_ids_stop_trim_and_documents_are_honoured(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    # vLLM's request_id names the answer after its prefix, SGLang's rid as it is
+    r = client.chat.completions.create(
+        model=VL, messages=user(), max_tokens=2, extra_body={"request_id": "abc"}
+    )
+    assert r.id == "chatcmpl-abc"
+    r = client.completions.create(model=SG, prompt="Hi", max_tokens=2, extra_body={"rid": "mine-1"})
+    assert r.id == "mine-1"
+    # return_tokens_as_token_ids: logprobs' tokens as "token_id:<id>"
+    r = client.chat.completions.create(
+        model=VL,
+        messages=user(),
+        max_tokens=3,
+        logprobs=True,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    assert r.choices[0].logprobs is not None and r.choices[0].logprobs.content
+    assert all(e.token.startswith("token_id:") for e in r.choices[0].logprobs.content)
+    # SGLang's no_stop_trim keeps the stop string, as include_stop_str_in_output does
+    script(engine, http, "Hello world. More", "trim-me")
+    r = client.chat.completions.create(
+        model=SG, messages=user("trim-me"), max_tokens=20, stop=["."], extra_body={"no_stop_trim": True}
+    )
+    assert r.choices[0].message.content == "Hello world."
+    # documents reach the template (counted in the prompt), as chat_template_kwargs' would
+    docs = [{"title": "t", "text": "some document text " * 5}]
+    # (this template iterates its tools whatever: give it one)
+    tool: Any = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    kw: Any = {"model": COHERE, "messages": user(), "max_tokens": 1, "tools": tool}
+    plain = client.chat.completions.create(**kw)
+    with_docs = client.chat.completions.create(**kw, extra_body={"documents": docs})
+    as_kwargs = client.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"documents": docs}})
+    assert plain.usage and with_docs.usage and as_kwargs.usage
+    assert with_docs.usage.prompt_tokens == as_kwargs.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("allowed_token_ids", [1, 2]),
+        ("bad_words", ["x"]),
+        ("prompt_logprobs", 1),
+        ("truncate_prompt_tokens", 5),
+        ("priority", 3),
+        ("lora_path", "/adapters/a"),
+        ("return_hidden_states", True),
+        ("use_beam_search", True),
+        ("cache_salt", "tenant-a"),
+        ("chat_template", "{{ 1/0 }}"),
+        ("echo", True),
+    ],
+)
+def test_fields_no_engine_carries_are_a_400_naming_them(
+    client: openai.OpenAI, field: str, value: Any
+) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=VL, messages=user(), max_tokens=2, extra_body={field: value})
+    assert e.value.body is not None and e.value.body.get("param") == field  # type: ignore[union-attr]
+    # their neutral values pass
+    neutral = {"priority": 0, "use_beam_search": False, "echo": False, "return_hidden_states": False}
+    if field in neutral:
+        client.chat.completions.create(
+            model=VL, messages=user(), max_tokens=2, extra_body={field: neutral[field]}
+        )

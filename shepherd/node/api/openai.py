@@ -40,12 +40,34 @@ from shepherd.proto.openai_errors import ApiError, bad
 from shepherd.tokens.chat_messages import ChatTemplateError
 
 
-def _request_id(request: web.Request, prefix: str) -> str:
-    """The id clients see (their ``x-request-id`` when it is sane, else ours)."""
+def _sane(rid: object) -> bool:
+    return isinstance(rid, str) and 0 < len(rid) <= 128 and rid.isprintable()
+
+
+def _request_id(request: web.Request, prefix: str, d: dict[str, Any]) -> str:
+    """The id clients see: their ``x-request-id`` when it is sane, else the body's ``request_id`` (vLLM's:
+    after the prefix, as vLLM answers) or ``rid`` (SGLang's: as it is), else ours."""
     rid = request.headers.get("x-request-id")
-    if rid and len(rid) <= 128 and rid.isprintable():
-        return rid
+    if _sane(rid):
+        return str(rid)
+    body_id = d.get("request_id")
+    if _sane(body_id):
+        return f"{prefix}{body_id}"
+    body_id = d.get("rid")
+    if _sane(body_id):
+        return str(body_id)
     return fresh_id(prefix)
+
+
+def _tokens_as_ids(g: Generation, d: dict[str, Any]) -> None:
+    """vLLM's ``return_tokens_as_token_ids``: logprobs' tokens as ``"token_id:<id>"``."""
+    v = d.get("return_tokens_as_token_ids")
+    if v is None or v is False:
+        return
+    if v is not True:
+        raise bad("'return_tokens_as_token_ids' must be a boolean.", param="return_tokens_as_token_ids")
+    if g.lpfmt is not None:
+        g.lpfmt.tokens_as_ids = True
 
 
 def _check_ids(s: Sampling, vocab: int) -> None:
@@ -167,11 +189,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         tok,
         shaping.sampling,
         chat=True,
-        rid=_request_id(request, "chatcmpl-"),
+        rid=_request_id(request, "chatcmpl-", d),
         t0=t0,
         logprobs=req.top_logprobs if req.logprobs else None,
         shaping=shaping,
     )
+    _tokens_as_ids(g, d)
     jobs = [Job(ids, text, states, 0)]
     adm = request.app[ADMISSION]
     if req.schemas:  # meta-validated now: after the model lookup and admission, off the event loop
@@ -225,11 +248,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         tok,
         req.sampling,
         chat=False,
-        rid=_request_id(request, "cmpl-"),
+        rid=_request_id(request, "cmpl-", d),
         t0=t0,
         logprobs=req.logprobs,
         constraint=req.constraint,
     )
+    _tokens_as_ids(g, d)
     adm = request.app[ADMISSION]
     if adm is None:
         return await g.run(jobs)

@@ -239,6 +239,7 @@ _SAMPLING_KEYS: frozenset[str] = frozenset(
         "skip_special_tokens",
         "spaces_between_special_tokens",
         "include_stop_str_in_output",
+        "no_stop_trim",
         "logit_bias",
     }
 )
@@ -366,7 +367,9 @@ def _parse_sampling(d: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samp
         ignore_eos=_bool(d, "ignore_eos", False),
         skip_special_tokens=_bool(d, "skip_special_tokens", True),
         spaces_between_special_tokens=_bool(d, "spaces_between_special_tokens", True),
-        include_stop_str_in_output=_bool(d, "include_stop_str_in_output", False),
+        # SGLang's no_stop_trim is vLLM's include_stop_str_in_output
+        include_stop_str_in_output=_bool(d, "include_stop_str_in_output", False)
+        or _bool(d, "no_stop_trim", False),
         logit_bias=_logit_bias(d),
         stream=stream,
         include_usage=include_usage,
@@ -632,12 +635,51 @@ CHAT_OPTION_KEYS: frozenset[str] = frozenset(
         "separate_reasoning",
         "reasoning_effort",
         "metadata",
+        "documents",
         "functions",
         "function_call",
         *GUIDED_KEYS,
     }
 )
 _CHAT_MAX_KEYS = ("max_tokens", "max_completion_tokens")
+
+
+# vLLM's and SGLang's request fields that no engine field carries: a value asking for something is a 400
+# naming the field (README "Request fields": never dropped); their neutral values (null, the default) pass
+_NO_ENGINE_FIELD = "no engine field carries it"
+_UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "allowed_token_ids": ((None, []), _NO_ENGINE_FIELD),
+    "bad_words": ((None, []), _NO_ENGINE_FIELD),
+    "prompt_logprobs": ((None,), "prompt logprobs are not returned"),
+    "truncate_prompt_tokens": ((None,), "prompts are not truncated (a prompt over the context is a 400)"),
+    "priority": ((None, 0), "no priority scheduling"),
+    "lora_path": ((None,), "LoRA adapters are not supported"),
+    "lora_request": ((None,), "LoRA adapters are not supported"),
+    "return_hidden_states": ((None, False), "hidden states are not returned"),
+    "logits_processors": ((None, []), _NO_ENGINE_FIELD),
+    "use_beam_search": ((None, False), "no beam search"),
+    "length_penalty": ((None, 1), "no beam search"),
+    "vllm_xargs": ((None, {}), _NO_ENGINE_FIELD),
+    "cache_salt": ((None,), "no engine field carries a prefix-cache salt"),
+}
+# and the chat-only ones (a template from the request: vLLM too refuses it unless told to trust it)
+_UNSUPPORTED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
+    **_UNSUPPORTED,
+    "chat_template": ((None,), "the model's chat template is used (set it on the node: --chat-template)"),
+    "echo": ((None, False), "chat answers do not echo the last message"),
+    "add_special_tokens": ((None, False), "chat prompts are encoded as the template writes them"),
+}
+_UNSUPPORTED_KEYS = frozenset(_UNSUPPORTED)
+_UNSUPPORTED_CHAT_KEYS = frozenset(_UNSUPPORTED_CHAT)
+
+
+def _refuse_unsupported(d: dict[str, Any], table: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    num = (int, float)
+    for k, (neutral, why) in table.items():
+        v = d.get(k)
+        # the same value of the same JSON type (1 and 1.0 alike; true is not 1)
+        if not any(v == x and (type(v) is type(x) or (type(v) in num and type(x) in num)) for x in neutral):
+            raise bad(f"'{k}' is not supported: {why}.", param=k, code="unsupported_parameter")
 
 
 def parse_chat(d: dict[str, Any]) -> ChatRequest:
@@ -657,6 +699,8 @@ def parse_chat_deferred(d: dict[str, Any]) -> ChatRequest:
     model = _model(d)
     messages = _messages(d)
     sampling = parse_sampling(d, max_tokens_keys=_CHAT_MAX_KEYS)
+    if not _UNSUPPORTED_CHAT_KEYS.isdisjoint(d):
+        _refuse_unsupported(d, _UNSUPPORTED_CHAT)
     if CHAT_OPTION_KEYS.isdisjoint(d):  # none of the options (most requests): their defaults at once
         return ChatRequest(
             model, messages, sampling, False, 0, None, NO_TOOL_CHOICE, {}, True, False, None, d
@@ -680,6 +724,12 @@ def _parse_chat_options(
     if top_logprobs and not logprobs:
         raise bad("'top_logprobs' requires 'logprobs': true.", param="top_logprobs")
     kwargs = _dict(d, "chat_template_kwargs") or {}
+    docs = d.get("documents")  # vLLM's: the template's ``documents`` (RAG templates such as Command R's)
+    if docs is not None:
+        if not isinstance(docs, list) or not all(isinstance(x, dict) for x in docs):
+            raise bad("'documents' must be a list of objects.", param="documents", code="invalid_type")
+        if "documents" not in kwargs:  # (chat_template_kwargs win, as vLLM merges them)
+            kwargs = {**kwargs, "documents": docs}
     if kwargs:
         _json_size(kwargs, "chat_template_kwargs", MAX_TEMPLATE_KWARGS_BYTES)
     legacy = "functions" in d or "function_call" in d
@@ -807,6 +857,8 @@ def parse_completion(d: dict[str, Any]) -> CompletionRequest:
     model = _model(d)
     prompts = _prompts(d)
     sampling = parse_sampling(d, max_tokens_keys=("max_tokens",))
+    if not _UNSUPPORTED_KEYS.isdisjoint(d):
+        _refuse_unsupported(d, _UNSUPPORTED)
     if d.get("max_tokens") is None:
         sampling = _replace_max(sampling, 16)  # the completions API default
     if d.get("suffix"):

@@ -206,15 +206,16 @@ class ChoiceState:
 class LogprobFormatter:
     """OpenAI logprobs blocks for one response (chat ``content`` lists, legacy completions lists)."""
 
-    __slots__ = ("cache", "offsets", "skip_special")
+    __slots__ = ("cache", "offsets", "skip_special", "tokens_as_ids")
 
     def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True) -> None:
         self.cache = TokenTextCache.for_tokenizer(tok.hf)
         self.skip_special = skip_special_tokens
         self.offsets: dict[int, int] = {}  # completions: text offset per choice index
+        self.tokens_as_ids = False  # vLLM's return_tokens_as_token_ids: tokens as "token_id:<id>"
 
     def chat(self, entries: Sequence[TokenLogprob], top: int) -> dict[str, Any]:
-        return chat_logprobs(entries, self.cache, top)
+        return chat_logprobs(entries, self.cache, top, tokens_as_ids=self.tokens_as_ids)
 
     def completion(self, entries: Sequence[TokenLogprob], top: int, index: int = 0) -> dict[str, Any]:
         block, self.offsets[index] = completion_logprobs(
@@ -223,5 +224,6 @@ class LogprobFormatter:
             top,
             text_offset=self.offsets.get(index, 0),
             skip_special_tokens=self.skip_special,
+            tokens_as_ids=self.tokens_as_ids,
         )
         return block
