@@ -527,8 +527,8 @@ def test_request_ids_token_ids_stop_trim_and_documents_are_honoured(
         model=VL, messages=user(), max_tokens=2, extra_body={"request_id": "abc"}
     )
     assert r.id == "chatcmpl-abc"
-    r = client.completions.create(model=SG, prompt="Hi", max_tokens=2, extra_body={"rid": "mine-1"})
-    assert r.id == "mine-1"
+    cr = client.completions.create(model=SG, prompt="Hi", max_tokens=2, extra_body={"rid": "mine-1"})
+    assert cr.id == "mine-1"
     # return_tokens_as_token_ids: logprobs' tokens as "token_id:<id>"
     r = client.chat.completions.create(
         model=VL,
@@ -545,6 +545,16 @@ def test_request_ids_token_ids_stop_trim_and_documents_are_honoured(
         model=SG, messages=user("trim-me"), max_tokens=20, stop=["."], extra_body={"no_stop_trim": True}
     )
     assert r.choices[0].message.content == "Hello world."
+    # what stopped it: vLLM's stop_reason beside SGLang's matched_stop, streamed or not
+    assert (r.choices[0].model_extra or {}).get("stop_reason") == "."
+    script(engine, http, "Hello world. More", "trim-me")
+    chunks = list(
+        client.chat.completions.create(
+            model=SG, messages=user("trim-me"), max_tokens=20, stop=["."], stream=True
+        )
+    )
+    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    assert (last.choices[0].model_extra or {}).get("stop_reason") == "."
     # documents reach the template (counted in the prompt), as chat_template_kwargs' would
     docs = [{"title": "t", "text": "some document text " * 5}]
     # (this template iterates its tools whatever: give it one)
@@ -578,7 +588,8 @@ def test_fields_no_engine_carries_are_a_400_naming_them(
 ) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=VL, messages=user(), max_tokens=2, extra_body={field: value})
-    assert e.value.body is not None and e.value.body.get("param") == field  # type: ignore[union-attr]
+    body = e.value.body
+    assert isinstance(body, dict) and body.get("param") == field
     # their neutral values pass
     neutral = {"priority": 0, "use_beam_search": False, "echo": False, "return_hidden_states": False}
     if field in neutral:

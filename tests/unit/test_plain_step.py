@@ -329,7 +329,7 @@ def test_the_c_step_takes_plain_tokens_and_leaves_the_rest() -> None:
     step([EngineChunk(0, [*tok.eos_token_ids[:1]])])  # a stop id: the Python path's (it finishes)
     assert step.taken == taken and run.st.finished
     assert run.wire.writes[-1].endswith(
-        b'"finish_reason":"stop","matched_stop":%d}]}\n\n\r\n' % tok.eos_token_ids[0]
+        b'"finish_reason":"stop","matched_stop":%d,"stop_reason":null}]}\n\n\r\n' % tok.eos_token_ids[0]
     )
 
 

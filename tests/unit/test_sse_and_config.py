@@ -102,10 +102,12 @@ def test_event_bytes_equal_the_formatted_reference(
     assert enc.content(index, text, logprobs) == b'%s%d,%s%s%s,"logprobs":%s,"finish_reason":null}]}\n\n' % (
         head, index, content, orjson.dumps(text), content_end, lp
     )  # fmt: skip
+    enc.stop_ids = (7,)  # the request's stop token ids: vLLM's stop_reason names only those (and strings)
+    vllm = matched if isinstance(matched, str) or matched == 7 else None
     for _ in range(2):  # the second time from the cache
         assert enc.finish(index, reason, matched) == (
-            b'%s%d,%s,"logprobs":null,"finish_reason":%s,"matched_stop":%s}]}\n\n'
-            % (head, index, empty, orjson.dumps(reason), orjson.dumps(matched))
+            b'%s%d,%s,"logprobs":null,"finish_reason":%s,"matched_stop":%s,"stop_reason":%s}]}\n\n'
+            % (head, index, empty, orjson.dumps(reason), orjson.dumps(matched), orjson.dumps(vllm))
         )
     assert enc.usage_of(*counts) == enc.usage(usage(*counts))
     assert (

@@ -28,6 +28,7 @@ from shepherd.node.openai.sse import (
     CompletionChunks,
     error_event,
     usage,
+    vllm_stop_reason,
     with_usage,
 )
 from shepherd.node.openai.structured import Constraint, Violation, header_value
@@ -470,6 +471,7 @@ class Generation:
                 enc = self._enc = ChatChunks(self.rid, self.created, self.model, field, self.legacy_functions)
             else:
                 enc = self._enc = CompletionChunks(self.rid, self.created, self.model)
+            enc.stop_ids = self.s.stop_token_ids
         return enc
 
     def _with_usage(self, chunks: list[bytes], job: Job) -> list[bytes]:
@@ -578,6 +580,7 @@ class Generation:
                         "logprobs": lp,
                         "finish_reason": st.finish_reason,
                         "matched_stop": st.matched,
+                        "stop_reason": vllm_stop_reason(st.matched, self.s.stop_token_ids),
                     }
                 )
         return out
@@ -600,6 +603,7 @@ class Generation:
             "logprobs": lp,
             "finish_reason": reason,
             "matched_stop": matched,
+            "stop_reason": vllm_stop_reason(matched, self.s.stop_token_ids),
         }
         if self.checks is not None:
             v = self.checks.check(idx, reason, message["content"], calls)

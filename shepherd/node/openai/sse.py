@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, ClassVar
 
 import orjson
@@ -19,6 +20,14 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
     }
     u["prompt_tokens_details"] = {"cached_tokens": cached}
     return u
+
+
+def vllm_stop_reason(matched: str | int | None, stop_ids: Collection[int]) -> str | int | None:
+    """vLLM's ``stop_reason`` of a choice that stopped on ``matched`` (SGLang's ``matched_stop``): the stop
+    string, or the stop token id when the request named it; null for EOS and any other end."""
+    if isinstance(matched, str) or (matched is not None and matched in stop_ids):
+        return matched
+    return None
 
 
 def with_usage(chunk: bytes, prompt: int, completion: int) -> bytes:
@@ -39,7 +48,7 @@ class _Chunks:
     Choice 0 without logprobs (the usual stream) takes prefixes built with the head: one concatenation
     per event instead of a formatting pass (the same bytes)."""
 
-    __slots__ = ("_content0", "_head", "content0")
+    __slots__ = ("_content0", "_head", "content0", "stop_ids")
     OBJECT = ""
     CONTENT = b""  # what precedes the JSON text of a content event
     CONTENT_END = b""  # what follows it
@@ -48,6 +57,9 @@ class _Chunks:
     _CONTENT_TAIL = b""  # what follows a content event's text without logprobs
     _FINISH_HEAD = b""  # what follows a finish event's index
     _FINISH_TAILS: ClassVar[dict[str, bytes]] = {}  # reason -> a finish event's rest, no matched stop
+    # a finish event names what stopped the choice twice: SGLang's ``matched_stop`` (a stop string, a stop
+    # token id or EOS) and vLLM's ``stop_reason`` (a stop string or one of the request's stop token ids;
+    # null for EOS); ``stop_ids``: the request's stop token ids
 
     def __init_subclass__(cls) -> None:
         cls._OBJECT_CREATED = b',"object":' + _dumps(cls.OBJECT) + b',"created":'
@@ -56,6 +68,7 @@ class _Chunks:
         cls._FINISH_TAILS = {}
 
     def __init__(self, rid: str, created: int, model: str) -> None:
+        self.stop_ids: frozenset[int] | tuple[int, ...] = ()
         # the JSON object {"id","object","created","model"} without its closing brace, as orjson writes it
         self._head = b"".join(
             (
@@ -92,16 +105,17 @@ class _Chunks:
         if matched is None:
             tail = self._FINISH_TAILS.get(reason)
             if tail is None:
-                tail = _dumps(reason) + b',"matched_stop":null}]}\n\n'
+                tail = _dumps(reason) + b',"matched_stop":null,"stop_reason":null}]}\n\n'
                 if len(self._FINISH_TAILS) < 32:  # a handful of reasons
                     self._FINISH_TAILS[reason] = tail
             return b"%s%d%s%s" % (self._head, index, self._FINISH_HEAD, tail)
-        return b'%s%d,%s,"logprobs":null,"finish_reason":%s,"matched_stop":%s}]}\n\n' % (
+        return b'%s%d,%s,"logprobs":null,"finish_reason":%s,"matched_stop":%s,"stop_reason":%s}]}\n\n' % (
             self._head,
             index,
             self.EMPTY,
             _dumps(reason),
             _dumps(matched),
+            _dumps(vllm_stop_reason(matched, self.stop_ids)),
         )
 
     def usage(self, u: dict[str, Any]) -> bytes:
