@@ -567,8 +567,6 @@ class Generation:
         out = []
         for st in job.states:
             idx = job.index_base + st.index
-            if self.lpfmt is not None and job.echo:
-                self.lpfmt.offsets[idx] = len(job.echo)
             lp = self._lp(st.logprobs, idx)
             if self.chat:
                 out.append(self._chat_choice(st, idx, lp, violations))

@@ -878,12 +878,22 @@ def parse_completion(d: dict[str, Any]) -> CompletionRequest:
         guided = parse_guided(d, budget, pending)
         check_schemas_now(pending)
         constraint = guided[0] if guided is not None else response_format_constraint(rf)
+    logprobs = _int(d, "logprobs", None, 0, MAX_TOP_LOGPROBS)
+    echo = _bool(d, "echo", False)
+    if echo and logprobs is not None:
+        # the echoed prompt's logprobs (how evaluations score a text) would be missing: an answer whose
+        # logprobs do not cover its text would be silently wrong
+        raise bad(
+            "'echo' with 'logprobs' is not supported: the prompt's logprobs are not returned.",
+            param="echo",
+            code="unsupported_parameter",
+        )
     return CompletionRequest(
         model=model,
         prompts=prompts,
         sampling=sampling,
-        logprobs=_int(d, "logprobs", None, 0, MAX_TOP_LOGPROBS),
-        echo=_bool(d, "echo", False),
+        logprobs=logprobs,
+        echo=echo,
         raw=d,
         constraint=constraint,
     )
