@@ -168,6 +168,13 @@ def test_models_tokenize_detokenize(node: NodeProc) -> None:
     _, t = post(node.url + "/v1/tokenize", {"model": "qwen3", "prompt": "hello world"})
     _, d = post(node.url + "/v1/detokenize", {"model": "qwen3", "tokens": t["tokens"]})
     assert d["prompt"] == "hello world"
+    # vLLM's shapes: the card's permission list, the tokens' strings when asked
+    assert models["data"][0]["permission"][0]["object"] == "model_permission"
+    _, ts = post(
+        node.url + "/v1/tokenize", {"model": "qwen3", "prompt": "hello world", "return_token_strs": True}
+    )
+    assert ts["tokens"] == t["tokens"] and ts["token_strs"] == ["hello", "Ġworld"]
+    assert "token_strs" not in t
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,23 @@ def _model_card(gw: Gateway, name: str) -> dict[str, Any]:
         "root": gw.served_name(name),  # vLLM shows the served model here; never a filesystem path
         "parent": None,
         "max_model_len": gw.context_length(name),
+        # vLLM's card carries one permission object (OpenAI's old shape); clients that read it find it
+        "permission": [
+            {
+                "id": f"modelperm-{name}",
+                "object": "model_permission",
+                "created": int(gw.started_at),
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
     }
 
 
@@ -66,7 +83,14 @@ async def tokenize(request: web.Request) -> web.Response:
         if not isinstance(prompt, str):
             raise bad("'prompt' (a string) or 'messages' is required.", param="prompt")
         ids = await gw.tokenizers.encode(model, prompt, add_special)
-    return json_response({"tokens": ids, "count": len(ids), "max_model_len": gw.context_length(model)})
+    out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": gw.context_length(model)}
+    strs = d.get("return_token_strs", False)
+    if not isinstance(strs, bool):
+        raise bad("'return_token_strs' must be a boolean.", param="return_token_strs")
+    if strs:  # vLLM's: the vocabulary's token strings (byte-level, as convert_ids_to_tokens gives them)
+        hf = gw.tokenizer(model).hf
+        out["token_strs"] = [hf.id_to_token(i) for i in ids]
+    return json_response(out)
 
 
 async def detokenize(request: web.Request) -> web.Response:
