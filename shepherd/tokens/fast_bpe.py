@@ -67,12 +67,33 @@ _C_SPLIT_DIGITS: Final = {
 }
 
 
-def _ordinary_encoder(core: _Core) -> Callable[[str], list[int]]:
+def _panic_safe(
+    encode: Callable[[str], list[int]], fallback: Callable[[str], list[int]]
+) -> Callable[[str], list[int]]:
+    """``encode``, or ``fallback`` (the same ids) where tiktoken's Rust core panics: its regex overflows
+    its stack on a run of about a million non-ASCII spaces (U+3000, U+00A0), and pyo3 raises the panic as
+    a ``BaseException`` that would end a tokenizer worker (HF's encoder takes such a run, slowly)."""
+
+    def safe(text: str) -> list[int]:
+        try:
+            return encode(text)
+        except Exception:
+            raise
+        except BaseException as e:  # pyo3's PanicException: not an Exception
+            if isinstance(e, KeyboardInterrupt | SystemExit | GeneratorExit):
+                raise
+            return fallback(text)
+
+    return safe
+
+
+def _ordinary_encoder(core: _Core, fallback: Callable[[str], list[int]]) -> Callable[[str], list[int]]:
     """tiktoken's ``encode_ordinary`` of the core, or (same ids) the C split for ASCII text when the
     pattern is one _pretok decides: a piece found whole among the ASCII tokens of the ranks is its id,
-    any other goes to tiktoken's BPE of one piece; text that is not ASCII goes to tiktoken."""
+    any other goes to tiktoken's BPE of one piece; text that is not ASCII goes to tiktoken (``fallback``
+    where tiktoken panics: ``_panic_safe``)."""
     encoding = core.encoding
-    ordinary: Callable[[str], list[int]] = encoding.encode_ordinary
+    ordinary: Callable[[str], list[int]] = _panic_safe(encoding.encode_ordinary, fallback)
     digits = _C_SPLIT_DIGITS.get(core.pattern)
     ranks = getattr(encoding, "_mergeable_ranks", None)
     bpe = getattr(getattr(encoding, "_core_bpe", None), "encode_single_piece", None)
@@ -161,7 +182,7 @@ class FastBPE:
         self.nfc = core.nfc
         self.description = core.description
         self.token_ranks: Mapping[bytes, int] = core.ranks  # byte-level tokens' bytes → ids (shared)
-        self._encode_ordinary = _ordinary_encoder(core)
+        self._encode_ordinary = _ordinary_encoder(core, lambda t: hf.encode(t, add_special_tokens=False).ids)
         normalizer = hf.normalizer
         self._normalize: Callable[[str], str] | None = normalizer.normalize_str if normalizer else None
         self._raw_ids = dict(raw_tokens)

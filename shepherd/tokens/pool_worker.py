@@ -111,6 +111,10 @@ def _worker_main(rfd: int, wfd: int, tokenizers: Sequence[Tokenizer]) -> None:
             status, out = _handle(tokenizers, op, flag, model, bytes(buf))
         except Exception as e:  # a bug or a tokenizer error: report it, keep serving
             status, out = _ERROR, f"{type(e).__name__}: {e}".encode("utf-8", "replace")
+        except BaseException as e:  # a Rust panic (pyo3's PanicException is no Exception): the same
+            if isinstance(e, KeyboardInterrupt | SystemExit):
+                raise
+            status, out = _ERROR, f"{type(e).__name__}: {e}".encode("utf-8", "replace")
         _write_all(wfd, _RESP.pack(req_id, status, len(out)) + out)
 
 

@@ -13,6 +13,7 @@ without a ``chat_template.`` prefix (``chat_template.v3_1.jinja`` → ``"v3_1"``
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import lzma
@@ -213,6 +214,12 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(name={self.name!r}, vocab_size={self.vocab_size}, path={str(self.path)!r})"
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for (its vocabulary's longest entry, added tokens too: a
+        byte-level entry has a character per byte, at least as many as it decodes to)."""
+        return max((len(t) for t in self.hf.get_vocab(with_added_tokens=True)), default=1) or 1
 
     # ---- ids -------------------------------------------------------------------------------------
 

@@ -486,7 +486,7 @@ def _c_and_tiktoken(name: str) -> tuple[Callable[[str], list[int]], Callable[[st
     fast = fast_of(name)
     assert fast.pattern in _C_SPLIT_DIGITS
     core = _cached_core(fast.hf, json.loads(fast.hf.to_str()), None)
-    encode = _ordinary_encoder(core)
+    encode = _ordinary_encoder(core, lambda t: fast.hf.encode(t, add_special_tokens=False).ids)
     assert encode != core.encoding.encode_ordinary  # the C split is in use
     return encode, core.encoding.encode_ordinary
 
@@ -526,3 +526,13 @@ def test_the_rank_table_keeps_its_ids_when_the_ranks_dict_changes_or_goes() -> N
     for _ in range(3):  # bounded
         assert _pretok.encode_ascii("hello world! x", table, piece, 1) == [base, base + 1, base + 2, base + 3]
     assert pieces == [] and len(churn) == 10_000
+
+
+@pytest.mark.parametrize("space", ["\u3000", "\u00a0"])
+def test_a_run_that_overflows_tiktokens_regex_is_encoded_by_hf_not_a_crash(space: str) -> None:
+    """tiktoken's regex overflows its stack on about a million non-ASCII spaces in a row; pyo3 raises that
+    panic as a BaseException, which ended a tokenizer worker (and failed the other calls in flight). The
+    encoder gives HF's ids for such a text instead, as for any other."""
+    fast = fast_of("qwen3")
+    text = "ab" + space * 1_000_000 + "cd"
+    assert fast.encode(text, False) == fast.hf.encode(text, add_special_tokens=False).ids
