@@ -306,3 +306,32 @@ def test_probes(node: NodeProc) -> None:
     assert http_status(node.url + "/liveness") == 200
     assert http_status(node.url + "/readiness") == 200
     assert http_status(node.url + "/health") == 200
+
+
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(node: NodeProc) -> None:
+    """More characters than the context's tokens can hold (no token stands for more characters than the
+    vocabulary's longest entry) is a 400 at once, on every route that tokenizes a prompt, gzip or not:
+    tokenizing such a prompt would cost seconds of CPU (a 15 KB gzip body decodes to 15 MB)."""
+    import gzip
+
+    from tests.unit.test_tokenizer_shared import qwen3
+
+    with urllib.request.urlopen(node.url + "/v1/models") as r:
+        ctx = json.loads(r.read())["data"][0]["max_model_len"]
+    text = " x" * ((ctx * qwen3().max_token_chars) // 2 + 1)
+    for path, body in (
+        ("/v1/completions", {"model": "qwen3", "prompt": text, "max_tokens": 1}),
+        ("/v1/chat/completions", {"model": "qwen3", "messages": [{"role": "user", "content": text}]}),
+        ("/v1/tokenize", {"model": "qwen3", "prompt": text}),
+    ):
+        status, got = post(node.url + path, body)
+        assert status == 400 and got["error"]["code"] == "context_length_exceeded", (path, status, got)
+    raw = gzip.compress(json.dumps({"model": "qwen3", "prompt": text, "max_tokens": 1}).encode())
+    r2 = httpx.post(
+        node.url + "/v1/completions",
+        content=raw,
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+        timeout=60,
+    )
+    assert r2.status_code == 400 and r2.json()["error"]["code"] == "context_length_exceeded"
+    assert len(raw) < 100_000  # what the wire carried

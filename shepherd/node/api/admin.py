@@ -7,6 +7,7 @@ from typing import Any
 from aiohttp import web
 
 from shepherd.node.api.common import GATEWAY
+from shepherd.node.api.openai import prompt_chars
 from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_in_effect
 from shepherd.node.dispatch.gateway import Gateway, model_not_found
 from shepherd.node.dispatch.workers import Worker
@@ -70,6 +71,7 @@ async def tokenize(request: web.Request) -> web.Response:
         msgs = d["messages"]
         if not isinstance(msgs, list) or not msgs:
             raise bad("'messages' must be a non-empty list.", param="messages")
+        gw.check_prompt_chars(model, prompt_chars(msgs))
         agp = d.get("add_generation_prompt", True)
         kwargs = d.get("chat_template_kwargs") or {}
         if not isinstance(agp, bool) or not isinstance(kwargs, dict):
@@ -82,6 +84,7 @@ async def tokenize(request: web.Request) -> web.Response:
         prompt = d.get("prompt")
         if not isinstance(prompt, str):
             raise bad("'prompt' (a string) or 'messages' is required.", param="prompt")
+        gw.check_prompt_chars(model, len(prompt), "prompt")
         ids = await gw.tokenizers.encode(model, prompt, add_special)
     out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": gw.context_length(model)}
     strs = d.get("return_token_strs", False)

@@ -13,7 +13,7 @@ then under admission (rate limits) the meta-validation of its JSON schemas off t
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -70,6 +70,17 @@ def _tokens_as_ids(g: Generation, d: dict[str, Any]) -> None:
         g.lpfmt.tokens_as_ids = True
 
 
+def prompt_chars(messages: Sequence[Any]) -> int:
+    """The characters of the messages' text (what a prompt is mostly made of; for
+    ``Gateway.check_prompt_chars``)."""
+    n = 0
+    for m in messages:
+        c = m.get("content") if type(m) is dict else None
+        if type(c) is str:
+            n += len(c)
+    return n
+
+
 def _check_ids(s: Sampling, vocab: int) -> None:
     """Token ids the request names must exist in the model's vocabulary."""
     if not s.stop_token_ids and not s.logit_bias:
@@ -91,6 +102,7 @@ async def render_chat(
     (``template_compat``; ``req.template_kwargs`` updated, as the parser stage reads it)."""
     tools = template_tools(req.tools, req.tool_choice)
     messages = req.messages
+    gw.check_prompt_chars(model, prompt_chars(messages), param)
     if req.reasoning_effort is not None or any(m.get("role") == "developer" for m in messages):
         try:
             names = template_names(gw.tokenizer(model).chat_template(tools=tools is not None).source)
@@ -225,6 +237,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     vocab = tok.vocab_size
     for i, p in enumerate(req.prompts):
         if isinstance(p, str):
+            gw.check_prompt_chars(model, len(p), "prompt")
             with tracing.stage(
                 "tokenize", {"gen_ai.request.model": model}, cache_stats=gw.tokenizers.cache_counters
             ):
