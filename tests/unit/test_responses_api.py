@@ -19,7 +19,8 @@ from shepherd.node.api import responses as api_responses
 from shepherd.node.api.common import ADMISSION, GATEWAY, HISTORY, History, error_middleware
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.metrics import NodeMetrics
-from shepherd.node.openai.responses import parse_metadata, parse_responses
+from shepherd.node.openai.requests import parse_metadata
+from shepherd.node.openai.responses import parse_responses
 from shepherd.node.output.responses import ResponseEvents, output_items, response_object
 from shepherd.proto.openai_errors import ApiError
 from shepherd.storage.memory import MemoryStore

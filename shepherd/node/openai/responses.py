@@ -19,9 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shepherd.node.openai.requests import (
-    MAX_METADATA_KEY,
-    MAX_METADATA_PAIRS,
-    MAX_METADATA_VALUE,
     Sampling,
     parse_metadata,
     parse_sampling,
@@ -32,12 +29,8 @@ from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, parse_
 from shepherd.proto.openai_errors import ApiError, bad
 
 __all__ = [
-    "MAX_METADATA_KEY",
-    "MAX_METADATA_PAIRS",
-    "MAX_METADATA_VALUE",
     "ResponsesRequest",
     "conversation_not_found",
-    "parse_metadata",
     "parse_responses",
     "previous_not_found",
     "response_not_found",
