@@ -300,6 +300,10 @@ def test_background_completes(client: openai.OpenAI, engine: MockEngineProc, htt
 def test_background_cancel(client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client) -> None:
     faults(engine, http, stall_after_tokens=1, stall_seconds=60.0)
     r = client.responses.create(model=MODEL, input="slow one", background=True)
+    # a follow-up of a response still generating would not see its answer: a 400, not a shorter history
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input="and then?", previous_response_id=r.id)
+    assert e.value.code == "previous_response_in_progress"
     c = client.responses.cancel(r.id)
     assert c.status == "cancelled"
     assert client.responses.retrieve(r.id).status == "cancelled"

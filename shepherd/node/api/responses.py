@@ -381,6 +381,13 @@ async def _history(
             raise previous_not_found(req.previous_response_id)
         if chain[0].previous_response_id is not None:  # an earlier response of the chain is gone
             raise previous_not_found(chain[0].previous_response_id)
+        if chain[-1].status not in _TERMINAL:  # its answer is not there yet: the model would not see it
+            raise bad(
+                f"Previous response with id '{req.previous_response_id}' is still {chain[-1].status}: "
+                "continue it once it has completed.",
+                param="previous_response_id",
+                code="previous_response_in_progress",
+            )
         ids = [i for r in chain for i in (*r.input_item_ids, *r.output_item_ids)]
         if len(ids) > MAX_HISTORY_ITEMS:
             raise bad(

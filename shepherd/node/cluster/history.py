@@ -482,7 +482,10 @@ class RoutedStore:
                 self.routed_failed += 1
                 if e.reason == "unknown":
                     raise OwnerGone(f"the node {owner!r} that owns this record has left the mesh") from None
-                raise StorageUnavailable(f"the node {owner!r} that owns this record: {e}", 1.0) from None
+                # the mesh's detail (an address, an exception) goes to the log, not to API clients
+                log.info("history: %s on %r failed: %s", method, owner, e)
+                what = "is busy" if "busy" in e.message else f"did not answer ({e.reason})"
+                raise StorageUnavailable(f"the node {owner!r} that owns this record {what}", 1.0) from None
         try:
             reply = _unpack(raw)
         except Exception:
