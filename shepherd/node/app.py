@@ -170,6 +170,7 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
             history.tag,
             history.cancel_elsewhere if mesh is not None else None,
             history.conversations_refused,
+            history.node_gone if mesh is not None else None,
         ),
         key_store=journal.store,
     )

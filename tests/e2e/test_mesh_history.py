@@ -230,3 +230,26 @@ def test_owner_gone_is_a_clear_404_unless_the_store_is_shared(cluster: Cluster) 
     assert r.status_code == 404, r.text
     err = r.json()["error"]
     assert err["code"] == "owner_unavailable" and "'c'" in err["message"]
+
+
+def test_a_background_response_whose_node_died_ends_failed(cluster: Cluster) -> None:
+    """A background response in a's conversation runs on b (a stores it); b is killed mid-generation. Once
+    the mesh holds b dead, a read on a finds the record's runner gone and stores and answers it as failed,
+    rather than in progress forever (a client polls until it ends). (After the test above: c is gone.)"""
+    faults = f"http://127.0.0.1:{cluster.engine.http_port}/mock/faults"
+    conv = cluster.sdk("a").conversations.create()
+    httpx.post(faults, json={"stall_after_tokens": 1, "stall_seconds": 60.0}).raise_for_status()
+    try:
+        r = cluster.sdk("b").responses.create(
+            model=MODEL, input="a slow one", conversation=conv.id, background=True
+        )
+        wait_for(lambda: cluster.sdk("a").responses.retrieve(r.id).status == "in_progress", "running on b")
+        cluster.nodes["b"].proc.kill()
+        wait_for(
+            lambda: cluster.members("a").get("b") in ("dead", "left", None), "a holds b dead", timeout=30
+        )
+        got = cluster.sdk("a").responses.retrieve(r.id)
+        assert got.status == "failed" and got.error is not None and got.error.code == "server_error"
+        assert "_runner" not in httpx.get(f"{cluster.url('a')}/v1/responses/{r.id}", timeout=10).json()
+    finally:
+        httpx.post(faults, json={"stall_after_tokens": None, "stall_seconds": 0.0}).raise_for_status()

@@ -62,6 +62,7 @@ class History:
         tag: str,
         cancel_elsewhere: Callable[[str], Awaitable[bool]] | None = None,
         conversations_refused: str | None = None,
+        node_gone: Callable[[str], bool] | None = None,
     ) -> None:
         self.store = store
         self.tag = tag
@@ -70,6 +71,8 @@ class History:
         self.conversations_refused = conversations_refused
         # a mesh: ask the other nodes to cancel a background response one of them runs (True: one did)
         self.cancel_elsewhere = cancel_elsewhere
+        # a mesh: whether the node of an owner tag is gone (dead, left, or no member has the tag)
+        self.node_gone = node_gone
 
     def new_id(self, prefix: str, owner_tag: str | None = None) -> str:
         """A fresh id owned by this node, or by the node of ``owner_tag`` (a conversation's owner keeps

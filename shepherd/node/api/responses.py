@@ -95,6 +95,10 @@ MAX_BACKGROUND = 1024  # background responses generating at once on this node (m
 MAX_HISTORY_ITEMS = 100_000  # a conversation longer than this is refused, not silently cut
 _PAGE = 100
 _TERMINAL = frozenset({"completed", "failed", "incomplete", "cancelled"})
+# a running background response's record names its runner's owner tag under this key (never answered):
+# a record whose runner is gone (dead, left, or this node after a restart) is settled as failed when read
+_RUNNER = "_runner"
+_QUEUED_GRACE_S = 60.0  # a queued record of this node's without its task yet: between its write and start
 
 # writes that must finish although the request that started them is gone (held here until done)
 _PENDING: set[asyncio.Task[Any]] = set()
@@ -267,7 +271,10 @@ class Turn:
         self.saved = True
 
     async def update(self, body: dict[str, Any], output: Sequence[dict[str, Any]]) -> None:
-        """A background response's new state (its new output items added)."""
+        """A background response's new state (its new output items added); while it runs, the record
+        names this node as its runner (``_RUNNER``)."""
+        if body["status"] not in _TERMINAL:
+            body = {**body, _RUNNER: self.hist.tag}
         rec = self.record(body, output, body["status"])
         await self.hist.store.update_response(rec, self.out_items(output))
 
@@ -694,7 +701,7 @@ async def _start_background(
     try:
         if schemas:  # under admission, after the model lookup: off the loop, with a deadline
             await check_schemas(schemas)
-        await turn.put(turn.record(queued, [], "queued"), [])
+        await turn.put(turn.record({**queued, _RUNNER: turn.hist.tag}, [], "queued"), [])
     except StorageUnavailable as e:
         if ticket is not None:
             ticket.settle(0)
@@ -770,7 +777,38 @@ async def get_response(request: web.Request) -> web.StreamResponse:
         raise bad(
             "Streaming a stored response is not supported.", param="stream", code="unsupported_parameter"
         )
-    return _json(stored.body)
+    stored = await _settle_orphan(request, hist, stored)
+    return _json(_answered(stored.body))
+
+
+def _answered(body: dict[str, Any]) -> dict[str, Any]:
+    """A stored response's body as answered (without its runner's tag)."""
+    return body if _RUNNER not in body else {k: v for k, v in body.items() if k != _RUNNER}
+
+
+async def _settle_orphan(request: web.Request, hist: History, stored: StoredResponse) -> StoredResponse:
+    """A background response still queued or in progress whose runner is gone (a node the mesh holds
+    dead or gone, or this node when it does not run it: it restarted) would stay so forever, and a client
+    polls until it ends: it is stored as failed, and that is answered."""
+    runner = stored.body.get(_RUNNER)
+    if stored.status in _TERMINAL or not isinstance(runner, str):
+        return stored
+    if runner == hist.tag:
+        if stored.id in request.app[BACKGROUND] or (
+            stored.status == "queued" and time.time() - stored.created_at < _QUEUED_GRACE_S
+        ):
+            return stored
+    elif hist.node_gone is None or not hist.node_gone(runner):
+        return stored
+    error = {"code": "server_error", "message": "The node generating this response stopped before it ended."}
+    body = {**_answered(stored.body), "status": "failed", "error": error}
+    rec = dataclasses.replace(stored, body=body, status="failed")
+    try:
+        await hist.store.update_response(rec, [])
+    except StorageUnavailable as e:
+        raise _unavailable(e) from None
+    log.warning("background response %s: its runner (tag %s) is gone; stored as failed", stored.id, runner)
+    return rec
 
 
 async def delete_response(request: web.Request) -> web.StreamResponse:
@@ -808,7 +846,7 @@ async def cancel_response(request: web.Request) -> web.StreamResponse:
             except StorageUnavailable as e:
                 raise _unavailable(e) from None
         stored = await _get_owned(request, hist, rid)
-    return _json(stored.body)
+    return _json(_answered(stored.body))
 
 
 async def _until_terminal(request: web.Request, hist: History, rid: str, wait: float = 10.0) -> None:

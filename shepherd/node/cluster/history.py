@@ -94,6 +94,9 @@ class MeshLink(Protocol):
 
 
 CancelHandler = Callable[[str], Awaitable[bool]]
+# how long after its start a node takes a tag no member has for a node gone (before: it may not have heard
+# of every member yet)
+MEMBERS_KNOWN_S = 60.0
 
 
 # ---- the wire -----------------------------------------------------------------------------------------
@@ -806,8 +809,10 @@ class NodeHistory:
     link: MeshLink | None = None
     server: RpcServer | None = None  # the peers' history RPCs (a mesh): storage calls and cancels
     conversations_refused: str | None = None  # why the Conversations API refuses new ones (None: it does not)
+    started_at: float = 0.0  # (time.monotonic() of ``start``)
 
     async def start(self) -> None:
+        self.started_at = time.monotonic()
         await self.backend.start()
         if self.router is not None:
             self.router.install()
@@ -826,6 +831,19 @@ class NodeHistory:
         """The local ``BackgroundRegistry`` cancel, for the peers' "cancel" RPCs."""
         if self.server is not None:
             self.server.cancel_handler = handler
+
+    def node_gone(self, tag: str) -> bool:
+        """Whether the node of owner ``tag`` is gone from the mesh: held dead or left, or no member has the
+        tag (reaped long after it went); False without a mesh (nothing to tell)."""
+        link = self.link
+        if link is None:
+            return False
+        for m in link.members():
+            name = m.get("name")
+            if isinstance(name, str) and node_tag(name) == tag:
+                return link.member_status(name) in ("dead", "left", None)
+        # no member has it: gone, once this node has been up long enough to know the members
+        return time.monotonic() - self.started_at > MEMBERS_KNOWN_S
 
     async def cancel_elsewhere(self, response_id: str) -> bool:
         """Ask every other live member to cancel a background response it runs (True: one did)."""
