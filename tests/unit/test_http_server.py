@@ -701,6 +701,28 @@ async def test_a_large_stream_to_a_slow_reader_is_complete(srv: Running) -> None
     await c.close()
 
 
+async def test_a_client_that_reads_nothing_is_dropped_after_the_write_stall() -> None:
+    """A response whose client reads nothing (its buffers full) ends after ``write_stall_secs``: the
+    connection is aborted and the handler's write raises, so what it holds (an engine request) goes."""
+    app = make_app()
+    runner = web.AppRunner(app)
+    await runner.setup()
+    server = LeanServer(app, max_body=MAX_BODY, limits=Limits(write_stall_secs=0.3))
+    await server.start("127.0.0.1", 0)
+    try:
+        c = await Conn.open(server.port)
+        await c.send(get("/stream?n=4000&size=20000"))  # 80 MB: more than every buffer on the way
+        for _ in range(200):  # bounded: the buffers fill, the stall passes, the connection goes
+            if not server.conns:
+                break
+            await asyncio.sleep(0.05)
+        assert not server.conns
+        c.w.close()
+    finally:
+        await server.shutdown(timeout=1.0)
+        await runner.cleanup()
+
+
 async def test_stream_response_works_under_aiohttp_too() -> None:
     async with TestClient(TestServer(make_app())) as client:
         r = await client.get("/stream?n=2&size=2")

@@ -229,7 +229,13 @@ class _Conn(asyncio.Protocol):
             return
         if self._drain is None:
             self._drain = self.loop.create_future()
-        await asyncio.shield(self._drain)
+        stall = self.limits.write_stall_secs
+        try:
+            await asyncio.wait_for(asyncio.shield(self._drain), stall)
+        except TimeoutError:
+            if self.transport is not None:
+                self.transport.abort()  # (a close would wait for the unread buffer to drain)
+            raise ConnectionResetError(f"the client read nothing for {stall:g} s") from None
         if self.lost:
             raise ConnectionResetError("the client closed the connection")
 

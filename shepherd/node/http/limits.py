@@ -37,6 +37,10 @@ class Limits:
     keepalive_secs: float = 75.0  # an idle connection is closed after this (aiohttp's default)
     head_secs: float = 30.0  # a request head must arrive whole within this of its first byte → 408
     body_secs: float = 300.0  # and the whole request (body included) within this → 408
+    # a client that reads nothing of a response for this long (its buffers full) is gone: the response
+    # ends, and with it the engine request it holds (KV cache), which would otherwise wait for the
+    # request timeout
+    write_stall_secs: float = 60.0
 
 
 def error_body(status: int, message: str, code: str | None) -> bytes:
