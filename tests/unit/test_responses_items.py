@@ -188,3 +188,32 @@ def test_reasoning_without_answer_is_dropped_and_images_refused() -> None:
     with pytest.raises(ApiError) as ei:
         items_to_messages(_items([{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]))
     assert ei.value.code == "unsupported_content"
+
+
+async def test_two_turns_at_once_keep_each_answer_after_its_question() -> None:
+    """Two responses on one conversation at once (on two nodes, say): the later-started one ends first.
+    A turn's output items are dated as the turn (as its input), so the conversation, ordered by date and
+    then by order of writing, reads question, answer, question, answer, as in every backend."""
+    from shepherd.node.api.common import History
+    from shepherd.node.api.responses import Turn
+    from shepherd.storage.memory import MemoryStore
+    from shepherd.storage.types import StoredConversation, StoredItem
+
+    store = MemoryStore()
+    hist = History(store, "0" * 8)
+    await store.create_conversation(StoredConversation("conv_1", 1.0))
+
+    def turn(rid: str, at: float, q: str) -> tuple[Turn, dict[str, Any]]:
+        item = StoredItem(
+            f"msg_{q}", "message", {"id": f"msg_{q}", "type": "message", "role": "user"}, at, rid
+        )
+        t = Turn(hist, rid, at, "m", None, None, "conv_1", [item], (item.id,), None)
+        answer = {"id": f"msg_answer_{q}", "type": "message", "role": "assistant", "status": "completed"}
+        return t, answer
+
+    a, ans_a = turn("resp_a", 10.0, "a")  # started first...
+    b, ans_b = turn("resp_b", 11.0, "b")
+    for t, ans in ((b, ans_b), (a, ans_a)):  # ...ended last: its pair is written after b's
+        await t.put(t.record({"status": "completed"}, [ans], "completed"), t.out_items([ans]))
+    page = await store.list_items("conv_1", limit=10, order="asc")
+    assert [it.id for it in page.items] == ["msg_a", "msg_answer_a", "msg_b", "msg_answer_b"]

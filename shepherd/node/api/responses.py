@@ -234,9 +234,12 @@ class Turn:
         )
 
     def out_items(self, output: Sequence[dict[str, Any]]) -> list[StoredItem]:
-        now = time.time()
+        """The output items as stored: dated as the turn (its start, as its input items), so that in a
+        conversation, whose items sort by that time and then by their order of writing, a turn's answer
+        stays right after its question, also when another turn ran meanwhile and ended first."""
+        at = self.created_at
         return [
-            StoredItem(o["id"], o["type"], o, now, self.response_id, o.get("role"), o.get("status"))
+            StoredItem(o["id"], o["type"], o, at, self.response_id, o.get("role"), o.get("status"))
             for o in output
         ]
 
