@@ -40,7 +40,7 @@ from shepherd.node.api.common import (
 from shepherd.node.cluster.history import OwnerGone
 from shepherd.node.http.body import json_response, read_json
 from shepherd.node.openai.items import parse_items
-from shepherd.node.openai.requests import parse_metadata
+from shepherd.node.openai.requests import parse_metadata, shown_id
 from shepherd.proto.openai_errors import ApiError, bad
 from shepherd.storage.ids import tag_of
 from shepherd.storage.types import NotFound, StoredConversation, StoredItem
@@ -118,7 +118,13 @@ def conversation_object(c: StoredConversation) -> dict[str, Any]:
 
 
 def _not_found(cid: str) -> ApiError:
-    return ApiError(404, f"Conversation with id '{cid}' not found.", code="not_found")
+    return ApiError(404, f"Conversation with id '{shown_id(cid)}' not found.", code="not_found")
+
+
+def _item_not_found(cid: str, iid: str) -> ApiError:
+    return ApiError(
+        404, f"Item with id '{shown_id(iid)}' not found in conversation '{shown_id(cid)}'.", code="not_found"
+    )
 
 
 async def _load(request: web.Request, history: History, cid: str) -> StoredConversation:
@@ -251,7 +257,7 @@ async def get_item(request: web.Request) -> web.StreamResponse:
     await _load(request, history, cid)
     it = await history.store.get_item(cid, iid)
     if it is None:
-        raise ApiError(404, f"Item with id '{iid}' not found in conversation '{cid}'.", code="not_found")
+        raise _item_not_found(cid, iid)
     return json_response(it.data)
 
 
@@ -261,7 +267,7 @@ async def delete_item(request: web.Request) -> web.StreamResponse:
     cid, iid = _conv_id(request), _item_id(request)
     c = await _load(request, history, cid)
     if not await history.store.delete_item(cid, iid):
-        raise ApiError(404, f"Item with id '{iid}' not found in conversation '{cid}'.", code="not_found")
+        raise _item_not_found(cid, iid)
     return json_response(conversation_object(c))
 
 

@@ -89,6 +89,11 @@ def shown(v: float) -> str:
     return str(v)
 
 
+def shown_id(record_id: str) -> str:
+    """An id as an error message quotes it: a client's 60 kB "id" is not echoed whole."""
+    return record_id if len(record_id) <= 128 else record_id[:128] + "..."
+
+
 INT32_MAX = (1 << 31) - 1  # engine protos hold counts and ids in 32-bit fields
 
 

@@ -23,6 +23,7 @@ from shepherd.node.openai.requests import (
     parse_metadata,
     parse_sampling,
     shown,
+    shown_id,
 )
 from shepherd.node.openai.structured import PendingSchema, SchemaBudget
 from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, parse_tool_choice
@@ -395,12 +396,14 @@ def _not_found(message: str, param: str, code: str) -> ApiError:
 
 
 def response_not_found(response_id: str) -> ApiError:
-    return _not_found(f"Response with id '{response_id}' not found.", "response_id", "response_not_found")
+    return _not_found(
+        f"Response with id '{shown_id(response_id)}' not found.", "response_id", "response_not_found"
+    )
 
 
 def previous_not_found(response_id: str) -> ApiError:
     return _not_found(
-        f"Previous response with id '{response_id}' not found.",
+        f"Previous response with id '{shown_id(response_id)}' not found.",
         "previous_response_id",
         "previous_response_not_found",
     )
@@ -408,5 +411,7 @@ def previous_not_found(response_id: str) -> ApiError:
 
 def conversation_not_found(conversation_id: str) -> ApiError:
     return _not_found(
-        f"Conversation with id '{conversation_id}' not found.", "conversation", "conversation_not_found"
+        f"Conversation with id '{shown_id(conversation_id)}' not found.",
+        "conversation",
+        "conversation_not_found",
     )
