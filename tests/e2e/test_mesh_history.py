@@ -203,10 +203,8 @@ def test_responses_in_a_conversation_owned_by_another_node(cluster: Cluster) -> 
 def test_background_response_is_cancelled_from_any_node(cluster: Cluster) -> None:
     """A background response in a's conversation runs on b (its id names a, which stores it); a cancel
     sent to c reaches b's task, and every node then reads "cancelled"."""
-    faults = f"http://127.0.0.1:{cluster.engine.http_port}/mock/faults"
     conv = cluster.sdk("a").conversations.create()
-    httpx.post(faults, json={"stall_after_tokens": 1, "stall_seconds": 60.0}).raise_for_status()
-    try:
+    with stalled_engine(cluster):
         r = cluster.sdk("b").responses.create(
             model=MODEL, input="a slow one", conversation=conv.id, background=True
         )
@@ -214,6 +212,15 @@ def test_background_response_is_cancelled_from_any_node(cluster: Cluster) -> Non
         assert cluster.sdk("c").responses.cancel(r.id).status == "cancelled"
         for name in NAMES:
             assert cluster.sdk(name).responses.retrieve(r.id).status == "cancelled"
+
+
+@contextlib.contextmanager
+def stalled_engine(cluster: Cluster) -> Iterator[None]:
+    """The mock engine stalls 60 s after its first token while inside."""
+    faults = f"http://127.0.0.1:{cluster.engine.http_port}/mock/faults"
+    httpx.post(faults, json={"stall_after_tokens": 1, "stall_seconds": 60.0}).raise_for_status()
+    try:
+        yield
     finally:
         httpx.post(faults, json={"stall_after_tokens": None, "stall_seconds": 0.0}).raise_for_status()
 
@@ -236,10 +243,8 @@ def test_a_background_response_whose_node_died_ends_failed(cluster: Cluster) -> 
     """A background response in a's conversation runs on b (a stores it); b is killed mid-generation. Once
     the mesh holds b dead, a read on a finds the record's runner gone and stores and answers it as failed,
     rather than in progress forever (a client polls until it ends). (After the test above: c is gone.)"""
-    faults = f"http://127.0.0.1:{cluster.engine.http_port}/mock/faults"
     conv = cluster.sdk("a").conversations.create()
-    httpx.post(faults, json={"stall_after_tokens": 1, "stall_seconds": 60.0}).raise_for_status()
-    try:
+    with stalled_engine(cluster):
         r = cluster.sdk("b").responses.create(
             model=MODEL, input="a slow one", conversation=conv.id, background=True
         )
@@ -251,5 +256,3 @@ def test_a_background_response_whose_node_died_ends_failed(cluster: Cluster) -> 
         got = cluster.sdk("a").responses.retrieve(r.id)
         assert got.status == "failed" and got.error is not None and got.error.code == "server_error"
         assert "_runner" not in httpx.get(f"{cluster.url('a')}/v1/responses/{r.id}", timeout=10).json()
-    finally:
-        httpx.post(faults, json={"stall_after_tokens": None, "stall_seconds": 0.0}).raise_for_status()

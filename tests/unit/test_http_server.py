@@ -165,18 +165,29 @@ class Running:
         return self.app[GATEWAY]
 
 
-@pytest.fixture
-async def srv() -> AsyncIterator[Running]:
+@contextlib.asynccontextmanager
+async def running(limits: Limits, clock: Callable[[], float] | None = None) -> AsyncIterator[Running]:
+    """The test app on a lean server with ``limits`` (and ``clock``), on a free port."""
     app = make_app()
     runner = web.AppRunner(app)
     await runner.setup()
-    server = LeanServer(app, max_body=MAX_BODY, limits=LIMITS)
+    server = (
+        LeanServer(app, max_body=MAX_BODY, limits=limits)
+        if clock is None
+        else LeanServer(app, max_body=MAX_BODY, limits=limits, clock=clock)
+    )
     await server.start("127.0.0.1", 0)
     try:
         yield Running(app, server, server.port)
     finally:
         await server.shutdown(timeout=1.0)
         await runner.cleanup()
+
+
+@pytest.fixture
+async def srv() -> AsyncIterator[Running]:
+    async with running(LIMITS) as r:
+        yield r
 
 
 class FakeClock:
@@ -190,18 +201,9 @@ class FakeClock:
 @pytest.fixture
 async def clocked() -> AsyncIterator[tuple[Running, FakeClock]]:
     """A server on a fake clock (its limits are checked by ``server.sweep()``)."""
-    app = make_app()
-    runner = web.AppRunner(app)
-    await runner.setup()
     clock = FakeClock()
-    limits = Limits(keepalive_secs=60.0, head_secs=30.0, body_secs=100.0)
-    server = LeanServer(app, max_body=MAX_BODY, limits=limits, clock=clock)
-    await server.start("127.0.0.1", 0)
-    try:
-        yield Running(app, server, server.port), clock
-    finally:
-        await server.shutdown(timeout=1.0)
-        await runner.cleanup()
+    async with running(Limits(keepalive_secs=60.0, head_secs=30.0, body_secs=100.0), clock) as r:
+        yield r, clock
 
 
 # ---- a small HTTP/1.x client --------------------------------------------------------------------------
@@ -396,12 +398,8 @@ async def test_a_long_pipeline_pauses_reading_and_resumes(srv: Running) -> None:
 async def test_idle_keep_alive_connections_are_closed() -> None:
     """By the sweep, which runs only while there are connections (an idle node does not wake for it):
     armed by a connection, not again once none is left."""
-    app = make_app()
-    runner = web.AppRunner(app)
-    await runner.setup()
-    server = LeanServer(app, max_body=MAX_BODY, limits=Limits(keepalive_secs=0.3))
-    await server.start("127.0.0.1", 0)
-    try:
+    async with running(Limits(keepalive_secs=0.3)) as r:
+        server = r.server
 
         def armed() -> bool:
             return server._sweeper is not None
@@ -420,9 +418,6 @@ async def test_idle_keep_alive_connections_are_closed() -> None:
         assert (await c.request(get("/hello"))).status == 200
         assert armed()
         await c.close()
-    finally:
-        await server.shutdown(timeout=1.0)
-        await runner.cleanup()
 
 
 async def test_http_10_closes_after_the_response(srv: Running) -> None:
@@ -704,23 +699,15 @@ async def test_a_large_stream_to_a_slow_reader_is_complete(srv: Running) -> None
 async def test_a_client_that_reads_nothing_is_dropped_after_the_write_stall() -> None:
     """A response whose client reads nothing (its buffers full) ends after ``write_stall_secs``: the
     connection is aborted and the handler's write raises, so what it holds (an engine request) goes."""
-    app = make_app()
-    runner = web.AppRunner(app)
-    await runner.setup()
-    server = LeanServer(app, max_body=MAX_BODY, limits=Limits(write_stall_secs=0.3))
-    await server.start("127.0.0.1", 0)
-    try:
-        c = await Conn.open(server.port)
+    async with running(Limits(write_stall_secs=0.3)) as r:
+        c = await Conn.open(r.port)
         await c.send(get("/stream?n=4000&size=20000"))  # 80 MB: more than every buffer on the way
         for _ in range(200):  # bounded: the buffers fill, the stall passes, the connection goes
-            if not server.conns:
+            if not r.server.conns:
                 break
             await asyncio.sleep(0.05)
-        assert not server.conns
+        assert not r.server.conns
         c.w.close()
-    finally:
-        await server.shutdown(timeout=1.0)
-        await runner.cleanup()
 
 
 async def test_stream_response_works_under_aiohttp_too() -> None:

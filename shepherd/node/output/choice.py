@@ -7,7 +7,7 @@ from typing import Any
 
 from shepherd.node.openai.logprobs import TokenTextCache, chat_logprobs, completion_logprobs
 from shepherd.node.openai.requests import Sampling
-from shepherd.node.output.stop import StopMatcher, StoppingDecoder
+from shepherd.node.output.stop import StopMatcher, StoppingDecoder, StopResult
 from shepherd.proto.engine_types import TokenLogprob
 from shepherd.tokens.detokenizer import IncrementalDetokenizer, fresh_one_shot_equivalent
 from shepherd.tokens.tokenizer import Tokenizer
@@ -126,6 +126,7 @@ class ChoiceState:
         dec = self._dec
         if dec is None:
             dec = self.dec
+        n: int | None = None
         if len(ids) > 1 and self.matcher.stop_strings:
             # a stop string may end inside this chunk: one token at a time, so that the tokens after the
             # one that completed it are neither shown nor counted (vLLM's usage ends at that token)
@@ -140,12 +141,7 @@ class ChoiceState:
         else:
             res = dec.feed(ids)
             visible = res.visible
-            n = len(ids)
-            if res.finished and isinstance(res.matched, int) and res.matched in ids:
-                n = list(ids).index(res.matched) + 1  # the stop token counts; what came after it does not
-        self.tokens += n
-        if logprobs:
-            self.logprobs.extend(logprobs[:n])
+        self._count(ids, logprobs, n, res)
         if res.finished:
             self.finished = True
             self.finish_reason = "stop"
@@ -165,12 +161,7 @@ class ChoiceState:
         stop = self.matcher
         res = stop.feed(self.tok.decode(stop.text_ids(ids), skip_special_tokens=self.skip_special), ids)
         visible = res.visible
-        n = len(ids)
-        if res.finished and isinstance(res.matched, int) and res.matched in ids:
-            n = list(ids).index(res.matched) + 1  # the stop token counts; what came after it does not
-        self.tokens += n
-        if logprobs:
-            self.logprobs.extend(logprobs[:n])
+        self._count(ids, logprobs, None, res)
         if res.finished:
             self.finish_reason = "stop"
             self.matched = res.matched
@@ -180,6 +171,20 @@ class ChoiceState:
         if visible:
             self.text.append(visible)
         return visible
+
+    def _count(
+        self, ids: Sequence[int], logprobs: Sequence[TokenLogprob], n: int | None, res: StopResult
+    ) -> None:
+        """The tokens of ``ids`` the choice produced, and their logprobs: the first ``n`` (the one that
+        completed a stop string, fed one at a time), else up to a stop token (it counts; what came after it
+        in its chunk does not), else all."""
+        if n is None:
+            n = len(ids)
+            if res.finished and isinstance(res.matched, int) and res.matched in ids:
+                n = list(ids).index(res.matched) + 1
+        self.tokens += n
+        if logprobs:
+            self.logprobs.extend(logprobs[:n])
 
     def end(self, reason: str) -> str:
         """The engine finished this choice: release held text, settle the finish reason."""
