@@ -596,3 +596,38 @@ def test_fields_no_engine_carries_are_a_400_naming_them(
         client.chat.completions.create(
             model=VL, messages=user(), max_tokens=2, extra_body={field: neutral[field]}
         )
+
+
+def test_a_stopped_stream_counts_and_logs_no_token_past_its_stop(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """The engine sends tokens past the stop in the chunk that completes it (a burst, a stream interval):
+    usage ends at the stopping token, streamed or not, and the streamed logprobs are those tokens'."""
+    for stream in (False, True):
+        script(engine, http, "Hello world. More words after the stop.", "stop-count")
+        kw: Any = {
+            "model": SG,
+            "messages": user("stop-count"),
+            "max_tokens": 20,
+            "stop": ["."],
+            "logprobs": True,
+        }
+        if stream:
+            chunks = list(
+                client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+            )
+            usage = chunks[-1].usage
+            entries = [
+                e
+                for c in chunks
+                if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content or ()
+            ]
+        else:
+            r = client.chat.completions.create(**kw)
+            usage = r.usage
+            assert r.choices[0].logprobs is not None
+            entries = list(r.choices[0].logprobs.content or ())
+        # (this module's tokenizer is byte-level: a token a character) up to the "." that stopped it
+        assert "".join(e.token for e in entries) == "Hello world.", (stream, entries)
+        assert usage is not None and usage.completion_tokens == len(entries), (stream, usage)

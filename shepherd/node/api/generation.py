@@ -320,6 +320,8 @@ class Generation:
                         continue
                     lps = ev.logprobs
                     text = st.feed(ev.token_ids, lps)
+                    if lps and st.finished:
+                        lps = lps[: st.kept]  # not those of the tokens after the stop
                     if enc is not None:
                         if posts is not None:
                             if text or lps:
@@ -354,11 +356,11 @@ class Generation:
                 out_ids = ev.output_ids
                 if not seen_chunks[i] and out_ids:
                     text = st.whole(out_ids, ev.logprobs, ev.finish_reason)
-                    lps = ev.logprobs
+                    lps = ev.logprobs[: st.kept]
                 elif out_ids and final_delta_is_new(out_ids, ev.completion_tokens, got[i], last_ids[i]):
                     # the last tokens came in the Complete only (SGLang's in-tree server)
                     text = st.feed(out_ids, ev.logprobs) + st.end(ev.finish_reason)
-                    lps = ev.logprobs
+                    lps = ev.logprobs[: st.kept]
                 else:
                     text = st.end(ev.finish_reason)
                 if enc is not None:

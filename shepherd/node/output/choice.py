@@ -33,6 +33,7 @@ class ChoiceState:
         "finish_reason",
         "finished",
         "index",
+        "kept",
         "logprobs",
         "matched",
         "matcher",
@@ -63,6 +64,7 @@ class ChoiceState:
         self.finish_reason: str | None = None
         self.matched: str | int | None = None
         self.tokens = 0
+        self.kept = 0  # of the ids of the last feed: those it counted (all but after a stop: see _count)
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
 
@@ -117,6 +119,7 @@ class ChoiceState:
             # no stop string, no stop token in ids: the detokenized text is visible as it is
             # (StoppingDecoder.feed's own shortcut, without its call and result)
             self.tokens += len(ids)
+            self.kept = len(ids)
             if logprobs:
                 self.logprobs.extend(logprobs)
             text = plain[0](ids)
@@ -183,6 +186,7 @@ class ChoiceState:
             if res.finished and isinstance(res.matched, int) and res.matched in ids:
                 n = list(ids).index(res.matched) + 1
         self.tokens += n
+        self.kept = n
         if logprobs:
             self.logprobs.extend(logprobs[:n])
 
