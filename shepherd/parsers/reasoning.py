@@ -7,11 +7,12 @@ One machine, configured per family by a ``ThinkSpec``:
   and MiniMax M2 do) or be ``forced`` by the family (the model never writes the start marker);
   a start marker the model writes anyway at the very beginning is dropped;
 - otherwise the output is reasoning only if it begins (after whitespace) with the start marker;
-- reasoning ends at the end marker, or, when the request's tool calls are parsed (``tool_calls``), at
-  an ``implicit_end`` marker (a tool-call opener the model sometimes writes without closing the block
-  first), which stays in the content for the tool parser; the end marker the model may still write
-  after such a call is dropped from the content. Without tool parsing, a tool-call opener inside the
-  block is reasoning like any other text (vLLM's think parsers split on the end marker alone);
+- reasoning ends at the end marker, at an ``implicit_end`` marker (one that opens the answer, Cohere's
+  text block), or, when the request's tool calls are parsed (``tool_calls``), at a ``tool_end`` marker
+  (a tool-call opener the model sometimes writes without closing the block first); either marker stays
+  in the content (for the tool parser, or ``content_drop``), and the end marker the model may still
+  write after it is dropped from the content. Without tool parsing, a tool-call opener inside the block
+  is reasoning like any other text (vLLM's think parsers split on the end marker alone);
 - ``content_drop`` markers (Cohere's text-block markers) are removed from the content;
 - whitespace right after the start marker and right after the end marker is dropped
   (``<think>\\n...</think>\\n\\nAnswer`` gives content ``Answer``);
@@ -37,6 +38,7 @@ class ThinkSpec:
     end: str = "</think>"
     forced: bool = False
     implicit_end: tuple[str, ...] = ()
+    tool_end: tuple[str, ...] = ()
     content_drop: tuple[str, ...] = ()
 
 
@@ -67,7 +69,7 @@ class ThinkTagReasoningParser:
     ) -> None:
         self._start = spec.start
         self._end = spec.end
-        self._reason_markers = (spec.end, *spec.implicit_end) if tool_calls else (spec.end,)
+        self._reason_markers = (spec.end, *spec.implicit_end, *(spec.tool_end if tool_calls else ()))
         self._drop = spec.content_drop
         self._drop_firsts = frozenset(m[0] for m in spec.content_drop)
         self._buf = ""

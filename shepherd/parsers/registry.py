@@ -61,11 +61,11 @@ _QWEN_TOOL = ("<tool_call>",)
 
 REASONING_FAMILIES: Mapping[str, ReasoningFamily] = {
     "deepseek_r1": ReasoningFamily(ThinkSpec(forced=True)),
-    "qwen3": ReasoningFamily(ThinkSpec(implicit_end=_QWEN_TOOL)),
-    "qwen3_thinking": ReasoningFamily(ThinkSpec(forced=True, implicit_end=_QWEN_TOOL)),
+    "qwen3": ReasoningFamily(ThinkSpec(tool_end=_QWEN_TOOL)),
+    "qwen3_thinking": ReasoningFamily(ThinkSpec(forced=True, tool_end=_QWEN_TOOL)),
     "kimi": ReasoningFamily(ThinkSpec(start="◁think▷", end="◁/think▷")),
-    "kimi_k2": ReasoningFamily(ThinkSpec(implicit_end=("<|tool_calls_section_begin|>",))),
-    "glm45": ReasoningFamily(ThinkSpec(implicit_end=_QWEN_TOOL)),
+    "kimi_k2": ReasoningFamily(ThinkSpec(tool_end=("<|tool_calls_section_begin|>",))),
+    "glm45": ReasoningFamily(ThinkSpec(tool_end=_QWEN_TOOL)),
     "gpt_oss": ReasoningFamily(None, thinking_kwarg=""),
     "deepseek_v3": ReasoningFamily(_THINK, thinking_kwarg="thinking", thinking_default=False),
     "minimax": ReasoningFamily(ThinkSpec(forced=True)),
@@ -74,12 +74,13 @@ REASONING_FAMILIES: Mapping[str, ReasoningFamily] = {
         ThinkSpec(
             start="<|START_THINKING|>",
             end="<|END_THINKING|>",
-            implicit_end=("<|START_TEXT|>", "<|START_ACTION|>"),
+            implicit_end=("<|START_TEXT|>",),
+            tool_end=("<|START_ACTION|>",),
             content_drop=("<|START_TEXT|>", "<|END_TEXT|>"),
         ),
         thinking_kwarg="reasoning",
     ),
-    "nemotron": ReasoningFamily(ThinkSpec(implicit_end=_QWEN_TOOL)),
+    "nemotron": ReasoningFamily(ThinkSpec(tool_end=_QWEN_TOOL)),
 }
 
 _REASONING_ALIASES = {
@@ -172,8 +173,8 @@ def get_reasoning_parser(
     """A fresh reasoning parser. ``thinking_enabled=False`` passes all text through as content;
     ``prompt_opened_think``: the rendered prompt ends inside an open think block
     (see ``prompt_opens_think``); ``tool_calls``: the request's tool calls are parsed (a tool-call
-    opener may then end the think block, see ``ThinkSpec.implicit_end``). Raises ValueError for an
-    unknown name."""
+    opener may then end the think block, see ``ThinkSpec.tool_end``). Raises ValueError for an unknown
+    name."""
     _, family = _reasoning_family(name)
     if family.spec is None:
         return HarmonyReasoningParser(

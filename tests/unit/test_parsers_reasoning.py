@@ -47,6 +47,21 @@ CASES: list[tuple[str, dict[str, bool], str, str, str]] = [
         "I might call ",
         '<tool_call>\n{"name": "w", "arguments": {}}\n</tool_call>\n\n\nNo.',
     ),
+    # Cohere's text block opens the answer whether or not tools are parsed; its action block only with them
+    (
+        "cohere",
+        {"tool_calls": False},
+        "<|START_THINKING|>plan<|START_TEXT|>Answer<|END_TEXT|>",
+        "plan",
+        "Answer",
+    ),
+    (
+        "cohere",
+        {"tool_calls": False},
+        "<|START_THINKING|>plan<|START_ACTION|>[]<|END_ACTION|>",
+        "plan<|START_ACTION|>[]<|END_ACTION|>",
+        "",
+    ),
     # without tool parsing, a tool-call opener inside the block is reasoning (vLLM's think parsers)
     (
         "qwen3",
