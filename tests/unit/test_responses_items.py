@@ -217,3 +217,45 @@ async def test_two_turns_at_once_keep_each_answer_after_its_question() -> None:
         await t.put(t.record({"status": "completed"}, [ans], "completed"), t.out_items([ans]))
     page = await store.list_items("conv_1", limit=10, order="asc")
     assert [it.id for it in page.items] == ["msg_a", "msg_answer_a", "msg_b", "msg_answer_b"]
+
+
+async def test_a_background_response_is_settled_failed_only_when_its_runner_is_gone() -> None:
+    """Who may still be generating a queued or in-progress background response, by its record's runner
+    ("<tag>/<process>"): this process (its registry says), an earlier process of this node (a restart:
+    gone, unless a sibling on the same host could share the store without a mesh), another node (gone when
+    the mesh holds it dead or gone)."""
+    from shepherd.node.api import responses as api
+    from shepherd.node.api.common import History
+    from shepherd.storage.memory import MemoryStore
+    from shepherd.storage.types import StoredResponse
+
+    class Shared(MemoryStore):
+        shared = True
+
+    me, peer = "a" * 8, "b" * 8
+
+    async def settle(
+        runner: str, *, running: bool = False, shared: bool = False, gone: bool | None = None
+    ) -> str:
+        store = Shared() if shared else MemoryStore()
+        node_gone = None if gone is None else (lambda tag: gone)
+        hist = History(store, me, node_gone=node_gone)
+        body = {"id": "resp_1", "status": "in_progress", "background": True, api._RUNNER: runner}
+        rec = StoredResponse("resp_1", 1.0, "m", body, status="in_progress")
+        await store.put_response(rec, [])
+        got = await api._settle_orphan(hist, rec, running)
+        stored = await store.get_response("resp_1")
+        assert (
+            stored is not None and stored.status == got.status and api._RUNNER not in api._answered(got.body)
+        )
+        return got.status
+
+    this = f"{me}/{api._INSTANCE}"
+    assert await settle(this, running=True) == "in_progress"
+    assert await settle(this) == "failed"  # this process does not run it: it cannot still be running
+    assert await settle(f"{me}/earlier") == "failed"  # a restart: the store is this node's alone
+    assert await settle(f"{me}/earlier", shared=True) == "in_progress"  # maybe a sibling on this host
+    assert await settle(f"{me}/earlier", shared=True, gone=False) == "failed"  # a mesh: names are unique
+    assert await settle(f"{peer}/x", gone=False) == "in_progress"
+    assert await settle(f"{peer}/x", gone=True) == "failed"
+    assert await settle(f"{peer}/x") == "in_progress"  # no mesh: nothing to tell

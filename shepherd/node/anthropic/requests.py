@@ -20,8 +20,8 @@ wait in ``chat.schemas`` for ``check_schemas`` (off the loop, after the model lo
   on its own: ``max_tokens`` bounds the whole answer) turns the template's ``enable_thinking`` on and the
   reasoning parser with it; absent or ``{type: disabled}``: both off (Anthropic's default).
 - ``output_config.format`` (or the beta's ``output_format``): ``{type: json_schema, schema}`` -> the
-  answer constrained to the schema (as a chat ``response_format``); ``output_config.effort`` -> the
-  reasoning effort when thinking is on (otherwise accepted, as ``budget_tokens``); a tool's
+  answer constrained to the schema (as a chat ``response_format``); ``output_config.effort`` is
+  checked and accepted as ``budget_tokens`` is (a hint: ``max_tokens`` bounds the answer); a tool's
   ``strict: true`` constrains its input to its schema.
 - ``thinking: {type: adaptive}`` turns thinking on without a budget.
 - ``max_tokens`` is required (create); ``temperature`` in [0, 1], ``top_p``, ``top_k``;
@@ -396,9 +396,10 @@ _EFFORTS = ("low", "medium", "high")
 
 def _output_config(
     d: dict[str, Any], budget: SchemaBudget, pending: list[PendingSchema]
-) -> tuple[dict[str, Any] | None, str | None]:
+) -> dict[str, Any] | None:
     """``output_config`` (``format``: a JSON schema the answer must follow, as the SDK's ``parse`` sends;
-    ``effort``) or the beta's top-level ``output_format``: (the chat ``response_format``, the effort)."""
+    ``effort``: checked, a hint on how much to spend, accepted as ``budget_tokens`` is: ``max_tokens``
+    bounds the answer) or the beta's top-level ``output_format``: the chat ``response_format``."""
     cfg = d.get("output_config")
     if cfg is not None and not isinstance(cfg, dict):
         raise bad("output_config: expected an object.", param="output_config")
@@ -413,13 +414,13 @@ def _output_config(
     if fmt is None and d.get("output_format") is not None:
         fmt, where = d["output_format"], "output_format"
     if fmt is None:
-        return None, effort
+        return None
     schema = fmt.get("schema") if isinstance(fmt, dict) else None
     if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(schema, dict):
         raise bad(f"{where}: expected {{'type': 'json_schema', 'schema': {{...}}}}.", param=where)
     pending.append(budget.take(schema, f"{where}.schema"))
     spec = {"name": "output", "schema": schema, "strict": True}
-    return {"type": "json_schema", "json_schema": spec}, effort
+    return {"type": "json_schema", "json_schema": spec}
 
 
 def _stop_sequences(d: dict[str, Any]) -> tuple[str, ...]:
@@ -509,7 +510,7 @@ def _parse(d: dict[str, Any], *, count: bool) -> MessagesRequest:
     budget_s = SchemaBudget()
     pending: list[PendingSchema] = []
     tools = _tools(d, budget_s, pending)
-    response_format, effort = _output_config(d, budget_s, pending)
+    response_format = _output_config(d, budget_s, pending)
     choice_value, parallel = _tool_choice(d, tools)
     try:
         choice = parse_tool_choice(choice_value, tools)
@@ -531,8 +532,5 @@ def _parse(d: dict[str, Any], *, count: bool) -> MessagesRequest:
         parallel_tool_calls=parallel,
         separate_reasoning=thinking,
         schemas=tuple(pending),
-        # (with thinking on: the template's thinking switch as a chat request's effort; off, a hint on
-        # how much to spend, as budget_tokens: accepted, ``max_tokens`` bounds the answer)
-        reasoning_effort=effort if thinking else None,
     )
     return MessagesRequest(chat, thinking, budget, stops, _user_id(d), stream)

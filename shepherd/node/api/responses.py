@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -98,6 +99,9 @@ _TERMINAL = frozenset({"completed", "failed", "incomplete", "cancelled"})
 # a running background response's record names its runner's owner tag under this key (never answered):
 # a record whose runner is gone (dead, left, or this node after a restart) is settled as failed when read
 _RUNNER = "_runner"
+# which process of a node runs it: "<owner tag>/<this>" (two gateways on one host without a mesh share a
+# tag, and a node restarted keeps its name: the part after the slash tells them apart)
+_INSTANCE = secrets.token_hex(6)
 _QUEUED_GRACE_S = 60.0  # a queued record of this node's without its task yet: between its write and start
 
 # writes that must finish although the request that started them is gone (held here until done)
@@ -277,7 +281,7 @@ class Turn:
         """A background response's new state (its new output items added); while it runs, the record
         names this node as its runner (``_RUNNER``)."""
         if body["status"] not in _TERMINAL:
-            body = {**body, _RUNNER: self.hist.tag}
+            body = {**body, _RUNNER: f"{self.hist.tag}/{_INSTANCE}"}
         rec = self.record(body, output, body["status"])
         await self.hist.store.update_response(rec, self.out_items(output))
 
@@ -379,6 +383,7 @@ async def _history(
     """The stored items this turn continues (oldest first)."""
     store = hist.store
     if req.previous_response_id is not None:
+        running = req.previous_response_id in request.app[BACKGROUND]  # (before the read)
         try:
             chain = await store.get_chain(req.previous_response_id, gw.cfg.history_chain_max_depth)
         except ChainError as e:
@@ -391,9 +396,12 @@ async def _history(
             raise previous_not_found(req.previous_response_id)
         if chain[0].previous_response_id is not None:  # an earlier response of the chain is gone
             raise previous_not_found(chain[0].previous_response_id)
-        if chain[-1].status not in _TERMINAL:  # its answer is not there yet: the model would not see it
+        last = chain[-1]
+        if last.status not in _TERMINAL:
+            last = await _settle_orphan(hist, last, running)  # (a response whose runner is gone: failed)
+        if last.status not in _TERMINAL:  # its answer is not there yet: the model would not see it
             raise bad(
-                f"Previous response with id '{req.previous_response_id}' is still {chain[-1].status}: "
+                f"Previous response with id '{req.previous_response_id}' is still {last.status}: "
                 "continue it once it has completed.",
                 param="previous_response_id",
                 code="previous_response_in_progress",
@@ -704,7 +712,7 @@ async def _start_background(
     try:
         if schemas:  # under admission, after the model lookup: off the loop, with a deadline
             await check_schemas(schemas)
-        await turn.put(turn.record({**queued, _RUNNER: turn.hist.tag}, [], "queued"), [])
+        await turn.put(turn.record({**queued, _RUNNER: f"{turn.hist.tag}/{_INSTANCE}"}, [], "queued"), [])
     except StorageUnavailable as e:
         if ticket is not None:
             ticket.settle(0)
@@ -775,12 +783,14 @@ async def _background(
 
 async def get_response(request: web.Request) -> web.StreamResponse:
     hist = _hist(request)
-    stored = await _get_owned(request, hist, request.match_info["response_id"])
+    rid = request.match_info["response_id"]
+    running = rid in request.app[BACKGROUND]  # (before the read: its task may end meanwhile)
+    stored = await _get_owned(request, hist, rid)
     if request.query.get("stream") in ("true", "1"):
         raise bad(
             "Streaming a stored response is not supported.", param="stream", code="unsupported_parameter"
         )
-    stored = await _settle_orphan(request, hist, stored)
+    stored = await _settle_orphan(hist, stored, running)
     return _json(_answered(stored.body))
 
 
@@ -789,19 +799,25 @@ def _answered(body: dict[str, Any]) -> dict[str, Any]:
     return body if _RUNNER not in body else {k: v for k, v in body.items() if k != _RUNNER}
 
 
-async def _settle_orphan(request: web.Request, hist: History, stored: StoredResponse) -> StoredResponse:
-    """A background response still queued or in progress whose runner is gone (a node the mesh holds
-    dead or gone, or this node when it does not run it: it restarted) would stay so forever, and a client
-    polls until it ends: it is stored as failed, and that is answered."""
+async def _settle_orphan(hist: History, stored: StoredResponse, running: bool) -> StoredResponse:
+    """A background response still queued or in progress whose runner is gone would stay so forever, and
+    a client polls until it ends: it is stored as failed, and that is answered. Gone: this process, which
+    does not run it (``running``: whether this node's registry had it before the record was read: its
+    task may have ended since, writing its end); an earlier process of this node (a mesh's node names are
+    its own, and a store that is not shared is this node's alone: the node restarted); another node the
+    mesh holds dead or gone. Without a mesh, another process with this node's tag and a shared store may
+    be a sibling on the same host: left as it is."""
     runner = stored.body.get(_RUNNER)
     if stored.status in _TERMINAL or not isinstance(runner, str):
         return stored
-    if runner == hist.tag:
-        if stored.id in request.app[BACKGROUND] or (
-            stored.status == "queued" and time.time() - stored.created_at < _QUEUED_GRACE_S
-        ):
+    tag, _, instance = runner.partition("/")
+    if tag == hist.tag and instance == _INSTANCE:
+        if running or (stored.status == "queued" and time.time() - stored.created_at < _QUEUED_GRACE_S):
             return stored
-    elif hist.node_gone is None or not hist.node_gone(runner):
+    elif tag == hist.tag:  # an earlier process of this node, unless a sibling's (a shared store, no mesh)
+        if hist.node_gone is None and getattr(hist.store, "shared", True):
+            return stored
+    elif hist.node_gone is None or not hist.node_gone(tag):
         return stored
     error = {"code": "server_error", "message": "The node generating this response stopped before it ended."}
     body = {**_answered(stored.body), "status": "failed", "error": error}
