@@ -120,6 +120,7 @@ class TokenizerService:
         # the table (~2 MB of lists over the fast encoder's bytes) is shared (bench/memory_bench.py).
         for tok in self._tokenizers.values():
             tok.build_fast_decoder()
+            _ = tok.max_token_chars  # (here, not on the first request's event-loop turn: ~0.1 s a vocabulary)
         if self._freeze_before_fork:
             heap.freeze_before_fork()
         else:

@@ -72,12 +72,26 @@ def _tokens_as_ids(g: Generation, d: dict[str, Any]) -> None:
 
 def prompt_chars(messages: Sequence[Any]) -> int:
     """The characters of the messages' text (what a prompt is mostly made of; for
-    ``Gateway.check_prompt_chars``)."""
+    ``Gateway.check_prompt_chars``): their content (a string, or its text parts), reasoning and tool calls'
+    arguments."""
     n = 0
     for m in messages:
-        c = m.get("content") if type(m) is dict else None
+        if type(m) is not dict:
+            continue
+        c = m.get("content")
         if type(c) is str:
             n += len(c)
+        elif type(c) is list:
+            n += sum(len(t) for p in c if type(p) is dict and type(t := p.get("text")) is str)
+        r = m.get("reasoning_content")
+        if type(r) is str:
+            n += len(r)
+        calls = m.get("tool_calls")
+        if type(calls) is list:
+            for call in calls:
+                fn = call.get("function") if type(call) is dict else None
+                a = fn.get("arguments") if type(fn) is dict else None
+                n += len(a) if type(a) is str else 0
     return n
 
 
