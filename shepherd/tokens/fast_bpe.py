@@ -77,10 +77,8 @@ def _panic_safe(
     def safe(text: str) -> list[int]:
         try:
             return encode(text)
-        except Exception:
-            raise
-        except BaseException as e:  # pyo3's PanicException: not an Exception
-            if isinstance(e, KeyboardInterrupt | SystemExit | GeneratorExit):
+        except BaseException as e:  # pyo3's PanicException is no Exception: the one caught here
+            if isinstance(e, Exception | KeyboardInterrupt | SystemExit | GeneratorExit):
                 raise
             return fallback(text)
 

@@ -104,6 +104,12 @@ _RUNNER = "_runner"
 _INSTANCE = secrets.token_hex(6)
 _QUEUED_GRACE_S = 60.0  # a queued record of this node's without its task yet: between its write and start
 
+
+def _runner(hist: History) -> str:
+    """This process as the runner a background response's record names."""
+    return f"{hist.tag}/{_INSTANCE}"
+
+
 # writes that must finish although the request that started them is gone (held here until done)
 _PENDING: set[asyncio.Task[Any]] = set()
 
@@ -281,7 +287,7 @@ class Turn:
         """A background response's new state (its new output items added); while it runs, the record
         names this node as its runner (``_RUNNER``)."""
         if body["status"] not in _TERMINAL:
-            body = {**body, _RUNNER: f"{self.hist.tag}/{_INSTANCE}"}
+            body = {**body, _RUNNER: _runner(self.hist)}
         rec = self.record(body, output, body["status"])
         await self.hist.store.update_response(rec, self.out_items(output))
 
@@ -712,7 +718,7 @@ async def _start_background(
     try:
         if schemas:  # under admission, after the model lookup: off the loop, with a deadline
             await check_schemas(schemas)
-        await turn.put(turn.record({**queued, _RUNNER: f"{turn.hist.tag}/{_INSTANCE}"}, [], "queued"), [])
+        await turn.put(turn.record({**queued, _RUNNER: _runner(turn.hist)}, [], "queued"), [])
     except StorageUnavailable as e:
         if ticket is not None:
             ticket.settle(0)
@@ -815,7 +821,7 @@ async def _settle_orphan(hist: History, stored: StoredResponse, running: bool) -
         if running or (stored.status == "queued" and time.time() - stored.created_at < _QUEUED_GRACE_S):
             return stored
     elif tag == hist.tag:  # an earlier process of this node, unless a sibling's (a shared store, no mesh)
-        if hist.node_gone is None and getattr(hist.store, "shared", True):
+        if hist.node_gone is None and hist.store.shared:
             return stored
     elif hist.node_gone is None or not hist.node_gone(tag):
         return stored

@@ -182,9 +182,8 @@ class ChoiceState:
         completed a stop string, fed one at a time), else up to a stop token (it counts; what came after it
         in its chunk does not), else all."""
         if n is None:
-            n = len(ids)
-            if res.finished and isinstance(res.matched, int) and res.matched in ids:
-                n = list(ids).index(res.matched) + 1
+            i = self.matcher.stop_token_index(ids) if res.finished and isinstance(res.matched, int) else -1
+            n = len(ids) if i < 0 else i + 1
         self.tokens += n
         self.kept = n
         if logprobs:
