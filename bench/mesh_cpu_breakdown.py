@@ -14,6 +14,11 @@ consumes).
     .venv/bin/python bench/mesh_cpu_breakdown.py --mode rr --arrival-s 40   # the trace at a higher rate
     .venv/bin/python bench/mesh_cpu_breakdown.py --gateway smg --mode rr   # smg's own fleet (its mesh)
 
+Idle (``--idle S``), an empty event loop (uvloop, as the node's) woken at every multiple of SWIM's probe
+period of the same clock (the grid the nodes' probes fall on) runs beside the nodes over the same window:
+the floor of what a process waking that often costs on this host at that moment, printed with the nodes'
+figures (a host whose vCPUs sleep long charges each wake-up far more: only figures of one window compare).
+
 Two code trees side by side (both runs at the same time, the same load): ``--tree DIR`` runs the nodes
 and engines from DIR (``PYTHONPATH``; DIR holds a ``shepherd`` package with its built extensions).
 """
@@ -37,6 +42,22 @@ ROOT = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")
 _VOL = re.compile(r"^voluntary_ctxt_switches:\s+(\d+)", re.M)
 _SHOWN = re.compile(r"cache|pool|kv|render|hit_rate")
+# the floor: an empty loop woken on the probe grid (``swim.grid_tick``: multiples of the period), 1 ms late
+_FLOOR = """
+import asyncio, math, sys
+period = float(sys.argv[1])
+try:
+    import uvloop
+    uvloop.install()
+except ImportError:
+    pass
+async def main():
+    loop = asyncio.get_running_loop()
+    while True:
+        now = loop.time()
+        await asyncio.sleep((math.floor(now / period + 1e-9) + 1) * period - now + 0.001)
+asyncio.run(main())
+"""
 
 
 def proc_info(pid: int) -> dict[str, Any] | None:
@@ -127,9 +148,10 @@ def main() -> int:
     sys.path.insert(0, tree)
     # not at the top: from the tree asked for (start-up)
     from shepherd.loadgen.benchmarks import routing
-    from shepherd.loadgen.procs import ProcessGroup, free_port
+    from shepherd.loadgen.procs import ProcessGroup, ProcSpec, free_port
     from shepherd.loadgen.procstat import tree_pids
     from shepherd.loadgen.targets import extract_tokenizer
+    from shepherd.mesh.swim_types import SwimConfig
 
     rp = argparse.ArgumentParser()
     routing.add_arguments(rp)
@@ -170,8 +192,13 @@ def main() -> int:
             if behind_lb:
                 lb = group.start(routing.lb_spec(free_port(), [s.ready_port or 0 for s in specs], tp))
                 port = lb.spec.ready_port or 0
+            floor = None
+            if a.idle > 0:
+                period = str(SwimConfig().probe_interval)
+                floor = group.start(ProcSpec("floor", (sys.executable, "-c", _FLOOR, period)))
             time.sleep(3.0)  # the mesh joins
             ports = [p.spec.ready_port or 0 for p in procs]
+            f0 = None if floor is None else proc_info(floor.pid)
             s0 = [snapshot(p.pid, tree_pids) for p in procs]
             m0 = [metrics(pt) for pt in ports]
             counts = {"records": 0, "load_only": 0, "batches": 0, "events": 0}
@@ -192,6 +219,7 @@ def main() -> int:
 
             ok, wall = asyncio.run(run())
             s1 = [snapshot(p.pid, tree_pids) for p in procs]
+            f1 = None if floor is None else proc_info(floor.pid)
             m1 = [metrics(pt) for pt in ports]
             load1 = os.getloadavg()
             per = max(1, ok)
@@ -228,6 +256,16 @@ def main() -> int:
                 )
                 report["per_node"].append({"processes": rows, "cpu_s": node_cpu, "metrics": moved})
             print(f"all nodes {total * 1000 / per:.2f} {unit}")
+            if f0 is not None and f1 is not None:
+                f_cpu = f1["user"] + f1["sys"] - f0["user"] - f0["sys"]
+                f_wake = (f1["wakeups"] - f0["wakeups"]) / wall
+                node_avg = total / len(procs)
+                print(
+                    f"floor: an empty loop woken on the probe grid {f_cpu * 1000 / wall:.1f} ms/s at "
+                    f"{f_wake:.1f} wake-ups/s; a node {node_avg * 1000 / wall:.1f} ms/s "
+                    f"({node_avg / max(f_cpu, 1e-9):.1f}x the floor)"
+                )
+                report["floor"] = {"cpu_s": f_cpu, "wakeups_per_s": f_wake}
             report.update(ok=ok, wall_s=wall, load=[load0[0], load1[0]], kv_stream=counts, cpu_s=total)
             for proc in reversed(procs):
                 proc.stop()
