@@ -17,8 +17,11 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import ipaddress
+import math
 import re
 import socket
+import types
+import typing
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -396,6 +399,51 @@ def _fields() -> dict[str, dataclasses.Field[Any]]:
     return {f.name: f for f in dataclasses.fields(NodeConfig)}
 
 
+_SCALARS: dict[str, tuple[type, bool]] | None = None  # a scalar setting's type, and whether None is allowed
+# intervals a node loops on: 0 would spin (a health round right after the last one, forever)
+_POSITIVE_SECS = ("health_check_interval_secs", "health_check_timeout_secs", "load_poll_interval_secs")
+
+
+def _scalar_types() -> dict[str, tuple[type, bool]]:
+    global _SCALARS
+    if _SCALARS is None:
+        found: dict[str, tuple[type, bool]] = {}
+        for name, hint in typing.get_type_hints(NodeConfig).items():
+            args = set(typing.get_args(hint)) if typing.get_origin(hint) is types.UnionType else {hint}
+            optional = type(None) in args
+            rest = args - {type(None)}
+            if len(rest) == 1 and (t := rest.pop()) in (bool, int, float, str):
+                found[name] = (t, optional)
+        _SCALARS = found
+    return _SCALARS
+
+
+def _check_scalars(values: dict[str, Any]) -> None:
+    """Each scalar setting of the file has its field's type: YAML's ``"false"`` (a string, quoted) is not
+    ``false``, so a quoted ``insecure_admin: "false"`` must not read as true, nor ``port: "abc"`` reach
+    a comparison; an int serves where a float is asked, never a bool where a number is."""
+    scalars = _scalar_types()
+    for key, val in values.items():
+        spec = scalars.get(key)
+        if spec is None or (val is None and spec[1]):
+            continue
+        want = spec[0]
+        if want is bool:
+            ok = isinstance(val, bool)
+        elif want is int:
+            ok = isinstance(val, int) and not isinstance(val, bool)
+        elif want is float:
+            ok = isinstance(val, (int, float)) and not isinstance(val, bool) and math.isfinite(val)
+        else:
+            ok = isinstance(val, str)
+        if not ok:
+            kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[want]
+            raise ConfigError(f"{key} must be {kind}{' or null' if spec[1] else ''}, not {val!r}")
+    for key in _POSITIVE_SECS:
+        if key in values and values[key] <= 0:
+            raise ConfigError(f"{key} must be > 0")
+
+
 def _coerce_rate_limit(raw: Any) -> RateLimitRule:
     if not isinstance(raw, dict) or not isinstance(raw.get("tenant"), str) or not raw["tenant"]:
         raise ConfigError("each entry of 'rate_limits' needs a 'tenant' (a name, or '*' for every tenant)")
@@ -451,6 +499,12 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
             if key not in fields or key in _NOT_SETTINGS:
                 raise ConfigError(f"unknown configuration key {key!r}")
             values[key] = merge_auth(values.get(key), val) if key == "auth" else val
+    _check_scalars(values)
+    for key in ("worker_urls", "prefill_urls", "decode_urls"):  # one URL alone: a list of one
+        if isinstance(values.get(key), str):
+            values[key] = (values[key],)
+        elif key in values and not isinstance(values[key], (list, tuple)):
+            raise ConfigError(f"{key} must be a list of worker URLs")
     if "worker_urls" in values:
         values["worker_urls"] = tuple(check_worker_url(str(u)) for u in values["worker_urls"])
     if "rate_limits" in values:

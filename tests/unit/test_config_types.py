@@ -1,0 +1,63 @@
+"""A node.yaml's scalar settings have their field's type: a quoted ``"false"`` is a string, not false."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shepherd.node.config import ConfigError, build_config
+
+
+def _file(**kw: Any) -> Any:
+    return build_config(kw, {})
+
+
+@pytest.mark.parametrize("word", ["false", "no", "off", "0", ""])
+def test_a_quoted_false_does_not_open_the_control_plane(word: str) -> None:
+    with pytest.raises(ConfigError, match="insecure_admin must be true or false"):
+        _file(host="0.0.0.0", insecure_admin=word)
+
+
+def test_a_quoted_false_does_not_turn_tracing_on() -> None:
+    with pytest.raises(ConfigError, match="enable_trace must be true or false"):
+        _file(enable_trace="false")
+    assert _file(enable_trace=False).enable_trace is False
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "kind"),
+    [
+        ("port", "abc", "an integer"),
+        ("port", True, "an integer"),
+        ("port", 3.5, "an integer"),
+        ("request_timeout_secs", "10", "a number"),
+        ("request_timeout_secs", False, "a number"),
+        ("request_timeout_secs", float("nan"), "a number"),
+        ("policy", 7, "a string"),
+        ("rate_limit_rpm", "100", "an integer or null"),
+    ],
+)
+def test_a_scalar_of_another_type_is_a_clear_error(key: str, value: Any, kind: str) -> None:
+    with pytest.raises(ConfigError, match=f"{key} must be {kind}"):
+        _file(**{key: value})
+
+
+def test_numbers_serve_where_their_field_asks() -> None:
+    cfg = _file(request_timeout_secs=10, port=30001, rate_limit_rpm=None, insecure_admin=False)
+    assert cfg.request_timeout_secs == 10 and cfg.port == 30001 and cfg.rate_limit_rpm is None
+
+
+@pytest.mark.parametrize(
+    "key", ["health_check_interval_secs", "health_check_timeout_secs", "load_poll_interval_secs"]
+)
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_loop_interval_of_zero_is_refused(key: str, value: int) -> None:
+    with pytest.raises(ConfigError, match=f"{key} must be > 0"):
+        _file(**{key: value})
+
+
+def test_one_worker_url_alone_is_a_list_of_one() -> None:
+    assert _file(worker_urls="grpc://127.0.0.1:50051").worker_urls == ("grpc://127.0.0.1:50051",)
+    with pytest.raises(ConfigError, match="worker_urls must be a list"):
+        _file(worker_urls={"url": "grpc://127.0.0.1:50051"})
