@@ -14,6 +14,7 @@ YAML keys are the CLI flag names in snake_case (``worker_urls``, ``model_path``,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import ipaddress
@@ -304,6 +305,27 @@ def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         return ipaddress.ip_address(text)
     except ValueError:
         return None
+
+
+_NUMERIC_V4 = re.compile(r"(0x[0-9a-f]+|[0-9]+)(\.(0x[0-9a-f]+|[0-9]+)){0,3}")
+
+
+def worker_endpoint(url: str) -> tuple[str, str, int | None]:
+    """The engine a (checked) worker URL dials: (``grpc`` for every gRPC scheme, ``http`` for HTTP and
+    HTTPS; the host as an address where it is one in any spelling the resolver takes: ``0x7f000001``,
+    ``127.1``, ``::ffff:127.0.0.1``; else the name, lower case, without a trailing dot; the port).
+    Two URLs of one endpoint are one engine (``sglang://h:1`` and ``grpc://h:1``)."""
+    scheme = url.partition("://")[0]
+    parts = urllib.parse.urlsplit(url)
+    host = (parts.hostname or "").rstrip(".").lower()
+    ip = _ip(host)
+    if ip is None and _NUMERIC_V4.fullmatch(host):
+        with contextlib.suppress(OSError):
+            ip = ipaddress.IPv4Address(socket.inet_aton(host))
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    port = parts.port if parts.port is not None else {"http": 80, "https": 443}.get(scheme)
+    return ("http" if scheme in ("http", "https") else "grpc", host if ip is None else str(ip), port)
 
 
 class WorkerAllow:

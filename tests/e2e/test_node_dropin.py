@@ -197,6 +197,12 @@ def test_smg_admin_json_for_workers(http: httpx.Client) -> None:
         assert upd.status_code == 200 and upd.json()["worker"]["priority"] == 10
         assert upd.json()["labels"] == {"zone": "b"} and upd.json()["cost"] == 0.5
         assert http.get(admin + "/workers").json()["total"] == 2
+        # the same engine under another spelling is the worker it is already (409, nothing added)
+        host, _, port = a.grpc_target.rpartition(":")
+        for alias in (f"sglang://{a.grpc_target}", f"grpc://0x7f000001:{port}", f"grpc://127.1:{port}"):
+            twin = http.post(admin + "/workers", json={"url": alias, "model_id": "qwen3"})
+            assert twin.status_code == 409 and twin.json()["error"]["code"] == "worker_exists", twin.text
+        assert host == "127.0.0.1" and http.get(admin + "/workers").json()["total"] == 2
         # refused with 400 naming the field
         bad = http.post(admin + "/workers", json={**spec, "worker_type": "prefill"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "worker_type"
@@ -219,6 +225,7 @@ def test_smg_admin_json_for_workers(http: httpx.Client) -> None:
         assert http.post(node.url + "/reset_prefix_cache").status_code == 404
         gone = http.delete(admin + f"/workers/{wid}")
         assert gone.status_code == 200 and gone.json()["success"] is True
+        assert gone.json()["worker"]["id"] == wid and gone.json()["deleted"] == wid  # SMG's shape
         assert http.get(admin + "/workers").json()["total"] == 1
         # SMG's older query-string admin, on the admin listener too
         legacy = f"grpc://{b.grpc_target}"
@@ -226,6 +233,8 @@ def test_smg_admin_json_for_workers(http: httpx.Client) -> None:
         added = http.post(admin + "/add_worker", params={"url": legacy, "runtime_type": "vllm"})
         assert added.status_code == 201 and added.json()["success"] is True, added.text
         assert f"vllm://{b.grpc_target}" in http.get(admin + "/list_workers").json()["urls"]
+        nameless = http.post(admin + "/remove_worker")
+        assert nameless.status_code == 400 and nameless.json()["error"]["param"] == "url", nameless.text
         removed = http.post(admin + "/remove_worker", params={"url": f"vllm://{b.grpc_target}"})
         assert removed.status_code == 200 and removed.json()["success"] is True
         assert http.get(admin + "/list_workers").json()["urls"] == [f"grpc://{a.grpc_target}"]

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from shepherd.node.api.common import GATEWAY
 from shepherd.node.api.openai import prompt_chars
-from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_in_effect
+from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_in_effect, worker_endpoint
 from shepherd.node.dispatch.gateway import Gateway, model_not_found
 from shepherd.node.dispatch.workers import Worker
 from shepherd.node.http.body import json_response, read_json
@@ -347,6 +347,17 @@ async def _add(gw: Gateway, d: dict[str, Any]) -> tuple[Worker, bool]:
             code="worker_exists",
         )
     existed = known is not None
+    if not existed:  # the same engine under another spelling: one engine, one worker
+        here = worker_endpoint(url)
+        same = next((w for w in gw.registry.workers.values() if worker_endpoint(w.url) == here), None)
+        if same is not None:
+            raise ApiError(
+                409,
+                f"Worker {same.id} ({same.url}) is this engine already; remove it first to register it "
+                f"as {url!r}.",
+                param="url",
+                code="worker_exists",
+            )
     if not existed and gw.pd is not None and wtype != "regular":
         gw.pd.join_pool(url, wtype, port)  # before the registry: the pool's policy learns of it then
     try:
@@ -369,6 +380,8 @@ def _apply(w: Worker, priority: int | None, cost: float | None, labels: dict[str
 
 
 def _worker(gw: Gateway, key: str) -> Worker:
+    if not key:
+        raise bad("Name the worker: its id, or its URL in the 'url' query parameter.", param="url")
     w = gw.registry.find(key)
     if w is None:
         raise ApiError(404, "No such worker.", code="worker_not_found")
@@ -405,11 +418,20 @@ async def delete_worker(request: web.Request) -> web.Response:
 
 
 async def _remove(gw: Gateway, w: Worker) -> web.Response:
+    """Out of routing at once; the requests it serves finish (``WorkerRegistry.remove``). Answers SMG's
+    ``WorkerApiResponse`` (``worker``: the worker as it was) with ``deleted`` and ``url`` beside."""
+    info = describe(gw, w)
     await gw.registry.remove(w.id)
     if gw.pd is not None:
         gw.pd.leave_pool(w.url)
     return json_response(
-        {"success": True, "message": f"Worker {w.id} removed.", "deleted": w.id, "url": w.url}
+        {
+            "success": True,
+            "message": f"Worker {w.id} removed.",
+            "worker": info,
+            "deleted": w.id,
+            "url": w.url,
+        }
     )
 
 

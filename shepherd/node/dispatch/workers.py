@@ -172,6 +172,8 @@ LOADS_READ_HOLD_POLLS: Final = 60
 TELEMETRY_POLLS: Final = 5
 # while no worker is polled, the poll loop looks again this often (or at once when loads are read)
 LOADS_IDLE_RECHECK_SECS: Final = 30.0
+# a removed worker's client closes once the requests it serves have ended: looked at this often
+RETIRE_POLL_SECS: Final = 0.2
 
 
 class WorkerRegistry:
@@ -183,6 +185,8 @@ class WorkerRegistry:
         self._started = False
         self.workers: dict[str, Worker] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        # removed workers whose requests still run, each with the task that closes its client after them
+        self._retiring: list[tuple[asyncio.Task[None], Worker]] = []
         self.on_health_change: Callable[[Worker], None] | None = None
         # called when a worker joins (after its first check) and when it leaves (before its client closes)
         self.on_added: Callable[[Worker], None] | None = None
@@ -294,14 +298,32 @@ class WorkerRegistry:
         return w
 
     async def remove(self, wid: str) -> Worker | None:
+        """Take worker ``wid`` out of routing at once; its client is closed once the requests it serves
+        have ended (at most ``request_timeout_secs`` later): a rolling update removes a worker, then
+        stops its engine, and the streams in flight there finish (as SMG and vllm-router do)."""
         w = self.workers.pop(wid, None)
         self._http_only.clear()
         self.version += 1
         if w is not None:
             if self.on_removed is not None:
                 self.on_removed(w)
-            await w.client.close()
+            if w.in_flight <= 0:
+                await w.client.close()
+            else:
+                self._retiring.append((asyncio.create_task(self._retire(w)), w))
         return w
+
+    async def _retire(self, w: Worker) -> None:
+        deadline = self.clock() + self.cfg.request_timeout_secs
+        while w.in_flight > 0 and self.clock() < deadline:  # noqa: ASYNC110 - polled, bounded
+            await asyncio.sleep(RETIRE_POLL_SECS)
+        self._retiring = [e for e in self._retiring if e[1] is not w]
+        await w.client.close()
+
+    @property
+    def retiring(self) -> int:
+        """Removed workers whose client is still open for the requests they serve."""
+        return len(self._retiring)
 
     async def _init(self, w: Worker) -> None:
         if isinstance(w.client, GrpcEngineClient | H2EngineClient):
@@ -493,9 +515,13 @@ class WorkerRegistry:
     async def close(self) -> None:
         self._ridden = False
         rounds = list(self._round_tasks.values())
-        for t in self._tasks + rounds:
+        retiring, self._retiring = self._retiring, []
+        waits = [t for t, _ in retiring]
+        for t in self._tasks + rounds + waits:
             t.cancel()
-        await asyncio.gather(*self._tasks, *rounds, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *rounds, *waits, return_exceptions=True)
+        for _, w in retiring:  # (their waits cut short: closed here)
+            await w.client.close()
         self._tasks.clear()
         self._round_tasks.clear()
         for w in list(self.workers.values()):
