@@ -421,6 +421,8 @@ def _fields() -> dict[str, dataclasses.Field[Any]]:
     return {f.name: f for f in dataclasses.fields(NodeConfig)}
 
 
+# the one model of the top-level settings (``model_configs``): meaningless beside a ``models`` list
+_ONE_MODEL_KEYS = ("worker_urls", "model_path", "model_id", "chat_template")
 _SCALARS: dict[str, tuple[type, bool]] | None = None  # a scalar setting's type, and whether None is allowed
 # intervals a node loops on: 0 would spin (a health round right after the last one, forever)
 _POSITIVE_SECS = ("health_check_interval_secs", "health_check_timeout_secs", "load_poll_interval_secs")
@@ -535,6 +537,13 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         values["rate_limits"] = tuple(_coerce_rate_limit(r) for r in values["rate_limits"])
     if "models" in values:
         values["models"] = tuple(_coerce_model(m) for m in values["models"])
+        top = [k for k in _ONE_MODEL_KEYS if values.get(k)]
+        if values["models"] and top:
+            raise ConfigError(
+                f"{', '.join(top)} and 'models' are both given: with 'models', each model names its own "
+                "worker_urls, model_path and chat_template (the top-level ones would be ignored); move "
+                "them into the model's entry, or drop 'models'"
+            )
     for key in ("prefill_urls", "decode_urls"):
         if key in values:
             values[key] = tuple(check_worker_url(str(u)) for u in values[key])

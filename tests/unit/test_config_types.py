@@ -61,3 +61,14 @@ def test_one_worker_url_alone_is_a_list_of_one() -> None:
     assert _file(worker_urls="grpc://127.0.0.1:50051").worker_urls == ("grpc://127.0.0.1:50051",)
     with pytest.raises(ConfigError, match="worker_urls must be a list"):
         _file(worker_urls={"url": "grpc://127.0.0.1:50051"})
+
+
+@pytest.mark.parametrize("key", ["worker_urls", "model_path", "model_id", "chat_template"])
+def test_top_level_model_settings_beside_models_are_refused(key: str) -> None:
+    models = [{"name": "qwen3", "worker_urls": ["grpc://127.0.0.1:50052"]}]
+    value: Any = ["grpc://127.0.0.1:50051"] if key == "worker_urls" else "x"
+    with pytest.raises(ConfigError, match=f"{key} and 'models' are both given"):
+        build_config({"models": models}, {key: value})  # a flag beside the file's models
+    with pytest.raises(ConfigError, match=f"{key} and 'models' are both given"):
+        build_config({"models": models, key: value}, {})
+    assert build_config({"models": models}, {}).models[0].worker_urls == ("grpc://127.0.0.1:50052",)
