@@ -6,6 +6,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
+import re
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -49,8 +51,11 @@ from shepherd.node.dispatch.model_source import resolve_models
 from shepherd.node.http.server import CappedTCPSite, ConnectionCap, LeanServer
 from shepherd.node.metrics import counter
 from shepherd.node.observe import genai_metrics, logs, tracing
+from shepherd.node.procs import PROC_INDEX_ENV
 
 log = logging.getLogger("shepherd.node")
+PROCS_METRICS_TIMEOUT_S = 2.0  # a sibling process's exposition, asked for by a scrape of /metrics
+_PROC_NAME = re.compile(r"-p(\d+)$")  # a --procs child's mesh name: <name>-p<index>
 
 
 def build_app(
@@ -191,6 +196,15 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
         return background.cancel(response_id)
 
     history.set_cancel_handler(cancel_background)
+    proc_index = os.environ.get(PROC_INDEX_ENV)
+    if mesh is not None and proc_index is not None:  # one of --procs N: /metrics shows every process's
+        history.set_metrics_handler(gw.metrics.render)
+
+        async def siblings() -> dict[str, bytes]:
+            got = await history.peer_metrics(PROCS_METRICS_TIMEOUT_S)
+            return {m.group(1): body for name, body in got.items() if (m := _PROC_NAME.search(name))}
+
+        app[api_admin.PROCS_METRICS] = (proc_index, siblings)
     runner = web.AppRunner(
         app,
         handler_cancellation=True,

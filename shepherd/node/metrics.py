@@ -15,7 +15,9 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 _C = TypeVar("_C", bound=Collector)
 
@@ -267,3 +269,26 @@ def counter(name: str, doc: str, labels: list[str], rows: Iterable[tuple[list[st
     for lv, val in rows:
         c.add_metric(lv, val)
     return c
+
+
+PROC_LABEL = "proc"
+
+
+def merge_processes(parts: dict[str, bytes]) -> bytes:
+    """The expositions of one node's processes (``--procs N``: process index -> its /metrics) as one:
+    every sample gains the label ``proc`` (its process), each family is written once with all of its
+    processes' samples. So a scrape of the node's one port sees every process's series, each counter
+    monotonic (no process's value stands in for another's on the next scrape), and
+    ``sum without (proc) (...)`` is the node's figure."""
+    families: dict[str, Metric] = {}
+    for proc in sorted(parts, key=lambda p: (len(p), p)):
+        for fam in text_string_to_metric_families(parts[proc].decode("utf-8", "replace")):
+            into = families.get(fam.name)
+            if into is None:
+                into = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for smp in fam.samples:
+                labels = {PROC_LABEL: proc, **{k: v for k, v in smp.labels.items() if k != PROC_LABEL}}
+                into.samples.append(Sample(smp.name, labels, smp.value, smp.timestamp, smp.exemplar))
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Callback(lambda: list(families.values())))
+    return generate_latest(registry)

@@ -40,9 +40,10 @@ from shepherd.auth.certs import write_dev_pki
 from shepherd.mesh.keyring import Keyring, generate_key
 from shepherd.node.config import NodeConfig, default_node_name
 
-__all__ = ["ProcsError", "Supervisor", "child_argv", "free_mesh_ports", "supervise"]
+__all__ = ["PROC_INDEX_ENV", "ProcsError", "Supervisor", "child_argv", "free_mesh_ports", "supervise"]
 
 PR_SET_PDEATHSIG = 1
+PROC_INDEX_ENV = "SMG_NODE_PROC_INDEX"  # a child's index among the --procs processes (its metrics' ``proc``)
 POLL_S = 0.1  # the child check's period where no signal wake-up fd can be set (not the main thread)
 IDLE_WAIT_S = 5.0  # otherwise the parent sleeps until a signal (SIGCHLD, SIGTERM), a restart, or this
 FAST_CRASH_S = 1.0
@@ -167,7 +168,7 @@ class Supervisor:
             print(f"smg-node procs: {text}", file=sys.stderr, flush=True)
 
     def _start(self, c: _Child) -> None:
-        env = dict(os.environ, SMG_NODE_PROC_INDEX=str(c.index))
+        env = dict(os.environ, **{PROC_INDEX_ENV: str(c.index)})
         c.proc = subprocess.Popen(c.argv, env=env, preexec_fn=_pdeathsig)
         c.started = time.monotonic()
         c.restart_at = None

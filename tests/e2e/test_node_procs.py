@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from shepherd.node.config import EMBEDDED_MODEL_DIR
 from tests.e2e.node_procs import NodeProc, free_port, spawn_node
@@ -220,6 +221,41 @@ def test_worker_added_on_one_process_is_routable_on_both(
             for _ in range(3):
                 status, got = chat(c)
                 assert status == 200, (c.node, got)
+    finally:
+        close_all(by_node)
+
+
+def _requests_by_proc(conn: Conn) -> dict[str, float]:
+    """``smg_requests_total`` of chat completions with status 200, per ``proc`` label, from one scrape."""
+    conn.http.request("GET", "/metrics")
+    text = conn.http.getresponse().read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            labels = smp.labels
+            if smp.name == "smg_requests_total" and (labels.get("route"), labels.get("status")) == (
+                "/v1/chat/completions",
+                "200",
+            ):
+                out[labels["proc"]] = out.get(labels["proc"], 0.0) + smp.value
+    return out
+
+
+def test_metrics_show_every_process_whichever_answers(node: NodeProc) -> None:
+    by_node = connections(node.port, per_node=1)
+    (a,), (b,) = by_node.values()
+    try:
+        before = _requests_by_proc(a)
+        served = {a.node: 0, b.node: 0}
+        for c, n in ((a, 3), (b, 1)):
+            for _ in range(n):
+                status, got = chat(c)
+                assert status == 200, got
+                served[c.node] += 1
+        want = {name[-1]: before.get(name[-1], 0.0) + k for name, k in served.items()}
+        # a scrape on either process: both processes' series, each under its proc label, the same figures
+        assert _requests_by_proc(a) == want
+        assert _requests_by_proc(b) == want
     finally:
         close_all(by_node)
 

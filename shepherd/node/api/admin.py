@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -12,6 +13,7 @@ from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_i
 from shepherd.node.dispatch.gateway import Gateway, model_not_found
 from shepherd.node.dispatch.workers import Worker
 from shepherd.node.http.body import json_response, read_json
+from shepherd.node.metrics import merge_processes
 from shepherd.proto.openai_errors import ApiError, bad
 from shepherd.tokens.chat_messages import ChatTemplateError
 
@@ -146,12 +148,22 @@ async def health(request: web.Request) -> web.Response:
     return json_response(body, 200 if healthy else 503)
 
 
+# ``--procs N``: (this process's index, a call giving the sibling processes' expositions by index)
+PROCS_METRICS: web.AppKey[tuple[str, Callable[[], Awaitable[dict[str, bytes]]]]] = web.AppKey("procs_metrics")
+
+
 async def metrics(request: web.Request) -> web.Response:
+    """The node's metrics; under ``--procs N`` every process's series, each with its ``proc`` label (the
+    port's connections land on any process: a scrape of one process's figures alone would read as
+    counter resets from one scrape to the next)."""
     gw: Gateway = request.app[GATEWAY]
     await gw.registry.loads_for_reading()  # (the engine-load gauges)
-    return web.Response(
-        body=gw.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
-    )
+    body = gw.metrics.render()
+    procs = request.app.get(PROCS_METRICS)
+    if procs is not None:
+        own, siblings = procs
+        body = merge_processes({**(await siblings()), own: body})
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
 def describe(gw: Gateway, w: Worker) -> dict[str, Any]:

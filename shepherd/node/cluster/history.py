@@ -250,6 +250,9 @@ class RpcServer:
         self.tag = tag
         self.max_chain_depth = max_chain_depth
         self.cancel_handler: CancelHandler | None = None
+        # this process's /metrics exposition, for its sibling processes (``--procs N``: one node to the
+        # outside, whose scrape shows every process's series); None: not served
+        self.metrics_handler: Callable[[], bytes] | None = None
         self.served = 0
         self.refused = 0
         # the allowlist: the only methods a peer may call
@@ -270,8 +273,9 @@ class RpcServer:
             "delete_item": self._delete_item,
             "cancel": self._cancel,
         }
+        self._methods["metrics"] = self._metrics
         if not storage:  # a shared backend: every node reads it itself; peers only ask for cancels
-            self._methods = {"cancel": self._cancel}
+            self._methods = {"cancel": self._cancel, "metrics": self._metrics}
 
     def _mine(self, record_id: str) -> str:
         if tag_of(record_id) != self.tag:
@@ -389,6 +393,10 @@ class RpcServer:
 
     async def _delete_item(self, a: dict[str, Any]) -> bool:
         return await self.local.delete_item(self._mine(_id(a.get("id"))), _id(a.get("item_id"), "item_id"))
+
+    async def _metrics(self, a: dict[str, Any]) -> bytes | None:
+        handler = self.metrics_handler
+        return None if handler is None else handler()
 
     async def _cancel(self, a: dict[str, Any]) -> bool:
         # any id: a background response runs on the node that took the request, which is not always
@@ -832,6 +840,18 @@ class NodeHistory:
         if self.server is not None:
             self.server.cancel_handler = handler
 
+    def set_metrics_handler(self, handler: Callable[[], bytes] | None) -> None:
+        """This process's /metrics exposition, for the peers' "metrics" RPCs (``--procs N`` siblings)."""
+        if self.server is not None:
+            self.server.metrics_handler = handler
+
+    async def peer_metrics(self, timeout: float) -> dict[str, bytes]:
+        """Every other alive member's /metrics exposition by member name (those that answer in time)."""
+        if self.link is None:
+            return {}
+        got = await ask_peers(self.link, "metrics", {}, timeout)
+        return {n: r for n, r in got.items() if isinstance(r, bytes)}
+
     def node_gone(self, tag: str) -> bool:
         """Whether the node of owner ``tag`` is gone from the mesh: held dead or left, or no member has the
         tag (reaped long after it went); False without a mesh (nothing to tell)."""
@@ -910,22 +930,31 @@ def build_history(
 MAX_CANCEL_FANOUT = 256
 
 
-async def cancel_on_peers(link: MeshLink, response_id: str, timeout: float | None = None) -> bool:
-    """Send a "cancel" RPC for ``response_id`` to every other alive member (at most
-    ``MAX_CANCEL_FANOUT``, concurrently); True when one of them was running it and cancelled it.
-    Unreachable members count as "not running it": the caller then marks the stored record."""
+async def ask_peers(
+    link: MeshLink, method: str, args: dict[str, Any], timeout: float | None = None
+) -> dict[str, Any]:
+    """Call ``method`` (one the peers' ``RpcServer`` serves to any member: "cancel", "metrics") on every
+    other alive member (at most ``MAX_CANCEL_FANOUT``, concurrently): each member's result by name;
+    a member that does not answer, fails or answers something unreadable is left out."""
     names = [
         n
         for m in link.members()
         if isinstance(n := m.get("name"), str) and n != link.name and link.member_status(n) == "alive"
     ][:MAX_CANCEL_FANOUT]
-    payload = _pack({"m": "cancel", "a": {"id": response_id}})
+    payload = _pack({"m": method, "a": args})
 
-    async def one(name: str) -> bool:
+    async def one(name: str) -> tuple[str, Any]:
         try:
             reply = _unpack(await link.rpc(name, payload, timeout=timeout))
-        except Exception:  # RpcError, or a reply that does not decode: that peer did not cancel it
-            return False
-        return isinstance(reply, dict) and reply.get("ok") is True
+        except Exception:  # RpcError, or a reply that does not decode
+            return name, None
+        return name, reply.get("ok") if isinstance(reply, dict) else None
 
-    return any(await asyncio.gather(*(one(n) for n in names)))
+    return {n: r for n, r in await asyncio.gather(*(one(n) for n in names)) if r is not None}
+
+
+async def cancel_on_peers(link: MeshLink, response_id: str, timeout: float | None = None) -> bool:
+    """Send a "cancel" RPC for ``response_id`` to every other alive member; True when one of them was
+    running it and cancelled it. Unreachable members count as "not running it": the caller then marks
+    the stored record."""
+    return any(r is True for r in (await ask_peers(link, "cancel", {"id": response_id}, timeout)).values())
