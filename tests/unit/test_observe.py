@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
 from shepherd.node.config import ConfigError, build_config
 from shepherd.node.observe import logs, tracing
@@ -169,3 +171,29 @@ def test_bad_settings_are_configuration_errors() -> None:
         build_config({"log_format": "xml"}, {})
     with pytest.raises(ConfigError, match="otlp_traces_protocol"):
         build_config({"otlp_traces_protocol": "udp"}, {})
+
+
+@pytest.mark.parametrize(
+    ("query", "secret"),
+    [
+        ("key=AIzaSyD-secret-value&limit=5", "AIzaSyD-secret-value"),
+        ("sig=Zm9vYmFyYmF6cXV4&se=2030", "Zm9vYmFyYmF6cXV4"),
+        ("X-Amz-Signature=abcdef0123456789&X-Amz-Expires=60", "abcdef0123456789"),
+        ("id_token=eyJhbGciOi.e30.x", "eyJhbGciOi.e30.x"),
+        ("code=4/0AfJohXk&state=s", "4/0AfJohXk"),
+    ],
+)
+async def test_the_access_log_hides_credential_query_values(
+    query: str, secret: str, root_logging: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logs.configure("info", "json", True)
+
+    async def ok(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    await logs.request_context(make_mocked_request("GET", f"/v1/models?{query}"), ok)
+    line = json.loads(capsys.readouterr().err.splitlines()[-1])
+    assert secret not in line["path"] and "***" in line["path"], line
+    assert line["path"].startswith("/v1/models?")
+    if "limit=5" in query:
+        assert "limit=5" in line["path"]  # what is no credential stays readable

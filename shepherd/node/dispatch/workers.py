@@ -347,7 +347,13 @@ class WorkerRegistry:
         except (EngineError, TimeoutError, OSError) as e:
             log.debug("worker %s check failed: %s", w.url, e)
         if w.health.observe(ok):
-            log.warning("worker %s is now %s", w.url, "healthy" if w.health.healthy else "unhealthy")
+            healthy = w.health.healthy
+            log.log(
+                logging.INFO if healthy else logging.WARNING,
+                "worker %s is now %s",
+                w.url,
+                "healthy" if healthy else "unhealthy",
+            )
             if self.on_health_change is not None:
                 self.on_health_change(w)
 

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import orjson
 from aiohttp import web
@@ -200,9 +200,20 @@ def bind_request(rid: str) -> None:
         REQUEST_ID.set(rid)
 
 
+# query parameters whose values are credentials in some client's habit (Google-style ``?key=``, signed
+# URLs' ``sig`` / ``signature`` / ``X-Amz-*``, OAuth's ``code`` and ``*_token``): *** in the access log
+_SECRET_PARAM = re.compile(
+    r"(?i)^(key|api[-_]?key|sig|signature|token|\w*[-_]token|auth\w*|code|password|passwd|secret|"
+    r"credentials?|x-amz-\w+|x-goog-\w+)$"
+)
+
+
 def _safe_path(request: web.Request) -> str:
     qs = request.query_string
-    return request.path if not qs else request.path + "?" + redact(qs)
+    if not qs:
+        return request.path
+    pairs = [(k, "***" if _SECRET_PARAM.match(k) else v) for k, v in parse_qsl(qs, keep_blank_values=True)]
+    return request.path + "?" + redact(urlencode(pairs, safe="*/:"))
 
 
 @web.middleware
