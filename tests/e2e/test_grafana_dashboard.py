@@ -77,6 +77,7 @@ def test_every_dashboard_metric_is_served_by_a_node(node: NodeProc, http: httpx.
         r = http.post(node.url + "/v1/chat/completions", json={**body, "stream": stream})
         assert r.status_code == 200, r.text
     assert http.post(node.url + "/v1/chat/completions", json={**body, "model": "nope"}).status_code == 404
+    assert http.get(node.url + "/wp-login.php").status_code == 404  # a scanner: not the router's error
     text = http.get(node.url + "/metrics").text
     served = served_names(text)
     missing = {(title, n) for title, e in dashboard_exprs() for n in metric_names(e) if n not in served}
@@ -92,6 +93,14 @@ def test_every_dashboard_metric_is_served_by_a_node(node: NodeProc, http: httpx.
     # SMG's generation duration (first token to last), one per answered request
     assert sample(text, "smg_router_generation_duration_seconds_count", model="qwen3") == 2
     assert sample(text, "smg_worker_cb_state") == 0
+    # SMG's router errors: the inference routes' only, by SMG's error_type
+    errors = [
+        (s.labels["endpoint"], s.labels["error_type"], s.value)
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == "smg_router_request_errors_total"
+    ]
+    assert errors == [("chat", "validation_error", 1.0)], errors
 
 
 def sample(text: str, name: str, **labels: str) -> float:

@@ -68,6 +68,27 @@ def alias(
     return out
 
 
+_SMG_ERROR_TYPES = {
+    "no_available_worker": "no_workers",
+    "timeout": "timeout",
+    "engine_timeout": "timeout",
+    "engine_unavailable": "backend_error",
+    "engine_error": "backend_error",
+    "engine_abort": "backend_error",
+    "internal": "internal_error",
+    "tokenizer": "internal_error",
+}
+
+
+def smg_error_type(kind: str) -> str:
+    """One of this node's error codes as SMG's ``error_type``: every code not named above is the
+    request's (a 4xx: ``validation_error``), but a 5xx status given as the code."""
+    got = _SMG_ERROR_TYPES.get(kind)
+    if got is not None:
+        return got
+    return "internal_error" if kind.isdigit() and kind.startswith("5") else "validation_error"
+
+
 def _first(fams: Iterable[Metric]) -> Metric:
     return next(iter(fams))
 
@@ -154,14 +175,7 @@ class SmgNames:
                 "engine is called",
                 extra={"router_type": "grpc", "stage": "preprocess"},
             ),
-            alias(
-                _first(m.errors.collect()),
-                "smg_router_request_errors",
-                "Router errors by endpoint (the route) and error_type",
-                rename={"route": "endpoint", "kind": "error_type"},
-                values={"endpoint": ENDPOINTS},
-                extra={**extra, "connection_mode": "grpc"},
-            ),
+            self._request_errors(extra),
             alias(
                 _first(m.retries.collect()),
                 "smg_worker_retries",
@@ -169,6 +183,27 @@ class SmgNames:
                 extra={"worker_type": "regular", "endpoint": "generate"},
             ),
         ]
+
+    def _request_errors(self, extra: Mapping[str, str]) -> Metric:
+        """SMG's ``smg_router_request_errors_total``: the inference routes' errors only (a scanner's 404s
+        and the admin API's refusals are not the router's), by SMG's ``error_type`` (``smg_errors_total``
+        keeps every route and this node's own codes)."""
+        fam = CounterMetricFamily(
+            "smg_router_request_errors",
+            "Router errors by endpoint and error_type (no_workers, timeout, backend_error, "
+            "validation_error, internal_error)",
+            labels=["endpoint", "error_type", *extra, "connection_mode"],
+        )
+        sums: dict[tuple[str, str], float] = {}
+        for smp in _first(self.gw.metrics.errors.collect()).samples:
+            endpoint = ENDPOINTS.get(smp.labels.get("route", ""))
+            if endpoint is None or not smp.name.endswith("_total"):
+                continue
+            key = (endpoint, smg_error_type(smp.labels.get("kind", "")))
+            sums[key] = sums.get(key, 0.0) + smp.value
+        for (endpoint, kind), value in sorted(sums.items()):
+            fam.add_metric([endpoint, kind, *extra.values(), "grpc"], value)
+        return fam
 
     def _http(self) -> list[Metric]:
         m = self.gw.metrics
