@@ -238,6 +238,12 @@ def test_smg_admin_json_for_workers(http: httpx.Client) -> None:
         removed = http.post(admin + "/remove_worker", params={"url": f"vllm://{b.grpc_target}"})
         assert removed.status_code == 200 and removed.json()["success"] is True
         assert http.get(admin + "/list_workers").json()["urls"] == [f"grpc://{a.grpc_target}"]
+        # every change to the workers is in the log: what, on what, by whom, from where
+        audit = [ln for ln in node.log().splitlines() if "shepherd.audit" in ln]
+        assert sum("worker added" in ln for ln in audit) == 2, audit
+        assert sum("worker removed" in ln for ln in audit) == 2, audit
+        assert sum("worker updated" in ln for ln in audit) == 1, audit
+        assert all("by anonymous (none) from 127.0.0.1" in ln for ln in audit), audit
 
 
 def test_routes_scripts_probe(http: httpx.Client) -> None:

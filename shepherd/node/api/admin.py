@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shepherd.node.api.common import GATEWAY
+from shepherd.node.api.common import GATEWAY, audit
 from shepherd.node.api.openai import prompt_chars
 from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_in_effect, worker_endpoint
 from shepherd.node.dispatch.gateway import Gateway, model_not_found
@@ -267,11 +267,13 @@ async def add_worker(request: web.Request) -> web.Response:
     the worker's fields beside it (201 added, 200 already there)."""
     gw: Gateway = request.app[GATEWAY]
     _, d = await read_json(request, 64 * 1024)
-    return _added(gw, *await _add(gw, d))
+    return _added(request, *await _add(gw, d))
 
 
-def _added(gw: Gateway, w: Worker, existed: bool) -> web.Response:
-    info = describe(gw, w)
+def _added(request: web.Request, w: Worker, existed: bool) -> web.Response:
+    if not existed:
+        audit(request, "worker added", f"{w.id} {w.url} (model {w.model})")
+    info = describe(request.app[GATEWAY], w)
     message = f"Worker {w.id} {'already registered' if existed else 'added'}."
     body = {"success": True, "message": message, "worker": info, **info}
     return json_response(body, 200 if existed else 201)
@@ -287,7 +289,7 @@ async def add_worker_legacy(request: web.Request) -> web.Response:
         if not q["bootstrap_port"].isdigit():
             raise bad("'bootstrap_port' must be a port number.", param="bootstrap_port")
         d["bootstrap_port"] = int(q["bootstrap_port"])
-    return _added(gw, *await _add(gw, d))
+    return _added(request, *await _add(gw, d))
 
 
 async def list_workers_legacy(request: web.Request) -> web.Response:
@@ -299,7 +301,7 @@ async def list_workers_legacy(request: web.Request) -> web.Response:
 async def remove_worker_legacy(request: web.Request) -> web.Response:
     """SMG's older ``POST /remove_worker?url=...``; answers as ``DELETE /workers/{id}``."""
     gw: Gateway = request.app[GATEWAY]
-    return await _remove(gw, _worker(gw, request.query.get("url", "")))
+    return await _remove(request, _worker(gw, request.query.get("url", "")))
 
 
 async def _add(gw: Gateway, d: dict[str, Any]) -> tuple[Worker, bool]:
@@ -420,22 +422,27 @@ async def update_worker(request: web.Request) -> web.Response:
             param=unknown[0],
         )
     _apply(w, *_weights(d))
+    audit(request, "worker updated", f"{w.id} {sorted(d)}")
     info = describe(gw, w)
     return json_response({"success": True, "message": f"Worker {w.id} updated.", "worker": info, **info})
 
 
 async def delete_worker(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
-    return await _remove(gw, _worker(gw, request.match_info.get("worker_id") or request.query.get("url", "")))
+    return await _remove(
+        request, _worker(gw, request.match_info.get("worker_id") or request.query.get("url", ""))
+    )
 
 
-async def _remove(gw: Gateway, w: Worker) -> web.Response:
+async def _remove(request: web.Request, w: Worker) -> web.Response:
     """Out of routing at once; the requests it serves finish (``WorkerRegistry.remove``). Answers SMG's
     ``WorkerApiResponse`` (``worker``: the worker as it was) with ``deleted`` and ``url`` beside."""
+    gw = request.app[GATEWAY]
     info = describe(gw, w)
     await gw.registry.remove(w.id)
     if gw.pd is not None:
         gw.pd.leave_pool(w.url)
+    audit(request, "worker removed", f"{w.id} {w.url} ({w.in_flight} requests in flight finish)")
     return json_response(
         {
             "success": True,

@@ -42,6 +42,17 @@ from shepherd.storage.types import HistoryStore, IntegrityError, NotFound, Stora
 from shepherd.tokens.pool import TokenizerPoolUnavailable, TokenizerWorkerError
 
 log = logging.getLogger("shepherd.api")
+audit_log = logging.getLogger("shepherd.audit")
+
+
+def audit(request: web.Request, action: str, target: str) -> None:
+    """One line per change to the control plane's state (workers, API keys): what, on what, by whom
+    (the caller's subject and how it authenticated; ``anonymous`` on an unauthenticated loopback
+    control plane) and from where."""
+    who = request.get(PRINCIPAL_KEY)
+    subject, method = (who.subject, who.method) if who is not None else ("anonymous", "none")
+    audit_log.info("%s %s by %s (%s) from %s", action, target, subject, method, request.remote or "?")
+
 
 GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway")
 ADMISSION: web.AppKey[Admission | None] = web.AppKey("admission")  # None: no rate limit configured

@@ -28,7 +28,7 @@ from shepherd.auth import middleware as auth
 from shepherd.auth.control import ControlGuard, make_control_middleware
 from shepherd.auth.keys import KeyStore, create_key
 from shepherd.auth.principal import ANONYMOUS, principal_of
-from shepherd.node.api.common import GATEWAY
+from shepherd.node.api.common import GATEWAY, audit
 from shepherd.node.api.mesh import MESH
 from shepherd.node.cluster.key_sync import KeySync
 from shepherd.node.config import control_listener
@@ -96,6 +96,7 @@ async def create(request: web.Request) -> web.Response:
         now=now,
         minted_authenticated=who is not ANONYMOUS and state.cfg.control_plane != "off",
     )
+    audit(request, "api key minted", f"{rec.id} (role {role}, tenant {tenant or '-'})")
     return json_response({**rec.public(), "key": key, "created_by": who.subject}, 201)
 
 
@@ -115,6 +116,7 @@ async def revoke(request: web.Request) -> web.Response:
     rec = request.app[auth.AUTH].store.revoke(request.match_info["key_id"])
     if rec is None:
         raise ApiError(404, "No such API key.", code="key_not_found")
+    audit(request, "api key revoked", rec.id)
     return json_response(rec.public())
 
 
