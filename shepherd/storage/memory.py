@@ -27,6 +27,7 @@ from shepherd.storage.types import (
 )
 
 MAX_BYTES = 1 << 30  # the items' data held, by default
+MAX_LEASES = 10_000  # past twice this many leases held, the expired ones are dropped
 
 
 class _Conv:
@@ -57,6 +58,7 @@ class MemoryStore:
         self._sizes: dict[str, int] = {}
         self._refs: dict[str, int] = {}  # item id -> responses + conversations referring to it
         self._records: dict[str, dict[str, bytes]] = {}
+        self._leases: dict[str, tuple[str, float]] = {}  # name -> (holder, until)
         self._seq = itertools.count()
 
     async def start(self) -> None:
@@ -293,6 +295,22 @@ class MemoryStore:
         return False
 
     # ---- node records -------------------------------------------------------------------------------
+
+    async def claim(self, name: str, holder: str, until: float, now: float) -> bool:
+        held = self._leases.get(name)
+        if held is not None and held[0] != holder and held[1] >= now:
+            return False
+        self._leases[name] = (holder, until)
+        if len(self._leases) > 2 * MAX_LEASES:  # expired ones are dropped now and then (bounded)
+            self._leases = {n: h for n, h in self._leases.items() if h[1] >= now}
+        return True
+
+    async def release(self, name: str, holder: str) -> bool:
+        held = self._leases.get(name)
+        if held is None or held[0] != holder:
+            return False
+        del self._leases[name]
+        return True
 
     async def put_record(self, kind: str, key: str, value: bytes) -> None:
         self._records.setdefault(kind, {})[key] = bytes(value)

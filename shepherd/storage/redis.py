@@ -237,6 +237,18 @@ elseif op == 'purge' then
     end
   end
   return {n, more}
+elseif op == 'claim' then
+  local k = p .. 'lease:' .. a.name
+  local held = redis.call('HMGET', k, 'holder', 'till')
+  if held[1] and held[1] ~= a.holder and tonumber(held[2]) >= a.now then return 0 end
+  redis.call('HSET', k, 'holder', a.holder, 'till', string.format('%.6f', a.till))
+  redis.call('PEXPIRE', k, math.max(1, math.ceil((a.till - a.now) * 1000)) + 1000)  -- (the caller's clock)
+  return 1
+elseif op == 'release' then
+  local k = p .. 'lease:' .. a.name
+  if redis.call('HGET', k, 'holder') ~= a.holder then return 0 end
+  redis.call('DEL', k)
+  return 1
 end
 return fail('BADOP', op)
 """
@@ -462,6 +474,14 @@ class RedisStore:
     async def list_records(self, kind: str) -> list[tuple[str, bytes]]:
         h = await self._do(self._r().hgetall(self._key("record", kind)))
         return sorted((bytes(k).decode(), bytes(v)) for k, v in h.items())
+
+    # ---- leases -----------------------------------------------------------------------------------------
+
+    async def claim(self, name: str, holder: str, until: float, now: float) -> bool:
+        return bool(await self._script("claim", {"name": name, "holder": holder, "till": until, "now": now}))
+
+    async def release(self, name: str, holder: str) -> bool:
+        return bool(await self._script("release", {"name": name, "holder": holder}))
 
     # ---- retention --------------------------------------------------------------------------------------
 

@@ -152,8 +152,17 @@ _SCHEMA_V1 = (
 )""",
 )
 
+# 2: leases (a conversation's turn in progress: ``claim`` / ``release``)
+_SCHEMA_V2 = (
+    """CREATE TABLE IF NOT EXISTS leases (
+    name TEXT PRIMARY KEY,
+    holder TEXT NOT NULL,
+    until_at DOUBLE PRECISION NOT NULL
+)""",
+)
+
 # (version, statements): applied in order, each version in one transaction
-MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = ((1, _SCHEMA_V1),)
+MIGRATIONS: tuple[tuple[int, tuple[str, ...]], ...] = ((1, _SCHEMA_V1), (2, _SCHEMA_V2))
 LATEST = MIGRATIONS[-1][0]
 
 _MIGRATIONS_DDL = (
@@ -573,6 +582,25 @@ def list_records(kind: str) -> Plan[list[tuple[str, bytes]]]:
     return [(r[0], bytes(r[1])) for r in rows]
 
 
+# ---- leases ---------------------------------------------------------------------------------------------
+
+
+def claim(name: str, holder: str, until: float, now: float) -> Plan[bool]:
+    # one statement: a row inserted, or updated when expired or its holder's own (else none returned)
+    rows = yield Q(
+        "INSERT INTO leases (name, holder, until_at) VALUES (?, ?, ?) "
+        "ON CONFLICT (name) DO UPDATE SET holder = excluded.holder, until_at = excluded.until_at "
+        "WHERE leases.until_at < ? OR leases.holder = excluded.holder RETURNING holder",
+        (name, holder, until, now),
+    )
+    return bool(rows)
+
+
+def release(name: str, holder: str) -> Plan[bool]:
+    rows = yield Q("DELETE FROM leases WHERE name = ? AND holder = ? RETURNING name", (name, holder))
+    return bool(rows)
+
+
 # ---- retention ------------------------------------------------------------------------------------------
 
 
@@ -589,6 +617,7 @@ def purge(older_than: float) -> Plan[int]:
     )
     responses = yield Q("DELETE FROM responses WHERE created_at < ? RETURNING id", (older_than,))
     convs = yield Q("DELETE FROM conversations WHERE created_at < ? RETURNING id", (older_than,))
+    yield Q("DELETE FROM leases WHERE until_at < ?", (older_than,))  # (a holder that never released)
     yield from _collect([r[0] for r in (*refs, *links)])
     return len(responses) + len(convs)
 
@@ -679,6 +708,12 @@ class PlanStore:
 
     async def list_records(self, kind: str) -> list[tuple[str, bytes]]:
         return await self._run(list_records(kind), False)
+
+    async def claim(self, name: str, holder: str, until: float, now: float) -> bool:
+        return await self._run(claim(name, holder, until, now), True)
+
+    async def release(self, name: str, holder: str) -> bool:
+        return await self._run(release(name, holder), True)
 
     async def purge(self, older_than: float) -> int:
         n = await self._run(purge(older_than), True)

@@ -18,6 +18,10 @@ Semantics every backend keeps (the contract suite in tests/storage checks them o
   ``after`` (an item id of that conversation) and ``limit``, ascending or descending.
 * Retention: ``purge(older_than)`` removes responses, conversations (with their links) and items not
   referenced by a kept response or conversation, created before ``older_than`` (unix seconds).
+* Leases: ``claim(name, holder, until, now)`` gives ``name`` to ``holder`` when no one else holds it at
+  ``now`` (free, expired, or ``holder``'s own: renewed to ``until``), atomically across every node the
+  backend serves; ``release`` frees it for its holder only. A conversation's turn in progress holds one
+  (a second turn at once is refused, as OpenAI's ``conversation_locked``).
 * Every method may raise ``StorageUnavailable`` when the backend cannot be reached: the API answers
   503 with ``Retry-After``, never a silent empty history.
 """
@@ -243,6 +247,16 @@ class HistoryStore(Protocol):
     async def delete_record(self, kind: str, key: str) -> bool: ...
 
     async def list_records(self, kind: str) -> list[tuple[str, bytes]]: ...
+
+    # ---- leases ----
+    async def claim(self, name: str, holder: str, until: float, now: float) -> bool:
+        """Hold lease ``name`` for ``holder`` until ``until`` (unix seconds) when no other holder has it
+        at ``now``; whether ``holder`` holds it now."""
+        ...
+
+    async def release(self, name: str, holder: str) -> bool:
+        """Free lease ``name`` if ``holder`` holds it (True: it did)."""
+        ...
 
     # ---- retention ----
     async def purge(self, older_than: float) -> int:

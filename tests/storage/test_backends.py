@@ -74,7 +74,8 @@ async def test_sqlite_file_wal_and_reopen(tmp_path: Path) -> None:
     await s.close()
     with sqlite3.connect(path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert conn.execute(f"SELECT version FROM {sql.MIGRATIONS_TABLE}").fetchall() == [(sql.LATEST,)]
+        versions = conn.execute(f"SELECT version FROM {sql.MIGRATIONS_TABLE} ORDER BY version").fetchall()
+        assert versions == [(v,) for v, _ in sql.MIGRATIONS] and versions[-1] == (sql.LATEST,)
     s2 = SQLiteStore(str(path))
     await s2.start()
     try:
@@ -82,6 +83,26 @@ async def test_sqlite_file_wal_and_reopen(tmp_path: Path) -> None:
         assert await s2.get_items([a.id]) == [a]
     finally:
         await s2.close()
+
+
+async def test_a_database_of_an_older_schema_is_migrated_at_start(tmp_path: Path) -> None:
+    path = tmp_path / "v1.db"
+    with sqlite3.connect(path) as conn:  # a database an older Shepherd made: schema version 1 only
+        conn.execute(
+            f"CREATE TABLE {sql.MIGRATIONS_TABLE} (version INTEGER PRIMARY KEY, applied_at DOUBLE PRECISION)"
+        )
+        for stmt in sql.statements(sql.SQLITE, 1):
+            conn.execute(stmt)
+        conn.execute(f"INSERT INTO {sql.MIGRATIONS_TABLE} VALUES (1, 0)")
+    s = SQLiteStore(str(path))
+    await s.start()
+    try:
+        assert await s.claim("conversation:conv_x", "resp_1", 2e9, 1e9)  # the leases of version 2
+        assert not await s.claim("conversation:conv_x", "resp_2", 2e9, 1e9)
+    finally:
+        await s.close()
+    with sqlite3.connect(path) as conn:
+        assert [v for (v,) in conn.execute(f"SELECT version FROM {sql.MIGRATIONS_TABLE}")] == [1, 2]
 
 
 async def test_sqlite_memory_and_not_started() -> None:

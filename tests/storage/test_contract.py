@@ -352,6 +352,32 @@ async def test_records(store: HistoryStore) -> None:
     assert await store.get_record("other", "a") == b"x"
 
 
+# ---- leases ---------------------------------------------------------------------------------------------
+
+
+async def test_leases_have_one_holder_at_a_time(store: HistoryStore) -> None:
+    now = T0
+    assert await store.claim("conversation:conv_a", "resp_1", now + 60, now)
+    assert not await store.claim("conversation:conv_a", "resp_2", now + 60, now + 1)  # held
+    assert await store.claim("conversation:conv_b", "resp_2", now + 60, now + 1)  # another lease
+    assert await store.claim("conversation:conv_a", "resp_1", now + 120, now + 2)  # its holder renews
+    assert not await store.claim("conversation:conv_a", "resp_2", now + 200, now + 100)  # renewed: held
+    assert not await store.release("conversation:conv_a", "resp_2")  # not its holder's
+    assert await store.release("conversation:conv_a", "resp_1")
+    assert not await store.release("conversation:conv_a", "resp_1")
+    assert await store.claim("conversation:conv_a", "resp_2", now + 300, now + 101)  # free again
+    # an expired lease (a holder that never released it) goes to the next claimant
+    assert await store.claim("conversation:conv_a", "resp_3", now + 400, now + 301)
+    assert not await store.release("conversation:conv_a", "resp_2")
+
+
+async def test_a_lease_is_claimed_once_when_claimants_race(store: HistoryStore) -> None:
+    got = await asyncio.gather(
+        *(store.claim("conversation:race", f"resp_{i}", T0 + 60, T0) for i in range(8))
+    )
+    assert sum(got) == 1
+
+
 # ---- retention ------------------------------------------------------------------------------------------
 
 

@@ -271,6 +271,8 @@ class RpcServer:
             "list_items": self._list_items,
             "get_item": self._get_item,
             "delete_item": self._delete_item,
+            "claim": self._claim,
+            "release": self._release,
             "cancel": self._cancel,
         }
         self._methods["metrics"] = self._metrics
@@ -393,6 +395,24 @@ class RpcServer:
 
     async def _delete_item(self, a: dict[str, Any]) -> bool:
         return await self.local.delete_item(self._mine(_id(a.get("id"))), _id(a.get("item_id"), "item_id"))
+
+    def _lease(self, a: dict[str, Any]) -> tuple[str, str]:
+        """(the lease's name: ``kind:id``, an id this node owns; its holder: an id)."""
+        name = a.get("name")
+        kind, _, rid = name.rpartition(":") if isinstance(name, str) else ("", "", "")
+        if not kind.isidentifier():
+            raise WireError("a lease name is kind:id")
+        return f"{kind}:{self._mine(_id(rid))}", _id(a.get("holder"), "holder")
+
+    async def _claim(self, a: dict[str, Any]) -> bool:
+        name, holder = self._lease(a)
+        until, now = a.get("until"), a.get("now")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (until, now)):
+            raise WireError("'until' and 'now' must be numbers")
+        return await self.local.claim(name, holder, float(until), float(now))  # type: ignore[arg-type]
+
+    async def _release(self, a: dict[str, Any]) -> bool:
+        return await self.local.release(*self._lease(a))
 
     async def _metrics(self, a: dict[str, Any]) -> bytes | None:
         handler = self.metrics_handler
@@ -716,6 +736,19 @@ class RoutedStore:
     # -- background responses -------------------------------------------------------------------------
 
     # -- this node's own records and retention: never routed ------------------------------------------
+
+    async def claim(self, name: str, holder: str, until: float, now: float) -> bool:
+        owner = self.owner(name.rpartition(":")[2])  # a lease lives with the record it names
+        if owner is None:
+            return await self.local.claim(name, holder, until, now)
+        args = {"name": name, "holder": holder, "until": until, "now": now}
+        return bool(await self._call(owner, "claim", args))
+
+    async def release(self, name: str, holder: str) -> bool:
+        owner = self.owner(name.rpartition(":")[2])
+        if owner is None:
+            return await self.local.release(name, holder)
+        return bool(await self._call(owner, "release", {"name": name, "holder": holder}))
 
     async def put_record(self, kind: str, key: str, value: bytes) -> None:
         await self.local.put_record(kind, key, value)
