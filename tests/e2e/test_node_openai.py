@@ -280,7 +280,8 @@ def test_metrics_count_what_happened(node: NodeProc, client: openai.OpenAI, engi
     assert delta("smg_time_to_first_token_seconds_count", model="qwen3") == 2
     assert delta("smg_request_duration_seconds_count", model="qwen3") == 2
     assert delta("smg_time_to_first_token_seconds_sum", model="qwen3") > 0
-    assert delta("smg_inter_token_latency_seconds_count", model="qwen3") >= 1  # the stream's later tokens
+    # the stream's later batches: at most 4 of 5 tokens (the first batch's wait is the TTFT, not an ITL)
+    assert 1 <= delta("smg_inter_token_latency_seconds_count", model="qwen3") <= 4
     assert delta("smg_tokenizer_cache_total") >= 2  # each request looked its prompt up
     assert metric(after, "smg_in_flight_requests") == 0  # both done
     worker = f"grpc://127.0.0.1:{engine.grpc_port}"

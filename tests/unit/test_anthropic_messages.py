@@ -292,26 +292,33 @@ def test_stop_reason_and_ids() -> None:
 
 
 def test_message_object() -> None:
-    msg = {
-        "role": "assistant",
-        "content": "\n\n",
-        "reasoning_content": "think",
-        "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
-        ],
-    }
+    # a non-streamed answer's blocks: the stream's encoder, quiet (no bytes), keeps the blocks it made
+    enc = MessageEvents("msg_1", "m", 1, quiet=True)
+    made = [
+        enc.role(0),
+        enc.reasoning(0, "thi"),
+        enc.reasoning(0, "nk"),
+        enc.tool_call(0, 0, "call_1", "f"),
+        enc.tool_args(0, 0, '{"a":'),
+        enc.tool_args(0, 0, " 1}"),
+        enc.content(0, "Done"),
+        enc.finish(0, "tool_calls"),
+    ]
+    assert made == [b""] * len(made)
     usage = {
         "input_tokens": 1,
         "output_tokens": 2,
         "cache_read_input_tokens": 0,
         "cache_creation_input_tokens": 0,
     }
-    m = message_object("msg_1", "m", msg, ("tool_use", None), usage)
+    m = enc.message(usage)
     assert m["content"] == [
         {"type": "thinking", "thinking": "think", "signature": signature("think")},
         {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": 1}},
+        {"type": "text", "text": "Done"},
     ]
     assert (m["stop_reason"], m["stop_sequence"], m["usage"]) == ("tool_use", None, usage)
+    assert message_object("msg_1", "m", m["content"], ("tool_use", None), usage) == m
 
 
 def _events(raw: bytes) -> list[dict[str, Any]]:

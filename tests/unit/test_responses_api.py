@@ -21,7 +21,7 @@ from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.metrics import NodeMetrics
 from shepherd.node.openai.requests import parse_metadata
 from shepherd.node.openai.responses import parse_responses
-from shepherd.node.output.responses import ResponseEvents, output_items, response_object
+from shepherd.node.output.responses import ResponseEvents, response_object
 from shepherd.proto.openai_errors import ApiError
 from shepherd.storage.memory import MemoryStore
 from shepherd.storage.types import StorageUnavailable, StoredItem, StoredResponse
@@ -118,19 +118,23 @@ def test_metadata_bounds() -> None:
 
 
 def test_output_items_order_and_shapes() -> None:
-    msg = {
-        "role": "assistant",
-        "content": "hi",
-        "reasoning_content": "think",
-        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
-    }
-    out = output_items(msg, _new_id)
+    # a non-streamed answer's items: the stream's encoder, quiet (no bytes), keeps the items it made
+    enc = ResponseEvents({"id": "resp_1"}, _new_id, quiet=True)
+    made = [
+        enc.role(0),
+        enc.reasoning(0, "think"),
+        enc.content(0, "hi"),
+        enc.tool_call(0, 0, "call_1", "f"),
+        enc.tool_args(0, 0, "{}"),
+        enc.finish(0, "tool_calls"),
+    ]
+    assert made == [b""] * len(made)
+    out = enc.items
     assert [o["type"] for o in out] == ["reasoning", "message", "function_call"]
     assert out[0]["content"] == [{"type": "reasoning_text", "text": "think"}] and out[0]["summary"] == []
     assert out[1]["content"] == [{"type": "output_text", "text": "hi", "annotations": [], "logprobs": []}]
-    assert out[2]["call_id"] == "call_1" and out[2]["id"].startswith("fc_")
-    only_calls = output_items({**msg, "content": None, "reasoning_content": None}, _new_id)
-    assert [o["type"] for o in only_calls] == ["function_call"]
+    assert out[2]["call_id"] == "call_1" and out[2]["id"].startswith("fc_") and out[2]["arguments"] == "{}"
+    assert {o["status"] for o in out} == {"completed"}
     r = response_object({"id": "resp_1"}, status="incomplete", output=out, usage=None, finish_reason="length")
     assert r["incomplete_details"] == {"reason": "max_output_tokens"} and r["status"] == "incomplete"
 

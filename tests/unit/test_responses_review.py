@@ -18,7 +18,6 @@ from shepherd.node.api.responses import BackgroundRegistry, Turn
 from shepherd.node.openai.items import parse_items
 from shepherd.node.output.responses import (
     ResponseEvents,
-    output_items,
     response_object,
     response_usage,
     text_logprobs,
@@ -77,7 +76,10 @@ def test_text_logprobs_take_the_responses_shape() -> None:
         "top_logprobs": [{"token": "Hi", "bytes": [72, 105], "logprob": -0.5}],
     }
     assert text_logprobs(None) == [] and text_logprobs({"content": None}) == []
-    [msg] = output_items({"content": "Hi"}, _new_id, logprobs=[lp])
+    enc = ResponseEvents(BASE, _new_id, quiet=True)
+    enc.content(0, "Hi", CHAT_LP)
+    enc.finish(0, "stop")
+    [msg] = enc.items
     assert msg["content"][0]["logprobs"] == [lp]
     Response.model_validate(
         response_object(BASE, status="completed", output=[msg], usage=response_usage(1, 1, 0))

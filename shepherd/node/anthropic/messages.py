@@ -1,14 +1,16 @@
 """Anthropic Messages API answers: the Message object and its streamed events.
 
-``message_object`` turns a parsed chat message (``reasoning_content``, ``content``, ``tool_calls``) into
-a Message: ``content`` holds a ``thinking`` block, a ``text`` block, then one ``tool_use`` block per call
-(``id`` ``toolu_...``, ``input`` the arguments parsed as a JSON object), in that order.
+A Message's ``content`` holds its blocks in generation order: a ``thinking`` block, ``text`` blocks and
+one ``tool_use`` block per call (``id`` ``toolu_...``, ``input`` the arguments parsed as a JSON object);
+text after a call is a text block after it.
 
-``MessageEvents`` is the streaming encoder the generation driver writes one choice to (it implements
+``MessageEvents`` is the encoder the generation driver writes one choice to (it implements
 ``shepherd.node.output.chat.ChoiceEncoder`` and the driver's ``StreamEvents``: ``role``, ``finish``,
-``end``, ``failed``). Its bytes are SSE events ``event: <type>\\ndata: <json>\\n\\n`` in Anthropic's
-order: ``message_start`` (the Message with empty ``content``), a ``ping``, then per content block
-``content_block_start``, ``content_block_delta``s (``text_delta``, ``thinking_delta``,
+``end``, ``failed``); it keeps the blocks it made. A non-streamed answer is built by the same encoder,
+``quiet`` (no bytes), from the whole output (``shepherd.node.output.chat.replay``), then ``message``:
+both answers have the same blocks. Its bytes are SSE events ``event: <type>\\ndata: <json>\\n\\n`` in
+Anthropic's order: ``message_start`` (the Message with empty ``content``), a ``ping``, then per content
+block ``content_block_start``, ``content_block_delta``s (``text_delta``, ``thinking_delta``,
 ``input_json_delta`` with ``partial_json``; a thinking block's ``signature_delta`` right before it
 stops), ``content_block_stop``; finally ``message_delta`` (``stop_reason``, ``stop_sequence``, usage)
 and ``message_stop``. An in-band failure is an ``event: error`` in the Anthropic envelope. The node's
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -96,29 +98,11 @@ def tool_input(arguments: str) -> dict[str, Any]:
 def message_object(
     message_id: str,
     model: str,
-    message: Mapping[str, Any],
+    content: list[dict[str, Any]],
     reason: tuple[str, str | None],
     usage: dict[str, int],
 ) -> dict[str, Any]:
-    """The Message of a whole (non-streamed) answer; ``message``: the chat message of the choice."""
-    content: list[dict[str, Any]] = []
-    thinking = message.get("reasoning_content")
-    if thinking:
-        content.append({"type": "thinking", "thinking": thinking, "signature": signature(thinking)})
-    text = message.get("content")
-    calls = message.get("tool_calls") or ()
-    if text and (not calls or text.strip()):
-        content.append({"type": "text", "text": text})
-    for c in calls:
-        fn = c.get("function") or {}
-        content.append(
-            {
-                "type": "tool_use",
-                "id": tool_use_id(str(c.get("id", ""))),
-                "name": fn.get("name", ""),
-                "input": tool_input(fn.get("arguments", "")),
-            }
-        )
+    """The Message of a whole (non-streamed) answer; ``content``: its blocks (``MessageEvents.blocks``)."""
     return {
         "id": message_id,
         "type": "message",
@@ -134,45 +118,67 @@ def message_object(
 class MessageEvents:
     """The SSE events of one streamed Message (one choice: ``index`` is ignored).
 
-    Stateful: the open content block (its kind: ``text``, ``thinking``, ``tool_use``; its index; the
-    thinking text so far, for the signature) and the stop reason once the choice finished. The driver
-    calls ``role`` once, the content / reasoning / tool methods as the parsers produce, ``finish`` when
-    the choice ends, then ``end`` (or ``failed``)."""
+    Stateful: the open content block (its kind: ``text``, ``thinking``, ``tool_use``; its index; its text,
+    thinking or input JSON so far), the blocks made so far and the stop reason once the choice finished.
+    The driver calls ``role`` once, the content / reasoning / tool methods as the parsers produce,
+    ``finish`` when the choice ends, then ``end`` (or ``failed``). ``quiet``: no bytes, the blocks only
+    (a non-streamed answer's: ``message``)."""
 
     # what the SSE keep-alive ticker writes on an idle stream: Anthropic's ping event, not a comment
     keepalive = sse("ping", {})
 
-    def __init__(self, message_id: str, model: str, input_tokens: int, stops: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        message_id: str,
+        model: str,
+        input_tokens: int,
+        stops: Sequence[str] = (),
+        quiet: bool = False,
+    ) -> None:
         self.message_id = message_id
         self.model = model
         self.input_tokens = input_tokens
         self.stops = tuple(stops)
+        self.quiet = quiet
         self._open: str | None = None
         self._index = -1
-        self._thinking: list[str] = []
+        self._parts: list[str] = []  # the open block's text, thinking or input JSON so far
+        self.blocks: list[dict[str, Any]] = []  # the content blocks, in order (the open one last)
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
+
+    def _sse(self, kind: str, payload: dict[str, Any]) -> bytes:
+        return b"" if self.quiet else sse(kind, payload)
 
     def _close(self) -> bytes:
         kind = self._open
         if kind is None:
             return b""
         self._open = None
+        text = "".join(self._parts)
+        self._parts = []
+        block = self.blocks[-1]
         head = b""
         if kind == "thinking":
-            sig = signature("".join(self._thinking))
-            self._thinking = []
-            head = sse(
+            sig = signature(text)
+            block["thinking"] = text
+            block["signature"] = sig
+            head = self._sse(
                 "content_block_delta",
                 {"index": self._index, "delta": {"type": "signature_delta", "signature": sig}},
             )
-        return head + sse("content_block_stop", {"index": self._index})
+        elif kind == "text":
+            block["text"] = text
+        else:
+            block["input"] = tool_input(text)
+        return head + self._sse("content_block_stop", {"index": self._index})
 
     def _start(self, kind: str, block: dict[str, Any]) -> bytes:
         head = self._close()
         self._open = kind
         self._index += 1
-        return head + sse("content_block_start", {"index": self._index, "content_block": block})
+        self.blocks.append(dict(block))
+        return head + self._sse("content_block_start", {"index": self._index, "content_block": block})
 
     # ---- the driver's interface ----
 
@@ -188,13 +194,14 @@ class MessageEvents:
             "stop_sequence": None,
             "usage": messages_usage(self.input_tokens, 0, 0),
         }
-        return sse("message_start", {"message": message}) + sse("ping", {})
+        return self._sse("message_start", {"message": message}) + self._sse("ping", {})
 
     def content(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
         if not text:
             return b""
         head = b"" if self._open == "text" else self._start("text", {"type": "text", "text": ""})
-        return head + sse(
+        self._parts.append(text)
+        return head + self._sse(
             "content_block_delta", {"index": self._index, "delta": {"type": "text_delta", "text": text}}
         )
 
@@ -204,8 +211,8 @@ class MessageEvents:
         head = b""
         if self._open != "thinking":
             head = self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-        self._thinking.append(text)
-        return head + sse(
+        self._parts.append(text)
+        return head + self._sse(
             "content_block_delta",
             {"index": self._index, "delta": {"type": "thinking_delta", "thinking": text}},
         )
@@ -219,7 +226,8 @@ class MessageEvents:
     def tool_args(self, index: int, call: int, fragment: str) -> bytes:
         if self._open != "tool_use" or not fragment:
             return b""
-        return sse(
+        self._parts.append(fragment)
+        return self._sse(
             "content_block_delta",
             {"index": self._index, "delta": {"type": "input_json_delta", "partial_json": fragment}},
         )
@@ -228,6 +236,11 @@ class MessageEvents:
         """The choice ended: the open block's closing events (the stop reason goes out with ``end``)."""
         self.stop_reason, self.stop_sequence = stop_reason(reason, matched, self.stops)
         return self._close()
+
+    def message(self, usage: dict[str, int]) -> dict[str, Any]:
+        """The Message of the finished choice (its blocks: a non-streamed answer's)."""
+        reason = (self.stop_reason or "end_turn", self.stop_sequence)
+        return message_object(self.message_id, self.model, self.blocks, reason, usage)
 
     async def end(self, prompt: int, completion: int, cached: int) -> bytes:
         delta = {"stop_reason": self.stop_reason or "end_turn", "stop_sequence": self.stop_sequence}

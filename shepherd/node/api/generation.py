@@ -45,6 +45,7 @@ from shepherd.proto.engine_types import (
     EngineChunk,
     EngineError,
     EngineEvent,
+    EngineTimeout,
     GenerateRequest,
     SamplingParams,
     TokenLogprob,
@@ -56,6 +57,15 @@ from shepherd.tokens.tokenizer import Tokenizer
 # write to its closed connection raises ConnectionResetError (aiohttp's ClientConnectionResetError too)
 GONE = (asyncio.CancelledError, ConnectionResetError)
 CLIENT_DISCONNECT = "client_disconnect"  # the abort reason (smg_engine_aborts_total{reason=...})
+
+
+def abort_reason(e: BaseException) -> str:
+    """The abort reason of an engine stream ended by a failure (``smg_engine_aborts_total{reason}``, the
+    engine call span's ``shepherd.engine.abort_reason``): ``timeout`` for the request timeout,
+    ``cancelled`` for any other (the engine's error, a broken stream); never ``stop``, a gateway-side
+    stop's, nor ``client_disconnect`` (``GONE``, handled before)."""
+    return "timeout" if isinstance(e, TimeoutError | EngineTimeout) else "cancelled"
+
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 _SSE_LEAN_HEADERS = {k: v for k, v in SSE_HEADERS.items() if k != "Connection"}
@@ -296,6 +306,7 @@ class Generation:
             us (every engine choice completed, or every choice ended on a gateway-side stop)."""
             nonlocal first, remaining, engine_open
             now = time.perf_counter()
+            timed = not first  # the first batch's wait is the TTFT, not an inter-token latency
             if first:
                 mm.ttft.observe(now - self.t0)
                 if not self.t_first:
@@ -372,7 +383,7 @@ class Generation:
                 remaining -= 1
                 if enc is not None:
                     self._finish_chunk(enc, posts, i, idx, st, out)
-            if ntok:
+            if ntok and timed:
                 itl.observe((now - last[0]) / ntok)
             last[0] = now
             return engine_open == 0 or remaining == 0
@@ -553,6 +564,9 @@ class Generation:
             except GONE:
                 await es.close(CLIENT_DISCONNECT)
                 raise
+            except BaseException as e:
+                await es.close(abort_reason(e))
+                raise
             finally:
                 await es.close("stop" if es.completed is False else "done")
             engine_t += time.perf_counter() - t_dispatch
@@ -722,6 +736,9 @@ class Generation:
                         await self._drive(es, job, emit, emit_now, drain, writer)
                     except GONE:
                         await es.close(CLIENT_DISCONNECT)
+                        raise
+                    except BaseException as e:
+                        await es.close(abort_reason(e))
                         raise
                     finally:
                         await es.close("stop")

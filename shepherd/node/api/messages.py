@@ -6,7 +6,8 @@ the model (404), render and encode with the same tokenizer service call as chat 
 hits the same render and token caches), ``shape_chat`` (parsers, tool constraints), then under
 admission the meta-validation of the tools' input schemas off the event loop, then the generation. The
 answer is the chat pipeline's: ``Generation`` with the chat parser stage, writing the Messages encoder's
-events (``node.anthropic.messages.MessageEvents``) when streamed, or ``collect`` then ``message_object``.
+events (``node.anthropic.messages.MessageEvents``) when streamed, or ``collect`` then the whole output
+through the same encoder, quiet (``node.output.chat.replay``): the Message has the stream's blocks.
 
 ``count_tokens`` renders and encodes exactly as a create would and answers ``{"input_tokens": N}``.
 
@@ -23,7 +24,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from shepherd.node.anthropic.messages import MessageEvents, message_object, messages_usage, stop_reason
+from shepherd.node.anthropic.messages import MessageEvents, messages_usage
 from shepherd.node.anthropic.requests import MessagesRequest, parse_count_tokens, parse_messages
 from shepherd.node.api.common import ADMISSION, GATEWAY
 from shepherd.node.api.generation import Generation, Job, fresh_id, strict_violation
@@ -31,7 +32,7 @@ from shepherd.node.api.openai import render_chat
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import read_json
 from shepherd.node.openai.structured import check_schemas, header_value
-from shepherd.node.output.chat import shape_chat
+from shepherd.node.output.chat import replay, shape_chat
 from shepherd.node.output.choice import ChoiceState
 from shepherd.proto.openai_errors import bad
 
@@ -101,11 +102,12 @@ async def _respond(g: Generation, jobs: list[Job], message_id: str, req: Message
     if strict:
         raise strict_violation(strict)
     choice: dict[str, Any] = choices[0]
-    reason = stop_reason(choice["finish_reason"], choice.get("matched_stop"), req.stop_sequences)
+    job = jobs[0]
+    enc = MessageEvents(message_id, g.model, len(job.ids), req.stop_sequences, quiet=True)
+    replay(g.output, enc, job.states[0].full_text())
+    enc.finish(0, choice["finish_reason"], choice.get("matched_stop"))
     t = g.totals
-    body = message_object(
-        message_id, g.model, choice["message"], reason, messages_usage(t.prompt, t.completion, t.cached)
-    )
+    body = enc.message(messages_usage(t.prompt, t.completion, t.cached))
     g.done()
     headers = g.headers()
     if violations:

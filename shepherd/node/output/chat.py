@@ -20,7 +20,8 @@ same): the formats' markers are special tokens in the models' vocabularies. Stop
 tokens are applied before the parsers, so a stop word never reaches them nor the client.
 
 Answer shape (OpenAI's): ``message.tool_calls`` ``[{id, type: "function", function: {name,
-arguments}}]``, ``content`` null when the answer is only calls, ``finish_reason: "tool_calls"`` when
+arguments}}]``, ``content`` null when the answer is only calls (white space before a call, or after the
+last one, is no content: dropped from streams as from whole answers), ``finish_reason: "tool_calls"`` when
 a choice that called tools stopped by itself; ``reasoning_content`` beside ``content`` when a
 reasoning parser ran (the chat completions API adds vLLM's ``reasoning`` per ``--reasoning-field``, and
 answers a legacy ``functions`` request's call as ``function_call``: ``api_choice``). Streamed:
@@ -75,6 +76,7 @@ __all__ = [
     "chat_message",
     "encode_events",
     "final_reason",
+    "replay",
     "shape_chat",
 ]
 
@@ -273,7 +275,17 @@ class ChoiceParsing:
     costs two parser calls and one chunk). Logprobs ride on the first chunk of a step; an empty content
     chunk carries them when the step produced nothing visible."""
 
-    __slots__ = ("_content0", "_enc", "_index", "_reasoning", "_single", "_tools", "has_calls")
+    __slots__ = (
+        "_content0",
+        "_enc",
+        "_held",
+        "_index",
+        "_reasoning",
+        "_run_text",
+        "_single",
+        "_tools",
+        "has_calls",
+    )
 
     def __init__(
         self,
@@ -292,6 +304,11 @@ class ChoiceParsing:
         # an encoder's content(0, text) parts (the OpenAI chunks have them): a plain content chunk inline
         self._content0: tuple[bytes, bytes] | None = getattr(enc, "content0", None) if index == 0 else None
         self.has_calls = False
+        # white space before a tool call is no content (``_calls``): the text run since the start or the
+        # last call has shown non-space text (then its text goes out as it comes), else its white space
+        # so far, held until non-space text (it goes out with it) or a call (dropped) decides
+        self._run_text = False
+        self._held = ""
 
     def feed(self, text: str) -> tuple[str, list[ToolEvent]]:
         reasoning = ""
@@ -309,19 +326,48 @@ class ChoiceParsing:
             return reasoning, [TextDelta(text)] if text else []
         events = self._tools.feed(text) if text else []
         events.extend(self._tools.finish())
-        return reasoning, self._calls(events)
+        events = self._calls(events)
+        held = self._held
+        if held:  # white space the answer ended on: content unless the answer made calls
+            self._held = ""
+            if not self.has_calls:
+                events.append(TextDelta(held))
+        return reasoning, events
 
     def _calls(self, events: list[ToolEvent]) -> list[ToolEvent]:
-        for ev in events:
-            if type(ev) is not TextDelta:
-                break
-        else:
-            return events
+        """The tool parser's events as the client gets them: with ``parallel_tool_calls`` false only the
+        first call; a text run (from the start or a call to the next call) of white space only is
+        dropped, as a whole answer's content is null when it is only calls and white space (OpenAI's
+        and vLLM's answers): held until non-space text or a call decides, so that streamed and whole
+        answers agree, whatever the chunking (the end: ``finish``)."""
+        if self._run_text:
+            for ev in events:
+                if type(ev) is not TextDelta:
+                    break
+            else:
+                return events
         if self._single:
             events = [ev for ev in events if type(ev) is TextDelta or ev.index == 0]
-        if any(type(ev) is ToolCallStart for ev in events):
-            self.has_calls = True
-        return events
+        out: list[ToolEvent] = []
+        for ev in events:
+            if isinstance(ev, TextDelta):
+                if self._run_text:
+                    out.append(ev)
+                    continue
+                text = ev.text
+                if not text or text.isspace():
+                    self._held += text
+                    continue
+                if self._held:
+                    ev = TextDelta(self._held + text)
+                    self._held = ""
+                self._run_text = True
+            elif isinstance(ev, ToolCallStart):
+                self.has_calls = True
+                self._held = ""  # white space before a call: no content
+                self._run_text = False
+            out.append(ev)
+        return out
 
     def plain_content(self) -> tuple[tuple[bytes, bytes], ReasoningParser | None] | None:
         """With no tool parser and the encoder's ``content0`` parts: those and the reasoning parser (None:
@@ -355,7 +401,7 @@ class ChoiceParsing:
                 out.append(enc.content(index, text, logprobs))
             return
         events = self._tools.feed(text)
-        if len(events) == 1 and type(events[0]) is TextDelta:
+        if len(events) == 1 and type(events[0]) is TextDelta and self._run_text:
             out.append(enc.content(index, events[0].text, logprobs))
             return
         encode_events(enc, index, self._calls(events), logprobs, out)
@@ -413,6 +459,25 @@ def encode_events(
         out.append(enc.content(index, "".join(text), logprobs))
     elif logprobs is not None:
         out.append(enc.content(index, "", logprobs))
+
+
+def replay(
+    output: ChatOutput | None, enc: ChoiceEncoder, text: str, logprobs: dict[str, Any] | None = None
+) -> bool:
+    """A whole (non-streamed) choice's output written to a stream encoder as a stream of one chunk
+    would write it: the same parser stage, the same encoder calls (the caller then ``finish``es the
+    choice). The Messages and Responses APIs build their non-streamed answers from what the encoder
+    recorded (content blocks, output items), so both answers have the same blocks, in generation
+    order. Whether the output made tool calls."""
+    out: list[bytes] = []
+    if output is None:
+        if text or logprobs is not None:
+            out.append(enc.content(0, text, logprobs))
+        return False
+    post = output.choice(enc, 0)
+    post.stream(text, logprobs, out)
+    post.stream_end(out)
+    return post.has_calls
 
 
 def final_reason(reason: str | None, matched: str | int | None, has_calls: bool) -> tuple[str, Any]:

@@ -1,20 +1,33 @@
 """Responses API output: the Response object and its streamed events (docs/DESIGN.md §12).
 
-``output_items`` turns a parsed chat message (reasoning, content, tool calls) into Response output
-items: a ``reasoning`` item (``rs_``, ``content: [{type: reasoning_text, text}]``, ``summary: []``), a
-``message`` item (``msg_``, ``content: [{type: output_text, text, annotations: [], logprobs: []}]``)
-and one ``function_call`` item per call (``fc_``, ``call_id``, ``name``, ``arguments``), in that order.
+Output items: a ``reasoning`` item (``rs_``, ``content: [{type: reasoning_text, text}]``, ``summary: []``),
+a ``message`` item (``msg_``, ``content: [{type: output_text, text, annotations: [], logprobs}]``) and one
+``function_call`` item per call (``fc_``, ``call_id``, ``name``, ``arguments``), in generation order (text
+after a call is a message item after it). A message item is there when the model produced output text:
+an answer of reasoning only, of calls only or empty has none (as OpenAI's answers of reasoning or calls
+only; an empty answer is the same case: ``output_text`` is then ""). An item's ``status`` is
+``completed``, or ``incomplete`` for the item the answer was cut in (``max_output_tokens``, a failure).
 ``response_object`` assembles the Response (``object: "response"``) from the request's echo fields.
 
-``ResponseEvents`` is the streaming encoder the generation driver writes one choice's events to (it
-implements ``shepherd.node.output.chat.ChoiceEncoder`` and the driver's ``role`` / ``finish``). Its
-bytes are SSE events ``event: <type>\\ndata: <json>\\n\\n`` whose ``sequence_number`` grows by one,
-in OpenAI's order: ``response.created``, ``response.in_progress``, then per output item
-``response.output_item.added``, (``response.content_part.added``, deltas, ``*.done``,
-``response.content_part.done``) or (``response.function_call_arguments.delta`` / ``.done``),
-``response.output_item.done``; finally ``response.completed`` / ``response.incomplete`` /
-``response.failed`` (an in-band failure is an ``error`` event first). No ``[DONE]`` line: OpenAI's
+``ResponseEvents`` is the encoder the generation driver writes one choice's events to (it implements
+``shepherd.node.output.chat.ChoiceEncoder`` and the driver's ``role`` / ``finish``); it keeps the items it
+made. A non-streamed answer is built by the same encoder, ``quiet`` (no bytes), from the whole output
+(``shepherd.node.output.chat.replay``): both answers have the same items. Its bytes are SSE events
+``event: <type>\\ndata: <json>\\n\\n`` whose ``sequence_number`` grows by one, in OpenAI's order:
+``response.created``, ``response.in_progress``, then per output item ``response.output_item.added``,
+(``response.content_part.added``, deltas, ``*.done``, ``response.content_part.done``) or
+(``response.function_call_arguments.delta`` / ``.done``), ``response.output_item.done``; finally
+``response.completed`` / ``response.incomplete`` / ``response.failed`` (an in-band failure is an ``error``
+event first, after ``response.created`` and ``response.in_progress`` also when it came before them: the
+openai SDK refuses a stream that does not begin with ``response.created``). No ``[DONE]`` line: OpenAI's
 Responses stream has none.
+
+Logprobs (``include: ["message.output_text.logprobs"]``): the chat logprobs of the output's tokens go to
+the message text they come with; those of a step with no message text (reasoning, a call's markup, a
+stop token, text held back) go to the open message when there is one (an empty ``output_text.delta``
+carries them: the EOS token's, as the chat completions API keeps it), else wait for the next message
+text, and are dropped when none comes. A non-streamed answer's whole output is one such step: its
+message text, when it has some, gets them all.
 """
 
 from __future__ import annotations
@@ -28,7 +41,6 @@ import orjson
 __all__ = [
     "ResponseEvents",
     "incomplete_reason",
-    "output_items",
     "response_object",
     "response_status",
     "response_usage",
@@ -91,53 +103,6 @@ def text_logprobs(chat: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     return out
 
 
-def output_items(
-    message: Mapping[str, Any],
-    new_id: Callable[[str], str],
-    status: str = "completed",
-    logprobs: list[dict[str, Any]] | None = None,
-) -> list[dict[str, Any]]:
-    """A chat ``message`` (``content``, ``reasoning_content``, ``tool_calls``) -> output items
-    (``logprobs``: the message text's, ``text_logprobs``)."""
-    out: list[dict[str, Any]] = []
-    reasoning = message.get("reasoning_content")
-    if reasoning:
-        out.append(
-            {
-                "id": new_id("rs"),
-                "type": "reasoning",
-                "summary": [],
-                "content": [{"type": "reasoning_text", "text": reasoning}],
-                "status": status,
-            }
-        )
-    content = message.get("content")
-    calls = message.get("tool_calls") or ()
-    if content or not calls:
-        out.append(
-            {
-                "id": new_id("msg"),
-                "type": "message",
-                "role": "assistant",
-                "status": status,
-                "content": [_text_part(content or "", logprobs)],
-            }
-        )
-    for c in calls:
-        fn = c.get("function") or {}
-        out.append(
-            {
-                "id": new_id("fc"),
-                "type": "function_call",
-                "status": status,
-                "call_id": c.get("id", ""),
-                "name": fn.get("name", ""),
-                "arguments": fn.get("arguments", ""),
-            }
-        )
-    return out
-
-
 def response_object(
     base: Mapping[str, Any],
     *,
@@ -169,24 +134,30 @@ class ResponseEvents:
     so far and the next sequence number, and keeps every finished item for the final Response. The
     driver calls ``role`` once (the opening events), the content / reasoning / tool methods as the
     parsers produce text, ``finish`` when the choice ends; ``end`` / ``failed`` make the last events.
+    ``quiet``: no bytes, the items only (a non-streamed answer's: ``shepherd.node.output.chat.replay``).
     """
 
-    def __init__(self, base: Mapping[str, Any], new_id: Callable[[str], str]) -> None:
+    def __init__(self, base: Mapping[str, Any], new_id: Callable[[str], str], quiet: bool = False) -> None:
         self.base = base
         self._new_id = new_id
+        self.quiet = quiet
         self._seq = 0
+        self._opened = False  # response.created and response.in_progress are out
         self.items: list[dict[str, Any]] = []  # finished output items, in order
         self._open: dict[str, Any] | None = None  # the item being streamed
         self._parts: list[str] = []  # its text (or arguments) so far
         self._lps: list[dict[str, Any]] = []  # its text's logprobs so far (a message's)
+        self._waiting: list[dict[str, Any]] = []  # logprobs with no message text yet (module doc)
         self.finish_reason: str | None = None
 
     # ---- low level ----
 
     def event(self, kind: str, payload: dict[str, Any]) -> bytes:
-        payload["type"] = kind
-        payload["sequence_number"] = self._seq
         self._seq += 1
+        if self.quiet:
+            return b""
+        payload["type"] = kind
+        payload["sequence_number"] = self._seq - 1
         return sse_event(kind, payload)
 
     @property
@@ -200,7 +171,8 @@ class ResponseEvents:
     def _index(self) -> int:
         return len(self.items)
 
-    def _close(self) -> bytes:
+    def _close(self, status: str = "completed") -> bytes:
+        """The open item's closing events, the item ``status`` (``incomplete``: the answer was cut in it)."""
         item = self._open
         if item is None:
             return b""
@@ -251,7 +223,7 @@ class ResponseEvents:
                     {"item_id": iid, "output_index": idx, "name": item["name"], "arguments": text},
                 )
             )
-        item["status"] = "completed"
+        item["status"] = status
         out.append(self.event("response.output_item.done", {"output_index": idx, "item": item}))
         self.items.append(item)
         return b"".join(out)
@@ -272,21 +244,34 @@ class ResponseEvents:
             )
         return b"".join(out)
 
+    def _wait(self, logprobs: dict[str, Any] | None) -> None:
+        """Logprobs that came with no message text: for the next message text."""
+        if logprobs is not None:
+            self._waiting.extend(text_logprobs(logprobs))
+
     # ---- the driver's interface ----
 
     def role(self, index: int = 0) -> bytes:
         """The opening events: ``response.created`` and ``response.in_progress``."""
+        self._opened = True
+        if self.quiet:
+            return b""
         snap = self.snapshot("in_progress")
         return self.event("response.created", {"response": snap}) + self.event(
             "response.in_progress", {"response": snap}
         )
 
     def content(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
-        if not text:
+        item = self._open
+        is_message = item is not None and item["type"] == "message"
+        if not text and not is_message:
+            self._wait(logprobs)
+            return b""
+        lps = text_logprobs(logprobs) if logprobs is not None else []
+        if not text and not lps:
             return b""
         head = b""
-        item = self._open
-        if item is None or item["type"] != "message":
+        if item is None or not is_message:
             item = {
                 "id": self._new_id("msg"),
                 "type": "message",
@@ -295,8 +280,10 @@ class ResponseEvents:
             }
             item["content"] = []
             head = self._start(item, _text_part(""))
+        if self._waiting:
+            lps = self._waiting + lps
+            self._waiting = []
         self._parts.append(text)
-        lps = text_logprobs(logprobs)
         self._lps.extend(lps)
         return head + self.event(
             "response.output_text.delta",
@@ -310,6 +297,7 @@ class ResponseEvents:
         )
 
     def reasoning(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
+        self._wait(logprobs)
         if not text:
             return b""
         head = b""
@@ -327,6 +315,7 @@ class ResponseEvents:
     def tool_call(
         self, index: int, call: int, call_id: str, name: str, logprobs: dict[str, Any] | None = None
     ) -> bytes:
+        self._wait(logprobs)
         item = {
             "id": self._new_id("fc"),
             "type": "function_call",
@@ -348,9 +337,11 @@ class ResponseEvents:
         )
 
     def finish(self, index: int, reason: str, matched: str | int | None = None) -> bytes:
-        """The choice ended: the open item's closing events (the terminal event comes with ``end``)."""
+        """The choice ended: the open item's closing events (the terminal event comes with ``end``); the
+        item is ``incomplete`` when the answer was cut (``max_output_tokens``)."""
         self.finish_reason = reason
-        return self._close()
+        self._waiting = []
+        return self._close(response_status(reason))
 
     def status(self) -> str:
         return response_status(self.finish_reason)
@@ -369,10 +360,18 @@ class ResponseEvents:
         )
         return self.event(kind, {"response": response})
 
+    def failure_usage(self) -> dict[str, Any] | None:
+        """The usage a failed Response reports (the items are closed by then); None: not known here."""
+        return None
+
     def failed(self, message: str, code: str, usage: dict[str, Any] | None = None) -> bytes:
-        """An in-band failure: the open item's closing events, an ``error`` event and
-        ``response.failed`` (the Response with ``status: failed`` and its ``error``)."""
-        head = self._close()
+        """An in-band failure: the opening events if they are not out yet (a failure before the first
+        token), the open item's closing events (``incomplete``: cut by the failure), an ``error`` event
+        and ``response.failed`` (the Response with ``status: failed``, its ``error`` and the usage)."""
+        head = b"" if self._opened else self.role(0)
+        head += self._close("incomplete")
+        if usage is None:
+            usage = self.failure_usage()
         err = self.event("error", {"code": code, "message": message, "param": None})
         resp = response_object(
             self.base,
