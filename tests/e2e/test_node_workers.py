@@ -37,9 +37,12 @@ def sdk(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
 
 
-def test_retry_on_other_worker_and_circuit_breaker() -> None:
+@pytest.mark.parametrize("code", ["UNAVAILABLE", "INTERNAL", "RESOURCE_EXHAUSTED"])
+def test_retry_on_other_worker_and_circuit_breaker(code: str) -> None:
+    """A server error before the first token (the engine down, failing inside, overloaded) goes to
+    another worker: the client never sees it."""
     with (
-        start_mock_engine("--zero-latency", "--error-rate", "1.0") as bad,
+        start_mock_engine("--zero-latency", "--error-rate", "1.0", "--error-code", code) as bad,
         start_mock_engine("--zero-latency") as good,
         running_node(
             "--worker-urls",
@@ -61,6 +64,34 @@ def test_retry_on_other_worker_and_circuit_breaker() -> None:
         assert stats(good)["requests_received"] >= 6
         metrics = httpx.get(node.url + "/metrics", timeout=5).text
         assert "smg_engine_retries_total" in metrics
+
+
+def test_an_overloaded_fleet_is_a_503_with_retry_after() -> None:
+    with (
+        start_mock_engine("--zero-latency", "--error-rate", "1.0", "--error-code", "RESOURCE_EXHAUSTED") as e,
+        running_node("--worker-urls", f"grpc://{e.grpc_target}", "--model-id", "qwen3") as node,
+    ):
+        body = {"model": "qwen3", "messages": MSGS, "max_tokens": 3}
+        r = httpx.post(node.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["error"]["code"] == "engine_overloaded"
+
+
+def test_health_says_unhealthy_while_every_circuit_is_open() -> None:
+    with (
+        start_mock_engine("--zero-latency", "--error-rate", "1.0", "--error-code", "INTERNAL") as e,
+        running_node(
+            "--worker-urls", f"grpc://{e.grpc_target}", "--model-id", "qwen3", "--cb-failure-threshold", "2"
+        ) as node,
+    ):
+        assert http_status(node.url + "/health") == 200  # its checks pass: healthy until calls fail
+        body = {"model": "qwen3", "messages": MSGS, "max_tokens": 3}
+        for _ in range(2):
+            assert httpx.post(node.url + "/v1/chat/completions", json=body, timeout=30).status_code == 502
+        # the circuit is open: nothing can be served, whatever the health checks say
+        assert http_status(node.url + "/health") == 503
+        assert http_status(node.url + "/readiness") == 503
+        assert httpx.get(node.url + "/health", timeout=5).json()["workers"] == {"total": 1, "healthy": 0}
 
 
 def test_vllm_service_detected_and_http_relay() -> None:

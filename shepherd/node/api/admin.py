@@ -10,6 +10,7 @@ from aiohttp import web
 from shepherd.node.api.common import GATEWAY, audit
 from shepherd.node.api.openai import prompt_chars
 from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_in_effect, worker_endpoint
+from shepherd.node.dispatch.circuit_breaker import BreakerState
 from shepherd.node.dispatch.gateway import Gateway, model_not_found
 from shepherd.node.dispatch.workers import Worker
 from shepherd.node.http.body import json_response, read_json
@@ -114,8 +115,16 @@ async def detokenize(request: web.Request) -> web.Response:
     return json_response({"prompt": tok.decode(toks, skip_special_tokens=skip)})
 
 
+def _serving(gw: Gateway, w: Worker) -> bool:
+    """Healthy and its circuit not open (an open circuit takes no request until its cool-down ends: a
+    worker whose checks pass but whose every call fails serves nothing)."""
+    return w.health.healthy and (
+        w.breaker.state is not BreakerState.OPEN or w.breaker.allows(gw.registry.clock())
+    )
+
+
 def _any_healthy(gw: Gateway) -> bool:
-    return any(w.health.healthy for w in gw.registry.workers.values())
+    return any(_serving(gw, w) for w in gw.registry.workers.values())
 
 
 async def liveness(request: web.Request) -> web.Response:
@@ -140,7 +149,7 @@ async def health(request: web.Request) -> web.Response:
         "in_flight": gw.in_flight,
         "workers": {
             "total": len(gw.registry.workers),
-            "healthy": sum(w.health.healthy for w in gw.registry.workers.values()),
+            "healthy": sum(_serving(gw, w) for w in gw.registry.workers.values()),
         },
     }
     if insecure_admin_in_effect(gw.cfg):  # unauthenticated control plane others can reach: say so

@@ -45,6 +45,11 @@ log = logging.getLogger("shepherd.api")
 audit_log = logging.getLogger("shepherd.audit")
 
 
+# an engine's failure as the client's status: the request's fault, the deadline, an overloaded fleet
+# (every worker tried said RESOURCE_EXHAUSTED: retry later), else the upstream's (502)
+_ENGINE_STATUS = {"invalid_request": 400, "engine_timeout": 504, "engine_overloaded": 503}
+
+
 def audit(request: web.Request, action: str, target: str) -> None:
     """One line per change to the control plane's state (workers, API keys): what, on what, by whom
     (the caller's subject and how it authenticated; ``anonymous`` on an unauthenticated loopback
@@ -262,13 +267,15 @@ async def error_middleware(
         gw.metrics.errors.labels(path, e.code or e.type).inc()
         return _stamp(request, _error_answer(request, e), t0)
     except EngineError as e:
-        status = 504 if e.code == "engine_timeout" else 400 if e.code == "invalid_request" else 502
+        status = _ENGINE_STATUS.get(e.code, 502)
         gw.metrics.errors.labels(path, e.code).inc()
         kind = "invalid_request_error" if status == 400 else "server_error"
         message = public_engine_message(str(e), (w.url for w in gw.registry.workers.values()))
         if status != 400:
             log.warning("engine failure on %s: %s", path, e)  # the whole detail stays in the log
-        return _stamp(request, _error_answer(request, ApiError(status, message, type=kind, code=e.code)), t0)
+        retry = {"Retry-After": "1"} if status == 503 else None
+        err = ApiError(status, message, type=kind, code=e.code, headers=retry)
+        return _stamp(request, _error_answer(request, err), t0)
     except (TokenizerWorkerError, TokenizerPoolUnavailable) as e:
         status = 503
         gw.metrics.errors.labels(path, "tokenizer").inc()

@@ -42,6 +42,7 @@ ABORTED = 10
 UNIMPLEMENTED = 12
 INTERNAL = 13
 UNAVAILABLE = 14
+DATA_LOSS = 15
 UNAUTHENTICATED = 16
 
 _NAMES = (
@@ -63,8 +64,10 @@ _NAMES = (
     "DATA_LOSS",
     "UNAUTHENTICATED",
 )
-# worth another worker (before the first token): the engine is down, overloaded, or gave up on a race
-_RETRYABLE = frozenset({UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED})
+# worth another worker (before the first token): the engine is down, overloaded, gave up on a race, or
+# failed inside (INTERNAL, UNKNOWN, DATA_LOSS: a server error, as SMG retries a 5xx); not the request's
+# own faults (INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE...), nor its deadline
+_RETRYABLE = frozenset({UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED, INTERNAL, UNKNOWN, DATA_LOSS})
 
 
 def engine_error(code: int, details: str) -> EngineError:
@@ -81,6 +84,8 @@ def engine_error(code: int, details: str) -> EngineError:
         return EngineError(f"engine rejected the request: {detail}", code="invalid_request", retryable=False)
     if code == UNIMPLEMENTED:  # the servicer lacks the call (vLLM's entrypoint: GetLoads, KV events)
         return EngineError(f"engine error ({name}): {detail}", code="unimplemented", retryable=False)
+    if code == RESOURCE_EXHAUSTED:  # overloaded: the client's 503 with Retry-After, when no worker took it
+        return EngineError(f"engine overloaded ({name}): {detail}", code="engine_overloaded", retryable=True)
     return EngineError(f"engine error ({name}): {detail}", retryable=code in _RETRYABLE)
 
 

@@ -49,6 +49,11 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", -1),
     ("grpc.http2.lookahead_bytes", 4 * 1024 * 1024),
     ("grpc.enable_retries", 0),
+    # reconnects back off as the lean client's do (``backoff.Backoff``: capped at 5 s), not gRPC's default
+    # up to 120 s: an engine back from a restart or a weight reload serves again within seconds
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
 ]
 
 
