@@ -232,6 +232,11 @@ def _parser() -> argparse.ArgumentParser:
         "--max-payload-size", dest="max_body_bytes", type=int, help="largest request body in bytes"
     )
     s.add_argument("--request-timeout-secs", type=float)
+    s.add_argument(
+        "--worker-startup-timeout-secs",
+        type=float,
+        help="no --model-path: wait this long for a gRPC worker to give the model (600; 0: ask once)",
+    )
     s.add_argument("--retry-max-retries", dest="max_retries", type=int)
     s.add_argument("--health-check-interval-secs", type=float)
     s.add_argument("--health-check-timeout-secs", type=float)

@@ -120,6 +120,9 @@ class NodeConfig:
     tokenizer_inline_max_chars: int | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     request_timeout_secs: float = 600.0
+    # no --model-path: how long the start waits for a gRPC worker to give the model's name and tokenizer
+    # (engines load weights for minutes; SMG's and sglang-router's flag); 0: ask once
+    worker_startup_timeout_secs: float = 600.0
     max_retries: int = 2
     health_check_interval_secs: float = 5.0
     health_check_timeout_secs: float = 2.0
@@ -608,6 +611,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         )
     if not 0 < cfg.port < 65536:
         raise ConfigError(f"port {cfg.port} out of range")
+    if cfg.worker_startup_timeout_secs < 0:
+        raise ConfigError("worker_startup_timeout_secs must be >= 0 (0: ask the workers once)")
     if cfg.gc_gen0_threshold < 0:
         raise ConfigError("gc_gen0_threshold must be >= 0 (0 keeps CPython's collector settings)")
     if cfg.tokenizer_workers < 0:

@@ -27,7 +27,7 @@ import pytest
 
 from shepherd.mock_engine.tokenizer_zip import build_tokenizer_zip
 from tests.e2e import node_fixtures
-from tests.e2e.node_procs import free_port, running_node
+from tests.e2e.node_procs import free_port, http_status, running_node, spawn_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 from tests.e2e.test_node_tools import byte_tokenizer
 
@@ -109,6 +109,33 @@ def test_model_identity_and_tokenizer_from_the_engine(engine_tokenizer: Path, ht
             assert http.post(node.url + "/v1/tokenize", json={"prompt": "hello"}).json()["count"] == 5
         assert rpc_calls(e1, "sglang.GetTokenizer") + rpc_calls(e2, "sglang.GetTokenizer") == 2
         assert hashlib.sha256(zip_path.read_bytes()).hexdigest() == expected_sha
+
+
+def test_a_node_started_before_its_engine_waits_for_the_model(
+    engine_tokenizer: Path, http: httpx.Client
+) -> None:
+    """Compose and Kubernetes start the node while the engine still loads its weights: the node waits
+    for a worker to say what it serves (``--worker-startup-timeout-secs``), not settling on the
+    embedded default model."""
+    grpc_port = free_port()
+    node = spawn_node(
+        "serve", "--worker-urls", f"grpc://127.0.0.1:{grpc_port}", "--worker-startup-timeout-secs", "120",
+        port=free_port(),
+    )  # fmt: skip
+    try:
+        time.sleep(3.0)  # the node asks, nobody answers yet
+        assert node.proc.poll() is None, node.log()
+        tok_flags = ("--tokenizer", str(engine_tokenizer), "--model", "org/late-model", "--zero-latency")
+        with start_mock_engine(*tok_flags, "--grpc-port", str(grpc_port)):
+            deadline = time.monotonic() + 60.0
+            while time.monotonic() < deadline and http_status(node.url + "/readiness") != 200:
+                time.sleep(0.2)
+            models = http.get(node.url + "/v1/models").json()["data"]
+            assert [m["id"] for m in models] == ["org/late-model"], node.log()
+            assert http.post(node.url + "/v1/tokenize", json={"prompt": "hello"}).json()["count"] == 5
+        assert "waiting for a gRPC worker" in node.log() or "did not answer" in node.log()
+    finally:
+        node.stop()
 
 
 def test_model_path_overrides_the_engine(engine_tokenizer: Path, http: httpx.Client) -> None:

@@ -38,6 +38,8 @@ from shepherd.proto.engine_types import EngineError, ModelInfo
 log = logging.getLogger("shepherd.model_source")
 
 GRPC_SCHEMES = ("grpc", "grpcs", "sglang", "vllm", *SERVICE_KINDS)
+STARTUP_RETRY_S, STARTUP_RETRY_MAX_S = 1.0, 5.0  # asking the workers again at start-up (back-off)
+STARTUP_LOG_S = 30.0  # and saying so this often
 MAX_ZIP_BYTES = 256 * 1024 * 1024  # a tokenizer directory is a few MB; anything this large is refused
 MAX_FILE_BYTES = 512 * 1024 * 1024  # uncompressed, all files together (zip bombs)
 
@@ -180,9 +182,12 @@ async def _probe(url: str, cfg: NodeConfig, timeout: float) -> Probe:
     return client, kind, info
 
 
-async def first_answer(urls: list[str], cfg: NodeConfig, timeout: float, what: str) -> Probe | None:
+async def first_answer(
+    urls: list[str], cfg: NodeConfig, timeout: float, what: str, level: int = logging.WARNING
+) -> Probe | None:
     """The first of ``urls`` to answer GetModelInfo, all asked at once and within ``timeout`` in all (a
-    dead or unreachable worker costs no more than that); the other clients are closed."""
+    dead or unreachable worker costs no more than that); the other clients are closed. Each failure
+    logged at ``level``."""
     tasks = [asyncio.create_task(_probe(u, cfg, timeout)) for u in urls]
     winner: Probe | None = None
     try:
@@ -191,9 +196,9 @@ async def first_answer(urls: list[str], cfg: NodeConfig, timeout: float, what: s
                 winner = await fut
                 break
             except (EngineError, TimeoutError, OSError) as e:
-                log.warning("model %s: a worker did not answer GetModelInfo: %s", what, e)
+                log.log(level, "model %s: a worker did not answer GetModelInfo: %s", what, e)
     except TimeoutError:
-        log.warning("model %s: no worker answered GetModelInfo in %.0f s", what, timeout + 1)
+        log.log(level, "model %s: no worker answered GetModelInfo in %.0f s", what, timeout + 1)
     finally:
         for t in tasks:
             t.cancel()
@@ -203,6 +208,26 @@ async def first_answer(urls: list[str], cfg: NodeConfig, timeout: float, what: s
                 if winner is None or got[0] is not winner[0]:
                     await got[0].close()
     return winner
+
+
+async def _wait_for_answer(urls: list[str], cfg: NodeConfig, timeout: float, what: str) -> Probe | None:
+    """``first_answer``, asked again (every 1 s, backing off to 5 s) until one answers or
+    ``worker_startup_timeout_secs`` is over: a node started beside its engines (compose, Kubernetes)
+    starts before they have loaded their weights, and must not settle on a default model meanwhile."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.worker_startup_timeout_secs
+    pause, said, level = STARTUP_RETRY_S, loop.time(), logging.WARNING
+    while True:
+        probe = await first_answer(urls, cfg, timeout, what, level)
+        level = logging.DEBUG  # (said once; then every STARTUP_LOG_S below)
+        left = deadline - loop.time()
+        if probe is not None or left <= 0:
+            return probe
+        if loop.time() - said >= STARTUP_LOG_S:
+            said = loop.time()
+            log.warning("model %s: waiting for a gRPC worker to answer (%.0f s left)", what, left)
+        await asyncio.sleep(min(pause, left))
+        pause = min(STARTUP_RETRY_MAX_S, pause * 2)
 
 
 async def fetch_model(probe: Probe, cache: TokenizerCache, timeout: float) -> tuple[ModelInfo, Path]:
@@ -250,7 +275,7 @@ async def resolve_models(cfg: NodeConfig) -> NodeConfig:
             grpc_urls = [u for u in mc.worker_urls if u.partition("://")[0] in GRPC_SCHEMES]
             got: tuple[ModelInfo, Path] | None = None
             what = repr(mc.name or "?")
-            probe = await first_answer(grpc_urls, cfg, timeout, what) if grpc_urls else None
+            probe = await _wait_for_answer(grpc_urls, cfg, timeout, what) if grpc_urls else None
             if probe is not None:
                 try:
                     got = await fetch_model(probe, cache, timeout)
