@@ -839,7 +839,7 @@ CASES: list[Case] = [
     ),
     Case("worker-get-unknown", "/workers/nope", b"", 404, "worker_not_found", method="GET"),
     Case("worker-delete-unknown", "/workers/nope", b"", 404, "worker_not_found", method="DELETE"),
-    Case("worker-delete-no-id", "/workers", b"", 404, "worker_not_found", method="DELETE"),
+    Case("worker-delete-no-id", "/workers", b"", 400, "missing_parameter", method="DELETE"),
     Case(
         "worker-delete-unknown-url", "/workers?url=grpc://x:1", b"", 404, "worker_not_found", method="DELETE"
     ),

@@ -404,7 +404,11 @@ def _apply(w: Worker, priority: int | None, cost: float | None, labels: dict[str
 
 def _worker(gw: Gateway, key: str) -> Worker:
     if not key:
-        raise bad("Name the worker: its id, or its URL in the 'url' query parameter.", param="url")
+        raise bad(
+            "Name the worker: its id, or its URL in the 'url' query parameter.",
+            param="url",
+            code="missing_parameter",
+        )
     w = gw.registry.find(key)
     if w is None:
         raise ApiError(404, "No such worker.", code="worker_not_found")
