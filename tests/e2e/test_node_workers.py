@@ -94,6 +94,32 @@ def test_health_says_unhealthy_while_every_circuit_is_open() -> None:
         assert httpx.get(node.url + "/health", timeout=5).json()["workers"] == {"total": 1, "healthy": 0}
 
 
+def test_an_answer_ending_on_eos_sends_the_engine_no_abort() -> None:
+    """The gateway sees EOS in a chunk before the engine's Complete: the engine ends the request
+    itself, so no Abort goes out for it (one per answer, before); a stop string the engine never saw
+    still aborts it."""
+    with (
+        start_mock_engine("--decode-ms-per-token", "2", "--output-len", "12") as e,
+        running_node("--worker-urls", f"grpc://{e.grpc_target}", "--model-id", "qwen3") as node,
+    ):
+        c = sdk(node.url)
+        for _ in range(3):
+            stream = c.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=200, stream=True)
+            assert list(stream)[-1].choices[0].finish_reason == "stop"
+        got = c.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=200, stop=["zz-never"])
+        assert got.choices[0].finish_reason == "stop"
+        assert stats(e)["rpc_calls"].get("sglang.Abort", 0) == 0
+        text = httpx.get(node.url + "/metrics", timeout=5).text
+        assert 'smg_engine_aborts_total{model="qwen3",reason="stop"}' not in text, text
+        # a stop string: the engine would go on, so the gateway aborts it
+        cut = c.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=200, stop=[" "], stream=True)
+        assert [ch.choices[0].finish_reason for ch in cut if ch.choices][-1] == "stop"
+        deadline = time.monotonic() + 10
+        while stats(e)["rpc_calls"].get("sglang.Abort", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats(e)["rpc_calls"].get("sglang.Abort", 0) == 1
+
+
 def test_vllm_service_detected_and_http_relay() -> None:
     with start_mock_engine("--zero-latency", "--engine", "vllm") as engine:
         with running_node("--worker-urls", f"grpc://{engine.grpc_target}", "--model-id", "qwen3") as node:

@@ -59,6 +59,14 @@ GONE = (asyncio.CancelledError, ConnectionResetError)
 CLIENT_DISCONNECT = "client_disconnect"  # the abort reason (smg_engine_aborts_total{reason=...})
 
 
+def _engine_ends_them(states: Sequence[ChoiceState], engine_done: Sequence[bool]) -> bool:
+    """Whether the engine ends every choice by itself: completed already, or stopped at a token the
+    engine stops at too (EOS unless ``ignore_eos``, the request's ``stop_token_ids``: the gateway saw
+    it in a chunk before the engine's Complete came). Not a stop string's end (the engine would go
+    on generating)."""
+    return all(done or type(st.matched) is int for st, done in zip(states, engine_done, strict=True))
+
+
 def abort_reason(e: BaseException) -> str:
     """The abort reason of an engine stream ended by a failure (``smg_engine_aborts_total{reason}``, the
     engine call span's ``shepherd.engine.abort_reason``): ``timeout`` for the request timeout,
@@ -451,7 +459,9 @@ class Generation:
                     paused = False
                     assert drain is not None
                     await drain()
-        if over and engine_open == 0:
+        if over and (engine_open == 0 or (remaining == 0 and _engine_ends_them(states, engine_done))):
+            # every choice's end is the engine's own too: no Abort for it (its Complete is on the way;
+            # closing the call is enough), only for a choice cut by a stop string the engine never saw
             es.completed = True
         self.totals.cached = cached[0]
         if es.trace is not None:  # the engine call's answer on its CLIENT span (tracing on)
