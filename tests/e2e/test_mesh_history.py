@@ -214,6 +214,26 @@ def test_background_response_is_cancelled_from_any_node(cluster: Cluster) -> Non
             assert cluster.sdk(name).responses.retrieve(r.id).status == "cancelled"
 
 
+def test_one_turn_at_a_time_on_a_conversation_across_nodes(cluster: Cluster) -> None:
+    """A turn in progress on b holds a's conversation (the lease lives with the conversation: on its
+    owner, or in the shared store): c's turn meanwhile is OpenAI's conversation_locked; once b's turn
+    ends (cancelled here), c's is taken."""
+    conv = cluster.sdk("a").conversations.create()
+    with stalled_engine(cluster):
+        r = cluster.sdk("b").responses.create(
+            model=MODEL, input="a slow one", conversation=conv.id, background=True
+        )
+        with pytest.raises(openai.BadRequestError) as ei:
+            cluster.sdk("c").responses.create(model=MODEL, input="meanwhile", conversation=conv.id)
+        err: Any = ei.value.body
+        assert err["code"] == "conversation_locked", err
+        assert cluster.sdk("a").responses.cancel(r.id).status == "cancelled"
+    got = cluster.sdk("c").responses.create(
+        model=MODEL, input="now", conversation=conv.id, max_output_tokens=4
+    )
+    assert got.status in ("completed", "incomplete")
+
+
 @contextlib.contextmanager
 def stalled_engine(cluster: Cluster) -> Iterator[None]:
     """The mock engine stalls 60 s after its first token while inside."""

@@ -10,6 +10,8 @@ script matching text that only an earlier turn holds shows that the node rebuilt
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,6 +202,52 @@ def test_conversation_turns(client: openai.OpenAI, engine: MockEngineProc, http:
     assert [getattr(it, "role", None) for it in items] == ["user", "assistant", "user", "assistant"]
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model=MODEL, input="x", conversation="conv_" + "0" * 48)
+
+
+def _locked(client: openai.OpenAI, conv: str) -> None:
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.responses.create(model=MODEL, input="meanwhile?", conversation=conv)
+    err: Any = ei.value.body
+    assert (err["code"], err["param"]) == ("conversation_locked", "conversation"), err
+
+
+@pytest.mark.parametrize("mode", ["stream", "whole", "background"])
+def test_one_turn_at_a_time_on_a_conversation(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client, mode: str
+) -> None:
+    """A second turn while one is in progress on the conversation is OpenAI's 400 conversation_locked
+    (both would answer the same history); once the turn ends, the next is taken, and sees it."""
+    conv = client.conversations.create().id
+    faults(engine, http, stall_after_tokens=1, stall_seconds=2.0)
+    box: list[Any] = []
+
+    def first() -> None:
+        if mode == "stream":
+            with client.responses.stream(model=MODEL, input="a slow one", conversation=conv) as st:
+                box.append(st.get_final_response())
+        else:
+            box.append(client.responses.create(model=MODEL, input="a slow one", conversation=conv))
+
+    if mode == "background":
+        r = client.responses.create(model=MODEL, input="a slow one", conversation=conv, background=True)
+        assert r.status in ("queued", "in_progress")
+        _locked(client, conv)
+        for _ in range(200):  # bounded: the stall is 2 s
+            if client.responses.retrieve(r.id).status == "completed":
+                break
+            time.sleep(0.05)
+    else:
+        t = threading.Thread(target=first)
+        t.start()
+        time.sleep(0.8)  # it holds the conversation: answered one token, stalled
+        _locked(client, conv)
+        t.join(timeout=30)
+        assert box and box[0].status == "completed"
+    faults(engine, http, stall_after_tokens=None, stall_seconds=0.0)
+    nxt = client.responses.create(model=MODEL, input="and now?", conversation=conv)
+    assert nxt.status == "completed"
+    roles = [getattr(it, "role", None) for it in client.conversations.items.list(conv, order="asc")]
+    assert roles == ["user", "assistant", "user", "assistant"]  # the refused turn left nothing
 
 
 # ---- tools and reasoning ---------------------------------------------------------------------------------

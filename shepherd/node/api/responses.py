@@ -79,6 +79,7 @@ from shepherd.proto.openai_errors import ApiError, bad
 from shepherd.storage.ids import tag_of
 from shepherd.storage.types import (
     ChainError,
+    HistoryStore,
     IntegrityError,
     NotFound,
     StorageError,
@@ -518,6 +519,54 @@ def _check_calls(past: Sequence[StoredItem], prompt: Sequence[StoredItem]) -> No
             )
 
 
+_LOCK_MARGIN_S = 30.0  # a turn's lease outlives its deadline by this much (a dead node's expires then)
+
+
+class _Lease:
+    """A conversation's turn in progress (``HistoryStore.claim``, held by the response's id): taken
+    before the conversation is read, so that two turns at once do not both answer the same history
+    (OpenAI's ``conversation_locked``); released once, when the turn ends (stored, failed, or its
+    client gone), by the request or, for a background response, by its task; a node that dies holding
+    it leaves it to expire (the request's deadline and a margin), or to ``_settle_orphan``."""
+
+    __slots__ = ("handed", "holder", "name", "store")
+
+    def __init__(self, store: HistoryStore, conversation_id: str, holder: str) -> None:
+        self.store = store
+        self.name = conversation_lease(conversation_id)
+        self.holder = holder
+        self.handed = False
+
+    async def release(self) -> None:
+        try:
+            await self.store.release(self.name, self.holder)
+        except StorageError as e:  # it expires on its own
+            log.warning("conversation lease %s of %s not released: %s", self.name, self.holder, e)
+
+
+def conversation_lease(conversation_id: str) -> str:
+    return f"conversation:{conversation_id}"
+
+
+async def _lock_conversation(hist: History, gw: Gateway, conversation_id: str, response_id: str) -> _Lease:
+    lease = _Lease(hist.store, conversation_id, response_id)
+    now = time.time()
+    until = now + gw.cfg.request_timeout_secs + _LOCK_MARGIN_S
+    try:
+        held = await hist.store.claim(lease.name, response_id, until, now)
+    except StorageUnavailable as e:
+        raise _unavailable(e) from None
+    except NotFound:  # (its owner is gone from the mesh)
+        raise conversation_not_found(conversation_id) from None
+    if not held:
+        raise bad(
+            "Another process is currently operating on this conversation. Please retry in a few seconds.",
+            param="conversation",
+            code="conversation_locked",
+        )
+    return lease
+
+
 async def create_response(request: web.Request) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
     t0 = time.perf_counter()
@@ -544,86 +593,99 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     response_id = hist.new_id("resp", owner_tag=owner_tag)
     parsed = parse_items(req.input, param="input", new_id=mint, now=now, response_id=response_id)
-    try:  # every history read happens before the engine is called
-        past = await _history(request, hist, req, gw)
-        prompt_items, new_input = await _resolve_input(hist, parsed, minted, mint)
-    except StorageUnavailable as e:
-        raise _unavailable(e) from None
-    # items the history already holds (a client sending a previous output back): not twice in the prompt
-    known = {it.id for it in past}
-    if known:
-        prompt_items = [it for it in prompt_items if it.id not in known]
-        new_input = [it for it in new_input if it.id not in known]
-    _check_calls(past, prompt_items)
-    turn = Turn(
-        hist,
-        response_id,
-        now,
-        model,
-        owner_of(request),
-        req.previous_response_id,
-        req.conversation_id,
-        new_input,
-        tuple(it.id for it in prompt_items),
-        owner_tag,
+    lease = (
+        await _lock_conversation(hist, gw, req.conversation_id, response_id) if req.conversation_id else None
     )
-    messages = items_to_messages([*past, *prompt_items])
-    if req.instructions:
-        messages.insert(0, {"role": "system", "content": req.instructions})
-    if not messages:
-        raise bad("The request has no input to answer.", param="input", code="empty_input")
-    # logprobs of the output text: asked with include (top_logprobs alternatives each)
-    lp_top = (req.top_logprobs or 0) if "message.output_text.logprobs" in req.include else None
-    chat = ChatRequest(
-        model=model,
-        messages=messages,
-        sampling=req.sampling,
-        logprobs=lp_top is not None,
-        top_logprobs=lp_top or 0,
-        tools=req.tools,
-        tool_choice=req.tool_choice,
-        template_kwargs=req.template_kwargs,
-        add_generation_prompt=True,
-        continue_final_message=False,
-        response_format=req.response_format,
-        raw=d,
-        parallel_tool_calls=req.parallel_tool_calls,
-    )
-    text, ids = await render_chat(gw, model, chat, param="input")
-    shaping = shape_chat(gw.parser_families(model), chat, text)
-    base = _base(req, model, response_id, now)
-    states = [ChoiceState(0, tok, shaping.sampling, ids)]
-    job = Job(ids, text, states, 0)
-    events = _StoringEvents(base, turn, req.store, tok, job) if req.stream else None
-    g = Generation(
-        request,
-        gw,
-        model,
-        tok,
-        shaping.sampling,
-        chat=True,
-        rid=response_id,
-        t0=t0,
-        logprobs=lp_top,
-        shaping=shaping,
-        events=events,
-    )
-    if req.background:
-        return await _start_background(request, gw, turn, g, job, base, shaping, len(raw), req.schemas)
-    jobs = [job]
 
-    async def run() -> web.StreamResponse:
-        if req.schemas:  # under admission, after the model lookup: off the loop, with a deadline
-            await check_schemas(req.schemas)
-        gw.metrics.overhead.observe(time.perf_counter() - t0)
-        if events is not None:
-            return await _stream(g, jobs, turn, events, req.store)
-        return await _respond(g, jobs, turn, base, req.store)
+    async def turn_in_progress() -> web.StreamResponse:  # (under the conversation's lease, if any)
+        try:  # every history read happens before the engine is called
+            past = await _history(request, hist, req, gw)
+            prompt_items, new_input = await _resolve_input(hist, parsed, minted, mint)
+        except StorageUnavailable as e:
+            raise _unavailable(e) from None
+        # items the history already holds (a client sending a previous output back): not twice in the prompt
+        known = {it.id for it in past}
+        if known:
+            prompt_items = [it for it in prompt_items if it.id not in known]
+            new_input = [it for it in new_input if it.id not in known]
+        _check_calls(past, prompt_items)
+        turn = Turn(
+            hist,
+            response_id,
+            now,
+            model,
+            owner_of(request),
+            req.previous_response_id,
+            req.conversation_id,
+            new_input,
+            tuple(it.id for it in prompt_items),
+            owner_tag,
+        )
+        messages = items_to_messages([*past, *prompt_items])
+        if req.instructions:
+            messages.insert(0, {"role": "system", "content": req.instructions})
+        if not messages:
+            raise bad("The request has no input to answer.", param="input", code="empty_input")
+        # logprobs of the output text: asked with include (top_logprobs alternatives each)
+        lp_top = (req.top_logprobs or 0) if "message.output_text.logprobs" in req.include else None
+        chat = ChatRequest(
+            model=model,
+            messages=messages,
+            sampling=req.sampling,
+            logprobs=lp_top is not None,
+            top_logprobs=lp_top or 0,
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            template_kwargs=req.template_kwargs,
+            add_generation_prompt=True,
+            continue_final_message=False,
+            response_format=req.response_format,
+            raw=d,
+            parallel_tool_calls=req.parallel_tool_calls,
+        )
+        text, ids = await render_chat(gw, model, chat, param="input")
+        shaping = shape_chat(gw.parser_families(model), chat, text)
+        base = _base(req, model, response_id, now)
+        states = [ChoiceState(0, tok, shaping.sampling, ids)]
+        job = Job(ids, text, states, 0)
+        events = _StoringEvents(base, turn, req.store, tok, job) if req.stream else None
+        g = Generation(
+            request,
+            gw,
+            model,
+            tok,
+            shaping.sampling,
+            chat=True,
+            rid=response_id,
+            t0=t0,
+            logprobs=lp_top,
+            shaping=shaping,
+            events=events,
+        )
+        if req.background:
+            return await _start_background(
+                request, gw, turn, g, job, base, shaping, len(raw), req.schemas, lease
+            )
+        jobs = [job]
 
-    adm = request.app[ADMISSION]
-    if adm is None:
-        return await run()
-    return await adm.guard(request, model, len(ids), shaping.sampling, run, jobs)
+        async def run() -> web.StreamResponse:
+            if req.schemas:  # under admission, after the model lookup: off the loop, with a deadline
+                await check_schemas(req.schemas)
+            gw.metrics.overhead.observe(time.perf_counter() - t0)
+            if events is not None:
+                return await _stream(g, jobs, turn, events, req.store)
+            return await _respond(g, jobs, turn, base, req.store)
+
+        adm = request.app[ADMISSION]
+        if adm is None:
+            return await run()
+        return await adm.guard(request, model, len(ids), shaping.sampling, run, jobs)
+
+    try:
+        return await turn_in_progress()
+    finally:
+        if lease is not None and not lease.handed:  # (a background task releases its own)
+            await _shielded(lease.release())
 
 
 def _answer(
@@ -705,6 +767,7 @@ async def _start_background(
     shaping: ChatShaping,
     body_bytes: int,
     schemas: tuple[PendingSchema, ...] = (),
+    lease: _Lease | None = None,
 ) -> web.StreamResponse:
     registry = request.app[BACKGROUND]
     if registry.full():
@@ -737,13 +800,15 @@ async def _start_background(
             raise conversation_not_found(turn.conversation_id or "") from None
         raise
     turn.saved = True
-    task = asyncio.create_task(_background(g, job, turn, base, ticket))
+    if lease is not None:
+        lease.handed = True  # the task ends the turn: it releases the conversation
+    task = asyncio.create_task(_background(g, job, turn, base, ticket, lease))
     registry.add(turn.response_id, task)
     return _json(queued, headers={"x-request-id": turn.response_id})
 
 
 async def _background(
-    g: Generation, job: Job, turn: Turn, base: dict[str, Any], ticket: Ticket | None
+    g: Generation, job: Job, turn: Turn, base: dict[str, Any], ticket: Ticket | None, lease: _Lease | None
 ) -> None:
     try:
         await turn.update(response_object(base, status="in_progress", output=[], usage=None), [])
@@ -789,6 +854,8 @@ async def _background(
     finally:
         if ticket is not None:
             ticket.settle(tokens_used([job]))
+        if lease is not None:
+            await _shielded(lease.release())
 
 
 # ---- the other routes ------------------------------------------------------------------------------------
@@ -840,6 +907,8 @@ async def _settle_orphan(hist: History, stored: StoredResponse, running: bool) -
     except StorageUnavailable as e:
         raise _unavailable(e) from None
     log.warning("background response %s: its runner (tag %s) is gone; stored as failed", stored.id, runner)
+    if stored.conversation_id is not None:  # its turn is over: the conversation is free again
+        await _Lease(hist.store, stored.conversation_id, stored.id).release()
     return rec
 
 
