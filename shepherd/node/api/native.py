@@ -22,7 +22,14 @@ import orjson
 from aiohttp import web
 
 from shepherd.node.api.common import GATEWAY, KEEPALIVE_TICKER, admitted, request_id_of, stamp_headers
-from shepherd.node.api.generation import CLIENT_DISCONNECT, GONE, SSE_HEADERS, engine_sampling, fresh_id
+from shepherd.node.api.generation import (
+    CLIENT_DISCONNECT,
+    GONE,
+    SSE_HEADERS,
+    abort_reason,
+    engine_sampling,
+    fresh_id,
+)
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.stream import EngineStream
 from shepherd.node.http.body import json_response, read_json
@@ -337,8 +344,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
         except GONE:
             await es.close(CLIENT_DISCONNECT)
             raise
+        except BaseException as e:  # an engine failure, the timeout: not a stop (smg_engine_aborts_total)
+            await es.close(abort_reason(e))
+            raise
         finally:
-            await es.close("stop")
+            await es.close("stop")  # (a stop string's end: the engine would go on)
 
     return await admitted(request, model, len(ids), s, run)
 
@@ -378,6 +388,8 @@ async def _events(es: EngineStream, st: ChoiceState, out: list[int]) -> AsyncIte
                 delta.append(st.end(ev.finish_reason))
         yield "".join(delta), prompt, cached
         if st.finished:
+            if type(st.matched) is int:  # a token the engine stops at too (EOS, stop_token_ids): no Abort
+                es.completed = True
             return
     raise EngineError("the engine ended the stream before the choice finished", retryable=False)
 
@@ -414,6 +426,7 @@ async def _stream(
                 await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
             await resp.write_eof(b"data: [DONE]\n\n")
         except (EngineError, ApiError, TimeoutError) as e:
+            await es.close(abort_reason(e))  # reported in-band below: the engine call ends with its reason
             msg = (
                 e.message if isinstance(e, ApiError) else str(e) if isinstance(e, EngineError) else "timeout"
             )
@@ -445,6 +458,7 @@ async def health_generate(request: web.Request) -> web.Response:
             )
         except (EngineError, ApiError, TimeoutError) as e:
             return json_response({"status": "unhealthy", "model": model, "error": str(e)[:200]}, 503)
+        es.completed = True  # its one token came: the engine ends it (max_tokens 1), no Abort for it
         await es.close("done")
     return json_response({"status": "healthy", "request_id": request_id_of(request)})
 

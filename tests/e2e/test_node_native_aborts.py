@@ -1,0 +1,75 @@
+"""SGLang's ``/generate`` on a node: an engine that dies mid-generation ends the engine call as
+``cancelled`` (``smg_engine_aborts_total{reason}``, the engine call span's abort reason), as the OpenAI
+routes do, never as ``stop`` (a gateway-side stop's), streamed (the failure in-band) or not (a 502)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e import node_fixtures
+from tests.e2e.node_procs import running_node
+from tests.e2e.procs import MockEngineProc, start_mock_engine
+from tests.e2e.test_node_dropin import metric
+
+tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
+
+SLOW = ("--decode-ms-per-token", "20", "--output-len", "2000")  # 400 tokens: 8 s, far beyond the kill
+BODY = {"text": "hello there", "sampling_params": {"max_new_tokens": 400, "temperature": 0}}
+
+
+@pytest.fixture
+def engine() -> Iterator[MockEngineProc]:
+    with start_mock_engine(*SLOW) as e:
+        yield e
+
+
+def aborts(http: httpx.Client, url: str) -> dict[str, float | None]:
+    """The node's engine aborts by reason, once its in-flight count is back to 0 (the abort is spawned)."""
+    deadline = time.monotonic() + 15
+    page = ""
+    while time.monotonic() < deadline:
+        page = http.get(url + "/metrics").text
+        if metric(page, "smg_in_flight_requests") == 0.0:
+            break
+        time.sleep(0.1)
+    return {r: metric(page, "smg_engine_aborts_total", reason=r) for r in ("stop", "cancelled", "timeout")}
+
+
+def test_a_streamed_generate_whose_engine_dies_is_aborted_as_cancelled(
+    engine: MockEngineProc, tokenizer_dir: Path, http: httpx.Client
+) -> None:
+    with running_node(*node_fixtures.qwen3_flags(engine, tokenizer_dir)) as node:
+        events = []
+        with http.stream("POST", node.url + "/generate", json={**BODY, "stream": True}) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:
+                    engine.stop(signal.SIGKILL)  # mid-generation: tokens already went to the client
+        assert events[-1] == "[DONE]"
+        assert "error" in json.loads(events[-2]), events[-2:]
+        assert aborts(http, node.url) == {"stop": None, "cancelled": 1.0, "timeout": None}
+
+
+def test_a_whole_generate_whose_engine_dies_is_aborted_as_cancelled(
+    engine: MockEngineProc, tokenizer_dir: Path, http: httpx.Client
+) -> None:
+    with running_node(*node_fixtures.qwen3_flags(engine, tokenizer_dir)) as node:
+        killer = threading.Timer(0.5, engine.stop, (signal.SIGKILL,))  # after its first token
+        killer.start()
+        try:
+            r = http.post(node.url + "/generate", json=BODY)
+        finally:
+            killer.join()
+        assert r.status_code == 502, r.text
+        assert aborts(http, node.url) == {"stop": None, "cancelled": 1.0, "timeout": None}
