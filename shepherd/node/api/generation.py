@@ -17,7 +17,7 @@ from aiohttp import web
 from shepherd.node.api.admission import TICKET_KEY
 from shepherd.node.api.common import KEEPALIVE_TICKER
 from shepherd.node.dispatch.gateway import Gateway
-from shepherd.node.dispatch.stream import EngineStream
+from shepherd.node.dispatch.stream import EngineStream, Retry
 from shepherd.node.http.types import LeanStreamResponse, lean_request, stream_response
 from shepherd.node.observe import logs, tracing
 from shepherd.node.openai.requests import Sampling
@@ -259,15 +259,21 @@ class Generation:
             self.logprobs or 0,
         )
 
-    def _open(self, job: Job, i: int, stream: bool, max_new: int | None = None) -> Awaitable[EngineStream]:
-        """Open job ``i``'s engine stream (``max_new``: what ``check_context`` gave, if already asked):
-        the gateway's coroutine, for the caller to await at once."""
+    def _open(
+        self, job: Job, i: int, stream: bool, max_new: int | None = None, retry: Retry | None = None
+    ) -> Awaitable[EngineStream]:
+        """Open job ``i``'s engine stream (``max_new``: what ``check_context`` gave, if already asked;
+        ``retry``: the tries so far): the gateway's coroutine, for the caller to await at once."""
         if max_new is None:
             max_new = self.gw.check_context(self.model, len(job.ids), self.s.max_tokens)
         gen = self._gen_request(job, max_new, "" if i == 0 else f"-p{i}", stream)
         h = self.request.headers
         return self.gw.open_stream(
-            self.model, gen, target=h.get("x-smg-target-worker"), routing_key=h.get("x-smg-routing-key")
+            self.model,
+            gen,
+            target=h.get("x-smg-target-worker"),
+            routing_key=h.get("x-smg-routing-key"),
+            retry=retry,
         )
 
     async def _drive(
@@ -566,19 +572,28 @@ class Generation:
         # Without stop strings the engine sends everything in one message; with them we stream so that a
         # gateway-side stop can abort generation early.
         engine_stream = bool(self.s.stop)
+        targeted = "x-smg-target-worker" in self.request.headers
         for i, job in enumerate(jobs):
             t_dispatch = time.perf_counter()
-            es = await self._open(job, i, engine_stream, max_new[i])
-            try:
-                await self._drive(es, job, None)
-            except GONE:
-                await es.close(CLIENT_DISCONNECT)
-                raise
-            except BaseException as e:
-                await es.close(abort_reason(e))
-                raise
-            finally:
-                await es.close("stop" if es.completed is False else "done")
+            tries = Retry()
+            while True:
+                es = await self._open(job, i, engine_stream, max_new[i], tries)
+                try:
+                    await self._drive(es, job, None)
+                except GONE:
+                    await es.close(CLIENT_DISCONNECT)
+                    raise
+                except BaseException as e:
+                    await es.close(abort_reason(e))
+                    # streamed from the engine (a stop string to catch) but whole to the client: nothing of
+                    # it was sent, so a failure midway is asked again from the start on another worker
+                    if engine_stream and not targeted and gw.retry_midway(es, e, tries):
+                        job.states = [st.restart(job.ids) for st in job.states]
+                        continue
+                    raise
+                finally:
+                    await es.close("stop" if es.completed is False else "done")
+                break
             engine_t += time.perf_counter() - t_dispatch
             self._account(job)
         violations: list[Violation] = []

@@ -19,7 +19,7 @@ from typing import Any, cast
 from shepherd.node.config import ConfigError, ModelConfig, NodeConfig, cache_aware_config
 from shepherd.node.dispatch.kv_feed import KvFeed, feed_index_of, merge_load
 from shepherd.node.dispatch.pd import PdRouter
-from shepherd.node.dispatch.stream import Batches, EngineStream
+from shepherd.node.dispatch.stream import Batches, EngineStream, Retry
 from shepherd.node.dispatch.workers import Worker, WorkerRegistry, client_error, pick_worker
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.node.metrics import NodeMetrics, counter, gauge
@@ -337,13 +337,20 @@ class Gateway:
         )
 
     async def open_stream(
-        self, model: str, gen: GenerateRequest, *, target: str | None = None, routing_key: str | None = None
+        self,
+        model: str,
+        gen: GenerateRequest,
+        *,
+        target: str | None = None,
+        routing_key: str | None = None,
+        retry: Retry | None = None,
     ) -> EngineStream:
-        """Send ``gen`` to a worker and wait for its first event; retry elsewhere on early failure."""
+        """Send ``gen`` to a worker and wait for its first event; retry elsewhere on early failure.
+        ``retry``: the request's tries so far (workers left out, attempts counted; updated)."""
         if self.pd is not None and target is None:
             return await self.pd.open_stream(model, gen, routing_key)
-        tried: set[str] = set()
-        attempt = 0
+        state = retry if retry is not None else Retry()
+        tried = state.tried
         last_error: EngineError | None = None
         while True:
             if target is not None:
@@ -363,6 +370,7 @@ class Gateway:
                     type="service_unavailable",
                     code="no_available_worker",
                 )
+            attempt = state.attempt
             req = gen if attempt == 0 else _with_id(gen, f"{gen.request_id}-r{attempt}")
             client = w.client
             if isinstance(client, HttpRelayClient):
@@ -428,12 +436,35 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await agen.aclose()
             tried.add(w.id)
-            attempt += 1
-            if attempt > self.cfg.max_retries:
+            state.attempt += 1
+            if state.attempt > self.cfg.max_retries:
                 raise last_error
-            self.metrics.retries.inc()
-            tracing.event("retry", {"shepherd.retry.attempt": attempt, "error.type": last_error.code})
-            log.info("retrying request %s on another worker after: %s", gen.request_id, last_error)
+            self._retrying(gen.request_id, state.attempt, last_error)
+
+    def _retrying(self, request_id: str, attempt: int, error: EngineError) -> None:
+        self.metrics.retries.inc()
+        tracing.event("retry", {"shepherd.retry.attempt": attempt, "error.type": error.code})
+        log.info("retrying request %s on another worker after: %s", request_id, error)
+
+    def retry_midway(self, es: EngineStream, e: BaseException, state: Retry) -> bool:
+        """Whether a whole (non-streamed) answer whose engine failed after its first token, nothing of it
+        sent to the client yet, is asked again from the start on another worker: a retryable engine
+        failure (not the request's fault, nor its deadline), no worker named by the client, not a PD
+        pair, attempts left. Then the worker is counted as failed and left out of the next pick."""
+        if (
+            not isinstance(e, EngineError)
+            or not e.retryable
+            or e.code in ("invalid_request", "engine_timeout")
+            or self.pd is not None
+            or state.attempt >= self.cfg.max_retries
+        ):
+            return False
+        w = es.worker
+        self.registry.record_result(w, False)
+        state.tried.add(w.id)
+        state.attempt += 1
+        self._retrying(es.request_id, state.attempt, client_error(e, w))
+        return True
 
     async def embed(
         self,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from shepherd.node.dispatch.workers import Worker
@@ -25,6 +25,16 @@ class Aborter(Protocol):
     """Who aborts an engine request that is no longer wanted (the gateway), without waiting for it."""
 
     def abort_in_background(self, w: Worker, request_id: str, reason: str) -> None: ...
+
+
+@dataclass(slots=True)
+class Retry:
+    """One request's tries across ``Gateway.open_stream`` calls: the workers that failed it and the
+    attempts made (a whole answer whose engine failed after its first token is asked again from the
+    start on another worker: ``Gateway.retry_midway``); every attempt counts against ``max_retries``."""
+
+    tried: set[str] = field(default_factory=set)
+    attempt: int = 0
 
 
 @dataclass(slots=True)

@@ -68,6 +68,11 @@ class ChoiceState:
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
 
+    def restart(self, prompt_ids: Sequence[int]) -> ChoiceState:
+        """A fresh state of the same choice (the same sampling and tokenizer): a whole answer asked again
+        from the start on another worker."""
+        return ChoiceState(self.index, self.tok, self._sampling, prompt_ids)
+
     @property
     def dec(self) -> StoppingDecoder:
         """The choice's detokenizer and stop matcher, wired."""
