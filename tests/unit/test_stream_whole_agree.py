@@ -128,12 +128,17 @@ class _Gateway:
     def check_context(self, model: str, prompt: int, max_tokens: int | None) -> int:
         return max_tokens or 4096
 
-    async def open_stream(self, model: str, gen: Any, target: Any = None, routing_key: Any = None) -> Any:
+    async def open_stream(
+        self, model: str, gen: Any, target: Any = None, routing_key: Any = None, retry: Any = None
+    ) -> Any:
         if self.delay:
             await asyncio.sleep(self.delay)
         if self.open_error is not None:
             raise self.open_error
         return self.engine
+
+    def retry_midway(self, es: Any, e: BaseException, state: Any) -> bool:
+        return False  # (one engine here: nothing to ask again)
 
 
 class _Request(dict[str, Any]):
