@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import signal
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,6 +233,20 @@ def test_one_turn_at_a_time_on_a_conversation_across_nodes(cluster: Cluster) -> 
         model=MODEL, input="now", conversation=conv.id, max_output_tokens=4
     )
     assert got.status in ("completed", "incomplete")
+    # an agent's loop: the next turn as soon as the last one's end is read, on another node each time
+    # (the conversation is free before the client reads that end: no false conversation_locked)
+    for i in range(4):
+        with cluster.sdk(NAMES[i % 3]).responses.stream(
+            model=MODEL, input=f"turn {i}", conversation=conv.id
+        ) as st:
+            assert st.get_final_response().status == "completed"
+        r = cluster.sdk(NAMES[(i + 1) % 3]).responses.create(
+            model=MODEL, input=f"then {i}", conversation=conv.id, max_output_tokens=4, background=True
+        )
+        for _ in range(200):  # bounded: the mock answers at once
+            if cluster.sdk("a").responses.retrieve(r.id).status not in ("queued", "in_progress"):
+                break
+            time.sleep(0.02)
 
 
 @contextlib.contextmanager

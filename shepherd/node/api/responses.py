@@ -226,6 +226,7 @@ class Turn:
     input_ids: tuple[str, ...]  # every input item of the turn, stored ones included
     owner_tag: str | None
     saved: bool = False
+    lease: _Lease | None = None  # the conversation's, while this turn runs (released as its end is stored)
 
     def new_id(self, prefix: str) -> str:
         return self.hist.new_id(prefix, owner_tag=self.owner_tag)
@@ -283,12 +284,16 @@ class Turn:
                 500, f"The response could not be stored: {e}", type="server_error", code="storage_error"
             ) from None
         self.saved = True
+        if self.lease is not None:  # its answer is in the conversation: the next turn may come (before
+            await self.lease.release()  # the client reads the end of this one)
 
     async def update(self, body: dict[str, Any], output: Sequence[dict[str, Any]]) -> None:
         """A background response's new state (its new output items added); while it runs, the record
         names this node as its runner (``_RUNNER``)."""
         if body["status"] not in _TERMINAL:
             body = {**body, _RUNNER: _runner(self.hist)}
+        elif self.lease is not None:  # a client polling sees the end and may send the next turn at once
+            await self.lease.release()
         rec = self.record(body, output, body["status"])
         await self.hist.store.update_response(rec, self.out_items(output))
 
@@ -529,15 +534,20 @@ class _Lease:
     client gone), by the request or, for a background response, by its task; a node that dies holding
     it leaves it to expire (the request's deadline and a margin), or to ``_settle_orphan``."""
 
-    __slots__ = ("handed", "holder", "name", "store")
+    __slots__ = ("handed", "holder", "name", "released", "store")
 
     def __init__(self, store: HistoryStore, conversation_id: str, holder: str) -> None:
         self.store = store
         self.name = conversation_lease(conversation_id)
         self.holder = holder
         self.handed = False
+        self.released = False
 
     async def release(self) -> None:
+        """Free the conversation (once: later calls do nothing)."""
+        if self.released:
+            return
+        self.released = True
         try:
             await self.store.release(self.name, self.holder)
         except StorageError as e:  # it expires on its own
@@ -548,16 +558,29 @@ def conversation_lease(conversation_id: str) -> str:
     return f"conversation:{conversation_id}"
 
 
-async def _lock_conversation(hist: History, gw: Gateway, conversation_id: str, response_id: str) -> _Lease:
+async def _lock_conversation(
+    request: web.Request, hist: History, gw: Gateway, conversation_id: str, response_id: str
+) -> _Lease:
+    """The conversation's lease for this turn (after the caller is known to read it: another tenant
+    neither holds it nor learns that it exists), or 400 ``conversation_locked``."""
     lease = _Lease(hist.store, conversation_id, response_id)
     now = time.time()
     until = now + gw.cfg.request_timeout_secs + _LOCK_MARGIN_S
+    claiming = False
     try:
+        conv = await hist.store.get_conversation(conversation_id)
+        if conv is None or not may_read(request, conv.owner):
+            raise conversation_not_found(conversation_id)
+        claiming = True
         held = await hist.store.claim(lease.name, response_id, until, now)
-    except StorageUnavailable as e:
-        raise _unavailable(e) from None
-    except NotFound:  # (its owner is gone from the mesh)
-        raise conversation_not_found(conversation_id) from None
+    except BaseException as e:
+        if claiming:  # a claim may have been applied although its answer was lost (a timeout, a cancel)
+            await _shielded(lease.release())
+        if isinstance(e, StorageUnavailable):
+            raise _unavailable(e) from None
+        if isinstance(e, NotFound):  # (its owner is gone from the mesh)
+            raise conversation_not_found(conversation_id) from None
+        raise
     if not held:
         raise bad(
             "Another process is currently operating on this conversation. Please retry in a few seconds.",
@@ -593,9 +616,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     response_id = hist.new_id("resp", owner_tag=owner_tag)
     parsed = parse_items(req.input, param="input", new_id=mint, now=now, response_id=response_id)
-    lease = (
-        await _lock_conversation(hist, gw, req.conversation_id, response_id) if req.conversation_id else None
-    )
+    conv = req.conversation_id
+    lease = await _lock_conversation(request, hist, gw, conv, response_id) if conv is not None else None
 
     async def turn_in_progress() -> web.StreamResponse:  # (under the conversation's lease, if any)
         try:  # every history read happens before the engine is called
@@ -620,6 +642,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             new_input,
             tuple(it.id for it in prompt_items),
             owner_tag,
+            lease=lease,
         )
         messages = items_to_messages([*past, *prompt_items])
         if req.instructions:
@@ -940,12 +963,14 @@ async def cancel_response(request: web.Request) -> web.StreamResponse:
             await registry.wait(rid)
         elif hist.cancel_elsewhere is not None and await hist.cancel_elsewhere(rid):
             await _until_terminal(request, hist, rid)  # the node running it stores "cancelled"
-        else:  # nobody generates it any more (a restart): mark it so
+        else:  # nobody generates it any more (a restart): mark it so, and free its conversation
             rec = dataclasses.replace(stored, body={**stored.body, "status": "cancelled"}, status="cancelled")
             try:
                 await hist.store.update_response(rec, [])
             except StorageUnavailable as e:
                 raise _unavailable(e) from None
+            if stored.conversation_id is not None:
+                await _Lease(hist.store, stored.conversation_id, stored.id).release()
         stored = await _get_owned(request, hist, rid)
     return _json(_answered(stored.body))
 

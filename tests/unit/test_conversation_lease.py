@@ -1,0 +1,53 @@
+"""A conversation's turn holds its lease until its end is stored, and frees it before the client can
+read that end: an agent's next turn, sent as soon as the last one's end is read, is never refused as
+``conversation_locked`` (a streamed turn's ``end``, a background turn's terminal update)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from shepherd.node.api import responses as api
+from shepherd.node.api.common import History
+from shepherd.storage.memory import MemoryStore
+from shepherd.storage.types import StoredConversation
+
+
+async def _turn(store: MemoryStore, conv: str, rid: str) -> api.Turn:
+    lease = api._Lease(store, conv, rid)
+    now = time.time()
+    assert await store.claim(lease.name, rid, now + 60, now)
+    hist = History(store, "t1")
+    return api.Turn(hist, rid, now, "m", None, None, conv, [], (), None, lease=lease)
+
+
+def _body(rid: str, status: str) -> dict[str, object]:
+    return {"id": rid, "object": "response", "status": status, "output": [], "usage": None}
+
+
+async def _free(store: MemoryStore, conv: str) -> bool:
+    now = time.time()
+    return await store.claim(api.conversation_lease(conv), "resp_next", now + 60, now)
+
+
+@pytest.mark.parametrize("status", ["completed", "failed", "incomplete"])
+async def test_a_stored_end_frees_the_conversation(status: str) -> None:
+    store = MemoryStore()
+    await store.create_conversation(StoredConversation("conv_1", time.time(), {}))
+    turn = await _turn(store, "conv_1", "resp_1")
+    assert not await _free(store, "conv_1")  # held while the turn runs
+    await turn.save(_body("resp_1", status), [])
+    assert await _free(store, "conv_1")
+
+
+async def test_a_background_turn_frees_it_with_its_terminal_update_only() -> None:
+    store = MemoryStore()
+    await store.create_conversation(StoredConversation("conv_2", time.time(), {}))
+    turn = await _turn(store, "conv_2", "resp_2")
+    await turn.put(turn.record(_body("resp_2", "queued"), [], "queued"), [])
+    await turn.update(_body("resp_2", "in_progress"), [])
+    assert not await _free(store, "conv_2")  # still running
+    await turn.update(_body("resp_2", "completed"), [])
+    assert await _free(store, "conv_2")
+    assert (await store.get_response("resp_2")) is not None
