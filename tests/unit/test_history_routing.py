@@ -5,6 +5,7 @@ history settings' checks."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
@@ -280,6 +281,7 @@ async def test_rpc_server_checks_what_comes_from_the_wire() -> None:
         {"m": "__init__", "a": {}},
         {"m": "get_conversation", "a": {"id": new_id("conv", T["b"])}},  # not ours
         {"m": "get_conversation", "a": {"id": "conv_x\n"}},
+        {"m": "get_conversation", "a": {"id": cid + "\n"}},  # ours, but for the line break
         {"m": "get_conversation", "a": {"id": 5}},
         {"m": "list_items", "a": {"id": cid, "limit": 10**9, "order": "asc"}},
         {"m": "list_items", "a": {"id": cid, "limit": 10, "order": "sideways"}},
@@ -297,6 +299,37 @@ async def test_rpc_server_checks_what_comes_from_the_wire() -> None:
     )
     assert server.refused == len(bad) + 1
     assert (await s["a"].get_conversation(cid)) is not None and not net.calls
+
+
+async def test_a_lease_lives_with_its_conversation_on_the_owners_clock() -> None:
+    """b's turn on a's conversation claims its lease on a (routed); a peer's lease keeps its length on
+    the owner's clock, and a peer cannot send a lease that never ends or one of another owner's."""
+    net, s = mesh("a", "b")
+    cid = new_id("conv", T["a"])
+    name = f"conversation:{cid}"
+    r1, r2 = new_id("resp", T["a"]), new_id("resp", T["a"])
+    assert await s["b"].claim(name, r1, 1e9 + 60, 1e9)  # b's clock far behind a's: 60 s on a's
+    assert net.calls  # (routed to a)
+    assert not await s["a"].claim(name, r2, time.time() + 60, time.time())
+    assert await s["a"].release(name, r1)
+    server = s["a"].server
+
+    async def call(args: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = msgpack.unpackb(
+            await server.handle("b", msgpack.packb({"m": "claim", "a": args}))
+        )
+        return out
+
+    for bad in (
+        {"name": name, "holder": r2, "until": float("inf"), "now": 0.0},
+        {"name": name, "holder": r2, "until": float("nan"), "now": 0.0},
+        {"name": name, "holder": r2, "until": 5.0, "now": 10.0},
+        {"name": f"conversation:{new_id('conv', T['b'])}", "holder": r2, "until": 60.0, "now": 0.0},
+        {"name": "conversation", "holder": r2, "until": 60.0, "now": 0.0},
+        {"name": name, "holder": "x\n", "until": 60.0, "now": 0.0},
+    ):
+        assert (await call(bad))["err"] == "bad", bad
+    assert (await call({"name": name, "holder": r2, "until": 60.0, "now": 0.0}))["ok"] is True
 
 
 async def test_retention_purges_the_local_backend_only() -> None:

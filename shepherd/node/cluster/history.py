@@ -69,7 +69,7 @@ MAX_ITEMS = 10_000  # items in one write, ids in one get_items
 MAX_LIST_LIMIT = 1000
 REPLY_BUDGET = 4 * 1024 * 1024  # records in one reply (the mesh's frames are at most 16 MiB)
 ITEM_HINTS = 100_000  # item id -> owner entries kept (get_items)
-_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # (fullmatch: "$" would let a trailing newline in)
 _MAX_STR = 1 << 20
 
 MemberStatus = Literal["alive", "suspect", "dead", "left"]
@@ -136,7 +136,7 @@ class WireError(ValueError):
 
 
 def _id(v: Any, what: str = "id") -> str:
-    if not isinstance(v, str) or not _ID_RE.match(v):
+    if not isinstance(v, str) or not _ID_RE.fullmatch(v):
         raise WireError(f"{what} must be an id string")
     return v
 
@@ -238,6 +238,9 @@ def _page(p: ItemPage) -> dict[str, Any]:
 
 
 # ---- the owner's side ---------------------------------------------------------------------------------
+
+
+MAX_LEASE_S = 86_400.0  # a lease a peer asks for lasts at most this long (then it expires)
 
 
 class RpcServer:
@@ -405,11 +408,18 @@ class RpcServer:
         return f"{kind}:{self._mine(_id(rid))}", _id(a.get("holder"), "holder")
 
     async def _claim(self, a: dict[str, Any]) -> bool:
+        """The caller's lease, on this node's clock: its length (``until - now`` on the caller's) is
+        kept, bounded; its times are not (a peer's clock, or a peer that sends ``inf``, does not
+        decide when a lease here ends)."""
         name, holder = self._lease(a)
         until, now = a.get("until"), a.get("now")
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (until, now)):
             raise WireError("'until' and 'now' must be numbers")
-        return await self.local.claim(name, holder, float(until), float(now))  # type: ignore[arg-type]
+        ttl = float(until) - float(now)  # type: ignore[arg-type]
+        if not 0 < ttl <= MAX_LEASE_S:  # (nan and inf fail too)
+            raise WireError(f"a lease lasts more than 0 and at most {MAX_LEASE_S:.0f} s")
+        here = time.time()
+        return await self.local.claim(name, holder, here + ttl, here)
 
     async def _release(self, a: dict[str, Any]) -> bool:
         return await self.local.release(*self._lease(a))
