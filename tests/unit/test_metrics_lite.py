@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from shepherd.node.api.smg_metrics import smg_error_type
 from shepherd.node.metrics import LATENCY_BUCKETS, LiteCounter, LiteHistogram, NodeMetrics
 
 observations = st.lists(
@@ -67,3 +68,17 @@ def test_node_metrics_expose_the_per_request_families() -> None:
     assert 'smg_requests_total{model="qwen3",route="/v1/chat/completions",status="200"} 1.0' in text
     assert 'smg_time_to_first_token_seconds_bucket{le="0.025",model="qwen3"} 1.0' in text
     assert "smg_gateway_overhead_seconds_count 1.0" in text
+
+
+def test_smg_error_types_name_server_errors_as_such() -> None:
+    for code, want in (
+        ("engine_overloaded", "backend_error"),
+        ("storage_unavailable", "internal_error"),
+        ("storage_error", "internal_error"),
+        ("no_available_worker", "no_workers"),
+        ("engine_timeout", "timeout"),
+        ("500", "internal_error"),
+        ("model_not_found", "validation_error"),
+        ("invalid_request", "validation_error"),
+    ):
+        assert smg_error_type(code) == want, code

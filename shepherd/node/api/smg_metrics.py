@@ -70,13 +70,19 @@ def alias(
 
 _SMG_ERROR_TYPES = {
     "no_available_worker": "no_workers",
+    "service_unavailable": "no_workers",
     "timeout": "timeout",
     "engine_timeout": "timeout",
     "engine_unavailable": "backend_error",
     "engine_error": "backend_error",
     "engine_abort": "backend_error",
+    "engine_overloaded": "backend_error",
+    "unimplemented": "backend_error",
     "internal": "internal_error",
     "tokenizer": "internal_error",
+    "storage_unavailable": "internal_error",
+    "storage_error": "internal_error",
+    "owner_unavailable": "internal_error",
 }
 
 
