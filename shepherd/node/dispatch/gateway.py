@@ -402,7 +402,10 @@ class Gateway:
                 if e.code == "invalid_request":  # the request's fault, not the worker's
                     w.breaker.release()
                     raise client_error(e, w) from None
-                self.registry.record_result(w, False)
+                if e.code == "engine_overloaded":  # busy, not broken: its circuit stays as it is (a burst
+                    w.breaker.release()  # must not take every worker out, and /readiness with them)
+                else:
+                    self.registry.record_result(w, False)
                 last_error = client_error(e, w)  # what a client may read: the worker by id
                 if not e.retryable or target is not None:
                     raise last_error from None

@@ -84,7 +84,11 @@ def engine_error(code: int, details: str) -> EngineError:
         return EngineError(f"engine rejected the request: {detail}", code="invalid_request", retryable=False)
     if code == UNIMPLEMENTED:  # the servicer lacks the call (vLLM's entrypoint: GetLoads, KV events)
         return EngineError(f"engine error ({name}): {detail}", code="unimplemented", retryable=False)
-    if code == RESOURCE_EXHAUSTED:  # overloaded: the client's 503 with Retry-After, when no worker took it
+    if code == RESOURCE_EXHAUSTED:
+        if "larger than max" in detail:  # gRPC's message size limit: the request's size, on every worker
+            msg = f"engine rejected the request: {detail}"
+            return EngineError(msg, code="invalid_request", retryable=False)
+        # overloaded: another worker may take it; every one overloaded: the client's 503 with Retry-After
         return EngineError(f"engine overloaded ({name}): {detail}", code="engine_overloaded", retryable=True)
     return EngineError(f"engine error ({name}): {detail}", retryable=code in _RETRYABLE)
 
