@@ -198,7 +198,12 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
     history.set_cancel_handler(cancel_background)
     proc_index = os.environ.get(PROC_INDEX_ENV)
     if mesh is not None and proc_index is not None:  # one of --procs N: /metrics shows every process's
-        history.set_metrics_handler(gw.metrics.render)
+
+        async def exposition() -> bytes:  # as its own /metrics renders it (the engine loads read first)
+            await gw.registry.loads_for_reading()
+            return gw.metrics.render()
+
+        history.set_metrics_handler(exposition)
 
         async def siblings() -> dict[str, bytes]:
             got = await history.peer_metrics(PROCS_METRICS_TIMEOUT_S)

@@ -15,9 +15,7 @@ from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
 
 _C = TypeVar("_C", bound=Collector)
 
@@ -275,20 +273,43 @@ PROC_LABEL = "proc"
 
 
 def merge_processes(parts: dict[str, bytes]) -> bytes:
-    """The expositions of one node's processes (``--procs N``: process index -> its /metrics) as one:
-    every sample gains the label ``proc`` (its process), each family is written once with all of its
-    processes' samples. So a scrape of the node's one port sees every process's series, each counter
-    monotonic (no process's value stands in for another's on the next scrape), and
-    ``sum without (proc) (...)`` is the node's figure."""
-    families: dict[str, Metric] = {}
+    """The expositions of one node's processes (``--procs N``: process index -> its /metrics, as
+    ``render`` writes it) as one: every sample gains the label ``proc`` (its process), each family is
+    written once (its HELP and TYPE, then all of its processes' samples). So a scrape of the node's one
+    port sees every process's series, each counter monotonic (no process's value stands in for
+    another's on the next scrape); ``sum without (proc) (...)`` is the node's count for counters and
+    histograms (per-worker gauges, the same state seen by each process, are not summed).
+
+    Line by line, no parse: a scrape on the serving process's event loop costs a few string operations
+    a line (the text format's families are the blocks its ``# HELP`` lines begin)."""
+    heads: dict[str, tuple[str, list[str]]] = {}  # family -> (the process its comments come from, them)
+    samples: dict[str, list[str]] = {}
     for proc in sorted(parts, key=lambda p: (len(p), p)):
-        for fam in text_string_to_metric_families(parts[proc].decode("utf-8", "replace")):
-            into = families.get(fam.name)
-            if into is None:
-                into = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-            for smp in fam.samples:
-                labels = {PROC_LABEL: proc, **{k: v for k, v in smp.labels.items() if k != PROC_LABEL}}
-                into.samples.append(Sample(smp.name, labels, smp.value, smp.timestamp, smp.exemplar))
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Callback(lambda: list(families.values())))
-    return generate_latest(registry)
+        label = f'{PROC_LABEL}="{proc}"'
+        family = ""
+        for line in parts[proc].decode("utf-8", "replace").splitlines():
+            if not line:
+                continue
+            if line[0] == "#":
+                if line.startswith("# HELP "):
+                    family = line[7:].split(" ", 1)[0]
+                    heads.setdefault(family, (proc, []))
+                    samples.setdefault(family, [])
+                head = heads.get(family)
+                if head is not None and head[0] == proc:  # (HELP and TYPE once: the first process's)
+                    head[1].append(line)
+                continue
+            brace, space = line.find("{"), line.find(" ")
+            if brace != -1 and (space == -1 or brace < space):
+                sep = "" if line[brace + 1 : brace + 2] == "}" else ","
+                line = f"{line[: brace + 1]}{label}{sep}{line[brace + 1 :]}"
+            elif space != -1:
+                line = f"{line[:space]}{{{label}}}{line[space:]}"
+            samples.setdefault(family, []).append(line)
+    out: list[str] = []
+    for family, lines in samples.items():
+        head = heads.get(family)
+        if head is not None:
+            out.extend(head[1])
+        out.extend(lines)
+    return ("\n".join(out) + "\n").encode()

@@ -5,9 +5,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from shepherd.node.api.smg_metrics import smg_error_type
-from shepherd.node.metrics import LATENCY_BUCKETS, LiteCounter, LiteHistogram, NodeMetrics
+from shepherd.node.metrics import LATENCY_BUCKETS, LiteCounter, LiteHistogram, NodeMetrics, merge_processes
 
 observations = st.lists(
     st.tuples(
@@ -82,3 +83,23 @@ def test_smg_error_types_name_server_errors_as_such() -> None:
         ("invalid_request", "validation_error"),
     ):
         assert smg_error_type(code) == want, code
+
+
+def test_the_processes_expositions_merge_into_one_valid_page() -> None:
+    a, b = NodeMetrics(), NodeMetrics()
+    for m in (a, b):
+        m.count_request("/v1/chat/completions", "qwen3", 200)
+        m.for_model("qwen3").ttft.observe(0.1)
+    b.count_request("/v1/chat/completions", "qwen3", 200)
+    reg = CollectorRegistry()  # a family one process lacks, a label value to escape, _created samples
+    Counter("only_in_b", "doc", ["l"], registry=reg).labels('a"b\\c\nd').inc()
+    page = merge_processes({"0": a.render(), "1": b.render() + generate_latest(reg)}).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(page)}
+    got = {s.labels["proc"]: s.value for s in fams["smg_requests"].samples if s.name == "smg_requests_total"}
+    assert got == {"0": 1.0, "1": 2.0}
+    (only,) = [s for s in fams["only_in_b"].samples if s.name == "only_in_b_total"]
+    assert only.labels == {"proc": "1", "l": 'a"b\\c\nd'}
+    ttft = [s for s in fams["smg_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
+    assert sorted(s.labels["proc"] for s in ttft) == ["0", "1"]
+    comments = [ln for ln in page.splitlines() if ln.startswith("#")]
+    assert len(comments) == len(set(comments))  # each family's HELP and TYPE once

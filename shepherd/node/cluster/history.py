@@ -255,7 +255,7 @@ class RpcServer:
         self.cancel_handler: CancelHandler | None = None
         # this process's /metrics exposition, for its sibling processes (``--procs N``: one node to the
         # outside, whose scrape shows every process's series); None: not served
-        self.metrics_handler: Callable[[], bytes] | None = None
+        self.metrics_handler: Callable[[], Awaitable[bytes]] | None = None
         self.served = 0
         self.refused = 0
         # the allowlist: the only methods a peer may call
@@ -426,7 +426,7 @@ class RpcServer:
 
     async def _metrics(self, a: dict[str, Any]) -> bytes | None:
         handler = self.metrics_handler
-        return None if handler is None else handler()
+        return None if handler is None else await handler()
 
     async def _cancel(self, a: dict[str, Any]) -> bool:
         # any id: a background response runs on the node that took the request, which is not always
@@ -883,7 +883,7 @@ class NodeHistory:
         if self.server is not None:
             self.server.cancel_handler = handler
 
-    def set_metrics_handler(self, handler: Callable[[], bytes] | None) -> None:
+    def set_metrics_handler(self, handler: Callable[[], Awaitable[bytes]] | None) -> None:
         """This process's /metrics exposition, for the peers' "metrics" RPCs (``--procs N`` siblings)."""
         if self.server is not None:
             self.server.metrics_handler = handler
