@@ -426,30 +426,32 @@ def _fields() -> dict[str, dataclasses.Field[Any]]:
 
 # the one model of the top-level settings (``model_configs``): meaningless beside a ``models`` list
 _ONE_MODEL_KEYS = ("worker_urls", "model_path", "model_id", "chat_template")
-_SCALARS: dict[str, tuple[type, bool]] | None = None  # a scalar setting's type, and whether None is allowed
+# a dataclass's scalar settings: each one's type, and whether None is allowed
+_SCALARS: dict[type, dict[str, tuple[type, bool]]] = {}
 # intervals a node loops on: 0 would spin (a health round right after the last one, forever)
 _POSITIVE_SECS = ("health_check_interval_secs", "health_check_timeout_secs", "load_poll_interval_secs")
 
 
-def _scalar_types() -> dict[str, tuple[type, bool]]:
-    global _SCALARS
-    if _SCALARS is None:
-        found: dict[str, tuple[type, bool]] = {}
-        for name, hint in typing.get_type_hints(NodeConfig).items():
+def _scalar_types(cls: type) -> dict[str, tuple[type, bool]]:
+    found = _SCALARS.get(cls)
+    if found is None:
+        found = {}
+        for name, hint in typing.get_type_hints(cls).items():
             args = set(typing.get_args(hint)) if typing.get_origin(hint) is types.UnionType else {hint}
             optional = type(None) in args
             rest = args - {type(None)}
             if len(rest) == 1 and (t := rest.pop()) in (bool, int, float, str):
                 found[name] = (t, optional)
-        _SCALARS = found
-    return _SCALARS
+        _SCALARS[cls] = found
+    return found
 
 
-def _check_scalars(values: dict[str, Any]) -> None:
-    """Each scalar setting of the file has its field's type: YAML's ``"false"`` (a string, quoted) is not
-    ``false``, so a quoted ``insecure_admin: "false"`` must not read as true, nor ``port: "abc"`` reach
-    a comparison; an int serves where a float is asked, never a bool where a number is."""
-    scalars = _scalar_types()
+def _check_scalars(values: dict[str, Any], cls: type = NodeConfig, where: str = "") -> None:
+    """Each scalar setting of the file has its field's type (of ``cls``: the node's, or a model entry's):
+    YAML's ``"false"`` (a string, quoted) is not ``false``, so a quoted ``insecure_admin: "false"`` must
+    not read as true, nor ``port: "abc"`` reach a comparison; an int serves where a float is asked,
+    never a bool where a number is."""
+    scalars = _scalar_types(cls)
     for key, val in values.items():
         spec = scalars.get(key)
         if spec is None or (val is None and spec[1]):
@@ -465,7 +467,7 @@ def _check_scalars(values: dict[str, Any]) -> None:
             ok = isinstance(val, str)
         if not ok:
             kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[want]
-            raise ConfigError(f"{key} must be {kind}{' or null' if spec[1] else ''}, not {val!r}")
+            raise ConfigError(f"{where}{key} must be {kind}{' or null' if spec[1] else ''}, not {val!r}")
     for key in _POSITIVE_SECS:
         if key in values and values[key] <= 0:
             raise ConfigError(f"{key} must be > 0")
@@ -498,7 +500,13 @@ def _coerce_model(raw: Any) -> ModelConfig:
         raise ConfigError(f"unknown keys in model {raw.get('name')!r}: {sorted(unknown)}")
     if raw.get("kind") not in (None, *MODEL_KINDS):
         raise ConfigError(f"model {raw.get('name')!r}: 'kind' must be one of {MODEL_KINDS}")
-    urls = tuple(check_worker_url(str(u)) for u in raw.get("worker_urls", ()))
+    _check_scalars(raw, ModelConfig, f"model {raw.get('name')!r}: ")
+    urls_raw = raw.get("worker_urls", ())
+    if isinstance(urls_raw, str):  # one URL alone: a list of one
+        urls_raw = (urls_raw,)
+    elif not isinstance(urls_raw, (list, tuple)):
+        raise ConfigError(f"model {raw.get('name')!r}: worker_urls must be a list of worker URLs")
+    urls = tuple(check_worker_url(str(u)) for u in urls_raw)
     return ModelConfig(**{**raw, "worker_urls": urls})
 
 

@@ -72,3 +72,22 @@ def test_top_level_model_settings_beside_models_are_refused(key: str) -> None:
     with pytest.raises(ConfigError, match=f"{key} and 'models' are both given"):
         build_config({"models": models, key: value}, {})
     assert build_config({"models": models}, {}).models[0].worker_urls == ("grpc://127.0.0.1:50052",)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "kind"),
+    [
+        ("matryoshka", "false", "true or false"),
+        ("context_length", "4096", "an integer or null"),
+        ("name", 7, "a string"),
+    ],
+)
+def test_a_model_entrys_scalars_have_their_types_too(key: str, value: Any, kind: str) -> None:
+    entry = {"name": "m", "worker_urls": ["grpc://127.0.0.1:50051"], key: value}
+    with pytest.raises(ConfigError, match=f"{key} must be {kind}"):
+        _file(models=[entry])
+
+
+def test_a_model_entrys_one_worker_url_is_a_list_of_one() -> None:
+    cfg = _file(models=[{"name": "m", "worker_urls": "grpc://127.0.0.1:50051"}])
+    assert cfg.models[0].worker_urls == ("grpc://127.0.0.1:50051",)
