@@ -181,6 +181,11 @@ def test_bad_settings_are_configuration_errors() -> None:
         ("X-Amz-Signature=abcdef0123456789&X-Amz-Expires=60", "abcdef0123456789"),
         ("id_token=eyJhbGciOi.e30.x", "eyJhbGciOi.e30.x"),
         ("code=4/0AfJohXk&state=s", "4/0AfJohXk"),
+        ("subscription-key=0123456789abcdef", "0123456789abcdef"),
+        ("access_key=AKIAIOSFODNN7&limit=5", "AKIAIOSFODNN7"),
+        ("apikey=zz-secret-1", "zz-secret-1"),
+        ("jwt=eyJhbGciOi.e30.y", "eyJhbGciOi.e30.y"),
+        ("a=1;key=sekrit-v", "sekrit-v"),
     ],
 )
 async def test_the_access_log_hides_credential_query_values(

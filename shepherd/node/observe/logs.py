@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 import orjson
 from aiohttp import web
@@ -200,20 +200,32 @@ def bind_request(rid: str) -> None:
         REQUEST_ID.set(rid)
 
 
-# query parameters whose values are credentials in some client's habit (Google-style ``?key=``, signed
-# URLs' ``sig`` / ``signature`` / ``X-Amz-*``, OAuth's ``code`` and ``*_token``): *** in the access log
+# query parameters whose values are credentials in some client's habit (Google-style ``?key=``, Azure's
+# ``subscription-key``, signed URLs' ``sig`` / ``signature`` / ``X-Amz-*``, OAuth's ``code`` and
+# ``*_token``, ``access_key``, ``private_key``, ``jwt``...): their values are *** in the access log
 _SECRET_PARAM = re.compile(
-    r"(?i)^(key|api[-_]?key|sig|signature|token|\w*[-_]token|auth\w*|code|password|passwd|secret|"
-    r"credentials?|x-amz-\w+|x-goog-\w+)$"
+    r"(?i)^(?:[\w.-]*[-_.])?(key|secret|token|password|passwd|pwd|credentials?|signature|sig|jwt|auth\w*|"
+    r"session\w*)$|^(code|x-amz-[\w-]+|x-goog-[\w-]+|(?:api|access|secret|auth|private|subscription)(?:key|token))$"
 )
+_QUERY_SEP = re.compile(r"([&;])")
 
 
 def _safe_path(request: web.Request) -> str:
+    """The request's path and query for the access log: a credential parameter's value (by its name, or
+    a value holding a configured secret once decoded) as ***; the rest as sent (``&`` or ``;``)."""
     qs = request.query_string
     if not qs:
         return request.path
-    pairs = [(k, "***" if _SECRET_PARAM.match(k) else v) for k, v in parse_qsl(qs, keep_blank_values=True)]
-    return request.path + "?" + redact(urlencode(pairs, safe="*/:"))
+    out: list[str] = []
+    for part in _QUERY_SEP.split(qs):
+        name, eq, value = part.partition("=")
+        if part in ("&", ";") or not eq:
+            out.append(part)
+            continue
+        plain = unquote_plus(value)
+        secret = _SECRET_PARAM.match(unquote_plus(name)) is not None or redact(plain) != plain
+        out.append(f"{name}=***" if secret else part)
+    return request.path + "?" + redact("".join(out))
 
 
 @web.middleware
