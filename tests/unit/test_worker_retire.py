@@ -5,10 +5,13 @@ most ``request_timeout_secs`` later; the registry's close closes it at once."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 from shepherd.node.config import build_config
 from shepherd.node.dispatch.circuit_breaker import CircuitBreaker, HealthTracker
+from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.workers import Worker, WorkerRegistry
+from shepherd.node.metrics import NodeMetrics
 
 
 class _Client:
@@ -68,3 +71,35 @@ async def test_closing_the_registry_closes_a_retiring_client() -> None:
     await reg.remove(w.id)
     await reg.close()
     assert client.closed == 1 and reg.retiring == 0
+
+
+class _AbortingClient(_Client):
+    def __init__(self) -> None:
+        super().__init__()
+        self.aborts: list[str] = []
+        self.gate = asyncio.Event()
+
+    async def abort(self, request_id: str, reason: str) -> None:
+        await self.gate.wait()
+        assert not self.closed, "aborted on a closed client"
+        self.aborts.append(request_id)
+
+
+async def test_a_removed_workers_last_abort_goes_out_before_its_client_closes() -> None:
+    """A stream closed on a removed worker aborts its engine request in the background: the client
+    stays open until that Abort is sent (it counts as the worker's work in flight)."""
+    reg = WorkerRegistry(build_config({}, {}))
+    client = _AbortingClient()
+    w = Worker("w0", "grpc://127.0.0.1:1", "m", client, HealthTracker(), CircuitBreaker())  # type: ignore[arg-type]
+    reg.workers[w.id] = w
+    w.in_flight = 1
+    tasks: set[asyncio.Task[None]] = set()
+    gw = SimpleNamespace(metrics=NodeMetrics(), spawn=lambda c: tasks.add(asyncio.create_task(c)))
+    await reg.remove(w.id)
+    w.in_flight -= 1  # the stream closes (EngineStream.close), then its Abort goes in the background
+    Gateway.abort_in_background(gw, w, "req-1", "client_disconnect")  # type: ignore[arg-type]
+    await asyncio.sleep(0.5)
+    assert client.closed == 0  # the Abort is still on its way
+    client.gate.set()
+    await _until(lambda: client.closed == 1, "closed after its Abort")
+    assert client.aborts == ["req-1"] and w.in_flight == 0

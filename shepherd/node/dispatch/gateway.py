@@ -544,7 +544,8 @@ class Gateway:
         client = w.client
         abort = getattr(client, "abort", None)
         if abort is not None:
-            self.spawn(abort(request_id, reason))
+            w.in_flight += 1  # the Abort is work on the worker: a removed one's client stays open for it
+            self.spawn(_counted(w, abort(request_id, reason)))
 
     # ---- metrics ------------------------------------------------------------------------------------
 
@@ -602,6 +603,13 @@ def _cache_rows(stats: dict[str, int]) -> list[tuple[list[str], float]]:
 
 
 _ENGINE_FAILED = frozenset({"abort", "error"})  # SGLang's abort, vLLM's error (generation.ENGINE_FAILED)
+
+
+async def _counted(w: Worker, call: Coroutine[Any, Any, Any]) -> None:
+    try:
+        await call
+    finally:
+        w.in_flight -= 1
 
 
 _MAX_EMPTY_FIRST = 64  # messages without a token read before a stream is handed on
