@@ -270,12 +270,23 @@ async def resolve_models(cfg: NodeConfig) -> NodeConfig:
         from_flags = True
     out: list[ModelConfig] = []
     changed = False
-    for mc in wanted:
+
+    def grpc_urls_of(mc: ModelConfig) -> list[str]:
+        return [u for u in mc.worker_urls if u.partition("://")[0] in GRPC_SCHEMES]
+
+    async def answer(mc: ModelConfig) -> Probe | None:
+        urls = grpc_urls_of(mc)
+        if mc.model_path or not urls:
+            return None
+        return await _wait_for_answer(urls, cfg, timeout, repr(mc.name or "?"))
+
+    # every model's engines waited for at once (not one model's start-up timeout after another's)
+    probes = await asyncio.gather(*(answer(mc) for mc in wanted))
+    for mc, probe in zip(wanted, probes, strict=True):
         if not mc.model_path:
-            grpc_urls = [u for u in mc.worker_urls if u.partition("://")[0] in GRPC_SCHEMES]
+            grpc_urls = grpc_urls_of(mc)
             got: tuple[ModelInfo, Path] | None = None
             what = repr(mc.name or "?")
-            probe = await _wait_for_answer(grpc_urls, cfg, timeout, what) if grpc_urls else None
             if probe is not None:
                 try:
                     got = await fetch_model(probe, cache, timeout)
