@@ -50,6 +50,19 @@ def rpc_calls(engine: MockEngineProc, name: str) -> int:
     return int(stats["rpc_calls"].get(name, 0))
 
 
+def settled(http: httpx.Client, url: str) -> str:
+    """The node's /metrics once its in-flight count is back to 0 (what a request spawns, an engine
+    abort, has been counted by then)."""
+    deadline = time.monotonic() + 15
+    page = ""
+    while time.monotonic() < deadline:
+        page = http.get(url + "/metrics").text
+        if metric(page, "smg_in_flight_requests") == 0.0:
+            break
+        time.sleep(0.1)
+    return page
+
+
 def metric(text: str, name: str, **labels: str) -> float | None:
     """The value of the sample ``name{labels}`` in a Prometheus text page (None: absent)."""
     for line in text.splitlines():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 from tests.e2e import node_fixtures
 from tests.e2e.node_procs import running_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
-from tests.e2e.test_node_dropin import metric
+from tests.e2e.test_node_dropin import metric, settled
 
 tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
 
@@ -33,13 +32,7 @@ def engine() -> Iterator[MockEngineProc]:
 
 def aborts(http: httpx.Client, url: str) -> dict[str, float | None]:
     """The node's engine aborts by reason, once its in-flight count is back to 0 (the abort is spawned)."""
-    deadline = time.monotonic() + 15
-    page = ""
-    while time.monotonic() < deadline:
-        page = http.get(url + "/metrics").text
-        if metric(page, "smg_in_flight_requests") == 0.0:
-            break
-        time.sleep(0.1)
+    page = settled(http, url)
     return {r: metric(page, "smg_engine_aborts_total", reason=r) for r in ("stop", "cancelled", "timeout")}
 
 

@@ -18,7 +18,7 @@ import pytest
 from tests.e2e import node_fixtures
 from tests.e2e.node_procs import NodeProc, running_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
-from tests.e2e.test_node_dropin import metric
+from tests.e2e.test_node_dropin import metric, settled
 
 tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
 
@@ -47,18 +47,6 @@ def kill_the_serving_engine(engines: list[MockEngineProc], after: float) -> None
                 return
         time.sleep(0.02)
     raise AssertionError("no engine took the request")
-
-
-def settled(http: httpx.Client, url: str) -> str:
-    """The node's /metrics once its in-flight count is back to 0."""
-    deadline = time.monotonic() + 15
-    page = ""
-    while time.monotonic() < deadline:
-        page = http.get(url + "/metrics").text
-        if metric(page, "smg_in_flight_requests") == 0.0:
-            break
-        time.sleep(0.1)
-    return page
 
 
 @pytest.mark.parametrize("n", [1, 3])
