@@ -120,8 +120,8 @@ class NodeConfig:
     tokenizer_inline_max_chars: int | None = None
     max_body_bytes: int = 16 * 1024 * 1024
     request_timeout_secs: float = 600.0
-    # no --model-path: how long the start waits for a gRPC worker to give the model's name and tokenizer
-    # (engines load weights for minutes; SMG's and sglang-router's flag); 0: ask once
+    # no --model-path nor --model-id (or a models: entry without model_path): how long the start waits
+    # for a gRPC worker to give the model's name and tokenizer (engines load weights for minutes); 0: once
     worker_startup_timeout_secs: float = 600.0
     max_retries: int = 2
     health_check_interval_secs: float = 5.0

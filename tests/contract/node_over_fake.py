@@ -28,8 +28,6 @@ def node_over(*worker_urls: str, extra: tuple[str, ...] = (), ready: bool = True
         *("--health-check-interval-secs", "0.5", "--health-failure-threshold", "2"),
         *("--health-success-threshold", "1", "--cb-failure-threshold", "1000"),
         *extra,
-        # a worker down at the start (``ready`` False): asked once, the embedded tokenizer meanwhile
-        *(() if ready else ("--worker-startup-timeout-secs", "0")),
         port=port,
     )
     try:

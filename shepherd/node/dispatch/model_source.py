@@ -278,7 +278,11 @@ async def resolve_models(cfg: NodeConfig) -> NodeConfig:
         urls = grpc_urls_of(mc)
         if mc.model_path or not urls:
             return None
-        return await _wait_for_answer(urls, cfg, timeout, repr(mc.name or "?"))
+        what = repr(mc.name or "?")
+        if from_flags and mc.name:  # --model-id named it: asked once, the embedded tokenizer meanwhile
+            return await first_answer(urls, cfg, timeout, what)
+        # its name unknown (no --model-id), or a models: entry (refused without its tokenizer): waited for
+        return await _wait_for_answer(urls, cfg, timeout, what)
 
     # every model's engines waited for at once (not one model's start-up timeout after another's)
     probes = await asyncio.gather(*(answer(mc) for mc in wanted))
