@@ -398,9 +398,10 @@ def _base(req: ResponsesRequest, model: str, response_id: str, created_at: float
 
 
 async def _history(
-    request: web.Request, hist: History, req: ResponsesRequest, gw: Gateway
+    request: web.Request, hist: History, req: ResponsesRequest, gw: Gateway, conv_checked: bool = False
 ) -> list[StoredItem]:
-    """The stored items this turn continues (oldest first)."""
+    """The stored items this turn continues (oldest first); ``conv_checked``: the conversation is
+    known to exist and be the caller's (``_lock_conversation`` read it): not read again."""
     store = hist.store
     if req.previous_response_id is not None:
         running = req.previous_response_id in request.app[BACKGROUND]  # (before the read)
@@ -435,9 +436,10 @@ async def _history(
             )
         return await store.get_items(ids) if ids else []
     if req.conversation_id is not None:
-        conv = await store.get_conversation(req.conversation_id)
-        if conv is None or not may_read(request, conv.owner):
-            raise conversation_not_found(req.conversation_id)
+        if not conv_checked:
+            conv = await store.get_conversation(req.conversation_id)
+            if conv is None or not may_read(request, conv.owner):
+                raise conversation_not_found(req.conversation_id)
         items: list[StoredItem] = []
         after: str | None = None
         while True:
@@ -621,7 +623,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     async def turn_in_progress() -> web.StreamResponse:  # (under the conversation's lease, if any)
         try:  # every history read happens before the engine is called
-            past = await _history(request, hist, req, gw)
+            past = await _history(request, hist, req, gw, conv_checked=lease is not None)
             prompt_items, new_input = await _resolve_input(hist, parsed, minted, mint)
         except StorageUnavailable as e:
             raise _unavailable(e) from None
