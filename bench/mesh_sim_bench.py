@@ -22,6 +22,10 @@ All figures are in simulated time (a fake clock; LAN delay uniform in ``--delay-
   period plus the suspicion floor (2.4 s by default) is indistinguishable from a crash, so each false
   DEAD is put down to the stall it fell in: a single pause, merged pauses (the longest such stall is
   shown), or none (loss alone).
+* partitions (``--partitions 3:1,5:2 --partition-trials 1000``): an N-node mesh cut in two at a random
+  phase; the time until every majority node holds every minority node DEAD, p50 / p99 / worst over the
+  trials (the chaos suite's partition checks are these figures plus a margin: when each victim is first
+  probed is random, so one measured run is no bound).
 * gossip bytes: UDP bytes sent per node per second (sealed size: + ``seal_overhead`` per packet),
   steady state without faults, and during the soak; TCP push-pull bytes separately.
 """
@@ -87,7 +91,7 @@ def crash_detection(
         crashed = sim.now
         sim.crash(victim)
         survivors = sim.up()
-        t = sim.run_until(_all_see_dead(sim, survivors, victim), timeout=40.0, step=0.1)
+        t = sim.run_until(_all_see_dead(sim, survivors, [victim]), timeout=40.0, step=0.1)
         if t is None:
             missed += 1
             continue
@@ -97,8 +101,31 @@ def crash_detection(
     return per_observer, all_detected, missed
 
 
-def _all_see_dead(sim: Sim, observers: list[str], victim: str) -> Callable[[], bool]:
-    return lambda: sim.sees(observers, [victim], MemberState.DEAD)
+def partition_detection(
+    n: int, minority: int, trials: int, seed: int, delay: tuple[float, float], cfg: SwimConfig | None = None
+) -> tuple[list[float], int]:
+    """Per trial: cut ``minority`` nodes off at a random phase; when the last majority node held the last
+    minority node DEAD (exact event times), and how many trials saw no such split within 40 s."""
+    took: list[float] = []
+    missed = 0
+    for trial in range(trials):
+        rng = random.Random(f"partition-{seed}-{n}-{minority}-{trial}")
+        sim = Sim(n, seed=seed * 1000 + trial, delay=delay, config=cfg)
+        sim.run(3.0 + rng.uniform(0, 2.0))
+        names = list(sim.names)
+        rng.shuffle(names)
+        side_b, side_a = names[:minority], names[minority:]
+        cut = sim.now
+        sim.partition(side_a, side_b)
+        if sim.run_until(_all_see_dead(sim, side_a, side_b), timeout=40.0, step=0.1) is None:
+            missed += 1
+            continue
+        took.append(max(max(sim.detection(v, cut)[o] for o in side_a) for v in side_b) - cut)
+    return took, missed
+
+
+def _all_see_dead(sim: Sim, observers: list[str], victims: list[str]) -> Callable[[], bool]:
+    return lambda: sim.sees(observers, victims, MemberState.DEAD)
 
 
 def propagation(
@@ -219,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--sweep-pauses", default="0.5,1.0,1.5", help="pause lengths of the sweep, s ('' for none)"
     )
     ap.add_argument("--sweep-soak", type=float, default=120.0, help="simulated seconds per sweep cell")
+    ap.add_argument("--partitions", default="", help="N:minority cuts to time, e.g. 3:1,5:2 ('' for none)")
+    ap.add_argument("--partition-trials", type=int, default=200, help="trials per partition")
     ap.add_argument("--suspicion-mult", type=int, default=SwimConfig().suspicion_mult)
     ap.add_argument(
         "--probe-interval", type=float, default=SwimConfig().probe_interval, help="(probe timeout: half)"
@@ -273,7 +302,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                 sk.pp_bytes_per_node_s,
             )
         )
-    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
 
     lo_s = {n: cfg.suspicion_bounds(n)[0] for n in sizes}
     floor = ", ".join(f"{v:.2f}" for v in dict.fromkeys(lo_s.values()))
@@ -322,6 +350,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                 longest = f" ({c.longest_merged:.1f} s)" if c.in_merged else ""
                 cells.append(f"{f'{c.false_dead}: {c.in_single}/{c.in_merged}{longest}/{c.no_stall}':>26}")
             print(f"{n:>3} | " + " | ".join(cells))
+    for spec in (x for x in args.partitions.split(",") if x):
+        n, minority = (int(v) for v in spec.split(":"))
+        took, missed = partition_detection(n, minority, args.partition_trials, args.seed, delay, cfg)
+        print(
+            f"partition {n - minority} | {minority} of {n}: every majority node holds every minority node "
+            f"DEAD after p50 {pct(took, 50):.2f} s, p99 {pct(took, 99):.2f} s, "
+            f"worst {max(took, default=0):.2f} s "
+            f"({len(took)} trials" + (f", {missed} not split within 40 s)" if missed else ")")
+        )
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     print(f"(bench: {wall:.1f} s wall, {cpu:.1f} s CPU)")
 
 

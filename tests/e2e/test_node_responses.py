@@ -239,7 +239,10 @@ def test_one_turn_at_a_time_on_a_conversation(
     else:
         t = threading.Thread(target=first)
         t.start()
-        time.sleep(0.8)  # it holds the conversation: answered one token, stalled
+        for _ in range(300):  # bounded: it holds the conversation once the engine runs it (then stalls)
+            if http.get(f"{engine.http_url}/mock/stats").json()["active"] >= 1:
+                break
+            time.sleep(0.01)
         _locked(client, conv)
         t.join(timeout=30)
         assert box and box[0].status == "completed"
