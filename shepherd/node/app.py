@@ -10,7 +10,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
@@ -48,10 +48,13 @@ from shepherd.node.config import ConfigError, NodeConfig, control_listener, inse
 from shepherd.node.discovery.kube import PodDiscovery, start_discovery
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.model_source import resolve_models
+from shepherd.node.http.body import json_response
 from shepherd.node.http.server import CappedTCPSite, ConnectionCap, LeanServer
 from shepherd.node.metrics import counter
 from shepherd.node.observe import genai_metrics, logs, tracing
 from shepherd.node.procs import PROC_INDEX_ENV
+from shepherd.proto.anthropic_errors import anthropic_error_response, is_messages_path
+from shepherd.proto.openai_errors import ApiError, error_response
 
 log = logging.getLogger("shepherd.node")
 PROCS_METRICS_TIMEOUT_S = 2.0  # a sibling process's exposition, asked for by a scrape of /metrics
@@ -104,6 +107,62 @@ async def _keepalive_ticking(app: web.Application) -> AsyncIterator[None]:
     await ticker.close()
 
 
+@web.middleware
+async def _starting(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every request while the start waits for its engines to say what they serve (no route runs):
+    /liveness 200 (the process is up: an orchestrator must not restart it for engines that load their
+    weights), /readiness and /health 503, anything else 503 with Retry-After in the API's envelope."""
+    if request.path == "/liveness":
+        return json_response({"status": "alive"})
+    if request.path in ("/readiness", "/health"):
+        return json_response({"status": "starting"}, 503)
+    msg = "The node is starting: its engines have not yet said which model they serve; retry."
+    err = ApiError(503, msg, type="service_unavailable", code="starting", headers={"Retry-After": "5"})
+    return anthropic_error_response(err) if is_messages_path(request.path) else error_response(err)
+
+
+class _StartingPort:
+    """The client port while the start waits for engines (``resolve_models``' ``waiting``): a lean
+    server of ``_starting`` alone, on the node's host, port and TLS; closed before the node's own binds.
+    Opened once, and only when the start does wait (engines that answer at once never see it)."""
+
+    def __init__(self, cfg: NodeConfig) -> None:
+        self.cfg = cfg
+        self.server: LeanServer | None = None
+        self.runner: web.AppRunner | None = None
+        self._opened = False
+
+    async def open(self) -> None:
+        if self._opened:
+            return
+        self._opened = True
+        cfg = self.cfg
+        app = web.Application(middlewares=[_starting])
+        self.runner = web.AppRunner(app, access_log=None)
+        await self.runner.setup()
+        tls = server_tls(cfg)
+        server = LeanServer(app, max_body=64 * 1024, max_connections=cfg.max_client_connections)
+        await server.start(
+            cfg.host,
+            cfg.port,
+            ssl_context=tls.context if tls else None,
+            backlog=128,
+            reuse_port=cfg.reuse_port,
+        )
+        self.server = server
+        log.warning("waiting for the engines: %s:%d answers /liveness meanwhile", cfg.host, cfg.port)
+
+    async def close(self) -> None:
+        if self.server is not None:
+            server, self.server = self.server, None
+            await server.shutdown(timeout=1.0)
+        if self.runner is not None:
+            runner, self.runner = self.runner, None
+            await runner.cleanup()
+
+
 async def drain(gw: Gateway, grace: float) -> None:
     """Readiness goes 503 at once; wait (bounded) for in-flight requests to finish."""
     gw.draining = True
@@ -121,8 +180,13 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
     if faults.DISABLE_MESH in injected:
         cfg = dataclasses.replace(cfg, mesh_port=None)
     given = cfg  # as configured: what a reload (SIGHUP, POST /admin/reload) compares the file with
-    # no --model-path: the served name, tokenizer and chat template from the gRPC engines; aliases
-    cfg = await resolve_models(cfg)
+    # no --model-path: the served name, tokenizer and chat template from the gRPC engines; aliases. While
+    # the start waits for engines still loading, the client port answers /liveness (and 503 elsewhere)
+    starting = _StartingPort(cfg)
+    try:
+        cfg = await resolve_models(cfg, waiting=starting.open)
+    finally:
+        await starting.close()
     try:  # traces (OTLP) and the GenAI metrics export, before anything that is traced is built
         tracing.setup(
             tracing.settings_from(cfg.enable_trace, cfg.otlp_traces_endpoint, cfg.otlp_traces_protocol),

@@ -136,8 +136,17 @@ def test_a_node_started_before_its_engine_waits_for_the_model(
         port=free_port(),
     )  # fmt: skip
     try:
-        time.sleep(3.0)  # the node asks, nobody answers yet
+        deadline = time.monotonic() + 30.0  # the node asks, nobody answers: its port says it is alive
+        while time.monotonic() < deadline and http_status(node.url + "/liveness") != 200:
+            time.sleep(0.1)
         assert node.proc.poll() is None, node.log()
+        assert http.get(node.url + "/liveness").json() == {"status": "alive"}
+        assert http_status(node.url + "/readiness") == 503 and http_status(node.url + "/health") == 503
+        chat = http.post(node.url + "/v1/chat/completions", json={"model": "m", "messages": MSGS})
+        assert chat.status_code == 503 and chat.headers["retry-after"] == "5", chat.text
+        assert chat.json()["error"]["code"] == "starting"
+        msg = http.post(node.url + "/v1/messages", json={"model": "m", "max_tokens": 4, "messages": MSGS})
+        assert msg.status_code == 529 and msg.json()["error"]["type"] == "overloaded_error", msg.text
         tok_flags = ("--tokenizer", str(engine_tokenizer), "--model", "org/late-model", "--zero-latency")
         with start_mock_engine(*tok_flags, "--grpc-port", str(grpc_port)):
             deadline = time.monotonic() + 60.0

@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 import zipfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePosixPath
 
 from shepherd.auth.tls import EngineTls
@@ -160,6 +161,7 @@ def _client(url: str, cfg: NodeConfig) -> H2EngineClient | GrpcEngineClient | Se
 
 
 Probe = tuple[H2EngineClient | GrpcEngineClient | ServiceClient, str, ModelInfo]
+Waiting = Callable[[], Awaitable[None]]
 
 
 async def _probe(url: str, cfg: NodeConfig, timeout: float) -> Probe:
@@ -210,10 +212,13 @@ async def first_answer(
     return winner
 
 
-async def _wait_for_answer(urls: list[str], cfg: NodeConfig, timeout: float, what: str) -> Probe | None:
+async def _wait_for_answer(
+    urls: list[str], cfg: NodeConfig, timeout: float, what: str, waiting: Waiting | None = None
+) -> Probe | None:
     """``first_answer``, asked again (every 1 s, backing off to 5 s) until one answers or
     ``worker_startup_timeout_secs`` is over: a node started beside its engines (compose, Kubernetes)
-    starts before they have loaded their weights, and must not settle on a default model meanwhile."""
+    starts before they have loaded their weights, and must not settle on a default model meanwhile.
+    ``waiting`` is awaited once, when the first ask went unanswered (the start will wait)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + cfg.worker_startup_timeout_secs
     pause, said, level = STARTUP_RETRY_S, loop.time(), logging.WARNING
@@ -223,6 +228,9 @@ async def _wait_for_answer(urls: list[str], cfg: NodeConfig, timeout: float, wha
         left = deadline - loop.time()
         if probe is not None or left <= 0:
             return probe
+        if waiting is not None:
+            await waiting()
+            waiting = None
         if loop.time() - said >= STARTUP_LOG_S:
             said = loop.time()
             log.warning("model %s: waiting for a gRPC worker to answer (%.0f s left)", what, left)
@@ -249,10 +257,11 @@ async def fetch_model(probe: Probe, cache: TokenizerCache, timeout: float) -> tu
             await client.close()
 
 
-async def resolve_models(cfg: NodeConfig) -> NodeConfig:
+async def resolve_models(cfg: NodeConfig, waiting: Waiting | None = None) -> NodeConfig:
     """``cfg`` with every model that has no tokenizer path of its own given one from its engines (and,
     for the top-level flags without ``--model-id``, the engine's served name), then the aliases applied.
-    A model whose engines all fail to answer keeps the embedded default tokenizer (logged loudly)."""
+    A model whose engines all fail to answer keeps the embedded default tokenizer (logged loudly).
+    ``waiting`` is awaited when the start is going to wait for engines (once per model that waits)."""
     aliases = parse_aliases(cfg.model_aliases)
     cache = TokenizerCache(Path(cfg.tokenizer_cache_dir) if cfg.tokenizer_cache_dir else default_cache_dir())
     timeout = cfg.health_check_timeout_secs + 3
@@ -282,7 +291,7 @@ async def resolve_models(cfg: NodeConfig) -> NodeConfig:
         if from_flags and mc.name:  # --model-id named it: asked once, the embedded tokenizer meanwhile
             return await first_answer(urls, cfg, timeout, what)
         # its name unknown (no --model-id), or a models: entry (refused without its tokenizer): waited for
-        return await _wait_for_answer(urls, cfg, timeout, what)
+        return await _wait_for_answer(urls, cfg, timeout, what, waiting)
 
     # every model's engines waited for at once (not one model's start-up timeout after another's)
     probes = await asyncio.gather(*(answer(mc) for mc in wanted))
