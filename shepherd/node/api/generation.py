@@ -469,7 +469,8 @@ class Generation:
             # every choice's end is the engine's own too: no Abort for it (its Complete is on the way;
             # closing the call is enough), only for a choice cut by a stop string the engine never saw
             es.completed = True
-        self.totals.cached = cached[0]
+        if cached[0] > self.totals.cached:  # (the prompts of a list may be driven at once)
+            self.totals.cached = cached[0]
         if es.trace is not None:  # the engine call's answer on its CLIENT span (tracing on)
             es.trace.response(self.rid, states, len(job.ids), cached[0])
         if remaining:
@@ -504,12 +505,12 @@ class Generation:
         return enc
 
     def _with_usage(self, chunks: list[bytes], job: Job) -> list[bytes]:
-        """``stream_options.continuous_usage_stats``: each chunk with the usage so far (the jobs
-        accounted, plus ``job``'s prompt and the tokens its choices have generated)."""
-        t = self.totals
-        prompt = t.prompt + len(job.ids)
-        completion = t.completion + sum(st.tokens for st in job.states)
-        return [with_usage(c, prompt, completion) for c in chunks]
+        """``stream_options.continuous_usage_stats``: each chunk with its own choice's usage so far, as
+        vLLM counts it: that prompt's tokens and the tokens that choice has generated (not totals)."""
+        enc = self._encoder()
+        assert isinstance(enc, ChatChunks | CompletionChunks)  # (continuous usage: no events of their own)
+        prompt, base, states = len(job.ids), job.index_base, job.states
+        return [with_usage(c, prompt, states[enc.index_of(c) - base].tokens) for c in chunks]
 
     def _account(self, job: Job) -> None:
         states = job.states
@@ -568,13 +569,12 @@ class Generation:
         ``message``) and the structured-output violations found in them."""
         gw = self.gw
         max_new = [gw.check_context(self.model, len(job.ids), self.s.max_tokens) for job in jobs]
-        engine_t = 0.0
         # Without stop strings the engine sends everything in one message; with them we stream so that a
         # gateway-side stop can abort generation early.
         engine_stream = bool(self.s.stop)
         targeted = "x-smg-target-worker" in self.request.headers
-        for i, job in enumerate(jobs):
-            t_dispatch = time.perf_counter()
+
+        async def run(i: int, job: Job) -> None:
             tries = Retry()
             while True:
                 es = await self._open(job, i, engine_stream, max_new[i], tries)
@@ -594,8 +594,19 @@ class Generation:
                 finally:
                     await es.close("stop" if es.completed is False else "done")
                 break
-            engine_t += time.perf_counter() - t_dispatch
             self._account(job)
+
+        t_dispatch = time.perf_counter()
+        if len(jobs) == 1:
+            await run(0, jobs[0])
+        else:  # a list of prompts: all at once (the engine batches them), as vLLM schedules them; the
+            try:  # first failure cancels the rest (their engine calls aborted) and is raised as it is
+                async with asyncio.TaskGroup() as tg:
+                    for i, job in enumerate(jobs):
+                        tg.create_task(run(i, job))
+            except BaseExceptionGroup as eg:
+                raise eg.exceptions[0] from None
+        engine_t = time.perf_counter() - t_dispatch
         violations: list[Violation] = []
         if len(jobs) == 1:
             choices = self._final_choices(jobs[0], violations)
@@ -690,6 +701,9 @@ class Generation:
         except BaseException:
             keepalive.unregister(resp)
             raise
+        # the other prompts of a list: their engine calls opened now (the engine runs them together, as
+        # vLLM schedules a list), their answers relayed one prompt after another; closed below if not
+        later = [asyncio.ensure_future(self._open(jobs[i], i, True, max_new[i])) for i in range(1, len(jobs))]
         enc = self._encoder()
         try:
             await resp.prepare(self.request)  # (a no-op when the ticker sent the headers already)
@@ -743,7 +757,7 @@ class Generation:
             try:
                 for i, job in enumerate(jobs):
                     if i > 0:
-                        es = await self._open(job, i, True, max_new[i])
+                        es = await later[i - 1]
                     current[0] = job
                     if self.chat:
                         assert not isinstance(enc, CompletionChunks)
@@ -792,6 +806,8 @@ class Generation:
             keepalive.unregister(resp)  # (idempotent) also when the headers could not be sent
             if not es.closed:
                 await es.close("cancelled")
+            if later:
+                await _close_opened(later)
         return resp
 
     def _failure(self, e: EngineError | ApiError | TimeoutError) -> bytes:
@@ -808,6 +824,21 @@ class Generation:
 # finish reasons of a choice the engine gave up on: SGLang's "abort" (scheduler-side: preemption, a full
 # queue, KV pressure), vLLM's "error": an error to the client, never a 200 with that reason
 ENGINE_FAILED = frozenset({"abort", "error"})
+
+
+async def _close_opened(opening: Sequence[asyncio.Future[EngineStream]]) -> None:
+    """The engine calls of a stream's later prompts that were not driven to their end: the openings still
+    under way cancelled, the opened streams closed (aborted at the engine); their failures retrieved."""
+    for fut in opening:
+        if not fut.done():
+            fut.cancel()
+    for fut in opening:
+        try:
+            es = await fut
+        except BaseException:  # cancelled or failed: nothing opened to close
+            continue
+        if not es.closed:
+            await es.close("cancelled")
 
 
 def _next_open(done: list[bool]) -> int:

@@ -85,6 +85,11 @@ class _Chunks:
         # ``content(0, text)`` is content0[0] + the JSON string of text + content0[1] (a caller's inline path)
         self.content0 = (self._content0, self._CONTENT_TAIL)
 
+    def index_of(self, chunk: bytes) -> int:
+        """The choice index of one of this response's choice chunks (the digits right after the head)."""
+        start = len(self._head)
+        return int(chunk[start : chunk.index(b",", start)])
+
     def content(self, index: int, text: str, logprobs: dict[str, Any] | None = None) -> bytes:
         if logprobs is None:
             if index == 0:
