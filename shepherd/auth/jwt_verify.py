@@ -44,6 +44,9 @@ _REASONS: tuple[tuple[type[Exception], str, str], ...] = (
 )
 
 
+_TIME_CLAIMS = ("exp", "nbf", "iat")
+
+
 def _reason(e: Exception) -> JwtError:
     for cls, msg, code in _REASONS:
         if isinstance(e, cls):
@@ -79,7 +82,11 @@ def _values(v: Any, split: bool = False) -> set[str]:
 def principal_from_claims(claims: Mapping[str, Any], cfg: JwtConfig, default_tenant: str) -> Principal:
     """Role from the role claim (a string or a list) or the scope claim; tenant from the tenant claim."""
     sub = claim(claims, cfg.subject_claim)
-    subject = str(sub) if isinstance(sub, str | int) and not isinstance(sub, bool) else "jwt"
+    if not (isinstance(sub, str | int) and not isinstance(sub, bool) and str(sub)):
+        # no name for the caller: what it stores would be shared by every such token (RFC 7519 4.1.2)
+        raise JwtError(f"The token has no subject ({cfg.subject_claim!r} claim).", "missing_claim")
+    subject = str(sub)
+    iss = claims.get("iss")
     admin = bool(_values(claim(claims, cfg.role_claim)) & set(cfg.admin_roles)) or bool(
         cfg.admin_scopes and _values(claim(claims, cfg.scope_claim), split=True) & set(cfg.admin_scopes)
     )
@@ -90,6 +97,7 @@ def principal_from_claims(claims: Mapping[str, Any], cfg: JwtConfig, default_ten
         tenant=tenant or default_tenant,
         role=role,
         method="jwt",
+        issuer=iss if isinstance(iss, str) else "",
     )
 
 
@@ -165,9 +173,11 @@ class JwtVerifier:
             return v
         if len(token) > self._max:
             raise JwtError("The token is too long.", "token_too_long")
+        if not token.isascii():  # (base64url and dots only: pyjwt would raise a UnicodeEncodeError)
+            raise JwtError("The token is malformed.", "malformed_token")
         try:
             header = jwt.get_unverified_header(token)
-        except jx.PyJWTError:
+        except (jx.PyJWTError, ValueError, TypeError):
             raise JwtError("The token is malformed.", "malformed_token") from None
         alg = header.get("alg")
         if not isinstance(alg, str) or alg not in self._algs:
@@ -196,6 +206,10 @@ class JwtVerifier:
                     issuer=self.cfg.issuer,
                     leeway=self.cfg.leeway_secs,
                 )
+                for name in _TIME_CLAIMS:  # NumericDate (RFC 7519 2): pyjwt also takes digit strings
+                    t = claims.get(name)
+                    if t is not None and (not isinstance(t, int | float) or isinstance(t, bool)):
+                        raise JwtError(f"The token's {name} claim is not a number.", "invalid_token")
                 return claims
             except jx.InvalidSignatureError as e:
                 last = e  # another key without a kid may fit

@@ -17,6 +17,14 @@ class Principal:
     role: Role
     key_id: str | None = None  # set when authenticated by an API key
     method: Literal["none", "api_key", "jwt", "mtls"] = "none"
+    issuer: str = ""  # a JWT's "iss" (its subject is that issuer's name for the caller)
+
+    @property
+    def owner(self) -> str:
+        """Who owns what this principal stores (responses, conversations): its subject under how it
+        authenticated, its tenant and a JWT's issuer, so that names from different sources (an API key
+        id, a token's "sub", a certificate's name) or tenants never meet."""
+        return f"{self.method}:{self.tenant}:{self.issuer}:{self.subject}"
 
 
 # request[PRINCIPAL_KEY] holds the caller's Principal once the auth middleware has run

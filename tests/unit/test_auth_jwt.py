@@ -32,6 +32,7 @@ from shepherd.auth.jwks import (
     static_keys,
 )
 from shepherd.auth.jwt_verify import JwtError, JwtVerifier, principal_from_claims
+from shepherd.auth.principal import Principal
 
 ISS = "https://idp.test"
 AUD = "smg"
@@ -300,10 +301,47 @@ def test_claims_to_principal() -> None:
     assert (p.subject, p.role, p.tenant) == ("bob", "admin", "o1")
     p = principal_from_claims({"sub": 7, "scope": "openid smg:admin"}, c, "d")
     assert (p.subject, p.role, p.tenant) == ("7", "admin", "d")
-    p = principal_from_claims({"scope": ["openid"], "org": ""}, c, "d")
-    assert (p.subject, p.role, p.tenant) == ("jwt", "user", "d")
-    p = principal_from_claims({"role": "admin"}, cfg(tenant_claim=None), "d")
+    p = principal_from_claims({"sub": "x", "scope": ["openid"], "org": ""}, c, "d")
+    assert (p.subject, p.role, p.tenant) == ("x", "user", "d")
+    p = principal_from_claims({"sub": "x", "role": "admin"}, cfg(tenant_claim=None), "d")
     assert p.role == "admin"
+    # no subject: a 401 (what such tokens stored would be every such token's), not a shared name
+    for claims in ({"scope": ["openid"]}, {"sub": ""}, {"sub": None}, {"sub": True}, {"sub": ["a"]}):
+        with pytest.raises(JwtError) as ei:
+            principal_from_claims(claims, c, "d")
+        assert ei.value.code == "missing_claim"
+
+
+def test_owners_never_meet_across_sources_tenants_and_issuers() -> None:
+    c = cfg(tenant_claim="org")
+    a = principal_from_claims({"sub": "key_1", "iss": "https://a", "org": "t"}, c, "d")
+    b = principal_from_claims({"sub": "key_1", "iss": "https://b", "org": "t"}, c, "d")
+    t = principal_from_claims({"sub": "key_1", "iss": "https://a", "org": "u"}, c, "d")
+    key = Principal(subject="key_1", tenant="t", role="user", key_id="key_1", method="api_key")
+    cert = Principal(subject="key_1", tenant="t", role="user", method="mtls")
+    owners = {p.owner for p in (a, b, t, key, cert)}
+    assert len(owners) == 5
+    assert a.owner == principal_from_claims({"sub": "key_1", "iss": "https://a", "org": "t"}, c, "d").owner
+
+
+async def test_time_claims_must_be_numbers(rsa_a: Signer) -> None:
+    """RFC 7519 2 NumericDate: pyjwt checks a digit-string exp too, but the verified-token cache would
+    keep such a token past it; any non-number time claim is refused."""
+    v = verifier(cfg(), keys_from_jwks(jwks_of(rsa_a)))
+    now = int(time.time())
+    for name, value in (("exp", str(now + 60)), ("nbf", str(now - 5)), ("iat", str(now))):
+        claims: dict[str, Any] = {name: value}
+        with pytest.raises(JwtError) as ei:
+            await v.verify(rsa_a.token(**claims))
+        assert ei.value.code == "invalid_token", (name, ei.value)
+
+
+async def test_a_non_ascii_token_is_malformed_not_a_crash(rsa_a: Signer) -> None:
+    v = verifier(cfg(), keys_from_jwks(jwks_of(rsa_a)))
+    for token in ("eyJhbGciOiJSUzI1NiJ9.\udce9\udce9.x", "eyJhbGciOiJSUzI1NiJ9\udce9.e30.x"):
+        with pytest.raises(JwtError) as ei:
+            await v.verify(token)
+        assert ei.value.code == "malformed_token"
 
 
 # ---- key files ------------------------------------------------------------------------------------

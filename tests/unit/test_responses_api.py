@@ -277,14 +277,17 @@ async def test_owner_sees_others_get_404() -> None:
         "msg_1", "message", {"id": "msg_1", "type": "message", "role": "user", "content": []}, 1.0
     )
     body = {"id": "resp_a", "object": "response", "status": "completed", "output": [], "background": False}
-    await store.put_response(
-        StoredResponse("resp_a", 1.0, "m", body, input_item_ids=("msg_1",), owner="alice"), [item]
-    )
     callers = {
         "alice": Principal("alice", "t", "user", method="api_key"),
         "bob": Principal("bob", "t", "user", method="api_key"),
         "root": Principal("root", "t", "admin", method="api_key"),
+        "alice-token": Principal("alice", "t", "user", method="jwt"),  # the same name, another source
+        "alice-elsewhere": Principal("alice", "u", "user", method="api_key"),  # another tenant
     }
+    owner = callers["alice"].owner
+    await store.put_response(
+        StoredResponse("resp_a", 1.0, "m", body, input_item_ids=("msg_1",), owner=owner), [item]
+    )
 
     @web.middleware
     async def as_caller(
@@ -299,7 +302,13 @@ async def test_owner_sees_others_get_404() -> None:
     app[HISTORY] = History(store, "0" * 8)
     api_responses.install(app)
     async with TestClient(TestServer(app)) as client:
-        for who, status in (("alice", 200), ("root", 200), ("bob", 404)):
+        for who, status in (
+            ("alice", 200),
+            ("root", 200),
+            ("bob", 404),
+            ("alice-token", 404),
+            ("alice-elsewhere", 404),
+        ):
             h = {"x-caller": who}
             assert (await client.get("/v1/responses/resp_a", headers=h)).status == status
             assert (await client.get("/v1/responses/resp_a/input_items", headers=h)).status == status

@@ -160,9 +160,10 @@ def item_list(items: Sequence[StoredItem], has_more: bool) -> dict[str, Any]:
 
 
 def owner_of(request: web.Request) -> str | None:
-    """The owner recorded on what this caller creates: its principal's subject (None: auth is off)."""
+    """The owner recorded on what this caller creates: its principal's ``owner`` (the subject under its
+    source, tenant and issuer; None: auth is off)."""
     p = request.get(PRINCIPAL_KEY)
-    return p.subject if isinstance(p, Principal) and p.method != "none" else None
+    return p.owner if isinstance(p, Principal) and p.method != "none" else None
 
 
 def may_read(request: web.Request, owner: str | None) -> bool:
@@ -170,7 +171,7 @@ def may_read(request: web.Request, owner: str | None) -> bool:
     p = request.get(PRINCIPAL_KEY)
     if owner is None or not isinstance(p, Principal) or p.role == "admin":
         return True
-    return p.subject == owner
+    return p.owner == owner
 
 
 _STATUS_TYPES = {
