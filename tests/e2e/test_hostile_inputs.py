@@ -711,8 +711,6 @@ CASES: list[Case] = [
         "/v1/tokenize",
         {"model": "qwen3", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
         200,
-        defect="/v1/tokenize renders messages without the chat endpoint's content-part flattening: "
-        "valid OpenAI content parts are a 400",
     ),
     Case("detokenize-empty", "/v1/detokenize", {}, 404, "model_not_found"),
     Case("detokenize-tokens-string", "/v1/detokenize", {"model": "qwen3", "tokens": "1,2"}, 400),

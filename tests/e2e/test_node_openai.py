@@ -177,6 +177,130 @@ def test_models_tokenize_detokenize(node: NodeProc) -> None:
     assert "token_strs" not in t
 
 
+CONT: list[Any] = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The answer is"}]
+
+
+def test_tokenize_messages_is_the_prompt_chat_builds(node: NodeProc) -> None:
+    """``/tokenize`` with ``messages`` builds the prompt chat completions builds (vLLM's tokenize runs its
+    chat's own preprocessing): the same message handling and template options, so ``count`` is the chat's
+    ``usage.prompt_tokens``, and the same 400s."""
+
+    def chat(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return post(node.url + "/v1/chat/completions", {"model": "qwen3", "max_tokens": 1, **body})
+
+    def tokenize(body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return post(node.url + "/v1/tokenize", {"model": "qwen3", **body})
+
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    open_turn: dict[str, Any] = {
+        "messages": CONT,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+    }
+    bodies: list[dict[str, Any]] = [
+        open_turn,
+        {"messages": [{"role": "developer", "content": "Be terse"}, {"role": "user", "content": "Hi"}]},
+        {"messages": parts},
+        {"messages": MSGS, "chat_template_kwargs": {"enable_thinking": False}},
+        {"messages": MSGS, "add_generation_prompt": False},
+    ]
+    for body in bodies:
+        s, c = chat(body)
+        s2, t = tokenize(body)
+        assert s == s2 == 200, (body, c, t)
+        assert t["count"] == c["usage"]["prompt_tokens"], body
+    # continue_final_message leaves the last turn open: the prompt ends with its text
+    _, t = tokenize(open_turn)
+    _, d = post(node.url + "/v1/detokenize", {"model": "qwen3", "tokens": t["tokens"]})
+    assert d["prompt"].endswith("The answer is"), d
+    # OpenAI's content parts: the text they hold, as chat flattens it
+    _, plain = tokenize({"messages": [{"role": "user", "content": "Hi\nthere"}]})
+    assert tokenize({"messages": parts})[1]["tokens"] == plain["tokens"]
+    # chat's refusals are tokenize's
+    refused: list[dict[str, Any]] = [
+        {**open_turn, "add_generation_prompt": True},  # (vLLM: check_generation_prompt)
+        {"messages": [{"role": "bogus", "content": "Hi"}]},
+        {"messages": MSGS, "chat_template": "{{ 1/0 }}"},
+    ]
+    for body in refused:
+        s, c = chat(body)
+        s2, t = tokenize(body)
+        assert s == s2 == 400, (body, c, t)
+        assert t["error"]["param"] == c["error"]["param"] and t["error"]["code"] == c["error"]["code"], (c, t)
+
+
+def test_completions_echo_with_max_tokens_zero_is_the_prompt_alone(
+    node: NodeProc, client: openai.OpenAI
+) -> None:
+    """vLLM's ``echo`` with ``max_tokens: 0`` (echo_without_generation): each choice is its prompt, nothing
+    generated, streamed or not; without ``echo``, ``max_tokens: 0`` stays a 400, as in vLLM."""
+    prompts = ["Hello world", "Bye"]
+    counts = [post(node.url + "/v1/tokenize", {"model": "qwen3", "prompt": p})[1]["count"] for p in prompts]
+    want = [(0, "Hello world"), (1, "Hello world"), (2, "Bye"), (3, "Bye")]
+    r = client.completions.create(model="qwen3", prompt=prompts, max_tokens=0, echo=True, n=2)
+    assert [(c.index, c.text) for c in r.choices] == want
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage is not None and (r.usage.prompt_tokens, r.usage.completion_tokens) == (sum(counts), 0)
+    chunks = list(
+        client.completions.create(
+            model="qwen3",
+            prompt=prompts,
+            max_tokens=0,
+            echo=True,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts: dict[int, str] = {}
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert sorted(texts.items()) == want
+    usage = chunks[-1].usage
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (sum(counts), 0)
+    # a prompt of token ids echoes as its text
+    ids = post(node.url + "/v1/tokenize", {"model": "qwen3", "prompt": "Hello world"})[1]["tokens"]
+    r2 = client.completions.create(model="qwen3", prompt=ids, max_tokens=0, echo=True)
+    assert r2.choices[0].text == "Hello world"
+    status, env = post(node.url + "/v1/completions", {"model": "qwen3", "prompt": "Hi", "max_tokens": 0})
+    assert status == 400 and env["error"]["param"] == "max_tokens"
+
+
+def test_completions_logprobs_zero_lists_the_sampled_token(client: openai.OpenAI) -> None:
+    """``logprobs: 0``: each position's ``top_logprobs`` holds the sampled token (logprobs + 1 entries, as
+    OpenAI documents and vLLM answers), never null."""
+    r = client.completions.create(model="qwen3", prompt="Hello", max_tokens=3, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs, strict=True)]
+    chunks = list(
+        client.completions.create(model="qwen3", prompt="Hello", max_tokens=3, logprobs=0, stream=True)
+    )
+    tops = [
+        t
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+        for t in ch.choices[0].logprobs.top_logprobs or ()
+    ]
+    assert len(tops) == 3 and all(isinstance(t, dict) and len(t) == 1 for t in tops)
+
+
+def test_completions_context_errors_name_the_prompt(node: NodeProc) -> None:
+    """A completions request over the context is a 400 naming ``prompt`` in completions' words, never
+    chat's ``messages``."""
+    for body in (
+        {"prompt": "Hello", "max_tokens": 10**7},
+        {"prompt": [1, 2, 3], "max_tokens": 10**7},
+        {"prompt": ["a", "b"], "max_tokens": 10**7, "stream": True},
+    ):
+        status, env = post(node.url + "/v1/completions", {"model": "qwen3", **body})
+        err = env["error"]
+        assert status == 400 and err["code"] == "context_length_exceeded", env
+        assert err["param"] == "prompt" and "messages" not in err["message"], err
+        assert "'max_tokens'" in err["message"], err
+
+
 @pytest.mark.parametrize(
     ("body", "status", "code"),
     [
@@ -327,6 +451,9 @@ def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(
     ):
         status, got = post(node.url + path, body)
         assert status == 400 and got["error"]["code"] == "context_length_exceeded", (path, status, got)
+        field = "messages" if "messages" in body else "prompt"  # (each route names its own field)
+        assert got["error"]["param"] == field, (path, got)
+        assert field == "messages" or "messages" not in got["error"]["message"], (path, got)
     raw = gzip.compress(json.dumps({"model": "qwen3", "prompt": text, "max_tokens": 1}).encode())
     r2 = httpx.post(
         node.url + "/v1/completions",

@@ -41,6 +41,7 @@ tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
 
 SG, VL, LLAMA, OSS, RELAY = "qwen3-sglang", "qwen3-vllm", "llama", "gpt-oss", "relay"
 COHERE = "cohere"  # a RAG template: it renders `documents`
+BOS = "bos"  # a tokenizer that puts a BOS before a text it encodes with special tokens (as Llama's)
 TOOLS = [
     {
         "type": "function",
@@ -60,11 +61,29 @@ def engine(tokenizer_dir: Path) -> Iterator[MockEngineProc]:
         yield e
 
 
+def bos_tokenizer(tokenizer_dir: Path, directory: Path) -> Path:
+    """``tokenizer_dir``'s byte-level tokenizer (the engine's), its ``<|im_start|>`` a BOS that encoding
+    with special tokens puts first (a post-processor, as Llama 3's tokenizer has)."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    bos = "<|im_start|>"
+    bos_id = tok.token_to_id(bos)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)]
+    )
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "bos_token": bos}))
+    return directory
+
+
 @pytest.fixture(scope="module")
 def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
-    """One node, six models over the one mock: Qwen3 on an SGLang and on a vLLM worker, Llama 3.1 (no
-    developer role, no thinking switch), gpt-oss (both), Cohere's RAG template, and a model relayed to
-    the mock's OpenAI HTTP server."""
+    """One node, seven models over the one mock: Qwen3 on an SGLang and on a vLLM worker, Llama 3.1 (no
+    developer role, no thinking switch), gpt-oss (both), Cohere's RAG template, a model whose tokenizer
+    adds a BOS, and a model relayed to the mock's OpenAI HTTP server."""
     g = f"127.0.0.1:{engine.grpc_port}"
 
     def model(name: str, url: str, template: Path, reasoning: str, tool: str) -> dict[str, Any]:
@@ -86,6 +105,8 @@ def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
         model(RELAY, f"http://127.0.0.1:{engine.http_port}", QWEN3_TEMPLATE, "none", "none"),
     ]
     with tempfile.TemporaryDirectory() as tmp:
+        bos = model(BOS, f"grpc://{g}//", QWEN3_TEMPLATE, "none", "none")
+        models.append({**bos, "model_path": str(bos_tokenizer(tokenizer_dir, Path(tmp) / "bos"))})
         cfg = Path(tmp) / "node.yaml"
         cfg.write_text(yaml.safe_dump({"models": models, "tokenizer_workers": 0}))
         with running_node("--config", str(cfg)) as n:
@@ -565,6 +586,36 @@ def test_request_ids_token_ids_stop_trim_and_documents_are_honoured(
     as_kwargs = client.chat.completions.create(**kw, extra_body={"chat_template_kwargs": {"documents": docs}})
     assert plain.usage and with_docs.usage and as_kwargs.usage
     assert with_docs.usage.prompt_tokens == as_kwargs.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+
+
+def test_add_special_tokens_false_on_completions_encodes_no_bos(
+    client: openai.OpenAI, node: NodeProc, http: httpx.Client
+) -> None:
+    """vLLM's ``add_special_tokens`` on completions (CompletionRequest: default true): false encodes the
+    prompt without the BOS (a client that rendered the chat template itself sends it so), as
+    ``/tokenize`` does."""
+
+    def tokenize(add: bool) -> list[int]:
+        body = {"model": BOS, "prompt": "Hello world", "add_special_tokens": add}
+        out: list[int] = http.post(node.url + "/tokenize", json=body).json()["tokens"]
+        return out
+
+    with_bos, without = tokenize(True), tokenize(False)
+    assert with_bos == [with_bos[0], *without] and len(without) == len("Hello world")
+    for add, want in ((None, with_bos), (True, with_bos), (False, without)):
+        extra = {} if add is None else {"add_special_tokens": add}
+        r = client.completions.create(model=BOS, prompt="Hello world", max_tokens=1, extra_body=extra)
+        assert r.usage is not None and r.usage.prompt_tokens == len(want), (add, r.usage)
+    # echoed, the prompt is the text sent either way
+    r = client.completions.create(
+        model=BOS, prompt="Hello world", max_tokens=1, echo=True, extra_body={"add_special_tokens": False}
+    )
+    assert r.choices[0].text.startswith("Hello world")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(
+            model=BOS, prompt="Hi", max_tokens=1, extra_body={"add_special_tokens": "no"}
+        )
+    assert isinstance(e.value.body, dict) and e.value.body.get("param") == "add_special_tokens"
 
 
 @pytest.mark.parametrize(

@@ -187,11 +187,13 @@ def test_completion_without_top_and_special_width() -> None:
     cache = TokenTextCache.for_tokenizer(tok)
     eos = token_id(tok, "<|im_end|>")
     logprobs = [
-        TokenLogprob(token_id=token_id(tok, "ok"), logprob=-0.5),
+        TokenLogprob(token_id=token_id(tok, "ok"), logprob=-0.5, top=((token_id(tok, "no"), -0.2),)),
         TokenLogprob(token_id=eos, logprob=-0.1),
     ]
     body, end = completion_logprobs(logprobs, cache)
-    assert body["top_logprobs"] == [None, None]
+    # logprobs 0: the sampled token alone at each position (logprobs + 1 entries, as OpenAI documents and
+    # vLLM's _create_completion_logprobs answers), never null
+    assert body["top_logprobs"] == [{"ok": -0.5}, {"<|im_end|>": -0.1}]
     assert body["tokens"] == ["ok", "<|im_end|>"]
     assert end == 2  # the skipped special token adds nothing to the text
     _, end_rendered = completion_logprobs(logprobs, cache, skip_special_tokens=False)

@@ -8,15 +8,15 @@ from typing import Any
 from aiohttp import web
 
 from shepherd.node.api.common import GATEWAY, audit
-from shepherd.node.api.openai import prompt_chars
+from shepherd.node.api.openai import render_chat
 from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_in_effect, worker_endpoint
 from shepherd.node.dispatch.circuit_breaker import BreakerState
 from shepherd.node.dispatch.gateway import Gateway, model_not_found
 from shepherd.node.dispatch.workers import Worker
 from shepherd.node.http.body import json_response, read_json
 from shepherd.node.metrics import merge_processes
+from shepherd.node.openai.requests import check_chat_schemas, parse_chat_deferred
 from shepherd.proto.openai_errors import ApiError, bad
-from shepherd.tokens.chat_messages import ChatTemplateError
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -63,6 +63,24 @@ def _model_card(gw: Gateway, name: str) -> dict[str, Any]:
     }
 
 
+# the chat request's fields that shape its prompt (the rest, sampling and answer fields, make no token);
+# ``chat_template`` and a true ``add_special_tokens`` are refused as chat refuses them
+TOKENIZE_CHAT_KEYS = (
+    "messages",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "chat_template_kwargs",
+    "documents",
+    "reasoning_effort",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "add_special_tokens",
+)
+
+
 async def tokenize(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
     _, d = await read_json(request, gw.cfg.max_body_bytes)
@@ -71,18 +89,12 @@ async def tokenize(request: web.Request) -> web.Response:
     if not isinstance(add_special, bool):
         raise bad("'add_special_tokens' must be a boolean.", param="add_special_tokens")
     if "messages" in d:
-        msgs = d["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise bad("'messages' must be a non-empty list.", param="messages")
-        gw.check_prompt_chars(model, prompt_chars(msgs))
-        agp = d.get("add_generation_prompt", True)
-        kwargs = d.get("chat_template_kwargs") or {}
-        if not isinstance(agp, bool) or not isinstance(kwargs, dict):
-            raise bad("'add_generation_prompt' must be a boolean and 'chat_template_kwargs' an object.")
-        try:
-            _, ids = await gw.tokenizers.render_and_encode(model, msgs, d.get("tools"), agp, False, kwargs)
-        except ChatTemplateError as e:
-            raise bad(f"Cannot render the chat template: {e}", param="messages") from None
+        # the prompt chat completions builds (vLLM's tokenize runs its chat's _preprocess_chat too): the
+        # chat request's parsing of these fields (roles, content parts, legacy turns, their 400s) and its
+        # rendering, so that ``count`` is that chat request's ``usage.prompt_tokens``
+        req = parse_chat_deferred({k: d[k] for k in TOKENIZE_CHAT_KEYS if k in d})
+        await check_chat_schemas(req)  # (the tools' schemas, as chat checks them)
+        _, ids = await render_chat(gw, model, req)
     else:
         prompt = d.get("prompt")
         if not isinstance(prompt, str):

@@ -17,12 +17,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from shepherd.node.api.common import ADMISSION, GATEWAY, admitted, relay
-from shepherd.node.api.generation import Generation, Job, fresh_id
+from shepherd.node.api.generation import SSE_HEADERS, Generation, Job, fresh_id
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import json_now, read_json
+from shepherd.node.http.types import lean_request, stream_response
 from shepherd.node.observe import tracing
 from shepherd.node.openai.guided import GUIDED_KEYS
 from shepherd.node.openai.requests import (
@@ -32,6 +34,7 @@ from shepherd.node.openai.requests import (
     parse_chat_deferred,
     parse_completion,
 )
+from shepherd.node.openai.sse import DONE, CompletionChunks, usage, with_usage
 from shepherd.node.openai.template_compat import effort_kwargs, map_developer, template_names
 from shepherd.node.openai.tool_choice import template_tools
 from shepherd.node.output.chat import shape_chat
@@ -255,7 +258,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             with tracing.stage(
                 "tokenize", {"gen_ai.request.model": model}, cache_stats=gw.tokenizers.cache_counters
             ):
-                ids = await gw.tokenizers.encode(model, p)
+                ids = await gw.tokenizers.encode(model, p, req.add_special_tokens)
             text = p
         else:
             if any(t >= vocab or t < 0 for t in p):
@@ -265,6 +268,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             ids, text = p, ""
         if not ids:
             raise bad(f"prompt {i} is empty.", param="prompt")
+        # the context checked here, so that its 400 names this route's field (generation checks it too)
+        gw.check_context(model, len(ids), req.sampling.max_tokens, param="prompt")
         states = [ChoiceState(j, tok, req.sampling, ids) for j in range(req.sampling.n)]
         echo = (text or tok.decode(ids, skip_special_tokens=False)) if req.echo else ""
         jobs.append(Job(ids, text, states, i * req.sampling.n, echo))
@@ -281,11 +286,67 @@ async def completions(request: web.Request) -> web.StreamResponse:
         constraint=req.constraint,
     )
     _tokens_as_ids(g, d)
+    run = partial(_echo_only, g, jobs) if req.echo_only else partial(g.run, jobs)
     adm = request.app[ADMISSION]
     if adm is None:
-        return await g.run(jobs)
+        return await run()
     prompt = sum(len(j.ids) for j in jobs)
-    return await adm.guard(request, model, prompt, req.sampling, partial(g.run, jobs), jobs)
+    return await adm.guard(request, model, prompt, req.sampling, run, jobs)
+
+
+async def _echo_only(g: Generation, jobs: list[Job]) -> web.StreamResponse:
+    """vLLM's ``echo`` with ``max_tokens: 0`` (serving_completion.py: "only return the prompt"): every
+    choice is its prompt alone, ``finish_reason`` ``length``, no completion token, streamed or not. The
+    engine is not called (vLLM generates one token and drops it)."""
+    request, gw = g.request, g.gw
+    gw.metrics.overhead.observe(time.perf_counter() - g.t0)
+    prompt = sum(len(job.ids) for job in jobs)
+    g.totals.prompt = prompt
+    g.mm.prompt_tokens.value += prompt
+    if not g.s.stream:
+        choices = [
+            {
+                "index": job.index_base + st.index,
+                "text": job.echo,
+                "logprobs": None,
+                "finish_reason": "length",
+                "matched_stop": None,
+                "stop_reason": None,
+            }
+            for job in jobs
+            for st in job.states
+        ]
+        body = {
+            "id": g.rid,
+            "object": "text_completion",
+            "created": g.created,
+            "model": g.model,
+            "choices": choices,
+            "usage": usage(prompt, 0, 0),
+        }
+        g.done()
+        return web.Response(body=orjson.dumps(body), content_type="application/json", headers=g.headers())
+    request["stream"] = True  # SMG's ``streaming`` label of the request count
+    enc = CompletionChunks(g.rid, g.created, g.model)
+    out: list[bytes] = []
+    for job in jobs:
+        for st in job.states:
+            idx = job.index_base + st.index
+            chunks = [enc.content(idx, job.echo), enc.finish(idx, "length")]
+            if g.s.continuous_usage:  # (vLLM's: this prompt's tokens, this choice's none)
+                chunks = [with_usage(c, len(job.ids), 0) for c in chunks]
+            out.extend(chunks)
+    if g.s.include_usage:
+        out.append(enc.usage_of(prompt, 0, 0))
+    out.append(DONE)
+    headers = {**SSE_HEADERS, **g.headers()}
+    if lean_request(request) is not None:  # (the lean server writes its own Connection header)
+        headers.pop("Connection")
+    resp = stream_response(request, headers=headers)
+    await resp.prepare(request)
+    await resp.write_eof(b"".join(out))
+    g.done()
+    return resp
 
 
 def routes() -> list[web.RouteDef]:

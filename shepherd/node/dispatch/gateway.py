@@ -257,25 +257,37 @@ class Gateway:
         ctx = self.context_length(model)
         most = ctx * self.tokenizer(model).max_token_chars
         if chars > most:
+            reduce = "the messages or completion" if param == "messages" else f"'{param}'"
             raise ApiError(
                 400,
                 f"This model's maximum context length is {ctx} tokens. However, you requested {chars} "
-                f"characters of prompt, more than {ctx} tokens can hold. Please reduce the length of the "
-                "messages or completion.",
+                f"characters of prompt, more than {ctx} tokens can hold. Please reduce the length of "
+                f"{reduce}.",
                 param=param,
                 code="context_length_exceeded",
             )
 
-    def check_context(self, model: str, n_prompt: int, max_tokens: int | None) -> int:
-        """Validate the prompt against the context; returns max_new_tokens to ask the engine for."""
+    def check_context(
+        self, model: str, n_prompt: int, max_tokens: int | None, param: str = "messages"
+    ) -> int:
+        """Validate the prompt against the context; returns max_new_tokens to ask the engine for. A 400
+        names ``param``, the request field the prompt came from (chat's ``messages``, completions'
+        ``prompt``), in that route's words."""
         ctx = self.context_length(model)
         if n_prompt >= ctx or (max_tokens is not None and n_prompt + max_tokens > ctx):
-            want = f" plus {max_tokens} output tokens" if max_tokens is not None else ""
+            if param == "messages":
+                want = f" plus {max_tokens} output tokens" if max_tokens is not None else ""
+                asked = (
+                    f"{n_prompt} prompt tokens{want}. Please reduce the length of the messages or completion."
+                )
+            else:
+                want = f" plus {max_tokens} output tokens ('max_tokens')" if max_tokens is not None else ""
+                also = " or 'max_tokens'" if max_tokens is not None else ""
+                asked = f"{n_prompt} tokens of '{param}'{want}. Please reduce the length of '{param}'{also}."
             raise ApiError(
                 400,
-                f"This model's maximum context length is {ctx} tokens. However, you requested "
-                f"{n_prompt} prompt tokens{want}. Please reduce the length of the messages or completion.",
-                param="messages",
+                f"This model's maximum context length is {ctx} tokens. However, you requested {asked}",
+                param=param,
                 code="context_length_exceeded",
             )
         return max_tokens if max_tokens is not None else ctx - n_prompt

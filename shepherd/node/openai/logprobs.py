@@ -245,13 +245,14 @@ def completion_logprobs(
     """Legacy completions logprobs and the text offset after these tokens.
 
     ``top_logprobs``: the request's ``logprobs`` number; each position's dict holds that many
-    alternatives plus the sampled token (up to n+1 entries, as the API documents). ``text_offset``: the
+    alternatives plus the sampled token (up to n+1 entries, as the API documents: with 0, the sampled
+    token alone, as vLLM's ``_create_completion_logprobs`` keeps it). ``text_offset``: the
     character offset of the first token in the returned text (the prompt's length with ``echo``).
     Special tokens have zero width when ``skip_special_tokens`` (they are not in the text).
     """
     tokens: list[str] = []
     token_logprobs: list[float] = []
-    tops: list[dict[str, float] | None] = []
+    tops: list[dict[str, float]] = []
     offsets: list[int] = []
     offset = text_offset
     for lp in logprobs:
@@ -260,14 +261,11 @@ def completion_logprobs(
         tokens.append(name)
         logprob = json_logprob(lp.logprob)
         token_logprobs.append(logprob)
-        if top_logprobs > 0:
-            top: dict[str, float] = {}
-            for tid, tlp in lp.top[:top_logprobs]:
-                top.setdefault(f"token_id:{tid}" if tokens_as_ids else cache.get(tid).text, json_logprob(tlp))
-            top.setdefault(name, logprob)
-            tops.append(top)
-        else:
-            tops.append(None)
+        top: dict[str, float] = {}
+        for tid, tlp in lp.top[:top_logprobs]:
+            top.setdefault(f"token_id:{tid}" if tokens_as_ids else cache.get(tid).text, json_logprob(tlp))
+        top.setdefault(name, logprob)
+        tops.append(top)
         offsets.append(offset)
         if not (t.special and skip_special_tokens):
             offset += t.width

@@ -835,6 +835,8 @@ class CompletionRequest:
     echo: bool
     raw: dict[str, Any]
     constraint: Constraint | None = None  # response_format or a vLLM / SGLang guided field (guided.py)
+    add_special_tokens: bool = True  # vLLM's: false encodes a text prompt without BOS (and the like)
+    echo_only: bool = False  # echo with max_tokens 0: every choice is its prompt, nothing generated
 
 
 def _prompts(d: dict[str, Any]) -> list[str | list[int]]:
@@ -861,7 +863,15 @@ def _prompts(d: dict[str, Any]) -> list[str | list[int]]:
 def parse_completion(d: dict[str, Any]) -> CompletionRequest:
     model = _model(d)
     prompts = _prompts(d)
-    sampling = parse_sampling(d, max_tokens_keys=("max_tokens",))
+    echo = _bool(d, "echo", False)
+    # vLLM's echo_without_generation (CompletionRequest.to_sampling_params): echo with max_tokens 0 answers
+    # the prompt alone; without echo, 0 stays a 400 (vLLM: SamplingParams' "max_tokens must be at least 1")
+    max_tokens = d.get("max_tokens")
+    echo_only = echo and max_tokens == 0 and type(max_tokens) in (int, float)
+    if echo_only:
+        sampling = _replace_max(parse_sampling({**d, "max_tokens": None}, max_tokens_keys=("max_tokens",)), 0)
+    else:
+        sampling = parse_sampling(d, max_tokens_keys=("max_tokens",))
     if not _UNSUPPORTED_KEYS.isdisjoint(d):
         _refuse_unsupported(d, _UNSUPPORTED)
     if d.get("max_tokens") is None:
@@ -884,7 +894,6 @@ def parse_completion(d: dict[str, Any]) -> CompletionRequest:
         check_schemas_now(pending)
         constraint = guided[0] if guided is not None else response_format_constraint(rf)
     logprobs = _int(d, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    echo = _bool(d, "echo", False)
     if echo and logprobs is not None:
         # the echoed prompt's logprobs (how evaluations score a text) would be missing: an answer whose
         # logprobs do not cover its text would be silently wrong
@@ -901,6 +910,8 @@ def parse_completion(d: dict[str, Any]) -> CompletionRequest:
         echo=echo,
         raw=d,
         constraint=constraint,
+        add_special_tokens=_bool(d, "add_special_tokens", True),
+        echo_only=echo_only,
     )
 
 
