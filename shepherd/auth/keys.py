@@ -304,4 +304,5 @@ def principal_for(record: ApiKeyRecord, default_tenant: str) -> Principal:
         role=record.role,
         key_id=record.id,
         method="api_key",
+        models=record.models,
     )

@@ -18,6 +18,7 @@ class Principal:
     key_id: str | None = None  # set when authenticated by an API key
     method: Literal["none", "api_key", "jwt", "mtls"] = "none"
     issuer: str = ""  # a JWT's "iss" (its subject is that issuer's name for the caller)
+    models: tuple[str, ...] | None = None  # the models it may use (an API key's list); None: every one
 
     @property
     def owner(self) -> str:

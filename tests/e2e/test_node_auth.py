@@ -372,6 +372,39 @@ def test_api_keys(setup: Setup) -> None:
     assert "AAAAAAAAAAAAAAAA" not in setup.node.log()
 
 
+def test_a_keys_model_list_holds_however_the_model_is_named(setup: Setup) -> None:
+    """The list is checked on the model a route resolves: in the body, as ?model=, or none at all on a
+    one-model node (the body's "model" alone was checked before: the other two went through)."""
+    admin = bearer(ADMIN_KEY)
+    msgs = [{"role": "user", "content": "hi"}]
+    with setup.http() as http:
+        keys = {}
+        for models in (["other"], ["qwen3"]):
+            r = http.post("/admin/keys", json={"name": "m", "models": models}, headers=admin)
+            assert r.status_code == 201, r.text
+            keys[models[0]] = bearer(r.json()["key"])
+        asks = [
+            ("/v1/chat/completions", {"messages": msgs, "max_tokens": 2}),
+            ("/v1/chat/completions", {"model": "qwen3", "messages": msgs, "max_tokens": 2}),
+            ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+            ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
+            ("/generate?model=qwen3", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
+            ("/v1/responses", {"input": "hi", "max_output_tokens": 2, "model": "qwen3"}),
+            ("/v1/messages", {"model": "qwen3", "messages": msgs, "max_tokens": 2}),
+            ("/tokenize", {"prompt": "hi"}),
+        ]
+        for path, body in asks:
+            r = http.post(path, json=body, headers=keys["other"])
+            assert r.status_code == 403, (path, r.text)
+            err = r.json()["error"]
+            assert err.get("code") == "model_not_allowed" or err.get("type") == "permission_error", (
+                path,
+                err,
+            )
+            r = http.post(path, json=body, headers=keys["qwen3"])
+            assert r.status_code == 200, (path, r.text)
+
+
 def test_jwts_rotation_and_attacks(setup: Setup) -> None:
     k1, issuer = setup.signer, setup.issuer
     iss = {"iss": issuer.url}

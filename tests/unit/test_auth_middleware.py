@@ -19,7 +19,7 @@ from shepherd.auth.keys import ApiKeyRecord, MemoryKeyStore, create_key, hash_ke
 from shepherd.auth.middleware import AUTH, Authenticator, AuthFailure, plane_of
 from shepherd.auth.principal import principal_of
 from shepherd.node.api import keys as api_keys
-from shepherd.node.api.common import GATEWAY, error_middleware
+from shepherd.node.api.common import GATEWAY, error_middleware, model_allowed
 from shepherd.node.config import NodeConfig
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.metrics import NodeMetrics
@@ -36,7 +36,12 @@ async def whoami(request: web.Request) -> web.Response:
 
 
 async def chat(request: web.Request) -> web.Response:
-    await request.read()
+    try:
+        d = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        d = None
+    if isinstance(d, dict) and isinstance(d.get("model"), str):
+        model_allowed(request, d["model"])  # as the routes check the model they resolve
     return await whoami(request)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shepherd.node.api.common import GATEWAY, audit
+from shepherd.node.api.common import GATEWAY, audit, model_for
 from shepherd.node.api.openai import render_chat
 from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_in_effect, worker_endpoint
 from shepherd.node.dispatch.circuit_breaker import BreakerState
@@ -84,7 +84,7 @@ TOKENIZE_CHAT_KEYS = (
 async def tokenize(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
     _, d = await read_json(request, gw.cfg.max_body_bytes)
-    model = gw.resolve_model(str(d.get("model", "default")))
+    model = model_for(request, gw, str(d.get("model", "default")))
     add_special = d.get("add_special_tokens", True)
     if not isinstance(add_special, bool):
         raise bad("'add_special_tokens' must be a boolean.", param="add_special_tokens")
@@ -114,7 +114,7 @@ async def tokenize(request: web.Request) -> web.Response:
 async def detokenize(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
     _, d = await read_json(request, gw.cfg.max_body_bytes)
-    model = gw.resolve_model(str(d.get("model", "default")))
+    model = model_for(request, gw, str(d.get("model", "default")))
     toks = d.get("tokens")
     tok = gw.tokenizer(model)
     if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):

@@ -166,6 +166,29 @@ def owner_of(request: web.Request) -> str | None:
     return p.owner if isinstance(p, Principal) and p.method != "none" else None
 
 
+def model_for(request: web.Request, gw: Gateway, name: str) -> str:
+    """``gw.resolve_model(name)`` under the caller's model allow-list (``model_allowed``)."""
+    model = gw.resolve_model(name)
+    model_allowed(request, model, name)
+    return model
+
+
+def model_allowed(request: web.Request, model: str, name: str = "") -> None:
+    """A 403 ``model_not_allowed`` when the caller (an API key with ``models``) may not use ``model`` (or
+    the name it was asked by): checked on the model a route resolved, however the request named it (its
+    body, a query parameter, or not at all on a one-model node)."""
+    p = request.get(PRINCIPAL_KEY)
+    allowed = p.models if isinstance(p, Principal) else None
+    if allowed is not None and model not in allowed and name not in allowed:
+        raise ApiError(
+            403,
+            f"This API key may not use model {model[:100]!r}.",
+            type="permission_error",
+            param="model",
+            code="model_not_allowed",
+        )
+
+
 def may_read(request: web.Request, owner: str | None) -> bool:
     """Whether the caller sees a record owned by ``owner`` (its owner, an admin, or auth off)."""
     p = request.get(PRINCIPAL_KEY)

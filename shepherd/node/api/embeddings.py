@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from shepherd.node.api.common import ADMISSION, GATEWAY, relay
+from shepherd.node.api.common import ADMISSION, GATEWAY, model_for, relay
 from shepherd.node.api.generation import fresh_id
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import read_json
@@ -278,7 +278,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
     raw, d = await read_json(request, gw.cfg.max_body_bytes)
     req = parse_embeddings(d)
-    model = gw.resolve_model(req.model)
+    model = model_for(request, gw, req.model)
     request["model"] = model
     gw.require_kind(model, "embed")
     adm = request.app[ADMISSION]

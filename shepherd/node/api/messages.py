@@ -26,7 +26,7 @@ from aiohttp import web
 
 from shepherd.node.anthropic.messages import MessageEvents, messages_usage
 from shepherd.node.anthropic.requests import MessagesRequest, parse_count_tokens, parse_messages
-from shepherd.node.api.common import ADMISSION, GATEWAY
+from shepherd.node.api.common import ADMISSION, GATEWAY, model_for
 from shepherd.node.api.generation import Generation, Job, fresh_id, strict_violation
 from shepherd.node.api.openai import render_chat
 from shepherd.node.dispatch.gateway import Gateway
@@ -43,8 +43,8 @@ async def _prompt(gw: Gateway, model: str, req: MessagesRequest) -> tuple[str, l
     return await render_chat(gw, model, req.chat)
 
 
-def _model(gw: Gateway, name: str) -> str:
-    model = gw.resolve_model(name)
+def _model(request: web.Request, gw: Gateway, name: str) -> str:
+    model = model_for(request, gw, name)
     gw.require_kind(model, "generate")
     if gw.relay_mode(model):
         raise bad(
@@ -60,7 +60,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     _, d = await read_json(request, gw.cfg.max_body_bytes)
     req = parse_messages(d)
-    model = _model(gw, req.chat.model)
+    model = _model(request, gw, req.chat.model)
     tok = gw.tokenizer(model)
     text, ids = await _prompt(gw, model, req)
     shaping = shape_chat(gw.parser_families(model), req.chat, text)
@@ -119,7 +119,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
     _, d = await read_json(request, gw.cfg.max_body_bytes)
     req = parse_count_tokens(d)
-    model = _model(gw, req.chat.model)
+    model = _model(request, gw, req.chat.model)
     if req.chat.schemas:
         await check_schemas(req.chat.schemas)
     _, ids = await _prompt(gw, model, req)

@@ -21,7 +21,15 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from shepherd.node.api.common import GATEWAY, KEEPALIVE_TICKER, admitted, request_id_of, stamp_headers
+from shepherd.node.api.common import (
+    GATEWAY,
+    KEEPALIVE_TICKER,
+    admitted,
+    model_allowed,
+    model_for,
+    request_id_of,
+    stamp_headers,
+)
 from shepherd.node.api.generation import (
     CLIENT_DISCONNECT,
     GONE,
@@ -70,10 +78,12 @@ def _model_of(request: web.Request, gw: Gateway, given: object = None) -> str:
     if name is None:
         if len(gw.models) != 1:
             raise bad("'model' is required: this node serves several models.", param="model")
-        return next(iter(gw.models))
+        model = next(iter(gw.models))
+        model_allowed(request, model)
+        return model
     if not isinstance(name, str):
         raise bad("'model' must be a string.", param="model")
-    return gw.resolve_model(name)
+    return model_for(request, gw, name)
 
 
 async def get_model_info(request: web.Request) -> web.Response:

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from shepherd.node.api.common import ADMISSION, GATEWAY, admitted, relay
+from shepherd.node.api.common import ADMISSION, GATEWAY, admitted, model_for, relay
 from shepherd.node.api.generation import SSE_HEADERS, Generation, Job, fresh_id
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import json_now, read_json
@@ -194,7 +194,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     got = json_now(request, limit)
     raw, d = got if got is not None else await read_json(request, limit)
     req = parse_chat_deferred(d)
-    model = gw.resolve_model(req.model)
+    model = model_for(request, gw, req.model)
     gw.require_kind(model, "generate")
     if gw.relay_mode(model):
         if req.guided_param:
@@ -241,7 +241,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     t0 = time.perf_counter()
     raw, d = await read_json(request, gw.cfg.max_body_bytes)
     req = parse_completion(d)
-    model = gw.resolve_model(req.model)
+    model = model_for(request, gw, req.model)
     gw.require_kind(model, "generate")
     if gw.relay_mode(model):
         guided = next((k for k in GUIDED_KEYS if d.get(k) is not None), None)

@@ -50,6 +50,7 @@ from shepherd.node.api.common import (
     history_unavailable,
     item_list,
     may_read,
+    model_for,
     owner_of,
 )
 from shepherd.node.api.generation import Generation, Job, strict_violation
@@ -598,7 +599,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     hist = _hist(request)
     raw, d = await read_json(request, gw.cfg.max_body_bytes)
     req = parse_responses(d)
-    model = gw.resolve_model(req.model)
+    model = model_for(request, gw, req.model)
     gw.require_kind(model, "generate")
     if gw.relay_mode(model):
         raise bad(
