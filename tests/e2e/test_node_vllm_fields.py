@@ -628,6 +628,7 @@ def test_add_special_tokens_false_on_completions_encodes_no_bos(
         ("priority", 3),
         ("lora_path", "/adapters/a"),
         ("return_hidden_states", True),
+        ("return_token_ids", True),
         ("use_beam_search", True),
         ("cache_salt", "tenant-a"),
         ("chat_template", "{{ 1/0 }}"),
@@ -642,7 +643,13 @@ def test_fields_no_engine_carries_are_a_400_naming_them(
     body = e.value.body
     assert isinstance(body, dict) and body.get("param") == field
     # their neutral values pass
-    neutral = {"priority": 0, "use_beam_search": False, "echo": False, "return_hidden_states": False}
+    neutral = {
+        "priority": 0,
+        "use_beam_search": False,
+        "echo": False,
+        "return_hidden_states": False,
+        "return_token_ids": False,
+    }
     if field in neutral:
         client.chat.completions.create(
             model=VL, messages=user(), max_tokens=2, extra_body={field: neutral[field]}
