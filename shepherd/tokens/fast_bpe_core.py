@@ -36,11 +36,15 @@ dozen contexts, ``--fast-bpe-verify``).
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
+import json
+import os
 import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import tiktoken
@@ -302,6 +306,89 @@ def _nfc_agrees(normalize: Callable[[str], str]) -> str | None:
     return None
 
 
+# ---- the checks' verdict on disk ------------------------------------------------------------------------
+# The structural checks below take ~0.6 s for a 150k vocabulary, at every process start (node, tokenizer
+# pool, engine). Their verdict depends on the file's content, the tokenizers library (its normalizer and
+# model) and Python's Unicode tables alone: kept per that, as a small JSON file, in
+# $SHEPHERD_CACHE_DIR (default $XDG_CACHE_HOME/shepherd, ~/.cache/shepherd) under bpe-checks/.
+_VERDICT_FORMAT: Final = 1
+
+
+def _verdict_path(key: bytes) -> Path:
+    base = os.environ.get("SHEPHERD_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shepherd"
+    )
+    tag = b"|".join(
+        (
+            key,
+            str(_VERDICT_FORMAT).encode(),
+            tokenizers.__version__.encode(),
+            unicodedata.unidata_version.encode(),
+        )
+    )
+    return Path(base) / "bpe-checks" / f"{hashlib.sha256(tag).hexdigest()}.json"
+
+
+def _load_verdict(key: bytes) -> dict[str, Any] | None:
+    try:
+        got = json.loads(_verdict_path(key).read_bytes())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(got, dict) and (
+        isinstance(got.get("error"), str)
+        or (
+            isinstance(got.get("all_splits"), bool)
+            and isinstance(got.get("failing"), list)
+            and all(isinstance(i, int) for i in got["failing"])
+        )
+    )
+    return got if ok else None
+
+
+def _store_verdict(key: bytes, verdict: dict[str, Any]) -> None:
+    """Written whole or not at all (a temporary file renamed over it); an unwritable cache is no error."""
+    path = _verdict_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(verdict))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _checks(
+    hf: tokenizers.Tokenizer,
+    model: Mapping[str, Any],
+    vocab: Mapping[str, int],
+    ranks: Mapping[bytes, int],
+    *,
+    ignore_merges: bool,
+    nfc: bool,
+) -> tuple[bool, set[int]]:
+    """The expensive checks (raise ValueError with the reason): whether the merges are all the splits, and
+    the ids HF's model does not encode as themselves (left out of the ranks)."""
+    if nfc:
+        assert hf.normalizer is not None
+        why = _nfc_agrees(hf.normalizer.normalize_str)
+        if why is not None:
+            raise ValueError(why)
+    pairs = _merge_pairs(model.get("merges") or [])
+    all_splits = _check_merges(vocab, pairs, need_layout=ignore_merges)
+    if ignore_merges and not all_splits:
+        # HF looks whole words up, but whether its merges alone reach each token is unchecked
+        raise ValueError("ignore_merges with one merge per token (not all splits)")
+    if ignore_merges:
+        return all_splits, set()
+    merge_results = {vocab[a + b] for a, b in pairs}
+    failing = set(_self_encoding_tokens(hf, vocab, ranks))
+    if failing & merge_results:
+        raise ValueError(
+            f"tokens {sorted(failing & merge_results)[:5]} are merge results but do not encode to themselves"
+        )
+    return all_splits, failing
+
+
 def _cached_core(hf: tokenizers.Tokenizer, d: Mapping[str, Any], key: bytes | None) -> _Core:
     if key is not None and key in _CORES:
         _CORES.move_to_end(key)
@@ -310,7 +397,7 @@ def _cached_core(hf: tokenizers.Tokenizer, d: Mapping[str, Any], key: bytes | No
             raise ValueError(hit)
         return hit
     try:
-        core: _Core | str = _build_core(hf, d)
+        core: _Core | str = _build_core(hf, d, key)
     except ValueError as e:
         core = str(e)
     if key is not None:
@@ -322,35 +409,32 @@ def _cached_core(hf: tokenizers.Tokenizer, d: Mapping[str, Any], key: bytes | No
     return core
 
 
-def _build_core(hf: tokenizers.Tokenizer, d: Mapping[str, Any]) -> _Core:
+def _build_core(hf: tokenizers.Tokenizer, d: Mapping[str, Any], key: bytes | None = None) -> _Core:
     """The checks of the model, pre-tokenizer and normalizer, and the tiktoken encoding (raises
-    ValueError with the reason when the structure is not supported)."""
+    ValueError with the reason when the structure is not supported). ``key`` (the file's digest): the
+    expensive checks' verdict is taken from, or kept in, the disk cache above."""
     model = d.get("model") or {}
     ignore_merges = _check_model(model)
     pattern = _pre_tokenizer_pattern(d.get("pre_tokenizer"))
     nfc = _normalizer_is_nfc(d.get("normalizer"))
-    if nfc:
-        assert hf.normalizer is not None
-        why = _nfc_agrees(hf.normalizer.normalize_str)
-        if why is not None:
-            raise ValueError(why)
     vocab: Mapping[str, int] = model.get("vocab") or {}
     ranks = _ranks(vocab)
-    pairs = _merge_pairs(model.get("merges") or [])
-    all_splits = _check_merges(vocab, pairs, need_layout=ignore_merges)
-    if ignore_merges and not all_splits:
-        # HF looks whole words up, but whether its merges alone reach each token is unchecked
-        raise ValueError("ignore_merges with one merge per token (not all splits)")
-    if not ignore_merges:
-        merge_results = {vocab[a + b] for a, b in pairs}
-        failing = set(_self_encoding_tokens(hf, vocab, ranks))
-        if failing & merge_results:
-            raise ValueError(
-                f"tokens {sorted(failing & merge_results)[:5]} are merge results but do not encode "
-                "to themselves"
-            )
+    verdict = _load_verdict(key) if key is not None else None
+    if verdict is None:
+        try:
+            all_splits, failing = _checks(hf, model, vocab, ranks, ignore_merges=ignore_merges, nfc=nfc)
+            verdict = {"all_splits": all_splits, "failing": sorted(failing)}
+        except ValueError as e:
+            verdict = {"error": str(e)}
+        if key is not None:
+            _store_verdict(key, verdict)
+    if "error" in verdict:
+        raise ValueError(verdict["error"])
+    all_splits = verdict["all_splits"]
+    if verdict["failing"]:
         # No merge gives them and HF does not look words up: HF never produces them, and without
         # them in the ranks neither does tiktoken (GPT-2's "<|endoftext|>").
+        failing = set(verdict["failing"])
         ranks = {tok: i for tok, i in ranks.items() if i not in failing}
     try:
         encoding = tiktoken.Encoding(

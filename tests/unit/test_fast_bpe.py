@@ -12,6 +12,7 @@ import functools
 import gc
 import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -536,3 +537,49 @@ def test_a_run_that_overflows_tiktokens_regex_is_encoded_by_hf_not_a_crash(space
     fast = fast_of("qwen3")
     text = "ab" + space * 1_000_000 + "cd"
     assert fast.encode(text, False) == fast.hf.encode(text, add_special_tokens=False).ids
+
+
+def test_the_checks_verdict_is_kept_on_disk_per_content(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process start takes the expensive checks' verdict from the disk cache (keyed by the file's
+    digest, the tokenizers version and the Unicode tables): accepted, refused, or with the tokens left
+    out of the ranks; a damaged entry is checked again."""
+    import shepherd.tokens.fast_bpe_core as core_mod
+
+    monkeypatch.setenv("SHEPHERD_CACHE_DIR", str(tmp_path))
+    cases = [
+        (tiny(["ab", "xyz"], merges=[("a", "b")], ignore_merges=False), b"left-out", None),
+        (tiny(["ab", "bc"], merges=[("b", "c"), ("a", "b")]), b"refused", "priority"),
+        (tiny(DENSE), b"accepted", None),
+    ]
+    first = {}
+    for (hf, d), key, why in cases:
+        core_mod._CORES.clear()
+        fast, reason = FastBPE.build_with_reason(hf, d, content_key=key)
+        assert (fast is None) == (why is not None) and (why is None or why in reason)
+        first[key] = (reason, None if fast is None else fast.encode("xyz ab aba", False))
+    assert len(list((tmp_path / "bpe-checks").iterdir())) == 3
+    real = core_mod._checks
+
+    def no_checks(*a: Any, **k: Any) -> Any:
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(core_mod, "_checks", no_checks)
+    for (hf, d), key, _ in cases:
+        core_mod._CORES.clear()
+        fast, reason = FastBPE.build_with_reason(hf, d, content_key=key)
+        assert (reason, None if fast is None else fast.encode("xyz ab aba", False)) == first[key]
+    for f in (tmp_path / "bpe-checks").iterdir():
+        f.write_text('{"all_splits": "yes"}')
+    calls: list[int] = []
+
+    def counted(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(core_mod, "_checks", counted)
+    for (hf, d), key, _ in cases:
+        core_mod._CORES.clear()
+        assert FastBPE.build_with_reason(hf, d, content_key=key)[1] == first[key][0]
+    assert len(calls) == 3
