@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ ASYMMETRIC_ALGORITHMS = frozenset(
 )
 HMAC_ALGORITHMS = frozenset({"HS256", "HS384", "HS512"})
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+log = logging.getLogger("shepherd.auth")
 
 
 class AuthConfigError(ValueError):
@@ -397,6 +400,11 @@ def auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
         raise AuthConfigError("JWT auth needs auth.jwt.issuer, jwks_url, public_key_files or hmac_secret_env")
     if cfg.max_credential_bytes < 64:
         raise AuthConfigError("auth.max_credential_bytes must be >= 64")
+    if cfg.uses_jwt and cfg.jwt.jwks_url and not cfg.jwt.issuer:
+        log.warning(
+            "auth.jwt: jwks_url without issuer: tokens of any issuer those keys sign are accepted "
+            "(set auth.jwt.issuer / --jwt-issuer to check iss)"
+        )
     return cfg
 
 

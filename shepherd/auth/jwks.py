@@ -206,6 +206,8 @@ class HttpFetch:
             async with self._session.get(url, headers={"Accept": "application/json"}) as r:
                 if r.status != 200:
                     raise FetchError(f"GET {url}: HTTP {r.status}")
+                if url.startswith("https://") and r.url.scheme != "https":  # keys over plain HTTP: no
+                    raise FetchError(f"GET {url}: redirected off HTTPS")
                 body = await _read_capped(r.content, self._max)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             raise FetchError(f"GET {url}: {type(e).__name__}: {e}") from None
@@ -248,6 +250,8 @@ class JwksSource:
         if str(doc.get("issuer", "")).rstrip("/") != issuer:
             raise FetchError("the OIDC discovery document names another issuer")
         uri: str = doc["jwks_uri"]
+        if issuer.startswith("https://") and not uri.startswith("https://"):
+            raise FetchError("the OIDC discovery document's jwks_uri is not HTTPS")
         return uri
 
     async def _load(self) -> None:

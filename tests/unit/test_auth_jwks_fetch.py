@@ -94,3 +94,24 @@ async def test_tenant_claims_are_bounded(chunked_server: Server) -> None:
         assert (await verifier.verify(signer.token(tenant=""))).principal.tenant == "default"
     finally:
         await fetch.close()
+
+
+async def test_an_https_issuer_s_keys_are_never_taken_over_plain_http() -> None:
+    """An HTTPS issuer whose discovery document points its jwks_uri at plain HTTP: the keys are not
+    fetched (anyone on the path could hand out signing keys), and tokens find no key."""
+    signer = Signer("k1")
+    asked: list[str] = []
+
+    async def fetch(url: str) -> object:
+        asked.append(url)
+        if url.endswith("/.well-known/openid-configuration"):
+            return {"issuer": ISS, "jwks_uri": ISS.replace("https://", "http://") + "/jwks"}
+        return {"keys": [signer.jwk()]}
+
+    assert ISS.startswith("https://")
+    cfg = JwtConfig(issuer=ISS, audience=(AUD,))
+    verifier = JwtVerifier(cfg, [], JwksSource(cfg, fetch))
+    with pytest.raises(JwtError) as e:
+        await verifier.verify(signer.token())
+    assert e.value.code == "unknown_key"
+    assert asked == [ISS + "/.well-known/openid-configuration"]
