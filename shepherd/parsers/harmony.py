@@ -77,11 +77,15 @@ class HarmonyReasoningParser:
                 self._state = _HEADER
                 continue
             if state == _HEADER:
-                i = buf.find(_MESSAGE)
+                # a header is one whose <|message|> starts within _MAX_HEADER characters: decided on
+                # the text alone, whether it came whole or in pieces
+                i = buf.find(_MESSAGE, 0, _MAX_HEADER + len(_MESSAGE))
                 if i == -1:
-                    if len(buf) > _MAX_HEADER:  # not a header after all: plain text
-                        content.append(buf)
-                        buf = ""
+                    if len(buf) >= _MAX_HEADER + len(_MESSAGE):  # not a header after all: its marker is
+                        # plain text, and the text after it is read again (it may hold a real header)
+                        head = _START if buf.startswith(_START) else _CHANNEL
+                        content.append(head)
+                        buf = buf[len(head) :]
                         self._state = _OUTSIDE
                         continue
                     self._buf = buf

@@ -51,6 +51,7 @@ class ThinkTagReasoningParser:
         "_drop",
         "_drop_firsts",
         "_end",
+        "_lead",
         "_may_open",
         "_reason_lstrip",
         "_reason_markers",
@@ -72,7 +73,8 @@ class ThinkTagReasoningParser:
         self._reason_markers = (spec.end, *spec.implicit_end, *(spec.tool_end if tool_calls else ()))
         self._drop = spec.content_drop
         self._drop_firsts = frozenset(m[0] for m in spec.content_drop)
-        self._buf = ""
+        self._buf = ""  # a partial marker, held until decided (never white space: decided at once)
+        self._lead: list[str] = []  # _START: the leading white space (content unless a block opens)
         self._may_open = False
         self._reason_lstrip = False
         self._content_lstrip = False
@@ -96,6 +98,9 @@ class ThinkTagReasoningParser:
     def finish(self) -> tuple[str, str]:
         buf = self._buf
         self._buf = ""
+        if self._lead:
+            buf = "".join(self._lead) + buf
+            self._lead = []
         if not buf:
             return "", ""
         if self._state == _REASONING:
@@ -112,21 +117,26 @@ class ThinkTagReasoningParser:
             state = self._state
             if state == _START:
                 t = buf.lstrip()
+                if len(t) != len(buf):
+                    self._lead.append(buf[: len(buf) - len(t)])
                 if not t or (len(t) < len(start) and start.startswith(t)):
-                    self._buf = buf
+                    self._buf = t
                     break
                 if t.startswith(start):
                     buf = t[len(start) :]
                     self._state = _REASONING
                     self._reason_lstrip = True
                 else:
+                    buf = "".join(self._lead) + t
                     self._state = _CONTENT
+                self._lead = []
                 continue
             if state == _REASONING:
                 if self._may_open:
+                    # (white space before the start marker is dropped either way: reason_lstrip)
                     t = buf.lstrip()
                     if not t or (len(t) < len(start) and start.startswith(t)):
-                        self._buf = buf
+                        self._buf = t
                         break
                     self._may_open = False
                     if t.startswith(start):

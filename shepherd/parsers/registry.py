@@ -16,7 +16,7 @@ from typing import Any
 from shepherd.parsers.events import ReasoningParser, ToolParser
 from shepherd.parsers.harmony import HarmonyReasoningParser
 from shepherd.parsers.reasoning import ThinkSpec, ThinkTagReasoningParser
-from shepherd.parsers.tool_common import IdFactory, param_types
+from shepherd.parsers.tool_common import IdFactory, ParamTypes, param_types
 from shepherd.parsers.tool_delimited import DelimitedSpec, DelimitedToolParser
 from shepherd.parsers.tool_formats import (
     COHERE,
@@ -95,9 +95,7 @@ _REASONING_ALIASES = {
     "nemotron_nano": "nemotron",
 }
 
-_ToolFactory = Callable[
-    [IdFactory | None, Mapping[str, Mapping[str, str]], Collection[str] | None], ToolParser
-]
+_ToolFactory = Callable[[IdFactory | None, ParamTypes, Collection[str] | None], ToolParser]
 
 
 def _delimited(spec: DelimitedSpec) -> _ToolFactory:

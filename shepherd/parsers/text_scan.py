@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
-__all__ = ["BracketScanner", "find_first", "partial_suffix_len"]
+__all__ = ["BracketScanner", "JsonStringTracker", "find_first", "partial_suffix_len"]
 
 
 def partial_suffix_len(text: str, markers: Sequence[str]) -> int:
@@ -84,3 +85,77 @@ class BracketScanner:
         self._escape = escape
         self._depth = depth
         return -1
+
+
+_NON_SPACE = re.compile(r"[^ \t\r\n]")
+_IN_STRING = re.compile(r'["\\]')
+_OUTSIDE_STRING = re.compile(r'["{}\[\]]')
+
+_LEAD, _VALUE, _DONE = 0, 1, 2
+
+
+class JsonStringTracker:
+    """Whether a position of a call body lies inside a JSON string of the value the body starts with
+    (after white space), fed incrementally: an end marker there is argument text, not the end of the
+    call. Regex jumps over string contents and between structural characters, O(total length).
+
+    Once the value has closed, or when the body does not start with ``{`` / ``[``, nothing is inside a
+    string any more."""
+
+    __slots__ = ("_depth", "_escape", "_phase", "in_string")
+
+    def __init__(self) -> None:
+        self._phase = _LEAD
+        self._depth = 0
+        self._escape = False
+        self.in_string = False
+
+    def scan(self, text: str, pos: int, end: int) -> None:
+        """Advance over ``text[pos:end]`` (the text right after what was scanned before)."""
+        phase = self._phase
+        depth = self._depth
+        in_string = self.in_string
+        while pos < end and phase != _DONE:
+            if phase == _LEAD:
+                m = _NON_SPACE.search(text, pos, end)
+                if m is None:
+                    break
+                pos = m.end()
+                if m.group() in "{[":
+                    phase = _VALUE
+                    depth = 1
+                else:
+                    phase = _DONE
+                continue
+            if self._escape:  # the character after a backslash that ended the previous piece
+                self._escape = False
+                pos += 1
+                continue
+            if in_string:
+                m = _IN_STRING.search(text, pos, end)
+                if m is None:
+                    break
+                pos = m.end()
+                if m.group() == '"':
+                    in_string = False
+                elif pos < end:
+                    pos += 1  # the escaped character
+                else:
+                    self._escape = True
+                continue
+            m = _OUTSIDE_STRING.search(text, pos, end)
+            if m is None:
+                break
+            pos = m.end()
+            ch = m.group()
+            if ch == '"':
+                in_string = True
+            elif ch in "{[":
+                depth += 1
+            else:
+                depth -= 1
+                if depth <= 0:
+                    phase = _DONE
+        self._phase = phase
+        self._depth = depth
+        self.in_string = in_string

@@ -10,19 +10,36 @@ from typing import Any, NamedTuple
 from shepherd.parsers.events import ToolCallArgs, ToolCallStart, ToolEvent
 
 __all__ = [
+    "BodyParser",
     "CallEmitter",
     "IdFactory",
+    "ParamType",
     "ParamTypes",
     "ParsedCall",
     "convert_value",
     "dump_args",
+    "infer_type",
     "load_args",
+    "loads_json",
     "param_types",
+    "parse_guarded",
     "random_call_id",
 ]
 
 IdFactory = Callable[[], str]
-ParamTypes = Mapping[str, Mapping[str, str]]  # function name -> parameter name -> JSON schema type
+
+
+class ParamType(NamedTuple):
+    """A declared parameter's type. ``declared``: the schema's own ``type`` (of a list, its first
+    non-null member), None when it has none; ``inferred``: SGLang's ``infer_type_from_json_schema``
+    (``type``, else ``anyOf``/``oneOf``, ``enum``, ``allOf``, ``properties``, ``items``), None when the
+    schema gives no hint."""
+
+    declared: str | None
+    inferred: str | None
+
+
+ParamTypes = Mapping[str, Mapping[str, ParamType]]  # function name -> parameter name -> its type
 
 
 class ParsedCall(NamedTuple):
@@ -31,12 +48,36 @@ class ParsedCall(NamedTuple):
     id: str | None = None  # None: the parser makes one
 
 
+BodyParser = Callable[[str, ParamTypes], list[ParsedCall] | None]
+
+
+def parse_guarded(parse: BodyParser, body: str, types: ParamTypes) -> list[ParsedCall] | None:
+    """``parse(body, types)``, None when it raises: a body the parser cannot handle (nesting deeper
+    than the recursion limit, a value JSON cannot write, ...) is not a call and comes back as text,
+    as the references' ``except Exception`` fallbacks do."""
+    try:
+        return parse(body, types)
+    except Exception:
+        return None
+
+
 def random_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
 def dump_args(args: Mapping[str, Any]) -> str:
-    return json.dumps(args, ensure_ascii=False)
+    """Arguments as JSON text. Raises ValueError for a value JSON cannot write (NaN, infinity)."""
+    return json.dumps(args, ensure_ascii=False, allow_nan=False)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_json(text: str) -> Any:
+    """``json.loads`` of strict JSON: ``NaN`` / ``Infinity`` are rejected (ValueError), as is nesting
+    deeper than the recursion limit (RecursionError)."""
+    return json.loads(text, parse_constant=_reject_constant)
 
 
 def load_args(text: str) -> dict[str, Any] | None:
@@ -45,29 +86,106 @@ def load_args(text: str) -> dict[str, Any] | None:
     if not text:
         return {}
     try:
-        value = json.loads(text)
-    except ValueError:
+        value = loads_json(text)
+    except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 
 
-def param_types(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict[str, str]]:
+_MAX_SCHEMA_DEPTH = 16  # how deep type inference follows anyOf/oneOf/allOf (a request's schema is untrusted)
+
+
+def _enum_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return "string"
+
+
+def _declared_type(schema: Mapping[str, Any]) -> str | None:
+    t = schema.get("type")
+    if isinstance(t, list):  # ["string", "null"]
+        t = next((x for x in t if x != "null"), None)
+    return t if isinstance(t, str) else None
+
+
+def infer_type(schema: Any, depth: int = 0) -> str | None:
+    """SGLang's ``function_call/utils.py::infer_type_from_json_schema``: the primary type of a
+    parameter schema, None when it gives no hint."""
+    if not isinstance(schema, Mapping) or depth > _MAX_SCHEMA_DEPTH:
+        return None
+    t = schema.get("type")
+    if isinstance(t, str):
+        return t
+    if isinstance(t, list) and t:
+        return next((x for x in t if x != "null"), "string") if all(isinstance(x, str) for x in t) else None
+    variants = schema.get("anyOf") or schema.get("oneOf")
+    if isinstance(variants, list):
+        types = [x for x in (infer_type(v, depth + 1) for v in variants) if x]
+        if types:
+            if len(set(types)) == 1 or "string" not in types:
+                return types[0]
+            return "string"
+    enum = schema.get("enum")
+    if isinstance(enum, list):
+        kinds = {_enum_type(v) for v in enum}
+        return kinds.pop() if len(kinds) == 1 else "string"
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list):
+        for v in all_of:
+            x = infer_type(v, depth + 1)
+            if x and x != "string":
+                return x
+        return "string"
+    if "properties" in schema:
+        return "object"
+    if "items" in schema:
+        return "array"
+    return None
+
+
+def _properties(schema: Any, depth: int = 0) -> Mapping[str, Any]:
+    """The top-level ``properties`` of a ``parameters`` schema; without them, those of its
+    ``anyOf``/``oneOf``/``allOf`` branches (SGLang's ``get_schema_properties``)."""
+    if not isinstance(schema, Mapping) or depth > _MAX_SCHEMA_DEPTH:
+        return {}
+    props = schema.get("properties")
+    if isinstance(props, Mapping):
+        return props
+    merged: dict[str, Any] = {}
+    for keyword in ("anyOf", "oneOf", "allOf"):
+        branches = schema.get(keyword)
+        if isinstance(branches, list):
+            for branch in branches:
+                for key, value in _properties(branch, depth + 1).items():
+                    merged.setdefault(key, value)
+    return merged
+
+
+def param_types(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, dict[str, ParamType]]:
     """Parameter types by function from OpenAI-style ``tools`` (``{"type": "function", "function":
-    {"name", "parameters": {"properties": {...}}}}``, or the bare function objects)."""
-    out: dict[str, dict[str, str]] = {}
+    {"name", "parameters": {"properties": {...}}}}``, or the bare function objects). Every function
+    is listed, and every declared parameter (a parameter missing from its function is undeclared)."""
+    out: dict[str, dict[str, ParamType]] = {}
     for tool in tools or ():
         fn = tool.get("function", tool)
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
             continue
-        props = (fn.get("parameters") or {}).get("properties") or {}
-        types: dict[str, str] = {}
-        if isinstance(props, Mapping):
-            for key, schema in props.items():
-                t = schema.get("type") if isinstance(schema, Mapping) else None
-                if isinstance(t, list):  # ["string", "null"]
-                    t = next((x for x in t if x != "null"), None)
-                if isinstance(t, str):
-                    types[str(key)] = t
+        types: dict[str, ParamType] = {}
+        for key, schema in _properties(fn.get("parameters")).items():
+            if isinstance(schema, Mapping):
+                types[str(key)] = ParamType(_declared_type(schema), infer_type(schema))
+            else:
+                types[str(key)] = ParamType(None, None)
         out[fn["name"]] = types
     return out
 
@@ -86,8 +204,8 @@ def convert_value(raw: str, typ: str | None) -> Any:
     if typ is None and not (s[:1] in _JSONISH_START or s in ("true", "false", "null")):
         return raw
     try:
-        return json.loads(s)
-    except ValueError:
+        return loads_json(s)
+    except (ValueError, RecursionError):
         return raw
 
 

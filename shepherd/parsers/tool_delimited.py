@@ -3,37 +3,48 @@ section (``<|tool_calls_section_begin|> <call> <call> <|tool_calls_section_end|>
 
 One machine (``DelimitedToolParser``) does the streaming: content streams through except a suffix
 that could be the start of a marker; a call is buffered until its end marker, then parsed by the
-family's body parser; a body that does not parse comes back as text, markers included; so does a
-call cut off by the end of the output. Whitespace right after a call is dropped; section markers
-are structural and always dropped (text inside a section that is not a call is content).
+family's body parser; a body that does not parse (or that the body parser cannot handle: it raises)
+comes back as text, markers included; so does a call cut off by the end of the output, except in an
+``open_end`` family (hermes), where a complete body is a call without its end marker. In a
+``json_body`` family (hermes) an end marker inside a JSON string of the body is argument text.
+Whitespace right after a call is dropped. Section markers, and white space between them, are
+structural and dropped once a call in the section is accepted (text inside a section that is not a
+call is content); a section that closes without an accepted call is text, verbatim.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from shepherd.parsers.events import TextDelta, ToolEvent
-from shepherd.parsers.text_scan import find_first, partial_suffix_len
+from shepherd.parsers.text_scan import JsonStringTracker, find_first, partial_suffix_len
 from shepherd.parsers.tool_common import (
+    BodyParser,
     CallEmitter,
     IdFactory,
     ParamTypes,
     ParsedCall,
+    parse_guarded,
 )
 
-__all__ = ["BodyParser", "DelimitedSpec", "DelimitedToolParser"]
-
-BodyParser = Callable[[str, ParamTypes], list[ParsedCall] | None]
+__all__ = ["DelimitedSpec", "DelimitedToolParser"]
 
 
 @dataclass(frozen=True, slots=True)
 class DelimitedSpec:
+    """``json_body``: the body is a JSON value, and an end marker inside one of its strings is argument
+    text, not the end of the call (the end markers must hold no quote, backslash or bracket);
+    ``open_end``: a call whose end marker never came (the output ended, or a stop string cut it) is a
+    call when its body parses."""
+
     call_begin: tuple[str, ...]
     call_end: tuple[str, ...]
     parse: BodyParser
     section_begin: str = ""
     section_end: str = ""
+    json_body: bool = False
+    open_end: bool = False
 
 
 _TEXT, _SECTION, _CALL = 0, 1, 2
@@ -47,9 +58,14 @@ class DelimitedToolParser:
         "_calls",
         "_end_max",
         "_firsts",
+        "_json",
         "_parts",
         "_raw_begin",
         "_section_markers",
+        "_section_ok",
+        "_section_raw",
+        "_section_run",
+        "_section_text",
         "_spec",
         "_state",
         "_tail",
@@ -77,7 +93,16 @@ class DelimitedToolParser:
         self._raw_begin = ""
         self._parts: list[str] = []
         self._tail = ""
+        self._json: JsonStringTracker | None = None  # the call body's string state (``json_body``)
         self._after_call = False
+        # inside a section: stray text has begun since the last marker (its white space is then text)
+        self._section_run = False
+        # a section is undecided until a call in it is accepted (``_section_ok``: its markers and white
+        # space are then structural, dropped) or it closes without one (then it is text, verbatim, as
+        # SGLang's detectors answer the whole text when a call fails); meanwhile its text is held twice:
+        self._section_ok = False
+        self._section_raw: list[str] = []  # verbatim
+        self._section_text: list[str] = []  # as content once a call is accepted (stray text, failed calls)
         self._begin = spec.call_begin
 
     def feed(self, text: str) -> list[ToolEvent]:
@@ -90,15 +115,55 @@ class DelimitedToolParser:
         return self._run(self._buf + text)
 
     def finish(self) -> list[ToolEvent]:
+        out: list[ToolEvent] = []
         buf = self._buf
         self._buf = ""
-        if self._state == _CALL:
-            buf = self._raw_begin + "".join(self._parts)
+        state = self._state
+        self._state = _TEXT
+        if state == _CALL:
+            body = "".join(self._parts)
             self._parts = []
+            calls = self._parse(body) if self._spec.open_end else None
+            if calls:
+                self._accept(calls, out)
+                buf = ""
+            else:
+                buf = self._raw_begin + body
         elif self._after_call and not buf.strip():
             buf = ""
-        self._state = _TEXT
-        return [TextDelta(buf)] if buf else []
+        if self._section_text:  # (cut off inside an undecided section: as when a call was accepted)
+            buf = "".join(self._section_text) + buf
+        self._section_text = []
+        self._section_raw = []
+        if buf:
+            out.append(TextDelta(buf))
+        return out
+
+    def _accept(self, calls: list[ParsedCall], out: list[ToolEvent]) -> None:
+        if self._section_text:
+            out.append(TextDelta("".join(self._section_text)))
+        self._section_text = []
+        self._section_raw = []
+        self._section_ok = True
+        self._calls.emit(calls, out)
+
+    def _section_content(self, text: str, out: list[ToolEvent]) -> None:
+        """Text inside a section that is content once the section has an accepted call."""
+        if self._section_ok:
+            out.append(TextDelta(text))
+        else:
+            self._section_text.append(text)
+            self._section_raw.append(text)
+
+    def _parse(self, body: str) -> list[ParsedCall] | None:
+        calls = parse_guarded(self._spec.parse, body, self._types)
+        return calls if self._calls.accepts(calls) else None
+
+    def _begin_call(self, marker: str) -> None:
+        self._state = _CALL
+        self._raw_begin = marker
+        self._tail = ""
+        self._json = JsonStringTracker() if self._spec.json_body else None
 
     def _run(self, buf: str) -> list[ToolEvent]:
         out: list[ToolEvent] = []
@@ -106,10 +171,10 @@ class DelimitedToolParser:
         while True:
             state = self._state
             if state == _TEXT:
-                if self._after_call:
+                if self._after_call:  # white space right after a call is dropped (at once: no hold-back)
                     t = buf.lstrip()
                     if not t:
-                        self._buf = buf
+                        self._buf = ""
                         break
                     buf = t
                     self._after_call = False
@@ -125,29 +190,45 @@ class DelimitedToolParser:
                 buf = buf[i + len(marker) :]
                 if spec.section_begin:
                     self._state = _SECTION
+                    self._section_run = False
+                    self._section_ok = False
+                    self._section_raw = [marker]
+                    self._section_text = []
                 else:
-                    self._state = _CALL
-                    self._raw_begin = marker
+                    self._begin_call(marker)
                 continue
             if state == _SECTION:
-                t = buf.lstrip()
+                # white space between the section's markers is structural; stray text there is content,
+                # its white space included once it has begun (so that the chunking does not matter)
+                t = buf if self._section_run else buf.lstrip()
+                if len(t) != len(buf) and not self._section_ok:
+                    self._section_raw.append(buf[: len(buf) - len(t)])
                 if not t:
                     self._buf = ""
                     break
                 for m in self._begin:
                     if t.startswith(m):
                         buf = t[len(m) :]
-                        self._state = _CALL
-                        self._raw_begin = m
+                        self._begin_call(m)
+                        self._section_run = False
                         break
                 else:
                     if t.startswith(spec.section_end):
                         buf = t[len(spec.section_end) :]
                         self._state = _TEXT
-                        self._after_call = True
+                        self._section_run = False
+                        if not self._section_ok:  # no call in it: the section is text, verbatim
+                            self._section_raw.append(spec.section_end)
+                            out.append(TextDelta("".join(self._section_raw)))
+                        self._after_call = self._section_ok
+                        self._section_raw = []
+                        self._section_text = []
                         continue
-                    if t.startswith(spec.section_begin):  # a repeated opener: structural, dropped
+                    if t.startswith(spec.section_begin):  # a repeated opener: structural
                         buf = t[len(spec.section_begin) :]
+                        self._section_run = False
+                        if not self._section_ok:
+                            self._section_raw.append(spec.section_begin)
                         continue
                     i, _ = find_first(t, self._section_markers)
                     if i == -1:
@@ -156,7 +237,8 @@ class DelimitedToolParser:
                             self._buf = t
                             break
                         i = len(t) - hold
-                    out.append(TextDelta(t[:i]))  # stray text inside the section
+                    self._section_content(t[:i], out)  # stray text inside the section
+                    self._section_run = True
                     buf = t[i:]
                 continue
             # _CALL
@@ -167,12 +249,34 @@ class DelimitedToolParser:
             buf = rest
         return out
 
+    def _find_end(self, s: str, scanned: int) -> tuple[int, str]:
+        """The first end marker in ``s`` that ends the call: with ``json_body``, one inside a JSON
+        string of the body is skipped. ``s[:scanned]`` has been scanned for the string state already
+        (a marker starting there lies within the previous piece's tail: it holds no quote, so the state
+        there is the state at ``scanned``)."""
+        ends = self._spec.call_end
+        tracker = self._json
+        pos = 0
+        while True:
+            i, marker = find_first(s, ends, pos)
+            if tracker is None:
+                return i, marker
+            if i == -1:
+                tracker.scan(s, scanned, len(s))
+                return i, marker
+            if i > scanned:
+                tracker.scan(s, scanned, i)
+                scanned = i
+            if not tracker.in_string:
+                return i, marker
+            pos = i + 1
+
     def _feed_call(self, text: str, out: list[ToolEvent]) -> str | None:
         """Add ``text`` to the call's body (kept as a list of pieces: no quadratic copying on long
         arguments); at the end marker, parse the call and return the text after it."""
         tail = self._tail
         s = tail + text
-        i, marker = find_first(s, self._spec.call_end)
+        i, marker = self._find_end(s, len(tail))
         if i == -1:
             self._parts.append(text)
             k = self._end_max - 1
@@ -186,15 +290,17 @@ class DelimitedToolParser:
             body = "".join(self._parts)[:cut]
         self._parts = []
         self._tail = ""
-        calls = self._spec.parse(body, self._types)
-        if not self._calls.accepts(calls):
-            calls = None
+        self._json = None
+        calls = self._parse(body)
         if calls:
-            self._calls.emit(calls, out)
+            self._accept(calls, out)
+        elif self._spec.section_begin:
+            self._section_content(self._raw_begin + body + marker, out)
         else:
             out.append(TextDelta(self._raw_begin + body + marker))
         if self._spec.section_begin:
             self._state = _SECTION
+            self._section_run = False
         else:
             self._state = _TEXT
             self._after_call = bool(calls)

@@ -7,10 +7,17 @@ milliseconds to parse.
 
 from __future__ import annotations
 
-import json
 import re
+from typing import Any
 
-from shepherd.parsers.tool_common import ParamTypes, ParsedCall, convert_value, dump_args, load_args
+from shepherd.parsers.tool_common import (
+    ParamTypes,
+    ParsedCall,
+    convert_value,
+    dump_args,
+    load_args,
+    loads_json,
+)
 from shepherd.parsers.tool_delimited import DelimitedSpec
 
 __all__ = ["COHERE", "DEEPSEEK_V3", "DEEPSEEK_V31", "GLM45", "GPT_OSS", "HERMES", "KIMI_K2", "QWEN3_CODER"]
@@ -39,6 +46,16 @@ def _strip_one_newline(value: str) -> str:
     return value
 
 
+def _qwen3_coder_value(value: str, types: ParamTypes, name: str, key: str) -> Any:
+    """As vLLM's and SGLang's ``Qwen3Coder*._convert_param_value``: ``null`` (any case) is null; a
+    parameter the function does not declare, or declares without a ``type``, is a string."""
+    if len(value) == 4 and value.lower() == "null":
+        return None
+    declared = types.get(name, {}).get(key)
+    typ = declared.declared if declared is not None else None
+    return convert_value(value, typ or "string")
+
+
 def _parse_qwen3_coder(body: str, types: ParamTypes) -> list[ParsedCall] | None:
     body = body.strip()
     if not body.startswith("<function="):
@@ -50,10 +67,11 @@ def _parse_qwen3_coder(body: str, types: ParamTypes) -> list[ParsedCall] | None:
     inner = body[close + 1 :]
     if inner.endswith("</function>"):
         inner = inner[: -len("</function>")]
-    ptypes = types.get(name, {})
-    args = {}
+    args: dict[str, Any] = {}
     pos = 0
     n = len(inner)
+    end = -2  # the first "</parameter>" at or after the current value (-2: not looked for yet); it is
+    # looked for again only once passed, so the body is scanned once (unclosed parameters: linear)
     while True:
         start = inner.find("<parameter=", pos)
         if inner[pos : n if start == -1 else start].strip():
@@ -65,14 +83,15 @@ def _parse_qwen3_coder(body: str, types: ParamTypes) -> list[ParsedCall] | None:
         if not key or "\n" in key:
             return None
         vstart = close + 1
-        end = inner.find("</parameter>", vstart)
+        if end == -2 or -1 < end < vstart:
+            end = inner.find("</parameter>", vstart)
         nxt = inner.find("<parameter=", vstart)
         if end != -1 and (nxt == -1 or end < nxt):
             value, pos = inner[vstart:end], end + len("</parameter>")
         else:  # an unclosed parameter runs to the next one
             stop = n if nxt == -1 else nxt
             value, pos = inner[vstart:stop], stop
-        args[key] = convert_value(_strip_one_newline(value), ptypes.get(key))
+        args[key] = _qwen3_coder_value(_strip_one_newline(value), types, name, key)
     return [ParsedCall(name, dump_args(args))]
 
 
@@ -82,7 +101,7 @@ def _parse_glm45(body: str, types: ParamTypes) -> list[ParsedCall] | None:
     if not name or "<" in name or "\n" in name:
         return None
     ptypes = types.get(name, {})
-    args = {}
+    args: dict[str, Any] = {}
     pos = 0 if i == -1 else i
     n = len(body) if i != -1 else 0
     while pos < n:
@@ -103,7 +122,10 @@ def _parse_glm45(body: str, types: ParamTypes) -> list[ParsedCall] | None:
         vend = body.find("</arg_value>", vstart)
         if vend == -1 or not key:
             return None
-        args[key] = convert_value(body[vstart:vend], ptypes.get(key))
+        # SGLang's glm4_moe_detector: the type inferred from the schema (anyOf/oneOf/enum/...); an
+        # undeclared parameter's value is parsed as JSON when it is JSON
+        declared = ptypes.get(key)
+        args[key] = convert_value(body[vstart:vend], declared.inferred if declared is not None else None)
         pos = vend + len("</arg_value>")
         while pos < n and body[pos].isspace():
             pos += 1
@@ -157,7 +179,9 @@ def _parse_kimi_k2(body: str, types: ParamTypes) -> list[ParsedCall] | None:
     args = load_args(raw)
     if args is None or not name:
         return None
-    return [ParsedCall(name, dump_args(args), call_id)]
+    # the model's arguments text verbatim (vLLM's and SGLang's kimi_k2 parsers): re-serialising could
+    # only change it (checked above to be a strict JSON object)
+    return [ParsedCall(name, raw.strip() or "{}", call_id)]
 
 
 _HARMONY_TO = re.compile(r"\bto=functions\.([^\s<]+)")
@@ -176,8 +200,8 @@ def _parse_gpt_oss(body: str, types: ParamTypes) -> list[ParsedCall] | None:
 
 def _parse_cohere(body: str, types: ParamTypes) -> list[ParsedCall] | None:
     try:
-        value = json.loads(body)
-    except ValueError:
+        value = loads_json(body)
+    except (ValueError, RecursionError):
         return None
     items = value if isinstance(value, list) else [value]
     calls = []
@@ -192,7 +216,9 @@ def _parse_cohere(body: str, types: ParamTypes) -> list[ParsedCall] | None:
     return calls or None
 
 
-HERMES = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_hermes)
+# SGLang's hermes_detector decodes the JSON value after <tool_call> (raw_decode): the end tag inside an
+# argument string is text, and a complete call needs no end tag (vLLM: ``<tool_call>(.*)`` to the end)
+HERMES = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_hermes, json_body=True, open_end=True)
 QWEN3_CODER = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_qwen3_coder)
 GLM45 = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_glm45)
 DEEPSEEK_V3 = DelimitedSpec(

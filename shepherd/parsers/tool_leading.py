@@ -1,24 +1,32 @@
 """Tool parsers for formats where the calls ARE the output: a JSON value (llama3, json) or a Python
 call list (pythonic, llama4) at the start of the output, possibly after a tag (``<|python_tag|>``,
-``<|python_start|>``).
+``<|python_start|>``); for llama3 also after the tag anywhere in the output (``prefix_anywhere``).
 
 If the output does not start with such a value it streams through as content. A value is buffered
 until its closing bracket (quote-aware scan), then parsed: calls are emitted, anything else
-(ordinary JSON content, a malformed call) comes back as text, raw. After the calls, separators and
-whitespace are dropped; another value starts another round; other text is content.
+(ordinary JSON content, a malformed call, one the value parser cannot handle) comes back as text, raw.
+After the calls, separators and whitespace are dropped, and one closing tag (``<|python_end|>``);
+another value starts another round; other text is content.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 from shepherd.parsers.events import TextDelta, ToolEvent
-from shepherd.parsers.text_scan import BracketScanner
-from shepherd.parsers.tool_common import CallEmitter, IdFactory, ParamTypes, ParsedCall, dump_args
+from shepherd.parsers.text_scan import BracketScanner, find_first, partial_suffix_len
+from shepherd.parsers.tool_common import (
+    CallEmitter,
+    IdFactory,
+    ParamTypes,
+    ParsedCall,
+    dump_args,
+    loads_json,
+    parse_guarded,
+)
 
 __all__ = ["JSON", "LLAMA3", "PYTHONIC", "LeadingSpec", "LeadingValueToolParser", "parse_json_calls"]
 
@@ -27,19 +35,38 @@ ValueParser = Callable[[str, ParamTypes], list[ParsedCall] | None]
 
 @dataclass(frozen=True, slots=True)
 class LeadingSpec:
+    """``prefix_anywhere``: a prefix tag after other text also starts calls (SGLang's llama32 detector
+    splits the output at ``<|python_tag|>``); without it, only at the start of the output."""
+
     openers: str
     quotes: str
     parse: ValueParser
     prefixes: tuple[str, ...] = ()
     separators: str = ""
     suffixes: tuple[str, ...] = ()
+    prefix_anywhere: bool = False
 
 
 _DETECT, _VALUE, _AFTER, _PASS = 0, 1, 2, 3
+_WS = " \t\r\n"
 
 
 class LeadingValueToolParser:
-    __slots__ = ("_buf", "_calls", "_parts", "_raw", "_scanner", "_spec", "_state", "_types")
+    __slots__ = (
+        "_after_strip",
+        "_buf",
+        "_calls",
+        "_firsts",
+        "_parts",
+        "_pre",
+        "_raw",
+        "_scanner",
+        "_spec",
+        "_state",
+        "_suffixed",
+        "_tagged",
+        "_types",
+    )
 
     def __init__(
         self,
@@ -53,14 +80,25 @@ class LeadingValueToolParser:
         self._types: ParamTypes = types or {}
         self._calls = CallEmitter(id_factory, names)
         self._state = _DETECT
-        self._buf = ""  # held text (DETECT/AFTER)
+        # held text that may still become a tag: a partial prefix (DETECT, PASS with ``prefix_anywhere``)
+        # or suffix (AFTER) tag, never white space (white space is decided at once: no quadratic re-scan)
+        self._buf = ""
+        self._pre: list[str] = []  # DETECT: the white space and tag consumed so far (for the fallback)
+        self._tagged = False  # DETECT: a prefix tag has been consumed
+        self._suffixed = False  # AFTER: the closing tag has been consumed
         self._parts: list[str] = []  # the value so far (VALUE)
         self._raw = ""  # text consumed before the current value (tag, whitespace), for the fallback
         self._scanner = BracketScanner(spec.quotes)
+        self._after_strip = _WS + spec.separators
+        self._firsts = frozenset(t[0] for t in spec.prefixes) if spec.prefix_anywhere else frozenset()
 
     def feed(self, text: str) -> list[ToolEvent]:
-        if self._state == _PASS:
-            return [TextDelta(text)] if text else []
+        if self._state == _PASS and not self._buf:
+            for c in self._firsts:
+                if c in text:
+                    break
+            else:
+                return [TextDelta(text)] if text else []
         out: list[ToolEvent] = []
         self._run(text, out)
         return out
@@ -73,8 +111,9 @@ class LeadingValueToolParser:
         if state == _VALUE:
             buf = self._raw + "".join(self._parts)
             self._parts = []
-        elif state == _AFTER and not buf.strip(" \t\r\n" + self._spec.separators):
-            buf = ""
+        elif state == _DETECT:
+            buf = "".join(self._pre) + buf
+            self._pre = []
         return [TextDelta(buf)] if buf else []
 
     def _run(self, text: str, out: list[ToolEvent]) -> None:
@@ -90,46 +129,95 @@ class LeadingValueToolParser:
                 value = "".join(self._parts)
                 self._parts = []
                 text = text[end:]
-                calls = spec.parse(value, self._types)
+                calls = parse_guarded(spec.parse, value, self._types)
                 if calls and self._calls.accepts(calls):
                     self._calls.emit(calls, out)
                     self._state = _AFTER
+                    self._suffixed = False
                     self._raw = ""
                     continue
                 out.append(TextDelta(self._raw + value))
+                self._raw = ""
                 self._state = _PASS
-                if text:
-                    out.append(TextDelta(text))
-                return
-            if state == _PASS:
-                if text:
-                    out.append(TextDelta(text))
-                return
-            # _DETECT or _AFTER: skip whitespace (and tags / separators), then decide
-            buf = self._buf + text
-            strip = " \t\r\n" if state == _DETECT else " \t\r\n" + spec.separators
-            tags = spec.prefixes if state == _DETECT else spec.suffixes
-            t = buf.lstrip(strip)
-            for tag in tags:
-                if t.startswith(tag):
-                    t = t[len(tag) :].lstrip(strip)
-                    if state == _AFTER:  # a closing tag is consumed for good
-                        buf = t
-                    break
-            if not t or any(len(t) < len(tag) and tag.startswith(t) for tag in tags):
-                self._buf = buf
-                return
-            if t[0] in spec.openers:
-                self._raw = buf[: len(buf) - len(t)] if state == _DETECT else ""
-                self._state = _VALUE
-                self._buf = ""
-                self._scanner = BracketScanner(spec.quotes)
-                text = t
                 continue
-            self._state = _PASS
+            if state == _PASS:
+                if not self._firsts:
+                    if text:
+                        out.append(TextDelta(text))
+                    return
+                # a prefix tag after text starts calls again
+                buf = self._buf + text
+                i, tag = find_first(buf, spec.prefixes)
+                if i == -1:
+                    hold = partial_suffix_len(buf, spec.prefixes)
+                    if len(buf) > hold:
+                        out.append(TextDelta(buf[: len(buf) - hold]))
+                    self._buf = buf[len(buf) - hold :]
+                    return
+                if i:
+                    out.append(TextDelta(buf[:i]))
+                self._buf = ""
+                self._state = _DETECT
+                self._pre = [tag]
+                self._tagged = True
+                text = buf[i + len(tag) :]
+                continue
+            if state == _AFTER:
+                # after the calls: white space and separators are dropped, and one closing tag
+                t = (self._buf + text).lstrip(self._after_strip)
+                self._buf = ""
+                if not self._suffixed:
+                    for tag in spec.suffixes:
+                        if t.startswith(tag):
+                            t = t[len(tag) :].lstrip(self._after_strip)
+                            self._suffixed = True
+                            break
+                        if t and len(t) < len(tag) and tag.startswith(t):
+                            self._buf = t
+                            return
+                if not t:
+                    return
+                text = t
+                if t[0] in spec.openers:
+                    self._state = _VALUE
+                    self._scanner = BracketScanner(spec.quotes)
+                else:
+                    self._state = _PASS
+                continue
+            # _DETECT: skip white space and one prefix tag, then decide
+            buf = self._buf + text
             self._buf = ""
-            out.append(TextDelta(buf if state == _DETECT else t))
-            return
+            while True:
+                t = buf.lstrip(_WS)
+                if len(t) != len(buf):
+                    self._pre.append(buf[: len(buf) - len(t)])
+                if not t:
+                    return
+                if self._tagged:
+                    break
+                for tag in spec.prefixes:
+                    if t.startswith(tag):
+                        self._pre.append(tag)
+                        self._tagged = True
+                        buf = t[len(tag) :]
+                        break
+                    if len(t) < len(tag) and tag.startswith(t):
+                        self._buf = t
+                        return
+                else:
+                    break
+            pre = "".join(self._pre)
+            self._pre = []
+            text = t
+            if t[0] in spec.openers:
+                self._raw = pre
+                self._state = _VALUE
+                self._scanner = BracketScanner(spec.quotes)
+            else:
+                if pre:
+                    out.append(TextDelta(pre))
+                self._state = _PASS
+            continue
 
 
 # --- value parsers ------------------------------------------------------------------------------
@@ -149,8 +237,8 @@ def _call_from_obj(obj: Any) -> ParsedCall | None:
         return None
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
+            args = loads_json(args) if args.strip() else {}
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -160,8 +248,8 @@ def _call_from_obj(obj: Any) -> ParsedCall | None:
 def parse_json_calls(text: str, types: ParamTypes) -> list[ParsedCall] | None:
     """``{"name", "arguments"|"parameters"}`` or a non-empty list of them."""
     try:
-        value = json.loads(text)
-    except ValueError:
+        value = loads_json(text)
+    except (ValueError, RecursionError):
         return None
     items = value if isinstance(value, list) else [value]
     calls = []
@@ -199,7 +287,7 @@ def _literal(node: ast.expr) -> Any:
 def _parse_pythonic(text: str, types: ParamTypes) -> list[ParsedCall] | None:
     try:
         tree = ast.parse(text.strip(), mode="eval")
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # (deep nesting: the last two)
         return None
     if not isinstance(tree.body, ast.List) or not tree.body.elts:
         return None
@@ -214,13 +302,19 @@ def _parse_pythonic(text: str, types: ParamTypes) -> list[ParsedCall] | None:
                     return None
                 args[kw.arg] = _literal(kw.value)
             arguments = dump_args(args)
-        except (ValueError, TypeError, SyntaxError, RecursionError):
+        except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
             return None
-        calls.append(ParsedCall(ast.unparse(el.func), arguments))
+        try:
+            name = ast.unparse(el.func)
+        except (ValueError, RecursionError):
+            return None
+        calls.append(ParsedCall(name, arguments))
     return calls
 
 
-LLAMA3 = LeadingSpec("{", '"', _parse_llama3, prefixes=("<|python_tag|>",), separators=";")
+LLAMA3 = LeadingSpec(
+    "{", '"', _parse_llama3, prefixes=("<|python_tag|>",), separators=";", prefix_anywhere=True
+)
 JSON = LeadingSpec("{[", '"', parse_json_calls)
 PYTHONIC = LeadingSpec(
     "[", "\"'", _parse_pythonic, prefixes=("<|python_start|>",), suffixes=("<|python_end|>",)

@@ -22,6 +22,7 @@ from shepherd.parsers.tool_common import (
     ParsedCall,
     dump_args,
     load_args,
+    parse_guarded,
 )
 from shepherd.parsers.tool_leading import parse_json_calls
 
@@ -33,7 +34,7 @@ _CALL_ID = "[CALL_ID]"
 _ALNUM = string.ascii_letters + string.digits
 _MAX_NAME = 256
 
-_TEXT, _DECIDE, _NAME, _VALUE = 0, 1, 2, 3
+_TEXT, _DECIDE, _NAME, _VALUE, _OPEN = 0, 1, 2, 3, 4
 
 
 def mistral_call_id() -> str:
@@ -53,9 +54,11 @@ class MistralToolParser:
         self._types: ParamTypes = types or {}
         self._calls = CallEmitter(id_factory or mistral_call_id, names)
         self._state = _TEXT
+        # held text that is re-read with the next piece: a partial marker (TEXT) or a v11 call's head
+        # (NAME, at most _MAX_NAME + len(_ARGS)); white space is never held (decided at once)
         self._buf = ""
         self._parts: list[str] = []  # the JSON value so far (VALUE)
-        self._raw = ""  # the call's text so far before its value, for the fallback
+        self._raw: list[str] = []  # the call's text so far before its value, for the fallback
         self._name: ParsedCall | None = None  # name (and id) of a v11 call whose value is being read
         self._scanner = BracketScanner('"')
         self._after_call = False
@@ -73,8 +76,9 @@ class MistralToolParser:
         self._buf = ""
         self._state = _TEXT
         if state != _TEXT:
-            buf = self._raw + buf + "".join(self._parts)
+            buf = "".join(self._raw) + buf + "".join(self._parts)
             self._parts = []
+            self._raw = []
         elif self._after_call and not buf.strip():
             buf = ""
         return [TextDelta(buf)] if buf else []
@@ -83,7 +87,7 @@ class MistralToolParser:
         out.append(TextDelta(raw))
         self._state = _TEXT
         self._buf = ""
-        self._raw = ""
+        self._raw = []
 
     def _run(self, text: str, out: list[ToolEvent]) -> None:
         while True:
@@ -97,26 +101,40 @@ class MistralToolParser:
                 value = "".join(self._parts)
                 self._parts = []
                 text = text[end:]
-                if self._name is not None:
-                    args = load_args(value)
-                    calls = None if args is None else [self._name._replace(arguments=dump_args(args))]
-                else:
-                    calls = parse_json_calls(value, self._types)
+                calls = parse_guarded(self._parse_value, value, self._types)
                 if calls and self._calls.accepts(calls):
                     self._calls.emit(calls, out)
                     self._state = _TEXT
                     self._after_call = True
-                    self._raw = ""
+                    self._raw = []
                 else:
-                    self._fail(self._raw + value, out)
+                    self._fail("".join(self._raw) + value, out)
+                continue
+            if state in (_DECIDE, _OPEN):
+                # white space after [TOOL_CALLS] (DECIDE) or after a v11 head (OPEN): raw text so far
+                t = text.lstrip()
+                if len(t) != len(text):
+                    self._raw.append(text[: len(text) - len(t)])
+                if not t:
+                    return
+                text = t
+                if state == _OPEN:
+                    if t[0] != "{":
+                        self._fail("".join(self._raw), out)
+                        continue
+                    self._state = _VALUE
+                else:
+                    self._state = _VALUE if t[0] in "[{" else _NAME
+                    self._name = None
+                self._scanner = BracketScanner('"')
                 continue
             buf = self._buf + text
             text = ""
             if state == _TEXT:
-                if self._after_call:
+                if self._after_call:  # white space right after a call is dropped
                     t = buf.lstrip()
                     if not t:
-                        self._buf = buf
+                        self._buf = ""
                         return
                     buf = t
                     self._after_call = False
@@ -129,29 +147,17 @@ class MistralToolParser:
                     return
                 if i:
                     out.append(TextDelta(buf[:i]))
-                self._raw = _TAG
+                self._raw = [_TAG]
                 self._buf = ""
                 self._state = _DECIDE
                 text = buf[i + len(_TAG) :]
-                continue
-            if state == _DECIDE:
-                t = buf.lstrip()
-                if not t:
-                    self._buf = buf
-                    return
-                self._raw += buf[: len(buf) - len(t)]
-                self._buf = ""
-                self._state = _VALUE if t[0] in "[{" else _NAME
-                self._name = None
-                self._scanner = BracketScanner('"')
-                text = t
                 continue
             # _NAME: v11 "name[ARGS]" or "name[CALL_ID]id[ARGS]"; every failure consumes a span that
             # does not depend on how the text was chunked, and the rest is parsed again as text
             i = buf.find(_ARGS, 0, _MAX_NAME + len(_ARGS))
             if i == -1:
                 if len(buf) >= _MAX_NAME + len(_ARGS):
-                    self._fail(self._raw + buf[:_MAX_NAME], out)
+                    self._fail("".join(self._raw) + buf[:_MAX_NAME], out)
                     text = buf[_MAX_NAME:]
                     continue
                 self._buf = buf
@@ -160,21 +166,17 @@ class MistralToolParser:
             name, _, call_id = buf[:i].partition(_CALL_ID)
             name = name.strip()
             if not name or any(c in name for c in " \n[]{}"):
-                self._fail(self._raw + buf[:head_end], out)
+                self._fail("".join(self._raw) + buf[:head_end], out)
                 text = buf[head_end:]
                 continue
-            rest = buf[head_end:]
-            t = rest.lstrip()
-            if not t:
-                self._buf = buf
-                return
-            if t[0] != "{":
-                self._fail(self._raw + buf[:head_end], out)
-                text = rest
-                continue
-            self._raw += buf[: len(buf) - len(t)]
+            self._raw.append(buf[:head_end])
             self._name = ParsedCall(name, "", call_id.strip() or None)
             self._buf = ""
-            self._state = _VALUE
-            self._scanner = BracketScanner('"')
-            text = t
+            self._state = _OPEN
+            text = buf[head_end:]
+
+    def _parse_value(self, value: str, types: ParamTypes) -> list[ParsedCall] | None:
+        if self._name is None:
+            return parse_json_calls(value, types)
+        args = load_args(value)
+        return None if args is None else [self._name._replace(arguments=dump_args(args))]

@@ -113,7 +113,9 @@ CASES: list[tuple[str, str, str, Calls]] = [
         "<parameter=location>\nParis, France\n</parameter>\n"
         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
         "I'll look it up.\n",
-        [("get_weather", {"location": "Paris, France", "days": 3})],
+        # no tools in the request: every parameter is undeclared, a string (vLLM's and SGLang's
+        # Qwen3Coder _convert_param_value)
+        [("get_weather", {"location": "Paris, France", "days": "3"})],
     ),
     (
         "qwen3_coder",
@@ -129,7 +131,7 @@ CASES: list[tuple[str, str, str, Calls]] = [
         "<tool_call>\n<function=f>\n<parameter=a>\n1\n<parameter=b>\nx y\n</parameter>\n"
         "</function>\n</tool_call>",
         "",
-        [("f", {"a": 1, "b": "x y"})],
+        [("f", {"a": "1", "b": "x y"})],
     ),
     (
         "qwen3_coder",
@@ -166,7 +168,9 @@ CASES: list[tuple[str, str, str, Calls]] = [
     (
         "deepseek_v31",
         f"{DS_BEGIN}{DS_CALL}get_weather{DS_SEP}{{broken{DS_CALL_END}{DS_END}after",
-        f"{DS_CALL}get_weather{DS_SEP}{{broken{DS_CALL_END}after",
+        # a section that closes with no valid call is text, verbatim (SGLang's deepseekv31_detector
+        # answers the whole text when a call does not parse)
+        f"{DS_BEGIN}{DS_CALL}get_weather{DS_SEP}{{broken{DS_CALL_END}{DS_END}after",
         [],
     ),
     # --- Kimi K2

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -259,6 +260,35 @@ def _reasoning_only(reasoning: str, opened: bool, parallel_tool_calls: bool) -> 
 
 # ---- per choice ----------------------------------------------------------------------------------------
 
+log = logging.getLogger("shepherd.node.output")
+
+
+class _TextTools:
+    """Stands in for a tool parser that raised: the rest of the output is content."""
+
+    __slots__ = ()
+
+    def feed(self, text: str) -> list[ToolEvent]:
+        return [TextDelta(text)] if text else []
+
+    def finish(self) -> list[ToolEvent]:
+        return []
+
+
+class _TextReasoning:
+    """Stands in for a reasoning parser that raised: the rest of the output is content."""
+
+    __slots__ = ("passthrough",)
+
+    def __init__(self) -> None:
+        self.passthrough = True
+
+    def feed(self, text: str) -> tuple[str, str]:
+        return "", text
+
+    def finish(self) -> tuple[str, str]:
+        return "", ""
+
 
 @dataclass(frozen=True, slots=True)
 class ParsedChoice:
@@ -308,31 +338,65 @@ class ChoiceParsing:
         # last call has shown non-space text (then its text goes out as it comes), else its white space
         # so far, held until non-space text (it goes out with it) or a call (dropped) decides
         self._run_text = False
-        self._held = ""
+        self._held: list[str] = []  # white space held (a list: a flood of it is no quadratic copy)
 
     def feed(self, text: str) -> tuple[str, list[ToolEvent]]:
         reasoning = ""
         if self._reasoning is not None:
-            reasoning, text = self._reasoning.feed(text)
+            reasoning, text = self._reason(text)
         if self._tools is None:
             return reasoning, [TextDelta(text)] if text else []
-        return reasoning, self._calls(self._tools.feed(text)) if text else []
+        return reasoning, self._calls(self._tool_events(text)) if text else []
 
     def finish(self) -> tuple[str, list[ToolEvent]]:
         reasoning = text = ""
         if self._reasoning is not None:
-            reasoning, text = self._reasoning.finish()
+            try:
+                reasoning, text = self._reasoning.finish()
+            except Exception:
+                self._reasoning_failed()
         if self._tools is None:
             return reasoning, [TextDelta(text)] if text else []
-        events = self._tools.feed(text) if text else []
-        events.extend(self._tools.finish())
+        events = self._tool_events(text) if text else []
+        try:
+            events.extend(self._tools.finish())
+        except Exception:
+            self._tools_failed()
         events = self._calls(events)
-        held = self._held
-        if held:  # white space the answer ended on: content unless the answer made calls
-            self._held = ""
+        if self._held:  # white space the answer ended on: content unless the answer made calls
+            held = "".join(self._held)
+            self._held.clear()
             if not self.has_calls:
                 events.append(TextDelta(held))
         return reasoning, events
+
+    # A parser that raises (a bug: the parsers turn what they cannot parse into text) must not fail the
+    # request: it is logged and replaced by one that passes the text on, the text it was fed comes back
+    # as content (what it held until then is lost).
+
+    def _reasoning_failed(self) -> None:
+        log.exception("reasoning parser failed; the rest of the output is content")
+        self._reasoning = _TextReasoning()
+
+    def _tools_failed(self) -> None:
+        log.exception("tool-call parser failed; the rest of the output is content")
+        self._tools = _TextTools()
+
+    def _reason(self, text: str) -> tuple[str, str]:
+        assert self._reasoning is not None
+        try:
+            return self._reasoning.feed(text)
+        except Exception:
+            self._reasoning_failed()
+            return "", text
+
+    def _tool_events(self, text: str) -> list[ToolEvent]:
+        assert self._tools is not None
+        try:
+            return self._tools.feed(text)
+        except Exception:
+            self._tools_failed()
+            return [TextDelta(text)]
 
     def _calls(self, events: list[ToolEvent]) -> list[ToolEvent]:
         """The tool parser's events as the client gets them: with ``parallel_tool_calls`` false only the
@@ -356,15 +420,16 @@ class ChoiceParsing:
                     continue
                 text = ev.text
                 if not text or text.isspace():
-                    self._held += text
+                    if text:
+                        self._held.append(text)
                     continue
                 if self._held:
-                    ev = TextDelta(self._held + text)
-                    self._held = ""
+                    ev = TextDelta("".join(self._held) + text)
+                    self._held.clear()
                 self._run_text = True
             elif isinstance(ev, ToolCallStart):
                 self.has_calls = True
-                self._held = ""  # white space before a call: no content
+                self._held.clear()  # white space before a call: no content
                 self._run_text = False
             out.append(ev)
         return out
@@ -385,7 +450,11 @@ class ChoiceParsing:
         index = self._index
         r = self._reasoning
         if r is not None and text and not r.passthrough:
-            reasoning, text = r.feed(text)
+            try:  # (inline, not ``_reason``: the per-token path)
+                reasoning, text = r.feed(text)
+            except Exception:
+                self._reasoning_failed()
+                reasoning = ""
             if reasoning:
                 out.append(enc.reasoning(index, reasoning, logprobs))
                 logprobs = None
@@ -400,7 +469,11 @@ class ChoiceParsing:
             else:
                 out.append(enc.content(index, text, logprobs))
             return
-        events = self._tools.feed(text)
+        try:
+            events = self._tools.feed(text)
+        except Exception:
+            self._tools_failed()
+            events = [TextDelta(text)]
         if len(events) == 1 and type(events[0]) is TextDelta and self._run_text:
             out.append(enc.content(index, events[0].text, logprobs))
             return
