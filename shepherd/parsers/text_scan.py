@@ -99,15 +99,17 @@ class JsonStringTracker:
     (after white space), fed incrementally: an end marker there is argument text, not the end of the
     call. Regex jumps over string contents and between structural characters, O(total length).
 
-    Once the value has closed, or when the body does not start with ``{`` / ``[``, nothing is inside a
-    string any more."""
+    Once the value has closed, when the body does not start with ``{`` / ``[``, or once it can no longer
+    be JSON (a string followed by anything but ``, : } ]``: a stray quote, ``"5" inch"``, would put every
+    later end marker inside a string), nothing is inside a string any more: the first end marker ends it."""
 
-    __slots__ = ("_depth", "_escape", "_phase", "in_string")
+    __slots__ = ("_after_string", "_depth", "_escape", "_phase", "in_string")
 
     def __init__(self) -> None:
         self._phase = _LEAD
         self._depth = 0
         self._escape = False
+        self._after_string = False
         self.in_string = False
 
     def scan(self, text: str, pos: int, end: int) -> None:
@@ -138,11 +140,20 @@ class JsonStringTracker:
                 pos = m.end()
                 if m.group() == '"':
                     in_string = False
+                    self._after_string = True
                 elif pos < end:
                     pos += 1  # the escaped character
                 else:
                     self._escape = True
                 continue
+            if self._after_string:  # what follows a string: a separator or a close, or no JSON at all
+                m = _NON_SPACE.search(text, pos, end)
+                if m is None:
+                    break
+                self._after_string = False
+                if m.group() not in ",:}]":
+                    phase = _DONE
+                    break
             m = _OUTSIDE_STRING.search(text, pos, end)
             if m is None:
                 break

@@ -548,3 +548,18 @@ def test_a_raising_reasoning_parser_leaves_the_text_as_content() -> None:
     assert post.feed("answer") == ("", [TextDelta("answer")])
     assert post.feed("!") == ("", [TextDelta("!")])
     assert post.finish() == ("", [])
+
+
+def test_hermes_a_stray_quote_in_one_call_does_not_swallow_the_next() -> None:
+    """A string followed by anything but , : } ] is no JSON: the JSON-string tracking stops there, so an
+    unescaped quote (a 5" screen) leaves later end tags as end tags: the malformed call is text, the next
+    one a call (SGLang: a failing match skipped), and the content after it streams."""
+    text = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"size": "5" screen"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
+    res = _same_streamed("hermes", text, tools=TOOLS)
+    assert _calls(res) == [("get_weather", {"city": "Oslo"})]
+    p = get_tool_parser("hermes", tools=TOOLS, id_factory=lambda: "id")
+    p.feed('<tool_call>{"name": "get_weather", "arguments": {"q": "x"y"}}</tool_call>')
+    assert "".join(getattr(e, "text", "") for e in p.feed("\nLet me explain in prose instead. "))
