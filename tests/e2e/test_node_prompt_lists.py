@@ -146,3 +146,28 @@ def test_continuous_usage_is_per_prompt_and_choice(node: NodeProc, http: httpx.C
     assert tokens == {0: 3, 1: 3, 2: 3, 3: 3}
     final = events[-2]["usage"]
     assert final["prompt_tokens"] == sum(lens) and final["completion_tokens"] == 12
+
+
+def test_a_long_streamed_list_opens_a_bounded_window_ahead(
+    node: NodeProc, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """Streamed, the prompts' answers are relayed one after another: the engine calls opened ahead of
+    the one relayed are bounded (their answers wait in memory), 1 + PROMPTS_AHEAD at most."""
+    from shepherd.node.api.generation import PROMPTS_AHEAD
+
+    prompts = [f"p{i}" for i in range(PROMPTS_AHEAD + 4)]
+    http.post(f"{engine.http_url}/mock/faults", json={"stall_after_tokens": 1, "stall_seconds": 1.0})
+    body = {"model": "qwen3", "prompt": prompts, "max_tokens": 2, "stream": True}
+    most = 0
+    with http.stream("POST", node.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data: {"):
+                break
+        most = _most_active(engine, http, len(prompts))
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert most == 1 + PROMPTS_AHEAD
+    assert rest[-1] == "data: [DONE]" and len([x for x in rest if '"finish_reason":"length"' in x]) == len(
+        prompts
+    )
+    assert _settled(engine, http) == 0

@@ -7,7 +7,7 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -75,6 +75,7 @@ def abort_reason(e: BaseException) -> str:
     return "timeout" if isinstance(e, TimeoutError | EngineTimeout) else "cancelled"
 
 
+PROMPTS_AHEAD = 8  # a streamed list of prompts: engine calls open beyond the prompt being relayed
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 _SSE_LEAN_HEADERS = {k: v for k, v in SSE_HEADERS.items() if k != "Connection"}
 
@@ -574,6 +575,8 @@ class Generation:
         engine_stream = bool(self.s.stop)
         targeted = "x-smg-target-worker" in self.request.headers
 
+        failed = [False]  # a prompt of the list failed: the others are cancelled, not gone with the client
+
         async def run(i: int, job: Job) -> None:
             tries = Retry()
             while True:
@@ -581,7 +584,7 @@ class Generation:
                 try:
                     await self._drive(es, job, None)
                 except GONE:
-                    await es.close(CLIENT_DISCONNECT)
+                    await es.close("cancelled" if failed[0] else CLIENT_DISCONNECT)
                     raise
                 except BaseException as e:
                     await es.close(abort_reason(e))
@@ -590,6 +593,7 @@ class Generation:
                     if engine_stream and not targeted and gw.retry_midway(es, e, tries):
                         job.states = [st.restart(job.ids) for st in job.states]
                         continue
+                    failed[0] = True
                     raise
                 finally:
                     await es.close("stop" if es.completed is False else "done")
@@ -701,11 +705,19 @@ class Generation:
         except BaseException:
             keepalive.unregister(resp)
             raise
-        # the other prompts of a list: their engine calls opened now (the engine runs them together, as
-        # vLLM schedules a list), their answers relayed one prompt after another; closed below if not
-        later = [asyncio.ensure_future(self._open(jobs[i], i, True, max_new[i])) for i in range(1, len(jobs))]
+        # the other prompts of a list: their engine calls opened ahead (the engine runs them together, as
+        # vLLM schedules a list; at most PROMPTS_AHEAD beyond the one relayed, whose answers wait for
+        # their turn in memory), their answers relayed one prompt after another; closed below if not
+        later: list[asyncio.Future[EngineStream]] = []
+
+        def open_ahead(upto: int) -> None:
+            while len(later) < min(upto, len(jobs) - 1):
+                k = len(later) + 1
+                later.append(asyncio.ensure_future(self._open(jobs[k], k, True, max_new[k])))
+
         enc = self._encoder()
         try:
+            open_ahead(PROMPTS_AHEAD)
             await resp.prepare(self.request)  # (a no-op when the ticker sent the headers already)
             pending: list[bytes] = []
             continuous = self.s.continuous_usage and self._events is None
@@ -757,6 +769,7 @@ class Generation:
             try:
                 for i, job in enumerate(jobs):
                     if i > 0:
+                        open_ahead(i + PROMPTS_AHEAD)
                         es = await later[i - 1]
                     current[0] = job
                     if self.chat:
@@ -804,10 +817,10 @@ class Generation:
             raise
         finally:
             keepalive.unregister(resp)  # (idempotent) also when the headers could not be sent
+            if later:
+                _close_opened(later, gw.spawn)  # (first: nothing in it awaits, nothing can interrupt it)
             if not es.closed:
                 await es.close("cancelled")
-            if later:
-                await _close_opened(later)
         return resp
 
     def _failure(self, e: EngineError | ApiError | TimeoutError) -> bytes:
@@ -826,19 +839,27 @@ class Generation:
 ENGINE_FAILED = frozenset({"abort", "error"})
 
 
-async def _close_opened(opening: Sequence[asyncio.Future[EngineStream]]) -> None:
+def _close_opened(
+    opening: Sequence[asyncio.Future[EngineStream]], spawn: Callable[[Coroutine[Any, Any, Any]], None]
+) -> None:
     """The engine calls of a stream's later prompts that were not driven to their end: the openings still
-    under way cancelled, the opened streams closed (aborted at the engine); their failures retrieved."""
-    for fut in opening:
-        if not fut.done():
-            fut.cancel()
-    for fut in opening:
-        try:
-            es = await fut
-        except BaseException:  # cancelled or failed: nothing opened to close
-            continue
+    under way cancelled, every stream opened (now, or when its opening completes regardless) closed in
+    the background (``spawn``: the gateway's); failures retrieved. Nothing awaited: a second cancellation
+    of the handler cannot stop it halfway."""
+
+    def settle(fut: asyncio.Future[EngineStream]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        es = fut.result()
         if not es.closed:
-            await es.close("cancelled")
+            spawn(es.close("cancelled"))
+
+    for fut in opening:
+        if fut.done():
+            settle(fut)
+        else:
+            fut.add_done_callback(settle)
+            fut.cancel()
 
 
 def _next_open(done: list[bool]) -> int:
