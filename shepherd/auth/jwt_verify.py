@@ -223,7 +223,8 @@ class JwtVerifier:
         now = self._clock()
         exp = claims.get("exp")
         ttl = self.cfg.jwks_ttl_secs
-        until = min(float(exp), now + ttl) if isinstance(exp, int | float) else now + ttl
+        # (compared before any float(): an integer exp past a float's range is a time far away)
+        until = float(exp) if isinstance(exp, int | float) and exp < now + ttl else now + ttl
         v = VerifiedToken(
             principal_from_claims(claims, self.cfg, self._default_tenant),
             tenant_bound(claims, self.cfg),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,7 +26,7 @@ class Principal:
         """Who owns what this principal stores (responses, conversations): its subject under how it
         authenticated, its tenant and a JWT's issuer, so that names from different sources (an API key
         id, a token's "sub", a certificate's name) or tenants never meet."""
-        return f"{self.method}:{self.tenant}:{self.issuer}:{self.subject}"
+        return json.dumps([self.method, self.tenant, self.issuer, self.subject], separators=(",", ":"))
 
 
 # request[PRINCIPAL_KEY] holds the caller's Principal once the auth middleware has run

@@ -499,3 +499,17 @@ async def test_http_fetch_refuses_bad_answers() -> None:
             await refused("http://127.0.0.1:1/nothing")
     finally:
         await refused.close()
+
+
+async def test_an_exp_past_a_floats_range_is_no_crash(rsa_a: Signer) -> None:
+    """A signed integer exp too large for a float: verified (a time far away), cached until the cache's
+    own limit, never an OverflowError (a 500)."""
+    v = verifier(cfg(), keys_from_jwks(jwks_of(rsa_a)))
+    got = await v.verify(rsa_a.token(exp=10**400))
+    assert got.principal.subject == "alice" and got.until <= time.time() + cfg().jwks_ttl_secs
+
+
+def test_owners_are_unambiguous_whatever_the_names_hold() -> None:
+    victim = Principal(subject="a::b", tenant="t", role="user", method="mtls")
+    other = Principal(subject="b", tenant="t::a", role="user", method="mtls")
+    assert victim.owner != other.owner
