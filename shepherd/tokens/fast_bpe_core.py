@@ -314,14 +314,27 @@ def _nfc_agrees(normalize: Callable[[str], str]) -> str | None:
 _VERDICT_FORMAT: Final = 1
 
 
-def _verdict_path(key: bytes) -> Path:
+@functools.cache
+def _checks_code() -> bytes:
+    """This module's own source: a change to the checks is a new verdict (no format number to bump)."""
+    try:
+        return hashlib.sha256(Path(__file__).read_bytes()).digest()
+    except OSError:
+        return str(_VERDICT_FORMAT).encode()
+
+
+def _verdict_path(key: bytes) -> Path | None:
+    """None when there is no absolute place for the cache (no HOME: nothing is kept)."""
     base = os.environ.get("SHEPHERD_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shepherd"
     )
+    if not os.path.isabs(base):
+        return None
     tag = b"|".join(
         (
             key,
             str(_VERDICT_FORMAT).encode(),
+            _checks_code(),
             tokenizers.__version__.encode(),
             unicodedata.unidata_version.encode(),
         )
@@ -330,8 +343,11 @@ def _verdict_path(key: bytes) -> Path:
 
 
 def _load_verdict(key: bytes) -> dict[str, Any] | None:
+    path = _verdict_path(key)
+    if path is None:
+        return None
     try:
-        got = json.loads(_verdict_path(key).read_bytes())
+        got = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return None
     ok = isinstance(got, dict) and (
@@ -348,6 +364,8 @@ def _load_verdict(key: bytes) -> dict[str, Any] | None:
 def _store_verdict(key: bytes, verdict: dict[str, Any]) -> None:
     """Written whole or not at all (a temporary file renamed over it); an unwritable cache is no error."""
     path = _verdict_path(key)
+    if path is None:
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -583,3 +583,18 @@ def test_the_checks_verdict_is_kept_on_disk_per_content(
         core_mod._CORES.clear()
         assert FastBPE.build_with_reason(hf, d, content_key=key)[1] == first[key][0]
     assert len(calls) == 3
+
+
+def test_no_verdict_is_kept_without_an_absolute_cache_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No HOME (expanduser leaves "~"), or a relative SHEPHERD_CACHE_DIR: nothing is written under the
+    working directory; the checks simply run."""
+    import shepherd.tokens.fast_bpe_core as core_mod
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SHEPHERD_CACHE_DIR", "relative-cache")
+    hf, d = tiny(DENSE)
+    core_mod._CORES.clear()
+    assert FastBPE.build_with_reason(hf, d, content_key=b"no-home")[0] is not None
+    assert list(tmp_path.iterdir()) == []
