@@ -125,8 +125,10 @@ async def _starting(
 
 class _StartingPort:
     """The client port while the start waits for engines (``resolve_models``' ``waiting``): a lean
-    server of ``_starting`` alone, on the node's host, port and TLS; closed before the node's own binds.
-    Opened once, and only when the start does wait (engines that answer at once never see it)."""
+    server of ``_starting`` alone, on the node's host, port and TLS, until just before the node's own
+    binds (the gateway, tokenizers, history and mesh built meanwhile). Opened once, and only when the
+    start does wait (engines that answer at once never see it). With ``--procs`` each child's joins the
+    port's SO_REUSEPORT group while it waits: a sibling already serving shares the port with it then."""
 
     def __init__(self, cfg: NodeConfig) -> None:
         self.cfg = cfg
@@ -174,19 +176,24 @@ async def drain(gw: Gateway, grace: float) -> None:
 
 
 async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
+    # While the start waits for engines still loading, the client port answers /liveness (and 503
+    # elsewhere) until the node's own server binds it (or the start fails)
+    starting = _StartingPort(cfg)
+    try:
+        await _serve(cfg, ready_message, starting)
+    finally:
+        await starting.close()
+
+
+async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) -> None:
     injected = faults.active()  # test-only fault switches (shepherd.mesh.faults; chaos.run --inject)
     if injected:
         log.warning("TEST-ONLY FAULTS INJECTED: %s", ", ".join(injected))
     if faults.DISABLE_MESH in injected:
         cfg = dataclasses.replace(cfg, mesh_port=None)
     given = cfg  # as configured: what a reload (SIGHUP, POST /admin/reload) compares the file with
-    # no --model-path: the served name, tokenizer and chat template from the gRPC engines; aliases. While
-    # the start waits for engines still loading, the client port answers /liveness (and 503 elsewhere)
-    starting = _StartingPort(cfg)
-    try:
-        cfg = await resolve_models(cfg, waiting=starting.open)
-    finally:
-        await starting.close()
+    # no --model-path: the served name, tokenizer and chat template from the gRPC engines; aliases
+    cfg = await resolve_models(cfg, waiting=starting.open)
     try:  # traces (OTLP) and the GenAI metrics export, before anything that is traced is built
         tracing.setup(
             tracing.settings_from(cfg.enable_trace, cfg.otlp_traces_endpoint, cfg.otlp_traces_protocol),
@@ -283,6 +290,7 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
     await runner.setup()
     tls = server_tls(cfg)
     ssl_ctx = tls.context if tls else None
+    await starting.close()  # (the port's starting answers end here: the node's own server binds it)
     front: LeanServer | None = None
     if cfg.http_server == "lean":  # the app's routes, middlewares and hooks as they are; httptools underneath
         front = LeanServer(app, max_body=cfg.max_body_bytes, max_connections=cfg.max_client_connections)
