@@ -403,6 +403,11 @@ def test_a_keys_model_list_holds_however_the_model_is_named(setup: Setup) -> Non
             )
             r = http.post(path, json=body, headers=keys["qwen3"])
             assert r.status_code == 200, (path, r.text)
+        # and the models it lists and shows are its own
+        assert http.get("/v1/models", headers=keys["other"]).json()["data"] == []
+        assert [m["id"] for m in http.get("/v1/models", headers=keys["qwen3"]).json()["data"]] == ["qwen3"]
+        assert http.get("/v1/models/qwen3", headers=keys["other"]).status_code == 404
+        assert http.get("/v1/models/qwen3", headers=keys["qwen3"]).status_code == 200
 
 
 def test_jwts_rotation_and_attacks(setup: Setup) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shepherd.node.api.common import GATEWAY, audit, model_for
+from shepherd.node.api.common import GATEWAY, audit, may_use, model_for
 from shepherd.node.api.openai import render_chat
 from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_in_effect, worker_endpoint
 from shepherd.node.dispatch.circuit_breaker import BreakerState
@@ -21,7 +21,8 @@ from shepherd.proto.openai_errors import ApiError, bad
 
 async def list_models(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
-    return json_response({"object": "list", "data": [_model_card(gw, name) for name in gw.models]})
+    cards = [_model_card(gw, name) for name in gw.models if may_use(request, name)]  # (a key's own list)
+    return json_response({"object": "list", "data": cards})
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -29,7 +30,7 @@ async def get_model(request: web.Request) -> web.Response:
     404 in the OpenAI envelope."""
     gw: Gateway = request.app[GATEWAY]
     name = request.match_info["model_id"]
-    if name not in gw.models:
+    if name not in gw.models or not may_use(request, name):
         raise model_not_found(name, gw.model_names())
     return json_response(_model_card(gw, name))
 

@@ -177,9 +177,7 @@ def model_allowed(request: web.Request, model: str, name: str = "") -> None:
     """A 403 ``model_not_allowed`` when the caller (an API key with ``models``) may not use ``model`` (or
     the name it was asked by): checked on the model a route resolved, however the request named it (its
     body, a query parameter, or not at all on a one-model node)."""
-    p = request.get(PRINCIPAL_KEY)
-    allowed = p.models if isinstance(p, Principal) else None
-    if allowed is not None and model not in allowed and name not in allowed:
+    if not may_use(request, model, name):
         raise ApiError(
             403,
             f"This API key may not use model {model[:100]!r}.",
@@ -187,6 +185,14 @@ def model_allowed(request: web.Request, model: str, name: str = "") -> None:
             param="model",
             code="model_not_allowed",
         )
+
+
+def may_use(request: web.Request, model: str, name: str = "") -> bool:
+    """Whether the caller's model list (an API key's ``models``; none: every model) holds ``model`` or the
+    name it was asked by."""
+    p = request.get(PRINCIPAL_KEY)
+    allowed = p.models if isinstance(p, Principal) else None
+    return allowed is None or model in allowed or name in allowed
 
 
 def may_read(request: web.Request, owner: str | None) -> bool:
