@@ -38,6 +38,17 @@ def find_first(text: str, markers: Sequence[str], start: int = 0) -> tuple[int, 
     return best_i, best_m
 
 
+def text_before(buf: str, markers: Sequence[str]) -> tuple[str, str, str]:
+    """``(text, marker, rest)``: the text before the first of ``markers`` in ``buf``, that marker and what
+    follows it; with none, ``marker`` is "" and ``rest`` the tail to hold back (it may become one), the
+    text being everything before that tail."""
+    i, marker = find_first(buf, markers)
+    if i == -1:
+        hold = len(buf) - partial_suffix_len(buf, markers)
+        return buf[:hold], "", buf[hold:]
+    return buf[:i], marker, buf[i + len(marker) :]
+
+
 class BracketScanner:
     """Finds where one bracketed value (JSON object/array, or a Python list expression) ends, fed
     incrementally: quote- and escape-aware bracket counting, O(total length).

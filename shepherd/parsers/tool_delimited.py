@@ -18,7 +18,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from shepherd.parsers.events import TextDelta, ToolEvent
-from shepherd.parsers.text_scan import JsonStringTracker, find_first, partial_suffix_len
+from shepherd.parsers.text_scan import JsonStringTracker, find_first, partial_suffix_len, text_before
 from shepherd.parsers.tool_common import (
     BodyParser,
     CallEmitter,
@@ -178,16 +178,12 @@ class DelimitedToolParser:
                         break
                     buf = t
                     self._after_call = False
-                i, marker = find_first(buf, self._text_markers)
-                if i == -1:
-                    hold = partial_suffix_len(buf, self._text_markers)
-                    if len(buf) > hold:
-                        out.append(TextDelta(buf[: len(buf) - hold]))
-                    self._buf = buf[len(buf) - hold :]
+                before, marker, buf = text_before(buf, self._text_markers)
+                if before:
+                    out.append(TextDelta(before))
+                if not marker:
+                    self._buf = buf
                     break
-                if i:
-                    out.append(TextDelta(buf[:i]))
-                buf = buf[i + len(marker) :]
                 if spec.section_begin:
                     self._state = _SECTION
                     self._section_run = False

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shepherd.parsers.events import TextDelta, ToolEvent
-from shepherd.parsers.text_scan import BracketScanner, find_first, partial_suffix_len
+from shepherd.parsers.text_scan import BracketScanner, text_before
 from shepherd.parsers.tool_common import (
     CallEmitter,
     IdFactory,
@@ -146,21 +146,16 @@ class LeadingValueToolParser:
                         out.append(TextDelta(text))
                     return
                 # a prefix tag after text starts calls again
-                buf = self._buf + text
-                i, tag = find_first(buf, spec.prefixes)
-                if i == -1:
-                    hold = partial_suffix_len(buf, spec.prefixes)
-                    if len(buf) > hold:
-                        out.append(TextDelta(buf[: len(buf) - hold]))
-                    self._buf = buf[len(buf) - hold :]
+                before, tag, text = text_before(self._buf + text, spec.prefixes)
+                if before:
+                    out.append(TextDelta(before))
+                if not tag:
+                    self._buf = text
                     return
-                if i:
-                    out.append(TextDelta(buf[:i]))
                 self._buf = ""
                 self._state = _DETECT
                 self._pre = [tag]
                 self._tagged = True
-                text = buf[i + len(tag) :]
                 continue
             if state == _AFTER:
                 # after the calls: white space and separators are dropped, and one closing tag

@@ -14,7 +14,7 @@ import string
 from collections.abc import Collection
 
 from shepherd.parsers.events import TextDelta, ToolEvent
-from shepherd.parsers.text_scan import BracketScanner, partial_suffix_len
+from shepherd.parsers.text_scan import BracketScanner, text_before
 from shepherd.parsers.tool_common import (
     CallEmitter,
     IdFactory,
@@ -138,19 +138,15 @@ class MistralToolParser:
                         return
                     buf = t
                     self._after_call = False
-                i = buf.find(_TAG)
-                if i == -1:
-                    hold = partial_suffix_len(buf, (_TAG,))
-                    if len(buf) > hold:
-                        out.append(TextDelta(buf[: len(buf) - hold]))
-                    self._buf = buf[len(buf) - hold :]
+                before, tag, text = text_before(buf, (_TAG,))
+                if before:
+                    out.append(TextDelta(before))
+                if not tag:
+                    self._buf = text
                     return
-                if i:
-                    out.append(TextDelta(buf[:i]))
                 self._raw = [_TAG]
                 self._buf = ""
                 self._state = _DECIDE
-                text = buf[i + len(_TAG) :]
                 continue
             # _NAME: v11 "name[ARGS]" or "name[CALL_ID]id[ARGS]"; every failure consumes a span that
             # does not depend on how the text was chunked, and the rest is parsed again as text

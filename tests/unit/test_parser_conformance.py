@@ -28,6 +28,7 @@ from shepherd.parsers import (
     run_tools,
 )
 from shepherd.parsers.tool_common import ParamType, infer_type, param_types
+from tests.unit.test_parsers_tools import drawn_alike_in_chunks
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -487,11 +488,7 @@ _ALPHABETS = {
 @settings(max_examples=150, deadline=None)
 @given(family=st.sampled_from(sorted(_ALPHABETS)), data=st.data())
 def test_hostile_text_is_chunking_invariant_and_loses_nothing(family: str, data: st.DataObject) -> None:
-    text = "".join(data.draw(st.lists(st.sampled_from(_ALPHABETS[family]), max_size=16)))
-    whole = run_tools(get_tool_parser(family, id_factory=lambda: "id"), [text])
-    cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=10)))
-    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
-    assert run_tools(get_tool_parser(family, id_factory=lambda: "id"), chunks) == whole
+    text, whole = drawn_alike_in_chunks(family, data, _ALPHABETS[family], 16)
     for call in whole.calls:
         assert isinstance(json.loads(call.arguments, parse_constant=_strict), dict)
     if not whole.calls and family != "deepseek_v31":

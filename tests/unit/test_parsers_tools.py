@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shepherd.parsers import (
+    CollectedTools,
     TextDelta,
     ToolCallArgs,
     ToolCallStart,
@@ -377,14 +378,22 @@ _SECTIONS = {
 }
 
 
-@settings(max_examples=300, deadline=None)
-@given(family=st.sampled_from(sorted(_PIECES)), data=st.data())
-def test_arbitrary_text_is_chunking_invariant(family: str, data: st.DataObject) -> None:
-    text = "".join(data.draw(st.lists(st.sampled_from(_PIECES[family]), max_size=20)))
+def drawn_alike_in_chunks(
+    family: str, data: st.DataObject, pieces: list[str], max_size: int
+) -> tuple[str, CollectedTools]:
+    """A text drawn from ``pieces``, parsed whole and in drawn chunks: the same result (returned)."""
+    text = "".join(data.draw(st.lists(st.sampled_from(pieces), max_size=max_size)))
     whole = run_tools(get_tool_parser(family, id_factory=lambda: "id"), [text])
     cuts = sorted(data.draw(st.sets(st.integers(0, len(text)), max_size=10)))
     chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     assert run_tools(get_tool_parser(family, id_factory=lambda: "id"), chunks) == whole
+    return text, whole
+
+
+@settings(max_examples=300, deadline=None)
+@given(family=st.sampled_from(sorted(_PIECES)), data=st.data())
+def test_arbitrary_text_is_chunking_invariant(family: str, data: st.DataObject) -> None:
+    text, whole = drawn_alike_in_chunks(family, data, _PIECES[family], 20)
     for call in whole.calls:
         assert isinstance(json.loads(call.arguments), dict)
     if not whole.calls:  # nothing was a call: every character comes back as content
