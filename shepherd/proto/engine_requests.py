@@ -49,9 +49,28 @@ def choice_grammar(choices: list[str] | tuple[str, ...]) -> str:
     return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
 
 
-@functools.lru_cache(maxsize=4096)
+# A request's own constraint (a JSON schema, regex, grammar, choice list) or logit_bias can be large: kept by
+# the per-parameters caches below (4,096 entries each), a client varying only its seed would pin whatever
+# each request sent (hundreds of MB). Parameters carrying more than this are built each time, not cached.
+CACHED_PAYLOAD_MAX = 4096  # characters of constraint text, plus 16 a logit_bias entry
+
+
+def _small(p: SamplingParams) -> bool:
+    n = 16 * len(p.logit_bias)
+    for s in (p.json_schema, p.regex, p.ebnf, p.structural_tag):
+        if s:
+            n += len(s)
+    if p.choice:
+        n += sum(len(c) for c in p.choice)
+    return n <= CACHED_PAYLOAD_MAX
+
+
 def sglang_sampling(p: SamplingParams) -> sg.SamplingParams:
-    """Cached per distinct parameters (frozen, hashable); callers copy it into their request."""
+    """Cached per distinct parameters when small (``_small``); callers copy it into their request."""
+    return _sglang_sampling_cached(p) if _small(p) else _sglang_sampling(p)
+
+
+def _sglang_sampling(p: SamplingParams) -> sg.SamplingParams:
     sp = sg.SamplingParams(
         temperature=p.temperature,
         top_p=p.top_p,
@@ -93,6 +112,9 @@ def sglang_sampling(p: SamplingParams) -> sg.SamplingParams:
     return sp
 
 
+_sglang_sampling_cached = functools.lru_cache(maxsize=4096)(_sglang_sampling)
+
+
 def sglang_generate(req: GenerateRequest) -> sg.GenerateRequest:
     msg = sg.GenerateRequest(
         request_id=req.request_id,
@@ -110,9 +132,12 @@ def sglang_generate(req: GenerateRequest) -> sg.GenerateRequest:
     return msg
 
 
-@functools.lru_cache(maxsize=4096)
 def vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.SamplingParams:
-    """Cached per distinct parameters (frozen, hashable); callers copy it into their request."""
+    """Cached per distinct parameters when small (``_small``); callers copy it into their request."""
+    return (_vllm_sampling_cached if _small(p) else _vllm_sampling)(p, logprobs, top_logprobs)
+
+
+def _vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.SamplingParams:
     sp = vl.SamplingParams(
         temperature=p.temperature,
         top_p=p.top_p,
@@ -152,6 +177,8 @@ def vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.Sa
     return sp
 
 
+_vllm_sampling_cached = functools.lru_cache(maxsize=4096)(_vllm_sampling)
+
 _V = SMALL  # the varints of lengths below 16 KiB (one or two bytes)
 _VN = SMALL_LIMIT
 _INT32_MIN = -(1 << 31)
@@ -171,18 +198,30 @@ def _ld(tag: bytes, payload: bytes) -> bytes:
     return tag + _varint(len(payload)) + payload
 
 
-@functools.lru_cache(maxsize=4096)
-def _sglang_sampling_field(p: SamplingParams) -> bytes:
-    """Field 4 (sampling_params) of an SGLang GenerateRequest, serialized once per distinct value."""
+def _sglang_field(p: SamplingParams) -> bytes:
+    """Field 4 (sampling_params) of an SGLang GenerateRequest."""
     sp: bytes = sglang_sampling(p).SerializeToString()
     return _ld(b"\x22", sp)
 
 
-@functools.lru_cache(maxsize=4096)
-def _vllm_sampling_field(p: SamplingParams, logprobs: bool, top_logprobs: int) -> bytes:
-    """Field 4 (sampling_params) of a vLLM GenerateRequest, serialized once per distinct value."""
+def _vllm_field(p: SamplingParams, logprobs: bool, top_logprobs: int) -> bytes:
+    """Field 4 (sampling_params) of a vLLM GenerateRequest."""
     sp: bytes = vllm_sampling(p, logprobs, top_logprobs).SerializeToString()
     return _ld(b"\x22", sp)
+
+
+_sglang_field_cached = functools.lru_cache(maxsize=4096)(_sglang_field)
+_vllm_field_cached = functools.lru_cache(maxsize=4096)(_vllm_field)
+
+
+def _sglang_sampling_field(p: SamplingParams) -> bytes:
+    """Serialized once per distinct value when small (``_small``)."""
+    return _sglang_field_cached(p) if _small(p) else _sglang_field(p)
+
+
+def _vllm_sampling_field(p: SamplingParams, logprobs: bool, top_logprobs: int) -> bytes:
+    """Serialized once per distinct value when small (``_small``)."""
+    return (_vllm_field_cached if _small(p) else _vllm_field)(p, logprobs, top_logprobs)
 
 
 _TOKENIZED = sg.TokenizedInput  # vLLM's has the same fields and numbers

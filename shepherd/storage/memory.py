@@ -1,6 +1,8 @@
-"""The memory backend: dicts in this process, bounded by a count of items and by their size (the JSON
-size of their data: an item may hold megabytes of text), the oldest responses and conversations evicted
-first (counted in ``stats.evicted``). Lost when the process ends.
+"""The memory backend: dicts in this process, bounded by a count of entries (items, responses and
+conversations) and by their size (the JSON size of the items' data, the responses' bodies and the
+conversations' metadata, plus RECORD_BYTES a record: a client's 450 KB schema in a response body counts),
+the oldest responses and conversations evicted first (counted in ``stats.evicted``). Lost when the
+process ends.
 
 Every method runs to completion without awaiting, so each one is atomic on the event loop.
 """
@@ -27,6 +29,7 @@ from shepherd.storage.types import (
 )
 
 MAX_BYTES = 1 << 30  # the items' data held, by default
+RECORD_BYTES = 256  # what a response or conversation record costs besides its JSON (counted in bytes)
 MAX_LEASES = 10_000  # past twice this many leases held, the expired ones are dropped
 
 
@@ -50,12 +53,12 @@ class MemoryStore:
             raise ValueError("max_bytes must be >= 1")
         self.max_items = max_items
         self.max_bytes = max_bytes
-        self.bytes = 0  # the JSON size of the items held
+        self.bytes = 0  # the JSON size of the items, response bodies and conversation metadata held
         self.stats = StoreStats()
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
         self._convs: OrderedDict[str, _Conv] = OrderedDict()
         self._items: dict[str, StoredItem] = {}
-        self._sizes: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}  # item, response or conversation id -> its counted bytes
         self._refs: dict[str, int] = {}  # item id -> responses + conversations referring to it
         self._records: dict[str, dict[str, bytes]] = {}
         self._leases: dict[str, tuple[str, float]] = {}  # name -> (holder, until)
@@ -88,6 +91,11 @@ class MemoryStore:
         self._items.pop(item_id, None)
         self.bytes -= self._sizes.pop(item_id, 0)
 
+    def _size_record(self, record_id: str, data: object) -> None:
+        n = RECORD_BYTES + len(orjson.dumps(data))
+        self.bytes += n - self._sizes.get(record_id, 0)
+        self._sizes[record_id] = n
+
     def _ref(self, ids: Sequence[str], delta: int) -> None:
         for i in ids:
             n = self._refs.get(i)
@@ -105,8 +113,11 @@ class MemoryStore:
             bisect.insort(conv.links, (it.created_at, next(self._seq), it.id))
         self._ref([it.id for it in items], +1)
 
+    def _entries(self) -> int:
+        return len(self._items) + len(self._responses) + len(self._convs)
+
     def _evict(self) -> None:
-        while (len(self._items) > self.max_items or self.bytes > self.max_bytes) and (
+        while (self._entries() > self.max_items or self.bytes > self.max_bytes) and (
             self._responses or self._convs
         ):
             r_first = next(iter(self._responses.values()), None)
@@ -140,6 +151,7 @@ class MemoryStore:
             raise IntegrityError(f"response {response.id!r} refers to unknown items {missing[:3]}")
         self._add_items(items)
         self._responses[response.id] = response
+        self._size_record(response.id, response.body)
         self._ref([*response.input_item_ids, *response.output_item_ids], +1)
         if conv is not None:
             self._link(conv, items)
@@ -160,6 +172,7 @@ class MemoryStore:
         self._ref([*response.input_item_ids, *response.output_item_ids], +1)
         self._ref([*old.input_item_ids, *old.output_item_ids], -1)
         self._responses[response.id] = response
+        self._size_record(response.id, response.body)
         if conv is not None:
             self._link(conv, items)
         self.stats.writes += 1
@@ -173,6 +186,7 @@ class MemoryStore:
         r = self._responses.pop(response_id, None)
         if r is None:
             return False
+        self.bytes -= self._sizes.pop(response_id, 0)
         self._ref([*r.input_item_ids, *r.output_item_ids], -1)
         return True
 
@@ -215,6 +229,7 @@ class MemoryStore:
         conv = _Conv(conversation)
         self._add_items(items)
         self._convs[conversation.id] = conv
+        self._size_record(conversation.id, conversation.metadata)
         self._link(conv, items)
         self.stats.writes += 1
         self._evict()
@@ -232,6 +247,7 @@ class MemoryStore:
             return None
         old = c.record
         c.record = StoredConversation(old.id, old.created_at, dict(metadata), old.owner)
+        self._size_record(conversation_id, c.record.metadata)
         self.stats.writes += 1
         return c.record
 
@@ -239,6 +255,7 @@ class MemoryStore:
         c = self._convs.pop(conversation_id, None)
         if c is None:
             return False
+        self.bytes -= self._sizes.pop(conversation_id, 0)
         self._ref([i for _, _, i in c.links], -1)
         return True
 

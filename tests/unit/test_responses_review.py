@@ -24,7 +24,7 @@ from shepherd.node.output.responses import (
 )
 from shepherd.proto.openai_errors import ApiError
 from shepherd.storage.memory import MemoryStore
-from shepherd.storage.types import StoredItem
+from shepherd.storage.types import StoredConversation, StoredItem, StoredResponse
 
 _ids = itertools.count(1)
 
@@ -181,5 +181,30 @@ def test_memory_store_is_bounded_by_bytes_too() -> None:
         await store.delete_response("resp_4")
         await store.delete_response("resp_3")
         assert store.bytes == 0
+
+    asyncio.run(run())
+
+
+def test_memory_store_counts_response_bodies_and_conversations() -> None:
+    """What a client stores besides items counts too: a response body (a client's large schema rides in
+    it) and a conversation (its metadata, and itself against the entry bound), evicted oldest first."""
+
+    async def run() -> None:
+        store = MemoryStore(max_items=1000, max_bytes=20_000)
+        for n in range(10):
+            body = {"id": f"resp_{n}", "text": {"format": {"schema": {"x": "y" * 4000}}}}
+            await store.put_response(StoredResponse(f"resp_{n}", float(n), "m", body), [])
+        assert 0 < store.bytes <= 20_000 and store.stats.evicted >= 6
+        assert await store.get_response("resp_0") is None and await store.get_response("resp_9") is not None
+        few = MemoryStore(max_items=50)
+        for n in range(200):
+            await few.create_conversation(StoredConversation(f"conv_{n}", float(n), {"k": "v" * 10}))
+        assert len(few._convs) == 50 and few.stats.evicted == 150
+        assert await few.get_conversation("conv_199") is not None
+        for n in range(150, 200):
+            await few.delete_conversation(f"conv_{n}")
+        for n in range(10):
+            await store.delete_response(f"resp_{n}")
+        assert few.bytes == 0 and store.bytes == 0
 
     asyncio.run(run())

@@ -90,3 +90,39 @@ def test_engine_sampling_memo(d: dict[str, Any], max_new: int, interval: int | N
         assert again == first
     else:
         assert again is first
+
+
+def test_large_constraints_are_not_kept_by_the_engine_parameter_caches() -> None:
+    """A client varying only its seed with a large schema (or regex, choices, logit_bias) would pin each
+    request's payload in the 4,096-entry caches: parameters past CACHED_PAYLOAD_MAX are built each time
+    (the same bytes), small ones cached as before."""
+    import dataclasses
+
+    from shepherd.proto import engine_requests as er
+    from shepherd.proto.engine_types import SamplingParams
+
+    big = SamplingParams(json_schema='{"type":"object","description":"' + "x" * 50_000 + '"}')
+    caches = (
+        er._sglang_sampling_cached,
+        er._vllm_sampling_cached,
+        er._sglang_field_cached,
+        er._vllm_field_cached,
+    )
+    before = [c.cache_info().currsize for c in caches]
+    for seed in range(50):
+        p = dataclasses.replace(big, seed=seed)
+        assert er._sglang_sampling_field(p) == er._sglang_field(p)
+        assert er._vllm_sampling_field(p, False, 0) == er._vllm_field(p, False, 0)
+        assert er.sglang_sampling(p) == er._sglang_sampling(p)
+        assert er.vllm_sampling(p, False, 0) == er._vllm_sampling(p, False, 0)
+    for p in (
+        dataclasses.replace(big, json_schema=None, regex="a" * 50_000),
+        dataclasses.replace(big, json_schema=None, choice=("c" * 5_000,)),
+        dataclasses.replace(big, json_schema=None, logit_bias=tuple((i, 1.0) for i in range(1_000))),
+    ):
+        er._sglang_sampling_field(p)
+        er._vllm_sampling_field(p, True, 2)
+    assert [c.cache_info().currsize for c in caches] == before
+    small = SamplingParams(json_schema='{"type":"object"}', seed=12345)
+    er._sglang_sampling_field(small)
+    assert er._sglang_field_cached.cache_info().currsize == before[2] + 1 or before[2] == 4096

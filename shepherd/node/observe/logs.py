@@ -131,18 +131,37 @@ def _trace_id() -> str | None:
     return _HEADER_TRACE.get()
 
 
+# control characters a client's text (a decoded path, a header) could bring into a line: a line break
+# would forge a line of its own, an ANSI escape would rewrite the terminal showing it
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, 0x85) if c != 0x09} | {
+    0x0A: "\\n",
+    0x0D: "\\r",
+    0x2028: "\\u2028",
+    0x2029: "\\u2029",
+}
+
+
+def _escaped(text: str) -> str:
+    return text.translate(_CONTROLS) if not text.isprintable() else text
+
+
 class TextFormatter(logging.Formatter):
-    """The default text lines, with ``rid=`` / ``trace=`` when the line belongs to a request."""
+    """The default text lines, with ``rid=`` / ``trace=`` when the line belongs to a request; the message
+    one line whatever it quotes (control characters escaped; a traceback follows as it is)."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = _escaped(record.message)
+        return super().formatMessage(record)
 
     def format(self, record: logging.LogRecord) -> str:
         line = super().format(record)
         rid = REQUEST_ID.get()
         tid = _trace_id()
         if rid or tid:
-            line += "".join((f" rid={rid}" if rid else "", f" trace={tid}" if tid else ""))
+            line += "".join((f" rid={_escaped(rid)}" if rid else "", f" trace={tid}" if tid else ""))
         return line
 
 
