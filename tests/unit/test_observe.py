@@ -202,3 +202,28 @@ async def test_the_access_log_hides_credential_query_values(
     assert line["path"].startswith("/v1/models?")
     if "limit=5" in query:
         assert "limit=5" in line["path"]  # what is no credential stays readable
+
+
+def test_a_text_log_line_is_one_line_whatever_a_client_sent() -> None:
+    """A decoded %0a in a path (or an ANSI escape) reaching the access or audit log: escaped, so no forged
+    line and no terminal rewrite; a traceback still follows on lines of its own."""
+    fmt = logs.TextFormatter()
+    rec = logging.LogRecord(
+        "shepherd.access",
+        logging.INFO,
+        __file__,
+        1,
+        "%s %s",
+        ("GET", "/v1/x\n2026 forged\x1b[31m\u2028"),
+        None,
+    )
+    line = fmt.format(rec)
+    assert "\n" not in line and "\x1b" not in line and "\u2028" not in line
+    assert "/v1/x\\n2026 forged\\x1b[31m\\u2028" in line
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        rec = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    assert fmt.format(rec).count("\n") >= 2  # the traceback as it is
