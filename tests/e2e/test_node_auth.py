@@ -408,6 +408,14 @@ def test_a_keys_model_list_holds_however_the_model_is_named(setup: Setup) -> Non
         assert [m["id"] for m in http.get("/v1/models", headers=keys["qwen3"]).json()["data"]] == ["qwen3"]
         assert http.get("/v1/models/qwen3", headers=keys["other"]).status_code == 404
         assert http.get("/v1/models/qwen3", headers=keys["qwen3"]).status_code == 200
+        # an unknown model's 404 names only the models the key may use
+        for r in (
+            http.get("/v1/models/nope", headers=keys["other"]),
+            http.post("/v1/completions", json={"model": "nope", "prompt": "x"}, headers=keys["other"]),
+        ):
+            assert r.status_code == 404 and "qwen3" not in r.json()["error"]["message"], r.text
+        r = http.post("/v1/completions", json={"model": "nope", "prompt": "x"}, headers=keys["qwen3"])
+        assert r.status_code == 404 and "qwen3" in r.json()["error"]["message"]
 
 
 def test_jwts_rotation_and_attacks(setup: Setup) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shepherd.node.api.common import GATEWAY, audit, may_use, model_for
+from shepherd.node.api.common import GATEWAY, audit, may_use, model_for, usable_models
 from shepherd.node.api.openai import render_chat
 from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_in_effect, worker_endpoint
 from shepherd.node.dispatch.circuit_breaker import BreakerState
@@ -31,7 +31,7 @@ async def get_model(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
     name = request.match_info["model_id"]
     if name not in gw.models or not may_use(request, name):
-        raise model_not_found(name, gw.model_names())
+        raise model_not_found(name, usable_models(request, gw))
     return json_response(_model_card(gw, name))
 
 

@@ -22,7 +22,7 @@ from aiohttp import web
 from shepherd.auth.principal import PRINCIPAL_KEY, Principal
 from shepherd.node.api.admission import Admission
 from shepherd.node.cluster.history import OwnerGone
-from shepherd.node.dispatch.gateway import Gateway
+from shepherd.node.dispatch.gateway import Gateway, model_not_found
 from shepherd.node.engines.http import (
     RELAY_CONTENT_TYPES,
     RELAY_MAX_BYTES,
@@ -167,10 +167,21 @@ def owner_of(request: web.Request) -> str | None:
 
 
 def model_for(request: web.Request, gw: Gateway, name: str) -> str:
-    """``gw.resolve_model(name)`` under the caller's model allow-list (``model_allowed``)."""
-    model = gw.resolve_model(name)
+    """``gw.resolve_model(name)`` under the caller's model allow-list (``model_allowed``; an unknown
+    model's 404 names only the models the caller may use)."""
+    try:
+        model = gw.resolve_model(name)
+    except ApiError as e:
+        if e.code != "model_not_found":
+            raise
+        raise model_not_found(name, usable_models(request, gw)) from None
     model_allowed(request, model, name)
     return model
+
+
+def usable_models(request: web.Request, gw: Gateway) -> list[str]:
+    """The node's model names the caller may use (``may_use``)."""
+    return [m for m in gw.model_names() if may_use(request, m)]
 
 
 def model_allowed(request: web.Request, model: str, name: str = "") -> None:
