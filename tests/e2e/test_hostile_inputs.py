@@ -657,6 +657,13 @@ CASES: list[Case] = [
     ),
     Case("prompt-empty-2nd-stream", COMP, comp(prompt=["a", ""], stream=True), 400),
     Case("prompts-x-n-over-128", COMP, comp(prompt=["a"] * 129), 400),
+    Case(
+        "generate-ids-over-context",
+        "/generate",
+        {"model": "qwen3", "input_ids": [1] * 5000, "sampling_params": {"max_new_tokens": 2}},
+        400,
+        "context_length_exceeded",
+    ),
     Case("echo-string", COMP, comp(prompt="a", echo="y"), 400, "invalid_type"),
     Case("completion-logprobs-true", COMP, comp(prompt="a", logprobs=True), 400, "invalid_type"),
     Case("completion-logprobs-21", COMP, comp(prompt="a", logprobs=21), 400, "invalid_value"),

@@ -324,7 +324,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise bad(f"Model '{model}' is served by HTTP workers; /generate needs gRPC engines.", param="model")
     s, prompt = _sampling(d)
     tok = gw.tokenizer(model)
+    field = "text" if isinstance(prompt, str) else "input_ids"  # (what its context errors name)
     if isinstance(prompt, str):
+        gw.check_prompt_chars(model, len(prompt), field)  # before any tokenizing: bounded work
         ids = await gw.tokenizers.encode(model, prompt)
     else:
         ids = list(prompt)
@@ -339,7 +341,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     request["model"] = model
 
     async def run() -> web.StreamResponse:
-        max_new = gw.check_context(model, len(ids), s.max_tokens)
+        max_new = gw.check_context(model, len(ids), s.max_tokens, param=field)
         sp = engine_sampling(s, max_new, gw.cfg.stream_interval)
         gen = GenerateRequest(f"{rid}.{fresh_id('')}", ids, sp, True, False, 0)
         h = request.headers
