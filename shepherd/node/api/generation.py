@@ -534,9 +534,9 @@ class Generation:
 
     # ---- non-streaming ----------------------------------------------------------------------------
 
-    async def respond(self, jobs: list[Job]) -> web.Response:
-        choices, violations = await self.collect(jobs)
-        body = {
+    def answer_body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """The whole (non-streamed) answer's object around ``choices``, with the usage accounted."""
+        return {
             "id": self.rid,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -544,6 +544,17 @@ class Generation:
             "choices": choices,
             "usage": usage(self.totals.prompt, self.totals.completion, self.totals.cached),
         }
+
+    def sse_response(self) -> web.StreamResponse:
+        """The streamed answer's response, not yet prepared (the lean server writes its own Connection
+        header: it would drop ours, one pass over them less)."""
+        headers = dict(SSE_HEADERS if lean_request(self.request) is None else _SSE_LEAN_HEADERS)
+        headers.update(self.headers())  # x-smg-gateway-ms: the time before dispatch
+        return stream_response(self.request, headers=headers)
+
+    async def respond(self, jobs: list[Job]) -> web.Response:
+        choices, violations = await self.collect(jobs)
+        body = self.answer_body(choices)
         if self.chat and self.output is not None:
             field, legacy = self.gw.cfg.reasoning_field, self.legacy_functions
             for c in choices:
@@ -686,10 +697,7 @@ class Generation:
         gw = self.gw
         self.request["stream"] = True  # SMG's ``streaming`` label of the request count
         max_new = [gw.check_context(self.model, len(job.ids), self.s.max_tokens) for job in jobs]
-        # the lean server writes its own Connection header (it would drop ours: one pass over them less)
-        headers = dict(SSE_HEADERS if lean_request(self.request) is None else _SSE_LEAN_HEADERS)
-        headers.update(self.headers())  # x-smg-gateway-ms: the time before dispatch
-        resp = stream_response(self.request, headers=headers)
+        resp = self.sse_response()
         keepalive = self.request.app[KEEPALIVE_TICKER]
         # while the engine queues or prefills, the ticker sends the headers and a keep-alive comment once
         # dispatch has waited one interval, then one every interval: proxies see bytes from the start

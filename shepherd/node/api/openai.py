@@ -21,10 +21,9 @@ import orjson
 from aiohttp import web
 
 from shepherd.node.api.common import ADMISSION, GATEWAY, admitted, model_for, relay
-from shepherd.node.api.generation import SSE_HEADERS, Generation, Job, fresh_id
+from shepherd.node.api.generation import Generation, Job, fresh_id
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import json_now, read_json
-from shepherd.node.http.types import lean_request, stream_response
 from shepherd.node.observe import tracing
 from shepherd.node.openai.guided import GUIDED_KEYS
 from shepherd.node.openai.requests import (
@@ -34,7 +33,7 @@ from shepherd.node.openai.requests import (
     parse_chat_deferred,
     parse_completion,
 )
-from shepherd.node.openai.sse import DONE, CompletionChunks, usage, with_usage
+from shepherd.node.openai.sse import DONE, CompletionChunks, with_usage
 from shepherd.node.openai.template_compat import effort_kwargs, map_developer, template_names
 from shepherd.node.openai.tool_choice import template_tools
 from shepherd.node.output.chat import shape_chat
@@ -300,9 +299,9 @@ async def _echo_only(g: Generation, jobs: list[Job]) -> web.StreamResponse:
     engine is not called (vLLM generates one token and drops it)."""
     request, gw = g.request, g.gw
     gw.metrics.overhead.observe(time.perf_counter() - g.t0)
-    prompt = sum(len(job.ids) for job in jobs)
-    g.totals.prompt = prompt
-    g.mm.prompt_tokens.value += prompt
+    for job in jobs:
+        g._account(job)  # (its prompt; no completion token)
+    prompt = g.totals.prompt
     if not g.s.stream:
         choices = [
             {
@@ -316,16 +315,9 @@ async def _echo_only(g: Generation, jobs: list[Job]) -> web.StreamResponse:
             for job in jobs
             for st in job.states
         ]
-        body = {
-            "id": g.rid,
-            "object": "text_completion",
-            "created": g.created,
-            "model": g.model,
-            "choices": choices,
-            "usage": usage(prompt, 0, 0),
-        }
         g.done()
-        return web.Response(body=orjson.dumps(body), content_type="application/json", headers=g.headers())
+        body = orjson.dumps(g.answer_body(choices))
+        return web.Response(body=body, content_type="application/json", headers=g.headers())
     request["stream"] = True  # SMG's ``streaming`` label of the request count
     enc = CompletionChunks(g.rid, g.created, g.model)
     out: list[bytes] = []
@@ -339,10 +331,7 @@ async def _echo_only(g: Generation, jobs: list[Job]) -> web.StreamResponse:
     if g.s.include_usage:
         out.append(enc.usage_of(prompt, 0, 0))
     out.append(DONE)
-    headers = {**SSE_HEADERS, **g.headers()}
-    if lean_request(request) is not None:  # (the lean server writes its own Connection header)
-        headers.pop("Connection")
-    resp = stream_response(request, headers=headers)
+    resp = g.sse_response()
     await resp.prepare(request)
     await resp.write_eof(b"".join(out))
     g.done()
