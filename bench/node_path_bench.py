@@ -320,7 +320,7 @@ async def _main(args: argparse.Namespace) -> None:
         if args.pause:  # e.g. for ``callgrind_control -i on PID`` (valgrind --instr-atstart=no)
             print("READY", flush=True)
             await asyncio.sleep(args.pause)
-        profiled = prof is not None and name in ("chat", "burst")
+        profiled = prof is not None and (len(scenarios) == 1 or name in ("chat", "burst"))
         best = float("inf")
         results = []
         writes0 = sum(t.writes for _, t in conns)
@@ -376,7 +376,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=250, help="rendered prompt size (default 250)")
-    p.add_argument("--profile", action="store_true", help="cProfile of the chat or burst rounds")
+    p.add_argument("--profile", action="store_true", help="cProfile of the chat or burst rounds (or of the one scenario given)")
     p.add_argument("--profile-rows", type=int, default=None, help="default: 60 (chat), 45 (stream)")
     p.add_argument("--dump", default="", help="with --profile: write the pstats file here")
     p.add_argument("--show", action="store_true", help="print one response")
