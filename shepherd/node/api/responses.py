@@ -477,8 +477,31 @@ def _renders_alike(a: StoredItem, b: StoredItem) -> bool:
         return False
 
 
+_NOBODY = "\x00"  # an owner no principal has: ``may_read`` of it is True only for admins and with auth off
+
+
+async def _readable_refs(request: web.Request, hist: History, refs: Sequence[StoredItem]) -> set[str]:
+    """The ids among ``refs`` (stored items an ``item_reference`` names) the caller may read: with auth
+    on (not an admin), an item of a response it may read; an item without one (added to a conversation
+    directly) or of a response gone or another tenant's is not found, as that response is."""
+    if may_read(request, _NOBODY):  # auth off, or an admin: every item
+        return {it.id for it in refs}
+    owners: dict[str, bool] = {}
+    for rid in {it.response_id for it in refs if it.response_id is not None}:
+        try:
+            r = await hist.store.get_response(rid)
+        except NotFound:  # (its owner is gone from the mesh)
+            r = None
+        owners[rid] = r is not None and may_read(request, r.owner)
+    return {it.id for it in refs if it.response_id is not None and owners[it.response_id]}
+
+
 async def _resolve_input(
-    hist: History, parsed: list[StoredItem], minted: set[str], mint: Callable[[str], str]
+    request: web.Request,
+    hist: History,
+    parsed: list[StoredItem],
+    minted: set[str],
+    mint: Callable[[str], str],
 ) -> tuple[list[StoredItem], list[StoredItem]]:
     """(the turn's input items for the prompt, those of them to store): an ``item_reference`` becomes
     the item it names; an item whose (client-given) id is already stored is used, not stored again —
@@ -489,12 +512,14 @@ async def _resolve_input(
     found: dict[str, StoredItem] = {}
     if asked:
         found = {it.id: it for it in await hist.store.get_items(asked)}
+    refs = [found[it.id] for it in parsed if it.type == "item_reference" and it.id in found]
+    readable = await _readable_refs(request, hist, refs) if refs else set()
     prompt: list[StoredItem] = []
     new: list[StoredItem] = []
     for i, it in enumerate(parsed):
         if it.type == "item_reference":
             ref = found.get(it.id)
-            if ref is None:
+            if ref is None or ref.id not in readable:
                 raise ApiError(
                     404,
                     f"Item with id '{it.id}' not found.",
@@ -525,6 +550,83 @@ def _check_calls(past: Sequence[StoredItem], prompt: Sequence[StoredItem]) -> No
                 param="input",
                 code="invalid_value",
             )
+
+
+def _copy_foreign(
+    prompt: list[StoredItem],
+    new: list[StoredItem],
+    owner: str,
+    mint: Callable[[str], str],
+    now: float,
+    response_id: str,
+) -> tuple[list[StoredItem], list[StoredItem]]:
+    """(prompt items, items to store) where each stored item another node holds (an embedded store in a
+    mesh: an output of a response stored elsewhere sent back, an ``item_reference`` to it) is a copy
+    under a fresh id of the turn's owner: a record refers only to items its owner holds, written with it
+    in one transaction (the owner's store refuses a record naming items it does not hold)."""
+    storing = {it.id for it in new}
+    out: list[StoredItem] = []
+    for it in prompt:
+        if it.id not in storing and tag_of(it.id) != owner:
+            fresh = mint(ITEM_PREFIXES.get(it.type, "msg"))
+            data = {**it.data, "id": fresh}
+            it = dataclasses.replace(it, id=fresh, data=data, created_at=now, response_id=response_id)
+            storing.add(fresh)
+        out.append(it)
+    return out, [it for it in out if it.id in storing]
+
+
+def _messages(req: ResponsesRequest, items: Sequence[StoredItem]) -> list[dict[str, Any]]:
+    """The chat messages of a turn: ``items`` and this turn's ``instructions`` first."""
+    messages = items_to_messages(items)
+    if req.instructions:
+        messages.insert(0, {"role": "system", "content": req.instructions})
+    return messages
+
+
+async def _render_truncated(
+    gw: Gateway,
+    model: str,
+    chat: ChatRequest,
+    req: ResponsesRequest,
+    past: Sequence[StoredItem],
+    prompt: Sequence[StoredItem],
+) -> tuple[ChatRequest, str, list[int]]:
+    """``truncation: "auto"``: the turn rendered with as much of its history as fits the context (and
+    ``max_output_tokens``), the oldest items dropped first, cut only before a user message (a tool
+    output stays with its call) or the whole history; the turn's own input is never dropped (if it does
+    not fit alone, the 400 of ``disabled``). A binary search over the cut points: O(log n) renders."""
+    ctx = gw.context_length(model)
+    most = req.sampling.max_tokens
+
+    async def render(k: int) -> tuple[ChatRequest, str, list[int]] | None:
+        c = dataclasses.replace(chat, messages=_messages(req, [*past[k:], *prompt]))
+        try:
+            text, ids = await render_chat(gw, model, c, param="input")
+        except ApiError as e:
+            if e.code != "context_length_exceeded" or k == len(past):
+                raise
+            return None
+        fits = len(ids) < ctx and (most is None or len(ids) + most <= ctx)
+        return (c, text, ids) if fits or k == len(past) else None
+
+    whole = await render(0)
+    if whole is not None:
+        return whole
+    cuts = [k for k in range(1, len(past)) if past[k].type == "message" and past[k].role == "user"] + [
+        len(past)
+    ]
+    lo, hi = 0, len(cuts) - 1  # the last cut (no history) always renders (or raises)
+    best = None
+    while lo <= hi:  # the fewest items dropped that fit
+        mid = (lo + hi) // 2
+        got = await render(cuts[mid])
+        if got is not None:
+            best, hi = got, mid - 1
+        else:
+            lo = mid + 1
+    assert best is not None
+    return best
 
 
 _LOCK_MARGIN_S = 30.0  # a turn's lease outlives its deadline by this much (a dead node's expires then)
@@ -625,7 +727,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     async def turn_in_progress() -> web.StreamResponse:  # (under the conversation's lease, if any)
         try:  # every history read happens before the engine is called
             past = await _history(request, hist, req, gw, conv_checked=lease is not None)
-            prompt_items, new_input = await _resolve_input(hist, parsed, minted, mint)
+            prompt_items, new_input = await _resolve_input(request, hist, parsed, minted, mint)
         except StorageUnavailable as e:
             raise _unavailable(e) from None
         # items the history already holds (a client sending a previous output back): not twice in the prompt
@@ -633,6 +735,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if known:
             prompt_items = [it for it in prompt_items if it.id not in known]
             new_input = [it for it in new_input if it.id not in known]
+        if not hist.store.shared and hist.node_gone is not None:  # an embedded store in a mesh
+            owner = owner_tag or hist.tag
+            prompt_items, new_input = _copy_foreign(prompt_items, new_input, owner, mint, now, response_id)
         _check_calls(past, prompt_items)
         turn = Turn(
             hist,
@@ -647,9 +752,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             owner_tag,
             lease=lease,
         )
-        messages = items_to_messages([*past, *prompt_items])
-        if req.instructions:
-            messages.insert(0, {"role": "system", "content": req.instructions})
+        messages = _messages(req, [*past, *prompt_items])
         if not messages:
             raise bad("The request has no input to answer.", param="input", code="empty_input")
         # logprobs of the output text: asked with include (top_logprobs alternatives each)
@@ -669,7 +772,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             raw=d,
             parallel_tool_calls=req.parallel_tool_calls,
         )
-        text, ids = await render_chat(gw, model, chat, param="input")
+        if req.truncation == "auto" and past:
+            chat, text, ids = await _render_truncated(gw, model, chat, req, past, prompt_items)
+        else:
+            text, ids = await render_chat(gw, model, chat, param="input")
         shaping = shape_chat(gw.parser_families(model), chat, text)
         base = _base(req, model, response_id, now)
         states = [ChoiceState(0, tok, shaping.sampling, ids)]
