@@ -315,6 +315,9 @@ class Generation:
         first = True
         out: list[bytes] = []
         cached = [self.totals.cached]
+        # stream_options.continuous_usage_stats: each chunk gets its choice's usage as of the engine event
+        # it came from (vLLM's per-step counts), not as of the end of the batch of events it came in
+        per_event_usage = emit is not None and self.s.continuous_usage and self._events is None
 
         def take(batch: list[EngineEvent]) -> bool:
             """One batch of engine events into the states and ``out``: whether the stream is over for
@@ -328,7 +331,12 @@ class Generation:
                     self.t_first = now
                 first = False
             ntok = 0
+            mark = len(out)  # (per_event_usage) the first chunk of the event being taken
             for ev in batch:
+                if per_event_usage:
+                    if len(out) > mark:  # the previous event's chunks, with the usage it left
+                        out[mark:] = self._with_usage(out[mark:], job)
+                    mark = len(out)
                 i = ev.index
                 if i >= n:
                     raise EngineError(f"engine sent choice index {i} for n={n}", retryable=False)
@@ -398,6 +406,8 @@ class Generation:
                 remaining -= 1
                 if enc is not None:
                     self._finish_chunk(enc, posts, i, idx, st, out)
+            if per_event_usage and len(out) > mark:
+                out[mark:] = self._with_usage(out[mark:], job)
             if ntok and timed:
                 itl.observe((now - last[0]) / ntok)
             last[0] = now
@@ -729,12 +739,12 @@ class Generation:
             await resp.prepare(self.request)  # (a no-op when the ticker sent the headers already)
             pending: list[bytes] = []
             continuous = self.s.continuous_usage and self._events is None
-            current = [jobs[0]]  # the job being driven (continuous usage counts its tokens)
 
             async def emit(chunks: list[bytes], last: bool = False) -> None:
                 # the role chunk rides with the first batch, the last batch with usage and [DONE]:
-                # a stream whose tokens arrive together is one write
-                pending.extend(self._with_usage(chunks, current[0]) if continuous else chunks)
+                # a stream whose tokens arrive together is one write (continuous usage: ``_drive`` put
+                # each chunk's in)
+                pending.extend(chunks)
                 if not last:
                     ka.touch()
                     await resp.write(b"".join(pending))
@@ -750,8 +760,6 @@ class Generation:
 
                 def emit_now(chunks: list[bytes], last: bool = False) -> bool:
                     # emit's write without the wait (the engine client's push): True to pause
-                    if continuous:
-                        chunks = self._with_usage(chunks, current[0])
                     if last:
                         pending.extend(chunks)
                         return False
@@ -779,7 +787,6 @@ class Generation:
                     if i > 0:
                         open_ahead(i + PROMPTS_AHEAD)
                         es = await later[i - 1]
-                    current[0] = job
                     if self.chat:
                         assert not isinstance(enc, CompletionChunks)
                         states = job.states

@@ -393,6 +393,13 @@ def _model(d: dict[str, Any]) -> str:
     return m
 
 
+def _user(d: dict[str, Any]) -> None:
+    """OpenAI's ``user`` (an end-user id; not used): a string, as OpenAI and vLLM require."""
+    u = d.get("user")
+    if u is not None and type(u) is not str:
+        raise bad("'user' must be a string.", param="user", code="invalid_type")
+
+
 # ---- chat ---------------------------------------------------------------------------------------------
 
 
@@ -423,6 +430,13 @@ class ChatRequest:
     guided_param: str = ""
     reasoning_effort: str | None = None  # mapped to the template's thinking switch when rendering
     legacy_functions: bool = False  # the request used ``functions``: answers carry ``function_call``
+    include_reasoning: bool = True  # vLLM's: false drops the parsed reasoning from the answer
+
+
+# the content parts that are text, and the key holding it: OpenAI's text, the Responses API's input_text
+# and output_text, and an assistant turn's refusal (what the API answered, sent back in the history), as
+# vLLM reads them (chat_utils: text, input_text, output_text and refusal parts are their text)
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 
 def _content_text(content: Any, idx: int) -> Any:
@@ -437,11 +451,13 @@ def _content_text(content: Any, idx: int) -> Any:
                     f"messages[{idx}].content parts must be objects with a 'type'.",
                     param=f"messages.{idx}.content",
                 )
-            if part["type"] in ("text", "input_text"):
-                t = part.get("text")
+            kind = part["type"]
+            if type(kind) is str and kind in _TEXT_PARTS:
+                key = _TEXT_PARTS[kind]
+                t = part.get(key)
                 if not isinstance(t, str):
                     raise bad(
-                        f"messages[{idx}].content text part needs a string 'text'.",
+                        f"messages[{idx}].content {kind} part needs a string '{key}'.",
                         param=f"messages.{idx}.content",
                     )
                 texts.append(t)
@@ -638,6 +654,7 @@ CHAT_OPTION_KEYS: frozenset[str] = frozenset(
         "add_generation_prompt",
         "parallel_tool_calls",
         "separate_reasoning",
+        "include_reasoning",
         "reasoning_effort",
         "metadata",
         "documents",
@@ -675,6 +692,9 @@ _UNSUPPORTED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template": ((None,), "the model's chat template is used (set it on the node: --chat-template)"),
     "echo": ((None, False), "chat answers do not echo the last message"),
     "add_special_tokens": ((None, False), "chat prompts are encoded as the template writes them"),
+    # OpenAI's audio output: the answer would silently be text only
+    "audio": ((None,), "the models served here answer text only (no audio output)"),
+    "modalities": ((None, [], ["text"]), "the models served here answer text only (no audio output)"),
 }
 _UNSUPPORTED_KEYS = frozenset(_UNSUPPORTED)
 _UNSUPPORTED_CHAT_KEYS = frozenset(_UNSUPPORTED_CHAT)
@@ -706,6 +726,7 @@ def parse_chat_deferred(d: dict[str, Any]) -> ChatRequest:
     model = _model(d)
     messages = _messages(d)
     sampling = parse_sampling(d, max_tokens_keys=_CHAT_MAX_KEYS)
+    _user(d)
     if not _UNSUPPORTED_CHAT_KEYS.isdisjoint(d):
         _refuse_unsupported(d, _UNSUPPORTED_CHAT)
     if CHAT_OPTION_KEYS.isdisjoint(d):  # none of the options (most requests): their defaults at once
@@ -768,6 +789,7 @@ def _parse_chat_options(
         raw=d,
         parallel_tool_calls=_bool(d, "parallel_tool_calls", True),
         separate_reasoning=_bool(d, "separate_reasoning", True),
+        include_reasoning=_bool(d, "include_reasoning", True),
         schemas=tuple(pending),
         guided=None if guided is None else guided[0],
         guided_param="" if guided is None else guided[1],
@@ -864,6 +886,7 @@ def _prompts(d: dict[str, Any]) -> list[str | list[int]]:
 
 def parse_completion(d: dict[str, Any]) -> CompletionRequest:
     model = _model(d)
+    _user(d)
     prompts = _prompts(d)
     echo = _bool(d, "echo", False)
     # vLLM's echo_without_generation (CompletionRequest.to_sampling_params): echo with max_tokens 0 answers

@@ -6,7 +6,9 @@ Which parsers apply:
 - reasoning: the model's reasoning family (``--reasoning-parser``, the model's ``reasoning_parser``,
   else by model name), unless ``separate_reasoning`` is false or the request turned thinking off
   (``chat_template_kwargs``: ``enable_thinking`` / ``thinking``, per family) or the template closed
-  the think block itself; the rendered prompt says whether the think block is already open;
+  the think block itself; the rendered prompt says whether the think block is already open; with
+  ``include_reasoning`` false (vLLM's) the reasoning is still parsed out of the output, and dropped
+  (no ``reasoning_content``, no reasoning deltas);
 - tool calls: the model's tool-call family with ``tool_choice`` auto; the ``json`` family when a call
   is forced (``required`` / named: the engine is held to a JSON array of calls); none with
   ``tool_choice: none`` or without tools. Calls to tools the request did not define come back as text.
@@ -108,6 +110,7 @@ class ChatOutput:
     tool_parser: str | None  # tool-call family, None: off
     tools: tuple[Mapping[str, Any], ...]
     parallel_tool_calls: bool
+    include_reasoning: bool = True  # vLLM's ``include_reasoning``: false parses the reasoning out, drops it
 
     def choice(self, enc: ChoiceEncoder | None = None, index: int = 0) -> ChoiceParsing:
         """Fresh parsers for one choice; ``enc`` and ``index`` for a streamed one."""
@@ -125,7 +128,14 @@ class ChatOutput:
             if self.tool_parser
             else None
         )
-        return ChoiceParsing(reasoning, tools, single_call=not self.parallel_tool_calls, enc=enc, index=index)
+        return ChoiceParsing(
+            reasoning,
+            tools,
+            single_call=not self.parallel_tool_calls,
+            enc=enc,
+            index=index,
+            drop_reasoning=not self.include_reasoning,
+        )
 
     def message(self, text: str) -> tuple[dict[str, Any], ParsedChoice | None]:
         """The OpenAI ``message`` of a complete (non-streamed) choice, and what the parsers made of it
@@ -183,7 +193,11 @@ def shape_chat(families: tuple[str | None, str | None], req: ChatRequest, prompt
         sampling = req.sampling
         if reasoning == "gpt_oss" and sampling.skip_special_tokens:
             sampling = dataclasses.replace(sampling, skip_special_tokens=False)
-        plain = None if reasoning is None else _reasoning_only(reasoning, opened, req.parallel_tool_calls)
+        plain = (
+            None
+            if reasoning is None
+            else _reasoning_only(reasoning, opened, req.parallel_tool_calls, req.include_reasoning)
+        )
         return ChatShaping(sampling, plain, None, None)
     return _shape_tools(tool_family, req, reasoning, opened)
 
@@ -248,14 +262,18 @@ def _shape_tools(
     output = None
     if reasoning is not None or tool_parser is not None:
         callable_tools = tuple(template_tools(tools, choice) or ())  # a named choice: only that one
-        output = ChatOutput(reasoning, opened, tool_parser, callable_tools, req.parallel_tool_calls)
+        output = ChatOutput(
+            reasoning, opened, tool_parser, callable_tools, req.parallel_tool_calls, req.include_reasoning
+        )
     return ChatShaping(sampling, output, constraint, checks, req.legacy_functions)
 
 
 @functools.lru_cache(maxsize=64)
-def _reasoning_only(reasoning: str, opened: bool, parallel_tool_calls: bool) -> ChatOutput:
+def _reasoning_only(
+    reasoning: str, opened: bool, parallel_tool_calls: bool, include_reasoning: bool = True
+) -> ChatOutput:
     """The (immutable) parser configuration of a request with a reasoning parser and no tools."""
-    return ChatOutput(reasoning, opened, None, (), parallel_tool_calls)
+    return ChatOutput(reasoning, opened, None, (), parallel_tool_calls, include_reasoning)
 
 
 # ---- per choice ----------------------------------------------------------------------------------------
@@ -307,6 +325,7 @@ class ChoiceParsing:
 
     __slots__ = (
         "_content0",
+        "_drop_reasoning",
         "_enc",
         "_held",
         "_index",
@@ -325,8 +344,10 @@ class ChoiceParsing:
         single_call: bool = False,
         enc: ChoiceEncoder | None = None,
         index: int = 0,
+        drop_reasoning: bool = False,
     ) -> None:
         self._reasoning = reasoning
+        self._drop_reasoning = drop_reasoning  # the reasoning is parsed out of the output, not answered
         self._tools = tools
         self._single = single_call
         self._enc = enc
@@ -344,6 +365,8 @@ class ChoiceParsing:
         reasoning = ""
         if self._reasoning is not None:
             reasoning, text = self._reason(text)
+            if self._drop_reasoning:
+                reasoning = ""
         if self._tools is None:
             return reasoning, [TextDelta(text)] if text else []
         return reasoning, self._calls(self._tool_events(text)) if text else []
@@ -355,6 +378,8 @@ class ChoiceParsing:
                 reasoning, text = self._reasoning.finish()
             except Exception:
                 self._reasoning_failed()
+            if self._drop_reasoning:
+                reasoning = ""
         if self._tools is None:
             return reasoning, [TextDelta(text)] if text else []
         events = self._tool_events(text) if text else []
@@ -455,7 +480,7 @@ class ChoiceParsing:
             except Exception:
                 self._reasoning_failed()
                 reasoning = ""
-            if reasoning:
+            if reasoning and not self._drop_reasoning:
                 out.append(enc.reasoning(index, reasoning, logprobs))
                 logprobs = None
         if not text:
