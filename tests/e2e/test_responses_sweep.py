@@ -298,3 +298,14 @@ def test_item_reference_to_another_tenants_item_is_404(node: NodeProc) -> None:
     assert texts(alice.responses.input_items.list(mine.id, order="asc"))[-1] == "repeat it"
     assert alice.responses.create(model=MODEL, input=[{"type": "item_reference", "id": inputs[0].id}]).status
     assert admin(node).responses.create(model=MODEL, input=ref).status in ("completed", "incomplete")
+
+
+def test_context_error_names_the_responses_fields(node: NodeProc) -> None:
+    """A prompt that fits but not with ``max_output_tokens``: the 400 names Responses' own fields
+    (``input``, ``max_output_tokens``), not chat's ``messages``."""
+    with pytest.raises(openai.BadRequestError) as e:
+        admin(node).responses.create(model=MODEL, input="short", max_output_tokens=CONTEXT)
+    assert e.value.code == "context_length_exceeded"
+    body: Any = e.value.body
+    assert body["param"] == "input", body
+    assert "'max_output_tokens'" in body["message"] and "messages" not in body["message"], body

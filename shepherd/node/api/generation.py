@@ -209,8 +209,11 @@ class Generation:
         shaping: ChatShaping | None = None,
         events: StreamEvents | None = None,
         constraint: Constraint | None = None,
+        context_param: tuple[str, str] = ("messages", "max_tokens"),
     ) -> None:
         self.request = request
+        # the request fields a context error names: the prompt's and the output bound's
+        self.context_param = context_param
         self.gw = gw
         self.model = model
         self.tok = tok
@@ -266,7 +269,7 @@ class Generation:
         """Open job ``i``'s engine stream (``max_new``: what ``check_context`` gave, if already asked;
         ``retry``: the tries so far): the gateway's coroutine, for the caller to await at once."""
         if max_new is None:
-            max_new = self.gw.check_context(self.model, len(job.ids), self.s.max_tokens)
+            max_new = self.gw.check_context(self.model, len(job.ids), self.s.max_tokens, *self.context_param)
         gen = self._gen_request(job, max_new, "" if i == 0 else f"-p{i}", stream)
         h = self.request.headers
         return self.gw.open_stream(
@@ -590,7 +593,9 @@ class Generation:
         """Run every job to its end without streaming: the final choices (chat: with the parsed
         ``message``) and the structured-output violations found in them."""
         gw = self.gw
-        max_new = [gw.check_context(self.model, len(job.ids), self.s.max_tokens) for job in jobs]
+        max_new = [
+            gw.check_context(self.model, len(job.ids), self.s.max_tokens, *self.context_param) for job in jobs
+        ]
         # Without stop strings the engine sends everything in one message; with them we stream so that a
         # gateway-side stop can abort generation early.
         engine_stream = bool(self.s.stop)
@@ -706,7 +711,9 @@ class Generation:
     async def stream(self, jobs: list[Job]) -> web.StreamResponse:
         gw = self.gw
         self.request["stream"] = True  # SMG's ``streaming`` label of the request count
-        max_new = [gw.check_context(self.model, len(job.ids), self.s.max_tokens) for job in jobs]
+        max_new = [
+            gw.check_context(self.model, len(job.ids), self.s.max_tokens, *self.context_param) for job in jobs
+        ]
         resp = self.sse_response()
         keepalive = self.request.app[KEEPALIVE_TICKER]
         # while the engine queues or prefills, the ticker sends the headers and a keep-alive comment once

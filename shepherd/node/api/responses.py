@@ -793,6 +793,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             logprobs=lp_top,
             shaping=shaping,
             events=events,
+            context_param=("input", "max_output_tokens"),
         )
         if req.background:
             return await _start_background(

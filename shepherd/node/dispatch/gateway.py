@@ -268,11 +268,16 @@ class Gateway:
             )
 
     def check_context(
-        self, model: str, n_prompt: int, max_tokens: int | None, param: str = "messages"
+        self,
+        model: str,
+        n_prompt: int,
+        max_tokens: int | None,
+        param: str = "messages",
+        max_param: str = "max_tokens",
     ) -> int:
         """Validate the prompt against the context; returns max_new_tokens to ask the engine for. A 400
         names ``param``, the request field the prompt came from (chat's ``messages``, completions'
-        ``prompt``), in that route's words."""
+        ``prompt``, Responses' ``input``), and ``max_param``, the route's output bound, in its words."""
         ctx = self.context_length(model)
         if n_prompt >= ctx or (max_tokens is not None and n_prompt + max_tokens > ctx):
             if param == "messages":
@@ -281,8 +286,8 @@ class Gateway:
                     f"{n_prompt} prompt tokens{want}. Please reduce the length of the messages or completion."
                 )
             else:
-                want = f" plus {max_tokens} output tokens ('max_tokens')" if max_tokens is not None else ""
-                also = " or 'max_tokens'" if max_tokens is not None else ""
+                want = f" plus {max_tokens} output tokens ('{max_param}')" if max_tokens is not None else ""
+                also = f" or '{max_param}'" if max_tokens is not None else ""
                 asked = f"{n_prompt} tokens of '{param}'{want}. Please reduce the length of '{param}'{also}."
             raise ApiError(
                 400,
