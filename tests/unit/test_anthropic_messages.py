@@ -267,7 +267,7 @@ def test_structured_outputs_and_strict_tools_reach_the_chat_request() -> None:
     _bad(_req(output_config={"format": {"type": "xml"}}), "output_config.format")
     _bad(_req(output_config={"format": {"type": "json_schema"}}), "output_config.format")
     _bad(_req(output_config={"colour": "red"}), "output_config.colour")
-    _bad(_req(output_config={"effort": "max"}), "output_config.effort")
+    _bad(_req(output_config={"effort": "extreme"}), "output_config.effort")
     _bad(_req(output_config=[]), "output_config")
     # effort: checked, a hint (as budget_tokens): no template switch is asked of the model's template
     on = _req(output_config={"effort": "low"}, thinking={"type": "adaptive"})

@@ -18,7 +18,10 @@ keep-alive comments (``: keep-alive``) may come between events while the engine 
 
 Thinking ``signature``: a non-empty opaque string (``smg1.`` + a digest of the thinking text). It is NOT
 a cryptographic signature: nothing is keyed, and the node does not check it when a client sends the
-thinking block back (it renders the thinking text as the turn's reasoning either way).
+thinking block back (it renders the thinking text as the turn's reasoning either way). With
+``omit_thinking`` (the request's ``thinking.display: omitted``) a thinking block has an empty ``thinking``
+and no ``thinking_delta``, only its ``signature``: the text is not in the signature either, so a block
+sent back so carries no reasoning into the next turn.
 
 Usage: ``input_tokens`` counts the prompt's tokens not read from the engine's prefix cache,
 ``cache_read_input_tokens`` those that were (their sum: the prompt, what ``count_tokens`` answers);
@@ -122,7 +125,8 @@ class MessageEvents:
     thinking or input JSON so far), the blocks made so far and the stop reason once the choice finished.
     The driver calls ``role`` once, the content / reasoning / tool methods as the parsers produce,
     ``finish`` when the choice ends, then ``end`` (or ``failed``). ``quiet``: no bytes, the blocks only
-    (a non-streamed answer's: ``message``)."""
+    (a non-streamed answer's: ``message``). ``omit_thinking``: thinking blocks without their text (the
+    signature only)."""
 
     # what the SSE keep-alive ticker writes on an idle stream: Anthropic's ping event, not a comment
     keepalive = sse("ping", {})
@@ -134,12 +138,14 @@ class MessageEvents:
         input_tokens: int,
         stops: Sequence[str] = (),
         quiet: bool = False,
+        omit_thinking: bool = False,
     ) -> None:
         self.message_id = message_id
         self.model = model
         self.input_tokens = input_tokens
         self.stops = tuple(stops)
         self.quiet = quiet
+        self.omit_thinking = omit_thinking
         self._open: str | None = None
         self._index = -1
         self._parts: list[str] = []  # the open block's text, thinking or input JSON so far
@@ -161,7 +167,7 @@ class MessageEvents:
         head = b""
         if kind == "thinking":
             sig = signature(text)
-            block["thinking"] = text
+            block["thinking"] = "" if self.omit_thinking else text
             block["signature"] = sig
             head = self._sse(
                 "content_block_delta",
@@ -212,6 +218,8 @@ class MessageEvents:
         if self._open != "thinking":
             head = self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
         self._parts.append(text)
+        if self.omit_thinking:
+            return head
         return head + self._sse(
             "content_block_delta",
             {"index": self._index, "delta": {"type": "thinking_delta", "thinking": text}},

@@ -12,18 +12,23 @@ wait in ``chat.schemas`` for ``check_schemas`` (off the loop, after the model lo
   user's ``tool_result`` -> a ``tool`` message (``content`` a string or text blocks, ``is_error``
   prefixes "Error: "), in block order, and it must answer a ``tool_use`` of an earlier assistant turn
   (400 otherwise); ``image`` / ``document`` -> 400 (text models). A last ``assistant`` turn is a prefill:
-  the answer continues it (``continue_final_message``).
+  the answer continues it (``continue_final_message``); an empty one (``""`` or ``[]``) is no prefill (the
+  answer starts a fresh turn, thinking included). Any other message with empty content is a 400, as
+  Anthropic answers (it used to vanish, or fail in the template).
 - ``tools``: ``{name, description, input_schema}`` (``type`` absent or ``custom``; server tools 400) ->
   OpenAI function tools; ``tool_choice``: ``auto``, ``any`` (-> ``required``), ``tool`` (-> the named
   function), ``none``; ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``.
 - ``thinking``: ``{type: enabled, budget_tokens}`` (>= 1024 and < ``max_tokens``; accepted, not enforced
   on its own: ``max_tokens`` bounds the whole answer) turns the template's ``enable_thinking`` on and the
-  reasoning parser with it; absent or ``{type: disabled}``: both off (Anthropic's default).
+  reasoning parser with it; absent or ``{type: disabled}``: both off (Anthropic's default). ``display``:
+  ``summarized`` (the default here) or ``omitted``: the answer's thinking blocks then have an empty
+  ``thinking`` (no ``thinking_delta``) and still their ``signature``.
 - ``output_config.format`` (or the beta's ``output_format``): ``{type: json_schema, schema}`` -> the
   answer constrained to the schema (as a chat ``response_format``); ``output_config.effort`` is
   checked and accepted as ``budget_tokens`` is (a hint: ``max_tokens`` bounds the answer); a tool's
   ``strict: true`` constrains its input to its schema.
-- ``thinking: {type: adaptive}`` turns thinking on without a budget.
+- ``thinking: {type: adaptive}`` and ``{type: between_tools}`` turn thinking on without a budget.
+- ``output_config.effort``: one of the SDK's ``low``, ``medium``, ``high``, ``xhigh``, ``max``.
 - ``max_tokens`` is required (create); ``temperature`` in [0, 1], ``top_p``, ``top_k``;
   ``stop_sequences`` (at most ``MAX_STOP`` of at most ``MAX_STOP_CHARS`` characters);
   ``metadata.user_id`` (a string of at most 256 characters, or null).
@@ -73,6 +78,7 @@ class MessagesRequest:
     stop_sequences: tuple[str, ...]
     user_id: str | None
     stream: bool
+    omit_thinking: bool = False  # thinking.display 'omitted': thinking blocks without their text
 
 
 def tool_use_id(call_id: str) -> str:
@@ -261,6 +267,7 @@ def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
     calls: set[str] = set()
     answered: set[str] = set()
     prefill = False
+    last = len(msgs) - 1
     for i, m in enumerate(msgs):
         w = f"messages.{i}"
         if not isinstance(m, dict):
@@ -269,6 +276,14 @@ def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
         if role not in ("user", "assistant"):
             raise bad(f"{w}.role: expected 'user' or 'assistant'.", param=f"{w}.role")
         content = m.get("content")
+        if content == "" or content == []:
+            if i == last and role == "assistant" and i > 0:  # an empty prefill: none (or the turn before)
+                break
+            raise bad(
+                f"{w}: all messages must have non-empty content except for the optional final assistant "
+                "message",
+                param=f"{w}.content",
+            )
         if isinstance(content, str):
             _add_turn(out, {"role": role, "content": content})
         elif isinstance(content, list):
@@ -350,6 +365,8 @@ def _tool_choice(d: dict[str, Any], tools: list[dict[str, Any]] | None) -> tuple
         raise bad("tool_choice.disable_parallel_tool_use: expected a boolean.", param="tool_choice")
     parallel = not par
     kind = tc.get("type")
+    if kind in ("any", "tool") and not tools:  # (Anthropic's words, not the chat path's 'required')
+        raise bad(f"tool_choice: type '{kind}' requires a non-empty `tools` list.", param="tool_choice")
     if kind == "auto":
         return ("auto" if tools else None), parallel
     if kind == "none":
@@ -364,19 +381,28 @@ def _tool_choice(d: dict[str, Any], tools: list[dict[str, Any]] | None) -> tuple
     raise bad("tool_choice.type: expected 'auto', 'any', 'tool' or 'none'.", param="tool_choice")
 
 
-def _thinking(d: dict[str, Any], max_tokens: int | None) -> tuple[bool, int | None]:
+_THINKING_KINDS = ("enabled", "adaptive", "between_tools", "disabled")
+_DISPLAYS = ("summarized", "omitted")
+
+
+def _thinking(d: dict[str, Any], max_tokens: int | None) -> tuple[bool, int | None, bool]:
+    """(thinking on, its budget, its text omitted from the answer: ``display`` 'omitted')."""
     t = d.get("thinking")
     if t is None:
-        return False, None
+        return False, None, False
     if not isinstance(t, dict):
         raise bad("thinking: expected an object with a 'type'.", param="thinking")
     kind = t.get("type")
+    if kind not in _THINKING_KINDS:
+        raise bad(f"thinking.type: expected one of {list(_THINKING_KINDS)}.", param="thinking.type")
     if kind == "disabled":
-        return False, None
-    if kind == "adaptive":  # the model decides how much to think: on, with no budget of its own
-        return True, None
-    if kind != "enabled":
-        raise bad("thinking.type: expected 'enabled', 'adaptive' or 'disabled'.", param="thinking.type")
+        return False, None, False
+    display = t.get("display")
+    if display is not None and display not in _DISPLAYS:
+        raise bad(f"thinking.display: expected one of {list(_DISPLAYS)}.", param="thinking.display")
+    omit = display == "omitted"
+    if kind != "enabled":  # adaptive, between_tools: the model decides how much, no budget of its own
+        return True, None, omit
     budget = t.get("budget_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise bad("thinking.budget_tokens: Field required (an integer).", param="thinking.budget_tokens")
@@ -388,10 +414,10 @@ def _thinking(d: dict[str, Any], max_tokens: int | None) -> tuple[bool, int | No
         raise bad(
             "`max_tokens` must be greater than `thinking.budget_tokens`.", param="thinking.budget_tokens"
         )
-    return True, budget
+    return True, budget, omit
 
 
-_EFFORTS = ("low", "medium", "high")
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
 
 
 def _output_config(
@@ -506,7 +532,7 @@ def _parse(d: dict[str, Any], *, count: bool) -> MessagesRequest:
         if stops:
             s["stop"] = list(stops)
     sampling = parse_sampling(s, max_tokens_keys=("max_tokens",))
-    thinking, budget = _thinking(d, max_tokens)
+    thinking, budget, omit_thinking = _thinking(d, max_tokens)
     budget_s = SchemaBudget()
     pending: list[PendingSchema] = []
     tools = _tools(d, budget_s, pending)
@@ -533,4 +559,4 @@ def _parse(d: dict[str, Any], *, count: bool) -> MessagesRequest:
         separate_reasoning=thinking,
         schemas=tuple(pending),
     )
-    return MessagesRequest(chat, thinking, budget, stops, _user_id(d), stream)
+    return MessagesRequest(chat, thinking, budget, stops, _user_id(d), stream, omit_thinking)

@@ -11,6 +11,11 @@ through the same encoder, quiet (``node.output.chat.replay``): the Message has t
 
 ``count_tokens`` renders and encodes exactly as a create would and answers ``{"input_tokens": N}``.
 
+Every answer of these routes carries Anthropic's ``request-id`` header (what the SDK reads as a Message's
+``_request_id`` and an error's ``request_id``) besides ``x-request-id``: a create's is its message id, an
+error raised in the handlers and a count's is the request's id (``x-request-id``'s). Errors answered
+before the handlers (authentication, rate limits, the error middleware's engine failures) are not theirs.
+
 Errors on these routes are answered in Anthropic's envelope by the error middleware (keyed on the path
 prefix ``/v1/messages``); a failure once a stream has started is an ``event: error``. Models served by
 OpenAI HTTP workers are refused (400): their answers cannot be re-encoded here.
@@ -19,6 +24,7 @@ OpenAI HTTP workers are refused (400): their answers cannot be re-encoded here.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -26,7 +32,7 @@ from aiohttp import web
 
 from shepherd.node.anthropic.messages import MessageEvents, messages_usage
 from shepherd.node.anthropic.requests import MessagesRequest, parse_count_tokens, parse_messages
-from shepherd.node.api.common import ADMISSION, GATEWAY, model_for
+from shepherd.node.api.common import ADMISSION, GATEWAY, model_for, request_id_of
 from shepherd.node.api.generation import Generation, Job, fresh_id, strict_violation
 from shepherd.node.api.openai import render_chat
 from shepherd.node.dispatch.gateway import Gateway
@@ -34,9 +40,34 @@ from shepherd.node.http.body import read_json
 from shepherd.node.openai.structured import check_schemas, header_value
 from shepherd.node.output.chat import replay, shape_chat
 from shepherd.node.output.choice import ChoiceState
-from shepherd.proto.openai_errors import bad
+from shepherd.proto.openai_errors import ApiError, bad
 
 __all__ = ["count_tokens", "create_message", "routes"]
+
+REQUEST_ID = "request-id"  # Anthropic's header (the SDK's ``_request_id`` / ``APIStatusError.request_id``)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _MessagesGeneration(Generation):
+    """The chat generation, its answers (whole and streamed) carrying ``request-id`` too."""
+
+    def headers(self) -> dict[str, str]:
+        h = super().headers()
+        h[REQUEST_ID] = self.rid
+        return h
+
+
+def _with_request_id(handler: Handler) -> Handler:
+    """``handler`` whose ``ApiError`` answers carry ``request-id`` (the request's id, as ``x-request-id``)."""
+
+    async def run(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as e:
+            e.headers.setdefault(REQUEST_ID, request_id_of(request))
+            raise
+
+    return run
 
 
 async def _prompt(gw: Gateway, model: str, req: MessagesRequest) -> tuple[str, list[int]]:
@@ -65,8 +96,12 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     text, ids = await _prompt(gw, model, req)
     shaping = shape_chat(gw.parser_families(model), req.chat, text)
     message_id = fresh_id("msg_")
-    events = MessageEvents(message_id, model, len(ids), req.stop_sequences) if req.stream else None
-    g = Generation(
+    events = (
+        MessageEvents(message_id, model, len(ids), req.stop_sequences, omit_thinking=req.omit_thinking)
+        if req.stream
+        else None
+    )
+    g = _MessagesGeneration(
         request,
         gw,
         model,
@@ -103,7 +138,9 @@ async def _respond(g: Generation, jobs: list[Job], message_id: str, req: Message
         raise strict_violation(strict)
     choice: dict[str, Any] = choices[0]
     job = jobs[0]
-    enc = MessageEvents(message_id, g.model, len(job.ids), req.stop_sequences, quiet=True)
+    enc = MessageEvents(
+        message_id, g.model, len(job.ids), req.stop_sequences, quiet=True, omit_thinking=req.omit_thinking
+    )
     replay(g.output, enc, job.states[0].full_text())
     enc.finish(0, choice["finish_reason"], choice.get("matched_stop"))
     t = g.totals
@@ -124,8 +161,15 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
         await check_schemas(req.chat.schemas)
     _, ids = await _prompt(gw, model, req)
     request["model"] = model
-    return web.Response(body=orjson.dumps({"input_tokens": len(ids)}), content_type="application/json")
+    return web.Response(
+        body=orjson.dumps({"input_tokens": len(ids)}),
+        content_type="application/json",
+        headers={REQUEST_ID: request_id_of(request)},
+    )
 
 
 def routes() -> list[web.RouteDef]:
-    return [web.post("/v1/messages", create_message), web.post("/v1/messages/count_tokens", count_tokens)]
+    return [
+        web.post("/v1/messages", _with_request_id(create_message)),
+        web.post("/v1/messages/count_tokens", _with_request_id(count_tokens)),
+    ]
