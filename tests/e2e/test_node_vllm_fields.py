@@ -628,7 +628,6 @@ def test_add_special_tokens_false_on_completions_encodes_no_bos(
         ("priority", 3),
         ("lora_path", "/adapters/a"),
         ("return_hidden_states", True),
-        ("return_token_ids", True),
         ("use_beam_search", True),
         ("cache_salt", "tenant-a"),
         ("chat_template", "{{ 1/0 }}"),
@@ -648,7 +647,6 @@ def test_fields_no_engine_carries_are_a_400_naming_them(
         "use_beam_search": False,
         "echo": False,
         "return_hidden_states": False,
-        "return_token_ids": False,
     }
     if field in neutral:
         client.chat.completions.create(
@@ -689,3 +687,77 @@ def test_a_stopped_stream_counts_and_logs_no_token_past_its_stop(
         # (this module's tokenizer is byte-level: a token a character) up to the "." that stopped it
         assert "".join(e.token for e in entries) == "Hello world.", (stream, entries)
         assert usage is not None and usage.completion_tokens == len(entries), (stream, usage)
+
+
+# ---- return_token_ids ------------------------------------------------------------------------------------
+
+
+def _sse(r: httpx.Response) -> list[dict[str, Any]]:
+    assert r.status_code == 200, r.text
+    lines = [ln[6:] for ln in r.text.split("\n") if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def _detok(http: httpx.Client, node: NodeProc, ids: list[int]) -> str:
+    r = http.post(node.url + "/detokenize", json={"model": SG, "tokens": ids, "skip_special_tokens": True})
+    assert r.status_code == 200, r.text
+    text: str = r.json()["prompt"]
+    return text
+
+
+def test_return_token_ids_as_vllm(node: NodeProc, engine: MockEngineProc, http: httpx.Client) -> None:
+    """vLLM's ``return_token_ids``: chat answers carry the prompt's ids beside the choices and each
+    choice's output ids (streamed: each chunk the ids its text came from, the role chunk the prompt's);
+    completions carry both per choice (streamed: the prompt's on a choice's first chunk). The ids end at
+    a stop, as usage does, and are the same streamed or not."""
+    chat, comp = node.url + "/v1/chat/completions", node.url + "/v1/completions"
+    msgs = user("rti-chat")
+    prompt_ids = http.post(node.url + "/tokenize", json={"model": SG, "messages": msgs}).json()["tokens"]
+    base: dict[str, Any] = {"model": SG, "messages": msgs, "max_tokens": 20, "return_token_ids": True}
+    # whole, stopped by a stop string: the ids end at the token that completed it
+    script(engine, http, "Hello world. More after the stop.", "rti-chat")
+    body = http.post(chat, json={**base, "stop": ["."]}).json()
+    assert body["prompt_token_ids"] == prompt_ids
+    ids = body["choices"][0]["token_ids"]
+    assert len(ids) == body["usage"]["completion_tokens"] and ids
+    assert _detok(http, node, ids).startswith("Hello world") and "More" not in _detok(http, node, ids)
+    # streamed: the same ids, chunk by chunk
+    script(engine, http, "Hello world. More after the stop.", "rti-chat")
+    chunks = _sse(http.post(chat, json={**base, "stop": ["."], "stream": True}))
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == ids
+    # n = 2: each choice's ids are its text's
+    chunks = _sse(
+        http.post(chat, json={**base, "n": 2, "stream": True, "stream_options": {"include_usage": True}})
+    )
+    for i in (0, 1):
+        mine = [ch for c in chunks for ch in c["choices"] if ch["index"] == i]
+        got = [t for ch in mine for t in ch.get("token_ids", [])]
+        text = "".join(ch["delta"].get("content") or "" for ch in mine)
+        assert got and _detok(http, node, got) == text
+    assert (
+        sum(len(ch.get("token_ids", [])) for c in chunks for ch in c["choices"])
+        == (chunks[-1]["usage"]["completion_tokens"])
+    )
+    # completions: both per choice, streamed or not; echoed, the first chunk (the echo) has no output id
+    p_ids = http.post(node.url + "/tokenize", json={"model": SG, "prompt": "rti-comp"}).json()["tokens"]
+    cb: dict[str, Any] = {"model": SG, "prompt": "rti-comp", "max_tokens": 6, "return_token_ids": True}
+    body = http.post(comp, json=cb).json()
+    choice = body["choices"][0]
+    assert choice["prompt_token_ids"] == p_ids and len(choice["token_ids"]) == 6
+    assert _detok(http, node, choice["token_ids"]) == choice["text"]
+    for echo in (False, True):
+        chunks = _sse(http.post(comp, json={**cb, "stream": True, "echo": echo}))
+        assert chunks[0]["choices"][0]["prompt_token_ids"] == p_ids
+        assert all("prompt_token_ids" not in ch for c in chunks[1:] for ch in c["choices"])
+        got = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+        assert len(got) == 6
+    # echo with max_tokens 0: the prompt alone
+    body = http.post(comp, json={**cb, "max_tokens": 0, "echo": True}).json()
+    assert body["choices"][0]["token_ids"] == [] and body["choices"][0]["prompt_token_ids"] == p_ids
+    # off by default; a non-boolean is a 400 naming it
+    assert "prompt_token_ids" not in http.post(chat, json={**base, "return_token_ids": False}).json()
+    r = http.post(chat, json={**base, "return_token_ids": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_token_ids"

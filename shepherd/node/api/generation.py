@@ -29,6 +29,8 @@ from shepherd.node.openai.sse import (
     error_event,
     usage,
     vllm_stop_reason,
+    with_choice_ids,
+    with_prompt_ids,
     with_usage,
 )
 from shepherd.node.openai.structured import Constraint, Violation, header_value
@@ -160,6 +162,8 @@ class Job:
     states: list[ChoiceState]
     index_base: int
     echo: str = ""
+    # vLLM's return_token_ids: each choice's output ids (kept: those after a stop are not), set by _drive
+    out_ids: list[list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -214,6 +218,7 @@ class Generation:
         self.request = request
         # the request fields a context error names: the prompt's and the output bound's
         self.context_param = context_param
+        self.return_ids = False  # vLLM's return_token_ids: prompt and output ids in the answer
         self.gw = gw
         self.model = model
         self.tok = tok
@@ -321,6 +326,23 @@ class Generation:
         # stream_options.continuous_usage_stats: each chunk gets its choice's usage as of the engine event
         # it came from (vLLM's per-step counts), not as of the end of the batch of events it came in
         per_event_usage = emit is not None and self.s.continuous_usage and self._events is None
+        # return_token_ids: every choice's kept output ids; streamed, each event's chunks carry its ids (those
+        # of events whose text was held go with the choice's next chunk), a completion's first its prompt's
+        rids = job.out_ids = [[] for _ in states] if self.return_ids else None
+        unsent: list[list[int]] = [[] for _ in states] if rids is not None and emit is not None else []
+        prompt_due = [not self.chat and not job.echo] * n if unsent else []
+        per_event = per_event_usage or bool(unsent)
+
+        def event_chunks(start: int) -> None:
+            """The chunks ``out[start:]`` (one event's, of one choice) with their token ids and usage."""
+            chunks = out[start:]
+            if unsent:
+                assert isinstance(enc, ChatChunks | CompletionChunks)
+                i = enc.index_of(chunks[0]) - job.index_base
+                chunks[0] = with_choice_ids(chunks[0], unsent[i], job.ids if prompt_due[i] else None)
+                unsent[i] = []
+                prompt_due[i] = False
+            out[start:] = self._with_usage(chunks, job) if per_event_usage else chunks
 
         def take(batch: list[EngineEvent]) -> bool:
             """One batch of engine events into the states and ``out``: whether the stream is over for
@@ -336,9 +358,9 @@ class Generation:
             ntok = 0
             mark = len(out)  # (per_event_usage) the first chunk of the event being taken
             for ev in batch:
-                if per_event_usage:
-                    if len(out) > mark:  # the previous event's chunks, with the usage it left
-                        out[mark:] = self._with_usage(out[mark:], job)
+                if per_event:
+                    if len(out) > mark:  # the previous event's chunks, with its ids and the usage it left
+                        event_chunks(mark)
                     mark = len(out)
                 i = ev.index
                 if i >= n:
@@ -359,6 +381,11 @@ class Generation:
                     text = st.feed(ev.token_ids, lps)
                     if lps and st.finished:
                         lps = lps[: st.kept]  # not those of the tokens after the stop
+                    if rids is not None:
+                        kept = ev.token_ids[: st.kept]
+                        rids[i].extend(kept)
+                        if unsent:
+                            unsent[i].extend(kept)
                     if enc is not None:
                         if posts is not None:
                             if text or lps:
@@ -391,15 +418,22 @@ class Generation:
                     continue
                 lps = ()
                 out_ids = ev.output_ids
+                fed: Sequence[int] = ()
                 if not seen_chunks[i] and out_ids:
                     text = st.whole(out_ids, ev.logprobs, ev.finish_reason)
                     lps = ev.logprobs[: st.kept]
+                    fed = out_ids
                 elif out_ids and final_delta_is_new(out_ids, ev.completion_tokens, got[i], last_ids[i]):
                     # the last tokens came in the Complete only (SGLang's in-tree server)
                     text = st.feed(out_ids, ev.logprobs) + st.end(ev.finish_reason)
                     lps = ev.logprobs[: st.kept]
+                    fed = out_ids
                 else:
                     text = st.end(ev.finish_reason)
+                if rids is not None and fed:
+                    rids[i].extend(fed[: st.kept])
+                    if unsent:
+                        unsent[i].extend(fed[: st.kept])
                 if enc is not None:
                     if posts is not None:
                         if text or lps:
@@ -409,8 +443,8 @@ class Generation:
                 remaining -= 1
                 if enc is not None:
                     self._finish_chunk(enc, posts, i, idx, st, out)
-            if per_event_usage and len(out) > mark:
-                out[mark:] = self._with_usage(out[mark:], job)
+            if per_event and len(out) > mark:
+                event_chunks(mark)
             if ntok and timed:
                 itl.observe((now - last[0]) / ntok)
             last[0] = now
@@ -437,6 +471,7 @@ class Generation:
             and job.index_base == 0
             and self.logprobs is None
             and enc is not None
+            and not self.return_ids
         )
         over = False
         async for batch in es.batches():
@@ -568,6 +603,8 @@ class Generation:
     async def respond(self, jobs: list[Job]) -> web.Response:
         choices, violations = await self.collect(jobs)
         body = self.answer_body(choices)
+        if self.return_ids and self.chat:  # vLLM's return_token_ids: the prompt's ids beside the choices
+            body["prompt_token_ids"] = jobs[0].ids
         if self.chat and self.output is not None:
             field, legacy = self.gw.cfg.reasoning_field, self.legacy_functions
             for c in choices:
@@ -651,18 +688,21 @@ class Generation:
             idx = job.index_base + st.index
             lp = self._lp(st.logprobs, idx)
             if self.chat:
-                out.append(self._chat_choice(st, idx, lp, violations))
+                choice = self._chat_choice(st, idx, lp, violations)
             else:
-                out.append(
-                    {
-                        "index": job.index_base + st.index,
-                        "text": job.echo + st.full_text(),
-                        "logprobs": lp,
-                        "finish_reason": st.finish_reason,
-                        "matched_stop": st.matched,
-                        "stop_reason": vllm_stop_reason(st.matched, self.s.stop_token_ids),
-                    }
-                )
+                choice = {
+                    "index": job.index_base + st.index,
+                    "text": job.echo + st.full_text(),
+                    "logprobs": lp,
+                    "finish_reason": st.finish_reason,
+                    "matched_stop": st.matched,
+                    "stop_reason": vllm_stop_reason(st.matched, self.s.stop_token_ids),
+                }
+            if job.out_ids is not None:  # vLLM's return_token_ids (a completion's choice: its prompt's too)
+                choice["token_ids"] = job.out_ids[st.index]
+                if not self.chat:
+                    choice["prompt_token_ids"] = job.ids
+            out.append(choice)
         return out
 
     def _chat_choice(
@@ -801,10 +841,14 @@ class Generation:
                             heads = [enc.role(job.index_base + states[0].index)]
                         else:
                             heads = [enc.role(job.index_base + st.index) for st in states]
+                        if self.return_ids:  # (vLLM's: on each role chunk)
+                            heads = [with_prompt_ids(h, job.ids) for h in heads]
                         pending.extend(self._with_usage(heads, job) if continuous else heads)
                     elif job.echo:
                         assert isinstance(enc, CompletionChunks)
                         heads = [enc.content(job.index_base + st.index, job.echo) for st in job.states]
+                        if self.return_ids:  # a choice's first chunk: its prompt's ids (the echo's none)
+                            heads = [with_choice_ids(h, (), job.ids) for h in heads]
                         pending.extend(self._with_usage(heads, job) if continuous else heads)
                     try:
                         await self._drive(es, job, emit, emit_now, drain, writer)

@@ -33,7 +33,7 @@ from shepherd.node.openai.requests import (
     parse_chat_deferred,
     parse_completion,
 )
-from shepherd.node.openai.sse import DONE, CompletionChunks, with_usage
+from shepherd.node.openai.sse import DONE, CompletionChunks, with_choice_ids, with_usage
 from shepherd.node.openai.template_compat import effort_kwargs, map_developer, template_names
 from shepherd.node.openai.tool_choice import template_tools
 from shepherd.node.output.chat import shape_chat
@@ -70,6 +70,16 @@ def _tokens_as_ids(g: Generation, d: dict[str, Any]) -> None:
         raise bad("'return_tokens_as_token_ids' must be a boolean.", param="return_tokens_as_token_ids")
     if g.lpfmt is not None:
         g.lpfmt.tokens_as_ids = True
+
+
+def _return_token_ids(g: Generation, d: dict[str, Any]) -> None:
+    """vLLM's ``return_token_ids``: the prompt's and each choice's output token ids in the answer."""
+    v = d.get("return_token_ids")
+    if v is None or v is False:
+        return
+    if v is not True:
+        raise bad("'return_token_ids' must be a boolean.", param="return_token_ids")
+    g.return_ids = True
 
 
 def prompt_chars(messages: Sequence[Any]) -> int:
@@ -223,6 +233,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         shaping=shaping,
     )
     _tokens_as_ids(g, d)
+    _return_token_ids(g, d)
     jobs = [Job(ids, text, states, 0)]
     adm = request.app[ADMISSION]
     if req.schemas:  # meta-validated now: after the model lookup and admission, off the event loop
@@ -285,6 +296,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         constraint=req.constraint,
     )
     _tokens_as_ids(g, d)
+    _return_token_ids(g, d)
     run = partial(_echo_only, g, jobs) if req.echo_only else partial(g.run, jobs)
     adm = request.app[ADMISSION]
     if adm is None:
@@ -311,6 +323,7 @@ async def _echo_only(g: Generation, jobs: list[Job]) -> web.StreamResponse:
                 "finish_reason": "length",
                 "matched_stop": None,
                 "stop_reason": None,
+                **({"token_ids": [], "prompt_token_ids": job.ids} if g.return_ids else {}),
             }
             for job in jobs
             for st in job.states
@@ -325,6 +338,8 @@ async def _echo_only(g: Generation, jobs: list[Job]) -> web.StreamResponse:
         for st in job.states:
             idx = job.index_base + st.index
             chunks = [enc.content(idx, job.echo), enc.finish(idx, "length")]
+            if g.return_ids:
+                chunks[0] = with_choice_ids(chunks[0], (), job.ids)
             if g.s.continuous_usage:  # (vLLM's: this prompt's tokens, this choice's none)
                 chunks = [with_usage(c, len(job.ids), 0) for c in chunks]
             out.extend(chunks)

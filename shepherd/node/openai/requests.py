@@ -684,7 +684,6 @@ _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "vllm_xargs": ((None, {}), _NO_ENGINE_FIELD),
     "cache_salt": ((None,), "no engine field carries a prefix-cache salt"),
     # vLLM's token ids beside the text (prompt_token_ids, token_ids): SGLang's /generate returns them
-    "return_token_ids": ((None, False), "token ids are not returned here (the native /generate has them)"),
 }
 # and the chat-only ones (a template from the request: vLLM too refuses it unless told to trust it)
 _UNSUPPORTED_CHAT: dict[str, tuple[tuple[Any, ...], str]] = {

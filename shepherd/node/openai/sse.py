@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any, ClassVar
 
 import orjson
@@ -39,6 +39,21 @@ def with_usage(chunk: bytes, prompt: int, completion: int) -> bytes:
         completion,
         prompt + completion,
     )
+
+
+def with_choice_ids(chunk: bytes, ids: Sequence[int], prompt_ids: Sequence[int] | None = None) -> bytes:
+    """A choice chunk (``...}]}`` and the event's end) with vLLM's ``return_token_ids`` fields in its
+    choice: ``token_ids`` (the ids this chunk's text came from) and, on a completion choice's first chunk,
+    ``prompt_token_ids``."""
+    extra = b',"token_ids":' + orjson.dumps(list(ids))
+    if prompt_ids is not None:
+        extra += b',"prompt_token_ids":' + orjson.dumps(list(prompt_ids))
+    return chunk[:-5] + extra + b"}]}\n\n"
+
+
+def with_prompt_ids(chunk: bytes, prompt_ids: Sequence[int]) -> bytes:
+    """A chat chunk with vLLM's top-level ``prompt_token_ids`` (``return_token_ids``: on the role chunks)."""
+    return b'%s,"prompt_token_ids":%s}\n\n' % (chunk[:-3], orjson.dumps(list(prompt_ids)))
 
 
 class _Chunks:
