@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import zlib
@@ -52,7 +53,7 @@ from shepherd.node.http.limits import (
     _Limit,
     _too_large,
     _unsupported,
-    error_body,
+    fault_body,
 )
 from shepherd.node.http.types import (
     Handler,
@@ -63,6 +64,7 @@ from shepherd.node.http.types import (
     encode_head,
     status_line,
 )
+from shepherd.proto.anthropic_errors import is_messages_path
 
 log = logging.getLogger("shepherd.http")
 
@@ -129,6 +131,11 @@ class _Conn(asyncio.Protocol):
         self.decoder: _Decoder | None = None
         self.dropping = False  # the body is refused (too large, unknown coding): bytes are discarded
         self.early = False  # the current request was dispatched before its body ended
+        # an ``Upgrade`` request with a body (``curl --http2`` POSTs so): the upgrade is declined and the
+        # body read by a fresh parser fed this head first (``_resume_body``); what follows it is not parsed
+        self.upgrade_body: bytes | None = None
+        self.resuming = False  # that parser is being fed the head: its callbacks are not a new request
+        self.declined = False  # that parser reads the body of the declined upgrade request
 
     # ---- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -170,15 +177,21 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last = self.clock()
-        if self.stopped:
-            return
+        while data and not self.stopped:  # (more than once only past an upgrade request's head)
+            data = self._feed(data)
+
+    def _feed(self, data: bytes) -> bytes:
+        """Parse ``data``; what is left of it to parse with a new parser (past an upgrade request's head,
+        its body) or nothing."""
         if self.in_head:
             self.head_bytes += len(data)
         else:
             self.framing += len(data)  # the body's bytes are taken off as they are parsed
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
+        except httptools.HttpParserUpgrade as e:
+            if self.upgrade_body is not None:  # declined: its body follows, in HTTP/1.1
+                return self._resume_body(data[e.args[0] :])
             self.stopped = True  # answered as plain HTTP; what follows is another protocol: close after
         except httptools.HttpParserCallbackError as e:
             ctx = e.__context__
@@ -188,7 +201,8 @@ class _Conn(asyncio.Protocol):
                 log.exception("lean HTTP server: parser callback failed")
                 self._fault(_Fault(500, "Internal error in the gateway.", "internal"))
         except httptools.HttpParserError as e:
-            self._fault(_Fault(400, f"Malformed HTTP request: {e}.", "bad_http_request"))
+            if not self.stopped:  # (stopped: bytes after a declined upgrade's body, ignored)
+                self._fault(_Fault(400, f"Malformed HTTP request: {e}.", "bad_http_request"))
         else:
             if self.in_head:
                 if self.head_bytes > self.limits.max_head:
@@ -196,6 +210,21 @@ class _Conn(asyncio.Protocol):
             elif self.framing > self.limits.max_head + self.received:
                 msg = "Too many bytes of chunk framing (extensions, trailers) for the body they carry."
                 self._fault(_Fault(400, msg, "bad_http_request"))
+        return b""
+
+    def _resume_body(self, rest: bytes) -> bytes:
+        """llhttp ends an upgrade request at its head (httptools asks it to skip the body), but the server
+        declines every upgrade (RFC 9110 §7.8): the body is read by a new parser told its framing by a head
+        of its own, ``Connection: close`` (nothing after the body is parsed; the answer closes)."""
+        head, self.upgrade_body = self.upgrade_body, None
+        assert head is not None
+        self.parser = httptools.HttpRequestParser(self)
+        self.declined = self.resuming = True
+        try:
+            self.parser.feed_data(head)
+        finally:
+            self.resuming = False
+        return rest
 
     def eof_received(self) -> bool | None:
         return None  # as aiohttp: the peer's FIN ends the connection (and cancels its request)
@@ -255,6 +284,8 @@ class _Conn(asyncio.Protocol):
     # ---- parser callbacks --------------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if self.resuming:
+            return
         self.started = self.last
         self.in_head = True
         self.head_method = False
@@ -281,6 +312,8 @@ class _Conn(asyncio.Protocol):
         self.fields.append((name, value))  # sizes are checked once the head is in (data_received bounds it)
 
     def on_headers_complete(self) -> None:
+        if self.resuming:
+            return
         self.in_head = False
         self.head_bytes = 0
         srv = self.srv
@@ -309,10 +342,17 @@ class _Conn(asyncio.Protocol):
         if len(fields) > lim.max_headers:
             raise _Limit(_Fault(431, "The request has too many header fields.", "headers_too_large"))
         decoded = []
+        # the head's size (data_received bounds a head still arriving, not one ending in the read that
+        # crosses max_head): target and fields, give or take the request line's few fixed bytes
+        size = self.url_len
         for n, v in fields:
-            if len(n) + len(v) > lim.max_field:
+            field = len(n) + len(v)
+            if field > lim.max_field:
                 raise _Limit(_Fault(431, "A request header field is too large.", "headers_too_large"))
+            size += field + 4  # ": " and CRLF
             decoded.append((n.decode("latin-1"), v.decode("utf-8", "surrogateescape")))
+        if size > lim.max_head:
+            raise _Limit(_Fault(431, "The request head is too large.", "headers_too_large"))
         headers = CIMultiDictProxy(CIMultiDict(decoded))
         version = HttpVersion11 if p.get_http_version() == "1.1" else HttpVersion10
         cl_text = headers.get("Content-Length")
@@ -338,6 +378,13 @@ class _Conn(asyncio.Protocol):
         te = headers.get("Transfer-Encoding")
         if te is not None and te.strip().lower() != "chunked":
             raise _Limit(_Fault(400, f"Unsupported Transfer-Encoding {te[:40]!r}.", "bad_http_request"))
+        if p.should_upgrade() and method != "CONNECT" and (te is not None or content_length):
+            framing = (
+                b"Transfer-Encoding: chunked"
+                if te is not None
+                else b"Content-Length: %d" % (content_length or 0)
+            )
+            self.upgrade_body = b"POST / HTTP/1.1\r\n" + framing + b"\r\nConnection: close\r\n\r\n"
         limit = srv.max_body
         ce = headers.get("Content-Encoding")
         if ce is not None:
@@ -392,6 +439,10 @@ class _Conn(asyncio.Protocol):
                 parts[0] = bytearray(parts[0]) + body
 
     def on_message_complete(self) -> None:
+        if self.upgrade_body is not None:  # an upgrade request's head: its body is still to come
+            return
+        if self.declined:  # that body is in: nothing after it is parsed (another protocol, maybe)
+            self.stopped = True
         self.started = None
         self.in_head = True
         self._continue = False
@@ -434,7 +485,22 @@ class _Conn(asyncio.Protocol):
 
     def _fault(self, fault: _Fault) -> None:
         self.stopped = True
+        if self._to_messages_api():
+            fault = dataclasses.replace(fault, anthropic=True)
         self._enqueue(fault)
+
+    def _to_messages_api(self) -> bool:
+        """Whether the request being received (as much of its target as has come) is to the Messages API,
+        whose errors have an envelope of their own."""
+        cur = self.cur
+        if cur is not None:
+            return is_messages_path(cur.path)
+        if not self.url:
+            return False
+        raw = b"".join(self.url).decode("latin-1").partition("?")[0]
+        if not raw.startswith("/") and "://" in raw:  # absolute-form, as on_headers_complete reads it
+            raw = "/" + raw.split("://", 1)[1].partition("/")[2]
+        return is_messages_path(decode_path(raw)[0])
 
     def _enqueue(self, item: LeanRequest | _Fault) -> None:
         if self.task is None:
@@ -569,8 +635,8 @@ class _Conn(asyncio.Protocol):
         return head + body
 
     def _answer_fault(self, fault: _Fault) -> None:
-        body = error_body(fault.status, fault.message, fault.code)
-        head = status_line(HttpVersion11, fault.status, None) + (
+        status, body = fault_body(fault)
+        head = status_line(HttpVersion11, status, None) + (
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
         )
         with contextlib.suppress(ConnectionResetError):  # a HEAD answer has no body (RFC 9112 §6.3)

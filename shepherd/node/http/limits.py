@@ -1,10 +1,11 @@
 """What a connection of the lean HTTP/1.1 server may send, and how it is refused beyond that.
 
 ``Limits`` (the body limit is ``LeanServer(max_body=...)``); protocol-level faults (``_Fault``, carried out
-of a parser callback by ``_Limit``), answered in the OpenAI error envelope (``error_body``) before the
-connection closes; the errors a refused request body raises in its handler (too large, undecodable, an
-unknown coding); the 500 answered for an error that escapes the app; and ``_Decoder``, which decodes a
-request's ``Content-Encoding`` as the body arrives, never past the size cap.
+of a parser callback by ``_Limit``), answered in the OpenAI error envelope (``error_body``), or in the
+Anthropic one for a request to the Messages API (``fault_body``), before the connection closes; the
+errors a refused request body raises in its handler (too large, undecodable, an unknown coding); the 500
+answered for an error that escapes the app; and ``_Decoder``, which decodes a request's
+``Content-Encoding`` as the body arrives, never past the size cap.
 
 Request bodies with ``Content-Encoding: gzip`` / ``deflate`` are decoded as they arrive, under
 the same size cap (a decompression bomb stops at ``max_body``); a corrupt one makes ``read()`` raise
@@ -18,9 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError
 
+from shepherd.proto.anthropic_errors import anthropic_body, anthropic_status
 from shepherd.proto.openai_errors import ApiError
 
 
@@ -60,6 +63,14 @@ class _Fault:
     status: int
     message: str
     code: str
+    anthropic: bool = False  # the request was to the Messages API (``/v1/messages*``): its envelope
+
+
+def fault_body(fault: _Fault) -> tuple[int, bytes]:
+    """The status and body a protocol-level refusal is answered with, in its API's envelope."""
+    if fault.anthropic:
+        return anthropic_status(fault.status), orjson.dumps(anthropic_body(fault.status, fault.message))
+    return fault.status, error_body(fault.status, fault.message, fault.code)
 
 
 class _Limit(Exception):

@@ -12,13 +12,18 @@ clients, request bodies, routing, responses, client disconnects).
   ``max_client_connections`` open connections a new one gets a 503 (OpenAI envelope, ``Connection:
   close``) and is closed at once, counted in ``refused``. Checked when the connection is made, one at a
   time, so the count is exact; over TLS that is after the handshake (handshakes in progress are bounded by
-  asyncio's ``ssl_handshake_timeout``, not by the cap).
+  asyncio's ``ssl_handshake_timeout``, not by the cap). The cap never exceeds what the process may open
+  (``fd_budget``: ``RLIMIT_NOFILE`` less a reserve for engine connections, the mesh, files and the refusals
+  themselves): past it, idle connections would take every descriptor, new clients would be reset without an
+  answer and the node could open no engine connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import resource
 import ssl
 from collections.abc import Callable
 from typing import Any
@@ -30,18 +35,40 @@ from shepherd.node.http.connection import _Conn, _Resolved
 from shepherd.node.http.limits import Limits, error_body
 from shepherd.node.http.types import Routes
 
+log = logging.getLogger("shepherd.http")
+
 _REFUSED = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
     b"Content-Length: %d\r\n\r\n%s"
 )
 
 
+def fd_budget(limit: int) -> int:
+    """``limit`` client connections, or fewer if the process may not open that many descriptors: the soft
+    ``RLIMIT_NOFILE`` less a reserve (an eighth of it, at least 64) for everything else the node opens."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):  # pragma: no cover - no such limit here
+        return limit
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return limit
+    return max(1, min(limit, soft - max(64, soft // 8)))
+
+
 class ConnectionCap:
-    """At most ``limit`` client connections at once (``count()``: how many are open); ``refused``:
-    connections turned away. ``factory(inner)`` is the protocol factory to serve with."""
+    """At most ``limit`` client connections at once (``count()``: how many are open), fewer if the process
+    may not open that many descriptors (``fd_budget``); ``refused``: connections turned away.
+    ``factory(inner)`` is the protocol factory to serve with."""
 
     def __init__(self, limit: int, count: Callable[[], int]) -> None:
-        self.limit = limit
+        self.limit = fd_budget(limit)
+        if self.limit < limit:
+            log.warning(
+                "serving at most %d client connections, not %d: the open-files limit (ulimit -n) is %d",
+                self.limit,
+                limit,
+                resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            )
         self.count = count
         self.refused = 0
         body = error_body(503, "The server has too many connections; retry.", "too_many_connections")
