@@ -142,6 +142,12 @@ def test_request_id_header(client: anthropic.Anthropic, engine: MockEngineProc, 
     with pytest.raises(anthropic.BadRequestError) as br:
         client.messages.create(model=MODEL, max_tokens=8, messages=[])
     assert br.value.request_id
+    # an answer no handler made (no such route; a body the server refused): request-id all the same
+    base = str(client.base_url).rstrip("/")
+    r = http.post(base + "/v1/messages/no-such-route", json={})
+    assert r.status_code == 404 and r.headers.get("request-id") == r.headers.get("x-request-id")
+    r = http.post(base + "/v1/messages", content=b"{", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.headers.get("request-id")
 
 
 def test_effort_levels_of_the_sdk(
@@ -356,3 +362,4 @@ def test_overloaded_is_529_and_retried(tokenizer_dir: Path) -> None:
     assert e.value.status_code == 529
     assert e.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
     assert e.value.response.request.headers.get("x-stainless-retry-count") == "1"
+    assert e.value.request_id  # (an error the error middleware made: its request-id too)

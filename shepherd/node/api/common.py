@@ -396,11 +396,14 @@ _RID_KEY: web.RequestKey[str] = web.RequestKey("shepherd.request_id", str)
 
 
 def stamp_headers(request: web.Request, resp: web.StreamResponse, t0: float) -> None:
-    """``x-request-id`` and ``x-smg-gateway-ms`` on an answer about to be sent, unless it has them (the
-    generation routes set their own: the gateway's time without the engine's)."""
+    """``x-request-id`` (and on the Messages API's routes Anthropic's ``request-id``) and ``x-smg-gateway-ms``
+    on an answer about to be sent, unless it has them (the generation routes set their own: the gateway's
+    time without the engine's)."""
     h = resp.headers
     if "x-request-id" not in h:
         h["x-request-id"] = request_id_of(request)
+    if "request-id" not in h and is_messages_path(request.path):
+        h["request-id"] = h["x-request-id"]  # Anthropic's (the SDK's ``request_id``), on every answer
     if "x-smg-gateway-ms" not in h:
         h["x-smg-gateway-ms"] = f"{(time.perf_counter() - t0) * 1000:.3f}"
 

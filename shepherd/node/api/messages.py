@@ -13,8 +13,8 @@ through the same encoder, quiet (``node.output.chat.replay``): the Message has t
 
 Every answer of these routes carries Anthropic's ``request-id`` header (what the SDK reads as a Message's
 ``_request_id`` and an error's ``request_id``) besides ``x-request-id``: a create's is its message id, an
-error raised in the handlers and a count's is the request's id (``x-request-id``'s). Errors answered
-before the handlers (authentication, rate limits, the error middleware's engine failures) are not theirs.
+error's and a count's is the request's id (``x-request-id``'s), whoever made the error (the handlers,
+authentication, rate limits, the error middleware: ``common.stamp_headers``).
 
 Errors on these routes are answered in Anthropic's envelope by the error middleware (keyed on the path
 prefix ``/v1/messages``); a failure once a stream has started is an ``event: error``. Models served by
@@ -40,7 +40,7 @@ from shepherd.node.http.body import read_json
 from shepherd.node.openai.structured import check_schemas, header_value
 from shepherd.node.output.chat import replay, shape_chat
 from shepherd.node.output.choice import ChoiceState
-from shepherd.proto.openai_errors import ApiError, bad
+from shepherd.proto.openai_errors import bad
 
 __all__ = ["count_tokens", "create_message", "routes"]
 
@@ -55,19 +55,6 @@ class _MessagesGeneration(Generation):
         h = super().headers()
         h[REQUEST_ID] = self.rid
         return h
-
-
-def _with_request_id(handler: Handler) -> Handler:
-    """``handler`` whose ``ApiError`` answers carry ``request-id`` (the request's id, as ``x-request-id``)."""
-
-    async def run(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except ApiError as e:
-            e.headers.setdefault(REQUEST_ID, request_id_of(request))
-            raise
-
-    return run
 
 
 async def _prompt(gw: Gateway, model: str, req: MessagesRequest) -> tuple[str, list[int]]:
@@ -170,6 +157,6 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
 
 def routes() -> list[web.RouteDef]:
     return [
-        web.post("/v1/messages", _with_request_id(create_message)),
-        web.post("/v1/messages/count_tokens", _with_request_id(count_tokens)),
+        web.post("/v1/messages", create_message),
+        web.post("/v1/messages/count_tokens", count_tokens),
     ]
