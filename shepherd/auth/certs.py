@@ -240,12 +240,23 @@ def pem_fingerprint(cert_pem: bytes) -> str:
 
 
 def _write(path: Path, data: bytes, *, private: bool) -> None:
+    """``data`` into ``path`` atomically (a temporary file renamed over it), mode 0600 when ``private``.
+    The temporary file is always a new one: a stale or planted ``<name>.tmp`` (a world-readable file, a
+    symlink to somewhere else) is removed first, and the open refuses to follow a link or to reuse a
+    file made in between (``O_EXCL | O_NOFOLLOW``), so a key never lands in a file with another mode
+    or at another path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    tmp.unlink(missing_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(tmp, flags, 0o600 if private else 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_dev_pki(
