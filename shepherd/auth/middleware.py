@@ -324,6 +324,28 @@ def make_middleware(authn: Authenticator, failures: AuthFailures | None = None) 
     return auth_middleware
 
 
+def make_body_gate(authn: Authenticator) -> Callable[[web.Request], bool]:
+    """Whether a request, its head just read, will be refused by the middleware above whatever its body:
+    no credential, a malformed, unknown, revoked or expired one (the checks that need no wait; a token not
+    seen before passes, the middleware verifies it). The lean server then drops the body as it comes
+    instead of buffering it (an unauthenticated caller could hold ``max_body`` a connection)."""
+    plane_for = request_planes(authn.cfg.metrics)
+    certs = authn.certs
+
+    def gate(request: web.Request) -> bool:
+        _, plane = plane_for(request)
+        if plane == "public" or authn.mode(plane) == "off":
+            return False
+        try:
+            peer = certs.from_transport(request.transport) if certs is not None else None
+            authn.authenticate_now(plane, request.headers, peer)
+        except AuthFailure:
+            return True
+        return False
+
+    return gate
+
+
 # ---------------------------------------------------------------------------------------------- assembly
 
 

@@ -11,11 +11,12 @@ import re
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import cast
 
 from aiohttp import web
 
 from shepherd.auth.keys import KeyStore
-from shepherd.auth.middleware import AUTH
+from shepherd.auth.middleware import AUTH, make_body_gate
 from shepherd.auth.tls import server_tls
 from shepherd.mesh import faults
 from shepherd.node import gc_tuning
@@ -50,6 +51,7 @@ from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.model_source import resolve_models
 from shepherd.node.http.body import json_response
 from shepherd.node.http.server import CappedTCPSite, ConnectionCap, LeanServer
+from shepherd.node.http.types import LeanRequest
 from shepherd.node.metrics import counter
 from shepherd.node.observe import genai_metrics, logs, tracing
 from shepherd.node.procs import PROC_INDEX_ENV
@@ -185,6 +187,15 @@ async def serve(cfg: NodeConfig, ready_message: bool = True) -> None:
         await starting.close()
 
 
+def _body_gate(app: web.Application) -> Callable[[LeanRequest], bool] | None:
+    """With authentication on: a caller refused at its head has its body dropped as it comes, not
+    buffered (``LeanServer.body_gate``)."""
+    authn = app[AUTH].authenticator
+    if not authn.cfg.enabled:
+        return None
+    return cast(Callable[[LeanRequest], bool], make_body_gate(authn))
+
+
 async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) -> None:
     injected = faults.active()  # test-only fault switches (shepherd.mesh.faults; chaos.run --inject)
     if injected:
@@ -294,6 +305,7 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
     front: LeanServer | None = None
     if cfg.http_server == "lean":  # the app's routes, middlewares and hooks as they are; httptools underneath
         front = LeanServer(app, max_body=cfg.max_body_bytes, max_connections=cfg.max_client_connections)
+        front.body_gate = _body_gate(app)
         await front.start(cfg.host, cfg.port, ssl_context=ssl_ctx, backlog=1024, reuse_port=cfg.reuse_port)
         cap: ConnectionCap = front.cap
     else:  # the same cap on aiohttp's server (shepherd.node.http.server.CappedTCPSite)
@@ -326,6 +338,7 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
     if cfg.admin_port is not None:
         if cfg.http_server == "lean":
             admin_front = LeanServer(app, max_body=cfg.max_body_bytes)
+            admin_front.body_gate = _body_gate(app)
             await admin_front.start(
                 admin_host, admin_port, ssl_context=ssl_ctx, backlog=128, reuse_port=cfg.reuse_port
             )

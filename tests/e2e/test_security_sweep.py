@@ -290,3 +290,36 @@ def test_health_generate_probes_once_for_concurrent_callers(setup: Setup) -> Non
     r = httpx.get(setup.url + "/health_generate", headers=bearer(setup.user_key), timeout=30)
     assert r.status_code == 200 and r.json()["status"] == "healthy", r.text
     assert r.json()["request_id"] == r.headers["x-request-id"]
+
+
+def _head_then_some_body(url: str, headers: str, declared: int, sent: int) -> bytes:
+    """A POST whose head declares ``declared`` body bytes of which ``sent`` are sent; what the node answers
+    before the rest (b"" if nothing within 15 s)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=15) as s:
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"{headers}Content-Length: {declared}\r\n\r\n"
+        )
+        s.sendall(head.encode() + b" " * sent)
+        try:
+            return s.recv(4096)
+        except TimeoutError:
+            return b""
+
+
+def test_an_unauthenticated_callers_body_is_not_buffered(setup: Setup) -> None:
+    """A caller the node refuses (no credential, an unknown key) is answered 401 at its head: the node does
+    not wait for (and hold) a body up to --max-payload-size first. A valid key's body is read as before."""
+    for headers in ("", "Authorization: Bearer sk-not-a-key\r\n", "x-api-key: nope\r\n"):
+        got = _head_then_some_body(setup.url, headers, 8 << 20, 64 << 10)
+        assert got.startswith(b"HTTP/1.1 401"), (headers, got[:200])
+        assert b"WWW-Authenticate" in got or b"www-authenticate" in got
+    body = b'{"model": "qwen3", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+    r = httpx.post(
+        setup.url + "/v1/chat/completions",
+        content=body,
+        headers={**JSON, **bearer(setup.user_key)},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text

@@ -51,6 +51,7 @@ from shepherd.node.http.limits import (
     _Fault,
     _internal_error,
     _Limit,
+    _refused_caller,
     _too_large,
     _unsupported,
     fault_body,
@@ -85,6 +86,7 @@ class _Server(Protocol):
     routes: Routes
     targets: dict[tuple[bytes, bytes], _Resolved]
     conns: set[_Conn]
+    body_gate: Callable[[LeanRequest], bool] | None
 
     def arm_sweep(self) -> None: ...
 
@@ -385,6 +387,18 @@ class _Conn(asyncio.Protocol):
                 else b"Content-Length: %d" % (content_length or 0)
             )
             self.upgrade_body = b"POST / HTTP/1.1\r\n" + framing + b"\r\nConnection: close\r\n\r\n"
+        gate = srv.body_gate
+        if (
+            gate is not None
+            and (te is not None or content_length)
+            and self.upgrade_body is None
+            and gate(req)
+        ):
+            # a caller the app will refuse (no or a bad credential): its body is dropped as it comes, never
+            # buffered (up to max_body a connection, before any answer), and the refusal answered now
+            self._refuse(req, _refused_caller)
+            self._dispatch_early(req)
+            return
         limit = srv.max_body
         ce = headers.get("Content-Encoding")
         if ce is not None:

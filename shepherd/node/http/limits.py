@@ -121,6 +121,12 @@ def _too_large(limit: int, size: int) -> BaseException:
     return web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
 
 
+def _refused_caller() -> BaseException:
+    """A gated request's body (never read: the app's authentication answers first; raised only if a
+    credential it refused at the head passed by the time the app ran)."""
+    return web.HTTPUnauthorized(text="The request's credential was refused before its body was read; retry.")
+
+
 def _corrupt(why: str) -> BaseException:
     return ContentEncodingError(f"the request body does not decode: {why}")
 

@@ -33,7 +33,7 @@ from aiohttp.web_runner import BaseRunner
 
 from shepherd.node.http.connection import _Conn, _Resolved
 from shepherd.node.http.limits import Limits, error_body
-from shepherd.node.http.types import Routes
+from shepherd.node.http.types import LeanRequest, Routes
 
 log = logging.getLogger("shepherd.http")
 
@@ -152,6 +152,9 @@ class LeanServer:
         self.max_body = max_body
         self.limits = limits or Limits()
         self.routes = Routes(app)
+        # whether a request (its head just read) will be refused whatever its body (a caller the app's
+        # authentication refuses without waiting): then its body is dropped as it comes, not buffered
+        self.body_gate: Callable[[LeanRequest], bool] | None = None
         self.targets: dict[tuple[bytes, bytes], _Resolved] = {}  # bounded by _TARGETS_MAX
         self.conns: set[_Conn] = set()
         self.cap = ConnectionCap(max_connections, self.conns.__len__)  # refused ones: ``cap.refused``
