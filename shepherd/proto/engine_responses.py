@@ -256,13 +256,24 @@ def decode_model_info(resp: Any, server: ServerInfo | None = None) -> ModelInfo:
     return replace(info, max_context_length=server.context_length, kv_capacity_tokens=info.max_context_length)
 
 
+def _printable(text: str, limit: int = 256) -> str:
+    """An engine's name without control characters (they would reach logs and model ids), bounded."""
+    text = text[: limit * 4]
+    if not text.isprintable():
+        text = "".join(c for c in text if c.isprintable())
+    return text[:limit]
+
+
 def _model_info(resp: Any) -> ModelInfo:
     bos = int(resp.bos_token_id)
+    ctx = int(resp.max_context_length)
+    vocab = int(resp.vocab_size)
     return ModelInfo(
-        served_model_name=resp.served_model_name,
-        model_path=resp.model_path,
-        max_context_length=int(resp.max_context_length),
-        vocab_size=int(resp.vocab_size),
+        served_model_name=_printable(resp.served_model_name),
+        model_path=_printable(resp.model_path, 4096),
+        # a broken engine's negative numbers mean unknown (0), not a context every request is refused by
+        max_context_length=ctx if ctx > 0 else 0,
+        vocab_size=vocab if vocab > 0 else 0,
         eos_token_ids=tuple(int(x) for x in resp.eos_token_ids),
         bos_token_id=bos if bos > 0 else None,
         is_generation=bool(resp.is_generation),
@@ -298,13 +309,19 @@ def decode_server_info(resp: Any, kind: str) -> ServerInfo:
     )
 
 
+# the largest number ``_struct_int`` takes: a context or token count beyond a signed 32-bit integer is
+# no engine's (and infinity or 1e300 would not convert, or not fit a JSON integer where it is shown)
+_STRUCT_INT_MAX = 2**31 - 1
+
+
 def _struct_int(st: Any, key: str) -> int:
-    """A positive whole number under ``key`` of a google.protobuf.Struct, else 0 (absent, null, other)."""
+    """A positive whole number under ``key`` of a google.protobuf.Struct, at most 2**31 - 1, else 0
+    (absent, null, another type, infinite, NaN, too large)."""
     f = st.fields.get(key) if st is not None else None
     if f is None or f.WhichOneof("kind") != "number_value":
         return 0
     v = f.number_value
-    return int(v) if v > 0 and v == int(v) else 0
+    return int(v) if 0 < v <= _STRUCT_INT_MAX and v == int(v) else 0
 
 
 def decode_loads(resp: Any) -> EngineLoad:

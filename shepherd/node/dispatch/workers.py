@@ -346,6 +346,8 @@ class WorkerRegistry:
             ok = await w.client.health_check(self.cfg.health_check_timeout_secs)
         except (EngineError, TimeoutError, OSError) as e:
             log.debug("worker %s check failed: %s", w.url, e)
+        except Exception as e:  # an engine's answer nothing above expects: a failed check, not a crash
+            log.warning("worker %s check failed on its answer: %s: %s", w.url, type(e).__name__, e)
         if w.health.observe(ok):
             healthy = w.health.healthy
             log.log(

@@ -17,6 +17,7 @@ __all__ = [
     "DEADLINE_EXCEEDED",
     "INTERNAL",
     "INVALID_ARGUMENT",
+    "MAX_DETAILS",
     "OK",
     "PERMISSION_DENIED",
     "RESOURCE_EXHAUSTED",
@@ -25,6 +26,7 @@ __all__ = [
     "UNAVAILABLE",
     "UNIMPLEMENTED",
     "UNKNOWN",
+    "bounded_details",
     "engine_error",
     "health_timeout",
     "sglang_context",
@@ -70,12 +72,26 @@ _NAMES = (
 _RETRYABLE = frozenset({UNAVAILABLE, RESOURCE_EXHAUSTED, ABORTED, INTERNAL, UNKNOWN, DATA_LOSS})
 
 
+# the most of an engine's status text an error carries: a servicer (or a man in the middle) may put 60 KB
+# in grpc-message, which would fill logs and every client's error, and costs the error's later scans
+# (the node's address scrubbing) time growing with its square
+MAX_DETAILS = 512
+
+
+def bounded_details(details: str) -> str:
+    """``details`` cut to ``MAX_DETAILS`` characters, saying how many were left out."""
+    if len(details) <= MAX_DETAILS:
+        return details
+    return f"{details[:MAX_DETAILS]}... ({len(details) - MAX_DETAILS} more characters)"
+
+
 def engine_error(code: int, details: str) -> EngineError:
-    """The ``EngineError`` for a gRPC status ``code`` (a number outside the table counts as UNKNOWN)."""
+    """The ``EngineError`` for a gRPC status ``code`` (a number outside the table counts as UNKNOWN);
+    the status text bounded (``MAX_DETAILS``)."""
     if not 0 <= code < len(_NAMES):
         code = UNKNOWN
     name = _NAMES[code]
-    detail = details or name
+    detail = bounded_details(details) or name
     if code == DEADLINE_EXCEEDED:
         return EngineTimeout(f"engine timed out: {detail}")
     if code == UNAVAILABLE:

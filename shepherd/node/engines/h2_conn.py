@@ -29,6 +29,7 @@ from shepherd.node.engines.h2_frames import (
     DATA,
     DEFAULT_MAX_FRAME,
     DEFAULT_WINDOW,
+    ENHANCE_YOUR_CALM,
     FLAG_ACK,
     FLAG_END_HEADERS,
     FLAG_END_STREAM,
@@ -76,6 +77,12 @@ try:
     _grpc_data = _h2fast.grpc_data
 except ImportError:  # pragma: no cover - without a C compiler
     pass
+
+
+# the most bytes of one header block (HEADERS + CONTINUATION) we gather before decoding it: the decoder
+# refuses a header list over 64 KiB anyway; a server sending CONTINUATION frames without END_HEADERS for
+# ever would otherwise grow the block without bound
+MAX_HEADER_BLOCK = 256 * 1024
 
 
 class H2Stream:
@@ -172,6 +179,7 @@ class H2Connection:
         self._blocked: dict[int, H2Stream] = {}  # streams waiting for send window, in order
         # a header block split over CONTINUATION frames: (stream id, end_stream, fragments)
         self._cont: tuple[int, bool, list[bytes]] | None = None
+        self._cont_size = 0  # its bytes so far, frame headers included (bounded: MAX_HEADER_BLOCK)
 
     # -- output
 
@@ -359,10 +367,17 @@ class H2Connection:
                         self._headers(sid, data[start:end], es)
                     else:
                         self._cont = (sid, es, [data[start:end]])
+                        self._cont_size = end - start
                 elif ftype == CONTINUATION:
                     if self._cont is None or self._cont[0] != sid:
                         raise H2ProtocolError(PROTOCOL_ERROR, "unexpected CONTINUATION")
-                    self._cont[2].append(data[start:end])
+                    parts = self._cont[2]
+                    parts.append(data[start:end])
+                    self._cont_size += 9 + end - start  # (a frame's header counts: empty frames add up too)
+                    if self._cont_size > MAX_HEADER_BLOCK:
+                        raise H2ProtocolError(
+                            ENHANCE_YOUR_CALM, f"header block over {MAX_HEADER_BLOCK} bytes"
+                        )
                     if flags & FLAG_END_HEADERS:
                         csid, es, parts = self._cont
                         self._cont = None

@@ -20,6 +20,7 @@ from shepherd.node.engines.errors import (
     CANCELLED,
     DEADLINE_EXCEEDED,
     INTERNAL,
+    MAX_DETAILS,
     OK,
     PERMISSION_DENIED,
     RESOURCE_EXHAUSTED,
@@ -40,6 +41,10 @@ from shepherd.node.engines.h2_frames import (
 from shepherd.proto.engine_types import EngineError
 
 _PREFIX = struct.Struct(">BI")
+
+# the largest response message taken (its length prefix says more: the call fails at once, nothing is
+# buffered); grpc's own default is 4 MiB, GetTokenizer's zip may come as one message of several
+MAX_MESSAGE = 64 * 1024 * 1024
 
 # HTTP/2 RST_STREAM code -> gRPC status (gRPC's PROTOCOL-HTTP2 "Errors" table)
 _RST_STATUS = {
@@ -228,7 +233,8 @@ class GrpcStream(H2Stream):
             code = int(gstatus)
         except ValueError:
             code = UNKNOWN
-        details = urllib.parse.unquote(gmsg.decode("utf-8", "replace")) if gmsg else ""
+        # (a huge grpc-message is cut before it is unquoted; engine_error bounds what is left)
+        details = urllib.parse.unquote(gmsg[: 4 * MAX_DETAILS].decode("utf-8", "replace")) if gmsg else ""
         if code == OK and self._partial:
             self._finish(INTERNAL, "stream ended inside a message")
             return
@@ -258,6 +264,9 @@ class GrpcStream(H2Stream):
                 if flag:
                     self._fail_and_reset(INTERNAL, "compressed message (compression not negotiated)")
                     return
+                if mlen > MAX_MESSAGE:
+                    self._too_large(mlen)
+                    return
                 self._need = 5 + mlen
             take = min(self._need - len(p), end - start)
             p += buf[start : start + take]
@@ -276,6 +285,9 @@ class GrpcStream(H2Stream):
                 return
             mend = start + 5 + mlen
             if mend > end:
+                if mlen > MAX_MESSAGE:
+                    self._too_large(mlen)
+                    return
                 self._need = 5 + mlen
                 break
             msgs.append(buf[start + 5 : mend])
@@ -287,6 +299,12 @@ class GrpcStream(H2Stream):
             self._wake()
         if end_stream:
             self._data_end(end_stream)
+
+    def _too_large(self, mlen: int) -> None:
+        self._partial = bytearray()
+        self._fail_and_reset(
+            INTERNAL, f"response message of {mlen} bytes, more than the {MAX_MESSAGE} the node takes"
+        )
 
     def _data_end(self, end_stream: bool) -> None:
         if end_stream:
