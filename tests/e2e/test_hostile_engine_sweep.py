@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import struct
 import tempfile
@@ -450,3 +451,55 @@ def test_absurd_get_model_info_values_are_taken_as_unknown() -> None:
     assert info.max_context_length == 0 and info.vocab_size == 0
     assert info.served_model_name == "m[31m" + "n" * 251
     assert info.model_path == "/p"
+
+
+async def runaway(conn: EngineConn, sid: int, req: sg.GenerateRequest) -> None:
+    """An engine that ignores max_new_tokens: a token every 10 ms until the node resets the call (bounded
+    here by 3,000 tokens: a regression fails on the count, it does not hang)."""
+    rid = req.request_id
+    conn.head(sid)
+    for i in range(3000):
+        if sid not in conn.tasks or conn.transport is None or conn.transport.is_closing():
+            return
+        conn.msg(sid, chunk(rid, [72 + i % 20], i + 1))
+        await asyncio.sleep(0.01)
+
+
+async def overshoot(conn: EngineConn, sid: int, req: sg.GenerateRequest) -> None:
+    """An engine answering 50 tokens at once (whole, in its Complete) for any max_new_tokens."""
+    rid = req.request_id
+    conn.head(sid)
+    conn.msg(sid, complete(rid, [72 + i % 20 for i in range(50)], 50, "stop"))
+    conn.trail(sid)
+
+
+def test_an_engine_past_max_tokens_is_cut_there(tokenizer_dir: Path) -> None:
+    """An engine sending more tokens than it was asked for: the client gets max_tokens of them and
+    finish_reason "length", streamed or not, through the C token step or not, and a streaming engine's
+    call is reset (it would otherwise run until the request timeout, flooding the client)."""
+    with hostile_node(tokenizer_dir) as (eng, node):
+        eng.generate = runaway
+        for stream in (False, True):
+            before = len(eng.call(lambda: list(eng.resets)))
+            r = chat(node, stream=stream, max_tokens=5)
+            assert r.status_code == 200, r.text
+            if stream:
+                events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+                text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events if c["choices"])
+                reasons = [c["choices"][0]["finish_reason"] for c in events if c["choices"]]
+                assert reasons[-1] == "length" and len(text) == 5, r.text
+            else:
+                body = r.json()
+                assert body["choices"][0]["finish_reason"] == "length", body
+                assert (
+                    body["usage"]["completion_tokens"] == 5
+                    and len(body["choices"][0]["message"]["content"]) == 5
+                )
+            assert settles(lambda: eng.open_generates() == 0)
+            assert len(eng.call(lambda: list(eng.resets))) > before  # the call was reset, not left running
+        eng.generate = overshoot
+        body = chat(node, max_tokens=7).json()
+        assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 7, (
+            body
+        )
+        assert_serves(eng, node)

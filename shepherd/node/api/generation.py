@@ -332,6 +332,11 @@ class Generation:
         unsent: list[list[int]] = [[] for _ in states] if rids is not None and emit is not None else []
         prompt_due = [not self.chat and not job.echo] * n if unsent else []
         per_event = per_event_usage or bool(unsent)
+        # the tokens a choice may have (what the engine was asked for): an engine sending more is cut there,
+        # the choice ended as "length" and the call aborted (a runaway engine cannot flood the client)
+        limit = self.s.max_tokens
+        if limit is None:
+            limit = max(self.gw.context_length(self.model) - len(job.ids), 0)
 
         def event_chunks(start: int) -> None:
             """The chunks ``out[start:]`` (one event's, of one choice) with their token ids and usage."""
@@ -378,11 +383,18 @@ class Generation:
                     if ended:
                         continue
                     lps = ev.logprobs
-                    text = st.feed(ev.token_ids, lps)
+                    ids = ev.token_ids
+                    runaway = st.tokens + len(ids) > limit
+                    if runaway:  # more than the engine was asked for: the rest is not taken
+                        ids = ids[: max(limit - st.tokens, 0)]
+                        lps = lps[: len(ids)]
+                    text = st.feed(ids, lps) if ids else ""
                     if lps and st.finished:
                         lps = lps[: st.kept]  # not those of the tokens after the stop
+                    if runaway and not st.finished:
+                        text += st.end("length")
                     if rids is not None:
-                        kept = ev.token_ids[: st.kept]
+                        kept = ids[: st.kept] if ids else ()
                         rids[i].extend(kept)
                         if unsent:
                             unsent[i].extend(kept)
@@ -419,17 +431,26 @@ class Generation:
                 lps = ()
                 out_ids = ev.output_ids
                 fed: Sequence[int] = ()
-                if not seen_chunks[i] and out_ids:
-                    text = st.whole(out_ids, ev.logprobs, ev.finish_reason)
-                    lps = ev.logprobs[: st.kept]
+                reason = ev.finish_reason
+                elps = ev.logprobs
+                whole = not seen_chunks[i] and bool(out_ids)
+                if whole or (
+                    out_ids and final_delta_is_new(out_ids, ev.completion_tokens, got[i], last_ids[i])
+                ):
+                    if st.tokens + len(out_ids) > limit:  # a runaway engine: as for chunks
+                        out_ids = out_ids[: max(limit - st.tokens, 0)]
+                        elps = elps[: len(out_ids)]
+                        reason = "length"
                     fed = out_ids
-                elif out_ids and final_delta_is_new(out_ids, ev.completion_tokens, got[i], last_ids[i]):
+                if whole:
+                    text = st.whole(out_ids, elps, reason) if out_ids else st.end(reason)
+                    lps = elps[: st.kept]
+                elif fed:
                     # the last tokens came in the Complete only (SGLang's in-tree server)
-                    text = st.feed(out_ids, ev.logprobs) + st.end(ev.finish_reason)
-                    lps = ev.logprobs[: st.kept]
-                    fed = out_ids
+                    text = st.feed(out_ids, elps) + st.end(reason)
+                    lps = elps[: st.kept]
                 else:
-                    text = st.end(ev.finish_reason)
+                    text = st.end(reason)
                 if rids is not None and fed:
                     rids[i].extend(fed[: st.kept])
                     if unsent:
@@ -501,6 +522,7 @@ class Generation:
                             pending=w[2],
                             fallback=take_and_write,
                             itl=itl,
+                            limit=limit,
                         )
                         fast_ok = fast is not None
                 await push(fast if fast is not None else take_and_write)

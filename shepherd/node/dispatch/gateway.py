@@ -409,7 +409,7 @@ class Gateway:
                         break
                     first = [*first, *await anext(agen)]
                 if not req.stream:  # nothing reaches the client before every choice ended: read them all
-                    first = await _every_choice(agen, first, req.sampling.n)
+                    first = await _every_choice(agen, first, req.sampling.n, req.sampling.max_new_tokens)
             except StopAsyncIteration:
                 w.in_flight -= 1
                 self.registry.record_result(w, False)
@@ -637,18 +637,28 @@ def _tokenless(batch: list[EngineEvent]) -> bool:
     return all(type(ev) is EngineChunk and not ev.token_ids for ev in batch)
 
 
-async def _every_choice(agen: Batches, first: list[EngineEvent], n: int) -> list[EngineEvent]:
+async def _every_choice(
+    agen: Batches, first: list[EngineEvent], n: int, max_new: int | None = None
+) -> list[EngineEvent]:
     """A call without streaming: ``first`` and what follows until ``n`` choices completed, one failed
     ("abort", "error") or the stream ended. So a failure of any choice (SGLang's n > 1 sends one Complete
-    per choice, each in its own message) is seen before anything is answered, and can be retried."""
+    per choice, each in its own message) is seen before anything is answered, and can be retried.
+    Streamed tokens past what the call asked for (``n`` x ``max_new``: an engine that does not stop) end
+    the wait: the generation loop takes the rest, cuts each choice at its bound and aborts the call."""
     events = list(first)
     done = 0
+    tokens = 0
+    bound = None if max_new is None else n * max_new
     for ev in events:
         if type(ev) is EngineComplete:
             if ev.finish_reason in _ENGINE_FAILED:
                 return events
             done += 1
-    while done < n:  # bounded by the engine's stream, which ends after its last Complete
+        elif type(ev) is EngineChunk:
+            tokens += len(ev.token_ids)
+    while done < n:  # bounded by the engine's stream, which ends after its last Complete, and by max_new
+        if bound is not None and tokens > bound:
+            break
         try:
             batch = await anext(agen)
         except StopAsyncIteration:  # the stream ended short: the generation loop says so (a 502)
@@ -659,6 +669,8 @@ async def _every_choice(agen: Batches, first: list[EngineEvent], n: int) -> list
                 if ev.finish_reason in _ENGINE_FAILED:
                     return events
                 done += 1
+            elif type(ev) is EngineChunk:
+                tokens += len(ev.token_ids)
     return events
 
 

@@ -46,6 +46,7 @@ typedef struct {
     PyObject *fallback;   /* take_and_write(batch) -> bool */
     PyObject *itl;        /* the ITL histogram child (slots bounds, counts, sum), or None: observe is called */
     Py_ssize_t vocab;
+    Py_ssize_t limit; /* the tokens the choice may have: a chunk going past them is Python's (it cuts it) */
     /* slot offsets (object members) of the state's finished and tokens, the detokenizer's _table, _held and
      * _emitted, the keep-alive entry's last, the histogram's bounds, counts and sum; the event's index,
      * token_ids, logprobs and cached_tokens (-1: read by name) */
@@ -194,17 +195,18 @@ static PyObject *new_step(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kw[] = {"chunk_type", "state", "state_text", "detok", "ids", "parts", "drop", "drop_extra",
                          "stop_ids", "reasoning", "prefix", "tail", "observe", "clock", "last", "cached",
                          "got", "last_ids", "seen", "ka", "monotonic", "send", "pending", "fallback",
-                         "vocab", "itl", NULL};
+                         "vocab", "itl", "limit", NULL};
     PyObject *o[24];
     Py_ssize_t vocab;
+    Py_ssize_t limit = PY_SSIZE_T_MAX;
     PyObject *itl = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO!OO!O!OOO!OO!O!OOO!O!O!O!O!OOOO!On|O:PlainStep", kw,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!OO!OO!O!OOO!OO!O!OOO!O!O!O!O!OOOO!On|On:PlainStep", kw,
                                      &PyType_Type, &o[0], &o[1], &PyList_Type, &o[2], &o[3], &PyList_Type,
                                      &o[4], &PyList_Type, &o[5], &o[6], &o[7], &PyFrozenSet_Type, &o[8], &o[9],
                                      &PyBytes_Type, &o[10], &PyBytes_Type, &o[11], &o[12], &o[13],
                                      &PyList_Type, &o[14], &PyList_Type, &o[15], &PyList_Type, &o[16],
                                      &PyList_Type, &o[17], &PyList_Type, &o[18], &o[19], &o[20], &o[21],
-                                     &PyList_Type, &o[22], &o[23], &vocab, &itl))
+                                     &PyList_Type, &o[22], &o[23], &vocab, &itl, &limit))
         return NULL;
     if (o[6] != Py_None && !PyFrozenSet_CheckExact(o[6])) {
         PyErr_SetString(PyExc_TypeError, "PlainStep: drop is a frozenset or None");
@@ -231,6 +233,7 @@ static PyObject *new_step(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         *slots[i] = o[i];
     }
     self->vocab = vocab;
+    self->limit = limit < 0 ? 0 : limit;
     Py_INCREF(itl);
     self->itl = itl;
     self->o_finished = slot_offset(self->state, s_finished);
@@ -469,6 +472,7 @@ static PyObject *step_impl(PlainStep *self, PyObject *batch) {
         goto theirs;
     Py_ssize_t n = PyList_GET_SIZE(tids);
     if (n < 1 || n > MAX_IDS) goto theirs;
+    if (small_count(tokens) + n > self->limit) goto theirs; /* more than the engine was asked for */
     for (; k < n; k++) { /* the ids, each held: the set lookups below may compare with other objects */
         PyObject *v = PyList_GET_ITEM(tids, k);
         Py_INCREF(v);

@@ -32,6 +32,7 @@ class PlainStep:
         fallback: Callable[[list[Any]], bool],
         vocab: int,
         itl: object = None,
+        limit: int = ...,
     ) -> None: ...
     def __call__(self, batch: list[Any], /) -> bool: ...
     def bind_listener(

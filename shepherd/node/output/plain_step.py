@@ -51,6 +51,7 @@ def plain_step(
     pending: list[bytes],
     fallback: Callable[[list[EngineEvent]], bool],
     itl: object = None,
+    limit: int | None = None,
 ) -> PlainStep | None:
     """The C step of choice ``st`` (index 0 of a one-choice stream), or None when it does not qualify.
 
@@ -60,7 +61,8 @@ def plain_step(
     ``last_ids`` / ``seen``: the generation loop's state (lists, choice 0 at index 0); ``ka``: the
     keep-alive entry (``last`` touched per write); ``send``: the connection's ``send_framed``;
     ``pending``: chunks waiting for the next write (the step leaves a non-empty list to ``fallback``);
-    ``fallback``: ``take_and_write``."""
+    ``fallback``: ``take_and_write``; ``limit``: the tokens the choice may have (a chunk going past them is
+    ``fallback``'s, which cuts it)."""
     if not BUILT or type(st) is not ChoiceState or st.index != 0:
         return None
     if post is not None:
@@ -111,4 +113,5 @@ def plain_step(
         fallback,
         vocab,
         itl,
+        **({} if limit is None else {"limit": limit}),
     )
