@@ -20,6 +20,7 @@ from typing import Any
 from smg_grpc_proto import trtllm_service_pb2 as tr
 
 from shepherd.proto.engine_requests import choice_grammar
+from shepherd.proto.engine_responses import _printable as printable_name
 from shepherd.proto.engine_types import (
     EngineChunk,
     EngineComplete,
@@ -99,7 +100,7 @@ def trtllm_generate(req: GenerateRequest, vocab_size: int = 0) -> tr.GenerateReq
     if guide is not None:
         msg.guided_decoding.CopyFrom(guide)
     if p.logit_bias:
-        if vocab_size <= 0:
+        if not 0 < vocab_size <= MAX_VOCAB:
             raise refuse("TensorRT-LLM", "logit_bias", "the engine did not report its vocabulary size")
         bias = [0.0] * vocab_size
         for tok, b in p.logit_bias:
@@ -195,13 +196,23 @@ class TrtllmEvents:
             )
 
 
+# the largest vocabulary taken from an engine (the largest real ones are ~260K): ``logit_bias`` builds a
+# vector of this length; a broken engine's 2**31 would be gigabytes a request
+MAX_VOCAB = 1 << 22
+_MAX_CONTEXT = 2**31 - 1
+
+
 def decode_trtllm_model_info(resp: Any) -> ModelInfo:
-    """GetModelInfo: the context window is ``max_seq_len`` (prompt and output), else ``max_input_len``."""
+    """GetModelInfo: the context window is ``max_seq_len`` (prompt and output), else ``max_input_len``. A
+    broken engine's numbers (0 or less, past any real model) mean unknown (0); its name is cleaned."""
+    ctx = int(resp.max_seq_len or resp.max_input_len)
+    vocab = int(resp.vocab_size)
+    name = printable_name(resp.model_id)
     return ModelInfo(
-        served_model_name=resp.model_id,
-        model_path=resp.model_id,
-        max_context_length=int(resp.max_seq_len or resp.max_input_len),
-        vocab_size=int(resp.vocab_size),
+        served_model_name=name,
+        model_path=name,
+        max_context_length=ctx if 0 < ctx <= _MAX_CONTEXT else 0,
+        vocab_size=vocab if 0 < vocab <= MAX_VOCAB else 0,
     )
 
 

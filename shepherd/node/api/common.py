@@ -254,7 +254,9 @@ _ADDRESS = re.compile(
 
 def public_engine_message(message: str, worker_urls: Iterable[str] = ()) -> str:
     """An engine error's text as a client may see it: no worker URL, address or host:port (they say how
-    the fleet is laid out, and which internal hosts the node reaches). Bounded in length."""
+    the fleet is laid out, and which internal hosts the node reaches). Bounded in length, before any
+    scrubbing (an engine's 60 KB message made the address pattern's scan take seconds)."""
+    message = message[:4000]
     for url in worker_urls:
         if url and url in message:
             message = message.replace(url, "<worker>")
