@@ -125,8 +125,13 @@ class _Gateway:
         self.open_error = open_error
         self.delay = delay
 
-    def check_context(self, model: str, prompt: int, max_tokens: int | None) -> int:
+    def check_context(
+        self, model: str, prompt: int, max_tokens: int | None, param: str = "", max_param: str = ""
+    ) -> int:
         return max_tokens or 4096
+
+    def context_length(self, model: str) -> int:
+        return 4096
 
     async def open_stream(
         self, model: str, gen: Any, target: Any = None, routing_key: Any = None, retry: Any = None
