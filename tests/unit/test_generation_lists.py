@@ -95,8 +95,10 @@ def test_a_failing_prompt_cancels_its_siblings_without_calling_it_a_disconnect()
             raise EngineError("boom", retryable=False)
         await asyncio.sleep(10)
 
-    g.gw = cast(Any, SimpleNamespace(check_context=lambda m, n, t: 16, retry_midway=lambda *a: False))
-    g.model, g.engine_seconds = "m", 0.0
+    g.gw = cast(
+        Any, SimpleNamespace(check_context=lambda m, n, t, *fields: 16, retry_midway=lambda *a: False)
+    )
+    g.model, g.engine_seconds, g.context_param = "m", 0.0, ("messages", "max_tokens")
     g.s = cast(Any, SimpleNamespace(stop=None, max_tokens=None))
     g.request = cast(Any, SimpleNamespace(headers={}))
     g.totals = gen_mod.Totals()
