@@ -31,11 +31,14 @@ class TextDelta(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class ToolCallStart:
-    """Tool call ``index`` (0-based, in order of appearance within the choice) begins."""
+    """Tool call ``index`` (0-based, in order of appearance within the choice) begins. ``partial``: a call
+    the output was cut off inside, its arguments read as far as they went (a parser made with
+    ``partial_calls`` only: see ``ToolParser``)."""
 
     index: int
     id: str
     name: str
+    partial: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +76,13 @@ class ToolParser(Protocol):
     A call is reported only once it is complete and valid (``ToolCallStart`` then ``ToolCallArgs``);
     a malformed call, or one cut off by the end of the output, comes back as ``TextDelta`` with its
     raw text, so nothing is lost. For every split of an output into deltas, the concatenated content
-    and the calls are the same."""
+    and the calls are the same.
+
+    A parser made with ``partial_calls`` (the Messages API's: Anthropic answers a call cut off by
+    ``max_tokens`` as a ``tool_use`` block) reports, at ``finish``, a call of a JSON format (hermes,
+    json, llama3) the output was cut off inside as a ``ToolCallStart`` with ``partial`` set and its
+    arguments read as far as they go (``partial_json``), when its name is whole and a tool's; a cut
+    that leaves no name yet is dropped; what is not the beginning of a call stays text."""
 
     def feed(self, text: str) -> list[ToolEvent]: ...
 

@@ -95,21 +95,26 @@ _REASONING_ALIASES = {
     "nemotron_nano": "nemotron",
 }
 
-_ToolFactory = Callable[[IdFactory | None, ParamTypes, Collection[str] | None], ToolParser]
+# (id factory, parameter types, known names, partial calls) -> a fresh parser
+_ToolFactory = Callable[[IdFactory | None, ParamTypes, Collection[str] | None, bool], ToolParser]
 
 
 def _delimited(spec: DelimitedSpec) -> _ToolFactory:
-    return lambda ids, types, names: DelimitedToolParser(spec, id_factory=ids, types=types, names=names)
+    return lambda ids, types, names, partial: DelimitedToolParser(
+        spec, id_factory=ids, types=types, names=names, partial_calls=partial
+    )
 
 
 def _leading(spec: LeadingSpec) -> _ToolFactory:
-    return lambda ids, types, names: LeadingValueToolParser(spec, id_factory=ids, types=types, names=names)
+    return lambda ids, types, names, partial: LeadingValueToolParser(
+        spec, id_factory=ids, types=types, names=names, partial_calls=partial
+    )
 
 
 TOOL_FAMILIES: Mapping[str, _ToolFactory] = {
     "hermes": _delimited(HERMES),
     "llama3": _leading(LLAMA3),
-    "mistral": lambda ids, types, names: MistralToolParser(id_factory=ids, types=types, names=names),
+    "mistral": lambda ids, types, names, _: MistralToolParser(id_factory=ids, types=types, names=names),
     "qwen3_coder": _delimited(QWEN3_CODER),
     "deepseek_v3": _delimited(DEEPSEEK_V3),
     "deepseek_v31": _delimited(DEEPSEEK_V31),
@@ -231,16 +236,19 @@ def get_tool_parser(
     id_factory: IdFactory | None = None,
     tools: Sequence[Mapping[str, Any]] | None = None,
     known_names_only: bool = False,
+    partial_calls: bool = False,
 ) -> ToolParser:
     """A fresh tool parser. ``tools``: the request's tool definitions (OpenAI shape), used by the
     XML-style families (qwen3_coder, glm45) to type parameter values. ``known_names_only``: a call
     to a tool that is not in ``tools`` is not a call (returned as text, raw). ``id_factory`` makes
-    call ids (default: ``call_`` + 24 hex digits; 9 alphanumerics for mistral). Raises ValueError."""
+    call ids (default: ``call_`` + 24 hex digits; 9 alphanumerics for mistral). ``partial_calls``: a
+    call of a JSON family (hermes, json, llama3) cut off by the end of the output is a partial call
+    (``ToolParser``), not text. Raises ValueError."""
     factory = TOOL_FAMILIES.get(_TOOL_INDEX.get(_norm(name), ""))
     if factory is None:
         raise ValueError(f"unknown tool parser {name!r}; known: {', '.join(sorted(TOOL_FAMILIES))}")
     types = param_types(tools)
-    return factory(id_factory, types, frozenset(types) if known_names_only else None)
+    return factory(id_factory, types, frozenset(types) if known_names_only else None, partial_calls)
 
 
 def reasoning_family_name(name: str) -> str:

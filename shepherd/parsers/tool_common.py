@@ -12,16 +12,19 @@ from shepherd.parsers.events import ToolCallArgs, ToolCallStart, ToolEvent
 __all__ = [
     "BodyParser",
     "CallEmitter",
+    "CutCalls",
     "IdFactory",
     "ParamType",
     "ParamTypes",
     "ParsedCall",
     "convert_value",
+    "cut_call",
     "dump_args",
     "infer_type",
     "load_args",
     "loads_json",
     "param_types",
+    "parse_cut_guarded",
     "parse_guarded",
     "random_call_id",
 ]
@@ -49,6 +52,45 @@ class ParsedCall(NamedTuple):
 
 
 BodyParser = Callable[[str, ParamTypes], list[ParsedCall] | None]
+
+
+class CutCalls(NamedTuple):
+    """What a text cut off inside a call's JSON holds: the whole calls before the cut, and the call the
+    cut is in (its arguments as far as they went; None: the cut left no whole name yet)."""
+
+    calls: list[ParsedCall]
+    cut: ParsedCall | None
+
+
+# a cut-off call text -> its ``CutCalls``; None: it is not the beginning of calls (text, as it came)
+CutParser = Callable[[str, ParamTypes], CutCalls | None]
+
+
+def cut_call(obj: Any) -> CutCalls | None:
+    """A call object read from a cut-off text (``partial_json``): ``{"name", "arguments"|"parameters"}``,
+    its name whole (a cut string is not read) and its arguments an object as far as they went (a string
+    of JSON: read when whole, else ``{}``); no name yet: ``CutCalls([], None)``; not a call: None."""
+    if not isinstance(obj, dict):
+        return None
+    if "name" not in obj:
+        return CutCalls([], None)
+    name = obj["name"]
+    if not isinstance(name, str) or not name:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        args = load_args(args) or {}
+    if not isinstance(args, dict):
+        return None
+    return CutCalls([], ParsedCall(name, dump_args(args)))
+
+
+def parse_cut_guarded(parse: CutParser, text: str, types: ParamTypes) -> CutCalls | None:
+    """``parse(text, types)``, None when it raises (as ``parse_guarded``)."""
+    try:
+        return parse(text, types)
+    except Exception:
+        return None
 
 
 def parse_guarded(parse: BodyParser, body: str, types: ParamTypes) -> list[ParsedCall] | None:
@@ -227,9 +269,11 @@ class CallEmitter:
         names = self._names
         return names is None or all(c.name in names for c in calls)
 
-    def emit(self, calls: Sequence[ParsedCall], out: list[ToolEvent]) -> None:
-        for call in calls:
+    def emit(self, calls: Sequence[ParsedCall], out: list[ToolEvent], partial: bool = False) -> None:
+        """The calls' events; ``partial``: the (last) call is one the output was cut off inside."""
+        last = len(calls) - 1
+        for k, call in enumerate(calls):
             index = self._count
             self._count += 1
-            out.append(ToolCallStart(index, call.id or self._make_id(), call.name))
+            out.append(ToolCallStart(index, call.id or self._make_id(), call.name, partial and k == last))
             out.append(ToolCallArgs(index, call.arguments))

@@ -5,7 +5,9 @@ One machine (``DelimitedToolParser``) does the streaming: content streams throug
 that could be the start of a marker; a call is buffered until its end marker, then parsed by the
 family's body parser; a body that does not parse (or that the body parser cannot handle: it raises)
 comes back as text, markers included; so does a call cut off by the end of the output, except in an
-``open_end`` family (hermes), where a complete body is a call without its end marker. In a
+``open_end`` family (hermes), where a complete body is a call without its end marker, and, with
+``partial_calls`` (the Messages API), in a family with a ``cut`` parser (hermes): a cut body is then
+a partial call as far as its JSON goes, or nothing when it has no whole name yet. In a
 ``json_body`` family (hermes) an end marker inside a JSON string of the body is argument text.
 Whitespace right after a call is dropped. Section markers, and white space between them, are
 structural and dropped once a call in the section is accepted (text inside a section that is not a
@@ -22,9 +24,11 @@ from shepherd.parsers.text_scan import JsonStringTracker, find_first, partial_su
 from shepherd.parsers.tool_common import (
     BodyParser,
     CallEmitter,
+    CutParser,
     IdFactory,
     ParamTypes,
     ParsedCall,
+    parse_cut_guarded,
     parse_guarded,
 )
 
@@ -36,7 +40,8 @@ class DelimitedSpec:
     """``json_body``: the body is a JSON value, and an end marker inside one of its strings is argument
     text, not the end of the call (the end markers must hold no quote, backslash or bracket);
     ``open_end``: a call whose end marker never came (the output ended, or a stop string cut it) is a
-    call when its body parses."""
+    call when its body parses; ``cut``: reads a body cut off by the end of the output as far as it goes
+    (for parsers made with ``partial_calls``)."""
 
     call_begin: tuple[str, ...]
     call_end: tuple[str, ...]
@@ -45,6 +50,7 @@ class DelimitedSpec:
     section_end: str = ""
     json_body: bool = False
     open_end: bool = False
+    cut: CutParser | None = None
 
 
 _TEXT, _SECTION, _CALL = 0, 1, 2
@@ -59,6 +65,7 @@ class DelimitedToolParser:
         "_end_max",
         "_firsts",
         "_json",
+        "_partial",
         "_parts",
         "_raw_begin",
         "_section_markers",
@@ -80,8 +87,10 @@ class DelimitedToolParser:
         id_factory: IdFactory | None = None,
         types: ParamTypes | None = None,
         names: Collection[str] | None = None,
+        partial_calls: bool = False,
     ) -> None:
         self._spec = spec
+        self._partial = partial_calls and spec.cut is not None
         self._types: ParamTypes = types or {}
         self._calls = CallEmitter(id_factory, names)
         self._text_markers = (spec.section_begin,) if spec.section_begin else spec.call_begin
@@ -127,6 +136,8 @@ class DelimitedToolParser:
             if calls:
                 self._accept(calls, out)
                 buf = ""
+            elif self._partial and self._cut(body, out):
+                buf = ""
             else:
                 buf = self._raw_begin + body
         elif self._after_call and not buf.strip():
@@ -139,13 +150,13 @@ class DelimitedToolParser:
             out.append(TextDelta(buf))
         return out
 
-    def _accept(self, calls: list[ParsedCall], out: list[ToolEvent]) -> None:
+    def _accept(self, calls: list[ParsedCall], out: list[ToolEvent], partial: bool = False) -> None:
         if self._section_text:
             out.append(TextDelta("".join(self._section_text)))
         self._section_text = []
         self._section_raw = []
         self._section_ok = True
-        self._calls.emit(calls, out)
+        self._calls.emit(calls, out, partial)
 
     def _section_content(self, text: str, out: list[ToolEvent]) -> None:
         """Text inside a section that is content once the section has an accepted call."""
@@ -154,6 +165,26 @@ class DelimitedToolParser:
         else:
             self._section_text.append(text)
             self._section_raw.append(text)
+
+    def _cut(self, body: str, out: list[ToolEvent]) -> bool:
+        """A body cut off by the end of the output, as a partial call (nothing when it has no whole name
+        yet); False when it is not the beginning of a call of a known tool (it is then text)."""
+        assert self._spec.cut is not None
+        held = partial_suffix_len(body, self._spec.call_end)  # cut inside the end marker: the call is whole
+        calls = self._parse(body[: len(body) - held]) if held else None
+        if calls:
+            self._accept(calls, out)
+            return True
+        got = parse_cut_guarded(self._spec.cut, body, self._types)
+        if got is None:
+            return False
+        calls = got.calls if got.cut is None else [*got.calls, got.cut]
+        if not calls:
+            return True
+        if not self._calls.accepts(calls):
+            return False
+        self._accept(calls, out, partial=got.cut is not None)
+        return True
 
     def _parse(self, body: str) -> list[ParsedCall] | None:
         calls = parse_guarded(self._spec.parse, body, self._types)

@@ -10,10 +10,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from shepherd.parsers.partial_json import partial_json
 from shepherd.parsers.tool_common import (
+    CutCalls,
     ParamTypes,
     ParsedCall,
     convert_value,
+    cut_call,
     dump_args,
     load_args,
     loads_json,
@@ -36,6 +39,13 @@ def _parse_hermes(body: str, types: ParamTypes) -> list[ParsedCall] | None:
     if not isinstance(args, dict):
         return None
     return [ParsedCall(name, dump_args(args))]
+
+
+def _cut_hermes(body: str, types: ParamTypes) -> CutCalls | None:
+    """A hermes call body cut off by the end of the output (``partial_calls``): its JSON as far as it
+    goes."""
+    found, obj = partial_json(body)
+    return cut_call(obj) if found else CutCalls([], None)
 
 
 def _strip_one_newline(value: str) -> str:
@@ -218,7 +228,9 @@ def _parse_cohere(body: str, types: ParamTypes) -> list[ParsedCall] | None:
 
 # SGLang's hermes_detector decodes the JSON value after <tool_call> (raw_decode): the end tag inside an
 # argument string is text, and a complete call needs no end tag (vLLM: ``<tool_call>(.*)`` to the end)
-HERMES = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_hermes, json_body=True, open_end=True)
+HERMES = DelimitedSpec(
+    ("<tool_call>",), ("</tool_call>",), _parse_hermes, json_body=True, open_end=True, cut=_cut_hermes
+)
 QWEN3_CODER = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_qwen3_coder)
 GLM45 = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_glm45)
 DEEPSEEK_V3 = DelimitedSpec(

@@ -6,7 +6,9 @@ If the output does not start with such a value it streams through as content. A 
 until its closing bracket (quote-aware scan), then parsed: calls are emitted, anything else
 (ordinary JSON content, a malformed call, one the value parser cannot handle) comes back as text, raw.
 After the calls, separators and whitespace are dropped, and one closing tag (``<|python_end|>``);
-another value starts another round; other text is content.
+another value starts another round; other text is content. With ``partial_calls`` (the Messages API), a
+JSON value (json, llama3) cut off by the end of the output gives its whole calls and the one it was cut
+inside as a partial call (nothing when that one has no whole name yet), instead of text.
 """
 
 from __future__ import annotations
@@ -17,18 +19,31 @@ from dataclasses import dataclass
 from typing import Any
 
 from shepherd.parsers.events import TextDelta, ToolEvent
+from shepherd.parsers.partial_json import partial_array, partial_json
 from shepherd.parsers.text_scan import BracketScanner, text_before
 from shepherd.parsers.tool_common import (
     CallEmitter,
+    CutCalls,
+    CutParser,
     IdFactory,
     ParamTypes,
     ParsedCall,
+    cut_call,
     dump_args,
     loads_json,
+    parse_cut_guarded,
     parse_guarded,
 )
 
-__all__ = ["JSON", "LLAMA3", "PYTHONIC", "LeadingSpec", "LeadingValueToolParser", "parse_json_calls"]
+__all__ = [
+    "JSON",
+    "LLAMA3",
+    "PYTHONIC",
+    "LeadingSpec",
+    "LeadingValueToolParser",
+    "cut_json_calls",
+    "parse_json_calls",
+]
 
 ValueParser = Callable[[str, ParamTypes], list[ParsedCall] | None]
 
@@ -45,6 +60,7 @@ class LeadingSpec:
     separators: str = ""
     suffixes: tuple[str, ...] = ()
     prefix_anywhere: bool = False
+    cut: CutParser | None = None  # a value cut off by the end of the output, read as far as it goes
 
 
 _DETECT, _VALUE, _AFTER, _PASS = 0, 1, 2, 3
@@ -57,6 +73,7 @@ class LeadingValueToolParser:
         "_buf",
         "_calls",
         "_firsts",
+        "_partial",
         "_parts",
         "_pre",
         "_raw",
@@ -75,8 +92,10 @@ class LeadingValueToolParser:
         id_factory: IdFactory | None = None,
         types: ParamTypes | None = None,
         names: Collection[str] | None = None,
+        partial_calls: bool = False,
     ) -> None:
         self._spec = spec
+        self._partial = partial_calls and spec.cut is not None
         self._types: ParamTypes = types or {}
         self._calls = CallEmitter(id_factory, names)
         self._state = _DETECT
@@ -109,12 +128,30 @@ class LeadingValueToolParser:
         self._buf = ""
         self._state = _PASS
         if state == _VALUE:
-            buf = self._raw + "".join(self._parts)
+            value = "".join(self._parts)
             self._parts = []
+            out: list[ToolEvent] = []
+            if self._partial and self._cut(value, out):
+                return out
+            buf = self._raw + value
         elif state == _DETECT:
             buf = "".join(self._pre) + buf
             self._pre = []
         return [TextDelta(buf)] if buf else []
+
+    def _cut(self, value: str, out: list[ToolEvent]) -> bool:
+        """A value cut off by the end of the output: its whole calls and the partial one (nothing when
+        the cut left no call with a whole name); False when it is not the beginning of calls of known
+        tools (it is then text)."""
+        assert self._spec.cut is not None
+        got = parse_cut_guarded(self._spec.cut, value, self._types)
+        if got is None:
+            return False
+        calls = got.calls if got.cut is None else [*got.calls, got.cut]
+        if calls and not self._calls.accepts(calls):
+            return False
+        self._calls.emit(calls, out, partial=got.cut is not None)
+        return True
 
     def _run(self, text: str, out: list[ToolEvent]) -> None:
         spec = self._spec
@@ -256,6 +293,28 @@ def parse_json_calls(text: str, types: ParamTypes) -> list[ParsedCall] | None:
     return calls or None
 
 
+def cut_json_calls(text: str, types: ParamTypes) -> CutCalls | None:
+    """``parse_json_calls`` of a value cut off at its end: the whole calls of a list and the one it was
+    cut inside (``cut_call``), or the one object's."""
+    if text.lstrip().startswith("["):
+        items, last_cut = partial_array(text)
+        whole = items[:-1] if last_cut else items
+        calls = [_call_from_obj(item) for item in whole]
+        if any(c is None for c in calls):
+            return None
+        done = [c for c in calls if c is not None]
+        if not last_cut:
+            return CutCalls(done, None)
+        got = cut_call(items[-1])
+        return None if got is None else CutCalls(done, got.cut)
+    found, obj = partial_json(text)
+    return cut_call(obj) if found else CutCalls([], None)
+
+
+def _cut_llama3(text: str, types: ParamTypes) -> CutCalls | None:
+    return cut_json_calls(text, types) if text.startswith("{") else None
+
+
 def _parse_llama3(text: str, types: ParamTypes) -> list[ParsedCall] | None:
     if not text.startswith("{"):
         return None
@@ -308,9 +367,15 @@ def _parse_pythonic(text: str, types: ParamTypes) -> list[ParsedCall] | None:
 
 
 LLAMA3 = LeadingSpec(
-    "{", '"', _parse_llama3, prefixes=("<|python_tag|>",), separators=";", prefix_anywhere=True
+    "{",
+    '"',
+    _parse_llama3,
+    prefixes=("<|python_tag|>",),
+    separators=";",
+    prefix_anywhere=True,
+    cut=_cut_llama3,
 )
-JSON = LeadingSpec("{[", '"', parse_json_calls)
+JSON = LeadingSpec("{[", '"', parse_json_calls, cut=cut_json_calls)
 PYTHONIC = LeadingSpec(
     "[", "\"'", _parse_pythonic, prefixes=("<|python_start|>",), suffixes=("<|python_end|>",)
 )

@@ -45,6 +45,9 @@ class _Gateway:
         self.metrics = NodeMetrics()
         self.cfg = NodeConfig()
 
+    def context_length(self, model: str) -> int:
+        return 32768
+
 
 @dataclass
 class _Stream:
@@ -309,9 +312,9 @@ async def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
         assert a.finish_reason == "tool_calls"
 
 
-async def test_tool_choice_none_drops_tools_from_the_prompt_and_parses_nothing() -> None:
-    g, job, _ = setup(QWEN, tool_choice="none")
-    assert "get_weather" not in job.text and g.output is not None and g.output.tool_parser is None
+async def test_tool_choice_none_keeps_tools_in_the_prompt_and_parses_nothing() -> None:
+    g, job, _ = setup(QWEN, tool_choice="none")  # (vLLM's default: the tools stay in the prompt)
+    assert "get_weather" in job.text and g.output is not None and g.output.tool_parser is None
     for a in await both(QWEN, TWO_CALLS.output, tool_choice="none"):
         assert a.calls == [] and a.content == TWO_CALLS.output and a.finish_reason == "stop"
     g, job, _ = setup(QWEN, tool_choice="none", separate_reasoning=False)

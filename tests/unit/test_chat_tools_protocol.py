@@ -127,7 +127,7 @@ def test_fuzzed_tool_fields_raise_only_api_errors(fields: dict[str, Any]) -> Non
 
 
 def test_template_tools_follow_tool_choice() -> None:
-    assert template_tools(TOOLS, ToolChoice("none")) is None
+    assert template_tools(TOOLS, ToolChoice("none")) == TOOLS  # vLLM's default: the model sees them
     assert template_tools(TOOLS, ToolChoice("auto")) == TOOLS
     assert [
         t["function"]["name"] for t in template_tools(TOOLS, ToolChoice("function", "get_time")) or []

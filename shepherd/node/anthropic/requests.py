@@ -17,7 +17,8 @@ wait in ``chat.schemas`` for ``check_schemas`` (off the loop, after the model lo
   Anthropic answers (it used to vanish, or fail in the template).
 - ``tools``: ``{name, description, input_schema}`` (``type`` absent or ``custom``; server tools 400) ->
   OpenAI function tools; ``tool_choice``: ``auto``, ``any`` (-> ``required``), ``tool`` (-> the named
-  function), ``none``; ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``.
+  function), ``none`` (the tools stay in the prompt, as Anthropic keeps its tool-use system prompt; no
+  call is parsed); ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``.
 - ``thinking``: ``{type: enabled, budget_tokens}`` (>= 1024 and < ``max_tokens``; accepted, not enforced
   on its own: ``max_tokens`` bounds the whole answer) turns the template's ``enable_thinking`` on and the
   reasoning parser with it; absent or ``{type: disabled}``: both off (Anthropic's default). ``display``:

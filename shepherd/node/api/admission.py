@@ -1,6 +1,9 @@
 """Admission on the node: which rate limits apply to a request, the mesh-wide decision
 (``shepherd.mesh.ratelimit``) and the OpenAI-style answer: 429 with ``Retry-After`` and the
-``x-ratelimit-*`` headers, which successful responses carry too.
+``x-ratelimit-*`` headers, which successful responses carry too. The Messages API's answers
+(``/v1/messages*``) carry Anthropic's ``anthropic-ratelimit-{requests,tokens}-{limit,remaining,reset}``
+besides (the same figures; ``reset`` the RFC 3339 time the limit is whole again; the token limit counts
+prompt and output together, so there are no ``input-tokens`` / ``output-tokens`` variants).
 
 Rules come from the config (``rate_limits`` plus the ``--rate-limit-*`` defaults; later the control-plane
 document, through ``set_rules``). A rule names a tenant ("*": every tenant, each on its own count) and
@@ -28,6 +31,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
@@ -40,6 +44,7 @@ from shepherd.node.config import NodeConfig, RateLimitRule
 from shepherd.node.metrics import counter, gauge
 from shepherd.node.observe import tracing
 from shepherd.node.openai.requests import Sampling
+from shepherd.proto.anthropic_errors import is_messages_path
 from shepherd.proto.openai_errors import ApiError, error_response
 
 if TYPE_CHECKING:  # redis (and the OpenTelemetry SDK it imports): only with the Redis backend, below
@@ -49,12 +54,17 @@ MAX_CACHED = 4096  # (tenant, model) rule resolutions kept
 
 
 class RateLimited(ApiError):
-    """A 429 in OpenAI's shape; ``headers`` go on the response (Retry-After, x-ratelimit-*)."""
+    """A 429 in OpenAI's shape; ``headers`` go on the response (Retry-After, x-ratelimit-*);
+    ``anthropic_headers``: Anthropic's ``anthropic-ratelimit-*`` of the same figures (the Messages API's
+    429s carry them too)."""
 
-    def __init__(self, message: str, headers: dict[str, str]) -> None:
+    def __init__(
+        self, message: str, headers: dict[str, str], anthropic_headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(
             429, message, type="rate_limit_exceeded", code="rate_limit_exceeded", headers=headers
         )
+        self.anthropic_headers = anthropic_headers or {}
 
 
 def quota_headers(q: Quota) -> dict[str, str]:
@@ -70,19 +80,44 @@ def quota_headers(q: Quota) -> dict[str, str]:
     return h
 
 
-def denial_error(d: Denial) -> RateLimited:
+def _rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(math.ceil(ts), tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def anthropic_quota_headers(q: Quota, now: float) -> dict[str, str]:
+    """Anthropic's ``anthropic-ratelimit-*`` of the figures ``quota_headers`` gives: limit, remaining,
+    and reset as the RFC 3339 time (``now`` + the reset delay, to the second above) the limit is whole
+    again."""
+    h: dict[str, str] = {}
+    if q.limit_requests is not None:
+        h["anthropic-ratelimit-requests-limit"] = str(q.limit_requests)
+        h["anthropic-ratelimit-requests-remaining"] = str(q.remaining_requests)
+        h["anthropic-ratelimit-requests-reset"] = _rfc3339(now + q.reset_requests)
+    if q.limit_tokens is not None:
+        h["anthropic-ratelimit-tokens-limit"] = str(q.limit_tokens)
+        h["anthropic-ratelimit-tokens-remaining"] = str(q.remaining_tokens)
+        h["anthropic-ratelimit-tokens-reset"] = _rfc3339(now + q.reset_tokens)
+    return h
+
+
+def denial_error(d: Denial, now: float | None = None) -> RateLimited:
+    """The 429 of a denial; ``now`` (default: the wall clock): the time its Anthropic headers' resets
+    count from."""
     tenant, model = d.key
     where = f"tenant '{tenant}'" + (f" on model '{model}'" if model else "")
     headers = quota_headers(d.quota)
+    anthropic = anthropic_quota_headers(d.quota, time.time() if now is None else now)
     if math.isinf(d.retry_after):
         return RateLimited(
             f"Request too large for tokens per min (TPM) of {where}: Limit {d.limit}, Requested "
             f"{d.requested}. Reduce the prompt or max_tokens.",
             headers,
+            anthropic,
         )
     wait = max(d.retry_after, 0.001)
     headers["retry-after"] = str(max(1, math.ceil(wait)))
     headers["retry-after-ms"] = str(math.ceil(wait * 1000))
+    anthropic["retry-after"] = headers["retry-after"]
     if d.metric == "concurrency":
         msg = f"Too many concurrent requests for {where}: Limit {d.limit}."
     else:
@@ -91,25 +126,38 @@ def denial_error(d: Denial) -> RateLimited:
             f"Rate limit reached for {unit} of {where}: Limit {d.limit}, Used {max(0, round(d.used))}, "
             f"Requested {d.requested}."
         )
-    return RateLimited(f"{msg} Please try again in {fmt_duration(wait)}.", headers)
+    return RateLimited(f"{msg} Please try again in {fmt_duration(wait)}.", headers, anthropic)
 
 
 class Ticket:
     """An admitted request. ``settle(real_tokens)`` when it ends, however it ends (idempotent);
-    ``headers`` are the x-ratelimit-* values right after admission."""
+    ``headers`` are the x-ratelimit-* values right after admission, ``anthropic_headers`` the same
+    figures as Anthropic's ``anthropic-ratelimit-*`` (the Messages API's answers)."""
 
-    __slots__ = ("_adm", "_grant", "_headers")
+    __slots__ = ("_adm", "_anthropic", "_grant", "_headers")
 
     def __init__(self, adm: Admission | None, grant: Grant | None) -> None:
         self._adm = adm
         self._grant = grant
         self._headers: dict[str, str] | None = None
+        self._anthropic: dict[str, str] | None = None
 
     @property
     def headers(self) -> dict[str, str]:
         if self._headers is None:
             self._headers = quota_headers(self._grant.quota()) if self._grant is not None else {}
         return self._headers
+
+    @property
+    def anthropic_headers(self) -> dict[str, str]:
+        if self._anthropic is None:
+            grant, adm = self._grant, self._adm
+            self._anthropic = (
+                anthropic_quota_headers(grant.quota(), adm.clock())
+                if grant is not None and adm is not None
+                else {}
+            )
+        return self._anthropic
 
     def settle(self, real_tokens: int | None) -> None:
         """Release the concurrency slot; the token reservation becomes ``real_tokens`` (None: kept)."""
@@ -317,7 +365,7 @@ class Admission:
     def _answer(self, got: Grant | Denial) -> Ticket:
         if isinstance(got, Denial):
             self.rejected[got.metric] += 1
-            raise denial_error(got)
+            raise denial_error(got, self.clock())
         self.admitted += 1
         return Ticket(self, got)
 
@@ -353,7 +401,10 @@ class Admission:
                     )
             except RateLimited as e:
                 span.set("shepherd.admission.result", "rejected")
-                return error_response(e)
+                refused = error_response(e)
+                if is_messages_path(request.path):  # (its envelope: the error middleware's)
+                    refused.headers.update(e.anthropic_headers)
+                return refused
             span.set("shepherd.admission.result", "admitted")
         if ticket is UNLIMITED:
             return await run()
@@ -364,6 +415,8 @@ class Admission:
             ticket.settle(tokens_used(jobs) if jobs is not None else None)
         if not resp.prepared:
             resp.headers.update(ticket.headers)
+            if is_messages_path(request.path):
+                resp.headers.update(ticket.anthropic_headers)
         return resp
 
     def collect(self) -> list[Any]:

@@ -9,6 +9,10 @@ answer is the chat pipeline's: ``Generation`` with the chat parser stage, writin
 events (``node.anthropic.messages.MessageEvents``) when streamed, or ``collect`` then the whole output
 through the same encoder, quiet (``node.output.chat.replay``): the Message has the stream's blocks.
 
+A tool call the output was cut off inside (``max_tokens``) is a ``tool_use`` block, its ``input`` the
+call's JSON as far as it goes (a cut leaving no whole name drops the call), as Anthropic answers with
+``stop_reason: max_tokens``: the tool parser's ``partial_calls`` (chat completions keep vLLM's text).
+
 ``count_tokens`` renders and encodes exactly as a create would and answers ``{"input_tokens": N}``.
 
 Every answer of these routes carries Anthropic's ``request-id`` header (what the SDK reads as a Message's
@@ -23,6 +27,7 @@ OpenAI HTTP workers are refused (400): their answers cannot be re-encoded here.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -32,6 +37,7 @@ from aiohttp import web
 
 from shepherd.node.anthropic.messages import MessageEvents, messages_usage
 from shepherd.node.anthropic.requests import MessagesRequest, parse_count_tokens, parse_messages
+from shepherd.node.api.admission import TICKET_KEY
 from shepherd.node.api.common import ADMISSION, GATEWAY, model_for, request_id_of
 from shepherd.node.api.generation import Generation, Job, fresh_id, strict_violation
 from shepherd.node.api.openai import render_chat
@@ -49,11 +55,15 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class _MessagesGeneration(Generation):
-    """The chat generation, its answers (whole and streamed) carrying ``request-id`` too."""
+    """The chat generation, its answers (whole and streamed) carrying ``request-id`` too, and under rate
+    limits Anthropic's ``anthropic-ratelimit-*`` beside the ``x-ratelimit-*`` (``admission``)."""
 
     def headers(self) -> dict[str, str]:
         h = super().headers()
         h[REQUEST_ID] = self.rid
+        ticket = self.request.get(TICKET_KEY)
+        if ticket is not None:
+            h.update(ticket.anthropic_headers)
         return h
 
 
@@ -82,6 +92,9 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     tok = gw.tokenizer(model)
     text, ids = await _prompt(gw, model, req)
     shaping = shape_chat(gw.parser_families(model), req.chat, text)
+    if shaping.output is not None and shaping.output.tool_parser is not None:
+        # a call cut off by max_tokens is a tool_use block (its input as far as it goes), as Anthropic's
+        shaping.output = dataclasses.replace(shaping.output, partial_calls=True)
     message_id = fresh_id("msg_")
     events = (
         MessageEvents(message_id, model, len(ids), req.stop_sequences, omit_thinking=req.omit_thinking)

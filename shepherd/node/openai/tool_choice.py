@@ -1,9 +1,11 @@
 """Tools and ``tool_choice`` of a chat request: validation, what the template sees, and the engine
 constraint that forces a call.
 
-Semantics follow SGLang (which follows OpenAI):
+Semantics follow SGLang (which follows OpenAI), but for ``none``, which follows vLLM:
 
-- ``none``: the tools are dropped from the prompt and the output is not parsed for calls;
+- ``none``: the tools stay in the prompt (the model sees them; vLLM's default, without
+  ``--exclude-tools-when-tool-choice-none``; Anthropic's ``tool_choice: {"type": "none"}`` keeps its
+  tool-use system prompt too) and the output is not parsed for calls;
 - ``auto`` (the default when tools are given): the model decides; the model's tool-call parser reads
   its output; tools marked ``strict`` get their parameters enforced by a structural tag where the
   family's call format allows one (``structural_tag``);
@@ -86,8 +88,9 @@ def parse_tool_choice(value: Any, tools: Sequence[Tool] | None) -> ToolChoice:
 
 
 def template_tools(tools: Sequence[Tool] | None, choice: ToolChoice) -> list[dict[str, Any]] | None:
-    """The tools the chat template renders: none for ``none``, only the named one for a named choice."""
-    if not tools or choice.mode == "none":
+    """The tools the chat template renders: all of them (``none`` included: vLLM's default), only the
+    named one for a named choice."""
+    if not tools:
         return None
     if choice.mode == "function":
         return [dict(t) for t in tools if _fn(t).get("name") == choice.name]

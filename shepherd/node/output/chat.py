@@ -111,6 +111,9 @@ class ChatOutput:
     tools: tuple[Mapping[str, Any], ...]
     parallel_tool_calls: bool
     include_reasoning: bool = True  # vLLM's ``include_reasoning``: false parses the reasoning out, drops it
+    # a call the output was cut off inside is a partial call (the Messages API's ``tool_use`` block under
+    # ``max_tokens``), not text: ``get_tool_parser``'s ``partial_calls``
+    partial_calls: bool = False
 
     def choice(self, enc: ChoiceEncoder | None = None, index: int = 0) -> ChoiceParsing:
         """Fresh parsers for one choice; ``enc`` and ``index`` for a streamed one."""
@@ -124,7 +127,9 @@ class ChatOutput:
             else None
         )
         tools = (
-            get_tool_parser(self.tool_parser, tools=self.tools, known_names_only=True)
+            get_tool_parser(
+                self.tool_parser, tools=self.tools, known_names_only=True, partial_calls=self.partial_calls
+            )
             if self.tool_parser
             else None
         )
@@ -453,7 +458,8 @@ class ChoiceParsing:
                     self._held.clear()
                 self._run_text = True
             elif isinstance(ev, ToolCallStart):
-                self.has_calls = True
+                if not ev.partial:  # (a call cut off by the end is no call made: no ``tool_calls`` finish)
+                    self.has_calls = True
                 self._held.clear()  # white space before a call: no content
                 self._run_text = False
             out.append(ev)
@@ -513,19 +519,24 @@ class ChoiceParsing:
         encode_events(self._enc, self._index, events, None, out)
 
     def whole(self, text: str) -> ParsedChoice:
-        """The complete output at once (a non-streamed answer)."""
+        """The complete output at once (a non-streamed answer). A partial call (``partial_calls``: the
+        output was cut off inside it) is not among the calls: the encoders' answers have it (``replay``)."""
         r1, e1 = self.feed(text)
         r2, e2 = self.finish()
         content: list[str] = []
         heads: dict[int, tuple[str, str]] = {}
         args: dict[int, list[str]] = {}
+        cut: set[int] = set()
         for ev in (*e1, *e2):
             if isinstance(ev, TextDelta):
                 content.append(ev.text)
             elif isinstance(ev, ToolCallStart):
+                if ev.partial:
+                    cut.add(ev.index)
+                    continue
                 heads[ev.index] = (ev.id, ev.name)
                 args.setdefault(ev.index, [])
-            else:
+            elif ev.index not in cut:
                 args.setdefault(ev.index, []).append(ev.json)
         calls = tuple((*heads[i], "".join(args[i])) for i in sorted(heads))
         return ParsedChoice(r1 + r2, "".join(content), calls)
