@@ -3,8 +3,12 @@
 ``TokenizerPool``: N forked workers, each holding the parent's loaded tokenizers and templates
 (copy-on-write), each talking over a pair of pipes with many calls in flight (request ids). Ids come
 back as raw ``array('I')`` bytes. The parent side is non-blocking (``loop.add_reader``, buffered writes
-with ``add_writer``). A worker that dies (or is killed for overrunning ``call_timeout``) fails its
-in-flight calls with ``TokenizerWorkerError`` and is forked again; ``close()`` stops and reaps them all.
+with ``add_writer``; a worker with ``WBUF_MAX`` bytes of requests unread takes no more). A worker that
+dies (or is killed for overrunning ``call_timeout``) fails its in-flight calls with ``TokenizerWorkerError``
+and is forked again; a call it failed that way is asked once more of the pool (the work is a pure function),
+unless it is the one that ran over. A call whose caller gave up stays in its worker's in-flight table
+until the worker answers it (the watchdog's clock, the picking's load: a wedged worker is seen and
+avoided, not fed). ``close()`` stops and reaps them all.
 Not ``ProcessPoolExecutor``: its round trip costs 230-600 µs here against 17-23 µs for a pipe
 (DESIGN §11). The worker side and the pipe format are in pool_worker.py.
 """
@@ -48,7 +52,17 @@ __all__ = [
 
 
 class TokenizerWorkerError(RuntimeError):
-    """A pool worker died (or was killed) with this call in flight, or failed it unexpectedly."""
+    """A pool worker died (or was killed) with this call in flight, or failed it unexpectedly.
+    ``retryable``: the worker died with the call in flight, not because of it (asked again once)."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+# a worker with this many bytes of requests it has not read yet takes no more (stopped, stuck in a call, or
+# far behind): new calls go to another, or inline; the watchdog settles whether it is wedged
+WBUF_MAX = 32 << 20
 
 
 class TokenizerPoolUnavailable(RuntimeError):
@@ -126,6 +140,7 @@ class TokenizerPool:
         self._watchdog: asyncio.TimerHandle | None = None
         self.calls = 0
         self.failures = 0
+        self.retries = 0
         self.restarts = 0
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -190,8 +205,9 @@ class TokenizerPool:
         self._workers[slot] = w
         self._loop.add_reader(resp_r, self._on_readable, w)
 
-    def _retire(self, w: _Worker, reason: str, *, kill: bool) -> None:
-        """Take ``w`` out of service: close its pipes, (kill and reap it,) fail its calls."""
+    def _retire(self, w: _Worker, reason: str, *, kill: bool, culprit: int | None = None) -> None:
+        """Take ``w`` out of service: close its pipes, (kill and reap it,) fail its calls (all but
+        ``culprit``, the call that ran over, may be asked again)."""
         if not w.alive:
             return
         w.alive = False
@@ -212,15 +228,13 @@ class TokenizerPool:
         calls, w.inflight = w.inflight, {}
         if calls:
             self.failures += len(calls)
-            err = TokenizerWorkerError(
-                f"tokenizer worker pid {w.pid} {reason}; {len(calls)} call(s) in flight failed"
-            )
-            for call in calls.values():
+            message = f"tokenizer worker pid {w.pid} {reason}; {len(calls)} call(s) in flight failed"
+            for req_id, call in calls.items():
                 if not call.future.done():
-                    call.future.set_exception(err)
+                    call.future.set_exception(TokenizerWorkerError(message, retryable=req_id != culprit))
 
-    def _on_death(self, w: _Worker, reason: str) -> None:
-        self._retire(w, reason, kill=True)
+    def _on_death(self, w: _Worker, reason: str, culprit: int | None = None) -> None:
+        self._retire(w, reason, kill=True, culprit=culprit)
         if self._closed:
             return
         self.restarts += 1
@@ -245,9 +259,9 @@ class TokenizerPool:
         now = time.monotonic()
         for w in self._workers:
             if w is not None and w.alive and w.inflight:
-                oldest = min(c.started for c in w.inflight.values())
+                req_id, oldest = min(((r, c.started) for r, c in w.inflight.items()), key=lambda rc: rc[1])
                 if now - oldest > self.call_timeout:
-                    self._on_death(w, f"was killed: a call ran over {self.call_timeout:g} s")
+                    self._on_death(w, f"was killed: a call ran over {self.call_timeout:g} s", req_id)
         self._arm_watchdog()
 
     # ---- I/O ----------------------------------------------------------------------------------------
@@ -295,7 +309,12 @@ class TokenizerPool:
     def _pick(self) -> _Worker:
         best: _Worker | None = None
         for w in self._workers:
-            if w is not None and w.alive and (best is None or len(w.inflight) < len(best.inflight)):
+            if (
+                w is not None
+                and w.alive
+                and len(w.wbuf) <= WBUF_MAX
+                and (best is None or len(w.inflight) < len(best.inflight))
+            ):
                 best = w
         if best is None:
             raise TokenizerPoolUnavailable(
@@ -304,6 +323,15 @@ class TokenizerPool:
         return best
 
     async def _call(self, op: int, flag: int, model: int, payload: bytes) -> bytes:
+        try:
+            return await self._call_once(op, flag, model, payload)
+        except TokenizerWorkerError as e:
+            if not e.retryable:
+                raise
+            self.retries += 1  # its worker died with it in flight: once more, on the pool as it is now
+            return await self._call_once(op, flag, model, payload)
+
+    async def _call_once(self, op: int, flag: int, model: int, payload: bytes) -> bytes:
         if self._loop is None:
             raise TokenizerPoolUnavailable("the tokenizer pool is not started")
         w = self._pick()
@@ -326,10 +354,8 @@ class TokenizerPool:
             if n < len(frame) and w.alive:
                 w.wbuf += frame[n:]
                 self._loop.add_writer(w.to_fd, self._on_writable, w)
-        try:
-            status, out = await fut
-        finally:
-            w.inflight.pop(req_id, None)
+        # (the answer pops the call; a caller that gives up leaves it: see the module's docstring)
+        status, out = await fut
         if status == _OK:
             return out
         message = out.decode("utf-8", "replace")

@@ -377,5 +377,6 @@ class TokenizerService:
         out["pool_calls"] = pool.calls if pool else 0
         out["pool_failures"] = pool.failures if pool else 0
         out["pool_restarts"] = pool.restarts if pool else 0
+        out["pool_retries"] = pool.retries if pool else 0
         out["pool_workers_alive"] = pool.alive() if pool else 0
         return out

@@ -60,3 +60,20 @@ async def test_engine_errors_reach_clients_without_addresses(
 def test_plain_text_is_left_alone() -> None:
     msg = "engine rejected the request: max_tokens 9000 exceeds 8192 at 12:30"
     assert public_engine_message(msg) == msg
+
+
+def test_a_history_store_failure_names_the_store_not_where_it_is() -> None:
+    """A store's driver says where it is (a path, an address): the client gets which store and when to
+    retry, the rest stays in the log."""
+    from shepherd.node.api.common import history_unavailable
+    from shepherd.storage.types import StorageUnavailable
+
+    err = history_unavailable(
+        StorageUnavailable("SQLite /var/lib/shepherd/history.db: database or disk is full"), "history"
+    )
+    assert err.status == 503 and err.headers.get("Retry-After") == "1"
+    assert "/var/lib" not in err.message and "history" in err.message
+    err = history_unavailable(
+        StorageUnavailable("Redis unavailable: Error 111 connecting to 10.0.0.9:6379"), "x"
+    )
+    assert "10.0.0.9" not in err.message

@@ -107,6 +107,8 @@ async def test_many_calls_in_flight_including_big_ones() -> None:
 
 
 async def test_a_killed_worker_fails_its_calls_and_the_pool_recovers() -> None:
+    """The only worker killed with calls in flight: each is asked again once, finds no worker yet (the
+    respawn is the next loop turn's) and says so (the service then encodes inline)."""
     tok = qwen3()
     async with running(TokenizerPool([tok], workers=1)) as pool:
         (pid,) = pool.pids()
@@ -115,8 +117,9 @@ async def test_a_killed_worker_fails_its_calls_and_the_pool_recovers() -> None:
         await asyncio.sleep(0.05)
         os.kill(pid, signal.SIGKILL)
         outcomes = await guarded(asyncio.gather(*calls, return_exceptions=True))
-        assert all(isinstance(o, TokenizerWorkerError) for o in outcomes), outcomes
-        assert f"pid {pid}" in str(outcomes[0]) and "signal 9" in str(outcomes[0])
+        want = tok.encode_uncached(big, False)
+        assert all(isinstance(o, TokenizerPoolUnavailable) or o == want for o in outcomes), outcomes
+        assert pool.retries == 3 and pool.failures == 3
         assert gone(pid)
         for _ in range(200):  # respawned at once; bounded wait
             if pool.pids():
@@ -133,6 +136,64 @@ async def test_a_worker_that_exits_mid_call() -> None:
         assert await guarded(pool.encode("qwen3", "still fine", False)) == qwen3().encode_uncached(
             "still fine", False
         )
+
+
+async def test_a_killed_workers_calls_are_asked_again_of_another() -> None:
+    """Tokenizing is a pure function: a call whose worker died under it (not because of it) is asked again
+    once, of the pool as it is then: the client never sees the kill."""
+    tok = qwen3()
+    big = SAMPLE * 20
+    async with running(TokenizerPool([tok], workers=2)) as pool:
+        victim = pool.pids()[0]
+        calls = [asyncio.ensure_future(pool.encode("qwen3", big, False)) for _ in range(4)]
+        await asyncio.sleep(0.05)
+        os.kill(victim, signal.SIGKILL)
+        outcomes = await guarded(asyncio.gather(*calls, return_exceptions=True))
+        assert outcomes == [tok.encode_uncached(big, False)] * 4, [type(o) for o in outcomes]
+        assert pool.retries >= 1 and pool.failures >= 1 and gone(victim)
+
+
+async def test_a_wedged_worker_is_seen_though_its_callers_gave_up() -> None:
+    """A stopped worker whose callers all give up before the call timeout (clients with short deadlines):
+    its calls stay on its books, so new calls go to the other worker and the watchdog kills it."""
+    tok = qwen3()
+    async with running(TokenizerPool([tok], workers=2, call_timeout=1.0)) as pool:
+        stuck = pool.pids()[0]
+        os.kill(stuck, signal.SIGSTOP)
+        for _ in range(6):  # each gives up after 0.1 s: on the stuck worker or the other
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pool.encode("qwen3", SAMPLE[:2000], False), 0.1)
+        # the stuck one holds more calls than the other: a new call is the other's, answered
+        assert await guarded(pool.encode("qwen3", "next", False)) == tok.encode_uncached("next", False)
+        for _ in range(100):  # bounded: the watchdog looks every call_timeout / 4
+            if gone(stuck):
+                break
+            await asyncio.sleep(0.05)
+        assert gone(stuck) and pool.restarts >= 1
+
+
+async def test_a_worker_reading_nothing_is_not_buffered_for_without_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Requests a stopped worker does not read are bounded (WBUF_MAX): past it the worker takes no more
+    calls, the others (or the service's inline path) do."""
+    import shepherd.tokens.pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "WBUF_MAX", 256 << 10)
+    tok = qwen3()
+    big = SAMPLE * 4  # ~140 KB a call
+    async with running(TokenizerPool([tok], workers=2)) as pool:
+        stuck = pool.pids()[0]
+        os.kill(stuck, signal.SIGSTOP)
+        held = next(w for w in pool._workers if w is not None and w.pid == stuck)
+        waiting = [asyncio.ensure_future(pool.encode("qwen3", big, False)) for _ in range(12)]
+        await asyncio.sleep(0.2)
+        assert len(held.wbuf) <= (256 << 10) + len(big.encode()) + 64  # at most one call past the bound
+        for _ in range(3):  # later calls: the other worker's
+            assert await guarded(pool.encode("qwen3", "x", False)) == tok.encode_uncached("x", False)
+        for t in waiting:
+            t.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
 
 
 async def test_a_stuck_worker_is_killed_after_the_call_timeout() -> None:

@@ -115,10 +115,12 @@ def history_unavailable(
     e: StorageUnavailable, store: str, rounding: Callable[[float], int] = math.ceil
 ) -> ApiError:
     """The store's unavailability as a 503 with Retry-After (``e.retry_after`` seconds, by ``rounding``,
-    at least 1)."""
+    at least 1). What failed (an address, a path, the driver's words) stays in the log: the client is told
+    which store, not where it is."""
+    log.warning("%s store unavailable: %s", store, e)
     return ApiError(
         503,
-        f"The {store} store is unavailable: {e}",
+        f"The {store} store is unavailable; retry later.",
         type="service_unavailable",
         code="storage_unavailable",
         headers={"Retry-After": str(max(1, rounding(e.retry_after)))},
@@ -324,7 +326,7 @@ async def error_middleware(
         gw.metrics.errors.labels(path, "tokenizer").inc()
         log.warning("tokenizer pool failure on %s: %s", request.path, e)
         msg = "The tokenizer pool failed this request; retry."
-        err = ApiError(503, msg, type="service_unavailable", code="tokenizer")
+        err = ApiError(503, msg, type="service_unavailable", code="tokenizer", headers={"Retry-After": "1"})
         return _stamp(request, _error_answer(request, err), t0)
     except TimeoutError:
         status = 504
@@ -603,4 +605,5 @@ async def relay(
         f"No healthy worker is available for model '{model}'.",
         type="service_unavailable",
         code="no_available_worker",
+        headers={"Retry-After": "1"},
     )
