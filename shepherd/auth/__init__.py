@@ -4,7 +4,7 @@ Callers use: ``config`` (``AuthConfig`` and its flags), ``load.load_auth_config`
 (``install``, ``AUTH``, the aiohttp middleware), ``control`` (the control plane's listener split and
 browser guard), ``keys`` (``KeyStore``, key records), ``principal``
 (``Principal``, ``principal_of``), ``tls`` (server and engine TLS), ``certs`` (node certificates and
-the development PKI).
+the development PKI), ``files`` (private directories, secret files written atomically).
 """
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "client_cert",
     "config",
     "control",
+    "files",
     "jwks",
     "jwt_verify",
     "keys",

@@ -28,6 +28,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from shepherd.auth.files import write_atomic
+
 __all__ = [
     "IDENTITY_URI_PREFIX",
     "CertError",
@@ -239,26 +241,6 @@ def pem_fingerprint(cert_pem: bytes) -> str:
     return hashlib.sha256(der).hexdigest()
 
 
-def _write(path: Path, data: bytes, *, private: bool) -> None:
-    """``data`` into ``path`` atomically (a temporary file renamed over it), mode 0600 when ``private``.
-    The temporary file is always a new one: a stale or planted ``<name>.tmp`` (a world-readable file, a
-    symlink to somewhere else) is removed first, and the open refuses to follow a link or to reuse a
-    file made in between (``O_EXCL | O_NOFOLLOW``), so a key never lands in a file with another mode
-    or at another path."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(tmp, flags, 0o600 if private else 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_dev_pki(
     out_dir: str | os.PathLike[str],
     names: Iterable[str],
@@ -270,7 +252,7 @@ def write_dev_pki(
 
     The CA is read from ``ca_dir`` (``ca.pem`` + ``ca-key.pem``) if it exists there, else created there
     (``ca_dir`` defaults to ``out_dir``). Node files: ``<out>/<name>.pem`` and ``<out>/<name>-key.pem``
-    (mode 0600). Returns the paths per node name.
+    (mode 0600); directories made here are 0700 (``files.write_atomic``). Returns the paths per node name.
     """
     out = Path(out_dir)
     ca_path = Path(ca_dir) if ca_dir is not None else out
@@ -280,14 +262,14 @@ def write_dev_pki(
         load_ca(ca)
     else:
         ca = generate_ca()
-        _write(ca_cert_file, ca.cert_pem, private=False)
-        _write(ca_key_file, ca.key_pem, private=True)
+        write_atomic(ca_cert_file, ca.cert_pem, private=False)
+        write_atomic(ca_key_file, ca.key_pem, private=True)
     result: dict[str, TlsFiles] = {}
     for name in names:
         pair = generate_node_cert(ca, name, ips=ips)
         files = TlsFiles(cert=out / f"{name}.pem", key=out / f"{name}-key.pem", ca=ca_cert_file)
-        _write(files.cert, pair.cert_pem, private=False)
-        _write(files.key, pair.key_pem, private=True)
+        write_atomic(files.cert, pair.cert_pem, private=False)
+        write_atomic(files.key, pair.key_pem, private=True)
         result[name] = files
     return result
 

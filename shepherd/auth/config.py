@@ -11,6 +11,8 @@ YAML (a mapping under ``auth``)::
       keys:                                 # more bootstrap keys, any role
         - {name: batch, role: user, tenant: team-a, sha256: <hex>, models: [qwen3]}
       trust_tenant_header: false           # x-smg-tenant sets the tenant (see ``Authenticator``)
+      failure_limit: 20                     # failed credentials per client address per window, then 429
+      failure_window_secs: 10               # (0 failures: no limit; ``middleware.FailureLimiter``)
       client_cert:                          # mTLS identities (TLS on the client port + tls_client_ca_file)
         verify: required                    # required | optional: a client may connect without one
         rules:                              # first match wins; every field given must match
@@ -163,6 +165,10 @@ class AuthConfig:
     default_tenant: str = "default"
     max_credential_bytes: int = 8192
     key_prefix: str = "sk-smg-"
+    # failed credentials a client address may present per window before its requests are answered 429
+    # without looking at the credential (0: no limit; ``middleware.FailureLimiter``)
+    failure_limit: int = 20
+    failure_window_secs: float = 10.0
     jwt: JwtConfig = field(default_factory=JwtConfig)
     client_cert: ClientCertConfig = field(default_factory=ClientCertConfig)
 
@@ -400,6 +406,11 @@ def auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
         raise AuthConfigError("JWT auth needs auth.jwt.issuer, jwks_url, public_key_files or hmac_secret_env")
     if cfg.max_credential_bytes < 64:
         raise AuthConfigError("auth.max_credential_bytes must be >= 64")
+    fl, fw = cfg.failure_limit, cfg.failure_window_secs
+    if isinstance(fl, bool) or not isinstance(fl, int) or not 0 <= fl <= 1_000_000:
+        raise AuthConfigError("auth.failure_limit must be an integer in 0..1000000 (0: no limit)")
+    if isinstance(fw, bool) or not isinstance(fw, int | float) or not 0 < fw <= 86_400:
+        raise AuthConfigError("auth.failure_window_secs must be a number of seconds in (0, 86400]")
     if cfg.uses_jwt and cfg.jwt.jwks_url and not cfg.jwt.issuer:
         log.warning(
             "auth.jwt: jwks_url without issuer: tokens of any issuer those keys sign are accepted "
@@ -444,6 +455,15 @@ _AUTH_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         {"action": "store_true", "default": None, "help": "x-smg-tenant sets the tenant"},
     ),
     ("default-tenant", {"help": "tenant of callers bound to none (default: default)"}),
+    (
+        "failure-limit",
+        {
+            "type": int,
+            "help": "failed credentials a client address may present per window before it is answered "
+            "429 (default 20; 0: no limit)",
+        },
+    ),
+    ("failure-window-secs", {"type": float, "help": "the window of --auth-failure-limit, s (default 10)"}),
 )
 _JWT_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("issuer", {"help": "expected iss; OIDC discovery at {issuer}/.well-known/openid-configuration"}),

@@ -15,7 +15,13 @@ route refuses with a 403 (in the OpenAI envelope):
   of localhost is the same site), ``cross_site_refused``;
 - when the control listener is on loopback: a ``Host`` that is not a loopback literal, ``localhost``
   (or a name under ``.localhost``), the listener's own address or the host of an allowed origin,
-  ``host_not_allowed`` (DNS rebinding: ``evil.example`` resolving to 127.0.0.1).
+  ``host_not_allowed`` (DNS rebinding: ``evil.example`` resolving to 127.0.0.1);
+- when it is not, and the control plane is unauthenticated there (``--insecure-admin``) or
+  ``admin_allowed_hosts`` is set: a ``Host`` name that is not one of ``admin_allowed_hosts`` (default:
+  the listener's own address and this machine's host name), a loopback name or the host of an allowed
+  origin, ``host_not_allowed``. A ``Host`` that is an IP address passes: DNS rebinding needs the
+  attacker's name in ``Host``, and a browser sends an address only to that address's own origin.
+  ``admin_allowed_hosts: ["*"]`` turns the check off.
 
 Non-browser clients (curl, SDKs, Prometheus) send no ``Origin`` or ``Sec-Fetch-*`` header and pass.
 JSON bodies must also say ``Content-Type: application/json`` (``shepherd.node.http.body``), which no
@@ -25,6 +31,7 @@ simple cross-origin request can.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -34,6 +41,8 @@ from aiohttp.typedefs import Middleware
 from shepherd.auth.middleware import AuthFailure, request_planes
 
 LOCAL_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost", "ip6-loopback"})
+ANY_HOST = "*"  # an ``admin_allowed_hosts`` entry: every Host passes
+WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
 
 def is_loopback(host: str | None) -> bool:
@@ -68,24 +77,69 @@ def host_of(value: str) -> str:
     return v
 
 
+def is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        return False
+    return True
+
+
+def machine_names() -> set[str]:
+    """This machine's host name (and its first label), lower case."""
+    name = socket.gethostname().strip().lower().rstrip(".")
+    return {name, name.split(".", 1)[0]} - {""}
+
+
 @dataclass(frozen=True, slots=True)
 class ControlGuard:
     allowed_origins: frozenset[str]
-    allowed_hosts: frozenset[str] | None  # None: Host is not checked (a listener not on loopback)
+    allowed_hosts: frozenset[str] | None  # None: Host is not checked (``admin_allowed_hosts: ["*"]``)
+    # a listener not on loopback: any IP address passes, names only those above or under a suffix here
+    addresses_pass: bool = False
+    suffixes: tuple[str, ...] = ()
 
     @classmethod
-    def build(cls, listener_host: str, allowed_origins: Iterable[str]) -> ControlGuard:
+    def build(
+        cls,
+        listener_host: str,
+        allowed_origins: Iterable[str],
+        allowed_hosts: Iterable[str] = (),
+        *,
+        unauthenticated: bool = False,
+    ) -> ControlGuard:
+        """The guard of a control listener on ``listener_host``. ``allowed_hosts`` (``admin_allowed_hosts``:
+        names, ``.suffix`` names, addresses, or ``*``: no check) adds to a loopback listener's hosts. On a
+        listener not on loopback the ``Host`` is checked against them when given, else, when the control
+        plane is ``unauthenticated`` (``--insecure-admin``), against the listener's address and this
+        machine's names; an authenticated one without ``allowed_hosts`` is not checked (a browser sends
+        no bearer credential by itself, rebound or not)."""
         origins = frozenset(normalize_origin(o) for o in allowed_origins if o.strip())
-        hosts: frozenset[str] | None = None
+        entries = [e.strip().lower().rstrip(".") for e in allowed_hosts if e.strip()]
+        if ANY_HOST in entries:
+            return cls(origins, None)
+        names = {host_of(e) for e in entries if not e.startswith(".")}
+        suffixes = tuple(e for e in entries if e.startswith("."))
+        origin_hosts = {host_of(o) for o in origins}
         if is_loopback(listener_host):
-            hosts = frozenset({host_of(listener_host), *(host_of(o) for o in origins)})
-        return cls(origins, hosts)
+            return cls(origins, frozenset({host_of(listener_host), *origin_hosts, *names}), False, suffixes)
+        if not entries:
+            if not unauthenticated:
+                return cls(origins, None)
+            own = host_of(listener_host)
+            names = machine_names() | ({own} if own not in WILDCARDS else set())
+        return cls(origins, frozenset(names | origin_hosts), True, suffixes)
 
     def _host_ok(self, host: str | None) -> bool:
         if self.allowed_hosts is None or host is None:  # no Host: HTTP/1.0, never a browser
             return True
-        h = host_of(host)
-        return h in self.allowed_hosts or is_loopback(h)
+        h = host_of(host).rstrip(".")
+        return (
+            h in self.allowed_hosts
+            or is_loopback(h)
+            or (self.addresses_pass and is_address(h))
+            or any(h.endswith(s) for s in self.suffixes)
+        )
 
     def refusal(self, headers: Mapping[str, str]) -> AuthFailure | None:
         """Why a request to a control route looks like a browser's that may not drive the node; None: ok."""
@@ -105,7 +159,8 @@ class ControlGuard:
         if not self._host_ok(headers.get("Host")):
             return AuthFailure(
                 403,
-                "The Host header does not name this node's control listener (DNS rebinding?).",
+                "The Host header does not name this node's control listener (DNS rebinding?); the "
+                "operator may allow it with admin_allowed_hosts.",
                 "host_not_allowed",
             )
         return None

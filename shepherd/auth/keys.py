@@ -297,6 +297,22 @@ def bootstrap_records(cfg: AuthConfig, environ: Mapping[str, str] | None = None)
     return out
 
 
+MIN_KEY_CHARS = 32  # a bootstrap key shorter than this is warned about at start
+
+
+def short_env_keys(cfg: AuthConfig, environ: Mapping[str, str] | None = None) -> list[tuple[str, str, int]]:
+    """The configuration's keys read from environment variables that are shorter than ``MIN_KEY_CHARS``:
+    (key name, variable, length); never the value."""
+    env = os.environ if environ is None else environ
+    out = []
+    for k in cfg.keys:
+        if k.env is not None:
+            n = len(env.get(k.env) or "")
+            if 0 < n < MIN_KEY_CHARS:
+                out.append((k.name, k.env, n))
+    return out
+
+
 def principal_for(record: ApiKeyRecord, default_tenant: str) -> Principal:
     return Principal(
         subject=record.id,

@@ -28,13 +28,24 @@ tenant cannot leave it.
 Refusals are answered here (never raised to a 500): 401 with ``WWW-Authenticate: Bearer`` or 403, in
 the OpenAI error envelope (Anthropic's on the Messages API routes, ``/v1/messages*``). Messages never
 hold the credential.
+
+Guessing: a client address whose presented credentials failed ``auth.failure_limit`` times within
+``auth.failure_window_secs`` (a token bucket per address, IPv6 per /64: ``FailureLimiter``) is answered
+429 with ``Retry-After`` (code ``auth_rate_limited``) on the planes that authenticate, before any
+credential is looked at, until the bucket refills. Only distinct failed credentials count (not a request
+without one, nor the same bad key again); a request that authenticates is never delayed. Behind a proxy
+every client shares its address.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import ipaddress
 import logging
+import math
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -49,12 +60,14 @@ from shepherd.auth.config import AuthConfig, AuthMode
 from shepherd.auth.jwks import HttpFetch, JwksSource, static_keys
 from shepherd.auth.jwt_verify import JwtError, JwtVerifier, looks_like_jwt
 from shepherd.auth.keys import (
+    MIN_KEY_CHARS,
     ApiKeyRecord,
     KeyStore,
     MemoryKeyStore,
     bootstrap_records,
     hash_key,
     principal_for,
+    short_env_keys,
 )
 from shepherd.auth.principal import ANONYMOUS, PRINCIPAL_KEY, Principal
 from shepherd.proto.anthropic_errors import anthropic_error_response, is_messages_path
@@ -79,22 +92,28 @@ CONTROL_PREFIXES = (
 TENANT_HEADER = "x-smg-tenant"
 TARGET_WORKER_HEADER = "x-smg-target-worker"
 MAX_TENANT_CHARS = 128
-_TYPES = {401: "authentication_error", 403: "permission_error"}
+_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+FAILURE_CLIENTS_MAX = 10_000  # client addresses whose failures are remembered (the oldest forgotten)
 
 
 class AuthFailure(Exception):
     """A refused request: 401 (no or bad credential) or 403 (a credential without the right)."""
 
-    def __init__(self, status: int, message: str, code: str, *, presented: bool = True) -> None:
+    def __init__(
+        self, status: int, message: str, code: str, *, presented: bool = True, retry_after: int | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.presented = presented  # a credential was sent (RFC 6750: error="invalid_token")
+        self.retry_after = retry_after  # seconds (429)
 
     def response(self, anthropic: bool = False) -> web.Response:
         """The refusal in the OpenAI envelope (``anthropic``: Anthropic's, for the Messages routes)."""
         headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
         if self.status == 401:
             headers["WWW-Authenticate"] = (
                 'Bearer realm="shepherd", error="invalid_token"'
@@ -163,6 +182,87 @@ def credential(headers: Mapping[str, str], max_bytes: int) -> str:
     return cred
 
 
+def client_key(remote: str | None) -> str:
+    """The address a client's failures are counted under: its IP address, an IPv6 one by its /64 (one
+    host holds a whole /64); IPv4-mapped IPv6 as IPv4."""
+    if not remote:
+        return ""
+    try:
+        ip = ipaddress.ip_address(remote.partition("%")[0])
+    except ValueError:
+        return remote[:64]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
+class FailureLimiter:
+    """Failed authentications per client address: a token bucket of ``limit`` tokens refilled at
+    ``limit / window`` a second, one token per failed credential; an address with less than one token
+    left is refused (``blocked``) until it refills. A credential that failed from that address lately
+    (one of its last ``RECENT`` distinct ones) costs nothing again: guessing needs new credentials, and a
+    client retrying a stale key (behind a proxy, everyone's address) does not lock the others out. At
+    most ``max_clients`` addresses are remembered, the one that failed least recently forgotten first;
+    a full bucket is forgotten when next looked at."""
+
+    RECENT = 8
+
+    def __init__(
+        self,
+        limit: int,
+        window: float,
+        *,
+        max_clients: int = FAILURE_CLIENTS_MAX,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limit = float(limit)
+        self.rate = limit / window  # tokens a second
+        self.max_clients = max_clients
+        self._clock = clock
+        # key -> (tokens, at, the digests of its last distinct failed credentials)
+        self._buckets: OrderedDict[str, tuple[float, float, tuple[bytes, ...]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+    def _tokens(self, key: str, now: float) -> float:
+        hit = self._buckets.get(key)
+        if hit is None:
+            return self.limit
+        return min(self.limit, hit[0] + (now - hit[1]) * self.rate)
+
+    def blocked(self, remote: str | None) -> int | None:
+        """Seconds (at least 1) until ``remote`` may try again; None: it may now."""
+        key = client_key(remote)
+        if key not in self._buckets:
+            return None
+        tokens = self._tokens(key, self._clock())
+        if tokens >= self.limit:
+            del self._buckets[key]
+            return None
+        if tokens >= 1.0:
+            return None
+        return max(1, math.ceil((1.0 - tokens) / self.rate))
+
+    def failed(self, remote: str | None, credential: str = "") -> None:
+        """``remote`` presented ``credential`` (the header's value) and it failed."""
+        key = client_key(remote)
+        now = self._clock()
+        digest = hashlib.blake2b(credential.encode("utf-8", "surrogateescape"), digest_size=8).digest()
+        hit = self._buckets.get(key)
+        recent = hit[2] if hit is not None else ()
+        tokens = self._tokens(key, now)
+        if digest not in recent:
+            tokens = max(0.0, tokens - 1.0)
+            recent = (*recent[-(self.RECENT - 1) :], digest)
+        self._buckets[key] = (tokens, now, recent)
+        self._buckets.move_to_end(key)
+        while len(self._buckets) > self.max_clients:
+            self._buckets.popitem(last=False)
+
+
 @dataclass(frozen=True, slots=True)
 class Authenticated:
     principal: Principal
@@ -186,6 +286,10 @@ class Authenticator:
         self._principals: dict[str, tuple[ApiKeyRecord, Principal]] = {}  # digest → (record, principal)
         # verified client certificates → principals (None: certificates authenticate no one)
         self.certs = CertMapper(cfg.client_cert, cfg.default_tenant) if cfg.client_cert.enabled else None
+        # failed credentials per client address (None: not limited)
+        self.failures = (
+            FailureLimiter(cfg.failure_limit, cfg.failure_window_secs) if cfg.failure_limit > 0 else None
+        )
 
     def mode(self, plane: Plane) -> AuthMode:
         if plane == "public":
@@ -296,12 +400,24 @@ def make_middleware(authn: Authenticator, failures: AuthFailures | None = None) 
     plane_for = request_planes(authn.cfg.metrics)
     count = failures or AuthFailures(None)
     certs = authn.certs
+    limiter = authn.failures
 
     @web.middleware
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         route, plane = plane_for(request)
         if plane == "public":
             return await handler(request)
+        if limiter is not None and authn.mode(plane) != "off":
+            wait = limiter.blocked(request.remote)
+            if wait is not None:  # too many failures from there: the credential is not looked at
+                count.inc(plane, "auth_rate_limited")
+                refused = AuthFailure(
+                    429,
+                    "Too many failed authentication attempts from this address; retry later.",
+                    "auth_rate_limited",
+                    retry_after=wait,
+                )
+                return refused.response(anthropic=is_messages_path(request.path))
         try:
             peer = certs.from_transport(request.transport) if certs is not None else None
             who = authn.authenticate_now(plane, request.headers, peer) or await authn.authenticate(
@@ -316,6 +432,9 @@ def make_middleware(authn: Authenticator, failures: AuthFailures | None = None) 
         except AuthFailure as e:
             count.inc(plane, e.code)
             log.debug("refused %s %s: %s", request.method, route or "unmatched", e.code)
+            if limiter is not None and e.status == 401 and e.presented:
+                h = request.headers
+                limiter.failed(request.remote, h.get("Authorization") or h.get("x-api-key") or "")
             return e.response(anthropic=is_messages_path(request.path))
         if who.principal is not ANONYMOUS:
             request[PRINCIPAL_KEY] = who.principal
@@ -392,6 +511,15 @@ AUTH: web.AppKey[AuthState] = web.AppKey("shepherd.auth")
 def build_state(cfg: AuthConfig, store: KeyStore | None = None) -> AuthState:
     """The store (seeded with the bootstrap keys), the JWT verifier and the authenticator."""
     boot = bootstrap_records(cfg)
+    for name, env, n in short_env_keys(cfg):
+        log.warning(
+            "auth key %r from environment variable %s is %d characters: a short key can be guessed; use "
+            "at least %d random characters",
+            name,
+            env,
+            n,
+            MIN_KEY_CHARS,
+        )
     if store is None:
         store = MemoryKeyStore(boot)
     else:

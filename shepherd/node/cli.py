@@ -7,9 +7,13 @@ import asyncio
 import dataclasses
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from shepherd.auth import config as auth_flags
+
+if TYPE_CHECKING:
+    from shepherd.node.config import NodeConfig
 
 
 def _mesh_arguments(s: argparse.ArgumentParser) -> None:
@@ -106,10 +110,19 @@ def _security_arguments(s: argparse.ArgumentParser) -> None:
         "--admin-allowed-origins", nargs="+", metavar="ORIGIN", help="browser Origins allowed on /admin"
     )
     g.add_argument(
+        "--admin-allowed-hosts",
+        nargs="+",
+        metavar="HOST",
+        help="Host names the control plane answers on a non-loopback listener (DNS rebinding guard; "
+        "default with --insecure-admin: the listener's address and this machine's name; .suffix "
+        "matches names under it; '*': any)",
+    )
+    g.add_argument(
         "--worker-allow",
         nargs="+",
         metavar="HOST_OR_CIDR",
-        help="hosts and CIDRs workers may be on (default: any)",
+        help="hosts and CIDRs workers may be on (default: any but link-local / cloud metadata addresses, "
+        "which only an entry naming them allows)",
     )
     g.add_argument("--max-client-connections", type=int, help="client connections at once (default 10000)")
 
@@ -450,15 +463,58 @@ def main(argv: list[str] | None = None) -> None:
 
     logs.configure(cfg.log_level, cfg.log_format, cfg.access_log, logs.config_secrets(cfg))
     from shepherd.node.app import serve  # not at the top: see config_from_args
+    from shepherd.storage.types import StorageError  # not at the top: see config_from_args
 
     try:
-        import uvloop  # optional at run time: without it, asyncio's own loop
+        try:
+            import uvloop  # optional at run time: without it, asyncio's own loop
 
-        uvloop.run(serve(cfg))
-    except ImportError:  # pragma: no cover - uvloop is a dependency; keep the node usable without it
-        asyncio.run(serve(cfg))
+            uvloop.run(serve(cfg))
+        except ImportError:  # pragma: no cover - uvloop is a dependency; keep the node usable without it
+            asyncio.run(serve(cfg))
     except KeyboardInterrupt:
         pass
+    except ConfigError as e:  # found at start-up (engines asked, stores opened): as the flags' errors
+        print(f"smg-node: configuration error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except StorageError as e:  # the history backend could not be opened (unreachable, its schema)
+        print(f"smg-node: configuration error: {history_unavailable(cfg, e)}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def redact_url(url: str | None) -> str:
+    """``url`` with its password (if any) replaced by ``***``: what an error message may show."""
+    if not url:
+        return "(no URL)"
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return "(an unreadable URL)"
+    if not password:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def history_unavailable(cfg: NodeConfig, e: BaseException) -> str:
+    """The history backend and its URL (password redacted) and why it failed: one line when it is
+    unreachable (a refused schema migration keeps its SQL as it is)."""
+    from shepherd.storage.types import StorageUnavailable  # not at the top: see config_from_args
+
+    url = cfg.history_url
+    text = (" ".join(str(e).split()) if isinstance(e, StorageUnavailable) else str(e)) or type(e).__name__
+    try:
+        password = urlsplit(url).password if url else None
+    except ValueError:
+        password = None
+    if password:
+        text = text.replace(password, "***")
+    return (
+        f"history_backend {cfg.history_backend} at {redact_url(url)} cannot be used: {text} (check "
+        "--history-url and that the database is reachable)"
+    )
 
 
 if __name__ == "__main__":

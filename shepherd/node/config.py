@@ -243,7 +243,10 @@ class NodeConfig:
     admin_port: int | None = None
     insecure_admin: bool = False  # allow an unauthenticated control plane on a non-loopback address
     admin_allowed_origins: tuple[str, ...] = ()  # browser Origins allowed on the control plane
-    worker_allow: tuple[str, ...] = ()  # hosts / CIDRs workers may be on (empty: any)
+    # Host names the control plane answers off loopback (auth.control.ControlGuard; "*": any); default,
+    # with --insecure-admin: the listener's address and this machine's name
+    admin_allowed_hosts: tuple[str, ...] = ()
+    worker_allow: tuple[str, ...] = ()  # hosts / CIDRs workers may be on (empty: any but link-local/metadata)
     max_client_connections: int = 10_000  # client connections served at once (more are refused)
     extra: dict[str, Any] = field(default_factory=dict)
     # where this configuration came from (set by the CLI, not YAML keys): SIGHUP and POST /admin/reload
@@ -331,8 +334,47 @@ def worker_endpoint(url: str) -> tuple[str, str, int | None]:
     return ("http" if scheme in ("http", "https") else "grpc", host if ip is None else str(ip), port)
 
 
+# link-local addresses, where clouds serve instance metadata and credentials (AWS, GCP, Azure, ...:
+# 169.254.169.254; AWS over IPv6: fd00:ec2::254), and the metadata services' names: never a worker
+# unless an entry of ``worker_allow`` names them
+METADATA_NETWORKS: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = (
+    ipaddress.ip_network("169.254.0.0/16"),
+    ipaddress.ip_network("fe80::/10"),
+    ipaddress.ip_network("fd00:ec2::254/128"),
+)
+METADATA_NAMES = frozenset({"metadata.google.internal"})
+
+
+def _metadata_net(
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address,
+) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    return next((n for n in METADATA_NETWORKS if ip.version == n.version and ip in n), None)
+
+
+def _inside_metadata(net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
+    """``net`` lies inside a metadata network (so an entry of it names metadata addresses)."""
+    return any(
+        net.version == m.version and net.network_address in m and net.broadcast_address in m
+        for m in METADATA_NETWORKS
+    )
+
+
+def _host_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``host`` as the address a resolver takes it for: an IP literal (a ``%zone`` ignored), or an IPv4
+    address in a spelling ``inet_aton`` reads (``2852039166``, ``0xa9fea9fe``, ``169.254.43518``);
+    IPv4-mapped IPv6 as its IPv4 address. None: a name."""
+    h = host.strip("[]").partition("%")[0].rstrip(".").lower()
+    ip = _ip(h)
+    if ip is None and _NUMERIC_V4.fullmatch(h):
+        with contextlib.suppress(OSError):
+            ip = ipaddress.IPv4Address(socket.inet_aton(h))
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip
+
+
 class WorkerAllow:
-    """``worker_allow``: the hosts and networks workers may be on (empty: any).
+    """``worker_allow``: the hosts and networks workers may be on (empty: any but the metadata ones).
 
     Entries: an IP address or a CIDR (``10.0.0.0/8``, ``fd00::/8``), checked with ``ipaddress``; a host
     name, matching that name exactly (case-insensitive, a trailing dot ignored); or a name starting
@@ -345,9 +387,16 @@ class WorkerAllow:
     addresses inside the allowed networks (``HttpRelayClient``'s resolver), so a name that resolves (or
     re-binds) elsewhere is never dialed. gRPC clients resolve on their own: a gRPC worker's name must be
     listed (or use its IP address).
+
+    Link-local and cloud metadata addresses (``METADATA_NETWORKS``: 169.254.0.0/16, fe80::/10,
+    fd00:ec2::254) and names (``metadata.google.internal``) are refused, with the list empty too, unless
+    an entry names them: a network inside one of those (``169.254.169.254``, ``169.254.0.0/16``; a wider
+    one such as ``0.0.0.0/0`` does not count), or the name. An HTTP worker's name is checked where it
+    resolves with the list empty too (a name resolving to 169.254.169.254 is never dialed); a gRPC
+    worker's name is not (gRPC resolves on its own).
     """
 
-    __slots__ = ("entries", "names", "networks", "suffixes")
+    __slots__ = ("entries", "metadata_nets", "names", "networks", "suffixes")
 
     def __init__(self, entries: tuple[str, ...] = ()) -> None:
         self.entries = entries
@@ -374,39 +423,62 @@ class WorkerAllow:
         self.networks = tuple(nets)
         self.names = frozenset(names)
         self.suffixes = tuple(suffixes)
+        # the entries that name metadata addresses: networks inside a metadata network
+        self.metadata_nets = tuple(n for n in nets if _inside_metadata(n))
+
+    @property
+    def empty(self) -> bool:
+        """No entry: every worker but the metadata ones is allowed."""
+        return not self.entries
 
     @property
     def any(self) -> bool:
-        """Every worker is allowed (the list is empty)."""
-        return not self.entries
+        """Every address is allowed, nothing is checked where names resolve: never (metadata addresses
+        are refused with an empty list too), so HTTP workers always resolve through the check."""
+        return False
 
     def name_listed(self, host: str) -> bool:
         h = host.lower().rstrip(".")
         return h in self.names or any(h.endswith(s) for s in self.suffixes)
 
     def address_allowed(self, address: str) -> bool:
-        """``address`` (an IP address; a ``%zone`` suffix ignored) is inside an allowed network."""
-        ip = _ip(address.partition("%")[0])
+        """``address`` (an IP address; a ``%zone`` suffix ignored) may be dialed: inside an allowed
+        network (any address with the list empty), and a metadata address only when an entry names it."""
+        ip = _host_address(address)
         if ip is None:
             return False
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
+        if _metadata_net(ip) is not None:
+            return any(ip.version == n.version and ip in n for n in self.metadata_nets)
+        if self.empty:
+            return True
         return any(ip.version == n.version and ip in n for n in self.networks)
 
     def resolve_check(self, host: str) -> bool:
         """Connections to ``host`` must check the addresses it resolves to (a name not listed by name)."""
-        return not self.any and _ip(host) is None and not self.name_listed(host)
+        return _ip(host.strip("[]").partition("%")[0]) is None and not self.name_listed(host)
 
     def check_url(self, url: str) -> None:
         """ConfigError when ``url`` (already through ``check_worker_url``) is not allowed."""
-        if self.any:
-            return
         host = urllib.parse.urlsplit(url).hostname or ""
-        if _ip(host) is not None:
-            if not self.address_allowed(host):
-                raise ConfigError(f"worker URL {url!r}: {host} is not in worker_allow")
-            return
+        ip = _host_address(host)
+        if ip is not None:
+            if self.address_allowed(str(ip)):
+                return
+            if _metadata_net(ip) is not None:
+                raise ConfigError(
+                    f"worker URL {url!r}: {host} is a link-local / cloud metadata address (instance "
+                    "credentials live there); to allow it, name it in worker_allow (e.g. --worker-allow "
+                    f"{ip}, with the networks of the other workers)"
+                )
+            raise ConfigError(f"worker URL {url!r}: {host} is not in worker_allow")
         if self.name_listed(host):
+            return
+        if host.lower().rstrip(".") in METADATA_NAMES:
+            raise ConfigError(
+                f"worker URL {url!r}: {host} is a cloud metadata service (instance credentials live "
+                "there); list the name in worker_allow to allow it"
+            )
+        if self.empty:
             return
         if url.partition("://")[0] not in ("http", "https"):
             raise ConfigError(
@@ -563,8 +635,8 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
             None if v is None else int(v) for v in values["prefill_bootstrap_ports"]
         )
     for key in (
-        "mesh_seeds", "mesh_keys", "worker_allow", "admin_allowed_origins", "selector", "prefill_selector",
-        "decode_selector", "model_aliases",
+        "mesh_seeds", "mesh_keys", "worker_allow", "admin_allowed_origins", "admin_allowed_hosts", "selector",
+        "prefill_selector", "decode_selector", "model_aliases",
     ):  # fmt: skip
         if isinstance(values.get(key), str):
             values[key] = (values[key],)
@@ -699,6 +771,13 @@ def check_control_plane(cfg: NodeConfig) -> None:
         parts = urllib.parse.urlsplit(o)
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
             raise ConfigError(f"admin_allowed_origins: {o!r} is not an origin (scheme://host[:port])")
+    for h in cfg.admin_allowed_hosts:
+        e = h.strip().rstrip(".")
+        name = e[1:] if e.startswith(".") else e
+        if e != "*" and not (_HOST_NAME.fullmatch(name) or _ip(name.strip("[]")) is not None):
+            raise ConfigError(
+                f"admin_allowed_hosts: {h!r} is not a host name, a .suffix, an IP address or '*'"
+            )
     host, port = control_listener(cfg)
     if insecure_admin_in_effect(cfg) and not cfg.insecure_admin:
         where = "the admin listener" if cfg.admin_port is not None else "the client port"

@@ -7,12 +7,20 @@ transaction (``BEGIN IMMEDIATE`` when it writes), so a failed write leaves nothi
 operations are ``sql``'s, shared with PostgreSQL.
 
 URLs: ``sqlite:///relative/path.db``, ``sqlite:////absolute/path.db``, ``sqlite://:memory:`` (tests).
+
+The files hold API key records and conversations: a directory made here is 0700 (``private_dir``; one
+that exists is left as the operator made it) and the database is created 0600 before SQLite opens it
+(SQLite gives its ``-wal`` and ``-shm`` files the database's mode); files of an earlier start readable by
+group or others are narrowed to 0600 (``private_file``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import sqlite3
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +32,47 @@ from shepherd.storage.types import IntegrityError, StorageError, StorageUnavaila
 
 MEMORY = ":memory:"
 BUSY_TIMEOUT_S = 5.0
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+log = logging.getLogger("shepherd.storage.sqlite")
+
+
+def private_dir(path: str | os.PathLike[str]) -> bool:
+    """Create the directory ``path`` and its missing parents, each 0700; a directory that exists is left
+    as it is. True when ``path`` itself was created here."""
+    p = Path(path)
+    missing: list[Path] = []
+    for d in (p, *p.parents):
+        if d.is_dir():
+            break
+        missing.append(d)
+    for d in reversed(missing):
+        try:
+            d.mkdir(mode=DIR_MODE)
+        except FileExistsError:
+            if not d.is_dir():
+                raise
+    return bool(missing) and missing[0] == p
+
+
+def private_file(path: str) -> None:
+    """Create ``path`` empty with mode 0600 if it is missing (SQLite then keeps it, and gives its
+    ``-wal`` / ``-shm`` the same mode); narrow it and its ``-wal`` / ``-shm`` to 0600 when they exist with
+    group or other permissions (left by an earlier version)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    os.close(fd)
+    for f in (path, path + "-wal", path + "-shm"):
+        try:
+            st = os.stat(f)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077:
+            try:
+                os.chmod(f, FILE_MODE)
+                log.warning("SQLite file %s was readable by group or others: narrowed to 0600", f)
+            except PermissionError:
+                log.warning("SQLite file %s is readable by group or others (not ours to narrow)", f)
 
 
 def path_of(url: str) -> str:
@@ -58,7 +107,8 @@ class SQLiteStore(sql.PlanStore):
 
     def _open(self) -> None:
         if self.path != MEMORY:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            private_dir(Path(self.path).parent)
+            private_file(self.path)
         conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         # switching to WAL takes the file's exclusive lock and SQLite does not wait for it (no busy

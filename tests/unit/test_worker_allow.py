@@ -97,8 +97,9 @@ def test_allow_rules() -> None:
     names_only = WorkerAllow(("vllm.internal",))
     with pytest.raises(ConfigError):
         names_only.check_url("http://other.example:80")  # no network a resolution could land in
-    assert WorkerAllow().any
-    WorkerAllow().check_url("http://169.254.169.254")  # empty: any (the default)
+    assert WorkerAllow().empty and not WorkerAllow().any
+    with pytest.raises(ConfigError):
+        WorkerAllow().check_url("http://169.254.169.254")  # empty: any but link-local / metadata
 
 
 def test_allow_entries_and_config_urls_are_checked() -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
 
-from shepherd.node.api.common import GATEWAY, audit, may_use, model_for, usable_models
+from shepherd.node.api.common import GATEWAY, audit, may_use, model_for, request_id_of, usable_models
 from shepherd.node.api.openai import render_chat
 from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_in_effect, worker_endpoint
 from shepherd.node.dispatch.circuit_breaker import BreakerState
@@ -16,23 +17,124 @@ from shepherd.node.dispatch.workers import Worker
 from shepherd.node.http.body import json_response, read_json
 from shepherd.node.metrics import merge_processes
 from shepherd.node.openai.requests import check_chat_schemas, parse_chat_deferred
+from shepherd.proto.anthropic_errors import anthropic_error_response
 from shepherd.proto.openai_errors import ApiError, bad
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: OpenAI's list (vLLM's cards), or Anthropic's page when the request carries
+    ``anthropic-version`` (what the ``anthropic`` SDK sends): ``anthropic_models``. Either lists only the
+    models the caller may use (an API key's own list)."""
     gw: Gateway = request.app[GATEWAY]
-    cards = [_model_card(gw, name) for name in gw.models if may_use(request, name)]  # (a key's own list)
-    return json_response({"object": "list", "data": cards})
+    names = [name for name in gw.models if may_use(request, name)]  # (a key's own list)
+    if ANTHROPIC_VERSION in request.headers:
+        return anthropic_models(request, gw, names)
+    return json_response({"object": "list", "data": [_model_card(gw, name) for name in names]})
 
 
 async def get_model(request: web.Request) -> web.Response:
-    """``GET /v1/models/{id}``: one model in ``/v1/models``' shape (OpenAI's and vLLM's); an unknown id is a
-    404 in the OpenAI envelope."""
+    """``GET /v1/models/{id}``: one model in ``/v1/models``' shape (OpenAI's and vLLM's; Anthropic's
+    ``ModelInfo`` with ``anthropic-version``); an unknown id is a 404 in the OpenAI envelope (Anthropic's
+    ``not_found_error`` with ``anthropic-version``)."""
     gw: Gateway = request.app[GATEWAY]
     name = request.match_info["model_id"]
+    anthropic = ANTHROPIC_VERSION in request.headers
     if name not in gw.models or not may_use(request, name):
-        raise model_not_found(name, usable_models(request, gw))
+        err = model_not_found(name, usable_models(request, gw))
+        if anthropic:
+            return _anthropic_error(request, err)
+        raise err
+    if anthropic:
+        return _anthropic_json(request, _model_info(gw, name))
     return json_response(_model_card(gw, name))
+
+
+# ---- Anthropic's Models API (``anthropic-version``) ----
+
+ANTHROPIC_VERSION = "anthropic-version"
+ANTHROPIC_LIMIT_MAX = 1000  # Anthropic's ``limit``: 1 to 1000, 20 by default
+_LIFECYCLES = ("active", "deprecated", "retired")
+
+
+def _rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(int(ts), tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _model_info(gw: Gateway, name: str) -> dict[str, Any]:
+    """A model as Anthropic's ``ModelInfo``: ``created_at`` is when the node started serving it (a
+    release date it does not know), the limits its context length."""
+    context = gw.context_length(name)
+    return {
+        "type": "model",
+        "id": name,
+        "display_name": name,
+        "created_at": _rfc3339(gw.started_at),
+        "lifecycle": "active",
+        "deprecated_at": None,
+        "retires_at": None,
+        "max_input_tokens": context,
+        "max_tokens": context,
+    }
+
+
+def _anthropic_json(request: web.Request, body: dict[str, Any]) -> web.Response:
+    """An Anthropic answer: with its ``request-id`` header (the SDK's ``_request_id``)."""
+    resp = json_response(body)
+    resp.headers["request-id"] = request_id_of(request)
+    return resp
+
+
+def _anthropic_error(request: web.Request, err: ApiError) -> web.Response:
+    resp = anthropic_error_response(err)
+    resp.headers["request-id"] = request_id_of(request)
+    return resp
+
+
+def _bad_param(request: web.Request, param: str, message: str) -> web.Response:
+    return _anthropic_error(request, bad(f"{param}: {message}", param=param))
+
+
+def anthropic_models(request: web.Request, gw: Gateway, names: list[str]) -> web.Response:
+    """Anthropic's ``GET /v1/models`` page of ``names`` (in the node's order): ``limit`` (1-1000, 20),
+    ``after_id`` (the models after that one) or ``before_id`` (the ``limit`` models right before it),
+    ``lifecycle`` (the node's models are all ``active``: a filter without it lists none);
+    ``{data, has_more, first_id, last_id}``, ``has_more`` in the direction of the cursor. Errors in
+    Anthropic's envelope: a bad parameter (a cursor that names no listed model included) is a 400."""
+    q = request.query
+    raw_limit = q.get("limit", "20")
+    try:
+        limit = int(raw_limit)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= ANTHROPIC_LIMIT_MAX:
+        return _bad_param(request, "limit", f"expected an integer from 1 to {ANTHROPIC_LIMIT_MAX}.")
+    lifecycle = q.getall("lifecycle[]", []) + q.getall("lifecycle", [])
+    if any(v not in _LIFECYCLES for v in lifecycle):
+        return _bad_param(request, "lifecycle", f"expected values of {list(_LIFECYCLES)}.")
+    after, before = q.get("after_id"), q.get("before_id")
+    if after is not None and before is not None:
+        return _bad_param(request, "before_id", "cannot be combined with after_id.")
+    if lifecycle and "active" not in lifecycle:
+        names = []
+    cursor = after if after is not None else before
+    if cursor is not None and cursor not in names:
+        param = "after_id" if after is not None else "before_id"
+        return _bad_param(request, param, f"no model {cursor[:100]!r} in this list.")
+    if after is not None:
+        start = names.index(after) + 1
+        page, has_more = names[start : start + limit], start + limit < len(names)
+    elif before is not None:
+        end = names.index(before)
+        page, has_more = names[max(0, end - limit) : end], end - limit > 0
+    else:
+        page, has_more = names[:limit], limit < len(names)
+    body = {
+        "data": [_model_info(gw, name) for name in page],
+        "has_more": has_more,
+        "first_id": page[0] if page else None,
+        "last_id": page[-1] if page else None,
+    }
+    return _anthropic_json(request, body)
 
 
 def _model_card(gw: Gateway, name: str) -> dict[str, Any]:

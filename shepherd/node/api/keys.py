@@ -31,7 +31,7 @@ from shepherd.auth.principal import ANONYMOUS, principal_of
 from shepherd.node.api.common import GATEWAY, audit
 from shepherd.node.api.mesh import MESH
 from shepherd.node.cluster.key_sync import KeySync
-from shepherd.node.config import control_listener
+from shepherd.node.config import control_listener, insecure_admin_in_effect
 from shepherd.node.http.body import json_response, read_json
 from shepherd.proto.openai_errors import ApiError, bad
 
@@ -140,7 +140,12 @@ def install(app: web.Application, store: KeyStore | None = None) -> auth.AuthSta
     gw = app[GATEWAY]
     cfg = gw.cfg
     host, _ = control_listener(cfg)
-    guard = ControlGuard.build(host, cfg.admin_allowed_origins)
+    guard = ControlGuard.build(
+        host,
+        cfg.admin_allowed_origins,
+        cfg.admin_allowed_hosts,
+        unauthenticated=insecure_admin_in_effect(cfg),
+    )
     app.middlewares.append(
         make_control_middleware(guard, admin_port=cfg.admin_port, metrics_protected=cfg.auth.metrics)
     )

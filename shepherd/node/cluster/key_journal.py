@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import stat
 from collections.abc import Collection
 from pathlib import Path
 from typing import Protocol
@@ -30,12 +32,31 @@ from typing import Protocol
 import orjson
 
 from shepherd.auth.keys import ApiKeyRecord, MemoryKeyStore
+from shepherd.node.config import ConfigError
 from shepherd.storage.sqlite import SQLiteStore
+from shepherd.storage.types import StorageError
 
 log = logging.getLogger("shepherd.node.cluster.key_journal")
 
 KIND = "api_key"
 MAX_QUEUE = 100_000
+
+
+def check_data_dir(data_dir: str) -> None:
+    """Warn when ``data_dir`` exists and group or others may read or enter it: it holds the API key
+    records (and may hold conversations). Left as it is: the operator made it (one made by the node is
+    0700: ``shepherd.storage.sqlite.private_dir``)."""
+    try:
+        mode = os.stat(data_dir).st_mode
+    except OSError:
+        return  # missing: made 0700 when the store opens; anything else: the open says what is wrong
+    if stat.S_ISDIR(mode) and mode & 0o077:
+        log.warning(
+            "data_dir %s is accessible to group or others (mode %04o): it holds the API key records; "
+            "consider chmod 700",
+            data_dir,
+            stat.S_IMODE(mode),
+        )
 
 
 class RecordStore(Protocol):
@@ -75,8 +96,12 @@ class KeyJournal:
         records loaded into ``self.store``."""
         owned: SQLiteStore | None = None
         if data_dir is not None:
-            owned = SQLiteStore(str(Path(data_dir) / "node.db"))
-            await owned.start()
+            check_data_dir(data_dir)
+            owned = SQLiteStore(str(Path(data_dir) / "node.db"))  # the dir made 0700, node.db 0600
+            try:
+                await owned.start()
+            except StorageError as e:
+                raise ConfigError(f"data_dir {data_dir}: the node's records cannot be opened: {e}") from None
         journal = cls(owned if owned is not None else fallback, owned=owned)
         try:
             await journal.load(journal.store)

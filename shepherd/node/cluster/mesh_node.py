@@ -61,6 +61,7 @@ from typing import Any, Literal, Protocol
 import msgpack  # type: ignore[import-untyped]
 
 from shepherd.auth.certs import TlsFiles, write_dev_pki
+from shepherd.auth.files import make_private_dir, write_atomic
 from shepherd.mesh import faults
 from shepherd.mesh.dns_seeds import DnsSeedConfig, is_dns_seed, parse_dns_seed
 from shepherd.mesh.hlc import stamp_seconds
@@ -185,20 +186,19 @@ def runtime_config(cfg: NodeConfig) -> MeshRuntimeConfig:
 
 
 def ensure_dev_pki(directory: str | os.PathLike[str], name: str) -> tuple[TlsFiles, Path]:
-    """DEVELOPMENT: the CA and key file shared through ``directory`` (made if missing) and a fresh
-    certificate for ``name``. A file lock keeps nodes started together from making two CAs."""
+    """DEVELOPMENT: the CA and key file shared through ``directory`` (made 0700 if missing) and a fresh
+    certificate for ``name``. A file lock keeps nodes started together from making two CAs. Keys and
+    the keyring are written 0600 through new temporary files (``shepherd.auth.files.write_atomic``)."""
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    with (d / ".lock").open("w") as lock:
+    make_private_dir(d)  # 0700 when made here (an existing directory is the operator's)
+    # the lock file: never truncated, never through a planted link
+    lock_fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(lock_fd, "r+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         files = write_dev_pki(d, [name])[name]
         keyring = d / DEV_KEYRING
-        if not keyring.exists():
-            tmp = keyring.with_name(keyring.name + ".tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(Keyring.format_file([generate_key()]))
-            os.replace(tmp, keyring)
+        if not keyring.exists():  # a new temp file, 0600, never a planted one (``write_atomic``)
+            write_atomic(keyring, Keyring.format_file([generate_key()]).encode(), private=True)
     return files, keyring
 
 

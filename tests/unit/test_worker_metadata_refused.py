@@ -1,0 +1,119 @@
+"""Link-local and cloud metadata addresses are never workers unless ``worker_allow`` names them, with the
+list empty (the default) too: 169.254.0.0/16 (169.254.169.254 serves instance credentials on AWS, GCP,
+Azure...), fe80::/10, AWS's fd00:ec2::254 and the name ``metadata.google.internal``, in any spelling a
+resolver reads (``2852039166``, ``0xa9fea9fe``, IPv4-mapped IPv6). Refused in the configuration, by the
+registry (admin API, discovery and the mesh add through it), and where an HTTP worker's name resolves.
+
+The end-to-end side (a node refusing such a worker at start and on ``POST /workers``):
+``tests/e2e/test_security_defaults.py``.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import pytest
+
+from shepherd.node.config import ConfigError, NodeConfig, WorkerAllow, build_config
+from shepherd.node.dispatch.workers import WorkerRegistry
+from shepherd.node.engines.http import AllowResolver, HttpRelayClient
+from shepherd.proto.openai_errors import ApiError
+
+pytestmark = pytest.mark.timeout(60)
+
+METADATA_URLS = [
+    "http://169.254.169.254",
+    "http://169.254.169.254:80/",
+    "grpc://169.254.169.254:50051",
+    "http://169.254.1.1:8000",
+    "http://[fe80::1]:8000",
+    "http://[fd00:ec2::254]:80",
+    "http://[::ffff:169.254.169.254]:80",
+    "http://2852039166",  # 169.254.169.254 as one number
+    "http://0xa9fea9fe:80",
+    "http://169.254.43518",  # inet_aton's a.b.c form
+    "http://metadata.google.internal",
+    "http://Metadata.Google.Internal:80",
+    "grpc://metadata.google.internal:443",
+]
+
+
+@pytest.mark.parametrize("url", METADATA_URLS)
+def test_an_empty_allow_list_refuses_metadata_hosts(url: str) -> None:
+    with pytest.raises(ConfigError, match="metadata"):
+        WorkerAllow().check_url(url)
+    with pytest.raises(ConfigError, match="metadata"):
+        build_config({}, {"worker_urls": [url]})
+
+
+def test_an_empty_allow_list_still_allows_the_rest() -> None:
+    a = WorkerAllow()
+    for url in ("http://10.0.0.5:8000", "grpc://127.0.0.1:1", "http://vllm.internal", "http://[fd00::1]:80"):
+        a.check_url(url)
+    assert a.address_allowed("10.1.2.3") and a.address_allowed("127.0.0.1") and a.address_allowed("::1")
+    assert not a.address_allowed("169.254.169.254") and not a.address_allowed("fe80::1%eth0")
+    assert not a.address_allowed("::ffff:169.254.169.254") and not a.address_allowed("fd00:ec2::254")
+
+
+def test_an_entry_naming_them_allows_them_and_a_wide_one_does_not() -> None:
+    exact = WorkerAllow(("169.254.169.254",))
+    exact.check_url("http://169.254.169.254")
+    assert exact.address_allowed("169.254.169.254") and not exact.address_allowed("169.254.1.1")
+    WorkerAllow(("169.254.0.0/16",)).check_url("http://169.254.7.7:80")
+    WorkerAllow(("fe80::/64",)).check_url("http://[fe80::1]:80")
+    WorkerAllow(("metadata.google.internal",)).check_url("http://metadata.google.internal")
+    everything = WorkerAllow(("0.0.0.0/0", "::/0"))
+    everything.check_url("http://10.0.0.1")
+    for url in ("http://169.254.169.254", "http://[fe80::1]:80", "http://metadata.google.internal"):
+        with pytest.raises(ConfigError):
+            everything.check_url(url)
+    build_config({}, {"worker_allow": ["169.254.169.254"], "worker_urls": ["http://169.254.169.254"]})
+
+
+async def test_the_registry_refuses_them_with_a_400() -> None:
+    reg = WorkerRegistry(NodeConfig())
+    for url in ("http://169.254.169.254", "grpc://[fe80::1]:50051", "http://metadata.google.internal"):
+        with pytest.raises(ApiError) as e:
+            await reg.add(url, "m")
+        assert e.value.status == 400 and e.value.code == "worker_not_allowed"
+    assert not reg.workers
+
+
+class FixedAnswers:
+    """A resolver answering fixed addresses for every name (DNS pointing at the metadata service)."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+        self.asked: list[str] = []
+
+    async def resolve(self, host: str, port: int = 0, family: Any = socket.AF_INET) -> list[dict[str, Any]]:
+        self.asked.append(host)
+        return [
+            {"hostname": host, "host": a, "port": port, "family": family, "proto": 0, "flags": 0}
+            for a in self.addresses
+        ]
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_a_name_resolving_to_a_metadata_address_is_not_dialed_with_an_empty_list() -> None:
+    r = AllowResolver(WorkerAllow())
+    r._inner = FixedAnswers(["169.254.169.254", "fe80::1"])  # type: ignore[assignment]
+    with pytest.raises(OSError):
+        await r.resolve("rebound.example", 80)
+    r._inner = FixedAnswers(["169.254.169.254", "10.0.0.7"])  # type: ignore[assignment]
+    assert [x["host"] for x in await r.resolve("rebound.example", 80)] == ["10.0.0.7"]
+    r._inner = FixedAnswers(["127.0.0.1"])  # type: ignore[assignment]
+    assert [x["host"] for x in await r.resolve("localhost", 80)] == ["127.0.0.1"]
+
+
+async def test_the_http_relay_checks_resolutions_with_an_empty_list() -> None:
+    """The relay puts the checking resolver on its connections whatever the list holds."""
+    client = HttpRelayClient("http://w.example:8000", allow=WorkerAllow())
+    try:
+        resolver = client.session().connector._resolver  # type: ignore[union-attr]
+        assert isinstance(resolver, AllowResolver)
+    finally:
+        await client.close()
