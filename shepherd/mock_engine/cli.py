@@ -102,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="report an embedding model (GetModelInfo is_generation=false); Embed is served either way",
     )
+    p.add_argument(
+        "--default-sampling-params",
+        default="",
+        help="GetModelInfo's default_sampling_params_json (the model's sampling defaults), verbatim",
+    )
+    p.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="as SGLang with --skip-tokenizer-init: reported in GetServerInfo, min_new_tokens refused",
+    )
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
     return p
 
@@ -137,6 +147,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         engine_id=f"mock-{os.getpid()}",
         embedding_dim=args.embedding_dim,
         embedding_model=args.embedding_model,
+        default_sampling_params_json=args.default_sampling_params,
+        skip_tokenizer_init=args.skip_tokenizer_init,
         faults=faults,
     )
 

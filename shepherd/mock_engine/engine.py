@@ -455,16 +455,22 @@ class EngineCore:
             self._waiting_runs[group] = run
         return run
 
-    def abort(self, request_id: str) -> bool:
-        """Abort every live run of ``request_id`` (recorded in the stats either way)."""
-        runs = self._runs.get(request_id)
-        if not runs:
+    def abort(self, request_id: str, *, prefix: bool = False) -> bool:
+        """Abort every live run of ``request_id`` (recorded in the stats either way). ``prefix``: of every
+        request whose id starts with it, as SGLang's scheduler matches an Abort (``req.rid.startswith``);
+        each one aborted is recorded under its own id."""
+        if prefix:
+            ids = [rid for rid in self._runs if rid.startswith(request_id)]
+        else:
+            ids = [request_id] if self._runs.get(request_id) else []
+        if not ids:
             self.stats.abort_unmatched.append(request_id)
             return False
-        self.stats.aborted_by_rpc.append(request_id)
-        self.stats.aborted.append(request_id)
-        for run in list(runs):
-            run.abort()
+        for rid in ids:
+            self.stats.aborted_by_rpc.append(rid)
+            self.stats.aborted.append(rid)
+            for run in list(self._runs.get(rid, ())):
+                run.abort()
         return True
 
     def _run_ended(self, run: Run, outputs: list[tuple[int, ...]] | None, generated: int) -> None:

@@ -42,6 +42,10 @@ class EngineConfig:
     engine_id: str = "mock-0"
     embedding_dim: int = 64  # the length of the vectors Embed and /v1/embeddings return
     embedding_model: bool = False  # GetModelInfo reports is_generation=False (an embedding model)
+    # GetModelInfo's default_sampling_params_json, verbatim (the model's sampling defaults; "": none)
+    default_sampling_params_json: str = ""
+    # as SGLang started with --skip-tokenizer-init: GetServerInfo says so, min_new_tokens is refused
+    skip_tokenizer_init: bool = False
     faults: Faults = dataclasses.field(default_factory=Faults)
 
     def __post_init__(self) -> None:

@@ -128,8 +128,10 @@ class _Service:
         sp = request.sampling_params
         stats = self._core.stats
         stats.last_request_kind = self.KIND
-        stats.last_sampling_params = _lazy_dict(sp)
+        stats.last_sampling_params = lazy = _lazy_dict(sp)
         stats.record_constraint(request.request_id, sp)
+        reasoning = bool(request.require_reasoning) if self.KIND == "sglang" else None
+        stats.record_request(request.request_id, self.KIND, lazy, reasoning)
         return sp
 
     PB: Any = None  # the dialect's generated module (GenerateResponse, GenerateStreamChunk, ...)
@@ -252,6 +254,7 @@ class _Service:
             eos_token_ids=list(core.tokenizer.eos_token_ids),
             max_req_input_len=cfg.context_length - 1,
             architectures=["MockForCausalLM"],
+            default_sampling_params_json=cfg.default_sampling_params_json,
             **versioned,
         )
 
@@ -299,6 +302,10 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
     def _request(self, request: Any) -> MockRequest:
         sp = self._note_request(request)
         stats = self._core.stats
+        if self._core.config.skip_tokenizer_init and sp.min_new_tokens > 0:
+            # (SGLang without its tokenizer refuses a minimum output length)
+            stats.rejected += 1
+            raise MockRpcError("INVALID_ARGUMENT", "min_new_tokens is not supported with skip_tokenizer_init")
         disagg = request.HasField("disaggregated_params") and bool(
             request.disaggregated_params.bootstrap_host
         )
@@ -329,7 +336,7 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
 
     async def Abort(self, request: Any, context: Any) -> Any:
         self._core.stats.count_rpc("sglang.Abort")
-        found = self._core.abort(request.request_id)
+        found = self._core.abort(request.request_id, prefix=True)  # SGLang's scheduler: by id prefix
         return SGL.AbortResponse(
             success=found, message=f"request {request.request_id} {'aborted' if found else 'not found'}"
         )
@@ -352,6 +359,7 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
                 "dp_size": 1,
                 "disaggregation_mode": "null" if cfg.role == "both" else cfg.role,
                 "random_seed": cfg.seed,
+                "skip_tokenizer_init": cfg.skip_tokenizer_init,
             }
         )
         scheduler_info = struct_pb2.Struct()

@@ -38,6 +38,9 @@ class MockStats:
         # W3C trace context received with generation calls (gRPC metadata, HTTP headers):
         # {"request_id", "traceparent", "tracestate"}, most recent last; only calls that carried one
         self.trace_contexts: deque[JsonDict] = deque(maxlen=keep)
+        # every generation request received, most recent last: {"request_id", "kind", "sampling_params"
+        # (converted when shown), "require_reasoning"} (SGLang's field; None for vLLM)
+        self.requests: deque[tuple[str, str, Callable[[], JsonDict], bool | None]] = deque(maxlen=keep)
 
     def reset(self) -> None:
         self.__init__(self._keep)  # type: ignore[misc]
@@ -58,6 +61,15 @@ class MockStats:
                 ts = v
         if tp is not None:
             self.trace_contexts.append({"request_id": request_id, "traceparent": tp, "tracestate": ts})
+
+    def record_request(
+        self,
+        request_id: str,
+        kind: str,
+        sampling_params: Callable[[], JsonDict],
+        require_reasoning: bool | None,
+    ) -> None:
+        self.requests.append((request_id, kind, sampling_params, require_reasoning))
 
     def record_constraint(self, request_id: str, sampling_params: Any) -> None:
         """Note the ``oneof constraint`` of a SamplingParams message (SGLang or vLLM), if one is set."""
@@ -93,4 +105,8 @@ class MockStats:
             "ttft_model_ms": [round(t * 1000.0, 3) for t in self.ttft_model_s],
             "constraints": list(self.constraints),
             "trace_contexts": list(self.trace_contexts),
+            "requests": [
+                {"request_id": rid, "kind": kind, "sampling_params": sp(), "require_reasoning": rr}
+                for rid, kind, sp, rr in self.requests
+            ],
         }

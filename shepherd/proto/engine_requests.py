@@ -52,11 +52,11 @@ def choice_grammar(choices: list[str] | tuple[str, ...]) -> str:
 # A request's own constraint (a JSON schema, regex, grammar, choice list) or logit_bias can be large: kept by
 # the per-parameters caches below (4,096 entries each), a client varying only its seed would pin whatever
 # each request sent (hundreds of MB). Parameters carrying more than this are built each time, not cached.
-CACHED_PAYLOAD_MAX = 4096  # characters of constraint text, plus 16 a logit_bias entry
+CACHED_PAYLOAD_MAX = 4096  # characters of constraint and stop text, plus 16 a logit_bias entry or stop id
 
 
 def _small(p: SamplingParams) -> bool:
-    n = 16 * len(p.logit_bias)
+    n = 16 * (len(p.logit_bias) + len(p.stop_string_ids)) + sum(len(s) for s in p.stop_strings)
     for s in (p.json_schema, p.regex, p.ebnf, p.structural_tag):
         if s:
             n += len(s)
@@ -70,6 +70,21 @@ def sglang_sampling(p: SamplingParams) -> sg.SamplingParams:
     return _sglang_sampling_cached(p) if _small(p) else _sglang_sampling(p)
 
 
+_UINT32_MAX = (1 << 32) - 1
+
+
+def _uint32(v: int) -> int:
+    """A count clamped to a uint32 field's range (max_new_tokens: a bound past it is no bound)."""
+    return 0 if v < 0 else _UINT32_MAX if v > _UINT32_MAX else v
+
+
+def _stop_ids(p: SamplingParams) -> tuple[int, ...]:
+    """SGLang's stop_token_ids: the request's, then its single-token stop strings' (not repeated)."""
+    if not p.stop_string_ids:
+        return p.stop_token_ids
+    return tuple(dict.fromkeys((*p.stop_token_ids, *p.stop_string_ids)))
+
+
 def _sglang_sampling(p: SamplingParams) -> sg.SamplingParams:
     sp = sg.SamplingParams(
         temperature=p.temperature,
@@ -79,7 +94,9 @@ def _sglang_sampling(p: SamplingParams) -> sg.SamplingParams:
         frequency_penalty=p.frequency_penalty,
         presence_penalty=p.presence_penalty,
         repetition_penalty=p.repetition_penalty,
-        stop_token_ids=p.stop_token_ids,
+        # stop strings stay the gateway's (SGLang's servicer needs its tokenizer for them, and our matcher
+        # is the judge); those that are one token reach the engine as that token, so it stops there
+        stop_token_ids=_stop_ids(p),
         skip_special_tokens=p.skip_special_tokens,
         spaces_between_special_tokens=p.spaces_between_special_tokens,
         n=p.n,
@@ -88,8 +105,8 @@ def _sglang_sampling(p: SamplingParams) -> sg.SamplingParams:
         # the gateway trims stop strings itself; the engine sees only token ids
         no_stop_trim=True,
     )
-    if p.max_new_tokens is not None:
-        sp.max_new_tokens = p.max_new_tokens
+    if p.max_new_tokens is not None:  # unset: SGLang's own bound (the context left)
+        sp.max_new_tokens = _uint32(p.max_new_tokens)
     if p.stream_interval is not None:
         sp.stream_interval = p.stream_interval
     for tok, bias in p.logit_bias:
@@ -124,6 +141,7 @@ def sglang_generate(req: GenerateRequest) -> sg.GenerateRequest:
         logprob_start_len=-1,
         top_logprobs_num=req.top_logprobs,
         stream=req.stream,
+        require_reasoning=req.require_reasoning,
     )
     if req.bootstrap_host is not None:
         msg.disaggregated_params.bootstrap_host = req.bootstrap_host
@@ -147,6 +165,9 @@ def _vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.S
         presence_penalty=p.presence_penalty,
         repetition_penalty=p.repetition_penalty,
         min_tokens=p.min_new_tokens,
+        # the stop strings: vLLM stops generating at them; the output keeps them (below) for the
+        # gateway's stop matcher, which decides what the client sees
+        stop=p.stop_strings,
         stop_token_ids=p.stop_token_ids,
         skip_special_tokens=p.skip_special_tokens,
         spaces_between_special_tokens=p.spaces_between_special_tokens,
@@ -154,10 +175,10 @@ def _vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.S
         n=p.n,
         include_stop_str_in_output=True,
     )
-    if p.max_new_tokens is not None:
-        sp.max_tokens = p.max_new_tokens
-    if p.seed is not None:  # vLLM's seed field is int32: a 64-bit seed is folded into it
-        sp.seed = ((p.seed + (1 << 31)) % (1 << 32)) - (1 << 31)
+    if p.max_new_tokens is not None:  # unset: vLLM's own bound (max_model_len less the prompt)
+        sp.max_tokens = _uint32(p.max_new_tokens)
+    if p.seed is not None:  # vLLM's seed field is int32: a 64-bit seed saturates (as SMG's cast does)
+        sp.seed = min(max(p.seed, _INT32_MIN), _INT32_MAX)
     if logprobs:
         sp.logprobs = top_logprobs
     for tok, bias in p.logit_bias:
@@ -393,6 +414,7 @@ def _tokenized(text: str, ids: Sequence[int]) -> list[bytes]:
 
 _LOGPROB_START = b"\x30" + _varint(-1 + (1 << 64))  # logprob_start_len = -1 (field 6)
 _SG_STREAM = b"\x88\x01\x01"  # stream = true (field 17)
+_SG_REQUIRE_REASONING = b"\x90\x01\x01"  # require_reasoning = true (field 18)
 
 
 def sglang_generate_bytes(req: GenerateRequest) -> bytes:
@@ -416,6 +438,8 @@ def sglang_generate_bytes(req: GenerateRequest) -> bytes:
         out.append(pd)
     if req.stream:
         out.append(_SG_STREAM)
+    if req.require_reasoning:
+        out.append(_SG_REQUIRE_REASONING)
     return b"".join(out)
 
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -24,6 +25,7 @@ from shepherd.proto.engine_types import (
     EngineEvent,
     EngineLoad,
     ModelInfo,
+    SamplingDefaults,
     ServerInfo,
     TokenLogprob,
 )
@@ -249,11 +251,73 @@ def decode_model_info(resp: Any, server: ServerInfo | None = None) -> ModelInfo:
     (SMG's and SGLang's in-tree one) fill ``max_context_length`` from the KV pool size
     (``max_total_num_tokens``), not from the model's context window; that number becomes
     ``kv_capacity_tokens`` and the context is what the server's arguments say (``context_length``),
-    0 (unknown: the node's configured or the tokenizer's) when they say nothing."""
+    else GetModelInfo's ``max_req_input_len`` (the scheduler refuses a prompt of that many tokens or more:
+    the engine's real bound, a little under the context, or under its KV pool), else 0 (unknown: the node's
+    configured or the tokenizer's). ``skip_tokenizer_init`` comes from the server's arguments."""
     info = _model_info(resp)
     if server is None:
         return info
-    return replace(info, max_context_length=server.context_length, kv_capacity_tokens=info.max_context_length)
+    ctx = server.context_length
+    if not ctx:
+        ctx = _positive_int(getattr(resp, "max_req_input_len", 0))
+    return replace(
+        info,
+        max_context_length=ctx,
+        kv_capacity_tokens=info.max_context_length,
+        skip_tokenizer_init=server.skip_tokenizer_init,
+    )
+
+
+def _positive_int(v: Any) -> int:
+    """A count an engine reports: 0 (unknown) unless in (0, 2**31 - 1]."""
+    n = int(v)
+    return n if 0 < n <= _STRUCT_INT_MAX else 0
+
+
+# the bounds a default must be within to be taken (those of the request fields it stands for:
+# requests.py), and the size of the JSON read at all; anything else in it is ignored
+_DEFAULT_RANGES: dict[str, tuple[float, float, bool]] = {  # (low, high, low excluded)
+    "temperature": (0.0, 2.0, False),
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "repetition_penalty": (0.0, 2.0, True),
+}
+_DEFAULTS_JSON_MAX = 64 * 1024
+
+
+def decode_sampling_defaults(text: str) -> SamplingDefaults | None:
+    """GetModelInfo's ``default_sampling_params_json`` -> the defaults usable, None when none is. Read
+    defensively: JSON that does not parse (or is not an object, or is huge) gives None; a field of the
+    wrong type or out of the range its request field has (temperature in [0, 2], top_p in (0, 1], top_k
+    an integer >= -1, min_p in [0, 1], repetition_penalty in (0, 2]) is ignored, the others kept (SMG
+    drops the whole set on a type error). top_k 0 means every token, as the request field's 0 does
+    (-1 here); keys other than the five (max_new_tokens, ...) are not sampling defaults."""
+    if not text or len(text) > _DEFAULTS_JSON_MAX:
+        return None
+    try:
+        d = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(d, dict):
+        return None
+    got: dict[str, Any] = {}
+    for key, (lo, hi, lo_open) in _DEFAULT_RANGES.items():
+        v = d.get(key)
+        if (
+            isinstance(v, bool)
+            or not isinstance(v, int | float)
+            or not math.isfinite(v)
+            or not lo <= v <= hi
+            or (lo_open and v == lo)
+        ):
+            continue
+        got[key] = float(v)
+    k = d.get("top_k")
+    if isinstance(k, float) and k.is_integer():
+        k = int(k)
+    if isinstance(k, int) and not isinstance(k, bool) and -1 <= k <= _STRUCT_INT_MAX:
+        got["top_k"] = k if k else -1
+    return SamplingDefaults(**got) if got else None
 
 
 def _printable(text: str, limit: int = 256) -> str:
@@ -277,6 +341,7 @@ def _model_info(resp: Any) -> ModelInfo:
         eos_token_ids=tuple(int(x) for x in resp.eos_token_ids),
         bos_token_id=bos if bos > 0 else None,
         is_generation=bool(resp.is_generation),
+        sampling_defaults=decode_sampling_defaults(str(getattr(resp, "default_sampling_params_json", ""))),
     )
 
 
@@ -300,6 +365,7 @@ def decode_server_info(resp: Any, kind: str) -> ServerInfo:
             active_requests=resp.active_requests,
             max_total_num_tokens=resp.max_total_num_tokens,
             context_length=_struct_int(resp.server_args, "context_length"),
+            skip_tokenizer_init=_struct_bool(resp.server_args, "skip_tokenizer_init"),
             extra={"server_type": resp.server_type},
         )
     return ServerInfo(
@@ -322,6 +388,12 @@ def _struct_int(st: Any, key: str) -> int:
         return 0
     v = f.number_value
     return int(v) if 0 < v <= _STRUCT_INT_MAX and v == int(v) else 0
+
+
+def _struct_bool(st: Any, key: str) -> bool:
+    """True only when ``key`` of a google.protobuf.Struct is the boolean true."""
+    f = st.fields.get(key) if st is not None else None
+    return f is not None and f.WhichOneof("kind") == "bool_value" and bool(f.bool_value)
 
 
 def decode_loads(resp: Any) -> EngineLoad:

@@ -54,6 +54,12 @@ class SamplingParams:
     max_new_tokens: int | None = None
     min_new_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    # single-token stop strings as their token ids (SGLang: added to ``stop_token_ids``, so the engine
+    # stops there; the gateway's stop matcher still decides what the client sees)
+    stop_string_ids: tuple[int, ...] = ()
+    # the request's stop strings (vLLM: its ``stop``, so the engine stops generating; the output keeps
+    # them, ``include_stop_str_in_output``, and the gateway's stop matcher trims)
+    stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -84,6 +90,13 @@ class GenerateRequest:
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None
     kv_transfer_params_json: str | None = None
+    # SGLang's require_reasoning: the request thinks first (a reasoning parser active, thinking on), so a
+    # grammar constraint applies after the reasoning (SGLang's grammar manager); vLLM has no such field
+    require_reasoning: bool = False
+    # the output tokens the node allows each choice: the client's max_tokens, else what the context
+    # leaves. Never sent to SGLang or vLLM (``sampling.max_new_tokens`` unset: their own bound applies);
+    # the gateway's bound on what it reads, and the bound of engines that require one (TensorRT-LLM, MLX)
+    token_limit: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +138,32 @@ EngineEvent = EngineChunk | EngineComplete
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """A model's sampling defaults as its engine reports them (GetModelInfo's
+    ``default_sampling_params_json``: SGLang's generation_config and ``--preferred-sampling-params``,
+    vLLM's ``get_diff_sampling_param()``): what a request that leaves the field unset gets. None: not
+    given. The same five fields SMG applies (``SamplingDefaults`` in its worker/sampling_defaults.rs)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    def as_dict(self) -> dict[str, float | int]:
+        """The fields given (for display)."""
+        out: dict[str, float | int] = {}
+        for k in SAMPLING_DEFAULT_FIELDS:
+            v = getattr(self, k)
+            if v is not None:
+                out[k] = v
+        return out
+
+
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
     served_model_name: str = ""
     model_path: str = ""
@@ -137,6 +176,11 @@ class ModelInfo:
     # (SGLang's servicers fill ``max_context_length`` from ``max_total_num_tokens``): a capacity figure,
     # never a context length; 0: not reported
     kv_capacity_tokens: int = 0
+    # the model's sampling defaults (None: the engine reports none, or nothing usable)
+    sampling_defaults: SamplingDefaults | None = None
+    # an SGLang worker started with --skip-tokenizer-init (its GetServerInfo's server_args): it refuses
+    # min_new_tokens (INVALID_ARGUMENT), so the node answers a request with min_tokens a 400 itself
+    skip_tokenizer_init: bool = False
 
 
 @dataclass(slots=True)
@@ -154,6 +198,7 @@ class ServerInfo:
     active_requests: int = 0
     max_total_num_tokens: int = 0  # the KV pool (SGLang): a capacity figure
     context_length: int = 0  # the model's context window, when the server says (SGLang's server_args)
+    skip_tokenizer_init: bool = False  # SGLang's server_args: started with --skip-tokenizer-init
     extra: dict[str, object] = field(default_factory=dict)
 
 

@@ -328,7 +328,7 @@ def test_text_format_json_schema(client: openai.OpenAI, engine: MockEngineProc, 
     assert json.loads(r.output_text) == {"t": 5}
     assert r.text is not None and r.text.format is not None and r.text.format.type == "json_schema"
     sent = http.get(f"http://127.0.0.1:{engine.http_port}/mock/stats").json()["constraints"]
-    mine = [c for c in sent if c["request_id"].split(".")[0] == r.id]
+    mine = [c for c in sent if c["request_id"].partition(".")[2] == r.id]
     assert mine and mine[0]["kind"] == "json_schema" and json.loads(mine[0]["value"]) == schema
 
 

@@ -257,7 +257,7 @@ def test_required_tool_choice_reaches_the_engine_as_a_schema(
         ("get_time", '{"tz": "CET"}')
     ]
     assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
-    sent = [c for c in mock_constraints(engine) if c["request_id"].split(".")[0] == rid]
+    sent = [c for c in mock_constraints(engine) if c["request_id"].partition(".")[2] == rid]
     assert len(sent) == 1 and sent[0]["kind"] == "json_schema"
     schema = json.loads(sent[0]["value"])
     assert schema["items"]["properties"]["name"]["enum"] == ["get_time"]
@@ -278,7 +278,7 @@ def test_response_format_reaches_the_engine_and_is_checked(
     )
     assert raw.headers.get("x-smg-schema-violation") is None
     assert raw.parse().choices[0].message.content == '{"t": 5}'
-    sent = [c for c in mock_constraints(engine) if c["request_id"].split(".")[0] == rid]
+    sent = [c for c in mock_constraints(engine) if c["request_id"].partition(".")[2] == rid]
     assert sent and sent[0]["kind"] == "json_schema" and json.loads(sent[0]["value"]) == schema
     # a violating answer, not strict: returned as generated, flagged in a header and on the choice
     raw = client.chat.completions.with_raw_response.create(

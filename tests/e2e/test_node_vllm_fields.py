@@ -138,7 +138,7 @@ def script(engine: MockEngineProc, http: httpx.Client, text: str, match: str) ->
 def sent(engine: MockEngineProc, http: httpx.Client, rid: str) -> list[dict[str, Any]]:
     """The constraints the engine got for the requests of client request id ``rid``."""
     got = http.get(f"http://127.0.0.1:{engine.http_port}/mock/stats").json()["constraints"]
-    return [c for c in got if c["request_id"].split(".")[0] == rid]
+    return [c for c in got if c["request_id"].partition(".")[2] == rid]  # (a unique token, then rid)
 
 
 def rid() -> str:

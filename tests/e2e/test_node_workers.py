@@ -27,7 +27,9 @@ def stats(engine: MockEngineProc) -> dict[str, Any]:
 def wait_aborted(engine: MockEngineProc, prefix: str, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(str(a).startswith(prefix) for a in stats(engine)["aborted"]):
+        if any(
+            str(a).partition(".")[2].startswith(prefix) for a in stats(engine)["aborted"]
+        ):  # (token first)
             return True
         time.sleep(0.05)
     return False

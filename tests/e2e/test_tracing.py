@@ -166,7 +166,7 @@ def test_a_chat_stream_is_one_trace_from_the_client_to_the_engine(
     else:
         assert all("marmalade" not in str(s.attributes) for s in mine)
     # the engine received the CLIENT span's context in its gRPC metadata
-    got = [c for c in engine_contexts(http, engine) if str(c["request_id"]).startswith(rid + ".")]
+    got = [c for c in engine_contexts(http, engine) if str(c["request_id"]).partition(".")[2] == rid]
     assert got and got[-1]["traceparent"] == traceparent(trace_id, call.span_id)
     assert got[-1]["tracestate"] == "vendor=1"
 
@@ -265,7 +265,7 @@ def test_spans_reach_an_http_protobuf_collector(
     assert a["gen_ai.usage.output_tokens"] == 8 and a["gen_ai.usage.input_tokens"] > 0
     assert a["server.address"] == "127.0.0.1" and a["server.port"] == engine.grpc_port
     assert not call.error and not server.error
-    got = [c for c in engine_contexts(http, engine) if str(c["request_id"]).startswith(rid + ".")]
+    got = [c for c in engine_contexts(http, engine) if str(c["request_id"]).partition(".")[2] == rid]
     assert got and got[-1]["traceparent"] == traceparent(trace_id, call.span_id)
 
 
@@ -519,8 +519,12 @@ def test_pd_makes_a_client_span_per_half_with_its_workers_address(
                 ),
                 "the PD request's SERVER span and both CLIENT spans",
             )
-        got_p = [c for c in engine_contexts(http, pre) if str(c["request_id"]).startswith(rid)]
-        got_d = [c for c in engine_contexts(http, dec) if str(c["request_id"]).startswith(rid)]
+        got_p = [
+            c for c in engine_contexts(http, pre) if str(c["request_id"]).partition(".")[2].startswith(rid)
+        ]
+        got_d = [
+            c for c in engine_contexts(http, dec) if str(c["request_id"]).partition(".")[2].startswith(rid)
+        ]
     mine = in_trace(spans, trace_id)
     server = one(mine, "POST /v1/chat/completions", SERVER)
     calls = {s.attributes["shepherd.pd.role"]: s for s in mine if s.kind == CLIENT}

@@ -33,6 +33,7 @@ from shepherd.node.api import responses as api_responses
 from shepherd.node.api.common import KEEPALIVE_TICKER, History, KeepAlive
 from shepherd.node.api.generation import Generation, Job
 from shepherd.node.config import NodeConfig
+from shepherd.node.dispatch.gateway import EngineFacts
 from shepherd.node.metrics import NodeMetrics
 from shepherd.node.openai.requests import parse_chat
 from shepherd.node.openai.responses import parse_responses
@@ -132,6 +133,9 @@ class _Gateway:
 
     def context_length(self, model: str) -> int:
         return 4096
+
+    def engine_facts(self, model: str, target: str | None = None) -> EngineFacts:
+        return EngineFacts(None, False, False)  # (no sampling defaults reported)
 
     async def open_stream(
         self, model: str, gen: Any, target: Any = None, routing_key: Any = None, retry: Any = None

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import sys
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -49,6 +51,7 @@ from shepherd.proto.engine_types import (
     EngineEvent,
     EngineTimeout,
     GenerateRequest,
+    SamplingDefaults,
     SamplingParams,
     TokenLogprob,
 )
@@ -82,24 +85,36 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 _SSE_LEAN_HEADERS = {k: v for k, v in SSE_HEADERS.items() if k != "Connection"}
 
 
-# (id of a Sampling, max_new_tokens, stream_interval) -> (that Sampling, its SamplingParams): a request
-# without a constraint maps a memoized Sampling (parse_sampling) to the same SamplingParams each time. An
-# entry holds its Sampling alive, so an id in the table cannot be another object's.
-_ENGINE_SAMPLING: dict[tuple[int, int, int | None], tuple[Sampling, SamplingParams]] = {}
+# (id of a Sampling, max_new_tokens, stream_interval, the model's defaults) -> (that Sampling, its
+# SamplingParams): a request without a constraint maps a memoized Sampling (parse_sampling) to the same
+# SamplingParams each time. An entry holds its Sampling alive, so an id in the table cannot be another
+# object's.
+_ENGINE_SAMPLING: dict[
+    tuple[int, int | None, int | None, SamplingDefaults | None], tuple[Sampling, SamplingParams]
+] = {}
 ENGINE_SAMPLING_MAX = 1024
 
 
 def engine_sampling(
-    s: Sampling, max_new_tokens: int, stream_interval: int | None, constraint: Constraint | None = None
+    s: Sampling,
+    max_new_tokens: int | None,
+    stream_interval: int | None,
+    constraint: Constraint | None = None,
+    defaults: SamplingDefaults | None = None,
+    stop_string_ids: tuple[int, ...] = (),
 ) -> SamplingParams:
+    """The engine's sampling parameters of a request: ``max_new_tokens`` None leaves the engine's own
+    bound (the client gave none); ``defaults``: the model's sampling defaults (its engines'), which fill
+    the fields the client left unset (``s.unset``); ``stop_string_ids``: the ids of the request's stop
+    strings that are one token each (``single_token_stops``)."""
     if constraint is not None or s.logit_bias or s.stop or s.stop_token_ids:
         # not memoized: an entry keeps its Sampling alive, and these hold up to ~200 kB of request bytes
-        return _engine_sampling(s, max_new_tokens, stream_interval, constraint)
-    key = (id(s), max_new_tokens, stream_interval)
+        return _engine_sampling(s, max_new_tokens, stream_interval, constraint, defaults, stop_string_ids)
+    key = (id(s), max_new_tokens, stream_interval, defaults)
     hit = _ENGINE_SAMPLING.get(key)
     if hit is not None and hit[0] is s:
         return hit[1]
-    p = _engine_sampling(s, max_new_tokens, stream_interval, None)
+    p = _engine_sampling(s, max_new_tokens, stream_interval, None, defaults)
     if len(_ENGINE_SAMPLING) >= ENGINE_SAMPLING_MAX:
         _ENGINE_SAMPLING.clear()
     _ENGINE_SAMPLING[key] = (s, p)
@@ -107,21 +122,47 @@ def engine_sampling(
 
 
 def _engine_sampling(
-    s: Sampling, max_new_tokens: int, stream_interval: int | None, constraint: Constraint | None
+    s: Sampling,
+    max_new_tokens: int | None,
+    stream_interval: int | None,
+    constraint: Constraint | None,
+    defaults: SamplingDefaults | None = None,
+    stop_string_ids: tuple[int, ...] = (),
 ) -> SamplingParams:
     kind = constraint.kind if constraint is not None else ""
     value = constraint.value if constraint is not None else None
+    temperature, top_p, top_k, min_p, repetition_penalty = (
+        s.temperature,
+        s.top_p,
+        s.top_k,
+        s.min_p,
+        s.repetition_penalty,
+    )
+    if defaults is not None and s.unset:  # the model's defaults, for what the client left unset
+        unset = s.unset
+        if defaults.temperature is not None and "temperature" in unset:
+            temperature = defaults.temperature
+        if defaults.top_p is not None and "top_p" in unset:
+            top_p = defaults.top_p
+        if defaults.top_k is not None and "top_k" in unset:
+            top_k = defaults.top_k  # (-1: every token; vLLM's request gets max(top_k, 0): engine_requests)
+        if defaults.min_p is not None and "min_p" in unset:
+            min_p = defaults.min_p
+        if defaults.repetition_penalty is not None and "repetition_penalty" in unset:
+            repetition_penalty = defaults.repetition_penalty
     return SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
         frequency_penalty=s.frequency_penalty,
         presence_penalty=s.presence_penalty,
-        repetition_penalty=s.repetition_penalty,
+        repetition_penalty=repetition_penalty,
         max_new_tokens=max_new_tokens,
         min_new_tokens=s.min_tokens,
         stop_token_ids=s.stop_token_ids,
+        stop_string_ids=stop_string_ids,
+        stop_strings=s.stop,
         ignore_eos=s.ignore_eos,
         skip_special_tokens=s.skip_special_tokens,
         spaces_between_special_tokens=s.spaces_between_special_tokens,
@@ -183,9 +224,50 @@ def fresh_id(prefix: str) -> str:
 
 
 def _engine_id(rid: str) -> str:
-    """The engine request id: unique on this node whatever the client sent (a reused
-    ``x-request-id`` must not let one caller's disconnect abort another caller's generation)."""
-    return f"{rid}.{_ID_PREFIX}{next(_ID_COUNTER):x}"
+    """An engine call's request id: a token of fixed width unique to this call first (the node's random
+    part, a 16-digit counter), then the client's id. Unique whatever the client sent (a reused
+    ``x-request-id`` must not let one caller's disconnect abort another caller's generation), and no
+    engine call's id is a prefix of another's: SGLang aborts every request whose id *starts with* the
+    one named (its scheduler's ``req.rid.startswith(abort.rid)``), so an Abort for one call (a stop
+    string's end, a disconnect) must not name a prefix of another call's id (a completions prompt list's
+    other prompts, another request with the same client id). Every engine call gets its own."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):016x}.{rid}"
+
+
+engine_id = _engine_id  # (the other routes' engine calls: native.py)
+
+
+# per tokenizer (not kept alive by it): (stop strings, skip_special_tokens) -> their single-token ids
+_STOP_IDS: weakref.WeakKeyDictionary[Tokenizer, dict[tuple[tuple[str, ...], bool], tuple[int, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+_STOP_IDS_MAX = 1024  # entries per tokenizer (emptied when full); stop sets over 256 characters not kept
+
+
+def single_token_stops(tok: Tokenizer, stops: tuple[str, ...], skip_special_tokens: bool) -> tuple[int, ...]:
+    """The token ids of the stop strings that are exactly one token: it encodes to that one id, and that
+    id decodes (as the request decodes: ``skip_special_tokens``) to exactly the string. An engine that
+    stops at such a token stops where the gateway's stop matcher would (the token's text is the stop
+    string); SGLang gets them as ``stop_token_ids`` (as SMG's resolve_string_stops does). Multi-token
+    strings stay the gateway's alone (a flat id list cannot express them)."""
+    memo = _STOP_IDS.get(tok)
+    if memo is None:
+        memo = _STOP_IDS[tok] = {}
+    key = (stops, skip_special_tokens)
+    hit = memo.get(key)
+    if hit is not None:
+        return hit
+    out: list[int] = []
+    for stop in stops:
+        ids = tok.encode_uncached(stop, add_special_tokens=False)
+        if len(ids) == 1 and tok.decode(ids, skip_special_tokens=skip_special_tokens) == stop:
+            out.append(ids[0])
+    got = tuple(dict.fromkeys(out))
+    if sum(map(len, stops)) <= 256:
+        if len(memo) >= _STOP_IDS_MAX:
+            memo.clear()
+        memo[key] = got
+    return got
 
 
 class Generation:
@@ -226,7 +308,6 @@ class Generation:
         self.chat = chat
         self.rid = rid
         logs.bind_request(rid)  # the rest of the request's log lines carry it (JSON logs, access log)
-        self.engine_rid = _engine_id(rid)
         self.t0 = t0
         self.t_first = 0.0  # when the first engine event came (perf_counter; 0: none yet)
         self.created = int(time.time())
@@ -258,14 +339,37 @@ class Generation:
             return self.lpfmt.chat(entries, self.logprobs or 0)
         return self.lpfmt.completion(entries, self.logprobs or 0, index)
 
-    def _gen_request(self, job: Job, max_new: int, suffix: str, stream: bool) -> GenerateRequest:
+    def _gen_request(self, job: Job, max_new: int, stream: bool) -> GenerateRequest:
+        """Job ``job``'s engine request, an id of its own (``_engine_id``). ``max_new``: what the context
+        leaves (``check_context``): the node's bound (``token_limit``), sent as ``max_new_tokens`` only
+        when the client asked for it (``max_tokens``; else the engine applies its own). The model's
+        sampling defaults fill what the client left unset (the target worker's, the decode pool's in
+        PD); ``require_reasoning`` (SGLang) when the request thinks first: a reasoning parser runs on
+        its output (the family's thinking on, the template did not close the think block)."""
+        s = self.s
+        gw = self.gw
+        facts = gw.engine_facts(self.model, self.request.headers.get("x-smg-target-worker"))
+        if s.min_tokens and facts.skip_tokenizer_init:
+            raise ApiError(
+                400,
+                f"'min_tokens' is not supported by model '{self.model}': its SGLang workers run with "
+                "--skip-tokenizer-init, which refuses a minimum output length.",
+                param="min_tokens",
+                code="unsupported_parameter",
+            )
+        stop_ids = single_token_stops(self.tok, s.stop, s.skip_special_tokens) if s.stop else ()
+        output = self.output
         return GenerateRequest(  # by position: (request_id, input_ids, sampling, stream, logprobs, top)
-            self.engine_rid + suffix,
+            _engine_id(self.rid),
             job.ids,
-            engine_sampling(self.s, max_new, self.gw.cfg.stream_interval, self.constraint),
+            engine_sampling(
+                s, s.max_tokens, gw.cfg.stream_interval, self.constraint, facts.defaults, stop_ids
+            ),
             stream,
             self.logprobs is not None,
             self.logprobs or 0,
+            require_reasoning=output is not None and output.reasoning is not None,
+            token_limit=max_new,
         )
 
     def _open(
@@ -275,7 +379,7 @@ class Generation:
         ``retry``: the tries so far): the gateway's coroutine, for the caller to await at once."""
         if max_new is None:
             max_new = self.gw.check_context(self.model, len(job.ids), self.s.max_tokens, *self.context_param)
-        gen = self._gen_request(job, max_new, "" if i == 0 else f"-p{i}", stream)
+        gen = self._gen_request(job, max_new, stream)
         h = self.request.headers
         return self.gw.open_stream(
             self.model,
@@ -335,8 +439,8 @@ class Generation:
         # the tokens a choice may have (what the engine was asked for): an engine sending more is cut there,
         # the choice ended as "length" and the call aborted (a runaway engine cannot flood the client)
         limit = self.s.max_tokens
-        if limit is None:
-            limit = max(self.gw.context_length(self.model) - len(job.ids), 0)
+        if limit is None:  # (a context a tokenizer reports as 1e30: bounded to what the C step takes)
+            limit = min(max(self.gw.context_length(self.model) - len(job.ids), 0), sys.maxsize)
 
         def event_chunks(start: int) -> None:
             """The chunks ``out[start:]`` (one event's, of one choice) with their token ids and usage."""

@@ -36,8 +36,10 @@ from shepherd.node.api.generation import (
     GONE,
     SSE_HEADERS,
     abort_reason,
+    engine_id,
     engine_sampling,
     fresh_id,
+    single_token_stops,
 )
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.stream import EngineStream
@@ -232,9 +234,10 @@ _SAMPLING_KEYS = {
     "seed": "seed",
     "sampling_seed": "seed",
     "logit_bias": "logit_bias",
+    "no_stop_trim": "include_stop_str_in_output",  # the stop string kept in the text (SGLang's name)
 }
 # accepted and without effect here: SGLang's own output switches
-_SAMPLING_IGNORED = frozenset({"no_stop_trim", "custom_params", "stream_interval"})
+_SAMPLING_IGNORED = frozenset({"custom_params", "stream_interval"})
 _SAMPLING_REFUSED = ("json_schema", "regex", "ebnf", "structural_tag")
 _GENERATE_KEYS = frozenset(
     {
@@ -296,9 +299,10 @@ MAX_RID_CHARS = 128
 
 
 def _rid(given: object) -> str:
-    """The request's ``rid`` (SGLang's): the client's, when given, as the prefix of the engine's request
-    id; else a fresh one. It reaches the engine (its logs, its abort calls): a string of 1 to 128
-    printable characters, else a 400 (a newline, a NUL or a bidi override is no request id)."""
+    """The request's ``rid`` (SGLang's): the client's, when given, in the engine's request id (after the
+    call's own unique token); else a fresh one. It reaches the engine (its logs, its abort calls): a
+    string of 1 to 128 printable characters, else a 400 (a newline, a NUL or a bidi override is no
+    request id)."""
     if given is None:
         return fresh_id("gen-")
     if not isinstance(given, str) or not 0 < len(given) <= MAX_RID_CHARS or not given.isprintable():
@@ -356,9 +360,18 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
     async def run() -> web.StreamResponse:
         max_new = gw.check_context(model, len(ids), s.max_tokens, param=field)
-        sp = engine_sampling(s, max_new, gw.cfg.stream_interval)
-        gen = GenerateRequest(f"{rid}.{fresh_id('')}", ids, sp, True, False, 0)
         h = request.headers
+        facts = gw.engine_facts(model, h.get("x-smg-target-worker"))  # the model's sampling defaults
+        if s.min_tokens and facts.skip_tokenizer_init:
+            raise bad(
+                f"'sampling_params.min_new_tokens' is not supported by model '{model}': its SGLang workers "
+                "run with --skip-tokenizer-init, which refuses a minimum output length.",
+                param="sampling_params.min_new_tokens",
+            )
+        stops = single_token_stops(tok, s.stop, s.skip_special_tokens) if s.stop else ()
+        sp = engine_sampling(s, s.max_tokens, gw.cfg.stream_interval, None, facts.defaults, stops)
+        # an id of its own, its unique token first (SGLang aborts by id prefix: generation._engine_id)
+        gen = GenerateRequest(engine_id(rid), ids, sp, True, False, 0, token_limit=max_new)
         es = await gw.open_stream(
             model, gen, target=h.get("x-smg-target-worker"), routing_key=h.get("x-smg-routing-key")
         )
@@ -476,7 +489,7 @@ async def _probe_models(gw: Gateway) -> tuple[int, dict[str, Any]]:
         tok = gw.tokenizer(model)
         ids = [tok.bos_token_id if tok.bos_token_id is not None else 0]
         s = parse_completion({"prompt": ids, "max_tokens": 1, "temperature": 0}).sampling
-        gen = GenerateRequest(f"health-{fresh_id('')}", ids, engine_sampling(s, 1, None), True, False, 0)
+        gen = GenerateRequest(engine_id("health"), ids, engine_sampling(s, 1, None), True, False, 0)
         try:
             es = await asyncio.wait_for(
                 gw.open_stream(model, gen), timeout=gw.cfg.health_check_timeout_secs + 8

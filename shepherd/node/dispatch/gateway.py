@@ -36,6 +36,8 @@ from shepherd.proto.engine_types import (
     EngineEvent,
     EngineLoad,
     GenerateRequest,
+    ModelInfo,
+    SamplingDefaults,
 )
 from shepherd.proto.openai_errors import ApiError
 from shepherd.tokens.service import TokenizerService
@@ -87,6 +89,8 @@ class Gateway:
         self.models: dict[str, ModelConfig] = {m.name: m for m in cfg.model_configs()}
         self._context_lengths: dict[str, tuple[int, int]] = {}  # model -> (registry version, length)
         self._kinds: dict[str, tuple[int, str | None]] = {}  # model -> (registry version, kind)
+        # model -> (registry version, what its engines report about sampling: engine_facts)
+        self._engine_facts: dict[str, tuple[int, EngineFacts]] = {}
         self._parser_families: dict[str, tuple[str | None, str | None]] = {}
         # one policy instance per model (its own state: cursor, prefix index...), the model's or the node's
         self.policies: dict[str, Policy] = {
@@ -318,6 +322,37 @@ class Gateway:
         self._kinds[model] = (version, kind)
         return kind
 
+    def engine_facts(self, model: str, target: str | None = None) -> EngineFacts:
+        """What ``model``'s engines report that shapes the request sent them: the sampling defaults (those
+        of the workers that produce the output: in PD the decode pool's; ``target``: that worker's) and
+        whether a worker refuses ``min_new_tokens`` (an SGLang worker started with --skip-tokenizer-init:
+        any worker of the model, prefill ones too, as they get the same request). Workers that report
+        different defaults: those most of them report (ties: the first worker's, by id), with a warning.
+        Cached until the registry's workers or their model info change."""
+        if target is not None:
+            w = self.registry.find(target)
+            if w is not None and w.model == model:
+                return _facts([w.info] if w.info is not None else [], [w.info] if w.info is not None else [])
+        version = self.registry.version
+        hit = self._engine_facts.get(model)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        ws = sorted(self.registry.for_model(model), key=lambda w: w.id)
+        infos = [w.info for w in ws if w.info is not None and not w.is_http]
+        pd = self.pd
+        out = infos
+        if pd is not None:
+            out = [w.info for w in ws if w.info is not None and not w.is_http and w.id in pd.decode_ids]
+        facts = _facts(out, infos)
+        if facts.divergent:
+            log.warning(
+                "the workers of model %s report different sampling defaults; requests get %s",
+                model,
+                facts.defaults.as_dict() if facts.defaults is not None else "none",
+            )
+        self._engine_facts[model] = (version, facts)
+        return facts
+
     def require_kind(self, model: str, kind: str) -> None:
         """A 400 when ``model`` is known to be of the other kind (a generation route naming an embedding
         model, or /v1/embeddings naming a generation-only model)."""
@@ -409,7 +444,10 @@ class Gateway:
                         break
                     first = [*first, *await anext(agen)]
                 if not req.stream:  # nothing reaches the client before every choice ended: read them all
-                    first = await _every_choice(agen, first, req.sampling.n, req.sampling.max_new_tokens)
+                    bound = req.sampling.max_new_tokens
+                    first = await _every_choice(
+                        agen, first, req.sampling.n, req.token_limit if bound is None else bound
+                    )
             except StopAsyncIteration:
                 w.in_flight -= 1
                 self.registry.record_result(w, False)
@@ -691,3 +729,23 @@ def _failed_first(first: list[EngineEvent], stream: bool) -> str | None:
 
 def _with_id(gen: GenerateRequest, rid: str) -> GenerateRequest:
     return replace(gen, request_id=rid)
+
+
+class EngineFacts:
+    """What a model's engines report that shapes requests (``Gateway.engine_facts``)."""
+
+    __slots__ = ("defaults", "divergent", "skip_tokenizer_init")
+
+    def __init__(self, defaults: SamplingDefaults | None, skip_tokenizer_init: bool, divergent: bool) -> None:
+        self.defaults = defaults
+        self.skip_tokenizer_init = skip_tokenizer_init
+        self.divergent = divergent
+
+
+def _facts(out: Sequence[ModelInfo], every: Sequence[ModelInfo]) -> EngineFacts:
+    """``out``: the infos of the workers whose sampling counts; ``every``: all the model's workers'."""
+    votes: dict[SamplingDefaults | None, int] = {}
+    for info in out:
+        votes[info.sampling_defaults] = votes.get(info.sampling_defaults, 0) + 1
+    defaults = max(votes, key=lambda d: votes[d]) if votes else None  # (ties: the first seen)
+    return EngineFacts(defaults, any(i.skip_tokenizer_init for i in every), len(votes) > 1)

@@ -116,6 +116,10 @@ class Worker:
             "max_context_length": self.info.max_context_length if self.info else None,
             # the KV pool in tokens when the engine reports it in place of the context (SGLang)
             "kv_capacity_tokens": (self.info.kv_capacity_tokens or None) if self.info else None,
+            # the model's sampling defaults the engine reports (unset request fields get them)
+            "sampling_defaults": (
+                self.info.sampling_defaults.as_dict() if self.info and self.info.sampling_defaults else None
+            ),
             "engine_loads": not self.loads_unsupported,
             # SMG's WorkerInfo (sgl-model-gateway / smg: protocols/worker_spec.rs), alongside
             "model_id": self.model,

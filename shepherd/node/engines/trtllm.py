@@ -11,6 +11,7 @@ SubscribeKvEvents.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 from smg_grpc_proto import trtllm_service_pb2 as tr
 from smg_grpc_proto.generated import common_pb2
@@ -37,6 +38,8 @@ from shepherd.proto.trtllm_codec import (
     trtllm_healthy,
 )
 
+_UINT32_MAX = (1 << 32) - 1  # (max_tokens is a uint32)
+
 
 class TrtllmEngineClient(RpcEngineClient):
     """EngineClient for TensorRT-LLM workers."""
@@ -51,7 +54,12 @@ class TrtllmEngineClient(RpcEngineClient):
         self, req: GenerateRequest, timeout: float | None = None
     ) -> AsyncIterator[list[EngineEvent]]:
         """The call's events; the request is encoded (and refused, naming a field it cannot honour) at
-        the first step. Closing it cancels the call."""
+        the first step. Closing it cancels the call. A request without ``max_new_tokens`` (the client gave
+        no max_tokens: SGLang and vLLM apply their own bound) gets the node's (``token_limit``: what the
+        context leaves): the service requires one."""
+        p = req.sampling
+        if p.max_new_tokens is None and req.token_limit is not None:
+            req = replace(req, sampling=replace(p, max_new_tokens=min(max(req.token_limit, 1), _UINT32_MAX)))
         return self._events(
             lambda: trtllm_generate(req, self.vocab_size), tr.GenerateResponse, TrtllmEvents(req), timeout
         )

@@ -219,6 +219,24 @@ class Sampling:
     stream: bool
     include_usage: bool
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk (vLLM)
+    # which of the fields a model's sampling defaults stand in for (DEFAULTABLE) the request left unset
+    # (absent or null): those get the model's default, when its engine reports one (generation.py)
+    unset: frozenset[str] = frozenset()
+
+
+# the fields a model's sampling defaults fill when a request leaves them unset (as SMG's
+# apply_sampling_defaults_to_generate_request)
+DEFAULTABLE: tuple[str, ...] = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+_UNSET_CACHE: dict[tuple[bool, ...], frozenset[str]] = {}
+
+
+def _unset(d: dict[str, Any]) -> frozenset[str]:
+    """The DEFAULTABLE fields ``d`` leaves unset (one frozenset per combination, shared)."""
+    key = tuple(d.get(k) is None for k in DEFAULTABLE)
+    got = _UNSET_CACHE.get(key)
+    if got is None:
+        got = _UNSET_CACHE[key] = frozenset(k for k, u in zip(DEFAULTABLE, key, strict=True) if u)
+    return got
 
 
 # every request key parse_sampling reads
@@ -379,6 +397,7 @@ def _parse_sampling(d: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samp
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
+        unset=_unset(d),
     )
 
 

@@ -51,6 +51,7 @@ class ChoiceState:
             stop_token_ids=s.stop_token_ids,
             eos_token_ids=tok.eos_token_ids,
             ignore_eos=s.ignore_eos,
+            min_tokens=s.min_tokens,  # no stop string ends before min_tokens tokens, as vLLM checks them
         )
         # the detokenizer is built on first use: a non-streamed answer is usually decoded in one call
         self._dec: StoppingDecoder | None = None

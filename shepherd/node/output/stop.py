@@ -19,6 +19,13 @@ Semantics (the same for every chunking of the text, and what a non-streaming cal
   text is not output (unless ``include_stop_str_in_output``, as vLLM does) and ids after it are ignored.
   Any held text is released then: no stop string can complete any more.
 - Empty stop strings are ignored; duplicates are merged.
+- ``min_tokens`` (the request's): a stop string counts only when its match ends in the text of a token
+  past the first ``min_tokens`` output tokens (a match may begin in earlier text), as vLLM checks them
+  (its detokenizer: ``len(output) > min_tokens``, the search offset moved past the earlier text); text
+  that could still become a stop string is held back meanwhile, as always. The tokens are counted by
+  the ids fed with the text (a feed of several ids that reaches past ``min_tokens`` counts as past it:
+  ``ChoiceState`` feeds one id at a time when there are stop strings). Stop token ids are not
+  affected: the engines do not generate them (nor EOS) before ``min_tokens``.
 
 Cost per feed, whatever the text: O(k x (m + c)) for k stop strings of at most m characters and c new
 characters, O(k x c) amortized: one KMP automaton per stop string, advanced over the new text only
@@ -105,6 +112,33 @@ def _spec(stop: tuple[str, ...], stop_token_ids: tuple[int, ...], eos_token_ids:
     return _build_spec(stop, stop_token_ids, eos_token_ids)
 
 
+def _advance_past(s: str, fail: tuple[int, ...], state: int, text: str) -> int:
+    """KMP over ``text`` from ``state`` without stopping at a match (one that may not count yet: see
+    ``min_tokens``): the state after it, a full match going on as its failure state."""
+    first = s[0]
+    m = len(s)
+    last = fail[m - 1]
+    n = len(text)
+    i = 0
+    while i < n:
+        if state == 0:
+            j = text.find(first, i)
+            if j < 0:
+                return 0
+            state = 1 if m > 1 else last
+            i = j + 1
+            continue
+        ch = text[i]
+        while state and s[state] != ch:
+            state = fail[state - 1]
+        if s[state] == ch:
+            state += 1
+            if state == m:
+                state = last
+        i += 1
+    return state
+
+
 def _advance(s: str, fail: tuple[int, ...], state: int, text: str) -> tuple[int, int]:
     """KMP over ``text`` from ``state`` (the longest suffix of what was fed that is a proper prefix of
     ``s``): ``(the new state, -1)``, or ``(len(s), the index in text just past the first occurrence of
@@ -144,6 +178,7 @@ class StopMatcher:
         "_finished",
         "_firsts",
         "_include",
+        "_left",
         "_matched",
         "_states",
         "_stop_ids",
@@ -159,6 +194,7 @@ class StopMatcher:
         stop_token_ids: Iterable[int] = (),
         eos_token_ids: Iterable[int] = (),
         ignore_eos: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         stops = stop if type(stop) is tuple else tuple(stop)
         ids = stop_token_ids if type(stop_token_ids) is tuple else tuple(stop_token_ids)
@@ -175,6 +211,9 @@ class StopMatcher:
         self._tail = ""
         self._finished = False
         self._matched: str | int | None = None
+        # min_tokens less the tokens fed so far while that is >= 0 (the text fed is within the first
+        # min_tokens tokens: no stop string may end in it), else -1 (from the first token: min_tokens 0)
+        self._left = min_tokens if min_tokens > 0 and stops else -1
 
     # -- configuration and state ------------------------------------------------------------------
 
@@ -227,11 +266,17 @@ class StopMatcher:
         """Feed the text of the next ids (as ``text_ids`` selects them) and the ids themselves."""
         if self._finished:
             return _new_result(StopResult, ("", True, self._matched))
+        armed = True
+        left = self._left
+        if left >= 0:  # up to min_tokens tokens so far: does this text (of its ids) reach past them?
+            left -= len(new_token_ids)
+            armed = left < 0
+            self._left = -1 if armed else left
         visible = new_text
         if new_text and self._stops and (self._states is not None or not self._firsts.isdisjoint(new_text)):
             # (fast path above: no partial match pending and no stop string can start in the new
             # text, so nothing can match or need holding)
-            visible = self._match(new_text)
+            visible = self._match(new_text, armed)
             if self.finished:  # (the property: mypy keeps the narrowing of the attribute)
                 return _new_result(StopResult, (visible, True, self._matched))
         stop_ids = self._stop_ids
@@ -255,9 +300,10 @@ class StopMatcher:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _match(self, text: str) -> str:
+    def _match(self, text: str, armed: bool = True) -> str:
         """Advance every stop string's KMP state over ``text``; return what becomes visible, update
-        the held tail, or finish at the first-completed stop (ties: the earliest start)."""
+        the held tail, or finish at the first-completed stop (ties: the earliest start). Not ``armed``
+        (within ``min_tokens``): no match counts, the states go on past them."""
         states = self._states
         if states is None:
             states = [0] * len(self._stops)
@@ -266,6 +312,11 @@ class StopMatcher:
         hit_end = 0  # in ``text``
         longest = 0
         for k, s in enumerate(self._stops):
+            if not armed:
+                st = states[k] = _advance_past(s, fails[k], states[k], text)
+                if st > longest:
+                    longest = st
+                continue
             st, end = _advance(s, fails[k], states[k], text)
             if end >= 0:
                 if hit < 0 or end < hit_end or (end == hit_end and len(s) > len(self._stops[hit])):
