@@ -503,3 +503,22 @@ def test_an_engine_past_max_tokens_is_cut_there(tokenizer_dir: Path) -> None:
             body
         )
         assert_serves(eng, node)
+
+
+async def fails_midway_naming_a_host(conn: EngineConn, sid: int, req: sg.GenerateRequest) -> None:
+    """Two tokens, then an error whose text names an internal address."""
+    rid = req.request_id
+    conn.head(sid)
+    conn.msg(sid, chunk(rid, [72], 1))
+    conn.msg(sid, chunk(rid, [73], 2))
+    conn.trail(sid, 13, "upstream shard at 10.1.2.3:50051 reset")
+
+
+def test_an_in_band_engine_error_names_no_address(tokenizer_dir: Path) -> None:
+    """An engine failing after the first tokens: the stream's error event says so, without the internal
+    address its text named (as the error middleware's answers before a stream starts)."""
+    with hostile_node(tokenizer_dir) as (eng, node):
+        eng.generate = fails_midway_naming_a_host
+        r = chat(node, stream=True)
+        assert r.status_code == 200 and "error" in r.text, r.text
+        assert "10.1.2.3" not in r.text and "<worker>" in r.text, r.text

@@ -340,3 +340,23 @@ def test_an_idle_stream_gets_ping_events(node: NodeProc, engine: MockEngineProc,
         http.post(faults, json={"stall_after_tokens": None, "stall_seconds": 0.0}).raise_for_status()
     assert text.count("event: ping\n") >= 2, text  # the one after message_start, then the ticker's
     assert ": keep-alive" not in text and "event: message_stop" in text
+
+
+def test_no_ping_before_message_start(node: NodeProc, engine: MockEngineProc, http: httpx.Client) -> None:
+    """An engine silent before its first token (queued, prefilling): the headers go out with SSE comments,
+    not Anthropic's ping events, which come after message_start (raw SSE readers expect that first)."""
+    faults = f"http://127.0.0.1:{engine.http_port}/mock/faults"
+    http.post(faults, json={"hang_before_first_token": True}).raise_for_status()
+    text = ""
+    try:
+        body = {"model": MODEL, "max_tokens": 8, "stream": True, "messages": _user("hang first")}
+        headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+        with http.stream("POST", node.url + "/v1/messages", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            for piece in r.iter_text():  # bounded: the keep-alive comes every 0.2 s
+                text += piece
+                if text.count(": keep-alive") >= 2 or "event: " in text:
+                    break
+    finally:
+        http.post(faults, json={"hang_before_first_token": False}).raise_for_status()
+    assert "event: ping" not in text and "event: message_start" not in text, text

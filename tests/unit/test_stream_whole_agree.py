@@ -122,6 +122,7 @@ class _Gateway:
     ) -> None:
         self.metrics = NodeMetrics()
         self.cfg = NodeConfig()
+        self.registry = SimpleNamespace(workers={})  # (no worker URL to keep out of error texts)
         self.engine = engine
         self.open_error = open_error
         self.delay = delay

@@ -17,7 +17,7 @@ import orjson
 from aiohttp import web
 
 from shepherd.node.api.admission import TICKET_KEY
-from shepherd.node.api.common import KEEPALIVE_TICKER
+from shepherd.node.api.common import KEEPALIVE_TICKER, public_engine_message
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.stream import EngineStream, Retry
 from shepherd.node.http.types import LeanStreamResponse, lean_request, stream_response
@@ -884,7 +884,10 @@ class Generation:
         keepalive = self.request.app[KEEPALIVE_TICKER]
         # while the engine queues or prefills, the ticker sends the headers and a keep-alive comment once
         # dispatch has waited one interval, then one every interval: proxies see bytes from the start
-        ka = keepalive.register(resp, getattr(self._events, "keepalive", KEEPALIVE), self.request)
+        # (an SSE comment until the first events are out: the Messages API's ping must follow its
+        # message_start, which comes with the first batch; then the events' own keep-alive)
+        ka = keepalive.register(resp, KEEPALIVE, self.request)
+        own_ka = getattr(self._events, "keepalive", KEEPALIVE)
         try:
             es = await self._open(jobs[0], 0, True, max_new[0])
         except (EngineError, ApiError, TimeoutError) as e:
@@ -920,6 +923,7 @@ class Generation:
                 pending.extend(chunks)
                 if not last:
                     ka.touch()
+                    ka.payload = own_ka
                     await resp.write(b"".join(pending))
                     pending.clear()
 
@@ -945,6 +949,7 @@ class Generation:
                         data = b"".join(chunks)
                     send = sender[0]
                     if send is None or not data:
+                        ka.payload = own_ka  # (the first write: the events' keep-alive from now on)
                         paused = lean.lean_write(data)
                         sender[0] = lean.chunk_sender()  # once the head is out: the chunks go straight
                         return paused
@@ -1019,6 +1024,8 @@ class Generation:
         """The last bytes of a stream that failed after its headers: the error event (then ``[DONE]``),
         or the Responses / Messages events' own."""
         msg, code = _describe(e)
+        if isinstance(e, EngineError):  # (as the error middleware's answers: no worker address)
+            msg = public_engine_message(msg, (w.url for w in self.gw.registry.workers.values()))
         tracing.record_error(e)
         self.gw.metrics.errors.labels(self.request.path, code).inc()
         if self._events is None:
