@@ -438,6 +438,21 @@ def _certs(argv: list[str]) -> int:
     return 0
 
 
+def _raise_open_files_limit() -> None:
+    """The soft open-files limit raised to the hard one (what a service manager allows): each client
+    connection is a descriptor, and the connection cap shrinks to fit the soft limit (LeanServer)."""
+    import resource
+
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY:
+            hard = 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):  # not allowed here: the cap adapts
+        pass
+
+
 def main(argv: list[str] | None = None) -> None:
     # grpcio reads its experiments at import: the poller-based engine costs fewer wake-ups per message
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
@@ -462,6 +477,7 @@ def main(argv: list[str] | None = None) -> None:
     from shepherd.node.observe import logs  # not at the top: see config_from_args
 
     logs.configure(cfg.log_level, cfg.log_format, cfg.access_log, logs.config_secrets(cfg))
+    _raise_open_files_limit()
     from shepherd.node.app import serve  # not at the top: see config_from_args
     from shepherd.storage.types import StorageError  # not at the top: see config_from_args
 
