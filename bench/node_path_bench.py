@@ -376,7 +376,11 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=250, help="rendered prompt size (default 250)")
-    p.add_argument("--profile", action="store_true", help="cProfile of the chat or burst rounds (or of the one scenario given)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile of the chat or burst rounds (or of the one scenario given)",
+    )
     p.add_argument("--profile-rows", type=int, default=None, help="default: 60 (chat), 45 (stream)")
     p.add_argument("--dump", default="", help="with --profile: write the pstats file here")
     p.add_argument("--show", action="store_true", help="print one response")
