@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import os
+import resource
 import sys
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
@@ -441,8 +442,6 @@ def _certs(argv: list[str]) -> int:
 def _raise_open_files_limit() -> None:
     """The soft open-files limit raised to the hard one (what a service manager allows): each client
     connection is a descriptor, and the connection cap shrinks to fit the soft limit (LeanServer)."""
-    import resource
-
     try:
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         if hard == resource.RLIM_INFINITY:

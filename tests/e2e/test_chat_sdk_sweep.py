@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,12 +22,11 @@ import pytest
 from pydantic import BaseModel
 
 from tests.e2e import node_fixtures
-from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.node_procs import NodeProc, reserved_port, running_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 
 tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
 
-_PORTS = range(45100, 46000)
 _rng = random.Random()
 
 TOOLS: list[Any] = [
@@ -45,19 +43,8 @@ CALL = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_ca
 
 
 def _port(taken: set[int]) -> int:
-    """A port of 45100-45999 free now (the brief's range; bounded tries)."""
-    for _ in range(200):
-        port = _rng.choice(_PORTS)
-        if port in taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        taken.add(port)
-        return port
-    raise RuntimeError("no free port in 45100-45999")
+    """A loopback port free now (below the ephemeral range: ``node_procs.reserved_port``)."""
+    return reserved_port()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import struct
 import tempfile
 import threading
@@ -27,24 +26,17 @@ import pytest
 from smg_grpc_proto import sglang_scheduler_pb2 as sg
 
 from shepherd.node.engines import h2_frames as h2
-from tests.e2e.node_procs import NodeProc, start_node
+from tests.e2e.node_procs import NodeProc, reserved_port, start_node
 from tests.e2e.test_node_tools import byte_tokenizer
 
-PORTS = range(47000, 48000)
 _PREFIX = struct.Struct(">BI")
 
 Handler = Callable[["EngineConn", int, sg.GenerateRequest], Awaitable[None]]
 
 
 def free_port_in_range() -> int:
-    for port in PORTS:  # bounded: the range
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 47000-47999")
+    """A loopback port free now (below the ephemeral range: ``node_procs.reserved_port``)."""
+    return reserved_port()
 
 
 def gmsg(body: bytes, compressed: int = 0) -> bytes:

@@ -29,10 +29,9 @@ import orjson
 import pytest
 
 from tests.e2e.logs import log_file
-from tests.e2e.node_procs import BIN, NodeProc, http_status, running_node
+from tests.e2e.node_procs import BIN, NodeProc, http_status, reserved_port, running_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 
-PORTS = range(42000, 43000)  # this suite's loopback ports
 MSGS: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
 CHAT_BODY = json.dumps({"model": "qwen3", "messages": MSGS, "max_tokens": 3}).encode()
 UPGRADE = (
@@ -42,18 +41,8 @@ CANARY = b"GET /v1/hidden-canary HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
 def free_port_in_range(avoid: set[int]) -> int:
-    """A loopback port of ``PORTS`` free now (bounded scan)."""
-    for port in PORTS:
-        if port in avoid:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        avoid.add(port)
-        return port
-    raise RuntimeError(f"no free port in {PORTS}")
+    """A loopback port free now (below the ephemeral range: ``node_procs.reserved_port``)."""
+    return reserved_port()
 
 
 _TAKEN: set[int] = set()

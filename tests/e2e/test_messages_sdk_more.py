@@ -18,8 +18,6 @@ What a second sweep with the SDK found and these tests keep fixed:
 from __future__ import annotations
 
 import hashlib
-import random
-import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +30,7 @@ import yaml
 
 from tests.e2e import node_fixtures
 from tests.e2e.node_fixtures import QWEN3_TEMPLATE
-from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.node_procs import NodeProc, reserved_port, running_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 from tests.e2e.responses_fixtures import MODEL
 
@@ -57,19 +55,11 @@ CUT = (
     '"unit": "ce'
 )
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-_PORTS = range(49000, 50000)
 
 
 def _port() -> int:
-    for _ in range(200):
-        port = random.choice(_PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 49000-49999")
+    """A loopback port free now (below the ephemeral range: ``node_procs.reserved_port``)."""
+    return reserved_port()
 
 
 def _sha(key: str) -> str:

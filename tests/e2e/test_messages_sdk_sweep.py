@@ -13,8 +13,6 @@ gone mid-stream aborting the engine call, and a 529 the SDK retries.
 
 from __future__ import annotations
 
-import random
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,7 +27,7 @@ import yaml
 
 from tests.e2e import node_fixtures
 from tests.e2e.node_fixtures import QWEN3_TEMPLATE
-from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.node_procs import NodeProc, reserved_port, running_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 from tests.e2e.responses_fixtures import MODEL, script
 
@@ -43,20 +41,11 @@ TOOLS: Any = [
     }
 ]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-_PORTS = range(43000, 44000)
 
 
 def _port() -> int:
-    """A port of 43000-43999 free now (bounded tries)."""
-    for _ in range(200):
-        port = random.choice(_PORTS)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 43000-43999")
+    """A loopback port free now (below the ephemeral range: ``node_procs.reserved_port``)."""
+    return reserved_port()
 
 
 @contextmanager

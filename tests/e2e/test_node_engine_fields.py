@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import random
 import shutil
-import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,30 +27,18 @@ import pytest
 import yaml
 
 from tests.e2e.node_fixtures import QWEN3_TEMPLATE
-from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.node_procs import NodeProc, reserved_port, running_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 from tests.e2e.test_node_tools import byte_tokenizer
 
 SCRATCH = Path("/tmp/fix_proto")
 DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
 SG, VL, SKIP = "sg", "vl", "skip"
-_taken: set[int] = set()
 
 
 def port() -> int:
-    """A free loopback port in 50000-50999 (not handed out before in this run)."""
-    for _ in range(500):  # bounded: the range is mostly free on a test machine
-        p = random.randrange(50000, 51000)
-        if p in _taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError:
-                continue
-        _taken.add(p)
-        return p
-    raise RuntimeError("no free port in 50000-50999")
+    """A loopback port free now (below the ephemeral range: ``node_procs.reserved_port``)."""
+    return reserved_port()
 
 
 @contextlib.contextmanager

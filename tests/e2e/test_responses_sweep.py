@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import tempfile
 import time
 import uuid
@@ -36,7 +35,7 @@ from shepherd.mesh.keyring import Keyring, generate_key
 from shepherd.storage.ids import node_tag, tag_of
 from tests.e2e import node_fixtures
 from tests.e2e.node_fixtures import QWEN3_TEMPLATE
-from tests.e2e.node_procs import NodeProc, http_status, spawn_node, start_node
+from tests.e2e.node_procs import NodeProc, http_status, reserved_port, spawn_node, start_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 from tests.e2e.responses_fixtures import MODEL, TOOLS, script
 from tests.e2e.test_mesh_cluster import mesh_flags
@@ -55,17 +54,8 @@ random.shuffle(_PORTS)
 
 
 def port() -> int:
-    """A port of 44000-44999 free for TCP and UDP now (each handed out once per run)."""
-    while _PORTS:
-        p = _PORTS.pop()
-        try:
-            with socket.socket() as t, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
-                t.bind(("127.0.0.1", p))
-                u.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return p
-    raise RuntimeError("no free port in 44000-44999")
+    """A loopback port free now (below the ephemeral range: ``node_procs.reserved_port``)."""
+    return reserved_port()
 
 
 def wait_for(cond: Callable[[], bool], what: str, timeout: float = 60.0) -> None:

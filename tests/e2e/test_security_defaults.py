@@ -41,7 +41,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.node_procs import BIN, NodeProc, env, start_node
+from tests.e2e.node_procs import BIN, NodeProc, env, reserved_port, start_node
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -52,16 +52,8 @@ _rng = random.Random()
 
 
 def port48() -> int:
-    """A port in 48000-48999 free on every address now."""
-    for _ in range(300):  # bounded
-        port = _rng.randrange(48000, 49000)
-        try:
-            with socket.socket() as s:
-                s.bind(("0.0.0.0", port))  # free on the wildcard: free on every address
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port in 48000-48999")
+    """A loopback port free now (below the ephemeral range: ``node_procs.reserved_port``)."""
+    return reserved_port()
 
 
 @pytest.fixture

@@ -36,32 +36,19 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.node_procs import BIN, NodeProc, env, start_node
+from tests.e2e.node_procs import BIN, NodeProc, env, reserved_port, start_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 
 pytestmark = pytest.mark.timeout(180)
 
 ADMIN_KEY = "sk-smg-e2e-sweep-admin-" + os.urandom(12).hex()
 JSON = {"Content-Type": "application/json"}
-PORTS = range(46000, 47000)
 _rng = random.Random()
-_taken: set[int] = set()
 
 
 def sweep_port() -> int:
-    """A port of 46000-46999 free now (TCP), not handed out before by this module."""
-    for _ in range(500):  # bounded
-        port = _rng.choice(PORTS)
-        if port in _taken:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        _taken.add(port)
-        return port
-    raise RuntimeError("no free port in 46000-46999")
+    """A loopback port free now (below the ephemeral range: ``node_procs.reserved_port``)."""
+    return reserved_port()
 
 
 @dataclass

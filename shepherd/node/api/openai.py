@@ -61,25 +61,22 @@ def _request_id(request: web.Request, prefix: str, d: dict[str, Any]) -> str:
     return fresh_id(prefix)
 
 
-def _tokens_as_ids(g: Generation, d: dict[str, Any]) -> None:
-    """vLLM's ``return_tokens_as_token_ids``: logprobs' tokens as ``"token_id:<id>"``."""
-    v = d.get("return_tokens_as_token_ids")
-    if v is None or v is False:
-        return
-    if v is not True:
-        raise bad("'return_tokens_as_token_ids' must be a boolean.", param="return_tokens_as_token_ids")
-    if g.lpfmt is not None:
+def _vllm_flags(g: Generation, d: dict[str, Any]) -> None:
+    """vLLM's answer switches: ``return_tokens_as_token_ids`` (logprobs' tokens as ``"token_id:<id>"``) and
+    ``return_token_ids`` (the prompt's and each choice's output ids in the answer); each a boolean."""
+    if _flag(d, "return_tokens_as_token_ids") and g.lpfmt is not None:
         g.lpfmt.tokens_as_ids = True
+    if _flag(d, "return_token_ids"):
+        g.return_ids = True
 
 
-def _return_token_ids(g: Generation, d: dict[str, Any]) -> None:
-    """vLLM's ``return_token_ids``: the prompt's and each choice's output token ids in the answer."""
-    v = d.get("return_token_ids")
+def _flag(d: dict[str, Any], name: str) -> bool:
+    v = d.get(name)
     if v is None or v is False:
-        return
+        return False
     if v is not True:
-        raise bad("'return_token_ids' must be a boolean.", param="return_token_ids")
-    g.return_ids = True
+        raise bad(f"'{name}' must be a boolean.", param=name)
+    return True
 
 
 def prompt_chars(messages: Sequence[Any]) -> int:
@@ -232,8 +229,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         logprobs=req.top_logprobs if req.logprobs else None,
         shaping=shaping,
     )
-    _tokens_as_ids(g, d)
-    _return_token_ids(g, d)
+    _vllm_flags(g, d)
     jobs = [Job(ids, text, states, 0)]
     adm = request.app[ADMISSION]
     if req.schemas:  # meta-validated now: after the model lookup and admission, off the event loop
@@ -295,8 +291,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         logprobs=req.logprobs,
         constraint=req.constraint,
     )
-    _tokens_as_ids(g, d)
-    _return_token_ids(g, d)
+    _vllm_flags(g, d)
     run = partial(_echo_only, g, jobs) if req.echo_only else partial(g.run, jobs)
     adm = request.app[ADMISSION]
     if adm is None:
