@@ -29,9 +29,10 @@ import pytest
 import yaml
 
 from tests.e2e import node_fixtures
+from tests.e2e import test_messages_sdk_sweep as sweep
 from tests.e2e.node_fixtures import QWEN3_TEMPLATE
 from tests.e2e.node_procs import NodeProc, reserved_port, running_node
-from tests.e2e.procs import MockEngineProc, start_mock_engine
+from tests.e2e.procs import MockEngineProc
 from tests.e2e.responses_fixtures import MODEL
 
 tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
@@ -66,20 +67,7 @@ def _sha(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-@pytest.fixture(scope="module")
-def engine(tokenizer_dir: Path) -> Iterator[MockEngineProc]:
-    ports = ("--grpc-port", str(_port()), "--http-port", str(_port()))
-    with start_mock_engine(
-        "--zero-latency",
-        "--output-len",
-        "16",
-        "--tokenizer",
-        str(tokenizer_dir),
-        "--context-length",
-        "65536",
-        *ports,
-    ) as e:
-        yield e
+engine = sweep.engine  # the same mock engine (its own per module)
 
 
 @pytest.fixture(scope="module")
