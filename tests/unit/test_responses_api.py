@@ -265,6 +265,11 @@ async def test_store_unavailable_before_generation_is_503() -> None:
         body = await r.json()
         assert r.status == 503 and r.headers["Retry-After"] == "3"
         assert body["error"]["code"] == "storage_unavailable"
+        # the store now known down: a turn to be stored is refused before any engine work (its answer
+        # could not be kept), though it reads nothing from the store first
+        r = await client.post("/v1/responses", json={"model": "m", "input": "y"})
+        assert r.status == 503 and (await r.json())["error"]["code"] == "storage_unavailable"
+        assert int(r.headers["Retry-After"]) >= 1
         r = await client.get("/v1/responses/resp_nope")
         assert r.status == 404 and (await r.json())["error"]["type"] == "invalid_request_error"
     assert asked == []

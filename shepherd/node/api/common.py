@@ -89,6 +89,18 @@ class History:
         self.cancel_elsewhere = cancel_elsewhere
         # a mesh: whether the node of an owner tag is gone (dead, left, or no member has the tag)
         self.node_gone = node_gone
+        # a store call found the store unavailable: until then (its Retry-After) a turn that must be stored
+        # is refused before any engine work, whose answer could not be kept; the first after it tries again
+        self.down_until = 0.0
+
+    def store_failed(self, e: StorageUnavailable) -> None:
+        self.down_until = max(self.down_until, time.monotonic() + max(1.0, e.retry_after))
+
+    def refuse_while_down(self) -> None:
+        """The 503 of a store known to be unavailable (``store_failed``), if it still is."""
+        left = self.down_until - time.monotonic()
+        if left > 0:
+            raise history_unavailable(StorageUnavailable("known unavailable", retry_after=left), "history")
 
     def new_id(self, prefix: str, owner_tag: str | None = None) -> str:
         """A fresh id owned by this node, or by the node of ``owner_tag`` (a conversation's owner keeps

@@ -277,6 +277,7 @@ class Turn:
         try:
             await self.put(rec, self.out_items(output))
         except StorageUnavailable as e:
+            self.hist.store_failed(e)
             raise _unavailable(e) from None
         except NotFound:
             raise conversation_not_found(self.conversation_id or "") from None
@@ -682,6 +683,7 @@ async def _lock_conversation(
         if claiming:  # a claim may have been applied although its answer was lost (a timeout, a cancel)
             await _shielded(lease.release())
         if isinstance(e, StorageUnavailable):
+            hist.store_failed(e)
             raise _unavailable(e) from None
         if isinstance(e, NotFound):  # (its owner is gone from the mesh)
             raise conversation_not_found(conversation_id) from None
@@ -725,10 +727,13 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     lease = await _lock_conversation(request, hist, gw, conv, response_id) if conv is not None else None
 
     async def turn_in_progress() -> web.StreamResponse:  # (under the conversation's lease, if any)
+        if req.store:  # a store known to be down: refused now, not after an answer that cannot be kept
+            hist.refuse_while_down()
         try:  # every history read happens before the engine is called
             past = await _history(request, hist, req, gw, conv_checked=lease is not None)
             prompt_items, new_input = await _resolve_input(request, hist, parsed, minted, mint)
         except StorageUnavailable as e:
+            hist.store_failed(e)
             raise _unavailable(e) from None
         # items the history already holds (a client sending a previous output back): not twice in the prompt
         known = {it.id for it in past}
@@ -923,6 +928,7 @@ async def _start_background(
             await check_schemas(schemas)
         await turn.put(turn.record({**queued, _RUNNER: _runner(turn.hist)}, [], "queued"), [])
     except StorageUnavailable as e:
+        turn.hist.store_failed(e)
         if ticket is not None:
             ticket.settle(0)
         raise _unavailable(e) from None
