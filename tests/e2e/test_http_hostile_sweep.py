@@ -31,6 +31,7 @@ import pytest
 from tests.e2e.logs import log_file
 from tests.e2e.node_procs import BIN, NodeProc, http_status, reserved_port, running_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
+from tests.e2e.test_hostile_inputs import raw_exchange
 
 MSGS: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
 CHAT_BODY = json.dumps({"model": "qwen3", "messages": MSGS, "max_tokens": 3}).encode()
@@ -72,13 +73,7 @@ def node(engine: MockEngineProc) -> Iterator[NodeProc]:
 
 def exchange(port: int, data: bytes, timeout: float = 10.0) -> bytes:
     """Send ``data``, read until the server closes (or ``timeout`` of silence)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-        s.sendall(data)
-        out = b""
-        with contextlib.suppress(TimeoutError, ConnectionResetError):
-            while chunk := s.recv(65536):
-                out += chunk
-        return out
+    return raw_exchange(port, data, timeout)
 
 
 def responses(raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
