@@ -32,6 +32,7 @@ must give HF's ids for both ``add_special_tokens`` values, or the encoder is not
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import unicodedata
@@ -211,9 +212,15 @@ class FastBPE:
 
     @classmethod
     def build_with_reason(
-        cls, hf: tokenizers.Tokenizer, tokenizer_json: Mapping[str, Any], *, content_key: bytes | None = None
+        cls,
+        hf: tokenizers.Tokenizer,
+        tokenizer_json: Mapping[str, Any] | Callable[[], Mapping[str, Any]],
+        *,
+        content_key: bytes | None = None,
     ) -> tuple[FastBPE | None, str]:
-        """``(encoder, what it does)`` or ``(None, why not)``."""
+        """``(encoder, what it does)`` or ``(None, why not)``. ``tokenizer_json`` may be a function
+        giving it: it is then parsed only when nothing was kept for ``content_key``."""
+        source = tokenizer_json if callable(tokenizer_json) else functools.partial(_same, tokenizer_json)
         try:
             if hf.truncation is not None or hf.padding is not None:
                 raise ValueError("truncation or padding is set")
@@ -226,8 +233,8 @@ class FastBPE:
                     raise ValueError(f"added token {tok.content!r} has lstrip/rstrip/single_word")
                 if tok.content:
                     (normalized if tok.normalized else raw)[tok.content] = i
-            core = _cached_core(hf, tokenizer_json, content_key)
-            wrap = _learn_wrap(hf, tokenizer_json.get("post_processor"))
+            core = _cached_core(hf, source, content_key)
+            wrap = _learn_wrap(hf, core.post_processor)
             fast = cls(hf, core, raw_tokens=raw, normalized_tokens=normalized, wrap=wrap)
             bad = fast._self_check()
             if bad is not None:
@@ -369,19 +376,28 @@ def _fingerprint(hf: tokenizers.Tokenizer) -> tuple[object, ...]:
     )
 
 
+def _same(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    return d
+
+
+def _parsed(hf: tokenizers.Tokenizer) -> Mapping[str, Any]:
+    d: Mapping[str, Any] = orjson.loads(hf.to_str())
+    return d
+
+
 def fast_bpe_for(
     hf: tokenizers.Tokenizer,
-    tokenizer_json: Mapping[str, Any] | None = None,
+    tokenizer_json: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
     *,
     content_key: bytes | None = None,
 ) -> tuple[FastBPE | None, str]:
     """``FastBPE.build_with_reason`` once per tokenizer object: later calls for the same ``hf`` get
-    the same encoder. ``tokenizer_json`` defaults to ``hf.to_str()`` parsed."""
+    the same encoder. ``tokenizer_json`` defaults to ``hf.to_str()`` parsed (when it is needed)."""
     fp = _fingerprint(hf)
     hit = _BUILT.get(hf)
     if hit is not None and hit[0] == fp:
         return hit[1], hit[2]
-    d = tokenizer_json if tokenizer_json is not None else orjson.loads(hf.to_str())
+    d = tokenizer_json if tokenizer_json is not None else functools.partial(_parsed, hf)
     fast, why = FastBPE.build_with_reason(hf, d, content_key=content_key)
     if fast is None:
         log.info("fast BPE off: %s", why)

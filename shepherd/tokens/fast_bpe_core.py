@@ -36,10 +36,8 @@ dozen contexts, ``--fast-bpe-verify``).
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import json
-import os
 import unicodedata
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -49,6 +47,8 @@ from typing import Any, Final
 
 import tiktoken
 import tokenizers
+
+from shepherd.tokens.table_cache import Record, cache_path, code_digest, load_record, store_record
 
 __all__ = ["GPT2_PATTERN", "byte_level_decoder"]
 
@@ -98,6 +98,7 @@ class _Core:
     nfc: bool
     description: str
     ranks: dict[bytes, int]  # the encoding's ranks (each byte-level token's bytes → id), the same dict
+    post_processor: Any  # the file's ``post_processor`` (JSON)
 
 
 _CORES: OrderedDict[bytes, _Core | str] = OrderedDict()  # content key → core or why not
@@ -306,40 +307,18 @@ def _nfc_agrees(normalize: Callable[[str], str]) -> str | None:
     return None
 
 
-# ---- the checks' verdict on disk ------------------------------------------------------------------------
-# The structural checks below take ~0.6 s for a 150k vocabulary, at every process start (node, tokenizer
-# pool, engine). Their verdict depends on the file's content, the tokenizers library (its normalizer and
-# model) and Python's Unicode tables alone: kept per that, as a small JSON file, in
-# $SHEPHERD_CACHE_DIR (default $XDG_CACHE_HOME/shepherd, ~/.cache/shepherd) under bpe-checks/.
+# ---- what is kept on disk ------------------------------------------------------------------------------
+# The structural checks below take ~0.6 s for a 150k vocabulary, parsing the file and making the ranks
+# ~0.5 s more, at every process start (node, tokenizer pool, engine). What they give depends on the
+# file's content, the tokenizers library (its normalizer and model), Python's Unicode tables and this
+# module alone: kept per those (``table_cache``) under bpe-checks/ (the verdict, a small JSON file, also
+# when the tokenizer is refused) and bpe-cores/ (a core's pattern, flags, post-processor and ranks).
 _VERDICT_FORMAT: Final = 1
-
-
-@functools.cache
-def _checks_code() -> bytes:
-    """This module's own source: a change to the checks is a new verdict (no format number to bump)."""
-    try:
-        return hashlib.sha256(Path(__file__).read_bytes()).digest()
-    except OSError:
-        return str(_VERDICT_FORMAT).encode()
+_CORE_FORMAT: Final = 1
 
 
 def _verdict_path(key: bytes) -> Path | None:
-    """None when there is no absolute place for the cache (no HOME: nothing is kept)."""
-    base = os.environ.get("SHEPHERD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shepherd"
-    )
-    if not os.path.isabs(base):
-        return None
-    tag = b"|".join(
-        (
-            key,
-            str(_VERDICT_FORMAT).encode(),
-            _checks_code(),
-            tokenizers.__version__.encode(),
-            unicodedata.unidata_version.encode(),
-        )
-    )
-    return Path(base) / "bpe-checks" / f"{hashlib.sha256(tag).hexdigest()}.json"
+    return cache_path("bpe-checks", key, code_digest(__file__) + bytes([_VERDICT_FORMAT]), ".json")
 
 
 def _load_verdict(key: bytes) -> dict[str, Any] | None:
@@ -362,17 +341,37 @@ def _load_verdict(key: bytes) -> dict[str, Any] | None:
 
 
 def _store_verdict(key: bytes, verdict: dict[str, Any]) -> None:
-    """Written whole or not at all (a temporary file renamed over it); an unwritable cache is no error."""
-    path = _verdict_path(key)
-    if path is None:
-        return
+    store_record(_verdict_path(key), json.dumps(verdict).encode())
+
+
+def _core_path(key: bytes) -> Path | None:
+    return cache_path("bpe-cores", key, code_digest(__file__) + bytes([_CORE_FORMAT]))
+
+
+def _store_core(key: bytes, core: _Core) -> None:
+    header = {
+        "pattern": core.pattern,
+        "nfc": core.nfc,
+        "description": core.description,
+        "post_processor": core.post_processor,
+    }
+    store_record(_core_path(key), Record(header, [list(core.ranks)], [list(core.ranks.values())]).dump())
+
+
+def _load_core(key: bytes) -> _Core | None:
+    """The core kept for ``key``, or None (none kept, or a record that is not a core's)."""
+    rec = load_record(_core_path(key))
+    if rec is None or len(rec.blobs) != 1 or len(rec.ints) != 1 or len(rec.blobs[0]) != len(rec.ints[0]):
+        return None
+    h = rec.header
+    pattern, nfc, description = h.get("pattern"), h.get("nfc"), h.get("description")
+    if not (isinstance(pattern, str) and isinstance(nfc, bool) and isinstance(description, str)):
+        return None
+    ranks = dict(zip(rec.blobs[0], rec.ints[0], strict=True))
     try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(verdict))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+        return _Core(_encoding(pattern, ranks), pattern, nfc, description, ranks, h.get("post_processor"))
+    except ValueError:
+        return None
 
 
 def _checks(
@@ -407,17 +406,26 @@ def _checks(
     return all_splits, failing
 
 
-def _cached_core(hf: tokenizers.Tokenizer, d: Mapping[str, Any], key: bytes | None) -> _Core:
+def _cached_core(
+    hf: tokenizers.Tokenizer, source: Callable[[], Mapping[str, Any]], key: bytes | None
+) -> _Core:
+    """The core of the file whose content has digest ``key``: this process's, the one kept on disk, or
+    built from ``source()`` (the parsed tokenizer.json, asked for only then) and kept."""
     if key is not None and key in _CORES:
         _CORES.move_to_end(key)
         hit = _CORES[key]
         if isinstance(hit, str):
             raise ValueError(hit)
         return hit
-    try:
-        core: _Core | str = _build_core(hf, d, key)
-    except ValueError as e:
-        core = str(e)
+    core: _Core | str | None = _load_core(key) if key is not None else None
+    if core is None:
+        try:
+            core = _build_core(hf, source(), key)
+        except ValueError as e:
+            core = str(e)
+        else:
+            if key is not None:
+                _store_core(key, core)
     if key is not None:
         _CORES[key] = core
         while len(_CORES) > _CORES_MAX:
@@ -425,6 +433,15 @@ def _cached_core(hf: tokenizers.Tokenizer, d: Mapping[str, Any], key: bytes | No
     if isinstance(core, str):
         raise ValueError(core)
     return core
+
+
+def _encoding(pattern: str, ranks: dict[bytes, int]) -> tiktoken.Encoding:
+    try:
+        return tiktoken.Encoding(
+            "shepherd-fast-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens={}
+        )
+    except Exception as e:  # tiktoken's regex engine refusing the pattern, mostly
+        raise ValueError(f"tiktoken refuses the tokenizer: {type(e).__name__}: {e}") from e
 
 
 def _build_core(hf: tokenizers.Tokenizer, d: Mapping[str, Any], key: bytes | None = None) -> _Core:
@@ -454,15 +471,10 @@ def _build_core(hf: tokenizers.Tokenizer, d: Mapping[str, Any], key: bytes | Non
         # them in the ranks neither does tiktoken (GPT-2's "<|endoftext|>").
         failing = set(verdict["failing"])
         ranks = {tok: i for tok, i in ranks.items() if i not in failing}
-    try:
-        encoding = tiktoken.Encoding(
-            "shepherd-fast-bpe", pat_str=pattern, mergeable_ranks=ranks, special_tokens={}
-        )
-    except Exception as e:  # tiktoken's regex engine refusing the pattern, mostly
-        raise ValueError(f"tiktoken refuses the tokenizer: {type(e).__name__}: {e}") from e
+    encoding = _encoding(pattern, ranks)
     description = (
         f"{'GPT-2 pattern' if pattern == GPT2_PATTERN else 'Split regex'}, "
         f"{'NFC' if nfc else 'no normalizer'}, "
         f"merges: {'all splits' if all_splits else 'one merge per token'}, ignore_merges={ignore_merges}"
     )
-    return _Core(encoding, pattern, nfc, description, ranks)
+    return _Core(encoding, pattern, nfc, description, ranks, d.get("post_processor"))

@@ -21,21 +21,26 @@ import random
 import weakref
 from collections.abc import Mapping, Sequence
 from operator import itemgetter
+from pathlib import Path
 
 import tokenizers
 
+from shepherd.tokens import fast_bpe_core as _fast_bpe_core
 from shepherd.tokens.fast_bpe_core import _to_latin1_table
+from shepherd.tokens.table_cache import Record, cache_path, code_digest, load_record, store_record
 
 __all__ = ["ByteDecoder"]
 
 
 class ByteDecoder:
-    __slots__ = ("_all", "_plain", "size")
+    __slots__ = ("_all", "_plain", "_special", "longest", "size")
 
     def __init__(self, table: list[bytes], special: frozenset[int]) -> None:
         self._all = table
+        self._special = special
         self._plain = [b"" if i in special else t for i, t in enumerate(table)]
         self.size = len(table)
+        self.longest = max(map(len, table), default=0)  # the longest entry's bytes
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """HF's ``decode``; ids outside the vocabulary raise IndexError (HF drops them: the caller
@@ -57,22 +62,33 @@ class ByteDecoder:
 
     @classmethod
     def build(
-        cls, hf: tokenizers.Tokenizer, seed: int = 0, *, token_bytes: Mapping[bytes, int] | None = None
+        cls,
+        hf: tokenizers.Tokenizer,
+        seed: int = 0,
+        *,
+        token_bytes: Mapping[bytes, int] | None = None,
+        content_key: bytes | None = None,
     ) -> ByteDecoder | None:
         """A checked decoder for ``hf``, or None; with the default seed, built once per tokenizer object
         (later calls, and ``built_for``, return that one). ``token_bytes``: tokens' bytes → ids already
         held (the fast encoder's ranks): the table then holds those bytes objects rather than copies
-        (the same values; ~6 MB less for a 150k vocabulary)."""
+        (the same values; ~6 MB less for a 150k vocabulary). ``content_key``: the digest of the file
+        ``hf`` was loaded from: the table is taken from, or kept in, ``table_cache`` (checked against
+        HF's decode either way)."""
         if seed == 0 and hf in _BUILT:
             return _BUILT[hf]
-        fast = cls._build(hf, seed, token_bytes)
+        fast = cls._build(hf, seed, token_bytes, content_key)
         if seed == 0:
             _BUILT[hf] = fast
         return fast
 
     @classmethod
     def _build(
-        cls, hf: tokenizers.Tokenizer, seed: int, token_bytes: Mapping[bytes, int] | None = None
+        cls,
+        hf: tokenizers.Tokenizer,
+        seed: int,
+        token_bytes: Mapping[bytes, int] | None = None,
+        content_key: bytes | None = None,
     ) -> ByteDecoder | None:
         decoder = hf.decoder
         if decoder is None:
@@ -84,27 +100,27 @@ class ByteDecoder:
             return None
         if not isinstance(spec, dict) or spec.get("type") != "ByteLevel":
             return None
-        to_latin1 = _to_latin1_table()
         size = hf.get_vocab_size(with_added_tokens=True)
-        vocab = hf.get_vocab(with_added_tokens=True)
-        if len(vocab) != size or any(i >= size or i < 0 for i in vocab.values()):
+        path = None if content_key is None else _table_path(content_key)
+        kept = _kept_table(load_record(path), size)
+        table = kept or _table(hf, size)
+        if table is None:
             return None  # holes in the id space: HF skips what it cannot name
         held: list[bytes | None] = [None] * size
         for b, i in (token_bytes or {}).items():
             if type(i) is int and 0 <= i < size:
                 held[i] = b
-        table = [b""] * size
-        for token, i in vocab.items():
-            try:  # every character a byte-level one: its bytes; else the token's own UTF-8
-                b = token.translate(to_latin1).encode("latin-1")
-            except UnicodeEncodeError:
-                b = token.encode()
-            same = held[i]
-            table[i] = same if same is not None and same == b else b  # the held object: same bytes
+        for i, same in enumerate(held):
+            if same is not None and same == table[i]:
+                table[i] = same  # the held object: same bytes
         added = hf.get_added_tokens_decoder()
         special = frozenset(i for i, t in added.items() if t.special)
         fast = cls(table, special)
-        return fast if fast._agrees(hf, sorted(added), seed) else None
+        if not fast._agrees(hf, sorted(added), seed):
+            return None
+        if kept is None and path is not None:
+            store_record(path, Record({"size": size}, [table], []).dump())
+        return fast
 
     def _agrees(self, hf: tokenizers.Tokenizer, added: list[int], seed: int) -> bool:
         rng = random.Random(seed)
@@ -127,6 +143,31 @@ class ByteDecoder:
                 if self.decode(seq, skip) != hf.decode(seq, skip_special_tokens=skip):
                     return False
         return True
+
+
+def _table(hf: tokenizers.Tokenizer, size: int) -> list[bytes] | None:
+    """Each id's bytes from HF's vocabulary, or None when it has holes in the id space."""
+    to_latin1 = _to_latin1_table()
+    vocab = hf.get_vocab(with_added_tokens=True)
+    if len(vocab) != size or any(i >= size or i < 0 for i in vocab.values()):
+        return None
+    table = [b""] * size
+    for token, i in vocab.items():
+        try:  # every character a byte-level one: its bytes; else the token's own UTF-8
+            table[i] = token.translate(to_latin1).encode("latin-1")
+        except UnicodeEncodeError:
+            table[i] = token.encode()
+    return table
+
+
+def _table_path(key: bytes) -> Path | None:
+    return cache_path("byte-decoders", key, code_digest(__file__, _fast_bpe_core.__file__))
+
+
+def _kept_table(rec: Record | None, size: int) -> list[bytes] | None:
+    if rec is None or len(rec.blobs) != 1 or rec.header.get("size") != size or len(rec.blobs[0]) != size:
+        return None
+    return rec.blobs[0]
 
 
 # tokenizer object -> its checked decoder (None: refused), from ``build`` with the default seed

@@ -17,7 +17,7 @@ import functools
 import hashlib
 import json
 import lzma
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,18 +134,19 @@ class Tokenizer:
         generation_config: Mapping[str, Any] | None = None,
         templates: Mapping[str, ChatTemplate] | None = None,
         cache_limits: CacheLimits | None = None,
-        tokenizer_json: Mapping[str, Any] | None = None,
+        tokenizer_json: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
         tokenizer_json_key: bytes | None = None,
         fast_bpe: bool = True,
     ) -> None:
-        """``tokenizer_json``: the parsed tokenizer.json of ``hf`` if at hand (else ``hf.to_str()``
-        is parsed when ``fast_bpe`` needs it), ``tokenizer_json_key`` a digest of it (tokenizers
-        loaded from the same file share the fast encoder's checks); ``fast_bpe=False`` keeps plain
-        HF encoding."""
+        """``tokenizer_json``: the parsed tokenizer.json of ``hf`` if at hand, or a function giving it
+        (else ``hf.to_str()`` is parsed when ``fast_bpe`` needs it), ``tokenizer_json_key`` a digest
+        of it (tokenizers loaded from the same file share the fast encoder's and decoder's tables, in
+        this process and on disk: ``table_cache``); ``fast_bpe=False`` keeps plain HF encoding."""
         cfg = dict(config or {})
         self.name = name
         self.path = path
         self.hf = hf
+        self._content_key = tokenizer_json_key
         self._fast_decoder: ByteDecoder | None = None
         # a gateway wants every id of the prompt: the context check is the node's job
         hf.no_truncation()
@@ -207,7 +208,7 @@ class Tokenizer:
             generation_config=_read_json(directory / "generation_config.json"),
             templates=load_chat_templates(directory, chat_template, config=config),
             cache_limits=cache_limits,
-            tokenizer_json=orjson.loads(data) if fast_bpe else None,
+            tokenizer_json=functools.partial(orjson.loads, data) if fast_bpe else None,
             tokenizer_json_key=hashlib.blake2b(data, digest_size=16).digest(),
             fast_bpe=fast_bpe,
         )
@@ -218,7 +219,12 @@ class Tokenizer:
     @functools.cached_property
     def max_token_chars(self) -> int:
         """The most characters one token stands for (its vocabulary's longest entry, added tokens too: a
-        byte-level entry has a character per byte, at least as many as it decodes to)."""
+        byte-level entry has a character per byte, at least as many as it decodes to). With the byte
+        decoder built: its longest entry's bytes, which are as many or more (a byte-level entry's one a
+        character, another's its UTF-8), without asking HF for its whole vocabulary (~0.1 s)."""
+        fast = self._fast_decoder
+        if fast is not None:
+            return fast.longest or 1
         return max((len(t) for t in self.hf.get_vocab(with_added_tokens=True)), default=1) or 1
 
     # ---- ids -------------------------------------------------------------------------------------
@@ -247,7 +253,9 @@ class Tokenizer:
         over the fast encoder's bytes objects when there is one. True when this tokenizer has one."""
         if self._fast_decoder is None:
             fast = self.cache.fast
-            self._fast_decoder = ByteDecoder.build(self.hf, token_bytes=fast.token_ranks if fast else None)
+            self._fast_decoder = ByteDecoder.build(
+                self.hf, token_bytes=fast.token_ranks if fast else None, content_key=self._content_key
+            )
         return self._fast_decoder is not None
 
     def id_to_token(self, i: int) -> str | None:

@@ -486,7 +486,7 @@ def _c_and_tiktoken(name: str) -> tuple[Callable[[str], list[int]], Callable[[st
     """The ordinary encoder of a tokenizer's core (the C split, checked in use) and tiktoken's."""
     fast = fast_of(name)
     assert fast.pattern in _C_SPLIT_DIGITS
-    core = _cached_core(fast.hf, json.loads(fast.hf.to_str()), None)
+    core = _cached_core(fast.hf, lambda: json.loads(fast.hf.to_str()), None)
     encode = _ordinary_encoder(core, lambda t: fast.hf.encode(t, add_special_tokens=False).ids)
     assert encode != core.encoding.encode_ordinary  # the C split is in use
     return encode, core.encoding.encode_ordinary
@@ -572,6 +572,8 @@ def test_the_checks_verdict_is_kept_on_disk_per_content(
         assert (reason, None if fast is None else fast.encode("xyz ab aba", False)) == first[key]
     for f in (tmp_path / "bpe-checks").iterdir():
         f.write_text('{"all_splits": "yes"}')
+    for f in (tmp_path / "bpe-cores").iterdir():
+        f.unlink()  # (else the accepted ones' cores are taken whole, below)
     calls: list[int] = []
 
     def counted(*a: Any, **k: Any) -> Any:
@@ -598,3 +600,54 @@ def test_no_verdict_is_kept_without_an_absolute_cache_place(
     core_mod._CORES.clear()
     assert FastBPE.build_with_reason(hf, d, content_key=b"no-home")[0] is not None
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_core_is_kept_on_disk_and_taken_without_parsing_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process start takes an accepted tokenizer's core (pattern, flags, post-processor, ranks with the
+    left-out tokens gone) from the disk cache without parsing tokenizer.json; a record cut short, or
+    bytes that are no record, is a miss: the file is parsed and the core built and kept again."""
+    import shepherd.tokens.fast_bpe_core as core_mod
+
+    monkeypatch.setenv("SHEPHERD_CACHE_DIR", str(tmp_path))
+    cases = [
+        (tiny(["ab", "xyz"], merges=[("a", "b")], ignore_merges=False), b"left-out"),
+        (tiny(DENSE), b"accepted"),
+    ]
+    texts = ["xyz ab aba", "", "abba xyzzy", "ab" * 40]
+    first = {}
+    for (hf, d), key in cases:
+        core_mod._CORES.clear()
+        fast, _ = FastBPE.build_with_reason(hf, d, content_key=key)
+        assert fast is not None
+        first[key] = ([fast.encode(t, True) for t in texts], dict(fast.token_ranks), fast.wraps)
+    assert len(list((tmp_path / "bpe-cores").iterdir())) == 2
+    parsed: list[bytes] = []
+
+    def source(d: Any, key: bytes) -> Any:
+        def give() -> Any:
+            parsed.append(key)
+            return d
+
+        return give
+
+    for (hf, d), key in cases:
+        core_mod._CORES.clear()
+        fast, _ = FastBPE.build_with_reason(hf, source(d, key), content_key=key)
+        assert fast is not None
+        assert ([fast.encode(t, True) for t in texts], dict(fast.token_ranks), fast.wraps) == first[key]
+    assert parsed == []
+    records = sorted((tmp_path / "bpe-cores").iterdir())
+    records[0].write_bytes(records[0].read_bytes()[:-3])
+    records[1].write_bytes(b"not a record at all")
+    for (hf, d), key in cases:
+        core_mod._CORES.clear()
+        fast, _ = FastBPE.build_with_reason(hf, source(d, key), content_key=key)
+        assert fast is not None
+        assert [fast.encode(t, True) for t in texts] == first[key][0]
+    assert sorted(parsed) == sorted(k for _, k in cases)
+    for (hf, d), key in cases:  # kept whole again
+        core_mod._CORES.clear()
+        assert FastBPE.build_with_reason(hf, source(d, key), content_key=key)[0] is not None
+    assert len(parsed) == 2

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shepherd.tokens.fast_decode import ByteDecoder
+from shepherd.tokens.table_cache import Record
 from shepherd.tokens.tokenizer import Tokenizer
-from tests.unit.test_tokenizer_shared import gpt2, llama, qwen3
+from tests.unit.test_tokenizer_shared import QWEN3_DIR, gpt2, llama, qwen3
 
 LOADERS: dict[str, Callable[[], Tokenizer]] = {"qwen3": qwen3, "llama": llama, "gpt2": gpt2}
 
@@ -57,3 +60,49 @@ def test_non_byte_level_decoders_are_refused() -> None:
     hf = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     hf.decoder = tokenizers.decoders.WordPiece()
     assert ByteDecoder.build(hf) is None
+
+
+def test_the_byte_table_is_kept_on_disk_per_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process start takes a tokenizer's byte table from the disk cache (no walk over HF's vocabulary)
+    and decodes as HF does; its entries are the fast encoder's bytes objects, as when built; a record
+    cut short, or of another vocabulary size, is a miss: built again and kept."""
+    import tokenizers
+
+    import shepherd.tokens.fast_decode as fd
+
+    monkeypatch.setenv("SHEPHERD_CACHE_DIR", str(tmp_path))
+    data = (QWEN3_DIR / "tokenizer.json.xz").read_bytes()
+    key = b"test-key-" + data[-16:]
+    text = "Hello Ünïcödé ✓ 日本語 🤖<|im_end|> done"
+
+    def load() -> Tokenizer:
+        hf = tokenizers.Tokenizer.from_str(qwen3().hf.to_str())
+        return Tokenizer(hf, name="q", path=QWEN3_DIR, config=qwen3().config, tokenizer_json_key=key)
+
+    built = load()
+    assert built.build_fast_decoder()
+    ids = built.encode(text, add_special_tokens=False)
+    walks: list[int] = []
+    real = fd._table
+
+    def counted(*a: Any, **k: Any) -> Any:
+        walks.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fd, "_table", counted)
+    kept = load()
+    assert kept.build_fast_decoder() and walks == []
+    for skip in (True, False):
+        want = kept.hf.decode(ids, skip_special_tokens=skip)
+        assert kept.decode(ids, skip) == built.decode(ids, skip) == want
+    fast = kept.cache.fast
+    assert fast is not None
+    table = kept._fast_decoder.table(False) if kept._fast_decoder else []
+    assert all(table[i] is b for b, i in list(fast.token_ranks.items())[:1000])  # shared, not copies
+    assert kept.max_token_chars >= max(len(t) for t in kept.hf.get_vocab(with_added_tokens=True))
+    (record,) = (tmp_path / "byte-decoders").iterdir()
+    record.write_bytes(record.read_bytes()[:-1])
+    again = load()
+    assert again.build_fast_decoder() and walks == [1]
+    assert again.decode(ids, False) == text
+    assert len(Record.parse(record.read_bytes()).blobs[0]) == again.vocab_size  # kept whole again
