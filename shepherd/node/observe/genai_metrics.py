@@ -8,7 +8,9 @@ HTTP/protobuf. Off by default; the Prometheus ``/metrics`` of the node does not 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -127,10 +129,32 @@ async def shutdown(timeout: float = 5.0) -> None:
 async def shutdown_provider(provider: Any, timeout: float, logger: logging.Logger, what: str) -> None:
     """Flush an OpenTelemetry provider and stop its exporter thread, bounded by ``timeout`` (a collector
     that is down does not hold the node's exit longer); a failure is logged as ``what``. The exporter
-    thread is a daemon: it dies with the process."""
+    thread is a daemon: it dies with the process. So is the thread that shuts the provider down: on
+    the loop's default executor, the interpreter's exit waited for it, through every retry of an export
+    to a collector that is down (a SIGTERMed node lived on until SIGKILL)."""
     if provider is None:
         return
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if not done.done():
+            if error is None:
+                done.set_result(None)
+            else:
+                done.set_exception(error)
+
+    def run() -> None:
+        error: BaseException | None = None
+        try:
+            provider.shutdown()
+        except Exception as e:
+            error = e
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, error)
+
+    threading.Thread(target=run, name=f"otel-shutdown-{what}", daemon=True).start()
     try:
-        await asyncio.wait_for(asyncio.to_thread(provider.shutdown), timeout)
+        await asyncio.wait_for(done, timeout)
     except (TimeoutError, Exception) as e:
         logger.warning("%s at shutdown: %s", what, type(e).__name__)
