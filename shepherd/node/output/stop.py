@@ -115,41 +115,25 @@ def _spec(stop: tuple[str, ...], stop_token_ids: tuple[int, ...], eos_token_ids:
 def _advance_past(s: str, fail: tuple[int, ...], state: int, text: str) -> int:
     """KMP over ``text`` from ``state`` without stopping at a match (one that may not count yet: see
     ``min_tokens``): the state after it, a full match going on as its failure state."""
-    first = s[0]
-    m = len(s)
-    last = fail[m - 1]
-    n = len(text)
+    last = fail[len(s) - 1]
     i = 0
-    while i < n:
-        if state == 0:
-            j = text.find(first, i)
-            if j < 0:
-                return 0
-            state = 1 if m > 1 else last
-            i = j + 1
-            continue
-        ch = text[i]
-        while state and s[state] != ch:
-            state = fail[state - 1]
-        if s[state] == ch:
-            state += 1
-            if state == m:
-                state = last
-        i += 1
-    return state
+    while True:
+        state, end = _advance(s, fail, state, text, i)
+        if end < 0:
+            return state
+        state, i = last, end
 
 
-def _advance(s: str, fail: tuple[int, ...], state: int, text: str) -> tuple[int, int]:
-    """KMP over ``text`` from ``state`` (the longest suffix of what was fed that is a proper prefix of
-    ``s``): ``(the new state, -1)``, or ``(len(s), the index in text just past the first occurrence of
-    s)``. Start-state runs are skipped with ``str.find``; O(len(text) + state) steps."""
+def _advance(s: str, fail: tuple[int, ...], state: int, text: str, i: int = 0) -> tuple[int, int]:
+    """KMP over ``text[i:]`` from ``state`` (the longest suffix of what was fed that is a proper prefix
+    of ``s``): ``(the new state, -1)``, or ``(len(s), the index in text just past the first occurrence
+    of s)``. Start-state runs are skipped with ``str.find``; O(len(text) - i + state) steps."""
     first = s[0]
     m = len(s)
     if m == 1:
-        j = text.find(first)
+        j = text.find(first, i)
         return (0, -1) if j < 0 else (1, j + 1)
     n = len(text)
-    i = 0
     while i < n:
         if state == 0:
             j = text.find(first, i)
