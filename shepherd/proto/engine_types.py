@@ -291,6 +291,15 @@ class EngineClient(Protocol):
 
     async def loads(self) -> EngineLoad: ...
 
+    def confirm_alive(self, timeout: float) -> None:
+        """The worker just failed its health checks (healthy -> unhealthy): check at once that the engine
+        still answers on the connections where calls are in flight, and fail those calls
+        (``EngineUnavailable``) when it does not within ``timeout`` seconds, rather than waiting for the
+        transport's keepalive. The lean HTTP/2 client sends one HTTP/2 PING per connection with open
+        streams (an engine alive but busy answers it at once); clients that cannot ping (grpcio, the HTTP
+        relay) do nothing. Returns at once."""
+        ...
+
     def subscribe_kv_events(self, start_seq: int = 0) -> AsyncIterator[KvEventBatch]:
         """SubscribeKvEvents from ``start_seq`` (0: live events only; n > 0: the engine replays what it
         still holds from batch n on). Runs until the engine ends it; raises EngineError."""

@@ -25,6 +25,7 @@ class _Engine:
         self.polls = 0
         self.healthy = True
         self.hold: asyncio.Event | None = None
+        self.confirms: list[float] = []  # confirm_alive's timeouts (asked when the worker turns unhealthy)
 
     async def health_check(self, timeout: float) -> bool:
         self.checks += 1
@@ -35,6 +36,9 @@ class _Engine:
     async def loads(self) -> EngineLoad:
         self.polls += 1
         return EngineLoad(running=self.polls, max_total_tokens=1000)
+
+    def confirm_alive(self, timeout: float) -> None:
+        self.confirms.append(timeout)
 
     async def close(self) -> None:
         pass
@@ -146,6 +150,7 @@ async def test_ridden_checks_mark_a_failing_engine_unhealthy() -> None:
         if not w.health.healthy:
             break
     assert not w.health.healthy and changes == [False]
+    assert eng.confirms == [reg.cfg.health_check_timeout_secs]  # once, on the turn to unhealthy
     await reg.close()
 
 

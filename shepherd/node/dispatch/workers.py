@@ -360,6 +360,10 @@ class WorkerRegistry:
                 w.url,
                 "healthy" if healthy else "unhealthy",
             )
+            if not healthy:
+                # calls in flight on a hung engine would wait for the connection's keepalive (~80 s):
+                # one PING now, and the calls fail (retried elsewhere when they can be) if it goes unanswered
+                w.client.confirm_alive(self.cfg.health_check_timeout_secs)
             if self.on_health_change is not None:
                 self.on_health_change(w)
 

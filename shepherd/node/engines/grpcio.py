@@ -242,5 +242,9 @@ class GrpcEngineClient:
                 with contextlib.suppress(Exception):
                     call.cancel()
 
+    def confirm_alive(self, timeout: float) -> None:
+        """Nothing: grpcio's channel sends no PING on demand; its own keepalive (a ping every 30 s, 10 s
+        for the ACK) fails the calls of an engine that stopped answering."""
+
     async def close(self) -> None:
         await self._channel.close(grace=None)

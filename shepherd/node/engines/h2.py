@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import logging
 import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -68,6 +70,8 @@ from shepherd.proto.engine_types import (
 from shepherd.proto.kv_codec import decode_kv_wire
 
 M = TypeVar("M", bound=Message)
+
+log = logging.getLogger("shepherd.engines.h2")
 
 _UNPROCESSED_RETRIES = 5  # transparent re-sends of a call the server never processed
 
@@ -580,6 +584,26 @@ class H2EngineClient:
             side._lazy = lazy
         side.kind = self.kind
         return side
+
+    def confirm_alive(self, timeout: float) -> None:
+        """The worker failed its health checks: each of this client's connections with calls in flight is
+        sent one PING now (``H2Protocol.probe``), and one whose ACK does not come within ``timeout`` fails
+        with its calls (UNAVAILABLE: the gateway retries those that sent the client nothing yet), rather
+        than waiting for the keepalive (up to 80 s on a hung engine). An engine alive but busy answers
+        PINGs at once. The KV-event side client's connection (``_kv_side``) is left alone: its ACK would
+        wait for its owner's poll, and its stream (no deadline, nothing a client waits for) ends with
+        the keepalive."""
+        for p in list(self._protos):
+            p.probe(timeout, functools.partial(self._unanswered, timeout))
+
+    def _unanswered(self, timeout: float, calls: int) -> None:
+        log.warning(
+            "worker %s did not answer a ping within %gs after failing its health checks: "
+            "failing its %d in-flight calls",
+            self.url,
+            timeout,
+            calls,
+        )
 
     async def close(self) -> None:
         self._closed = True

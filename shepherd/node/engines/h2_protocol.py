@@ -1,7 +1,8 @@
 """The asyncio shell of a lean HTTP/2 client connection: ``H2Protocol``.
 
 The ``asyncio.Protocol`` around one ``H2Connection`` (h2_conn.py): readiness once the server's SETTINGS
-arrive, waiting for a stream slot, keepalive pings, closing a drained connection, and frames written
+arrive, waiting for a stream slot, keepalive pings, liveness probes on demand (``probe``: one PING when
+the worker failed its health checks), closing a drained connection, and frames written
 during one loop iteration coalesced into one ``transport.write``; ``LazyReads``: connections read on
 their owner's wake-ups (a KV-event stream's own connection) instead of waking the loop for each message.
 """
@@ -204,6 +205,8 @@ class H2Protocol(asyncio.Protocol):
         self._keepalive: asyncio.TimerHandle | None = None
         self._rx = False
         self._ping_sent: float | None = None
+        self._probe: asyncio.TimerHandle | None = None  # a liveness probe's deadline (``probe``)
+        self._probe_dead: Callable[[int], None] | None = None  # told when the probe fails the connection
         self._coalesce = coalesce_writes
         self._wbuf: list[bytes] | None = None
 
@@ -228,6 +231,7 @@ class H2Protocol(asyncio.Protocol):
         if self._keepalive is not None:
             self._keepalive.cancel()
             self._keepalive = None
+        self._end_probe()
         self.conn.lost(self.conn.failed or msg)
         if not self.ready.done():
             self.ready.set_exception(ConnectionError(msg))
@@ -256,6 +260,7 @@ class H2Protocol(asyncio.Protocol):
 
     def on_ping_ack(self, payload: bytes) -> None:
         self._ping_sent = None
+        self._end_probe()  # alive: a probe waiting for this ACK is answered
 
     def on_fatal(self, message: str) -> None:
         self._wake_all()
@@ -337,6 +342,43 @@ class H2Protocol(asyncio.Protocol):
         self._rx = False
         delay = self._keepalive_timeout_s if self._ping_sent is not None else self._keepalive_s
         self._keepalive = self.loop.call_later(delay, self._on_keepalive)
+
+    def probe(self, timeout_s: float, on_dead: Callable[[int], None] | None = None) -> bool:
+        """Ask the server now whether it is alive (its worker failed its health checks): with streams open,
+        one PING (none when one is outstanding already: the keepalive's, or an earlier probe's, whose ACK
+        answers this probe too) and, when no PING ACK arrives within ``timeout_s``, the connection fails
+        (``conn.fail``, as the keepalive does when its ping goes unanswered: every stream on it fails
+        UNAVAILABLE), ``on_dead`` told first how many streams that fails. A probe already waiting is not
+        restarted. Returns whether a probe runs (False: no stream open, or the connection closed or failed).
+
+        An engine alive but busy answers PINGs from its gRPC core at once; one PING per failed health
+        verdict stays far below gRPC servers' ping-strike limit (a GOAWAY ENHANCE_YOUR_CALM to pings more
+        often than every 5 minutes without data). On a ``PolledTransport`` the ACK is read on the owner's
+        next poll: the timeout must then exceed the poll period."""
+        if self.transport is None or self.conn.failed is not None or not self.conn.streams:
+            return False
+        if self._probe is None:
+            if self._ping_sent is None:
+                self._ping_sent = self.loop.time()
+                self.conn.ping()
+            self._probe = self.loop.call_later(timeout_s, self._on_probe_timeout, timeout_s)
+            self._probe_dead = on_dead
+        return True
+
+    def _on_probe_timeout(self, timeout_s: float) -> None:
+        on_dead = self._probe_dead
+        self._probe = self._probe_dead = None
+        if self.transport is None or self._ping_sent is None or self.conn.failed is not None:
+            return  # closed or answered meanwhile
+        if on_dead is not None:
+            on_dead(len(self.conn.streams))
+        self.conn.fail(f"the engine did not answer a ping within {timeout_s:g}s", NO_ERROR)
+
+    def _end_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            self._probe = None
+        self._probe_dead = None
 
     def close(self) -> None:
         """Graceful: GOAWAY then close the transport (streams still open fail as connection lost)."""

@@ -130,6 +130,9 @@ class HttpRelayClient:
         except (aiohttp.ClientError, OSError, TimeoutError):
             return False
 
+    def confirm_alive(self, timeout: float) -> None:
+        """Nothing: HTTP/1.1 has no ping; a relayed request to a hung worker ends with its own timeout."""
+
     async def _get_json(self, path: str, timeout: float) -> Any:
         """The JSON body of a 200 answer to GET ``path`` (at most ``INFO_MAX_BYTES``); None otherwise."""
         async with self.session().get(

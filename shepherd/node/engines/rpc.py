@@ -59,6 +59,10 @@ class Rpc(Protocol):
         self, path: str, request: Message, response_type: type[M], timeout: float | None
     ) -> AsyncIterator[M]: ...
 
+    def confirm_alive(self, timeout: float) -> None:
+        """``EngineClient.confirm_alive`` on the connection the calls ride."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -85,6 +89,10 @@ class H2Rpc:
             raise RpcFailure(e.code, e.details) from None
         finally:
             await it.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the call
+
+    def confirm_alive(self, timeout: float) -> None:
+        """The ``H2EngineClient``'s liveness probe: a PING on each connection with calls in flight."""
+        self.client.confirm_alive(timeout)
 
     async def close(self) -> None:
         await self.client.close()
@@ -131,6 +139,9 @@ class GrpcioRpc:
         finally:
             if not call.done():
                 call.cancel()
+
+    def confirm_alive(self, timeout: float) -> None:
+        """Nothing: grpcio's channel sends no PING on demand (its keepalive fails a silent engine's calls)."""
 
     async def close(self) -> None:
         await self.channel.close(grace=None)
@@ -279,6 +290,11 @@ class RpcEngineClient:
         finally:
             await it.aclose()  # type: ignore[attr-defined]  # an async generator: cancels the call
         return b"".join(parts), sha
+
+    def confirm_alive(self, timeout: float) -> None:
+        """Over the lean HTTP/2 client (``H2Rpc``): its liveness probe (``H2EngineClient.confirm_alive``);
+        over grpcio: nothing."""
+        self.rpc.confirm_alive(timeout)
 
     async def close(self) -> None:
         await self.rpc.close()
