@@ -385,15 +385,15 @@ class WorkerAllow:
     by name (the operator vouches for that name, whatever it resolves to). A name not listed is allowed
     for HTTP workers only, and only at connect time: every connection resolves it and dials only the
     addresses inside the allowed networks (``HttpRelayClient``'s resolver), so a name that resolves (or
-    re-binds) elsewhere is never dialed. gRPC clients resolve on their own: a gRPC worker's name must be
-    listed (or use its IP address).
+    re-binds) elsewhere is never dialed. A gRPC worker's name must be listed (or use its IP address).
 
     Link-local and cloud metadata addresses (``METADATA_NETWORKS``: 169.254.0.0/16, fe80::/10,
     fd00:ec2::254) and names (``metadata.google.internal``) are refused, with the list empty too, unless
     an entry names them: a network inside one of those (``169.254.169.254``, ``169.254.0.0/16``; a wider
-    one such as ``0.0.0.0/0`` does not count), or the name. An HTTP worker's name is checked where it
-    resolves with the list empty too (a name resolving to 169.254.169.254 is never dialed); a gRPC
-    worker's name is not (gRPC resolves on its own).
+    one such as ``0.0.0.0/0`` does not count), or the name. An HTTP worker's name, and a gRPC worker's
+    on the lean HTTP/2 transport (``H2EngineClient``), is checked where it resolves with the list empty
+    too (a name resolving to 169.254.169.254 is never dialed); with the grpcio transport a gRPC worker's
+    name is not (grpcio resolves on its own).
     """
 
     __slots__ = ("entries", "metadata_nets", "names", "networks", "suffixes")

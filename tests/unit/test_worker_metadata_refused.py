@@ -2,7 +2,8 @@
 list empty (the default) too: 169.254.0.0/16 (169.254.169.254 serves instance credentials on AWS, GCP,
 Azure...), fe80::/10, AWS's fd00:ec2::254 and the name ``metadata.google.internal``, in any spelling a
 resolver reads (``2852039166``, ``0xa9fea9fe``, IPv4-mapped IPv6). Refused in the configuration, by the
-registry (admin API, discovery and the mesh add through it), and where an HTTP worker's name resolves.
+registry (admin API, discovery and the mesh add through it), and where a worker's name resolves (HTTP, and
+gRPC on the lean transport).
 
 The end-to-end side (a node refusing such a worker at start and on ``POST /workers``):
 ``tests/e2e/test_security_defaults.py``.
@@ -10,13 +11,17 @@ The end-to-end side (a node refusing such a worker at start and on ``POST /worke
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import Any
 
 import pytest
+from smg_grpc_proto import sglang_scheduler_pb2 as sg
 
 from shepherd.node.config import ConfigError, NodeConfig, WorkerAllow, build_config
-from shepherd.node.dispatch.workers import WorkerRegistry
+from shepherd.node.dispatch.workers import WorkerRegistry, make_client
+from shepherd.node.engines.h2 import H2EngineClient
+from shepherd.node.engines.h2_stream import RpcStatus
 from shepherd.node.engines.http import AllowResolver, HttpRelayClient
 from shepherd.proto.openai_errors import ApiError
 
@@ -117,3 +122,50 @@ async def test_the_http_relay_checks_resolutions_with_an_empty_list() -> None:
         assert isinstance(resolver, AllowResolver)
     finally:
         await client.close()
+
+
+async def test_a_grpc_workers_name_resolving_to_a_metadata_address_is_not_dialed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lean gRPC client (the default transport) checks where a name it was not told to trust
+    resolves, on every connection: only the allowed addresses are dialed (none left: UNAVAILABLE, no
+    connection tried); IP addresses and names ``worker_allow`` lists are dialed as they are."""
+    accepted: list[str] = []
+
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer.get_extra_info("peername")[0])
+        writer.close()  # no SETTINGS: the client's connect fails after the dial
+
+    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    answers: dict[str, list[str]] = {}
+    asked: list[str] = []
+
+    async def fake_getaddrinfo(host: str, p: Any, **kw: Any) -> list[Any]:
+        asked.append(host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, p)) for a in answers[host]]
+
+    monkeypatch.setattr(loop, "getaddrinfo", fake_getaddrinfo)
+    try:
+        client = make_client(f"grpc://rebound.example:{port}", allow=WorkerAllow())
+        assert isinstance(client, H2EngineClient)
+        answers["rebound.example"] = ["169.254.169.254"]
+        with pytest.raises(RpcStatus, match="resolves to no address"):
+            await client.call_unary("/x/Y", sg.HealthCheckRequest(), sg.HealthCheckResponse, 2.0)
+        assert asked == ["rebound.example"] and accepted == []
+        await client.close()
+        client = make_client(f"grpc://rebound.example:{port}", allow=WorkerAllow())
+        assert isinstance(client, H2EngineClient)
+        answers["rebound.example"] = ["169.254.169.254", "127.0.0.1"]
+        with pytest.raises(RpcStatus):
+            await client.call_unary("/x/Y", sg.HealthCheckRequest(), sg.HealthCheckResponse, 2.0)
+        assert accepted == ["127.0.0.1"]  # the metadata address was left out
+        await client.close()
+        listed = make_client(f"grpc://rebound.example:{port}", allow=WorkerAllow(("rebound.example",)))
+        assert isinstance(listed, H2EngineClient)
+        assert await listed._addresses(loop) == ["rebound.example"]  # vouched for: dialed as given
+        await listed.close()
+    finally:
+        server.close()
+        await server.wait_closed()

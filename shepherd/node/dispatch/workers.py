@@ -36,7 +36,8 @@ def make_client(
 ) -> EngineClient | HttpRelayClient:
     """The client for a worker URL; gRPC engines over the lean HTTP/2 client or grpcio. gRPC goes over TLS
     when ``tls`` is given (every gRPC worker) or the URL is ``grpcs://`` (system CAs unless ``tls``).
-    ``allow``: the node's ``worker_allow`` (an HTTP worker's connections are checked against it)."""
+    ``allow``: the node's ``worker_allow`` (an HTTP worker's connections, and a gRPC one's on the lean
+    HTTP/2 transport, are checked against it where its name resolves)."""
     check_worker_url(url)
     if allow is not None:
         allow.check_url(url)
@@ -51,7 +52,7 @@ def make_client(
     if transport == "grpcio":
         base = GrpcEngineClient(url, target, kind, tls.grpc_credentials() if tls else None)
     else:
-        base = H2EngineClient(url, target, kind, tls=tls.ssl_context() if tls else None)
+        base = H2EngineClient(url, target, kind, tls=tls.ssl_context() if tls else None, allow=allow)
     # trtllm:// and mlx://: their own client, over the connection made here
     return service_client(url, scheme, base) if scheme in SERVICE_KINDS else base
 

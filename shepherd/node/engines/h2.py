@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import socket
 import ssl
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar, cast
@@ -27,6 +28,7 @@ from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from smg_grpc_proto import vllm_engine_pb2 as vl
 from smg_grpc_proto.generated import common_pb2
 
+from shepherd.node.config import WorkerAllow
 from shepherd.node.engines.backoff import Backoff
 from shepherd.node.engines.errors import (
     DEADLINE_EXCEEDED,
@@ -129,6 +131,7 @@ class H2EngineClient:
         backoff: Backoff | None = None,
         coalesce_writes: bool = True,
         tls: ssl.SSLContext | None = None,  # TLS (ALPN h2) to the engine; None: cleartext h2c
+        allow: WorkerAllow | None = None,  # the node's worker_allow: a name's addresses checked per connect
     ) -> None:
         self.url = url
         self.target = target
@@ -138,6 +141,7 @@ class H2EngineClient:
         if ":" in self._host and not self._unix:
             authority = f"[{self._host}]:{self._port}"
         self._tls = tls
+        self._allow = allow
         self._headers = RequestHeaders(authority, scheme="https" if tls else "http")
         self._connect_timeout = connect_timeout
         self._keepalive_s = keepalive_s
@@ -185,6 +189,38 @@ class H2EngineClient:
         except TimeoutError:
             raise RpcStatus(DEADLINE_EXCEEDED, "deadline exceeded while connecting") from None
 
+    async def _addresses(self, loop: asyncio.AbstractEventLoop) -> list[str]:
+        """Where to dial: the host as given, or, for a name ``worker_allow`` does not list, the addresses
+        it resolves to now that ``worker_allow`` lets the node dial (metadata ones never, with the list
+        empty too), so a name that resolves, or re-binds, to 169.254.169.254 is never dialed (OSError
+        when none is left)."""
+        if self._unix is not None or self._allow is None or not self._allow.resolve_check(self._host):
+            return [self._host]
+        infos = await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
+        found = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        kept = [a for a in found if self._allow.address_allowed(a)]
+        if not kept:
+            raise OSError(f"{self._host} resolves to no address worker_allow allows")
+        return kept
+
+    async def _dial(self, loop: asyncio.AbstractEventLoop, factory: Callable[[], H2Protocol]) -> H2Protocol:
+        """A TCP connection (TLS with the URL's name as the server name), to the first of ``_addresses``
+        that answers; on a KV-event side client, one its ``LazyReads`` reads."""
+        last: OSError | None = None
+        for address in await self._addresses(loop):
+            try:
+                if self._lazy is not None:  # a KV-event stream's own connection, read on the owner's polls
+                    return await self._lazy.connect(factory, address, self._port, self._unix)
+                name = self._host if self._tls is not None and address != self._host else None
+                _, proto = await loop.create_connection(
+                    factory, address, self._port, ssl=self._tls, server_hostname=name
+                )
+                return proto
+            except OSError as e:
+                last = e
+        assert last is not None  # (``_addresses`` gives at least one)
+        raise last
+
     async def _connect(self) -> H2Protocol:
         loop = asyncio.get_running_loop()
 
@@ -200,15 +236,13 @@ class H2EngineClient:
         proto: H2Protocol | None = None
         try:
             async with asyncio.timeout(self._connect_timeout):
-                if self._lazy is not None:  # a KV-event stream's own connection, read on the owner's polls
-                    proto = await self._lazy.connect(factory, self._host, self._port, self._unix)
-                elif self._unix is not None:
+                if self._unix is not None and self._lazy is None:
                     host = "localhost" if self._tls else None
                     _, proto = await loop.create_unix_connection(
                         factory, self._unix, ssl=self._tls, server_hostname=host
                     )
                 else:
-                    _, proto = await loop.create_connection(factory, self._host, self._port, ssl=self._tls)
+                    proto = await self._dial(loop, factory)
                 await proto.ready
         except (OSError, TimeoutError) as e:
             if proto is not None:
@@ -580,6 +614,7 @@ class H2EngineClient:
                 window=self._window,
                 coalesce_writes=self._coalesce,
                 tls=self._tls,
+                allow=self._allow,
             )
             side._lazy = lazy
         side.kind = self.kind
