@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import re
@@ -148,13 +149,14 @@ class _StartingPort:
         await self.runner.setup()
         tls = server_tls(cfg)
         server = LeanServer(app, max_body=64 * 1024, max_connections=cfg.max_client_connections)
-        await server.start(
+        start = server.start(
             cfg.host,
             cfg.port,
             ssl_context=tls.context if tls else None,
             backlog=128,
             reuse_port=cfg.reuse_port,
         )
+        await _listen("--host/--port", cfg.host, cfg.port, start)
         self.server = server
         log.warning("waiting for the engines: %s:%d answers /liveness meanwhile", cfg.host, cfg.port)
 
@@ -165,6 +167,17 @@ class _StartingPort:
         if self.runner is not None:
             runner, self.runner = self.runner, None
             await runner.cleanup()
+
+
+async def _listen(what: str, host: str, port: int, start: Awaitable[None]) -> None:
+    """``start`` (a listener's bind), a failure to bind said in one line as a configuration error (the
+    CLI's exit 2: a port in use or not ours to take is the operator's to fix, not a traceback)."""
+    try:
+        await start
+    except OSError as e:
+        if e.errno not in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+            raise
+        raise ConfigError(f"cannot listen on {host}:{port} ({what}): {e.strerror or e}") from None
 
 
 async def drain(gw: Gateway, grace: float) -> None:
@@ -239,7 +252,7 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
         raise
     if mesh is not None:
         try:
-            await mesh.start()
+            await _listen("--mesh-bind/--mesh-port", cfg.mesh_bind, cfg.mesh_port or 0, mesh.start())
         except BaseException:
             await mesh.close()
             await journal.close()
@@ -306,7 +319,8 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
     if cfg.http_server == "lean":  # the app's routes, middlewares and hooks as they are; httptools underneath
         front = LeanServer(app, max_body=cfg.max_body_bytes, max_connections=cfg.max_client_connections)
         front.body_gate = _body_gate(app)
-        await front.start(cfg.host, cfg.port, ssl_context=ssl_ctx, backlog=1024, reuse_port=cfg.reuse_port)
+        start = front.start(cfg.host, cfg.port, ssl_context=ssl_ctx, backlog=1024, reuse_port=cfg.reuse_port)
+        await _listen("--host/--port", cfg.host, cfg.port, start)
         cap: ConnectionCap = front.cap
     else:  # the same cap on aiohttp's server (shepherd.node.http.server.CappedTCPSite)
         site = CappedTCPSite(
@@ -319,7 +333,7 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
             reuse_port=cfg.reuse_port or None,
             ssl_context=ssl_ctx,
         )
-        await site.start()
+        await _listen("--host/--port", cfg.host, cfg.port, site.start())
         cap = site.cap
     gw.metrics.add_callback(
         lambda: [
@@ -339,9 +353,10 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
         if cfg.http_server == "lean":
             admin_front = LeanServer(app, max_body=cfg.max_body_bytes)
             admin_front.body_gate = _body_gate(app)
-            await admin_front.start(
+            start = admin_front.start(
                 admin_host, admin_port, ssl_context=ssl_ctx, backlog=128, reuse_port=cfg.reuse_port
             )
+            await _listen("--admin-host/--admin-port", admin_host, admin_port, start)
         else:
             admin_site = web.TCPSite(
                 runner,
@@ -351,7 +366,7 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
                 reuse_port=cfg.reuse_port or None,
                 ssl_context=ssl_ctx,
             )
-            await admin_site.start()
+            await _listen("--admin-host/--admin-port", admin_host, admin_port, admin_site.start())
     if insecure_admin_in_effect(cfg):
         log.warning(
             "INSECURE ADMIN: the control plane (/admin/*, /workers*, /mesh/*, /metrics) is served WITHOUT "

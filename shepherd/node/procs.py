@@ -14,7 +14,9 @@ deployment has (tested, chaos-tested); its cost on loopback is its timers (probe
 deltas, small against a request's CPU (README "More than one core").
 
 The parent supervises: a child that exits while the parent is not stopping is started again (at once,
-then with a back-off while it keeps crashing within a second of its start); SIGTERM / SIGINT are
+then with a back-off while it keeps crashing within a second of its start), but one that exits with a
+configuration error (status 2: a port in use, a store unreachable at start) stops them all, and the
+parent exits with it; SIGTERM / SIGINT are
 forwarded to every child (graceful drain), and a child still alive after the drain bound is killed.
 Children are signalled by pid (their ``Popen``), and get SIGTERM if the parent dies (PR_SET_PDEATHSIG).
 """
@@ -47,6 +49,7 @@ PROC_INDEX_ENV = "SMG_NODE_PROC_INDEX"  # a child's index among the --procs proc
 POLL_S = 0.1  # the child check's period where no signal wake-up fd can be set (not the main thread)
 IDLE_WAIT_S = 5.0  # otherwise the parent sleeps until a signal (SIGCHLD, SIGTERM), a restart, or this
 FAST_CRASH_S = 1.0
+CONFIG_ERROR_EXIT = 2  # ``smg-node``'s status for a configuration error (also found at start-up)
 MAX_BACKOFF_S = 10.0
 
 
@@ -161,6 +164,7 @@ class Supervisor:
         self.children = [_Child(i, list(a)) for i, a in enumerate(argvs)]
         self.drain_s = drain_s
         self.stopping = False
+        self.failed = 0  # a child's configuration error: the status run() returns
         self.log = log
 
     def _say(self, text: str) -> None:
@@ -197,6 +201,13 @@ class Supervisor:
         c.exits.append(code)
         lived = now - c.started
         c.proc = None
+        if code == CONFIG_ERROR_EXIT:
+            # the child said why on stderr (a port in use, a store unreachable at start...): starting it
+            # again cannot help; the node stops, as one process would with that error
+            self._say(f"process {c.index} exited with {code} (a configuration error): stopping")
+            self.failed = code
+            self._on_signal(signal.SIGTERM, None)
+            return
         c.crash_streak = c.crash_streak + 1 if lived < FAST_CRASH_S else 0
         delay = 0.0 if c.crash_streak <= 1 else min(MAX_BACKOFF_S, 0.1 * 2**c.crash_streak)
         c.restart_at = now + delay
@@ -218,7 +229,7 @@ class Supervisor:
                     continue
                 due = [c.restart_at for c in self.children if c.proc is None and c.restart_at is not None]
                 wake.wait(min([IDLE_WAIT_S, *(max(0.0, t - time.monotonic()) for t in due)]))
-            return self._stop()
+            return self._stop() or self.failed
         finally:
             if wake is not None:
                 wake.close()

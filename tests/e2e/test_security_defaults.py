@@ -288,3 +288,20 @@ def test_an_unreachable_postgres_is_a_one_line_configuration_error(scratch: Path
     blocker.write_text("")
     code, err = run_to_exit(*node_args("--data-dir", str(blocker)))
     assert code == 2 and "configuration error" in err and "data_dir" in err and "Traceback" not in err, err
+
+
+def test_a_port_in_use_is_a_one_line_configuration_error_with_one_process_or_several() -> None:
+    """A client port another process holds: one line naming it and exit 2, no traceback (it was one); with
+    ``--procs 2`` the parent stops rather than starting its children again and again, and exits 2 too."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for procs in ("1", "2"):
+            code, err = run_to_exit(*node_args("--port", str(port), "--procs", procs))
+            assert code == 2 and "Traceback" not in err, err
+            errors = [ln for ln in err.splitlines() if ln.startswith("smg-node: configuration error")]
+            assert errors and all(
+                f"cannot listen on 127.0.0.1:{port} (--host/--port)" in ln for ln in errors
+            ), err
+            assert len(errors) <= int(procs), err  # each process at most once: none started again
