@@ -47,7 +47,7 @@ from shepherd.mock_engine.scheduler import (
     SeqGroup,
 )
 from shepherd.mock_engine.stats import MockStats
-from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent
+from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent, PromptChunk
 
 
 class TokenizerLike(Protocol):
@@ -210,6 +210,11 @@ class Run:
         self._end([p.token_ids for p in plans])
         outputs = core.outputs
         kv_params = core.kv_transfer_params(req, group)
+        plp = (
+            None
+            if req.prompt_logprobs is None
+            else outputs.prompt_logprobs(group.prompt, req.prompt_logprobs)
+        )
         for i, p in enumerate(plans):
             ids = p.token_ids
             yield EngineComplete(
@@ -222,6 +227,7 @@ class Run:
                 matched_token_id=p.matched_token_id,
                 logprobs=outputs.logprobs(ids, 0, req.top_logprobs) if req.logprobs else (),
                 kv_transfer_params_json=kv_params,
+                prompt_logprobs=plp,
             )
 
     async def _stream(self, zero: bool, stall_at: int | None, stall_s: float) -> AsyncIterator[EngineEvent]:
@@ -251,6 +257,12 @@ class Run:
         kv_params = core.kv_transfer_params(req, group)
         want_lp = req.logprobs
         top_n = req.top_logprobs
+        # the prompt's logprobs ride on each choice's first chunk (vLLM's servicer: is_first_chunk)
+        plp = (
+            None
+            if req.prompt_logprobs is None
+            else outputs.prompt_logprobs(group.prompt, req.prompt_logprobs)
+        )
         interval = max(1, req.stream_interval or core.config.stream_interval)
         emitted = self._emitted
         n = len(plans)
@@ -275,14 +287,18 @@ class Run:
                 if pos < total:
                     piece = ids[pos:end]
                     emitted[i] = count = pos + len(piece)
-                    yield EngineChunk(
-                        index=i,
-                        token_ids=piece,
-                        prompt_tokens=prompt_tokens,
-                        completion_tokens=count,
-                        cached_tokens=cached,
-                        logprobs=outputs.logprobs(piece, pos, top_n) if want_lp else (),
-                    )
+                    lps = outputs.logprobs(piece, pos, top_n) if want_lp else ()
+                    if plp is not None and pos == 0:
+                        yield PromptChunk(i, piece, prompt_tokens, count, cached, lps, plp)
+                    else:
+                        yield EngineChunk(
+                            index=i,
+                            token_ids=piece,
+                            prompt_tokens=prompt_tokens,
+                            completion_tokens=count,
+                            cached_tokens=cached,
+                            logprobs=lps,
+                        )
                 if end >= total:
                     done[i] = True
                     remaining -= 1

@@ -19,10 +19,11 @@ from shepherd.mock_engine.kv_events import KvBatch
 from shepherd.mock_engine.requests import MockRpcError
 from shepherd.mock_engine.scheduler import LoadSnapshot
 from shepherd.mock_engine.tokenizer_zip import TokenizerArchive, build_tokenizer_zip
-from shepherd.proto.engine_types import TokenLogprob
+from shepherd.proto.engine_types import PromptLogprobs, TokenLogprob
 
 __all__ = [
     "Tokenizers",
+    "input_logprobs_pb",
     "kv_event_pb",
     "kv_event_stream",
     "logprobs_pb",
@@ -34,6 +35,24 @@ KV_HEARTBEAT_S = 1.0
 KV_COALESCE_S = 0.005
 
 SGL = sglang_scheduler_pb2
+
+
+def input_logprobs_pb(module: Any, plp: PromptLogprobs) -> Any:
+    """The dialect's InputLogProbs, as its servicer fills them: a value per position but the first's,
+    every prompt id, and alternatives per position (the first's empty) only when some were asked."""
+    return module.InputLogProbs(
+        token_logprobs=[
+            module.InputTokenLogProb() if v is None else module.InputTokenLogProb(value=v)
+            for v in plp.logprobs
+        ],
+        token_ids=plp.token_ids,
+        top_logprobs=[
+            module.TopLogProbs(values=[v for _, v in top], token_ids=[t for t, _ in top])
+            for top in (plp.top(i) for i in range(len(plp)))
+        ]
+        if plp.top_ids
+        else [],
+    )
 
 
 def logprobs_pb(module: Any, lps: Sequence[TokenLogprob]) -> Any:

@@ -29,6 +29,7 @@ from shepherd.mock_engine.embeddings import embed_ids
 from shepherd.mock_engine.engine import EngineCore, Run
 from shepherd.mock_engine.grpc_messages import (
     Tokenizers,
+    input_logprobs_pb,
     kv_event_stream,
     logprobs_pb,
     scheduler_load,
@@ -40,7 +41,7 @@ from shepherd.mock_engine.pd_check import BootstrapClient, verify_decode
 from shepherd.mock_engine.requests import MockRequest, MockRpcError
 from shepherd.mock_engine.scheduler import LoadSnapshot
 from shepherd.mock_engine.wire import ChunkWire
-from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent
+from shepherd.proto.engine_types import EngineChunk, EngineComplete, EngineEvent, PromptChunk
 
 MAX_TOP_LOGPROBS = 20
 
@@ -63,7 +64,7 @@ class SmgShape:
         self._last: dict[int, EngineChunk] = {}
 
     def shape(self, ev: EngineEvent) -> EngineEvent:
-        if type(ev) is EngineChunk:
+        if isinstance(ev, EngineChunk):  # (a PromptChunk too)
             if self._stream:
                 self._last[ev.index] = ev
             return ev
@@ -150,6 +151,8 @@ class _Service:
             )
             if ev.logprobs:
                 chunk.output_logprobs.CopyFrom(logprobs_pb(pb, ev.logprobs))
+            if type(ev) is PromptChunk and ev.prompt_logprobs is not None:
+                chunk.input_logprobs.CopyFrom(input_logprobs_pb(pb, ev.prompt_logprobs))
             return pb.GenerateResponse(chunk=chunk, **named)
         complete = pb.GenerateComplete(
             output_ids=ev.output_ids,
@@ -165,6 +168,8 @@ class _Service:
             complete.kv_transfer_params_json = ev.kv_transfer_params_json
         if ev.logprobs:
             complete.output_logprobs.CopyFrom(logprobs_pb(pb, ev.logprobs))
+        if ev.prompt_logprobs is not None:
+            complete.input_logprobs.CopyFrom(input_logprobs_pb(pb, ev.prompt_logprobs))
         return pb.GenerateResponse(complete=complete, **named)
 
     def _wire(self, request_id: str, run: Run) -> ChunkWire | None:
@@ -327,6 +332,10 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
             stream_interval=sp.stream_interval if sp.HasField("stream_interval") else None,
             logprobs=request.return_logprob,
             top_logprobs=min(max(request.top_logprobs_num, 0), MAX_TOP_LOGPROBS),
+            # SGLang: the prompt's logprobs from logprob_start_len on (the mock: from 0, or none)
+            prompt_logprobs=min(max(request.top_logprobs_num, 0), MAX_TOP_LOGPROBS)
+            if request.return_logprob and request.logprob_start_len >= 0
+            else None,
             prompt_text=request.tokenized.original_text,
             disaggregated=disagg,
             bootstrap_host=request.disaggregated_params.bootstrap_host if disagg else None,
@@ -402,6 +411,11 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
 # ---- vLLM ------------------------------------------------------------------------------------------
 
 
+def _capped(k: int) -> int:
+    """vLLM's logprobs count within the mock's cap (-1, the whole vocabulary: the cap)."""
+    return MAX_TOP_LOGPROBS if k < 0 else min(k, MAX_TOP_LOGPROBS)
+
+
 class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: ignore[misc]
     KIND = "vllm"
     PB = VLLM
@@ -438,6 +452,7 @@ class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: i
             stream=request.stream,
             logprobs=want_lp,
             top_logprobs=MAX_TOP_LOGPROBS if top < 0 else min(top, MAX_TOP_LOGPROBS),
+            prompt_logprobs=_capped(sp.prompt_logprobs) if sp.HasField("prompt_logprobs") else None,
             prompt_text=text,
             kv_transfer_params_json=kv_json,
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shepherd.proto.engine_types import TokenLogprob
+from shepherd.proto.engine_types import PromptLogprobs, TokenLogprob
 
 PARAGRAPH = (
     "The river ran slowly past the old mill, and the morning light settled on the water like a thin "
@@ -197,6 +197,20 @@ class OutputModel:
                     break
             out = tuple(kept)
         return out
+
+    def prompt_logprobs(self, prompt: Sequence[int], top_n: int) -> PromptLogprobs:
+        """Deterministic fake prompt logprobs, as ``logprobs`` makes them for each prompt token after the
+        first (which has none): its alternatives, when ``top_n``, are the prompt token first (the mock's
+        model always ranks it best) and ``top_n - 1`` others, as both engines' servicers list them then."""
+        lps = self.logprobs(prompt[1:], 1, top_n)
+        starts = [0, 0]
+        ids: list[int] = []
+        vals: list[float] = []
+        for lp in lps:
+            ids.extend(t for t, _ in lp.top)
+            vals.extend(v for _, v in lp.top)
+            starts.append(len(ids))
+        return PromptLogprobs(tuple(prompt), [None, *(lp.logprob for lp in lps)], starts, ids, vals)
 
     def logprobs(self, token_ids: Sequence[int], start_pos: int, top_n: int) -> list[TokenLogprob]:
         """Deterministic fake logprobs: the sampled token first, ``top_n`` alternatives (best first)."""

@@ -34,6 +34,7 @@ class MockRequest:
     stream_interval: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    prompt_logprobs: int | None = None  # the prompt's logprobs, this many alternatives (None: not asked)
     prompt_text: str = ""
     kv_transfer_params_json: str | None = None  # vLLM PD (decode side receives it)
     disaggregated: bool = False  # SGLang bootstrap parameters were present

@@ -132,14 +132,25 @@ def _sglang_sampling(p: SamplingParams) -> sg.SamplingParams:
 _sglang_sampling_cached = functools.lru_cache(maxsize=4096)(_sglang_sampling)
 
 
+def _sglang_logprob_fields(req: GenerateRequest) -> tuple[bool, int, int]:
+    """SGLang's (return_logprob, logprob_start_len, top_logprobs_num): the prompt's logprobs are asked by
+    starting at position 0 (-1: none of the prompt's); one alternatives count serves both, the larger
+    (each answer keeps its own)."""
+    plp = req.prompt_logprobs
+    if plp is None:
+        return req.logprobs, -1, req.top_logprobs
+    return True, 0, max(plp, req.top_logprobs if req.logprobs else 0)
+
+
 def sglang_generate(req: GenerateRequest) -> sg.GenerateRequest:
+    want, start, top = _sglang_logprob_fields(req)
     msg = sg.GenerateRequest(
         request_id=req.request_id,
         tokenized=sg.TokenizedInput(original_text=req.text, input_ids=req.input_ids),
         sampling_params=sglang_sampling(req.sampling),
-        return_logprob=req.logprobs,
-        logprob_start_len=-1,
-        top_logprobs_num=req.top_logprobs,
+        return_logprob=want,
+        logprob_start_len=start,
+        top_logprobs_num=top,
         stream=req.stream,
         require_reasoning=req.require_reasoning,
     )
@@ -150,12 +161,19 @@ def sglang_generate(req: GenerateRequest) -> sg.GenerateRequest:
     return msg
 
 
-def vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.SamplingParams:
-    """Cached per distinct parameters when small (``_small``); callers copy it into their request."""
-    return (_vllm_sampling_cached if _small(p) else _vllm_sampling)(p, logprobs, top_logprobs)
+def vllm_sampling(
+    p: SamplingParams, logprobs: bool, top_logprobs: int, prompt_logprobs: int | None = None
+) -> vl.SamplingParams:
+    """Cached per distinct parameters when small (``_small``); callers copy it into their request.
+    ``prompt_logprobs``: vLLM's (the prompt's logprobs with that many alternatives), None: not asked."""
+    return (_vllm_sampling_cached if _small(p) else _vllm_sampling)(
+        p, logprobs, top_logprobs, prompt_logprobs
+    )
 
 
-def _vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.SamplingParams:
+def _vllm_sampling(
+    p: SamplingParams, logprobs: bool, top_logprobs: int, prompt_logprobs: int | None = None
+) -> vl.SamplingParams:
     sp = vl.SamplingParams(
         temperature=p.temperature,
         top_p=p.top_p,
@@ -181,6 +199,8 @@ def _vllm_sampling(p: SamplingParams, logprobs: bool, top_logprobs: int) -> vl.S
         sp.seed = min(max(p.seed, _INT32_MIN), _INT32_MAX)
     if logprobs:
         sp.logprobs = top_logprobs
+    if prompt_logprobs is not None:
+        sp.prompt_logprobs = prompt_logprobs
     for tok, bias in p.logit_bias:
         sp.logit_bias[tok] = bias
     if p.json_schema is not None:
@@ -225,9 +245,11 @@ def _sglang_field(p: SamplingParams) -> bytes:
     return _ld(b"\x22", sp)
 
 
-def _vllm_field(p: SamplingParams, logprobs: bool, top_logprobs: int) -> bytes:
+def _vllm_field(
+    p: SamplingParams, logprobs: bool, top_logprobs: int, prompt_logprobs: int | None = None
+) -> bytes:
     """Field 4 (sampling_params) of a vLLM GenerateRequest."""
-    sp: bytes = vllm_sampling(p, logprobs, top_logprobs).SerializeToString()
+    sp: bytes = vllm_sampling(p, logprobs, top_logprobs, prompt_logprobs).SerializeToString()
     return _ld(b"\x22", sp)
 
 
@@ -240,9 +262,11 @@ def _sglang_sampling_field(p: SamplingParams) -> bytes:
     return _sglang_field_cached(p) if _small(p) else _sglang_field(p)
 
 
-def _vllm_sampling_field(p: SamplingParams, logprobs: bool, top_logprobs: int) -> bytes:
+def _vllm_sampling_field(
+    p: SamplingParams, logprobs: bool, top_logprobs: int, prompt_logprobs: int | None = None
+) -> bytes:
     """Serialized once per distinct value when small (``_small``)."""
-    return (_vllm_field_cached if _small(p) else _vllm_field)(p, logprobs, top_logprobs)
+    return (_vllm_field_cached if _small(p) else _vllm_field)(p, logprobs, top_logprobs, prompt_logprobs)
 
 
 _TOKENIZED = sg.TokenizedInput  # vLLM's has the same fields and numbers
@@ -423,11 +447,16 @@ def sglang_generate_bytes(req: GenerateRequest) -> bytes:
     out = [b"\x0a", _V[len(rid)] if len(rid) < _VN else _varint(len(rid)), rid] if rid else []
     out += _tokenized(req.text, req.input_ids)
     out.append(_sglang_sampling_field(req.sampling))
-    if req.logprobs:
+    if req.prompt_logprobs is None:  # the usual request
+        if req.logprobs:
+            out.append(b"\x28\x01")
+        out.append(_LOGPROB_START)
+        top_num = req.top_logprobs
+    else:  # the prompt's logprobs: from position 0 (logprob_start_len 0 is protobuf's default: not written)
+        _want, _start, top_num = _sglang_logprob_fields(req)
         out.append(b"\x28\x01")
-    out.append(_LOGPROB_START)
-    if req.top_logprobs:
-        top = _int32(req.top_logprobs)
+    if top_num:
+        top = _int32(top_num)
         if top is None:
             return _by_message(req)
         out += (b"\x38", top)
@@ -470,7 +499,7 @@ def vllm_generate_bytes(req: GenerateRequest) -> bytes:
     rid = req.request_id.encode()
     out = [b"\x0a", _V[len(rid)] if len(rid) < _VN else _varint(len(rid)), rid] if rid else []
     out += _tokenized(req.text, req.input_ids)
-    out.append(_vllm_sampling_field(req.sampling, req.logprobs, req.top_logprobs))
+    out.append(_vllm_sampling_field(req.sampling, req.logprobs, req.top_logprobs, req.prompt_logprobs))
     if req.stream:
         out.append(b"\x28\x01")
     if req.kv_transfer_params_json is not None:
@@ -482,7 +511,7 @@ def vllm_generate(req: GenerateRequest) -> vl.GenerateRequest:
     msg = vl.GenerateRequest(
         request_id=req.request_id,
         tokenized=vl.TokenizedInput(original_text=req.text, input_ids=req.input_ids),
-        sampling_params=vllm_sampling(req.sampling, req.logprobs, req.top_logprobs),
+        sampling_params=vllm_sampling(req.sampling, req.logprobs, req.top_logprobs, req.prompt_logprobs),
         stream=req.stream,
     )
     if req.kv_transfer_params_json is not None:

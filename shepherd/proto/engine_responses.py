@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -25,6 +26,8 @@ from shepherd.proto.engine_types import (
     EngineEvent,
     EngineLoad,
     ModelInfo,
+    PromptChunk,
+    PromptLogprobs,
     SamplingDefaults,
     ServerInfo,
     TokenLogprob,
@@ -46,6 +49,21 @@ def _logprobs(lp: Any) -> list[TokenLogprob]:
             top = tuple(zip(t.token_ids, t.values, strict=False))
         out.append(TokenLogprob(tid, vals[i] if i < len(vals) else 0.0, top))
     return out
+
+
+def prompt_logprobs(lp: Any) -> PromptLogprobs:
+    """InputLogProbs (either engine) -> PromptLogprobs: a position without a value (the first) has None;
+    the alternatives in flat arrays (no object per pair, however long the prompt)."""
+    vals: list[float | None] = [v.value if v.HasField("value") else None for v in lp.token_logprobs]
+    starts = array("q", [0])
+    ids = array("q")
+    values = array("d")
+    for t in lp.top_logprobs:
+        ids.extend(t.token_ids)
+        values.extend(t.values[: len(t.token_ids)])
+        del ids[len(values) :]  # (a malformed entry with fewer values than ids: the pairs only)
+        starts.append(len(ids))
+    return PromptLogprobs(array("q", lp.token_ids), vals, starts, ids, values)
 
 
 # GenerateComplete types with an optional kv_transfer_params_json (vLLM's; SGLang's has none)
@@ -88,6 +106,7 @@ def _decode(resp: Any, kind: str | None) -> EngineEvent | None:
             c.matched_stop_str if stop == "matched_stop_str" else None,
             _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else (),
             kv,
+            prompt_logprobs(c.input_logprobs) if c.HasField("input_logprobs") else None,
         )
     return None
 
@@ -212,7 +231,18 @@ def _decode_single(
 
 
 def _chunk_event(c: Any) -> EngineChunk:
-    """A GenerateStreamChunk (either engine) -> EngineChunk (its ids and logprobs in lists of its own)."""
+    """A GenerateStreamChunk (either engine) -> EngineChunk (its ids and logprobs in lists of its own); a
+    PromptChunk when it carries the prompt's logprobs."""
+    if c.HasField("input_logprobs"):
+        return PromptChunk(
+            c.index,
+            c.token_ids[:],
+            c.prompt_tokens,
+            c.completion_tokens,
+            c.cached_tokens,
+            _logprobs(c.output_logprobs) if c.HasField("output_logprobs") else [],
+            prompt_logprobs(c.input_logprobs),
+        )
     return EngineChunk(
         c.index,
         c.token_ids[:],  # (a list; a slice copies it in one call: list() steps the container per id)

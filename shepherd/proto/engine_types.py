@@ -97,6 +97,9 @@ class GenerateRequest:
     # leaves. Never sent to SGLang or vLLM (``sampling.max_new_tokens`` unset: their own bound applies);
     # the gateway's bound on what it reads, and the bound of engines that require one (TensorRT-LLM, MLX)
     token_limit: int | None = None
+    # the prompt's logprobs, with this many alternatives per position (None: not asked, no engine cost):
+    # SGLang's return_logprob from position 0 (logprob_start_len 0), vLLM's prompt_logprobs
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,32 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The prompt's logprobs as an engine returns them (SGLang's and vLLM's ``InputLogProbs``), in flat
+    arrays (a 100k-token prompt with 20 alternatives is 2M pairs: no object per pair). Position ``i``:
+    token ``token_ids[i]``, its logprob ``logprobs[i]`` (None: none, as for the first token), its
+    alternatives ``top_ids`` / ``top_values`` from ``top_starts[i]`` to ``top_starts[i + 1]`` (SGLang's
+    are the top k; vLLM's servicer lists the prompt token first, then the best others)."""
+
+    token_ids: Sequence[int]
+    logprobs: Sequence[float | None]
+    top_starts: Sequence[int] = (0,)
+    top_ids: Sequence[int] = ()
+    top_values: Sequence[float] = ()
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def top(self, i: int) -> list[tuple[int, float]]:
+        """Position ``i``'s alternatives, best first as the engine sent them (none past the last start)."""
+        starts = self.top_starts
+        if i + 1 >= len(starts):
+            return []
+        a, b = starts[i], starts[i + 1]
+        return list(zip(self.top_ids[a:b], self.top_values[a:b], strict=True))
 
 
 @dataclass(slots=True)
@@ -116,6 +145,15 @@ class EngineChunk:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: Sequence[TokenLogprob] = ()
+
+
+@dataclass(slots=True)
+class PromptChunk(EngineChunk):
+    """A chunk that also carries the prompt's logprobs (the first of a stream that asked for them). A
+    class of its own: ``EngineChunk`` keeps exactly the six slots the C decoder fills (``_varint``'s
+    ``lone_chunk``), and a plain chunk is never one of these."""
+
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -132,6 +170,7 @@ class EngineComplete:
     matched_stop_str: str | None = None
     logprobs: Sequence[TokenLogprob] = ()
     kv_transfer_params_json: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # when asked (GenerateRequest.prompt_logprobs)
 
 
 EngineEvent = EngineChunk | EngineComplete

@@ -69,6 +69,12 @@ def mlx_generate(req: GenerateRequest) -> mx.GenerateRequest:
         )
     if p.min_new_tokens:
         raise refuse("MLX", "min_tokens", "the MLX engine has no minimum output length")
+    if req.prompt_logprobs is not None:
+        raise refuse(
+            "MLX",
+            "prompt_logprobs (or echo with logprobs)",
+            "the MLX engine does not return the prompt's logprobs",
+        )
     if req.bootstrap_host is not None or req.kv_transfer_params_json is not None:
         raise refuse("MLX", "PD disaggregation parameters", "the MLX engine serves whole requests only")
     sp = mx.SamplingParams(

@@ -64,6 +64,12 @@ def trtllm_generate(req: GenerateRequest, vocab_size: int = 0) -> tr.GenerateReq
         )
     if p.max_new_tokens is None:
         raise refuse("TensorRT-LLM", "a request without max_tokens", "the engine requires max_tokens")
+    if req.prompt_logprobs is not None:
+        raise refuse(
+            "TensorRT-LLM",
+            "prompt_logprobs (or echo with logprobs)",
+            "this node does not read the prompt's logprobs from TensorRT-LLM answers",
+        )
     sc = tr.SamplingConfig(
         beam_width=1,
         num_return_sequences=p.n,

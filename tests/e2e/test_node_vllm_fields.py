@@ -623,7 +623,7 @@ def test_add_special_tokens_false_on_completions_encodes_no_bos(
     [
         ("allowed_token_ids", [1, 2]),
         ("bad_words", ["x"]),
-        ("prompt_logprobs", 1),
+        ("prompt_logprobs", 21),  # (over the cap: up to 20 are answered, test_prompt_logprobs.py)
         ("truncate_prompt_tokens", 5),
         ("priority", 3),
         ("lora_path", "/adapters/a"),

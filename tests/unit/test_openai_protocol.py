@@ -97,12 +97,11 @@ def test_bad_chat_fields(body: dict[str, Any], param: str) -> None:
     assert set(env["error"]) == {"message", "type", "param", "code"}
 
 
-def test_echo_with_logprobs_is_refused_not_half_answered() -> None:
-    """The echoed prompt's logprobs are not returned: an answer whose logprobs cover only the generated
-    part of its text would score a prompt wrong, silently (vLLM returns both)."""
-    with pytest.raises(ApiError) as ei:
-        parse_completion({"model": "m", "prompt": "a b", "echo": True, "logprobs": 0})
-    assert (ei.value.status, ei.value.param, ei.value.code) == (400, "echo", "unsupported_parameter")
+def test_echo_with_logprobs_asks_the_prompts_logprobs() -> None:
+    """The echoed prompt's logprobs are returned (the engine's prompt logprobs, as vLLM answers): echo
+    with logprobs asks them of the engine, with that many alternatives (test_prompt_logprobs.py)."""
+    req = parse_completion({"model": "m", "prompt": "a b", "echo": True, "logprobs": 0})
+    assert (req.echo, req.logprobs, req.engine_prompt_logprobs) == (True, 0, 0)
     assert parse_completion({"model": "m", "prompt": "a b", "echo": True}).echo
     assert parse_completion({"model": "m", "prompt": "a b", "logprobs": 2}).logprobs == 2
 

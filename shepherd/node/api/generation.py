@@ -10,7 +10,7 @@ import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import orjson
@@ -22,6 +22,7 @@ from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.stream import EngineStream, Retry
 from shepherd.node.http.types import LeanStreamResponse, lean_request, stream_response
 from shepherd.node.observe import logs, tracing
+from shepherd.node.openai.logprobs import TokenTextCache, prompt_completion_logprobs, vllm_prompt_logprobs
 from shepherd.node.openai.requests import Sampling
 from shepherd.node.openai.sse import (
     DONE,
@@ -47,10 +48,13 @@ from shepherd.node.output.choice import ChoiceState, LogprobFormatter
 from shepherd.node.output.plain_step import PlainStep, plain_step
 from shepherd.proto.engine_types import (
     EngineChunk,
+    EngineComplete,
     EngineError,
     EngineEvent,
     EngineTimeout,
     GenerateRequest,
+    PromptChunk,
+    PromptLogprobs,
     SamplingDefaults,
     SamplingParams,
     TokenLogprob,
@@ -205,6 +209,8 @@ class Job:
     echo: str = ""
     # vLLM's return_token_ids: each choice's output ids (kept: those after a stop are not), set by _drive
     out_ids: list[list[int]] | None = None
+    # the prompt's logprobs, when asked (Generation.prompt_lps): the first the engine sent, set by _drive
+    prompt_lps: PromptLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -301,6 +307,13 @@ class Generation:
         # the request fields a context error names: the prompt's and the output bound's
         self.context_param = context_param
         self.return_ids = False  # vLLM's return_token_ids: prompt and output ids in the answer
+        # the prompt's logprobs (``prompt_logprobs`` and completions' ``echo`` with ``logprobs``): the
+        # alternatives per position asked of the engine (None: not asked), vLLM's ``prompt_logprobs``
+        # field (its number; None: not in the answer), and whether the echoed prompt's logprobs lead each
+        # completion choice's ``logprobs``; set by the handler
+        self.prompt_lps: int | None = None
+        self.prompt_field: int | None = None
+        self.echo_logprobs = False
         self.gw = gw
         self.model = model
         self.tok = tok
@@ -339,6 +352,103 @@ class Generation:
             return self.lpfmt.chat(entries, self.logprobs or 0)
         return self.lpfmt.completion(entries, self.logprobs or 0, index)
 
+    def _prompt_of(self, job: Job) -> PromptLogprobs:
+        """The prompt's logprobs the engine sent for ``job``; an engine that sent none (asked for them)
+        fails the call: an answer whose logprobs miss its prompt would be silently wrong."""
+        plp = job.prompt_lps
+        if plp is None:
+            raise EngineError("the engine did not return the prompt's logprobs", retryable=False)
+        return plp
+
+    def _prompt_field(self, job: Job) -> list[Any] | None:
+        """vLLM's ``prompt_logprobs`` of ``job``'s prompt, when the request asked for it (else None)."""
+        if self.prompt_field is None:
+            return None
+        cache = TokenTextCache.for_tokenizer(self.tok.hf)  # (the formatter's, when logprobs are asked)
+        return vllm_prompt_logprobs(self._prompt_of(job), cache, self.prompt_field, positions=len(job.ids))
+
+    def _echo_lp(self, job: Job, index: int) -> dict[str, Any]:
+        """The echoed prompt's completions logprobs for choice ``index`` (vLLM's: a null first entry); its
+        output's offsets then continue after the echoed text. A prompt given as token ids is echoed
+        with its special tokens' text, so their width counts."""
+        assert self.lpfmt is not None
+        fmt = self.lpfmt
+        block, _ = prompt_completion_logprobs(
+            self._prompt_of(job),
+            fmt.cache,
+            self.logprobs or 0,
+            positions=len(job.ids),
+            skip_special_tokens=fmt.skip_special and bool(job.text),
+            tokens_as_ids=fmt.tokens_as_ids,
+        )
+        fmt.offsets[index] = len(job.echo)
+        return block
+
+    def _echoed_lp(self, job: Job, index: int, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """A whole completion choice's logprobs with ``echo``: the prompt's, then its output's."""
+        head = self._echo_lp(job, index)
+        tail = self._lp(entries, index)
+        if tail is not None:
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                head[key] = [*head[key], *tail[key]]
+        return head
+
+    def _echo_heads(self, job: Job) -> list[bytes]:
+        """A streamed completion's first chunk per choice of ``job`` with ``echo`` and ``logprobs``: the
+        prompt's text with its logprobs (then the output's chunks, their offsets after it)."""
+        enc = self._encoder()
+        assert isinstance(enc, CompletionChunks)
+        heads = [
+            enc.content(job.index_base + st.index, job.echo, self._echo_lp(job, job.index_base + st.index))
+            for st in job.states
+        ]
+        if self.return_ids:  # a choice's first chunk: its prompt's ids (the echo's none)
+            heads = [with_choice_ids(h, (), job.ids) for h in heads]
+        return self._with_usage(heads, job) if self.s.continuous_usage and self._events is None else heads
+
+    async def prompt_only(self, jobs: list[Job]) -> None:
+        """Each prompt's logprobs alone, into its job (``echo`` with ``max_tokens`` 0 and the prompt's
+        logprobs asked): one engine call per prompt generating one token, dropped, as vLLM's
+        echo_without_generation does (its max_tokens 1); one sample whatever ``n`` (a prompt's logprobs
+        are the same for every choice). Raises what the engine call raises."""
+        s = self.s
+        self.s = replace(s, max_tokens=1, min_tokens=0, n=1, stop=(), stop_token_ids=())
+
+        async def run(i: int, job: Job) -> None:
+            es = await self._open(job, i, False)
+            try:
+                async for batch in es.batches():
+                    for ev in batch:
+                        p = ev.prompt_logprobs if isinstance(ev, PromptChunk | EngineComplete) else None
+                        if p is not None and job.prompt_lps is None:
+                            job.prompt_lps = p
+                        if isinstance(ev, EngineComplete):
+                            if ev.finish_reason in ENGINE_FAILED:
+                                raise EngineError(
+                                    f"the engine ended the prompt's call with {ev.finish_reason!r}",
+                                    code="engine_abort",
+                                    retryable=False,
+                                )
+                            es.completed = True
+                    if es.completed:
+                        break
+            finally:
+                await es.close("done" if es.completed else "cancelled")
+            self._prompt_of(job)
+
+        try:
+            if len(jobs) == 1:
+                await run(0, jobs[0])
+            else:
+                try:
+                    async with asyncio.TaskGroup() as tg:
+                        for i, job in enumerate(jobs):
+                            tg.create_task(run(i, job))
+                except BaseExceptionGroup as eg:
+                    raise eg.exceptions[0] from None
+        finally:
+            self.s = s
+
     def _gen_request(self, job: Job, max_new: int, stream: bool) -> GenerateRequest:
         """Job ``job``'s engine request, an id of its own (``_engine_id``). ``max_new``: what the context
         leaves (``check_context``): the node's bound (``token_limit``), sent as ``max_new_tokens`` only
@@ -370,6 +480,7 @@ class Generation:
             self.logprobs or 0,
             require_reasoning=output is not None and output.reasoning is not None,
             token_limit=max_new,
+            prompt_logprobs=self.prompt_lps,
         )
 
     def _open(
@@ -436,6 +547,10 @@ class Generation:
         unsent: list[list[int]] = [[] for _ in states] if rids is not None and emit is not None else []
         prompt_due = [not self.chat and not job.echo] * n if unsent else []
         per_event = per_event_usage or bool(unsent)
+        want_plp = self.prompt_lps is not None
+        # streamed echo with logprobs: each choice's echo (with the prompt's logprobs) leads its stream,
+        # written once the first events (which carry those logprobs) are in
+        echo_due = want_plp and self.echo_logprobs and enc is not None
         # the tokens a choice may have (what the engine was asked for): an engine sending more is cut there,
         # the choice ended as "length" and the call aborted (a runaway engine cannot flood the client)
         limit = self.s.max_tokens
@@ -456,7 +571,7 @@ class Generation:
         def take(batch: list[EngineEvent]) -> bool:
             """One batch of engine events into the states and ``out``: whether the stream is over for
             us (every engine choice completed, or every choice ended on a gateway-side stop)."""
-            nonlocal first, remaining, engine_open
+            nonlocal first, remaining, engine_open, echo_due
             now = time.perf_counter()
             timed = not first  # the first batch's wait is the TTFT, not an inter-token latency
             if first:
@@ -465,6 +580,16 @@ class Generation:
                     self.t_first = now
                 first = False
             ntok = 0
+            if want_plp:
+                if job.prompt_lps is None:
+                    for ev in batch:
+                        p = ev.prompt_logprobs if isinstance(ev, PromptChunk | EngineComplete) else None
+                        if p is not None:
+                            job.prompt_lps = p
+                            break
+                if echo_due:
+                    echo_due = False
+                    out.extend(self._echo_heads(job))
             mark = len(out)  # (per_event_usage) the first chunk of the event being taken
             for ev in batch:
                 if per_event:
@@ -595,6 +720,7 @@ class Generation:
             and n == 1
             and job.index_base == 0
             and self.logprobs is None
+            and self.prompt_lps is None
             and enc is not None
             and not self.return_ids
         )
@@ -729,6 +855,8 @@ class Generation:
     async def respond(self, jobs: list[Job]) -> web.Response:
         choices, violations = await self.collect(jobs)
         body = self.answer_body(choices)
+        if self.chat and self.prompt_field is not None:  # vLLM's: the prompt's logprobs beside the choices
+            body["prompt_logprobs"] = self._prompt_field(jobs[0])
         if self.return_ids and self.chat:  # vLLM's return_token_ids: the prompt's ids beside the choices
             body["prompt_token_ids"] = jobs[0].ids
         if self.chat and self.output is not None:
@@ -810,9 +938,10 @@ class Generation:
 
     def _final_choices(self, job: Job, violations: list[Violation]) -> list[dict[str, Any]]:
         out = []
+        prompt_lp = None if self.chat else self._prompt_field(job)  # (chat's: beside the choices, respond)
         for st in job.states:
             idx = job.index_base + st.index
-            lp = self._lp(st.logprobs, idx)
+            lp = self._echoed_lp(job, idx, st.logprobs) if self.echo_logprobs else self._lp(st.logprobs, idx)
             if self.chat:
                 choice = self._chat_choice(st, idx, lp, violations)
             else:
@@ -824,6 +953,8 @@ class Generation:
                     "matched_stop": st.matched,
                     "stop_reason": vllm_stop_reason(st.matched, self.s.stop_token_ids),
                 }
+                if prompt_lp is not None:  # vLLM's, on each choice of a completion
+                    choice["prompt_logprobs"] = prompt_lp
             if job.out_ids is not None:  # vLLM's return_token_ids (a completion's choice: its prompt's too)
                 choice["token_ids"] = job.out_ids[st.index]
                 if not self.chat:
@@ -975,7 +1106,7 @@ class Generation:
                         if self.return_ids:  # (vLLM's: on each role chunk)
                             heads = [with_prompt_ids(h, job.ids) for h in heads]
                         pending.extend(self._with_usage(heads, job) if continuous else heads)
-                    elif job.echo:
+                    elif job.echo and not self.echo_logprobs:  # (with logprobs: _drive writes them)
                         assert isinstance(enc, CompletionChunks)
                         heads = [enc.content(job.index_base + st.index, job.echo) for st in job.states]
                         if self.return_ids:  # a choice's first chunk: its prompt's ids (the echo's none)

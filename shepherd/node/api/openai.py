@@ -230,6 +230,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         shaping=shaping,
     )
     _vllm_flags(g, d)
+    g.prompt_lps = g.prompt_field = req.prompt_logprobs  # vLLM's: the response's prompt_logprobs
     jobs = [Job(ids, text, states, 0)]
     adm = request.app[ADMISSION]
     if req.schemas:  # meta-validated now: after the model lookup and admission, off the event loop
@@ -292,6 +293,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         constraint=req.constraint,
     )
     _vllm_flags(g, d)
+    # the prompt's logprobs: vLLM's prompt_logprobs field, and echo's with logprobs
+    g.prompt_lps, g.prompt_field = req.engine_prompt_logprobs, req.prompt_logprobs
+    g.echo_logprobs = req.echo and req.logprobs is not None
     run = partial(_echo_only, g, jobs) if req.echo_only else partial(g.run, jobs)
     adm = request.app[ADMISSION]
     if adm is None:
@@ -303,26 +307,38 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _echo_only(g: Generation, jobs: list[Job]) -> web.StreamResponse:
     """vLLM's ``echo`` with ``max_tokens: 0`` (serving_completion.py: "only return the prompt"): every
     choice is its prompt alone, ``finish_reason`` ``length``, no completion token, streamed or not. The
-    engine is not called (vLLM generates one token and drops it)."""
+    engine is not called (vLLM generates one token and drops it), unless the prompt's logprobs are asked
+    (``logprobs``, ``prompt_logprobs``): then each prompt's call generates one token, dropped, as vLLM's
+    (``Generation.prompt_only``), and the choices carry the prompt's logprobs (the first token's null)."""
     request, gw = g.request, g.gw
     gw.metrics.overhead.observe(time.perf_counter() - g.t0)
+    if g.prompt_lps is not None:
+        await g.prompt_only(jobs)  # (before any byte is sent: a failure is a plain HTTP error)
     for job in jobs:
         g._account(job)  # (its prompt; no completion token)
     prompt = g.totals.prompt
+
+    def lp(job: Job, idx: int) -> dict[str, Any] | None:
+        return g._echo_lp(job, idx) if g.echo_logprobs else None
+
     if not g.s.stream:
-        choices = [
-            {
-                "index": job.index_base + st.index,
-                "text": job.echo,
-                "logprobs": None,
-                "finish_reason": "length",
-                "matched_stop": None,
-                "stop_reason": None,
-                **({"token_ids": [], "prompt_token_ids": job.ids} if g.return_ids else {}),
-            }
-            for job in jobs
-            for st in job.states
-        ]
+        choices = []
+        for job in jobs:
+            field = g._prompt_field(job)
+            for st in job.states:
+                idx = job.index_base + st.index
+                choice = {
+                    "index": idx,
+                    "text": job.echo,
+                    "logprobs": lp(job, idx),
+                    "finish_reason": "length",
+                    "matched_stop": None,
+                    "stop_reason": None,
+                    **({"token_ids": [], "prompt_token_ids": job.ids} if g.return_ids else {}),
+                }
+                if field is not None:
+                    choice["prompt_logprobs"] = field
+                choices.append(choice)
         g.done()
         body = orjson.dumps(g.answer_body(choices))
         return web.Response(body=body, content_type="application/json", headers=g.headers())
@@ -332,7 +348,7 @@ async def _echo_only(g: Generation, jobs: list[Job]) -> web.StreamResponse:
     for job in jobs:
         for st in job.states:
             idx = job.index_base + st.index
-            chunks = [enc.content(idx, job.echo), enc.finish(idx, "length")]
+            chunks = [enc.content(idx, job.echo, lp(job, idx)), enc.finish(idx, "length")]
             if g.return_ids:
                 chunks[0] = with_choice_ids(chunks[0], (), job.ids)
             if g.s.continuous_usage:  # (vLLM's: this prompt's tokens, this choice's none)

@@ -672,7 +672,7 @@ _MAX_EMPTY_FIRST = 64  # messages without a token read before a stream is handed
 
 def _tokenless(batch: list[EngineEvent]) -> bool:
     """Only chunks without tokens (SMG's SGLang servicer sends an empty one before an abort)."""
-    return all(type(ev) is EngineChunk and not ev.token_ids for ev in batch)
+    return all(isinstance(ev, EngineChunk) and not ev.token_ids for ev in batch)
 
 
 async def _every_choice(
@@ -692,7 +692,7 @@ async def _every_choice(
             if ev.finish_reason in _ENGINE_FAILED:
                 return events
             done += 1
-        elif type(ev) is EngineChunk:
+        elif isinstance(ev, EngineChunk):
             tokens += len(ev.token_ids)
     while done < n:  # bounded by the engine's stream, which ends after its last Complete, and by max_new
         if bound is not None and tokens > bound:
@@ -707,7 +707,7 @@ async def _every_choice(
                 if ev.finish_reason in _ENGINE_FAILED:
                     return events
                 done += 1
-            elif type(ev) is EngineChunk:
+            elif isinstance(ev, EngineChunk):
                 tokens += len(ev.token_ids)
     return events
 
@@ -717,7 +717,7 @@ def _failed_first(first: list[EngineEvent], stream: bool) -> str | None:
     before any token of it could reach the client (a streamed call: no token before; a call without
     streaming: whatever it carries, nothing was sent yet), else None."""
     for ev in first:
-        if type(ev) is EngineChunk:
+        if isinstance(ev, EngineChunk):
             if stream and ev.token_ids:
                 return None
         elif type(ev) is EngineComplete and ev.finish_reason in _ENGINE_FAILED:

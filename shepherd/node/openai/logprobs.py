@@ -10,6 +10,10 @@ its exact bytes in ``"bytes"`` and gets a best-effort string with the incomplete
   "top_logprobs": [{"token", "logprob", "bytes"}]}]}``.
 - ``completion_logprobs``: the legacy ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``;
   streaming callers carry the returned next text offset to the next chunk.
+- ``prompt_completion_logprobs``: the same lists over a prompt (``echo`` with ``logprobs``): its first
+  token, which has no logprob, has null ``token_logprobs`` and ``top_logprobs`` entries, as vLLM's.
+- ``vllm_prompt_logprobs``: vLLM's ``prompt_logprobs`` list: null, then per position
+  ``{"<token id>": {"logprob", "rank", "decoded_token"}}``, the prompt token first.
 - ``TokenTextCache.for_tokenizer(tok)``: id -> ``TokenText`` (string, bytes, special, width), shared
   per tokenizer object and filled lazily.
 
@@ -27,7 +31,7 @@ from typing import Final
 
 from tokenizers import Tokenizer
 
-from shepherd.proto.engine_types import TokenLogprob
+from shepherd.proto.engine_types import PromptLogprobs, TokenLogprob
 
 __all__ = [
     "MIN_LOGPROB",
@@ -37,6 +41,8 @@ __all__ = [
     "chat_logprobs",
     "completion_logprobs",
     "json_logprob",
+    "prompt_completion_logprobs",
+    "vllm_prompt_logprobs",
 ]
 
 MIN_LOGPROB: Final = -9999.0
@@ -275,3 +281,89 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": offsets,
     }, offset
+
+
+def prompt_completion_logprobs(
+    plp: PromptLogprobs,
+    cache: TokenTextCache,
+    top_logprobs: int = 0,
+    *,
+    positions: int | None = None,
+    skip_special_tokens: bool = True,
+    tokens_as_ids: bool = False,
+) -> tuple[JsonDict, int]:
+    """Legacy completions logprobs over the prompt (``echo`` with ``logprobs``), from text offset 0, and
+    the offset after it. As vLLM's ``_create_completion_logprobs`` over its prompt logprobs: a position
+    without a logprob (the first token's) has a null ``token_logprobs`` and ``top_logprobs`` entry;
+    the others as ``completion_logprobs`` (the ``top_logprobs`` best alternatives and the token itself).
+    ``positions``: the prompt's length (an engine repeating the list is read once)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    n = len(plp) if positions is None else min(positions, len(plp))
+    ids, vals = plp.token_ids, plp.logprobs
+    for i in range(n):
+        tid = ids[i]
+        t = cache.get(tid)
+        name = f"token_id:{tid}" if tokens_as_ids else t.text
+        tokens.append(name)
+        v = vals[i] if i < len(vals) else None
+        if v is None:
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            logprob = json_logprob(v)
+            token_logprobs.append(logprob)
+            top: dict[str, float] = {}
+            if top_logprobs > 0:
+                for alt, alp in plp.top(i)[:top_logprobs]:
+                    top.setdefault(
+                        f"token_id:{alt}" if tokens_as_ids else cache.get(alt).text, json_logprob(alp)
+                    )
+            top.setdefault(name, logprob)
+            tops.append(top)
+        offsets.append(offset)
+        if not (t.special and skip_special_tokens):
+            offset += t.width
+    return {
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }, offset
+
+
+def vllm_prompt_logprobs(
+    plp: PromptLogprobs, cache: TokenTextCache, k: int, *, positions: int | None = None
+) -> list[dict[str, dict[str, object]] | None]:
+    """vLLM's ``prompt_logprobs`` (``CompletionResponseChoice.prompt_logprobs``, chat's top-level
+    ``ChatCompletionResponse.prompt_logprobs``): per prompt position None when it has no logprob (the
+    first), else ``{"<id>": {"logprob", "rank", "decoded_token"}}``: the prompt token first, then up to
+    ``k`` alternatives, each once (vLLM's ``append_logprobs_for_next_position``). Neither engine's gRPC
+    answer carries a rank; the alternatives come best first, so a token's rank is one more than the
+    listed tokens above it: exact for the alternatives, and for the prompt token when it is among the
+    best the engine listed (else the least rank consistent with them). -inf is -9999.0, as vLLM's
+    ``clamp_prompt_logprobs``."""
+    out: list[dict[str, dict[str, object]] | None] = []
+    n = len(plp) if positions is None else min(positions, len(plp))
+    ids, vals = plp.token_ids, plp.logprobs
+    for i in range(n):
+        v = vals[i] if i < len(vals) else None
+        if v is None:
+            out.append(None)
+            continue
+        tid = ids[i]
+        alts = [(alt, alp) for alt, alp in plp.top(i) if alt != tid]
+        rank = 1 + sum(1 for _, alp in alts if alp > v)
+        pos: dict[str, dict[str, object]] = {
+            str(tid): {"logprob": json_logprob(v), "rank": rank, "decoded_token": cache.get(tid).text}
+        }
+        for j, (alt, alp) in enumerate(alts[:k], 1):
+            key = str(alt)
+            if key not in pos:
+                rank = j + (1 if v > alp else 0)
+                pos[key] = {"logprob": json_logprob(alp), "rank": rank, "decoded_token": cache.get(alt).text}
+        out.append(pos)
+    return out

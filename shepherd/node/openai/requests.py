@@ -450,6 +450,7 @@ class ChatRequest:
     reasoning_effort: str | None = None  # mapped to the template's thinking switch when rendering
     legacy_functions: bool = False  # the request used ``functions``: answers carry ``function_call``
     include_reasoning: bool = True  # vLLM's: false drops the parsed reasoning from the answer
+    prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs (this many alternatives) in the answer
 
 
 # the content parts that are text, and the key holding it: OpenAI's text, the Responses API's input_text
@@ -665,6 +666,7 @@ CHAT_OPTION_KEYS: frozenset[str] = frozenset(
     {
         "logprobs",
         "top_logprobs",
+        "prompt_logprobs",
         "chat_template_kwargs",
         "response_format",
         "continue_final_message",
@@ -691,7 +693,6 @@ _NO_ENGINE_FIELD = "no engine field carries it"
 _UNSUPPORTED: dict[str, tuple[tuple[Any, ...], str]] = {
     "allowed_token_ids": ((None, []), _NO_ENGINE_FIELD),
     "bad_words": ((None, []), _NO_ENGINE_FIELD),
-    "prompt_logprobs": ((None,), "prompt logprobs are not returned"),
     "truncate_prompt_tokens": ((None,), "prompts are not truncated (a prompt over the context is a 400)"),
     "priority": ((None, 0), "no priority scheduling"),
     "lora_path": ((None,), "LoRA adapters are not supported"),
@@ -769,6 +770,7 @@ def _parse_chat_options(
     top_logprobs = _int(d, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS) or 0
     if top_logprobs and not logprobs:
         raise bad("'top_logprobs' requires 'logprobs': true.", param="top_logprobs")
+    prompt_logprobs = _prompt_logprobs(d, sampling)
     kwargs = _dict(d, "chat_template_kwargs") or {}
     docs = d.get("documents")  # vLLM's: the template's ``documents`` (RAG templates such as Command R's)
     if docs is not None:
@@ -813,6 +815,7 @@ def _parse_chat_options(
         guided_param="" if guided is None else guided[1],
         reasoning_effort=effort,
         legacy_functions=legacy,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -879,6 +882,17 @@ class CompletionRequest:
     constraint: Constraint | None = None  # response_format or a vLLM / SGLang guided field (guided.py)
     add_special_tokens: bool = True  # vLLM's: false encodes a text prompt without BOS (and the like)
     echo_only: bool = False  # echo with max_tokens 0: every choice is its prompt, nothing generated
+    prompt_logprobs: int | None = None  # vLLM's: each choice's ``prompt_logprobs`` (this many alternatives)
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The alternatives per prompt position to ask the engine for (None: the prompt's logprobs are not
+        needed): vLLM's ``prompt_logprobs``, else with ``echo`` the ``logprobs`` number (the echoed
+        prompt's logprobs, as vLLM's ``to_sampling_params``); both: the larger, each answer its own."""
+        echo = self.logprobs if self.echo else None
+        if self.prompt_logprobs is None:
+            return echo
+        return self.prompt_logprobs if echo is None else max(echo, self.prompt_logprobs)
 
 
 def _prompts(d: dict[str, Any]) -> list[str | list[int]]:
@@ -936,15 +950,9 @@ def parse_completion(d: dict[str, Any]) -> CompletionRequest:
         guided = parse_guided(d, budget, pending)
         check_schemas_now(pending)
         constraint = guided[0] if guided is not None else response_format_constraint(rf)
+    # with echo, the logprobs cover the prompt too (the engine's prompt logprobs, as vLLM answers: how
+    # evaluations score a text)
     logprobs = _int(d, "logprobs", None, 0, MAX_TOP_LOGPROBS)
-    if echo and logprobs is not None:
-        # the echoed prompt's logprobs (how evaluations score a text) would be missing: an answer whose
-        # logprobs do not cover its text would be silently wrong
-        raise bad(
-            "'echo' with 'logprobs' is not supported: the prompt's logprobs are not returned.",
-            param="echo",
-            code="unsupported_parameter",
-        )
     return CompletionRequest(
         model=model,
         prompts=prompts,
@@ -955,7 +963,24 @@ def parse_completion(d: dict[str, Any]) -> CompletionRequest:
         constraint=constraint,
         add_special_tokens=_bool(d, "add_special_tokens", True),
         echo_only=echo_only,
+        prompt_logprobs=_prompt_logprobs(d, sampling),
     )
+
+
+def _prompt_logprobs(d: dict[str, Any], sampling: Sampling) -> int | None:
+    """vLLM's ``prompt_logprobs``: the alternatives per prompt position, at most ``MAX_TOP_LOGPROBS`` (as
+    ``logprobs``: vLLM's ``max_logprobs`` default; its -1, the whole vocabulary, is over it); not with
+    ``stream`` unless 0 (vLLM's check_logprobs: streamed chunks carry no prompt logprobs)."""
+    k = _int(d, "prompt_logprobs", None, 0, MAX_TOP_LOGPROBS)
+    if k is None or (sampling.stream and k == 0):
+        return None
+    if sampling.stream:
+        raise bad(
+            "'prompt_logprobs' is not available when 'stream' is true.",
+            param="prompt_logprobs",
+            code="invalid_value",
+        )
+    return k
 
 
 _NO_GUIDED = frozenset(GUIDED_KEYS)
