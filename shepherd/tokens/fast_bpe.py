@@ -237,6 +237,11 @@ class FastBPE:
             wrap = _learn_wrap(hf, core.post_processor)
             fast = cls(hf, core, raw_tokens=raw, normalized_tokens=normalized, wrap=wrap)
             bad = fast._self_check()
+            if bad is not None and content_key is not None:  # a kept core gone bad: from the file again
+                core = _cached_core(hf, source, content_key, rebuild=True)
+                wrap = _learn_wrap(hf, core.post_processor)
+                fast = cls(hf, core, raw_tokens=raw, normalized_tokens=normalized, wrap=wrap)
+                bad = fast._self_check()
             if bad is not None:
                 log.warning("fast BPE off: self-check against tokenizers failed on %r", bad)
                 raise ValueError(f"self-check against tokenizers failed on {bad!r}")

@@ -48,7 +48,15 @@ from typing import Any, Final
 import tiktoken
 import tokenizers
 
-from shepherd.tokens.table_cache import Record, cache_path, code_digest, load_record, store_record
+from shepherd.tokens.table_cache import (
+    Record,
+    cache_path,
+    code_digest,
+    forget,
+    load_record,
+    read_kept,
+    store_record,
+)
 
 __all__ = ["GPT2_PATTERN", "byte_level_decoder"]
 
@@ -317,17 +325,23 @@ _VERDICT_FORMAT: Final = 1
 _CORE_FORMAT: Final = 1
 
 
+def _code(fmt: int) -> bytes | None:
+    """This module's source digest and a record format's number (None: no source to digest)."""
+    d = code_digest(__file__)
+    return None if d is None else d + bytes([fmt])
+
+
 def _verdict_path(key: bytes) -> Path | None:
-    return cache_path("bpe-checks", key, code_digest(__file__) + bytes([_VERDICT_FORMAT]), ".json")
+    return cache_path("bpe-checks", key, _code(_VERDICT_FORMAT), ".json")
 
 
 def _load_verdict(key: bytes) -> dict[str, Any] | None:
-    path = _verdict_path(key)
-    if path is None:
+    data = read_kept(_verdict_path(key))
+    if data is None:
         return None
     try:
-        got = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+        got = json.loads(data)
+    except ValueError:
         return None
     ok = isinstance(got, dict) and (
         isinstance(got.get("error"), str)
@@ -345,7 +359,7 @@ def _store_verdict(key: bytes, verdict: dict[str, Any]) -> None:
 
 
 def _core_path(key: bytes) -> Path | None:
-    return cache_path("bpe-cores", key, code_digest(__file__) + bytes([_CORE_FORMAT]))
+    return cache_path("bpe-cores", key, _code(_CORE_FORMAT))
 
 
 def _store_core(key: bytes, core: _Core) -> None:
@@ -407,17 +421,25 @@ def _checks(
 
 
 def _cached_core(
-    hf: tokenizers.Tokenizer, source: Callable[[], Mapping[str, Any]], key: bytes | None
+    hf: tokenizers.Tokenizer,
+    source: Callable[[], Mapping[str, Any]],
+    key: bytes | None,
+    *,
+    rebuild: bool = False,
 ) -> _Core:
     """The core of the file whose content has digest ``key``: this process's, the one kept on disk, or
-    built from ``source()`` (the parsed tokenizer.json, asked for only then) and kept."""
+    built from ``source()`` (the parsed tokenizer.json, asked for only then) and kept. ``rebuild``: a
+    core taken before failed its use's checks: built again from the file, and kept in its place."""
+    if rebuild and key is not None:
+        _CORES.pop(key, None)
+        forget(_core_path(key))
     if key is not None and key in _CORES:
         _CORES.move_to_end(key)
         hit = _CORES[key]
         if isinstance(hit, str):
             raise ValueError(hit)
         return hit
-    core: _Core | str | None = _load_core(key) if key is not None else None
+    core: _Core | str | None = _load_core(key) if key is not None and not rebuild else None
     if core is None:
         try:
             core = _build_core(hf, source(), key)

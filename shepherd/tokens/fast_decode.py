@@ -27,7 +27,7 @@ import tokenizers
 
 from shepherd.tokens import fast_bpe_core as _fast_bpe_core
 from shepherd.tokens.fast_bpe_core import _to_latin1_table
-from shepherd.tokens.table_cache import Record, cache_path, code_digest, load_record, store_record
+from shepherd.tokens.table_cache import Record, cache_path, code_digest, forget, load_record, store_record
 
 __all__ = ["ByteDecoder"]
 
@@ -117,7 +117,13 @@ class ByteDecoder:
         special = frozenset(i for i, t in added.items() if t.special)
         fast = cls(table, special)
         if not fast._agrees(hf, sorted(added), seed):
-            return None
+            if kept is None:
+                return None
+            forget(path)  # a kept table that decodes otherwise than HF: from the vocabulary again
+            again = cls._build(hf, seed, token_bytes)
+            if again is not None:
+                store_record(path, Record({"size": size}, [again.table(False)], []).dump())
+            return again
         if kept is None and path is not None:
             store_record(path, Record({"size": size}, [table], []).dump())
         return fast

@@ -8,18 +8,23 @@ them, and are kept per all of those in ``$SHEPHERD_CACHE_DIR`` (default ``$XDG_C
 ``~/.cache/shepherd``), in a directory only this user may read.
 
 A record is a small JSON header and lists of byte strings and of unsigned ints, in a format of its
-own (no pickle or marshal: nothing in a record is code, and a malformed one is only a miss). Written
-whole or not at all (a temporary file renamed over it); an unwritable cache, or none (no absolute
-place for it), is no error: the tables are derived again.
+own (no pickle or marshal: nothing in a record is code), with a digest of its bytes: a malformed or
+damaged one is only a miss. Only files and directories of this user's that no one else may write are
+read (no symbolic link followed). Written whole or not at all (a temporary file renamed over it); an
+unwritable cache, or none (no absolute place for it), is no error: the tables are derived again, as
+they are when a kept table fails the checks it is used under (the record is then replaced).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
+import stat
 import struct
+import tempfile
 import unicodedata
 from array import array
 from collections.abc import Sequence
@@ -28,10 +33,15 @@ from typing import Any, Final
 
 import tokenizers
 
-__all__ = ["Record", "cache_path", "code_digest", "load_record", "store_record"]
+__all__ = ["Record", "cache_path", "code_digest", "forget", "load_record", "read_kept", "store_record"]
 
-_MAGIC: Final = b"SHEPHERD-TABLES\x01"
+_MAGIC: Final = b"SHEPHERD-TABLES\x02"
 _U32: Final = struct.Struct("<I")
+_DIGEST_SIZE: Final = 32
+
+
+def _digest(body: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(body, digest_size=_DIGEST_SIZE).digest()
 
 
 class Record:
@@ -48,21 +58,25 @@ class Record:
 
     def dump(self) -> bytes:
         head = json.dumps(self.header, separators=(",", ":")).encode()
-        parts = [_MAGIC, _U32.pack(len(head)), head, _U32.pack(len(self.blobs)), _U32.pack(len(self.ints))]
+        parts = [_U32.pack(len(head)), head, _U32.pack(len(self.blobs)), _U32.pack(len(self.ints))]
         for items in self.blobs:
             lengths = array("I", map(len, items))
             parts += [_U32.pack(len(items)), lengths.tobytes(), b"".join(items)]
         for ints in self.ints:
             parts += [_U32.pack(len(ints)), array("I", ints).tobytes()]
-        return b"".join(parts)
+        body = b"".join(parts)
+        return _MAGIC + _digest(body) + body
 
     @classmethod
     def parse(cls, data: bytes) -> Record:
-        """The record in ``data`` (raises ValueError when it is not a whole one)."""
+        """The record in ``data`` (raises ValueError when it is not a whole one, or its digest does not
+        match its bytes: a record damaged in a way that keeps its lengths is a miss too)."""
         view = memoryview(data)
-        pos = len(_MAGIC)
-        if bytes(view[:pos]) != _MAGIC:
+        pos = len(_MAGIC) + _DIGEST_SIZE
+        if bytes(view[: len(_MAGIC)]) != _MAGIC:
             raise ValueError("not a table record")
+        if bytes(view[len(_MAGIC) : pos]) != _digest(view[pos:]):
+            raise ValueError("the record's digest does not match")
 
         def u32() -> int:
             nonlocal pos
@@ -109,49 +123,103 @@ class Record:
 
 
 @functools.cache
-def code_digest(*files: str) -> bytes:
-    """The digest of the source files that derive a kind of table: a change to them is a new record."""
+def code_digest(*files: str) -> bytes | None:
+    """The digest of the source files that derive a kind of table: a change to them is a new record
+    (None when a source cannot be read, an install without sources: then nothing is kept, as a record
+    could outlive the code that made it)."""
     h = hashlib.sha256()
     for f in files:
         try:
             h.update(Path(f).read_bytes())
         except OSError:
-            h.update(f.encode())
+            return None
     return h.digest()
 
 
-def cache_path(kind: str, key: bytes, code: bytes, suffix: str = ".tables") -> Path | None:
+def cache_path(kind: str, key: bytes, code: bytes | None, suffix: str = ".tables") -> Path | None:
     """Where the record of ``kind`` for file content ``key`` and deriving code ``code`` lives (None
-    when there is no absolute place for the cache: nothing is kept)."""
+    when there is no absolute place for the cache, or no code digest: nothing is kept)."""
     base = os.environ.get("SHEPHERD_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shepherd"
     )
-    if not os.path.isabs(base):
+    if not os.path.isabs(base) or code is None:
         return None
     tag = b"|".join((key, code, tokenizers.__version__.encode(), unicodedata.unidata_version.encode()))
     return Path(base) / kind / f"{hashlib.sha256(tag).hexdigest()}{suffix}"
 
 
-def load_record(path: Path | None) -> Record | None:
-    if path is None:
+def _ours(st: os.stat_result) -> bool:
+    """Owned by this user and writable by nobody else: what the records and their directories must be
+    (a directory someone else may write, or a file of another user's, is not taken: its tables would
+    decide how this node tokenizes)."""
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def _dirs_ours(path: Path) -> bool:
+    """The record's directory and the cache's base above it: this user's directories (no links)."""
+    try:
+        sts = [os.lstat(d) for d in (path.parent.parent, path.parent)]
+    except OSError:
+        return False
+    return all(stat.S_ISDIR(st.st_mode) and _ours(st) for st in sts)
+
+
+def read_kept(path: Path | None) -> bytes | None:
+    """A kept file's bytes: a regular file (no symbolic link followed) in the cache's directories, all
+    this user's and writable by no one else; else None (a miss)."""
+    if path is None or not _dirs_ours(path):
         return None
     try:
-        return Record.parse(path.read_bytes())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not _ours(st):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def load_record(path: Path | None) -> Record | None:
+    data = read_kept(path)
+    if data is None:
+        return None
+    try:
+        return Record.parse(data)
+    except ValueError:
         return None
 
 
 def store_record(path: Path | None, data: bytes) -> None:
-    """``data`` at ``path``, whole or not at all; the directories are made private to this user."""
+    """``data`` at ``path``, whole or not at all (a temporary file of its own, renamed over it); the
+    directories are made private to this user, and nothing is written into ones that are not."""
     if path is None:
         return
     try:
         path.parent.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         path.parent.mkdir(exist_ok=True, mode=0o700)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        if not _dirs_ours(path):
+            return
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # O_EXCL, 0600
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     except OSError:
         pass
+
+
+def forget(path: Path | None) -> None:
+    """Remove a kept record (one whose tables the checks refused: it is derived and kept again)."""
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)

@@ -651,3 +651,56 @@ def test_a_core_is_kept_on_disk_and_taken_without_parsing_the_file(
         core_mod._CORES.clear()
         assert FastBPE.build_with_reason(hf, source(d, key), content_key=key)[0] is not None
     assert len(parsed) == 2
+
+
+def test_a_kept_core_damaged_or_wrong_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A core record with one byte changed (its lengths kept) fails its digest: a miss, the file parsed
+    again; one whose digest holds but whose ranks are wrong fails the encoder's self-check against HF:
+    built again from the file and kept in its place."""
+    import shepherd.tokens.fast_bpe_core as core_mod
+    from shepherd.tokens.table_cache import Record
+
+    monkeypatch.setenv("SHEPHERD_CACHE_DIR", str(tmp_path))
+    hf, d = tiny(DENSE)
+    key = b"damaged"
+    core_mod._CORES.clear()
+    fast, _ = FastBPE.build_with_reason(hf, d, content_key=key)
+    assert fast is not None
+    want = fast.encode("xyz ab aba", False)
+    (record,) = (tmp_path / "bpe-cores").iterdir()
+    raw = bytearray(record.read_bytes())
+    raw[-2] ^= 0x01  # one rank's id
+    record.write_bytes(bytes(raw))
+    parsed: list[int] = []
+
+    def source() -> Any:
+        parsed.append(1)
+        return d
+
+    core_mod._CORES.clear()
+    fast, _ = FastBPE.build_with_reason(hf, source, content_key=key)
+    assert fast is not None and fast.encode("xyz ab aba", False) == want and parsed == [1]
+    rec = Record.parse(record.read_bytes())  # kept whole again
+    ids = list(rec.ints[0])
+    rec.ints[0] = type(rec.ints[0])("I", ids[1:] + ids[:1])  # every rank moved: a valid record, wrong
+    record.write_bytes(rec.dump())
+    core_mod._CORES.clear()
+    fast, _ = FastBPE.build_with_reason(hf, source, content_key=key)
+    assert fast is not None and fast.encode("xyz ab aba", False) == want and parsed == [1, 1]
+    assert list(Record.parse(record.read_bytes()).ints[0]) == ids  # the right core kept in its place
+
+
+def test_a_record_with_any_byte_changed_is_refused() -> None:
+    from shepherd.tokens.table_cache import Record
+
+    data = Record({"a": 1}, [[b"ab", b"", b"c"]], [[1, 2, 3]]).dump()
+    back = Record.parse(data)
+    assert back.header == {"a": 1} and back.blobs == [[b"ab", b"", b"c"]] and list(back.ints[0]) == [1, 2, 3]
+    for i in range(len(data)):
+        bad = bytearray(data)
+        bad[i] ^= 0x40
+        with pytest.raises(ValueError):
+            Record.parse(bytes(bad))
+    for cut in range(len(data)):
+        with pytest.raises(ValueError):
+            Record.parse(data[:cut])

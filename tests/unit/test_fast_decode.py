@@ -106,3 +106,39 @@ def test_the_byte_table_is_kept_on_disk_per_content(tmp_path: Path, monkeypatch:
     assert again.build_fast_decoder() and walks == [1]
     assert again.decode(ids, False) == text
     assert len(Record.parse(record.read_bytes()).blobs[0]) == again.vocab_size  # kept whole again
+
+
+def test_a_kept_byte_table_that_decodes_otherwise_is_derived_again_and_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record whose digest holds but whose table is wrong (a bug, or a hand that rewrote it) fails the
+    check against HF's decode: the table is derived again and the record replaced; a record of another
+    vocabulary size, or in a directory others may write, is not taken."""
+    import tokenizers
+
+    monkeypatch.setenv("SHEPHERD_CACHE_DIR", str(tmp_path))
+    key = b"test-key-wrong-table"
+
+    def load() -> Tokenizer:
+        hf = tokenizers.Tokenizer.from_str(qwen3().hf.to_str())
+        return Tokenizer(hf, name="q", path=QWEN3_DIR, config=qwen3().config, tokenizer_json_key=key)
+
+    assert load().build_fast_decoder()
+    (record,) = (tmp_path / "byte-decoders").iterdir()
+    size = Record.parse(record.read_bytes()).header["size"]
+    record.write_bytes(Record({"size": size}, [[b"?"] * size], []).dump())
+    tok = load()
+    assert tok.build_fast_decoder()
+    text = "Hello Ünïcödé ✓ 日本語 🤖 done"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert Record.parse(record.read_bytes()).blobs[0][:3] != [b"?"] * 3  # replaced by the right table
+    record.write_bytes(Record({"size": size + 1}, [[b"?"] * (size + 1)], []).dump())
+    tok = load()
+    assert tok.build_fast_decoder() and tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    good = record.read_bytes()
+    assert Record.parse(good).header["size"] == size  # the other size's record replaced
+    (tmp_path / "byte-decoders").chmod(0o777)  # anyone may write there: neither read nor written
+    record.write_bytes(Record({"size": size}, [[b"?"] * size], []).dump())
+    tok = load()
+    assert tok.build_fast_decoder() and tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert Record.parse(record.read_bytes()).blobs[0][0] == b"?"  # left alone
