@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import cast
@@ -175,7 +176,11 @@ async def _listen(what: str, host: str, port: int, start: Awaitable[None]) -> No
     try:
         await start
     except OSError as e:
-        if e.errno not in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL):
+        # a host that does not resolve, a port in use or not ours; not a file the start reads (the mesh's
+        # keyring, its TLS files: an unreadable one has its name on the error and is said as it is)
+        in_use = e.errno in (errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL)
+        bind = in_use or isinstance(e, socket.gaierror)
+        if e.filename is not None or not bind:
             raise
         raise ConfigError(f"cannot listen on {host}:{port} ({what}): {e.strerror or e}") from None
 

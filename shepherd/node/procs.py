@@ -15,8 +15,8 @@ deltas, small against a request's CPU (README "More than one core").
 
 The parent supervises: a child that exits while the parent is not stopping is started again (at once,
 then with a back-off while it keeps crashing within a second of its start), but one that exits with a
-configuration error (status 2: a port in use, a store unreachable at start) stops them all, and the
-parent exits with it; SIGTERM / SIGINT are
+configuration error at its first start (status 2: a port in use, a store unreachable) stops them all,
+and the parent exits with it; SIGTERM / SIGINT are
 forwarded to every child (graceful drain), and a child still alive after the drain bound is killed.
 Children are signalled by pid (their ``Popen``), and get SIGTERM if the parent dies (PR_SET_PDEATHSIG).
 """
@@ -190,6 +190,8 @@ class Supervisor:
                         c.proc.send_signal(signal.SIGTERM)
 
     def _check(self, c: _Child, now: float) -> None:
+        if self.stopping:  # a child due a restart in the pass that stopped the node is not started
+            return
         if c.proc is None:
             if c.restart_at is not None and now >= c.restart_at:
                 self._start(c)
@@ -201,9 +203,11 @@ class Supervisor:
         c.exits.append(code)
         lived = now - c.started
         c.proc = None
-        if code == CONFIG_ERROR_EXIT:
+        if code == CONFIG_ERROR_EXIT and c.restarts == 0:
             # the child said why on stderr (a port in use, a store unreachable at start...): starting it
-            # again cannot help; the node stops, as one process would with that error
+            # again cannot help; the node stops, as one process would with that error. Only at its first
+            # start: a restarted child's 2 (its mesh port now some connection's source port, a store
+            # briefly unreachable) is restarted with the back-off like any other exit
             self._say(f"process {c.index} exited with {code} (a configuration error): stopping")
             self.failed = code
             self._on_signal(signal.SIGTERM, None)
@@ -229,7 +233,8 @@ class Supervisor:
                     continue
                 due = [c.restart_at for c in self.children if c.proc is None and c.restart_at is not None]
                 wake.wait(min([IDLE_WAIT_S, *(max(0.0, t - time.monotonic()) for t in due)]))
-            return self._stop() or self.failed
+            worst = self._stop()  # drain first; a child's configuration error is the status
+            return self.failed or worst
         finally:
             if wake is not None:
                 wake.close()

@@ -305,3 +305,11 @@ def test_a_port_in_use_is_a_one_line_configuration_error_with_one_process_or_sev
                 f"cannot listen on 127.0.0.1:{port} (--host/--port)" in ln for ln in errors
             ), err
             assert len(errors) <= int(procs), err  # each process at most once: none started again
+
+
+def test_a_host_that_does_not_resolve_is_a_one_line_configuration_error() -> None:
+    # --insecure-admin: past the refusal to serve the control plane open off loopback, to the bind
+    code, err = run_to_exit(*node_args("--host", "no-such-host.invalid", "--insecure-admin"))
+    assert code == 2 and "Traceback" not in err, err
+    errors = [ln for ln in err.splitlines() if ln.startswith("smg-node: configuration error")]
+    assert len(errors) == 1 and "cannot listen on no-such-host.invalid:" in errors[0], err

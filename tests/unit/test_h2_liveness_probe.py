@@ -215,3 +215,58 @@ async def test_the_registry_asks_once_on_the_turn_to_unhealthy() -> None:
     await reg.check(w)
     await reg.check(w)
     assert eng.confirms == [0.7]  # not on every failed check
+
+
+def _unread_bytes_in(server: FakeServer, data: bytes) -> tuple[socket.socket, socket.socket]:
+    """A socket pair whose first end is the connection's socket, ``data`` waiting in it unread (as when
+    the loop lagged: uvloop runs a due timer before reading what waits)."""
+    ours, theirs = socket.socketpair()
+    if data:
+        theirs.sendall(data)
+    server.get_extra_info = lambda name, default=None: ours if name == "socket" else default  # type: ignore[method-assign]
+    return ours, theirs
+
+
+async def test_bytes_waiting_in_the_socket_are_read_before_the_probe_fails() -> None:
+    server = FakeServer(asyncio.get_running_loop())
+    stream = open_call(client(server))
+    ours, theirs = _unread_bytes_in(server, ACK)
+    try:
+        told: list[int] = []
+        assert server.proto.probe(0.05, told.append)
+        await asyncio.sleep(0.07)  # past the deadline: the ACK is in the socket, not read yet
+        assert failure(server) is None and told == []
+        server.proto.data_received(ACK)  # the loop reads it
+        await asyncio.sleep(0.1)
+        assert not ended(stream) and failure(server) is None and told == []
+        assert server.proto._probe is None
+    finally:
+        ours.close()
+        theirs.close()
+
+
+async def test_bytes_waiting_that_never_answer_still_fail_it_and_so_does_an_empty_socket() -> None:
+    loop = asyncio.get_running_loop()
+    server = FakeServer(loop)
+    stream = open_call(client(server))
+    ours, theirs = _unread_bytes_in(server, b"\0")  # never read, never an ACK
+    try:
+        assert server.proto.probe(0.05)
+        start = loop.time()
+        await asyncio.wait_for(stream.wait(), 3.0)
+        assert stream.code == UNAVAILABLE
+        assert loop.time() - start >= 0.05 + 0.4  # looked at again, a bounded number of times
+    finally:
+        ours.close()
+        theirs.close()
+    server = FakeServer(loop)
+    stream = open_call(client(server))
+    ours, theirs = _unread_bytes_in(server, b"")
+    try:
+        assert server.proto.probe(0.05)
+        start = loop.time()
+        await asyncio.wait_for(stream.wait(), 3.0)
+        assert stream.code == UNAVAILABLE and loop.time() - start < 0.3  # nothing waiting: at the deadline
+    finally:
+        ours.close()
+        theirs.close()

@@ -105,3 +105,57 @@ def test_heap_trim_and_freeze() -> None:
         assert gc.get_freeze_count() > before
     finally:
         gc.unfreeze()
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_a_configuration_error_at_first_start_stops_the_node_with_its_status(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    # the other child exits 3 when told to stop: the configuration error's 2 is still the status
+    other = _py(
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n"
+        f"pathlib.Path({str(ready)!r}).touch()\n"
+        "time.sleep(30)\n"
+    )
+    failing = _py(
+        "import pathlib, sys, time\n"
+        f"while not pathlib.Path({str(ready)!r}).exists(): time.sleep(0.01)\n"
+        "sys.exit(2)\n"
+    )
+    sup = procs.Supervisor([failing, other], drain_s=10.0, log=False)
+    assert sup.run() == procs.CONFIG_ERROR_EXIT
+    assert sup.children[0].exits == [2] and sup.children[0].restarts == 0
+
+
+def test_a_restarted_childs_configuration_error_is_restarted(tmp_path: Path) -> None:
+    count = tmp_path / "count"
+    # run 1 crashes, run 2 exits 2 (as when its mesh port was taken meanwhile), run 3 stops the parent
+    child = _py(
+        "import os, pathlib, signal, sys, time\n"
+        f"p = pathlib.Path({str(count)!r})\n"
+        "n = int(p.read_text()) + 1 if p.exists() else 1\n"
+        "p.write_text(str(n))\n"
+        "if n == 1: sys.exit(1)\n"
+        "if n == 2: sys.exit(2)\n"
+        "os.kill(os.getppid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"
+    )
+    sup = procs.Supervisor([child], drain_s=10.0, log=False)
+    assert sup.run() == 0
+    assert sup.children[0].exits == [1, 2]
+    assert sup.children[0].restarts == 2
+
+
+def test_no_child_is_started_once_stopping() -> None:
+    sup = procs.Supervisor([_py("import time; time.sleep(30)")], drain_s=1.0, log=False)
+    c = sup.children[0]
+    c.restart_at = 0.0  # due a restart in the pass that stopped the node
+    sup.stopping = True
+    try:
+        sup._check(c, 1.0)
+        assert c.proc is None
+    finally:
+        sup._kill_all()

@@ -19,6 +19,7 @@ import pytest
 from smg_grpc_proto import sglang_scheduler_pb2 as sg
 
 from shepherd.node.config import ConfigError, NodeConfig, WorkerAllow, build_config
+from shepherd.node.dispatch import model_source
 from shepherd.node.dispatch.workers import WorkerRegistry, make_client
 from shepherd.node.engines.h2 import H2EngineClient
 from shepherd.node.engines.h2_stream import RpcStatus
@@ -169,3 +170,31 @@ async def test_a_grpc_workers_name_resolving_to_a_metadata_address_is_not_dialed
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_the_start_up_probe_does_not_dial_a_name_resolving_to_a_metadata_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client asking a worker for GetModelInfo / GetTokenizer at start has the node's worker_allow
+    too: a worker's name resolving to 169.254.169.254 is not dialed; one worker_allow lists is."""
+    loop = asyncio.get_running_loop()
+
+    async def fake_getaddrinfo(host: str, p: Any, **kw: Any) -> list[Any]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("169.254.169.254", p))]
+
+    monkeypatch.setattr(loop, "getaddrinfo", fake_getaddrinfo)
+    client = model_source._client("grpc://rebound.example:50051", NodeConfig())
+    assert isinstance(client, H2EngineClient)
+    try:
+        with pytest.raises(OSError, match="resolves to no address worker_allow allows"):
+            await client._addresses(loop)
+    finally:
+        await client.close()
+    listed = model_source._client(
+        "grpc://rebound.example:50051", NodeConfig(worker_allow=("rebound.example",))
+    )
+    assert isinstance(listed, H2EngineClient)
+    try:
+        assert await listed._addresses(loop) == ["rebound.example"]
+    finally:
+        await listed.close()

@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePosixPath
 
 from shepherd.auth.tls import EngineTls
-from shepherd.node.config import ConfigError, ModelConfig, NodeConfig
+from shepherd.node.config import ConfigError, ModelConfig, NodeConfig, WorkerAllow
 from shepherd.node.engines.grpcio import GrpcEngineClient
 from shepherd.node.engines.h2 import H2EngineClient
 from shepherd.node.engines.kinds import SERVICE_KINDS, ServiceClient, service_client, settle_kind
@@ -156,7 +156,10 @@ def _client(url: str, cfg: NodeConfig) -> H2EngineClient | GrpcEngineClient | Se
     if cfg.engine_transport == "grpcio":
         base = GrpcEngineClient(url, target, kind, tls.grpc_credentials() if tls else None)
     else:
-        base = H2EngineClient(url, target, kind, tls=tls.ssl_context() if tls else None)
+        # the node's worker_allow, as the registry's clients have it: a name resolving to a metadata
+        # address is not dialed at start either
+        allow = WorkerAllow(cfg.worker_allow)
+        base = H2EngineClient(url, target, kind, tls=tls.ssl_context() if tls else None, allow=allow)
     return service_client(url, scheme, base) if scheme in SERVICE_KINDS else base
 
 

@@ -12,12 +12,30 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import select
 import socket
 from collections.abc import Callable
 from typing import Any, cast
 
 from shepherd.node.engines.h2_conn import H2Connection
 from shepherd.node.engines.h2_frames import LOCAL_WINDOW, NO_ERROR
+
+PROBE_RECHECK_S = 0.01  # a probe's deadline passed with bytes unread in the socket: looked at again after
+PROBE_RECHECKS = 50  # at most this many times (0.5 s), then the connection fails all the same
+
+
+def _readable(transport: asyncio.BaseTransport) -> bool:
+    """Whether the transport's socket has bytes the loop has not read yet (no socket: False)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        # poll, not select.select: a node's descriptors may exceed select's FD_SETSIZE (1024)
+        p = select.poll()
+        p.register(sock.fileno(), select.POLLIN)
+        return bool(p.poll(0))
+    except (OSError, ValueError):  # closed meanwhile (fileno -1)
+        return False
 
 
 class LazyReads:
@@ -361,15 +379,25 @@ class H2Protocol(asyncio.Protocol):
             if self._ping_sent is None:
                 self._ping_sent = self.loop.time()
                 self.conn.ping()
-            self._probe = self.loop.call_later(timeout_s, self._on_probe_timeout, timeout_s)
+            self._probe = self.loop.call_later(timeout_s, self._on_probe_timeout, timeout_s, 0)
             self._probe_dead = on_dead
         return True
 
-    def _on_probe_timeout(self, timeout_s: float) -> None:
-        on_dead = self._probe_dead
-        self._probe = self._probe_dead = None
+    def _on_probe_timeout(self, timeout_s: float, rechecks: int) -> None:
+        self._probe = None
         if self.transport is None or self._ping_sent is None or self.conn.failed is not None:
+            self._probe_dead = None
             return  # closed or answered meanwhile
+        if rechecks < PROBE_RECHECKS and _readable(self.transport):
+            # uvloop runs a timer due during a long callback before reading what already waits in the
+            # socket: when the node's own loop lagged (why every worker's checks fail at once), the ACK
+            # may be there unread. The loop reads it first; looked at again shortly after
+            self._probe = self.loop.call_later(
+                PROBE_RECHECK_S, self._on_probe_timeout, timeout_s, rechecks + 1
+            )
+            return
+        on_dead = self._probe_dead
+        self._probe_dead = None
         if on_dead is not None:
             on_dead(len(self.conn.streams))
         self.conn.fail(f"the engine did not answer a ping within {timeout_s:g}s", NO_ERROR)
