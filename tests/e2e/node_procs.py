@@ -9,12 +9,16 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from tests.e2e.logs import log_file
 
@@ -150,3 +154,14 @@ def running_node(*args: str, **kw: object) -> Iterator[NodeProc]:
         yield node
     finally:
         node.stop()
+
+
+@contextlib.contextmanager
+def node_of_models(models: list[dict[str, Any]], *flags: str, **settings: Any) -> Iterator[NodeProc]:
+    """A running node over the YAML ``models:`` list ``models`` and ``settings`` (``tokenizer_workers``
+    0 unless given), its configuration file in a temporary directory; ``flags`` after ``--config``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "node.yaml"
+        cfg.write_text(yaml.safe_dump({"models": models, "tokenizer_workers": 0, **settings}))
+        with running_node("--config", str(cfg), *flags) as n:
+            yield n

@@ -8,7 +8,6 @@ the rendered prompt). Each suite keeps its own ``node`` fixture (its settings), 
 
 from __future__ import annotations
 
-import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,10 +17,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 
 from tests.e2e.node_fixtures import QWEN3_TEMPLATE
-from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.node_procs import NodeProc, node_of_models
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 
 MODEL = "qwen3"
@@ -66,11 +64,8 @@ def qwen3_node(engine: MockEngineProc, tokenizer_dir: Path, **settings: Any) -> 
         "reasoning_parser": "qwen3",
         "tool_call_parser": "hermes",
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "node.yaml"
-        cfg.write_text(yaml.safe_dump({"models": [model], "tokenizer_workers": 0, **settings}))
-        with running_node("--config", str(cfg)) as n:
-            yield n
+    with node_of_models([model], **settings) as n:
+        yield n
 
 
 def script(engine: MockEngineProc, http: httpx.Client, text: str, match: str | None = None) -> str:

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import math
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import yaml
 
 from shepherd.mock_engine.embeddings import embed_ids
 from shepherd.node.api.embeddings import MAX_INPUTS, truncate
@@ -22,7 +19,7 @@ from shepherd.node.config import EMBEDDED_MODEL_DIR
 from shepherd.node.engines.grpcio import GrpcEngineClient
 from shepherd.node.engines.h2 import H2EngineClient
 from shepherd.proto.engine_types import EngineError
-from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.node_procs import NodeProc, node_of_models
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 
 DIM = 64
@@ -65,11 +62,8 @@ def node(
         {"name": "plain", "model_path": path, "worker_urls": [f"grpc://{plain_engine.grpc_target}"]},
         {"name": "relayed", "model_path": path, "worker_urls": [embed_engine.http_url], "kind": "embed"},
     ]
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "node.yaml"
-        cfg.write_text(yaml.safe_dump({"models": models, "tokenizer_workers": 1}))
-        with running_node("--config", str(cfg)) as n:
-            yield n
+    with node_of_models(models, tokenizer_workers=1) as n:
+        yield n
 
 
 @pytest.fixture()

@@ -22,9 +22,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 
-from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.node_procs import NodeProc, node_of_models
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 from tests.unit.test_chat_tools_cases import (
     BY_MODEL,
@@ -107,11 +106,8 @@ def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
         }
         for f, url in zip(FAMILIES, urls, strict=True)
     ]
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "node.yaml"
-        cfg.write_text(yaml.safe_dump({"models": models, "tokenizer_workers": 0}))
-        with running_node("--config", str(cfg)) as n:
-            yield n
+    with node_of_models(models) as n:
+        yield n
 
 
 @pytest.fixture(scope="module")

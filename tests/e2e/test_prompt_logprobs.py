@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,11 +24,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import yaml
 
 from tests.e2e import node_fixtures
 from tests.e2e.node_fixtures import QWEN3_TEMPLATE
-from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.node_procs import NodeProc, node_of_models
 from tests.e2e.procs import MockEngineProc, start_mock_engine
 
 tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
@@ -58,11 +56,8 @@ def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
         }
         for name, url in ((SG, f"sglang://{g}"), (VL, f"vllm://{g}"))
     ]
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = Path(tmp) / "node.yaml"
-        cfg.write_text(yaml.safe_dump({"models": models, "tokenizer_workers": 0}))
-        with running_node("--config", str(cfg)) as n:
-            yield n
+    with node_of_models(models) as n:
+        yield n
 
 
 @pytest.fixture(scope="module")

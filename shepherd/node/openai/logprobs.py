@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -256,22 +256,40 @@ def completion_logprobs(
     character offset of the first token in the returned text (the prompt's length with ``echo``).
     Special tokens have zero width when ``skip_special_tokens`` (they are not in the text).
     """
+    items = ((lp.token_id, lp.logprob, lp.top) for lp in logprobs)
+    return _completion_block(items, cache, top_logprobs, text_offset, skip_special_tokens, tokens_as_ids)
+
+
+def _completion_block(
+    items: Iterable[tuple[int, float | None, Sequence[tuple[int, float]]]],
+    cache: TokenTextCache,
+    top_logprobs: int,
+    offset: int,
+    skip_special_tokens: bool,
+    tokens_as_ids: bool,
+) -> tuple[JsonDict, int]:
+    """Completions logprobs over ``(token id, its logprob or None, best alternatives)``: a position
+    without a logprob has null ``token_logprobs`` and ``top_logprobs`` entries (vLLM's, for the
+    prompt's first token); and the text offset after them."""
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    tops: list[dict[str, float]] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
     offsets: list[int] = []
-    offset = text_offset
-    for lp in logprobs:
-        t = cache.get(lp.token_id)
-        name = f"token_id:{lp.token_id}" if tokens_as_ids else t.text
+    for tid, value, alts in items:
+        t = cache.get(tid)
+        name = f"token_id:{tid}" if tokens_as_ids else t.text
         tokens.append(name)
-        logprob = json_logprob(lp.logprob)
-        token_logprobs.append(logprob)
-        top: dict[str, float] = {}
-        for tid, tlp in lp.top[:top_logprobs]:
-            top.setdefault(f"token_id:{tid}" if tokens_as_ids else cache.get(tid).text, json_logprob(tlp))
-        top.setdefault(name, logprob)
-        tops.append(top)
+        if value is None:
+            token_logprobs.append(None)
+            tops.append(None)
+        else:
+            logprob = json_logprob(value)
+            token_logprobs.append(logprob)
+            top: dict[str, float] = {}
+            for alt, alp in alts[:top_logprobs]:
+                top.setdefault(f"token_id:{alt}" if tokens_as_ids else cache.get(alt).text, json_logprob(alp))
+            top.setdefault(name, logprob)
+            tops.append(top)
         offsets.append(offset)
         if not (t.special and skip_special_tokens):
             offset += t.width
@@ -297,42 +315,15 @@ def prompt_completion_logprobs(
     without a logprob (the first token's) has a null ``token_logprobs`` and ``top_logprobs`` entry;
     the others as ``completion_logprobs`` (the ``top_logprobs`` best alternatives and the token itself).
     ``positions``: the prompt's length (an engine repeating the list is read once)."""
-    tokens: list[str] = []
-    token_logprobs: list[float | None] = []
-    tops: list[dict[str, float] | None] = []
-    offsets: list[int] = []
-    offset = 0
     n = len(plp) if positions is None else min(positions, len(plp))
     ids, vals = plp.token_ids, plp.logprobs
-    for i in range(n):
-        tid = ids[i]
-        t = cache.get(tid)
-        name = f"token_id:{tid}" if tokens_as_ids else t.text
-        tokens.append(name)
-        v = vals[i] if i < len(vals) else None
-        if v is None:
-            token_logprobs.append(None)
-            tops.append(None)
-        else:
-            logprob = json_logprob(v)
-            token_logprobs.append(logprob)
-            top: dict[str, float] = {}
-            if top_logprobs > 0:
-                for alt, alp in plp.top(i)[:top_logprobs]:
-                    top.setdefault(
-                        f"token_id:{alt}" if tokens_as_ids else cache.get(alt).text, json_logprob(alp)
-                    )
-            top.setdefault(name, logprob)
-            tops.append(top)
-        offsets.append(offset)
-        if not (t.special and skip_special_tokens):
-            offset += t.width
-    return {
-        "tokens": tokens,
-        "token_logprobs": token_logprobs,
-        "top_logprobs": tops,
-        "text_offset": offsets,
-    }, offset
+
+    def items() -> Iterator[tuple[int, float | None, Sequence[tuple[int, float]]]]:
+        for i in range(n):
+            v = vals[i] if i < len(vals) else None
+            yield ids[i], v, (plp.top(i) if v is not None and top_logprobs > 0 else ())
+
+    return _completion_block(items(), cache, top_logprobs, 0, skip_special_tokens, tokens_as_ids)
 
 
 def vllm_prompt_logprobs(
