@@ -59,6 +59,7 @@ import asyncio
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import logging
 import ssl
 import struct
@@ -565,6 +566,7 @@ class PushPullServer:
         self._max_handshakes_per_ip = max_handshakes_per_ip
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[Any]] = set()  # every connection task (for close)
+        self._accepting: set[asyncio.Task[None]] = set()  # (held until done: the loop keeps weak refs)
         self._handshaking: dict[str, int] = {}  # source address -> handshakes in progress
         self._pending: dict[asyncio.Task[Any], tuple[str, TlsStream]] = {}  # handshakes, oldest first
         self._slots = asyncio.Semaphore(max_sessions)
@@ -613,7 +615,7 @@ class PushPullServer:
             max_idle_per_peer=max_idle_per_peer,
             max_idle=max_idle,
         )
-        srv._server = await asyncio.start_server(srv._on_connection, host, port, limit=_READ_LIMIT)
+        srv._server = await asyncio.start_server(srv._accept, host, port, limit=_READ_LIMIT)
         return srv
 
     @property
@@ -626,6 +628,24 @@ class PushPullServer:
     @property
     def handshakes_in_progress(self) -> int:
         return len(self._pending)
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A connection's task, made here rather than by asyncio's stream protocol: that one asks a task
+        cancelled before its first step (a node stopping as a peer connects: the loop's teardown cancels
+        it) for its exception, which raises, and logs that as an error with a traceback."""
+        task = asyncio.get_running_loop().create_task(self._on_connection(reader, writer))
+        self._accepting.add(task)
+        task.add_done_callback(functools.partial(self._accepted, writer))
+
+    def _accepted(self, writer: asyncio.StreamWriter, task: asyncio.Task[None]) -> None:
+        self._accepting.discard(task)
+        if task.cancelled():  # before its first step: the loop is going away
+            writer.transport.abort()
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("mesh: a connection's handler failed", exc_info=exc)
+            writer.transport.abort()
 
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

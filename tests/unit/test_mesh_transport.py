@@ -7,6 +7,7 @@ import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -375,3 +376,43 @@ async def test_push_pull_sealed_frames_need_the_mesh_key(pki: dict[str, TlsFiles
         assert calls == [b"hello"]
     finally:
         await srv.close()
+
+
+async def test_a_connection_cancelled_before_its_first_step_is_closed_quietly(
+    server: tuple[PushPullServer, list[tuple[str, bytes]]],
+) -> None:
+    """A node stopping as a peer connects: the loop's teardown cancels the connection's task before it
+    ran. asyncio's own stream callback asked that task for its exception, which raises, and logged it as
+    an error with a traceback (a --procs child failing its start beside a forming mesh); the server's
+    own task bookkeeping closes the transport and says nothing."""
+    srv, _ = server
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+
+    class Transport:
+        aborted = False
+
+        def abort(self) -> None:
+            self.aborted = True
+
+        def get_extra_info(self, name: str, default: Any = None) -> Any:
+            return ("127.0.0.1", 1) if name == "peername" else default
+
+    class Writer:
+        transport = Transport()
+
+        def get_extra_info(self, name: str, default: Any = None) -> Any:
+            return self.transport.get_extra_info(name, default)
+
+    try:
+        writer = Writer()
+        srv._accept(asyncio.StreamReader(), writer)  # type: ignore[arg-type]
+        (task,) = srv._accepting
+        task.cancel()
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert task.cancelled() and not srv._accepting
+        assert writer.transport.aborted and errors == []
+    finally:
+        loop.set_exception_handler(None)
