@@ -200,7 +200,9 @@ def _vllm_sampling(
     if logprobs:
         sp.logprobs = top_logprobs
     if prompt_logprobs is not None:
-        sp.prompt_logprobs = prompt_logprobs
+        # vLLM's servicer lists a position's prompt token first, then the best others, cut at the number
+        # asked: one more brings the k best others vLLM's own server shows (its max_logprobs, 20, bounds it)
+        sp.prompt_logprobs = min(prompt_logprobs + 1, VLLM_MAX_LOGPROBS)
     for tok, bias in p.logit_bias:
         sp.logit_bias[tok] = bias
     if p.json_schema is not None:
@@ -223,6 +225,7 @@ _vllm_sampling_cached = functools.lru_cache(maxsize=4096)(_vllm_sampling)
 _V = SMALL  # the varints of lengths below 16 KiB (one or two bytes)
 _VN = SMALL_LIMIT
 _INT32_MIN = -(1 << 31)
+VLLM_MAX_LOGPROBS = 20  # vLLM's default max_logprobs: what its engine accepts for (prompt) logprobs
 _INT32_MAX = (1 << 31) - 1
 
 

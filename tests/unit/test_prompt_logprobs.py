@@ -121,14 +121,23 @@ def test_sglang_fields_only_when_asked(kw: dict[str, Any], want: tuple[bool, int
 
 
 @pytest.mark.parametrize(
-    "kw", [{}, {"prompt_logprobs": 0}, {"prompt_logprobs": 3, "logprobs": True, "top_logprobs": 1}]
+    "kw",
+    [
+        {},
+        {"prompt_logprobs": 0},
+        {"prompt_logprobs": 3, "logprobs": True, "top_logprobs": 1},
+        {"prompt_logprobs": 20},
+    ],
 )
 def test_vllm_prompt_logprobs_only_when_asked(kw: dict[str, Any]) -> None:
+    """One more than asked (vLLM's servicer lists the prompt token first, then cuts at the number asked),
+    within vLLM's max_logprobs (20)."""
     req = gen(**kw)
     msg = vllm_generate(req)
     sp = msg.sampling_params
     if "prompt_logprobs" in kw:
-        assert sp.HasField("prompt_logprobs") and sp.prompt_logprobs == kw["prompt_logprobs"]
+        want = min(kw["prompt_logprobs"] + 1, 20)
+        assert sp.HasField("prompt_logprobs") and sp.prompt_logprobs == want
     else:
         assert not sp.HasField("prompt_logprobs")
     assert vl.GenerateRequest.FromString(vllm_generate_bytes(req)) == msg
@@ -247,3 +256,20 @@ def test_vllm_prompt_logprobs_shape_and_ranks(cache: TokenTextCache) -> None:
         "2": {"logprob": -0.1, "rank": 1, "decoded_token": "b"},
         "3": {"logprob": -0.5, "rank": 2, "decoded_token": "c"},
     }
+
+
+def test_an_echo_top_list_led_by_the_prompt_token_shows_k_others_and_the_token(cache: TokenTextCache) -> None:
+    """vLLM's servicer answers a position's prompt token first, then the best others: with ``logprobs``
+    k, the echo's ``top_logprobs`` hold the k best others and the token (vLLM's own server: up to k+1),
+    not the token and k-1 others (with logprobs 1, the token alone: lm-eval's greedy check always true)."""
+    plp = PromptLogprobs(
+        token_ids=(5, 6),
+        logprobs=[None, -2.0],
+        top_starts=[0, 0, 3],
+        top_ids=[6, 7, 8],
+        top_values=[-2.0, -0.5, -1.0],
+    )
+    block, _ = prompt_completion_logprobs(plp, cache, 1)
+    tops = block["top_logprobs"]
+    assert isinstance(tops, list)
+    assert tops[1] == {cache.get(7).text: -0.5, cache.get(6).text: -2.0}  # the best (7), then the token

@@ -260,6 +260,10 @@ def completion_logprobs(
     return _completion_block(items, cache, top_logprobs, text_offset, skip_special_tokens, tokens_as_ids)
 
 
+def _by_value(alt: tuple[int, float]) -> float:
+    return -alt[1]
+
+
 def _completion_block(
     items: Iterable[tuple[int, float | None, Sequence[tuple[int, float]]]],
     cache: TokenTextCache,
@@ -286,7 +290,9 @@ def _completion_block(
             logprob = json_logprob(value)
             token_logprobs.append(logprob)
             top: dict[str, float] = {}
-            for alt, alp in alts[:top_logprobs]:
+            # the best top_logprobs by value, then the token if not among them (vLLM's: up to n + 1
+            # entries); by value, as vLLM's servicer lists a prompt token first whatever its rank
+            for alt, alp in sorted(alts, key=_by_value)[:top_logprobs]:
                 top.setdefault(f"token_id:{alt}" if tokens_as_ids else cache.get(alt).text, json_logprob(alp))
             top.setdefault(name, logprob)
             tops.append(top)
