@@ -235,8 +235,9 @@ class RunPrefixIndex(PrefixIndex):
             self._evict_runs(holder, holder.count - cap)
 
     def expire(self, now: float, budget: int = 4096) -> int:
-        """Drop entries not accessed within ``max_age_s``, oldest first, about ``budget`` per worker per
-        call (call periodically). Returns how many were dropped."""
+        """Drop entries not accessed within ``max_age_s``, oldest first (run tails in the order
+        eviction takes them), about ``budget`` per worker per call (call periodically). Returns how
+        many were dropped."""
         cutoff = now - self.config.max_age_s
         dropped = 0
         for holder in self._holders.values():
@@ -249,8 +250,11 @@ class RunPrefixIndex(PrefixIndex):
                     heapq.heappop(heap)
                     seen += 1
                     continue
+                # the run's tail as old as its heap entry (all of it with that time: a chain run's
+                # times do not increase along it), no more: another run's equal or older tail may be
+                # deeper in a chain, and a budget that stops midway must leave what is held a prefix
                 j = len(keys) - 1
-                while j and times[j - 1] < cutoff:  # bounded by the run: its expired tail
+                while j and times[j - 1] <= t:  # bounded by the run
                     j -= 1
                 victims = keys[j:]
                 vtimes = times[j:]

@@ -5,7 +5,7 @@ flat one's state."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from shepherd.policies.block_names import block_hashes
@@ -214,9 +214,20 @@ def test_the_layouts_hold_the_same_state_and_match_alike(
                     assert a == ref
 
 
+# expiry with a budget that stops midway: two runs' tails with the same time (the chain's first block,
+# touched when the deeper one was inserted), the deeper one must go first, as eviction takes them
+_A, _B, _D = list(range(10, 26)), list(range(16)), list(range(10, 26))
+
+
 @pytest.mark.parametrize("Ix", [pytest.param(RunPrefixIndex, id="runs"), NATIVE])
 @settings(max_examples=150, deadline=None)
 @given(actions, st.integers(1, 8))
+@example(
+    [("insert", _A + _B + _B, "a"), ("insert", _A + _D, "a")]
+    + [("insert", [], "b")] * 5
+    + [("expire", [], "")],
+    4,
+)
 def test_runs_keep_what_a_worker_holds_of_its_latest_chain_a_prefix(
     Ix: type[PrefixIndex], acts: list[tuple[str, list[int], str]], cap: int
 ) -> None:
