@@ -215,6 +215,37 @@ def test_background_response_is_cancelled_from_any_node(cluster: Cluster) -> Non
             assert cluster.sdk(name).responses.retrieve(r.id).status == "cancelled"
 
 
+def test_a_streamed_background_response_resumes_on_another_node(cluster: Cluster) -> None:
+    """Created streaming in the background on b, its first stream left after one delta; c resumes it
+    after that event's sequence number while b still generates it (from b's record, as b writes its
+    events there), then replays the whole of it once it ended: the same events either way."""
+    base = f"http://127.0.0.1:{cluster.engine.http_port}/mock"
+    answer = "Resumed on another node, word by word."
+    httpx.post(f"{base}/responses", json={"text": answer, "match": "resume-me"}).raise_for_status()
+    httpx.post(f"{base}/faults", json={"stall_after_tokens": 2, "stall_seconds": 2.0}).raise_for_status()
+    try:
+        first: list[Any] = []
+        with cluster.sdk("b").responses.create(
+            model=MODEL, input="resume-me", background=True, stream=True
+        ) as s:
+            for ev in s:
+                first.append(ev)
+                if ev.type == "response.output_text.delta":
+                    break
+        rid, k = first[0].response.id, first[-1].sequence_number
+        rest = list(cluster.sdk("c").responses.retrieve(rid, stream=True, starting_after=k))
+    finally:
+        httpx.post(
+            f"{base}/faults", json={"stall_after_tokens": None, "stall_seconds": 0.0}
+        ).raise_for_status()
+    assert [e.sequence_number for e in rest] == list(range(k + 1, k + 1 + len(rest)))
+    assert rest[-1].type == "response.completed" and rest[-1].response.output_text == answer
+    text = "".join(e.delta for e in [*first, *rest] if e.type == "response.output_text.delta")
+    assert text == answer
+    again = list(cluster.sdk("a").responses.retrieve(rid, stream=True))
+    assert [e.model_dump() for e in again[k + 1 :]] == [e.model_dump() for e in rest]
+
+
 def test_one_turn_at_a_time_on_a_conversation_across_nodes(cluster: Cluster) -> None:
     """A turn in progress on b holds a's conversation (the lease lives with the conversation: on its
     owner, or in the shared store): c's turn meanwhile is OpenAI's conversation_locked; once b's turn

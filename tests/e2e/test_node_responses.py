@@ -364,6 +364,86 @@ def test_background_cancel(client: openai.OpenAI, engine: MockEngineProc, http: 
         client.responses.cancel(fg.id)
 
 
+def _seqs_and_text(events: list[Any]) -> tuple[list[int], str]:
+    return [e.sequence_number for e in events], "".join(
+        e.delta for e in events if e.type == "response.output_text.delta"
+    )
+
+
+def test_background_stream_resumes_from_any_sequence_number(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client, node: NodeProc
+) -> None:
+    """``background`` with ``stream``: the creating stream may go away (the response goes on), and
+    ``retrieve(stream=True, starting_after=N)`` gives the events after N, live then replayed once
+    ended, numbered as the first stream numbered them (the official SDK on both calls)."""
+    answer = "One two three four five six seven eight."
+    marker = script(engine, http, answer)
+    faults(engine, http, stall_after_tokens=3, stall_seconds=1.5)
+    first: list[Any] = []
+    with client.responses.create(model=MODEL, input=f"bg {marker}", background=True, stream=True) as s:
+        for ev in s:
+            first.append(ev)
+            if ev.type == "response.output_text.delta":
+                break  # the client goes away mid-answer: the response goes on without it
+    rid = first[0].response.id
+    assert first[0].type == "response.created" and first[0].response.background is True
+    seqs, head = _seqs_and_text(first)
+    assert seqs == list(range(len(first))) and head
+    k = seqs[-1]
+    rest = list(client.responses.retrieve(rid, stream=True, starting_after=k))
+    rseqs, tail = _seqs_and_text(rest)
+    assert rseqs == list(range(k + 1, k + 1 + len(rest)))  # (the events after k, none twice or missed)
+    assert rest[-1].type == "response.completed" and head + tail == answer
+    assert rest[-1].response.output_text == answer
+    # ended: the whole stream again, from its record, the same events
+    again = list(client.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in again] == list(range(len(first) + len(rest)))
+    assert [e.model_dump() for e in again[k + 1 :]] == [e.model_dump() for e in rest]
+    assert [e.type for e in again[: k + 1]] == [e.type for e in first]
+    assert list(client.responses.retrieve(rid, stream=True, starting_after=len(again) + 5)) == []
+    got = http.get(f"{node.url}/v1/responses/{rid}").json()  # the kept events are never answered
+    assert got["status"] == "completed" and not [key for key in got if key.startswith("_")]
+
+
+def test_background_stream_refusals(client: openai.OpenAI, node: NodeProc, http: httpx.Client) -> None:
+    fg = client.responses.create(model=MODEL, input="x", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError) as e:  # not created streaming in the background
+        list(client.responses.retrieve(fg.id, stream=True))
+    assert e.value.param == "stream"
+    bg = client.responses.create(model=MODEL, input="y", max_output_tokens=2, background=True, stream=True)
+    opening: Any = next(iter(bg))  # response.created
+    rid = opening.response.id
+    bg.close()
+    for bad_value in ("-1", "x", "1.5"):
+        r = http.get(f"{node.url}/v1/responses/{rid}", params={"stream": "true", "starting_after": bad_value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "starting_after", r.text
+    r = http.get(f"{node.url}/v1/responses/{rid}", params={"stream": "maybe"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+def test_background_stream_cancelled_ends_its_readers(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    faults(engine, http, stall_after_tokens=2, stall_seconds=60.0)
+    s = client.responses.create(model=MODEL, input="slow and streamed", background=True, stream=True)
+    opening: Any = next(iter(s))  # response.created
+    rid = opening.response.id
+    s.close()
+    got: list[Any] = []
+
+    def follow() -> None:
+        got.extend(client.responses.retrieve(rid, stream=True))
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    time.sleep(0.3)
+    assert client.responses.cancel(rid).status == "cancelled"
+    reader.join(timeout=30)
+    assert not reader.is_alive()  # the cancel ended its stream
+    assert got and got[0].type == "response.created"
+    assert client.responses.retrieve(rid).status == "cancelled"
+
+
 def test_client_disconnect_stores_incomplete(
     client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client, node: NodeProc
 ) -> None:

@@ -89,6 +89,14 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 _SSE_LEAN_HEADERS = {k: v for k, v in SSE_HEADERS.items() if k != "Connection"}
 
 
+def sse_response(request: web.Request, extra: dict[str, str]) -> web.StreamResponse:
+    """An SSE response to ``request`` with the ``extra`` headers, not yet prepared (the lean server
+    writes its own Connection header: it would drop ours, one pass over them less)."""
+    headers = dict(SSE_HEADERS if lean_request(request) is None else _SSE_LEAN_HEADERS)
+    headers.update(extra)
+    return stream_response(request, headers=headers)
+
+
 # (id of a Sampling, max_new_tokens, stream_interval, the model's defaults) -> (that Sampling, its
 # SamplingParams): a request without a constraint maps a memoized Sampling (parse_sampling) to the same
 # SamplingParams each time. An entry holds its Sampling alive, so an id in the table cannot be another
@@ -846,11 +854,8 @@ class Generation:
         }
 
     def sse_response(self) -> web.StreamResponse:
-        """The streamed answer's response, not yet prepared (the lean server writes its own Connection
-        header: it would drop ours, one pass over them less)."""
-        headers = dict(SSE_HEADERS if lean_request(self.request) is None else _SSE_LEAN_HEADERS)
-        headers.update(self.headers())  # x-smg-gateway-ms: the time before dispatch
-        return stream_response(self.request, headers=headers)
+        """The streamed answer's response, not yet prepared."""
+        return sse_response(self.request, self.headers())  # x-smg-gateway-ms: the time before dispatch
 
     async def respond(self, jobs: list[Job]) -> web.Response:
         choices, violations = await self.collect(jobs)
@@ -1005,13 +1010,16 @@ class Generation:
 
     # ---- streaming -----------------------------------------------------------------------------------
 
-    async def stream(self, jobs: list[Job]) -> web.StreamResponse:
+    async def stream(self, jobs: list[Job], sink: Any = None) -> web.StreamResponse:
+        """Stream the answer to the client; ``sink``: to that instead (what a background Response's
+        events go to: ``node.output.event_log.EventLog``, with a response's ``prepare`` / ``write`` /
+        ``write_eof``, always prepared)."""
         gw = self.gw
         self.request["stream"] = True  # SMG's ``streaming`` label of the request count
         max_new = [
             gw.check_context(self.model, len(job.ids), self.s.max_tokens, *self.context_param) for job in jobs
         ]
-        resp = self.sse_response()
+        resp: web.StreamResponse = self.sse_response() if sink is None else sink
         keepalive = self.request.app[KEEPALIVE_TICKER]
         # while the engine queues or prefills, the ticker sends the headers and a keep-alive comment once
         # dispatch has waited one interval, then one every interval: proxies see bytes from the start

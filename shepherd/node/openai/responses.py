@@ -316,13 +316,6 @@ def parse_responses(d: dict[str, Any]) -> ResponsesRequest:
     if background and not store:
         raise bad("Background mode requires 'store' to be true.", param="background")
     stream = _bool(d, "stream", False)
-    if background and stream:
-        raise bad(
-            "Streaming a background response is not supported by this gateway: poll it with "
-            "GET /v1/responses/{id}.",
-            param="stream",
-            code="unsupported_parameter",
-        )
     max_output = _int(d, "max_output_tokens", 1, (1 << 31) - 1)
     temperature = _num(d, "temperature", 0.0, 2.0)
     top_p = _num(d, "top_p", 0.0, 1.0)

@@ -3,8 +3,9 @@ parsers).
 
 Callers use: ``choice.ChoiceState`` (per-choice state fed engine chunks), ``stop`` (``StopMatcher``),
 ``chat`` (``ChatShaping``, ``shape_chat``: which parsers and constraints a chat request gets),
-``responses`` (the Responses API's Response object and its SSE events), ``plain_step`` (a streamed
+``responses`` (the Responses API's Response object and its SSE events), ``event_log`` (a streamed
+background Response's events, followed by its readers), ``plain_step`` (a streamed
 choice's plain per-token step in C: ``_plainstep.c``).
 """
 
-__all__ = ["chat", "choice", "plain_step", "responses", "stop"]
+__all__ = ["chat", "choice", "event_log", "plain_step", "responses", "stop"]
