@@ -387,6 +387,8 @@ def test_background_stream_resumes_from_any_sequence_number(
                 break  # the client goes away mid-answer: the response goes on without it
     rid = first[0].response.id
     assert first[0].type == "response.created" and first[0].response.background is True
+    assert [e.type for e in first[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert [e.response.status for e in first[:3]] == ["queued", "queued", "in_progress"]
     seqs, head = _seqs_and_text(first)
     assert seqs == list(range(len(first))) and head
     k = seqs[-1]

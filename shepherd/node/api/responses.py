@@ -453,6 +453,17 @@ class _BackgroundEvents(_StoringEvents):
         self.recorder = _Recorder(turn, self.log, base)
         self.done: dict[str, Any] | None = None
 
+    def role(self, index: int = 0) -> bytes:
+        """The opening events of a background response: ``response.created`` and ``response.queued``
+        (the response as it was stored, ``queued``), then ``response.in_progress``."""
+        self._opened = True
+        queued = self.snapshot("queued")
+        return (
+            self.event("response.created", {"response": queued})
+            + self.event("response.queued", {"response": queued})
+            + self.event("response.in_progress", {"response": self.snapshot("in_progress")})
+        )
+
     async def end(self, prompt: int, completion: int, cached: int) -> bytes:
         self.usage = _usage(self.tok, self.items, prompt, completion, cached)
         self.done = self.final(self.usage)
