@@ -42,7 +42,10 @@ def _clean_mock(engine: MockEngineProc, http: httpx.Client) -> Iterator[None]:
     yield
     base = f"http://127.0.0.1:{engine.http_port}"
     http.delete(f"{base}/mock/responses")
-    http.post(f"{base}/mock/faults", json={"stall_after_tokens": None, "stall_seconds": 0.0})
+    http.post(
+        f"{base}/mock/faults",
+        json={"stall_after_tokens": None, "stall_seconds": 0.0, "hang_before_first_token": False},
+    )
 
 
 def faults(engine: MockEngineProc, http: httpx.Client, **kw: Any) -> None:
@@ -423,14 +426,37 @@ def test_background_stream_refusals(client: openai.OpenAI, node: NodeProc, http:
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
 
+def test_background_stream_refuses_what_the_model_cannot_take(client: openai.OpenAI) -> None:
+    """A prompt or ``max_output_tokens`` beyond the context is the request's 400, as without
+    ``background`` (not a 200 stream of a response stored failed)."""
+    for stream in (True, False):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(
+                model=MODEL, input="x", max_output_tokens=10**9, background=True, stream=stream
+            )
+        assert e.value.code == "context_length_exceeded"
+
+
+@pytest.mark.parametrize("hang", ["before_first_token", "after_two_tokens"])
 def test_background_stream_cancelled_ends_its_readers(
-    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client, hang: str
 ) -> None:
-    faults(engine, http, stall_after_tokens=2, stall_seconds=60.0)
+    """The creator has the response (its id) at once, before the engine's first token; a cancel ends
+    every reader's stream, the creator's too."""
+    if hang == "before_first_token":
+        faults(engine, http, hang_before_first_token=True)
+    else:
+        faults(engine, http, stall_after_tokens=2, stall_seconds=60.0)
     s = client.responses.create(model=MODEL, input="slow and streamed", background=True, stream=True)
-    opening: Any = next(iter(s))  # response.created
+    events = iter(s)
+    opening: Any = next(events)  # response.created
     rid = opening.response.id
-    s.close()
+    if hang == "before_first_token":  # the creator stays on: its stream ends with the cancel
+        mine: list[Any] = []
+        creator = threading.Thread(target=lambda: mine.extend(events), daemon=True)
+        creator.start()
+    else:
+        s.close()
     got: list[Any] = []
 
     def follow() -> None:
@@ -444,6 +470,13 @@ def test_background_stream_cancelled_ends_its_readers(
     assert not reader.is_alive()  # the cancel ended its stream
     assert got and got[0].type == "response.created"
     assert client.responses.retrieve(rid).status == "cancelled"
+    if hang == "before_first_token":
+        creator.join(timeout=30)
+        assert not creator.is_alive() and [e.type for e in mine] == [
+            "response.queued",
+            "response.in_progress",
+        ]
+    faults(engine, http, hang_before_first_token=False)
 
 
 def test_client_disconnect_stores_incomplete(

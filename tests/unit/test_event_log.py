@@ -72,3 +72,22 @@ def test_the_stored_log_stops_at_its_bound() -> None:
         asyncio.run(log.write(ev(i)))
     assert [e.encode() for e in log.stored()] == [ev(0), ev(1), ev(2)] and log.cut
     assert len(log.events) == 5  # the live readers still get them all
+
+
+def test_held_events_can_be_dropped_for_another_end() -> None:
+    """The end the last write told was not stored (a failure, a cancel): its events go, unseen, and the
+    log goes on from the last event readers saw."""
+
+    async def go() -> None:
+        log = EventLog()
+        await log.write(ev(0) + ev(1))
+        await log.write_eof(ev(2) + ev(3))
+        assert len(log.stored()) == 4
+        assert log.drop_held() == 2 and len(log.stored()) == 2 and log.stored_bytes == len(ev(0) + ev(1))
+        await log.write(ev(2, "failed"))  # shown again at once
+        assert log.visible == 3
+        log.close()
+        assert await drain(log, 0) == [ev(1), ev(2, "failed")]
+        assert log.drop_held() == 3  # closed: nothing to drop
+
+    asyncio.run(go())

@@ -418,8 +418,9 @@ class _Recorder:
 
     async def loop(self) -> None:
         while not self.ended:  # bounded: cancelled when the response ends
-            await asyncio.sleep(CHECKPOINT_S)
-            n = len(self.log.events)
+            # each write is the whole record: a long one less often (every 0.5 s per MiB kept)
+            await asyncio.sleep(CHECKPOINT_S * max(1.0, self.log.stored_bytes / (1 << 20)))
+            n = self.log.stored_count
             if n == self.written:
                 continue
             async with self.lock:
@@ -455,7 +456,10 @@ class _BackgroundEvents(_StoringEvents):
 
     def role(self, index: int = 0) -> bytes:
         """The opening events of a background response: ``response.created`` and ``response.queued``
-        (the response as it was stored, ``queued``), then ``response.in_progress``."""
+        (the response as it was stored, ``queued``), then ``response.in_progress``; once (written when
+        the task is made, so that its creator has the id at once)."""
+        if self._opened:
+            return b""
         self._opened = True
         queued = self.snapshot("queued")
         return (
@@ -463,6 +467,10 @@ class _BackgroundEvents(_StoringEvents):
             + self.event("response.queued", {"response": queued})
             + self.event("response.in_progress", {"response": self.snapshot("in_progress")})
         )
+
+    def rewind(self) -> None:
+        """The next event's number: after the log's last (its held events dropped)."""
+        self._seq = len(self.log.events)
 
     async def end(self, prompt: int, completion: int, cached: int) -> bytes:
         self.usage = _usage(self.tok, self.items, prompt, completion, cached)
@@ -1029,6 +1037,8 @@ async def _start_background(
             code="too_many_background_responses",
             headers={"Retry-After": "1"},
         )
+    # a prompt the model cannot take is the request's 400, not a response stored failed
+    gw.check_context(g.model, len(job.ids), shaping.sampling.max_tokens, *g.context_param)
     adm = request.app[ADMISSION]
     ticket: Ticket | None = None
     if adm is not None:
@@ -1057,18 +1067,56 @@ async def _start_background(
     turn.saved = True
     if lease is not None:
         lease.handed = True  # the task ends the turn: it releases the conversation
+    started = _Started()
     if isinstance(events, _BackgroundEvents):
-        task = asyncio.create_task(_background_stream(g, job, turn, base, ticket, lease, events))
+        events.log.add(events.role(0))
+        task = asyncio.create_task(_background_stream(g, job, turn, base, ticket, lease, events, started))
         registry.add(turn.response_id, task, events.log)
+        task.add_done_callback(started.cleanup(ticket, lease, events.log))
         return await _follow(request, events.log.follow(-1), {"x-request-id": turn.response_id})
-    task = asyncio.create_task(_background(g, job, turn, base, ticket, lease))
+    task = asyncio.create_task(_background(g, job, turn, base, ticket, lease, started))
     registry.add(turn.response_id, task)
+    task.add_done_callback(started.cleanup(ticket, lease, None))
     return _json(queued, headers={"x-request-id": turn.response_id})
 
 
+class _Started:
+    """Whether a background task's coroutine ran: one cancelled before its first step (the node
+    stopping) never runs its ``finally``; its done callback (``cleanup``) does that part then."""
+
+    __slots__ = ("started",)
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def cleanup(
+        self, ticket: Ticket | None, lease: _Lease | None, events: EventLog | None
+    ) -> Callable[[asyncio.Task[None]], None]:
+        def done(_t: asyncio.Task[None]) -> None:
+            if self.started:
+                return
+            if events is not None:
+                events.close()
+            if ticket is not None:
+                ticket.settle(0)
+            if lease is not None:
+                task = asyncio.ensure_future(lease.release())
+                _PENDING.add(task)
+                task.add_done_callback(_PENDING.discard)
+
+        return done
+
+
 async def _background(
-    g: Generation, job: Job, turn: Turn, base: dict[str, Any], ticket: Ticket | None, lease: _Lease | None
+    g: Generation,
+    job: Job,
+    turn: Turn,
+    base: dict[str, Any],
+    ticket: Ticket | None,
+    lease: _Lease | None,
+    started: _Started,
 ) -> None:
+    started.started = True
     try:
         await turn.update(response_object(base, status="in_progress", output=[], usage=None), [])
         g.gw.metrics.overhead.observe(time.perf_counter() - g.t0)
@@ -1125,18 +1173,23 @@ async def _background_stream(
     ticket: Ticket | None,
     lease: _Lease | None,
     events: _BackgroundEvents,
+    started: _Started,
 ) -> None:
     """A streamed background response: its events into its log (``Generation.stream``), its record kept
-    up with them, its end stored (``_BackgroundEvents.end``; a failure or a cancel here)."""
+    up with them, its end stored (``_BackgroundEvents.end``; a failure or a cancel here). The log's last
+    events reach its readers once that end is stored; when it cannot be (or a cancel comes first), they
+    are dropped and the log ends as the record does (a failure's events, or none for a cancel)."""
+    started.started = True
     rec = events.recorder
+    elog = events.log
     checkpoints: asyncio.Task[None] | None = None
     try:
         await turn.update(
-            response_object(base, status="in_progress", output=[], usage=None) | {_EVENTS: []}, []
+            response_object(base, status="in_progress", output=[], usage=None) | {_EVENTS: elog.stored()}, []
         )
         checkpoints = asyncio.create_task(rec.loop())
         g.gw.metrics.overhead.observe(time.perf_counter() - g.t0)
-        await g.stream([job], sink=events.log)
+        await g.stream([job], sink=elog)
         if events.done is not None and events.outcome == "completed":
             await rec.final(events.done, events.items)
         else:  # failed in-band: the log ends with error and response.failed
@@ -1145,25 +1198,28 @@ async def _background_stream(
             )
             await rec.final(body, events.partial())
     except asyncio.CancelledError:
-        events.log.close()
+        elog.drop_held()
+        events.rewind()
+        elog.close()
         output = events.partial()
         body = response_object(base, status="cancelled", output=output, usage=_cut_usage(job))
         await _shielded(rec.final(body, output))
         raise
     except Exception as e:
-        events.log.close()
         if isinstance(e, StorageError):
-            msg = str(e) or type(e).__name__
+            msg, code = str(e) or type(e).__name__, "storage_error"
         else:
             log.exception("background response %s failed", turn.response_id)
-            msg = "Internal error in the gateway."
-        body = response_object(
-            base, status="failed", output=[], usage=None, error={"code": "server_error", "message": msg}
-        )
+            msg, code = "Internal error in the gateway.", "internal_error"
+        elog.drop_held()
+        events.rewind()
+        elog.add(events.failed(msg, code))
+        output = events.partial()
+        body = response_object(base, status="failed", output=output, usage=events.usage, error=events.error)
         with contextlib.suppress(StorageError):
-            await rec.final(body, [])
+            await rec.final(body, output)
     finally:
-        events.log.close()
+        elog.close()
         if checkpoints is not None:
             checkpoints.cancel()
         if ticket is not None:
@@ -1211,7 +1267,10 @@ async def _stored_events(
         else:
             wait = min(POLL_MAX_S, wait * 2)
         if stored.status in _TERMINAL:
-            if stored.status == "failed" and not _ends(kept):  # (its runner stopped: no terminal event)
+            # its runner stopped before its end (no terminal event kept): the stored end, numbered next
+            # (unless the kept events stop short of the last ones: the next number is not known)
+            cut = bool(stored.body.get(_EVENTS_CUT))
+            if stored.status == "failed" and not _ends(kept) and not cut and len(kept) > after:
                 yield [_failed_event(stored, len(kept))]
             return
         if time.monotonic() > deadline:
@@ -1223,7 +1282,14 @@ async def _stored_events(
             async for batch in own.follow(after):
                 yield batch
             return
-        stored = await _settle_orphan(hist, await _get_owned(request, hist, rid), running)
+        try:
+            rec = await hist.store.get_response(rid)
+            if rec is None or not may_read(request, rec.owner):  # deleted meanwhile: the stream ends
+                return
+            stored = await _settle_orphan(hist, rec, running)
+        except (StorageError, ApiError) as e:  # the store out of reach a moment: the next poll, later
+            log.info("following background response %s: its record not read: %s", rid, e)
+            wait = min(POLL_MAX_S, wait * 2)
 
 
 def _ends(kept: Sequence[str]) -> bool:

@@ -20,7 +20,9 @@ from typing import Any
 
 __all__ = ["MAX_STORED_BYTES", "EventLog", "events_after", "split_events"]
 
-MAX_STORED_BYTES = 8 << 20  # the events a record keeps (more: the stored log stops there, ``cut``)
+# the events a record keeps (more: the stored log stops there, ``cut``): with the output, well within a
+# mesh frame (16 MiB) when the record lives on another node
+MAX_STORED_BYTES = 4 << 20
 
 
 def split_events(data: bytes) -> list[bytes]:
@@ -79,6 +81,16 @@ class EventLog:
             self.visible = len(self.events)
             self._wake()
 
+    def drop_held(self) -> int:
+        """Forget the last write's events, not shown yet (the end they tell was not stored: a failure or
+        a cancel tells another one); later writes are shown again. Returns how many events are left."""
+        if self._holding and not self.closed:
+            del self.events[self.visible :]
+            self._stored_n = min(self._stored_n, self.visible)
+            self._stored_bytes = sum(map(len, self.events[: self._stored_n]))
+            self._holding = False
+        return len(self.events)
+
     def close(self) -> None:
         """No more events: readers get every one and end."""
         if not self.closed:
@@ -109,6 +121,14 @@ class EventLog:
     def stored(self) -> list[str]:
         """The events a record keeps (their text, oldest first)."""
         return [e.decode() for e in self.events[: self._stored_n]]
+
+    @property
+    def stored_count(self) -> int:
+        return self._stored_n
+
+    @property
+    def stored_bytes(self) -> int:
+        return self._stored_bytes
 
     @property
     def cut(self) -> bool:
