@@ -4,6 +4,7 @@ read that end: an agent's next turn, sent as soon as the last one's end is read,
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -51,3 +52,30 @@ async def test_a_background_turn_frees_it_with_its_terminal_update_only() -> Non
     await turn.update(_body("resp_2", "completed"), [])
     assert await _free(store, "conv_2")
     assert (await store.get_response("resp_2")) is not None
+
+
+async def test_a_release_cancelled_midway_is_made_by_the_next_call() -> None:
+    """A cancel landing inside the release's store call (a background task cancelled as it stores its
+    end) leaves the lease to the next ``release`` (its task's ``finally``), not held until it expires."""
+    store = MemoryStore()
+    await store.create_conversation(StoredConversation("conv_3", time.time(), {}))
+    lease = (await _turn(store, "conv_3", "resp_3")).lease
+    assert lease is not None
+    real = store.release
+    entered = asyncio.Event()
+
+    async def slow(name: str, holder: str) -> bool:
+        entered.set()
+        await asyncio.sleep(10)
+        return await real(name, holder)
+
+    store.release = slow  # type: ignore[method-assign]
+    task = asyncio.create_task(lease.release())
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    store.release = real  # type: ignore[method-assign]
+    assert not await _free(store, "conv_3")
+    await lease.release()
+    assert await _free(store, "conv_3")

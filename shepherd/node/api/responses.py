@@ -773,6 +773,9 @@ class _Lease:
             await self.store.release(self.name, self.holder)
         except StorageError as e:  # it expires on its own
             log.warning("conversation lease %s of %s not released: %s", self.name, self.holder, e)
+        except BaseException:  # cancelled midway (its task cancelled): a later call releases it
+            self.released = False
+            raise
 
 
 def conversation_lease(conversation_id: str) -> str:
