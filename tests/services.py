@@ -68,6 +68,8 @@ def missing_packages() -> list[str]:
         missing.append("postgresql")
     if redis_binary() is None:
         missing.append("redis-server")
+    if shutil.which("haproxy") is None and not os.path.exists("/usr/sbin/haproxy"):
+        missing.append("haproxy")  # (the PROXY protocol test's load balancer)
     return missing
 
 

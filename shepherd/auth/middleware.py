@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import ipaddress
 import logging
 import math
 import time
@@ -70,6 +69,7 @@ from shepherd.auth.keys import (
     short_env_keys,
 )
 from shepherd.auth.principal import ANONYMOUS, PRINCIPAL_KEY, Principal
+from shepherd.proto.addresses import client_key
 from shepherd.proto.anthropic_errors import anthropic_error_response, is_messages_path
 from shepherd.proto.openai_errors import ApiError, error_response
 
@@ -180,22 +180,6 @@ def credential(headers: Mapping[str, str], max_bytes: int) -> str:
     if len(cred) > max_bytes:
         raise AuthFailure(401, "The credential is too long.", "credential_too_long")
     return cred
-
-
-def client_key(remote: str | None) -> str:
-    """The address a client's failures are counted under: its IP address, an IPv6 one by its /64 (one
-    host holds a whole /64); IPv4-mapped IPv6 as IPv4."""
-    if not remote:
-        return ""
-    try:
-        ip = ipaddress.ip_address(remote.partition("%")[0])
-    except ValueError:
-        return remote[:64]
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
 
 
 class FailureLimiter:

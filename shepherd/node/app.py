@@ -149,7 +149,13 @@ class _StartingPort:
         self.runner = web.AppRunner(app, access_log=None)
         await self.runner.setup()
         tls = server_tls(cfg)
-        server = LeanServer(app, max_body=64 * 1024, max_connections=cfg.max_client_connections)
+        server = LeanServer(
+            app,
+            max_body=64 * 1024,
+            max_connections=cfg.max_client_connections,
+            max_connections_per_client=cfg.max_connections_per_client,
+            proxy_from=cfg.proxy_protocol_from,
+        )
         start = server.start(
             cfg.host,
             cfg.port,
@@ -322,7 +328,13 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
     await starting.close()  # (the port's starting answers end here: the node's own server binds it)
     front: LeanServer | None = None
     if cfg.http_server == "lean":  # the app's routes, middlewares and hooks as they are; httptools underneath
-        front = LeanServer(app, max_body=cfg.max_body_bytes, max_connections=cfg.max_client_connections)
+        front = LeanServer(
+            app,
+            max_body=cfg.max_body_bytes,
+            max_connections=cfg.max_client_connections,
+            max_connections_per_client=cfg.max_connections_per_client,
+            proxy_from=cfg.proxy_protocol_from,
+        )
         front.body_gate = _body_gate(app)
         start = front.start(cfg.host, cfg.port, ssl_context=ssl_ctx, backlog=1024, reuse_port=cfg.reuse_port)
         await _listen("--host/--port", cfg.host, cfg.port, start)
@@ -347,7 +359,14 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
                 "Client connections refused past max_client_connections",
                 [],
                 [([], float(cap.refused))],
-            )
+            ),
+            counter(
+                "smg_http_connections_refused_client",
+                "Client connections refused: past max_connections_per_client (client), or a load "
+                "balancer's without a valid PROXY protocol header in time (proxy_header)",
+                ["reason"],
+                [(["client"], float(cap.refused_client)), (["proxy_header"], float(cap.refused_proxy))],
+            ),
         ]
     )
     # the admin listener: the control routes are served there and not on the client port

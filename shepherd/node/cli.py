@@ -126,6 +126,21 @@ def _security_arguments(s: argparse.ArgumentParser) -> None:
         "which only an entry naming them allows)",
     )
     g.add_argument("--max-client-connections", type=int, help="client connections at once (default 10000)")
+    g.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        help="client connections one address (an IPv6 /64) may hold at once (default 0: no cap); behind a "
+        "load balancer, with --proxy-protocol-from",
+    )
+    g.add_argument(
+        "--proxy-protocol-from",
+        nargs="+",
+        metavar="IP_OR_CIDR",
+        help="load balancers whose connections open with a PROXY protocol header (v1 or v2: HAProxy's "
+        "send-proxy, AWS NLB's proxy protocol): the client it names is the connection's address "
+        "(logs, traces, the failed-authentication limiter, --max-connections-per-client); their "
+        "connections without one are closed; plain TCP only",
+    )
 
 
 def _discovery_arguments(s: argparse.ArgumentParser) -> None:

@@ -248,6 +248,10 @@ class NodeConfig:
     admin_allowed_hosts: tuple[str, ...] = ()
     worker_allow: tuple[str, ...] = ()  # hosts / CIDRs workers may be on (empty: any but link-local/metadata)
     max_client_connections: int = 10_000  # client connections served at once (more are refused)
+    max_connections_per_client: int = 0  # client connections one address may hold at once (0: no cap)
+    # load balancers (IPs / CIDRs) whose connections open with a PROXY protocol header (v1 or v2) naming
+    # the client they relay (shepherd.node.http.proxy_protocol): that address is the client's
+    proxy_protocol_from: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
     # where this configuration came from (set by the CLI, not YAML keys): SIGHUP and POST /admin/reload
     # read the file again and apply the same flags over it (shepherd.node.api.reload)
@@ -636,6 +640,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         )
     for key in (
         "mesh_seeds", "mesh_keys", "worker_allow", "admin_allowed_origins", "admin_allowed_hosts", "selector",
+        "proxy_protocol_from",
         "prefill_selector", "decode_selector", "model_aliases",
     ):  # fmt: skip
         if isinstance(values.get(key), str):
@@ -725,6 +730,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
     check_rate_limit_backend(cfg)
     if cfg.max_client_connections < 1:
         raise ConfigError("max_client_connections must be >= 1")
+    check_client_front(cfg)
     if not 1024 <= cfg.mesh_index_turn_ends <= 1 << 28:
         raise ConfigError("mesh_index_turn_ends must be between 1,024 and 268,435,456")
     if cfg.mesh_index_replication not in MESH_INDEX_REPLICATION:
@@ -971,6 +977,26 @@ _HISTORY_SCHEMES = {
     "postgres": ("postgres", "postgresql"),
     "redis": ("redis", "rediss", "unix"),
 }
+
+
+def check_client_front(cfg: NodeConfig) -> None:
+    """``max_connections_per_client`` and ``proxy_protocol_from`` (the lean server's, on plain TCP)."""
+    if cfg.max_connections_per_client < 0:
+        raise ConfigError("max_connections_per_client must be >= 0 (0: no cap)")
+    if not (cfg.proxy_protocol_from or cfg.max_connections_per_client):
+        return
+    if cfg.http_server != "lean":
+        raise ConfigError("proxy_protocol_from and max_connections_per_client need http_server lean")
+    for raw in cfg.proxy_protocol_from:
+        try:
+            ipaddress.ip_network(raw, strict=False)
+        except ValueError:
+            raise ConfigError(f"proxy_protocol_from: {raw!r} is not an IP address or a CIDR") from None
+    if cfg.proxy_protocol_from and cfg.tls_cert_file:
+        raise ConfigError(
+            "proxy_protocol_from with TLS on the client port is not supported: terminate TLS at the load "
+            "balancer (or relay it without the PROXY header)"
+        )
 
 
 def check_history(cfg: NodeConfig, *, explicit_backend: bool = True) -> NodeConfig:

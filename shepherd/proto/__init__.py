@@ -1,6 +1,7 @@
 """Vocabulary and codecs shared by every part; imports nothing of ours.
 
-Callers use: ``anthropic_errors`` (the Anthropic error envelope of the Messages API routes),
+Callers use: ``addresses`` (``client_key``: the key a client's address counts under),
+``anthropic_errors`` (the Anthropic error envelope of the Messages API routes),
 ``engine_types`` (what a node says to an engine and hears back: ``GenerateRequest``,
 ``EngineChunk``, ``EngineComplete``, ``EngineError``, ``EngineLoad``, KV events, ``worker_id``),
 ``engine_requests`` / ``engine_responses`` (those types <-> smg-grpc-proto messages and wire bytes),
@@ -14,6 +15,7 @@ error envelope), ``prompt_ids`` (``PromptIds``: ids with the pieces they came fr
 """
 
 __all__ = [
+    "addresses",
     "anthropic_errors",
     "engine_requests",
     "engine_responses",

@@ -23,7 +23,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from shepherd.auth import middleware as auth
 from shepherd.auth.config import AuthConfigError, auth_config
-from shepherd.auth.middleware import FailureLimiter, client_key
+from shepherd.auth.middleware import FailureLimiter
+from shepherd.proto.addresses import client_key
 
 pytestmark = pytest.mark.timeout(60)
 

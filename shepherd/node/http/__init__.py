@@ -3,7 +3,8 @@
 Callers use: ``server.LeanServer`` (serves the node's aiohttp app over httptools; one connection's
 protocol in ``connection``, slow-client and body limits in ``limits``), ``types``
 (``lean_request``, ``stream_response``), ``body`` (``read_json`` / ``json_now`` with a size limit,
-``json_response``). Imports only the node's root leaves and proto.
+``json_response``), ``proxy_protocol`` (a load balancer's PROXY header: the client's address). Imports
+only the node's root leaves and proto.
 """
 
-__all__ = ["body", "connection", "limits", "server", "types"]
+__all__ = ["body", "connection", "limits", "proxy_protocol", "server", "types"]

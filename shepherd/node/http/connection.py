@@ -114,7 +114,8 @@ class _Conn(asyncio.Protocol):
         self.clock = srv.clock
         self.last = self.clock()
         self.started: float | None = None  # when the first byte of the request being received came
-        self.remote: str | None = None
+        self.remote: str | None = None  # the client's address (its balancer's PROXY header's, if any)
+        self.on_lost: Callable[[], None] | None = None  # the server's gate: a counted connection closed
         self.secure = False
         self._linger: asyncio.TimerHandle | None = None
         self._continue = False  # a 100 Continue owed to the request being received
@@ -156,6 +157,9 @@ class _Conn(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.srv.conns.discard(self)
+        if self.on_lost is not None:
+            self.on_lost()
+            self.on_lost = None
         runner = self._runner
         if runner is not None and not runner.done():
             runner.cancel()  # the client is gone: so is its request (the engine request is aborted)

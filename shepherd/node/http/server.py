@@ -16,16 +16,23 @@ clients, request bodies, routing, responses, client disconnects).
   (``fd_budget``: ``RLIMIT_NOFILE`` less a reserve for engine connections, the mesh, files and the refusals
   themselves): past it, idle connections would take every descriptor, new clients would be reset without an
   answer and the node could open no engine connection.
+- **Per client** (``max_connections_per_client``, lean server): past that many open connections from one
+  address (an IPv6 /64), its new one gets a 429 and is closed, counted in ``refused_client``.
+- **PROXY protocol** (``proxy_from``, lean server, plain TCP): a connection from one of those load
+  balancers must open with a PROXY header (``proxy_protocol``, v1 or v2, within ``PROXY_HEADER_S``); the
+  client it names is the connection's address (the per-client cap, ``request.remote``), else it is
+  closed (``refused_proxy``). Read by the gate before the connection is handed to the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import resource
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -33,7 +40,9 @@ from aiohttp.web_runner import BaseRunner
 
 from shepherd.node.http.connection import _Conn, _Resolved
 from shepherd.node.http.limits import Limits, error_body
+from shepherd.node.http.proxy_protocol import MAX_HEADER, ProxyError, parse
 from shepherd.node.http.types import LeanRequest, Routes
+from shepherd.proto.addresses import client_key
 
 log = logging.getLogger("shepherd.http")
 
@@ -41,6 +50,11 @@ _REFUSED = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
     b"Content-Length: %d\r\n\r\n%s"
 )
+_REFUSED_CLIENT = (
+    b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"Retry-After: 1\r\nContent-Length: %d\r\n\r\n%s"
+)
+PROXY_HEADER_S = 5.0  # a balancer's connection must bring its PROXY header within this
 
 
 def fd_budget(limit: int) -> int:
@@ -60,7 +74,14 @@ class ConnectionCap:
     may not open that many descriptors (``fd_budget``); ``refused``: connections turned away.
     ``factory(inner)`` is the protocol factory to serve with."""
 
-    def __init__(self, limit: int, count: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        limit: int,
+        count: Callable[[], int],
+        *,
+        per_client: int = 0,
+        proxy_from: Sequence[str] = (),
+    ) -> None:
         self.limit = fd_budget(limit)
         if self.limit < limit:
             log.warning(
@@ -73,39 +94,138 @@ class ConnectionCap:
         self.refused = 0
         body = error_body(503, "The server has too many connections; retry.", "too_many_connections")
         self.answer = _REFUSED % (len(body), body)
+        self.per_client = per_client  # 0: no cap
+        self.clients: dict[str, int] = {}  # open connections per client (kept while a cap is set)
+        self.refused_client = 0
+        body = error_body(429, "Too many connections from this client; retry.", "too_many_client_connections")
+        self.answer_client = _REFUSED_CLIENT % (len(body), body)
+        self.proxy_from = tuple(ipaddress.ip_network(n, strict=False) for n in proxy_from)
+        self.refused_proxy = 0
 
     def factory(self, inner: Callable[[], asyncio.BaseProtocol]) -> Callable[[], asyncio.BaseProtocol]:
         return lambda: _Gate(self, inner)
 
+    def proxied(self, peer: str | None) -> bool:
+        """Whether a connection from ``peer`` opens with a PROXY header (a listed balancer's)."""
+        if not self.proxy_from or peer is None:
+            return False
+        try:
+            ip = ipaddress.ip_address(peer)
+        except ValueError:
+            return False
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip in n for n in self.proxy_from)
+
+    def admit(self, transport: asyncio.BaseTransport, client: str | None) -> str | None:
+        """Whether a connection from ``client`` is served: its per-client key (counted), "" (no cap), or
+        None (refused: answered and closed)."""
+        t: Any = transport
+        if self.count() >= self.limit:
+            self.refused += 1
+            answer = self.answer
+        elif self.per_client and client is not None:
+            key = client_key(client)
+            n = self.clients.get(key, 0)
+            if n < self.per_client:
+                self.clients[key] = n + 1
+                return key
+            self.refused_client += 1
+            answer = self.answer_client
+        else:
+            return ""
+        with contextlib.suppress(Exception):
+            t.write(answer)
+        transport.close()
+        return None
+
+    def release(self, key: str) -> None:
+        """A connection ``admit`` counted under ``key`` closed."""
+        n = self.clients.get(key, 0) - 1
+        if n > 0:
+            self.clients[key] = n
+        else:
+            self.clients.pop(key, None)
+
 
 class _Gate(asyncio.Protocol):
-    """Stands for a new connection until it is made: refused past the cap, else hands the transport to
-    the real protocol (``set_protocol``: nothing stays between them afterwards)."""
+    """Stands for a new connection until it is made: refused past the caps, else hands the transport to
+    the real protocol (``set_protocol``: nothing stays between them afterwards); a balancer's connection
+    first brings its PROXY header (buffered here, bounded in size and time)."""
 
-    __slots__ = ("cap", "inner")
+    __slots__ = ("buf", "cap", "inner", "peer", "timer", "transport")
 
     def __init__(self, cap: ConnectionCap, inner: Callable[[], asyncio.BaseProtocol]) -> None:
         self.cap = cap
         self.inner = inner
+        self.buf: bytes | None = None  # a PROXY header's bytes so far (None: not waiting for one)
+        self.transport: asyncio.BaseTransport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.peer: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        if self.cap.proxied(self.peer):
+            self.transport = transport
+            self.buf = b""
+            self.timer = asyncio.get_running_loop().call_later(PROXY_HEADER_S, self._refuse_proxy)
+            return
+        self._hand(transport, self.peer, b"")
+
+    def _hand(self, transport: asyncio.BaseTransport, client: str | None, rest: bytes) -> None:
         cap = self.cap
-        if cap.count() >= cap.limit:
-            cap.refused += 1
-            t: Any = transport
-            with contextlib.suppress(Exception):
-                t.write(cap.answer)
-            transport.close()
+        key = cap.admit(transport, client)
+        if key is None:
             return
         proto = self.inner()
         transport.set_protocol(proto)
         proto.connection_made(transport)
+        if isinstance(proto, _Conn):  # (aiohttp's server has neither cap nor PROXY headers: config)
+            if client is not None:
+                proto.remote = client
+            if key:
+                proto.on_lost = lambda: cap.release(key)
+            if rest:
+                proto.data_received(rest)
 
-    def data_received(self, data: bytes) -> None:  # a refused connection's request: ignored
-        pass
+    def _refuse_proxy(self) -> None:
+        self.cap.refused_proxy += 1
+        self.buf = None
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.buf is None:  # a refused connection's request: ignored
+            return
+        buf = self.buf + data
+        try:
+            header = parse(buf)
+        except ProxyError as e:
+            log.info("a connection from %s refused: %s", self.peer, e)
+            header = None
+            buf = b"\x00" * (MAX_HEADER + 1)
+        if header is None:
+            if len(buf) > MAX_HEADER:
+                if self.timer is not None:
+                    self.timer.cancel()
+                self._refuse_proxy()
+            else:
+                self.buf = buf
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        self.buf = None
+        assert self.transport is not None
+        self._hand(self.transport, header.client or self.peer, buf[header.length :])
 
     def eof_received(self) -> bool | None:
         return None
+
+    def connection_lost(self, exc: Exception | None) -> None:  # (before it was handed on)
+        if self.timer is not None:
+            self.timer.cancel()
+        self.buf = None
 
 
 class CappedTCPSite(web.TCPSite):
@@ -145,6 +265,8 @@ class LeanServer:
         limits: Limits | None = None,
         clock: Callable[[], float] | None = None,
         max_connections: int = 10_000,
+        max_connections_per_client: int = 0,
+        proxy_from: Sequence[str] = (),
     ) -> None:
         if app.on_response_prepare:
             raise TypeError("the lean HTTP server does not run on_response_prepare signals")
@@ -157,7 +279,12 @@ class LeanServer:
         self.body_gate: Callable[[LeanRequest], bool] | None = None
         self.targets: dict[tuple[bytes, bytes], _Resolved] = {}  # bounded by _TARGETS_MAX
         self.conns: set[_Conn] = set()
-        self.cap = ConnectionCap(max_connections, self.conns.__len__)  # refused ones: ``cap.refused``
+        self.cap = ConnectionCap(  # refused ones: ``cap.refused``, ``refused_client``, ``refused_proxy``
+            max_connections,
+            self.conns.__len__,
+            per_client=max_connections_per_client,
+            proxy_from=proxy_from,
+        )
         self._server: asyncio.AbstractServer | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self.loop = asyncio.get_running_loop()

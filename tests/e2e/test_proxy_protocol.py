@@ -1,0 +1,161 @@
+"""End to end: a node behind a real HAProxy in TCP mode that sends the PROXY protocol header (v2 and v1),
+with ``--proxy-protocol-from`` naming the balancer and ``--max-connections-per-client 2``.
+
+Behind a balancer without the header every client has the balancer's address: one client holding
+connections (or failing authentication) would count against all. Here HAProxy relays clients that
+connect from different loopback addresses (127.0.0.5, .6, .7) and connects to the node from 127.0.0.9:
+the node must count each client by the address the header names (a third connection of .5 is a 429, .6
+is still served), close a connection from the balancer's address that brings no header, serve other
+addresses as before, and not read a header a non-balancer sends (no client may claim an address).
+
+Loopback only; every process (the node, HAProxy) stopped by its pid, also on failure; bounded waits.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.logs import log_file
+from tests.e2e.node_procs import NodeProc, free_port, start_node
+
+pytestmark = pytest.mark.timeout(120)
+
+BALANCER = "127.0.0.9"  # HAProxy's source address towards the node (the one --proxy-protocol-from names)
+REQUEST = b"GET /liveness HTTP/1.1\r\nHost: node\r\n\r\n"
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[NodeProc]:
+    n = start_node(
+        "--proxy-protocol-from",
+        f"{BALANCER}/32",
+        "--max-connections-per-client",
+        "2",
+        wait_ready=False,
+    )
+    try:
+        yield n
+    finally:
+        n.stop()
+
+
+@pytest.fixture(scope="module")
+def haproxy(node: NodeProc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
+    exe = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
+    if exe is None:  # (tests.services installs it: `make test` never gets here without it)
+        pytest.fail("haproxy is not installed: python -m tests.services install")
+    ports = {"v2": free_port(), "v1": free_port()}
+    cfg = tmp_path_factory.mktemp("haproxy") / "haproxy.cfg"
+    lines = [
+        "global",
+        "    maxconn 256",
+        "defaults",
+        "    mode tcp",
+        "    timeout connect 2s",
+        "    timeout client 30s",
+        "    timeout server 30s",
+    ]
+    for v, port in ports.items():
+        send = "send-proxy-v2" if v == "v2" else "send-proxy"
+        lines += [
+            f"frontend f_{v}",
+            f"    bind 127.0.0.1:{port}",
+            f"    default_backend b_{v}",
+            f"backend b_{v}",
+            f"    server n 127.0.0.1:{node.port} {send} source {BALANCER}",
+        ]
+    cfg.write_text("\n".join(lines) + "\n")
+    log = log_file("haproxy-")
+    with Path(log).open("wb") as out:
+        proc = subprocess.Popen([exe, "-db", "-f", str(cfg)], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # bounded: until both frontends accept
+            if proc.poll() is not None:
+                pytest.fail(f"haproxy exited: {Path(log).read_text()[-2000:]}")
+            try:
+                for port in ports.values():
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        yield ports
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+def connect(port: int, source: str) -> socket.socket:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.bind((source, 0))
+    s.connect(("127.0.0.1", port))
+    return s
+
+
+def ask(s: socket.socket, request: bytes = REQUEST) -> bytes:
+    """Send one request; the response's head and what came with it ('' if the connection closed)."""
+    s.sendall(request)
+    out = b""
+    while b"\r\n\r\n" not in out:  # bounded: the socket's timeout, and the peer's close
+        try:
+            part = s.recv(65536)
+        except ConnectionResetError:
+            return out
+        if not part:
+            return out
+        out += part
+    return out
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_each_client_is_counted_by_the_address_its_header_names(
+    node: NodeProc, haproxy: dict[str, int], version: str
+) -> None:
+    port = haproxy[version]
+    held = [connect(port, "127.0.0.5") for _ in range(2)]
+    try:
+        for s in held:  # two keep-alive connections of .5: served, and kept open
+            assert ask(s).startswith(b"HTTP/1.1 200"), version
+        third = connect(port, "127.0.0.5")
+        with third:
+            answer = ask(third)
+        assert answer.startswith(b"HTTP/1.1 429"), answer[:200]
+        assert b"too_many_client_connections" in answer or b"Retry-After" in answer
+        with connect(port, "127.0.0.6") as other:  # another client: its own count
+            assert ask(other).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # bounded: the node sees .5's connections close, then serves it
+        with connect(port, "127.0.0.5") as again:
+            if ask(again).startswith(b"HTTP/1.1 200"):
+                break
+        time.sleep(0.1)
+    else:
+        pytest.fail("127.0.0.5 was not served again once its connections closed")
+
+
+def test_the_balancer_address_without_a_header_is_closed(node: NodeProc) -> None:
+    with connect(node.port, BALANCER) as s:
+        assert ask(s) == b""  # closed without an answer: it is not a client
+
+
+def test_others_are_served_as_before_and_cannot_claim_an_address(node: NodeProc) -> None:
+    with connect(node.port, "127.0.0.2") as s:
+        assert ask(s).startswith(b"HTTP/1.1 200")
+    spoof = b"PROXY TCP4 10.1.2.3 127.0.0.1 1234 80\r\n" + REQUEST
+    with connect(node.port, "127.0.0.2") as s:  # not a balancer: its "header" is a malformed request
+        assert ask(s, spoof).startswith(b"HTTP/1.1 400")

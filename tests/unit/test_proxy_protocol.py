@@ -1,0 +1,111 @@
+"""The PROXY protocol header parser (``shepherd.node.http.proxy_protocol``): HAProxy's specification's
+shapes, any split of the bytes, and hostile input refused (never another exception, never more than
+``MAX_HEADER`` bytes read)."""
+
+from __future__ import annotations
+
+import ipaddress
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shepherd.auth.certs import write_dev_pki
+from shepherd.node.http.proxy_protocol import MAX_HEADER, ProxyError, ProxyHeader, parse
+
+SIG = b"\r\n\r\n\x00\r\nQUIT\n"
+
+
+def v2(src: str, dst: str, cmd: int = 1, tlvs: bytes = b"", proto: int = 1) -> bytes:
+    a, b = ipaddress.ip_address(src), ipaddress.ip_address(dst)
+    fam = 1 if a.version == 4 else 2
+    body = a.packed + b.packed + struct.pack(">HH", 51000, 443) + tlvs
+    return SIG + bytes([0x20 | cmd, fam << 4 | proto]) + struct.pack(">H", len(body)) + body
+
+
+CASES = [
+    (b"PROXY TCP4 192.0.2.7 198.51.100.1 51000 443\r\n", "192.0.2.7"),
+    (b"PROXY TCP6 2001:db8::7 2001:db8::1 51000 443\r\n", "2001:db8::7"),
+    (b"PROXY UNKNOWN\r\n", None),
+    (b"PROXY UNKNOWN ffff:f::1 ffff:f::2 1 2\r\n", None),
+    (v2("192.0.2.7", "198.51.100.1"), "192.0.2.7"),
+    (v2("2001:db8::7", "2001:db8::1", tlvs=b"\x04\x00\x02ab"), "2001:db8::7"),  # a TLV: skipped
+    (v2("192.0.2.7", "198.51.100.1", cmd=0), None),  # LOCAL: the balancer's own health check
+    (SIG + b"\x21\x00\x00\x00", None),  # UNSPEC
+]
+
+
+@pytest.mark.parametrize(("header", "client"), CASES)
+def test_headers_of_the_specification(header: bytes, client: str | None) -> None:
+    rest = b"GET / HTTP/1.1\r\n\r\n"
+    assert parse(header + rest) == ProxyHeader(client, len(header))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(CASES), st.data())
+def test_any_prefix_asks_for_more(case: tuple[bytes, str | None], data: st.DataObject) -> None:
+    header = case[0]
+    cut = data.draw(st.integers(0, len(header) - 1))
+    assert parse(header[:cut]) is None
+
+
+BAD = [
+    b"GET / HTTP/1.1\r\n\r\n",  # no header at all
+    b"PROXY TCP4 192.0.2.7 198.51.100.1 51000\r\n",  # a field missing
+    b"PROXY TCP4 2001:db8::7 198.51.100.1 51000 443\r\n",  # v6 under TCP4
+    b"PROXY TCP4 192.0.2.7 198.51.100.1 051000 443\r\n",  # a leading zero
+    b"PROXY TCP4 192.0.2.7 198.51.100.1 +5100 443\r\n",
+    b"PROXY TCP4 192.0.2.7 198.51.100.1 70000 443\r\n",
+    b"PROXY UDP4 192.0.2.7 198.51.100.1 1 2\r\n",
+    b"PROXY TCP4 " + b"1" * 120,  # no CRLF within 107 bytes
+    b"PROXX ",
+    SIG[:11] + b"X",
+    SIG + b"\x11\x11\x00\x0c" + b"\x00" * 12,  # version 1 in a v2 header
+    SIG + b"\x22\x11\x00\x0c" + b"\x00" * 12,  # command 2
+    SIG + b"\x21\x11\x00\x04" + b"\x00" * 4,  # too short for IPv4 addresses
+    SIG + b"\x21\x12\x00\x0c" + b"\x00" * 12,  # a datagram relay
+    SIG + b"\x21\x11\xff\xff",  # 64 KiB of TLVs announced: refused before they are read
+]
+
+
+@pytest.mark.parametrize("data", BAD)
+def test_what_is_not_a_header_is_refused(data: bytes) -> None:
+    with pytest.raises(ProxyError):
+        parse(data)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=300) | st.builds(lambda b: b"PROXY " + b, st.binary(max_size=120)))
+def test_any_bytes_parse_refuse_or_ask_for_more_within_the_bound(data: bytes) -> None:
+    try:
+        got = parse(data)
+    except ProxyError:
+        return
+    if got is None:
+        assert len(data) < MAX_HEADER
+    else:
+        assert 0 < got.length <= min(len(data), MAX_HEADER)
+
+
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [
+        ({"proxy_protocol_from": ["lb.example"]}, "not an IP address or a CIDR"),
+        ({"proxy_protocol_from": "10.0.0.0/8", "http_server": "aiohttp"}, "http_server lean"),
+        ({"max_connections_per_client": 4, "http_server": "aiohttp"}, "http_server lean"),
+        ({"max_connections_per_client": -1}, "must be >= 0"),
+        ({"proxy_protocol_from": ["10.0.0.1"], "tls": True}, "TLS on the client port"),
+    ],
+)
+def test_the_settings_are_checked(values: dict[str, object], says: str, tmp_path: Path) -> None:
+    from shepherd.node.config import ConfigError, build_config  # (the node's config: these tests only)
+
+    if values.pop("tls", False):
+        files = write_dev_pki(tmp_path, ["node"])["node"]
+        values.update(tls_cert_file=str(files.cert), tls_key_file=str(files.key))
+    with pytest.raises(ConfigError, match=says):
+        build_config({"worker_urls": ["grpc://127.0.0.1:1"], **values}, {})
+    ok = build_config({"proxy_protocol_from": "10.0.0.0/8", "max_connections_per_client": 8}, {})
+    assert ok.proxy_protocol_from == ("10.0.0.0/8",) and ok.max_connections_per_client == 8
