@@ -989,9 +989,14 @@ def check_client_front(cfg: NodeConfig) -> None:
         raise ConfigError("proxy_protocol_from and max_connections_per_client need http_server lean")
     for raw in cfg.proxy_protocol_from:
         try:
-            ipaddress.ip_network(raw, strict=False)
+            net = ipaddress.ip_network(raw, strict=False)
         except ValueError:
             raise ConfigError(f"proxy_protocol_from: {raw!r} is not an IP address or a CIDR") from None
+        if isinstance(net, ipaddress.IPv6Network) and net.network_address.ipv4_mapped is not None:
+            raise ConfigError(
+                f"proxy_protocol_from: {raw!r} is an IPv4-mapped address: write the IPv4 one (a mapped peer "
+                "is matched as IPv4)"
+            )
     if cfg.proxy_protocol_from and cfg.tls_cert_file:
         raise ConfigError(
             "proxy_protocol_from with TLS on the client port is not supported: terminate TLS at the load "

@@ -4,6 +4,7 @@ shapes, any split of the bytes, and hostile input refused (never another excepti
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import struct
 from pathlib import Path
@@ -67,6 +68,10 @@ BAD = [
     SIG + b"\x21\x11\x00\x04" + b"\x00" * 4,  # too short for IPv4 addresses
     SIG + b"\x21\x12\x00\x0c" + b"\x00" * 12,  # a datagram relay
     SIG + b"\x21\x11\xff\xff",  # 64 KiB of TLVs announced: refused before they are read
+    SIG + b"\x21\x41\x00\x00",  # family 4: not the specification's
+    SIG + b"\x21\x10\x00\x0c" + b"\x00" * 12,  # IPv4 with an unspecified protocol
+    SIG + b"\x21\x31\x00\x00",  # unix, without its 216 bytes of paths
+    b"PROXY TCP6 fe80::1%eth0 fe80::2 1 2\r\n",  # a scope id: free text into logs
 ]
 
 
@@ -93,6 +98,7 @@ def test_any_bytes_parse_refuse_or_ask_for_more_within_the_bound(data: bytes) ->
     ("values", "says"),
     [
         ({"proxy_protocol_from": ["lb.example"]}, "not an IP address or a CIDR"),
+        ({"proxy_protocol_from": ["::ffff:10.0.0.1"]}, "IPv4-mapped"),
         ({"proxy_protocol_from": "10.0.0.0/8", "http_server": "aiohttp"}, "http_server lean"),
         ({"max_connections_per_client": 4, "http_server": "aiohttp"}, "http_server lean"),
         ({"max_connections_per_client": -1}, "must be >= 0"),
@@ -109,3 +115,41 @@ def test_the_settings_are_checked(values: dict[str, object], says: str, tmp_path
         build_config({"worker_urls": ["grpc://127.0.0.1:1"], **values}, {})
     ok = build_config({"proxy_protocol_from": "10.0.0.0/8", "max_connections_per_client": 8}, {})
     assert ok.proxy_protocol_from == ("10.0.0.0/8",) and ok.max_connections_per_client == 8
+
+
+async def test_connections_waiting_for_their_header_count_and_close_with_the_server() -> None:
+    """A balancer's connections still bringing their header hold descriptors: they count against the
+    connection cap, and a server that stops closes them (a header after that is not served)."""
+    import asyncio  # (these tests alone run a server)
+
+    from aiohttp import web
+
+    from shepherd.node.http.server import LeanServer
+
+    async def ok(_r: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_get("/x", ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    srv = LeanServer(app, max_body=1024, max_connections=2, proxy_from=["127.0.0.1"])
+    await srv.start("127.0.0.1", 0)
+    try:
+        waiting = [await asyncio.open_connection("127.0.0.1", srv.port) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert len(srv.cap.waiting) == 2
+        r, w = await asyncio.open_connection("127.0.0.1", srv.port)
+        assert (await asyncio.wait_for(r.read(), 5)).startswith(b"HTTP/1.1 503")  # past the cap
+        w.close()
+        await srv.shutdown(timeout=0.5)
+        hdr = b"PROXY TCP4 192.0.2.7 127.0.0.1 1000 80\r\nGET /x HTTP/1.1\r\nHost: a\r\n\r\n"
+        for r, w in waiting:
+            with contextlib.suppress(ConnectionError):
+                w.write(hdr)
+            assert await asyncio.wait_for(r.read(), 5) == b""  # closed, not served
+            w.close()
+        assert not srv.cap.waiting and not srv.conns
+    finally:
+        await srv.shutdown(timeout=0.1)
+        await runner.cleanup()

@@ -25,6 +25,8 @@ V2_SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
 V1_MAX = 107  # the longest version 1 line, CRLF included (the specification's bound)
 MAX_HEADER = 16 + 1024  # a version 2 header with more TLV bytes than this is refused (no use for them here)
 _V2_FIXED = struct.Struct(">12sBBH")
+# the family and protocol byte's values: UNSPEC, TCP and UDP over IPv4, IPv6, unix stream and datagram
+_V2_FAMILIES = frozenset({0x00, 0x11, 0x12, 0x21, 0x22, 0x31, 0x32})
 
 
 class ProxyError(ValueError):
@@ -69,6 +71,8 @@ def _v1(buf: bytes) -> ProxyHeader | None:
         raise ProxyError("a PROXY protocol v1 line with an unknown protocol or the wrong number of fields")
     if not all(p.isdigit() and (p == b"0" or not p.startswith(b"0")) and int(p) <= 65535 for p in parts[4:6]):
         raise ProxyError("a PROXY protocol v1 line with a malformed port")
+    if b"%" in parts[2] or b"%" in parts[3]:  # (a scope id: free text, not an address)
+        raise ProxyError("a PROXY protocol v1 line with a scoped address")
     try:
         src = ipaddress.ip_address(parts[2].decode("ascii"))
         dst = ipaddress.ip_address(parts[3].decode("ascii"))
@@ -97,11 +101,13 @@ def _v2(buf: bytes) -> ProxyHeader | None:
         raise ProxyError(f"a PROXY protocol v2 header of {total} bytes (at most {MAX_HEADER})")
     if len(buf) < total:
         return None
+    if fam not in _V2_FAMILIES:  # (the specification's: any other must be rejected)
+        raise ProxyError(f"a PROXY protocol v2 address family and protocol 0x{fam:02x}")
     if cmd == 0:  # LOCAL: the balancer's own connection (a health check)
         return ProxyHeader(None, total)
     body = buf[16:total]
     family, proto = fam >> 4, fam & 0x0F
-    if proto not in (0, 1):  # (UNSPEC, STREAM): a datagram relay is not this server's
+    if proto == 2:  # a datagram relay is not this server's
         raise ProxyError("a PROXY protocol v2 header for a datagram transport")
     if family == 1:  # AF_INET: src, dst (4 bytes each), sport, dport
         if length < 12:
@@ -111,4 +117,6 @@ def _v2(buf: bytes) -> ProxyHeader | None:
         if length < 36:
             raise ProxyError("a PROXY protocol v2 IPv6 header too short for its addresses")
         return ProxyHeader(str(ipaddress.IPv6Address(body[:16])), total)
+    if family == 3 and length < 216:  # AF_UNIX: two 108-byte paths
+        raise ProxyError("a PROXY protocol v2 unix header too short for its addresses")
     return ProxyHeader(None, total)  # UNSPEC or AF_UNIX: the connection's own address

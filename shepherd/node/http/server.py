@@ -101,6 +101,10 @@ class ConnectionCap:
         self.answer_client = _REFUSED_CLIENT % (len(body), body)
         self.proxy_from = tuple(ipaddress.ip_network(n, strict=False) for n in proxy_from)
         self.refused_proxy = 0
+        # balancers' connections still bringing their header: counted against ``limit`` too (each holds a
+        # descriptor), closed by ``close_waiting`` (the server stopping); none handed on once closing
+        self.waiting: set[_Gate] = set()
+        self.closing = False
 
     def factory(self, inner: Callable[[], asyncio.BaseProtocol]) -> Callable[[], asyncio.BaseProtocol]:
         return lambda: _Gate(self, inner)
@@ -117,11 +121,31 @@ class ConnectionCap:
             ip = ip.ipv4_mapped
         return any(ip in n for n in self.proxy_from)
 
+    def close_waiting(self) -> None:
+        """The server stops: no connection is handed on any more, those waiting for a header close."""
+        self.closing = True
+        for g in list(self.waiting):
+            g.close()
+
+    def full(self) -> bool:
+        return self.count() + len(self.waiting) >= self.limit
+
+    def refuse(self, transport: asyncio.BaseTransport) -> None:
+        """Past the cap: the 503, and the connection closed."""
+        self.refused += 1
+        t: Any = transport
+        with contextlib.suppress(Exception):
+            t.write(self.answer)
+        transport.close()
+
     def admit(self, transport: asyncio.BaseTransport, client: str | None) -> str | None:
         """Whether a connection from ``client`` is served: its per-client key (counted), "" (no cap), or
         None (refused: answered and closed)."""
         t: Any = transport
-        if self.count() >= self.limit:
+        if self.closing:
+            transport.close()
+            return None
+        if self.full():
             self.refused += 1
             answer = self.answer
         elif self.per_client and client is not None:
@@ -166,12 +190,27 @@ class _Gate(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else None
-        if self.cap.proxied(self.peer):
+        cap = self.cap
+        if cap.proxied(self.peer):
+            if cap.full() or cap.closing:
+                cap.refuse(transport)
+                return
             self.transport = transport
             self.buf = b""
+            cap.waiting.add(self)
             self.timer = asyncio.get_running_loop().call_later(PROXY_HEADER_S, self._refuse_proxy)
             return
         self._hand(transport, self.peer, b"")
+
+    def close(self) -> None:
+        """Stop waiting for the header: the connection closes."""
+        self.cap.waiting.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.buf = None
+        if self.transport is not None:
+            self.transport.close()
 
     def _hand(self, transport: asyncio.BaseTransport, client: str | None, rest: bytes) -> None:
         cap = self.cap
@@ -191,9 +230,8 @@ class _Gate(asyncio.Protocol):
 
     def _refuse_proxy(self) -> None:
         self.cap.refused_proxy += 1
-        self.buf = None
-        if self.transport is not None:
-            self.transport.close()
+        self.timer = None
+        self.close()
 
     def data_received(self, data: bytes) -> None:
         if self.buf is None:  # a refused connection's request: ignored
@@ -207,25 +245,22 @@ class _Gate(asyncio.Protocol):
             buf = b"\x00" * (MAX_HEADER + 1)
         if header is None:
             if len(buf) > MAX_HEADER:
-                if self.timer is not None:
-                    self.timer.cancel()
                 self._refuse_proxy()
             else:
                 self.buf = buf
             return
-        if self.timer is not None:
-            self.timer.cancel()
-        self.buf = None
-        assert self.transport is not None
-        self._hand(self.transport, header.client or self.peer, buf[header.length :])
+        transport = self.transport
+        assert transport is not None
+        self.transport = None  # (handed on: ``close`` no longer closes it)
+        self.close()
+        self._hand(transport, header.client or self.peer, buf[header.length :])
 
     def eof_received(self) -> bool | None:
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:  # (before it was handed on)
-        if self.timer is not None:
-            self.timer.cancel()
-        self.buf = None
+        self.transport = None
+        self.close()
 
 
 class CappedTCPSite(web.TCPSite):
@@ -345,6 +380,7 @@ class LeanServer:
             self._sweeper = None
         if self._server is not None:
             self._server.close()
+        self.cap.close_waiting()
         for c in list(self.conns):
             c.closing = True
             c.idle_close(None)
