@@ -297,6 +297,7 @@ class Fleet:
         limit = timeout or self.spec.start_timeout_s
         if not wait_until(lambda: not n.proc.alive() or self.node_ready(n), limit, 0.2) or not n.proc.alive():
             raise FleetError(f"{n.name} did not become ready:\n{n.proc.log_tail()}")
+        n.proc.ready_start = n.proc.starts
 
     def lb_stats(self) -> dict[str, lbmod.ServerStat]:
         if self.lb_cfg is None or not self.lb_proc_alive():

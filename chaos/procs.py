@@ -79,6 +79,7 @@ class HostProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self.paused = False
         self.starts = 0
+        self.ready_start = 0  # the start its owner saw ready (``starts`` then: the running one is)
         self._lock = threading.Lock()
 
     @property

@@ -96,7 +96,10 @@ class Monitor:
                 for n in self.fleet.nodes:
                     pid = n.proc.pid
                     rss = n.proc.rss()
-                    in_pool = n.name in stats and stats[n.name].status == "UP"  # started up: RSS is settled
+                    # started up (RSS settled): seen ready, and in the pool (after a restart the balancer
+                    # shows the old process UP a moment while the new one starts)
+                    ready = n.proc.ready_start == n.proc.starts
+                    in_pool = ready and n.name in stats and stats[n.name].status == "UP"
                     if pid is not None and rss is not None and in_pool:
                         self.fleet.rss_log.setdefault((n.name, pid), []).append((now, rss))
             i += 1
