@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import orjson
 
 from shepherd.storage.types import (
+    TERMINAL_STATUSES,
     ChainError,
     IntegrityError,
     ItemPage,
@@ -158,10 +159,14 @@ class MemoryStore:
         self.stats.writes += 1
         self._evict()
 
-    async def update_response(self, response: StoredResponse, items: Sequence[StoredItem] = ()) -> None:
+    async def update_response(
+        self, response: StoredResponse, items: Sequence[StoredItem] = (), *, running_only: bool = False
+    ) -> bool:
         old = self._responses.get(response.id)
         if old is None:
             raise NotFound(f"response {response.id!r} not found")
+        if running_only and old.status in TERMINAL_STATUSES:
+            return False
         conv = None
         if response.conversation_id is not None and items:
             conv = self._convs.get(response.conversation_id)
@@ -177,6 +182,7 @@ class MemoryStore:
             self._link(conv, items)
         self.stats.writes += 1
         self._evict()
+        return True
 
     async def get_response(self, response_id: str) -> StoredResponse | None:
         self.stats.reads += 1

@@ -56,6 +56,7 @@ local p, op, a = ARGV[1], ARGV[2], cjson.decode(ARGV[3])
 local ttl = tonumber(a.ttl or 0)
 
 local function fail(kind, msg) return redis.error_reply('SHEPHERD_' .. kind .. ' ' .. msg) end
+local ENDED = {completed = true, failed = true, incomplete = true, cancelled = true}  -- TERMINAL_STATUSES
 local function dup(what, id) return fail('INTEGRITY', what .. ' ' .. id .. ' is already stored') end
 local function no_conv(conv) return fail('NOTFOUND', 'conversation ' .. conv .. ' not found') end
 local function keep(k) if ttl > 0 then redis.call('EXPIRE', k, ttl) end end
@@ -148,6 +149,10 @@ if op == 'put_response' then
 elseif op == 'update_response' then
   local rk = p .. 'response:' .. a.rid
   if redis.call('EXISTS', rk) == 0 then return fail('NOTFOUND', 'response ' .. a.rid .. ' not found') end
+  if a.running_only then
+    local st = redis.call('HGET', rk, 'status')
+    if st and ENDED[cjson.decode(st)] then return 0 end
+  end
   if a.conv and not conv_exists(a.conv) then return no_conv(a.conv) end
   local bad = check_new(a.items)
   if bad then return fail('INTEGRITY', bad) end
@@ -374,11 +379,15 @@ class RedisStore:
             args["conv"] = conversation_id
         await self._write("put_response", args)
 
-    async def update_response(self, response: StoredResponse, items: Sequence[StoredItem] = ()) -> None:
+    async def update_response(
+        self, response: StoredResponse, items: Sequence[StoredItem] = (), *, running_only: bool = False
+    ) -> bool:
         args = self._response_args(response, items)
         if response.conversation_id is not None and items:
             args["conv"] = response.conversation_id
-        await self._write("update_response", args)
+        if running_only:
+            args["running_only"] = True
+        return bool(await self._write("update_response", args))
 
     async def get_response(self, response_id: str) -> StoredResponse | None:
         self.stats.reads += 1

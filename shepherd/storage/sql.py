@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import orjson
 
 from shepherd.storage.types import (
+    TERMINAL_STATUSES,
     ChainError,
     IntegrityError,
     ItemPage,
@@ -403,10 +404,15 @@ def put_response(
         yield from _link(conversation_id, items)
 
 
-def update_response(response: StoredResponse, items: Sequence[StoredItem]) -> Plan[None]:
-    exists = yield Q("SELECT 1 FROM responses WHERE id = ?", (response.id,))
-    if not exists:
+def update_response(
+    response: StoredResponse, items: Sequence[StoredItem], running_only: bool = False
+) -> Plan[bool]:
+    # its row locked until the transaction ends (a no-op UPDATE, as _lock_conversation), its status read
+    rows = yield Q("UPDATE responses SET id = id WHERE id = ? RETURNING status", (response.id,))
+    if not rows:
         raise NotFound(f"response {response.id!r} not found")
+    if running_only and rows[0][0] in TERMINAL_STATUSES:
+        return False
     conv = response.conversation_id if items else None
     if conv is not None and not (yield from _lock_conversation(conv)):
         raise NotFound(f"conversation {conv!r} not found")
@@ -421,6 +427,7 @@ def update_response(response: StoredResponse, items: Sequence[StoredItem]) -> Pl
     if conv is not None:
         yield from _link(conv, items)
     yield from _collect(old)
+    return True
 
 
 def get_response(response_id: str) -> Plan[StoredResponse | None]:
@@ -652,8 +659,10 @@ class PlanStore:
     ) -> None:
         await self._write(put_response(response, items, conversation_id))
 
-    async def update_response(self, response: StoredResponse, items: Sequence[StoredItem] = ()) -> None:
-        await self._write(update_response(response, items))
+    async def update_response(
+        self, response: StoredResponse, items: Sequence[StoredItem] = (), *, running_only: bool = False
+    ) -> bool:
+        return await self._write(update_response(response, items, running_only))
 
     async def get_response(self, response_id: str) -> StoredResponse | None:
         return await self._read(get_response(response_id))

@@ -32,6 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+# a response's statuses once it has ended (``update_response(..., running_only=True)`` leaves such a one)
+TERMINAL_STATUSES = frozenset({"completed", "failed", "incomplete", "cancelled"})
+
 Order = Literal["asc", "desc"]
 
 
@@ -196,10 +199,14 @@ class HistoryStore(Protocol):
         self, response: StoredResponse, items: Sequence[StoredItem], conversation_id: str | None = None
     ) -> None: ...
 
-    async def update_response(self, response: StoredResponse, items: Sequence[StoredItem] = ()) -> None:
+    async def update_response(
+        self, response: StoredResponse, items: Sequence[StoredItem] = (), *, running_only: bool = False
+    ) -> bool:
         """Replace a stored response (a background response's status and output) and add ``items``,
         atomically; ``NotFound`` when it is not stored. With ``response.conversation_id`` the new
-        items are linked to that conversation too."""
+        items are linked to that conversation too. ``running_only``: only while the stored one has not
+        ended (its status not in ``TERMINAL_STATUSES``: another writer's end stands). Returns whether
+        it was replaced."""
         ...
 
     async def get_response(self, response_id: str) -> StoredResponse | None: ...

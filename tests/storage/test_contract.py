@@ -154,6 +154,26 @@ async def test_update_response(store: HistoryStore) -> None:
         await store.update_response(response(rid="resp_missing"), [])
 
 
+async def test_update_response_running_only_leaves_an_ended_one(store: HistoryStore) -> None:
+    """``running_only``: a background response's runner writing its progress never undoes an end another
+    writer stored (a cancel, a peer that held the runner gone)."""
+    a = item()
+    r = response(inputs=[a], status="queued")
+    await store.put_response(r, [a])
+    going = response(rid=r.id, inputs=[a], status="in_progress")
+    assert await store.update_response(going, [], running_only=True) is True
+    assert await store.get_response(r.id) == going
+    cancelled = response(rid=r.id, inputs=[a], status="cancelled")
+    assert await store.update_response(cancelled, [], running_only=True) is True
+    b = item(role="assistant")
+    late = response(rid=r.id, inputs=[a], outputs=[b], status="completed")
+    assert await store.update_response(late, [b], running_only=True) is False
+    assert await store.get_response(r.id) == cancelled
+    assert await store.get_items([b.id]) == []  # nothing of the refused update happened
+    assert await store.update_response(late, [b]) is True  # (without it: replaced, as before)
+    assert await store.get_response(r.id) == late
+
+
 async def test_update_response_drops_items_no_longer_referred_to(store: HistoryStore) -> None:
     a, b = item(), item()
     r = response(inputs=[a], outputs=[b])

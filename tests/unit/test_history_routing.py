@@ -231,9 +231,13 @@ async def test_response_in_a_conversation_is_stored_by_the_conversation_owner() 
     assert [i.id for i in page.items] == [it.id]
     got = await s["b"].get_response(rid)
     assert got is not None and got.conversation_id == cid
-    await s["b"].update_response(StoredResponse.from_dict({**got.to_dict(), "status": "cancelled"}))
+    assert await s["b"].update_response(StoredResponse.from_dict({**got.to_dict(), "status": "cancelled"}))
     again = await s["b"].get_response(rid)
     assert again is not None and again.status == "cancelled"
+    # the owner keeps an end another writer stored: a running_only update over the mesh says so
+    done = StoredResponse.from_dict({**got.to_dict(), "status": "completed"})
+    assert await s["b"].update_response(done, running_only=True) is False
+    assert (await s["a"].get_response(rid)).status == "cancelled"  # type: ignore[union-attr]
     assert await s["b"].delete_response(rid)
     assert await s["a"].get_response(rid) is None
 

@@ -319,15 +319,17 @@ class Turn:
         if self.lease is not None:  # its answer is in the conversation: the next turn may come (before
             await self.lease.release()  # the client reads the end of this one)
 
-    async def update(self, body: dict[str, Any], output: Sequence[dict[str, Any]]) -> None:
+    async def update(self, body: dict[str, Any], output: Sequence[dict[str, Any]]) -> bool:
         """A background response's new state (its new output items added); while it runs, the record
-        names this node as its runner (``_RUNNER``)."""
+        names this node as its runner (``_RUNNER``). Only while the stored record has not ended: False
+        when another writer stored its end first (a cancel without this node's task, a peer that held
+        this node gone), which stands."""
         if body["status"] not in _TERMINAL:
             body = {**body, _RUNNER: _runner(self.hist)}
         elif self.lease is not None:  # a client polling sees the end and may send the next turn at once
             await self.lease.release()
         rec = self.record(body, output, body["status"])
-        await self.hist.store.update_response(rec, self.out_items(output))
+        return await self.hist.store.update_response(rec, self.out_items(output), running_only=True)
 
 
 def _usage(
@@ -405,6 +407,7 @@ class _Recorder:
         self.lock = asyncio.Lock()
         self.ended = False
         self.written = 0  # events in the record
+        self.task: asyncio.Task[None] | None = None  # the response's: cancelled when another writer ended it
 
     def over(self) -> bool:
         return self.ended
@@ -428,19 +431,25 @@ class _Recorder:
                     return
                 body = response_object(self.base, status="in_progress", output=[], usage=None)
                 try:
-                    await self.turn.update(self.body(body), [])
+                    running = await self.turn.update(self.body(body), [])
                 except StorageError as e:  # the next one, or the end, writes them
                     log.warning(
                         "background response %s: its events not written: %s", self.turn.response_id, e
                     )
                     continue
                 self.written = n
+            if not running:  # another writer stored its end (a cancel, a peer that held this node gone)
+                log.warning("background response %s was ended elsewhere: stopped", self.turn.response_id)
+                if self.task is not None:
+                    self.task.cancel()
+                return
 
-    async def final(self, body: dict[str, Any], output: Sequence[dict[str, Any]]) -> None:
-        """The response's end: ``body`` with every event, and its output items."""
+    async def final(self, body: dict[str, Any], output: Sequence[dict[str, Any]]) -> bool:
+        """The response's end: ``body`` with every event, and its output items (False: another writer
+        stored its end first, which stands)."""
         async with self.lock:
             self.ended = True
-            await self.turn.update(self.body(body), output)
+            return await self.turn.update(self.body(body), output)
 
 
 class _BackgroundEvents(_StoringEvents):
@@ -1121,7 +1130,8 @@ async def _background(
 ) -> None:
     started.started = True
     try:
-        await turn.update(response_object(base, status="in_progress", output=[], usage=None), [])
+        if not await turn.update(response_object(base, status="in_progress", output=[], usage=None), []):
+            return  # ended before it started (cancelled where this node's task was not seen)
         g.gw.metrics.overhead.observe(time.perf_counter() - g.t0)
         choices, violations = await g.collect([job])
         finish, status, output, usage = _answer(g, job, choices[0], turn, base)
@@ -1187,19 +1197,24 @@ async def _background_stream(
     elog = events.log
     checkpoints: asyncio.Task[None] | None = None
     try:
-        await turn.update(
+        running = await turn.update(
             response_object(base, status="in_progress", output=[], usage=None) | {_EVENTS: elog.stored()}, []
         )
+        if not running:  # ended before it started (cancelled where this node's task was not seen)
+            return
+        rec.task = asyncio.current_task()
         checkpoints = asyncio.create_task(rec.loop())
         g.gw.metrics.overhead.observe(time.perf_counter() - g.t0)
         await g.stream([job], sink=elog)
         if events.done is not None and events.outcome == "completed":
-            await rec.final(events.done, events.items)
+            stored = await rec.final(events.done, events.items)
         else:  # failed in-band: the log ends with error and response.failed
             body = response_object(
                 base, status="failed", output=events.partial(), usage=events.usage, error=events.error
             )
-            await rec.final(body, events.partial())
+            stored = await rec.final(body, events.partial())
+        if not stored:  # another writer's end stands: its readers do not see this one
+            elog.drop_held()
     except asyncio.CancelledError:
         elog.drop_held()
         events.rewind()
@@ -1387,7 +1402,8 @@ async def _settle_orphan(hist: History, stored: StoredResponse, running: bool) -
     body = {k: v for k, v in stored.body.items() if k != _RUNNER} | {"status": "failed", "error": error}
     rec = dataclasses.replace(stored, body=body, status="failed")
     try:
-        await hist.store.update_response(rec, [])
+        if not await hist.store.update_response(rec, [], running_only=True):  # it ended meanwhile
+            return await hist.store.get_response(stored.id) or stored
     except StorageUnavailable as e:
         raise _unavailable(e) from None
     log.warning("background response %s: its runner (tag %s) is gone; stored as failed", stored.id, runner)
@@ -1427,7 +1443,7 @@ async def cancel_response(request: web.Request) -> web.StreamResponse:
         else:  # nobody generates it any more (a restart): mark it so, and free its conversation
             rec = dataclasses.replace(stored, body={**stored.body, "status": "cancelled"}, status="cancelled")
             try:
-                await hist.store.update_response(rec, [])
+                await hist.store.update_response(rec, [], running_only=True)  # (an end meanwhile stands)
             except StorageUnavailable as e:
                 raise _unavailable(e) from None
             if stored.conversation_id is not None:

@@ -325,10 +325,11 @@ class RpcServer:
             r, _items(a.get("items", [])), _opt_id(a.get("conversation_id"), "conv")
         )
 
-    async def _update_response(self, a: dict[str, Any]) -> None:
+    async def _update_response(self, a: dict[str, Any]) -> bool:
         r = _response(a.get("response"))
         self._mine(r.id)
-        await self.local.update_response(r, _items(a.get("items", [])))
+        running_only = a.get("running_only") is True
+        return await self.local.update_response(r, _items(a.get("items", [])), running_only=running_only)
 
     async def _get_response(self, a: dict[str, Any]) -> Any:
         r = await self.local.get_response(self._mine(_id(a.get("id"))))
@@ -554,12 +555,16 @@ class RoutedStore:
         args = {"response": response.to_dict(), "items": [i.to_dict() for i in items]}
         await self._call(owner, "put_response", {**args, "conversation_id": conversation_id})
 
-    async def update_response(self, response: StoredResponse, items: Sequence[StoredItem] = ()) -> None:
+    async def update_response(
+        self, response: StoredResponse, items: Sequence[StoredItem] = (), *, running_only: bool = False
+    ) -> bool:
         owner = self.owner(response.id)
         if owner is None:
-            return await self.local.update_response(response, items)
-        args = {"response": response.to_dict(), "items": [i.to_dict() for i in items]}
-        await self._call(owner, "update_response", args)
+            return await self.local.update_response(response, items, running_only=running_only)
+        args: dict[str, Any] = {"response": response.to_dict(), "items": [i.to_dict() for i in items]}
+        if running_only:  # (an owner of an older version ignores it: the update is made as before)
+            args["running_only"] = True
+        return await self._call(owner, "update_response", args) is not False
 
     async def get_response(self, response_id: str) -> StoredResponse | None:
         owner = self.owner(response_id)

@@ -1,0 +1,71 @@
+"""End to end: two nodes on one PostgreSQL without a mesh (siblings behind a balancer), a streamed
+background response running on one, cancelled through the other.
+
+The other node does not run it and has no mesh to ask the runner: it stores ``cancelled`` itself. The
+runner's next write of its progress must then not undo that end (a store update made only while the
+record has not ended): it stops generating, its readers' streams end without a ``response.completed``,
+and the record stays ``cancelled``. Loopback only; every process stopped by its pid; bounded waits.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e import node_fixtures, responses_fixtures
+from tests.e2e.node_procs import NodeProc
+from tests.e2e.procs import MockEngineProc
+from tests.e2e.responses_fixtures import MODEL, qwen3_node
+from tests.services import postgres_service, service_or_skip
+
+pytestmark = pytest.mark.timeout(120)
+
+tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
+engine = responses_fixtures.engine
+
+
+@pytest.fixture(scope="module")
+def siblings(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[tuple[NodeProc, NodeProc]]:
+    with service_or_skip("PostgreSQL", postgres_service) as svc:
+        shared = {"history_backend": "postgres", "history_url": svc.url}
+        with (
+            qwen3_node(engine, tokenizer_dir, **shared) as a,
+            qwen3_node(engine, tokenizer_dir, **shared) as b,
+        ):
+            yield a, b
+
+
+def sdk(node: NodeProc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def test_an_end_stored_by_a_sibling_stands_and_stops_the_runner(
+    siblings: tuple[NodeProc, NodeProc], engine: MockEngineProc, http: httpx.Client
+) -> None:
+    a, b = siblings
+    faults = f"http://127.0.0.1:{engine.http_port}/mock/faults"
+    http.post(faults, json={"stall_after_tokens": 2, "stall_seconds": 3.0}).raise_for_status()
+    try:
+        s = sdk(a).responses.create(model=MODEL, input="a long one", background=True, stream=True)
+        events = iter(s)
+        opening: Any = next(events)
+        rid = opening.response.id
+        seen: list[Any] = [opening]
+        reader = threading.Thread(target=lambda: seen.extend(events), daemon=True)
+        reader.start()
+        assert sdk(b).responses.cancel(rid).status == "cancelled"  # b stores it: it does not run it
+        reader.join(timeout=60)
+        assert not reader.is_alive()  # a stopped once its progress write found the end
+        assert "response.completed" not in [e.type for e in seen]
+        for _ in range(50):  # bounded: a's task writes nothing over the end
+            assert sdk(a).responses.retrieve(rid).status == "cancelled"
+            time.sleep(0.05)
+    finally:
+        http.post(faults, json={"stall_after_tokens": None, "stall_seconds": 0.0}).raise_for_status()
