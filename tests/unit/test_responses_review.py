@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -206,5 +206,50 @@ def test_memory_store_counts_response_bodies_and_conversations() -> None:
         for n in range(10):
             await store.delete_response(f"resp_{n}")
         assert few.bytes == 0 and store.bytes == 0
+
+    asyncio.run(run())
+
+
+def test_streams_following_running_responses_from_the_store_are_bounded_per_node() -> None:
+    """Each such stream re-reads the record every 0.25-2 s: past the node's bound a 429 (a replay of an
+    ended one is one read: never refused)."""
+    from types import SimpleNamespace  # (this test alone serves the routes)
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from shepherd.node.api import responses as api
+    from shepherd.node.api.common import GATEWAY, HISTORY, KEEPALIVE_TICKER, KeepAlive
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Any) -> web.StreamResponse:  # (the node's, less metrics)
+        try:
+            resp: web.StreamResponse = await handler(request)
+            return resp
+        except ApiError as e:
+            return web.Response(status=e.status, body=e.body(), content_type="application/json")
+
+    async def run() -> None:
+        store = MemoryStore()
+        hist = History(store, "t1")
+        body = {**BASE, "background": True, "status": "in_progress", "_events": [], "_runner": "t2/x"}
+        ended = {**BASE, "id": "resp_done", "background": True, "status": "completed", "_events": []}
+        for b in (body, ended):
+            rec = StoredResponse(b["id"], 1.0, "m", b, (), (), None, None, None, b["status"])
+            await store.put_response(rec, [])
+        app = web.Application(middlewares=[errors])
+        api.install(app)
+        app[api.BACKGROUND].followers_limit = 1
+        app[HISTORY] = hist
+        app[GATEWAY] = cast(Any, SimpleNamespace(cfg=SimpleNamespace(request_timeout_secs=5.0)))
+        app[KEEPALIVE_TICKER] = KeepAlive(0)
+        async with TestClient(TestServer(app)) as c:
+            first = await c.get("/v1/responses/resp_1", params={"stream": "true"})
+            assert first.status == 200  # following (its record: no event yet, not ended)
+            second = await c.get("/v1/responses/resp_1", params={"stream": "true"})
+            assert second.status == 429 and (await second.json())["error"]["code"] == "too_many_followers"
+            replay = await c.get("/v1/responses/resp_done", params={"stream": "true"})
+            assert replay.status == 200 and await replay.read() == b""
+            first.close()
 
     asyncio.run(run())

@@ -103,6 +103,7 @@ __all__ = ["BACKGROUND", "BackgroundRegistry", "install", "routes"]
 log = logging.getLogger("shepherd.api.responses")
 
 MAX_BACKGROUND = 1024  # background responses generating at once on this node (more: 429)
+MAX_FOLLOWERS = 256  # streams following a running response from the store at once on this node (more: 429)
 MAX_HISTORY_ITEMS = 100_000  # a conversation longer than this is refused, not silently cut
 _PAGE = 100
 _TERMINAL = frozenset({"completed", "failed", "incomplete", "cancelled"})
@@ -138,10 +139,12 @@ class BackgroundRegistry:
     """The background responses this node is generating: response id -> its task (at most ``limit``:
     a background response outlives its request, so nothing else bounds how many a client starts)."""
 
-    def __init__(self, limit: int = MAX_BACKGROUND) -> None:
+    def __init__(self, limit: int = MAX_BACKGROUND, followers: int = MAX_FOLLOWERS) -> None:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._logs: dict[str, EventLog] = {}
         self.limit = limit
+        self.followers_limit = followers
+        self.followers = 0  # streams reading a running response's record over and over (another node's)
 
     def full(self) -> bool:
         return len(self._tasks) >= self.limit
@@ -1368,7 +1371,23 @@ async def _stream_stored(
     if own is not None:
         return await _follow(request, own.follow(after), headers)
     stored = await _settle_orphan(hist, stored, running)
-    return await _follow(request, _stored_events(request, hist, stored, after), headers)
+    registry = request.app[BACKGROUND]
+    if stored.status in _TERMINAL:  # a replay: one read
+        return await _follow(request, _stored_events(request, hist, stored, after), headers)
+    if registry.followers >= registry.followers_limit:  # each re-reads the record: bounded per node
+        raise ApiError(
+            429,
+            f"Too many streams following running responses from the store on this node (at most "
+            f"{registry.followers_limit}): retry later, or poll GET /v1/responses/{{id}}.",
+            type="rate_limit_error",
+            code="too_many_followers",
+            headers={"Retry-After": "1"},
+        )
+    registry.followers += 1
+    try:
+        return await _follow(request, _stored_events(request, hist, stored, after), headers)
+    finally:
+        registry.followers -= 1
 
 
 def _answered(body: dict[str, Any]) -> dict[str, Any]:
