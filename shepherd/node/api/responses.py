@@ -1082,56 +1082,59 @@ async def _start_background(
     turn.saved = True
     if lease is not None:
         lease.handed = True  # the task ends the turn: it releases the conversation
-    started = _Started()
+    run = _Run(g, job, turn, base, ticket, lease)
     if isinstance(events, _BackgroundEvents):
         events.log.add(events.role(0))
-        task = asyncio.create_task(_background_stream(g, job, turn, base, ticket, lease, events, started))
+        task = asyncio.create_task(_background_stream(run, events))
         registry.add(turn.response_id, task, events.log)
-        task.add_done_callback(started.cleanup(ticket, lease, events.log))
+        task.add_done_callback(run.cleanup(events.log))
         return await _follow(request, events.log.follow(-1), {"x-request-id": turn.response_id})
-    task = asyncio.create_task(_background(g, job, turn, base, ticket, lease, started))
+    task = asyncio.create_task(_background(run))
     registry.add(turn.response_id, task)
-    task.add_done_callback(started.cleanup(ticket, lease, None))
+    task.add_done_callback(run.cleanup(None))
     return _json(queued, headers={"x-request-id": turn.response_id})
 
 
-class _Started:
-    """Whether a background task's coroutine ran: one cancelled before its first step (the node
-    stopping) never runs its ``finally``; its done callback (``cleanup``) does that part then."""
+@dataclass(slots=True)
+class _Run:
+    """What a background response's task works with, and whether its coroutine ran (``started``): one
+    cancelled before its first step (the node stopping) never runs its ``finally``, whose part its done
+    callback (``cleanup``) does then."""
 
-    __slots__ = ("started",)
+    g: Generation
+    job: Job
+    turn: Turn
+    base: dict[str, Any]
+    ticket: Ticket | None
+    lease: _Lease | None
+    started: bool = False
 
-    def __init__(self) -> None:
-        self.started = False
+    async def settle(self) -> None:
+        """The task's end: its admission ticket settled, its conversation freed."""
+        if self.ticket is not None:
+            self.ticket.settle(tokens_used([self.job]))
+        if self.lease is not None:
+            await _shielded(self.lease.release())
 
-    def cleanup(
-        self, ticket: Ticket | None, lease: _Lease | None, events: EventLog | None
-    ) -> Callable[[asyncio.Task[None]], None]:
+    def cleanup(self, events: EventLog | None) -> Callable[[asyncio.Task[None]], None]:
         def done(_t: asyncio.Task[None]) -> None:
             if self.started:
                 return
             if events is not None:
                 events.close()
-            if ticket is not None:
-                ticket.settle(0)
-            if lease is not None:
-                task = asyncio.ensure_future(lease.release())
+            if self.ticket is not None:
+                self.ticket.settle(0)
+            if self.lease is not None:
+                task = asyncio.ensure_future(self.lease.release())
                 _PENDING.add(task)
                 task.add_done_callback(_PENDING.discard)
 
         return done
 
 
-async def _background(
-    g: Generation,
-    job: Job,
-    turn: Turn,
-    base: dict[str, Any],
-    ticket: Ticket | None,
-    lease: _Lease | None,
-    started: _Started,
-) -> None:
-    started.started = True
+async def _background(run: _Run) -> None:
+    run.started = True
+    g, job, turn, base = run.g, run.job, run.turn, run.base
     try:
         if not await turn.update(response_object(base, status="in_progress", output=[], usage=None), []):
             return  # ended before it started (cancelled where this node's task was not seen)
@@ -1175,27 +1178,16 @@ async def _background(
         with contextlib.suppress(StorageError):
             await turn.update(body, [])
     finally:
-        if ticket is not None:
-            ticket.settle(tokens_used([job]))
-        if lease is not None:
-            await _shielded(lease.release())
+        await run.settle()
 
 
-async def _background_stream(
-    g: Generation,
-    job: Job,
-    turn: Turn,
-    base: dict[str, Any],
-    ticket: Ticket | None,
-    lease: _Lease | None,
-    events: _BackgroundEvents,
-    started: _Started,
-) -> None:
+async def _background_stream(run: _Run, events: _BackgroundEvents) -> None:
     """A streamed background response: its events into its log (``Generation.stream``), its record kept
     up with them, its end stored (``_BackgroundEvents.end``; a failure or a cancel here). The log's last
     events reach its readers once that end is stored; when it cannot be (or a cancel comes first), they
     are dropped and the log ends as the record does (a failure's events, or none for a cancel)."""
-    started.started = True
+    run.started = True
+    g, job, turn, base = run.g, run.job, run.turn, run.base
     rec = events.recorder
     elog = events.log
     checkpoints: asyncio.Task[None] | None = None
@@ -1243,10 +1235,7 @@ async def _background_stream(
         elog.close()
         if checkpoints is not None:
             checkpoints.cancel()
-        if ticket is not None:
-            ticket.settle(tokens_used([job]))
-        if lease is not None:
-            await _shielded(lease.release())
+        await run.settle()
 
 
 async def _follow(
