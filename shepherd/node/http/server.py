@@ -130,37 +130,34 @@ class ConnectionCap:
     def full(self) -> bool:
         return self.count() + len(self.waiting) >= self.limit
 
-    def refuse(self, transport: asyncio.BaseTransport) -> None:
-        """Past the cap: the 503, and the connection closed."""
-        self.refused += 1
+    def refuse(self, transport: asyncio.BaseTransport, answer: bytes | None = None) -> None:
+        """Past the cap (or ``answer``'s): answered, and the connection closed."""
+        if answer is None:
+            self.refused += 1
+            answer = self.answer
         t: Any = transport
         with contextlib.suppress(Exception):
-            t.write(self.answer)
+            t.write(answer)
         transport.close()
 
     def admit(self, transport: asyncio.BaseTransport, client: str | None) -> str | None:
         """Whether a connection from ``client`` is served: its per-client key (counted), "" (no cap), or
         None (refused: answered and closed)."""
-        t: Any = transport
         if self.closing:
             transport.close()
             return None
         if self.full():
-            self.refused += 1
-            answer = self.answer
-        elif self.per_client and client is not None:
-            key = client_key(client)
-            n = self.clients.get(key, 0)
-            if n < self.per_client:
-                self.clients[key] = n + 1
-                return key
-            self.refused_client += 1
-            answer = self.answer_client
-        else:
+            self.refuse(transport)
+            return None
+        if not self.per_client or client is None:
             return ""
-        with contextlib.suppress(Exception):
-            t.write(answer)
-        transport.close()
+        key = client_key(client)
+        n = self.clients.get(key, 0)
+        if n < self.per_client:
+            self.clients[key] = n + 1
+            return key
+        self.refused_client += 1
+        self.refuse(transport, self.answer_client)
         return None
 
     def release(self, key: str) -> None:
