@@ -2,9 +2,9 @@
 background response running on one, cancelled through the other.
 
 The other node does not run it and has no mesh to ask the runner: it stores ``cancelled`` itself. The
-runner's next write of its progress must then not undo that end (a store update made only while the
-record has not ended): it stops generating, its readers' streams end without a ``response.completed``,
-and the record stays ``cancelled``. Loopback only; every process stopped by its pid; bounded waits.
+runner's next write of its progress (its heartbeat: the engine is stalled) must then not undo that end
+(a store update made only while the record has not ended): it stops generating, its readers' streams
+end without a ``response.completed``, and the record stays ``cancelled``. Loopback only; every process stopped by its pid; bounded waits.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def test_an_end_stored_by_a_sibling_stands_and_stops_the_runner(
 ) -> None:
     a, b = siblings
     faults = f"http://127.0.0.1:{engine.http_port}/mock/faults"
-    http.post(faults, json={"stall_after_tokens": 2, "stall_seconds": 3.0}).raise_for_status()
+    # stalled for longer than the test waits: the runner sees the end by its heartbeat write (5 s)
+    http.post(faults, json={"stall_after_tokens": 2, "stall_seconds": 120.0}).raise_for_status()
     try:
         s = sdk(a).responses.create(model=MODEL, input="a long one", background=True, stream=True)
         events = iter(s)
@@ -61,7 +62,7 @@ def test_an_end_stored_by_a_sibling_stands_and_stops_the_runner(
         reader = threading.Thread(target=lambda: seen.extend(events), daemon=True)
         reader.start()
         assert sdk(b).responses.cancel(rid).status == "cancelled"  # b stores it: it does not run it
-        reader.join(timeout=60)
+        reader.join(timeout=40)
         assert not reader.is_alive()  # a stopped once its progress write found the end
         assert "response.completed" not in [e.type for e in seen]
         for _ in range(50):  # bounded: a's task writes nothing over the end

@@ -120,6 +120,7 @@ _EVENTS = "_events"
 _EVENTS_CUT = "_events_cut"
 _PRIVATE = frozenset({_RUNNER, _EVENTS, _EVENTS_CUT})
 CHECKPOINT_S = 0.5  # a streamed background response's record gets its new events this often while it runs
+HEARTBEAT_S = 5.0  # and is written this often without new events (to see an end another writer stored)
 # a reader following such a response from the store (another node runs it) reads it this often, and up
 # to POLL_MAX_S while nothing new comes (a long record read over and over costs its reader's node)
 POLL_S = 0.25
@@ -423,12 +424,17 @@ class _Recorder:
         return out
 
     async def loop(self) -> None:
+        clock = asyncio.get_running_loop().time
+        last = clock()
         while not self.ended:  # bounded: cancelled when the response ends
-            # each write is the whole record: a long one less often (every 0.5 s per MiB kept)
+            # each write is the whole record: a long one less often (every 0.5 s per MiB kept); with no
+            # new event, one every HEARTBEAT_S all the same (a stalled engine: an end stored elsewhere
+            # is still seen, and the engine request stopped)
             await asyncio.sleep(CHECKPOINT_S * max(1.0, self.log.stored_bytes / (1 << 20)))
             n = self.log.stored_count
-            if n == self.written:
+            if n == self.written and clock() - last < HEARTBEAT_S:
                 continue
+            last = clock()
             async with self.lock:
                 if self.over():  # (the end was written while this waited)
                     return
