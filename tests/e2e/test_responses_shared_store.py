@@ -1,10 +1,11 @@
-"""End to end: two nodes on one PostgreSQL without a mesh (siblings behind a balancer), a streamed
-background response running on one, cancelled through the other.
+"""End to end: two nodes on one PostgreSQL without a mesh (siblings behind a balancer), a background
+response (streamed or not) running on one, cancelled through the other.
 
 The other node does not run it and has no mesh to ask the runner: it stores ``cancelled`` itself. The
 runner's next write of its progress (its heartbeat: the engine is stalled) must then not undo that end
-(a store update made only while the record has not ended): it stops generating, its readers' streams
-end without a ``response.completed``, and the record stays ``cancelled``. Loopback only; every process stopped by its pid; bounded waits.
+(a store update made only while the record has not ended): it stops generating (the engine request
+ends), its readers' streams end without a ``response.completed``, and the record stays ``cancelled``.
+Loopback only; every process stopped by its pid; bounded waits.
 """
 
 from __future__ import annotations
@@ -46,26 +47,47 @@ def sdk(node: NodeProc) -> openai.OpenAI:
     return openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
+def active(engine: MockEngineProc, http: httpx.Client) -> int:
+    n: int = http.get(f"http://127.0.0.1:{engine.http_port}/mock/stats").json()["active"]
+    return n
+
+
+@pytest.mark.parametrize("stream", [True, False])
 def test_an_end_stored_by_a_sibling_stands_and_stops_the_runner(
-    siblings: tuple[NodeProc, NodeProc], engine: MockEngineProc, http: httpx.Client
+    siblings: tuple[NodeProc, NodeProc], engine: MockEngineProc, http: httpx.Client, stream: bool
 ) -> None:
     a, b = siblings
     faults = f"http://127.0.0.1:{engine.http_port}/mock/faults"
     # stalled for longer than the test waits: the runner sees the end by its heartbeat write (5 s)
     http.post(faults, json={"stall_after_tokens": 2, "stall_seconds": 120.0}).raise_for_status()
     try:
-        s = sdk(a).responses.create(model=MODEL, input="a long one", background=True, stream=True)
-        events = iter(s)
-        opening: Any = next(events)
-        rid = opening.response.id
-        seen: list[Any] = [opening]
-        reader = threading.Thread(target=lambda: seen.extend(events), daemon=True)
-        reader.start()
+        seen: list[Any] = []
+        reader = None
+        if stream:
+            s = sdk(a).responses.create(model=MODEL, input="a long one", background=True, stream=True)
+            events = iter(s)
+            opening: Any = next(events)
+            rid = opening.response.id
+            seen.append(opening)
+            reader = threading.Thread(target=lambda: seen.extend(events), daemon=True)
+            reader.start()
+        else:
+            rid = sdk(a).responses.create(model=MODEL, input="a long one", background=True).id
+        for _ in range(100):  # bounded: until the engine has it
+            if active(engine, http):
+                break
+            time.sleep(0.05)
         assert sdk(b).responses.cancel(rid).status == "cancelled"  # b stores it: it does not run it
-        reader.join(timeout=40)
-        assert not reader.is_alive()  # a stopped once its progress write found the end
-        assert "response.completed" not in [e.type for e in seen]
-        for _ in range(50):  # bounded: a's task writes nothing over the end
+        if reader is not None:
+            reader.join(timeout=40)
+            assert not reader.is_alive()  # a stopped once its progress write found the end
+            assert "response.completed" not in [e.type for e in seen]
+        for _ in range(400):  # bounded (~40 s): a's task stops, and with it the engine request
+            if not active(engine, http):
+                break
+            time.sleep(0.1)
+        assert active(engine, http) == 0
+        for _ in range(20):  # a's task writes nothing over the end
             assert sdk(a).responses.retrieve(rid).status == "cancelled"
             time.sleep(0.05)
     finally:

@@ -259,3 +259,27 @@ async def test_a_background_response_is_settled_failed_only_when_its_runner_is_g
     assert await settle(f"{peer}/x", gone=False) == "in_progress"
     assert await settle(f"{peer}/x", gone=True) == "failed"
     assert await settle(f"{peer}/x") == "in_progress"  # no mesh: nothing to tell
+
+
+async def test_settling_an_orphan_that_ended_meanwhile_gives_its_end() -> None:
+    """The runner the mesh held gone stored its end just before the settle: that end stands, and the
+    settle answers it (with its output: a follow-up's history holds the answer), not the stale record."""
+    from shepherd.node.api import responses as api
+    from shepherd.node.api.common import History
+    from shepherd.storage.memory import MemoryStore
+    from shepherd.storage.types import StoredItem, StoredResponse
+
+    store = MemoryStore()
+    hist = History(store, "a" * 8, node_gone=lambda tag: True)
+    body = {"id": "resp_1", "status": "in_progress", "background": True, api._RUNNER: "b" * 8 + "/x"}
+    stale = StoredResponse("resp_1", 1.0, "m", body, status="in_progress")
+    await store.put_response(stale, [])
+    msg = StoredItem("msg_a", "message", {"id": "msg_a", "type": "message"}, 1.0, "resp_1", "assistant")
+    done = StoredResponse(
+        "resp_1", 1.0, "m", {**body, "status": "completed"}, output_item_ids=("msg_a",), status="completed"
+    )
+    assert await store.update_response(done, [msg], running_only=True)
+    got = await api._settle_orphan(hist, stale, running=False)
+    assert got.status == "completed" and got.output_item_ids == ("msg_a",)
+    stored = await store.get_response("resp_1")
+    assert stored is not None and stored.status == "completed"

@@ -441,6 +441,8 @@ class _Recorder:
                 body = response_object(self.base, status="in_progress", output=[], usage=None)
                 try:
                     running = await self.turn.update(self.body(body), [])
+                except NotFound:  # deleted (a sibling's DELETE without a mesh): nothing to run for
+                    running = False
                 except StorageError as e:  # the next one, or the end, writes them
                     log.warning(
                         "background response %s: its events not written: %s", self.turn.response_id, e
@@ -554,7 +556,8 @@ async def _history(
             raise previous_not_found(chain[0].previous_response_id)
         last = chain[-1]
         if last.status not in _TERMINAL:
-            last = await _settle_orphan(hist, last, running)  # (a response whose runner is gone: failed)
+            # a response whose runner is gone: failed (or as it ended meanwhile: its output with it)
+            last = chain[-1] = await _settle_orphan(hist, last, running)
         if last.status not in _TERMINAL:  # its answer is not there yet: the model would not see it
             raise bad(
                 f"Previous response with id '{req.previous_response_id}' is still {last.status}: "
@@ -1138,14 +1141,36 @@ class _Run:
         return done
 
 
+async def _heartbeat(turn: Turn, base: dict[str, Any], task: asyncio.Task[Any] | None) -> None:
+    """A (non-streamed) background response's record written every ``HEARTBEAT_S`` while it runs, as it
+    stands: an end another writer stored, or a delete, stops ``task`` (its runner)."""
+    body = response_object(base, status="in_progress", output=[], usage=None)
+    while True:  # bounded: cancelled when the response ends
+        await asyncio.sleep(HEARTBEAT_S)
+        try:
+            running = await turn.update(body, [])
+        except NotFound:
+            running = False
+        except StorageError:  # the next one
+            continue
+        if not running:
+            log.warning("background response %s was ended elsewhere: stopped", turn.response_id)
+            if task is not None:
+                task.cancel()
+            return
+
+
 async def _background(run: _Run) -> None:
     run.started = True
     g, job, turn, base = run.g, run.job, run.turn, run.base
+    watch: asyncio.Task[None] | None = None
     try:
         if not await turn.update(response_object(base, status="in_progress", output=[], usage=None), []):
             return  # ended before it started (cancelled where this node's task was not seen)
+        watch = asyncio.create_task(_heartbeat(turn, base, asyncio.current_task()))
         g.gw.metrics.overhead.observe(time.perf_counter() - g.t0)
         choices, violations = await g.collect([job])
+        watch.cancel()  # (before the end is written)
         finish, status, output, usage = _answer(g, job, choices[0], turn, base)
         strict = g.rejected(violations)
         if strict:
@@ -1162,10 +1187,14 @@ async def _background(run: _Run) -> None:
         body = response_object(base, status=status, output=output, usage=usage, finish_reason=finish)
         await turn.update(body, output)
     except asyncio.CancelledError:
+        if watch is not None:
+            watch.cancel()
         body = response_object(base, status="cancelled", output=[], usage=_cut_usage(job))
         await _shielded(turn.update(body, []))
         raise
     except (EngineError, ApiError, TimeoutError, StorageError) as e:
+        if watch is not None:
+            watch.cancel()
         msg = e.message if isinstance(e, ApiError) else str(e) or type(e).__name__
         body = response_object(
             base, status="failed", output=[], usage=None, error={"code": "server_error", "message": msg}
@@ -1184,6 +1213,8 @@ async def _background(run: _Run) -> None:
         with contextlib.suppress(StorageError):
             await turn.update(body, [])
     finally:
+        if watch is not None:
+            watch.cancel()
         await run.settle()
 
 
@@ -1232,11 +1263,14 @@ async def _background_stream(run: _Run, events: _BackgroundEvents) -> None:
             msg, code = "Internal error in the gateway.", "internal_error"
         elog.drop_held()
         events.rewind()
-        elog.add(events.failed(msg, code))
+        await elog.write_eof(events.failed(msg, code))  # (held: shown once that end is stored)
         output = events.partial()
         body = response_object(base, status="failed", output=output, usage=events.usage, error=events.error)
+        stored = False
         with contextlib.suppress(StorageError):
-            await rec.final(body, output)
+            stored = await rec.final(body, output)
+        if not stored:  # another end stands, or none could be stored: readers are not told this one
+            elog.drop_held()
     finally:
         elog.close()
         if checkpoints is not None:
@@ -1417,7 +1451,10 @@ async def _settle_orphan(hist: History, stored: StoredResponse, running: bool) -
     rec = dataclasses.replace(stored, body=body, status="failed")
     try:
         if not await hist.store.update_response(rec, [], running_only=True):  # it ended meanwhile
-            return await hist.store.get_response(stored.id) or stored
+            fresh = await hist.store.get_response(stored.id)
+            if fresh is None:  # (and was deleted since)
+                raise response_not_found(stored.id)
+            return fresh
     except StorageUnavailable as e:
         raise _unavailable(e) from None
     log.warning("background response %s: its runner (tag %s) is gone; stored as failed", stored.id, runner)
