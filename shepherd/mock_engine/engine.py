@@ -210,11 +210,7 @@ class Run:
         self._end([p.token_ids for p in plans])
         outputs = core.outputs
         kv_params = core.kv_transfer_params(req, group)
-        plp = (
-            None
-            if req.prompt_logprobs is None
-            else outputs.prompt_logprobs(group.prompt, req.prompt_logprobs)
-        )
+        plp = outputs.prompt_logprobs(group.prompt, req.prompt_logprobs)
         for i, p in enumerate(plans):
             ids = p.token_ids
             yield EngineComplete(
@@ -258,11 +254,7 @@ class Run:
         want_lp = req.logprobs
         top_n = req.top_logprobs
         # the prompt's logprobs ride on each choice's first chunk (vLLM's servicer: is_first_chunk)
-        plp = (
-            None
-            if req.prompt_logprobs is None
-            else outputs.prompt_logprobs(group.prompt, req.prompt_logprobs)
-        )
+        plp = outputs.prompt_logprobs(group.prompt, req.prompt_logprobs)
         interval = max(1, req.stream_interval or core.config.stream_interval)
         emitted = self._emitted
         n = len(plans)

@@ -198,10 +198,13 @@ class OutputModel:
             out = tuple(kept)
         return out
 
-    def prompt_logprobs(self, prompt: Sequence[int], top_n: int) -> PromptLogprobs:
-        """Deterministic fake prompt logprobs, as ``logprobs`` makes them for each prompt token after the
-        first (which has none): its alternatives, when ``top_n``, are the prompt token first (the mock's
-        model always ranks it best) and ``top_n - 1`` others, as both engines' servicers list them then."""
+    def prompt_logprobs(self, prompt: Sequence[int], top_n: int | None) -> PromptLogprobs | None:
+        """Deterministic fake prompt logprobs (None: ``top_n`` None, not asked), as ``logprobs`` makes them
+        for each prompt token after the first (which has none): its alternatives, when ``top_n``, are the
+        prompt token first (the mock's model always ranks it best) and ``top_n - 1`` others, as both
+        engines' servicers list them then."""
+        if top_n is None:
+            return None
         lps = self.logprobs(prompt[1:], 1, top_n)
         starts = [0, 0]
         ids: list[int] = []

@@ -47,9 +47,14 @@ def engine(tokenizer_dir: Path) -> Iterator[MockEngineProc]:
         yield e
 
 
+def sdk(node: NodeProc) -> openai.OpenAI:
+    """The official SDK on ``node`` (no retries: each call once)."""
+    return openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+
+
 @pytest.fixture(scope="module")
 def client(node: NodeProc) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
+    with sdk(node) as c:
         yield c
 
 

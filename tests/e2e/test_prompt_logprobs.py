@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e import node_fixtures
+from tests.e2e import node_fixtures, responses_fixtures
 from tests.e2e.node_fixtures import QWEN3_TEMPLATE
 from tests.e2e.node_procs import NodeProc, node_of_models
 from tests.e2e.procs import MockEngineProc, start_mock_engine
@@ -60,10 +60,7 @@ def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
         yield n
 
 
-@pytest.fixture(scope="module")
-def client(node: NodeProc) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=30) as c:
-        yield c
+client = responses_fixtures.client  # (the SDK on this module's node)
 
 
 def prompt_ids(node: NodeProc, http: httpx.Client, model: str, text: str) -> list[int]:

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 from tests.e2e import node_fixtures, responses_fixtures
 from tests.e2e.node_procs import NodeProc
 from tests.e2e.procs import MockEngineProc
-from tests.e2e.responses_fixtures import MODEL, qwen3_node
+from tests.e2e.responses_fixtures import MODEL, qwen3_node, sdk
 from tests.services import postgres_service, service_or_skip
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,10 +40,6 @@ def siblings(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[tuple[Node
             qwen3_node(engine, tokenizer_dir, **shared) as b,
         ):
             yield a, b
-
-
-def sdk(node: NodeProc) -> openai.OpenAI:
-    return openai.OpenAI(base_url=node.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
 def active(engine: MockEngineProc, http: httpx.Client) -> int:

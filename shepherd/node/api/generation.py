@@ -426,10 +426,9 @@ class Generation:
             es = await self._open(job, i, False)
             try:
                 async for batch in es.batches():
+                    if job.prompt_lps is None:
+                        job.prompt_lps = _prompt_lps_in(batch)
                     for ev in batch:
-                        p = ev.prompt_logprobs if isinstance(ev, PromptChunk | EngineComplete) else None
-                        if p is not None and job.prompt_lps is None:
-                            job.prompt_lps = p
                         if isinstance(ev, EngineComplete):
                             if ev.finish_reason in ENGINE_FAILED:
                                 raise EngineError(
@@ -445,15 +444,7 @@ class Generation:
             self._prompt_of(job)
 
         try:
-            if len(jobs) == 1:
-                await run(0, jobs[0])
-            else:
-                try:
-                    async with asyncio.TaskGroup() as tg:
-                        for i, job in enumerate(jobs):
-                            tg.create_task(run(i, job))
-                except BaseExceptionGroup as eg:
-                    raise eg.exceptions[0] from None
+            await _each_job(jobs, run)
         finally:
             self.s = s
 
@@ -590,11 +581,7 @@ class Generation:
             ntok = 0
             if want_plp:
                 if job.prompt_lps is None:
-                    for ev in batch:
-                        p = ev.prompt_logprobs if isinstance(ev, PromptChunk | EngineComplete) else None
-                        if p is not None:
-                            job.prompt_lps = p
-                            break
+                    job.prompt_lps = _prompt_lps_in(batch)
                 if echo_due:
                     echo_due = False
                     out.extend(self._echo_heads(job))
@@ -923,15 +910,7 @@ class Generation:
             self._account(job)
 
         t_dispatch = time.perf_counter()
-        if len(jobs) == 1:
-            await run(0, jobs[0])
-        else:  # a list of prompts: all at once (the engine batches them), as vLLM schedules them; the
-            try:  # first failure cancels the rest (their engine calls aborted) and is raised as it is
-                async with asyncio.TaskGroup() as tg:
-                    for i, job in enumerate(jobs):
-                        tg.create_task(run(i, job))
-            except BaseExceptionGroup as eg:
-                raise eg.exceptions[0] from None
+        await _each_job(jobs, run)
         engine_t = time.perf_counter() - t_dispatch
         violations: list[Violation] = []
         if len(jobs) == 1:
@@ -1170,6 +1149,31 @@ class Generation:
         if self._events is None:
             return error_event(msg, "server_error", code) + DONE
         return self._events.failed(msg, code)
+
+
+async def _each_job(jobs: list[Job], run: Callable[[int, Job], Coroutine[Any, Any, None]]) -> None:
+    """``run(i, job)`` for every job: one awaited as it is; a list of prompts all at once (the engine
+    batches them, as vLLM schedules them), the first failure cancelling the rest (their engine calls
+    aborted) and raised as it is."""
+    if len(jobs) == 1:
+        await run(0, jobs[0])
+        return
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for i, job in enumerate(jobs):
+                tg.create_task(run(i, job))
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+
+
+def _prompt_lps_in(batch: Sequence[EngineEvent]) -> PromptLogprobs | None:
+    """The prompt's logprobs the first event of ``batch`` that carries them has (a choice's first chunk,
+    or a whole answer); None: none does."""
+    for ev in batch:
+        p = ev.prompt_logprobs if isinstance(ev, PromptChunk | EngineComplete) else None
+        if p is not None:
+            return p
+    return None
 
 
 # finish reasons of a choice the engine gave up on: SGLang's "abort" (scheduler-side: preemption, a full
