@@ -139,7 +139,8 @@ def _security_arguments(s: argparse.ArgumentParser) -> None:
         help="load balancers whose connections open with a PROXY protocol header (v1 or v2: HAProxy's "
         "send-proxy, AWS NLB's proxy protocol): the client it names is the connection's address "
         "(logs, traces, the failed-authentication limiter, --max-connections-per-client); their "
-        "connections without one are closed; plain TCP only",
+        "connections without one are closed; with --tls-cert-file the header comes before the client's TLS "
+        "(a balancer passing TLS through)",
     )
 
 

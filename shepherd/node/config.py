@@ -980,7 +980,7 @@ _HISTORY_SCHEMES = {
 
 
 def check_client_front(cfg: NodeConfig) -> None:
-    """``max_connections_per_client`` and ``proxy_protocol_from`` (the lean server's, on plain TCP)."""
+    """``max_connections_per_client`` and ``proxy_protocol_from`` (the lean server's, plain or TLS)."""
     if cfg.max_connections_per_client < 0:
         raise ConfigError("max_connections_per_client must be >= 0 (0: no cap)")
     if not (cfg.proxy_protocol_from or cfg.max_connections_per_client):
@@ -997,11 +997,6 @@ def check_client_front(cfg: NodeConfig) -> None:
                 f"proxy_protocol_from: {raw!r} is an IPv4-mapped address: write the IPv4 one (a mapped peer "
                 "is matched as IPv4)"
             )
-    if cfg.proxy_protocol_from and cfg.tls_cert_file:
-        raise ConfigError(
-            "proxy_protocol_from with TLS on the client port is not supported: terminate TLS at the load "
-            "balancer (or relay it without the PROXY header)"
-        )
 
 
 def check_history(cfg: NodeConfig, *, explicit_backend: bool = True) -> NodeConfig:

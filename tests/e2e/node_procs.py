@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -67,9 +68,9 @@ def reserved_port() -> int:
     raise RuntimeError(f"no free port in {_RESERVED}")
 
 
-def http_status(url: str, timeout: float = 1.0) -> int:
+def http_status(url: str, timeout: float = 1.0, context: ssl.SSLContext | None = None) -> int:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(url, timeout=timeout, context=context) as r:
             status: int = r.status
             return status
     except urllib.error.HTTPError as e:
@@ -107,8 +108,14 @@ class NodeProc:
 
 
 def start_node(
-    *args: str, port: int | None = None, wait_ready: bool = True, timeout: float = 60.0
+    *args: str,
+    port: int | None = None,
+    wait_ready: bool = True,
+    timeout: float = 60.0,
+    tls: ssl.SSLContext | None = None,
 ) -> NodeProc:
+    """``smg-node serve`` on loopback, polled until ready (or live); ``tls``: its port serves HTTPS, polled
+    with that client context."""
     port = port or free_port()
     log_path = log_file("smg-node-")
     with log_path.open("wb") as logf:
@@ -124,7 +131,8 @@ def start_node(
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"smg-node exited with {proc.returncode}:\n{node.log()}")
-            if http_status(node.url + path) == 200:
+            base = f"https://127.0.0.1:{port}" if tls is not None else node.url
+            if http_status(base + path, context=tls) == 200:
                 return node
             time.sleep(0.1)
         raise RuntimeError(f"smg-node not ready in {timeout}s:\n{node.log()}")

@@ -7,13 +7,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import socket
 import ssl
-import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Awaitable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -31,8 +28,8 @@ from shepherd.auth.tls import EngineTls
 from shepherd.node.dispatch.workers import make_client
 from shepherd.node.engines.grpcio import GrpcEngineClient
 from shepherd.proto.engine_types import EngineError
-from tests.e2e.logs import log_file
-from tests.e2e.node_procs import BIN, NodeProc, free_port
+from tests.e2e.node_procs import NodeProc, start_node
+from tests.e2e.node_procs import env as node_env
 from tests.e2e.procs import start_mock_engine
 from tests.unit.test_auth_jwt import Signer, hs_confused_token, unsigned_token
 
@@ -219,32 +216,8 @@ def start_tls_node(
     args: list[str], ctx: ssl.SSLContext, env: dict[str, str], timeout: float = 60.0
 ) -> NodeProc:
     """``start_node`` for a TLS port: readiness is polled over HTTPS with ``ctx``."""
-    port = free_port()
-    log_name = log_file("smg-node-tls-")
-    with open(log_name, "wb") as logf:
-        proc = subprocess.Popen(
-            [str(BIN / "smg-node"), "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **env},
-        )
-    node = NodeProc(proc, port, Path(log_name))
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"smg-node exited with {proc.returncode}:\n{node.log()}")
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"https://127.0.0.1:{port}/readiness", timeout=1, context=ctx) as r,
-            ):
-                if r.status == 200:
-                    return node
-            time.sleep(0.1)
-        raise RuntimeError(f"smg-node not ready in {timeout}s:\n{node.log()}")
-    except BaseException:
-        node.stop(signal.SIGKILL)
-        raise
+    with node_env(env):
+        return start_node(*args, tls=ctx, timeout=timeout)
 
 
 # ---- one node with everything on ----------------------------------------------------------------

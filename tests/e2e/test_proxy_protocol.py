@@ -13,8 +13,10 @@ Loopback only; every process (the node, HAProxy) stopped by its pid, also on fai
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from shepherd.auth.certs import TlsFiles, write_dev_pki
 from tests.e2e.logs import log_file
 from tests.e2e.node_procs import NodeProc, free_port, start_node
 
@@ -48,11 +51,19 @@ def node() -> Iterator[NodeProc]:
 
 @pytest.fixture(scope="module")
 def haproxy(node: NodeProc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
+    with run_haproxy(node.port, tmp_path_factory.mktemp("haproxy")) as ports:
+        yield ports
+
+
+@contextlib.contextmanager
+def run_haproxy(node_port: int, tmp: Path) -> Iterator[dict[str, int]]:
+    """HAProxy in TCP mode in front of ``node_port``: one frontend sending PROXY v2 headers, one v1 (their
+    ports by version), connecting from ``BALANCER``; stopped by its pid."""
     exe = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
     if exe is None:  # (tests.services installs it: `make test` never gets here without it)
         pytest.fail("haproxy is not installed: python -m tests.services install")
     ports = {"v2": free_port(), "v1": free_port()}
-    cfg = tmp_path_factory.mktemp("haproxy") / "haproxy.cfg"
+    cfg = tmp / "haproxy.cfg"
     lines = [
         "global",
         "    maxconn 256",
@@ -69,7 +80,7 @@ def haproxy(node: NodeProc, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             f"    bind 127.0.0.1:{port}",
             f"    default_backend b_{v}",
             f"backend b_{v}",
-            f"    server n 127.0.0.1:{node.port} {send} source {BALANCER}",
+            f"    server n 127.0.0.1:{node_port} {send} source {BALANCER}",
         ]
     cfg.write_text("\n".join(lines) + "\n")
     log = log_file("haproxy-")
@@ -159,3 +170,85 @@ def test_others_are_served_as_before_and_cannot_claim_an_address(node: NodeProc)
     spoof = b"PROXY TCP4 10.1.2.3 127.0.0.1 1234 80\r\n" + REQUEST
     with connect(node.port, "127.0.0.2") as s:  # not a balancer: its "header" is a malformed request
         assert ask(s, spoof).startswith(b"HTTP/1.1 400")
+
+
+# -- TLS on the client port: the balancer passes the client's TLS through, its PROXY header first --
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    return write_dev_pki(tmp_path_factory.mktemp("pki"), ["node"])["node"]
+
+
+@pytest.fixture(scope="module")
+def client_tls(pki: TlsFiles) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(pki.ca))
+
+
+@pytest.fixture(scope="module")
+def tls_node(pki: TlsFiles, client_tls: ssl.SSLContext) -> Iterator[NodeProc]:
+    n = start_node(
+        *("--tls-cert-file", str(pki.cert), "--tls-key-file", str(pki.key)),
+        *("--proxy-protocol-from", f"{BALANCER}/32", "--max-connections-per-client", "2"),
+        wait_ready=False,
+        tls=client_tls,
+    )
+    try:
+        yield n
+    finally:
+        n.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_haproxy(tls_node: NodeProc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, int]]:
+    with run_haproxy(tls_node.port, tmp_path_factory.mktemp("haproxy-tls")) as ports:
+        yield ports
+
+
+def connect_tls(port: int, source: str, ctx: ssl.SSLContext) -> ssl.SSLSocket:
+    return ctx.wrap_socket(connect(port, source), server_hostname="127.0.0.1")
+
+
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_tls_clients_behind_the_balancer_are_counted_by_their_header(
+    tls_node: NodeProc, tls_haproxy: dict[str, int], client_tls: ssl.SSLContext, version: str
+) -> None:
+    """The handshake (and every byte after the header) reaches the TLS stack whole: served over TLS, and
+    each client counted by the address its header names."""
+    port = tls_haproxy[version]
+    held = [connect_tls(port, "127.0.0.5", client_tls) for _ in range(2)]
+    try:
+        for s in held:
+            assert ask(s).startswith(b"HTTP/1.1 200"), version
+        with connect_tls(port, "127.0.0.5", client_tls) as third:
+            answer = ask(third)
+        assert answer.startswith(b"HTTP/1.1 429"), answer[:200]
+        with connect_tls(port, "127.0.0.6", client_tls) as other:
+            assert ask(other).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_tls_from_the_balancer_without_a_header_is_closed(
+    tls_node: NodeProc, client_tls: ssl.SSLContext
+) -> None:
+    """A ClientHello where the header should be is not a header: the connection closes, unserved."""
+    try:
+        s = connect_tls(tls_node.port, BALANCER, client_tls)
+    except (ssl.SSLError, OSError):  # the handshake cut short: closed without an answer
+        return
+    with s:
+        assert ask(s) == b""
+
+
+def test_tls_clients_that_are_not_balancers_are_served_directly(
+    tls_node: NodeProc, client_tls: ssl.SSLContext
+) -> None:
+    with connect_tls(tls_node.port, "127.0.0.2", client_tls) as s:
+        assert ask(s).startswith(b"HTTP/1.1 200")
+    spoof = b"PROXY TCP4 10.1.2.3 127.0.0.1 1234 80\r\n"
+    with connect(tls_node.port, "127.0.0.2") as raw:  # a header from anyone else is a bad TLS record
+        raw.sendall(spoof)
+        with contextlib.suppress(ConnectionResetError):
+            assert b"HTTP/1.1 200" not in raw.recv(4096)

@@ -102,19 +102,18 @@ def test_any_bytes_parse_refuse_or_ask_for_more_within_the_bound(data: bytes) ->
         ({"proxy_protocol_from": "10.0.0.0/8", "http_server": "aiohttp"}, "http_server lean"),
         ({"max_connections_per_client": 4, "http_server": "aiohttp"}, "http_server lean"),
         ({"max_connections_per_client": -1}, "must be >= 0"),
-        ({"proxy_protocol_from": ["10.0.0.1"], "tls": True}, "TLS on the client port"),
     ],
 )
 def test_the_settings_are_checked(values: dict[str, object], says: str, tmp_path: Path) -> None:
     from shepherd.node.config import ConfigError, build_config  # (the node's config: these tests only)
 
-    if values.pop("tls", False):
-        files = write_dev_pki(tmp_path, ["node"])["node"]
-        values.update(tls_cert_file=str(files.cert), tls_key_file=str(files.key))
     with pytest.raises(ConfigError, match=says):
         build_config({"worker_urls": ["grpc://127.0.0.1:1"], **values}, {})
     ok = build_config({"proxy_protocol_from": "10.0.0.0/8", "max_connections_per_client": 8}, {})
     assert ok.proxy_protocol_from == ("10.0.0.0/8",) and ok.max_connections_per_client == 8
+    files = write_dev_pki(tmp_path, ["node"])["node"]  # with TLS on the client port too (the header first)
+    tls = {"tls_cert_file": str(files.cert), "tls_key_file": str(files.key)}
+    assert build_config({"proxy_protocol_from": "10.0.0.1", **tls}, {}).proxy_protocol_from == ("10.0.0.1",)
 
 
 async def test_connections_waiting_for_their_header_count_and_close_with_the_server() -> None:
@@ -150,6 +149,128 @@ async def test_connections_waiting_for_their_header_count_and_close_with_the_ser
             assert await asyncio.wait_for(r.read(), 5) == b""  # closed, not served
             w.close()
         assert not srv.cap.waiting and not srv.conns
+    finally:
+        await srv.shutdown(timeout=0.1)
+        await runner.cleanup()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(CASES),
+    st.binary(min_size=1, max_size=300),
+    st.lists(st.integers(1, 40), max_size=6),
+)
+def test_the_tls_listener_reads_the_header_and_not_a_byte_more(
+    case: tuple[bytes, str | None], tail: bytes, cuts: list[int]
+) -> None:
+    """With TLS after the header, the reader takes exactly the header off the socket whatever the bytes
+    that follow (a ClientHello, here any bytes) and however they arrive: the TLS stack reads the rest."""
+    import asyncio  # (this test alone runs a loop)
+    import socket
+
+    from shepherd.node.http.server import read_proxy_header
+
+    header, client = case
+    data = header + b"\x16\x03\x01" + tail
+    pieces, at = [], 0
+    for c in cuts:  # the first pieces as drawn, then the rest at once
+        pieces.append(data[at : at + c])
+        at += c
+    pieces.append(data[at:])
+
+    async def run() -> tuple[ProxyHeader, bytes]:
+        a, b = socket.socketpair()
+        with a, b:
+            a.setblocking(False)
+            loop = asyncio.get_running_loop()
+
+            async def send() -> None:
+                for p in pieces:
+                    if p:
+                        b.sendall(p)
+                        await asyncio.sleep(0.001)
+
+            sender = loop.create_task(send())
+            got = await asyncio.wait_for(read_proxy_header(loop, a), 10)
+            await sender
+            b.shutdown(socket.SHUT_WR)
+            rest = b""
+            while chunk := await asyncio.wait_for(loop.sock_recv(a, 65536), 10):  # bounded: EOF
+                rest += chunk
+            return got, rest
+
+    got, rest = asyncio.run(run())
+    assert got == ProxyHeader(client, len(header))
+    assert rest == data[len(header) :]
+
+
+@pytest.mark.parametrize("data", [b"\x16\x03\x01\x02\x00\x01", b"PROXY TCP4 " + b"9" * 200, b""])
+def test_the_tls_listener_refuses_what_is_not_a_header(data: bytes) -> None:
+    import asyncio  # (this test alone runs a loop)
+    import socket
+
+    from shepherd.node.http.server import read_proxy_header
+
+    async def run() -> None:
+        a, b = socket.socketpair()
+        with a, b:
+            a.setblocking(False)
+            b.sendall(data)
+            b.shutdown(socket.SHUT_WR)  # (an empty connection: closed before its header)
+            with pytest.raises(ProxyError):
+                await asyncio.wait_for(read_proxy_header(asyncio.get_running_loop(), a), 10)
+
+    asyncio.run(run())
+
+
+async def test_the_tls_listener_serves_counts_and_closes_with_the_server(tmp_path: Path) -> None:
+    """With TLS: a balancer's connection is served over TLS once its header is read, as the client it
+    names; those still bringing their header count against the cap (one past it is closed unanswered);
+    a server that stops closes them."""
+    import asyncio  # (these tests alone run a server)
+    import socket
+    import ssl
+
+    from aiohttp import web
+
+    from shepherd.node.http.server import LeanServer
+
+    async def who(r: web.Request) -> web.Response:
+        return web.json_response({"remote": r.remote})
+
+    files = write_dev_pki(tmp_path, ["node"])["node"]
+    client = ssl.create_default_context(cafile=str(files.ca))
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(files.cert, files.key)
+    app = web.Application()
+    app.router.add_get("/who", who)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    srv = LeanServer(app, max_body=1024, max_connections=3, proxy_from=["127.0.0.1"])
+    await srv.start("127.0.0.1", 0, ssl_context=server_tls)
+    try:
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        s.sendall(b"PROXY TCP4 192.0.2.7 127.0.0.1 1000 443\r\n")
+        r, w = await asyncio.open_connection(sock=s, ssl=client, server_hostname="127.0.0.1")
+        w.write(b"GET /who HTTP/1.1\r\nHost: a\r\n\r\n")
+        head = await asyncio.wait_for(r.readuntil(b"192.0.2.7"), 10)
+        assert head.startswith(b"HTTP/1.1 200")
+        waiting = [await asyncio.open_connection("127.0.0.1", srv.port) for _ in range(2)]
+        for _ in range(100):  # bounded: until both are accepted
+            if len(srv.cap.waiting) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert len(srv.cap.waiting) == 2
+        r3, w3 = await asyncio.open_connection("127.0.0.1", srv.port)  # past the cap
+        assert await asyncio.wait_for(r3.read(), 5) == b""
+        w3.close()
+        assert srv.cap.refused == 1
+        await srv.shutdown(timeout=0.5)
+        for r2, w2 in waiting:
+            assert await asyncio.wait_for(r2.read(), 5) == b""  # closed, not served
+            w2.close()
+        assert not srv.cap.waiting
+        w.close()
     finally:
         await srv.shutdown(timeout=0.1)
         await runner.cleanup()

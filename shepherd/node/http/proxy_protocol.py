@@ -19,7 +19,7 @@ import ipaddress
 import struct
 from dataclasses import dataclass
 
-__all__ = ["MAX_HEADER", "ProxyError", "ProxyHeader", "parse"]
+__all__ = ["MAX_HEADER", "ProxyError", "ProxyHeader", "header_end", "parse"]
 
 V2_SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
 V1_MAX = 107  # the longest version 1 line, CRLF included (the specification's bound)
@@ -50,6 +50,21 @@ def parse(buf: bytes) -> ProxyHeader | None:
         return _v2(buf)
     if buf:
         raise ProxyError("the connection does not start with a PROXY protocol header")
+    return None
+
+
+def header_end(buf: bytes) -> int | None:
+    """Where the header that ``buf`` starts with ends, as far as ``buf`` tells (None: not yet known).
+
+    A reader that must not read past the header (TLS follows it, and the TLS stack reads the socket
+    itself) takes at most this many bytes: version 1 ends at its first CRLF, version 2 after its length
+    field's bytes; before either is known every byte read so far belongs to the header. Bytes that are not
+    a header end nowhere here: ``parse`` refuses them."""
+    if buf[:1] == b"P":
+        end = buf.find(b"\r\n", 0, V1_MAX)
+        return None if end < 0 else end + 2
+    if buf[:1] == b"\r" and len(buf) >= 16:
+        return 16 + int.from_bytes(buf[14:16], "big")
     return None
 
 

@@ -18,10 +18,14 @@ clients, request bodies, routing, responses, client disconnects).
   answer and the node could open no engine connection.
 - **Per client** (``max_connections_per_client``, lean server): past that many open connections from one
   address (an IPv6 /64), its new one gets a 429 and is closed, counted in ``refused_client``.
-- **PROXY protocol** (``proxy_from``, lean server, plain TCP): a connection from one of those load
-  balancers must open with a PROXY header (``proxy_protocol``, v1 or v2, within ``PROXY_HEADER_S``); the
-  client it names is the connection's address (the per-client cap, ``request.remote``), else it is
-  closed (``refused_proxy``). Read by the gate before the connection is handed to the server.
+- **PROXY protocol** (``proxy_from``, lean server): a connection from one of those load balancers must
+  open with a PROXY header (``proxy_protocol``, v1 or v2, within ``PROXY_HEADER_S``); the client it names
+  is the connection's address (the per-client cap, ``request.remote``), else it is closed
+  (``refused_proxy``). On plain TCP the gate reads it before the connection is handed to the server. With
+  TLS the header comes before the client's TLS (a balancer passing TLS through, as HAProxy's
+  ``send-proxy-v2`` or a cloud NLB): the listener accepts itself (``_TlsListener``), reads exactly the
+  header's bytes off the socket (peeking, so that no byte of the handshake is taken) and hands the socket
+  to the TLS stack (``connect_accepted_socket``); connections in that stage count against the cap.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import contextlib
 import ipaddress
 import logging
 import resource
+import socket
 import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,7 +45,7 @@ from aiohttp.web_runner import BaseRunner
 
 from shepherd.node.http.connection import _Conn, _Resolved
 from shepherd.node.http.limits import Limits, error_body
-from shepherd.node.http.proxy_protocol import MAX_HEADER, ProxyError, parse
+from shepherd.node.http.proxy_protocol import MAX_HEADER, ProxyError, ProxyHeader, header_end, parse
 from shepherd.node.http.types import LeanRequest, Routes
 from shepherd.proto.addresses import client_key
 
@@ -103,7 +108,7 @@ class ConnectionCap:
         self.refused_proxy = 0
         # balancers' connections still bringing their header: counted against ``limit`` too (each holds a
         # descriptor), closed by ``close_waiting`` (the server stopping); none handed on once closing
-        self.waiting: set[_Gate] = set()
+        self.waiting: set[_Gate | _TlsOpening] = set()
         self.closing = False
 
     def factory(self, inner: Callable[[], asyncio.BaseProtocol]) -> Callable[[], asyncio.BaseProtocol]:
@@ -174,20 +179,30 @@ class _Gate(asyncio.Protocol):
     the real protocol (``set_protocol``: nothing stays between them afterwards); a balancer's connection
     first brings its PROXY header (buffered here, bounded in size and time)."""
 
-    __slots__ = ("buf", "cap", "inner", "peer", "timer", "transport")
+    __slots__ = ("buf", "cap", "client", "inner", "opening", "peer", "timer", "transport")
 
-    def __init__(self, cap: ConnectionCap, inner: Callable[[], asyncio.BaseProtocol]) -> None:
+    def __init__(
+        self,
+        cap: ConnectionCap,
+        inner: Callable[[], asyncio.BaseProtocol],
+        opening: _TlsOpening | None = None,
+    ) -> None:
         self.cap = cap
         self.inner = inner
         self.buf: bytes | None = None  # a PROXY header's bytes so far (None: not waiting for one)
         self.transport: asyncio.BaseTransport | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.peer: str | None = None
+        self.opening = opening  # the TLS listener's stage before this (its header already read)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        cap = self.cap
+        if self.opening is not None:  # (its handshake done: it no longer waits, it is admitted or not)
+            cap.waiting.discard(self.opening)
+            self._hand(transport, self.opening.client, b"")
+            return
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else None
-        cap = self.cap
         if cap.proxied(self.peer):
             if cap.full() or cap.closing:
                 cap.refuse(transport)
@@ -260,6 +275,200 @@ class _Gate(asyncio.Protocol):
         self.close()
 
 
+def _peer_of(sock: socket.socket) -> str | None:
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        return None
+    return str(peer[0]) if isinstance(peer, tuple) and peer else None
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(sock.fileno(), ready)
+    try:
+        await fut
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+async def read_proxy_header(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> ProxyHeader:
+    """The PROXY header a non-blocking ``sock`` opens with, read to its last byte and not one further
+    (what follows is the client's TLS, which the TLS stack reads from the socket itself). ``ProxyError``
+    when the bytes are not a header or the peer closes first; the caller bounds the time."""
+    buf = b""
+    while True:  # bounded: each turn takes at least one byte, and at most MAX_HEADER + 1 are taken
+        await _readable(loop, sock)
+        try:
+            peek = sock.recv(MAX_HEADER + 1 - len(buf), socket.MSG_PEEK)
+        except (BlockingIOError, InterruptedError):
+            continue
+        if not peek:
+            raise ProxyError("the connection closed before its PROXY header")
+        end = header_end(buf + peek)
+        buf += sock.recv(len(peek) if end is None else min(len(peek), end - len(buf)))
+        header = parse(buf)
+        if header is not None:
+            return header
+        if len(buf) > MAX_HEADER:
+            raise ProxyError("a PROXY header longer than this server reads")
+
+
+class _TlsOpening:
+    """A connection the TLS listener accepted, before its handshake is done: its PROXY header (when it
+    comes from a balancer) is read here, then the socket goes to the TLS stack; counted in the cap's
+    ``waiting`` until then (``close``: the server stops, the connection closes)."""
+
+    __slots__ = ("cap", "client", "sock", "task")
+
+    def __init__(self, cap: ConnectionCap, sock: socket.socket) -> None:
+        self.cap = cap
+        self.sock = sock
+        self.client: str | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    def close(self) -> None:
+        self.cap.waiting.discard(self)
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # (the socket closes once the task has ended: its reader removed first)
+        else:
+            self._drop()
+
+    def ended(self, task: asyncio.Task[None]) -> None:
+        """Its task is over: cancelled (even before it started), the socket closes."""
+        if task.cancelled():
+            self._drop()
+
+    def _drop(self) -> None:
+        self.cap.waiting.discard(self)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    async def open(
+        self, inner: Callable[[], asyncio.BaseProtocol], ctx: ssl.SSLContext, handshake_s: float
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        cap = self.cap
+        sock = self.sock
+        peer = self.client = _peer_of(sock)
+        try:
+            if cap.proxied(peer):
+                try:
+                    async with asyncio.timeout(PROXY_HEADER_S):
+                        header = await read_proxy_header(loop, sock)
+                except (ProxyError, TimeoutError, OSError) as e:
+                    cap.refused_proxy += 1
+                    log.info("a connection from %s refused: %s", peer, e or "no PROXY header in time")
+                    self._drop()
+                    return
+                self.client = header.client or peer
+            await loop.connect_accepted_socket(
+                lambda: _Gate(cap, inner, self), sock, ssl=ctx, ssl_handshake_timeout=handshake_s
+            )
+        except (OSError, ssl.SSLError, TimeoutError) as e:  # (a failed handshake: as asyncio's server)
+            log.debug("a TLS connection from %s failed before it was served: %s", peer, e)
+            self._drop()
+        except BaseException:
+            self._drop()
+            raise
+        finally:
+            cap.waiting.discard(self)
+
+
+class _TlsListener:
+    """The client port with TLS behind balancers that send the PROXY header first: accepts itself (one
+    task a listening socket) and opens each connection through ``_TlsOpening``. Stands for the
+    ``asyncio.Server`` the other modes get (``sockets``, ``close``, ``wait_closed``)."""
+
+    HANDSHAKE_S = 60.0  # asyncio's own default for a server's TLS handshake
+
+    def __init__(
+        self,
+        cap: ConnectionCap,
+        inner: Callable[[], asyncio.BaseProtocol],
+        ctx: ssl.SSLContext,
+        sockets: list[socket.socket],
+    ) -> None:
+        self.cap = cap
+        self.inner = inner
+        self.ctx = ctx
+        self.sockets = sockets
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(self._accept(s)) for s in sockets]
+
+    @classmethod
+    async def bind(
+        cls,
+        cap: ConnectionCap,
+        inner: Callable[[], asyncio.BaseProtocol],
+        ctx: ssl.SSLContext,
+        host: str,
+        port: int,
+        *,
+        backlog: int,
+        reuse_address: bool,
+        reuse_port: bool,
+    ) -> _TlsListener:
+        """Listening sockets on ``host``'s addresses (every interface when empty), as ``create_server``
+        binds them."""
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        socks: list[socket.socket] = []
+        try:
+            for family, kind, proto, _, addr in dict.fromkeys(infos):
+                s = socket.socket(family, kind, proto)
+                socks.append(s)
+                if reuse_address:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if reuse_port:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.bind(addr)
+                s.listen(backlog)
+                s.setblocking(False)
+        except BaseException:
+            for s in socks:
+                s.close()
+            raise
+        return cls(cap, inner, ctx, socks)
+
+    async def _accept(self, lsock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        cap = self.cap
+        while True:  # (the server's life: ends with close)
+            try:
+                sock, _ = await loop.sock_accept(lsock)
+            except OSError as e:  # out of descriptors, a connection reset while queued: go on shortly
+                log.warning("accepting a TLS connection failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if cap.closing or cap.full():  # (no answer before the handshake: closed, as past the cap)
+                cap.refused += 1
+                sock.close()
+                continue
+            opening = _TlsOpening(cap, sock)
+            cap.waiting.add(opening)
+            opening.task = task = loop.create_task(opening.open(self.inner, self.ctx, self.HANDSHAKE_S))
+            task.add_done_callback(opening.ended)
+
+    def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for s in self.sockets:
+            s.close()
+
+    async def wait_closed(self) -> None:
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
 class CappedTCPSite(web.TCPSite):
     """aiohttp's ``TCPSite`` with a ``ConnectionCap`` (made from the runner's server's connections)."""
 
@@ -317,7 +526,7 @@ class LeanServer:
             per_client=max_connections_per_client,
             proxy_from=proxy_from,
         )
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.AbstractServer | _TlsListener | None = None
         self._sweeper: asyncio.TimerHandle | None = None
         self.loop = asyncio.get_running_loop()
         self.clock = clock or self.loop.time  # the time limits' clock (tests inject one, with ``sweep``)
@@ -332,15 +541,27 @@ class LeanServer:
         reuse_address: bool = True,
         reuse_port: bool = False,
     ) -> None:
-        self._server = await self.loop.create_server(
-            self.cap.factory(lambda: _Conn(self)),
-            host,
-            port,
-            ssl=ssl_context,
-            backlog=backlog,
-            reuse_address=reuse_address,
-            reuse_port=reuse_port or None,
-        )
+        if ssl_context is not None and self.cap.proxy_from:  # PROXY headers before TLS: accepted here
+            self._server = await _TlsListener.bind(
+                self.cap,
+                lambda: _Conn(self),
+                ssl_context,
+                host,
+                port,
+                backlog=backlog,
+                reuse_address=reuse_address,
+                reuse_port=reuse_port,
+            )
+        else:
+            self._server = await self.loop.create_server(
+                self.cap.factory(lambda: _Conn(self)),
+                host,
+                port,
+                ssl=ssl_context,
+                backlog=backlog,
+                reuse_address=reuse_address,
+                reuse_port=reuse_port or None,
+            )
         self.arm_sweep()
 
     @property
