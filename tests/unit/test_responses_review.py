@@ -253,3 +253,21 @@ def test_streams_following_running_responses_from_the_store_are_bounded_per_node
             first.close()
 
     asyncio.run(run())
+
+
+def test_one_caller_cannot_take_every_follower_slot_of_a_node() -> None:
+    """With auth on, a principal's streams following running responses from the store are bounded on
+    their own too: another caller still gets a slot; with auth off (no owner) only the node's bound."""
+    from shepherd.node.api.responses import BackgroundRegistry  # (the registry's bookkeeping alone)
+
+    reg = BackgroundRegistry(followers=5, followers_per_owner=2)
+    assert reg.follower_refused("a") is None and reg.follower_refused("a") is None
+    assert "of this caller" in (reg.follower_refused("a") or "")
+    assert reg.follower_refused("b") is None
+    assert reg.follower_refused(None) is None and reg.follower_refused(None) is None
+    assert "on this node" in (reg.follower_refused("c") or "")  # 5 in all
+    reg.follower_ended("a")
+    assert reg.follower_refused("a") is None  # its slot back
+    for owner in ("a", "a", "b", None, None):
+        reg.follower_ended(owner)
+    assert reg.followers == 0 and reg.owner_followers == {}

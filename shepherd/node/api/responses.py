@@ -104,6 +104,7 @@ log = logging.getLogger("shepherd.api.responses")
 
 MAX_BACKGROUND = 1024  # background responses generating at once on this node (more: 429)
 MAX_FOLLOWERS = 256  # streams following a running response from the store at once on this node (more: 429)
+MAX_FOLLOWERS_PER_OWNER = 32  # of them, one principal's (auth on): one caller cannot take every slot
 MAX_HISTORY_ITEMS = 100_000  # a conversation longer than this is refused, not silently cut
 _PAGE = 100
 _TERMINAL = frozenset({"completed", "failed", "incomplete", "cancelled"})
@@ -140,12 +141,38 @@ class BackgroundRegistry:
     """The background responses this node is generating: response id -> its task (at most ``limit``:
     a background response outlives its request, so nothing else bounds how many a client starts)."""
 
-    def __init__(self, limit: int = MAX_BACKGROUND, followers: int = MAX_FOLLOWERS) -> None:
+    def __init__(
+        self,
+        limit: int = MAX_BACKGROUND,
+        followers: int = MAX_FOLLOWERS,
+        followers_per_owner: int = MAX_FOLLOWERS_PER_OWNER,
+    ) -> None:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._logs: dict[str, EventLog] = {}
         self.limit = limit
         self.followers_limit = followers
         self.followers = 0  # streams reading a running response's record over and over (another node's)
+        self.followers_per_owner = followers_per_owner
+        self.owner_followers: dict[str, int] = {}  # those of each owner (auth on), while it has any
+
+    def follower_refused(self, owner: str | None) -> str | None:
+        """Why one more stream of ``owner`` may not follow a running response from the store (None: it
+        may; then ``follower_ended(owner)`` once it ends)."""
+        if self.followers >= self.followers_limit:
+            return f"on this node (at most {self.followers_limit})"
+        if owner is not None and self.owner_followers.get(owner, 0) >= self.followers_per_owner:
+            return f"of this caller on this node (at most {self.followers_per_owner})"
+        self.followers += 1
+        if owner is not None:
+            self.owner_followers[owner] = self.owner_followers.get(owner, 0) + 1
+        return None
+
+    def follower_ended(self, owner: str | None) -> None:
+        self.followers -= 1
+        if owner is not None:
+            n = self.owner_followers.pop(owner, 1) - 1
+            if n > 0:
+                self.owner_followers[owner] = n
 
     def full(self) -> bool:
         return len(self._tasks) >= self.limit
@@ -1403,20 +1430,21 @@ async def _stream_stored(
     registry = request.app[BACKGROUND]
     if stored.status in _TERMINAL:  # a replay: one read
         return await _follow(request, _stored_events(request, hist, stored, after), headers)
-    if registry.followers >= registry.followers_limit:  # each re-reads the record: bounded per node
+    owner = owner_of(request)
+    refused = registry.follower_refused(owner)  # each re-reads the record: bounded per node and caller
+    if refused is not None:
         raise ApiError(
             429,
-            f"Too many streams following running responses from the store on this node (at most "
-            f"{registry.followers_limit}): retry later, or poll GET /v1/responses/{{id}}.",
+            f"Too many streams following running responses from the store {refused}: retry later, or "
+            f"poll GET /v1/responses/{{id}}.",
             type="rate_limit_error",
             code="too_many_followers",
             headers={"Retry-After": "1"},
         )
-    registry.followers += 1
     try:
         return await _follow(request, _stored_events(request, hist, stored, after), headers)
     finally:
-        registry.followers -= 1
+        registry.follower_ended(owner)
 
 
 def _answered(body: dict[str, Any]) -> dict[str, Any]:
