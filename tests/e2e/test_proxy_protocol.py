@@ -34,19 +34,25 @@ BALANCER = "127.0.0.9"  # HAProxy's source address towards the node (the one --p
 REQUEST = b"GET /liveness HTTP/1.1\r\nHost: node\r\n\r\n"
 
 
-@pytest.fixture(scope="module")
-def node() -> Iterator[NodeProc]:
+@contextlib.contextmanager
+def proxied_node(*args: str, tls: ssl.SSLContext | None = None) -> Iterator[NodeProc]:
+    """A node that reads PROXY headers from ``BALANCER`` and serves two connections a client; stopped by
+    its pid."""
     n = start_node(
-        "--proxy-protocol-from",
-        f"{BALANCER}/32",
-        "--max-connections-per-client",
-        "2",
+        *("--proxy-protocol-from", f"{BALANCER}/32", "--max-connections-per-client", "2", *args),
         wait_ready=False,
+        tls=tls,
     )
     try:
         yield n
     finally:
         n.stop()
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[NodeProc]:
+    with proxied_node() as n:
+        yield n
 
 
 @pytest.fixture(scope="module")
@@ -187,16 +193,8 @@ def client_tls(pki: TlsFiles) -> ssl.SSLContext:
 
 @pytest.fixture(scope="module")
 def tls_node(pki: TlsFiles, client_tls: ssl.SSLContext) -> Iterator[NodeProc]:
-    n = start_node(
-        *("--tls-cert-file", str(pki.cert), "--tls-key-file", str(pki.key)),
-        *("--proxy-protocol-from", f"{BALANCER}/32", "--max-connections-per-client", "2"),
-        wait_ready=False,
-        tls=client_tls,
-    )
-    try:
+    with proxied_node("--tls-cert-file", str(pki.cert), "--tls-key-file", str(pki.key), tls=client_tls) as n:
         yield n
-    finally:
-        n.stop()
 
 
 @pytest.fixture(scope="module")
