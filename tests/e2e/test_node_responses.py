@@ -145,10 +145,11 @@ def test_chain_rebuilds_the_prompt_without_old_instructions(
     assert r1.usage.input_tokens < r2.usage.input_tokens < r3.usage.input_tokens
 
 
-def test_unknown_previous_response_is_404(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.NotFoundError) as ei:
+def test_unknown_previous_response_is_openais_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as ei:
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_" + "0" * 48)
-    assert "not found" in str(ei.value)
+    assert "not found" in str(ei.value) and ei.value.code == "previous_response_not_found"
+    assert (ei.value.body or {}).get("param") == "previous_response_id"  # type: ignore[union-attr]
 
 
 def test_store_false_is_not_retrievable(client: openai.OpenAI) -> None:
@@ -156,7 +157,7 @@ def test_store_false_is_not_retrievable(client: openai.OpenAI) -> None:
     assert (r.model_extra or {})["store"] is False and r.status == "completed"
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(r.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError):
         client.responses.create(model=MODEL, input="y", previous_response_id=r.id)
 
 

@@ -252,11 +252,18 @@ def test_required_tool_choice_reaches_the_engine_as_a_schema(
     assert [(tc.function.name, tc.function.arguments) for tc in r.choices[0].message.tool_calls or []] == [
         ("get_time", '{"tz": "CET"}')
     ]
-    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    # a call the request named finishes with "stop" (OpenAI's, vLLM's): it was asked for, not chosen
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content is None
     sent = [c for c in mock_constraints(engine) if c["request_id"].partition(".")[2] == rid]
     assert len(sent) == 1 and sent[0]["kind"] == "json_schema"
     schema = json.loads(sent[0]["value"])
     assert schema["items"]["properties"]["name"]["enum"] == ["get_time"]
+    named: Any = {"type": "function", "function": {"name": "get_time"}}
+    chunks = list(ask(client, family, script(engine, answer), tool_choice=named, stream=True))
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    required = ask(client, family, script(engine, answer), tool_choice="required")
+    assert required.choices[0].finish_reason == "tool_calls" and required.choices[0].message.tool_calls
 
 
 def test_response_format_reaches_the_engine_and_is_checked(

@@ -344,11 +344,13 @@ class Generation:
             self.constraint = shaping.constraint
             self.checks = shaping.checks
             self.legacy_functions = shaping.legacy_functions
+            self.calls_finish = shaping.calls_finish
         else:
             self.output = None
             self.constraint = constraint  # completions: response_format or a guided field
             self.checks = None
             self.legacy_functions = False
+            self.calls_finish = "tool_calls"
         # built by _encoder when streaming (``events``: the Responses API's, given)
         self._enc: ChatChunks | CompletionChunks | StreamEvents | None = events
         self._events = events
@@ -794,7 +796,9 @@ class Generation:
         if enc is None:
             if self.chat:
                 field = self.gw.cfg.reasoning_field
-                enc = self._enc = ChatChunks(self.rid, self.created, self.model, field, self.legacy_functions)
+                enc = self._enc = ChatChunks(
+                    self.rid, self.created, self.model, field, self.legacy_functions, self.calls_finish
+                )
             else:
                 enc = self._enc = CompletionChunks(self.rid, self.created, self.model)
             enc.stop_ids = self.s.stop_token_ids
@@ -854,7 +858,7 @@ class Generation:
         if self.chat and self.output is not None:
             field, legacy = self.gw.cfg.reasoning_field, self.legacy_functions
             for c in choices:
-                api_choice(c, field, legacy)
+                api_choice(c, field, legacy, self.calls_finish)
         self.done()
         headers = self.headers()
         if violations:

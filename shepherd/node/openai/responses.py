@@ -381,7 +381,7 @@ def parse_responses(d: dict[str, Any]) -> ResponsesRequest:
     )
 
 
-# ---- the 404s, worded as OpenAI words them --------------------------------------------------------------
+# ---- the not-founds, worded as OpenAI words them ---------------------------------------------------------
 
 
 def _not_found(message: str, param: str, code: str) -> ApiError:
@@ -395,10 +395,13 @@ def response_not_found(response_id: str) -> ApiError:
 
 
 def previous_not_found(response_id: str) -> ApiError:
-    return _not_found(
+    """A 400, not a 404: the request names it as an input (OpenAI's status and words, as SMG answers)."""
+    return ApiError(
+        400,
         f"Previous response with id '{shown_id(response_id)}' not found.",
-        "previous_response_id",
-        "previous_response_not_found",
+        type="invalid_request_error",
+        param="previous_response_id",
+        code="previous_response_not_found",
     )
 
 

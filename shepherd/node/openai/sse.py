@@ -165,9 +165,10 @@ _REASONING_DELTAS = {
 class ChatChunks(_Chunks):
     """``chat.completion.chunk`` events. ``reasoning_field``: which delta field(s) carry reasoning;
     ``legacy_functions``: tool calls as the legacy ``delta.function_call`` (a request that sent
-    ``functions``), their finish reason ``function_call``."""
+    ``functions``); ``calls_finish``: the finish reason of a choice that called tools (``tool_calls``,
+    ``function_call`` for legacy ``functions``, ``stop`` when ``tool_choice`` named the function)."""
 
-    __slots__ = ("_legacy", "_reasoning_both", "_reasoning_delta")
+    __slots__ = ("_calls_finish", "_legacy", "_reasoning_both", "_reasoning_delta")
     OBJECT = "chat.completion.chunk"
     CONTENT = b'"delta":{"content":'
     CONTENT_END = b"}"
@@ -180,15 +181,17 @@ class ChatChunks(_Chunks):
         model: str,
         reasoning_field: str = "both",
         legacy_functions: bool = False,
+        calls_finish: str | None = None,
     ) -> None:
         super().__init__(rid, created, model)
         self._reasoning_delta = _REASONING_DELTAS[reasoning_field]
         self._reasoning_both = reasoning_field == "both"
         self._legacy = legacy_functions
+        self._calls_finish = calls_finish or ("function_call" if legacy_functions else "tool_calls")
 
     def finish(self, index: int, reason: str, matched: str | int | None = None) -> bytes:
-        if self._legacy and reason == "tool_calls":
-            reason = "function_call"
+        if reason == "tool_calls":
+            reason = self._calls_finish
         return super().finish(index, reason, matched)
 
     def role(self, index: int) -> bytes:

@@ -186,6 +186,10 @@ class ChatShaping:
     constraint: Constraint | None
     checks: OutputChecks | None
     legacy_functions: bool = False  # answer tool calls as the legacy ``function_call``
+    # the chat completions API's finish reason for a choice that called tools (``final_reason``'s
+    # ``tool_calls``): ``stop`` when ``tool_choice`` named the function (OpenAI's, and vLLM's since it
+    # aligned: the call was asked for, not chosen), ``function_call`` for a legacy ``functions`` request
+    calls_finish: str = "tool_calls"
 
 
 def shape_chat(families: tuple[str | None, str | None], req: ChatRequest, prompt: str) -> ChatShaping:
@@ -270,7 +274,9 @@ def _shape_tools(
         output = ChatOutput(
             reasoning, opened, tool_parser, callable_tools, req.parallel_tool_calls, req.include_reasoning
         )
-    return ChatShaping(sampling, output, constraint, checks, req.legacy_functions)
+    named = choice.forces_call and choice.name is not None
+    calls_finish = "stop" if named else "function_call" if req.legacy_functions else "tool_calls"
+    return ChatShaping(sampling, output, constraint, checks, req.legacy_functions, calls_finish)
 
 
 @functools.lru_cache(maxsize=64)
@@ -612,12 +618,16 @@ def chat_message(parsed: ParsedChoice, with_reasoning: bool) -> dict[str, Any]:
     return msg
 
 
-def api_choice(choice: dict[str, Any], reasoning_field: str, legacy_functions: bool) -> None:
+def api_choice(
+    choice: dict[str, Any], reasoning_field: str, legacy_functions: bool, calls_finish: str
+) -> None:
     """A chat completion choice (``_final_choices``' shape: ``message`` with ``reasoning_content`` and
     ``tool_calls``) as the chat completions API answers it: reasoning under ``reasoning`` and/or
-    ``reasoning_content`` (``--reasoning-field``: vLLM answers ``reasoning``), and for a request that
-    used the legacy ``functions``, its call as ``message.function_call`` with ``finish_reason``
-    ``function_call``. In place."""
+    ``reasoning_content`` (``--reasoning-field``: vLLM answers ``reasoning``), for a request that used
+    the legacy ``functions`` its call as ``message.function_call``, and a choice that called tools
+    finishing with ``calls_finish`` (``ChatShaping.calls_finish``). In place."""
+    if choice.get("finish_reason") == "tool_calls":
+        choice["finish_reason"] = calls_finish
     message = choice["message"]
     if "reasoning_content" in message and reasoning_field != "reasoning_content":
         value = (
@@ -629,5 +639,3 @@ def api_choice(choice: dict[str, Any], reasoning_field: str, legacy_functions: b
         if calls:
             fn = calls[0]["function"]
             message["function_call"] = {"name": fn["name"], "arguments": fn["arguments"]}
-        if choice.get("finish_reason") == "tool_calls":
-            choice["finish_reason"] = "function_call"
