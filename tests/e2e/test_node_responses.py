@@ -149,7 +149,7 @@ def test_unknown_previous_response_is_openais_400(client: openai.OpenAI) -> None
     with pytest.raises(openai.BadRequestError) as ei:
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_" + "0" * 48)
     assert "not found" in str(ei.value) and ei.value.code == "previous_response_not_found"
-    assert (ei.value.body or {}).get("param") == "previous_response_id"  # type: ignore[union-attr]
+    assert ei.value.param == "previous_response_id"
 
 
 def test_store_false_is_not_retrievable(client: openai.OpenAI) -> None:
