@@ -284,6 +284,17 @@ def test_function_tool_round_trip(client: openai.OpenAI, engine: MockEngineProc,
     assert r2.output_text == "It is sunny in Paris."
     items = client.responses.input_items.list(r2.id).data
     assert items[0].type == "function_call_output" and items[0].id.startswith("fco_")
+    # a call left without its output is OpenAI's 400, from the history or from the input
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, previous_response_id=r1.id, tools=TOOLS, input="and now?")
+    assert e.value.param == "input"
+    assert f"No tool output found for function call {call.call_id}" in str(e.value)
+    dangling: Any = [
+        {"type": "function_call", "call_id": "call_x1", "name": "get_weather", "arguments": "{}"},
+        {"role": "user", "content": "and now?"},
+    ]
+    with pytest.raises(openai.BadRequestError, match="call_x1"):
+        client.responses.create(model=MODEL, tools=TOOLS, input=dangling)
 
 
 def test_function_call_streamed(client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client) -> None:

@@ -705,8 +705,10 @@ async def _resolve_input(
 
 def _check_calls(past: Sequence[StoredItem], prompt: Sequence[StoredItem]) -> None:
     """Each of this turn's ``function_call_output`` answers a function call of the history or of the
-    input (OpenAI's 400 otherwise: a template would render a tool answer to nothing)."""
-    calls = {it.data.get("call_id") for it in (*past, *prompt) if it.type == "function_call"}
+    input, and each function call of the context has its output there (OpenAI's 400s otherwise: a
+    template would render a tool answer to nothing, or a call the model would take as still pending)."""
+    context = (*past, *prompt)
+    calls = {it.data.get("call_id") for it in context if it.type == "function_call"}
     for it in prompt:
         if it.type == "function_call_output" and it.data.get("call_id") not in calls:
             raise bad(
@@ -714,6 +716,11 @@ def _check_calls(past: Sequence[StoredItem], prompt: Sequence[StoredItem]) -> No
                 param="input",
                 code="invalid_value",
             )
+    answered = {it.data.get("call_id") for it in context if it.type == "function_call_output"}
+    for it in context:
+        cid = it.data.get("call_id")
+        if it.type == "function_call" and cid is not None and cid not in answered:
+            raise bad(f"No tool output found for function call {cid}.", param="input", code="invalid_value")
 
 
 def _copy_foreign(
