@@ -184,8 +184,11 @@ def test_response_chain_continues_on_another_node_each_turn(cluster: Cluster) ->
     for name in NAMES:
         got = cluster.sdk(name).responses.retrieve(ids[0])
         assert got.id == ids[0]
-        items = list(cluster.sdk(name).responses.input_items.list(ids[-1]))
-        assert texts(items) == ["turn 5 on b"]
+        # its input items: the whole chain it continued (each turn's question and answer), then its own
+        items = list(cluster.sdk(name).responses.input_items.list(ids[-1], order="asc"))
+        asked = [t for i, t in zip(items, texts(items), strict=True) if i.role == "user"]
+        assert asked == [f"turn {k} on {n}" for k, n in enumerate(("a", "b", "c", "a", "c", "b"))]
+        assert [i.role for i in items] == ["user", "assistant"] * 5 + ["user"]
 
 
 def test_responses_in_a_conversation_owned_by_another_node(cluster: Cluster) -> None:

@@ -145,6 +145,28 @@ def test_chain_rebuilds_the_prompt_without_old_instructions(
     assert r1.usage.input_tokens < r2.usage.input_tokens < r3.usage.input_tokens
 
 
+def test_input_items_list_the_context_the_response_continued(client: openai.OpenAI) -> None:
+    """As OpenAI's: the chain's (or the conversation's earlier) items, then the response's own input;
+    a conversation's later turns are not a response's input."""
+
+    def said(rid: str) -> list[tuple[str, str]]:
+        items = client.responses.input_items.list(rid, order="asc").data
+        return [(i.role, i.content[0].text) for i in items]  # type: ignore[union-attr,index]
+
+    r1 = client.responses.create(model=MODEL, input="first", max_output_tokens=4)
+    r2 = client.responses.create(model=MODEL, input="second", previous_response_id=r1.id, max_output_tokens=4)
+    assert said(r1.id) == [("user", "first")]
+    assert said(r2.id) == [("user", "first"), ("assistant", r1.output_text), ("user", "second")]
+    conv = client.conversations.create(items=[{"role": "user", "content": "hello"}])
+    c1 = client.responses.create(model=MODEL, input="q1", conversation=conv.id, max_output_tokens=4)
+    c2 = client.responses.create(model=MODEL, input="q2", conversation=conv.id, max_output_tokens=4)
+    assert said(c1.id) == [("user", "hello"), ("user", "q1")]
+    assert said(c2.id) == [("user", "hello"), ("user", "q1"), ("assistant", c1.output_text), ("user", "q2")]
+    page = client.responses.input_items.list(c2.id, limit=2)  # newest first, paged
+    assert [i.content[0].text for i in page.data] == ["q2", c1.output_text]  # type: ignore[union-attr]
+    assert page.has_more
+
+
 def test_unknown_previous_response_is_openais_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as ei:
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_" + "0" * 48)

@@ -204,8 +204,12 @@ def test_resent_history_items_are_not_doubled_in_the_prompt(
     again = client.responses.create(model=MODEL, previous_response_id=r1.id, tools=TOOLS, input=resent)
     assert lean.usage is not None and again.usage is not None
     assert again.usage.input_tokens == lean.usage.input_tokens
-    items = client.responses.input_items.list(again.id)
-    assert [i.type for i in items.data] == ["function_call_output"]
+    items = client.responses.input_items.list(again.id)  # the chain's items, then its own: each once
+    assert [i.type for i in items.data] == [
+        "function_call_output",
+        *[o.type for o in r1.output][::-1],
+        "message",
+    ]
     # stateless: the same items as the whole input work (the reasoning item feeds the template)
     stateless_input: Any = [{"role": "user", "content": "w"}, *resent]
     stateless = client.responses.create(model=MODEL, store=False, tools=TOOLS, input=stateless_input)

@@ -1562,7 +1562,10 @@ async def list_input_items(request: web.Request) -> web.StreamResponse:
         raise bad("Invalid 'order': expected 'asc' or 'desc'.", param="order", code="invalid_value")
     after = q.get("after")
     stored = await _get_owned(request, hist, rid)
-    ids = list(stored.input_item_ids)
+    try:
+        ids = [*await _context_ids(hist, stored, request.app.get(GATEWAY)), *stored.input_item_ids]
+    except StorageUnavailable as e:
+        raise _unavailable(e) from None
     if order == "desc":
         ids.reverse()
     if after:
@@ -1577,6 +1580,37 @@ async def list_input_items(request: web.Request) -> web.StreamResponse:
     except StorageUnavailable as e:
         raise _unavailable(e) from None
     return _json(item_list(items, len(ids) > limit))
+
+
+async def _context_ids(hist: History, stored: StoredResponse, gw: Gateway | None) -> list[str]:
+    """The ids of the items a response continued, before its own input (OpenAI's input items list them
+    too): its ``previous_response_id`` chain's inputs and outputs, or its conversation's items from
+    before it (its own are dated as its question; items added while it ran are later), oldest first.
+    What of a chain is gone (deleted, or past the depth bound) is left out, not an error."""
+    store = hist.store
+    if stored.previous_response_id is not None:
+        depth = gw.cfg.history_chain_max_depth if gw is not None else 1000
+        try:
+            chain = await store.get_chain(stored.previous_response_id, depth)
+        except ChainError:
+            return []
+        ids = [i for r in chain for i in (*r.input_item_ids, *r.output_item_ids)]
+        return ids[-MAX_HISTORY_ITEMS:]
+    if stored.conversation_id is None:
+        return []
+    own = set(stored.input_item_ids) | set(stored.output_item_ids)
+    ids = []
+    after: str | None = None
+    while len(ids) < MAX_HISTORY_ITEMS:  # bounded: pages of the conversation, up to its bound
+        page = await store.list_items(stored.conversation_id, after=after, limit=_PAGE, order="asc")
+        for it in page.items:
+            if it.id in own or it.created_at >= stored.created_at:
+                return ids
+            ids.append(it.id)
+        if not page.has_more or not page.items:
+            break
+        after = page.items[-1].id
+    return ids
 
 
 def routes() -> list[web.RouteDef]:
