@@ -185,7 +185,7 @@ def test_response_chain_continues_on_another_node_each_turn(cluster: Cluster) ->
         got = cluster.sdk(name).responses.retrieve(ids[0])
         assert got.id == ids[0]
         # its input items: the whole chain it continued (each turn's question and answer), then its own
-        items = list(cluster.sdk(name).responses.input_items.list(ids[-1], order="asc"))
+        items: list[Any] = list(cluster.sdk(name).responses.input_items.list(ids[-1], order="asc"))
         asked = [t for i, t in zip(items, texts(items), strict=True) if i.role == "user"]
         assert asked == [f"turn {k} on {n}" for k, n in enumerate(("a", "b", "c", "a", "c", "b"))]
         assert [i.role for i in items] == ["user", "assistant"] * 5 + ["user"]
