@@ -163,7 +163,7 @@ def test_input_items_list_the_context_the_response_continued(client: openai.Open
     assert said(c1.id) == [("user", "hello"), ("user", "q1")]
     assert said(c2.id) == [("user", "hello"), ("user", "q1"), ("assistant", c1.output_text), ("user", "q2")]
     page = client.responses.input_items.list(c2.id, limit=2)  # newest first, paged
-    assert [i.content[0].text for i in page.data] == ["q2", c1.output_text]  # type: ignore[union-attr]
+    assert [i.content[0].text for i in page.data] == ["q2", c1.output_text]  # type: ignore[union-attr,index]
     assert page.has_more
 
 
