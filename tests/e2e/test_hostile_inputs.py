@@ -297,7 +297,8 @@ CASES: list[Case] = [
     Case("model-dict-tokenize", "/v1/tokenize", {"model": {"a": 1}, "prompt": "a"}, 404, "model_not_found"),
     # -- messages
     Case("messages-string", CHAT, chat(messages="hi"), 400, "invalid_type"),
-    Case("messages-empty", CHAT, chat(messages=[]), 400, "invalid_type"),
+    Case("messages-empty", CHAT, chat(messages=[]), 400, "empty_array"),
+    Case("messages-missing", CHAT, {"model": "qwen3", "max_tokens": 4}, 400, "missing_required_parameter"),
     Case("messages-object", CHAT, chat(messages={"role": "user", "content": "hi"}), 400, "invalid_type"),
     Case("message-not-object", CHAT, chat(messages=["hi"]), 400, "invalid_type"),
     Case("role-missing", CHAT, msgs({"content": "hi"}), 400),

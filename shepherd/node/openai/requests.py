@@ -530,10 +530,39 @@ def parse_metadata(v: Any, param: str = "metadata") -> dict[str, str]:
     return dict(v)
 
 
+def _json_kind(v: object) -> str:
+    """What a JSON value is, in OpenAI's error words ("a string", "an object", ...)."""
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, int):
+        return "an integer"
+    if isinstance(v, float):
+        return "a decimal"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, dict):
+        return "an object"
+    return "an array" if isinstance(v, list) else "null"
+
+
 def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
     msgs = d.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise bad("'messages' must be a non-empty list.", param="messages", code="invalid_type")
+    if msgs is None:  # (OpenAI's words and codes for each case)
+        missing = "missing_required_parameter"
+        raise bad("Missing required parameter: 'messages'.", param="messages", code=missing)
+    if not isinstance(msgs, list):
+        raise bad(
+            f"Invalid type for 'messages': expected an array of objects, but got {_json_kind(msgs)} instead.",
+            param="messages",
+            code="invalid_type",
+        )
+    if not msgs:
+        raise bad(
+            "Invalid 'messages': empty array. Expected an array with minimum length 1, but got an empty "
+            "array instead.",
+            param="messages",
+            code="empty_array",
+        )
     out: list[dict[str, Any]] = []
     legacy = False  # a legacy function-calling turn: converted whether or not the request has 'functions'
     for i, m in enumerate(msgs):
@@ -541,7 +570,11 @@ def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
             raise bad(f"messages[{i}] must be an object.", param=f"messages.{i}", code="invalid_type")
         role = m.get("role")
         if role not in ROLES:
-            raise bad(f"messages[{i}].role must be one of {sorted(ROLES)}.", param=f"messages.{i}.role")
+            raise bad(
+                f"messages[{i}].role must be one of {sorted(ROLES)}.",
+                param=f"messages.{i}.role",
+                code="invalid_value",
+            )
         if role == "function" or (role == "assistant" and m.get("function_call") is not None):
             legacy = True
         content = m.get("content")
