@@ -548,8 +548,8 @@ def _json_kind(v: object) -> str:
 def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
     msgs = d.get("messages")
     if msgs is None:  # (OpenAI's words and codes for each case)
-        missing = "missing_required_parameter"
-        raise bad("Missing required parameter: 'messages'.", param="messages", code=missing)
+        absent = "missing_required_parameter"
+        raise bad("Missing required parameter: 'messages'.", param="messages", code=absent)
     if not isinstance(msgs, list):
         raise bad(
             f"Invalid type for 'messages': expected an array of objects, but got {_json_kind(msgs)} instead.",
