@@ -501,15 +501,21 @@ def test_background_stream_cancelled_ends_its_readers(
     time.sleep(0.3)
     assert client.responses.cancel(rid).status == "cancelled"
     reader.join(timeout=30)
-    assert not reader.is_alive()  # the cancel ended its stream
-    assert got and got[0].type == "response.created"
+    assert not reader.is_alive()  # the cancel ended its stream, with the cancelled Response
+    assert got and got[0].type == "response.created" and got[-1].type == "response.cancelled"
+    end: Any = got[-1]  # (not one of the SDK's event types: its fields as sent)
+    assert end.response["status"] == "cancelled" and end.sequence_number == len(got) - 1
     assert client.responses.retrieve(rid).status == "cancelled"
     if hang == "before_first_token":
         creator.join(timeout=30)
         assert not creator.is_alive() and [e.type for e in mine] == [
             "response.queued",
             "response.in_progress",
+            "response.cancelled",
         ]
+    # read again from the record: the same end
+    again = list(client.responses.retrieve(rid, stream=True))
+    assert [e.type for e in again] == [e.type for e in got]
     faults(engine, http, hang_before_first_token=False)
 
 

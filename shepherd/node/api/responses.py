@@ -247,17 +247,19 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
     )
 
 
-async def _shielded(coro: Coroutine[Any, Any, Any]) -> None:
-    """Run a write to its end even when the caller is cancelled meanwhile (the task is held until done)."""
+async def _shielded(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a write to its end even when the caller is cancelled meanwhile (the task is held until done);
+    its result (None when it failed)."""
     task = asyncio.ensure_future(coro)
     _PENDING.add(task)
     task.add_done_callback(_PENDING.discard)
     try:
-        await asyncio.shield(task)
+        return await asyncio.shield(task)
     except asyncio.CancelledError:
         raise
     except Exception:
         log.warning("a history write failed", exc_info=True)
+        return None
 
 
 async def _get_owned(request: web.Request, hist: History, response_id: str) -> StoredResponse:
@@ -1284,10 +1286,13 @@ async def _background_stream(run: _Run, events: _BackgroundEvents) -> None:
     except asyncio.CancelledError:
         elog.drop_held()
         events.rewind()
-        elog.close()
         output = events.partial()
         body = response_object(base, status="cancelled", output=output, usage=_cut_usage(job))
-        await _shielded(rec.final(body, output))
+        # the readers' last event (held until the end is stored; dropped when another end stands)
+        await elog.write_eof(events.event("response.cancelled", {"response": body}))
+        if not await _shielded(rec.final(body, output)):
+            elog.drop_held()
+        elog.close()
         raise
     except Exception as e:
         if isinstance(e, StorageError):
@@ -1351,11 +1356,13 @@ async def _stored_events(
         else:
             wait = min(POLL_MAX_S, wait * 2)
         if stored.status in _TERMINAL:
-            # its runner stopped before its end (no terminal event kept): the stored end, numbered next
-            # (unless the kept events stop short of the last ones: the next number is not known)
+            # its runner stopped before its end (no terminal event kept), or another writer stored a
+            # cancel: the stored end, numbered next (unless the kept events stop short of the last ones:
+            # the next number is not known)
             cut = bool(stored.body.get(_EVENTS_CUT))
-            if stored.status == "failed" and not _ends(kept) and not cut and len(kept) > after:
-                yield [_failed_event(stored, len(kept))]
+            ended = stored.status in ("failed", "cancelled")
+            if ended and not _ends(kept) and not cut and len(kept) > after:
+                yield [_end_event(stored, len(kept))]
             return
         if time.monotonic() > deadline:
             return
@@ -1379,14 +1386,21 @@ async def _stored_events(
 def _ends(kept: Sequence[str]) -> bool:
     """Whether the kept events end with a terminal one."""
     return bool(kept) and kept[-1].startswith(
-        ("event: response.completed", "event: response.incomplete", "event: response.failed")
+        (
+            "event: response.completed",
+            "event: response.incomplete",
+            "event: response.failed",
+            "event: response.cancelled",
+        )
     )
 
 
-def _failed_event(stored: StoredResponse, seq: int) -> bytes:
-    """``response.failed`` for a response whose runner stopped before it ended (its stored end)."""
-    payload = {"type": "response.failed", "sequence_number": seq, "response": _answered(stored.body)}
-    return sse_event("response.failed", payload)
+def _end_event(stored: StoredResponse, seq: int) -> bytes:
+    """``response.failed`` (its runner stopped before it ended) or ``response.cancelled`` (a cancel stored
+    by another writer) for a response whose kept events do not tell its stored end."""
+    kind = f"response.{stored.status}"
+    payload = {"type": kind, "sequence_number": seq, "response": _answered(stored.body)}
+    return sse_event(kind, payload)
 
 
 # ---- the other routes ------------------------------------------------------------------------------------
