@@ -167,6 +167,16 @@ def test_input_items_list_the_context_the_response_continued(client: openai.Open
     assert page.has_more
 
 
+def test_request_fields_the_response_echoes(client: openai.OpenAI) -> None:
+    r = client.responses.create(
+        model=MODEL, input="x", max_tool_calls=3, prompt_cache_key="k-1", max_output_tokens=2
+    )
+    assert (r.max_tool_calls, r.prompt_cache_key) == (3, "k-1")
+    assert client.responses.retrieve(r.id).prompt_cache_key == "k-1"
+    plain = client.responses.create(model=MODEL, input="x", max_output_tokens=2)
+    assert (plain.max_tool_calls, plain.prompt_cache_key) == (None, None)
+
+
 def test_unknown_previous_response_is_openais_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as ei:
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_" + "0" * 48)

@@ -528,6 +528,11 @@ class _BackgroundEvents(_StoringEvents):
         return self.terminal(self.done)
 
 
+def _echo(value: Any, kind: type) -> Any:
+    """A request field the Response echoes, when it has that type (anything else: null)."""
+    return value if isinstance(value, kind) and not isinstance(value, bool) else None
+
+
 def _base(req: ResponsesRequest, model: str, response_id: str, created_at: float) -> dict[str, Any]:
     """The Response's fields fixed at creation (the request's echo)."""
     return {
@@ -540,11 +545,12 @@ def _base(req: ResponsesRequest, model: str, response_id: str, created_at: float
         "incomplete_details": None,
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
-        "max_tool_calls": None,
+        "max_tool_calls": _echo(req.raw.get("max_tool_calls"), int),  # (built-in tools' bound: none here)
         "model": model,
         "output": [],
         "parallel_tool_calls": req.parallel_tool_calls,
         "previous_response_id": req.previous_response_id,
+        "prompt_cache_key": _echo(req.raw.get("prompt_cache_key"), str),  # (routing needs no key)
         "conversation": {"id": req.conversation_id} if req.conversation_id else None,
         "reasoning": req.reasoning or {"effort": None, "summary": None},
         "safety_identifier": req.safety_identifier,
