@@ -231,6 +231,13 @@ def test_tool_choice_without_tools_in_anthropic_words(client: anthropic.Anthropi
         assert f"'{choice['type']}'" in message and "required" not in message
 
 
+def test_a_route_not_served_answers_the_anthropic_sdk_in_its_envelope(client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.NotFoundError) as e:
+        client.beta.files.list()
+    body: Any = e.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
+
+
 # ---- coverage ----
 
 

@@ -281,8 +281,10 @@ def public_engine_message(message: str, worker_urls: Iterable[str] = ()) -> str:
 
 
 def _error_answer(request: web.Request, err: ApiError) -> web.Response:
-    """``err`` in the envelope of the request's API: Anthropic's on the Messages routes, OpenAI's else."""
-    if is_messages_path(request.path):
+    """``err`` in the envelope of the request's API: Anthropic's on the Messages routes and for a caller
+    that sends ``anthropic-version`` (the ``anthropic`` SDK, on a route this node does not serve: its
+    Files API, say), OpenAI's else."""
+    if is_messages_path(request.path) or "anthropic-version" in request.headers:
         return anthropic_error_response(err)
     return error_response(err)
 
