@@ -569,7 +569,7 @@ def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object.", param=f"messages.{i}", code="invalid_type")
         role = m.get("role")
-        if role not in ROLES:
+        if type(role) is not str or role not in ROLES:  # (a list or an object is not hashable)
             raise bad(
                 f"messages[{i}].role must be one of {sorted(ROLES)}.",
                 param=f"messages.{i}.role",
@@ -824,7 +824,7 @@ def _parse_chat_options(
     tools = _tools_deferred(d, budget, pending)
     parse_metadata(d.get("metadata"))  # (checked as OpenAI does; not used)
     effort = d.get("reasoning_effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
+    if effort is not None and (type(effort) is not str or effort not in REASONING_EFFORTS):
         msg = f"'reasoning_effort' must be one of {sorted(REASONING_EFFORTS)}."
         raise bad(msg, param="reasoning_effort", code="invalid_value")
     return ChatRequest(
