@@ -35,18 +35,32 @@ event loop:
 - Results are cached in ``ByteLRU``s bounded in bytes: meta-validation answers by schema text (a
   16-byte digest of it above 1 KiB; the answer is "" or a short message), validators by schema text
   (counted with an estimate of the parsed schema they hold).
+- The check of a finished answer runs on the event loop, so it has a time budget
+  (``ANSWER_CHECK_SECONDS``, all the choices of a request together): the answer is the model's and the
+  schema the caller's, and both can make a check cost without bound (a ``pattern`` that backtracks, as
+  ``^(a+)+$`` on a string the model wrote, in ``pattern``, ``patternProperties`` or
+  ``additionalProperties``; ``uniqueItems`` over thousands of items that do not sort, which jsonschema
+  compares pairwise; ``anyOf`` nested in ``anyOf``). Every keyword looks at the clock before it runs,
+  patterns are matched by ``regex`` with the budget left as its timeout, and ``uniqueItems`` is one pass
+  over the items' canonical forms. An answer whose check runs out of budget is reported as a violation
+  ("could not be checked"): never a stalled loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
-from collections.abc import Mapping, Sequence
+import re
+import reprlib
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import orjson
+import regex  # type: ignore[import-untyped]  # (no stubs: its search and timeout only)
 
 from shepherd.proto.openai_errors import ApiError, bad
 from shepherd.tokens.cache import ByteLRU
@@ -55,6 +69,7 @@ if TYPE_CHECKING:
     from jsonschema.protocols import Validator
 
 __all__ = [
+    "ANSWER_CHECK_SECONDS",
     "SCHEMA_CHECK_SECONDS",
     "SCHEMA_MAX_BYTES",
     "SCHEMA_MAX_NODES",
@@ -237,16 +252,110 @@ def _cached_meta(text: bytes) -> tuple[bytes, str | None]:
     return key, _META.get(key)
 
 
+ANSWER_CHECK_SECONDS = 0.2  # a request's answer checks (on the event loop), all its choices together
+
+# while an answer is checked: the time its check must end by (None: no check under way, patterns as
+# jsonschema matches them, e.g. in the schema-check thread's meta-validation)
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "answer_check_deadline", default=None
+)
+
+
+class CheckTimeout(Exception):
+    """An answer's check ran out of its time budget."""
+
+
+class _TimedRe:
+    """What jsonschema's keyword modules call ``re``: while an answer is checked, a pattern is matched by
+    ``regex`` (the same syntax) with the budget left as its timeout; else as ``re`` does."""
+
+    def search(self, pattern: str, string: str, flags: int = 0) -> Any:
+        deadline = _DEADLINE.get()
+        if deadline is None:
+            return re.search(pattern, string, flags)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CheckTimeout
+        try:
+            return regex.search(pattern, string, flags, timeout=left)
+        except TimeoutError:
+            raise CheckTimeout from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(re, name)
+
+
+def _timed(keyword: Callable[..., Any]) -> Callable[..., Any]:
+    def run(validator: Any, value: Any, instance: Any, schema: Any) -> Any:
+        deadline = _DEADLINE.get()
+        if deadline is not None and time.monotonic() > deadline:
+            raise CheckTimeout
+        return keyword(validator, value, instance, schema)
+
+    return run
+
+
+def _canon(v: Any) -> Any:
+    """A hashable form of a JSON value, equal for values JSON Schema holds equal (1 and 1.0; not 1 and
+    true; objects whatever their key order)."""
+    if v is True or v is False:
+        return ("b", v)
+    if isinstance(v, int | float):
+        return ("n", v)
+    if isinstance(v, str):
+        return ("s", v)
+    if isinstance(v, list):
+        return ("l", tuple(_canon(x) for x in v))
+    if isinstance(v, dict):
+        return ("o", frozenset((k, _canon(x)) for k, x in v.items()))
+    return ("z", None) if v is None else ("?", id(v))
+
+
+def _unique_items(validator: Any, unique: Any, instance: Any, schema: Any) -> Iterator[Any]:
+    """``uniqueItems`` in one pass (jsonschema compares items pairwise when they do not sort)."""
+    from jsonschema.exceptions import ValidationError  # (jsonschema is imported lazily: see _validator)
+
+    if not unique or not validator.is_type(instance, "array"):
+        return
+    seen: set[Any] = set()
+    for item in instance:
+        try:
+            key = _canon(item)
+        except RecursionError:  # (deeper than the interpreter recurses: jsonschema could not either)
+            return
+        if key in seen:
+            yield ValidationError(f"{reprlib.repr(instance)} has non-unique elements")
+            return
+        seen.add(key)
+
+
+_CHECKER: Any = None
+
+
+def _checker_class() -> Any:
+    """Draft 2020-12 with every keyword on the clock and ``uniqueItems`` in one pass (made once)."""
+    global _CHECKER
+    if _CHECKER is None:
+        # here, not at the top: jsonschema costs ~40 ms of start-up and most requests carry no schema
+        from jsonschema import Draft202012Validator, _keywords, _legacy_keywords, _utils
+        from jsonschema.validators import extend
+
+        timed_re = _TimedRe()
+        for module in (_keywords, _utils, _legacy_keywords):  # their pattern matches (module ``re``)
+            module.re = timed_re  # type: ignore[attr-defined]
+        keywords = {k: _timed(fn) for k, fn in Draft202012Validator.VALIDATORS.items()}
+        keywords["uniqueItems"] = _timed(_unique_items)
+        _CHECKER = extend(Draft202012Validator, validators=keywords)  # type: ignore[no-untyped-call]
+    return _CHECKER
+
+
 def _validator(schema_json: str | bytes) -> Validator:
     """A validator for a schema that passed meta-validation (building one is cheap; checking the
     schema is what costs), cached by text within ``_VALIDATOR_CACHE_BYTES``."""
-    # here, not at the top: jsonschema costs ~40 ms of start-up and most requests carry no schema
-    from jsonschema import Draft202012Validator
-
     key = schema_json.encode() if isinstance(schema_json, str) else schema_json
     v = _VALIDATORS.get(key)
     if v is None:
-        v = Draft202012Validator(orjson.loads(key))
+        v = _checker_class()(orjson.loads(key))
         _VALIDATORS.put(key, v, len(key) * (1 + _PARSED_FACTOR) + 256)
     return v
 
@@ -346,6 +455,8 @@ def _violation(schema_json: str, value: Any) -> str | None:
         return None
     try:
         err = next(iter(v.iter_errors(value)), None)
+    except CheckTimeout:
+        raise
     except Exception:  # e.g. a $ref to nowhere: the schema cannot be applied; nothing to report
         return None
     if err is None:
@@ -377,6 +488,8 @@ class OutputChecks:
     content_strict: bool
     forced_call: str  # "" | "required" | the named function
     strict_tools: Mapping[str, str]  # tool name -> parameters schema JSON text
+    # the time the request's answer checks may still take (``ANSWER_CHECK_SECONDS`` at first)
+    budget: list[float] = field(default_factory=lambda: [ANSWER_CHECK_SECONDS], compare=False)
 
     @classmethod
     def build(
@@ -412,9 +525,28 @@ class OutputChecks:
         content: str | None,
         calls: Sequence[tuple[str, str]],
     ) -> Violation | None:
-        """The first problem of one finished choice (``calls``: (name, arguments JSON) pairs)."""
+        """The first problem of one finished choice (``calls``: (name, arguments JSON) pairs), within
+        what is left of the request's time budget (past it: a violation saying it was not checked)."""
         if finish_reason not in ("stop", "tool_calls"):
             return None
+        left = self.budget[0]
+        t0 = time.monotonic()
+        token = _DEADLINE.set(t0 + left)
+        try:
+            if left <= 0:
+                raise CheckTimeout
+            return self._check(index, content, calls)
+        except CheckTimeout:
+            strict = self.content_strict or bool(self.strict_tools)
+            param = "tools" if self.strict_tools and calls else _RF if self.content_kind else "tool_choice"
+            budget_ms = ANSWER_CHECK_SECONDS * 1000
+            msg = f"the answer could not be checked within the time budget ({budget_ms:.0f} ms)"
+            return Violation(index, msg, strict, param)
+        finally:
+            _DEADLINE.reset(token)
+            self.budget[0] = left - (time.monotonic() - t0)
+
+    def _check(self, index: int, content: str | None, calls: Sequence[tuple[str, str]]) -> Violation | None:
         for name, arguments in calls:
             schema = self.strict_tools.get(name)
             if schema is None:
