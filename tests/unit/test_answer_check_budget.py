@@ -36,7 +36,7 @@ def content_check(schema: dict[str, Any], strict: bool = True) -> OutputChecks:
 BACKTRACK = "^(a|aa)+$"  # exponential for a backtracking engine on "aaa...a!" (also for ``regex``)
 EVIL = "a" * 64 + "!"
 
-SLOW_CASES = {
+SLOW_CASES: dict[str, tuple[dict[str, Any], Any]] = {
     "pattern": (
         {"type": "object", "properties": {"k": {"type": "string", "pattern": BACKTRACK}}},
         {"k": EVIL},
