@@ -369,6 +369,43 @@ async def test_push_hands_back_when_take_stops_and_later_messages_wait() -> None
     assert server.resets() == [sid]  # closed before its end: cancelled on the engine
 
 
+async def test_a_paused_consumer_holds_its_streams_credit_until_it_takes_again() -> None:
+    """A client that stops reading (``take`` stops: its transport is full) leaves the answer's messages
+    queued; past ``GENERATE_BACKLOG_BYTES`` of them the stream gets no more credit, so the engine stops
+    sending that answer instead of the node holding all of it; once the consumer takes them (pushed again,
+    or ``__anext__``), the held credit goes out."""
+    from shepherd.node.engines.h2 import GENERATE_BACKLOG_BYTES  # (this test's bound)
+
+    server = FakeServer(asyncio.get_running_loop())
+    call, sid = await _opened(server)
+    got: list[list[EngineEvent]] = []
+    call.push(_taker(got, True))
+    server.send(sid, chunk([6], 2), head=False)  # the client's transport is full from here on
+    big = chunk(list(range(3_000)), 3)  # ~9 kB a message (within a frame)
+    credited: list[int] = []
+
+    def stream_credit() -> int:
+        ups = [f for f in server.frames if f[0] == h2.WINDOW_UPDATE and f[2] == sid]
+        credited.append(len(ups))
+        return len(ups)
+
+    before = stream_credit()
+    n = 0
+    while n * len(big) < 6 * (GENERATE_BACKLOG_BYTES + (4 << 20)):  # bounded: ~6x what is held
+        server.send(sid, big, head=False)
+        n += 1
+    await flush()
+    assert stream_credit() <= before + 1  # held once the backlog passed the bound
+    stream = call._stream
+    assert stream is not None and stream.credit_held
+    pushed = call.push(_taker(got, False))  # the client drained: everything queued is taken
+    assert not pushed.done() and len(got) > 1
+    await flush()  # (the connection's writes go out at the end of the loop turn)
+    assert stream_credit() > credited[-2]  # and the credit held goes to the engine
+    assert [stream.credit_held] == [False]
+    await call.aclose()
+
+
 async def test_push_passes_on_what_take_raises_and_an_error_status() -> None:
     server = FakeServer(asyncio.get_running_loop())
     call, sid = await _opened(server)

@@ -416,6 +416,35 @@ def test_receive_window_credit(loop: asyncio.AbstractEventLoop) -> None:
     assert list(s.messages) == [b"a" * 195, b"b" * 40]
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_stream_whose_consumer_is_behind_holds_its_credit(
+    loop: asyncio.AbstractEventLoop, fast: bool
+) -> None:
+    """A generation's stream (``credit_hold``) whose messages are not consumed past the bound gets no
+    more stream credit (the engine stops sending that answer), the connection's credit goes on (its
+    other streams are not held up); once the consumer took its messages the held credit goes out."""
+    h, s = ready(loop, local_window=1000)  # credit given back at 250 bytes
+    s.credit_hold = 300
+    h.conn.receive(h.server.ok_headers(s.stream_id))
+    msg = grpc_message(b"a" * 95)  # 100 bytes a frame, each one whole message (the C read's case)
+    flags = 0 if fast else h2.FLAG_PADDED
+    frame = h2.frame(h2.DATA, flags, s.stream_id, (b"\x00" + msg) if not fast else msg)
+    h.conn.receive(frame * 3)  # 300 bytes (301 padded): credit due, backlog 285 (within the bound)
+    assert {f[2] for f in h.written() if f[0] == h2.WINDOW_UPDATE} == {0, s.stream_id}
+    h.conn.receive(frame * 6)  # nothing consumed: a backlog past the bound, the stream's credit held
+    assert {f[2] for f in h.written() if f[0] == h2.WINDOW_UPDATE} == {0}
+    assert s.credit_held and s.recv_unacked >= 250
+    h.conn.receive(frame * 3)  # still held (the server may use what window it has left)
+    assert {f[2] for f in h.written() if f[0] == h2.WINDOW_UPDATE} <= {0}
+    held = s.recv_unacked
+    s.messages.clear()  # the consumer takes them
+    s.consumed()
+    assert h.written() == [(h2.WINDOW_UPDATE, 0, s.stream_id, struct.pack(">I", held))]
+    assert (s.credit_held, s.recv_unacked) == (False, 0)
+    h.conn.receive(frame * 3)  # credited as it comes again
+    assert s.stream_id in {f[2] for f in h.written() if f[0] == h2.WINDOW_UPDATE}
+
+
 def test_send_flow_control_waits_for_window_updates(loop: asyncio.AbstractEventLoop) -> None:
     h = Harness()
     h.settings({h2.SETTINGS_INITIAL_WINDOW_SIZE: 10})

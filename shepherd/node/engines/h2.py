@@ -76,6 +76,9 @@ M = TypeVar("M", bound=Message)
 log = logging.getLogger("shepherd.engines.h2")
 
 _UNPROCESSED_RETRIES = 5  # transparent re-sends of a call the server never processed
+# an answer's bytes received and not consumed past which its stream's credit waits for the consumer (the
+# client's transport full: the engine stops sending that answer; at most this and the stream window held)
+GENERATE_BACKLOG_BYTES = 1 << 20
 
 _MAX_DEADLINE_GROUPS = 8
 
@@ -702,6 +705,8 @@ class GenerateCall:
                 if msgs:
                     raws = list(msgs)
                     msgs.clear()
+                    if stream.credit_held:
+                        stream.consumed()
                     batch = decode_batch(raws, self._parse, single=self._single)
                     if batch:
                         return batch
@@ -748,6 +753,7 @@ class GenerateCall:
                 except RpcStatus as e:
                     raise e.engine_error() from None
             self._stream = stream
+            stream.credit_hold = GENERATE_BACKLOG_BYTES  # (a client that stops reading stops the engine)
             while not stream.done and not stream.messages:
                 await stream.wait()
             # a call the server refused before processing it (REFUSED_STREAM, or above a GOAWAY's
@@ -843,6 +849,8 @@ class GenerateCall:
             self._end_push()
             fut.set_exception(e)
             return
+        if stream.credit_held:  # (every message taken: what the engine may send again)
+            stream.consumed()
         if stream.done:
             self._end_push()
             fut.set_result(None)

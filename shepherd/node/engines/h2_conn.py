@@ -8,8 +8,13 @@ frame codec is in h2_frames.py, the asyncio shell around a connection (``H2Proto
 
 Flow control: we advertise large windows (16 MiB per stream and for the connection) and give credit
 back when a quarter has been received, so a server rarely waits for us. Received data is credited as it
-arrives (the consumer is the gateway's own pipeline, which keeps up). On the send side the peer's
-windows and frame size are respected: a request body that does not fit waits for WINDOW_UPDATE.
+arrives, on the connection always; on a stream that holds its credit (``credit_hold``: a generation's,
+whose consumer writes to a client that may stop reading) only while what it has not consumed yet
+(``backlog``) is within that bound: past it the stream's credit waits until the consumer catches up
+(``release_credit``), so the engine stops sending that answer rather than the node buffering all of it
+(at most the stream window and the bound are held), and the connection's other streams go on. On the
+send side the peer's windows and frame size are respected: a request body that does not fit waits for
+WINDOW_UPDATE.
 """
 
 from __future__ import annotations
@@ -95,6 +100,8 @@ class H2Stream:
         "_pending",
         "_pending_off",
         "conn",
+        "credit_held",
+        "credit_hold",
         "grpc_messages",
         "local_closed",
         "recv_unacked",
@@ -116,6 +123,12 @@ class H2Stream:
         # (no flags) that carry exactly one uncompressed message then skip ``on_data``, their messages
         # (prefix stripped) are appended here, and ``on_grpc_messages`` follows each run of them.
         self.grpc_messages: collections.deque[bytes] | None = None
+        self.credit_hold = 0  # bytes not consumed past which the stream's credit waits (0: never)
+        self.credit_held = False  # its credit is waiting for the consumer (``H2Connection.release_credit``)
+
+    def backlog(self) -> int:
+        """Bytes received and not consumed yet (what ``credit_hold`` bounds)."""
+        return 0
 
     def on_grpc_messages(self) -> None:
         """Messages were appended to ``grpc_messages``."""
@@ -260,6 +273,26 @@ class H2Connection:
         if out:
             self._write(b"".join(out))
 
+    def _stream_credit(self, s: H2Stream, sid: int) -> None:
+        """Credit a stream for what it received, unless its consumer is behind (then later)."""
+        if s.credit_held:  # (its backlog is not summed again for every frame while it waits)
+            return
+        if s.credit_hold and s.backlog() > s.credit_hold:
+            s.credit_held = True
+            return
+        self._write(window_update_frame(sid, s.recv_unacked))
+        s.recv_unacked = 0
+
+    def release_credit(self, s: H2Stream) -> None:
+        """The stream's consumer caught up: the credit it held back goes to the server."""
+        if not s.credit_held:
+            return
+        s.credit_held = False
+        live = not s.remote_closed and self.failed is None and self.streams.get(s.stream_id) is s
+        if s.recv_unacked and live:
+            self._write(window_update_frame(s.stream_id, s.recv_unacked))
+            s.recv_unacked = 0
+
     def reset_stream(self, stream: H2Stream, code: int = CANCEL) -> None:
         """Cancel a stream: RST_STREAM and forget it (later frames for it are ignored)."""
         if self.streams.get(stream.stream_id) is stream:
@@ -342,8 +375,7 @@ class H2Connection:
                         if not es:
                             s.recv_unacked += length
                             if s.recv_unacked >= self._credit_threshold:
-                                self._write(window_update_frame(sid, s.recv_unacked))
-                                s.recv_unacked = 0
+                                self._stream_credit(s, sid)
                         s.on_data(data, start, end, es)
                         if es:
                             self._remote_end(s)
@@ -425,8 +457,7 @@ class H2Connection:
         self.conn_recv_unacked += flowed - counted
         s.recv_unacked += flowed
         if s.recv_unacked >= self._credit_threshold:
-            self._write(window_update_frame(sid, s.recv_unacked))
-            s.recv_unacked = 0
+            self._stream_credit(s, sid)
         if self.conn_recv_unacked >= self._credit_threshold:
             self._write(window_update_frame(0, self.conn_recv_unacked))
             self.conn_recv_unacked = 0

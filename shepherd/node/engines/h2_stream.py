@@ -152,6 +152,14 @@ class GrpcStream(H2Stream):
 
     # consumer side
 
+    def backlog(self) -> int:
+        return sum(map(len, self.messages)) + len(self._partial)
+
+    def consumed(self) -> None:
+        """The consumer has taken every message there was: credit held back (``credit_hold``) goes out."""
+        if self.credit_held and self.conn is not None:
+            self.conn.release_credit(self)
+
     def wait(self) -> asyncio.Future[None]:
         fut = self._loop.create_future()
         self._waiter = fut
