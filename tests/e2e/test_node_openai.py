@@ -324,6 +324,15 @@ def test_bad_input_envelopes(node: NodeProc, body: Any, status: int, code: str) 
     assert env["error"]["code"] == code and env["error"]["message"]
 
 
+def test_more_messages_than_the_context_has_tokens_are_refused_before_rendering(node: NodeProc) -> None:
+    """Each message with text is a token at least: 200,000 one-letter messages are a 400 at once, not
+    after rendering and encoding them (seconds of CPU)."""
+    body = {"model": "qwen3", "messages": [{"role": "user", "content": "a"}] * 200_000, "max_tokens": 2}
+    got, env = post(node.url + "/v1/chat/completions", body)
+    assert got == 400 and env["error"]["code"] == "context_length_exceeded"
+    assert "200000 messages, at least a token each" in env["error"]["message"]
+
+
 def test_oversized_body_and_unknown_route(node: NodeProc) -> None:
     big = json.dumps({"model": "qwen3", "messages": [{"role": "user", "content": "x" * (17 * 1024 * 1024)}]})
     got, env = post(node.url + "/v1/chat/completions", big.encode())

@@ -79,19 +79,24 @@ def _flag(d: dict[str, Any], name: str) -> bool:
     return True
 
 
-def prompt_chars(messages: Sequence[Any]) -> int:
-    """The characters of the messages' text (what a prompt is mostly made of; for
-    ``Gateway.check_prompt_chars``): their content (a string, or its text parts), reasoning and tool calls'
-    arguments."""
+def prompt_size(messages: Sequence[Any]) -> tuple[int, int]:
+    """(the characters of the messages' text, the messages that are a token at least), what a prompt is
+    mostly made of, for ``Gateway.check_prompt_chars``: the characters of their content (a string, or its
+    text parts), reasoning and tool calls' arguments; a user or assistant message with text renders to
+    one token at least in any template (300,000 messages of one letter: refused before rendering them)."""
     n = 0
+    least = 0
     for m in messages:
         if type(m) is not dict:
             continue
         c = m.get("content")
+        before = n
         if type(c) is str:
             n += len(c)
         elif type(c) is list:
             n += sum(len(t) for p in c if type(p) is dict and type(t := p.get("text")) is str)
+        if n > before and m.get("role") in ("user", "assistant"):
+            least += 1
         r = m.get("reasoning_content")
         if type(r) is str:
             n += len(r)
@@ -101,7 +106,7 @@ def prompt_chars(messages: Sequence[Any]) -> int:
                 fn = call.get("function") if type(call) is dict else None
                 a = fn.get("arguments") if type(fn) is dict else None
                 n += len(a) if type(a) is str else 0
-    return n
+    return n, least
 
 
 def _check_ids(s: Sampling, vocab: int) -> None:
@@ -125,7 +130,8 @@ async def render_chat(
     (``template_compat``; ``req.template_kwargs`` updated, as the parser stage reads it)."""
     tools = template_tools(req.tools, req.tool_choice)
     messages = req.messages
-    gw.check_prompt_chars(model, prompt_chars(messages), param)
+    chars, least = prompt_size(messages)
+    gw.check_prompt_chars(model, chars, param, least_tokens=least)
     if req.reasoning_effort is not None or any(m.get("role") == "developer" for m in messages):
         try:
             names = template_names(gw.tokenizer(model).chat_template(tools=tools is not None).source)

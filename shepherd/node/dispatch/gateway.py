@@ -254,19 +254,27 @@ class Gateway:
         self._context_lengths[model] = (version, n)
         return n
 
-    def check_prompt_chars(self, model: str, chars: int, param: str = "messages") -> None:
+    def check_prompt_chars(
+        self, model: str, chars: int, param: str = "messages", least_tokens: int = 0
+    ) -> None:
         """Refuse, before any tokenizing, a prompt of more characters than the context's tokens can hold
-        (no token is longer than the tokenizer's longest entry): tokenizing costs ~0.5 CPU-second a
-        megabyte, and a gzip body of 15 KB decodes to 15 MB of prompt."""
+        (no token is longer than the tokenizer's longest entry), or of more than ``least_tokens`` (what
+        it is known to take at the least: a token a message) when those are more than the context:
+        tokenizing costs ~0.5 CPU-second a megabyte, and a gzip body of 15 KB decodes to 15 MB of
+        prompt."""
         ctx = self.context_length(model)
         most = ctx * self.tokenizer(model).max_token_chars
-        if chars > most:
+        if chars > most or least_tokens > ctx:
             reduce = "the messages or completion" if param == "messages" else f"'{param}'"
+            what = (
+                f"{chars} characters of prompt, more than {ctx} tokens can hold"
+                if chars > most
+                else f"{least_tokens} messages, at least a token each"
+            )
             raise ApiError(
                 400,
-                f"This model's maximum context length is {ctx} tokens. However, you requested {chars} "
-                f"characters of prompt, more than {ctx} tokens can hold. Please reduce the length of "
-                f"{reduce}.",
+                f"This model's maximum context length is {ctx} tokens. However, you requested {what}. "
+                f"Please reduce the length of {reduce}.",
                 param=param,
                 code="context_length_exceeded",
             )
