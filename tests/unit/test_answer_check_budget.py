@@ -133,3 +133,23 @@ def test_patterns_judge_as_jsonschema_does(pattern: str, text: str) -> None:
     value = {"k": text, text: text}
     ours = content_check(schema).check(0, "stop", json.dumps(value), []) is None
     assert ours == Draft202012Validator(schema).is_valid(value)
+
+
+async def test_small_schemas_are_not_held_up_by_big_ones_queued_before_them() -> None:
+    """Meta-validation of a request's small schemas has a lane of its own: a caller that queued big
+    schemas (here, the big lane kept busy) does not make another's small one miss its deadline."""
+    import asyncio  # (this test alone waits on the lanes)
+    import threading
+    import uuid
+
+    from shepherd.node.openai import structured
+
+    gate = threading.Event()
+    busy = structured._executor(False).submit(gate.wait, 30)
+    try:
+        text = json.dumps({"type": "object", "properties": {uuid.uuid4().hex: {"type": "string"}}}).encode()
+        pending = [structured.PendingSchema("response_format.json_schema.schema", text)]
+        await asyncio.wait_for(structured.check_schemas(pending, deadline=5.0), 10)  # no schema_too_complex
+    finally:
+        gate.set()
+        busy.result(timeout=10)

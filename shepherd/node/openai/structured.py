@@ -27,7 +27,9 @@ event loop:
   for structured outputs is 5,000 properties (~20,000 nodes at 3-4 per property). Over a bound: 400
   naming the parameter, before any validation. Checking a bound costs one ``orjson.dumps`` (C) and,
   only above 40 kB, a node count that stops at the bound.
-- Meta-validation (``check_schemas``) runs in one dedicated thread (``schema-check``) with a deadline
+- Meta-validation (``check_schemas``) runs in a dedicated thread (``schema-check``; a request's schemas of
+  at most ``SMALL_LANE_BYTES`` in all in a second one, so that big ones queued by one caller do not hold
+  up everyone's small ones) with a deadline
   (``SCHEMA_CHECK_SECONDS``, queueing included): past it the request gets a 400 (``schema_too_complex``)
   and a job not yet started is cancelled; one already running ends on its own, within the bounds
   (~1 s at 20,000 nodes). Handlers call it after the model lookup and admission. ``schema_error``
@@ -398,14 +400,19 @@ def check_schemas_now(pending: Sequence[PendingSchema]) -> None:
             raise _invalid(p, problem)
 
 
-_EXECUTOR: ThreadPoolExecutor | None = None
+# a request whose schemas to check hold at most this many bytes goes to a lane of its own: a caller that
+# queues big schemas (~1 s each at the bounds) does not make everyone else's small ones wait past the
+# deadline (the two threads share the interpreter, so a small job runs at half speed at worst: ms)
+SMALL_LANE_BYTES = 16 * 1024
+_EXECUTORS: dict[bool, ThreadPoolExecutor] = {}
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="schema-check")
-    return _EXECUTOR
+def _executor(small: bool = False) -> ThreadPoolExecutor:
+    ex = _EXECUTORS.get(small)
+    if ex is None:
+        name = "schema-check-small" if small else "schema-check"
+        ex = _EXECUTORS[small] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    return ex
 
 
 def _meta_errors(texts: list[bytes]) -> list[str | None]:
@@ -428,7 +435,9 @@ async def check_schemas(pending: Sequence[PendingSchema], deadline: float = SCHE
         elif problem and first is None:
             first = (i, problem)
     if todo:
-        fut: Future[list[str | None]] = _executor().submit(_meta_errors, [p.text for p, _ in todo])
+        texts = [p.text for p, _ in todo]
+        small = sum(map(len, texts)) <= SMALL_LANE_BYTES
+        fut: Future[list[str | None]] = _executor(small).submit(_meta_errors, texts)
         try:
             answers = await asyncio.wait_for(asyncio.wrap_future(fut), deadline)
         except TimeoutError:
