@@ -204,6 +204,17 @@ def test_other_routes_keep_the_openai_envelope(node: NodeProc, engine: MockEngin
     assert orjson.loads(got[0][2])["error"]["code"] == "bad_http_request"
 
 
+def test_an_http_version_other_than_1_x_is_a_505(node: NodeProc, engine: MockEngineProc) -> None:
+    got = responses(exchange(node.port, b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n"))  # (was served)
+    assert [s for s, _, _ in got] == [505]
+    assert orjson.loads(got[0][2])["error"]["code"] == "http_version"
+    for line in (b"GET /health HTTP/3.0", b"GET /health HTTP/1.9"):  # refused, by the parser or here
+        got = responses(exchange(node.port, line + b"\r\nHost: x\r\n\r\n"))
+        assert [s for s, _, _ in got] in ([400], [505]), line
+    assert [s for s, _, _ in responses(exchange(node.port, b"GET /health HTTP/1.0\r\n\r\n"))] == [200]
+    assert_healthy(node, engine)
+
+
 # ---- the head limit ---------------------------------------------------------------------------------------
 
 

@@ -360,7 +360,10 @@ class _Conn(asyncio.Protocol):
         if size > lim.max_head:
             raise _Limit(_Fault(431, "The request head is too large.", "headers_too_large"))
         headers = CIMultiDictProxy(CIMultiDict(decoded))
-        version = HttpVersion11 if p.get_http_version() == "1.1" else HttpVersion10
+        hv = p.get_http_version()
+        if hv != "1.1" and hv != "1.0":  # (llhttp reads any digits: "HTTP/2.0" from a confused client)
+            raise _Limit(_Fault(505, f"HTTP/{hv} is not served here: HTTP/1.1 or 1.0.", "http_version"))
+        version = HttpVersion11 if hv == "1.1" else HttpVersion10
         cl_text = headers.get("Content-Length")
         content_length = int(cl_text) if cl_text is not None else None  # llhttp has checked it
         req = LeanRequest(
