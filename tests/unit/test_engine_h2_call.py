@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import struct
 from collections.abc import AsyncGenerator, Callable
 from typing import cast
 
@@ -403,6 +404,48 @@ async def test_a_paused_consumer_holds_its_streams_credit_until_it_takes_again()
     await flush()  # (the connection's writes go out at the end of the loop turn)
     assert stream_credit() > credited[-2]  # and the credit held goes to the engine
     assert [stream.credit_held] == [False]
+    await call.aclose()
+
+
+async def test_a_consumer_that_paused_after_taking_everything_is_not_left_waiting() -> None:
+    """The generation loop's order with a slow client: a batch taken, the write waits (the engine fills
+    the queue past the bound: credit held), then push takes the whole queue as one batch and pauses
+    again; after the drain it waits for more with ``__anext__``. Everything queued was taken, so the held
+    credit must have gone out: an engine that keeps to its window sends again and the wait ends."""
+    server = FakeServer(asyncio.get_running_loop())
+    call, sid = await _opened(server)
+    big = chunk(list(range(3_000)), 3)
+    frame_bytes = len(big) + 5
+    window = [h2.LOCAL_WINDOW]  # the engine's view of the stream's window
+    seen = [0]
+
+    def engine_sends() -> int:  # an engine that keeps to the stream window
+        for f in server.frames[seen[0] :]:
+            if f[0] == h2.WINDOW_UPDATE and f[2] == sid:
+                window[0] += struct.unpack(">I", f[3])[0]
+        seen[0] = len(server.frames)
+        sent = 0
+        while window[0] >= frame_bytes:  # bounded by the window
+            server.send(sid, big, head=False)
+            window[0] -= frame_bytes
+            sent += 1
+        return sent
+
+    engine_sends()
+    await flush()
+    engine_sends()
+    await flush()
+    stream = call._stream
+    assert stream is not None and stream.credit_held and window[0] < frame_bytes  # the engine is stopped
+    pushed = call.push(_taker([], True))  # the whole queue in one batch, and the client pauses again
+    assert pushed.done() and not stream.messages
+    nxt = asyncio.ensure_future(call.__anext__())
+    for _ in range(20):  # bounded: the engine gets its credit back and sends
+        engine_sends()
+        await flush()
+        if nxt.done():
+            break
+    assert nxt.done() and _ids([nxt.result()])[0]
     await call.aclose()
 
 

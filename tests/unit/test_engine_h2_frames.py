@@ -445,6 +445,25 @@ def test_a_stream_whose_consumer_is_behind_holds_its_credit(
     assert s.stream_id in {f[2] for f in h.written() if f[0] == h2.WINDOW_UPDATE}
 
 
+def test_one_message_bigger_than_the_window_still_arrives_whole(loop: asyncio.AbstractEventLoop) -> None:
+    """A message still arriving is not a backlog: its stream's credit is not held for it (a non-streamed
+    answer comes as one message, up to 64 MiB: held, it would never complete, and nobody would take it)."""
+    h, s = ready(loop)  # the real windows: 16 MiB, credit at 4 MiB
+    s.credit_hold = 1 << 20
+    h.conn.receive(h.server.ok_headers(s.stream_id))
+    msg = grpc_message(b"x" * (20 << 20))
+    sent, window = 0, h2.LOCAL_WINDOW
+    while sent < len(msg) and window > 0:  # bounded: the message, or the window running out
+        n = min(16384, len(msg) - sent, window)
+        h.conn.receive(h2.frame(h2.DATA, 0, s.stream_id, msg[sent : sent + n]))
+        sent += n
+        window -= n
+        for f in h.written():
+            if f[0] == h2.WINDOW_UPDATE and f[2] == s.stream_id:
+                window += struct.unpack(">I", f[3])[0]
+    assert sent == len(msg) and len(s.messages) == 1 and not s.credit_held
+
+
 def test_send_flow_control_waits_for_window_updates(loop: asyncio.AbstractEventLoop) -> None:
     h = Harness()
     h.settings({h2.SETTINGS_INITIAL_WINDOW_SIZE: 10})

@@ -713,6 +713,8 @@ class GenerateCall:
                     continue
                 if stream.done:
                     break
+                if stream.credit_held:  # (waiting with nothing queued: not behind)
+                    stream.consumed()
                 await stream.wait()
         except DecodeError as e:
             self.close()
@@ -793,6 +795,8 @@ class GenerateCall:
             stream.listener = self._on_ready
         if stream.messages or stream.done:
             self._on_ready()
+        elif stream.credit_held:  # (nothing queued: the consumer is not behind)
+            stream.consumed()
         return fut
 
     def _push_stopped(self) -> None:
@@ -837,6 +841,8 @@ class GenerateCall:
                     raws = list(msgs)
                     msgs.clear()
                     batch = decode_batch(raws, self._parse, single=self._single)
+                if stream.credit_held and not msgs:  # every message taken: the engine may send again,
+                    stream.consumed()  # whether ``take`` pauses on this batch or not
                 if batch and take(batch):
                     self._end_push()
                     fut.set_result(None)
@@ -849,8 +855,6 @@ class GenerateCall:
             self._end_push()
             fut.set_exception(e)
             return
-        if stream.credit_held:  # (every message taken: what the engine may send again)
-            stream.consumed()
         if stream.done:
             self._end_push()
             fut.set_result(None)

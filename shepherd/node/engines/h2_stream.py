@@ -153,7 +153,9 @@ class GrpcStream(H2Stream):
     # consumer side
 
     def backlog(self) -> int:
-        return sum(map(len, self.messages)) + len(self._partial)
+        """Whole messages not taken yet (a message still arriving is not held back: it must arrive for
+        the consumer to take anything, however large)."""
+        return sum(map(len, self.messages))
 
     def consumed(self) -> None:
         """The consumer has taken every message there was: credit held back (``credit_hold``) goes out."""
