@@ -68,12 +68,9 @@ def test_a_costly_check_ends_within_the_budget_as_a_violation(case: str) -> None
     if case == "uniqueItems-unsortable":  # one pass: decided (all distinct), not cut short
         assert v is None, v
     else:
-        assert (
-            v is not None
-            and "could not be checked" in v.message
-            and v.strict
-            and v.param == "response_format"
-        )
+        # flagged, not a strict violation: the clock, not the answer, is why (no 422 for it)
+        assert v is not None and "could not be checked" in v.message and not v.strict
+        assert v.param == "response_format"
 
 
 def test_the_budget_is_the_requests_not_each_choices() -> None:

@@ -44,8 +44,9 @@ event loop:
   ``additionalProperties``; ``uniqueItems`` over thousands of items that do not sort, which jsonschema
   compares pairwise; ``anyOf`` nested in ``anyOf``). Every keyword looks at the clock before it runs,
   patterns are matched by ``regex`` with the budget left as its timeout, and ``uniqueItems`` is one pass
-  over the items' canonical forms. An answer whose check runs out of budget is reported as a violation
-  ("could not be checked"): never a stalled loop.
+  over the items' canonical forms. An answer whose check runs out of budget is flagged as not checked (a
+  violation that is never strict: ``--reject-schema-violations`` does not refuse an answer for the
+  clock), never a stalled loop.
 """
 
 from __future__ import annotations
@@ -545,8 +546,8 @@ class OutputChecks:
             if left <= 0:
                 raise CheckTimeout
             return self._check(index, content, calls)
-        except CheckTimeout:
-            strict = self.content_strict or bool(self.strict_tools)
+        except CheckTimeout:  # not known to be broken: flagged, never a strict violation (no 422 for it)
+            strict = False
             param = "tools" if self.strict_tools and calls else _RF if self.content_kind else "tool_choice"
             budget_ms = ANSWER_CHECK_SECONDS * 1000
             msg = f"the answer could not be checked within the time budget ({budget_ms:.0f} ms)"
