@@ -4,7 +4,8 @@ response (streamed or not) running on one, cancelled through the other.
 The other node does not run it and has no mesh to ask the runner: it stores ``cancelled`` itself. The
 runner's next write of its progress (its heartbeat: the engine is stalled) must then not undo that end
 (a store update made only while the record has not ended): it stops generating (the engine request
-ends), its readers' streams end without a ``response.completed``, and the record stays ``cancelled``.
+ends), its readers' streams end with ``response.cancelled`` (never ``response.completed``), and the
+record stays ``cancelled``.
 Loopback only; every process stopped by its pid; bounded waits.
 """
 
@@ -77,6 +78,8 @@ def test_an_end_stored_by_a_sibling_stands_and_stops_the_runner(
             reader.join(timeout=40)
             assert not reader.is_alive()  # a stopped once its progress write found the end
             assert "response.completed" not in [e.type for e in seen]
+            end: Any = seen[-1]  # the end b stored, told to a's own reader
+            assert end.type == "response.cancelled" and end.sequence_number == len(seen) - 1
         for _ in range(400):  # bounded (~40 s): a's task stops, and with it the engine request
             if not active(engine, http):
                 break

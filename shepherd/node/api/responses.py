@@ -1294,10 +1294,13 @@ async def _background_stream(run: _Run, events: _BackgroundEvents) -> None:
         events.rewind()
         output = events.partial()
         body = response_object(base, status="cancelled", output=output, usage=_cut_usage(job))
-        # the readers' last event (held until the end is stored; dropped when another end stands)
+        # the readers' last event (held until the end is stored; when another end stands, that one's)
         await elog.write_eof(events.event("response.cancelled", {"response": body}))
         if not await _shielded(rec.final(body, output)):
             elog.drop_held()
+            stored = await _shielded(turn.hist.store.get_response(turn.response_id))
+            if isinstance(stored, StoredResponse) and stored.status in ("failed", "cancelled"):
+                elog.add(_end_event(stored, len(elog.events)))  # (a cancel stored by another writer)
         elog.close()
         raise
     except Exception as e:
