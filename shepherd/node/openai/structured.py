@@ -316,7 +316,7 @@ def _canon(v: Any) -> Any:
 
 def _unique_items(validator: Any, unique: Any, instance: Any, schema: Any) -> Iterator[Any]:
     """``uniqueItems`` in one pass (jsonschema compares items pairwise when they do not sort)."""
-    from jsonschema.exceptions import ValidationError  # (jsonschema is imported lazily: see _validator)
+    from jsonschema.exceptions import ValidationError  # not at the top: jsonschema's start-up cost
 
     if not unique or not validator.is_type(instance, "array"):
         return
@@ -341,7 +341,7 @@ def _checker_class() -> Any:
     if _CHECKER is None:
         # here, not at the top: jsonschema costs ~40 ms of start-up and most requests carry no schema
         from jsonschema import Draft202012Validator, _keywords, _legacy_keywords, _utils
-        from jsonschema.validators import extend
+        from jsonschema.validators import extend  # not at the top: as above
 
         timed_re = _TimedRe()
         for module in (_keywords, _utils, _legacy_keywords):  # their pattern matches (module ``re``)
