@@ -96,6 +96,7 @@ from shepherd.storage.types import (
     StoredItem,
     StoredResponse,
 )
+from shepherd.tokens.cache import ByteLRU
 from shepherd.tokens.tokenizer import Tokenizer
 
 __all__ = ["BACKGROUND", "BackgroundRegistry", "install", "routes"]
@@ -1585,10 +1586,14 @@ async def list_input_items(request: web.Request) -> web.StreamResponse:
         raise bad("Invalid 'order': expected 'asc' or 'desc'.", param="order", code="invalid_value")
     after = q.get("after")
     stored = await _get_owned(request, hist, rid)
-    try:
-        ids = [*await _context_ids(hist, stored, request.app.get(GATEWAY)), *stored.input_item_ids]
-    except StorageUnavailable as e:
-        raise _unavailable(e) from None
+    context = _CONTEXTS.get(stored.id)
+    if context is None:
+        try:
+            context = tuple(await _context_ids(hist, stored, request.app.get(GATEWAY)))
+        except StorageUnavailable as e:
+            raise _unavailable(e) from None
+        _CONTEXTS.put(stored.id, context, 64 + 64 * len(context))
+    ids = [*context, *stored.input_item_ids]
     if order == "desc":
         ids.reverse()
     if after:
@@ -1605,11 +1610,17 @@ async def list_input_items(request: web.Request) -> web.StreamResponse:
     return _json(item_list(items, len(ids) > limit))
 
 
+# the context ids of the responses whose input items were listed lately (paging through a long context
+# walks it once, not once a page), bounded in bytes
+_CONTEXTS: ByteLRU[str, tuple[str, ...]] = ByteLRU(16 << 20)
+
+
 async def _context_ids(hist: History, stored: StoredResponse, gw: Gateway | None) -> list[str]:
     """The ids of the items a response continued, before its own input (OpenAI's input items list them
     too): its ``previous_response_id`` chain's inputs and outputs, or its conversation's items from
     before it (its own are dated as its question; items added while it ran are later), oldest first.
-    What of a chain is gone (deleted, or past the depth bound) is left out, not an error."""
+    A chain that cannot be followed any more (past the depth bound, or broken since) gives none: the
+    list is the response's own input then, not an error."""
     store = hist.store
     if stored.previous_response_id is not None:
         depth = gw.cfg.history_chain_max_depth if gw is not None else 1000
