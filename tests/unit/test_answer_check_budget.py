@@ -4,16 +4,14 @@ request (``ANSWER_CHECK_SECONDS``), whatever the model wrote and the caller's sc
 The model writes the answer and the caller writes the schema, and both can make jsonschema's check cost
 without bound: a ``pattern`` that backtracks on what the model wrote (in ``pattern``, ``patternProperties``,
 ``additionalProperties``), ``uniqueItems`` over items that do not sort (compared pairwise), ``anyOf``
-nested in ``anyOf``. Each case here takes seconds to hours with plain jsonschema; under the budget it ends
-within it, reported as a violation, and the same schemas still judge ordinary answers as jsonschema does.
-Bounds on time below are generous multiples of the budget (these machines are shared): they tell a
-bounded check from an unbounded one, not how fast it is.
+nested in ``anyOf``. Each case here takes seconds to hours with plain jsonschema (the test's timeout
+would end it); under the budget it ends flagged "could not be checked" (the budget's verdict, not a
+timing), and the same schemas still judge ordinary answers as jsonschema does.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from typing import Any
 
 import pytest
@@ -21,9 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-from shepherd.node.openai.structured import ANSWER_CHECK_SECONDS, OutputChecks
-
-BOUND_S = 20 * ANSWER_CHECK_SECONDS  # far below what the unbounded cases take (seconds to hours)
+from shepherd.node.openai.structured import OutputChecks
 
 
 def content_check(schema: dict[str, Any], strict: bool = True) -> OutputChecks:
@@ -50,35 +46,37 @@ SLOW_CASES: dict[str, tuple[dict[str, Any], Any]] = {
         {"type": "object", "patternProperties": {BACKTRACK: {}}, "additionalProperties": False},
         {EVIL: 1},
     ),
-    "uniqueItems-unsortable": (
-        {"type": "array", "uniqueItems": True},
-        [{}, *(f"s{i}" for i in range(40_000))],
-    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(SLOW_CASES))
-def test_a_costly_check_ends_within_the_budget_as_a_violation(case: str) -> None:
+def test_a_costly_check_ends_at_the_budget_flagged(case: str) -> None:
     schema, value = SLOW_CASES[case]
     checks = content_check(schema)
-    t0 = time.monotonic()
     v = checks.check(0, "stop", json.dumps(value), [])
-    took = time.monotonic() - t0
-    assert took < BOUND_S, (case, took)
-    if case == "uniqueItems-unsortable":  # one pass: decided (all distinct), not cut short
-        assert v is None, v
-    else:
-        # flagged, not a strict violation: the clock, not the answer, is why (no 422 for it)
-        assert v is not None and "could not be checked" in v.message and not v.strict
-        assert v.param == "response_format"
+    # flagged, not a strict violation: the clock, not the answer, is why (no 422 for it)
+    assert v is not None and "could not be checked" in v.message and not v.strict
+    assert v.param == "response_format"
+
+
+def test_unique_items_over_unsortable_items_is_decided_in_one_pass() -> None:
+    """40,000 distinct items behind one that does not sort: jsonschema's pairwise comparison (8 x 10^8, ~35 s)
+    runs out of a budget of seconds; one pass over canonical forms decides them (all distinct, and one
+    repeated at the end is found)."""
+    items: list[Any] = [{}, *(f"s{i}" for i in range(40_000))]
+    checks = content_check({"type": "array", "uniqueItems": True})
+    checks.budget[0] = 5.0
+    assert checks.check(0, "stop", json.dumps(items), []) is None
+    repeated = content_check({"type": "array", "uniqueItems": True})
+    repeated.budget[0] = 5.0
+    v = repeated.check(0, "stop", json.dumps([*items, "s7"]), [])
+    assert v is not None and "non-unique" in v.message
 
 
 def test_the_budget_is_the_requests_not_each_choices() -> None:
     schema, value = SLOW_CASES["pattern"]
     checks = content_check(schema)
-    t0 = time.monotonic()
     got = [checks.check(i, "stop", json.dumps(value), []) for i in range(20)]
-    assert time.monotonic() - t0 < BOUND_S
     assert all(v is not None and "could not be checked" in v.message for v in got)
     assert checks.budget[0] <= 0
 
@@ -94,9 +92,7 @@ def test_a_strict_tools_arguments_are_checked_within_the_budget() -> None:
     }
     checks = OutputChecks.build(None, [tool], "")
     assert checks is not None
-    t0 = time.monotonic()
     v = checks.check(0, "tool_calls", None, [("f", json.dumps({"k": EVIL}))])
-    assert time.monotonic() - t0 < BOUND_S
     assert v is not None and v.param == "tools" and "could not be checked" in v.message
 
 

@@ -248,14 +248,19 @@ def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -
     )
 
 
-async def _shielded(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run a write to its end even when the caller is cancelled meanwhile (the task is held until done);
-    its result (None when it failed)."""
+def _held(coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    """``coro`` as a task held until done (nobody may await it: it still runs to its end)."""
     task = asyncio.ensure_future(coro)
     _PENDING.add(task)
     task.add_done_callback(_PENDING.discard)
+    return task
+
+
+async def _shielded(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a write to its end even when the caller is cancelled meanwhile (the task is held until done);
+    its result (None when it failed)."""
     try:
-        return await asyncio.shield(task)
+        return await asyncio.shield(_held(coro))
     except asyncio.CancelledError:
         raise
     except Exception:
@@ -430,6 +435,25 @@ class _StoringEvents(ResponseEvents):
         return out
 
 
+async def _still_running(turn: Turn, body: dict[str, Any], runner: asyncio.Task[Any] | None) -> bool | None:
+    """One write of a running background response's record (``body``, as it stands): True while it
+    runs; False when another writer stored its end or deleted it (a cancel without this node's task, a
+    peer that held this node gone): its ``runner`` is cancelled then; None when the write failed (the
+    next one may succeed)."""
+    try:
+        running = await turn.update(body, [])
+    except NotFound:  # deleted (a sibling's DELETE without a mesh): nothing to run for
+        running = False
+    except StorageError as e:
+        log.warning("background response %s: its record not written: %s", turn.response_id, e)
+        return None
+    if not running:
+        log.warning("background response %s was ended elsewhere: stopped", turn.response_id)
+        if runner is not None:
+            runner.cancel()
+    return running
+
+
 class _Recorder:
     """A streamed background response's record while it runs: its events so far written every
     ``CHECKPOINT_S`` (``loop``), then its end once (``final``); one write at a time, none after the end."""
@@ -443,9 +467,6 @@ class _Recorder:
         self.written = 0  # events in the record
         self.task: asyncio.Task[None] | None = None  # the response's: cancelled when another writer ended it
 
-    def over(self) -> bool:
-        return self.ended
-
     def body(self, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` with the events kept."""
         out = {**body, _EVENTS: self.log.stored()}
@@ -456,7 +477,7 @@ class _Recorder:
     async def loop(self) -> None:
         clock = asyncio.get_running_loop().time
         last = clock()
-        while not self.ended:  # bounded: cancelled when the response ends
+        while True:  # bounded: cancelled when the response ends (and it stops at its end, below)
             # each write is the whole record: a long one less often (every 0.5 s per MiB kept); with no
             # new event, one every HEARTBEAT_S all the same (a stalled engine: an end stored elsewhere
             # is still seen, and the engine request stopped)
@@ -466,23 +487,14 @@ class _Recorder:
                 continue
             last = clock()
             async with self.lock:
-                if self.over():  # (the end was written while this waited)
+                if self.ended:  # (the end was written while this waited)
                     return
                 body = response_object(self.base, status="in_progress", output=[], usage=None)
-                try:
-                    running = await self.turn.update(self.body(body), [])
-                except NotFound:  # deleted (a sibling's DELETE without a mesh): nothing to run for
-                    running = False
-                except StorageError as e:  # the next one, or the end, writes them
-                    log.warning(
-                        "background response %s: its events not written: %s", self.turn.response_id, e
-                    )
+                running = await _still_running(self.turn, self.body(body), self.task)
+                if running is None:  # the next one, or the end, writes them
                     continue
                 self.written = n
-            if not running:  # another writer stored its end (a cancel, a peer that held this node gone)
-                log.warning("background response %s was ended elsewhere: stopped", self.turn.response_id)
-                if self.task is not None:
-                    self.task.cancel()
+            if not running:
                 return
 
     async def final(self, body: dict[str, Any], output: Sequence[dict[str, Any]]) -> bool:
@@ -1177,9 +1189,7 @@ class _Run:
             if self.ticket is not None:
                 self.ticket.settle(0)
             if self.lease is not None:
-                task = asyncio.ensure_future(self.lease.release())
-                _PENDING.add(task)
-                task.add_done_callback(_PENDING.discard)
+                _held(self.lease.release())
 
         return done
 
@@ -1190,16 +1200,7 @@ async def _heartbeat(turn: Turn, base: dict[str, Any], task: asyncio.Task[Any] |
     body = response_object(base, status="in_progress", output=[], usage=None)
     while True:  # bounded: cancelled when the response ends
         await asyncio.sleep(HEARTBEAT_S)
-        try:
-            running = await turn.update(body, [])
-        except NotFound:
-            running = False
-        except StorageError:  # the next one
-            continue
-        if not running:
-            log.warning("background response %s was ended elsewhere: stopped", turn.response_id)
-            if task is not None:
-                task.cancel()
+        if await _still_running(turn, body, task) is False:
             return
 
 
