@@ -427,6 +427,12 @@ async def test_http_10_closes_after_the_response(srv: Running) -> None:
     assert await closed(c.r)
 
 
+async def test_http_10_needs_no_host(srv: Running) -> None:
+    c = await Conn.open(srv.port)
+    r = await c.request(b"GET /hello HTTP/1.0\r\n\r\n")
+    assert r.status == 200 and r.body == b"hello"
+
+
 async def test_http_10_keep_alive_is_honoured(srv: Running) -> None:
     c = await Conn.open(srv.port)
     r = await c.request(get("/hello", "Connection: keep-alive", version="1.0"))
@@ -613,6 +619,9 @@ async def test_undecodable_bodies_are_envelopes(
         (b"GET /hello HTTP/1.1\r\n" + b"".join(b"H%d: v\r\n" % i for i in range(40)) + b"\r\n", 431),
         (b"GET /hello HTTP/1.1\r\n" + b"".join(b"H%d: %s\r\n" % (i, b"v" * 4000) for i in range(5)), 431),
         (b"GET /" + b"a" * 3000 + b" HTTP/1.1\r\n\r\n", 414),
+        (b"GET /hello HTTP/1.1\r\nX: y\r\n\r\n", 400),  # RFC 9112 section 3.2
+        (b"GET /hello HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400),
+        (b"GET /hello HTTP/1.0\r\nHost: a\r\nhost: b\r\n\r\n", 400),
     ],
     ids=[
         "garbage",
@@ -626,6 +635,9 @@ async def test_undecodable_bodies_are_envelopes(
         "count",
         "head-unfinished",
         "url",
+        "no-host",
+        "two-hosts",
+        "two-hosts-1.0",
     ],
 )
 async def test_protocol_errors_are_envelopes_then_close(srv: Running, data: bytes, status: int) -> None:

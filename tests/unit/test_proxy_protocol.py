@@ -274,3 +274,48 @@ async def test_the_tls_listener_serves_counts_and_closes_with_the_server(tmp_pat
     finally:
         await srv.shutdown(timeout=0.1)
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("proxied", [False, True], ids=["tls", "proxy-then-tls"])
+async def test_a_tls_handshake_that_never_comes_is_closed(tmp_path: Path, proxied: bool) -> None:
+    """A connection that opens and sends nothing of its handshake (after its PROXY header, when it comes
+    from a balancer) is closed after ``Limits.tls_handshake_secs``, not asyncio's minute; a client that
+    does shake hands is served as before."""
+    import asyncio  # (these tests alone run a server)
+    import ssl
+
+    from aiohttp import web
+
+    from shepherd.node.http.limits import Limits
+    from shepherd.node.http.server import LeanServer
+
+    async def hello(_: web.Request) -> web.Response:
+        return web.Response(text="hello")
+
+    files = write_dev_pki(tmp_path, ["node"])["node"]
+    client = ssl.create_default_context(cafile=str(files.ca))
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(files.cert, files.key)
+    app = web.Application()
+    app.router.add_get("/hello", hello)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    limits = Limits(tls_handshake_secs=0.3)
+    srv = LeanServer(app, max_body=1024, limits=limits, proxy_from=["127.0.0.1"] if proxied else [])
+    await srv.start("127.0.0.1", 0, ssl_context=server_tls)
+    header = b"PROXY TCP4 192.0.2.7 127.0.0.1 1000 443\r\n" if proxied else b""
+    try:
+        r, w = await asyncio.open_connection("127.0.0.1", srv.port)
+        w.write(header)
+        assert await asyncio.wait_for(r.read(), 10) == b""  # closed, well before 60 s
+        w.close()
+        r2, w2 = await asyncio.open_connection("127.0.0.1", srv.port)
+        w2.write(header)
+        await w2.drain()
+        await w2.start_tls(client, server_hostname="127.0.0.1")
+        w2.write(b"GET /hello HTTP/1.1\r\nHost: a\r\n\r\n")
+        assert (await asyncio.wait_for(r2.readuntil(b"hello"), 10)).startswith(b"HTTP/1.1 200")
+        w2.close()
+    finally:
+        await srv.shutdown(timeout=0.1)
+        await runner.cleanup()

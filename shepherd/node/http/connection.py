@@ -364,6 +364,10 @@ class _Conn(asyncio.Protocol):
         if hv != "1.1" and hv != "1.0":  # (llhttp reads any digits: "HTTP/2.0" from a confused client)
             raise _Limit(_Fault(505, f"HTTP/{hv} is not served here: HTTP/1.1 or 1.0.", "http_version"))
         version = HttpVersion11 if hv == "1.1" else HttpVersion10
+        hosts = len(headers.getall("Host", ()))
+        if hosts > 1 or (hosts == 0 and version is HttpVersion11):  # RFC 9112 §3.2: a 400 for either
+            msg = "More than one Host header field." if hosts else "An HTTP/1.1 request needs a Host header."
+            raise _Limit(_Fault(400, msg, "bad_http_request"))
         cl_text = headers.get("Content-Length")
         content_length = int(cl_text) if cl_text is not None else None  # llhttp has checked it
         req = LeanRequest(

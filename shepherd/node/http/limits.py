@@ -40,6 +40,9 @@ class Limits:
     keepalive_secs: float = 75.0  # an idle connection is closed after this (aiohttp's default)
     head_secs: float = 30.0  # a request head must arrive whole within this of its first byte → 408
     body_secs: float = 300.0  # and the whole request (body included) within this → 408
+    # a TLS handshake must be done within this of the accept (asyncio's default, 60 s, let a client that
+    # opens connections and sends nothing hold a descriptor each for a minute before the cap counts them)
+    tls_handshake_secs: float = 10.0
     # a client that reads nothing of a response for this long (its buffers full) is gone: the response
     # ends, and with it the engine request it holds (KV cache), which would otherwise wait for the
     # request timeout

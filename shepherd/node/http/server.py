@@ -12,7 +12,7 @@ clients, request bodies, routing, responses, client disconnects).
   ``max_client_connections`` open connections a new one gets a 503 (OpenAI envelope, ``Connection:
   close``) and is closed at once, counted in ``refused``. Checked when the connection is made, one at a
   time, so the count is exact; over TLS that is after the handshake (handshakes in progress are bounded by
-  asyncio's ``ssl_handshake_timeout``, not by the cap). The cap never exceeds what the process may open
+  ``Limits.tls_handshake_secs``, 10 s, not by the cap). The cap never exceeds what the process may open
   (``fd_budget``: ``RLIMIT_NOFILE`` less a reserve for engine connections, the mesh, files and the refusals
   themselves): past it, idle connections would take every descriptor, new clients would be reset without an
   answer and the node could open no engine connection.
@@ -385,18 +385,18 @@ class _TlsListener:
     task a listening socket) and opens each connection through ``_TlsOpening``. Stands for the
     ``asyncio.Server`` the other modes get (``sockets``, ``close``, ``wait_closed``)."""
 
-    HANDSHAKE_S = 60.0  # asyncio's own default for a server's TLS handshake
-
     def __init__(
         self,
         cap: ConnectionCap,
         inner: Callable[[], asyncio.BaseProtocol],
         ctx: ssl.SSLContext,
+        handshake_s: float,
         sockets: list[socket.socket],
     ) -> None:
         self.cap = cap
         self.inner = inner
         self.ctx = ctx
+        self.handshake_s = handshake_s
         self.sockets = sockets
         loop = asyncio.get_running_loop()
         self.tasks = [loop.create_task(self._accept(s)) for s in sockets]
@@ -407,6 +407,7 @@ class _TlsListener:
         cap: ConnectionCap,
         inner: Callable[[], asyncio.BaseProtocol],
         ctx: ssl.SSLContext,
+        handshake_s: float,
         host: str,
         port: int,
         *,
@@ -436,7 +437,7 @@ class _TlsListener:
             for s in socks:
                 s.close()
             raise
-        return cls(cap, inner, ctx, socks)
+        return cls(cap, inner, ctx, handshake_s, socks)
 
     async def _accept(self, lsock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -456,7 +457,7 @@ class _TlsListener:
                 continue
             opening = _TlsOpening(cap, sock)
             cap.waiting.add(opening)
-            opening.task = task = loop.create_task(opening.open(self.inner, self.ctx, self.HANDSHAKE_S))
+            opening.task = task = loop.create_task(opening.open(self.inner, self.ctx, self.handshake_s))
             task.add_done_callback(opening.ended)
 
     def close(self) -> None:
@@ -546,6 +547,7 @@ class LeanServer:
                 self.cap,
                 lambda: _Conn(self),
                 ssl_context,
+                self.limits.tls_handshake_secs,
                 host,
                 port,
                 backlog=backlog,
@@ -558,6 +560,7 @@ class LeanServer:
                 host,
                 port,
                 ssl=ssl_context,
+                ssl_handshake_timeout=self.limits.tls_handshake_secs if ssl_context is not None else None,
                 backlog=backlog,
                 reuse_address=reuse_address,
                 reuse_port=reuse_port or None,
