@@ -73,7 +73,9 @@ def test_required_and_bounded_fields() -> None:
     d = _req()
     del d["max_tokens"]
     _bad(d, "max_tokens")
-    _bad(_req(max_tokens=0), "max_tokens")
+    _bad(_req(max_tokens=-1), "max_tokens")
+    assert parse_messages(_req(max_tokens=0)).cache_only  # "populate the prompt cache" (the SDK's docs)
+    assert not parse_messages(_req(max_tokens=1)).cache_only
     _bad(_req(temperature=1.5), "temperature")
     _bad(_req(top_k=-1), "top_k")
     _bad(_req(stop_sequences="x"), "stop_sequences")
@@ -197,13 +199,95 @@ def test_tools_and_tool_choice() -> None:
     _bad(_req(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "server tools")
     _bad(_req(tools=[TOOL, TOOL]), "unique")
     # schemas: bounded at parse time, meta-validated later (deferred)
-    bad_schema = {**TOOL, "input_schema": {"type": 5}}
+    bad_schema = {**TOOL, "input_schema": {"type": "object", "properties": 5}}
     r = parse_messages(_req(tools=[bad_schema]))
     assert len(r.chat.schemas) == 1
     with pytest.raises(ApiError, match="input_schema"):
         check_schemas_now(r.chat.schemas)
     huge = {**TOOL, "input_schema": {"type": "object", "description": "x" * (600 * 1024)}}
     _bad(_req(tools=[huge]), "KiB")
+
+
+def test_tool_names_and_schema_types_as_anthropic_checks_them() -> None:
+    for name in ("a.b", "a b", "x" * 129, "", "é"):
+        _bad(_req(tools=[{**TOOL, "name": name}]), "should match pattern")
+    assert parse_messages(_req(tools=[{**TOOL, "name": "mcp__srv__get-x_1" + "y" * 100}])).chat.tools
+    for schema in ({}, {"type": "string"}, {"type": ["object"]}):
+        _bad(_req(tools=[{**TOOL, "input_schema": schema}]), "Input should be 'object'")
+
+
+def _call(tid: str) -> dict[str, Any]:
+    return {"type": "tool_use", "id": tid, "name": "get_weather", "input": {}}
+
+
+def _result(tid: str) -> dict[str, Any]:
+    return {"type": "tool_result", "tool_use_id": tid, "content": "ok"}
+
+
+def test_a_tool_use_is_answered_in_the_next_turn() -> None:
+    """Anthropic's transcript checks: every tool_use answered by the user turn right after it, every
+    tool_result answering the assistant turn right before, tools defined when either is there."""
+    user = {"role": "user", "content": "hi"}
+
+    def asst(*blocks: dict[str, Any]) -> dict[str, Any]:
+        return {"role": "assistant", "content": list(blocks)}
+
+    def usr(*blocks: dict[str, Any]) -> dict[str, Any]:
+        return {"role": "user", "content": list(blocks)}
+
+    ok = [
+        user,
+        asst(_call("t1"), _call("t2")),
+        usr(_result("t1"), _result("t2")),
+        asst(_call("t3")),
+        usr(_result("t3")),
+    ]
+    assert len(parse_messages(_req(tools=[TOOL], messages=ok)).chat.messages) == 6  # (a tool message each)
+    # consecutive user messages are one turn: the results may come in two of them
+    split = [user, asst(_call("t1"), _call("t2")), usr(_result("t1")), usr(_result("t2"))]
+    assert parse_messages(_req(tools=[TOOL], messages=split))
+    unanswered = [user, asst(_call("t1")), {"role": "user", "content": "next"}]
+    _bad(_req(tools=[TOOL], messages=unanswered), r"messages.1: `tool_use` ids were found without .* t1")
+    partly = [user, asst(_call("t1"), _call("t2")), usr(_result("t1"))]
+    _bad(_req(tools=[TOOL], messages=partly), "immediately after: t2")
+    late = [
+        user,
+        asst(_call("t1")),
+        usr(_result("t1")),
+        asst({"type": "text", "text": "x"}),
+        usr(_result("t1")),
+    ]
+    _bad(_req(tools=[TOOL], messages=late), "unexpected `tool_use_id`")
+    skipped = [
+        user,
+        asst(_call("t1")),
+        {"role": "user", "content": "x"},
+        asst(_call("t2")),
+        usr(_result("t1")),
+    ]
+    _bad(_req(tools=[TOOL], messages=skipped), "immediately after: t1")
+    _bad(_req(messages=ok), "must define tools")
+
+
+def test_text_blocks_must_hold_text_and_a_prefill_no_trailing_space() -> None:
+    _bad(_req(messages=[{"role": "user", "content": [{"type": "text", "text": ""}]}]), "non-empty")
+    _bad(_req(messages=[{"role": "user", "content": "  \n"}]), "non-whitespace")
+    blank = [{"type": "text", "text": "a"}, {"type": "text", "text": " "}]
+    _bad(_req(messages=[{"role": "user", "content": blank}]), "non-whitespace")
+    mid = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": " "},
+        {"role": "user", "content": "b"},
+    ]
+    _bad(_req(messages=mid), "non-whitespace")
+    prefill = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "Sure, "}]
+    _bad(_req(messages=prefill), "trailing whitespace")
+    prefill[1]["content"] = [{"type": "text", "text": "Sure,\n"}]
+    _bad(_req(messages=prefill), "trailing whitespace")
+    prefill[1]["content"] = "Sure,"
+    assert parse_messages(_req(messages=prefill)).chat.continue_final_message
+    prefill[1]["content"] = ""  # an empty prefill: none
+    assert not parse_messages(_req(messages=prefill)).chat.continue_final_message
 
 
 def test_thinking() -> None:

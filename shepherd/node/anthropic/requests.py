@@ -37,6 +37,7 @@ wait in ``chat.schemas`` for ``check_schemas`` (off the loop, after the model lo
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,7 @@ __all__ = [
 MIN_THINKING_BUDGET = 1024
 MAX_USER_ID_CHARS = 256
 _SERVER_BLOCKS = ("image", "document", "search_result", "container_upload")
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")  # Anthropic's pattern for a custom tool's name
 
 
 @dataclass(slots=True)
@@ -80,6 +82,9 @@ class MessagesRequest:
     user_id: str | None
     stream: bool
     omit_thinking: bool = False  # thinking.display 'omitted': thinking blocks without their text
+    # ``max_tokens: 0``: "populate the prompt cache without generating a response" (the SDK's docs): the
+    # prompt's prefill alone, an empty Message with ``stop_reason`` max_tokens
+    cache_only: bool = False
 
 
 def tool_use_id(call_id: str) -> str:
@@ -139,9 +144,7 @@ def _user_blocks(
         if not isinstance(b, dict):
             raise bad(f"{w}: a content block must be an object with a 'type'.", param=w)
         if kind == "text":
-            if not isinstance(b.get("text"), str):
-                raise bad(f"{w}.text: Field required (a string).", param=w)
-            texts.append(b["text"])
+            texts.append(_text_of(b, w))
         elif kind == "tool_result":
             tid = b.get("tool_use_id")
             if not isinstance(tid, str) or not tid:
@@ -149,7 +152,7 @@ def _user_blocks(
             if tid not in calls:
                 raise bad(
                     f"{w}: unexpected `tool_use_id` found in `tool_result` blocks: {tid[:100]}. Each "
-                    "`tool_result` block must have a corresponding `tool_use` block in an earlier message.",
+                    "`tool_result` block must have a corresponding `tool_use` block in the previous message.",
                     param=w,
                 )
             if tid in answered:
@@ -175,7 +178,27 @@ def _user_blocks(
     flush()
 
 
-def _assistant_blocks(content: list[Any], where: str, calls: set[str]) -> dict[str, Any]:
+def _text_of(block: dict[str, Any], where: str, final: bool = False) -> str:
+    """A text block's text: Anthropic refuses empty and white-space-only text blocks, but in the final
+    assistant message (a prefill), where only trailing white space is refused."""
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise bad(f"{where}.text: Field required (a string).", param=where)
+    _check_text(text, where, final)
+    return text
+
+
+def _check_text(text: str, where: str, final: bool) -> None:
+    if final:
+        if text != text.rstrip():
+            raise bad("messages: final assistant content cannot end with trailing whitespace", param=where)
+    elif not text:
+        raise bad("messages: text content blocks must be non-empty", param=where)
+    elif text.isspace():
+        raise bad("messages: text content blocks must contain non-whitespace text", param=where)
+
+
+def _assistant_blocks(content: list[Any], where: str, calls: set[str], final: bool) -> dict[str, Any]:
     texts: list[str] = []
     thinking: list[str] = []
     tool_calls: list[dict[str, Any]] = []
@@ -185,9 +208,7 @@ def _assistant_blocks(content: list[Any], where: str, calls: set[str]) -> dict[s
         if not isinstance(b, dict):
             raise bad(f"{w}: a content block must be an object with a 'type'.", param=w)
         if kind == "text":
-            if not isinstance(b.get("text"), str):
-                raise bad(f"{w}.text: Field required (a string).", param=w)
-            texts.append(b["text"])
+            texts.append(_text_of(b, w, final))
         elif kind == "thinking":
             if not isinstance(b.get("thinking"), str):
                 raise bad(f"{w}.thinking: Field required (a string).", param=w)
@@ -255,7 +276,11 @@ def _add_turn(out: list[dict[str, Any]], msg: dict[str, Any]) -> None:
 
 
 def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
-    """The chat messages (``system`` first) and whether the last turn is an assistant's prefill."""
+    """The chat messages (``system`` first) and whether the last turn is an assistant's prefill.
+
+    As Anthropic checks a transcript: every ``tool_use`` of an assistant turn is answered by a
+    ``tool_result`` in the user turn right after it, and a ``tool_result`` answers a ``tool_use`` of the
+    assistant turn right before (consecutive messages of one role are one turn)."""
     out: list[dict[str, Any]] = []
     system = d.get("system")
     if system is not None:
@@ -265,10 +290,13 @@ def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
     msgs = d.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages: Field required (a non-empty list).", param="messages")
-    calls: set[str] = set()
+    seen: set[str] = set()  # every tool_use id (ids are unique in a transcript)
+    turn: set[str] = set()  # the tool_use ids of the latest assistant turn
+    unanswered: dict[str, int] = {}  # of those, the ones no tool_result answered yet: their message
     answered: set[str] = set()
     prefill = False
     last = len(msgs) - 1
+    prev_role: str | None = None
     for i, m in enumerate(msgs):
         w = f"messages.{i}"
         if not isinstance(m, dict):
@@ -285,19 +313,48 @@ def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
                 "message",
                 param=f"{w}.content",
             )
+        if role != prev_role:
+            if role == "assistant":  # a new assistant turn: the last one's calls must all be answered
+                _unanswered(unanswered)
+                turn = set()
+            prev_role = role
+        final = i == last and role == "assistant"
         if isinstance(content, str):
+            _check_text(content, f"{w}.content", final)
             _add_turn(out, {"role": role, "content": content})
         elif isinstance(content, list):
             if role == "user":
-                _user_blocks(content, w, calls, out, answered)
+                _user_blocks(content, w, turn, out, answered)
+                for tid in answered.intersection(unanswered):
+                    del unanswered[tid]
             else:
-                _add_turn(out, _assistant_blocks(content, w, calls))
+                msg = _assistant_blocks(content, w, seen, final)
+                for call in msg.get("tool_calls") or ():
+                    turn.add(call["id"])
+                    unanswered[call["id"]] = i
+                _add_turn(out, msg)
         else:
             raise bad(f"{w}.content: expected a string or a list of content blocks.", param=f"{w}.content")
         prefill = role == "assistant"
     if prefill and out[-1].get("tool_calls"):
         raise bad("The final assistant message may not end with a tool_use block.", param="messages")
+    _unanswered(unanswered)
+    if seen and not d.get("tools"):
+        why = "Requests which include `tool_use` or `tool_result` blocks must define tools."
+        raise bad(why, param="tools")
     return out, prefill
+
+
+def _unanswered(unanswered: dict[str, int]) -> None:
+    if unanswered:
+        at = min(unanswered.values())
+        ids = ", ".join(t[:100] for t, i in unanswered.items() if i == at)
+        raise bad(
+            f"messages.{at}: `tool_use` ids were found without `tool_result` blocks immediately after: "
+            f"{ids}. Each `tool_use` block must have a corresponding `tool_result` block in the next "
+            "message.",
+            param=f"messages.{at}",
+        )
 
 
 def _tools(
@@ -330,8 +387,10 @@ def _tools(
                 code="unsupported_tool",
             )
         name = t.get("name")
-        if not isinstance(name, str) or not name or len(name) > 128:
-            raise bad(f"{w}.name: Field required (a string of 1 to 128 characters).", param=f"{w}.name")
+        if not isinstance(name, str) or _TOOL_NAME.fullmatch(name) is None:
+            raise bad(
+                f"{w}.custom.name: String should match pattern '^[a-zA-Z0-9_-]{{1,128}}$'", param=f"{w}.name"
+            )
         if name in names:
             raise bad(f"{w}.name: tool names must be unique ({name!r} is repeated).", param=f"{w}.name")
         names.add(name)
@@ -341,6 +400,8 @@ def _tools(
         schema = t.get("input_schema")
         if not isinstance(schema, dict):
             raise bad(f"{w}.input_schema: Field required (a JSON schema object).", param=f"{w}.input_schema")
+        if schema.get("type") != "object":
+            raise bad(f"{w}.custom.input_schema.type: Input should be 'object'", param=f"{w}.input_schema")
         pending.append(budget.take(schema, f"{w}.input_schema"))
         fn: dict[str, Any] = {"name": name, "parameters": schema}
         if desc:
@@ -411,7 +472,7 @@ def _thinking(d: dict[str, Any], max_tokens: int | None) -> tuple[bool, int | No
         raise bad(
             f"thinking.budget_tokens: must be >= {MIN_THINKING_BUDGET}.", param="thinking.budget_tokens"
         )
-    if max_tokens is not None and budget >= max_tokens:
+    if max_tokens and budget >= max_tokens:  # (0: nothing is generated, nothing to bound)
         raise bad(
             "`max_tokens` must be greater than `thinking.budget_tokens`.", param="thinking.budget_tokens"
         )
@@ -511,8 +572,8 @@ def _parse(d: dict[str, Any], *, count: bool) -> MessagesRequest:
         mt = d.get("max_tokens")
         if mt is None:
             raise bad("max_tokens: Field required", param="max_tokens")
-        if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= INT32_MAX:
-            raise bad(f"max_tokens: expected an integer in [1, {INT32_MAX}].", param="max_tokens")
+        if isinstance(mt, bool) or not isinstance(mt, int) or not 0 <= mt <= INT32_MAX:
+            raise bad(f"max_tokens: expected an integer in [0, {INT32_MAX}].", param="max_tokens")
         max_tokens = mt
         stops = _stop_sequences(d)
         _num(d, "temperature", 0.0, 1.0)
@@ -524,7 +585,7 @@ def _parse(d: dict[str, Any], *, count: bool) -> MessagesRequest:
         if stream_v not in (None, True, False):
             raise bad("stream: expected a boolean.", param="stream")
         stream = bool(stream_v)
-        s = {"max_tokens": max_tokens, "stream": stream}
+        s = {"max_tokens": max_tokens or 1, "stream": stream}  # (0: the prefill alone, see cache_only)
         for key in ("temperature", "top_p", "top_k"):
             if d.get(key) is not None:
                 s[key] = d[key]
@@ -560,4 +621,6 @@ def _parse(d: dict[str, Any], *, count: bool) -> MessagesRequest:
         separate_reasoning=thinking,
         schemas=tuple(pending),
     )
-    return MessagesRequest(chat, thinking, budget, stops, _user_id(d), stream, omit_thinking)
+    return MessagesRequest(
+        chat, thinking, budget, stops, _user_id(d), stream, omit_thinking, cache_only=max_tokens == 0
+    )

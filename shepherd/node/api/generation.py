@@ -416,11 +416,13 @@ class Generation:
             heads = [with_choice_ids(h, (), job.ids) for h in heads]
         return self._with_usage(heads, job) if self.s.continuous_usage and self._events is None else heads
 
-    async def prompt_only(self, jobs: list[Job]) -> None:
+    async def prompt_only(self, jobs: list[Job], logprobs: bool = True) -> None:
         """Each prompt's logprobs alone, into its job (``echo`` with ``max_tokens`` 0 and the prompt's
         logprobs asked): one engine call per prompt generating one token, dropped, as vLLM's
         echo_without_generation does (its max_tokens 1); one sample whatever ``n`` (a prompt's logprobs
-        are the same for every choice). Raises what the engine call raises."""
+        are the same for every choice). Without ``logprobs``, the prompt's prefill alone (Anthropic's
+        ``max_tokens: 0``, which fills the engine's prefix cache): the engine's cached tokens go to the
+        totals. Raises what the engine call raises."""
         s = self.s
         self.s = replace(s, max_tokens=1, min_tokens=0, n=1, stop=(), stop_token_ids=())
 
@@ -439,11 +441,13 @@ class Generation:
                                     retryable=False,
                                 )
                             es.completed = True
+                            self.totals.cached += ev.cached_tokens
                     if es.completed:
                         break
             finally:
                 await es.close("done" if es.completed else "cancelled")
-            self._prompt_of(job)
+            if logprobs:
+                self._prompt_of(job)
 
         try:
             await _each_job(jobs, run)

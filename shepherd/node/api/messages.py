@@ -121,6 +121,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
         if schemas:  # under admission, after the model lookup: off the loop, with a deadline
             await check_schemas(schemas)
         gw.metrics.overhead.observe(time.perf_counter() - t0)
+        if req.cache_only:
+            return await _cache_only(g, jobs, message_id, req)
         if events is not None:
             return await g.stream(jobs)
         return await _respond(g, jobs, message_id, req)
@@ -150,6 +152,31 @@ async def _respond(g: Generation, jobs: list[Job], message_id: str, req: Message
     if violations:
         headers["x-smg-schema-violation"] = header_value(violations)
     return web.Response(body=orjson.dumps(body), content_type="application/json", headers=headers)
+
+
+async def _cache_only(g: Generation, jobs: list[Job], message_id: str, req: MessagesRequest) -> web.Response:
+    """``max_tokens: 0``: the prompt's prefill alone, so that the engine's prefix cache holds it (one
+    token generated and dropped, as the completions API's echo with ``max_tokens`` 0: vLLM refuses a
+    request for none), then an empty Message, ``stop_reason`` max_tokens, no output token; streamed,
+    its ``message_start``, ``message_delta`` and ``message_stop``. A failure is a plain HTTP error (no
+    byte was sent)."""
+    await g.prompt_only(jobs, logprobs=False)
+    g._account(jobs[0])
+    job = jobs[0]
+    enc = MessageEvents(message_id, g.model, len(job.ids), req.stop_sequences, quiet=True)
+    enc.finish(0, "length")
+    t = g.totals
+    headers = g.headers()
+    if req.stream:
+        g.request["stream"] = True
+        start = MessageEvents(message_id, g.model, len(job.ids)).role()
+        body = start + await enc.end(t.prompt, 0, t.cached)
+        headers["Cache-Control"] = "no-cache"
+        g.done()
+        return web.Response(body=body, content_type="text/event-stream", headers=headers)
+    g.done()
+    message = enc.message(messages_usage(t.prompt, 0, t.cached))
+    return web.Response(body=orjson.dumps(message), content_type="application/json", headers=headers)
 
 
 async def count_tokens(request: web.Request) -> web.StreamResponse:
