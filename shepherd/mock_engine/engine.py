@@ -178,10 +178,12 @@ class Run:
         group = self.group
         while group.state == WAITING and not self._stopped():
             await self._block(None)  # woken by the core when admitted
+        if core.injector.faults.hang_before_first_token:
+            # until aborted, or until the fault is cleared (then the request goes on: an engine whose
+            # first token came late); the setting is looked at again every 50 ms
+            while not self._stopped() and core.injector.faults.hang_before_first_token:
+                await self._block(0.05)
         faults = core.injector.faults
-        if faults.hang_before_first_token:
-            while not self._stopped():
-                await self._block(None)
         zero = core.config.zero_latency
         if not zero and group.first_token_at is not None:
             await self._sleep_until(group.first_token_at)

@@ -342,9 +342,38 @@ def test_an_idle_stream_gets_ping_events(node: NodeProc, engine: MockEngineProc,
     assert ": keep-alive" not in text and "event: message_stop" in text
 
 
-def test_no_ping_before_message_start(node: NodeProc, engine: MockEngineProc, http: httpx.Client) -> None:
-    """An engine silent before its first token (queued, prefilling): the headers go out with SSE comments,
-    not Anthropic's ping events, which come after message_start (raw SSE readers expect that first)."""
+def test_a_slow_first_token_opens_with_message_start(
+    node: NodeProc, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """An engine silent before its first token (queued, prefilling): the headers go out a keep-alive
+    interval after dispatch with message_start, as Anthropic's streams open (raw SSE readers expect it
+    first), then pings; message_start is not sent again when the tokens come."""
+    faults = f"http://127.0.0.1:{engine.http_port}/mock/faults"
+    http.post(faults, json={"hang_before_first_token": True}).raise_for_status()
+    text = ""
+    try:
+        body = {"model": MODEL, "max_tokens": 8, "stream": True, "messages": _user("late first")}
+        headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+        with http.stream("POST", node.url + "/v1/messages", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            for piece in r.iter_text():  # bounded: a ping every 0.2 s, the stream's end
+                text += piece
+                if text.count("event: ping") == 3:  # (the fault cleared: the engine answers now)
+                    http.post(faults, json={"hang_before_first_token": False}).raise_for_status()
+                if text.count(": keep-alive") >= 3:  # comments instead of message_start: wrong
+                    break
+    finally:
+        http.post(faults, json={"hang_before_first_token": False}).raise_for_status()
+    assert text.startswith("event: message_start\n"), text[:200]
+    assert text.count("event: message_start\n") == 1 and ": keep-alive" not in text, text
+    before = text[: text.index("event: content_block_start")]
+    assert before.count("event: ping\n") >= 2, text  # the one after message_start, then the ticker's
+    assert text.rstrip().endswith('"type":"message_stop"}'), text[-200:]
+
+
+def test_a_hung_first_token_still_opens_with_message_start(
+    node: NodeProc, engine: MockEngineProc, http: httpx.Client
+) -> None:
     faults = f"http://127.0.0.1:{engine.http_port}/mock/faults"
     http.post(faults, json={"hang_before_first_token": True}).raise_for_status()
     text = ""
@@ -355,8 +384,8 @@ def test_no_ping_before_message_start(node: NodeProc, engine: MockEngineProc, ht
             assert r.status_code == 200
             for piece in r.iter_text():  # bounded: the keep-alive comes every 0.2 s
                 text += piece
-                if text.count(": keep-alive") >= 2 or "event: " in text:
+                if text.count("event: ping") >= 3 or text.count(": keep-alive") >= 3:
                     break
     finally:
         http.post(faults, json={"hang_before_first_token": False}).raise_for_status()
-    assert "event: ping" not in text and "event: message_start" not in text, text
+    assert text.startswith("event: message_start\n") and ": keep-alive" not in text, text

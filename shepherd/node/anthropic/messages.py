@@ -13,8 +13,10 @@ Anthropic's order: ``message_start`` (the Message with empty ``content``), a ``p
 block ``content_block_start``, ``content_block_delta``s (``text_delta``, ``thinking_delta``,
 ``input_json_delta`` with ``partial_json``; a thinking block's ``signature_delta`` right before it
 stops), ``content_block_stop``; finally ``message_delta`` (``stop_reason``, ``stop_sequence``, usage)
-and ``message_stop``. An in-band failure is an ``event: error`` in the Anthropic envelope. The node's
-keep-alive comments (``: keep-alive``) may come between events while the engine is silent.
+and ``message_stop``. An in-band failure is an ``event: error`` in the Anthropic envelope. While the
+engine is silent the node's keep-alive is a ``ping``; when the engine is slow to answer at all (queue,
+long prefill), ``message_start`` goes out with the headers one keep-alive interval after dispatch
+(``opening``), pings after it.
 
 Thinking ``signature``: a non-empty opaque string (``smg1.`` + a digest of the thinking text). It is NOT
 a cryptographic signature: nothing is keyed, and the node does not check it when a client sends the
@@ -152,6 +154,7 @@ class MessageEvents:
         self.blocks: list[dict[str, Any]] = []  # the content blocks, in order (the open one last)
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
+        self._started = False
 
     def _sse(self, kind: str, payload: dict[str, Any]) -> bytes:
         return b"" if self.quiet else sse(kind, payload)
@@ -188,8 +191,16 @@ class MessageEvents:
 
     # ---- the driver's interface ----
 
+    def opening(self) -> bytes:
+        """What opens the stream (``role``'s), made once: sent with the headers when the engine is slow to
+        answer (the node's keep-alive ticker), so that the stream starts with ``message_start``."""
+        return self.role()
+
     def role(self, index: int = 0) -> bytes:
-        """``message_start`` (the Message, empty) and a ``ping``."""
+        """``message_start`` (the Message, empty) and a ``ping``; nothing once made."""
+        if self._started:
+            return b""
+        self._started = True
         message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",

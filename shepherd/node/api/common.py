@@ -432,12 +432,15 @@ def _stamp(request: web.Request, resp: web.StreamResponse, t0: float) -> web.Str
 
 
 class _Entry:
-    __slots__ = ("last", "payload", "request", "resp")
+    __slots__ = ("last", "opening", "payload", "request", "resp")
 
     def __init__(self, resp: web.StreamResponse, payload: bytes, request: web.Request | None) -> None:
         self.resp = resp
         self.payload = payload
         self.request = request  # set: the ticker sends the headers if they are not out when it first ticks
+        # what the ticker writes right after the headers it sent, instead of ``payload`` (the Messages
+        # API's message_start: Anthropic's streams open with it, before any ping)
+        self.opening: Callable[[], bytes] | None = None
         self.last = time.monotonic()
 
     def touch(self) -> None:
@@ -486,11 +489,14 @@ class KeepAlive:
                 if now - e.last >= self.interval:
                     e.touch()
                     with contextlib.suppress(Exception):
+                        data = e.payload
                         if e.request is not None:
                             if not e.resp.prepared:
                                 await e.resp.prepare(e.request)
+                                if e.opening is not None:
+                                    data = e.opening()
                             e.request = None
-                        await e.resp.write(e.payload)
+                        await e.resp.write(data)
 
     async def close(self) -> None:
         if self._task is not None:

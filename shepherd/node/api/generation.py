@@ -1014,6 +1014,17 @@ class Generation:
         # message_start, which comes with the first batch; then the events' own keep-alive)
         ka = keepalive.register(resp, KEEPALIVE, self.request)
         own_ka = getattr(self._events, "keepalive", KEEPALIVE)
+        # events whose stream opens with an event of their own, before any keep-alive (the Messages API's
+        # message_start: ``opening`` makes it once, ``role`` then nothing): it goes out with the headers
+        first: Callable[[], bytes] | None = getattr(self._events, "opening", None)
+        if first is not None:
+
+            def opening() -> bytes:
+                ka.payload = own_ka
+                assert first is not None
+                return first()
+
+            ka.opening = opening
         try:
             es = await self._open(jobs[0], 0, True, max_new[0])
         except (EngineError, ApiError, TimeoutError) as e:
