@@ -280,7 +280,10 @@ def test_text_blocks_must_hold_text_and_a_prefill_no_trailing_space() -> None:
         {"role": "user", "content": "b"},
     ]
     _bad(_req(messages=mid), "non-whitespace")
-    prefill = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "Sure, "}]
+    prefill: list[dict[str, Any]] = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "Sure, "},
+    ]
     _bad(_req(messages=prefill), "trailing whitespace")
     prefill[1]["content"] = [{"type": "text", "text": "Sure,\n"}]
     _bad(_req(messages=prefill), "trailing whitespace")
