@@ -227,6 +227,32 @@ def test_validator_cache_is_bounded_in_bytes() -> None:
     assert len(structured._META) <= structured._META_CACHE_ENTRIES
 
 
+def test_answer_checks_fetch_no_ref_outside_the_schema(tmp_path: Any) -> None:
+    """A ``$ref`` to a URL or a file is not fetched when an answer is checked (jsonschema's default
+    registry would, on the event loop): no connection reaches a listener it names, and no file's content
+    reaches the violation message; refs within the schema still apply."""
+    import socket
+
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"enum": ["SECRET-VALUE-123"]}')
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        port = listener.getsockname()[1]
+        for ref in (f"http://127.0.0.1:{port}/s.json", f"file://{secret}"):
+            schema = {"type": "object", "properties": {"a": {"$ref": ref}}}
+            assert structured._violation(structured._dumps(schema), {"a": "x"}) is None
+        based = {"$id": f"http://127.0.0.1:{port}/x.json", "properties": {"a": {"$ref": "other.json"}}}
+        assert structured._violation(structured._dumps(based), {"a": "x"}) is None
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody came
+    local = {"$defs": {"s": {"enum": ["y"]}}, "properties": {"a": {"$ref": "#/$defs/s"}}}
+    assert "'x' is not one of ['y']" in (structured._violation(structured._dumps(local), {"a": "x"}) or "")
+    embedded = {"$defs": {"s": {"$id": "urn:s", "enum": ["y"]}}, "properties": {"a": {"$ref": "urn:s"}}}
+    assert structured._violation(structured._dumps(embedded), {"a": "x"})
+
+
 def test_manual_policy_holds_long_keys_as_digests() -> None:
     class W:
         def __init__(self, wid: str) -> None:

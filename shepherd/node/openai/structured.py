@@ -352,13 +352,26 @@ def _checker_class() -> Any:
     return _CHECKER
 
 
+_REFS: Any = None  # the registry the answer checks resolve ``$ref`` in: nothing beyond the schema
+
+
 def _validator(schema_json: str | bytes) -> Validator:
     """A validator for a schema that passed meta-validation (building one is cheap; checking the
-    schema is what costs), cached by text within ``_VALIDATOR_CACHE_BYTES``."""
+    schema is what costs), cached by text within ``_VALIDATOR_CACHE_BYTES``.
+
+    Its ``$ref``s resolve within the schema only (its ``$defs``, its embedded ``$id`` resources): an empty
+    ``referencing.Registry``, which retrieves nothing. jsonschema's default registry fetches any other
+    URI itself (``http://``, ``file://``), synchronously on the event loop: a client's schema would make
+    the node read its files into the answer's violation message and stall on slow URLs."""
+    global _REFS
     key = schema_json.encode() if isinstance(schema_json, str) else schema_json
     v = _VALIDATORS.get(key)
     if v is None:
-        v = _checker_class()(orjson.loads(key))
+        if _REFS is None:
+            from referencing import Registry  # not at the top: with jsonschema (see _checker_class)
+
+            _REFS = Registry()
+        v = _checker_class()(orjson.loads(key), registry=_REFS)
         _VALIDATORS.put(key, v, len(key) * (1 + _PARSED_FACTOR) + 256)
     return v
 
@@ -467,7 +480,7 @@ def _violation(schema_json: str, value: Any) -> str | None:
         err = next(iter(v.iter_errors(value)), None)
     except CheckTimeout:
         raise
-    except Exception:  # e.g. a $ref to nowhere: the schema cannot be applied; nothing to report
+    except Exception:  # e.g. a $ref to nowhere (or outside the schema): it cannot be applied, no report
         return None
     if err is None:
         return None
