@@ -445,6 +445,14 @@ async def test_strict_tools_with_auto_send_a_structural_tag() -> None:
     assert tag["structures"][0]["begin"] == '<tool_call>\n{"name": "get_weather", "arguments": '
     g, _, _ = setup(BY_MODEL["qwen3-coder"], tools=strict_tools)  # an XML format: nothing to send
     assert g.constraint is None
+    # the request's own response_format wins over the tag, as SGLang's and vLLM's servers apply it (the
+    # SDK's parse() with pydantic_function_tool: strict tools, a JSON schema for the answer)
+    rf = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}, "strict": True}}
+    g, _, _ = setup(QWEN, tools=strict_tools, response_format=rf)
+    assert g.constraint is not None and g.constraint.kind == "json_schema"
+    assert json.loads(g.constraint.value) == {"type": "object"}
+    g, _, _ = setup(QWEN, tools=strict_tools, response_format={"type": "text"})
+    assert g.constraint is not None and g.constraint.kind == "structural_tag"
 
 
 async def test_response_format_constraint_and_check() -> None:

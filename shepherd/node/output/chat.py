@@ -256,12 +256,14 @@ def _shape_tools(
             constraint = Constraint("json_schema", orjson.dumps(schema).decode())
         else:
             tool_parser = tool_family
-            tag = structural_tag(tool_family, tools) if tool_family and req.guided is None else None
+            own = req.guided is not None or response_format_constraint(req.response_format) is not None
+            tag = structural_tag(tool_family, tools) if tool_family and not own else None
             if tag is not None:
                 constraint = Constraint("structural_tag", tag)
     if constraint is None:
-        # a guided field the request set wins over the tools' structural tag (as in vLLM: the
-        # request's constraint is the one the engine applies)
+        # a guided field or a response_format the request set wins over the (strict) tools' structural
+        # tag under tool_choice auto, as SGLang's and vLLM's HTTP servers apply them (the request's
+        # constraint is the one the engine applies; the calls are still checked against their schemas)
         constraint = req.guided or response_format_constraint(req.response_format)
     checks = OutputChecks.build(req.response_format, tools if tool_parser else None, forced)
     sampling = req.sampling
