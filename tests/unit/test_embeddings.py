@@ -63,6 +63,7 @@ def test_parse_every_input_shape() -> None:
         ({"model": "m", "input": [True]}, "input"),
         ({"model": "m", "input": {"a": 1}}, "input"),
         ({"model": "m", "input": ["x"] * (MAX_INPUTS + 1)}, "input"),
+        ({"model": "m", "input": [[1]] * (MAX_INPUTS + 1)}, "input"),
         ({"model": "m", "input": "x", "encoding_format": "int8"}, "encoding_format"),
         ({"model": "m", "input": "x", "dimensions": 0}, "dimensions"),
         ({"model": "m", "input": "x", "dimensions": "8"}, "dimensions"),
@@ -77,6 +78,12 @@ def test_parse_refuses(body: dict[str, Any], param: str) -> None:
 
 def test_max_inputs_is_accepted() -> None:
     assert len(parse_embeddings({"model": "m", "input": ["x"] * MAX_INPUTS}).inputs) == MAX_INPUTS
+
+
+def test_one_input_of_token_ids_may_be_longer_than_max_inputs() -> None:
+    """A flat list of ids is one input (its length is the context's to bound), as vLLM reads it."""
+    ids = [5] * (MAX_INPUTS + 952)
+    assert parse_embeddings({"model": "m", "input": ids}).inputs == [ids]
 
 
 # ---- vectors ----------------------------------------------------------------------------------------

@@ -87,11 +87,13 @@ def parse_inputs(inp: Any) -> list[Input]:
         )
     if not inp:
         raise bad("'input' is an empty list.", param="input", code="invalid_value")
+    first = inp[0]
+    if _is_int(first):  # one input of token ids (its length is the context's to bound, not MAX_INPUTS)
+        return [_ids(inp, "'input'")]
     if len(inp) > MAX_INPUTS:
         raise bad(
             f"'input' holds {len(inp)} items; at most {MAX_INPUTS}.", param="input", code="invalid_value"
         )
-    first = inp[0]
     if isinstance(first, str):
         if not all(isinstance(x, str) for x in inp):
             raise bad("'input' mixes strings with other values.", param="input", code="invalid_type")
@@ -99,8 +101,6 @@ def parse_inputs(inp: Any) -> list[Input]:
             if not x:
                 raise bad(f"input[{i}] is an empty string.", param="input", code="invalid_value")
         return list(inp)
-    if _is_int(first):
-        return [_ids(inp, "'input'")]
     if isinstance(first, list):
         out: list[Input] = []
         for i, x in enumerate(inp):
