@@ -86,6 +86,53 @@ def test_bad_tool_and_format_fields_are_400(body: dict[str, Any], param: str) ->
     assert ei.value.status == 400 and ei.value.param == param
 
 
+def _history(call: Any) -> dict[str, Any]:
+    return chat(
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+        ]
+    )
+
+
+GOOD_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("call", "param"),
+    [
+        ("c1", "messages[1].tool_calls[0]"),
+        ({k: v for k, v in GOOD_CALL.items() if k != "id"}, "messages[1].tool_calls[0].id"),
+        ({**GOOD_CALL, "id": 5}, "messages[1].tool_calls[0].id"),
+        ({**GOOD_CALL, "function": "f"}, "messages[1].tool_calls[0].function"),
+        ({**GOOD_CALL, "function": {"arguments": "{}"}}, "messages[1].tool_calls[0].function.name"),
+        (
+            {**GOOD_CALL, "function": {"name": 3, "arguments": "{}"}},
+            "messages[1].tool_calls[0].function.name",
+        ),
+        ({**GOOD_CALL, "function": {"name": "f"}}, "messages[1].tool_calls[0].function.arguments"),
+        (
+            {**GOOD_CALL, "function": {"name": "f", "arguments": 7}},
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        ({**GOOD_CALL, "type": "code"}, "messages[1].tool_calls[0].type"),
+    ],
+)
+def test_past_tool_calls_are_checked_as_openai_checks_them(call: Any, param: str) -> None:
+    """A malformed call in the history is a 400 naming its field (a missing ``arguments`` was the chat
+    template's error, its Jinja text in the message)."""
+    with pytest.raises(ApiError) as ei:
+        parse_chat(_history(call))
+    assert ei.value.status == 400 and ei.value.param == param, ei.value
+
+
+def test_past_tool_calls_may_carry_arguments_as_an_object() -> None:
+    call = {**GOOD_CALL, "function": {"name": "f", "arguments": {"x": 1}}}
+    assert parse_chat(_history(call)).messages[1]["tool_calls"] == [call]
+    assert parse_chat(_history({k: v for k, v in GOOD_CALL.items() if k != "type"}))
+
+
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=8),
     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
@@ -249,6 +296,38 @@ def test_output_checks() -> None:
     v = st_check.check(0, "tool_calls", None, [("get_time", '{"zone": "x"}')])
     assert v is not None and v.strict and "'tz' is a required property" in v.message
     assert "\n" not in header_value([v, v]) and header_value([v]).isascii()
+
+
+def test_answers_that_are_json_are_read_as_json() -> None:
+    """What orjson refuses but RFC 8259 allows is read, not called "not valid JSON": an escaped lone
+    surrogate, an integer past 64 bits; what cannot be read here (past Python's digit limit, nesting past
+    the recursion limit) is flagged as not checked, never a strict violation."""
+
+    def check(schema: dict[str, Any], text: str) -> Any:
+        rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+        checks = OutputChecks.build(rf, None, "")
+        assert checks is not None
+        return checks.check(0, "stop", text, [])
+
+    assert check({"type": "string"}, '"\\ud800"') is None
+    v = check({"type": "string", "enum": ["a"]}, '"\\ud800"')
+    assert v is not None and v.strict and "not one of" in v.message and orjson.dumps(v.message)
+    assert check({"type": "integer", "minimum": 0}, "1" + "0" * 30) is None
+    v = check({"type": "integer", "maximum": 10}, "1" + "0" * 30)
+    assert v is not None and v.strict and "maximum" in v.message
+    for text in ("1" + "0" * 5000, "[" * 2000 + "]" * 2000):
+        v = check({"type": "integer", "maximum": 10}, text)
+        assert v is not None and not v.strict and "could not be checked" in v.message, v
+    v = check({"type": "object"}, "{nope")
+    assert v is not None and v.strict and v.message == "the content is not valid JSON"
+    v = check({"type": "number"}, "NaN")
+    assert v is not None and v.message == "the content is not valid JSON"
+    tools = [{**TOOLS[1], "function": {**TOOLS[1]["function"], "strict": True}}]
+    checks = OutputChecks.build(None, tools, "")
+    assert (
+        checks is not None
+        and checks.check(0, "tool_calls", None, [("get_time", '{"tz": "\\udc00"}')]) is None
+    )
 
 
 def test_schema_error() -> None:

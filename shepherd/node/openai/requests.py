@@ -589,8 +589,11 @@ def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
                 msg = dict(m)
                 msg["content"] = text
         tcs = m.get("tool_calls")
-        if tcs is not None and not isinstance(tcs, list):
-            raise bad(f"messages[{i}].tool_calls must be a list.", param=f"messages.{i}.tool_calls")
+        if tcs is not None:
+            if not isinstance(tcs, list):
+                raise bad(f"messages[{i}].tool_calls must be a list.", param=f"messages.{i}.tool_calls")
+            for j, tc in enumerate(tcs):
+                _tool_call(tc, f"messages[{i}].tool_calls[{j}]")
         if role == "tool" and not isinstance(m.get("tool_call_id"), str):  # as OpenAI: it names its call
             missing = m.get("tool_call_id") is None
             what = "Missing required parameter" if missing else "Invalid type (expected a string) for"
@@ -598,6 +601,33 @@ def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
             raise bad(f"{what}: 'messages[{i}].tool_call_id'.", param=f"messages.{i}.tool_call_id", code=code)
         out.append(msg)
     return _legacy_history(out) if legacy else out
+
+
+def _tool_call(tc: Any, where: str) -> None:
+    """An assistant's past call as OpenAI requires it: an ``id``, ``function.name`` and
+    ``function.arguments`` (its JSON text; an object is taken too, as chat templates read it), ``type``
+    ``function`` when given (else the template would fail on it, or render a call without its parts)."""
+    if not isinstance(tc, dict):
+        raise bad(f"Invalid type for '{where}': expected an object.", param=where, code="invalid_type")
+    fn = tc.get("function")
+    for key, value, kinds in (
+        ("id", tc.get("id"), str),
+        ("function", fn, dict),
+        ("function.name", fn.get("name") if isinstance(fn, dict) else None, str),
+        ("function.arguments", fn.get("arguments") if isinstance(fn, dict) else None, str | dict),
+    ):
+        if value is None:
+            name = f"{where}.{key}"
+            raise bad(f"Missing required parameter: '{name}'.", param=name, code="missing_required_parameter")
+        if not isinstance(value, kinds) or (key == "function.name" and not value):
+            name = f"{where}.{key}"
+            want = {"function": "an object", "function.arguments": "a string"}.get(key, "a non-empty string")
+            msg = f"Invalid value for '{name}': expected {want}, got {_json_kind(value)}."
+            raise bad(msg, param=name, code="invalid_type")
+    kind = tc.get("type")
+    if kind is not None and kind != "function":
+        name = f"{where}.type"
+        raise bad(f"Invalid value for '{name}': expected 'function'.", param=name, code="invalid_value")
 
 
 def _tools(d: dict[str, Any]) -> list[dict[str, Any]] | None:
