@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -20,6 +21,7 @@ __all__ = [
     "convert_value",
     "cut_call",
     "dump_args",
+    "scrub",
     "infer_type",
     "load_args",
     "loads_json",
@@ -275,5 +277,18 @@ class CallEmitter:
         for k, call in enumerate(calls):
             index = self._count
             self._count += 1
-            out.append(ToolCallStart(index, call.id or self._make_id(), call.name, partial and k == last))
-            out.append(ToolCallArgs(index, call.arguments))
+            call_id = scrub(call.id) if call.id else self._make_id()
+            out.append(ToolCallStart(index, call_id, scrub(call.name), partial and k == last))
+            out.append(ToolCallArgs(index, scrub(call.arguments)))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def scrub(text: str) -> str:
+    """``text`` with each lone surrogate as U+FFFD. A call's JSON decodes ``"\\ud83d"`` (half an emoji, a
+    model's escape) to a surrogate no UTF-8 can hold: the answer's encoders (orjson), storage and the
+    socket would all refuse it. Text from the detokenizer never holds one."""
+    if text.isascii() or _SURROGATE.search(text) is None:
+        return text
+    return _SURROGATE.sub("\ufffd", text)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -470,3 +471,19 @@ async def test_response_format_constraint_and_check() -> None:
     g, job, _ = setup(QWEN, response_format={"type": "json_object"}, tools=None)
     assert g.constraint is not None and json.loads(g.constraint.value) == {"type": "object"}
     assert (await run_whole(g, job, [output_ids("[1]")]))[0].violation is not None
+
+
+async def test_a_lone_surrogate_escape_in_a_call_is_replaced_not_fatal() -> None:
+    """A model's call whose JSON holds half a surrogate pair (``"\\ud83d"``, half an emoji): its value
+    decodes to a surrogate no UTF-8 can hold (orjson refused the chunk: a cut stream, a 500). The
+    call comes through with U+FFFD in its place, streamed and whole alike, and every answer encodes."""
+    answer = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\ud83d", "days": 1}}\n</tool_call>'
+    whole, streamed = await both(QWEN, answer)
+    for a in (whole, streamed):
+        assert [(c[1], json.loads(c[2])) for c in a.calls] == [
+            ("get_weather", {"city": "Paris \ufffd", "days": 1})
+        ]
+        assert a.finish_reason == "tool_calls"
+    g, job, _ = setup(QWEN)
+    await run_whole(g, job, [output_ids(answer)])
+    assert b"Paris \xef\xbf\xbd" in orjson.dumps(g._final_choices(job, []))

@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
+import json
 import re
 import reprlib
 import time
@@ -485,7 +486,34 @@ def _violation(schema_json: str, value: Any) -> str | None:
     if err is None:
         return None
     where = "/".join(str(p) for p in err.absolute_path)
-    return f"{err.message}" + (f" (at /{where})" if where else "")
+    text = f"{err.message}" + (f" (at /{where})" if where else "")
+    # (the answer's values are in it: a lone surrogate the answer's JSON escaped would break its encoding)
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+class _Unreadable(Exception):
+    """Valid JSON the answer check cannot read (a number past Python's digit limit, nesting past the
+    recursion limit)."""
+
+
+def _answer_json(text: str) -> Any:
+    """The answer's JSON value. orjson first; what it refuses that is still JSON (RFC 8259) goes to the
+    standard library: escaped lone surrogates, integers past 64 bits, nesting past orjson's 1,024 levels.
+    Raises ValueError when it is not JSON, ``_Unreadable`` when it cannot be read here."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(text, parse_constant=_not_json)
+    except json.JSONDecodeError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise _Unreadable(str(e)[:100]) from None
+
+
+def _not_json(name: str) -> Any:
+    raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
 
 
 # ---- checking a finished answer ---------------------------------------------------------------------------
@@ -575,8 +603,12 @@ class OutputChecks:
             if schema is None:
                 continue
             try:
-                args = orjson.loads(arguments)
-            except orjson.JSONDecodeError:
+                args = _answer_json(arguments)
+            except _Unreadable as e:
+                return Violation(
+                    index, f"tool call {name!r}: arguments could not be checked ({e})", False, "tools"
+                )
+            except ValueError:
                 return Violation(index, f"tool call {name!r}: arguments are not JSON", True, "tools")
             problem = _violation(schema, args)
             if problem:
@@ -590,8 +622,10 @@ class OutputChecks:
             return None
         text = content or ""
         try:
-            value = orjson.loads(text)
-        except orjson.JSONDecodeError:
+            value = _answer_json(text)
+        except _Unreadable as e:
+            return Violation(index, f"the content could not be checked ({e})", False, _RF)
+        except ValueError:
             return Violation(index, "the content is not valid JSON", self.content_strict, _RF)
         if self.content_kind == "json_object":
             if not isinstance(value, dict):
