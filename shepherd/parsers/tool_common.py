@@ -21,7 +21,6 @@ __all__ = [
     "convert_value",
     "cut_call",
     "dump_args",
-    "scrub",
     "infer_type",
     "load_args",
     "loads_json",
@@ -29,6 +28,7 @@ __all__ = [
     "parse_cut_guarded",
     "parse_guarded",
     "random_call_id",
+    "scrub",
 ]
 
 IdFactory = Callable[[], str]
