@@ -477,7 +477,8 @@ async def test_a_lone_surrogate_escape_in_a_call_is_replaced_not_fatal() -> None
     """A model's call whose JSON holds half a surrogate pair (``"\\ud83d"``, half an emoji): its value
     decodes to a surrogate no UTF-8 can hold (orjson refused the chunk: a cut stream, a 500). The
     call comes through with U+FFFD in its place, streamed and whole alike, and every answer encodes."""
-    answer = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris \\ud83d", "days": 1}}\n</tool_call>'
+    call = '{"name": "get_weather", "arguments": {"city": "Paris \\ud83d", "days": 1}}'
+    answer = f"Sure. <tool_call>\n{call}\n</tool_call>"
     whole, streamed = await both(QWEN, answer)
     for a in (whole, streamed):
         assert [(c[1], json.loads(c[2])) for c in a.calls] == [
