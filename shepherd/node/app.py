@@ -422,8 +422,13 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
     try:
         await stop.wait()
         log.info("shutting down: draining")
+        if front is not None:
+            front.drain()
         # leave the mesh (gracefully) while draining: peers stop counting on this node at once
         await asyncio.gather(drain(gw, cfg.shutdown_grace_secs), mesh.close() if mesh else asyncio.sleep(0))
+        if gw.in_flight and front is not None:  # the grace is over: end what is left, each with its error
+            gw.stopping = True
+            await front.stop_in_flight()
     finally:
         if front is not None:  # stop accepting, close idle connections, let in-flight ones end (bounded)
             with contextlib.suppress(Exception):

@@ -276,3 +276,62 @@ def test_graceful_shutdown_lets_a_stream_finish(engine: MockEngineProc) -> None:
         assert node.proc.wait(timeout=30) == 0
     finally:
         node.stop(signal.SIGKILL)
+
+
+def test_when_the_grace_is_over_what_is_left_ends_with_its_error(engine: MockEngineProc) -> None:
+    """SIGTERM with a 2 s grace and answers that would take longer: while draining, answers close their
+    connections (``Connection: close``: the client's next request goes to another node); when the grace
+    is over, a stream under way ends with its in-band error and its body's end (chat: the error event then
+    [DONE]; Messages: ``event: error``), a request not yet answered gets a 503 ``server_shutting_down``,
+    and every engine call is aborted; the node exits 0."""
+    node = start_node(*node_args(engine, "lean"), "--shutdown-grace-period-secs", "2")
+    # every answer stalls after its first tokens for longer than the grace
+    stall = {"stall_after_tokens": 2, "stall_seconds": 30.0}
+    httpx.post(f"{engine.http_url}/mock/faults", json=stall, timeout=5).raise_for_status()
+    long = {"model": "qwen3", "messages": MSGS, "max_tokens": 64}
+    out: dict[str, Any] = {}
+    started = threading.Barrier(4, timeout=30)
+
+    def stream(key: str, path: str, body: dict[str, Any]) -> None:
+        with httpx.stream("POST", node.url + path, json=body, timeout=60) as r:
+            parts = []
+            for chunk in r.iter_raw():  # bounded: the grace, then the error and the body's end
+                if not parts:
+                    started.wait()
+                parts.append(chunk)
+            out[key] = b"".join(parts)
+
+    def whole() -> None:
+        with httpx.Client(timeout=60) as c:
+            c.get(node.url + "/v1/models")  # (the connection is up before the signal)
+            started.wait()
+            out["whole"] = c.post(node.url + "/v1/chat/completions", json=long)
+
+    threads = [
+        threading.Thread(target=stream, args=("chat", "/v1/chat/completions", {**long, "stream": True})),
+        threading.Thread(target=stream, args=("messages", "/v1/messages", {**long, "stream": True})),
+        threading.Thread(target=whole),
+    ]
+    try:
+        for t in threads:
+            t.start()
+        started.wait()
+        time.sleep(0.3)  # (the non-streamed request reaches the engine)
+        node.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        during = httpx.get(node.url + "/v1/models", timeout=10)  # while draining: answered, then closed
+        assert during.status_code == 200 and during.headers["connection"] == "close"
+        for t in threads:
+            t.join(60)
+        chat, messages, resp = out["chat"], out["messages"], out["whole"]
+        assert b'"code":"server_shutting_down"' in chat and chat.endswith(b"data: [DONE]\n\n"), chat[-300:]
+        assert b"event: error" in messages and b"shutting down" in messages, messages[-300:]
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "server_shutting_down", resp.text
+        assert node.proc.wait(timeout=30) == 0
+        for _ in range(100):  # bounded: the aborts reach the engine
+            if httpx.get(engine.http_url + "/mock/stats", timeout=5).json()["active"] == 0:
+                break
+            time.sleep(0.05)
+        assert httpx.get(engine.http_url + "/mock/stats", timeout=5).json()["active"] == 0
+    finally:
+        node.stop(signal.SIGKILL)

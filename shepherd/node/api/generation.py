@@ -4,6 +4,7 @@ SSE or as one JSON body), with usage, logprobs, stop and parser stages and in-ba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import sys
@@ -1033,8 +1034,9 @@ class Generation:
                 raise  # before the headers: a plain HTTP error
             await resp.write_eof(self._failure(e))  # the headers are gone: in-band
             return resp
-        except BaseException:
+        except BaseException as e:
             keepalive.unregister(resp)
+            await self._stopped(resp, e)
             raise
         # the other prompts of a list: their engine calls opened ahead (the engine runs them together, as
         # vLLM schedules a list; at most PROMPTS_AHEAD beyond the one relayed, whose answers wait for
@@ -1121,7 +1123,7 @@ class Generation:
                     try:
                         await self._drive(es, job, emit, emit_now, drain, writer)
                     except GONE:
-                        await es.close(CLIENT_DISCONNECT)
+                        await es.close(CLIENT_DISCONNECT if not self.gw.stopping else "cancelled")
                         raise
                     except BaseException as e:
                         await es.close(abort_reason(e))
@@ -1145,9 +1147,10 @@ class Generation:
                 await resp.write_eof(b"".join(pending) + self._failure(e))
             finally:
                 keepalive.unregister(resp)
-        except GONE:
+        except GONE as e:
             if not es.closed:
-                await es.close(CLIENT_DISCONNECT)
+                await es.close(CLIENT_DISCONNECT if not self.gw.stopping else "cancelled")
+            await self._stopped(resp, e)
             raise
         finally:
             keepalive.unregister(resp)  # (idempotent) also when the headers could not be sent
@@ -1156,6 +1159,17 @@ class Generation:
             if not es.closed:
                 await es.close("cancelled")
         return resp
+
+    async def _stopped(self, resp: web.StreamResponse, e: BaseException) -> None:
+        """A stream under way cancelled because the node's shutdown grace is over (``Gateway.stopping``):
+        it ends with its in-band error and its body's end (``server_shutting_down``), not cut."""
+        if not (isinstance(e, asyncio.CancelledError) and self.gw.stopping and resp.prepared):
+            return
+        if getattr(resp, "lean_ended", False):
+            return
+        err = EngineError("The node is shutting down.", code="server_shutting_down", retryable=False)
+        with contextlib.suppress(Exception):
+            await resp.write_eof(self._failure(err))
 
     def _failure(self, e: EngineError | ApiError | TimeoutError) -> bytes:
         """The last bytes of a stream that failed after its headers: the error event (then ``[DONE]``),

@@ -118,6 +118,7 @@ class Gateway:
             freeze_before_fork=cfg.gc_gen0_threshold > 0,  # gc_tuning's freeze, done before the fork
         )
         self.draining = False
+        self.stopping = False  # the shutdown grace is over: requests still served are being cancelled
         self.in_flight = 0
         self._background: set[asyncio.Task[Any]] = set()
         self.started_at = time.time()

@@ -87,6 +87,8 @@ class _Server(Protocol):
     targets: dict[tuple[bytes, bytes], _Resolved]
     conns: set[_Conn]
     body_gate: Callable[[LeanRequest], bool] | None
+    draining: bool  # the node drains: answers end their connections (``Connection: close``)
+    stopping: bool  # its grace is over: a request cancelled now is answered 503, not dropped
 
     def arm_sweep(self) -> None: ...
 
@@ -281,6 +283,7 @@ class _Conn(asyncio.Protocol):
             request.keep_alive
             and request.complete
             and not self.closing
+            and not self.srv.draining
             and not (self.stopped and not self.queue)
         )
 
@@ -606,7 +609,14 @@ class _Conn(asyncio.Protocol):
             resp = await req.handler(req)  # type: ignore[arg-type]  # typed as aiohttp's web.Request
         except web.HTTPException as e:  # escaped the middlewares (a redirect, say): it is a response
             resp = e
-        except (ConnectionResetError, asyncio.CancelledError):
+        except asyncio.CancelledError:
+            stream = req._stream
+            if self.srv.stopping and not self.lost and (stream is None or not stream.prepared):
+                # the node's grace is over and this request has no answer yet: a 503, not a dropped
+                # connection (a stream already under way ends with its in-band error: the generation's)
+                self._answer_fault(_Fault(503, "The node is shutting down.", "server_shutting_down"))
+            raise
+        except ConnectionResetError:
             raise
         except Exception:
             log.exception("unhandled error on %s %s", req.method, req.path)

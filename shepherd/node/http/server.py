@@ -529,6 +529,8 @@ class LeanServer:
         )
         self._server: asyncio.AbstractServer | _TlsListener | None = None
         self._sweeper: asyncio.TimerHandle | None = None
+        self.draining = False  # (``drain``) answers close their connections
+        self.stopping = False  # (``stop_in_flight``) requests cancelled now are answered 503
         self.loop = asyncio.get_running_loop()
         self.clock = clock or self.loop.time  # the time limits' clock (tests inject one, with ``sweep``)
 
@@ -593,6 +595,22 @@ class LeanServer:
         now = self.clock()
         for c in list(self.conns):
             c.idle_close(now)
+
+    def drain(self) -> None:
+        """The node drains (its readiness is 503): answers from now on close their connections, so that
+        clients' next requests go to another node behind the balancer."""
+        self.draining = True
+
+    async def stop_in_flight(self, timeout: float = 2.0) -> None:
+        """The grace is over: cancel every request still being answered. One without an answer yet gets
+        a 503 ``server_shutting_down``; a stream under way ends with its in-band error and its body's end
+        (``Generation.stream``); their engine calls are aborted. Waits (bounded) for them to be written."""
+        self.stopping = True
+        tasks = [c.task for c in self.conns if c.task is not None]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Stop accepting, close idle connections, wait (bounded) for in-flight requests, close the rest."""
