@@ -294,7 +294,7 @@ def test_when_the_grace_is_over_what_is_left_ends_with_its_error(engine: MockEng
 
     def stream(key: str, path: str, body: dict[str, Any]) -> None:
         with httpx.stream("POST", node.url + path, json=body, timeout=60) as r:
-            parts = []
+            parts: list[bytes] = []
             for chunk in r.iter_raw():  # bounded: the grace, then the error and the body's end
                 if not parts:
                     started.wait()
