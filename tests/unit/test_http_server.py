@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import itertools
 import tracemalloc
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -558,6 +559,25 @@ async def test_gzip_body_is_decoded(srv: Running) -> None:
     r = await c.request(post("/echo", raw.compress(BODY) + raw.flush(), "Content-Encoding: deflate"))
     assert r.status == 200 and r.json()["size"] == len(BODY)
     await c.close()
+
+
+@given(cuts=st.lists(st.integers(min_value=1, max_value=len(BODY) - 1), max_size=4))
+@settings(max_examples=10, deadline=None)
+def test_a_gzip_body_of_several_members_is_decoded_whole(cuts: list[int]) -> None:
+    """Members one after another (RFC 1952 §2.2, what ``gzip`` and Python's readers take), in any split
+    of the bytes; a member cut short is still an error."""
+    from shepherd.node.http.limits import _Decoder
+
+    bounds = [0, *sorted(set(cuts)), len(BODY)]
+    members = b"".join(gzip.compress(BODY[a:b]) for a, b in itertools.pairwise(bounds))
+    for step in (1, 7, len(members)):
+        d = _Decoder(True, MAX_BODY)
+        out = b"".join(d.feed(members[i : i + step]) for i in range(0, len(members), step)) + d.end()
+        assert out == BODY
+    d = _Decoder(True, MAX_BODY)
+    d.feed(members[:-3])
+    with pytest.raises(zlib.error):
+        d.end()
 
 
 async def test_gzip_bomb_stops_at_the_limit(srv: Running) -> None:

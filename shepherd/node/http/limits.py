@@ -85,25 +85,34 @@ class _Limit(Exception):
 class _Decoder:
     """A request ``Content-Encoding`` decoded as the body arrives, never past ``limit`` bytes out."""
 
-    __slots__ = ("_d", "limit", "out")
+    __slots__ = ("_d", "gzip", "limit", "out")
 
     def __init__(self, gzip: bool, limit: int) -> None:
+        self.gzip = gzip
         self._d: Any = zlib.decompressobj(16 + zlib.MAX_WBITS) if gzip else None
         self.limit = limit
         self.out = 0
 
     def feed(self, data: bytes) -> bytes:
-        """Decoded bytes; ``zlib.error`` on a corrupt stream, ``OverflowError`` past the limit."""
+        """Decoded bytes; ``zlib.error`` on a corrupt stream, ``OverflowError`` past the limit. A gzip body
+        may be several members one after another (RFC 1952 §2.2; ``gzip``'s and Python's readers take
+        them): each ends where the next begins."""
         if not data:
             return b""
         if self._d is None:  # deflate: zlib-wrapped (RFC 9110) or raw, as clients send both
             self._d = zlib.decompressobj(zlib.MAX_WBITS if (data[0] & 0x0F) == 8 else -zlib.MAX_WBITS)
-        d = self._d
-        out: bytes = d.decompress(data, self.limit - self.out + 1)
-        self.out += len(out)
-        if self.out > self.limit or d.unconsumed_tail:
-            raise OverflowError
-        return out
+        outs: list[bytes] = []
+        while True:  # (bounded: each turn takes a member's bytes off ``data``)
+            d = self._d
+            out: bytes = d.decompress(data, self.limit - self.out + 1)
+            self.out += len(out)
+            outs.append(out)
+            if self.out > self.limit or d.unconsumed_tail:
+                raise OverflowError
+            if not (self.gzip and d.eof and d.unused_data):
+                return outs[0] if len(outs) == 1 else b"".join(outs)
+            data = d.unused_data
+            self._d = zlib.decompressobj(16 + zlib.MAX_WBITS)
 
     def end(self) -> bytes:
         d = self._d
