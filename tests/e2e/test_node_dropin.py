@@ -333,6 +333,18 @@ def test_routes_scripts_probe(http: httpx.Client) -> None:
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "sampling_params.regex"
         bad = http.post(u + "/generate", json={"sampling_params": {}})
         assert bad.status_code == 400
+        # errors name /generate's own fields, and a field of the wrong type is refused, not read as empty
+        for body, param in (
+            ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
+            ({"text": "x", "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+            ({"input_ids": [-1]}, "input_ids"),
+            ({"text": "x", "sampling_params": []}, "sampling_params"),
+            ({"text": "x", "stream": ""}, "stream"),
+        ):
+            bad = http.post(u + "/generate", json=body)
+            err = bad.json()["error"]
+            assert bad.status_code == 400 and err["param"] == param, (body, err)
+            assert "'max_tokens'" not in err["message"] and "'prompt'" not in err["message"], err
 
 
 def test_metrics_and_headers_on_every_answer(http: httpx.Client) -> None:

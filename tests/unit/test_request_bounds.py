@@ -299,3 +299,19 @@ def test_long_stops_on_repetitive_text_are_exact(chunk: int) -> None:
     m = StopMatcher(stops)
     got = "".join(m.feed(no_b[i : i + chunk]).visible for i in range(0, len(no_b), chunk))
     assert m.held == "a" * (MAX_STOP_CHARS - 1) and got + m.flush() == no_b
+
+
+def test_seed_reads_as_vllm_reads_it_and_says_what_is_wrong() -> None:
+    base: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    assert rq.parse_chat({**base, "seed": 5.0}).sampling.seed == 5  # (pydantic's lax int)
+    for seed, says in ((2.0**70, "64-bit"), (2**63, "64-bit"), (5.5, "an integer"), ("5", "an integer")):
+        with pytest.raises(ApiError, match=says):
+            rq.parse_chat({**base, "seed": seed})
+
+
+def test_null_legacy_fields_count_as_absent() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    base: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": tools}
+    assert rq.parse_chat({**base, "functions": None, "function_call": None}).tools
+    with pytest.raises(ApiError, match="cannot be combined"):
+        rq.parse_chat({**base, "functions": [{"name": "g"}]})

@@ -269,9 +269,14 @@ def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int]]:
         raise bad("Batched prompts are not supported on /generate; send one request each.", param="text")
     if text is not None and not isinstance(text, str):
         raise bad("'text' must be a string.", param="text")
-    sp = d.get("sampling_params") or {}
+    sp = d.get("sampling_params")
+    if sp is None:
+        sp = {}
     if not isinstance(sp, dict):
         raise bad("'sampling_params' must be an object.", param="sampling_params")
+    stream = d.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("'stream' must be a boolean.", param="stream")
     for key in _SAMPLING_REFUSED:
         if sp.get(key) is not None:
             raise bad(
@@ -279,7 +284,7 @@ def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int]]:
                 "(response_format) for constrained output.",
                 param=f"sampling_params.{key}",
             )
-    body: dict[str, Any] = {"prompt": text if text is not None else ids, "stream": bool(d.get("stream"))}
+    body: dict[str, Any] = {"prompt": text if text is not None else ids, "stream": bool(stream)}
     for key, val in sp.items():
         if key in _SAMPLING_IGNORED:
             continue
@@ -291,8 +296,28 @@ def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int]]:
     if body.get("n", 1) != 1:
         raise bad("'sampling_params.n' must be 1 on /generate.", param="sampling_params.n")
     body.setdefault("max_tokens", 128)  # SGLang's default
-    req = parse_completion(body)
+    try:
+        req = parse_completion(body)
+    except ApiError as e:  # the completions parser's words: said in /generate's (its own field names)
+        _native_names(e, "text" if text is not None else "input_ids")
+        raise
     return req.sampling, req.prompts[0]
+
+
+# the completions fields /generate's are read as -> /generate's own names (its errors name those)
+_NATIVE_NAMES = {mapped: f"sampling_params.{key}" for key, mapped in _SAMPLING_KEYS.items()} | {
+    "seed": "sampling_params.seed",
+    "include_stop_str_in_output": "sampling_params.no_stop_trim",
+}
+
+
+def _native_names(e: ApiError, prompt: str) -> None:
+    name = prompt if e.param == "prompt" else _NATIVE_NAMES.get(e.param or "")
+    if name is None:
+        return
+    e.message = e.message.replace(f"'{e.param}'", f"'{name}'")
+    e.args = (e.message,)
+    e.param = name
 
 
 MAX_RID_CHARS = 128

@@ -362,6 +362,8 @@ def _parse_sampling(d: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> Samp
         # vLLM: usage on every chunk when both are set (should_include_usage)
         continuous_usage = include_usage and _bool(opts, "continuous_usage_stats", False)
     seed = d.get("seed")
+    if isinstance(seed, float) and seed.is_integer():  # 5.0 (pydantic's lax int, as vLLM reads it), or
+        seed = int(seed)  # an integer past 64 bits, which JSON's reader made a float: refused just below
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise bad("'seed' must be an integer.", param="seed", code="invalid_type")
     if seed is not None and not -(1 << 63) <= seed < (1 << 63):
@@ -843,7 +845,7 @@ def _parse_chat_options(
             kwargs = {**kwargs, "documents": docs}
     if kwargs:
         _json_size(kwargs, "chat_template_kwargs", MAX_TEMPLATE_KWARGS_BYTES)
-    legacy = "functions" in d or "function_call" in d
+    legacy = d.get("functions") is not None or d.get("function_call") is not None  # (null: absent)
     if legacy:  # (the history's legacy turns were converted by _messages)
         d = _legacy_functions(d)
     budget = SchemaBudget()
