@@ -359,3 +359,5 @@ def test_overloaded_is_529_and_retried(tokenizer_dir: Path) -> None:
     assert e.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
     assert e.value.response.request.headers.get("x-stainless-retry-count") == "1"
     assert e.value.request_id  # (an error the error middleware made: its request-id too)
+    assert e.value.response.headers["retry-after"] == "1"
+    assert e.value.response.reason_phrase == "Overloaded"  # (no IANA phrase for 529: not "Unknown")

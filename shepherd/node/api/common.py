@@ -23,6 +23,7 @@ from shepherd.auth.principal import PRINCIPAL_KEY, Principal
 from shepherd.node.api.admission import Admission
 from shepherd.node.cluster.history import OwnerGone
 from shepherd.node.dispatch.gateway import Gateway, model_not_found
+from shepherd.node.dispatch.workers import no_healthy_worker
 from shepherd.node.engines.http import (
     RELAY_CONTENT_TYPES,
     RELAY_MAX_BYTES,
@@ -620,10 +621,4 @@ async def relay(
             w.in_flight -= 1
     if last is not None:
         raise last
-    raise ApiError(
-        503,
-        f"No healthy worker is available for model '{model}'.",
-        type="service_unavailable",
-        code="no_available_worker",
-        headers={"Retry-After": "1"},
-    )
+    raise no_healthy_worker(f"No healthy worker is available for model '{model}'.")

@@ -521,6 +521,8 @@ async def _probe_models(gw: Gateway) -> tuple[int, dict[str, Any]]:
             )
         except (EngineError, ApiError, TimeoutError) as e:
             msg = e.message if isinstance(e, ApiError) else str(e)
+            if isinstance(e, TimeoutError):
+                msg = f"no token within {gw.cfg.health_check_timeout_secs + 8:g} s"
             urls = [w.url for w in gw.registry.workers.values()]
             return 503, {
                 "status": "unhealthy",

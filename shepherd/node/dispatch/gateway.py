@@ -20,7 +20,13 @@ from shepherd.node.config import ConfigError, ModelConfig, NodeConfig, cache_awa
 from shepherd.node.dispatch.kv_feed import KvFeed, feed_index_of, merge_load
 from shepherd.node.dispatch.pd import PdRouter
 from shepherd.node.dispatch.stream import Batches, EngineStream, Retry
-from shepherd.node.dispatch.workers import Worker, WorkerRegistry, client_error, pick_worker
+from shepherd.node.dispatch.workers import (
+    Worker,
+    WorkerRegistry,
+    client_error,
+    no_healthy_worker,
+    pick_worker,
+)
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.node.metrics import NodeMetrics, counter, gauge
 from shepherd.node.observe import tracing
@@ -425,12 +431,7 @@ class Gateway:
             if w is None:
                 if last_error is not None:
                     raise last_error
-                raise ApiError(
-                    503,
-                    f"No healthy worker is available for model '{model}'.",
-                    type="service_unavailable",
-                    code="no_available_worker",
-                )
+                raise no_healthy_worker(f"No healthy worker is available for model '{model}'.")
             attempt = state.attempt
             req = gen if attempt == 0 else _with_id(gen, f"{gen.request_id}-r{attempt}")
             client = w.client
@@ -596,12 +597,7 @@ class Gateway:
             return got
         if last_error is not None:
             raise last_error
-        raise ApiError(
-            503,
-            f"No healthy worker is available for model '{model}'.",
-            type="service_unavailable",
-            code="no_available_worker",
-        )
+        raise no_healthy_worker(f"No healthy worker is available for model '{model}'.")
 
     def abort_in_background(self, w: Worker, request_id: str, reason: str) -> None:
         self.metrics.aborts.labels(reason, w.model).inc()

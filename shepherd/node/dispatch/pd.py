@@ -33,7 +33,13 @@ from typing import Any, Protocol, cast
 from shepherd.node.config import NodeConfig, cache_aware_config
 from shepherd.node.dispatch.kv_feed import KvFeed
 from shepherd.node.dispatch.stream import EngineStream
-from shepherd.node.dispatch.workers import Worker, WorkerRegistry, client_error, pick_worker
+from shepherd.node.dispatch.workers import (
+    Worker,
+    WorkerRegistry,
+    client_error,
+    no_healthy_worker,
+    pick_worker,
+)
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.node.metrics import NodeMetrics
 from shepherd.node.observe import tracing
@@ -48,7 +54,6 @@ from shepherd.proto.engine_types import (
     GenerateRequest,
     worker_id,
 )
-from shepherd.proto.openai_errors import ApiError
 
 log = logging.getLogger("shepherd.pd")
 
@@ -165,11 +170,8 @@ class PdRouter:
             if pair is None:
                 if last_error is not None:
                     raise last_error
-                raise ApiError(
-                    503,
-                    f"No healthy prefill and decode workers are available for model '{model}'.",
-                    type="service_unavailable",
-                    code="no_available_worker",
+                raise no_healthy_worker(
+                    f"No healthy prefill and decode workers are available for model '{model}'."
                 )
             req = gen if attempt == 0 else replace(gen, request_id=f"{gen.request_id}-r{attempt}")
             try:

@@ -545,6 +545,14 @@ class WorkerRegistry:
             await w.client.close()
 
 
+def no_healthy_worker(message: str) -> ApiError:
+    """The 503 when no worker can take a request (every one unhealthy, its circuit open, or none): the
+    client may retry shortly (``Retry-After``)."""
+    return ApiError(
+        503, message, type="service_unavailable", code="no_available_worker", headers={"Retry-After": "1"}
+    )
+
+
 def client_error(e: EngineError, *ws: Worker) -> EngineError:
     """``e`` (raised by one of ``ws``) as a client may see it: workers named by id, never by URL or
     address (a worker's address is the control plane's business). A connection failure says only that

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-REASONS: dict[int, str] = {s.value: s.phrase for s in HTTPStatus}
+# 529: Anthropic's overloaded_error (the Messages API's answer for the node's 503), no IANA phrase
+REASONS: dict[int, str] = {s.value: s.phrase for s in HTTPStatus} | {529: "Overloaded"}
 _FRAMING = frozenset({"connection", "content-length", "transfer-encoding"})
 CHUNK_END = b"0\r\n\r\n"
 
