@@ -240,6 +240,53 @@ def test_conversation_turns(client: openai.OpenAI, engine: MockEngineProc, http:
         client.responses.create(model=MODEL, input="x", conversation="conv_" + "0" * 48)
 
 
+def test_reused_items_join_the_conversation(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """Items a conversation turn reuses (an ``item_reference``, an earlier response's output sent back,
+    untyped references as the SDK's ItemReference allows) are added to the conversation with the turn
+    (OpenAI: "input items and output items from this response are automatically added"): the next turn's
+    model sees them."""
+    fact = f"fact-{uuid.uuid4().hex[:10]}"
+    r0 = client.responses.create(model=MODEL, input=f"remember {fact}")
+    ref = client.responses.input_items.list(r0.id).data[0].id
+    for typed in (True, False):
+        conv = client.conversations.create()
+        item: dict[str, Any] = {"type": "item_reference", "id": ref} if typed else {"id": ref}
+        sent_back = r0.output[0].model_dump(exclude_none=True)
+        turn: Any = [item, sent_back, {"role": "user", "content": "q"}]
+        client.responses.create(model=MODEL, conversation=conv.id, input=turn)
+        items = list(client.conversations.items.list(conv.id, order="asc"))
+        texts = [json.dumps(it.model_dump()) for it in items]
+        assert len(items) == 4 and fact in texts[0] and ref not in {it.id for it in items}, texts
+        seen = f"seen-{uuid.uuid4().hex[:8]}"
+        script(engine, http, seen, match=fact)
+        assert client.responses.create(model=MODEL, conversation=conv.id, input="next").output_text == seen
+
+
+def test_a_chain_from_a_conversation_turn_keeps_the_conversation(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """``previous_response_id`` naming a response made in a conversation continues its whole context:
+    the conversation's items from before it too (they are in its input items); once the conversation is
+    deleted, the response's input items are its own, not a 404."""
+    name = f"name-{uuid.uuid4().hex[:10]}"
+    conv = client.conversations.create(
+        items=[{"role": "user", "content": f"my name is {name}"}, {"role": "assistant", "content": "noted"}]
+    )
+    r1 = client.responses.create(model=MODEL, conversation=conv.id, input="q1")
+    seen = f"seen-{uuid.uuid4().hex[:8]}"
+    script(engine, http, seen, match=name)
+    r2 = client.responses.create(model=MODEL, previous_response_id=r1.id, input="what is my name?")
+    assert r2.output_text == seen
+    listed = [json.dumps(it.model_dump()) for it in client.responses.input_items.list(r2.id, order="asc")]
+    assert name in listed[0] and len(listed) == 5, listed
+    r3 = client.responses.create(model=MODEL, conversation=conv.id, input="q3")
+    client.conversations.delete(conv.id)
+    own = list(client.responses.input_items.list(r3.id))
+    assert [json.dumps(it.model_dump()).count("q3") for it in own] == [1]
+
+
 def _locked(client: openai.OpenAI, conv: str) -> None:
     with pytest.raises(openai.BadRequestError) as ei:
         client.responses.create(model=MODEL, input="meanwhile?", conversation=conv)

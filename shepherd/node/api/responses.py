@@ -613,7 +613,10 @@ async def _history(
                 param="previous_response_id",
                 code="previous_response_in_progress",
             )
-        ids = [i for r in chain for i in (*r.input_item_ids, *r.output_item_ids)]
+        # the chain's first response made in a conversation continued its items from before it: so do
+        # the responses that continue it
+        ids = await _conversation_before(hist, chain[0])
+        ids += [i for r in chain for i in (*r.input_item_ids, *r.output_item_ids)]
         if len(ids) > MAX_HISTORY_ITEMS:
             raise bad(
                 f"The chain of 'previous_response_id' holds more than {MAX_HISTORY_ITEMS} items.",
@@ -744,22 +747,23 @@ def _check_calls(past: Sequence[StoredItem], prompt: Sequence[StoredItem]) -> No
             raise bad(f"No tool output found for function call {cid}.", param="input", code="invalid_value")
 
 
-def _copy_foreign(
+def _copies(
     prompt: list[StoredItem],
     new: list[StoredItem],
-    owner: str,
+    copied: Callable[[StoredItem], bool],
     mint: Callable[[str], str],
     now: float,
     response_id: str,
 ) -> tuple[list[StoredItem], list[StoredItem]]:
-    """(prompt items, items to store) where each stored item another node holds (an embedded store in a
-    mesh: an output of a response stored elsewhere sent back, an ``item_reference`` to it) is a copy
-    under a fresh id of the turn's owner: a record refers only to items its owner holds, written with it
-    in one transaction (the owner's store refuses a record naming items it does not hold)."""
+    """(prompt items, items to store) where each already stored item ``copied`` says is a copy under a
+    fresh id (the turn's owner's), stored with the turn: in a conversation, so that it joins the
+    conversation's items; with an embedded store in a mesh, one another node holds (an output of a
+    response stored elsewhere sent back, an ``item_reference`` to it): a record refers only to items
+    its owner holds, written with it in one transaction (the owner's store refuses others)."""
     storing = {it.id for it in new}
     out: list[StoredItem] = []
     for it in prompt:
-        if it.id not in storing and tag_of(it.id) != owner:
+        if it.id not in storing and copied(it):
             fresh = mint(ITEM_PREFIXES.get(it.type, "msg"))
             data = {**it.data, "id": fresh}
             it = dataclasses.replace(it, id=fresh, data=data, created_at=now, response_id=response_id)
@@ -934,9 +938,18 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         if known:
             prompt_items = [it for it in prompt_items if it.id not in known]
             new_input = [it for it in new_input if it.id not in known]
-        if not hist.store.shared and hist.node_gone is not None:  # an embedded store in a mesh
+        # stored items this turn reuses (an item_reference, an output sent back) are copies under fresh ids
+        # where the record cannot refer to them: in a conversation (whose items are what the next turn
+        # reads: the turn's whole input goes into it, as OpenAI adds it), and with an embedded store in a
+        # mesh those another node holds
+        foreign = not hist.store.shared and hist.node_gone is not None
+        if conv is not None or foreign:
             owner = owner_tag or hist.tag
-            prompt_items, new_input = _copy_foreign(prompt_items, new_input, owner, mint, now, response_id)
+
+            def copied(it: StoredItem) -> bool:
+                return conv is not None or tag_of(it.id) != owner
+
+            prompt_items, new_input = _copies(prompt_items, new_input, copied, mint, now, response_id)
         _check_calls(past, prompt_items)
         turn = Turn(
             hist,
@@ -1629,15 +1642,26 @@ async def _context_ids(hist: History, stored: StoredResponse, gw: Gateway | None
             chain = await store.get_chain(stored.previous_response_id, depth)
         except ChainError:
             return []
-        ids = [i for r in chain for i in (*r.input_item_ids, *r.output_item_ids)]
+        ids = await _conversation_before(hist, chain[0]) if chain else []
+        ids += [i for r in chain for i in (*r.input_item_ids, *r.output_item_ids)]
         return ids[-MAX_HISTORY_ITEMS:]
+    return await _conversation_before(hist, stored)
+
+
+async def _conversation_before(hist: History, stored: StoredResponse) -> list[str]:
+    """The ids of the conversation's items from before ``stored`` (a response made in a conversation: its
+    own are dated as its question; items added while it ran are later), oldest first; none when it was
+    made in none, or its conversation is gone (deleted: the response keeps its own items)."""
     if stored.conversation_id is None:
         return []
     own = set(stored.input_item_ids) | set(stored.output_item_ids)
-    ids = []
+    ids: list[str] = []
     after: str | None = None
     while len(ids) < MAX_HISTORY_ITEMS:  # bounded: pages of the conversation, up to its bound
-        page = await store.list_items(stored.conversation_id, after=after, limit=_PAGE, order="asc")
+        try:
+            page = await hist.store.list_items(stored.conversation_id, after=after, limit=_PAGE, order="asc")
+        except NotFound:
+            return []
         for it in page.items:
             if it.id in own or it.created_at >= stored.created_at:
                 return ids

@@ -216,6 +216,8 @@ def _item(
     kind = it.get("type")
     if kind is None and "role" in it:
         kind = "message"
+    elif kind is None and "id" in it and len(it) == (2 if "type" in it else 1):
+        kind = "item_reference"  # (the SDK's ItemReference: 'type' optional, the id alone)
     if kind == "message":
         role = it.get("role")
         if not isinstance(role, str) or role not in MESSAGE_ROLES:
