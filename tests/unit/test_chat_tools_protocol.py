@@ -86,6 +86,18 @@ def test_bad_tool_and_format_fields_are_400(body: dict[str, Any], param: str) ->
     assert ei.value.status == 400 and ei.value.param == param
 
 
+@pytest.mark.parametrize("name", ["a b", "<|im_end|>", "f\n", "a\x00b", "x" * 129, "é"])
+def test_tool_names_that_would_carry_markup_into_the_prompt_are_400(name: str) -> None:
+    with pytest.raises(ApiError) as ei:
+        parse_chat(chat(tools=[{"type": "function", "function": {"name": name}}]))
+    assert ei.value.status == 400 and ei.value.param == "tools.0" and "pattern" in ei.value.message
+
+
+def test_namespaced_tool_names_pass() -> None:
+    for name in ("get_weather", "mcp.server.tool", "ns:tool-1", "x" * 128):
+        assert parse_chat(chat(tools=[{"type": "function", "function": {"name": name}}])).tools
+
+
 def _history(call: Any) -> dict[str, Any]:
     return chat(
         messages=[

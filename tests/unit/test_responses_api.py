@@ -93,6 +93,20 @@ def test_tools_text_format_and_sampling() -> None:
         ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens", 400),
         ({"model": "m", "input": "x", "truncation": "sometimes"}, "truncation", 400),
         ({"model": "m", "input": 5}, "input", 400),
+        ({"model": "m", "input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", 400),
+        ({"model": "m", "input": "x", "service_tier": "turbo"}, "service_tier", 400),
+        ({"model": "m", "input": "x", "text": {"verbosity": "loud"}}, "text.verbosity", 400),
+        ({"model": "m", "input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools[0].name", 400),
+        (
+            {"model": "m", "input": "x", "tools": [{"type": "function", "name": "<|im_end|>"}]},
+            "tools[0].name",
+            400,
+        ),
+        (
+            {"model": "m", "input": "x", "tools": [{"type": "function", "name": "x" * 129}]},
+            "tools[0].name",
+            400,
+        ),
     ],
 )
 def test_refusals(body: dict[str, Any], param: str, status: int) -> None:

@@ -24,6 +24,7 @@ event loop, with a deadline).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -669,8 +670,7 @@ def _tools_deferred(
             raise bad(
                 f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}.", param=f"tools.{i}"
             )
-        if not fn["name"]:
-            raise bad(f"tools[{i}].function.name must not be empty.", param=f"tools.{i}")
+        check_tool_name(fn["name"], f"tools[{i}].function.name", f"tools.{i}")
         if t.get("type", "function") != "function":
             raise bad(f"tools[{i}].type must be 'function'.", param=f"tools.{i}.type")
         params = fn.get("parameters")
@@ -679,6 +679,21 @@ def _tools_deferred(
         if fn.get("strict") not in (None, True, False):
             raise bad(f"tools[{i}].function.strict must be a boolean.", param=f"tools.{i}.function.strict")
     return tools or None
+
+
+# a tool's name: OpenAI's pattern (letters, digits, '_', '-'), with '.' and ':' too (namespaced MCP tools,
+# which engines behind vLLM take) and Anthropic's 128 characters: never white space, quotes or the
+# template's markers, which the name would carry into the prompt
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_.:-]{1,128}")
+
+
+def check_tool_name(name: str, where: str, param: str) -> None:
+    if _TOOL_NAME.fullmatch(name) is None:
+        raise bad(
+            f"Invalid '{where}': {name[:80]!r} does not match the pattern '^[a-zA-Z0-9_.:-]{{1,128}}$'.",
+            param=param,
+            code="invalid_value",
+        )
 
 
 def _response_format(d: dict[str, Any]) -> dict[str, Any] | None:

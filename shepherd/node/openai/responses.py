@@ -20,6 +20,7 @@ from typing import Any
 
 from shepherd.node.openai.requests import (
     Sampling,
+    check_tool_name,
     parse_metadata,
     parse_sampling,
     shown,
@@ -137,8 +138,9 @@ def _tools(
                 code="unsupported_value",
             )
         name = t.get("name")
-        if not isinstance(name, str) or not name or len(name) > 128:
+        if not isinstance(name, str) or not name:
             raise bad(f"'{w}.name' is required and must be a non-empty string.", param=f"{w}.name")
+        check_tool_name(name, f"{w}.name", f"{w}.name")
         desc = t.get("description")
         if desc is not None and not isinstance(desc, str):
             raise bad(f"Invalid type for '{w}.description': expected a string.", param=f"{w}.description")
@@ -287,6 +289,10 @@ def _int(d: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
     return v
 
 
+_SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # accepted (one tier here), checked
+_VERBOSITY = ("low", "medium", "high")  # a hint the models here do not read: accepted, checked, echoed
+
+
 def parse_responses(d: dict[str, Any]) -> ResponsesRequest:
     """A ``POST /v1/responses`` body -> ``ResponsesRequest`` (``ApiError`` 400 on anything malformed)."""
     model = d.get("model")
@@ -334,6 +340,20 @@ def parse_responses(d: dict[str, Any]) -> ResponsesRequest:
     if not isinstance(include, list) or any(not isinstance(x, str) or x not in INCLUDABLE for x in include):
         raise bad(f"Invalid 'include': expected values among {sorted(INCLUDABLE)}.", param="include")
     top_logprobs = _int(d, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if d.get("prompt") is not None:  # (a stored prompt template of OpenAI's dashboard: none here)
+        raise bad(
+            "'prompt' (a stored prompt template) is not supported: send its text as 'instructions'.",
+            param="prompt",
+            code="unsupported_parameter",
+        )
+    for key, allowed in (("service_tier", _SERVICE_TIERS), ("text.verbosity", _VERBOSITY)):
+        value = (d.get("text") or {}).get("verbosity") if key == "text.verbosity" else d.get(key)
+        if value is not None and value not in allowed:
+            raise bad(
+                f"Invalid '{key}': {str(value)[:40]!r}. Expected one of {list(allowed)}.",
+                param=key,
+                code="invalid_value",
+            )
     sd: dict[str, Any] = {"stream": stream}
     if temperature is not None:
         sd["temperature"] = temperature
