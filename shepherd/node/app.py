@@ -44,6 +44,7 @@ from shepherd.node.api.common import (
     KeepAlive,
     error_middleware,
 )
+from shepherd.node.api.cors import apply_head_extra, make_cors_middleware
 from shepherd.node.cluster.history import build_history
 from shepherd.node.cluster.key_journal import KeyJournal
 from shepherd.node.cluster.mesh_node import MeshNode
@@ -79,7 +80,10 @@ def build_app(
     API keys (None: a fresh one in memory)."""
     # traces and request-bound logs, outside the error middleware (they see the answer it makes); only
     # when on: a request pays no middleware of theirs otherwise
+    cors = gw.cfg.cors_allowed_origins
     middlewares = [
+        # a preflight is answered before anything else (it carries no credential)
+        *([make_cors_middleware(cors, gw.cfg.auth.metrics)] if cors else []),
         *([tracing.server_span] if tracing.ENABLED else []),
         *([logs.request_context] if logs.ACTIVE else []),
         error_middleware,
@@ -316,6 +320,8 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
             return {m.group(1): body for name, body in got.items() if (m := _PROC_NAME.search(name))}
 
         app[api_admin.PROCS_METRICS] = (proc_index, siblings)
+    if cfg.http_server != "lean" and cfg.cors_allowed_origins:
+        app.on_response_prepare.append(apply_head_extra)  # (the lean server adds them itself)
     runner = web.AppRunner(
         app,
         handler_cancellation=True,

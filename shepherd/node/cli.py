@@ -111,6 +111,12 @@ def _security_arguments(s: argparse.ArgumentParser) -> None:
         "--admin-allowed-origins", nargs="+", metavar="ORIGIN", help="browser Origins allowed on /admin"
     )
     g.add_argument(
+        "--cors-allowed-origins",
+        nargs="+",
+        metavar="ORIGIN",
+        help="browser Origins allowed on the data plane (CORS; '*': any; default: none, off)",
+    )
+    g.add_argument(
         "--admin-allowed-hosts",
         nargs="+",
         metavar="HOST",

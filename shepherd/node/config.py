@@ -243,6 +243,8 @@ class NodeConfig:
     admin_port: int | None = None
     insecure_admin: bool = False  # allow an unauthenticated control plane on a non-loopback address
     admin_allowed_origins: tuple[str, ...] = ()  # browser Origins allowed on the control plane
+    # browser Origins allowed on the data plane (CORS: shepherd.node.api.cors; '*' any; none: off)
+    cors_allowed_origins: tuple[str, ...] = ()
     # Host names the control plane answers off loopback (auth.control.ControlGuard; "*": any); default,
     # with --insecure-admin: the listener's address and this machine's name
     admin_allowed_hosts: tuple[str, ...] = ()
@@ -640,7 +642,7 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         )
     for key in (
         "mesh_seeds", "mesh_keys", "worker_allow", "admin_allowed_origins", "admin_allowed_hosts", "selector",
-        "proxy_protocol_from",
+        "proxy_protocol_from", "cors_allowed_origins",
         "prefill_selector", "decode_selector", "model_aliases",
     ):  # fmt: skip
         if isinstance(values.get(key), str):
@@ -773,10 +775,13 @@ def check_control_plane(cfg: NodeConfig) -> None:
             raise ConfigError(f"admin_port {cfg.admin_port} out of range")
         if cfg.admin_port == cfg.port:
             raise ConfigError("admin_port must differ from port (the admin listener is a listener apart)")
-    for o in cfg.admin_allowed_origins:
-        parts = urllib.parse.urlsplit(o)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
-            raise ConfigError(f"admin_allowed_origins: {o!r} is not an origin (scheme://host[:port])")
+    for key in ("admin_allowed_origins", "cors_allowed_origins"):
+        for o in getattr(cfg, key):
+            if o == "*" and key == "cors_allowed_origins":
+                continue
+            parts = urllib.parse.urlsplit(o)
+            if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/"):
+                raise ConfigError(f"{key}: {o!r} is not an origin (scheme://host[:port])")
     for h in cfg.admin_allowed_hosts:
         e = h.strip().rstrip(".")
         name = e[1:] if e.startswith(".") else e

@@ -8,6 +8,7 @@ on real connections."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import re
 import signal
@@ -335,3 +336,54 @@ def test_when_the_grace_is_over_what_is_left_ends_with_its_error(engine: MockEng
         assert httpx.get(engine.http_url + "/mock/stats", timeout=5).json()["active"] == 0
     finally:
         node.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_cors_is_off_by_default_and_on_for_the_listed_origins(engine: MockEngineProc, server: str) -> None:
+    """``--cors-allowed-origins``: a preflight from a listed origin is answered 204 before authentication
+    (the headers it asked for echoed, Authorization among them); every answer to it (whole, streamed,
+    an error) carries Access-Control-Allow-Origin; an origin not listed, the control plane and a node
+    without the flag get none (the browser refuses)."""
+    app, other = "https://app.example", "https://evil.example"
+    preflight = {
+        "Origin": app,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type",
+    }
+    body = {"model": "qwen3", "messages": MSGS, "max_tokens": 4}
+    key = "sk-cors-e2e-" + "k" * 24
+    with (
+        running_node(*node_args(engine, server)) as off,
+        running_node(
+            *node_args(engine, server),
+            *("--cors-allowed-origins", app, "--auth-mode", "api_key"),
+            *("--auth-admin-key-sha256", hashlib.sha256(key.encode()).hexdigest()),
+        ) as on,
+        httpx.Client(timeout=30) as c,
+    ):
+        r = c.options(off.url + "/v1/chat/completions", headers=preflight)
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+        r = c.options(on.url + "/v1/chat/completions", headers=preflight)
+        assert r.status_code == 204, r.text
+        assert r.headers["access-control-allow-origin"] == app and r.headers["vary"] == "Origin"
+        assert r.headers["access-control-allow-headers"] == "authorization, content-type"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        auth = {"Origin": app, "Authorization": f"Bearer {key}"}
+        r = c.post(on.url + "/v1/chat/completions", json=body, headers=auth)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == app
+        assert "x-request-id" in r.headers["access-control-expose-headers"]
+        with c.stream(
+            "POST", on.url + "/v1/chat/completions", json={**body, "stream": True}, headers=auth
+        ) as s:
+            assert s.status_code == 200 and s.headers["access-control-allow-origin"] == app
+            assert s.read().endswith(b"data: [DONE]\n\n")
+        r = c.post(on.url + "/v1/chat/completions", json={**body, "model": "nope"}, headers=auth)
+        assert r.status_code == 404 and r.headers["access-control-allow-origin"] == app
+        r = c.post(on.url + "/v1/chat/completions", json=body, headers={"Origin": app})  # no key: 401
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == app
+        r = c.post(on.url + "/v1/chat/completions", json=body, headers={**auth, "Origin": other})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+        r = c.options(on.url + "/v1/chat/completions", headers={**preflight, "Origin": other})
+        assert "access-control-allow-origin" not in r.headers
+        r = c.options(on.url + "/admin/keys", headers=preflight)  # the control plane: never
+        assert "access-control-allow-origin" not in r.headers

@@ -69,11 +69,22 @@ def test_safe_postures_start(kw: dict[str, Any]) -> None:
         {"admin_port": 70000},
         {"admin_allowed_origins": ["evil.example"]},  # not an origin
         {"admin_allowed_origins": ["https://ui.example/path"]},
+        {"admin_allowed_origins": ["*"]},  # (the control plane: never any origin)
+        {"cors_allowed_origins": ["app.example"]},
+        {"cors_allowed_origins": ["ftp://app.example"]},
     ],
 )
 def test_bad_admin_settings(kw: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         cfg(**kw)
+
+
+def test_cors_origins() -> None:
+    assert cfg(cors_allowed_origins=["*"]).cors_allowed_origins == ("*",)
+    assert cfg(cors_allowed_origins="https://app.example:8443").cors_allowed_origins == (
+        "https://app.example:8443",
+    )
+    assert cfg().cors_allowed_origins == ()  # off by default
 
 
 def test_loopback() -> None:

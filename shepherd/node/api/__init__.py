@@ -1,7 +1,8 @@
 """The routes: OpenAI generation and the rest, embeddings, responses (the stateful Responses API),
 messages (the Anthropic Messages API),
 pooling (rerank, score, classify: relayed to HTTP workers),
-conversations, admin, keys, mesh; native (the routes vLLM / SGLang / SMG scripts probe: /generate,
+conversations, admin, keys, mesh, cors (browsers of other origins on the data plane);
+native (the routes vLLM / SGLang / SMG scripts probe: /generate,
 /version, /get_model_info, /flush_cache...); admission (rate limits; ratelimit_redis: the Redis counter
 store backend); generation driving; reload (SIGHUP and
 ``POST /admin/reload``: the configuration file's dynamic parts, applied without a restart).
@@ -16,6 +17,7 @@ __all__ = [
     "admission",
     "common",
     "conversations",
+    "cors",
     "embeddings",
     "generation",
     "keys",

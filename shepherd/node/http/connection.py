@@ -57,10 +57,12 @@ from shepherd.node.http.limits import (
     fault_body,
 )
 from shepherd.node.http.types import (
+    HEAD_EXTRA,
     Handler,
     LeanRequest,
     MatchInfo,
     Routes,
+    add_head_extra,
     decode_path,
     encode_head,
     status_line,
@@ -650,6 +652,8 @@ class _Conn(asyncio.Protocol):
     def _encode(self, req: LeanRequest, resp: web.Response, body: bytes | bytearray, keep: bool) -> bytes:
         status = resp.status
         h = resp.headers
+        if HEAD_EXTRA in req:
+            add_head_extra(req, h)
         empty = status in (204, 304) or status < 200
         if empty:
             tail = ""

@@ -45,6 +45,18 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REASONS: dict[int, str] = {s.value: s.phrase for s in HTTPStatus} | {529: "Overloaded"}
 _FRAMING = frozenset({"connection", "content-length", "transfer-encoding"})
 CHUNK_END = b"0\r\n\r\n"
+# a request key the app may set to header (name, value) pairs the server adds to the response head,
+# whoever makes the answer (a handler, a stream, an error middleware) and unless it set them itself
+# (the data plane's CORS headers: shepherd.node.api.cors)
+HEAD_EXTRA = "shepherd.head_extra"
+
+
+def add_head_extra(req: dict[Any, Any], headers: Any) -> None:
+    extra = req.get(HEAD_EXTRA)
+    if extra:
+        for name, value in extra:
+            if name not in headers:
+                headers[name] = value
 
 
 class Wire(Protocol):
@@ -456,6 +468,7 @@ class LeanStreamResponse(web.StreamResponse):
         elif req.version >= (1, 1):
             tail += "Connection: close\r\n"
         self._lean_keep = keep
+        add_head_extra(req, self.headers)
         self._lean_head = encode_head(req.version, self.status, self.reason, self.headers, tail + "\r\n")
         self._lean_phase = 1
         req._stream = self
