@@ -430,8 +430,10 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
         log.info("shutting down: draining")
         if front is not None:
             front.drain()
-        # leave the mesh (gracefully) while draining: peers stop counting on this node at once
-        await asyncio.gather(drain(gw, cfg.shutdown_grace_secs), mesh.close() if mesh else asyncio.sleep(0))
+        # the node stays in the mesh while it drains (its leave is in the finally below): the turns it is
+        # finishing write their records to other nodes' stores and release conversation leases there, and
+        # the records it owns stay readable for the others until it goes
+        await drain(gw, cfg.shutdown_grace_secs)
         if gw.in_flight and front is not None:  # the grace is over: end what is left, each with its error
             gw.stopping = True
             await front.stop_in_flight()

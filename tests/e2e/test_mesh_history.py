@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import signal
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -295,9 +296,41 @@ def stalled_engine(cluster: Cluster) -> Iterator[None]:
 
 
 def test_owner_gone_is_a_clear_404_unless_the_store_is_shared(cluster: Cluster) -> None:
+    """c leaves gracefully (SIGTERM) while a turn of a's conversation streams on it: c stays in the mesh
+    while it drains, so the turn ends and is stored on a, and the conversation is free for the next turn
+    (c left at once before: its write to a failed and a's lease on the conversation stayed 10 minutes);
+    then c's own records are a clear 404 on the others (embedded) or still served (shared)."""
     conv = cluster.sdk("c").conversations.create(metadata={"from": "c"})
     assert cluster.sdk("a").conversations.retrieve(conv.id).metadata == {"from": "c"}
-    assert cluster.nodes["c"].stop() == 0  # a graceful leave
+    on_a = cluster.sdk("a").conversations.create()
+    events: list[str] = []
+    started = threading.Event()
+
+    def turn() -> None:
+        stream = cluster.sdk("c").responses.create(
+            model=MODEL, input="a turn while c drains", conversation=on_a.id, stream=True
+        )
+        for ev in stream:  # bounded: the stall, then the answer's end
+            events.append(ev.type)
+            started.set()
+
+    faults = f"http://127.0.0.1:{cluster.engine.http_port}/mock/faults"
+    httpx.post(faults, json={"stall_after_tokens": 1, "stall_seconds": 3.0}).raise_for_status()
+    t = threading.Thread(target=turn)
+    try:
+        t.start()
+        assert started.wait(30)
+        assert cluster.nodes["c"].stop(timeout=60) == 0  # a graceful leave, the turn drained first
+        t.join(60)
+    finally:
+        httpx.post(faults, json={"stall_after_tokens": None, "stall_seconds": 0.0}).raise_for_status()
+    assert events[-1] == "response.completed", events
+    stored = list(cluster.sdk("a").conversations.items.list(on_a.id, order="asc"))
+    assert [getattr(it, "role", None) for it in stored] == ["user", "assistant"], stored
+    assert (
+        cluster.sdk("a").responses.create(model=MODEL, input="next", conversation=on_a.id).status
+        == "completed"
+    )
     wait_for(lambda: cluster.members("a").get("c") in ("left", None), "a sees c gone")
     r = httpx.get(f"{cluster.url('a')}/v1/conversations/{conv.id}", timeout=10)
     if cluster.backend == "postgres":  # the records are in the shared database, not on c
@@ -313,10 +346,30 @@ def test_a_background_response_whose_node_died_ends_failed(cluster: Cluster) -> 
     the mesh holds b dead, a read on a finds the record's runner gone and stores and answers it as failed,
     rather than in progress forever (a client polls until it ends). (After the test above: c is gone.)"""
     conv = cluster.sdk("a").conversations.create()
+    followed: list[str] = []
     with stalled_engine(cluster):
         r = cluster.sdk("b").responses.create(
             model=MODEL, input="a slow one", conversation=conv.id, background=True
         )
+        # b's own (its record on b with an embedded store), streamed, followed from a
+        own = cluster.sdk("b").responses.create(model=MODEL, input="b's own", background=True, stream=True)
+        first: Any = next(iter(own))
+        own_id = first.response.id
+        own.close()
+
+        def follow() -> None:
+            url = f"{cluster.url('a')}/v1/responses/{own_id}?stream=true&starting_after=0"
+            with httpx.stream("GET", url, timeout=120) as s:
+                followed.append(f"status {s.status_code}")
+                for ln in s.iter_lines():
+                    if ln.startswith("event: ") or s.status_code != 200:
+                        followed.append(ln)
+                        following.set()
+
+        following = threading.Event()
+        follower = threading.Thread(target=follow)
+        follower.start()
+        assert following.wait(30), followed
         wait_for(lambda: cluster.sdk("a").responses.retrieve(r.id).status == "in_progress", "running on b")
         cluster.nodes["b"].proc.kill()
         wait_for(
@@ -325,3 +378,6 @@ def test_a_background_response_whose_node_died_ends_failed(cluster: Cluster) -> 
         got = cluster.sdk("a").responses.retrieve(r.id)
         assert got.status == "failed" and got.error is not None and got.error.code == "server_error"
         assert "_runner" not in httpx.get(f"{cluster.url('a')}/v1/responses/{r.id}", timeout=10).json()
+        # the follower of b's own response is told it failed, and its stream ends (it waited forever)
+        follower.join(90)
+        assert not follower.is_alive() and followed[-1:] == ["event: response.failed"], followed

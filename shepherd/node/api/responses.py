@@ -127,6 +127,9 @@ HEARTBEAT_S = 5.0  # and is written this often without new events (to see an end
 # to POLL_MAX_S while nothing new comes (a long record read over and over costs its reader's node)
 POLL_S = 0.25
 POLL_MAX_S = 2.0
+# a follower whose response's record stays out of reach this long (its owner suspected, not yet gone) is
+# told the response failed and its stream ends, rather than waiting for the request timeout
+FOLLOW_UNREACHABLE_S = 30.0
 
 
 def _runner(hist: History) -> str:
@@ -1369,6 +1372,7 @@ async def _stored_events(
     rid = stored.id
     deadline = time.monotonic() + request.app[GATEWAY].cfg.request_timeout_secs
     wait = POLL_S / 2
+    unreachable: float | None = None  # since when its record could not be read (the store out of reach)
     while True:  # bounded: the deadline
         kept = stored.body.get(_EVENTS)
         kept = kept if isinstance(kept, list) else []
@@ -1402,9 +1406,18 @@ async def _stored_events(
             if rec is None or not may_read(request, rec.owner):  # deleted meanwhile: the stream ends
                 return
             stored = await _settle_orphan(hist, rec, running)
+            unreachable = None
+        except NotFound as e:  # its owner has left the mesh: its record and its end can no longer be read
+            yield [_lost_event(stored, len(kept), f"The node holding this response is gone ({e}).")]
+            return
         except (StorageError, ApiError) as e:  # the store out of reach a moment: the next poll, later
             log.info("following background response %s: its record not read: %s", rid, e)
             wait = min(POLL_MAX_S, wait * 2)
+            now = time.monotonic()
+            unreachable = unreachable or now
+            if now - unreachable > FOLLOW_UNREACHABLE_S:  # not a moment: the follower is told, and ends
+                yield [_lost_event(stored, len(kept), "The node holding this response does not answer.")]
+                return
 
 
 def _ends(kept: Sequence[str]) -> bool:
@@ -1417,6 +1430,15 @@ def _ends(kept: Sequence[str]) -> bool:
             "event: response.cancelled",
         )
     )
+
+
+def _lost_event(stored: StoredResponse, seq: int, message: str) -> bytes:
+    """``response.failed`` for a follower whose response's record cannot be read any more (its owner gone
+    from the mesh, or out of reach for ``FOLLOW_UNREACHABLE_S``): its last known state, failed with
+    ``message`` (the record itself is not written: nobody can)."""
+    error = {"code": "server_error", "message": message}
+    body = {k: v for k, v in stored.body.items() if k != _RUNNER} | {"status": "failed", "error": error}
+    return _end_event(dataclasses.replace(stored, body=body, status="failed"), seq)
 
 
 def _end_event(stored: StoredResponse, seq: int) -> bytes:
