@@ -449,9 +449,18 @@ def test_background_cancel(client: openai.OpenAI, engine: MockEngineProc, http: 
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="and then?", previous_response_id=r.id)
     assert e.value.code == "previous_response_in_progress"
+    stats = f"http://127.0.0.1:{engine.http_port}/mock/stats"
+    for _ in range(200):  # bounded: it runs at the engine (which sends its first token at once, then stalls)
+        if http.get(stats).json()["active"] >= 1:
+            break
+        time.sleep(0.05)
+    time.sleep(0.3)  # (that token's way to the node)
     c = client.responses.cancel(r.id)
     assert c.status == "cancelled"
-    assert client.responses.retrieve(r.id).status == "cancelled"
+    got = client.responses.retrieve(r.id)
+    # what it had made is kept, as a streamed one keeps it: its message, incomplete
+    assert got.status == "cancelled" and got.output_text, got
+    assert getattr(got.output[-1], "status", None) == "incomplete"
     faults(engine, http, stall_after_tokens=None, stall_seconds=0.0)
     fg = client.responses.create(model=MODEL, input="x", max_output_tokens=1)
     with pytest.raises(openai.BadRequestError):

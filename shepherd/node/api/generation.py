@@ -881,16 +881,20 @@ class Generation:
             return []
         return [v for v in violations if v.strict]
 
-    async def collect(self, jobs: list[Job]) -> tuple[list[dict[str, Any]], list[Violation]]:
+    async def collect(
+        self, jobs: list[Job], engine_stream: bool = False
+    ) -> tuple[list[dict[str, Any]], list[Violation]]:
         """Run every job to its end without streaming: the final choices (chat: with the parsed
-        ``message``) and the structured-output violations found in them."""
+        ``message``) and the structured-output violations found in them. ``engine_stream``: the engine
+        streams the output all the same (a background response: its text so far is there when it is
+        cancelled)."""
         gw = self.gw
         max_new = [
             gw.check_context(self.model, len(job.ids), self.s.max_tokens, *self.context_param) for job in jobs
         ]
         # Without stop strings the engine sends everything in one message; with them we stream so that a
         # gateway-side stop can abort generation early.
-        engine_stream = bool(self.s.stop)
+        engine_stream = engine_stream or bool(self.s.stop)
         targeted = "x-smg-target-worker" in self.request.headers
 
         failed = [False]  # a prompt of the list failed: the others are cancelled, not gone with the client

@@ -419,24 +419,6 @@ class _StoringEvents(ResponseEvents):
         self.error = {"code": "server_error", "message": message}
         return super().failed(message, code, usage)
 
-    def partial(self) -> list[dict[str, Any]]:
-        """The output so far (an answer cut short): finished items and the open one, ``incomplete``."""
-        out = list(self.items)
-        item = self._open
-        if item is not None:
-            text = "".join(self._parts)
-            item = dict(item, status="incomplete")
-            if item["type"] == "message":
-                item["content"] = [
-                    {"type": "output_text", "text": text, "annotations": [], "logprobs": list(self._lps)}
-                ]
-            elif item["type"] == "reasoning":
-                item["content"] = [{"type": "reasoning_text", "text": text}]
-            else:
-                item["arguments"] = text
-            out.append(item)
-        return out
-
 
 async def _still_running(turn: Turn, body: dict[str, Any], runner: asyncio.Task[Any] | None) -> bool | None:
     """One write of a running background response's record (``body``, as it stands): True while it
@@ -1057,6 +1039,19 @@ def _answer(
     return finish, status, output, _usage(g.tok, output, t.prompt, t.completion, t.cached)
 
 
+def _partial(g: Generation, job: Job, turn: Turn, base: dict[str, Any]) -> list[dict[str, Any]]:
+    """The output items of a choice cut short (a cancel): its text so far through the stream's parser
+    stage and encoder, quiet, the open item ``incomplete`` (what a streamed response keeps)."""
+    enc = ResponseEvents(base, turn.new_id, quiet=True)
+    text = job.states[0].full_text()
+    if g.output is None:
+        if text:
+            enc.content(0, text)
+    else:
+        g.output.choice(enc, 0).stream(text, None, [])
+    return enc.partial()
+
+
 def _cut_usage(job: Job) -> dict[str, Any]:
     return response_usage(len(job.ids), sum(st.tokens for st in job.states), 0)
 
@@ -1229,7 +1224,7 @@ async def _background(run: _Run) -> None:
             return  # ended before it started (cancelled where this node's task was not seen)
         watch = asyncio.create_task(_heartbeat(turn, base, asyncio.current_task()))
         g.gw.metrics.overhead.observe(time.perf_counter() - g.t0)
-        choices, violations = await g.collect([job])
+        choices, violations = await g.collect([job], engine_stream=True)  # (a cancel keeps its text so far)
         watch.cancel()  # (before the end is written)
         finish, status, output, usage = _answer(g, job, choices[0], turn, base)
         strict = g.rejected(violations)
@@ -1249,8 +1244,9 @@ async def _background(run: _Run) -> None:
     except asyncio.CancelledError:
         if watch is not None:
             watch.cancel()
-        body = response_object(base, status="cancelled", output=[], usage=_cut_usage(job))
-        await _shielded(turn.update(body, []))
+        output = _partial(g, job, turn, base)  # (as a streamed one keeps what it had made)
+        body = response_object(base, status="cancelled", output=output, usage=_cut_usage(job))
+        await _shielded(turn.update(body, output))
         raise
     except (EngineError, ApiError, TimeoutError, StorageError) as e:
         if watch is not None:

@@ -346,6 +346,24 @@ class ResponseEvents:
     def status(self) -> str:
         return response_status(self.finish_reason)
 
+    def partial(self) -> list[dict[str, Any]]:
+        """The output so far (an answer cut short): finished items and the open one, ``incomplete``."""
+        out = list(self.items)
+        item = self._open
+        if item is not None:
+            text = "".join(self._parts)
+            item = dict(item, status="incomplete")
+            if item["type"] == "message":
+                item["content"] = [
+                    {"type": "output_text", "text": text, "annotations": [], "logprobs": list(self._lps)}
+                ]
+            elif item["type"] == "reasoning":
+                item["content"] = [{"type": "reasoning_text", "text": text}]
+            else:
+                item["arguments"] = text
+            out.append(item)
+        return out
+
     def final(self, usage: dict[str, Any] | None, status: str | None = None) -> dict[str, Any]:
         """The finished Response (``status`` by the finish reason unless given)."""
         st = status or self.status()
