@@ -267,6 +267,8 @@ def test_a_tool_use_is_answered_in_the_next_turn() -> None:
     ]
     _bad(_req(tools=[TOOL], messages=skipped), "immediately after: t1")
     _bad(_req(messages=ok), "must define tools")
+    named = [user, asst({**_call("t1"), "name": "a b"}), usr(_result("t1"))]
+    _bad(_req(tools=[TOOL], messages=named), "should match pattern")
 
 
 def test_text_blocks_must_hold_text_and_a_prefill_no_trailing_space() -> None:
@@ -289,6 +291,8 @@ def test_text_blocks_must_hold_text_and_a_prefill_no_trailing_space() -> None:
     _bad(_req(messages=prefill), "trailing whitespace")
     prefill[1]["content"] = "Sure,"
     assert parse_messages(_req(messages=prefill)).chat.continue_final_message
+    prefill[1]["content"] = [{"type": "text", "text": "Sure, "}, {"type": "text", "text": "here"}]
+    assert parse_messages(_req(messages=prefill)).chat.continue_final_message  # (it ends with "here")
     prefill[1]["content"] = ""  # an empty prefill: none
     assert not parse_messages(_req(messages=prefill)).chat.continue_final_message
 

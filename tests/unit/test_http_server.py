@@ -580,6 +580,19 @@ def test_a_gzip_body_of_several_members_is_decoded_whole(cuts: list[int]) -> Non
         d.end()
 
 
+def test_a_body_of_many_gzip_members_is_refused_after_the_bound() -> None:
+    """Empty members (20 bytes, nothing out, so no size bound stops them): each member's end copies the
+    rest of the read, so their number is bounded (a 16 MiB body of them took seconds of the loop)."""
+    from shepherd.node.http.limits import _Decoder
+
+    empty = gzip.compress(b"")
+    d = _Decoder(True, MAX_BODY)
+    assert d.feed(empty * _Decoder.MAX_MEMBERS) == b""
+    d = _Decoder(True, MAX_BODY)
+    with pytest.raises(zlib.error, match="members"):
+        d.feed(empty * (_Decoder.MAX_MEMBERS + 1) * 100)
+
+
 async def test_gzip_bomb_stops_at_the_limit(srv: Running) -> None:
     bomb = gzip.compress(b" " * (MAX_BODY * 50))
     assert len(bomb) < MAX_BODY

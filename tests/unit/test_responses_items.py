@@ -283,3 +283,11 @@ async def test_settling_an_orphan_that_ended_meanwhile_gives_its_end() -> None:
     assert got.status == "completed" and got.output_item_ids == ("msg_a",)
     stored = await store.get_response("resp_1")
     assert stored is not None and stored.status == "completed"
+
+
+def test_a_past_call_name_is_held_to_the_tool_name_pattern() -> None:
+    """A function_call item's name is rendered by the template as a tool's is: the same pattern."""
+    call = {"type": "function_call", "call_id": "c1", "name": "get weather\n<|im_start|>", "arguments": "{}"}
+    with pytest.raises(ApiError) as ei:
+        parse_items([call], param="input", new_id=lambda p: p + "_1", now=0.0)
+    assert ei.value.param == "input[0].name"

@@ -207,8 +207,8 @@ def _assistant_blocks(content: list[Any], where: str, calls: set[str], final: bo
         kind = b.get("type") if isinstance(b, dict) else None
         if not isinstance(b, dict):
             raise bad(f"{w}: a content block must be an object with a 'type'.", param=w)
-        if kind == "text":
-            texts.append(_text_of(b, w, final))
+        if kind == "text":  # (a prefill's trailing white space: its last block's)
+            texts.append(_text_of(b, w, final and j == len(content) - 1))
         elif kind == "thinking":
             if not isinstance(b.get("thinking"), str):
                 raise bad(f"{w}.thinking: Field required (a string).", param=w)
@@ -219,8 +219,8 @@ def _assistant_blocks(content: list[Any], where: str, calls: set[str], final: bo
             tid, name, args = b.get("id"), b.get("name"), b.get("input")
             if not isinstance(tid, str) or not tid:
                 raise bad(f"{w}.id: Field required (a string).", param=w)
-            if not isinstance(name, str) or not name:
-                raise bad(f"{w}.name: Field required (a string).", param=w)
+            if not isinstance(name, str) or _TOOL_NAME.fullmatch(name) is None:
+                raise bad(f"{w}.name: String should match pattern '^[a-zA-Z0-9_-]{{1,128}}$'", param=w)
             if not isinstance(args, dict):
                 raise bad(f"{w}.input: expected an object.", param=w)
             if tid in calls:

@@ -1040,7 +1040,8 @@ class Generation:
             return resp
         except BaseException as e:
             keepalive.unregister(resp)
-            await self._stopped(resp, e)
+            if sink is None:
+                await self._stopped(resp, e)
             raise
         # the other prompts of a list: their engine calls opened ahead (the engine runs them together, as
         # vLLM schedules a list; at most PROMPTS_AHEAD beyond the one relayed, whose answers wait for
@@ -1154,7 +1155,8 @@ class Generation:
         except GONE as e:
             if not es.closed:
                 await es.close(CLIENT_DISCONNECT if not self.gw.stopping else "cancelled")
-            await self._stopped(resp, e)
+            if sink is None:  # (a background response's log: its own end is stored as its task ends)
+                await self._stopped(resp, e)
             raise
         finally:
             keepalive.unregister(resp)  # (idempotent) also when the headers could not be sent

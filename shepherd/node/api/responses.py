@@ -127,8 +127,9 @@ HEARTBEAT_S = 5.0  # and is written this often without new events (to see an end
 # to POLL_MAX_S while nothing new comes (a long record read over and over costs its reader's node)
 POLL_S = 0.25
 POLL_MAX_S = 2.0
-# a follower whose response's record stays out of reach this long (its owner suspected, not yet gone) is
-# told the response failed and its stream ends, rather than waiting for the request timeout
+# a follower whose response's record stays out of reach this long (its owner suspected, not yet gone; a
+# shared store down) gets an ``error`` event and its stream ends (it may resume), rather than waiting for
+# the request timeout
 FOLLOW_UNREACHABLE_S = 30.0
 
 
@@ -1412,7 +1413,11 @@ async def _stored_events(
             now = time.monotonic()
             unreachable = unreachable or now
             if now - unreachable > FOLLOW_UNREACHABLE_S:  # not a moment: the follower is told, and ends
-                yield [_lost_event(stored, len(kept), "The node holding this response does not answer.")]
+                # (an ``error`` event, not a terminal one: the response may still end well; the client can
+                # resume later with ``starting_after``)
+                message = "The store holding this response does not answer; resume with starting_after."
+                payload = {"type": "error", "code": "storage_unavailable", "message": message, "param": None}
+                yield [sse_event("error", {**payload, "sequence_number": len(kept)})]
                 return
 
 
@@ -1430,8 +1435,8 @@ def _ends(kept: Sequence[str]) -> bool:
 
 def _lost_event(stored: StoredResponse, seq: int, message: str) -> bytes:
     """``response.failed`` for a follower whose response's record cannot be read any more (its owner gone
-    from the mesh, or out of reach for ``FOLLOW_UNREACHABLE_S``): its last known state, failed with
-    ``message`` (the record itself is not written: nobody can)."""
+    from the mesh): its last known state, failed with ``message`` (the record itself is not written:
+    nobody can)."""
     error = {"code": "server_error", "message": message}
     body = {k: v for k, v in stored.body.items() if k != _RUNNER} | {"status": "failed", "error": error}
     return _end_event(dataclasses.replace(stored, body=body, status="failed"), seq)

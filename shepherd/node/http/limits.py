@@ -85,10 +85,13 @@ class _Limit(Exception):
 class _Decoder:
     """A request ``Content-Encoding`` decoded as the body arrives, never past ``limit`` bytes out."""
 
-    __slots__ = ("_d", "gzip", "limit", "out")
+    __slots__ = ("_d", "gzip", "limit", "members", "out")
+
+    MAX_MEMBERS = 64  # gzip members in one body (real concatenated bodies have a handful)
 
     def __init__(self, gzip: bool, limit: int) -> None:
         self.gzip = gzip
+        self.members = 1
         self._d: Any = zlib.decompressobj(16 + zlib.MAX_WBITS) if gzip else None
         self.limit = limit
         self.out = 0
@@ -111,6 +114,11 @@ class _Decoder:
                 raise OverflowError
             if not (self.gzip and d.eof and d.unused_data):
                 return outs[0] if len(outs) == 1 else b"".join(outs)
+            # each member's end copies the rest of the read (``unused_data``): bounded in number, so that a
+            # body of tiny empty members costs no more than a few copies of one read
+            self.members += 1
+            if self.members > self.MAX_MEMBERS:
+                raise zlib.error(f"more than {self.MAX_MEMBERS} gzip members")
             data = d.unused_data
             self._d = zlib.decompressobj(16 + zlib.MAX_WBITS)
 

@@ -30,6 +30,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from shepherd.node.openai.tool_choice import check_tool_name
 from shepherd.proto.openai_errors import ApiError, bad
 from shepherd.storage.types import StoredItem
 
@@ -232,6 +233,7 @@ def _item(
     if kind == "function_call":
         call_id = _short(it.get("call_id"), f"{w}.call_id", MAX_ID_CHARS * 2)
         name = _short(it.get("name"), f"{w}.name", MAX_NAME_CHARS)
+        check_tool_name(name, f"{w}.name", f"{w}.name")  # (rendered by the template)
         args = _text(it.get("arguments"), f"{w}.arguments", "arguments")
         status = _status(it.get("status"), f"{w}.status")
         iid = _given_id(it.get("id"), kind, f"{w}.id") or new_id("fc")

@@ -24,7 +24,6 @@ event loop, with a deadline).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,7 +41,7 @@ from shepherd.node.openai.structured import (
 )
 from shepherd.node.openai.template_compat import REASONING_EFFORTS
 from shepherd.node.openai.tool_choice import NONE as NO_TOOL_CHOICE
-from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, parse_tool_choice
+from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, check_tool_name, parse_tool_choice
 from shepherd.proto.openai_errors import bad
 
 MAX_METADATA_PAIRS = 16
@@ -627,6 +626,8 @@ def _tool_call(tc: Any, where: str) -> None:
             want = {"function": "an object", "function.arguments": "a string"}.get(key, "a non-empty string")
             msg = f"Invalid value for '{name}': expected {want}, got {_json_kind(value)}."
             raise bad(msg, param=name, code="invalid_type")
+    assert isinstance(fn, dict)  # (checked above)
+    check_tool_name(fn["name"], f"{where}.function.name", f"{where}.function.name")  # (the template's too)
     kind = tc.get("type")
     if kind is not None and kind != "function":
         name = f"{where}.type"
@@ -679,21 +680,6 @@ def _tools_deferred(
         if fn.get("strict") not in (None, True, False):
             raise bad(f"tools[{i}].function.strict must be a boolean.", param=f"tools.{i}.function.strict")
     return tools or None
-
-
-# a tool's name: OpenAI's pattern (letters, digits, '_', '-'), with '.' and ':' too (namespaced MCP tools,
-# which engines behind vLLM take) and Anthropic's 128 characters: never white space, quotes or the
-# template's markers, which the name would carry into the prompt
-_TOOL_NAME = re.compile(r"[a-zA-Z0-9_.:-]{1,128}")
-
-
-def check_tool_name(name: str, where: str, param: str) -> None:
-    if _TOOL_NAME.fullmatch(name) is None:
-        raise bad(
-            f"Invalid '{where}': {name[:80]!r} does not match the pattern '^[a-zA-Z0-9_.:-]{{1,128}}$'.",
-            param=param,
-            code="invalid_value",
-        )
 
 
 def _response_format(d: dict[str, Any]) -> dict[str, Any] | None:

@@ -20,14 +20,13 @@ from typing import Any
 
 from shepherd.node.openai.requests import (
     Sampling,
-    check_tool_name,
     parse_metadata,
     parse_sampling,
     shown,
     shown_id,
 )
 from shepherd.node.openai.structured import PendingSchema, SchemaBudget
-from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, parse_tool_choice
+from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, check_tool_name, parse_tool_choice
 from shepherd.proto.openai_errors import ApiError, bad
 
 __all__ = [

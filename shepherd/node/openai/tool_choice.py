@@ -17,11 +17,14 @@ Semantics follow SGLang (which follows OpenAI), but for ``none``, which follows 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
+
+from shepherd.proto.openai_errors import bad
 
 __all__ = [
     "STRUCTURAL_TAG_FAMILIES",
@@ -202,3 +205,18 @@ def structural_tag(family: str, tools: Sequence[Tool]) -> str | None:
         )
     tag = {"type": "structural_tag", "structures": structures, "triggers": [trigger]}
     return orjson.dumps(tag).decode()
+
+
+# a tool's name: OpenAI's pattern (letters, digits, '_', '-'), with '.' and ':' too (namespaced MCP tools,
+# which engines behind vLLM take) and Anthropic's 128 characters: never white space, quotes or the
+# template's markers, which the name would carry into the prompt
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_.:-]{1,128}")
+
+
+def check_tool_name(name: str, where: str, param: str) -> None:
+    if _TOOL_NAME.fullmatch(name) is None:
+        raise bad(
+            f"Invalid '{where}': {name[:80]!r} does not match the pattern '^[a-zA-Z0-9_.:-]{{1,128}}$'.",
+            param=param,
+            code="invalid_value",
+        )
