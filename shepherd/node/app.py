@@ -438,12 +438,10 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
             gw.stopping = True
             await front.stop_in_flight()
     finally:
-        if front is not None:  # stop accepting, close idle connections, let in-flight ones end (bounded)
-            with contextlib.suppress(Exception):
-                await front.shutdown(timeout=5.0)
-        if admin_front is not None:
-            with contextlib.suppress(Exception):
-                await admin_front.shutdown(timeout=5.0)
+        # stop accepting, close idle connections, let in-flight ones end (bounded, both listeners at once:
+        # the mesh's leave below comes within the orchestrator's kill deadline)
+        fronts = [f.shutdown(timeout=5.0) for f in (front, admin_front) if f is not None]
+        await asyncio.gather(*fronts, return_exceptions=True)
         with contextlib.suppress(Exception):
             await runner.cleanup()
         await reloader.close()

@@ -206,7 +206,7 @@ def test_the_node_accepts_its_command_line_and_config(
     pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pre_stop >= 5
     grace = sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace > pre_stop + cfg.shutdown_grace_secs
+    assert grace >= pre_stop + cfg.shutdown_grace_secs + 2 + 5 + 5  # (ending what is left, listeners)
     if example == "mesh-3":
         assert replicas == 3 and len(cfg.worker_urls) == 2
     if example == "postgres-history":
