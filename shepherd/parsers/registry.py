@@ -22,10 +22,12 @@ from shepherd.parsers.tool_formats import (
     COHERE,
     DEEPSEEK_V3,
     DEEPSEEK_V31,
+    DEEPSEEK_V32,
     GLM45,
     GPT_OSS,
     HERMES,
     KIMI_K2,
+    MINIMAX_M2,
     QWEN3_CODER,
 )
 from shepherd.parsers.tool_leading import JSON, LLAMA3, PYTHONIC, LeadingSpec, LeadingValueToolParser
@@ -118,6 +120,8 @@ TOOL_FAMILIES: Mapping[str, _ToolFactory] = {
     "qwen3_coder": _delimited(QWEN3_CODER),
     "deepseek_v3": _delimited(DEEPSEEK_V3),
     "deepseek_v31": _delimited(DEEPSEEK_V31),
+    "deepseek_v32": _delimited(DEEPSEEK_V32),
+    "minimax_m2": _delimited(MINIMAX_M2),
     "kimi_k2": _delimited(KIMI_K2),
     "glm45": _delimited(GLM45),
     "gpt_oss": _delimited(GPT_OSS),
@@ -135,7 +139,7 @@ _TOOL_ALIASES = {
     "llama32": "llama3",
     "llama4": "pythonic",
     "deepseek_r1": "deepseek_v3",
-    "deepseek_v32": "deepseek_v31",
+    "minimax": "minimax_m2",
     "glm": "glm45",
     "glm46": "glm45",
     "glm47": "glm45",
@@ -269,7 +273,7 @@ _MODEL_DEFAULTS: tuple[tuple[str, str | None, str | None], ...] = (
     ("gpt-oss", "gpt_oss", "gpt_oss"),
     ("deepseek-r1", "deepseek_r1", "deepseek_v3"),
     ("deepseek-v3.1", "deepseek_v3", "deepseek_v31"),
-    ("deepseek-v3.2", "deepseek_v3", "deepseek_v31"),
+    ("deepseek-v3.2", "deepseek_v3", "deepseek_v32"),
     ("deepseek-v3", None, "deepseek_v3"),
     ("qwen3-coder", None, "qwen3_coder"),
     ("qwen3.5", "qwen3", "qwen3_coder"),
@@ -284,6 +288,7 @@ _MODEL_DEFAULTS: tuple[tuple[str, str | None, str | None], ...] = (
     ("glm-4.5", "glm45", "glm45"),
     ("glm-4.6", "glm45", "glm45"),
     ("glm-4.7", "glm45", "glm45"),
+    ("minimax-m2", "minimax", "minimax_m2"),
     ("minimax", "minimax", None),
     ("step3", "step3", None),
     ("step-3", "step3", None),
@@ -292,6 +297,7 @@ _MODEL_DEFAULTS: tuple[tuple[str, str | None, str | None], ...] = (
     ("command-r7b", None, "cohere"),
     ("nemotron-3", "nemotron", "qwen3_coder"),
     ("nemotron", "nemotron", None),
+    ("hermes", None, "hermes"),  # (before llama: Hermes-3-Llama-3.1 speaks hermes)
     ("llama-4", None, "pythonic"),
     ("llama4", None, "pythonic"),
     ("llama-3", None, "llama3"),
@@ -300,7 +306,6 @@ _MODEL_DEFAULTS: tuple[tuple[str, str | None, str | None], ...] = (
     ("magistral", None, "mistral"),
     ("mistral", None, "mistral"),
     ("ministral", None, "mistral"),
-    ("hermes", None, "hermes"),
 )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from shepherd.parsers.partial_json import partial_json
 from shepherd.parsers.tool_common import (
+    BodyParser,
     CutCalls,
     ParamTypes,
     ParsedCall,
@@ -23,7 +24,18 @@ from shepherd.parsers.tool_common import (
 )
 from shepherd.parsers.tool_delimited import DelimitedSpec
 
-__all__ = ["COHERE", "DEEPSEEK_V3", "DEEPSEEK_V31", "GLM45", "GPT_OSS", "HERMES", "KIMI_K2", "QWEN3_CODER"]
+__all__ = [
+    "COHERE",
+    "DEEPSEEK_V3",
+    "DEEPSEEK_V31",
+    "DEEPSEEK_V32",
+    "GLM45",
+    "GPT_OSS",
+    "HERMES",
+    "KIMI_K2",
+    "MINIMAX_M2",
+    "QWEN3_CODER",
+]
 
 
 def _parse_hermes(body: str, types: ParamTypes) -> list[ParsedCall] | None:
@@ -103,6 +115,66 @@ def _parse_qwen3_coder(body: str, types: ParamTypes) -> list[ParsedCall] | None:
             value, pos = inner[vstart:stop], stop
         args[key] = _qwen3_coder_value(_strip_one_newline(value), types, name, key)
     return [ParsedCall(name, dump_args(args))]
+
+
+def _invokes(prefix: str, typed_by_attr: bool) -> BodyParser:
+    """The ``<invoke name="F"><parameter name="K">V</parameter>...</invoke>`` blocks of a call section
+    (MiniMax-M2: no prefix; DeepSeek-V3.2's DSML: ``｜DSML｜`` before each tag name), one call each,
+    white space between them. A value is typed by its ``string="true|false"`` attribute where the format
+    has it (DSML: true, the text as it is; false, JSON), else by the tool's schema (MiniMax: strings as
+    they are, the rest JSON), as vLLM's and SGLang's parsers read them."""
+    inv_open, inv_close = f'<{prefix}invoke name="', f"</{prefix}invoke>"
+    par_open, par_close = f'<{prefix}parameter name="', f"</{prefix}parameter>"
+
+    def parse(body: str, types: ParamTypes) -> list[ParsedCall] | None:
+        calls: list[ParsedCall] = []
+        pos, n = 0, len(body)
+        while True:  # bounded: each turn moves past an invoke's end
+            start = body.find(inv_open, pos)
+            if body[pos : n if start == -1 else start].strip():
+                return None  # stray text between invokes
+            if start == -1:
+                break
+            q = body.find('">', start + len(inv_open))
+            end = body.find(inv_close, start)
+            if q == -1 or end == -1 or end < q:
+                return None
+            name = body[start + len(inv_open) : q]
+            if not name or "\n" in name or '"' in name:
+                return None
+            args: dict[str, Any] = {}
+            at = q + 2
+            while True:  # bounded: each turn moves past a parameter's end
+                ps = body.find(par_open, at, end)
+                if body[at : end if ps == -1 else ps].strip():
+                    return None  # stray text between parameters
+                if ps == -1:
+                    break
+                head_end = body.find(">", ps + len(par_open), end)
+                pe = body.find(par_close, ps, end)
+                if head_end == -1 or pe == -1 or pe < head_end:
+                    return None
+                head = body[ps + len(par_open) : head_end]  # 'K"' or 'K" string="true"'
+                key, _, attrs = head.partition('"')
+                if not key:
+                    return None
+                raw = _strip_one_newline(body[head_end + 1 : pe])
+                if typed_by_attr and 'string="true"' in attrs:
+                    args[key] = raw
+                elif typed_by_attr and 'string="false"' in attrs:
+                    try:
+                        args[key] = loads_json(raw)
+                    except (ValueError, RecursionError):
+                        args[key] = raw
+                else:  # by the schema; a parameter it does not declare: JSON if it reads as JSON
+                    declared = types.get(name, {}).get(key)
+                    args[key] = convert_value(raw, declared.declared if declared is not None else None)
+                at = pe + len(par_close)
+            calls.append(ParsedCall(name, dump_args(args)))
+            pos = end + len(inv_close)
+        return calls or None
+
+    return parse
 
 
 def _parse_glm45(body: str, types: ParamTypes) -> list[ParsedCall] | None:
@@ -255,4 +327,9 @@ KIMI_K2 = DelimitedSpec(
     section_end="<|tool_calls_section_end|>",
 )
 COHERE = DelimitedSpec(("<|START_ACTION|>",), ("<|END_ACTION|>",), _parse_cohere)
+MINIMAX_M2 = DelimitedSpec(("<minimax:tool_call>",), ("</minimax:tool_call>",), _invokes("", False))
+_DSML = "｜DSML｜"
+DEEPSEEK_V32 = DelimitedSpec(
+    (f"<{_DSML}function_calls>",), (f"</{_DSML}function_calls>",), _invokes(_DSML, True)
+)
 GPT_OSS = DelimitedSpec(("<|start|>", "<|channel|>"), ("<|call|>", "<|end|>", "<|return|>"), _parse_gpt_oss)

@@ -89,6 +89,20 @@ def _hermes(name: str, args: str) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {args}}}\n</tool_call>'
 
 
+DSML = "｜DSML｜"
+
+
+def _invoke(prefix: str, name: str, args: dict[str, Any]) -> str:
+    """One call as MiniMax-M2's template writes it (no prefix; values raw, JSON for non-strings) or
+    DeepSeek-V3.2's DSML (``｜DSML｜`` tags, each value's ``string`` attribute)."""
+    params = []
+    for k, v in args.items():
+        text = v if isinstance(v, str) else json.dumps(v)
+        attr = f' string="{"true" if isinstance(v, str) else "false"}"' if prefix else ""
+        params.append(f'<{prefix}parameter name="{k}"{attr}>{text}</{prefix}parameter>\n')
+    return f'<{prefix}invoke name="{name}">\n' + "".join(params) + f"</{prefix}invoke>\n"
+
+
 def _xml(name: str, args: dict[str, Any]) -> str:
     params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
     return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
@@ -277,6 +291,35 @@ FAMILIES: tuple[Family, ...] = (
         {"enable_thinking": True},
     ),
     Family(
+        "deepseek-v3.2",
+        "deepseek-ai-DeepSeek-V3.2.jinja",
+        "deepseek_v3",
+        "deepseek_v32",
+        (
+            Turn("reasoning", "Simple.</think>Hello.", "Simple.", "Hello."),
+            Turn(
+                "one call",
+                f"Weather.</think>\n\n<{DSML}function_calls>\n"
+                + _invoke(DSML, "get_weather", W)
+                + f"</{DSML}function_calls>",
+                "Weather.",
+                None,
+                (("get_weather", W),),
+            ),
+            Turn(
+                "several calls",
+                f"Both.</think>Let me check.\n\n<{DSML}function_calls>\n"
+                + _invoke(DSML, "get_weather", W)
+                + _invoke(DSML, "get_time", T)
+                + f"</{DSML}function_calls>",
+                "Both.",
+                "Let me check.\n\n",  # (the text before the block, as vLLM's parser keeps it)
+                (("get_weather", W), ("get_time", T)),
+            ),
+        ),
+        {"thinking": True},
+    ),
+    Family(
         "deepseek-v3.1",
         "deepseek-ai-DeepSeek-V3.1.jinja",
         "deepseek_v3",
@@ -405,8 +448,29 @@ FAMILIES: tuple[Family, ...] = (
         "minimax-m2",
         "MiniMax-M2.jinja",
         "minimax",
-        None,
-        (Turn("reasoning", "Greeting.\n</think>\n\nHello!", "Greeting.\n", "Hello!"),),
+        "minimax_m2",
+        (
+            Turn("reasoning", "Greeting.\n</think>\n\nHello!", "Greeting.\n", "Hello!"),
+            Turn(
+                "one call",
+                "Weather.\n</think>\n\n<minimax:tool_call>\n"
+                + _invoke("", "get_weather", W)
+                + "</minimax:tool_call>",
+                "Weather.\n",
+                None,
+                (("get_weather", W),),
+            ),
+            Turn(
+                "several calls",
+                "Both.\n</think>\n\nSure.\n<minimax:tool_call>\n"
+                + _invoke("", "get_weather", W)
+                + _invoke("", "get_time", T)
+                + "</minimax:tool_call>",
+                "Both.\n",
+                "Sure.\n",
+                (("get_weather", W), ("get_time", T)),
+            ),
+        ),
     ),
     Family(
         "step3",
@@ -523,6 +587,11 @@ def test_model_names_pick_the_families_the_cases_use() -> None:
     assert default_parsers_for_model("Qwen/Qwen3-8B") == ("qwen3", "hermes")
     assert default_parsers_for_model("openai/gpt-oss-20b") == ("gpt_oss", "gpt_oss")
     assert default_parsers_for_model("deepseek-ai/DeepSeek-V3.1") == ("deepseek_v3", "deepseek_v31")
+    assert default_parsers_for_model("deepseek-ai/DeepSeek-V3.2-Exp") == ("deepseek_v3", "deepseek_v32")
+    assert default_parsers_for_model("MiniMaxAI/MiniMax-M2") == ("minimax", "minimax_m2")
+    # Hermes fine-tunes of Llama speak hermes, not Llama's JSON
+    assert default_parsers_for_model("NousResearch/Hermes-3-Llama-3.1-8B") == (None, "hermes")
+    assert default_parsers_for_model("meta-llama/Llama-3.1-8B-Instruct") == (None, "llama3")
     for f in FAMILIES:  # every family name in the cases is a valid parser name
         if f.reasoning:
             get_reasoning_parser(f.reasoning)

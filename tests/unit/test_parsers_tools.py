@@ -29,6 +29,7 @@ DS_BEGIN = "<｜tool▁calls▁begin｜>"
 DS_END = "<｜tool▁calls▁end｜>"
 DS_CALL = "<｜tool▁call▁begin｜>"
 DS_CALL_END = "<｜tool▁call▁end｜>"
+DSML = "｜DSML｜"
 
 # (family, model output, expected content, expected calls)
 CASES: list[tuple[str, str, str, Calls]] = [
@@ -182,6 +183,39 @@ CASES: list[tuple[str, str, str, Calls]] = [
         "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
         "I'll check.",
         [("get_weather", W), ("get_time", {})],
+    ),
+    # --- MiniMax-M2 (its template's invoke blocks; values typed by the tool's schema)
+    (
+        "minimax",
+        'Need the weather.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+        '<parameter name="location">Paris, France</parameter>\n<parameter name="unit">celsius</parameter>\n'
+        '</invoke>\n<invoke name="get_time">\n</invoke>\n</minimax:tool_call>',
+        "Need the weather.\n",
+        [("get_weather", W), ("get_time", {})],
+    ),
+    (
+        "minimax",
+        '<minimax:tool_call>\n<invoke name="f">\n<parameter name="opts">{"a": [1, true]}</parameter>\n'
+        "</invoke>\n</minimax:tool_call>",
+        "",
+        [("f", {"opts": {"a": [1, True]}})],
+    ),
+    (
+        "minimax",
+        '<minimax:tool_call>\nstray<invoke name="f">\n</invoke>\n</minimax:tool_call>',
+        '<minimax:tool_call>\nstray<invoke name="f">\n</invoke>\n</minimax:tool_call>',
+        [],
+    ),
+    # --- DeepSeek-V3.2 (DSML; values typed by their string="true|false" attribute)
+    (
+        "deepseek_v32",
+        f'Checking.\n\n<{DSML}function_calls>\n<{DSML}invoke name="get_weather">\n'
+        f'<{DSML}parameter name="location" string="true">Paris, France</{DSML}parameter>\n'
+        f'<{DSML}parameter name="unit" string="true">celsius</{DSML}parameter>\n</{DSML}invoke>\n'
+        f'<{DSML}invoke name="f">\n<{DSML}parameter name="n" string="false">[1, 2]</{DSML}parameter>\n'
+        f"</{DSML}invoke>\n</{DSML}function_calls>",
+        "Checking.\n\n",
+        [("get_weather", W), ("f", {"n": [1, 2]})],
     ),
     # --- GLM 4.5 / 4.6
     (
@@ -359,6 +393,29 @@ _PIECES = {
         "x",
     ],
     "deepseek_v31": [DS_BEGIN, DS_END, DS_CALL, DS_CALL_END, f"f{DS_SEP}{{}}", "x", "<｜"],
+    "minimax_m2": [
+        "<minimax:tool_call>",
+        "</minimax:tool_call>",
+        '<invoke name="f">',
+        "</invoke>",
+        '<parameter name="a">',
+        "1",
+        "</parameter>",
+        "\n",
+        "<",
+        "x",
+    ],
+    "deepseek_v32": [
+        f"<{DSML}function_calls>",
+        f"</{DSML}function_calls>",
+        f'<{DSML}invoke name="f">',
+        f"</{DSML}invoke>",
+        f'<{DSML}parameter name="a" string="false">',
+        "1",
+        f"</{DSML}parameter>",
+        "\n",
+        "<｜",
+    ],
     "gpt_oss": [
         "<|start|>",
         "assistant",
