@@ -327,3 +327,36 @@ def test_concurrent_requests_keep_their_own_parser_state(
         t.join(timeout=60)
     for (_, turn), got in zip(picks, results, strict=True):
         assert got == (expected(turn), turn.finish_reason)
+
+
+def test_responses_reasoning_effort_turns_thinking_and_its_parser_on(
+    client: openai.OpenAI, engine: MockEngineProc
+) -> None:
+    """The Responses API's ``reasoning.effort`` is the template's thinking switch (as chat's
+    ``reasoning_effort``), so the parser splits what the model thought (DeepSeek V3.1 thinks only when
+    asked); a model whose template has no switch takes it as a hint, not a 400."""
+    ds = BY_MODEL["deepseek-v3.1"]
+    r = client.responses.create(
+        model=ds.model, input=script(engine, "Say hi.</think>Hello!"), reasoning={"effort": "high"}
+    )
+    assert [o.type for o in r.output] == ["reasoning", "message"] and r.output_text == "Hello!", r.output
+    plain = client.responses.create(model=ds.model, input=script(engine, "Plain."))
+    assert [o.type for o in plain.output] == ["message"] and plain.output_text == "Plain."
+    llama = next(f for f in FAMILIES if f.reasoning is None)
+    r = client.responses.create(model=llama.model, input=script(engine, "Hi."), reasoning={"effort": "low"})
+    assert r.output_text == "Hi."
+
+
+def test_messages_without_thinking_on_gpt_oss_show_the_final_channel(
+    node: NodeProc, engine: MockEngineProc
+) -> None:
+    """gpt-oss's channels are parsed on the Messages API without ``thinking`` too: the final channel is
+    the text, the analysis dropped (the raw harmony markup came back)."""
+    text = "<|channel|>analysis<|message|>Say hi.<|end|><|start|>assistant<|channel|>final<|message|>Hello!"
+    body = {
+        "model": BY_MODEL["gpt-oss"].model,
+        "max_tokens": 1024,  # (a byte-level tokenizer: a token a byte)
+        "messages": [{"role": "user", "content": script(engine, text)}],
+    }
+    r = httpx.post(node.url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == 200 and r.json()["content"] == [{"type": "text", "text": "Hello!"}], r.text

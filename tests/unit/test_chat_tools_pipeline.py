@@ -488,3 +488,14 @@ async def test_a_lone_surrogate_escape_in_a_call_is_replaced_not_fatal() -> None
     g, job, _ = setup(QWEN)
     await run_whole(g, job, [output_ids(answer)])
     assert b"Paris \xef\xbf\xbd" in orjson.dumps(g._final_choices(job, []))
+
+
+async def test_harmony_is_parsed_even_when_reasoning_is_not_separated() -> None:
+    """gpt-oss's channels are markup: with ``separate_reasoning`` off (the Messages API without
+    ``thinking``) the output is still parsed, the analysis channel dropped, the final channel the content
+    (it came back raw, channel tokens and all)."""
+    text = "<|channel|>analysis<|message|>Say hi.<|end|><|start|>assistant<|channel|>final<|message|>Hello!"
+    for a in await both(BY_MODEL["gpt-oss"], text, tools=None, separate_reasoning=False):
+        assert (a.content, a.reasoning, a.finish_reason) == ("Hello!", None, "stop"), a
+    for a in await both(BY_MODEL["gpt-oss"], text, tools=None):
+        assert (a.content, a.reasoning) == ("Hello!", "Say hi."), a

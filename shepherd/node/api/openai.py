@@ -141,7 +141,9 @@ async def render_chat(
             ) from None
         messages = map_developer(messages, names)
         if req.reasoning_effort is not None:
-            req.template_kwargs = effort_kwargs(req.reasoning_effort, names, req.template_kwargs)
+            req.template_kwargs = effort_kwargs(
+                req.reasoning_effort, names, req.template_kwargs, req.effort_required
+            )
     # a span (tracing on): the template render and the encode, their cache hits or misses
     with tracing.stage(
         "render_tokenize", {"gen_ai.request.model": model}, cache_stats=gw.tokenizers.cache_counters

@@ -969,6 +969,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             response_format=req.response_format,
             raw=d,
             parallel_tool_calls=req.parallel_tool_calls,
+            # the effort turns the template's thinking switch (and with it the reasoning parser) as chat's
+            # reasoning_effort does; a model without one takes it as a hint it cannot follow
+            reasoning_effort=(req.reasoning or {}).get("effort"),
+            effort_required=False,
         )
         if req.truncation == "auto" and past:
             chat, text, ids = await _render_truncated(gw, model, chat, req, past, prompt_items)

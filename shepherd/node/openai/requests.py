@@ -450,6 +450,7 @@ class ChatRequest:
     guided: Constraint | None = None
     guided_param: str = ""
     reasoning_effort: str | None = None  # mapped to the template's thinking switch when rendering
+    effort_required: bool = True  # a template without a thinking switch refuses it (False: ignored)
     legacy_functions: bool = False  # the request used ``functions``: answers carry ``function_call``
     include_reasoning: bool = True  # vLLM's: false drops the parsed reasoning from the answer
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs (this many alternatives) in the answer

@@ -54,9 +54,12 @@ def map_developer(messages: list[dict[str, Any]], names: frozenset[str]) -> list
     return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
 
 
-def effort_kwargs(effort: str, names: frozenset[str], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+def effort_kwargs(
+    effort: str, names: frozenset[str], kwargs: Mapping[str, Any], required: bool = True
+) -> dict[str, Any]:
     """The template kwargs with ``reasoning_effort`` mapped to the template's switch (``kwargs`` the
-    request gave win); a 400 naming the field when the template has none."""
+    request gave win); a 400 naming the field when the template has none (``required``; else the effort
+    is a hint the model cannot take: ignored)."""
     mapped: dict[str, Any] = {}
     if "reasoning_effort" in names:
         mapped["reasoning_effort"] = effort
@@ -65,6 +68,8 @@ def effort_kwargs(effort: str, names: frozenset[str], kwargs: Mapping[str, Any])
             mapped["enable_thinking"] = effort != "none"
         if "thinking" in names:
             mapped["thinking"] = effort != "none"
+    if not mapped and not required:
+        return dict(kwargs)
     if not mapped:
         msg = (
             "'reasoning_effort' cannot be honoured: this model's chat template has no thinking switch "

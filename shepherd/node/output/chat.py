@@ -202,11 +202,9 @@ def shape_chat(families: tuple[str | None, str | None], req: ChatRequest, prompt
         sampling = req.sampling
         if reasoning == "gpt_oss" and sampling.skip_special_tokens:
             sampling = dataclasses.replace(sampling, skip_special_tokens=False)
-        plain = (
-            None
-            if reasoning is None
-            else _reasoning_only(reasoning, opened, req.parallel_tool_calls, req.include_reasoning)
-        )
+        include = req.include_reasoning and req.separate_reasoning
+        parallel = req.parallel_tool_calls
+        plain = None if reasoning is None else _reasoning_only(reasoning, opened, parallel, include)
         return ChatShaping(sampling, plain, None, None)
     return _shape_tools(tool_family, req, reasoning, opened)
 
@@ -214,9 +212,14 @@ def shape_chat(families: tuple[str | None, str | None], req: ChatRequest, prompt
 def reasoning_side(family: str | None, req: ChatRequest, prompt: str) -> tuple[str | None, bool]:
     """The reasoning parser a request's output goes through (None: off) and whether the rendered prompt
     left a think block open."""
-    if not family or not req.separate_reasoning:
+    if not family:
         return None, False
     fam = _CANONICAL_FAMILIES.get(family)
+    if not req.separate_reasoning:
+        # harmony (gpt-oss) is parsed all the same: its channels are markup, not text to show (the
+        # reasoning is then dropped: ``include_reasoning`` off with ``separate_reasoning``)
+        harmony = fam.spec is None if fam is not None else reasoning_family_name(family) == "gpt_oss"
+        return (family, False) if harmony else (None, False)
     if fam is not None and not req.template_kwargs:  # the common case, without the registry's calls:
         if fam.thinking_kwarg and not fam.thinking_default:  # thinking is off unless asked for
             return None, False
@@ -273,9 +276,8 @@ def _shape_tools(
     output = None
     if reasoning is not None or tool_parser is not None:
         callable_tools = tuple(template_tools(tools, choice) or ())  # a named choice: only that one
-        output = ChatOutput(
-            reasoning, opened, tool_parser, callable_tools, req.parallel_tool_calls, req.include_reasoning
-        )
+        include = req.include_reasoning and req.separate_reasoning
+        output = ChatOutput(reasoning, opened, tool_parser, callable_tools, req.parallel_tool_calls, include)
     named = choice.forces_call and choice.name is not None
     calls_finish = "stop" if named else "function_call" if req.legacy_functions else "tool_calls"
     return ChatShaping(sampling, output, constraint, checks, req.legacy_functions, calls_finish)
