@@ -499,3 +499,10 @@ async def test_harmony_is_parsed_even_when_reasoning_is_not_separated() -> None:
         assert (a.content, a.reasoning, a.finish_reason) == ("Hello!", None, "stop"), a
     for a in await both(BY_MODEL["gpt-oss"], text, tools=None):
         assert (a.content, a.reasoning) == ("Hello!", "Say hi."), a
+
+
+async def test_an_answer_of_reasoning_only_has_null_content_streamed_and_whole() -> None:
+    """DeepSeek-R1 opens the think block in the prompt; an output that never closes it is all reasoning:
+    ``content`` null in the whole answer as in the stream (it was "" whole, null streamed)."""
+    for a in await both(BY_MODEL["deepseek-r1"], "Just an answer.", tools=None):
+        assert (a.reasoning, a.content) == ("Just an answer.", None), a

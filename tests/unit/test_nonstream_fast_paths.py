@@ -124,6 +124,8 @@ _MARKED = st.lists(
 
 
 def _side_general(family: str | None, separate: bool, kwargs: dict[str, Any], prompt: str) -> Any:
+    if family == "gpt_oss" and not separate:  # harmony is markup: parsed all the same (its reasoning dropped)
+        return family, False
     if family and separate and thinking_enabled(family, kwargs) and not prompt_closes_think(family, prompt):
         return family, prompt_opens_think(family, prompt)
     return None, False

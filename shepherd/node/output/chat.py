@@ -607,9 +607,11 @@ def final_reason(reason: str | None, matched: str | int | None, has_calls: bool)
 
 
 def chat_message(parsed: ParsedChoice, with_reasoning: bool) -> dict[str, Any]:
-    """The OpenAI ``message`` of a parsed choice: ``content`` null when the answer is only calls."""
-    content: str | None = parsed.content
-    if parsed.calls and not parsed.content.strip():
+    """The OpenAI ``message`` of a parsed choice: ``content`` null when the answer is only calls, or
+    only reasoning (as vLLM's reasoning parsers answer, and as a stream of it shows no content)."""
+    text = parsed.content
+    content: str | None = text
+    if (parsed.calls and not text.strip()) or (not text and parsed.reasoning):
         content = None
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if with_reasoning:
