@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -236,3 +237,60 @@ async def test_decode_engine_rejects_requests_that_do_not_match_a_prefill(
             assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and message in (
                 ei.value.details() or ""
             )
+
+
+def test_a_failing_prefill_is_retried_on_another_with_the_same_decode(
+    prefill: MockEngineProc, decode: MockEngineProc
+) -> None:
+    """Two prefill workers and one decode (pools of uneven size, the usual shape): a prefill that fails
+    is not tried again, its decode partner serves with the other prefill (both used to be excluded: the
+    retry found no pair and the client got the 502). A worker of the pools' other kind, or a URL already
+    in another role, is refused."""
+    faults = prefill.http_url + "/mock/faults"
+    with (
+        start_mock_engine("--zero-latency", "--role", "prefill") as spare,
+        running_node(
+            *("--pd-disaggregation", "--model-id", MODEL, "--tokenizer-workers", "0"),
+            *("--prefill", f"vllm://{prefill.grpc_target}", str(prefill.http_port)),
+            *("--prefill", f"vllm://{spare.grpc_target}", str(spare.http_port)),
+            *("--decode", f"vllm://{decode.grpc_target}", "--health-check-interval-secs", "1"),
+        ) as node,
+    ):
+        httpx.post(faults, json={"error_rate": 1.0}, timeout=5).raise_for_status()
+        try:
+            c = openai.OpenAI(base_url=node.url + "/v1", api_key="x", max_retries=0, timeout=30)
+            msgs: Any = [{"role": "user", "content": "retry me"}]
+            for _ in range(4):
+                r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
+                assert r.choices[0].message.content
+        finally:
+            httpx.post(faults, json={"error_rate": 0.0}, timeout=5).raise_for_status()
+        assert stats(spare)["requests_received"] >= 4
+        # the same URL in another role: 409, not "already registered"
+        again = {"url": f"vllm://{spare.grpc_target}", "worker_type": "decode"}
+        r2 = httpx.post(node.url + "/workers", json=again, timeout=30)
+        assert r2.status_code == 409 and r2.json()["error"]["code"] == "worker_exists", r2.text
+        with start_mock_engine("--zero-latency", "--role", "decode", "--engine", "sglang") as other:
+            body = {"url": f"grpc://{other.grpc_target}", "worker_type": "decode"}
+            r3 = httpx.post(node.url + "/workers", json=body, timeout=30)
+            assert r3.status_code == 400 and r3.json()["error"]["code"] == "engine_kind_mismatch", r3.text
+            names = [w["url"] for w in httpx.get(node.url + "/workers", timeout=10).json()["workers"]]
+            assert not any(other.grpc_target in u for u in names)
+
+
+def test_a_node_whose_prefill_pool_is_down_is_not_ready(decode: MockEngineProc) -> None:
+    """A healthy decode worker alone serves nothing: /readiness, /health and /ping say so (they said
+    ready while every request was a 503)."""
+    with socket.socket() as hole:  # bound, not listening: the prefill pool's only worker refuses
+        hole.bind(("127.0.0.1", 0))
+        dead = f"vllm://127.0.0.1:{hole.getsockname()[1]}"
+        with running_node(
+            *("--pd-disaggregation", "--model-id", MODEL, "--tokenizer-workers", "0", "--prefill", dead),
+            *("--decode", f"vllm://{decode.grpc_target}", "--health-check-interval-secs", "1"),
+            wait_ready=False,
+        ) as node:
+            workers = httpx.get(node.url + "/workers", timeout=10).json()["workers"]
+            assert [w["is_healthy"] for w in workers if w["worker_type"] == "decode"] == [True], workers
+            assert httpx.get(node.url + "/readiness", timeout=5).status_code == 503
+            assert httpx.get(node.url + "/health", timeout=5).status_code == 503
+            assert httpx.get(node.url + "/ping", timeout=5).status_code == 503

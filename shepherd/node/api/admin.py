@@ -239,7 +239,20 @@ def _serving(gw: Gateway, w: Worker) -> bool:
 
 
 def _any_healthy(gw: Gateway) -> bool:
-    return any(_serving(gw, w) for w in gw.registry.workers.values())
+    return can_serve(gw)
+
+
+def can_serve(gw: Gateway) -> bool:
+    """A request can be served: a worker serving (``_serving``); with PD disaggregation, a prefill and a
+    decode worker both serving (a pool down serves nothing), or a worker in neither pool."""
+    serving = [w for w in gw.registry.workers.values() if _serving(gw, w)]
+    pd = gw.pd
+    if pd is None or not serving:
+        return bool(serving)
+    p_ids, d_ids = pd.prefill_ids, pd.decode_ids
+    if any(w.id not in p_ids and w.id not in d_ids for w in serving):
+        return True
+    return any(w.id in p_ids for w in serving) and any(w.id in d_ids for w in serving)
 
 
 async def liveness(request: web.Request) -> web.Response:
@@ -485,6 +498,17 @@ async def _add(gw: Gateway, d: dict[str, Any]) -> tuple[Worker, bool]:
             code="worker_exists",
         )
     existed = known is not None
+    if known is not None and gw.pd is not None:  # the same URL in another role: not what was asked
+        pools = gw.pd
+        role = "decode" if known.id in pools.decode_ids else "regular"
+        role = "prefill" if known.id in pools.prefill_ids else role
+        if role != wtype:
+            raise ApiError(
+                409,
+                f"Worker {known.id} is registered as a {role} worker; remove it first to make it {wtype}.",
+                param="worker_type",
+                code="worker_exists",
+            )
     if not existed:  # the same engine under another spelling: one engine, one worker
         here = worker_endpoint(url)
         same = next((w for w in gw.registry.workers.values() if worker_endpoint(w.url) == here), None)
@@ -504,8 +528,30 @@ async def _add(gw: Gateway, d: dict[str, Any]) -> tuple[Worker, bool]:
         if not existed and gw.pd is not None and wtype != "regular":
             gw.pd.leave_pool(url)
         raise
+    if not existed and gw.pd is not None and wtype != "regular":
+        mismatch = _pd_kind_mismatch(gw, w, wtype)
+        if mismatch is not None:  # (taken out again: nothing routes to it meanwhile, the pool knew it first)
+            await gw.registry.remove(w.id)
+            gw.pd.leave_pool(w.url)
+            raise bad(mismatch, param="runtime_type", code="engine_kind_mismatch")
     _apply(w, priority, cost, labels)
     return w, existed
+
+
+def _pd_kind_mismatch(gw: Gateway, w: Worker, wtype: str) -> str | None:
+    """Why a new PD worker cannot join (None: it can): the pools speak one protocol (SGLang's bootstrap
+    or vLLM's KV transfer), and an engine of the other kind would fail the requests routed to it."""
+    pd = gw.pd
+    assert pd is not None
+    kind = str(w.client.kind)
+    if kind not in ("sglang", "vllm"):
+        return None  # (not known yet: an engine still loading; its first requests tell)
+    pool = pd.prefill_ids | pd.decode_ids
+    others = {str(x.client.kind) for x in gw.registry.workers.values() if x.id in pool and x.id != w.id}
+    others &= {"sglang", "vllm"}
+    if not others or kind in others:
+        return None
+    return f"{wtype} worker {w.url} is a {kind} engine; this node's PD pools are {others.pop()} engines."
 
 
 def _apply(w: Worker, priority: int | None, cost: float | None, labels: dict[str, str] | None) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from shepherd.node.api.admin import can_serve
 from shepherd.node.api.common import (
     GATEWAY,
     KEEPALIVE_TICKER,
@@ -70,7 +71,7 @@ async def version(request: web.Request) -> web.Response:
 async def ping(request: web.Request) -> web.Response:
     """vLLM's ``/ping`` (SageMaker): 200 with an empty body when a worker is healthy, else 503."""
     gw: Gateway = request.app[GATEWAY]
-    ok = not gw.draining and any(w.health.healthy for w in gw.registry.workers.values())
+    ok = not gw.draining and can_serve(gw)
     return web.Response(status=200 if ok else 503)
 
 

@@ -97,6 +97,10 @@ class Dispatcher(Protocol):
     def abort_in_background(self, w: Worker, request_id: str, reason: str) -> None: ...
 
 
+# the attribute a PD half's engine error carries: the id of the worker that failed it (``_settle``)
+PD_FAILED = "shepherd_pd_failed_worker"
+
+
 class PdRouter:
     """The node's PD dispatch; the gateway hands every generate request of a PD node to ``open_stream``."""
 
@@ -173,6 +177,9 @@ class PdRouter:
                 raise no_healthy_worker(
                     f"No healthy prefill and decode workers are available for model '{model}'."
                 )
+            if attempt > 0:  # (counted when it is sent: a re-pick that finds no pair is no retry)
+                gw.metrics.retries.inc()
+                tracing.event("retry", {"shepherd.retry.attempt": attempt})
             req = gen if attempt == 0 else replace(gen, request_id=f"{gen.request_id}-r{attempt}")
             try:
                 if _kind(pair.prefill) == "vllm":
@@ -182,11 +189,14 @@ class PdRouter:
                 last_error = client_error(e, pair.prefill, pair.decode)  # what a client may read
                 if not e.retryable:
                     raise last_error from None
-                tried_p.add(pair.prefill.id)
-                tried_d.add(pair.decode.id)
+                # the half that failed is not tried again; its partner may serve with another one (a pool
+                # of one worker is the usual shape of one side); a failure of neither known: both
+                failed = getattr(e, PD_FAILED, None)
+                if failed != pair.decode.id:
+                    tried_p.add(pair.prefill.id)
+                if failed != pair.prefill.id:
+                    tried_d.add(pair.decode.id)
                 if attempt < gw.cfg.max_retries:
-                    gw.metrics.retries.inc()
-                    tracing.event("retry", {"shepherd.retry.attempt": attempt + 1, "error.type": e.code})
                     log.info("PD request %s: retrying on other workers after: %s", gen.request_id, e)
         assert last_error is not None
         raise last_error
@@ -341,9 +351,11 @@ class PdRouter:
 
     def _settle(self, w: Worker, e: BaseException, *, blame: bool = True) -> None:
         """A send to ``w`` ended early with ``e``: a failure of the worker if the engine failed it (and
-        ``blame``), else (cancelled, the request refused as invalid) its half-open trial is given back."""
+        ``blame``: the error then names it, ``PD_FAILED``, so that a retry avoids that worker and not
+        its partner), else (cancelled, the request refused as invalid) its half-open trial is given back."""
         if blame and isinstance(e, EngineError) and e.code != "invalid_request":
             self.gw.registry.record_result(w, False)
+            setattr(e, PD_FAILED, w.id)
         else:
             w.breaker.release()
 
