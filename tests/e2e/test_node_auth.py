@@ -334,6 +334,15 @@ def test_api_keys(setup: Setup) -> None:
         with pytest.raises(openai.AuthenticationError) as e:
             chat(setup.sdk(user_key))
         assert e.value.code == "revoked_api_key"
+        # the operator's own key (the configuration's) is not revoked through the API: no lock-out
+        boot = [
+            k["id"] for k in http.get("/admin/keys", headers=admin).json()["data"] if k["id"] != made["id"]
+        ]
+        assert boot, "the bootstrap admin key is listed"
+        for kid in boot:
+            r = http.delete(f"/admin/keys/{kid}", headers=admin)
+            assert r.status_code == 409 and r.json()["error"]["code"] == "bootstrap_key", r.text
+        assert http.get("/admin/keys", headers=admin).status_code == 200
 
         huge = "sk-smg-" + "A" * 20_000  # over aiohttp's header limit: a plain 400, never a 500
         assert 400 <= http.get("/v1/models", headers=bearer(huge)).status_code < 500

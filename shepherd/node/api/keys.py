@@ -113,7 +113,16 @@ async def get_key(request: web.Request) -> web.Response:
 
 
 async def revoke(request: web.Request) -> web.Response:
-    rec = request.app[auth.AUTH].store.revoke(request.match_info["key_id"])
+    state = request.app[auth.AUTH]
+    key_id = request.match_info["key_id"]
+    if key_id in state.bootstrap_ids:  # the operator's, from the configuration: changed there, not here
+        raise ApiError(
+            409,
+            f"API key {key_id!r} comes from the node's configuration (a bootstrap admin key): revoke it by "
+            "removing it there and reloading.",
+            code="bootstrap_key",
+        )
+    rec = state.store.revoke(key_id)
     if rec is None:
         raise ApiError(404, "No such API key.", code="key_not_found")
     audit(request, "api key revoked", rec.id)
