@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import ssl
 import struct
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -223,14 +226,10 @@ def test_the_tls_listener_refuses_what_is_not_a_header(data: bytes) -> None:
     asyncio.run(run())
 
 
-async def test_the_tls_listener_serves_counts_and_closes_with_the_server(tmp_path: Path) -> None:
-    """With TLS: a balancer's connection is served over TLS once its header is read, as the client it
-    names; those still bringing their header count against the cap (one past it is closed unanswered);
-    a server that stops closes them."""
-    import asyncio  # (these tests alone run a server)
-    import socket
-    import ssl
-
+@contextlib.asynccontextmanager
+async def _tls_server(tmp_path: Path, **server: Any) -> AsyncIterator[tuple[Any, ssl.SSLContext]]:
+    """A lean server over TLS (a dev CA's certificate) with ``/who`` (the client's address) and
+    ``/hello``, and a client context trusting it; stopped after."""
     from aiohttp import web
 
     from shepherd.node.http.server import LeanServer
@@ -238,17 +237,35 @@ async def test_the_tls_listener_serves_counts_and_closes_with_the_server(tmp_pat
     async def who(r: web.Request) -> web.Response:
         return web.json_response({"remote": r.remote})
 
+    async def hello(_: web.Request) -> web.Response:
+        return web.Response(text="hello")
+
     files = write_dev_pki(tmp_path, ["node"])["node"]
     client = ssl.create_default_context(cafile=str(files.ca))
     server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_tls.load_cert_chain(files.cert, files.key)
     app = web.Application()
     app.router.add_get("/who", who)
+    app.router.add_get("/hello", hello)
     runner = web.AppRunner(app)
     await runner.setup()
-    srv = LeanServer(app, max_body=1024, max_connections=3, proxy_from=["127.0.0.1"])
+    srv = LeanServer(app, max_body=1024, **server)
     await srv.start("127.0.0.1", 0, ssl_context=server_tls)
     try:
+        yield srv, client
+    finally:
+        await srv.shutdown(timeout=0.1)
+        await runner.cleanup()
+
+
+async def test_the_tls_listener_serves_counts_and_closes_with_the_server(tmp_path: Path) -> None:
+    """With TLS: a balancer's connection is served over TLS once its header is read, as the client it
+    names; those still bringing their header count against the cap (one past it is closed unanswered);
+    a server that stops closes them."""
+    import asyncio  # (these tests alone run a server)
+    import socket
+
+    async with _tls_server(tmp_path, max_connections=3, proxy_from=["127.0.0.1"]) as (srv, client):
         s = socket.create_connection(("127.0.0.1", srv.port))
         s.sendall(b"PROXY TCP4 192.0.2.7 127.0.0.1 1000 443\r\n")
         r, w = await asyncio.open_connection(sock=s, ssl=client, server_hostname="127.0.0.1")
@@ -271,9 +288,6 @@ async def test_the_tls_listener_serves_counts_and_closes_with_the_server(tmp_pat
             w2.close()
         assert not srv.cap.waiting
         w.close()
-    finally:
-        await srv.shutdown(timeout=0.1)
-        await runner.cleanup()
 
 
 @pytest.mark.parametrize("proxied", [False, True], ids=["tls", "proxy-then-tls"])
@@ -282,29 +296,15 @@ async def test_a_tls_handshake_that_never_comes_is_closed(tmp_path: Path, proxie
     from a balancer) is closed after ``Limits.tls_handshake_secs``, not asyncio's minute; a client that
     does shake hands is served as before."""
     import asyncio  # (these tests alone run a server)
-    import ssl
-
-    from aiohttp import web
 
     from shepherd.node.http.limits import Limits
-    from shepherd.node.http.server import LeanServer
 
-    async def hello(_: web.Request) -> web.Response:
-        return web.Response(text="hello")
-
-    files = write_dev_pki(tmp_path, ["node"])["node"]
-    client = ssl.create_default_context(cafile=str(files.ca))
-    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_tls.load_cert_chain(files.cert, files.key)
-    app = web.Application()
-    app.router.add_get("/hello", hello)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    limits = Limits(tls_handshake_secs=0.3)
-    srv = LeanServer(app, max_body=1024, limits=limits, proxy_from=["127.0.0.1"] if proxied else [])
-    await srv.start("127.0.0.1", 0, ssl_context=server_tls)
     header = b"PROXY TCP4 192.0.2.7 127.0.0.1 1000 443\r\n" if proxied else b""
-    try:
+    limits = Limits(tls_handshake_secs=0.3)
+    async with _tls_server(tmp_path, limits=limits, proxy_from=["127.0.0.1"] if proxied else []) as (
+        srv,
+        client,
+    ):
         r, w = await asyncio.open_connection("127.0.0.1", srv.port)
         w.write(header)
         assert await asyncio.wait_for(r.read(), 10) == b""  # closed, well before 60 s
@@ -316,6 +316,3 @@ async def test_a_tls_handshake_that_never_comes_is_closed(tmp_path: Path, proxie
         w2.write(b"GET /hello HTTP/1.1\r\nHost: a\r\n\r\n")
         assert (await asyncio.wait_for(r2.readuntil(b"hello"), 10)).startswith(b"HTTP/1.1 200")
         w2.close()
-    finally:
-        await srv.shutdown(timeout=0.1)
-        await runner.cleanup()
