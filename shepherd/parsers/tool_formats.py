@@ -135,15 +135,16 @@ def _invokes(prefix: str, typed_by_attr: bool) -> BodyParser:
                 return None  # stray text between invokes
             if start == -1:
                 break
-            q = body.find('">', start + len(inv_open))
+            q = body.find('"', start + len(inv_open))  # the name's closing quote, then '>' (spaces between)
+            gt = body.find(">", q + 1) if q != -1 else -1
             end = body.find(inv_close, start)
-            if q == -1 or end == -1 or end < q:
+            if gt == -1 or end == -1 or end < gt or body[q + 1 : gt].strip():
                 return None
             name = body[start + len(inv_open) : q]
-            if not name or "\n" in name or '"' in name:
+            if not name or "\n" in name:
                 return None
             args: dict[str, Any] = {}
-            at = q + 2
+            at = gt + 1
             while True:  # bounded: each turn moves past a parameter's end
                 ps = body.find(par_open, at, end)
                 if body[at : end if ps == -1 else ps].strip():
@@ -155,8 +156,8 @@ def _invokes(prefix: str, typed_by_attr: bool) -> BodyParser:
                 if head_end == -1 or pe == -1 or pe < head_end:
                     return None
                 head = body[ps + len(par_open) : head_end]  # 'K"' or 'K" string="true"'
-                key, _, attrs = head.partition('"')
-                if not key:
+                key, quote, attrs = head.partition('"')
+                if not key or not quote:
                     return None
                 raw = _strip_one_newline(body[head_end + 1 : pe])
                 if typed_by_attr and 'string="true"' in attrs:

@@ -279,9 +279,13 @@ def test_a_failing_prefill_is_retried_on_another_with_the_same_decode(
 
 
 def test_a_node_whose_prefill_pool_is_down_is_not_ready(decode: MockEngineProc) -> None:
-    """A healthy decode worker alone serves nothing: /readiness, /health and /ping say so (they said
-    ready while every request was a 503)."""
-    with socket.socket() as hole:  # bound, not listening: the prefill pool's only worker refuses
+    """A healthy decode worker alone serves nothing, nor does a regular gRPC worker beside the pools
+    (every generation goes to a prefill and a decode worker): /readiness, /health and /ping say so (they
+    said ready while every request was a 503)."""
+    with (
+        socket.socket() as hole,  # bound, not listening: the prefill pool's only worker refuses
+        start_mock_engine("--zero-latency") as regular,
+    ):
         hole.bind(("127.0.0.1", 0))
         dead = f"vllm://127.0.0.1:{hole.getsockname()[1]}"
         with running_node(
@@ -291,6 +295,9 @@ def test_a_node_whose_prefill_pool_is_down_is_not_ready(decode: MockEngineProc) 
         ) as node:
             workers = httpx.get(node.url + "/workers", timeout=10).json()["workers"]
             assert [w["is_healthy"] for w in workers if w["worker_type"] == "decode"] == [True], workers
-            assert httpx.get(node.url + "/readiness", timeout=5).status_code == 503
-            assert httpx.get(node.url + "/health", timeout=5).status_code == 503
-            assert httpx.get(node.url + "/ping", timeout=5).status_code == 503
+            for _ in range(2):  # the pools alone, then with a healthy regular worker beside them
+                assert httpx.get(node.url + "/readiness", timeout=5).status_code == 503
+                assert httpx.get(node.url + "/health", timeout=5).status_code == 503
+                assert httpx.get(node.url + "/ping", timeout=5).status_code == 503
+                body = {"url": f"vllm://{regular.grpc_target}"}
+                assert httpx.post(node.url + "/workers", json=body, timeout=30).status_code in (200, 201)

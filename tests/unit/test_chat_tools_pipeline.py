@@ -506,3 +506,13 @@ async def test_an_answer_of_reasoning_only_has_null_content_streamed_and_whole()
     ``content`` null in the whole answer as in the stream (it was "" whole, null streamed)."""
     for a in await both(BY_MODEL["deepseek-r1"], "Just an answer.", tools=None):
         assert (a.reasoning, a.content) == ("Just an answer.", None), a
+
+
+async def test_content_is_null_alike_when_the_reasoning_is_dropped() -> None:
+    """An output the reasoning parser took whole, its reasoning dropped (gpt-oss without separated
+    reasoning, ``include_reasoning`` false): content null whole as streamed."""
+    text = "<|channel|>analysis<|message|>thinking only"
+    for a in await both(BY_MODEL["gpt-oss"], text, eos=False, tools=None, separate_reasoning=False):
+        assert (a.content, a.reasoning) == (None, None), a
+    for a in await both(BY_MODEL["deepseek-r1"], "Just thinking.", tools=None, include_reasoning=False):
+        assert (a.content, a.reasoning) == (None, None), a

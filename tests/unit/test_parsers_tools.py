@@ -30,6 +30,7 @@ DS_END = "<｜tool▁calls▁end｜>"
 DS_CALL = "<｜tool▁call▁begin｜>"
 DS_CALL_END = "<｜tool▁call▁end｜>"
 DSML = "｜DSML｜"
+MM, MM_END = "<minimax:tool_call>", "</minimax:tool_call>"
 
 # (family, model output, expected content, expected calls)
 CASES: list[tuple[str, str, str, Calls]] = [
@@ -204,6 +205,18 @@ CASES: list[tuple[str, str, str, Calls]] = [
         "minimax",
         '<minimax:tool_call>\nstray<invoke name="f">\n</invoke>\n</minimax:tool_call>',
         '<minimax:tool_call>\nstray<invoke name="f">\n</invoke>\n</minimax:tool_call>',
+        [],
+    ),
+    (  # a space before the head's '>' is a head; a parameter head without its closing quote is not
+        "minimax",
+        f'{MM}\n<invoke name="f" >\n<parameter name="n">1</parameter>\n</invoke>\n{MM_END}',
+        "",
+        [("f", {"n": 1})],
+    ),
+    (
+        "minimax",
+        f'{MM}\n<invoke name="f">\n<parameter name="a>x</parameter>\n</invoke>\n{MM_END}',
+        f'{MM}\n<invoke name="f">\n<parameter name="a>x</parameter>\n</invoke>\n{MM_END}',
         [],
     ),
     # --- DeepSeek-V3.2 (DSML; values typed by their string="true|false" attribute)

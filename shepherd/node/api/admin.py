@@ -243,16 +243,17 @@ def _any_healthy(gw: Gateway) -> bool:
 
 
 def can_serve(gw: Gateway) -> bool:
-    """A request can be served: a worker serving (``_serving``); with PD disaggregation, a prefill and a
-    decode worker both serving (a pool down serves nothing), or a worker in neither pool."""
+    """A request can be served: a worker serving (``_serving``); with PD disaggregation (where every
+    generation goes to a prefill and a decode worker of its model, and a gRPC worker of neither pool
+    serves none), a prefill and a decode worker of one model both serving, or an HTTP worker serving."""
     serving = [w for w in gw.registry.workers.values() if _serving(gw, w)]
     pd = gw.pd
     if pd is None or not serving:
         return bool(serving)
-    p_ids, d_ids = pd.prefill_ids, pd.decode_ids
-    if any(w.id not in p_ids and w.id not in d_ids for w in serving):
+    if any(w.is_http for w in serving):
         return True
-    return any(w.id in p_ids for w in serving) and any(w.id in d_ids for w in serving)
+    prefill = {w.model for w in serving if w.id in pd.prefill_ids}
+    return any(w.model in prefill for w in serving if w.id in pd.decode_ids)
 
 
 async def liveness(request: web.Request) -> web.Response:

@@ -229,6 +229,14 @@ class PdRouter:
                 raise prefill_error
             first = await first_task
         except BaseException as e:
+            if (
+                prefill_error is None
+                and not isinstance(e, asyncio.CancelledError)  # (a cancel stays a cancel)
+                and prefill_task.done()
+                and not prefill_task.cancelled()
+            ):
+                # (both ended in one wake-up: the prefill's failure is the cause, its error the one raised)
+                prefill_error = prefill_task.exception()
             d.in_flight -= 1
             first_task.cancel()
             with contextlib.suppress(BaseException):
@@ -242,6 +250,9 @@ class PdRouter:
                 await agen.aclose()
             if not prefill_task.done():
                 prefill_task.cancel()
+            if prefill_error is not None and prefill_error is not e:
+                self._settle(d, e, blame=False)
+                raise prefill_error from None  # (its PD_FAILED names the prefill worker)
             if isinstance(e, StopAsyncIteration):
                 gw.registry.record_result(d, False)
                 raise EngineError("decode engine closed the stream without output") from None

@@ -608,10 +608,11 @@ def final_reason(reason: str | None, matched: str | int | None, has_calls: bool)
 
 def chat_message(parsed: ParsedChoice, with_reasoning: bool) -> dict[str, Any]:
     """The OpenAI ``message`` of a parsed choice: ``content`` null when the answer is only calls, or
-    only reasoning (as vLLM's reasoning parsers answer, and as a stream of it shows no content)."""
+    nothing but what a reasoning parser took (shown or dropped: as vLLM's reasoning parsers answer, and
+    as a stream of it shows no content); ``with_reasoning``: a reasoning parser ran."""
     text = parsed.content
     content: str | None = text
-    if (parsed.calls and not text.strip()) or (not text and parsed.reasoning):
+    if (parsed.calls and not text.strip()) or (not text and (parsed.reasoning or with_reasoning)):
         content = None
     msg: dict[str, Any] = {"role": "assistant", "content": content}
     if with_reasoning:
