@@ -147,3 +147,35 @@ async def test_the_worker_allowlist_applies_to_discovered_workers() -> None:
     finally:
         await sink.close()
         await reg.close()
+
+
+@dataclass
+class FakePools:
+    """The part of PdRouter the sink uses: its pools and their join / leave."""
+
+    prefill_ids: frozenset[str] = frozenset()
+    decode_ids: frozenset[str] = frozenset()
+
+    def join_pool(self, url: str, role: str, bootstrap_port: int | None = None) -> None:
+        if role == "prefill":
+            self.prefill_ids |= {worker_id(url)}
+        else:
+            self.decode_ids |= {worker_id(url)}
+
+    def leave_pool(self, url: str) -> None:
+        self.prefill_ids -= {worker_id(url)}
+        self.decode_ids -= {worker_id(url)}
+
+
+async def test_a_relabelled_pod_moves_to_its_new_pool() -> None:
+    """A pod whose PD role label changed leaves its pool (and the registry) and joins the new one, fresh:
+    never in both pools (each would route to it in its own role)."""
+    pools = FakePools()
+    gw = FakeGateway(pd=pools)
+    sink = GatewaySink(cast(Any, gw))
+    await sink.add(Target(URL, "m", role="prefill"))
+    await sink.add(Target(URL, "m", role="prefill"))  # (the same again: nothing moves)
+    assert (set(pools.prefill_ids), set(pools.decode_ids)) == ({worker_id(URL)}, set())
+    await sink.add(Target(URL, "m", role="decode"))
+    assert (set(pools.prefill_ids), set(pools.decode_ids)) == (set(), {worker_id(URL)})
+    assert gw.registry.log == [("add", URL), ("remove", URL), ("add", URL)]

@@ -62,6 +62,11 @@ class WorkerSink(Protocol):
     async def close(self) -> None: ...
 
 
+def _role(pd: Any, wid: str) -> str:
+    """The PD role a registered worker has: its pool's, else regular."""
+    return "prefill" if wid in pd.prefill_ids else "decode" if wid in pd.decode_ids else "regular"
+
+
 class GatewaySink:
     """Applies decisions to a gateway's registry (the admin API's path) and its PD pools.
 
@@ -79,6 +84,12 @@ class GatewaySink:
     async def add(self, t: Target) -> None:
         await self._end_drain(t.url)
         pd = self.gw.pd
+        w = self.gw.registry.get(worker_id(t.url))
+        if w is not None and pd is not None and _role(pd, w.id) != t.role:
+            # its pod's role changed (relabelled): it leaves its pool, and comes back fresh in the new one
+            # (in both, the two pools would each route to it)
+            await self.gw.registry.remove(w.id)
+            pd.leave_pool(t.url)
         if t.role != "regular":
             if pd is None:
                 raise ApiError(400, f"a {t.role} worker needs --pd-disaggregation", code="pd_off")
