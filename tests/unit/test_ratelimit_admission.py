@@ -199,3 +199,23 @@ def test_set_rules_replaces_the_cache() -> None:
     a.set_rules([dataclasses.replace(RateLimitRule("u", None), rpm=3)])
     assert a.rules_for("t", "m") == []
     assert a.rules_for("u", "m") == [(("u", ""), Limits(rpm=3))]
+
+
+def test_a_refusal_by_the_lease_says_so_not_a_full_count() -> None:
+    """A refusal whose mesh-wide count has room (this node's share is in use until the others' counts
+    arrive: a gossip round, or a --procs sibling) does not read "Limit 10, Used 8, Requested 1" as if the
+    limit were reached; a full count keeps OpenAI's wording."""
+    from shepherd.mesh.ratelimit import Denial, Quota
+    from shepherd.node.api.admission import denial_error
+
+    lease = denial_error(Denial(("t", ""), "requests", 10, 8.0, 1, 0.4, Quota()), now=0.0)
+    assert "share of the RPM limit" in str(lease.message) and "Rate limit reached" not in str(lease.message)
+    full = denial_error(Denial(("t", ""), "requests", 10, 9.4, 1, 3.0, Quota()), now=0.0)
+    assert "Rate limit reached for requests per min (RPM) of tenant 't': Limit 10, Used 9" in str(
+        full.message
+    )
+    conc = denial_error(Denial(("t", ""), "concurrency", 2, 1.0, 1, 0.4, Quota()), now=0.0)
+    assert "share of the concurrent requests limit" in str(conc.message)
+    assert "Too many concurrent" in str(
+        denial_error(Denial(("t", ""), "concurrency", 2, 2.0, 1, 0.4, Quota())).message
+    )

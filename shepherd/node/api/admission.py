@@ -118,12 +118,21 @@ def denial_error(d: Denial, now: float | None = None) -> RateLimited:
     headers["retry-after"] = str(max(1, math.ceil(wait)))
     headers["retry-after-ms"] = str(math.ceil(wait * 1000))
     anthropic["retry-after"] = headers["retry-after"]
-    if d.metric == "concurrency":
+    used = max(0, round(d.used))
+    if d.used + d.requested <= d.limit:
+        # the mesh-wide count has room, this node's share of it (its lease) has not: the others'
+        # latest counts are not in yet (a gossip round; the sibling processes of --procs alike)
+        what = {"concurrency": "concurrent requests", "requests": "RPM", "tokens": "TPM"}[d.metric]
+        msg = (
+            f"This node's share of the {what} limit of {where} is in use until the other nodes' counts "
+            f"reach it (Limit {d.limit}, Used {used} mesh-wide)."
+        )
+    elif d.metric == "concurrency":
         msg = f"Too many concurrent requests for {where}: Limit {d.limit}."
     else:
         unit = "requests per min (RPM)" if d.metric == "requests" else "tokens per min (TPM)"
         msg = (
-            f"Rate limit reached for {unit} of {where}: Limit {d.limit}, Used {max(0, round(d.used))}, "
+            f"Rate limit reached for {unit} of {where}: Limit {d.limit}, Used {used}, "
             f"Requested {d.requested}."
         )
     return RateLimited(f"{msg} Please try again in {fmt_duration(wait)}.", headers, anthropic)
