@@ -29,6 +29,10 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
     raise SystemExit(f"{url} not ready after {timeout}s")
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     port = int(os.environ.get("SMG_PORT", "30000"))
     grpc_port = int(os.environ.get("SMG_ENGINE_GRPC_PORT", "50051"))
@@ -36,6 +40,9 @@ def main() -> None:
     bindir = os.path.dirname(sys.executable)
     model = str(EMBEDDED_MODEL_DIR)
     procs: list[subprocess.Popen[bytes]] = []
+    # SIGTERM (``kill PID``, a process manager) stops both children as Ctrl-C does (its default ends
+    # this process at once, the finally below unrun: the engine and the node left running)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         engine = subprocess.Popen(
             [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -9,11 +10,13 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.e2e.node_procs import free_port, http_status
 
 
-def test_devrun_serves_a_chat_and_stops_both_processes() -> None:
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_devrun_serves_a_chat_and_stops_both_processes(stop: signal.Signals) -> None:
     port, grpc_port, http_port = free_port(), free_port(), free_port()
     env = {
         **os.environ,
@@ -26,7 +29,16 @@ def test_devrun_serves_a_chat_and_stops_both_processes() -> None:
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        start_new_session=True,  # its group: whatever of it is left is stopped below, also on failure
     )
+    try:
+        _serve_then_stop(proc, stop, port, http_port)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _serve_then_stop(proc: subprocess.Popen[bytes], stop: signal.Signals, port: int, http_port: int) -> None:
     try:
         deadline = time.monotonic() + 90
         while http_status(f"http://127.0.0.1:{port}/readiness") != 200:
@@ -37,7 +49,7 @@ def test_devrun_serves_a_chat_and_stops_both_processes() -> None:
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
