@@ -73,9 +73,13 @@ def _qwen3_coder_value(value: str, types: ParamTypes, name: str, key: str) -> An
     parameter the function does not declare, or declares without a ``type``, is a string."""
     if len(value) == 4 and value.lower() == "null":
         return None
+    return convert_value(value, _declared(types, name, key) or "string")
+
+
+def _declared(types: ParamTypes, name: str, key: str) -> str | None:
+    """The type the request's tool ``name`` declares for its parameter ``key`` (None: none)."""
     declared = types.get(name, {}).get(key)
-    typ = declared.declared if declared is not None else None
-    return convert_value(value, typ or "string")
+    return declared.declared if declared is not None else None
 
 
 def _parse_qwen3_coder(body: str, types: ParamTypes) -> list[ParsedCall] | None:
@@ -168,8 +172,7 @@ def _invokes(prefix: str, typed_by_attr: bool) -> BodyParser:
                     except (ValueError, RecursionError):
                         args[key] = raw
                 else:  # by the schema; a parameter it does not declare: JSON if it reads as JSON
-                    declared = types.get(name, {}).get(key)
-                    args[key] = convert_value(raw, declared.declared if declared is not None else None)
+                    args[key] = convert_value(raw, _declared(types, name, key))
                 at = pe + len(par_close)
             calls.append(ParsedCall(name, dump_args(args)))
             pos = end + len(inv_close)

@@ -317,9 +317,15 @@ def test_when_the_grace_is_over_what_is_left_ends_with_its_error(engine: MockEng
         for t in threads:
             t.start()
         started.wait()
-        time.sleep(0.3)  # (the non-streamed request reaches the engine)
+        for _ in range(400):  # bounded: the three are at the engine (stalled there)
+            if httpx.get(f"{engine.http_url}/mock/stats", timeout=5).json()["active"] >= 3:
+                break
+            time.sleep(0.05)
         node.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
+        for _ in range(400):  # bounded: the node is draining (its readiness says so)
+            if httpx.get(node.url + "/readiness", timeout=5).status_code == 503:
+                break
+            time.sleep(0.05)
         during = httpx.get(node.url + "/v1/models", timeout=10)  # while draining: answered, then closed
         assert during.status_code == 200 and during.headers["connection"] == "close"
         for t in threads:

@@ -91,6 +91,21 @@ def test_create(client: anthropic.Anthropic, engine: MockEngineProc, http: httpx
     assert msg.usage.cache_creation_input_tokens == 0
 
 
+def test_max_tokens_zero_fills_the_prompt_cache(client: anthropic.Anthropic) -> None:
+    """``max_tokens: 0`` ("populate the prompt cache without generating a response", the SDK's docs): an
+    empty Message, ``stop_reason`` max_tokens, no output token, streamed and not; the next request with
+    that prompt reads it from the engine's prefix cache."""
+    prompt = _user("warm me up, " + " ".join(f"w{i}" for i in range(60)))
+    warm = client.messages.create(model=MODEL, max_tokens=0, messages=prompt)
+    assert (warm.content, warm.stop_reason, warm.usage.output_tokens) == ([], "max_tokens", 0)
+    with client.messages.stream(model=MODEL, max_tokens=0, messages=prompt) as s:
+        kinds = [e.type for e in s]
+        streamed = s.get_final_message()
+    assert kinds == ["message_start", "message_delta", "message_stop"], kinds
+    assert (streamed.content, streamed.stop_reason, streamed.usage.output_tokens) == ([], "max_tokens", 0)
+    assert (streamed.usage.cache_read_input_tokens or 0) > 0  # (the first request's prefill)
+
+
 def test_stop_sequence_and_max_tokens(
     client: anthropic.Anthropic, engine: MockEngineProc, http: httpx.Client
 ) -> None:

@@ -166,6 +166,9 @@ class FakePools:
         self.prefill_ids -= {worker_id(url)}
         self.decode_ids -= {worker_id(url)}
 
+    def role_of(self, wid: str) -> str:
+        return "prefill" if wid in self.prefill_ids else "decode" if wid in self.decode_ids else "regular"
+
 
 async def test_a_relabelled_pod_moves_to_its_new_pool() -> None:
     """A pod whose PD role label changed leaves its pool (and the registry) and joins the new one, fresh:

@@ -238,10 +238,6 @@ def _serving(gw: Gateway, w: Worker) -> bool:
     )
 
 
-def _any_healthy(gw: Gateway) -> bool:
-    return can_serve(gw)
-
-
 def can_serve(gw: Gateway) -> bool:
     """A request can be served: a worker serving (``_serving``); with PD disaggregation (where every
     generation goes to a prefill and a decode worker of its model, and a gRPC worker of neither pool
@@ -264,14 +260,14 @@ async def readiness(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
     if gw.draining:
         return json_response({"status": "draining"}, 503)
-    if not _any_healthy(gw):
+    if not can_serve(gw):
         return json_response({"status": "no healthy worker"}, 503)
     return json_response({"status": "ready"})
 
 
 async def health(request: web.Request) -> web.Response:
     gw: Gateway = request.app[GATEWAY]
-    healthy = _any_healthy(gw) and not gw.draining
+    healthy = can_serve(gw) and not gw.draining
     body = {
         "status": "healthy" if healthy else "unhealthy",
         "draining": gw.draining,
@@ -500,9 +496,7 @@ async def _add(gw: Gateway, d: dict[str, Any]) -> tuple[Worker, bool]:
         )
     existed = known is not None
     if known is not None and gw.pd is not None:  # the same URL in another role: not what was asked
-        pools = gw.pd
-        role = "decode" if known.id in pools.decode_ids else "regular"
-        role = "prefill" if known.id in pools.prefill_ids else role
+        role = gw.pd.role_of(known.id)
         if role != wtype:
             raise ApiError(
                 409,

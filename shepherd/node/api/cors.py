@@ -25,7 +25,7 @@ from aiohttp.typedefs import Middleware
 
 from shepherd.auth.control import normalize_origin
 from shepherd.auth.middleware import plane_of
-from shepherd.node.http.types import HEAD_EXTRA
+from shepherd.node.http.types import HEAD_EXTRA, add_head_extra
 
 __all__ = ["make_cors_middleware"]
 
@@ -84,6 +84,4 @@ def _route(request: web.Request) -> str:
 async def apply_head_extra(request: web.Request, response: web.StreamResponse) -> None:
     """aiohttp's server (``--http-server aiohttp``): ``HEAD_EXTRA`` added as the response is prepared
     (the lean server adds it itself)."""
-    for name, value in request.get(HEAD_EXTRA, ()):
-        if name not in response.headers:
-            response.headers[name] = value
+    add_head_extra(request, response.headers)

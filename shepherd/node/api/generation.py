@@ -1128,7 +1128,7 @@ class Generation:
                     try:
                         await self._drive(es, job, emit, emit_now, drain, writer)
                     except GONE:
-                        await es.close(CLIENT_DISCONNECT if not self.gw.stopping else "cancelled")
+                        await es.close(self._gone_reason())
                         raise
                     except BaseException as e:
                         await es.close(abort_reason(e))
@@ -1154,7 +1154,7 @@ class Generation:
                 keepalive.unregister(resp)
         except GONE as e:
             if not es.closed:
-                await es.close(CLIENT_DISCONNECT if not self.gw.stopping else "cancelled")
+                await es.close(self._gone_reason())
             if sink is None:  # (a background response's log: its own end is stored as its task ends)
                 await self._stopped(resp, e)
             raise
@@ -1165,6 +1165,11 @@ class Generation:
             if not es.closed:
                 await es.close("cancelled")
         return resp
+
+    def _gone_reason(self) -> str:
+        """Why a stream's engine call is aborted when its task is cancelled: the client went away, or the
+        node's shutdown grace is over (``Gateway.stopping``)."""
+        return CLIENT_DISCONNECT if not self.gw.stopping else "cancelled"
 
     async def _stopped(self, resp: web.StreamResponse, e: BaseException) -> None:
         """A stream under way cancelled because the node's shutdown grace is over (``Gateway.stopping``):

@@ -161,20 +161,19 @@ async def _cache_only(g: Generation, jobs: list[Job], message_id: str, req: Mess
     its ``message_start``, ``message_delta`` and ``message_stop``. A failure is a plain HTTP error (no
     byte was sent)."""
     await g.prompt_only(jobs, logprobs=False)
-    g._account(jobs[0])
     job = jobs[0]
-    enc = MessageEvents(message_id, g.model, len(job.ids), req.stop_sequences, quiet=True)
+    g._account(job)
+    g.done()
+    enc = MessageEvents(message_id, g.model, len(job.ids), req.stop_sequences, quiet=not req.stream)
+    start = enc.role()  # (nothing when quiet)
     enc.finish(0, "length")
     t = g.totals
     headers = g.headers()
     if req.stream:
         g.request["stream"] = True
-        start = MessageEvents(message_id, g.model, len(job.ids)).role()
-        body = start + await enc.end(t.prompt, 0, t.cached)
         headers["Cache-Control"] = "no-cache"
-        g.done()
+        body = start + await enc.end(t.prompt, 0, t.cached)
         return web.Response(body=body, content_type="text/event-stream", headers=headers)
-    g.done()
     message = enc.message(messages_usage(t.prompt, 0, t.cached))
     return web.Response(body=orjson.dumps(message), content_type="application/json", headers=headers)
 

@@ -599,10 +599,7 @@ async def _history(
                 param="previous_response_id",
                 code="previous_response_in_progress",
             )
-        # the chain's first response made in a conversation continued its items from before it: so do
-        # the responses that continue it
-        ids = await _conversation_before(hist, chain[0])
-        ids += [i for r in chain for i in (*r.input_item_ids, *r.output_item_ids)]
+        ids = await _chain_ids(hist, chain)
         if len(ids) > MAX_HISTORY_ITEMS:
             raise bad(
                 f"The chain of 'previous_response_id' holds more than {MAX_HISTORY_ITEMS} items.",
@@ -1441,9 +1438,14 @@ def _lost_event(stored: StoredResponse, seq: int, message: str) -> bytes:
     """``response.failed`` for a follower whose response's record cannot be read any more (its owner gone
     from the mesh): its last known state, failed with ``message`` (the record itself is not written:
     nobody can)."""
+    return _end_event(_failed(stored, message), seq)
+
+
+def _failed(stored: StoredResponse, message: str) -> StoredResponse:
+    """``stored`` as failed with ``message`` (its runner's tag gone)."""
     error = {"code": "server_error", "message": message}
     body = {k: v for k, v in stored.body.items() if k != _RUNNER} | {"status": "failed", "error": error}
-    return _end_event(dataclasses.replace(stored, body=body, status="failed"), seq)
+    return dataclasses.replace(stored, body=body, status="failed")
 
 
 def _end_event(stored: StoredResponse, seq: int) -> bytes:
@@ -1546,9 +1548,7 @@ async def _settle_orphan(hist: History, stored: StoredResponse, running: bool) -
             return stored
     elif hist.node_gone is None or not hist.node_gone(tag):
         return stored
-    error = {"code": "server_error", "message": "The node generating this response stopped before it ended."}
-    body = {k: v for k, v in stored.body.items() if k != _RUNNER} | {"status": "failed", "error": error}
-    rec = dataclasses.replace(stored, body=body, status="failed")
+    rec = _failed(stored, "The node generating this response stopped before it ended.")
     try:
         if not await hist.store.update_response(rec, [], running_only=True):  # it ended meanwhile
             fresh = await hist.store.get_response(stored.id)
@@ -1669,10 +1669,17 @@ async def _context_ids(hist: History, stored: StoredResponse, gw: Gateway | None
             chain = await store.get_chain(stored.previous_response_id, depth)
         except ChainError:
             return []
-        ids = await _conversation_before(hist, chain[0]) if chain else []
-        ids += [i for r in chain for i in (*r.input_item_ids, *r.output_item_ids)]
-        return ids[-MAX_HISTORY_ITEMS:]
+        return (await _chain_ids(hist, chain))[-MAX_HISTORY_ITEMS:]
     return await _conversation_before(hist, stored)
+
+
+async def _chain_ids(hist: History, chain: Sequence[StoredResponse]) -> list[str]:
+    """The item ids a ``previous_response_id`` chain (oldest first) holds: its responses' inputs and
+    outputs, after the conversation items its first response continued when it was made in one (the
+    responses that continue it continue those too)."""
+    ids = await _conversation_before(hist, chain[0]) if chain else []
+    ids += [i for r in chain for i in (*r.input_item_ids, *r.output_item_ids)]
+    return ids
 
 
 async def _conversation_before(hist: History, stored: StoredResponse) -> list[str]:

@@ -62,11 +62,6 @@ class WorkerSink(Protocol):
     async def close(self) -> None: ...
 
 
-def _role(pd: Any, wid: str) -> str:
-    """The PD role a registered worker has: its pool's, else regular."""
-    return "prefill" if wid in pd.prefill_ids else "decode" if wid in pd.decode_ids else "regular"
-
-
 class GatewaySink:
     """Applies decisions to a gateway's registry (the admin API's path) and its PD pools.
 
@@ -85,7 +80,7 @@ class GatewaySink:
         await self._end_drain(t.url)
         pd = self.gw.pd
         w = self.gw.registry.get(worker_id(t.url))
-        if w is not None and pd is not None and _role(pd, w.id) != t.role:
+        if w is not None and pd is not None and pd.role_of(w.id) != t.role:
             # its pod's role changed (relabelled): it leaves its pool, and comes back fresh in the new one
             # (in both, the two pools would each route to it)
             await self.gw.registry.remove(w.id)

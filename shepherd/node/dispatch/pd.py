@@ -137,6 +137,10 @@ class PdRouter:
         self.decode_ids = self.decode_ids - {wid}
         self.bootstrap_ports.pop(wid, None)
 
+    def role_of(self, wid: str) -> str:
+        """The role of a worker: ``prefill`` or ``decode`` (its pool's), else ``regular``."""
+        return "prefill" if wid in self.prefill_ids else "decode" if wid in self.decode_ids else "regular"
+
     def policy_of(self, w: Worker) -> Policy | None:
         """The policy of the pool the worker is in (None: in neither)."""
         if w.id in self.prefill_ids:

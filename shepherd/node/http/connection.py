@@ -57,7 +57,6 @@ from shepherd.node.http.limits import (
     fault_body,
 )
 from shepherd.node.http.types import (
-    HEAD_EXTRA,
     Handler,
     LeanRequest,
     MatchInfo,
@@ -652,8 +651,7 @@ class _Conn(asyncio.Protocol):
     def _encode(self, req: LeanRequest, resp: web.Response, body: bytes | bytearray, keep: bool) -> bytes:
         status = resp.status
         h = resp.headers
-        if HEAD_EXTRA in req:
-            add_head_extra(req, h)
+        add_head_extra(req, h)
         empty = status in (204, 304) or status < 200
         if empty:
             tail = ""

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import functools
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -51,7 +51,7 @@ CHUNK_END = b"0\r\n\r\n"
 HEAD_EXTRA = "shepherd.head_extra"
 
 
-def add_head_extra(req: dict[Any, Any], headers: Any) -> None:
+def add_head_extra(req: Mapping[Any, Any], headers: Any) -> None:
     extra = req.get(HEAD_EXTRA)
     if extra:
         for name, value in extra:

@@ -292,6 +292,12 @@ _SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")  # accepted (o
 _VERBOSITY = ("low", "medium", "high")  # a hint the models here do not read: accepted, checked, echoed
 
 
+def _one_of(value: Any, key: str, allowed: tuple[str, ...]) -> None:
+    if value is not None and value not in allowed:
+        msg = f"Invalid '{key}': {str(value)[:40]!r}. Expected one of {list(allowed)}."
+        raise bad(msg, param=key, code="invalid_value")
+
+
 def parse_responses(d: dict[str, Any]) -> ResponsesRequest:
     """A ``POST /v1/responses`` body -> ``ResponsesRequest`` (``ApiError`` 400 on anything malformed)."""
     model = d.get("model")
@@ -345,14 +351,8 @@ def parse_responses(d: dict[str, Any]) -> ResponsesRequest:
             param="prompt",
             code="unsupported_parameter",
         )
-    for key, allowed in (("service_tier", _SERVICE_TIERS), ("text.verbosity", _VERBOSITY)):
-        value = (d.get("text") or {}).get("verbosity") if key == "text.verbosity" else d.get(key)
-        if value is not None and value not in allowed:
-            raise bad(
-                f"Invalid '{key}': {str(value)[:40]!r}. Expected one of {list(allowed)}.",
-                param=key,
-                code="invalid_value",
-            )
+    _one_of(d.get("service_tier"), "service_tier", _SERVICE_TIERS)
+    _one_of((d.get("text") or {}).get("verbosity"), "text.verbosity", _VERBOSITY)  # (text: checked above)
     sd: dict[str, Any] = {"stream": stream}
     if temperature is not None:
         sd["temperature"] = temperature

@@ -30,6 +30,7 @@ __all__ = [
     "STRUCTURAL_TAG_FAMILIES",
     "ToolChoice",
     "call_array_schema",
+    "check_tool_name",
     "parse_tool_choice",
     "structural_tag",
     "template_tools",
