@@ -41,8 +41,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
+import ipaddress
 import logging
 import re
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -76,6 +79,15 @@ class BootstrapKey:
     env: str | None = None
     models: tuple[str, ...] | None = None  # None: every model
     id: str | None = None  # stable id (default: derived from the name)
+
+    @property
+    def record_id(self) -> str:
+        """The key's id: ``id``, else one derived from its name, never from its place in the list: what
+        its callers store is owned by this id, so removing or reordering the other keys must not hand
+        their records to another key."""
+        return (
+            self.id or "boot-" + hashlib.sha256(self.name.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +278,36 @@ def _jwt(raw: Any) -> JwtConfig:
     return cfg
 
 
+def fetched_url(cfg: JwtConfig) -> tuple[str, str] | None:
+    """(the setting, the URL) keys are fetched from first: ``jwks_url``, else the issuer's discovery."""
+    if cfg.jwks_url:
+        return "jwks_url", cfg.jwks_url
+    if cfg.remote and cfg.issuer:
+        return "issuer", cfg.issuer
+    return None
+
+
+def key_url_ok(url: str) -> bool:
+    """Whether keys (a JWKS, an OIDC discovery document) may be fetched from ``url``: HTTPS, or plain
+    HTTP to a loopback host only (as SMG, ``crates/auth/src/jwks.rs`` ``validate_url``): whoever is on
+    the path of a fetch in the clear can hand the node their own keys, then mint any token, admin too."""
+    try:
+        u = urllib.parse.urlsplit(url.strip())
+        host = u.hostname or ""
+    except ValueError:
+        return False
+    if u.scheme.lower() == "https":
+        return bool(host)
+    if u.scheme.lower() != "http":
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 _HEX64_COLONS = re.compile(r"^(?:[0-9a-f]{2}:){31}[0-9a-f]{2}$")
 
 
@@ -387,6 +429,14 @@ def auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
         keys.append(BootstrapKey(name=f"bootstrap-admin-env-{i}", env=env, id=f"boot-env-{i}"))
     for i, digest in enumerate(_str_tuple(vals.pop("admin_key_sha256", None), "auth.admin_key_sha256")):
         keys.append(_key({"name": f"bootstrap-admin-{i}", "sha256": digest, "id": f"boot-sha-{i}"}))
+    seen: dict[str, str] = {}
+    for k in keys:
+        if (other := seen.get(k.record_id)) is not None:
+            raise AuthConfigError(
+                f"auth.keys: {other!r} and {k.name!r} have one id (a key's id is its 'id', else its name: "
+                "each must be unique)"
+            )
+        seen[k.record_id] = k.name
     known = {f.name for f in dataclasses.fields(AuthConfig)}
     if unknown := set(vals) - known:
         raise AuthConfigError(f"unknown keys in auth: {sorted(unknown)}")
@@ -404,6 +454,11 @@ def auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
         raise AuthConfigError(f"auth: {e}") from None
     if cfg.uses_jwt and not (cfg.jwt.remote or cfg.jwt.static):
         raise AuthConfigError("JWT auth needs auth.jwt.issuer, jwks_url, public_key_files or hmac_secret_env")
+    if cfg.uses_jwt and (where := fetched_url(cfg.jwt)) is not None and not key_url_ok(where[1]):
+        raise AuthConfigError(
+            f"auth.jwt.{where[0]} {where[1][:200]!r}: verification keys are fetched over HTTPS only "
+            "(plain http to a loopback host alone): keys fetched in the clear can be replaced on the way"
+        )
     if cfg.max_credential_bytes < 64:
         raise AuthConfigError("auth.max_credential_bytes must be >= 64")
     fl, fw = cfg.failure_limit, cfg.failure_window_secs

@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.serialization import load_pem_public_key
 from jwt import PyJWK
 from jwt.exceptions import PyJWKError
 
-from shepherd.auth.config import JwtConfig
+from shepherd.auth.config import JwtConfig, key_url_ok
 
 log = logging.getLogger("shepherd.auth")
 
@@ -206,7 +206,8 @@ class HttpFetch:
             async with self._session.get(url, headers={"Accept": "application/json"}) as r:
                 if r.status != 200:
                     raise FetchError(f"GET {url}: HTTP {r.status}")
-                if url.startswith("https://") and r.url.scheme != "https":  # keys over plain HTTP: no
+                # keys over plain HTTP (but from a loopback host): no, also not through a redirect
+                if (url.startswith("https://") and r.url.scheme != "https") or not key_url_ok(str(r.url)):
                     raise FetchError(f"GET {url}: redirected off HTTPS")
                 body = await _read_capped(r.content, self._max)
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
@@ -250,7 +251,7 @@ class JwksSource:
         if str(doc.get("issuer", "")).rstrip("/") != issuer:
             raise FetchError("the OIDC discovery document names another issuer")
         uri: str = doc["jwks_uri"]
-        if issuer.startswith("https://") and not uri.startswith("https://"):
+        if not key_url_ok(uri) or (issuer.startswith("https://") and not uri.startswith("https://")):
             raise FetchError("the OIDC discovery document's jwks_uri is not HTTPS")
         return uri
 
@@ -279,6 +280,16 @@ class JwksSource:
 
     def _in_flight(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    def known(self, kid: str | None, alg: str) -> list[VerifyKey] | None:
+        """The cached keys that fit, without waiting (None: none, ``candidates`` must be awaited: the
+        first fetch, or a kid that may be new). Stale keys start their background refresh, as there."""
+        if not self.loaded:
+            return None
+        now = self._clock()
+        if now >= self._stale_at and self._may_fetch(now):
+            self._refresh()
+        return select(self.keys, kid, alg) or None
 
     async def candidates(self, kid: str | None, alg: str) -> list[VerifyKey]:
         now = self._clock()

@@ -167,10 +167,8 @@ class JwtVerifier:
         self._cache.move_to_end(token)
         return v
 
-    async def verify(self, token: str) -> VerifiedToken:
-        v = self.cached(token)
-        if v is not None:
-            return v
+    def _header(self, token: str) -> tuple[str, str | None]:
+        """The token's ``alg`` and ``kid`` after the checks that need no key."""
         if len(token) > self._max:
             raise JwtError("The token is too long.", "token_too_long")
         if not token.isascii():  # (base64url and dots only: pyjwt would raise a UnicodeEncodeError)
@@ -185,9 +183,32 @@ class JwtVerifier:
         kid = header.get("kid")
         if kid is not None and not isinstance(kid, str):
             raise JwtError("The token is malformed.", "malformed_token")
+        return alg, kid
+
+    def verify_now(self, token: str) -> VerifiedToken | None:
+        """``verify`` without waiting: None when the token's keys must be fetched first (a JWKS not
+        loaded yet, an unknown kid). Refusals raise ``JwtError`` here already, so a request carrying a
+        bad token is refused at its head, before its body is read (``middleware.make_body_gate``)."""
+        v = self.cached(token)
+        if v is not None:
+            return v
+        alg, kid = self._header(token)
         keys = select(self._static, kid, alg)
         if not keys and self._remote is not None:
-            keys = await self._remote.candidates(kid, alg)
+            found = self._remote.known(kid, alg)
+            if found is None:
+                return None
+            keys = found
+        if not keys:
+            raise JwtError("No key is known for this token (kid or algorithm).", "unknown_key")
+        return self._remember(token, self._decode(token, alg, keys))
+
+    async def verify(self, token: str) -> VerifiedToken:
+        v = self.verify_now(token)
+        if v is not None:
+            return v
+        alg, kid = self._header(token)
+        keys = await self._remote.candidates(kid, alg) if self._remote is not None else []
         if not keys:
             raise JwtError("No key is known for this token (kid or algorithm).", "unknown_key")
         claims = self._decode(token, alg, keys)

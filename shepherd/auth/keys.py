@@ -272,7 +272,7 @@ def bootstrap_records(cfg: AuthConfig, environ: Mapping[str, str] | None = None)
     """The configuration's keys as records (env vars read here; their values are never logged)."""
     env = os.environ if environ is None else environ
     out = []
-    for i, k in enumerate(cfg.keys):
+    for k in cfg.keys:
         if k.env is not None:
             secret = env.get(k.env)
             if not secret:
@@ -284,7 +284,7 @@ def bootstrap_records(cfg: AuthConfig, environ: Mapping[str, str] | None = None)
             digest, hint = k.sha256, "..."
         out.append(
             ApiKeyRecord(
-                id=k.id or f"boot-{i}",
+                id=k.record_id,
                 name=k.name,
                 role=k.role,
                 digest=digest,

@@ -302,8 +302,9 @@ class Authenticator:
     def authenticate_now(
         self, plane: Plane, headers: Mapping[str, str], peer: CertPrincipal | None = None
     ) -> Authenticated | None:
-        """The caller, without waiting: None only when a JWT not seen before must be verified (then
-        ``authenticate``). Raises ``AuthFailure``. The hot path: keys and cached tokens end here.
+        """The caller, without waiting: None only when a JWT's keys must be fetched first (then
+        ``authenticate``). Raises ``AuthFailure``. The hot path: keys and tokens whose keys are at hand
+        (static, or a loaded JWKS) end here, refused or not.
         ``peer``: the principal of the connection's verified client certificate, if it maps to one."""
         mode = self.mode(plane)
         if mode == "off":
@@ -313,7 +314,10 @@ class Authenticator:
         cred = credential(headers, self.cfg.max_credential_bytes)
         if self._is_jwt(mode, cred):
             assert self.jwt is not None
-            v = self.jwt.cached(cred)
+            try:
+                v = self.jwt.verify_now(cred)
+            except JwtError as e:
+                raise AuthFailure(401, str(e), e.code) from None
             if v is None:
                 return None
             return self._finish(plane, Authenticated(v.principal), v.tenant_bound, headers)
@@ -429,16 +433,21 @@ def make_middleware(authn: Authenticator, failures: AuthFailures | None = None) 
 
 def make_body_gate(authn: Authenticator) -> Callable[[web.Request], bool]:
     """Whether a request, its head just read, will be refused by the middleware above whatever its body:
-    no credential, a malformed, unknown, revoked or expired one (the checks that need no wait; a token not
-    seen before passes, the middleware verifies it). The lean server then drops the body as it comes
-    instead of buffering it (an unauthenticated caller could hold ``max_body`` a connection)."""
+    from an address refused for its failed attempts (429), with no credential, a malformed, unknown,
+    revoked or expired key, or a token that does not verify (the checks that need no wait; a token whose
+    keys must be fetched first passes, the middleware verifies it). The lean server then drops the body
+    as it comes instead of buffering it (an unauthenticated caller could hold ``max_body`` a
+    connection)."""
     plane_for = request_planes(authn.cfg.metrics)
     certs = authn.certs
+    limiter = authn.failures
 
     def gate(request: web.Request) -> bool:
         _, plane = plane_for(request)
         if plane == "public" or authn.mode(plane) == "off":
             return False
+        if limiter is not None and limiter.blocked(request.remote) is not None:
+            return True
         try:
             peer = certs.from_transport(request.transport) if certs is not None else None
             authn.authenticate_now(plane, request.headers, peer)

@@ -54,6 +54,37 @@ def test_bad_settings_are_refused_with_a_message(raw: dict[str, object]) -> None
         auth_config(raw)
 
 
+@pytest.mark.parametrize(
+    "jwt",
+    [
+        {"issuer": "http://idp.example.com"},  # discovery in the clear
+        {"issuer": "https://idp.example.com", "jwks_url": "http://idp.example.com/keys"},
+        {"jwks_url": "http://10.0.0.7/keys"},
+        {"jwks_url": "ftp://idp.example.com/keys"},
+        {"jwks_url": "https:///keys"},
+    ],
+)
+def test_keys_are_never_fetched_in_the_clear_off_loopback(jwt: dict[str, object]) -> None:
+    # (SMG: crates/auth/src/jwks.rs validate_url, plain http to localhost only): an on-path attacker
+    # would hand the node its own keys and mint admin tokens
+    with pytest.raises(AuthConfigError, match="HTTPS"):
+        auth_config({"mode": "jwt", "jwt": jwt})
+
+
+@pytest.mark.parametrize(
+    "jwt",
+    [
+        {"issuer": "https://idp.example.com"},
+        {"issuer": "http://127.0.0.1:8080/realms/x"},
+        {"issuer": "http://localhost:8080"},
+        {"jwks_url": "http://[::1]:9000/keys"},
+        {"issuer": "http://idp.example.com", "public_key_files": ["k.pem"]},  # iss checked, nothing fetched
+    ],
+)
+def test_https_and_loopback_key_urls_are_accepted(jwt: dict[str, object]) -> None:
+    assert auth_config({"mode": "jwt", "jwt": jwt}).uses_jwt
+
+
 def test_merge_is_one_level_deep_for_jwt() -> None:
     merged = merge_auth(
         {"mode": "jwt", "jwt": {"issuer": "https://a", "audience": ["x"]}}, {"jwt": {"audience": ["y"]}}

@@ -446,6 +446,27 @@ async def test_discovery_must_name_the_same_issuer(rsa_a: Signer) -> None:
     assert e.value.code == "unknown_key" and f.calls == [DISCOVERY]
 
 
+async def test_a_discovered_jwks_uri_in_the_clear_is_refused(rsa_a: Signer) -> None:
+    # an issuer on loopback over http (a local IdP) may not send the node to fetch keys in the clear
+    # from elsewhere
+    clock = Clock()
+    local = "http://127.0.0.1:8080"
+    f = FakeFetch(
+        {
+            local + "/.well-known/openid-configuration": {
+                "issuer": local,
+                "jwks_uri": "http://idp.example/k",
+            },
+            "http://idp.example/k": jwks_of(rsa_a),
+        }
+    )
+    src = JwksSource(JwtConfig(issuer=local, audience=(AUD,)), f, clock)
+    v = verifier(src.cfg, [], src)
+    with pytest.raises(JwtError) as e:
+        await v.verify(rsa_a.token(iss=local))
+    assert e.value.code == "unknown_key" and f.calls == [local + "/.well-known/openid-configuration"]
+
+
 async def test_remote_symmetric_keys_are_ignored(rsa_a: Signer) -> None:
     clock = Clock()
     doc = {"keys": [{"kty": "oct", "k": b64(rsa_a.public_pem()), "kid": "h"}, rsa_a.jwk()]}

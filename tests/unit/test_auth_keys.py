@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.auth.config import auth_config
+from shepherd.auth.config import AuthConfigError, auth_config
 from shepherd.auth.keys import (
     ApiKeyRecord,
     BootstrapError,
@@ -176,3 +176,36 @@ def test_bootstrap_from_env_and_digest() -> None:
     with pytest.raises(BootstrapError) as e:
         bootstrap_records(cfg, {})
     assert "ADMIN_KEY" in str(e.value)
+
+
+def test_a_config_key_keeps_its_id_and_records_when_other_keys_go() -> None:
+    """A configuration key's id owns what its callers store (responses, conversations): removing or
+    reordering the other keys (a reload, a restart) must not give one key another's id, and so its
+    records."""
+
+    def owners(*names: str) -> dict[str, str]:
+        cfg = auth_config(
+            {
+                "mode": "api_key",
+                "keys": [{"name": n, "role": "user", "sha256": hash_key(n + "-secret")} for n in names],
+            }
+        )
+        return {r.name: principal_for(r, "default").owner for r in bootstrap_records(cfg, {})}
+
+    both = owners("alice", "bob")
+    assert both["alice"] != both["bob"]
+    assert owners("bob") == {"bob": both["bob"]}  # alice removed: bob is still bob, not alice
+    assert owners("bob", "alice") == both  # reordered
+
+
+def test_config_keys_need_distinct_ids() -> None:
+    two = [{"name": "k", "role": "user", "sha256": hash_key(s)} for s in ("a", "b")]
+    with pytest.raises(AuthConfigError, match="'k' and 'k'"):
+        auth_config({"mode": "api_key", "keys": two})
+    with pytest.raises(AuthConfigError):
+        auth_config(
+            {
+                "mode": "api_key",
+                "keys": [{**two[0], "name": "x", "id": "i"}, {**two[1], "name": "y", "id": "i"}],
+            }
+        )

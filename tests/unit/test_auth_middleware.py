@@ -13,10 +13,11 @@ import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from shepherd.auth.config import AuthConfig, auth_config
 from shepherd.auth.keys import ApiKeyRecord, MemoryKeyStore, create_key, hash_key
-from shepherd.auth.middleware import AUTH, Authenticator, AuthFailure, plane_of
+from shepherd.auth.middleware import AUTH, Authenticator, AuthFailure, build_state, make_body_gate, plane_of
 from shepherd.auth.principal import principal_of
 from shepherd.node.api import keys as api_keys
 from shepherd.node.api.common import GATEWAY, error_middleware, model_allowed
@@ -289,3 +290,48 @@ async def test_jwt_beside_keys_and_no_secret_in_logs(
     for s in secrets:
         assert s not in caplog.text and s not in metrics
         assert s[-20:] not in caplog.text  # no tail of it either
+
+
+def _head(route: str, headers: dict[str, str], remote: str = "10.0.0.1") -> web.Request:
+    """A request as the lean server's body gate sees it: its head only (route, headers, peer)."""
+    resource = SimpleNamespace(canonical=route)
+    return cast(
+        web.Request,
+        SimpleNamespace(
+            match_info=SimpleNamespace(route=SimpleNamespace(resource=resource)),
+            headers=CIMultiDictProxy(CIMultiDict(headers)),
+            transport=None,
+            remote=remote,
+        ),
+    )
+
+
+def test_the_body_gate_refuses_bad_tokens_and_blocked_addresses_at_the_head(tmp_path: Any) -> None:
+    """A caller the middleware will refuse whatever its body has its body dropped, not buffered: with
+    JWTs too (a token that does not verify against keys at hand, ``alg: none``), and any caller from an
+    address the failure limiter refuses (429)."""
+    signer = Signer("k1")
+    (tmp_path / "jwks.json").write_text(orjson.dumps(jwks_of(signer)).decode())
+    jwt_cfg = {"issuer": ISS, "audience": ["smg"], "public_key_files": [str(tmp_path / "jwks.json")]}
+    state = build_state(auth_config({"mode": "jwt", "jwt": jwt_cfg, "failure_limit": 2}))
+    gate = make_body_gate(state.authenticator)
+    chat = "/v1/chat/completions"
+    assert not gate(_head(chat, bearer(signer.token())))  # verified (now cached): the body is read
+    for bad in (
+        Signer("k1").token(),  # another key under the kid
+        signer.token(exp=int(time.time()) - 100),
+        signer.token(aud="other"),
+        hs_confused_token(signer, "k1"),
+        "eyJhbGciOiJub25lIn0.eyJzdWIiOiJ4In0.",
+        "eyJhbGciOiJSUzI1NiJ9.eyJzdWIiOiJ4In0.AAAA",
+    ):
+        assert gate(_head(chat, bearer(bad)))
+    limiter = state.authenticator.failures
+    assert limiter is not None
+    limiter.failed("10.0.0.9", "a")
+    limiter.failed("10.0.0.9", "b")
+    assert gate(_head(chat, bearer(signer.token()), remote="10.0.0.9"))  # answered 429 whatever it sends
+    assert not gate(_head(chat, bearer(signer.token()), remote="10.0.0.8"))
+    # keys still to be fetched (a JWKS endpoint not loaded yet): the middleware verifies after the head
+    remote = build_state(auth_config({"mode": "jwt", "jwt": {"issuer": ISS, "jwks_url": ISS + "/keys"}}))
+    assert not make_body_gate(remote.authenticator)(_head(chat, bearer(signer.token())))
