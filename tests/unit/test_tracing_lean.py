@@ -202,3 +202,23 @@ def test_the_cache_counters_a_stage_reads_one_model_or_several() -> None:
         assert after1[2:] == (c.exact_hits, c.exact_misses, c.segment_hits, c.segment_misses)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    ("path", "operation"),
+    [
+        ("/v1/chat/completions", "chat"),
+        ("/v1/completions", "text_completion"),
+        ("/generate", "text_completion"),  # SGLang's raw prompt: a text completion, not a chat
+        ("/v1/embeddings", "embeddings"),
+    ],
+)
+def test_a_routes_genai_operation(path: str, operation: str) -> None:
+    """The GenAI operation of a route (``gen_ai.operation.name``, the CLIENT span's name and the GenAI
+    metrics' attribute), from the semantic conventions' values."""
+
+    class Route:
+        resource = SimpleNamespace(canonical=path)
+
+    request = SimpleNamespace(match_info=SimpleNamespace(route=Route()))
+    assert tracing._route_of(request) == (path, operation)  # type: ignore[arg-type]

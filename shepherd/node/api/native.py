@@ -240,6 +240,8 @@ _SAMPLING_KEYS = {
 # accepted and without effect here: SGLang's own output switches
 _SAMPLING_IGNORED = frozenset({"custom_params", "stream_interval"})
 _SAMPLING_REFUSED = ("json_schema", "regex", "ebnf", "structural_tag")
+# null in SGLang's sampling params is the field unset (its frontend sends every field it knows, null or not)
+_SAMPLING_NULLABLE = frozenset({*_SAMPLING_REFUSED, "stop_regex"})
 _GENERATE_KEYS = frozenset(
     {
         "text",
@@ -252,11 +254,45 @@ _GENERATE_KEYS = frozenset(
         "return_text_in_logprobs",
     }
 )
+# SGLang's GenerateReqInput fields that ask for nothing at the values here (their defaults), which its
+# clients send on every call: ``sglang.bench_serving`` ``lora_path: null`` and ``logprob_start_len: -1``,
+# the frontend's ``RuntimeEndpoint`` ``top_logprobs_num`` and ``logprob_start_len``, SMG parses them all.
+# Accepted at these values; any other is a 400 naming the field.
+_GENERATE_DEFAULTS: dict[str, tuple[object, ...]] = {
+    "logprob_start_len": (None, -1),
+    "top_logprobs_num": (None, 0),
+    "token_ids_logprob": (None,),
+    "return_hidden_states": (None, False),
+    "return_routed_experts": (None, False),
+    "log_metrics": (None, True, False),
+    "lora_path": (None,),
+    "lora_id": (None,),
+    "image_data": (None,),
+    "video_data": (None,),
+    "audio_data": (None,),
+    "input_embeds": (None,),
+    "modalities": (None,),
+    "session_params": (None,),
+    "custom_logit_processor": (None,),
+    "data_parallel_rank": (None,),
+    "bootstrap_host": (None,),
+    "bootstrap_port": (None,),
+    "bootstrap_room": (None,),
+}
+
+
+def _is_default(value: object, defaults: tuple[object, ...]) -> bool:
+    """``value`` is one of ``defaults`` by type and value (``0`` is not ``False``, ``1.0`` not ``True``)."""
+    return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
 def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int]]:
     """The request's prompt and its sampling, checked by the completions parser."""
-    unknown = sorted(set(d) - _GENERATE_KEYS)
+    unknown = sorted(
+        k
+        for k in set(d) - _GENERATE_KEYS
+        if k not in _GENERATE_DEFAULTS or not _is_default(d[k], _GENERATE_DEFAULTS[k])
+    )
     if unknown:
         raise bad(f"'{unknown[0]}' is not supported on /generate.", param=unknown[0])
     if d.get("return_logprob"):
@@ -287,7 +323,7 @@ def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int]]:
             )
     body: dict[str, Any] = {"prompt": text if text is not None else ids, "stream": bool(stream)}
     for key, val in sp.items():
-        if key in _SAMPLING_IGNORED:
+        if key in _SAMPLING_IGNORED or (val is None and key in _SAMPLING_NULLABLE):
             continue
         mapped = _SAMPLING_KEYS.get(key)
         if mapped is None:

@@ -98,6 +98,7 @@ UNTRACED_ROUTES = frozenset({"/liveness", "/readiness", "/health", "/health_gene
 _ROUTE_OPERATIONS = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "text_completion",
+    "/generate": "text_completion",  # SGLang's: a raw prompt (text or ids), no messages
     "/v1/responses": "chat",
     "/v1/messages": "chat",
     "/v1/embeddings": "embeddings",

@@ -1,0 +1,95 @@
+"""SGLang's ``/generate`` as its own clients call it: the fields of ``GenerateReqInput`` and of its sampling
+params that they send on every call at their defaults (``sglang.bench_serving``'s ``lora_path: null`` and
+``logprob_start_len: -1``, the frontend's ``regex`` / ``json_schema`` / ``stop_regex`` null) ask for
+nothing and are accepted, as SGLang and SMG accept them; the same fields asking for something are a 400
+naming them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shepherd.node.api.native import _sampling as generate_sampling
+from shepherd.proto.openai_errors import ApiError
+
+# python/sglang/bench_serving.py, async_request_sglang_generate (--backend sglang)
+BENCH_SERVING = {
+    "text": "hello",
+    "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True},
+    "stream": True,
+    "lora_path": None,
+    "return_logprob": False,
+    "logprob_start_len": -1,
+}
+# python/sglang/lang/ir.py SglSamplingParams.to_srt_kwargs (sent by lang/backend/runtime_endpoint.py)
+FRONTEND_SAMPLING = {
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "max_new_tokens": 8,
+    "min_new_tokens": 0,
+    "n": 1,
+    "stop": [],
+    "stop_token_ids": [],
+    "stop_regex": None,
+    "temperature": 0.7,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "ignore_eos": False,
+    "regex": None,
+    "json_schema": None,
+}
+
+
+def test_bench_serving_payload_is_accepted() -> None:
+    s, prompt = generate_sampling(BENCH_SERVING)
+    assert prompt == "hello" and s.max_tokens == 8 and s.ignore_eos
+
+
+def test_frontend_payload_is_accepted() -> None:
+    body = {
+        "text": "hello",
+        "sampling_params": FRONTEND_SAMPLING,
+        "return_logprob": False,
+        "logprob_start_len": -1,
+        "top_logprobs_num": 0,
+        "return_text_in_logprobs": False,
+    }
+    s, _ = generate_sampling(body)
+    assert s.max_tokens == 8 and s.temperature == pytest.approx(0.7)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"image_data": None, "modalities": None, "session_params": None, "custom_logit_processor": None},
+        {"return_hidden_states": False, "log_metrics": True, "data_parallel_rank": None},
+        {"bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None},
+    ],
+)
+def test_fields_at_their_defaults_are_accepted(extra: dict[str, Any]) -> None:
+    generate_sampling({"text": "x", **extra})
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"logprob_start_len": 0}, "logprob_start_len"),
+        ({"top_logprobs_num": 5}, "top_logprobs_num"),
+        ({"lora_path": "adapter"}, "lora_path"),
+        ({"image_data": "http://x/y.png"}, "image_data"),
+        ({"return_hidden_states": True}, "return_hidden_states"),
+        ({"return_hidden_states": 0}, "return_hidden_states"),
+        ({"bootstrap_host": "10.0.0.1"}, "bootstrap_host"),
+        ({"sampling_params": {"regex": "a+"}}, "sampling_params.regex"),
+        ({"sampling_params": {"stop_regex": "a+"}}, "sampling_params.stop_regex"),
+        ({"sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
+    ],
+)
+def test_the_same_fields_asking_for_something_are_refused(extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as e:
+        generate_sampling({"text": "x", **extra})
+    assert e.value.status == 400 and e.value.param == param
