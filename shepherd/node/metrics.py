@@ -120,18 +120,32 @@ class LiteHistogram(Collector):
         yield fam
 
 
+# the node's route -> SMG's ``endpoint`` label
+ENDPOINTS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/v1/responses": "responses",
+    "/v1/messages": "messages",
+    "/v1/embeddings": "embeddings",
+    "/v1/rerank": "rerank",
+    "/v1/classify": "classify",
+    "/generate": "generate",
+}
+
+
 class ModelMetrics:
-    """One model's children of the per-request families, looked up once per request (not per update)."""
+    """One model's children of the per-request families for one endpoint (SMG's ``endpoint`` label:
+    ``chat``, ``completions``, ``responses``...), looked up once per request (not per update)."""
 
     __slots__ = ("completion_tokens", "e2e", "generation", "itl", "prompt_tokens", "ttft")
 
-    def __init__(self, m: NodeMetrics, model: str) -> None:
-        self.ttft = m.ttft.labels(model)
-        self.itl = m.itl.labels(model)
-        self.e2e = m.e2e.labels(model)
-        self.generation = m.generation.labels(model)
-        self.prompt_tokens = m.tokens.labels(model, "prompt")
-        self.completion_tokens = m.tokens.labels(model, "completion")
+    def __init__(self, m: NodeMetrics, model: str, endpoint: str) -> None:
+        self.ttft = m.ttft.labels(model, endpoint)
+        self.itl = m.itl.labels(model, endpoint)
+        self.e2e = m.e2e.labels(model, endpoint)
+        self.generation = m.generation.labels(model, endpoint)
+        self.prompt_tokens = m.tokens.labels(model, "prompt", endpoint)
+        self.completion_tokens = m.tokens.labels(model, "completion", endpoint)
 
 
 class NodeMetrics:
@@ -146,14 +160,17 @@ class NodeMetrics:
         self.errors = reg(LiteCounter("smg_errors", "Requests that ended in an error", ["route", "kind"]))
         self.ttft = reg(
             LiteHistogram(
-                "smg_time_to_first_token_seconds", "Time to first token", ["model"], buckets=LATENCY_BUCKETS
+                "smg_time_to_first_token_seconds",
+                "Time to first token",
+                ["model", "endpoint"],
+                buckets=LATENCY_BUCKETS,
             )
         )
         self.itl = reg(
             LiteHistogram(
                 "smg_inter_token_latency_seconds",
                 "Time between streamed engine messages, per token",
-                ["model"],
+                ["model", "endpoint"],
                 buckets=ITL_BUCKETS,
             )
         )
@@ -161,7 +178,7 @@ class NodeMetrics:
             LiteHistogram(
                 "smg_request_duration_seconds",
                 "End-to-end request duration",
-                ["model"],
+                ["model", "endpoint"],
                 buckets=LATENCY_BUCKETS,
             )
         )
@@ -172,7 +189,7 @@ class NodeMetrics:
                 buckets=OVERHEAD_BUCKETS,
             )
         )
-        self.tokens = reg(LiteCounter("smg_tokens", "Tokens processed", ["model", "kind"]))
+        self.tokens = reg(LiteCounter("smg_tokens", "Tokens processed", ["model", "kind", "endpoint"]))
         self.in_flight = Gauge(
             "smg_in_flight_requests",
             "Inference requests (generation, embeddings, pooling) in flight on this node; probes, metrics "
@@ -195,26 +212,27 @@ class NodeMetrics:
             ["method", "path"],
             buckets=SMG_DURATION_BUCKETS,
         )
-        # SMG's smg_router_generation_duration_seconds{model} (first token to last token), served under
-        # SMG's name only (shepherd.node.api.smg_metrics)
+        # SMG's smg_router_generation_duration_seconds{model, endpoint} (first token to last token), served
+        # under SMG's name only (shepherd.node.api.smg_metrics)
         self.generation = LiteHistogram(
             "smg_router_generation_duration_seconds",
             "Generation time, first token to last token",
-            ["model"],
+            ["model", "endpoint"],
             buckets=SMG_DURATION_BUCKETS,
         )
         # (route, model) -> streamed requests among those counted (SMG's ``streaming`` label)
         self.streamed: dict[tuple[str, str], int] = {}
         self._http_by_route: dict[tuple[str, str], _HistogramChild] = {}
-        self._models: dict[str, ModelMetrics] = {}
+        self._models: dict[tuple[str, str], ModelMetrics] = {}
         # (route, model, status) -> its requests child: no str(status) and label tuple per request
         self._requests_by_status: dict[tuple[str, str, int], _CounterChild] = {}
 
-    def for_model(self, model: str) -> ModelMetrics:
-        """The model's per-request metric children (a model is a configured or a worker's model: few)."""
-        mm = self._models.get(model)
+    def for_model(self, model: str, endpoint: str) -> ModelMetrics:
+        """The model's per-request metric children for an endpoint (a model is a configured or a worker's
+        model, an endpoint one of SMG's few: few of either)."""
+        mm = self._models.get((model, endpoint))
         if mm is None:
-            mm = self._models[model] = ModelMetrics(self, model)
+            mm = self._models[(model, endpoint)] = ModelMetrics(self, model, endpoint)
         return mm
 
     def count_request(self, route: str, model: str, status: int, streaming: bool = False) -> None:

@@ -78,20 +78,27 @@ def test_every_dashboard_metric_is_served_by_a_node(node: NodeProc, http: httpx.
         assert r.status_code == 200, r.text
     assert http.post(node.url + "/v1/chat/completions", json={**body, "model": "nope"}).status_code == 404
     assert http.get(node.url + "/wp-login.php").status_code == 404  # a scanner: not the router's error
+    gen = {"text": "hi", "sampling_params": {"max_new_tokens": 3}}
+    assert http.post(node.url + "/generate", json=gen).status_code == 200
     text = http.get(node.url + "/metrics").text
     served = served_names(text)
     missing = {(title, n) for title, e in dashboard_exprs() for n in metric_names(e) if n not in served}
     assert not missing, sorted(missing)
     # the requests just made show in SMG's names
     assert sample(text, "smg_http_requests_total", method="POST", path="/v1/chat/completions") == 3
-    assert sample(text, "smg_router_tokens_total", model="qwen3", token_type="output") == 8
-    assert sample(text, "smg_router_ttft_seconds_count", model="qwen3", router_type="grpc") == 2
+    # SMG's endpoint label on the latency and token series, /generate's too
+    assert sample(text, "smg_router_tokens_total", model="qwen3", token_type="output", endpoint="chat") == 8
+    assert sample(text, "smg_router_tokens_total", token_type="output", endpoint="generate") == 3
+    ttft = "smg_router_ttft_seconds_count"
+    assert sample(text, ttft, model="qwen3", router_type="grpc", endpoint="chat") == 2
+    assert sample(text, "smg_router_ttft_seconds_count", endpoint="generate") == 1
+    assert sample(text, "smg_router_request_duration_seconds_count", endpoint="generate") == 1
     assert sample(text, "smg_worker_health") == 1
     # SMG's streaming label: one streamed and one whole answer (the 404 has no model)
     for streaming in ("true", "false"):
         assert sample(text, "smg_router_requests_total", endpoint="chat", streaming=streaming) == 1
     # SMG's generation duration (first token to last), one per answered request
-    assert sample(text, "smg_router_generation_duration_seconds_count", model="qwen3") == 2
+    assert sample(text, "smg_router_generation_duration_seconds_count", model="qwen3", endpoint="chat") == 2
     assert sample(text, "smg_worker_cb_state") == 0
     # SMG's router errors: the inference routes' only, by SMG's error_type
     errors = [

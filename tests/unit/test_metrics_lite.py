@@ -63,11 +63,11 @@ def test_wrong_label_count_is_refused() -> None:
 def test_node_metrics_expose_the_per_request_families() -> None:
     m = NodeMetrics()
     m.count_request("/v1/chat/completions", "qwen3", 200)
-    m.ttft.labels("qwen3").observe(0.02)
+    m.ttft.labels("qwen3", "chat").observe(0.02)
     m.overhead.observe(0.0004)
     text = m.render().decode()
     assert 'smg_requests_total{model="qwen3",route="/v1/chat/completions",status="200"} 1.0' in text
-    assert 'smg_time_to_first_token_seconds_bucket{le="0.025",model="qwen3"} 1.0' in text
+    assert 'smg_time_to_first_token_seconds_bucket{endpoint="chat",le="0.025",model="qwen3"} 1.0' in text
     assert "smg_gateway_overhead_seconds_count 1.0" in text
 
 
@@ -89,7 +89,7 @@ def test_the_processes_expositions_merge_into_one_valid_page() -> None:
     a, b = NodeMetrics(), NodeMetrics()
     for m in (a, b):
         m.count_request("/v1/chat/completions", "qwen3", 200)
-        m.for_model("qwen3").ttft.observe(0.1)
+        m.for_model("qwen3", "chat").ttft.observe(0.1)
     b.count_request("/v1/chat/completions", "qwen3", 200)
     reg = CollectorRegistry()  # a family one process lacks, a label value to escape, _created samples
     Counter("only_in_b", "doc", ["l"], registry=reg).labels('a"b\\c\nd').inc()

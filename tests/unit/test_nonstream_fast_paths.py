@@ -187,19 +187,20 @@ def test_per_model_children_and_request_counts_are_the_families() -> None:
     for model, status in (("q", 200), ("q", 200), ("r", 404), ("q", 500)):
         a.count_request("/v1/chat/completions", model, status)
         b.requests.labels("/v1/chat/completions", model, str(status)).inc()
-        mm = a.for_model(model)
+        mm = a.for_model(model, "chat")
         mm.ttft.observe(0.01)
         mm.e2e.observe(0.2)
         mm.itl.observe(0.003)
         mm.prompt_tokens.value += 250
         mm.completion_tokens.value += 32
-        b.ttft.labels(model).observe(0.01)
-        b.e2e.labels(model).observe(0.2)
-        b.itl.labels(model).observe(0.003)
-        b.tokens.labels(model, "prompt").inc(250)
-        b.tokens.labels(model, "completion").inc(32)
-    assert a.for_model("q") is a.for_model("q")
+        b.ttft.labels(model, "chat").observe(0.01)
+        b.e2e.labels(model, "chat").observe(0.2)
+        b.itl.labels(model, "chat").observe(0.003)
+        b.tokens.labels(model, "prompt", "chat").inc(250)
+        b.tokens.labels(model, "completion", "chat").inc(32)
+    assert a.for_model("q", "chat") is a.for_model("q", "chat")
     assert a.render() == b.render()
+    assert a.for_model("q", "chat") is not a.for_model("q", "responses")
 
 
 # ---- the lean server -----------------------------------------------------------------------------------

@@ -267,7 +267,7 @@ async def _run(
             )
         vectors = [truncate(v, req.dimensions) for v in vectors]
     prompt = sum(r.prompt_tokens for r in results)
-    gw.metrics.tokens.labels(model, "prompt").inc(prompt)
+    gw.metrics.tokens.labels(model, "prompt", "embeddings").inc(prompt)
     body = embeddings_body(model, vectors, prompt, req.encoding_format)
     return web.Response(
         body=orjson.dumps(body), content_type="application/json", headers={"x-request-id": rid}

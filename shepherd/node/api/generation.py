@@ -22,6 +22,7 @@ from shepherd.node.api.common import KEEPALIVE_TICKER, public_engine_message
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.stream import EngineStream, Retry
 from shepherd.node.http.types import LeanStreamResponse, lean_request, stream_response
+from shepherd.node.metrics import ENDPOINTS
 from shepherd.node.observe import logs, tracing
 from shepherd.node.openai.logprobs import TokenTextCache, prompt_completion_logprobs, vllm_prompt_logprobs
 from shepherd.node.openai.requests import Sampling
@@ -337,7 +338,9 @@ class Generation:
         self.lpfmt = LogprobFormatter(tok, sampling.skip_special_tokens) if logprobs is not None else None
         self.totals = Totals()
         self.engine_seconds = 0.0
-        self.mm = gw.metrics.for_model(model)  # the model's metric children, looked up once
+        # the model's metric children for the route (SMG's ``endpoint`` label), looked up once
+        endpoint = ENDPOINTS.get(request.path) or ("chat" if chat else "completions")
+        self.mm = gw.metrics.for_model(model, endpoint)
         request["model"] = model  # the request metrics' model label, whatever the outcome
         # chat: the parser stage (None: plain text, no parser work per token) and structured output
         if shaping is not None:

@@ -46,6 +46,7 @@ from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.stream import EngineStream
 from shepherd.node.http.body import json_response, read_json
 from shepherd.node.http.types import stream_response
+from shepherd.node.metrics import ModelMetrics
 from shepherd.node.openai.requests import Sampling, parse_completion
 from shepherd.node.openai.sse import KEEPALIVE
 from shepherd.node.output.choice import ChoiceState
@@ -419,6 +420,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise bad("The prompt is empty.", param="text")
     rid = _rid(d.get("rid"))
     request["model"] = model
+    mm = gw.metrics.for_model(model, "generate")
 
     async def run() -> web.StreamResponse:
         max_new = gw.check_context(model, len(ids), s.max_tokens, param=field)
@@ -440,8 +442,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         try:
             if s.stream:
                 request["stream"] = True  # SMG's ``streaming`` label of the request count
-                return await _stream(request, es, rid, s, tok, ids, t0)
-            return await _whole(es, rid, s, tok, ids, t0)
+                return await _stream(request, es, rid, s, tok, ids, t0, mm)
+            return await _whole(es, rid, s, tok, ids, t0, mm)
         except GONE:
             await es.close(CLIENT_DISCONNECT)
             raise
@@ -454,21 +456,30 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await admitted(request, model, len(ids), s, run)
 
 
-async def _drive(es: EngineStream, st: ChoiceState, out: list[int]) -> tuple[str, int, int]:
+async def _drive(
+    es: EngineStream, st: ChoiceState, out: list[int], mm: ModelMetrics, t0: float, n_prompt: int
+) -> tuple[str, int, int]:
     """Consume the engine stream into ``st`` (``out``: the output ids); yields nothing: see ``_events``."""
     text = []
     prompt = cached = 0
-    async for piece, p, c in _events(es, st, out):
+    async for piece, p, c in _events(es, st, out, mm, t0, n_prompt):
         text.append(piece)
         prompt, cached = p, c
     return "".join(text), prompt, cached
 
 
-async def _events(es: EngineStream, st: ChoiceState, out: list[int]) -> AsyncIterator[tuple[str, int, int]]:
-    """(text delta, prompt tokens, cached tokens) per engine batch until the choice ends."""
+async def _events(
+    es: EngineStream, st: ChoiceState, out: list[int], mm: ModelMetrics, t0: float, n_prompt: int
+) -> AsyncIterator[tuple[str, int, int]]:
+    """(text delta, prompt tokens, cached tokens) per engine batch until the choice ends; the request's
+    TTFT, durations and tokens go to ``mm`` (SMG's ``endpoint="generate"`` series)."""
     prompt = cached = 0
     seen = False
+    t_first = 0.0
     async for batch in es.batches():
+        if not t_first:
+            t_first = time.perf_counter()
+            mm.ttft.observe(t_first - t0)
         delta = []
         for ev in batch:
             prompt = max(prompt, ev.prompt_tokens)
@@ -487,6 +498,12 @@ async def _events(es: EngineStream, st: ChoiceState, out: list[int]) -> AsyncIte
                 delta.append(st.whole(ev.output_ids, ev.logprobs, ev.finish_reason))
             else:
                 delta.append(st.end(ev.finish_reason))
+        if st.finished:
+            now = time.perf_counter()
+            mm.e2e.observe(now - t0)
+            mm.generation.observe(now - t_first)
+            mm.prompt_tokens.value += prompt or n_prompt
+            mm.completion_tokens.value += st.tokens
         yield "".join(delta), prompt, cached
         if st.finished:
             if type(st.matched) is int:  # a token the engine stops at too (EOS, stop_token_ids): no Abort
@@ -496,18 +513,25 @@ async def _events(es: EngineStream, st: ChoiceState, out: list[int]) -> AsyncIte
 
 
 async def _whole(
-    es: EngineStream, rid: str, s: Sampling, tok: Any, ids: list[int], t0: float
+    es: EngineStream, rid: str, s: Sampling, tok: Any, ids: list[int], t0: float, mm: ModelMetrics
 ) -> web.Response:
     st = ChoiceState(0, tok, s, ids)
     out: list[int] = []
-    _, prompt, cached = await _drive(es, st, out)
+    _, prompt, cached = await _drive(es, st, out, mm, t0, len(ids))
     meta = _meta(rid, st, prompt or len(ids), st.tokens, cached, t0)
     body = {"text": st.full_text(), "output_ids": out, "meta_info": meta}
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 async def _stream(
-    request: web.Request, es: EngineStream, rid: str, s: Sampling, tok: Any, ids: list[int], t0: float
+    request: web.Request,
+    es: EngineStream,
+    rid: str,
+    s: Sampling,
+    tok: Any,
+    ids: list[int],
+    t0: float,
+    mm: ModelMetrics,
 ) -> web.StreamResponse:
     resp = stream_response(request, headers=dict(SSE_HEADERS))
     stamp_headers(request, resp, t0)
@@ -519,7 +543,7 @@ async def _stream(
     text: list[str] = []
     try:
         try:
-            async for piece, prompt, cached in _events(es, st, out):
+            async for piece, prompt, cached in _events(es, st, out, mm, t0, len(ids)):
                 text.append(piece)
                 meta = _meta(rid, st, prompt or len(ids), st.tokens, cached, t0)
                 event = {"text": "".join(text), "output_ids": list(out), "meta_info": meta}

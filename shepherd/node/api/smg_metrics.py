@@ -23,21 +23,11 @@ from shepherd.node.api.admission import Admission
 from shepherd.node.cluster.mesh_node import MeshNode
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.engines.http import HttpRelayClient
+from shepherd.node.metrics import ENDPOINTS
 from shepherd.node.observe import tracing
 
-__all__ = ["ENDPOINTS", "SmgNames", "trace_families"]
+__all__ = ["SmgNames", "trace_families"]
 
-# the node's route -> SMG's ``endpoint`` label
-ENDPOINTS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-    "/v1/messages": "messages",
-    "/v1/embeddings": "embeddings",
-    "/v1/rerank": "rerank",
-    "/v1/classify": "classify",
-    "/generate": "generate",
-}
 _CB_STATE = {"closed": 0.0, "open": 1.0, "half_open": 2.0}
 
 
