@@ -34,6 +34,21 @@ def test_last_delta_only_in_the_complete_is_not_lost(
         assert r.json()["usage"]["completion_tokens"] == len("hello world!")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_keeps_the_last_delta_only_in_the_complete(
+    engine: ReplayServer, node: NodeProc, http: httpx.Client, tok: Path, stream: bool
+) -> None:
+    """SGLang's native /generate over the same wire: the tokens of the Complete are the answer's end."""
+    engine.plan = Plan([Choice([ids(tok, "hel"), ids(tok, "lo wor"), ids(tok, "ld!")])])
+    body = {"model": "m", "text": "hi", "sampling_params": {"max_new_tokens": 32}, "stream": stream}
+    r = http.post(node.url + "/generate", json=body)
+    assert r.status_code == 200, r.text
+    answer = sse_events(r.text)[-1] if stream else r.json()
+    assert answer["text"] == "hello world!", answer
+    assert answer["output_ids"] == ids(tok, "hello world!"), answer
+    assert answer["meta_info"]["completion_tokens"] == len("hello world!"), answer
+
+
 def test_one_step_answer_in_the_complete_alone(
     engine: ReplayServer, node: NodeProc, http: httpx.Client, tok: Path
 ) -> None:

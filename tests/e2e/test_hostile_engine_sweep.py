@@ -497,6 +497,31 @@ def test_an_engine_past_max_tokens_is_cut_there(tokenizer_dir: Path) -> None:
         assert_serves(eng, node)
 
 
+def test_generate_past_max_new_tokens_is_cut_there(tokenizer_dir: Path) -> None:
+    """SGLang's /generate over an engine sending more tokens than asked for: ``max_new_tokens`` of them
+    (text, ``output_ids`` and ``completion_tokens`` agree), finish ``length``, streamed or not, and a
+    streaming engine's call is reset, as chat's (it would otherwise run on, flooding the client)."""
+    with hostile_node(tokenizer_dir) as (eng, node):
+        body = {"model": "m", "text": "hi", "sampling_params": {"max_new_tokens": 5}}
+        eng.generate = runaway
+        for stream in (False, True):
+            before = len(eng.call(lambda: list(eng.resets)))
+            r = httpx.post(node.url + "/generate", json={**body, "stream": stream}, timeout=CLIENT_TIMEOUT)
+            assert r.status_code == 200, r.text
+            events = [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: {")]
+            answer = events[-1] if stream else r.json()
+            meta = answer["meta_info"]
+            assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 5, answer
+            assert len(answer["text"]) == 5 and len(answer["output_ids"]) == 5, answer
+            assert settles(lambda: eng.open_generates() == 0)
+            assert len(eng.call(lambda: list(eng.resets))) > before  # the call was reset, not left running
+        eng.generate = overshoot
+        answer = httpx.post(node.url + "/generate", json=body, timeout=CLIENT_TIMEOUT).json()
+        assert answer["meta_info"]["finish_reason"]["type"] == "length", answer
+        assert len(answer["text"]) == 5 and len(answer["output_ids"]) == 5, answer
+        assert_serves(eng, node)
+
+
 async def fails_midway_naming_a_host(conn: EngineConn, sid: int, req: sg.GenerateRequest) -> None:
     """Two tokens, then an error whose text names an internal address."""
     rid = req.request_id

@@ -689,6 +689,29 @@ def test_a_stopped_stream_counts_and_logs_no_token_past_its_stop(
         assert usage is not None and usage.completion_tokens == len(entries), (stream, usage)
 
 
+def test_generate_output_ids_end_at_the_token_that_completed_a_stop_string(
+    node: NodeProc, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """/generate stopped by a stop string: ``output_ids`` end at the token that completed it, as SGLang's
+    (its scheduler finishes the request there), and match ``completion_tokens``, streamed or not, also
+    when the engine's chunk carries tokens past the stop."""
+    for stream in (False, True):
+        script(engine, http, "Hello world. More words after the stop.", "gen-stop-ids")
+        body = {
+            "model": SG,
+            "text": "say gen-stop-ids",
+            "sampling_params": {"max_new_tokens": 30, "stop": ["d."]},  # two tokens: the node's to match
+            "stream": stream,
+        }
+        r = http.post(node.url + "/generate", json=body)
+        answer = _sse(r)[-1] if stream else r.json()
+        assert answer["text"] == "Hello worl", (stream, answer)
+        assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": "d."}, (stream, answer)
+        ids = answer["output_ids"]
+        assert len(ids) == answer["meta_info"]["completion_tokens"], (stream, answer)
+        assert _detok(http, node, ids) == "Hello world.", (stream, answer)
+
+
 # ---- return_token_ids ------------------------------------------------------------------------------------
 
 

@@ -16,15 +16,18 @@ from openai.types.responses import Response, ResponseTextDeltaEvent
 from shepherd.node.api.common import History
 from shepherd.node.api.responses import BackgroundRegistry, Turn
 from shepherd.node.openai.items import parse_items
+from shepherd.node.openai.logprobs import TokenTextCache, chat_logprobs
 from shepherd.node.output.responses import (
     ResponseEvents,
     response_object,
     response_usage,
     text_logprobs,
 )
+from shepherd.proto.engine_types import TokenLogprob
 from shepherd.proto.openai_errors import ApiError
 from shepherd.storage.memory import MemoryStore
 from shepherd.storage.types import StoredConversation, StoredItem, StoredResponse
+from tests.helpers_tokenizers import load
 
 _ids = itertools.count(1)
 
@@ -84,6 +87,21 @@ def test_text_logprobs_take_the_responses_shape() -> None:
     Response.model_validate(
         response_object(BASE, status="completed", output=[msg], usage=response_usage(1, 1, 0))
     )
+
+
+def test_text_logprobs_keep_a_partial_utf8_tokens_real_bytes() -> None:
+    """A token holding part of a character (its string escaped, ``"\\xf0\\x93"``): the Responses entry
+    has its real bytes, as the chat entry it comes from, not those of the escaped string."""
+    tok = load("qwen3")
+    ids = tok.encode("\U00013000", add_special_tokens=False).ids  # one character, three tokens here
+    assert len(ids) > 1
+    cache = TokenTextCache.for_tokenizer(tok)
+    chat = chat_logprobs([TokenLogprob(i, -0.5, ((i, -0.5),)) for i in ids], cache, 1)
+    entries = text_logprobs(chat)
+    assert [e["bytes"] for e in entries] == [list(cache.get(i).raw) for i in ids]
+    assert bytes(b for e in entries for b in e["bytes"]).decode() == "\U00013000"
+    assert [t["bytes"] for e in entries for t in e["top_logprobs"]] == [e["bytes"] for e in entries]
+    assert entries[0]["token"] == cast(list[dict[str, Any]], chat["content"])[0]["token"] == "\\xf0\\x93"
 
 
 def test_streamed_deltas_carry_logprobs_and_the_done_events_all_of_them() -> None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import importlib.metadata
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -39,6 +40,7 @@ from shepherd.node.api.generation import (
     abort_reason,
     engine_id,
     engine_sampling,
+    final_delta_is_new,
     fresh_id,
     single_token_stops,
 )
@@ -50,7 +52,7 @@ from shepherd.node.metrics import ModelMetrics
 from shepherd.node.openai.requests import Sampling, parse_completion
 from shepherd.node.openai.sse import KEEPALIVE
 from shepherd.node.output.choice import ChoiceState
-from shepherd.proto.engine_types import EngineChunk, EngineError, GenerateRequest
+from shepherd.proto.engine_types import EngineChunk, EngineError, GenerateRequest, TokenLogprob
 from shepherd.proto.openai_errors import ApiError, bad
 
 
@@ -436,14 +438,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
         sp = engine_sampling(s, s.max_tokens, gw.cfg.stream_interval, None, facts.defaults, stops)
         # an id of its own, its unique token first (SGLang aborts by id prefix: generation._engine_id)
         gen = GenerateRequest(engine_id(rid), ids, sp, True, False, 0, token_limit=max_new)
+        job = _Job(ids, t0, max_new, mm)
         es = await gw.open_stream(
             model, gen, target=h.get("x-smg-target-worker"), routing_key=h.get("x-smg-routing-key")
         )
         try:
             if s.stream:
                 request["stream"] = True  # SMG's ``streaming`` label of the request count
-                return await _stream(request, es, rid, s, tok, ids, t0, mm)
-            return await _whole(es, rid, s, tok, ids, t0, mm)
+                return await _stream(request, es, rid, s, tok, job)
+            return await _whole(es, rid, s, tok, job)
         except GONE:
             await es.close(CLIENT_DISCONNECT)
             raise
@@ -456,53 +459,74 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await admitted(request, model, len(ids), s, run)
 
 
-async def _drive(
-    es: EngineStream, st: ChoiceState, out: list[int], mm: ModelMetrics, t0: float, n_prompt: int
-) -> tuple[str, int, int]:
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One /generate call: its prompt, start, the tokens asked for (``limit``) and the model's metric
+    children for SMG's ``endpoint="generate"``."""
+
+    ids: list[int]
+    t0: float
+    limit: int
+    mm: ModelMetrics
+
+
+async def _drive(es: EngineStream, st: ChoiceState, out: list[int], job: _Job) -> tuple[str, int, int]:
     """Consume the engine stream into ``st`` (``out``: the output ids); yields nothing: see ``_events``."""
     text = []
     prompt = cached = 0
-    async for piece, p, c in _events(es, st, out, mm, t0, n_prompt):
+    async for piece, p, c in _events(es, st, out, job):
         text.append(piece)
         prompt, cached = p, c
     return "".join(text), prompt, cached
 
 
 async def _events(
-    es: EngineStream, st: ChoiceState, out: list[int], mm: ModelMetrics, t0: float, n_prompt: int
+    es: EngineStream, st: ChoiceState, out: list[int], job: _Job
 ) -> AsyncIterator[tuple[str, int, int]]:
-    """(text delta, prompt tokens, cached tokens) per engine batch until the choice ends; the request's
-    TTFT, durations and tokens go to ``mm`` (SMG's ``endpoint="generate"`` series)."""
+    """(text delta, prompt tokens, cached tokens) per engine batch until the choice ends. ``out`` gets the
+    ids the choice counted (none past a stop or past ``job.limit``, the tokens asked for), as the
+    generation loop takes them: a Complete's final delta when no chunk carried it (SGLang's in-tree
+    server), an engine sending more than the limit cut there (``length``). The request's TTFT, durations
+    and tokens go to ``job.mm`` (SMG's ``endpoint="generate"`` series)."""
     prompt = cached = 0
     seen = False
+    got = 0  # chunk tokens received
+    last: Sequence[int] = ()  # the last chunk's ids
     t_first = 0.0
+    limit, mm = job.limit, job.mm
     async for batch in es.batches():
         if not t_first:
             t_first = time.perf_counter()
-            mm.ttft.observe(t_first - t0)
+            mm.ttft.observe(t_first - job.t0)
         delta = []
         for ev in batch:
             prompt = max(prompt, ev.prompt_tokens)
             cached = max(cached, ev.cached_tokens)
             if isinstance(ev, EngineChunk):
                 seen = True
+                got += len(ev.token_ids)
+                last = ev.token_ids
                 if not st.done():
-                    out.extend(ev.token_ids)
-                    delta.append(st.feed(ev.token_ids, ev.logprobs))
+                    delta.append(_take(st, ev.token_ids, ev.logprobs, out, limit, None))
                 continue
             es.completed = True  # the engine ended it: nothing to abort
             if st.finished:
                 continue
-            if not seen and ev.output_ids:
-                out.extend(ev.output_ids)
-                delta.append(st.whole(ev.output_ids, ev.logprobs, ev.finish_reason))
-            else:
+            new = ev.output_ids and (
+                not seen or final_delta_is_new(ev.output_ids, ev.completion_tokens, got, last)
+            )
+            if not new:
+                delta.append(st.end(ev.finish_reason))
+            elif not seen:
+                delta.append(_take(st, ev.output_ids, ev.logprobs, out, limit, ev.finish_reason))
+            else:  # the last tokens came in the Complete only (SGLang's in-tree server)
+                delta.append(_take(st, ev.output_ids, ev.logprobs, out, limit, None))
                 delta.append(st.end(ev.finish_reason))
         if st.finished:
             now = time.perf_counter()
-            mm.e2e.observe(now - t0)
+            mm.e2e.observe(now - job.t0)
             mm.generation.observe(now - t_first)
-            mm.prompt_tokens.value += prompt or n_prompt
+            mm.prompt_tokens.value += prompt or len(job.ids)
             mm.completion_tokens.value += st.tokens
         yield "".join(delta), prompt, cached
         if st.finished:
@@ -512,28 +536,47 @@ async def _events(
     raise EngineError("the engine ended the stream before the choice finished", retryable=False)
 
 
-async def _whole(
-    es: EngineStream, rid: str, s: Sampling, tok: Any, ids: list[int], t0: float, mm: ModelMetrics
-) -> web.Response:
+def _take(
+    st: ChoiceState,
+    ids: Sequence[int],
+    logprobs: Sequence[TokenLogprob],
+    out: list[int],
+    limit: int,
+    whole: str | None,
+) -> str:
+    """Feed ``ids`` to ``st`` (``whole``: the engine's finish reason of an answer sent at once), the ids it
+    counted to ``out``; past ``limit`` tokens (an engine sending more than asked) the choice ends there,
+    ``length``."""
+    runaway = st.tokens + len(ids) > limit
+    if runaway:
+        ids = ids[: max(limit - st.tokens, 0)]
+        logprobs = logprobs[: len(ids)]
+    if whole is not None:
+        text = st.whole(ids, logprobs, "length" if runaway else whole) if ids else st.end("length")
+    else:
+        text = st.feed(ids, logprobs) if ids else ""
+        if runaway and not st.finished:
+            text += st.end("length")
+    if ids:
+        out.extend(ids[: st.kept])  # not the tokens after a stop (SGLang's ids end there)
+    return text
+
+
+async def _whole(es: EngineStream, rid: str, s: Sampling, tok: Any, job: _Job) -> web.Response:
+    ids = job.ids
     st = ChoiceState(0, tok, s, ids)
     out: list[int] = []
-    _, prompt, cached = await _drive(es, st, out, mm, t0, len(ids))
-    meta = _meta(rid, st, prompt or len(ids), st.tokens, cached, t0)
+    _, prompt, cached = await _drive(es, st, out, job)
+    meta = _meta(rid, st, prompt or len(ids), st.tokens, cached, job.t0)
     body = {"text": st.full_text(), "output_ids": out, "meta_info": meta}
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
 async def _stream(
-    request: web.Request,
-    es: EngineStream,
-    rid: str,
-    s: Sampling,
-    tok: Any,
-    ids: list[int],
-    t0: float,
-    mm: ModelMetrics,
+    request: web.Request, es: EngineStream, rid: str, s: Sampling, tok: Any, job: _Job
 ) -> web.StreamResponse:
     resp = stream_response(request, headers=dict(SSE_HEADERS))
+    ids, t0 = job.ids, job.t0
     stamp_headers(request, resp, t0)
     await resp.prepare(request)
     keepalive = request.app[KEEPALIVE_TICKER]
@@ -543,7 +586,7 @@ async def _stream(
     text: list[str] = []
     try:
         try:
-            async for piece, prompt, cached in _events(es, st, out, mm, t0, len(ids)):
+            async for piece, prompt, cached in _events(es, st, out, job):
                 text.append(piece)
                 meta = _meta(rid, st, prompt or len(ids), st.tokens, cached, t0)
                 event = {"text": "".join(text), "output_ids": list(out), "meta_info": meta}

@@ -87,7 +87,9 @@ def _lp_entry(e: Mapping[str, Any]) -> dict[str, Any]:
     b = e.get("bytes")
     return {
         "token": token,
-        "bytes": b if isinstance(b, list) else list(token.encode()),
+        # the token's own bytes (a tuple from ``logprobs.chat_logprobs``): a partial UTF-8 token's
+        # string is escaped ("\\xe4\\xbd"), its bytes are not
+        "bytes": list(b) if isinstance(b, list | tuple) else list(token.encode()),
         "logprob": e.get("logprob", 0.0),
     }
 
