@@ -409,9 +409,10 @@ async def test_a_paused_consumer_holds_its_streams_credit_until_it_takes_again()
 
 async def test_a_consumer_that_paused_after_taking_everything_is_not_left_waiting() -> None:
     """The generation loop's order with a slow client: a batch taken, the write waits (the engine fills
-    the queue past the bound: credit held), then push takes the whole queue as one batch and pauses
-    again; after the drain it waits for more with ``__anext__``. Everything queued was taken, so the held
-    credit must have gone out: an engine that keeps to its window sends again and the wait ends."""
+    the queue past the bound: credit held), then push takes a slice of the queue and pauses again; after
+    the drain ``__anext__`` takes the rest, a slice at a time, then waits for more. Once everything queued
+    was taken the held credit must have gone out: an engine that keeps to its window sends again and the
+    wait ends."""
     server = FakeServer(asyncio.get_running_loop())
     call, sid = await _opened(server)
     big = chunk(list(range(3_000)), 3)
@@ -437,8 +438,10 @@ async def test_a_consumer_that_paused_after_taking_everything_is_not_left_waitin
     await flush()
     stream = call._stream
     assert stream is not None and stream.credit_held and window[0] < frame_bytes  # the engine is stopped
-    pushed = call.push(_taker([], True))  # the whole queue in one batch, and the client pauses again
-    assert pushed.done() and not stream.messages
+    pushed = call.push(_taker([], True))  # a slice of the queue, and the client pauses again
+    assert pushed.done() and stream.messages and stream.credit_held  # the rest queued: no credit yet
+    while stream.messages:  # bounded: each batch takes at least one queued message
+        assert _ids([await call.__anext__()])[0]
     nxt = asyncio.ensure_future(call.__anext__())
     for _ in range(20):  # bounded: the engine gets its credit back and sends
         engine_sends()
@@ -446,6 +449,36 @@ async def test_a_consumer_that_paused_after_taking_everything_is_not_left_waitin
         if nxt.done():
             break
     assert nxt.done() and _ids([nxt.result()])[0]
+    await call.aclose()
+
+
+async def test_a_backlog_is_taken_a_slice_at_a_time() -> None:
+    """What a paused client left queued (up to the stream window: megabytes) is decoded and taken in
+    batches of at most ``BATCH_MAX_BYTES`` of messages, by push and by ``__anext__``: the client's answer
+    is formatted and written a slice at a time, each after its transport drained, never all at once."""
+    from shepherd.node.engines.h2 import BATCH_MAX_BYTES  # (this test's bound)
+
+    server = FakeServer(asyncio.get_running_loop())
+    call, sid = await _opened(server)
+    got: list[list[EngineEvent]] = []
+    call.push(_taker(got, True))
+    server.send(sid, chunk([6], 2), head=False)  # the client's transport is full from here on
+    big = chunk(list(range(3_000)), 3)  # ~9 kB a message
+    queued = 4 * BATCH_MAX_BYTES // len(big) + 1
+    for _ in range(queued):
+        server.send(sid, big, head=False)
+    await flush()
+    stream = call._stream
+    assert stream is not None and len(stream.messages) == queued
+    most = max(1, BATCH_MAX_BYTES // len(big))  # messages a batch may hold
+    pushed = call.push(_taker(got, True))  # the client drained once, and is full again
+    assert pushed.done() and got[-1]
+    taken = [queued - len(stream.messages)]  # messages per batch
+    while stream.messages:  # bounded: each batch takes at least one message
+        left = len(stream.messages)
+        assert await call.__anext__()
+        taken.append(left - len(stream.messages))
+    assert sum(taken) == queued and all(1 <= k <= most for k in taken), taken
     await call.aclose()
 
 

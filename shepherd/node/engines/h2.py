@@ -15,6 +15,7 @@ deadlines, gRPC statuses) are in h2_stream.py.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import logging
@@ -79,8 +80,26 @@ _UNPROCESSED_RETRIES = 5  # transparent re-sends of a call the server never proc
 # an answer's bytes received and not consumed past which its stream's credit waits for the consumer (the
 # client's transport full: the engine stops sending that answer; at most this and the stream window held)
 GENERATE_BACKLOG_BYTES = 1 << 20
+# the most queued message bytes decoded and taken as one batch: a client that stopped reading leaves up to
+# the stream window queued, and its answer is formatted and written a slice at a time as its transport
+# drains, not all at once (logprobs make the JSON several times the messages' size)
+BATCH_MAX_BYTES = 64 * 1024
 
 _MAX_DEADLINE_GROUPS = 8
+
+
+def _next_batch(msgs: collections.deque[bytes]) -> list[bytes]:
+    """The queued messages of one batch, taken off ``msgs``: all of them, or the oldest ones up to
+    ``BATCH_MAX_BYTES`` (at least one; the rest stay queued, and count against the stream's credit)."""
+    if len(msgs) == 1:
+        return [msgs.popleft()]
+    raws: list[bytes] = []
+    size = 0
+    while msgs and (not raws or size + len(msgs[0]) <= BATCH_MAX_BYTES):  # bounded by the messages
+        raw = msgs.popleft()
+        size += len(raw)
+        raws.append(raw)
+    return raws
 
 
 def parse_target(target: str) -> tuple[str, int, str | None]:
@@ -703,9 +722,8 @@ class GenerateCall:
             msgs = stream.messages
             while True:  # bounded by the messages and the end of the stream
                 if msgs:
-                    raws = list(msgs)
-                    msgs.clear()
-                    if stream.credit_held:
+                    raws = _next_batch(msgs)
+                    if stream.credit_held and not msgs:
                         stream.consumed()
                     batch = decode_batch(raws, self._parse, single=self._single)
                     if batch:
@@ -838,9 +856,7 @@ class GenerateCall:
                     ev = lone_chunk(raw, lone)  # type: ignore[misc]  # (not None when _lone is set)
                     batch = [ev] if ev is not None else decode_batch([raw], self._parse, single=self._single)
                 else:
-                    raws = list(msgs)
-                    msgs.clear()
-                    batch = decode_batch(raws, self._parse, single=self._single)
+                    batch = decode_batch(_next_batch(msgs), self._parse, single=self._single)
                 if stream.credit_held and not msgs:  # every message taken: the engine may send again,
                     stream.consumed()  # whether ``take`` pauses on this batch or not
                 if batch and take(batch):
