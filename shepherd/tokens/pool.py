@@ -8,7 +8,11 @@ dies (or is killed for overrunning ``call_timeout``) fails its in-flight calls w
 and is forked again; a call it failed that way is asked once more of the pool (the work is a pure function),
 unless it is the one that ran over. A call whose caller gave up stays in its worker's in-flight table
 until the worker answers it (the watchdog's clock, the picking's load: a wedged worker is seen and
-avoided, not fed). ``close()`` stops and reaps them all.
+avoided, not fed). Calls of more than ``HEAVY_BYTES`` (a prompt of hundreds of kilobytes: seconds of
+BPE for a long run of letters) take at most N - 1 workers at once, the others waiting in the parent (a
+caller that gives up there costs nothing), and the other calls go to a worker without one: a few big
+prompts cannot hold every worker while the small requests of everyone else wait behind them.
+``close()`` stops and reaps them all.
 Not ``ProcessPoolExecutor``: its round trip costs 230-600 µs here against 17-23 µs for a pipe
 (DESIGN §11). The worker side and the pipe format are in pool_worker.py.
 """
@@ -45,6 +49,7 @@ from shepherd.tokens.pool_worker import (
 from shepherd.tokens.tokenizer import Tokenizer
 
 __all__ = [
+    "HEAVY_BYTES",
     "TokenizerPool",
     "TokenizerPoolUnavailable",
     "TokenizerWorkerError",
@@ -63,6 +68,8 @@ class TokenizerWorkerError(RuntimeError):
 # a worker with this many bytes of requests it has not read yet takes no more (stopped, stuck in a call, or
 # far behind): new calls go to another, or inline; the watchdog settles whether it is wedged
 WBUF_MAX = 32 << 20
+# a call's payload past which it is heavy: at most N - 1 of those run at once (see the module docstring)
+HEAVY_BYTES = 256 << 10
 
 
 class TokenizerPoolUnavailable(RuntimeError):
@@ -99,6 +106,7 @@ def _kill_and_reap(pid: int) -> int | None:
 class _Call:
     future: asyncio.Future[tuple[int, bytes]]
     started: float
+    heavy: bool = False
 
 
 @dataclass(slots=True)
@@ -133,6 +141,7 @@ class TokenizerPool:
         self.call_timeout = call_timeout
         self._workers: list[_Worker | None] = [None] * workers
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._heavy_lane: asyncio.Semaphore | None = None  # (made on the pool's loop, at start)
         self._next_id = 1
         self._closed = False
         self._crash_streak = [0] * workers
@@ -149,6 +158,7 @@ class TokenizerPool:
         if self._loop is not None:
             raise RuntimeError("pool already started")
         self._loop = asyncio.get_running_loop()
+        self._heavy_lane = asyncio.Semaphore(max(1, self.size - 1))
         for slot in range(self.size):
             self._spawn(slot)
         if self.call_timeout is not None:
@@ -307,15 +317,14 @@ class TokenizerPool:
             self._loop.remove_writer(w.to_fd)
 
     def _pick(self) -> _Worker:
+        """The live worker with room for a call: one without a heavy call first, then the least loaded."""
         best: _Worker | None = None
+        best_key = (True, 0)
         for w in self._workers:
-            if (
-                w is not None
-                and w.alive
-                and len(w.wbuf) <= WBUF_MAX
-                and (best is None or len(w.inflight) < len(best.inflight))
-            ):
-                best = w
+            if w is not None and w.alive and len(w.wbuf) <= WBUF_MAX:
+                key = (any(c.heavy for c in w.inflight.values()), len(w.inflight))
+                if best is None or key < best_key:
+                    best, best_key = w, key
         if best is None:
             raise TokenizerPoolUnavailable(
                 "no tokenizer worker is running" + (" (closed)" if self._closed else "")
@@ -323,22 +332,28 @@ class TokenizerPool:
         return best
 
     async def _call(self, op: int, flag: int, model: int, payload: bytes) -> bytes:
+        if len(payload) <= HEAVY_BYTES or self._heavy_lane is None:
+            return await self._call_retried(op, flag, model, payload, False)
+        async with self._heavy_lane:  # (a caller gone while it waits here was never sent)
+            return await self._call_retried(op, flag, model, payload, True)
+
+    async def _call_retried(self, op: int, flag: int, model: int, payload: bytes, heavy: bool) -> bytes:
         try:
-            return await self._call_once(op, flag, model, payload)
+            return await self._call_once(op, flag, model, payload, heavy)
         except TokenizerWorkerError as e:
             if not e.retryable:
                 raise
             self.retries += 1  # its worker died with it in flight: once more, on the pool as it is now
-            return await self._call_once(op, flag, model, payload)
+            return await self._call_once(op, flag, model, payload, heavy)
 
-    async def _call_once(self, op: int, flag: int, model: int, payload: bytes) -> bytes:
+    async def _call_once(self, op: int, flag: int, model: int, payload: bytes, heavy: bool) -> bytes:
         if self._loop is None:
             raise TokenizerPoolUnavailable("the tokenizer pool is not started")
         w = self._pick()
         req_id = self._next_id
         self._next_id = (req_id + 1) & 0xFFFFFFFF or 1
         fut: asyncio.Future[tuple[int, bytes]] = self._loop.create_future()
-        w.inflight[req_id] = _Call(fut, time.monotonic())
+        w.inflight[req_id] = _Call(fut, time.monotonic(), heavy)
         self.calls += 1
         frame = _REQ.pack(req_id, op, flag, model, len(payload)) + payload
         if w.wbuf:

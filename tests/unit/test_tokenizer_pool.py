@@ -106,9 +106,12 @@ async def test_many_calls_in_flight_including_big_ones() -> None:
         assert pool.calls == len(texts) and pool.failures == 0
 
 
-async def test_a_killed_worker_fails_its_calls_and_the_pool_recovers() -> None:
+async def test_a_killed_worker_fails_its_calls_and_the_pool_recovers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The only worker killed with calls in flight: each is asked again once, finds no worker yet (the
     respawn is the next loop turn's) and says so (the service then encodes inline)."""
+    import shepherd.tokens.pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "HEAVY_BYTES", 1 << 30)  # all three in flight at once, none held back
     tok = qwen3()
     async with running(TokenizerPool([tok], workers=1)) as pool:
         (pid,) = pool.pids()
@@ -194,6 +197,37 @@ async def test_a_worker_reading_nothing_is_not_buffered_for_without_bound(
         for t in waiting:
             t.cancel()
         await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_heavy_calls_leave_a_worker_to_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Big prompts (long runs of letters: seconds of BPE a megabyte) take at most N - 1 workers: a second
+    one waits in the parent (never sent if its caller gives up), and the small calls of everyone else go
+    to the worker without one, also when several are in flight at once."""
+    import shepherd.tokens.pool as pool_mod
+
+    monkeypatch.setattr(pool_mod, "HEAVY_BYTES", 4096)
+    tok = qwen3()
+    heavy = "abcdefghij" * 1000  # 10 KB: heavy here
+    async with running(TokenizerPool([tok], workers=2)) as pool:
+        first = asyncio.ensure_future(pool.encode("qwen3", heavy, False))
+        await asyncio.sleep(0)
+        (busy,) = [w for w in pool._workers if w is not None and any(c.heavy for c in w.inflight.values())]
+        os.kill(busy.pid, signal.SIGSTOP)  # the heavy call runs on, for as long as the test needs
+        try:
+            calls = pool.calls
+            second = asyncio.ensure_future(pool.encode("qwen3", heavy, False))
+            await asyncio.sleep(0.05)
+            assert pool.calls == calls  # waiting for the heavy lane, not sent
+            small = ["small " * n for n in range(1, 6)]
+            got = await guarded(asyncio.gather(*(pool.encode("qwen3", t, False) for t in small)))
+            assert got == [tok.encode_uncached(t, False) for t in small]
+            second.cancel()
+            await asyncio.gather(second, return_exceptions=True)
+            assert pool.calls == calls + len(small)  # the one given up was never sent
+        finally:
+            os.kill(busy.pid, signal.SIGCONT)
+        assert await guarded(first) == tok.encode_uncached(heavy, False)
+        assert await guarded(pool.encode("qwen3", heavy, False)) == tok.encode_uncached(heavy, False)
 
 
 async def test_a_stuck_worker_is_killed_after_the_call_timeout() -> None:
