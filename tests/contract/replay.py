@@ -77,6 +77,7 @@ class Plan:
     fail: tuple[grpc.StatusCode, str] | None = None
     kv_params: dict[str, Any] | None = None  # vLLM PD: what the engine's connector returned
     typed_kv_only: bool = False  # vLLM: a servicer that predates kv_transfer_params_json
+    hold_s: float = 0.0  # the stream held open this long after its messages (still queued or running)
 
 
 PlanFn = Callable[["ReplayServer", Any], Plan]
@@ -302,6 +303,9 @@ class _Base:
         s.record("Generate", request)
         plan = s.plan_for(request)
         yield from MESSAGES[s.dialect](request, plan)
+        until = time.monotonic() + plan.hold_s
+        while context.is_active() and not s.stopping.is_set() and time.monotonic() < until:  # bounded
+            time.sleep(0.02)
         if plan.fail is not None:
             context.abort(*plan.fail)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.contract.nodes import complete, ids, sse_events, streamed_text, text_and_tokens
+from tests.contract.nodes import complete, ids, sse_events, streamed_text, text_and_tokens, token_id
 from tests.contract.replay import Choice, Plan, ReplayServer
 from tests.e2e.node_procs import NodeProc
 
@@ -47,6 +47,19 @@ def test_generate_keeps_the_last_delta_only_in_the_complete(
     assert answer["text"] == "hello world!", answer
     assert answer["output_ids"] == ids(tok, "hello world!"), answer
     assert answer["meta_info"]["completion_tokens"] == len("hello world!"), answer
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_last_token_without_text_in_the_complete_keeps_its_logprob(
+    engine: ReplayServer, node: NodeProc, http: httpx.Client, tok: Path, stream: bool
+) -> None:
+    # the EOS alone in the Complete (it decodes to no text): its logprob entry is streamed as the
+    # answer without streaming has it, one entry per completion token (as vLLM's final chunk carries it)
+    eos = token_id(tok, "<|im_end|>")
+    engine.plan = Plan([Choice([ids(tok, "hello"), [eos]], matched=eos)])
+    r = complete(http, node, prompt="hi", stream=stream, logprobs=1)
+    assert r.status_code == 200, r.text
+    assert text_and_tokens(r, stream) == ("hello", "hello<|im_end|>")
 
 
 def test_one_step_answer_in_the_complete_alone(

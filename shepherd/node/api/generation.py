@@ -693,7 +693,7 @@ class Generation:
                     if posts is not None:
                         if text or lps:
                             posts[i].stream(text, self._lp(lps, idx), out)
-                    elif text:
+                    elif text or lps:
                         out.append(enc.content(idx, text, self._lp(lps, idx)))
                 remaining -= 1
                 if enc is not None:

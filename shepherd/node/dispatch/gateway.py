@@ -41,6 +41,7 @@ from shepherd.proto.engine_types import (
     EngineError,
     EngineEvent,
     EngineLoad,
+    EngineTimeout,
     GenerateRequest,
     ModelInfo,
     SamplingDefaults,
@@ -141,9 +142,9 @@ class Gateway:
 
     async def close(self) -> None:
         await self.kv_feed.close()
+        if self._background:  # the Aborts of the calls the shutdown ended, before their clients close
+            await asyncio.gather(*self._background, return_exceptions=True)  # (each bounded: 5 s)
         await self.registry.close()
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
         await self.tokenizers.close()
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -464,6 +465,9 @@ class Gateway:
                 last_error = EngineError("engine closed the stream without output")
             except EngineError as e:
                 w.in_flight -= 1
+                if isinstance(e, EngineTimeout):
+                    # our deadline, not the engine's end: the request may still be queued or running there
+                    self.abort_in_background(w, req.request_id, "timeout")
                 if e.code == "invalid_request":  # the request's fault, not the worker's
                     w.breaker.release()
                     raise client_error(e, w) from None
@@ -491,6 +495,8 @@ class Gateway:
                 # the engine gave up before any output reached the client: another worker may serve it
                 w.in_flight -= 1
                 self.registry.record_result(w, False)
+                if req.sampling.n > 1:  # one choice ended: the others may still be running on the engine
+                    self.abort_in_background(w, req.request_id, "cancelled")
                 last_error = EngineError(
                     f"worker {w.id} ended the request with finish_reason {failed!r} before its first token",
                     code="engine_abort",
