@@ -32,6 +32,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.maint_notifications import MaintNotificationsConfig
 
 from shepherd.storage.types import (
     ChainError,
@@ -308,6 +309,9 @@ class RedisStore:
             socket_timeout=self.timeout,
             socket_connect_timeout=self.timeout,
             retry=Retry(NoBackoff(), 0),
+            # off: redis-py's "auto" skips the pool's check of an idle connection the server closed
+            # (a Redis restarted, its idle timeout), so each one would fail its next command
+            maint_notifications_config=MaintNotificationsConfig(enabled=False),
         )
         r = aioredis.Redis(connection_pool=pool)
         self._redis = r

@@ -436,6 +436,10 @@ def get_response(response_id: str) -> Plan[StoredResponse | None]:
 
 
 def delete_response(response_id: str) -> Plan[bool]:
+    # its row locked first, as update_response does: an update meanwhile is waited for, and the refs it
+    # wrote are deleted too (else they outlive the response, and keep their items)
+    if not (yield Q("UPDATE responses SET id = id WHERE id = ? RETURNING id", (response_id,))):
+        return False
     old = yield from _unref_response(response_id)
     rows = yield Q("DELETE FROM responses WHERE id = ? RETURNING id", (response_id,))
     yield from _collect(old)
@@ -507,6 +511,10 @@ def update_conversation(conversation_id: str, metadata: dict[str, str]) -> Plan[
 
 
 def delete_conversation(conversation_id: str) -> Plan[bool]:
+    # its row locked first, as a write adding to it does: one adding items meanwhile is waited for, and
+    # its links are deleted too (else they outlive the conversation, and keep their items)
+    if not (yield from _lock_conversation(conversation_id)):
+        return False
     links = yield Q(
         "DELETE FROM conversation_item_links WHERE conversation_id = ? RETURNING item_id", (conversation_id,)
     )

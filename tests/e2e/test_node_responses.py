@@ -167,6 +167,23 @@ def test_input_items_list_the_context_the_response_continued(client: openai.Open
     assert page.has_more
 
 
+def test_input_items_once_listed_follow_an_item_deleted_from_the_conversation(client: openai.OpenAI) -> None:
+    """The node keeps a listed response's context ids (paging walks it once): an item unlinked from the
+    conversation since is gone from its pages as it is from a node that walks the context now (full
+    pages, the same ``has_more``), not a short page or a page of nothing that says there is more."""
+    conv = client.conversations.create(items=[{"role": "user", "content": f"m{i}"} for i in range(3)])
+    r = client.responses.create(model=MODEL, input="q", conversation=conv.id, max_output_tokens=2)
+    before = client.responses.input_items.list(r.id, order="asc").data  # (the context, kept)
+    assert [i.content[0].text for i in before] == ["m0", "m1", "m2", "q"]  # type: ignore[union-attr,index]
+    client.conversations.items.delete(str(before[0].id), conversation_id=conv.id)
+    page = client.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.content[0].text for i in page.data] == ["m1", "m2"] and page.has_more  # type: ignore[union-attr,index]
+    last = client.responses.input_items.list(r.id, order="desc", limit=3)
+    assert [i.content[0].text for i in last.data] == ["q", "m2", "m1"] and not last.has_more  # type: ignore[union-attr,index]
+    every = list(client.responses.input_items.list(r.id, order="asc", limit=1))
+    assert [i.content[0].text for i in every] == ["m1", "m2", "q"]  # type: ignore[union-attr,index]
+
+
 def test_request_fields_the_response_echoes(client: openai.OpenAI) -> None:
     r = client.responses.create(
         model=MODEL, input="x", max_tool_calls=3, prompt_cache_key="k-1", max_output_tokens=2

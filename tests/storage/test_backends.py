@@ -5,6 +5,8 @@ under the advisory lock, or refused with the SQL to run), Redis's keys and TTLs,
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import sqlite3
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from shepherd.storage.postgres import PostgresStore
 from shepherd.storage.redis import RedisStore
 from shepherd.storage.sqlite import MEMORY, SQLiteStore, path_of
 from shepherd.storage.types import HistoryStore, StorageUnavailable
-from tests.services import Service, free_port
+from tests.services import Service, free_port, redis_service, service_or_skip
 from tests.storage.conftest import Backend, Proxy
 from tests.storage.test_contract import conversation, item, response
 
@@ -187,6 +189,73 @@ async def test_postgres_migrations_once_under_the_lock(pg: Backend) -> None:
         await PostgresStore(ns["url"]).start()
 
 
+async def test_postgres_delete_of_a_conversation_waits_for_items_being_added(pg: Backend) -> None:
+    """A conversation deleted while another node's transaction adds items to it (its row locked: an
+    ``add_items``, a turn's ``put_response``): the delete waits for that one and removes its links too,
+    never leaving links (and their items, kept by them) of a conversation that is gone."""
+    ns = await pg.namespace()
+    s = pg.open(ns)
+    await s.start()
+    conn = await asyncpg.connect(ns["url"])
+    try:
+        c = conversation()
+        await s.create_conversation(c, [item()])
+        adding = conn.transaction()
+        await adding.start()
+        new = item()
+        await PostgresStore._drive(conn, sql.add_items(c.id, [new]))  # (not committed yet)
+        deleting = asyncio.create_task(s.delete_conversation(c.id))
+        for _ in range(400):  # bounded: until the delete waits on the conversation's row
+            waiting = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND datname = current_database()"
+            )
+            if waiting or deleting.done():
+                break
+            await asyncio.sleep(0.01)
+        await adding.commit()
+        assert await deleting
+        assert await conn.fetch("SELECT item_id FROM conversation_item_links") == []
+        assert await conn.fetch("SELECT id FROM conversation_items") == []
+    finally:
+        await conn.close()
+        await s.close()
+
+
+async def test_postgres_delete_of_a_response_waits_for_its_update(pg: Backend) -> None:
+    """A response deleted while another node's transaction updates it (a background response's progress,
+    its row locked): the delete waits for that one and removes the item refs it wrote too."""
+    ns = await pg.namespace()
+    s = pg.open(ns)
+    await s.start()
+    conn = await asyncpg.connect(ns["url"])
+    try:
+        a = item()
+        r = response(inputs=[a], status="in_progress")
+        await s.put_response(r, [a])
+        updating = conn.transaction()
+        await updating.start()
+        out = item(role="assistant")
+        done = dataclasses.replace(r, output_item_ids=(out.id,), status="completed")
+        assert await PostgresStore._drive(conn, sql.update_response(done, [out], True))  # (not committed)
+        deleting = asyncio.create_task(s.delete_response(r.id))
+        for _ in range(400):  # bounded: until the delete waits on the response's row
+            waiting = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND datname = current_database()"
+            )
+            if waiting or deleting.done():
+                break
+            await asyncio.sleep(0.01)
+        await updating.commit()
+        assert await deleting
+        assert await conn.fetch("SELECT item_id FROM response_item_refs") == []
+        assert await conn.fetch("SELECT id FROM conversation_items") == []
+    finally:
+        await conn.close()
+        await s.close()
+
+
 # ---- Redis ----------------------------------------------------------------------------------------------
 
 
@@ -266,6 +335,30 @@ async def test_server_gone_is_unavailable(name: str, request: pytest.FixtureRequ
                 await call()
     finally:
         await s.close()
+
+
+async def test_a_restarted_redis_is_answered_at_once() -> None:
+    """The pool's idle connections to a Redis that restarted (or closed them: its ``timeout``) are made
+    anew when taken, not failed on their next command: a Redis that is up is never a 503."""
+    first = contextlib.ExitStack()
+    svc = first.enter_context(service_or_skip("Redis", redis_service))
+    s = RedisStore(svc.url, prefix="restart:", pool_size=3)
+    try:
+        await s.start()
+        c = conversation()
+        await s.create_conversation(c, [item()])
+        # three connections in use at once, then idle in the pool
+        got = await asyncio.gather(*(s.list_items(c.id) for _ in range(3)))
+        assert [len(p.items) for p in got] == [1, 1, 1]
+        await asyncio.to_thread(first.close)  # (off the loop: the store's loop sees its connections closed)
+        with redis_service(port=svc.port):  # an empty Redis where the old one was
+            for _ in range(4):  # each idle connection taken once, and one more call
+                assert await s.get_conversation(c.id) is None
+            await s.create_conversation(c, [item()])
+            assert len((await s.list_items(c.id)).items) == 1
+    finally:
+        await s.close()
+        first.close()
 
 
 async def test_sqlite_runs_on_its_one_thread(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ import pytest
 from shepherd.node.api import responses as api
 from shepherd.node.api.common import History
 from shepherd.storage.memory import MemoryStore
-from shepherd.storage.types import StoredConversation
+from shepherd.storage.types import StorageUnavailable, StoredConversation
 
 
 async def _turn(store: MemoryStore, conv: str, rid: str) -> api.Turn:
@@ -79,3 +79,33 @@ async def test_a_release_cancelled_midway_is_made_by_the_next_call() -> None:
     assert not await _free(store, "conv_3")
     await lease.release()
     assert await _free(store, "conv_3")
+
+
+async def test_a_release_the_store_refused_is_made_once_it_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store down as a turn ends (its end not stored: the client told so) refuses the release too: it
+    is made again once the store answers, not left to expire at the turn's deadline (10 minutes of
+    ``conversation_locked`` for a store that was back in seconds)."""
+    monkeypatch.setattr(api, "RELEASE_RETRY_S", 0.01)
+    monkeypatch.setattr(api, "RELEASE_RETRY_MAX_S", 0.02)
+    store = MemoryStore()
+    await store.create_conversation(StoredConversation("conv_4", time.time(), {}))
+    lease = (await _turn(store, "conv_4", "resp_4")).lease
+    assert lease is not None
+    lease.until = time.time() + 60
+    real = store.release
+    refused = 0
+
+    async def down(name: str, holder: str) -> bool:
+        nonlocal refused
+        if refused < 3:  # the store down for the release and two more tries
+            refused += 1
+            raise StorageUnavailable("down")
+        return await real(name, holder)
+
+    store.release = down  # type: ignore[method-assign]
+    await lease.release()  # (logged, not raised)
+    for _ in range(500):  # bounded: until the store has answered a try
+        if refused == 3 and await _free(store, "conv_4"):
+            break
+        await asyncio.sleep(0.01)
+    assert await _free(store, "conv_4")

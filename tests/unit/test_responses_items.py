@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Any
 
 import pytest
@@ -235,12 +236,24 @@ async def test_a_background_response_is_settled_failed_only_when_its_runner_is_g
     me, peer = "a" * 8, "b" * 8
 
     async def settle(
-        runner: str, *, running: bool = False, shared: bool = False, gone: bool | None = None
+        runner: str,
+        *,
+        running: bool = False,
+        shared: bool = False,
+        gone: bool | None = None,
+        beat: float | None = None,
     ) -> str:
         store = Shared() if shared else MemoryStore()
         node_gone = None if gone is None else (lambda tag: gone)
         hist = History(store, me, node_gone=node_gone)
-        body = {"id": "resp_1", "status": "in_progress", "background": True, api._RUNNER: runner}
+        body: dict[str, object] = {
+            "id": "resp_1",
+            "status": "in_progress",
+            "background": True,
+            api._RUNNER: runner,
+        }
+        if beat is not None:
+            body[api._BEAT] = beat
         rec = StoredResponse("resp_1", 1.0, "m", body, status="in_progress")
         await store.put_response(rec, [])
         got = await api._settle_orphan(hist, rec, running)
@@ -248,6 +261,7 @@ async def test_a_background_response_is_settled_failed_only_when_its_runner_is_g
         assert (
             stored is not None and stored.status == got.status and api._RUNNER not in api._answered(got.body)
         )
+        assert api._BEAT not in api._answered(got.body)
         return got.status
 
     this = f"{me}/{api._INSTANCE}"
@@ -259,6 +273,17 @@ async def test_a_background_response_is_settled_failed_only_when_its_runner_is_g
     assert await settle(f"{peer}/x", gone=False) == "in_progress"
     assert await settle(f"{peer}/x", gone=True) == "failed"
     assert await settle(f"{peer}/x") == "in_progress"  # no mesh: nothing to tell
+    # ...but its runner's writes (every HEARTBEAT_S while it runs): a record not written for STALE_S has
+    # none (a sibling on a shared store, or another node, killed or restarted without a mesh to say so)
+    now = time.time()
+    for runner, kw in (
+        (f"{me}/earlier", {"shared": True}),
+        (f"{peer}/x", {}),
+        (f"{peer}/x", {"gone": False}),
+    ):
+        assert await settle(runner, beat=now - api.HEARTBEAT_S, **kw) == "in_progress"
+        assert await settle(runner, beat=now - api.STALE_S - 1, **kw) == "failed"
+    assert await settle(this, running=True, beat=now - api.STALE_S - 1) == "in_progress"  # (it runs here)
 
 
 async def test_settling_an_orphan_that_ended_meanwhile_gives_its_end() -> None:

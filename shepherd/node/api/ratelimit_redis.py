@@ -55,6 +55,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError
+from redis.maint_notifications import MaintNotificationsConfig
 
 from shepherd.mesh.ratelimit import Denial, Grant, Limits, Quota, RateLimiter, quota_of
 from shepherd.mesh.ratelimit_keys import Key
@@ -221,6 +222,9 @@ class RedisCounters:
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 0),
+            # off: redis-py's "auto" skips the pool's check of an idle connection the server closed
+            # (a Redis restarted, its idle timeout), so each one would fail its next command
+            maint_notifications_config=MaintNotificationsConfig(enabled=False),
         )
         self._redis = aioredis.Redis(connection_pool=pool)
         self._admit: AsyncScript = self._redis.register_script(_ADMIT)

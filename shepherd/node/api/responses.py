@@ -116,13 +116,18 @@ _RUNNER = "_runner"
 # tag, and a node restarted keeps its name: the part after the slash tells them apart)
 _INSTANCE = secrets.token_hex(6)
 _QUEUED_GRACE_S = 60.0  # a queued record of this node's without its task yet: between its write and start
+# when its runner last wrote a running record (unix seconds; never answered): a runner writes at least every
+# HEARTBEAT_S, so a record not written for STALE_S has none, whoever it named (a sibling on a shared store
+# without a mesh, killed or restarted, is told apart from a live one by nothing else)
+_BEAT = "_beat"
 # a streamed background response's events, as its record keeps them (their text, in order; never answered),
 # and whether they stop before its end (too many bytes to keep: ``EventLog.max_bytes``)
 _EVENTS = "_events"
 _EVENTS_CUT = "_events_cut"
-_PRIVATE = frozenset({_RUNNER, _EVENTS, _EVENTS_CUT})
+_PRIVATE = frozenset({_RUNNER, _BEAT, _EVENTS, _EVENTS_CUT})
 CHECKPOINT_S = 0.5  # a streamed background response's record gets its new events this often while it runs
 HEARTBEAT_S = 5.0  # and is written this often without new events (to see an end another writer stored)
+STALE_S = 12 * HEARTBEAT_S  # a running record not written for this long: its runner is gone
 # a reader following such a response from the store (another node runs it) reads it this often, and up
 # to POLL_MAX_S while nothing new comes (a long record read over and over costs its reader's node)
 POLL_S = 0.25
@@ -368,7 +373,7 @@ class Turn:
         when another writer stored its end first (a cancel without this node's task, a peer that held
         this node gone), which stands."""
         if body["status"] not in _TERMINAL:
-            body = {**body, _RUNNER: _runner(self.hist)}
+            body = {**body, _RUNNER: _runner(self.hist), _BEAT: time.time()}
         elif self.lease is not None:  # a client polling sees the end and may send the next turn at once
             await self.lease.release()
         rec = self.record(body, output, body["status"])
@@ -809,6 +814,10 @@ async def _render_truncated(
 
 
 _LOCK_MARGIN_S = 30.0  # a turn's lease outlives its deadline by this much (a dead node's expires then)
+# a lease the store could not free (down as the turn ended) is freed again after this, then at most every
+# RELEASE_RETRY_MAX_S, until it succeeds or the lease has expired (a store back sooner frees it then)
+RELEASE_RETRY_S = 1.0
+RELEASE_RETRY_MAX_S = 5.0
 
 
 class _Lease:
@@ -816,14 +825,20 @@ class _Lease:
     before the conversation is read, so that two turns at once do not both answer the same history
     (OpenAI's ``conversation_locked``); released once, when the turn ends (stored, failed, or its
     client gone), by the request or, for a background response, by its task; a node that dies holding
-    it leaves it to expire (the request's deadline and a margin), or to ``_settle_orphan``."""
+    it leaves it to expire (the request's deadline and a margin), or to ``_settle_orphan``. A release
+    the store refuses (down as the turn ends) is made again in the background until the lease expires
+    (``until``; unknown: a deadline and a margin from now): a store back within seconds does not leave
+    the conversation locked for the rest of the deadline."""
 
-    __slots__ = ("handed", "holder", "name", "released", "store")
+    __slots__ = ("handed", "holder", "name", "released", "store", "until")
 
-    def __init__(self, store: HistoryStore, conversation_id: str, holder: str) -> None:
+    def __init__(
+        self, store: HistoryStore, conversation_id: str, holder: str, until: float | None = None
+    ) -> None:
         self.store = store
         self.name = conversation_lease(conversation_id)
         self.holder = holder
+        self.until = until
         self.handed = False
         self.released = False
 
@@ -834,11 +849,26 @@ class _Lease:
         self.released = True
         try:
             await self.store.release(self.name, self.holder)
-        except StorageError as e:  # it expires on its own
+        except StorageError as e:  # made again until it succeeds, or the lease expires on its own
             log.warning("conversation lease %s of %s not released: %s", self.name, self.holder, e)
+            _held(self._again())
         except BaseException:  # cancelled midway (its task cancelled): a later call releases it
             self.released = False
             raise
+
+    async def _again(self) -> None:
+        """The release the store refused, made again until it succeeds or the lease has expired."""
+        until = self.until if self.until is not None else time.time() + 600.0 + _LOCK_MARGIN_S
+        delay = RELEASE_RETRY_S
+        while time.time() + delay < until:  # bounded: by the lease's expiry
+            await asyncio.sleep(delay)
+            try:
+                await self.store.release(self.name, self.holder)
+            except StorageError:
+                delay = min(delay * 2, RELEASE_RETRY_MAX_S)
+                continue
+            log.info("conversation lease %s of %s released once the store answered", self.name, self.holder)
+            return
 
 
 def conversation_lease(conversation_id: str) -> str:
@@ -850,9 +880,9 @@ async def _lock_conversation(
 ) -> _Lease:
     """The conversation's lease for this turn (after the caller is known to read it: another tenant
     neither holds it nor learns that it exists), or 400 ``conversation_locked``."""
-    lease = _Lease(hist.store, conversation_id, response_id)
     now = time.time()
     until = now + gw.cfg.request_timeout_secs + _LOCK_MARGIN_S
+    lease = _Lease(hist.store, conversation_id, response_id, until)
     claiming = False
     try:
         conv = await hist.store.get_conversation(conversation_id)
@@ -1141,7 +1171,7 @@ async def _start_background(
     try:
         if schemas:  # under admission, after the model lookup: off the loop, with a deadline
             await check_schemas(schemas)
-        first = {**queued, _RUNNER: _runner(turn.hist)}
+        first = {**queued, _RUNNER: _runner(turn.hist), _BEAT: time.time()}
         if streamed:  # (its events will be kept: a reader may stream it)
             first[_EVENTS] = []
         await turn.put(turn.record(first, [], "queued"), [])
@@ -1444,7 +1474,8 @@ def _lost_event(stored: StoredResponse, seq: int, message: str) -> bytes:
 def _failed(stored: StoredResponse, message: str) -> StoredResponse:
     """``stored`` as failed with ``message`` (its runner's tag gone)."""
     error = {"code": "server_error", "message": message}
-    body = {k: v for k, v in stored.body.items() if k != _RUNNER} | {"status": "failed", "error": error}
+    body = {k: v for k, v in stored.body.items() if k not in (_RUNNER, _BEAT)}
+    body |= {"status": "failed", "error": error}
     return dataclasses.replace(stored, body=body, status="failed")
 
 
@@ -1535,18 +1566,21 @@ async def _settle_orphan(hist: History, stored: StoredResponse, running: bool) -
     task may have ended since, writing its end); an earlier process of this node (a mesh's node names are
     its own, and a store that is not shared is this node's alone: the node restarted); another node the
     mesh holds dead or gone. Without a mesh, another process with this node's tag and a shared store may
-    be a sibling on the same host: left as it is."""
+    be a sibling on the same host, and another tag's node may be alive: gone only when its record has not
+    been written for ``STALE_S`` (a runner writes it every ``HEARTBEAT_S``)."""
     runner = stored.body.get(_RUNNER)
     if stored.status in _TERMINAL or not isinstance(runner, str):
         return stored
     tag, _, instance = runner.partition("/")
+    beat = stored.body.get(_BEAT)
+    stale = isinstance(beat, int | float) and time.time() - beat > STALE_S
     if tag == hist.tag and instance == _INSTANCE:
         if running or (stored.status == "queued" and time.time() - stored.created_at < _QUEUED_GRACE_S):
             return stored
     elif tag == hist.tag:  # an earlier process of this node, unless a sibling's (a shared store, no mesh)
-        if hist.node_gone is None and hist.store.shared:
+        if hist.node_gone is None and hist.store.shared and not stale:
             return stored
-    elif hist.node_gone is None or not hist.node_gone(tag):
+    elif (hist.node_gone is None or not hist.node_gone(tag)) and not stale:
         return stored
     rec = _failed(stored, "The node generating this response stopped before it ended.")
     try:
@@ -1627,28 +1661,39 @@ async def list_input_items(request: web.Request) -> web.StreamResponse:
         raise bad("Invalid 'order': expected 'asc' or 'desc'.", param="order", code="invalid_value")
     after = q.get("after")
     stored = await _get_owned(request, hist, rid)
-    context = _CONTEXTS.get(stored.id)
-    if context is None:
+    cached = _CONTEXTS.get(stored.id)
+    while True:  # at most twice: a cached context found stale is walked again
+        context = cached
+        if context is None:
+            try:
+                context = tuple(await _context_ids(hist, stored, request.app.get(GATEWAY)))
+            except StorageUnavailable as e:
+                raise _unavailable(e) from None
+            _CONTEXTS.put(stored.id, context, 64 + 64 * len(context))
+        ids = [*context, *stored.input_item_ids]
+        if order == "desc":
+            ids.reverse()
+        if after:
+            if after not in ids:
+                raise bad(
+                    f"Invalid 'after': item '{after}' is not an input item of this response.", param="after"
+                )
+            ids = ids[ids.index(after) + 1 :]
+        asked = ids[: limit + 1]  # (and the next one: whether there are more)
+        # a cached context's ``after`` is looked up too: it may be gone since
+        seen = [after] if after and cached is not None else []
         try:
-            context = tuple(await _context_ids(hist, stored, request.app.get(GATEWAY)))
+            items = await hist.store.get_items([*seen, *asked]) if asked or seen else []
         except StorageUnavailable as e:
             raise _unavailable(e) from None
-        _CONTEXTS.put(stored.id, context, 64 + 64 * len(context))
-    ids = [*context, *stored.input_item_ids]
-    if order == "desc":
-        ids.reverse()
-    if after:
-        if after not in ids:
-            raise bad(
-                f"Invalid 'after': item '{after}' is not an input item of this response.", param="after"
-            )
-        ids = ids[ids.index(after) + 1 :]
-    page_ids = ids[:limit]
-    try:
-        items = await hist.store.get_items(page_ids) if page_ids else []
-    except StorageUnavailable as e:
-        raise _unavailable(e) from None
-    return _json(item_list(items, len(ids) > limit))
+        if len(items) == len(seen) + len(asked) or cached is None:
+            items = items[len(seen) :]
+            break
+        # an item of the cached context is gone since (unlinked from its conversation, or its chain's
+        # response deleted): the context as another node, which walks it now, lists it
+        _CONTEXTS.pop(stored.id)
+        cached = None
+    return _json(item_list(items[:limit], len(items) > limit or len(ids) > len(asked)))
 
 
 # the context ids of the responses whose input items were listed lately (paging through a long context
