@@ -5,6 +5,7 @@ history settings' checks."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
@@ -14,6 +15,7 @@ import pytest
 
 from shepherd.auth.keys import ApiKeyRecord, MemoryKeyStore, create_key
 from shepherd.mesh.runtime import RpcError
+from shepherd.node.cluster import history as history_mod
 from shepherd.node.cluster.history import OwnerGone, Retention, RoutedStore, build_history, cancel_on_peers
 from shepherd.node.cluster.key_journal import KIND, KeyJournal
 from shepherd.node.config import ConfigError, NodeConfig, build_config
@@ -334,6 +336,36 @@ async def test_a_lease_lives_with_its_conversation_on_the_owners_clock() -> None
     ):
         assert (await call(bad))["err"] == "bad", bad
     assert (await call({"name": name, "holder": r2, "until": 60.0, "now": 0.0}))["ok"] is True
+
+
+async def test_a_missed_end_is_sent_again_once_the_owner_is_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """b runs a background turn on a's conversation; it ends while a is dead (a killed; its backend on disk
+    keeps the record): the end fails, and once a is alive again (restarted, same name) b sends it again, so
+    the record read on a is not in progress for good (only b knows how it ended)."""
+    monkeypatch.setattr(history_mod, "RETRY_S", 0.01, raising=False)
+    net, s = mesh("a", "b")
+    cid = new_id("conv", T["a"])
+    await s["a"].create_conversation(StoredConversation(cid, 100.0))
+    r1 = new_id("resp", T["a"])
+    running = dataclasses.replace(response(r1, None, [], cid), status="in_progress")
+    await s["b"].put_response(running, [], cid)
+    net.status["a"] = "dead"
+    ended = dataclasses.replace(running, status="failed", body={"id": r1, "status": "failed"})
+    with pytest.raises(OwnerGone):
+        await s["b"].update_response(ended, [], running_only=True)
+    net.status["a"] = "suspect"
+    with pytest.raises(StorageUnavailable):  # (a second miss: one pending write still)
+        await s["b"].update_response(ended, [], running_only=True)
+    net.status["a"] = "alive"
+    for _ in range(500):  # bounded poll: the retry runs every RETRY_S
+        got = await s["a"].get_response(r1)
+        if got is not None and got.status == "failed":
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise AssertionError("the end of the turn was never stored on its owner")
+    await s["b"].close()
+    assert s["b"]._retry_task is None
 
 
 async def test_retention_purges_the_local_backend_only() -> None:

@@ -17,6 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from shepherd.auth.principal import PRINCIPAL_KEY, Principal
 from shepherd.node.api import responses as api_responses
 from shepherd.node.api.common import ADMISSION, GATEWAY, HISTORY, History, error_middleware
+from shepherd.node.cluster.history import OwnerGone
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.metrics import NodeMetrics
 from shepherd.node.openai.requests import parse_metadata
@@ -287,6 +288,41 @@ async def test_store_unavailable_before_generation_is_503() -> None:
         r = await client.get("/v1/responses/resp_nope")
         assert r.status == 404 and (await r.json())["error"]["type"] == "invalid_request_error"
     assert asked == []
+
+
+class _OwnerGoneStore(MemoryStore):
+    """An embedded store in a mesh whose conversation's owner node is dead (``RoutedStore``'s answer)."""
+
+    async def get_conversation(self, conversation_id: str) -> Any:
+        raise OwnerGone("the node 'b' that owns this record is dead: its records are unreachable")
+
+
+async def test_a_turn_on_a_conversation_whose_owner_is_gone_is_owner_unavailable() -> None:
+    """README "Responses, Conversations and history storage": an owner gone is a 404 ``owner_unavailable``,
+    as a read of the conversation answers, not ``conversation_not_found`` (the client would take the
+    conversation for deleted while it is only on a node that is down)."""
+    gw = SimpleNamespace(
+        metrics=NodeMetrics(),
+        in_flight=0,
+        cfg=SimpleNamespace(max_body_bytes=1 << 20, history_chain_max_depth=10, request_timeout_secs=60.0),
+        resolve_model=lambda m: m,
+        require_kind=lambda model, kind: None,
+        relay_mode=lambda m: False,
+        tokenizer=lambda model: SimpleNamespace(vocab_size=100),
+    )
+    app = web.Application(middlewares=[error_middleware])
+    app[GATEWAY] = cast(Gateway, gw)
+    app[ADMISSION] = None
+    app[HISTORY] = History(_OwnerGoneStore(), "0" * 8)
+    api_responses.install(app)
+    async with TestClient(TestServer(app)) as client:
+        for stream in (False, True):
+            r = await client.post(
+                "/v1/responses",
+                json={"model": "m", "input": "x", "conversation": "conv_" + "1" * 48, "stream": stream},
+            )
+            body = await r.json()
+            assert r.status == 404 and body["error"]["code"] == "owner_unavailable", body
 
 
 async def test_owner_sees_others_get_404() -> None:

@@ -15,6 +15,7 @@ from openai.types.responses import Response, ResponseTextDeltaEvent
 
 from shepherd.node.api.common import History
 from shepherd.node.api.responses import BackgroundRegistry, Turn
+from shepherd.node.cluster.history import OwnerGone
 from shepherd.node.openai.items import parse_items
 from shepherd.node.openai.logprobs import TokenTextCache, chat_logprobs
 from shepherd.node.output.responses import (
@@ -156,6 +157,38 @@ def test_a_client_item_stored_meanwhile_is_referred_to_not_a_500() -> None:
         b = await store.get_response("resp_b")
         assert b is not None and b.input_item_ids == ("msg_client",) and second.new_input == []
         assert [i.id for i in await store.get_items(["msg_client"])] == ["msg_client"]
+
+    asyncio.run(run())
+
+
+class _OwnerDeadStore(MemoryStore):
+    """An embedded store in a mesh whose records' owner node is dead (``RoutedStore``'s answer)."""
+
+    async def put_response(self, *a: Any, **kw: Any) -> None:
+        raise OwnerGone("the node 'b' that owns this record is dead")
+
+    async def update_response(self, *a: Any, **kw: Any) -> bool:
+        raise OwnerGone("the node 'b' that owns this record is dead")
+
+
+def test_a_turn_whose_owner_died_meanwhile_ends_with_an_api_error_and_runs_on() -> None:
+    """The owner of a turn's conversation dies while the turn runs elsewhere: storing the streamed turn's
+    end is an ``ApiError`` (the stream ends with its in-band error; a raw ``OwnerGone`` cut the stream
+    without an end), and a background response's checkpoint counts as a failed write, not as its record
+    deleted (its runner cancelled: the stream then ended without any terminal event)."""
+    from shepherd.node.api.responses import _still_running
+
+    async def run() -> None:
+        hist = History(_OwnerDeadStore(), "0" * 8)
+        turn = Turn(hist, "resp_t", 1.0, "m", None, None, "conv_1", [], (), None)
+        with pytest.raises(ApiError) as e:
+            await turn.save(response_object(BASE, status="completed", output=[], usage=None), [])
+        assert e.value.status == 404 and e.value.code == "owner_unavailable"
+        runner = asyncio.get_running_loop().create_future()
+        body = response_object(BASE, status="in_progress", output=[], usage=None)
+        assert await _still_running(turn, body, cast(Any, runner)) is None
+        assert not runner.cancelled()
+        runner.cancel()
 
     asyncio.run(run())
 

@@ -140,6 +140,11 @@ def history_unavailable(
     )
 
 
+def owner_unavailable(e: OwnerGone) -> ApiError:
+    """A record whose owner node is gone from the mesh (an embedded backend): 404 ``owner_unavailable``."""
+    return ApiError(404, str(e), code="owner_unavailable")
+
+
 def history_errors(store: str, rounding: Callable[[float], int] = math.ceil) -> Callable[[Handler], Handler]:
     """A decorator: the store's errors a handler raises as API errors (an owner node gone or an unknown
     record 404, a conflict 400, unavailability ``history_unavailable``'s 503)."""
@@ -150,7 +155,7 @@ def history_errors(store: str, rounding: Callable[[float], int] = math.ceil) -> 
             try:
                 return await fn(request)
             except OwnerGone as e:
-                raise ApiError(404, str(e), code="owner_unavailable") from None
+                raise owner_unavailable(e) from None
             except NotFound as e:
                 raise ApiError(404, str(e), code="not_found") from None
             except IntegrityError as e:

@@ -58,9 +58,11 @@ from shepherd.node.api.common import (
     may_read,
     model_for,
     owner_of,
+    owner_unavailable,
 )
 from shepherd.node.api.generation import Generation, Job, sse_response, strict_violation
 from shepherd.node.api.openai import render_chat
+from shepherd.node.cluster.history import OwnerGone
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import read_json
 from shepherd.node.openai.items import ITEM_PREFIXES, items_to_messages, parse_items
@@ -357,6 +359,8 @@ class Turn:
         except StorageUnavailable as e:
             self.hist.store_failed(e)
             raise _unavailable(e) from None
+        except OwnerGone as e:  # (the owner left the mesh: not "not found")
+            raise owner_unavailable(e) from None
         except NotFound:
             raise conversation_not_found(self.conversation_id or "") from None
         except (IntegrityError, StorageError) as e:
@@ -433,6 +437,9 @@ async def _still_running(turn: Turn, body: dict[str, Any], runner: asyncio.Task[
     next one may succeed)."""
     try:
         running = await turn.update(body, [])
+    except OwnerGone as e:  # its owner node is down (it may come back): not a delete, the next may succeed
+        log.warning("background response %s: its record not written: %s", turn.response_id, e)
+        return None
     except NotFound:  # deleted (a sibling's DELETE without a mesh): nothing to run for
         running = False
     except StorageError as e:
@@ -896,7 +903,7 @@ async def _lock_conversation(
         if isinstance(e, StorageUnavailable):
             hist.store_failed(e)
             raise _unavailable(e) from None
-        if isinstance(e, NotFound):  # (its owner is gone from the mesh)
+        if isinstance(e, NotFound) and not isinstance(e, OwnerGone):  # (OwnerGone: ``owner_unavailable``)
             raise conversation_not_found(conversation_id) from None
         raise
     if not held:
@@ -1183,7 +1190,7 @@ async def _start_background(
     except BaseException as e:
         if ticket is not None:
             ticket.settle(0)
-        if isinstance(e, NotFound):
+        if isinstance(e, NotFound) and not isinstance(e, OwnerGone):  # (OwnerGone: ``owner_unavailable``)
             raise conversation_not_found(turn.conversation_id or "") from None
         raise
     turn.saved = True
@@ -1360,10 +1367,10 @@ async def _background_stream(run: _Run, events: _BackgroundEvents) -> None:
         await elog.write_eof(events.failed(msg, code))  # (held: shown once that end is stored)
         output = events.partial()
         body = response_object(base, status="failed", output=output, usage=events.usage, error=events.error)
-        stored = False
+        ended: bool | None = None  # None: no end could be stored (its owner gone, the store down)
         with contextlib.suppress(StorageError):
-            stored = await rec.final(body, output)
-        if not stored:  # another end stands, or none could be stored: readers are not told this one
+            ended = await rec.final(body, output)
+        if ended is False:  # another end stands: readers are not told this one (else they are told it)
             elog.drop_held()
     finally:
         elog.close()

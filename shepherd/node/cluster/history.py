@@ -47,6 +47,7 @@ from shepherd.node.observe import tracing
 from shepherd.storage.factory import open_store
 from shepherd.storage.ids import node_tag, tag_of
 from shepherd.storage.types import (
+    TERMINAL_STATUSES,
     ChainError,
     HistoryStore,
     IntegrityError,
@@ -69,6 +70,15 @@ MAX_ITEMS = 10_000  # items in one write, ids in one get_items
 MAX_LIST_LIMIT = 1000
 REPLY_BUDGET = 4 * 1024 * 1024  # records in one reply (the mesh's frames are at most 16 MiB)
 ITEM_HINTS = 100_000  # item id -> owner entries kept (get_items)
+# writes the owner did not take (dead, suspected, no answer) that would otherwise leave a record stuck: a
+# background response's end (read elsewhere as in progress: only the node that ran it knows how it ended;
+# a lease's release is made again by its turn, ``responses._Lease``). Sent again while the owner is alive
+# (an owner that restarts keeps them: an embedded backend on disk), every RETRY_S for at most RETRY_FOR_S;
+# at most PENDING_WRITES of them and PENDING_BYTES in all (the oldest dropped)
+RETRY_S = 1.0
+RETRY_FOR_S = 900.0
+PENDING_WRITES = 4096
+PENDING_BYTES = 64 * 1024 * 1024
 _ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # (fullmatch: "$" would let a trailing newline in)
 _MAX_STR = 1 << 20
 
@@ -466,6 +476,11 @@ class RoutedStore:
         self._item_owner: OrderedDict[str, str] = OrderedDict()
         self.routed = 0  # calls sent to another owner
         self.routed_failed = 0
+        # writes the owner did not take, sent again (``_later``): (method, key) -> (owner, give up at
+        # (monotonic), arguments, their size)
+        self._pending: OrderedDict[tuple[str, str], tuple[str, float, dict[str, Any], int]] = OrderedDict()
+        self._pending_bytes = 0
+        self._retry_task: asyncio.Task[None] | None = None
 
     def install(self) -> None:
         """Serve the peers' history RPCs from this node's backend."""
@@ -479,6 +494,11 @@ class RoutedStore:
         await self.local.start()
 
     async def close(self) -> None:
+        task, self._retry_task = self._retry_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.local.close()
 
     # -- owners ---------------------------------------------------------------------------------------
@@ -564,7 +584,12 @@ class RoutedStore:
         args: dict[str, Any] = {"response": response.to_dict(), "items": [i.to_dict() for i in items]}
         if running_only:  # (an owner of an older version ignores it: the update is made as before)
             args["running_only"] = True
-        return await self._call(owner, "update_response", args) is not False
+        try:
+            return await self._call(owner, "update_response", args) is not False
+        except (OwnerGone, StorageUnavailable):
+            if running_only and response.status in TERMINAL_STATUSES:  # a background response's end
+                self._later(owner, "update_response", response.id, args)
+            raise
 
     async def get_response(self, response_id: str) -> StoredResponse | None:
         owner = self.owner(response_id)
@@ -764,6 +789,41 @@ class RoutedStore:
         if owner is None:
             return await self.local.release(name, holder)
         return bool(await self._call(owner, "release", {"name": name, "holder": holder}))
+
+    def _later(self, owner: str, method: str, key: str, args: dict[str, Any]) -> None:
+        """Send ``method(args)`` to ``owner`` again once it is alive (``_retry``); the latest per key."""
+        size = len(_pack(args))
+        if size > PENDING_BYTES:
+            return
+        old = self._pending.pop((method, key), None)
+        if old is not None:
+            self._pending_bytes -= old[3]
+        self._pending[(method, key)] = (owner, time.monotonic() + RETRY_FOR_S, args, size)
+        self._pending_bytes += size
+        while len(self._pending) > PENDING_WRITES or self._pending_bytes > PENDING_BYTES:
+            self._pending_bytes -= self._pending.popitem(last=False)[1][3]
+        if self._retry_task is None or self._retry_task.done():
+            self._retry_task = asyncio.get_running_loop().create_task(self._retry())
+
+    async def _retry(self) -> None:
+        """Send the writes owners did not take again, each while its owner is alive, until taken."""
+        while self._pending:
+            await asyncio.sleep(RETRY_S)
+            now = time.monotonic()
+            for k, (owner, give_up, args, size) in list(self._pending.items()):
+                if now <= give_up:
+                    if self.link.member_status(owner) != "alive":
+                        continue
+                    try:
+                        await self._call(owner, k[0], args)
+                    except (OwnerGone, StorageUnavailable):
+                        continue  # again later
+                    except StorageError as e:
+                        log.info("history: %s of %s not taken by %r: %s", k[0], k[1][:96], owner, e)
+                cur = self._pending.get(k)
+                if cur is not None and cur[2] is args:  # (not replaced by a newer one meanwhile)
+                    del self._pending[k]
+                    self._pending_bytes -= size
 
     async def put_record(self, kind: str, key: str, value: bytes) -> None:
         await self.local.put_record(kind, key, value)
