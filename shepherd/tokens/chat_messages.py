@@ -95,7 +95,8 @@ def normalize_tool_call_arguments(messages: Sequence[Message], as_string: bool) 
     """Copies of ``messages`` whose tool-call ``arguments`` are JSON strings (``as_string``) or objects.
 
     DeepSeek and Mistral templates concatenate ``arguments`` as a string; Qwen and Llama templates
-    take either (Llama's ``tojson`` of a string double-encodes, so objects are right there).
+    take either, and get objects (as vLLM gives them: Llama's ``tojson`` of a string double-encodes,
+    Qwen's prints a string as it is spaced instead of as ``tojson`` writes the object).
     Arguments that are a string but not valid JSON are left as they are when objects are wanted.
     Messages without tool calls are shallow-copied unchanged.
     """

@@ -312,8 +312,14 @@ class Skeleton:
         return resolve(self.refs, contents)
 
     def fill_if_guards_hold(self, contents: Sequence[Any]) -> str | None:
-        """The skeleton filled with ``contents``, or None when a guard answers differently on them."""
-        values = self.values(contents)
+        """The skeleton filled with ``contents``, or None when a guard answers differently on them, or
+        when a traced method fails on them: every ref is resolved before any guard is checked, so one
+        the template only reached behind a guard (``content and content[0].type``: an index on an
+        empty content) is no error of the template's; the full render decides."""
+        try:
+            values = self.values(contents)
+        except Exception:  # (IndexError from an index, whatever else a str method may raise)
+            return None
         for ref, method, args, result in self._checks:  # guards_hold
             if method(values[ref], *args) != result:
                 return None
@@ -446,7 +452,10 @@ class SkeletonCache:
             other = list(contents)
             for s in slots:
                 other[s] = synthetic
-            values = skel.values(other)
+            try:
+                values = skel.values(other)
+            except Exception:  # (see ``fill_if_guards_hold``)
+                continue
             if not guards_hold(skel.guards, values):
                 continue
             trial = list(chat)

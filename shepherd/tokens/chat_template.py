@@ -256,6 +256,13 @@ class ChatTemplate:
         return self._tool_call_shape
 
     def _probe_tool_calls(self) -> ToolCallShape:
+        shape = self._probe_tool_calls_with(None)
+        if shape.arguments == "unknown":  # a template that renders only with tools (Hermes' tool_use)
+            fn = {"name": "probe_fn", "description": "probe", "parameters": {"type": "object"}}
+            shape = self._probe_tool_calls_with([{"type": "function", "function": fn}])
+        return shape
+
+    def _probe_tool_calls_with(self, tools: list[dict[str, Any]] | None) -> ToolCallShape:
         def attempt(args: Any, ident: str, content: str | None) -> str | None:
             call = {"id": ident, "type": "function", "function": {"name": "probe_fn", "arguments": args}}
             chat: list[dict[str, Any]] = [
@@ -266,7 +273,7 @@ class ChatTemplate:
             if content is not None:
                 chat[1]["content"] = content
             try:
-                return self._render(chat, None, False, False, None)[0]
+                return self._render(chat, tools, False, False, None)[0]
             except ChatTemplateError:
                 return None
 
@@ -331,7 +338,11 @@ class ChatTemplate:
         chat = _prepare_messages(messages)
         if self.fix_tool_calls and any("tool_calls" in m for m in chat):
             shape = self.tool_call_shape()
-            if shape.arguments in ("object", "string"):
+            # "either": objects, as vLLM (``_postprocess_messages``), SGLang and SMG give them to every
+            # template; a string would be printed as the client spaced it where the template writes an
+            # object through ``tojson`` (Qwen3, Hermes), or whole where it lays out an object's items
+            # (Gemma 4's ``call:f{city:...}``, Kimi K3's typed arguments)
+            if shape.arguments in ("object", "string", "either"):
                 try:
                     chat = normalize_tool_call_arguments(chat, as_string=shape.arguments == "string")
                 except (RecursionError, ValueError, TypeError) as e:

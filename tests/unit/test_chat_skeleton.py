@@ -120,6 +120,23 @@ def test_guards_follow_the_content() -> None:
     assert tpl.skeletons is not None and tpl.skeletons.guard_misses >= 1
 
 
+def test_a_ref_behind_a_guard_that_fails_on_other_contents_is_a_full_render() -> None:
+    """Cohere2's ``message.content and message.content[0].type == "thinking"``: the skeleton made from
+    a text holds ``content[0]``, which an empty content of the same shape cannot give (IndexError, a
+    500); the guard on the text's truth decides, in a full render."""
+    source = (
+        "{% for m in messages %}{% if m.content and m.content[0] == '#' %}H:{% endif %}"
+        "{{ m.role }}={{ m.content }};{% endfor %}"
+    )
+    tpl = ChatTemplate(source)
+    plain = ChatTemplate(source, cache_size=0)
+    for text in ("hello", "", "#tag", "", "again"):
+        msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text}]
+        assert tpl.render_recorded(msgs)[0] == plain.render_recorded(msgs)[0]
+        assert tpl.render_from_skeleton(msgs) in (None, plain.render_recorded(msgs)[0])
+    assert tpl.skeletons is not None and tpl.skeletons.hits >= 1, tpl.skeletons
+
+
 @pytest.mark.parametrize(
     ("source", "skeletonized"),
     [

@@ -14,7 +14,7 @@ from shepherd.tokens.chat_messages import (
     normalize_tool_call_arguments,
     normalize_tool_call_ids,
 )
-from shepherd.tokens.chat_template import ChatTemplate
+from shepherd.tokens.chat_template import ChatTemplate, ToolCallShape
 from shepherd.tokens.tokenizer import load_chat_templates
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -313,6 +313,35 @@ def test_openai_style_tool_calls_render_as_transformers_style_ones() -> None:
     assert got == golden("llama31-tools")
     got = tpl(TOK / "deepseek-v3", "v3_1").render([sys_msg, *openai_tool_turns("call_abc123")], tools=TOOLS)
     assert got == golden("deepseek31-tools")
+
+
+def test_string_arguments_reach_a_template_taking_either_as_objects() -> None:
+    """vLLM (``_postprocess_messages``), SGLang and SMG parse every call's ``arguments`` into an object
+    before rendering: Qwen3's template, which prints a string as it is and an object through ``tojson``,
+    renders the compact JSON an OpenAI client sends back with tojson's spacing; a template laying out an
+    object's items (as Gemma 4's ``call:f{k:v}``) lays them out; so does one that renders only with tools
+    (Hermes' tool_use template iterates over them)."""
+    turns = openai_tool_turns("call_1")
+    turns[1]["tool_calls"][0]["function"]["arguments"] = '{"city":"Paris","unit":"celsius"}'
+    got = tpl(QWEN3).render(turns)
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in got
+    items = (
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}{% set a = c.function.arguments %}"
+        "call:{{ c.function.name }}("
+        "{% if a is mapping %}{% for k, v in a | dictsort %}{{ k }}={{ v }};{% endfor %}"
+        "{% else %}{{ a }}{% endif %}"
+        "){% endfor %}{% endfor %}"
+    )
+    assert ChatTemplate(items).render(turns) == "call:get_weather(city=Paris;unit=celsius;)"
+    with_tools = (
+        "{% for t in tools %}<{{ t.function.name }}>{% endfor %}"
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}{% set a = c.function.arguments %}"
+        "{% if a is string %}{{ a }}{% else %}{{ a | tojson }}{% endif %}{% endfor %}{% endfor %}"
+    )
+    needs_tools = ChatTemplate(with_tools)
+    assert needs_tools.tool_call_shape() == ToolCallShape("either", None)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    assert needs_tools.render(turns, tools=tools) == '<get_weather>{"city": "Paris", "unit": "celsius"}'
 
 
 def test_dict_arguments_work_for_a_template_that_concatenates_strings() -> None:

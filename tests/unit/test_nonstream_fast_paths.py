@@ -62,7 +62,11 @@ def _general(d: dict[str, Any]) -> Any:
     from shepherd.node.openai.requests import _messages, _model
 
     keys = ("max_tokens", "max_completion_tokens")
-    return _parse_chat_options(d, _model(d), _messages(d), parse_sampling(d, max_tokens_keys=keys))
+    parts: dict[int, list[dict[str, str]]] = {}
+    req = _parse_chat_options(d, _model(d), _messages(d, parts), parse_sampling(d, max_tokens_keys=keys))
+    if parts:  # (several text parts: kept for a template that iterates over a message's content)
+        req.text_parts = parts
+    return req
 
 
 @settings(max_examples=150, deadline=None)

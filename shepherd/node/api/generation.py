@@ -339,7 +339,7 @@ class Generation:
         self.totals = Totals()
         self.engine_seconds = 0.0
         # the model's metric children for the route (SMG's ``endpoint`` label), looked up once
-        endpoint = ENDPOINTS.get(request.path) or ("chat" if chat else "completions")
+        endpoint = ENDPOINTS.get(getattr(request, "path", "")) or ("chat" if chat else "completions")
         self.mm = gw.metrics.for_model(model, endpoint)
         request["model"] = model  # the request metrics' model label, whatever the outcome
         # chat: the parser stage (None: plain text, no parser work per token) and structured output

@@ -34,7 +34,7 @@ from shepherd.node.openai.requests import (
     parse_completion,
 )
 from shepherd.node.openai.sse import DONE, CompletionChunks, with_choice_ids, with_usage
-from shepherd.node.openai.template_compat import effort_kwargs, map_developer, template_names
+from shepherd.node.openai.template_compat import effort_kwargs, map_developer, template_names, with_text_parts
 from shepherd.node.openai.tool_choice import template_tools
 from shepherd.node.output.chat import shape_chat
 from shepherd.node.output.choice import ChoiceState
@@ -125,14 +125,19 @@ async def render_chat(
 ) -> tuple[str, list[int]]:
     """The chat template rendered over ``req`` and encoded, through the tokenizer service and its caches
     (chat completions, Responses and Messages alike); a template that cannot render is a 400 naming
-    ``param``, the request field the messages came from. ``developer`` messages become ``system`` ones
-    and ``reasoning_effort`` the template's thinking switch, as the template's source says
+    ``param``, the request field the messages came from. ``developer`` messages become ``system`` ones,
+    ``reasoning_effort`` the template's thinking switch and contents sent as several text parts those
+    parts for a template that iterates over them, as the template's source says
     (``template_compat``; ``req.template_kwargs`` updated, as the parser stage reads it)."""
     tools = template_tools(req.tools, req.tool_choice)
     messages = req.messages
     chars, least = prompt_size(messages)
     gw.check_prompt_chars(model, chars, param, least_tokens=least)
-    if req.reasoning_effort is not None or any(m.get("role") == "developer" for m in messages):
+    if (
+        req.reasoning_effort is not None
+        or req.text_parts
+        or any(m.get("role") == "developer" for m in messages)
+    ):
         try:
             names = template_names(gw.tokenizer(model).chat_template(tools=tools is not None).source)
         except ChatTemplateError as e:
@@ -140,6 +145,8 @@ async def render_chat(
                 f"Cannot render the chat template: {e}", param=param, code="chat_template_error"
             ) from None
         messages = map_developer(messages, names)
+        if req.text_parts:
+            messages = with_text_parts(messages, req.text_parts, names)
         if req.reasoning_effort is not None:
             req.template_kwargs = effort_kwargs(
                 req.reasoning_effort, names, req.template_kwargs, req.effort_required

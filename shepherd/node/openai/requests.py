@@ -454,6 +454,9 @@ class ChatRequest:
     legacy_functions: bool = False  # the request used ``functions``: answers carry ``function_call``
     include_reasoning: bool = True  # vLLM's: false drops the parsed reasoning from the answer
     prompt_logprobs: int | None = None  # vLLM's: the prompt's logprobs (this many alternatives) in the answer
+    # the messages whose content came as several text parts, by index: those parts as vLLM gives them to
+    # a template that iterates over a message's content (``template_compat.with_text_parts``)
+    text_parts: dict[int, list[dict[str, str]]] | None = None
 
 
 # the content parts that are text, and the key holding it: OpenAI's text, the Responses API's input_text
@@ -462,12 +465,14 @@ class ChatRequest:
 _TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 
-def _content_text(content: Any, idx: int) -> Any:
-    """Flatten a list of text parts to one string, as vLLM does for text models."""
+def _content_text(content: Any, idx: int, parts: dict[int, list[dict[str, str]]] | None = None) -> Any:
+    """Flatten a list of text parts to one string, as vLLM does for a template that reads a message's
+    content as a string ("\n" between the parts); several parts also go to ``parts`` (by message index),
+    for a template that iterates over the content (vLLM's "openai" content format: it joins them)."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
+        texts: list[str] = []
         for part in content:
             if not isinstance(part, dict) or "type" not in part:
                 raise bad(
@@ -490,6 +495,8 @@ def _content_text(content: Any, idx: int) -> Any:
                     param=f"messages.{idx}.content",
                     code="unsupported_content",
                 )
+        if parts is not None and len(texts) > 1:
+            parts[idx] = [{"type": "text", "text": t} for t in texts]
         return "\n".join(texts)
     raise bad(
         f"messages[{idx}].content must be a string or a list of parts.", param=f"messages.{idx}.content"
@@ -548,7 +555,11 @@ def _json_kind(v: object) -> str:
     return "an array" if isinstance(v, list) else "null"
 
 
-def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
+def _messages(
+    d: dict[str, Any], parts: dict[int, list[dict[str, str]]] | None = None
+) -> list[dict[str, Any]]:
+    """The request's messages, checked, list contents flattened (their text parts into ``parts``: see
+    ``_content_text``; a tool message's stay flattened, as vLLM gives them to every template)."""
     msgs = d.get("messages")
     if msgs is None:  # (OpenAI's words and codes for each case)
         absent = "missing_required_parameter"
@@ -583,7 +594,7 @@ def _messages(d: dict[str, Any]) -> list[dict[str, Any]]:
         content = m.get("content")
         msg = m  # as sent when its content is (nothing downstream writes to it): no copy per message
         if type(content) is not str:
-            text = _content_text(content, i)
+            text = _content_text(content, i, parts if role != "tool" else None)
             if role != "assistant" and text is None:
                 raise bad(
                     f"messages[{i}].content is required for role {role!r}.", param=f"messages.{i}.content"
@@ -810,16 +821,19 @@ def parse_chat_deferred(d: dict[str, Any]) -> ChatRequest:
     those wait in ``schemas`` for ``await check_chat_schemas(req)``, once the model is known and the
     request admitted."""
     model = _model(d)
-    messages = _messages(d)
+    parts: dict[int, list[dict[str, str]]] = {}
+    messages = _messages(d, parts)
     sampling = parse_sampling(d, max_tokens_keys=_CHAT_MAX_KEYS)
     _user(d)
     if not _UNSUPPORTED_CHAT_KEYS.isdisjoint(d):
         _refuse_unsupported(d, _UNSUPPORTED_CHAT)
     if CHAT_OPTION_KEYS.isdisjoint(d):  # none of the options (most requests): their defaults at once
-        return ChatRequest(
-            model, messages, sampling, False, 0, None, NO_TOOL_CHOICE, {}, True, False, None, d
-        )
-    return _parse_chat_options(d, model, messages, sampling)
+        req = ChatRequest(model, messages, sampling, False, 0, None, NO_TOOL_CHOICE, {}, True, False, None, d)
+    else:
+        req = _parse_chat_options(d, model, messages, sampling)
+    if parts:
+        req.text_parts = parts
+    return req
 
 
 async def check_chat_schemas(req: ChatRequest) -> None:
