@@ -10,6 +10,7 @@ Every method runs to completion without awaiting, so each one is atomic on the e
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -214,7 +215,7 @@ class MemoryStore:
             if len(chain) >= max_depth:
                 raise ChainError(f"the chain of {response_id!r} is longer than {max_depth} responses")
             seen.add(rid)
-            chain.append(r)
+            chain.append(dataclasses.replace(r, body={}) if chain else r)  # (the newest whole)
             rid = r.previous_response_id
         chain.reverse()
         return chain

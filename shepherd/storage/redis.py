@@ -173,6 +173,13 @@ elseif op == 'chain' then
     if #h == 0 then break end
     if seen[rid] then return fail('CHAIN', 'the chain of ' .. a.rid .. ' loops at ' .. rid) end
     if n >= a.max then return fail('CHAIN', 'the chain of ' .. a.rid .. ' is longer than ' .. a.max) end
+    if n > 0 then  -- the newest whole, the others without their bodies (types.py, get_chain)
+      local light = {}
+      for i = 1, #h, 2 do
+        if h[i] ~= 'body' then light[#light + 1] = h[i]; light[#light + 1] = h[i + 1] end
+      end
+      h = light
+    end
     seen[rid] = true; n = n + 1; out[n + 1] = h
     rid = nil
     for i = 1, #h, 2 do if h[i] == 'previous_response_id' then rid = cjson.decode(h[i + 1]) end end

@@ -225,6 +225,7 @@ _RESP_COLS = (
     "id, created_at, model, raw_response, input, output_item_ids, previous_response_id, "
     "conversation_id, owner, status"
 )
+_CHAIN_COLS = _RESP_COLS.replace("raw_response", "NULL")  # a chain's older responses: no body
 _ITEM_COLS = "id, item_type, content, created_at, response_id, role, status"
 _CONV_COLS = "id, created_at, metadata, owner"
 _ITEM_COLS_I = ", ".join("i." + c for c in _ITEM_COLS.split(", "))
@@ -243,7 +244,7 @@ def _response(r: Row) -> StoredResponse:
         id=r[0],
         created_at=float(r[1]),
         model=r[2],
-        body=_loads(r[3]),
+        body=_loads(r[3]) if r[3] is not None else {},
         input_item_ids=tuple(_loads(r[4]) or ()),
         output_item_ids=tuple(_loads(r[5]) or ()),
         previous_response_id=r[6],
@@ -464,9 +465,13 @@ def get_chain(response_id: str, max_depth: int) -> Plan[list[StoredResponse]]:
     if len(ids) > max_depth:
         raise ChainError(f"the chain of {response_id!r} is longer than {max_depth} responses")
     got: dict[str, StoredResponse] = {}
-    for part in _chunks(ids):
+    # the newest whole, the others without their bodies (types.py, ``get_chain``)
+    if ids:
+        for r in (yield Q(f"SELECT {_RESP_COLS} FROM responses WHERE id = ?", (ids[0],))):
+            got[r[0]] = _response(r)
+    for part in _chunks(ids[1:]):
         for r in (
-            yield Q(f"SELECT {_RESP_COLS} FROM responses WHERE id IN ({_marks(len(part))})", tuple(part))
+            yield Q(f"SELECT {_CHAIN_COLS} FROM responses WHERE id IN ({_marks(len(part))})", tuple(part))
         ):
             got[r[0]] = _response(r)
     return [got[i] for i in reversed(ids) if i in got]

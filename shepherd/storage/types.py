@@ -13,7 +13,9 @@ Semantics every backend keeps (the contract suite in tests/storage checks them o
 * ``get_chain`` walks ``previous_response_id`` from a response back to the start of its chain, oldest
   first, at most ``max_depth`` responses; a cycle or a longer chain is a ``ChainError``. A link to a
   response the store does not hold ends the walk: the oldest returned response then names it in
-  ``previous_response_id`` (a router asks the next owner for the rest).
+  ``previous_response_id`` (a router asks the next owner for the rest). Every response but the newest
+  comes without its ``body`` (``{}``): a walk reads ids and item lists, and a chain of big bodies
+  (``text.format`` schemas, a streamed background response's events) is not loaded whole for one turn.
 * Conversation items are listed in the order they were added (``added_at``, then insertion), pages by
   ``after`` (an item id of that conversation) and ``limit``, ascending or descending.
 * Retention: ``purge(older_than)`` removes responses, conversations (with their links) and items not
@@ -137,7 +139,7 @@ class StoredResponse:
             id=str(d["id"]),
             created_at=float(d["created_at"]),
             model=str(d["model"]),
-            body=dict(d["body"]),
+            body=dict(d.get("body") or {}),  # (none: a chain's older response, see ``get_chain``)
             input_item_ids=tuple(d.get("input_item_ids") or ()),
             output_item_ids=tuple(d.get("output_item_ids") or ()),
             previous_response_id=d.get("previous_response_id"),

@@ -180,6 +180,9 @@ async def test_chain_spanning_owners_with_depth_bound_and_items() -> None:
         prev = rid
     got = await s["c"].get_chain(chain[-1], 100)
     assert [r.id for r in got] == chain
+    # the newest whole, the others (each owner's newest included) without their bodies: ids and items
+    assert got[-1].body and not any(r.body for r in got[:-1])
+    assert [r.input_item_ids for r in got] == [(i.id,) for i in items]
     got = await s["a"].get_chain(chain[2], 100)
     assert [r.id for r in got] == chain[:3]
     assert [r.id for r in await s["b"].get_chain(chain[-1], 5)] == chain

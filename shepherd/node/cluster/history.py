@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import time
@@ -661,7 +662,9 @@ class RoutedStore:
                 break  # its owner does not hold it: the chain ends here (the oldest names the link)
             rid, owner = nxt, next_owner
         out: list[StoredResponse] = []
-        for seg in reversed(segments):
+        for k, seg in enumerate(reversed(segments)):
+            if k < len(segments) - 1 and seg[-1].body:  # each owner's newest came whole: the chain's alone
+                seg = [*seg[:-1], dataclasses.replace(seg[-1], body={})]
             out.extend(seg)
         return out
 
