@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import asyncpg  # type: ignore[import-untyped]
 import pytest
@@ -189,6 +190,19 @@ async def test_postgres_migrations_once_under_the_lock(pg: Backend) -> None:
         await PostgresStore(ns["url"]).start()
 
 
+async def _until_waiting_on_a_lock(conn: asyncpg.Connection, task: asyncio.Task[Any]) -> None:
+    """Until a session of the database waits on a lock (``task``'s, behind ``conn``'s open transaction),
+    or ``task`` ended: bounded."""
+    for _ in range(400):
+        waiting = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND datname = current_database()"
+        )
+        if waiting or task.done():
+            return
+        await asyncio.sleep(0.01)
+
+
 async def test_postgres_delete_of_a_conversation_waits_for_items_being_added(pg: Backend) -> None:
     """A conversation deleted while another node's transaction adds items to it (its row locked: an
     ``add_items``, a turn's ``put_response``): the delete waits for that one and removes its links too,
@@ -205,14 +219,7 @@ async def test_postgres_delete_of_a_conversation_waits_for_items_being_added(pg:
         new = item()
         await PostgresStore._drive(conn, sql.add_items(c.id, [new]))  # (not committed yet)
         deleting = asyncio.create_task(s.delete_conversation(c.id))
-        for _ in range(400):  # bounded: until the delete waits on the conversation's row
-            waiting = await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND datname = current_database()"
-            )
-            if waiting or deleting.done():
-                break
-            await asyncio.sleep(0.01)
+        await _until_waiting_on_a_lock(conn, deleting)  # (on the conversation's row)
         await adding.commit()
         assert await deleting
         assert await conn.fetch("SELECT item_id FROM conversation_item_links") == []
@@ -239,14 +246,7 @@ async def test_postgres_delete_of_a_response_waits_for_its_update(pg: Backend) -
         done = dataclasses.replace(r, output_item_ids=(out.id,), status="completed")
         assert await PostgresStore._drive(conn, sql.update_response(done, [out], True))  # (not committed)
         deleting = asyncio.create_task(s.delete_response(r.id))
-        for _ in range(400):  # bounded: until the delete waits on the response's row
-            waiting = await conn.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND datname = current_database()"
-            )
-            if waiting or deleting.done():
-                break
-            await asyncio.sleep(0.01)
+        await _until_waiting_on_a_lock(conn, deleting)  # (on the response's row)
         await updating.commit()
         assert await deleting
         assert await conn.fetch("SELECT item_id FROM response_item_refs") == []
