@@ -7,7 +7,11 @@ not skip special tokens for this family.
 
 - channel ``analysis`` → reasoning;
 - a message with a recipient (``to=functions.NAME``, a tool call) → passed through verbatim as
-  content, markers included, for the gpt_oss tool parser;
+  content, markers included, for the gpt_oss tool parser, when the request's tool calls are parsed
+  (``tool_calls``); a message to any other recipient (a built-in tool: ``browser.search``,
+  ``python``), or any call when they are not (``tool_choice: none``, no tools), is neither reasoning
+  nor content, as vLLM's ``parse_chat_output`` and ``OpenAIToolParser`` leave it (its markup is no
+  text for the client);
 - any other channel (``final``, ``commentary`` preambles) → content;
 - text outside any message (a model that writes no harmony markers) → content.
 
@@ -28,24 +32,45 @@ _HEAD_MARKERS = (_START, _CHANNEL)
 _BODY_END = ("<|end|>", "<|return|>", "<|call|>")
 _BODY_MARKERS = (*_BODY_END, _START, _CHANNEL)
 _MAX_HEADER = 512
+_FUNCTIONS = "functions."  # the recipient prefix of a call to one of the request's tools
 
 _OUTSIDE, _HEADER, _BODY = 0, 1, 2
-_REASONING, _CONTENT, _TOOL = 0, 1, 2
+_REASONING, _CONTENT, _TOOL, _HIDDEN = 0, 1, 2, 3
+
+
+def _recipient(header: str) -> str | None:
+    """The recipient a message header names (``to=R``, after white space), None when it names none."""
+    i = header.find(" to=")
+    if i == -1:
+        i = header.find("\tto=")
+    if i == -1:
+        return None
+    rest = header[i + 4 :]
+    end = len(rest)
+    for stop in (" ", "\t", "\n", "<|"):
+        j = rest.find(stop)
+        if j != -1 and j < end:
+            end = j
+    return rest[:end]
 
 
 class HarmonyReasoningParser:
-    __slots__ = ("_buf", "_kind", "_state", "passthrough")
+    __slots__ = ("_buf", "_kind", "_state", "_tool_calls", "passthrough")
 
-    def __init__(self, *, thinking_enabled: bool = True, prompt_opened_think: bool = False) -> None:
+    def __init__(
+        self, *, thinking_enabled: bool = True, prompt_opened_think: bool = False, tool_calls: bool = True
+    ) -> None:
         del thinking_enabled, prompt_opened_think
         self.passthrough = False  # (the channel may change at any point)
+        self._tool_calls = tool_calls
         self._buf = ""
         self._state = _OUTSIDE
         self._kind = _CONTENT
 
     def feed(self, text: str) -> tuple[str, str]:
         if self._state == _BODY and not self._buf and "<" not in text:
-            return (text, "") if self._kind == _REASONING else ("", text)
+            kind = self._kind
+            return (text, "") if kind == _REASONING else ("", "") if kind == _HIDDEN else ("", text)
         return self._run(self._buf + text)
 
     def finish(self) -> tuple[str, str]:
@@ -54,10 +79,17 @@ class HarmonyReasoningParser:
         if not buf:
             return "", ""
         if self._state == _HEADER:
-            # a cut-off header: keep it only if it was a tool call (raw, for the tool parser)
-            return ("", buf) if " to=" in buf else ("", "")
+            # a cut-off header: keep it only if it was a function call (raw, for the tool parser)
+            recipient = _recipient(buf) if self._tool_calls else None
+            if recipient is not None and (
+                recipient.startswith(_FUNCTIONS) or _FUNCTIONS.startswith(recipient)
+            ):
+                return "", buf
+            return "", ""
         if self._state == _BODY and self._kind == _REASONING:
             return buf, ""
+        if self._state == _BODY and self._kind == _HIDDEN:
+            return "", ""
         return "", buf
 
     def _run(self, buf: str) -> tuple[str, str]:
@@ -92,9 +124,13 @@ class HarmonyReasoningParser:
                     break
                 header = buf[:i]
                 head_end = i + len(_MESSAGE)
-                if " to=" in header or "\tto=" in header:
-                    self._kind = _TOOL
-                    content.append(buf[:head_end])
+                recipient = _recipient(header)
+                if recipient is not None:
+                    if self._tool_calls and recipient.startswith(_FUNCTIONS):
+                        self._kind = _TOOL
+                        content.append(buf[:head_end])
+                    else:
+                        self._kind = _HIDDEN
                 else:
                     j = header.find(_CHANNEL)
                     channel = header[j + len(_CHANNEL) :].split("<|", 1)[0].strip() if j != -1 else ""
@@ -104,7 +140,7 @@ class HarmonyReasoningParser:
                 continue
             # _BODY
             i, marker = find_first(buf, _BODY_MARKERS)
-            out = reasoning if self._kind == _REASONING else content
+            out = reasoning if self._kind == _REASONING else content if self._kind != _HIDDEN else []
             if i == -1:
                 hold = partial_suffix_len(buf, _BODY_MARKERS)
                 out.append(buf[: len(buf) - hold])

@@ -39,7 +39,14 @@ class ThinkSpec:
     forced: bool = False
     implicit_end: tuple[str, ...] = ()
     tool_end: tuple[str, ...] = ()
+    # a ``tool_end`` marker ends the block only when the text after it (white space skipped) begins with
+    # one of these (a call's body); otherwise it is reasoning text, a mention of the marker (vLLM's
+    # Qwen3ReasoningParser looks ahead for ``<function=`` the same way). Empty: any ``tool_end`` ends it.
+    tool_next: tuple[str, ...] = ()
     content_drop: tuple[str, ...] = ()
+
+
+_TOOL_NEXT_SPACE = 64  # white space after a tool_end marker, at most, before what follows decides it
 
 
 class ThinkTagReasoningParser:
@@ -57,6 +64,8 @@ class ThinkTagReasoningParser:
         "_reason_markers",
         "_start",
         "_state",
+        "_tool_end",
+        "_tool_next",
         "passthrough",
     )
 
@@ -70,7 +79,9 @@ class ThinkTagReasoningParser:
     ) -> None:
         self._start = spec.start
         self._end = spec.end
-        self._reason_markers = (spec.end, *spec.implicit_end, *(spec.tool_end if tool_calls else ()))
+        self._tool_end = spec.tool_end if tool_calls else ()
+        self._tool_next = spec.tool_next if self._tool_end else ()
+        self._reason_markers = (spec.end, *spec.implicit_end, *self._tool_end)
         self._drop = spec.content_drop
         self._drop_firsts = frozenset(m[0] for m in spec.content_drop)
         self._buf = ""  # a partial marker, held until decided (never white space: decided at once)
@@ -148,6 +159,16 @@ class ThinkTagReasoningParser:
                         break
                     self._reason_lstrip = False
                 i, marker = find_first(buf, self._reason_markers)
+                opens: bool | None = True
+                while i != -1 and self._tool_next and marker in self._tool_end:
+                    opens = self._opens_call(buf, i + len(marker))
+                    if opens is not False:
+                        break
+                    i, marker = find_first(buf, self._reason_markers, i + len(marker))  # a mention: reasoning
+                if i != -1 and opens is None:  # what follows the tool-call opener is not known yet: held
+                    reasoning += buf[:i]
+                    self._buf = buf[i:]
+                    break
                 if i != -1:
                     reasoning += buf[:i]
                     self._state = _CONTENT
@@ -188,6 +209,22 @@ class ThinkTagReasoningParser:
             break
         self.passthrough = self._state == _CONTENT and not self._drop and not self._content_lstrip
         return reasoning, content
+
+    def _opens_call(self, buf: str, at: int) -> bool | None:
+        """Whether the ``tool_end`` marker ending at ``at`` opens a call (``tool_next`` follows it); None
+        while the text after it is too short to tell."""
+        rest = buf[at:]
+        t = rest.lstrip()
+        if len(rest) - len(t) > _TOOL_NEXT_SPACE:
+            return False
+        if not t:
+            return None
+        for n in self._tool_next:
+            if t.startswith(n):
+                return True
+            if n.startswith(t):
+                return None
+        return False
 
     def _drop_markers(self, buf: str) -> str:
         for c in self._drop_firsts:

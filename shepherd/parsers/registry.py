@@ -60,11 +60,13 @@ class ReasoningFamily:
 
 _THINK = ThinkSpec()
 _QWEN_TOOL = ("<tool_call>",)
+# what follows a Qwen-style ``<tool_call>`` opener in a call: hermes' JSON object, qwen3_coder's function
+_QWEN_CALL = ("{", "<function=")
 
 REASONING_FAMILIES: Mapping[str, ReasoningFamily] = {
     "deepseek_r1": ReasoningFamily(ThinkSpec(forced=True)),
-    "qwen3": ReasoningFamily(ThinkSpec(tool_end=_QWEN_TOOL)),
-    "qwen3_thinking": ReasoningFamily(ThinkSpec(forced=True, tool_end=_QWEN_TOOL)),
+    "qwen3": ReasoningFamily(ThinkSpec(tool_end=_QWEN_TOOL, tool_next=_QWEN_CALL)),
+    "qwen3_thinking": ReasoningFamily(ThinkSpec(forced=True, tool_end=_QWEN_TOOL, tool_next=_QWEN_CALL)),
     "kimi": ReasoningFamily(ThinkSpec(start="◁think▷", end="◁/think▷")),
     "kimi_k2": ReasoningFamily(ThinkSpec(tool_end=("<|tool_calls_section_begin|>",))),
     "glm45": ReasoningFamily(ThinkSpec(tool_end=_QWEN_TOOL)),
@@ -82,7 +84,7 @@ REASONING_FAMILIES: Mapping[str, ReasoningFamily] = {
         ),
         thinking_kwarg="reasoning",
     ),
-    "nemotron": ReasoningFamily(ThinkSpec(tool_end=_QWEN_TOOL)),
+    "nemotron": ReasoningFamily(ThinkSpec(tool_end=_QWEN_TOOL, tool_next=_QWEN_CALL)),
 }
 
 _REASONING_ALIASES = {
@@ -185,7 +187,7 @@ def get_reasoning_parser(
     _, family = _reasoning_family(name)
     if family.spec is None:
         return HarmonyReasoningParser(
-            thinking_enabled=thinking_enabled, prompt_opened_think=prompt_opened_think
+            thinking_enabled=thinking_enabled, prompt_opened_think=prompt_opened_think, tool_calls=tool_calls
         )
     return ThinkTagReasoningParser(
         family.spec,

@@ -250,6 +250,71 @@ def test_harmony_recipient_before_channel_is_a_tool_call() -> None:
     )
 
 
+_HARMONY_CALL = (
+    "<|channel|>analysis<|message|>call it<|end|>"
+    '<|start|>assistant<|channel|>commentary to=functions.lookup <|constrain|>json<|message|>{"q": 1}<|call|>'
+)
+_HARMONY_BROWSER = (
+    "<|channel|>analysis<|message|>search it<|end|>"
+    '<|start|>assistant<|channel|>analysis to=browser.search code<|message|>{"query": "x"}<|call|>'
+    "<|start|>assistant<|channel|>final<|message|>Done.<|return|>"
+)
+
+
+@pytest.mark.parametrize("split", ["whole", "chars"])
+def test_harmony_call_not_parsed_is_no_content(split: str) -> None:
+    """vLLM's ``parse_chat_output`` (harmony_utils) answers a message with a recipient as neither reasoning
+    nor content: with no tool parser (``tool_choice: none``, no tools) a call's markup must not reach the
+    client, nor a call to a built-in tool (``browser.search``: no function call) with one."""
+
+    def run(text: str, tool_calls: bool) -> tuple[str, str]:
+        deltas = [text] if split == "whole" else list(text)
+        return run_reasoning(get_reasoning_parser("gpt_oss", tool_calls=tool_calls), deltas)
+
+    assert run(_HARMONY_CALL, tool_calls=False) == ("call it", "")
+    assert run(_HARMONY_BROWSER, tool_calls=True) == ("search it", "Done.")
+    assert run(_HARMONY_BROWSER, tool_calls=False) == ("search it", "Done.")
+    # cut off inside such a message, or inside its header
+    assert run(_HARMONY_CALL[:-12], tool_calls=False) == ("call it", "")
+    assert run(_HARMONY_BROWSER[: _HARMONY_BROWSER.index('"x"')], tool_calls=True) == ("search it", "")
+    cut_header = (
+        "<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>commentary to=functions.lo"
+    )
+    assert run(cut_header, tool_calls=False) == ("a", "")
+    # a function call with tools parsed still goes to the tool parser, markers included
+    assert run(_HARMONY_CALL, tool_calls=True) == (
+        "call it",
+        _HARMONY_CALL[_HARMONY_CALL.index("<|start|>") :],
+    )
+
+
+_QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("split", ["whole", "chars"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_thinking", "nemotron"])
+def test_tool_call_opener_mentioned_in_reasoning_is_reasoning(family: str, split: str) -> None:
+    """A ``<tool_call>`` the model only mentions while thinking (not followed by a call's body) does not
+    end the think block: vLLM's Qwen3ReasoningParser ends it there only when ``<function=`` follows. It
+    ended the block, so the rest of the thinking became content and swallowed the real call after
+    ``</think>`` (the hermes parser read it all as one malformed call: text)."""
+
+    def run(text: str) -> tuple[str, str]:
+        deltas = [text] if split == "whole" else list(text)
+        return run_reasoning(get_reasoning_parser(family, prompt_opened_think=True), deltas)
+
+    mention = "I should emit a <tool_call> block with the JSON.\n"
+    assert run(f"{mention}</think>\n\n{_QWEN_CALL}") == (mention, _QWEN_CALL)
+    # the opener of a real call (hermes JSON, qwen3_coder function) still ends the block unclosed
+    assert run(f"{mention}{_QWEN_CALL}</think>") == (mention, _QWEN_CALL)
+    coder = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+    assert run(f"x\n{coder}") == ("x\n", coder)
+    # cut off right after the opener, or a run of white space after it: reasoning
+    assert run("x <tool_call>\n ") == ("x <tool_call>\n ", "")
+    spaced = "x <tool_call>" + " " * 100 + "{}</think>done"
+    assert run(spaced) == (spaced[: spaced.index("</think>")], "done")
+
+
 def test_partial_marker_is_held_then_released() -> None:
     p = get_reasoning_parser("qwen3")
     assert p.feed("<thi") == ("", "")
