@@ -277,3 +277,34 @@ def test_schemas_are_checked_after_the_model_lookup_and_bounded(node: NodeProc, 
     big = {"format": {"type": "json_schema", "name": "x", "schema": huge}}
     r = http.post(url, json={"model": MODEL, "input": "hi", "text": big})
     assert r.status_code == 400 and r.json()["error"]["code"] == "schema_too_large", r.text
+
+
+def test_a_slow_first_token_opens_with_response_created(
+    engine: MockEngineProc, tokenizer_dir: Path, http: httpx.Client
+) -> None:
+    """An engine silent before its first token (queued, prefilling): the headers go out a keep-alive
+    interval after dispatch with ``response.created`` and ``response.in_progress`` (OpenAI and vLLM send
+    them before any token), not comments only; they are not sent again when the tokens come."""
+    faults = f"http://127.0.0.1:{engine.http_port}/mock/faults"
+    with qwen3_node(engine, tokenizer_dir, sse_keepalive_secs=0.2) as n:
+        http.post(faults, json={"hang_before_first_token": True}).raise_for_status()
+        text = ""
+        try:
+            marker = script(engine, http, "Late.")
+            body = {"model": MODEL, "input": f"late {marker}", "stream": True}
+            with http.stream("POST", n.url + "/v1/responses", json=body) as r:
+                assert r.status_code == 200
+                for piece in r.iter_text():  # bounded: a comment every 0.2 s, the stream's end
+                    text += piece
+                    if text.count(": keep-alive") == 2:  # (the fault cleared: the engine answers now)
+                        http.post(faults, json={"hang_before_first_token": False}).raise_for_status()
+                    if text.count(": keep-alive") >= 6 and "event: " not in text:  # comments only: wrong
+                        break
+        finally:
+            http.post(faults, json={"hang_before_first_token": False}).raise_for_status()
+    assert text.startswith("event: response.created\n"), text[:200]
+    kinds = [line.removeprefix("event: ") for line in text.split("\n") if line.startswith("event: ")]
+    assert kinds[:2] == ["response.created", "response.in_progress"], kinds
+    assert kinds.count("response.created") == 1 and kinds[-1] == "response.completed", kinds
+    seqs = [json.loads(line[6:])["sequence_number"] for line in text.split("\n") if line.startswith("data: ")]
+    assert seqs == list(range(len(kinds))), seqs

@@ -253,8 +253,16 @@ class ResponseEvents:
 
     # ---- the driver's interface ----
 
+    def opening(self) -> bytes:
+        """What opens the stream (``role``'s), made once: sent with the headers when the engine is slow to
+        answer (the node's keep-alive ticker), so that a long queue or prefill does not keep
+        ``response.created`` from the client (OpenAI and vLLM send it before the first token)."""
+        return self.role()
+
     def role(self, index: int = 0) -> bytes:
-        """The opening events: ``response.created`` and ``response.in_progress``."""
+        """The opening events: ``response.created`` and ``response.in_progress``; nothing once made."""
+        if self._opened:
+            return b""
         self._opened = True
         if self.quiet:
             return b""
