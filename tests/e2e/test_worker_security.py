@@ -280,7 +280,8 @@ def test_adds_of_workers_that_fail_their_first_check_are_rate_limited() -> None:
                 break
             assert r.status_code == 201 and r.json()["healthy"] is False
             assert set(r.json()) >= {"id", "url", "healthy"} and "error" not in r.json()
-        assert statuses[-1] == 429 and statuses.count(201) == 20
+        # the burst, and what the budget refilled meanwhile (a slow host's adds take a while each)
+        assert statuses[-1] == 429 and 20 <= statuses.count(201) < 30
 
 
 # ---- 3. the client-connection cap -------------------------------------------------------------------

@@ -534,22 +534,90 @@ def _bad_answer(w_id: str, why: str) -> ApiError:
     )
 
 
+# a worker's answers worth another worker's try, as SMG's HTTP router retries them (``is_retryable_status``)
+RELAY_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# the blank lines that end an SSE event ("\r\n\r\n" ends in "\n\r\n"; "\r\n\n" holds "\n\n")
+_EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r\n")
+
+
+def event_end(recent: bytes, chunk: bytes) -> int:
+    """How much of ``chunk`` ends complete SSE events (0: none ends in it); ``recent``: the last bytes
+    (two are enough) of the stream before ``chunk``, where a blank line may have begun."""
+    buf = recent[-2:] + chunk
+    end = 0
+    for sep in _EVENT_ENDS:
+        i = buf.rfind(sep)
+        if i >= 0:
+            end = max(end, i + len(sep))
+    return max(0, end - (len(buf) - len(chunk)))
+
+
+async def _relay_stream(resp: web.StreamResponse, upstream: aiohttp.ClientResponse, w_id: str) -> None:
+    """A worker's SSE stream to the client, as it arrives, event by event: an event's bytes go out once
+    its blank line came, so an error event (the worker's stream failed, or is over
+    ``RELAY_STREAM_MAX_BYTES``) is never glued to half an event, which a client could not parse (the
+    openai SDK raises a ``JSONDecodeError``, not an ``APIError``). An event held over ``RELAY_MAX_BYTES``
+    goes out as it is; a stream's unfinished last bytes go out at its end."""
+    left = RELAY_STREAM_MAX_BYTES
+    held: list[bytes] = []  # the event under way
+    held_n = 0
+    recent = b""
+    try:
+        async for chunk in upstream.content.iter_any():
+            left -= len(chunk)
+            if left < 0:
+                log.warning("HTTP worker %s: stream over %d bytes: cut", w_id, RELAY_STREAM_MAX_BYTES)
+                await resp.write(error_event("The worker's stream is too long.", code="engine_error") + DONE)
+                return
+            end = event_end(recent, chunk)
+            recent = (recent + chunk)[-2:]
+            if end:
+                await resp.write(b"".join((*held, chunk[:end])) if held else chunk[:end])
+                held = [chunk[end:]] if end < len(chunk) else []
+                held_n = len(chunk) - end
+                continue
+            held.append(chunk)
+            held_n += len(chunk)
+            if held_n > RELAY_MAX_BYTES:
+                await resp.write(b"".join(held))
+                held, held_n = [], 0
+    except (aiohttp.ClientError, TimeoutError) as e:
+        log.info("HTTP worker %s: stream failed: %s", w_id, e)
+        await resp.write(error_event("The worker's stream failed.", code="engine_error") + DONE)
+        return
+    if held:
+        await resp.write(b"".join(held))
+
+
 async def relay(
     request: web.Request, gw: Gateway, model: str, raw: bytes, body: dict[str, Any], path: str, stream: bool
 ) -> web.StreamResponse:
-    """Pass a request to an OpenAI HTTP worker; SSE flows back as it arrives. Retries another worker when
-    the connection fails before any answer.
+    """Pass a request to an OpenAI HTTP worker; SSE flows back as it arrives (``_relay_stream``). Retries
+    another worker when the connection fails before any answer, or the answer is one SMG's HTTP router
+    retries (``RELAY_RETRY_STATUSES``: 408, 429, 5xx but 501), while tries are left (else that answer is
+    relayed); a worker that does not answer within the request timeout: 504, not retried. With
+    ``x-smg-target-worker``: that HTTP worker of the model only (else a 400), no retry elsewhere.
 
     Only what an OpenAI worker answers goes back: a status other than 2xx/4xx/5xx (redirects are not
     followed), a content type other than JSON or SSE, a ``Content-Encoding`` (the worker is asked for
     ``identity``: the answer is re-framed here) or a body over ``RELAY_MAX_BYTES`` (whole) /
-    ``RELAY_STREAM_MAX_BYTES`` (streamed) -> 502 in the OpenAI envelope, without the worker's body.
-    Messages name workers by id, never by URL."""
+    ``RELAY_STREAM_MAX_BYTES`` (streamed) -> 502 in the OpenAI envelope, without the worker's body. Of
+    the worker's headers only its ``Content-Type`` and ``Retry-After`` are passed on. Messages name
+    workers by id, never by URL."""
     t0 = time.perf_counter()
     tried: set[str] = set()
-    last: EngineError | None = None
-    for _ in range(gw.cfg.max_retries + 1):
-        w = gw.pick(model, tried, [], request.headers.get("x-smg-routing-key"), http=True)
+    last: EngineError | web.Response | None = None
+    target = request.headers.get("x-smg-target-worker")
+    tries = 1 if target is not None else gw.cfg.max_retries + 1  # a targeted request: that worker only
+    for attempt in range(tries):
+        if target is not None:
+            w = gw.registry.find(target)
+            if w is None or w.model != model or not w.is_http:
+                raise ApiError(
+                    400, f"x-smg-target-worker {target!r} is not an HTTP worker of model {model!r}."
+                )
+        else:
+            w = gw.pick(model, tried, [], request.headers.get("x-smg-routing-key"), http=True)
         if w is None:
             break
         client = w.client
@@ -568,9 +636,14 @@ async def relay(
                 upstream = await client.post(path, payload, headers)
             except EngineError as e:
                 gw.registry.record_result(w, False)
+                if not e.retryable:
+                    raise
                 tried.add(w.id)
                 last = e
                 continue
+            except BaseException:  # the client went away: nothing learnt of the worker (a half-open
+                w.breaker.release()  # circuit's trial must not stay taken, or it is never tried again)
+                raise
             try:
                 status = upstream.status
                 uh = upstream.headers
@@ -592,25 +665,7 @@ async def relay(
                     )
                     stamp_headers(request, resp, t0)  # the time until the worker's answer began
                     await resp.prepare(request)
-                    left = RELAY_STREAM_MAX_BYTES
-                    try:
-                        async for chunk in upstream.content.iter_any():
-                            left -= len(chunk)
-                            if left < 0:
-                                log.warning(
-                                    "HTTP worker %s: stream over %d bytes: cut", w.id, RELAY_STREAM_MAX_BYTES
-                                )
-                                await resp.write(
-                                    error_event("The worker's stream is too long.", code="engine_error")
-                                    + DONE
-                                )
-                                break
-                            await resp.write(chunk)
-                    except (aiohttp.ClientError, TimeoutError) as e:
-                        log.info("HTTP worker %s: stream failed: %s", w.id, e)
-                        await resp.write(
-                            error_event("The worker's stream failed.", code="engine_error") + DONE
-                        )
+                    await _relay_stream(resp, upstream, w.id)
                     return resp
                 try:
                     data = await read_capped(upstream, RELAY_MAX_BYTES)
@@ -619,11 +674,20 @@ async def relay(
                 own = t_post - t0  # the gateway's own time: not the worker's
                 out = web.Response(status=status, body=data, headers={"Content-Type": ctype})
                 out.headers["x-smg-gateway-ms"] = f"{own * 1000:.3f}"
+                if retry_after := uh.get("Retry-After"):
+                    out.headers["Retry-After"] = retry_after[:64]
+                if status in RELAY_RETRY_STATUSES and attempt + 1 < tries:
+                    log.info("HTTP worker %s answered %d: trying another worker", w.id, status)
+                    tried.add(w.id)
+                    last = out
+                    continue
                 return out
             finally:
                 upstream.release()
         finally:
             w.in_flight -= 1
+    if isinstance(last, web.Response):  # no other worker: the last worker's answer
+        return last
     if last is not None:
         raise last
     raise no_healthy_worker(f"No healthy worker is available for model '{model}'.")

@@ -32,19 +32,24 @@ log = logging.getLogger("shepherd.workers")
 
 
 def make_client(
-    url: str, transport: str = "h2", tls: EngineTls | None = None, allow: WorkerAllow | None = None
+    url: str,
+    transport: str = "h2",
+    tls: EngineTls | None = None,
+    allow: WorkerAllow | None = None,
+    timeout: float = 600.0,
 ) -> EngineClient | HttpRelayClient:
     """The client for a worker URL; gRPC engines over the lean HTTP/2 client or grpcio. gRPC goes over TLS
     when ``tls`` is given (every gRPC worker) or the URL is ``grpcs://`` (system CAs unless ``tls``).
     ``allow``: the node's ``worker_allow`` (an HTTP worker's connections, and a gRPC one's on the lean
-    HTTP/2 transport, are checked against it where its name resolves)."""
+    HTTP/2 transport, are checked against it where its name resolves). ``timeout``: an HTTP worker's
+    relayed requests (the node's ``request_timeout_secs``; gRPC calls are given theirs per call)."""
     check_worker_url(url)
     if allow is not None:
         allow.check_url(url)
     scheme, _, rest = url.partition("://")
     target = rest.rstrip("/")
     if scheme in ("http", "https"):
-        return HttpRelayClient(url, allow=allow)
+        return HttpRelayClient(url, timeout=timeout, allow=allow)
     kind = {"sglang": "sglang", "vllm": "vllm"}.get(scheme)
     if tls is None and scheme == "grpcs":
         tls = EngineTls()
@@ -278,7 +283,7 @@ class WorkerRegistry:
             )
         c = self.cfg
         tls = EngineTls.configured(c.engine_tls_ca_file, c.engine_tls_cert_file, c.engine_tls_key_file)
-        client = make_client(url, c.engine_transport, tls, self.allow)
+        client = make_client(url, c.engine_transport, tls, self.allow, c.request_timeout_secs)
         w = Worker(
             id=wid,
             url=url,

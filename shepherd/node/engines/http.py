@@ -24,7 +24,14 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 
 from shepherd.node.config import WorkerAllow
 from shepherd.node.observe import tracing
-from shepherd.proto.engine_types import EngineLoad, EngineUnavailable, ModelInfo, ServerInfo, worker_id
+from shepherd.proto.engine_types import (
+    EngineLoad,
+    EngineTimeout,
+    EngineUnavailable,
+    ModelInfo,
+    ServerInfo,
+    worker_id,
+)
 
 log = logging.getLogger("shepherd.engines.http")
 
@@ -107,7 +114,9 @@ class HttpRelayClient:
 
     async def post(self, path: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
         """Start a POST to the worker; the caller streams and releases the response. Tracing on: a CLIENT
-        span until the worker's answer starts, whose context goes in ``traceparent`` / ``tracestate``."""
+        span until the worker's answer starts, whose context goes in ``traceparent`` / ``tracestate``.
+        The whole exchange, the answer's body included, is bounded by ``timeout`` (the node's
+        ``request_timeout_secs``): no answer by then is an ``EngineTimeout``."""
         with tracing.client_stage(f"POST {path}", self.url) as span:
             if tracing.ENABLED:
                 headers = tracing.inject(dict(headers))
@@ -116,6 +125,11 @@ class HttpRelayClient:
                     self.url + path, data=body, headers=headers, allow_redirects=False
                 )
             except (aiohttp.ClientError, OSError) as e:
+                if isinstance(e, TimeoutError) and not isinstance(e, aiohttp.ClientError):
+                    # the request's own deadline (``timeout``), not a connect failure: the worker has the
+                    # request and may be working on it, so another worker is not asked (a 504)
+                    log.info("HTTP worker %s (%s): no answer within %.0f s", self.id, self.url, self._timeout)
+                    raise EngineTimeout(f"HTTP worker {self.id} did not answer in time.") from None
                 log.info("HTTP worker %s (%s) unreachable: %s", self.id, self.url, e)
                 raise EngineUnavailable(f"HTTP worker {self.id} is unreachable.") from None
             span.set("http.response.status_code", resp.status)
