@@ -10,7 +10,9 @@ previous window, plus an in-flight gauge as a PN pair. Only the owner increments
 carries whole shard states and ``join`` (per-field max) merges them, so deltas may be lost, repeated or
 reordered. A node's count of the mesh is the sum of the shards of the *live* members: a member that
 is not live (suspect, dead or partitioned away) counts for nothing, its gauge included, because
-its side of a partition accounts for it under that side's own share (below).
+its side of a partition accounts for it under that side's own share (below). A member that left (a
+graceful leave, a rolling restart) admits no more, but what it admitted in the window still counts (its
+requests and tokens, not its gauge): the others would admit it again otherwise.
 
 **Sliding window.** The estimate is ``prev * (1 - f) + cur`` (the usual sliding-window counter; f is
 the elapsed fraction of the current window). Tokens are reserved at admission (prompt + max_tokens,
@@ -279,6 +281,14 @@ def quota_of(rows: Sequence[tuple[Limits, Counts]], f: float, window: float, sca
     return q
 
 
+def _finite(retry: float, tau: float) -> float:
+    """A denial's wait when the request fits the limit (``math.inf`` is for one larger than the limit
+    itself, never admitted: ``Denial.retry_after``): a request within the limit but above this node's part
+    of it (``limit x reachable / N``: partitioned, or the Redis backend's fallback rule) waits until the
+    part grows back (members back, Redis back), not known here: try again after τ."""
+    return tau if math.isinf(retry) else retry
+
+
 def _checked(delta: Any) -> Sequence[Any]:
     """``delta`` if it is a list of well-formed wire entries (``wire_entries_ok``, then item by item if
     that is not sure), else ``ValueError``."""
@@ -317,6 +327,11 @@ class RateLimiter:
         self._members = 1  # N as the mesh last said (``set_membership``)
         self._floor = 1  # the least N (``set_floor``)
         self._unreachable: dict[str, float] = {}  # member not alive (and not left) -> since when
+        # members that left the mesh -> since when: what they admitted in the window still counts (a
+        # rolling restart's leaving node took its count with it: the others admitted it again), for two
+        # windows (their shards count for nothing after that)
+        self._left: dict[str, float] = {}
+        self._gone: frozenset[str] = frozenset()
         self._epoch = 0  # bumped when what counts changes for every key (membership, generations)
         self._gen_of: dict[str, int] = {node: gen}
         self._ver = 0
@@ -375,12 +390,15 @@ class RateLimiter:
         that, and a side that stopped counting the other would admit the whole limit)."""
         live: list[str] = []
         listed: set[str] = set()
-        away = self._unreachable
+        away, left = self._unreachable, self._left
         for name, state in states:
             if state == "left":
                 away.pop(name, None)
+                if name != self.node:
+                    left.setdefault(name, now)
                 continue
             listed.add(name)
+            left.pop(name, None)
             if state == "alive":
                 live.append(name)
                 away.pop(name, None)
@@ -389,6 +407,12 @@ class RateLimiter:
         grace = self.cfg.unreachable_grace
         for name in [m for m, since in away.items() if m not in listed and now - since > grace]:
             del away[name]
+        for name in [m for m, since in left.items() if now - since > 2 * self.cfg.window]:
+            del left[name]
+        gone = frozenset(left)
+        if gone != self._gone:
+            self._gone = gone
+            self._epoch += 1  # the cached sums of the others' shards are stale
         self.set_membership(
             () if self.cfg.local else live, len(listed) + sum(1 for m in away if m not in listed)
         )
@@ -557,7 +581,7 @@ class RateLimiter:
             verdict = self._fits(key, dslot, est, u[U_REQ], limit, 1, v, 0)
             if verdict:
                 retry = wait_until_fits(v.req_prev, v.req_cur, f, win, limit, 1) if verdict == 1 else tau
-                return key, "requests", lim.rpm, est, retry
+                return key, "requests", lim.rpm, est, _finite(retry, tau)
         if lim.tpm is not None:
             est = sliding(v.tok_prev, v.tok_cur, f)
             if tokens > lim.tpm:
@@ -567,7 +591,7 @@ class RateLimiter:
             verdict = self._fits(key, dslot, est, u[U_TOK], limit, tokens, v, 1)
             if verdict:
                 retry = wait_until_fits(v.tok_prev, v.tok_cur, f, win, limit, tokens) if verdict == 1 else tau
-                return key, "tokens", lim.tpm, est, retry
+                return key, "tokens", lim.tpm, est, _finite(retry, tau)
         if lim.max_concurrent is not None:
             limit = lim.max_concurrent * scale
             verdict = self._fits(key, math.floor(now / tau), v.conc, u[U_CONC], limit, 1, v, 0, rate=False)
@@ -639,7 +663,9 @@ class RateLimiter:
         win = self.cfg.window
         now = (w + f) * win
         if o is None or o.w != w or o.epoch != self._epoch or now > o.until:
-            o = ks.sum_others(w, self._epoch, self._live, self._gen_of, self._sid, win, now, self._idle_caps)
+            o = ks.sum_others(
+                w, self._epoch, self._live, self._gen_of, self._sid, win, now, self._idle_caps, self._gone
+            )
             ks.others = o
         pub = ks.published
         made = o.made(1.0 - f, now) if self._ages and self.cfg.relay and ks.history else None
@@ -852,7 +878,13 @@ class RateLimiter:
             self._merge_items(items[i : i + step])
 
     def _own_of(self, items: Sequence[Any], source: str) -> list[Any]:
-        own = [item for item in items if item[2] == source]
+        """The items ``source`` may speak for: its own shards, and this node's shards of its earlier
+        process generations (a restarted node: nobody writes them any more and only the peers hold
+        them; without them it would admit again what its previous process admitted in the window, while
+        the peers still count it). A peer could inflate its own shard as much: taking these gives it no
+        more say."""
+        me, my_gen = self.node, self.gen
+        own = [item for item in items if item[2] == source or (item[2] == me and item[W_GEN] < my_gen)]
         self.foreign_dropped += len(items) - len(own)
         return own
 

@@ -144,6 +144,7 @@ class KeyState:
         window: float = 60.0,
         now: float = 0.0,
         caps: bool = False,
+        gone: frozenset[str] = frozenset(),
     ) -> Others:
         """The sums of the live others' shards in window ``w``; ``window`` (seconds) and ``now`` for the
         ages (a state stamped a little later than ``now``, within ``AHEAD_MAX``: clock skew, counts as
@@ -153,12 +154,19 @@ class KeyState:
         stamp, so its age would stay 0 while it is held, whatever the owner sends later. ``caps``
         (first-hand shards): a state's age counts up to its delay (``Arrival``); a state
         newer than the arrival held is taken as arriving at ``now`` unless the merge noted it
-        (``note_arrival``, with a clock)."""
+        (``note_arrival``, with a clock). ``gone``: members that left the mesh lately: what they admitted
+        in the window still counts (requests and tokens; no gauge, ages or demand: they admit no more)."""
         o = Others(w, epoch)
         arrivals = self.arrivals
         for sid, e in self.shards.items():
             node, gen = sid
             if node not in live or sid == me:
+                if node in gone and sid != me:
+                    p, c = e.aligned(w)
+                    o.req_prev += p[REQ]
+                    o.req_cur += c[REQ]
+                    o.tok_prev += p[TOK] - p[REF]
+                    o.tok_cur += c[TOK] - c[REF]
                 continue
             p, c = e.aligned(w)
             o.req_prev += p[REQ]

@@ -284,8 +284,9 @@ def wait_until_fits(prev: float, cur: float, frac: float, window: float, limit: 
 
 def fmt_duration(seconds: float) -> str:
     """OpenAI's x-ratelimit-reset-* format: ``120ms``, ``1.5s``, ``6m0s``."""
-    if seconds < 1.0:
-        return f"{max(0, round(seconds * 1000))}ms"
-    minutes, secs = divmod(seconds, 60.0)
+    ms = max(0, round(seconds * 1000))
+    if ms < 1000:
+        return f"{ms}ms"
+    minutes, secs = divmod(round(seconds, 2), 60.0)  # (rounded first: 119.996 s is 2m0s, not 1m60s)
     s = f"{secs:.2f}".rstrip("0").rstrip(".")
     return f"{int(minutes)}m{s}s" if minutes else f"{s}s"

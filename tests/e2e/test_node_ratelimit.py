@@ -28,6 +28,7 @@ rate_limits:
   - {{tenant: "*", rpm: 3}}
   - {{tenant: tok, tpm: 2000}}
   - {{tenant: slow, max_concurrent: 1}}
+  - {{tenant: gen, tpm: 2000}}
 """
 MSGS: list[Any] = [{"role": "user", "content": "Say something."}]
 HEADERS = (
@@ -75,7 +76,7 @@ def test_requests_per_minute_answer_429_in_openai_style(node: NodeProc) -> None:
         alpha.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=4)
     e = ei.value
     assert e.status_code == 429
-    assert e.code == "rate_limit_exceeded" and e.type == "rate_limit_exceeded"
+    assert e.code == "rate_limit_exceeded" and e.type == "requests"  # (OpenAI's: "tokens" for TPM)
     h = e.response.headers
     assert int(h["retry-after"]) >= 1 and int(h["retry-after-ms"]) >= 1
     assert h["x-ratelimit-limit-requests"] == "3" and h["x-ratelimit-remaining-requests"] == "0"
@@ -116,6 +117,7 @@ def test_tokens_are_reserved_then_settled(node: NodeProc) -> None:
     with pytest.raises(openai.RateLimitError) as ei:
         tok.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=too_many)
     assert "tokens per min" in ei.value.message and "retry-after" in ei.value.response.headers
+    assert ei.value.type == "tokens"  # OpenAI's type of a TPM refusal
     with pytest.raises(openai.RateLimitError) as ei:
         tok.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=2500)
     assert "too large" in ei.value.message and "retry-after" not in ei.value.response.headers
@@ -171,9 +173,54 @@ def test_relayed_requests_are_limited_too(node: NodeProc) -> None:
     raw = relay.chat.completions.with_raw_response.create(model="relayed", messages=MSGS, max_tokens=4)
     assert raw.parse().choices[0].message.content
     assert raw.headers["x-ratelimit-remaining-requests"] == "2"
-    chunks = relay.chat.completions.create(model="relayed", messages=MSGS, max_tokens=4, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed = relay.chat.completions.with_raw_response.create(
+        model="relayed", messages=MSGS, max_tokens=4, stream=True
+    )
+    assert streamed.headers["x-ratelimit-remaining-requests"] == "1"  # a relayed stream carries them too
+    assert "".join(c.choices[0].delta.content or "" for c in streamed.parse() if c.choices)
     legacy = relay.completions.with_raw_response.create(model="relayed", prompt="Hello", max_tokens=4)
     assert legacy.headers["x-ratelimit-remaining-requests"] == "0"
     with pytest.raises(openai.RateLimitError):
         relay.chat.completions.create(model="relayed", messages=MSGS, max_tokens=4)
+
+
+def test_background_responses_carry_the_headers(node: NodeProc) -> None:
+    """A background response is admitted as any answer: its queued object (and the SSE answer of a
+    streamed one) carries the x-ratelimit-* headers too."""
+    bg = client(node, "bg")
+    raw = bg.responses.with_raw_response.create(
+        model="qwen3", input="Hi", max_output_tokens=4, background=True
+    )
+    assert raw.parse().status in ("queued", "in_progress")
+    assert raw.headers["x-ratelimit-limit-requests"] == "3"
+    assert raw.headers["x-ratelimit-remaining-requests"] == "2"
+    with httpx.stream(
+        "POST",
+        node.url + "/v1/responses",
+        json={"model": "qwen3", "input": "Hi", "max_output_tokens": 4, "background": True, "stream": True},
+        headers={"x-smg-tenant": "bg"},
+        timeout=30,
+    ) as r:
+        assert r.status_code == 200
+        assert r.headers["x-ratelimit-remaining-requests"] == "1"
+        assert "response.incomplete" in r.read().decode()  # (max_output_tokens reached)
+
+
+def test_native_generate_is_settled_with_its_usage_and_streams_the_headers(node: NodeProc) -> None:
+    """SGLang's /generate reserves prompt + max_new_tokens as the OpenAI routes do and is settled with
+    what it used (it kept the whole reservation: a second call of 1,500 tokens was refused with 2,000 a
+    minute), and its streamed answer carries the x-ratelimit-* headers."""
+    h = {"x-smg-tenant": "gen"}
+    body: dict[str, Any] = {"model": "qwen3", "text": "Hi", "sampling_params": {"max_new_tokens": 1500}}
+    r = httpx.post(node.url + "/generate", json=body, headers=h, timeout=30)
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    prompt, used = meta["prompt_tokens"], meta["prompt_tokens"] + meta["completion_tokens"]
+    assert r.headers["x-ratelimit-remaining-tokens"] == str(2000 - (prompt + 1500))
+    with httpx.stream(
+        "POST", node.url + "/generate", json={**body, "stream": True}, headers=h, timeout=30
+    ) as s:
+        assert s.status_code == 200
+        assert s.headers["x-ratelimit-limit-tokens"] == "2000"
+        assert s.headers["x-ratelimit-remaining-tokens"] == str(2000 - used - (prompt + 1500))
+        assert "[DONE]" in s.read().decode()

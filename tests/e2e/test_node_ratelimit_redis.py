@@ -86,7 +86,7 @@ def test_requests_per_minute_hold_across_two_nodes(nodes: tuple[NodeProc, NodePr
         with pytest.raises(openai.RateLimitError) as ei:
             client(node, "alpha").chat.completions.create(model="qwen3", messages=MSGS, max_tokens=4)
         e = ei.value
-        assert e.status_code == 429 and e.code == "rate_limit_exceeded" and e.type == "rate_limit_exceeded"
+        assert e.status_code == 429 and e.code == "rate_limit_exceeded" and e.type == "requests"
         assert isinstance(e.body, dict) and set(e.body) >= {"message", "type", "param", "code"}
         assert "Rate limit reached for requests per min (RPM) of tenant 'alpha': Limit 3, Used 3" in e.message
         h = e.response.headers

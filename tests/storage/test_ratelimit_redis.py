@@ -256,6 +256,27 @@ async def test_redis_down_then_back(prefix: str) -> None:
             await a.close()
 
 
+async def test_what_the_fallback_admitted_is_repaid_at_its_real_usage(prefix: str) -> None:
+    """A request admitted by the fallback rule and settled while Redis is away owes Redis its real
+    usage, not its reservation: the tenant is not charged max_tokens once Redis is back (a 1,010-token
+    reservation that used 20 left 1,990 of 3,000, not 2,980)."""
+    rule = RateLimitRule("g", None, None, 3000, None)
+    clock = Clock(T0 + 6.0)
+    with service_or_skip("Redis", redis_service) as svc:
+        a = _redis(svc.url, prefix, clock, "n0", rule)
+        try:
+            assert isinstance(await _try(a, "g", 10, 10), Ticket)  # through Redis
+            _kill(svc)
+            t = await _try(a, "g", 10, 1000)
+            assert isinstance(t, Ticket) and a.backend is not None and not a.backend.up
+            t.settle(20)
+            with redis_service(port=svc.port):  # an empty Redis where the old one was
+                await _until_up(a)
+                assert isinstance(await _try(a, "g", 10, 2900), Ticket)
+        finally:
+            await a.close()
+
+
 async def test_nodes_without_a_mesh_split_the_limit_while_redis_is_down(prefix: str) -> None:
     """Two nodes sharing Redis but no mesh (each counts N = 1 on its own): the presence set tells each
     that two count in Redis, so while Redis is down each admits 30 / 2 on its own counts, not 30; a node

@@ -105,7 +105,8 @@ def test_429_envelope_and_headers() -> None:
     e = ei.value
     env = orjson.loads(e.body())["error"]
     assert e.status == 429
-    assert env["type"] == env["code"] == "rate_limit_exceeded"
+    # OpenAI's: code rate_limit_exceeded, type the limit ("requests": RPM, "tokens": TPM)
+    assert (env["type"], env["code"]) == ("requests", "rate_limit_exceeded")
     assert "requests per min" in env["message"] and "tenant 'team'" in env["message"]
     assert int(e.headers["retry-after"]) >= 1 and int(e.headers["retry-after-ms"]) > 0
     assert e.headers["x-ratelimit-remaining-requests"] == "0"
@@ -120,6 +121,29 @@ def test_request_too_large_has_no_retry_after() -> None:
         a.admit("t", "m", 900, 200)
     assert "retry-after" not in ei.value.headers
     assert "Request too large" in ei.value.message
+    assert orjson.loads(ei.value.body())["error"]["type"] == "tokens"
+
+
+def test_a_request_within_the_limit_above_a_partitioned_share_is_not_too_large() -> None:
+    """A side that reaches 1 of 3 members admits a third of each limit: a request that fits the limit but
+    not that third waits for the share to grow back (Retry-After), it is not "too large" (no Retry-After,
+    "Reduce the prompt": the SDKs then give up), nor is an RPM refusal worded as a TPM one."""
+    a = adm(RateLimitRule("t", None, rpm=2, tpm=3000))
+    a.limiter.set_membership(["n0"], 3)
+    with pytest.raises(RateLimited) as ei:
+        a.admit("t", "m", 1000, 500)
+    e = ei.value
+    assert "Request too large" not in e.message and "TPM" not in e.message
+    assert "requests per min" in e.message or "share of the RPM limit" in e.message
+    assert int(e.headers["retry-after"]) >= 1
+    b = adm(RateLimitRule("t", None, tpm=3000))
+    b.limiter.set_membership(["n0"], 3)
+    with pytest.raises(RateLimited) as ei:
+        b.admit("t", "m", 1000, 500)
+    assert "Request too large" not in ei.value.message and int(ei.value.headers["retry-after"]) >= 1
+    with pytest.raises(RateLimited) as ei:
+        b.admit("t", "m", 1000, 2500)  # above the limit itself: that one is never admitted
+    assert "Request too large" in ei.value.message and "retry-after" not in ei.value.headers
 
 
 def test_unlimited_tenant_costs_one_lookup() -> None:

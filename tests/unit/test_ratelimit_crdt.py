@@ -195,3 +195,7 @@ def test_fmt_duration() -> None:
     assert fmt_duration(8.642) == "8.64s"
     assert fmt_duration(360.0) == "6m0s"
     assert fmt_duration(61.5) == "1m1.5s"
+    # rounded before it is split: never "1000ms", "60s" or "1m60s" (OpenAI's, Go's: "1s", "1m0s", "2m0s")
+    assert fmt_duration(0.9996) == "1s"
+    assert fmt_duration(59.999) == "1m0s"
+    assert fmt_duration(119.996) == "2m0s"

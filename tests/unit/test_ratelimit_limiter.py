@@ -166,6 +166,26 @@ def test_a_member_that_leaves_stops_counting_at_once() -> None:
     assert lim.cluster_size == 1
 
 
+def test_what_a_member_that_left_admitted_still_counts() -> None:
+    """A graceful leave (a rolling restart) takes the node out of N at once, not its admissions of the
+    window: the others counting without them would admit them again (3 nodes at rpm 30, the leaving one
+    had 10: 40 in the window)."""
+    r = rules(rpm=30, max_concurrent=30)
+    a, c = RateLimiter("n0", 1), RateLimiter("n2", 1)
+    c.set_membership(["n2"], 1)
+    assert fill(c, 5.0, r, 1) == 30
+    a.update_members([("n0", "alive"), ("n2", "alive")], 5.0)
+    gossip(c, a)
+    a.update_members([("n0", "alive"), ("n2", "left")], 6.0)
+    assert a.cluster_size == 1
+    q = a.quota(6.0, r)
+    assert q.remaining_requests == 0 and isinstance(a.acquire(6.0, r, 1), Denial)
+    a.update_members([("n0", "alive")], 40.0)  # reaped from the list: still counted for its window
+    assert isinstance(a.acquire(40.0, r, 1), Denial)
+    # two windows later its counts are gone, as any window's are
+    assert fill(a, 200.0, r, 1) == 30
+
+
 def gossip(src: RateLimiter, *dsts: RateLimiter) -> None:
     while (d := src.take_delta()) is not None:
         for dst in dsts:
@@ -243,6 +263,33 @@ def test_restarted_node_keeps_its_old_window_counts_not_its_gauge() -> None:
     assert q.remaining_requests == 100 - 9  # both processes' admissions count
     conc = sum(e.inc - e.dec for (k, (node, gen)), e in a.entries().items() if gen == 2)
     assert conc == 1
+
+
+def test_restarted_node_takes_its_old_shard_back_from_a_peer() -> None:
+    # first-hand gossip takes a peer's own shards only; a restarted node's earlier process shard is held
+    # by the peers alone: the push-pull reply (a diff by digest) must give it back, or the restarted node
+    # admits again what its previous process admitted in the window while the peers still count it
+    r = rules(rpm=30)
+    old, b = RateLimiter("n0", 1), RateLimiter("n1", 1)
+    b.set_membership(["n0", "n1"], 2)
+    assert fill(old, 10.0, r, 1) == 30  # (alone then: no share)
+    while (d := old.take_delta()) is not None:
+        b.apply_delta_from(d, "n0")
+    new = RateLimiter("n0", 2)
+    new.set_membership(["n0", "n1"], 2)
+    new.merge_snapshot_from(b.diff(new.digest()), "n1")
+    assert new.quota(11.0, r).remaining_requests == 0
+    assert isinstance(new.acquire(11.0, r, 1), Denial)
+    # another node's shard relayed by a third party is still refused, and so is a newer generation's
+    stranger = RateLimiter("n2", 1)
+    grant(stranger.acquire(10.0, r, 1))
+    newer = RateLimiter("n0", 3)
+    grant(newer.acquire(10.0, r, 1))
+    c = RateLimiter("n3", 1)
+    c.apply_delta(stranger.snapshot() + newer.snapshot())
+    dropped = new.foreign_dropped
+    new.merge_snapshot_from(c.snapshot(), "n3")
+    assert new.foreign_dropped == dropped + 2
 
 
 def test_take_delta_is_bounded_and_digest_diff_repairs() -> None:

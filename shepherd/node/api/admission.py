@@ -54,16 +54,19 @@ MAX_CACHED = 4096  # (tenant, model) rule resolutions kept
 
 
 class RateLimited(ApiError):
-    """A 429 in OpenAI's shape; ``headers`` go on the response (Retry-After, x-ratelimit-*);
-    ``anthropic_headers``: Anthropic's ``anthropic-ratelimit-*`` of the same figures (the Messages API's
-    429s carry them too)."""
+    """A 429 in OpenAI's shape: code ``rate_limit_exceeded``, type the limit that refused it as OpenAI's
+    (``requests``: RPM, and here the concurrent requests too; ``tokens``: TPM); ``headers`` go on the
+    response (Retry-After, x-ratelimit-*); ``anthropic_headers``: Anthropic's ``anthropic-ratelimit-*``
+    of the same figures (the Messages API's 429s carry them too)."""
 
     def __init__(
-        self, message: str, headers: dict[str, str], anthropic_headers: dict[str, str] | None = None
+        self,
+        message: str,
+        headers: dict[str, str],
+        anthropic_headers: dict[str, str] | None = None,
+        type: str = "requests",
     ) -> None:
-        super().__init__(
-            429, message, type="rate_limit_exceeded", code="rate_limit_exceeded", headers=headers
-        )
+        super().__init__(429, message, type=type, code="rate_limit_exceeded", headers=headers)
         self.anthropic_headers = anthropic_headers or {}
 
 
@@ -107,12 +110,14 @@ def denial_error(d: Denial, now: float | None = None) -> RateLimited:
     where = f"tenant '{tenant}'" + (f" on model '{model}'" if model else "")
     headers = quota_headers(d.quota)
     anthropic = anthropic_quota_headers(d.quota, time.time() if now is None else now)
+    kind = "tokens" if d.metric == "tokens" else "requests"  # OpenAI's error types
     if math.isinf(d.retry_after):
         return RateLimited(
             f"Request too large for tokens per min (TPM) of {where}: Limit {d.limit}, Requested "
             f"{d.requested}. Reduce the prompt or max_tokens.",
             headers,
             anthropic,
+            "tokens",
         )
     wait = max(d.retry_after, 0.001)
     headers["retry-after"] = str(max(1, math.ceil(wait)))
@@ -135,7 +140,7 @@ def denial_error(d: Denial, now: float | None = None) -> RateLimited:
             f"Rate limit reached for {unit} of {where}: Limit {d.limit}, Used {used}, "
             f"Requested {d.requested}."
         )
-    return RateLimited(f"{msg} Please try again in {fmt_duration(wait)}.", headers, anthropic)
+    return RateLimited(f"{msg} Please try again in {fmt_duration(wait)}.", headers, anthropic, kind)
 
 
 class Ticket:

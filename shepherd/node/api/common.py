@@ -20,7 +20,7 @@ import orjson
 from aiohttp import web
 
 from shepherd.auth.principal import PRINCIPAL_KEY, Principal
-from shepherd.node.api.admission import Admission
+from shepherd.node.api.admission import TICKET_KEY, Admission
 from shepherd.node.cluster.history import OwnerGone
 from shepherd.node.dispatch.gateway import Gateway, model_not_found
 from shepherd.node.dispatch.workers import no_healthy_worker
@@ -422,14 +422,21 @@ _RID_KEY: web.RequestKey[str] = web.RequestKey("shepherd.request_id", str)
 def stamp_headers(request: web.Request, resp: web.StreamResponse, t0: float) -> None:
     """``x-request-id`` (and on the Messages API's routes Anthropic's ``request-id``) and ``x-smg-gateway-ms``
     on an answer about to be sent, unless it has them (the generation routes set their own: the gateway's
-    time without the engine's)."""
+    time without the engine's), and under rate limits the admission's ``x-ratelimit-*`` (the guard adds
+    them to an answer not yet sent; a streamed one is sent before it returns)."""
     h = resp.headers
     if "x-request-id" not in h:
         h["x-request-id"] = request_id_of(request)
-    if "request-id" not in h and is_messages_path(request.path):
+    messages = is_messages_path(request.path)
+    if "request-id" not in h and messages:
         h["request-id"] = h["x-request-id"]  # Anthropic's (the SDK's ``request_id``), on every answer
     if "x-smg-gateway-ms" not in h:
         h["x-smg-gateway-ms"] = f"{(time.perf_counter() - t0) * 1000:.3f}"
+    ticket = request.get(TICKET_KEY)
+    if ticket is not None:
+        h.update(ticket.headers)
+        if messages:
+            h.update(ticket.anthropic_headers)
 
 
 def _stamp(request: web.Request, resp: web.StreamResponse, t0: float) -> web.StreamResponse:
@@ -517,13 +524,15 @@ async def admitted(
     prompt_tokens: int,
     sampling: Sampling,
     run: Callable[[], Awaitable[web.StreamResponse]],
+    jobs: Sequence[Any] | None = None,
 ) -> web.StreamResponse:
-    """``run()`` under the app's admission (the rate limits), when there is one (relayed requests: no
-    engine jobs, the reservation stands)."""
+    """``run()`` under the app's admission (the rate limits), when there is one; ``jobs``: what the
+    engine requests used, to settle the reservation with (``Admission.guard``; relayed requests: none,
+    the reservation stands)."""
     adm = request.app[ADMISSION]
     if adm is None:
         return await run()
-    return await adm.guard(request, model, prompt_tokens, sampling, run)
+    return await adm.guard(request, model, prompt_tokens, sampling, run, jobs)
 
 
 def _bad_answer(w_id: str, why: str) -> ApiError:

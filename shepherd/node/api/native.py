@@ -16,7 +16,7 @@ import asyncio
 import importlib.metadata
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -423,6 +423,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     rid = _rid(d.get("rid"))
     request["model"] = model
     mm = gw.metrics.for_model(model, "generate")
+    usage = _Usage(ids)  # what the call used: the rate limits' settlement
 
     async def run() -> web.StreamResponse:
         max_new = gw.check_context(model, len(ids), s.max_tokens, param=field)
@@ -438,7 +439,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         sp = engine_sampling(s, s.max_tokens, gw.cfg.stream_interval, None, facts.defaults, stops)
         # an id of its own, its unique token first (SGLang aborts by id prefix: generation._engine_id)
         gen = GenerateRequest(engine_id(rid), ids, sp, True, False, 0, token_limit=max_new)
-        job = _Job(ids, t0, max_new, mm)
+        job = _Job(ids, t0, max_new, mm, usage.states)
         es = await gw.open_stream(
             model, gen, target=h.get("x-smg-target-worker"), routing_key=h.get("x-smg-routing-key")
         )
@@ -456,18 +457,28 @@ async def generate(request: web.Request) -> web.StreamResponse:
         finally:
             await es.close("stop")  # (a stop string's end: the engine would go on)
 
-    return await admitted(request, model, len(ids), s, run)
+    return await admitted(request, model, len(ids), s, run, [usage])
+
+
+@dataclass(frozen=True, slots=True)
+class _Usage:
+    """The prompt and the choice of a /generate call, as ``admission.tokens_used`` reads them (the rate
+    limits' reservation is settled with the real usage)."""
+
+    ids: list[int]
+    states: list[ChoiceState] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class _Job:
-    """One /generate call: its prompt, start, the tokens asked for (``limit``) and the model's metric
-    children for SMG's ``endpoint="generate"``."""
+    """One /generate call: its prompt, start, the tokens asked for (``limit``), the model's metric
+    children for SMG's ``endpoint="generate"`` and where its choice goes (``_Usage.states``)."""
 
     ids: list[int]
     t0: float
     limit: int
     mm: ModelMetrics
+    states: list[ChoiceState] = field(default_factory=list)
 
 
 async def _drive(es: EngineStream, st: ChoiceState, out: list[int], job: _Job) -> tuple[str, int, int]:
@@ -565,6 +576,7 @@ def _take(
 async def _whole(es: EngineStream, rid: str, s: Sampling, tok: Any, job: _Job) -> web.Response:
     ids = job.ids
     st = ChoiceState(0, tok, s, ids)
+    job.states.append(st)
     out: list[int] = []
     _, prompt, cached = await _drive(es, st, out, job)
     meta = _meta(rid, st, prompt or len(ids), st.tokens, cached, job.t0)
@@ -582,6 +594,7 @@ async def _stream(
     keepalive = request.app[KEEPALIVE_TICKER]
     ka = keepalive.register(resp, KEEPALIVE)
     st = ChoiceState(0, tok, s, ids)
+    job.states.append(st)
     out: list[int] = []
     text: list[str] = []
     try:

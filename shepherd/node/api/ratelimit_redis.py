@@ -333,6 +333,11 @@ class RedisCounters:
             return
         if not isinstance(grant, RemoteGrant):  # admitted by the fallback rule: local counts only
             self.local.settle(now, grant, real_tokens)
+            if real_tokens is not None:  # Redis is owed its real usage, not its reservation (if not repaid)
+                for key in grant.keys:
+                    owed = self._owed.get((self._name(key), grant.win))
+                    if owed is not None:
+                        owed[1] += real_tokens - grant.tokens
             return
         grant.done = True
         self.local.settle(now, grant.local, real_tokens)

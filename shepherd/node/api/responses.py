@@ -1197,16 +1197,18 @@ async def _start_background(
     if lease is not None:
         lease.handed = True  # the task ends the turn: it releases the conversation
     run = _Run(g, job, turn, base, ticket, lease)
+    # x-ratelimit-* as every admitted answer (``admission``): taken now, the task may settle it first
+    headers = {"x-request-id": turn.response_id, **(ticket.headers if ticket is not None else {})}
     if isinstance(events, _BackgroundEvents):
         events.log.add(events.role(0))
         task = asyncio.create_task(_background_stream(run, events))
         registry.add(turn.response_id, task, events.log)
         task.add_done_callback(run.cleanup(events.log))
-        return await _follow(request, events.log.follow(-1), {"x-request-id": turn.response_id})
+        return await _follow(request, events.log.follow(-1), headers)
     task = asyncio.create_task(_background(run))
     registry.add(turn.response_id, task)
     task.add_done_callback(run.cleanup(None))
-    return _json(queued, headers={"x-request-id": turn.response_id})
+    return _json(queued, headers=headers)
 
 
 @dataclass(slots=True)
