@@ -20,6 +20,7 @@ from aiohttp import web
 from shepherd.proto.openai_errors import ApiError
 
 __all__ = [
+    "DETAIL_CODES",
     "MESSAGES_PREFIX",
     "anthropic_body",
     "anthropic_error_response",
@@ -45,6 +46,9 @@ _KINDS = {
     529: "overloaded_error",
 }
 _TIMEOUT_CODES = frozenset({"timeout", "engine_timeout"})  # (an in-band failure's code: timeout_error)
+# codes Anthropic answers with ``error.details`` (``{"error_code": code}``), what the SDK reads to recover:
+# a ``thread`` (server-side conversation state) refused, its tool runner goes on sending the whole history
+DETAIL_CODES = frozenset({"thread_unsupported_request"})
 
 
 def is_messages_path(path: str) -> bool:
@@ -73,15 +77,18 @@ def failure_kind(code: str) -> str:
     return "timeout_error" if code in _TIMEOUT_CODES else "api_error"
 
 
-def anthropic_body(status: int, message: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": anthropic_kind(anthropic_status(status)), "message": message}}
+def anthropic_body(status: int, message: str, code: str | None = None) -> dict[str, Any]:
+    error: dict[str, Any] = {"type": anthropic_kind(anthropic_status(status)), "message": message}
+    if code in DETAIL_CODES:
+        error["details"] = {"error_code": code}
+    return {"type": "error", "error": error}
 
 
 def anthropic_error_response(err: ApiError) -> web.Response:
     """``err`` in the Anthropic envelope, with its headers (Retry-After, WWW-Authenticate)."""
     return web.Response(
         status=anthropic_status(err.status),
-        body=orjson.dumps(anthropic_body(err.status, err.message)),
+        body=orjson.dumps(anthropic_body(err.status, err.message, err.code)),
         content_type="application/json",
         headers=err.headers or None,
     )

@@ -13,6 +13,8 @@ What a second sweep with the SDK found and these tests keep fixed:
   ``anthropic-version`` (the SDK's ``models.list`` / ``retrieve``, its pagination), an API key's model list
   still holding;
 - Anthropic's ``anthropic-ratelimit-*`` headers on the Messages API's answers and 429s.
+- the SDK's tool runner (it sends the message-threads beta's ``thread``: refused with the
+  ``thread_unsupported_request`` detail the SDK recovers from, it goes on with the whole conversation).
 """
 
 from __future__ import annotations
@@ -254,6 +256,58 @@ def test_tool_choice_none_keeps_the_tools_in_the_prompt(
     )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == "Plain."
+
+
+# ---- the SDK's tool runner (message threads refused as Anthropic words it) ----
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_sdks_tool_runner_runs_the_tool_loop(
+    client: anthropic.Anthropic, engine: MockEngineProc, http: httpx.Client, stream: bool
+) -> None:
+    """The runner sends ``thread: {type: create}``, then only the tool results with ``thread: {type:
+    continue, previous_message_id}`` (the message-threads beta: the server keeps the conversation). A
+    ``thread`` is refused with ``details.error_code`` ``thread_unsupported_request``, on which the SDK goes
+    on without one, sending the whole conversation (the ``thread`` was ignored and the second turn, tool
+    results answering no tool_use, was a 400 that ended the loop)."""
+    results: list[str] = []
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """Current weather of a city.
+
+        Args:
+            city: the city
+        """
+        results.append(city)
+        return f"sunny-in-{city}-{len(results)}"
+
+    marker = _script(engine, http, CALL)
+    _script(engine, http, "It is sunny.", match="sunny-in-Paris-1")
+    replies: list[Any] = []
+    if stream:
+        run = client.beta.messages.tool_runner(
+            model=MODEL, max_tokens=1000, tools=[get_weather], messages=_user(marker), stream=True
+        )
+        replies.extend(s.get_final_message() for s in run)
+    else:
+        replies.extend(
+            client.beta.messages.tool_runner(
+                model=MODEL, max_tokens=1000, tools=[get_weather], messages=_user(marker)
+            )
+        )
+    assert [[b.type for b in m.content] for m in replies] == [["tool_use"], ["text"]]
+    assert [m.stop_reason for m in replies] == ["tool_use", "end_turn"]
+    assert results == ["Paris"]
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(
+            model=MODEL,
+            max_tokens=8,
+            messages=_user("hi"),
+            extra_body={"thread": {"type": "create"}},
+        )
+    assert isinstance(refused.value.body, dict)
+    assert refused.value.body["error"]["details"] == {"error_code": "thread_unsupported_request"}
 
 
 # ---- /v1/models ----

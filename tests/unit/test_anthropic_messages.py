@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import orjson
@@ -24,7 +25,12 @@ from shepherd.node.anthropic.requests import parse_count_tokens, parse_messages,
 from shepherd.node.openai.sse import ChatChunks
 from shepherd.node.openai.structured import check_schemas_now
 from shepherd.node.output.chat import ChatOutput, ChoiceEncoder, final_reason
-from shepherd.proto.anthropic_errors import anthropic_body, convert_body, is_messages_path
+from shepherd.proto.anthropic_errors import (
+    anthropic_body,
+    anthropic_error_response,
+    convert_body,
+    is_messages_path,
+)
 from shepherd.proto.openai_errors import ApiError
 
 TOOL = {
@@ -338,6 +344,28 @@ def test_consecutive_turns_of_one_role_are_one_turn() -> None:
     assert (m[1]["content"], m[1]["reasoning_content"], len(m[1]["tool_calls"])) == ("x", "t", 1)
 
 
+def _best_parse_time(messages: list[dict[str, Any]]) -> float:
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        parse_messages(_req(messages=messages))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def test_merging_consecutive_turns_costs_what_alternating_turns_cost() -> None:
+    """Against as many alternating turns of the same text (nothing merged), not a timed bound: linear
+    work measures about 1x, the quadratic merge (each message copied the turn's text so far: a 12 MB
+    request of short user messages held the event loop for minutes) 50x and more at this size; the
+    bound leaves 8x headroom."""
+    n, text = 8000, "x" * 400
+    same = [{"role": "user", "content": text} for _ in range(n)]
+    alternating = [{"role": ("user", "assistant")[i % 2], "content": text} for i in range(n + 1)]
+    assert _best_parse_time(same) < 10 * _best_parse_time(alternating)
+    m = parse_messages(_req(messages=same[:3])).chat.messages
+    assert m == [{"role": "user", "content": "\n".join([text] * 3)}]
+
+
 def test_structured_outputs_and_strict_tools_reach_the_chat_request() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     for d in (
@@ -484,6 +512,23 @@ def test_stream_failure_is_an_error_event() -> None:
 
 
 # ---- the error envelope ----
+
+
+def test_a_thread_is_refused_as_the_sdk_recovers_from() -> None:
+    """The message-threads beta (the SDK's tool runner sends it): a 400 whose ``details.error_code`` is
+    ``thread_unsupported_request``, checked before the messages (a continued thread's start with tool
+    results answering the reply it continues)."""
+    results = [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "r"}]
+    for thread in ({"type": "create"}, {"type": "continue", "previous_message_id": "msg_1"}):
+        for parse in (parse_messages, parse_count_tokens):
+            with pytest.raises(ApiError) as e:
+                parse(_req(thread=thread, messages=[{"role": "user", "content": results}]))
+            assert e.value.code == "thread_unsupported_request"
+            body = orjson.loads(anthropic_error_response(e.value).body)  # type: ignore[arg-type]
+            assert body["error"]["details"] == {"error_code": "thread_unsupported_request"}
+            assert body["error"]["type"] == "invalid_request_error"
+    assert parse_messages(_req(thread=None)).chat.messages == [{"role": "user", "content": "hi"}]
+    assert "details" not in anthropic_body(400, "why", "unsupported_content")["error"]
 
 
 def test_error_envelope() -> None:

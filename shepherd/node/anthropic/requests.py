@@ -33,6 +33,10 @@ wait in ``chat.schemas`` for ``check_schemas`` (off the loop, after the model lo
 - ``max_tokens`` is required (create); ``temperature`` in [0, 1], ``top_p``, ``top_k``;
   ``stop_sequences`` (at most ``MAX_STOP`` of at most ``MAX_STOP_CHARS`` characters);
   ``metadata.user_id`` (a string of at most 256 characters, or null).
+- ``thread`` (the message-threads beta the SDK's tool runner sends: the server keeps the conversation):
+  400 with ``error.details.error_code`` ``thread_unsupported_request``, on which the SDK goes on without a
+  thread, sending the whole conversation (it was ignored, and the runner's second turn, the tool results
+  alone continuing the first reply's id, was a 400 the SDK cannot recover from).
 """
 
 from __future__ import annotations
@@ -251,28 +255,41 @@ def _assistant_blocks(content: list[Any], where: str, calls: set[str], final: bo
     return msg
 
 
+_MORE = "_more"  # (a turn's later messages of its role, until ``_join_turns``)
+
+
 def _add_turn(out: list[dict[str, Any]], msg: dict[str, Any]) -> None:
     """Append a user or assistant message; one of the same role right before it is the same turn
     (Anthropic: "consecutive user or assistant turns in your request will be combined into a single
-    turn"): its text joined as the turn's own blocks are (user "\\n", assistant ""), its reasoning and
-    tool calls after the earlier ones."""
+    turn"): kept aside on that turn and merged by ``_join_turns`` once all are in (merging each as it
+    came copied the turn's text so far every time: quadratic, a 10 MB request of short user messages
+    held the event loop for minutes)."""
     prev = out[-1] if out else None
-    role = msg["role"]
-    if prev is None or prev["role"] != role:
+    if prev is None or prev["role"] != msg["role"]:
         out.append(msg)
-        return
-    a, b = prev.get("content"), msg.get("content")
-    if role == "user":
-        prev["content"] = f"{a}\n{b}"
-        return
-    prev["content"] = None if a is None and b is None else (a or "") + (b or "")
-    if "reasoning_content" in msg:
-        r = prev.get("reasoning_content")
-        prev["reasoning_content"] = (
-            msg["reasoning_content"] if r is None else f"{r}\n{msg['reasoning_content']}"
-        )
-    if "tool_calls" in msg:
-        prev["tool_calls"] = [*(prev.get("tool_calls") or []), *msg["tool_calls"]]
+    else:
+        prev.setdefault(_MORE, []).append(msg)
+
+
+def _join_turns(out: list[dict[str, Any]]) -> None:
+    """Each turn's messages as one (``_add_turn``'s): its text joined as the turn's own blocks are (user
+    "\\n", assistant ""), its reasoning and tool calls in order."""
+    for m in out:
+        more = m.pop(_MORE, None)
+        if more is None:
+            continue
+        parts = [m, *more]
+        if m["role"] == "user":
+            m["content"] = "\n".join(p["content"] for p in parts)
+            continue
+        texts = [p.get("content") for p in parts]
+        m["content"] = None if all(t is None for t in texts) else "".join(t or "" for t in texts)
+        reasoning = [p["reasoning_content"] for p in parts if "reasoning_content" in p]
+        if reasoning:
+            m["reasoning_content"] = "\n".join(reasoning)
+        calls = [c for p in parts for c in p.get("tool_calls") or ()]
+        if calls:
+            m["tool_calls"] = calls
 
 
 def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
@@ -336,6 +353,7 @@ def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
         else:
             raise bad(f"{w}.content: expected a string or a list of content blocks.", param=f"{w}.content")
         prefill = role == "assistant"
+    _join_turns(out)
     if prefill and out[-1].get("tool_calls"):
         raise bad("The final assistant message may not end with a tool_use block.", param="messages")
     _unanswered(unanswered)
@@ -563,6 +581,13 @@ def parse_count_tokens(d: dict[str, Any]) -> MessagesRequest:
 
 def _parse(d: dict[str, Any], *, count: bool) -> MessagesRequest:
     model = _model(d)
+    if d.get("thread") is not None:  # (before the messages: a continued thread's do not start the chat)
+        raise bad(
+            "thread: message threads (conversation state kept by the server) are not supported; send the "
+            "whole conversation without `thread`.",
+            param="thread",
+            code="thread_unsupported_request",
+        )
     messages, prefill = _messages(d)
     max_tokens: int | None = None
     stops: tuple[str, ...] = ()
