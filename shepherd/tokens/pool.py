@@ -106,7 +106,9 @@ def _kill_and_reap(pid: int) -> int | None:
 class _Call:
     future: asyncio.Future[tuple[int, bytes]]
     started: float
-    heavy: bool = False
+    # a heavy call's slot of the heavy lane: given back when the worker is done with the call (answered,
+    # or the worker gone), not when its caller gives up: the worker grinds on until then
+    lane: asyncio.Semaphore | None = None
 
 
 @dataclass(slots=True)
@@ -117,10 +119,18 @@ class _Worker:
     from_fd: int  # parent reads responses
     started: float
     inflight: dict[int, _Call] = field(default_factory=dict)
+    heavy: int = 0  # heavy calls among them
     rbuf: bytearray = field(default_factory=bytearray)
     wbuf: bytearray = field(default_factory=bytearray)
     alive: bool = True
     death_reason: str = ""
+
+
+def _done(w: _Worker, call: _Call) -> None:
+    """``call`` has left ``w``'s in-flight table: its heavy-lane slot back."""
+    if call.lane is not None:
+        w.heavy -= 1
+        call.lane.release()
 
 
 class TokenizerPool:
@@ -236,6 +246,8 @@ class TokenizerPool:
                 reason += f" (exit status {os.WEXITSTATUS(st)})"
         w.death_reason = reason
         calls, w.inflight = w.inflight, {}
+        for call in calls.values():
+            _done(w, call)
         if calls:
             self.failures += len(calls)
             message = f"tokenizer worker pid {w.pid} {reason}; {len(calls)} call(s) in flight failed"
@@ -297,8 +309,10 @@ class TokenizerPool:
             payload = bytes(buf[hsize : hsize + n])
             del buf[: hsize + n]
             call = w.inflight.pop(req_id, None)
-            if call is not None and not call.future.done():
-                call.future.set_result((status, payload))
+            if call is not None:
+                _done(w, call)
+                if not call.future.done():
+                    call.future.set_result((status, payload))
 
     def _on_writable(self, w: _Worker) -> None:
         self._flush(w)
@@ -319,10 +333,10 @@ class TokenizerPool:
     def _pick(self) -> _Worker:
         """The live worker with room for a call: one without a heavy call first, then the least loaded."""
         best: _Worker | None = None
-        best_key = (True, 0)
+        best_key = (0, 0)
         for w in self._workers:
             if w is not None and w.alive and len(w.wbuf) <= WBUF_MAX:
-                key = (any(c.heavy for c in w.inflight.values()), len(w.inflight))
+                key = (w.heavy, len(w.inflight))
                 if best is None or key < best_key:
                     best, best_key = w, key
         if best is None:
@@ -332,12 +346,7 @@ class TokenizerPool:
         return best
 
     async def _call(self, op: int, flag: int, model: int, payload: bytes) -> bytes:
-        if len(payload) <= HEAVY_BYTES or self._heavy_lane is None:
-            return await self._call_retried(op, flag, model, payload, False)
-        async with self._heavy_lane:  # (a caller gone while it waits here was never sent)
-            return await self._call_retried(op, flag, model, payload, True)
-
-    async def _call_retried(self, op: int, flag: int, model: int, payload: bytes, heavy: bool) -> bytes:
+        heavy = len(payload) > HEAVY_BYTES
         try:
             return await self._call_once(op, flag, model, payload, heavy)
         except TokenizerWorkerError as e:
@@ -349,11 +358,21 @@ class TokenizerPool:
     async def _call_once(self, op: int, flag: int, model: int, payload: bytes, heavy: bool) -> bytes:
         if self._loop is None:
             raise TokenizerPoolUnavailable("the tokenizer pool is not started")
-        w = self._pick()
+        lane = self._heavy_lane if heavy else None
+        if lane is not None:
+            await lane.acquire()  # (a caller gone while it waits here was never sent)
+        try:
+            w = self._pick()
+        except BaseException:
+            if lane is not None:
+                lane.release()
+            raise
         req_id = self._next_id
         self._next_id = (req_id + 1) & 0xFFFFFFFF or 1
         fut: asyncio.Future[tuple[int, bytes]] = self._loop.create_future()
-        w.inflight[req_id] = _Call(fut, time.monotonic(), heavy)
+        w.inflight[req_id] = _Call(fut, time.monotonic(), lane)
+        if lane is not None:
+            w.heavy += 1
         self.calls += 1
         frame = _REQ.pack(req_id, op, flag, model, len(payload)) + payload
         if w.wbuf:

@@ -193,6 +193,50 @@ def test_a_turn_whose_owner_died_meanwhile_ends_with_an_api_error_and_runs_on() 
     asyncio.run(run())
 
 
+class _EndMissedStore(MemoryStore):
+    """Its records' owner died as the turn ended: the running record was written, its end is not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ends: list[str] = []
+
+    async def update_response(self, response: StoredResponse, *a: Any, **kw: Any) -> bool:
+        if response.status == "in_progress":
+            return True
+        self.ends.append(response.status)
+        raise OwnerGone("the node 'b' that owns this record is dead")
+
+
+def test_a_background_end_the_owner_missed_is_not_replaced_by_a_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A background response that completed while its record's owner was down: that end is what
+    ``RoutedStore`` sends again once the owner is back (the latest write per record), so no failure is
+    written after it (it replaced the completed answer there)."""
+    from types import SimpleNamespace
+
+    from shepherd.node.api import responses as api
+
+    async def run() -> None:
+        store = _EndMissedStore()
+        turn = Turn(History(store, "0" * 8), "resp_t", 1.0, "m", None, None, None, [], (), None)
+
+        async def collect(*a: Any, **kw: Any) -> tuple[list[Any], list[Any]]:
+            return [None], []
+
+        g = SimpleNamespace(
+            gw=SimpleNamespace(metrics=SimpleNamespace(overhead=SimpleNamespace(observe=lambda v: None))),
+            t0=0.0,
+            collect=collect,
+            rejected=lambda v: None,
+        )
+        monkeypatch.setattr(api, "_answer", lambda *a: ("stop", "completed", [], None))
+        await api._background(api._Run(cast(Any, g), cast(Any, None), turn, BASE, None, None))
+        assert store.ends == ["completed"]
+
+    asyncio.run(run())
+
+
 def test_background_registry_is_bounded() -> None:
     async def run() -> None:
         reg = BackgroundRegistry(limit=2)

@@ -202,7 +202,8 @@ async def test_a_worker_reading_nothing_is_not_buffered_for_without_bound(
 async def test_heavy_calls_leave_a_worker_to_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
     """Big prompts (long runs of letters: seconds of BPE a megabyte) take at most N - 1 workers: a second
     one waits in the parent (never sent if its caller gives up), and the small calls of everyone else go
-    to the worker without one, also when several are in flight at once."""
+    to the worker without one, also when several are in flight at once. A heavy call's slot comes back
+    when its worker is done with it, not when its caller gives up (the worker grinds on)."""
     import shepherd.tokens.pool as pool_mod
 
     monkeypatch.setattr(pool_mod, "HEAVY_BYTES", 4096)
@@ -211,7 +212,7 @@ async def test_heavy_calls_leave_a_worker_to_the_others(monkeypatch: pytest.Monk
     async with running(TokenizerPool([tok], workers=2)) as pool:
         first = asyncio.ensure_future(pool.encode("qwen3", heavy, False))
         await asyncio.sleep(0)
-        (busy,) = [w for w in pool._workers if w is not None and any(c.heavy for c in w.inflight.values())]
+        (busy,) = [w for w in pool._workers if w is not None and w.heavy]
         os.kill(busy.pid, signal.SIGSTOP)  # the heavy call runs on, for as long as the test needs
         try:
             calls = pool.calls
@@ -224,10 +225,16 @@ async def test_heavy_calls_leave_a_worker_to_the_others(monkeypatch: pytest.Monk
             second.cancel()
             await asyncio.gather(second, return_exceptions=True)
             assert pool.calls == calls + len(small)  # the one given up was never sent
+            first.cancel()  # its caller gone: its worker is still at it, the lane still taken
+            await asyncio.gather(first, return_exceptions=True)
+            third = asyncio.ensure_future(pool.encode("qwen3", heavy, False))
+            await asyncio.sleep(0.05)
+            assert pool.calls == calls + len(small) and not third.done()
         finally:
             os.kill(busy.pid, signal.SIGCONT)
-        assert await guarded(first) == tok.encode_uncached(heavy, False)
+        assert await guarded(third) == tok.encode_uncached(heavy, False)  # sent once the first was done
         assert await guarded(pool.encode("qwen3", heavy, False)) == tok.encode_uncached(heavy, False)
+        assert all(w.heavy == 0 for w in pool._workers if w is not None)
 
 
 async def test_a_stuck_worker_is_killed_after_the_call_timeout() -> None:

@@ -603,8 +603,8 @@ async def relay(
 ) -> web.StreamResponse:
     """Pass a request to an OpenAI HTTP worker; SSE flows back as it arrives (``_relay_stream``). Retries
     another worker when the connection fails before any answer, or the answer is one SMG's HTTP router
-    retries (``RELAY_RETRY_STATUSES``: 408, 429, 5xx but 501), while tries are left (else that answer is
-    relayed); a worker that does not answer within the request timeout: 504, not retried. With
+    retries (``RELAY_RETRY_STATUSES``: 408, 429, 500, 502, 503, 504), while tries are left (else that
+    answer is relayed); a worker that does not answer within the request timeout: 504, not retried. With
     ``x-smg-target-worker``: that HTTP worker of the model only (else a 400), no retry elsewhere.
 
     Only what an OpenAI worker answers goes back: a status other than 2xx/4xx/5xx (redirects are not
@@ -648,10 +648,12 @@ async def relay(
                 if not e.retryable:
                     raise
                 tried.add(w.id)
-                last = e
+                if not isinstance(last, web.Response):  # (an earlier worker's answer is the better one)
+                    last = e
                 continue
             except BaseException:  # the client went away: nothing learnt of the worker (a half-open
-                w.breaker.release()  # circuit's trial must not stay taken, or it is never tried again)
+                if target is None:  # circuit's trial, taken by the pick, must not stay taken)
+                    w.breaker.release()
                 raise
             try:
                 status = upstream.status

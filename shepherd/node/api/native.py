@@ -503,12 +503,10 @@ async def _events(
     seen = False
     got = 0  # chunk tokens received
     last: Sequence[int] = ()  # the last chunk's ids
-    t_first = 0.0
+    t_first = t_last = 0.0
     limit, mm = job.limit, job.mm
     async for batch in es.batches():
-        if not t_first:
-            t_first = time.perf_counter()
-            mm.ttft.observe(t_first - job.t0)
+        before = st.tokens
         delta = []
         for ev in batch:
             prompt = max(prompt, ev.prompt_tokens)
@@ -533,10 +531,17 @@ async def _events(
             else:  # the last tokens came in the Complete only (SGLang's in-tree server)
                 delta.append(_take(st, ev.output_ids, ev.logprobs, out, limit, None))
                 delta.append(st.end(ev.finish_reason))
+        now = time.perf_counter()
+        if st.tokens > before:  # TTFT at the first token, then the time per token (chat's ``itl``)
+            if t_first:
+                mm.itl.observe((now - t_last) / (st.tokens - before))
+            else:
+                t_first = now
+                mm.ttft.observe(now - job.t0)
+            t_last = now
         if st.finished:
-            now = time.perf_counter()
             mm.e2e.observe(now - job.t0)
-            mm.generation.observe(now - t_first)
+            mm.generation.observe(now - (t_first or now))
             mm.prompt_tokens.value += prompt or len(job.ids)
             mm.completion_tokens.value += st.tokens
         yield "".join(delta), prompt, cached

@@ -500,7 +500,10 @@ class RedisCounters:
             try:
                 await pipe.execute()
             except BaseException:
-                self._owed = owed  # not repaid: kept for the next probe
+                for k, (req, tok) in owed.items():  # not repaid: kept for the next probe, with what was
+                    now_owed = self._owed.setdefault(k, [0, 0])  # added (or settled) meanwhile
+                    now_owed[0] += req
+                    now_owed[1] += tok
                 raise
 
     async def start(self) -> None:

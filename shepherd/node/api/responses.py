@@ -147,6 +147,10 @@ def _runner(hist: History) -> str:
 
 # writes that must finish although the request that started them is gone (held here until done)
 _PENDING: set[asyncio.Task[Any]] = set()
+# leases whose release the store refused -> the task making it again (at most RELEASING_MAX: past that a
+# lease expires on its own); cancelled when the app closes
+_RELEASING: dict[tuple[str, str], asyncio.Task[Any]] = {}
+RELEASING_MAX = 4096
 
 
 class BackgroundRegistry:
@@ -858,7 +862,10 @@ class _Lease:
             await self.store.release(self.name, self.holder)
         except StorageError as e:  # made again until it succeeds, or the lease expires on its own
             log.warning("conversation lease %s of %s not released: %s", self.name, self.holder, e)
-            _held(self._again())
+            key = (self.name, self.holder)
+            if key not in _RELEASING and len(_RELEASING) < RELEASING_MAX:
+                task = _RELEASING[key] = _held(self._again())
+                task.add_done_callback(lambda _t: _RELEASING.pop(key, None))
         except BaseException:  # cancelled midway (its task cancelled): a later call releases it
             self.released = False
             raise
@@ -1281,7 +1288,12 @@ async def _background(run: _Run) -> None:
             await turn.update(body, [])
             return
         body = response_object(base, status=status, output=output, usage=usage, finish_reason=finish)
-        await turn.update(body, output)
+        try:
+            await turn.update(body, output)
+        except (OwnerGone, StorageUnavailable) as e:
+            # its record's owner missed it: the end is sent again once the owner answers (``RoutedStore``);
+            # a failure written now would replace it
+            log.warning("background response %s: its end not stored yet: %s", turn.response_id, e)
     except asyncio.CancelledError:
         if watch is not None:
             watch.cancel()
@@ -1582,7 +1594,9 @@ async def _settle_orphan(hist: History, stored: StoredResponse, running: bool) -
         return stored
     tag, _, instance = runner.partition("/")
     beat = stored.body.get(_BEAT)
-    stale = isinstance(beat, int | float) and time.time() - beat > STALE_S
+    # (without a mesh only: a mesh says which nodes are gone, and a live runner's beats may fail to be
+    # written for a while, its record's owner down, or read on a host whose clock is ahead)
+    stale = hist.node_gone is None and isinstance(beat, int | float) and time.time() - beat > STALE_S
     if tag == hist.tag and instance == _INSTANCE:
         if running or (stored.status == "queued" and time.time() - stored.created_at < _QUEUED_GRACE_S):
             return stored
@@ -1781,3 +1795,5 @@ def install(app: web.Application) -> None:
 async def _background_closing(app: web.Application) -> AsyncIterator[None]:
     yield
     await app[BACKGROUND].close()
+    for task in list(_RELEASING.values()):  # (the store closes after: its leases expire on their own)
+        task.cancel()
