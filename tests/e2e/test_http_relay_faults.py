@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +23,7 @@ import pytest
 from aiohttp import web
 
 from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.threaded_app import ThreadedApp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,52 +49,18 @@ def _chunk(text: str) -> bytes:
     return b"data: " + orjson.dumps(c) + b"\n\n"
 
 
-class Worker:
+class Worker(ThreadedApp):
     """An OpenAI HTTP worker stand-in on loopback, in a thread with its own event loop; ``mode`` says how
     it answers generation requests, ``hits`` counts them, ``gone`` counts those whose client (the node)
     closed the connection before the answer ended."""
 
+    handler_cancellation = True
+
     def __init__(self) -> None:
+        super().__init__()
         self.mode = "ok"
         self.hits = 0
         self.gone = 0
-        self.port = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._runner: web.AppRunner | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _run(self) -> None:
-        loop = self._loop = asyncio.new_event_loop()
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-
-        async def start() -> None:
-            self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-            await self._runner.setup()
-            site = web.TCPSite(self._runner, "127.0.0.1", 0)
-            await site.start()
-            self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            self._ready.set()
-
-        loop.run_until_complete(start())
-        loop.run_forever()
-        loop.run_until_complete(self._runner.cleanup())  # type: ignore[union-attr]
-        loop.close()
-
-    def start(self) -> Worker:
-        self._thread.start()
-        assert self._ready.wait(10)
-        return self
-
-    def stop(self) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
 
     async def _handle(self, r: web.Request) -> web.StreamResponse:
         if r.path == "/health":
