@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import orjson
@@ -344,26 +343,23 @@ def test_consecutive_turns_of_one_role_are_one_turn() -> None:
     assert (m[1]["content"], m[1]["reasoning_content"], len(m[1]["tool_calls"])) == ("x", "t", 1)
 
 
-def _best_parse_time(messages: list[dict[str, Any]]) -> float:
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        parse_messages(_req(messages=messages))
-        best = min(best, time.perf_counter() - t0)
-    return best
+def test_consecutive_turns_are_merged_once_not_per_message() -> None:
+    """Each message of a turn is set aside as it comes and the turn joined once at the end: merging each as
+    it came copied the turn's text so far every time (quadratic: a 15 MB request of short user messages
+    held the event loop for minutes). Checked without a clock: the turn's first text is untouched until
+    the join, which gives the same turn."""
+    from shepherd.node.anthropic.requests import _add_turn, _join_turns
 
-
-def test_merging_consecutive_turns_costs_what_alternating_turns_cost() -> None:
-    """Against as many alternating turns of the same text (nothing merged), not a timed bound: linear
-    work measures about 1x, the quadratic merge (each message copied the turn's text so far: a 12 MB
-    request of short user messages held the event loop for minutes) 50x and more at this size; the
-    bound leaves 8x headroom."""
-    n, text = 8000, "x" * 400
-    same = [{"role": "user", "content": text} for _ in range(n)]
-    alternating = [{"role": ("user", "assistant")[i % 2], "content": text} for i in range(n + 1)]
-    assert _best_parse_time(same) < 10 * _best_parse_time(alternating)
-    m = parse_messages(_req(messages=same[:3])).chat.messages
-    assert m == [{"role": "user", "content": "\n".join([text] * 3)}]
+    text = "x" * 400
+    first = {"role": "user", "content": text}
+    out: list[dict[str, Any]] = []
+    for msg in (first, *({"role": "user", "content": text} for _ in range(999))):
+        _add_turn(out, msg)
+    assert len(out) == 1 and out[0]["content"] is text  # nothing joined per message
+    _join_turns(out)
+    assert out == [{"role": "user", "content": "\n".join([text] * 1000)}]
+    got = parse_messages(_req(messages=[{"role": "user", "content": text}] * 3)).chat.messages
+    assert got == [{"role": "user", "content": "\n".join([text] * 3)}]
 
 
 def test_structured_outputs_and_strict_tools_reach_the_chat_request() -> None:

@@ -551,14 +551,23 @@ _EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r\n")
 
 def event_end(recent: bytes, chunk: bytes) -> int:
     """How much of ``chunk`` ends complete SSE events (0: none ends in it); ``recent``: the last bytes
-    (two are enough) of the stream before ``chunk``, where a blank line may have begun."""
-    buf = recent[-2:] + chunk
+    (two are enough) of the stream before ``chunk``, where a blank line may have begun. The chunk is
+    searched in place (a relayed stream's every chunk passes here): only its first two bytes are joined
+    to ``recent``, for a blank line across the two."""
     end = 0
     for sep in _EVENT_ENDS:
-        i = buf.rfind(sep)
+        i = chunk.rfind(sep)
         if i >= 0:
             end = max(end, i + len(sep))
-    return max(0, end - (len(buf) - len(chunk)))
+    if end:
+        return end
+    tail = recent[-2:]
+    head = tail + chunk[:2]
+    for sep in _EVENT_ENDS:
+        i = head.rfind(sep)
+        if i >= 0:
+            end = max(end, i + len(sep) - len(tail))
+    return max(0, end)
 
 
 async def _relay_stream(resp: web.StreamResponse, upstream: aiohttp.ClientResponse, w_id: str) -> None:
@@ -579,7 +588,7 @@ async def _relay_stream(resp: web.StreamResponse, upstream: aiohttp.ClientRespon
                 await resp.write(error_event("The worker's stream is too long.", code="engine_error") + DONE)
                 return
             end = event_end(recent, chunk)
-            recent = (recent + chunk)[-2:]
+            recent = chunk[-2:] if len(chunk) >= 2 else (recent + chunk)[-2:]
             if end:
                 await resp.write(b"".join((*held, chunk[:end])) if held else chunk[:end])
                 held = [chunk[end:]] if end < len(chunk) else []
