@@ -490,6 +490,9 @@ class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: i
 SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", 256 * 1024 * 1024),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    # grpcio sets SO_REUSEPORT by default: a second engine started on a port in use would share it in
+    # silence (the kernel spreading connections over both) instead of failing to start
+    ("grpc.so_reuseport", 0),
 ]
 
 

@@ -7,6 +7,7 @@ Both processes are stopped by pid on exit, Ctrl-C included.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import signal
 import subprocess
@@ -22,7 +23,10 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"process {proc.args!r} exited with {proc.returncode}")
-        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as r:
+        # (an HTTPException: something else answers on the port, e.g. a gRPC server; the process's own
+        # failure to bind then ends it, seen above)
+        not_ready = (OSError, http.client.HTTPException)
+        with contextlib.suppress(*not_ready), urllib.request.urlopen(url, timeout=1) as r:
             if r.status == 200:
                 return
         time.sleep(0.1)

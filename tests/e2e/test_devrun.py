@@ -12,12 +12,15 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.node_procs import free_port, http_status
+from tests.e2e.node_procs import http_status, reserved_port
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_devrun_serves_a_chat_and_stops_both_processes(stop: signal.Signals) -> None:
-    port, grpc_port, http_port = free_port(), free_port(), free_port()
+    ports: set[int] = set()
+    while len(ports) < 3:  # bounded: three distinct ports below the ephemeral range (free_port closes its
+        ports.add(reserved_port())  # socket: two calls may hand out one port, or a client take it meanwhile)
+    port, grpc_port, http_port = sorted(ports)
     env = {
         **os.environ,
         "SMG_PORT": str(port),
