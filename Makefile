@@ -30,7 +30,8 @@ test: $(STAMP)
 	$(BIN)/python -m tests.services install
 	@# each test starts ~250 node and engine processes: with PYTHONDONTWRITEBYTECODE set (as on these
 	@# machines) every start compiled the project's modules again (~0.4 s each); compiled once, kept in the venv
-	env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/pycache $(BIN)/pytest tests
+	@# (--durations: the 40 slowest tests printed at the end, where the suite's time goes)
+	env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(CURDIR)/$(VENV)/pycache $(BIN)/pytest tests --durations=40
 
 lint: $(STAMP)
 	$(BIN)/ruff check shepherd tests bench chaos
