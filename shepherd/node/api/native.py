@@ -408,9 +408,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise bad(f"Model '{model}' is served by HTTP workers; /generate needs gRPC engines.", param="model")
     s, prompt = _sampling(d)
     tok = gw.tokenizer(model)
-    field = "text" if isinstance(prompt, str) else "input_ids"  # (what its context errors name)
+    prompt_field = "text" if isinstance(prompt, str) else "input_ids"  # (what its context errors name)
     if isinstance(prompt, str):
-        gw.check_prompt_chars(model, len(prompt), field)  # before any tokenizing: bounded work
+        gw.check_prompt_chars(model, len(prompt), prompt_field)  # before any tokenizing: bounded work
         ids = await gw.tokenizers.encode(model, prompt)
     else:
         ids = list(prompt)
@@ -426,7 +426,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     usage = _Usage(ids)  # what the call used: the rate limits' settlement
 
     async def run() -> web.StreamResponse:
-        max_new = gw.check_context(model, len(ids), s.max_tokens, param=field)
+        max_new = gw.check_context(model, len(ids), s.max_tokens, param=prompt_field)
         h = request.headers
         facts = gw.engine_facts(model, h.get("x-smg-target-worker"))  # the model's sampling defaults
         if s.min_tokens and facts.skip_tokenizer_init:
