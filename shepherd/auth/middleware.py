@@ -253,6 +253,12 @@ class Authenticated:
     record: ApiKeyRecord | None = None  # the API key, when one was used
 
 
+# the body gate's outcome for a request (the lean server's, at its head): the caller or its refusal, which
+# the middleware takes instead of checking the credential again (a token's signature check is the costly
+# part, and a caller can send bad tokens at will)
+_AT_HEAD: web.RequestKey[Authenticated | AuthFailure] = web.RequestKey("shepherd.auth.at_head")
+
+
 class Authenticator:
     """Credentials → principal, for one plane's mode. No I/O except a JWKS fetch on a cold JWT path."""
 
@@ -407,10 +413,14 @@ def make_middleware(authn: Authenticator, failures: AuthFailures | None = None) 
                 )
                 return refused.response(anthropic=is_messages_path(request.path))
         try:
-            peer = certs.from_transport(request.transport) if certs is not None else None
-            who = authn.authenticate_now(plane, request.headers, peer) or await authn.authenticate(
-                plane, request.headers, peer
-            )
+            who = request.get(_AT_HEAD)  # (the head's outcome: the credential is checked once a request)
+            if isinstance(who, AuthFailure):
+                raise who
+            if who is None:
+                peer = certs.from_transport(request.transport) if certs is not None else None
+                who = authn.authenticate_now(plane, request.headers, peer) or await authn.authenticate(
+                    plane, request.headers, peer
+                )
             if plane == "data" and who.principal.role != "admin" and TARGET_WORKER_HEADER in request.headers:
                 raise AuthFailure(
                     403, "The x-smg-target-worker header needs the admin role.", "target_worker_forbidden"
@@ -437,7 +447,8 @@ def make_body_gate(authn: Authenticator) -> Callable[[web.Request], bool]:
     revoked or expired key, or a token that does not verify (the checks that need no wait; a token whose
     keys must be fetched first passes, the middleware verifies it). The lean server then drops the body
     as it comes instead of buffering it (an unauthenticated caller could hold ``max_body`` a
-    connection)."""
+    connection). The outcome stays on the request (``_AT_HEAD``): the middleware does not check the
+    credential again."""
     plane_for = request_planes(authn.cfg.metrics)
     certs = authn.certs
     limiter = authn.failures
@@ -450,9 +461,12 @@ def make_body_gate(authn: Authenticator) -> Callable[[web.Request], bool]:
             return True
         try:
             peer = certs.from_transport(request.transport) if certs is not None else None
-            authn.authenticate_now(plane, request.headers, peer)
-        except AuthFailure:
+            who = authn.authenticate_now(plane, request.headers, peer)
+        except AuthFailure as e:
+            request[_AT_HEAD] = e
             return True
+        if who is not None:
+            request[_AT_HEAD] = who
         return False
 
     return gate

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -224,3 +225,81 @@ def test_native_generate_is_settled_with_its_usage_and_streams_the_headers(node:
         assert s.headers["x-ratelimit-limit-tokens"] == "2000"
         assert s.headers["x-ratelimit-remaining-tokens"] == str(2000 - used - (prompt + 1500))
         assert "[DONE]" in s.read().decode()
+
+
+# a schema the model lookup and admission come before (meta-validated under admission): a 400 after it
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": 12}}}
+OPENAI_AFTER_ADMISSION: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": (
+        "chat",
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}},
+    ),
+    "chat-stream": (
+        "chat",
+        {
+            "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}},
+        },
+    ),
+    "responses": (
+        "responses",
+        {"text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}},
+    ),
+    "responses-background": (
+        "responses",
+        {"background": True, "text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}},
+    ),
+    "responses-background-stream": (
+        "responses",
+        {
+            "background": True,
+            "stream": True,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}},
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OPENAI_AFTER_ADMISSION))
+def test_an_error_after_admission_carries_the_headers_and_counts_once(node: NodeProc, case: str) -> None:
+    """A request refused after it was admitted (here its schema, meta-validated under admission) was
+    counted: its error carries the x-ratelimit-* headers as OpenAI's do, and it counts once (a
+    background response's error had none)."""
+    c = client(node, f"after-{case}")
+    route, extra = OPENAI_AFTER_ADMISSION[case]
+    with pytest.raises(openai.BadRequestError) as ei:
+        if route == "chat":
+            c.chat.completions.create(model="qwen3", messages=MSGS, max_tokens=4, **extra)
+        else:
+            c.responses.create(model="qwen3", input="Hi", max_output_tokens=16, **extra)
+    h = ei.value.response.headers
+    assert "schema" in ei.value.message
+    assert h["x-ratelimit-limit-requests"] == "3" and h["x-ratelimit-remaining-requests"] == "2"
+    assert h["x-ratelimit-reset-requests"].endswith("s")
+    raw = c.chat.completions.with_raw_response.create(model="qwen3", messages=MSGS, max_tokens=4)
+    assert raw.headers["x-ratelimit-remaining-requests"] == "1"  # the refused request counted once
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_messages_error_after_admission_carries_both_headers(node: NodeProc, stream: bool) -> None:
+    """The Messages API's error after admission: Anthropic's envelope with its anthropic-ratelimit-*
+    beside the x-ratelimit-*, streamed or not, counted once."""
+    tenant = f"after-messages-{stream}"
+    with anthropic.Anthropic(
+        base_url=node.url,
+        api_key="unused",
+        max_retries=0,
+        timeout=30,
+        default_headers={"x-smg-tenant": tenant},
+    ) as c:
+        fmt = {"output_config": {"format": {"type": "json_schema", "schema": BAD_SCHEMA}}}
+        with pytest.raises(anthropic.BadRequestError) as ei:
+            c.messages.create(model="qwen3", max_tokens=4, messages=MSGS, stream=stream, extra_body=fmt)
+        assert ei.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+        h = ei.value.response.headers
+        assert h["anthropic-ratelimit-requests-limit"] == "3"
+        assert h["anthropic-ratelimit-requests-remaining"] == "2"
+        assert h["anthropic-ratelimit-requests-reset"].endswith("Z")
+        assert h["x-ratelimit-remaining-requests"] == "2"
+        raw = c.messages.with_raw_response.create(model="qwen3", max_tokens=4, messages=MSGS)
+        assert raw.headers["anthropic-ratelimit-requests-remaining"] == "1"

@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
 from typing import Any, cast
 
+import aiohttp
+import jwt as pyjwt
 import orjson
 import pytest
 from aiohttp import web
@@ -23,6 +25,8 @@ from shepherd.node.api import keys as api_keys
 from shepherd.node.api.common import GATEWAY, error_middleware, model_allowed
 from shepherd.node.config import NodeConfig
 from shepherd.node.dispatch.gateway import Gateway
+from shepherd.node.http.server import LeanServer
+from shepherd.node.http.types import LeanRequest
 from shepherd.node.metrics import NodeMetrics
 from tests.unit.test_auth_jwt import ISS, Signer, hs_confused_token, jwks_of
 
@@ -292,18 +296,21 @@ async def test_jwt_beside_keys_and_no_secret_in_logs(
         assert s[-20:] not in caplog.text  # no tail of it either
 
 
+class _Head(dict[Any, Any]):
+    """A request's head as the lean server's body gate sees it (a mapping, as its requests are: the gate
+    leaves its outcome there)."""
+
+    def __init__(self, route: str, headers: dict[str, str], remote: str) -> None:
+        super().__init__()
+        self.match_info = SimpleNamespace(route=SimpleNamespace(resource=SimpleNamespace(canonical=route)))
+        self.headers = CIMultiDictProxy(CIMultiDict(headers))
+        self.transport = None
+        self.remote = remote
+
+
 def _head(route: str, headers: dict[str, str], remote: str = "10.0.0.1") -> web.Request:
     """A request as the lean server's body gate sees it: its head only (route, headers, peer)."""
-    resource = SimpleNamespace(canonical=route)
-    return cast(
-        web.Request,
-        SimpleNamespace(
-            match_info=SimpleNamespace(route=SimpleNamespace(resource=resource)),
-            headers=CIMultiDictProxy(CIMultiDict(headers)),
-            transport=None,
-            remote=remote,
-        ),
-    )
+    return cast(web.Request, _Head(route, headers, remote))
 
 
 def test_the_body_gate_refuses_bad_tokens_and_blocked_addresses_at_the_head(tmp_path: Any) -> None:
@@ -335,3 +342,57 @@ def test_the_body_gate_refuses_bad_tokens_and_blocked_addresses_at_the_head(tmp_
     # keys still to be fetched (a JWKS endpoint not loaded yet): the middleware verifies after the head
     remote = build_state(auth_config({"mode": "jwt", "jwt": {"issuer": ISS, "jwks_url": ISS + "/keys"}}))
     assert not make_body_gate(remote.authenticator)(_head(chat, bearer(signer.token())))
+
+
+@pytest.mark.parametrize("cache_size", [10_000, 0])
+async def test_a_token_is_verified_once_a_request_behind_the_body_gate(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, cache_size: int
+) -> None:
+    """On the lean server a request with a body has its token checked at its head (the body gate) and
+    the middleware takes that outcome: one signature check a request, refused or not, whether verified
+    tokens are cached or not (a bad token cost two: the RSA check is what a caller can make the node
+    do at will)."""
+    signer = Signer("k1")
+    (tmp_path / "jwks.json").write_text(orjson.dumps(jwks_of(signer)).decode())
+    jwt_cfg = {
+        "issuer": ISS,
+        "audience": ["smg"],
+        "public_key_files": [str(tmp_path / "jwks.json")],
+        "cache_size": cache_size,
+    }
+    app = make_app({"mode": "jwt", "jwt": jwt_cfg})
+    checks = [0]
+    decode = pyjwt.decode
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        checks[0] += 1
+        return decode(*args, **kw)
+
+    monkeypatch.setattr(pyjwt, "decode", counted)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    server = LeanServer(app, max_body=1 << 16)
+    server.body_gate = cast(
+        Callable[[LeanRequest], bool], make_body_gate(app[AUTH].authenticator)
+    )  # as the node's
+    await server.start("127.0.0.1", 0)
+    try:
+        async with aiohttp.ClientSession() as s:
+            for token, status in (
+                (Signer("k1").token(), 401),  # another key under the kid: the signature fails
+                (signer.token(exp=int(time.time()) - 100), 401),  # signed, expired
+                (signer.token(), 200),
+            ):
+                checks[0] = 0
+                url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+                async with s.post(url, json={"model": "m"}, headers=bearer(token)) as r:
+                    assert r.status == status
+                    if status == 401:
+                        assert (await r.json())["error"]["type"] == "authentication_error"
+                        assert "invalid_token" in r.headers["WWW-Authenticate"]
+                    else:
+                        assert (await r.json())["subject"] == "alice"
+                assert checks[0] == 1
+    finally:
+        await server.shutdown(timeout=5.0)
+        await runner.cleanup()

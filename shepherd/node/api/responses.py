@@ -45,7 +45,7 @@ import orjson
 from aiohttp import web
 
 from shepherd.auth.principal import principal_of
-from shepherd.node.api.admission import Ticket, tokens_used
+from shepherd.node.api.admission import TICKET_KEY, Ticket, tokens_used
 from shepherd.node.api.common import (
     ADMISSION,
     GATEWAY,
@@ -1180,6 +1180,7 @@ async def _start_background(
     if adm is not None:
         who, max_tokens = principal_of(request), shaping.sampling.max_tokens
         ticket = await adm.admit_async(who, g.model, len(job.ids), max_tokens)  # (either backend)
+        request[TICKET_KEY] = ticket  # its x-ratelimit-* on the answer, an error's too (``stamp_headers``)
     queued = response_object(base, status="queued", output=[], usage=None)
     streamed = isinstance(events, _BackgroundEvents)
     try:

@@ -142,8 +142,9 @@ def _too_large(limit: int, size: int) -> BaseException:
 
 
 def _refused_caller() -> BaseException:
-    """A gated request's body (never read: the app's authentication answers first; raised only if a
-    credential it refused at the head passed by the time the app ran)."""
+    """A gated request's body (never read: the app's authentication answers first, with the refusal made
+    at the head; raised only if the address refused at the head for its failed attempts no longer was by
+    the time the app ran, and its credential passed)."""
     return web.HTTPUnauthorized(text="The request's credential was refused before its body was read; retry.")
 
 
