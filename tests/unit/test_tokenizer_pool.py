@@ -210,10 +210,15 @@ async def test_heavy_calls_leave_a_worker_to_the_others(monkeypatch: pytest.Monk
     tok = qwen3()
     heavy = "abcdefghij" * 1000  # 10 KB: heavy here
     async with running(TokenizerPool([tok], workers=2)) as pool:
+        pids = pool.pids()
+        for pid in pids:  # stopped before the heavy call reaches one: it cannot be done before it is held
+            os.kill(pid, signal.SIGSTOP)
         first = asyncio.ensure_future(pool.encode("qwen3", heavy, False))
         await asyncio.sleep(0)
         (busy,) = [w for w in pool._workers if w is not None and w.heavy]
-        os.kill(busy.pid, signal.SIGSTOP)  # the heavy call runs on, for as long as the test needs
+        for pid in pids:  # the heavy call's worker stays stopped, for as long as the test needs
+            if pid != busy.pid:
+                os.kill(pid, signal.SIGCONT)
         try:
             calls = pool.calls
             second = asyncio.ensure_future(pool.encode("qwen3", heavy, False))
