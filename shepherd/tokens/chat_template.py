@@ -48,6 +48,39 @@ class ToolCallShape:
     id_length: int | None
 
 
+# gpt-oss's template writes a tool's description as one comment and a tool whose parameters have no
+# properties as taking none; vLLM renders gpt-oss's prompt with openai-harmony instead, which writes a
+# comment line per line of the description (none for no description, where the template's "+" of a
+# null fails: a 400 for a tool OpenAI, vLLM and SMG take), and gives an object without properties
+# (MCP's no-argument tools) or an empty schema as a parameter (harmony's ``template_tools_section``)
+_HARMONY_REWRITES: Final = (
+    (
+        r'{{- "// " + tool.description + "\n" }}',
+        r'{%- set harmony_desc = (tool.description or "").replace("\r\n", "\n") %}'
+        r'{%- for line in (harmony_desc[:-1] if harmony_desc.endswith("\n") else harmony_desc).split("\n")'
+        r' if harmony_desc %}{{- "// " + line + "\n" }}{%- endfor %}',
+    ),
+    (
+        r'{{- "() => any;\n\n" }}',
+        r'{%- if tool.parameters is mapping and tool.parameters.type == "object" %}'
+        r'{{- "(_: " + ("// " + tool.parameters.description + "\n" if tool.parameters.description is string'
+        r' else "") + "{\n}) => any;\n\n" }}'
+        r"{%- elif tool.parameters is mapping and tool.parameters.type is not defined"
+        r' and tool.parameters.oneOf is not defined %}{{- "(_: any) => any;\n\n" }}'
+        r'{%- else %}{{- "() => any;\n\n" }}{%- endif %}',
+    ),
+)
+
+
+def _as_harmony_renders(source: str) -> str:
+    """gpt-oss's template with its tool header written as openai-harmony writes it (others as given)."""
+    if "render_tool_namespace" not in source:
+        return source
+    for old, new in _HARMONY_REWRITES:
+        source = source.replace(old, new)
+    return source
+
+
 class ChatTemplate:
     """One compiled template plus the special-token strings it is rendered with, and a render cache.
 
@@ -72,7 +105,7 @@ class ChatTemplate:
         self.source = source
         self.special_tokens: dict[str, Any] = dict(special_tokens or {})
         try:
-            self._template = (env or _environment()).from_string(source)
+            self._template = (env or _environment()).from_string(_as_harmony_renders(source))
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"chat template {name!r} does not compile: {e}") from e
         # A template that reads the clock is cached with what it read, and a hit must read the same.

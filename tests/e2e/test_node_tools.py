@@ -360,3 +360,56 @@ def test_messages_without_thinking_on_gpt_oss_show_the_final_channel(
     }
     r = httpx.post(node.url + "/v1/messages", json=body, timeout=30)
     assert r.status_code == 200 and r.json()["content"] == [{"type": "text", "text": "Hello!"}], r.text
+
+
+def test_gpt_oss_takes_a_function_without_description_or_parameters(
+    client: openai.OpenAI, engine: MockEngineProc
+) -> None:
+    """OpenAI, vLLM (openai-harmony) and SMG take a function tool that has only a name; gpt-oss's
+    template failed on the missing description (a 400)."""
+    family = BY_MODEL["gpt-oss"]
+    turn = next(t for t in family.turns if t.label == "several calls")
+    bare: Any = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
+    r = ask(client, family, script(engine, turn.output), tools=bare)
+    assert structured_message(r.choices[0].message) == expected(turn)
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_kimi_call_ids_are_unique_and_count_on_from_the_history(
+    client: openai.OpenAI, engine: MockEngineProc
+) -> None:
+    """Kimi K2's ids are ``functions.NAME:N``, N counting the conversation's calls (its templates number
+    them so): two calls the model wrote under one id (as a strict tool's structural tag has it write
+    ``:0`` each time) are answered under two, after the history's, streamed and not, as SGLang and SMG
+    answer them; a forced call gets one too."""
+    family = BY_MODEL["kimi-k2"]
+    weather = '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "%s"}'
+    calls = (weather + "<|tool_call_end|>") * 2 % ("Paris", "Lyon")
+    output = f"<|tool_calls_section_begin|>{calls}<|tool_calls_section_end|>"
+    earlier = {
+        "id": "functions.get_time:0",
+        "type": "function",
+        "function": {"name": "get_time", "arguments": "{}"},
+    }
+
+    def ask_after_a_call(answer: str, **kw: Any) -> Any:
+        messages: Any = [
+            *user_messages(),
+            {"role": "assistant", "content": None, "tool_calls": [earlier]},
+            {"role": "tool", "tool_call_id": earlier["id"], "content": "12:00"},
+            {"role": "user", "content": f"And the weather? {script(engine, answer)}"},
+        ]
+        tools: Any = TOOLS
+        return client.chat.completions.create(model=family.model, messages=messages, tools=tools, **kw)
+
+    want = ["functions.get_weather:1", "functions.get_weather:2"]
+    made = ask_after_a_call(output).choices[0].message.tool_calls or []
+    assert [(tc.id, json.loads(tc.function.arguments)) for tc in made] == [
+        (want[0], {"city": "Paris"}),
+        (want[1], {"city": "Lyon"}),
+    ]
+    chunks = ask_after_a_call(output, stream=True)
+    assert [tc.id for ch in chunks for c in ch.choices for tc in c.delta.tool_calls or [] if tc.id] == want
+    forced = {"type": "function", "function": {"name": "get_time"}}
+    made = ask_after_a_call('[{"name": "get_time", "parameters": {}}]', tool_choice=forced)
+    assert [tc.id for tc in made.choices[0].message.tool_calls or []] == ["functions.get_time:1"]

@@ -1,11 +1,15 @@
 """The prompt chat completions renders (``render_chat``: request parsing, the template's compatibility
 mapping, the template, its skeleton cache) against what vLLM's server renders for the same request
 (vllm/entrypoints/chat_utils.py): text parts joined by the template that iterates over them, tool-call
-arguments given to the template as objects, and no 500 from a skeleton of an earlier conversation."""
+arguments given to the template as objects, tools given as vLLM's pydantic models dump them, and no 500
+from a skeleton of an earlier conversation; gpt-oss's tools as openai-harmony writes them (vLLM's
+renderer for it)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, cast
@@ -20,14 +24,21 @@ from shepherd.tokens.service import TokenizerService
 ROOT = Path(__file__).resolve().parents[2]
 QWEN3 = ROOT / "shepherd" / "tokens" / "assets" / "qwen3"
 TEMPLATES = ROOT / "tests" / "assets" / "chat_templates"
-FILES = {"glm": "GLM-4.6.jinja", "cohere": "Cohere2MoE.jinja", "qwen3": "Qwen-Qwen3-0.6B.jinja"}
+FILES = {
+    "glm": "GLM-4.6.jinja",
+    "cohere": "Cohere2MoE.jinja",
+    "qwen3": "Qwen-Qwen3-0.6B.jinja",
+    "llama": "meta-llama-Llama-3.1-8B-Instruct.jinja",
+    "gpt-oss": "openai-gpt-oss-120b.jinja",
+}
 PARTS = [{"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}]
 
 
-@pytest.fixture()
-async def gw() -> AsyncIterator[Gateway]:
+@asynccontextmanager
+async def gateway(models: tuple[str, ...]) -> AsyncIterator[Gateway]:
+    """A gateway stand-in rendering ``models`` (each a FILES template over the qwen3 tokenizer)."""
     svc = TokenizerService(
-        dict.fromkeys(FILES, QWEN3), workers=0, chat_templates={m: TEMPLATES / f for m, f in FILES.items()}
+        dict.fromkeys(models, QWEN3), workers=0, chat_templates={m: TEMPLATES / FILES[m] for m in models}
     )
     await svc.start()
     try:
@@ -37,6 +48,18 @@ async def gw() -> AsyncIterator[Gateway]:
         )
     finally:
         await svc.close()
+
+
+@pytest.fixture()
+async def gw() -> AsyncIterator[Gateway]:
+    async with gateway(("glm", "cohere", "qwen3")) as g:
+        yield g
+
+
+@pytest.fixture()
+async def tools_gw() -> AsyncIterator[Gateway]:
+    async with gateway(("qwen3", "llama", "gpt-oss")) as g:
+        yield g
 
 
 async def render(gw: Gateway, model: str, messages: list[Any], **kw: Any) -> str:
@@ -102,3 +125,85 @@ async def test_an_empty_assistant_text_after_a_skeleton_of_its_shape_renders(gw:
     turns[1]["content"] = ""
     got = await render(gw, "cohere", turns)
     assert got == first.replace("hello", "") != first
+
+
+# a tool as a client may send it: keys in its own order, keys no model declares, no description
+ODD_TOOL = {
+    "function": {
+        "parameters": {"required": ["city"], "properties": {"city": {"type": "string"}}, "type": "object"},
+        "x-vendor": {"cache": True},
+        "name": "get_weather",
+    },
+    "type": "function",
+    "metadata": {"owner": "me"},
+}
+# what vLLM's template gets for it: ``ChatCompletionToolsParam(**ODD_TOOL).model_dump()`` (the models'
+# key order, description and parameters null when absent, undeclared keys dropped, the schema as sent)
+VLLM_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": None,
+        "parameters": {"required": ["city"], "properties": {"city": {"type": "string"}}, "type": "object"},
+    },
+}
+
+
+async def test_tools_reach_the_template_as_vllm_dumps_them(tools_gw: Gateway) -> None:
+    """Qwen3 (hermes style) and Llama 3.1 print each tool with ``tojson``: the keys show in the order the
+    template got them, so a client's order, its extra keys or a missing description would show too."""
+    chat = [{"role": "user", "content": "Weather?"}]
+    got = await render(tools_gw, "qwen3", chat, tools=[ODD_TOOL])
+    assert "<tools>\n" + json.dumps(VLLM_TOOL, ensure_ascii=False) + "\n</tools>" in got
+    got = await render(tools_gw, "llama", chat, tools=[ODD_TOOL])
+    assert "\n\n" + json.dumps(VLLM_TOOL, indent=4) + "\n\nWeather?<|eot_id|>" in got
+    strict = {"type": "function", "function": {"strict": True, "name": "f", "description": "d"}}
+    got = await render(tools_gw, "qwen3", chat, tools=[strict])
+    expected = {
+        "type": "function",
+        "function": {"name": "f", "description": "d", "parameters": None, "strict": True},
+    }
+    assert json.dumps(expected) in got
+
+
+def _functions_namespace(prompt: str) -> str:
+    start = prompt.index("## functions")
+    return prompt[start : prompt.index("<|end|>", start)]
+
+
+async def test_gpt_oss_tools_are_written_as_harmony_writes_them(tools_gw: Gateway) -> None:
+    """vLLM renders gpt-oss's prompt with openai-harmony (``ToolDescription.new(name, description or "",
+    parameters)``): a comment line per line of the description, none without one; no parameters take
+    none, an object without properties (a no-argument MCP tool) and an empty schema are a parameter."""
+    tools = [
+        {"type": "function", "function": {"name": "ping"}},
+        {
+            "type": "function",
+            "function": {"name": "now", "description": "The time.\nIn UTC.\n", "parameters": {}},
+        },
+        {
+            "type": "function",
+            "function": {"name": "list", "parameters": {"type": "object", "properties": {}}},
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "description": "A city"}},
+                    "required": ["city"],
+                },
+            },
+        },
+    ]
+    got = await render(tools_gw, "gpt-oss", [{"role": "user", "content": "hi"}], tools=tools)
+    assert _functions_namespace(got) == (
+        "## functions\n\nnamespace functions {\n\n"
+        "type ping = () => any;\n\n"
+        "// The time.\n// In UTC.\ntype now = (_: any) => any;\n\n"
+        "type list = (_: {\n}) => any;\n\n"
+        "// Weather.\ntype get_weather = (_: {\n// A city\ncity: string,\n}) => any;\n\n"
+        "} // namespace functions"
+    )

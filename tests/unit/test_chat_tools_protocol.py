@@ -66,6 +66,10 @@ def test_tool_fields_parse_with_openai_defaults() -> None:
             chat(tools=[{"type": "function", "function": {"name": "f", "strict": "yes"}}]),
             "tools.0.function.strict",
         ),
+        (
+            chat(tools=[{"type": "function", "function": {"name": "f", "description": ["d"]}}]),
+            "tools.0.function.description",
+        ),
         (chat(parallel_tool_calls="no"), "parallel_tool_calls"),
         (chat(separate_reasoning=1), "separate_reasoning"),
         (chat(response_format={"type": "xml"}), "response_format"),

@@ -691,6 +691,9 @@ def _tools_deferred(
             pending.append(budget.take(params, i))
         if fn.get("strict") not in (None, True, False):
             raise bad(f"tools[{i}].function.strict must be a boolean.", param=f"tools.{i}.function.strict")
+        if not isinstance(fn.get("description", ""), str | None):
+            where = f"tools.{i}.function.description"
+            raise bad(f"tools[{i}].function.description must be a string.", param=where)
     return tools or None
 
 

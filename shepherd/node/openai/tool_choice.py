@@ -93,12 +93,24 @@ def parse_tool_choice(value: Any, tools: Sequence[Tool] | None) -> ToolChoice:
 
 def template_tools(tools: Sequence[Tool] | None, choice: ToolChoice) -> list[dict[str, Any]] | None:
     """The tools the chat template renders: all of them (``none`` included: vLLM's default), only the
-    named one for a named choice."""
+    named one for a named choice; each as vLLM gives it (``_as_vllm_gives``)."""
     if not tools:
         return None
     if choice.mode == "function":
-        return [dict(t) for t in tools if _fn(t).get("name") == choice.name]
-    return [dict(t) for t in tools]
+        return [_as_vllm_gives(t) for t in tools if _fn(t).get("name") == choice.name]
+    return [_as_vllm_gives(t) for t in tools]
+
+
+def _as_vllm_gives(tool: Tool) -> dict[str, Any]:
+    """A tool as vLLM's server gives it to the template: its pydantic model dumped (``tojson`` and
+    ``items()`` show key order). The keys in the model's order whatever the client's, ``description``
+    and ``parameters`` null when absent, ``strict`` only when given, keys the model does not declare
+    dropped; the ``parameters`` schema as sent (a plain dict there)."""
+    fn = _fn(tool)
+    out = {"name": fn.get("name"), "description": fn.get("description"), "parameters": fn.get("parameters")}
+    if fn.get("strict") is not None:
+        out["strict"] = fn["strict"]
+    return {"type": "function", "function": out}
 
 
 def _parameters(tool: Tool) -> dict[str, Any]:

@@ -12,7 +12,11 @@ Which parsers apply:
 - tool calls: the model's tool-call family with ``tool_choice`` auto; the ``json`` family when a call
   is forced (``required`` / named: the engine is held to a JSON array of calls); none with
   ``tool_choice: none`` or without tools. Calls to tools the request did not define come back as text.
-  ``parallel_tool_calls: false`` keeps only the first call.
+  ``parallel_tool_calls: false`` keeps only the first call. A Kimi K2 model's calls are answered with
+  the ids its templates write into the history, ``functions.NAME:N`` with N counting on from the calls
+  already in the conversation (SGLang's and SMG's ids for it, whatever id the model wrote: a model that
+  repeats an id, or restarts at ``:0`` under a strict tool's structural tag, would answer two calls of
+  one message, or of one conversation, under one id).
 
 When neither applies, ``ChatShaping.output`` is None and the token path has no parser stage at all.
 Parsers are per choice and per request: ``ChatOutput.choice()`` builds fresh ones.
@@ -114,6 +118,7 @@ class ChatOutput:
     # a call the output was cut off inside is a partial call (the Messages API's ``tool_use`` block under
     # ``max_tokens``), not text: ``get_tool_parser``'s ``partial_calls``
     partial_calls: bool = False
+    kimi_ids: int | None = None  # calls get Kimi K2's ids, counting on from this many (``ChoiceParsing``)
 
     def choice(self, enc: ChoiceEncoder | None = None, index: int = 0) -> ChoiceParsing:
         """Fresh parsers for one choice; ``enc`` and ``index`` for a streamed one."""
@@ -140,6 +145,7 @@ class ChatOutput:
             enc=enc,
             index=index,
             drop_reasoning=not self.include_reasoning,
+            kimi_ids=self.kimi_ids,
         )
 
     def message(self, text: str) -> tuple[dict[str, Any], ParsedChoice | None]:
@@ -277,10 +283,23 @@ def _shape_tools(
     if reasoning is not None or tool_parser is not None:
         callable_tools = tuple(template_tools(tools, choice) or ())  # a named choice: only that one
         include = req.include_reasoning and req.separate_reasoning
-        output = ChatOutput(reasoning, opened, tool_parser, callable_tools, req.parallel_tool_calls, include)
+        kimi = _history_calls(req.messages) if tool_parser is not None and tool_family == "kimi_k2" else None
+        output = ChatOutput(
+            reasoning, opened, tool_parser, callable_tools, req.parallel_tool_calls, include, kimi_ids=kimi
+        )
     named = choice.forces_call and choice.name is not None
     calls_finish = "stop" if named else "function_call" if req.legacy_functions else "tool_calls"
     return ChatShaping(sampling, output, constraint, checks, req.legacy_functions, calls_finish)
+
+
+def _history_calls(messages: Sequence[Mapping[str, Any]]) -> int:
+    """The tool calls the conversation's assistant messages made (the ``N`` of Kimi K2's next id: its
+    templates number the calls of the whole history)."""
+    n = 0
+    for m in messages:
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        n += len(calls) if isinstance(calls, list) else 0
+    return n
 
 
 @functools.lru_cache(maxsize=64)
@@ -344,6 +363,7 @@ class ChoiceParsing:
         "_enc",
         "_held",
         "_index",
+        "_kimi_ids",
         "_reasoning",
         "_run_text",
         "_single",
@@ -360,8 +380,10 @@ class ChoiceParsing:
         enc: ChoiceEncoder | None = None,
         index: int = 0,
         drop_reasoning: bool = False,
+        kimi_ids: int | None = None,
     ) -> None:
         self._reasoning = reasoning
+        self._kimi_ids = kimi_ids  # (``ChatOutput.kimi_ids``)
         self._drop_reasoning = drop_reasoning  # the reasoning is parsed out of the output, not answered
         self._tools = tools
         self._single = single_call
@@ -468,6 +490,10 @@ class ChoiceParsing:
                     self._held.clear()
                 self._run_text = True
             elif isinstance(ev, ToolCallStart):
+                if self._kimi_ids is not None:
+                    ev = ToolCallStart(
+                        ev.index, f"functions.{ev.name}:{self._kimi_ids + ev.index}", ev.name, ev.partial
+                    )
                 if not ev.partial:  # (a call cut off by the end is no call made: no ``tool_calls`` finish)
                     self.has_calls = True
                 self._held.clear()  # white space before a call: no content
