@@ -5,7 +5,8 @@ Callers use: ``simple.make_policy`` / ``POLICY_NAMES`` (policies by their SGLang
 layouts (``prefix_index``: the API and the flat layout; ``run_index``: the run layout; ``native_index``
 over ``_prefixcore.c``), their mesh replicas (``prefix_replica``, ``prefix_replica_native.make_replica``:
 the mesh carries them through its merge interface and never imports this package; ``turn_ends``: what
-sparse replication keeps of peers' decisions), ``block_names`` and ``kv_events``. Imports proto only.
+sparse replication keeps of peers' decisions), ``block_names``, ``kv_events`` and ``text_ids`` (a relayed
+request's text as pseudo token ids). Imports proto only.
 """
 
 __all__ = [
@@ -23,5 +24,6 @@ __all__ = [
     "prefix_replica_native",
     "run_index",
     "simple",
+    "text_ids",
     "turn_ends",
 ]

@@ -201,22 +201,68 @@ static inline Py_uhash_t lane(Py_uhash_t acc, Py_uhash_t h) {
     return acc * XXPRIME_1;
 }
 
-/* the names of the full blocks of ids[start:] into a PyMem buffer (*out, grown as needed, *cap its size);
- * returns how many, -1 on error (a Python exception set) */
-static Py_ssize_t name_blocks(PyObject *ids, Py_hash_t seed_hash, Py_ssize_t start, int64_t **out, Py_ssize_t *cap) {
-    PyObject *seq = as_fast(ids, "ids must be a sequence");
-    if (seq == NULL) return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    Py_ssize_t blocks = n > start ? (n - start) / BLOCK : 0;
+/* *out (a PyMem buffer, *cap its size) grown to hold ``blocks`` names; -1 (MemoryError set) if it cannot */
+static int names_room(Py_ssize_t blocks, int64_t **out, Py_ssize_t *cap) {
     if (blocks > *cap) {
         int64_t *grown = PyMem_Realloc(*out, (size_t)blocks * sizeof(int64_t));
         if (grown == NULL) {
-            Py_DECREF(seq);
             PyErr_NoMemory();
             return -1;
         }
         *out = grown;
         *cap = blocks;
+    }
+    return 0;
+}
+
+/* the block names of an array('I') read in place (``text_ids``: a relayed request's pseudo ids, one per
+ * 4 bytes of its text, which would cost an int object each as a list): a word below 2**32 is an int
+ * whose hash is its value, so the names are those of the same values in a list. -2: not such a buffer
+ * (no exception set: the caller reads ``ids`` as a sequence). */
+static Py_ssize_t name_words(PyObject *ids, Py_hash_t seed_hash, Py_ssize_t start, int64_t **out, Py_ssize_t *cap) {
+    if (PyList_Check(ids) || PyTuple_Check(ids) || !PyObject_CheckBuffer(ids)) return -2;
+    Py_buffer view;
+    if (PyObject_GetBuffer(ids, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        return -2;
+    }
+    if (view.ndim != 1 || view.itemsize != 4 || view.format == NULL || strcmp(view.format, "I") != 0) {
+        PyBuffer_Release(&view);
+        return -2;
+    }
+    Py_ssize_t n = view.len / 4;
+    Py_ssize_t blocks = n > start ? (n - start) / BLOCK : 0;
+    if (names_room(blocks, out, cap) < 0) {
+        PyBuffer_Release(&view);
+        return -1;
+    }
+    int64_t *names = *out;
+    const uint32_t *word = (const uint32_t *)view.buf + (blocks ? start : 0);
+    Py_hash_t h = seed_hash;
+    for (Py_ssize_t b = 0; b < blocks; b++, word += BLOCK) {
+        Py_uhash_t acc = XXPRIME_5;
+        for (int i = 0; i < BLOCK; i++) acc = lane(acc, (Py_uhash_t)word[i]);
+        Py_uhash_t pair = lane(XXPRIME_5, (Py_uhash_t)(b == 0 ? h : int_hash(h)));
+        pair = lane(pair, (Py_uhash_t)finish(acc, BLOCK));
+        h = finish(pair, 2);
+        names[b] = (int64_t)h;
+    }
+    PyBuffer_Release(&view);
+    return blocks;
+}
+
+/* the names of the full blocks of ids[start:] into a PyMem buffer (*out, grown as needed, *cap its size);
+ * returns how many, -1 on error (a Python exception set) */
+static Py_ssize_t name_blocks(PyObject *ids, Py_hash_t seed_hash, Py_ssize_t start, int64_t **out, Py_ssize_t *cap) {
+    Py_ssize_t words = name_words(ids, seed_hash, start, out, cap);
+    if (words != -2) return words;
+    PyObject *seq = as_fast(ids, "ids must be a sequence");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t blocks = n > start ? (n - start) / BLOCK : 0;
+    if (names_room(blocks, out, cap) < 0) {
+        Py_DECREF(seq);
+        return -1;
     }
     int64_t *names = *out;
 restart:;

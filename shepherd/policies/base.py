@@ -45,7 +45,9 @@ def least_loaded(workers: Sequence[WorkerView]) -> WorkerView:
 
 class Policy(Protocol):
     """A routing policy. A class attribute ``uses_loads = False`` says it never reads the engine-reported
-    load (``running``, ``waiting``, ``token_usage``): the node then does not poll engines for it."""
+    load (``running``, ``waiting``, ``token_usage``): the node then does not poll engines for it.
+    ``text_affinity = True`` says it wants a request relayed to HTTP workers (not tokenized) keyed by
+    its text: ``input_ids`` are then the text's pseudo token ids (``text_ids``); others get none."""
 
     name: str
 

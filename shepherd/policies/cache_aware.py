@@ -174,6 +174,7 @@ class Placements:
 
 class CacheAware:
     name = "cache_aware"
+    text_affinity = True  # requests relayed to HTTP workers route by their text (``text_ids``)
 
     def __init__(
         self, config: CacheAwareConfig | None = None, clock: Callable[[], float] = time.time

@@ -17,7 +17,7 @@ import signal
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,14 +226,21 @@ def test_follow_up_turn_on_another_node_hits_its_prefix(cluster: Cluster) -> Non
 
 
 @contextlib.contextmanager
-def index_pair(tmp_path_factory: pytest.TempPathFactory, *flags: str, log_prefix: str) -> Iterator[Cluster]:
+def index_pair(
+    tmp_path_factory: pytest.TempPathFactory,
+    *flags: str,
+    log_prefix: str,
+    worker_urls: Sequence[str] = (),
+) -> Iterator[Cluster]:
     """Two nodes ``a`` and ``b`` meshed on loopback (production security), ``cache_aware`` over two mock
-    engines, with ``flags`` (the index replication under test); every process stopped by its pid."""
+    engines (or ``worker_urls``, the caller's), with ``flags`` (the index replication under test); every
+    process stopped by its pid."""
     names = ("a", "b")
     files, keyring = mesh_pki(tmp_path_factory, names)
     with cluster_procs(names) as c:
-        start_engines(c.engines, 2)
-        urls = [c.engine_url(i) for i in range(2)]
+        if not worker_urls:
+            start_engines(c.engines, 2)
+        urls = list(worker_urls) or [c.engine_url(i) for i in range(2)]
 
         def node_flags(name: str) -> list[str]:
             return [

@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import textwrap
+from array import array
 from typing import ClassVar
 
 import pytest
@@ -48,6 +49,27 @@ ints = st.one_of(
 def test_c_block_names_equal_the_python_reference(ids: list[int], seed: int, start: int) -> None:
     assert block_hashes(ids, seed, start) == py_block_hashes(ids, seed, start)
     assert block_hashes(tuple(ids)) == py_block_hashes(ids)
+
+
+WORDS = st.one_of(st.integers(0, 2**32 - 1), st.sampled_from([0, 2**30 - 1, 2**30, 2**32 - 1]))
+
+
+@pytest.mark.skipif(not NATIVE_NAMES, reason="_prefixcore not built")
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(WORDS, max_size=90),
+    st.one_of(st.just(CHAIN_SEED), st.integers(-(2**80), 2**80)),
+    st.integers(0, 120),
+)
+def test_c_block_names_of_a_word_array_equal_its_values_names(ids: list[int], seed: int, start: int) -> None:
+    """An ``array('I')`` (``text_ids``: a relayed request's pseudo ids) is read in place, with the names
+    of the same values in a list; other buffers are read as sequences, as before."""
+    words = array("I", ids)
+    assert block_hashes(words, seed, start) == py_block_hashes(ids, seed, start)
+    assert block_hashes(words) == block_hashes(ids)
+    small = [i & 0xFF for i in ids]
+    assert block_hashes(array("B", small)) == block_hashes(bytes(small)) == py_block_hashes(small)
+    assert block_hashes(array("q", ids)) == py_block_hashes(ids)
 
 
 @pytest.mark.skipif(not NATIVE_NAMES, reason="_prefixcore not built")

@@ -35,6 +35,7 @@ from shepherd.node.engines.http import (
 from shepherd.node.http.types import stream_response
 from shepherd.node.openai.requests import Sampling
 from shepherd.node.openai.sse import DONE, KEEPALIVE, error_event
+from shepherd.policies.text_ids import body_ids
 from shepherd.proto.anthropic_errors import anthropic_error_response, convert_body, is_messages_path
 from shepherd.proto.engine_types import EngineError
 from shepherd.proto.openai_errors import ApiError, bad, error_response
@@ -545,6 +546,8 @@ def _bad_answer(w_id: str, why: str) -> ApiError:
 
 # a worker's answers worth another worker's try, as SMG's HTTP router retries them (``is_retryable_status``)
 RELAY_RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# the relayed routes whose text is the prompt a worker caches (the others are routed without ids)
+PROMPT_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 # the blank lines that end an SSE event ("\r\n\r\n" ends in "\n\r\n"; "\r\n\n" holds "\n\n")
 _EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r\n")
 
@@ -621,11 +624,16 @@ async def relay(
     ``identity``: the answer is re-framed here) or a body over ``RELAY_MAX_BYTES`` (whole) /
     ``RELAY_STREAM_MAX_BYTES`` (streamed) -> 502 in the OpenAI envelope, without the worker's body. Of
     the worker's headers only its ``Content-Type`` and ``Retry-After`` are passed on. Messages name
-    workers by id, never by URL."""
+    workers by id, never by URL.
+
+    A policy with ``text_affinity`` (cache_aware) routes a chat or completion by its text, as pseudo
+    token ids (``policies.text_ids``: no tokenizer here), so a conversation's turns meet its prefix."""
     t0 = time.perf_counter()
     tried: set[str] = set()
     last: EngineError | web.Response | None = None
     target = request.headers.get("x-smg-target-worker")
+    text_affinity = path in PROMPT_PATHS and getattr(gw.policy_for(model), "text_affinity", False)
+    ids: Sequence[int] = body_ids(body) if text_affinity and target is None else ()
     tries = 1 if target is not None else gw.cfg.max_retries + 1  # a targeted request: that worker only
     for attempt in range(tries):
         if target is not None:
@@ -635,7 +643,7 @@ async def relay(
                     400, f"x-smg-target-worker {target!r} is not an HTTP worker of model {model!r}."
                 )
         else:
-            w = gw.pick(model, tried, [], request.headers.get("x-smg-routing-key"), http=True)
+            w = gw.pick(model, tried, ids, request.headers.get("x-smg-routing-key"), http=True)
         if w is None:
             break
         client = w.client
