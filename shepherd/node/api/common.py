@@ -381,7 +381,7 @@ async def error_middleware(
     finally:
         if counted:
             gw.in_flight -= 1
-        gw.metrics.count_request(path, request.get("model", ""), status, request.get("stream", False))
+        gw.metrics.count_request(path, request.get(MODEL_KEY, ""), status, request.get(STREAM_KEY, False))
         gw.metrics.observe_http(request.method, path, time.perf_counter() - t0)
 
 
@@ -418,6 +418,10 @@ def request_id_of(request: web.Request) -> str:
 
 
 _RID_KEY: web.RequestKey[str] = web.RequestKey("shepherd.request_id", str)
+# the request metrics' labels, set by the handlers: the model (whatever the outcome), and a streamed answer
+# (SMG's ``streaming`` label of the request count)
+MODEL_KEY: web.RequestKey[str] = web.RequestKey("shepherd.model", str)
+STREAM_KEY: web.RequestKey[bool] = web.RequestKey("shepherd.stream", bool)
 
 
 def stamp_headers(request: web.Request, resp: web.StreamResponse, t0: float) -> None:

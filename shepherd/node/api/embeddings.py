@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from shepherd.node.api.common import ADMISSION, GATEWAY, model_for, relay
+from shepherd.node.api.common import ADMISSION, GATEWAY, MODEL_KEY, model_for, relay
 from shepherd.node.api.generation import fresh_id
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import read_json
@@ -279,7 +279,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
     raw, d = await read_json(request, gw.cfg.max_body_bytes)
     req = parse_embeddings(d)
     model = model_for(request, gw, req.model)
-    request["model"] = model
+    request[MODEL_KEY] = model
     gw.require_kind(model, "embed")
     adm = request.app[ADMISSION]
     if gw.relay_mode(model):

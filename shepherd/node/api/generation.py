@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from shepherd.node.api.admission import TICKET_KEY
-from shepherd.node.api.common import KEEPALIVE_TICKER, public_engine_message
+from shepherd.node.api.common import KEEPALIVE_TICKER, MODEL_KEY, STREAM_KEY, public_engine_message
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.stream import EngineStream, Retry
 from shepherd.node.http.types import LeanStreamResponse, lean_request, stream_response
@@ -341,7 +341,7 @@ class Generation:
         # the model's metric children for the route (SMG's ``endpoint`` label), looked up once
         endpoint = ENDPOINTS.get(getattr(request, "path", "")) or ("chat" if chat else "completions")
         self.mm = gw.metrics.for_model(model, endpoint)
-        request["model"] = model  # the request metrics' model label, whatever the outcome
+        request[MODEL_KEY] = model  # the request metrics' model label, whatever the outcome
         # chat: the parser stage (None: plain text, no parser work per token) and structured output
         if shaping is not None:
             self.output = shaping.output
@@ -833,7 +833,7 @@ class Generation:
 
     def done(self) -> None:
         """The call is answered: its model for the request metrics, its end-to-end latency."""
-        self.request["model"] = self.model
+        self.request[MODEL_KEY] = self.model
         now = time.perf_counter()
         self.mm.e2e.observe(now - self.t0)
         if self.t_first:  # SMG's generation duration: first token to last token
@@ -1010,7 +1010,7 @@ class Generation:
         events go to: ``node.output.event_log.EventLog``, with a response's ``prepare`` / ``write`` /
         ``write_eof``, always prepared)."""
         gw = self.gw
-        self.request["stream"] = True  # SMG's ``streaming`` label of the request count
+        self.request[STREAM_KEY] = True  # SMG's ``streaming`` label of the request count
         max_new = [
             gw.check_context(self.model, len(job.ids), self.s.max_tokens, *self.context_param) for job in jobs
         ]

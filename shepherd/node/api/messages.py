@@ -38,7 +38,7 @@ from aiohttp import web
 from shepherd.node.anthropic.messages import MessageEvents, messages_usage
 from shepherd.node.anthropic.requests import MessagesRequest, parse_count_tokens, parse_messages
 from shepherd.node.api.admission import TICKET_KEY
-from shepherd.node.api.common import ADMISSION, GATEWAY, model_for, request_id_of
+from shepherd.node.api.common import ADMISSION, GATEWAY, MODEL_KEY, STREAM_KEY, model_for, request_id_of
 from shepherd.node.api.generation import Generation, Job, fresh_id, strict_violation
 from shepherd.node.api.openai import render_chat
 from shepherd.node.dispatch.gateway import Gateway
@@ -170,7 +170,7 @@ async def _cache_only(g: Generation, jobs: list[Job], message_id: str, req: Mess
     t = g.totals
     headers = g.headers()
     if req.stream:
-        g.request["stream"] = True
+        g.request[STREAM_KEY] = True
         headers["Cache-Control"] = "no-cache"
         body = start + await enc.end(t.prompt, 0, t.cached)
         return web.Response(body=body, content_type="text/event-stream", headers=headers)
@@ -186,7 +186,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     if req.chat.schemas:
         await check_schemas(req.chat.schemas)
     _, ids = await _prompt(gw, model, req)
-    request["model"] = model
+    request[MODEL_KEY] = model
     return web.Response(
         body=orjson.dumps({"input_tokens": len(ids)}),
         content_type="application/json",

@@ -26,6 +26,8 @@ from shepherd.node.api.admin import can_serve
 from shepherd.node.api.common import (
     GATEWAY,
     KEEPALIVE_TICKER,
+    MODEL_KEY,
+    STREAM_KEY,
     admitted,
     model_allowed,
     model_for,
@@ -421,7 +423,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if not ids:
         raise bad("The prompt is empty.", param="text")
     rid = _rid(d.get("rid"))
-    request["model"] = model
+    request[MODEL_KEY] = model
     mm = gw.metrics.for_model(model, "generate")
     usage = _Usage(ids)  # what the call used: the rate limits' settlement
 
@@ -445,7 +447,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         )
         try:
             if s.stream:
-                request["stream"] = True  # SMG's ``streaming`` label of the request count
+                request[STREAM_KEY] = True  # SMG's ``streaming`` label of the request count
                 return await _stream(request, es, rid, s, tok, job)
             return await _whole(es, rid, s, tok, job)
         except GONE:

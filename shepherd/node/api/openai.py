@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from shepherd.node.api.common import ADMISSION, GATEWAY, admitted, model_for, relay
+from shepherd.node.api.common import ADMISSION, GATEWAY, STREAM_KEY, admitted, model_for, relay
 from shepherd.node.api.generation import Generation, Job, fresh_id
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import json_now, read_json
@@ -357,7 +357,7 @@ async def _echo_only(g: Generation, jobs: list[Job]) -> web.StreamResponse:
         g.done()
         body = orjson.dumps(g.answer_body(choices))
         return web.Response(body=body, content_type="application/json", headers=g.headers())
-    request["stream"] = True  # SMG's ``streaming`` label of the request count
+    request[STREAM_KEY] = True  # SMG's ``streaming`` label of the request count
     enc = CompletionChunks(g.rid, g.created, g.model)
     out: list[bytes] = []
     for job in jobs:

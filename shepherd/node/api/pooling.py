@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from shepherd.node.api.common import GATEWAY, admitted, model_for, relay
+from shepherd.node.api.common import GATEWAY, MODEL_KEY, admitted, model_for, relay
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import read_json
 from shepherd.node.openai.requests import parse_sampling
@@ -131,7 +131,7 @@ async def _pooled(
     name = _model(d)
     check(d)
     model = model_for(request, gw, name)
-    request["model"] = model
+    request[MODEL_KEY] = model
     workers = gw.registry.for_model(model)
     if workers and not any(w.is_http for w in workers):
         raise ApiError(
