@@ -4,7 +4,7 @@ Pure state machines:
 - ``cache``: paged prefix KV cache (chained block hashes, reference counts, LRU, KV events).
 - ``scheduler``: waiting/running queues, KV budget, prefill/decode timing model, GetLoads figures.
 - ``outputs``: deterministic word-like output, fake logprobs, scripted responses.
-- ``faults``: error rate, stall, slow-down, crash, hang.
+- ``faults``: error rate, stall, slow-down, crash, hang, late model info (GetModelInfo, GetServerInfo).
 - ``kv_events``: numbered event batches, history, subscribers.
 
 Shells: ``engine`` (the async core shared by every surface; ``engine_config``: its configuration;

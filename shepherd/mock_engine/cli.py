@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--crash-after-requests", type=int, default=None, help="os._exit when request n+1 arrives")
     p.add_argument("--hang-before-first-token", action="store_true")
     p.add_argument(
+        "--info-delay-seconds", type=float, default=0.0, help="GetModelInfo and GetServerInfo answer so late"
+    )
+    p.add_argument(
         "--grpc-server",
         choices=GRPC_IMPLS,
         default=os.environ.get("SMG_MOCK_GRPC_SERVER", "auto"),
@@ -125,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         slow_factor=args.slow_factor,
         crash_after_requests=args.crash_after_requests,
         hang_before_first_token=args.hang_before_first_token,
+        info_delay_seconds=args.info_delay_seconds,
     )
     return EngineConfig(
         model=args.model,

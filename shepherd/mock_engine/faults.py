@@ -1,4 +1,4 @@
-"""Injectable faults: error rate, stall, slow-down, crash, hang before the first token."""
+"""Injectable faults: error rate, stall, slow-down, crash, hang before the first token, late model info."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ class Faults:
     slow_factor: float = 1.0
     crash_after_requests: int | None = None
     hang_before_first_token: bool = False
+    # GetModelInfo and GetServerInfo each answer this late (an engine loading, or under heavy load)
+    info_delay_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.error_rate <= 1.0:
@@ -36,6 +38,8 @@ class Faults:
             raise ValueError("slow_factor must be > 0")
         if self.crash_after_requests is not None and self.crash_after_requests < 0:
             raise ValueError("crash_after_requests must be >= 0")
+        if self.info_delay_seconds < 0:
+            raise ValueError("info_delay_seconds must be >= 0")
 
     def updated(self, changes: Mapping[str, object]) -> Faults:
         """A copy with ``changes`` applied (JSON values; ``null`` clears an optional field).
@@ -53,7 +57,7 @@ class Faults:
         return dataclasses.asdict(self)
 
 
-_FLOATS = {"error_rate", "stall_seconds", "slow_factor"}
+_FLOATS = {"error_rate", "stall_seconds", "slow_factor", "info_delay_seconds"}
 _OPTIONAL_INTS = {"stall_after_tokens", "crash_after_requests"}
 
 

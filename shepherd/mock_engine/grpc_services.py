@@ -11,6 +11,7 @@ by the RPC's done callback, whichever comes first).
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Protocol
@@ -98,6 +99,13 @@ def _lazy_dict(message: Any) -> Callable[[], dict[str, object]]:
 
 def _iso_now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat()
+
+
+async def info_delay(core: EngineCore) -> None:
+    """The ``info_delay_seconds`` fault: GetModelInfo and GetServerInfo answer that late."""
+    delay = core.injector.faults.info_delay_seconds
+    if delay > 0:
+        await asyncio.sleep(delay)
 
 
 def _close_on_done(context: Any, run: Run) -> None:
@@ -245,6 +253,7 @@ class _Service:
     async def GetModelInfo(self, request: Any, context: Any) -> Any:
         core = self._core
         core.stats.count_rpc(f"{self.KIND}.GetModelInfo")
+        await info_delay(core)
         cfg = core.config
         versioned = {"weight_version": "mock"} if self.KIND == "sglang" else {}  # a field vLLM's has not
         return self.PB.GetModelInfoResponse(
@@ -353,6 +362,7 @@ class SglangService(_Service, sglang_scheduler_pb2_grpc.SglangSchedulerServicer)
     async def GetServerInfo(self, request: Any, context: Any) -> Any:
         core = self._core
         core.stats.count_rpc("sglang.GetServerInfo")
+        await info_delay(core)
         cfg = core.config
         load = core.loads()
         server_args = struct_pb2.Struct()
@@ -466,6 +476,7 @@ class VllmService(_Service, vllm_engine_pb2_grpc.VllmEngineServicer):  # type: i
     async def GetServerInfo(self, request: Any, context: Any) -> Any:
         core = self._core
         core.stats.count_rpc("vllm.GetServerInfo")
+        await info_delay(core)
         cfg = core.config
         pd = cfg.role != "both"
         return VLLM.GetServerInfoResponse(

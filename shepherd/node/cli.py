@@ -271,7 +271,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--worker-startup-timeout-secs",
         type=float,
-        help="no --model-path nor --model-id: wait this long for a gRPC worker to give the model (600)",
+        help="no --model-path nor --model-id: wait this long for a gRPC worker to give the model; a worker "
+        "not admitted (no model info) this long after it was added is said at ERROR, shown failed (600)",
     )
     s.add_argument("--retry-max-retries", dest="max_retries", type=int)
     s.add_argument("--health-check-interval-secs", type=float)

@@ -121,7 +121,9 @@ class NodeConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     request_timeout_secs: float = 600.0
     # no --model-path nor --model-id (or a models: entry without model_path): how long the start waits
-    # for a gRPC worker to give the model's name and tokenizer (engines load weights for minutes); 0: once
+    # for a gRPC worker to give the model's name and tokenizer (engines load weights for minutes); 0: once.
+    # And a worker not admitted this long after it was added (no model info yet): said at ERROR, shown
+    # failed, still asked (dispatch.workers.WorkerRegistry._admit)
     worker_startup_timeout_secs: float = 600.0
     max_retries: int = 2
     health_check_interval_secs: float = 5.0

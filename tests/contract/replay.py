@@ -92,6 +92,9 @@ class EngineFacts:
     page_size: int = 1  # SGLang's default
     health_delay_s: float = 0.0  # SMG's SGLang HealthCheck sleeps 1 s before it first looks
     running: int = 3
+    # GetModelInfo and GetServerInfo each answer this late (an engine loading, or under heavy load);
+    # read while they wait: lowering it answers the calls waiting
+    info_delay_s: float = 0.0
 
 
 def _lp(ids: list[int]) -> Any:
@@ -298,6 +301,15 @@ class _Base:
     def __init__(self, server: ReplayServer) -> None:
         self.s = server
 
+    def _info_delay(self, context: Any) -> None:
+        start = time.monotonic()
+        while (  # bounded: by the delay, the call's end or the server's stop
+            time.monotonic() - start < self.s.facts.info_delay_s
+            and context.is_active()
+            and not self.s.stopping.is_set()
+        ):
+            time.sleep(0.02)
+
     def _generate(self, request: Any, context: Any) -> Iterator[Any]:
         s = self.s
         s.record("Generate", request)
@@ -326,6 +338,7 @@ class SglangReplay(_Base, sg_grpc.SglangSchedulerServicer):  # type: ignore[misc
 
     def GetModelInfo(self, request: Any, context: Any) -> Any:
         self.s.record("GetModelInfo", request)
+        self._info_delay(context)
         f = self.s.facts
         return sg.GetModelInfoResponse(
             model_path="replay",
@@ -338,6 +351,7 @@ class SglangReplay(_Base, sg_grpc.SglangSchedulerServicer):  # type: ignore[misc
 
     def GetServerInfo(self, request: Any, context: Any) -> Any:
         self.s.record("GetServerInfo", request)
+        self._info_delay(context)
         f = self.s.facts
         args = Struct()
         args.update({"context_length": f.context_length, "page_size": f.page_size})
@@ -386,6 +400,7 @@ class VllmReplay(_Base, vl_grpc.VllmEngineServicer):  # type: ignore[misc]
 
     def GetModelInfo(self, request: Any, context: Any) -> Any:
         self.s.record("GetModelInfo", request)
+        self._info_delay(context)
         return vl.GetModelInfoResponse(
             model_path="replay",
             is_generation=True,
@@ -395,6 +410,7 @@ class VllmReplay(_Base, vl_grpc.VllmEngineServicer):  # type: ignore[misc]
 
     def GetServerInfo(self, request: Any, context: Any) -> Any:
         self.s.record("GetServerInfo", request)
+        self._info_delay(context)
         return vl.GetServerInfoResponse(server_type="vllm-grpc")
 
     def GetLoads(self, request: Any, context: Any) -> Any:

@@ -160,6 +160,28 @@ def test_a_node_started_before_its_engine_waits_for_the_model(
         node.stop()
 
 
+def test_an_engine_slow_to_give_its_model_is_heard_at_the_start(
+    engine_tokenizer: Path, http: httpx.Client
+) -> None:
+    """GetServerInfo and GetModelInfo 2 s each (an engine under heavy load), three calls (kind, model,
+    context): over the first ask's 5 s, within the next one's longer deadline. The start takes the
+    engine's model, not the embedded one (which it would settle on at ``--worker-startup-timeout-secs``
+    were every ask as short)."""
+    tok_flags = ("--tokenizer", str(engine_tokenizer), "--model", "org/slow-model", "--zero-latency")
+    with (
+        tempfile.TemporaryDirectory() as cache,
+        start_mock_engine(*tok_flags, "--info-delay-seconds", "2") as e,
+        running_node(
+            *("--worker-urls", f"grpc://{e.grpc_target}", "--tokenizer-cache-dir", cache),
+            *("--worker-startup-timeout-secs", "40"),
+            timeout=120.0,
+        ) as node,
+    ):
+        models = http.get(node.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["org/slow-model"], node.log()
+        assert http.post(node.url + "/v1/tokenize", json={"prompt": "hello"}).json()["count"] == 5
+
+
 def test_model_path_overrides_the_engine(engine_tokenizer: Path, http: httpx.Client) -> None:
     with (
         tempfile.TemporaryDirectory() as cache,

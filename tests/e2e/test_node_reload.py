@@ -158,6 +158,28 @@ def test_sighup_and_admin_reload_apply_workers_limits_and_keys(
     assert "Traceback" not in node.log()
 
 
+def test_a_setting_a_reload_does_not_apply_is_said_at_every_reload(
+    engines: list[MockEngineProc], tmp_path: Path
+) -> None:
+    """``request_timeout_secs`` (what every worker's calls are bounded by, gRPC and HTTP alike, from the
+    start) is not reloaded: each reload says it needs a restart, not the first alone."""
+    path = tmp_path / "node.yaml"
+    head = f'model_path: "{EMBEDDED_MODEL_DIR}"\nworker_urls: ["{url(engines[0])}"]\ntokenizer_workers: 0\n'
+    path.write_text(head + "request_timeout_secs: 600\n")
+    node = spawn_node("serve", "--config", str(path), port=free_port())
+    try:
+        wait_for(lambda: http_status(node.url + "/readiness") == 200, "readiness", node, timeout=120.0)
+        path.write_text(head + "request_timeout_secs: 5\n")
+        with httpx.Client(base_url=node.url, timeout=30) as http:
+            for _ in range(2):
+                r = http.post("/admin/reload")
+                assert r.status_code == 200, r.text
+                assert r.json()["restart_required"] == ["request_timeout_secs"], r.text
+            assert http.get("/get_server_info").json()["request_timeout_secs"] == 600
+    finally:
+        node.stop()
+
+
 def served_serial(port: int) -> int:
     ctx = ssl.create_default_context()
     ctx.check_hostname = False

@@ -19,8 +19,10 @@ route's answer (422 with the reason). A valid file then applies its dynamic part
   are accepted at once, removed or changed ones stop authenticating at once (keys minted through
   ``/admin/keys`` are not touched).
 
-Everything else that differs (ports, TLS files, the mesh, models added or removed, auth modes...) is
-listed under ``restart_required`` and not applied. TLS certificates keep their own reload (``auth.tls``):
+Everything else that differs from the configuration the node started with (ports, TLS files, the mesh,
+models added or removed, auth modes, ``request_timeout_secs`` and the health-check and circuit-breaker
+settings, which every worker, old or new, keeps from the start...) is listed under ``restart_required``
+and not applied, at every reload until a restart. TLS certificates keep their own reload (``auth.tls``):
 SIGHUP also reloads them, in the same handler.
 """
 
@@ -163,6 +165,9 @@ class Reloader:
         tls: ServerTls | None = None,
     ) -> None:
         self.cfg = cfg  # the configuration as given (before models were resolved from the engines)
+        # what the node runs with, but for the dynamic parts: what a reload's restart_required is read
+        # against (against ``cfg``, the last file applied, a second reload would forget what still waits)
+        self.started = cfg
         self.gw = gw
         self.admission = admission
         self.auth = auth
@@ -179,18 +184,18 @@ class Reloader:
     # ---- planning: everything checked before anything changes ------------------------------------
 
     def _plan(self, new: NodeConfig) -> _Plan:
-        old = self.cfg
+        old, started = self.cfg, self.started
         served = list(self.gw.models)
         restart = sorted(
             f.name
             for f in dataclasses.fields(NodeConfig)
             if f.name not in _DYNAMIC
             and f.name not in _INTERNAL
-            and getattr(old, f.name) != getattr(new, f.name)
+            and getattr(started, f.name) != getattr(new, f.name)
         )
-        if _static_models(old) != _static_models(new):
+        if _static_models(started) != _static_models(new):
             restart.append("models (added, removed or changed other than worker_urls / policy)")
-        if _auth_static(old) != _auth_static(new):
+        if _auth_static(started) != _auth_static(new):
             restart.append("auth (modes, jwt, client certificates; the keys are reloaded)")
         before, after = config_workers(old, served), config_workers(new, served)
         unknown = sorted(set(after) - set(self.gw.models))
@@ -214,11 +219,11 @@ class Reloader:
                 except (TypeError, ValueError) as e:
                     raise ConfigError(f"policy {name!r} for model {model!r}: {e}") from None
         rules: list[RateLimitRule] | None = None
-        if Admission.rules_of(new) != Admission.rules_of(old):
-            rules = Admission.rules_of(new)
-            if self.admission is None and rules:
+        if self.admission is None:  # (never applied: said at every reload)
+            if Admission.rules_of(new):
                 restart.append("rate_limits (the node started without any: a restart turns them on)")
-                rules = None
+        elif Admission.rules_of(new) != Admission.rules_of(old):
+            rules = Admission.rules_of(new)
         boot: list[ApiKeyRecord] | None = None
         if new.auth.keys != old.auth.keys:
             try:
@@ -226,8 +231,9 @@ class Reloader:
             except BootstrapError as e:
                 raise ConfigError(str(e)) from None
             if self.auth is None:
-                restart.append("auth.keys")
                 boot = None
+        if self.auth is None and new.auth.keys != started.auth.keys:
+            restart.append("auth.keys")
         return _Plan(new, add, remove, policies, rules, boot, restart)
 
     # ---- applying ----------------------------------------------------------------------------------

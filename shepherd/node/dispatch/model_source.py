@@ -31,6 +31,7 @@ from pathlib import Path, PurePosixPath
 
 from shepherd.auth.tls import EngineTls
 from shepherd.node.config import ConfigError, ModelConfig, NodeConfig, WorkerAllow
+from shepherd.node.dispatch.workers import ADMIT_TIMEOUT_MAX_SECS
 from shepherd.node.engines.grpcio import GrpcEngineClient
 from shepherd.node.engines.h2 import H2EngineClient
 from shepherd.node.engines.kinds import SERVICE_KINDS, ServiceClient, service_client, settle_kind
@@ -179,7 +180,7 @@ async def _probe(url: str, cfg: NodeConfig, timeout: float) -> Probe:
             kind = await asyncio.wait_for(client.detect(timeout), timeout)
         else:
             kind = client.kind
-        info = await asyncio.wait_for(client.model_info(), timeout)
+        info = await asyncio.wait_for(client.model_info(timeout), timeout)
     except BaseException:
         with contextlib.suppress(Exception):
             await client.close()
@@ -201,7 +202,8 @@ async def first_answer(
                 winner = await fut
                 break
             except (EngineError, TimeoutError, OSError) as e:
-                log.log(level, "model %s: a worker did not answer GetModelInfo: %s", what, e)
+                why = str(e) or f"no answer within {timeout:g} s"
+                log.log(level, "model %s: a worker did not answer GetModelInfo: %s", what, why)
     except TimeoutError:
         log.log(level, "model %s: no worker answered GetModelInfo in %.0f s", what, timeout + 1)
     finally:
@@ -218,10 +220,12 @@ async def first_answer(
 async def _wait_for_answer(
     urls: list[str], cfg: NodeConfig, timeout: float, what: str, waiting: Waiting | None = None
 ) -> Probe | None:
-    """``first_answer``, asked again (every 1 s, backing off to 5 s) until one answers or
-    ``worker_startup_timeout_secs`` is over: a node started beside its engines (compose, Kubernetes)
-    starts before they have loaded their weights, and must not settle on a default model meanwhile.
-    ``waiting`` is awaited once, when the first ask went unanswered (the start will wait)."""
+    """``first_answer``, asked again (every 1 s, backing off to 5 s; each round's deadline doubling, up to
+    ``ADMIT_TIMEOUT_MAX_SECS``: an engine too busy to answer in time is heard once it answers within
+    that) until one answers or ``worker_startup_timeout_secs`` is over: a node started beside its
+    engines (compose, Kubernetes) starts before they have loaded their weights, and must not settle on a
+    default model meanwhile. ``waiting`` is awaited once, when the first ask went unanswered (the start
+    will wait)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + cfg.worker_startup_timeout_secs
     pause, said, level = STARTUP_RETRY_S, loop.time(), logging.WARNING
@@ -239,6 +243,7 @@ async def _wait_for_answer(
             log.warning("model %s: waiting for a gRPC worker to answer (%.0f s left)", what, left)
         await asyncio.sleep(min(pause, left))
         pause = min(STARTUP_RETRY_MAX_S, pause * 2)
+        timeout = min(ADMIT_TIMEOUT_MAX_SECS, timeout * 2)
 
 
 async def fetch_model(probe: Probe, cache: TokenizerCache, timeout: float) -> tuple[ModelInfo, Path]:

@@ -22,6 +22,7 @@ from shepherd.proto.engine_types import (
     EngineClient,
     EngineError,
     EngineLoad,
+    EngineTimeout,
     EngineUnavailable,
     ModelInfo,
     worker_id,
@@ -73,7 +74,11 @@ class Worker:
     in_flight: int = 0
     load: EngineLoad = field(default_factory=EngineLoad)
     info: ModelInfo | None = None
+    # admitted: its model info (and a grpc:// worker's kind) is in; until then it takes no request, is
+    # asked again on its own (``WorkerRegistry._admit``), and ``admit_error`` says why it is not in yet
     initialized: bool = False
+    admit_error: str | None = None
+    admit_overdue: bool = False  # not admitted within worker_startup_timeout_secs of being added
     requests: int = 0
     failures: int = 0
     # the engine answered GetLoads UNIMPLEMENTED (vLLM's entrypoint): not asked again; load-aware
@@ -102,6 +107,17 @@ class Worker:
         load = self.load
         return WorkerView(self.id, self.url, self.in_flight, load.running, load.waiting, load.token_usage)
 
+    @property
+    def status(self) -> str:
+        """SMG's ``WorkerStatus``: ``pending`` (not admitted yet, or its first health check not in),
+        ``failed`` (not admitted within ``worker_startup_timeout_secs``; still asked), ``ready``
+        (healthy), ``not_ready`` (admitted, failing its health checks)."""
+        if not self.initialized:
+            return "failed" if self.admit_overdue else "pending"
+        if self.health.healthy:
+            return "ready"
+        return "not_ready" if self.health.checked else "pending"
+
     def describe(self) -> dict[str, Any]:
         return {
             "id": self.id,
@@ -109,6 +125,8 @@ class Worker:
             "model": self.model,
             "kind": self.client.kind,
             "healthy": self.health.healthy,
+            "status": self.status,
+            "status_reason": None if self.initialized else self.admit_error,
             "circuit": self.breaker.state.value,
             "in_flight": self.in_flight,
             "requests": self.requests,
@@ -184,6 +202,14 @@ TELEMETRY_POLLS: Final = 5
 LOADS_IDLE_RECHECK_SECS: Final = 30.0
 # a removed worker's client closes once the requests it serves have ended: looked at this often
 RETIRE_POLL_SECS: Final = 0.2
+# a worker whose model info is not in yet (an engine loading its weights, or too busy to answer in
+# time) is asked again on its own: after ADMIT_RETRY_SECS, the pause doubling up to the health-check
+# interval; each attempt's deadline starts at the health-check timeout + 3 s and doubles after each
+# attempt that ran out of time, up to ADMIT_TIMEOUT_MAX_SECS (slow is not dead: it is heard once it
+# answers within that); the log says so at the first failure and every ADMIT_LOG_SECS after
+ADMIT_RETRY_SECS: Final = 1.0
+ADMIT_TIMEOUT_MAX_SECS: Final = 60.0
+ADMIT_LOG_SECS: Final = 30.0
 
 
 class WorkerRegistry:
@@ -195,6 +221,8 @@ class WorkerRegistry:
         self._started = False
         self.workers: dict[str, Worker] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        # workers not admitted yet, each with the one task that asks it again (``_admit``)
+        self._admitting: dict[str, asyncio.Task[None]] = {}
         # removed workers whose requests still run, each with the task that closes its client after them
         self._retiring: list[tuple[asyncio.Task[None], Worker]] = []
         self.on_health_change: Callable[[Worker], None] | None = None
@@ -300,7 +328,7 @@ class WorkerRegistry:
         self._http_only.clear()
         self.version += 1
         self.wake_load_polls()  # (its policy may read loads)
-        await self.check(w)
+        await self._first_check(w)
         if budgeted and not w.health.healthy:  # the first check sets it to its own result
             self.probes.spend()
         if self.on_added is not None and self.workers.get(wid) is w:
@@ -314,6 +342,9 @@ class WorkerRegistry:
         w = self.workers.pop(wid, None)
         self._http_only.clear()
         self.version += 1
+        admitting = self._admitting.pop(wid, None)
+        if admitting is not None:
+            admitting.cancel()
         if w is not None:
             if self.on_removed is not None:
                 self.on_removed(w)
@@ -335,24 +366,116 @@ class WorkerRegistry:
         """Removed workers whose client is still open for the requests they serve."""
         return len(self._retiring)
 
-    async def _init(self, w: Worker) -> None:
+    @property
+    def admitting(self) -> int:
+        """Workers not admitted yet whose admission retries run (one task each)."""
+        return len(self._admitting)
+
+    async def _init(self, w: Worker, timeout: float, step: list[str]) -> None:
+        """Admit ``w``: its kind (a ``grpc://`` worker's) and model info, each call within ``timeout``;
+        ``step`` is told which call is under way (what a timeout names)."""
         if isinstance(w.client, GrpcEngineClient | H2EngineClient):
-            settled = await settle_kind(w.client, self.cfg.health_check_timeout_secs)
+            step[0] = "GetServerInfo (the engine's kind)"
+            settled = await settle_kind(w.client, timeout)
             if settled is not w.client:  # grpc:// found TensorRT-LLM or MLX: their client, same connection
                 w.client = settled
                 if self.on_client_changed is not None:
                     self.on_client_changed(w)
             else:
-                await w.client.detect(self.cfg.health_check_timeout_secs)
-        w.info = await w.client.model_info()
+                await w.client.detect(timeout)
+        step[0] = "GetModelInfo / GetServerInfo"
+        w.info = await w.client.model_info(timeout)
         w.initialized = True
         self.version += 1
 
+    async def _init_once(self, w: Worker, timeout: float) -> str:
+        """One attempt at admitting ``w`` within ``timeout`` in all: ``admitted``, ``timeout`` (no
+        answer in time) or ``failed``; why it failed is kept in ``admit_error``."""
+        step = ["connecting"]
+        try:
+            await asyncio.wait_for(self._init(w, timeout, step), timeout)
+            return "admitted"
+        except (TimeoutError, EngineTimeout):  # (the call's own deadline, or the attempt's)
+            w.admit_error = f"no answer to {step[0]} within {timeout:g} s"
+            return "timeout"
+        except (EngineError, OSError) as e:
+            w.admit_error = f"{step[0]}: {str(e) or type(e).__name__}"
+        except Exception as e:  # an engine's answer nothing above expects: not admitted, not a crash
+            w.admit_error = f"{step[0]}: its answer failed: {type(e).__name__}: {e}"
+        return "failed"
+
+    def _admit_timeout(self) -> float:
+        return self.cfg.health_check_timeout_secs + 3
+
+    async def _admit(self, w: Worker, added: float, outcome: str) -> None:
+        """Ask ``w`` (added at ``added``, its first attempt's ``outcome`` not ``admitted``) for its model
+        info again until it answers, then health-check it at once: it takes requests as soon as its
+        engine answers. The pause between attempts and each attempt's deadline back off (``ADMIT_*``);
+        said at WARNING when it starts and every ``ADMIT_LOG_SECS``, at ERROR once
+        ``worker_startup_timeout_secs`` since it was added are over (then shown ``failed`` and still
+        asked at the same pace, as a worker failing its health checks is: an engine loading a large
+        model may take longer, and ``DELETE /workers/{id}`` removes it). One task per worker, ended by
+        its admission, its removal or the registry's close."""
+        interval = self.cfg.health_check_interval_secs
+        pause = min(ADMIT_RETRY_SECS, interval)
+        timeout = self._admit_timeout()
+        startup = self.cfg.worker_startup_timeout_secs
+        said = self.clock()
+        log.warning(
+            "worker %s is not admitted yet (it takes no requests until it answers; asked again): %s",
+            w.url,
+            w.admit_error,
+        )
+        try:
+            while outcome != "admitted":  # cancelled by remove() and close()
+                if outcome == "timeout":  # slow is not dead: the next attempt waits longer
+                    timeout = min(ADMIT_TIMEOUT_MAX_SECS, timeout * 2)
+                await asyncio.sleep(pause)
+                pause = min(interval, pause * 2)
+                outcome = await self._init_once(w, timeout)
+                now = self.clock()
+                if outcome == "admitted" or w.admit_overdue:
+                    continue
+                if now - added >= startup:
+                    w.admit_overdue = True
+                    log.error(
+                        "worker %s gave no model info within --worker-startup-timeout-secs (%g s): %s; it "
+                        "takes no requests and is still asked (DELETE /workers/{id} removes it)",
+                        w.url,
+                        startup,
+                        w.admit_error,
+                    )
+                elif now - said >= ADMIT_LOG_SECS:
+                    said = now
+                    log.warning(
+                        "worker %s still not admitted after %.0f s: %s", w.url, now - added, w.admit_error
+                    )
+            log.info("worker %s admitted %.0f s after it was added", w.url, self.clock() - added)
+            w.admit_error = None
+            w.admit_overdue = False
+            await self.check(w)  # at once: it takes requests from its first good health check
+        finally:
+            if self._admitting.get(w.id) is asyncio.current_task():
+                del self._admitting[w.id]
+
+    async def _first_check(self, w: Worker) -> None:
+        """A new worker's first check: its model info asked once, then its health; not admitted, its
+        first check failed (not healthy) and its admission retries start (``_admit``)."""
+        added = self.clock()
+        outcome = await self._init_once(w, self._admit_timeout())
+        if outcome == "admitted":
+            await self.check(w)
+            return
+        w.health.observe(False)
+        if self.workers.get(w.id) is w:  # (not removed meanwhile)
+            self._admitting[w.id] = asyncio.create_task(self._admit(w, added, outcome))
+
     async def check(self, w: Worker) -> None:
+        """One health check of ``w`` once admitted (until then its admission asks it: ``_admit``)."""
+        if not w.initialized:
+            return
         ok = False
         try:
-            if not w.initialized:
-                await asyncio.wait_for(self._init(w), timeout=self.cfg.health_check_timeout_secs + 3)
             ok = await w.client.health_check(self.cfg.health_check_timeout_secs)
         except (EngineError, TimeoutError, OSError) as e:
             log.debug("worker %s check failed: %s", w.url, e)
@@ -539,9 +662,11 @@ class WorkerRegistry:
         rounds = list(self._round_tasks.values())
         retiring, self._retiring = self._retiring, []
         waits = [t for t, _ in retiring]
-        for t in self._tasks + rounds + waits:
+        admits = list(self._admitting.values())
+        self._admitting.clear()
+        for t in self._tasks + rounds + waits + admits:
             t.cancel()
-        await asyncio.gather(*self._tasks, *rounds, *waits, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *rounds, *waits, *admits, return_exceptions=True)
         for _, w in retiring:  # (their waits cut short: closed here)
             await w.client.close()
         self._tasks.clear()

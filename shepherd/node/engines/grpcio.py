@@ -167,22 +167,22 @@ class GrpcEngineClient:
             return False
         return bool(r.healthy)
 
-    async def model_info(self) -> ModelInfo:
+    async def model_info(self, timeout: float = 5.0) -> ModelInfo:
         try:
             if self.kind == "vllm":
-                r: Any = await self._vl.GetModelInfo(vl.GetModelInfoRequest(), timeout=5.0)
+                r: Any = await self._vl.GetModelInfo(vl.GetModelInfoRequest(), timeout=timeout)
             else:
-                r = await self._sg.GetModelInfo(sg.GetModelInfoRequest(), timeout=5.0)
+                r = await self._sg.GetModelInfo(sg.GetModelInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e) from None
-        return decode_model_info(r, await sglang_context(self.kind, self.server_info))
+        return decode_model_info(r, await sglang_context(self.kind, lambda: self.server_info(timeout)))
 
-    async def server_info(self) -> ServerInfo:
+    async def server_info(self, timeout: float = 5.0) -> ServerInfo:
         try:
             if self.kind == "vllm":
-                r: Any = await self._vl.GetServerInfo(vl.GetServerInfoRequest(), timeout=5.0)
+                r: Any = await self._vl.GetServerInfo(vl.GetServerInfoRequest(), timeout=timeout)
             else:
-                r = await self._sg.GetServerInfo(sg.GetServerInfoRequest(), timeout=5.0)
+                r = await self._sg.GetServerInfo(sg.GetServerInfoRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             raise map_rpc_error(e) from None
         return decode_server_info(r, self.kind)

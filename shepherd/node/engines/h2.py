@@ -488,20 +488,24 @@ class H2EngineClient:
             return False
         return bool(r.healthy)
 
-    async def model_info(self) -> ModelInfo:
-        if self.kind == "vllm":
-            r: Any = await self._unary("GetModelInfo", vl.GetModelInfoRequest(), vl.GetModelInfoResponse, 5.0)
-        else:
-            r = await self._unary("GetModelInfo", sg.GetModelInfoRequest(), sg.GetModelInfoResponse, 5.0)
-        return decode_model_info(r, await sglang_context(self.kind, self.server_info))
-
-    async def server_info(self) -> ServerInfo:
+    async def model_info(self, timeout: float = 5.0) -> ModelInfo:
         if self.kind == "vllm":
             r: Any = await self._unary(
-                "GetServerInfo", vl.GetServerInfoRequest(), vl.GetServerInfoResponse, 5.0
+                "GetModelInfo", vl.GetModelInfoRequest(), vl.GetModelInfoResponse, timeout
             )
         else:
-            r = await self._unary("GetServerInfo", sg.GetServerInfoRequest(), sg.GetServerInfoResponse, 5.0)
+            r = await self._unary("GetModelInfo", sg.GetModelInfoRequest(), sg.GetModelInfoResponse, timeout)
+        return decode_model_info(r, await sglang_context(self.kind, lambda: self.server_info(timeout)))
+
+    async def server_info(self, timeout: float = 5.0) -> ServerInfo:
+        if self.kind == "vllm":
+            r: Any = await self._unary(
+                "GetServerInfo", vl.GetServerInfoRequest(), vl.GetServerInfoResponse, timeout
+            )
+        else:
+            r = await self._unary(
+                "GetServerInfo", sg.GetServerInfoRequest(), sg.GetServerInfoResponse, timeout
+            )
         return decode_server_info(r, self.kind)
 
     async def loads(self) -> EngineLoad:

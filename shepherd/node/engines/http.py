@@ -157,9 +157,9 @@ class HttpRelayClient:
             raw = await read_capped(r, INFO_MAX_BYTES)
         return orjson.loads(raw)
 
-    async def model_info(self) -> ModelInfo:
+    async def model_info(self, timeout: float = 5.0) -> ModelInfo:
         try:
-            data = await self._get_json("/v1/models", 5.0)
+            data = await self._get_json("/v1/models", timeout)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, BodyTooLarge) as e:
             log.info("HTTP worker %s (%s): cannot list models: %s", self.id, self.url, e)
             raise EngineUnavailable(f"HTTP worker {self.id}: cannot list its models.") from None
@@ -173,7 +173,7 @@ class HttpRelayClient:
             )
         return ModelInfo()
 
-    async def server_info(self) -> ServerInfo:
+    async def server_info(self, timeout: float = 5.0) -> ServerInfo:
         return ServerInfo(kind="http")
 
     async def loads(self) -> EngineLoad:

@@ -61,16 +61,18 @@ class MlxEngineClient(RpcEngineClient):
         r = await self._health(mx.HealthCheckRequest(), mx.HealthCheckResponse, timeout)
         return r is not None and bool(r.healthy)
 
-    async def model_info(self) -> ModelInfo:
+    async def model_info(self, timeout: float = 5.0) -> ModelInfo:
         return decode_model_info(
-            await self._unary("GetModelInfo", mx.GetModelInfoRequest(), mx.GetModelInfoResponse)
+            await self._unary("GetModelInfo", mx.GetModelInfoRequest(), mx.GetModelInfoResponse, timeout)
         )
 
-    async def _server_info(self) -> mx.GetServerInfoResponse:
-        return await self._unary("GetServerInfo", mx.GetServerInfoRequest(), mx.GetServerInfoResponse)
+    async def _server_info(self, timeout: float = 5.0) -> mx.GetServerInfoResponse:
+        return await self._unary(
+            "GetServerInfo", mx.GetServerInfoRequest(), mx.GetServerInfoResponse, timeout
+        )
 
-    async def server_info(self) -> ServerInfo:
-        return decode_mlx_server_info(await self._server_info())
+    async def server_info(self, timeout: float = 5.0) -> ServerInfo:
+        return decode_mlx_server_info(await self._server_info(timeout))
 
     async def loads(self) -> EngineLoad:
         return mlx_load(await self._server_info())

@@ -75,16 +75,16 @@ class TrtllmEngineClient(RpcEngineClient):
         r = await self._health(tr.HealthCheckRequest(), tr.HealthCheckResponse, timeout)
         return r is not None and trtllm_healthy(r)
 
-    async def model_info(self) -> ModelInfo:
+    async def model_info(self, timeout: float = 5.0) -> ModelInfo:
         info = decode_trtllm_model_info(
-            await self._unary("GetModelInfo", tr.GetModelInfoRequest(), tr.GetModelInfoResponse)
+            await self._unary("GetModelInfo", tr.GetModelInfoRequest(), tr.GetModelInfoResponse, timeout)
         )
         self.vocab_size = info.vocab_size
         return info
 
-    async def server_info(self) -> ServerInfo:
+    async def server_info(self, timeout: float = 5.0) -> ServerInfo:
         return decode_trtllm_server_info(
-            await self._unary("GetServerInfo", tr.GetServerInfoRequest(), tr.GetServerInfoResponse)
+            await self._unary("GetServerInfo", tr.GetServerInfoRequest(), tr.GetServerInfoResponse, timeout)
         )
 
     async def loads(self) -> EngineLoad:
