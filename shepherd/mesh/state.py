@@ -118,6 +118,7 @@ from shepherd.mesh.state_wire import (
     decode_index_digests,
     envelope,
     peek,
+    peek_steps,
 )
 from shepherd.mesh.swim_broadcast import BroadcastQueue
 from shepherd.mesh.swim_types import MemberDead, MemberEvent, MemberLeft, MemberUp
@@ -471,7 +472,7 @@ class MeshState(Generic[IX_co]):
         self.stats.payloads_in += 1
         self.stats.bytes_in += len(data)
         try:
-            tag, body = peek(data)
+            tag, body = yield from peek_steps(data)
             src = peer if self.cfg.first_hand else ""
             if tag in ("S", "P"):
                 yield from self._apply_full_steps(tag, body, src)

@@ -37,6 +37,7 @@ field and the ``"~"`` tag.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from shepherd.proto import wire_version
 from shepherd.proto.index_wire import Digest, decode_index_digest
+from shepherd.proto.msgpack_bounds import BoundsError, Limits, unpack_steps
 from shepherd.proto.state_decode import StateDecodeError, expect_bytes, expect_list, expect_str
 
 __all__ = [
@@ -57,6 +59,7 @@ __all__ = [
     "decode_index_digests",
     "envelope",
     "peek",
+    "peek_steps",
 ]
 
 VERSION = wire_version.version_byte(wire_version.MAJOR, wire_version.MINOR)
@@ -73,12 +76,35 @@ def envelope(tag: str, body: Any) -> bytes:
     return out
 
 
+# what a payload may decode into (``msgpack_bounds``; its size is the transport's bound: a datagram, a
+# push-pull frame): no extension types, and at most an array or map per 2 bytes (the densest entries are
+# pairs, 3 bytes and more): a push-pull state of empty arrays, 16 million lists, is refused at 8 million
+LIMITS = Limits(
+    max_bytes=1 << 30,
+    max_str_len=1 << 30,
+    max_bin_len=1 << 30,
+    max_array_len=1 << 30,
+    max_map_len=1 << 30,
+    bytes_per_container=2,
+)
+
+
 def peek(payload: bytes) -> tuple[str, Any]:
+    steps = peek_steps(payload)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+def peek_steps(payload: bytes) -> Generator[None, None, tuple[str, Any]]:
+    """``peek`` a slice at a time (``msgpack_bounds.unpack_steps``): a push-pull state can be MBs."""
     if type(payload) is not bytes:
         raise StateDecodeError("a state payload is bytes")
     try:
-        v = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several types (ExtraData, FormatError, StackError, ...)
+        v = yield from unpack_steps(payload, LIMITS)
+    except BoundsError as e:
         raise StateDecodeError(f"not msgpack: {e}") from None
     f = expect_list(v, max_len=16)
     if len(f) < 3 or (wire_version.is_strict() and len(f) != 3):

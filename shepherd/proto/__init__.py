@@ -9,7 +9,8 @@ Callers use: ``addresses`` (``client_key``: the key a client's address counts un
 ``kv_codec`` (KV-event streams), ``openai_errors`` (``ApiError``, ``error_response``: the OpenAI
 error envelope), ``prompt_ids`` (``PromptIds``: ids with the pieces they came from),
 ``mesh_messages`` and ``mesh_wire`` (SWIM messages and their msgpack datagrams), ``index_wire``
-(prefix-index deltas and digests), ``state_decode`` (checks of decoded mesh state), ``wire_version``
+(prefix-index deltas and digests), ``state_decode`` (checks of decoded mesh state), ``msgpack_bounds``
+(bounded, sliced msgpack decoding of what peers send), ``wire_version``
 (the mesh protocol version and its upgrade rule), ``varint`` (and
 ``_varint.c``).
 """
@@ -25,6 +26,7 @@ __all__ = [
     "mesh_messages",
     "mesh_wire",
     "mlx_codec",
+    "msgpack_bounds",
     "openai_errors",
     "prompt_ids",
     "state_decode",

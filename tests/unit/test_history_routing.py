@@ -310,6 +310,54 @@ async def test_rpc_server_checks_what_comes_from_the_wire() -> None:
     assert (await s["a"].get_conversation(cid)) is not None and not net.calls
 
 
+async def test_rpc_bodies_decode_within_bounds_with_the_loop_running() -> None:
+    """What a peer sends decodes within ``REQUEST_LIMITS`` (more than an array or map per 8 bytes, or
+    any bytes, is refused before the call), a slice at a time with the loop running between (a body can
+    be MBs); a member's reply the same way (``REPLY_LIMITS``)."""
+    net, s = mesh("a", "b")
+    server = s["a"].server
+    cid = new_id("conv", T["a"])
+    await s["a"].create_conversation(StoredConversation(cid, 100.0))
+
+    async def call(obj: Any) -> dict[str, Any]:
+        out: dict[str, Any] = msgpack.unpackb(await server.handle("b", msgpack.packb(obj)))
+        return out
+
+    get = {"m": "get_conversation", "a": {"id": cid}}
+    refused = server.refused
+    junks: list[Any] = [[[]] * 200_000, [{}] * 200_000, b"x"]
+    for junk in junks:  # 200 KB of empty arrays: 200,000 lists
+        out = await call({**get, "junk": junk})
+        assert out["err"] == "bad" and "msgpack" in out["msg"], out
+    assert server.refused == refused + 3
+    # a legitimate large write (~2 MB, many slices) goes through, and the loop ran while it decoded
+    items = [msg(T["a"], f"turn {i} " + "x" * 150) for i in range(10_000)]
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        for _ in range(10_000):  # (bounded: cancelled once the call is answered)
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.get_running_loop().create_task(tick())
+    await asyncio.sleep(0)
+    before = ticks
+    out = await call({"m": "add_items", "a": {"id": cid, "items": [i.to_dict() for i in items]}})
+    during = ticks - before
+    ticker.cancel()
+    assert out == {"ok": None} and during > 1
+    assert (await s["a"].list_items(cid, limit=1)).items[0].id == items[0].id
+
+    # a reply of empty arrays from the owner: unreadable (503), not decoded
+    async def hostile(peer: str, payload: bytes) -> bytes:
+        return bytes(msgpack.packb({"ok": [[]] * 200_000}))
+
+    net.handlers["a"] = hostile
+    with pytest.raises(StorageUnavailable, match="unreadable"):
+        await s["b"].get_conversation(cid)
+
+
 async def test_a_lease_lives_with_its_conversation_on_the_owners_clock() -> None:
     """b's turn on a's conversation claims its lease on a (routed); a peer's lease keeps its length on
     the owner's clock, and a peer cannot send a lease that never ends or one of another owner's."""

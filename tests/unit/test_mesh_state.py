@@ -16,6 +16,7 @@ from shepherd.mesh.state import MeshState
 from shepherd.mesh.state_config import TenantRecord
 from shepherd.mesh.state_registry import RegistryConfig, WorkerRecord
 from shepherd.mesh.state_types import MeshStateConfig, StateComponent
+from shepherd.mesh.state_wire import envelope
 from shepherd.mesh.swim_types import Delegate, MemberDead, MemberUp
 from shepherd.policies.block_names import block_hashes
 from shepherd.policies.prefix_index import PrefixIndexConfig
@@ -408,6 +409,22 @@ def test_mesh_state_is_a_swim_delegate() -> None:
 
 
 # -- malformed payloads ---------------------------------------------------------------------------------
+
+
+def test_a_payload_of_empty_arrays_is_refused_not_decoded() -> None:
+    """A payload holds at most an array or map per 2 bytes (``state_wire.LIMITS``): 300,000 empty arrays
+    in 300 KB are refused (a decode error), the same as a push-pull state's, which is decoded a slice at
+    a time (``merge_remote_state_steps`` yields between slices)."""
+    clock = Clock()
+    m = MeshState("a", clock, new_index=exact_index)
+    bad = envelope("zz", [[]] * 300_000)  # (an unknown tag is otherwise skipped)
+    with pytest.raises(StateDecodeError, match="arrays and maps"):
+        m.apply(bad, "b")
+    steps = list(m.merge_remote_state_steps(bad, "b"))
+    assert m.stats.decode_errors == 2 and len(steps) > 1
+    big = envelope("zz", [["k", 1] * 20] * 20_000)  # ~1.2 MB: decoded in slices, then skipped
+    assert len(list(m.merge_remote_state_steps(big, "b"))) > 1 and m.stats.decode_errors == 2
+
 
 plain = st.recursive(
     st.none()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import tracemalloc
+from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 import pytest
@@ -24,13 +26,18 @@ from shepherd.proto.mesh_messages import (
     Ping,
     PingReq,
     PushPullState,
+    RpcRequest,
     Suspect,
     User,
 )
 from shepherd.proto.mesh_wire import (
+    MAX_PUSH_PULL_BYTES,
+    RPC_REQUEST,
+    VERSION,
     WireError,
     decode_packet,
     decode_push_pull,
+    decode_tcp_request,
     encode_msg,
     encode_packet,
     encode_push_pull,
@@ -155,6 +162,41 @@ def test_push_pull_strictness() -> None:
         decode_push_pull(bad_state)
     with pytest.raises(WireError):
         decode_push_pull(msgpack.packb([1, 0, [], b""], use_bin_type=True))
+
+
+def test_a_frame_decodes_into_what_its_known_fields_hold() -> None:
+    """A TCP frame's fields after the known ones (a later minor's) are skipped without becoming objects,
+    and a known field holding an array is refused at its header: 300,000 empty arrays (one byte each)
+    decoded whole are ~22 MB of lists."""
+    junk: list[Any] = [[]] * 300_000
+    rpc = msgpack.packb([VERSION, RPC_REQUEST, b"payload", junk], use_bin_type=True)
+    state = [VERSION, False, [["a", "h", 1, 2, 0, b"", junk]], b"u", junk]
+    tracemalloc.start()
+    try:
+        assert decode_tcp_request(rpc) == RpcRequest(b"payload")
+        got = decode_push_pull(msgpack.packb(state, use_bin_type=True))
+        assert [m.name for m in got.members] == ["a"] and got.user_state == b"u"
+        for bad in (
+            [VERSION, RPC_REQUEST, junk],  # the payload: bytes
+            [VERSION, False, [["a", "h", 1, 2, 0, junk]], b"u"],  # a member's meta
+            [VERSION, False, junk, b"u"],  # members that are no members
+        ):
+            with pytest.raises(WireError):
+                decode_tcp_request(msgpack.packb(bad, use_bin_type=True), MAX_PUSH_PULL_BYTES)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2_000_000, peak
+
+
+def test_a_datagram_of_arrays_is_refused() -> None:
+    """A datagram holds the packet's arrays and its messages' (a field a later minor adds at most one
+    more each): 64 KiB of empty arrays (65,000 lists) is refused, not decoded."""
+    ok = msgpack.packb([VERSION, "a", [[3, 1]] * 1024, 1, 2, [[]] * 900])
+    assert len(decode_packet(ok).msgs) == 1024
+    bad = msgpack.packb([VERSION, "a", [[3, 1]], 1, 2, *([[[]] * 1000] * 5)])
+    with pytest.raises(WireError, match="arrays"):
+        decode_packet(bad)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -45,6 +45,7 @@ from shepherd.mesh.runtime import RpcError, RpcHandler
 from shepherd.node.config import ConfigError, NodeConfig, default_node_name
 from shepherd.node.metrics import counter
 from shepherd.node.observe import tracing
+from shepherd.proto.msgpack_bounds import Limits, unpack_async
 from shepherd.storage.factory import open_store
 from shepherd.storage.ids import node_tag, tag_of
 from shepherd.storage.types import (
@@ -118,8 +119,19 @@ def _pack(obj: Any) -> bytes:
     return data
 
 
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=True)
+# what a peer's request and a member's reply may decode into (``msgpack_bounds``): records are JSON
+# (a transcript's items hold an array or map per ~40 bytes, a response with logprobs one per ~18: more
+# than one per 8 bytes is refused, as a 16 MiB body of empty arrays, 16 million lists); requests carry no
+# bytes, replies only a "metrics" exposition
+REQUEST_LIMITS = Limits(
+    max_bytes=MAX_PAYLOAD,
+    max_str_len=MAX_PAYLOAD,
+    max_bin_len=0,
+    max_array_len=MAX_PAYLOAD,
+    max_map_len=MAX_PAYLOAD,
+    bytes_per_container=8,
+)
+REPLY_LIMITS = dataclasses.replace(REQUEST_LIMITS, max_bin_len=MAX_PAYLOAD)
 
 
 _ERRORS: dict[str, type[StorageError]] = {
@@ -304,9 +316,9 @@ class RpcServer:
             if len(payload) > MAX_PAYLOAD:
                 raise WireError("request too large")
             try:
-                req = _unpack(payload)
+                req = await unpack_async(payload, REQUEST_LIMITS)
             except Exception as e:
-                raise WireError(f"not a msgpack request: {type(e).__name__}") from None
+                raise WireError(f"not a msgpack request: {e}"[:200]) from None
             req = _dict(req, "request")
             method, args = req.get("m"), _dict(req.get("a", {}), "arguments")
             fn = self._methods.get(method) if isinstance(method, str) else None
@@ -550,7 +562,7 @@ class RoutedStore:
                 what = "is busy" if "busy" in e.message else f"did not answer ({e.reason})"
                 raise StorageUnavailable(f"the node {owner!r} that owns this record {what}", 1.0) from None
         try:
-            reply = _unpack(raw)
+            reply = await unpack_async(raw, REPLY_LIMITS)
         except Exception:
             self.routed_failed += 1
             raise StorageUnavailable(f"the node {owner!r} answered an unreadable reply") from None
@@ -1056,7 +1068,7 @@ async def ask_peers(
 
     async def one(name: str) -> tuple[str, Any]:
         try:
-            reply = _unpack(await link.rpc(name, payload, timeout=timeout))
+            reply = await unpack_async(await link.rpc(name, payload, timeout=timeout), REPLY_LIMITS)
         except Exception:  # RpcError, or a reply that does not decode
             return name, None
         return name, reply.get("ok") if isinstance(reply, dict) else None
