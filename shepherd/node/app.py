@@ -57,6 +57,7 @@ from shepherd.node.http.server import CappedTCPSite, ConnectionCap, LeanServer
 from shepherd.node.http.types import LeanRequest
 from shepherd.node.metrics import counter
 from shepherd.node.observe import genai_metrics, logs, tracing
+from shepherd.node.openai.reasoning_seal import ReasoningSeal
 from shepherd.node.procs import PROC_INDEX_ENV
 from shepherd.proto.anthropic_errors import anthropic_error_response, is_messages_path
 from shepherd.proto.openai_errors import ApiError, error_response
@@ -99,7 +100,11 @@ def build_app(
     app.add_routes(api_messages.routes())  # /v1/messages, /v1/messages/count_tokens (Anthropic)
     app.add_routes(api_embeddings.routes())  # /v1/embeddings (gRPC Embed, or relayed)
     app.add_routes(api_pooling.routes())  # rerank, score, classify (relayed to HTTP workers)
-    api_responses.install(app)  # /v1/responses (+ the background registry)
+    # /v1/responses (+ the background registry); reasoning blobs under the mesh's keys, so that any node opens
+    # what another sealed
+    rt = mesh.runtime if mesh is not None else None
+    seal = ReasoningSeal(rt.keyring.keys, cluster=gw.cfg.mesh_cluster) if rt is not None else None
+    api_responses.install(app, seal)
     app.add_routes(api_conversations.routes())
     app.add_routes(api_admin.routes())
     app.add_routes(api_native.routes())  # /generate, /version, /get_model_info... (vLLM, SGLang, SMG shapes)

@@ -17,6 +17,7 @@ import itertools
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from shepherd.mesh.keyring import Keyring, generate_key
 from shepherd.storage.ids import node_tag, tag_of
 from tests.e2e.node_procs import NodeProc, http_status, reserved_port, spawn_node
 from tests.e2e.procs import MockEngineProc, start_mock_engine
+from tests.e2e.responses_fixtures import script
 from tests.e2e.test_mesh_cluster import mesh_flags, wait_for
 from tests.services import postgres_service, service_or_skip
 
@@ -190,6 +192,33 @@ def test_response_chain_continues_on_another_node_each_turn(cluster: Cluster) ->
         asked = [t for i, t in zip(items, texts(items), strict=True) if i.role == "user"]
         assert asked == [f"turn {k} on {n}" for k, n in enumerate(("a", "b", "c", "a", "c", "b"))]
         assert [i.role for i in items] == ["user", "assistant"] * 5 + ["user"]
+
+
+def test_a_reasoning_blob_sealed_on_one_node_opens_on_the_others(cluster: Cluster) -> None:
+    """``include: ["reasoning.encrypted_content"]`` with ``store: false`` (Codex CLI, the Agents SDK): the
+    blob a node seals under the mesh's keyring opens on every other node, whose prompt then holds the
+    reasoning it seals, the item sent back without its text (the Vercel AI SDK, pydantic-ai)."""
+    http = httpx.Client(timeout=10)
+    thought = f"plan-{uuid.uuid4().hex[:10]}"
+    marker = script(cluster.engine, http, f"<think>{thought}</think>It is done.")
+    first = cluster.sdk("a").responses.create(
+        model=MODEL, input=f"plan {marker}", store=False, include=["reasoning.encrypted_content"]
+    )
+    reasoning = first.output[0]
+    assert reasoning.type == "reasoning" and isinstance(reasoning.encrypted_content, str)
+    # (qwen3 renders past reasoning after the last question only: the blob's turn, then a continuation)
+    blob: Any = {"type": "reasoning", "summary": [], "encrypted_content": reasoning.encrypted_content}
+    turn: Any = [
+        {"role": "user", "content": "plan"},
+        blob,
+        {"role": "assistant", "content": "It is done."},
+    ]
+    for name in ("b", "c"):
+        answer = f"seen-on-{name}"
+        script(cluster.engine, http, answer, match=f"<think>\n{thought}\n</think>")
+        r = cluster.sdk(name).responses.create(model=MODEL, input=turn, store=False, max_output_tokens=8)
+        assert r.output_text == answer
+    http.close()
 
 
 def test_responses_in_a_conversation_owned_by_another_node(cluster: Cluster) -> None:

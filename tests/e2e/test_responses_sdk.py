@@ -308,3 +308,195 @@ def test_a_slow_first_token_opens_with_response_created(
     assert kinds.count("response.created") == 1 and kinds[-1] == "response.completed", kinds
     seqs = [json.loads(line[6:])["sequence_number"] for line in text.split("\n") if line.startswith("data: ")]
     assert seqs == list(range(len(kinds))), seqs
+
+
+# ---- agent clients: Codex CLI, the OpenAI Agents SDK ---------------------------------------------------
+
+SHELL: Any = [  # Codex CLI's shell tool: a function tool, not strict
+    {
+        "type": "function",
+        "name": "shell",
+        "description": "Runs a shell command and returns its output.",
+        "strict": False,
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "command": {"type": "array", "items": {"type": "string"}},
+                "workdir": {"type": "string"},
+            },
+            "required": ["command"],
+            "additionalProperties": False,
+        },
+    }
+]
+SHELL_CALL = '<tool_call>\n{"name": "shell", "arguments": {"command": ["ls"]}}\n</tool_call>'
+
+
+def codex_turn(client: openai.OpenAI, items: list[Any]) -> list[Any]:
+    """One turn as Codex CLI sends it (codex-rs ``ResponsesApiRequest``: store false, streamed, the
+    reasoning blob asked for, its thread id as the cache key, its client metadata), and the items of its
+    ``response.output_item.done`` events: what Codex keeps of a turn."""
+    stream = client.responses.create(
+        model=MODEL,
+        instructions="You are Codex, a coding agent.",
+        input=items,
+        tools=SHELL,
+        tool_choice="auto",
+        parallel_tool_calls=False,
+        reasoning={"effort": "medium", "summary": "auto"},
+        store=False,
+        stream=True,
+        include=["reasoning.encrypted_content"],
+        prompt_cache_key=str(uuid.uuid4()),
+        text={"verbosity": "medium"},
+        extra_headers={"originator": "codex_cli_rs"},
+        extra_body={"client_metadata": {"x-codex-installation-id": "test"}},
+    )
+    with stream:
+        events = list(stream)
+    assert events[-1].type == "response.completed", events[-1]
+    return [e.item for e in events if e.type == "response.output_item.done"]
+
+
+def codex_item(item: Any, keep_text: bool = True) -> dict[str, Any]:
+    """An output item as Codex sends it back (codex-rs ``ResponseItem``: no ids; a reasoning item's
+    ``content`` only when it holds reasoning text, else null, and its ``encrypted_content`` as given)."""
+    if item.type == "reasoning":
+        content = [c.model_dump() for c in item.content or ()] if keep_text else None
+        return {
+            "type": "reasoning",
+            "summary": [],
+            "content": content,
+            "encrypted_content": item.encrypted_content,
+        }
+    if item.type == "function_call":
+        return {
+            "type": "function_call",
+            "name": item.name,
+            "arguments": item.arguments,
+            "call_id": item.call_id,
+        }
+    return {
+        "type": "message",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": c.text} for c in item.content],
+    }
+
+
+def codex_first_turn(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> tuple[str, list[Any]]:
+    """(the reasoning text, Codex's next input: the turn's question, its answer's items and the call's
+    output) of a turn whose answer reasons, then calls the shell tool."""
+    thought = f"plan-{uuid.uuid4().hex[:10]}"
+    marker = script(engine, http, f"<think>{thought}</think>{SHELL_CALL}")
+    question = [
+        {
+            "type": "message",
+            "role": "developer",
+            "content": [{"type": "input_text", "text": "<permissions/>"}],
+        },
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": f"list files {marker}"}],
+        },
+    ]
+    reasoning, call = codex_turn(client, question)
+    assert (reasoning.type, call.type) == ("reasoning", "function_call")
+    blob = reasoning.encrypted_content
+    assert isinstance(blob, str) and thought not in blob  # opaque
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "a.txt\nb.txt"}
+    return thought, [*question, reasoning, call, output]
+
+
+def test_codex_turns_keep_their_reasoning_through_encrypted_content(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """``include: ["reasoning.encrypted_content"]`` with ``store: false``: the reasoning item carries an
+    opaque blob, and the next turn's prompt renders the reasoning it seals as the model's own (qwen3: the
+    think block of the call its output answers), whether the item comes back whole (Codex) or as the blob
+    alone (the Vercel AI SDK, pydantic-ai keep no text)."""
+    thought, turn = codex_first_turn(client, engine, http)
+    for keep_text in (True, False):
+        answer = f"files-{uuid.uuid4().hex[:8]}"
+        script(engine, http, answer, match=f"<think>\n{thought}\n</think>")
+        sent = [codex_item(it, keep_text) if isinstance(it, BaseModel) else it for it in turn]
+        [message] = codex_turn(client, sent)
+        assert message.type == "message" and message.content[0].text == answer
+
+
+def test_a_blob_that_is_not_this_nodes_is_ignored(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """A damaged blob, or another server's (OpenAI's), is not refused (an agent that comes from another
+    server keeps its session) and renders nothing; the item's own text still does."""
+    thought, turn = codex_first_turn(client, engine, http)
+    answer = f"seen-{uuid.uuid4().hex[:8]}"
+    script(
+        engine, http, answer, match=f"<think>\n{thought}\n</think>"
+    )  # (consumed by the turn that renders it)
+    blob = turn[2].encrypted_content
+    damaged = blob[:-8] + ("A" * 8 if not blob.endswith("A" * 8) else "B" * 8)
+    openai_blob = "gAAAAABo-an-openai-blob"
+    for foreign in (damaged, openai_blob):
+        item: Any = {"type": "reasoning", "summary": [], "content": None, "encrypted_content": foreign}
+        [message] = codex_turn(client, [*turn[:2], item, codex_item(turn[3]), turn[4]])
+        assert message.content[0].text != answer
+    text = [{"type": "reasoning_text", "text": thought}]
+    item = {"type": "reasoning", "summary": [], "content": text, "encrypted_content": openai_blob}
+    [message] = codex_turn(client, [*turn[:2], item, codex_item(turn[3]), turn[4]])
+    assert message.content[0].text == answer
+
+
+def test_agents_sdk_turns_with_its_settings_and_replayed_items(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """A run as openai-agents' ``OpenAIResponsesModel`` makes it: every request field its ``ModelSettings``
+    map to, a first turn answered whole (``get_response``), the next streamed (``responses.stream``) with
+    the first one's output items sent back as the SDK dumps them (``model_dump(exclude_unset=True)``:
+    ids, statuses, the reasoning's text and blob) and the tool's output paired by ``call_id``."""
+    settings: dict[str, Any] = {
+        "model": MODEL,
+        "instructions": "You are a weather agent.",
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "parallel_tool_calls": True,
+        "truncation": "auto",
+        "store": False,
+        "include": ["reasoning.encrypted_content", "message.output_text.logprobs"],
+        "top_logprobs": 1,
+        "reasoning": {"effort": "low", "summary": "auto"},
+        "text": {"format": {"type": "text"}, "verbosity": "low"},
+        "metadata": {"agent": "weather"},
+        "prompt_cache_key": "run-1",
+        "prompt_cache_retention": "24h",
+        "service_tier": "auto",
+        "user": "user-1",
+        "safety_identifier": "safety-1",
+        "extra_headers": {"User-Agent": "Agents/Python 0.6.0"},
+    }
+    thought = f"plan-{uuid.uuid4().hex[:10]}"
+    marker = script(engine, http, f"<think>{thought}</think>Let me check.{CALL}")
+    question: Any = [{"role": "user", "content": f"weather in Paris? {marker}"}]
+    first = client.responses.create(input=question, **settings)
+    Response.model_validate(first.model_dump())
+    assert [o.type for o in first.output] == ["reasoning", "message", "function_call"]
+    reasoning, _, call = first.output
+    assert reasoning.type == "reasoning" and isinstance(reasoning.encrypted_content, str)
+    assert call.type == "function_call"
+    answer = f"sunny-{uuid.uuid4().hex[:8]}"
+    script(engine, http, answer, match=f"<think>\n{thought}\n</think>")
+    replay = [o.model_dump(exclude_unset=True) for o in first.output]
+    assert replay[0]["id"].startswith("rs_") and replay[2]["status"] == "completed"
+    follow_up: Any = [
+        *question,
+        *replay,
+        {"call_id": call.call_id, "output": "22C", "type": "function_call_output"},
+    ]
+    with client.responses.stream(input=follow_up, **settings) as s:
+        for _ in s:
+            pass
+        second = s.get_final_response()
+    assert second.status == "completed" and second.output_text == answer
+    assert second.prompt_cache_key == "run-1" and second.metadata == {"agent": "weather"}

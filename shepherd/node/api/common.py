@@ -33,6 +33,7 @@ from shepherd.node.engines.http import (
     read_capped,
 )
 from shepherd.node.http.types import stream_response
+from shepherd.node.openai.reasoning_seal import ReasoningSeal
 from shepherd.node.openai.requests import Sampling
 from shepherd.node.openai.sse import DONE, KEEPALIVE, error_event
 from shepherd.policies.text_ids import body_ids
@@ -65,6 +66,8 @@ GATEWAY: web.AppKey[Gateway] = web.AppKey("gateway")
 ADMISSION: web.AppKey[Admission | None] = web.AppKey("admission")  # None: no rate limit configured
 KEEPALIVE_TICKER: web.AppKey[KeepAlive] = web.AppKey("keepalive")
 HISTORY: web.AppKey[History] = web.AppKey("history")
+# seals reasoning items' ``encrypted_content`` and opens those sent back (the mesh's keys: any node opens)
+REASONING_SEAL: web.AppKey[ReasoningSeal] = web.AppKey("reasoning_seal")
 
 
 class History:

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from shepherd.node.api.common import (
     GATEWAY,
+    REASONING_SEAL,
     History,
     history_errors,
     history_of,
@@ -84,7 +85,9 @@ def _known(d: dict[str, Any], allowed: tuple[str, ...]) -> None:
             raise bad(f"Unknown parameter: '{k[:80]}'.", param=k[:80], code="unknown_parameter")
 
 
-def _parse(raw: Any, history: History, owner_tag: str | None, now: float, required: bool) -> list[StoredItem]:
+def _parse(
+    request: web.Request, raw: Any, history: History, owner_tag: str | None, now: float, required: bool
+) -> list[StoredItem]:
     if raw is None and not required:
         return []
     if not isinstance(raw, list):
@@ -98,7 +101,11 @@ def _parse(raw: Any, history: History, owner_tag: str | None, now: float, requir
             code="array_above_max_length",
         )
     items = parse_items(
-        raw, param="items", new_id=lambda prefix: history.new_id(prefix, owner_tag=owner_tag), now=now
+        raw,
+        param="items",
+        new_id=lambda prefix: history.new_id(prefix, owner_tag=owner_tag),
+        now=now,
+        unseal=request.app[REASONING_SEAL].open,  # (a reasoning item's blob of this mesh: its text)
     )
     for i, it in enumerate(items):
         if it.type == "item_reference":
@@ -151,7 +158,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     _known(d, ("items", "metadata"))
     metadata = parse_metadata(d.get("metadata"))
     now = time.time()
-    items = _parse(d.get("items"), history, None, now, required=False)
+    items = _parse(request, d.get("items"), history, None, now, required=False)
     conv = StoredConversation(history.new_id("conv"), now, metadata, owner_of(request))
     await history.store.create_conversation(conv, items)
     return json_response(conversation_object(conv))
@@ -200,7 +207,7 @@ async def add_items(request: web.Request) -> web.StreamResponse:
     if "items" not in d:
         raise bad("Missing required parameter: 'items'.", param="items", code="missing_required_parameter")
     now = time.time()
-    items = _parse(d["items"], history, tag_of(cid), now, required=True)
+    items = _parse(request, d["items"], history, tag_of(cid), now, required=True)
     await _load(request, history, cid)
     await history.store.add_items(cid, items)
     return json_response(item_list(items, False))

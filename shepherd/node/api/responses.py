@@ -50,6 +50,7 @@ from shepherd.node.api.common import (
     ADMISSION,
     GATEWAY,
     KEEPALIVE_TICKER,
+    REASONING_SEAL,
     History,
     history_errors,
     history_of,
@@ -66,6 +67,7 @@ from shepherd.node.cluster.history import OwnerGone
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.http.body import read_json
 from shepherd.node.openai.items import ITEM_PREFIXES, items_to_messages, parse_items
+from shepherd.node.openai.reasoning_seal import ReasoningSeal
 from shepherd.node.openai.requests import ChatRequest
 from shepherd.node.openai.responses import (
     ResponsesRequest,
@@ -312,6 +314,8 @@ class Turn:
     owner_tag: str | None
     saved: bool = False
     lease: _Lease | None = None  # the conversation's, while this turn runs (released as its end is stored)
+    # a reasoning item's text -> its encrypted_content (None: not asked for with ``include``)
+    seal: Callable[[str], str] | None = None
 
     def new_id(self, prefix: str) -> str:
         return self.hist.new_id(prefix, owner_tag=self.owner_tag)
@@ -405,7 +409,7 @@ class _StoringEvents(ResponseEvents):
     a failure's usage counts ``job``'s prompt and the tokens generated so far."""
 
     def __init__(self, base: dict[str, Any], turn: Turn, store: bool, tok: Tokenizer, job: Job) -> None:
-        super().__init__(base, turn.new_id)
+        super().__init__(base, turn.new_id, seal=turn.seal)
         self.turn = turn
         self.tok = tok
         self.store = store
@@ -947,7 +951,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         return i
 
     response_id = hist.new_id("resp", owner_tag=owner_tag)
-    parsed = parse_items(req.input, param="input", new_id=mint, now=now, response_id=response_id)
+    seal = request.app[REASONING_SEAL]
+    parsed = parse_items(
+        req.input, param="input", new_id=mint, now=now, response_id=response_id, unseal=seal.open
+    )
     conv = req.conversation_id
     lease = await _lock_conversation(request, hist, gw, conv, response_id) if conv is not None else None
 
@@ -990,6 +997,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             tuple(it.id for it in prompt_items),
             owner_tag,
             lease=lease,
+            seal=seal.seal if "reasoning.encrypted_content" in req.include else None,
         )
         messages = _messages(req, [*past, *prompt_items])
         if not messages:
@@ -1077,7 +1085,7 @@ def _answer(
     are the items a stream of it would have) and the usage."""
     finish = choice["finish_reason"]
     status = response_status(finish)
-    enc = ResponseEvents(base, turn.new_id, quiet=True)
+    enc = ResponseEvents(base, turn.new_id, quiet=True, seal=turn.seal)
     replay(g.output, enc, job.states[0].full_text(), choice.get("logprobs"))
     enc.finish(0, finish)
     output = enc.items
@@ -1088,7 +1096,7 @@ def _answer(
 def _partial(g: Generation, job: Job, turn: Turn, base: dict[str, Any]) -> list[dict[str, Any]]:
     """The output items of a choice cut short (a cancel): its text so far through the stream's parser
     stage and encoder, quiet, the open item ``incomplete`` (what a streamed response keeps)."""
-    enc = ResponseEvents(base, turn.new_id, quiet=True)
+    enc = ResponseEvents(base, turn.new_id, quiet=True, seal=turn.seal)
     text = job.states[0].full_text()
     if g.output is None:
         if text:
@@ -1785,10 +1793,12 @@ def routes() -> list[web.RouteDef]:
     ]
 
 
-def install(app: web.Application) -> None:
+def install(app: web.Application, seal: ReasoningSeal | None = None) -> None:
     """The routes and the background registry (``BACKGROUND``, its tasks cancelled when the app closes).
-    The store is ``app[HISTORY]`` (without one the routes answer 503)."""
+    The store is ``app[HISTORY]`` (without one the routes answer 503). ``seal``: reasoning items'
+    ``encrypted_content`` under the mesh's keys (None: a key of this process, no mesh to share one)."""
     app.add_routes(routes())
+    app[REASONING_SEAL] = seal or ReasoningSeal.ephemeral()
     app[BACKGROUND] = BackgroundRegistry()
     app.cleanup_ctx.append(_background_closing)
 

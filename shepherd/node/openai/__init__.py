@@ -2,7 +2,8 @@
 
 Callers use: ``items`` (Responses input items -> ``StoredItem`` records, stored items -> chat
 messages), ``requests`` (``parse_chat``, ``parse_completion``, ``Sampling``), ``responses``
-(``parse_responses``: Responses API requests), ``tool_choice``,
+(``parse_responses``: Responses API requests), ``reasoning_seal`` (reasoning items'
+``encrypted_content``), ``tool_choice``,
 ``structured`` (engine constraints, final-answer checks), ``guided`` (vLLM / SGLang
 constrained-decoding fields), ``template_compat`` (``developer`` role and ``reasoning_effort`` for a
 template), ``logprobs`` (``LogprobFormatter``),
@@ -14,6 +15,7 @@ __all__ = [
     "guided",
     "items",
     "logprobs",
+    "reasoning_seal",
     "requests",
     "responses",
     "sse",

@@ -7,7 +7,8 @@ a list of items — ``message`` (also without ``type``: role + content; content 
 ``function_call_output``, ``reasoning`` and ``item_reference``. Each item becomes a ``StoredItem``
 whose ``data`` is the item as the API shows it (normalised: a message's content is always a list of
 parts, ``status`` is set, the ``id`` is the client's when it gave a well-formed one, else a fresh one
-with OpenAI's prefix: ``msg``, ``fc``, ``fco``, ``rs``).
+with OpenAI's prefix: ``msg``, ``fc``, ``fco``, ``rs``). A reasoning item sent back with only the
+``encrypted_content`` this mesh made (``node.openai.reasoning_seal``) gets the text the blob seals.
 
 An ``item_reference`` stays a ``StoredItem`` of type ``item_reference`` whose ``id`` is the item it
 names: the caller resolves it against the store (it is not a new item).
@@ -168,11 +169,14 @@ def parse_items(
     new_id: Callable[[str], str],
     now: float,
     response_id: str | None = None,
+    unseal: Callable[[str], str | None] | None = None,
 ) -> list[StoredItem]:
     """``raw`` (a request's ``input``, or a Conversations ``items`` list) -> validated items.
 
     ``param``: the request field, for error messages (``input``); ``new_id(prefix)`` mints an id for an
-    item without one; ``now``: their ``created_at``; ``response_id``: the response they belong to.
+    item without one; ``now``: their ``created_at``; ``response_id``: the response they belong to;
+    ``unseal``: a reasoning item's ``encrypted_content`` -> its text (``ReasoningSeal.open``; None: not
+    one of ours).
     """
     if isinstance(raw, str):
         _text(raw, param, "content")
@@ -193,7 +197,7 @@ def parse_items(
             param=param,
             code="array_above_max_length",
         )
-    items = [_item(it, param, i, new_id, now, response_id) for i, it in enumerate(raw)]
+    items = [_item(it, param, i, new_id, now, response_id, unseal) for i, it in enumerate(raw)]
     seen: set[str] = set()
     for i, it in enumerate(items):
         if it.id in seen:
@@ -209,7 +213,13 @@ def parse_items(
 
 
 def _item(
-    it: Any, param: str, i: int, new_id: Callable[[str], str], now: float, response_id: str | None
+    it: Any,
+    param: str,
+    i: int,
+    new_id: Callable[[str], str],
+    now: float,
+    response_id: str | None,
+    unseal: Callable[[str], str | None] | None,
 ) -> StoredItem:
     w = _where(param, i)
     if not isinstance(it, dict):
@@ -290,12 +300,21 @@ def _item(
                 if not isinstance(c, dict) or c.get("type") != "reasoning_text":
                     raise bad(f"'{cw}' must be a 'reasoning_text' part.", param=cw)
                 parts.append({"type": "reasoning_text", "text": _text(c.get("text"), cw)})
+        sealed = it.get("encrypted_content")
+        if sealed is not None:
+            sealed = _text(sealed, f"{w}.encrypted_content", "encrypted_content")
+            # the text a blob of ours seals stands in for a text the client did not keep (the blob alone,
+            # with the summary: the Vercel AI SDK, pydantic-ai); a text it sent wins; a foreign blob
+            # (OpenAI's) is ignored, as SMG ignores it, rather than refused as vLLM does
+            opened = unseal(sealed) if unseal is not None and not parts else None
+            if opened:
+                parts.append({"type": "reasoning_text", "text": opened})
         if len(summ) + len(parts) > MAX_PARTS:
             raise bad(f"'{w}' has more than {MAX_PARTS} parts.", param=w, code="array_above_max_length")
         status = _status(it.get("status"), f"{w}.status")
         iid = _given_id(it.get("id"), kind, f"{w}.id") or new_id("rs")
+        # (the blob itself is not kept: its text, when it opened, is the item's content)
         data = {"type": "reasoning", "id": iid, "summary": summ, "content": parts, "status": status}
-        # encrypted_content: ours is never made, a foreign one is meaningless here; dropped
         return StoredItem(iid, kind, data, now, response_id, None, status)
     if kind == "item_reference":
         ref = it.get("id")

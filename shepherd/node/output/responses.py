@@ -1,6 +1,7 @@
 """Responses API output: the Response object and its streamed events (docs/DESIGN.md §12).
 
-Output items: a ``reasoning`` item (``rs_``, ``content: [{type: reasoning_text, text}]``, ``summary: []``),
+Output items: a ``reasoning`` item (``rs_``, ``content: [{type: reasoning_text, text}]``, ``summary: []``;
+``encrypted_content`` when asked for),
 a ``message`` item (``msg_``, ``content: [{type: output_text, text, annotations: [], logprobs}]``) and one
 ``function_call`` item per call (``fc_``, ``call_id``, ``name``, ``arguments``), in generation order (text
 after a call is a message item after it). A message item is there when the model produced output text:
@@ -137,12 +138,22 @@ class ResponseEvents:
     driver calls ``role`` once (the opening events), the content / reasoning / tool methods as the
     parsers produce text, ``finish`` when the choice ends; ``end`` / ``failed`` make the last events.
     ``quiet``: no bytes, the items only (a non-streamed answer's: ``shepherd.node.output.chat.replay``).
+    ``seal``: a finished reasoning item gets ``encrypted_content``, its text sealed (in its
+    ``response.output_item.done`` and the Response), for a ``store: false`` client to send back.
     """
 
-    def __init__(self, base: Mapping[str, Any], new_id: Callable[[str], str], quiet: bool = False) -> None:
+    def __init__(
+        self,
+        base: Mapping[str, Any],
+        new_id: Callable[[str], str],
+        quiet: bool = False,
+        seal: Callable[[str], str] | None = None,
+    ) -> None:
         self.base = base
         self._new_id = new_id
         self.quiet = quiet
+        # a reasoning item's text -> its ``encrypted_content`` (``include: ["reasoning.encrypted_content"]``)
+        self._seal = seal
         self._seq = 0
         self._opened = False  # response.created and response.in_progress are out
         self.items: list[dict[str, Any]] = []  # finished output items, in order
@@ -217,6 +228,8 @@ class ResponseEvents:
                 )
             )
             item["content"] = [part]
+            if self._seal is not None:
+                item["encrypted_content"] = self._seal(text)
         else:
             item["arguments"] = text
             out.append(
@@ -369,6 +382,8 @@ class ResponseEvents:
                 ]
             elif item["type"] == "reasoning":
                 item["content"] = [{"type": "reasoning_text", "text": text}]
+                if self._seal is not None:
+                    item["encrypted_content"] = self._seal(text)
             else:
                 item["arguments"] = text
             out.append(item)
