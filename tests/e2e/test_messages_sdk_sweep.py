@@ -7,14 +7,17 @@ What the sweep of the SDK found and these tests keep fixed: Anthropic's ``reques
 ``Message._request_id`` and ``APIStatusError.request_id``), the SDK's ``output_config.effort`` levels
 ``xhigh`` and ``max``, ``thinking`` of type ``between_tools`` and its ``display: omitted``, empty message
 content (a 400 in Anthropic's words, an empty final assistant turn no prefill), ``tool_choice`` any / tool
-without tools in Anthropic's words; and, as coverage, tool_result shapes, the stream's events, a client
-gone mid-stream aborting the engine call, and a 529 the SDK retries.
+without tools in Anthropic's words; of Claude Code's shapes, ``role: system`` messages in the
+conversation, its billing-header system block (dropped: it defeated the prefix cache) and a thinking
+budget above ``max_tokens`` under the interleaved-thinking beta; and, as coverage, tool_result shapes, the
+stream's events, a client gone mid-stream aborting the engine call, and a 529 the SDK retries.
 """
 
 from __future__ import annotations
 
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -236,6 +239,96 @@ def test_a_route_not_served_answers_the_anthropic_sdk_in_its_envelope(client: an
         client.beta.files.list()
     body: Any = e.value.body
     assert body["type"] == "error" and body["error"]["type"] == "not_found_error"
+
+
+# ---- fixed by the sweep of Claude Code's shapes ----
+
+
+def test_system_messages_in_the_conversation(
+    client: anthropic.Anthropic, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """``role: system`` messages (the SDK's ``SystemMessageParam``, what Claude Code sends since 2.1.154)
+    are system messages at their place in the prompt (they were a 400); the beta's ``clear_at:
+    next_user_message`` drops one once a user message follows it."""
+    rule = f"Answer in French {uuid.uuid4().hex[:8]}."
+    # the answer is scripted for a prompt holding the system message right after the first user turn
+    at_its_place = f"<|im_start|>user\nBonjour<|im_end|>\n<|im_start|>system\n{rule}<|im_end|>"
+    script(engine, http, "Oui.", match=at_its_place)
+    history: Any = [
+        {"role": "user", "content": "Bonjour"},
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": rule, "cache_control": {"type": "ephemeral"}}],
+        },
+    ]
+    msg = client.messages.create(model=MODEL, max_tokens=16, messages=history, system="Be brief.")
+    assert msg.content[0].type == "text" and msg.content[0].text == "Oui."
+    with client.messages.stream(
+        model=MODEL,
+        max_tokens=16,
+        messages=[*history, {"role": "user", "content": script(engine, http, "Non.")}],
+    ) as stream:
+        assert stream.get_final_message().content[0].text == "Non."  # type: ignore[union-attr]
+    counted = client.messages.count_tokens(model=MODEL, messages=history)
+    assert counted.input_tokens > client.messages.count_tokens(model=MODEL, messages=history[:1]).input_tokens
+    # cleared at the next user message: no longer in the prompt once one follows
+    later: Any = [
+        {"role": "user", "content": "Bonjour"},
+        {"role": "system", "content": rule, "clear_at": "next_user_message"},
+        {"role": "user", "content": "Encore"},
+    ]
+    without: Any = [{"role": "user", "content": "Bonjour\nEncore"}]
+    cleared = client.beta.messages.count_tokens(model=MODEL, messages=later)
+    assert cleared.input_tokens == client.messages.count_tokens(model=MODEL, messages=without).input_tokens
+    image: Any = [history[0], {"role": "system", "content": [{"type": "image", "source": {}}]}]
+    with pytest.raises(anthropic.BadRequestError, match="text blocks only"):
+        client.messages.create(model=MODEL, max_tokens=8, messages=image)
+
+
+def test_claude_codes_billing_header_is_not_in_the_prompt(
+    client: anthropic.Anthropic, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """Claude Code's first system block, ``x-anthropic-billing-header: ...; cch=<hash>;``, changes with every
+    request: dropped (as vLLM does), the prompt's prefix is the same from one request to the next and the
+    engine's prefix cache holds it (it was a cache miss from the first tokens on)."""
+    instructions = "You are an agent for software engineering. " * 24  # ~1 KB, ~1000 byte tokens
+
+    def system(cch: str) -> Any:
+        header = f"x-anthropic-billing-header: cc_version=2.1.177.01c; cc_entrypoint=cli; cch={cch};"
+        return [
+            {"type": "text", "text": header},
+            {"type": "text", "text": instructions, "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+        ]
+
+    counted = client.messages.count_tokens(model=MODEL, system=system("36ee5"), messages=_user("x"))
+    plain = client.messages.count_tokens(model=MODEL, system=instructions, messages=_user("x"))
+    assert counted.input_tokens == plain.input_tokens
+    for cch in ("0aaa9", "b71fe"):
+        msg = client.messages.create(
+            model=MODEL, max_tokens=8, system=system(cch), messages=_user(script(engine, http, "ok"))
+        )
+        assert msg.content[0].type == "text" and msg.content[0].text == "ok"
+    # the second request read the system prompt from the engine's prefix cache
+    assert (msg.usage.cache_read_input_tokens or 0) >= len(instructions) // 2, msg.usage
+
+
+def test_an_interleaved_thinking_budget_may_exceed_max_tokens(
+    client: anthropic.Anthropic, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """Under the interleaved-thinking beta (Claude Code sends it) the budget spans the turn's thinking
+    blocks and may exceed ``max_tokens``, as Anthropic allows (it was a 400); without it, still a 400."""
+    thinking: Any = {"type": "enabled", "budget_tokens": 4096}
+    out = "<think>\nHm.\n</think>\n\nYes."
+    msg = client.beta.messages.create(
+        model=MODEL,
+        max_tokens=2048,
+        messages=_user(script(engine, http, out)),
+        thinking=thinking,
+        betas=["interleaved-thinking-2025-05-14", "fine-grained-tool-streaming-2025-05-14"],
+    )
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    with pytest.raises(anthropic.BadRequestError, match="budget_tokens"):
+        client.messages.create(model=MODEL, max_tokens=2048, messages=_user("x"), thinking=thinking)
 
 
 # ---- coverage ----

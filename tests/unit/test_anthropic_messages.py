@@ -89,7 +89,8 @@ def test_required_and_bounded_fields() -> None:
     _bad(_req(stream="yes"), "stream")
     _bad({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}, "model")
     _bad(_req(messages=[]), "messages")
-    _bad(_req(messages=[{"role": "system", "content": "x"}]), "role")
+    _bad(_req(messages=[{"role": "tool", "content": "x"}]), "role")
+    _bad(_req(messages=[{"role": "system", "content": "x"}]), "at least one user or assistant")
     # count_tokens needs no max_tokens
     assert parse_count_tokens({"model": "m", "messages": [{"role": "user", "content": "x"}]}).chat.sampling
 
@@ -313,6 +314,60 @@ def test_thinking() -> None:
     # adaptive (the current SDK's first choice): thinking on, no budget
     r = parse_messages(_req(thinking={"type": "adaptive"}))
     assert r.thinking and r.thinking_budget is None and r.chat.separate_reasoning
+
+
+def test_system_messages_and_claude_codes_billing_header() -> None:
+    billing = "x-anthropic-billing-header: cc_version=2.1.177.01c; cc_entrypoint=cli; cch=36ee5;"
+    system = [{"type": "text", "text": billing}, {"type": "text", "text": "Be brief."}]
+    user = {"role": "user", "content": "a"}
+    r = parse_messages(
+        _req(
+            system=system,
+            messages=[
+                {"role": "system", "content": "Lead."},  # (leading: joins the top-level system)
+                user,
+                {"role": "system", "content": [{"type": "text", "text": "One."}]},
+                {"role": "system", "content": "Two."},
+                {"role": "user", "content": "b"},
+                {"role": "system", "content": "Gone.", "clear_at": "next_user_message"},
+                {"role": "user", "content": "c"},
+                {"role": "system", "content": "Shown.", "clear_at": "next_user_message"},
+            ],
+        )
+    )
+    assert r.chat.messages == [
+        {"role": "system", "content": "Be brief.\nLead."},
+        {"role": "user", "content": "a"},
+        {"role": "system", "content": "One.\nTwo."},
+        {"role": "user", "content": "b\nc"},
+        {"role": "system", "content": "Shown."},
+    ]
+    assert r.chat.add_generation_prompt and not r.chat.continue_final_message
+    # a client that flattened the blocks: the header's line
+    flat = parse_messages(_req(system=billing + "\nBe brief.")).chat.messages
+    assert flat[0] == {"role": "system", "content": "Be brief."}
+    # a system message between a tool_use and its tool_result is no turn of the pairing
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "1"}
+    msgs = [
+        user,
+        {"role": "assistant", "content": [call]},
+        {"role": "system", "content": "Note."},
+        {"role": "user", "content": [result]},
+    ]
+    assert [m["role"] for m in parse_messages(_req(messages=msgs, tools=[TOOL])).chat.messages] == [
+        "user",
+        "assistant",
+        "system",
+        "tool",
+    ]
+    _bad(_req(messages=[user, {"role": "system", "content": ""}]), "content")
+    _bad(
+        _req(messages=[user, {"role": "system", "content": [{"type": "text", "text": " "}]}]),
+        "non-whitespace",
+    )
+    _bad(_req(messages=[user, {"role": "system", "content": [{"type": "image"}]}]), "text blocks only")
+    _bad(_req(messages=[user, {"role": "system", "content": "x", "clear_at": "later"}]), "clear_at")
 
 
 def test_consecutive_turns_of_one_role_are_one_turn() -> None:

@@ -6,6 +6,14 @@ check with bounded work only; the tools' ``input_schema`` go through the request
 wait in ``chat.schemas`` for ``check_schemas`` (off the loop, after the model lookup and admission).
 
 - ``system``: a string or a list of ``text`` blocks -> one ``system`` message (blocks joined by "\\n").
+  Claude Code's attribution block (``x-anthropic-billing-header: ...; cch=...;``, a hash that changes with
+  every request) is dropped, as vLLM drops it: it carries nothing for the model and, first in the prompt,
+  it made every request's prefix new (no prefix-cache hit, no cache-aware routing).
+- ``messages`` of role ``system`` (mid-conversation system messages: the SDK's ``SystemMessageParam``,
+  sent by Claude Code since 2.1.154; content a string or ``text`` blocks) -> a ``system`` message at
+  their place, so the prefix before them stays as cached (a leading one joins the top-level ``system``);
+  the beta's ``clear_at: next_user_message`` drops one once a user message follows it. They are no turn
+  of the transcript's checks (a ``tool_result`` still answers the assistant turn before).
 - ``messages``: ``user`` / ``assistant`` turns, content a string or blocks. ``text`` blocks -> the
   message's text; an assistant's ``tool_use`` -> a ``tool_calls`` entry (``arguments``: its ``input`` as
   JSON) and its ``thinking`` -> ``reasoning_content`` (``redacted_thinking`` dropped: it is opaque); a
@@ -19,7 +27,9 @@ wait in ``chat.schemas`` for ``check_schemas`` (off the loop, after the model lo
   OpenAI function tools; ``tool_choice``: ``auto``, ``any`` (-> ``required``), ``tool`` (-> the named
   function), ``none`` (the tools stay in the prompt, as Anthropic keeps its tool-use system prompt; no
   call is parsed); ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``.
-- ``thinking``: ``{type: enabled, budget_tokens}`` (>= 1024 and < ``max_tokens``; accepted, not enforced
+- ``thinking``: ``{type: enabled, budget_tokens}`` (>= 1024 and < ``max_tokens``, but under the
+  ``interleaved-thinking-*`` beta of the ``anthropic-beta`` header: the budget spans all the turn's
+  thinking blocks and may exceed ``max_tokens``, as Anthropic allows; accepted, not enforced
   on its own: ``max_tokens`` bounds the whole answer) turns the template's ``enable_thinking`` on and the
   reasoning parser with it; absent or ``{type: disabled}``: both off (Anthropic's default). ``display``:
   ``summarized`` (the default here) or ``omitted``: the answer's thinking blocks then have an empty
@@ -69,6 +79,7 @@ __all__ = [
 ]
 
 MIN_THINKING_BUDGET = 1024
+INTERLEAVED_THINKING = "interleaved-thinking-"  # (the beta's name, before its date)
 MAX_USER_ID_CHARS = 256
 _SERVER_BLOCKS = ("image", "document", "search_result", "container_upload")
 _TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")  # Anthropic's pattern for a custom tool's name
@@ -273,13 +284,13 @@ def _add_turn(out: list[dict[str, Any]], msg: dict[str, Any]) -> None:
 
 def _join_turns(out: list[dict[str, Any]]) -> None:
     """Each turn's messages as one (``_add_turn``'s): its text joined as the turn's own blocks are (user
-    "\\n", assistant ""), its reasoning and tool calls in order."""
+    and system "\\n", assistant ""), its reasoning and tool calls in order."""
     for m in out:
         more = m.pop(_MORE, None)
         if more is None:
             continue
         parts = [m, *more]
-        if m["role"] == "user":
+        if m["role"] != "assistant":
             m["content"] = "\n".join(p["content"] for p in parts)
             continue
         texts = [p.get("content") for p in parts]
@@ -301,7 +312,7 @@ def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
     out: list[dict[str, Any]] = []
     system = d.get("system")
     if system is not None:
-        text = _text_blocks(system, "system")
+        text = _text_blocks(_without_billing_header(system), "system")
         if text:
             out.append({"role": "system", "content": text})
     msgs = d.get("messages")
@@ -314,13 +325,20 @@ def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
     prefill = False
     last = len(msgs) - 1
     prev_role: str | None = None
+    last_user = max(
+        (k for k, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "user"), default=-1
+    )
     for i, m in enumerate(msgs):
         w = f"messages.{i}"
         if not isinstance(m, dict):
             raise bad(f"{w}: expected an object.", param=w)
         role = m.get("role")
+        if role == "system":
+            _system_message(m, w, i < last_user, out)
+            prefill = False
+            continue
         if role not in ("user", "assistant"):
-            raise bad(f"{w}.role: expected 'user' or 'assistant'.", param=f"{w}.role")
+            raise bad(f"{w}.role: expected 'user', 'assistant' or 'system'.", param=f"{w}.role")
         content = m.get("content")
         if content == "" or content == []:
             if i == last and role == "assistant" and i > 0:  # an empty prefill: none (or the turn before)
@@ -353,6 +371,8 @@ def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
         else:
             raise bad(f"{w}.content: expected a string or a list of content blocks.", param=f"{w}.content")
         prefill = role == "assistant"
+    if prev_role is None:  # (system messages alone: no conversation to answer)
+        raise bad("messages: at least one user or assistant message is required.", param="messages")
     _join_turns(out)
     if prefill and out[-1].get("tool_calls"):
         raise bad("The final assistant message may not end with a tool_use block.", param="messages")
@@ -361,6 +381,59 @@ def _messages(d: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
         why = "Requests which include `tool_use` or `tool_result` blocks must define tools."
         raise bad(why, param="tools")
     return out, prefill
+
+
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _without_billing_header(system: Any) -> Any:
+    """``system`` without Claude Code's attribution line (see the module): a text block that is that
+    line, or (a client that flattened the blocks) a string's first line."""
+    if isinstance(system, str):
+        if system.startswith(_BILLING_HEADER):
+            return system.partition("\n")[2]
+        return system
+    if isinstance(system, list):
+        return [
+            b
+            for b in system
+            if not (
+                isinstance(b, dict)
+                and b.get("type") == "text"
+                and str(b.get("text")).startswith(_BILLING_HEADER)
+            )
+        ]
+    return system
+
+
+_CLEAR_AT = ("never", "next_user_message")
+
+
+def _system_message(m: dict[str, Any], w: str, cleared: bool, out: list[dict[str, Any]]) -> None:
+    """A ``role: system`` message (see the module) -> a ``system`` message in ``out``, or none
+    (``cleared``: a user message follows it)."""
+    clear_at = m.get("clear_at")
+    if clear_at is not None and clear_at not in _CLEAR_AT:
+        raise bad(f"{w}.clear_at: expected one of {list(_CLEAR_AT)}.", param=f"{w}.clear_at")
+    content = m.get("content")
+    if content is None and isinstance(m.get("output_config"), dict):
+        return  # (the beta's per-turn output_config alone: nothing to show the model)
+    if isinstance(content, str):
+        _check_text(content, f"{w}.content", False)
+        text = content
+    elif isinstance(content, list) and content:
+        texts: list[str] = []
+        for j, b in enumerate(content):
+            bw = f"{w}.content.{j}"
+            if not isinstance(b, dict) or b.get("type") != "text":
+                raise bad(f"{bw}: a system message holds text blocks only.", param=bw)
+            texts.append(_text_of(b, bw))
+        text = "\n".join(texts)
+    else:
+        raise bad(f"{w}.content: expected a non-empty string or list of text blocks.", param=f"{w}.content")
+    if clear_at == "next_user_message" and cleared:
+        return  # (kept in the array by the client, no longer shown to the model)
+    _add_turn(out, {"role": "system", "content": text})
 
 
 def _unanswered(unanswered: dict[str, int]) -> None:
@@ -465,8 +538,10 @@ _THINKING_KINDS = ("enabled", "adaptive", "between_tools", "disabled")
 _DISPLAYS = ("summarized", "omitted")
 
 
-def _thinking(d: dict[str, Any], max_tokens: int | None) -> tuple[bool, int | None, bool]:
-    """(thinking on, its budget, its text omitted from the answer: ``display`` 'omitted')."""
+def _thinking(d: dict[str, Any], max_tokens: int | None, interleaved: bool) -> tuple[bool, int | None, bool]:
+    """(thinking on, its budget, its text omitted from the answer: ``display`` 'omitted'); ``interleaved``:
+    the interleaved-thinking beta, where the budget spans the turn's thinking blocks and may exceed
+    ``max_tokens`` (Anthropic's docs; Claude Code sends the beta)."""
     t = d.get("thinking")
     if t is None:
         return False, None, False
@@ -490,7 +565,7 @@ def _thinking(d: dict[str, Any], max_tokens: int | None) -> tuple[bool, int | No
         raise bad(
             f"thinking.budget_tokens: must be >= {MIN_THINKING_BUDGET}.", param="thinking.budget_tokens"
         )
-    if max_tokens and budget >= max_tokens:  # (0: nothing is generated, nothing to bound)
+    if max_tokens and budget >= max_tokens and not interleaved:  # (0: nothing is generated, nothing to bound)
         raise bad(
             "`max_tokens` must be greater than `thinking.budget_tokens`.", param="thinking.budget_tokens"
         )
@@ -569,9 +644,10 @@ def _num(d: dict[str, Any], key: str, lo: float, hi: float) -> None:
         raise bad(f"{key}: expected a number in [{lo}, {hi}].", param=key)
 
 
-def parse_messages(d: dict[str, Any]) -> MessagesRequest:
-    """A create request (``max_tokens`` required), bounded checks only (see the module's docstring)."""
-    return _parse(d, count=False)
+def parse_messages(d: dict[str, Any], betas: str = "") -> MessagesRequest:
+    """A create request (``max_tokens`` required), bounded checks only (see the module's docstring);
+    ``betas``: the request's ``anthropic-beta`` header."""
+    return _parse(d, count=False, interleaved=INTERLEAVED_THINKING in betas)
 
 
 def parse_count_tokens(d: dict[str, Any]) -> MessagesRequest:
@@ -579,7 +655,7 @@ def parse_count_tokens(d: dict[str, Any]) -> MessagesRequest:
     return _parse(d, count=True)
 
 
-def _parse(d: dict[str, Any], *, count: bool) -> MessagesRequest:
+def _parse(d: dict[str, Any], *, count: bool, interleaved: bool = False) -> MessagesRequest:
     model = _model(d)
     if d.get("thread") is not None:  # (before the messages: a continued thread's do not start the chat)
         raise bad(
@@ -619,7 +695,7 @@ def _parse(d: dict[str, Any], *, count: bool) -> MessagesRequest:
         if stops:
             s["stop"] = list(stops)
     sampling = parse_sampling(s, max_tokens_keys=("max_tokens",))
-    thinking, budget, omit_thinking = _thinking(d, max_tokens)
+    thinking, budget, omit_thinking = _thinking(d, max_tokens, interleaved)
     budget_s = SchemaBudget()
     pending: list[PendingSchema] = []
     tools = _tools(d, budget_s, pending)

@@ -87,7 +87,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     gw: Gateway = request.app[GATEWAY]
     t0 = time.perf_counter()
     _, d = await read_json(request, gw.cfg.max_body_bytes)
-    req = parse_messages(d)
+    req = parse_messages(d, request.headers.get("anthropic-beta", ""))
     model = _model(request, gw, req.chat.model)
     tok = gw.tokenizer(model)
     text, ids = await _prompt(gw, model, req)
