@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shepherd.node.http.body import parse_json_body
+from shepherd.node.http.body import DENSE_FROM, parse_json_body
 from shepherd.node.openai.requests import parse_chat, parse_completion
 from shepherd.proto.openai_errors import ApiError
 
@@ -171,3 +171,19 @@ def test_fuzzed_bodies_never_raise_anything_but_api_error(body: dict[str, Any]) 
             parse(body)
         except ApiError as e:
             assert 400 <= e.status < 500
+
+
+def test_a_large_body_dense_in_arrays_and_objects_is_refused_before_decoding() -> None:
+    """A body over DENSE_FROM bytes with more than one "[" or "{" per DENSE_BYTES bytes is a 400 before
+    orjson builds its objects; a large body of text, numbers and a few containers decodes as before."""
+    n = DENSE_FROM // 3 + 10
+    for dense in (b'{"messages":[' + b"[]," * n + b"[]]}", b'{"tools":[' + b"{}," * n + b"{}]}"):
+        with pytest.raises(ApiError) as e:
+            parse_json_body(dense)
+        assert e.value.status == 400 and "arrays and objects" in str(e.value.body())
+    text = orjson.dumps({"messages": [{"role": "user", "content": "x" * (2 * DENSE_FROM)}]})
+    assert len(parse_json_body(text)["messages"][0]["content"]) == 2 * DENSE_FROM
+    ids = orjson.dumps({"prompt": [[7] * 50 for _ in range(DENSE_FROM // 100)]})  # ~1 array a 150 bytes
+    assert len(ids) > DENSE_FROM and len(parse_json_body(ids)["prompt"]) == DENSE_FROM // 100
+    small = b'{"a":[' + b"[]," * (DENSE_FROM // 4) + b"[]]}"  # as dense, under DENSE_FROM: decoded
+    assert len(small) < DENSE_FROM and len(parse_json_body(small)["a"]) == DENSE_FROM // 4 + 1
