@@ -138,6 +138,12 @@ def test_unknown_fields_are_ignored_everywhere() -> None:
     assert decode_rpc_reply(packed(V(0, 2), 17, 0, b"r", "", "later")) == RpcReply(RpcStatus.OK, b"r")
 
 
+def test_a_later_minors_message_may_carry_long_lists_of_its_own() -> None:
+    pairs = [[i % 100, 1] for i in range(3000)]  # (3 bytes a list: more lists than messages could make)
+    pkt = decode_packet(packed(V(0, 2), "a", [[3, 1, pairs], [77, pairs]], *STAMP))
+    assert pkt.msgs == (Ack(1),) and pkt.skipped == 1
+
+
 def test_missing_known_fields_and_unknown_frame_kinds_are_still_errors() -> None:
     for data, decode in (
         (packed(V(0, 2), "a", [[5, "n", "h", 1]], *STAMP), decode_packet),  # Alive cut short

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import base64
 
+import pytest
+
 from shepherd.mesh.keyring import Keyring, generate_key
-from shepherd.node.openai.items import parse_items
+from shepherd.node.openai.items import MAX_OPENED_CHARS, parse_items
 from shepherd.node.openai.reasoning_seal import PREFIX, ReasoningSeal
+from shepherd.proto.openai_errors import ApiError
+from shepherd.storage.types import StoredItem
 
 TEXT = "The user wants the files listed: call the shell tool with ls. 中文 ✓"
 
@@ -72,3 +76,33 @@ def test_an_input_reasoning_item_gets_the_text_of_its_blob_unless_it_has_one() -
     given = [{"type": "reasoning_text", "text": "the client's"}]
     assert parse({**only_blob, "content": given}) == given
     assert parse({**only_blob, "encrypted_content": "gAAAA-foreign"}) == []
+
+
+def test_a_blob_opens_only_for_the_owner_it_was_sealed_for() -> None:
+    seal = ReasoningSeal.ephemeral()
+    mine = seal.seal(TEXT, owner="tenant-a/alice")
+    assert seal.open(mine, owner="tenant-a/alice") == TEXT
+    assert seal.open(mine, owner="tenant-b/bob") is None  # another tenant's blob is a foreign one
+    assert seal.open(mine) is None
+    assert seal.open(seal.seal(TEXT), owner="tenant-a/alice") is None
+    assert seal.open(seal.seal(TEXT)) == TEXT  # auth off: no owner
+
+
+def test_what_the_blobs_of_one_request_open_into_is_bounded() -> None:
+    seal = ReasoningSeal.ephemeral()
+    big = seal.seal("a" * (MAX_OPENED_CHARS // 3))  # a few KB that open into ~2.8 M characters
+    assert len(big) < 20_000
+    ids = iter(range(100))
+
+    def items(n: int) -> list[dict[str, object]]:
+        return [{"type": "reasoning", "summary": [], "encrypted_content": big} for _ in range(n)]
+
+    def parse(n: int) -> list[StoredItem]:
+        return parse_items(
+            items(n), param="input", new_id=lambda p: f"{p}_{next(ids)}", now=0.0, unseal=seal.open
+        )
+
+    assert len(parse(3)) == 3  # (3 x 1/3 of the budget: within it)
+    with pytest.raises(ApiError) as e:
+        parse(4)
+    assert e.value.status == 400 and e.value.code == "string_above_max_length"

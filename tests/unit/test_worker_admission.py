@@ -95,3 +95,26 @@ async def test_removal_and_close_end_the_retries(engine: _Engine) -> None:
     assert reg.admitting == 1
     await reg.close()
     assert reg.admitting == 0 and engine.closed
+
+
+async def test_an_add_cancelled_during_its_first_ask_still_leaves_the_worker_asked(engine: _Engine) -> None:
+    gate = asyncio.Event()
+    real = engine.model_info
+
+    async def slow(timeout: float = 5.0) -> ModelInfo:
+        await gate.wait()
+        return await real(timeout)
+
+    engine.model_info = slow  # type: ignore[method-assign]
+    reg = _registry()
+    adding = asyncio.create_task(reg.add("http://127.0.0.1:9", "m"))
+    await _until(lambda: len(reg.workers) == 1, "registered")
+    adding.cancel()  # the caller of POST /workers went away during the first ask
+    with pytest.raises(asyncio.CancelledError):
+        await adding
+    assert reg.admitting == 1  # not a worker left registered and never asked again
+    gate.set()
+    engine.down = False
+    [w] = reg.workers.values()
+    await _until(lambda: w.status == "ready", "admitted by its own task")
+    await reg.close()

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import secrets
 import time
@@ -952,8 +953,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
     response_id = hist.new_id("resp", owner_tag=owner_tag)
     seal = request.app[REASONING_SEAL]
+    caller = owner_of(request)
     parsed = parse_items(
-        req.input, param="input", new_id=mint, now=now, response_id=response_id, unseal=seal.open
+        req.input,
+        param="input",
+        new_id=mint,
+        now=now,
+        response_id=response_id,
+        unseal=functools.partial(seal.open, owner=caller),
     )
     conv = req.conversation_id
     lease = await _lock_conversation(request, hist, gw, conv, response_id) if conv is not None else None
@@ -990,14 +997,16 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             response_id,
             now,
             model,
-            owner_of(request),
+            caller,
             req.previous_response_id,
             req.conversation_id,
             new_input,
             tuple(it.id for it in prompt_items),
             owner_tag,
             lease=lease,
-            seal=seal.seal if "reasoning.encrypted_content" in req.include else None,
+            seal=functools.partial(seal.seal, owner=caller)
+            if "reasoning.encrypted_content" in req.include
+            else None,
         )
         messages = _messages(req, [*past, *prompt_items])
         if not messages:

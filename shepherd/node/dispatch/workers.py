@@ -462,13 +462,15 @@ class WorkerRegistry:
         """A new worker's first check: its model info asked once, then its health; not admitted, its
         first check failed (not healthy) and its admission retries start (``_admit``)."""
         added = self.clock()
-        outcome = await self._init_once(w, self._admit_timeout())
-        if outcome == "admitted":
-            await self.check(w)
-            return
-        w.health.observe(False)
-        if self.workers.get(w.id) is w:  # (not removed meanwhile)
-            self._admitting[w.id] = asyncio.create_task(self._admit(w, added, outcome))
+        outcome = "failed"
+        try:
+            outcome = await self._init_once(w, self._admit_timeout())
+        finally:  # also when add() is cancelled on the way (its caller gone): the worker is registered
+            if outcome != "admitted":
+                w.health.observe(False)
+                if self.workers.get(w.id) is w and w.id not in self._admitting:  # (not removed meanwhile)
+                    self._admitting[w.id] = asyncio.create_task(self._admit(w, added, outcome))
+        await self.check(w)
 
     async def check(self, w: Worker) -> None:
         """One health check of ``w`` once admitted (until then its admission asks it: ``_admit``)."""

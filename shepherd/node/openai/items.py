@@ -49,6 +49,9 @@ MAX_PARTS = 256
 MAX_TEXT_CHARS = 4 << 20  # per text field (a message part, arguments, an output)
 MAX_ID_CHARS = 128
 MAX_NAME_CHARS = 128
+# what the encrypted_content blobs of one request open into, all together: a blob of a few KB opens
+# into up to MAX_TEXT_CHARS, so without a sum a request of many blobs would expand a hundredfold
+MAX_OPENED_CHARS = 2 * MAX_TEXT_CHARS
 
 MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
 ITEM_STATUSES = frozenset({"in_progress", "completed", "incomplete"})
@@ -197,6 +200,8 @@ def parse_items(
             param=param,
             code="array_above_max_length",
         )
+    if unseal is not None:
+        unseal = _within_budget(unseal, param)
     items = [_item(it, param, i, new_id, now, response_id, unseal) for i, it in enumerate(raw)]
     seen: set[str] = set()
     for i, it in enumerate(items):
@@ -210,6 +215,27 @@ def parse_items(
             )
         seen.add(it.id)
     return items
+
+
+def _within_budget(unseal: Callable[[str], str | None], param: str) -> Callable[[str], str | None]:
+    """``unseal`` counting what the request's blobs open into (``MAX_OPENED_CHARS``)."""
+    left = MAX_OPENED_CHARS
+
+    def opened(blob: str) -> str | None:
+        nonlocal left
+        text = unseal(blob)
+        if text is not None:
+            left -= len(text)
+            if left < 0:
+                raise bad(
+                    f"The reasoning items' encrypted_content in '{param}' open into more than "
+                    f"{MAX_OPENED_CHARS} characters.",
+                    param=param,
+                    code="string_above_max_length",
+                )
+        return text
+
+    return opened
 
 
 def _item(

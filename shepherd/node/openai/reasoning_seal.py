@@ -6,13 +6,14 @@ pydantic-ai and others keep only the blob and the summary (empty here: the model
 write no summary), so without a blob that opens, their reasoning would be lost between tool calls.
 
 A blob is ``shp1.`` then base64url (unpadded) of ``nonce (12 bytes) | AES-GCM(zlib(text))``; the
-associated data names the format and the mesh's cluster. Keys: HKDF-SHA256 of each key of the mesh's
-keyring, so that any node of the mesh opens what another sealed; the primary seals, every key opens
-(a blob outlives a keyring rotation as long as its key stays in the ring), and a blob and a sealed
+associated data names the format, the mesh's cluster and the caller's owner (the tenant's subject when
+auth is on), so that one tenant's blob does not open for another. Keys: HKDF-SHA256 of each key of the
+mesh's keyring, so that any node of the mesh opens what another sealed; the primary seals, every key
+opens (a blob outlives a keyring rotation as long as its key stays in the ring), and a blob and a sealed
 mesh packet never open as one another (keys of their own). A node without a mesh seals under a key of
 its process: its blobs open there only. Not a secret from the client, who has the text in ``content``
-too (and may send any text there): what the seal gives is that a blob opens only as a node of this
-mesh made it, so a damaged or foreign one is told apart, never rendered as garbage.
+too (and may send any text there): what the seal gives is that a blob opens only as a node of this mesh
+made it, so a damaged or foreign one is told apart, never rendered as garbage.
 
 ``open`` gives None for a blob that does not open (another server's, such as OpenAI's; a key rotated
 out; another node without a mesh; tampered): the caller ignores it, as SMG ignores a foreign blob,
@@ -62,13 +63,18 @@ class ReasoningSeal:
         """A seal under a fresh key of this process (a node without a mesh)."""
         return cls([os.urandom(32)])
 
-    def seal(self, text: str) -> str:
+    def _aad_of(self, owner: str | None) -> bytes:
+        return self._aad if not owner else self._aad + b"\x00" + owner.encode("utf-8")
+
+    def seal(self, text: str, owner: str | None = None) -> str:
+        """``text`` sealed for ``owner`` (the caller's owner; None: auth is off)."""
         nonce = os.urandom(_NONCE)
-        sealed = self._ciphers[0].encrypt(nonce, zlib.compress(text.encode("utf-8")), self._aad)
+        sealed = self._ciphers[0].encrypt(nonce, zlib.compress(text.encode("utf-8")), self._aad_of(owner))
         return PREFIX + base64.urlsafe_b64encode(nonce + sealed).rstrip(b"=").decode("ascii")
 
-    def open(self, blob: str) -> str | None:
-        """The text ``blob`` seals, or None when it is not one of this mesh's blobs."""
+    def open(self, blob: str, owner: str | None = None) -> str | None:
+        """The text ``blob`` seals, or None when it is not one of this mesh's blobs sealed for
+        ``owner``."""
         if not blob.startswith(PREFIX):
             return None
         body = blob[len(PREFIX) :]
@@ -79,9 +85,10 @@ class ReasoningSeal:
         if len(raw) < _NONCE + _TAG:
             return None
         nonce, sealed = raw[:_NONCE], raw[_NONCE:]
+        aad = self._aad_of(owner)
         for cipher in self._ciphers:
             try:
-                packed = cipher.decrypt(nonce, sealed, self._aad)
+                packed = cipher.decrypt(nonce, sealed, aad)
             except InvalidTag:
                 continue
             try:  # (ours, so well-formed; bounded all the same)
