@@ -461,6 +461,39 @@ def test_stop_reason_and_ids() -> None:
     assert signature("x") and signature("x") == signature("x") != signature("y")
 
 
+def test_kimi_k2_call_ids_are_anthropic_ids_that_come_back_as_kimis() -> None:
+    """Kimi K2's ids (``functions.NAME:N``) hold "." and ":", which Anthropic's id pattern refuses: the
+    tool_use block gets ``toolu_functions-NAME-N``, and a later request's history gives the template the
+    id the model wrote (its parser reads the name from it; its template renders it back)."""
+    import re
+
+    tid = tool_use_id("functions.get-weather_2:7")
+    assert tid == "toolu_functions-get-weather_2-7" and re.fullmatch(r"[a-zA-Z0-9_-]+", tid)
+    r = parse_messages(
+        _req(
+            tools=[{"name": "get-weather_2", "input_schema": {"type": "object"}}],
+            messages=[
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": tid, "name": "get-weather_2", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": tid, "content": "sunny"}],
+                },
+            ],
+        )
+    )
+    call, result = r.chat.messages[1], r.chat.messages[2]
+    assert call["tool_calls"][0]["id"] == "functions.get-weather_2:7"
+    assert result["tool_call_id"] == "functions.get-weather_2:7"
+    # any other id, a client's own included, goes to the template as it came
+    assert (
+        tool_use_id("call_abc") == "toolu_abc" and tool_use_id("functions.a.b:1") == "toolu_functions.a.b:1"
+    )
+
+
 def test_message_object() -> None:
     # a non-streamed answer's blocks: the stream's encoder, quiet (no bytes), keeps the blocks it made
     enc = MessageEvents("msg_1", "m", 1, quiet=True)

@@ -102,12 +102,30 @@ class MessagesRequest:
     cache_only: bool = False
 
 
+# Kimi K2's call ids (``functions.NAME:N``: its parser reads the name from them, and its template renders
+# them back) as Anthropic's pattern for ids (``^[a-zA-Z0-9_-]+$``) allows: ``toolu_functions-NAME-N``, and
+# back to Kimi's form when a later request's history carries them (a tool name has no "." or ":")
+_KIMI_ID = re.compile(r"functions\.([a-zA-Z0-9_-]{1,128}):([0-9]{1,9})")
+_KIMI_TOOLU = re.compile(r"toolu_functions-([a-zA-Z0-9_-]{1,128})-([0-9]{1,9})")
+
+
 def tool_use_id(call_id: str) -> str:
     """A tool call's id as Anthropic shapes it (``toolu_...``): the parsers' ``call_...`` ids renamed,
-    the same in a streamed and a whole answer; an id already ``toolu_`` kept."""
+    the same in a streamed and a whole answer; an id already ``toolu_`` kept; Kimi K2's ids in a form
+    ``chat_call_id`` turns back."""
     if call_id.startswith("toolu_"):
         return call_id
+    m = _KIMI_ID.fullmatch(call_id)
+    if m is not None:
+        return f"toolu_functions-{m[1]}-{m[2]}"
     return "toolu_" + call_id.removeprefix("call_")
+
+
+def chat_call_id(tool_use: str) -> str:
+    """A ``tool_use`` id of the history as the chat template gets it: Kimi K2's form of ``tool_use_id``
+    turned back (``functions.NAME:N``, as the model wrote it); any other id as it is."""
+    m = _KIMI_TOOLU.fullmatch(tool_use)
+    return tool_use if m is None else f"functions.{m[1]}:{m[2]}"
 
 
 def _model(d: dict[str, Any]) -> str:
@@ -164,15 +182,16 @@ def _user_blocks(
             tid = b.get("tool_use_id")
             if not isinstance(tid, str) or not tid:
                 raise bad(f"{w}.tool_use_id: Field required (a string).", param=w)
-            if tid not in calls:
+            cid = chat_call_id(tid)  # (the ids of the calls are the chat's)
+            if cid not in calls:
                 raise bad(
                     f"{w}: unexpected `tool_use_id` found in `tool_result` blocks: {tid[:100]}. Each "
                     "`tool_result` block must have a corresponding `tool_use` block in the previous message.",
                     param=w,
                 )
-            if tid in answered:
+            if cid in answered:
                 raise bad(f"{w}: the tool_use {tid[:100]} is answered twice.", param=w)
-            answered.add(tid)
+            answered.add(cid)
             c = b.get("content")
             text = "" if c is None else _text_blocks(c, f"{w}.content")
             is_error = b.get("is_error")
@@ -180,7 +199,11 @@ def _user_blocks(
                 raise bad(f"{w}.is_error: expected a boolean.", param=w)
             flush()
             out.append(
-                {"role": "tool", "tool_call_id": tid, "content": f"Error: {text}" if is_error else text}
+                {
+                    "role": "tool",
+                    "tool_call_id": cid,
+                    "content": f"Error: {text}" if is_error else text,
+                }
             )
         elif kind in _SERVER_BLOCKS:
             raise _unsupported_block(kind, w)
@@ -238,12 +261,13 @@ def _assistant_blocks(content: list[Any], where: str, calls: set[str], final: bo
                 raise bad(f"{w}.name: String should match pattern '^[a-zA-Z0-9_-]{{1,128}}$'", param=w)
             if not isinstance(args, dict):
                 raise bad(f"{w}.input: expected an object.", param=w)
-            if tid in calls:
+            cid = chat_call_id(tid)
+            if cid in calls:
                 raise bad(f"{w}: the tool_use id {tid[:100]} is used twice.", param=w)
-            calls.add(tid)
+            calls.add(cid)
             tool_calls.append(
                 {
-                    "id": tid,
+                    "id": cid,
                     "type": "function",
                     "function": {"name": name, "arguments": orjson.dumps(args).decode()},
                 }
