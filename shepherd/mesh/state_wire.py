@@ -45,7 +45,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from shepherd.proto import wire_version
 from shepherd.proto.index_wire import Digest, decode_index_digest
-from shepherd.proto.msgpack_bounds import BoundsError, Limits, unpack_steps
+from shepherd.proto.msgpack_bounds import BoundsError, Limits, unpack, unpack_steps
 from shepherd.proto.state_decode import StateDecodeError, expect_bytes, expect_list, expect_str
 
 __all__ = [
@@ -90,12 +90,13 @@ LIMITS = Limits(
 
 
 def peek(payload: bytes) -> tuple[str, Any]:
-    steps = peek_steps(payload)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+    if type(payload) is not bytes:
+        raise StateDecodeError("a state payload is bytes")
+    try:
+        v = unpack(payload, LIMITS)
+    except BoundsError as e:
+        raise StateDecodeError(f"not msgpack: {e}") from None
+    return _fields(v)
 
 
 def peek_steps(payload: bytes) -> Generator[None, None, tuple[str, Any]]:
@@ -106,6 +107,10 @@ def peek_steps(payload: bytes) -> Generator[None, None, tuple[str, Any]]:
         v = yield from unpack_steps(payload, LIMITS)
     except BoundsError as e:
         raise StateDecodeError(f"not msgpack: {e}") from None
+    return _fields(v)
+
+
+def _fields(v: Any) -> tuple[str, Any]:
     f = expect_list(v, max_len=16)
     if len(f) < 3 or (wire_version.is_strict() and len(f) != 3):
         raise StateDecodeError("a state payload has 3 fields at least")

@@ -11,7 +11,8 @@ decoder holds the GIL all along: in a thread the event loop stops just the same.
   of the kind holds.
 * ``unpack_steps``: a body larger than ``STEP`` is fed to one ``msgpack.Unpacker`` ``STEP`` bytes at a
   time (it resumes where the last slice ended) with a yield between slices, so the caller's loop runs
-  between them (``unpack_async``); a smaller one decodes in one call.
+  between them (``unpack_async``); a smaller one decodes in one ``unpackb`` call (as ``unpack`` does,
+  without the generator: the datagrams and most state payloads).
 
 Scalars are not counted (a 3-byte string is a ~50-byte object): a body still makes up to ~25 times its
 size in objects, bounded by ``max_bytes``.
@@ -55,9 +56,18 @@ class _TooMany(Exception):
     pass
 
 
-def _unpacker(limits: Limits, size: int) -> msgpack.Unpacker:
+def _options(limits: Limits, size: int) -> dict[str, Any]:
+    """msgpack's options for a body of ``size`` bytes under ``limits`` (its containers counted)."""
     budget = limits.containers(size)
-    hooks: dict[str, Any] = {}
+    opts: dict[str, Any] = {
+        "raw": False,
+        "strict_map_key": True,
+        "max_str_len": limits.max_str_len,
+        "max_bin_len": limits.max_bin_len,
+        "max_array_len": limits.max_array_len,
+        "max_map_len": limits.max_map_len,
+        "max_ext_len": limits.max_ext_len,
+    }
     if budget < size:  # (a body of n bytes has at most n containers: no count needed)
         made = 0
 
@@ -68,29 +78,40 @@ def _unpacker(limits: Limits, size: int) -> msgpack.Unpacker:
                 raise _TooMany
             return v
 
-        hooks = {"list_hook": count, "object_hook": count}
-    return msgpack.Unpacker(
-        raw=False,
-        strict_map_key=True,
-        max_buffer_size=max(1, size),
-        max_str_len=limits.max_str_len,
-        max_bin_len=limits.max_bin_len,
-        max_array_len=limits.max_array_len,
-        max_map_len=limits.max_map_len,
-        max_ext_len=limits.max_ext_len,
-        **hooks,
-    )
+        opts["list_hook"] = opts["object_hook"] = count
+    return opts
 
 
-def unpack_steps(data: bytes, limits: Limits) -> Generator[None, None, Any]:
-    """The one msgpack value of ``data`` (the generator's return value), decoded ``STEP`` bytes at a
-    time with a yield between; ``BoundsError`` on anything malformed or past ``limits``."""
+def _check_size(data: bytes, limits: Limits) -> int:
     if not isinstance(data, bytes | bytearray | memoryview):
         raise BoundsError("not bytes")
     size = len(data)
     if size > limits.max_bytes:
         raise BoundsError(f"{size} bytes > {limits.max_bytes}")
-    unpacker = _unpacker(limits, size)
+    return size
+
+
+def _whole(data: bytes, limits: Limits, size: int) -> Any:
+    """A body of at most ``STEP`` bytes in one ``unpackb`` call (a datagram's, most state payloads)."""
+    try:
+        return msgpack.unpackb(data, **_options(limits, size))
+    except _TooMany:
+        raise BoundsError(f"more than {limits.containers(size)} arrays and maps") from None
+    except msgpack.ExtraData:
+        raise BoundsError("trailing bytes after the value") from None
+    except Exception as e:  # msgpack raises many types (FormatError, StackError, ValueError, ...)
+        if type(e) is ValueError and "incomplete" in str(e):
+            raise BoundsError("incomplete msgpack value") from None
+        raise BoundsError(f"bad msgpack: {type(e).__name__}: {e}") from None
+
+
+def unpack_steps(data: bytes, limits: Limits) -> Generator[None, None, Any]:
+    """The one msgpack value of ``data`` (the generator's return value), decoded ``STEP`` bytes at a
+    time with a yield between; ``BoundsError`` on anything malformed or past ``limits``."""
+    size = _check_size(data, limits)
+    if size <= STEP:
+        return _whole(data, limits, size)
+    unpacker = msgpack.Unpacker(max_buffer_size=size, **_options(limits, size))
     view = memoryview(data)
     try:
         for start in range(0, max(size, 1), STEP):
@@ -115,6 +136,9 @@ def unpack_steps(data: bytes, limits: Limits) -> Generator[None, None, Any]:
 
 def unpack(data: bytes, limits: Limits) -> Any:
     """``unpack_steps`` without yielding (for bodies a caller decodes at once: a datagram's)."""
+    size = _check_size(data, limits)
+    if size <= STEP:
+        return _whole(data, limits, size)
     steps = unpack_steps(data, limits)
     while True:
         try:
