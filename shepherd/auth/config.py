@@ -11,6 +11,7 @@ YAML (a mapping under ``auth``)::
       keys:                                 # more bootstrap keys, any role
         - {name: batch, role: user, tenant: team-a, sha256: <hex>, models: [qwen3]}
       trust_tenant_header: false           # x-smg-tenant sets the tenant (see ``Authenticator``)
+      tenant_header: null                   # its name (null: x-smg-tenant, else SMG's x-smg-tenant-id)
       failure_limit: 20                     # failed credentials per client address per window, then 429
       failure_window_secs: 10               # (0 failures: no limit; ``middleware.FailureLimiter``)
       client_cert:                          # mTLS identities (TLS on the client port + tls_client_ca_file)
@@ -174,6 +175,8 @@ class AuthConfig:
     metrics: bool = True  # /metrics is a control route (admin auth, admin listener); False: a public route
     keys: tuple[BootstrapKey, ...] = ()
     trust_tenant_header: bool = False
+    # the header trust_tenant_header reads (None: x-smg-tenant, else SMG's x-smg-tenant-id)
+    tenant_header: str | None = None
     default_tenant: str = "default"
     max_credential_bytes: int = 8192
     key_prefix: str = "sk-smg-"
@@ -459,6 +462,13 @@ def auth_config(raw: Mapping[str, Any] | AuthConfig | None) -> AuthConfig:
             f"auth.jwt.{where[0]} {where[1][:200]!r}: verification keys are fetched over HTTPS only "
             "(plain http to a loopback host alone): keys fetched in the clear can be replaced on the way"
         )
+    th = cfg.tenant_header
+    if th is not None and (
+        not isinstance(th, str) or not th or len(th) > 128 or not th.isascii() or not th.isprintable()
+    ):
+        raise AuthConfigError("auth.tenant_header must be a header name")
+    if th is not None:
+        cfg = dataclasses.replace(cfg, tenant_header=th.lower())
     if cfg.max_credential_bytes < 64:
         raise AuthConfigError("auth.max_credential_bytes must be >= 64")
     fl, fw = cfg.failure_limit, cfg.failure_window_secs
@@ -508,6 +518,14 @@ _AUTH_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     (
         "trust-tenant-header",
         {"action": "store_true", "default": None, "help": "x-smg-tenant sets the tenant"},
+    ),
+    (
+        "tenant-header",
+        {
+            "metavar": "NAME",
+            "help": "the header --auth-trust-tenant-header reads (default: x-smg-tenant, "
+            "else x-smg-tenant-id)",
+        },
     ),
     ("default-tenant", {"help": "tenant of callers bound to none (default: default)"}),
     (

@@ -90,6 +90,7 @@ CONTROL_PREFIXES = (
     "/remove_worker",
 )
 TENANT_HEADER = "x-smg-tenant"
+SMG_TENANT_HEADER = "x-smg-tenant-id"  # (SMG's default for --tenant-header-name)
 TARGET_WORKER_HEADER = "x-smg-target-worker"
 MAX_TENANT_CHARS = 128
 _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
@@ -356,11 +357,14 @@ class Authenticator:
     def _with_tenant(self, p: Principal, bound: bool, headers: Mapping[str, str]) -> Principal:
         if not self.cfg.trust_tenant_header or (bound and p.role != "admin"):
             return p
-        t = headers.get(TENANT_HEADER)
+        name = self.cfg.tenant_header
+        if name is None:  # ours, else SMG's default name
+            name = TENANT_HEADER if TENANT_HEADER in headers else SMG_TENANT_HEADER
+        t = headers.get(name)
         if not t:
             return p
         if len(t) > MAX_TENANT_CHARS or not t.isprintable():
-            raise AuthFailure(400, "The x-smg-tenant header is invalid.", "invalid_tenant")
+            raise AuthFailure(400, f"The {name} header is invalid.", "invalid_tenant")
         return dataclasses.replace(p, tenant=t)
 
 

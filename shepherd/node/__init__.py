@@ -1,4 +1,5 @@
-"""One gateway node: the composition root (``app``, ``cli``, ``devrun``, ``config``, ``metrics``) and
+"""One gateway node: the composition root (``app``, ``cli`` with ``smg_flags``, SMG's flags on its command
+line, ``devrun``, ``config``, ``metrics``) and
 its rooms, on the request path in this order:
 
 ``http`` (HTTP/1.1 server) -> ``api`` (routes, admission, generation driving) -> ``openai`` (the
@@ -31,4 +32,5 @@ __all__ = [
     "openai",
     "output",
     "procs",
+    "smg_flags",
 ]

@@ -1,10 +1,12 @@
-"""``smg-node``: run a gateway node. Flags mirror ``smg launch`` where the concept is the same."""
+"""``smg-node``: run a gateway node. Flags mirror ``smg launch`` where the concept is the same; SMG's other
+flags are renamed, ignored with a warning or refused with a message (``smg_flags``)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import logging
 import os
 import resource
 import sys
@@ -12,9 +14,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 from shepherd.auth import config as auth_flags
+from shepherd.node.smg_flags import SmgFlagError, translate
 
 if TYPE_CHECKING:
     from shepherd.node.config import NodeConfig
+
+log = logging.getLogger("shepherd.node")
 
 
 def _mesh_arguments(s: argparse.ArgumentParser) -> None:
@@ -400,8 +405,12 @@ def _parser() -> argparse.ArgumentParser:
 def config_from_args(argv: list[str]) -> Any:
     # the node's modules are imported in the functions that need them, not at the top: they import
     # grpcio, which reads its settings (GRPC_ENABLE_FORK_SUPPORT) once, at import, and main sets them first
-    from shepherd.node.config import build_config, load_yaml
+    from shepherd.node.config import ConfigError, build_config, load_yaml
 
+    try:
+        argv = translate(argv).argv  # SMG's own flags: renamed, ignored or refused (smg_flags)
+    except SmgFlagError as e:
+        raise ConfigError(str(e)) from None
     args = _parser().parse_args(argv)
     values = vars(args)
     command = values.pop("command")
@@ -499,6 +508,8 @@ def main(argv: list[str] | None = None) -> None:
     from shepherd.node.observe import logs  # not at the top: see config_from_args
 
     logs.configure(cfg.log_level, cfg.log_format, cfg.access_log, logs.config_secrets(cfg))
+    for note in translate(sys.argv[1:] if argv is None else argv).notes:  # (refusals raised above)
+        log.warning("%s", note)
     _raise_open_files_limit()
     from shepherd.node.app import serve  # not at the top: see config_from_args
     from shepherd.storage.types import StorageError  # not at the top: see config_from_args

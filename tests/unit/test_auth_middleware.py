@@ -230,6 +230,14 @@ async def test_tenant_header_rules(client: Factory) -> None:
     c3 = await client({"trust_tenant_header": True})  # auth off, header trusted (a proxy in front)
     r = await c3.get("/v1/models", headers=h)
     assert (await r.json())["tenant"] == "elsewhere"
+    # SMG's header name (its --tenant-header-name default) is read too; ours first when both are sent
+    r = await c3.get("/v1/models", headers={"x-smg-tenant-id": "smg-t"})
+    assert (await r.json())["tenant"] == "smg-t"
+    r = await c3.get("/v1/models", headers={"x-smg-tenant-id": "smg-t", **h})
+    assert (await r.json())["tenant"] == "elsewhere"
+    c4 = await client({"trust_tenant_header": True, "tenant_header": "X-Team"})  # (--tenant-header-name)
+    assert (await (await c4.get("/v1/models", headers={"x-team": "blue"})).json())["tenant"] == "blue"
+    assert (await (await c4.get("/v1/models", headers=h)).json())["tenant"] == "default"
 
 
 async def test_expired_key_with_a_fake_clock() -> None:

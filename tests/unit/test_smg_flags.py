@@ -1,0 +1,179 @@
+"""SMG's ``smg launch`` flags on ``smg-node serve`` (``shepherd.node.smg_flags``): every flag of SMG 1.13.0
+(its ``--help``, below) is taken by the node's parser, renamed to the node's flag of the same meaning,
+ignored with a note, or refused with a message naming it; never argparse's "unrecognized arguments"."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from shepherd.node.cli import _parser, config_from_args
+from shepherd.node.config import ConfigError
+from shepherd.node.smg_flags import FLAGS, SmgFlagError, translate
+
+
+def _words(s: str) -> list[str]:
+    return s.split()
+
+
+# ``smg launch --help`` of smg 1.13.0 (pip install smg==1.13.0): each flag and its arity
+SMG_1_13 = dict(
+    f.rsplit(":", 1)
+    for f in _words(
+        "--host:1 --port:1 --worker-urls:* --upstream-http2:0 --upstream-pool-idle-timeout-secs:1 "
+        "--health-check-port:1 --policy:1 --encode-policy:1 --prefill-policy:1 --decode-policy:1 "
+        "--cache-threshold:1 --prefix-token-count:1 --prefix-hash-load-factor:1 "
+        "--prefix-hash-balance-abs-threshold:1 --least-load-kv-pressure-weight:1 "
+        "--least-load-default-throughput:1 --least-load-mean-prefill-tokens:1 "
+        "--least-load-max-waiting-requests:1 --power-of-two-load-metric:1 --balance-abs-threshold:1 "
+        "--balance-rel-threshold:1 --balance-token-usage-threshold:1 --overload-token-usage-threshold:1 "
+        "--worker-overload-waiting-requests:1 --worker-overload-token-usage:1 "
+        "--worker-overload-protection:0 --disable-worker-overload-protection:0 --worker-overload-shed:0 "
+        "--kv-index:1 --worker-stall-secs:1 --worker-wedge-secs:1 --worker-stale-secs:1 "
+        "--worker-warmup-secs:1 --worker-warmup-share:1 --worker-warmup-blocks:1 "
+        "--worker-warmup-thin-ratio:1 --worker-warmup-divert-every:1 --selection-policy:1 "
+        "--selection-accounting-ttl-ms:1 --overlap-decay:1 --selection-temperature:1 "
+        "--bucket-adjust-interval-secs:1 --eviction-interval-secs:1 --max-tree-size:1 --block-size:1 "
+        "--cache-boundaries:1 --cache-index:1 --cache-ttl-secs:1 --max-idle-secs:1 --assignment-mode:1 "
+        "--max-payload-size:1 --max-buffered-request-bytes:1 --pd-admission-wait-secs:1 "
+        "--stream-body-stall-timeout-secs:1 --sse-keepalive-secs:1 --dp-aware:0 --routing-key-override:0 "
+        "--routing-key-headers:* --dp-minimum-tokens-scheduler:0 --enable-igw:0 --enable-rl:0 "
+        "--rl-control-timeout-secs:1 --rl-fanout-concurrency:1 --pd-disaggregation:0 "
+        "--epd-disaggregation:0 --encode:+ --prefill:+ --decode:1 "
+        "--prefill-max-inflight-requests-per-worker:1 --prefill-queue-size:1 "
+        "--prefill-queue-timeout-secs:1 --worker-startup-timeout-secs:1 --worker-startup-delay:1 "
+        "--worker-startup-check-interval:1 --job-queue-capacity:1 --job-queue-concurrency:1 "
+        "--load-monitor-interval:1 --disable-load-monitoring:0 --multimodal-tensor-transport:1 "
+        "--multimodal-shm-min-bytes:1 --multimodal-max-inflight-bytes:1 --mm-per-request-image-limit:1 "
+        "--mm-processing:1 --mm-pixel-cache-mb:1 --mm-pixel-rdma:0 --mm-allowed-media-domains:1 "
+        "--mm-allow-private-media-hosts:0 --rdma-listen-ip:1 --rdma-slot-ttl-s:1 --log-mm-timing:0 "
+        "--log-dir:1 --log-level:1 --log-json:0 --service-discovery:0 --discovery-provider:1 "
+        "--discovery-file:1 --discovery-check-interval-secs:1 --selector:+ --service-discovery-port:1 "
+        "--service-discovery-namespace:1 --kv-connector-annotation:1 --kv-engine-id-annotation:1 "
+        "--encode-selector:+ --prefill-selector:+ --decode-selector:+ --router-selector:+ "
+        "--model-id-from:1 --model-alias:1 --prometheus-port:1 --prometheus-host:1 "
+        "--prometheus-duration-buckets:+ --jemalloc-prof-dir:1 --request-id-headers:* "
+        "--storage-context-headers:* --request-timeout-secs:1 --shutdown-grace-period-secs:1 "
+        "--header-read-timeout-secs:1 --idle-connection-timeout-secs:1 --trust-tenant-header:0 "
+        "--tenant-header-name:1 --cors-allowed-origins:* --max-concurrent-requests:1 --queue-size:1 "
+        "--queue-timeout-secs:1 --rate-limit-tokens-per-second:1 --max-background-responses:1 "
+        "--priority-scheduler-enabled:0 --priority-scheduler-default-max-class:1 "
+        "--priority-scheduler-config:1 --priority-scheduler-tenant-metric-top-n:1 "
+        "--tenant-rate-limit-enabled:0 --tenant-rate-limit-config:1 --retry-max-retries:1 "
+        "--retry-initial-backoff-ms:1 --retry-max-backoff-ms:1 --retry-backoff-multiplier:1 "
+        "--retry-jitter-factor:1 --disable-retries:0 --cb-failure-threshold:1 --cb-success-threshold:1 "
+        "--cb-timeout-duration-secs:1 --cb-window-duration-secs:1 --disable-circuit-breaker:0 "
+        "--health-failure-threshold:1 --health-success-threshold:1 --health-check-timeout-secs:1 "
+        "--health-check-interval-secs:1 --health-check-endpoint:1 --disable-health-check:0 "
+        "--remove-unhealthy-workers:0 --no-remove-unhealthy-workers:0 --worker-auto-recovery:0 "
+        "--no-worker-auto-recovery:0 --model-path:1 --tokenizer-path:1 --chat-template:1 "
+        "--disable-tokenizer-autoload:0 --parser:1 --tokenizer-cache-enable-l0:0 "
+        "--tokenizer-cache-l0-max-entries:1 --tokenizer-cache-enable-l1:0 "
+        "--tokenizer-cache-l0-max-memory:1 --tokenizer-cache-l1-max-memory:1 --reasoning-parser:1 "
+        "--tool-call-parser:1 --mcp-config-path:1 --backend:1 --zmq-engine-count:1 --enable-wasm:0 "
+        "--storage-hook-wasm-path:1 --history-backend:1 --history-memory-max-responses:1 "
+        "--history-memory-max-items:1 --history-memory-retention-secs:1 --oracle-wallet-path:1 "
+        "--oracle-tns-alias:1 --oracle-connect-descriptor:1 --oracle-username:1 --oracle-password:1 "
+        "--oracle-external-auth:0 --oracle-pool-min:1 --oracle-pool-max:1 --oracle-pool-timeout-secs:1 "
+        "--postgres-db-url:1 --postgres-pool-max:1 --postgres-op-timeout-secs:1 --redis-url:1 "
+        "--redis-pool-max:1 --redis-retention-days:1 --redis-op-timeout-secs:1 --schema-config:1 "
+        "--client-cert-path:1 --client-key-path:1 --ca-cert-paths:* --tls-cert-path:1 --tls-key-path:1 "
+        "--enable-trace:0 --otlp-traces-endpoint:1 --api-key:1 --tenant-api-key:1 "
+        "--control-plane-api-keys:* --control-plane-audit-enabled:0 --jwt-issuer:1 --jwt-audience:1 "
+        "--jwt-jwks-uri:1 --jwt-role-mapping:* --enable-mesh:0 --mesh-server-name:1 --mesh-host:1 "
+        "--mesh-advertise-host:1 --mesh-port:1 --mesh-peer-urls:* --mesh-tls-ca-cert:1 --mesh-tls-cert:1 "
+        "--mesh-tls-key:1 "
+    )
+)
+
+# a value each flag's parser accepts
+SAMPLE = {"--backend": "vllm", "--discovery-provider": "kubernetes", "--policy": "round_robin"}
+
+
+def _argv(flag: str, arity: str) -> list[str]:
+    v = SAMPLE.get(flag, "7")
+    return [flag] if arity == "0" else [flag, v]
+
+
+def test_the_list_is_smgs_and_the_table_covers_what_the_parser_lacks() -> None:
+    assert len(SMG_1_13) == 215 and SMG_1_13["--worker-urls"] == "*"
+    serve = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    ours = set(serve._option_string_actions)
+    assert set(SMG_1_13) - ours == set(FLAGS)  # (no SMG flag falls through to argparse)
+    assert all(FLAGS[f] == SMG_1_13[f] for f in FLAGS)
+
+
+@pytest.mark.parametrize("flag", sorted(FLAGS))
+def test_every_flag_is_renamed_ignored_or_refused(flag: str) -> None:
+    argv = ["serve", *_argv(flag, FLAGS[flag])]
+    try:
+        t = translate(argv)
+    except SmgFlagError as e:
+        assert flag in str(e)
+        return
+    assert flag not in t.argv
+    _parser().parse_args(t.argv)  # (SystemExit here: a renamed flag the parser does not take)
+    if len(t.argv) == 1:  # nothing left: the flag was dropped, with a note saying so
+        assert any(flag in n for n in t.notes) or flag in ("--max-concurrent-requests", "--mesh-peer-urls")
+
+
+def test_an_smg_command_line_becomes_the_nodes_config() -> None:
+    cfg = config_from_args(
+        [
+            "serve",
+            "--host", "127.0.0.1", "--port", "30000",
+            "--worker-urls", "grpc://127.0.0.1:50051",
+            "--policy", "cache_aware", "--cache-threshold", "0.5",
+            "--disable-retries", "--disable-circuit-breaker", "--log-json", "--log-level", "warn",
+            "--trust-tenant-header", "--tenant-header-name", "X-Team",
+            "--history-backend", "postgres", "--postgres-db-url=postgresql://u@db/h",
+            "--postgres-pool-max", "4",
+            "--prometheus-port", "29000", "--queue-size", "100", "--max-concurrent-requests", "-1",
+            "--load-monitor-interval", "5", "--mesh-peer-urls",
+        ]
+    )  # fmt: skip
+    assert (cfg.max_retries, cfg.cb_failure_threshold > 10**6, cfg.log_format, cfg.log_level) == (
+        0,
+        True,
+        "json",
+        "warning",
+    )
+    assert cfg.auth.trust_tenant_header and cfg.auth.tenant_header == "x-team"
+    assert (cfg.history_backend, cfg.history_url, cfg.history_pool_size) == (
+        "postgres",
+        "postgresql://u@db/h",
+        4,
+    )
+    assert cfg.load_poll_interval_secs == 5 and cfg.cache_threshold == 0.5
+    notes = translate(["--prometheus-port", "29000", "--queue-size", "100"]).notes
+    assert len(notes) == 2 and "/metrics" in notes[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--api-key", "k"], "--api-key"),
+        (["--tenant-api-key", "t:k"], "--tenant-api-key"),
+        (["--control-plane-api-keys", "a:b:admin:k"], "--control-plane-api-keys"),
+        (["--backend", "openai"], "--backend openai"),
+        (["--max-concurrent-requests", "64"], "--rate-limit-max-concurrent"),
+        (["--oracle-username", "u"], "Oracle"),
+        (["--ca-cert-paths", "a.pem", "b.pem"], "one"),
+        (["--redis-url", "redis://h", "--postgres-db-url", "postgresql://h"], "--history-url"),
+        (["--discovery-provider", "file"], "kubernetes"),
+        (["--tls-cert-path"], "expects a value"),
+    ],
+)
+def test_what_is_refused_is_a_configuration_error_naming_it(argv: list[str], says: str) -> None:
+    with pytest.raises(ConfigError, match=says.replace("-", "\\-")):
+        config_from_args(["serve", "--worker-urls", "grpc://127.0.0.1:1", *argv])
+
+
+def test_values_stay_with_their_flags() -> None:
+    t = translate(
+        ["serve", "--mesh-peer-urls", "a:1", "b:2", "--host", "h", "--enable-mesh", "--log-dir", "/x"]
+    )
+    assert t.argv == ["serve", "--mesh-seeds", "a:1", "b:2", "--host", "h", "--mesh-port", "39527"]
+    assert [n.split(" is ")[0] for n in t.notes] == ["SMG's --log-dir"]
+    assert translate(["--enable-mesh", "--mesh-port", "7000"]).argv == ["--mesh-port", "7000"]
