@@ -39,6 +39,7 @@ from shepherd.mesh.dns_seeds import is_dns_seed, parse_dns_seed
 from shepherd.mesh.keyring import Keyring
 from shepherd.mesh.runtime_config import parse_addr
 from shepherd.node.gc_tuning import GEN0_THRESHOLD
+from shepherd.parsers import OFF as PARSERS_OFF
 from shepherd.parsers import reasoning_family_name, tool_family_name
 from shepherd.policies.cache_aware import CacheAwareConfig
 from shepherd.policies.simple import POLICY_NAMES
@@ -885,9 +886,9 @@ def _check_parsers(cfg: NodeConfig) -> None:
     entries += [(f"model {m.name!r}: ", m.reasoning_parser, m.tool_call_parser) for m in cfg.models]
     for where, reasoning, tool in entries:
         try:
-            if reasoning is not None and reasoning.lower() != "none":
+            if reasoning is not None and reasoning.lower() not in PARSERS_OFF:
                 reasoning_family_name(reasoning)
-            if tool is not None and tool.lower() != "none":
+            if tool is not None and tool.lower() not in PARSERS_OFF:
                 tool_family_name(tool)
         except ValueError as e:
             raise ConfigError(f"{where}{e}") from None

@@ -22,6 +22,7 @@ from shepherd.parsers.events import (
 )
 from shepherd.parsers.pipeline import OutputParsers
 from shepherd.parsers.registry import (
+    OFF,
     REASONING_FAMILIES,
     TOOL_FAMILIES,
     default_parsers_for_model,
@@ -35,6 +36,7 @@ from shepherd.parsers.registry import (
 )
 
 __all__ = [
+    "OFF",
     "REASONING_FAMILIES",
     "TOOL_FAMILIES",
     "CollectedCall",

@@ -34,6 +34,7 @@ from shepherd.parsers.tool_leading import JSON, LLAMA3, PYTHONIC, LeadingSpec, L
 from shepherd.parsers.tool_mistral import MistralToolParser
 
 __all__ = [
+    "OFF",
     "REASONING_FAMILIES",
     "TOOL_FAMILIES",
     "ReasoningFamily",
@@ -97,6 +98,11 @@ _REASONING_ALIASES = {
     "command_a": "cohere",
     "nemotron_3": "nemotron",
     "nemotron_nano": "nemotron",
+    # SMG's names (its --reasoning-parser)
+    "glm": "glm45",
+    "glm4": "glm45",
+    "kimi_thinking": "kimi_k2",
+    "kimi_k25": "kimi_k2",
 }
 
 # (id factory, parameter types, known names, partial calls) -> a fresh parser
@@ -149,7 +155,19 @@ _TOOL_ALIASES = {
     "kimi": "kimi_k2",
     "command_a": "cohere",
     "cohere_command4": "cohere",
+    # SMG's names (its --tool-call-parser)
+    "deepseek": "deepseek_v3",
+    "deepseek31": "deepseek_v31",
+    "deepseek32": "deepseek_v32",
+    "glm4": "glm45",
+    "glm45_moe": "glm45",
+    "glm47_moe": "glm45",
+    "qwen_coder": "qwen3_coder",
+    "qwen_xml": "qwen3_coder",
 }
+
+# names that turn a parser off: ours, and SMG's parsers that pass the text through
+OFF = frozenset({"none", "passthrough", "plain"})
 
 
 @functools.lru_cache(maxsize=256)

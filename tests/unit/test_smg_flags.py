@@ -9,7 +9,8 @@ import argparse
 import pytest
 
 from shepherd.node.cli import _parser, config_from_args
-from shepherd.node.config import ConfigError
+from shepherd.node.config import ConfigError, ModelConfig
+from shepherd.node.dispatch.gateway import model_parsers
 from shepherd.node.smg_flags import FLAGS, SmgFlagError, translate
 
 
@@ -177,3 +178,28 @@ def test_values_stay_with_their_flags() -> None:
     assert t.argv == ["serve", "--mesh-seeds", "a:1", "b:2", "--host", "h", "--mesh-port", "39527"]
     assert [n.split(" is ")[0] for n in t.notes] == ["SMG's --log-dir"]
     assert translate(["--enable-mesh", "--mesh-port", "7000"]).argv == ["--mesh-port", "7000"]
+
+
+# SMG's parser names (its --reasoning-parser / --tool-call-parser choices) that name a family the node has
+SMG_PARSERS = {
+    "--tool-call-parser": {
+        "deepseek": "deepseek_v3", "deepseek31": "deepseek_v31", "deepseek32": "deepseek_v32",
+        "glm45_moe": "glm45", "glm47_moe": "glm45", "kimik2": "kimi_k2", "qwen": "hermes",
+        "qwen_coder": "qwen3_coder", "qwen_xml": "qwen3_coder", "llama": "llama3", "mistral": "mistral",
+        "pythonic": "pythonic", "json": "json", "minimax_m2": "minimax_m2", "cohere": "cohere",
+        "passthrough": None, "plain": None,
+    },
+    "--reasoning-parser": {
+        "deepseek_r1": "deepseek_r1", "qwen3": "qwen3", "qwen3_thinking": "qwen3_thinking", "glm45": "glm45",
+        "glm": "glm45", "glm4": "glm45", "kimi": "kimi", "kimi_thinking": "kimi_k2", "kimi_k25": "kimi_k2",
+        "minimax_m2": "minimax", "step3": "step3", "passthrough": None, "plain": None,
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("flag", sorted(SMG_PARSERS))
+def test_smgs_parser_names_name_the_nodes_families(flag: str) -> None:
+    for name, family in SMG_PARSERS[flag].items():
+        cfg = config_from_args(["serve", "--worker-urls", "grpc://127.0.0.1:1", flag, name])
+        got = model_parsers(ModelConfig("m", ""), cfg.reasoning_parser, cfg.tool_call_parser)
+        assert got[0 if flag == "--reasoning-parser" else 1] == family, name

@@ -30,7 +30,7 @@ from shepherd.node.dispatch.workers import (
 from shepherd.node.engines.http import HttpRelayClient
 from shepherd.node.metrics import NodeMetrics, counter, gauge
 from shepherd.node.observe import tracing
-from shepherd.parsers import default_parsers_for_model, reasoning_family_name, tool_family_name
+from shepherd.parsers import OFF, default_parsers_for_model, reasoning_family_name, tool_family_name
 from shepherd.policies.base import Policy
 from shepherd.policies.simple import make_policy
 from shepherd.proto.engine_types import (
@@ -55,14 +55,14 @@ log = logging.getLogger("shepherd.gateway")
 
 def model_parsers(mc: ModelConfig, reasoning: str | None, tool: str | None) -> tuple[str | None, str | None]:
     """(reasoning, tool-call) families of a model: its own setting, else the node's, else the default
-    for its name (then its path); "none" turns a parser off."""
+    for its name (then its path); "none" (or SMG's "passthrough", "plain") turns a parser off."""
     by_name = default_parsers_for_model(mc.name)
     if by_name == (None, None) and mc.model_path:
         by_name = default_parsers_for_model(Path(mc.model_path).name)
     r = mc.reasoning_parser or reasoning
     t = mc.tool_call_parser or tool
-    r_family = by_name[0] if r is None else None if r.lower() == "none" else reasoning_family_name(r)
-    t_family = by_name[1] if t is None else None if t.lower() == "none" else tool_family_name(t)
+    r_family = by_name[0] if r is None else None if r.lower() in OFF else reasoning_family_name(r)
+    t_family = by_name[1] if t is None else None if t.lower() in OFF else tool_family_name(t)
     return r_family, t_family
 
 
