@@ -316,6 +316,12 @@ def translate(argv: Sequence[str]) -> Translated:
         a = argv[i]
         flag = a.partition("=")[0]
         arity = FLAGS.get(flag) if a.startswith("--") else None
+        if flag == "--history-backend" and (a == "--history-backend=none" or argv[i + 1 : i + 2] == ["none"]):
+            raise SmgFlagError(
+                "SMG's --history-backend none is not supported: the node keeps what clients store "
+                "(memory by default, bounded by --history-memory-max-items and -bytes); clients that send "
+                "store:false keep nothing"
+            )
         if arity is None:
             out.append(a)
             i += 1

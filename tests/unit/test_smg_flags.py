@@ -164,6 +164,8 @@ def test_an_smg_command_line_becomes_the_nodes_config() -> None:
         (["--redis-url", "redis://h", "--postgres-db-url", "postgresql://h"], "--history-url"),
         (["--discovery-provider", "file"], "kubernetes"),
         (["--tls-cert-path"], "expects a value"),
+        (["--history-backend", "none"], "--history-backend none"),
+        (["--history-backend=none"], "--history-backend none"),
     ],
 )
 def test_what_is_refused_is_a_configuration_error_naming_it(argv: list[str], says: str) -> None:
