@@ -132,6 +132,7 @@ _RENAMED = {
     "--redis-pool-max": "--history-pool-size",
 }
 
+_JWT = frozenset({"--jwt-issuer", "--jwt-audience", "--jwt-jwks-uri"})
 _METRICS = "metrics are at /metrics on the admin listener (--admin-host/--admin-port), or the client port"
 _AUTH = "see README 'Authentication': --auth-data-plane, --auth-admin-key-env, keys minted at /admin/keys"
 
@@ -376,4 +377,9 @@ def translate(argv: Sequence[str]) -> Translated:
         else:
             why = _IGNORED[flag]
             notes.append(f"SMG's {flag} is ignored" + (f": {why}" if why else " (no such knob here)"))
+    if given & _JWT and not any(g.startswith("--auth-") or g == "--config" for g in given):
+        # SMG's JWT flags are its control plane's authentication: here they only configure JWT until a
+        # plane uses it; the control plane's is turned on, as SMG's is (the data plane stays as it was)
+        out += ["--auth-control-plane", "jwt"]
+        notes.append("SMG's --jwt-* flags: the control plane takes JWTs (--auth-control-plane jwt)")
     return Translated(out, notes)

@@ -205,3 +205,12 @@ def test_smgs_parser_names_name_the_nodes_families(flag: str) -> None:
         cfg = config_from_args(["serve", "--worker-urls", "grpc://127.0.0.1:1", flag, name])
         got = model_parsers(ModelConfig("m", ""), cfg.reasoning_parser, cfg.tool_call_parser)
         assert got[0 if flag == "--reasoning-parser" else 1] == family, name
+
+
+def test_smgs_jwt_flags_protect_the_control_plane_as_in_smg() -> None:
+    cfg = config_from_args(
+        ["serve", "--worker-urls", "grpc://127.0.0.1:1", "--jwt-issuer", "https://idp.example"]
+    )
+    assert (cfg.auth.data_plane, cfg.auth.control_plane) == ("off", "jwt")
+    cfg = config_from_args(["serve", "--jwt-jwks-uri", "https://idp.example/keys", "--auth-mode", "api_key"])
+    assert cfg.auth.control_plane == "api_key"  # (a node's own auth flags: left as they say)
