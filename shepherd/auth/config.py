@@ -513,8 +513,14 @@ _AUTH_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
             "has auth, the admin listener when set); --no-auth-metrics makes it public",
         },
     ),
-    ("admin-key-env", {"nargs": "+", "metavar": "VAR", "help": "env vars holding bootstrap admin keys"}),
-    ("admin-key-sha256", {"nargs": "+", "metavar": "HEX", "help": "SHA-256 of bootstrap admin keys"}),
+    (
+        "admin-key-env",
+        {"nargs": "+", "action": "extend", "metavar": "VAR", "help": "env vars holding bootstrap admin keys"},
+    ),
+    (
+        "admin-key-sha256",
+        {"nargs": "+", "action": "extend", "metavar": "HEX", "help": "SHA-256 of bootstrap admin keys"},
+    ),
     (
         "trust-tenant-header",
         {"action": "store_true", "default": None, "help": "x-smg-tenant sets the tenant"},
@@ -540,16 +546,22 @@ _AUTH_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
 )
 _JWT_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("issuer", {"help": "expected iss; OIDC discovery at {issuer}/.well-known/openid-configuration"}),
-    ("audience", {"nargs": "+", "help": "aud must hold one of these"}),
+    ("audience", {"nargs": "+", "action": "extend", "help": "aud must hold one of these"}),
     ("jwks-url", {"help": "JWKS endpoint (instead of OIDC discovery)"}),
-    ("public-key-file", {"nargs": "+", "dest": "public_key_files", "help": "PEM, JWK or JWKS files"}),
+    (
+        "public-key-file",
+        {"nargs": "+", "action": "extend", "dest": "public_key_files", "help": "PEM, JWK or JWKS files"},
+    ),
     ("hmac-secret-env", {"metavar": "VAR", "help": "env var with a shared secret for HS256/384/512"}),
-    ("algorithms", {"nargs": "+", "help": "accepted algorithms (default RS256 ES256)"}),
+    ("algorithms", {"nargs": "+", "action": "extend", "help": "accepted algorithms (default RS256 ES256)"}),
     ("leeway-secs", {"type": float, "help": "clock skew allowed on exp/nbf/iat (default 30)"}),
     ("role-claim", {"help": "claim holding the role(s), dotted paths allowed (default role)"}),
-    ("admin-roles", {"nargs": "+", "help": "role values that mean admin (default admin)"}),
+    (
+        "admin-roles",
+        {"nargs": "+", "action": "extend", "help": "role values that mean admin (default admin)"},
+    ),
     ("scope-claim", {"help": "claim holding scopes (default scope)"}),
-    ("admin-scopes", {"nargs": "+", "help": "scopes that mean admin"}),
+    ("admin-scopes", {"nargs": "+", "action": "extend", "help": "scopes that mean admin"}),
     ("tenant-claim", {"help": "claim holding the tenant (default tenant)"}),
     ("jwks-ttl-secs", {"type": float, "help": "refresh the JWKS after this (default 300)"}),
     (

@@ -33,6 +33,7 @@ def _mesh_arguments(s: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--mesh-seeds",
         nargs="+",
+        action="extend",
         metavar="SEED",
         help="nodes to join through: HOST[:PORT], or dns:NAME[:PORT] (every A/AAAA record of NAME, e.g. a "
         "headless service; re-resolved until joined)",
@@ -43,7 +44,9 @@ def _mesh_arguments(s: argparse.ArgumentParser) -> None:
         help="dns: seeds are resolved again this often while the mesh is small, s (default 30)",
     )
     m.add_argument("--mesh-keyring-file", help="file of base64 AES keys, one a line, the first primary")
-    m.add_argument("--mesh-keys", nargs="+", metavar="B64", help="base64 AES keys (after the file's)")
+    m.add_argument(
+        "--mesh-keys", nargs="+", action="extend", metavar="B64", help="base64 AES keys (after the file's)"
+    )
     m.add_argument("--mesh-cluster", help="cluster name bound into every sealed packet")
     m.add_argument("--mesh-cert", help="this node's certificate (PEM; `smg-node certs` makes dev ones)")
     m.add_argument("--mesh-key", help="its private key (PEM)")
@@ -113,17 +116,23 @@ def _security_arguments(s: argparse.ArgumentParser) -> None:
         help="allow an unauthenticated control plane on a non-loopback address (logged loudly)",
     )
     g.add_argument(
-        "--admin-allowed-origins", nargs="+", metavar="ORIGIN", help="browser Origins allowed on /admin"
+        "--admin-allowed-origins",
+        nargs="+",
+        action="extend",
+        metavar="ORIGIN",
+        help="browser Origins allowed on /admin",
     )
     g.add_argument(
         "--cors-allowed-origins",
         nargs="+",
+        action="extend",
         metavar="ORIGIN",
         help="browser Origins allowed on the data plane (CORS; '*': any; default: none, off)",
     )
     g.add_argument(
         "--admin-allowed-hosts",
         nargs="+",
+        action="extend",
         metavar="HOST",
         help="Host names the control plane answers on a non-loopback listener (DNS rebinding guard; "
         "default with --insecure-admin: the listener's address and this machine's name; .suffix "
@@ -132,6 +141,7 @@ def _security_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--worker-allow",
         nargs="+",
+        action="extend",
         metavar="HOST_OR_CIDR",
         help="hosts and CIDRs workers may be on (default: any but link-local / cloud metadata addresses, "
         "which only an entry naming them allows)",
@@ -146,6 +156,7 @@ def _security_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--proxy-protocol-from",
         nargs="+",
+        action="extend",
         metavar="IP_OR_CIDR",
         help="load balancers whose connections open with a PROXY protocol header (v1 or v2: HAProxy's "
         "send-proxy, AWS NLB's proxy protocol): the client it names is the connection's address "
@@ -163,9 +174,15 @@ def _discovery_arguments(s: argparse.ArgumentParser) -> None:
         const=True,
         help="add and remove workers as pods matching the selectors come, go and turn ready",
     )
-    d.add_argument("--selector", nargs="+", metavar="KEY=VALUE", help="labels of regular worker pods")
-    d.add_argument("--prefill-selector", nargs="+", metavar="KEY=VALUE", help="PD: prefill worker pods")
-    d.add_argument("--decode-selector", nargs="+", metavar="KEY=VALUE", help="PD: decode worker pods")
+    d.add_argument(
+        "--selector", nargs="+", action="extend", metavar="KEY=VALUE", help="labels of regular worker pods"
+    )
+    d.add_argument(
+        "--prefill-selector", nargs="+", action="extend", metavar="KEY=VALUE", help="PD: prefill worker pods"
+    )
+    d.add_argument(
+        "--decode-selector", nargs="+", action="extend", metavar="KEY=VALUE", help="PD: decode worker pods"
+    )
     d.add_argument(
         "--service-discovery-namespace", help="namespace to watch (default: the service account's)"
     )
@@ -199,6 +216,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--worker-urls",
         nargs="+",
+        action="extend",
         metavar="URL",
         help="engines: grpc://h:p (SGLang, vLLM, TensorRT-LLM or MLX, detected), sglang://h:p, vllm://h:p, "
         "trtllm://h:p, mlx://h:p, http://h:p (relay)",
@@ -252,6 +270,7 @@ def _parser() -> argparse.ArgumentParser:
         "--model-alias",
         dest="model_aliases",
         nargs="+",
+        action="extend",
         metavar="NAME=SERVED",
         help="clients send NAME (and /v1/models lists it) for the engine's SERVED model",
     )
@@ -392,6 +411,7 @@ def _parser() -> argparse.ArgumentParser:
     j.add_argument(
         "seeds",
         nargs="+",
+        action="extend",
         metavar="SEED",
         help="host[:port] of mesh nodes (tried until one answers), or dns:NAME[:PORT] (every A/AAAA record)",
     )

@@ -214,3 +214,17 @@ def test_smgs_jwt_flags_protect_the_control_plane_as_in_smg() -> None:
     assert (cfg.auth.data_plane, cfg.auth.control_plane) == ("off", "jwt")
     cfg = config_from_args(["serve", "--jwt-jwks-uri", "https://idp.example/keys", "--auth-mode", "api_key"])
     assert cfg.auth.control_plane == "api_key"  # (a node's own auth flags: left as they say)
+
+
+def test_list_flags_given_twice_keep_both_as_smgs_repeated_flags_do() -> None:
+    cfg = config_from_args(
+        [
+            "serve",
+            "--worker-urls", "grpc://127.0.0.1:1", "--worker-urls", "grpc://127.0.0.1:2",
+            "--model-alias", "a=qwen3", "--model-alias", "b=qwen3",
+            "--service-discovery", "--selector", "app=x", "--selector", "tier=y",
+        ]
+    )  # fmt: skip
+    assert cfg.worker_urls == ("grpc://127.0.0.1:1", "grpc://127.0.0.1:2")
+    assert cfg.model_aliases == ("a=qwen3", "b=qwen3")
+    assert cfg.selector == ("app=x", "tier=y")
