@@ -1,5 +1,6 @@
-"""``smg launch``'s flags on ``smg-node serve``: an SMG command line moved over as it is starts a node, or
-stops with a message naming each flag it cannot honour, never argparse's bare "unrecognized arguments".
+"""``smg launch``'s flags on ``smg-node serve`` (and those sglang-router 0.3.2 and vllm-router 0.1.17 add to
+them): such a router's command line moved over as it is starts a node, or stops with a message naming each
+flag it cannot honour, never argparse's bare "unrecognized arguments".
 
 ``translate(argv)`` rewrites the argv before the node's parser reads it. Every flag of SMG 1.13.0 that the
 node's parser does not take itself (``FLAGS``: its arity there) has one of three fates:
@@ -13,7 +14,9 @@ node's parser does not take itself (``FLAGS``: its arity there) has one of three
   silent loss would change who may call, what a worker is sent, or what clients get (API keys, worker
   keys, other backends, WASM, MCP, Oracle, an admission limit).
 
-Flags both take (``--host``, ``--worker-urls``, ``--policy``, ``--cache-threshold`` ...) pass through.
+Flags both take (``--host``, ``--worker-urls``, ``--policy``, ``--cache-threshold`` ...) pass through;
+vllm-router's policy names ``consistent_hash`` and ``kv_aware`` become ``consistent_hashing`` and
+``cache_aware`` (which the engines' KV events feed, as kv_aware's do).
 Pure: no I/O, so the table is tested flag by flag against SMG's own ``--help``.
 """
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["FLAGS", "SmgFlagError", "Translated", "translate"]
+__all__ = ["FLAGS", "ROUTER_FLAGS", "SmgFlagError", "Translated", "translate"]
 
 
 class SmgFlagError(ValueError):
@@ -110,6 +113,26 @@ FLAGS: dict[str, str] = {
     ),
 }
 
+# the flags sglang-router 0.3.2 and vllm-router 0.1.17 have beyond SMG's (their arity)
+ROUTER_FLAGS: dict[str, str] = {
+    **dict.fromkeys(_words("--mini-lb --vllm-pd-disaggregation --enable-program-scheduling"), "0"),
+    **dict.fromkeys(
+        _words(
+            "--kv-connector --vllm-discovery-address --intra-node-data-parallel-size "
+            "--program-scheduling-config-json --router-temperature --kv-penalty-host "
+            "--kv-penalty-external --kv-penalty-disk --kv-aware-session-affinity-ttl-secs "
+            "--kv-event-source --kv-event-replay-source --kv-event-block-size --kv-event-model "
+            "--pd-kv-events --wasm-middleware --wasm-middleware-sha256 --wasm-middleware-route"
+        ),
+        "1",
+    ),
+}
+_ARITY = {**FLAGS, **ROUTER_FLAGS}
+
+# vllm-router's policy names for the node's policies
+_POLICY_NAMES = {"consistent_hash": "consistent_hashing", "kv_aware": "cache_aware"}
+_POLICY_FLAGS = frozenset({"--policy", "--prefill-policy", "--decode-policy"})
+
 # renamed: the node's flag of the same meaning (the values follow as given)
 _RENAMED = {
     "--tls-cert-path": "--tls-cert-file",
@@ -130,8 +153,10 @@ _RENAMED = {
     "--redis-retention-days": "--history-retention-days",
     "--postgres-pool-max": "--history-pool-size",
     "--redis-pool-max": "--history-pool-size",
+    "--vllm-pd-disaggregation": "--pd-disaggregation",
 }
 
+_KV_EVENTS = "KV events are read from each gRPC engine's own stream (SubscribeKvEvents)"
 _JWT = frozenset({"--jwt-issuer", "--jwt-audience", "--jwt-jwks-uri"})
 _METRICS = "metrics are at /metrics on the admin listener (--admin-host/--admin-port), or the client port"
 _AUTH = "see README 'Authentication': --auth-data-plane, --auth-admin-key-env, keys minted at /admin/keys"
@@ -169,6 +194,10 @@ _REFUSED = {
     "--priority-scheduler-config": "no priority classes here",
     "--priority-scheduler-tenant-metric-top-n": "no priority classes here",
     "--zmq-engine-count": "engines are reached over gRPC (grpc://) or HTTP, not ZMQ",
+    "--vllm-discovery-address": "PD workers come from --prefill/--decode, POST /workers or discovery",
+    "--wasm-middleware": "no WASM middleware here (it would check requests: not skipped silently)",
+    "--wasm-middleware-sha256": "no WASM middleware here",
+    "--wasm-middleware-route": "no WASM middleware here",
     **dict.fromkeys(
         _words(
             "--oracle-wallet-path --oracle-tns-alias --oracle-connect-descriptor --oracle-username "
@@ -282,6 +311,19 @@ _IGNORED = {
     "--redis-op-timeout-secs": "",
     "--control-plane-audit-enabled": "admin actions are logged",
     "--ca-cert-paths": "",  # (renamed when it names one file: below)
+    "--mini-lb": "PD requests go to prefill and decode from the node itself",
+    "--enable-program-scheduling": "",
+    "--program-scheduling-config-json": "",
+    "--router-temperature": "",
+    "--kv-penalty-host": "",
+    "--kv-penalty-external": "",
+    "--kv-penalty-disk": "",
+    "--kv-aware-session-affinity-ttl-secs": "cache_aware keeps a conversation's turns together by itself",
+    "--kv-event-source": _KV_EVENTS,
+    "--kv-event-replay-source": _KV_EVENTS,
+    "--kv-event-block-size": _KV_EVENTS,
+    "--kv-event-model": _KV_EVENTS,
+    "--pd-kv-events": _KV_EVENTS,
     "--enable-mesh": "",  # (turns the mesh on at SMG's port: below)
 }
 
@@ -316,13 +358,20 @@ def translate(argv: Sequence[str]) -> Translated:
     while i < len(argv):
         a = argv[i]
         flag = a.partition("=")[0]
-        arity = FLAGS.get(flag) if a.startswith("--") else None
+        arity = _ARITY.get(flag) if a.startswith("--") else None
         if flag == "--history-backend" and (a == "--history-backend=none" or argv[i + 1 : i + 2] == ["none"]):
             raise SmgFlagError(
                 "SMG's --history-backend none is not supported: the node keeps what clients store "
                 "(memory by default, bounded by --history-memory-max-items and -bytes); clients that send "
                 "store:false keep nothing"
             )
+        if flag in _POLICY_FLAGS:
+            vals, i = _values(argv, i, "1")
+            policy = _POLICY_NAMES.get(vals[0], vals[0])
+            if policy != vals[0]:
+                notes.append(f"{flag} {vals[0]} (vllm-router's name) is the node's {policy}")
+            out += [flag, policy]
+            continue
         if arity is None:
             out.append(a)
             i += 1
@@ -364,6 +413,18 @@ def translate(argv: Sequence[str]) -> Translated:
                     "and MLX engines (their kind is found by asking them)"
                 )
             notes.append(f"SMG's --backend {vals[0]} is ignored: each engine's kind is found by asking it")
+        elif flag == "--kv-connector":
+            if vals[0] != "nixl":
+                raise SmgFlagError(
+                    f"vllm-router's --kv-connector {vals[0]} is not supported: vLLM PD here hands the "
+                    "prefill's kv_transfer_params to decode (NIXL's pull)"
+                )
+            notes.append("vllm-router's --kv-connector nixl is what vLLM PD here does (no flag needed)")
+        elif flag == "--intra-node-data-parallel-size":
+            if vals[0] != "1":
+                raise SmgFlagError(
+                    "vllm-router's --intra-node-data-parallel-size is not supported: an engine is a worker"
+                )
         elif flag == "--discovery-provider":
             if vals[0] != "kubernetes":
                 raise SmgFlagError(f"SMG's --discovery-provider {vals[0]} is not supported: use kubernetes")

@@ -11,7 +11,7 @@ import pytest
 from shepherd.node.cli import _parser, config_from_args
 from shepherd.node.config import ConfigError, ModelConfig
 from shepherd.node.dispatch.gateway import model_parsers
-from shepherd.node.smg_flags import FLAGS, SmgFlagError, translate
+from shepherd.node.smg_flags import FLAGS, ROUTER_FLAGS, SmgFlagError, translate
 
 
 def _words(s: str) -> list[str]:
@@ -228,3 +228,91 @@ def test_list_flags_given_twice_keep_both_as_smgs_repeated_flags_do() -> None:
     assert cfg.worker_urls == ("grpc://127.0.0.1:1", "grpc://127.0.0.1:2")
     assert cfg.model_aliases == ("a=qwen3", "b=qwen3")
     assert cfg.selector == ("app=x", "tier=y")
+
+
+# ``--help`` of sglang-router 0.3.2 (python -m sglang_router.launch_router) and vllm-router 0.1.17
+ROUTERS = {
+    "sglang-router": _words(
+        "--api-key --assignment-mode --backend --balance-abs-threshold --balance-rel-threshold "
+        "--bucket-adjust-interval-secs --ca-cert-paths --cache-threshold --cb-failure-threshold "
+        "--cb-success-threshold --cb-timeout-duration-secs --cb-window-duration-secs --chat-template "
+        "--client-cert-path --client-key-path --control-plane-api-keys --control-plane-audit-enabled "
+        "--cors-allowed-origins --decode --decode-policy --decode-selector --disable-circuit-breaker "
+        "--disable-health-check --disable-retries --dp-aware --enable-igw --enable-trace "
+        "--eviction-interval-secs --health-check-endpoint --health-check-interval-secs "
+        "--health-check-timeout-secs --health-failure-threshold --health-success-threshold "
+        "--history-backend --host --jwt-audience --jwt-issuer --jwt-jwks-uri --jwt-role-mapping --log-dir "
+        "--log-level --max-concurrent-requests --max-idle-secs --max-payload-size --max-tree-size "
+        "--mcp-config-path --mini-lb --model-path --oracle-connect-descriptor --oracle-password "
+        "--oracle-pool-max --oracle-pool-min --oracle-pool-timeout-secs --oracle-tns-alias "
+        "--oracle-username --oracle-wallet-path --otlp-traces-endpoint --pd-disaggregation --policy "
+        "--port --postgres-db-url --postgres-pool-max --prefill --prefill-policy --prefill-selector "
+        "--prometheus-duration-buckets --prometheus-host --prometheus-port --queue-size "
+        "--queue-timeout-secs --rate-limit-tokens-per-second --reasoning-parser --redis-pool-max "
+        "--redis-retention-days --redis-url --request-id-headers --request-timeout-secs "
+        "--retry-backoff-multiplier --retry-initial-backoff-ms --retry-jitter-factor "
+        "--retry-max-backoff-ms --retry-max-retries --selector --service-discovery "
+        "--service-discovery-namespace --service-discovery-port --shutdown-grace-period-secs "
+        "--tls-cert-path --tls-key-path --tokenizer-cache-enable-l0 --tokenizer-cache-enable-l1 "
+        "--tokenizer-cache-l0-max-entries --tokenizer-cache-l1-max-memory --tokenizer-path "
+        "--tool-call-parser --worker-startup-check-interval --worker-startup-timeout-secs --worker-urls "
+    ),
+    "vllm-router": _words(
+        "--api-key --balance-abs-threshold --balance-rel-threshold --cache-threshold "
+        "--cb-failure-threshold --cb-success-threshold --cb-timeout-duration-secs "
+        "--cb-window-duration-secs --cors-allowed-origins --decode --decode-policy --decode-selector "
+        "--disable-circuit-breaker --disable-retries --enable-igw --enable-program-scheduling "
+        "--eviction-interval-secs --health-check-endpoint --health-check-interval-secs "
+        "--health-check-timeout-secs --health-failure-threshold --health-success-threshold --host "
+        "--intra-node-data-parallel-size --kv-aware-session-affinity-ttl-secs --kv-connector "
+        "--kv-event-block-size --kv-event-model --kv-event-replay-source --kv-event-source "
+        "--kv-penalty-disk --kv-penalty-external --kv-penalty-host --log-dir --log-level "
+        "--max-concurrent-requests --max-payload-size --max-tree-size --mini-lb --pd-kv-events --policy "
+        "--port --prefill --prefill-policy --prefill-selector --program-scheduling-config-json "
+        "--prometheus-host --prometheus-port --queue-size --queue-timeout-secs "
+        "--rate-limit-tokens-per-second --request-id-headers --request-timeout-secs "
+        "--retry-backoff-multiplier --retry-initial-backoff-ms --retry-jitter-factor "
+        "--retry-max-backoff-ms --retry-max-retries --router-temperature --selector --service-discovery "
+        "--service-discovery-namespace --service-discovery-port --vllm-discovery-address "
+        "--vllm-pd-disaggregation --wasm-middleware --wasm-middleware-route --wasm-middleware-sha256 "
+        "--worker-startup-check-interval --worker-startup-timeout-secs --worker-urls "
+    ),
+}
+
+
+@pytest.mark.parametrize("router", sorted(ROUTERS))
+def test_the_other_routers_flags_are_taken_too(router: str) -> None:
+    serve = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    ours = set(serve._option_string_actions)
+    missing = [f for f in ROUTERS[router] if f not in ours and f not in FLAGS and f not in ROUTER_FLAGS]
+    assert not missing
+    for flag, arity in ROUTER_FLAGS.items():
+        try:
+            t = translate(["serve", *_argv(flag, arity)])
+        except SmgFlagError as e:
+            assert flag in str(e)
+            continue
+        assert flag not in t.argv
+        _parser().parse_args(t.argv)
+
+
+def test_vllm_routers_policy_names_and_pd_flags() -> None:
+    t = translate(["--policy", "consistent_hash", "--prefill-policy=kv_aware", "--decode-policy", "random"])
+    assert t.argv == [
+        "--policy",
+        "consistent_hashing",
+        "--prefill-policy",
+        "cache_aware",
+        "--decode-policy",
+        "random",
+    ]
+    assert len(t.notes) == 2
+    assert translate(["--vllm-pd-disaggregation", "--kv-connector", "nixl"]).argv == ["--pd-disaggregation"]
+    for bad in (
+        ["--kv-connector", "mooncake"],
+        ["--intra-node-data-parallel-size", "2"],
+        ["--wasm-middleware", "m.wasm"],
+    ):
+        with pytest.raises(SmgFlagError, match=bad[0]):
+            translate(bad)
+    assert translate(["--intra-node-data-parallel-size", "1"]).argv == []
