@@ -11,7 +11,7 @@ YAML (a mapping under ``auth``)::
       keys:                                 # more bootstrap keys, any role
         - {name: batch, role: user, tenant: team-a, sha256: <hex>, models: [qwen3]}
       trust_tenant_header: false           # x-smg-tenant sets the tenant (see ``Authenticator``)
-      tenant_header: null                   # its name (null: x-smg-tenant, else SMG's x-smg-tenant-id)
+      tenant_header: null                   # its name (null: x-smg-tenant)
       failure_limit: 20                     # failed credentials per client address per window, then 429
       failure_window_secs: 10               # (0 failures: no limit; ``middleware.FailureLimiter``)
       client_cert:                          # mTLS identities (TLS on the client port + tls_client_ca_file)
@@ -175,7 +175,7 @@ class AuthConfig:
     metrics: bool = True  # /metrics is a control route (admin auth, admin listener); False: a public route
     keys: tuple[BootstrapKey, ...] = ()
     trust_tenant_header: bool = False
-    # the header trust_tenant_header reads (None: x-smg-tenant, else SMG's x-smg-tenant-id)
+    # the header trust_tenant_header reads (None: x-smg-tenant)
     tenant_header: str | None = None
     default_tenant: str = "default"
     max_credential_bytes: int = 8192
@@ -529,8 +529,7 @@ _AUTH_FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (
         "tenant-header",
         {
             "metavar": "NAME",
-            "help": "the header --auth-trust-tenant-header reads (default: x-smg-tenant, "
-            "else x-smg-tenant-id)",
+            "help": "the header --auth-trust-tenant-header reads (default: x-smg-tenant)",
         },
     ),
     ("default-tenant", {"help": "tenant of callers bound to none (default: default)"}),

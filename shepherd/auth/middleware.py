@@ -90,7 +90,6 @@ CONTROL_PREFIXES = (
     "/remove_worker",
 )
 TENANT_HEADER = "x-smg-tenant"
-SMG_TENANT_HEADER = "x-smg-tenant-id"  # (SMG's default for --tenant-header-name)
 TARGET_WORKER_HEADER = "x-smg-target-worker"
 MAX_TENANT_CHARS = 128
 _TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
@@ -357,9 +356,7 @@ class Authenticator:
     def _with_tenant(self, p: Principal, bound: bool, headers: Mapping[str, str]) -> Principal:
         if not self.cfg.trust_tenant_header or (bound and p.role != "admin"):
             return p
-        name = self.cfg.tenant_header
-        if name is None:  # ours, else SMG's default name
-            name = TENANT_HEADER if TENANT_HEADER in headers else SMG_TENANT_HEADER
+        name = self.cfg.tenant_header or TENANT_HEADER
         t = headers.get(name)
         if not t:
             return p

@@ -140,7 +140,6 @@ _RENAMED = {
     "--client-cert-path": "--engine-tls-cert-file",
     "--client-key-path": "--engine-tls-key-file",
     "--jwt-jwks-uri": "--jwt-jwks-url",
-    "--trust-tenant-header": "--auth-trust-tenant-header",
     "--tenant-header-name": "--auth-tenant-header",
     "--mesh-server-name": "--mesh-name",
     "--mesh-host": "--mesh-bind",
@@ -157,6 +156,7 @@ _RENAMED = {
 }
 
 _KV_EVENTS = "KV events are read from each gRPC engine's own stream (SubscribeKvEvents)"
+SMG_TENANT_HEADER = "x-smg-tenant-id"  # (SMG's --tenant-header-name default)
 _JWT = frozenset({"--jwt-issuer", "--jwt-audience", "--jwt-jwks-uri"})
 _METRICS = "metrics are at /metrics on the admin listener (--admin-host/--admin-port), or the client port"
 _AUTH = "see README 'Authentication': --auth-data-plane, --auth-admin-key-env, keys minted at /admin/keys"
@@ -381,6 +381,10 @@ def translate(argv: Sequence[str]) -> Translated:
             raise SmgFlagError(f"SMG's {flag} is not supported by this node: {_REFUSED[flag]}")
         if flag in _RENAMED:
             out += [_RENAMED[flag], *vals]
+        elif flag == "--trust-tenant-header":  # (SMG's default header name, unless the line names one)
+            out.append("--auth-trust-tenant-header")
+            if "--tenant-header-name" not in given and "--auth-tenant-header" not in given:
+                out += ["--auth-tenant-header", SMG_TENANT_HEADER]
         elif flag == "--log-json":
             out += ["--log-format", "json"]
         elif flag == "--disable-retries":

@@ -316,3 +316,10 @@ def test_vllm_routers_policy_names_and_pd_flags() -> None:
         with pytest.raises(SmgFlagError, match=bad[0]):
             translate(bad)
     assert translate(["--intra-node-data-parallel-size", "1"]).argv == []
+
+
+def test_smgs_trusted_tenant_header_is_its_own_name_unless_the_line_names_one() -> None:
+    cfg = config_from_args(["serve", "--trust-tenant-header"])
+    assert cfg.auth.trust_tenant_header and cfg.auth.tenant_header == "x-smg-tenant-id"
+    cfg = config_from_args(["serve", "--auth-trust-tenant-header"])  # (the node's own flag: its own header)
+    assert cfg.auth.trust_tenant_header and cfg.auth.tenant_header is None
