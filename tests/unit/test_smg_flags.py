@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shepherd.node.cli import _parser, config_from_args
 from shepherd.node.config import ConfigError, ModelConfig
@@ -323,3 +325,17 @@ def test_smgs_trusted_tenant_header_is_its_own_name_unless_the_line_names_one() 
     assert cfg.auth.trust_tenant_header and cfg.auth.tenant_header == "x-smg-tenant-id"
     cfg = config_from_args(["serve", "--auth-trust-tenant-header"])  # (the node's own flag: its own header)
     assert cfg.auth.trust_tenant_header and cfg.auth.tenant_header is None
+
+
+_VOCAB = [*FLAGS, *ROUTER_FLAGS, "--policy", "--host", "--worker-urls", "none", "7", "a=b", "--x=1", "", "-"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_VOCAB) | st.text(max_size=12), max_size=12))
+def test_any_argv_translates_or_is_refused_by_name(argv: list[str]) -> None:
+    try:
+        t = translate(argv)
+    except SmgFlagError as e:
+        assert "SMG's" in str(e) or "vllm-router's" in str(e) or "expects" in str(e) or "--" in str(e)
+        return
+    assert all(isinstance(a, str) for a in t.argv) and len(t.argv) <= 3 * len(argv) + 4
