@@ -158,6 +158,13 @@ _RENAMED = {
 _KV_EVENTS = "KV events are read from each gRPC engine's own stream (SubscribeKvEvents)"
 SMG_TENANT_HEADER = "x-smg-tenant-id"  # (SMG's --tenant-header-name default)
 _JWT = frozenset({"--jwt-issuer", "--jwt-audience", "--jwt-jwks-uri"})
+# switches: the node's flags that say the same
+_SWITCHES = {
+    "--log-json": ["--log-format", "json"],
+    "--disable-retries": ["--retry-max-retries", "0"],
+    "--disable-circuit-breaker": ["--cb-failure-threshold", str(1 << 30)],
+}
+
 _METRICS = "metrics are at /metrics on the admin listener (--admin-host/--admin-port), or the client port"
 _AUTH = "see README 'Authentication': --auth-data-plane, --auth-admin-key-env, keys minted at /admin/keys"
 
@@ -310,7 +317,8 @@ _IGNORED = {
     "--postgres-op-timeout-secs": "",
     "--redis-op-timeout-secs": "",
     "--control-plane-audit-enabled": "admin actions are logged",
-    "--ca-cert-paths": "",  # (renamed when it names one file: below)
+    # (SMG's switch skips the checks at start-up; workers are admitted when they give their model)
+    "--disable-health-check": "workers are health-checked from their admission",
     "--mini-lb": "PD requests go to prefill and decode from the node itself",
     "--enable-program-scheduling": "",
     "--program-scheduling-config-json": "",
@@ -324,7 +332,6 @@ _IGNORED = {
     "--kv-event-block-size": _KV_EVENTS,
     "--kv-event-model": _KV_EVENTS,
     "--pd-kv-events": _KV_EVENTS,
-    "--enable-mesh": "",  # (turns the mesh on at SMG's port: below)
 }
 
 
@@ -385,15 +392,8 @@ def translate(argv: Sequence[str]) -> Translated:
             out.append("--auth-trust-tenant-header")
             if "--tenant-header-name" not in given and "--auth-tenant-header" not in given:
                 out += ["--auth-tenant-header", SMG_TENANT_HEADER]
-        elif flag == "--log-json":
-            out += ["--log-format", "json"]
-        elif flag == "--disable-retries":
-            out += ["--retry-max-retries", "0"]
-        elif flag == "--disable-circuit-breaker":
-            out += ["--cb-failure-threshold", str(1 << 30)]
-        elif flag == "--disable-health-check":
-            # (SMG's switch skips the checks at start-up; workers are admitted when they give their model)
-            notes.append(f"SMG's {flag} is ignored: workers are health-checked from their admission")
+        elif flag in _SWITCHES:
+            out += _SWITCHES[flag]
         elif flag in ("--postgres-db-url", "--redis-url"):
             other = "--redis-url" if flag == "--postgres-db-url" else "--postgres-db-url"
             if other in given or "--history-url" in given:
