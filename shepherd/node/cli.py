@@ -22,6 +22,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("shepherd.node")
 
 
+def _attempts(value: str) -> int:
+    """``--retry-max-retries N``: SMG's attempts in all (its retry loop calls the worker N times, at least
+    once) -> the node's retries after the first attempt."""
+    n = int(value)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return max(1, n) - 1
+
+
 def _mesh_arguments(s: argparse.ArgumentParser) -> None:
     m = s.add_argument_group("mesh (off unless --mesh-port is given; sealed and mTLS: keys + certificates)")
     m.add_argument("--mesh-port", type=int, help="UDP gossip + TCP sync port (e.g. 7946); turns the mesh on")
@@ -298,7 +307,14 @@ def _parser() -> argparse.ArgumentParser:
         help="no --model-path nor --model-id: wait this long for a gRPC worker to give the model; a worker "
         "not admitted (no model info) this long after it was added is said at ERROR, shown failed (600)",
     )
-    s.add_argument("--retry-max-retries", dest="max_retries", type=int)
+    s.add_argument(
+        "--retry-max-retries",
+        dest="max_retries",
+        type=_attempts,
+        metavar="N",
+        help="attempts of a request in all, as SMG counts them: N - 1 retries on another worker (0 and 1: "
+        "none; the YAML's max_retries counts the retries); default 3",
+    )
     s.add_argument("--health-check-interval-secs", type=float)
     s.add_argument("--health-check-timeout-secs", type=float)
     s.add_argument("--health-failure-threshold", type=int)

@@ -339,3 +339,17 @@ def test_any_argv_translates_or_is_refused_by_name(argv: list[str]) -> None:
         assert any(a.partition("=")[0] in str(e) for a in argv if a.startswith("--")), e  # (names it)
         return
     assert all(isinstance(a, str) for a in t.argv) and len(t.argv) <= 3 * len(argv) + 4
+
+
+@pytest.mark.parametrize(("attempts", "retries"), [("0", 0), ("1", 0), ("2", 1), ("3", 2), ("5", 4)])
+def test_retry_max_retries_counts_attempts_as_smg_does(attempts: str, retries: int) -> None:
+    """SMG's retry loop calls the worker ``--retry-max-retries`` times in all (at least once): the same
+    command line makes as many attempts here (the node's ``max_retries`` counts those after the first)."""
+    base = ["serve", "--worker-urls", "grpc://127.0.0.1:50051"]
+    assert config_from_args([*base, "--retry-max-retries", attempts]).max_retries == retries
+    assert config_from_args(base).max_retries == 2  # (3 attempts unless told)
+
+
+def test_retry_max_retries_refuses_a_negative_count() -> None:
+    with pytest.raises(SystemExit):
+        config_from_args(["serve", "--worker-urls", "grpc://127.0.0.1:50051", "--retry-max-retries", "-1"])
