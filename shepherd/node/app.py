@@ -21,6 +21,7 @@ from shepherd.auth.keys import KeyStore
 from shepherd.auth.middleware import AUTH, make_body_gate
 from shepherd.auth.tls import server_tls
 from shepherd.mesh import faults
+from shepherd.mesh.keyring import Keyring
 from shepherd.node import gc_tuning
 from shepherd.node.api import admin as api_admin
 from shepherd.node.api import conversations as api_conversations
@@ -100,10 +101,15 @@ def build_app(
     app.add_routes(api_messages.routes())  # /v1/messages, /v1/messages/count_tokens (Anthropic)
     app.add_routes(api_embeddings.routes())  # /v1/embeddings (gRPC Embed, or relayed)
     app.add_routes(api_pooling.routes())  # rerank, score, classify (relayed to HTTP workers)
-    # /v1/responses (+ the background registry); reasoning blobs under the mesh's keys, so that any node opens
-    # what another sealed
+    # /v1/responses (+ the background registry); reasoning blobs under the keys of reasoning_keyring_file,
+    # else the mesh's, so that any node opens what another sealed (else a key of this process)
     rt = mesh.runtime if mesh is not None else None
-    seal = ReasoningSeal(rt.keyring.keys, cluster=gw.cfg.mesh_cluster) if rt is not None else None
+    seal = None
+    if gw.cfg.reasoning_keyring_file is not None:
+        keys = Keyring.from_file(gw.cfg.reasoning_keyring_file).keys
+        seal = ReasoningSeal(keys, cluster=gw.cfg.mesh_cluster)
+    elif rt is not None:
+        seal = ReasoningSeal(rt.keyring.keys, cluster=gw.cfg.mesh_cluster)
     api_responses.install(app, seal)
     app.add_routes(api_conversations.routes())
     app.add_routes(api_admin.routes())

@@ -94,6 +94,13 @@ def _history_arguments(s: argparse.ArgumentParser) -> None:
     )
     h.add_argument("--history-retention-days", type=float, help="purge records older (default 30; 0: never)")
     h.add_argument(
+        "--reasoning-keyring-file",
+        metavar="PATH",
+        help="keys of reasoning items' encrypted_content, as --mesh-keyring-file's (the first seals, all "
+        "open): blobs open after a restart and on every node given the file (default: the mesh's keys, or a "
+        "key of the process)",
+    )
+    h.add_argument(
         "--history-allow-local",
         action="store_const",
         const=True,

@@ -195,6 +195,11 @@ class NodeConfig:
     mesh_keyring_file: str | None = None  # one base64 AES key per line, the first primary
     mesh_keys: tuple[str, ...] = ()  # base64 AES keys (after the file's)
     mesh_cluster: str = ""  # cluster name bound into every sealed packet
+    # keys of the Responses API's reasoning blobs (``encrypted_content``), in the mesh keyring's file format
+    # (the first seals, every key opens), read at start: blobs a node sealed open after its restart, and on
+    # every node given the same file (plain nodes behind one load balancer). Default: the mesh's keyring, or
+    # a key of the process
+    reasoning_keyring_file: str | None = None
     mesh_cert: str | None = None  # this node's certificate (``smg-node certs`` makes development ones)
     mesh_key: str | None = None
     mesh_ca: str | None = None
@@ -748,6 +753,11 @@ def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> Node
         for url in mc.worker_urls:
             allow.check_url(url)
     check_control_plane(cfg)
+    if cfg.reasoning_keyring_file is not None:
+        try:
+            Keyring.from_file(cfg.reasoning_keyring_file)
+        except (OSError, UnicodeDecodeError, ValueError) as e:  # (KeyringError is a ValueError)
+            raise ConfigError(f"reasoning_keyring_file {cfg.reasoning_keyring_file!r}: {e}") from None
     if cfg.mesh_port is not None or cfg.mesh_seeds:
         try:
             cfg = check_mesh_config(cfg)

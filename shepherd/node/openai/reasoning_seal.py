@@ -10,10 +10,12 @@ associated data names the format, the mesh's cluster and the caller's owner (the
 auth is on), so that one tenant's blob does not open for another. Keys: HKDF-SHA256 of each key of the
 mesh's keyring, so that any node of the mesh opens what another sealed; the primary seals, every key
 opens (a blob outlives a keyring rotation as long as its key stays in the ring), and a blob and a sealed
-mesh packet never open as one another (keys of their own). A node without a mesh seals under a key of
-its process: its blobs open there only. Not a secret from the client, who has the text in ``content``
-too (and may send any text there): what the seal gives is that a blob opens only as a node of this mesh
-made it, so a damaged or foreign one is told apart, never rendered as garbage.
+mesh packet never open as one another (keys of their own). ``reasoning_keyring_file`` gives the keys
+instead (the same file format), for a node whose blobs must open after its restart or on plain nodes
+behind one load balancer. A node with neither seals under a key of its process: its blobs open there
+only. Not a secret from the client, who has the text in ``content`` too (and may send any text there):
+what the seal gives is that a blob opens only as a node of this mesh made it, so a damaged or foreign
+one is told apart, never rendered as garbage.
 
 ``open`` gives None for a blob that does not open (another server's, such as OpenAI's; a key rotated
 out; another node without a mesh; tampered): the caller ignores it, as SMG ignores a foreign blob,
