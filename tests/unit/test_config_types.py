@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from shepherd.mesh.keyring import Keyring, generate_key
 from shepherd.node.config import ConfigError, build_config
 
 
@@ -91,3 +93,19 @@ def test_a_model_entrys_scalars_have_their_types_too(key: str, value: Any, kind:
 def test_a_model_entrys_one_worker_url_is_a_list_of_one() -> None:
     cfg = _file(models=[{"name": "m", "worker_urls": "grpc://127.0.0.1:50051"}])
     assert cfg.models[0].worker_urls == ("grpc://127.0.0.1:50051",)
+
+
+@pytest.mark.parametrize("content", [None, "", "# no key\n", "not base64!\n", "c2hvcnQ=\n"])
+def test_a_reasoning_keyring_file_that_gives_no_usable_key_is_refused(
+    tmp_path: Path, content: str | None
+) -> None:
+    """Missing, empty, only comments, not base64, a key of the wrong size: refused at start, naming the
+    setting, rather than a node whose reasoning blobs silently stop opening."""
+    path = tmp_path / "reasoning.keys"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ConfigError, match="reasoning_keyring_file"):
+        build_config({"worker_urls": ["grpc://127.0.0.1:50051"], "reasoning_keyring_file": str(path)}, {})
+    path.write_text(Keyring.format_file([generate_key()]))
+    cfg = build_config({"worker_urls": ["grpc://127.0.0.1:50051"], "reasoning_keyring_file": str(path)}, {})
+    assert cfg.reasoning_keyring_file == str(path)
