@@ -266,6 +266,52 @@ def test_required_tool_choice_reaches_the_engine_as_a_schema(
     assert required.choices[0].finish_reason == "tool_calls" and required.choices[0].message.tool_calls
 
 
+def test_allowed_tools_restricts_what_the_model_sees_and_may_call(
+    client: openai.OpenAI, engine: MockEngineProc
+) -> None:
+    """OpenAI's ``tool_choice: {"type": "allowed_tools", ...}`` (the SDK's own type): ``required`` over the
+    listed tools constrains the call array to them; ``auto`` leaves the model free among them; either
+    way the prompt shows the model only those (the same prompt as a request given only them); a tool
+    not in ``tools`` and a bad mode are 400s naming ``tool_choice``."""
+    family = BY_MODEL["llama-3.1"]
+    answer = '[{"name": "get_time", "parameters": {"tz": "CET"}}]'
+    only_time: Any = {
+        "type": "allowed_tools",
+        "allowed_tools": {
+            "mode": "required",
+            "tools": [{"type": "function", "function": {"name": "get_time"}}],
+        },
+    }
+    rid = f"req-{uuid.uuid4().hex[:8]}"
+    r = ask(
+        client, family, script(engine, answer), tool_choice=only_time, extra_headers={"x-request-id": rid}
+    )
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert [tc.function.name for tc in r.choices[0].message.tool_calls or []] == ["get_time"]
+    sent = [c for c in mock_constraints(engine) if c["request_id"].partition(".")[2] == rid]
+    assert len(sent) == 1 and sent[0]["kind"] == "json_schema"
+    assert json.loads(sent[0]["value"])["items"]["properties"]["name"]["enum"] == ["get_time"]
+    # auto: no constraint, and the prompt of a request that was given get_time alone
+    only_time["allowed_tools"]["mode"] = "auto"
+    time_tool = [t for t in TOOLS if t["function"]["name"] == "get_time"]
+    allowed = ask(client, family, script(engine, "It is noon."), tool_choice=only_time)
+    alone = ask(client, family, script(engine, "It is noon."), tools=time_tool)
+    both = ask(client, family, script(engine, "It is noon."))
+    assert allowed.choices[0].message.content == "It is noon."
+    assert allowed.usage.prompt_tokens == alone.usage.prompt_tokens < both.usage.prompt_tokens
+    for bad_choice in (
+        {
+            "type": "allowed_tools",
+            "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]},
+        },
+        {"type": "allowed_tools", "allowed_tools": {"mode": "sometimes", "tools": time_tool}},
+        {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}},
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            ask(client, family, script(engine, "x"), tool_choice=bad_choice)
+        assert e.value.body["param"] == "tool_choice", e.value.body  # type: ignore[index]
+
+
 def test_response_format_reaches_the_engine_and_is_checked(
     client: openai.OpenAI, engine: MockEngineProc, node: NodeProc
 ) -> None:

@@ -500,3 +500,43 @@ def test_agents_sdk_turns_with_its_settings_and_replayed_items(
         second = s.get_final_response()
     assert second.status == "completed" and second.output_text == answer
     assert second.prompt_cache_key == "run-1" and second.metadata == {"agent": "weather"}
+
+
+def test_allowed_tools_choice_limits_the_calls_and_is_echoed(
+    client: openai.OpenAI, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """``tool_choice: {"type": "allowed_tools", "mode": "required", "tools": [...]}`` (the SDK's
+    ``ToolChoiceAllowedParam``): the call comes from the listed tools only; the response object echoes the
+    choice as sent and every tool the request gave."""
+    get_time: Any = {
+        "type": "function",
+        "name": "get_time",
+        "description": "Current time of a timezone",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
+        "strict": False,
+    }
+    choice: Any = {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": "get_weather"}],
+    }
+    marker = script(engine, http, '[{"name": "get_weather", "parameters": {"city": "Paris"}}]')
+    r = client.responses.create(
+        model=MODEL, input=f"weather {marker}", tools=[*TOOLS, get_time], tool_choice=choice
+    )
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert r.tool_choice.type == "allowed_tools" and r.tool_choice.mode == "required"  # type: ignore[union-attr]
+    assert [t.name for t in r.tools] == ["get_weather", "get_time"]  # type: ignore[union-attr]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model=MODEL,
+            input="x",
+            tools=TOOLS,
+            tool_choice={
+                "type": "allowed_tools",
+                "mode": "auto",
+                "tools": [{"type": "function", "name": "get_time"}],
+            },
+        )
+    assert e.value.body["param"] == "tool_choice" and "get_time" in e.value.body["message"]  # type: ignore[index]

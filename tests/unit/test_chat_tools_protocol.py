@@ -436,3 +436,72 @@ def test_cli_flags() -> None:
         ["serve", "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "deepseek_v3"]
     )
     assert (cfg.reasoning_parser, cfg.tool_call_parser) == ("deepseek_r1", "deepseek_v3")
+
+
+_ALLOWED_TOOLS: Any = [
+    {"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {}}}}
+    for n in ("get_weather", "get_time")
+]
+
+
+def _allowed(mode: Any, tools: Any) -> dict[str, Any]:
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}}
+
+
+def test_allowed_tools_keeps_the_listed_tools_under_its_mode() -> None:
+    named = [{"type": "function", "function": {"name": "get_time"}}]
+    for mode in ("auto", "required"):
+        req = parse_chat(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": _ALLOWED_TOOLS,
+             "tool_choice": _allowed(mode, named)}
+        )  # fmt: skip
+        assert req.tool_choice == ToolChoice(mode) and [t["function"]["name"] for t in req.tools or ()] == [
+            "get_time"
+        ]
+
+
+@given(
+    st.one_of(
+        st.none(),
+        st.integers(),
+        st.text(max_size=5),
+        st.lists(
+            st.one_of(
+                st.none(),
+                st.integers(),
+                st.text(max_size=3),
+                st.dictionaries(
+                    st.text(max_size=8),
+                    st.one_of(
+                        st.none(),
+                        st.text(max_size=8),
+                        st.dictionaries(st.text(max_size=5), st.text(max_size=9), max_size=2),
+                    ),
+                    max_size=3,
+                ),
+            ),
+            max_size=3,
+        ),
+    ),
+    st.one_of(st.none(), st.sampled_from(["auto", "required", "none", "x"]), st.integers()),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_malformed_allowed_tools_choice_is_a_400_on_tool_choice(tools: Any, mode: Any) -> None:
+    """Whatever the ``allowed_tools`` object holds: either a choice over tools the request gave, or a 400
+    naming ``tool_choice`` (never another error)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": _ALLOWED_TOOLS,
+            "tool_choice": _allowed(mode, tools)}  # fmt: skip
+    try:
+        req = parse_chat(body)
+    except ApiError as e:
+        assert e.status == 400 and e.param == "tool_choice", (e.status, e.param)
+        return
+    assert (
+        mode in ("auto", "required")
+        and req.tools
+        and {t["function"]["name"] for t in req.tools}
+        <= {
+            "get_weather",
+            "get_time",
+        }
+    )

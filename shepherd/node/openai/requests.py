@@ -41,7 +41,12 @@ from shepherd.node.openai.structured import (
 )
 from shepherd.node.openai.template_compat import REASONING_EFFORTS
 from shepherd.node.openai.tool_choice import NONE as NO_TOOL_CHOICE
-from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, check_tool_name, parse_tool_choice
+from shepherd.node.openai.tool_choice import (
+    ToolChoice,
+    ToolChoiceError,
+    check_tool_name,
+    parse_choice_and_tools,
+)
 from shepherd.proto.openai_errors import bad
 
 MAX_METADATA_PAIRS = 16
@@ -735,9 +740,11 @@ def _response_format_deferred(
     return None if kind == "text" else rf
 
 
-def _tool_choice(d: dict[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
+def _tool_choice(
+    d: dict[str, Any], tools: list[dict[str, Any]] | None
+) -> tuple[ToolChoice, list[dict[str, Any]] | None]:
     try:
-        return parse_tool_choice(d.get("tool_choice"), tools)
+        return parse_choice_and_tools(d.get("tool_choice"), tools)
     except ToolChoiceError as e:
         raise bad(str(e), param="tool_choice") from None
 
@@ -873,6 +880,7 @@ def _parse_chat_options(
     guided = parse_guided(d, budget, pending)
     cont = _bool(d, "continue_final_message", False)
     tools = _tools_deferred(d, budget, pending)
+    choice, tools = _tool_choice(d, tools)
     parse_metadata(d.get("metadata"))  # (checked as OpenAI does; not used)
     effort = d.get("reasoning_effort")
     if effort is not None and (type(effort) is not str or effort not in REASONING_EFFORTS):
@@ -885,7 +893,7 @@ def _parse_chat_options(
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         tools=tools,
-        tool_choice=_tool_choice(d, tools),
+        tool_choice=choice,
         template_kwargs=kwargs,
         add_generation_prompt=_bool(d, "add_generation_prompt", not cont),
         continue_final_message=cont,

@@ -26,7 +26,12 @@ from shepherd.node.openai.requests import (
     shown_id,
 )
 from shepherd.node.openai.structured import PendingSchema, SchemaBudget
-from shepherd.node.openai.tool_choice import ToolChoice, ToolChoiceError, check_tool_name, parse_tool_choice
+from shepherd.node.openai.tool_choice import (
+    ToolChoice,
+    ToolChoiceError,
+    check_tool_name,
+    parse_choice_and_tools,
+)
 from shepherd.proto.openai_errors import ApiError, bad
 
 __all__ = [
@@ -165,27 +170,46 @@ def _tools(
     return chat or None, echo
 
 
-def _tool_choice(d: dict[str, Any], tools: list[dict[str, Any]] | None) -> tuple[ToolChoice, Any]:
+def _tool_choice(
+    d: dict[str, Any], tools: list[dict[str, Any]] | None
+) -> tuple[ToolChoice, Any, list[dict[str, Any]] | None]:
+    """The request's choice, its echo in the response object, and the tools the request goes on with
+    (an ``allowed_tools`` choice keeps only those it lists: ``parse_choice_and_tools``)."""
     v = d.get("tool_choice")
     chat_value: Any = v
-    if isinstance(v, dict):
+    if isinstance(v, dict) and v.get("type") == "allowed_tools":
+        listed = v.get("tools")
+        chat_value = {
+            "type": "allowed_tools",
+            "allowed_tools": {
+                "mode": v.get("mode"),
+                "tools": [
+                    {"type": t.get("type"), "function": {"name": t.get("name")}} if isinstance(t, dict) else t
+                    for t in listed
+                ]
+                if isinstance(listed, list)
+                else listed,
+            },
+        }
+    elif isinstance(v, dict):
         if v.get("type") != "function" or not isinstance(v.get("name"), str):
             raise bad(
-                "Invalid 'tool_choice': expected 'none', 'auto', 'required' or "
-                "{'type': 'function', 'name': ...}.",
+                "Invalid 'tool_choice': expected 'none', 'auto', 'required', {'type': 'function', "
+                "'name': ...} or {'type': 'allowed_tools', 'mode': ..., 'tools': [...]}.",
                 param="tool_choice",
             )
         chat_value = {"type": "function", "function": {"name": v["name"]}}
     try:
-        choice = parse_tool_choice(chat_value, tools)
+        choice, kept = parse_choice_and_tools(chat_value, tools)
     except ToolChoiceError as e:
-        raise bad(
-            str(e).replace("'tool_choice' as an object must be", "'tool_choice' must be"), param="tool_choice"
-        ) from None
+        text = str(e).replace("'tool_choice' as an object must be", "'tool_choice' must be")
+        raise bad(text.replace("tool_choice.allowed_tools.", "tool_choice."), param="tool_choice") from None
     echo: Any = v if v is not None else "auto"
-    if isinstance(v, dict):
+    if isinstance(v, dict) and v.get("type") == "function":
         echo = {"type": "function", "name": v["name"]}
-    return choice, echo
+    elif isinstance(v, dict):
+        echo = {"type": "allowed_tools", "mode": v["mode"], "tools": v["tools"]}
+    return choice, echo, kept
 
 
 def _text_format(
@@ -335,7 +359,7 @@ def parse_responses(d: dict[str, Any]) -> ResponsesRequest:
     budget = SchemaBudget()
     schemas: list[PendingSchema] = []
     tools, tools_echo = _tools(d, budget, schemas)
-    tool_choice, tool_choice_echo = _tool_choice(d, tools)
+    tool_choice, tool_choice_echo, tools = _tool_choice(d, tools)
     text, response_format = _text_format(d, budget, schemas)
     reasoning = _reasoning(d)
     truncation = d.get("truncation") or "disabled"

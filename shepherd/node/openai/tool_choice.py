@@ -12,7 +12,9 @@ Semantics follow SGLang (which follows OpenAI), but for ``none``, which follows 
 - ``required`` / a named function (``{"type": "function", "function": {"name": ...}}``): the engine is
   constrained to a JSON array of ``{"name", "parameters"}`` objects (``call_array_schema``; a named
   function puts only that tool in the prompt and in the schema), which the ``json`` parser reads;
-  ``parallel_tool_calls: false`` caps the array at one item.
+  ``parallel_tool_calls: false`` caps the array at one item;
+- ``allowed_tools`` (``{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}``): ``auto`` or
+  ``required`` over the tools it lists only (``parse_choice_and_tools``: the others leave the request).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ __all__ = [
     "ToolChoice",
     "call_array_schema",
     "check_tool_name",
+    "parse_choice_and_tools",
     "parse_tool_choice",
     "structural_tag",
     "template_tools",
@@ -89,6 +92,51 @@ def parse_tool_choice(value: Any, tools: Sequence[Tool] | None) -> ToolChoice:
             raise ToolChoiceError(f"'tool_choice' names the function {name!r}, which is not in 'tools'.")
         return ToolChoice("function", name)
     raise ToolChoiceError("'tool_choice' must be a string or a function object.")
+
+
+def parse_choice_and_tools(
+    value: Any, tools: list[dict[str, Any]] | None
+) -> tuple[ToolChoice, list[dict[str, Any]] | None]:
+    """``parse_tool_choice``, and OpenAI's ``{"type": "allowed_tools", "allowed_tools": {"mode": "auto" |
+    "required", "tools": [{"type": "function", "function": {"name": ...}}, ...]}}``: the model may call
+    only the tools listed, under ``mode``. The request's tools are cut down to those (the prompt then
+    shows the model only what it may call, as a named choice does; ``required`` constrains the call
+    array to them): the choice and the tools the request goes on with."""
+    if not (isinstance(value, dict) and value.get("type") == "allowed_tools"):
+        return parse_tool_choice(value, tools), tools
+    spec = value.get("allowed_tools")
+    if not isinstance(spec, dict):
+        raise ToolChoiceError(
+            "'tool_choice' of type 'allowed_tools' needs 'allowed_tools': {'mode': 'auto' or 'required', "
+            "'tools': [...]}."
+        )
+    mode = spec.get("mode")
+    if mode not in ("auto", "required"):
+        raise ToolChoiceError("'tool_choice.allowed_tools.mode' must be 'auto' or 'required'.")
+    listed = spec.get("tools")
+    if not isinstance(listed, list) or not listed:
+        raise ToolChoiceError("'tool_choice.allowed_tools.tools' must be a non-empty list of tools.")
+    given = set(tool_names(tools))
+    names: set[str] = set()
+    for entry in listed:
+        fn = entry.get("function") if isinstance(entry, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if (
+            not isinstance(entry, dict)
+            or entry.get("type", "function") != "function"
+            or not isinstance(name, str)
+        ):
+            raise ToolChoiceError(
+                "each of 'tool_choice.allowed_tools.tools' must be {'type': 'function', 'function': "
+                "{'name': ...}} (only function tools are served here)."
+            )
+        if name not in given:
+            raise ToolChoiceError(
+                f"'tool_choice.allowed_tools' names the function {name!r}, which is not in 'tools'."
+            )
+        names.add(name)
+    kept = [t for t in tools or () if _fn(t).get("name") in names]
+    return ToolChoice(mode), kept
 
 
 def template_tools(tools: Sequence[Tool] | None, choice: ToolChoice) -> list[dict[str, Any]] | None:
