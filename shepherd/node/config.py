@@ -97,7 +97,7 @@ class NodeConfig:
     # cached here (None: $XDG_CACHE_HOME/shepherd/tokenizers, else ~/.cache/shepherd/tokenizers)
     tokenizer_cache_dir: str | None = None
     model_aliases: tuple[str, ...] = ()  # NAME=SERVED: clients send NAME for the engine's SERVED model
-    policy: str = "round_robin"
+    policy: str = "cache_aware"  # (SMG's and sglang-router's default: DESIGN §5)
     # cache_aware's parameters (shepherd.policies.cache_aware; the first three are SGLang's / SMG's flags)
     cache_threshold: float = _CA.cache_threshold
     balance_abs_threshold: int = _CA.balance_abs_threshold

@@ -158,7 +158,7 @@ def test_a_chat_stream_is_one_trace_from_the_client_to_the_engine(
     assert render["shepherd.tokenizer.cache"] in ("hit", "miss") and render["shepherd.duration_ms"] >= 0
     route = server.event_attributes["route"]
     assert route["shepherd.route.worker"] == f"grpc://127.0.0.1:{engine.grpc_port}"
-    assert route["shepherd.route.policy"] == "RoundRobin"
+    assert route["shepherd.route.policy"] == "CacheAware"  # (the default policy)
     # message contents only when the operator opted in
     if capture:
         assert "marmalade" in server.attributes["gen_ai.input.messages"]
