@@ -373,3 +373,35 @@ async def test_owner_sees_others_get_404() -> None:
         r = await client.delete("/v1/responses/resp_a", headers={"x-caller": "alice"})
         assert await r.json() == {"id": "resp_a", "object": "response.deleted", "deleted": True}
         assert (await client.get("/v1/responses/resp_a", headers={"x-caller": "alice"})).status == 404
+
+
+_TWO_TOOLS: Any = [
+    {"type": "function", "name": n, "parameters": {"type": "object", "properties": {}}} for n in ("a", "b")
+]
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "function": {"name": "a"}}]},
+        {"type": "allowed_tools", "mode": "auto", "tools": ["a"]},
+        {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "c"}]},
+        {"type": "allowed_tools", "mode": "any", "tools": [{"type": "function", "name": "a"}]},
+        {"type": "allowed_tools", "mode": "auto", "tools": []},
+        {"type": "allowed_tools", "mode": "auto"},
+    ],
+)
+def test_a_malformed_allowed_tools_choice_is_a_400_on_tool_choice(choice: Any) -> None:
+    """The Responses API's flat shape only (the nested Chat Completions one is refused here), tools the
+    request gave, a known mode, a non-empty list."""
+    with pytest.raises(ApiError) as e:
+        parse_responses({"model": "m", "input": "hi", "tools": _TWO_TOOLS, "tool_choice": choice})
+    assert e.value.status == 400 and e.value.param == "tool_choice"
+
+
+def test_allowed_tools_keeps_the_listed_tools_and_echoes_the_choice() -> None:
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "b"}]}
+    req = parse_responses({"model": "m", "input": "hi", "tools": _TWO_TOOLS, "tool_choice": choice})
+    assert req.tool_choice.mode == "required" and req.tool_choice_echo == choice
+    assert [t["function"]["name"] for t in req.tools or ()] == ["b"]
+    assert [t["name"] for t in req.tools_echo] == ["a", "b"]

@@ -29,8 +29,9 @@ from shepherd.node.openai.structured import PendingSchema, SchemaBudget
 from shepherd.node.openai.tool_choice import (
     ToolChoice,
     ToolChoiceError,
+    allowed_tools,
     check_tool_name,
-    parse_choice_and_tools,
+    parse_tool_choice,
 )
 from shepherd.proto.openai_errors import ApiError, bad
 
@@ -71,7 +72,7 @@ class ResponsesRequest:
     tools: list[dict[str, Any]] | None  # chat tools ({"type": "function", "function": {...}})
     tools_echo: list[dict[str, Any]]  # the tools as the response object shows them
     tool_choice: ToolChoice
-    tool_choice_echo: Any  # "auto" / "none" / "required" / {"type": "function", "name": ...}
+    tool_choice_echo: Any  # "auto" / "none" / "required" / {"type": "function", "name": ...} / allowed_tools
     parallel_tool_calls: bool
     reasoning: dict[str, Any] | None  # {"effort", "summary"}
     store: bool
@@ -174,42 +175,29 @@ def _tool_choice(
     d: dict[str, Any], tools: list[dict[str, Any]] | None
 ) -> tuple[ToolChoice, Any, list[dict[str, Any]] | None]:
     """The request's choice, its echo in the response object, and the tools the request goes on with
-    (an ``allowed_tools`` choice keeps only those it lists: ``parse_choice_and_tools``)."""
+    (an ``allowed_tools`` choice keeps only those it lists: ``tool_choice.allowed_tools``)."""
     v = d.get("tool_choice")
-    chat_value: Any = v
-    if isinstance(v, dict) and v.get("type") == "allowed_tools":
-        listed = v.get("tools")
-        chat_value = {
-            "type": "allowed_tools",
-            "allowed_tools": {
-                "mode": v.get("mode"),
-                "tools": [
-                    {"type": t.get("type"), "function": {"name": t.get("name")}} if isinstance(t, dict) else t
-                    for t in listed
-                ]
-                if isinstance(listed, list)
-                else listed,
-            },
-        }
-    elif isinstance(v, dict):
-        if v.get("type") != "function" or not isinstance(v.get("name"), str):
-            raise bad(
-                "Invalid 'tool_choice': expected 'none', 'auto', 'required', {'type': 'function', "
-                "'name': ...} or {'type': 'allowed_tools', 'mode': ..., 'tools': [...]}.",
-                param="tool_choice",
-            )
-        chat_value = {"type": "function", "function": {"name": v["name"]}}
     try:
-        choice, kept = parse_choice_and_tools(chat_value, tools)
+        if isinstance(v, dict) and v.get("type") == "allowed_tools":
+            choice, kept = allowed_tools(v.get("mode"), v.get("tools"), tools, "tool_choice", nested=False)
+            return choice, {"type": "allowed_tools", "mode": v["mode"], "tools": v["tools"]}, kept
+        chat_value: Any = v
+        if isinstance(v, dict):
+            if v.get("type") != "function" or not isinstance(v.get("name"), str):
+                raise bad(
+                    "Invalid 'tool_choice': expected 'none', 'auto', 'required', {'type': 'function', "
+                    "'name': ...} or {'type': 'allowed_tools', 'mode': ..., 'tools': [...]}.",
+                    param="tool_choice",
+                )
+            chat_value = {"type": "function", "function": {"name": v["name"]}}
+        choice = parse_tool_choice(chat_value, tools)
     except ToolChoiceError as e:
         text = str(e).replace("'tool_choice' as an object must be", "'tool_choice' must be")
-        raise bad(text.replace("tool_choice.allowed_tools.", "tool_choice."), param="tool_choice") from None
+        raise bad(text, param="tool_choice") from None
     echo: Any = v if v is not None else "auto"
-    if isinstance(v, dict) and v.get("type") == "function":
+    if isinstance(v, dict):
         echo = {"type": "function", "name": v["name"]}
-    elif isinstance(v, dict):
-        echo = {"type": "allowed_tools", "mode": v["mode"], "tools": v["tools"]}
-    return choice, echo, kept
+    return choice, echo, tools
 
 
 def _text_format(

@@ -31,6 +31,7 @@ from shepherd.proto.openai_errors import bad
 __all__ = [
     "STRUCTURAL_TAG_FAMILIES",
     "ToolChoice",
+    "allowed_tools",
     "call_array_schema",
     "check_tool_name",
     "parse_choice_and_tools",
@@ -98,10 +99,8 @@ def parse_choice_and_tools(
     value: Any, tools: list[dict[str, Any]] | None
 ) -> tuple[ToolChoice, list[dict[str, Any]] | None]:
     """``parse_tool_choice``, and OpenAI's ``{"type": "allowed_tools", "allowed_tools": {"mode": "auto" |
-    "required", "tools": [{"type": "function", "function": {"name": ...}}, ...]}}``: the model may call
-    only the tools listed, under ``mode``. The request's tools are cut down to those (the prompt then
-    shows the model only what it may call, as a named choice does; ``required`` constrains the call
-    array to them): the choice and the tools the request goes on with."""
+    "required", "tools": [{"type": "function", "function": {"name": ...}}, ...]}}`` (``allowed_tools``):
+    the choice and the tools the request goes on with."""
     if not (isinstance(value, dict) and value.get("type") == "allowed_tools"):
         return parse_tool_choice(value, tools), tools
     spec = value.get("allowed_tools")
@@ -110,33 +109,44 @@ def parse_choice_and_tools(
             "'tool_choice' of type 'allowed_tools' needs 'allowed_tools': {'mode': 'auto' or 'required', "
             "'tools': [...]}."
         )
-    mode = spec.get("mode")
+    return allowed_tools(spec.get("mode"), spec.get("tools"), tools, "tool_choice.allowed_tools", nested=True)
+
+
+def allowed_tools(
+    mode: Any, listed: Any, tools: list[dict[str, Any]] | None, where: str, *, nested: bool
+) -> tuple[ToolChoice, list[dict[str, Any]]]:
+    """An ``allowed_tools`` choice (``where``: its place in the request, for the errors): the model may
+    call only the function tools ``listed`` names (each ``{"type": "function", "function": {"name"}}``
+    when ``nested``, as Chat Completions writes them, else ``{"type": "function", "name"}``, as the
+    Responses API does), under ``mode`` (``auto`` or ``required``). The request's tools are cut down to
+    those: the prompt then shows the model only what it may call, as a named choice does, and
+    ``required`` constrains the call array to them."""
     if mode not in ("auto", "required"):
-        raise ToolChoiceError("'tool_choice.allowed_tools.mode' must be 'auto' or 'required'.")
-    listed = spec.get("tools")
+        raise ToolChoiceError(f"'{where}.mode' must be 'auto' or 'required'.")
     if not isinstance(listed, list) or not listed:
-        raise ToolChoiceError("'tool_choice.allowed_tools.tools' must be a non-empty list of tools.")
+        raise ToolChoiceError(f"'{where}.tools' must be a non-empty list of tools.")
     given = set(tool_names(tools))
     names: set[str] = set()
     for entry in listed:
-        fn = entry.get("function") if isinstance(entry, dict) else None
-        name = fn.get("name") if isinstance(fn, dict) else None
+        holder = entry.get("function") if nested and isinstance(entry, dict) else entry
+        name = holder.get("name") if isinstance(holder, dict) else None
         if (
             not isinstance(entry, dict)
             or entry.get("type", "function") != "function"
             or not isinstance(name, str)
         ):
+            shape = (
+                "{'type': 'function', 'function': {'name': ...}}"
+                if nested
+                else "{'type': 'function', 'name': ...}"
+            )
             raise ToolChoiceError(
-                "each of 'tool_choice.allowed_tools.tools' must be {'type': 'function', 'function': "
-                "{'name': ...}} (only function tools are served here)."
+                f"each of '{where}.tools' must be {shape} (only function tools are served here)."
             )
         if name not in given:
-            raise ToolChoiceError(
-                f"'tool_choice.allowed_tools' names the function {name!r}, which is not in 'tools'."
-            )
+            raise ToolChoiceError(f"'{where}' names the function {name!r}, which is not in 'tools'.")
         names.add(name)
-    kept = [t for t in tools or () if _fn(t).get("name") in names]
-    return ToolChoice(mode), kept
+    return ToolChoice(mode), [t for t in tools or () if _fn(t).get("name") in names]
 
 
 def template_tools(tools: Sequence[Tool] | None, choice: ToolChoice) -> list[dict[str, Any]] | None:
