@@ -426,7 +426,9 @@ class PrefixIndex:
         wd, q = self._lru[worker], self._queue[worker]
         get = wd.get
         victims: list[int] = []
-        chunks = 0  # batches (or parts) the victims came from: more than one may repeat a block
+        # the victims, from the second batch on: a block may be queued twice (re-queued, or removed and
+        # added again), and each counts once toward ``k``
+        picked: set[int] | None = None
         aside: list[int] = []  # popped deepest first
         seen = 0
         for limit in (protect, math.inf):
@@ -440,29 +442,38 @@ class PrefixIndex:
                     chunk = keys[-need:]
                     del keys[-need:]
                 seen += len(chunk)
+                if victims:
+                    if picked is None:
+                        picked = set(victims)
+                    chunk = [h for h in chunk if h not in picked]
+                    if not chunk:
+                        continue
                 ts = list(map(get, chunk))
                 # none touched or removed since queued: all go
                 if None not in ts and max(ts) <= tb:  # type: ignore[type-var, operator]
-                    victims += chunk
-                    chunks += 1
-                    continue
-                kept = [h for h, t in zip(chunk, ts, strict=True) if t is not None and t <= tb]
-                if kept:
-                    victims += kept
-                    chunks += 1
-                aside += [
-                    h for h, t in zip(reversed(chunk), reversed(ts), strict=True) if t is not None and t > tb
-                ]
+                    taken = chunk
+                else:
+                    taken = [h for h, t in zip(chunk, ts, strict=True) if t is not None and t <= tb]
+                    aside += [
+                        h
+                        for h, t in zip(reversed(chunk), reversed(ts), strict=True)
+                        if t is not None and t > tb
+                    ]
+                victims += taken
+                if picked is not None:
+                    picked.update(taken)
             if len(victims) < k and aside:
                 aside.reverse()  # chain order; then oldest first, the later (deeper) first on ties
+                vs = set(victims)
+                aside = [h for h in dict.fromkeys(aside) if h not in vs]
                 order = sorted(range(len(aside)), key=lambda i: (wd[aside[i]], -i))
                 cut = k - len(victims)
-                victims += [aside[i] for i in order[:cut]]
-                chunks += 1
+                taken = [aside[i] for i in order[:cut]]
+                victims += taken
+                if picked is not None:
+                    picked.update(taken)
                 aside = [aside[i] for i in sorted(order[cut:])][::-1]
         self._queued[worker] -= seen
-        if chunks > 1:  # a block may be queued twice (re-queued, or removed and added again)
-            victims = list(dict.fromkeys(victims))
         if aside:
             if victims:
                 vs = set(victims)

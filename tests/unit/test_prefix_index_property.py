@@ -120,6 +120,11 @@ actions = st.lists(
 @LAYOUTS
 @settings(max_examples=200, deadline=None)
 @given(actions, st.integers(1, 8))
+# a block queued twice (merged, removed, merged again) once counted twice toward an eviction's k, which left
+# the worker over its capacity
+@example(
+    [("insert", list(range(16)), "a"), ("merge", [0], "a"), ("remove", [0], "c"), ("merge", [1], "c")], 1
+)
 def test_any_sequence_of_updates_keeps_the_index_consistent(
     Ix: type[PrefixIndex], acts: list[tuple[str, list[int], str]], cap: int
 ) -> None:
