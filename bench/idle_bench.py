@@ -17,7 +17,6 @@ context switches per second (the event loop's wake-ups).
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shepherd.loadgen.procs import ProcessGroup, free_port
-from shepherd.loadgen.procstat import TreeCpuTracker, read_stat
+from shepherd.loadgen.procstat import TreeCpuTracker, host_line, read_stat
 from shepherd.loadgen.targets import extract_tokenizer, mock_engine_spec, node_spec
 
 
@@ -38,10 +37,9 @@ def main() -> int:
     p.add_argument("--configs", nargs="+", default=["", "--procs 2"], help="smg-node serve flag strings")
     p.add_argument("--per-process", action="store_true", help="a row per process: ms/s and wake-ups/s")
     args = p.parse_args()
-    load = os.getloadavg()
     print(
-        f"idle_bench — {time.strftime('%Y-%m-%d %H:%M')}, load average {load[0]:.2f} {load[1]:.2f} "
-        f"{load[2]:.2f}; {args.window:g} s window after {args.settle:g} s"
+        f"idle_bench — {time.strftime('%Y-%m-%d %H:%M')}, {host_line()}; "
+        f"{args.window:g} s window after {args.settle:g} s"
     )
     print(f"{'node flags':<24} {'processes':>9} {'CPU ms/s':>9}")
     with tempfile.TemporaryDirectory(prefix="smg-idle-") as tmp, ProcessGroup(Path(tmp) / "logs") as group:

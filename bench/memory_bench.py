@@ -18,7 +18,6 @@ USS and a worker's mean).
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 import tempfile
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from shepherd.loadgen.client import LoadSpec, run_load_sync
 from shepherd.loadgen.http1 import RequestTemplate
 from shepherd.loadgen.procs import ProcessGroup, free_port
-from shepherd.loadgen.procstat import tree_pids
+from shepherd.loadgen.procstat import host_line, tree_pids
 from shepherd.loadgen.prompts import (
     ChatShape,
     ConversationSource,
@@ -199,10 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     factory = PromptFactory(PromptConfig(prompt_tokens=args.prompt_tokens), load_qwen3_tokenizer())
-    load = os.getloadavg()
     print(
-        f"memory_bench — {time.strftime('%Y-%m-%d %H:%M')}, load average {load[0]:.2f} {load[1]:.2f} "
-        f"{load[2]:.2f}; model {MODEL} (embedded tokenizer); after {args.requests} chat requests "
+        f"memory_bench — {time.strftime('%Y-%m-%d %H:%M')}, {host_line()}; model {MODEL} (embedded "
+        f"tokenizer); after {args.requests} chat requests "
         f"(4-turn conversations, ~{args.prompt_tokens}-token prompts, half streamed); node flags: "
         f"{args.node_args or '(defaults)'}",
         flush=True,

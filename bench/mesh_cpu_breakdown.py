@@ -167,7 +167,7 @@ def main() -> int:
     # not at the top: from the tree asked for (start-up)
     from shepherd.loadgen.benchmarks import routing
     from shepherd.loadgen.procs import ProcessGroup, ProcSpec, free_port
-    from shepherd.loadgen.procstat import tree_pids
+    from shepherd.loadgen.procstat import host_line, tree_pids
     from shepherd.loadgen.targets import extract_tokenizer
     from shepherd.mesh.swim_types import SwimConfig
 
@@ -184,7 +184,7 @@ def main() -> int:
     behind = " behind haproxy" if behind_lb and a.mode == "single" else ""
     print(
         f"mesh_cpu_breakdown {a.gateway} {a.mode}{behind} x{n}, tree {tree}, "
-        f"{time.strftime('%Y-%m-%d %H:%M')}, load {load0[0]:.2f}"
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {host_line()}"
     )
     print(f"trace: {trace.summary()}")
     report: dict[str, Any] = {

@@ -9,6 +9,11 @@ seen, live or gone, so a worker that exits during the run keeps what it used up 
 that saw it: sample at the window's start and end and every fraction of a second in between, and
 at most the CPU since the last sample of an exiting process is lost. A process born during the
 window counts from zero.
+
+``host_line`` names the host a figure came from (CPUs, their model, the load average): the same code's
+CPU per request, and its ratio to smg's, moved by more than any one change between machines of the same
+kind (2026-12-02: smg's burst chat 0.31 ms a request on one machine, 0.21 on another, the node's 0.20
+on both), so a figure is only compared with figures of the same host line.
 """
 
 from __future__ import annotations
@@ -44,6 +49,44 @@ class ProcStat:
     def cpu_seconds(self) -> float:
         """This process's own user + system CPU (all its threads, not its children)."""
         return (self.utime + self.stime) / CLOCK_TICKS
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The first CPU's model from ``/proc/cpuinfo`` (or the text given): its name, x86 family and model
+    numbers, and whether it has AVX-512; "" when nothing is known (another OS, an unreadable file)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                cpuinfo = f.read(1 << 16)  # (the first CPU's block is at the top)
+        except OSError:
+            return ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break  # the first CPU's block ends at the first blank line
+            continue
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or fields.get("Model") or fields.get("Hardware") or ""
+    parts = [" ".join(name.split())] if name else []
+    family, model = fields.get("cpu family"), fields.get("model")
+    if family and model:
+        parts.append(f"family {family} model {model}")
+    flags = fields.get("flags", "").split()
+    if "avx512f" in flags:
+        parts.append("AVX-512")
+    return ", ".join(parts)
+
+
+def host_line() -> str:
+    """``"2 CPUs (Intel(R) Xeon(R) Processor, family 6 model 143, AVX-512), load average 0.10 0.20 0.30"``:
+    the host a benchmark's figures came from, for its header."""
+    model = cpu_model()
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    cpus = f"{os.cpu_count()} CPUs" + (f" ({model})" if model else "")
+    return f"{cpus}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
 
 
 def parse_stat(line: str) -> ProcStat:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -13,6 +14,8 @@ import pytest
 from shepherd.loadgen.procs import ManagedProcess, ProcessGroup, ProcSpec, free_port, parse_cpu_list
 from shepherd.loadgen.procstat import (
     TreeCpuTracker,
+    cpu_model,
+    host_line,
     parse_stat,
     parse_status_kb,
     read_stat,
@@ -25,6 +28,51 @@ STAT = (
     "4242 (my (weird) proc) S 1 4242 4242 0 -1 4194560 1234 0 0 0 "
     "150 25 7 3 20 0 5 0 987654 123456789 2048 18446744073709551615 1 1 0 0 0 0 0 0 0 0 0 0 17 1 0 0"
 )
+
+
+XEON = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 143
+model name\t: Intel(R) Xeon(R)   Platinum 8481C CPU @ 2.70GHz
+flags\t\t: fpu vme sse sse2 avx2 avx512f avx512dq
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 85
+model name\t: Some Other CPU
+flags\t\t: fpu
+"""
+
+ARM = """processor\t: 0
+BogoMIPS\t: 50.00
+Features\t: fp asimd evtstrm
+
+Hardware\t: BCM2835
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        (XEON, "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz, family 6 model 143, AVX-512"),
+        (XEON.replace(" avx512f", ""), "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz, family 6 model 143"),
+        (ARM, ""),  # (the first CPU's block only: the board's name after the blank line is not read)
+        ("", ""),
+        ("garbage without colons\n\n\n", ""),
+    ],
+)
+def test_cpu_model_of_the_first_cpu(text: str, want: str) -> None:
+    assert cpu_model(text) == want
+
+
+def test_host_line_names_the_cpus_and_the_load() -> None:
+    line = host_line()
+    assert line.startswith(f"{os.cpu_count()} CPUs")
+    assert ", load average " in line
+    model = cpu_model()
+    assert (f"({model})" in line) == bool(model)
 
 
 def test_parse_stat_with_parentheses_in_the_name() -> None:

@@ -35,7 +35,7 @@ from shepherd.loadgen.benchmarks import Benchmark
 from shepherd.loadgen.client import LoadSpec, WindowHooks, run_load_sync
 from shepherd.loadgen.http1 import RequestTemplate
 from shepherd.loadgen.procs import ProcessFailed, ProcessGroup, free_port, parse_cpu_list, pin_self
-from shepherd.loadgen.procstat import TreeCpuTracker, TreeSample
+from shepherd.loadgen.procstat import TreeCpuTracker, TreeSample, host_line
 from shepherd.loadgen.prompts import (
     ChatRequestSource,
     ChatShape,
@@ -359,7 +359,6 @@ def _header(settings: Settings, factory: PromptFactory, counted_with: str) -> li
     else:
         samples = [factory.rendered_prompt_tokens(settings.prompt.pool_size + i) for i in range(50)]
     mean_tokens = sum(samples) / len(samples)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (math.nan,) * 3
     pin = (
         f"mock engine + load generator on CPU {settings.engine_cpus}, gateway on CPU {settings.gateway_cpus}"
         if settings.engine_cpus is not None
@@ -376,8 +375,7 @@ def _header(settings: Settings, factory: PromptFactory, counted_with: str) -> li
     else:
         repeats = "every user message distinct (no run repeats another's)"
     return [
-        f"smg-bench gateway — {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, "
-        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+        f"smg-bench gateway — {time.strftime('%Y-%m-%d %H:%M')}, {host_line()}",
         f"pinning: {pin}",
         f"prompts: shared system prompt ({factory.system_tokens} tokens) + user message; rendered prompt "
         f"{mean_tokens:.0f} tokens mean ({counted_with}); {repeats}",

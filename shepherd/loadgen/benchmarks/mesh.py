@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import subprocess
 import sys
@@ -60,6 +59,7 @@ from shepherd.loadgen.benchmarks.mesh_cluster import (
     wait_until,
 )
 from shepherd.loadgen.procs import ProcessFailed, free_port
+from shepherd.loadgen.procstat import host_line
 from shepherd.loadgen.stats import Distribution
 from shepherd.loadgen.targets import REPO_ROOT, extract_tokenizer
 from shepherd.loadgen.trace import Trace, TraceConfig, generate_trace
@@ -462,10 +462,8 @@ def run(args: argparse.Namespace) -> int:
     aff_sizes = _ints(args.affinity_sizes)
     probe = args.probe_interval if args.probe_interval is not None else SwimConfig().probe_interval
     mult = args.suspicion_mult if args.suspicion_mult is not None else SwimConfig().suspicion_mult
-    load = os.getloadavg()
     print(
-        f"smg-bench mesh — {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average "
-        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}\n"
+        f"smg-bench mesh — {time.strftime('%Y-%m-%d %H:%M')}, {host_line()}\n"
         f"real smg-node processes on loopback (mesh sealed + mTLS, dev PKI), {args.engines} mock engines, "
         f"cache_aware, KV events {'on' if args.kv_events else 'off'}; one cluster grown through "
         f"N = {sorted(set(sizes) | set(aff_sizes))}",

@@ -22,7 +22,6 @@ import asyncio
 import http.client
 import json
 import math
-import os
 import shlex
 import shutil
 import subprocess
@@ -39,7 +38,7 @@ import orjson
 
 from shepherd.loadgen.benchmarks import Benchmark
 from shepherd.loadgen.procs import ProcessFailed, ProcessGroup, ProcSpec, free_port, http_get_status
-from shepherd.loadgen.procstat import TreeCpuTracker
+from shepherd.loadgen.procstat import TreeCpuTracker, host_line
 from shepherd.loadgen.sse import SseParser
 from shepherd.loadgen.stats import Distribution
 from shepherd.loadgen.targets import (
@@ -552,10 +551,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"installing smg with {PEERS_SETUP} ...", file=sys.stderr)
         subprocess.run(["bash", str(PEERS_SETUP), "smg"], check=True)
     trace = _trace_of(args)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (math.nan,) * 3
     header = [
-        f"smg-bench routing — {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average "
-        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+        f"smg-bench routing — {time.strftime('%Y-%m-%d %H:%M')}, {host_line()}",
         f"trace: {trace.summary()}",
         f"engines: {args.engines} mock engines, prefill {args.prefill_us_per_token:g} µs per uncached token, "
         f"decode {args.decode_ms_per_token:g} ms per token, KV pool {args.cache_blocks} blocks of 16 tokens, "
