@@ -50,20 +50,26 @@ def free_port() -> int:
 
 _RESERVED = range(20_000, 32_000)  # below Linux's ephemeral range (32768-60999): no client socket lands here
 _rng = random.Random()
+_handed: set[int] = set()  # every port given out in this process: none twice (a test's ports bind later)
 
 
 def reserved_port() -> int:
     """A port free for TCP and UDP now, for a process that binds it *later* (a mesh node started after
     others already connect to it): ``free_port`` hands out ephemeral ports, which the connections made
-    meanwhile may take as their source port; this one is picked below the ephemeral range."""
+    meanwhile may take as their source port; this one is picked below the ephemeral range, and never
+    one given out before in this process (a test's ports bind only once its nodes start: one port drawn
+    twice by a test, its mesh and its HTTP port, made a node's two listeners collide)."""
     for _ in range(200):  # bounded: almost every port here is free on a test machine
         port = _rng.choice(_RESERVED)
+        if port in _handed:
+            continue
         try:
             with socket.socket() as t, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u:
                 t.bind(("127.0.0.1", port))
                 u.bind(("127.0.0.1", port))
         except OSError:
             continue
+        _handed.add(port)
         return port
     raise RuntimeError(f"no free port in {_RESERVED}")
 
