@@ -52,8 +52,9 @@ class ProcStat:
 
 
 def cpu_model(cpuinfo: str | None = None) -> str:
-    """The first CPU's model from ``/proc/cpuinfo`` (or the text given): its name, x86 family and model
-    numbers, and whether it has AVX-512; "" when nothing is known (another OS, an unreadable file)."""
+    """The first CPU's model from ``/proc/cpuinfo`` (or the text given): on x86 its name, family and model
+    numbers, and whether it has AVX-512; on ARM (no name there) its implementer and part numbers; "" when
+    nothing is known (another OS, an unreadable file)."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -69,8 +70,11 @@ def cpu_model(cpuinfo: str | None = None) -> str:
         key, sep, value = line.partition(":")
         if sep:
             fields.setdefault(key.strip(), value.strip())
-    name = fields.get("model name") or fields.get("Model") or fields.get("Hardware") or ""
+    name = fields.get("model name", "")
     parts = [" ".join(name.split())] if name else []
+    implementer, part = fields.get("CPU implementer"), fields.get("CPU part")
+    if not name and implementer and part:
+        parts.append(f"implementer {implementer} part {part}")
     family, model = fields.get("cpu family"), fields.get("model")
     if family and model:
         parts.append(f"family {family} model {model}")

@@ -47,9 +47,16 @@ flags\t\t: fpu
 
 ARM = """processor\t: 0
 BogoMIPS\t: 50.00
-Features\t: fp asimd evtstrm
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x1
+CPU part\t: 0xd0c
+CPU revision\t: 1
 
-Hardware\t: BCM2835
+processor\t: 1
+CPU implementer\t: 0x42
+CPU part\t: 0xfff
 """
 
 
@@ -58,7 +65,7 @@ Hardware\t: BCM2835
     [
         (XEON, "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz, family 6 model 143, AVX-512"),
         (XEON.replace(" avx512f", ""), "Intel(R) Xeon(R) Platinum 8481C CPU @ 2.70GHz, family 6 model 143"),
-        (ARM, ""),  # (the first CPU's block only: the board's name after the blank line is not read)
+        (ARM, "implementer 0x41 part 0xd0c"),  # (the first CPU's block only)
         ("", ""),
         ("garbage without colons\n\n\n", ""),
     ],
