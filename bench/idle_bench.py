@@ -9,9 +9,10 @@ watchdog, metrics tickers; with a mesh also SWIM probes, gossip rounds and push-
     .venv/bin/python bench/idle_bench.py --window 60 --configs "" "--procs 2" "--procs 4"
     .venv/bin/python bench/idle_bench.py --per-process --configs "--procs 3"   # and each process's
 
-``--per-process`` adds a row per process of the tree: its CPU (``/proc/PID/stat``, 10 ms ticks: read a
-60 s window for 1/6 ms/s; ``perf stat -e task-clock -p PID`` is finer) and its main thread's voluntary
-context switches per second (the event loop's wake-ups).
+``--per-process`` adds a row per process of the tree: its CPU (the scheduler's run time of its threads,
+``/proc/PID/task/*/schedstat``, in ns; ``/proc/PID/stat``'s 10 ms ticks where the kernel keeps no
+schedstat) and its main thread's voluntary context switches per second (the event loop's wake-ups).
+The tree's total stays on ``/proc/PID/stat`` (10 ms ticks: a 60 s window resolves 1/6 ms/s).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shepherd.loadgen.procs import ProcessGroup, free_port
-from shepherd.loadgen.procstat import TreeCpuTracker, host_line, read_stat
+from shepherd.loadgen.procstat import TreeCpuTracker, host_line, read_run_ns, read_stat
 from shepherd.loadgen.targets import extract_tokenizer, mock_engine_spec, node_spec
 
 
@@ -73,10 +74,12 @@ def main() -> int:
 
 
 def _own(pid: int) -> tuple[float, int, str] | None:
-    """A process's own CPU seconds, its main thread's voluntary context switches, its name."""
+    """A process's own CPU seconds (schedstat's ns where there, else stat's ticks), its main thread's
+    voluntary context switches, its name."""
     st = read_stat(pid)
     if st is None:
         return None
+    run_ns = read_run_ns(pid)
     try:
         status = Path(f"/proc/{pid}/status").read_text()
     except OSError:
@@ -85,7 +88,7 @@ def _own(pid: int) -> tuple[float, int, str] | None:
     for line in status.splitlines():
         if line.startswith("voluntary_ctxt_switches:"):
             switches = int(line.split()[1])
-    return st.cpu_seconds, switches, st.comm
+    return (st.cpu_seconds if run_ns is None else run_ns / 1e9), switches, st.comm
 
 
 if __name__ == "__main__":

@@ -6,7 +6,10 @@ event (a datagram in or a timer tick) of three mesh runtimes with ``MeshState`` 
     .venv/bin/python bench/mesh_idle_calls_bench.py --no-tick --top 30
 
 Prints the calls per event, then per entry point (what the event loop called: ``datagram_received``,
-``_on_timer``, push-pull connections) and, with ``--top``, the functions called most per event. Run
+``_on_timer``, push-pull connections) the calls and the *distinct* functions each entry runs (what an
+idle wake-up costs on these VMs follows the distinct code it touches after a sleep, from cold caches:
+README "What an idle wake-up costs"), and, with ``--top``, the functions called most per event;
+``--distinct N`` lists, per entry point, the N distinct functions seen in most of its entries. Run
 another tree's code with ``PYTHONPATH=/that/tree`` (from outside this one) to compare.
 """
 
@@ -40,7 +43,7 @@ def _events(rts: list[MeshRuntime]) -> int:
     return sum(r.transport_metrics.udp_packets_in + r.metrics.ticks for r in rts)
 
 
-async def run(window: float, settle: float, tick: bool, top: int) -> None:
+async def run(window: float, settle: float, tick: bool, top: int, show_distinct: int) -> None:
     names = ["n1", "n2", "n3"]
     rts: list[MeshRuntime] = []
     with tempfile.TemporaryDirectory(prefix="mesh-calls-") as tmp:
@@ -74,6 +77,15 @@ async def run(window: float, settle: float, tick: bool, top: int) -> None:
             per_entry: collections.Counter[str] = collections.Counter()
             entries: collections.Counter[str] = collections.Counter()
             funcs: collections.Counter[str] = collections.Counter()
+            seen: set[str] = set()  # the functions the current entry ran so far
+            distinct: collections.Counter[str] = collections.Counter()  # per entry point, summed
+            in_entries: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+
+            def once(name: str) -> None:
+                if name not in seen:
+                    seen.add(name)
+                    distinct[entry] += 1
+                    in_entries[entry][name] += 1
 
             def prof(frame: types.FrameType, event: str, arg: Any) -> None:
                 nonlocal calls, depth, entry
@@ -81,19 +93,25 @@ async def run(window: float, settle: float, tick: bool, top: int) -> None:
                     if depth == 0:
                         entry = frame.f_code.co_name
                         entries[entry] += 1
+                        seen.clear()
                     depth += 1
                     calls += 1
                     per_entry[entry] += 1
+                    code = frame.f_code
+                    name = f"{Path(code.co_filename).name}:{code.co_name}"
+                    once(name)
                     if top:
-                        code = frame.f_code
-                        funcs[f"{Path(code.co_filename).name}:{code.co_name}"] += 1
+                        funcs[name] += 1
                 elif event == "return":
                     depth = max(0, depth - 1)
                 elif event == "c_call":
                     calls += 1
                     per_entry[entry if depth else "(C, from the loop)"] += 1
+                    name = f"C:{getattr(arg, '__qualname__', arg)}"
+                    if depth:
+                        once(name)
                     if top:
-                        funcs[f"C:{getattr(arg, '__qualname__', arg)}"] += 1
+                        funcs[name] += 1
 
             ev0 = _events(rts)
             sys.setprofile(prof)
@@ -102,12 +120,17 @@ async def run(window: float, settle: float, tick: bool, top: int) -> None:
             finally:
                 sys.setprofile(None)
             ev = max(1, _events(rts) - ev0)
-            print(f"{ev} events in {window:g} s, {calls} calls, {calls / ev:.1f} calls per event")
+            print(
+                f"{ev} events in {window:g} s, {calls} calls, {calls / ev:.1f} calls per event, "
+                f"{sum(distinct.values()) / ev:.1f} distinct functions per event"
+            )
             for name, count in per_entry.most_common(8):
-                k = entries.get(name, 0)
-                print(f"  {name}: {k} entries, {count / max(1, k):.1f} calls each")
-            for name, count in funcs.most_common(top):
-                print(f"  {count / ev:7.2f} {name}")
+                k = max(1, entries.get(name, 0))
+                print(f"  {name}: {k} entries, {count / k:.1f} calls, {distinct[name] / k:.1f} distinct each")
+                for fn, seen_in in in_entries[name].most_common(show_distinct):
+                    print(f"      {seen_in / k:5.2f} {fn}")
+            for fname, count in funcs.most_common(top):
+                print(f"  {count / ev:7.2f} {fname}")
         finally:
             for rt in rts:
                 await rt.abort()
@@ -119,8 +142,11 @@ def main() -> int:
     p.add_argument("--settle", type=float, default=20.0, help="seconds after convergence (default 20)")
     p.add_argument("--no-tick", action="store_true", help="without the state's 1 s tick")
     p.add_argument("--top", type=int, default=0, help="the N functions called most per event")
+    p.add_argument(
+        "--distinct", type=int, default=0, help="per entry point, the N distinct functions in most entries"
+    )
     args = p.parse_args()
-    uvloop.run(run(args.window, args.settle, not args.no_tick, args.top))
+    uvloop.run(run(args.window, args.settle, not args.no_tick, args.top, args.distinct))
     return 0
 
 

@@ -1170,12 +1170,15 @@ class MeshRuntime:
         self.metrics.lag_last = lag
         self.metrics.lag_max = max(self.metrics.lag_max, lag)
         assert self._swim is not None
-        try:
-            actions = self._swim.set_lag(now, lag)
-            if actions:  # (the tick that follows arms the timer)
-                self._execute(actions)
-        except Exception:
-            log.exception("mesh: swim.set_lag failed")
+        if lag > self._swim.lag_floor:  # (up to it ``set_lag`` does nothing: not called every wake-up)
+            try:
+                actions = self._swim.set_lag(now, lag)
+                if actions:  # (the tick that follows arms the timer)
+                    self._execute(actions)
+            except Exception:
+                log.exception("mesh: swim.set_lag failed")
+        if not self.senders.held:
+            return
         self.senders.expire(now)
         for name in self.senders.held_names():
             m = self._swim.member(name)

@@ -54,7 +54,8 @@ class SenderBinding:
         self.max_senders = max_senders
         self.stats = SenderStats()
         self._bound: dict[str, Addr] = {}
-        self._held: dict[str, deque[tuple[float, Addr, bytes]]] = {}
+        # payloads held back per sender (read-only outside: empty, nothing to expire or verify)
+        self.held: dict[str, deque[tuple[float, Addr, bytes]]] = {}
 
     def bound(self, name: str) -> Addr | None:
         return self._bound.get(name)
@@ -66,7 +67,7 @@ class SenderBinding:
     def bind(self, name: str, addr: Addr, now: float) -> None:
         """``name``'s certificate was verified at gossip address ``addr``: deliver what it sent from there."""
         self._bound[name] = addr
-        held = self._held.pop(name, None)
+        held = self.held.pop(name, None)
         if not held:
             return
         for t, src, payload in held:
@@ -80,7 +81,7 @@ class SenderBinding:
 
     def held_names(self) -> list[str]:
         """Senders with payloads held back (not bound yet)."""
-        return list(self._held)
+        return list(self.held)
 
     def unbind(self, name: str) -> None:
         self._bound.pop(name, None)
@@ -96,13 +97,13 @@ class SenderBinding:
         if member_addr is None or (self.match_address and member_addr != src):
             self.stats.dropped_unbound += 1
             return False
-        q = self._held.get(sender)
+        q = self.held.get(sender)
         first = q is None
         if q is None:
-            if len(self._held) >= self.max_senders:
+            if len(self.held) >= self.max_senders:
                 self.stats.dropped_full += 1
                 return False
-            q = self._held[sender] = deque()
+            q = self.held[sender] = deque()
         while q and now - q[0][0] > self.hold_s:
             q.popleft()
             self.stats.dropped_expired += 1
@@ -115,10 +116,10 @@ class SenderBinding:
 
     def expire(self, now: float) -> None:
         """Drop held payloads older than ``hold_s`` (call now and then)."""
-        for name in list(self._held):
-            q = self._held[name]
+        for name in list(self.held):
+            q = self.held[name]
             while q and now - q[0][0] > self.hold_s:
                 q.popleft()
                 self.stats.dropped_expired += 1
             if not q:
-                del self._held[name]
+                del self.held[name]

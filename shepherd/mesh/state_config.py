@@ -258,13 +258,13 @@ class ConfigDoc:
         self.doc: Doc[Any] = Doc(client_id=client_id)
         self._maps: dict[str, Map[Any]] = {s: self.doc.get(s, type=Map) for s in SECTIONS}
         self._sent_sv = self.doc.get_state()
-        self._dirty = False
+        self.changed = False  # whether ``take_delta`` has an update to give (read-only outside)
         self.version = 0  # bumped on every change, local or remote (consumers cache by it)
         self._digest: tuple[int, bytes] | None = None  # (version, digest())
         self._sub = self.doc.observe(self._on_change)
 
     def _on_change(self, event: TransactionEvent) -> None:
-        self._dirty = True
+        self.changed = True
         self.version += 1
 
     # -- generic access -----------------------------------------------------------------------------
@@ -410,18 +410,13 @@ class ConfigDoc:
         self.doc.apply_update(update)
         return self.version != before
 
-    @property
-    def changed(self) -> bool:
-        """Whether ``take_delta`` has an update to give."""
-        return self._dirty
-
     def take_delta(self) -> bytes | None:
         """The update since the last delta taken, if anything changed since."""
-        if not self._dirty:
+        if not self.changed:
             return None
         u = self.doc.get_update(self._sent_sv)
         self._sent_sv = self.doc.get_state()
-        self._dirty = False
+        self.changed = False
         return u
 
     def digest(self) -> bytes:

@@ -86,6 +86,7 @@ class Swim:
         if not 0 < len(me.name) <= MAX_NAME_LEN or len(meta) > MAX_META_LEN:
             raise ValueError(f"swim: name must be 1..{MAX_NAME_LEN} chars and meta <= {MAX_META_LEN} bytes")
         self.config = config
+        self.lag_floor = config.lag_threshold * config.probe_timeout  # ``set_lag`` ignores lag up to it
         self.me = me
         self.rng = rng
         self.delegate = delegate
@@ -163,9 +164,17 @@ class Swim:
         return self._t_gossip if self._t_gossip < t and self._gossip_pending() else t
 
     def _deadline_but_gossip(self) -> float:
-        t = min(self._t_push_pull, self._t_reconnect, self._t_join)
-        t = min(t, self._probe.next_deadline() if self._probe is not None else self._t_probe)
-        return min(t, self._relays.next_deadline(), self._table.next_suspicion_deadline())
+        # (asked at every wake-up of an idle node: the relays and suspicions only when there are any,
+        # and the probe's deadline read here, so that an idle wake-up runs fewer distinct functions,
+        # what it costs after a sleep: README "What an idle wake-up costs")
+        p = self._probe
+        probe = self._t_probe if p is None else p.deadline if p.indirect_sent else p.direct_deadline
+        t = min(self._t_push_pull, self._t_reconnect, self._t_join, probe)
+        if self._relays.by_seq:
+            t = min(t, self._relays.next_deadline())
+        if self._table.suspicions:
+            t = min(t, self._table.next_suspicion_deadline())
+        return t
 
     def _gossip_pending(self) -> bool:
         if self._table.queue:
@@ -209,7 +218,7 @@ class Swim:
         # armed for it, and a late one delays nobody's verdict
         late = now - max(self._deadline_but_gossip(), self._last_call)
         self._last_call = max(self._last_call, now)
-        if late > cfg.lag_threshold * cfg.probe_timeout:
+        if late > self.lag_floor:
             # our own timer fired late: we were stalled (GC, CPU, SIGSTOP), not the others; give the
             # datagrams that queued up meanwhile a chance before accusing anyone
             out += self.set_lag(now, late)  # a stall of a probe period or more: refuted at once
@@ -217,15 +226,18 @@ class Swim:
         if now >= self._t_join:
             out += self._join_round(now)
         self._tick_probe(now, out)
-        out.extend(self._send(r.orig, [Nack(r.orig_seq)]) for r in self._relays.due_nacks(now))
-        for n in self._table.due_verifications(now):
-            self._seq = (self._seq + 1) & _SEQ_MASK
-            out.append(
-                self._send(
-                    n.addr, [Ping(self._seq, n.name, self.me), Suspect(n.incarnation, n.name, self.me.name)]
-                )
-            )
-        self._table.expire_suspicions(now, out)
+        table = self._table
+        if self._relays.by_seq:  # (the tables' steps only when they hold something: an idle node's do not)
+            out.extend(self._send(r.orig, [Nack(r.orig_seq)]) for r in self._relays.due_nacks(now))
+        if table.suspicions:
+            for n in table.due_verifications(now):
+                self._seq = (self._seq + 1) & _SEQ_MASK
+                msgs: list[Message] = [
+                    Ping(self._seq, n.name, self.me),
+                    Suspect(n.incarnation, n.name, self.me.name),
+                ]
+                out.append(self._send(n.addr, msgs))
+            table.expire_suspicions(now, out)
         if now >= self._t_gossip:
             # a round with nothing pending sends nothing (``_gossip`` stops at the first empty
             # piggyback): skipped, so that an idle node's probe ticks do not pick gossip targets
@@ -240,7 +252,10 @@ class Swim:
         if now >= self._t_reconnect:
             self._t_reconnect = now + cfg.reconnect_interval * self.rng.uniform(0.75, 1.25)
             self._reconnect(now, out)
-        self._flush_urgent(out)
+        if table.urgent_alive or table.urgent_to or table.urgent_dead:
+            self._flush_urgent(out)
+        else:  # (what ``_flush_urgent`` does with nothing urgent)
+            table.stale_seen = False
         return out
 
     def on_packet(self, now: float, src: Addr, packet: Packet | Message) -> list[Action]:
@@ -289,11 +304,10 @@ class Swim:
         """Joined, nothing urgent, nothing to piggyback: a lone ping or ack then changes no more than
         ``on_ack_alone`` / ``on_ping_alone`` do (what ``on_packet`` would do besides is a no-op)."""
         t = self._table
-        return (
-            self._joined
-            and not (t.urgent_alive or t.urgent_to or t.urgent_dead or t.stale_seen)
-            and not self._gossip_pending()
-        )
+        if not self._joined or t.urgent_alive or t.urgent_to or t.urgent_dead or t.stale_seen or t.queue:
+            return False
+        pending = self._has_broadcasts  # (``_gossip_pending``'s rest, inline: asked for every datagram)
+        return pending is not None and not pending()
 
     def on_ack_alone(self, now: float, seq: int) -> bool:
         """A packet of just ``Ack(seq)``, an idle node's most common datagram: if it acks the probe in
@@ -304,7 +318,8 @@ class Swim:
             return False
         self._count_lone(now)
         self._probe = None
-        self._aw.apply(-1)
+        if self._aw.score:  # (at 0 already, as an idle node is: apply(-1) changes nothing)
+            self._aw.apply(-1)
         return True
 
     def on_ping_alone(self, now: float, seq: int, target: str, src_name: str) -> bool:
@@ -389,7 +404,7 @@ class Swim:
         """Event-loop lag measured by the shell: a slow node probes less and waits longer (Lifeguard);
         a stall of a whole probe period or more is refuted at once (see ``_stalled``)."""
         cfg = self.config
-        if lag_s <= cfg.lag_threshold * cfg.probe_timeout:
+        if lag_s <= self.lag_floor:
             return []
         if now - self._last_lag_bump >= cfg.probe_interval:
             self._last_lag_bump = now
@@ -463,14 +478,11 @@ class Swim:
         if target.state == SUSPECT:
             msgs.append(Suspect(target.incarnation, target.name, self.me.name))
         out.append(self._send(target.addr, msgs))
-        interval = self._aw.scale(cfg.probe_interval)
-        self._probe = Probe(
-            self._seq,
-            target.name,
-            target.incarnation,
-            now + self._aw.scale(cfg.probe_timeout),
-            now + interval,
-        )
+        aw = self._aw
+        interval, timeout = cfg.probe_interval, cfg.probe_timeout
+        if aw.score:  # Lifeguard: a degraded node probes less often and waits longer
+            interval, timeout = aw.scale(interval), aw.scale(timeout)
+        self._probe = Probe(self._seq, target.name, target.incarnation, now + timeout, now + interval)
         # the next probe one (LHM-scaled) period on, on the grid of the base period: a tick up to half a
         # base period late (lag, a slow ack) still keeps its grid point, a later one skips it (as a
         # ticker skips missed ticks)

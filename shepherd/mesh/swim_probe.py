@@ -100,35 +100,35 @@ class Relays:
     """Ping-reqs we relay: our ping's seq -> who asked; nack at ``nack_at``, forget at ``expire_at``."""
 
     def __init__(self) -> None:
-        self._by_seq: dict[int, Relay] = {}
+        self.by_seq: dict[int, Relay] = {}  # (read-only outside: empty, nothing to nack or expire)
 
     def __len__(self) -> int:
-        return len(self._by_seq)
+        return len(self.by_seq)
 
     def add(self, seq: int, relay: Relay) -> bool:
-        if len(self._by_seq) >= MAX_RELAYS:
+        if len(self.by_seq) >= MAX_RELAYS:
             return False
-        self._by_seq[seq] = relay
+        self.by_seq[seq] = relay
         return True
 
     def pop(self, seq: int) -> Relay | None:
-        return self._by_seq.pop(seq, None)
+        return self.by_seq.pop(seq, None)
 
     def next_deadline(self) -> float:
         t = float("inf")
-        if not self._by_seq:
+        if not self.by_seq:
             return t
-        for r in self._by_seq.values():
+        for r in self.by_seq.values():
             t = min(t, r.expire_at, r.nack_at if r.nack else t)
         return t
 
     def due_nacks(self, now: float) -> list[Relay]:
         """Relays whose nack is due now (each once); expired relays are dropped."""
         due: list[Relay] = []
-        for seq, r in list(self._by_seq.items()):
+        for seq, r in list(self.by_seq.items()):
             if r.nack and now >= r.nack_at:
                 r.nack = False
                 due.append(r)
             if now >= r.expire_at:
-                del self._by_seq[seq]
+                del self.by_seq[seq]
         return due

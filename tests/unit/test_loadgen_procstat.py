@@ -16,8 +16,10 @@ from shepherd.loadgen.procstat import (
     TreeCpuTracker,
     cpu_model,
     host_line,
+    parse_schedstat_ns,
     parse_stat,
     parse_status_kb,
+    read_run_ns,
     read_stat,
     tree_pids,
 )
@@ -242,3 +244,26 @@ def test_start_failure_is_reported_with_the_log(tmp_path: Path) -> None:
     )
     with ProcessGroup(tmp_path) as group, pytest.raises(ProcessFailed, match="boom"):
         group.start(spec)
+
+
+def test_run_ns_sums_the_threads_schedstat(tmp_path: Path) -> None:
+    assert parse_schedstat_ns("123456789 2000 17\n") == 123456789
+    assert parse_schedstat_ns("") == 0
+    for tid, text in (("10", "1500000 9 3\n"), ("11", "250 1 1\n")):
+        (tmp_path / "10" / "task" / tid).mkdir(parents=True)
+        (tmp_path / "10" / "task" / tid / "schedstat").write_text(text)
+    (tmp_path / "10" / "task" / "12").mkdir()  # a thread gone between the listing and the read
+    assert read_run_ns(10, tmp_path) == 1500250
+    assert read_run_ns(99, tmp_path) is None  # no such process
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs /proc/PID/task")
+def test_run_ns_of_this_process_grows_with_its_cpu() -> None:
+    before = read_run_ns(os.getpid())
+    if before is None:
+        pytest.skip("this kernel keeps no schedstat")
+    t = time.process_time()
+    while time.process_time() - t < 0.05:  # bounded: 50 ms of CPU
+        pass
+    after = read_run_ns(os.getpid())
+    assert after is not None and after - before >= 40_000_000
