@@ -13,11 +13,20 @@ watchdog, metrics tickers; with a mesh also SWIM probes, gossip rounds and push-
 ``/proc/PID/task/*/schedstat``, in ns; ``/proc/PID/stat``'s 10 ms ticks where the kernel keeps no
 schedstat) and its main thread's voluntary context switches per second (the event loop's wake-ups).
 The tree's total stays on ``/proc/PID/stat`` (10 ms ticks: a 60 s window resolves 1/6 ms/s).
+
+``--profile DIR`` runs the node's processes with ``bench/idle_profile/sitecustomize.py`` on their path:
+each writes ``DIR/prof-PID.txt``, what its event loop's callbacks ran over the window (entries a second,
+calls and distinct functions per entry, the functions). The hook slows them: their CPU figures then
+mean nothing, the counts do.
+
+    .venv/bin/python bench/idle_bench.py --settle 40 --window 60 --configs "--procs 3" --profile /tmp/prof
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import shlex
 import sys
 import tempfile
@@ -37,6 +46,7 @@ def main() -> int:
     p.add_argument("--settle", type=float, default=15.0, help="seconds after ready before (default 15)")
     p.add_argument("--configs", nargs="+", default=["", "--procs 2"], help="smg-node serve flag strings")
     p.add_argument("--per-process", action="store_true", help="a row per process: ms/s and wake-ups/s")
+    p.add_argument("--profile", type=Path, help="write each node process's callback profile here")
     args = p.parse_args()
     print(
         f"idle_bench — {time.strftime('%Y-%m-%d %H:%M')}, {host_line()}; "
@@ -48,9 +58,10 @@ def main() -> int:
         grpc_port, http_port = free_port(), free_port()
         group.start(mock_engine_spec(grpc_port, http_port, cpus=None, model="qwen3", tokenizer_dir=model_dir))
         for flags in args.configs:
-            node = group.start(
-                node_spec(free_port(), grpc_port, model_dir, cpus=None, extra=tuple(shlex.split(flags)))
-            )
+            spec = node_spec(free_port(), grpc_port, model_dir, cpus=None, extra=tuple(shlex.split(flags)))
+            if args.profile is not None:
+                spec = dataclasses.replace(spec, env={**spec.env, **_profile_env(args)})
+            node = group.start(spec)
             time.sleep(args.settle)
             tracker = TreeCpuTracker(node.pid)
             start = tracker.sample(with_rss=False)
@@ -71,6 +82,18 @@ def main() -> int:
                     print(row, flush=True)
             node.stop()
     return 0
+
+
+def _profile_env(args: argparse.Namespace) -> dict[str, str]:
+    """The environment that loads the profile hook (``bench/idle_profile``) into the node's processes,
+    counting over the window that follows the settling time (from each process's start)."""
+    args.profile.mkdir(parents=True, exist_ok=True)
+    hook = Path(__file__).resolve().parent / "idle_profile"
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
+    return {
+        "PYTHONPATH": path,
+        "SHEPHERD_IDLE_PROF": f"{args.settle:g}:{args.window:g}:{args.profile.resolve()}",
+    }
 
 
 def _own(pid: int) -> tuple[float, int, str] | None:
