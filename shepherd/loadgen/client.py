@@ -431,7 +431,8 @@ async def run_load(spec: LoadSpec, source: RequestSource, hooks: WindowHooks | N
     # bounded: warm-up + window + drain, plus slack for a stuck connect
     limit = spec.warmup_s + spec.duration_s + spec.drain_s + spec.timeout_s + 10.0
     try:
-        await asyncio.wait_for(asyncio.shield(run.done), timeout=limit)
+        async with asyncio.timeout(limit):
+            await asyncio.shield(run.done)
     except TimeoutError:
         run.end_window()
         run.finish()

@@ -55,7 +55,8 @@ class KvSubscription:
             await self._wake.wait()
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._wake.wait()
 
     def take(self) -> list[KvBatch]:
         batches = list(self._pending)

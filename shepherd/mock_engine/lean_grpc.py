@@ -507,5 +507,6 @@ class LeanGrpcServer:
         for conn in list(self.connections):
             conn.close()
         if self._server is not None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), grace or 1.0)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace or 1.0):
+                    await self._server.wait_closed()

@@ -112,7 +112,8 @@ class PostgresStore(sql.PlanStore):
         pool, self._pool = self._pool, None
         if pool is not None:
             try:
-                await asyncio.wait_for(pool.close(), self.connect_timeout)
+                async with asyncio.timeout(self.connect_timeout):
+                    await pool.close()
             except (*_UNAVAILABLE, asyncpg.exceptions.PostgresError):
                 pool.terminate()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -392,3 +393,40 @@ async def test_live_while_the_stream_is_open_and_has_delivered() -> None:
     feed.stop("w")
     assert not feed.live("w") and not feed.live("nobody")
     await feed.close()
+
+
+class LosesCancel:
+    """An engine whose ``server_info`` loses a cancellation, as Python 3.11's ``asyncio.wait_for`` did
+    when it landed as the call it waited for ended: the call's own outcome (a refused connection)
+    comes back instead. Subscriptions are refused too."""
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+        self.calls = 0
+        self.subscribes = 0
+
+    async def server_info(self) -> ServerInfo:
+        self.calls += 1
+        self.asked.set()
+        with contextlib.suppress(asyncio.CancelledError):  # lost
+            await asyncio.Event().wait()
+        raise OSError("connection refused")
+
+    async def subscribe_kv_events(self, start_seq: int = 0) -> AsyncIterator[KvEventBatch]:
+        self.subscribes += 1
+        if self.subscribes > 0:  # (always: an async generator that refuses at its first step)
+            raise OSError("connection refused")
+        yield KvEventBatch(0, ())
+
+
+async def test_a_stopped_feed_ends_even_when_its_cancellation_is_lost() -> None:
+    engine = LosesCancel()
+    sleeps = Sleeps()
+    feed = KvFeed(sleep=sleeps)
+    feed.start("w", engine, PrefixIndex())
+    await asyncio.wait_for(engine.asked.wait(), 10)  # a hang guard, not a timing assertion
+    async with asyncio.timeout(30):  # (close is bounded itself; this guards the test)
+        await feed.close()
+    assert not feed.running("w")
+    # the lost cancellation left the task running; it ended at its next step instead of retrying
+    assert engine.calls == 1 and sleeps.delays == []

@@ -640,9 +640,8 @@ async def _probe_models(gw: Gateway) -> tuple[int, dict[str, Any]]:
         s = parse_completion({"prompt": ids, "max_tokens": 1, "temperature": 0}).sampling
         gen = GenerateRequest(engine_id("health"), ids, engine_sampling(s, 1, None), True, False, 0)
         try:
-            es = await asyncio.wait_for(
-                gw.open_stream(model, gen), timeout=gw.cfg.health_check_timeout_secs + 8
-            )
+            async with asyncio.timeout(gw.cfg.health_check_timeout_secs + 8):
+                es = await gw.open_stream(model, gen)
         except (EngineError, ApiError, TimeoutError) as e:
             msg = e.message if isinstance(e, ApiError) else str(e)
             if isinstance(e, TimeoutError):

@@ -231,7 +231,8 @@ class BackgroundRegistry:
         task = self._tasks.get(response_id)
         if task is not None:
             with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
-                await asyncio.wait_for(asyncio.shield(task), timeout)
+                async with asyncio.timeout(timeout):
+                    await asyncio.shield(task)
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())

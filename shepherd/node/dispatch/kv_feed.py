@@ -379,6 +379,7 @@ class BackoffConfig:
 
 # a routing decision reads the lazily read KV-event streams first when their last poll is older than this
 FRESH_POLL_S = 0.05
+CLOSE_ROUNDS = 10  # close(): one-second waits for the stopped feeds' tasks, each followed by a re-cancel
 
 
 class KvFeed:
@@ -463,10 +464,20 @@ class KvFeed:
             state.clear()
 
     async def close(self) -> None:
+        """Stop every feed and wait for their tasks, bounded: a task still running after a second is
+        cancelled again (a cancellation can be lost on the way, as Python 3.11's ``asyncio.wait_for``
+        loses one that lands as the call it waits for ends; ``_run`` also ends by itself at its next step
+        once it is no longer the worker's feed), and after ``CLOSE_ROUNDS`` it is left, logged."""
         for wid in list(self._tasks):
             self.stop(wid, clear=False)
+        for _ in range(CLOSE_ROUNDS):
+            if not self._stopping:
+                return
+            _, pending = await asyncio.wait(set(self._stopping), timeout=1.0)
+            for t in pending:
+                t.cancel()
         if self._stopping:
-            await asyncio.gather(*self._stopping, return_exceptions=True)
+            log.warning("KV feed: %d task(s) did not stop at close", len(self._stopping))
 
     async def _capacity(self, state: WorkerKvState, source: KvSource) -> bool:
         """The engine's KV capacity (GetServerInfo) as the worker's in the index; False if not reached."""
@@ -484,7 +495,10 @@ class KvFeed:
         c = self.backoff
         backoff = Backoff(c.initial_s, c.max_s, c.multiplier, c.jitter, self.rand)
         asked_capacity = False
-        while True:  # until cancelled by stop()
+        me = asyncio.current_task()
+        # until cancelled by stop(); and should the cancellation be lost (see close()), until a step
+        # finds that this task is no longer the worker's feed
+        while self._tasks.get(state.worker) is me:
             start = state.cursor.resume_from()
             state.cursor.opened(start)
             state.stats.subscriptions += 1
@@ -537,6 +551,8 @@ class KvFeed:
                     "worker %s: KV event gap after %d, subscribing again", state.worker, state.cursor.last
                 )
                 continue
+            if self._tasks.get(state.worker) is not me:
+                return  # stopped meanwhile (its cancellation lost): no back-off, no next attempt
             state.stats.failures += 1
             delay = backoff.failed(0.0)  # the delay: pure, no clock here
             log.debug("worker %s: KV event stream %s; again in %.2fs", state.worker, why, delay)

@@ -175,12 +175,15 @@ async def _probe(url: str, cfg: NodeConfig, timeout: float) -> Probe:
     client = _client(url, cfg)
     try:
         if isinstance(client, H2EngineClient | GrpcEngineClient):
-            client = await asyncio.wait_for(settle_kind(client, timeout), timeout)
+            async with asyncio.timeout(timeout):
+                client = await settle_kind(client, timeout)
         if isinstance(client, H2EngineClient | GrpcEngineClient):
-            kind = await asyncio.wait_for(client.detect(timeout), timeout)
+            async with asyncio.timeout(timeout):
+                kind = await client.detect(timeout)
         else:
             kind = client.kind
-        info = await asyncio.wait_for(client.model_info(timeout), timeout)
+        async with asyncio.timeout(timeout):
+            info = await client.model_info(timeout)
     except BaseException:
         with contextlib.suppress(Exception):
             await client.close()

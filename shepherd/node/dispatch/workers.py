@@ -393,7 +393,8 @@ class WorkerRegistry:
         answer in time) or ``failed``; why it failed is kept in ``admit_error``."""
         step = ["connecting"]
         try:
-            await asyncio.wait_for(self._init(w, timeout, step), timeout)
+            async with asyncio.timeout(timeout):
+                await self._init(w, timeout, step)
             return "admitted"
         except (TimeoutError, EngineTimeout):  # (the call's own deadline, or the attempt's)
             w.admit_error = f"no answer to {step[0]} within {timeout:g} s"
@@ -521,9 +522,11 @@ class WorkerRegistry:
         self._loads_read_at = now
         self.wake_load_polls()
         if ws:
-            timeout = self.cfg.health_check_timeout_secs
-            polls = (asyncio.wait_for(self.poll_load(w), timeout) for w in ws)
-            await asyncio.gather(*polls, return_exceptions=True)
+            await asyncio.gather(*(self._poll_bounded(w) for w in ws), return_exceptions=True)
+
+    async def _poll_bounded(self, w: Worker) -> None:
+        async with asyncio.timeout(self.cfg.health_check_timeout_secs):
+            await self.poll_load(w)
 
     async def poll_load(self, w: Worker) -> None:
         if not w.initialized or not w.health.healthy or w.loads_unsupported:
@@ -590,7 +593,8 @@ class WorkerRegistry:
         self._loads_wanted.clear()
         wait = max(self.cfg.load_poll_interval_secs, LOADS_IDLE_RECHECK_SECS)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._loads_wanted.wait(), wait)
+            async with asyncio.timeout(wait):
+                await self._loads_wanted.wait()
 
     def start(self) -> None:
         self._started = True

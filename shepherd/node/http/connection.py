@@ -269,7 +269,8 @@ class _Conn(asyncio.Protocol):
             self._drain = self.loop.create_future()
         stall = self.limits.write_stall_secs
         try:
-            await asyncio.wait_for(asyncio.shield(self._drain), stall)
+            async with asyncio.timeout(stall):
+                await asyncio.shield(self._drain)
         except TimeoutError:
             if self.transport is not None:
                 self.transport.abort()  # (a close would wait for the unread buffer to drain)

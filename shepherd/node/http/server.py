@@ -634,4 +634,8 @@ class LeanServer:
             c._close()
         if self._server is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+                async with asyncio.timeout(1.0):
+                    await self._server.wait_closed()
+        # the transports closed above let go of their sockets on the next loop turn (connection_lost):
+        # a caller that goes on once this returns finds them closed, not reset by the data it sends
+        await asyncio.sleep(0)

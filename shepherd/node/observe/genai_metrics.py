@@ -155,6 +155,7 @@ async def shutdown_provider(provider: Any, timeout: float, logger: logging.Logge
 
     threading.Thread(target=run, name=f"otel-shutdown-{what}", daemon=True).start()
     try:
-        await asyncio.wait_for(done, timeout)
+        async with asyncio.timeout(timeout):
+            await done
     except (TimeoutError, Exception) as e:
         logger.warning("%s at shutdown: %s", what, type(e).__name__)

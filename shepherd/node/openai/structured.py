@@ -454,7 +454,8 @@ async def check_schemas(pending: Sequence[PendingSchema], deadline: float = SCHE
         small = sum(map(len, texts)) <= SMALL_LANE_BYTES
         fut: Future[list[str | None]] = _executor(small).submit(_meta_errors, texts)
         try:
-            answers = await asyncio.wait_for(asyncio.wrap_future(fut), deadline)
+            async with asyncio.timeout(deadline):
+                answers = await asyncio.wrap_future(fut)
         except TimeoutError:
             fut.cancel()
             p = todo[0][0]
