@@ -1,6 +1,8 @@
 """Suite-wide hooks. A test that runs over pytest-timeout's limit inside an event loop shows, besides the
 threads' stacks, where each of the loop's tasks is suspended (the chain of awaits down to the innermost
-frame): a hung ``await`` is otherwise only the loop waiting in ``select``."""
+frame): a hung ``await`` is otherwise only the loop waiting in ``select``. And a SIGTERM to pytest (a CI
+job's time limit, ``kill``) ends the run as Ctrl-C does, through every ``finally`` and fixture teardown, so
+the engines, nodes and services the tests started are stopped by pid instead of left running."""
 
 from __future__ import annotations
 
@@ -45,6 +47,18 @@ def task_stacks() -> list[str]:
             lines.append(f"  waiting on {waiter!r}"[:400])
         out.append("\n".join(lines))
     return out
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) in (
+        signal.SIG_DFL,
+        None,
+    ):
+        signal.signal(signal.SIGTERM, _terminated)
 
 
 @pytest.hookimpl(tryfirst=True)
