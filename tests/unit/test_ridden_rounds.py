@@ -135,6 +135,39 @@ async def test_one_round_of_a_kind_at_a_time_and_close_cancels_it() -> None:
     assert not reg._round_tasks
 
 
+async def test_a_ridden_load_round_polls_only_the_workers_whose_poll_is_due() -> None:
+    now = [0.0]
+    reg, eng, w = _registry(now, health=1000.0)
+    other_eng = _Engine()
+    other = _worker(other_eng)
+    other.id = "w1"
+    reg.workers[other.id] = other
+    reg.start()
+    reg.ride_rounds()
+    now[0] = 2.0
+    w.load_pushed_at = w.telemetry_at = 1.5  # w's KV-event stream pushed a whole load record: no poll
+    reg.run_due_rounds()
+    assert "loads" in reg._round_tasks  # the other's poll is due: a round, of it alone
+    await _settle()
+    assert (eng.polls, other_eng.polls) == (0, 1)
+    now[0] = 4.1
+    w.load_pushed_at = w.telemetry_at = 3.9
+    other.load_pushed_at = other.telemetry_at = 3.9  # both streams push: no round, no task at all
+    reg.run_due_rounds()
+    assert "loads" not in reg._round_tasks
+    await _settle()
+    assert (eng.polls, other_eng.polls) == (0, 1)
+    now[0] = 6.2  # due again 2 s on: still pushed within the interval, still nothing
+    w.load_pushed_at = other.load_pushed_at = 6.0
+    reg.run_due_rounds()
+    assert "loads" not in reg._round_tasks
+    now[0] = 30.0  # the streams went quiet: both polled again
+    reg.run_due_rounds()
+    await _settle()
+    assert (eng.polls, other_eng.polls) == (1, 2)
+    await reg.close()
+
+
 async def test_ridden_checks_mark_a_failing_engine_unhealthy() -> None:
     now = [0.0]
     reg, eng, w = _registry(now)

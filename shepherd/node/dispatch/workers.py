@@ -528,15 +528,18 @@ class WorkerRegistry:
         async with asyncio.timeout(self.cfg.health_check_timeout_secs):
             await self.poll_load(w)
 
-    async def poll_load(self, w: Worker) -> None:
+    def _poll_due(self, w: Worker, now: float) -> bool:
+        """Whether a GetLoads poll of ``w`` is due at ``now`` (``poll_load`` asks only then)."""
         if not w.initialized or not w.health.healthy or w.loads_unsupported:
-            return
-        now = self.clock()
+            return False
         interval = self.cfg.load_poll_interval_secs
         if now - w.load_pushed_at < interval and now - w.telemetry_at < TELEMETRY_POLLS * interval:
-            return  # the KV-event stream pushed a load record since the last poll was due
-        if not self._polls(w, now):
-            return  # round_robin / random: nothing routes by the loads and nothing reads them
+            return False  # the KV-event stream pushed a load record since the last poll was due
+        return self._polls(w, now)  # (not for round_robin / random, unless something reads the loads)
+
+    async def poll_load(self, w: Worker) -> None:
+        if not self._poll_due(w, self.clock()):
+            return
         try:
             w.load = await w.client.loads()
             w.telemetry_at = self.clock()
@@ -575,9 +578,10 @@ class WorkerRegistry:
             await asyncio.sleep(interval)
             await self._round(fn)
 
-    async def _round(self, fn: Callable[[Worker], Any]) -> None:
-        """``fn`` of every worker, together; their errors are theirs (a check records its own)."""
-        ws = list(self.workers.values())
+    async def _round(self, fn: Callable[[Worker], Any], only: list[Worker] | None = None) -> None:
+        """``fn`` of every worker (or of ``only``), together; their errors are theirs (a check records its
+        own)."""
+        ws = list(self.workers.values()) if only is None else only
         if ws:
             await asyncio.gather(*(fn(w) for w in ws), return_exceptions=True)
 
@@ -648,15 +652,20 @@ class WorkerRegistry:
         for kind, fn, interval in rounds:
             if kind in self._round_tasks or now < self._due[kind] - min(early, interval / 4):
                 continue
-            if kind == "loads" and not any(self._polls(w, now) for w in self.workers.values()):
-                self._due[kind] = now + interval
-                continue
-            self._start_round(kind, fn, interval)
+            only = None
+            if kind == "loads":  # only the workers whose poll is due: none while their streams push loads
+                only = [w for w in self.workers.values() if self._poll_due(w, now)]
+                if not only:  # (no round of tasks that would each return at once)
+                    self._due[kind] = now + interval
+                    continue
+            self._start_round(kind, fn, interval, only)
 
-    def _start_round(self, kind: str, fn: Callable[[Worker], Any], interval: float) -> None:
+    def _start_round(
+        self, kind: str, fn: Callable[[Worker], Any], interval: float, only: list[Worker] | None = None
+    ) -> None:
         async def one_round() -> None:
             try:
-                await self._round(fn)
+                await self._round(fn, only)
             finally:
                 self._round_tasks.pop(kind, None)
                 self._due[kind] = self.clock() + interval  # an interval after this one ended (as the timers)
