@@ -21,6 +21,13 @@ figures (a host whose vCPUs sleep long charges each wake-up far more: only figur
 
 Two code trees side by side (both runs at the same time, the same load): ``--tree DIR`` runs the nodes
 and engines from DIR (``PYTHONPATH``; DIR holds a ``shepherd`` package with its built extensions).
+
+``--profile DIR`` puts ``bench/idle_profile/sitecustomize.py`` on the nodes' path: each node process
+writes ``DIR/prof-PID.txt``, what its event loop's callbacks ran (entries a second, calls and distinct
+functions per entry) over the idle window (or the trace's first 120 s); the hook slows them, so their CPU
+figures then mean nothing, the counts do:
+
+    .venv/bin/python bench/mesh_cpu_breakdown.py --mode one --idle 90 --profile /tmp/prof
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -70,6 +78,15 @@ def _run_s(pid: int) -> float:
             with contextlib.suppress(OSError, ValueError, IndexError):
                 total += int((task / "schedstat").read_text().split()[0])
     return total / 1e9
+
+
+def _profile_env(out: Path, tree: str, idle: float) -> dict[str, str]:
+    """The environment that loads ``bench/idle_profile`` into a node process: counting from 10 s after
+    its start (ready, joined) over the idle window less that, or the trace's first 120 s."""
+    out.mkdir(parents=True, exist_ok=True)
+    hook = Path(__file__).resolve().parent / "idle_profile"
+    window = max(5.0, idle - 5.0) if idle > 0 else 120.0
+    return {"PYTHONPATH": f"{hook}{os.pathsep}{tree}", "SHEPHERD_IDLE_PROF": f"10:{window:g}:{out.resolve()}"}
 
 
 def proc_info(pid: int) -> dict[str, Any] | None:
@@ -160,6 +177,7 @@ def main() -> int:
         "--node-args", default="", help="extra smg-node serve flags (one string, split on spaces)"
     )
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--profile", type=Path, help="write each node process's callback profile here")
     a = ap.parse_args()
     tree = str(a.tree.resolve())
     os.environ["PYTHONPATH"] = tree
@@ -205,6 +223,9 @@ def main() -> int:
             )
             extra = a.node_args.split()
             specs = routing.gateways(a.gateway, "cache_aware", engines, model_dir, extra, n, tp)
+            if a.profile is not None:
+                env = _profile_env(a.profile, tree, a.idle)
+                specs = [dataclasses.replace(s, env={**s.env, **env}) for s in specs]
             procs = [group.start(s) for s in specs]
             port = procs[0].spec.ready_port or 0
             if behind_lb:
