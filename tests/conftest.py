@@ -34,8 +34,9 @@ def _await_frames(obj: Any) -> Iterator[FrameType]:
 
 def task_stacks() -> list[str]:
     """One block per task of the loop running in this thread: its name, state and await chain."""
-    loop = asyncio._get_running_loop()
-    if loop is None:
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no loop running in this thread
         return []
     out = []
     for task in sorted(asyncio.all_tasks(loop), key=lambda t: t.get_name()):

@@ -164,11 +164,8 @@ class Swim:
         return self._t_gossip if self._t_gossip < t and self._gossip_pending() else t
 
     def _deadline_but_gossip(self) -> float:
-        # (asked at every wake-up of an idle node: the relays and suspicions only when there are any,
-        # and the probe's deadline read here, so that an idle wake-up runs fewer distinct functions,
-        # what it costs after a sleep: README "What an idle wake-up costs")
-        p = self._probe
-        probe = self._t_probe if p is None else p.deadline if p.indirect_sent else p.direct_deadline
+        # (asked at every wake-up of an idle node: the relay and suspicion tables only when they hold any)
+        probe = self._probe.next_deadline() if self._probe is not None else self._t_probe
         t = min(self._t_push_pull, self._t_reconnect, self._t_join, probe)
         if self._relays.by_seq:
             t = min(t, self._relays.next_deadline())
@@ -304,10 +301,11 @@ class Swim:
         """Joined, nothing urgent, nothing to piggyback: a lone ping or ack then changes no more than
         ``on_ack_alone`` / ``on_ping_alone`` do (what ``on_packet`` would do besides is a no-op)."""
         t = self._table
-        if not self._joined or t.urgent_alive or t.urgent_to or t.urgent_dead or t.stale_seen or t.queue:
-            return False
-        pending = self._has_broadcasts  # (``_gossip_pending``'s rest, inline: asked for every datagram)
-        return pending is not None and not pending()
+        return (
+            self._joined
+            and not (t.urgent_alive or t.urgent_to or t.urgent_dead or t.stale_seen)
+            and not self._gossip_pending()
+        )
 
     def on_ack_alone(self, now: float, seq: int) -> bool:
         """A packet of just ``Ack(seq)``, an idle node's most common datagram: if it acks the probe in
@@ -318,8 +316,7 @@ class Swim:
             return False
         self._count_lone(now)
         self._probe = None
-        if self._aw.score:  # (at 0 already, as an idle node is: apply(-1) changes nothing)
-            self._aw.apply(-1)
+        self._aw.apply(-1)
         return True
 
     def on_ping_alone(self, now: float, seq: int, target: str, src_name: str) -> bool:
@@ -478,10 +475,8 @@ class Swim:
         if target.state == SUSPECT:
             msgs.append(Suspect(target.incarnation, target.name, self.me.name))
         out.append(self._send(target.addr, msgs))
-        aw = self._aw
-        interval, timeout = cfg.probe_interval, cfg.probe_timeout
-        if aw.score:  # Lifeguard: a degraded node probes less often and waits longer
-            interval, timeout = aw.scale(interval), aw.scale(timeout)
+        interval = self._aw.scale(cfg.probe_interval)  # Lifeguard: a degraded node probes less, waits longer
+        timeout = self._aw.scale(cfg.probe_timeout)
         self._probe = Probe(self._seq, target.name, target.incarnation, now + timeout, now + interval)
         # the next probe one (LHM-scaled) period on, on the grid of the base period: a tick up to half a
         # base period late (lag, a slow ack) still keeps its grid point, a later one skips it (as a
