@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from shepherd.loadgen.client import LoadResult
@@ -53,6 +53,19 @@ class RunRow:
             if isinstance(value, float) and math.isnan(value):
                 out[key] = None
         return out
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> RunRow:
+        """The row ``to_json`` wrote (its derived keys ignored, its Nones read back as NaN)."""
+        kept: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in doc:
+                continue  # (an older file: the field's default)
+            value = doc[f.name]
+            if value is None:
+                value = {} if f.name.startswith("errors") else "" if f.name == "note" else math.nan
+            kept[f.name] = value
+        return cls(**kept)
 
 
 def row_from_result(
