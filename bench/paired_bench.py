@@ -137,6 +137,10 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             p.wait()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     common: list[str] = []
@@ -158,6 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for flag in ("--targets", "--peers", "--json"):
         if flag in common:
             ap.error(f"{flag} is set per side here")
+    signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the sides too, as Ctrl-C does
     with tempfile.TemporaryDirectory(prefix="smg-paired-") as tmp:
         out_dir = a.log_dir or Path(tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
