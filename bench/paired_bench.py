@@ -67,9 +67,14 @@ class Side:
         bench = [sys.executable, "-m", "shepherd.loadgen.cli", "gateway"]
         return [*bench, *common, *self.args, *where, "--json", str(json_path)]
 
+    @property
+    def root(self) -> Path:
+        """The code tree: ``python -m`` puts the working directory first on the path, so run from it."""
+        return self.tree or ROOT
+
     def environ(self) -> dict[str, str]:
         env = {**os.environ, **self.env}
-        env["PYTHONPATH"] = str(self.tree or ROOT)
+        env["PYTHONPATH"] = str(self.root)
         return env
 
 
@@ -164,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ap.error(f"{flag} is set per side here")
     signal.signal(signal.SIGTERM, _interrupt)  # a SIGTERM stops the sides too, as Ctrl-C does
     with tempfile.TemporaryDirectory(prefix="smg-paired-") as tmp:
-        out_dir = a.log_dir or Path(tmp)
+        out_dir = (a.log_dir or Path(tmp)).resolve()  # (the sides run in their trees)
         out_dir.mkdir(parents=True, exist_ok=True)
         procs: list[subprocess.Popen[bytes]] = []
         try:
@@ -176,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         env=side.environ(),
-                        cwd=ROOT,
+                        cwd=side.root,
                     )
                 )
                 log.close()

@@ -44,6 +44,8 @@ def test_a_side_spec_names_its_target_tree_args_and_environment(tmp_path: Path) 
     assert side.args == ("--node-args", "--procs 2")
     env = side.environ()
     assert env["PYTHONPATH"] == str(tmp_path.resolve()) and env["SHEPHERD_X"] == "1"
+    assert side.root == tmp_path.resolve()  # (``python -m`` looks in the working directory first)
+    assert pb.parse_side("new=node").root == ROOT
     cmd = side.command(["--rounds", "3"], tmp_path / "old.json")
     assert cmd[-6:] == ["--node-args", "--procs 2", "--targets", "node", "--json", str(tmp_path / "old.json")]
     assert "--rounds" in cmd
