@@ -103,12 +103,10 @@ def parse_side(spec: str) -> Side:
 
 
 def check_names(sides: Sequence[Side]) -> None:
-    """``ratio_lines`` tells our side's rows from the others' by the start of the target's name."""
+    """Each side's name labels its rows and its files: no two alike."""
     names = [s.name for s in sides]
-    for a in names:
-        for b in names:
-            if a is not b and b.startswith(a):
-                raise ValueError(f"side names must not start with one another: {a!r}, {b!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"two sides of one name: {', '.join(names)}")
 
 
 def load_rows(path: Path, name: str) -> list[RunRow]:

@@ -56,15 +56,12 @@ class RunRow:
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> RunRow:
-        """The row ``to_json`` wrote (its derived keys ignored, its Nones read back as NaN)."""
+        """The row ``to_json`` wrote: its derived keys ignored, its Nones (NaN figures) read back as NaN;
+        a field an older file lacks keeps its default."""
         kept: dict[str, Any] = {}
         for f in fields(cls):
-            if f.name not in doc:
-                continue  # (an older file: the field's default)
-            value = doc[f.name]
-            if value is None:
-                value = {} if f.name.startswith("errors") else "" if f.name == "note" else math.nan
-            kept[f.name] = value
+            if f.name in doc:
+                kept[f.name] = math.nan if doc[f.name] is None else doc[f.name]
         return cls(**kept)
 
 

@@ -453,8 +453,8 @@ def ratio_lines(rows: Sequence[RunRow], ours: str = "node") -> list[str]:
     those rounds together)."""
     out: list[str] = []
     for conc in sorted({r.concurrency for r in rows}):
-        mine = [r for r in rows if r.concurrency == conc and r.target.startswith(ours)]
-        peers = sorted({r.target for r in rows if r.concurrency == conc and not r.target.startswith(ours)})
+        mine = [r for r in rows if r.concurrency == conc and r.target == ours]
+        peers = sorted({r.target for r in rows if r.concurrency == conc and r.target != ours})
         for peer in peers:
             theirs = [r for r in rows if r.concurrency == conc and r.target == peer]
             pairs = [
