@@ -24,10 +24,11 @@ side CPUs of its own (``--gateway-cpus`` / ``--engine-cpus`` in a side's ``args=
         # one tree, an environment variable apart
 
 A side is ``NAME=TARGET[,KEY=VALUE...]``: ``TARGET`` is ``node``, ``smg`` or ``litellm``; ``tree=DIR`` runs
-``smg-bench`` (and so the node) from that code tree (``PYTHONPATH``), ``args=...`` adds ``smg-bench gateway``
-flags for that side alone (shell-split), any other ``KEY=VALUE`` is an environment variable of the side's
-processes. The first side is compared with each other one. Everything after ``--`` goes to every
-``smg-bench gateway``; ``--targets``, ``--peers`` and ``--json`` are set here.
+``smg-bench`` (and so the node) from that code tree (``PYTHONPATH``); ``python=PATH`` runs it under another
+venv's interpreter (and so the node, engine and load generator it starts from that venv); ``args=...``
+adds ``smg-bench gateway`` flags for that side alone (shell-split); any other ``KEY=VALUE`` is an
+environment variable of the side's processes. The first side is compared with each other one. Everything
+after ``--`` goes to every ``smg-bench gateway``; ``--targets``, ``--peers`` and ``--json`` are set here.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ class Side:
     env: Mapping[str, str]
     tree: Path | None = None
     args: tuple[str, ...] = ()
+    python: str | None = None
 
     def command(self, common: Sequence[str], json_path: Path) -> list[str]:
         where = ["--targets", "node"] if self.target == "node" else ["--targets", "", "--peers", self.target]
-        bench = [sys.executable, "-m", "shepherd.loadgen.cli", "gateway"]
+        bench = [self.python or sys.executable, "-m", "shepherd.loadgen.cli", "gateway"]
         return [*bench, *common, *self.args, *where, "--json", str(json_path)]
 
     @property
@@ -89,6 +91,7 @@ def parse_side(spec: str) -> Side:
     env: dict[str, str] = {}
     tree: Path | None = None
     args: tuple[str, ...] = ()
+    python: str | None = None
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
@@ -97,9 +100,11 @@ def parse_side(spec: str) -> Side:
             tree = Path(value).resolve()
         elif key == "args":
             args = tuple(shlex.split(value))
+        elif key == "python":
+            python = value
         else:
             env[key] = value
-    return Side(name, target, env, tree, args)
+    return Side(name, target, env, tree, args, python)
 
 
 def check_names(sides: Sequence[Side]) -> None:
@@ -214,6 +219,8 @@ def _describe(side: Side) -> str:
         extra.append(f"tree {side.tree}")
     if side.args:
         extra.append(shlex.join(side.args))
+    if side.python is not None:
+        extra.append(f"python {side.python}")
     return f"{side.name} = {side.target}" + (f" ({', '.join(extra)})" if extra else "")
 
 

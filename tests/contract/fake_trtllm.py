@@ -161,7 +161,9 @@ class FakeTrtllm(tr_grpc.TrtllmServiceServicer):  # type: ignore[misc]
                     if k is not None:
                         c.logprobs.extend(_logprob(t, j, k) for j, t in enumerate(out))
                     yield tr.GenerateResponse(request_id=rid, complete=c)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # cancelled while awaiting, or closed at a ``yield`` (grpc.aio closes the generator when the
+            # client's RST_STREAM lands while a message is being sent): either way the call ended under it
             self.cancelled.append(rid)
             raise
 

@@ -242,7 +242,9 @@ class Sglang(sg_grpc.SglangSchedulerServicer):  # type: ignore[misc]
                 if delay:
                     await asyncio.sleep(float(delay))
             yield sg.GenerateResponse(request_id=rid, complete=sg.GenerateComplete(finish_reason="length"))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # cancelled while awaiting, or closed at a ``yield`` (grpc.aio closes the generator when the
+            # client's RST_STREAM lands while a message is being sent): either way the call ended under it
             self.cancelled.append(rid)
             raise
 

@@ -53,6 +53,14 @@ def test_a_side_spec_names_its_target_tree_args_and_environment(tmp_path: Path) 
     assert peer[-5:-2] == ["", "--peers", "smg"]  # no node of its own: the peer only
 
 
+def test_a_side_can_run_under_another_interpreter(tmp_path: Path) -> None:
+    side = pb.parse_side("deb=node,python=/usr/bin/python3.11")
+    assert side.python == "/usr/bin/python3.11" and side.env == {}
+    assert side.command([], tmp_path / "deb.json")[0] == "/usr/bin/python3.11"
+    assert pb.parse_side("here=node").command([], tmp_path / "here.json")[0] == sys.executable
+    assert "python /usr/bin/python3.11" in pb._describe(side)
+
+
 @pytest.mark.parametrize("spec", ["node", "a=", "=node", "a=nginx", "a=node,novalue"])
 def test_bad_side_specs_are_refused(spec: str) -> None:
     with pytest.raises(ValueError):
