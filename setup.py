@@ -25,6 +25,10 @@ CPU per request).
 
 from setuptools import Extension, setup
 
+# -O3 rather than the -O2 of Python's own flags: the C token step and its neighbours run ~1.5% cheaper a
+# paced request (bench/paired_bench.py, the two builds side by side, 2026-12-03: 1.01-1.02x at c=32/128)
+OPT = ["-O3"]
+
 setup(
     ext_modules=[
         Extension(
@@ -32,45 +36,45 @@ setup(
             ["shepherd/policies/_prefixcore.c"],
             depends=["shepherd/policies/_prefixcore_kv.h", "shepherd/proto/_pbwire.h"],
             optional=True,
-            extra_compile_args=["-O2"],
+            extra_compile_args=OPT,
         ),
         Extension(
             "shepherd.proto._kvwire",
             ["shepherd/proto/_kvwire.c"],
             depends=["shepherd/proto/_pbwire.h"],
             optional=True,
-            extra_compile_args=["-O2"],
+            extra_compile_args=OPT,
         ),
         Extension(
             "shepherd.proto._varint",
             ["shepherd/proto/_varint.c"],
             depends=["shepherd/proto/_pbwire.h"],
             optional=True,
-            extra_compile_args=["-O2"],
+            extra_compile_args=OPT,
         ),
         Extension(
             "shepherd.tokens._pretok",
             ["shepherd/tokens/_pretok.c"],
             optional=True,
-            extra_compile_args=["-O2"],
+            extra_compile_args=OPT,
         ),
         Extension(
             "shepherd.node.engines._h2fast",
             ["shepherd/node/engines/_h2fast.c"],
             optional=True,
-            extra_compile_args=["-O2"],
+            extra_compile_args=OPT,
         ),
         Extension(
             "shepherd.node.output._plainstep",
             ["shepherd/node/output/_plainstep.c"],
             optional=True,
-            extra_compile_args=["-O2"],
+            extra_compile_args=OPT,
         ),
         Extension(
             "shepherd.node.observe._otlp_spans",
             ["shepherd/node/observe/_otlp_spans.c"],
             optional=True,
-            extra_compile_args=["-O2"],
+            extra_compile_args=OPT,
         ),
     ]
 )
