@@ -82,8 +82,10 @@ class ToolParser(Protocol):
     ``max_tokens`` as a ``tool_use`` block) reports, at ``finish``, a call of a JSON format (hermes,
     json, llama3) the output was cut off inside as a ``ToolCallStart`` with ``partial`` set and its
     arguments read as far as they go (``partial_json``), when its name is whole and a tool's; a cut
-    that leaves no name yet is dropped; what is not the beginning of a call stays text."""
+    that leaves no name yet is dropped; what is not the beginning of a call stays text. Only when the
+    token limit cut it (``finish(cut=True)``, the default): an output that ended on its own (EOS, a stop
+    string) inside a call (``cut=False``) gives that call back as text, as without ``partial_calls``."""
 
     def feed(self, text: str) -> list[ToolEvent]: ...
 
-    def finish(self) -> list[ToolEvent]: ...
+    def finish(self, cut: bool = True) -> list[ToolEvent]: ...

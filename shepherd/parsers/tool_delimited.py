@@ -123,7 +123,7 @@ class DelimitedToolParser:
                 return [TextDelta(text)] if text else []
         return self._run(self._buf + text)
 
-    def finish(self) -> list[ToolEvent]:
+    def finish(self, cut: bool = True) -> list[ToolEvent]:
         out: list[ToolEvent] = []
         buf = self._buf
         self._buf = ""
@@ -136,7 +136,7 @@ class DelimitedToolParser:
             if calls:
                 self._accept(calls, out)
                 buf = ""
-            elif self._partial and self._cut(body, out):
+            elif self._partial and cut and self._cut(body, out):
                 buf = ""
             else:
                 buf = self._raw_begin + body

@@ -122,7 +122,7 @@ class LeadingValueToolParser:
         self._run(text, out)
         return out
 
-    def finish(self) -> list[ToolEvent]:
+    def finish(self, cut: bool = True) -> list[ToolEvent]:
         state = self._state
         buf = self._buf
         self._buf = ""
@@ -131,7 +131,7 @@ class LeadingValueToolParser:
             value = "".join(self._parts)
             self._parts = []
             out: list[ToolEvent] = []
-            if self._partial and self._cut(value, out):
+            if self._partial and cut and self._cut(value, out):
                 return out
             buf = self._raw + value
         elif state == _DETECT:

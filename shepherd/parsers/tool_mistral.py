@@ -70,7 +70,7 @@ class MistralToolParser:
         self._run(text, out)
         return out
 
-    def finish(self) -> list[ToolEvent]:
+    def finish(self, cut: bool = True) -> list[ToolEvent]:
         state = self._state
         buf = self._buf
         self._buf = ""

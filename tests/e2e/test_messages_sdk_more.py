@@ -172,6 +172,33 @@ def test_a_call_cut_by_max_tokens_is_a_tool_use_block(
     assert final.content[1].type == "tool_use" and final.content[1].input == want
 
 
+def test_a_malformed_call_the_model_ended_on_is_text_under_end_turn(
+    client: anthropic.Anthropic, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """The output ends on its own (EOS) inside a call whose JSON never closes: the call is text, as chat
+    completions answer it, streamed or not; the conversation goes on (a ``tool_use`` block under
+    ``end_turn`` would leave a call the next turn must answer)."""
+    bad = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call>'
+    msg = client.messages.create(
+        model=MODEL, max_tokens=1000, tools=TOOLS, messages=_user(_script(engine, http, bad))
+    )
+    assert msg.stop_reason == "end_turn"
+    assert [(b.type, getattr(b, "text", None)) for b in msg.content] == [("text", bad)]
+    with client.messages.stream(
+        model=MODEL, max_tokens=1000, tools=TOOLS, messages=_user(_script(engine, http, bad))
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "end_turn"
+    assert [(b.type, getattr(b, "text", None)) for b in final.content] == [("text", bad)]
+    turns: Any = [
+        *_user("weather?"),
+        {"role": "assistant", "content": [b.model_dump() for b in final.content]},
+        *_user("and tomorrow?"),
+    ]
+    follow = client.messages.create(model=MODEL, max_tokens=20, tools=TOOLS, messages=turns)
+    assert follow.type == "message"
+
+
 def test_a_cut_before_the_name_drops_the_call(
     client: anthropic.Anthropic, engine: MockEngineProc, http: httpx.Client
 ) -> None:

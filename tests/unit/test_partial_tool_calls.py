@@ -184,7 +184,7 @@ def _message(text: str, reason: str, parallel: bool = True) -> dict[str, Any]:
     """The Messages answer of an output (as ``messages._respond`` builds it)."""
     out = ChatOutput(None, False, "hermes", tuple(TOOLS), parallel, partial_calls=True)
     enc = MessageEvents("msg_1", "qwen3", 10, quiet=True)
-    made_calls = replay(out, enc, text)
+    made_calls = replay(out, enc, text, cut=reason == "length")
     enc.finish(0, *final_reason(reason, None, made_calls))
     return enc.message(messages_usage(10, 5, 0))
 
@@ -207,9 +207,19 @@ def test_messages_answer_a_cut_call_as_a_tool_use_block_with_max_tokens() -> Non
 
 
 def test_a_cut_call_is_no_call_made() -> None:
-    """A partial call does not turn a stop into ``tool_use`` (the model did not finish calling)."""
-    msg = _message(CUT, "stop")
-    assert msg["stop_reason"] == "end_turn" and msg["content"][0]["type"] == "tool_use"
+    """An output that ended on its own inside a call (EOS, a stop string: the model wrote a malformed
+    call, e.g. its JSON unterminated) has the call as text under ``end_turn``, as chat completions have
+    it: never a ``tool_use`` block the client was told not to run (its next turn, without a
+    ``tool_result`` for it, would be refused)."""
+    bad = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call>'
+    for text in (CUT, bad):
+        msg = _message(text, "stop")
+        assert msg["stop_reason"] == "end_turn"
+        assert msg["content"] == [{"type": "text", "text": text}]
+    msg = _message(WHOLE + CUT, "stop")  # a whole call before it is a call: tool_use, the cut one text
+    assert msg["stop_reason"] == "tool_use"
+    assert [b["type"] for b in msg["content"]] == ["tool_use", "text"]
+    assert msg["content"][1]["text"] == CUT
     out = ChatOutput(None, False, "hermes", tuple(TOOLS), True, partial_calls=True)
     parsed = out.choice().whole(WHOLE + CUT)
     assert [c[1] for c in parsed.calls] == ["get_time"]  # (the chat view: the cut call is not a call)

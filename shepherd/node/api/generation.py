@@ -795,7 +795,7 @@ class Generation:
             out.append(enc.finish(idx, st.finish_reason or "stop", st.matched))
             return
         post = posts[i]
-        post.stream_end(out)
+        post.stream_end(out, st.finish_reason == "length")
         out.append(enc.finish(idx, *final_reason(st.finish_reason, st.matched, post.has_calls)))
 
     def _encoder(self) -> ChatChunks | CompletionChunks | StreamEvents:

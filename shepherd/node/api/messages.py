@@ -11,7 +11,10 @@ through the same encoder, quiet (``node.output.chat.replay``): the Message has t
 
 A tool call the output was cut off inside (``max_tokens``) is a ``tool_use`` block, its ``input`` the
 call's JSON as far as it goes (a cut leaving no whole name drops the call), as Anthropic answers with
-``stop_reason: max_tokens``: the tool parser's ``partial_calls`` (chat completions keep vLLM's text).
+``stop_reason: max_tokens``: the tool parser's ``partial_calls`` (chat completions keep vLLM's text). An
+output that ended on its own inside a call (EOS, a stop sequence: a malformed call, e.g. its JSON
+unterminated) has that call as text, as chat completions answer it: never a ``tool_use`` block under
+``end_turn``, which would leave the client a call to answer that it was told not to run.
 
 ``count_tokens`` renders and encodes exactly as a create would and answers ``{"input_tokens": N}``.
 
@@ -143,8 +146,9 @@ async def _respond(g: Generation, jobs: list[Job], message_id: str, req: Message
     enc = MessageEvents(
         message_id, g.model, len(job.ids), req.stop_sequences, quiet=True, omit_thinking=req.omit_thinking
     )
-    replay(g.output, enc, job.states[0].full_text())
-    enc.finish(0, choice["finish_reason"], choice.get("matched_stop"))
+    reason = choice["finish_reason"]
+    replay(g.output, enc, job.states[0].full_text(), cut=reason == "length")
+    enc.finish(0, reason, choice.get("matched_stop"))
     t = g.totals
     body = enc.message(messages_usage(t.prompt, t.completion, t.cached))
     g.done()

@@ -323,7 +323,7 @@ class _TextTools:
     def feed(self, text: str) -> list[ToolEvent]:
         return [TextDelta(text)] if text else []
 
-    def finish(self) -> list[ToolEvent]:
+    def finish(self, cut: bool = True) -> list[ToolEvent]:
         return []
 
 
@@ -408,7 +408,9 @@ class ChoiceParsing:
             return reasoning, [TextDelta(text)] if text else []
         return reasoning, self._calls(self._tool_events(text)) if text else []
 
-    def finish(self) -> tuple[str, list[ToolEvent]]:
+    def finish(self, cut: bool = True) -> tuple[str, list[ToolEvent]]:
+        """The choice ended (``cut``: by the token limit, a ``length`` finish; see ``partial_calls``): the
+        parsers' held reasoning and last events."""
         reasoning = text = ""
         if self._reasoning is not None:
             try:
@@ -421,7 +423,7 @@ class ChoiceParsing:
             return reasoning, [TextDelta(text)] if text else []
         events = self._tool_events(text) if text else []
         try:
-            events.extend(self._tools.finish())
+            events.extend(self._tools.finish(cut))
         except Exception:
             self._tools_failed()
         events = self._calls(events)
@@ -546,10 +548,10 @@ class ChoiceParsing:
             return
         encode_events(enc, index, self._calls(events), logprobs, out)
 
-    def stream_end(self, out: list[bytes]) -> None:
-        """The choice ended: the parsers' held text and last calls as chunks."""
+    def stream_end(self, out: list[bytes], cut: bool = True) -> None:
+        """The choice ended (``cut``: by the token limit): the parsers' held text and last calls as chunks."""
         assert self._enc is not None
-        reasoning, events = self.finish()
+        reasoning, events = self.finish(cut)
         if reasoning:
             out.append(self._enc.reasoning(self._index, reasoning))
         encode_events(self._enc, self._index, events, None, out)
@@ -607,13 +609,18 @@ def encode_events(
 
 
 def replay(
-    output: ChatOutput | None, enc: ChoiceEncoder, text: str, logprobs: dict[str, Any] | None = None
+    output: ChatOutput | None,
+    enc: ChoiceEncoder,
+    text: str,
+    logprobs: dict[str, Any] | None = None,
+    cut: bool = True,
 ) -> bool:
     """A whole (non-streamed) choice's output written to a stream encoder as a stream of one chunk
     would write it: the same parser stage, the same encoder calls (the caller then ``finish``es the
     choice). The Messages and Responses APIs build their non-streamed answers from what the encoder
     recorded (content blocks, output items), so both answers have the same blocks, in generation
-    order. Whether the output made tool calls."""
+    order. Whether the output made tool calls. ``cut``: the token limit ended the output
+    (``partial_calls``)."""
     out: list[bytes] = []
     if output is None:
         if text or logprobs is not None:
@@ -621,7 +628,7 @@ def replay(
         return False
     post = output.choice(enc, 0)
     post.stream(text, logprobs, out)
-    post.stream_end(out)
+    post.stream_end(out, cut)
     return post.has_calls
 
 
