@@ -843,6 +843,27 @@ async def test_a_request_head_that_never_ends_is_answered_408(
     assert await closed(c.r)
 
 
+async def test_a_connection_that_sends_nothing_is_closed_at_head_secs(
+    clocked: tuple[Running, FakeClock],
+) -> None:
+    """A silent connection holds a slot for head_secs (30), not keepalive_secs (60): one between two
+    requests keeps the keep-alive's time."""
+    srv, clock = clocked
+    silent = await Conn.open(srv.port)
+    between = await Conn.open(srv.port)
+    await between.send(get("/hello"))
+    assert (await between.response()).status == 200
+    clock.now += 29.0
+    srv.server.sweep()
+    await asyncio.sleep(0.1)
+    assert not silent.r.at_eof()
+    clock.now += 2.0  # 31 s
+    srv.server.sweep()
+    assert await closed(silent.r)  # closed, no answer (no request came)
+    await between.send(get("/hello"))  # 31 s idle after a request: still open
+    assert (await between.response()).status == 200
+
+
 async def test_a_request_body_that_never_ends_is_answered_408(
     clocked: tuple[Running, FakeClock],
 ) -> None:

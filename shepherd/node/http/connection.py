@@ -14,8 +14,9 @@ one handler task at a time, with only the work a gateway needs per request:
   and discarded for up to ``linger_secs`` first, so the client sees the answer rather than a reset.
 - **Request bodies**: a ``Content-Encoding`` is decoded as the body arrives (limits.py).
 - **Slow clients**: a request head must arrive whole within ``head_secs`` of its first byte, the whole
-  request within ``body_secs`` (→ 408, checked by the keep-alive sweep); chunk framing that carries no
-  body (extensions, trailers: ignored) may not exceed ``max_head`` plus the body's size (→ 400).
+  request within ``body_secs`` (→ 408, checked by the keep-alive sweep); a connection that sends nothing
+  is closed after ``head_secs`` (not the ``keepalive_secs`` of one between requests); chunk framing that
+  carries no body (extensions, trailers: ignored) may not exceed ``max_head`` plus the body's size (→ 400).
 - **Routing**: static paths in a dict, dynamic resources (``/workers/{worker_id}``) matched once per
   request with aiohttp's own patterns; no match → the middlewares see ``web.HTTPNotFound``, a path
   without the method ``web.HTTPMethodNotAllowed`` (with ``Allow``). The middleware chain of each route is
@@ -116,6 +117,7 @@ class _Conn(asyncio.Protocol):
         self.stopped = False  # the parser met an error (or an upgrade): data is ignored
         self.clock = srv.clock
         self.last = self.clock()
+        self.spoke = False  # a byte has come: until then the connection may stay silent head_secs only
         self.started: float | None = None  # when the first byte of the request being received came
         self.remote: str | None = None  # the client's address (its balancer's PROXY header's, if any)
         self.on_lost: Callable[[], None] | None = None  # the server's gate: a counted connection closed
@@ -186,6 +188,7 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last = self.clock()
+        self.spoke = True
         while data and not self.stopped:  # (more than once only past an upgrade request's head)
             data = self._feed(data)
 
@@ -714,16 +717,23 @@ class _Conn(asyncio.Protocol):
 
     def idle_close(self, now: float | None) -> bool:
         """Close if no request is being answered or waiting; with ``now`` (the keep-alive sweep), only a
-        connection silent for ``keepalive_secs`` (a request still arriving included)."""
+        connection silent for ``keepalive_secs`` (a request still arriving included), or for
+        ``head_secs`` when it has sent nothing at all yet (the first request's head is due within that
+        of the connection: silent connections cannot hold slots for longer than a trickled head)."""
         if self.task is not None or self.queue:
             return False
         started = self.started
-        if now is not None and started is not None and not self.closing and not self.stopped:
-            lim = self.limits
-            if now - started > (lim.head_secs if self.in_head else lim.body_secs):  # a slow client
-                self._fault(_Fault(408, "The request took too long to arrive.", "request_timeout"))
-                return True
-        if now is not None and now - self.last < self.limits.keepalive_secs:
+        lim = self.limits
+        if (
+            now is not None
+            and started is not None
+            and not self.closing
+            and not self.stopped
+            and now - started > (lim.head_secs if self.in_head else lim.body_secs)  # a slow client
+        ):
+            self._fault(_Fault(408, "The request took too long to arrive.", "request_timeout"))
+            return True
+        if now is not None and now - self.last < (lim.keepalive_secs if self.spoke else lim.head_secs):
             return False
         self.closing = True
         self._close()
