@@ -161,7 +161,14 @@ def has_credential(headers: Mapping[str, str]) -> bool:
 
 
 def credential(headers: Mapping[str, str], max_bytes: int) -> str:
-    """The presented credential; raises ``AuthFailure`` when there is none or it is unusable."""
+    """The presented credential; raises ``AuthFailure`` when there is none or it is unusable. Either field
+    sent twice is refused (400), as a second ``Host`` is: a proxy that reads the last copy and this node,
+    which would read the first, could disagree about who calls (RFC 9110 §5.3: a single-valued field)."""
+    getall = getattr(headers, "getall", None)  # (a multidict: the request's own headers)
+    if getall is not None and (len(getall("Authorization", ())) > 1 or len(getall("x-api-key", ())) > 1):
+        raise AuthFailure(
+            400, "More than one Authorization or x-api-key header field.", "duplicate_credentials"
+        )
     raw = headers.get("Authorization")
     if raw is not None:
         scheme, _, cred = raw.partition(" ")
@@ -173,7 +180,7 @@ def credential(headers: Mapping[str, str], max_bytes: int) -> str:
     if not cred:
         raise AuthFailure(
             401,
-            "No credential: send 'Authorization: Bearer <key or token>'.",
+            "No credential: send 'Authorization: Bearer <key or token>' (or 'x-api-key: <key>').",
             "missing_credentials",
             presented=False,
         )

@@ -127,6 +127,11 @@ async def test_envelopes_planes_and_roles(client: Factory) -> None:
     assert r.status == 200 and (await r.json())["role"] == "user"
     r = await c.get("/v1/models", headers={"x-api-key": user})  # Anthropic clients
     assert r.status == 200
+    for name in ("Authorization", "x-api-key"):  # a field twice: refused whichever copy is good
+        for pair in ((user, "bogus"), ("bogus", user)):
+            vals = [f"Bearer {v}" if name == "Authorization" else v for v in pair]
+            r = await c.get("/v1/models", headers=[(name, vals[0]), (name, vals[1])])
+            assert r.status == 400 and (await r.json())["error"]["code"] == "duplicate_credentials"
     for method, path in (
         ("POST", "/workers"),
         ("GET", "/workers"),
