@@ -194,6 +194,11 @@ async def test_key_admin_api(client: Factory) -> None:
     for bad in ({"role": "root"}, {"expires_in": -1}, {"expires_at": 5}, {"models": "qwen3"}, {"name": ""}):
         r = await c.post("/admin/keys", json=bad, headers=bearer(ADMIN))
         assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error", bad
+    for typo in ({"model": ["qwen3"]}, {"expire_at": 1}, {"key": "sk-smg-mine"}, {"rate_limit": 5}):
+        # a misspelt or unsupported field is refused, not ignored (no key minted without the restriction)
+        r = await c.post("/admin/keys", json={"name": "typo", **typo}, headers=bearer(ADMIN))
+        err = (await r.json())["error"]
+        assert r.status == 400 and err["param"] == next(iter(typo)), typo
     r = await c.post(
         "/admin/keys", data=b"{not json", headers={**bearer(ADMIN), "Content-Type": "application/json"}
     )

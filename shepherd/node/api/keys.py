@@ -68,9 +68,17 @@ def _expiry(d: dict[str, Any], now: float) -> float | None:
     return None
 
 
+_CREATE_FIELDS = ("name", "role", "tenant", "models", "expires_in", "expires_at")
+
+
 async def create(request: web.Request) -> web.Response:
     state = request.app[auth.AUTH]
     _, d = await read_json(request, 64 * 1024)
+    # an unknown field is refused, not ignored: a misspelt restriction ("model", "expire_at") would
+    # otherwise mint a key without it
+    for k in d:
+        if k not in _CREATE_FIELDS:
+            raise bad(f"Unknown field '{k}'; a key takes {', '.join(_CREATE_FIELDS)}.", param=k)
     name = _opt_str(d, "name") or "key"
     role = d.get("role", "user")
     if role not in ("user", "admin"):
