@@ -920,6 +920,28 @@ async def test_a_chunk_framing_flood_is_refused(srv: Running, flood: bytes) -> N
     assert await closed(c.r)
 
 
+async def test_transfer_encoding_in_http_1_0_is_faulty_framing(srv: Running) -> None:
+    """RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding is treated as faulty framing."""
+    c = await Conn.open(srv.port)
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY)
+    c.w.write(ECHO.replace(b"HTTP/1.1", b"HTTP/1.0") + b"Transfer-Encoding: chunked\r\n\r\n" + chunked)
+    r = await c.response()
+    assert r.status == 400 and r.error()["code"] == "bad_http_request"
+    assert await closed(c.r)
+
+
+async def test_an_absolute_form_target_must_name_the_host(srv: Running) -> None:
+    """The absolute form's authority is the request's host (RFC 9112 §3.3): a Host naming another is a
+    400 (the Host checks would pass a target they never saw); the same one is served."""
+    c = await Conn.open(srv.port)
+    await c.send(get("http://t/hello"))
+    assert (await c.response()).status == 200
+    c = await Conn.open(srv.port)
+    await c.send(get("http://evil.example/hello"))
+    r = await c.response()
+    assert r.status == 400 and r.error()["code"] == "bad_http_request"
+
+
 async def test_trailers_within_bounds_pass_and_are_not_headers(srv: Running) -> None:
     c = await Conn.open(srv.port)
     chunked = b"%x\r\n%s\r\n0\r\nX-Test: trailer\r\n\r\n" % (len(BODY), BODY)

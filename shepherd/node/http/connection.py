@@ -376,6 +376,16 @@ class _Conn(asyncio.Protocol):
         if hosts > 1 or (hosts == 0 and version is HttpVersion11):  # RFC 9112 §3.2: a 400 for either
             msg = "More than one Host header field." if hosts else "An HTTP/1.1 request needs a Host header."
             raise _Limit(_Fault(400, msg, "bad_http_request"))
+        if not target.startswith("/") and "://" in target:
+            # absolute-form: its authority is the request's host (RFC 9112 §3.3), so a Host naming another
+            # would pass the Host checks (allowed hosts, DNS rebinding) for a target they never saw
+            authority = target.split("://", 1)[1].partition("/")[0].partition("?")[0]
+            if authority.lower() != (headers.get("Host") or authority).lower():
+                raise _Limit(
+                    _Fault(
+                        400, "The request target's authority and the Host header differ.", "bad_http_request"
+                    )
+                )
         cl_text = headers.get("Content-Length")
         content_length = int(cl_text) if cl_text is not None else None  # llhttp has checked it
         req = LeanRequest(
@@ -397,6 +407,8 @@ class _Conn(asyncio.Protocol):
         )
         self.cur = req
         te = headers.get("Transfer-Encoding")
+        if te is not None and version is HttpVersion10:  # RFC 9112 §6.1: faulty framing, whatever it says
+            raise _Limit(_Fault(400, "Transfer-Encoding in an HTTP/1.0 request.", "bad_http_request"))
         if te is not None and te.strip().lower() != "chunked":
             raise _Limit(_Fault(400, f"Unsupported Transfer-Encoding {te[:40]!r}.", "bad_http_request"))
         if p.should_upgrade() and method != "CONNECT" and (te is not None or content_length):
