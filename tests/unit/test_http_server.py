@@ -843,6 +843,22 @@ async def test_a_request_head_that_never_ends_is_answered_408(
     assert await closed(c.r)
 
 
+async def test_a_request_that_stops_arriving_is_answered_408(
+    clocked: tuple[Running, FakeClock],
+) -> None:
+    """A body that stops partway: silent for keepalive_secs (60), before body_secs (100) is up, the
+    client gets its 408 rather than a connection closed without a word."""
+    srv, clock = clocked
+    c = await Conn.open(srv.port)
+    await c.send(ECHO + b"Content-Length: 100\r\n\r\n{")
+    await asyncio.sleep(0.05)
+    clock.now += 61.0
+    srv.server.sweep()
+    r = await c.response()
+    assert r.status == 408 and r.error()["code"] == "request_timeout"
+    assert await closed(c.r)
+
+
 async def test_a_connection_that_sends_nothing_is_closed_at_head_secs(
     clocked: tuple[Running, FakeClock],
 ) -> None:

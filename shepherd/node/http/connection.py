@@ -14,7 +14,8 @@ one handler task at a time, with only the work a gateway needs per request:
   and discarded for up to ``linger_secs`` first, so the client sees the answer rather than a reset.
 - **Request bodies**: a ``Content-Encoding`` is decoded as the body arrives (limits.py).
 - **Slow clients**: a request head must arrive whole within ``head_secs`` of its first byte, the whole
-  request within ``body_secs`` (→ 408, checked by the keep-alive sweep); a connection that sends nothing
+  request within ``body_secs`` (→ 408, checked by the keep-alive sweep; one silent partway for
+  ``keepalive_secs`` → 408 then too); a connection that sends nothing
   is closed after ``head_secs`` (not the ``keepalive_secs`` of one between requests); chunk framing that
   carries no body (extensions, trailers: ignored) may not exceed ``max_head`` plus the body's size (→ 400).
 - **Routing**: static paths in a dict, dynamic resources (``/workers/{worker_id}``) matched once per
@@ -747,6 +748,10 @@ class _Conn(asyncio.Protocol):
             return True
         if now is not None and now - self.last < (lim.keepalive_secs if self.spoke else lim.head_secs):
             return False
+        if now is not None and started is not None and not self.closing and not self.stopped:
+            # a request that stopped arriving partway: answered (408) as a slow one is, not cut silently
+            self._fault(_Fault(408, "The request stopped arriving.", "request_timeout"))
+            return True
         self.closing = True
         self._close()
         return True
