@@ -729,6 +729,32 @@ def _detok(http: httpx.Client, node: NodeProc, ids: list[int]) -> str:
     return text
 
 
+def test_tokenize_and_detokenize_in_sglang_and_smg_shapes_too(node: NodeProc, http: httpx.Client) -> None:
+    """SGLang's and SMG's tokenize (``char_count``; a list of prompts: lists back) and detokenize (``text``
+    beside vLLM's ``prompt``; a list of id lists: a list of texts), on both paths."""
+    for path in ("/tokenize", "/v1/tokenize"):
+        one = http.post(node.url + path, json={"model": SG, "prompt": "Hello world"}).json()
+        assert one["count"] == len(one["tokens"]) and one["char_count"] == 11 and "max_model_len" in one
+        r = http.post(node.url + path, json={"model": SG, "prompt": ["Hello world", "Hi", ""]})
+        assert r.status_code == 200, r.text
+        many = r.json()
+        assert many["tokens"][0] == one["tokens"] and many["tokens"][2] == []
+        assert many["count"] == [len(t) for t in many["tokens"]] and many["char_count"] == [11, 2, 0]
+        r = http.post(node.url + path, json={"model": SG, "prompt": ["a", 5]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    ids = http.post(node.url + "/tokenize", json={"model": SG, "prompt": "Hello world"}).json()["tokens"]
+    for path in ("/detokenize", "/v1/detokenize"):
+        r = http.post(node.url + path, json={"model": SG, "tokens": ids})
+        assert r.json() == {"prompt": "Hello world", "text": "Hello world"}
+        r = http.post(node.url + path, json={"model": SG, "tokens": [ids, ids[:1], []]})
+        assert r.status_code == 200, r.text
+        texts = r.json()["text"]
+        assert texts == r.json()["prompt"] and texts[0] == "Hello world" and texts[2] == ""
+        for bad in ([ids, [True]], [[1], 2], [[-1]], "x"):
+            r = http.post(node.url + path, json={"model": SG, "tokens": bad})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", bad
+
+
 def test_return_token_ids_as_vllm(node: NodeProc, engine: MockEngineProc, http: httpx.Client) -> None:
     """vLLM's ``return_token_ids``: chat answers carry the prompt's ids beside the choices and each
     choice's output ids (streamed: each chunk the ids its text came from, the role chunk the prompt's);

@@ -184,7 +184,14 @@ TOKENIZE_CHAT_KEYS = (
 )
 
 
+# a batch of prompts or of id lists (SGLang's and SMG's ``/tokenize`` / ``/detokenize``): at most this many
+MAX_TOKENIZE_BATCH = 2048
+
+
 async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's tokenize (``prompt`` or ``messages``: ``tokens``, ``count``, ``max_model_len``, ``token_strs``)
+    and SGLang's and SMG's (``char_count``; ``prompt`` a list of strings: ``tokens`` a list of id lists,
+    ``count`` and ``char_count`` lists)."""
     gw: Gateway = request.app[GATEWAY]
     _, d = await read_json(request, gw.cfg.max_body_bytes)
     model = model_for(request, gw, str(d.get("model", "default")))
@@ -200,11 +207,29 @@ async def tokenize(request: web.Request) -> web.Response:
         _, ids = await render_chat(gw, model, req)
     else:
         prompt = d.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) > MAX_TOKENIZE_BATCH:
+                raise bad(f"'prompt' holds more than {MAX_TOKENIZE_BATCH} strings.", param="prompt")
+            if d.get("return_token_strs", False) is not False:
+                raise bad("'return_token_strs' takes one prompt, not a list.", param="return_token_strs")
+            for p in prompt:  # (each before any tokenizing: bounded work)
+                gw.check_prompt_chars(model, len(p), "prompt")
+            batch = [await gw.tokenizers.encode(model, p, add_special) for p in prompt]
+            return json_response(
+                {
+                    "tokens": batch,
+                    "count": [len(ids) for ids in batch],
+                    "char_count": [len(p) for p in prompt],
+                    "max_model_len": gw.context_length(model),
+                }
+            )
         if not isinstance(prompt, str):
-            raise bad("'prompt' (a string) or 'messages' is required.", param="prompt")
+            raise bad("'prompt' (a string or a list of strings) or 'messages' is required.", param="prompt")
         gw.check_prompt_chars(model, len(prompt), "prompt")
         ids = await gw.tokenizers.encode(model, prompt, add_special)
     out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": gw.context_length(model)}
+    if isinstance(prompt := d.get("prompt"), str) and "messages" not in d:
+        out["char_count"] = len(prompt)  # (SMG's)
     strs = d.get("return_token_strs", False)
     if not isinstance(strs, bool):
         raise bad("'return_token_strs' must be a boolean.", param="return_token_strs")
@@ -214,20 +239,33 @@ async def tokenize(request: web.Request) -> web.Response:
     return json_response(out)
 
 
+def _ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
 async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's detokenize (``prompt``) and SGLang's and SMG's (``text``): both fields, the same text;
+    ``tokens`` a list of id lists (theirs): a list of texts in each."""
     gw: Gateway = request.app[GATEWAY]
     _, d = await read_json(request, gw.cfg.max_body_bytes)
     model = model_for(request, gw, str(d.get("model", "default")))
     toks = d.get("tokens")
     tok = gw.tokenizer(model)
-    if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
-        raise bad("'tokens' must be a list of integers.", param="tokens")
-    if any(t < 0 or t >= tok.vocab_size for t in toks):
+    batch = isinstance(toks, list) and bool(toks) and all(isinstance(t, list) for t in toks)
+    seqs = toks if batch else [toks]
+    assert isinstance(seqs, list)
+    if not all(_ids(s) for s in seqs):
+        raise bad("'tokens' must be a list of integers (or a list of such lists).", param="tokens")
+    if len(seqs) > MAX_TOKENIZE_BATCH:
+        raise bad(f"'tokens' holds more than {MAX_TOKENIZE_BATCH} lists.", param="tokens")
+    if any(t < 0 or t >= tok.vocab_size for s in seqs for t in s):
         raise bad(f"'tokens' holds an id outside the vocabulary (size {tok.vocab_size}).", param="tokens")
     skip = d.get("skip_special_tokens", False)
     if not isinstance(skip, bool):
         raise bad("'skip_special_tokens' must be a boolean.", param="skip_special_tokens")
-    return json_response({"prompt": tok.decode(toks, skip_special_tokens=skip)})
+    texts = [tok.decode(s, skip_special_tokens=skip) for s in seqs]
+    text: str | list[str] = texts if batch else texts[0]
+    return json_response({"prompt": text, "text": text})
 
 
 def _serving(gw: Gateway, w: Worker) -> bool:
