@@ -283,6 +283,23 @@ _GENERATE_DEFAULTS: dict[str, tuple[object, ...]] = {
     "bootstrap_host": (None,),
     "bootstrap_port": (None,),
     "bootstrap_room": (None,),
+    # what a client that serializes a whole GenerateReqInput sends besides (null or false: unset)
+    "session_id": (None,),
+    "priority": (None,),
+    "no_logs": (None, False),
+    "background": (None, False),
+    "extra_key": (None,),
+    "custom_labels": (None,),
+    "return_entropy": (None, False),
+    "return_bytes": (None, False),
+    "conversation_id": (None,),
+    "routing_key": (None,),
+    "routed_dp_rank": (None,),
+    "cache_salt": (None,),
+    "require_reasoning": (None, False),
+    "return_prompt_token_ids": (None, False),
+    "received_time": (None,),
+    "max_thinking_tokens": (None,),
 }
 
 
@@ -694,6 +711,7 @@ def routes() -> list[web.RouteDef]:
         web.get("/server_info", get_server_info),
         web.get("/model_info", get_model_info),
         web.post("/generate", generate),
+        web.put("/generate", generate),  # (SGLang serves both)
         web.get("/health_generate", HealthGenerate().handle),  # (one probe per app)
         web.post("/flush_cache", flush_cache),
         web.post("/reset_prefix_cache", flush_cache),  # vLLM's name for it
