@@ -747,7 +747,9 @@ CASES: list[Case] = [
     Case("detokenize-2**40", "/v1/detokenize", {"model": "qwen3", "tokens": [2**40]}, 400),
     Case("detokenize-floats", "/v1/detokenize", {"model": "qwen3", "tokens": [1.0]}, 400),
     Case("detokenize-bools", "/v1/detokenize", {"model": "qwen3", "tokens": [True]}, 400),
-    Case("detokenize-nested", "/v1/detokenize", {"model": "qwen3", "tokens": [[1]]}, 400),
+    Case("detokenize-nested-mixed", "/v1/detokenize", {"model": "qwen3", "tokens": [[1], 2]}, 400),
+    Case("detokenize-nested-deep", "/v1/detokenize", {"model": "qwen3", "tokens": [[[1]]]}, 400),
+    Case("detokenize-batch", "/v1/detokenize", {"model": "qwen3", "tokens": [[1], [2, 3]]}, 200),
     Case(
         "detokenize-skip-string",
         "/v1/detokenize",
@@ -995,7 +997,7 @@ def test_worker_urls(url: str, node: NodeProc, engine: MockEngineProc, http: htt
 def test_worker_readded_for_other_model(node: NodeProc, engine: MockEngineProc, http: httpx.Client) -> None:
     h = {"authorization": ADMIN}
     r = http.post(node.url + "/workers", json={"url": "grpc://127.0.0.1:9", "model_id": "qwen3"}, headers=h)
-    assert r.status_code == 201, r.text
+    assert r.status_code == 202, r.text
     wid = r.json()["id"]
     try:
         again = http.post(
@@ -1010,7 +1012,7 @@ def test_worker_readded_for_other_model(node: NodeProc, engine: MockEngineProc, 
 def test_target_worker_of_wrong_kind(node: NodeProc, engine: MockEngineProc, http: httpx.Client) -> None:
     h = {"authorization": ADMIN}
     r = http.post(node.url + "/workers", json={"url": "http://127.0.0.1:9", "model_id": "qwen3"}, headers=h)
-    assert r.status_code == 201, r.text
+    assert r.status_code == 202, r.text
     wid = r.json()["id"]
     try:
         got = http.post(node.url + CHAT, json=chat(), headers={**h, "x-smg-target-worker": wid})

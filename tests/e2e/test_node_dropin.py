@@ -257,7 +257,7 @@ def test_smg_admin_json_for_workers(http: httpx.Client) -> None:
             "labels": {"zone": "a"},
         }
         added = http.post(admin + "/workers", json=spec)
-        assert added.status_code == 201, added.text
+        assert added.status_code == 202, added.text
         got = added.json()
         assert got["success"] is True and got["worker"]["runtime_type"] == "vllm"
         assert (got["priority"], got["cost"], got["labels"]) == (80, 0.5, {"zone": "a"})
@@ -302,7 +302,7 @@ def test_smg_admin_json_for_workers(http: httpx.Client) -> None:
         legacy = f"grpc://{b.grpc_target}"
         assert http.get(node.url + "/list_workers").status_code == 404
         added = http.post(admin + "/add_worker", params={"url": legacy, "runtime_type": "vllm"})
-        assert added.status_code == 201 and added.json()["success"] is True, added.text
+        assert added.status_code == 202 and added.json()["success"] is True, added.text
         assert f"vllm://{b.grpc_target}" in http.get(admin + "/list_workers").json()["urls"]
         nameless = http.post(admin + "/remove_worker")
         assert nameless.status_code == 400 and nameless.json()["error"]["param"] == "url", nameless.text

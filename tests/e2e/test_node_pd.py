@@ -300,4 +300,4 @@ def test_a_node_whose_prefill_pool_is_down_is_not_ready(decode: MockEngineProc) 
                 assert httpx.get(node.url + "/health", timeout=5).status_code == 503
                 assert httpx.get(node.url + "/ping", timeout=5).status_code == 503
                 body = {"url": f"vllm://{regular.grpc_target}"}
-                assert httpx.post(node.url + "/workers", json=body, timeout=30).status_code in (200, 201)
+                assert httpx.post(node.url + "/workers", json=body, timeout=30).status_code in (202, 409)

@@ -150,7 +150,7 @@ def test_worker_admin_lifecycle() -> None:
     ):
         assert http_status(node.url + "/readiness") == 503  # no worker yet
         r = httpx.post(node.url + "/workers", json={"url": f"grpc://{engine.grpc_target}"}, timeout=15)
-        assert r.status_code == 201, r.text
+        assert r.status_code == 202, r.text
         wid = r.json()["id"]
         assert http_status(node.url + "/readiness") == 200
         assert sdk(node.url).chat.completions.create(model="qwen3", messages=MSGS, max_tokens=2).choices

@@ -203,7 +203,7 @@ def test_grpc_errors_do_not_name_the_worker_address() -> None:
     with running_node("--model-id", "qwen3", "--tokenizer-workers", "0", wait_ready=False) as node:
         url = f"grpc://127.0.0.1:{dead}"
         add = httpx.post(node.url + "/workers", json={"url": url, "model_id": "qwen3"}, timeout=30)
-        assert add.status_code == 201, add.text
+        assert add.status_code == 202, add.text
         wid = add.json()["id"]
         r = httpx.post(
             node.url + "/v1/chat/completions",
@@ -241,10 +241,10 @@ def test_adds_of_workers_that_fail_their_first_check_are_rate_limited() -> None:
                 assert_envelope(r, 429, "worker_probe_rate_limited")
                 assert int(r.headers["Retry-After"]) >= 1
                 break
-            assert r.status_code == 201 and r.json()["healthy"] is False
+            assert r.status_code == 202 and r.json()["healthy"] is False
             assert set(r.json()) >= {"id", "url", "healthy"} and "error" not in r.json()
         # the burst, and what the budget refilled meanwhile (a slow host's adds take a while each)
-        assert statuses[-1] == 429 and 20 <= statuses.count(201) < 30
+        assert statuses[-1] == 429 and 20 <= statuses.count(202) < 30
 
 
 # ---- 3. the client-connection cap -------------------------------------------------------------------

@@ -188,7 +188,7 @@ async def _propagate(cluster: Cluster, origin: Slot, url: str, add: bool) -> lis
         if add:
             body = orjson.dumps({"url": url, "model_id": MODEL})
             async with session.post(f"http://127.0.0.1:{origin.http}/workers", data=body) as r:
-                if r.status not in (200, 201):
+                if r.status not in (200, 201, 202):
                     raise RuntimeError(f"POST /workers: HTTP {r.status}: {await r.text()}")
         else:
             async with session.delete(f"http://127.0.0.1:{origin.http}/workers", params={"url": url}) as r:

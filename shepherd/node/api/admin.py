@@ -435,20 +435,41 @@ def _weights(d: dict[str, Any]) -> tuple[int | None, float | None, dict[str, str
 async def add_worker(request: web.Request) -> web.Response:
     """``POST /workers``: Shepherd's ``{"url", "model_id"}`` or SMG's worker spec (``worker_type``
     regular / prefill / decode, ``runtime_type``, ``priority``, ``cost``, ``labels``,
-    ``bootstrap_port``). Answers SMG's ``WorkerApiResponse`` (``success``, ``message``, ``worker``) with
-    the worker's fields beside it (201 added, 200 already there)."""
+    ``bootstrap_port``). Answers as smg 1.13's server does: 202 with ``Location: /workers/{id}`` and
+    ``status: accepted``, ``worker_id``, ``url``, ``location``, ``message`` (the worker's first checks run
+    on, as there), with SMG's ``WorkerApiResponse`` (``success``, ``worker``) and the worker's fields
+    beside; a URL already registered is a 409 ``worker_exists`` naming its worker (smg's
+    ``WORKER_ALREADY_EXISTS``: replace it with ``PUT /workers/{id}``, update it with ``PATCH``)."""
     gw: Gateway = request.app[GATEWAY]
     _, d = await read_json(request, 64 * 1024)
     return _added(request, *await _add(gw, d))
 
 
 def _added(request: web.Request, w: Worker, existed: bool) -> web.Response:
-    if not existed:
-        audit(request, "worker added", f"{w.id} {w.url} (model {w.model})")
+    if existed:
+        raise ApiError(
+            409,
+            f"Worker already exists at URL {w.url!r} with ID {w.id}. Use PUT /workers/{w.id} to replace or "
+            f"PATCH /workers/{w.id} to update.",
+            param="url",
+            code="worker_exists",
+        )
+    audit(request, "worker added", f"{w.id} {w.url} (model {w.model})")
     info = describe(request.app[GATEWAY], w)
-    message = f"Worker {w.id} {'already registered' if existed else 'added'}."
-    body = {"success": True, "message": message, "worker": info, **info}
-    return json_response(body, 200 if existed else 201)
+    location = f"/workers/{w.id}"
+    body = {
+        **info,
+        "status": "accepted",  # (smg's; the worker's own state is ``worker.status``)
+        "worker_id": w.id,
+        "url": w.url,
+        "location": location,
+        "message": f"Worker {w.id} added.",
+        "success": True,
+        "worker": info,
+    }
+    resp = json_response(body, 202)
+    resp.headers["Location"] = location
+    return resp
 
 
 async def add_worker_legacy(request: web.Request) -> web.Response:

@@ -13,6 +13,7 @@ Shapes read from sgl-project/sglang (``python/sglang/srt/entrypoints/http_server
 from __future__ import annotations
 
 import asyncio
+import datetime
 import importlib.metadata
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -151,7 +152,9 @@ async def get_server_info(request: web.Request) -> web.Response:
 
 async def get_loads(request: web.Request) -> web.Response:
     """SMG's ``GET /get_loads`` (``WorkerLoadsResult``): each worker's load as the engine last reported
-    it (running + waiting requests; -1: no report, e.g. an HTTP worker or one not yet polled)."""
+    it (running + waiting requests; -1: no report, e.g. an HTTP worker or one not yet polled); with what
+    smg 1.13's server answers besides (``timestamp``, ``version``, ``dp_rank_count``, and each load's
+    ``dp_rank``, ``num_running_reqs``, ``num_waiting_reqs``, ``token_usage``)."""
     gw: Gateway = request.app[GATEWAY]
     await gw.registry.loads_for_reading()
     loads = []
@@ -165,10 +168,22 @@ async def get_loads(request: web.Request) -> web.Response:
                 "worker_id": w.id,
                 "worker_type": _worker_type(gw, w.id),
                 "load": w.load.running + w.load.waiting if known else -1,
+                "dp_rank": 0,
+                "num_running_reqs": w.load.running,
+                "num_waiting_reqs": w.load.waiting,
+                "token_usage": w.load.token_usage,
             }
         )
     return json_response(
-        {"loads": loads, "total_workers": len(loads), "successful": ok, "failed": len(loads) - ok}
+        {
+            "timestamp": datetime.datetime.now(datetime.UTC).isoformat(),
+            "version": f"shepherd-{VERSION}",
+            "dp_rank_count": 1,
+            "loads": loads,
+            "total_workers": len(loads),
+            "successful": ok,
+            "failed": len(loads) - ok,
+        }
     )
 
 
@@ -209,11 +224,18 @@ async def flush_cache(request: web.Request) -> web.Response:
         + "."
     )
     body = {
+        # smg 1.13's server's answer
+        "status": "success" if not failed else "partial_success" if successful else "failed",
+        "message": message,
+        "workers_flushed": len(successful),
+        "total_http_workers": http_n,
+        "total_grpc_workers": len(grpc_ws),
+        "total_zmq_workers_skipped": 0,
+        "total_workers": len(ws),
+        # SMG's FlushCacheResult
         "successful": successful,
         "failed": failed,
-        "total_workers": len(ws),
         "http_workers": http_n,
-        "message": message,
     }
     return json_response(body, 200 if not failed else 500)
 
