@@ -241,6 +241,9 @@ def test_smg_admin_json_for_workers(http: httpx.Client) -> None:
             "total_models": 1,
             "total_load": 0,
             "by_type": {"regular": 1, "prefill": 0, "decode": 0},
+            "prefill_count": 0,  # (smg 1.13's server's)
+            "decode_count": 0,
+            "regular_count": 1,
         }
         w = listed["workers"][0]
         assert (w["model_id"], w["worker_type"], w["connection_mode"]) == ("qwen3", "regular", "grpc")
@@ -295,7 +298,7 @@ def test_smg_admin_json_for_workers(http: httpx.Client) -> None:
         assert http.post(admin + "/reset_prefix_cache").status_code == 200  # vLLM's name for it
         assert http.post(node.url + "/reset_prefix_cache").status_code == 404
         gone = http.delete(admin + f"/workers/{wid}")
-        assert gone.status_code == 200 and gone.json()["success"] is True
+        assert gone.status_code == 202 and gone.json()["success"] is True
         assert gone.json()["worker"]["id"] == wid and gone.json()["deleted"] == wid  # SMG's shape
         assert http.get(admin + "/workers").json()["total"] == 1
         # SMG's older query-string admin, on the admin listener too
@@ -307,7 +310,7 @@ def test_smg_admin_json_for_workers(http: httpx.Client) -> None:
         nameless = http.post(admin + "/remove_worker")
         assert nameless.status_code == 400 and nameless.json()["error"]["param"] == "url", nameless.text
         removed = http.post(admin + "/remove_worker", params={"url": f"vllm://{b.grpc_target}"})
-        assert removed.status_code == 200 and removed.json()["success"] is True
+        assert removed.status_code == 202 and removed.json()["success"] is True
         assert http.get(admin + "/list_workers").json()["urls"] == [f"grpc://{a.grpc_target}"]
         # every change to the workers is in the log: what, on what, by whom, from where
         audit = [ln for ln in node.log().splitlines() if "shepherd.audit" in ln]

@@ -155,7 +155,7 @@ def test_worker_admin_lifecycle() -> None:
         assert http_status(node.url + "/readiness") == 200
         assert sdk(node.url).chat.completions.create(model="qwen3", messages=MSGS, max_tokens=2).choices
         assert httpx.get(node.url + f"/workers/{wid}", timeout=5).json()["healthy"] is True
-        assert httpx.delete(node.url + f"/workers/{wid}", timeout=5).status_code == 200
+        assert httpx.delete(node.url + f"/workers/{wid}", timeout=5).status_code == 202
         assert httpx.get(node.url + "/workers", timeout=5).json()["workers"] == []
         with pytest.raises(openai.APIStatusError) as ei:
             sdk(node.url).chat.completions.create(model="qwen3", messages=MSGS, max_tokens=2)

@@ -192,7 +192,7 @@ async def _propagate(cluster: Cluster, origin: Slot, url: str, add: bool) -> lis
                     raise RuntimeError(f"POST /workers: HTTP {r.status}: {await r.text()}")
         else:
             async with session.delete(f"http://127.0.0.1:{origin.http}/workers", params={"url": url}) as r:
-                if r.status != 200:
+                if r.status not in (200, 202):
                     raise RuntimeError(f"DELETE /workers: HTTP {r.status}: {await r.text()}")
         return list(await asyncio.gather(*(_poll_until(session, s.http, url, add, t0) for s in others)))
 

@@ -366,6 +366,10 @@ async def list_workers(request: web.Request) -> web.Response:
         "total_models": len({d["model_id"] for d in ws}),
         "total_load": sum(d["load"] for d in ws),
         "by_type": by_type,
+        # smg 1.13's server's
+        "prefill_count": by_type["prefill"],
+        "decode_count": by_type["decode"],
+        "regular_count": by_type["regular"],
     }
     return json_response({"workers": ws, "total": len(ws), "stats": stats})
 
@@ -663,8 +667,10 @@ async def delete_worker(request: web.Request) -> web.Response:
 
 
 async def _remove(request: web.Request, w: Worker) -> web.Response:
-    """Out of routing at once; the requests it serves finish (``WorkerRegistry.remove``). Answers SMG's
-    ``WorkerApiResponse`` (``worker``: the worker as it was) with ``deleted`` and ``url`` beside."""
+    """Out of routing at once; the requests it serves finish (``WorkerRegistry.remove``). Answers as smg
+    1.13's server does, 202 with ``status: accepted``, ``worker_id``, ``message``, and SMG's
+    ``WorkerApiResponse`` (``success``, ``worker``: the worker as it was) with ``deleted`` and ``url``
+    beside."""
     gw = request.app[GATEWAY]
     info = describe(gw, w)
     await gw.registry.remove(w.id)
@@ -673,12 +679,15 @@ async def _remove(request: web.Request, w: Worker) -> web.Response:
     audit(request, "worker removed", f"{w.id} {w.url} ({w.in_flight} requests in flight finish)")
     return json_response(
         {
-            "success": True,
+            "status": "accepted",
+            "worker_id": w.id,
             "message": f"Worker {w.id} removed.",
+            "success": True,
             "worker": info,
             "deleted": w.id,
             "url": w.url,
-        }
+        },
+        202,
     )
 
 
