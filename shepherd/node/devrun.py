@@ -47,6 +47,9 @@ def main() -> None:
     # SIGTERM (``kill PID``, a process manager) stops both children as Ctrl-C does (its default ends
     # this process at once, the finally below unrun: the engine and the node left running)
     signal.signal(signal.SIGTERM, _interrupt)
+    # and SIGINT always: a shell starting this as a background job (``make run &`` in a script) leaves
+    # SIGINT ignored, so ``kill -INT`` stopped nothing
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         engine = subprocess.Popen(
             [

@@ -15,8 +15,14 @@ import pytest
 from tests.e2e.node_procs import http_status, reserved_port
 
 
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_devrun_serves_a_chat_and_stops_both_processes(stop: signal.Signals) -> None:
+@pytest.mark.parametrize(
+    ("stop", "background"),
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["ctrl-c", "sigterm", "sigint-to-a-background-job"],
+)
+def test_devrun_serves_a_chat_and_stops_both_processes(stop: signal.Signals, background: bool) -> None:
+    """``background``: started as a shell script's ``... &`` starts it, SIGINT ignored (inherited): a
+    ``kill -INT`` stops it all the same."""
     ports: set[int] = set()
     while len(ports) < 3:  # bounded: three distinct ports below the ephemeral range (free_port closes its
         ports.add(reserved_port())  # socket: two calls may hand out one port, or a client take it meanwhile)
@@ -33,6 +39,7 @@ def test_devrun_serves_a_chat_and_stops_both_processes(stop: signal.Signals) -> 
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its group: whatever of it is left is stopped below, also on failure
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if background else None,
     )
     try:
         _serve_then_stop(proc, stop, port, http_port)
