@@ -267,6 +267,13 @@ def test_smg_admin_json_for_workers(http: httpx.Client) -> None:
         assert got["url"] == f"vllm://{b.grpc_target}"
         wid = got["id"]
         assert http.get(admin + f"/workers/{wid}").json()["priority"] == 80
+        assert added.headers["Location"] == f"/workers/{wid}" and got["worker_id"] == wid
+        # the same URL again (smg: WORKER_ALREADY_EXISTS): a 409, and its weights are left as they are
+        again = http.post(admin + "/workers", json={**spec, "priority": 5, "labels": {"zone": "z"}})
+        assert again.status_code == 409 and again.json()["error"]["code"] == "worker_exists", again.text
+        assert wid in again.json()["error"]["message"]
+        kept = http.get(admin + f"/workers/{wid}").json()
+        assert (kept["priority"], kept["labels"]) == (80, {"zone": "a"})
         upd = http.put(admin + f"/workers/{wid}", json={"priority": 10, "labels": {"zone": "b"}})
         assert upd.status_code == 200 and upd.json()["worker"]["priority"] == 10
         assert upd.json()["labels"] == {"zone": "b"} and upd.json()["cost"] == 0.5

@@ -198,6 +198,7 @@ async def tokenize(request: web.Request) -> web.Response:
     add_special = d.get("add_special_tokens", True)
     if not isinstance(add_special, bool):
         raise bad("'add_special_tokens' must be a boolean.", param="add_special_tokens")
+    chars: int | None = None  # (SMG's ``char_count``, of a prompt given as text)
     if "messages" in d:
         # the prompt chat completions builds (vLLM's tokenize runs its chat's _preprocess_chat too): the
         # chat request's parsing of these fields (roles, content parts, legacy turns, their 400s) and its
@@ -227,9 +228,10 @@ async def tokenize(request: web.Request) -> web.Response:
             raise bad("'prompt' (a string or a list of strings) or 'messages' is required.", param="prompt")
         gw.check_prompt_chars(model, len(prompt), "prompt")
         ids = await gw.tokenizers.encode(model, prompt, add_special)
+        chars = len(prompt)
     out: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": gw.context_length(model)}
-    if isinstance(prompt := d.get("prompt"), str) and "messages" not in d:
-        out["char_count"] = len(prompt)  # (SMG's)
+    if chars is not None:
+        out["char_count"] = chars
     strs = d.get("return_token_strs", False)
     if not isinstance(strs, bool):
         raise bad("'return_token_strs' must be a boolean.", param="return_token_strs")
@@ -251,9 +253,10 @@ async def detokenize(request: web.Request) -> web.Response:
     model = model_for(request, gw, str(d.get("model", "default")))
     toks = d.get("tokens")
     tok = gw.tokenizer(model)
+    seqs: list[Any] = [toks]
     batch = isinstance(toks, list) and bool(toks) and all(isinstance(t, list) for t in toks)
-    seqs = toks if batch else [toks]
-    assert isinstance(seqs, list)
+    if batch and isinstance(toks, list):
+        seqs = toks
     if not all(_ids(s) for s in seqs):
         raise bad("'tokens' must be a list of integers (or a list of such lists).", param="tokens")
     if len(seqs) > MAX_TOKENIZE_BATCH:
@@ -446,18 +449,10 @@ async def add_worker(request: web.Request) -> web.Response:
     ``WORKER_ALREADY_EXISTS``: replace it with ``PUT /workers/{id}``, update it with ``PATCH``)."""
     gw: Gateway = request.app[GATEWAY]
     _, d = await read_json(request, 64 * 1024)
-    return _added(request, *await _add(gw, d))
+    return _added(request, await _add(gw, d))
 
 
-def _added(request: web.Request, w: Worker, existed: bool) -> web.Response:
-    if existed:
-        raise ApiError(
-            409,
-            f"Worker already exists at URL {w.url!r} with ID {w.id}. Use PUT /workers/{w.id} to replace or "
-            f"PATCH /workers/{w.id} to update.",
-            param="url",
-            code="worker_exists",
-        )
+def _added(request: web.Request, w: Worker) -> web.Response:
     audit(request, "worker added", f"{w.id} {w.url} (model {w.model})")
     info = describe(request.app[GATEWAY], w)
     location = f"/workers/{w.id}"
@@ -486,7 +481,7 @@ async def add_worker_legacy(request: web.Request) -> web.Response:
         if not q["bootstrap_port"].isdigit():
             raise bad("'bootstrap_port' must be a port number.", param="bootstrap_port")
         d["bootstrap_port"] = int(q["bootstrap_port"])
-    return _added(request, *await _add(gw, d))
+    return _added(request, await _add(gw, d))
 
 
 async def list_workers_legacy(request: web.Request) -> web.Response:
@@ -501,8 +496,10 @@ async def remove_worker_legacy(request: web.Request) -> web.Response:
     return await _remove(request, _worker(gw, request.query.get("url", "")))
 
 
-async def _add(gw: Gateway, d: dict[str, Any]) -> tuple[Worker, bool]:
-    """Register the worker of a spec (checked; 400 naming a bad field): (the worker, it existed)."""
+async def _add(gw: Gateway, d: dict[str, Any]) -> Worker:
+    """Register the worker of a spec (checked; 400 naming a bad field) and return it. A URL registered
+    already is a 409 ``worker_exists`` whatever the spec (nothing of the worker changes: ``PUT`` or
+    ``PATCH /workers/{id}`` do that), as smg's ``WORKER_ALREADY_EXISTS``."""
     unknown = sorted(set(d) - _SPEC_KEYS)
     if unknown:
         raise bad(f"Unknown worker spec field {unknown[0]!r}.", param=unknown[0])
@@ -557,7 +554,6 @@ async def _add(gw: Gateway, d: dict[str, Any]) -> tuple[Worker, bool]:
             param="model_id",
             code="worker_exists",
         )
-    existed = known is not None
     if known is not None and gw.pd is not None:  # the same URL in another role: not what was asked
         role = gw.pd.role_of(known.id)
         if role != wtype:
@@ -567,33 +563,42 @@ async def _add(gw: Gateway, d: dict[str, Any]) -> tuple[Worker, bool]:
                 param="worker_type",
                 code="worker_exists",
             )
-    if not existed:  # the same engine under another spelling: one engine, one worker
-        here = worker_endpoint(url)
-        same = next((w for w in gw.registry.workers.values() if worker_endpoint(w.url) == here), None)
-        if same is not None:
-            raise ApiError(
-                409,
-                f"Worker {same.id} ({same.url}) is this engine already; remove it first to register it "
-                f"as {url!r}.",
-                param="url",
-                code="worker_exists",
-            )
-    if not existed and gw.pd is not None and wtype != "regular":
-        gw.pd.join_pool(url, wtype, port)  # before the registry: the pool's policy learns of it then
+    if known is not None:
+        raise ApiError(
+            409,
+            f"Worker already exists at URL {known.url!r} with ID {known.id}. Use PUT /workers/{known.id} to "
+            f"replace or PATCH /workers/{known.id} to update.",
+            param="url",
+            code="worker_exists",
+        )
+    # the same engine under another spelling: one engine, one worker
+    here = worker_endpoint(url)
+    same = next((w for w in gw.registry.workers.values() if worker_endpoint(w.url) == here), None)
+    if same is not None:
+        raise ApiError(
+            409,
+            f"Worker {same.id} ({same.url}) is this engine already; remove it first to register it "
+            f"as {url!r}.",
+            param="url",
+            code="worker_exists",
+        )
+    pool = gw.pd if wtype != "regular" else None  # (a PD worker: its pool)
+    if pool is not None:
+        pool.join_pool(url, wtype, port)  # before the registry: the pool's policy learns of it then
     try:
         w = await gw.registry.add(url, model)
     except BaseException:
-        if not existed and gw.pd is not None and wtype != "regular":
-            gw.pd.leave_pool(url)
+        if pool is not None:
+            pool.leave_pool(url)
         raise
-    if not existed and gw.pd is not None and wtype != "regular":
+    if pool is not None:
         mismatch = _pd_kind_mismatch(gw, w, wtype)
         if mismatch is not None:  # (taken out again: nothing routes to it meanwhile, the pool knew it first)
             await gw.registry.remove(w.id)
-            gw.pd.leave_pool(w.url)
+            pool.leave_pool(w.url)
             raise bad(mismatch, param="runtime_type", code="engine_kind_mismatch")
     _apply(w, priority, cost, labels)
-    return w, existed
+    return w
 
 
 def _pd_kind_mismatch(gw: Gateway, w: Worker, wtype: str) -> str | None:

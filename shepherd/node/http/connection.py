@@ -96,6 +96,15 @@ class _Server(Protocol):
     def arm_sweep(self) -> None: ...
 
 
+def _absolute_form(raw_path: str) -> tuple[str, str] | None:
+    """An absolute-form request target's (without its query) authority and path (RFC 9112 §3.2.2:
+    ``http://host:port/path``); None for the origin form (``/path``)."""
+    if raw_path.startswith("/") or "://" not in raw_path:
+        return None
+    authority, _, rest = raw_path.split("://", 1)[1].partition("/")
+    return authority, "/" + rest
+
+
 class _Conn(asyncio.Protocol):
     """One client connection: parser callbacks in, requests queued, one handler task at a time."""
 
@@ -342,8 +351,9 @@ class _Conn(asyncio.Protocol):
         else:
             target = url.decode("utf-8", "surrogateescape")
             raw_path, _, qs = target.partition("?")
-            if not raw_path.startswith("/") and "://" in raw_path:  # absolute-form: keep the path
-                raw_path = "/" + raw_path.split("://", 1)[1].partition("/")[2]
+            absolute = _absolute_form(raw_path)
+            if absolute is not None:  # keep the path
+                raw_path = absolute[1]
             path, safe = decode_path(raw_path)
             method = key[0].decode("ascii", "surrogateescape")
             handler, mi = srv.routes.resolve(method, safe)
@@ -377,10 +387,11 @@ class _Conn(asyncio.Protocol):
         if hosts > 1 or (hosts == 0 and version is HttpVersion11):  # RFC 9112 §3.2: a 400 for either
             msg = "More than one Host header field." if hosts else "An HTTP/1.1 request needs a Host header."
             raise _Limit(_Fault(400, msg, "bad_http_request"))
-        if not target.startswith("/") and "://" in target:
-            # absolute-form: its authority is the request's host (RFC 9112 §3.3), so a Host naming another
-            # would pass the Host checks (allowed hosts, DNS rebinding) for a target they never saw
-            authority = target.split("://", 1)[1].partition("/")[0].partition("?")[0]
+        absolute = _absolute_form(target.partition("?")[0])
+        if absolute is not None:
+            # its authority is the request's host (RFC 9112 §3.3), so a Host naming another would pass
+            # the Host checks (allowed hosts, DNS rebinding) for a target they never saw
+            authority = absolute[0]
             if authority.lower() != (headers.get("Host") or authority).lower():
                 raise _Limit(
                     _Fault(
@@ -737,21 +748,17 @@ class _Conn(asyncio.Protocol):
             return False
         started = self.started
         lim = self.limits
-        if (
-            now is not None
-            and started is not None
-            and not self.closing
-            and not self.stopped
-            and now - started > (lim.head_secs if self.in_head else lim.body_secs)  # a slow client
-        ):
-            self._fault(_Fault(408, "The request took too long to arrive.", "request_timeout"))
-            return True
+        if now is not None and started is not None and not self.closing and not self.stopped:
+            # a request arriving: too slow, or stopped partway (silent keepalive_secs): answered 408
+            if now - started > (lim.head_secs if self.in_head else lim.body_secs):
+                self._fault(_Fault(408, "The request took too long to arrive.", "request_timeout"))
+                return True
+            if now - self.last >= lim.keepalive_secs:
+                self._fault(_Fault(408, "The request stopped arriving.", "request_timeout"))
+                return True
+            return False
         if now is not None and now - self.last < (lim.keepalive_secs if self.spoke else lim.head_secs):
             return False
-        if now is not None and started is not None and not self.closing and not self.stopped:
-            # a request that stopped arriving partway: answered (408) as a slow one is, not cut silently
-            self._fault(_Fault(408, "The request stopped arriving.", "request_timeout"))
-            return True
         self.closing = True
         self._close()
         return True
