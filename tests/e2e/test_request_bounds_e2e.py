@@ -191,3 +191,48 @@ def test_distinct_big_inputs_do_not_pin_memory(node: NodeProc, http: httpx.Clien
     print(f"RSS {before:.0f} -> {after:.0f} MB")
     assert node.proc.poll() is None
     assert after - before < 64, f"RSS {before:.0f} -> {after:.0f} MB"
+
+
+def peak_mb_after(pid: int, call: Any) -> tuple[float, float, Any]:
+    """``call()``'s result, with the process's RSS before it and its peak RSS during it (the peak reset
+    first: ``/proc/PID/clear_refs`` 5), in MB."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+    before = rss_mb(pid)
+    got = call()
+    with open(f"/proc/{pid}/status") as f:
+        peak = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+    return before, peak, got
+
+
+def test_a_whole_answer_with_many_choices_and_logprobs_holds_little_more_than_itself(
+    engine: MockEngineProc, tokenizer_dir: Path, http: httpx.Client
+) -> None:
+    """``n`` 64, 500 tokens each and 20 alternatives per token, not streamed: a ~40 MB chat answer. The
+    node's peak on a fresh node stays under 5x the answer (each choice's logprobs serialized as it is
+    built: ~4x, with the engine's entries and the body; as dicts all at once: 6.5x, and 1.38 GB for n
+    128 and 1,000 tokens). A completions answer with the echoed prompt's logprobs goes the same way:
+    whole, in order."""
+    with running_node(*qwen3_flags(engine, tokenizer_dir), "--policy", "manual") as n:
+        for path, extra in (
+            ("/v1/chat/completions", {"messages": MSGS, "logprobs": True, "top_logprobs": 20}),
+            ("/v1/completions", {"prompt": "hi", "logprobs": 5, "echo": True}),
+        ):
+            body = {"model": "qwen3", "n": 64, "max_tokens": 500, "ignore_eos": True, **extra}
+
+            def call(body: dict[str, Any] = body, path: str = path) -> httpx.Response:
+                return http.post(n.url + path, json=body, timeout=120)
+
+            before, peak, r = peak_mb_after(n.pid, call)
+            assert r.status_code == 200, r.text[:300]
+            size = len(r.content) / 2**20
+            choices = r.json()["choices"]
+            assert len(choices) == 64
+            lps = choices[-1]["logprobs"]
+            if "content" in lps:
+                assert len(lps["content"]) == 500 and len(lps["content"][0]["top_logprobs"]) == 20
+            else:  # the echoed prompt's tokens, then the output's
+                assert len(lps["tokens"]) > 500 and lps["token_logprobs"][0] is None
+            print(f"{path}: answer {size:.1f} MB, RSS {before:.0f} -> peak {peak:.0f} MB")
+            if "content" in lps:
+                assert peak - before < 5 * size, f"{path}: answer {size:.1f} MB, {before:.0f} -> {peak:.0f}"
