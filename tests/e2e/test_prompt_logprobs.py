@@ -257,3 +257,84 @@ def test_prompt_logprobs_bounds_are_a_400_naming_the_field(
     r = http.post(node.url + path, json={"model": SG, "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+# ---- SGLang's /generate with return_logprob (as RL rollout clients call it: input_ids in, logprobs out) ----
+
+
+def _generate(node: NodeProc, http: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
+    """/generate's answer; streamed: the last event (SGLang's events carry the lists whole)."""
+    if not body.get("stream"):
+        r = http.post(node.url + "/generate", json=body)
+        assert r.status_code == 200, r.text
+        out: dict[str, Any] = r.json()
+        return out
+    last: dict[str, Any] = {}
+    with http.stream("POST", node.url + "/generate", json=body) as r:
+        assert r.status_code == 200
+        events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    seen = 0
+    for e in events[:-1]:
+        last = httpx.Response(200, content=e).json()
+        got = len(last["meta_info"]["output_token_logprobs"])
+        assert got >= seen and got == len(last["output_ids"])  # whole so far, as the ids are
+        seen = got
+    return last
+
+
+@pytest.mark.parametrize("model", DIALECTS)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("start", [0, 3])
+def test_generate_return_logprob_as_sglang(
+    node: NodeProc, http: httpx.Client, model: str, stream: bool, start: int
+) -> None:
+    """SGLang's meta_info lists: ``[logprob, id, text]`` per position; the prompt's from
+    ``logprob_start_len`` with its first entry null (SGLang pads it so, whatever the start); ``k``
+    alternatives per position, best first; the values those of the completions API's echo."""
+    ids = prompt_ids(node, http, model, CONTEXT + CONTINUATION)
+    body = {
+        "model": model,
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+        "return_logprob": True,
+        "logprob_start_len": start,
+        "top_logprobs_num": 2,
+        "return_text_in_logprobs": True,
+        "stream": stream,
+    }
+    g = _generate(node, http, body)
+    meta = g["meta_info"]
+    inp, out = meta["input_token_logprobs"], meta["output_token_logprobs"]
+    assert [e[1] for e in inp] == ids[start:]
+    assert inp[0][0] is None and meta["input_top_logprobs"][0] is None
+    assert [e[1] for e in out] == g["output_ids"] and len(out) == meta["completion_tokens"] == 3
+    assert "".join(e[2] for e in out) == g["text"]
+    for e, top in zip(
+        inp[1:] + out, meta["input_top_logprobs"][1:] + meta["output_top_logprobs"], strict=True
+    ):
+        assert isinstance(e[0], float) and e[0] <= 0 and isinstance(e[2], str)
+        assert len(top) == 2 and top[0][0] >= top[1][0] and all(isinstance(t[2], str) for t in top)
+    # the same values as the completions API's echoed logprobs of the same prompt and output
+    c = http.post(
+        node.url + "/v1/completions",
+        json={"model": model, "prompt": ids, "echo": True, "logprobs": 2, "max_tokens": 3, "temperature": 0},
+    )
+    assert c.status_code == 200, c.text
+    values = c.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert [e[0] for e in inp[1:] + out] == pytest.approx(values[start + 1 :])
+
+
+@pytest.mark.parametrize("model", DIALECTS)
+def test_generate_return_logprob_defaults_and_bounds(node: NodeProc, http: httpx.Client, model: str) -> None:
+    """``logprob_start_len`` -1 (SGLang's default): the output's logprobs alone, texts null, no
+    alternatives asked: no top lists; a start at or past the prompt's end is a 400 naming it, as
+    SGLang's "logprob_start_len ... is higher than the number of input tokens"."""
+    body: dict[str, Any] = {"model": model, "text": CONTEXT, "return_logprob": True, "logprob_start_len": -1}
+    body["sampling_params"] = {"max_new_tokens": 2}
+    meta = _generate(node, http, body)["meta_info"]
+    assert meta["input_token_logprobs"] == [] and "output_top_logprobs" not in meta
+    assert [e[2] for e in meta["output_token_logprobs"]] == [None, None]
+    n = len(prompt_ids(node, http, model, CONTEXT))
+    r = http.post(node.url + "/generate", json={**body, "logprob_start_len": n})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len"

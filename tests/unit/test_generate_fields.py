@@ -45,8 +45,8 @@ FRONTEND_SAMPLING = {
 
 
 def test_bench_serving_payload_is_accepted() -> None:
-    s, prompt = generate_sampling(BENCH_SERVING)
-    assert prompt == "hello" and s.max_tokens == 8 and s.ignore_eos
+    s, prompt, ask = generate_sampling(BENCH_SERVING)
+    assert prompt == "hello" and s.max_tokens == 8 and s.ignore_eos and ask is None
 
 
 def test_frontend_payload_is_accepted() -> None:
@@ -58,8 +58,8 @@ def test_frontend_payload_is_accepted() -> None:
         "top_logprobs_num": 0,
         "return_text_in_logprobs": False,
     }
-    s, _ = generate_sampling(body)
-    assert s.max_tokens == 8 and s.temperature == pytest.approx(0.7)
+    s, _, ask = generate_sampling(body)
+    assert s.max_tokens == 8 and s.temperature == pytest.approx(0.7) and ask is None
 
 
 @pytest.mark.parametrize(
@@ -96,8 +96,7 @@ def test_fields_at_their_defaults_are_accepted(extra: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"logprob_start_len": 0}, "logprob_start_len"),
-        ({"top_logprobs_num": 5}, "top_logprobs_num"),
+        ({"token_ids_logprob": [1, 2]}, "token_ids_logprob"),
         ({"lora_path": "adapter"}, "lora_path"),
         ({"image_data": "http://x/y.png"}, "image_data"),
         ({"return_hidden_states": True}, "return_hidden_states"),
@@ -112,6 +111,44 @@ def test_fields_at_their_defaults_are_accepted(extra: dict[str, Any]) -> None:
     ],
 )
 def test_the_same_fields_asking_for_something_are_refused(extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as e:
+        generate_sampling({"text": "x", **extra})
+    assert e.value.status == 400 and e.value.param == param
+
+
+# ---- return_logprob (SGLang's RL clients: slime, verl, AReaL call /generate with it) -------------------
+
+
+def test_return_logprob_and_its_companions_are_read() -> None:
+    _, _, ask = generate_sampling({"input_ids": [1, 2, 3], "return_logprob": True})
+    assert ask is not None and (ask.start, ask.top, ask.text) == (-1, 0, False)
+    body = {
+        "text": "x",
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 5,
+        "return_text_in_logprobs": True,
+    }
+    _, _, ask = generate_sampling(body)
+    assert ask is not None and (ask.start, ask.top, ask.text) == (0, 5, True)
+    # the companions without return_logprob ask nothing (SGLang's), and are still checked
+    _, _, ask = generate_sampling({"text": "x", "logprob_start_len": 3, "top_logprobs_num": 2})
+    assert ask is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"return_logprob": "yes"}, "return_logprob"),
+        ({"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+        ({"return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"top_logprobs_num": "5"}, "top_logprobs_num"),
+        ({"return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+        ({"return_logprob": True, "logprob_start_len": 1.5}, "logprob_start_len"),
+        ({"return_logprob": True, "return_text_in_logprobs": 1}, "return_text_in_logprobs"),
+    ],
+)
+def test_bad_logprob_fields_are_400s_naming_them(extra: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as e:
         generate_sampling({"text": "x", **extra})
     assert e.value.status == 400 and e.value.param == param

@@ -14,7 +14,14 @@ from smg_grpc_proto import sglang_scheduler_pb2 as sg
 from smg_grpc_proto import vllm_engine_pb2 as vl
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from shepherd.node.openai.logprobs import TokenTextCache, prompt_completion_logprobs, vllm_prompt_logprobs
+from shepherd.node.openai.logprobs import (
+    TokenTextCache,
+    prompt_completion_logprobs,
+    sglang_prompt_logprobs,
+    sglang_token_logprobs,
+    sglang_top_logprobs,
+    vllm_prompt_logprobs,
+)
 from shepherd.node.openai.requests import MAX_TOP_LOGPROBS, parse_chat, parse_completion
 from shepherd.proto.engine_requests import (
     sglang_generate,
@@ -31,6 +38,7 @@ from shepherd.proto.engine_types import (
     PromptChunk,
     PromptLogprobs,
     SamplingParams,
+    TokenLogprob,
 )
 from shepherd.proto.mlx_codec import mlx_generate
 from shepherd.proto.openai_errors import ApiError
@@ -273,3 +281,38 @@ def test_an_echo_top_list_led_by_the_prompt_token_shows_k_others_and_the_token(c
     tops = block["top_logprobs"]
     assert isinstance(tops, list)
     assert tops[1] == {cache.get(7).text: -0.5, cache.get(6).text: -2.0}  # the best (7), then the token
+
+
+# ---- SGLang's native lists (/generate with return_logprob) ------------------------------------------------
+
+
+def test_sglang_prompt_lists_pad_the_first_entry_and_take_the_best_by_value() -> None:
+    """SGLang's input lists: from ``logprob_start_len``, the first entry null whatever the start (its
+    prefill computes the positions after it); alternatives best first by value (vLLM's servicer lists the
+    prompt token first whatever its rank); -inf clamped as the other lists clamp it."""
+    plp = PromptLogprobs(
+        token_ids=[5, 6, 7, 8],
+        logprobs=[None, -1.0, -0.5, float("-inf")],
+        top_starts=[0, 0, 3, 5, 6],
+        top_ids=[6, 1, 2, 7, 3, 4],  # position 1: the prompt token (6) first though 1 and 2 beat it
+        top_values=[-1.0, -0.1, -0.2, -0.5, -0.4, -0.3],
+    )
+    ids = [5, 6, 7, 8]
+    tokens, tops = sglang_prompt_logprobs(plp, ids, 0, 2)
+    assert tokens == [[None, 5, None], [-1.0, 6, None], [-0.5, 7, None], [-9999.0, 8, None]]
+    assert tops == [
+        None,
+        [[-0.1, 1, None], [-0.2, 2, None]],
+        [[-0.4, 3, None], [-0.5, 7, None]],
+        [[-0.3, 4, None]],
+    ]
+    tokens, tops = sglang_prompt_logprobs(plp, ids, 2, 1, text=lambda t: f"<{t}>")
+    assert tokens == [[None, 7, "<7>"], [-9999.0, 8, "<8>"]] and tops == [None, [[-0.3, 4, "<4>"]]]
+    assert sglang_prompt_logprobs(plp, ids, 1, 0)[1] == [None, None, None]  # no alternatives asked
+
+
+def test_sglang_output_lists() -> None:
+    lps = [TokenLogprob(3, -0.25, ((3, -0.25), (9, -1.5))), TokenLogprob(4, float("nan"))]
+    assert sglang_token_logprobs(lps) == [[-0.25, 3, None], [-9999.0, 4, None]]
+    assert sglang_token_logprobs(lps, str) == [[-0.25, 3, "3"], [-9999.0, 4, "4"]]
+    assert sglang_top_logprobs(lps, 1) == [[[-0.25, 3, None]], None]

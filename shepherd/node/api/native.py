@@ -16,7 +16,7 @@ import asyncio
 import datetime
 import importlib.metadata
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,10 +52,23 @@ from shepherd.node.dispatch.stream import EngineStream
 from shepherd.node.http.body import json_response, read_json
 from shepherd.node.http.types import stream_response
 from shepherd.node.metrics import ModelMetrics
-from shepherd.node.openai.requests import Sampling, parse_completion
+from shepherd.node.openai.logprobs import (
+    sglang_prompt_logprobs,
+    sglang_token_logprobs,
+    sglang_top_logprobs,
+)
+from shepherd.node.openai.requests import MAX_TOP_LOGPROBS, Sampling, _bool, _int, parse_completion
 from shepherd.node.openai.sse import KEEPALIVE
 from shepherd.node.output.choice import ChoiceState
-from shepherd.proto.engine_types import EngineChunk, EngineError, GenerateRequest, TokenLogprob
+from shepherd.proto.engine_types import (
+    EngineChunk,
+    EngineComplete,
+    EngineError,
+    EngineEvent,
+    GenerateRequest,
+    PromptChunk,
+    TokenLogprob,
+)
 from shepherd.proto.openai_errors import ApiError, bad
 
 
@@ -279,6 +292,8 @@ _GENERATE_KEYS = frozenset(
         "model",
         "return_logprob",
         "return_text_in_logprobs",
+        "logprob_start_len",
+        "top_logprobs_num",
     }
 )
 # SGLang's GenerateReqInput fields that ask for nothing at the values here (their defaults), which its
@@ -286,8 +301,6 @@ _GENERATE_KEYS = frozenset(
 # the frontend's ``RuntimeEndpoint`` ``top_logprobs_num`` and ``logprob_start_len``, SMG parses them all.
 # Accepted at these values; any other is a 400 naming the field.
 _GENERATE_DEFAULTS: dict[str, tuple[object, ...]] = {
-    "logprob_start_len": (None, -1),
-    "top_logprobs_num": (None, 0),
     "token_ids_logprob": (None,),
     "return_hidden_states": (None, False),
     "return_routed_experts": (None, False),
@@ -330,8 +343,29 @@ def _is_default(value: object, defaults: tuple[object, ...]) -> bool:
     return any(value is d or (type(value) is type(d) and value == d) for d in defaults)
 
 
-def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int]]:
-    """The request's prompt and its sampling, checked by the completions parser."""
+@dataclass(frozen=True, slots=True)
+class _LogprobAsk:
+    """SGLang's ``return_logprob`` and its companions: the prompt's logprobs from ``start``
+    (``logprob_start_len``; -1: none of the prompt's), ``top`` alternatives per position
+    (``top_logprobs_num``), each token's text (``return_text_in_logprobs``)."""
+
+    start: int
+    top: int
+    text: bool
+
+
+def _logprob_ask(d: dict[str, Any]) -> _LogprobAsk | None:
+    """The logprobs a /generate call asks for (None: ``return_logprob`` not true). The companions are
+    checked either way, and without ``return_logprob`` ask nothing, as SGLang's."""
+    on = _bool(d, "return_logprob", False)
+    top = _int(d, "top_logprobs_num", 0, 0, MAX_TOP_LOGPROBS) or 0
+    start = _int(d, "logprob_start_len", -1, -1)
+    text = _bool(d, "return_text_in_logprobs", False)
+    return _LogprobAsk(-1 if start is None else start, top, text) if on else None
+
+
+def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int], _LogprobAsk | None]:
+    """The request's prompt, its sampling (checked by the completions parser) and the logprobs it asks."""
     unknown = sorted(
         k
         for k in set(d) - _GENERATE_KEYS
@@ -339,10 +373,7 @@ def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int]]:
     )
     if unknown:
         raise bad(f"'{unknown[0]}' is not supported on /generate.", param=unknown[0])
-    if d.get("return_logprob"):
-        raise bad(
-            "'return_logprob' is not supported on /generate; use /v1/completions.", param="return_logprob"
-        )
+    ask = _logprob_ask(d)
     text, ids = d.get("text"), d.get("input_ids")
     if (text is None) == (ids is None):
         raise bad("Exactly one of 'text' and 'input_ids' is required.", param="text")
@@ -382,7 +413,7 @@ def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int]]:
     except ApiError as e:  # the completions parser's words: said in /generate's (its own field names)
         _native_names(e, "text" if text is not None else "input_ids")
         raise
-    return req.sampling, req.prompts[0]
+    return req.sampling, req.prompts[0], ask
 
 
 # the completions fields /generate's are read as -> /generate's own names (its errors name those)
@@ -439,7 +470,9 @@ def _meta(rid: str, st: ChoiceState, prompt: int, completion: int, cached: int, 
 async def generate(request: web.Request) -> web.StreamResponse:
     """SGLang's ``POST /generate``: one prompt (``text`` or ``input_ids``), ``sampling_params``,
     ``stream``. The answer: ``{"text", "output_ids", "meta_info"}``; streamed, each SSE event carries
-    the text and ids so far (SGLang's default, non-incremental), then ``data: [DONE]``."""
+    the text and ids so far (SGLang's default, non-incremental), then ``data: [DONE]``. With
+    ``return_logprob``: the output's logprobs (and the prompt's from ``logprob_start_len``) in
+    ``meta_info`` as SGLang's, whole in every streamed event as its are."""
     gw: Gateway = request.app[GATEWAY]
     t0 = time.perf_counter()
     _, d = await read_json(request, gw.cfg.max_body_bytes)
@@ -447,7 +480,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     gw.require_kind(model, "generate")
     if gw.relay_mode(model):
         raise bad(f"Model '{model}' is served by HTTP workers; /generate needs gRPC engines.", param="model")
-    s, prompt = _sampling(d)
+    s, prompt, ask = _sampling(d)
     tok = gw.tokenizer(model)
     prompt_field = "text" if isinstance(prompt, str) else "input_ids"  # (what its context errors name)
     if isinstance(prompt, str):
@@ -461,6 +494,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
             )
     if not ids:
         raise bad("The prompt is empty.", param="text")
+    if ask is not None and ask.start >= len(ids):
+        raise bad(
+            f"'logprob_start_len' ({ask.start}) must be lower than the number of prompt tokens ({len(ids)}).",
+            param="logprob_start_len",
+        )
     rid = _rid(d.get("rid"))
     request[MODEL_KEY] = model
     mm = gw.metrics.for_model(model, "generate")
@@ -479,8 +517,19 @@ async def generate(request: web.Request) -> web.StreamResponse:
         stops = single_token_stops(tok, s.stop, s.skip_special_tokens) if s.stop else ()
         sp = engine_sampling(s, s.max_tokens, gw.cfg.stream_interval, None, facts.defaults, stops)
         # an id of its own, its unique token first (SGLang aborts by id prefix: generation._engine_id)
-        gen = GenerateRequest(engine_id(rid), ids, sp, True, False, 0, token_limit=max_new)
-        job = _Job(ids, t0, max_new, mm, usage.states)
+        plp = ask.top if ask is not None and ask.start >= 0 else None  # (the whole prompt's: sliced here)
+        gen = GenerateRequest(
+            engine_id(rid),
+            ids,
+            sp,
+            True,
+            ask is not None,
+            ask.top if ask is not None else 0,
+            token_limit=max_new,
+            prompt_logprobs=plp,
+        )
+        lps = _LogprobOut(ask, tok, ids) if ask is not None else None
+        job = _Job(ids, t0, max_new, mm, usage.states, lps)
         es = await gw.open_stream(
             model, gen, target=h.get("x-smg-target-worker"), routing_key=h.get("x-smg-routing-key")
         )
@@ -520,6 +569,92 @@ class _Job:
     limit: int
     mm: ModelMetrics
     states: list[ChoiceState] = field(default_factory=list)
+    logprobs: _LogprobOut | None = None
+
+
+class _LogprobOut:
+    """The logprob lists of a /generate call's ``meta_info``, as SGLang's (``sglang_*_logprobs``): the
+    output's kept serialized as they grow (``take``: each entry once, though a streamed answer repeats
+    the lists whole in every event, as SGLang's does), the prompt's from ``logprob_start_len`` once
+    the engine sent them (``prompt``)."""
+
+    __slots__ = ("ask", "ids", "prompt_fields", "taken", "text", "tokens", "tops")
+
+    def __init__(self, ask: _LogprobAsk, tok: Any, ids: list[int]) -> None:
+        self.ask = ask
+        self.ids = ids
+        self.text: Callable[[int], str] | None = _token_texts(tok) if ask.text else None
+        self.tokens = bytearray()  # the output's entries so far, serialized, without the brackets
+        self.tops = bytearray()
+        self.taken = 0  # of the choice's logprobs
+        self.prompt_fields: dict[str, Any] | None = None if ask.start >= 0 else _NO_PROMPT_LOGPROBS
+
+    def prompt(self, batch: Sequence[EngineEvent]) -> None:
+        """The prompt's lists, from the first event of ``batch`` that carries its logprobs."""
+        if self.prompt_fields is not None:
+            return
+        for ev in batch:
+            plp = ev.prompt_logprobs if isinstance(ev, PromptChunk | EngineComplete) else None
+            if plp is not None:
+                ask = self.ask
+                tokens, tops = sglang_prompt_logprobs(plp, self.ids, ask.start, ask.top, self.text)
+                self.prompt_fields = {
+                    "input_token_logprobs": orjson.Fragment(orjson.dumps(tokens)),
+                    "input_top_logprobs": orjson.Fragment(orjson.dumps(tops)),
+                }
+                return
+
+    def take(self, st: ChoiceState) -> None:
+        """The choice's logprobs not yet taken, serialized onto the lists."""
+        new = st.logprobs[self.taken :]
+        if not new:
+            return
+        self.taken = len(st.logprobs)
+        _extend(self.tokens, orjson.dumps(sglang_token_logprobs(new, self.text)))
+        if self.ask.top > 0:
+            _extend(self.tops, orjson.dumps(sglang_top_logprobs(new, self.ask.top, self.text)))
+
+    def fields(self, st: ChoiceState) -> dict[str, Any]:
+        """``meta_info``'s logprob fields as of now (the output's through ``st``'s latest tokens)."""
+        self.take(st)
+        prompt = self.prompt_fields
+        if prompt is None:
+            if st.finished:  # an answer whose logprobs miss the prompt's would be silently wrong
+                raise EngineError("the engine did not return the prompt's logprobs", retryable=False)
+            prompt = _NO_PROMPT_LOGPROBS
+        out = {
+            "input_token_logprobs": prompt["input_token_logprobs"],
+            "output_token_logprobs": orjson.Fragment(b"[" + self.tokens + b"]"),
+        }
+        if self.ask.top > 0:
+            out["input_top_logprobs"] = prompt["input_top_logprobs"]
+            out["output_top_logprobs"] = orjson.Fragment(b"[" + self.tops + b"]")
+        return out
+
+
+_NO_PROMPT_LOGPROBS: dict[str, Any] = {"input_token_logprobs": [], "input_top_logprobs": []}
+
+
+def _extend(acc: bytearray, listed: bytes) -> None:
+    """A serialized JSON list's items appended to ``acc``'s (items without their brackets)."""
+    if len(listed) > 2:
+        if acc:
+            acc += b","
+        acc += listed[1:-1]
+
+
+def _token_texts(tok: Any) -> Callable[[int], str]:
+    """A token's text as SGLang's ``return_text_in_logprobs`` gives it (the token decoded alone, its
+    special tokens kept: ``tokenizer.batch_decode``), remembered for the call."""
+    seen: dict[int, str] = {}
+
+    def text(tid: int) -> str:
+        got = seen.get(tid)
+        if got is None:
+            got = seen[tid] = tok.decode([tid], skip_special_tokens=False)
+        return got
+
+    return text
 
 
 async def _drive(es: EngineStream, st: ChoiceState, out: list[int], job: _Job) -> tuple[str, int, int]:
@@ -545,8 +680,10 @@ async def _events(
     got = 0  # chunk tokens received
     last: Sequence[int] = ()  # the last chunk's ids
     t_first = t_last = 0.0
-    limit, mm = job.limit, job.mm
+    limit, mm, lps = job.limit, job.mm, job.logprobs
     async for batch in es.batches():
+        if lps is not None:
+            lps.prompt(batch)
         before = st.tokens
         delta = []
         for ev in batch:
@@ -626,6 +763,8 @@ async def _whole(es: EngineStream, rid: str, s: Sampling, tok: Any, job: _Job) -
     out: list[int] = []
     _, prompt, cached = await _drive(es, st, out, job)
     meta = _meta(rid, st, prompt or len(ids), st.tokens, cached, job.t0)
+    if job.logprobs is not None:
+        meta.update(job.logprobs.fields(st))
     body = {"text": st.full_text(), "output_ids": out, "meta_info": meta}
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
@@ -648,6 +787,8 @@ async def _stream(
             async for piece, prompt, cached in _events(es, st, out, job):
                 text.append(piece)
                 meta = _meta(rid, st, prompt or len(ids), st.tokens, cached, t0)
+                if job.logprobs is not None:
+                    meta.update(job.logprobs.fields(st))
                 event = {"text": "".join(text), "output_ids": list(out), "meta_info": meta}
                 ka.touch()
                 await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")

@@ -14,6 +14,9 @@ its exact bytes in ``"bytes"`` and gets a best-effort string with the incomplete
   token, which has no logprob, has null ``token_logprobs`` and ``top_logprobs`` entries, as vLLM's.
 - ``vllm_prompt_logprobs``: vLLM's ``prompt_logprobs`` list: null, then per position
   ``{"<token id>": {"logprob", "rank", "decoded_token"}}``, the prompt token first.
+- ``sglang_token_logprobs``/``sglang_top_logprobs``/``sglang_prompt_logprobs``: SGLang's native
+  ``meta_info`` lists (``/generate`` with ``return_logprob``): ``[logprob, token id, text or null]`` per
+  position, and per position a list of those for the alternatives (null where there are none).
 - ``TokenTextCache.for_tokenizer(tok)``: id -> ``TokenText`` (string, bytes, special, width), shared
   per tokenizer object and filled lazily.
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 import json
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -42,6 +45,9 @@ __all__ = [
     "completion_logprobs",
     "json_logprob",
     "prompt_completion_logprobs",
+    "sglang_prompt_logprobs",
+    "sglang_token_logprobs",
+    "sglang_top_logprobs",
     "vllm_prompt_logprobs",
 ]
 
@@ -364,3 +370,53 @@ def vllm_prompt_logprobs(
                 pos[key] = {"logprob": json_logprob(alp), "rank": rank, "decoded_token": cache.get(alt).text}
         out.append(pos)
     return out
+
+
+# SGLang's native lists: a position is ``[logprob, token id, text]`` (the text null unless asked:
+# ``return_text_in_logprobs``; the token decoded alone, as its ``tokenizer.batch_decode``)
+SglangEntry = list[float | int | str | None]
+
+
+def sglang_token_logprobs(
+    logprobs: Sequence[TokenLogprob], text: Callable[[int], str] | None = None
+) -> list[SglangEntry]:
+    """SGLang's ``output_token_logprobs``: ``[logprob, token id, text or null]`` per output token."""
+    return [[json_logprob(lp.logprob), lp.token_id, text(lp.token_id) if text else None] for lp in logprobs]
+
+
+def sglang_top_logprobs(
+    logprobs: Sequence[TokenLogprob], k: int, text: Callable[[int], str] | None = None
+) -> list[list[SglangEntry] | None]:
+    """SGLang's ``output_top_logprobs``: per output token its ``k`` best alternatives as
+    ``[logprob, token id, text or null]``, best first (null: the engine sent none for it)."""
+    return [
+        [[json_logprob(v), t, text(t) if text else None] for t, v in lp.top[:k]] if lp.top else None
+        for lp in logprobs
+    ]
+
+
+def sglang_prompt_logprobs(
+    plp: PromptLogprobs,
+    ids: Sequence[int],
+    start: int,
+    k: int,
+    text: Callable[[int], str] | None = None,
+) -> tuple[list[SglangEntry], list[list[SglangEntry] | None]]:
+    """SGLang's ``input_token_logprobs`` and ``input_top_logprobs`` of prompt ``ids`` from position
+    ``start`` (its ``logprob_start_len``): one entry per position from there, the first with a null
+    logprob and no alternatives whatever ``start`` is (SGLang pads it so: its prefill computes the
+    logprobs of the positions after it), the others the engine's value and its ``k`` best alternatives
+    (by value: vLLM's servicer lists the prompt token first whatever its rank)."""
+    vals = plp.logprobs
+    tokens: list[SglangEntry] = []
+    tops: list[list[SglangEntry] | None] = []
+    for i in range(start, len(ids)):
+        tid = ids[i]
+        v = vals[i] if i > start and i < len(vals) else None
+        tokens.append([None if v is None else json_logprob(v), tid, text(tid) if text else None])
+        if v is None or k <= 0:
+            tops.append(None)
+            continue
+        best = sorted(plp.top(i), key=_by_value)[:k]
+        tops.append([[json_logprob(a), t, text(t) if text else None] for t, a in best])
+    return tokens, tops
