@@ -297,6 +297,7 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
             history.cancel_elsewhere if mesh is not None else None,
             history.conversations_refused,
             history.node_gone if mesh is not None else None,
+            history.runner_runs if mesh is not None else None,
         ),
         key_store=journal.store,
     )
@@ -317,6 +318,7 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
         return background.cancel(response_id)
 
     history.set_cancel_handler(cancel_background)
+    history.set_running_handler(background.__contains__)  # a peer's "running" RPC (a restarted runner's)
     proc_index = os.environ.get(PROC_INDEX_ENV)
     if mesh is not None and proc_index is not None:  # one of --procs N: /metrics shows every process's
 

@@ -410,3 +410,36 @@ def test_a_background_response_whose_node_died_ends_failed(cluster: Cluster) -> 
         # the follower of b's own response is told it failed, and its stream ends (it waited forever)
         follower.join(90)
         assert not follower.is_alive() and followed[-1:] == ["event: response.failed"], followed
+
+
+def respawn(node: NodeProc) -> NodeProc:
+    """The same node started again (its command line, port and data directory), not waited for."""
+    args = [str(a) for a in node.proc.args]  # type: ignore[union-attr]
+    cmd, rest = args[1], args[2:]
+    cut = rest.index("--host")  # (spawn_node adds --host and --port)
+    return spawn(cmd, *rest[:cut], port=node.port)
+
+
+def test_a_background_response_whose_node_restarted_ends_failed_everywhere(cluster: Cluster) -> None:
+    """b runs a background response of its own and is killed, then restarted under its name before or
+    after the mesh held it dead: the mesh holds b alive, but the new process does not run it. A read on
+    another node asks b whether it runs it, once the record has not been written for two heartbeats, and
+    stores and answers it failed (it read in_progress forever through every node but b). (After the test
+    above: b is dead, c gone.)"""
+    cluster.nodes["b"] = respawn(cluster.nodes["b"])
+    wait_for(lambda: cluster.members("a").get("b") == "alive", "b back", timeout=60)
+    with stalled_engine(cluster):
+        r = cluster.sdk("b").responses.create(model=MODEL, input="a slow one of b's own", background=True)
+        wait_for(lambda: cluster.sdk("a").responses.retrieve(r.id).status == "in_progress", "running on b")
+        cluster.nodes["b"].proc.kill()
+        cluster.nodes["b"].proc.wait(10)
+        cluster.nodes["b"] = respawn(cluster.nodes["b"])
+        wait_for(lambda: http_status(cluster.url("b") + "/liveness") == 200, "b restarted", timeout=60)
+        wait_for(lambda: cluster.members("a").get("b") == "alive", "a holds b alive", timeout=60)
+        wait_for(
+            lambda: cluster.sdk("a").responses.retrieve(r.id).status == "failed", "failed on a", timeout=60
+        )
+    got = cluster.sdk("b").responses.retrieve(r.id)
+    assert got.status == "failed" and got.error is not None and got.error.code == "server_error"
+    with pytest.raises(openai.BadRequestError):  # OpenAI's: an ended response cannot be cancelled
+        cluster.sdk("a").responses.cancel(r.id)

@@ -15,10 +15,19 @@ import pytest
 
 from shepherd.auth.keys import ApiKeyRecord, MemoryKeyStore, create_key
 from shepherd.mesh.runtime import RpcError
+from shepherd.node.api.common import History
 from shepherd.node.cluster import history as history_mod
-from shepherd.node.cluster.history import OwnerGone, Retention, RoutedStore, build_history, cancel_on_peers
+from shepherd.node.cluster.history import (
+    OwnerGone,
+    OwnerUnavailable,
+    Retention,
+    RoutedStore,
+    build_history,
+    cancel_on_peers,
+)
 from shepherd.node.cluster.key_journal import KIND, KeyJournal
 from shepherd.node.config import ConfigError, NodeConfig, build_config
+from shepherd.proto.openai_errors import ApiError
 from shepherd.storage.ids import new_id, node_tag
 from shepherd.storage.memory import MemoryStore
 from shepherd.storage.types import (
@@ -145,11 +154,20 @@ async def test_owner_gone_is_not_found_and_suspect_or_failed_is_unavailable() ->
     cid = new_id("conv", T["a"])
     await s["a"].create_conversation(StoredConversation(cid, 100.0))
     net.status["a"] = "suspect"
-    with pytest.raises(StorageUnavailable):
+    with pytest.raises(OwnerUnavailable) as un:
         await s["b"].get_conversation(cid)
+    # the owner's trouble is not this node's store down: its other turns are not refused for it (a
+    # chain held by a suspected node used to refuse every stored turn on the node for a second)
+    hist = History(s["b"], T["b"])
+    hist.store_failed(un.value)
+    hist.refuse_while_down()
+    hist.store_failed(StorageUnavailable("this node's own store"))
+    with pytest.raises(ApiError) as refused:
+        hist.refuse_while_down()
+    assert refused.value.status == 503
     net.status["a"] = "alive"
     net.fail.add("a")
-    with pytest.raises(StorageUnavailable):
+    with pytest.raises(OwnerUnavailable):
         await s["b"].list_items(cid)
     net.fail.clear()
     assert await s["b"].get_conversation(cid) is not None

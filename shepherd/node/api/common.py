@@ -21,7 +21,7 @@ from aiohttp import web
 
 from shepherd.auth.principal import PRINCIPAL_KEY, Principal
 from shepherd.node.api.admission import TICKET_KEY, Admission
-from shepherd.node.cluster.history import OwnerGone
+from shepherd.node.cluster.history import OwnerGone, OwnerUnavailable
 from shepherd.node.dispatch.gateway import Gateway, model_not_found
 from shepherd.node.dispatch.workers import no_healthy_worker
 from shepherd.node.engines.http import (
@@ -84,6 +84,7 @@ class History:
         cancel_elsewhere: Callable[[str], Awaitable[bool]] | None = None,
         conversations_refused: str | None = None,
         node_gone: Callable[[str], bool] | None = None,
+        runner_runs: Callable[[str, str], Awaitable[bool | None]] | None = None,
     ) -> None:
         self.store = store
         self.tag = tag
@@ -94,11 +95,18 @@ class History:
         self.cancel_elsewhere = cancel_elsewhere
         # a mesh: whether the node of an owner tag is gone (dead, left, or no member has the tag)
         self.node_gone = node_gone
+        # a mesh: whether the alive node of an owner tag runs a background response (None: cannot tell)
+        self.runner_runs = runner_runs
         # a store call found the store unavailable: until then (its Retry-After) a turn that must be stored
         # is refused before any engine work, whose answer could not be kept; the first after it tries again
         self.down_until = 0.0
 
     def store_failed(self, e: StorageUnavailable) -> None:
+        """This node's store failed a call: turns that must be stored are refused for its Retry-After.
+        Not for another node's records (``OwnerUnavailable``: a turn continuing a chain held by a node
+        suspected down must not refuse everyone else's turns here)."""
+        if isinstance(e, OwnerUnavailable):
+            return
         self.down_until = max(self.down_until, time.monotonic() + max(1.0, e.retry_after))
 
     def refuse_while_down(self) -> None:

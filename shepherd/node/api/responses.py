@@ -1622,7 +1622,11 @@ async def _settle_orphan(hist: History, stored: StoredResponse, running: bool) -
     elif tag == hist.tag:  # an earlier process of this node, unless a sibling's (a shared store, no mesh)
         if hist.node_gone is None and hist.store.shared and not stale:
             return stored
-    elif (hist.node_gone is None or not hist.node_gone(tag)) and not stale:
+    elif (
+        (hist.node_gone is None or not hist.node_gone(tag))
+        and not stale
+        and not await _runner_stopped(hist, tag, stored)
+    ):
         return stored
     rec = _failed(stored, "The node generating this response stopped before it ended.")
     try:
@@ -1637,6 +1641,18 @@ async def _settle_orphan(hist: History, stored: StoredResponse, running: bool) -
     if stored.conversation_id is not None:  # its turn is over: the conversation is free again
         await _Lease(hist.store, stored.conversation_id, stored.id).release()
     return rec
+
+
+async def _runner_stopped(hist: History, tag: str, stored: StoredResponse) -> bool:
+    """Whether the alive node a running record names as its runner says it does not run it (a node
+    restarted under its name: the mesh holds it alive, and its record would read ``in_progress`` forever
+    through the other nodes). Asked only once the record has not been written for two heartbeats (a
+    runner writes it every ``HEARTBEAT_S``); False when it cannot be told (no mesh, no answer)."""
+    ask = hist.runner_runs
+    beat = stored.body.get(_BEAT)
+    if ask is None or not isinstance(beat, int | float) or time.time() - beat < 2 * HEARTBEAT_S:
+        return False
+    return await ask(tag, stored.id) is False
 
 
 async def delete_response(request: web.Request) -> web.StreamResponse:
@@ -1661,6 +1677,8 @@ async def cancel_response(request: web.Request) -> web.StreamResponse:
     stored = await _get_owned(request, hist, rid)
     if not stored.body.get("background"):
         raise bad("Only responses created with background=true can be cancelled.", param="response_id")
+    if stored.status in _TERMINAL and stored.status != "cancelled":  # (a cancelled one: answered again)
+        raise bad(f"Cannot cancel a {stored.status} response.", param="response_id")
     if stored.status not in _TERMINAL:
         registry = request.app[BACKGROUND]
         if registry.cancel(rid):

@@ -21,7 +21,9 @@ embedded, and its retention.
   segment's newest (and by its tag, the next owner). The whole walk keeps one depth bound and a cycle
   check over every id seen.
 - **Background responses**: ``cancel`` reaches the ``BackgroundRegistry`` of the node that runs the
-  response (RPC method ``"cancel"``; ``set_cancel_handler`` installs the local one).
+  response (RPC method ``"cancel"``; ``set_cancel_handler`` installs the local one); ``running`` asks the
+  node a record names as its runner whether it still runs it (``NodeHistory.runner_runs``: a node
+  restarted under the same name does not, and its record would read ``in_progress`` forever).
 - **Retention** (``Retention``): ``purge`` of what is older than ``history_retention_days``, at start and
   every ``RETENTION_INTERVAL_S``, on this node's own backend (each owner purges its own records).
 """
@@ -89,6 +91,12 @@ MemberStatus = Literal["alive", "suspect", "dead", "left"]
 
 class OwnerGone(NotFound):
     """The node owning a record is not a live member of the mesh: its records are unreachable."""
+
+
+class OwnerUnavailable(StorageUnavailable):
+    """The node owning a record cannot answer for it now (suspected down, no answer in time, busy, its
+    own store unavailable): a 503 for calls on that node's records, not a sign that this node's own store
+    is down (``History.store_failed`` ignores it)."""
 
 
 class MeshLink(Protocol):
@@ -276,6 +284,8 @@ class RpcServer:
         self.tag = tag
         self.max_chain_depth = max_chain_depth
         self.cancel_handler: CancelHandler | None = None
+        # whether a background response runs in this process (its ``BackgroundRegistry``)
+        self.running_handler: Callable[[str], bool] | None = None
         # this process's /metrics exposition, for its sibling processes (``--procs N``: one node to the
         # outside, whose scrape shows every process's series); None: not served
         self.metrics_handler: Callable[[], Awaitable[bytes]] | None = None
@@ -300,10 +310,11 @@ class RpcServer:
             "claim": self._claim,
             "release": self._release,
             "cancel": self._cancel,
+            "running": self._running,
         }
         self._methods["metrics"] = self._metrics
-        if not storage:  # a shared backend: every node reads it itself; peers only ask for cancels
-            self._methods = {"cancel": self._cancel, "metrics": self._metrics}
+        if not storage:  # a shared backend: every node reads it itself; peers ask for cancels and runs
+            self._methods = {"cancel": self._cancel, "running": self._running, "metrics": self._metrics}
 
     def _mine(self, record_id: str) -> str:
         if tag_of(record_id) != self.tag:
@@ -459,6 +470,11 @@ class RpcServer:
         handler = self.cancel_handler
         return False if handler is None else bool(await handler(rid))
 
+    async def _running(self, a: dict[str, Any]) -> bool:
+        rid = _id(a.get("id"))
+        handler = self.running_handler
+        return False if handler is None else bool(handler(rid))
+
 
 # ---- the caller's side --------------------------------------------------------------------------------
 
@@ -544,7 +560,7 @@ class RoutedStore:
                 "unreachable until it is back (an embedded history backend keeps records on its node)"
             )
         if status == "suspect":
-            raise StorageUnavailable(f"the node {owner!r} that owns this record is suspected down", 2.0)
+            raise OwnerUnavailable(f"the node {owner!r} that owns this record is suspected down", 2.0)
         self.routed += 1
         req: dict[str, Any] = {"m": method, "a": args}
         # a CLIENT span (tracing on); the owner continues the trace from the request's "t"
@@ -560,21 +576,23 @@ class RoutedStore:
                 # the mesh's detail (an address, an exception) goes to the log, not to API clients
                 log.info("history: %s on %r failed: %s", method, owner, e)
                 what = "is busy" if "busy" in e.message else f"did not answer ({e.reason})"
-                raise StorageUnavailable(f"the node {owner!r} that owns this record {what}", 1.0) from None
+                raise OwnerUnavailable(f"the node {owner!r} that owns this record {what}", 1.0) from None
         try:
             reply = await unpack_async(raw, REPLY_LIMITS)
         except Exception:
             self.routed_failed += 1
-            raise StorageUnavailable(f"the node {owner!r} answered an unreadable reply") from None
+            raise OwnerUnavailable(f"the node {owner!r} answered an unreadable reply") from None
         if not isinstance(reply, dict):
-            raise StorageUnavailable(f"the node {owner!r} answered an unreadable reply")
+            raise OwnerUnavailable(f"the node {owner!r} answered an unreadable reply")
         if "ok" in reply:
             return reply["ok"]
         kind, msg = reply.get("err"), str(reply.get("msg", ""))[:500]
         cls = _ERRORS.get(kind) if isinstance(kind, str) else None
+        if cls is StorageUnavailable:  # (the owner's store: not this node's)
+            cls = OwnerUnavailable
         if cls is None:
             self.routed_failed += 1
-            raise StorageUnavailable(f"the node {owner!r} refused a history call: {msg}")
+            raise OwnerUnavailable(f"the node {owner!r} refused a history call: {msg}")
         raise cls(msg)
 
     # -- responses ------------------------------------------------------------------------------------
@@ -641,7 +659,7 @@ class RoutedStore:
         got = await self._call(owner, "get_chain", {"id": response_id, "max_depth": depth})
         raw = got.get("chain") if isinstance(got, dict) else None
         if not isinstance(raw, list):
-            raise StorageUnavailable(f"the node {owner!r} answered an unreadable chain")
+            raise OwnerUnavailable(f"the node {owner!r} answered an unreadable chain")
         chain = [_response(d) for d in raw]
         self._remember(owner, chain)
         return chain, bool(got.get("more")) and bool(chain)
@@ -717,7 +735,7 @@ class RoutedStore:
             raw = got.get("items") if isinstance(got, dict) else None
             done = got.get("done") if isinstance(got, dict) else None
             if not isinstance(raw, list) or not isinstance(done, int) or done < 1:
-                raise StorageUnavailable(f"the node {owner!r} answered unreadable items")
+                raise OwnerUnavailable(f"the node {owner!r} answered unreadable items")
             out.extend(_item(d) for d in raw)
             k += done
         return out
@@ -772,7 +790,7 @@ class RoutedStore:
         d = _dict(await self._call(owner, "list_items", args), "page")
         raw = d.get("items")
         if not isinstance(raw, list):
-            raise StorageUnavailable(f"the node {owner!r} answered an unreadable page")
+            raise OwnerUnavailable(f"the node {owner!r} answered an unreadable page")
         return ItemPage([_item(x) for x in raw], bool(d.get("has_more")))
 
     async def get_item(self, conversation_id: str, item_id: str) -> StoredItem | None:
@@ -962,6 +980,31 @@ class NodeHistory:
         """The local ``BackgroundRegistry`` cancel, for the peers' "cancel" RPCs."""
         if self.server is not None:
             self.server.cancel_handler = handler
+
+    def set_running_handler(self, handler: Callable[[str], bool] | None) -> None:
+        """Whether a background response runs in this process, for the peers' "running" RPCs."""
+        if self.server is not None:
+            self.server.running_handler = handler
+
+    async def runner_runs(self, tag: str, response_id: str, timeout: float = 2.0) -> bool | None:
+        """Whether the alive node of owner ``tag`` runs background response ``response_id``: asked over
+        the mesh; None when that cannot be told (no mesh, no alive member with the tag, no answer)."""
+        link = self.link
+        if link is None:
+            return None
+        for m in link.members():
+            name = m.get("name")
+            if isinstance(name, str) and node_tag(name) == tag:
+                if link.member_status(name) != "alive":
+                    return None
+                try:
+                    raw = await link.rpc(name, _pack({"m": "running", "a": {"id": response_id}}), timeout)
+                    reply = await unpack_async(raw, REPLY_LIMITS)
+                except Exception:  # RpcError, or a reply that does not decode
+                    return None
+                got = reply.get("ok") if isinstance(reply, dict) else None
+                return got if isinstance(got, bool) else None
+        return None
 
     def set_metrics_handler(self, handler: Callable[[], Awaitable[bytes]] | None) -> None:
         """This process's /metrics exposition, for the peers' "metrics" RPCs (``--procs N`` siblings)."""
