@@ -8,6 +8,10 @@ deltas). A sender keeps a model's deltas for the members whose metadata names th
 a member whose metadata says nothing of it (a node of an older build, or too many models) gets every
 model's, as before. A key collision only sends a model's deltas to a node that does not need them.
 
+The same metadata says whether the node's control plane is authenticated (``"ca"``: ``routes_meta``'s
+``control_auth``, read by ``control_authenticated``): a node with auth on takes no worker changes from a
+member whose control plane is open (README "Authentication, roles, TLS, rate limits").
+
 Pure: no I/O; the node's mesh (``node.cluster.mesh_node``) builds the metadata and asks the scope.
 """
 
@@ -20,7 +24,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from shepherd.proto.mesh_messages import MAX_META_LEN
 
-__all__ = ["MAX_MODELS", "IndexScope", "model_key", "routed_keys", "routes_meta"]
+__all__ = ["MAX_MODELS", "IndexScope", "control_authenticated", "model_key", "routed_keys", "routes_meta"]
 
 KEY_BYTES = 4
 MAX_MODELS = (MAX_META_LEN - 16) // KEY_BYTES  # keys that fit the metadata with its framing
@@ -31,24 +35,41 @@ def model_key(model: str) -> bytes:
     return hashlib.blake2b(model.encode(), digest_size=KEY_BYTES).digest()
 
 
-def routes_meta(models: Iterable[str]) -> bytes:
+def routes_meta(models: Iterable[str], control_auth: bool | None = None) -> bytes:
     """SWIM metadata saying this node routes ``models`` with a prefix index (none: it needs no index
-    deltas). More than ``MAX_MODELS``: ``{"ix": None}``, every model's deltas."""
+    deltas; more than ``MAX_MODELS``: ``{"ix": None}``, every model's deltas), and, when given, whether
+    its control plane is authenticated (``"ca"``)."""
     keys = sorted({model_key(m) for m in models})
     body = None if len(keys) > MAX_MODELS else b"".join(keys)
-    return bytes(msgpack.packb({"ix": body}, use_bin_type=True))
+    meta: dict[str, object] = {"ix": body}
+    if control_auth is not None:
+        meta["ca"] = control_auth
+    return bytes(msgpack.packb(meta, use_bin_type=True))
 
 
-def routed_keys(meta: bytes) -> frozenset[bytes] | None:
-    """The model keys a member's metadata names; None when it does not say (every model's deltas go to
-    it): empty, not ours, malformed, or more models than fit."""
+def _meta_map(meta: bytes) -> dict[str, object] | None:
     if not meta:
         return None
     try:
         v = msgpack.unpackb(meta, raw=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
         return None
-    if type(v) is not dict or "ix" not in v:
+    return v if type(v) is dict else None
+
+
+def control_authenticated(meta: bytes) -> bool | None:
+    """Whether a member's control plane is authenticated, as its metadata says; None: it does not say (a
+    node of an older build, or metadata not ours)."""
+    v = _meta_map(meta)
+    ca = None if v is None else v.get("ca")
+    return ca if type(ca) is bool else None
+
+
+def routed_keys(meta: bytes) -> frozenset[bytes] | None:
+    """The model keys a member's metadata names; None when it does not say (every model's deltas go to
+    it): empty, not ours, malformed, or more models than fit."""
+    v = _meta_map(meta)
+    if v is None or "ix" not in v:
         return None
     body = v["ix"]
     if type(body) is not bytes or len(body) % KEY_BYTES:

@@ -13,7 +13,14 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import pytest
 
-from shepherd.mesh.index_scope import MAX_MODELS, IndexScope, model_key, routed_keys, routes_meta
+from shepherd.mesh.index_scope import (
+    MAX_MODELS,
+    IndexScope,
+    control_authenticated,
+    model_key,
+    routed_keys,
+    routes_meta,
+)
 from shepherd.mesh.state import MeshState
 from shepherd.mesh.state_types import MeshStateConfig
 from shepherd.node.cli import config_from_args
@@ -230,3 +237,13 @@ def test_the_replicas_quiet_flag_survives_a_slot_reuse() -> None:
     ix.clear_worker("w")
     ix.insert(list(range(320)), "v", 1_800_000_000.0)  # another worker in the freed slot: not quiet
     assert [w for w, _, _ in ix.take_groups()] == ["v"]
+
+
+def test_the_metadata_says_whether_the_control_plane_is_authenticated() -> None:
+    assert control_authenticated(routes_meta(["m"], True)) is True
+    assert control_authenticated(routes_meta(["m"], False)) is False
+    assert control_authenticated(routes_meta(["m"])) is None  # a node of an older build says nothing
+    assert control_authenticated(b"") is None and control_authenticated(b"\xc1junk") is None
+    many = [f"model-{i}" for i in range(MAX_MODELS)]
+    meta = routes_meta(many, True)
+    assert len(meta) <= MAX_META_LEN and routed_keys(meta) is not None

@@ -114,10 +114,18 @@ class Node:
         await self.reg.remove(worker_id(url))
 
 
-def node(name: str, clock: Clock, pinned: tuple[str, ...] = (), models: tuple[str, ...] = (MODEL,)) -> Node:
+def node(
+    name: str,
+    clock: Clock,
+    pinned: tuple[str, ...] = (),
+    models: tuple[str, ...] = (MODEL,),
+    trusted: Callable[[str], bool] | None = None,
+) -> Node:
     st = MeshState(name, clock, new_index=make_replica)
     reg = FakeRegistry()
-    br = RegistryBridge(st, reg, models=set(models), pinned={worker_id(u) for u in pinned}, ident=worker_id)
+    br = RegistryBridge(
+        st, reg, models=set(models), pinned={worker_id(u) for u in pinned}, ident=worker_id, trusted=trusted
+    )
     reg.on_added = br.local_added
     reg.on_removed = br.local_removed
     return Node(st, reg, br)
@@ -166,6 +174,30 @@ async def test_added_anywhere_is_added_everywhere_without_echo() -> None:
     assert b.bridge.stats.applied_adds == c.bridge.stats.applied_adds == 1
     assert b.state.worker(worker_id(W1)) is not None
     assert b.state.worker(worker_id(W1)).owner == "a"  # type: ignore[union-attr]
+
+
+async def test_a_node_with_auth_takes_no_worker_changes_from_an_open_control_plane() -> None:
+    """d's control plane is open (anyone reaching it may add or remove workers); a and b have auth on and
+    take none of d's changes, adds or removals, while c (auth off, no trust check) takes them all. A
+    worker d re-adds or removes stays on a and b as it was."""
+    clock = Clock()
+
+    def trusted(name: str) -> bool:
+        return name != "d"
+
+    a, b = node("a", clock, trusted=trusted), node("b", clock, trusted=trusted)
+    c, d = node("c", clock), node("d", clock)
+    meet(a, b, c, d)
+    await a.api_add(W1)
+    await settle(a, b, c, d)
+    assert urls(a) == urls(b) == urls(c) == urls(d) == {W1}
+    await d.api_add(W2)  # an add through d's open control plane
+    clock.t += 1
+    await d.api_remove(W1)  # and a removal of a's worker
+    await settle(a, b, c, d)
+    assert urls(a) == urls(b) == {W1}
+    assert urls(c) == urls(d) == {W2}
+    assert a.bridge.stats.untrusted >= 2 and c.bridge.stats.untrusted == 0
 
 
 async def test_a_change_left_dirty_after_the_bounded_rounds_is_resumed_on_tick() -> None:

@@ -65,7 +65,7 @@ from shepherd.auth.files import make_private_dir, write_atomic
 from shepherd.mesh import faults
 from shepherd.mesh.dns_seeds import DnsSeedConfig, is_dns_seed, parse_dns_seed
 from shepherd.mesh.hlc import stamp_seconds
-from shepherd.mesh.index_scope import IndexScope, routes_meta
+from shepherd.mesh.index_scope import IndexScope, control_authenticated, routes_meta
 from shepherd.mesh.keyring import Keyring, generate_key, load_keyring
 from shepherd.mesh.ratelimit import RateLimiter
 from shepherd.mesh.runtime import MeshRuntime, RpcError, RpcHandler
@@ -315,6 +315,7 @@ class BridgeStats:
     skipped_models: int = 0
     bad_ids: int = 0
     refused: int = 0  # workers of the mesh this node's allowlist refuses
+    untrusted: int = 0  # worker changes written by a member whose control plane is open (auth on here)
     errors: int = 0
 
 
@@ -333,12 +334,18 @@ class RegistryBridge:
         models: Collection[str],
         pinned: Iterable[str],
         ident: Callable[[str], str],
+        trusted: Callable[[str], bool] | None = None,
     ) -> None:
         self.state = state
         self.registry = registry
         self.models = models
         self.pinned = set(pinned)  # this node's config workers: re-asserted, never dropped with an owner
         self.ident = ident  # worker id of a URL (the same on every node)
+        # whether the worker changes a member writes are taken here (None: every member's): a node with
+        # auth on takes none from a member whose control plane is open, where anyone who reaches it may
+        # add or remove workers (as it honours no key minted there: key_sync)
+        self.trusted = trusted
+        self._untrusted_warned: set[str] = set()
         self.stats = BridgeStats()
         self._expect_added: set[str] = set()
         self._expect_removed: set[str] = set()
@@ -421,6 +428,17 @@ class RegistryBridge:
             self._tasks.pop(wid, None)
 
     async def _apply(self, wid: str) -> None:
+        e = self.state.registry.entry(wid)
+        if e is not None and self.trusted is not None and not self.trusted(e.writer):
+            self.stats.untrusted += 1  # the local registry stays as it is for this worker
+            if e.writer not in self._untrusted_warned:
+                self._untrusted_warned.add(e.writer)
+                log.warning(
+                    "mesh: worker changes written by %r, whose control plane has no auth, are ignored "
+                    "here (auth is on): give every node of the mesh the same auth settings",
+                    e.writer,
+                )
+            return
         rec = self.state.worker(wid)
         local = self.registry.get(wid)
         if rec is not None:
@@ -448,7 +466,6 @@ class RegistryBridge:
             return
         if local is None:
             return
-        e = self.state.registry.entry(wid)
         if e is not None and e.kind == REMOVED:
             self.pinned.discard(wid)  # removed on purpose, somewhere: here too
         elif wid in self.pinned:
@@ -525,7 +542,16 @@ class MeshNode:
         self.index_deltas_dropped = 0  # index payloads not sent (--mesh-index-replication none)
         reg = gw.registry
         pinned = {worker_id(u) for m in gw.models.values() for u in m.worker_urls}
-        self.bridge = RegistryBridge(self.state, reg, models=gw.models, pinned=pinned, ident=worker_id)
+        self.control_auth = cfg.auth.control_plane != "off"
+        self._open_writers: set[str] = set()  # members seen with an open control plane (_writer_trusted)
+        self.bridge = RegistryBridge(
+            self.state,
+            reg,
+            models=gw.models,
+            pinned=pinned,
+            ident=worker_id,
+            trusted=self._writer_trusted if cfg.auth.enabled else None,
+        )
         reg.on_added = _chain(reg.on_added, self.bridge.local_added)
         reg.on_removed = _chain(reg.on_removed, self.bridge.local_removed)
         reg.on_health_change = _chain(reg.on_health_change, self.bridge.local_health)
@@ -575,7 +601,9 @@ class MeshNode:
         self._loop = asyncio.get_running_loop()
         tls, keyring = await asyncio.to_thread(security, self.cfg)
         rt = MeshRuntime.from_files(
-            dataclasses.replace(runtime_config(self.cfg), meta=routes_meta(self.routed_models)),
+            dataclasses.replace(
+                runtime_config(self.cfg), meta=routes_meta(self.routed_models, self.control_auth)
+            ),
             keyring,
             tls,
             delegate=self.state,
@@ -812,6 +840,21 @@ class MeshNode:
         if rt is None or not rt.running:
             raise RpcError("failed", "the mesh is not running")
         return await rt.rpc(name, payload, timeout=timeout)
+
+    def _writer_trusted(self, name: str) -> bool:
+        """Whether the worker changes member ``name`` writes are taken here (this node has auth on): its
+        own, and a member's whose metadata does not say its control plane is open (a node of an older
+        build says nothing). A member once seen open stays so for this process (its records outlive it)."""
+        if name == self.name:
+            return True
+        if name in self._open_writers:
+            return False
+        swim = None if self.runtime is None else self.runtime.swim
+        m = None if swim is None else swim.member(name)
+        if m is not None and control_authenticated(m.meta) is False:
+            self._open_writers.add(name)
+            return False
+        return True
 
     def member_status(self, name: str) -> Literal["alive", "suspect", "dead", "left"] | None:
         """A member's state as this node sees it; None if it is unknown (or the mesh not started)."""
