@@ -163,20 +163,28 @@ def has_credential(headers: Mapping[str, str]) -> bool:
 def credential(headers: Mapping[str, str], max_bytes: int) -> str:
     """The presented credential; raises ``AuthFailure`` when there is none or it is unusable. Either field
     sent twice is refused (400), as a second ``Host`` is: a proxy that reads the last copy and this node,
-    which would read the first, could disagree about who calls (RFC 9110 §5.3: a single-valued field)."""
+    which would read the first, could disagree about who calls (RFC 9110 §5.3: a single-valued field); and
+    both fields naming different credentials, for the same reason (the same one in both is that one)."""
     getall = getattr(headers, "getall", None)  # (a multidict: the request's own headers)
     if getall is not None and (len(getall("Authorization", ())) > 1 or len(getall("x-api-key", ())) > 1):
         raise AuthFailure(
             400, "More than one Authorization or x-api-key header field.", "duplicate_credentials"
         )
     raw = headers.get("Authorization")
+    other = (headers.get("x-api-key") or "").strip()
     if raw is not None:
         scheme, _, cred = raw.partition(" ")
         if scheme.lower() != "bearer":
             raise AuthFailure(401, "Use 'Authorization: Bearer <key or token>'.", "invalid_auth_scheme")
         cred = cred.strip()
+        if other and other != cred:  # two callers named at once: which one a proxy reads is anyone's guess
+            raise AuthFailure(
+                400,
+                "Authorization and x-api-key name different credentials: send one (or the same in both).",
+                "duplicate_credentials",
+            )
     else:
-        cred = (headers.get("x-api-key") or "").strip()
+        cred = other
     if not cred:
         raise AuthFailure(
             401,

@@ -132,6 +132,12 @@ async def test_envelopes_planes_and_roles(client: Factory) -> None:
             vals = [f"Bearer {v}" if name == "Authorization" else v for v in pair]
             r = await c.get("/v1/models", headers=[(name, vals[0]), (name, vals[1])])
             assert r.status == 400 and (await r.json())["error"]["code"] == "duplicate_credentials"
+    # both fields, naming different callers: refused (Authorization won before); the same key in both: it
+    for other in ("bogus", add_user(c.app)):
+        r = await c.get("/v1/models", headers={**bearer(user), "x-api-key": other})
+        assert r.status == 400 and (await r.json())["error"]["code"] == "duplicate_credentials"
+    r = await c.get("/v1/models", headers={**bearer(user), "x-api-key": user})
+    assert r.status == 200 and (await r.json())["role"] == "user"
     for method, path in (
         ("POST", "/workers"),
         ("GET", "/workers"),
