@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import secrets
 import time
@@ -80,7 +81,7 @@ class ApiKeyRecord:
             "role": self.role,
             "tenant": self.tenant,
             "created": int(self.created),
-            "expires_at": None if self.expires is None else int(self.expires),
+            "expires_at": None if self.expires is None else math.ceil(self.expires),
             "revoked": self.revoked,
             "models": None if self.models is None else list(self.models),
             "hint": self.hint,

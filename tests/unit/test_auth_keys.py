@@ -71,6 +71,10 @@ def test_expiry() -> None:
     store = MemoryKeyStore()
     _, rec = create_key(store, "t", expires=200.0, now=100.0)
     assert rec.usable(199.0) and not rec.usable(200.0)
+    # shown in whole seconds, rounded up: a key's expires_at is never before its real end (rounded down, a
+    # key asked to live 4 s showed an end 0.8 s early)
+    _, rec = create_key(store, "u", expires=1004.2, now=1000.2)
+    assert rec.public()["expires_at"] == 1005 and rec.usable(1004.1) and not rec.usable(1004.2)
 
 
 def test_same_digest_under_another_id_is_refused() -> None:
