@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import re
@@ -49,10 +50,12 @@ from shepherd.node.api.cors import apply_head_extra, make_cors_middleware
 from shepherd.node.cluster.history import build_history
 from shepherd.node.cluster.key_journal import KeyJournal
 from shepherd.node.cluster.mesh_node import MeshNode
+from shepherd.node.cluster.worker_journal import WorkerJournal
 from shepherd.node.config import ConfigError, NodeConfig, control_listener, insecure_admin_in_effect
 from shepherd.node.discovery.kube import PodDiscovery, start_discovery
 from shepherd.node.dispatch.gateway import Gateway
 from shepherd.node.dispatch.model_source import resolve_models
+from shepherd.node.dispatch.workers import Worker
 from shepherd.node.http.body import json_response
 from shepherd.node.http.server import CappedTCPSite, ConnectionCap, LeanServer
 from shepherd.node.http.types import LeanRequest
@@ -302,6 +305,18 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
         key_store=journal.store,
     )
     journal.attach(journal.store, app[AUTH].bootstrap_ids)
+    # the workers added through the API before a restart, added again (and published to the mesh)
+    workers_journal = app[api_admin.WORKER_JOURNAL] = WorkerJournal(journal.records)
+    removed_hook = gw.registry.on_removed
+
+    def worker_removed(w: Worker) -> None:
+        if removed_hook is not None:
+            removed_hook(w)
+        workers_journal.removed(w.id)
+
+    gw.registry.on_removed = worker_removed
+    if await workers_journal.replay(functools.partial(api_admin.add_spec, gw)):
+        log.info("%d workers added through the API before a restart added again", workers_journal.replayed)
     reloader = api_reload.Reloader(
         given,
         gw,
@@ -464,6 +479,7 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
             await discovery.close()
         if mesh is not None:
             await mesh.close()
+        await workers_journal.close()
         await journal.close()
         await history.close()
         if admission is not None:

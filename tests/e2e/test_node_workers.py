@@ -162,6 +162,33 @@ def test_worker_admin_lifecycle() -> None:
         assert ei.value.status_code == 503
 
 
+def test_workers_added_through_the_api_outlive_a_restart(tmp_path: Any) -> None:
+    """A worker added through the API, then weighted, is there again after the node restarts on its
+    data directory, gracefully or killed; once removed, it stays removed. (They lived in memory only: a
+    rolling restart dropped them for good.)"""
+    flags = ("--model-id", "qwen3", "--data-dir", str(tmp_path / "data"))
+    with start_mock_engine("--zero-latency") as engine, start_mock_engine("--zero-latency") as other:
+        url, url2 = f"grpc://{engine.grpc_target}", f"grpc://{other.grpc_target}"
+        with running_node(*flags, wait_ready=False) as node:
+            wid = httpx.post(node.url + "/workers", json={"url": url}, timeout=15).json()["id"]
+            r = httpx.post(node.url + "/add_worker", params={"url": url2}, timeout=15)  # SMG's older route
+            assert r.status_code == 202, r.text
+            r = httpx.patch(node.url + f"/workers/{wid}", json={"priority": 7}, timeout=5)
+            assert r.status_code == 200, r.text
+            port = node.port
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with running_node(*flags, port=port) as node:  # (ready: its journaled workers are back)
+                got = {w["url"]: w for w in httpx.get(node.url + "/workers", timeout=5).json()["workers"]}
+                assert set(got) == {url, url2} and got[url]["priority"] == 7, got
+                assert sdk(node.url).chat.completions.create(model="qwen3", messages=MSGS, max_tokens=2)
+                if sig == signal.SIGKILL:
+                    assert httpx.delete(node.url + f"/workers/{wid}", timeout=5).status_code == 202
+                node.stop(sig)
+        with running_node(*flags, port=port) as node:
+            left = {w["url"] for w in httpx.get(node.url + "/workers", timeout=5).json()["workers"]}
+            assert left == {url2}
+
+
 def test_timeout_before_first_token_aborts_engine() -> None:
     with (
         start_mock_engine("--zero-latency", "--hang-before-first-token") as engine,

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from shepherd.node.api.common import GATEWAY, audit, may_use, model_for, request_id_of, usable_models
 from shepherd.node.api.openai import render_chat
+from shepherd.node.cluster.worker_journal import WorkerJournal
 from shepherd.node.config import ConfigError, check_worker_url, insecure_admin_in_effect, worker_endpoint
 from shepherd.node.dispatch.circuit_breaker import BreakerState
 from shepherd.node.dispatch.gateway import Gateway, model_not_found
@@ -324,6 +325,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 # ``--procs N``: (this process's index, a call giving the sibling processes' expositions by index)
+# the specs of the workers added here through the API, kept across restarts (set by ``app.serve``)
+WORKER_JOURNAL: web.AppKey[WorkerJournal] = web.AppKey("worker_journal")
 PROCS_METRICS: web.AppKey[tuple[str, Callable[[], Awaitable[dict[str, bytes]]]]] = web.AppKey("procs_metrics")
 
 
@@ -449,11 +452,28 @@ async def add_worker(request: web.Request) -> web.Response:
     ``WORKER_ALREADY_EXISTS``: replace it with ``PUT /workers/{id}``, update it with ``PATCH``)."""
     gw: Gateway = request.app[GATEWAY]
     _, d = await read_json(request, 64 * 1024)
-    return _added(request, await _add(gw, d))
+    resp = _added(request, await _add(gw, d), d)
+    await _kept(request)
+    return resp
 
 
-def _added(request: web.Request, w: Worker) -> web.Response:
+async def _kept(request: web.Request) -> None:
+    """An admin change of the workers answered once the journal has it (a restart right after keeps it)."""
+    journal = request.app.get(WORKER_JOURNAL)
+    if journal is not None:
+        await journal.settled()
+
+
+async def add_spec(gw: Gateway, d: dict[str, Any]) -> str:
+    """A worker spec added as ``POST /workers`` adds it (a journaled one, at start): its worker's id."""
+    return (await _add(gw, d)).id
+
+
+def _added(request: web.Request, w: Worker, spec: dict[str, Any]) -> web.Response:
     audit(request, "worker added", f"{w.id} {w.url} (model {w.model})")
+    journal = request.app.get(WORKER_JOURNAL)
+    if journal is not None:  # kept across this node's restarts (until removed)
+        journal.added(w.id, spec)
     info = describe(request.app[GATEWAY], w)
     location = f"/workers/{w.id}"
     body = {
@@ -481,7 +501,9 @@ async def add_worker_legacy(request: web.Request) -> web.Response:
         if not q["bootstrap_port"].isdigit():
             raise bad("'bootstrap_port' must be a port number.", param="bootstrap_port")
         d["bootstrap_port"] = int(q["bootstrap_port"])
-    return _added(request, await _add(gw, d))
+    resp = _added(request, await _add(gw, d), d)
+    await _kept(request)
+    return resp
 
 
 async def list_workers_legacy(request: web.Request) -> web.Response:
@@ -659,6 +681,10 @@ async def update_worker(request: web.Request) -> web.Response:
             param=unknown[0],
         )
     _apply(w, *_weights(d))
+    journal = request.app.get(WORKER_JOURNAL)
+    if journal is not None:
+        journal.updated(w.id, d)
+        await journal.settled()
     audit(request, "worker updated", f"{w.id} {sorted(d)}")
     info = describe(gw, w)
     return json_response({"success": True, "message": f"Worker {w.id} updated.", "worker": info, **info})
@@ -682,6 +708,7 @@ async def _remove(request: web.Request, w: Worker) -> web.Response:
     if gw.pd is not None:
         gw.pd.leave_pool(w.url)
     audit(request, "worker removed", f"{w.id} {w.url} ({w.in_flight} requests in flight finish)")
+    await _kept(request)
     return json_response(
         {
             "status": "accepted",
