@@ -181,6 +181,17 @@ class _Conn(asyncio.Protocol):
         if self._linger is not None:
             self._linger.cancel()
         self._wake_drain()
+        # What was being received, and what waited its turn, go now: the connection sits in reference
+        # cycles (its parser, its transport) that only the collector's oldest generation frees, tens of
+        # thousands of requests later with the node's thresholds (gc_tuning), and a body cut off
+        # mid-upload held up to max_body (16 MiB) each until then.
+        self.parts = []
+        self.decoder = None
+        self.upgrade_body = None
+        self.url = []
+        self.fields = []
+        self.queue.clear()
+        self.queued_bytes = 0
 
     def pause_writing(self) -> None:
         self.write_paused = True
