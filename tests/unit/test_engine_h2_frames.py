@@ -234,7 +234,8 @@ def test_start_and_settings_exchange() -> None:
     pairs = dict(
         struct.unpack(">HI", settings_payload[i : i + 6]) for i in range(0, len(settings_payload), 6)
     )
-    assert pairs == {h2.SETTINGS_ENABLE_PUSH: 0, h2.SETTINGS_INITIAL_WINDOW_SIZE: h2.LOCAL_WINDOW}
+    # each stream 1 MiB (a held stream buffers little), the connection 16 MiB
+    assert pairs == {h2.SETTINGS_ENABLE_PUSH: 0, h2.SETTINGS_INITIAL_WINDOW_SIZE: h2.STREAM_WINDOW}
     assert frames[1][:3] == (h2.WINDOW_UPDATE, 0, 0)
     assert int.from_bytes(frames[1][3], "big") == h2.LOCAL_WINDOW - h2.DEFAULT_WINDOW
     assert not h.conn.settings_received
@@ -448,11 +449,11 @@ def test_a_stream_whose_consumer_is_behind_holds_its_credit(
 def test_one_message_bigger_than_the_window_still_arrives_whole(loop: asyncio.AbstractEventLoop) -> None:
     """A message still arriving is not a backlog: its stream's credit is not held for it (a non-streamed
     answer comes as one message, up to 64 MiB: held, it would never complete, and nobody would take it)."""
-    h, s = ready(loop)  # the real windows: 16 MiB, credit at 4 MiB
+    h, s = ready(loop)  # the real windows: 1 MiB a stream, credit at 256 KiB
     s.credit_hold = 1 << 20
     h.conn.receive(h.server.ok_headers(s.stream_id))
     msg = grpc_message(b"x" * (20 << 20))
-    sent, window = 0, h2.LOCAL_WINDOW
+    sent, window = 0, h2.STREAM_WINDOW
     while sent < len(msg) and window > 0:  # bounded: the message, or the window running out
         n = min(16384, len(msg) - sent, window)
         h.conn.receive(h2.frame(h2.DATA, 0, s.stream_id, msg[sent : sent + n]))

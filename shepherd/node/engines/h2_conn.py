@@ -6,13 +6,15 @@ parses frames and calls the methods of ``H2Stream`` objects and of a ``Connectio
 send go to an injected ``write`` callable. No clock, no asyncio: unit tests drive it with bytes. The
 frame codec is in h2_frames.py, the asyncio shell around a connection (``H2Protocol``) in h2_protocol.py.
 
-Flow control: we advertise large windows (16 MiB per stream and for the connection) and give credit
-back when a quarter has been received, so a server rarely waits for us. Received data is credited as it
-arrives, on the connection always; on a stream that holds its credit (``credit_hold``: a generation's,
-whose consumer writes to a client that may stop reading) only while what it has not consumed yet
+Flow control: we advertise a large window for the connection (16 MiB) and 1 MiB per stream, and give
+credit back when a quarter of a stream's has been received, so a server rarely waits for us. Received
+data is credited as it arrives, on the connection always; on a stream that holds its credit
+(``credit_hold``: a generation's, whose consumer writes to a client that may stop reading) only while
+what it has not consumed yet
 (``backlog``) is within that bound: past it the stream's credit waits until the consumer catches up
 (``release_credit``), so the engine stops sending that answer rather than the node buffering all of it
-(at most the stream window and the bound are held), and the connection's other streams go on. On the
+(at most the stream window and the bound are held: ~2 MiB, where a 16 MiB stream window let a slow
+reader's answer be buffered whole), and the connection's other streams go on. On the
 send side the peer's windows and frame size are respected: a request body that does not fit waits for
 WINDOW_UPDATE.
 """
@@ -59,6 +61,7 @@ from shepherd.node.engines.h2_frames import (
     SETTINGS_INITIAL_WINDOW_SIZE,
     SETTINGS_MAX_CONCURRENT_STREAMS,
     SETTINGS_MAX_FRAME_SIZE,
+    STREAM_WINDOW,
     WINDOW_UPDATE,
     H2ProtocolError,
     HeaderDecoder,
@@ -171,14 +174,16 @@ class H2Connection:
         listener: ConnectionListener,
         *,
         local_window: int = LOCAL_WINDOW,
+        stream_window: int = STREAM_WINDOW,
     ) -> None:
         self._write = write
         self._listener = listener
         self._decoder = HeaderDecoder()
         self.streams: dict[int, H2Stream] = {}
         self.next_stream_id = 1
-        self.local_window = local_window
-        self._credit_threshold = max(1, local_window // 4)
+        self.local_window = local_window  # the connection's
+        self.stream_window = min(stream_window, local_window)  # each stream's
+        self._credit_threshold = max(1, self.stream_window // 4)  # (the connection's credit too)
         self.conn_recv_unacked = 0
         self.conn_send_window = DEFAULT_WINDOW
         self.peer_initial_window = DEFAULT_WINDOW
@@ -199,7 +204,7 @@ class H2Connection:
     def start(self) -> None:
         """Write the connection preface, our SETTINGS and the connection window increase."""
         out = PREFACE + settings_frame(
-            {SETTINGS_ENABLE_PUSH: 0, SETTINGS_INITIAL_WINDOW_SIZE: self.local_window}
+            {SETTINGS_ENABLE_PUSH: 0, SETTINGS_INITIAL_WINDOW_SIZE: self.stream_window}
         )
         if self.local_window > DEFAULT_WINDOW:
             out += window_update_frame(0, self.local_window - DEFAULT_WINDOW)

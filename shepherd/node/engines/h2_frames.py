@@ -65,7 +65,10 @@ DEFAULT_WINDOW = 65_535
 DEFAULT_MAX_FRAME = 16_384
 MAX_WINDOW = 2**31 - 1
 MAX_STREAM_ID = 2**31 - 1
-LOCAL_WINDOW = 16 * 1024 * 1024
+LOCAL_WINDOW = 16 * 1024 * 1024  # the connection's receive window
+# each stream's (SETTINGS_INITIAL_WINDOW_SIZE): what an engine may send a stream whose credit is held (its
+# client stopped reading) before it must wait; a token stream never comes near it
+STREAM_WINDOW = 1024 * 1024
 
 _HDR = struct.Struct(">HBBBI")  # length as 16 + 8 bits, type, flags, stream id
 _HDR_MSG = struct.Struct(">HBBBIBI")  # a frame header and the gRPC message prefix after it (flag, length)
