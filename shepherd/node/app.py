@@ -311,8 +311,9 @@ async def _serve(cfg: NodeConfig, ready_message: bool, starting: _StartingPort) 
 
     def worker_removed(w: Worker) -> None:
         if removed_hook is not None:
-            removed_hook(w)
-        workers_journal.removed(w.id)
+            removed_hook(w)  # (the mesh's first: a removal made here is then the mesh's too)
+        if mesh is None or mesh.removed_on_purpose(w.id):  # (not gone with its node: it comes back)
+            workers_journal.removed(w.id)
 
     gw.registry.on_removed = worker_removed
     if await workers_journal.replay(functools.partial(api_admin.add_spec, gw)):

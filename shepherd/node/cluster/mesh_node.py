@@ -841,6 +841,13 @@ class MeshNode:
             raise RpcError("failed", "the mesh is not running")
         return await rt.rpc(name, payload, timeout=timeout)
 
+    def removed_on_purpose(self, wid: str) -> bool:
+        """Whether a worker that left this node was removed on purpose (a removal anywhere in the mesh, or
+        one it never held), not gone with the node that added it (or its lease): that one comes back
+        with its node, which keeps it (``WorkerJournal``)."""
+        e = self.state.registry.entry(wid)
+        return e is None or e.kind == REMOVED
+
     def _writer_trusted(self, name: str) -> bool:
         """Whether the worker changes member ``name`` writes are taken here (this node has auth on): its
         own, and a member's whose metadata does not say its control plane is open (a node of an older
