@@ -243,3 +243,12 @@ def test_a_refusal_by_the_lease_says_so_not_a_full_count() -> None:
     assert "Too many concurrent" in str(
         denial_error(Denial(("t", ""), "concurrency", 2, 2.0, 1, 0.4, Quota())).message
     )
+    # its headers say what this node can admit now: none (the mesh-wide count's 2 left read as a
+    # contradiction of the 429); a full count's headers are the count's
+    q = Quota(limit_requests=10, remaining_requests=2, reset_requests=5.0)
+    lease = denial_error(Denial(("t", ""), "requests", 10, 8.0, 1, 0.4, q), now=0.0)
+    assert lease.headers["x-ratelimit-remaining-requests"] == "0"
+    assert lease.anthropic_headers["anthropic-ratelimit-requests-remaining"] == "0"
+    q = Quota(limit_requests=10, remaining_requests=0, limit_tokens=1000, remaining_tokens=300)
+    full = denial_error(Denial(("t", ""), "tokens", 1000, 700.0, 500, 3.0, q), now=0.0)
+    assert full.headers["x-ratelimit-remaining-tokens"] == "300"

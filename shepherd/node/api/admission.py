@@ -108,8 +108,15 @@ def denial_error(d: Denial, now: float | None = None) -> RateLimited:
     count from."""
     tenant, model = d.key
     where = f"tenant '{tenant}'" + (f" on model '{model}'" if model else "")
-    headers = quota_headers(d.quota)
-    anthropic = anthropic_quota_headers(d.quota, time.time() if now is None else now)
+    share = d.used + d.requested <= d.limit  # refused by this node's share, not the mesh-wide count
+    q = d.quota
+    if share and not math.isinf(d.retry_after):  # what this node can admit now: none of the metric
+        if d.metric == "tokens":
+            q = dataclasses.replace(q, remaining_tokens=0 if q.limit_tokens is not None else None)
+        elif q.limit_requests is not None:
+            q = dataclasses.replace(q, remaining_requests=0)
+    headers = quota_headers(q)
+    anthropic = anthropic_quota_headers(q, time.time() if now is None else now)
     kind = "tokens" if d.metric == "tokens" else "requests"  # OpenAI's error types
     if math.isinf(d.retry_after):
         return RateLimited(
@@ -124,7 +131,7 @@ def denial_error(d: Denial, now: float | None = None) -> RateLimited:
     headers["retry-after-ms"] = str(math.ceil(wait * 1000))
     anthropic["retry-after"] = headers["retry-after"]
     used = max(0, round(d.used))
-    if d.used + d.requested <= d.limit:
+    if share:
         # the mesh-wide count has room, this node's share of it (its lease) has not: the others'
         # latest counts are not in yet (a gossip round; the sibling processes of --procs alike)
         what = {"concurrency": "concurrent requests", "requests": "RPM", "tokens": "TPM"}[d.metric]
