@@ -309,6 +309,9 @@ def check_worker_url(url: str) -> str:
         raise ConfigError(f"worker URL {url!r}: {e}") from None
     if not host or len(host) > 253 or not (_HOST_NAME.fullmatch(host) or _ip(host) is not None):
         raise ConfigError(f"worker URL {url!r} has no valid host")
+    ip = _ip(host)
+    if ip is not None and ip.is_unspecified:  # 0.0.0.0 / :: are a listener's "any", not an engine's address
+        raise ConfigError(f"worker URL {url!r}: {host} is no address to dial (name the engine's host)")
     # gRPC clients strip trailing slashes (several URLs of one engine may differ by them); HTTP: one at most
     if parts.path not in ("", "/") and (scheme in ("http", "https") or parts.path.strip("/")):
         raise ConfigError(f"worker URL {url!r}: a worker URL is scheme://host:port only (no path)")

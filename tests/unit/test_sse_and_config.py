@@ -34,7 +34,8 @@ def test_chat_chunks_are_valid_json() -> None:
 
 def test_worker_url_schemes() -> None:
     assert check_worker_url("grpc://127.0.0.1:1")
-    for bad in ("ftp://x:1", "127.0.0.1:5", "grpc://"):
+    # (0.0.0.0 and :: are a listener's "any": no engine is dialed there)
+    for bad in ("ftp://x:1", "127.0.0.1:5", "grpc://", "grpc://0.0.0.0:50051", "http://[::]:8000"):
         with pytest.raises(ConfigError):
             check_worker_url(bad)
 
