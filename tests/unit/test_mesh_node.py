@@ -505,6 +505,8 @@ async def test_two_mesh_nodes_on_loopback(tmp_path: Path) -> None:
             text = await (await http.get("/metrics")).text()
             assert 'smg_mesh_members{state="alive"} 2.0' in text
             assert "smg_mesh_delta_lag_seconds_count" in text
+            # the replay guard's refusals, by reason, where an operator (or a test from outside) sees them
+            assert 'smg_mesh_replays_refused_total{reason="duplicate"} 0.0' in text
         # a leaves: b forgets a's worker
         await a.close()
         await eventually(lambda: gb.registry.find(url) is None, what="a's worker gone from b")

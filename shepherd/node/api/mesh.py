@@ -229,6 +229,18 @@ def collect(mesh: MeshNode) -> list[Any]:
             [],
             [([], float(rt.metrics.wire_skipped + mesh.state.stats.unknown_skipped))],
         ),
+        counter(
+            "smg_mesh_replays_refused",
+            "Sealed mesh datagrams refused by the replay guard, by reason (a stamp outside the clock window, "
+            "one seen before, older than what the guard still remembers of its sender, or none)",
+            ["reason"],
+            [
+                (["outside_window"], float(rt.replay.stats.outside_window)),
+                (["duplicate"], float(rt.replay.stats.duplicates)),
+                (["too_old"], float(rt.replay.stats.too_old)),
+                (["unstamped"], float(rt.replay.stats.unstamped)),
+            ],
+        ),
         gauge(
             "smg_mesh_loop_lag_seconds",
             "Event-loop lag the mesh measured last (Lifeguard's input)",
