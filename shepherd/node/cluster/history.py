@@ -990,21 +990,11 @@ class NodeHistory:
         """Whether the alive node of owner ``tag`` runs background response ``response_id``: asked over
         the mesh; None when that cannot be told (no mesh, no alive member with the tag, no answer)."""
         link = self.link
-        if link is None:
+        name = None if link is None else _member_of(link, tag)
+        if link is None or name is None or link.member_status(name) != "alive":
             return None
-        for m in link.members():
-            name = m.get("name")
-            if isinstance(name, str) and node_tag(name) == tag:
-                if link.member_status(name) != "alive":
-                    return None
-                try:
-                    raw = await link.rpc(name, _pack({"m": "running", "a": {"id": response_id}}), timeout)
-                    reply = await unpack_async(raw, REPLY_LIMITS)
-                except Exception:  # RpcError, or a reply that does not decode
-                    return None
-                got = reply.get("ok") if isinstance(reply, dict) else None
-                return got if isinstance(got, bool) else None
-        return None
+        got = await ask_peer(link, name, _pack({"m": "running", "a": {"id": response_id}}), timeout)
+        return got if isinstance(got, bool) else None
 
     def set_metrics_handler(self, handler: Callable[[], Awaitable[bytes]] | None) -> None:
         """This process's /metrics exposition, for the peers' "metrics" RPCs (``--procs N`` siblings)."""
@@ -1024,10 +1014,9 @@ class NodeHistory:
         link = self.link
         if link is None:
             return False
-        for m in link.members():
-            name = m.get("name")
-            if isinstance(name, str) and node_tag(name) == tag:
-                return link.member_status(name) in ("dead", "left", None)
+        name = _member_of(link, tag)
+        if name is not None:
+            return link.member_status(name) in ("dead", "left", None)
         # no member has it: gone, once this node has been up long enough to know the members
         return time.monotonic() - self.started_at > MEMBERS_KNOWN_S
 
@@ -1110,13 +1099,28 @@ async def ask_peers(
     payload = _pack({"m": method, "a": args})
 
     async def one(name: str) -> tuple[str, Any]:
-        try:
-            reply = await unpack_async(await link.rpc(name, payload, timeout=timeout), REPLY_LIMITS)
-        except Exception:  # RpcError, or a reply that does not decode
-            return name, None
-        return name, reply.get("ok") if isinstance(reply, dict) else None
+        return name, await ask_peer(link, name, payload, timeout)
 
     return {n: r for n, r in await asyncio.gather(*(one(n) for n in names)) if r is not None}
+
+
+async def ask_peer(link: MeshLink, name: str, payload: bytes, timeout: float | None = None) -> Any:
+    """One packed call to member ``name``: its answer (``"ok"``), None when it fails, does not answer in
+    time or answers something unreadable."""
+    try:
+        reply = await unpack_async(await link.rpc(name, payload, timeout=timeout), REPLY_LIMITS)
+    except Exception:  # RpcError, or a reply that does not decode
+        return None
+    return reply.get("ok") if isinstance(reply, dict) else None
+
+
+def _member_of(link: MeshLink, tag: str) -> str | None:
+    """The name of the member whose owner tag is ``tag`` (None: no member has it)."""
+    for m in link.members():
+        name = m.get("name")
+        if isinstance(name, str) and node_tag(name) == tag:
+            return name
+    return None
 
 
 async def cancel_on_peers(link: MeshLink, response_id: str, timeout: float | None = None) -> bool:
