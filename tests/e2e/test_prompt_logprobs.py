@@ -338,3 +338,32 @@ def test_generate_return_logprob_defaults_and_bounds(node: NodeProc, http: httpx
     n = len(prompt_ids(node, http, model, CONTEXT))
     r = http.post(node.url + "/generate", json={**body, "logprob_start_len": n})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len"
+
+
+@pytest.mark.parametrize("model", DIALECTS)
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_max_new_tokens_0_scores_the_prompt(
+    node: NodeProc, http: httpx.Client, model: str, stream: bool
+) -> None:
+    """``max_new_tokens`` 0 with ``return_logprob`` from position 0 (SGLang's prompt scoring): no text, no
+    output ids, a length finish at 0, and the prompt's logprobs, the same as the completions API's echo."""
+    ids = prompt_ids(node, http, model, CONTEXT + CONTINUATION)
+    body = {
+        "model": model,
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "stream": stream,
+    }
+    g = _generate(node, http, body)
+    meta = g["meta_info"]
+    assert g["text"] == "" and g["output_ids"] == [] and meta["output_token_logprobs"] == []
+    assert meta["finish_reason"] == {"type": "length", "length": 0} and meta["completion_tokens"] == 0
+    assert [e[1] for e in meta["input_token_logprobs"]] == ids
+    c = http.post(
+        node.url + "/v1/completions",
+        json={"model": model, "prompt": ids, "echo": True, "logprobs": 1, "max_tokens": 0},
+    )
+    values = c.json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert [e[0] for e in meta["input_token_logprobs"]] == pytest.approx(values)

@@ -45,7 +45,7 @@ FRONTEND_SAMPLING = {
 
 
 def test_bench_serving_payload_is_accepted() -> None:
-    s, prompt, ask = generate_sampling(BENCH_SERVING)
+    s, prompt, ask, _ = generate_sampling(BENCH_SERVING)
     assert prompt == "hello" and s.max_tokens == 8 and s.ignore_eos and ask is None
 
 
@@ -58,7 +58,7 @@ def test_frontend_payload_is_accepted() -> None:
         "top_logprobs_num": 0,
         "return_text_in_logprobs": False,
     }
-    s, _, ask = generate_sampling(body)
+    s, _, ask, _ = generate_sampling(body)
     assert s.max_tokens == 8 and s.temperature == pytest.approx(0.7) and ask is None
 
 
@@ -120,7 +120,7 @@ def test_the_same_fields_asking_for_something_are_refused(extra: dict[str, Any],
 
 
 def test_return_logprob_and_its_companions_are_read() -> None:
-    _, _, ask = generate_sampling({"input_ids": [1, 2, 3], "return_logprob": True})
+    _, _, ask, _ = generate_sampling({"input_ids": [1, 2, 3], "return_logprob": True})
     assert ask is not None and (ask.start, ask.top, ask.text) == (-1, 0, False)
     body = {
         "text": "x",
@@ -129,10 +129,10 @@ def test_return_logprob_and_its_companions_are_read() -> None:
         "top_logprobs_num": 5,
         "return_text_in_logprobs": True,
     }
-    _, _, ask = generate_sampling(body)
+    _, _, ask, _ = generate_sampling(body)
     assert ask is not None and (ask.start, ask.top, ask.text) == (0, 5, True)
     # the companions without return_logprob ask nothing (SGLang's), and are still checked
-    _, _, ask = generate_sampling({"text": "x", "logprob_start_len": 3, "top_logprobs_num": 2})
+    _, _, ask, _ = generate_sampling({"text": "x", "logprob_start_len": 3, "top_logprobs_num": 2})
     assert ask is None
 
 
@@ -152,3 +152,14 @@ def test_bad_logprob_fields_are_400s_naming_them(extra: dict[str, Any], param: s
     with pytest.raises(ApiError) as e:
         generate_sampling({"text": "x", **extra})
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_max_new_tokens_0_asks_the_prefill_alone() -> None:
+    """SGLang's prefill without output (a cache warm-up, or a prompt scored with return_logprob): read as
+    one token asked of the engine, none taken; a negative count stays a 400."""
+    s, _, _, prefill_only = generate_sampling({"text": "x", "sampling_params": {"max_new_tokens": 0}})
+    assert prefill_only and s.max_tokens == 1
+    assert not generate_sampling({"text": "x", "sampling_params": {"max_new_tokens": 1}})[3]
+    with pytest.raises(ApiError) as e:
+        generate_sampling({"text": "x", "sampling_params": {"max_new_tokens": -1}})
+    assert e.value.param == "sampling_params.max_new_tokens"

@@ -76,7 +76,7 @@ def test_sampling_records_the_fields_left_unset() -> None:
     assert chat(temperature=0, top_k=0, min_p=None).unset == {"top_p", "min_p", "repetition_penalty"}
     assert parse_completion({"model": "m", "prompt": "x", "top_p": 0.5}).sampling.unset == every - {"top_p"}
     # /generate: its sampling_params under SGLang's names
-    s, _, _ = generate_sampling(
+    s, _, _, _ = generate_sampling(
         {"text": "x", "sampling_params": {"temperature": 0.2, "repetition_penalty": 1.0}}
     )
     assert s.unset == {"top_p", "top_k", "min_p"}

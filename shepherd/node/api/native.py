@@ -364,8 +364,10 @@ def _logprob_ask(d: dict[str, Any]) -> _LogprobAsk | None:
     return _LogprobAsk(-1 if start is None else start, top, text) if on else None
 
 
-def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int], _LogprobAsk | None]:
-    """The request's prompt, its sampling (checked by the completions parser) and the logprobs it asks."""
+def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int], _LogprobAsk | None, bool]:
+    """The request's prompt, its sampling (checked by the completions parser), the logprobs it asks and
+    whether it asks no output (``max_new_tokens`` 0: SGLang's prefill alone, to warm the cache or to
+    score the prompt with ``return_logprob``; its sampling reads ``max_tokens`` 1)."""
     unknown = sorted(
         k
         for k in set(d) - _GENERATE_KEYS
@@ -408,12 +410,15 @@ def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int], _LogprobAsk
     if body.get("n", 1) != 1:
         raise bad("'sampling_params.n' must be 1 on /generate.", param="sampling_params.n")
     body.setdefault("max_tokens", 128)  # SGLang's default
+    prefill_only = body["max_tokens"] == 0 and type(body["max_tokens"]) is int
+    if prefill_only:
+        body["max_tokens"] = 1  # (the engine is asked one token, which is not taken)
     try:
         req = parse_completion(body)
     except ApiError as e:  # the completions parser's words: said in /generate's (its own field names)
         _native_names(e, "text" if text is not None else "input_ids")
         raise
-    return req.sampling, req.prompts[0], ask
+    return req.sampling, req.prompts[0], ask, prefill_only
 
 
 # the completions fields /generate's are read as -> /generate's own names (its errors name those)
@@ -480,7 +485,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     gw.require_kind(model, "generate")
     if gw.relay_mode(model):
         raise bad(f"Model '{model}' is served by HTTP workers; /generate needs gRPC engines.", param="model")
-    s, prompt, ask = _sampling(d)
+    s, prompt, ask, prefill_only = _sampling(d)
     tok = gw.tokenizer(model)
     prompt_field = "text" if isinstance(prompt, str) else "input_ids"  # (what its context errors name)
     if isinstance(prompt, str):
@@ -529,7 +534,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             prompt_logprobs=plp,
         )
         lps = _LogprobOut(ask, tok, ids) if ask is not None else None
-        job = _Job(ids, t0, max_new, mm, usage.states, lps)
+        job = _Job(ids, t0, 0 if prefill_only else max_new, mm, usage.states, lps)
         es = await gw.open_stream(
             model, gen, target=h.get("x-smg-target-worker"), routing_key=h.get("x-smg-routing-key")
         )
