@@ -367,3 +367,12 @@ def test_generate_max_new_tokens_0_scores_the_prompt(
     )
     values = c.json()["choices"][0]["logprobs"]["token_logprobs"]
     assert [e[0] for e in meta["input_token_logprobs"]] == pytest.approx(values)
+
+
+@pytest.mark.parametrize("model", DIALECTS)
+def test_generate_takes_a_temperature_above_2(node: NodeProc, http: httpx.Client, model: str) -> None:
+    """SGLang's sampling takes any temperature from 0 up: a hot one reaches the engine of either dialect."""
+    body = {"model": model, "text": CONTEXT, "sampling_params": {"max_new_tokens": 3, "temperature": 3.0}}
+    r = http.post(node.url + "/generate", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] == 3

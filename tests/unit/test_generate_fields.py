@@ -163,3 +163,15 @@ def test_max_new_tokens_0_asks_the_prefill_alone() -> None:
     with pytest.raises(ApiError) as e:
         generate_sampling({"text": "x", "sampling_params": {"max_new_tokens": -1}})
     assert e.value.param == "sampling_params.max_new_tokens"
+
+
+def test_a_temperature_above_2_is_taken_as_sglang_takes_it() -> None:
+    """SGLang's sampling takes any temperature from 0 up (the OpenAI routes stop at 2): sent as given;
+    a negative or non-finite one stays a 400 naming the field."""
+    s, _, _, _ = generate_sampling({"text": "x", "sampling_params": {"temperature": 3.5}})
+    assert s.temperature == 3.5 and "temperature" not in s.unset
+    assert generate_sampling({"text": "x", "sampling_params": {"temperature": 0.7}})[0].temperature == 0.7
+    for bad in (-1, "hot", True):
+        with pytest.raises(ApiError) as e:
+            generate_sampling({"text": "x", "sampling_params": {"temperature": bad}})
+        assert e.value.param == "sampling_params.temperature"

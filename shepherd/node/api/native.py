@@ -13,8 +13,10 @@ Shapes read from sgl-project/sglang (``python/sglang/srt/entrypoints/http_server
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
 import importlib.metadata
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -413,12 +415,20 @@ def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int], _LogprobAsk
     prefill_only = body["max_tokens"] == 0 and type(body["max_tokens"]) is int
     if prefill_only:
         body["max_tokens"] = 1  # (the engine is asked one token, which is not taken)
+    # SGLang takes any temperature from 0 up (OpenAI's parser: at most 2): a hotter one is read as 2, then
+    # set as sent
+    given = body.get("temperature")
+    hot: float | None = None
+    if isinstance(given, int | float) and not isinstance(given, bool) and math.isfinite(given) and given > 2:
+        hot = float(given)
+        body["temperature"] = 2.0
     try:
         req = parse_completion(body)
     except ApiError as e:  # the completions parser's words: said in /generate's (its own field names)
         _native_names(e, "text" if text is not None else "input_ids")
         raise
-    return req.sampling, req.prompts[0], ask, prefill_only
+    sampling = req.sampling if hot is None else dataclasses.replace(req.sampling, temperature=hot)
+    return sampling, req.prompts[0], ask, prefill_only
 
 
 # the completions fields /generate's are read as -> /generate's own names (its errors name those)
