@@ -307,9 +307,9 @@ def check_worker_url(url: str) -> str:
         host = parts.hostname
     except ValueError as e:
         raise ConfigError(f"worker URL {url!r}: {e}") from None
-    if not host or len(host) > 253 or not (_HOST_NAME.fullmatch(host) or _ip(host) is not None):
+    ip = _ip(host) if host else None
+    if not host or len(host) > 253 or not (_HOST_NAME.fullmatch(host) or ip is not None):
         raise ConfigError(f"worker URL {url!r} has no valid host")
-    ip = _ip(host)
     if ip is not None and ip.is_unspecified:  # 0.0.0.0 / :: are a listener's "any", not an engine's address
         raise ConfigError(f"worker URL {url!r}: {host} is no address to dial (name the engine's host)")
     # gRPC clients strip trailing slashes (several URLs of one engine may differ by them); HTTP: one at most

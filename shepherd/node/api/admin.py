@@ -324,9 +324,9 @@ async def health(request: web.Request) -> web.Response:
     return json_response(body, 200 if healthy else 503)
 
 
-# ``--procs N``: (this process's index, a call giving the sibling processes' expositions by index)
 # the specs of the workers added here through the API, kept across restarts (set by ``app.serve``)
 WORKER_JOURNAL: web.AppKey[WorkerJournal] = web.AppKey("worker_journal")
+# ``--procs N``: (this process's index, a call giving the sibling processes' expositions by index)
 PROCS_METRICS: web.AppKey[tuple[str, Callable[[], Awaitable[dict[str, bytes]]]]] = web.AppKey("procs_metrics")
 
 
@@ -452,9 +452,7 @@ async def add_worker(request: web.Request) -> web.Response:
     ``WORKER_ALREADY_EXISTS``: replace it with ``PUT /workers/{id}``, update it with ``PATCH``)."""
     gw: Gateway = request.app[GATEWAY]
     _, d = await read_json(request, 64 * 1024)
-    resp = _added(request, await _add(gw, d), d)
-    await _kept(request)
-    return resp
+    return await _added(request, await _add(gw, d), d)
 
 
 async def _kept(request: web.Request) -> None:
@@ -469,11 +467,12 @@ async def add_spec(gw: Gateway, d: dict[str, Any]) -> str:
     return (await _add(gw, d)).id
 
 
-def _added(request: web.Request, w: Worker, spec: dict[str, Any]) -> web.Response:
+async def _added(request: web.Request, w: Worker, spec: dict[str, Any]) -> web.Response:
     audit(request, "worker added", f"{w.id} {w.url} (model {w.model})")
     journal = request.app.get(WORKER_JOURNAL)
     if journal is not None:  # kept across this node's restarts (until removed)
         journal.added(w.id, spec)
+        await journal.settled()
     info = describe(request.app[GATEWAY], w)
     location = f"/workers/{w.id}"
     body = {
@@ -501,9 +500,7 @@ async def add_worker_legacy(request: web.Request) -> web.Response:
         if not q["bootstrap_port"].isdigit():
             raise bad("'bootstrap_port' must be a port number.", param="bootstrap_port")
         d["bootstrap_port"] = int(q["bootstrap_port"])
-    resp = _added(request, await _add(gw, d), d)
-    await _kept(request)
-    return resp
+    return await _added(request, await _add(gw, d), d)
 
 
 async def list_workers_legacy(request: web.Request) -> web.Response:
@@ -684,7 +681,7 @@ async def update_worker(request: web.Request) -> web.Response:
     journal = request.app.get(WORKER_JOURNAL)
     if journal is not None:
         journal.updated(w.id, d)
-        await journal.settled()
+    await _kept(request)
     audit(request, "worker updated", f"{w.id} {sorted(d)}")
     info = describe(gw, w)
     return json_response({"success": True, "message": f"Worker {w.id} updated.", "worker": info, **info})

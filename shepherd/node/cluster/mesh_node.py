@@ -345,7 +345,6 @@ class RegistryBridge:
         # auth on takes none from a member whose control plane is open, where anyone who reaches it may
         # add or remove workers (as it honours no key minted there: key_sync)
         self.trusted = trusted
-        self._untrusted_warned: set[str] = set()
         self.stats = BridgeStats()
         self._expect_added: set[str] = set()
         self._expect_removed: set[str] = set()
@@ -431,13 +430,6 @@ class RegistryBridge:
         e = self.state.registry.entry(wid)
         if e is not None and self.trusted is not None and not self.trusted(e.writer):
             self.stats.untrusted += 1  # the local registry stays as it is for this worker
-            if e.writer not in self._untrusted_warned:
-                self._untrusted_warned.add(e.writer)
-                log.warning(
-                    "mesh: worker changes written by %r, whose control plane has no auth, are ignored "
-                    "here (auth is on): give every node of the mesh the same auth settings",
-                    e.writer,
-                )
             return
         rec = self.state.worker(wid)
         local = self.registry.get(wid)
@@ -860,6 +852,11 @@ class MeshNode:
         m = None if swim is None else swim.member(name)
         if m is not None and control_authenticated(m.meta) is False:
             self._open_writers.add(name)
+            log.warning(
+                "mesh: worker changes written by %r, whose control plane has no auth, are ignored here "
+                "(auth is on): give every node of the mesh the same auth settings",
+                name,
+            )
             return False
         return True
 

@@ -21,29 +21,21 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
+
+from shepherd.node.cluster.key_journal import RecordStore
 
 log = logging.getLogger("shepherd.node.cluster.worker_journal")
 
 KIND = "worker"
 
 
-class WorkerRecords(Protocol):
-    """What the journal uses of a record store (a ``HistoryStore``'s node-records part)."""
-
-    async def put_record(self, kind: str, key: str, value: bytes) -> None: ...
-
-    async def delete_record(self, kind: str, key: str) -> bool: ...
-
-    async def list_records(self, kind: str) -> list[tuple[str, bytes]]: ...
-
-
 class WorkerJournal:
     """The specs of the workers added here through the admin API (see the module doc)."""
 
-    def __init__(self, records: WorkerRecords) -> None:
+    def __init__(self, records: RecordStore) -> None:
         self.records = records
         self.specs: dict[str, dict[str, Any]] = {}  # worker id -> the spec as the API took it
         self.replayed = 0
