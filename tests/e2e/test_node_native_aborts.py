@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,3 +67,59 @@ def test_a_whole_generate_whose_engine_dies_is_aborted_as_cancelled(
             killer.join()
         assert r.status_code == 502, r.text
         assert aborts(http, node.url) == {"stop": None, "cancelled": 1.0, "timeout": None}
+
+
+BATCH = {"text": ["hello there", "good morning"], "sampling_params": {"max_new_tokens": 400, "n": 2}}
+
+
+def test_a_streamed_batch_whose_engine_dies_ends_with_the_error_and_aborts_every_sample(
+    engine: MockEngineProc, tokenizer_dir: Path, http: httpx.Client
+) -> None:
+    """SGLang's batched stream: the first failure ends the stream (the error event, then ``[DONE]``);
+    each of the four samples' engine calls is closed as ``cancelled``."""
+    with running_node(*node_fixtures.qwen3_flags(engine, tokenizer_dir)) as node:
+        events = []
+        with http.stream("POST", node.url + "/generate", json={**BATCH, "stream": True}) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 8:
+                    engine.stop(signal.SIGKILL)
+        assert events[-1] == "[DONE]"
+        assert "error" in json.loads(events[-2]), events[-2:]
+        assert {json.loads(e)["index"] for e in events[:-2]} == {0, 1, 2, 3}
+        assert aborts(http, node.url) == {"stop": None, "cancelled": 4.0, "timeout": None}
+
+
+def test_a_streamed_batch_left_by_its_client_aborts_every_sample(
+    engine: MockEngineProc, tokenizer_dir: Path, http: httpx.Client
+) -> None:
+    with running_node(*node_fixtures.qwen3_flags(engine, tokenizer_dir)) as node:
+        with http.stream("POST", node.url + "/generate", json={**BATCH, "stream": True}) as s:
+            assert s.status_code == 200
+            for n, _ in enumerate(s.iter_lines()):
+                if n >= 8:
+                    break  # the client goes: the response closed mid-stream
+        page = settled(http, node.url)
+        assert metric(page, "smg_engine_aborts_total", reason="client_disconnect") == 4.0
+        stats = f"http://127.0.0.1:{engine.http_port}/mock/stats"
+        deadline = time.monotonic() + 10
+        while http.get(stats).json()["active"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert http.get(stats).json()["active"] == 0  # no engine request left running
+
+
+def test_a_whole_batch_whose_engine_dies_is_a_502_and_aborts_every_sample(
+    engine: MockEngineProc, tokenizer_dir: Path, http: httpx.Client
+) -> None:
+    with running_node(*node_fixtures.qwen3_flags(engine, tokenizer_dir)) as node:
+        killer = threading.Timer(0.5, engine.stop, (signal.SIGKILL,))
+        killer.start()
+        try:
+            r = http.post(node.url + "/generate", json=BATCH)
+        finally:
+            killer.join()
+        assert r.status_code == 502, r.text
+        assert aborts(http, node.url) == {"stop": None, "cancelled": 4.0, "timeout": None}

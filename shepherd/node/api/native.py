@@ -381,8 +381,6 @@ def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int], _LogprobAsk
     text, ids = d.get("text"), d.get("input_ids")
     if (text is None) == (ids is None):
         raise bad("Exactly one of 'text' and 'input_ids' is required.", param="text")
-    if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
-        raise bad("Batched prompts are not supported on /generate; send one request each.", param="text")
     if text is not None and not isinstance(text, str):
         raise bad("'text' must be a string.", param="text")
     sp = d.get("sampling_params")
@@ -409,8 +407,6 @@ def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int], _LogprobAsk
             raise bad(f"'sampling_params.{key}' is not supported.", param=f"sampling_params.{key}")
         if val is not None:
             body[mapped] = val
-    if body.get("n", 1) != 1:
-        raise bad("'sampling_params.n' must be 1 on /generate.", param="sampling_params.n")
     body.setdefault("max_tokens", 128)  # SGLang's default
     prefill_only = body["max_tokens"] == 0 and type(body["max_tokens"]) is int
     if prefill_only:
@@ -429,6 +425,93 @@ def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int], _LogprobAsk
         raise
     sampling = req.sampling if hot is None else dataclasses.replace(req.sampling, temperature=hot)
     return sampling, req.prompts[0], ask, prefill_only
+
+
+MAX_GENERATE_SAMPLES = 1024  # a call's prompts x n: each an engine request
+# a batched call's fields that may hold one value per prompt (a list of the batch's length), as SGLang's
+# ``GenerateReqInput.normalize_batch_and_arguments`` reads them
+_PER_PROMPT = (
+    "sampling_params",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+)
+
+
+def _samples_of(sp: object) -> int:
+    """``n`` of a call's ``sampling_params`` (SGLang's ``parallel_sample_num``): one for every prompt of
+    a batch (a list of sampling params: the same ``n`` in each, as SGLang requires)."""
+    given = (
+        [x.get("n") for x in sp if isinstance(x, dict)]
+        if isinstance(sp, list)
+        else [sp.get("n") if isinstance(sp, dict) else None]
+    )
+    ns = {1 if v is None else v for v in given}
+    if len(ns) > 1:
+        raise bad(
+            "'sampling_params.n' must be the same for every prompt of a batch.", param="sampling_params.n"
+        )
+    n = ns.pop() if ns else 1
+    if type(n) is not int or not 1 <= n <= MAX_GENERATE_SAMPLES:
+        raise bad(
+            f"'sampling_params.n' must be an integer from 1 to {MAX_GENERATE_SAMPLES}.",
+            param="sampling_params.n",
+        )
+    return n
+
+
+def _split(d: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str | None], int] | None:
+    """A batched call (``text`` a list of strings, ``input_ids`` a list of id lists) or one asking more
+    than one sample of its prompt (``sampling_params.n``), as SGLang takes them: each prompt as a call
+    of its own (its fields, the per-prompt ones taken from their lists), each prompt's ``rid`` (a list
+    of the batch's length, or one id suffixed ``_i``), and ``n``. None: a single call of one sample."""
+    text, ids = d.get("text"), d.get("input_ids")
+    key = "text" if isinstance(text, list) else "input_ids"
+    prompts = (
+        text
+        if isinstance(text, list)
+        else ids
+        if isinstance(ids, list) and ids and isinstance(ids[0], list)
+        else None
+    )
+    n = _samples_of(d.get("sampling_params"))
+    if prompts is None:
+        if n == 1:
+            return None
+        prompts, key = [text if text is not None else ids], ("text" if text is not None else "input_ids")
+    elif text is not None and ids is not None:
+        raise bad("Exactly one of 'text' and 'input_ids' is required.", param="text")
+    size = len(prompts)
+    if not size:
+        raise bad(f"'{key}' is an empty batch.", param=key)
+    if size * n > MAX_GENERATE_SAMPLES:
+        raise bad(f"A call's prompts x n may not exceed {MAX_GENERATE_SAMPLES}.", param=key)
+    rid = d.get("rid")
+    if isinstance(rid, list):
+        if len(rid) != size:
+            raise bad(f"'rid' holds {len(rid)} ids for a batch of {size} prompts.", param="rid")
+        rids: list[str | None] = list(rid)
+    elif rid is None or isinstance(rid, str):
+        rids = [None if rid is None else f"{rid}_{i}" for i in range(size)]
+    else:
+        raise bad("'rid' must be a string or a list of strings.", param="rid")
+    items = []
+    for i, prompt in enumerate(prompts):
+        one = dict(d)
+        one[key] = prompt
+        one.pop("rid", None)
+        for name in _PER_PROMPT:
+            v = d.get(name)
+            if isinstance(v, list):
+                if len(v) != size:
+                    raise bad(f"'{name}' holds {len(v)} values for a batch of {size} prompts.", param=name)
+                one[name] = v[i]
+        sp = one.get("sampling_params")
+        if isinstance(sp, dict) and "n" in sp:
+            one["sampling_params"] = {k: v for k, v in sp.items() if k != "n"}
+        items.append(one)
+    return items, rids, n
 
 
 # the completions fields /generate's are read as -> /generate's own names (its errors name those)
@@ -483,11 +566,13 @@ def _meta(rid: str, st: ChoiceState, prompt: int, completion: int, cached: int, 
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    """SGLang's ``POST /generate``: one prompt (``text`` or ``input_ids``), ``sampling_params``,
+    """SGLang's ``POST /generate``: a prompt (``text`` or ``input_ids``), ``sampling_params``,
     ``stream``. The answer: ``{"text", "output_ids", "meta_info"}``; streamed, each SSE event carries
     the text and ids so far (SGLang's default, non-incremental), then ``data: [DONE]``. With
     ``return_logprob``: the output's logprobs (and the prompt's from ``logprob_start_len``) in
-    ``meta_info`` as SGLang's, whole in every streamed event as its are."""
+    ``meta_info`` as SGLang's, whole in every streamed event as its are. A batch (a list of prompts)
+    or ``n`` above 1: a list of those answers, prompt by prompt and each prompt's samples in turn;
+    streamed, each event is one sample's with its place in that list (``index``), as SGLang's."""
     gw: Gateway = request.app[GATEWAY]
     t0 = time.perf_counter()
     _, d = await read_json(request, gw.cfg.max_body_bytes)
@@ -495,6 +580,73 @@ async def generate(request: web.Request) -> web.StreamResponse:
     gw.require_kind(model, "generate")
     if gw.relay_mode(model):
         raise bad(f"Model '{model}' is served by HTTP workers; /generate needs gRPC engines.", param="model")
+    split = _split(d)
+    if split is None:
+        one = await _prepared(gw, model, d, _rid(d.get("rid")))
+        samples = [one]
+    else:
+        items, rids, n = split
+        for item in items:  # every prompt's fields checked before any is tokenized
+            _sampling(item)
+        prompts = [await _prepared(gw, model, item, _rid(rid)) for item, rid in zip(items, rids, strict=True)]
+        samples = [
+            p if n == 1 else dataclasses.replace(p, rid=fresh_id("gen-")) for p in prompts for _ in range(n)
+        ]
+    request[MODEL_KEY] = model
+    mm = gw.metrics.for_model(model, "generate")
+    usage = {id(p.ids): _Usage(p.ids) for p in samples}  # what the call used: one prompt each, its samples
+    first = samples[0]
+    stream = first.sampling.stream
+    s = first.sampling
+    if len(samples) > 1:  # the reservation: every sample's output, every prompt once
+        s = dataclasses.replace(s, n=1, max_tokens=max(p.sampling.max_tokens or 0 for p in samples))
+
+    async def run() -> web.StreamResponse:
+        opened: list[tuple[EngineStream, _Prepared, _Job]] = []
+        try:
+            for p in samples:
+                es, job = await _open(request, gw, model, p, t0, mm, usage[id(p.ids)])
+                opened.append((es, p, job))
+            if split is None:
+                es, p, job = opened[0]
+                if stream:
+                    request[STREAM_KEY] = True  # SMG's ``streaming`` label of the request count
+                    return await _stream(request, es, p.rid, p.sampling, gw.tokenizer(model), job)
+                return await _whole(es, p.rid, p.sampling, gw.tokenizer(model), job)
+            if stream:
+                request[STREAM_KEY] = True
+                return await _stream_batch(request, opened, gw.tokenizer(model), t0)
+            return await _whole_batch(opened, gw.tokenizer(model))
+        except GONE:
+            for es, _, _ in opened:
+                await es.close(CLIENT_DISCONNECT)
+            raise
+        except BaseException as e:  # an engine failure, the timeout: not a stop (smg_engine_aborts_total)
+            for es, _, _ in opened:
+                await es.close(abort_reason(e))
+            raise
+        finally:
+            for es, _, _ in opened:
+                await es.close("stop")  # (a stop string's end: the engine would go on)
+
+    prompt_tokens = sum(len(u.ids) for u in usage.values())
+    return await admitted(request, model, prompt_tokens, s, run, list(usage.values()))
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """One prompt of a /generate call, checked and tokenized: its sampling, ids, the logprobs it asks,
+    whether it asks no output (``max_new_tokens`` 0), the field its prompt came in and its ``rid``."""
+
+    sampling: Sampling
+    ids: list[int]
+    ask: _LogprobAsk | None
+    prefill_only: bool
+    field: str
+    rid: str
+
+
+async def _prepared(gw: Gateway, model: str, d: dict[str, Any], rid: str) -> _Prepared:
     s, prompt, ask, prefill_only = _sampling(d)
     tok = gw.tokenizer(model)
     prompt_field = "text" if isinstance(prompt, str) else "input_ids"  # (what its context errors name)
@@ -514,55 +666,44 @@ async def generate(request: web.Request) -> web.StreamResponse:
             f"'logprob_start_len' ({ask.start}) must be lower than the number of prompt tokens ({len(ids)}).",
             param="logprob_start_len",
         )
-    rid = _rid(d.get("rid"))
-    request[MODEL_KEY] = model
-    mm = gw.metrics.for_model(model, "generate")
-    usage = _Usage(ids)  # what the call used: the rate limits' settlement
+    return _Prepared(s, ids, ask, prefill_only, prompt_field, rid)
 
-    async def run() -> web.StreamResponse:
-        max_new = gw.check_context(model, len(ids), s.max_tokens, param=prompt_field)
-        h = request.headers
-        facts = gw.engine_facts(model, h.get("x-smg-target-worker"))  # the model's sampling defaults
-        if s.min_tokens and facts.skip_tokenizer_init:
-            raise bad(
-                f"'sampling_params.min_new_tokens' is not supported by model '{model}': its SGLang workers "
-                "run with --skip-tokenizer-init, which refuses a minimum output length.",
-                param="sampling_params.min_new_tokens",
-            )
-        stops = single_token_stops(tok, s.stop, s.skip_special_tokens) if s.stop else ()
-        sp = engine_sampling(s, s.max_tokens, gw.cfg.stream_interval, None, facts.defaults, stops)
-        # an id of its own, its unique token first (SGLang aborts by id prefix: generation._engine_id)
-        plp = ask.top if ask is not None and ask.start >= 0 else None  # (the whole prompt's: sliced here)
-        gen = GenerateRequest(
-            engine_id(rid),
-            ids,
-            sp,
-            True,
-            ask is not None,
-            ask.top if ask is not None else 0,
-            token_limit=max_new,
-            prompt_logprobs=plp,
-        )
-        lps = _LogprobOut(ask, tok, ids) if ask is not None else None
-        job = _Job(ids, t0, 0 if prefill_only else max_new, mm, usage.states, lps)
-        es = await gw.open_stream(
-            model, gen, target=h.get("x-smg-target-worker"), routing_key=h.get("x-smg-routing-key")
-        )
-        try:
-            if s.stream:
-                request[STREAM_KEY] = True  # SMG's ``streaming`` label of the request count
-                return await _stream(request, es, rid, s, tok, job)
-            return await _whole(es, rid, s, tok, job)
-        except GONE:
-            await es.close(CLIENT_DISCONNECT)
-            raise
-        except BaseException as e:  # an engine failure, the timeout: not a stop (smg_engine_aborts_total)
-            await es.close(abort_reason(e))
-            raise
-        finally:
-            await es.close("stop")  # (a stop string's end: the engine would go on)
 
-    return await admitted(request, model, len(ids), s, run, [usage])
+async def _open(
+    request: web.Request, gw: Gateway, model: str, p: _Prepared, t0: float, mm: ModelMetrics, usage: _Usage
+) -> tuple[EngineStream, _Job]:
+    """The engine call of one sample of a /generate call."""
+    s, ids, ask = p.sampling, p.ids, p.ask
+    tok = gw.tokenizer(model)
+    max_new = gw.check_context(model, len(ids), s.max_tokens, param=p.field)
+    h = request.headers
+    facts = gw.engine_facts(model, h.get("x-smg-target-worker"))  # the model's sampling defaults
+    if s.min_tokens and facts.skip_tokenizer_init:
+        raise bad(
+            f"'sampling_params.min_new_tokens' is not supported by model '{model}': its SGLang workers "
+            "run with --skip-tokenizer-init, which refuses a minimum output length.",
+            param="sampling_params.min_new_tokens",
+        )
+    stops = single_token_stops(tok, s.stop, s.skip_special_tokens) if s.stop else ()
+    sp = engine_sampling(s, s.max_tokens, gw.cfg.stream_interval, None, facts.defaults, stops)
+    # an id of its own, its unique token first (SGLang aborts by id prefix: generation._engine_id)
+    plp = ask.top if ask is not None and ask.start >= 0 else None  # (the whole prompt's: sliced here)
+    gen = GenerateRequest(
+        engine_id(p.rid),
+        ids,
+        sp,
+        True,
+        ask is not None,
+        ask.top if ask is not None else 0,
+        token_limit=max_new,
+        prompt_logprobs=plp,
+    )
+    lps = _LogprobOut(ask, tok, ids) if ask is not None else None
+    job = _Job(ids, t0, 0 if p.prefill_only else max_new, mm, usage.states, lps)
+    es = await gw.open_stream(
+        model, gen, target=h.get("x-smg-target-worker"), routing_key=h.get("x-smg-routing-key")
+    )
+    return es, job
 
 
 @dataclass(frozen=True, slots=True)
@@ -771,7 +912,8 @@ def _take(
     return text
 
 
-async def _whole(es: EngineStream, rid: str, s: Sampling, tok: Any, job: _Job) -> web.Response:
+async def _answer(es: EngineStream, rid: str, s: Sampling, tok: Any, job: _Job) -> dict[str, Any]:
+    """One sample's whole answer: ``{"text", "output_ids", "meta_info"}``."""
     ids = job.ids
     st = ChoiceState(0, tok, s, ids)
     job.states.append(st)
@@ -780,8 +922,25 @@ async def _whole(es: EngineStream, rid: str, s: Sampling, tok: Any, job: _Job) -
     meta = _meta(rid, st, prompt or len(ids), st.tokens, cached, job.t0)
     if job.logprobs is not None:
         meta.update(job.logprobs.fields(st))
-    body = {"text": st.full_text(), "output_ids": out, "meta_info": meta}
+    return {"text": st.full_text(), "output_ids": out, "meta_info": meta}
+
+
+async def _whole(es: EngineStream, rid: str, s: Sampling, tok: Any, job: _Job) -> web.Response:
+    body = await _answer(es, rid, s, tok, job)
     return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+async def _whole_batch(opened: Sequence[tuple[EngineStream, _Prepared, _Job]], tok: Any) -> web.Response:
+    """A batch's (or ``n`` samples') answers, in the call's order; the first failure fails the call (the
+    other samples' engine calls are then closed by the caller)."""
+    tasks = [asyncio.ensure_future(_answer(es, p.rid, p.sampling, tok, job)) for es, p, job in opened]
+    try:
+        bodies = await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return web.Response(body=orjson.dumps(bodies), content_type="application/json")
 
 
 async def _stream(
@@ -801,22 +960,99 @@ async def _stream(
         try:
             async for piece, prompt, cached in _events(es, st, out, job):
                 text.append(piece)
-                meta = _meta(rid, st, prompt or len(ids), st.tokens, cached, t0)
-                if job.logprobs is not None:
-                    meta.update(job.logprobs.fields(st))
-                event = {"text": "".join(text), "output_ids": list(out), "meta_info": meta}
                 ka.touch()
-                await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+                await resp.write(_event(rid, st, job, text, out, prompt, cached, None))
             await resp.write_eof(b"data: [DONE]\n\n")
-        except (EngineError, ApiError, TimeoutError) as e:
+        except _STREAM_FAILURES as e:
             await es.close(abort_reason(e))  # reported in-band below: the engine call ends with its reason
-            msg = (
-                e.message if isinstance(e, ApiError) else str(e) if isinstance(e, EngineError) else "timeout"
-            )
-            err = {"error": {"message": msg, "code": getattr(e, "code", "timeout")}}
-            await resp.write_eof(b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n")
+            await resp.write_eof(_failed(e))
     finally:
         keepalive.unregister(resp)
+    return resp
+
+
+_STREAM_FAILURES = (EngineError, ApiError, TimeoutError)
+
+
+def _event(
+    rid: str,
+    st: ChoiceState,
+    job: _Job,
+    text: list[str],
+    out: list[int],
+    prompt: int,
+    cached: int,
+    index: int | None,
+) -> bytes:
+    """A streamed event: the sample's text and ids so far (``index``: its place in a batch's answers)."""
+    meta = _meta(rid, st, prompt or len(job.ids), st.tokens, cached, job.t0)
+    if job.logprobs is not None:
+        meta.update(job.logprobs.fields(st))
+    event: dict[str, Any] = {"text": "".join(text), "output_ids": list(out), "meta_info": meta}
+    if index is not None:
+        event["index"] = index
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+def _failed(e: BaseException) -> bytes:
+    """The error event (then ``[DONE]``) that ends a stream whose engine call failed."""
+    msg = e.message if isinstance(e, ApiError) else str(e) if isinstance(e, EngineError) else "timeout"
+    err = {"error": {"message": msg, "code": getattr(e, "code", "timeout")}}
+    return b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n"
+
+
+async def _stream_batch(
+    request: web.Request, opened: Sequence[tuple[EngineStream, _Prepared, _Job]], tok: Any, t0: float
+) -> web.StreamResponse:
+    """A batch's (or ``n`` samples') events as each sample's come, each with its ``index`` (SGLang's
+    ``_stream_batch_responses``), then ``[DONE]``. A sample whose engine call fails ends the stream
+    with the error event (the others' calls closed), as SGLang's. The samples' events pass through a
+    queue of a few events per sample: a client that reads slowly holds the engines back, as one
+    sample's stream does, rather than piling up events."""
+    resp = stream_response(request, headers=dict(SSE_HEADERS))
+    stamp_headers(request, resp, t0)
+    await resp.prepare(request)
+    keepalive = request.app[KEEPALIVE_TICKER]
+    ka = keepalive.register(resp, KEEPALIVE)
+    queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(2 * len(opened))
+
+    async def pump(index: int, es: EngineStream, p: _Prepared, job: _Job) -> None:
+        st = ChoiceState(0, tok, p.sampling, job.ids)
+        job.states.append(st)
+        out: list[int] = []
+        text: list[str] = []
+        try:
+            async for piece, prompt, cached in _events(es, st, out, job):
+                text.append(piece)
+                await queue.put(_event(p.rid, st, job, text, out, prompt, cached, index))
+        except Exception as e:  # (a failure of any kind ends the stream: no sample waited on forever)
+            await queue.put(e)
+            return
+        await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(i, es, p, job)) for i, (es, p, job) in enumerate(opened)]
+    try:
+        left = len(tasks)
+        while left:
+            got = await queue.get()
+            if got is None:
+                left -= 1
+            elif isinstance(got, BaseException):
+                if not isinstance(got, _STREAM_FAILURES):
+                    raise got
+                for es, _, _ in opened:  # reported in-band below: the engine calls end with its reason
+                    await es.close(abort_reason(got))
+                await resp.write_eof(_failed(got))
+                return resp
+            else:
+                ka.touch()
+                await resp.write(got)
+        await resp.write_eof(b"data: [DONE]\n\n")
+    finally:
+        keepalive.unregister(resp)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     return resp
 
 
