@@ -11,39 +11,24 @@ fields may hold one value per prompt; ``rid`` is a list of the batch's length or
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e import node_fixtures
-from tests.e2e.node_procs import NodeProc, node_of_models
-from tests.e2e.procs import MockEngineProc, start_mock_engine
+from tests.e2e import node_fixtures, test_prompt_logprobs
+from tests.e2e.node_procs import NodeProc
+from tests.e2e.procs import MockEngineProc
 
 tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
 
-SG, VL = "qwen3-sglang", "qwen3-vllm"
-DIALECTS = [SG, VL]
 PROMPTS = ["The capital of France is", "Once upon a time", "Hello"]
 
 
-@pytest.fixture(scope="module")
-def engine(tokenizer_dir: Path) -> Iterator[MockEngineProc]:
-    with start_mock_engine("--zero-latency", "--output-len", "8", "--tokenizer", str(tokenizer_dir)) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def node(engine: MockEngineProc, tokenizer_dir: Path) -> Iterator[NodeProc]:
-    g = f"127.0.0.1:{engine.grpc_port}"
-    models = [
-        {"name": name, "model_path": str(tokenizer_dir), "worker_urls": [url]}
-        for name, url in ((SG, f"sglang://{g}"), (VL, f"vllm://{g}"))
-    ]
-    with node_of_models(models) as n:
-        yield n
+# the logprob tests' engine and node: one mock in both dialects (``sglang://`` and ``vllm://`` workers of it)
+engine, node = test_prompt_logprobs.engine, test_prompt_logprobs.node
+SG, VL = test_prompt_logprobs.SG, test_prompt_logprobs.VL
+DIALECTS = [SG, VL]
 
 
 def generate(node: NodeProc, http: httpx.Client, body: dict[str, Any]) -> Any:
@@ -107,15 +92,8 @@ def test_n_samples_come_prompt_by_prompt_each_with_an_id_of_its_own(
     assert all(g["meta_info"]["completion_tokens"] == 3 for g in got)
     body = {"model": model, "text": PROMPTS[:2], "sampling_params": {"max_new_tokens": 2, "n": 2}}
     got = generate(node, http, body)
-    lengths = [len(node_tokens(node, http, model, p)) for p in PROMPTS[:2]]
+    lengths = [len(test_prompt_logprobs.prompt_ids(node, http, model, p)) for p in PROMPTS[:2]]
     assert [g["meta_info"]["prompt_tokens"] for g in got] == [lengths[0]] * 2 + [lengths[1]] * 2
-
-
-def node_tokens(node: NodeProc, http: httpx.Client, model: str, text: str) -> list[int]:
-    r = http.post(node.url + "/tokenize", json={"model": model, "prompt": text})
-    assert r.status_code == 200, r.text
-    out: list[int] = r.json()["tokens"]
-    return out
 
 
 @pytest.mark.parametrize("model", DIALECTS)
