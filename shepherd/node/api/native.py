@@ -588,7 +588,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         items, rids, n = split
         for item in items:  # every prompt's fields checked before any is tokenized
             _sampling(item)
-        prompts = [await _prepared(gw, model, item, _rid(rid)) for item, rid in zip(items, rids, strict=True)]
+        prompts = await asyncio.gather(
+            *(_prepared(gw, model, item, _rid(rid)) for item, rid in zip(items, rids, strict=True))
+        )
         samples = [
             p if n == 1 else dataclasses.replace(p, rid=fresh_id("gen-")) for p in prompts for _ in range(n)
         ]
@@ -598,8 +600,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     first = samples[0]
     stream = first.sampling.stream
     s = first.sampling
-    if len(samples) > 1:  # the reservation: every sample's output, every prompt once
-        s = dataclasses.replace(s, n=1, max_tokens=max(p.sampling.max_tokens or 0 for p in samples))
+    if split is not None:  # the reservation: every prompt once, n outputs of each (admission: n x prompts)
+        n = split[2]
+        s = dataclasses.replace(s, n=n, max_tokens=max(p.sampling.max_tokens or 0 for p in samples))
 
     async def run() -> web.StreamResponse:
         opened: list[tuple[EngineStream, _Prepared, _Job]] = []
