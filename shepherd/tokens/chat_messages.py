@@ -15,7 +15,12 @@ import string
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-__all__ = ["ChatTemplateError", "normalize_tool_call_arguments", "normalize_tool_call_ids"]
+__all__ = [
+    "ChatTemplateError",
+    "name_tool_outputs",
+    "normalize_tool_call_arguments",
+    "normalize_tool_call_ids",
+]
 
 Message = Mapping[str, Any]
 
@@ -127,18 +132,43 @@ def normalize_tool_call_arguments(messages: Sequence[Message], as_string: bool) 
 
 
 def _convert_arguments(args: Any, as_string: bool) -> Any:
+    """A call's arguments as a JSON string or an object; none, blank or ``null`` arguments (a tool that
+    takes none, as some clients send it) are ``{}``, as vLLM's ``_postprocess_messages`` makes them."""
+    if args is None or (isinstance(args, str) and not args.strip()):
+        return "{}" if as_string else {}
     if as_string:
-        if args is None:
-            return "{}"
         if isinstance(args, str):
-            return args
+            return "{}" if args.strip() == "null" else args
         return json.dumps(args, ensure_ascii=False)
     if isinstance(args, str):
         try:
-            return json.loads(args)
+            parsed = json.loads(args)
         except ValueError:
             return args
+        return {} if parsed is None else parsed
     return args
+
+
+def name_tool_outputs(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """Copies of ``messages`` whose tool outputs without a ``name`` are named after the call their
+    ``tool_call_id`` answers (an assistant message's ``tool_calls`` before them): for a template that
+    names each output (gpt-oss's, as openai-harmony writes ``functions.NAME to=assistant``)."""
+    names: dict[str, str] = {}
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        copy = dict(m)
+        for call in m.get("tool_calls") or ():
+            if isinstance(call, Mapping):
+                fn = call.get("function")
+                name = fn.get("name") if isinstance(fn, Mapping) else call.get("name")
+                if isinstance(call.get("id"), str) and isinstance(name, str):
+                    names[call["id"]] = name
+        if m.get("role") == "tool" and not m.get("name"):
+            name = names.get(m.get("tool_call_id"))  # type: ignore[arg-type]
+            if name is not None:
+                copy["name"] = name
+        out.append(copy)
+    return out
 
 
 _ID_ALPHABET: Final = string.ascii_letters + string.digits

@@ -30,6 +30,7 @@ from shepherd.tokens.chat_messages import (
     _cut_at_tag,
     _prepare_messages,
     _tag_final_message,
+    name_tool_outputs,
     normalize_tool_call_arguments,
     normalize_tool_call_ids,
 )
@@ -72,12 +73,63 @@ _HARMONY_REWRITES: Final = (
 )
 
 
+# gpt-oss's template writes one tool call per assistant message (``tool_calls[0]``: the others lost), its
+# header as ``assistant to=functions.X<|channel|>commentary json``, its arguments and a tool's output
+# through ``tojson`` (a string quoted), names every tool output after the last call, and refuses an
+# assistant message with both ``content`` and ``thinking`` beside its calls (what the gpt-oss parser makes
+# of a preamble after the analysis: a 400 for the next turn of any agent loop). vLLM, SGLang and SMG
+# render gpt-oss's prompt with openai-harmony, which writes each call as a message of its own,
+# ``<|start|>assistant<|channel|>commentary to=functions.X <|constrain|>json<|message|>ARGS<|call|>``
+# (the model's own tokens: its next turn extends the prompt the engine cached), the arguments and a
+# tool's output as they are, each output named after its call (``tool_call_id``: set as the message's
+# ``name`` by ``ChatTemplate``), and a preamble as a commentary message after the analysis.
+_HARMONY_CALLS: Final = """            {{- "<|start|>assistant to=" }}
+            {{- "functions." + tool_call.name + "<|channel|>commentary " }}
+            {{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}
+            {{- tool_call.arguments|tojson }}
+            {{- "<|call|>" }}
+            {%- set last_tool_call.name = tool_call.name %}"""
+_HARMONY_MESSAGE_REWRITES: Final = (
+    (
+        _HARMONY_CALLS,
+        r"{%- for harmony_call in message.tool_calls %}"
+        r"{%- set tool_call = harmony_call.function if harmony_call.function else harmony_call %}"
+        r'{{- "<|start|>assistant<|channel|>commentary to=functions." + tool_call.name + " <|constrain|>" }}'
+        r'{{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}'
+        r"{{- tool_call.arguments if tool_call.arguments is string else tool_call.arguments|tojson }}"
+        r'{{- "<|call|>" }}{%- set last_tool_call.name = tool_call.name %}{%- endfor %}',
+    ),
+    (
+        r'{{- raise_exception("Cannot pass both content and thinking in an assistant message with tool calls!'
+        r' Put the analysis message in one or the other, but not both.") }}',
+        r"{%- if not future_final_message.found %}"
+        r'{{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}'
+        r"{%- endif %}"
+        r'{{- "<|start|>assistant<|channel|>commentary<|message|>" + message.content + "<|end|>" }}',
+    ),
+    (
+        r'{{- "<|start|>functions." + last_tool_call.name }}',
+        r'{{- "<|start|>functions." + (message.name if message.name is string and message.name'
+        r" else last_tool_call.name) }}",
+    ),
+    (
+        r'" to=assistant<|channel|>commentary<|message|>" + message.content|tojson + "<|end|>"',
+        r'" to=assistant<|channel|>commentary<|message|>"'
+        r' + (message.content if message.content is string else message.content|tojson) + "<|end|>"',
+    ),
+)
+
+
 def _as_harmony_renders(source: str) -> str:
-    """gpt-oss's template with its tool header written as openai-harmony writes it (others as given)."""
+    """gpt-oss's template with its tool header and its tool calls and outputs written as openai-harmony
+    writes them (others as given)."""
     if "render_tool_namespace" not in source:
         return source
     for old, new in _HARMONY_REWRITES:
         source = source.replace(old, new)
+    if _HARMONY_CALLS in source:
+        for old, new in _HARMONY_MESSAGE_REWRITES:
+            source = source.replace(old, new)
     return source
 
 
@@ -103,6 +155,8 @@ class ChatTemplate:
         self.fix_tool_calls = fix_tool_calls
         self._tool_call_shape: ToolCallShape | None = None
         self.source = source
+        # gpt-oss's: tool calls and outputs as openai-harmony writes them (``_as_harmony_renders``)
+        self.harmony_calls = "render_tool_namespace" in source and _HARMONY_CALLS in source
         self.special_tokens: dict[str, Any] = dict(special_tokens or {})
         try:
             self._template = (env or _environment()).from_string(_as_harmony_renders(source))
@@ -375,9 +429,12 @@ class ChatTemplate:
             # template; a string would be printed as the client spaced it where the template writes an
             # object through ``tojson`` (Qwen3, Hermes), or whole where it lays out an object's items
             # (Gemma 4's ``call:f{city:...}``, Kimi K3's typed arguments)
+            if self.harmony_calls:  # the arguments as the model wrote them (an object: as JSON text)
+                chat = name_tool_outputs(chat)
             if shape.arguments in ("object", "string", "either"):
                 try:
-                    chat = normalize_tool_call_arguments(chat, as_string=shape.arguments == "string")
+                    as_string = shape.arguments == "string" or self.harmony_calls
+                    chat = normalize_tool_call_arguments(chat, as_string=as_string)
                 except (RecursionError, ValueError, TypeError) as e:
                     raise ChatTemplateError(f"tool call arguments cannot be converted: {e!r}") from None
             if shape.id_length is not None:
