@@ -195,8 +195,8 @@ def _vllm_sampling(
     )
     if p.max_new_tokens is not None:  # unset: vLLM's own bound (max_model_len less the prompt)
         sp.max_tokens = _uint32(p.max_new_tokens)
-    if p.seed is not None:  # vLLM's seed field is int32: a 64-bit seed saturates (as SMG's cast does)
-        sp.seed = min(max(p.seed, _INT32_MIN), _INT32_MAX)
+    if p.seed is not None:  # vLLM's seed field is int32: a 64-bit seed is folded in (SMG's cast saturates)
+        sp.seed = fold_seed(p.seed)
     if logprobs:
         sp.logprobs = top_logprobs
     if prompt_logprobs is not None:
@@ -227,6 +227,23 @@ _VN = SMALL_LIMIT
 _INT32_MIN = -(1 << 31)
 VLLM_MAX_LOGPROBS = 20  # vLLM's default max_logprobs: what its engine accepts for (prompt) logprobs
 _INT32_MAX = (1 << 31) - 1
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def fold_seed(v: int) -> int:
+    """A seed for an int32 field (vLLM's, MLX's): one in int32's range as it is; any other (vLLM's own
+    server takes any int64) mixed into it (splitmix64's finalizer), so that distinct seeds give distinct
+    samples as they do on vLLM's server (saturating, as SMG does, or truncating sends 2**40, 2**41 and
+    2**62 alike)."""
+    if _INT32_MIN <= v <= _INT32_MAX:
+        return v
+    x = v & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x = (x ^ (x >> 31)) & 0xFFFFFFFF
+    return x - (1 << 32) if x > _INT32_MAX else x
 
 
 def _int32(v: object) -> bytes | None:

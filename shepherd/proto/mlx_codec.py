@@ -18,6 +18,7 @@ from typing import Any
 
 from smg_grpc_proto import mlx_engine_pb2 as mx
 
+from shepherd.proto.engine_requests import fold_seed
 from shepherd.proto.engine_types import (
     EngineChunk,
     EngineComplete,
@@ -34,10 +35,6 @@ MLX_SERVICE = "mlx.grpc.engine.MlxEngine"
 
 # mlx-lm's BatchGenerator ends a sequence with "stop" (EOS, a stop token) or "length"
 _FINISH = {"": "stop", "stop": "stop", "length": "length"}
-
-
-def _int32(v: int) -> int:
-    return ((v + (1 << 31)) % (1 << 32)) - (1 << 31)  # a 64-bit seed folded into int32 (as for vLLM)
 
 
 def mlx_generate(req: GenerateRequest) -> mx.GenerateRequest:
@@ -91,7 +88,7 @@ def mlx_generate(req: GenerateRequest) -> mx.GenerateRequest:
     if p.max_new_tokens is not None:
         sp.max_tokens = p.max_new_tokens
     if p.seed is not None:
-        sp.seed = _int32(p.seed)
+        sp.seed = fold_seed(p.seed)
     if req.logprobs:
         # the servicer sends none for 0: ask for 1 (the sampled token's logprob comes with it), cut back
         sp.logprobs = max(1, req.top_logprobs)

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from shepherd.proto.engine_requests import fold_seed
 from tests.contract.fake_mlx import FakeMlx, start_fake_mlx
 from tests.contract.fake_service_thread import reply_ids, tokenizer
 from tests.contract.node_over_fake import (
@@ -75,7 +76,7 @@ def test_chat_without_streaming_maps_sampling(fake: FakeMlx, node: NodeProc) -> 
     assert sp.top_p == pytest.approx(0.8)
     assert sp.top_k == 0  # unset: every token (ours -1)
     assert sp.min_p == pytest.approx(0.1)
-    assert sp.seed == 5  # int32: a 64-bit seed folded in
+    assert sp.seed == fold_seed((1 << 40) + 5) != 5  # int32: a 64-bit seed mixed in
     assert sp.frequency_penalty == pytest.approx(0.3)
     assert sp.presence_penalty == pytest.approx(0.4)
     assert sp.repetition_penalty == pytest.approx(1.2)

@@ -20,6 +20,7 @@ import shepherd.tokens as tokens_pkg
 from shepherd.node.api.generation import engine_sampling, single_token_stops
 from shepherd.node.openai.requests import parse_chat
 from shepherd.proto.engine_requests import (
+    fold_seed,
     sglang_generate,
     sglang_generate_bytes,
     vllm_generate,
@@ -93,19 +94,26 @@ def test_a_bound_past_the_field_is_clamped_not_refused(asked: int) -> None:
     assert vl.GenerateRequest.FromString(vllm_generate_bytes(req)).sampling_params.max_tokens == 2**32 - 1
 
 
-@pytest.mark.parametrize(
-    ("seed", "want"),
-    [
-        (2**40 + 5, 2**31 - 1),
-        (-(2**40), -(2**31)),
-        (5, 5),
-        (-7, -7),
-        (2**31 - 1, 2**31 - 1),
-        (2**31, 2**31 - 1),
-    ],
-)
-def test_vllm_seed_saturates_as_smg(seed: int, want: int) -> None:
-    assert vllm_generate(gen(sampling=SamplingParams(seed=seed))).sampling_params.seed == want
+@pytest.mark.parametrize("seed", [5, -7, 0, 2**31 - 1, -(2**31)])
+def test_a_vllm_seed_in_int32_goes_as_it_is(seed: int) -> None:
+    assert vllm_generate(gen(sampling=SamplingParams(seed=seed))).sampling_params.seed == seed
+
+
+def test_vllm_seeds_past_int32_stay_distinct() -> None:
+    """vLLM's server takes any int64 seed; its gRPC field is int32: seeds past it are mixed in, so that
+    distinct seeds still give distinct samples (SMG saturates them: 2**40 and 2**41 sample alike)."""
+    seeds = [2**31, -(2**31) - 1, 2**40, 2**41, 2**62, 2**63 - 1, -(2**40), -(2**63), 2**40 + 5]
+    got = [vllm_generate(gen(sampling=SamplingParams(seed=s))).sampling_params.seed for s in seeds]
+    assert len(set(got)) == len(seeds)
+    assert all(-(2**31) <= g < 2**31 for g in got)
+    assert got == [fold_seed(s) for s in seeds]  # the same in every process
+
+
+@given(st.integers(-(2**63), 2**63 - 1))
+def test_fold_seed_is_int32_and_keeps_int32_seeds(seed: int) -> None:
+    folded = fold_seed(seed)
+    assert -(2**31) <= folded < 2**31
+    assert folded == seed or not -(2**31) <= seed < 2**31
 
 
 def test_stop_strings_reach_vllm_and_single_token_ones_sglang() -> None:
