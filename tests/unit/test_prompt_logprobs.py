@@ -259,11 +259,22 @@ def test_vllm_prompt_logprobs_shape_and_ranks(cache: TokenTextCache) -> None:
     assert vllm_prompt_logprobs(sglang, cache, 0)[1] == {
         "2": {"logprob": -1.0, "rank": 3, "decoded_token": "b"}
     }
+    # the prompt token among the k best: k entries, as vLLM's dict of the token and the k best (it is one)
     best = plp_of([[], [(2, -0.1), (3, -0.5)]], [None, -0.1], [1, 2])
     assert vllm_prompt_logprobs(best, cache, 1)[1] == {
+        "2": {"logprob": -0.1, "rank": 1, "decoded_token": "b"}
+    }
+    assert vllm_prompt_logprobs(best, cache, 2)[1] == {
         "2": {"logprob": -0.1, "rank": 1, "decoded_token": "b"},
         "3": {"logprob": -0.5, "rank": 2, "decoded_token": "c"},
     }
+    middle = plp_of([[], [(2, -0.5), (3, -0.1), (4, -0.7), (5, -0.9)]], [None, -0.5], [1, 2])
+    assert vllm_prompt_logprobs(middle, cache, 3)[1] == {
+        "2": {"logprob": -0.5, "rank": 2, "decoded_token": "b"},
+        "3": {"logprob": -0.1, "rank": 1, "decoded_token": "c"},
+        "4": {"logprob": -0.7, "rank": 3, "decoded_token": "d"},
+    }
+    assert len(vllm_prompt_logprobs(middle, cache, 1)[1] or {}) == 2  # not among the best one: k + 1
 
 
 def test_an_echo_top_list_led_by_the_prompt_token_shows_k_others_and_the_token(cache: TokenTextCache) -> None:

@@ -343,8 +343,9 @@ def vllm_prompt_logprobs(
 ) -> list[dict[str, dict[str, object]] | None]:
     """vLLM's ``prompt_logprobs`` (``CompletionResponseChoice.prompt_logprobs``, chat's top-level
     ``ChatCompletionResponse.prompt_logprobs``): per prompt position None when it has no logprob (the
-    first), else ``{"<id>": {"logprob", "rank", "decoded_token"}}``: the prompt token first, then up to
-    ``k`` alternatives, each once (vLLM's ``append_logprobs_for_next_position``). Neither engine's gRPC
+    first), else ``{"<id>": {"logprob", "rank", "decoded_token"}}``: the prompt token first, then the
+    position's ``k`` best tokens, each once (vLLM's ``append_logprobs_for_next_position``: ``k`` entries
+    when the prompt token is among the ``k`` best, ``k + 1`` when it is not). Neither engine's gRPC
     answer carries a rank; the alternatives come best first, so a token's rank is one more than the
     listed tokens above it: exact for the alternatives, and for the prompt token when it is among the
     best the engine listed (else the least rank consistent with them). -inf is -9999.0, as vLLM's
@@ -363,11 +364,18 @@ def vllm_prompt_logprobs(
         pos: dict[str, dict[str, object]] = {
             str(tid): {"logprob": json_logprob(v), "rank": rank, "decoded_token": cache.get(tid).text}
         }
-        for j, (alt, alp) in enumerate(alts[:k], 1):
+        # the k best: the prompt token in its place (its rank) when it is one of them, the alternatives
+        # ranked around it
+        above = alts[: rank - 1] if rank <= k else alts[:k]
+        below = alts[rank - 1 : k - 1] if rank <= k else []
+        ranked = [
+            *zip(above, range(1, k + 1), strict=False),
+            *zip(below, range(rank + 1, k + 1), strict=False),
+        ]
+        for (alt, alp), j in ranked:
             key = str(alt)
             if key not in pos:
-                rank = j + (1 if v > alp else 0)
-                pos[key] = {"logprob": json_logprob(alp), "rank": rank, "decoded_token": cache.get(alt).text}
+                pos[key] = {"logprob": json_logprob(alp), "rank": j, "decoded_token": cache.get(alt).text}
         out.append(pos)
     return out
 
