@@ -78,6 +78,17 @@ def test_stop_strings_are_bounded_in_length() -> None:
     assert e.value.param == "stop"
 
 
+def test_an_empty_stop_string_is_refused_as_vllm_refuses_it() -> None:
+    """An empty stop string matches anywhere: vLLM's SamplingParams refuses it ("stop cannot contain an
+    empty string."); it was dropped silently."""
+    refused(chat(stop=""), "stop")
+    refused(chat(stop=["done", ""]), "stop")
+    with pytest.raises(ApiError) as e:
+        parse_completion({"model": "m", "prompt": "p", "stop": [""]})
+    assert e.value.param == "stop" and "empty string" in e.value.message
+    assert parse_chat_deferred(chat(stop="done")).sampling.stop == ("done",)
+
+
 def test_stop_token_ids_and_logit_bias_are_bounded_in_count() -> None:
     parse_chat_deferred(chat(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))))
     refused(chat(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids")

@@ -140,15 +140,15 @@ def _stop(d: dict[str, Any]) -> tuple[str, ...]:
     if v is None:
         return ()
     if isinstance(v, str):
-        if len(v) > MAX_STOP_CHARS:
-            raise _long_stop()
-        return (v,) if v else ()
+        v = [v]
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
         if len(v) > MAX_STOP:
             raise bad(f"'stop' may hold at most {MAX_STOP} sequences.", param="stop", code="invalid_value")
         if any(len(s) > MAX_STOP_CHARS for s in v):
             raise _long_stop()
-        return tuple(s for s in v if s)
+        if not all(v):  # (it would match anywhere: vLLM's SamplingParams refuses it so)
+            raise bad("'stop' cannot contain an empty string.", param="stop", code="invalid_value")
+        return tuple(v)
     raise bad("'stop' must be a string or a list of strings.", param="stop", code="invalid_type")
 
 
