@@ -439,6 +439,16 @@ def test_structured_outputs_and_strict_tools_reach_the_chat_request() -> None:
     _bad(_req(output_config={"colour": "red"}), "output_config.colour")
     _bad(_req(output_config={"effort": "extreme"}), "output_config.effort")
     _bad(_req(output_config=[]), "output_config")
+    # the task-budgets beta's budget: checked, a hint as effort is (it was refused as an extra input)
+    budget = {"effort": "high", "task_budget": {"type": "tokens", "total": 100000, "remaining": 5}}
+    assert parse_messages(_req(output_config=budget)).chat.response_format is None
+    for wrong, where in (
+        ({"type": "time", "total": 5}, "output_config.task_budget"),
+        ({"type": "tokens", "total": 0}, "output_config.task_budget.total"),
+        ({"type": "tokens", "total": 5, "remaining": 6}, "output_config.task_budget.remaining"),
+        ({"type": "tokens", "total": 5, "colour": 1}, "output_config.task_budget.colour"),
+    ):
+        _bad(_req(output_config={"task_budget": wrong}), where)
     # effort: checked, a hint (as budget_tokens): no template switch is asked of the model's template
     on = _req(output_config={"effort": "low"}, thinking={"type": "adaptive"})
     assert parse_messages(on).chat.reasoning_effort is None

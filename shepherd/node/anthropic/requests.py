@@ -603,18 +603,20 @@ def _output_config(
     d: dict[str, Any], budget: SchemaBudget, pending: list[PendingSchema]
 ) -> dict[str, Any] | None:
     """``output_config`` (``format``: a JSON schema the answer must follow, as the SDK's ``parse`` sends;
-    ``effort``: checked, a hint on how much to spend, accepted as ``budget_tokens`` is: ``max_tokens``
-    bounds the answer) or the beta's top-level ``output_format``: the chat ``response_format``."""
+    ``effort`` and the task-budgets beta's ``task_budget``: checked, hints on how much to spend, accepted
+    as ``budget_tokens`` is: ``max_tokens`` bounds the answer) or the beta's top-level
+    ``output_format``: the chat ``response_format``."""
     cfg = d.get("output_config")
     if cfg is not None and not isinstance(cfg, dict):
         raise bad("output_config: expected an object.", param="output_config")
     cfg = cfg or {}
-    unknown = sorted(set(cfg) - {"format", "effort"})
+    unknown = sorted(set(cfg) - {"format", "effort", "task_budget"})
     if unknown:
         raise bad(f"output_config.{unknown[0][:50]}: Extra inputs are not permitted.", param="output_config")
     effort = cfg.get("effort")
     if effort is not None and effort not in _EFFORTS:
         raise bad(f"output_config.effort: expected one of {list(_EFFORTS)}.", param="output_config.effort")
+    _task_budget(cfg.get("task_budget"))
     fmt, where = cfg.get("format"), "output_config.format"
     if fmt is None and d.get("output_format") is not None:
         fmt, where = d["output_format"], "output_format"
@@ -626,6 +628,24 @@ def _output_config(
     pending.append(budget.take(schema, f"{where}.schema"))
     spec = {"name": "output", "schema": schema, "strict": True}
     return {"type": "json_schema", "json_schema": spec}
+
+
+def _task_budget(v: object) -> None:
+    """The task-budgets beta's ``{"type": "tokens", "total": N, "remaining": M}`` (the SDK's
+    ``BetaTokenTaskBudgetParam``), checked: a positive ``total``, ``remaining`` from 0 to it."""
+    if v is None:
+        return
+    where = "output_config.task_budget"
+    if not isinstance(v, dict) or v.get("type") != "tokens":
+        raise bad(f"{where}: expected {{'type': 'tokens', 'total': N}}.", param=where)
+    unknown = sorted(set(v) - {"type", "total", "remaining"})
+    if unknown:
+        raise bad(f"{where}.{unknown[0][:50]}: Extra inputs are not permitted.", param=where)
+    total, remaining = v.get("total"), v.get("remaining")
+    if type(total) is not int or total < 1:
+        raise bad(f"{where}.total: expected a positive integer.", param=f"{where}.total")
+    if remaining is not None and (type(remaining) is not int or not 0 <= remaining <= total):
+        raise bad(f"{where}.remaining: expected an integer from 0 to total.", param=f"{where}.remaining")
 
 
 def _stop_sequences(d: dict[str, Any]) -> tuple[str, ...]:
