@@ -120,6 +120,49 @@ def test_stop_sequence_and_max_tokens(
     assert msg.stop_reason == "max_tokens" and msg.usage.output_tokens == 3
 
 
+CONTEXT = 65536  # the engine's (responses_fixtures.engine)
+
+
+def test_max_tokens_past_the_context_window_stops_at_the_window(
+    client: anthropic.Anthropic, engine: MockEngineProc, http: httpx.Client
+) -> None:
+    """Claude Code asks ``max_tokens`` 32,000 of any model: past what the window leaves, the engine is
+    asked for the rest of the window and an answer cut there stops with Anthropic's
+    ``model_context_window_exceeded`` (it was a 400 in vLLM's words on every turn); one that ends on
+    its own is ``end_turn`` as ever; within the window nothing changes."""
+    marker = script(engine, http, "short answer")
+    msg = client.messages.create(model=MODEL, max_tokens=CONTEXT, messages=_user(marker))
+    assert msg.stop_reason == "end_turn", msg
+    asked = http.get(f"http://127.0.0.1:{engine.http_port}/mock/stats").json()["last_sampling_params"]
+    assert asked["max_new_tokens"] == CONTEXT - msg.usage.input_tokens - (
+        msg.usage.cache_read_input_tokens or 0
+    )
+    for stream in (False, True):
+        marker = f"cut-{stream}"
+        r = http.post(
+            f"http://127.0.0.1:{engine.http_port}/mock/responses",
+            json={"text": "cut at the window", "match": marker, "finish_reason": "length"},
+        )
+        assert r.status_code < 300, r.text
+        if stream:
+            with client.messages.stream(model=MODEL, max_tokens=CONTEXT, messages=_user(marker)) as s:
+                msg = s.get_final_message()
+        else:
+            msg = client.messages.create(model=MODEL, max_tokens=CONTEXT, messages=_user(marker))
+        assert msg.stop_reason == "model_context_window_exceeded", msg
+    marker = script(engine, http, "a long answer that goes on and on and on")
+    assert (
+        client.messages.create(model=MODEL, max_tokens=3, messages=_user(marker)).stop_reason == "max_tokens"
+    )
+
+
+def test_a_prompt_the_window_cannot_hold_is_refused_in_anthropics_words(client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, max_tokens=10, messages=_user("a " * (CONTEXT + 10)))
+    message = e.value.body["error"]["message"]  # type: ignore[index]
+    assert message.startswith("prompt is too long: ") and message.endswith(f" tokens > {CONTEXT - 1} maximum")
+
+
 def test_stream_and_final_message(
     client: anthropic.Anthropic, engine: MockEngineProc, http: httpx.Client
 ) -> None:

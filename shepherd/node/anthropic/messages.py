@@ -141,8 +141,12 @@ class MessageEvents:
         stops: Sequence[str] = (),
         quiet: bool = False,
         omit_thinking: bool = False,
+        context_bound: bool = False,
     ) -> None:
         self.message_id = message_id
+        # ``max_tokens`` was lowered to what the context window leaves: an output cut at that bound
+        # stopped at the window (``model_context_window_exceeded``), not at the client's ``max_tokens``
+        self.context_bound = context_bound
         self.model = model
         self.input_tokens = input_tokens
         self.stops = tuple(stops)
@@ -254,6 +258,8 @@ class MessageEvents:
     def finish(self, index: int, reason: str, matched: str | int | None = None) -> bytes:
         """The choice ended: the open block's closing events (the stop reason goes out with ``end``)."""
         self.stop_reason, self.stop_sequence = stop_reason(reason, matched, self.stops)
+        if self.context_bound and self.stop_reason == "max_tokens":
+            self.stop_reason = "model_context_window_exceeded"
         return self._close()
 
     def message(self, usage: dict[str, int]) -> dict[str, Any]:

@@ -94,13 +94,21 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     model = _model(request, gw, req.chat.model)
     tok = gw.tokenizer(model)
     text, ids = await _prompt(gw, model, req)
+    req, bound = _within_context(gw, model, req, len(ids))
     shaping = shape_chat(gw.parser_families(model), req.chat, text)
     if shaping.output is not None and shaping.output.tool_parser is not None:
         # a call cut off by max_tokens is a tool_use block (its input as far as it goes), as Anthropic's
         shaping.output = dataclasses.replace(shaping.output, partial_calls=True)
     message_id = fresh_id("msg_")
     events = (
-        MessageEvents(message_id, model, len(ids), req.stop_sequences, omit_thinking=req.omit_thinking)
+        MessageEvents(
+            message_id,
+            model,
+            len(ids),
+            req.stop_sequences,
+            omit_thinking=req.omit_thinking,
+            context_bound=bound,
+        )
         if req.stream
         else None
     )
@@ -128,7 +136,7 @@ async def create_message(request: web.Request) -> web.StreamResponse:
             return await _cache_only(g, jobs, message_id, req)
         if events is not None:
             return await g.stream(jobs)
-        return await _respond(g, jobs, message_id, req)
+        return await _respond(g, jobs, message_id, req, bound)
 
     adm = request.app[ADMISSION]
     if adm is None:
@@ -136,7 +144,28 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     return await adm.guard(request, model, len(ids), shaping.sampling, run, jobs)
 
 
-async def _respond(g: Generation, jobs: list[Job], message_id: str, req: MessagesRequest) -> web.Response:
+def _within_context(
+    gw: Gateway, model: str, req: MessagesRequest, prompt: int
+) -> tuple[MessagesRequest, bool]:
+    """The request with ``max_tokens`` lowered to what the context window leaves after the prompt, and
+    whether it was (Anthropic's models take any ``max_tokens`` up to their output limit and stop at the
+    window with ``stop_reason: model_context_window_exceeded``: Claude Code asks 32,000 of every model,
+    which a 32K-context model would otherwise refuse on every turn); a prompt that leaves no room is a
+    400 in Anthropic's words ("prompt is too long: N tokens > M maximum"), which clients match to
+    compact the conversation."""
+    ctx = gw.context_length(model)
+    if prompt >= ctx:
+        raise bad(f"prompt is too long: {prompt} tokens > {ctx - 1} maximum", param="messages")
+    asked = req.chat.sampling.max_tokens
+    if asked is None or prompt + asked <= ctx:
+        return req, False
+    sampling = dataclasses.replace(req.chat.sampling, max_tokens=ctx - prompt)
+    return dataclasses.replace(req, chat=dataclasses.replace(req.chat, sampling=sampling)), True
+
+
+async def _respond(
+    g: Generation, jobs: list[Job], message_id: str, req: MessagesRequest, bound: bool = False
+) -> web.Response:
     choices, violations = await g.collect(jobs)
     strict = g.rejected(violations)
     if strict:
@@ -144,7 +173,13 @@ async def _respond(g: Generation, jobs: list[Job], message_id: str, req: Message
     choice: dict[str, Any] = choices[0]
     job = jobs[0]
     enc = MessageEvents(
-        message_id, g.model, len(job.ids), req.stop_sequences, quiet=True, omit_thinking=req.omit_thinking
+        message_id,
+        g.model,
+        len(job.ids),
+        req.stop_sequences,
+        quiet=True,
+        omit_thinking=req.omit_thinking,
+        context_bound=bound,
     )
     reason = choice["finish_reason"]
     replay(g.output, enc, job.states[0].full_text(), cut=reason == "length")
