@@ -112,6 +112,29 @@ def test_batch_and_token_ids_agree(client: openai.OpenAI, node: NodeProc) -> Non
     assert one.data[0].embedding == r.data[2].embedding
 
 
+def test_vllm_truncation_and_special_tokens_are_honoured(client: openai.OpenAI, node: NodeProc) -> None:
+    """vLLM's ``truncate_prompt_tokens``: a text keeps its first N tokens (vLLM's tokenizer call with
+    ``truncation``), token ids their last N (its slice), -1 the context length (a long input embeds
+    instead of a 400); ``add_special_tokens`` reaches the tokenizer; ``normalize: false`` is a 400 (it was
+    all accepted and dropped: the same vector, the 400 at the context)."""
+    text = "three little words and a few more"
+    ids = tokenize(node, text)
+    assert len(ids) > 3
+    cut = client.embeddings.create(model="embedder", input=text, extra_body={"truncate_prompt_tokens": 3})
+    assert cut.usage.prompt_tokens == 3
+    assert cut.data[0].embedding == pytest.approx(embed_ids(ids[:3], DIM), abs=1e-6)
+    by_ids = client.embeddings.create(model="embedder", input=ids, extra_body={"truncate_prompt_tokens": 3})
+    assert by_ids.data[0].embedding == pytest.approx(embed_ids(ids[-3:], DIM), abs=1e-6)
+    long = list(range(1, CTX + 20))
+    whole = client.embeddings.create(model="embedder", input=long, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == CTX
+    plain = client.embeddings.create(model="embedder", input=text, extra_body={"add_special_tokens": False})
+    assert plain.usage.prompt_tokens <= len(ids)
+    for extra in ({"truncate_prompt_tokens": 0}, {"normalize": False}, {"add_special_tokens": "no"}):
+        with pytest.raises(openai.BadRequestError):
+            client.embeddings.create(model="embedder", input=text, extra_body=extra)
+
+
 def test_base64_equals_float(client: openai.OpenAI) -> None:
     f = client.embeddings.create(model="embedder", input=["a", "b"], encoding_format="float")
     b = client.embeddings.create(model="embedder", input=["a", "b"])  # the SDK asks base64, decodes it

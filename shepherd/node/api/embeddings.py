@@ -5,7 +5,8 @@ Input: a string, a list of strings, a list of token ids, or a list of token-id l
 at most ``MAX_INPUTS``, none empty). ``encoding_format``: ``float`` (default) or ``base64`` (each vector
 as little-endian float32 bytes, as OpenAI sends them). ``dimensions``: the vectors cut to that many
 floats and renormalized, for models configured ``matryoshka: true``; any other model refuses it (400).
-``user`` is accepted and not used.
+``user`` is accepted and not used. vLLM's ``truncate_prompt_tokens`` (each input cut to that many tokens,
+-1: the context length) and ``add_special_tokens`` are honoured; ``normalize: false`` is a 400.
 
 Order, so that nothing reaches an engine before the request is known to be served: parse (bounded),
 resolve the model (404) and its kind (a generation-only model: 400), then either relay (HTTP workers)
@@ -57,6 +58,10 @@ class EmbeddingsRequest:
     encoding_format: str = "float"
     dimensions: int | None = None
     user: str | None = None
+    # vLLM's: each input cut to this many tokens (-1: the context length; a text keeps its first tokens,
+    # as vLLM's tokenizer call with ``truncation``, token ids their last, as vLLM's slice)
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True  # vLLM's: a text's special tokens (BOS...) added by the tokenizer
 
 
 def _is_int(x: object) -> bool:
@@ -138,7 +143,20 @@ def parse_embeddings(d: dict[str, Any]) -> EmbeddingsRequest:
     user = d.get("user")
     if user is not None and not isinstance(user, str):
         raise bad("'user' must be a string.", param="user", code="invalid_type")
-    return EmbeddingsRequest(model, inputs, fmt, dims, user)
+    cut = d.get("truncate_prompt_tokens")
+    if cut is not None and (not _is_int(cut) or not (cut == -1 or cut >= 1)):
+        msg = "'truncate_prompt_tokens' must be -1 (the context length) or a positive integer."
+        raise bad(msg, param="truncate_prompt_tokens", code="invalid_value")
+    specials = d.get("add_special_tokens", True)
+    if not isinstance(specials, bool):
+        raise bad("'add_special_tokens' must be a boolean.", param="add_special_tokens", code="invalid_type")
+    if d.get("normalize") not in (None, True):  # (the engines' Embed returns the model's vectors as they are)
+        raise bad(
+            "'normalize' false is not supported: the vectors are the engine's.",
+            param="normalize",
+            code="unsupported_parameter",
+        )
+    return EmbeddingsRequest(model, inputs, fmt, dims, user, cut, specials)
 
 
 # ---- vectors ---------------------------------------------------------------------------------------------
@@ -186,17 +204,26 @@ def _request_id(request: web.Request) -> str:
     return fresh_id("embd-")
 
 
-async def _tokenize(gw: Gateway, model: str, inputs: list[Input]) -> list[list[int]]:
+async def _tokenize(
+    gw: Gateway, model: str, inputs: list[Input], cut: int | None = None, specials: bool = True
+) -> list[list[int]]:
     """Every input as ids: strings through the tokenizer service (inline when small, else in the pool),
-    ids checked against the vocabulary; each within the context length, all within MAX_TOTAL_TOKENS."""
+    ids checked against the vocabulary; each cut to ``cut`` tokens when asked (``truncate_prompt_tokens``),
+    within the context length, all within MAX_TOTAL_TOKENS."""
     vocab = gw.tokenizer(model).vocab_size
     ctx = gw.context_length(model)
     texts = [(i, x) for i, x in enumerate(inputs) if isinstance(x, str)]
     out: list[list[int]] = [x if isinstance(x, list) else [] for x in inputs]
     if texts:
-        encoded = await asyncio.gather(*(gw.tokenizers.encode(model, t) for _, t in texts))
+        encoded = await asyncio.gather(*(gw.tokenizers.encode(model, t, specials) for _, t in texts))
         for (i, _), ids in zip(texts, encoded, strict=True):
             out[i] = ids
+    if cut is not None:
+        keep = ctx if cut == -1 else cut
+        out = [
+            ids if len(ids) <= keep else ids[-keep:] if isinstance(inputs[i], list) else ids[:keep]
+            for i, ids in enumerate(out)
+        ]
     total = 0
     for i, ids in enumerate(out):
         if not ids:
@@ -295,7 +322,7 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
                 param="dimensions",
                 code="invalid_value",
             )
-    all_ids = await _tokenize(gw, model, req.inputs)
+    all_ids = await _tokenize(gw, model, req.inputs, req.truncate_prompt_tokens, req.add_special_tokens)
     run = partial(_run, request, gw, model, req, all_ids)
     if adm is None:
         return await run()
