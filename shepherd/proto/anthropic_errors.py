@@ -4,7 +4,8 @@ OpenAI one.
 ``{"type": "error", "error": {"type": <kind>, "message": <text>}}`` with Anthropic's statuses and kinds:
 400 ``invalid_request_error``, 401 ``authentication_error``, 403 ``permission_error``, 404
 ``not_found_error``, 413 ``request_too_large``, 429 ``rate_limit_error``, 529 ``overloaded_error`` (the
-node's 503s: no worker, a tokenizer pool failure, draining), other 5xx ``api_error`` (status kept).
+node's 503s: no worker, a tokenizer pool failure, draining), 500 ``api_error`` (the node's 502s: an engine
+failed; Anthropic documents no 502), other 5xx ``api_error`` (status kept).
 Every refusal is still raised or built as an ``ApiError``; ``anthropic_error_response`` answers it in
 this envelope and ``convert_body`` rewrites an OpenAI envelope already made (an answer a middleware or
 the admission built), so the conversion is one rule keyed on the route's path prefix.
@@ -56,9 +57,15 @@ def is_messages_path(path: str) -> bool:
     return path == MESSAGES_PREFIX or path.startswith(MESSAGES_PREFIX + "/")
 
 
+# the node's statuses Anthropic has no use of, as its documented ones: 503 (no worker, draining) 529
+# overloaded; 502 (an engine failed, a worker unreachable) 500 api_error
+_STATUSES = {503: 529, 502: 500}
+
+
 def anthropic_status(status: int) -> int:
-    """The status Anthropic answers for the node's ``status`` (503, unavailable: 529, overloaded)."""
-    return 529 if status == 503 else status
+    """The status Anthropic answers for the node's ``status`` (503, unavailable: 529, overloaded; 502,
+    an engine's failure: 500, Anthropic's internal error)."""
+    return _STATUSES.get(status, status)
 
 
 def anthropic_kind(status: int) -> str:
