@@ -271,6 +271,12 @@ class CallEmitter:
         names = self._names
         return names is None or all(c.name in names for c in calls)
 
+    def start(self, name: str) -> tuple[int, str]:
+        """The index and id of a call that starts before it is whole (a streamed one)."""
+        index = self._count
+        self._count += 1
+        return index, self._make_id()
+
     def emit(self, calls: Sequence[ParsedCall], out: list[ToolEvent], partial: bool = False) -> None:
         """The calls' events; ``partial``: the (last) call is one the output was cut off inside."""
         last = len(calls) - 1

@@ -9,6 +9,14 @@ comes back as text, markers included; so does a call cut off by the end of the o
 ``partial_calls`` (the Messages API), in a family with a ``cut`` parser (hermes): a cut body is then
 a partial call as far as its JSON goes, or nothing when it has no whole name yet. In a
 ``json_body`` family (hermes) an end marker inside a JSON string of the body is argument text.
+
+Streamed (``stream_args``, set for a streamed answer) in a family with a ``head`` reader (hermes), a call
+is not held to its end: once its name (a known tool's) and the start of its arguments object came, the
+call starts and its arguments follow as they are generated, written as the whole call's are
+(``json_canon``: the pieces add up to them), the rest at the end marker, as vLLM's and SGLang's
+streaming parsers send a call. Such a call is a call from then on: cut off (a ``length`` finish) it
+keeps the arguments as far as they went, and a body that turns out malformed keeps what was sent (the
+whole answer has it as text, as before).
 Whitespace right after a call is dropped. Section markers, and white space between them, are
 structural and dropped once a call in the section is accepted (text inside a section that is not a
 call is content); a section that closes without an accepted call is text, verbatim.
@@ -16,10 +24,11 @@ call is content); a section that closes without an accepted call is text, verbat
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
-from shepherd.parsers.events import TextDelta, ToolEvent
+from shepherd.parsers.events import TextDelta, ToolCallArgs, ToolCallStart, ToolEvent
+from shepherd.parsers.json_canon import CanonicalJson
 from shepherd.parsers.text_scan import JsonStringTracker, find_first, partial_suffix_len, text_before
 from shepherd.parsers.tool_common import (
     BodyParser,
@@ -30,6 +39,7 @@ from shepherd.parsers.tool_common import (
     ParsedCall,
     parse_cut_guarded,
     parse_guarded,
+    scrub,
 )
 
 __all__ = ["DelimitedSpec", "DelimitedToolParser"]
@@ -41,7 +51,8 @@ class DelimitedSpec:
     text, not the end of the call (the end markers must hold no quote, backslash or bracket);
     ``open_end``: a call whose end marker never came (the output ended, or a stop string cut it) is a
     call when its body parses; ``cut``: reads a body cut off by the end of the output as far as it goes
-    (for parsers made with ``partial_calls``)."""
+    (for parsers made with ``partial_calls``); ``head``: reads the start of a body, (the call's name,
+    where its arguments object begins) once both came, else None (a streamed call then starts early)."""
 
     call_begin: tuple[str, ...]
     call_end: tuple[str, ...]
@@ -51,6 +62,20 @@ class DelimitedSpec:
     json_body: bool = False
     open_end: bool = False
     cut: CutParser | None = None
+    head: Callable[[str], tuple[str, int] | None] | None = None
+
+
+HEAD_MAX = 1024  # the body characters a call's head (name, arguments' start) is looked for in
+
+
+@dataclass(slots=True)
+class _Live:
+    """A call under way whose start and arguments so far were sent (``stream_args``)."""
+
+    index: int
+    name: str
+    args: CanonicalJson
+    sent: list[str]
 
 
 _TEXT, _SECTION, _CALL = 0, 1, 2
@@ -65,6 +90,8 @@ class DelimitedToolParser:
         "_end_max",
         "_firsts",
         "_json",
+        "_live",
+        "_no_head",
         "_partial",
         "_parts",
         "_raw_begin",
@@ -78,6 +105,7 @@ class DelimitedToolParser:
         "_tail",
         "_text_markers",
         "_types",
+        "stream_args",
     )
 
     def __init__(
@@ -113,6 +141,9 @@ class DelimitedToolParser:
         self._section_raw: list[str] = []  # verbatim
         self._section_text: list[str] = []  # as content once a call is accepted (stray text, failed calls)
         self._begin = spec.call_begin
+        self.stream_args = False  # a streamed answer: calls start before their end (``head``)
+        self._live: _Live | None = None  # the call under way whose start was sent
+        self._no_head = False  # the call under way has no head to stream from (looked for; none)
 
     def feed(self, text: str) -> list[ToolEvent]:
         if self._state == _TEXT and not self._buf and not self._after_call:
@@ -129,7 +160,13 @@ class DelimitedToolParser:
         self._buf = ""
         state = self._state
         self._state = _TEXT
-        if state == _CALL:
+        if state == _CALL and self._live is not None:
+            body = "".join(self._parts)
+            self._parts = []
+            calls = self._parse(body) if self._spec.open_end else None
+            self._end_live(calls, out)
+            buf = ""
+        elif state == _CALL:
             body = "".join(self._parts)
             self._parts = []
             calls = self._parse(body) if self._spec.open_end else None
@@ -195,6 +232,47 @@ class DelimitedToolParser:
         self._raw_begin = marker
         self._tail = ""
         self._json = JsonStringTracker() if self._spec.json_body else None
+        self._live = None
+        self._no_head = not self.stream_args or self._spec.head is None
+
+    def _stream_call(self, text: str, out: list[ToolEvent]) -> None:
+        """A streamed call's progress (``text``: the body's newest piece, no end marker in it): its start
+        once its head came, then its arguments as they settle."""
+        live = self._live
+        if live is None:
+            body = "".join(self._parts)
+            assert self._spec.head is not None
+            head = self._spec.head(body)
+            if head is None:
+                self._no_head = len(body) > HEAD_MAX
+                return
+            name, at = head
+            if self._section_text or not self._calls.accepts([ParsedCall(name, "")]):
+                self._no_head = True  # (text held in a section, an unknown tool: decided at the end)
+                return
+            index, call_id = self._calls.start(name)
+            self._section_ok = True
+            out.append(ToolCallStart(index, call_id, scrub(name)))
+            live = self._live = _Live(index, name, CanonicalJson(), [])
+            text = body[at:]
+        if live.args.done or live.args.broken:
+            return
+        piece = live.args.feed(text)
+        if piece:
+            live.sent.append(piece)
+            out.append(ToolCallArgs(live.index, scrub(piece)))
+
+    def _end_live(self, calls: list[ParsedCall] | None, out: list[ToolEvent]) -> None:
+        """The streamed call ended: the rest of its arguments, when its body parsed to that call (else it
+        keeps what was sent)."""
+        live = self._live
+        assert live is not None
+        self._live = None
+        if calls and len(calls) == 1 and calls[0].name == live.name:
+            sent = "".join(live.sent)
+            whole = calls[0].arguments
+            if whole.startswith(sent) and len(whole) > len(sent):
+                out.append(ToolCallArgs(live.index, scrub(whole[len(sent) :])))
 
     def _run(self, buf: str) -> list[ToolEvent]:
         out: list[ToolEvent] = []
@@ -308,6 +386,8 @@ class DelimitedToolParser:
             self._parts.append(text)
             k = self._end_max - 1
             self._tail = s[-k:] if k else ""
+            if not self._no_head:
+                self._stream_call(text, out)
             return None
         cut = i - len(tail)
         if cut >= 0:
@@ -319,7 +399,11 @@ class DelimitedToolParser:
         self._tail = ""
         self._json = None
         calls = self._parse(body)
-        if calls:
+        made = bool(calls)
+        if self._live is not None:
+            self._end_live(calls, out)
+            made = True  # (a call all the same: its start was sent)
+        elif calls:
             self._accept(calls, out)
         elif self._spec.section_begin:
             self._section_content(self._raw_begin + body + marker, out)
@@ -330,5 +414,5 @@ class DelimitedToolParser:
             self._section_run = False
         else:
             self._state = _TEXT
-            self._after_call = bool(calls)
+            self._after_call = made
         return s[i + len(marker) :]

@@ -53,6 +53,24 @@ def _parse_hermes(body: str, types: ParamTypes) -> list[ParsedCall] | None:
     return [ParsedCall(name, dump_args(args))]
 
 
+_HERMES_HEAD = re.compile(
+    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{'
+)
+
+
+def _hermes_head(body: str) -> tuple[str, int] | None:
+    """A hermes body's name and where its arguments object begins, once both came (``{"name": "f",
+    "arguments": {``, the order models write); None before, or for another layout (read at the end)."""
+    m = _HERMES_HEAD.match(body)
+    if m is None:
+        return None
+    try:
+        name = loads_json(m.group(1))
+    except ValueError:
+        return None
+    return (name, m.end() - 1) if isinstance(name, str) and name else None
+
+
 def _cut_hermes(body: str, types: ParamTypes) -> CutCalls | None:
     """A hermes call body cut off by the end of the output (``partial_calls``): its JSON as far as it
     goes."""
@@ -305,7 +323,13 @@ def _parse_cohere(body: str, types: ParamTypes) -> list[ParsedCall] | None:
 # SGLang's hermes_detector decodes the JSON value after <tool_call> (raw_decode): the end tag inside an
 # argument string is text, and a complete call needs no end tag (vLLM: ``<tool_call>(.*)`` to the end)
 HERMES = DelimitedSpec(
-    ("<tool_call>",), ("</tool_call>",), _parse_hermes, json_body=True, open_end=True, cut=_cut_hermes
+    ("<tool_call>",),
+    ("</tool_call>",),
+    _parse_hermes,
+    json_body=True,
+    open_end=True,
+    cut=_cut_hermes,
+    head=_hermes_head,
 )
 QWEN3_CODER = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_qwen3_coder)
 GLM45 = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_glm45)

@@ -348,8 +348,12 @@ async def test_unknown_tools_malformed_and_truncated_calls_come_back_as_text() -
         for a in await both(QWEN, text):
             assert a.calls == [] and a.content == text and a.finish_reason == "stop"
     cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'
-    for a in await both(QWEN, cut, eos=False, max_tokens=len(output_ids(cut, False))):
-        assert a.calls == [] and a.content == cut and a.finish_reason == "length"
+    whole, streamed = await both(QWEN, cut, eos=False, max_tokens=len(output_ids(cut, False)))
+    assert whole.calls == [] and whole.content == cut and whole.finish_reason == "length"
+    # streamed, the call started once its name came and keeps its arguments as far as they went (as
+    # vLLM's and SGLang's streaming parsers send it); the finish stays the cut's
+    assert [c[1:] for c in streamed.calls] == [("get_weather", '{"city": "Par')]
+    assert not streamed.content and streamed.finish_reason == "length"
 
 
 async def test_known_and_unknown_calls_mixed_keep_order_and_text() -> None:
@@ -363,10 +367,15 @@ async def test_stop_strings_apply_before_the_parsers_and_never_leak() -> None:
     text = f"Hello STOP {TWO_CALLS.output}"
     for a in await both_with_stop(text, ["STOP"]):
         assert (a.content, a.calls, a.finish_reason, a.matched_stop) == ("Hello ", [], "stop", "STOP")
-    # a stop string inside a call's arguments cuts the call: it comes back as text, the stop word hidden
-    for a in await both_with_stop(REASONED_CALL.output, ["Paris"]):
+    # a stop string inside a call's arguments cuts the call: a whole answer has it as text, the stop word
+    # hidden; a stream had started the call (its name came): its arguments end before the stop word
+    whole_a, streamed_a, whole_b, streamed_b = await both_with_stop(REASONED_CALL.output, ["Paris"])
+    for a in (whole_a, whole_b):
         assert a.calls == [] and a.content is not None and "Paris" not in a.content
         assert a.content.endswith('"city": "') and a.reasoning == "Need the weather.\n"
+    for a in (streamed_a, streamed_b):
+        assert [c[1:] for c in a.calls] == [("get_weather", '{"city": "')] and not a.content
+        assert a.reasoning == "Need the weather.\n"
     # after the calls: they stand, the tail is cut
     for a in await both_with_stop(TWO_CALLS.output + "\nDONE and more", ["DONE"]):
         assert [c[1] for c in a.calls] == ["get_weather", "get_time"] and a.finish_reason == "tool_calls"

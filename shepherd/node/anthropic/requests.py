@@ -51,6 +51,7 @@ wait in ``chat.schemas`` for ``check_schemas`` (off the loop, after the model lo
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,7 @@ __all__ = [
 
 MIN_THINKING_BUDGET = 1024
 INTERLEAVED_THINKING = "interleaved-thinking-"  # (the beta's name, before its date)
+FINE_GRAINED_TOOLS = "fine-grained-tool-streaming-"
 MAX_USER_ID_CHARS = 256
 _SERVER_BLOCKS = ("image", "document", "search_result", "container_upload")
 _TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")  # Anthropic's pattern for a custom tool's name
@@ -100,6 +102,10 @@ class MessagesRequest:
     # ``max_tokens: 0``: "populate the prompt cache without generating a response" (the SDK's docs): the
     # prompt's prefill alone, an empty Message with ``stop_reason`` max_tokens
     cache_only: bool = False
+    # tool inputs streamed as they are generated, not held to each call's end: the fine-grained tool
+    # streaming beta or a tool's ``eager_input_streaming`` (Anthropic's opt-in: the input may then end
+    # invalid, a call the model left malformed staying a ``tool_use`` block)
+    eager_tools: bool = False
 
 
 # Kimi K2's call ids (``functions.NAME:N``: its parser reads the name from them, and its template renders
@@ -691,7 +697,13 @@ def _num(d: dict[str, Any], key: str, lo: float, hi: float) -> None:
 def parse_messages(d: dict[str, Any], betas: str = "") -> MessagesRequest:
     """A create request (``max_tokens`` required), bounded checks only (see the module's docstring);
     ``betas``: the request's ``anthropic-beta`` header."""
-    return _parse(d, count=False, interleaved=INTERLEAVED_THINKING in betas)
+    req = _parse(d, count=False, interleaved=INTERLEAVED_THINKING in betas)
+    tools = d.get("tools")
+    eager = FINE_GRAINED_TOOLS in betas or (
+        isinstance(tools, list)
+        and any(isinstance(t, dict) and t.get("eager_input_streaming") is True for t in tools)
+    )
+    return dataclasses.replace(req, eager_tools=True) if eager else req
 
 
 def parse_count_tokens(d: dict[str, Any]) -> MessagesRequest:

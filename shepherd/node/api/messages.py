@@ -98,7 +98,8 @@ async def create_message(request: web.Request) -> web.StreamResponse:
     shaping = shape_chat(gw.parser_families(model), req.chat, text)
     if shaping.output is not None and shaping.output.tool_parser is not None:
         # a call cut off by max_tokens is a tool_use block (its input as far as it goes), as Anthropic's
-        shaping.output = dataclasses.replace(shaping.output, partial_calls=True)
+        # and its input is held to its end unless the client opted in to eager input streaming
+        shaping.output = dataclasses.replace(shaping.output, partial_calls=True, live_calls=req.eager_tools)
     message_id = fresh_id("msg_")
     events = (
         MessageEvents(

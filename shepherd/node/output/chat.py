@@ -71,6 +71,7 @@ from shepherd.parsers import (
 )
 from shepherd.parsers.reasoning import ThinkSpec
 from shepherd.parsers.registry import ReasoningFamily
+from shepherd.parsers.tool_delimited import DelimitedToolParser
 from shepherd.proto.openai_errors import bad
 
 __all__ = [
@@ -119,9 +120,13 @@ class ChatOutput:
     # ``max_tokens``), not text: ``get_tool_parser``'s ``partial_calls``
     partial_calls: bool = False
     kimi_ids: int | None = None  # calls get Kimi K2's ids, counting on from this many (``ChoiceParsing``)
+    # streamed, a call starts before its end and its arguments go out as they are generated (vLLM's and
+    # SGLang's streaming; the Messages API: only on Anthropic's opt-in, ``MessagesRequest.eager_tools``)
+    live_calls: bool = True
 
-    def choice(self, enc: ChoiceEncoder | None = None, index: int = 0) -> ChoiceParsing:
-        """Fresh parsers for one choice; ``enc`` and ``index`` for a streamed one."""
+    def choice(self, enc: ChoiceEncoder | None = None, index: int = 0, live: bool = True) -> ChoiceParsing:
+        """Fresh parsers for one choice; ``enc`` and ``index`` for a streamed one (``live``: as it is
+        generated, its calls started before their end; not a whole answer replayed)."""
         reasoning = (
             get_reasoning_parser(
                 self.reasoning,
@@ -138,6 +143,8 @@ class ChatOutput:
             if self.tool_parser
             else None
         )
+        if enc is not None and live and self.live_calls and isinstance(tools, DelimitedToolParser):
+            tools.stream_args = True  # a streamed answer: calls start before their end (hermes)
         return ChoiceParsing(
             reasoning,
             tools,
@@ -626,7 +633,7 @@ def replay(
         if text or logprobs is not None:
             out.append(enc.content(0, text, logprobs))
         return False
-    post = output.choice(enc, 0)
+    post = output.choice(enc, 0, live=False)
     post.stream(text, logprobs, out)
     post.stream_end(out, cut)
     return post.has_calls
