@@ -8,7 +8,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import httpx
@@ -59,14 +59,21 @@ def test_a_whole_generate_whose_engine_dies_is_aborted_as_cancelled(
     engine: MockEngineProc, tokenizer_dir: Path, http: httpx.Client
 ) -> None:
     with running_node(*node_fixtures.qwen3_flags(engine, tokenizer_dir)) as node:
-        killer = threading.Timer(0.5, engine.stop, (signal.SIGKILL,))  # after its first token
-        killer.start()
-        try:
-            r = http.post(node.url + "/generate", json=BODY)
-        finally:
-            killer.join()
+        r = generate_while_killed(http, node.url, BODY, engine)
         assert r.status_code == 502, r.text
         assert aborts(http, node.url) == {"stop": None, "cancelled": 1.0, "timeout": None}
+
+
+def generate_while_killed(
+    http: httpx.Client, url: str, body: Mapping[str, object], engine: MockEngineProc
+) -> httpx.Response:
+    """A whole /generate call whose engine is killed 0.5 s in (after its first token)."""
+    killer = threading.Timer(0.5, engine.stop, (signal.SIGKILL,))
+    killer.start()
+    try:
+        return http.post(url + "/generate", json=body)
+    finally:
+        killer.join()
 
 
 BATCH = {"text": ["hello there", "good morning"], "sampling_params": {"max_new_tokens": 400, "n": 2}}
@@ -115,11 +122,6 @@ def test_a_whole_batch_whose_engine_dies_is_a_502_and_aborts_every_sample(
     engine: MockEngineProc, tokenizer_dir: Path, http: httpx.Client
 ) -> None:
     with running_node(*node_fixtures.qwen3_flags(engine, tokenizer_dir)) as node:
-        killer = threading.Timer(0.5, engine.stop, (signal.SIGKILL,))
-        killer.start()
-        try:
-            r = http.post(node.url + "/generate", json=BATCH)
-        finally:
-            killer.join()
+        r = generate_while_killed(http, node.url, BATCH, engine)
         assert r.status_code == 502, r.text
         assert aborts(http, node.url) == {"stop": None, "cancelled": 4.0, "timeout": None}
