@@ -163,6 +163,20 @@ def test_a_prompt_the_window_cannot_hold_is_refused_in_anthropics_words(client: 
     assert message.startswith("prompt is too long: ") and message.endswith(f" tokens > {CONTEXT - 1} maximum")
 
 
+def test_message_start_usage_has_the_cache_split(client: anthropic.Anthropic) -> None:
+    """A prompt the engine's cache holds: ``message_start`` (sent with the first event, once the engine
+    told the split) counts its cached tokens as ``message_delta`` does; it counted the whole prompt as
+    input, so a client reading the cache figures from it (as Anthropic fills them) saw no hit."""
+    prompt = _user("cache me: " + "a long shared prefix " * 40)
+    client.messages.create(model=MODEL, max_tokens=4, messages=prompt)  # (fills the engine's cache)
+    with client.messages.stream(model=MODEL, max_tokens=4, messages=prompt) as s:
+        starts = [e.message.usage for e in s if e.type == "message_start"]
+        final = s.get_final_message()
+    assert len(starts) == 1 and (final.usage.cache_read_input_tokens or 0) > 0
+    assert starts[0].cache_read_input_tokens == final.usage.cache_read_input_tokens
+    assert starts[0].input_tokens == final.usage.input_tokens
+
+
 def test_stream_and_final_message(
     client: anthropic.Anthropic, engine: MockEngineProc, http: httpx.Client
 ) -> None:

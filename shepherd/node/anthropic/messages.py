@@ -27,8 +27,10 @@ sent back so carries no reasoning into the next turn.
 
 Usage: ``input_tokens`` counts the prompt's tokens not read from the engine's prefix cache,
 ``cache_read_input_tokens`` those that were (their sum: the prompt, what ``count_tokens`` answers);
-``cache_creation_input_tokens`` is always 0. A stream's ``message_start`` cannot know the cache yet: it
-counts the whole prompt as input, and ``message_delta`` carries the final split.
+``cache_creation_input_tokens`` is always 0. A stream's ``message_start`` goes out with the first event's
+bytes, once the engine's first answer told the cache split (``cache``), so its usage has the split
+``message_delta`` has; only when the engine is slow to answer at all does it go out earlier (``opening``),
+counting the whole prompt as input.
 """
 
 from __future__ import annotations
@@ -159,6 +161,8 @@ class MessageEvents:
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self._started = False
+        self._due = False  # ``message_start`` owed: it goes out with the first event's bytes
+        self.cached_tokens = 0  # the prompt's tokens read from the engine's cache, once an event told
 
     def _sse(self, kind: str, payload: dict[str, Any]) -> bytes:
         return b"" if self.quiet else sse(kind, payload)
@@ -187,7 +191,7 @@ class MessageEvents:
         return head + self._sse("content_block_stop", {"index": self._index})
 
     def _start(self, kind: str, block: dict[str, Any]) -> bytes:
-        head = self._close()
+        head = self._message_start() + self._close()
         self._open = kind
         self._index += 1
         self.blocks.append(dict(block))
@@ -196,15 +200,28 @@ class MessageEvents:
     # ---- the driver's interface ----
 
     def opening(self) -> bytes:
-        """What opens the stream (``role``'s), made once: sent with the headers when the engine is slow to
-        answer (the node's keep-alive ticker), so that the stream starts with ``message_start``."""
-        return self.role()
+        """What opens the stream (``message_start``), made once: sent with the headers when the engine is
+        slow to answer (the node's keep-alive ticker), so that the stream starts with it."""
+        return self._message_start(True)
 
     def role(self, index: int = 0) -> bytes:
-        """``message_start`` (the Message, empty) and a ``ping``; nothing once made."""
-        if self._started:
+        """Nothing yet: ``message_start`` goes out with the first event's bytes (``_message_start``), once
+        the engine's first answer told how much of the prompt its cache held, so that its usage has the
+        split ``message_delta`` has (Anthropic's ``message_start`` carries it)."""
+        self._due = not self._started
+        return b""
+
+    def cache(self, cached: int) -> None:
+        self.cached_tokens = cached
+
+    def _message_start(self, now: bool = False) -> bytes:
+        """``message_start`` (the Message, empty) and a ``ping``, when owed (``now``: whether or not);
+        nothing once made."""
+        if self._started or not (self._due or now):
             return b""
         self._started = True
+        self._due = False
+        cached = min(self.cached_tokens, self.input_tokens)
         message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",
@@ -213,7 +230,7 @@ class MessageEvents:
             "content": [],
             "stop_reason": None,
             "stop_sequence": None,
-            "usage": messages_usage(self.input_tokens, 0, 0),
+            "usage": messages_usage(self.input_tokens, 0, cached),
         }
         return self._sse("message_start", {"message": message}) + self._sse("ping", {})
 
@@ -260,7 +277,7 @@ class MessageEvents:
         self.stop_reason, self.stop_sequence = stop_reason(reason, matched, self.stops)
         if self.context_bound and self.stop_reason == "max_tokens":
             self.stop_reason = "model_context_window_exceeded"
-        return self._close()
+        return self._message_start() + self._close()
 
     def message(self, usage: dict[str, int]) -> dict[str, Any]:
         """The Message of the finished choice (its blocks: a non-streamed answer's)."""
@@ -270,8 +287,10 @@ class MessageEvents:
     async def end(self, prompt: int, completion: int, cached: int) -> bytes:
         delta = {"stop_reason": self.stop_reason or "end_turn", "stop_sequence": self.stop_sequence}
         usage = messages_usage(prompt, completion, cached)
-        return sse("message_delta", {"delta": delta, "usage": usage}) + sse("message_stop", {})
+        head = self._message_start()
+        return head + sse("message_delta", {"delta": delta, "usage": usage}) + sse("message_stop", {})
 
     def failed(self, message: str, code: str) -> bytes:
         """An in-band failure: ``event: error`` in the Anthropic envelope (the stream ends after it)."""
-        return sse("error", {"error": {"type": failure_kind(code), "message": message}})
+        head = self._message_start()
+        return head + sse("error", {"error": {"type": failure_kind(code), "message": message}})

@@ -201,6 +201,10 @@ class StreamEvents(ChoiceEncoder, Protocol):
 
     def role(self, index: int) -> bytes: ...
 
+    def cache(self, cached: int) -> None:
+        """The prompt's tokens the engine read from its prefix cache, as an event tells it (before that
+        event's bytes are made)."""
+
     def finish(self, index: int, reason: str, matched: str | int | None = None) -> bytes: ...
 
     async def end(self, prompt: int, completion: int, cached: int) -> bytes: ...
@@ -547,6 +551,7 @@ class Generation:
         first = True
         out: list[bytes] = []
         cached = [self.totals.cached]
+        events = self._events if enc is not None else None
         # stream_options.continuous_usage_stats: each chunk gets its choice's usage as of the engine event
         # it came from (vLLM's per-step counts), not as of the end of the batch of events it came in
         per_event_usage = emit is not None and self.s.continuous_usage and self._events is None
@@ -608,6 +613,8 @@ class Generation:
                 idx = job.index_base + i
                 if ev.cached_tokens > cached[0]:
                     cached[0] = ev.cached_tokens
+                    if events is not None:
+                        events.cache(ev.cached_tokens)
                 if isinstance(ev, EngineChunk):
                     ntok += len(ev.token_ids)
                     seen_chunks[i] = True

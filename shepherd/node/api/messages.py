@@ -205,7 +205,8 @@ async def _cache_only(g: Generation, jobs: list[Job], message_id: str, req: Mess
     g._account(job)
     g.done()
     enc = MessageEvents(message_id, g.model, len(job.ids), req.stop_sequences, quiet=not req.stream)
-    start = enc.role()  # (nothing when quiet)
+    enc.cache(g.totals.cached)
+    start = enc.opening()  # (nothing when quiet)
     enc.finish(0, "length")
     t = g.totals
     headers = g.headers()

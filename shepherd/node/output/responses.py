@@ -266,6 +266,9 @@ class ResponseEvents:
 
     # ---- the driver's interface ----
 
+    def cache(self, cached: int) -> None:
+        """(The Responses API's usage comes with ``response.completed`` only.)"""
+
     def opening(self) -> bytes:
         """What opens the stream (``role``'s), made once: sent with the headers when the engine is slow to
         answer (the node's keep-alive ticker), so that a long queue or prefill does not keep
