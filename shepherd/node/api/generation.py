@@ -205,6 +205,10 @@ class StreamEvents(ChoiceEncoder, Protocol):
         """The prompt's tokens the engine read from its prefix cache, as an event tells it (before that
         event's bytes are made)."""
 
+    def opening(self) -> bytes:
+        """What opens the stream, made once (nothing after): with the headers when the engine is slow to
+        answer, else with its first answer."""
+
     def finish(self, index: int, reason: str, matched: str | int | None = None) -> bytes: ...
 
     async def end(self, prompt: int, completion: int, cached: int) -> bytes: ...
@@ -593,6 +597,10 @@ class Generation:
                 if not self.t_first:
                     self.t_first = now
                 first = False
+                if events is not None:  # the stream's opening (the Messages API's message_start) goes out
+                    # with the engine's first answer, with the cache split it tells, whatever it holds
+                    events.cache(max(cached[0], max((ev.cached_tokens for ev in batch), default=0)))
+                    out.append(events.opening())
             ntok = 0
             if want_plp:
                 if job.prompt_lps is None:
