@@ -89,6 +89,15 @@ def test_an_empty_stop_string_is_refused_as_vllm_refuses_it() -> None:
     assert parse_chat_deferred(chat(stop="done")).sampling.stop == ("done",)
 
 
+def test_an_empty_prompt_string_is_refused_as_vllm_refuses_it() -> None:
+    """vLLM's CompletionRequest: ``prompt: ""`` is a 400 whatever the model (a BOS model took it and
+    generated from BOS alone; another answered 'prompt 0 is empty')."""
+    with pytest.raises(ApiError) as e:
+        parse_completion({"model": "m", "prompt": ""})
+    assert e.value.param == "prompt" and "non-empty" in e.value.message
+    assert parse_completion({"model": "m", "prompt": "x"}).prompts == ["x"]
+
+
 def test_stop_token_ids_and_logit_bias_are_bounded_in_count() -> None:
     parse_chat_deferred(chat(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS))))
     refused(chat(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids")

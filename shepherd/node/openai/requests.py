@@ -990,6 +990,8 @@ class CompletionRequest:
 def _prompts(d: dict[str, Any]) -> list[str | list[int]]:
     p = d.get("prompt")
     if isinstance(p, str):
+        if not p:  # (vLLM's CompletionRequest validator: whatever the tokenizer would make of it, a BOS)
+            raise bad("Either prompt or prompt_embeds must be provided and non-empty.", param="prompt")
         return [p]
     if isinstance(p, list) and p:
         if all(isinstance(x, str) for x in p):
