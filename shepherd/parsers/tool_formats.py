@@ -54,7 +54,8 @@ def _parse_hermes(body: str, types: ParamTypes) -> list[ParsedCall] | None:
 
 
 _HERMES_HEAD = re.compile(
-    r'\s*\{\s*"name"\s*:\s*("(?:[^"\\\x00-\x1f]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{'
+    r'[ \t\n\r]*\{[ \t\n\r]*"name"[ \t\n\r]*:[ \t\n\r]*("(?:[^"\\\x00-\x1f]|\\.)*")'
+    r'[ \t\n\r]*,[ \t\n\r]*"(?:arguments|parameters)"[ \t\n\r]*:[ \t\n\r]*\{'
 )
 
 

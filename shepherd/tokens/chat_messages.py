@@ -163,8 +163,9 @@ def name_tool_outputs(messages: Sequence[Message]) -> list[dict[str, Any]]:
                 name = fn.get("name") if isinstance(fn, Mapping) else call.get("name")
                 if isinstance(call.get("id"), str) and isinstance(name, str):
                     names[call["id"]] = name
-        if m.get("role") == "tool" and not m.get("name"):
-            name = names.get(m.get("tool_call_id"))  # type: ignore[arg-type]
+        ident = m.get("tool_call_id")
+        if m.get("role") == "tool" and not m.get("name") and isinstance(ident, str):
+            name = names.get(ident)
             if name is not None:
                 copy["name"] = name
         out.append(copy)

@@ -74,15 +74,15 @@ _HARMONY_REWRITES: Final = (
 
 
 # gpt-oss's template writes one tool call per assistant message (``tool_calls[0]``: the others lost), its
-# header as ``assistant to=functions.X<|channel|>commentary json``, its arguments and a tool's output
-# through ``tojson`` (a string quoted), names every tool output after the last call, and refuses an
-# assistant message with both ``content`` and ``thinking`` beside its calls (what the gpt-oss parser makes
-# of a preamble after the analysis: a 400 for the next turn of any agent loop). vLLM, SGLang and SMG
-# render gpt-oss's prompt with openai-harmony, which writes each call as a message of its own,
-# ``<|start|>assistant<|channel|>commentary to=functions.X <|constrain|>json<|message|>ARGS<|call|>``
-# (the model's own tokens: its next turn extends the prompt the engine cached), the arguments and a
-# tool's output as they are, each output named after its call (``tool_call_id``: set as the message's
-# ``name`` by ``ChatTemplate``), and a preamble as a commentary message after the analysis.
+# arguments and a tool's output through ``tojson`` (a string quoted), names every tool output after the
+# last call, refuses an assistant message with both ``content`` and ``thinking`` beside its calls (what
+# the gpt-oss parser makes of a preamble after the analysis: a 400 for the next turn of any agent loop),
+# and writes ``content`` beside calls as analysis (dropped once a final answer follows). vLLM, SGLang and
+# SMG render gpt-oss's prompt with openai-harmony, which writes each call as a message of its own (the
+# header as the template writes it, ``assistant to=functions.X<|channel|>commentary json``), the arguments
+# and a tool's output as they are, each output named after its call (``tool_call_id``: set as the
+# message's ``name`` by ``ChatTemplate``); here ``content`` beside calls is the preamble the gpt-oss parser
+# made of a commentary message, and is written back so (after the analysis, as the model writes them).
 _HARMONY_CALLS: Final = """            {{- "<|start|>assistant to=" }}
             {{- "functions." + tool_call.name + "<|channel|>commentary " }}
             {{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}
@@ -94,7 +94,7 @@ _HARMONY_MESSAGE_REWRITES: Final = (
         _HARMONY_CALLS,
         r"{%- for harmony_call in message.tool_calls %}"
         r"{%- set tool_call = harmony_call.function if harmony_call.function else harmony_call %}"
-        r'{{- "<|start|>assistant<|channel|>commentary to=functions." + tool_call.name + " <|constrain|>" }}'
+        r'{{- "<|start|>assistant to=functions." + tool_call.name + "<|channel|>commentary " }}'
         r'{{- (tool_call.content_type if tool_call.content_type is defined else "json") + "<|message|>" }}'
         r"{{- tool_call.arguments if tool_call.arguments is string else tool_call.arguments|tojson }}"
         r'{{- "<|call|>" }}{%- set last_tool_call.name = tool_call.name %}{%- endfor %}',
@@ -105,6 +105,12 @@ _HARMONY_MESSAGE_REWRITES: Final = (
         r"{%- if not future_final_message.found %}"
         r'{{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}'
         r"{%- endif %}"
+        r'{{- "<|start|>assistant<|channel|>commentary<|message|>" + message.content + "<|end|>" }}',
+    ),
+    (
+        "{%- elif message.content and not future_final_message.found %}\n                "
+        r'{{- "<|start|>assistant<|channel|>analysis<|message|>" + message.content + "<|end|>" }}',
+        r"{%- elif message.content %}"
         r'{{- "<|start|>assistant<|channel|>commentary<|message|>" + message.content + "<|end|>" }}',
     ),
     (

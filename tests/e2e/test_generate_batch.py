@@ -136,6 +136,8 @@ def test_a_streamed_batch_interleaves_indexed_events_that_end_as_the_whole_answe
         ({"text": ["a", 3]}, "text"),
         ({"text": ["x"] * 600, "sampling_params": {"n": 2}}, "text"),
         ({"text": "x", "sampling_params": {"n": 1025}}, "sampling_params.n"),
+        ({"text": "x", "sampling_params": {"n": [2]}}, "sampling_params.n"),
+        ({"text": ["x"], "sampling_params": [{"n": {"a": 1}}]}, "sampling_params.n"),
     ],
 )
 def test_a_bad_batch_is_a_400_naming_the_field_and_sends_nothing(
@@ -153,3 +155,19 @@ def engine_requests(engine: MockEngineProc, http: httpx.Client) -> int:
     assert r.status_code == 200, r.text
     out: int = r.json()["requests_received"]
     return out
+
+
+def test_seeded_samples_differ_as_vllm_seeds_them(node: NodeProc, http: httpx.Client) -> None:
+    """vLLM seeds a request's ``n`` children ``seed + i`` (``ParentRequest``): each sample here is its own
+    engine call, given the same; seeded samples were all alike."""
+    sp = {"max_new_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3}
+    got = generate(node, http, {"model": VL, "text": "Once upon a time", "sampling_params": sp})
+    assert len({tuple(g["output_ids"]) for g in got}) == 3
+    again = generate(node, http, {"model": VL, "text": "Once upon a time", "sampling_params": sp})
+    assert [g["output_ids"] for g in again] == [g["output_ids"] for g in got]  # (seeded: reproducible)
+
+
+def test_an_empty_stop_string_is_taken_as_sglang_takes_it(node: NodeProc, http: httpx.Client) -> None:
+    """(The OpenAI routes refuse it, as vLLM; SGLang's /generate takes it.)"""
+    sp = {"max_new_tokens": 3, "stop": ["", "zzz"]}
+    assert generate(node, http, {"model": SG, "text": "Hello", "sampling_params": sp})["meta_info"]

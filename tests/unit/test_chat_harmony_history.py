@@ -1,10 +1,11 @@
 """A tool-calling history fed back through the real templates, as agent loops send it.
 
 - gpt-oss: what the node's own answer holds (a preamble in ``content``, the analysis in
-  ``reasoning_content``, several calls) renders as openai-harmony writes it, as vLLM, SGLang and SMG
-  render gpt-oss's prompt: the analysis, the preamble as a commentary message, one message per call
-  with the model's own header and arguments, and each tool output named after its call (before: a 400
-  for content beside thinking, every call after the first lost, every output named after the last call);
+  ``reasoning_content``, several calls) renders as openai-harmony writes a conversation, as vLLM, SGLang
+  and SMG render gpt-oss's prompt: one message per call, its arguments as written, each tool output as
+  it is, named after its call; the preamble as the commentary message it came from, after the analysis
+  (before: a 400 for content beside thinking, every call after the first lost, every output named after
+  the last call and quoted, a preamble alone written as analysis);
 - any template: a call's empty, blank or ``null`` arguments are ``{}`` (vLLM's
   ``_postprocess_messages``), never a broken ``"arguments": }`` in the prompt.
 """
@@ -51,10 +52,9 @@ def test_gpt_oss_preamble_analysis_and_parallel_calls_render_as_harmony() -> Non
         "<|start|>user<|message|>Weather and time in Paris?<|end|>"
         "<|start|>assistant<|channel|>analysis<|message|>Need weather and time.<|end|>"
         "<|start|>assistant<|channel|>commentary<|message|>Let me check.<|end|>"
-        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json"
         '<|message|>{"city":"Paris"}<|call|>'
-        "<|start|>assistant<|channel|>commentary to=functions.get_time <|constrain|>json"
-        '<|message|>{"tz":"CET"}<|call|>'
+        '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{"tz":"CET"}<|call|>'
         "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>sunny<|end|>"
         '<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>{"time": "10:00"}<|end|>'
         "<|start|>assistant"
@@ -84,10 +84,18 @@ def test_gpt_oss_analysis_of_a_finished_turn_is_dropped_and_its_preamble_kept() 
     assert "<|start|>assistant<|channel|>final<|message|>It is sunny.<|end|>" in text
 
 
+def test_gpt_oss_a_preamble_alone_is_commentary_kept_after_the_final_answer() -> None:
+    answer = {"role": "assistant", "content": "Checking.", "tool_calls": [call("c1", "get_weather", "{}")]}
+    chat = [*conversation(answer, ("c1", "sunny")), {"role": "assistant", "content": "Sunny."}]
+    text = gpt_oss().render([*chat, {"role": "user", "content": "ok"}])
+    assert "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" in text
+    assert "<|channel|>analysis<|message|>Checking." not in text
+
+
 def test_gpt_oss_object_arguments_are_written_as_json_text() -> None:
     answer = {"role": "assistant", "tool_calls": [call("c1", "get_weather", {"city": "Paris"})]}
     text = gpt_oss().render(conversation(answer, ("c1", "sunny")))
-    assert '<|constrain|>json<|message|>{"city": "Paris"}<|call|>' in text
+    assert 'commentary json<|message|>{"city": "Paris"}<|call|>' in text
 
 
 @pytest.mark.parametrize("arguments", ["", "  ", None, "null"])
@@ -95,7 +103,7 @@ def test_gpt_oss_object_arguments_are_written_as_json_text() -> None:
     ("template", "want"),
     [
         ("Qwen-Qwen3-0.6B.jinja", '"arguments": {}'),
-        ("openai-gpt-oss-120b.jinja", "<|message|>{}<|call|>"),
+        ("openai-gpt-oss-120b.jinja", "json<|message|>{}<|call|>"),
         ("deepseek-ai-DeepSeek-V3.1.jinja", "get_time<｜tool▁sep｜>{}"),
     ],
 )
@@ -104,3 +112,10 @@ def test_empty_or_null_arguments_render_as_an_empty_object(arguments: Any, templ
     answer = {"role": "assistant", "content": "", "tool_calls": [call("c1", "get_time", arguments)]}
     text = tpl.render(conversation(answer, ("c1", "10:00")))
     assert want in text, text
+
+
+def test_a_tool_output_whose_call_id_is_no_string_renders_or_is_a_template_error() -> None:
+    """(A legacy ``function`` message's id is not checked as a tool message's: it must not crash.)"""
+    answer = {"role": "assistant", "tool_calls": [call("c1", "get_weather", {})]}
+    chat = [*conversation(answer), {"role": "tool", "tool_call_id": {"a": 1}, "content": "x"}]
+    assert "to=assistant<|channel|>commentary<|message|>x" in gpt_oss().render(chat)

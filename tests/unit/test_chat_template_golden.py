@@ -198,14 +198,10 @@ def golden() -> dict[str, dict[str, Any]]:
 
 
 # Where the node renders on purpose as the model's own renderer does, not as transformers: gpt-oss's tool
-# calls and outputs as openai-harmony writes them (vLLM, SGLang and SMG render gpt-oss's prompt with it;
-# ``chat_template._HARMONY_MESSAGE_REWRITES``): the call's header, the output as it is (not ``tojson``)
+# outputs as openai-harmony writes them (vLLM, SGLang and SMG render gpt-oss's prompt with it;
+# ``chat_template._HARMONY_MESSAGE_REWRITES``): as they are, not through ``tojson``
 HARMONY: dict[str, tuple[tuple[str, str], ...]] = {
     "gptoss-tools": (
-        (
-            "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>",
-            "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>",
-        ),
         (
             '<|message|>"{\\"temperature\\": 21, \\"sky\\": \\"clear\\"}"<|end|>',
             '<|message|>{"temperature": 21, "sky": "clear"}<|end|>',

@@ -58,8 +58,8 @@ class EmbeddingsRequest:
     encoding_format: str = "float"
     dimensions: int | None = None
     user: str | None = None
-    # vLLM's: each input cut to this many tokens (-1: the context length; a text keeps its first tokens,
-    # as vLLM's tokenizer call with ``truncation``, token ids their last, as vLLM's slice)
+    # vLLM's: each input cut to this many tokens (-1: the context length; a text as the tokenizer's own
+    # truncation cuts it, its special tokens kept, token ids keep their last, as vLLM's slice)
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True  # vLLM's: a text's special tokens (BOS...) added by the tokenizer
 
@@ -220,10 +220,17 @@ async def _tokenize(
             out[i] = ids
     if cut is not None:
         keep = ctx if cut == -1 else cut
-        out = [
-            ids if len(ids) <= keep else ids[-keep:] if isinstance(inputs[i], list) else ids[:keep]
-            for i, ids in enumerate(out)
-        ]
+        left = gw.tokenizer(model).config.get("truncation_side") == "left"
+        for i, ids in enumerate(out):
+            if len(ids) <= keep:
+                continue
+            x = inputs[i]
+            if isinstance(x, list):
+                out[i] = ids[-keep:]  # (vLLM's slice of a token-id prompt)
+            else:
+                content = await gw.tokenizers.encode(model, x, False) if specials else ids
+                out[i] = _truncated(ids, content, keep, left)
+
     total = 0
     for i, ids in enumerate(out):
         if not ids:
@@ -249,6 +256,21 @@ async def _tokenize(
             code="max_tokens_per_request",
         )
     return out
+
+
+def _truncated(ids: list[int], content: list[int], keep: int, left: bool) -> list[int]:
+    """A text's ids cut to ``keep`` as the tokenizer's own truncation cuts them (vLLM's tokenizer call
+    with ``truncation=True, max_length``): its content tokens (``content``: the text without the special
+    tokens ``ids`` has around it) cut on the tokenizer's ``truncation_side``, the specials kept (a BERT's
+    ``[SEP]``, the end token a last-token-pooling model reads its vector from)."""
+    n = len(content)
+    at = next((k for k in range(len(ids) - n + 1) if ids[k : k + n] == content), -1) if n else -1
+    if at < 0:
+        return ids[-keep:] if left else ids[:keep]
+    head, tail = ids[:at], ids[at + n :]
+    room = max(keep - len(head) - len(tail), 0)
+    kept = (content[n - room :] if room else []) if left else content[:room]
+    return (head + kept + tail)[:keep] if room == 0 else head + kept + tail
 
 
 async def _embed_all(

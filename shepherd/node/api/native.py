@@ -407,6 +407,9 @@ def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int], _LogprobAsk
             raise bad(f"'sampling_params.{key}' is not supported.", param=f"sampling_params.{key}")
         if val is not None:
             body[mapped] = val
+    stop = body.get("stop")  # SGLang takes an empty stop string (the OpenAI routes refuse it, as vLLM)
+    if stop == "" or (isinstance(stop, list) and "" in stop):
+        body["stop"] = [x for x in stop if x] if isinstance(stop, list) else None
     body.setdefault("max_tokens", 128)  # SGLang's default
     prefill_only = body["max_tokens"] == 0 and type(body["max_tokens"]) is int
     if prefill_only:
@@ -447,6 +450,11 @@ def _samples_of(sp: object) -> int:
         if isinstance(sp, list)
         else [sp.get("n") if isinstance(sp, dict) else None]
     )
+    if any(v is not None and type(v) is not int for v in given):
+        raise bad(
+            f"'sampling_params.n' must be an integer from 1 to {MAX_GENERATE_SAMPLES}.",
+            param="sampling_params.n",
+        )
     ns = {1 if v is None else v for v in given}
     if len(ns) > 1:
         raise bad(
@@ -592,7 +600,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
             *(_prepared(gw, model, item, _rid(rid)) for item, rid in zip(items, rids, strict=True))
         )
         samples = [
-            p if n == 1 else dataclasses.replace(p, rid=fresh_id("gen-")) for p in prompts for _ in range(n)
+            p if n == 1 else dataclasses.replace(p, rid=fresh_id("gen-"), sampling=_nth(p.sampling, i))
+            for p in prompts
+            for i in range(n)
         ]
     request[MODEL_KEY] = model
     mm = gw.metrics.for_model(model, "generate")
@@ -607,8 +617,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     async def run() -> web.StreamResponse:
         opened: list[tuple[EngineStream, _Prepared, _Job]] = []
         try:
-            for p in samples:
-                es, job = await _open(request, gw, model, p, t0, mm, usage[id(p.ids)])
+            bounds = [_checked(request, gw, model, p) for p in samples]
+            for p, max_new in zip(samples, bounds, strict=True):
+                es, job = await _open(request, gw, model, p, max_new, t0, mm, usage[id(p.ids)])
                 opened.append((es, p, job))
             if split is None:
                 es, p, job = opened[0]
@@ -634,6 +645,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
     prompt_tokens = sum(len(u.ids) for u in usage.values())
     return await admitted(request, model, prompt_tokens, s, run, list(usage.values()))
+
+
+def _nth(s: Sampling, i: int) -> Sampling:
+    """Sample ``i``'s sampling of a prompt's ``n``: a seed made ``seed + i``, as vLLM seeds the children of
+    a request (``ParentRequest``), so that seeded samples differ."""
+    return s if s.seed is None or i == 0 else dataclasses.replace(s, seed=s.seed + i)
 
 
 @dataclass(frozen=True, slots=True)
@@ -672,21 +689,36 @@ async def _prepared(gw: Gateway, model: str, d: dict[str, Any], rid: str) -> _Pr
     return _Prepared(s, ids, ask, prefill_only, prompt_field, rid)
 
 
-async def _open(
-    request: web.Request, gw: Gateway, model: str, p: _Prepared, t0: float, mm: ModelMetrics, usage: _Usage
-) -> tuple[EngineStream, _Job]:
-    """The engine call of one sample of a /generate call."""
-    s, ids, ask = p.sampling, p.ids, p.ask
-    tok = gw.tokenizer(model)
-    max_new = gw.check_context(model, len(ids), s.max_tokens, param=p.field)
-    h = request.headers
-    facts = gw.engine_facts(model, h.get("x-smg-target-worker"))  # the model's sampling defaults
+def _checked(request: web.Request, gw: Gateway, model: str, p: _Prepared) -> int:
+    """One sample's checks against the model (its context, its engines' facts): the tokens it may get.
+    Every sample of a call is checked before any is sent."""
+    s = p.sampling
+    max_new = gw.check_context(model, len(p.ids), s.max_tokens, param=p.field)
+    facts = gw.engine_facts(model, request.headers.get("x-smg-target-worker"))
     if s.min_tokens and facts.skip_tokenizer_init:
         raise bad(
             f"'sampling_params.min_new_tokens' is not supported by model '{model}': its SGLang workers "
             "run with --skip-tokenizer-init, which refuses a minimum output length.",
             param="sampling_params.min_new_tokens",
         )
+    return max_new
+
+
+async def _open(
+    request: web.Request,
+    gw: Gateway,
+    model: str,
+    p: _Prepared,
+    max_new: int,
+    t0: float,
+    mm: ModelMetrics,
+    usage: _Usage,
+) -> tuple[EngineStream, _Job]:
+    """The engine call of one sample of a /generate call (``max_new``: ``_checked``'s)."""
+    s, ids, ask = p.sampling, p.ids, p.ask
+    tok = gw.tokenizer(model)
+    h = request.headers
+    facts = gw.engine_facts(model, h.get("x-smg-target-worker"))  # the model's sampling defaults
     stops = single_token_stops(tok, s.stop, s.skip_special_tokens) if s.stop else ()
     sp = engine_sampling(s, s.max_tokens, gw.cfg.stream_interval, None, facts.defaults, stops)
     # an id of its own, its unique token first (SGLang aborts by id prefix: generation._engine_id)

@@ -1112,7 +1112,7 @@ def _partial(g: Generation, job: Job, turn: Turn, base: dict[str, Any]) -> list[
         if text:
             enc.content(0, text)
     else:
-        g.output.choice(enc, 0).stream(text, None, [])
+        g.output.choice(enc, 0, live=False).stream(text, None, [])
     return enc.partial()
 
 
