@@ -10,10 +10,11 @@ comes back as text, markers included; so does a call cut off by the end of the o
 a partial call as far as its JSON goes, or nothing when it has no whole name yet. In a
 ``json_body`` family (hermes) an end marker inside a JSON string of the body is argument text.
 
-Streamed (``stream_args``, set for a streamed answer) in a family with a ``head`` reader (hermes), a call
-is not held to its end: once its name (a known tool's) and the start of its arguments object came, the
-call starts and its arguments follow as they are generated, written as the whole call's are
-(``json_canon``: the pieces add up to them), the rest at the end marker, as vLLM's and SGLang's
+Streamed (``stream_args``, set for a streamed answer) in a family with a ``head`` reader (hermes,
+qwen3_coder), a call is not held to its end: once its name (a known tool's) and the start of its
+arguments came, the call starts and its arguments follow as they are generated, written as the whole
+call's are (``json_canon``, ``tool_formats.Qwen3CoderArgs``: the pieces add up to them), the rest at
+the end marker, as vLLM's and SGLang's
 streaming parsers send a call. Such a call is a call from then on: cut off (a ``length`` finish) it
 keeps the arguments as far as they went, and a body that turns out malformed keeps what was sent (the
 whole answer has it as text, as before).
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Protocol
 
 from shepherd.parsers.events import TextDelta, ToolCallArgs, ToolCallStart, ToolEvent
 from shepherd.parsers.json_canon import CanonicalJson
@@ -63,6 +65,20 @@ class DelimitedSpec:
     open_end: bool = False
     cut: CutParser | None = None
     head: Callable[[str], tuple[str, int] | None] | None = None
+    # the arguments' stream after the head (by call name and the tools' parameter types): a JSON body's
+    # arguments object (None: ``CanonicalJson``), or a format of its own (qwen3_coder's parameters)
+    args: Callable[[str, ParamTypes], ArgsStream] | None = None
+
+
+class ArgsStream(Protocol):
+    """Text of a call's arguments in, the JSON text of the whole call's arguments out as it settles
+    (always a prefix of it); ``done``: nothing more of it to make; ``broken``: nothing more to make here
+    (the whole call tells the rest)."""
+
+    done: bool
+    broken: bool
+
+    def feed(self, text: str) -> str: ...
 
 
 HEAD_MAX = 1024  # the body characters a call's head (name, arguments' start) is looked for in
@@ -74,7 +90,7 @@ class _Live:
 
     index: int
     name: str
-    args: CanonicalJson
+    args: ArgsStream
     sent: list[str]
 
 
@@ -253,7 +269,10 @@ class DelimitedToolParser:
             index, call_id = self._calls.start(name)
             self._section_ok = True
             out.append(ToolCallStart(index, call_id, scrub(name)))
-            live = self._live = _Live(index, name, CanonicalJson(), [])
+            make = self._spec.args
+            live = self._live = _Live(
+                index, name, CanonicalJson() if make is None else make(name, self._types), []
+            )
             text = body[at:]
         if live.args.done or live.args.broken:
             return

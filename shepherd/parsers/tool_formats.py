@@ -7,6 +7,7 @@ milliseconds to parse.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -99,6 +100,140 @@ def _declared(types: ParamTypes, name: str, key: str) -> str | None:
     """The type the request's tool ``name`` declares for its parameter ``key`` (None: none)."""
     declared = types.get(name, {}).get(key)
     return declared.declared if declared is not None else None
+
+
+_QWEN3_CODER_HEAD = re.compile(r"[ \t\n\r]*<function=([^>\n]*)>")
+_PARAM, _PARAM_END, _FUNCTION_END = "<parameter=", "</parameter>", "</function>"
+_MARKERS = (_PARAM, _PARAM_END, _FUNCTION_END)
+
+
+def _qwen3_coder_head(body: str) -> tuple[str, int] | None:
+    """A qwen3_coder body's function name and where its parameters begin, once ``<function=NAME>`` came."""
+    m = _QWEN3_CODER_HEAD.match(body)
+    if m is None:
+        return None
+    name = m.group(1).strip()
+    return (name, m.end()) if name else None
+
+
+class Qwen3CoderArgs:
+    """A qwen3_coder call's ``<parameter=K>V</parameter>``s as the JSON object text ``_parse_qwen3_coder``
+    makes of them (``dump_args``), made as they arrive (``DelimitedSpec.args``): a string parameter's
+    characters as they come (one leading and one trailing newline dropped, ``null`` in any case null),
+    another type's value once it closed. What is not certain yet is held; what the whole parse alone can
+    tell (``</function>`` inside a value, stray text) stops it (``broken``): the call's end then sends
+    the rest."""
+
+    __slots__ = ("_emitted", "_first", "_key", "_kind", "_name", "_state", "_types", "_val", "broken", "done")
+
+    def __init__(self, name: str, types: ParamTypes) -> None:
+        self._name = name
+        self._types = types
+        self._state = 0  # 0: before "{", 1: between parameters, 2: in a key, 3: in a value
+        self._val = ""  # the text since the state began (a key's, a value's, between parameters)
+        self._emitted = 0  # of a string value's characters, those written
+        self._first = True
+        self._key = ""
+        self._kind = "string"
+        self.done = False
+        self.broken = False
+
+    def feed(self, text: str) -> str:
+        out: list[str] = []
+        if self._state == 0:
+            out.append("{")
+            self._state = 1
+        self._val += text
+        while not (self.done or self.broken) and self._step(out):
+            pass
+        return "".join(out)
+
+    def _step(self, out: list[str]) -> bool:
+        """One move (True: more may follow at once)."""
+        v = self._val
+        if self._state == 1:
+            t = v.lstrip()
+            if t.startswith(_PARAM):
+                self._val, self._state = t[len(_PARAM) :], 2
+                return True
+            if (
+                t
+                and not any(m.startswith(t) for m in (_PARAM, _FUNCTION_END))
+                and not t.startswith(_FUNCTION_END)
+            ):
+                self.broken = True  # stray text between parameters: the whole parse refuses the call
+            return False  # (``</function>``: the call's end marker sends the closing brace)
+        if self._state == 2:
+            close = v.find(">")
+            if close == -1:
+                if "\n" in v:
+                    self.broken = True
+                return False
+            key = v[:close].strip()
+            if not key or "\n" in key:
+                self.broken = True
+                return False
+            out.append(("" if self._first else ", ") + json.dumps(key, ensure_ascii=False) + ": ")
+            self._first = False
+            self._key = key
+            self._kind = _declared(self._types, self._name, key) or "string"
+            self._val, self._state, self._emitted = v[close + 1 :], 3, 0
+            return True
+        # a value: its end is the first "</parameter>" or "<parameter=" (an unclosed parameter's)
+        start = max(0, self._emitted - len(_PARAM_END))
+        ends = [(i, m) for m in (_PARAM_END, _PARAM, _FUNCTION_END) if (i := v.find(m, start)) != -1]
+        if ends:
+            i, m = min(ends)
+            if m == _FUNCTION_END:
+                self.broken = True  # (the body's end, or text of the value: the whole parse tells)
+                return False
+            value = v[:i]
+            self._end_value(value, out)
+            self._val = v[i + len(m) :]
+            self._state = 1 if m == _PARAM_END else 2
+            return True
+        if self._kind == "string":
+            self._stream_string(v, out)
+        return False
+
+    def _end_value(self, raw: str, out: list[str]) -> None:
+        value = _strip_one_newline(raw)
+        if self._emitted:  # a string begun: its rest (a string begun is no null: see ``_stream_string``)
+            written = raw[1 if raw.startswith("\n") else 0 : self._emitted]
+            if not value.startswith(written):
+                self.broken = True
+                return
+            out.append(_json_chars(value[len(written) :]) + '"')
+            return
+        try:
+            v = _qwen3_coder_value(value, self._types, self._name, self._key)
+            out.append(json.dumps(v, ensure_ascii=False, allow_nan=False))
+        except ValueError:
+            self.broken = True
+
+    def _stream_string(self, v: str, out: list[str]) -> None:
+        """A string value's characters that are certain (``v``: the value's raw text so far): not the
+        newline it starts with, nor one it may end on, nor the start of a marker, nor anything while it
+        may still be ``null``."""
+        safe = len(v)
+        lt = v.rfind("<", max(0, safe - len(_PARAM_END)))
+        if lt != -1 and any(m.startswith(v[lt:]) for m in _MARKERS):
+            safe = lt
+        if safe and v[safe - 1] == "\n":
+            safe -= 1
+        lead = 1 if v.startswith("\n") else 0
+        if safe <= lead:
+            return
+        if not self._emitted and safe - lead <= 4 and "null".startswith(v[lead:safe].lower()):
+            return  # (it may still be null)
+        start = max(self._emitted, lead)
+        if safe > start:
+            out.append(("" if self._emitted else '"') + _json_chars(v[start:safe]))
+            self._emitted = safe
+
+
+def _json_chars(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 def _parse_qwen3_coder(body: str, types: ParamTypes) -> list[ParsedCall] | None:
@@ -332,7 +467,9 @@ HERMES = DelimitedSpec(
     cut=_cut_hermes,
     head=_hermes_head,
 )
-QWEN3_CODER = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_qwen3_coder)
+QWEN3_CODER = DelimitedSpec(
+    ("<tool_call>",), ("</tool_call>",), _parse_qwen3_coder, head=_qwen3_coder_head, args=Qwen3CoderArgs
+)
 GLM45 = DelimitedSpec(("<tool_call>",), ("</tool_call>",), _parse_glm45)
 DEEPSEEK_V3 = DelimitedSpec(
     ("<｜tool▁call▁begin｜>",),

@@ -208,3 +208,85 @@ def test_the_opt_in_is_the_beta_or_a_tools_eager_input_streaming() -> None:
     assert not parse_messages({**base, "tools": [tool]}).eager_tools
     assert parse_messages({**base, "tools": [tool]}, "fine-grained-tool-streaming-2025-05-14").eager_tools
     assert parse_messages({**base, "tools": [{**tool, "eager_input_streaming": True}]}).eager_tools
+
+
+# ---- qwen3_coder: <function=NAME><parameter=KEY>VALUE</parameter>... ----
+
+CODER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "write_file",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string"},
+                    "content": {"type": "string"},
+                    "n": {"type": "integer"},
+                    "opts": {"type": "object"},
+                },
+            },
+        },
+    }
+]
+values = st.text(alphabet=st.sampled_from(list('ab <>/\n"\\é中nulNUL=')), max_size=30)
+
+
+def coder_run(text: str, cuts: list[int], stream: bool) -> list[ToolEvent]:
+    p = get_tool_parser("qwen3_coder", tools=CODER_TOOLS, known_names_only=True)
+    assert isinstance(p, DelimitedToolParser)
+    p.stream_args = stream
+    out: list[ToolEvent] = []
+    last = 0
+    for at in [*cuts, len(text)]:
+        out += p.feed(text[last:at])
+        last = at
+    return out + p.finish(False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["path", "content", "other"]), values), max_size=3, unique_by=lambda p: p[0]
+    ),
+    st.integers(0, 7),
+    st.booleans(),
+    st.lists(st.integers(1, 300), max_size=30),
+)
+def test_a_streamed_qwen3_coder_call_adds_up_to_the_whole_one(
+    params: list[tuple[str, str]], n: int, newlines: bool, cuts: list[int]
+) -> None:
+    """Whatever the values hold (markers' pieces, ``null`` spellings, newlines, quotes) and however the
+    text is cut, the pieces are a prefix of the whole call's arguments at every step and add up to them
+    (a value whose end only the whole parse can tell stops the stream: the end sends the rest). A key
+    given twice is the one case they part (documented)."""
+    nl = "\n" if newlines else ""
+    body = "".join(f"<parameter={k}>{nl}{v}{nl}</parameter>\n" for k, v in params)
+    body += f"<parameter=n>{n}</parameter>\n"
+    text = f"Writing.\n<tool_call>\n<function=write_file>\n{body}</function>\n</tool_call>"
+    whole = [ev for ev in coder_run(text, [], False) if not isinstance(ev, TextDelta)]
+    if not whole:  # (a body the whole parse refuses: text either way)
+        return
+    want = "".join(ev.json for ev in whole if isinstance(ev, ToolCallArgs))
+    got = ""
+    for ev in coder_run(text, sorted({c for c in cuts if c < len(text)}), True):
+        if isinstance(ev, ToolCallArgs):
+            got += ev.json
+            assert want.startswith(got), (text, got, want)
+    assert got == want
+
+
+def test_a_long_qwen3_coder_value_goes_out_as_it_is_generated() -> None:
+    content = "def f():\n    return '<b>'\n" * 30
+    call = f"<function=write_file>\n<parameter=content>\n{content}</parameter>\n</function>"
+    text = f"<tool_call>\n{call}\n</tool_call>"
+    p = get_tool_parser("qwen3_coder", tools=CODER_TOOLS, known_names_only=True)
+    assert isinstance(p, DelimitedToolParser)
+    p.stream_args = True
+    pieces = [
+        ev for i in range(0, len(text), 6) for ev in p.feed(text[i : i + 6]) if isinstance(ev, ToolCallArgs)
+    ]
+    pieces += [ev for ev in p.finish(False) if isinstance(ev, ToolCallArgs)]
+    assert len(pieces) > 50 and json.loads("".join(ev.json for ev in pieces)) == {
+        "content": content.rstrip("\n") + "\n"[:0] or content[:-1]
+    }
