@@ -11,14 +11,15 @@ fields may hold one value per prompt; ``rid`` is a list of the batch's length or
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from tests.e2e import node_fixtures, test_prompt_logprobs
-from tests.e2e.node_procs import NodeProc
-from tests.e2e.procs import MockEngineProc
+from tests.e2e.node_procs import NodeProc, running_node
+from tests.e2e.procs import MockEngineProc, start_mock_engine
 
 tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
 
@@ -137,6 +138,8 @@ def test_a_streamed_batch_interleaves_indexed_events_that_end_as_the_whole_answe
         ({"text": ["x"] * 600, "sampling_params": {"n": 2}}, "text"),
         ({"text": "x", "sampling_params": {"n": 1025}}, "sampling_params.n"),
         ({"text": "x", "sampling_params": {"n": [2]}}, "sampling_params.n"),
+        ({"input_ids": [[[4, 5], [6]]]}, "input_ids"),
+        ({"input_ids": [[1, 2], [[3]]]}, "input_ids"),
         ({"text": ["x"], "sampling_params": [{"n": {"a": 1}}]}, "sampling_params.n"),
     ],
 )
@@ -171,3 +174,32 @@ def test_an_empty_stop_string_is_taken_as_sglang_takes_it(node: NodeProc, http: 
     """(The OpenAI routes refuse it, as vLLM; SGLang's /generate takes it.)"""
     sp = {"max_new_tokens": 3, "stop": ["", "zzz"]}
     assert generate(node, http, {"model": SG, "text": "Hello", "sampling_params": sp})["meta_info"]
+
+
+def test_a_streamed_batch_sends_each_samples_events_as_they_come(
+    tokenizer_dir: Path, http: httpx.Client
+) -> None:
+    """An engine running one request at a time: the first sample's events go out while it runs, not once
+    every sample has started (the node opened the samples one after another, each waiting for its first
+    token, and sent nothing meanwhile: a batch beyond what the engine runs at once was silent, its
+    events piling up)."""
+    with (
+        start_mock_engine(
+            "--max-running", "1", "--decode-ms-per-token", "10", "--tokenizer", str(tokenizer_dir)
+        ) as e,
+        running_node(*node_fixtures.qwen3_flags(e, tokenizer_dir)) as node,
+    ):
+        stats = f"http://127.0.0.1:{e.http_port}/mock/stats"
+        body = {
+            "text": "Hello",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "n": 3, "ignore_eos": True},
+        }
+        with http.stream("POST", node.url + "/generate", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    first = json.loads(line[6:])
+                    break
+            assert first["index"] == 0 and first["meta_info"]["finish_reason"] is None
+            assert http.get(stats).json()["completed"] == 0  # the first sample still runs

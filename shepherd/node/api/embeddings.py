@@ -152,7 +152,7 @@ def parse_embeddings(d: dict[str, Any]) -> EmbeddingsRequest:
         raise bad("'add_special_tokens' must be a boolean.", param="add_special_tokens", code="invalid_type")
     if d.get("normalize") not in (None, True):  # (the engines' Embed returns the model's vectors as they are)
         raise bad(
-            "'normalize' false is not supported: the vectors are the engine's.",
+            "'normalize' must be true (or absent): the vectors are the engine's.",
             param="normalize",
             code="unsupported_parameter",
         )

@@ -18,9 +18,9 @@ import datetime
 import importlib.metadata
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -426,6 +426,8 @@ def _sampling(d: dict[str, Any]) -> tuple[Sampling, str | list[int], _LogprobAsk
     except ApiError as e:  # the completions parser's words: said in /generate's (its own field names)
         _native_names(e, "text" if text is not None else "input_ids")
         raise
+    if len(req.prompts) != 1:  # (ids nested deeper than a batch's: one list of token ids a prompt)
+        raise bad("Each prompt's 'input_ids' must be a list of token ids.", param="input_ids")
     sampling = req.sampling if hot is None else dataclasses.replace(req.sampling, temperature=hot)
     return sampling, req.prompts[0], ask, prefill_only
 
@@ -490,6 +492,10 @@ def _split(d: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str | None], i
         prompts, key = [text if text is not None else ids], ("text" if text is not None else "input_ids")
     elif text is not None and ids is not None:
         raise bad("Exactly one of 'text' and 'input_ids' is required.", param="text")
+    if key == "input_ids" and any(
+        not isinstance(x, list) or any(isinstance(t, list) for t in x) for x in prompts
+    ):
+        raise bad("Each prompt's 'input_ids' must be a list of token ids.", param="input_ids")
     size = len(prompts)
     if not size:
         raise bad(f"'{key}' is an empty batch.", param=key)
@@ -615,33 +621,29 @@ async def generate(request: web.Request) -> web.StreamResponse:
         s = dataclasses.replace(s, n=n, max_tokens=max(p.sampling.max_tokens or 0 for p in samples))
 
     async def run() -> web.StreamResponse:
-        opened: list[tuple[EngineStream, _Prepared, _Job]] = []
-        try:
-            bounds = [_checked(request, gw, model, p) for p in samples]
-            for p, max_new in zip(samples, bounds, strict=True):
-                es, job = await _open(request, gw, model, p, max_new, t0, mm, usage[id(p.ids)])
-                opened.append((es, p, job))
-            if split is None:
-                es, p, job = opened[0]
-                if stream:
-                    request[STREAM_KEY] = True  # SMG's ``streaming`` label of the request count
-                    return await _stream(request, es, p.rid, p.sampling, gw.tokenizer(model), job)
-                return await _whole(es, p.rid, p.sampling, gw.tokenizer(model), job)
+        bounds = [_checked(request, gw, model, p) for p in samples]  # every sample's, before any is sent
+        tok = gw.tokenizer(model)
+        if split is not None:
+            batch = _Batch(request, gw, model, samples, bounds, t0, mm, usage)
             if stream:
                 request[STREAM_KEY] = True
-                return await _stream_batch(request, opened, gw.tokenizer(model), t0)
-            return await _whole_batch(opened, gw.tokenizer(model))
+                return await _stream_batch(request, batch, tok, t0)
+            return await _whole_batch(batch, tok)
+        p = samples[0]
+        es, job = await _open(request, gw, model, p, bounds[0], t0, mm, usage[id(p.ids)])
+        try:
+            if stream:
+                request[STREAM_KEY] = True  # SMG's ``streaming`` label of the request count
+                return await _stream(request, es, p.rid, p.sampling, tok, job)
+            return await _whole(es, p.rid, p.sampling, tok, job)
         except GONE:
-            for es, _, _ in opened:
-                await es.close(CLIENT_DISCONNECT)
+            await es.close(CLIENT_DISCONNECT)
             raise
         except BaseException as e:  # an engine failure, the timeout: not a stop (smg_engine_aborts_total)
-            for es, _, _ in opened:
-                await es.close(abort_reason(e))
+            await es.close(abort_reason(e))
             raise
         finally:
-            for es, _, _ in opened:
-                await es.close("stop")  # (a stop string's end: the engine would go on)
+            await es.close("stop")  # (a stop string's end: the engine would go on)
 
     prompt_tokens = sum(len(u.ids) for u in usage.values())
     return await admitted(request, model, prompt_tokens, s, run, list(usage.values()))
@@ -965,16 +967,70 @@ async def _whole(es: EngineStream, rid: str, s: Sampling, tok: Any, job: _Job) -
     return web.Response(body=orjson.dumps(body), content_type="application/json")
 
 
-async def _whole_batch(opened: Sequence[tuple[EngineStream, _Prepared, _Job]], tok: Any) -> web.Response:
-    """A batch's (or ``n`` samples') answers, in the call's order; the first failure fails the call (the
-    other samples' engine calls are then closed by the caller)."""
-    tasks = [asyncio.ensure_future(_answer(es, p.rid, p.sampling, tok, job)) for es, p, job in opened]
-    try:
-        bodies = await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+class _Batch:
+    """The samples of a batched /generate call (or of its ``n``), each opened and driven on its own
+    (``run``: its engine call opened, worked, closed whatever happens), so that each one's events go out
+    as they come, not once every sample has started (an engine runs a few at once, the rest queue).
+    ``why``: the abort reason of the samples a sibling's end cancels (the client left, unless a sibling
+    failed)."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        gw: Gateway,
+        model: str,
+        samples: Sequence[_Prepared],
+        bounds: Sequence[int],
+        t0: float,
+        mm: ModelMetrics,
+        usage: dict[int, _Usage],
+    ) -> None:
+        self.request, self.gw, self.model = request, gw, model
+        self.samples, self.bounds = samples, bounds
+        self.t0, self.mm, self.usage = t0, mm, usage
+        self.why = CLIENT_DISCONNECT
+
+    async def run(self, i: int, work: Callable[[EngineStream, _Prepared, _Job], Awaitable[_T]]) -> _T:
+        p = self.samples[i]
+        usage = self.usage[id(p.ids)]
+        es, job = await _open(self.request, self.gw, self.model, p, self.bounds[i], self.t0, self.mm, usage)
+        try:
+            return await work(es, p, job)
+        except GONE:
+            await es.close(self.why)
+            raise
+        except BaseException as e:
+            await es.close(abort_reason(e))
+            raise
+        finally:
+            await es.close("stop")
+
+    async def each(self, work: Callable[[EngineStream, _Prepared, _Job], Awaitable[_T]]) -> list[_T]:
+        """``work`` on every sample at once, in the call's order; the first failure cancels the others
+        (their engine calls closed with its reason) and is raised."""
+        tasks = [asyncio.ensure_future(self.run(i, work)) for i in range(len(self.samples))]
+        try:
+            return await asyncio.gather(*tasks)
+        except BaseException as e:
+            if not isinstance(e, GONE):
+                self.why = abort_reason(e)
+            raise
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_T = TypeVar("_T")
+
+
+async def _whole_batch(batch: _Batch, tok: Any) -> web.Response:
+    """A batch's (or ``n`` samples') answers, in the call's order; the first failure fails the call."""
+
+    async def answer(es: EngineStream, p: _Prepared, job: _Job) -> dict[str, Any]:
+        return await _answer(es, p.rid, p.sampling, tok, job)
+
+    bodies = await batch.each(answer)
     return web.Response(body=orjson.dumps(bodies), content_type="application/json")
 
 
@@ -1036,36 +1092,40 @@ def _failed(e: BaseException) -> bytes:
     return b"data: " + orjson.dumps(err) + b"\n\ndata: [DONE]\n\n"
 
 
-async def _stream_batch(
-    request: web.Request, opened: Sequence[tuple[EngineStream, _Prepared, _Job]], tok: Any, t0: float
-) -> web.StreamResponse:
+_BATCH_QUEUE = 32  # a streamed batch's events waiting for the client, at most (then the samples wait)
+
+
+async def _stream_batch(request: web.Request, batch: _Batch, tok: Any, t0: float) -> web.StreamResponse:
     """A batch's (or ``n`` samples') events as each sample's come, each with its ``index`` (SGLang's
-    ``_stream_batch_responses``), then ``[DONE]``. A sample whose engine call fails ends the stream
-    with the error event (the others' calls closed), as SGLang's. The samples' events pass through a
-    queue of a few events per sample: a client that reads slowly holds the engines back, as one
+    ``_stream_batch_responses``), then ``[DONE]``; the headers go out at once. A sample whose engine call
+    fails ends the stream with the error event (the others' calls closed), as SGLang's. The samples'
+    events pass through a short queue: a client that reads slowly holds the engines back, as one
     sample's stream does, rather than piling up events."""
     resp = stream_response(request, headers=dict(SSE_HEADERS))
     stamp_headers(request, resp, t0)
     await resp.prepare(request)
     keepalive = request.app[KEEPALIVE_TICKER]
     ka = keepalive.register(resp, KEEPALIVE)
-    queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(2 * len(opened))
+    queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(_BATCH_QUEUE)
 
-    async def pump(index: int, es: EngineStream, p: _Prepared, job: _Job) -> None:
-        st = ChoiceState(0, tok, p.sampling, job.ids)
-        job.states.append(st)
-        out: list[int] = []
-        text: list[str] = []
-        try:
+    async def pump(index: int) -> None:
+        async def events(es: EngineStream, p: _Prepared, job: _Job) -> None:
+            st = ChoiceState(0, tok, p.sampling, job.ids)
+            job.states.append(st)
+            out: list[int] = []
+            text: list[str] = []
             async for piece, prompt, cached in _events(es, st, out, job):
                 text.append(piece)
                 await queue.put(_event(p.rid, st, job, text, out, prompt, cached, index))
+
+        try:
+            await batch.run(index, events)
         except Exception as e:  # (a failure of any kind ends the stream: no sample waited on forever)
             await queue.put(e)
             return
         await queue.put(None)
 
-    tasks = [asyncio.ensure_future(pump(i, es, p, job)) for i, (es, p, job) in enumerate(opened)]
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(batch.samples))]
     try:
         left = len(tasks)
         while left:
@@ -1075,14 +1135,17 @@ async def _stream_batch(
             elif isinstance(got, BaseException):
                 if not isinstance(got, _STREAM_FAILURES):
                     raise got
-                for es, _, _ in opened:  # reported in-band below: the engine calls end with its reason
-                    await es.close(abort_reason(got))
+                batch.why = abort_reason(got)  # (the others' engine calls end with its reason)
                 await resp.write_eof(_failed(got))
                 return resp
             else:
                 ka.touch()
                 await resp.write(got)
         await resp.write_eof(b"data: [DONE]\n\n")
+    except BaseException as e:
+        if not isinstance(e, GONE):
+            batch.why = abort_reason(e)
+        raise
     finally:
         keepalive.unregister(resp)
         for t in tasks:
