@@ -166,18 +166,6 @@ class CanonicalJson:
         self._value_ended()
         return True
 
-    def finish(self) -> str:
-        """The end of the text: a number that was the whole value ends there."""
-        if self._state == _NUMBER and not self._frames and not self.broken:
-            out: list[str] = []
-            self._end_scalar(out)
-            return "".join(out)
-        if self._state == _LITERAL and not self._frames and not self.broken:
-            out = []
-            self._end_scalar(out)
-            return "".join(out)
-        return ""
-
     def _string(self, text: str, i: int, n: int, out: list[str]) -> int:
         if self._escape:
             return self._escaped(text, i, n, out)

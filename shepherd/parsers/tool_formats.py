@@ -156,11 +156,7 @@ class Qwen3CoderArgs:
             if t.startswith(_PARAM):
                 self._val, self._state = t[len(_PARAM) :], 2
                 return True
-            if (
-                t
-                and not any(m.startswith(t) for m in (_PARAM, _FUNCTION_END))
-                and not t.startswith(_FUNCTION_END)
-            ):
+            if t and not t.startswith(_FUNCTION_END) and not any(m.startswith(t) for m in _MARKERS):
                 self.broken = True  # stray text between parameters: the whole parse refuses the call
             return False  # (``</function>``: the call's end marker sends the closing brace)
         if self._state == 2:

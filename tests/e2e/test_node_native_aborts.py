@@ -41,15 +41,7 @@ def test_a_streamed_generate_whose_engine_dies_is_aborted_as_cancelled(
     engine: MockEngineProc, tokenizer_dir: Path, http: httpx.Client
 ) -> None:
     with running_node(*node_fixtures.qwen3_flags(engine, tokenizer_dir)) as node:
-        events = []
-        with http.stream("POST", node.url + "/generate", json={**BODY, "stream": True}) as s:
-            assert s.status_code == 200
-            for line in s.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events.append(line[6:])
-                if len(events) == 2:
-                    engine.stop(signal.SIGKILL)  # mid-generation: tokens already went to the client
+        events = stream_while_killed(http, node.url, BODY, engine, 2)
         assert events[-1] == "[DONE]"
         assert "error" in json.loads(events[-2]), events[-2:]
         assert aborts(http, node.url) == {"stop": None, "cancelled": 1.0, "timeout": None}
@@ -62,6 +54,22 @@ def test_a_whole_generate_whose_engine_dies_is_aborted_as_cancelled(
         r = generate_while_killed(http, node.url, BODY, engine)
         assert r.status_code == 502, r.text
         assert aborts(http, node.url) == {"stop": None, "cancelled": 1.0, "timeout": None}
+
+
+def stream_while_killed(
+    http: httpx.Client, url: str, body: Mapping[str, object], engine: MockEngineProc, after: int
+) -> list[str]:
+    """A streamed /generate call's events (their data), its engine killed once ``after`` came (mid-
+    generation: tokens already went to the client)."""
+    events: list[str] = []
+    with http.stream("POST", url + "/generate", json={**body, "stream": True}) as s:
+        assert s.status_code == 200
+        for line in s.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == after:
+                    engine.stop(signal.SIGKILL)
+    return events
 
 
 def generate_while_killed(
@@ -85,15 +93,7 @@ def test_a_streamed_batch_whose_engine_dies_ends_with_the_error_and_aborts_every
     """SGLang's batched stream: the first failure ends the stream (the error event, then ``[DONE]``);
     each of the four samples' engine calls is closed as ``cancelled``."""
     with running_node(*node_fixtures.qwen3_flags(engine, tokenizer_dir)) as node:
-        events = []
-        with http.stream("POST", node.url + "/generate", json={**BATCH, "stream": True}) as s:
-            assert s.status_code == 200
-            for line in s.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events.append(line[6:])
-                if len(events) == 8:
-                    engine.stop(signal.SIGKILL)
+        events = stream_while_killed(http, node.url, BATCH, engine, 8)
         assert events[-1] == "[DONE]"
         assert "error" in json.loads(events[-2]), events[-2:]
         assert {json.loads(e)["index"] for e in events[:-2]} == {0, 1, 2, 3}

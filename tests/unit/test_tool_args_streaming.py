@@ -63,7 +63,7 @@ def test_canonical_stream_is_always_a_prefix_and_ends_whole(obj: dict[str, Any],
             got += c.feed(raw[i : i + k])
             assert want.startswith(got), (raw, got)
             i += k
-        assert c.done and not c.broken and got + c.finish() == want
+        assert c.done and not c.broken and got == want
 
 
 def test_canonical_stream_stops_at_what_cannot_be_json() -> None:
@@ -132,8 +132,9 @@ def test_a_streamed_call_starts_early_and_its_pieces_add_up(
     end = text.index("</tool_call>")
     head = text.index('"arguments"') + len('"arguments"')
     started_at = next(at for at, evs in steps if any(isinstance(ev, ToolCallStart) for ev in evs))
-    if any(head + 2 < c < end for c in cuts):
-        assert started_at < end + len("</tool_call>")
+    after_head = [c for c in cuts if head + 2 < c < end]  # (pieces ending past the arguments' "{")
+    if after_head:
+        assert started_at <= min(after_head)
 
 
 def test_a_long_argument_goes_out_as_it_is_generated() -> None:

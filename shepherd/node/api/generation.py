@@ -10,7 +10,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -84,6 +84,23 @@ def abort_reason(e: BaseException) -> str:
     ``cancelled`` for any other (the engine's error, a broken stream); never ``stop``, a gateway-side
     stop's, nor ``client_disconnect`` (``GONE``, handled before)."""
     return "timeout" if isinstance(e, TimeoutError | EngineTimeout) else "cancelled"
+
+
+@contextlib.asynccontextmanager
+async def closing_engine_call(es: EngineStream, gone: Callable[[], str]) -> AsyncIterator[EngineStream]:
+    """``es`` closed however the work on it ends: with ``gone()`` when the task is cancelled (the client
+    left, or why else the caller knows), with the failure's reason (``abort_reason``), else as a stop
+    (the engine would go on past a gateway-side stop string; nothing when it completed)."""
+    try:
+        yield es
+    except GONE:
+        await es.close(gone())
+        raise
+    except BaseException as e:
+        await es.close(abort_reason(e))
+        raise
+    finally:
+        await es.close("stop")
 
 
 PROMPTS_AHEAD = 8  # a streamed list of prompts: engine calls open beyond the prompt being relayed
@@ -621,8 +638,6 @@ class Generation:
                 idx = job.index_base + i
                 if ev.cached_tokens > cached[0]:
                     cached[0] = ev.cached_tokens
-                    if events is not None:
-                        events.cache(ev.cached_tokens)
                 if isinstance(ev, EngineChunk):
                     ntok += len(ev.token_ids)
                     seen_chunks[i] = True
@@ -1155,16 +1170,8 @@ class Generation:
                         if self.return_ids:  # a choice's first chunk: its prompt's ids (the echo's none)
                             heads = [with_choice_ids(h, (), job.ids) for h in heads]
                         pending.extend(self._with_usage(heads, job) if continuous else heads)
-                    try:
+                    async with closing_engine_call(es, self._gone_reason):
                         await self._drive(es, job, emit, emit_now, drain, writer)
-                    except GONE:
-                        await es.close(self._gone_reason())
-                        raise
-                    except BaseException as e:
-                        await es.close(abort_reason(e))
-                        raise
-                    finally:
-                        await es.close("stop")
                     self._account(job)
                 tail = pending
                 t = self.totals

@@ -43,6 +43,7 @@ from shepherd.node.api.generation import (
     GONE,
     SSE_HEADERS,
     abort_reason,
+    closing_engine_call,
     engine_id,
     engine_sampling,
     final_delta_is_new,
@@ -623,27 +624,18 @@ async def generate(request: web.Request) -> web.StreamResponse:
     async def run() -> web.StreamResponse:
         bounds = [_checked(request, gw, model, p) for p in samples]  # every sample's, before any is sent
         tok = gw.tokenizer(model)
+        batch = _Batch(request, gw, model, samples, bounds, t0, mm, usage)
+        if stream:
+            request[STREAM_KEY] = True  # SMG's ``streaming`` label of the request count
         if split is not None:
-            batch = _Batch(request, gw, model, samples, bounds, t0, mm, usage)
+            return await (_stream_batch(request, batch, tok, t0) if stream else _whole_batch(batch, tok))
+
+        async def one(es: EngineStream, p: _Prepared, job: _Job) -> web.StreamResponse:
             if stream:
-                request[STREAM_KEY] = True
-                return await _stream_batch(request, batch, tok, t0)
-            return await _whole_batch(batch, tok)
-        p = samples[0]
-        es, job = await _open(request, gw, model, p, bounds[0], t0, mm, usage[id(p.ids)])
-        try:
-            if stream:
-                request[STREAM_KEY] = True  # SMG's ``streaming`` label of the request count
                 return await _stream(request, es, p.rid, p.sampling, tok, job)
             return await _whole(es, p.rid, p.sampling, tok, job)
-        except GONE:
-            await es.close(CLIENT_DISCONNECT)
-            raise
-        except BaseException as e:  # an engine failure, the timeout: not a stop (smg_engine_aborts_total)
-            await es.close(abort_reason(e))
-            raise
-        finally:
-            await es.close("stop")  # (a stop string's end: the engine would go on)
+
+        return await batch.run(0, one)
 
     prompt_tokens = sum(len(u.ids) for u in usage.values())
     return await admitted(request, model, prompt_tokens, s, run, list(usage.values()))
@@ -968,7 +960,7 @@ async def _whole(es: EngineStream, rid: str, s: Sampling, tok: Any, job: _Job) -
 
 
 class _Batch:
-    """The samples of a batched /generate call (or of its ``n``), each opened and driven on its own
+    """The samples of a /generate call (one, or a batch's, or its ``n``), each opened and driven on its own
     (``run``: its engine call opened, worked, closed whatever happens), so that each one's events go out
     as they come, not once every sample has started (an engine runs a few at once, the rest queue).
     ``why``: the abort reason of the samples a sibling's end cancels (the client left, unless a sibling
@@ -994,16 +986,8 @@ class _Batch:
         p = self.samples[i]
         usage = self.usage[id(p.ids)]
         es, job = await _open(self.request, self.gw, self.model, p, self.bounds[i], self.t0, self.mm, usage)
-        try:
+        async with closing_engine_call(es, lambda: self.why):
             return await work(es, p, job)
-        except GONE:
-            await es.close(self.why)
-            raise
-        except BaseException as e:
-            await es.close(abort_reason(e))
-            raise
-        finally:
-            await es.close("stop")
 
     async def each(self, work: Callable[[EngineStream, _Prepared, _Job], Awaitable[_T]]) -> list[_T]:
         """``work`` on every sample at once, in the call's order; the first failure cancels the others
