@@ -23,6 +23,7 @@ tokenizer_dir, http = node_fixtures.tokenizer_dir, node_fixtures.http
 
 SLOW = ("--decode-ms-per-token", "20", "--output-len", "2000")  # 400 tokens: 8 s, far beyond the kill
 BODY = {"text": "hello there", "sampling_params": {"max_new_tokens": 400, "temperature": 0}}
+BATCH = {"text": ["hello there", "good morning"], "sampling_params": {"max_new_tokens": 400, "n": 2}}
 
 
 @pytest.fixture
@@ -47,13 +48,14 @@ def test_a_streamed_generate_whose_engine_dies_is_aborted_as_cancelled(
         assert aborts(http, node.url) == {"stop": None, "cancelled": 1.0, "timeout": None}
 
 
-def test_a_whole_generate_whose_engine_dies_is_aborted_as_cancelled(
-    engine: MockEngineProc, tokenizer_dir: Path, http: httpx.Client
+@pytest.mark.parametrize(("body", "calls"), [(BODY, 1.0), (BATCH, 4.0)], ids=["one", "batch"])
+def test_a_whole_generate_whose_engine_dies_is_a_502_and_aborts_every_call_as_cancelled(
+    engine: MockEngineProc, tokenizer_dir: Path, http: httpx.Client, body: dict[str, object], calls: float
 ) -> None:
     with running_node(*node_fixtures.qwen3_flags(engine, tokenizer_dir)) as node:
-        r = generate_while_killed(http, node.url, BODY, engine)
+        r = generate_while_killed(http, node.url, body, engine)
         assert r.status_code == 502, r.text
-        assert aborts(http, node.url) == {"stop": None, "cancelled": 1.0, "timeout": None}
+        assert aborts(http, node.url) == {"stop": None, "cancelled": calls, "timeout": None}
 
 
 def stream_while_killed(
@@ -82,9 +84,6 @@ def generate_while_killed(
         return http.post(url + "/generate", json=body)
     finally:
         killer.join()
-
-
-BATCH = {"text": ["hello there", "good morning"], "sampling_params": {"max_new_tokens": 400, "n": 2}}
 
 
 def test_a_streamed_batch_whose_engine_dies_ends_with_the_error_and_aborts_every_sample(
@@ -116,12 +115,3 @@ def test_a_streamed_batch_left_by_its_client_aborts_every_sample(
         while http.get(stats).json()["active"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert http.get(stats).json()["active"] == 0  # no engine request left running
-
-
-def test_a_whole_batch_whose_engine_dies_is_a_502_and_aborts_every_sample(
-    engine: MockEngineProc, tokenizer_dir: Path, http: httpx.Client
-) -> None:
-    with running_node(*node_fixtures.qwen3_flags(engine, tokenizer_dir)) as node:
-        r = generate_while_killed(http, node.url, BATCH, engine)
-        assert r.status_code == 502, r.text
-        assert aborts(http, node.url) == {"stop": None, "cancelled": 4.0, "timeout": None}
